@@ -1,0 +1,39 @@
+"""Shared test fixtures and the visible skip of GPU tests on machines without CUDA."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA: no GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def disk_dir() -> Path:
+    """A fresh directory on a real disk (not tmpfs), for tests that need O_DIRECT.
+
+    Uses ``$INFINITY_TEST_DISK`` when set, else /var/tmp (a disk on most systems, unlike /tmp).
+    Only the files a test creates are removed, then the directory itself.
+    """
+    base = os.environ.get("INFINITY_TEST_DISK", "/var/tmp")
+    path = Path(tempfile.mkdtemp(prefix="infinity-test-", dir=base))
+    try:
+        yield path
+    finally:
+        for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if child.is_dir() and not child.is_symlink():
+                child.rmdir()
+            else:
+                child.unlink()
+        path.rmdir()
