@@ -1,0 +1,322 @@
+"""The engine: what users touch. Wires config, tiers, units, coordinator and optimizer.
+
+``engine, optimizer, _, scheduler = infinity.initialize(model=..., config=ds_config)`` then
+``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()`` -- the DeepSpeed habit, so
+a DeepSpeed script ports by changing the import. This module only wires; each concern lives in
+its own module (see DESIGN.md "Layers").
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from infinity.budget import MemoryBudget
+from infinity.config import InfinityConfig
+from infinity.log import get_logger
+from infinity.optim.partitioned import PartitionedOptimizer
+from infinity.optim.schedules import build_scheduler
+from infinity.sizes import format_bytes
+from infinity.storage.buffer_pool import BufferPool
+from infinity.storage.manager import TierManager
+from infinity.storage.tiers import Tier, deeper
+from infinity.engine_sizing import EngineSizes, resolve_sizes
+from infinity.zero.coordinator import Coordinator
+from infinity.zero.init import register_engine
+from infinity.zero.materialize import materialize_unit_params
+from infinity.zero.partition import modules_needing, partition
+from infinity.zero.prefetch import PrefetchLimits
+from infinity.zero.unit import Unit
+
+log = get_logger("engine")
+
+
+def initialize(model: nn.Module, model_parameters: Iterable | None = None,
+               config: str | Path | Mapping[str, Any] | InfinityConfig | None = None,
+               optimizer: Any = None, lr_scheduler: Any = None, config_params: Any = None,
+               **unsupported: Any):
+    """DeepSpeed-style entry point: ``(engine, optimizer, None, scheduler)``."""
+    if unsupported:
+        raise TypeError(f"infinity.initialize got unsupported arguments {sorted(unsupported)}; "
+                        "supported: model, model_parameters, config, optimizer, lr_scheduler")
+    if optimizer is not None:
+        raise ValueError("infinity.initialize builds its own offloaded optimizer from the config's "
+                         "\"optimizer\" section; pass optimizer=None and set the section instead")
+    engine = Engine(model, model_parameters, config if config is not None else config_params,
+                    lr_scheduler=lr_scheduler)
+    return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+class Engine:
+    """Trains ``model`` with its states in tiers, per the DeepSpeed-style ``config``."""
+
+    def __init__(self, model: nn.Module, model_parameters: Iterable | None,
+                 config: str | Path | Mapping[str, Any] | InfinityConfig | None,
+                 lr_scheduler: Any = None) -> None:
+        self.config = InfinityConfig.load(config or {})
+        self.module = model
+        self.device = _model_device(model)
+        self.compute_dtype = _compute_dtype(self.config, model)
+        stage = self.config.zero.stage
+        self.stage = stage
+        self.gradient_accumulation_steps = self.config.gradient_accumulation_steps or 1
+        self.micro_steps = 0
+        self.global_steps = 0
+        cpu_fp32 = self.device.type == "cpu" and self.compute_dtype == torch.float32
+        self.master_separate = not cpu_fp32
+        optimizer_tier = Tier.from_offload_device(self.config.zero.offload_optimizer.device)
+        param_tier = Tier.from_offload_device(self.config.zero.offload_param.device) \
+            if stage == 3 else Tier.DEVICE
+        if cpu_fp32 and stage == 3:
+            # DESIGN.md "fp32 on CPU": one fp32 tensor per parameter, in the deeper tier.
+            param_tier = deeper(param_tier, optimizer_tier)
+        if self.master_separate and optimizer_tier is Tier.DEVICE and self.device.type == "cpu":
+            optimizer_tier = Tier.HOST
+        self.param_tier, self.optimizer_tier = param_tier, optimizer_tier
+
+        groups = _param_groups(model, model_parameters, self.config)
+        specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
+        self.early_step = self._early_step_allowed()
+        self.sizes: EngineSizes = resolve_sizes(self.config, specs, self.compute_dtype,
+                                                param_tier, optimizer_tier, self.device,
+                                                self.master_separate, self.early_step)
+        nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
+            or self.config.zero.offload_optimizer.nvme_path
+        self.manager = TierManager(
+            host_budget=MemoryBudget("host", self.sizes.host_budget),
+            device_budget=MemoryBudget("device", self.sizes.device_budget),
+            nvme_path=nvme_path, aio_config=_aio_config(self.config), device=self.device)
+        self.manager.nvme_reserve_bytes = self.sizes.nvme_bytes
+        try:
+            self._build(model, specs, groups, lr_scheduler)
+        except BaseException:
+            self.manager.close()
+            raise
+        log.info("engine ready: stage %d, compute %s, params on %s, optimizer on %s, %d units, "
+                 "%s schedule; holding %s", stage, str(self.compute_dtype).replace("torch.", ""),
+                 param_tier.name, optimizer_tier.name, len(self.units),
+                 "early-step" if self.optimizer.early_step else "deferred-step",
+                 self.manager.describe())
+
+    # -- construction ----------------------------------------------------------------------
+    def _build(self, model: nn.Module, specs, groups: list[dict], lr_scheduler: Any) -> None:
+        group_of = {}
+        for index, group in enumerate(groups):
+            for p in group["params"]:
+                group_of[p] = index
+        self.units: list[Unit] = []
+        nvme_params = self.param_tier is Tier.NVME
+        self.fetch_pool = BufferPool(self.manager, self.sizes.max_unit_bytes,
+                                     self.sizes.fetch_slots, "fetch") if nvme_params else None
+        for index, spec in enumerate(specs):
+            named = [(n, p, group_of.get(p, -1) if p.requires_grad else -1)
+                     for n, p in spec.params]
+            unit = Unit(index, spec.name, spec.module, named, self.compute_dtype, self.device)
+            # A unit stays on the device when all of it is below the persistence threshold.
+            persistent = self.stage < 3 or unit.numel <= self.sizes.persistence_threshold
+            materialize_unit_params(model, unit)
+            unit.adopt(self.manager, self.param_tier, persistent, staging=self.fetch_pool)
+            self.units.append(unit)
+        early = self.early_step
+        grad_tier = self.sizes.grad_tier
+        self.optimizer = PartitionedOptimizer(
+            self.units, groups, self.manager, optimizer_tier=self.optimizer_tier,
+            grad_tier=grad_tier, early_step=early, sub_group_numel=self.sizes.sub_group_numel,
+            master_separate=self.master_separate, staging_pool=self.fetch_pool,
+            adamw_mode=self.config.optimizer.adam_w_mode)
+        self.optimizer.clip_norm = self.config.gradient_clipping
+        self.coordinator = Coordinator(
+            self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
+            PrefetchLimits(self.sizes.prefetch_bucket_numel, self.sizes.max_live_numel),
+            on_grad=self.optimizer.on_grad,
+            on_unit_backward_done=self.optimizer.on_unit_backward_done)
+        self.coordinator.install()
+        register_engine(self)
+        self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
+        self._step_started = None
+        self._last_stats: dict[str, float] = {}
+
+    def _early_step_allowed(self) -> bool:
+        mode = self.config.infinity.early_step
+        reasons = []
+        if self.gradient_accumulation_steps > 1:
+            reasons.append("gradient accumulation")
+        if self.config.gradient_clipping > 0:
+            reasons.append("gradient clipping")
+        if self.config.fp16.enabled:
+            reasons.append("fp16 loss scaling")
+        if mode == "off":
+            return False
+        if reasons:
+            if mode == "on":
+                raise ValueError(f"infinity.early_step is \"on\" but early stepping would not be "
+                                 f"exact with {', '.join(reasons)}; set it to \"auto\" or \"off\"")
+            log.info("early step off: %s", ", ".join(reasons))
+            return False
+        return True
+
+    # -- training API ----------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+            self.manager.counters.reset()
+            self.optimizer.timers.reset()
+        self.coordinator.begin_forward(self.module.training)
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward of ``loss`` (scaled by 1/gradient_accumulation_steps, as DeepSpeed does)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss)}"
+                             + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
+        loss.backward(retain_graph=retain_graph)
+        self.optimizer.end_backward()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Count a micro-step; at the accumulation boundary step the optimizer and scheduler."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self._record_stats()
+
+    def _record_stats(self) -> None:
+        now = time.perf_counter()
+        step_s = now - (self._step_started or now)
+        self._step_started = None
+        c = self.manager.counters
+        t = self.optimizer.timers
+        tiers = self.manager.tier_bytes()
+        optimizer_s = t.optimizer_s + (t.grad_s if self.optimizer.early_step else 0.0)
+        io_wait = c.io_wait_s
+        self._last_stats = {
+            "step_s": step_s, "io_wait_s": io_wait, "optimizer_s": optimizer_s,
+            "compute_s": max(0.0, step_s - optimizer_s - io_wait), "comm_s": 0.0,
+            "device_bytes": tiers["device"], "host_bytes": tiers["host"], "nvme_bytes": tiers["nvme"],
+            "io_read_bytes": c.nvme_read_bytes, "io_write_bytes": c.nvme_write_bytes,
+            "prefetch_hit_ratio": self.coordinator.prefetch_hit_ratio,
+        }
+
+    def step_stats(self) -> dict[str, float]:
+        """Timings and bytes of the last optimizer step (see ``_record_stats`` for keys)."""
+        return dict(self._last_stats)
+
+    def pin_unit(self, unit: Unit) -> None:
+        """Fetch ``unit`` and keep it fetched until ``unpin_unit`` (GatheredParameters)."""
+        self.coordinator.pin(unit)
+
+    def unpin_unit(self, unit: Unit, modified: bool) -> None:
+        """Undo ``pin_unit``; with ``modified`` write the values back to every copy first."""
+        if modified:
+            self.optimizer.reload_master(unit)
+            unit.write_home(self.manager, self.fetch_pool)
+        self.coordinator.unpin(unit)
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def close(self) -> None:
+        """Remove hooks, free states and delete this run's swap files."""
+        if getattr(self, "coordinator", None) is not None:
+            self.coordinator.release_all()
+            self.coordinator.remove()
+        if getattr(self, "optimizer", None) is not None:
+            self.optimizer.close()
+        self.manager.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def _compute_dtype(config: InfinityConfig, model: nn.Module) -> torch.dtype:
+    choice = config.infinity.compute_dtype
+    if choice == "auto":
+        if config.bf16.enabled:
+            return torch.bfloat16
+        if config.fp16.enabled:
+            return torch.float16
+        return torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]
+
+
+def _param_groups(model: nn.Module, model_parameters: Iterable | None,
+                  config: InfinityConfig) -> list[dict]:
+    """Param groups with the config's hyperparameters as defaults (torch optimizer layout)."""
+    opt = config.optimizer
+    defaults = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps,
+                "weight_decay": opt.weight_decay, "bias_correction": opt.bias_correction,
+                "adamw_mode": opt.adam_w_mode}
+    if model_parameters is None:
+        raw: list = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    else:
+        raw = list(model_parameters)
+        if raw and not isinstance(raw[0], dict):
+            raw = [{"params": raw}]
+    groups = []
+    seen = set()
+    for i, group in enumerate(raw):
+        params = [p for p in group["params"] if p.requires_grad]
+        for p in params:
+            if p in seen:
+                raise ValueError(f"a parameter appears in more than one param group (group {i})")
+            seen.add(p)
+        unknown = set(group) - {"params", *defaults, "name"}
+        if unknown:
+            raise ValueError(f"param group {i} has unknown keys {sorted(unknown)}; "
+                             f"allowed: params, {', '.join(defaults)}")
+        groups.append({**defaults, **{k: v for k, v in group.items() if k != "params"},
+                       "params": params})
+    left_out = [n for n, p in model.named_parameters() if p.requires_grad and p not in seen]
+    if left_out and model_parameters is not None:
+        log.warning("%d trainable parameters are in no param group and will not be updated "
+                    "(e.g. %s)", len(left_out), left_out[:3])
+    return groups
+
+
+def _aio_config(config: InfinityConfig):
+    from infinity.io import AioConfig
+
+    a = config.aio
+    return AioConfig(backend=a.backend, block_size=a.block_size, queue_depth=a.queue_depth,
+                     thread_count=a.thread_count, single_submit=a.single_submit,
+                     overlap_events=a.overlap_events)

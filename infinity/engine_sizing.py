@@ -1,0 +1,99 @@
+"""The engine's sizes: the planner's derived sizes plus what only the built units can tell.
+
+The planner (``infinity.planner.derive_sizes``) is the one place where "auto" and unset sizes are
+derived from the budgets; this module feeds it the real unit sizes and adds the engine's own
+numbers (slot counts, where gradients live, how much NVMe to reserve).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infinity.config import InfinityConfig
+from infinity.planner import ModelStats, derive_sizes, detect_hardware
+from infinity.storage.manager import padded_numel
+from infinity.storage.tiers import Tier
+from infinity.zero.partition import UnitSpec
+
+
+@dataclass(frozen=True)
+class EngineSizes:
+    """Every size the engine allocates by (bytes unless the name says numel)."""
+
+    host_budget: int | None
+    device_budget: int | None
+    sub_group_numel: int
+    fetch_slots: int
+    max_unit_bytes: int
+    persistence_threshold: int
+    prefetch_bucket_numel: int
+    max_live_numel: int
+    grad_tier: Tier
+    nvme_bytes: int
+
+
+def _stats(specs: list[UnitSpec]) -> ModelStats:
+    numels = [p.numel() for spec in specs for _, p in spec.params]
+    units = [sum(p.numel() for _, p in spec.params) for spec in specs]
+    trainable = sum(p.numel() for spec in specs for _, p in spec.params if p.requires_grad)
+    return ModelStats(total_params=sum(numels), trainable_params=trainable,
+                      largest_unit_params=max(units, default=0), n_units=len(units),
+                      largest_param=max(numels, default=0), param_numels=tuple(numels))
+
+
+def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], compute_dtype: torch.dtype,
+                  param_tier: Tier, optimizer_tier: Tier, device: torch.device,
+                  master_separate: bool, early_step: bool) -> EngineSizes:
+    """Sizes for this model, config and machine."""
+    nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
+    derived = derive_sizes(cfg, _stats(specs), detect_hardware(nvme_path))
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    unit_numels = [padded_numel(sum(p.numel() for _, p in s.params), compute_dtype) for s in specs]
+    trainable = [padded_numel(sum(p.numel() for _, p in s.params if p.requires_grad), torch.float32)
+                 for s in specs]
+    max_unit_bytes = max(unit_numels, default=0) * itemsize
+    threshold = derived.persistence_threshold
+    streamed_units = [n for n in unit_numels if n > threshold] if cfg.zero.stage == 3 else []
+    host_budget = derived.host_budget_bytes
+    # the device pool on a CPU-only machine is budgeted only when the user sets a budget
+    device_budget = cfg.infinity.device_memory_budget
+    if device_budget is None and device.type == "cuda":
+        device_budget = derived.device_budget_bytes
+
+    # Host bytes the engine will hold before gradients get a home.
+    total_trainable = sum(trainable)
+    total_params = sum(unit_numels)
+    host = 0
+    if param_tier is Tier.HOST:
+        host += sum(streamed_units) * itemsize
+    if optimizer_tier is Tier.HOST:
+        host += total_trainable * 4 * (3 if master_separate else 2)
+    fetch_slots = derived.param_buffer_count
+    if param_tier is Tier.NVME:
+        host += fetch_slots * max_unit_bytes
+    max_trainable = max(trainable, default=0)
+    sub_group = max(1, derived.sub_group_size)
+    if optimizer_tier is Tier.NVME or param_tier is Tier.NVME:
+        host += (3 * 5 + 1) * padded_numel(min(sub_group, max(max_trainable, 1)), torch.float32) * 4
+    grad_tier = Tier.HOST
+    if not early_step and host_budget is not None and \
+            host + total_trainable * 4 > host_budget and nvme_path:
+        grad_tier = Tier.NVME
+    if early_step or grad_tier is Tier.NVME:
+        host += 3 * max_trainable * 4
+    nvme = 0
+    if param_tier is Tier.NVME:
+        nvme += sum(streamed_units) * itemsize
+    if optimizer_tier is Tier.NVME:
+        nvme += total_trainable * 4 * (3 if master_separate else 2)
+    if grad_tier is Tier.NVME:
+        nvme += total_trainable * 4
+    del total_params
+    return EngineSizes(
+        host_budget=host_budget, device_budget=device_budget, sub_group_numel=sub_group,
+        fetch_slots=max(2, fetch_slots), max_unit_bytes=max_unit_bytes,
+        persistence_threshold=threshold,
+        prefetch_bucket_numel=max(derived.prefetch_bucket_size, max(unit_numels, default=0)),
+        max_live_numel=max(derived.max_live_parameters, 2 * max(unit_numels, default=0)),
+        grad_tier=grad_tier, nvme_bytes=nvme)

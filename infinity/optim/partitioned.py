@@ -1,0 +1,368 @@
+"""The partitioned optimizer: Adam states of every unit in their home tier, stepped by the CPU Adam.
+
+Each trainable unit owns flat fp32 stores for exp_avg and exp_avg_sq (and a separate fp32 master
+when the compute copy is not fp32-on-CPU), laid out like the unit's flat parameters (see
+[Note: flat layout] in zero/unit.py). Gradients arrive parameter by parameter from the
+coordinator and accumulate in fp32, either straight into a HOST gradient store or in a
+transient host buffer that is then written to NVMe.
+
+Two schedules:
+- early step: when a unit's gradients are complete, it is stepped at once, overlapped with the
+  rest of backward; its gradients never need a home. Exact only without clipping, loss scaling
+  or accumulation, so the engine enables it only then.
+- deferred: gradients are kept; ``step()`` streams sub-groups (aligned chunks of a unit's
+  trainable range) through host slots, pipelined: read i+1 | step i | write i-1.
+
+The fp32 master on a CPU-only machine with fp32 compute is the parameter itself (DESIGN.md
+"fp32 on CPU"): it is stepped in place in its home (device copy, host store or NVMe extent), so
+parameters are stored once, not twice.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.log import get_logger
+from infinity.optim.cpu_adam import adam_step_flat
+from infinity.storage.buffer_pool import BufferPool, Slot
+from infinity.storage.manager import DONE, FlatStore, TierManager, padded_numel
+from infinity.storage.tiers import Residency, Tier
+from infinity.zero.unit import ParamEntry, Unit
+
+log = get_logger("optim")
+
+
+@dataclass(eq=False)
+class UnitOptimState:
+    """The Adam states of one unit (fp32, ``unit.trainable_numel`` elements each)."""
+
+    unit: Unit
+    exp_avg: FlatStore
+    exp_avg_sq: FlatStore
+    master: FlatStore | None          # None: the parameter itself is the fp32 master
+    grad_store: FlatStore | None      # deferred schedule only
+    step: int = 0
+    grad_buffer: torch.Tensor | None = None   # transient fp32 gradient during backward
+    grad_slot: Slot | None = None
+    grads_seen: int = 0
+
+
+@dataclass
+class OptimTimers:
+    optimizer_s: float = 0.0
+    grad_s: float = 0.0
+
+    def reset(self) -> None:
+        self.optimizer_s = self.grad_s = 0.0
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """An aligned chunk [start, end) of one unit's trainable range, stepped at once."""
+
+    state: UnitOptimState
+    start: int
+    end: int
+
+
+class PartitionedOptimizer(torch.optim.Optimizer):
+    """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
+
+    def __init__(self, units: list[Unit], param_groups: list[dict], manager: TierManager, *,
+                 optimizer_tier: Tier, grad_tier: Tier, early_step: bool, sub_group_numel: int,
+                 master_separate: bool, staging_pool: BufferPool | None,
+                 adamw_mode: bool = True, threads: int | None = None) -> None:
+        super().__init__(param_groups, defaults={})
+        self.manager = manager
+        self.staging_pool = staging_pool
+        self.early_step = early_step
+        self.adamw_mode = adamw_mode
+        self.threads = threads
+        self.timers = OptimTimers()
+        self.clip_norm = 0.0
+        self.last_grad_norm: float | None = None
+        self._sq_norm = 0.0
+        self._accumulating = False   # True after the first micro-step of an accumulation cycle
+        self._boundary = True
+        self.states: list[UnitOptimState] = []
+        trainable_units = [u for u in units if u.has_trainable]
+        max_trainable = max((u.trainable_numel for u in trainable_units), default=0)
+        # multiples of 2048 elements keep every sub-group 4 KiB aligned in fp32 and in 16-bit
+        self.sub_group_numel = -(-max(1, min(sub_group_numel, max_trainable or 1)) // 2048) * 2048
+        for unit in trainable_units:
+            n = unit.trainable_numel
+            master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier)
+                      if master_separate else None)
+            grad_store = None if early_step else manager.create(
+                f"{unit.name}.grad", n, torch.float32, grad_tier)
+            self.states.append(UnitOptimState(
+                unit, manager.create(f"{unit.name}.exp_avg", n, torch.float32, optimizer_tier),
+                manager.create(f"{unit.name}.exp_avg_sq", n, torch.float32, optimizer_tier),
+                master, grad_store))
+            if master is not None:
+                self._init_master(unit, master)
+        self._by_unit = {s.unit.index: s for s in self.states}
+        needs_grad_buffer = early_step or grad_tier is Tier.NVME
+        self.grad_pool = BufferPool(manager, max_trainable * 4, 3, "gradient") \
+            if needs_grad_buffer and max_trainable else None
+        any_nvme = optimizer_tier is Tier.NVME or grad_tier is Tier.NVME or any(
+            u.param_store is not None and not u.param_store.resident for u in trainable_units)
+        self.step_pool = BufferPool(manager, self.sub_group_numel * 4, 3 * 5 + 1, "optimizer") \
+            if any_nvme and max_trainable else None
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _init_master(self, unit: Unit, master: FlatStore) -> None:
+        """Seed the fp32 master from the unit's current parameters."""
+        was_released = unit.residency != Residency.FETCHED
+        if was_released:
+            unit.finish_fetch(self.manager, self.staging_pool)
+        values = unit.flat[: unit.trainable_numel].float()
+        if master.resident:
+            master.tensor[: unit.trainable_numel].copy_(values)
+        else:
+            buf = self.manager.host_empty(master.padded, torch.float32, what="master init")
+            buf[: unit.trainable_numel].copy_(values)
+            self.manager.wait(master.store_async(buf))
+        if was_released:
+            unit.release(self.manager)
+
+    def reload_master(self, unit: Unit) -> None:
+        """The unit's parameters were changed by hand: make the fp32 master match them."""
+        state = self._by_unit.get(unit.index)
+        if state is not None and state.master is not None:
+            self._init_master(unit, state.master)
+
+    # -- gradients (called by the coordinator's hooks) -------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        """Called before each backward: ``boundary`` is True on the last micro-step."""
+        self._boundary = boundary
+        if boundary:
+            self._sq_norm = 0.0
+
+    def on_grad(self, unit: Unit, entry: ParamEntry, grad: torch.Tensor) -> None:
+        start = time.perf_counter()
+        state = self._by_unit[unit.index]
+        target = self._grad_target(state)
+        view = target[entry.offset:entry.offset + entry.numel].view(entry.shape)
+        with torch.no_grad():
+            view.add_(grad.to(torch.float32))   # targets are zeroed per accumulation cycle
+        state.grads_seen += 1
+        self.timers.grad_s += time.perf_counter() - start
+
+    def _grad_target(self, state: UnitOptimState) -> torch.Tensor:
+        if state.grad_store is not None and state.grad_store.resident:
+            return state.grad_store.tensor
+        if state.grad_buffer is None:
+            state.grad_slot = self.grad_pool.acquire(timeout=120.0)
+            state.grad_buffer = state.grad_slot.view(torch.float32, state.unit.trainable_numel)
+            state.grad_buffer.zero_()
+        return state.grad_buffer
+
+    def on_unit_backward_done(self, unit: Unit) -> None:
+        """All of ``unit``'s gradients for this backward have arrived."""
+        start = time.perf_counter()
+        state = self._by_unit[unit.index]
+        try:
+            if self.early_step:
+                self._step_unit_now(state)
+            else:
+                self._finish_grads(state)
+        finally:
+            self._drop_grad_buffer(state)
+            state.grads_seen = 0
+            self.timers.grad_s += time.perf_counter() - start
+
+    def _finish_grads(self, state: UnitOptimState) -> None:
+        store = state.grad_store
+        if store.resident:
+            grads = store.tensor[: state.unit.trainable_numel]
+        else:
+            grads = state.grad_buffer
+            if self._accumulating:
+                prev = self.manager.host_empty(store.padded, torch.float32, what="grad accumulate")
+                self.manager.wait(store.load_async(prev))
+                grads.add_(prev[: grads.numel()])
+                del prev
+            self.manager.wait(store.store_async(grads))
+        if self._boundary:
+            self._sq_norm += float(grads.double().pow(2).sum()) if grads.numel() else 0.0
+
+    def _drop_grad_buffer(self, state: UnitOptimState) -> None:
+        if state.grad_slot is not None:
+            self.grad_pool.release(state.grad_slot)
+        state.grad_slot = None
+        state.grad_buffer = None
+
+    def end_backward(self) -> None:
+        """Called by the engine after each backward: accumulation continues until a step."""
+        self._accumulating = True
+
+    # -- stepping --------------------------------------------------------------------------
+    def _hyper(self, group_index: int) -> dict:
+        g = self.param_groups[group_index]
+        lr = g["lr"]
+        return {"lr": float(lr), "beta1": g["betas"][0], "beta2": g["betas"][1], "eps": g["eps"],
+                "weight_decay": g["weight_decay"], "bias_correction": g.get("bias_correction", True),
+                "adamw_mode": g.get("adamw_mode", self.adamw_mode)}
+
+    def _kernel(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
+                grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_scale: float,
+                half_out: torch.Tensor | None) -> None:
+        """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``."""
+        for seg in state.unit.segments:
+            a, b = max(seg.start, start), min(seg.end, end)
+            if a >= b:
+                continue
+            s = slice(a - start, b - start)
+            adam_step_flat(param[s], grad[s], m[s], v[s], step=state.step, grad_scale=grad_scale,
+                           half_out=None if half_out is None else half_out[s],
+                           threads=self.threads, **self._hyper(seg.group_index))
+
+    def _step_unit_now(self, state: UnitOptimState) -> None:
+        """Early step: the unit is fetched and its full gradient is in ``grad_buffer``."""
+        state.step += 1
+        self._run_pipeline(self._sub_groups(state), 1.0, early=True)
+        state.unit.write_home(self.manager, self.staging_pool)
+
+    def _sub_groups(self, state: UnitOptimState) -> list[SubGroup]:
+        n = state.unit.trainable_numel
+        return [SubGroup(state, a, min(a + self.sub_group_numel, n))
+                for a in range(0, n, self.sub_group_numel)]
+
+    def _resident_or_load(self, store: FlatStore, start: int, count: int, reqs: list):
+        if store.resident:
+            return store.tensor[start:start + count]
+        slot = self.step_pool.acquire(timeout=120.0)
+        buf = slot.view(torch.float32, padded_numel(count, torch.float32))
+        reqs.append((store.load_async(buf, start, count), slot))
+        return buf[:count]
+
+    def _store(self, store: FlatStore, tensor: torch.Tensor, start: int, count: int, reqs: list):
+        """Write back a tensor from ``_resident_or_load`` (resident stores were updated in place)."""
+        if not store.resident:
+            reqs.append((store.store_async(tensor, start, count), None))
+
+    def grad_scale_for_clipping(self) -> float:
+        """Divisor applied to gradients in the kernel (global-norm clipping), 1 when off."""
+        norm = math.sqrt(self._sq_norm)
+        self.last_grad_norm = norm
+        if self.clip_norm > 0 and norm > self.clip_norm:
+            return (norm + 1e-6) / self.clip_norm
+        return 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D401 - torch API
+        """Deferred schedule: step every unit that received gradients, pipelined by sub-group."""
+        if closure is not None:
+            raise ValueError("PartitionedOptimizer.step does not take a closure")
+        start = time.perf_counter()
+        try:
+            if not self.early_step:
+                scale = self.grad_scale_for_clipping()
+                groups = []
+                for state in self.states:
+                    state.step += 1
+                    groups.extend(self._sub_groups(state))
+                self._run_pipeline(groups, scale, early=False)
+                for state in self.states:
+                    if state.grad_store.resident:
+                        state.grad_store.tensor.zero_()
+        finally:
+            self._accumulating = False
+            self.timers.optimizer_s += time.perf_counter() - start
+
+    def _run_pipeline(self, groups: list[SubGroup], grad_scale: float, early: bool) -> None:
+        """read i+1 | step i | write i-1 over host slots (see [Note: store buffer lifetimes])."""
+        pending: list[tuple[SubGroup, dict, list]] = []
+        writing: list[list] = []
+
+        def load(sg: SubGroup):
+            reqs: list = []
+            n = sg.end - sg.start
+            st = sg.state
+            tensors = {"m": self._resident_or_load(st.exp_avg, sg.start, n, reqs),
+                       "v": self._resident_or_load(st.exp_avg_sq, sg.start, n, reqs),
+                       "g": (st.grad_buffer[sg.start:sg.end] if early else
+                             self._resident_or_load(st.grad_store, sg.start, n, reqs)),
+                       "p": self._param_for(sg, n, reqs, early)}
+            return sg, tensors, reqs
+
+        queue = list(groups)
+        if queue:
+            pending.append(load(queue.pop(0)))
+        while pending:
+            sg, t, reqs = pending.pop(0)
+            if queue:
+                pending.append(load(queue.pop(0)))
+            self.manager.wait(*[r for r, _ in reqs])
+            n = sg.end - sg.start
+            unit = sg.state.unit
+            half = None
+            if sg.state.master is not None and unit.dtype != torch.float32:
+                half = torch.empty(n, dtype=unit.dtype)
+            self._kernel(sg.state, sg.start, sg.end, t["p"], t["g"], t["m"], t["v"], grad_scale,
+                         half)
+            writes: list = []
+            self._store(sg.state.exp_avg, t["m"], sg.start, n, writes)
+            self._store(sg.state.exp_avg_sq, t["v"], sg.start, n, writes)
+            self._write_param(sg, t["p"], half, n, writes, early)
+            writing.append(writes + [(None, slot) for _, slot in reqs])
+            if len(writing) > 1:
+                self._retire(writing.pop(0))
+        while writing:
+            self._retire(writing.pop(0))
+
+    def _retire(self, entries: list) -> None:
+        self.manager.wait(*[r for r, _ in entries if r is not None])
+        for _, slot in entries:
+            if slot is not None:
+                self.step_pool.release(slot)
+
+    def _param_for(self, sg: SubGroup, n: int, reqs: list, early: bool) -> torch.Tensor:
+        """The fp32 master elements of a sub-group (stepped in place in their home)."""
+        st, unit = sg.state, sg.state.unit
+        if st.master is not None:
+            return self._resident_or_load(st.master, sg.start, n, reqs)
+        if early or unit.param_store is None:
+            return unit.flat[sg.start:sg.end]   # the fetched device copy is current
+        return self._resident_or_load(unit.param_store, sg.start, n, reqs)
+
+    def _write_param(self, sg: SubGroup, master: torch.Tensor, half: torch.Tensor | None, n: int,
+                     writes: list, early: bool) -> None:
+        """Put the updated parameters where they live (early: write_home follows per unit)."""
+        st, unit = sg.state, sg.state.unit
+        new = half if half is not None else master
+        if st.master is not None:
+            self._store(st.master, master, sg.start, n, writes)
+            if unit.residency == Residency.FETCHED:
+                unit.flat[sg.start:sg.end].copy_(new)
+            if not early and unit.param_store is not None:
+                self._store_copy(unit.param_store, new, sg.start, n, writes)
+        elif not early and unit.param_store is not None:
+            self._store(unit.param_store, master, sg.start, n, writes)
+            if unit.residency == Residency.FETCHED:
+                unit.flat[sg.start:sg.end].copy_(master)
+
+    def _store_copy(self, store: FlatStore, values: torch.Tensor, start: int, n: int,
+                    writes: list) -> None:
+        """Write ``values`` (not an aligned buffer) into ``store`` via a staging slot if needed."""
+        if store.resident:
+            store.tensor[start:start + n].copy_(values)
+            return
+        slot = self.step_pool.acquire(timeout=120.0)
+        buf = slot.view(store.dtype, padded_numel(n, store.dtype))
+        buf[:n].copy_(values)
+        writes.append((store.store_async(buf, start, n), slot))
+
+    # -- state dict (torch Adam layout per parameter) --------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients never live on the parameters; nothing to clear."""
+
+    def close(self) -> None:
+        for state in self.states:
+            for store in (state.exp_avg, state.exp_avg_sq, state.master, state.grad_store):
+                if store is not None:
+                    store.free()

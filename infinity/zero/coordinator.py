@@ -1,0 +1,238 @@
+"""The stage-3 coordinator: hooks that fetch each unit just before it runs and release it after.
+
+Forward: a pre-hook on each hooked module fetches its units (waiting for a prefetch in flight),
+a post-hook releases them. Backward: a hook on the module's outputs fetches the units again
+before the module's backward runs ("pre-backward"); each trainable parameter's
+post-accumulate-grad hook hands its gradient to the gradient sink and, when the last one of a
+unit has arrived, the unit's backward is done: the engine steps it early or stores its gradients,
+and the unit is released. A hook on the module's inputs ("post-backward") tells when a unit
+without trainable parameters is done. An end-of-backward callback finishes whatever is left
+(unused parameters, units whose inputs needed no gradient) and releases everything.
+
+[Note: release during backward]
+A unit is released in backward only when no backward op can still need it: all its trainable
+parameters have accumulated gradients (an op that used a parameter feeds its AccumulateGrad),
+and, if it has frozen parameters, the gradient w.r.t. its module's inputs exists. If a later op
+needs it anyway (a unit used twice), the pre-backward hook fetches it again. During backward,
+forward post-hooks (activation checkpointing recomputation) do not release.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from infinity.log import get_logger
+from infinity.storage.tiers import Residency
+from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch
+from infinity.zero.unit import ParamEntry, Unit
+
+log = get_logger("zero")
+
+
+class Coordinator:
+    """Installs and runs the fetch/release hooks for a list of units."""
+
+    def __init__(self, units: list[Unit], hooked: list[tuple[nn.Module, list[int]]], manager,
+                 fetch_pool, limits: PrefetchLimits,
+                 on_grad: Callable[[Unit, ParamEntry, torch.Tensor], None],
+                 on_unit_backward_done: Callable[[Unit], None]) -> None:
+        self.units = units
+        self.hooked = hooked
+        self.manager = manager
+        self.fetch_pool = fetch_pool
+        self.limits = limits
+        self.on_grad = on_grad
+        self.on_unit_backward_done = on_unit_backward_done
+        self.traces = {"train_fwd": Trace(), "bwd": Trace(), "eval_fwd": Trace()}
+        self._handles: list = []
+        self._active = [0] * len(units)
+        self._pending = [0] * len(units)
+        self._input_done = [False] * len(units)
+        self._done = [False] * len(units)
+        self._in_backward = False
+        self._callback_queued = False
+        self._fwd_trace_name: str | None = None
+        self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "nvme_fetches": 0}
+
+    # -- installation ----------------------------------------------------------------------
+    def install(self) -> None:
+        for module, unit_ids in self.hooked:
+            ids = tuple(unit_ids)
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, args, kwargs, ids=ids: self._forward_pre(ids, args, kwargs),
+                with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                lambda m, args, output, ids=ids: self._forward_post(ids, output)))
+        for unit in self.units:
+            for entry in unit.trainable_entries():
+                self._handles.append(entry.param.register_post_accumulate_grad_hook(
+                    lambda param, unit=unit, entry=entry: self._grad_ready(unit, entry)))
+        self.reset_backward_state()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def reset_backward_state(self) -> None:
+        for unit in self.units:
+            self._pending[unit.index] = len(unit.trainable_entries())
+            self._input_done[unit.index] = False
+            self._done[unit.index] = False
+
+    # -- forward ---------------------------------------------------------------------------
+    def begin_forward(self, training: bool) -> None:
+        """Called by the engine before each forward pass (starts a trace pass)."""
+        name = "train_fwd" if training and torch.is_grad_enabled() else "eval_fwd"
+        self._fwd_trace_name = name
+        self.traces[name].start_pass()
+        self._prefetch(self.traces[name])
+
+    def _in_graph_task(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> None:
+        recompute = self._in_graph_task()
+        trace = None if recompute else self.traces[self._fwd_trace_name or "eval_fwd"]
+        for uid in ids:
+            self._ensure(uid, trace)
+            self._active[uid] += 1
+        if torch.is_grad_enabled() and not recompute:
+            tensors = [t for t in tree_flatten((args, kwargs))[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(lambda grad, ids=ids: self._post_backward(ids))
+
+    def _forward_post(self, ids: tuple[int, ...], output):
+        for uid in ids:
+            self._active[uid] -= 1
+        if not self._in_graph_task():
+            for uid in ids:
+                if self._active[uid] == 0:
+                    self.units[uid].release(self.manager)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, ids=ids: self._pre_backward(ids))
+        return None
+
+    # -- backward --------------------------------------------------------------------------
+    def _pre_backward(self, ids: tuple[int, ...]) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self._in_backward = True
+            self.traces["bwd"].start_pass()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        for uid in ids:
+            self._ensure(uid, self.traces["bwd"])
+
+    def _post_backward(self, ids: tuple[int, ...]) -> None:
+        for uid in ids:
+            self._input_done[uid] = True
+            self._maybe_finish(self.units[uid])
+
+    def _grad_ready(self, unit: Unit, entry: ParamEntry) -> None:
+        grad = entry.param.grad
+        if grad is None:
+            return
+        entry.param.grad = None
+        self.on_grad(unit, entry, grad)
+        self._pending[unit.index] -= 1
+        self._maybe_finish(unit)
+
+    def _maybe_finish(self, unit: Unit) -> None:
+        uid = unit.index
+        if self._done[uid] or self._pending[uid] > 0:
+            return
+        if unit.has_frozen and not self._input_done[uid]:
+            return
+        if not unit.has_trainable and not self._input_done[uid]:
+            return
+        self._done[uid] = True
+        if unit.has_trainable:
+            self.on_unit_backward_done(unit)
+        if self._active[uid] == 0:
+            unit.release(self.manager)
+
+    def _end_backward(self) -> None:
+        """Runs once when autograd has finished the whole backward pass."""
+        try:
+            for unit in self.units:
+                uid = unit.index
+                if not self._done[uid] and unit.has_trainable and \
+                        self._pending[uid] < len(unit.trainable_entries()):
+                    self._done[uid] = True
+                    self.on_unit_backward_done(unit)
+            for unit in self.units:
+                if self._active[unit.index] == 0:
+                    unit.release(self.manager)
+        finally:
+            self._in_backward = False
+            self._callback_queued = False
+            self.reset_backward_state()
+
+    def units_without_grads(self) -> list[Unit]:
+        """Trainable units that received no gradient in the last backward (all unused)."""
+        return [u for u in self.units if u.has_trainable and not self._done[u.index]]
+
+    # -- fetching --------------------------------------------------------------------------
+    def _ensure(self, uid: int, trace: Trace | None) -> None:
+        unit = self.units[uid]
+        if trace is not None:
+            trace.observe(uid)
+        if unit.residency != Residency.FETCHED:
+            prefetched = unit.residency == Residency.FETCHING
+            hit = prefetched and unit.fetch_request is not None and unit.fetch_request.done()
+            unit.finish_fetch(self.manager, self.fetch_pool)
+            self.fetch_stats["fetches"] += 1
+            if unit.param_store is not None and not unit.param_store.resident:
+                self.fetch_stats["nvme_fetches"] += 1
+                self.fetch_stats["prefetch_hits"] += int(hit)
+        if trace is not None:
+            self._prefetch(trace)
+
+    def _prefetch(self, trace: Trace) -> None:
+        upcoming = trace.upcoming()
+        if not upcoming:
+            return
+        live = sum(u.numel for u in self.units if u.residency != Residency.RELEASED
+                   and not u.persistent)
+        chosen = choose_prefetch(
+            upcoming, lambda u: self.units[u].numel,
+            lambda u: self.units[u].residency == Residency.RELEASED, live, self.limits)
+        for uid in chosen:
+            # keep one slot free for synchronous fetches and write-backs
+            if self.fetch_pool is None or self.fetch_pool.available <= 1:
+                break
+            if not self.units[uid].start_fetch(self.manager, self.fetch_pool):
+                break
+
+    def pin(self, unit: Unit) -> None:
+        """Fetch ``unit`` and hold it (not released by hooks) until ``unpin``."""
+        self._ensure(unit.index, None)
+        self._active[unit.index] += 1
+
+    def unpin(self, unit: Unit) -> None:
+        self._active[unit.index] -= 1
+        if self._active[unit.index] == 0 and not self._in_backward:
+            unit.release(self.manager)
+
+    def fetch_all(self) -> None:
+        """Fetch every unit (for whole-model reads such as GatheredParameters on all params)."""
+        for unit in self.units:
+            unit.finish_fetch(self.manager, self.fetch_pool)
+
+    def release_all(self) -> None:
+        """Release every fetched unit and drop unused prefetches."""
+        for unit in self.units:
+            if self._active[unit.index] == 0:
+                unit.cancel_fetch(self.manager, self.fetch_pool)
+                unit.release(self.manager)
+
+    @property
+    def prefetch_hit_ratio(self) -> float:
+        n = self.fetch_stats["nvme_fetches"]
+        return self.fetch_stats["prefetch_hits"] / n if n else 1.0

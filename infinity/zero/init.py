@@ -1,0 +1,87 @@
+"""``infinity.zero.Init`` and ``GatheredParameters``.
+
+``Init`` builds a model whose parameters are meta tensors (no memory): each parameter, as it is
+registered on its module during construction, is replaced by a meta tensor of the same shape,
+dtype and ``requires_grad``. Buffers stay real (they are small and often computed at
+construction, e.g. rotary frequencies). ``infinity.initialize`` then materialises and initialises
+one unit at a time and sends it to its home tier, so peak memory is about one unit.
+
+``GatheredParameters(params, modifier_rank=...)`` fetches the units holding ``params`` so they
+can be read (or, with a modifier rank, changed: changes are written back to the home tiers and
+the optimizer's fp32 master on exit).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_mod
+
+from infinity.config import InfinityConfig
+
+_live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def register_engine(engine: Any) -> None:
+    """Engines register themselves so GatheredParameters can find a parameter's unit."""
+    _live_engines.add(engine)
+
+
+class Init(contextlib.ContextDecorator):
+    """Build models inside this context with meta parameters (materialised by initialize)."""
+
+    def __init__(self, config_dict_or_path: str | Path | Mapping[str, Any] | None = None, *,
+                 config: str | Path | Mapping[str, Any] | None = None, enabled: bool = True,
+                 **ignored: Any) -> None:
+        source = config if config is not None else config_dict_or_path
+        self.config = InfinityConfig.load(source) if source is not None else None
+        self.enabled = enabled and (self.config is None or self.config.zero.stage == 3)
+        self._handle = None
+
+    def __enter__(self) -> "Init":
+        if self.enabled:
+            self._handle = module_mod.register_module_parameter_registration_hook(_to_meta)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
+    if param is None or param.device.type == "meta":
+        return None
+    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                        requires_grad=param.requires_grad)
+
+
+class GatheredParameters(contextlib.ContextDecorator):
+    """Fetch the units of ``params`` for the block; write changes back when modifier_rank is set."""
+
+    def __init__(self, params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None,
+                 fwd_module: Any = None, enabled: bool = True) -> None:
+        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._units: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> "GatheredParameters":
+        if not self.enabled:
+            return self
+        for engine in list(_live_engines):
+            for unit in engine.units:
+                if any(e.param is p for e in unit.params for p in self.params):
+                    self._units.append((engine, unit))
+        for engine, unit in self._units:
+            engine.pin_unit(unit)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for engine, unit in self._units:
+            engine.unpin_unit(unit, modified=self.modifier_rank is not None and exc[0] is None)
+        self._units.clear()

@@ -1,0 +1,128 @@
+"""Which parameters form which unit, and which modules must fetch which units.
+
+Default rule (DESIGN.md "Units"): one unit per repeated block -- each child of an ``nn.ModuleList``
+(or ``nn.Sequential``) whose children include at least two of the same class, or each module
+whose class name is listed in ``unit_modules`` -- and every other top-level module that owns
+parameters is a unit of its own. "Top-level" is relative to the spine: the modules that contain
+blocks. A parameter shared by several modules (tied embeddings) belongs to the first unit that
+reaches it and is fetched at each use.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(eq=False)
+class UnitSpec:
+    """A unit before it is built: its name, root module and parameters (name, param)."""
+
+    name: str
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]]
+
+
+def find_blocks(model: nn.Module, unit_modules: list[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks of ``model`` (name, module), outermost first, none nested in another."""
+    blocks: list[tuple[str, nn.Module]] = []
+    wanted = set(unit_modules or [])
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        if wanted and type(module).__name__ in wanted and prefix:
+            blocks.append((prefix, module))
+            return
+        if not wanted and isinstance(module, (nn.ModuleList, nn.Sequential)):
+            counts = Counter(type(child) for child in module.children())
+            if counts and counts.most_common(1)[0][1] >= 2:
+                for name, child in module.named_children():
+                    if counts[type(child)] >= 2 and _has_params(child):
+                        blocks.append((_join(prefix, name), child))
+                    else:
+                        visit(_join(prefix, name), child)
+                return
+        for name, child in module.named_children():
+            visit(_join(prefix, name), child)
+
+    visit("", model)
+    return blocks
+
+
+def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[UnitSpec]:
+    """Split ``model``'s parameters into units, in module registration order."""
+    blocks = find_blocks(model, unit_modules)
+    block_ids = {id(m) for _, m in blocks}
+    block_names = [n for n, _ in blocks]
+    spine = {""}
+    for name in block_names:
+        parts = name.split(".")
+        for i in range(len(parts)):
+            spine.add(".".join(parts[:i]))
+    roots: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if id(module) in block_ids:
+            roots.append((name, module))
+        elif name in spine:
+            if any(True for _ in module.parameters(recurse=False)):
+                roots.append((name, module))  # the spine module's own direct parameters
+        else:
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            if parent in spine and id(module) not in block_ids and _has_params(module):
+                roots.append((name, module))
+    seen: set[nn.Parameter] = set()
+    specs: list[UnitSpec] = []
+    for name, module in roots:
+        direct_only = name in spine and id(module) not in block_ids
+        named = module.named_parameters(recurse=not direct_only)
+        params = []
+        for pname, param in named:
+            if param in seen:
+                continue
+            seen.add(param)
+            params.append((_join(name, pname), param))
+        if params:
+            specs.append(UnitSpec(name or "<root>", module, params))
+    missing = [n for n, p in model.named_parameters() if p not in seen]
+    if missing:
+        raise RuntimeError(f"partition left parameters without a unit: {missing[:5]}")
+    return specs
+
+
+def modules_needing(model: nn.Module, specs: list[UnitSpec]) -> list[tuple[nn.Module, list[int]]]:
+    """Each module that must fetch units before it runs, with the indices of those units.
+
+    A unit's root module fetches its unit; a module outside that root that uses one of the
+    unit's parameters directly (a tied head) fetches it too.
+    """
+    owner: dict[nn.Parameter, int] = {}
+    for index, spec in enumerate(specs):
+        for _, param in spec.params:
+            owner[param] = index
+    root_of = {id(spec.module): index for index, spec in enumerate(specs)}
+    hooked: dict[int, tuple[nn.Module, list[int]]] = {}
+
+    def visit(module: nn.Module, covered: frozenset[int]) -> None:
+        own = root_of.get(id(module))
+        if own is not None and own not in covered:
+            hooked.setdefault(id(module), (module, []))[1].append(own)
+            covered = covered | {own}
+        for param in module.parameters(recurse=False):
+            unit = owner[param]
+            if unit not in covered:
+                entry = hooked.setdefault(id(module), (module, []))[1]
+                if unit not in entry:
+                    entry.append(unit)
+        for child in module.children():
+            visit(child, covered)
+
+    visit(model, frozenset())
+    return list(hooked.values())
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,79 @@
+"""Lookahead prefetch driven by the recorded execution order.
+
+The first pass of each mode (training forward, backward, eval forward) records the order in
+which units are fetched. Later passes walk that trace: when the unit at position i is needed,
+the units at i+1, i+2, ... are swapped in ahead of use, within the live-parameter and prefetch
+budgets and the free host slots. When the order changes (a dynamic model), the trace is
+re-learned from the point of divergence instead of prefetch being switched off; a wrong guess
+only costs a slot, never a deadlock (a unit not prefetched is fetched synchronously).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Trace:
+    """The fetch order of one mode, and where the current pass is in it."""
+
+    order: list[int] = field(default_factory=list)
+    position: int = 0
+    complete: bool = False
+    relearns: int = 0
+
+    def start_pass(self) -> None:
+        if self.order:
+            self.complete = True
+        self.position = 0
+
+    def observe(self, unit: int) -> bool:
+        """Record that ``unit`` is being fetched now; True when it matches the trace."""
+        if self.complete and self.position < len(self.order) and self.order[self.position] == unit:
+            self.position += 1
+            return True
+        if self.complete:
+            # Diverged: keep what matched and learn the rest of this pass again.
+            del self.order[self.position:]
+            self.complete = False
+            self.relearns += 1
+        self.order.append(unit)
+        self.position = len(self.order)
+        return False
+
+    def upcoming(self) -> list[int]:
+        """Units expected next, in order (empty while learning)."""
+        return self.order[self.position:] if self.complete else []
+
+
+@dataclass
+class PrefetchLimits:
+    """Budgets bounding how far ahead to prefetch, in parameter elements."""
+
+    bucket_numel: int          # stage3_prefetch_bucket_size: elements in flight ahead of use
+    max_live_numel: int        # stage3_max_live_parameters: elements fetched or fetching
+    max_units_ahead: int = 4
+
+
+def choose_prefetch(upcoming: list[int], numel_of, is_released, live_numel: int,
+                    limits: PrefetchLimits) -> list[int]:
+    """Which of ``upcoming`` units to start swapping in now.
+
+    ``numel_of(u)`` gives a unit's size, ``is_released(u)`` whether it needs a fetch at all.
+    Stops at the first unit that does not fit, so prefetch stays in execution order.
+    """
+    chosen: list[int] = []
+    ahead = 0
+    seen: set[int] = set()
+    for unit in upcoming:
+        if len(chosen) >= limits.max_units_ahead or unit in seen:
+            break
+        seen.add(unit)
+        if not is_released(unit):
+            continue
+        size = numel_of(unit)
+        if chosen and (ahead + size > limits.bucket_numel
+                       or live_numel + ahead + size > limits.max_live_numel):
+            break
+        chosen.append(unit)
+        ahead += size
+    return chosen

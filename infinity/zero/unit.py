@@ -1,0 +1,233 @@
+"""A unit: a group of parameters fetched to the device together (usually one transformer block).
+
+The unit owns a flat device buffer in the compute dtype; each of its parameters is a view into it
+(set once with ``param.data = view``, the supported torch API; no attributes are set on the
+Parameter). Releasing the unit resizes the flat buffer's storage to 0 bytes, so the parameters
+and every tensor autograd saved from them hold no memory; fetching resizes it back and fills it
+from the unit's home tier. This is how a parameter's identity, ``named_parameters()`` and the
+autograd graph survive release (FSDP does the same).
+
+[Note: flat layout]
+Trainable parameters come first, grouped by optimizer param group; frozen parameters come last.
+Every parameter starts on a 64-byte boundary (SIMD alignment for the Adam kernel); the total is
+padded to a 4 KiB multiple (O_DIRECT). ``segments`` lists the contiguous (group, start, end) runs
+the optimizer steps with one set of hyperparameters; the gaps between parameters are zeros in
+params, grads and moments alike, so stepping them is harmless and keeps runs contiguous.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from infinity.storage.manager import FlatStore, TierManager, padded_numel
+from infinity.storage.tiers import Residency, ResidencyState, Tier
+
+PARAM_ALIGN_BYTES = 64
+
+
+@dataclass(eq=False)
+class ParamEntry:
+    """One parameter of a unit: where it lives in the unit's flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int
+    numel: int
+    group_index: int  # optimizer param group; -1 when frozen
+
+    @property
+    def trainable(self) -> bool:
+        return self.group_index >= 0
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run of one param group's trainable elements in the flat layout."""
+
+    group_index: int
+    start: int
+    end: int
+
+
+class Unit:
+    """Parameters fetched and released together, with their flat buffers and states."""
+
+    def __init__(self, index: int, name: str, module: nn.Module,
+                 named_params: list[tuple[str, nn.Parameter, int]], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.dtype = dtype
+        self.device = device
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        align = max(1, PARAM_ALIGN_BYTES // itemsize)
+        order = sorted(named_params, key=lambda t: (t[2] < 0, t[2]))
+        self.params: list[ParamEntry] = []
+        offset = 0
+        for name_, param, group in order:
+            offset = -(-offset // align) * align
+            self.params.append(ParamEntry(name_, param, param.shape, offset, param.numel(), group))
+            offset += param.numel()
+        trainable = [p for p in self.params if p.trainable]
+        self.trainable_numel = padded_numel(
+            (trainable[-1].offset + trainable[-1].numel) if trainable else 0, torch.float32)
+        self.numel = max(padded_numel(offset, dtype), self.trainable_numel)
+        self.segments = _segments(trainable, self.trainable_numel)
+        self.residency = ResidencyState(f"unit {name}")
+        self.persistent = False
+        self.param_home = Tier.DEVICE
+        self.param_store: FlatStore | None = None
+        self.flat = torch.empty(0, dtype=dtype, device=device)
+        self._device_reserved = 0
+        self.fetch_request = None
+        self.fetch_slot = None
+        self.fetch_count = 0
+        self.prefetch_hits = 0
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.flat.element_size()
+
+    @property
+    def has_trainable(self) -> bool:
+        return self.trainable_numel > 0
+
+    @property
+    def has_frozen(self) -> bool:
+        return any(not p.trainable for p in self.params)
+
+    def trainable_entries(self) -> list[ParamEntry]:
+        return [p for p in self.params if p.trainable]
+
+    # -- building ------------------------------------------------------------------------
+    def adopt(self, manager: TierManager, param_home: Tier, persistent: bool, staging=None) -> None:
+        """Take the parameters' current values into the flat buffer and point them at it.
+
+        With a HOST/NVME param home the values go to the home tier and the unit ends RELEASED
+        (unless persistent); with a DEVICE home the unit stays FETCHED for good.
+        """
+        self.persistent = persistent or param_home is Tier.DEVICE
+        # A persistent unit's device copy is its only home (no second copy on host or NVMe).
+        self.param_home = Tier.DEVICE if self.persistent else param_home
+        self._allocate_device(manager)
+        with torch.no_grad():
+            self.flat.zero_()
+            for entry in self.params:
+                self.flat[entry.offset:entry.offset + entry.numel].copy_(
+                    entry.param.detach().reshape(-1))
+        self.residency.to(Residency.FETCHED)
+        self._point_params()
+        if self.param_home is not Tier.DEVICE:
+            self.param_store = manager.create(f"{self.name}.params", self.numel, self.dtype,
+                                              self.param_home)
+            self.write_home(manager, staging)
+            self.release(manager)
+
+    def _point_params(self) -> None:
+        for entry in self.params:
+            entry.param.data = self.flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
+
+    def _allocate_device(self, manager: TierManager) -> None:
+        manager.device_budget.reserve(self.nbytes, f"unit {self.name}")
+        self._device_reserved = self.nbytes
+        if self.flat.numel() != self.numel:
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        else:
+            self.flat.untyped_storage().resize_(self.nbytes)
+
+    # -- fetch / release -----------------------------------------------------------------
+    def start_fetch(self, manager: TierManager, pool) -> bool:
+        """Begin the swap-in of an NVMe-homed unit into a host slot (prefetch).
+
+        Returns False when no slot is free (the fetch then happens synchronously at need).
+        """
+        if self.residency != Residency.RELEASED or self.param_home is not Tier.NVME:
+            return False
+        slot = pool.try_acquire()
+        if slot is None:
+            return False
+        self.fetch_slot = slot
+        self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
+        self.residency.to(Residency.FETCHING)
+        return True
+
+    def finish_fetch(self, manager: TierManager, pool) -> None:
+        """Make the unit's parameters valid on the device (waits for a prefetch in flight)."""
+        if self.residency == Residency.FETCHED:
+            return
+        self.fetch_count += 1
+        if self.residency == Residency.FETCHING:
+            if self.fetch_request.done():
+                self.prefetch_hits += 1
+        elif self.param_home is Tier.NVME:
+            slot = pool.acquire(timeout=60.0)
+            self.fetch_slot = slot
+            self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
+        manager.wait(self.fetch_request)
+        self.fetch_request = None
+        self._allocate_device(manager)
+        with torch.no_grad():
+            if self.param_home is Tier.NVME:
+                self.flat.copy_(self.fetch_slot.view(self.dtype, self.numel))
+                pool.release(self.fetch_slot)
+                self.fetch_slot = None
+            else:
+                self.flat.copy_(self.param_store.tensor[: self.numel])
+        manager.counters.host_to_device_bytes += self.nbytes
+        self.residency.to(Residency.FETCHED)
+
+    def cancel_fetch(self, manager: TierManager, pool) -> None:
+        """Drop a prefetch that was not used (waits for its read, frees its slot)."""
+        if self.residency != Residency.FETCHING:
+            return
+        try:
+            manager.wait(self.fetch_request)
+        finally:
+            self.fetch_request = None
+            pool.release(self.fetch_slot)
+            self.fetch_slot = None
+            self.residency.to(Residency.RELEASED)
+
+    def release(self, manager: TierManager) -> None:
+        """Free the device copy (no write-back: the home tier holds the current values)."""
+        if self.persistent or self.residency != Residency.FETCHED:
+            return
+        self.flat.untyped_storage().resize_(0)
+        manager.device_budget.release(self._device_reserved)
+        self._device_reserved = 0
+        self.residency.to(Residency.RELEASED)
+
+    def write_home(self, manager: TierManager, staging=None) -> None:
+        """Write the device copy back to the param home (after it was modified)."""
+        if self.param_store is None:
+            return
+        if self.param_store.resident:
+            self.param_store.tensor[: self.numel].copy_(self.flat)
+            return
+        slot = staging.acquire(timeout=60.0) if staging is not None else None
+        buf = slot.view(self.dtype, self.numel) if slot is not None else \
+            manager.host_empty(self.param_store.padded, self.dtype, what=f"{self.name} staging")
+        buf[: self.numel].copy_(self.flat)
+        manager.counters.device_to_host_bytes += self.nbytes
+        try:
+            manager.wait(self.param_store.store_async(buf))
+        finally:
+            if slot is not None:
+                staging.release(slot)
+
+
+def _segments(trainable: list[ParamEntry], end: int) -> list[Segment]:
+    """Contiguous runs of one group; each run extends to the next run's start (gaps included)."""
+    runs: list[Segment] = []
+    for entry in trainable:
+        if runs and runs[-1].group_index == entry.group_index:
+            continue
+        if runs:
+            runs[-1] = Segment(runs[-1].group_index, runs[-1].start, entry.offset)
+        runs.append(Segment(entry.group_index, entry.offset if runs else 0, end))
+    return runs
