@@ -1,0 +1,167 @@
+"""Preflight of a swap path, before any work: it exists, is a writable directory on a disk (not
+memory), O_DIRECT works there, and its free space covers what will be allocated.
+
+Why up front: a run that discovers after an hour of training that its swap path is read-only,
+on tmpfs, or too small wastes that hour; and an O_DIRECT failure deep inside the I/O engine says
+EINVAL, not "this filesystem does not support direct I/O, use the mmap backend". Every failure is a
+``SwapPathError`` (a ValueError, so the CLI prints it as one line and exits 2) that names the path,
+the filesystem type and the numbers involved, and says what to do.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from infinity.sizes import format_bytes
+
+# Filesystems whose "files" are memory: swapping there spends the RAM we are trying to save.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+_PROBE_BYTES = 4096
+
+
+class SwapPathError(ValueError):
+    """The swap path cannot hold swap files (the message names the path, the cause and a remedy)."""
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """What preflight found out about a swap path."""
+
+    path: Path
+    fs_type: str
+    """Filesystem type from /proc/mounts ("ext4", "xfs", "tmpfs", ... or "unknown")."""
+    mount_point: Path | None
+    free_bytes: int
+    """Bytes an unprivileged writer may still use there (statvfs f_bavail * f_frsize)."""
+    direct_io: bool
+    """Whether an O_DIRECT write and read of one page worked (False when not checked)."""
+
+
+def _unescape_mount_field(field: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def filesystem_of(path: str | os.PathLike[str]) -> tuple[str, Path | None]:
+    """(filesystem type, mount point) holding ``path``, from the longest matching /proc/mounts entry."""
+    real = os.path.realpath(path)
+    best: tuple[str, Path | None] = ("unknown", None)
+    best_len = -1
+    try:
+        with open("/proc/mounts") as mounts:
+            lines = mounts.readlines()
+    except OSError:
+        return best
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount_point = _unescape_mount_field(parts[1])
+        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+        # ">=": a later mount over the same point hides the earlier one.
+        if inside and len(mount_point) >= best_len:
+            best, best_len = (parts[2], Path(mount_point)), len(mount_point)
+    return best
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes that may still be written under ``path`` (statvfs f_bavail * f_frsize)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(path: str | os.PathLike[str], need_bytes: int, what: str = "swap files") -> int:
+    """Raise SwapPathError unless ``need_bytes`` fit on ``path``'s filesystem; returns free bytes."""
+    free = free_bytes(path)
+    if need_bytes > free:
+        fs_type, mount = filesystem_of(path)
+        raise SwapPathError(
+            f"not enough free space for {what} in {path}: need {format_bytes(need_bytes)} "
+            f"({need_bytes} bytes) but only {format_bytes(free)} ({free} bytes) are free on "
+            f"{mount or 'its filesystem'} ({fs_type}); free some space, point nvme_path at a larger "
+            "disk, or offload less to NVMe")
+    return free
+
+
+def probe_direct_io(path: str | os.PathLike[str]) -> None:
+    """Write and read back one page with O_DIRECT in ``path``; raises OSError when that fails.
+
+    The probe file has a fresh random name, is created with O_EXCL (so it can only be ours) and is
+    removed again.
+    """
+    probe = Path(path) / f".infinity-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    try:
+        buf = mmap.mmap(-1, _PROBE_BYTES)  # anonymous mmap: page-aligned, as O_DIRECT needs
+        try:
+            buf.write(b"infinity-probe".ljust(_PROBE_BYTES, b"\0"))
+            if os.pwritev(fd, [buf], 0) != _PROBE_BYTES:
+                raise OSError(errno.EIO, f"short O_DIRECT write of the probe {probe}")
+            buf.seek(0)
+            buf.write(bytes(_PROBE_BYTES))
+            if os.preadv(fd, [buf], 0) != _PROBE_BYTES or not buf[:14] == b"infinity-probe":
+                raise OSError(errno.EIO, f"O_DIRECT read-back of the probe {probe} did not match")
+        finally:
+            buf.close()
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def check_swap_path(path: str | os.PathLike[str], need_bytes: int = 0, *, direct_io: bool = True,
+                    allow_memory_fs: bool = False) -> PreflightReport:
+    """Check that ``path`` can hold ``need_bytes`` of swap files; raise SwapPathError if not.
+
+    ``direct_io=False`` skips the O_DIRECT probe (for the ``mmap`` backend). ``allow_memory_fs``
+    accepts tmpfs/ramfs (only sensible in tests: swapping to memory saves no memory).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise SwapPathError(f"swap path {path} does not exist; create it (mkdir -p {path}) or "
+                            "choose an existing directory on a local disk")
+    if not path.is_dir():
+        raise SwapPathError(f"swap path {path} is not a directory; give the directory that should "
+                            "hold the swap files")
+    fs_type, mount = filesystem_of(path)
+    where = f"{path} (filesystem {fs_type}, mounted at {mount or '?'})"
+    if fs_type in MEMORY_FILESYSTEMS and not allow_memory_fs:
+        raise SwapPathError(
+            f"swap path {where} is memory, not a disk: swap files there would use the RAM that "
+            "offloading is meant to save; choose a directory on an NVMe/SSD (e.g. /var/tmp or "
+            "/local_nvme)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        cause = "is on a read-only mount" if read_only else "is not writable by this user"
+        raise SwapPathError(f"swap path {where} {cause}; choose a writable directory or fix its "
+                            "permissions")
+    direct_ok = False
+    if direct_io:
+        try:
+            probe_direct_io(path)
+            direct_ok = True
+        except OSError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise SwapPathError(f"swap path {where} is not writable ({os.strerror(exc.errno)}); "
+                                    "choose a writable directory") from exc
+            if exc.errno == errno.ENOSPC:
+                raise SwapPathError(f"swap path {where} is full (no room for a 4 KiB probe); "
+                                    "free space or choose another path") from exc
+            raise SwapPathError(
+                f"O_DIRECT does not work in {where}: {os.strerror(exc.errno or 0)} (errno "
+                f"{exc.errno}); use the \"mmap\" I/O backend (aio backend \"mmap\"), or a swap path "
+                "on a filesystem with direct I/O (ext4, xfs, btrfs on a local disk)") from exc
+    free = check_free_space(path, need_bytes)
+    return PreflightReport(path=path, fs_type=fs_type, mount_point=mount, free_bytes=free,
+                           direct_io=direct_ok)

@@ -1,0 +1,159 @@
+"""Private swap directory: 0700 + marker, removal of only our files, reclaim of a dead owner's dir."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from infinity.storage import swap_dir as sd
+from infinity.storage.swap_dir import (MARKER_NAME, Liveness, NotOursError, Owner,
+                                       OwnerAliveError, SwapDir, reclaim, reclaim_stale)
+
+
+@pytest.fixture
+def infinity_log(caplog: pytest.LogCaptureFixture):
+    """caplog that also sees the package logger (which does not propagate to the root logger)."""
+    logger = logging.getLogger("infinity")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def dead_pid() -> int:
+    """A pid that just exited (reuse within the test is vanishingly unlikely)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def fake_private_dir(parent: Path, owner: Owner, files: dict[str, int], name: str = "") -> Path:
+    """A directory laid out like a killed run's: marker + listed files of the given sizes."""
+    path = parent / (name or f"{sd.DIR_PREFIX}r{owner.rank}-p{owner.pid}-abcdef")
+    path.mkdir(mode=0o700)
+    marker = sd.Marker(owner=owner, files=list(files))
+    (path / MARKER_NAME).write_text(marker.to_json())
+    for file_name, size in files.items():
+        with open(path / file_name, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, size)
+    return path
+
+
+def test_create_makes_private_dir_with_marker(disk_dir: Path) -> None:
+    d = SwapDir.create(disk_dir, rank=3)
+    try:
+        assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
+        data = json.loads((d.path / MARKER_NAME).read_text())
+        me = Owner.of_this_process(3)
+        assert data["owner"] == {"pid": os.getpid(), "boot_id": me.boot_id,
+                                 "start_time": me.start_time, "rank": 3, "hostname": me.hostname}
+        assert me.boot_id and me.start_time > 0
+        p = d.register_file("swap-0.bin")
+        p.write_bytes(b"x" * 10)
+        assert sd.read_marker(d.path).files == ["swap-0.bin"]
+        with pytest.raises(ValueError, match="plain name"):
+            d.register_file("../escape")
+        assert d.owner.liveness()[0] is Liveness.ALIVE
+    finally:
+        result = d.remove()
+    assert result.dir_removed and result.files_removed == 1 and not d.path.exists()
+
+
+def test_remove_keeps_foreign_files_and_the_directory(disk_dir: Path, infinity_log) -> None:
+    d = SwapDir.create(disk_dir)
+    d.register_file("swap-0.bin").write_bytes(b"ours")
+    user_file = d.path / "notes.txt"
+    user_file.write_text("a user's file")
+    result = d.remove()
+    assert not result.dir_removed and result.leftovers == ["notes.txt"]
+    assert user_file.read_text() == "a user's file"
+    assert not (d.path / "swap-0.bin").exists() and not (d.path / MARKER_NAME).exists()
+    assert "notes.txt" in infinity_log.text
+
+
+@pytest.mark.parametrize("how", ["pid_gone", "pid_reused", "rebooted"])
+def test_dead_owner_is_reclaimed_with_a_log_line(disk_dir: Path, how: str, infinity_log) -> None:
+    me = Owner.of_this_process(0)
+    owner = {
+        "pid_gone": Owner(dead_pid(), me.boot_id, 12345, 0, me.hostname),
+        "pid_reused": Owner(os.getpid(), me.boot_id, me.start_time + 1, 0, me.hostname),
+        "rebooted": Owner(os.getpid(), "00000000-dead-boot-0000-000000000000", me.start_time, 0,
+                          me.hostname),
+    }[how]
+    path = fake_private_dir(disk_dir, owner, {"swap-0.bin": 1 << 20, "swap-1.bin": 1 << 20})
+    assert owner.liveness()[0] is Liveness.DEAD
+    results = reclaim_stale(disk_dir)
+    assert [r.path for r in results] == [path] and not path.exists()
+    assert results[0].bytes_freed >= 2 << 20 and results[0].files_removed == 2
+    assert "2.00 MiB freed in 2 files" in infinity_log.text
+
+
+def test_live_foreign_and_other_host_dirs_are_not_reclaimed(disk_dir: Path) -> None:
+    live = SwapDir.create(disk_dir)
+    live.register_file("swap-0.bin").write_bytes(b"live data")
+    foreign = disk_dir / f"{sd.DIR_PREFIX}looks-like-ours"
+    foreign.mkdir()
+    (foreign / "precious.dat").write_text("keep")
+    me = Owner.of_this_process(0)
+    elsewhere = fake_private_dir(disk_dir, Owner(dead_pid(), "x", 1, 0, "another-host"),
+                                 {"swap-0.bin": 4096})
+    try:
+        assert reclaim_stale(disk_dir) == []
+        with pytest.raises(OwnerAliveError, match="still running"):
+            reclaim(live.path)
+        with pytest.raises(NotOursError, match="no infinity-swap.json marker"):
+            reclaim(foreign)
+        with pytest.raises(OwnerAliveError, match="another-host"):
+            reclaim(elsewhere)
+        assert (live.path / "swap-0.bin").read_bytes() == b"live data"
+        assert (foreign / "precious.dat").read_text() == "keep"
+        assert (elsewhere / "swap-0.bin").exists()
+    finally:
+        live.remove()
+        for p in (foreign / "precious.dat", elsewhere / "swap-0.bin", elsewhere / MARKER_NAME):
+            p.unlink()
+        foreign.rmdir()
+        elsewhere.rmdir()
+    assert me.hostname != "another-host"
+
+
+def test_marker_never_deletes_outside_names(disk_dir: Path) -> None:
+    outside = disk_dir / "victim.txt"
+    outside.write_text("must survive")
+    owner = Owner(dead_pid(), "", 0, 0, Owner.of_this_process(0).hostname)
+    path = fake_private_dir(disk_dir, owner, {})
+    marker = sd.Marker(owner=owner, files=["../victim.txt", "/etc/hostname", ".hidden"])
+    (path / MARKER_NAME).write_text(marker.to_json())
+    reclaim(path)
+    assert outside.read_text() == "must survive" and not path.exists()
+    outside.unlink()
+
+
+def test_killed_process_dir_is_reclaimed_by_next_start(disk_dir: Path) -> None:
+    """A real SIGKILL: the child creates a swap dir with a file and is killed; we reclaim it."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys, time
+        from infinity.storage.swap_dir import SwapDir
+        d = SwapDir.create({str(disk_dir)!r}, rank=1)
+        with open(d.register_file("swap-0.bin"), "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, 1 << 20)
+        print(d.path, flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    path = Path(child.stdout.readline().strip())
+    assert (path / "swap-0.bin").exists()
+    assert reclaim_stale(disk_dir) == []  # still alive
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    child.stdout.close()
+    results = reclaim_stale(disk_dir)
+    assert [r.path for r in results] == [path] and not path.exists()
