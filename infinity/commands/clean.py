@@ -1,0 +1,54 @@
+"""``infinity clean PATH``: remove swap files left by a killed run, by hand.
+
+PATH is either one private swap directory (``.../infinity-swap-r0-p1234-ab12cd``) or the
+``nvme_path`` that holds them. Only directories with an infinity marker whose owner is dead are
+touched, and in them only the files the marker lists; a directory without a marker, or whose
+owner still runs (or runs on another host), is refused with exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from infinity.sizes import format_bytes
+from infinity.storage.swap_dir import (MARKER_NAME, NotOursError, OwnerAliveError, Removal,
+                                       find_swap_dirs, reclaim)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", type=Path,
+                        help="a private swap directory, or the nvme_path holding such directories")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="only say what would be removed")
+
+
+def _describe(result: Removal, dry_run: bool) -> str:
+    verb = "would free" if dry_run else "freed"
+    line = (f"{result.path}: {verb} {format_bytes(result.bytes_freed)} in {result.files_removed} "
+            f"swap files ({result.reason})")
+    if result.leftovers:
+        line += f"; directory kept, it holds files infinity did not create: {', '.join(result.leftovers)}"
+    return line
+
+
+def run(args: argparse.Namespace) -> int:
+    path: Path = args.path
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if (path / MARKER_NAME).exists() or path.is_symlink() or not path.is_dir():
+        # One private directory: refusals propagate (ValueError -> one line, exit 2).
+        print(_describe(reclaim(path, dry_run=args.dry_run), args.dry_run))
+        return 0
+    candidates = find_swap_dirs(path)
+    if not candidates:
+        raise NotOursError(f"{path} has no {MARKER_NAME} marker and holds no infinity swap "
+                           "directories; nothing was touched")
+    refused = 0
+    for candidate in candidates:
+        try:
+            print(_describe(reclaim(candidate, dry_run=args.dry_run), args.dry_run))
+        except (NotOursError, OwnerAliveError, FileNotFoundError) as exc:
+            refused += 1
+            print(f"infinity clean: refused: {exc}", file=sys.stderr)
+    return 2 if refused else 0

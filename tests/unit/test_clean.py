@@ -1,0 +1,80 @@
+"""``infinity clean``: removes a dead run's swap dir; refuses a live owner and a foreign dir (exit 2)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infinity.cli import main
+from infinity.storage import swap_dir as sd
+from infinity.storage.swap_dir import MARKER_NAME, Owner, SwapDir
+
+
+def _dead_owner(rank: int = 0) -> Owner:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    me = Owner.of_this_process(rank)
+    return Owner(proc.pid, me.boot_id, 1, rank, me.hostname)
+
+
+def _stale_dir(parent: Path, name: str = "infinity-swap-r0-p1-dead00") -> Path:
+    path = parent / name
+    path.mkdir(mode=0o700)
+    (path / MARKER_NAME).write_text(sd.Marker(owner=_dead_owner(), files=["swap-0.bin"]).to_json())
+    with open(path / "swap-0.bin", "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 1 << 20)
+    return path
+
+
+def test_clean_removes_a_dead_runs_directory(disk_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    path = _stale_dir(disk_dir)
+    assert main(["clean", str(path), "--dry-run"]) == 0
+    assert "would free 1.00 MiB in 1 swap files" in capsys.readouterr().out and path.exists()
+    assert main(["clean", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "freed 1.00 MiB in 1 swap files" in out and "is gone" in out
+    assert not path.exists()
+
+
+def test_clean_of_the_parent_reclaims_every_dead_dir(disk_dir: Path, capsys) -> None:
+    a, b = _stale_dir(disk_dir, "infinity-swap-r0-p1-aaaaaa"), _stale_dir(disk_dir, "infinity-swap-r1-p2-bbbbbb")
+    assert main(["clean", str(disk_dir)]) == 0
+    assert not a.exists() and not b.exists()
+    assert capsys.readouterr().out.count("freed 1.00 MiB") == 2
+
+
+def test_clean_refuses_a_live_owner(disk_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    live = SwapDir.create(disk_dir)
+    try:
+        live.register_file("swap-0.bin").write_bytes(b"in use")
+        assert main(["clean", str(live.path)]) == 2
+        err = capsys.readouterr().err
+        assert "is in use" in err and f"pid {os.getpid()}" in err and "stop that run first" in err
+        assert main(["clean", str(disk_dir)]) == 2  # via the parent as well
+        assert (live.path / "swap-0.bin").read_bytes() == b"in use"
+    finally:
+        live.remove()
+
+
+def test_clean_refuses_a_foreign_directory(disk_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    (disk_dir / "data.bin").write_bytes(b"user data")
+    assert main(["clean", str(disk_dir)]) == 2
+    assert "no infinity-swap.json marker" in capsys.readouterr().err
+    lookalike = disk_dir / "infinity-swap-r0-p1-user"
+    lookalike.mkdir()
+    (lookalike / "swap-0.bin").write_bytes(b"not ours")
+    assert main(["clean", str(lookalike)]) == 2
+    assert main(["clean", str(disk_dir)]) == 2
+    assert "nothing there was touched" in capsys.readouterr().err
+    assert (lookalike / "swap-0.bin").read_bytes() == b"not ours"
+    assert (disk_dir / "data.bin").read_bytes() == b"user data"
+    (lookalike / "swap-0.bin").unlink()
+    lookalike.rmdir()
+
+
+def test_clean_of_a_missing_path(disk_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["clean", str(disk_dir / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
