@@ -1,0 +1,107 @@
+"""ctypes declarations of the native CPU Adam (``native/include/inf_adam.h``), declared once.
+
+Kept apart from ``cpu_adam.py`` so that the optimizer, the benchmark and the tests share one set of
+argtypes. ctypes releases the GIL during every call, so a step never blocks other Python threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from infinity import _native
+
+DTYPE_NONE = -1
+DTYPE_F32 = 0
+DTYPE_BF16 = 1
+DTYPE_F16 = 2
+
+KERNELS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "neon": 4}
+KERNEL_NAMES = {v: k for k, v in KERNELS.items()}
+
+
+class HParams(ctypes.Structure):
+    """Mirror of ``struct inf_adam_hparams``."""
+
+    _fields_ = [
+        ("lr", ctypes.c_double),
+        ("beta1", ctypes.c_double),
+        ("beta2", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("grad_scale", ctypes.c_double),
+        ("step", ctypes.c_int64),
+        ("adamw_mode", ctypes.c_int32),
+        ("bias_correction", ctypes.c_int32),
+    ]
+
+
+class TensorRange(ctypes.Structure):
+    """Mirror of ``struct inf_adam_tensor`` (raw addresses; numel elements each)."""
+
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("exp_avg", ctypes.c_void_p),
+        ("exp_avg_sq", ctypes.c_void_p),
+        ("half_out", ctypes.c_void_p),
+        ("numel", ctypes.c_int64),
+    ]
+
+
+_lock = threading.Lock()
+_declared: ctypes.CDLL | None = None
+
+
+def lib() -> ctypes.CDLL:
+    """The native library with the inf_adam_* signatures declared (raises NativeLibraryError, or
+    AttributeError for a library built before this component existed)."""
+    global _declared
+    if _declared is not None:
+        return _declared
+    with _lock:
+        if _declared is None:
+            library = _native.lib()
+            _declare(library)
+            _declared = library
+    return _declared
+
+
+def _declare(L: ctypes.CDLL) -> None:
+    c_int, vp, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
+    sigs = {
+        "inf_adam_step": (c_int, [ctypes.POINTER(HParams), ctypes.POINTER(TensorRange), c_int,
+                                  c_int, c_int, c_int, c_int]),
+        "inf_adam_kernel_supported": (c_int, [c_int]),
+        "inf_adam_kernel_best": (c_int, []),
+        "inf_adam_kernel_name": (ctypes.c_char_p, [c_int]),
+        "inf_adam_rmw_bandwidth": (c_int, [vp, vp, vp, vp, i64, c_int]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(L, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def kernel_supported(name: str) -> bool:
+    """Whether the kernel ``name`` ("scalar", "avx2", "avx512", "neon") runs on this CPU and build."""
+    return bool(lib().inf_adam_kernel_supported(KERNELS[name]))
+
+
+def best_kernel() -> str:
+    """The kernel "auto" resolves to on this CPU."""
+    return KERNEL_NAMES[lib().inf_adam_kernel_best()]
+
+
+def step(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: int, kernel: int,
+         threads: int) -> None:
+    """One native step over ``ranges`` (an array of TensorRange); raises OSError on a -errno."""
+    ret = lib().inf_adam_step(ctypes.byref(hp), ranges, len(ranges), grad_dtype, half_dtype,
+                              kernel, threads)
+    _native.check(ret, f"inf_adam_step({len(ranges)} ranges, kernel {KERNEL_NAMES.get(kernel)}, "
+                       f"grad dtype {grad_dtype}, half dtype {half_dtype}, {threads} threads)")
+
+
+def rmw_bandwidth(a: int, b: int, c: int, d: int, n: int, threads: int) -> None:
+    """The 28 B/element read-modify-write reference kernel (a, c, d += b) on raw float32 addresses."""
+    _native.check(lib().inf_adam_rmw_bandwidth(a, b, c, d, n, threads),
+                  f"inf_adam_rmw_bandwidth({n} elements, {threads} threads)")

@@ -1,0 +1,92 @@
+/* CPU Adam / AdamW over fp32 master weights and moments, with an optional fused 16-bit copy.
+ *
+ * One pass over each flat range reads the fp32 param, the gradient (fp32, bf16 or fp16), m and v,
+ * applies Adam (L2 weight decay added to the gradient) or AdamW (decoupled weight decay) with bias
+ * correction, writes param, m and v, and optionally writes the updated param as bf16 or fp16 into
+ * a second buffer (the copy a GPU needs next step). The step is memory-bandwidth bound (28 bytes
+ * per parameter, +2 for the 16-bit copy), so the work of one call is split across a small
+ * persistent thread pool (the calling thread takes part) in cache-line aligned chunks.
+ *
+ * Kernels: a scalar reference and SIMD paths (AVX-512, AVX2+FMA+F16C, NEON) chosen at run time.
+ * Every SIMD path gives the same bits as the scalar reference: the same operations in the same
+ * order, no FMA contraction anywhere, IEEE sqrt and division.
+ *
+ * Element update, in this order (all float32; constants precomputed in double, then rounded):
+ *   g  = grad * (1 / grad_scale)
+ *   g  = g + weight_decay * p                      (Adam mode with weight_decay != 0 only)
+ *   m  = beta1 * m + (1 - beta1) * g
+ *   v  = beta2 * v + ((1 - beta2) * g) * g
+ *   d  = sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps
+ *   p  = p * (1 - lr * weight_decay)               (AdamW mode only)
+ *   p  = p - (lr / (1 - beta1^step)) * (m / d)
+ *   half_out = round_to_nearest_even(p)            (when asked; NaN as torch's .to() gives it)
+ * Without bias correction both (1 - beta^step) factors are 1.
+ */
+#ifndef INF_ADAM_H
+#define INF_ADAM_H
+
+#include <stdint.h>
+
+#include "inf_common.h"
+
+/* Element types of the gradient and of the 16-bit copy. */
+#define INF_ADAM_DTYPE_NONE (-1) /* no 16-bit copy (half_dtype only) */
+#define INF_ADAM_DTYPE_F32 0
+#define INF_ADAM_DTYPE_BF16 1
+#define INF_ADAM_DTYPE_F16 2
+
+/* Kernels. AUTO picks the fastest one this CPU and build support. */
+#define INF_ADAM_KERNEL_AUTO 0
+#define INF_ADAM_KERNEL_SCALAR 1
+#define INF_ADAM_KERNEL_AVX2 2
+#define INF_ADAM_KERNEL_AVX512 3
+#define INF_ADAM_KERNEL_NEON 4
+
+/* Hyperparameters of one step; the layout is mirrored by ctypes in infinity/optim/_adam_native.py. */
+struct inf_adam_hparams {
+    double lr;           /* >= 0 */
+    double beta1;        /* in [0, 1) */
+    double beta2;        /* in [0, 1) */
+    double eps;          /* >= 0 */
+    double weight_decay; /* >= 0 */
+    double grad_scale;   /* > 0: gradients are divided by it (loss-scale unscaling, clipping) */
+    int64_t step;        /* the step being taken, counted from 1 (>= 1 with bias correction) */
+    int32_t adamw_mode;  /* 1: decoupled weight decay (AdamW); 0: L2 added to the gradient (Adam) */
+    int32_t bias_correction; /* 1: divide the moments by (1 - beta^step); 0: do not */
+};
+
+/* One flat range. param, exp_avg, exp_avg_sq are float32; grad is of the call's grad_dtype;
+ * half_out (may be NULL when the call's half_dtype is NONE) is bf16 or fp16. All hold numel
+ * elements, need no alignment, and must not overlap each other. */
+struct inf_adam_tensor {
+    float *param;
+    const void *grad;
+    float *exp_avg;
+    float *exp_avg_sq;
+    void *half_out;
+    int64_t numel;
+};
+
+/* Step ntensors flat ranges in one call (the work of all of them is shared by nthreads threads).
+ * nthreads <= 0 means the CPUs this process may run on (sched_getaffinity).
+ * Returns 0, -EINVAL (bad hyperparameters, dtypes, NULL pointers or negative sizes: nothing is
+ * written), or -ENOTSUP (kernel not supported by this CPU or build). */
+INF_API int inf_adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
+                          int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads);
+
+/* 1 when kernel (an INF_ADAM_KERNEL_*) can run on this CPU with this build, else 0. */
+INF_API int inf_adam_kernel_supported(int kernel);
+
+/* The kernel AUTO resolves to on this CPU. */
+INF_API int inf_adam_kernel_best(void);
+
+/* "auto", "scalar", "avx2", "avx512", "neon", or NULL for an unknown id. */
+INF_API const char *inf_adam_kernel_name(int kernel);
+
+/* Reference for benchmarks: the memory traffic of an fp32 Adam step with trivial arithmetic.
+ * Reads a, b, c, d and writes a, c, d in place (a += b; c += b; d += b: 28 bytes per element),
+ * split across nthreads threads exactly like inf_adam_step. Returns 0 or -EINVAL. */
+INF_API int inf_adam_rmw_bandwidth(float *a, const float *b, float *c, float *d, int64_t n,
+                                   int nthreads);
+
+#endif

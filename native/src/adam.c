@@ -1,0 +1,251 @@
+/* CPU Adam entry points: argument checks, per-step constants, kernel choice, and the split of a
+ * call's ranges into cache-line aligned chunks shared by the thread pool. */
+#include <errno.h>
+#include <math.h> /* isfinite only: the library needs no libm */
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "adam_internal.h"
+#include "inf_info.h"
+
+/* Elements per chunk: 256 KiB of each fp32 stream. Small enough that threads finish together on a
+ * noisy machine, large enough that each stream is a long sequential run for the prefetchers. */
+#define CHUNK_ELEMS (64 * 1024)
+/* Below this many elements per thread, waking a worker costs more than it saves. */
+#define MIN_ELEMS_PER_THREAD (64 * 1024)
+
+struct chunk {
+    const struct inf_adam_tensor *t;
+    int64_t begin, end;
+};
+
+struct job {
+    const struct adam_consts *c;
+    adam_range_fn fn;
+    const struct chunk *chunks;
+    size_t nchunks;
+    int gdt, hdt;
+    atomic_size_t next;
+};
+
+static size_t dtype_size(int dt) { return dt == INF_ADAM_DTYPE_F32 ? 4 : 2; }
+
+static void run_chunks(void *arg, int index) {
+    (void)index;
+    struct job *j = arg;
+    size_t gsz = dtype_size(j->gdt);
+    for (;;) {
+        size_t k = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (k >= j->nchunks) return;
+        const struct chunk *ch = &j->chunks[k];
+        const struct inf_adam_tensor *t = ch->t;
+        int64_t b = ch->begin;
+        void *half = t->half_out ? (void *)((uint16_t *)t->half_out + b) : NULL;
+        j->fn(j->c, t->param + b, (const unsigned char *)t->grad + (size_t)b * gsz,
+              t->exp_avg + b, t->exp_avg_sq + b, half, (size_t)(ch->end - b), j->gdt, j->hdt);
+    }
+}
+
+/* First element index >= want at which param's address is 64-byte aligned (or want itself when
+ * param is not even float-aligned). */
+static int64_t aligned_boundary(const float *param, int64_t want) {
+    uintptr_t a = (uintptr_t)(param + want);
+    if ((uintptr_t)param % sizeof(float)) return want;
+    return want + (int64_t)(((64 - a % 64) % 64) / sizeof(float));
+}
+
+static size_t count_chunks(const struct inf_adam_tensor *ts, int nt) {
+    size_t n = 0;
+    for (int i = 0; i < nt; i++)
+        if (ts[i].numel > 0) n += (size_t)(ts[i].numel / CHUNK_ELEMS) + 1;
+    return n;
+}
+
+static size_t fill_chunks(const struct inf_adam_tensor *ts, int nt, struct chunk *out) {
+    size_t n = 0;
+    for (int i = 0; i < nt; i++) {
+        int64_t b = 0, numel = ts[i].numel;
+        while (b < numel) {
+            int64_t e = numel - b <= CHUNK_ELEMS + CHUNK_ELEMS / 4
+                            ? numel
+                            : aligned_boundary(ts[i].param, b + CHUNK_ELEMS);
+            if (e > numel) e = numel;
+            out[n++] = (struct chunk){&ts[i], b, e};
+            b = e;
+        }
+    }
+    return n;
+}
+
+/* Runs fn over every range of ts on up to nthreads threads. */
+static int run_ranges(const struct adam_consts *c, adam_range_fn fn,
+                      const struct inf_adam_tensor *ts, int nt, int gdt, int hdt, int nthreads) {
+    int64_t total = 0;
+    for (int i = 0; i < nt; i++) total += ts[i].numel;
+    if (total == 0) return 0;
+    size_t cap = count_chunks(ts, nt);
+    struct chunk *chunks = malloc(cap * sizeof *chunks);
+    if (!chunks) return -ENOMEM;
+    struct job j = {.c = c, .fn = fn, .chunks = chunks, .gdt = gdt, .hdt = hdt};
+    j.nchunks = fill_chunks(ts, nt, chunks);
+    atomic_init(&j.next, 0);
+    if (nthreads <= 0) nthreads = inf_adam_cpus_allowed();
+    int64_t useful = total / MIN_ELEMS_PER_THREAD;
+    if (useful < 1) useful = 1;
+    if (nthreads > useful) nthreads = (int)useful;
+    if ((size_t)nthreads > j.nchunks) nthreads = (int)j.nchunks;
+    inf_adam_pool_run(nthreads, run_chunks, &j);
+    free(chunks);
+    return 0;
+}
+
+/* ---- kernels ---- */
+
+const char *inf_adam_kernel_name(int kernel) {
+    switch (kernel) {
+    case INF_ADAM_KERNEL_AUTO: return "auto";
+    case INF_ADAM_KERNEL_SCALAR: return "scalar";
+    case INF_ADAM_KERNEL_AVX2: return "avx2";
+    case INF_ADAM_KERNEL_AVX512: return "avx512";
+    case INF_ADAM_KERNEL_NEON: return "neon";
+    default: return NULL;
+    }
+}
+
+int inf_adam_kernel_supported(int kernel) {
+    unsigned f = inf_cpu_features();
+    switch (kernel) {
+    case INF_ADAM_KERNEL_AUTO:
+    case INF_ADAM_KERNEL_SCALAR: return 1;
+#if defined(__x86_64__)
+    case INF_ADAM_KERNEL_AVX2: {
+        unsigned need = INF_CPU_AVX2 | INF_CPU_FMA | INF_CPU_F16C;
+        return (f & need) == need;
+    }
+    case INF_ADAM_KERNEL_AVX512: return (f & INF_CPU_AVX512F) != 0;
+#endif
+#if defined(__aarch64__)
+    case INF_ADAM_KERNEL_NEON: return (f & INF_CPU_NEON) != 0;
+#endif
+    default: return 0;
+    }
+}
+
+int inf_adam_kernel_best(void) {
+    if (inf_adam_kernel_supported(INF_ADAM_KERNEL_AVX512)) return INF_ADAM_KERNEL_AVX512;
+    if (inf_adam_kernel_supported(INF_ADAM_KERNEL_AVX2)) return INF_ADAM_KERNEL_AVX2;
+    if (inf_adam_kernel_supported(INF_ADAM_KERNEL_NEON)) return INF_ADAM_KERNEL_NEON;
+    return INF_ADAM_KERNEL_SCALAR;
+}
+
+static adam_range_fn kernel_fn(int kernel) {
+    switch (kernel) {
+    case INF_ADAM_KERNEL_SCALAR: return inf_adam_range_scalar;
+#if defined(__x86_64__)
+    case INF_ADAM_KERNEL_AVX2: return inf_adam_range_avx2;
+    case INF_ADAM_KERNEL_AVX512: return inf_adam_range_avx512;
+#endif
+#if defined(__aarch64__)
+    case INF_ADAM_KERNEL_NEON: return inf_adam_range_neon;
+#endif
+    default: return NULL;
+    }
+}
+
+/* ---- the step ---- */
+
+static int check_hparams(const struct inf_adam_hparams *hp) {
+    if (!hp) return -EINVAL;
+    if (!isfinite(hp->lr) || hp->lr < 0) return -EINVAL;
+    if (!(hp->beta1 >= 0 && hp->beta1 < 1) || !(hp->beta2 >= 0 && hp->beta2 < 1)) return -EINVAL;
+    if (!isfinite(hp->eps) || hp->eps < 0) return -EINVAL;
+    if (!isfinite(hp->weight_decay) || hp->weight_decay < 0) return -EINVAL;
+    if (!isfinite(hp->grad_scale) || !(hp->grad_scale > 0)) return -EINVAL;
+    if (hp->bias_correction && hp->step < 1) return -EINVAL;
+    return 0;
+}
+
+static int check_tensors(const struct inf_adam_tensor *ts, int nt, int gdt, int hdt) {
+    if (nt < 0 || (nt > 0 && !ts)) return -EINVAL;
+    if (gdt != INF_ADAM_DTYPE_F32 && gdt != INF_ADAM_DTYPE_BF16 && gdt != INF_ADAM_DTYPE_F16)
+        return -EINVAL;
+    if (hdt != INF_ADAM_DTYPE_NONE && hdt != INF_ADAM_DTYPE_BF16 && hdt != INF_ADAM_DTYPE_F16)
+        return -EINVAL;
+    for (int i = 0; i < nt; i++) {
+        const struct inf_adam_tensor *t = &ts[i];
+        if (t->numel < 0) return -EINVAL;
+        if (t->numel == 0) continue;
+        if (!t->param || !t->grad || !t->exp_avg || !t->exp_avg_sq) return -EINVAL;
+        if (hdt != INF_ADAM_DTYPE_NONE && !t->half_out) return -EINVAL;
+    }
+    return 0;
+}
+
+/* x^n by binary exponentiation in double: deterministic, no libm (the torch path mirrors it). */
+static double power(double x, int64_t n) {
+    double r = 1.0;
+    while (n > 0) {
+        if (n & 1) r *= x;
+        x *= x;
+        n >>= 1;
+    }
+    return r;
+}
+
+static struct adam_consts make_consts(const struct inf_adam_hparams *hp) {
+    /* in double, then rounded once: infinity/optim/cpu_adam.py's torch path does the same */
+    double bc1 = hp->bias_correction ? 1.0 - power(hp->beta1, hp->step) : 1.0;
+    double bc2 = hp->bias_correction ? 1.0 - power(hp->beta2, hp->step) : 1.0;
+    int l2 = !hp->adamw_mode && hp->weight_decay != 0.0;
+    struct adam_consts c = {
+        .inv_scale = (float)(1.0 / hp->grad_scale),
+        .l2 = l2 ? (float)hp->weight_decay : 0.0f,
+        .beta1 = (float)hp->beta1,
+        .one_minus_beta1 = (float)(1.0 - hp->beta1),
+        .beta2 = (float)hp->beta2,
+        .one_minus_beta2 = (float)(1.0 - hp->beta2),
+        .inv_bc2_sqrt = (float)(1.0 / adam_sqrt(bc2)),
+        .eps = (float)hp->eps,
+        .decay = hp->adamw_mode ? (float)(1.0 - hp->lr * hp->weight_decay) : 1.0f,
+        .step_size = (float)(hp->lr / bc1),
+        .mode = l2 ? ADAM_MODE_L2 : ADAM_MODE_DECOUPLED,
+    };
+    return c;
+}
+
+int inf_adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
+                  int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads) {
+    int rc = check_hparams(hp);
+    if (rc == 0) rc = check_tensors(tensors, ntensors, grad_dtype, half_dtype);
+    if (rc) return rc;
+    if (kernel == INF_ADAM_KERNEL_AUTO) kernel = inf_adam_kernel_best();
+    if (!inf_adam_kernel_supported(kernel)) return -ENOTSUP;
+    adam_range_fn fn = kernel_fn(kernel);
+    if (!fn) return -ENOTSUP;
+    struct adam_consts c = make_consts(hp);
+    return run_ranges(&c, fn, tensors, ntensors, grad_dtype, half_dtype, nthreads);
+}
+
+/* ---- bandwidth reference ---- */
+
+static void rmw_range(const struct adam_consts *c, float *restrict a, const void *bv,
+                      float *restrict cc, float *restrict d,
+                      void *half, size_t n, int gdt, int hdt) {
+    (void)c, (void)half, (void)gdt, (void)hdt;
+    const float *b = bv;
+    for (size_t i = 0; i < n; i++) {
+        float x = b[i];
+        a[i] += x;
+        cc[i] += x;
+        d[i] += x;
+    }
+}
+
+int inf_adam_rmw_bandwidth(float *a, const float *b, float *c, float *d, int64_t n,
+                           int nthreads) {
+    if (n < 0 || (n > 0 && (!a || !b || !c || !d))) return -EINVAL;
+    struct inf_adam_tensor t = {a, b, c, d, NULL, n};
+    struct adam_consts unused = {0};
+    return run_ranges(&unused, rmw_range, &t, 1, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE,
+                      nthreads);
+}
