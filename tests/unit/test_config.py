@@ -1,0 +1,364 @@
+"""The ds_config parser: round trip, every error class with its message, "auto", batch sizes."""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+
+from infinity.config import (AioSection, ConfigError, InfinityConfig, OffloadConfig,
+                             OptimizerConfig, ZeroConfig)
+
+# A realistic ZeRO-3 NVMe config as users write it for DeepSpeed (plus our "infinity" section).
+ZERO3_NVME = {
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 50,
+    "wall_clock_breakdown": True,
+    "seed": 1234,
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 100,
+                             "total_num_steps": 1000, "warmup_type": "linear"}},
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                              "buffer_count": 4, "pipeline_read": True, "pipeline_write": True,
+                              "fast_init": False},
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                          "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": "1G"},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e8,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": 5e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 2,
+            "single_submit": False, "overlap_events": True, "use_gds": False},
+    "infinity": {"host_memory_budget": "12GiB", "device_memory_budget": 4e9, "early_step": "off",
+                 "unit_modules": ["LlamaDecoderLayer"], "compute_dtype": "auto"},
+}
+
+# What the Hugging Face Trainer writes (its ds_config_zero3.json), "auto" everywhere.
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+HF_VALUES = {
+    "fp16.enabled": False, "bf16.enabled": True, "optimizer.params.lr": 2e-5,
+    "optimizer.params.betas": [0.9, 0.999], "optimizer.params.eps": 1e-8,
+    "optimizer.params.weight_decay": 0.0, "scheduler.params.warmup_min_lr": 0.0,
+    "scheduler.params.warmup_max_lr": 2e-5, "scheduler.params.warmup_num_steps": 10,
+    "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 4,
+}
+
+
+def with_change(path: str, value: object, base: dict = ZERO3_NVME) -> dict:
+    """A deep copy of ``base`` with the dotted ``path`` set (created if missing)."""
+    d = copy.deepcopy(base)
+    *parents, leaf = path.split(".")
+    node = d
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return d
+
+
+def test_zero3_nvme_config_parses_and_round_trips() -> None:
+    cfg = InfinityConfig.from_dict(ZERO3_NVME, world_size=2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (16, 2, 4)
+    assert cfg.optimizer == OptimizerConfig(type="AdamW", lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
+                                            weight_decay=0.1)
+    assert cfg.scheduler is not None and cfg.scheduler.type == "WarmupDecayLR"
+    assert cfg.scheduler.total_num_steps == 1000 and cfg.scheduler.warmup_type == "linear"
+    assert cfg.bf16.enabled and not cfg.fp16.enabled and cfg.gradient_clipping == 1.0
+    z = cfg.zero
+    assert z.stage == 3 and z.sub_group_size == 100_000_000 and z.reduce_bucket_size is None
+    assert z.offload_optimizer.device == "nvme" and z.offload_optimizer.nvme_path == "/local_nvme"
+    assert z.offload_optimizer.pipeline_read and z.offload_optimizer.buffer_count == 4
+    assert z.offload_param.buffer_size == 100_000_000 and z.offload_param.max_in_cpu == 10**9
+    assert z.stage3_gather_16bit_weights_on_model_save
+    assert cfg.aio == AioSection(block_size=1 << 20, queue_depth=32, thread_count=2)
+    assert cfg.infinity.host_memory_budget == 12 * 2**30 and cfg.infinity.device_memory_budget == 4 * 10**9
+    assert cfg.infinity.unit_modules == ("LlamaDecoderLayer",)
+    assert cfg.seed == 1234 and cfg.steps_per_print == 50 and cfg.wall_clock_breakdown
+
+    out = cfg.to_dict()
+    text = json.dumps(out)  # plain JSON: what a run prints as the ds_config it used
+    again = InfinityConfig.from_dict(json.loads(text), world_size=2)
+    assert again == cfg
+    assert again.to_dict() == out
+    assert out["zero_optimization"]["reduce_bucket_size"] == "auto"
+    assert out["aio"]["thread_count"] == 2 and out["infinity"]["unit_modules"] == ["LlamaDecoderLayer"]
+
+
+def test_defaults_round_trip_and_are_not_deepspeed_literals() -> None:
+    cfg = InfinityConfig.from_dict({})
+    assert InfinityConfig.from_dict(cfg.to_dict()) == cfg == InfinityConfig()
+    # unset sizes stay unresolved (the planner derives them), never DeepSpeed's 1e9 / 5e8
+    assert cfg.zero.sub_group_size is None and cfg.zero.reduce_bucket_size is None
+    assert cfg.zero.offload_optimizer.buffer_count is None
+    assert cfg.optimizer.type == "AdamW" and cfg.zero.stage == 0
+
+
+@pytest.mark.parametrize("path, suggestion", [
+    ("zero_optimization.offload_optimizer.pin_memroy", "zero_optimization.offload_optimizer.pin_memory"),
+    ("train_batch_sise", "train_batch_size"),
+    ("zero_optimization.stage3_prefetch_bucket", "zero_optimization.stage3_prefetch_bucket_size"),
+    ("aio.queue_dept", "aio.queue_depth"),
+    ("optimizer.params.weight_decy", "optimizer.params.weight_decay"),
+    ("infinity.host_budget", "infinity.host_memory_budget"),
+])
+def test_misspelled_key_names_path_and_closest(path: str, suggestion: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        InfinityConfig.from_dict(with_change(path, True), world_size=2)
+    assert repr(path) in str(err.value) and repr(suggestion) in str(err.value)
+
+
+def test_unknown_key_without_close_match_lists_valid_keys() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'aio\.zzz'.*valid keys here: block_size"):
+        InfinityConfig.from_dict({"aio": {"zzz": 1}})
+
+
+def test_key_of_the_other_offload_section_is_unknown() -> None:
+    with pytest.raises(ConfigError, match=r"'zero_optimization\.offload_param\.pipeline_read'"):
+        InfinityConfig.from_dict({"zero_optimization": {
+            "stage": 3, "offload_param": {"device": "cpu", "pipeline_read": True}}})
+
+
+def test_ignored_deepspeed_keys_are_accepted_with_one_log_line() -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("infinity.config")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        cfg = InfinityConfig.from_dict({
+            "zero_allow_untested_optimizer": True, "tensorboard": {"enabled": False},
+            "activation_checkpointing": {"partition_activations": True},
+            "zero_optimization": {"stage": 2, "allgather_partitions": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        })
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert cfg.zero.stage == 2 and cfg.optimizer.lr == 1e-4
+    assert len(records) == 1
+    message = records[0].getMessage()
+    for key in ("zero_allow_untested_optimizer", "tensorboard", "activation_checkpointing",
+                "zero_optimization.allgather_partitions", "optimizer.params.torch_adam"):
+        assert key in message
+
+
+@pytest.mark.parametrize("path, value, expected", [
+    ("zero_optimization.stage", 4, r"zero_optimization\.stage = 4 is out of range.*\[0, 3\]"),
+    ("zero_optimization.offload_optimizer.device", "ssd",
+     r"offload_optimizer\.device = 'ssd'.*'none', 'cpu', 'nvme'"),
+    ("optimizer.params.lr", -1.0, r"optimizer\.params\.lr = -1\.0 is out of range.*>= 0"),
+    ("optimizer.params.betas", [0.9], r"optimizer\.params\.betas = \[0\.9\].*two numbers"),
+    ("optimizer.params.betas", [0.9, 1.5], r"optimizer\.params\.betas = 1\.5 is out of range"),
+    ("optimizer.params.eps", 0, r"optimizer\.params\.eps = 0\.0 is out of range.*> 0"),
+    ("optimizer.type", "Lamb", r"optimizer\.type = 'Lamb'.*only 'Adam' and 'AdamW'"),
+    ("bf16.enabled", "yes", r"bf16\.enabled = 'yes': expected true or false"),
+    ("aio.block_size", 1000, r"aio\.block_size = 1000 is out of range: expected at least 4096"),
+    ("aio.block_size", 6000, r"aio\.block_size = 6000: expected a multiple of 4096"),
+    ("aio.queue_depth", 0, r"aio\.queue_depth = 0 is out of range"),
+    ("aio.backend", "spdk", r"aio\.backend = 'spdk'.*'io_uring'"),
+    ("aio.use_gds", True, r"GPUDirect Storage is not supported"),
+    ("zero_optimization.sub_group_size", "lots", r"zero_optimization\.sub_group_size.*'lots'"),
+    ("zero_optimization.sub_group_size", 0, r"sub_group_size = 0 is out of range: expected at least 1"),
+    ("zero_optimization.offload_optimizer.ratio", 0.5, r"ratio = 0\.5: partial offload is not supported"),
+    ("infinity.early_step", "maybe", r"infinity\.early_step = 'maybe'.*'auto', 'on', 'off'"),
+    ("infinity.unit_modules", "LlamaDecoderLayer", r"unit_modules = 'LlamaDecoderLayer'.*list"),
+    ("infinity.host_memory_budget", "3 parsecs", r"infinity\.host_memory_budget.*3 parsecs"),
+    ("fp16.initial_scale_power", 64, r"fp16\.initial_scale_power = 64 is out of range.*\[0, 63\]"),
+    ("gradient_clipping", -1, r"gradient_clipping = -1\.0 is out of range"),
+    ("scheduler.params.total_num_steps", 10,
+     r"total_num_steps = 10 is smaller than scheduler\.params\.warmup_num_steps = 100"),
+    ("scheduler.type", "OneCycle", r"scheduler\.type = 'OneCycle'.*'WarmupLR'"),
+    ("zero_optimization.offload_optimizer", [], r"offload_optimizer: expected a JSON object"),
+])
+def test_bad_value_names_key_value_and_allowed(path: str, value: object, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        InfinityConfig.from_dict(with_change(path, value), world_size=2)
+
+
+def test_offload_param_below_stage_3_says_use_stage_3() -> None:
+    d = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match=r"offload_param\.device = 'cpu' needs ZeRO stage 3.*stage = 2.*\"stage\": 3"):
+        InfinityConfig.from_dict(d)
+    # device "none" is fine at any stage
+    InfinityConfig.from_dict({"zero_optimization": {"stage": 1, "offload_param": {"device": "none"}}})
+
+
+def test_fp16_and_bf16_together_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="fp16.enabled and bf16.enabled are both true"):
+        InfinityConfig.from_dict({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+
+
+def test_nvme_without_path_is_an_error() -> None:
+    d = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.device is \"nvme\" but .*nvme_path is not set"):
+        InfinityConfig.from_dict(d)
+
+
+def test_early_step_on_with_clipping_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"early_step = 'on'.*gradient_clipping = 1\.0"):
+        InfinityConfig.from_dict({"gradient_clipping": 1.0, "infinity": {"early_step": "on"}})
+
+
+def test_compute_dtype_contradicting_16bit_flag_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"compute_dtype = 'bf16' contradicts fp16\.enabled"):
+        InfinityConfig.from_dict({"fp16": {"enabled": True}, "infinity": {"compute_dtype": "bf16"}})
+
+
+def test_adamw_without_w_mode_is_contradictory_and_type_is_case_insensitive() -> None:
+    with pytest.raises(ConfigError, match="adam_w_mode false is contradictory"):
+        InfinityConfig.from_dict({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+    cfg = InfinityConfig.from_dict({"optimizer": {"type": "adam", "params": {"adam_w_mode": False}}})
+    assert cfg.optimizer.type == "Adam" and not cfg.optimizer.adam_w_mode
+
+
+def test_alias_given_twice_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="'thread_count' is given twice"):
+        InfinityConfig.from_dict({"aio": {"thread_count": 1, "intra_op_parallelism": 2}})
+    assert InfinityConfig.from_dict({"bfloat16": {"enabled": True}}).bf16.enabled
+
+
+@pytest.mark.parametrize("given, world_size, expected", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, 2, (32, 4, 4)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 2, (16, 4, 2)),
+    ({"train_batch_size": 8}, 2, (8, 4, 1)),
+    ({"train_micro_batch_size_per_gpu": 3}, 4, (12, 3, 1)),
+    ({"gradient_accumulation_steps": 5}, 1, (5, 1, 5)),
+    ({}, 3, (3, 1, 1)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 4}, 2, (24, 3, 4)),
+    ({"train_batch_size": 6e0, "train_micro_batch_size_per_gpu": 3.0}, 1, (6, 3, 2)),
+])
+def test_batch_size_arithmetic(given: dict, world_size: int, expected: tuple[int, int, int]) -> None:
+    cfg = InfinityConfig.from_dict(given, world_size=world_size)
+    got = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+    assert got == expected
+    assert all(type(v) is int for v in got)
+
+
+@pytest.mark.parametrize("given, world_size", [
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 4}, 1),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2),
+    ({"train_batch_size": 7}, 2),
+])
+def test_inconsistent_batch_sizes_list_all_three_and_world_size(given: dict, world_size: int) -> None:
+    with pytest.raises(ConfigError) as err:
+        InfinityConfig.from_dict(given, world_size=world_size)
+    msg = str(err.value)
+    for name in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        assert name in msg
+    assert f"world_size = {world_size}" in msg and f"train_batch_size = {given['train_batch_size']}" in msg
+
+
+def test_auto_needs_values_and_names_the_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        InfinityConfig.from_dict(HF_ZERO3)
+    assert "is \"auto\" but no value was given" in str(err.value)
+    assert "auto_values={" in str(err.value)
+    partial = {k: v for k, v in HF_VALUES.items() if k != "optimizer.params.eps"}
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.eps is \"auto\""):
+        InfinityConfig.from_dict(HF_ZERO3, auto_values=partial)
+
+
+def test_auto_resolution_with_values() -> None:
+    cfg = InfinityConfig.from_dict(HF_ZERO3, world_size=2, auto_values=HF_VALUES)
+    assert cfg.optimizer.lr == 2e-5 and cfg.optimizer.betas == (0.9, 0.999)
+    assert cfg.bf16.enabled and not cfg.fp16.enabled and cfg.gradient_clipping == 1.0
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (16, 4, 2)
+    assert cfg.scheduler is not None and cfg.scheduler.warmup_num_steps == 10
+    # "auto" sizes are derived from budgets later, not filled with DeepSpeed's literals
+    assert cfg.zero.reduce_bucket_size is None and cfg.zero.stage3_prefetch_bucket_size is None
+    assert cfg.zero.stage3_param_persistence_threshold is None
+    assert cfg.zero.sub_group_size == 10**9  # written as a number: the user's choice is kept
+    # a size may also be given through auto_values (HF computes some from hidden_size)
+    sized = InfinityConfig.from_dict(HF_ZERO3, world_size=2,
+                                     auto_values={**HF_VALUES, "zero_optimization.reduce_bucket_size": 4096 * 4096})
+    assert sized.zero.reduce_bucket_size == 4096 * 4096
+    assert InfinityConfig.from_dict(cfg.to_dict(), world_size=2) == cfg
+
+
+def test_auto_defaults_for_layout_only_readers() -> None:
+    cfg = InfinityConfig.from_dict(HF_ZERO3, auto_defaults=True)
+    assert cfg.optimizer.lr == OptimizerConfig().lr and cfg.gradient_clipping == 0.0
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (1, 1)
+    assert cfg.zero.stage == 3 and cfg.zero.offload_param.device == "cpu"
+
+
+def test_sizes_accept_ints_floats_and_units() -> None:
+    cfg = InfinityConfig.from_dict({"zero_optimization": {
+        "stage": 3, "sub_group_size": "100M", "reduce_bucket_size": 5e8,
+        "stage3_prefetch_bucket_size": 12345, "offload_param": {"buffer_size": "1Mi"}},
+        "infinity": {"host_memory_budget": "3GiB", "device_memory_budget": "512MB"}})
+    z = cfg.zero
+    assert (z.sub_group_size, z.reduce_bucket_size, z.stage3_prefetch_bucket_size) == (10**8, 5 * 10**8, 12345)
+    assert z.offload_param.buffer_size == 2**20
+    assert cfg.infinity.host_memory_budget == 3 * 2**30 and cfg.infinity.device_memory_budget == 512 * 10**6
+
+
+def test_dataclasses_validate_when_built_directly() -> None:
+    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.max_in_cpu = -1"):
+        OffloadConfig(kind="param", max_in_cpu=-1)
+    with pytest.raises(ConfigError, match=r"needs ZeRO stage 3"):
+        ZeroConfig(stage=1, offload_param=OffloadConfig(kind="param", device="cpu"))
+    assert OffloadConfig(kind="optimizer", buffer_size="4Mi").buffer_size == 4 * 2**20
+    with pytest.raises(dataclasses_frozen_error()):
+        InfinityConfig().seed = 3  # type: ignore[misc]
+
+
+def dataclasses_frozen_error() -> type[Exception]:
+    import dataclasses
+    return dataclasses.FrozenInstanceError
+
+
+def test_load_reads_a_json_file(tmp_path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ZERO3_NVME))
+    assert InfinityConfig.load(path, world_size=2) == InfinityConfig.from_dict(ZERO3_NVME, world_size=2)
+    assert InfinityConfig.load(str(path), world_size=2).zero.stage == 3
+    cfg = InfinityConfig()
+    assert InfinityConfig.load(cfg) is cfg
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 3,}}')
+    with pytest.raises(ConfigError, match=r"bad\.json: not valid JSON at line 1 column"):
+        InfinityConfig.load(bad)
+    with pytest.raises(FileNotFoundError):
+        InfinityConfig.load(tmp_path / "missing.json")
