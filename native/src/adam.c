@@ -1,5 +1,12 @@
 /* CPU Adam entry points: argument checks, per-step constants, kernel choice, and the split of a
  * call's ranges into cache-line aligned chunks shared by the thread pool. */
+/* The constants must be the very doubles the Python torch path computes: no fused multiply-add
+ * (AArch64 compilers would fuse 1 - lr * weight_decay). */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #include <errno.h>
 #include <math.h> /* isfinite only: the library needs no libm */
 #include <stdatomic.h>
