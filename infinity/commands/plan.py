@@ -1,0 +1,104 @@
+"""``infinity plan``: predict memory per tier, and the settings, for a model on this machine.
+
+    infinity plan --model-size 7B [--config ds.json] [--host-budget 16GiB] [--nvme-path /mnt/nvme]
+    infinity plan --hf-config config.json --json
+    infinity plan --params 3e9 --layers 26
+
+Without --config the shallowest offload that fits is chosen (``planner.recommend_config``); with
+it, that config is planned as written (its "auto" values taking defaults, as for layout only).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+
+from infinity.config import InfinityConfig
+from infinity.planner import (DEFAULT_SWAP_DIR, LLAMA_PRESETS, ModelStats, detect_hardware,
+                              llama_stats, plan_memory, recommend_config)
+from infinity.sizes import parse_bytes
+
+_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def _param_count(text: str) -> int:
+    match = _COUNT.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a parameter count; write e.g. 7e9 or 7B")
+    return int(float(match.group(1)) * _SUFFIX[match.group(2).lower()])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model-size", choices=list(LLAMA_PRESETS),
+                       help="a Llama-style preset (infinity.planner.LLAMA_PRESETS)")
+    model.add_argument("--hf-config", metavar="CONFIG_JSON",
+                       help="a Hugging Face config.json (model built on the meta device: needs transformers)")
+    model.add_argument("--params", type=_param_count, metavar="N",
+                       help="a parameter count (7e9, 7B); units assumed to be --layers equal blocks plus 2")
+    parser.add_argument("--layers", type=int, default=32,
+                        help="with --params: repeated blocks assumed (default 32)")
+    parser.add_argument("--config", metavar="DS_JSON", help="plan this ds_config.json instead of recommending one")
+    parser.add_argument("--host-budget", help="host memory budget, e.g. 16GiB (default 80%% of MemAvailable)")
+    parser.add_argument("--device-budget", help="device memory budget, e.g. 20GiB")
+    parser.add_argument("--nvme-path", help="swap directory (free space is checked there)")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks sharing the model states (default 1)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> ModelStats:
+    if args.model_size:
+        return llama_stats(LLAMA_PRESETS[args.model_size])
+    if args.params is not None:
+        if args.layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {args.layers}")
+        unit = -(-args.params // (args.layers + 2))
+        return ModelStats.from_counts(args.params, unit, args.layers + 2)
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise ValueError(f"--hf-config needs transformers ({exc}); use --params or --model-size") from None
+    hf_config = transformers.AutoConfig.from_pretrained(args.hf_config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    return ModelStats.from_module(model, unit_modules)
+
+
+def run(args: argparse.Namespace) -> int:
+    budgets = {}
+    if args.host_budget:
+        budgets["host_memory_budget"] = parse_bytes(args.host_budget, "--host-budget")
+    if args.device_budget:
+        budgets["device_memory_budget"] = parse_bytes(args.device_budget, "--device-budget")
+    if args.config:
+        base = InfinityConfig.load(args.config, world_size=args.world_size, auto_defaults=True)
+    else:
+        base = InfinityConfig(world_size=args.world_size)
+    base = dataclasses.replace(base, infinity=dataclasses.replace(base.infinity, **budgets))
+    if args.nvme_path:
+        z = base.zero
+        base = dataclasses.replace(base, zero=dataclasses.replace(z, **{
+            name: dataclasses.replace(section, nvme_path=args.nvme_path)
+            for name, section in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param))
+            if section.device == "nvme"}))
+    stats = _stats(args, base.infinity.unit_modules)
+    nvme_path = args.nvme_path or base.zero.offload_optimizer.nvme_path or base.zero.offload_param.nvme_path
+    hw = detect_hardware(nvme_path or (None if args.config else DEFAULT_SWAP_DIR))
+    cfg = base if args.config else recommend_config(stats, hw, base, nvme_path)
+    plan = plan_memory(cfg, stats, hw)
+    if args.json:
+        print(json.dumps({"recommended": not args.config, **plan.as_dict()}, indent=2))
+    else:
+        source = f"config {args.config}" if args.config else "recommended config (no --config given)"
+        print(f"infinity plan: {source}")
+        print(plan.render())
+        if not args.config:
+            uses_nvme = "nvme" in (cfg.zero.offload_param.device, cfg.zero.offload_optimizer.device)
+            if uses_nvme and not nvme_path:
+                print(f"note: swap files planned in {DEFAULT_SWAP_DIR}; pass --nvme-path for a faster disk")
+            print("\nds_config (copy into your ds_config.json):")
+            print(json.dumps({k: plan.config.to_dict()[k] for k in ("zero_optimization", "infinity")}, indent=2))
+    return 0

@@ -1,0 +1,219 @@
+"""The planner against hand math, its warnings, model stats, hardware detection and `infinity plan`."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from infinity import cli
+from infinity.config import InfinityConfig
+from infinity.planner import (LLAMA_PRESETS, RUNTIME_OVERHEAD_BYTES, Hardware, ModelStats,
+                              derive_sizes, detect_hardware, llama_stats, plan_memory,
+                              recommend_config)
+
+GiB, MiB = 2**30, 2**20
+CPU_BOX = Hardware(cpu_cores=2, host_total_bytes=24 * GiB, host_available_bytes=16 * GiB,
+                   nvme_path="/swap", disk_free_bytes=100 * GiB)
+GPU_BOX = Hardware(cpu_cores=32, host_total_bytes=256 * GiB, host_available_bytes=200 * GiB,
+                   gpu_name="test GPU", gpu_total_bytes=80 * GiB, gpu_free_bytes=78 * GiB,
+                   nvme_path="/swap", disk_free_bytes=4096 * GiB)
+SMALL = ModelStats.from_counts(10_000_000, 1_000_000, 10, 10_000_000)
+
+
+def config(stage: int, param: str, opt: str, **extra: object) -> InfinityConfig:
+    zero = {"stage": stage, "offload_param": {"device": param, "nvme_path": "/swap"},
+            "offload_optimizer": {"device": opt, "nvme_path": "/swap"}}
+    return InfinityConfig.from_dict({"zero_optimization": zero, **extra})
+
+
+def test_small_model_zero3_nvme_matches_hand_math() -> None:
+    """10M params, largest unit 1M, CPU-only, fp32, host budget 1 GiB, device budget 256 MiB."""
+    cfg = config(3, "nvme", "nvme", infinity={"host_memory_budget": "1GiB", "device_memory_budget": "256MiB"})
+    plan = plan_memory(cfg, SMALL, CPU_BOX)
+    s = plan.sizes
+    assert s.compute_dtype == "fp32" and s.early_step  # CPU-only default; no clipping, no accumulation
+    # sub-group: half of 1 GiB over 4 slots x 16 B fits 8,388,608; capped by the unit rounded up to 1 Mi
+    assert (s.sub_group_size, s.buffer_count, s.buffer_size) == (1 << 20, 4, 1 << 20)
+    # prefetch: 2 units, since 256 MiB - (current unit + its grads = 8 MB) leaves room
+    assert (s.prefetch_bucket_size, s.max_live_parameters) == (2_000_000, 3_000_000)
+    # parameter slots: one unit's shard rounded up to 1024 elements; current + 2 prefetched + 1
+    assert (s.param_buffer_size, s.param_buffer_count) == (1_000_448, 4)
+    assert s.reduce_bucket_size == 1_000_448 and s.persistence_threshold == 100_000
+
+    table = plan.table()
+    # fp32 on CPU: the master is the parameter (4 B), Adam m and v 8 B, no gradient home: 12 B/param on NVMe
+    assert table["params"] == {"device": 0, "host": 0, "nvme": 40_000_000}
+    assert table["optimizer_states"] == {"device": 0, "host": 0, "nvme": 80_000_000}
+    assert table["grads"] == {"device": 0, "host": 0, "nvme": 0}
+    opt_slots = 4 * (1 << 20) * 16          # master + m + v + staged gradient
+    param_slots = 4 * 1_000_448 * 4
+    assert table["buffers"]["host"] == opt_slots + param_slots
+    working = 4 * (1_000_000 + 2_000_000) + 4 * 1_000_000  # fetched units + one unit's gradients
+    assert table["buffers"]["device"] == working
+    assert plan.peak_host_rss_bytes == opt_slots + param_slots + working + RUNTIME_OVERHEAD_BYTES
+    assert plan.nvme_read_bytes_per_step == 80_000_000 + 2 * 40_000_000  # states + fwd/bwd fetches
+    assert plan.nvme_write_bytes_per_step == 80_000_000 + 40_000_000
+    assert plan.fits and not plan.warnings
+    assert "fits" in plan.render() and "nvme" in plan.render()
+
+
+@pytest.mark.parametrize("hw, extra, per_param", [
+    # CPU-only fp32: params stored once (4) + m, v (8) + grads (4) = 16 B, not DeepSpeed's 20
+    (CPU_BOX, {}, 16),
+    # GPU mixed precision: bf16 params (2) + master, m, v (12) + grads (4) = 18 B
+    (GPU_BOX, {"bf16": {"enabled": True}}, 18),
+])
+def test_bytes_per_param_on_host(hw: Hardware, extra: dict, per_param: int) -> None:
+    cfg = config(3, "cpu", "cpu", gradient_clipping=1.0, **extra)  # clipping: gradients kept
+    plan = plan_memory(cfg, SMALL, hw)
+    assert not plan.sizes.early_step
+    states = sum(plan.bytes(c, "host") for c in ("params", "grads", "optimizer_states"))
+    assert states == per_param * SMALL.total_params
+    assert plan.bytes("buffers", "host") == 0 and plan.bytes(tier="nvme") == 0
+
+
+def test_world_size_shards_by_stage() -> None:
+    stats = ModelStats.from_counts(8_000_000, 1_000_000, 8)
+    # fp32 without offload: the parameter is the master, so the optimizer shard adds m, v (8 B)
+    for stage, expected in ((1, (4 * 8_000_000, 4 * 8_000_000, 8 * 2_000_000)),
+                            (2, (4 * 8_000_000, 4 * 2_000_000, 8 * 2_000_000))):
+        cfg = InfinityConfig.from_dict({"zero_optimization": {"stage": stage}}, world_size=4)
+        plan = plan_memory(cfg, stats, GPU_BOX)
+        assert (plan.bytes("params", "device"), plan.bytes("grads", "device"),
+                plan.bytes("optimizer_states", "device")) == expected
+
+
+def test_optimizer_on_host_over_budget_warns_with_the_fix() -> None:
+    stats = llama_stats(LLAMA_PRESETS["1B"])
+    cfg = config(2, "none", "cpu", infinity={"host_memory_budget": "3GiB"}, bf16={"enabled": True})
+    plan = plan_memory(cfg, stats, GPU_BOX)
+    assert not plan.fits
+    (warning,) = [w for w in plan.warnings if "on host" in w]
+    assert warning.startswith("optimizer states need 10.51 GiB on host")
+    assert "host budget is 3.00 GiB: set offload_optimizer.device nvme" in warning
+
+
+def test_small_host_budget_shrinks_sub_groups_and_warns() -> None:
+    cfg = config(3, "nvme", "nvme", infinity={"host_memory_budget": "40MiB", "device_memory_budget": "1GiB"})
+    plan = plan_memory(cfg, SMALL, CPU_BOX)
+    # half of 40 MiB over 4 slots x 16 B = 327,680 elements (a multiple of 1024)
+    assert plan.sizes.sub_group_size == 327_680
+    assert any("allows only 327,680-element sub-groups" in w for w in plan.warnings)
+
+
+def test_values_written_in_the_config_win_and_apply_round_trips() -> None:
+    cfg = config(3, "cpu", "nvme", infinity={"host_memory_budget": "8GiB"})
+    cfg = InfinityConfig.from_dict({**cfg.to_dict(), "zero_optimization": {
+        **cfg.to_dict()["zero_optimization"], "sub_group_size": 5e6, "stage3_prefetch_bucket_size": 123}})
+    sizes = derive_sizes(cfg, SMALL, CPU_BOX)
+    assert sizes.sub_group_size == 5_000_000 and sizes.prefetch_bucket_size == 123
+    resolved = sizes.apply(cfg)
+    assert "auto" not in json.dumps(resolved.to_dict()["zero_optimization"])
+    assert InfinityConfig.from_dict(resolved.to_dict()) == resolved
+    assert derive_sizes(resolved, SMALL, CPU_BOX) == sizes  # resolving twice changes nothing
+
+
+def test_cpu_only_device_budget_is_taken_from_host_memory() -> None:
+    cfg = config(3, "cpu", "cpu")
+    sizes = derive_sizes(cfg, SMALL, CPU_BOX)
+    working = 4 * (1_000_000 + 2_000_000) + 4 * 1_000_000
+    assert sizes.device_budget_bytes == working
+    assert sizes.host_budget_bytes == int(0.8 * 16 * GiB) - working
+    gpu = derive_sizes(cfg, SMALL, GPU_BOX)
+    assert gpu.device_budget_bytes == 78 * GiB and gpu.host_budget_bytes == int(0.8 * 200 * GiB)
+
+
+def test_recommend_picks_the_shallowest_tiers_that_fit() -> None:
+    assert recommend_config(SMALL, CPU_BOX).zero.stage == 0
+    big = ModelStats.from_counts(2_000_000_000, 50_000_000, 42)  # 32 GB of states at 16 B/param
+    cfg = recommend_config(big, CPU_BOX)
+    assert (cfg.zero.stage, cfg.zero.offload_param.device, cfg.zero.offload_optimizer.device) == (3, "nvme", "nvme")
+    assert plan_memory(cfg, big, CPU_BOX).fits
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)   # 272
+        self.norm = nn.LayerNorm(16)    # 32
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)                              # 1600
+        self.blocks = nn.ModuleList(Block() for _ in range(3))          # 3 x 304
+        self.norm = nn.LayerNorm(16)                                    # 32
+        self.head = nn.Linear(16, 100, bias=False)
+        self.head.weight = self.embed.weight                            # tied: counted once
+        self.embed.weight.requires_grad_(False)
+
+
+def test_model_stats_from_module_units_and_tied_weights() -> None:
+    stats = ModelStats.from_module(TinyLM())
+    assert stats.total_params == 1600 + 3 * 304 + 32
+    assert stats.trainable_params == 3 * 304 + 32
+    assert stats.n_units == 5 and stats.largest_unit_params == 1600 and stats.largest_param == 1600
+    assert stats.persistent_elements(1000) == 3 * 304 + 32
+    named = ModelStats.from_module(TinyLM(), unit_modules=["Linear"])  # each Linear is a unit
+    assert named.n_units == 1 + 3 + 3 + 1  # embed, 3 Linear units, 3 block norms, final norm
+
+
+def test_llama_presets_match_transformers_on_meta() -> None:
+    transformers = pytest.importorskip("transformers")
+    kwargs = LLAMA_PRESETS["85M"]
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    built, closed = ModelStats.from_module(model), llama_stats(kwargs)
+    assert (built.total_params, built.n_units, built.largest_unit_params, built.largest_param) == \
+        (closed.total_params, closed.n_units, closed.largest_unit_params, closed.largest_param)
+    assert sorted(built.param_numels) == sorted(closed.param_numels)
+    assert llama_stats(LLAMA_PRESETS["1B"]).total_params == 940_640_256  # DS_E2E.md's 940.6M
+
+
+def test_detect_hardware(disk_dir) -> None:
+    hw = detect_hardware(disk_dir / "not-yet" / "swap")
+    assert hw.cpu_cores >= 1 and 0 < hw.host_available_bytes <= hw.host_total_bytes
+    assert hw.disk_free_bytes is not None and hw.disk_free_bytes > 0
+    assert hw.has_gpu == torch.cuda.is_available()
+    assert not (disk_dir / "not-yet").exists()  # probing creates nothing
+
+
+def test_cli_plan_preset_text(capsys) -> None:
+    assert cli.main(["plan", "--model-size", "125M", "--host-budget", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "134.1M params" in out and "optimizer states" in out and "ds_config" in out
+
+
+def test_cli_plan_json_with_config(tmp_path, capsys) -> None:
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                              "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "x"},
+                                                    "offload_optimizer": {"device": "nvme", "nvme_path": "x"}}}))
+    code = cli.main(["plan", "--params", "2e8", "--layers", "8", "--config", str(ds), "--nvme-path",
+                     str(tmp_path), "--host-budget", "2GiB", "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"] is False and data["model"]["total_params"] == 200_000_000
+    assert data["table_bytes"]["optimizer_states"]["nvme"] == 8 * 200_000_000
+    assert data["budget_bytes"]["host"] == 2 * GiB
+    assert data["ds_config"]["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path)
+    assert data["hardware"]["nvme_path"] == str(tmp_path)
+
+
+def test_cli_plan_bad_input_exits_2(capsys) -> None:
+    assert cli.main(["plan", "--model-size", "7B", "--host-budget", "lots"]) == 2
+    assert "--host-budget" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.environ.get("INFINITY_SKIP_HF") == "1", reason="INFINITY_SKIP_HF=1")
+def test_cli_plan_hf_config(tmp_path, capsys) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    transformers.LlamaConfig(**LLAMA_PRESETS["85M"]).to_json_file(path)
+    assert cli.main(["plan", "--hf-config", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["total_params"] == llama_stats(LLAMA_PRESETS["85M"]).total_params
