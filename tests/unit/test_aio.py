@@ -220,3 +220,21 @@ def test_mmap_backend_works_on_tmpfs() -> None:
         if os.path.exists(path):
             os.unlink(path)
     assert torch.equal(back, data)
+
+
+@pytest.mark.parametrize("backend", DIRECT_BACKENDS)
+@pytest.mark.parametrize("knobs", [
+    {"single_submit": True},
+    {"overlap_events": False},
+    {"thread_count": 3, "queue_depth": 2},
+    {"queue_depth": 1, "block_size": 4096},
+], ids=["single_submit", "no_overlap", "3_lanes", "qd1"])
+def test_round_trip_with_each_knob(backend: str, knobs: dict, disk_dir) -> None:
+    n = 9 * BLOCK + 1000
+    data = random_bytes(n, seed=11)
+    back = aligned_empty(n)
+    with make_engine(backend, **knobs) as eng, eng.open(disk_dir / "knobs.dat", "rw", create=True) as f:
+        reqs = [eng.write(data[:4 * BLOCK], f, 0), eng.write(data[4 * BLOCK:], f, 4 * BLOCK)]
+        assert wait_all(reqs) == [4 * BLOCK, n - 4 * BLOCK]
+        assert eng.read(back, f, 0).wait() == n
+    assert torch.equal(back, data)
