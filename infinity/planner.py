@@ -426,6 +426,17 @@ class DerivedSizes:
         return dataclasses.replace(cfg, zero=zero, infinity=inf)
 
 
+def _host_allowed(cfg: InfinityConfig, hw: Hardware) -> int:
+    """The host memory budget as given, else HOST_BUDGET_FRACTION of MemAvailable."""
+    given = cfg.infinity.host_memory_budget
+    return int(HOST_BUDGET_FRACTION * hw.host_available_bytes) if given is None else given
+
+
+def _pool_in_host_budget(cfg: InfinityConfig, hw: Hardware) -> bool:
+    """CPU-only without a device budget: the planner's device pool is paid from the host budget."""
+    return not hw.has_gpu and cfg.infinity.device_memory_budget is None
+
+
 def _slot_bytes_per_elem(lay: _Layout) -> int:
     """Bytes per element of one optimizer swap slot: the NVMe-homed states of a sub-group."""
     tensors = 0
@@ -454,6 +465,7 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
 
     threshold = (z.stage3_param_persistence_threshold if z.stage3_param_persistence_threshold
                  is not None else PERSISTENCE_THRESHOLD)
+    allowed = _host_allowed(cfg, hw)
     device_budget = cfg.infinity.device_memory_budget
     if device_budget is None:
         if hw.has_gpu:
@@ -463,13 +475,10 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
             prefetch_guess = PREFETCH_UNITS * unit if z.stage == 3 else 0
             least, wanted = (resident_device + _device_working(lay, unit, p, persist_guess, unit_cap)
                              for p in (0, prefetch_guess))
-            share = int(EMULATED_DEVICE_SHARE * HOST_BUDGET_FRACTION * hw.host_available_bytes)
-            device_budget = max(least, min(wanted, share))
-    host_budget = cfg.infinity.host_memory_budget
-    if host_budget is None:
-        host_budget = int(HOST_BUDGET_FRACTION * hw.host_available_bytes)
-        if not hw.has_gpu:
-            host_budget = max(0, host_budget - device_budget)  # the emulated device is host RAM too
+            device_budget = max(least, min(wanted, int(EMULATED_DEVICE_SHARE * allowed)))
+    host_budget = allowed
+    if _pool_in_host_budget(cfg, hw):
+        host_budget = max(0, allowed - device_budget)  # the emulated device is host RAM too
 
     if z.stage3_param_persistence_threshold is None:
         fits = c * stats.persistent_elements(PERSISTENCE_THRESHOLD) <= PERSISTENT_SHARE * device_budget
@@ -722,6 +731,14 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
         total = "" if worst.nbytes == used else f" (the {tier} tier holds {format_bytes(used)} in all)"
         warnings.append(f"{what} need {format_bytes(worst.nbytes)} on {tier}{total} but the {tier} "
                         f"budget is {format_bytes(budget)}: {worst.fix}")
+    allowed = _host_allowed(cfg, hw)
+    if _pool_in_host_budget(cfg, hw) and host + device > allowed:
+        worst = max((i for i in items if i.tier == "device"), key=lambda i: i.nbytes)
+        what = names.get(worst.component) or f"buffers ({worst.note})"
+        warnings.append(f"{what} need {format_bytes(worst.nbytes)} in the device pool, which is host "
+                        f"memory on this CPU-only machine: host tier and device pool need "
+                        f"{format_bytes(host + device)} but the host memory budget is "
+                        f"{format_bytes(allowed)}: {worst.fix}")
     if hw.disk_free_bytes is not None and nvme > hw.disk_free_bytes:
         warnings.append(f"swap files need {format_bytes(nvme)} but {hw.nvme_path} has "
                         f"{format_bytes(hw.disk_free_bytes)} free: free space or choose another nvme_path")

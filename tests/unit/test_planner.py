@@ -126,6 +126,17 @@ def test_cpu_only_device_budget_is_taken_from_host_memory() -> None:
     assert gpu.device_budget_bytes == 78 * GiB and gpu.host_budget_bytes == int(0.8 * 200 * GiB)
 
 
+def test_cpu_only_device_pool_counts_against_an_explicit_host_budget() -> None:
+    stats = ModelStats.from_counts(200_000_000, 10_000_000, 22)  # 3.2 GB of states at 16 B/param
+    plan = plan_memory(InfinityConfig.from_dict({"infinity": {"host_memory_budget": "1GiB"}}), stats, CPU_BOX)
+    (warning,) = plan.warnings
+    assert warning.startswith("optimizer states need 1.49 GiB in the device pool")
+    assert "host memory budget is 1.00 GiB: set offload_optimizer.device cpu" in warning
+    assert plan.sizes.host_budget_bytes == 0  # the pool took all of it
+    cfg = recommend_config(stats, CPU_BOX, InfinityConfig.from_dict({"infinity": {"host_memory_budget": "1GiB"}}))
+    assert (cfg.zero.stage, cfg.zero.offload_optimizer.device) == (3, "nvme")
+
+
 def test_recommend_picks_the_shallowest_tiers_that_fit() -> None:
     assert recommend_config(SMALL, CPU_BOX).zero.stage == 0
     big = ModelStats.from_counts(2_000_000_000, 50_000_000, 42)  # 32 GB of states at 16 B/param
@@ -199,7 +210,11 @@ def test_cli_plan_json_with_config(tmp_path, capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["recommended"] is False and data["model"]["total_params"] == 200_000_000
     assert data["table_bytes"]["optimizer_states"]["nvme"] == 8 * 200_000_000
-    assert data["budget_bytes"]["host"] == 2 * GiB
+    budgets = data["budget_bytes"]
+    if torch.cuda.is_available():
+        assert budgets["host"] == 2 * GiB
+    else:  # the emulated device pool is paid from the host budget
+        assert budgets["host"] + budgets["device"] == 2 * GiB
     assert data["ds_config"]["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path)
     assert data["hardware"]["nvme_path"] == str(tmp_path)
 
