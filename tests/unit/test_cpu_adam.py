@@ -1,0 +1,421 @@
+"""CPU Adam: numerics against torch.optim.AdamW/Adam, the 16-bit copy against torch's cast, every
+SIMD kernel against the scalar reference, argument errors, and CPUAdam as a torch optimizer
+(param groups, state_dict both ways with torch, LR schedulers, tensor lr, sparse grads)."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import infinity
+from infinity.optim import _adam_native as N
+from infinity.optim import cpu_adam
+from infinity.optim.cpu_adam import CPUAdam, adam_step_flat, adam_step_tensors, available_kernels
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+SIMD = ("avx2", "avx512", "neon")
+
+
+def movement_tol(p_ref: torch.Tensor, p_init: torch.Tensor) -> float:
+    """The bar: within 1e-3 of the parameters' total movement."""
+    return 1e-3 * float((p_ref - p_init).abs().max())
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Bit for bit, two NaNs being equal whatever their payloads (IEEE leaves the payload of an
+    operation on two NaNs open)."""
+    nan = torch.isnan(a.float()) & torch.isnan(b.float())
+    diff = (bits(a) != bits(b)) & ~nan
+    assert not bool(diff.any()), (f"{what}: {int(diff.sum())} of {a.numel()} elements differ, "
+                                  f"first at {int(diff.nonzero()[0])}")
+
+
+def require_kernel(name: str) -> None:
+    if name not in available_kernels():
+        pytest.skip(f"Adam kernel {name!r} not supported by this CPU/build "
+                    f"(available: {available_kernels()})")
+
+
+# ---- the flat step against torch --------------------------------------------------------------
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_flat_100_steps_match_torch(adamw_mode: bool) -> None:
+    torch.manual_seed(0)
+    n = 50_003
+    p0 = torch.randn(n)
+    grads = [torch.randn(n) for _ in range(100)]
+    ref = torch.nn.Parameter(p0.clone())
+    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    opt = cls([ref], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+              weight_decay=HP["weight_decay"], foreach=False)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for k, g in enumerate(grads, start=1):
+        ref.grad = g.clone()
+        opt.step()
+        adam_step_flat(p, g, m, v, step=k, adamw_mode=adamw_mode, **HP)
+    tol = movement_tol(ref.detach(), p0)
+    assert float((p - ref.detach()).abs().max()) <= tol
+    st = opt.state[ref]
+    assert float((m - st["exp_avg"]).abs().max()) <= 1e-3 * float(st["exp_avg"].abs().max())
+    assert float((v - st["exp_avg_sq"]).abs().max()) <= 1e-3 * float(st["exp_avg_sq"].abs().max())
+
+
+def _reference_f64(p, gs, *, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction,
+                   grad_scale):
+    """Textbook Adam/AdamW in float64, independent of the code under test."""
+    p, m, v = p.double().clone(), torch.zeros_like(p, dtype=torch.float64), None
+    v = torch.zeros_like(m)
+    for k, g in enumerate(gs, start=1):
+        g = g.double() / grad_scale
+        if not adamw_mode:
+            g = g + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        bc1 = 1 - beta1 ** k if bias_correction else 1.0
+        bc2 = 1 - beta2 ** k if bias_correction else 1.0
+        if adamw_mode:
+            p = p * (1 - lr * weight_decay)
+        p = p - lr / bc1 * m / ((v / bc2).sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grad_scale_bias_correction_and_16bit_grads(bias_correction: bool,
+                                                    grad_dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    n, scale = 10_007, 1024.0
+    p0 = torch.randn(n)
+    gs = [(torch.randn(n) * scale).to(grad_dtype) for _ in range(30)]
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for k, g in enumerate(gs, start=1):
+        adam_step_flat(p, g, m, v, step=k, bias_correction=bias_correction, grad_scale=scale, **HP)
+    ref = _reference_f64(p0, gs, adamw_mode=True, bias_correction=bias_correction,
+                         grad_scale=scale, **HP)
+    assert float((p.double() - ref).abs().max()) <= movement_tol(ref, p0.double())
+
+
+@pytest.mark.parametrize("impl", ["scalar", *SIMD, "torch"])
+@pytest.mark.parametrize("half_dtype", [torch.bfloat16, torch.float16])
+def test_half_copy_equals_torch_cast(half_dtype: torch.dtype, impl: str) -> None:
+    if impl != "torch":
+        require_kernel(impl)
+    torch.manual_seed(2)
+    n = 100_003
+    # values straddling rounding ties, overflow to inf, subnormals, NaNs
+    p = torch.randn(n) * torch.tensor([1e-6, 1.0, 6e4, 3e38]).repeat(n // 4 + 1)[:n]
+    p[::97] = float("nan")
+    p[1::89] = float("inf")
+    g, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    h = torch.empty(n, dtype=half_dtype)
+    adam_step_flat(p, g, m, v, step=1, half_out=h, impl=impl, **HP)
+    assert torch.equal(bits(h), bits(p.to(half_dtype)))
+
+
+@pytest.mark.parametrize("kernel", SIMD)
+def test_simd_kernel_equals_scalar_reference(kernel: str) -> None:
+    require_kernel(kernel)
+    torch.manual_seed(3)
+    combos = [(n, gdt, hdt, adamw) for n in (0, 1, 7, 8, 15, 16, 17, 31, 4099)
+              for gdt in (torch.float32, torch.bfloat16, torch.float16)
+              for hdt in (None, torch.bfloat16, torch.float16) for adamw in (True, False)]
+    combos += [(1_000_003, torch.float32, None, True),
+               (1_000_003, torch.bfloat16, torch.bfloat16, False)]
+    for n, gdt, hdt, adamw in combos:
+        p0, g = torch.randn(n), (torch.randn(n) * 1e-2).to(gdt)
+        m0, v0 = torch.randn(n) * 1e-3, torch.rand(n) * 1e-4
+        out = {}
+        for impl in ("scalar", kernel):
+            p, m, v = p0.clone(), m0.clone(), v0.clone()
+            h = None if hdt is None else torch.empty(n, dtype=hdt)
+            adam_step_flat(p, g, m, v, step=5, adamw_mode=adamw, grad_scale=3.0, half_out=h,
+                           impl=impl, **HP)
+            out[impl] = (p, m, v, h)
+        for a, b, name in zip(out["scalar"], out[kernel], ("p", "m", "v", "half")):
+            if a is not None:
+                assert_same_bits(a, b, f"{kernel} vs scalar, {name}, n={n}, grad {gdt}, "
+                                       f"half {hdt}, adamw={adamw}")
+
+
+def test_torch_impl_equals_native() -> None:
+    torch.manual_seed(4)
+    n = 300_001
+    p0, g, m0, v0 = torch.randn(n), torch.randn(n).bfloat16(), torch.randn(n), torch.rand(n)
+    outs = []
+    for impl in ("native", "torch"):
+        p, m, v, h = p0.clone(), m0.clone(), v0.clone(), torch.empty(n, dtype=torch.float16)
+        adam_step_flat(p, g, m, v, step=9, adamw_mode=False, grad_scale=7.0, half_out=h,
+                       impl=impl, **HP)
+        outs.append((p, m, v, h))
+    for a, b in zip(*outs):
+        assert_same_bits(a, b, "torch path vs native")
+
+
+def test_threads_do_not_change_results() -> None:
+    torch.manual_seed(5)
+    n = 2_000_003
+    p0, g = torch.randn(n), torch.randn(n)
+    results = []
+    for threads in (1, 2, 5):
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        adam_step_flat(p, g, m, v, step=1, threads=threads, **HP)
+        results.append(p)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_many_tensors_in_one_call_equal_flat_calls() -> None:
+    torch.manual_seed(6)
+    sizes = [1, 7, 100_000, 3, 65_537, 250_000]
+    ps = [torch.randn(s) for s in sizes]
+    gs = [torch.randn(s) for s in sizes]
+    flat_p = torch.cat(ps)
+    ms = [torch.zeros(s) for s in sizes]
+    vs = [torch.zeros(s) for s in sizes]
+    hs = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+    fm, fv, fh = torch.zeros(sum(sizes)), torch.zeros(sum(sizes)), torch.empty(sum(sizes), dtype=torch.bfloat16)
+    adam_step_tensors(ps, gs, ms, vs, step=2, half_outs=hs, **HP)
+    adam_step_flat(flat_p, torch.cat(gs), fm, fv, step=2, half_out=fh, **HP)
+    assert torch.equal(torch.cat(ps), flat_p)
+    assert torch.equal(torch.cat(hs), fh) and torch.equal(torch.cat(vs), fv)
+
+
+# ---- argument errors ---------------------------------------------------------------------------
+
+def _args(n: int = 8) -> dict:
+    return dict(param=torch.zeros(n), grad=torch.zeros(n), exp_avg=torch.zeros(n),
+                exp_avg_sq=torch.zeros(n))
+
+
+@pytest.mark.parametrize("name,bad,match", [
+    ("param", torch.zeros(8, dtype=torch.float64), "param must be float32"),
+    ("grad", torch.zeros(8, dtype=torch.int32), "grad must be float32, bfloat16 or float16"),
+    ("exp_avg", torch.zeros(9), "exp_avg has 9 elements but param has 8"),
+    ("exp_avg_sq", torch.zeros(4, 2), "exp_avg_sq must be 1-D"),
+    ("grad", torch.zeros(16)[::2], "grad must be contiguous"),
+    ("exp_avg", torch.zeros(8, dtype=torch.bfloat16), "exp_avg must be float32"),
+])
+def test_flat_argument_errors_name_the_argument(name: str, bad: torch.Tensor, match: str) -> None:
+    args = _args()
+    args[name] = bad
+    with pytest.raises(ValueError, match=match):
+        adam_step_flat(**args, step=1, **HP)
+
+
+def test_flat_half_out_and_overlap_errors() -> None:
+    with pytest.raises(ValueError, match="half_out must be bfloat16 or float16"):
+        adam_step_flat(**_args(), step=1, half_out=torch.zeros(8), **HP)
+    with pytest.raises(ValueError, match="half_out has 7 elements"):
+        adam_step_flat(**_args(), step=1, half_out=torch.zeros(7, dtype=torch.bfloat16), **HP)
+    buf = torch.zeros(16)
+    with pytest.raises(ValueError, match="exp_avg and exp_avg_sq overlap"):
+        adam_step_flat(torch.zeros(8), torch.zeros(8), buf[:8], buf[4:12], step=1, **HP)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("step", 0, "step must be >= 1"), ("beta1", 1.0, r"beta1 must be in \[0, 1\)"),
+    ("beta2", -0.1, "beta2 must be"), ("lr", float("nan"), "lr must be"),
+    ("eps", -1.0, "eps must be"), ("weight_decay", -0.1, "weight_decay must be"),
+    ("grad_scale", 0.0, "grad_scale must be"), ("threads", 0, "threads must be >= 1"),
+    ("impl", "cuda", "impl must be one of"),
+])
+def test_flat_hyperparameter_errors(key: str, value, match: str) -> None:
+    kw = dict(HP, step=1)
+    kw[key] = value
+    with pytest.raises(ValueError, match=match):
+        adam_step_flat(**_args(), **kw)
+
+
+def test_kernel_forcing_and_native_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _args()
+    adam_step_flat(**args, step=1, **HP)
+    assert infinity.native_info()["in_use"]["adam_kernel"] == N.best_kernel()
+    monkeypatch.setenv(cpu_adam.KERNEL_ENV, "scalar")
+    adam_step_flat(**args, step=2, **HP)
+    assert infinity.native_info()["in_use"]["adam_kernel"] == "scalar"
+    monkeypatch.setenv(cpu_adam.KERNEL_ENV, "sse9")
+    with pytest.raises(ValueError, match="INFINITY_ADAM_KERNEL='sse9' is not a kernel"):
+        adam_step_flat(**args, step=3, **HP)
+    missing = [k for k in SIMD if k not in available_kernels()]
+    if missing:
+        monkeypatch.setenv(cpu_adam.KERNEL_ENV, missing[0])
+        with pytest.raises(RuntimeError, match="cannot run on this CPU"):
+            adam_step_flat(**args, step=3, **HP)
+
+
+def test_fallback_to_torch_warns_once_when_library_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing():
+        raise infinity._native.NativeLibraryError("libinfinity_native.so is not built")
+
+    monkeypatch.setattr(N, "lib", missing)
+    monkeypatch.setattr(cpu_adam, "_fallback_warned", False)
+    monkeypatch.delenv(cpu_adam.KERNEL_ENV, raising=False)
+    p0 = torch.randn(100)
+    p, g = p0.clone(), torch.randn(100)
+    with pytest.warns(RuntimeWarning, match="native library unavailable"):
+        adam_step_flat(p, g, torch.zeros(100), torch.zeros(100), step=1, **HP)
+    assert not torch.equal(p, p0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adam_step_flat(p, g, torch.zeros(100), torch.zeros(100), step=2, **HP)
+    assert infinity.native_info()["in_use"]["adam_kernel"] == "torch"
+    with pytest.raises(infinity._native.NativeLibraryError):
+        adam_step_flat(p, g, torch.zeros(100), torch.zeros(100), step=3, impl="scalar", **HP)
+
+
+# ---- CPUAdam as a torch optimizer ----------------------------------------------------------------
+
+def _model_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(64, 33), (33,), (1,), (7, 5, 3), (1000,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def _set_grads(params, k: int) -> None:
+    g = torch.Generator().manual_seed(1000 + k)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _run(opt, params, steps: int, start: int = 0, sched=None) -> None:
+    for k in range(start, start + steps):
+        _set_grads(params, k)
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def _assert_close(ours, ref, init) -> None:
+    for a, b, c in zip(ours, ref, init):
+        assert float((a.detach() - b.detach()).abs().max()) <= movement_tol(b.detach(), c) + 1e-12
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_cpu_adam_param_groups_match_torch(adamw_mode: bool) -> None:
+    init = [p.detach().clone() for p in _model_params()]
+    ours, ref = _model_params(), _model_params()
+    groups = lambda ps: [{"params": ps[:2], "lr": 2e-3, "weight_decay": 0.1},  # noqa: E731
+                         {"params": ps[2:], "betas": (0.8, 0.99)}]
+    opt = CPUAdam(groups(ours), lr=1e-3, weight_decay=0.01, adamw_mode=adamw_mode)
+    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    topt = cls(groups(ref), lr=1e-3, weight_decay=0.01, foreach=False)
+    _run(opt, ours, 100)
+    _run(topt, ref, 100)
+    _assert_close(ours, ref, init)
+
+
+def test_state_dict_loads_into_torch_adamw_and_back() -> None:
+    init = [p.detach().clone() for p in _model_params()]
+    a, b = _model_params(), _model_params()
+    torch_opt = torch.optim.AdamW(a, lr=1e-3, weight_decay=0.01, foreach=False)
+    _run(torch_opt, a, 5)
+    # torch -> ours
+    for pa, pb in zip(a, b):
+        pb.data.copy_(pa.data)
+    ours = CPUAdam(b, lr=5.0, weight_decay=0.5)  # hyperparameters come from the state_dict
+    ours.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert ours.param_groups[0]["lr"] == 1e-3 and ours.param_groups[0]["adamw_mode"] is True
+    _run(torch_opt, a, 5, start=5)
+    _run(ours, b, 5, start=5)
+    _assert_close(b, a, init)
+    sd = ours.state_dict()
+    st = sd["state"][0]
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and torch.is_tensor(st["step"])
+    assert float(st["step"]) == 10.0
+    # ours -> torch
+    c = _model_params()
+    for pb, pc in zip(b, c):
+        pc.data.copy_(pb.data)
+    torch2 = torch.optim.AdamW(c, lr=1.0, foreach=False)
+    torch2.load_state_dict(copy.deepcopy(sd))
+    assert torch2.param_groups[0]["decoupled_weight_decay"] is True
+    _run(ours, b, 5, start=10)
+    _run(torch2, c, 5, start=10)
+    _assert_close(b, c, init)
+
+
+def test_adam_mode_state_dict_keeps_l2_in_torch() -> None:
+    ps = _model_params()
+    ours = CPUAdam(ps, weight_decay=0.1, adamw_mode=False)
+    _run(ours, ps, 2)
+    t = torch.optim.Adam(_model_params(), foreach=False)
+    t.load_state_dict(ours.state_dict())
+    assert t.param_groups[0]["decoupled_weight_decay"] is False
+    assert t.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_lr_scheduler_and_tensor_lr() -> None:
+    init = [p.detach().clone() for p in _model_params()]
+    ours, ref = _model_params(), _model_params()
+    opt = CPUAdam(ours, lr=torch.tensor(1e-2), weight_decay=0.01)
+    topt = torch.optim.AdamW(ref, lr=torch.tensor(1e-2), weight_decay=0.01, foreach=False)
+    s1 = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    s2 = torch.optim.lr_scheduler.StepLR(topt, step_size=3, gamma=0.5)
+    _run(opt, ours, 10, sched=s1)
+    _run(topt, ref, 10, sched=s2)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 * 0.5 ** 3)
+    _assert_close(ours, ref, init)
+    sched = torch.optim.lr_scheduler.OneCycleLR(CPUAdam(_model_params(), lr=1e-3), max_lr=1e-2,
+                                                total_steps=10)
+    sched.optimizer.step()
+    sched.step()
+
+
+def test_sparse_grads_are_rejected() -> None:
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        CPUAdam(emb.parameters()).step()
+
+
+def test_params_without_grad_non_contiguous_and_wrong_dtype() -> None:
+    base = torch.randn(6, 4)
+    p_t = torch.nn.Parameter(base.t())  # non-contiguous parameter
+    p_none = torch.nn.Parameter(torch.randn(3))
+    ref = torch.nn.Parameter(base.t().clone())
+    opt = CPUAdam([p_t, p_none], lr=1e-2)
+    topt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.0, foreach=False)
+    for k in range(3):
+        g = torch.randn(4, 6)
+        p_t.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        topt.step()
+    assert p_none not in opt.state
+    assert not p_t.is_contiguous()
+    assert float((p_t - ref).detach().abs().max()) <= 1e-6
+    bad = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    bad.grad = torch.randn(3, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float32 CPU parameters"):
+        CPUAdam([bad]).step()
+
+
+def test_closure_and_constructor_errors() -> None:
+    ps = _model_params()
+    opt = CPUAdam(ps)
+
+    def closure():
+        _set_grads(ps, 0)
+        return 3.0
+
+    assert opt.step(closure) == 3.0
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        CPUAdam(ps, lr=-1.0)
+    with pytest.raises(ValueError, match="Invalid betas"):
+        CPUAdam(ps, betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        CPUAdam(ps, impl="gpu")
+    with pytest.raises(ValueError, match="amsgrad"):
+        t = torch.optim.Adam(_model_params(), amsgrad=True)
+        CPUAdam(ps).load_state_dict(t.state_dict())
+
+
+def test_cpu_adam_is_exported() -> None:
+    assert infinity.CPUAdam is CPUAdam
+    import infinity.optim as optim
+
+    assert optim.CPUAdam is CPUAdam and optim.adam_step_flat is adam_step_flat
