@@ -85,6 +85,11 @@ class IORequest:
         assert self._result is not None
         return self._result
 
+    def _finish_quietly(self) -> None:
+        """Block until finished without raising its error (for close paths)."""
+        while not self._native_wait(_WAIT_SLICE_S):
+            pass
+
     def __repr__(self) -> str:
         state = "done" if self._handle is None else "in flight"
         return f"IORequest({self.op} {self.nbytes} B at {self.offset} of {self.file.path!r}, {state})"
@@ -130,6 +135,7 @@ class IORequest:
             self._orphan = h
         self._buf = None
         self._engine._forget(h)
+        self.file._track(self, False)
         if res < 0:
             self._error = (-res, self._error_message(-res, err_off.value))
         elif res < self.nbytes and not (self.op == "read" and self.allow_short):
@@ -247,6 +253,7 @@ class AioEngine:
                                    f"{f.path}: {os.strerror(-rc)}")
             req = IORequest(self, out.value, keep, f, op, offset, nbytes, allow_short)
             self._inflight[out.value] = req
+            f._track(req, True)
             sweep = len(self._inflight) >= self._sweep_at
         if sweep:
             self._sweep()
@@ -280,8 +287,7 @@ class AioEngine:
         if handle is None:
             return
         for r in reqs:
-            while not r._native_wait(_WAIT_SLICE_S):
-                pass
+            r._finish_quietly()
         _lib.lib().inf_aio_destroy(handle)
 
     def __enter__(self) -> "AioEngine":

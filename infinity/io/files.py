@@ -30,6 +30,7 @@ class IOFile:
         self.direct = direct
         self.align = align
         self._lock = threading.Lock()
+        self._requests: set = set()  # IORequests on this file not yet seen finished
 
     @property
     def size(self) -> int:
@@ -55,11 +56,25 @@ class IOFile:
         return fd
 
     def close(self) -> None:
-        """Close the descriptor (idempotent). Requests on it must have finished."""
+        """Wait for this file's requests in flight, then close the descriptor (idempotent).
+
+        Closing first would let a queued piece reach whatever file reuses the descriptor number.
+        """
+        with self._lock:
+            pending = list(self._requests)
+        for req in pending:
+            req._finish_quietly()
         with self._lock:
             fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+    def _track(self, req: object, add: bool) -> None:
+        with self._lock:
+            if add:
+                self._requests.add(req)
+            else:
+                self._requests.discard(req)
 
     def __enter__(self) -> "IOFile":
         return self

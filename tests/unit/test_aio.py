@@ -238,3 +238,12 @@ def test_round_trip_with_each_knob(backend: str, knobs: dict, disk_dir) -> None:
         assert wait_all(reqs) == [4 * BLOCK, n - 4 * BLOCK]
         assert eng.read(back, f, 0).wait() == n
     assert torch.equal(back, data)
+
+
+def test_closing_a_file_waits_for_its_requests(engine: AioEngine, disk_dir) -> None:
+    data = random_bytes(8 * BLOCK, seed=12)
+    f = engine.open(disk_dir / "fclose.dat", "rw", create=True)
+    reqs = [engine.write(data[i * BLOCK:(i + 1) * BLOCK], f, i * BLOCK) for i in range(8)]
+    f.close()
+    assert all(r.done() for r in reqs) and f.closed
+    assert wait_all(reqs) == [BLOCK] * 8
