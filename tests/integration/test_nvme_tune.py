@@ -1,0 +1,130 @@
+"""nvme-tune: the CLI's JSON on a real file, the table, the recommendation, and cleanup on Ctrl-C."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infinity.cli import main
+from infinity.storage import nvme_tune as tune
+from infinity.storage.nvme_tune import PointResult, TunePoint
+
+MiB = 1 << 20
+
+
+def test_one_point_json_in_a_subprocess(disk_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "infinity.cli", "nvme-tune", "--path", str(disk_dir),
+           "--size", "16MiB", "--backend", "threads", "--block-size", "1M", "--queue-depth", "8",
+           "--threads", "1", "--repeats", "1", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)  # stdout is exactly one JSON object
+    assert data["size"] == 16 * MiB and data["writes_include_fsync"] is True
+    [point] = data["points"]
+    assert (point["backend"], point["block_size"], point["queue_depth"], point["thread_count"]) == \
+        ("threads", MiB, 8, 1)
+    assert point["read_GBps"] > 0 and point["write_GBps"] > 0
+    assert point["resident_before_read"] == [0.0], "reads must start cold"
+    assert data["recommendation"]["aio"] == {
+        "backend": "threads", "block_size": MiB, "queue_depth": 8, "intra_op_parallelism": 1,
+        "single_submit": False, "overlap_events": True}
+    assert "1/1" in out.stderr  # the progress bar went to stderr
+    assert os.listdir(disk_dir) == [], "nvme-tune must remove its private directory"
+
+
+def test_small_grid_table_and_paste_ready_section(disk_dir: Path, capsys) -> None:
+    assert main(["nvme-tune", "--path", str(disk_dir), "--size", "4MiB", "--backend",
+                 "threads,mmap", "--block-size", "256K,1M", "--queue-depth", "4", "--repeats",
+                 "2", "--no-fsync"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" qd") >= 1 and "without one fdatasync" in out and "<- best" in out
+    rows = [line for line in out.splitlines() if line.startswith(("threads ", "mmap "))]
+    assert len(rows) == 4
+    section = json.loads(out[out.index("{"):])
+    assert set(section["aio"]) == {"backend", "block_size", "queue_depth", "intra_op_parallelism",
+                                   "single_submit", "overlap_events"}
+    assert section["aio"]["block_size"] in (256 << 10, MiB)
+    assert os.listdir(disk_dir) == []
+
+
+def test_ctrl_c_mid_sweep_removes_the_test_file(disk_dir: Path) -> None:
+    seen = []
+
+    def interrupt(done, total, point, phase):
+        if phase == "read":
+            seen.extend(os.listdir(disk_dir))
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tune.sweep(disk_dir, tune.grid(["threads"], [MiB], [4]), size=4 * MiB, progress=interrupt)
+    assert seen and seen[0].startswith("infinity-swap-"), "the sweep runs in a private dir"
+    assert os.listdir(disk_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_to_the_command_cleans_up(disk_dir: Path, sig: int) -> None:
+    cmd = [sys.executable, "-m", "infinity.cli", "nvme-tune", "--path", str(disk_dir),
+           "--size", "512MiB", "--backend", "threads", "--block-size", "256K", "--queue-depth",
+           "1", "--repeats", "50"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith("infinity-swap-") for p in disk_dir.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert os.listdir(disk_dir) == []
+
+
+def test_unavailable_backend_is_skipped_with_a_reason(disk_dir: Path, monkeypatch) -> None:
+    import infinity.io
+
+    monkeypatch.setattr(infinity.io, "backend_available", lambda name: name != "libaio")
+    report = tune.sweep(disk_dir, tune.grid(["libaio", "threads"], [MiB], [4]), size=MiB,
+                        fsync=False)
+    assert [r.point.backend for r in report.results] == ["threads"]
+    assert report.skipped == ["libaio 1M qd4: backend libaio is not available here"]
+    with pytest.raises(ValueError, match="no requested backend is available"):
+        tune.sweep(disk_dir, tune.grid(["libaio"], [MiB], [4]), size=MiB)
+
+
+def _result(backend: str, qd: int, threads: int, write: float, read: float) -> PointResult:
+    return PointResult(TunePoint(backend, MiB, qd, threads), backend, [write], [read])
+
+
+def test_recommendation_prefers_cheaper_settings_within_tolerance() -> None:
+    fast = _result("io_uring", 32, 2, 2.0, 2.0)       # swap 1.00
+    close = _result("io_uring", 8, 1, 1.96, 1.96)     # swap 0.98: within 5%, fewer threads
+    slow = _result("libaio", 4, 1, 1.0, 1.0)          # swap 0.50
+    assert tune.recommend([fast, close, slow]) is close
+    assert tune.recommend([fast, slow]) is fast
+    with pytest.raises(ValueError, match="nothing to recommend"):
+        tune.recommend([])
+
+
+def test_bad_arguments_exit_2(disk_dir: Path, capsys, monkeypatch) -> None:
+    assert main(["nvme-tune", "--path", str(disk_dir), "--block-size", "1000"]) == 2
+    assert "multiple of 4096" in capsys.readouterr().err
+    assert main(["nvme-tune", "--path", str(disk_dir / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert main(["nvme-tune", "--path", str(disk_dir), "--plot", str(disk_dir / "x.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_plot_is_written(disk_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    assert main(["nvme-tune", "--path", str(disk_dir), "--size", "1MiB", "--backend", "threads",
+                 "--block-size", "256K,1M", "--queue-depth", "4", "--repeats", "1",
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
