@@ -191,6 +191,7 @@ class AioEngine:
                                     "backend=\"auto\" or \"threads\"")
             raise OSError(code, f"starting the aio engine ({cfg}) failed: {os.strerror(code)}")
         self._handle: int | None = handle.value
+        self._pid = os.getpid()  # lanes are threads: a forked child has none of them
         self.backend: str = _lib.BACKEND_NAMES[L.inf_aio_backend(self._handle)]
         self._lock = threading.Lock()
         self._inflight: dict[int, IORequest] = {}
@@ -243,6 +244,10 @@ class AioEngine:
                                  "bytes (the file's direct-I/O block); align the offset")
         out = ctypes.c_void_p()
         code = _lib.OP_READ if op == "read" else _lib.OP_WRITE
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"{op} of {f.path}: this AioEngine was created in process {self._pid} "
+                               f"and its I/O threads do not exist after fork(); create a new "
+                               f"AioEngine in process {os.getpid()}")
         with self._lock:
             if self._handle is None:
                 raise RuntimeError(f"{op} of {f.path}: the aio engine is closed")
@@ -284,8 +289,8 @@ class AioEngine:
         with self._lock:
             handle, self._handle = self._handle, None
             reqs = list(self._inflight.values())
-        if handle is None:
-            return
+        if handle is None or os.getpid() != self._pid:
+            return  # after fork() the parent owns the native engine; leave it alone
         for r in reqs:
             r._finish_quietly()
         _lib.lib().inf_aio_destroy(handle)

@@ -247,3 +247,19 @@ def test_closing_a_file_waits_for_its_requests(engine: AioEngine, disk_dir) -> N
     f.close()
     assert all(r.done() for r in reqs) and f.closed
     assert wait_all(reqs) == [BLOCK] * 8
+
+
+def test_a_forked_child_gets_a_clear_error(disk_dir) -> None:
+    with make_engine("threads") as eng, eng.open(disk_dir / "fork.dat", "rw", create=True) as f:
+        pid = os.fork()
+        if pid == 0:  # child: must raise, not hang on lanes that do not exist here
+            code = 1
+            try:
+                eng.write(aligned_empty(4096), f, 0)
+            except RuntimeError as exc:
+                code = 0 if "fork" in str(exc) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert eng.write(aligned_empty(4096), f, 0).wait() == 4096
