@@ -73,3 +73,18 @@ def test_memory_is_returned_to_the_os() -> None:
         del t
     gc.collect()
     assert rss() - before < 32 << 20, "freed aligned buffers were not unmapped"
+
+
+@pytest.mark.gpu
+def test_pinned_with_cuda_and_unregistered_when_freed() -> None:
+    budget = MemoryBudget("host", None)
+    t = aligned_empty(8 << 20, torch.float32, budget=budget, pin=True)
+    assert t.is_pinned(), "pin=True with CUDA must cudaHostRegister the buffer"
+    t.fill_(2.0)
+    d = t.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert float(d.sum()) == 2.0 * t.numel()
+    assert not aligned_empty(4096, pin=False).is_pinned()
+    del t
+    gc.collect()
+    assert budget.held == 0
