@@ -1,0 +1,155 @@
+"""Training text for ``infinity train``: the shipped corpus or the user's file, as byte tokens.
+
+Why bytes: a byte-level vocabulary (256 byte values plus a few special ids) needs no tokenizer
+download and no tokenizer file, so the default run works offline on any text. ``--data`` takes a
+plain-text file, or JSON lines with a ``text`` field (one document per line; documents are joined
+with an end-of-text id). Batches are random windows of the token stream, drawn from a seeded
+generator so that two runs with the same seed see the same batches.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+BYTE_IDS = 256
+"""Ids 0..255 are the bytes of the text."""
+BOS_ID = 256
+"""Beginning of text (unused by the default stream, reserved for callers)."""
+EOS_ID = 257
+"""End of a document (separates JSON-lines documents)."""
+PAD_ID = 258
+"""Padding (reserved)."""
+VOCAB_SIZE = 260
+"""Byte ids plus the special ids, rounded up to a multiple of 4."""
+
+DEFAULT_CORPUS = "kjv_excerpt.txt"
+"""File name of the shipped corpus under ``infinity/data`` (see infinity/data/README.md)."""
+
+_JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A token stream and where it came from."""
+
+    tokens: torch.Tensor
+    """int64 ids, one per byte (plus EOS between JSON-lines documents)."""
+    source: str
+    """The path it was read from (for logs and the summary)."""
+    documents: int
+    """Documents read (1 for plain text)."""
+
+
+def default_corpus_path() -> Path:
+    """The shipped public-domain corpus (package data, installed with the wheel)."""
+    path = Path(str(resources.files("infinity").joinpath("data", DEFAULT_CORPUS)))
+    if not path.is_file():
+        raise FileNotFoundError(f"the shipped corpus {path} is missing from this installation; "
+                                "reinstall infinity or pass --data FILE")
+    return path
+
+
+def load_corpus(path: str | Path | None = None) -> Corpus:
+    """Read ``path`` (``None``: the shipped corpus) into byte tokens.
+
+    JSON lines are recognised by the suffix (.jsonl, .ndjson, .json) or by a first non-blank line
+    starting with ``{``. Raises FileNotFoundError for a missing file and ValueError for a
+    directory, an empty corpus, or a JSON line without a string ``text`` field.
+    """
+    source = default_corpus_path() if path is None else Path(path)
+    if not source.exists():
+        raise FileNotFoundError(f"data file {source} does not exist; pass --data with a plain-text "
+                                "file or a JSON-lines file with a \"text\" field")
+    if source.is_dir():
+        raise ValueError(f"data path {source} is a directory; pass --data with one file "
+                         "(plain text, or JSON lines with a \"text\" field)")
+    raw = source.read_bytes()
+    if _looks_like_jsonl(source, raw):
+        texts = _jsonl_texts(source, raw)
+        documents = len(texts)
+        pieces: list[torch.Tensor] = []
+        for text in texts:
+            pieces.append(_bytes_to_tokens(text.encode("utf-8")))
+            pieces.append(torch.tensor([EOS_ID], dtype=torch.int64))
+        tokens = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+        content = sum(len(t) for t in texts)
+    else:
+        documents = 1
+        tokens = _bytes_to_tokens(raw)
+        content = len(raw.strip())
+    if content == 0:
+        raise ValueError(f"data file {source} is empty (no text in {len(raw)} bytes); pass --data "
+                         "with a file that holds some text")
+    return Corpus(tokens=tokens, source=str(source), documents=documents)
+
+
+def _bytes_to_tokens(data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+
+
+def _looks_like_jsonl(path: Path, raw: bytes) -> bool:
+    if path.suffix.lower() in _JSONL_SUFFIXES:
+        return True
+    for line in raw.splitlines():
+        if line.strip():
+            return line.lstrip().startswith(b"{")
+    return False
+
+
+def _jsonl_texts(path: Path, raw: bytes) -> list[str]:
+    texts = []
+    for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {number}: not valid JSON ({exc.msg} at column "
+                             f"{exc.colno}); JSON-lines data needs one object per line with a "
+                             "\"text\" field") from None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"{path} line {number}: expected an object with a string \"text\" "
+                             f"field, got {line[:80]!r}")
+        if text:
+            texts.append(text)
+    return texts
+
+
+class BatchSampler:
+    """Random windows of ``seq_len`` tokens, ``micro_batch`` at a time, from a seeded generator.
+
+    The labels of a causal LM are its inputs (the model shifts them), so one window serves both.
+    """
+
+    def __init__(self, corpus: Corpus, seq_len: int, micro_batch: int, seed: int) -> None:
+        if seq_len < 2:
+            raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
+        if micro_batch < 1:
+            raise ValueError(f"--micro-batch must be at least 1, got {micro_batch}")
+        n = int(corpus.tokens.numel())
+        if n < seq_len:
+            raise ValueError(f"data file {corpus.source} has {n} tokens (bytes), fewer than "
+                             f"--seq-len {seq_len}; pass more text or a smaller --seq-len")
+        self.tokens = corpus.tokens
+        self.seq_len = seq_len
+        self.micro_batch = micro_batch
+        self._starts = n - seq_len + 1
+        self._generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Tokens in one micro-batch."""
+        return self.seq_len * self.micro_batch
+
+    def next_batch(self) -> torch.Tensor:
+        """A ``[micro_batch, seq_len]`` int64 tensor of token ids."""
+        starts = torch.randint(0, self._starts, (self.micro_batch,), generator=self._generator)
+        offsets = torch.arange(self.seq_len)
+        return self.tokens[starts[:, None] + offsets[None, :]]
