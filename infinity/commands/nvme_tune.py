@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="passes per point, taken round-robin over the grid (default 2)")
-    parser.add_argument("--no-fsync", dest="fsync", action="store_false",
-                        help="time writes without the final fdatasync (like DeepSpeed's aio bench; "
-                             "may measure the device's write cache)")
+    parser.add_argument("--fsync", action="store_true",
+                        help="include one fdatasync per write pass (flushes the device's write "
+                             "cache: what the disk sustains). Default: none, like the engine's "
+                             "swap-outs, DeepSpeed's aio bench and tools/bench/io.py")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with every point and the recommendation")
     parser.add_argument("--plot", type=Path, metavar="FILE.png",

@@ -8,9 +8,10 @@ the numbers mean the same thing everywhere:
   Ctrl-C, and (by reclaim) even after a SIGKILL;
 * it is preallocated and written once untimed before the sweep, so no point pays ext4's
   unwritten-extent conversion that only the first writer would see;
-* a write pass submits the whole file as requests from one aligned buffer and, unless
-  ``fsync=False``, includes one ``fdatasync`` at the end (the disk's write-back cache is flushed,
-  so the number is what the device sustains, not what its cache swallows);
+* a write pass submits the whole file as requests from one aligned buffer; by default it is not
+  followed by an fsync, like the engine's own swap-outs (and DeepSpeed's aio bench and
+  tools/bench/io.py), so a device with a write-back cache may report what its cache absorbs;
+  ``fsync=True`` adds one ``fdatasync`` per pass (what the device sustains);
 * before a read pass the file is fsync'd and evicted (``posix_fadvise(DONTNEED)``) and its page-cache
   residency recorded; reads use O_DIRECT (except the ``mmap`` backend), and the read-back is
   checked against the written pattern;
@@ -161,7 +162,7 @@ ProgressFn = Callable[[int, int, TunePoint, str], None]
 
 
 def sweep(path: str | os.PathLike[str], points: list[TunePoint], *, size: int = DEFAULT_SIZE,
-          repeats: int = 1, fsync: bool = True, progress: ProgressFn | None = None) -> TuneReport:
+          repeats: int = 1, fsync: bool = False, progress: ProgressFn | None = None) -> TuneReport:
     """Measure every point ``repeats`` times on a ``size``-byte file in a private dir under ``path``."""
     from infinity.io import AioConfig, AioEngine, aligned_empty, backend_available
 
@@ -306,9 +307,11 @@ def describe(report: TuneReport) -> str:
     """The human-readable table and recommendation."""
     lines = [f"nvme-tune {report.path} ({report.fs_type}): {format_bytes(report.size)} file, "
              f"{report.repeats} repeat(s), {report.seconds:.0f} s",
-             f"writes: O_DIRECT, {'including' if report.writes_include_fsync else 'without'} one "
-             "fdatasync per pass; reads: cold (fsync + fadvise DONTNEED, O_DIRECT). "
-             "GB/s = 1e9 B/s, median of repeats", ""]
+             "writes: O_DIRECT, " + ("including one fdatasync per pass" if report.writes_include_fsync
+                                     else "no fsync (a device write cache may absorb them; "
+                                          "--fsync adds one fdatasync per pass)")
+             + "; reads: cold (fsync + fadvise DONTNEED, O_DIRECT). GB/s = 1e9 B/s, median of "
+             "repeats", ""]
     header = f"{'backend':<9} {'block':>6} {'qd':>4} {'thr':>4} {'write GB/s':>11} {'read GB/s':>10} {'swap GB/s':>10}"
     lines += [header, "-" * len(header)]
     best = report.best

@@ -25,7 +25,7 @@ def test_one_point_json_in_a_subprocess(disk_dir: Path) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)  # stdout is exactly one JSON object
-    assert data["size"] == 16 * MiB and data["writes_include_fsync"] is True
+    assert data["size"] == 16 * MiB and data["writes_include_fsync"] is False
     [point] = data["points"]
     assert (point["backend"], point["block_size"], point["queue_depth"], point["thread_count"]) == \
         ("threads", MiB, 8, 1)
@@ -41,9 +41,9 @@ def test_one_point_json_in_a_subprocess(disk_dir: Path) -> None:
 def test_small_grid_table_and_paste_ready_section(disk_dir: Path, capsys) -> None:
     assert main(["nvme-tune", "--path", str(disk_dir), "--size", "4MiB", "--backend",
                  "threads,mmap", "--block-size", "256K,1M", "--queue-depth", "4", "--repeats",
-                 "2", "--no-fsync"]) == 0
+                 "2", "--fsync"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" qd") >= 1 and "without one fdatasync" in out and "<- best" in out
+    assert out.count(" qd") >= 1 and "including one fdatasync" in out and "<- best" in out
     rows = [line for line in out.splitlines() if line.startswith(("threads ", "mmap "))]
     assert len(rows) == 4
     section = json.loads(out[out.index("{"):])
@@ -89,8 +89,7 @@ def test_unavailable_backend_is_skipped_with_a_reason(disk_dir: Path, monkeypatc
     import infinity.io
 
     monkeypatch.setattr(infinity.io, "backend_available", lambda name: name != "libaio")
-    report = tune.sweep(disk_dir, tune.grid(["libaio", "threads"], [MiB], [4]), size=MiB,
-                        fsync=False)
+    report = tune.sweep(disk_dir, tune.grid(["libaio", "threads"], [MiB], [4]), size=MiB)
     assert [r.point.backend for r in report.results] == ["threads"]
     assert report.skipped == ["libaio 1M qd4: backend libaio is not available here"]
     with pytest.raises(ValueError, match="no requested backend is available"):
