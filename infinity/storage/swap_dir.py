@@ -349,6 +349,9 @@ def reclaim_stale(parent: str | os.PathLike[str]) -> list[Removal]:
         except (NotOursError, FileNotFoundError) as exc:
             _log.debug("skipping %s: %s", path, exc)
             continue
+        except OSError as exc:  # e.g. another user's 0700 directory: never fatal at start
+            _log.warning("could not check or reclaim %s (%s); leaving it", path, exc)
+            continue
         _log.info("reclaimed swap dir %s left by a killed run (%s): %s freed in %d files",
                   path, result.reason, format_bytes(result.bytes_freed), result.files_removed)
         done.append(result)

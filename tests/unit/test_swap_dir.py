@@ -157,3 +157,24 @@ def test_killed_process_dir_is_reclaimed_by_next_start(disk_dir: Path) -> None:
     child.stdout.close()
     results = reclaim_stale(disk_dir)
     assert [r.path for r in results] == [path] and not path.exists()
+
+
+def test_unreadable_directory_does_not_stop_reclaim(disk_dir: Path, monkeypatch, infinity_log) -> None:
+    # Another user's 0700 swap dir cannot be read by a normal user (root reads anything: simulate).
+    me = Owner.of_this_process(0)
+    blocked = fake_private_dir(disk_dir, Owner(dead_pid(), me.boot_id, 1, 0, me.hostname), {},
+                               name=f"{sd.DIR_PREFIX}a-blocked")
+    stale = fake_private_dir(disk_dir, Owner(dead_pid(), me.boot_id, 1, 0, me.hostname),
+                             {"swap-0.bin": 4096}, name=f"{sd.DIR_PREFIX}b-stale")
+    real_read = sd.read_marker
+
+    def read_marker(path):
+        if Path(path) == blocked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path)
+
+    monkeypatch.setattr(sd, "read_marker", read_marker)
+    assert [r.path for r in reclaim_stale(disk_dir)] == [stale]
+    assert blocked.exists() and "could not check or reclaim" in infinity_log.text
+    monkeypatch.undo()
+    reclaim(blocked)
