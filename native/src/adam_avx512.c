@@ -1,6 +1,7 @@
 /* AVX-512F path of the CPU Adam element update, 16 floats per vector. Same operations in the
  * same order as adam_scalar.c, FMA contraction off, so the bits equal the scalar reference. The
- * tail (n % 16) runs the same vector code on a zero-padded copy. Compiled with a function target
+ * tail (n % 16) runs the same vector code on a zero-padded copy. The 16-bit copy of large ranges
+ * is written with non-temporal stores. Compiled with a function target
  * attribute and chosen at run time only on CPUs (and kernels) with AVX-512F. */
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -40,8 +41,9 @@ TARGET __m256i to_bf16(__m512 x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-TARGET void vec16(const struct avx512_consts *k, float *p, const void *g, float *m, float *v,
-                  void *half, size_t i, int gdt, int hdt, int mode) {
+/* Updates 16 elements at i; returns the new params (the caller stores the 16-bit copy). */
+TARGET __m512 vec16(const struct avx512_consts *k, float *p, const void *g, float *m, float *v,
+                    size_t i, int gdt, int mode) {
     __m512 gi = _mm512_mul_ps(load_grad(g, i, gdt), k->inv_scale);
     __m512 pi = _mm512_loadu_ps(p + i);
     if (mode == ADAM_MODE_L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(k->l2, pi));
@@ -56,11 +58,32 @@ TARGET void vec16(const struct avx512_consts *k, float *p, const void *g, float 
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
     _mm512_storeu_ps(p + i, pi);
-    if (hdt == INF_ADAM_DTYPE_BF16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)half + i), to_bf16(pi));
-    else if (hdt == INF_ADAM_DTYPE_F16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)half + i),
-                            _mm512_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT));
+    return pi;
+}
+
+TARGET __m256i to_half(__m512 x, int hdt) {
+    return hdt == INF_ADAM_DTYPE_BF16 ? to_bf16(x) : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* Elements [i, i + r), r <= 16: the same vector code on zero-padded copies (padding discarded). */
+TARGET void partial16(const struct avx512_consts *k, float *p, const void *g, float *m, float *v,
+                      void *half, size_t i, size_t r, int gdt, int hdt, int mode) {
+    size_t gsz = gdt == INF_ADAM_DTYPE_F32 ? 4 : 2;
+    float pb[16] = {0}, mb[16] = {0}, vb[16] = {0};
+    uint16_t hb[16];
+    _Alignas(64) unsigned char gb[64] = {0};
+    memcpy(pb, p + i, r * 4);
+    memcpy(mb, m + i, r * 4);
+    memcpy(vb, v + i, r * 4);
+    memcpy(gb, (const unsigned char *)g + i * gsz, r * gsz);
+    __m512 pi = vec16(k, pb, gb, mb, vb, 0, gdt, mode);
+    memcpy(p + i, pb, r * 4);
+    memcpy(m + i, mb, r * 4);
+    memcpy(v + i, vb, r * 4);
+    if (hdt != INF_ADAM_DTYPE_NONE) {
+        _mm256_storeu_si256((__m256i *)hb, to_half(pi, hdt));
+        memcpy((uint16_t *)half + i, hb, r * 2);
+    }
 }
 
 TARGET void avx512_loop(const struct adam_consts *c, float *p, const void *g, float *m, float *v,
@@ -71,22 +94,21 @@ TARGET void avx512_loop(const struct adam_consts *c, float *p, const void *g, fl
         _mm512_set1_ps(c->inv_bc2_sqrt),    _mm512_set1_ps(c->eps),    _mm512_set1_ps(c->decay),
         _mm512_set1_ps(c->step_size)};
     size_t i = 0;
-    for (; i + 16 <= n; i += 16) vec16(&k, p, g, m, v, half, i, gdt, hdt, mode);
-    if (i == n) return;
-    /* tail: the same vector code on zero-padded copies; the padding lanes are discarded */
-    size_t r = n - i, gsz = gdt == INF_ADAM_DTYPE_F32 ? 4 : 2;
-    float pb[16] = {0}, mb[16] = {0}, vb[16] = {0};
-    uint16_t hb[16];
-    _Alignas(64) unsigned char gb[64] = {0};
-    memcpy(pb, p + i, r * 4);
-    memcpy(mb, m + i, r * 4);
-    memcpy(vb, v + i, r * 4);
-    memcpy(gb, (const unsigned char *)g + i * gsz, r * gsz);
-    vec16(&k, pb, gb, mb, vb, hb, 0, gdt, hdt, mode);
-    memcpy(p + i, pb, r * 4);
-    memcpy(m + i, mb, r * 4);
-    memcpy(v + i, vb, r * 4);
-    if (hdt != INF_ADAM_DTYPE_NONE) memcpy((uint16_t *)half + i, hb, r * 2);
+    uint16_t *h = half;
+    if (hdt != INF_ADAM_DTYPE_NONE && n >= ADAM_STREAM_MIN && (uintptr_t)h % 2 == 0) {
+        /* stream the write-only 16-bit copy (see adam_avx2.c); peel to 32 bytes */
+        size_t peel = ((32 - (uintptr_t)h % 32) % 32) / 2;
+        if (peel) partial16(&k, p, g, m, v, half, 0, peel, gdt, hdt, mode);
+        for (i = peel; i + 16 <= n; i += 16)
+            _mm256_stream_si256((__m256i *)(h + i),
+                                to_half(vec16(&k, p, g, m, v, i, gdt, mode), hdt));
+        _mm_sfence();
+    }
+    for (; i + 16 <= n; i += 16) {
+        __m512 pi = vec16(&k, p, g, m, v, i, gdt, mode);
+        if (hdt != INF_ADAM_DTYPE_NONE) _mm256_storeu_si256((__m256i *)(h + i), to_half(pi, hdt));
+    }
+    if (i < n) partial16(&k, p, g, m, v, half, i, n - i, gdt, hdt, mode);
 }
 
 #define AVX512_CASE(G, H)                                                                        \

@@ -32,6 +32,9 @@ struct adam_consts {
     int mode;
 };
 
+/* Ranges at least this long write the 16-bit copy with non-temporal stores (x86). */
+#define ADAM_STREAM_MIN 4096
+
 /* Steps n elements of one range. gdt: INF_ADAM_DTYPE_{F32,BF16,F16}; hdt also NONE. */
 typedef void (*adam_range_fn)(const struct adam_consts *c, float *p, const void *g, float *m,
                               float *v, void *half, size_t n, int gdt, int hdt);
