@@ -1,0 +1,70 @@
+"""``infinity train``: train a causal LM out of core; with no arguments, the demo run.
+
+The demo: an 85M-parameter byte-level Llama (random init) on the public-domain text shipped in
+the package, ZeRO stage 3 with parameters and optimizer states in a temporary swap directory
+under /var/tmp (removed at the end), a host budget smaller than half the model states. Flags
+override the model, data, ds_config and sizes; ``--engine torch`` runs the in-memory baseline.
+The work is in ``infinity.train.loop``; this module only parses arguments.
+"""
+from __future__ import annotations
+
+import argparse
+
+from infinity.train.defaults import (DEFAULT_HOST_BUDGET, DEFAULT_LR, DEFAULT_MICRO_BATCH,
+                                     DEFAULT_NVME_PATH, DEFAULT_PRESET, DEFAULT_SEQ_LEN,
+                                     DEFAULT_STEPS)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model-size", metavar="NAME", default=None,
+                       help=f"Llama preset with the byte vocabulary (tiny, {DEFAULT_PRESET}, 1B, "
+                            f"7B, ...; default {DEFAULT_PRESET})")
+    model.add_argument("--hf-config", metavar="PATH", default=None,
+                       help="a transformers config.json of any causal LM (random init)")
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="DeepSpeed-format ds_config.json (default: stage 3, params and "
+                             "optimizer on NVMe)")
+    parser.add_argument("--data", metavar="FILE", default=None,
+                        help="plain text, or JSON lines with a \"text\" field (default: the "
+                             "shipped public-domain corpus)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
+    parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
+                        help="tokens (bytes) per sample")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help=f"samples per forward (default: the config's; the demo: "
+                             f"{DEFAULT_MICRO_BATCH})")
+    parser.add_argument("--nvme-path", metavar="DIR", default=None,
+                        help=f"directory for the swap directory (default: the config's, else "
+                             f"{DEFAULT_NVME_PATH})")
+    parser.add_argument("--host-budget", metavar="SIZE", default=None,
+                        help=f"host memory budget, e.g. 2GiB (default: the config's; the demo: "
+                             f"{DEFAULT_HOST_BUDGET})")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"peak learning rate (default: the config's; the demo: {DEFAULT_LR})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
+    parser.add_argument("--metrics", metavar="FILE", default=None,
+                        help="write one JSON line per step here")
+    parser.add_argument("--plot", metavar="FILE", default=None,
+                        help="PNG of the loss and the step-time split (needs matplotlib; default: "
+                             "next to --metrics when matplotlib is installed, else off)")
+    parser.add_argument("--engine", choices=("infinity", "torch"), default="infinity",
+                        help="infinity: the out-of-core engine; torch: the in-memory baseline "
+                             "(plain PyTorch + AdamW), for comparison")
+    parser.add_argument("--progress-every", type=int, default=None, metavar="N",
+                        help="when stderr is not a terminal, print progress every N steps "
+                             "(default: about 20 lines per run)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from infinity.train.loop import TrainOptions, run_training  # torch: only when training
+
+    opts = TrainOptions(
+        engine=args.engine, config=args.config, model_size=args.model_size,
+        hf_config=args.hf_config, data=args.data, steps=args.steps, seq_len=args.seq_len,
+        micro_batch=args.micro_batch, nvme_path=args.nvme_path, host_budget=args.host_budget,
+        lr=args.lr, seed=args.seed, metrics=args.metrics, plot=args.plot,
+        progress_every=args.progress_every)
+    run_training(opts)
+    return 0

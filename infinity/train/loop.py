@@ -1,0 +1,306 @@
+"""The training run behind ``infinity train``: data, model, engine, steps, metrics, clean-up.
+
+Why apart from the CLI: tests and tools call ``run_training`` directly, and the command module
+stays a thin argument parser. Everything that can fail on user input (data file, model config,
+ds_config, swap path, metrics path) is checked before the model is built, so a bad run fails in
+a second with one line and leaves nothing behind. The engine is closed in ``finally`` (which
+removes its swap directory), also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import torch
+
+from infinity.log import get_logger
+from infinity.sizes import format_bytes
+from infinity.train import data as data_mod
+from infinity.train import models
+from infinity.train.baseline import TorchBaselineEngine
+from infinity.train.defaults import DEFAULT_SEQ_LEN, DEFAULT_STEPS
+from infinity.train.metrics import (MetricsWriter, StepRecord, Summary, plot_available,
+                                    render_summary, summarize, write_plot)
+from infinity.train.progress import ProgressBar
+from infinity.train.run_config import (Overrides, build_ds_config, demo_config, nvme_paths,
+                                       read_config_file)
+
+_log = get_logger("train")
+
+EngineKind = Literal["infinity", "torch"]
+STATE_BYTES_PER_PARAM = 16
+"""fp32 parameter, gradient and two Adam moments: what a run must hold somewhere, per parameter."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """One run of ``infinity train`` (the command-line flags, typed)."""
+
+    engine: EngineKind = "infinity"
+    """"infinity" (the out-of-core engine) or "torch" (the in-memory baseline)."""
+    config: str | None = None
+    """ds_config.json; None = the demo config (stage 3, params and optimizer on NVMe)."""
+    model_size: str | None = None
+    """A preset name (see infinity.train.models); None = the demo's 85M."""
+    hf_config: str | None = None
+    """A transformers config.json of any causal LM (instead of a preset)."""
+    data: str | None = None
+    """Plain text or JSON lines with "text"; None = the shipped public-domain corpus."""
+    steps: int = DEFAULT_STEPS
+    """Optimizer steps."""
+    seq_len: int = DEFAULT_SEQ_LEN
+    """Tokens (bytes) per sample."""
+    micro_batch: int | None = None
+    """Samples per forward; None = the config's train_micro_batch_size_per_gpu."""
+    nvme_path: str | None = None
+    """Parent directory of the swap directory; None = the config's, else /var/tmp."""
+    host_budget: str | None = None
+    """Host memory budget; None = the config's (the demo: 512MiB)."""
+    lr: float | None = None
+    """Peak learning rate; None = the config's."""
+    seed: int = 0
+    """Seeds the model's initialisation and the batches."""
+    metrics: str | None = None
+    """Write one JSON line per step here."""
+    plot: str | None = None
+    """Write a PNG of the loss and the step-time split here (needs matplotlib)."""
+    progress_every: int | None = None
+    """Off a terminal, print a progress line every this many steps (None: about 20 lines)."""
+
+
+@dataclass
+class TrainResult:
+    """What a run did."""
+
+    records: list[StepRecord]
+    summary: Summary
+    n_params: int
+    swap_dirs: list[str] = field(default_factory=list)
+    """The engine's swap directories seen during the run (all removed at the end)."""
+    plot: str | None = None
+    init_s: float = 0.0
+    """Model construction and engine initialisation."""
+    wall_s: float = 0.0
+    """Whole run, from start to clean-up."""
+
+
+def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
+                 out: IO[str] | None = None) -> TrainResult:
+    """Run ``opts``; the progress goes to ``stream`` (stderr), the summary table to ``out`` (stdout)."""
+    started = time.perf_counter()
+    stream = stream if stream is not None else sys.stderr
+    out = out if out is not None else sys.stdout
+    if opts.engine not in ("infinity", "torch"):
+        raise ValueError(f"--engine {opts.engine!r}: expected 'infinity' or 'torch'")
+    if opts.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {opts.steps}")
+
+    # 1. Everything that reads user input, before any big allocation.
+    # The cheap checks first (no transformers import), so bad input fails in a moment.
+    corpus = data_mod.load_corpus(opts.data)
+    base = read_config_file(opts.config) if opts.config else demo_config()
+    ds, config = build_ds_config(base, Overrides(
+        micro_batch=opts.micro_batch, lr=opts.lr, nvme_path=opts.nvme_path,
+        host_budget=opts.host_budget, steps=opts.steps))
+    sampler = data_mod.BatchSampler(corpus, opts.seq_len, config.train_micro_batch_size_per_gpu,
+                                    opts.seed)
+    swap_parents = nvme_paths(ds) if opts.engine == "infinity" else []
+    for parent in swap_parents:
+        _preflight(parent, direct_io=config.aio.backend != "mmap")
+    plot_path = _plot_path(opts)
+    writer = MetricsWriter(opts.metrics) if opts.metrics else None
+    model_config = models.model_config(opts.model_size, opts.hf_config, opts.seq_len)
+    n_params = models.count_parameters(model_config)
+    for parent in swap_parents:
+        _check_space(parent, STATE_BYTES_PER_PARAM * n_params)
+
+    accum = config.gradient_accumulation_steps
+    tokens_per_step = sampler.tokens_per_batch * accum
+    _log.info("model: %s", models.describe(model_config, n_params))
+    _log.info("data: %s (%s tokens, %d document%s); %d steps of %d x %d x %d tokens",
+              corpus.source, f"{corpus.tokens.numel():,}", corpus.documents,
+              "" if corpus.documents == 1 else "s", opts.steps, accum,
+              config.train_micro_batch_size_per_gpu, opts.seq_len)
+    _log_placement(opts.engine, config, n_params, swap_parents)
+
+    records: list[StepRecord] = []
+    engine: Any = None
+    bar = ProgressBar(opts.steps, stream=stream, every=opts.progress_every)
+    swap_dirs: list[str] = []
+    init_s = 0.0
+    try:
+        # 2. Model and engine.
+        init_start = time.perf_counter()
+        torch.manual_seed(opts.seed)
+        engine = _make_engine(opts.engine, model_config, ds, config)
+        engine.train()
+        init_s = time.perf_counter() - init_start
+        swap_dirs = _our_swap_dirs(swap_parents)
+        _log.info("%s engine ready in %.1f s%s", opts.engine, init_s,
+                  f"; swap directory {', '.join(swap_dirs)}" if swap_dirs else "")
+
+        # 3. Steps.
+        timers = _PhaseTimers(config.wall_clock_breakdown, config.steps_per_print)
+        for step in range(1, opts.steps + 1):
+            lr = engine.get_lr()[0]
+            losses = []
+            for _ in range(accum):
+                batch = sampler.next_batch()
+                with timers.phase("forward"):
+                    output = engine(input_ids=batch, labels=batch)
+                loss = output.loss if hasattr(output, "loss") else output[0]
+                with timers.phase("backward"):
+                    engine.backward(loss)
+                with timers.phase("step"):
+                    engine.step()
+                losses.append(float(loss.detach()))
+            mean_loss = statistics.fmean(losses)
+            if not math.isfinite(mean_loss):
+                raise FloatingPointError(f"loss is {mean_loss} at step {step}; lower --lr "
+                                         f"(now {lr:g}) or add gradient_clipping to the config")
+            record = StepRecord.from_stats(step, mean_loss, lr, tokens_per_step, engine.step_stats())
+            records.append(record)
+            if writer is not None:
+                writer.write(record)
+            bar.update(record)
+            timers.log(step)
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+        if engine is not None:
+            engine.close()
+        left = _our_swap_dirs(swap_parents)
+        if left:
+            _log.warning("swap directories left behind after close: %s; remove them with "
+                         "`infinity clean`", ", ".join(left))
+        elif swap_dirs:
+            _log.info("removed swap directory %s", ", ".join(swap_dirs))
+
+    summary = summarize(records)
+    wall_s = time.perf_counter() - started
+    out.write(render_summary(summary, f"infinity train ({opts.engine} engine, "
+                                      f"{n_params / 1e6:.2f}M params): {wall_s:.1f} s in all, "
+                                      f"{init_s:.1f} s to set up") + "\n")
+    out.flush()
+    written_plot = None
+    if plot_path is not None:
+        written_plot = str(write_plot(records, plot_path))
+    return TrainResult(records=records, summary=summary, n_params=n_params, swap_dirs=swap_dirs,
+                       plot=written_plot, init_s=init_s, wall_s=wall_s)
+
+
+def _make_engine(kind: EngineKind, model_config: Any, ds: dict[str, Any], config: Any) -> Any:
+    if kind == "torch":
+        model = models.build_model(model_config)
+        return TorchBaselineEngine(model, config)
+    import infinity
+
+    model = models.build_model(model_config, infinity.zero.Init(config=ds))
+    engine, _, _, _ = infinity.initialize(model=model, model_parameters=None, config=ds)
+    return engine
+
+
+def _preflight(parent: str, direct_io: bool) -> None:
+    """The swap path exists, is a writable directory on a disk, and O_DIRECT works there."""
+    from infinity.storage.preflight import check_swap_path
+
+    check_swap_path(parent, 0, direct_io=direct_io)
+
+
+def _check_space(parent: str, need_bytes: int) -> None:
+    """Free space for the model states (a run out of space fails late and leaves a mess)."""
+    from infinity.storage.preflight import check_free_space
+
+    check_free_space(parent, need_bytes)
+
+
+def _our_swap_dirs(parents: list[str]) -> list[str]:
+    """Swap directories under ``parents`` whose marker names this process as owner."""
+    if not parents:
+        return []
+    from infinity.storage.swap_dir import find_swap_dirs, read_marker
+
+    found = []
+    for parent in parents:
+        if not Path(parent).is_dir():
+            continue
+        for path in find_swap_dirs(parent):
+            try:
+                marker = read_marker(path)
+            except (OSError, ValueError):
+                continue
+            if marker.owner.pid == os.getpid():
+                found.append(str(path))
+    return found
+
+
+def _plot_path(opts: TrainOptions) -> Path | None:
+    if opts.plot:
+        if not plot_available():
+            raise ValueError(f"--plot {opts.plot} needs matplotlib, which is not installed; "
+                             "pip install matplotlib (or infinity-offload[plot]) or drop --plot")
+        path = Path(opts.plot)
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"--plot {path}: directory {path.parent} does not exist")
+        return path
+    if opts.metrics and plot_available():
+        return Path(opts.metrics).with_suffix(".png")
+    return None
+
+
+def _log_placement(kind: EngineKind, config: Any, n_params: int, swap_parents: list[str]) -> None:
+    states = STATE_BYTES_PER_PARAM * n_params
+    if kind == "torch":
+        _log.info("torch baseline: all %s of model states in memory (ZeRO/offload settings are "
+                  "not used)", format_bytes(states))
+        return
+    zero = config.zero
+    budget = config.infinity.host_memory_budget
+    ratio = f" = {states / budget:.1f}x the host budget {format_bytes(budget)}" if budget else ""
+    _log.info("ZeRO stage %d, params on %s, optimizer on %s; model states %s%s%s",
+              zero.stage, zero.offload_param.device, zero.offload_optimizer.device,
+              format_bytes(states), ratio,
+              f"; swap under {', '.join(swap_parents)}" if swap_parents else "")
+
+
+class _PhaseTimers:
+    """``wall_clock_breakdown``: forward / backward / step wall times, logged every N steps."""
+
+    def __init__(self, enabled: bool, every: int) -> None:
+        self.enabled = enabled
+        self.every = max(1, every)
+        self._sums: dict[str, float] = {}
+
+    def phase(self, name: str) -> "_Phase":
+        return _Phase(self, name)
+
+    def add(self, name: str, seconds: float) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + seconds
+
+    def log(self, step: int) -> None:
+        if not self.enabled or step % self.every:
+            return
+        parts = ", ".join(f"{k} {v / self.every * 1e3:.1f} ms" for k, v in self._sums.items())
+        _log.info("step %d: mean over the last %d steps: %s", step, self.every, parts)
+        self._sums.clear()
+
+
+class _Phase:
+    def __init__(self, timers: _PhaseTimers, name: str) -> None:
+        self.timers, self.name, self.start = timers, name, 0.0
+
+    def __enter__(self) -> None:
+        if self.timers.enabled:
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.timers.enabled:
+            self.timers.add(self.name, time.perf_counter() - self.start)
+

@@ -1,0 +1,245 @@
+"""Per-step metrics of ``infinity train``: the record, the JSON-lines file, the summary, the plot.
+
+Why one module: the progress bar, ``--metrics FILE``, the closing summary table and ``--plot``
+all read the same ``StepRecord``, so a number means the same thing everywhere. One JSON line per
+optimizer step is written and flushed as the step ends, so a killed run keeps its metrics.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any, Iterable, Sequence
+
+from infinity.log import get_logger
+from infinity.sizes import format_bytes
+
+_log = get_logger("train.metrics")
+
+PHASES = ("compute_s", "io_wait_s", "optimizer_s", "comm_s")
+"""The split of a step's time, in the engine's step_stats keys."""
+TIERS = ("device_bytes", "host_bytes", "nvme_bytes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """What one optimizer step did (one JSON line of ``--metrics``)."""
+
+    step: int
+    """Optimizer step, from 1."""
+    loss: float
+    """Mean loss over the step's micro-batches."""
+    lr: float
+    """Learning rate the step used."""
+    tokens: int
+    """Tokens consumed by the step (all micro-batches)."""
+    step_s: float
+    """Wall time of the step (first forward to the end of the optimizer step)."""
+    compute_s: float
+    """Forward and backward compute."""
+    io_wait_s: float
+    """Time compute waited for swap I/O."""
+    optimizer_s: float
+    """Optimizer step (including its own swap I/O that did not overlap)."""
+    comm_s: float
+    """Collectives (0 at world size 1)."""
+    device_bytes: int
+    """Bytes held in the DEVICE tier at the end of the step."""
+    host_bytes: int
+    """Bytes held in the HOST tier."""
+    nvme_bytes: int
+    """Bytes held in swap files."""
+    io_read_bytes: int
+    """Bytes read from swap files during the step."""
+    io_write_bytes: int
+    """Bytes written to swap files during the step."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def io_gbps(self) -> float:
+        """Swap I/O (read + write) in GB/s over the step's wall time."""
+        moved = self.io_read_bytes + self.io_write_bytes
+        return moved / self.step_s / 1e9 if self.step_s > 0 else 0.0
+
+    @classmethod
+    def from_stats(cls, step: int, loss: float, lr: float, tokens: int,
+                   stats: dict[str, Any]) -> "StepRecord":
+        """A record from an engine's ``step_stats()`` dict (missing keys count as 0)."""
+        def num(key: str) -> float:
+            value = stats.get(key, 0.0)
+            return float(value) if value is not None else 0.0
+
+        return cls(step=step, loss=float(loss), lr=float(lr), tokens=int(tokens),
+                   step_s=num("step_s"), compute_s=num("compute_s"), io_wait_s=num("io_wait_s"),
+                   optimizer_s=num("optimizer_s"), comm_s=num("comm_s"),
+                   device_bytes=int(num("device_bytes")), host_bytes=int(num("host_bytes")),
+                   nvme_bytes=int(num("nvme_bytes")), io_read_bytes=int(num("io_read_bytes")),
+                   io_write_bytes=int(num("io_write_bytes")))
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON line: every field plus ``tokens_per_s`` and ``io_gbps``."""
+        out = asdict(self)
+        out["tokens_per_s"] = round(self.tokens_per_s, 3)
+        out["io_gbps"] = round(self.io_gbps, 4)
+        return out
+
+
+class MetricsWriter:
+    """Writes one JSON line per step to ``path``, flushed per line.
+
+    The path is checked at construction; the file is created (or truncated) at the first record,
+    so a run that fails before its first step leaves no file behind.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"--metrics {self.path} is a directory; pass a file path such as "
+                             f"{self.path / 'metrics.jsonl'}")
+        if not self.path.parent.is_dir():
+            raise FileNotFoundError(f"--metrics {self.path}: directory {self.path.parent} does "
+                                    "not exist; create it or choose another path")
+        self._file: IO[str] | None = None
+        self._closed = False
+
+    def write(self, record: StepRecord) -> None:
+        if self._closed:
+            raise RuntimeError(f"metrics file {self.path} is already closed")
+        if self._file is None:
+            self._file = open(self.path, "w", encoding="utf-8")
+        self._file.write(json.dumps(record.to_json()) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._closed = True
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``--metrics`` file, as dicts (for tests and tools)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """What a run did, over its steps (the first step, which warms up, is kept out of the medians)."""
+
+    steps: int
+    tokens: int
+    wall_s: float
+    """Sum of step times."""
+    loss_first: float
+    """Mean loss of the first min(10, steps) steps."""
+    loss_last: float
+    """Mean loss of the last min(10, steps) steps."""
+    median_step_s: float
+    median_phases: dict[str, float]
+    tokens_per_s: float
+    """Tokens over the summed step time."""
+    peak_tiers: dict[str, int]
+    io_read_bytes: int
+    io_write_bytes: int
+    io_gbps: float
+    """Swap bytes moved over the summed step time."""
+
+    @property
+    def loss_ratio(self) -> float:
+        """``loss_last / loss_first``: below 1 when the loss fell."""
+        return self.loss_last / self.loss_first if self.loss_first else math.nan
+
+
+def summarize(records: Sequence[StepRecord]) -> Summary:
+    """Summary of ``records`` (at least one)."""
+    if not records:
+        raise ValueError("no steps were recorded; nothing to summarize")
+    window = min(10, len(records))
+    timed = list(records[1:]) or list(records)
+    wall = sum(r.step_s for r in records)
+    read = sum(r.io_read_bytes for r in records)
+    written = sum(r.io_write_bytes for r in records)
+    tokens = sum(r.tokens for r in records)
+    return Summary(
+        steps=len(records), tokens=tokens, wall_s=wall,
+        loss_first=statistics.fmean(r.loss for r in records[:window]),
+        loss_last=statistics.fmean(r.loss for r in records[-window:]),
+        median_step_s=statistics.median(r.step_s for r in timed),
+        median_phases={p: statistics.median(getattr(r, p) for r in timed) for p in PHASES},
+        tokens_per_s=tokens / wall if wall > 0 else 0.0,
+        peak_tiers={t: max(getattr(r, t) for r in records) for t in TIERS},
+        io_read_bytes=read, io_write_bytes=written,
+        io_gbps=(read + written) / wall / 1e9 if wall > 0 else 0.0)
+
+
+def render_summary(summary: Summary, title: str = "infinity train summary") -> str:
+    """The closing table, as Markdown-style text."""
+    s = summary
+    ph = s.median_phases
+    rows = [
+        ("steps", f"{s.steps} ({s.tokens:,} tokens)"),
+        ("loss", f"{s.loss_first:.4f} (mean of first {min(10, s.steps)}) -> {s.loss_last:.4f} "
+                 f"(mean of last {min(10, s.steps)}), ratio {s.loss_ratio:.3f}"),
+        ("step time (median)", f"{s.median_step_s:.3f} s: compute {ph['compute_s']:.3f}, I/O wait "
+                               f"{ph['io_wait_s']:.3f}, optimizer {ph['optimizer_s']:.3f}, "
+                               f"comm {ph['comm_s']:.3f}"),
+        ("throughput", f"{s.tokens_per_s:,.1f} tokens/s over {s.wall_s:.1f} s of steps"),
+        ("peak held", f"device {format_bytes(s.peak_tiers['device_bytes'])}, host "
+                      f"{format_bytes(s.peak_tiers['host_bytes'])}, NVMe "
+                      f"{format_bytes(s.peak_tiers['nvme_bytes'])}"),
+        ("swap I/O", f"read {format_bytes(s.io_read_bytes)}, written "
+                     f"{format_bytes(s.io_write_bytes)}, {s.io_gbps:.2f} GB/s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [title, "| " + "what".ljust(width) + " | value |", "|" + "-" * (width + 2) + "|---|"]
+    lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def plot_available() -> bool:
+    """True when matplotlib can be imported (``pip install infinity-offload[plot]``)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_plot(records: Iterable[StepRecord], path: str | Path) -> Path:
+    """A PNG of the loss (left) and of the step-time split (right); needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = list(records)
+    path = Path(path)
+    steps = [r.step for r in records]
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot(steps, [r.loss for r in records], color="tab:blue")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("training loss")
+    ax_loss.grid(alpha=0.3)
+    bottom = [0.0] * len(records)
+    labels = {"compute_s": "compute", "io_wait_s": "I/O wait", "optimizer_s": "optimizer",
+              "comm_s": "communication"}
+    for phase in PHASES:
+        values = [getattr(r, phase) for r in records]
+        ax_time.bar(steps, values, bottom=bottom, label=labels[phase], width=0.9)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax_time.plot(steps, [r.step_s for r in records], color="black", linewidth=1, label="step")
+    ax_time.set_xlabel("step")
+    ax_time.set_ylabel("seconds")
+    ax_time.set_title("step time split")
+    ax_time.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    _log.info("wrote plot %s", path)
+    return path

@@ -1,0 +1,172 @@
+"""The ds_config of an ``infinity train`` run: the demo default or ``--config``, plus the flags.
+
+Why a module: the command-line flags (``--micro-batch``, ``--lr``, ``--nvme-path``,
+``--host-budget``, ``--steps``) must land in the same DeepSpeed-format dict a user would write, so
+that the engine, the torch baseline and the ``--metrics`` file all see one configuration, and a
+bad value is reported as the config key it became. The result is checked by
+``infinity.config.InfinityConfig`` (a ConfigError is a ValueError: one line, exit code 2).
+
+The demo default is ZeRO stage 3 with parameters and optimizer states on NVMe and a small host
+budget, so the run is really out of core.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infinity.config import ConfigError, InfinityConfig
+from infinity.log import get_logger
+from infinity.sizes import parse_bytes
+from infinity.train.defaults import (DEFAULT_HOST_BUDGET, DEFAULT_LR, DEFAULT_MICRO_BATCH,
+                                     DEFAULT_NVME_PATH, DEFAULT_WARMUP_STEPS)
+
+_log = get_logger("train.config")
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overrides:
+    """Command-line values that replace keys of the ds_config (``None``: not given)."""
+
+    micro_batch: int | None = None
+    """train_micro_batch_size_per_gpu."""
+    lr: float | None = None
+    """optimizer.params.lr (and the scheduler's warmup_max_lr when it has one)."""
+    nvme_path: str | None = None
+    """offload_param/offload_optimizer nvme_path of the sections whose device is nvme."""
+    host_budget: str | None = None
+    """infinity.host_memory_budget."""
+    steps: int = 1
+    """The run's optimizer steps: fills a scheduler's missing or "auto" total_num_steps."""
+
+
+def demo_config() -> dict[str, Any]:
+    """The ds_config of ``infinity train`` with no --config: stage 3, params and optimizer on NVMe."""
+    return {
+        "train_micro_batch_size_per_gpu": DEFAULT_MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": DEFAULT_LR, "betas": [0.9, 0.95], "eps": 1e-8,
+                                 "weight_decay": 0.0}},
+        "scheduler": {"type": "WarmupLR",
+                      "params": {"warmup_min_lr": 0.0, "warmup_max_lr": DEFAULT_LR,
+                                 "warmup_num_steps": DEFAULT_WARMUP_STEPS,
+                                 "warmup_type": "linear"}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": None},
+            "offload_optimizer": {"device": "nvme", "nvme_path": None},
+        },
+        "infinity": {"host_memory_budget": DEFAULT_HOST_BUDGET},
+    }
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``; FileNotFoundError / ConfigError name the file."""
+    source = Path(path)
+    if not source.is_file():
+        raise FileNotFoundError(f"--config {source} does not exist (or is not a file); pass a "
+                                "DeepSpeed-format ds_config.json")
+    try:
+        data = json.loads(source.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config {source}: not valid JSON at line {exc.lineno} column "
+                          f"{exc.colno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {source}: expected a JSON object at the top, got "
+                          f"{type(data).__name__}")
+    return data
+
+
+def build_ds_config(base: dict[str, Any], overrides: Overrides) -> tuple[dict[str, Any], InfinityConfig]:
+    """Apply ``overrides`` to a copy of ``base``; return the dict and its checked InfinityConfig."""
+    ds = copy.deepcopy(base)
+    o = overrides
+    if o.micro_batch is not None:
+        if o.micro_batch < 1:
+            raise ValueError(f"--micro-batch must be at least 1, got {o.micro_batch}")
+        ds["train_micro_batch_size_per_gpu"] = o.micro_batch
+        ds.pop("train_batch_size", None)  # re-derived from micro * accumulation (DeepSpeed's rule)
+    if o.lr is not None:
+        if not o.lr > 0:
+            raise ValueError(f"--lr must be positive, got {o.lr}")
+        _section(ds, "optimizer").setdefault("params", {})["lr"] = o.lr
+        sched = ds.get("scheduler")
+        if isinstance(sched, dict) and isinstance(sched.get("params"), dict) \
+                and "warmup_max_lr" in sched["params"]:
+            sched["params"]["warmup_max_lr"] = o.lr
+    if o.host_budget is not None:
+        parse_bytes(o.host_budget, what="--host-budget")  # the flag's name in the message
+        _section(ds, "infinity")["host_memory_budget"] = o.host_budget
+    _fill_nvme_paths(ds, o.nvme_path)
+    _fill_schedule_length(ds, o.steps)
+    lr = _lookup(ds, ("optimizer", "params", "lr"))
+    auto = {"optimizer.params.lr": lr if isinstance(lr, (int, float)) else DEFAULT_LR,
+            "train_micro_batch_size_per_gpu": o.micro_batch or 1,
+            "gradient_accumulation_steps": 1}
+    config = InfinityConfig.from_dict(ds, auto_values=auto)
+    return ds, config
+
+
+def nvme_paths(ds: dict[str, Any]) -> list[str]:
+    """The distinct nvme_path values of the offload sections whose device is nvme."""
+    paths: list[str] = []
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return paths
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key)
+        if isinstance(section, dict) and section.get("device") == "nvme":
+            path = section.get("nvme_path")
+            if isinstance(path, str) and path not in paths:
+                paths.append(path)
+    return paths
+
+
+def _section(ds: dict[str, Any], key: str) -> dict[str, Any]:
+    section = ds.setdefault(key, {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"{key}: expected a JSON object, got {section!r}")
+    return section
+
+
+def _lookup(ds: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    node: Any = ds
+    for key in keys:
+        if not isinstance(node, dict):
+            return None
+        node = node.get(key)
+    return node
+
+
+def _fill_nvme_paths(ds: dict[str, Any], flag: str | None) -> None:
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, dict):
+        if flag is not None:
+            _log.warning("--nvme-path %s has no effect: the config offloads nothing to nvme", flag)
+        return
+    used = False
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key)
+        if not isinstance(section, dict) or section.get("device") != "nvme":
+            continue
+        if flag is not None:
+            section["nvme_path"] = flag
+            used = True
+        elif not section.get("nvme_path"):
+            section["nvme_path"] = DEFAULT_NVME_PATH
+    if flag is not None and not used:
+        _log.warning("--nvme-path %s has no effect: the config offloads nothing to nvme", flag)
+
+
+def _fill_schedule_length(ds: dict[str, Any], steps: int) -> None:
+    sched = ds.get("scheduler")
+    if not isinstance(sched, dict) or sched.get("type") not in ("WarmupDecayLR", "WarmupCosineLR"):
+        return
+    params = sched.setdefault("params", {})
+    if isinstance(params, dict) and params.get("total_num_steps") in (None, "auto"):
+        warmup = params.get("warmup_num_steps", 1000)
+        params["total_num_steps"] = max(steps, warmup if isinstance(warmup, int) else 1)

@@ -1,0 +1,97 @@
+"""infinity.train.run_config: the demo ds_config, --config files, and the flags that override them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infinity.config import ConfigError
+from infinity.sizes import parse_bytes
+from infinity.train.run_config import (DEFAULT_HOST_BUDGET, DEFAULT_NVME_PATH, Overrides,
+                                       build_ds_config, demo_config, nvme_paths, read_config_file)
+
+
+def test_demo_is_stage3_with_params_and_optimizer_on_nvme() -> None:
+    ds, config = build_ds_config(demo_config(), Overrides())
+    assert config.zero.stage == 3
+    assert config.zero.offload_param.device == "nvme" == config.zero.offload_optimizer.device
+    assert nvme_paths(ds) == [DEFAULT_NVME_PATH]
+    assert config.infinity.host_memory_budget == parse_bytes(DEFAULT_HOST_BUDGET)
+    assert config.scheduler is not None and config.scheduler.type == "WarmupLR"
+
+
+def test_demo_host_budget_is_under_half_the_demo_model_states() -> None:
+    n_params = 85_353_216  # the 85M preset (checked in test_train_models)
+    assert 16 * n_params >= 2 * parse_bytes(DEFAULT_HOST_BUDGET)
+
+
+def test_flags_override_the_config(tmp_path: Path) -> None:
+    base = demo_config()
+    base["train_batch_size"] = 8
+    base["gradient_accumulation_steps"] = 4
+    ds, config = build_ds_config(base, Overrides(micro_batch=3, lr=5e-4, nvme_path=str(tmp_path),
+                                                 host_budget="1GiB"))
+    assert config.train_micro_batch_size_per_gpu == 3
+    assert config.gradient_accumulation_steps == 4 and config.train_batch_size == 12
+    assert config.optimizer.lr == 5e-4 and config.scheduler.warmup_max_lr == 5e-4
+    assert config.infinity.host_memory_budget == 1 << 30
+    assert config.zero.offload_param.nvme_path == str(tmp_path)
+    assert config.zero.offload_optimizer.nvme_path == str(tmp_path)
+    assert base["train_micro_batch_size_per_gpu"] == 2  # the input is not changed
+
+
+def test_user_config_keeps_its_nvme_path_and_gets_a_default_where_missing(tmp_path: Path) -> None:
+    ds = {"zero_optimization": {"stage": 3,
+                                "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                "offload_optimizer": {"device": "nvme"}}}
+    out, config = build_ds_config(ds, Overrides())
+    assert config.zero.offload_param.nvme_path == str(tmp_path)
+    assert config.zero.offload_optimizer.nvme_path == DEFAULT_NVME_PATH
+    assert nvme_paths(out) == [str(tmp_path), DEFAULT_NVME_PATH]
+
+
+def test_nothing_on_nvme_means_no_swap_path() -> None:
+    ds, config = build_ds_config({"zero_optimization": {"stage": 0}}, Overrides(nvme_path="/x"))
+    assert nvme_paths(ds) == [] and config.zero.stage == 0
+
+
+def test_hf_style_auto_values_take_the_flags() -> None:
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+          "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5,
+                                                              "total_num_steps": "auto"}}}
+    _, config = build_ds_config(ds, Overrides(micro_batch=2, lr=1e-3, steps=40))
+    assert config.train_micro_batch_size_per_gpu == 2 and config.optimizer.lr == 1e-3
+    assert config.scheduler.total_num_steps == 40
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (Overrides(host_budget="lots"), "--host-budget"),
+    (Overrides(micro_batch=0), "--micro-batch must be at least 1"),
+    (Overrides(lr=-1.0), "--lr must be positive"),
+])
+def test_bad_flags_name_the_flag(overrides: Overrides, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_ds_config(demo_config(), overrides)
+
+
+def test_config_errors_are_value_errors_with_the_key() -> None:
+    with pytest.raises(ConfigError, match="zero_optimisation"):
+        build_ds_config({"zero_optimisation": {"stage": 3}}, Overrides())
+    assert issubclass(ConfigError, ValueError)  # the CLI prints it as one line, exit code 2
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing.json does not exist"):
+        read_config_file(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"stage\": }")
+    with pytest.raises(ConfigError, match="not valid JSON at line 1"):
+        read_config_file(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        read_config_file(bad)
+    good = tmp_path / "ds.json"
+    good.write_text(json.dumps(demo_config()))
+    assert read_config_file(good) == demo_config()
