@@ -23,7 +23,7 @@ from infinity.sizes import format_bytes
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier, deeper
-from infinity.engine_sizing import EngineSizes, resolve_sizes
+from infinity.engine_sizing import COMPUTE_DTYPES, EngineSizes, derive, resolve_sizes
 from infinity.zero.coordinator import Coordinator
 from infinity.zero.init import register_engine
 from infinity.zero.materialize import materialize_unit_params
@@ -59,7 +59,9 @@ class Engine:
         self.config = InfinityConfig.load(config or {})
         self.module = model
         self.device = _model_device(model)
-        self.compute_dtype = _compute_dtype(self.config, model)
+        specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
+        derived = derive(self.config, specs)
+        self.compute_dtype = COMPUTE_DTYPES[derived.compute_dtype]
         stage = self.config.zero.stage
         self.stage = stage
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps or 1
@@ -78,17 +80,16 @@ class Engine:
         self.param_tier, self.optimizer_tier = param_tier, optimizer_tier
 
         groups = _param_groups(model, model_parameters, self.config)
-        specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
-        self.early_step = self._early_step_allowed()
-        self.sizes: EngineSizes = resolve_sizes(self.config, specs, self.compute_dtype,
-                                                param_tier, optimizer_tier, self.device,
+        self.early_step = derived.early_step
+        self.sizes: EngineSizes = resolve_sizes(self.config, specs, derived, self.compute_dtype,
+                                                param_tier, optimizer_tier,
                                                 self.master_separate, self.early_step)
         nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
             or self.config.zero.offload_optimizer.nvme_path
         self.manager = TierManager(
             host_budget=MemoryBudget("host", self.sizes.host_budget),
             device_budget=MemoryBudget("device", self.sizes.device_budget),
-            nvme_path=nvme_path, aio_config=_aio_config(self.config), device=self.device)
+            nvme_path=nvme_path, aio_config=self.config.aio, device=self.device)
         self.manager.nvme_reserve_bytes = self.sizes.nvme_bytes
         try:
             self._build(model, specs, groups, lr_scheduler)
@@ -138,25 +139,6 @@ class Engine:
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
         self._step_started = None
         self._last_stats: dict[str, float] = {}
-
-    def _early_step_allowed(self) -> bool:
-        mode = self.config.infinity.early_step
-        reasons = []
-        if self.gradient_accumulation_steps > 1:
-            reasons.append("gradient accumulation")
-        if self.config.gradient_clipping > 0:
-            reasons.append("gradient clipping")
-        if self.config.fp16.enabled:
-            reasons.append("fp16 loss scaling")
-        if mode == "off":
-            return False
-        if reasons:
-            if mode == "on":
-                raise ValueError(f"infinity.early_step is \"on\" but early stepping would not be "
-                                 f"exact with {', '.join(reasons)}; set it to \"auto\" or \"off\"")
-            log.info("early step off: %s", ", ".join(reasons))
-            return False
-        return True
 
     # -- training API ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -268,17 +250,6 @@ def _model_device(model: nn.Module) -> torch.device:
         else torch.device("cpu")
 
 
-def _compute_dtype(config: InfinityConfig, model: nn.Module) -> torch.dtype:
-    choice = config.infinity.compute_dtype
-    if choice == "auto":
-        if config.bf16.enabled:
-            return torch.bfloat16
-        if config.fp16.enabled:
-            return torch.float16
-        return torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]
-
-
 def _param_groups(model: nn.Module, model_parameters: Iterable | None,
                   config: InfinityConfig) -> list[dict]:
     """Param groups with the config's hyperparameters as defaults (torch optimizer layout)."""
@@ -311,12 +282,3 @@ def _param_groups(model: nn.Module, model_parameters: Iterable | None,
         log.warning("%d trainable parameters are in no param group and will not be updated "
                     "(e.g. %s)", len(left_out), left_out[:3])
     return groups
-
-
-def _aio_config(config: InfinityConfig):
-    from infinity.io import AioConfig
-
-    a = config.aio
-    return AioConfig(backend=a.backend, block_size=a.block_size, queue_depth=a.queue_depth,
-                     thread_count=a.thread_count, single_submit=a.single_submit,
-                     overlap_events=a.overlap_events)

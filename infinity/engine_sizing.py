@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from infinity.config import InfinityConfig
-from infinity.planner import ModelStats, derive_sizes, detect_hardware
+from infinity.optim.partitioned import step_slot_count
+from infinity.planner import DerivedSizes, ModelStats, derive_sizes, detect_hardware
 from infinity.storage.manager import padded_numel
 from infinity.storage.tiers import Tier
 from infinity.zero.partition import UnitSpec
@@ -42,12 +43,20 @@ def _stats(specs: list[UnitSpec]) -> ModelStats:
                       largest_param=max(numels, default=0), param_numels=tuple(numels))
 
 
-def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], compute_dtype: torch.dtype,
-                  param_tier: Tier, optimizer_tier: Tier, device: torch.device,
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def derive(cfg: InfinityConfig, specs: list[UnitSpec]) -> DerivedSizes:
+    """The planner's sizes (and compute dtype, early-step choice) for these units here."""
+    nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
+    return derive_sizes(cfg, _stats(specs), detect_hardware(nvme_path))
+
+
+def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSizes,
+                  compute_dtype: torch.dtype, param_tier: Tier, optimizer_tier: Tier,
                   master_separate: bool, early_step: bool) -> EngineSizes:
     """Sizes for this model, config and machine."""
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
-    derived = derive_sizes(cfg, _stats(specs), detect_hardware(nvme_path))
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     unit_numels = [padded_numel(sum(p.numel() for _, p in s.params), compute_dtype) for s in specs]
     trainable = [padded_numel(sum(p.numel() for _, p in s.params if p.requires_grad), torch.float32)
@@ -56,10 +65,8 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], compute_dtype: tor
     threshold = derived.persistence_threshold
     streamed_units = [n for n in unit_numels if n > threshold] if cfg.zero.stage == 3 else []
     host_budget = derived.host_budget_bytes
-    # the device pool on a CPU-only machine is budgeted only when the user sets a budget
-    device_budget = cfg.infinity.device_memory_budget
-    if device_budget is None and device.type == "cuda":
-        device_budget = derived.device_budget_bytes
+    # on a CPU-only machine the planner pays the emulated device pool out of the host budget
+    device_budget = derived.device_budget_bytes
 
     # Host bytes the engine will hold before gradients get a home.
     total_trainable = sum(trainable)
@@ -75,13 +82,15 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], compute_dtype: tor
     max_trainable = max(trainable, default=0)
     sub_group = max(1, derived.sub_group_size)
     if optimizer_tier is Tier.NVME or param_tier is Tier.NVME:
-        host += (3 * 5 + 1) * padded_numel(min(sub_group, max(max_trainable, 1)), torch.float32) * 4
+        host += step_slot_count(optimizer_tier, param_tier, Tier.NVME, master_separate, early_step,
+                                compute_dtype) * \
+            padded_numel(min(sub_group, max(max_trainable, 1)), torch.float32) * 4
     grad_tier = Tier.HOST
     if not early_step and host_budget is not None and \
             host + total_trainable * 4 > host_budget and nvme_path:
         grad_tier = Tier.NVME
     if early_step or grad_tier is Tier.NVME:
-        host += 3 * max_trainable * 4
+        host += 2 * max_trainable * 4
     nvme = 0
     if param_tier is Tier.NVME:
         nvme += sum(streamed_units) * itemsize

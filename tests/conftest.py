@@ -8,6 +8,14 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests use tiny models: one intra-op thread is as fast, and it stays fast when the machine
+    # is shared (two OpenMP threads spinning against other processes on 2 cores are not).
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

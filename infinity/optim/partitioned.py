@@ -35,6 +35,21 @@ from infinity.zero.unit import ParamEntry, Unit
 log = get_logger("optim")
 
 
+def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
+                    master_separate: bool, early_step: bool, compute_dtype: torch.dtype) -> int:
+    """Host slots the optimizer pipeline holds at most: 3 sub-groups in flight (read i+1,
+    step i, write i-1), each with one slot per state streamed from NVMe."""
+    per_group = 0
+    if optimizer_tier is Tier.NVME:
+        per_group += 2 + int(master_separate)          # m, v (+ fp32 master)
+    if not early_step and grad_tier is Tier.NVME:
+        per_group += 1                                  # gradient
+    if param_tier is Tier.NVME and not early_step:
+        per_group += 1 if not master_separate else int(compute_dtype != torch.float32)
+    return max(1, 3 * per_group)
+
+
+
 @dataclass(eq=False)
 class UnitOptimState:
     """The Adam states of one unit (fp32, ``unit.trainable_numel`` elements each)."""
@@ -106,11 +121,15 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 self._init_master(unit, master)
         self._by_unit = {s.unit.index: s for s in self.states}
         needs_grad_buffer = early_step or grad_tier is Tier.NVME
-        self.grad_pool = BufferPool(manager, max_trainable * 4, 3, "gradient") \
+        self.grad_pool = BufferPool(manager, max_trainable * 4, 2, "gradient") \
             if needs_grad_buffer and max_trainable else None
         any_nvme = optimizer_tier is Tier.NVME or grad_tier is Tier.NVME or any(
             u.param_store is not None and not u.param_store.resident for u in trainable_units)
-        self.step_pool = BufferPool(manager, self.sub_group_numel * 4, 3 * 5 + 1, "optimizer") \
+        param_tier = next((u.param_store.home for u in trainable_units if u.param_store is not None),
+                          Tier.DEVICE)
+        count = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate, early_step,
+                                trainable_units[0].dtype if trainable_units else torch.float32)
+        self.step_pool = BufferPool(manager, self.sub_group_numel * 4, count, "optimizer") \
             if any_nvme and max_trainable else None
 
     # -- set-up ----------------------------------------------------------------------------
@@ -156,9 +175,15 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if state.grad_store is not None and state.grad_store.resident:
             return state.grad_store.tensor
         if state.grad_buffer is None:
-            state.grad_slot = self.grad_pool.acquire(timeout=120.0)
-            state.grad_buffer = state.grad_slot.view(torch.float32, state.unit.trainable_numel)
-            state.grad_buffer.zero_()
+            # Usually one unit is incomplete at a time; if more are (a tied weight waits for its
+            # last use), take a budgeted buffer outside the pool instead of waiting for a slot.
+            state.grad_slot = self.grad_pool.try_acquire()
+            if state.grad_slot is not None:
+                state.grad_buffer = state.grad_slot.view(torch.float32, state.unit.trainable_numel)
+                state.grad_buffer.zero_()
+            else:
+                state.grad_buffer = self.manager.host_empty(
+                    state.unit.trainable_numel, torch.float32, what=f"{state.unit.name} gradient")
         return state.grad_buffer
 
     def on_unit_backward_done(self, unit: Unit) -> None:

@@ -151,6 +151,19 @@ class FlatStore:
             self._extent = None
 
 
+class _NamedBudget:
+    """Reserves from ``budget`` under the name of what is being allocated (for clear errors)."""
+
+    def __init__(self, budget: MemoryBudget, what: str) -> None:
+        self._budget, self._what = budget, what
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        self._budget.reserve(nbytes, self._what)
+
+    def release(self, nbytes: int) -> None:
+        self._budget.release(nbytes)
+
+
 @dataclass
 class TierManager:
     """Budgets, slots, swap space and counters for one rank."""
@@ -158,7 +171,7 @@ class TierManager:
     host_budget: MemoryBudget
     device_budget: MemoryBudget
     nvme_path: str | None = None
-    aio_config: object | None = None
+    aio_config: object | None = None  # the config's "aio" section (infinity.config.AioSection)
     rank: int = 0
     device: torch.device = torch.device("cpu")
     counters: TierCounters = field(default_factory=TierCounters)
@@ -174,8 +187,12 @@ class TierManager:
         from infinity.io import aligned_empty
 
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return aligned_empty(nbytes, budget=self.host_budget, pin=True).view(dtype)[:numel] \
-            if nbytes else torch.empty(0, dtype=dtype)
+        if not nbytes:
+            return torch.empty(0, dtype=dtype)
+        budget = _NamedBudget(self.host_budget, what)
+        log.debug("host allocation: %s, %s (held %s)", what, format_bytes(nbytes),
+                  format_bytes(self.host_budget.held))
+        return aligned_empty(nbytes, budget=budget, pin=True).view(dtype)[:numel]
 
     def device_empty(self, numel: int, dtype: torch.dtype, device: torch.device,
                      what: str) -> torch.Tensor:
@@ -190,7 +207,12 @@ class TierManager:
         if self._aio is None:
             from infinity.io import AioConfig, AioEngine
 
-            self._aio = AioEngine(self.aio_config or AioConfig())
+            a = self.aio_config
+            config = AioConfig() if a is None else AioConfig(
+                backend=a.backend, block_size=a.block_size, queue_depth=a.queue_depth,
+                thread_count=a.thread_count, single_submit=a.single_submit,
+                overlap_events=a.overlap_events)
+            self._aio = AioEngine(config)
         return self._aio
 
     @property

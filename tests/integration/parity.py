@@ -1,0 +1,147 @@
+"""Shared helpers of the engine parity tests: small random-init models and a lock-step runner
+that trains a model with infinity and a deep copy with plain PyTorch AdamW on the same batches."""
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+VOCAB = 256
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """A plain torch language model (no transformers): embedding, blocks, tied head."""
+
+    def __init__(self, width: int = 32, depth: int = 4, tie: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(h)
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
+                                           labels[:, 1:].reshape(-1))
+        return loss
+
+
+def make_model(family: str, seed: int = 0, layers: int = 3, width: int = 32) -> nn.Module:
+    """A small random-init model of ``family``: torch, llama, gpt2 or qwen2."""
+    torch.manual_seed(seed)
+    if family == "torch":
+        return TinyLM(width=width, depth=layers)
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width,
+                                       intermediate_size=2 * width, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=128, **common)
+        return transformers.LlamaForCausalLM(cfg)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=4, n_positions=128,
+                                      **common)
+        return transformers.GPT2LMHeadModel(cfg)
+    if family == "qwen2":
+        cfg = transformers.Qwen2Config(num_hidden_layers=layers, hidden_size=width,
+                                       intermediate_size=2 * width, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=128, **common)
+        return transformers.Qwen2ForCausalLM(cfg)
+    raise ValueError(family)
+
+
+def loss_of(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def state_bytes(model: nn.Module) -> int:
+    """fp32 model states: parameter + gradient + Adam m and v = 16 bytes per parameter."""
+    return 16 * sum(p.numel() for p in model.parameters())
+
+
+@dataclass
+class ParityResult:
+    losses: list[float]
+    ref_losses: list[float]
+    engine: object
+
+    @property
+    def worst_relative(self) -> float:
+        return max(abs(a - b) / abs(b) for a, b in zip(self.losses, self.ref_losses))
+
+
+def run_parity(model: nn.Module, ds_config: dict, steps: int = 20, seq: int = 16, batch: int = 2,
+               lr: float = 1e-3, weight_decay: float = 0.01, clip: float = 0.0,
+               accumulation: int = 1, seed: int = 1, close: bool = True) -> ParityResult:
+    """Train ``model`` with infinity and a copy with torch AdamW(foreach=False) in lock step."""
+    import infinity
+
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=weight_decay,
+                                foreach=False)
+    ds = copy.deepcopy(ds_config)
+    ds.setdefault("optimizer", {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}})
+    ds.setdefault("train_micro_batch_size_per_gpu", batch)
+    ds["gradient_accumulation_steps"] = accumulation
+    ds["gradient_clipping"] = clip
+    engine, _, _, _ = infinity.initialize(model=model, config=ds)
+    gen = torch.Generator().manual_seed(seed)
+    # a few fixed random sequences, so that the loss visibly falls as the model memorises them
+    pool = torch.randint(0, VOCAB, (4, batch, seq), generator=gen)
+    losses, ref_losses = [], []
+    try:
+        for _ in range(steps):
+            step_losses, step_ref = [], []
+            for _ in range(accumulation):
+                x = pool[int(torch.randint(0, len(pool), (1,), generator=gen))]
+                loss = loss_of(engine(input_ids=x, labels=x))
+                engine.backward(loss)
+                engine.step()
+                ref_loss = loss_of(reference(input_ids=x, labels=x))
+                (ref_loss / accumulation).backward()
+                step_losses.append(loss.item())
+                step_ref.append(ref_loss.item())
+            if clip:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses.append(sum(step_losses) / accumulation)
+            ref_losses.append(sum(step_ref) / accumulation)
+    finally:
+        if close:
+            engine.close()
+    return ParityResult(losses, ref_losses, engine)
+
+
+def zero_config(stage: int, param: str, optimizer: str, nvme_path: str, **infinity_section) -> dict:
+    z = {"stage": stage, "offload_optimizer": {"device": optimizer}}
+    if optimizer == "nvme":
+        z["offload_optimizer"]["nvme_path"] = nvme_path
+    if stage == 3:
+        z["offload_param"] = {"device": param}
+        if param == "nvme":
+            z["offload_param"]["nvme_path"] = nvme_path
+    ds = {"zero_optimization": z}
+    if infinity_section:
+        ds["infinity"] = infinity_section
+    return ds
