@@ -60,6 +60,7 @@ def make_model(family: str, seed: int = 0, layers: int = 3, width: int = 32) -> 
         return transformers.LlamaForCausalLM(cfg)
     if family == "gpt2":
         cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=4, n_positions=128,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                       **common)
         return transformers.GPT2LMHeadModel(cfg)
     if family == "qwen2":
