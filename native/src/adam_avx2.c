@@ -36,8 +36,9 @@ TARGET __m128i to_bf16(__m256 x) {
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
     r = _mm256_srli_epi32(r, 16);
-    __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
-    r = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), r, ordered);
+    /* NaN lanes: all-ones >> 16 = 0xffff, OR-ed over the (16-bit) rounded value */
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_or_si256(r, _mm256_srli_epi32(nan, 16));
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 

@@ -11,7 +11,8 @@ Layouts: "flat" (one tensor of N params) and "mixed" (~100 tensors of log-unifor
 4e6, summing to N). All contenders of a layout are built first, then stepped round by round,
 each round in a rotated order, --rounds timed rounds after --warmup; each contender's figure is its
 median. Ratios are of medians, and also the median of per-round ratios (robust to drifts in
-machine load, since both sides of a ratio are timed seconds apart).
+machine load, since both sides of a ratio are timed seconds apart) and the ratio of the fastest
+rounds (closest to a quiet machine when others load it).
 
 Contenders (B/param = bytes moved per parameter per step):
   rmw_bandwidth   28  native a,c,d += b over 4 fp32 arrays, same threads and chunks as ours: the
@@ -206,7 +207,8 @@ def _ratio(times: dict[str, list[float]], num: str, den: str) -> dict | None:
         return None
     a, b = times[num], times[den]
     return {"of_medians": round(statistics.median(b) / statistics.median(a), 3),
-            "median_per_round": round(statistics.median(y / x for x, y in zip(a, b)), 3)}
+            "median_per_round": round(statistics.median(y / x for x, y in zip(a, b)), 3),
+            "of_minima": round(min(b) / min(a), 3)}
 
 
 def ratios(times: dict[str, list[float]], layout: str) -> dict:
@@ -227,20 +229,23 @@ def ratios(times: dict[str, list[float]], layout: str) -> dict:
 
 
 def markdown(res: dict) -> str:
+    load = [round(x, 1) for x in res["load_average_before"] + res["load_average_after"]]
     lines = [f"N = {res['n']:,} params, {res['threads']} threads, {res['rounds']} rounds "
-             f"(+{res['warmup']} warm-up), kernel {res['adam_kernel']}", "",
+             f"(+{res['warmup']} warm-up), kernel {res['adam_kernel']}, load average "
+             f"(1/5/15 min) before {load[:3]}, after {load[3:]}", "",
              "| layout | contender | B/param | median ms | G params/s | eff. GB/s |",
              "|---|---|---|---|---|---|"]
     for layout, lr in res["layouts"].items():
         for name, c in lr["contenders"].items():
             lines.append(f"| {layout} ({lr['ntensors']}) | {name} | {c['bytes_per_param']} | "
                          f"{c['median_ms']} | {c['gparams_per_s']} | {c['eff_gbps']} |")
-    lines += ["", "| layout | ratio (>1: first is faster) | of medians | median per round |",
-              "|---|---|---|---|"]
+    lines += ["", "| layout | ratio (>1: first is faster) | of medians | median per round | "
+                  "of minima |", "|---|---|---|---|---|"]
     for layout, lr in res["layouts"].items():
         for k, v in lr["ratios"].items():
             name = f"{k} ({v['peer']})" if "peer" in v else k
-            lines.append(f"| {layout} | {name} | {v['of_medians']} | {v['median_per_round']} |")
+            lines.append(f"| {layout} | {name} | {v['of_medians']} | {v['median_per_round']} | "
+                         f"{v['of_minima']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -266,7 +271,8 @@ def main() -> int:
            "warmup": a.warmup, "adam_kernel": _adam_native.best_kernel(),
            "native_library": info["library"], "deepspeed_skipped": why_no_ds,
            "versions": {"python": platform.python_version(), "torch": torch.__version__},
-           "command": " ".join(sys.argv), "layouts": {}}
+           "command": " ".join(sys.argv), "load_average_before": os.getloadavg(),
+           "layouts": {}}
     try:
         import deepspeed
         res["versions"]["deepspeed"] = deepspeed.__version__
