@@ -26,7 +26,7 @@ from infinity.storage.tiers import Tier, deeper
 from infinity.engine_sizing import COMPUTE_DTYPES, EngineSizes, derive, resolve_sizes
 from infinity.zero.coordinator import Coordinator
 from infinity.zero.init import register_engine
-from infinity.zero.materialize import materialize_unit_params
+from infinity.zero.materialize import materialize_params
 from infinity.zero.partition import modules_needing, partition
 from infinity.zero.prefetch import PrefetchLimits
 from infinity.zero.unit import Unit
@@ -112,15 +112,21 @@ class Engine:
         nvme_params = self.param_tier is Tier.NVME
         self.fetch_pool = BufferPool(self.manager, self.sizes.max_unit_bytes,
                                      self.sizes.fetch_slots, "fetch") if nvme_params else None
+        replacements = {}
         for index, spec in enumerate(specs):
+            for name, old, new in materialize_params(model, spec.params, self.device):
+                replacements[old] = new
+                group_of[new] = group_of.pop(old, -1)
+            spec.params = [(n, replacements.get(p, p)) for n, p in spec.params]
             named = [(n, p, group_of.get(p, -1) if p.requires_grad else -1)
                      for n, p in spec.params]
             unit = Unit(index, spec.name, spec.module, named, self.compute_dtype, self.device)
             # A unit stays on the device when all of it is below the persistence threshold.
             persistent = self.stage < 3 or unit.numel <= self.sizes.persistence_threshold
-            materialize_unit_params(model, unit)
             unit.adopt(self.manager, self.param_tier, persistent, staging=self.fetch_pool)
             self.units.append(unit)
+        for group in groups:
+            group["params"] = [replacements.get(p, p) for p in group["params"]]
         early = self.early_step
         grad_tier = self.sizes.grad_tier
         self.optimizer = PartitionedOptimizer(

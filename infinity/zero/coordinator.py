@@ -196,6 +196,10 @@ class Coordinator:
 
     def _prefetch(self, trace: Trace) -> None:
         upcoming = trace.upcoming()
+        if trace is self.traces["train_fwd"] and len(upcoming) < self.limits.max_units_ahead:
+            # the backward pass starts right after the forward: look into its trace too (never
+            # from backward into the next forward: the optimizer step still writes those units)
+            upcoming = upcoming + self.traces["bwd"].order[: self.limits.max_units_ahead]
         if not upcoming:
             return
         live = sum(u.numel for u in self.units if u.residency != Residency.RELEASED

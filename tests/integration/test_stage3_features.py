@@ -1,0 +1,217 @@
+"""Stage-3 behaviour beyond loss parity: release semantics, inference paths, activation
+checkpointing, units used twice, prefetch, the page cache, zero.Init and GatheredParameters."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from parity import VOCAB, loss_of, make_model, run_parity, zero_config
+
+
+def _engine(model, disk_dir, param="nvme", optimizer="nvme", **extra):
+    ds = zero_config(3, param, optimizer, str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds.update(extra)
+    engine, _, _, _ = infinity.initialize(model=model, config=ds)
+    return engine
+
+
+def test_released_parameters_hold_no_storage(disk_dir) -> None:
+    model = make_model("llama", layers=3, width=64)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    engine = _engine(model, disk_dir)
+    try:
+        x = torch.randint(0, VOCAB, (1, 8))
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+        big = [(n, p) for n, p in model.named_parameters() if p.numel() > 10_000]
+        assert big, "the test model should have parameters above the persistence threshold"
+        for name, p in big:
+            assert p.untyped_storage().nbytes() == 0, name
+            assert p.shape == shapes[name]
+        assert set(model.state_dict()) >= set(shapes)
+        with infinity.zero.GatheredParameters([p for _, p in big]):
+            for name, p in big:
+                assert p.untyped_storage().nbytes() == p.numel() * 4, name
+                assert torch.isfinite(p).all()
+        for name, p in big:
+            assert p.untyped_storage().nbytes() == 0, name
+    finally:
+        engine.close()
+
+
+def test_eval_no_grad_and_generate_equal_plain_torch(disk_dir) -> None:
+    model = make_model("llama", layers=3, width=64)
+    reference = copy.deepcopy(model).eval()
+    engine = _engine(model, disk_dir)
+    try:
+        engine.eval()
+        x = torch.randint(0, VOCAB, (2, 10))
+        with torch.no_grad():
+            torch.testing.assert_close(engine(input_ids=x).logits, reference(input_ids=x).logits,
+                                       rtol=1e-5, atol=1e-5)
+        prompt = x[:1, :4]
+        ours = model.generate(prompt, max_new_tokens=8, do_sample=False)
+        theirs = reference.generate(prompt, max_new_tokens=8, do_sample=False)
+        assert torch.equal(ours, theirs)
+        # training after eval keeps working (each mode has its own trace)
+        engine.train()
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_activation_checkpointing_matches_torch(family: str, disk_dir) -> None:
+    model = make_model(family, layers=3, width=64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    result = run_parity(model, zero_config(3, "nvme", "nvme", str(disk_dir)), steps=6)
+    assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+
+
+class SharedBlockModel(nn.Module):
+    """The same block called twice per forward (a unit used twice)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(3)])
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        for i in (0, 1, 0, 2, 1):
+            h = torch.tanh(self.blocks[i](h))
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("param,optimizer", [("nvme", "nvme"), ("cpu", "cpu")])
+def test_unit_used_twice_matches_torch(param: str, optimizer: str, disk_dir) -> None:
+    torch.manual_seed(0)
+    result = run_parity(SharedBlockModel(), zero_config(3, param, optimizer, str(disk_dir)),
+                        steps=10)
+    assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+
+
+class DynamicDepthModel(SharedBlockModel):
+    """Runs a different subset of blocks on odd steps: the trace must be re-learned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input_ids, labels):
+        self.calls += 1
+        order = (0, 1, 2) if self.calls % 2 else (2, 0)
+        h = self.embed(input_ids)
+        for i in order:
+            h = torch.tanh(self.blocks[i](h))
+        return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def test_dynamic_order_relearns_without_deadlock(disk_dir) -> None:
+    torch.manual_seed(0)
+    model = DynamicDepthModel()
+    engine = _engine(model, disk_dir)
+    try:
+        x = torch.randint(0, VOCAB, (2, 8))
+        for _ in range(6):
+            engine.backward(engine(input_ids=x, labels=x))
+            engine.step()
+        assert engine.coordinator.traces["train_fwd"].relearns >= 2
+    finally:
+        engine.close()
+
+
+def test_prefetch_hits_and_no_page_cache(disk_dir) -> None:
+    """After warm-up, >= 90% of NVMe fetches are complete when their hook fires; the swap files
+    are read and written with O_DIRECT (no pages in the page cache) by io_uring."""
+    from infinity.io import resident_pages
+
+    model = make_model("llama", layers=8, width=64)
+    engine = _engine(model, disk_dir)
+    try:
+        x = torch.randint(0, VOCAB, (2, 16))
+        for _ in range(2):   # warm-up: learn the traces
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+        engine.coordinator.fetch_stats.update(fetches=0, prefetch_hits=0, nvme_fetches=0)
+        for _ in range(3):
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+        stats = engine.coordinator.fetch_stats
+        assert stats["nvme_fetches"] >= 3 * 2 * 8, stats
+        assert engine.coordinator.prefetch_hit_ratio >= 0.9, stats
+        files = engine.manager.swap.files
+        assert files
+        resident = sum(resident_pages(f) for f in files)
+        assert resident <= 2, f"{resident} swap-file pages in the page cache: not O_DIRECT"
+        assert infinity.native_info()["io_backend"] == "io_uring"
+    finally:
+        engine.close()
+
+
+def test_zero_init_builds_on_meta_and_materialises_per_unit(disk_dir) -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    with infinity.zero.Init(config=ds):
+        model = transformers.LlamaForCausalLM(cfg)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert model.model.rotary_emb.inv_freq.device.type == "cpu"   # buffers stay real
+    engine, _, _, _ = infinity.initialize(model=model, config=ds)
+    try:
+        weight = model.model.layers[0].mlp.up_proj.weight
+        with infinity.zero.GatheredParameters([weight]):
+            std = float(weight.std())
+        assert 0.01 < std < 0.03, f"initialised by _init_weights (std 0.02), got std {std}"
+        x = torch.randint(0, VOCAB, (2, 12))
+        losses = []
+        for _ in range(8):
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0]
+    finally:
+        engine.close()
+
+
+def test_gathered_parameters_modifications_reach_every_tier(disk_dir) -> None:
+    model = make_model("torch", layers=2, width=64)
+    engine = _engine(model, disk_dir)
+    try:
+        block = model.blocks[0].up
+        with infinity.zero.GatheredParameters([block.weight], modifier_rank=0), torch.no_grad():
+            block.weight.zero_()
+        x = torch.randint(0, VOCAB, (1, 8))
+        engine.eval()
+        with torch.no_grad():
+            engine(input_ids=x, labels=x)
+        with infinity.zero.GatheredParameters([block.weight]):
+            assert float(block.weight.abs().max()) == 0.0
+        engine.train()
+        engine.backward(engine(input_ids=x, labels=x))
+        engine.step()   # the step starts from the zeroed master, not the old values
+        with infinity.zero.GatheredParameters([block.weight]):
+            assert float(block.weight.abs().max()) <= 2e-3   # one Adam step of lr 1e-3
+    finally:
+        engine.close()
+
+
+def test_host_tier_too_small_is_a_clear_error_before_any_step() -> None:
+    model = make_model("llama", layers=2, width=64)
+    ds = zero_config(3, "cpu", "cpu", "/unused")
+    ds["infinity"] = {"host_memory_budget": "64KiB", "device_memory_budget": "16MiB"}
+    with pytest.raises(MemoryError, match="host budget"):
+        infinity.initialize(model=model, config=ds)
