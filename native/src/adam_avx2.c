@@ -1,8 +1,8 @@
 /* AVX2 (+F16C) path of the CPU Adam element update, 8 floats per vector. Same operations in the
  * same order as adam_scalar.c, FMA contraction off, so the bits equal the scalar reference. The
  * tail (n % 8) runs the same vector code on a zero-padded copy. The 16-bit copy of large ranges
- * is written with non-temporal stores. Compiled with a function target
- * attribute and chosen at run time (never -march=native). */
+ * is written with non-temporal stores. Compiled with a function target attribute and chosen at
+ * run time (never -march=native). */
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)

@@ -323,6 +323,15 @@ static void test_errors(void) {
     CHECK(inf_adam_step(&hp, &t, 1, 0, -1, INF_ADAM_KERNEL_NEON, 1) == -ENOTSUP, "NEON on x86");
 #endif
     CHECK(inf_adam_rmw_bandwidth(NULL, x, x, x, 4, 1) == -EINVAL, "rmw NULL");
+    {
+        enum { RN = 200003 };
+        float *a = malloc(RN * 4), *b = malloc(RN * 4), *c = malloc(RN * 4), *d = malloc(RN * 4);
+        for (int i = 0; i < RN; i++) a[i] = (float)i, b[i] = 1.0f, c[i] = 2.0f, d[i] = -1.0f;
+        int rc = inf_adam_rmw_bandwidth(a, b, c, d, RN, 2), ok = rc == 0;
+        for (int i = 0; i < RN && ok; i++) ok = a[i] == (float)i + 1 && c[i] == 3 && d[i] == 0;
+        free(a), free(b), free(c), free(d);
+        CHECK(ok, "rmw kernel: a, c, d += b wrong (rc %d)", rc);
+    }
     CHECK(inf_adam_kernel_name(99) == NULL, "unknown kernel name");
     CHECK(inf_adam_kernel_supported(inf_adam_kernel_best()), "best kernel supported");
     passed++;
