@@ -101,8 +101,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     if opts.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {opts.steps}")
 
-    # 1. Everything that reads user input, before any big allocation.
-    # The cheap checks first (no transformers import), so bad input fails in a moment.
+    # 1. Everything that reads user input, before any big allocation; the cheap checks first
+    # (no transformers import), so that bad input fails in a moment.
     corpus = data_mod.load_corpus(opts.data)
     base = read_config_file(opts.config) if opts.config else demo_config()
     ds, config = build_ds_config(base, Overrides(
@@ -123,10 +123,10 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     accum = config.gradient_accumulation_steps
     tokens_per_step = sampler.tokens_per_batch * accum
     _log.info("model: %s", models.describe(model_config, n_params))
-    _log.info("data: %s (%s tokens, %d document%s); %d steps of %d x %d x %d tokens",
-              corpus.source, f"{corpus.tokens.numel():,}", corpus.documents,
-              "" if corpus.documents == 1 else "s", opts.steps, accum,
-              config.train_micro_batch_size_per_gpu, opts.seq_len)
+    _log.info("data: %s (%s tokens, %d document%s); %d steps of %d tokens (%d micro-batch%s of "
+              "%d x %d)", corpus.source, f"{corpus.tokens.numel():,}", corpus.documents,
+              "" if corpus.documents == 1 else "s", opts.steps, tokens_per_step, accum,
+              "" if accum == 1 else "es", config.train_micro_batch_size_per_gpu, opts.seq_len)
     _log_placement(opts.engine, config, n_params, swap_parents)
 
     records: list[StepRecord] = []

@@ -220,7 +220,7 @@ def write_plot(records: Iterable[StepRecord], path: str | Path) -> Path:
     records = list(records)
     path = Path(path)
     steps = [r.step for r in records]
-    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(12, 4))
     ax_loss.plot(steps, [r.loss for r in records], color="tab:blue")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
@@ -237,7 +237,7 @@ def write_plot(records: Iterable[StepRecord], path: str | Path) -> Path:
     ax_time.set_xlabel("step")
     ax_time.set_ylabel("seconds")
     ax_time.set_title("step time split")
-    ax_time.legend(loc="upper right", fontsize=8)
+    ax_time.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
