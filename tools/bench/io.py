@@ -110,7 +110,6 @@ class DeepSpeedSide:
 
     def __init__(self, python: str, nbytes: int) -> None:
         env = dict(os.environ, DS_ACCELERATOR="cpu")
-        env.pop("INFINITY_NATIVE_LIB", None)
         self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--ds-worker"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      bufsize=1)
@@ -163,7 +162,7 @@ class InfinitySide:
         if op == "read":
             self.rbuf.zero_()
         c0, t0 = time.process_time(), time.perf_counter()
-        with eng.open(path, "w" if op == "write" else "r") as f:
+        with eng.open(path, "w" if op == "write" else "r", create=op == "write") as f:
             if op == "write":
                 eng.write(self.wbuf, f, 0).wait()
             else:
@@ -196,8 +195,13 @@ def main() -> int:
         ds_worker()
         return 0
 
-    from infinity.io import AioConfig
+    import torch
+
     from infinity.sizes import parse_bytes
+
+    # One intra-op thread on both sides: idle OpenMP workers spin after the untimed buffer fills
+    # and would be billed to the timed I/O by process_time().
+    torch.set_num_threads(1)
 
     nbytes = int(a.gib * GiB) // 4096 * 4096
     blocks = [parse_bytes(b) for b in a.block_sizes.split(",")]
