@@ -139,7 +139,8 @@ class Engine:
             self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
             PrefetchLimits(self.sizes.prefetch_bucket_numel, self.sizes.max_live_numel),
             on_grad=self.optimizer.on_grad,
-            on_unit_backward_done=self.optimizer.on_unit_backward_done)
+            on_unit_backward_done=self.optimizer.on_unit_backward_done,
+            reap=self.optimizer.reap)
         self.coordinator.install()
         register_engine(self)
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
@@ -179,6 +180,8 @@ class Engine:
         if not boundary:
             return
         self.optimizer.step()
+        if self.optimizer.early_step:
+            self.coordinator.release_finished_steps(self.optimizer.reaped_at_step)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
@@ -191,7 +194,7 @@ class Engine:
         c = self.manager.counters
         t = self.optimizer.timers
         tiers = self.manager.tier_bytes()
-        optimizer_s = t.optimizer_s + (t.grad_s if self.optimizer.early_step else 0.0)
+        optimizer_s = t.optimizer_s + t.grad_s
         io_wait = c.io_wait_s
         self._last_stats = {
             "step_s": step_s, "io_wait_s": io_wait, "optimizer_s": optimizer_s,
@@ -199,6 +202,7 @@ class Engine:
             "device_bytes": tiers["device"], "host_bytes": tiers["host"], "nvme_bytes": tiers["nvme"],
             "io_read_bytes": c.nvme_read_bytes, "io_write_bytes": c.nvme_write_bytes,
             "prefetch_hit_ratio": self.coordinator.prefetch_hit_ratio,
+            "optimizer_background_s": t.background_s,
         }
 
     def step_stats(self) -> dict[str, float]:
@@ -235,6 +239,8 @@ class Engine:
     def close(self) -> None:
         """Remove hooks, free states and delete this run's swap files."""
         if getattr(self, "coordinator", None) is not None:
+            if self.optimizer.early_step:
+                self.coordinator.release_finished_steps(self.optimizer.reap(wait=True))
             self.coordinator.release_all()
             self.coordinator.remove()
         if getattr(self, "optimizer", None) is not None:

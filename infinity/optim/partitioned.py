@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -46,7 +47,9 @@ def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
         per_group += 1                                  # gradient
     if param_tier is Tier.NVME and not early_step:
         per_group += 1 if not master_separate else int(compute_dtype != torch.float32)
-    return max(1, 3 * per_group)
+    # an early step writes the unit's parameters home through two more slots
+    staging = 2 if param_tier is Tier.NVME and early_step else 0
+    return max(1, 3 * per_group + staging)
 
 
 
@@ -67,11 +70,15 @@ class UnitOptimState:
 
 @dataclass
 class OptimTimers:
+    """Seconds spent by the training thread in the optimizer (waiting for background steps
+    included) and in gradient handling, and by the background early-step worker."""
+
     optimizer_s: float = 0.0
     grad_s: float = 0.0
+    background_s: float = 0.0
 
     def reset(self) -> None:
-        self.optimizer_s = self.grad_s = 0.0
+        self.optimizer_s = self.grad_s = self.background_s = 0.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,17 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         super().__init__(param_groups, defaults={})
         self.manager = manager
         self.staging_pool = staging_pool
+        # [Note: background early step]
+        # In the early-step schedule a unit's step (swap-in of m and v, CPU Adam, swap-out of
+        # m, v and the parameters) runs on one worker thread while backward goes on with the
+        # next units; the unit stays fetched (its device copy is the fp32 master being stepped)
+        # until ``reap`` reports it finished. Everything waits for the worker in ``step()``,
+        # so the next forward never sees a unit mid-update, and prefetch in backward only reads
+        # units that have not had their backward yet (never one being written).
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-early-step") \
+            if early_step else None
+        self._pending_steps: list[tuple[UnitOptimState, Future]] = []
+        self.reaped_at_step: list[Unit] = []
         self.early_step = early_step
         self.adamw_mode = adamw_mode
         self.threads = threads
@@ -178,6 +196,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             # Usually one unit is incomplete at a time; if more are (a tied weight waits for its
             # last use), take a budgeted buffer outside the pool instead of waiting for a slot.
             state.grad_slot = self.grad_pool.try_acquire()
+            if state.grad_slot is None and any(not f.done() for _, f in self._pending_steps):
+                # backpressure: a background step frees its gradient slot when it finishes
+                state.grad_slot = self.grad_pool.acquire(timeout=600.0)
             if state.grad_slot is not None:
                 state.grad_buffer = state.grad_slot.view(torch.float32, state.unit.trainable_numel)
                 state.grad_buffer.zero_()
@@ -186,19 +207,50 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                     state.unit.trainable_numel, torch.float32, what=f"{state.unit.name} gradient")
         return state.grad_buffer
 
-    def on_unit_backward_done(self, unit: Unit) -> None:
-        """All of ``unit``'s gradients for this backward have arrived."""
+    def on_unit_backward_done(self, unit: Unit) -> bool:
+        """All of ``unit``'s gradients for this backward have arrived.
+
+        Returns True when the unit may be released now; False when an early step of it is
+        running in the background (see [Note: background early step]); ``reap`` then says when.
+        """
         start = time.perf_counter()
         state = self._by_unit[unit.index]
+        if self.early_step:
+            self._pending_steps.append((state, self._worker.submit(self._step_in_background, state)))
+            self.timers.grad_s += time.perf_counter() - start
+            return False
         try:
-            if self.early_step:
-                self._step_unit_now(state)
-            else:
-                self._finish_grads(state)
+            self._finish_grads(state)
         finally:
             self._drop_grad_buffer(state)
             state.grads_seen = 0
             self.timers.grad_s += time.perf_counter() - start
+        return True
+
+    def _step_in_background(self, state: UnitOptimState) -> None:
+        start = time.perf_counter()
+        try:
+            self._step_unit_now(state)
+        finally:
+            self._drop_grad_buffer(state)   # thread-safe: the pool has its own lock
+            self.timers.background_s += time.perf_counter() - start
+
+    def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
+        """Units whose background step has finished, in order: with ``wait`` all of them, with
+        ``wait_first`` at least the oldest. Re-raises a background step's error here."""
+        finished: list[Unit] = []
+        while self._pending_steps and (wait or (wait_first and not finished)
+                                       or self._pending_steps[0][1].done()):
+            state, future = self._pending_steps.pop(0)
+            start = time.perf_counter()
+            try:
+                future.result()
+            finally:
+                self.timers.optimizer_s += time.perf_counter() - start
+                self._drop_grad_buffer(state)
+                state.grads_seen = 0
+            finished.append(state.unit)
+        return finished
 
     def _finish_grads(self, state: UnitOptimState) -> None:
         store = state.grad_store
@@ -250,7 +302,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Early step: the unit is fetched and its full gradient is in ``grad_buffer``."""
         state.step += 1
         self._run_pipeline(self._sub_groups(state), 1.0, early=True)
-        state.unit.write_home(self.manager, self.staging_pool)
+        state.unit.write_home(self.manager, self.step_pool)
 
     def _sub_groups(self, state: UnitOptimState) -> list[SubGroup]:
         n = state.unit.trainable_numel
@@ -285,7 +337,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             raise ValueError("PartitionedOptimizer.step does not take a closure")
         start = time.perf_counter()
         try:
-            if not self.early_step:
+            if self.early_step:
+                self.reaped_at_step = self.reap(wait=True)
+            else:
                 scale = self.grad_scale_for_clipping()
                 groups = []
                 for state in self.states:
@@ -387,6 +441,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Gradients never live on the parameters; nothing to clear."""
 
     def close(self) -> None:
+        if self._worker is not None:
+            try:
+                self.reap(wait=True)
+            finally:
+                self._worker.shutdown(wait=True)
         for state in self.states:
             for store in (state.exp_avg, state.exp_avg_sq, state.master, state.grad_store):
                 if store is not None:

@@ -14,6 +14,7 @@ and unmodified until the returned request has been waited on.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -238,7 +239,9 @@ class TierManager:
         try:
             yield
         finally:
-            self.counters.io_wait_s += time.perf_counter() - start
+            # only the training thread's waits stall compute; a background step's are overlapped
+            if threading.current_thread() is threading.main_thread():
+                self.counters.io_wait_s += time.perf_counter() - start
 
     def wait(self, *requests) -> None:
         """Wait for requests (timed as I/O wait); raises the first I/O error with its context."""

@@ -38,7 +38,8 @@ class Coordinator:
     def __init__(self, units: list[Unit], hooked: list[tuple[nn.Module, list[int]]], manager,
                  fetch_pool, limits: PrefetchLimits,
                  on_grad: Callable[[Unit, ParamEntry, torch.Tensor], None],
-                 on_unit_backward_done: Callable[[Unit], None]) -> None:
+                 on_unit_backward_done: Callable[[Unit], bool],
+                 reap: Callable[..., list[Unit]] = lambda **_: []) -> None:
         self.units = units
         self.hooked = hooked
         self.manager = manager
@@ -46,6 +47,8 @@ class Coordinator:
         self.limits = limits
         self.on_grad = on_grad
         self.on_unit_backward_done = on_unit_backward_done
+        self.reap = reap
+        self._stepping = [False] * len(units)   # a background step holds the unit fetched
         self.traces = {"train_fwd": Trace(), "bwd": Trace(), "eval_fwd": Trace()}
         self._handles: list = []
         self._active = [0] * len(units)
@@ -152,8 +155,9 @@ class Coordinator:
         if not unit.has_trainable and not self._input_done[uid]:
             return
         self._done[uid] = True
-        if unit.has_trainable:
-            self.on_unit_backward_done(unit)
+        if unit.has_trainable and not self.on_unit_backward_done(unit):
+            self._stepping[uid] = True
+            return
         if self._active[uid] == 0:
             unit.release(self.manager)
 
@@ -165,9 +169,11 @@ class Coordinator:
                 if not self._done[uid] and unit.has_trainable and \
                         self._pending[uid] < len(unit.trainable_entries()):
                     self._done[uid] = True
-                    self.on_unit_backward_done(unit)
+                    if not self.on_unit_backward_done(unit):
+                        self._stepping[uid] = True
+            self.release_finished_steps()
             for unit in self.units:
-                if self._active[unit.index] == 0:
+                if self._active[unit.index] == 0 and not self._stepping[unit.index]:
                     unit.release(self.manager)
         finally:
             self._in_backward = False
@@ -178,9 +184,23 @@ class Coordinator:
         """Trainable units that received no gradient in the last backward (all unused)."""
         return [u for u in self.units if u.has_trainable and not self._done[u.index]]
 
+    def release_finished_steps(self, finished: list[Unit] | None = None) -> None:
+        """Release units whose background step is over (``finished``, else asked via reap)."""
+        for unit in (self.reap() if finished is None else finished):
+            self._stepping[unit.index] = False
+            if self._active[unit.index] == 0:
+                unit.release(self.manager)
+
     # -- fetching --------------------------------------------------------------------------
     def _ensure(self, uid: int, trace: Trace | None) -> None:
+        if any(self._stepping):
+            self.release_finished_steps()
         unit = self.units[uid]
+        budget = self.manager.device_budget
+        while unit.residency != Residency.FETCHED and any(self._stepping) and \
+                budget.limit is not None and budget.held + unit.nbytes > budget.limit:
+            # backpressure: units held by background steps free the device when they finish
+            self.release_finished_steps(self.reap(wait_first=True))
         if trace is not None:
             trace.observe(uid)
         if unit.residency != Residency.FETCHED:
@@ -232,7 +252,7 @@ class Coordinator:
     def release_all(self) -> None:
         """Release every fetched unit and drop unused prefetches."""
         for unit in self.units:
-            if self._active[unit.index] == 0:
+            if self._active[unit.index] == 0 and not self._stepping[unit.index]:
                 unit.cancel_fetch(self.manager, self.fetch_pool)
                 unit.release(self.manager)
 

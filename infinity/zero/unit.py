@@ -203,22 +203,41 @@ class Unit:
         self.residency.to(Residency.RELEASED)
 
     def write_home(self, manager: TierManager, staging=None) -> None:
-        """Write the device copy back to the param home (after it was modified)."""
+        """Write the device copy back to the param home (after it was modified).
+
+        For NVMe the copy goes through ``staging`` slots in slot-sized chunks, two in flight
+        (without a pool, through one temporary aligned buffer).
+        """
         if self.param_store is None:
             return
         if self.param_store.resident:
             self.param_store.tensor[: self.numel].copy_(self.flat)
             return
-        slot = staging.acquire(timeout=60.0) if staging is not None else None
-        buf = slot.view(self.dtype, self.numel) if slot is not None else \
-            manager.host_empty(self.param_store.padded, self.dtype, what=f"{self.name} staging")
-        buf[: self.numel].copy_(self.flat)
         manager.counters.device_to_host_bytes += self.nbytes
-        try:
+        if staging is None:
+            buf = manager.host_empty(self.param_store.padded, self.dtype, what=f"{self.name} staging")
+            buf[: self.numel].copy_(self.flat)
             manager.wait(self.param_store.store_async(buf))
+            return
+        chunk = staging.slot_bytes // self.flat.element_size()
+        in_flight: list = []
+        try:
+            for start in range(0, self.numel, chunk):
+                count = min(chunk, self.numel - start)
+                if len(in_flight) == 2:
+                    req, slot = in_flight.pop(0)
+                    manager.wait(req)
+                    staging.release(slot)
+                slot = staging.acquire(timeout=600.0)
+                buf = slot.view(self.dtype, count)
+                buf.copy_(self.flat[start:start + count])
+                in_flight.append((self.param_store.store_async(buf, start, count), slot))
         finally:
-            if slot is not None:
-                staging.release(slot)
+            for req, slot in in_flight:
+                try:
+                    manager.wait(req)
+                finally:
+                    staging.release(slot)
 
 
 def _segments(trainable: list[ParamEntry], end: int) -> list[Segment]:
