@@ -30,16 +30,26 @@ TARGET __m256 load_grad(const void *g, size_t i, int gdt) {
     return _mm256_loadu_ps((const float *)g + i);
 }
 
-/* Round to nearest even; NaN -> 0xFFFF (torch's .to(torch.bfloat16)). */
-TARGET __m128i to_bf16(__m256 x) {
+/* bf16 bits in the low half of each 32-bit lane: round to nearest even; NaN -> 0xFFFF (torch's
+ * .to(torch.bfloat16)). */
+TARGET __m256i bf16_lanes(__m256 x) {
     __m256i u = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
     r = _mm256_srli_epi32(r, 16);
     /* NaN lanes: all-ones >> 16 = 0xffff, OR-ed over the (16-bit) rounded value */
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_or_si256(r, _mm256_srli_epi32(nan, 16));
+    return _mm256_or_si256(r, _mm256_srli_epi32(nan, 16));
+}
+
+TARGET __m128i to_bf16(__m256 x) {
+    __m256i r = bf16_lanes(x);
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* 16 values at once: one 256-bit pack and a lane fix-up instead of two 128-bit packs. */
+TARGET __m256i to_bf16x2(__m256 lo, __m256 hi) {
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_lanes(lo), bf16_lanes(hi)), 0xd8);
 }
 
 /* Updates 8 elements at i; returns the new params (the caller stores the 16-bit copy). */
@@ -104,9 +114,13 @@ TARGET void avx2_loop(const struct adam_consts *c, float *p, const void *g, floa
             partial8(&k, p, g, m, v, half, i, peel - i < 8 ? peel - i : 8, gdt, hdt, mode);
         i = peel;
         for (; i + 16 <= n; i += 16) {
-            __m128i lo = to_half(vec8(&k, p, g, m, v, i, gdt, mode), hdt);
-            __m128i hi = to_half(vec8(&k, p, g, m, v, i + 8, gdt, mode), hdt);
-            _mm256_stream_si256((__m256i *)(h + i), _mm256_set_m128i(hi, lo));
+            __m256 lo = vec8(&k, p, g, m, v, i, gdt, mode);
+            __m256 hi = vec8(&k, p, g, m, v, i + 8, gdt, mode);
+            __m256i hv = hdt == INF_ADAM_DTYPE_BF16
+                             ? to_bf16x2(lo, hi)
+                             : _mm256_set_m128i(_mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT),
+                                                _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT));
+            _mm256_stream_si256((__m256i *)(h + i), hv);
         }
         _mm_sfence();
     }
