@@ -161,18 +161,80 @@ ProgressFn = Callable[[int, int, TunePoint, str], None]
 """``progress(done, total, point, phase)``: called before each pass ("write"/"read") and at the end ("done")."""
 
 
+class TuneFile:
+    """A private swap dir under ``path`` holding one preallocated, laid-out test file and the
+    buffer that is written from and read into; ``measure`` times one point on it. A context
+    manager: the directory is removed on exit, whatever the exit (Ctrl-C included).
+
+    The file persists across measurements (each write overwrites what the previous one wrote), as
+    in a real sweep and in tools/bench/io.py.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], size: int, *, direct_io: bool = True) -> None:
+        from infinity.io import AioConfig, AioEngine, aligned_empty
+
+        self.size = -(-size // 4096) * 4096
+        if self.size <= 0:
+            raise ValueError(f"nvme-tune: size must be positive, got {size}")
+        self.preflight = check_swap_path(path, self.size, direct_io=direct_io)
+        reclaim_stale(path)
+        self._dir = SwapDir.create(path)
+        self.buf = None
+        try:
+            self.file_path = self._dir.register_file("tune-0.bin")
+            fd = os.open(self.file_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            finally:
+                os.close(fd)
+            self.buf = aligned_empty(min(self.size, MAX_BUFFER))
+            self._check = _Check(self.buf)
+            with AioEngine(AioConfig(backend="auto")) as layout:  # untimed layout write
+                _write_pass(layout, self.file_path, self.buf, self.size, fsync=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def measure(self, point: TunePoint, *, fsync: bool = False,
+                before_read: Callable[[], None] | None = None) -> tuple[str, float, float, float]:
+        """(backend used, write GB/s, cold read GB/s, fraction cached before the read) of ``point``."""
+        from infinity.io import AioConfig, AioEngine
+
+        cfg = AioConfig(backend=point.backend, block_size=point.block_size,
+                        queue_depth=point.queue_depth, thread_count=point.thread_count)
+        with AioEngine(cfg) as engine:
+            write_s = _write_pass(engine, self.file_path, self.buf, self.size, fsync)
+            if before_read:
+                before_read()
+            self._check.clear()
+            read_s, resident = _read_pass(engine, self.file_path, self.buf, self.size)
+            if not self._check.verify():
+                raise OSError(f"nvme-tune: the data read back from {self.file_path} with "
+                              f"{point.label()} differs from what was written; the disk or the "
+                              "I/O engine is corrupting data")
+            return engine.backend, self.size / write_s / 1e9, self.size / read_s / 1e9, resident
+
+    def close(self) -> None:
+        self.buf = None
+        self._check = None
+        self._dir.remove()
+
+    def __enter__(self) -> TuneFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def sweep(path: str | os.PathLike[str], points: list[TunePoint], *, size: int = DEFAULT_SIZE,
           repeats: int = 1, fsync: bool = False, progress: ProgressFn | None = None) -> TuneReport:
     """Measure every point ``repeats`` times on a ``size``-byte file in a private dir under ``path``."""
-    from infinity.io import AioConfig, AioEngine, aligned_empty, backend_available
+    from infinity.io import backend_available
 
     if not points:
         raise ValueError("nvme-tune: the grid is empty; give at least one value for every knob")
     if repeats < 1:
         raise ValueError(f"nvme-tune: repeats must be >= 1, got {repeats}")
-    size = -(-size // 4096) * 4096
-    if size <= 0:
-        raise ValueError(f"nvme-tune: size must be positive, got {size}")
     skipped, runnable = [], []
     for p in points:
         if p.backend != "auto" and not backend_available(p.backend):
@@ -181,53 +243,27 @@ def sweep(path: str | os.PathLike[str], points: list[TunePoint], *, size: int = 
             runnable.append(p)
     if not runnable:
         raise ValueError("nvme-tune: no requested backend is available here: " + "; ".join(skipped))
-    direct = any(p.backend != "mmap" for p in runnable)
-    report = check_swap_path(path, size, direct_io=direct)
-    reclaim_stale(path)
     results = {p: PointResult(p) for p in runnable}
     started = time.perf_counter()
-    swap_dir = SwapDir.create(path)
-    buf = None
-    try:
-        file_path = swap_dir.register_file("tune-0.bin")
-        fd = os.open(file_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        finally:
-            os.close(fd)
-        buf = aligned_empty(min(size, MAX_BUFFER))
-        check = _Check(buf)
-        with AioEngine(AioConfig(backend="auto")) as layout:  # untimed layout write
-            _write_pass(layout, file_path, buf, size, fsync=True)
+    with TuneFile(path, size, direct_io=any(p.backend != "mmap" for p in runnable)) as tf:
         total = repeats * len(runnable)
         done = 0
         for _ in range(repeats):
             for point in runnable:
-                cfg = AioConfig(backend=point.backend, block_size=point.block_size,
-                                queue_depth=point.queue_depth, thread_count=point.thread_count)
-                with AioEngine(cfg) as engine:
-                    res = results[point]
-                    res.backend_used = engine.backend
-                    if progress:
-                        progress(done, total, point, "write")
-                    res.write_samples.append(size / _write_pass(engine, file_path, buf, size, fsync) / 1e9)
-                    if progress:
-                        progress(done, total, point, "read")
-                    check.clear()
-                    seconds, resident = _read_pass(engine, file_path, buf, size)
-                    res.read_samples.append(size / seconds / 1e9)
-                    res.resident_before_read.append(resident)
-                    if not check.verify():
-                        raise OSError(f"nvme-tune: the data read back from {file_path} with "
-                                      f"{point.label()} differs from what was written; the disk "
-                                      "or the I/O engine is corrupting data")
+                res = results[point]
+                if progress:
+                    progress(done, total, point, "write")
+                backend, write, read, resident = tf.measure(
+                    point, fsync=fsync,
+                    before_read=(lambda p=point, d=done: progress(d, total, p, "read")) if progress else None)
+                res.backend_used = backend
+                res.write_samples.append(write)
+                res.read_samples.append(read)
+                res.resident_before_read.append(resident)
                 done += 1
                 if progress:
                     progress(done, total, point, "done")
-    finally:
-        del buf
-        swap_dir.remove()
-    return TuneReport(path=str(path), fs_type=report.fs_type, size=size, repeats=repeats,
+    return TuneReport(path=str(path), fs_type=tf.preflight.fs_type, size=tf.size, repeats=repeats,
                       writes_include_fsync=fsync, results=list(results.values()), skipped=skipped,
                       seconds=time.perf_counter() - started)
 
