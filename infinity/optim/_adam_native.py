@@ -53,8 +53,8 @@ _declared: ctypes.CDLL | None = None
 
 
 def lib() -> ctypes.CDLL:
-    """The native library with the inf_adam_* signatures declared (raises NativeLibraryError, or
-    AttributeError for a library built before this component existed)."""
+    """The native library with the inf_adam_* signatures declared (raises NativeLibraryError when
+    it is missing or was built before this component existed)."""
     global _declared
     if _declared is not None:
         return _declared
@@ -77,7 +77,12 @@ def _declare(L: ctypes.CDLL) -> None:
         "inf_adam_rmw_bandwidth": (c_int, [vp, vp, vp, vp, i64, c_int]),
     }
     for name, (restype, argtypes) in sigs.items():
-        fn = getattr(L, name)
+        try:
+            fn = getattr(L, name)
+        except AttributeError as exc:
+            raise _native.NativeLibraryError(
+                f"{_native.library_path()} has no {name}: it was built before the CPU Adam "
+                "component; rebuild it (pip install -e . or bash tools/dev_build.sh)") from exc
         fn.restype = restype
         fn.argtypes = argtypes
 
