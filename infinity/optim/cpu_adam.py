@@ -334,9 +334,9 @@ class CPUAdam(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             g = p.grad
-            if g.is_sparse:
-                raise RuntimeError("CPUAdam does not support sparse gradients (got a sparse grad "
-                                   f"for a parameter of shape {tuple(p.shape)}); use "
+            if g.is_sparse or g.layout != torch.strided:
+                raise RuntimeError("CPUAdam does not support sparse gradients (got a "
+                                   f"{g.layout} grad for a parameter of shape {tuple(p.shape)}); use "
                                    "torch.optim.SparseAdam for embeddings with sparse=True")
             if p.device.type != "cpu" or p.dtype != torch.float32:
                 raise TypeError(f"CPUAdam steps float32 CPU parameters (fp32 masters); got "
