@@ -19,7 +19,10 @@
  *   d  = sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps
  *   p  = p * (1 - lr * weight_decay)               (AdamW mode only)
  *   p  = p - (lr / (1 - beta1^step)) * (m / d)
- *   half_out = round_to_nearest_even(p)            (when asked; NaN as torch's .to() gives it)
+ *   half_out = round_to_nearest_even(p)            (when asked)
+ * The 16-bit copy equals torch's .to(dtype) of a contiguous fp32 tensor bit for bit, NaN too: bf16
+ * NaN -> 0xFFFF (torch's vectorized CPU cast; its scalar path, used for strided tensors, gives
+ * 0x7FC0), fp16 NaN keeps its sign and top payload bits, quiet (as F16C and NEON convert).
  * Without bias correction both (1 - beta^step) factors are 1.
  */
 #ifndef INF_ADAM_H
