@@ -8,7 +8,7 @@ import torch
 
 
 def _warmup_gamma(step: int, warmup_steps: int, kind: str) -> float:
-    if warmup_steps <= 0 or step >= warmup_steps:
+    if warmup_steps <= 1 or step >= warmup_steps:
         return 1.0
     if kind == "log":
         return math.log(step + 1) / math.log(warmup_steps)
@@ -19,6 +19,9 @@ def schedule_lambda(sched, base_lr: float) -> Callable[[int], float]:
     """The multiplier of ``base_lr`` at each step for a config's ``scheduler`` section."""
     kind = sched.type
     warmup = sched.warmup_num_steps
+    if kind in ("WarmupDecayLR", "WarmupCosineLR") and sched.total_num_steps is None:
+        raise ValueError(f"scheduler {kind} needs params.total_num_steps (it was unset or \"auto\"); "
+                         "set it to the number of optimizer steps of the run")
     if kind in ("WarmupLR", "WarmupDecayLR"):
         lo = sched.warmup_min_lr
         hi = sched.warmup_max_lr if sched.warmup_max_lr is not None else base_lr

@@ -66,10 +66,10 @@ def test_eval_no_grad_and_generate_equal_plain_torch(disk_dir) -> None:
         engine.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_activation_checkpointing_matches_torch(family: str, disk_dir) -> None:
+@pytest.mark.parametrize("family,reentrant", [("llama", False), ("gpt2", False), ("llama", True)])
+def test_activation_checkpointing_matches_torch(family: str, reentrant: bool, disk_dir) -> None:
     model = make_model(family, layers=3, width=64)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     result = run_parity(model, zero_config(3, "nvme", "nvme", str(disk_dir)), steps=6)
     assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
 
