@@ -1,0 +1,259 @@
+"""Helpers shared by the engine benchmarks (zero_offload.py, out_of_core.py).
+
+Why a module: both benchmarks run every contender in a fresh worker process (so peak RSS is
+per contender), build the same Llama-style model from the same shapes as the DeepSpeed peer
+script (shared/peers/ds_e2e.py), feed the same token batches, sample RSS the same way and write
+the same JSON lines; one copy of that keeps the two comparable.
+
+Worker protocol: the driver runs ``python <script> --worker <kind> --spec '<json>'``; the worker
+moves fd 1 onto stderr (DeepSpeed, transformers and C ops print to stdout), does its job and writes
+exactly one JSON object on the saved stdout; everything else goes to stderr, which the driver keeps
+in a log file and shows the tail of on failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Llama shapes of the benchmarks: (hidden, layers, heads, intermediate, vocab). The two issue-6
+# sizes; issue 5 uses the first. ds_e2e.py's own "1B" is 16 layers (0.94B).
+LLAMA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "tiny": (512, 2, 8, 1024, 2000),
+    "0.49B": (2048, 7, 16, 5504, 32000),
+    "1.04B": (2048, 18, 16, 5504, 32000),
+}
+
+
+def size_shape(name: str) -> tuple[int, int, int, int, int]:
+    """Shape of a named size, or of ``HxLxAxIxV`` (hidden x layers x heads x intermediate x vocab)."""
+    if name in LLAMA_SIZES:
+        return LLAMA_SIZES[name]
+    try:
+        h, layers, heads, inter, vocab = (int(x) for x in name.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"unknown size {name!r}: use one of {sorted(LLAMA_SIZES)} or "
+                         "HIDDENxLAYERSxHEADSxINTERMEDIATExVOCAB, e.g. 512x2x8x1024x2000") from None
+    return h, layers, heads, inter, vocab
+
+
+def llama_params(shape: Sequence[int]) -> int:
+    """Parameter count of the Llama model of ``shape`` (untied embeddings, no biases)."""
+    h, layers, _, inter, vocab = shape
+    return layers * (4 * h * h + 3 * h * inter + 2 * h) + 2 * vocab * h + h
+
+
+def llama_config(shape: Sequence[int], seq: int):
+    """The transformers LlamaConfig ds_e2e.py builds for the same shape (sdpa, no dropout)."""
+    from transformers import LlamaConfig
+
+    h, layers, heads, inter, vocab = shape
+    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
+                      max_position_embeddings=max(2048, seq), tie_word_embeddings=False,
+                      use_cache=False, attention_dropout=0.0)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def token_batches(seed: int, steps: int, vocab: int, seq: int, mbs: int) -> list:
+    """The token batches ds_e2e.py draws for the same seed (so every contender sees the same data)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 12345)
+    return [torch.randint(0, vocab, (mbs, seq), generator=g) for _ in range(steps)]
+
+
+# --------------------------------------------------------------------------- memory and I/O
+def proc_status(keys: Sequence[str] = ("VmHWM", "VmRSS")) -> dict[str, int]:
+    """Fields of /proc/self/status in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in keys:
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def proc_io() -> dict[str, int]:
+    """/proc/self/io counters (read_bytes/write_bytes count O_DIRECT traffic too)."""
+    out = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                out[key.strip()] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable missing from /proc/meminfo")
+
+
+class RssSampler:
+    """Samples this process's VmRSS from a thread; ``peak`` is the largest sample (bytes).
+
+    VmHWM is the kernel's own high-water mark; the sampler is a second opinion and also gives the
+    time series' peak per phase (call ``reset`` between phases)."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, proc_status(("VmRSS",))["VmRSS"])
+            self.samples += 1
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def dir_bytes(path: str | os.PathLike[str]) -> int:
+    """Allocated bytes of the files under ``path`` (what a run put on disk)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+# --------------------------------------------------------------------------- workers
+@contextmanager
+def worker_stdout() -> Iterator[Callable[[dict], None]]:
+    """Inside a worker: fd 1 goes to stderr; yields ``emit(dict)`` writing the one result line."""
+    json_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # if RAM runs out, the kernel kills this worker, not a neighbour
+    except OSError:
+        pass
+
+    def emit(result: dict) -> None:
+        os.write(json_fd, (json.dumps(result) + "\n").encode())
+
+    try:
+        yield emit
+    finally:
+        os.close(json_fd)
+
+
+def run_worker(cmd: list[str], *, log_path: Path, timeout_s: float,
+               env: dict[str, str] | None = None) -> dict:
+    """Run one worker process; returns its JSON line plus ``process_wall_s`` and ``wait4_maxrss``.
+
+    A worker that fails, times out or prints no JSON gives ``{"ok": False, "error": ...}`` with the
+    tail of its log, so one broken contender does not lose the others' results."""
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env)
+        timer = threading.Timer(timeout_s, proc.kill)
+        timer.start()
+        try:
+            out = proc.stdout.read() if proc.stdout else b""
+            _, status, usage = os.wait4(proc.pid, 0)  # reap here to read the child's peak RSS
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    result: dict[str, Any] | None = None
+    for line in out.decode(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError:
+                pass
+    wall = time.perf_counter() - started
+    if result is None:
+        timed_out = wall >= timeout_s
+        result = {"ok": False, "error": (f"timed out after {timeout_s:.0f} s" if timed_out else
+                                         f"worker exited {proc.returncode} without a result")}
+    result["returncode"] = proc.returncode
+    result["process_wall_s"] = round(wall, 1)
+    result["wait4_maxrss_bytes"] = usage.ru_maxrss * 1024
+    result["log"] = str(log_path)
+    if not result.get("ok"):
+        result["log_tail"] = log_path.read_text(errors="replace").splitlines()[-25:]
+    return result
+
+
+# --------------------------------------------------------------------------- reporting
+def median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def machine_info() -> dict:
+    """What a reader needs to judge the numbers: CPU, cores, memory, kernel, load, versions."""
+    import torch
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    mem_total = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_total = int(line.split()[1]) * 1024
+    return {"cpu": cpu, "cpus": os.cpu_count(), "mem_total_gib": round(mem_total / GiB, 1),
+            "mem_available_gib": round(mem_available() / GiB, 1), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "loadavg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def gib(x: float | None) -> float | None:
+    return None if x is None else round(x / GiB, 3)

@@ -1,0 +1,614 @@
+#!/usr/bin/env python3
+"""Out-of-core bench (issue 6): stage 3 with parameters and optimizer on NVMe under a 3 GiB host
+budget, at two model sizes, against its own rooflines and DeepSpeed ZeRO-3 nvme/nvme.
+
+Run (from the repository root; INFINITY_NATIVE_LIB may point at a fresh native build):
+    python3 tools/bench/out_of_core.py                       # 0.49B and 1.04B, both schedules, DeepSpeed
+    python3 tools/bench/out_of_core.py --sizes tiny --steps 1 --warmup 1 --io-reps 1 --ds-steps 1
+Writes JSON lines to --out (default /var/tmp/infinity-bench/out_of_core-<time>.jsonl) and a
+Markdown table beside it (.md), as well as the screen.
+
+Model: Llama width 2048 / 5504 / vocab 32000 with 7 (0.49B) or 18 (1.04B) layers, fp32,
+micro-batch 1, seq 128, the token batches of shared/peers/ds_e2e.py. Every run below is a fresh
+process, one after another (never two at once), per size in this order:
+  ours-<on|off>  infinity.zero.Init + infinity.initialize, ZeRO-3, offload_param and
+                 offload_optimizer nvme, host_memory_budget 3GiB, early_step on|off; median step
+                 time after --warmup; engine.step_stats() per step; peak RSS = VmHWM (and a 50 ms
+                 RSS sampler thread, and wait4's ru_maxrss). The ds_config is printed.
+  compute        the same model in RAM, plain torch forward+backward, no optimizer (skipped, with
+                 the reason, when MemAvailable cannot hold params + grads + 1.5 GiB).
+  io-<on|off>    I/O alone: the timed steps' median io_read_bytes / io_write_bytes of ours-<s>
+                 replayed with infinity.io.AioEngine (the engine's aio block size, queue depth and
+                 lanes, O_DIRECT) on a file of the engine's swap size, written first, then
+                 fsync + fadvise(DONTNEED) with mincore showing 0 pages before each timed rep
+                 (cold reads). Reads and writes are submitted concurrently, --io-inflight requests
+                 of --io-chunk bytes per direction, reads walking the file from offset 0 and writes
+                 from the middle, wrapping: the fastest the disk moves the step's bytes.
+  optimizer      optimizer alone: infinity.optim.cpu_adam.adam_step_flat over the model's
+                 parameter count, in chunks of the engine's sub-group size, in RAM (a rotating set
+                 of >= 512 MiB of chunks, so caches cannot hold them); median over reps.
+  deepspeed      DeepSpeed ZeRO-3 nvme/nvme: shared/peers/ds_e2e.py's own worker (its model
+                 definition, deterministic init, config: sub_group_size 1e8, aio 1 MiB / qd 32,
+                 pin_memory) run under the peers venv, with this size added to its size table
+                 (it only knows 16 layers as "1B"); --ds-steps timed steps after 1 warm-up.
+Bars: peak RSS <= 4 GiB at each size and growing < 0.1 byte per parameter between the sizes;
+step / max(compute, I/O, optimizer) per schedule; ours / DeepSpeed <= 0.5.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+PEERS = Path(os.environ.get("PEERS_DIR", REPO.parent / "shared" / "peers"))
+PEERS_PY = Path(os.environ.get("PEERS_PYTHON", Path.home() / ".venvs" / "peers" / "bin" / "python"))
+KINDS = ("ours", "compute", "io", "optimizer", "deepspeed")
+RSS_BAR = 4 * C.GiB
+GROWTH_BAR = 0.1  # bytes of peak RSS per parameter between the two sizes
+DS_TARGET = 0.5
+
+
+def ds_config(nvme_path: str, args: argparse.Namespace, schedule: str) -> dict:
+    """Our config: DeepSpeed JSON (ZeRO-3, nvme/nvme) plus the "infinity" section."""
+    return {
+        "train_micro_batch_size_per_gpu": args.mbs,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": args.weight_decay}},
+        "zero_optimization": {"stage": 3,
+                              "offload_param": {"device": "nvme", "nvme_path": nvme_path},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}},
+        "aio": {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth,
+                "thread_count": 1, "single_submit": False, "overlap_events": True},
+        "infinity": {"host_memory_budget": args.host_budget, "early_step": schedule},
+    }
+
+
+# =========================================================================== workers
+def worker(kind: str, spec: dict) -> None:
+    with C.worker_stdout() as emit:
+        res: dict = {"bench": "out_of_core", "contender": kind, "size": spec["size"], "ok": False}
+        for key in ("schedule",):
+            if key in spec:
+                res[key] = spec[key]
+        sampler = C.RssSampler().start()
+        try:
+            {"ours": _ours, "compute": _compute, "io": _io, "optimizer": _optimizer}[kind](spec, res)
+            res["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - the driver reports it with the log tail
+            import traceback
+
+            traceback.print_exc()
+            res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        res["sampler_peak_rss_bytes"] = sampler.stop()
+        res["vm_hwm_bytes"] = C.proc_status()["VmHWM"]
+        emit(res)
+
+
+def _setup(spec: dict):
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    shape = C.size_shape(spec["size"])
+    cfg = C.llama_config(shape, spec["seq"])
+    data = C.token_batches(spec["seed"], spec["warmup"] + spec["steps"], cfg.vocab_size,
+                           spec["seq"], spec["mbs"])
+    return torch, cfg, data
+
+
+def _ours(spec: dict, res: dict) -> None:
+    import transformers
+
+    import infinity
+
+    torch, cfg, data = _setup(spec)
+    nvme = tempfile.mkdtemp(prefix="out-of-core-", dir=spec["scratch"])
+    dsc = json.loads(json.dumps(spec["ds_config"]).replace(spec["nvme_placeholder"], nvme))
+    res["ds_config"] = dsc
+    t0 = time.perf_counter()
+    torch.manual_seed(spec["seed"])
+    with infinity.zero.Init(config=dsc):
+        model = transformers.LlamaForCausalLM(cfg)
+    res["n_params"] = sum(p.numel() for p in model.parameters())
+    engine, *_ = infinity.initialize(model=model, config=dsc)
+    try:
+        res["init_s"] = time.perf_counter() - t0
+        res["rss_after_init_bytes"] = C.proc_status()["VmRSS"]
+        res["vm_hwm_after_init_bytes"] = C.proc_status()["VmHWM"]
+        res["engine_sizes"] = {k: (v.name if hasattr(v, "name") else v)
+                               for k, v in vars(engine.sizes).items()}
+        aio = engine.config.aio
+        res["aio"] = {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
+                      "thread_count": aio.thread_count, "single_submit": aio.single_submit,
+                      "overlap_events": aio.overlap_events, "backend": aio.backend}
+        res["early_step_in_use"] = bool(engine.optimizer.early_step)
+        res["swap_bytes_after_init"] = C.dir_bytes(nvme)
+        losses, steps, stats = [], [], []
+        io0 = C.proc_io()
+        for ids in data:
+            ta = time.perf_counter()
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss)
+            engine.step()
+            steps.append(time.perf_counter() - ta)
+            losses.append(float(out.loss))
+            stats.append(engine.step_stats())
+            print(f"[ours {spec['schedule']}] step {len(steps) - 1} loss {losses[-1]:.6f} "
+                  f"{steps[-1]:.2f}s {json.dumps({k: round(v, 3) for k, v in stats[-1].items()})}",
+                  file=sys.stderr, flush=True)
+        io1 = C.proc_io()
+        res["proc_io_per_step"] = {k: (io1.get(k, 0) - io0.get(k, 0)) / max(1, len(steps))
+                                   for k in ("read_bytes", "write_bytes")}
+        res["swap_bytes_end"] = C.dir_bytes(nvme)
+        res["native_info"] = infinity.native_info()
+    finally:
+        engine.close()
+        os.rmdir(nvme)  # ours (mkdtemp above); engine.close removed its swap files
+    res["losses"], res["step_s"], res["stats"] = losses, steps, stats
+    timed = stats[spec["warmup"]:]
+    res["median_step_s"] = C.median(steps[spec["warmup"]:])
+    res["median_stats"] = {k: C.median([s[k] for s in timed]) for k in timed[0]} if timed else {}
+
+
+def _compute(spec: dict, res: dict) -> None:
+    import transformers
+
+    torch, cfg, data = _setup(spec)
+    t0 = time.perf_counter()
+    torch.manual_seed(spec["seed"])
+    model = transformers.LlamaForCausalLM(cfg).float().train()
+    res["n_params"] = sum(p.numel() for p in model.parameters())
+    res["init_s"] = time.perf_counter() - t0
+    steps, splits, losses = [], [], []
+    for ids in data:
+        ta = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        tb = time.perf_counter()
+        out.loss.backward()
+        tc = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        steps.append(tc - ta)
+        splits.append({"fwd_s": tb - ta, "bwd_s": tc - tb})
+        losses.append(float(out.loss))
+        print(f"[compute] step {len(steps) - 1} {steps[-1]:.2f}s", file=sys.stderr, flush=True)
+    res["losses"], res["step_s"], res["splits"] = losses, steps, splits
+    res["median_step_s"] = C.median(steps[spec["warmup"]:])
+    timed = splits[spec["warmup"]:]
+    res["median_split"] = {k: C.median([s[k] for s in timed]) for k in timed[0]} if timed else {}
+
+
+def _io(spec: dict, res: dict) -> None:
+    """Replay one step's bytes (see the module docstring), --io-reps times."""
+    from collections import deque
+
+    import torch
+
+    from infinity.io import AioConfig, AioEngine, aligned_empty, drop_cached, resident_pages
+
+    chunk = spec["chunk"]
+    depth = spec["inflight"]
+    file_bytes = max(4 * chunk, math.ceil(spec["file_bytes"] / chunk) * chunk)
+    reads = math.ceil(spec["read_bytes"] / 4096) * 4096
+    writes = math.ceil(spec["write_bytes"] / 4096) * 4096
+    cfg = AioConfig(**spec["aio"])
+    res.update({"file_bytes": file_bytes, "read_bytes": reads, "write_bytes": writes,
+                "chunk": chunk, "inflight": depth, "aio": spec["aio"]})
+    tmp = tempfile.mkdtemp(prefix="io-replay-", dir=spec["scratch"])
+    path = os.path.join(tmp, "replay.swap")
+    eng = AioEngine(cfg)
+    res["backend"] = eng.backend
+    try:
+        f = eng.open(path, "rw", create=True)
+        try:
+            wbuf = aligned_empty(chunk)
+            wbuf.view(torch.int64).copy_(torch.arange(chunk // 8, dtype=torch.int64) * 2654435761)
+            rbufs = [aligned_empty(chunk) for _ in range(depth)]
+            t0 = time.perf_counter()
+            fill = deque()
+            for off in range(0, file_bytes, chunk):  # lay the file out (untimed)
+                fill.append(eng.write(wbuf, f, off))
+                if len(fill) >= depth:
+                    fill.popleft().wait()
+            for r in fill:
+                r.wait()
+            res["fill_s"] = time.perf_counter() - t0
+            times, resident = [], []
+            for rep in range(spec["reps"]):
+                drop_cached(path)
+                resident.append(resident_pages(path))
+                times.append(_replay(eng, f, wbuf, rbufs, reads, writes, chunk, file_bytes))
+                print(f"[io] rep {rep} {times[-1]:.2f}s ({(reads + writes) / times[-1] / 1e9:.2f} GB/s, "
+                      f"resident pages before {resident[-1]})", file=sys.stderr, flush=True)
+        finally:
+            f.close()
+    finally:
+        eng.close()
+        os.unlink(path)  # ours (created above)
+        os.rmdir(tmp)
+    res["rep_s"] = times
+    res["resident_pages_before"] = resident
+    res["median_step_s"] = C.median(times)
+    res["gb_per_s"] = (reads + writes) / res["median_step_s"] / 1e9 if res["median_step_s"] else None
+
+
+def _replay(eng, f, wbuf, rbufs, reads: int, writes: int, chunk: int, file_bytes: int) -> float:
+    from collections import deque
+
+    r_left, w_left = reads, writes
+    r_off, w_off = 0, (file_bytes // 2) // chunk * chunk
+    inflight: deque = deque()
+    free = list(rbufs)
+    n_r = n_w = 0
+    t0 = time.perf_counter()
+    while r_left or w_left or inflight:
+        submitted = False
+        if r_left and free and n_r < len(rbufs):
+            n = min(chunk, r_left)
+            if r_off + n > file_bytes:
+                r_off = 0
+            buf = free.pop()
+            inflight.append(("r", buf, eng.read(buf, f, r_off, n)))
+            r_off, r_left, n_r, submitted = r_off + n, r_left - n, n_r + 1, True
+        if w_left and n_w < len(rbufs):
+            n = min(chunk, w_left)
+            if w_off + n > file_bytes:
+                w_off = 0
+            inflight.append(("w", None, eng.write(wbuf, f, w_off, n)))
+            w_off, w_left, n_w, submitted = w_off + n, w_left - n, n_w + 1, True
+        if not submitted and inflight:
+            kind, buf, req = inflight.popleft()
+            req.wait()
+            if kind == "r":
+                free.append(buf)
+                n_r -= 1
+            else:
+                n_w -= 1
+    return time.perf_counter() - t0
+
+
+def _optimizer(spec: dict, res: dict) -> None:
+    import torch
+
+    from infinity.native_info import native_info
+    from infinity.optim.cpu_adam import adam_step_flat
+
+    torch.set_num_threads(spec["threads"])
+    numel, sub = spec["numel"], spec["sub_group_numel"]
+    sub = max(1, min(sub, numel))
+    chunks = math.ceil(numel / sub)
+    n_sets = min(chunks, max(2, math.ceil(512 * C.MiB / (16 * sub))))
+    g = torch.Generator().manual_seed(0)
+    sets = []
+    for _ in range(n_sets):
+        p = torch.randn(sub, generator=g).mul_(0.02)
+        grad = torch.randn(sub, generator=g).mul_(1e-3)
+        sets.append((p, grad, torch.zeros(sub), torch.zeros(sub)))
+    res.update({"numel": numel, "sub_group_numel": sub, "chunks": chunks, "rotating_sets": n_sets,
+                "rotating_bytes": n_sets * 16 * sub})
+    times = []
+    for rep in range(spec["warmup"] + spec["reps"]):
+        t0 = time.perf_counter()
+        left = numel
+        for i in range(chunks):
+            n = min(sub, left)
+            p, grad, m, v = (t[:n] for t in sets[i % n_sets])
+            adam_step_flat(p, grad, m, v, step=rep + 1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=0.01)
+            left -= n
+        times.append(time.perf_counter() - t0)
+        print(f"[optimizer] rep {rep} {times[-1]:.2f}s", file=sys.stderr, flush=True)
+    res["rep_s"] = times
+    res["median_step_s"] = C.median(times[spec["warmup"]:])
+    res["gparams_per_s"] = numel / res["median_step_s"] / 1e9
+    res["kernel"] = native_info().get("adam_kernel")
+
+
+# DeepSpeed: ds_e2e.py's own worker, with our size added to its table (run by the peers python).
+DS_WRAPPER = """
+import sys
+peers, name, shape = sys.argv[1], sys.argv[2], tuple(int(x) for x in sys.argv[3].split(","))
+sys.path.insert(0, peers)
+import ds_e2e
+ds_e2e.SIZES[name] = shape
+sys.argv = [ds_e2e.__file__] + sys.argv[4:]
+ds_e2e.main()
+"""
+
+
+def ds_command(size: str, nvme_dir: str, args: argparse.Namespace) -> list[str]:
+    h, layers, heads, inter, vocab = C.size_shape(size)
+    shape = ",".join(str(x) for x in (h, layers, heads, inter, vocab))
+    return [str(PEERS_PY), "-c", DS_WRAPPER, str(PEERS), size, shape,
+            "--worker", "--mode", "ds", "--offload-param", "nvme", "--offload-optimizer", "nvme",
+            "--nvme-dir", nvme_dir, "--pin-memory", "--size", size, "--dtype", "fp32",
+            "--seq", str(args.seq), "--mbs", str(args.mbs), "--steps", str(1 + args.ds_steps),
+            "--warmup", "1", "--seed", str(args.seed), "--lr", str(args.lr),
+            "--weight-decay", str(args.weight_decay), "--threads", str(args.threads)]
+
+
+# =========================================================================== driver
+class Driver:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.scratch = Path(args.scratch)
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self.out = Path(args.out or self.scratch / f"out_of_core-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.logs = self.out.with_suffix(".logs")
+        self.logs.mkdir(exist_ok=True)
+        self.results: list[dict] = []
+
+    def spec(self, size: str, **extra) -> dict:
+        a = self.args
+        return {"size": size, "steps": a.steps, "warmup": a.warmup, "seq": a.seq, "mbs": a.mbs,
+                "seed": a.seed, "threads": a.threads, "scratch": str(self.scratch), **extra}
+
+    def run(self, kind: str, size: str, spec: dict | None = None, cmd: list[str] | None = None,
+            tag: str | None = None, env: dict | None = None) -> dict:
+        tag = tag or kind
+        if cmd is None:
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--spec", json.dumps(spec)]
+        load = os.getloadavg()
+        res = C.run_worker(cmd, log_path=self.logs / f"{size}-{tag}.log", timeout_s=self.args.timeout,
+                           env=env)
+        res.update({"bench": "out_of_core", "tag": tag, "size_name": size, "loadavg_before": load,
+                    "loadavg_after": os.getloadavg()})
+        C.append_jsonl(self.out, res)
+        self.results.append(res)
+        if res.get("ok"):
+            extra = f", peak RSS {C.gib(res.get('vm_hwm_bytes') or res.get('wait4_maxrss_bytes'))} GiB" \
+                if kind in ("ours", "deepspeed", "compute") else ""
+            print(f"{size} {tag}: median {res.get('median_step_s') or 0:.2f} s{extra} "
+                  f"({res['process_wall_s']:.0f} s wall)", flush=True)
+        else:
+            print(f"{size} {tag}: FAILED: {res.get('error') or res.get('skipped')} (log {res['log']})",
+                  flush=True)
+        return res
+
+    def size(self, size: str) -> dict:
+        a = self.args
+        shape = C.size_shape(size)
+        n_params = C.llama_params(shape)
+        got: dict = {"size": size, "n_params": n_params}
+        ours = {}
+        for i, schedule in enumerate(a.schedules):
+            dsc = ds_config("@NVME@", a, schedule)
+            print(f"ds_config (ours, {size}, early_step {schedule}):\n{json.dumps(dsc, indent=1)}",
+                  flush=True)
+            ours[schedule] = self.run("ours", size, self.spec(
+                size, schedule=schedule, ds_config=dsc, nvme_placeholder="@NVME@"),
+                tag=f"ours-{schedule}")
+            if i == 0 and not a.skip_compute:
+                got["compute"] = self.compute(size, n_params)
+        got["ours"] = ours
+        if a.skip_compute:
+            got["compute"] = None
+        got["io"] = {}
+        replayed: dict = {}
+        for schedule, res in ours.items():
+            if not res.get("ok"):
+                continue
+            st = res["median_stats"]
+            key = (round(st["io_read_bytes"] / 2**20), round(st["io_write_bytes"] / 2**20))
+            if key in replayed:  # the same bytes: one replay serves both schedules
+                got["io"][schedule] = replayed[key]
+                continue
+            sub_bytes = res["engine_sizes"]["sub_group_numel"] * 4
+            chunk = a.io_chunk or min(64 * C.MiB, max(4 * C.MiB, sub_bytes // 4096 * 4096))
+            spec = self.spec(size, read_bytes=int(st["io_read_bytes"]),
+                             write_bytes=int(st["io_write_bytes"]),
+                             file_bytes=int(max(st["nvme_bytes"], res["engine_sizes"]["nvme_bytes"])),
+                             aio={k: v for k, v in res["aio"].items()}, chunk=chunk,
+                             inflight=a.io_inflight, reps=a.io_reps)
+            got["io"][schedule] = replayed[key] = self.run("io", size, spec, tag=f"io-{schedule}")
+        ok = [r for r in ours.values() if r.get("ok")]
+        if ok:
+            sub = ok[0]["engine_sizes"]["sub_group_numel"]
+            got["optimizer"] = self.run("optimizer", size, self.spec(
+                size, numel=ok[0]["n_params"], sub_group_numel=sub, reps=a.io_reps))
+        else:
+            got["optimizer"] = None
+        got["deepspeed"] = None if a.skip_deepspeed else self.deepspeed(size)
+        return got
+
+    def compute(self, size: str, n_params: int) -> dict:
+        need = n_params * 8 + int(1.5 * C.GiB)  # params + grads + activations and slack
+        avail = C.mem_available()
+        if need > 0.92 * avail:
+            res = {"ok": False, "contender": "compute", "size_name": size,
+                   "skipped": f"needs ~{need / C.GiB:.1f} GiB, MemAvailable is {avail / C.GiB:.1f} GiB"}
+            C.append_jsonl(self.out, res)
+            print(f"{size} compute: SKIPPED: {res['skipped']}", flush=True)
+            return res
+        return self.run("compute", size, self.spec(size))
+
+    def deepspeed(self, size: str) -> dict:
+        if not PEERS_PY.exists() or not (PEERS / "ds_e2e.py").exists():
+            res = {"ok": False, "contender": "deepspeed", "size_name": size,
+                   "skipped": f"no DeepSpeed peer kit ({PEERS_PY}, {PEERS / 'ds_e2e.py'}); run "
+                              "shared/peers/setup.sh or pass --skip-deepspeed"}
+            C.append_jsonl(self.out, res)
+            print(f"{size} deepspeed: SKIPPED: {res['skipped']}", flush=True)
+            return res
+        env = dict(os.environ, DS_ACCELERATOR="cpu")
+        env.pop("INFINITY_NATIVE_LIB", None)
+        with tempfile.TemporaryDirectory(prefix="ds-nvme-", dir=self.scratch) as nvme:
+            res = self.run("deepspeed", size, cmd=ds_command(size, nvme, self.args), env=env)
+        if res.get("ok"):
+            res["vm_hwm_bytes"] = int(res.get("vm_hwm_gib", 0) * C.GiB)
+            print(f"ds_config (DeepSpeed, {size}):\n{json.dumps(res.get('ds_config'), indent=1)}",
+                  flush=True)
+        return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="0.49B,1.04B", help="comma list: 0.49B, 1.04B, tiny, HxLxAxIxV")
+    ap.add_argument("--schedules", default="on,off", help="early_step values to run: on,off")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps of ours and compute")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--ds-steps", type=int, default=3, help="timed DeepSpeed steps (after 1 warm-up)")
+    ap.add_argument("--io-reps", type=int, default=3, help="timed reps of the I/O and optimizer replays")
+    ap.add_argument("--io-chunk", type=int, default=None,
+                    help="bytes per replayed request (default: the sub-group bytes, 4-64 MiB)")
+    ap.add_argument("--io-inflight", type=int, default=2, help="replayed requests in flight per direction")
+    ap.add_argument("--skip-deepspeed", action="store_true")
+    ap.add_argument("--skip-compute", action="store_true")
+    ap.add_argument("--host-budget", default="3GiB")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--mbs", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--aio-block-size", type=int, default=1 << 20)
+    ap.add_argument("--aio-queue-depth", type=int, default=32)
+    ap.add_argument("--scratch", default="/var/tmp/infinity-bench",
+                    help="directory on the disk under test (each run uses a fresh subdir)")
+    ap.add_argument("--timeout", type=float, default=2400, help="seconds per worker")
+    ap.add_argument("--out", default=None, help="results .jsonl (the table goes beside it as .md)")
+    ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, json.loads(args.spec))
+        return 0
+    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    for s in args.schedules:
+        if s not in ("on", "off", "auto"):
+            ap.error(f"--schedules: {s!r} is not one of on, off, auto")
+    for s in args.sizes:
+        C.size_shape(s)
+    drv = Driver(args)
+    machine = C.machine_info()
+    C.append_jsonl(drv.out, {"bench": "out_of_core", "kind": "header", "machine": machine,
+                             "argv": sys.argv})
+    per_size = [drv.size(s) for s in args.sizes]
+    text = report(per_size, args, machine)
+    print(text)
+    drv.out.with_suffix(".md").write_text(text + "\n")
+    print(f"results: {drv.out} and {drv.out.with_suffix('.md')}")
+    return 0 if all(r.get("ok") or r.get("skipped") for r in drv.results) else 1
+
+
+# =========================================================================== report
+def _med(res: dict | None) -> float | None:
+    return res.get("median_step_s") if res and res.get("ok") else None
+
+
+def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str:
+    rows, bars = [], []
+    for got in per_size:
+        size, n = got["size"], got["n_params"]
+        for schedule, res in got["ours"].items():
+            if not res.get("ok"):
+                rows.append([size, f"ours early_step {schedule}", "FAILED: " + str(res.get("error"))[:80]]
+                            + [None] * 6)
+                continue
+            st = res["median_stats"]
+            split = (f"compute {st['compute_s']:.1f} / opt {st['optimizer_s']:.1f} "
+                     f"(bg {st.get('optimizer_background_s', 0):.1f}) / io wait {st['io_wait_s']:.1f}")
+            rows.append([size, f"ours early_step {schedule}", round(res["median_step_s"], 2),
+                         ", ".join(f"{x:.1f}" for x in res["step_s"]), split,
+                         f"{st['io_read_bytes'] / C.GiB:.2f} / {st['io_write_bytes'] / C.GiB:.2f}",
+                         f"{st['prefetch_hit_ratio']:.2f}", C.gib(res["vm_hwm_bytes"]),
+                         C.gib(res["sampler_peak_rss_bytes"])])
+        c = got.get("compute")
+        if c is not None:
+            if c.get("ok"):
+                sp = c["median_split"]
+                rows.append([size, "compute alone (torch fwd+bwd, RAM)", round(c["median_step_s"], 2),
+                             ", ".join(f"{x:.1f}" for x in c["step_s"]),
+                             f"fwd {sp['fwd_s']:.1f} / bwd {sp['bwd_s']:.1f}", "-", "-",
+                             C.gib(c["vm_hwm_bytes"]), C.gib(c["sampler_peak_rss_bytes"])])
+            else:
+                rows.append([size, "compute alone", "SKIPPED/FAILED: " + str(c.get("skipped") or c.get("error"))[:80]]
+                            + [None] * 6)
+        seen = set()
+        for schedule, io in got["io"].items():
+            if id(io) in seen:
+                continue
+            seen.add(id(io))
+            label = f"I/O alone (replay of {'/'.join(s for s, r in got['io'].items() if r is io)})"
+            if io.get("ok"):
+                rows.append([size, label, round(io["median_step_s"], 2),
+                             ", ".join(f"{x:.1f}" for x in io["rep_s"]),
+                             f"{io['gb_per_s']:.2f} GB/s, chunk {io['chunk'] >> 20} MiB x {io['inflight']}/dir, "
+                             f"resident before {max(io['resident_pages_before'])}",
+                             f"{io['read_bytes'] / C.GiB:.2f} / {io['write_bytes'] / C.GiB:.2f}", "-", "-", "-"])
+            else:
+                rows.append([size, label, "FAILED: " + str(io.get("error"))[:80]] + [None] * 6)
+        o = got.get("optimizer")
+        if o is not None:
+            if o.get("ok"):
+                rows.append([size, "optimizer alone (adam_step_flat, RAM)", round(o["median_step_s"], 2),
+                             ", ".join(f"{x:.2f}" for x in o["rep_s"]),
+                             f"{o['gparams_per_s']:.2f} Gparam/s, {o['kernel']}, sub-group {o['sub_group_numel']:,}",
+                             "-", "-", "-", "-"])
+            else:
+                rows.append([size, "optimizer alone", "FAILED: " + str(o.get("error"))[:80]] + [None] * 6)
+        d = got.get("deepspeed")
+        if d is not None:
+            if d.get("ok"):
+                w = d.get("wall_clock_breakdown_median_ms") or {}
+                io = d.get("io_steps_bytes") or {}
+                nsteps = max(1, len(d.get("step_s") or []))
+                rows.append([size, "DeepSpeed ZeRO-3 nvme/nvme", round(d["median_step_s"], 2),
+                             ", ".join(f"{x:.1f}" for x in d["step_s"]),
+                             f"fwd {w.get('fwd', 0) / 1e3:.1f} / bwd {w.get('bwd', 0) / 1e3:.1f} / "
+                             f"step {w.get('step', 0) / 1e3:.1f}",
+                             f"{io.get('read_bytes', 0) / nsteps / C.GiB:.2f} / "
+                             f"{io.get('write_bytes', 0) / nsteps / C.GiB:.2f}", "-",
+                             d.get("vm_hwm_gib"), "-"])
+            else:
+                rows.append([size, "DeepSpeed ZeRO-3 nvme/nvme",
+                             "SKIPPED/FAILED: " + str(d.get("skipped") or d.get("error"))[:80]] + [None] * 6)
+        # bars
+        floors = {"compute": _med(c), "optimizer": _med(o)}
+        for schedule, res in got["ours"].items():
+            if not res.get("ok"):
+                continue
+            fl = dict(floors, io=_med(got["io"].get(schedule)))
+            known = {k: v for k, v in fl.items() if v}
+            line = (f"{size} early_step {schedule}: peak RSS {C.gib(res['vm_hwm_bytes'])} GiB "
+                    f"({'<=' if res['vm_hwm_bytes'] <= RSS_BAR else 'OVER'} 4 GiB)")
+            if known:
+                top = max(known, key=known.get)
+                line += (f"; step / max(floors) = {res['median_step_s']:.1f} / {known[top]:.1f} ({top}) = "
+                         f"{res['median_step_s'] / known[top]:.2f}"
+                         + ("" if len(known) == 3 else f" [missing: {sorted(set(fl) - set(known))}]"))
+            if _med(d):
+                ratio = res["median_step_s"] / d["median_step_s"]
+                line += f"; ours / DeepSpeed = {ratio:.2f} ({'meets' if ratio <= DS_TARGET else 'misses'} <= 0.5)"
+            bars.append(line)
+    if len(per_size) >= 2:
+        a, b = per_size[0], per_size[-1]
+        for schedule in args.schedules:
+            ra, rb = a["ours"].get(schedule, {}), b["ours"].get(schedule, {})
+            if ra.get("ok") and rb.get("ok") and b["n_params"] != a["n_params"]:
+                g = (rb["vm_hwm_bytes"] - ra["vm_hwm_bytes"]) / (b["n_params"] - a["n_params"])
+                bars.append(f"early_step {schedule}: peak RSS growth {a['size']} -> {b['size']} = "
+                            f"{g:.4f} B/param ({'<' if g < GROWTH_BAR else 'NOT <'} {GROWTH_BAR})")
+    head = (f"Out-of-core bench (fp32, mbs {args.mbs}, seq {args.seq}, host budget {args.host_budget}, "
+            f"{args.warmup} warm-up + {args.steps} timed steps, DeepSpeed 1 + {args.ds_steps}); "
+            f"{machine['cpu']}, {machine['cpus']} CPUs, {machine['mem_total_gib']} GiB, "
+            f"load avg at start {tuple(round(x, 1) for x in machine['loadavg'])}")
+    table = C.markdown_table(["size", "run", "median s", "steps / reps s", "split (median s) / detail",
+                              "I/O read / write GiB per step", "prefetch hit", "peak RSS GiB (VmHWM)",
+                              "sampler peak GiB"], rows)
+    return "\n".join([head, "", table, "", *bars])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
