@@ -234,7 +234,22 @@ def machine_info() -> dict:
     return {"cpu": cpu, "cpus": os.cpu_count(), "mem_total_gib": round(mem_total / GiB, 1),
             "mem_available_gib": round(mem_available() / GiB, 1), "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "loadavg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "loadavg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "git": git_state(), "native_lib": os.environ.get("INFINITY_NATIVE_LIB")}
+
+
+def git_state() -> dict:
+    """The commit benchmarked and whether the engine's files had uncommitted changes."""
+    repo = Path(__file__).resolve().parents[2]
+
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(repo), *argv], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD"),
+            "dirty": git("status", "--porcelain", "--", "infinity", "native").splitlines()}
 
 
 def append_jsonl(path: Path, record: dict) -> None:
