@@ -3,6 +3,8 @@
 
 Run (from the repository root; DeepSpeed comes from the peers venv, started as a subprocess):
     python3 tools/bench/io.py --gib 2 --block-sizes 1MiB,4MiB --queue-depths 8,32 --reps 5
+    python3 tools/bench/io.py --buffers thp     # same, DeepSpeed's buffers on huge pages too
+    python3 tools/bench/io.py --buffers plain   # same, our buffers on 4 KiB pages too
 Writes a JSON and a Markdown table to --out (default /var/tmp/infinity-bench/io-<time>.{json,md})
 as well as the screen.
 
@@ -14,6 +16,11 @@ file is fsync'd and posix_fadvise(DONTNEED)'d, and mincore must show 0 resident 
 timed read. Every read is verified against the written pattern. CPU seconds per GB are
 time.process_time() deltas (user + system, all threads of the process doing the I/O) around each
 rep. GB/s are 1e9 bytes per second; ratio = ours / DeepSpeed of the medians.
+
+Buffers matter as much as the engine on this (virtio) disk: a direct I/O from 4 KiB pages costs
+~5x the CPU of one from 2 MiB pages. By default each side allocates the way its users do (ours:
+aligned_empty, huge pages advised; DeepSpeed: new_cpu_locked_tensor of the handle that runs the
+I/O, 4 KiB pages); --buffers thp/plain equalize the pages to compare the engines alone.
 """
 from __future__ import annotations
 
@@ -48,6 +55,19 @@ def drop_and_check(path: str) -> int:
     return resident_pages(path)
 
 
+def collapse_thp(t) -> int:
+    """madvise(MADV_COLLAPSE) a tensor's memory into transparent huge pages; returns 0 or errno."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    huge = 2 << 20
+    start = (t.data_ptr() + huge - 1) & ~(huge - 1)
+    end = (t.data_ptr() + t.numel() * t.element_size()) & ~(huge - 1)
+    MADV_COLLAPSE = 25
+    return 0 if end <= start or libc.madvise(start, end - start, MADV_COLLAPSE) == 0 else ctypes.get_errno()
+
+
 # --------------------------------------------------------------------------- DeepSpeed side
 def ds_worker() -> None:
     """Runs under the peers venv python: serves write/read commands on a JSON-lines pipe."""
@@ -67,24 +87,29 @@ def ds_worker() -> None:
         pass
     aio = AsyncIOBuilder().load(verbose=False)
     torch.set_num_threads(1)
-    handle = None
-    wbuf = rbuf = None
+    handle = wbuf = rbuf = None
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
         out: dict = {"ok": True}
-        if op == "alloc":
-            h0 = aio.aio_handle(1 << 20, 8, False, True, 1)
+        if op == "config":
+            # Buffers must come from the handle that runs the I/O: a handle bounces every op
+            # through a fresh locked copy of any buffer its own pinned-tensor manager did not
+            # allocate (cpu_op_desc_t::_use_bounce_buffer), which would not be DeepSpeed's best.
+            new = aio.aio_handle(cmd["block_size"], cmd["queue_depth"], cmd["single_submit"],
+                                 cmd["overlap_events"], cmd["thread_count"])
+            if handle is not None:
+                handle.free_cpu_locked_tensor(wbuf)
+                handle.free_cpu_locked_tensor(rbuf)
+            handle = new
             ex = torch.empty(0, dtype=torch.uint8)
-            n = cmd["nbytes"]
-            wbuf = h0.new_cpu_locked_tensor(n, ex)
-            rbuf = h0.new_cpu_locked_tensor(n, ex)
-            wbuf.copy_(pattern(n, cmd["seed"]))
+            wbuf = handle.new_cpu_locked_tensor(cmd["nbytes"], ex)
+            rbuf = handle.new_cpu_locked_tensor(cmd["nbytes"], ex)
+            if cmd.get("thp"):
+                out["thp_collapsed"] = [collapse_thp(t) for t in (wbuf, rbuf)]
+            wbuf.copy_(pattern(cmd["nbytes"], cmd["seed"]))
             rbuf.zero_()
-            out["pinned"] = bool(h0.is_pinned(wbuf))
-        elif op == "config":
-            handle = aio.aio_handle(cmd["block_size"], cmd["queue_depth"], cmd["single_submit"],
-                                    cmd["overlap_events"], cmd["thread_count"])
+            out["pinned"] = bool(handle.is_pinned(wbuf))
         elif op in ("write", "read"):
             buf = wbuf if op == "write" else rbuf
             if op == "read":
@@ -100,6 +125,9 @@ def ds_worker() -> None:
             if op == "read":
                 out["verified"] = bool(torch.equal(rbuf, wbuf))
         elif op == "quit":
+            if handle is not None:
+                handle.free_cpu_locked_tensor(wbuf)
+                handle.free_cpu_locked_tensor(rbuf)
             proto.write(json.dumps(out) + "\n")
             return
         proto.write(json.dumps(out) + "\n")
@@ -108,12 +136,14 @@ def ds_worker() -> None:
 class DeepSpeedSide:
     name = "deepspeed"
 
-    def __init__(self, python: str, nbytes: int) -> None:
+    def __init__(self, python: str, nbytes: int, thp: bool) -> None:
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--ds-worker"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      bufsize=1)
-        self.pinned = self.call(op="alloc", nbytes=nbytes, seed=7)["pinned"]
+        self.nbytes = nbytes
+        self.thp = thp
+        self.pinned = None
 
     def call(self, **cmd) -> dict:
         assert self.proc.stdin and self.proc.stdout
@@ -124,7 +154,10 @@ class DeepSpeedSide:
         return json.loads(line)
 
     def configure(self, **knobs) -> None:
-        self.call(op="config", **knobs)
+        r = self.call(op="config", nbytes=self.nbytes, seed=7, thp=self.thp, **knobs)
+        self.pinned = r["pinned"]
+        if any(r.get("thp_collapsed", [])):
+            raise RuntimeError(f"MADV_COLLAPSE of DeepSpeed's buffers failed: errno {r['thp_collapsed']}")
 
     def run(self, op: str, path: str) -> dict:
         return self.call(op=op, path=path)
@@ -138,12 +171,14 @@ class DeepSpeedSide:
 class InfinitySide:
     name = "infinity"
 
-    def __init__(self, nbytes: int, backend: str) -> None:
+    def __init__(self, nbytes: int, backend: str, plain: bool) -> None:
         from infinity.io import aligned_empty
 
         self.backend = backend
-        self.wbuf = aligned_empty(nbytes)
-        self.rbuf = aligned_empty(nbytes)
+        if plain:  # 4 KiB pages, as posix_memalign + mlock gives DeepSpeed
+            self.wbuf, self.rbuf = plain_buffer(nbytes), plain_buffer(nbytes)
+        else:
+            self.wbuf, self.rbuf = aligned_empty(nbytes), aligned_empty(nbytes)
         self.wbuf.copy_(pattern(nbytes, 7))
         self.rbuf.zero_()
         self.eng = None
@@ -177,6 +212,16 @@ class InfinitySide:
             self.eng.close()
 
 
+def plain_buffer(nbytes: int):
+    import mmap
+
+    import torch
+
+    m = mmap.mmap(-1, nbytes)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(m, dtype=torch.uint8)
+
+
 # --------------------------------------------------------------------------- harness
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -187,6 +232,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--dir", default="/var/tmp/infinity-bench")
+    ap.add_argument("--buffers", choices=["own", "thp", "plain"], default="own",
+                    help="own: each side allocates its way (ours: aligned_empty, huge pages advised; "
+                         "DeepSpeed: new_cpu_locked_tensor, 4 KiB pages); thp: DeepSpeed's buffers "
+                         "also collapsed into huge pages; plain: ours on 4 KiB pages too")
     ap.add_argument("--out", default=None, help="path stem for .json/.md results")
     ap.add_argument("--ds-python", default=os.path.expanduser("~/.venvs/peers/bin/python"))
     ap.add_argument("--ds-worker", action="store_true", help=argparse.SUPPRESS)
@@ -211,14 +260,14 @@ def main() -> int:
     files = {"infinity": os.path.join(a.dir, f"bench-io-infinity-{os.getpid()}.dat"),
              "deepspeed": os.path.join(a.dir, f"bench-io-deepspeed-{os.getpid()}.dat")}
 
-    ours = InfinitySide(nbytes, a.backend)
-    ds = DeepSpeedSide(a.ds_python, nbytes)
+    ours = InfinitySide(nbytes, a.backend, plain=a.buffers == "plain")
+    ds = DeepSpeedSide(a.ds_python, nbytes, thp=a.buffers == "thp")
     sides = [ours, ds]
     knobs0 = dict(block_size=1 << 20, queue_depth=8, thread_count=a.thread_count,
                   single_submit=False, overlap_events=True)
     results: dict = {"bench": "io", "nbytes": nbytes, "reps": a.reps, "dir": a.dir,
                      "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                     "ds_buffers_pinned": ds.pinned, "points": []}
+                     "buffers": a.buffers, "points": []}
     created = []
     try:
         for s in sides:  # preallocate each side's file (untimed) so timed writes overwrite blocks
@@ -230,8 +279,8 @@ def main() -> int:
                 knobs = dict(knobs0, block_size=bs, queue_depth=qd)
                 for s in sides:
                     s.configure(**knobs)
-                if ours.eng is not None:
-                    results["backend"] = ours.eng.backend
+                results["backend"] = ours.eng.backend
+                results["ds_buffers_pinned"] = ds.pinned
                 runs: dict = {(s.name, op): [] for s in sides for op in ("write", "read")}
                 resident_before_read: list[int] = []
                 for rep in range(a.reps):
@@ -285,7 +334,7 @@ def markdown(results: dict) -> str:
     lines = [
         f"Backend {results.get('backend')}, {results['nbytes'] / GiB:.1f} GiB, {results['reps']} reps "
         f"(medians), thread_count 1, single_submit False, overlap_events True, no fsync on either side; "
-        f"DeepSpeed buffers mlocked: {results['ds_buffers_pinned']}.",
+        f"DeepSpeed buffers mlocked: {results['ds_buffers_pinned']}; buffers: {results['buffers']}.",
         "",
         "| block | qd | write GB/s ours | write GB/s DS | ratio | read GB/s ours | read GB/s DS | ratio "
         "| CPU s/GB write ours / DS | CPU s/GB read ours / DS |",
