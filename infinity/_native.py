@@ -16,6 +16,7 @@ import importlib.util
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 LIBRARY_MODULE = "infinity.libinfinity_native"
 _lock = threading.Lock()
@@ -65,6 +66,35 @@ def lib() -> ctypes.CDLL:
                     raise NativeLibraryError(f"loading {path} failed: {exc}") from exc
                 _declare_info(_lib)
     return _lib
+
+
+_declared_components: set[str] = set()
+
+
+def declare(component: str,
+            signatures: Callable[[], dict[str, tuple[object, list[object]]]]) -> ctypes.CDLL:
+    """The library with ``component``'s C signatures declared once; ``signatures()`` returns
+    name -> (restype, argtypes) and is called only the first time (lib() is on hot paths).
+
+    A symbol missing from the loaded library means it was built before the component existed:
+    that is a NativeLibraryError saying to rebuild, not an AttributeError deep in a call.
+    """
+    library = lib()
+    if component in _declared_components:
+        return library
+    with _lock:
+        if component not in _declared_components:
+            for name, (restype, argtypes) in signatures().items():
+                try:
+                    fn = getattr(library, name)
+                except AttributeError as exc:
+                    raise NativeLibraryError(
+                        f"{library_path()} has no {name}: it was built before the {component} "
+                        "component; rebuild it (pip install -e . or bash tools/dev_build.sh)") from exc
+                fn.restype = restype
+                fn.argtypes = argtypes
+            _declared_components.add(component)
+    return library
 
 
 def _declare_info(library: ctypes.CDLL) -> None:

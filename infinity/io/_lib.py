@@ -6,7 +6,6 @@ helpers) shares one set of argtypes; ctypes releases the GIL during each of thes
 from __future__ import annotations
 
 import ctypes
-import threading
 
 from infinity import _native
 
@@ -29,26 +28,9 @@ class AioConfigStruct(ctypes.Structure):
     ]
 
 
-_lock = threading.Lock()
-_declared: ctypes.CDLL | None = None
-
-
-def lib() -> ctypes.CDLL:
-    """The native library with the inf_aio_* signatures declared."""
-    global _declared
-    if _declared is not None:
-        return _declared
-    with _lock:
-        if _declared is None:
-            library = _native.lib()
-            _declare(library)
-            _declared = library
-    return _declared
-
-
-def _declare(L: ctypes.CDLL) -> None:
+def _signatures() -> dict:
     vp, u32, u64, i64, c_int = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
-    sigs = {
+    return {
         "inf_aio_backend_available": (c_int, [c_int]),
         "inf_aio_backend_name": (ctypes.c_char_p, [c_int]),
         "inf_aio_create": (c_int, [ctypes.POINTER(AioConfigStruct), ctypes.POINTER(vp)]),
@@ -64,10 +46,11 @@ def _declare(L: ctypes.CDLL) -> None:
         "inf_aio_buf_alloc": (c_int, [u64, u64, ctypes.POINTER(vp)]),
         "inf_aio_buf_free": (c_int, [vp, u64]),
     }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(L, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
+
+
+def lib() -> ctypes.CDLL:
+    """The native library with the inf_aio_* signatures declared."""
+    return _native.declare("async I/O", _signatures)
 
 
 def backend_available(name: str) -> bool:

@@ -6,7 +6,6 @@ argtypes. ctypes releases the GIL during every call, so a step never blocks othe
 from __future__ import annotations
 
 import ctypes
-import threading
 
 from infinity import _native
 
@@ -48,27 +47,9 @@ class TensorRange(ctypes.Structure):
     ]
 
 
-_lock = threading.Lock()
-_declared: ctypes.CDLL | None = None
-
-
-def lib() -> ctypes.CDLL:
-    """The native library with the inf_adam_* signatures declared (raises NativeLibraryError when
-    it is missing or was built before this component existed)."""
-    global _declared
-    if _declared is not None:
-        return _declared
-    with _lock:
-        if _declared is None:
-            library = _native.lib()
-            _declare(library)
-            _declared = library
-    return _declared
-
-
-def _declare(L: ctypes.CDLL) -> None:
+def _signatures() -> dict:
     c_int, vp, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
-    sigs = {
+    return {
         "inf_adam_step": (c_int, [ctypes.POINTER(HParams), ctypes.POINTER(TensorRange), c_int,
                                   c_int, c_int, c_int, c_int]),
         "inf_adam_kernel_supported": (c_int, [c_int]),
@@ -76,15 +57,12 @@ def _declare(L: ctypes.CDLL) -> None:
         "inf_adam_kernel_name": (ctypes.c_char_p, [c_int]),
         "inf_adam_rmw_bandwidth": (c_int, [vp, vp, vp, vp, i64, c_int]),
     }
-    for name, (restype, argtypes) in sigs.items():
-        try:
-            fn = getattr(L, name)
-        except AttributeError as exc:
-            raise _native.NativeLibraryError(
-                f"{_native.library_path()} has no {name}: it was built before the CPU Adam "
-                "component; rebuild it (pip install -e . or bash tools/dev_build.sh)") from exc
-        fn.restype = restype
-        fn.argtypes = argtypes
+
+
+def lib() -> ctypes.CDLL:
+    """The native library with the inf_adam_* signatures declared (raises NativeLibraryError when
+    it is missing or was built before this component existed)."""
+    return _native.declare("CPU Adam", _signatures)
 
 
 def kernel_supported(name: str) -> bool:
