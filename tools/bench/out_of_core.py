@@ -135,6 +135,7 @@ def _ours(spec: dict, res: dict) -> None:
         res["swap_bytes_after_init"] = C.dir_bytes(nvme)
         losses, steps, stats = [], [], []
         io0 = C.proc_io()
+        fetch0 = dict(engine.coordinator.fetch_stats)
         for ids in data:
             ta = time.perf_counter()
             out = engine(input_ids=ids, labels=ids)
@@ -143,6 +144,14 @@ def _ours(spec: dict, res: dict) -> None:
             steps.append(time.perf_counter() - ta)
             losses.append(float(out.loss))
             stats.append(engine.step_stats())
+            # step_stats' prefetch_hit_ratio counts from the engine's start (the coordinator never
+            # resets its counters); this step's own ratio from the same counters' deltas:
+            fetch1 = dict(engine.coordinator.fetch_stats)
+            n = fetch1["nvme_fetches"] - fetch0["nvme_fetches"]
+            stats[-1]["prefetch_hit_ratio_step"] = \
+                (fetch1["prefetch_hits"] - fetch0["prefetch_hits"]) / n if n else 1.0
+            stats[-1]["nvme_fetches_step"] = n
+            fetch0 = fetch1
             print(f"[ours {spec['schedule']}] step {len(steps) - 1} loss {losses[-1]:.6f} "
                   f"{steps[-1]:.2f}s {json.dumps({k: round(v, 3) for k, v in stats[-1].items()})}",
                   file=sys.stderr, flush=True)
@@ -425,7 +434,7 @@ class Driver:
         need = n_params * 8 + int(1.5 * C.GiB)  # params + grads + activations and slack
         avail = C.mem_available()
         if need > 0.92 * avail:
-            res = {"ok": False, "contender": "compute", "size_name": size,
+            res = {"ok": False, "contender": "compute", "tag": "compute", "size_name": size,
                    "skipped": f"needs ~{need / C.GiB:.1f} GiB, MemAvailable is {avail / C.GiB:.1f} GiB"}
             C.append_jsonl(self.out, res)
             print(f"{size} compute: SKIPPED: {res['skipped']}", flush=True)
@@ -434,7 +443,7 @@ class Driver:
 
     def deepspeed(self, size: str) -> dict:
         if not PEERS_PY.exists() or not (PEERS / "ds_e2e.py").exists():
-            res = {"ok": False, "contender": "deepspeed", "size_name": size,
+            res = {"ok": False, "contender": "deepspeed", "tag": "deepspeed", "size_name": size,
                    "skipped": f"no DeepSpeed peer kit ({PEERS_PY}, {PEERS / 'ds_e2e.py'}); run "
                               "shared/peers/setup.sh or pass --skip-deepspeed"}
             C.append_jsonl(self.out, res)
@@ -451,7 +460,7 @@ class Driver:
         return res
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.49B,1.04B", help="comma list: 0.49B, 1.04B, tiny, HxLxAxIxV")
     ap.add_argument("--schedules", default="on,off", help="early_step values to run: on,off")
@@ -477,14 +486,27 @@ def main() -> int:
                     help="directory on the disk under test (each run uses a fresh subdir)")
     ap.add_argument("--timeout", type=float, default=2400, help="seconds per worker")
     ap.add_argument("--out", default=None, help="results .jsonl (the table goes beside it as .md)")
+    ap.add_argument("--report", metavar="JSONL", help="print the tables of an earlier run's results and exit")
     ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
+    return ap
+
+
+def _lists(args: argparse.Namespace) -> None:
+    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+
+
+def main() -> int:
+    ap = parser()
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, json.loads(args.spec))
         return 0
-    args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    if args.report:
+        print(report_file(Path(args.report)))
+        return 0
+    _lists(args)
     for s in args.schedules:
         if s not in ("on", "off", "auto"):
             ap.error(f"--schedules: {s!r} is not one of on, off, auto")
@@ -503,8 +525,49 @@ def main() -> int:
 
 
 # =========================================================================== report
+def report_file(path: Path) -> str:
+    """The tables of a results file (rebuilt from its JSON lines, with this version's report)."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    header = next(r for r in records if r.get("kind") == "header")
+    args = parser().parse_args(header["argv"][1:])
+    _lists(args)
+    per_size = []
+    for size in args.sizes:
+        mine = {r["tag"]: r for r in records if r.get("size_name") == size and "tag" in r}
+        got = {"size": size, "n_params": C.llama_params(C.size_shape(size)),
+               "ours": {s: mine[f"ours-{s}"] for s in args.schedules if f"ours-{s}" in mine},
+               "compute": mine.get("compute"), "optimizer": mine.get("optimizer"),
+               "deepspeed": mine.get("deepspeed"), "io": {}}
+        ios = [r for t, r in mine.items() if t.startswith("io-")]
+        for schedule, res in got["ours"].items():
+            io = mine.get(f"io-{schedule}")
+            if io is None and res.get("ok"):  # one replay served schedules with the same bytes
+                st = res["median_stats"]
+                io = next((r for r in ios if abs(r.get("read_bytes", -1) - st["io_read_bytes"]) < 2**20
+                           and abs(r.get("write_bytes", -1) - st["io_write_bytes"]) < 2**20), None)
+            if io is not None:
+                got["io"][schedule] = io
+        per_size.append(got)
+    return report(per_size, args, header["machine"])
+
+
 def _med(res: dict | None) -> float | None:
     return res.get("median_step_s") if res and res.get("ok") else None
+
+
+def _hit_ratio(res: dict) -> str:
+    """This step's prefetch hit ratio (median of the timed steps) and the engine's cumulative one.
+
+    Results from before the per-step counters were recorded: the per-step value is derived from
+    the cumulative ratios r_k as (k+1) r_k - k r_(k-1), which assumes every step makes the same
+    number of NVMe fetches (marked ~; steps 1.. only, step 0 records the trace)."""
+    st, stats = res["median_stats"], res["stats"]
+    cum = f"cum. {stats[-1]['prefetch_hit_ratio']:.2f}"
+    if "prefetch_hit_ratio_step" in st:
+        return f"{st['prefetch_hit_ratio_step']:.2f} ({cum})"
+    r = [s["prefetch_hit_ratio"] for s in stats]
+    per = [(k + 1) * r[k] - k * r[k - 1] for k in range(1, len(r))]
+    return f"~{C.median(per):.2f} ({cum})" if per else cum
 
 
 def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str:
@@ -522,7 +585,7 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
             rows.append([size, f"ours early_step {schedule}", round(res["median_step_s"], 2),
                          ", ".join(f"{x:.1f}" for x in res["step_s"]), split,
                          f"{st['io_read_bytes'] / C.GiB:.2f} / {st['io_write_bytes'] / C.GiB:.2f}",
-                         f"{st['prefetch_hit_ratio']:.2f}", C.gib(res["vm_hwm_bytes"]),
+                         _hit_ratio(res), C.gib(res["vm_hwm_bytes"]),
                          C.gib(res["sampler_peak_rss_bytes"])])
         c = got.get("compute")
         if c is not None:
