@@ -3,7 +3,7 @@ from __future__ import annotations
 
 DEFAULT_PRESET = "85M"
 """The demo model: a byte-level Llama of 85.35M parameters (see infinity.train.models)."""
-DEFAULT_STEPS = 60
+DEFAULT_STEPS = 80
 """Optimizer steps of the demo."""
 DEFAULT_SEQ_LEN = 128
 """Tokens (bytes) per sample."""
@@ -12,7 +12,7 @@ DEFAULT_MICRO_BATCH = 2
 DEFAULT_LR = 2e-3
 """Peak learning rate of the demo config."""
 DEFAULT_WARMUP_STEPS = 10
-"""Linear warm-up of the demo config (WarmupLR)."""
+"""Linear warm-up of the demo config (then cosine decay, WarmupCosineLR)."""
 DEFAULT_NVME_PATH = "/var/tmp"
 """Where the engine makes its private swap directory when neither --nvme-path nor the config says."""
 DEFAULT_HOST_BUDGET = "512MiB"

@@ -51,10 +51,10 @@ def demo_config() -> dict[str, Any]:
         "optimizer": {"type": "AdamW",
                       "params": {"lr": DEFAULT_LR, "betas": [0.9, 0.95], "eps": 1e-8,
                                  "weight_decay": 0.0}},
-        "scheduler": {"type": "WarmupLR",
-                      "params": {"warmup_min_lr": 0.0, "warmup_max_lr": DEFAULT_LR,
-                                 "warmup_num_steps": DEFAULT_WARMUP_STEPS,
-                                 "warmup_type": "linear"}},
+        # Linear warm-up, then cosine decay to a tenth over the run (--steps fills the length).
+        "scheduler": {"type": "WarmupCosineLR",
+                      "params": {"warmup_min_ratio": 0.0, "warmup_num_steps": DEFAULT_WARMUP_STEPS,
+                                 "warmup_type": "linear", "cos_min_ratio": 0.1}},
         "zero_optimization": {
             "stage": 3,
             "offload_param": {"device": "nvme", "nvme_path": None},

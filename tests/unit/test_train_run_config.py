@@ -13,12 +13,14 @@ from infinity.train.run_config import (DEFAULT_HOST_BUDGET, DEFAULT_NVME_PATH, O
 
 
 def test_demo_is_stage3_with_params_and_optimizer_on_nvme() -> None:
-    ds, config = build_ds_config(demo_config(), Overrides())
+    ds, config = build_ds_config(demo_config(), Overrides(steps=80))
     assert config.zero.stage == 3
     assert config.zero.offload_param.device == "nvme" == config.zero.offload_optimizer.device
     assert nvme_paths(ds) == [DEFAULT_NVME_PATH]
     assert config.infinity.host_memory_budget == parse_bytes(DEFAULT_HOST_BUDGET)
-    assert config.scheduler is not None and config.scheduler.type == "WarmupLR"
+    assert config.scheduler is not None and config.scheduler.type == "WarmupCosineLR"
+    assert config.scheduler.total_num_steps == 80  # the run's length
+    assert config.gradient_clipping == 0  # no global norm: the engine may step units early
 
 
 def test_demo_host_budget_is_under_half_the_demo_model_states() -> None:
@@ -34,7 +36,7 @@ def test_flags_override_the_config(tmp_path: Path) -> None:
                                                  host_budget="1GiB"))
     assert config.train_micro_batch_size_per_gpu == 3
     assert config.gradient_accumulation_steps == 4 and config.train_batch_size == 12
-    assert config.optimizer.lr == 5e-4 and config.scheduler.warmup_max_lr == 5e-4
+    assert config.optimizer.lr == 5e-4
     assert config.infinity.host_memory_budget == 1 << 30
     assert config.zero.offload_param.nvme_path == str(tmp_path)
     assert config.zero.offload_optimizer.nvme_path == str(tmp_path)
@@ -95,3 +97,10 @@ def test_config_file_errors(tmp_path: Path) -> None:
     good = tmp_path / "ds.json"
     good.write_text(json.dumps(demo_config()))
     assert read_config_file(good) == demo_config()
+
+
+def test_lr_flag_also_sets_a_warmup_peak() -> None:
+    ds = {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3,
+                                                       "warmup_num_steps": 5}}}
+    _, config = build_ds_config(ds, Overrides(lr=5e-4))
+    assert config.optimizer.lr == 5e-4 and config.scheduler.warmup_max_lr == 5e-4
