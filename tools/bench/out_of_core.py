@@ -81,6 +81,7 @@ def worker(kind: str, spec: dict) -> None:
         for key in ("schedule",):
             if key in spec:
                 res[key] = spec[key]
+        res["git"] = C.git_state()  # the engine in the working tree may change between runs
         sampler = C.RssSampler().start()
         try:
             {"ours": _ours, "compute": _compute, "io": _io, "optimizer": _optimizer}[kind](spec, res)

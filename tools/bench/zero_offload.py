@@ -57,6 +57,7 @@ def ds_config(nvme_path: str, args: argparse.Namespace) -> dict:
 def worker(kind: str, spec: dict) -> None:
     with C.worker_stdout() as emit:
         res: dict = {"bench": "zero_offload", "contender": kind, "size": spec["size"], "ok": False}
+        res["git"] = C.git_state()  # the engine in the working tree may change between runs
         sampler = C.RssSampler().start()
         try:
             _work(kind, spec, res)
