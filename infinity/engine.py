@@ -19,7 +19,6 @@ from infinity.config import InfinityConfig
 from infinity.log import get_logger
 from infinity.optim.partitioned import PartitionedOptimizer
 from infinity.optim.schedules import build_scheduler
-from infinity.sizes import format_bytes
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier, deeper

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from infinity.config import InfinityConfig
+from infinity.planner_inputs import (LLAMA_PRESETS, Hardware, ModelStats, detect_hardware,  # noqa: F401 (re-exported)
+                                     llama_stats)
 from infinity.sizes import format_bytes
 
 __all__ = [
@@ -58,235 +58,12 @@ DEFAULT_SWAP_DIR = "/var/tmp/infinity-swap"  # placeholder swap dir when recomme
 _DEPTH = {"device": 0, "host": 1, "nvme": 2}
 _TIER_OF_DEVICE = {"none": "device", "cpu": "host", "nvme": "nvme"}
 
-# Llama-style presets as transformers LlamaConfig kwargs (untied embeddings, vocab 32000).
-# 125M and 1B are the sizes of shared/peers/DS_E2E.md (134.1M and 940.6M parameters).
-LLAMA_PRESETS: dict[str, dict[str, Any]] = {
-    "85M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=12,
-                num_attention_heads=9, num_key_value_heads=9, vocab_size=32000),
-    "125M": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=12, vocab_size=32000),
-    "0.5B": dict(hidden_size=1280, intermediate_size=3456, num_hidden_layers=20,
-                 num_attention_heads=20, num_key_value_heads=20, vocab_size=32000),
-    "1B": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16,
-               num_attention_heads=16, num_key_value_heads=16, vocab_size=32000),
-    "7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
-    "13B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                num_attention_heads=40, num_key_value_heads=40, vocab_size=32000),
-    "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                num_attention_heads=64, num_key_value_heads=8, vocab_size=32000),
-}
-for _preset in LLAMA_PRESETS.values():
-    _preset.update(tie_word_embeddings=False, max_position_embeddings=4096)
-
-
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
 def _round_down(value: int, multiple: int) -> int:
     return value // multiple * multiple
-
-
-# ----------------------------------------------------------------------------------------------
-# Inputs: the model and the machine.
-
-@dataclass(frozen=True, kw_only=True)
-class ModelStats:
-    """What the planner needs to know about a model: counts of elements, not the tensors."""
-
-    total_params: int
-    """Parameter elements (a shared parameter counted once)."""
-    trainable_params: int
-    """Elements of parameters that require grad."""
-    largest_unit_params: int
-    """Elements of the largest unit (a transformer block, the embeddings, the head)."""
-    n_units: int
-    """Number of units."""
-    largest_param: int
-    """Elements of the largest single parameter."""
-    param_numels: tuple[int, ...] | None = None
-    """Every parameter's element count (for persistence thresholds); None = unknown."""
-
-    def __post_init__(self) -> None:
-        for name in ("total_params", "trainable_params", "largest_unit_params", "n_units",
-                     "largest_param"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"ModelStats.{name} = {value!r}: expected an integer >= 0")
-        if self.trainable_params > self.total_params or self.largest_unit_params > self.total_params:
-            raise ValueError(f"ModelStats: trainable_params ({self.trainable_params}) and "
-                             f"largest_unit_params ({self.largest_unit_params}) must not exceed "
-                             f"total_params ({self.total_params})")
-
-    def persistent_elements(self, threshold: int) -> int:
-        """Elements in parameters smaller than ``threshold`` (0 when the sizes are unknown)."""
-        if self.param_numels is None:
-            return 0
-        return sum(n for n in self.param_numels if n < threshold)
-
-    @classmethod
-    def from_counts(cls, total_params: int, largest_unit_params: int, n_units: int,
-                    trainable_params: int | None = None, *,
-                    largest_param: int | None = None) -> "ModelStats":
-        """Stats from counts alone (small parameters unknown: none assumed persistent)."""
-        return cls(total_params=int(total_params),
-                   trainable_params=int(total_params if trainable_params is None else trainable_params),
-                   largest_unit_params=int(largest_unit_params), n_units=int(n_units),
-                   largest_param=int(largest_unit_params if largest_param is None else largest_param))
-
-    @classmethod
-    def from_module(cls, model: Any, unit_modules: Iterable[str] | None = None) -> "ModelStats":
-        """Count a ``torch.nn.Module`` (works on the meta device, so 70B costs no memory).
-
-        Units follow DESIGN.md: one per repeated block (modules whose class is in
-        ``unit_modules``, else the most repeated class inside a ModuleList); every other module
-        that owns parameters directly is its own unit; a shared parameter belongs to the first
-        unit that holds it.
-        """
-        import torch
-
-        names = set(unit_modules) if unit_modules else _repeated_block_class(model, torch.nn)
-        seen: set[int] = set()  # local dedupe of shared (tied) parameters; ids live only here
-        units: list[int] = []
-        numels: list[int] = []
-        trainable = 0
-
-        def claim(params: Iterable[Any]) -> int:
-            nonlocal trainable
-            total = 0
-            for p in params:
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                numels.append(p.numel())
-                total += p.numel()
-                trainable += p.numel() if p.requires_grad else 0
-            return total
-
-        blocks = [m for m in _outermost(model, names)] if names else []
-        for block in blocks:
-            units.append(claim(block.parameters()))
-        in_block = {id(m) for b in blocks for m in b.modules()}
-        for module in model.modules():
-            if id(module) not in in_block:
-                size = claim(module.parameters(recurse=False))
-                if size:
-                    units.append(size)
-        units = [u for u in units if u]
-        return cls(total_params=sum(numels), trainable_params=trainable,
-                   largest_unit_params=max(units, default=0), n_units=len(units),
-                   largest_param=max(numels, default=0), param_numels=tuple(numels))
-
-
-def _repeated_block_class(model: Any, nn: Any) -> set[str]:
-    counts: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                if any(True for _ in child.parameters()):
-                    counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
-    if not counts or max(counts.values()) < 2:
-        return set()
-    return {max(counts, key=counts.get)}
-
-
-def _outermost(model: Any, class_names: set[str]) -> list[Any]:
-    found: list[Any] = []
-
-    def walk(module: Any) -> None:
-        for child in module.children():
-            if type(child).__name__ in class_names:
-                found.append(child)
-            else:
-                walk(child)
-    walk(model)
-    return found
-
-
-def llama_stats(kwargs: dict[str, Any]) -> ModelStats:
-    """Exact stats of a LlamaForCausalLM with these LlamaConfig kwargs, without building it.
-
-    Per block: q, o (h*h), k, v (h * kv_heads * head_dim), gate, up, down (h*i), two RMSNorms (h);
-    plus embeddings (V*h), a final norm (h) and, untied, the head (V*h). No biases.
-    """
-    h, i = kwargs["hidden_size"], kwargs["intermediate_size"]
-    layers, vocab = kwargs["num_hidden_layers"], kwargs["vocab_size"]
-    heads = kwargs["num_attention_heads"]
-    head_dim = kwargs.get("head_dim") or h // heads
-    kv = kwargs.get("num_key_value_heads") or heads
-    block = [heads * head_dim * h, kv * head_dim * h, kv * head_dim * h, h * heads * head_dim,
-             h * i, h * i, i * h, h, h]
-    numels = [vocab * h] + block * layers + [h]
-    units = [vocab * h] + [sum(block)] * layers + [h]
-    if not kwargs.get("tie_word_embeddings", False):
-        numels.append(vocab * h)
-        units.append(vocab * h)
-    return ModelStats(total_params=sum(numels), trainable_params=sum(numels),
-                      largest_unit_params=max(units), n_units=len(units),
-                      largest_param=max(numels), param_numels=tuple(numels))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Hardware:
-    """The machine as the planner sees it (``detect_hardware``, or written by hand in tests)."""
-
-    cpu_cores: int
-    """Cores this process may run on."""
-    host_total_bytes: int
-    """MemTotal."""
-    host_available_bytes: int
-    """MemAvailable now."""
-    gpu_name: str | None = None
-    """CUDA device name; None on CPU-only machines."""
-    gpu_total_bytes: int | None = None
-    """Device memory of the current GPU."""
-    gpu_free_bytes: int | None = None
-    """Free device memory now."""
-    nvme_path: str | None = None
-    """Where swap files would go."""
-    disk_free_bytes: int | None = None
-    """Free bytes on the filesystem of nvme_path."""
-
-    @property
-    def has_gpu(self) -> bool:
-        """True when a CUDA device computes; else the device is an emulated pool in host RAM."""
-        return self.gpu_total_bytes is not None
-
-
-def detect_hardware(nvme_path: str | os.PathLike[str] | None = None) -> Hardware:
-    """Cores, host memory (/proc/meminfo), the GPU's memory (torch.cuda) and free disk at nvme_path."""
-    meminfo: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                meminfo[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    total = meminfo.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    available = meminfo.get("MemAvailable", total)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    gpu_name = gpu_total = gpu_free = None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu_free, gpu_total = torch.cuda.mem_get_info()
-            gpu_name = torch.cuda.get_device_name()
-    except ImportError:
-        pass
-    disk_free = None
-    if nvme_path is not None:
-        probe = Path(nvme_path).absolute()
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent  # the swap dir may not exist yet: ask its filesystem
-        st = os.statvfs(probe)
-        disk_free = st.f_bavail * st.f_frsize
-    return Hardware(cpu_cores=cores, host_total_bytes=total, host_available_bytes=available,
-                    gpu_name=gpu_name, gpu_total_bytes=gpu_total, gpu_free_bytes=gpu_free,
-                    nvme_path=None if nvme_path is None else str(nvme_path),
-                    disk_free_bytes=disk_free)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,14 +22,14 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from infinity.log import get_logger
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.storage.buffer_pool import BufferPool, Slot
-from infinity.storage.manager import DONE, FlatStore, TierManager, padded_numel
+from infinity.storage.manager import FlatStore, TierManager, padded_numel
 from infinity.storage.tiers import Residency, Tier
 from infinity.zero.unit import ParamEntry, Unit
 
