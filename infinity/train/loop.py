@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +136,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     bar = ProgressBar(opts.steps, stream=stream, every=opts.progress_every)
     swap_dirs: list[str] = []
     init_s = 0.0
+    previous_sigterm = _exit_on_sigterm()
     try:
         # 2. Model and engine.
         init_start = time.perf_counter()
@@ -171,6 +174,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
             bar.update(record)
             timers.log(step)
     finally:
+        _restore_sigterm(previous_sigterm)
         bar.close()
         if writer is not None:
             writer.close()
@@ -194,6 +198,27 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         written_plot = str(write_plot(records, plot_path))
     return TrainResult(records=records, summary=summary, n_params=n_params, swap_dirs=swap_dirs,
                        plot=written_plot, init_s=init_s, wall_s=wall_s)
+
+
+def _exit_on_sigterm() -> Any:
+    """SIGTERM (``kill``, a scheduler's stop) exits through the ``finally`` that closes the engine.
+
+    Python's default SIGTERM action ends the process without unwinding, which would leave the
+    swap directory behind; raising SystemExit unwinds like Ctrl-C does. Only the main thread can
+    set handlers, so elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _restore_sigterm(previous: Any) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _make_engine(kind: EngineKind, model_config: Any, ds: dict[str, Any], config: Any) -> Any:

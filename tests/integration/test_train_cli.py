@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,25 @@ def test_bad_input_through_the_entry_point_exits_2(tmp_path: Path) -> None:
     proc = _infinity("train", "--data", str(tmp_path / "nope.txt"), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("infinity train: error: data file")
+
+
+def test_sigterm_mid_run_removes_the_swap_directory(disk_dir: Path, tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infinity.cli", "train", "--model-size", "tiny", "--steps", "100000",
+         "--seq-len", "32", "--nvme-path", str(disk_dir), "--metrics", str(metrics)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "no step was recorded in 180 s"
+            time.sleep(0.2)
+        assert [p.name for p in disk_dir.iterdir()][0].startswith("infinity-swap-")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert list(disk_dir.iterdir()) == []  # unwound through engine.close(), like Ctrl-C
