@@ -52,7 +52,7 @@ class IORequest:
         self._users = 0          # threads inside a native call on _handle
         self._orphan: int | None = None  # collected while in use: freed by the last user
         self._lock = threading.RLock()
-        self._result: int | None = None
+        self._result = 0
         self._error: tuple[int, str] | None = None
 
     # -- public -----------------------------------------------------------------------------
@@ -82,7 +82,6 @@ class IORequest:
         if self._error is not None:
             code, msg = self._error
             raise OSError(code, msg)
-        assert self._result is not None
         return self._result
 
     def _finish_quietly(self) -> None:
@@ -124,10 +123,11 @@ class IORequest:
         h = self._handle
         if h is None:
             return
-        err_off = ctypes.c_uint64(0)
-        res = _lib.lib().inf_aio_req_result(h, ctypes.byref(err_off))
-        if res == -errno.EBUSY:
+        L = _lib.lib()
+        if not L.inf_aio_req_done(h):
             return  # not finished: nothing to collect yet
+        err_off = ctypes.c_uint64(0)
+        res = L.inf_aio_req_result(h, ctypes.byref(err_off))
         self._handle = None
         if self._users == 0:
             _lib.lib().inf_aio_req_free(h)
