@@ -3,7 +3,7 @@ from __future__ import annotations
 
 DEFAULT_PRESET = "85M"
 """The demo model: a byte-level Llama of 85.35M parameters (see infinity.train.models)."""
-DEFAULT_STEPS = 80
+DEFAULT_STEPS = 60
 """Optimizer steps of the demo."""
 DEFAULT_SEQ_LEN = 128
 """Tokens (bytes) per sample."""

@@ -20,7 +20,7 @@ def test_demo_is_stage3_with_params_and_optimizer_on_nvme() -> None:
     assert config.infinity.host_memory_budget == parse_bytes(DEFAULT_HOST_BUDGET)
     assert config.scheduler is not None and config.scheduler.type == "WarmupCosineLR"
     assert config.scheduler.total_num_steps == 80  # the run's length
-    assert config.gradient_clipping == 0  # no global norm: the engine may step units early
+    assert config.gradient_clipping == 1.0
 
 
 def test_demo_host_budget_is_under_half_the_demo_model_states() -> None:
