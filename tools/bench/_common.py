@@ -117,15 +117,23 @@ class RssSampler:
     def __init__(self, interval_s: float = 0.05) -> None:
         self.interval_s = interval_s
         self.peak = 0
+        self.window_peak = 0
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, proc_status(("VmRSS",))["VmRSS"])
+            rss = proc_status(("VmRSS",))["VmRSS"]
+            self.peak = max(self.peak, rss)
+            self.window_peak = max(self.window_peak, rss)
             self.samples += 1
             self._stop.wait(self.interval_s)
+
+    def take_peak(self) -> int:
+        """The peak since the last call (or the start), and start a new window."""
+        peak, self.window_peak = self.window_peak, 0
+        return peak
 
     def start(self) -> "RssSampler":
         self._thread.start()

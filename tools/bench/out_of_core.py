@@ -84,6 +84,7 @@ def worker(kind: str, spec: dict) -> None:
         res["git"] = C.git_state()  # the engine in the working tree may change between runs
         sampler = C.RssSampler().start()
         try:
+            spec["sampler"] = sampler
             {"ours": _ours, "compute": _compute, "io": _io, "optimizer": _optimizer}[kind](spec, res)
             res["ok"] = True
         except BaseException as exc:  # noqa: BLE001 - the driver reports it with the log tail
@@ -137,14 +138,21 @@ def _ours(spec: dict, res: dict) -> None:
         losses, steps, stats = [], [], []
         io0 = C.proc_io()
         fetch0 = dict(engine.coordinator.fetch_stats)
+        sampler, rss = spec["sampler"], []
         for ids in data:
+            sampler.take_peak()
             ta = time.perf_counter()
             out = engine(input_ids=ids, labels=ids)
+            r_fwd = (C.proc_status(("VmRSS",))["VmRSS"], sampler.take_peak())
             engine.backward(out.loss)
+            r_bwd = (C.proc_status(("VmRSS",))["VmRSS"], sampler.take_peak())
             engine.step()
             steps.append(time.perf_counter() - ta)
+            r_opt = (C.proc_status(("VmRSS",))["VmRSS"], sampler.take_peak())
             losses.append(float(out.loss))
             stats.append(engine.step_stats())
+            # where in the step RSS peaks: (RSS at the end of the phase, sampler peak during it)
+            rss.append({"fwd": r_fwd, "bwd": r_bwd, "step": r_opt})
             # step_stats' prefetch_hit_ratio counts from the engine's start (the coordinator never
             # resets its counters); this step's own ratio from the same counters' deltas:
             fetch1 = dict(engine.coordinator.fetch_stats)
@@ -164,7 +172,7 @@ def _ours(spec: dict, res: dict) -> None:
     finally:
         engine.close()
         os.rmdir(nvme)  # ours (mkdtemp above); engine.close removed its swap files
-    res["losses"], res["step_s"], res["stats"] = losses, steps, stats
+    res["losses"], res["step_s"], res["stats"], res["rss_phases"] = losses, steps, stats, rss
     timed = stats[spec["warmup"]:]
     res["median_step_s"] = C.median(steps[spec["warmup"]:])
     res["median_stats"] = {k: C.median([s[k] for s in timed]) for k in timed[0]} if timed else {}
@@ -368,10 +376,11 @@ class Driver:
         tag = tag or kind
         if cmd is None:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--spec", json.dumps(spec)]
-        load = os.getloadavg()
+        load, avail = os.getloadavg(), C.mem_available()
         res = C.run_worker(cmd, log_path=self.logs / f"{size}-{tag}.log", timeout_s=self.args.timeout,
                            env=env)
         res.update({"bench": "out_of_core", "tag": tag, "size_name": size, "loadavg_before": load,
+                    "mem_available_before": avail,
                     "loadavg_after": os.getloadavg()})
         C.append_jsonl(self.out, res)
         self.results.append(res)
@@ -391,22 +400,23 @@ class Driver:
         n_params = C.llama_params(shape)
         got: dict = {"size": size, "n_params": n_params}
         ours = {}
-        for i, schedule in enumerate(a.schedules):
+        got["compute"] = None
+        for i, schedule in enumerate(a.schedules if "ours" in a.only else []):
             dsc = ds_config("@NVME@", a, schedule)
             print(f"ds_config (ours, {size}, early_step {schedule}):\n{json.dumps(dsc, indent=1)}",
                   flush=True)
             ours[schedule] = self.run("ours", size, self.spec(
                 size, schedule=schedule, ds_config=dsc, nvme_placeholder="@NVME@"),
                 tag=f"ours-{schedule}")
-            if i == 0 and not a.skip_compute:
+            if i == 0 and "compute" in a.only:
                 got["compute"] = self.compute(size, n_params)
         got["ours"] = ours
-        if a.skip_compute:
-            got["compute"] = None
+        if not ours and "compute" in a.only:
+            got["compute"] = self.compute(size, n_params)
         got["io"] = {}
         replayed: dict = {}
         for schedule, res in ours.items():
-            if not res.get("ok"):
+            if not res.get("ok") or "io" not in a.only:
                 continue
             st = res["median_stats"]
             key = (round(st["io_read_bytes"] / 2**20), round(st["io_write_bytes"] / 2**20))
@@ -422,13 +432,13 @@ class Driver:
                              inflight=a.io_inflight, reps=a.io_reps)
             got["io"][schedule] = replayed[key] = self.run("io", size, spec, tag=f"io-{schedule}")
         ok = [r for r in ours.values() if r.get("ok")]
-        if ok:
+        if ok and "optimizer" in a.only:
             sub = ok[0]["engine_sizes"]["sub_group_numel"]
             got["optimizer"] = self.run("optimizer", size, self.spec(
                 size, numel=ok[0]["n_params"], sub_group_numel=sub, reps=a.io_reps))
         else:
             got["optimizer"] = None
-        got["deepspeed"] = None if a.skip_deepspeed else self.deepspeed(size)
+        got["deepspeed"] = self.deepspeed(size) if "deepspeed" in a.only else None
         return got
 
     def compute(self, size: str, n_params: int) -> dict:
@@ -440,7 +450,20 @@ class Driver:
             C.append_jsonl(self.out, res)
             print(f"{size} compute: SKIPPED: {res['skipped']}", flush=True)
             return res
+        self.wait_for_memory(need, f"{size} compute")
         return self.run("compute", size, self.spec(size))
+
+    def wait_for_memory(self, need: int, what: str) -> None:
+        """Wait up to --mem-wait s for MemAvailable >= need (the machine is shared; a run that
+        does not fit is killed by the OOM killer). Runs anyway afterwards: the estimate may be off."""
+        deadline = time.monotonic() + self.args.mem_wait
+        avail = C.mem_available()
+        if avail < need:
+            print(f"{what}: waiting up to {self.args.mem_wait:.0f} s for {need / C.GiB:.1f} GiB of "
+                  f"MemAvailable ({avail / C.GiB:.1f} GiB now)", flush=True)
+        while avail < need and time.monotonic() < deadline:
+            time.sleep(10)
+            avail = C.mem_available()
 
     def deepspeed(self, size: str) -> dict:
         if not PEERS_PY.exists() or not (PEERS / "ds_e2e.py").exists():
@@ -452,6 +475,8 @@ class Driver:
             return res
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         env.pop("INFINITY_NATIVE_LIB", None)
+        # DeepSpeed's peak RSS was 17.9 GiB for 0.94B nvme/nvme here (peers/DS_E2E.md): ~19 B/param
+        self.wait_for_memory(int(19 * C.llama_params(C.size_shape(size))) + C.GiB, f"{size} deepspeed")
         with tempfile.TemporaryDirectory(prefix="ds-nvme-", dir=self.scratch) as nvme:
             res = self.run("deepspeed", size, cmd=ds_command(size, nvme, self.args), env=env)
         if res.get("ok"):
@@ -474,6 +499,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--io-inflight", type=int, default=2, help="replayed requests in flight per direction")
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--skip-compute", action="store_true")
+    ap.add_argument("--only", default=",".join(KINDS),
+                    help="runs to do, comma list of ours,compute,io,optimizer,deepspeed (io and "
+                         "optimizer need ours); e.g. --only deepspeed to redo a killed peer run")
+    ap.add_argument("--mem-wait", type=float, default=900,
+                    help="seconds to wait for enough MemAvailable before compute / DeepSpeed runs")
     ap.add_argument("--host-budget", default="3GiB")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--mbs", type=int, default=1)
@@ -487,7 +517,9 @@ def parser() -> argparse.ArgumentParser:
                     help="directory on the disk under test (each run uses a fresh subdir)")
     ap.add_argument("--timeout", type=float, default=2400, help="seconds per worker")
     ap.add_argument("--out", default=None, help="results .jsonl (the table goes beside it as .md)")
-    ap.add_argument("--report", metavar="JSONL", help="print the tables of an earlier run's results and exit")
+    ap.add_argument("--report", metavar="JSONL", nargs="+",
+                    help="print the tables of earlier results and exit; with several files a later "
+                         "file's runs replace the same runs of an earlier one (a re-run with --only)")
     ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     return ap
@@ -496,6 +528,14 @@ def parser() -> argparse.ArgumentParser:
 def _lists(args: argparse.Namespace) -> None:
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = sorted(set(args.only) - set(KINDS))
+    if bad:
+        raise SystemExit(f"--only: unknown runs {bad}; choose from {','.join(KINDS)}")
+    if args.skip_deepspeed:
+        args.only = [k for k in args.only if k != "deepspeed"]
+    if args.skip_compute:
+        args.only = [k for k in args.only if k != "compute"]
 
 
 def main() -> int:
@@ -505,7 +545,7 @@ def main() -> int:
         worker(args.worker, json.loads(args.spec))
         return 0
     if args.report:
-        print(report_file(Path(args.report)))
+        print(report_file([Path(p) for p in args.report]))
         return 0
     _lists(args)
     for s in args.schedules:
@@ -526,15 +566,33 @@ def main() -> int:
 
 
 # =========================================================================== report
-def report_file(path: Path) -> str:
-    """The tables of a results file (rebuilt from its JSON lines, with this version's report)."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    header = next(r for r in records if r.get("kind") == "header")
-    args = parser().parse_args(header["argv"][1:])
+def report_file(paths: list[Path]) -> str:
+    """The tables of results files (rebuilt from their JSON lines, with this version's report).
+
+    The first file's header gives the settings; a later file's run replaces the same (size, run)
+    of an earlier file unless it failed where the earlier one succeeded."""
+    records, headers = [], []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                (headers if r.get("kind") == "header" else records).append(r)
+    args = parser().parse_args(headers[0]["argv"][1:])
     _lists(args)
+    sizes = list(args.sizes)
+    for h in headers[1:]:
+        more = parser().parse_args(h["argv"][1:])
+        _lists(more)
+        sizes += [s for s in more.sizes if s not in sizes]
+        args.schedules += [s for s in more.schedules if s not in args.schedules]
     per_size = []
-    for size in args.sizes:
-        mine = {r["tag"]: r for r in records if r.get("size_name") == size and "tag" in r}
+    for size in sizes:
+        mine: dict = {}
+        for r in records:
+            if r.get("size_name") == size and "tag" in r:
+                old = mine.get(r["tag"])
+                if old is None or r.get("ok") or not old.get("ok"):
+                    mine[r["tag"]] = r
         got = {"size": size, "n_params": C.llama_params(C.size_shape(size)),
                "ours": {s: mine[f"ours-{s}"] for s in args.schedules if f"ours-{s}" in mine},
                "compute": mine.get("compute"), "optimizer": mine.get("optimizer"),
@@ -549,7 +607,7 @@ def report_file(path: Path) -> str:
             if io is not None:
                 got["io"][schedule] = io
         per_size.append(got)
-    return report(per_size, args, header["machine"])
+    return report(per_size, args, headers[0]["machine"])
 
 
 def _med(res: dict | None) -> float | None:
@@ -652,6 +710,10 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
                 line += (f"; step / max(floors) = {res['median_step_s']:.1f} / {known[top]:.1f} ({top}) = "
                          f"{res['median_step_s'] / known[top]:.2f}"
                          + ("" if len(known) == 3 else f" [missing: {sorted(set(fl) - set(known))}]"))
+            if res.get("rss_phases"):
+                peaks = {ph: max(r[ph][1] for r in res["rss_phases"]) for ph in ("fwd", "bwd", "step")}
+                line += "; sampler peak by phase fwd / bwd / step " + " / ".join(
+                    f"{C.gib(v):.2f}" for v in peaks.values()) + " GiB"
             if _med(d):
                 ratio = res["median_step_s"] / d["median_step_s"]
                 line += f"; ours / DeepSpeed = {ratio:.2f} ({'meets' if ratio <= DS_TARGET else 'misses'} <= 0.5)"
