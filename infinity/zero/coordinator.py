@@ -58,7 +58,7 @@ class Coordinator:
         self._in_backward = False
         self._callback_queued = False
         self._fwd_trace_name: str | None = None
-        self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "nvme_fetches": 0}
+        self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0}
 
     # -- installation ----------------------------------------------------------------------
     def install(self) -> None:
@@ -210,7 +210,8 @@ class Coordinator:
             self.fetch_stats["fetches"] += 1
             if unit.param_store is not None and not unit.param_store.resident:
                 self.fetch_stats["nvme_fetches"] += 1
-                self.fetch_stats["prefetch_hits"] += int(hit)
+                self.fetch_stats["prefetched"] += int(prefetched)   # issued ahead of its hook
+                self.fetch_stats["prefetch_hits"] += int(hit)       # and already complete
         if trace is not None:
             self._prefetch(trace)
 
