@@ -81,16 +81,22 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         host += fetch_slots * max_unit_bytes
     max_trainable = max(trainable, default=0)
     sub_group = max(1, derived.sub_group_size)
-    if optimizer_tier is Tier.NVME or param_tier is Tier.NVME:
-        host += step_slot_count(optimizer_tier, param_tier, Tier.NVME, master_separate, early_step,
-                                compute_dtype) * \
-            padded_numel(min(sub_group, max(max_trainable, 1)), torch.float32) * 4
+    streamed = optimizer_tier is Tier.NVME or param_tier is Tier.NVME
     grad_tier = Tier.HOST
     if not early_step and host_budget is not None and \
             host + total_trainable * 4 > host_budget and nvme_path:
         grad_tier = Tier.NVME
     if early_step or grad_tier is Tier.NVME:
         host += 2 * max_trainable * 4
+    if streamed:
+        # The optimizer slots get what the other pools leave of the host budget (the planner
+        # sized the sub-group for its own count of slots, which the deferred schedule exceeds).
+        slots = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate,
+                                early_step, compute_dtype)
+        if host_budget is not None:
+            room = int(0.95 * (host_budget - host)) // (slots * 4)
+            sub_group = max(2048, min(sub_group, room // 2048 * 2048))
+        host += slots * padded_numel(min(sub_group, max(max_trainable, 1)), torch.float32) * 4
     nvme = 0
     if param_tier is Tier.NVME:
         nvme += sum(streamed_units) * itemsize
