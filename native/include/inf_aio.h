@@ -90,7 +90,8 @@ INF_API int inf_aio_dio_align(int fd, uint32_t *offset_align, uint32_t *mem_alig
 INF_API int64_t inf_aio_resident_pages(int fd, uint64_t offset, uint64_t len);
 
 /* Anonymous page-aligned (or `align`-aligned, a power of two >= 4096) memory for I/O buffers;
- * zero-filled; huge pages are advised for sizes >= 2 MiB. Free with inf_aio_buf_free(ptr, nbytes). */
+ * zero-filled and populated at once; huge pages are advised for sizes >= 2 MiB. Free with
+ * inf_aio_buf_free(ptr, nbytes). */
 INF_API int inf_aio_buf_alloc(uint64_t nbytes, uint64_t align, void **out);
 INF_API int inf_aio_buf_free(void *ptr, uint64_t nbytes);
 

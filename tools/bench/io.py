@@ -20,7 +20,9 @@ rep. GB/s are 1e9 bytes per second; ratio = ours / DeepSpeed of the medians.
 Buffers matter as much as the engine on this (virtio) disk: a direct I/O from 4 KiB pages costs
 ~5x the CPU of one from 2 MiB pages. By default each side allocates the way its users do (ours:
 aligned_empty, huge pages advised; DeepSpeed: new_cpu_locked_tensor of the handle that runs the
-I/O, 4 KiB pages); --buffers thp/plain equalize the pages to compare the engines alone.
+I/O, 4 KiB pages); --buffers thp/plain equalize the buffers to compare the engines alone. (How
+4 KiB pages were faulted in matters too: populated at once they are often physically adjacent and
+merge into larger segments; faulted by first touch they are not.)
 """
 from __future__ import annotations
 
@@ -197,7 +199,7 @@ class InfinitySide:
         from infinity.io import aligned_empty
 
         self.backend = backend
-        if plain:  # 4 KiB pages, as posix_memalign + mlock gives DeepSpeed
+        if plain:  # 4 KiB pages, allocated the way DeepSpeed allocates its own
             self.wbuf, self.rbuf = plain_buffer(nbytes), plain_buffer(nbytes)
         else:
             self.wbuf, self.rbuf = aligned_empty(nbytes), aligned_empty(nbytes)
@@ -244,13 +246,20 @@ def extents(path: str) -> int | None:
 
 
 def plain_buffer(nbytes: int):
-    import mmap
+    """Memory allocated exactly as DeepSpeed's new_cpu_locked_tensor does: posix_memalign + mlock."""
+    import ctypes
 
     import torch
 
-    m = mmap.mmap(-1, nbytes)
-    m.madvise(mmap.MADV_NOHUGEPAGE)
-    return torch.frombuffer(m, dtype=torch.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    ptr = ctypes.c_void_p()
+    if libc.posix_memalign(ctypes.byref(ptr), 4096, nbytes) != 0:
+        raise MemoryError(f"posix_memalign of {nbytes} bytes failed")
+    if libc.mlock(ptr, nbytes) != 0:
+        raise OSError(ctypes.get_errno(), "mlock of the plain buffer failed")
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr.value), dtype=torch.uint8)
 
 
 # --------------------------------------------------------------------------- harness
@@ -266,7 +275,8 @@ def main() -> int:
     ap.add_argument("--buffers", choices=["own", "thp", "plain"], default="own",
                     help="own: each side allocates its way (ours: aligned_empty, huge pages advised; "
                          "DeepSpeed: new_cpu_locked_tensor, 4 KiB pages); thp: DeepSpeed's buffers "
-                         "also collapsed into huge pages; plain: ours on 4 KiB pages too")
+                         "also collapsed into huge pages; plain: ours allocated as DeepSpeed's "
+                         "(posix_memalign + mlock, 4 KiB pages)")
     ap.add_argument("--out", default=None, help="path stem for .json/.md results")
     ap.add_argument("--ds-python", default=os.path.expanduser("~/.venvs/peers/bin/python"))
     ap.add_argument("--ds-worker", action="store_true", help=argparse.SUPPRESS)
