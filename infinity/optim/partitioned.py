@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from infinity.log import get_logger
 from infinity.optim.cpu_adam import adam_step_flat
+from infinity.optim.early_step import EarlyStepWorker
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore, TierManager, padded_numel
 from infinity.storage.tiers import Residency, Tier
@@ -66,6 +67,9 @@ class UnitOptimState:
     grad_buffer: torch.Tensor | None = None   # transient fp32 gradient during backward
     grad_slot: Slot | None = None
     grads_seen: int = 0
+    # offsets of the parameters whose gradient was copied into a fresh ``grad_buffer`` (the
+    # buffer is not zeroed up front; what no gradient covered is zeroed when the unit is done)
+    grad_written: set[int] | None = None
 
 
 @dataclass
@@ -100,15 +104,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         super().__init__(param_groups, defaults={})
         self.manager = manager
         self.staging_pool = staging_pool
-        # [Note: background early step]
-        # In the early-step schedule a unit's step (swap-in of m and v, CPU Adam, swap-out of
-        # m, v and the parameters) runs on one worker thread while backward goes on with the
-        # next units; the unit stays fetched (its device copy is the fp32 master being stepped)
-        # until ``reap`` reports it finished. Everything waits for the worker in ``step()``,
-        # so the next forward never sees a unit mid-update, and prefetch in backward only reads
-        # units that have not had their backward yet (never one being written).
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="infinity-early-step") \
-            if early_step else None
+        # early step: see [Note: background early step] in optim/early_step.py
+        self._worker = None
         self._pending_steps: list[tuple[UnitOptimState, Future]] = []
         self.reaped_at_step: list[Unit] = []
         self.early_step = early_step
@@ -149,6 +146,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                                 trainable_units[0].dtype if trainable_units else torch.float32)
         self.step_pool = BufferPool(manager, self.sub_group_numel * 4, count, "optimizer") \
             if any_nvme and max_trainable else None
+        if early_step:
+            self._worker = EarlyStepWorker(self)
 
     # -- set-up ----------------------------------------------------------------------------
     def _init_master(self, unit: Unit, master: FlatStore) -> None:
@@ -184,8 +183,13 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         state = self._by_unit[unit.index]
         target = self._grad_target(state)
         view = target[entry.offset:entry.offset + entry.numel].view(entry.shape)
+        written = state.grad_written
         with torch.no_grad():
-            view.add_(grad.to(torch.float32))   # targets are zeroed per accumulation cycle
+            if written is not None and entry.offset not in written:
+                view.copy_(grad)                 # first gradient into a fresh buffer
+                written.add(entry.offset)
+            else:
+                view.add_(grad.to(torch.float32))   # zeroed targets, or a second gradient
         state.grads_seen += 1
         self.timers.grad_s += time.perf_counter() - start
 
@@ -201,11 +205,24 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 state.grad_slot = self.grad_pool.acquire(timeout=600.0)
             if state.grad_slot is not None:
                 state.grad_buffer = state.grad_slot.view(torch.float32, state.unit.trainable_numel)
-                state.grad_buffer.zero_()
             else:
                 state.grad_buffer = self.manager.host_empty(
                     state.unit.trainable_numel, torch.float32, what=f"{state.unit.name} gradient")
+            state.grad_written = set()
         return state.grad_buffer
+
+    def _zero_unwritten(self, state: UnitOptimState) -> None:
+        """Zero what of a fresh ``grad_buffer`` no gradient was copied into (gaps, unused params)."""
+        if state.grad_written is None or state.grad_buffer is None:
+            return
+        covered = sorted((e.offset, e.offset + e.numel) for e in state.unit.trainable_entries()
+                         if e.offset in state.grad_written)
+        cursor = 0
+        for start, end in covered + [(state.unit.trainable_numel, state.unit.trainable_numel)]:
+            if start > cursor:
+                state.grad_buffer[cursor:start].zero_()
+            cursor = max(cursor, end)
+        state.grad_written = None
 
     def on_unit_backward_done(self, unit: Unit) -> bool:
         """All of ``unit``'s gradients for this backward have arrived.
@@ -215,8 +232,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """
         start = time.perf_counter()
         state = self._by_unit[unit.index]
+        self._zero_unwritten(state)
         if self.early_step:
-            self._pending_steps.append((state, self._worker.submit(self._step_in_background, state)))
+            self._pending_steps.append((state, self._worker.submit(state)))
             self.timers.grad_s += time.perf_counter() - start
             return False
         try:
@@ -226,14 +244,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             state.grads_seen = 0
             self.timers.grad_s += time.perf_counter() - start
         return True
-
-    def _step_in_background(self, state: UnitOptimState) -> None:
-        start = time.perf_counter()
-        try:
-            self._step_unit_now(state)
-        finally:
-            self._drop_grad_buffer(state)   # thread-safe: the pool has its own lock
-            self.timers.background_s += time.perf_counter() - start
 
     def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
         """Units whose background step has finished, in order: with ``wait`` all of them, with
@@ -272,6 +282,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.grad_pool.release(state.grad_slot)
         state.grad_slot = None
         state.grad_buffer = None
+        state.grad_written = None
 
     def end_backward(self) -> None:
         """Called by the engine after each backward: accumulation continues until a step."""
@@ -297,12 +308,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             adam_step_flat(param[s], grad[s], m[s], v[s], step=state.step, grad_scale=grad_scale,
                            half_out=None if half_out is None else half_out[s],
                            threads=self.threads, **self._hyper(seg.group_index))
-
-    def _step_unit_now(self, state: UnitOptimState) -> None:
-        """Early step: the unit is fetched and its full gradient is in ``grad_buffer``."""
-        state.step += 1
-        self._run_pipeline(self._sub_groups(state), 1.0, early=True)
-        state.unit.write_home(self.manager, self.step_pool)
 
     def _sub_groups(self, state: UnitOptimState) -> list[SubGroup]:
         n = state.unit.trainable_numel
@@ -345,7 +350,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 for state in self.states:
                     state.step += 1
                     groups.extend(self._sub_groups(state))
-                self._run_pipeline(groups, scale, early=False)
+                self._run_pipeline(groups, scale)
                 for state in self.states:
                     if state.grad_store.resident:
                         state.grad_store.tensor.zero_()
@@ -353,8 +358,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self._accumulating = False
             self.timers.optimizer_s += time.perf_counter() - start
 
-    def _run_pipeline(self, groups: list[SubGroup], grad_scale: float, early: bool) -> None:
-        """read i+1 | step i | write i-1 over host slots (see [Note: store buffer lifetimes])."""
+    def _run_pipeline(self, groups: list[SubGroup], grad_scale: float) -> None:
+        """Deferred schedule: read i+1 | step i | write i-1 over host slots (see [Note: store
+        buffer lifetimes]); the early-step worker streams sub-groups its own way."""
         pending: list[tuple[SubGroup, dict, list]] = []
         writing: list[list] = []
 
@@ -364,9 +370,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             st = sg.state
             tensors = {"m": self._resident_or_load(st.exp_avg, sg.start, n, reqs),
                        "v": self._resident_or_load(st.exp_avg_sq, sg.start, n, reqs),
-                       "g": (st.grad_buffer[sg.start:sg.end] if early else
-                             self._resident_or_load(st.grad_store, sg.start, n, reqs)),
-                       "p": self._param_for(sg, n, reqs, early)}
+                       "g": self._resident_or_load(st.grad_store, sg.start, n, reqs),
+                       "p": self._param_for(sg, n, reqs)}
             return sg, tensors, reqs
 
         queue = list(groups)
@@ -387,7 +392,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             writes: list = []
             self._store(sg.state.exp_avg, t["m"], sg.start, n, writes)
             self._store(sg.state.exp_avg_sq, t["v"], sg.start, n, writes)
-            self._write_param(sg, t["p"], half, n, writes, early)
+            self._write_param(sg, t["p"], half, n, writes)
             writing.append(writes + [(None, slot) for _, slot in reqs])
             if len(writing) > 1:
                 self._retire(writing.pop(0))
@@ -400,27 +405,27 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             if slot is not None:
                 self.step_pool.release(slot)
 
-    def _param_for(self, sg: SubGroup, n: int, reqs: list, early: bool) -> torch.Tensor:
+    def _param_for(self, sg: SubGroup, n: int, reqs: list) -> torch.Tensor:
         """The fp32 master elements of a sub-group (stepped in place in their home)."""
         st, unit = sg.state, sg.state.unit
         if st.master is not None:
             return self._resident_or_load(st.master, sg.start, n, reqs)
-        if early or unit.param_store is None:
+        if unit.param_store is None:
             return unit.flat[sg.start:sg.end]   # the fetched device copy is current
         return self._resident_or_load(unit.param_store, sg.start, n, reqs)
 
     def _write_param(self, sg: SubGroup, master: torch.Tensor, half: torch.Tensor | None, n: int,
-                     writes: list, early: bool) -> None:
-        """Put the updated parameters where they live (early: write_home follows per unit)."""
+                     writes: list) -> None:
+        """Put the updated parameters where they live."""
         st, unit = sg.state, sg.state.unit
         new = half if half is not None else master
         if st.master is not None:
             self._store(st.master, master, sg.start, n, writes)
             if unit.residency == Residency.FETCHED:
                 unit.flat[sg.start:sg.end].copy_(new)
-            if not early and unit.param_store is not None:
+            if unit.param_store is not None:
                 self._store_copy(unit.param_store, new, sg.start, n, writes)
-        elif not early and unit.param_store is not None:
+        elif unit.param_store is not None:
             self._store(unit.param_store, master, sg.start, n, writes)
             if unit.residency == Residency.FETCHED:
                 unit.flat[sg.start:sg.end].copy_(master)
@@ -445,7 +450,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             try:
                 self.reap(wait=True)
             finally:
-                self._worker.shutdown(wait=True)
+                self._worker.shutdown()
         for state in self.states:
             for store in (state.exp_avg, state.exp_avg_sq, state.master, state.grad_store):
                 if store is not None:

@@ -178,6 +178,9 @@ class TierManager:
     counters: TierCounters = field(default_factory=TierCounters)
 
     def __post_init__(self) -> None:
+        from infinity.storage.device_cache import DeviceMemoryCache
+
+        self.device_cache = DeviceMemoryCache(self.device_budget, self.device)
         self._swap = None
         self._aio = None
         self.nvme_reserve_bytes = 0
@@ -270,6 +273,7 @@ class TierManager:
 
     def close(self) -> None:
         """Remove this run's swap files and stop the I/O engine."""
+        self.device_cache.clear()
         if self._swap is not None:
             self._swap.close()
             self._swap = None

@@ -196,9 +196,9 @@ class Coordinator:
         if any(self._stepping):
             self.release_finished_steps()
         unit = self.units[uid]
-        budget = self.manager.device_budget
+        budget, cache = self.manager.device_budget, self.manager.device_cache
         while unit.residency != Residency.FETCHED and any(self._stepping) and \
-                budget.limit is not None and budget.held + unit.nbytes > budget.limit:
+                budget.limit is not None and cache.in_use_bytes() + unit.nbytes > budget.limit:
             # backpressure: units held by background steps free the device when they finish
             self.release_finished_steps(self.reap(wait_first=True))
         if trace is not None:

@@ -2,9 +2,10 @@
 
 The unit owns a flat device buffer in the compute dtype; each of its parameters is a view into it
 (set once with ``param.data = view``, the supported torch API; no attributes are set on the
-Parameter). Releasing the unit resizes the flat buffer's storage to 0 bytes, so the parameters
-and every tensor autograd saved from them hold no memory; fetching resizes it back and fills it
-from the unit's home tier. This is how a parameter's identity, ``named_parameters()`` and the
+Parameter). Releasing the unit leaves the flat buffer's storage with 0 bytes, so the parameters
+and every tensor autograd saved from them hold no memory; fetching gives it memory again and
+fills it from the unit's home tier (the memory itself is recycled by the device cache, see
+storage/device_cache.py). This is how a parameter's identity, ``named_parameters()`` and the
 autograd graph survive release (FSDP does the same).
 
 [Note: flat layout]
@@ -82,7 +83,6 @@ class Unit:
         self.param_home = Tier.DEVICE
         self.param_store: FlatStore | None = None
         self.flat = torch.empty(0, dtype=dtype, device=device)
-        self._device_reserved = 0
         self.fetch_request = None
         self.fetch_slot = None
         self.fetch_count = 0
@@ -133,12 +133,10 @@ class Unit:
             entry.param.data = self.flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
 
     def _allocate_device(self, manager: TierManager) -> None:
-        manager.device_budget.reserve(self.nbytes, f"unit {self.name}")
-        self._device_reserved = self.nbytes
         if self.flat.numel() != self.numel:
             self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        else:
-            self.flat.untyped_storage().resize_(self.nbytes)
+            self.flat.untyped_storage().resize_(0)   # memory comes from the device cache
+        manager.device_cache.attach(self.flat.untyped_storage(), self.nbytes, f"unit {self.name}")
 
     # -- fetch / release -----------------------------------------------------------------
     def start_fetch(self, manager: TierManager, pool) -> bool:
@@ -197,9 +195,7 @@ class Unit:
         """Free the device copy (no write-back: the home tier holds the current values)."""
         if self.persistent or self.residency != Residency.FETCHED:
             return
-        self.flat.untyped_storage().resize_(0)
-        manager.device_budget.release(self._device_reserved)
-        self._device_reserved = 0
+        manager.device_cache.detach(self.flat.untyped_storage())
         self.residency.to(Residency.RELEASED)
 
     def write_home(self, manager: TierManager, staging=None) -> None:

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Where a stage-3 step's time goes: a per-thread timeline of the engine's blocking calls.
+
+Not a contender-vs-reference benchmark: a profiler for the out-of-core step (tools/bench/
+out_of_core.py measures it). It wraps the engine's waits and copies (I/O waits, slot acquires,
+fetch copies, Adam kernels, gradient adds, write-backs) with timers, runs a few steps of the same
+model and config, and prints, per step, the wall time of forward / backward / step and, per thread,
+the seconds inside each wrapped call.
+
+    python3 tools/bench/step_timeline.py --size 0.49B --steps 3 [--early-step off]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+EVENTS: list[tuple[str, str, float, float]] = []   # (thread, what, start, end)
+_LOCK = threading.Lock()
+
+
+def _wrap(owner, name: str, label: str) -> None:
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            with _LOCK:
+                EVENTS.append((threading.current_thread().name, label, start, time.perf_counter()))
+
+    setattr(owner, name, timed)
+
+
+def instrument() -> None:
+    """Wrap the calls whose time matters; nested wrapped calls are reported separately."""
+    from infinity.optim import partitioned
+    from infinity.storage import buffer_pool, manager
+    from infinity.zero import coordinator, unit
+
+    _wrap(manager.TierManager, "wait", "io wait")
+    _wrap(buffer_pool.BufferPool, "acquire", "slot acquire")
+    _wrap(unit.Unit, "finish_fetch", "fetch (incl. wait+copy)")
+    _wrap(unit.Unit, "write_home", "write_home")
+    _wrap(partitioned.PartitionedOptimizer, "_kernel", "adam kernel")
+    _wrap(partitioned.PartitionedOptimizer, "on_grad", "grad add")
+    _wrap(partitioned.PartitionedOptimizer, "reap", "reap")
+    _wrap(coordinator.Coordinator, "_prefetch", "prefetch issue")
+
+
+def summarize(events, t0: float, t1: float) -> dict[str, dict[str, float]]:
+    per = collections.defaultdict(lambda: collections.defaultdict(float))
+    for thread, what, a, b in events:
+        a, b = max(a, t0), min(b, t1)
+        if b > a:
+            per[thread][what] += b - a
+    return {t: dict(sorted(d.items())) for t, d in per.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="0.49B")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--early-step", default="on")
+    ap.add_argument("--host-budget", default="3GiB")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scratch", default="/var/tmp/infinity-bench")
+    args = ap.parse_args()
+
+    import torch
+    import transformers
+
+    import infinity
+
+    torch.set_num_threads(args.threads)
+    instrument()
+    cfg = C.llama_config(C.size_shape(args.size), args.seq)
+    data = C.token_batches(1234, args.steps, cfg.vocab_size, args.seq, 1)
+    Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    nvme = tempfile.mkdtemp(prefix="timeline-", dir=args.scratch)
+    config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
+        "infinity": {"host_memory_budget": args.host_budget, "early_step": args.early_step},
+    }
+    with infinity.zero.Init(config=config):
+        model = transformers.LlamaForCausalLM(cfg)
+    engine, *_ = infinity.initialize(model=model, config=config)
+    try:
+        for i, ids in enumerate(data):
+            EVENTS.clear()
+            ta = time.perf_counter()
+            out = engine(input_ids=ids, labels=ids)
+            tb = time.perf_counter()
+            engine.backward(out.loss)
+            tc = time.perf_counter()
+            engine.step()
+            td = time.perf_counter()
+            phases = {"forward": (ta, tb), "backward": (tb, tc), "step": (tc, td)}
+            status = C.proc_status()
+            print(f"step {i}: {td - ta:.2f}s = forward {tb - ta:.2f} + backward {tc - tb:.2f} "
+                  f"+ step {td - tc:.2f}; RSS {status['VmRSS'] / C.GiB:.2f} GiB, peak "
+                  f"{status['VmHWM'] / C.GiB:.2f} GiB, device cache "
+                  f"{engine.manager.device_cache.cached_bytes / C.GiB:.2f} GiB; stats {json.dumps({k: round(v, 3) for k, v in engine.step_stats().items() if k.endswith('_s')})}")
+            for phase, (a, b) in phases.items():
+                for thread, sums in summarize(list(EVENTS), a, b).items():
+                    print(f"  {phase:9s} {thread[:22]:22s} " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in sums.items()))
+    finally:
+        engine.close()
+        Path(nvme).rmdir()
+
+
+if __name__ == "__main__":
+    main()
