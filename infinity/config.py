@@ -478,10 +478,19 @@ class InfinitySection:
     """Class names of modules that form units; None = detect the repeated blocks."""
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Forward/backward dtype; "auto" = fp32 on CPU-only machines, else from bf16/fp16.enabled."""
+    malloc_mmap_threshold: int | None = 1024 * 1024
+    """glibc: host allocations of at least this size are mapped and unmapped on their own, so
+    freed gradients and large activations go back to the system instead of fragmenting the heap
+    (peak RSS); None = leave malloc's adaptive threshold alone."""
 
     def __post_init__(self) -> None:
         p = "infinity"
         _set(self, "host_memory_budget", _size(f"{p}.host_memory_budget", self.host_memory_budget))
+        _set(self, "malloc_mmap_threshold",
+             _size(f"{p}.malloc_mmap_threshold", self.malloc_mmap_threshold, lo=1))
+        if self.malloc_mmap_threshold is not None and self.malloc_mmap_threshold > 32 << 20:
+            raise ConfigError(f"{p}.malloc_mmap_threshold = {self.malloc_mmap_threshold}: glibc "
+                              "accepts at most 32 MiB (33554432); use null to leave malloc alone")
         _set(self, "device_memory_budget", _size(f"{p}.device_memory_budget", self.device_memory_budget))
         _choice(f"{p}.early_step", self.early_step, ("auto", "on", "off"))
         if self.unit_modules is not None:

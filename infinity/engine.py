@@ -17,6 +17,7 @@ from torch import nn
 from infinity.budget import MemoryBudget
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
+from infinity.malloc_tuning import set_mmap_threshold
 from infinity.optim.partitioned import PartitionedOptimizer
 from infinity.optim.schedules import build_scheduler
 from infinity.storage.buffer_pool import BufferPool
@@ -56,6 +57,8 @@ class Engine:
                  config: str | Path | Mapping[str, Any] | InfinityConfig | None,
                  lr_scheduler: Any = None) -> None:
         self.config = InfinityConfig.load(config or {})
+        if self.config.infinity.malloc_mmap_threshold is not None:
+            set_mmap_threshold(self.config.infinity.malloc_mmap_threshold)
         self.module = model
         self.device = _model_device(model)
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
@@ -136,7 +139,8 @@ class Engine:
         self.optimizer.clip_norm = self.config.gradient_clipping
         self.coordinator = Coordinator(
             self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
-            PrefetchLimits(self.sizes.prefetch_bucket_numel, self.sizes.max_live_numel),
+            PrefetchLimits(self.sizes.prefetch_bucket_numel, self.sizes.max_live_numel,
+                           self.sizes.max_reuse_numel),
             on_grad=self.optimizer.on_grad,
             on_unit_backward_done=self.optimizer.on_unit_backward_done,
             reap=self.optimizer.reap)
@@ -237,14 +241,18 @@ class Engine:
 
     def close(self) -> None:
         """Remove hooks, free states and delete this run's swap files."""
-        if getattr(self, "coordinator", None) is not None:
-            if self.optimizer.early_step:
-                self.coordinator.release_finished_steps(self.optimizer.reap(wait=True))
-            self.coordinator.release_all()
-            self.coordinator.remove()
-        if getattr(self, "optimizer", None) is not None:
-            self.optimizer.close()
-        self.manager.close()
+        try:
+            if getattr(self, "coordinator", None) is not None:
+                if self.optimizer.early_step:
+                    self.coordinator.release_finished_steps(self.optimizer.drain_steps())
+                self.coordinator.release_all()
+                self.coordinator.remove()
+        finally:
+            try:
+                if getattr(self, "optimizer", None) is not None:
+                    self.optimizer.close()
+            finally:
+                self.manager.close()
 
     def __enter__(self) -> "Engine":
         return self

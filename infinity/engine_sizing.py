@@ -30,6 +30,7 @@ class EngineSizes:
     persistence_threshold: int
     prefetch_bucket_numel: int
     max_live_numel: int
+    max_reuse_numel: int
     grad_tier: Tier
     nvme_bytes: int
 
@@ -111,4 +112,5 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         persistence_threshold=threshold,
         prefetch_bucket_numel=max(derived.prefetch_bucket_size, max(unit_numels, default=0)),
         max_live_numel=max(derived.max_live_parameters, 2 * max(unit_numels, default=0)),
+        max_reuse_numel=derived.max_reuse_distance,
         grad_tier=grad_tier, nvme_bytes=nvme)

@@ -54,6 +54,14 @@ def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
 
 
 
+def _sum_of_squares(values: torch.Tensor, chunk: int = 1 << 22) -> float:
+    """sum(values**2) in float64, a chunk at a time (no full-size float64 temporary)."""
+    total = 0.0
+    for start in range(0, values.numel(), chunk):
+        total += float(values[start:start + chunk].double().square().sum())
+    return total
+
+
 @dataclass(eq=False)
 class UnitOptimState:
     """The Adam states of one unit (fp32, ``unit.trainable_numel`` elements each)."""
@@ -106,6 +114,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.staging_pool = staging_pool
         # early step: see [Note: background early step] in optim/early_step.py
         self._worker = None
+        self._grad_writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
         self._pending_steps: list[tuple[UnitOptimState, Future]] = []
         self.reaped_at_step: list[Unit] = []
         self.early_step = early_step
@@ -200,6 +209,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             # Usually one unit is incomplete at a time; if more are (a tied weight waits for its
             # last use), take a budgeted buffer outside the pool instead of waiting for a slot.
             state.grad_slot = self.grad_pool.try_acquire()
+            while state.grad_slot is None and self._grad_writes:
+                self._retire_grad_write()   # deferred: the oldest gradient write frees its slot
+                state.grad_slot = self.grad_pool.try_acquire()
             if state.grad_slot is None and any(not f.done() for _, f in self._pending_steps):
                 # backpressure: a background step frees its gradient slot when it finishes
                 state.grad_slot = self.grad_pool.acquire(timeout=600.0)
@@ -262,6 +274,19 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             finished.append(state.unit)
         return finished
 
+    def drain_steps(self) -> list[Unit]:
+        """Wait for every background step (at close): errors were raised at ``reap`` already,
+        so here they are only logged, and every unit comes back for release."""
+        units = []
+        while self._pending_steps:
+            state = self._pending_steps[0][0]
+            try:
+                units.extend(self.reap(wait_first=True))
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                log.warning("a background step of %s failed: %s", state.unit.name, exc)
+                units.append(state.unit)
+        return units
+
     def _finish_grads(self, state: UnitOptimState) -> None:
         store = state.grad_store
         if store.resident:
@@ -273,9 +298,22 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 self.manager.wait(store.load_async(prev))
                 grads.add_(prev[: grads.numel()])
                 del prev
-            self.manager.wait(store.store_async(grads))
         if self._boundary:
-            self._sq_norm += float(grads.double().pow(2).sum()) if grads.numel() else 0.0
+            self._sq_norm += _sum_of_squares(grads)
+        if not store.resident:
+            # the write goes on while backward continues; the buffer (slot) is released when it
+            # has landed (``_retire_grad_write``), at the latest when the backward ends
+            self._grad_writes.append((store.store_async(grads), state.grad_slot, grads))
+            state.grad_slot = None
+            state.grad_buffer = None
+
+    def _retire_grad_write(self) -> None:
+        request, slot, _buffer = self._grad_writes.pop(0)
+        try:
+            self.manager.wait(request)
+        finally:
+            if slot is not None:
+                self.grad_pool.release(slot)
 
     def _drop_grad_buffer(self, state: UnitOptimState) -> None:
         if state.grad_slot is not None:
@@ -285,7 +323,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         state.grad_written = None
 
     def end_backward(self) -> None:
-        """Called by the engine after each backward: accumulation continues until a step."""
+        """Called by the engine after each backward: gradient writes land, and accumulation
+        continues until a step."""
+        while self._grad_writes:
+            self._retire_grad_write()
         self._accumulating = True
 
     # -- stepping --------------------------------------------------------------------------
@@ -446,12 +487,16 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Gradients never live on the parameters; nothing to clear."""
 
     def close(self) -> None:
-        if self._worker is not None:
-            try:
-                self.reap(wait=True)
-            finally:
-                self._worker.shutdown()
-        for state in self.states:
-            for store in (state.exp_avg, state.exp_avg_sq, state.master, state.grad_store):
-                if store is not None:
-                    store.free()
+        try:
+            while self._grad_writes:
+                self._retire_grad_write()
+            if self._worker is not None:
+                try:
+                    self.drain_steps()
+                finally:
+                    self._worker.shutdown()
+        finally:
+            for state in self.states:
+                for store in (state.exp_avg, state.exp_avg_sq, state.master, state.grad_store):
+                    if store is not None:
+                        store.free()

@@ -15,6 +15,14 @@ parameters have accumulated gradients (an op that used a parameter feeds its Acc
 and, if it has frozen parameters, the gradient w.r.t. its module's inputs exists. If a later op
 needs it anyway (a unit used twice), the pre-backward hook fetches it again. During backward,
 forward post-hooks (activation checkpointing recomputation) do not release.
+
+[Note: keeping units for reuse]
+A unit whose next use, in the recorded order, comes within ``stage3_max_reuse_distance``
+elements of other units is kept fetched instead of released: the last units of the forward are
+the first of the backward, and (early step) the last units stepped are the first of the next
+forward, whose device copies are already current. A kept unit never blocks a fetch: it is kept
+only while one more unit of the largest size still fits the device budget, and a fetch that
+needs its room releases kept units first, the one needed last first.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from infinity.log import get_logger
 from infinity.storage.tiers import Residency
-from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch
+from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch, reuse_distance
 from infinity.zero.unit import ParamEntry, Unit
 
 log = get_logger("zero")
@@ -58,7 +66,10 @@ class Coordinator:
         self._in_backward = False
         self._callback_queued = False
         self._fwd_trace_name: str | None = None
-        self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0}
+        self._kept: set[int] = set()   # released by their hooks but kept fetched for reuse
+        self._largest = max((u.nbytes for u in units if not u.persistent), default=0)
+        self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0,
+                            "kept_for_reuse": 0}
 
     # -- installation ----------------------------------------------------------------------
     def install(self) -> None:
@@ -115,7 +126,7 @@ class Coordinator:
         if not self._in_graph_task():
             for uid in ids:
                 if self._active[uid] == 0:
-                    self.units[uid].release(self.manager)
+                    self._release_or_keep(uid)
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -127,6 +138,7 @@ class Coordinator:
         if not self._callback_queued:
             self._callback_queued = True
             self._in_backward = True
+            self._fwd_trace_name = None
             self.traces["bwd"].start_pass()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         for uid in ids:
@@ -171,10 +183,11 @@ class Coordinator:
                     self._done[uid] = True
                     if not self.on_unit_backward_done(unit):
                         self._stepping[uid] = True
+            self._in_backward = False
             self.release_finished_steps()
             for unit in self.units:
                 if self._active[unit.index] == 0 and not self._stepping[unit.index]:
-                    unit.release(self.manager)
+                    self._release_or_keep(unit.index)
         finally:
             self._in_backward = False
             self._callback_queued = False
@@ -189,13 +202,70 @@ class Coordinator:
         for unit in (self.reap() if finished is None else finished):
             self._stepping[unit.index] = False
             if self._active[unit.index] == 0:
-                unit.release(self.manager)
+                self._release_or_keep(unit.index)
+
+    # -- keeping for reuse (see [Note: keeping units for reuse]) ---------------------------
+    def _upcoming_all(self) -> list[int]:
+        """The recorded order from now on: rest of this pass, then the pass that follows."""
+        fwd, bwd = self.traces["train_fwd"], self.traces["bwd"]
+        if self._in_backward:
+            return bwd.upcoming() + fwd.order
+        if self._fwd_trace_name == "train_fwd":
+            return fwd.upcoming() + bwd.order
+        if self._fwd_trace_name == "eval_fwd":
+            return self.traces["eval_fwd"].upcoming()
+        return list(fwd.order)   # after a backward: the next training forward
+
+    def _next_use(self, uid: int, upcoming: list[int]) -> int | None:
+        return reuse_distance(uid, upcoming, lambda u: self.units[u].numel)
+
+    def _release_or_keep(self, uid: int) -> None:
+        unit = self.units[uid]
+        if unit.persistent or unit.residency != Residency.FETCHED:
+            return
+        upcoming = self._upcoming_all()
+        distance = self._next_use(uid, upcoming)
+        if distance is not None and distance < self.limits.max_reuse_numel:   # 0: never keep
+            self._evict_kept(self._largest, upcoming, nearer_than=distance)
+            if self._device_room() >= self._largest:
+                self._kept.add(uid)
+                self.fetch_stats["kept_for_reuse"] += 1
+                return
+        self._kept.discard(uid)
+        unit.release(self.manager)
+
+    def _device_room(self) -> int:
+        limit = self.manager.device_budget.limit
+        if limit is None:
+            return 1 << 62
+        return limit - self.manager.device_cache.in_use_bytes()
+
+    def _evict_kept(self, nbytes: int, upcoming: list[int] | None = None,
+                    nearer_than: int | None = None) -> None:
+        """Release kept units, the one needed last first, until ``nbytes`` fit the device
+        budget (with ``nearer_than``: only units needed later than that distance)."""
+        if not self._kept or self._device_room() >= nbytes:
+            return
+        upcoming = self._upcoming_all() if upcoming is None else upcoming
+        far = 1 << 62
+        order = sorted(self._kept, key=lambda u: -(self._next_use(u, upcoming) or far))
+        for uid in order:
+            if self._device_room() >= nbytes:
+                return
+            if nearer_than is not None and (self._next_use(uid, upcoming) or far) <= nearer_than:
+                return
+            self._kept.discard(uid)
+            if self._active[uid] == 0 and not self._stepping[uid]:
+                self.units[uid].release(self.manager)
 
     # -- fetching --------------------------------------------------------------------------
     def _ensure(self, uid: int, trace: Trace | None) -> None:
         if any(self._stepping):
             self.release_finished_steps()
         unit = self.units[uid]
+        self._kept.discard(uid)   # in use again
+        if unit.residency != Residency.FETCHED:
+            self._evict_kept(unit.nbytes)
         budget, cache = self.manager.device_budget, self.manager.device_cache
         while unit.residency != Residency.FETCHED and any(self._stepping) and \
                 budget.limit is not None and cache.in_use_bytes() + unit.nbytes > budget.limit:
@@ -252,6 +322,7 @@ class Coordinator:
 
     def release_all(self) -> None:
         """Release every fetched unit and drop unused prefetches."""
+        self._kept.clear()
         for unit in self.units:
             if self._active[unit.index] == 0 and not self._stepping[unit.index]:
                 unit.cancel_fetch(self.manager, self.fetch_pool)

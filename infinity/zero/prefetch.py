@@ -51,6 +51,7 @@ class PrefetchLimits:
 
     bucket_numel: int          # stage3_prefetch_bucket_size: elements in flight ahead of use
     max_live_numel: int        # stage3_max_live_parameters: elements fetched or fetching
+    max_reuse_numel: int = 0   # stage3_max_reuse_distance: keep a unit needed again this soon
     max_units_ahead: int = 4
 
 
@@ -77,3 +78,13 @@ def choose_prefetch(upcoming: list[int], numel_of, is_released, live_numel: int,
         chosen.append(unit)
         ahead += size
     return chosen
+
+
+def reuse_distance(unit: int, upcoming: list[int], numel_of) -> int | None:
+    """Elements of other units run before ``unit``'s next use in ``upcoming`` (None: not used)."""
+    distance = 0
+    for other in upcoming:
+        if other == unit:
+            return distance
+        distance += numel_of(other)
+    return None

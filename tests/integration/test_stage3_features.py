@@ -9,12 +9,15 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.storage.tiers import Residency
 from parity import VOCAB, loss_of, make_model, run_parity, zero_config
 
 
-def _engine(model, disk_dir, param="nvme", optimizer="nvme", **extra):
+def _engine(model, disk_dir, param="nvme", optimizer="nvme", reuse_distance=None, **extra):
     ds = zero_config(3, param, optimizer, str(disk_dir))
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    if reuse_distance is not None:
+        ds["zero_optimization"]["stage3_max_reuse_distance"] = reuse_distance
     ds.update(extra)
     engine, _, _, _ = infinity.initialize(model=model, config=ds)
     return engine
@@ -23,7 +26,7 @@ def _engine(model, disk_dir, param="nvme", optimizer="nvme", **extra):
 def test_released_parameters_hold_no_storage(disk_dir) -> None:
     model = make_model("llama", layers=3, width=64)
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    engine = _engine(model, disk_dir)
+    engine = _engine(model, disk_dir, reuse_distance=0)   # nothing kept fetched for reuse
     try:
         x = torch.randint(0, VOCAB, (1, 8))
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
@@ -42,6 +45,34 @@ def test_released_parameters_hold_no_storage(disk_dir) -> None:
             assert p.untyped_storage().nbytes() == 0, name
     finally:
         engine.close()
+
+
+def test_units_needed_again_soon_stay_fetched(disk_dir) -> None:
+    """stage3_max_reuse_distance: the units that start the next forward stay fetched after the
+    step (their device copies were just stepped) and the steps read less from NVMe."""
+    read = {}
+    for distance in (0, 10**9):
+        torch.manual_seed(0)
+        model = make_model("llama", layers=3, width=64)
+        engine = _engine(model, disk_dir, reuse_distance=distance)
+        try:
+            for _ in range(3):
+                x = torch.randint(0, VOCAB, (1, 8))
+                engine.backward(loss_of(engine(input_ids=x, labels=x)))
+                engine.step()
+            read[distance] = engine.step_stats()["io_read_bytes"]
+            kept = engine.coordinator.fetch_stats["kept_for_reuse"]
+            first = engine.units[engine.coordinator.traces["train_fwd"].order[0]]
+            if distance == 0:
+                assert kept == 0
+                assert first.residency == Residency.RELEASED
+            else:
+                assert kept > 0
+                assert first.residency == Residency.FETCHED
+                assert first.flat.untyped_storage().nbytes() == first.nbytes
+        finally:
+            engine.close()
+    assert read[10**9] < read[0], read
 
 
 def test_eval_no_grad_and_generate_equal_plain_torch(disk_dir) -> None:

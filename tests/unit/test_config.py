@@ -362,3 +362,17 @@ def test_load_reads_a_json_file(tmp_path) -> None:
         InfinityConfig.load(bad)
     with pytest.raises(FileNotFoundError):
         InfinityConfig.load(tmp_path / "missing.json")
+
+
+def test_malloc_mmap_threshold_defaults_to_1mib_and_accepts_null_and_sizes() -> None:
+    assert InfinityConfig.from_dict({}).infinity.malloc_mmap_threshold == 1 << 20
+    assert InfinityConfig.from_dict(
+        {"infinity": {"malloc_mmap_threshold": None}}).infinity.malloc_mmap_threshold is None
+    assert InfinityConfig.from_dict(
+        {"infinity": {"malloc_mmap_threshold": "8MiB"}}).infinity.malloc_mmap_threshold == 8 << 20
+
+
+@pytest.mark.parametrize("value", ["64MiB", 0, "lots"])
+def test_malloc_mmap_threshold_out_of_glibc_range_is_refused(value) -> None:
+    with pytest.raises(ConfigError, match="malloc_mmap_threshold"):
+        InfinityConfig.from_dict({"infinity": {"malloc_mmap_threshold": value}})

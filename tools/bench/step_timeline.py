@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--host-budget", default="3GiB")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--malloc-mmap-threshold", default="1MiB",
+                    help='the "infinity" section key; "none" leaves malloc alone')
     ap.add_argument("--scratch", default="/var/tmp/infinity-bench")
     args = ap.parse_args()
 
@@ -93,7 +95,9 @@ def main() -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
-        "infinity": {"host_memory_budget": args.host_budget, "early_step": args.early_step},
+        "infinity": {"host_memory_budget": args.host_budget, "early_step": args.early_step,
+                     "malloc_mmap_threshold": None if args.malloc_mmap_threshold == "none"
+                     else args.malloc_mmap_threshold},
     }
     with infinity.zero.Init(config=config):
         model = transformers.LlamaForCausalLM(cfg)
