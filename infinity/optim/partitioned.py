@@ -54,8 +54,9 @@ def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
 
 
 
-def _sum_of_squares(values: torch.Tensor, chunk: int = 1 << 22) -> float:
-    """sum(values**2) in float64, a chunk at a time (no full-size float64 temporary)."""
+def _sum_of_squares(values: torch.Tensor, chunk: int = 1 << 16) -> float:
+    """sum(values**2) in float64, a chunk at a time: no full-size float64 temporary, and chunks
+    small enough (512 KiB) to be reused from the heap rather than mapped fresh each time."""
     total = 0.0
     for start in range(0, values.numel(), chunk):
         total += float(values[start:start + chunk].double().square().sum())

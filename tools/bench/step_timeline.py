@@ -53,6 +53,8 @@ def instrument() -> None:
     _wrap(unit.Unit, "write_home", "write_home")
     _wrap(partitioned.PartitionedOptimizer, "_kernel", "adam kernel")
     _wrap(partitioned.PartitionedOptimizer, "on_grad", "grad add")
+    _wrap(partitioned.PartitionedOptimizer, "on_unit_backward_done", "unit grads done")
+    _wrap(partitioned, "_sum_of_squares", "grad norm")
     _wrap(partitioned.PartitionedOptimizer, "reap", "reap")
     _wrap(coordinator.Coordinator, "_prefetch", "prefetch issue")
 
