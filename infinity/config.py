@@ -478,10 +478,10 @@ class InfinitySection:
     """Class names of modules that form units; None = detect the repeated blocks."""
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Forward/backward dtype; "auto" = fp32 on CPU-only machines, else from bf16/fp16.enabled."""
-    malloc_mmap_threshold: int | None = 1024 * 1024
-    """glibc: host allocations of at least this size are mapped and unmapped on their own, so
-    freed gradients and large activations go back to the system instead of fragmenting the heap
-    (peak RSS); None = leave malloc's adaptive threshold alone."""
+    malloc_mmap_threshold: int | None = 4 * 1024 * 1024
+    """glibc: host allocations of at least this size are mapped and unmapped on their own (and
+    the heap is trimmed after each step), so freed gradients and activations go back to the
+    system instead of fragmenting the heap (peak RSS); None = leave malloc alone."""
 
     def __post_init__(self) -> None:
         p = "infinity"

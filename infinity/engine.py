@@ -17,7 +17,7 @@ from torch import nn
 from infinity.budget import MemoryBudget
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
-from infinity.malloc_tuning import set_mmap_threshold
+from infinity.malloc_tuning import set_mmap_threshold, trim
 from infinity.optim.partitioned import PartitionedOptimizer
 from infinity.optim.schedules import build_scheduler
 from infinity.storage.buffer_pool import BufferPool
@@ -189,6 +189,8 @@ class Engine:
             self.lr_scheduler.step()
         self.global_steps += 1
         self._record_stats()
+        if self.config.infinity.malloc_mmap_threshold is not None:
+            trim()
 
     def _record_stats(self) -> None:
         now = time.perf_counter()

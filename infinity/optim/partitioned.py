@@ -11,7 +11,8 @@ Two schedules:
   rest of backward; its gradients never need a home. Exact only without clipping, loss scaling
   or accumulation, so the engine enables it only then.
 - deferred: gradients are kept; ``step()`` streams sub-groups (aligned chunks of a unit's
-  trainable range) through host slots, pipelined: read i+1 | step i | write i-1.
+  trainable range) of every unit through host slots, reads ahead and writes behind.
+Both run on the step stream (optim/step_stream.py).
 
 The fp32 master on a CPU-only machine with fp32 compute is the parameter itself (DESIGN.md
 "fp32 on CPU"): it is stepped in place in its home (device copy, host store or NVMe extent), so
@@ -28,9 +29,9 @@ import torch
 
 from infinity.log import get_logger
 from infinity.optim.cpu_adam import adam_step_flat
-from infinity.optim.early_step import EarlyStepWorker
+from infinity.optim.step_stream import StepStream
 from infinity.storage.buffer_pool import BufferPool, Slot
-from infinity.storage.manager import FlatStore, TierManager, padded_numel
+from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
 from infinity.zero.unit import ParamEntry, Unit
 
@@ -39,8 +40,9 @@ log = get_logger("optim")
 
 def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
                     master_separate: bool, early_step: bool, compute_dtype: torch.dtype) -> int:
-    """Host slots the optimizer pipeline holds at most: 3 sub-groups in flight (read i+1,
-    step i, write i-1), each with one slot per state streamed from NVMe."""
+    """Host slots for the step stream: about 3 sub-groups in flight (read ahead, stepped,
+    written behind), each with one slot per state streamed from NVMe. The stream holds fewer
+    when the pool runs short; it never waits on slots it holds itself."""
     per_group = 0
     if optimizer_tier is Tier.NVME:
         per_group += 2 + int(master_separate)          # m, v (+ fp32 master)
@@ -113,8 +115,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         super().__init__(param_groups, defaults={})
         self.manager = manager
         self.staging_pool = staging_pool
-        # early step: see [Note: background early step] in optim/early_step.py
-        self._worker = None
+        # both schedules step through one stream (optim/step_stream.py)
+        self._stream: StepStream | None = None
         self._grad_writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
         self._pending_steps: list[tuple[UnitOptimState, Future]] = []
         self.reaped_at_step: list[Unit] = []
@@ -156,8 +158,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                                 trainable_units[0].dtype if trainable_units else torch.float32)
         self.step_pool = BufferPool(manager, self.sub_group_numel * 4, count, "optimizer") \
             if any_nvme and max_trainable else None
-        if early_step:
-            self._worker = EarlyStepWorker(self)
+        self._stream = StepStream(self)
 
     # -- set-up ----------------------------------------------------------------------------
     def _init_master(self, unit: Unit, master: FlatStore) -> None:
@@ -247,7 +248,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         state = self._by_unit[unit.index]
         self._zero_unwritten(state)
         if self.early_step:
-            self._pending_steps.append((state, self._worker.submit(state)))
+            self._pending_steps.append((state, self._stream.submit(state, early=True)))
             self.timers.grad_s += time.perf_counter() - start
             return False
         try:
@@ -356,16 +357,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         return [SubGroup(state, a, min(a + self.sub_group_numel, n))
                 for a in range(0, n, self.sub_group_numel)]
 
-    def _resident_or_load(self, store: FlatStore, start: int, count: int, reqs: list):
-        if store.resident:
-            return store.tensor[start:start + count]
-        slot = self.step_pool.acquire(timeout=120.0)
-        buf = slot.view(torch.float32, padded_numel(count, torch.float32))
-        reqs.append((store.load_async(buf, start, count), slot))
-        return buf[:count]
-
     def _store(self, store: FlatStore, tensor: torch.Tensor, start: int, count: int, reqs: list):
-        """Write back a tensor from ``_resident_or_load`` (resident stores were updated in place)."""
+        """Write back a loaded tensor (resident stores were updated in place, nothing to do)."""
         if not store.resident:
             reqs.append((store.store_async(tensor, start, count), None))
 
@@ -388,100 +381,22 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 self.reaped_at_step = self.reap(wait=True)
             else:
                 scale = self.grad_scale_for_clipping()
-                groups = []
-                for state in self.states:
-                    state.step += 1
-                    groups.extend(self._sub_groups(state))
-                self._run_pipeline(groups, scale)
+                futures = [self._stream.submit(state, early=False, grad_scale=scale)
+                           for state in self.states]
+                errors = []
+                for future in futures:   # all of them, so no step is still running after a raise
+                    try:
+                        future.result()
+                    except Exception as exc:  # noqa: BLE001 - the first one is raised below
+                        errors.append(exc)
+                if errors:
+                    raise errors[0]
                 for state in self.states:
                     if state.grad_store.resident:
                         state.grad_store.tensor.zero_()
         finally:
             self._accumulating = False
             self.timers.optimizer_s += time.perf_counter() - start
-
-    def _run_pipeline(self, groups: list[SubGroup], grad_scale: float) -> None:
-        """Deferred schedule: read i+1 | step i | write i-1 over host slots (see [Note: store
-        buffer lifetimes]); the early-step worker streams sub-groups its own way."""
-        pending: list[tuple[SubGroup, dict, list]] = []
-        writing: list[list] = []
-
-        def load(sg: SubGroup):
-            reqs: list = []
-            n = sg.end - sg.start
-            st = sg.state
-            tensors = {"m": self._resident_or_load(st.exp_avg, sg.start, n, reqs),
-                       "v": self._resident_or_load(st.exp_avg_sq, sg.start, n, reqs),
-                       "g": self._resident_or_load(st.grad_store, sg.start, n, reqs),
-                       "p": self._param_for(sg, n, reqs)}
-            return sg, tensors, reqs
-
-        queue = list(groups)
-        if queue:
-            pending.append(load(queue.pop(0)))
-        while pending:
-            sg, t, reqs = pending.pop(0)
-            if queue:
-                pending.append(load(queue.pop(0)))
-            self.manager.wait(*[r for r, _ in reqs])
-            n = sg.end - sg.start
-            unit = sg.state.unit
-            half = None
-            if sg.state.master is not None and unit.dtype != torch.float32:
-                half = torch.empty(n, dtype=unit.dtype)
-            self._kernel(sg.state, sg.start, sg.end, t["p"], t["g"], t["m"], t["v"], grad_scale,
-                         half)
-            writes: list = []
-            self._store(sg.state.exp_avg, t["m"], sg.start, n, writes)
-            self._store(sg.state.exp_avg_sq, t["v"], sg.start, n, writes)
-            self._write_param(sg, t["p"], half, n, writes)
-            writing.append(writes + [(None, slot) for _, slot in reqs])
-            if len(writing) > 1:
-                self._retire(writing.pop(0))
-        while writing:
-            self._retire(writing.pop(0))
-
-    def _retire(self, entries: list) -> None:
-        self.manager.wait(*[r for r, _ in entries if r is not None])
-        for _, slot in entries:
-            if slot is not None:
-                self.step_pool.release(slot)
-
-    def _param_for(self, sg: SubGroup, n: int, reqs: list) -> torch.Tensor:
-        """The fp32 master elements of a sub-group (stepped in place in their home)."""
-        st, unit = sg.state, sg.state.unit
-        if st.master is not None:
-            return self._resident_or_load(st.master, sg.start, n, reqs)
-        if unit.param_store is None:
-            return unit.flat[sg.start:sg.end]   # the fetched device copy is current
-        return self._resident_or_load(unit.param_store, sg.start, n, reqs)
-
-    def _write_param(self, sg: SubGroup, master: torch.Tensor, half: torch.Tensor | None, n: int,
-                     writes: list) -> None:
-        """Put the updated parameters where they live."""
-        st, unit = sg.state, sg.state.unit
-        new = half if half is not None else master
-        if st.master is not None:
-            self._store(st.master, master, sg.start, n, writes)
-            if unit.residency == Residency.FETCHED:
-                unit.flat[sg.start:sg.end].copy_(new)
-            if unit.param_store is not None:
-                self._store_copy(unit.param_store, new, sg.start, n, writes)
-        elif unit.param_store is not None:
-            self._store(unit.param_store, master, sg.start, n, writes)
-            if unit.residency == Residency.FETCHED:
-                unit.flat[sg.start:sg.end].copy_(master)
-
-    def _store_copy(self, store: FlatStore, values: torch.Tensor, start: int, n: int,
-                    writes: list) -> None:
-        """Write ``values`` (not an aligned buffer) into ``store`` via a staging slot if needed."""
-        if store.resident:
-            store.tensor[start:start + n].copy_(values)
-            return
-        slot = self.step_pool.acquire(timeout=120.0)
-        buf = slot.view(store.dtype, padded_numel(n, store.dtype))
-        buf[:n].copy_(values)
-        writes.append((store.store_async(buf, start, n), slot))
 
     # -- state dict (torch Adam layout per parameter) --------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -491,11 +406,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         try:
             while self._grad_writes:
                 self._retire_grad_write()
-            if self._worker is not None:
+            if self._stream is not None:
                 try:
                     self.drain_steps()
                 finally:
-                    self._worker.shutdown()
+                    self._stream.shutdown()
         finally:
             for state in self.states:
                 for store in (state.exp_avg, state.exp_avg_sq, state.master, state.grad_store):

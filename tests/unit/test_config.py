@@ -364,8 +364,8 @@ def test_load_reads_a_json_file(tmp_path) -> None:
         InfinityConfig.load(tmp_path / "missing.json")
 
 
-def test_malloc_mmap_threshold_defaults_to_1mib_and_accepts_null_and_sizes() -> None:
-    assert InfinityConfig.from_dict({}).infinity.malloc_mmap_threshold == 1 << 20
+def test_malloc_mmap_threshold_defaults_to_4mib_and_accepts_null_and_sizes() -> None:
+    assert InfinityConfig.from_dict({}).infinity.malloc_mmap_threshold == 4 << 20
     assert InfinityConfig.from_dict(
         {"infinity": {"malloc_mmap_threshold": None}}).infinity.malloc_mmap_threshold is None
     assert InfinityConfig.from_dict(

@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--host-budget", default="3GiB")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--malloc-mmap-threshold", default="1MiB",
+    ap.add_argument("--malloc-mmap-threshold", default="4MiB",
                     help='the "infinity" section key; "none" leaves malloc alone')
     ap.add_argument("--scratch", default="/var/tmp/infinity-bench")
     args = ap.parse_args()

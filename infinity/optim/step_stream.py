@@ -1,22 +1,26 @@
-"""The early-step worker: steps units on one background thread as their gradients complete.
+"""The step stream: one background thread that runs the optimizer over units, sub-group by
+sub-group, with the disk kept busy in both directions.
 
 [Note: background early step]
 In the early-step schedule a unit's step (swap-in of m and v, CPU Adam, swap-out of m, v and the
-parameters) runs on this worker while backward goes on with the next units. The unit stays
-fetched (its device copy is the fp32 master being stepped) until its future is done, which
-``PartitionedOptimizer.reap`` reports. Everything waits for the worker in ``step()``, so the next
-forward never sees a unit mid-update, and prefetch in backward only reads units that have not had
-their backward yet (never one being written).
+parameters) is submitted here as soon as its gradients are complete, and runs while backward goes
+on with the next units. The unit stays fetched (its device copy is the fp32 master being stepped)
+until its future is done, which ``PartitionedOptimizer.reap`` reports. Everything waits for the
+stream in ``step()``, so the next forward never sees a unit mid-update, and prefetch in backward
+only reads units that have not had their backward yet (never one being written). The deferred
+schedule submits every unit at ``step()`` (with the clipping scale) and waits for all of them;
+its gradients and parameters come from their homes instead of the transient buffer and the
+device copy.
 
 [Note: one stream of sub-groups]
-The worker does not drain its pipeline at each unit's end: sub-groups of every queued unit form
-one stream, with up to ``READ_AHEAD`` sub-groups' reads in flight ahead of the one being stepped
-and the writes of earlier ones retiring behind it, so the disk reads the next unit's moments
-while the last writes of the previous unit go out. A unit's future completes when the writes of
-its last sub-group have landed. Slots are taken without blocking while reads are issued (a full
-pool retires writes first, or stops reading ahead), so the stream cannot deadlock on its own
-slots. On a CPU device the parameters are written home straight from the unit's (page-aligned)
-device buffer, sub-group by sub-group; elsewhere through a staging slot.
+The stream does not drain at each unit's end: sub-groups of every queued unit form one stream,
+with up to ``READ_AHEAD`` sub-groups' reads in flight ahead of the one being stepped and the
+writes of earlier ones retiring behind it, so the disk reads the next unit's states while the
+last writes of the previous unit go out. A unit's future completes when the writes of its last
+sub-group have landed. Slots are taken without blocking while reads are issued (a full pool
+retires writes first, or stops reading ahead), so the stream cannot deadlock on its own slots.
+In the early step on a CPU device the parameters are written home straight from the unit's
+page-aligned device buffer; elsewhere through a slot.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infinity.storage.manager import padded_numel
+from infinity.storage.tiers import Residency
 
 if TYPE_CHECKING:
     from infinity.optim.partitioned import (
@@ -49,6 +54,8 @@ class _UnitJob:
     future: Future
     groups: deque
     left: int                      # sub-groups not yet retired
+    early: bool                    # gradient in the transient buffer, fp32 master on the device
+    grad_scale: float = 1.0
     error: BaseException | None = None
 
 
@@ -60,8 +67,8 @@ class _Loaded:
     requests: list = field(default_factory=list)   # (request, slot or None)
 
 
-class EarlyStepWorker:
-    """Owns the worker thread and its stream of sub-groups (see the notes above)."""
+class StepStream:
+    """Owns the stream's thread and its sub-groups in flight (see the notes above)."""
 
     def __init__(self, optimizer: PartitionedOptimizer) -> None:
         self.opt = optimizer
@@ -69,14 +76,14 @@ class EarlyStepWorker:
         self._jobs: deque[_UnitJob] = deque()        # taken from the queue, sub-groups left
         self._loads: deque[_Loaded] = deque()
         self._writes: deque[tuple[_UnitJob, list]] = deque()
-        self._thread = threading.Thread(target=self._run, name="infinity-early-step", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="infinity-step-stream", daemon=True)
         self._thread.start()
 
-    def submit(self, state: UnitOptimState) -> Future:
+    def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0) -> Future:
         """Queue ``state``'s unit for a step; the future completes when its writes have landed."""
         future: Future = Future()
         groups = deque(self.opt._sub_groups(state))
-        self._queue.put(_UnitJob(state, future, groups, len(groups)))
+        self._queue.put(_UnitJob(state, future, groups, len(groups), early, grad_scale))
         return future
 
     def shutdown(self) -> None:
@@ -147,8 +154,14 @@ class EarlyStepWorker:
         group = job.groups[0]
         n = group.end - group.start
         state, pool = job.state, self.opt.step_pool
-        stores = [state.exp_avg, state.exp_avg_sq] + ([state.master] if state.master else [])
-        needed = sum(not store.resident for store in stores)
+        stores = {"m": state.exp_avg, "v": state.exp_avg_sq}
+        if state.master is not None:
+            stores["p"] = state.master
+        elif not job.early and state.unit.param_store is not None:
+            stores["p"] = state.unit.param_store
+        if not job.early:
+            stores["g"] = state.grad_store
+        needed = sum(not store.resident for store in stores.values())
         slots = []
         while len(slots) < needed:
             slot = pool.try_acquire()
@@ -163,7 +176,7 @@ class EarlyStepWorker:
         job.groups.popleft()
         loaded = _Loaded(job, group, {})
         free = iter(slots)
-        for key, store in zip(("m", "v", "master"), stores):
+        for key, store in stores.items():
             if store.resident:
                 loaded.tensors[key] = store.tensor[group.start:group.end]
                 continue
@@ -180,44 +193,62 @@ class EarlyStepWorker:
         state, unit = job.state, job.state.unit
         start, end, n = group.start, group.end, group.end - group.start
         t = loaded.tensors
-        param = t["master"] if state.master is not None else unit.flat[start:end]
+        param = t["p"] if "p" in t else unit.flat[start:end]
+        grad = state.grad_buffer[start:end] if job.early else t["g"]
         half = None
         if state.master is not None and unit.dtype != torch.float32:
             half = torch.empty(n, dtype=unit.dtype)
-        opt._kernel(state, start, end, param, state.grad_buffer[start:end], t["m"], t["v"], 1.0,
-                    half)
+        opt._kernel(state, start, end, param, grad, t["m"], t["v"], job.grad_scale, half)
         writes: list = [(None, slot) for _, slot in loaded.requests]
         opt._store(state.exp_avg, t["m"], start, n, writes)
         opt._store(state.exp_avg_sq, t["v"], start, n, writes)
+        new = half if half is not None else param
         if state.master is not None:
             opt._store(state.master, param, start, n, writes)
-            unit.flat[start:end].copy_(half if half is not None else param)
-        self._write_params(unit, start, n, writes)
-        if not job.groups and all(l.job is not job for l in self._loads):
+        if job.early:
+            if state.master is not None:
+                unit.flat[start:end].copy_(new)
+            self._write_params(unit, start, n, writes)
+        else:
+            if "p" in t and unit.residency == Residency.FETCHED:
+                unit.flat[start:end].copy_(new)    # a unit kept fetched stays current
+            store = unit.param_store
+            if store is not None and state.master is None:
+                opt._store(store, param, start, n, writes)
+            elif store is not None:
+                self._write_values(store, new, start, n, writes)
+        if job.early and not job.groups and all(x.job is not job for x in self._loads):
             opt._drop_grad_buffer(state)   # its last kernel ran: the gradient slot is free
         return writes
 
     def _write_params(self, unit, start: int, n: int, writes: list) -> None:
+        """Early step: the unit's updated device copy goes to its home."""
         store = unit.param_store
         if store is None:
             return
-        values = unit.flat[start:start + n]
-        if store.resident:
-            store.tensor[start:start + n].copy_(values)
-        elif values.device.type == "cpu" and unit.flat.data_ptr() % 4096 == 0:
+        if not store.resident and unit.flat.device.type == "cpu" and \
+                unit.flat.data_ptr() % 4096 == 0:
             # the device buffer is host memory, page-aligned, and stays fetched until the
             # unit's future is done: write it as it is (no staging copy)
             writes.append((store.store_async(unit.flat[start:], start, n), None))
         else:
+            self._write_values(store, unit.flat[start:start + n], start, n, writes)
+
+    def _write_values(self, store, values: torch.Tensor, start: int, n: int,
+                      writes: list) -> None:
+        """Write ``values`` (any memory) to ``store``, through a slot when it is on NVMe."""
+        if store.resident:
+            store.tensor[start:start + n].copy_(values)
+            return
+        slot = self.opt.step_pool.try_acquire()
+        while slot is None and self._writes:
+            self._retire()
             slot = self.opt.step_pool.try_acquire()
-            while slot is None and self._writes:
-                self._retire()
-                slot = self.opt.step_pool.try_acquire()
-            if slot is None:
-                slot = self.opt.step_pool.acquire(timeout=600.0)
-            buf = slot.view(store.dtype, padded_numel(n, store.dtype))
-            buf[:n].copy_(values)
-            writes.append((store.store_async(buf, start, n), slot))
+        if slot is None:
+            slot = self.opt.step_pool.acquire(timeout=600.0)
+        buf = slot.view(store.dtype, padded_numel(n, store.dtype))
+        buf[:n].copy_(values)
+        writes.append((store.store_async(buf, start, n), slot))
 
     def _retire(self) -> None:
         job, entries = self._writes.popleft()
