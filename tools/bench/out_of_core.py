@@ -188,6 +188,7 @@ def _compute(spec: dict, res: dict) -> None:
     res["n_params"] = sum(p.numel() for p in model.parameters())
     res["init_s"] = time.perf_counter() - t0
     steps, splits, losses = [], [], []
+    res["saved_activation_bytes"] = _saved_activation_bytes(torch, model, data[0])
     for ids in data:
         ta = time.perf_counter()
         out = model(input_ids=ids, labels=ids)
@@ -203,6 +204,27 @@ def _compute(spec: dict, res: dict) -> None:
     res["median_step_s"] = C.median(steps[spec["warmup"]:])
     timed = splits[spec["warmup"]:]
     res["median_split"] = {k: C.median([s[k] for s in timed]) for k in timed[0]} if timed else {}
+
+
+def _saved_activation_bytes(torch, model, ids) -> int:
+    """Bytes autograd saves for backward in one forward (parameters excluded): the part of peak
+    RSS that grows with the layer count whatever the engine does (no activation checkpointing)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids)
+    del out
+    return total
 
 
 def _io(spec: dict, res: dict) -> None:
@@ -351,7 +373,8 @@ def ds_command(size: str, nvme_dir: str, args: argparse.Namespace) -> list[str]:
             "--nvme-dir", nvme_dir, "--pin-memory", "--size", size, "--dtype", "fp32",
             "--seq", str(args.seq), "--mbs", str(args.mbs), "--steps", str(1 + args.ds_steps),
             "--warmup", "1", "--seed", str(args.seed), "--lr", str(args.lr),
-            "--weight-decay", str(args.weight_decay), "--threads", str(args.threads)]
+            "--weight-decay", str(args.weight_decay), "--threads", str(args.threads),
+            "--param-buffer-count", str(args.ds_param_buffer_count)]
 
 
 # =========================================================================== driver
@@ -499,6 +522,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--io-chunk", type=int, default=None,
                     help="bytes per replayed request (default: the sub-group bytes, 4-64 MiB)")
     ap.add_argument("--io-inflight", type=int, default=2, help="replayed requests in flight per direction")
+    ap.add_argument("--ds-param-buffer-count", type=int, default=5,
+                    help="DeepSpeed offload_param buffer_count (ds_e2e.py's default 5 fails its "
+                         "swapper assertion at 18 layers)")
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--skip-compute", action="store_true")
     ap.add_argument("--only", default=",".join(KINDS),
@@ -725,9 +751,16 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
         for schedule in args.schedules:
             ra, rb = a["ours"].get(schedule, {}), b["ours"].get(schedule, {})
             if ra.get("ok") and rb.get("ok") and b["n_params"] != a["n_params"]:
-                g = (rb["vm_hwm_bytes"] - ra["vm_hwm_bytes"]) / (b["n_params"] - a["n_params"])
-                bars.append(f"early_step {schedule}: peak RSS growth {a['size']} -> {b['size']} = "
-                            f"{g:.4f} B/param ({'<' if g < GROWTH_BAR else 'NOT <'} {GROWTH_BAR})")
+                dn = b["n_params"] - a["n_params"]
+                g = (rb["vm_hwm_bytes"] - ra["vm_hwm_bytes"]) / dn
+                line = (f"early_step {schedule}: peak RSS growth {a['size']} -> {b['size']} = "
+                        f"{g:.4f} B/param ({'<' if g < GROWTH_BAR else 'NOT <'} {GROWTH_BAR})")
+                ca, cb = a.get("compute") or {}, b.get("compute") or {}
+                if ca.get("saved_activation_bytes") and cb.get("saved_activation_bytes"):
+                    act = (cb["saved_activation_bytes"] - ca["saved_activation_bytes"]) / dn
+                    line += (f"; of which activations saved for backward {act:.4f} B/param "
+                             f"(compute runs), the rest {g - act:.4f} B/param")
+                bars.append(line)
     head = (f"Out-of-core bench (fp32, mbs {args.mbs}, seq {args.seq}, host budget {args.host_budget}, "
             f"{args.warmup} warm-up + {args.steps} timed steps, DeepSpeed 1 + {args.ds_steps}); "
             f"{machine['cpu']}, {machine['cpus']} CPUs, {machine['mem_total_gib']} GiB, "
