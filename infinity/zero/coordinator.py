@@ -219,6 +219,10 @@ class Coordinator:
     def _next_use(self, uid: int, upcoming: list[int]) -> int | None:
         return reuse_distance(uid, upcoming, lambda u: self.units[u].numel)
 
+    def _next_use_or_never(self, uid: int, upcoming: list[int]) -> int:
+        distance = self._next_use(uid, upcoming)
+        return 1 << 62 if distance is None else distance
+
     def _release_or_keep(self, uid: int) -> None:
         unit = self.units[uid]
         if unit.persistent or unit.residency != Residency.FETCHED:
@@ -247,12 +251,11 @@ class Coordinator:
         if not self._kept or self._device_room() >= nbytes:
             return
         upcoming = self._upcoming_all() if upcoming is None else upcoming
-        far = 1 << 62
-        order = sorted(self._kept, key=lambda u: -(self._next_use(u, upcoming) or far))
+        order = sorted(self._kept, key=lambda u: -self._next_use_or_never(u, upcoming))
         for uid in order:
             if self._device_room() >= nbytes:
                 return
-            if nearer_than is not None and (self._next_use(uid, upcoming) or far) <= nearer_than:
+            if nearer_than is not None and self._next_use_or_never(uid, upcoming) <= nearer_than:
                 return
             self._kept.discard(uid)
             if self._active[uid] == 0 and not self._stepping[uid]:

@@ -1,0 +1,68 @@
+"""Prefetch and reuse decisions on recorded traces (pure functions, no engine)."""
+from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch, reuse_distance
+
+SIZES = {0: 10, 1: 100, 2: 100, 3: 100, 4: 10}
+
+
+def test_reuse_distance_counts_the_elements_run_before_the_next_use() -> None:
+    order = [4, 3, 2, 1, 0]
+    assert reuse_distance(4, order, SIZES.get) == 0          # needed next: distance 0, not "never"
+    assert reuse_distance(2, order, SIZES.get) == 110
+    assert reuse_distance(0, order, SIZES.get) == 310
+    assert reuse_distance(7, order, SIZES.get) is None       # not used again
+
+
+def test_trace_relearns_from_the_point_of_divergence() -> None:
+    trace = Trace()
+    trace.start_pass()
+    for unit in (0, 1, 2, 3):
+        trace.observe(unit)
+    trace.start_pass()
+    assert trace.upcoming() == [0, 1, 2, 3]
+    assert trace.observe(0) and trace.observe(1)
+    assert not trace.observe(3)                              # the model took another path
+    assert trace.relearns == 1 and trace.order == [0, 1, 3] and trace.upcoming() == []
+
+
+def test_choose_prefetch_stays_in_order_within_the_budgets() -> None:
+    limits = PrefetchLimits(bucket_numel=150, max_live_numel=400, max_units_ahead=4)
+    released = {1, 2, 3}
+    chosen = choose_prefetch([1, 2, 3], SIZES.get, released.__contains__, 0, limits)
+    assert chosen == [1]                                     # 1 + 2 would pass the 150 bucket
+    chosen = choose_prefetch([4, 1, 2], SIZES.get, released.__contains__, 0, limits)
+    assert chosen == [1]                                     # 4 is already fetched: skipped
+    chosen = choose_prefetch([1, 2], SIZES.get, released.__contains__, 350, limits)
+    assert chosen == [1]                                     # the first one always goes
+
+
+def test_kept_units_are_evicted_needed_last_first() -> None:
+    """A unit needed right next (distance 0) is the last to go, not taken for "never used"."""
+    from types import SimpleNamespace
+
+    from infinity.budget import MemoryBudget
+    from infinity.storage.device_cache import DeviceMemoryCache
+    from infinity.storage.tiers import Residency
+    from infinity.zero.coordinator import Coordinator
+
+    budget = MemoryBudget("device", 300)
+    manager = SimpleNamespace(device_budget=budget,
+                              device_cache=DeviceMemoryCache(budget, __import__("torch").device("cpu")))
+    released = []
+
+    class FakeUnit(SimpleNamespace):
+        def release(self, _manager) -> None:
+            budget.release(self.nbytes)
+            self.residency = Residency.RELEASED
+            released.append(self.index)
+
+    units = [FakeUnit(index=i, numel=100, nbytes=100, persistent=False,
+                      residency=Residency.FETCHED, trainable_entries=lambda: [])
+             for i in range(4)]
+    coordinator = Coordinator(units, [], manager, None, PrefetchLimits(100, 400, 1000),
+                              on_grad=None, on_unit_backward_done=None)
+    budget.reserve(300, "units 0-2 fetched")
+    coordinator._kept = {0, 1, 2}
+    coordinator._fwd_trace_name = None
+    coordinator.traces["train_fwd"].order = [0, 3, 1, 2]     # next forward: 0 first, 2 last
+    coordinator._evict_kept(200)                             # room for 2 units: evict 2, then 1
+    assert released == [2, 1] and coordinator._kept == {0}
