@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from infinity.log import get_logger
+from infinity.malloc_tuning import GLIBC_MAX_THRESHOLD
 from infinity.sizes import parse_bytes
 
 _AUTO = "auto"
@@ -456,9 +457,11 @@ class InfinitySection:
         _set(self, "host_memory_budget", _size(f"{p}.host_memory_budget", self.host_memory_budget))
         _set(self, "malloc_mmap_threshold",
              _size(f"{p}.malloc_mmap_threshold", self.malloc_mmap_threshold, lo=1))
-        if self.malloc_mmap_threshold is not None and self.malloc_mmap_threshold > 32 << 20:
+        if self.malloc_mmap_threshold is not None and \
+                self.malloc_mmap_threshold > GLIBC_MAX_THRESHOLD:
             raise ConfigError(f"{p}.malloc_mmap_threshold = {self.malloc_mmap_threshold}: glibc "
-                              "accepts at most 32 MiB (33554432); use null to leave malloc alone")
+                              f"accepts at most 32 MiB ({GLIBC_MAX_THRESHOLD}); use null to leave "
+                              "malloc alone")
         _set(self, "device_memory_budget", _size(f"{p}.device_memory_budget", self.device_memory_budget))
         _choice(f"{p}.early_step", self.early_step, ("auto", "on", "off"))
         if self.unit_modules is not None:

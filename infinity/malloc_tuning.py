@@ -26,6 +26,19 @@ GLIBC_MAX_THRESHOLD = 32 << 20  # HEAP_MAX_SIZE / 2 on 64-bit glibc
 _applied: int | None = None
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (it has ``gnu_get_libc_version``), else None; loaded once."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        try:
+            lib = ctypes.CDLL(name) if name else None
+        except OSError:
+            lib = None
+        _libc = lib if lib is not None and hasattr(lib, "gnu_get_libc_version") else False
+    return _libc or None
+
+
 def set_mmap_threshold(nbytes: int) -> bool:
     """Pin glibc's mmap threshold at ``nbytes``; False (with a log line) where it cannot be set."""
     global _applied
@@ -34,18 +47,12 @@ def set_mmap_threshold(nbytes: int) -> bool:
     if not 0 < nbytes <= GLIBC_MAX_THRESHOLD:
         raise ValueError(f"malloc_mmap_threshold = {nbytes} bytes: glibc accepts 1 byte to "
                          f"{GLIBC_MAX_THRESHOLD} bytes (32 MiB); use null to leave malloc alone")
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None) if libc is not None else None
-        version = getattr(libc, "gnu_get_libc_version", None) if libc is not None else None
-    except OSError:
-        mallopt = version = None
-    if mallopt is None or version is None:
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallopt"):
         log.info("malloc_mmap_threshold: not a glibc system, malloc left as it is")
         return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    if mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
+    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    if libc.mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
         log.warning("malloc_mmap_threshold: glibc refused %d bytes; malloc left as it is", nbytes)
         return False
     _applied = nbytes
@@ -55,15 +62,9 @@ def set_mmap_threshold(nbytes: int) -> bool:
 
 def trim() -> None:
     """Give the heap's free pages back to the system (glibc ``malloc_trim``); no-op elsewhere."""
-    global _trim
-    if _trim is None:
-        name = ctypes.util.find_library("c")
-        try:
-            _trim = getattr(ctypes.CDLL(name), "malloc_trim", False) if name else False
-        except OSError:
-            _trim = False
-    if _trim:
-        _trim(0)
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
-_trim = None
+_libc: ctypes.CDLL | bool | None = None   # False: not glibc

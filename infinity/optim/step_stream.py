@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         SubGroup,
         UnitOptimState,
     )
+    from infinity.storage.buffer_pool import Slot
 
 READ_AHEAD = 2       # sub-groups whose reads are in flight ahead of the one being stepped
 WRITES_BEHIND = 2    # sub-groups whose writes may still be in flight
@@ -164,10 +165,7 @@ class StepStream:
         needed = sum(not store.resident for store in stores.values())
         slots = []
         while len(slots) < needed:
-            slot = pool.try_acquire()
-            while slot is None and self._writes:
-                self._retire()
-                slot = pool.try_acquire()
+            slot = self._free_slot()
             if slot is None and self._loads:
                 for taken in slots:          # step what is loaded first; it frees slots
                     pool.release(taken)
@@ -240,15 +238,19 @@ class StepStream:
         if store.resident:
             store.tensor[start:start + n].copy_(values)
             return
+        slot = self._free_slot() or self.opt.step_pool.acquire(timeout=600.0)
+        buf = slot.view(store.dtype, padded_numel(n, store.dtype))
+        buf[:n].copy_(values)
+        writes.append((store.store_async(buf, start, n), slot))
+
+    def _free_slot(self) -> Slot | None:
+        """A free slot without blocking: retire writes (oldest first) until one is free; None
+        when every slot is held by reads or the sub-group being stepped."""
         slot = self.opt.step_pool.try_acquire()
         while slot is None and self._writes:
             self._retire()
             slot = self.opt.step_pool.try_acquire()
-        if slot is None:
-            slot = self.opt.step_pool.acquire(timeout=600.0)
-        buf = slot.view(store.dtype, padded_numel(n, store.dtype))
-        buf[:n].copy_(values)
-        writes.append((store.store_async(buf, start, n), slot))
+        return slot
 
     def _retire(self) -> None:
         job, entries = self._writes.popleft()
