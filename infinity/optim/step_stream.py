@@ -136,12 +136,15 @@ class StepStream:
                 self._retire()
             return
         loaded = self._loads.popleft()
+        # the sub-group's slots, then its writes as they are issued: on an error the writes
+        # already in flight are waited out before their slots go back (a slot reused while
+        # the disk still reads from it would put garbage in another unit's states)
+        writes: list = [(None, slot) for _, slot in loaded.requests]
         try:
             self.opt.manager.wait(*[r for r, _ in loaded.requests])
-            writes = self._step(loaded)
+            self._step(loaded, writes)
         except BaseException:
-            for _, slot in loaded.requests:
-                self.opt.step_pool.release(slot)
+            self._abandon(writes)
             raise
         self._writes.append((loaded.job, writes))
         while len(self._writes) > WRITES_BEHIND:
@@ -185,8 +188,21 @@ class StepStream:
         self._loads.append(loaded)
         return True
 
-    def _step(self, loaded: _Loaded) -> list:
-        """Adam on one sub-group and the writes of its results (returned, in flight)."""
+    def _abandon(self, writes: list) -> None:
+        """A sub-group failed: wait for its issued writes (errors ignored, the first one is
+        already on its way), then free its slots."""
+        for req, _ in writes:
+            if req is not None:
+                try:
+                    self.opt.manager.wait(req)
+                except BaseException:  # noqa: BLE001
+                    pass
+        for _, slot in writes:
+            if slot is not None:
+                self.opt.step_pool.release(slot)
+
+    def _step(self, loaded: _Loaded, writes: list) -> None:
+        """Adam on one sub-group; the writes of its results are appended to ``writes``."""
         opt, job, group = self.opt, loaded.job, loaded.group
         state, unit = job.state, job.state.unit
         start, end, n = group.start, group.end, group.end - group.start
@@ -197,7 +213,6 @@ class StepStream:
         if state.master is not None and unit.dtype != torch.float32:
             half = torch.empty(n, dtype=unit.dtype)
         opt._kernel(state, start, end, param, grad, t["m"], t["v"], job.grad_scale, half)
-        writes: list = [(None, slot) for _, slot in loaded.requests]
         opt._store(state.exp_avg, t["m"], start, n, writes)
         opt._store(state.exp_avg_sq, t["v"], start, n, writes)
         new = half if half is not None else param
@@ -217,7 +232,6 @@ class StepStream:
                 self._write_values(store, new, start, n, writes)
         if job.early and not job.groups and all(x.job is not job for x in self._loads):
             opt._drop_grad_buffer(state)   # its last kernel ran: the gradient slot is free
-        return writes
 
     def _write_params(self, unit, start: int, n: int, writes: list) -> None:
         """Early step: the unit's updated device copy goes to its home."""
@@ -239,9 +253,10 @@ class StepStream:
             store.tensor[start:start + n].copy_(values)
             return
         slot = self._free_slot() or self.opt.step_pool.acquire(timeout=600.0)
+        writes.append((None, slot))        # the slot is the sub-group's from here on
         buf = slot.view(store.dtype, padded_numel(n, store.dtype))
         buf[:n].copy_(values)
-        writes.append((store.store_async(buf, start, n), slot))
+        writes.append((store.store_async(buf, start, n), None))
 
     def _free_slot(self) -> Slot | None:
         """A free slot without blocking: retire writes (oldest first) until one is free; None

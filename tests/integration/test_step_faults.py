@@ -41,3 +41,67 @@ def test_write_error_in_a_step_is_raised_at_step_and_close_cleans_up(disk_dir, m
         engine.close()
     swap_dirs = [d for d in os.listdir(disk_dir) if d.startswith("infinity-swap")]
     assert swap_dirs == [], f"close() left {swap_dirs} in {disk_dir}"
+
+
+class _TrackedRequest:
+    """A write request that remembers whether anyone waited for it."""
+
+    def __init__(self, request, buf: torch.Tensor) -> None:
+        self.request = request
+        self.start = buf.data_ptr()
+        self.end = self.start + buf.numel() * buf.element_size()
+        self.waited = False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self.request.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.request, name)
+
+
+@pytest.mark.parametrize("schedule", ["on", "off"])
+def test_a_failed_sub_group_waits_its_issued_writes_before_freeing_slots(disk_dir, monkeypatch,
+                                                                          schedule) -> None:
+    """exp_avg's write is issued, then exp_avg_sq's fails: the slot that exp_avg is written
+    from must not go back to the pool (and be refilled) while that write may be in flight."""
+    from infinity.storage.buffer_pool import BufferPool
+
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=schedule)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = torch.randint(0, VOCAB, (1, 8))
+
+    issued: list[_TrackedRequest] = []
+    freed_early: list[str] = []
+    original_store = FlatStore.store_async
+    original_release = BufferPool.release
+
+    def tracking_store(self, buf, start=0, count=None):
+        if self.name.endswith(".exp_avg_sq"):
+            raise OSError(5, "injected EIO", self.name)
+        request = _TrackedRequest(original_store(self, buf, start, count), buf)
+        issued.append(request)
+        return request
+
+    def checking_release(self, slot):
+        lo = slot.buffer.data_ptr()
+        hi = lo + slot.buffer.numel()
+        freed_early.extend(f"slot {slot.index} of {self.name}" for r in issued
+                           if not r.waited and r.start < hi and lo < r.end)
+        return original_release(self, slot)
+
+    monkeypatch.setattr(FlatStore, "store_async", tracking_store)
+    monkeypatch.setattr(BufferPool, "release", checking_release)
+    try:
+        with pytest.raises(OSError, match="injected EIO"):
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+    finally:
+        monkeypatch.setattr(FlatStore, "store_async", original_store)
+        monkeypatch.setattr(BufferPool, "release", original_release)
+        engine.close()
+    assert any(r.waited for r in issued), "the injected failure came before any write"
+    assert freed_early == [], f"freed while a write from it was in flight: {freed_early}"
