@@ -451,6 +451,13 @@ class InfinitySection:
     """glibc: host allocations of at least this size are mapped and unmapped on their own (and
     the heap is trimmed after each step), so freed gradients and activations go back to the
     system instead of fragmenting the heap (peak RSS); None = leave malloc alone."""
+    offload_activations: Literal["none", "nvme"] = "none"
+    """"nvme": tensors the training forward saves for backward go to the swap space and are read
+    back (ahead) in backward, so memory stops growing with depth; "none" keeps them in memory."""
+    activation_min_bytes: int = 256 * 1024
+    """Saved tensors smaller than this stay in memory (offload_activations "nvme")."""
+    activation_read_ahead: int = 64 * 1024 * 1024
+    """Bytes of swapped activations read ahead of backward (offload_activations "nvme")."""
 
     def __post_init__(self) -> None:
         p = "infinity"
@@ -472,6 +479,13 @@ class InfinitySection:
                                   "module class names, e.g. [\"LlamaDecoderLayer\"]")
             _set(self, "unit_modules", tuple(names))
         _choice(f"{p}.compute_dtype", self.compute_dtype, ("auto", "fp32", "bf16", "fp16"))
+        _choice(f"{p}.offload_activations", self.offload_activations, ("none", "nvme"))
+        for name, lo in (("activation_min_bytes", 1), ("activation_read_ahead", 0)):
+            value = _size(f"{p}.{name}", getattr(self, name), lo=lo)
+            if value is None:
+                raise ConfigError(f"{p}.{name} needs a size (e.g. \"1MiB\"), got "
+                                  f"{getattr(self, name)!r}")
+            _set(self, name, value)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -24,6 +24,8 @@ from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier, deeper
 from infinity.engine_sizing import COMPUTE_DTYPES, EngineSizes, derive, resolve_sizes
+from infinity.sizes import format_bytes
+from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.coordinator import Coordinator
 from infinity.zero.init import register_engine
 from infinity.zero.materialize import materialize_params
@@ -93,6 +95,10 @@ class Engine:
             device_budget=MemoryBudget("device", self.sizes.device_budget),
             nvme_path=nvme_path, aio_config=self.config.aio, device=self.device)
         self.manager.nvme_reserve_bytes = self.sizes.nvme_bytes
+        if self.config.infinity.offload_activations == "nvme" and nvme_path is None:
+            raise ValueError("infinity.offload_activations is \"nvme\" but no swap directory is "
+                             "configured: set zero_optimization.offload_param.nvme_path or "
+                             "offload_optimizer.nvme_path")
         try:
             self._build(model, specs, groups, lr_scheduler)
         except BaseException:
@@ -145,10 +151,26 @@ class Engine:
             on_unit_backward_done=self.optimizer.on_unit_backward_done,
             reap=self.optimizer.reap)
         self.coordinator.install()
+        self.activation_swapper = self._activation_swapper()
         register_engine(self)
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
         self._step_started = None
         self._last_stats: dict[str, float] = {}
+
+    def _activation_swapper(self) -> ActivationSwapper | None:
+        """The swapper of saved activations when ``infinity.offload_activations`` is "nvme"."""
+        section = self.config.infinity
+        if section.offload_activations != "nvme":
+            return None
+        storages = {p.untyped_storage()._cdata for p in self.module.parameters()}
+        swapper = ActivationSwapper(
+            self.manager, min_bytes=section.activation_min_bytes,
+            read_ahead_bytes=section.activation_read_ahead,
+            is_parameter_storage=lambda t: t.untyped_storage()._cdata in storages)
+        log.info("saved activations of >= %s go to NVMe (read ahead %s)",
+                 format_bytes(section.activation_min_bytes),
+                 format_bytes(section.activation_read_ahead))
+        return swapper
 
     # -- training API ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -160,6 +182,10 @@ class Engine:
             self.manager.counters.reset()
             self.optimizer.timers.reset()
         self.coordinator.begin_forward(self.module.training)
+        if self.activation_swapper is not None and self.module.training and \
+                torch.is_grad_enabled():
+            with self.activation_swapper.hooks():
+                return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
@@ -251,6 +277,8 @@ class Engine:
                 self.coordinator.remove()
         finally:
             try:
+                if getattr(self, "activation_swapper", None) is not None:
+                    self.activation_swapper.close()
                 if getattr(self, "optimizer", None) is not None:
                     self.optimizer.close()
             finally:

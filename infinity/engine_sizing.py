@@ -15,6 +15,7 @@ from infinity.optim.partitioned import step_slot_count
 from infinity.planner import DerivedSizes, ModelStats, derive_sizes, detect_hardware
 from infinity.storage.manager import padded_numel
 from infinity.storage.tiers import Tier
+from infinity.zero.activation_swap import ACTIVATION_STAGING_BYTES
 from infinity.zero.partition import UnitSpec
 
 
@@ -89,6 +90,8 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         grad_tier = Tier.NVME
     if early_step or grad_tier is Tier.NVME:
         host += 2 * max_trainable * 4
+    if cfg.infinity.offload_activations == "nvme":
+        host += ACTIVATION_STAGING_BYTES
     if streamed:
         # The optimizer slots get what the other pools leave of the host budget (the planner
         # sized the sub-group for its own count of slots, which the deferred schedule exceeds).

@@ -1,0 +1,264 @@
+"""Activations saved for backward, swapped to NVMe during the forward and read back in backward.
+
+Why: with parameters and optimizer states streamed from NVMe, what still grows with depth is the
+activations autograd saves for backward: ~22 MB a Llama layer of width 2048 at 128 tokens, the
+bulk of the peak-memory growth between a 7- and an 18-layer model (tools/bench/out_of_core.py).
+On a CPU-only machine the device *is* host memory, so the only deeper tier is the disk. This is
+what ZeRO-Infinity's activation checkpoint offload does for GPUs, applied to every saved tensor
+through ``torch.autograd.graph.saved_tensors_hooks``: no model change, no recomputation.
+
+[Note: what is swapped]
+``pack`` keeps in memory what would not pay or must not move: tensors under ``min_bytes``, and
+any tensor whose storage is a parameter's (a unit's flat buffer: released after the forward and
+fetched again for the backward by the coordinator, so saving it again would double the I/O and
+could read a released buffer). Everything else is copied into a page-aligned staging chunk and
+written to an extent of the swap space; autograd keeps only the small ``_Swapped`` handle. A
+tensor saved several times in one forward (the input of q, k and v projections) is written once:
+handles are shared while the same tensor object, unmodified (same ``_version``), is saved again.
+
+[Note: reading back]
+Backward unpacks roughly in the reverse order of packing, so each unpack also issues the reads of
+the handles packed just before it, up to ``read_ahead`` bytes in flight or loaded. A handle read
+out of order is read on the spot: correct, just not overlapped. A read waits for the handle's own
+writes first. Reads land in fresh aligned buffers that are handed to autograd as they are (no
+copy); the extent is freed when autograd drops the handle (after its node ran, or when the graph
+is freed without a backward), so ``retain_graph=True`` reads it again from disk.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from infinity.io.buffers import aligned_empty
+from infinity.log import get_logger
+from infinity.sizes import format_bytes
+from infinity.storage.manager import ALIGN_BYTES, TierManager
+
+log = get_logger("activations")
+
+STAGING_CHUNK_BYTES = 4 << 20
+STAGING_CHUNKS = 8
+ACTIVATION_STAGING_BYTES = STAGING_CHUNK_BYTES * STAGING_CHUNKS   # host, counted in its budget
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+@dataclass(eq=False)
+class _Record:
+    """A swapped tensor's state, kept apart from the handle so the handle's finalizer can use it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int
+    extent: object | None = None
+    writes: list = field(default_factory=list)     # requests that must land before a read
+    read: object | None = None                     # the read in flight into ``buffer``
+    buffer: torch.Tensor | None = None             # read (ahead) and not yet handed out
+    position: int = -1
+
+
+class _Swapped:
+    """What autograd keeps for a swapped tensor."""
+
+    __slots__ = ("record", "__weakref__")
+
+    def __init__(self, record: _Record) -> None:
+        self.record = record
+
+
+@dataclass
+class ActivationStats:
+    """Saved tensors handled since the last reset (bytes are unpadded tensor bytes)."""
+
+    swapped: int = 0
+    swapped_bytes: int = 0
+    shared: int = 0            # saves answered by a handle of the same tensor
+    kept: int = 0              # small tensors and parameter storages left in memory
+    kept_bytes: int = 0
+    read_ahead_hits: int = 0   # unpacks whose read had been issued before
+    read_misses: int = 0
+
+    def reset(self) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, 0)
+
+
+class ActivationSwapper:
+    """Swaps saved activations to the manager's swap space (see the notes above)."""
+
+    def __init__(self, manager: TierManager, *, min_bytes: int, read_ahead_bytes: int,
+                 is_parameter_storage: Callable[[torch.Tensor], bool]) -> None:
+        self.manager = manager
+        self.min_bytes = min_bytes
+        self.read_ahead_bytes = read_ahead_bytes
+        self._is_parameter_storage = is_parameter_storage
+        self._lock = threading.RLock()
+        self._staging = [manager.host_empty(STAGING_CHUNK_BYTES, torch.uint8,
+                                            what=f"activation staging chunk {i}")
+                         for i in range(STAGING_CHUNKS)]
+        self._free_chunks = list(range(STAGING_CHUNKS))
+        self._writes: deque[tuple[object, int]] = deque()   # (request, staging chunk)
+        self._order: list[weakref.ref] = []                  # records by pack position
+        self._shared: dict[int, tuple[weakref.ref, int, _Swapped]] = {}
+        self._ahead_low = 0            # lowest position whose read was issued in this backward
+        self._ahead_bytes = 0          # bytes read ahead and not yet handed out
+        self._live = 0
+        self.stats = ActivationStats()
+        self.closed = False
+
+    # -- the hooks -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """Swap the tensors autograd saves inside the block (a training forward)."""
+        with self._lock:
+            if self._live == 0:
+                self._order.clear()
+            self._shared.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            with self._lock:
+                self._shared.clear()   # a later forward's saves are new tensors
+                self._ahead_low = len(self._order)   # the next backward reads from the top
+
+    def _pack(self, tensor: torch.Tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < self.min_bytes or tensor.layout is not torch.strided or \
+                self._is_parameter_storage(tensor):
+            self.stats.kept += 1
+            self.stats.kept_bytes += nbytes
+            return tensor
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("the activation swapper is closed (engine.close() was called); "
+                                   "run the forward before closing the engine")
+            seen = self._shared.get(id(tensor))
+            if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+                self.stats.shared += 1
+                return seen[2]
+            handle = self._swap_out(tensor, nbytes)
+            self._shared[id(tensor)] = (weakref.ref(tensor), tensor._version, handle)
+            return handle
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Swapped):
+            return packed
+        record = packed.record
+        with self._lock:
+            if record.buffer is None:
+                self.stats.read_misses += 1
+                self._read(record)
+            else:
+                self.stats.read_ahead_hits += 1
+            buffer, request = record.buffer, record.read
+            record.buffer, record.read = None, None
+            self._ahead_bytes -= _round_up(record.nbytes)
+            self._read_ahead(record.position)
+        self.manager.wait(request)
+        out = buffer.view(record.dtype)[: record.shape.numel()].view(record.shape)
+        return out if record.device.type == "cpu" else out.to(record.device, non_blocking=False)
+
+    # -- writing ---------------------------------------------------------------------------
+    def _swap_out(self, tensor: torch.Tensor, nbytes: int) -> _Swapped:
+        padded = _round_up(nbytes)
+        record = _Record(tensor.shape, tensor.dtype, tensor.device, nbytes)
+        record.extent = self.manager.swap.allocate(padded, tag="activation")
+        handle = _Swapped(record)
+        self._live += 1
+        weakref.finalize(handle, self._forget, record)
+        flat = tensor.detach().reshape(-1).view(torch.uint8) if tensor.is_contiguous() else \
+            tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        for offset in range(0, nbytes, STAGING_CHUNK_BYTES):
+            count = min(STAGING_CHUNK_BYTES, nbytes - offset)
+            chunk = self._take_chunk()
+            staging = self._staging[chunk]
+            staging[:count].copy_(flat[offset:offset + count])
+            span = _round_up(count)
+            try:
+                request = self.manager.swap.write(record.extent, staging[:span], offset, span)
+            except BaseException:
+                self._free_chunks.append(chunk)
+                raise
+            self.manager.counters.nvme_write_bytes += span
+            self._writes.append((request, chunk))
+            record.writes.append(request)
+        record.position = len(self._order)
+        self._order.append(weakref.ref(record))
+        self.stats.swapped += 1
+        self.stats.swapped_bytes += nbytes
+        return handle
+
+    def _take_chunk(self) -> int:
+        while not self._free_chunks:
+            self._retire_write()
+        return self._free_chunks.pop()
+
+    def _retire_write(self) -> None:
+        request, chunk = self._writes.popleft()
+        try:
+            self.manager.wait(request)
+        finally:
+            self._free_chunks.append(chunk)
+
+    # -- reading ---------------------------------------------------------------------------
+    def _read(self, record: _Record) -> None:
+        """Issue ``record``'s read into a fresh aligned buffer (its writes waited first)."""
+        if record.extent is None:
+            raise RuntimeError("a swapped activation was unpacked after the swapper closed")
+        self.manager.wait(*record.writes)
+        record.writes.clear()
+        padded = _round_up(record.nbytes)
+        record.buffer = aligned_empty(padded, pin=record.device.type != "cpu")
+        record.read = self.manager.swap.read(record.extent, record.buffer, 0, padded)
+        self.manager.counters.nvme_read_bytes += padded
+        self._ahead_bytes += padded
+
+    def _read_ahead(self, position: int) -> None:
+        """Issue reads of the records packed before ``position`` while the window has room."""
+        index = min(position, self._ahead_low) - 1
+        while index >= 0 and self._ahead_bytes < self.read_ahead_bytes:
+            record = self._order[index]()
+            if record is not None and record.buffer is None and record.extent is not None:
+                self._read(record)
+            index -= 1
+        self._ahead_low = index + 1
+
+    # -- lifetime --------------------------------------------------------------------------
+    def _forget(self, record: _Record) -> None:
+        """The handle is gone: wait its I/O, free its extent (any thread, via the finalizer)."""
+        with self._lock:
+            self._live -= 1
+            pending = [r for r in (*record.writes, record.read) if r is not None]
+            for request in pending:
+                with contextlib.suppress(BaseException):
+                    request.wait()
+            if record.buffer is not None:
+                self._ahead_bytes -= _round_up(record.nbytes)
+            record.writes, record.read, record.buffer = [], None, None
+            if record.extent is not None and not self.closed:
+                self.manager.swap.free(record.extent)
+            record.extent = None
+
+    def close(self) -> None:
+        """Wait the writes in flight; later unpacks raise (the swap space goes with the engine)."""
+        with self._lock:
+            while self._writes:
+                with contextlib.suppress(BaseException):
+                    self._retire_write()
+            self.closed = True
+
+    def describe(self) -> str:
+        s = self.stats
+        return (f"{s.swapped} activations swapped ({format_bytes(s.swapped_bytes)}), "
+                f"{s.shared} shared, {s.kept} kept in memory ({format_bytes(s.kept_bytes)}), "
+                f"read ahead {s.read_ahead_hits}, read on demand {s.read_misses}")
