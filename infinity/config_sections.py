@@ -456,8 +456,19 @@ class InfinitySection:
     back (ahead) in backward, so memory stops growing with depth; "none" keeps them in memory."""
     activation_min_bytes: int = 256 * 1024
     """Saved tensors smaller than this stay in memory (offload_activations "nvme")."""
-    activation_read_ahead: int = 64 * 1024 * 1024
-    """Bytes of swapped activations read ahead of backward (offload_activations "nvme")."""
+    activation_window: int = 64 * 1024 * 1024
+    """Bytes of swapped activations in memory at a time (offload_activations "nvme"): the newest
+    ones are held at the end of the forward, then reads run this far ahead of backward."""
+
+    @property
+    def mmap_threshold_in_use(self) -> int | None:
+        """The malloc threshold the engine sets: with activations offloaded, at most
+        ``activation_min_bytes``, so the memory of tensors that leave for NVMe goes back to
+        the system instead of staying in the heap (peak RSS grew ~11 MB a layer without)."""
+        threshold = self.malloc_mmap_threshold
+        if threshold is not None and self.offload_activations == "nvme":
+            return min(threshold, self.activation_min_bytes)
+        return threshold
 
     def __post_init__(self) -> None:
         p = "infinity"
@@ -480,7 +491,7 @@ class InfinitySection:
             _set(self, "unit_modules", tuple(names))
         _choice(f"{p}.compute_dtype", self.compute_dtype, ("auto", "fp32", "bf16", "fp16"))
         _choice(f"{p}.offload_activations", self.offload_activations, ("none", "nvme"))
-        for name, lo in (("activation_min_bytes", 1), ("activation_read_ahead", 0)):
+        for name, lo in (("activation_min_bytes", 1), ("activation_window", 0)):
             value = _size(f"{p}.{name}", getattr(self, name), lo=lo)
             if value is None:
                 raise ConfigError(f"{p}.{name} needs a size (e.g. \"1MiB\"), got "

@@ -59,8 +59,8 @@ class Engine:
                  config: str | Path | Mapping[str, Any] | InfinityConfig | None,
                  lr_scheduler: Any = None) -> None:
         self.config = InfinityConfig.load(config or {})
-        if self.config.infinity.malloc_mmap_threshold is not None:
-            set_mmap_threshold(self.config.infinity.malloc_mmap_threshold)
+        if self.config.infinity.mmap_threshold_in_use is not None:
+            set_mmap_threshold(self.config.infinity.mmap_threshold_in_use)
         self.module = model
         self.device = _model_device(model)
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
@@ -165,11 +165,11 @@ class Engine:
         storages = {p.untyped_storage()._cdata for p in self.module.parameters()}
         swapper = ActivationSwapper(
             self.manager, min_bytes=section.activation_min_bytes,
-            read_ahead_bytes=section.activation_read_ahead,
+            window_bytes=section.activation_window,
             is_parameter_storage=lambda t: t.untyped_storage()._cdata in storages)
-        log.info("saved activations of >= %s go to NVMe (read ahead %s)",
+        log.info("saved activations of >= %s go to NVMe (%s of them in memory at a time)",
                  format_bytes(section.activation_min_bytes),
-                 format_bytes(section.activation_read_ahead))
+                 format_bytes(section.activation_window))
         return swapper
 
     # -- training API ----------------------------------------------------------------------
@@ -215,7 +215,7 @@ class Engine:
             self.lr_scheduler.step()
         self.global_steps += 1
         self._record_stats()
-        if self.config.infinity.malloc_mmap_threshold is not None:
+        if self.config.infinity.mmap_threshold_in_use is not None:
             trim()
 
     def _record_stats(self) -> None:

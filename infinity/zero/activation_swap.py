@@ -5,7 +5,8 @@ activations autograd saves for backward: ~22 MB a Llama layer of width 2048 at 1
 bulk of the peak-memory growth between a 7- and an 18-layer model (tools/bench/out_of_core.py).
 On a CPU-only machine the device *is* host memory, so the only deeper tier is the disk. This is
 what ZeRO-Infinity's activation checkpoint offload does for GPUs, applied to every saved tensor
-through ``torch.autograd.graph.saved_tensors_hooks``: no model change, no recomputation.
+through ``torch.autograd.graph.saved_tensors_hooks``: no model change, no recomputation. About
+``window`` bytes of them are in memory at any time (the held tail, then the reads ahead).
 
 [Note: what is swapped]
 ``pack`` keeps in memory what would not pay or must not move: tensors under ``min_bytes``, and
@@ -16,13 +17,24 @@ written to an extent of the swap space; autograd keeps only the small ``_Swapped
 tensor saved several times in one forward (the input of q, k and v projections) is written once:
 handles are shared while the same tensor object, unmodified (same ``_version``), is saved again.
 
+[Note: the held tail]
+The last tensors a forward saves are the first its backward needs, so writing them only to read
+them back at once would put the disk on the critical path at the turn. ``pack`` therefore holds
+each new tensor as it is (a reference, no copy) and writes out the oldest held ones once more
+than ``window`` bytes are held: at the end of the forward the newest ``window`` bytes are still
+in memory, and the backward starts on them while the reads of older ones begin. A held tensor
+is checked against its ``_version`` when it is written or handed back: one modified in place
+after it was saved raises at unpack, as autograd itself would.
+
 [Note: reading back]
 Backward unpacks roughly in the reverse order of packing, so each unpack also issues the reads of
-the handles packed just before it, up to ``read_ahead`` bytes in flight or loaded. A handle read
-out of order is read on the spot: correct, just not overlapped. A read waits for the handle's own
-writes first. Reads land in fresh aligned buffers that are handed to autograd as they are (no
-copy); the extent is freed when autograd drops the handle (after its node ran, or when the graph
-is freed without a backward), so ``retain_graph=True`` reads it again from disk.
+the handles packed just before it, up to ``window`` bytes read and not yet handed out. A handle
+read out of order is read on the spot: correct, just not overlapped. A read waits for the
+handle's own writes first. Reads land in fresh aligned buffers handed to autograd as they are
+(no copy). A handle saved n times keeps its buffer until its n-th unpack (the q, k and v
+projections read the same input); the extent is freed when autograd drops the handle (after its
+node ran, or when the graph is freed without a backward), so ``retain_graph=True`` reads it
+again from disk.
 """
 from __future__ import annotations
 
@@ -62,7 +74,12 @@ class _Record:
     extent: object | None = None
     writes: list = field(default_factory=list)     # requests that must land before a read
     read: object | None = None                     # the read in flight into ``buffer``
-    buffer: torch.Tensor | None = None             # read (ahead) and not yet handed out
+    buffer: torch.Tensor | None = None             # read (ahead), kept until its last use
+    held: torch.Tensor | None = None               # the saved tensor itself, not written yet
+    version: int = 0                               # the held tensor's _version when saved
+    stale: bool = False                            # modified in place after it was saved
+    uses: int = 1                                  # times saved (shared handles) ...
+    uses_left: int = 1                             # ... and unpacks left before the buffer goes
     position: int = -1
 
 
@@ -79,11 +96,14 @@ class _Swapped:
 class ActivationStats:
     """Saved tensors handled since the last reset (bytes are unpadded tensor bytes)."""
 
-    swapped: int = 0
+    swapped: int = 0           # saved tensors taken over (held, then written unless needed first)
     swapped_bytes: int = 0
+    written: int = 0           # of those, written to NVMe
+    written_bytes: int = 0
     shared: int = 0            # saves answered by a handle of the same tensor
     kept: int = 0              # small tensors and parameter storages left in memory
     kept_bytes: int = 0
+    held_hits: int = 0         # unpacks of tensors still held (never written)
     read_ahead_hits: int = 0   # unpacks whose read had been issued before
     read_misses: int = 0
 
@@ -95,11 +115,11 @@ class ActivationStats:
 class ActivationSwapper:
     """Swaps saved activations to the manager's swap space (see the notes above)."""
 
-    def __init__(self, manager: TierManager, *, min_bytes: int, read_ahead_bytes: int,
+    def __init__(self, manager: TierManager, *, min_bytes: int, window_bytes: int,
                  is_parameter_storage: Callable[[torch.Tensor], bool]) -> None:
         self.manager = manager
         self.min_bytes = min_bytes
-        self.read_ahead_bytes = read_ahead_bytes
+        self.window_bytes = window_bytes
         self._is_parameter_storage = is_parameter_storage
         self._lock = threading.RLock()
         self._staging = [manager.host_empty(STAGING_CHUNK_BYTES, torch.uint8,
@@ -107,10 +127,12 @@ class ActivationSwapper:
                          for i in range(STAGING_CHUNKS)]
         self._free_chunks = list(range(STAGING_CHUNKS))
         self._writes: deque[tuple[object, int]] = deque()   # (request, staging chunk)
+        self._held: dict[int, _Record] = {}                  # by id, oldest first
+        self._held_bytes = 0
         self._order: list[weakref.ref] = []                  # records by pack position
         self._shared: dict[int, tuple[weakref.ref, int, _Swapped]] = {}
-        self._ahead_low = 0            # lowest position whose read was issued in this backward
-        self._ahead_bytes = 0          # bytes read ahead and not yet handed out
+        self._ahead_low = 0            # lowest position considered for read-ahead this backward
+        self._ahead_bytes = 0          # bytes read and not yet given up
         self._live = 0
         self.stats = ActivationStats()
         self.closed = False
@@ -145,9 +167,13 @@ class ActivationSwapper:
             seen = self._shared.get(id(tensor))
             if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
                 self.stats.shared += 1
+                seen[2].record.uses += 1
+                seen[2].record.uses_left += 1
                 return seen[2]
-            handle = self._swap_out(tensor, nbytes)
+            handle = self._hold(tensor, nbytes)
             self._shared[id(tensor)] = (weakref.ref(tensor), tensor._version, handle)
+            while self._held_bytes > self.window_bytes:
+                self._write_oldest_held()
             return handle
 
     def _unpack(self, packed):
@@ -155,27 +181,62 @@ class ActivationSwapper:
             return packed
         record = packed.record
         with self._lock:
-            if record.buffer is None:
-                self.stats.read_misses += 1
-                self._read(record)
+            record.uses_left -= 1
+            if record.held is not None:
+                if record.held._version != record.version:
+                    record.stale = True
+                out = record.held
+                self.stats.held_hits += 1
             else:
-                self.stats.read_ahead_hits += 1
-            buffer, request = record.buffer, record.read
-            record.buffer, record.read = None, None
-            self._ahead_bytes -= _round_up(record.nbytes)
+                out = None
+                if record.buffer is None:
+                    self.stats.read_misses += 1
+                    self._read(record)
+                else:
+                    self.stats.read_ahead_hits += 1
+                buffer, request = record.buffer, record.read
+                record.read = None
+                if record.uses_left <= 0:     # its last use: the buffer is autograd's now
+                    record.buffer = None
+                    self._ahead_bytes -= _round_up(record.nbytes)
             self._read_ahead(record.position)
+        if record.stale:
+            raise RuntimeError(
+                f"a tensor of shape {tuple(record.shape)} saved for backward was modified in "
+                "place after it was saved; autograd cannot compute this gradient (clone it "
+                "before the in-place op)")
+        if out is not None:
+            return out
         self.manager.wait(request)
         out = buffer.view(record.dtype)[: record.shape.numel()].view(record.shape)
         return out if record.device.type == "cpu" else out.to(record.device, non_blocking=False)
 
     # -- writing ---------------------------------------------------------------------------
-    def _swap_out(self, tensor: torch.Tensor, nbytes: int) -> _Swapped:
-        padded = _round_up(nbytes)
-        record = _Record(tensor.shape, tensor.dtype, tensor.device, nbytes)
-        record.extent = self.manager.swap.allocate(padded, tag="activation")
+    def _hold(self, tensor: torch.Tensor, nbytes: int) -> _Swapped:
+        record = _Record(tensor.shape, tensor.dtype, tensor.device, nbytes,
+                         held=tensor, version=tensor._version)
         handle = _Swapped(record)
         self._live += 1
         weakref.finalize(handle, self._forget, record)
+        record.position = len(self._order)
+        self._order.append(weakref.ref(record))
+        self._held[id(record)] = record
+        self._held_bytes += nbytes
+        self.stats.swapped += 1
+        self.stats.swapped_bytes += nbytes
+        return handle
+
+    def _write_oldest_held(self) -> None:
+        record = self._held.pop(next(iter(self._held)))
+        tensor, record.held = record.held, None
+        self._held_bytes -= record.nbytes
+        if tensor._version != record.version:
+            record.stale = True            # raised when backward unpacks it
+            return
+        nbytes, padded = record.nbytes, _round_up(record.nbytes)
+        self.stats.written += 1
+        self.stats.written_bytes += nbytes
+        record.extent = self.manager.swap.allocate(padded, tag="activation")
         flat = tensor.detach().reshape(-1).view(torch.uint8) if tensor.is_contiguous() else \
             tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         for offset in range(0, nbytes, STAGING_CHUNK_BYTES):
@@ -192,11 +253,6 @@ class ActivationSwapper:
             self.manager.counters.nvme_write_bytes += span
             self._writes.append((request, chunk))
             record.writes.append(request)
-        record.position = len(self._order)
-        self._order.append(weakref.ref(record))
-        self.stats.swapped += 1
-        self.stats.swapped_bytes += nbytes
-        return handle
 
     def _take_chunk(self) -> int:
         while not self._free_chunks:
@@ -226,9 +282,10 @@ class ActivationSwapper:
     def _read_ahead(self, position: int) -> None:
         """Issue reads of the records packed before ``position`` while the window has room."""
         index = min(position, self._ahead_low) - 1
-        while index >= 0 and self._ahead_bytes < self.read_ahead_bytes:
+        while index >= 0 and self._ahead_bytes < self.window_bytes:
             record = self._order[index]()
-            if record is not None and record.buffer is None and record.extent is not None:
+            if record is not None and record.held is None and record.buffer is None and \
+                    record.extent is not None:
                 self._read(record)
             index -= 1
         self._ahead_low = index + 1
@@ -238,13 +295,15 @@ class ActivationSwapper:
         """The handle is gone: wait its I/O, free its extent (any thread, via the finalizer)."""
         with self._lock:
             self._live -= 1
+            if self._held.pop(id(record), None) is not None:
+                self._held_bytes -= record.nbytes
             pending = [r for r in (*record.writes, record.read) if r is not None]
             for request in pending:
                 with contextlib.suppress(BaseException):
                     request.wait()
             if record.buffer is not None:
                 self._ahead_bytes -= _round_up(record.nbytes)
-            record.writes, record.read, record.buffer = [], None, None
+            record.writes, record.read, record.buffer, record.held = [], None, None, None
             if record.extent is not None and not self.closed:
                 self.manager.swap.free(record.extent)
             record.extent = None
@@ -259,6 +318,8 @@ class ActivationSwapper:
 
     def describe(self) -> str:
         s = self.stats
-        return (f"{s.swapped} activations swapped ({format_bytes(s.swapped_bytes)}), "
+        return (f"{s.swapped} activations swapped ({format_bytes(s.swapped_bytes)}; "
+                f"{s.written} written, {format_bytes(s.written_bytes)}), "
                 f"{s.shared} shared, {s.kept} kept in memory ({format_bytes(s.kept_bytes)}), "
-                f"read ahead {s.read_ahead_hits}, read on demand {s.read_misses}")
+                f"held {s.held_hits}, read ahead {s.read_ahead_hits}, "
+                f"read on demand {s.read_misses}")

@@ -70,7 +70,8 @@ def ds_config(nvme_path: str, args: argparse.Namespace, schedule: str) -> dict:
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}},
         "aio": {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth,
                 "thread_count": 1, "single_submit": False, "overlap_events": True},
-        "infinity": {"host_memory_budget": args.host_budget, "early_step": schedule},
+        "infinity": {"host_memory_budget": args.host_budget, "early_step": schedule,
+                     "offload_activations": args.offload_activations},
     }
 
 
@@ -169,6 +170,8 @@ def _ours(spec: dict, res: dict) -> None:
                                    for k in ("read_bytes", "write_bytes")}
         res["swap_bytes_end"] = C.dir_bytes(nvme)
         res["native_info"] = infinity.native_info()
+        if engine.activation_swapper is not None:
+            res["activation_swap"] = engine.activation_swapper.describe()
     finally:
         engine.close()
         os.rmdir(nvme)  # ours (mkdtemp above); engine.close removed its swap files
@@ -525,6 +528,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ds-param-buffer-count", type=int, default=5,
                     help="DeepSpeed offload_param buffer_count (ds_e2e.py's default 5 fails its "
                          "swapper assertion at 18 layers)")
+    ap.add_argument("--offload-activations", choices=("none", "nvme"), default="none",
+                    help="ours: infinity.offload_activations (saved activations to NVMe)")
     ap.add_argument("--skip-deepspeed", action="store_true")
     ap.add_argument("--skip-compute", action="store_true")
     ap.add_argument("--only", default=",".join(KINDS),
