@@ -21,6 +21,7 @@ from infinity.malloc_tuning import set_mmap_threshold, trim
 from infinity.optim.partitioned import PartitionedOptimizer
 from infinity.optim.schedules import build_scheduler
 from infinity.storage.buffer_pool import BufferPool
+from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier, deeper
 from infinity.engine_sizing import COMPUTE_DTYPES, EngineSizes, derive, resolve_sizes
@@ -85,9 +86,12 @@ class Engine:
 
         groups = _param_groups(model, model_parameters, self.config)
         self.early_step = derived.early_step
+        # on a CPU device, parameters are read from NVMe straight into device memory
+        self.direct_fetch = param_tier is Tier.NVME and DeviceMemoryCache.supported(self.device)
         self.sizes: EngineSizes = resolve_sizes(self.config, specs, derived, self.compute_dtype,
                                                 param_tier, optimizer_tier,
-                                                self.master_separate, self.early_step)
+                                                self.master_separate, self.early_step,
+                                                direct_fetch=self.direct_fetch)
         nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
             or self.config.zero.offload_optimizer.nvme_path
         self.manager = TierManager(
@@ -119,7 +123,8 @@ class Engine:
         self.units: list[Unit] = []
         nvme_params = self.param_tier is Tier.NVME
         self.fetch_pool = BufferPool(self.manager, self.sizes.max_unit_bytes,
-                                     self.sizes.fetch_slots, "fetch") if nvme_params else None
+                                     self.sizes.fetch_slots, "fetch") \
+            if nvme_params and not self.direct_fetch else None
         replacements = {}
         for index, spec in enumerate(specs):
             for name, old, new in materialize_params(model, spec.params, self.device):

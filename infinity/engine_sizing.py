@@ -56,8 +56,14 @@ def derive(cfg: InfinityConfig, specs: list[UnitSpec]) -> DerivedSizes:
 
 def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSizes,
                   compute_dtype: torch.dtype, param_tier: Tier, optimizer_tier: Tier,
-                  master_separate: bool, early_step: bool) -> EngineSizes:
-    """Sizes for this model, config and machine."""
+                  master_separate: bool, early_step: bool,
+                  direct_fetch: bool = False) -> EngineSizes:
+    """Sizes for this model, config and machine.
+
+    ``direct_fetch``: NVMe reads land straight in device memory (a CPU device, see
+    ``Unit.start_fetch``), so there are no fetch slots; the host they would have taken goes to
+    the emulated device pool, where prefetched units now wait (unless the user set its budget).
+    """
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     unit_numels = [padded_numel(sum(p.numel() for _, p in s.params), compute_dtype) for s in specs]
@@ -79,7 +85,15 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
     if optimizer_tier is Tier.HOST:
         host += total_trainable * 4 * (3 if master_separate else 2)
     fetch_slots = derived.param_buffer_count
-    if param_tier is Tier.NVME:
+    if param_tier is Tier.NVME and direct_fetch:
+        moved = fetch_slots * max_unit_bytes
+        if cfg.infinity.device_memory_budget is None and host_budget is not None and \
+                device_budget is not None:
+            moved = min(moved, max(0, host_budget - max_unit_bytes))
+            host_budget -= moved
+            device_budget += moved
+        fetch_slots = 0
+    elif param_tier is Tier.NVME:
         host += fetch_slots * max_unit_bytes
     max_trainable = max(trainable, default=0)
     sub_group = max(1, derived.sub_group_size)
@@ -111,7 +125,8 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
     del total_params
     return EngineSizes(
         host_budget=host_budget, device_budget=device_budget, sub_group_numel=sub_group,
-        fetch_slots=max(2, fetch_slots), max_unit_bytes=max_unit_bytes,
+        fetch_slots=fetch_slots if direct_fetch else max(2, fetch_slots),
+        max_unit_bytes=max_unit_bytes,
         persistence_threshold=threshold,
         prefetch_bucket_numel=max(derived.prefetch_bucket_size, max(unit_numels, default=0)),
         max_live_numel=max(derived.max_live_parameters, 2 * max(unit_numels, default=0)),

@@ -31,12 +31,17 @@ class DeviceMemoryCache:
     def __init__(self, budget: MemoryBudget, device: torch.device) -> None:
         self.budget = budget
         self.device = device
-        self.enabled = device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        self.enabled = self.supported(device)
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self._lock = threading.Lock()
         self.cached_bytes = 0
         self.hits = 0
         self.misses = 0
+
+    @staticmethod
+    def supported(device: torch.device) -> bool:
+        """Whether released memory can be kept and moved between storages on ``device``."""
+        return device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
     def in_use_bytes(self) -> int:
         """Device bytes held by fetched tensors (the budget's count less the cached blocks)."""
@@ -73,6 +78,17 @@ class DeviceMemoryCache:
                 self.budget.release(nbytes)
                 raise
         storage._swap_data_ptr_(block)
+
+    def try_attach(self, storage: torch.UntypedStorage, nbytes: int, what: str) -> bool:
+        """``attach`` if ``nbytes`` fit now (a cached block of that size, or budget room after
+        freeing cached blocks of other sizes); False, changing nothing, when they do not."""
+        with self._lock:
+            fits = bool(self._free.get(nbytes)) or self.budget.limit is None or \
+                self.budget.held - self.cached_bytes + nbytes <= self.budget.limit
+        if not fits:
+            return False
+        self.attach(storage, nbytes, what)
+        return True
 
     def detach(self, storage: torch.UntypedStorage) -> None:
         """Take ``storage``'s memory (it is left with 0 bytes) and keep it for a later attach."""

@@ -267,10 +267,12 @@ class Coordinator:
             self.release_finished_steps()
         unit = self.units[uid]
         self._kept.discard(uid)   # in use again
-        if unit.residency != Residency.FETCHED:
+        needs_memory = unit.flat.untyped_storage().nbytes() == 0   # not fetched or read into
+        if needs_memory:
             self._evict_kept(unit.nbytes)
+            self._cancel_prefetches(unit.nbytes)
         budget, cache = self.manager.device_budget, self.manager.device_cache
-        while unit.residency != Residency.FETCHED and any(self._stepping) and \
+        while needs_memory and any(self._stepping) and \
                 budget.limit is not None and cache.in_use_bytes() + unit.nbytes > budget.limit:
             # backpressure: units held by background steps free the device when they finish
             self.release_finished_steps(self.reap(wait_first=True))
@@ -302,11 +304,24 @@ class Coordinator:
             upcoming, lambda u: self.units[u].numel,
             lambda u: self.units[u].residency == Residency.RELEASED, live, self.limits)
         for uid in chosen:
-            # keep one slot free for synchronous fetches and write-backs
-            if self.fetch_pool is None or self.fetch_pool.available <= 1:
+            # with a slot pool, keep one slot free for synchronous fetches and write-backs;
+            # without one, prefetches read into device memory while it has room
+            if self.fetch_pool is not None and self.fetch_pool.available <= 1:
                 break
             if not self.units[uid].start_fetch(self.manager, self.fetch_pool):
                 break
+
+    def _cancel_prefetches(self, nbytes: int) -> None:
+        """A unit that was not prefetched is needed now: if prefetches into device memory hold
+        the room it needs, cancel them, the one needed last first (the order changed)."""
+        if self.fetch_pool is not None or self._device_room() >= nbytes:
+            return
+        upcoming = self._upcoming_all()
+        fetching = [u.index for u in self.units if u.residency == Residency.FETCHING]
+        for uid in sorted(fetching, key=lambda u: -self._next_use_or_never(u, upcoming)):
+            if self._device_room() >= nbytes:
+                return
+            self.units[uid].cancel_fetch(self.manager, None)
 
     def pin(self, unit: Unit) -> None:
         """Fetch ``unit`` and hold it (not released by hooks) until ``unpin``."""

@@ -140,56 +140,88 @@ class Unit:
 
     # -- fetch / release -----------------------------------------------------------------
     def start_fetch(self, manager: TierManager, pool) -> bool:
-        """Begin the swap-in of an NVMe-homed unit into a host slot (prefetch).
+        """Begin the swap-in of an NVMe-homed unit (prefetch): into a host slot of ``pool``, or
+        with no pool straight into the unit's device memory (see ``reads_into_device``).
 
-        Returns False when no slot is free (the fetch then happens synchronously at need).
+        Returns False when no slot or device memory is free now (the fetch then happens
+        synchronously at need).
         """
         if self.residency != Residency.RELEASED or self.param_home is not Tier.NVME:
             return False
-        slot = pool.try_acquire()
-        if slot is None:
-            return False
-        self.fetch_slot = slot
-        self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
+        if pool is None:
+            if not manager.device_cache.try_attach(self.flat.untyped_storage(), self.nbytes,
+                                                   f"unit {self.name}"):
+                return False
+            self.fetch_request = self._read_into_device()
+        else:
+            slot = pool.try_acquire()
+            if slot is None:
+                return False
+            self.fetch_slot = slot
+            self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
         self.residency.to(Residency.FETCHING)
         return True
+
+    def _read_into_device(self):
+        """The NVMe read of the parameters straight into the (attached) device buffer."""
+        if self.flat.device.type != "cpu" or self.flat.data_ptr() % 4096:
+            raise RuntimeError(f"unit {self.name}: direct reads need page-aligned host memory "
+                               f"for the device buffer, got {self.flat.device} at "
+                               f"{self.flat.data_ptr():#x}; fetch through a slot pool instead")
+        return self.param_store.load_async(self.flat)
 
     def finish_fetch(self, manager: TierManager, pool) -> None:
         """Make the unit's parameters valid on the device (waits for a prefetch in flight)."""
         if self.residency == Residency.FETCHED:
             return
         self.fetch_count += 1
+        direct = pool is None and self.param_home is Tier.NVME
         if self.residency == Residency.FETCHING:
             if self.fetch_request.done():
                 self.prefetch_hits += 1
+        elif direct:
+            self._allocate_device(manager)
+            self.fetch_request = self._read_into_device()
         elif self.param_home is Tier.NVME:
             slot = pool.acquire(timeout=60.0)
             self.fetch_slot = slot
             self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
-        manager.wait(self.fetch_request)
+        try:
+            manager.wait(self.fetch_request)
+        except BaseException:
+            self._drop_fetch(manager, pool)
+            raise
         self.fetch_request = None
-        self._allocate_device(manager)
-        with torch.no_grad():
-            if self.param_home is Tier.NVME:
-                self.flat.copy_(self.fetch_slot.view(self.dtype, self.numel))
-                pool.release(self.fetch_slot)
-                self.fetch_slot = None
-            else:
-                self.flat.copy_(self.param_store.tensor[: self.numel])
+        if not direct:
+            self._allocate_device(manager)
+            with torch.no_grad():
+                if self.param_home is Tier.NVME:
+                    self.flat.copy_(self.fetch_slot.view(self.dtype, self.numel))
+                    pool.release(self.fetch_slot)
+                    self.fetch_slot = None
+                else:
+                    self.flat.copy_(self.param_store.tensor[: self.numel])
         manager.counters.host_to_device_bytes += self.nbytes
         self.residency.to(Residency.FETCHED)
 
+    def _drop_fetch(self, manager: TierManager, pool) -> None:
+        """A fetch failed or was cancelled (its read is over): give back what it held."""
+        self.fetch_request = None
+        if self.fetch_slot is not None:
+            pool.release(self.fetch_slot)
+            self.fetch_slot = None
+        manager.device_cache.detach(self.flat.untyped_storage())
+        if self.residency == Residency.FETCHING:
+            self.residency.to(Residency.RELEASED)
+
     def cancel_fetch(self, manager: TierManager, pool) -> None:
-        """Drop a prefetch that was not used (waits for its read, frees its slot)."""
+        """Drop a prefetch that was not used (waits for its read, frees its slot or memory)."""
         if self.residency != Residency.FETCHING:
             return
         try:
             manager.wait(self.fetch_request)
         finally:
-            self.fetch_request = None
-            pool.release(self.fetch_slot)
-            self.fetch_slot = None
-            self.residency.to(Residency.RELEASED)
+            self._drop_fetch(manager, pool)
 
     def release(self, manager: TierManager) -> None:
         """Free the device copy (no write-back: the home tier holds the current values)."""
@@ -210,6 +242,9 @@ class Unit:
             self.param_store.tensor[: self.numel].copy_(self.flat)
             return
         manager.counters.device_to_host_bytes += self.nbytes
+        if staging is None and self.flat.device.type == "cpu" and self.flat.data_ptr() % 4096 == 0:
+            manager.wait(self.param_store.store_async(self.flat))   # page-aligned: as it is
+            return
         if staging is None:
             buf = manager.host_empty(self.param_store.padded, self.dtype, what=f"{self.name} staging")
             buf[: self.numel].copy_(self.flat)
