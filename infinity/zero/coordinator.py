@@ -69,7 +69,7 @@ class Coordinator:
         self._kept: set[int] = set()   # released by their hooks but kept fetched for reuse
         self._largest = max((u.nbytes for u in units if not u.persistent), default=0)
         self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0,
-                            "kept_for_reuse": 0}
+                            "kept_for_reuse": 0, "prefetches_cancelled": 0}
 
     # -- installation ----------------------------------------------------------------------
     def install(self) -> None:
@@ -322,6 +322,7 @@ class Coordinator:
             if self._device_room() >= nbytes:
                 return
             self.units[uid].cancel_fetch(self.manager, None)
+            self.fetch_stats["prefetches_cancelled"] += 1
 
     def pin(self, unit: Unit) -> None:
         """Fetch ``unit`` and hold it (not released by hooks) until ``unpin``."""

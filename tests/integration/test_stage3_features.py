@@ -160,6 +160,54 @@ def test_dynamic_order_relearns_without_deadlock(disk_dir) -> None:
         engine.close()
 
 
+def test_cpu_device_reads_parameters_straight_into_device_memory(disk_dir, monkeypatch) -> None:
+    """On a CPU device there are no fetch slots: every NVMe read of a unit's parameters lands
+    in the unit's own (page-aligned) device buffer, and training still equals torch."""
+    from infinity.storage.manager import FlatStore
+
+    targets: list[tuple[str, bool]] = []
+    original = FlatStore.load_async
+
+    def recording(self, buf, start=0, count=None):
+        if self.name.endswith(".params"):
+            unit = next(u for u in engine.units if u.param_store is self)
+            targets.append((unit.name, buf.data_ptr() == unit.flat.data_ptr()))
+        return original(self, buf, start, count)
+
+    model = make_model("llama", layers=3, width=64)
+    reference = copy.deepcopy(model)
+    engine = _engine(model, disk_dir)
+    monkeypatch.setattr(FlatStore, "load_async", recording)
+    try:
+        assert engine.fetch_pool is None and engine.sizes.fetch_slots == 0
+        x = torch.randint(0, VOCAB, (2, 16))
+        loss = loss_of(engine(input_ids=x, labels=x))
+        torch.testing.assert_close(loss, loss_of(reference(input_ids=x, labels=x)))
+        engine.backward(loss)
+        engine.step()
+        assert len(targets) >= len(engine.units), targets
+        assert all(direct for _, direct in targets), targets
+    finally:
+        engine.close()
+
+
+def test_a_needed_unit_cancels_prefetches_holding_its_room(disk_dir) -> None:
+    """The order changes every step and the device pool holds about two units: prefetches of
+    the old order sit in the room the unit needed now must have, so they are cancelled (and
+    the losses still equal torch)."""
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), device_memory_budget=150_000)
+    ds["zero_optimization"].update(stage3_max_reuse_distance=0,
+                                   stage3_param_persistence_threshold=0)
+    torch.manual_seed(0)
+    result = run_parity(DynamicDepthModel(), ds, steps=8, close=False)
+    try:
+        assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+        stats = result.engine.coordinator.fetch_stats
+        assert stats["prefetches_cancelled"] >= 1, stats
+    finally:
+        result.engine.close()
+
+
 def test_prefetch_hits_and_no_page_cache(disk_dir) -> None:
     """After warm-up, >= 90% of NVMe fetches are complete when their hook fires; the swap files
     are read and written with O_DIRECT (no pages in the page cache) by io_uring."""
