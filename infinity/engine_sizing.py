@@ -95,6 +95,11 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         fetch_slots = 0
     elif param_tier is Tier.NVME:
         host += fetch_slots * max_unit_bytes
+    max_reuse = derived.max_reuse_distance
+    if direct_fetch and cfg.zero.stage3_max_reuse_distance is None and device_budget is not None:
+        # the emulated pool is host memory set aside for units (activations live outside it), and
+        # a kept unit never blocks a fetch: keep whatever the pool holds (fewer NVMe reads)
+        max_reuse = max(max_reuse, device_budget // itemsize)
     max_trainable = max(trainable, default=0)
     sub_group = max(1, derived.sub_group_size)
     streamed = optimizer_tier is Tier.NVME or param_tier is Tier.NVME
@@ -130,5 +135,5 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         persistence_threshold=threshold,
         prefetch_bucket_numel=max(derived.prefetch_bucket_size, max(unit_numels, default=0)),
         max_live_numel=max(derived.max_live_parameters, 2 * max(unit_numels, default=0)),
-        max_reuse_numel=derived.max_reuse_distance,
+        max_reuse_numel=max_reuse,
         grad_tier=grad_tier, nvme_bytes=nvme)

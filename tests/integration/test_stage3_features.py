@@ -180,6 +180,8 @@ def test_cpu_device_reads_parameters_straight_into_device_memory(disk_dir, monke
     monkeypatch.setattr(FlatStore, "load_async", recording)
     try:
         assert engine.fetch_pool is None and engine.sizes.fetch_slots == 0
+        # the emulated pool keeps whatever units it holds unless the user set a distance
+        assert engine.sizes.max_reuse_numel >= engine.sizes.device_budget // 4, engine.sizes
         x = torch.randint(0, VOCAB, (2, 16))
         loss = loss_of(engine(input_ids=x, labels=x))
         torch.testing.assert_close(loss, loss_of(reference(input_ids=x, labels=x)))
@@ -187,6 +189,14 @@ def test_cpu_device_reads_parameters_straight_into_device_memory(disk_dir, monke
         engine.step()
         assert len(targets) >= len(engine.units), targets
         assert all(direct for _, direct in targets), targets
+    finally:
+        engine.close()
+
+
+def test_a_set_reuse_distance_is_kept_with_direct_fetch(disk_dir) -> None:
+    engine = _engine(make_model("torch", layers=2), disk_dir, reuse_distance=1234)
+    try:
+        assert engine.direct_fetch and engine.sizes.max_reuse_numel == 1234
     finally:
         engine.close()
 
@@ -214,7 +224,7 @@ def test_prefetch_hits_and_no_page_cache(disk_dir) -> None:
     from infinity.io import resident_pages
 
     model = make_model("llama", layers=8, width=64)
-    engine = _engine(model, disk_dir)
+    engine = _engine(model, disk_dir, reuse_distance=0)   # every use a fetch: all prefetched
     try:
         x = torch.randint(0, VOCAB, (2, 16))
         for _ in range(2):   # warm-up: learn the traces
