@@ -10,7 +10,8 @@ stream in ``step()``, so the next forward never sees a unit mid-update, and pref
 only reads units that have not had their backward yet (never one being written). The deferred
 schedule submits every unit at ``step()`` (with the clipping scale) and waits for all of them;
 its gradients and parameters come from their homes instead of the transient buffer and the
-device copy.
+device copy, except the parameters of a unit still fetched on a CPU device (kept for reuse):
+nothing moves it during ``step()``, so it is stepped in place and written home from there.
 
 [Note: one stream of sub-groups]
 The stream does not drain at each unit's end: sub-groups of every queued unit form one stream,
@@ -47,6 +48,13 @@ if TYPE_CHECKING:
 
 READ_AHEAD = 2       # sub-groups whose reads are in flight ahead of the one being stepped
 WRITES_BEHIND = 2    # sub-groups whose writes may still be in flight
+
+
+def _steps_in_device(unit) -> bool:
+    """Deferred step of a unit still fetched in page-aligned host memory (a CPU device, kept for
+    reuse): its device copy is current, so it is stepped there instead of reading the params."""
+    return unit.residency == Residency.FETCHED and unit.flat.device.type == "cpu" and \
+        unit.flat.data_ptr() % 4096 == 0
 
 
 @dataclass(eq=False)
@@ -161,7 +169,8 @@ class StepStream:
         stores = {"m": state.exp_avg, "v": state.exp_avg_sq}
         if state.master is not None:
             stores["p"] = state.master
-        elif not job.early and state.unit.param_store is not None:
+        elif not job.early and state.unit.param_store is not None and \
+                not _steps_in_device(state.unit):
             stores["p"] = state.unit.param_store
         if not job.early:
             stores["g"] = state.grad_store
@@ -226,7 +235,10 @@ class StepStream:
             if "p" in t and unit.residency == Residency.FETCHED:
                 unit.flat[start:end].copy_(new)    # a unit kept fetched stays current
             store = unit.param_store
-            if store is not None and state.master is None:
+            if store is not None and state.master is None and "p" not in t:
+                # stepped in the unit's device buffer (kept fetched): written home from it
+                self._write_params(unit, start, n, writes)
+            elif store is not None and state.master is None:
                 opt._store(store, param, start, n, writes)
             elif store is not None:
                 self._write_values(store, new, start, n, writes)
@@ -234,7 +246,8 @@ class StepStream:
             opt._drop_grad_buffer(state)   # its last kernel ran: the gradient slot is free
 
     def _write_params(self, unit, start: int, n: int, writes: list) -> None:
-        """Early step: the unit's updated device copy goes to its home."""
+        """The unit's updated device copy goes to its home (early step, or a deferred step of a
+        unit kept fetched)."""
         store = unit.param_store
         if store is None:
             return

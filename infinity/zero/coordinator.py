@@ -171,7 +171,7 @@ class Coordinator:
             self._stepping[uid] = True
             return
         if self._active[uid] == 0:
-            unit.release(self.manager)
+            self._release_or_keep(uid)   # kept: the next forward (and a deferred step) use it
 
     def _end_backward(self) -> None:
         """Runs once when autograd has finished the whole backward pass."""

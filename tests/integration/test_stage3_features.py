@@ -193,6 +193,46 @@ def test_cpu_device_reads_parameters_straight_into_device_memory(disk_dir, monke
         engine.close()
 
 
+def test_deferred_step_of_kept_units_reads_no_parameters(disk_dir, monkeypatch) -> None:
+    """Deferred schedule on a CPU device: units still fetched (kept) at step() are stepped in
+    their device buffer; their parameters are not read from NVMe, and the losses equal torch."""
+    from infinity.storage.manager import FlatStore
+
+    model = make_model("llama", layers=3, width=64)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="off")
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    reads = {"in_step": False, "params": 0}
+    original = FlatStore.load_async
+
+    def counting(self, buf, start=0, count=None):
+        if reads["in_step"] and self.name.endswith(".params"):
+            reads["params"] += 1
+        return original(self, buf, start, count)
+
+    monkeypatch.setattr(FlatStore, "load_async", counting)
+    try:
+        assert not engine.optimizer.early_step
+        for _ in range(3):
+            x = torch.randint(0, VOCAB, (2, 16))
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            kept = sum(u.residency == Residency.FETCHED and not u.persistent for u in engine.units)
+            reads["in_step"] = True
+            engine.step()
+            reads["in_step"] = False
+            ref_loss = loss_of(reference(input_ids=x, labels=x))
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+            assert kept > 0 and reads["params"] == 0, (kept, reads)
+    finally:
+        engine.close()
+
+
 def test_a_set_reuse_distance_is_kept_with_direct_fetch(disk_dir) -> None:
     engine = _engine(make_model("torch", layers=2), disk_dir, reuse_distance=1234)
     try:
