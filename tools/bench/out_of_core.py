@@ -12,7 +12,8 @@ Model: Llama width 2048 / 5504 / vocab 32000 with 7 (0.49B) or 18 (1.04B) layers
 micro-batch 1, seq 128, the token batches of shared/peers/ds_e2e.py. Every run below is a fresh
 process, one after another (never two at once), per size in this order:
   ours-<on|off>  infinity.zero.Init + infinity.initialize, ZeRO-3, offload_param and
-                 offload_optimizer nvme, host_memory_budget 3GiB, early_step on|off; median step
+                 offload_optimizer nvme, host_memory_budget 3GiB, early_step on|off (with
+                 --offload-activations nvme: saved activations on NVMe too); median step
                  time after --warmup; engine.step_stats() per step; peak RSS = VmHWM (and a 50 ms
                  RSS sampler thread, and wait4's ru_maxrss). The ds_config is printed.
   compute        the same model in RAM, plain torch forward+backward, no optimizer (skipped, with
@@ -761,7 +762,9 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
                 line = (f"early_step {schedule}: peak RSS growth {a['size']} -> {b['size']} = "
                         f"{g:.4f} B/param ({'<' if g < GROWTH_BAR else 'NOT <'} {GROWTH_BAR})")
                 ca, cb = a.get("compute") or {}, b.get("compute") or {}
-                if ca.get("saved_activation_bytes") and cb.get("saved_activation_bytes"):
+                if ra.get("activation_swap") and rb.get("activation_swap"):
+                    line += "; saved activations on NVMe (infinity.offload_activations)"
+                elif ca.get("saved_activation_bytes") and cb.get("saved_activation_bytes"):
                     act = (cb["saved_activation_bytes"] - ca["saved_activation_bytes"]) / dn
                     line += (f"; of which activations saved for backward {act:.4f} B/param "
                              f"(compute runs), the rest {g - act:.4f} B/param")
