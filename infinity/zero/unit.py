@@ -157,10 +157,14 @@ class Unit:
             slot = pool.try_acquire()
             if slot is None:
                 return False
-            self.fetch_slot = slot
-            self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
+            self._read_into_slot(slot)
         self.residency.to(Residency.FETCHING)
         return True
+
+    def _read_into_slot(self, slot) -> None:
+        """The NVMe read of the parameters into a host slot (copied to the device at finish)."""
+        self.fetch_slot = slot
+        self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
 
     def _read_into_device(self):
         """The NVMe read of the parameters straight into the (attached) device buffer."""
@@ -183,9 +187,7 @@ class Unit:
             self._allocate_device(manager)
             self.fetch_request = self._read_into_device()
         elif self.param_home is Tier.NVME:
-            slot = pool.acquire(timeout=60.0)
-            self.fetch_slot = slot
-            self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
+            self._read_into_slot(pool.acquire(timeout=60.0))
         try:
             manager.wait(self.fetch_request)
         except BaseException:

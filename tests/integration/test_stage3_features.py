@@ -193,6 +193,23 @@ def test_cpu_device_reads_parameters_straight_into_device_memory(disk_dir, monke
         engine.close()
 
 
+@pytest.mark.parametrize("early_step", ["on", "off"])
+def test_fetch_through_slots_matches_torch(disk_dir, monkeypatch, early_step: str) -> None:
+    """The path devices without the memory cache take (CUDA): NVMe reads into host slots, then
+    a copy to the device buffer; forced here by reporting the cache unsupported."""
+    from infinity.storage.device_cache import DeviceMemoryCache
+
+    monkeypatch.setattr(DeviceMemoryCache, "supported", staticmethod(lambda device: False))
+    model = make_model("llama", layers=3, width=64)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=early_step)
+    result = run_parity(model, ds, steps=5, close=False)
+    try:
+        assert result.engine.fetch_pool is not None and not result.engine.direct_fetch
+        assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+    finally:
+        result.engine.close()
+
+
 def test_deferred_step_of_kept_units_reads_no_parameters(disk_dir, monkeypatch) -> None:
     """Deferred schedule on a CPU device: units still fetched (kept) at step() are stepped in
     their device buffer; their parameters are not read from NVMe, and the losses equal torch."""
