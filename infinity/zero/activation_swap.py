@@ -48,19 +48,13 @@ from typing import Callable, Iterator
 import torch
 
 from infinity.io.buffers import aligned_empty
-from infinity.log import get_logger
 from infinity.sizes import format_bytes
-from infinity.storage.manager import ALIGN_BYTES, TierManager
-
-log = get_logger("activations")
+from infinity.storage.extents import round_up
+from infinity.storage.manager import TierManager
 
 STAGING_CHUNK_BYTES = 4 << 20
 STAGING_CHUNKS = 8
 ACTIVATION_STAGING_BYTES = STAGING_CHUNK_BYTES * STAGING_CHUNKS   # host, counted in its budget
-
-
-def _round_up(nbytes: int) -> int:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 @dataclass(eq=False)
@@ -78,9 +72,13 @@ class _Record:
     held: torch.Tensor | None = None               # the saved tensor itself, not written yet
     version: int = 0                               # the held tensor's _version when saved
     stale: bool = False                            # modified in place after it was saved
-    uses: int = 1                                  # times saved (shared handles) ...
-    uses_left: int = 1                             # ... and unpacks left before the buffer goes
+    uses_left: int = 1                             # unpacks left (one per save) before buffer goes
     position: int = -1
+
+    @property
+    def padded(self) -> int:
+        """Bytes on disk and in a read buffer (O_DIRECT: a multiple of 4 KiB)."""
+        return round_up(self.nbytes)
 
 
 class _Swapped:
@@ -94,7 +92,7 @@ class _Swapped:
 
 @dataclass
 class ActivationStats:
-    """Saved tensors handled since the last reset (bytes are unpadded tensor bytes)."""
+    """Saved tensors handled since the swapper was made (bytes are unpadded tensor bytes)."""
 
     swapped: int = 0           # saved tensors taken over (held, then written unless needed first)
     swapped_bytes: int = 0
@@ -106,10 +104,6 @@ class ActivationStats:
     held_hits: int = 0         # unpacks of tensors still held (never written)
     read_ahead_hits: int = 0   # unpacks whose read had been issued before
     read_misses: int = 0
-
-    def reset(self) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, 0)
 
 
 class ActivationSwapper:
@@ -167,7 +161,6 @@ class ActivationSwapper:
             seen = self._shared.get(id(tensor))
             if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
                 self.stats.shared += 1
-                seen[2].record.uses += 1
                 seen[2].record.uses_left += 1
                 return seen[2]
             handle = self._hold(tensor, nbytes)
@@ -198,7 +191,7 @@ class ActivationSwapper:
                 record.read = None
                 if record.uses_left <= 0:     # its last use: the buffer is autograd's now
                     record.buffer = None
-                    self._ahead_bytes -= _round_up(record.nbytes)
+                    self._ahead_bytes -= record.padded
             self._read_ahead(record.position)
         if record.stale:
             raise RuntimeError(
@@ -233,7 +226,7 @@ class ActivationSwapper:
         if tensor._version != record.version:
             record.stale = True            # raised when backward unpacks it
             return
-        nbytes, padded = record.nbytes, _round_up(record.nbytes)
+        nbytes, padded = record.nbytes, record.padded
         self.stats.written += 1
         self.stats.written_bytes += nbytes
         record.extent = self.manager.swap.allocate(padded, tag="activation")
@@ -244,7 +237,7 @@ class ActivationSwapper:
             chunk = self._take_chunk()
             staging = self._staging[chunk]
             staging[:count].copy_(flat[offset:offset + count])
-            span = _round_up(count)
+            span = round_up(count)
             try:
                 request = self.manager.swap.write(record.extent, staging[:span], offset, span)
             except BaseException:
@@ -273,7 +266,7 @@ class ActivationSwapper:
             raise RuntimeError("a swapped activation was unpacked after the swapper closed")
         self.manager.wait(*record.writes)
         record.writes.clear()
-        padded = _round_up(record.nbytes)
+        padded = record.padded
         record.buffer = aligned_empty(padded, pin=record.device.type != "cpu")
         record.read = self.manager.swap.read(record.extent, record.buffer, 0, padded)
         self.manager.counters.nvme_read_bytes += padded
@@ -302,7 +295,7 @@ class ActivationSwapper:
                 with contextlib.suppress(BaseException):
                     request.wait()
             if record.buffer is not None:
-                self._ahead_bytes -= _round_up(record.nbytes)
+                self._ahead_bytes -= record.padded
             record.writes, record.read, record.buffer, record.held = [], None, None, None
             if record.extent is not None and not self.closed:
                 self.manager.swap.free(record.extent)
