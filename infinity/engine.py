@@ -154,7 +154,7 @@ class Engine:
                            self.sizes.max_reuse_numel),
             on_grad=self.optimizer.on_grad,
             on_unit_backward_done=self.optimizer.on_unit_backward_done,
-            reap=self.optimizer.reap)
+            reap=self.optimizer.reap, expect_backward=self.optimizer.expect_backward)
         self.coordinator.install()
         self.activation_swapper = self._activation_swapper()
         register_engine(self)
@@ -201,7 +201,11 @@ class Engine:
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
-        loss.backward(retain_graph=retain_graph)
+        try:
+            loss.backward(retain_graph=retain_graph)
+        except BaseException:
+            self.optimizer.cancel_expected()   # no gradients will come for the rest
+            raise
         self.optimizer.end_backward()
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -241,12 +245,20 @@ class Engine:
             "optimizer_background_s": t.background_s,
         }
 
+    def flush(self) -> None:
+        """Wait for the writes the last optimizer step left in flight (the early step returns
+        once every unit's parameters are updated; its writes land behind the next forward) and
+        release the units they held. For measurements and for reading the swap files."""
+        if getattr(self, "coordinator", None) is not None and self.optimizer.early_step:
+            self.coordinator.release_finished_steps(self.optimizer.settle())
+
     def step_stats(self) -> dict[str, float]:
         """Timings and bytes of the last optimizer step (see ``_record_stats`` for keys)."""
         return dict(self._last_stats)
 
     def pin_unit(self, unit: Unit) -> None:
         """Fetch ``unit`` and keep it fetched until ``unpin_unit`` (GatheredParameters)."""
+        self.flush()   # a change written home must not race the last step's writes
         self.coordinator.pin(unit)
 
     def unpin_unit(self, unit: Unit, modified: bool) -> None:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from infinity.log import get_logger
 from infinity.optim.cpu_adam import adam_step_flat
-from infinity.optim.step_stream import StepStream
+from infinity.optim.step_stream import StepJob, StepStream
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
@@ -118,7 +117,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         # both schedules step through one stream (optim/step_stream.py)
         self._stream: StepStream | None = None
         self._grad_writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
-        self._pending_steps: list[tuple[UnitOptimState, Future]] = []
+        self._pending_steps: list[tuple[UnitOptimState, StepJob]] = []
+        self._expected: dict[int, StepJob] = {}   # unit index -> early step read ahead
         self.reaped_at_step: list[Unit] = []
         self.early_step = early_step
         self.adamw_mode = adamw_mode
@@ -214,7 +214,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             while state.grad_slot is None and self._grad_writes:
                 self._retire_grad_write()   # deferred: the oldest gradient write frees its slot
                 state.grad_slot = self.grad_pool.try_acquire()
-            if state.grad_slot is None and any(not f.done() for _, f in self._pending_steps):
+            if state.grad_slot is None and any(not j.future.done() for _, j in self._pending_steps):
                 # backpressure: a background step frees its gradient slot when it finishes
                 state.grad_slot = self.grad_pool.acquire(timeout=600.0)
             if state.grad_slot is not None:
@@ -248,7 +248,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         state = self._by_unit[unit.index]
         self._zero_unwritten(state)
         if self.early_step:
-            self._pending_steps.append((state, self._stream.submit(state, early=True)))
+            job = self._expected.pop(unit.index, None)
+            if job is not None:
+                self._stream.make_ready(job)
+            else:
+                job = self._stream.submit(state, early=True)
+            self._pending_steps.append((state, job))
             self.timers.grad_s += time.perf_counter() - start
             return False
         try:
@@ -259,16 +264,32 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.timers.grad_s += time.perf_counter() - start
         return True
 
+    def expect_backward(self, unit: Unit) -> None:
+        """``unit``'s gradients are coming (early step): its Adam states may be read ahead
+        while the stream has slots to spare (see [Note: expected steps])."""
+        state = self._by_unit.get(unit.index)
+        if not self.early_step or state is None or unit.index in self._expected or \
+                any(s is state and not j.stepped.done() for s, j in self._pending_steps):
+            return
+        self._expected[unit.index] = self._stream.expect(state)
+
+    def cancel_expected(self) -> None:
+        """The backward is over (or failed): units that got no gradients are not stepped."""
+        for index, job in self._expected.items():
+            self._stream.cancel(job)
+            self._drop_grad_buffer(self._by_unit[index])
+        self._expected.clear()
+
     def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
         """Units whose background step has finished, in order: with ``wait`` all of them, with
         ``wait_first`` at least the oldest. Re-raises a background step's error here."""
         finished: list[Unit] = []
         while self._pending_steps and (wait or (wait_first and not finished)
-                                       or self._pending_steps[0][1].done()):
-            state, future = self._pending_steps.pop(0)
+                                       or self._pending_steps[0][1].future.done()):
+            state, job = self._pending_steps.pop(0)
             start = time.perf_counter()
             try:
-                future.result()
+                job.future.result()
             finally:
                 self.timers.optimizer_s += time.perf_counter() - start
                 self._drop_grad_buffer(state)
@@ -279,6 +300,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def drain_steps(self) -> list[Unit]:
         """Wait for every background step (at close): errors were raised at ``reap`` already,
         so here they are only logged, and every unit comes back for release."""
+        self.cancel_expected()
         units = []
         while self._pending_steps:
             state = self._pending_steps[0][0]
@@ -327,6 +349,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def end_backward(self) -> None:
         """Called by the engine after each backward: gradient writes land, and accumulation
         continues until a step."""
+        self.cancel_expected()
         while self._grad_writes:
             self._retire_grad_write()
         self._accumulating = True
@@ -378,15 +401,15 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         start = time.perf_counter()
         try:
             if self.early_step:
-                self.reaped_at_step = self.reap(wait=True)
+                self.reaped_at_step = self._finish_early_steps()
             else:
                 scale = self.grad_scale_for_clipping()
-                futures = [self._stream.submit(state, early=False, grad_scale=scale)
-                           for state in self.states]
+                jobs = [self._stream.submit(state, early=False, grad_scale=scale)
+                        for state in self.states]
                 errors = []
-                for future in futures:   # all of them, so no step is still running after a raise
+                for job in jobs:   # all of them, so no step is still running after a raise
                     try:
-                        future.result()
+                        job.future.result()
                     except Exception as exc:  # noqa: BLE001 - the first one is raised below
                         errors.append(exc)
                 if errors:
@@ -397,6 +420,22 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         finally:
             self._accumulating = False
             self.timers.optimizer_s += time.perf_counter() - start
+
+    def _finish_early_steps(self) -> list[Unit]:
+        """Wait until every unit's kernels have run (its device copy is the new parameters);
+        writes still in flight go on behind the next forward (see [Note: writes behind the
+        step]). Returns the units whose writes have landed too."""
+        for _, job in self._pending_steps:
+            try:
+                job.stepped.result()
+            except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
+                return self.reap(wait=True)
+        return self.reap()
+
+    def settle(self) -> list[Unit]:
+        """Wait for every background step's writes (before anything reads or writes the
+        homes outside the stream); returns the units they held."""
+        return self.reap(wait=True)
 
     # -- state dict (torch Adam layout per parameter) --------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -5,9 +5,10 @@ sub-group, with the disk kept busy in both directions.
 In the early-step schedule a unit's step (swap-in of m and v, CPU Adam, swap-out of m, v and the
 parameters) is submitted here as soon as its gradients are complete, and runs while backward goes
 on with the next units. The unit stays fetched (its device copy is the fp32 master being stepped)
-until its future is done, which ``PartitionedOptimizer.reap`` reports. Everything waits for the
-stream in ``step()``, so the next forward never sees a unit mid-update, and prefetch in backward
-only reads units that have not had their backward yet (never one being written). The deferred
+until its future is done, which ``PartitionedOptimizer.reap`` reports. ``step()`` waits until
+every unit's kernels have run, so the next forward never sees a unit mid-update, and prefetch in
+backward only reads units that have not had their backward yet (never one being written). The
+deferred
 schedule submits every unit at ``step()`` (with the clipping scale) and waits for all of them;
 its gradients and parameters come from their homes instead of the transient buffer and the
 device copy, except the parameters of a unit still fetched on a CPU device (kept for reuse):
@@ -22,10 +23,30 @@ sub-group have landed. Slots are taken without blocking while reads are issued (
 retires writes first, or stops reading ahead), so the stream cannot deadlock on its own slots.
 In the early step on a CPU device the parameters are written home straight from the unit's
 page-aligned device buffer; elsewhere through a slot.
+
+[Note: expected steps]
+Without help the stream would read a unit's m and v only once its gradients are complete, and
+sit idle between units: the disk idles while backward computes, then Adam waits for the disk.
+So the coordinator says which units' gradients are coming: at the start of a training forward
+the first units of the recorded backward, and at each unit's pre-backward that unit and the
+next one. Their jobs are queued "expected" (not ready): the stream reads their sub-groups with
+slots it has to spare, and steps them only when ``make_ready`` says the gradients are complete.
+A ready job always comes first: it is read before any expected one, and if the slots or the
+read-ahead window are held by expected reads, the newest of those is given up (preempted) and
+read again later, so a ready job never waits on gradients that may never come. Expected jobs
+that got no gradients are cancelled when the backward ends (or fails) and their reads dropped;
+``state.step`` only advances when a job's first kernel runs.
+
+[Note: writes behind the step]
+In the early step ``step()`` returns once every unit's kernels have run: the last units' writes
+(m, v and parameters, about the last two units' worth) land while the next forward starts, when
+the disk has little else to do. Units keep their device copies (from which parameters are
+written) until their writes have landed; a later read of the same states (the unit's next step)
+first retires the writes of that unit. ``Engine.flush`` waits for them (GatheredParameters,
+which may write a unit home, does so first).
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -48,6 +69,7 @@ if TYPE_CHECKING:
 
 READ_AHEAD = 2       # sub-groups whose reads are in flight ahead of the one being stepped
 WRITES_BEHIND = 2    # sub-groups whose writes may still be in flight
+IDLE_WAIT_S = 0.05   # the stream re-checks its jobs at least this often when it has nothing to do
 
 
 def _steps_in_device(unit) -> bool:
@@ -58,19 +80,26 @@ def _steps_in_device(unit) -> bool:
 
 
 @dataclass(eq=False)
-class _UnitJob:
+class StepJob:
+    """One unit's step in the stream. ``stepped`` completes when its last kernel has run (the
+    device copy is current), ``future`` when its writes have landed as well."""
+
     state: UnitOptimState
     future: Future
+    stepped: Future
     groups: deque
     left: int                      # sub-groups not yet retired
     early: bool                    # gradient in the transient buffer, fp32 master on the device
     grad_scale: float = 1.0
+    ready: bool = True             # gradients complete; False while only expected
+    cancelled: bool = False        # an expected step that did not happen (no gradients came)
+    counted: bool = False          # ``state.step`` advanced for this job
     error: BaseException | None = None
 
 
 @dataclass(eq=False)
 class _Loaded:
-    job: _UnitJob
+    job: StepJob
     group: SubGroup
     tensors: dict
     requests: list = field(default_factory=list)   # (request, slot or None)
@@ -81,69 +110,102 @@ class StepStream:
 
     def __init__(self, optimizer: PartitionedOptimizer) -> None:
         self.opt = optimizer
-        self._queue: queue.Queue[_UnitJob | None] = queue.Queue()
-        self._jobs: deque[_UnitJob] = deque()        # taken from the queue, sub-groups left
+        self._wake = threading.Condition()
+        self._incoming: deque[StepJob | None] = deque()   # None: shut down after the rest
+        self._stopping = False
+        self._jobs: deque[StepJob] = deque()        # taken in, not finished
         self._loads: deque[_Loaded] = deque()
-        self._writes: deque[tuple[_UnitJob, list]] = deque()
+        self._writes: deque[tuple[StepJob, list]] = deque()
         self._thread = threading.Thread(target=self._run, name="infinity-step-stream", daemon=True)
         self._thread.start()
 
-    def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0) -> Future:
-        """Queue ``state``'s unit for a step; the future completes when its writes have landed."""
-        future: Future = Future()
+    # -- the training thread's side ---------------------------------------------------------
+    def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0) -> StepJob:
+        """Queue ``state``'s unit for a step with its gradients complete."""
+        return self._queue_job(state, early, grad_scale, ready=True)
+
+    def expect(self, state: UnitOptimState) -> StepJob:
+        """Queue an early step whose gradients are still being computed (see [Note: expected
+        steps]): its states are read ahead while slots are free; ``make_ready`` or ``cancel``
+        must follow."""
+        return self._queue_job(state, True, 1.0, ready=False)
+
+    def make_ready(self, job: StepJob) -> None:
+        """The expected job's gradients are complete: it may be stepped."""
+        with self._wake:
+            job.ready = True
+            self._wake.notify()
+
+    def cancel(self, job: StepJob) -> None:
+        """The expected job will get no gradients: drop it (its reads are discarded)."""
+        with self._wake:
+            if not job.ready:
+                job.cancelled = True
+                self._wake.notify()
+
+    def _queue_job(self, state, early: bool, grad_scale: float, ready: bool) -> StepJob:
         groups = deque(self.opt._sub_groups(state))
-        self._queue.put(_UnitJob(state, future, groups, len(groups), early, grad_scale))
-        return future
+        job = StepJob(state, Future(), Future(), groups, len(groups), early, grad_scale, ready)
+        with self._wake:
+            self._incoming.append(job)
+            self._wake.notify()
+        return job
 
     def shutdown(self) -> None:
-        self._queue.put(None)
+        with self._wake:
+            self._incoming.append(None)
+            self._wake.notify()
         self._thread.join()
 
     # -- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            if not self._loads and not self._writes and not self._has_groups():
-                job = self._queue.get()
-                if job is None:
+            with self._wake:
+                self._pull_incoming()
+                if self._stopping and not self._jobs and not self._loads and not self._writes:
                     return
-                self._take(job)
             start = time.perf_counter()
             try:
-                self._advance()
+                moved = self._advance()
             except BaseException as exc:  # noqa: BLE001 - reported through the units' futures
                 self._fail_all(exc)
+                moved = True
             self.opt.timers.background_s += time.perf_counter() - start
+            if not moved:
+                with self._wake:
+                    if not self._incoming and not self._has_news():
+                        self._wake.wait(IDLE_WAIT_S)
 
-    def _has_groups(self) -> bool:
-        self._pull_queued()
-        return any(job.groups for job in self._jobs)
-
-    def _pull_queued(self) -> None:
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
+    def _pull_incoming(self) -> None:
+        while self._incoming:
+            job = self._incoming.popleft()
             if job is None:
-                self._queue.put(None)   # shutdown after the work in hand
-                return
-            self._take(job)
+                self._stopping = True
+                continue
+            self._jobs.append(job)
+            if not job.groups and job.ready:
+                self._count_step(job)
+                job.stepped.set_result(None)
+                self._finish(job)
 
-    def _take(self, job: _UnitJob) -> None:
-        job.state.step += 1
-        self._jobs.append(job)
-        if not job.groups:
-            self._finish(job)
+    def _has_news(self) -> bool:
+        """A job that became ready or cancelled since the stream last looked."""
+        return any(x.job.ready or x.job.cancelled for x in self._loads) or any(
+            (j.ready and j.groups) or j.cancelled for j in self._jobs)
 
-    def _advance(self) -> None:
-        """Issue reads ahead, step the oldest loaded sub-group, retire writes behind it."""
-        while len(self._loads) < READ_AHEAD + 1 and self._read_next():
-            pass
-        if not self._loads:
+    def _advance(self) -> bool:
+        """Issue reads ahead, step the oldest loaded sub-group whose gradients are complete,
+        retire writes behind it. False when nothing could move."""
+        moved = self._drop_cancelled()
+        while self._read_next():
+            moved = True
+        loaded = next((x for x in self._loads if x.job.ready), None)
+        if loaded is None:
             if self._writes:
                 self._retire()
-            return
-        loaded = self._loads.popleft()
+                return True
+            return moved
+        self._loads.remove(loaded)
         # the sub-group's slots, then its writes as they are issued: on an error the writes
         # already in flight are waited out before their slots go back (a slot reused while
         # the disk still reads from it would put garbage in another unit's states)
@@ -157,12 +219,26 @@ class StepStream:
         self._writes.append((loaded.job, writes))
         while len(self._writes) > WRITES_BEHIND:
             self._retire()
+        return True
+
+    def _next_to_read(self) -> StepJob | None:
+        """Jobs whose gradients are complete come first; then expected ones, read ahead."""
+        ready = next((j for j in self._jobs if j.ready and j.groups), None)
+        if ready is not None:
+            return ready
+        return next((j for j in self._jobs if not j.ready and not j.cancelled and j.groups),
+                    None)
 
     def _read_next(self) -> bool:
-        self._pull_queued()
-        job = next((j for j in self._jobs if j.groups), None)
+        """Issue the reads of one more sub-group, if the read-ahead window and the slots allow."""
+        job = self._next_to_read()
         if job is None:
             return False
+        ready_loads = sum(x.job.ready for x in self._loads)
+        if len(self._loads) >= READ_AHEAD + 1:
+            if not job.ready or ready_loads >= READ_AHEAD + 1 or not self._preempt():
+                return False
+        self._retire_writes_of(job.state)   # a sub-group is read only after its last write
         group = job.groups[0]
         n = group.end - group.start
         state, pool = job.state, self.opt.step_pool
@@ -178,7 +254,9 @@ class StepStream:
         slots = []
         while len(slots) < needed:
             slot = self._free_slot()
-            if slot is None and self._loads:
+            if slot is None and job.ready and self._preempt():
+                continue
+            if slot is None and (self._loads or not job.ready):
                 for taken in slots:          # step what is loaded first; it frees slots
                     pool.release(taken)
                 return False
@@ -196,6 +274,55 @@ class StepStream:
             loaded.tensors[key] = buf[:n]
         self._loads.append(loaded)
         return True
+
+    def _preempt(self) -> bool:
+        """Give up the newest sub-group read ahead for a job whose gradients are not complete
+        (its group goes back to the front of its job), so a ready job gets its slots; False
+        when there is none."""
+        for i in range(len(self._loads) - 1, -1, -1):
+            loaded = self._loads[i]
+            if not loaded.job.ready:
+                del self._loads[i]
+                self._discard(loaded)
+                loaded.job.groups.appendleft(loaded.group)
+                return True
+        return False
+
+    def _discard(self, loaded: _Loaded) -> None:
+        """Wait out a loaded sub-group's reads (their errors do not matter: it is not stepped)
+        and free its slots."""
+        for req, slot in loaded.requests:
+            try:
+                self.opt.manager.wait(req)
+            except BaseException:  # noqa: BLE001
+                pass
+            self.opt.step_pool.release(slot)
+
+    def _drop_cancelled(self) -> bool:
+        """Expected jobs that were cancelled: their reads are discarded, their futures done."""
+        if not any(j.cancelled for j in self._jobs):
+            return False
+        for loaded in [x for x in self._loads if x.job.cancelled]:
+            self._loads.remove(loaded)
+            self._discard(loaded)
+        for job in [j for j in self._jobs if j.cancelled]:
+            job.groups.clear()
+            job.stepped.set_result(None)
+            self._jobs.remove(job)
+            job.future.set_result(None)
+        return True
+
+    def _retire_writes_of(self, state: UnitOptimState) -> None:
+        """Retire writes in flight until none belongs to ``state``'s unit: a read of a state
+        must not race a write of the same range (the next step of a unit whose last writes
+        went on after ``step()``)."""
+        while any(job.state is state for job, _ in self._writes):
+            self._retire()
+
+    def _count_step(self, job: StepJob) -> None:
+        if not job.counted:
+            job.state.step += 1
+            job.counted = True
 
     def _abandon(self, writes: list) -> None:
         """A sub-group failed: wait for its issued writes (errors ignored, the first one is
@@ -216,6 +343,7 @@ class StepStream:
         state, unit = job.state, job.state.unit
         start, end, n = group.start, group.end, group.end - group.start
         t = loaded.tensors
+        self._count_step(job)
         param = t["p"] if "p" in t else unit.flat[start:end]
         grad = state.grad_buffer[start:end] if job.early else t["g"]
         half = None
@@ -242,8 +370,11 @@ class StepStream:
                 opt._store(store, param, start, n, writes)
             elif store is not None:
                 self._write_values(store, new, start, n, writes)
-        if job.early and not job.groups and all(x.job is not job for x in self._loads):
-            opt._drop_grad_buffer(state)   # its last kernel ran: the gradient slot is free
+        if not job.groups and all(x.job is not job for x in self._loads):
+            # its last kernel ran: the gradient slot is free, the device copy current
+            if job.early:
+                opt._drop_grad_buffer(state)
+            job.stepped.set_result(None)
 
     def _write_params(self, unit, start: int, n: int, writes: list) -> None:
         """The unit's updated device copy goes to its home (early step, or a deferred step of a
@@ -265,7 +396,10 @@ class StepStream:
         if store.resident:
             store.tensor[start:start + n].copy_(values)
             return
-        slot = self._free_slot() or self.opt.step_pool.acquire(timeout=600.0)
+        slot = self._free_slot()
+        while slot is None and self._preempt():
+            slot = self._free_slot()
+        slot = slot or self.opt.step_pool.acquire(timeout=600.0)
         writes.append((None, slot))        # the slot is the sub-group's from here on
         buf = slot.view(store.dtype, padded_numel(n, store.dtype))
         buf[:n].copy_(values)
@@ -294,23 +428,24 @@ class StepStream:
         if job.left == 0:
             self._finish(job)
 
-    def _finish(self, job: _UnitJob) -> None:
+    def _finish(self, job: StepJob) -> None:
         self._jobs.remove(job)
-        self.opt._drop_grad_buffer(job.state)
+        if job.ready:   # an expected job's gradient buffer is still the training thread's
+            self.opt._drop_grad_buffer(job.state)
         if job.error is not None:
+            if not job.stepped.done():
+                job.stepped.set_exception(job.error)
             job.future.set_exception(job.error)
         else:
+            if not job.stepped.done():
+                job.stepped.set_result(None)
             job.future.set_result(None)
 
     def _fail_all(self, exc: BaseException) -> None:
-        """An error mid-stream: wait out what is in flight, fail every unit in hand."""
+        """An error mid-stream: wait out what is in flight, fail every unit in hand (expected
+        ones too: their gradients would have nowhere to go)."""
         for loaded in self._loads:
-            for req, slot in loaded.requests:
-                try:
-                    self.opt.manager.wait(req)
-                except BaseException:  # noqa: BLE001 - the first error is the one reported
-                    pass
-                self.opt.step_pool.release(slot)
+            self._discard(loaded)
         self._loads.clear()
         while self._writes:
             self._retire()

@@ -39,6 +39,8 @@ from infinity.zero.unit import ParamEntry, Unit
 
 log = get_logger("zero")
 
+EXPECTED_AHEAD = 2   # units of the backward whose Adam states are read during the forward
+
 
 class Coordinator:
     """Installs and runs the fetch/release hooks for a list of units."""
@@ -47,7 +49,8 @@ class Coordinator:
                  fetch_pool, limits: PrefetchLimits,
                  on_grad: Callable[[Unit, ParamEntry, torch.Tensor], None],
                  on_unit_backward_done: Callable[[Unit], bool],
-                 reap: Callable[..., list[Unit]] = lambda **_: []) -> None:
+                 reap: Callable[..., list[Unit]] = lambda **_: [],
+                 expect_backward: Callable[[Unit], None] = lambda unit: None) -> None:
         self.units = units
         self.hooked = hooked
         self.manager = manager
@@ -56,6 +59,7 @@ class Coordinator:
         self.on_grad = on_grad
         self.on_unit_backward_done = on_unit_backward_done
         self.reap = reap
+        self.expect_backward = expect_backward
         self._stepping = [False] * len(units)   # a background step holds the unit fetched
         self.traces = {"train_fwd": Trace(), "bwd": Trace(), "eval_fwd": Trace()}
         self._handles: list = []
@@ -104,6 +108,11 @@ class Coordinator:
         self._fwd_trace_name = name
         self.traces[name].start_pass()
         self._prefetch(self.traces[name])
+        if name == "train_fwd":
+            # the disk has little to do in the forward: read the Adam states of the units
+            # whose backward comes first (see [Note: expected steps])
+            for uid in self._next_trainable(self.traces["bwd"].order, EXPECTED_AHEAD):
+                self.expect_backward(self.units[uid])
 
     def _in_graph_task(self) -> bool:
         return torch._C._current_graph_task_id() != -1
@@ -143,6 +152,20 @@ class Coordinator:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         for uid in ids:
             self._ensure(uid, self.traces["bwd"])
+        for uid in ids + tuple(self._next_trainable(self.traces["bwd"].upcoming(), 1)):
+            if self.units[uid].has_trainable and not self._done[uid]:
+                self.expect_backward(self.units[uid])
+
+    def _next_trainable(self, order: list[int], count: int) -> list[int]:
+        """The first ``count`` distinct units of ``order`` with trainable parameters whose
+        backward is not done."""
+        found: list[int] = []
+        for uid in order:
+            if len(found) == count:
+                break
+            if uid not in found and self.units[uid].has_trainable and not self._done[uid]:
+                found.append(uid)
+        return found
 
     def _post_backward(self, ids: tuple[int, ...]) -> None:
         for uid in ids:
@@ -225,8 +248,8 @@ class Coordinator:
 
     def _release_or_keep(self, uid: int) -> None:
         unit = self.units[uid]
-        if unit.persistent or unit.residency != Residency.FETCHED:
-            return
+        if unit.persistent or unit.residency != Residency.FETCHED or self._stepping[uid]:
+            return   # a unit being stepped is released when its step is over
         upcoming = self._upcoming_all()
         distance = self._next_use(uid, upcoming)
         if distance is not None and distance < self.limits.max_reuse_numel:   # 0: never keep
@@ -331,7 +354,8 @@ class Coordinator:
 
     def unpin(self, unit: Unit) -> None:
         self._active[unit.index] -= 1
-        if self._active[unit.index] == 0 and not self._in_backward:
+        if self._active[unit.index] == 0 and not self._in_backward and \
+                not self._stepping[unit.index]:
             unit.release(self.manager)
 
     def fetch_all(self) -> None:

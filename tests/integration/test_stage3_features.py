@@ -31,6 +31,7 @@ def test_released_parameters_hold_no_storage(disk_dir) -> None:
         x = torch.randint(0, VOCAB, (1, 8))
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
         engine.step()
+        engine.flush()   # the early step's last writes land behind step()
         big = [(n, p) for n, p in model.named_parameters() if p.numel() > 10_000]
         assert big, "the test model should have parameters above the persistence threshold"
         for name, p in big:
@@ -60,6 +61,7 @@ def test_units_needed_again_soon_stay_fetched(disk_dir) -> None:
                 x = torch.randint(0, VOCAB, (1, 8))
                 engine.backward(loss_of(engine(input_ids=x, labels=x)))
                 engine.step()
+            engine.flush()
             read[distance] = engine.step_stats()["io_read_bytes"]
             kept = engine.coordinator.fetch_stats["kept_for_reuse"]
             first = engine.units[engine.coordinator.traces["train_fwd"].order[0]]
