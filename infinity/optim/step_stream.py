@@ -116,6 +116,9 @@ class StepStream:
         self._jobs: deque[StepJob] = deque()        # taken in, not finished
         self._loads: deque[_Loaded] = deque()
         self._writes: deque[tuple[StepJob, list]] = deque()
+        # expected jobs queued, their sub-groups read before the gradients were complete,
+        # reads given up for a ready job, jobs cancelled (no gradients came)
+        self.stats = {"expected": 0, "read_early": 0, "preempted": 0, "cancelled": 0}
         self._thread = threading.Thread(target=self._run, name="infinity-step-stream", daemon=True)
         self._thread.start()
 
@@ -128,6 +131,7 @@ class StepStream:
         """Queue an early step whose gradients are still being computed (see [Note: expected
         steps]): its states are read ahead while slots are free; ``make_ready`` or ``cancel``
         must follow."""
+        self.stats["expected"] += 1
         return self._queue_job(state, True, 1.0, ready=False)
 
     def make_ready(self, job: StepJob) -> None:
@@ -262,6 +266,7 @@ class StepStream:
                 return False
             slots.append(slot if slot is not None else pool.acquire(timeout=600.0))
         job.groups.popleft()
+        self.stats["read_early"] += int(not job.ready)
         loaded = _Loaded(job, group, {})
         free = iter(slots)
         for key, store in stores.items():
@@ -285,6 +290,7 @@ class StepStream:
                 del self._loads[i]
                 self._discard(loaded)
                 loaded.job.groups.appendleft(loaded.group)
+                self.stats["preempted"] += 1
                 return True
         return False
 
@@ -306,6 +312,7 @@ class StepStream:
             self._loads.remove(loaded)
             self._discard(loaded)
         for job in [j for j in self._jobs if j.cancelled]:
+            self.stats["cancelled"] += 1
             job.groups.clear()
             job.stepped.set_result(None)
             self._jobs.remove(job)
@@ -345,7 +352,7 @@ class StepStream:
         t = loaded.tensors
         self._count_step(job)
         param = t["p"] if "p" in t else unit.flat[start:end]
-        grad = state.grad_buffer[start:end] if job.early else t["g"]
+        grad = opt.gradient_of(state, start, end) if job.early else t["g"]
         half = None
         if state.master is not None and unit.dtype != torch.float32:
             half = torch.empty(n, dtype=unit.dtype)

@@ -1,0 +1,156 @@
+"""The step stream's overlap with training: Adam states read ahead for units whose gradients are
+coming (expected steps), the early step's last writes landing behind the next forward, and
+gradients held as autograd made them. Each must leave training equal to torch AdamW."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity.optim import partitioned
+from infinity.optim.step_stream import READ_AHEAD
+from infinity.storage.manager import FlatStore
+from parity import VOCAB, loss_of, make_model, run_parity, zero_config
+
+
+class _LateWrite:
+    """A write that reaches the disk only when someone waits for it: whatever reads the same
+    range before that wait reads the old values."""
+
+    def __init__(self, issue) -> None:
+        self._issue = issue
+        self._request = None
+
+    def done(self) -> bool:
+        return self._request is not None and self._request.done()
+
+    def wait(self, *args, **kwargs):
+        if self._request is None:
+            self._request = self._issue()
+        return self._request.wait(*args, **kwargs)
+
+
+@pytest.mark.parametrize("early_step", ["on", "off"])
+def test_late_writes_are_never_overtaken(disk_dir, monkeypatch, early_step: str) -> None:
+    """Writes land as late as the engine allows (the early step leaves its last ones in flight
+    after step()); a read of the same states or parameters must still see the new values."""
+    original = FlatStore.store_async
+
+    def late(self, buf, start=0, count=None):
+        return _LateWrite(lambda: original(self, buf, start, count))
+
+    monkeypatch.setattr(FlatStore, "store_async", late)
+    model = make_model("llama", layers=3, width=64)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=early_step)
+    result = run_parity(model, ds, steps=6)
+    assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+
+
+class AlternatingHeadModel(nn.Module):
+    """Odd steps end in one head, even steps in the other: the backward that the last one
+    recorded starts with a head this step does not use."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.block = nn.Linear(width, width)
+        self.heads = nn.ModuleList([nn.Linear(width, VOCAB) for _ in range(2)])
+        self.calls = 0
+
+    def forward(self, input_ids, labels):
+        self.calls += 1
+        h = torch.tanh(self.block(self.embed(input_ids)))
+        logits = self.heads[self.calls % 2](h)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def test_expected_steps_read_ahead_and_unused_ones_are_cancelled(disk_dir) -> None:
+    """Units whose gradients are coming have their states read before the gradients are
+    complete; expected units that get no gradient are cancelled and their Adam step count does
+    not move (bias correction depends on it); training equals torch AdamW."""
+    torch.manual_seed(0)
+    model = AlternatingHeadModel()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01,
+                                foreach=False)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        x = torch.randint(0, VOCAB, (2, 8))
+        for _ in range(6):
+            loss = engine(input_ids=x, labels=x)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference(input_ids=x, labels=x)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        engine.flush()
+        stats = engine.optimizer.stream_stats()
+        assert stats["expected"] > 0 and stats["read_early"] > 0, stats
+        assert stats["cancelled"] > 0, stats
+        steps = {s.unit.name: s.step for s in engine.optimizer.states}
+        assert steps["heads.0"] == 3 and steps["heads.1"] == 3, steps
+        assert steps["block"] == 6, steps
+    finally:
+        engine.close()
+
+
+def test_a_ready_step_never_waits_on_an_expected_one(disk_dir) -> None:
+    """An expected step holds the read-ahead window and slots and its gradients never come: a
+    step whose gradients are complete takes them over (preemption) and finishes; cancelling
+    the expected one leaves its step count alone."""
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
+    ds["zero_optimization"]["sub_group_size"] = 2048
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        opt = engine.optimizer
+        stream = opt._stream
+        waiting, ready = [s for s in opt.states if len(opt._sub_groups(s)) > READ_AHEAD + 1][:2]
+        steps_before = (waiting.step, ready.step)
+        expected = stream.expect(waiting)
+        deadline = time.monotonic() + 30
+        while stream.stats["read_early"] < READ_AHEAD + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stream.stats["read_early"] >= READ_AHEAD + 1, stream.stats
+        engine.pin_unit(ready.unit)            # an early step updates the fetched copy
+        try:
+            ready.grad_parts = {}              # complete (zero) gradients, as held ones
+            stream.submit(ready, early=True).future.result(timeout=60)
+        finally:
+            engine.unpin_unit(ready.unit, modified=False)
+        assert stream.stats["preempted"] >= 1, stream.stats
+        assert not expected.future.done()
+        stream.cancel(expected)
+        expected.future.result(timeout=60)
+        assert (waiting.step, ready.step) == (steps_before[0], steps_before[1] + 1)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("held", [True, False])
+def test_held_and_copied_gradients_both_match_torch(disk_dir, monkeypatch, family: str,
+                                                    held: bool) -> None:
+    """The early step reads gradients as autograd made them (CPU device) or from one flat
+    host buffer (forced here; the CUDA path): both equal torch AdamW."""
+    monkeypatch.setattr(partitioned, "gradients_held", lambda device: held)
+    model = make_model(family, layers=3, width=64)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
+    result = run_parity(model, ds, steps=6, close=False)
+    try:
+        opt = result.engine.optimizer
+        assert opt.holds_grads is held
+        assert (opt.grad_pool is None) is held, "held gradients need no buffer pool"
+        assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+    finally:
+        result.engine.close()
