@@ -185,6 +185,8 @@ class StepStream:
             job = self._incoming.popleft()
             if job is None:
                 self._stopping = True
+                for waiting in self._jobs:      # no gradients will come any more
+                    waiting.cancelled = waiting.cancelled or not waiting.ready
                 continue
             self._jobs.append(job)
             if not job.groups and job.ready:
