@@ -271,18 +271,27 @@ class Coordinator:
                     nearer_than: int | None = None) -> None:
         """Release kept units, the one needed last first, until ``nbytes`` fit the device
         budget (with ``nearer_than``: only units needed later than that distance)."""
-        if not self._kept or self._device_room() >= nbytes:
+        if self._kept:
+            self._free_room(nbytes, list(self._kept), self._drop_kept, upcoming, nearer_than)
+
+    def _drop_kept(self, uid: int) -> None:
+        self._kept.discard(uid)
+        if self._active[uid] == 0 and not self._stepping[uid]:
+            self.units[uid].release(self.manager)
+
+    def _free_room(self, nbytes: int, candidates: list[int], drop: Callable[[int], None],
+                   upcoming: list[int] | None = None, nearer_than: int | None = None) -> None:
+        """``drop`` candidates, the one needed last first, until ``nbytes`` fit the device
+        budget; with ``nearer_than``, stop at the first one needed within that distance."""
+        if self._device_room() >= nbytes:
             return
         upcoming = self._upcoming_all() if upcoming is None else upcoming
-        order = sorted(self._kept, key=lambda u: -self._next_use_or_never(u, upcoming))
-        for uid in order:
+        for uid in sorted(candidates, key=lambda u: -self._next_use_or_never(u, upcoming)):
             if self._device_room() >= nbytes:
                 return
             if nearer_than is not None and self._next_use_or_never(uid, upcoming) <= nearer_than:
                 return
-            self._kept.discard(uid)
-            if self._active[uid] == 0 and not self._stepping[uid]:
-                self.units[uid].release(self.manager)
+            drop(uid)
 
     # -- fetching --------------------------------------------------------------------------
     def _ensure(self, uid: int, trace: Trace | None) -> None:
@@ -337,15 +346,13 @@ class Coordinator:
     def _cancel_prefetches(self, nbytes: int) -> None:
         """A unit that was not prefetched is needed now: if prefetches into device memory hold
         the room it needs, cancel them, the one needed last first (the order changed)."""
-        if self.fetch_pool is not None or self._device_room() >= nbytes:
-            return
-        upcoming = self._upcoming_all()
-        fetching = [u.index for u in self.units if u.residency == Residency.FETCHING]
-        for uid in sorted(fetching, key=lambda u: -self._next_use_or_never(u, upcoming)):
-            if self._device_room() >= nbytes:
-                return
-            self.units[uid].cancel_fetch(self.manager, None)
-            self.fetch_stats["prefetches_cancelled"] += 1
+        if self.fetch_pool is None:
+            fetching = [u.index for u in self.units if u.residency == Residency.FETCHING]
+            self._free_room(nbytes, fetching, self._cancel_prefetch)
+
+    def _cancel_prefetch(self, uid: int) -> None:
+        self.units[uid].cancel_fetch(self.manager, None)
+        self.fetch_stats["prefetches_cancelled"] += 1
 
     def pin(self, unit: Unit) -> None:
         """Fetch ``unit`` and hold it (not released by hooks) until ``unpin``."""

@@ -4,8 +4,9 @@
 Not a contender-vs-reference benchmark: a profiler for the out-of-core step (tools/bench/
 out_of_core.py measures it). It wraps the engine's waits and copies (I/O waits, slot acquires,
 fetch copies, Adam kernels, gradient adds, write-backs) with timers, runs a few steps of the same
-model and config, and prints, per step, the wall time of forward / backward / step and, per thread,
-the seconds inside each wrapped call.
+model and config, and prints, per step, the wall time of forward / backward / step, the CPU
+seconds each phase used (this process, the whole machine, and what the hypervisor stole) and,
+per thread, the seconds inside each wrapped call.
 
     python3 tools/bench/step_timeline.py --size 0.49B --steps 3 [--early-step off]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -57,6 +59,16 @@ def instrument() -> None:
     _wrap(partitioned, "_sum_of_squares", "grad norm")
     _wrap(partitioned.PartitionedOptimizer, "reap", "reap")
     _wrap(coordinator.Coordinator, "_prefetch", "prefetch issue")
+
+
+def cpu_mark() -> tuple[float, float, float, float]:
+    """(wall, process CPU seconds, machine busy CPU seconds, steal seconds): on 2 vCPUs the
+    step is CPU-bound, and a virtual disk's I/O shows up as time stolen by the host."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = sum(v) - v[3] - v[4]          # all but idle and iowait (steal included)
+    return time.perf_counter(), sum(os.times()[:2]), busy / hz, v[7] / hz
 
 
 def summarize(events, t0: float, t1: float) -> dict[str, dict[str, float]]:
@@ -107,19 +119,25 @@ def main() -> None:
     try:
         for i, ids in enumerate(data):
             EVENTS.clear()
-            ta = time.perf_counter()
+            ma = cpu_mark()
             out = engine(input_ids=ids, labels=ids)
-            tb = time.perf_counter()
+            mb = cpu_mark()
             engine.backward(out.loss)
-            tc = time.perf_counter()
+            mc = cpu_mark()
             engine.step()
-            td = time.perf_counter()
+            md = cpu_mark()
+            (ta, tb, tc, td) = (ma[0], mb[0], mc[0], md[0])
             phases = {"forward": (ta, tb), "backward": (tb, tc), "step": (tc, td)}
+            marks = {"forward": (ma, mb), "backward": (mb, mc), "step": (mc, md)}
             status = C.proc_status()
             print(f"step {i}: {td - ta:.2f}s = forward {tb - ta:.2f} + backward {tc - tb:.2f} "
                   f"+ step {td - tc:.2f}; RSS {status['VmRSS'] / C.GiB:.2f} GiB, peak "
                   f"{status['VmHWM'] / C.GiB:.2f} GiB, device cache "
                   f"{engine.manager.device_cache.cached_bytes / C.GiB:.2f} GiB; stats {json.dumps({k: round(v, 3) for k, v in engine.step_stats().items() if k.endswith('_s')})}")
+            print("  cpu: " + "; ".join(
+                f"{phase} process {b[1] - a[1]:.2f} s, machine busy {b[2] - a[2]:.2f} of "
+                f"{os.cpu_count() * (b[0] - a[0]):.2f} (steal {b[3] - a[3]:.2f})"
+                for phase, (a, b) in marks.items()))
             for phase, (a, b) in phases.items():
                 for thread, sums in summarize(list(EVENTS), a, b).items():
                     print(f"  {phase:9s} {thread[:22]:22s} " + ", ".join(
