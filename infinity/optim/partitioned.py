@@ -103,6 +103,22 @@ def _grad_pieces(unit: Unit, grad: torch.Tensor | dict[int, torch.Tensor], origi
 
 
 @dataclass(eq=False)
+class CompleteGradient:
+    """A unit's complete gradient, handed over to its early step: held parts or a flat host
+    buffer, and the slot or ticket it holds. The step owns it from then on (the unit's state
+    starts collecting the next backward's gradient) and gives it back after its last kernel."""
+
+    values: torch.Tensor | dict[int, torch.Tensor]
+    slot: Slot | None = None
+    ticket: bool = False
+
+    def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:
+        """Elements [start, end): the flat buffer's slice, or all held parts
+        (``_grad_pieces`` cuts them)."""
+        return self.values if isinstance(self.values, dict) else self.values[start:end]
+
+
+@dataclass(eq=False)
 class UnitOptimState:
     """The Adam states of one unit (fp32, ``unit.trainable_numel`` elements each)."""
 
@@ -314,11 +330,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         state = self._by_unit[unit.index]
         self._zero_unwritten(state)
         if self.early_step:
+            gradient = self._take_gradient(state)
             job = self._expected.pop(unit.index, None)
             if job is not None:
-                self._stream.make_ready(job)
+                self._stream.make_ready(job, gradient)
             else:
-                job = self._stream.submit(state, early=True)
+                job = self._stream.submit(state, early=True, gradient=gradient)
             self._pending_steps.append((state, job))
             self.timers.grad_s += time.perf_counter() - start
             return False
@@ -361,9 +378,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             try:
                 job.future.result()
             finally:
+                # the job's gradient goes back (the stream did so unless the job failed before
+                # it was handed over); the state's belongs to the backward in progress, which
+                # may already collect the unit's next gradient
+                if job.gradient is not None:
+                    self.release_gradient(job.gradient)
                 self.timers.optimizer_s += time.perf_counter() - start
-                self._drop_grad_buffer(state)
-                state.grads_seen = 0
             finished.append(state.unit)
         return finished
 
@@ -420,13 +440,25 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             state.grad_ticket = False
             self._grad_tickets.release()
 
-    def gradient_of(self, state: UnitOptimState, start: int,
-                    end: int) -> torch.Tensor | dict[int, torch.Tensor]:
-        """The gradient of elements [start, end) of an early-stepped unit: its held parts
-        (all of them; ``_grad_pieces`` cuts them), or the flat buffer's slice."""
-        if state.grad_parts is not None:
-            return state.grad_parts
-        return state.grad_buffer[start:end]
+    def _take_gradient(self, state: UnitOptimState) -> CompleteGradient:
+        """Move the unit's complete gradient out of its state, for its early step."""
+        values = state.grad_parts if state.grad_parts is not None else state.grad_buffer
+        gradient = CompleteGradient({} if values is None else values, state.grad_slot,
+                                    state.grad_ticket)
+        state.grad_parts = state.grad_buffer = state.grad_slot = state.grad_written = None
+        state.grad_ticket = False
+        state.grads_seen = 0
+        return gradient
+
+    def release_gradient(self, gradient: CompleteGradient) -> None:
+        """Give back what a step's gradient held (once; later calls do nothing)."""
+        if gradient.slot is not None:
+            self.grad_pool.release(gradient.slot)
+            gradient.slot = None
+        if gradient.ticket:
+            gradient.ticket = False
+            self._grad_tickets.release()
+        gradient.values = {}
 
     def end_backward(self) -> None:
         """Called by the engine after each backward: gradient writes land, and accumulation

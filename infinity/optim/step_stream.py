@@ -61,6 +61,7 @@ from infinity.storage.tiers import Residency
 
 if TYPE_CHECKING:
     from infinity.optim.partitioned import (
+        CompleteGradient,
         PartitionedOptimizer,
         SubGroup,
         UnitOptimState,
@@ -91,6 +92,7 @@ class StepJob:
     left: int                      # sub-groups not yet retired
     early: bool                    # gradient in the transient buffer, fp32 master on the device
     grad_scale: float = 1.0
+    gradient: CompleteGradient | None = None   # early step: handed over with the job
     ready: bool = True             # gradients complete; False while only expected
     cancelled: bool = False        # an expected step that did not happen (no gradients came)
     counted: bool = False          # ``state.step`` advanced for this job
@@ -123,9 +125,11 @@ class StepStream:
         self._thread.start()
 
     # -- the training thread's side ---------------------------------------------------------
-    def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0) -> StepJob:
-        """Queue ``state``'s unit for a step with its gradients complete."""
-        return self._queue_job(state, early, grad_scale, ready=True)
+    def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0,
+               gradient: CompleteGradient | None = None) -> StepJob:
+        """Queue ``state``'s unit for a step with its gradients complete (an early step's
+        ``gradient`` is the job's from here on)."""
+        return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient)
 
     def expect(self, state: UnitOptimState) -> StepJob:
         """Queue an early step whose gradients are still being computed (see [Note: expected
@@ -134,9 +138,10 @@ class StepStream:
         self.stats["expected"] += 1
         return self._queue_job(state, True, 1.0, ready=False)
 
-    def make_ready(self, job: StepJob) -> None:
+    def make_ready(self, job: StepJob, gradient: CompleteGradient) -> None:
         """The expected job's gradients are complete: it may be stepped."""
         with self._wake:
+            job.gradient = gradient
             job.ready = True
             self._wake.notify()
 
@@ -147,9 +152,11 @@ class StepStream:
                 job.cancelled = True
                 self._wake.notify()
 
-    def _queue_job(self, state, early: bool, grad_scale: float, ready: bool) -> StepJob:
+    def _queue_job(self, state, early: bool, grad_scale: float, ready: bool,
+                   gradient: CompleteGradient | None = None) -> StepJob:
         groups = deque(self.opt._sub_groups(state))
-        job = StepJob(state, Future(), Future(), groups, len(groups), early, grad_scale, ready)
+        job = StepJob(state, Future(), Future(), groups, len(groups), early, grad_scale,
+                      gradient, ready)
         with self._wake:
             self._incoming.append(job)
             self._wake.notify()
@@ -354,7 +361,7 @@ class StepStream:
         t = loaded.tensors
         self._count_step(job)
         param = t["p"] if "p" in t else unit.flat[start:end]
-        grad = opt.gradient_of(state, start, end) if job.early else t["g"]
+        grad = job.gradient.of(start, end) if job.early else t["g"]
         half = None
         if state.master is not None and unit.dtype != torch.float32:
             half = torch.empty(n, dtype=unit.dtype)
@@ -380,9 +387,9 @@ class StepStream:
             elif store is not None:
                 self._write_values(store, new, start, n, writes)
         if not job.groups and all(x.job is not job for x in self._loads):
-            # its last kernel ran: the gradient slot is free, the device copy current
-            if job.early:
-                opt._drop_grad_buffer(state)
+            # its last kernel ran: the gradient is given back, the device copy current
+            if job.gradient is not None:
+                opt.release_gradient(job.gradient)
             job.stepped.set_result(None)
 
     def _write_params(self, unit, start: int, n: int, writes: list) -> None:
@@ -439,8 +446,8 @@ class StepStream:
 
     def _finish(self, job: StepJob) -> None:
         self._jobs.remove(job)
-        if job.ready:   # an expected job's gradient buffer is still the training thread's
-            self.opt._drop_grad_buffer(job.state)
+        if job.gradient is not None:     # a failed job's gradient, given back all the same
+            self.opt.release_gradient(job.gradient)
         if job.error is not None:
             if not job.stepped.done():
                 job.stepped.set_exception(job.error)

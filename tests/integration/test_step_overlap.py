@@ -174,8 +174,8 @@ def test_a_ready_step_never_waits_on_an_expected_one(disk_dir) -> None:
         assert stream.stats["read_early"] >= READ_AHEAD + 1, stream.stats
         engine.pin_unit(ready.unit)            # an early step updates the fetched copy
         try:
-            ready.grad_parts = {}              # complete (zero) gradients, as held ones
-            stream.submit(ready, early=True).future.result(timeout=20)
+            zeros = partitioned.CompleteGradient({})   # complete (zero) gradients
+            stream.submit(ready, early=True, gradient=zeros).future.result(timeout=20)
         finally:
             engine.unpin_unit(ready.unit, modified=False)
         assert stream.stats["preempted"] >= 1, stream.stats
@@ -204,3 +204,33 @@ def test_held_and_copied_gradients_both_match_torch(disk_dir, monkeypatch, famil
         assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
     finally:
         result.engine.close()
+
+
+def test_reaping_a_finished_step_leaves_the_next_gradient_alone(disk_dir) -> None:
+    """A unit's early step can still be pending (writes behind step()) when the next backward
+    starts collecting the unit's gradient: reaping the old step must not drop the new
+    gradient."""
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        opt = engine.optimizer
+        state = opt.states[1]
+        engine.pin_unit(state.unit)
+        try:
+            old = opt._stream.submit(state, early=True,
+                                     gradient=partitioned.CompleteGradient({}))
+            old.future.result(timeout=60)
+            opt._pending_steps.append((state, old))      # finished, not reaped yet
+            entries = state.unit.trainable_entries()
+            for entry in entries:                          # the next backward's gradient
+                opt.on_grad(state.unit, entry, torch.ones(entry.shape))
+            assert opt.reap() == [state.unit]
+            held = state.grad_parts if opt.holds_grads else state.grad_buffer
+            assert held is not None, "reaping the old step dropped the new gradient"
+        finally:
+            engine.unpin_unit(state.unit, modified=False)
+    finally:
+        engine.close()
