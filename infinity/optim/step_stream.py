@@ -76,8 +76,7 @@ IDLE_WAIT_S = 0.05   # the stream re-checks its jobs at least this often when it
 def _steps_in_device(unit) -> bool:
     """Deferred step of a unit still fetched in page-aligned host memory (a CPU device, kept for
     reuse): its device copy is current, so it is stepped there instead of reading the params."""
-    return unit.residency == Residency.FETCHED and unit.flat.device.type == "cpu" and \
-        unit.flat.data_ptr() % 4096 == 0
+    return unit.residency == Residency.FETCHED and unit.flat_on_aligned_host
 
 
 @dataclass(eq=False)
@@ -297,21 +296,11 @@ class StepStream:
             loaded = self._loads[i]
             if not loaded.job.ready:
                 del self._loads[i]
-                self._discard(loaded)
+                self._abandon(loaded.requests)
                 loaded.job.groups.appendleft(loaded.group)
                 self.stats["preempted"] += 1
                 return True
         return False
-
-    def _discard(self, loaded: _Loaded) -> None:
-        """Wait out a loaded sub-group's reads (their errors do not matter: it is not stepped)
-        and free its slots."""
-        for req, slot in loaded.requests:
-            try:
-                self.opt.manager.wait(req)
-            except BaseException:  # noqa: BLE001
-                pass
-            self.opt.step_pool.release(slot)
 
     def _drop_cancelled(self) -> bool:
         """Expected jobs that were cancelled: their reads are discarded, their futures done."""
@@ -319,7 +308,7 @@ class StepStream:
             return False
         for loaded in [x for x in self._loads if x.job.cancelled]:
             self._loads.remove(loaded)
-            self._discard(loaded)
+            self._abandon(loaded.requests)
         for job in [j for j in self._jobs if j.cancelled]:
             self.stats["cancelled"] += 1
             job.groups.clear()
@@ -340,16 +329,17 @@ class StepStream:
             job.state.step += 1
             job.counted = True
 
-    def _abandon(self, writes: list) -> None:
-        """A sub-group failed: wait for its issued writes (errors ignored, the first one is
-        already on its way), then free its slots."""
-        for req, _ in writes:
+    def _abandon(self, requests: list) -> None:
+        """A sub-group that will not be stepped or written on: wait for its issued (request,
+        slot) pairs (errors ignored: a failure is already on its way, or the reads are not
+        used), then free its slots."""
+        for req, _ in requests:
             if req is not None:
                 try:
                     self.opt.manager.wait(req)
                 except BaseException:  # noqa: BLE001
                     pass
-        for _, slot in writes:
+        for _, slot in requests:
             if slot is not None:
                 self.opt.step_pool.release(slot)
 
@@ -398,8 +388,7 @@ class StepStream:
         store = unit.param_store
         if store is None:
             return
-        if not store.resident and unit.flat.device.type == "cpu" and \
-                unit.flat.data_ptr() % 4096 == 0:
+        if not store.resident and unit.flat_on_aligned_host:
             # the device buffer is host memory, page-aligned, and stays fetched until the
             # unit's future is done: write it as it is (no staging copy)
             writes.append((store.store_async(unit.flat[start:], start, n), None))
@@ -461,7 +450,7 @@ class StepStream:
         """An error mid-stream: wait out what is in flight, fail every unit in hand (expected
         ones too: their gradients would have nowhere to go)."""
         for loaded in self._loads:
-            self._discard(loaded)
+            self._abandon(loaded.requests)
         self._loads.clear()
         while self._writes:
             self._retire()

@@ -166,9 +166,15 @@ class Unit:
         self.fetch_slot = slot
         self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
 
+    @property
+    def flat_on_aligned_host(self) -> bool:
+        """The device buffer is page-aligned host memory (a CPU device): the disk can read and
+        write it directly, without a slot."""
+        return self.flat.device.type == "cpu" and self.flat.data_ptr() % 4096 == 0
+
     def _read_into_device(self):
         """The NVMe read of the parameters straight into the (attached) device buffer."""
-        if self.flat.device.type != "cpu" or self.flat.data_ptr() % 4096:
+        if not self.flat_on_aligned_host:
             raise RuntimeError(f"unit {self.name}: direct reads need page-aligned host memory "
                                f"for the device buffer, got {self.flat.device} at "
                                f"{self.flat.data_ptr():#x}; fetch through a slot pool instead")
@@ -244,7 +250,7 @@ class Unit:
             self.param_store.tensor[: self.numel].copy_(self.flat)
             return
         manager.counters.device_to_host_bytes += self.nbytes
-        if staging is None and self.flat.device.type == "cpu" and self.flat.data_ptr() % 4096 == 0:
+        if staging is None and self.flat_on_aligned_host:
             manager.wait(self.param_store.store_async(self.flat))   # page-aligned: as it is
             return
         if staging is None:
