@@ -146,3 +146,17 @@ def zero_config(stage: int, param: str, optimizer: str, nvme_path: str, **infini
     if infinity_section:
         ds["infinity"] = infinity_section
     return ds
+
+
+def nvme_engine(disk_dir, early_step: str, layers: int, **zero_extra):
+    """A small Llama (seed 0) under stage 3 with parameters and optimizer on NVMe, AdamW lr 1e-3;
+    ``zero_extra`` goes into the zero_optimization section."""
+    import infinity
+
+    torch.manual_seed(0)
+    model = make_model("llama", layers=layers, width=64)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=early_step)
+    ds["zero_optimization"].update(zero_extra)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    return engine

@@ -7,25 +7,14 @@ import os
 import pytest
 import torch
 
-import infinity
 from infinity.storage.manager import FlatStore
-from parity import VOCAB, loss_of, make_model, zero_config
-
-
-def _nvme_engine(disk_dir, schedule: str, layers: int):
-    """A small Llama under stage 3 with parameters and optimizer on NVMe."""
-    torch.manual_seed(0)
-    model = make_model("llama", layers=layers, width=64)
-    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=schedule)
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-    engine, *_ = infinity.initialize(model=model, config=ds)
-    return engine
+from parity import VOCAB, loss_of, nvme_engine
 
 
 @pytest.mark.parametrize("schedule", ["on", "off"])
 def test_write_error_in_a_step_is_raised_at_step_and_close_cleans_up(disk_dir, monkeypatch,
                                                                       schedule) -> None:
-    engine = _nvme_engine(disk_dir, schedule, layers=3)
+    engine = nvme_engine(disk_dir, schedule, layers=3)
     x = torch.randint(0, VOCAB, (1, 8))
     engine.backward(loss_of(engine(input_ids=x, labels=x)))
     engine.step()                                   # a clean first step
@@ -73,7 +62,7 @@ def test_a_failed_sub_group_waits_its_issued_writes_before_freeing_slots(disk_di
     from must not go back to the pool (and be refilled) while that write may be in flight."""
     from infinity.storage.buffer_pool import BufferPool
 
-    engine = _nvme_engine(disk_dir, schedule, layers=2)
+    engine = nvme_engine(disk_dir, schedule, layers=2)
     x = torch.randint(0, VOCAB, (1, 8))
 
     issued: list[_TrackedRequest] = []

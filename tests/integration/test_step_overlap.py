@@ -16,7 +16,7 @@ from infinity.optim.step_stream import READ_AHEAD
 from infinity.storage.manager import FlatStore
 from infinity.storage.tiers import Residency
 from infinity.zero.unit import Unit
-from parity import VOCAB, loss_of, make_model, run_parity, zero_config
+from parity import VOCAB, make_model, nvme_engine, run_parity, zero_config
 
 
 class _LateWrites:
@@ -156,12 +156,7 @@ def test_a_ready_step_never_waits_on_an_expected_one(disk_dir) -> None:
     """An expected step holds the read-ahead window and slots and its gradients never come: a
     step whose gradients are complete takes them over (preemption) and finishes; cancelling
     the expected one leaves its step count alone."""
-    torch.manual_seed(0)
-    model = make_model("llama", layers=2, width=64)
-    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
-    ds["zero_optimization"]["sub_group_size"] = 2048
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-    engine, *_ = infinity.initialize(model=model, config=ds)
+    engine = nvme_engine(disk_dir, "on", layers=2, sub_group_size=2048)
     try:
         opt = engine.optimizer
         stream = opt._stream
@@ -210,11 +205,7 @@ def test_reaping_a_finished_step_leaves_the_next_gradient_alone(disk_dir) -> Non
     """A unit's early step can still be pending (writes behind step()) when the next backward
     starts collecting the unit's gradient: reaping the old step must not drop the new
     gradient."""
-    torch.manual_seed(0)
-    model = make_model("llama", layers=2, width=64)
-    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-    engine, *_ = infinity.initialize(model=model, config=ds)
+    engine = nvme_engine(disk_dir, "on", layers=2)
     try:
         opt = engine.optimizer
         state = opt.states[1]
