@@ -154,7 +154,9 @@ class Engine:
                            self.sizes.max_reuse_numel),
             on_grad=self.optimizer.on_grad,
             on_unit_backward_done=self.optimizer.on_unit_backward_done,
-            reap=self.optimizer.reap, expect_backward=self.optimizer.expect_backward)
+            reap=self.optimizer.reap, expect_backward=self.optimizer.expect_backward,
+            step_fetched=self.optimizer.step_fetched)
+        self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
         self.activation_swapper = self._activation_swapper()
         register_engine(self)
@@ -217,9 +219,17 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        # units a deferred step still waits for (the forward did not use them) run first
+        self.coordinator.step_waiting_units(self.optimizer.waiting_units())
         self.optimizer.step()
         if self.optimizer.early_step:
             self.coordinator.release_finished_steps(self.optimizer.reaped_at_step)
+        else:
+            # persistent units are never fetched again: their deferred steps run now (the rest
+            # run when the next forward fetches them)
+            self.coordinator.step_waiting_units(
+                [u for u in self.optimizer.waiting_units() if u.persistent])
+            self.coordinator.release_finished_steps()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
@@ -246,20 +256,30 @@ class Engine:
         }
 
     def flush(self) -> None:
-        """Wait for the writes the last optimizer step left in flight (the early step returns
-        once every unit's parameters are updated; its writes land behind the next forward) and
+        """Finish the last optimizer step: run the deferred steps still waiting for their units
+        to be fetched and wait for every write in flight (the early step returns once every
+        unit's parameters are updated and its writes land behind the next forward), then
         release the units they held. For measurements and for reading the swap files."""
-        if getattr(self, "coordinator", None) is not None and self.optimizer.early_step:
-            self.coordinator.release_finished_steps(self.optimizer.settle())
+        if getattr(self, "coordinator", None) is None:
+            return
+        self.coordinator.step_waiting_units(self.optimizer.waiting_units())
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the optimizer's writes in flight and release the units they held."""
+        self.coordinator.release_finished_steps(self.optimizer.settle())
 
     def step_stats(self) -> dict[str, float]:
         """Timings and bytes of the last optimizer step (see ``_record_stats`` for keys)."""
         return dict(self._last_stats)
 
     def pin_unit(self, unit: Unit) -> None:
-        """Fetch ``unit`` and keep it fetched until ``unpin_unit`` (GatheredParameters)."""
-        self.flush()   # a change written home must not race the last step's writes
+        """Fetch ``unit`` and keep it fetched until ``unpin_unit`` (GatheredParameters): a step
+        waiting for it runs on the fetch, and no write of the last step is left in flight (a
+        change written home must not race it)."""
+        self._settle()
         self.coordinator.pin(unit)
+        self._settle()
 
     def unpin_unit(self, unit: Unit, modified: bool) -> None:
         """Undo ``pin_unit``; with ``modified`` write the values back to every copy first."""
@@ -288,8 +308,7 @@ class Engine:
         """Remove hooks, free states and delete this run's swap files."""
         try:
             if getattr(self, "coordinator", None) is not None:
-                if self.optimizer.early_step:
-                    self.coordinator.release_finished_steps(self.optimizer.drain_steps())
+                self.coordinator.release_finished_steps(self.optimizer.drain_steps())
                 self.coordinator.release_all()
                 self.coordinator.remove()
         finally:

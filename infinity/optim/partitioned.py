@@ -10,9 +10,11 @@ Two schedules:
 - early step: when a unit's gradients are complete, it is stepped at once, overlapped with the
   rest of backward; its gradients never need a home. Exact only without clipping, loss scaling
   or accumulation, so the engine enables it only then.
-- deferred: gradients are kept; ``step()`` streams sub-groups (aligned chunks of a unit's
-  trainable range) of every unit through host slots, reads ahead and writes behind.
-Both run on the step stream (optim/step_stream.py).
+- deferred: gradients are kept in their home; ``step()`` queues every unit's step, which runs
+  when the next forward fetches the unit (see [Note: the deferred step lands at the next fetch]
+  in optim/step_stream.py).
+Both run on the step stream, sub-group (aligned chunk of a unit's trainable range) by
+sub-group, reading ahead and writing behind (optim/step_stream.py).
 
 The fp32 master on a CPU-only machine with fp32 compute is the parameter itself (DESIGN.md
 "fp32 on CPU"): it is stepped in place in its home (device copy, host store or NVMe extent), so
@@ -34,6 +36,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -67,12 +70,10 @@ def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
         per_group += 2 + int(master_separate)          # m, v (+ fp32 master)
     if not early_step and grad_tier is Tier.NVME:
         per_group += 1                                  # gradient
-    if param_tier is Tier.NVME and not early_step:
-        per_group += 1 if not master_separate else int(compute_dtype != torch.float32)
-    # an early step writes the unit's parameters home through two more slots
-    staging = 2 if param_tier is Tier.NVME and early_step else 0
+    # both schedules step a fetched unit and write its parameters home through two more slots
+    # (none when its device copy is page-aligned host memory)
+    staging = 2 if param_tier is Tier.NVME else 0
     return max(1, 3 * per_group + staging)
-
 
 
 def _sum_of_squares(values: torch.Tensor, chunk: int = 1 << 16) -> float:
@@ -138,6 +139,9 @@ class UnitOptimState:
     # are until the unit's step has run (see [Note: held gradients])
     grad_parts: dict[int, torch.Tensor] | None = None
     grad_ticket: bool = False
+    # deferred schedule: gradients arrived since the unit's last step (a unit without any is
+    # not stepped, as torch skips parameters whose gradient is None)
+    has_grads: bool = False
 
 
 @dataclass
@@ -177,6 +181,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self._grad_writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
         self._pending_steps: list[tuple[UnitOptimState, StepJob]] = []
         self._expected: dict[int, StepJob] = {}   # unit index -> early step read ahead
+        # unit index -> deferred step waiting for its unit to be fetched (see [Note: the
+        # deferred step lands at the next fetch] in step_stream.py)
+        self._waiting: dict[int, StepJob] = {}
+        # the unit indices in the order the next forward uses them (set by the engine)
+        self.forward_order: Callable[[], list[int]] = list
         self.reaped_at_step: list[Unit] = []
         self.early_step = early_step
         self.adamw_mode = adamw_mode
@@ -391,6 +400,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Wait for every background step (at close): errors were raised at ``reap`` already,
         so here they are only logged, and every unit comes back for release."""
         self.cancel_expected()
+        for job in self._waiting.values():   # closing: nothing can read their results
+            self._stream.cancel(job)
+        self._waiting.clear()
         units = []
         while self._pending_steps:
             state = self._pending_steps[0][0]
@@ -412,6 +424,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 self.manager.wait(store.load_async(prev))
                 grads.add_(prev[: grads.numel()])
                 del prev
+        state.has_grads = True
         if self._boundary:
             self._sq_norm += _sum_of_squares(grads)
         if not store.resident:
@@ -476,20 +489,26 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 "weight_decay": g["weight_decay"], "bias_correction": g.get("bias_correction", True),
                 "adamw_mode": g.get("adamw_mode", self.adamw_mode)}
 
+    def hyperparameters(self) -> list[dict]:
+        """Each param group's Adam hyperparameters now, for a step that runs later (a deferred
+        step runs after the scheduler has moved the learning rate on)."""
+        return [self._hyper(i) for i in range(len(self.param_groups))]
+
     def _kernel(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
                 grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_scale: float,
-                half_out: torch.Tensor | None) -> None:
-        """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``."""
+                half_out: torch.Tensor | None, hyper: list[dict] | None = None) -> None:
+        """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``;
+        ``hyper`` per param group (default: the groups' values now)."""
+        hyper = self.hyperparameters() if hyper is None else hyper
         for seg in state.unit.segments:
             a, b = max(seg.start, start), min(seg.end, end)
             if a >= b:
                 continue
-            hyper = self._hyper(seg.group_index)
             for x, y, g in _grad_pieces(state.unit, grad, start, a, b):
                 s = slice(x - start, y - start)
                 adam_step_flat(param[s], g, m[s], v[s], step=state.step, grad_scale=grad_scale,
                                half_out=None if half_out is None else half_out[s],
-                               threads=self.threads, **hyper)
+                               threads=self.threads, **hyper[seg.group_index])
 
     def _sub_groups(self, state: UnitOptimState) -> list[SubGroup]:
         n = state.unit.trainable_numel
@@ -511,7 +530,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch API
-        """Deferred schedule: step every unit that received gradients, pipelined by sub-group."""
+        """Early schedule: wait until every unit's kernels have run. Deferred schedule: queue
+        the step of every unit that received gradients, to run when the unit is next fetched
+        (see [Note: the deferred step lands at the next fetch])."""
         if closure is not None:
             raise ValueError("PartitionedOptimizer.step does not take a closure")
         start = time.perf_counter()
@@ -519,23 +540,47 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             if self.early_step:
                 self.reaped_at_step = self._finish_early_steps()
             else:
-                scale = self.grad_scale_for_clipping()
-                jobs = [self._stream.submit(state, early=False, grad_scale=scale)
-                        for state in self.states]
-                errors = []
-                for job in jobs:   # all of them, so no step is still running after a raise
-                    try:
-                        job.future.result()
-                    except Exception as exc:  # noqa: BLE001 - the first one is raised below
-                        errors.append(exc)
-                if errors:
-                    raise errors[0]
-                for state in self.states:
-                    if state.grad_store.resident:
-                        state.grad_store.tensor.zero_()
+                self._queue_deferred_steps()
         finally:
             self._accumulating = False
             self.timers.optimizer_s += time.perf_counter() - start
+
+    def _queue_deferred_steps(self) -> None:
+        if self._waiting:
+            names = [self._by_unit[i].unit.name for i in self._waiting]
+            raise RuntimeError(
+                f"the previous deferred step of {len(names)} unit(s) ({', '.join(names[:3])}) "
+                "has not run yet: step through Engine.step, which fetches and steps them first")
+        scale = self.grad_scale_for_clipping()
+        position = {uid: i for i, uid in enumerate(self.forward_order())}
+        stepped = [s for s in self.states if s.has_grads]
+        for state in sorted(stepped, key=lambda s: position.get(s.unit.index, len(position))):
+            state.has_grads = False
+            self._waiting[state.unit.index] = self._stream.expect(state, early=False,
+                                                                  grad_scale=scale)
+
+    def waiting_units(self) -> list[Unit]:
+        """Units whose deferred step waits for them to be fetched, in the order queued."""
+        return [self._by_unit[i].unit for i in self._waiting]
+
+    def step_fetched(self, unit: Unit) -> bool:
+        """``unit`` has just been fetched: run its waiting deferred step on the device copy and
+        wait for its kernels. True when it did: the unit must stay fetched until ``reap``
+        returns it (its writes go out from the device copy)."""
+        job = self._waiting.pop(unit.index, None)
+        if job is None:
+            return False
+        start = time.perf_counter()
+        self._stream.make_ready(job)
+        self._pending_steps.append((self._by_unit[unit.index], job))
+        try:
+            job.stepped.result()
+        except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
+            self.reap(wait=True)
+            raise
+        finally:
+            self.timers.optimizer_s += time.perf_counter() - start
+        return True
 
     def _finish_early_steps(self) -> list[Unit]:
         """Wait until every unit's kernels have run (its device copy is the new parameters);

@@ -7,12 +7,20 @@ parameters) is submitted here as soon as its gradients are complete, and runs wh
 on with the next units. The unit stays fetched (its device copy is the fp32 master being stepped)
 until its future is done, which ``PartitionedOptimizer.reap`` reports. ``step()`` waits until
 every unit's kernels have run, so the next forward never sees a unit mid-update, and prefetch in
-backward only reads units that have not had their backward yet (never one being written). The
-deferred
-schedule submits every unit at ``step()`` (with the clipping scale) and waits for all of them;
-its gradients and parameters come from their homes instead of the transient buffer and the
-device copy, except the parameters of a unit still fetched on a CPU device (kept for reuse):
-nothing moves it during ``step()``, so it is stepped in place and written home from there.
+backward only reads units that have not had their backward yet (never one being written).
+
+[Note: the deferred step lands at the next fetch]
+The deferred schedule (clipping, loss scaling, accumulation) cannot step a unit before the whole
+backward is over, but it need not step it at ``step()`` either: ``step()`` queues every unit
+that got gradients as an expected job (with the clipping scale and the hyperparameters of this
+step) in the order the next forward will use them, and returns. The stream reads their gradients
+and Adam states ahead; when the next forward (or an eval forward, ``GatheredParameters``, a
+flush) fetches a unit, the coordinator hands it over, the job steps its device copy -- the
+parameters the forward fetched anyway, so they are not read a second time -- and the forward
+waits only for that unit's kernels. Its writes land behind the forward, as in the early step.
+Units the forward did not use are fetched and stepped by ``Engine.step`` before the next step
+(or by ``Engine.flush``). So the step's disk traffic overlaps the next forward instead of
+stopping training, and the parameters are read once per step instead of twice.
 
 [Note: one stream of sub-groups]
 The stream does not drain at each unit's end: sub-groups of every queued unit form one stream,
@@ -57,7 +65,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from infinity.storage.manager import padded_numel
-from infinity.storage.tiers import Residency
 
 if TYPE_CHECKING:
     from infinity.optim.partitioned import (
@@ -73,12 +80,6 @@ WRITES_BEHIND = 2    # sub-groups whose writes may still be in flight
 IDLE_WAIT_S = 0.05   # the stream re-checks its jobs at least this often when it has nothing to do
 
 
-def _steps_in_device(unit) -> bool:
-    """Deferred step of a unit still fetched in page-aligned host memory (a CPU device, kept for
-    reuse): its device copy is current, so it is stepped there instead of reading the params."""
-    return unit.residency == Residency.FETCHED and unit.flat_on_aligned_host
-
-
 @dataclass(eq=False)
 class StepJob:
     """One unit's step in the stream. ``stepped`` completes when its last kernel has run (the
@@ -89,8 +90,9 @@ class StepJob:
     stepped: Future
     groups: deque
     left: int                      # sub-groups not yet retired
-    early: bool                    # gradient in the transient buffer, fp32 master on the device
+    early: bool                    # gradient handed over (early step); else from its home
     grad_scale: float = 1.0
+    hyper: list[dict] | None = None   # per param group, fixed when the step was asked for
     gradient: CompleteGradient | None = None   # early step: handed over with the job
     ready: bool = True             # gradients complete; False while only expected
     cancelled: bool = False        # an expected step that did not happen (no gradients came)
@@ -127,25 +129,32 @@ class StepStream:
     def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0,
                gradient: CompleteGradient | None = None) -> StepJob:
         """Queue ``state``'s unit for a step with its gradients complete (an early step's
-        ``gradient`` is the job's from here on)."""
+        ``gradient`` is the job's from here on). The unit must be fetched and held until the
+        job's future is done: the step updates its device copy."""
         return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient)
 
-    def expect(self, state: UnitOptimState) -> StepJob:
-        """Queue an early step whose gradients are still being computed (see [Note: expected
-        steps]): its states are read ahead while slots are free; ``make_ready`` or ``cancel``
-        must follow."""
+    def expect(self, state: UnitOptimState, early: bool = True,
+               grad_scale: float = 1.0) -> StepJob:
+        """Queue a step that may not run yet (see [Note: expected steps]): an early step whose
+        gradients are still being computed, or a deferred step whose unit is not fetched yet
+        (see [Note: the deferred step lands at the next fetch]). Its states are read ahead
+        while slots are free; ``make_ready`` or ``cancel`` must follow."""
         self.stats["expected"] += 1
-        return self._queue_job(state, True, 1.0, ready=False)
+        return self._queue_job(state, early, grad_scale, ready=False)
 
-    def make_ready(self, job: StepJob, gradient: CompleteGradient) -> None:
-        """The expected job's gradients are complete: it may be stepped."""
+    def make_ready(self, job: StepJob, gradient: CompleteGradient | None = None) -> None:
+        """The expected job may run: its gradients are complete (an early step's ``gradient``)
+        and its unit is fetched and held until the job's future is done."""
         with self._wake:
+            if job.hyper is None:
+                job.hyper = self.opt.hyperparameters()
             job.gradient = gradient
             job.ready = True
             self._wake.notify()
 
     def cancel(self, job: StepJob) -> None:
-        """The expected job will get no gradients: drop it (its reads are discarded)."""
+        """The expected job will not run (no gradients came, or the engine closes): drop it
+        (its reads are discarded)."""
         with self._wake:
             if not job.ready:
                 job.cancelled = True
@@ -154,8 +163,12 @@ class StepStream:
     def _queue_job(self, state, early: bool, grad_scale: float, ready: bool,
                    gradient: CompleteGradient | None = None) -> StepJob:
         groups = deque(self.opt._sub_groups(state))
+        # the hyperparameters (learning rate) of the step being asked for: an early step's are
+        # fixed when its gradients are complete, a deferred step's now (a scheduler moves the
+        # rate before the step runs)
+        hyper = self.opt.hyperparameters() if ready or not early else None
         job = StepJob(state, Future(), Future(), groups, len(groups), early, grad_scale,
-                      gradient, ready)
+                      hyper, gradient, ready)
         with self._wake:
             self._incoming.append(job)
             self._wake.notify()
@@ -257,9 +270,6 @@ class StepStream:
         stores = {"m": state.exp_avg, "v": state.exp_avg_sq}
         if state.master is not None:
             stores["p"] = state.master
-        elif not job.early and state.unit.param_store is not None and \
-                not _steps_in_device(state.unit):
-            stores["p"] = state.unit.param_store
         if not job.early:
             stores["g"] = state.grad_store
         needed = sum(not store.resident for store in stores.values())
@@ -344,7 +354,8 @@ class StepStream:
                 self.opt.step_pool.release(slot)
 
     def _step(self, loaded: _Loaded, writes: list) -> None:
-        """Adam on one sub-group; the writes of its results are appended to ``writes``."""
+        """Adam on one sub-group of a fetched unit (the fp32 master is its device copy, unless
+        a separate master was read); the writes of its results are appended to ``writes``."""
         opt, job, group = self.opt, loaded.job, loaded.group
         state, unit = job.state, job.state.unit
         start, end, n = group.start, group.end, group.end - group.start
@@ -355,27 +366,16 @@ class StepStream:
         half = None
         if state.master is not None and unit.dtype != torch.float32:
             half = torch.empty(n, dtype=unit.dtype)
-        opt._kernel(state, start, end, param, grad, t["m"], t["v"], job.grad_scale, half)
+        opt._kernel(state, start, end, param, grad, t["m"], t["v"], job.grad_scale, half,
+                    job.hyper)
+        if not job.early and state.grad_store.resident:
+            grad.zero_()          # the next backward accumulates into the home gradient
         opt._store(state.exp_avg, t["m"], start, n, writes)
         opt._store(state.exp_avg_sq, t["v"], start, n, writes)
-        new = half if half is not None else param
         if state.master is not None:
             opt._store(state.master, param, start, n, writes)
-        if job.early:
-            if state.master is not None:
-                unit.flat[start:end].copy_(new)
-            self._write_params(unit, start, n, writes)
-        else:
-            if "p" in t and unit.residency == Residency.FETCHED:
-                unit.flat[start:end].copy_(new)    # a unit kept fetched stays current
-            store = unit.param_store
-            if store is not None and state.master is None and "p" not in t:
-                # stepped in the unit's device buffer (kept fetched): written home from it
-                self._write_params(unit, start, n, writes)
-            elif store is not None and state.master is None:
-                opt._store(store, param, start, n, writes)
-            elif store is not None:
-                self._write_values(store, new, start, n, writes)
+            unit.flat[start:end].copy_(half if half is not None else param)
+        self._write_params(unit, start, n, writes)
         if not job.groups and all(x.job is not job for x in self._loads):
             # its last kernel ran: the gradient is given back, the device copy current
             if job.gradient is not None:
@@ -383,8 +383,7 @@ class StepStream:
             job.stepped.set_result(None)
 
     def _write_params(self, unit, start: int, n: int, writes: list) -> None:
-        """The unit's updated device copy goes to its home (early step, or a deferred step of a
-        unit kept fetched)."""
+        """The unit's updated device copy goes to its home."""
         store = unit.param_store
         if store is None:
             return

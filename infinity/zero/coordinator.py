@@ -50,7 +50,8 @@ class Coordinator:
                  on_grad: Callable[[Unit, ParamEntry, torch.Tensor], None],
                  on_unit_backward_done: Callable[[Unit], bool],
                  reap: Callable[..., list[Unit]] = lambda **_: [],
-                 expect_backward: Callable[[Unit], None] = lambda unit: None) -> None:
+                 expect_backward: Callable[[Unit], None] = lambda unit: None,
+                 step_fetched: Callable[[Unit], bool] = lambda unit: False) -> None:
         self.units = units
         self.hooked = hooked
         self.manager = manager
@@ -60,6 +61,7 @@ class Coordinator:
         self.on_unit_backward_done = on_unit_backward_done
         self.reap = reap
         self.expect_backward = expect_backward
+        self.step_fetched = step_fetched
         self._stepping = [False] * len(units)   # a background step holds the unit fetched
         self.traces = {"train_fwd": Trace(), "bwd": Trace(), "eval_fwd": Trace()}
         self._handles: list = []
@@ -321,6 +323,21 @@ class Coordinator:
                 self.fetch_stats["prefetch_hits"] += int(hit)       # and already complete
         if trace is not None:
             self._prefetch(trace)
+        # a deferred step waiting for this unit runs on the copy just fetched (see [Note: the
+        # deferred step lands at the next fetch]); the unit is held until its writes land
+        if self.step_fetched(unit):
+            self._stepping[uid] = True
+
+    def forward_order(self) -> list[int]:
+        """The units in the order the last training forward first used them."""
+        return list(dict.fromkeys(self.traces["train_fwd"].order))
+
+    def step_waiting_units(self, units: list[Unit]) -> None:
+        """Fetch ``units`` so their waiting deferred steps run (units the forward did not use,
+        or a flush); each is released when its writes have landed."""
+        for unit in units:
+            self.pin(unit)
+            self.unpin(unit)
 
     def _prefetch(self, trace: Trace) -> None:
         upcoming = trace.upcoming()

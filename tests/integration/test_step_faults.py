@@ -1,5 +1,6 @@
-"""An I/O error inside an optimizer step reaches the caller at engine.step(), without a hang, and
-engine.close() still removes the swap files (both schedules)."""
+"""An I/O error inside an optimizer step reaches the caller without a hang -- at engine.step() in
+the early schedule, where the deferred step runs (the next forward's fetch, or engine.flush())
+in the other -- and engine.close() still removes the swap files."""
 from __future__ import annotations
 
 import os
@@ -90,6 +91,7 @@ def test_a_failed_sub_group_waits_its_issued_writes_before_freeing_slots(disk_di
         with pytest.raises(OSError, match="injected EIO"):
             engine.backward(loss_of(engine(input_ids=x, labels=x)))
             engine.step()
+            engine.flush()        # the deferred step runs here (no next forward)
     finally:
         monkeypatch.setattr(FlatStore, "store_async", original_store)
         monkeypatch.setattr(BufferPool, "release", original_release)

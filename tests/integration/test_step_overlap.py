@@ -84,12 +84,14 @@ class _LateWrite:
     ("llama", "on", None), ("llama", "off", None),
     ("llama", "on", 0),      # nothing kept: units still writing must not be released
     ("gpt2", "on", None),    # the tied embedding is stepped last and expected first
+    ("llama", "off", 0),     # deferred steps run at the next forward's fetches
+    ("gpt2", "off", None),   # the tied embedding is fetched first and again for the head
 ])
 def test_late_writes_are_never_overtaken(disk_dir, monkeypatch, family: str, early_step: str,
                                          reuse: int | None) -> None:
     """Writes land as late as the engine allows (the early step leaves its last ones in flight
-    after step()); nothing reads their range or frees their buffer before they land, and
-    training still equals torch."""
+    after step(), the deferred step's land behind the next forward); nothing reads their range
+    or frees their buffer before they land, and training still equals torch."""
     late = _LateWrites(monkeypatch)
     model = make_model(family, layers=3, width=64)
     ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=early_step)
