@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.config import InfinityConfig
-from infinity.optim.partitioned import step_slot_count
+from infinity.optim.partitioned import accumulate_chunk_numel, step_slot_count
 from infinity.planner import DerivedSizes, ModelStats, derive_sizes, detect_hardware
 from infinity.storage.manager import padded_numel
 from infinity.storage.tiers import Tier
@@ -109,6 +109,8 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         grad_tier = Tier.NVME
     if early_step or grad_tier is Tier.NVME:
         host += 2 * max_trainable * 4
+    if grad_tier is Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
+        host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
     if cfg.infinity.offload_activations == "nvme":
         host += ACTIVATION_STAGING_BYTES
     if streamed:

@@ -44,7 +44,7 @@ from infinity.log import get_logger
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.optim.step_stream import StepJob, StepStream
 from infinity.storage.buffer_pool import BufferPool, Slot
-from infinity.storage.manager import FlatStore, TierManager
+from infinity.storage.manager import FlatStore, TierManager, padded_numel
 from infinity.storage.tiers import Residency, Tier
 from infinity.zero.unit import ParamEntry, Unit
 
@@ -52,6 +52,14 @@ log = get_logger("optim")
 
 
 GRADS_HELD = 2   # units whose gradients may wait for their early step at once
+# elements (8 MiB) of the host chunk through which accumulation adds a gradient kept on NVMe
+ACCUMULATE_CHUNK_NUMEL = 2 << 20
+
+
+def accumulate_chunk_numel(max_trainable: int) -> int:
+    """The accumulation chunk: 8 MiB, or the largest unit's gradient when smaller (a multiple
+    of 4 KiB either way, so every chunk starts aligned for O_DIRECT)."""
+    return min(ACCUMULATE_CHUNK_NUMEL, padded_numel(max(1, max_trainable), torch.float32))
 
 
 def gradients_held(device: torch.device) -> bool:
@@ -145,6 +153,7 @@ class UnitOptimState:
     # deferred schedule: gradients arrived since the unit's last step (a unit without any is
     # not stepped, as torch skips parameters whose gradient is None)
     has_grads: bool = False
+    norm_counted: bool = False   # its gradient is in the clipping norm of this cycle
 
 
 @dataclass
@@ -197,13 +206,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.clip_norm = 0.0
         self.last_grad_norm: float | None = None
         self._sq_norm = 0.0
-        self._accumulating = False   # True after the first micro-step of an accumulation cycle
+        self._accumulate_chunk: torch.Tensor | None = None
         self._boundary = True
         self.states: list[UnitOptimState] = []
         trainable_units = [u for u in units if u.has_trainable]
         max_trainable = max((u.trainable_numel for u in trainable_units), default=0)
         # multiples of 2048 elements keep every sub-group 4 KiB aligned in fp32 and in 16-bit
         self.sub_group_numel = -(-max(1, min(sub_group_numel, max_trainable or 1)) // 2048) * 2048
+        self._max_trainable = max_trainable
         for unit in trainable_units:
             n = unit.trainable_numel
             master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier)
@@ -422,20 +432,41 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             grads = store.tensor[: state.unit.trainable_numel]
         else:
             grads = state.grad_buffer
-            if self._accumulating:
-                prev = self.manager.host_empty(store.padded, torch.float32, what="grad accumulate")
-                self.manager.wait(store.load_async(prev))
-                grads.add_(prev[: grads.numel()])
-                del prev
+            if state.has_grads:      # an earlier micro-step of this cycle left one at home
+                self._add_home_gradient(state, grads)
         state.has_grads = True
         if self._boundary:
             self._sq_norm += _sum_of_squares(grads)
+            state.norm_counted = True
         if not store.resident:
             # the write goes on while backward continues; the buffer (slot) is released when it
             # has landed (``_retire_grad_write``), at the latest when the backward ends
             self._grad_writes.append((store.store_async(grads), state.grad_slot, grads))
             state.grad_slot = None
             state.grad_buffer = None
+
+    def _add_home_gradient(self, state: UnitOptimState, grads: torch.Tensor) -> None:
+        """Add the gradient the unit's NVMe home holds into ``grads``."""
+        for start, values in self._home_gradient(state):
+            grads[start:start + values.numel()].add_(values)
+
+    def _home_gradient(self, state: UnitOptimState):
+        """(start, values) pieces of the gradient at the unit's home: the resident store as it
+        is, or NVMe read through one budgeted chunk (a whole-unit buffer would be a second
+        gradient's worth of host memory)."""
+        n, store = state.unit.trainable_numel, state.grad_store
+        if store.resident:
+            yield 0, store.tensor[:n]
+            return
+        if self._accumulate_chunk is None:
+            self._accumulate_chunk = self.manager.host_empty(
+                accumulate_chunk_numel(self._max_trainable), torch.float32,
+                what="gradient accumulation chunk")
+        chunk = self._accumulate_chunk.numel()
+        for start in range(0, n, chunk):
+            count = min(chunk, n - start)
+            self.manager.wait(store.load_async(self._accumulate_chunk, start, count))
+            yield start, self._accumulate_chunk[:count]
 
     def _retire_grad_write(self) -> None:
         request, slot, _buffer = self._grad_writes.pop(0)
@@ -482,7 +513,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.cancel_expected()
         while self._grad_writes:
             self._retire_grad_write()
-        self._accumulating = True
 
     # -- stepping --------------------------------------------------------------------------
     def _hyper(self, group_index: int) -> dict:
@@ -545,7 +575,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             else:
                 self._queue_deferred_steps()
         finally:
-            self._accumulating = False
             self.timers.optimizer_s += time.perf_counter() - start
 
     def _queue_deferred_steps(self) -> None:
@@ -554,11 +583,15 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"the previous deferred step of {len(names)} unit(s) ({', '.join(names[:3])}) "
                 "has not run yet: step through Engine.step, which fetches and steps them first")
+        for state in self.states:
+            if state.has_grads and not state.norm_counted:
+                # its last gradient of the cycle came before the last micro-step: at home
+                self._sq_norm += sum(_sum_of_squares(v) for _, v in self._home_gradient(state))
         scale = self.grad_scale_for_clipping()
         position = {uid: i for i, uid in enumerate(self.forward_order())}
         stepped = [s for s in self.states if s.has_grads]
         for state in sorted(stepped, key=lambda s: position.get(s.unit.index, len(position))):
-            state.has_grads = False
+            state.has_grads = state.norm_counted = False
             self._waiting[state.unit.index] = self._stream.expect(state, early=False,
                                                                   grad_scale=scale)
 

@@ -143,3 +143,46 @@ def test_gathered_parameters_see_the_waiting_step(disk_dir) -> None:
         assert len(engine.optimizer.waiting_units()) == before - 1
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("grad_home", ["host", "nvme"])
+def test_accumulation_over_micro_steps_that_use_different_units(disk_dir, grad_home) -> None:
+    """Two micro-steps per step, each using the other head. A head's first gradient of a cycle
+    may come in the second micro-step: it must not be added to the gradient its NVMe home still
+    holds from the last cycle. A head used only in the first micro-step still counts in the
+    clipping norm (the norm covers the whole cycle, not the last backward)."""
+    torch.manual_seed(0)
+    model = AlternatingHeadModel(width=256)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01, foreach=False)
+    budget = {"host_memory_budget": "1MiB", "device_memory_budget": "2MiB"} \
+        if grad_home == "nvme" else {}
+    ds = _deferred_config(disk_dir, **budget)
+    del ds["scheduler"]
+    ds["gradient_accumulation_steps"] = 2
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        assert all(s.grad_store.resident == (grad_home == "host")
+                   for s in engine.optimizer.states)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            for _ in range(2):
+                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+                loss = engine(input_ids=x, labels=x)
+                engine.backward(loss)
+                engine.step()
+                ref_loss = reference(input_ids=x, labels=x)
+                (ref_loss / 2).backward()
+                torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            assert norm > 1.0, "the test needs clipping to act"
+            assert engine.optimizer.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        engine.flush()
+        for name, param in reference.named_parameters():
+            mine = dict(model.named_parameters())[name]
+            with infinity.zero.GatheredParameters([mine]):
+                torch.testing.assert_close(mine, param, rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()
