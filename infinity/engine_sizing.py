@@ -17,6 +17,7 @@ from infinity.storage.manager import padded_numel
 from infinity.storage.tiers import Tier
 from infinity.zero.activation_swap import ACTIVATION_STAGING_BYTES
 from infinity.zero.partition import UnitSpec
+from infinity.zero.unit import PARAM_ALIGN_BYTES, flat_layout
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,16 @@ def derive(cfg: InfinityConfig, specs: list[UnitSpec]) -> DerivedSizes:
     return derive_sizes(cfg, _stats(specs), detect_hardware(nvme_path))
 
 
+def _layout_bound(spec: UnitSpec, dtype: torch.dtype) -> tuple[int, int]:
+    """An upper bound of the unit's flat numel and trainable numel (zero/unit.py's layout, each
+    parameter rounded up to its alignment, so the order of param groups cannot matter)."""
+    align = max(1, PARAM_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    items = sorted(((-(-p.numel() // align) * align, p.requires_grad) for _, p in spec.params),
+                   key=lambda item: not item[1])
+    _, numel, trainable = flat_layout(items, dtype)
+    return numel, trainable
+
+
 def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSizes,
                   compute_dtype: torch.dtype, param_tier: Tier, optimizer_tier: Tier,
                   master_separate: bool, early_step: bool,
@@ -66,9 +77,9 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
     """
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    unit_numels = [padded_numel(sum(p.numel() for _, p in s.params), compute_dtype) for s in specs]
-    trainable = [padded_numel(sum(p.numel() for _, p in s.params if p.requires_grad), torch.float32)
-                 for s in specs]
+    layouts = [_layout_bound(s, compute_dtype) for s in specs]
+    unit_numels = [numel for numel, _ in layouts]
+    trainable = [numel for _, numel in layouts]
     max_unit_bytes = max(unit_numels, default=0) * itemsize
     threshold = derived.persistence_threshold
     streamed_units = [n for n in unit_numels if n > threshold] if cfg.zero.stage == 3 else []

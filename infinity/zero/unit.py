@@ -9,9 +9,11 @@ storage/device_cache.py). This is how a parameter's identity, ``named_parameters
 autograd graph survive release (FSDP does the same).
 
 [Note: flat layout]
-Trainable parameters come first, grouped by optimizer param group; frozen parameters come last.
-Every parameter starts on a 64-byte boundary (SIMD alignment for the Adam kernel); the total is
-padded to a 4 KiB multiple (O_DIRECT). ``segments`` lists the contiguous (group, start, end) runs
+Trainable parameters come first, grouped by optimizer param group; frozen parameters come last,
+after the trainable range padded to a 4 KiB multiple of fp32 (``trainable_numel``: the range the
+optimizer steps, so no frozen element may lie in it -- AdamW's decay would move it). Every
+parameter starts on a 64-byte boundary (SIMD alignment for the Adam kernel); the total is padded
+to a 4 KiB multiple (O_DIRECT). ``segments`` lists the contiguous (group, start, end) runs
 the optimizer steps with one set of hyperparameters; the gaps between parameters are zeros in
 params, grads and moments alike, so stepping them is harmless and keeps runs contiguous.
 """
@@ -64,19 +66,13 @@ class Unit:
         self.module = module
         self.dtype = dtype
         self.device = device
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        align = max(1, PARAM_ALIGN_BYTES // itemsize)
         order = sorted(named_params, key=lambda t: (t[2] < 0, t[2]))
-        self.params: list[ParamEntry] = []
-        offset = 0
-        for name_, param, group in order:
-            offset = -(-offset // align) * align
-            self.params.append(ParamEntry(name_, param, param.shape, offset, param.numel(), group))
-            offset += param.numel()
+        offsets, self.numel, self.trainable_numel = flat_layout(
+            [(param.numel(), group >= 0) for _, param, group in order], dtype)
+        self.params: list[ParamEntry] = [
+            ParamEntry(name_, param, param.shape, offset, param.numel(), group)
+            for (name_, param, group), offset in zip(order, offsets)]
         trainable = [p for p in self.params if p.trainable]
-        self.trainable_numel = padded_numel(
-            (trainable[-1].offset + trainable[-1].numel) if trainable else 0, torch.float32)
-        self.numel = max(padded_numel(offset, dtype), self.trainable_numel)
         self.segments = _segments(trainable, self.trainable_numel)
         self.residency = ResidencyState(f"unit {name}")
         self.persistent = False
@@ -277,6 +273,23 @@ class Unit:
                     manager.wait(req)
                 finally:
                     staging.release(slot)
+
+
+def flat_layout(params: list[tuple[int, bool]], dtype: torch.dtype) -> tuple[list[int], int, int]:
+    """[Note: flat layout] for (numel, trainable) pairs, trainable ones first: each one's offset,
+    the flat buffer's numel and the trainable range's numel (both padded to 4 KiB)."""
+    align = max(1, PARAM_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    offsets: list[int] = []
+    offset = trainable_numel = 0
+    for numel, trainable in params:
+        offset = -(-offset // align) * align
+        if trainable:
+            trainable_numel = padded_numel(offset + numel, torch.float32)
+        elif offsets and offset < trainable_numel:
+            offset = trainable_numel           # frozen ones start after the stepped range
+        offsets.append(offset)
+        offset += numel
+    return offsets, max(padded_numel(offset, dtype), trainable_numel), trainable_numel
 
 
 def _segments(trainable: list[ParamEntry], end: int) -> list[Segment]:
