@@ -189,11 +189,15 @@ class Engine:
             self.manager.counters.reset()
             self.optimizer.timers.reset()
         self.coordinator.begin_forward(self.module.training)
-        if self.activation_swapper is not None and self.module.training and \
-                torch.is_grad_enabled():
-            with self.activation_swapper.hooks():
-                return self.module(*args, **kwargs)
-        return self.module(*args, **kwargs)
+        try:
+            if self.activation_swapper is not None and self.module.training and \
+                    torch.is_grad_enabled():
+                with self.activation_swapper.hooks():
+                    return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self.coordinator.abandon_pass()     # post-hooks did not run: units stay fetched
+            raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backward of ``loss`` (scaled by 1/gradient_accumulation_steps, as DeepSpeed does)."""
@@ -206,7 +210,12 @@ class Engine:
         try:
             loss.backward(retain_graph=retain_graph)
         except BaseException:
-            self.optimizer.cancel_expected()   # no gradients will come for the rest
+            # no gradients will come for the rest: drop the partial ones, and start the next
+            # backward clean (its end-of-backward callback never ran)
+            try:
+                self.optimizer.abandon_backward()
+            finally:
+                self.coordinator.abandon_pass()
             raise
         self.optimizer.end_backward()
 

@@ -389,6 +389,33 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self._drop_grad_buffer(self._by_unit[index])
         self._expected.clear()
 
+    def abandon_backward(self) -> None:
+        """A backward raised: drop the gradients collected since the last step (this backward's
+        partial ones, and with accumulation the earlier micro-steps' too), so the next step
+        sees none of them. Early steps that already ran keep their update: they cannot be
+        undone."""
+        self.cancel_expected()
+        try:
+            while self._grad_writes:
+                self._retire_grad_write()
+        finally:
+            dropped = 0
+            for state in self.states:
+                touched = state.grads_seen > 0 or state.has_grads
+                dropped += touched
+                self._drop_grad_buffer(state)
+                state.grads_seen = 0
+                state.has_grads = state.norm_counted = False
+                if touched and state.grad_store is not None and state.grad_store.resident:
+                    # in place since this cycle began (no waiting step reads it: the unit was
+                    # fetched, so its step ran, before any of these gradients came)
+                    state.grad_store.tensor.zero_()
+            self._sq_norm = 0.0
+            log.warning("backward raised: the gradients of %d unit(s) collected since the last "
+                        "optimizer step are dropped%s", dropped,
+                        "; units already stepped in this backward keep their update"
+                        if self.early_step else "")
+
     def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
         """Units whose background step has finished, in order: with ``wait`` all of them, with
         ``wait_first`` at least the oldest. Re-raises a background step's error here."""

@@ -66,6 +66,7 @@ class Coordinator:
         self.traces = {"train_fwd": Trace(), "bwd": Trace(), "eval_fwd": Trace()}
         self._handles: list = []
         self._active = [0] * len(units)
+        self._pins = [0] * len(units)          # of ``_active``: held by ``pin``, not by hooks
         self._pending = [0] * len(units)
         self._input_done = [False] * len(units)
         self._done = [False] * len(units)
@@ -217,6 +218,20 @@ class Coordinator:
             self._in_backward = False
             self._callback_queued = False
             self.reset_backward_state()
+
+    def abandon_pass(self) -> None:
+        """A forward or backward raised: its hooks will not finish the pass (post-hooks, the
+        end-of-backward callback). Forget the pass, count no module as running, and release
+        what no step or pin holds, so the next pass starts clean."""
+        self._in_backward = False
+        self._callback_queued = False
+        self._fwd_trace_name = None
+        self._active = list(self._pins)
+        self.reset_backward_state()
+        self.release_finished_steps()
+        for unit in self.units:
+            if self._active[unit.index] == 0:
+                self._release_or_keep(unit.index)
 
     def units_without_grads(self) -> list[Unit]:
         """Trainable units that received no gradient in the last backward (all unused)."""
@@ -375,9 +390,11 @@ class Coordinator:
         """Fetch ``unit`` and hold it (not released by hooks) until ``unpin``."""
         self._ensure(unit.index, None)
         self._active[unit.index] += 1
+        self._pins[unit.index] += 1
 
     def unpin(self, unit: Unit) -> None:
         self._active[unit.index] -= 1
+        self._pins[unit.index] -= 1
         if self._active[unit.index] == 0 and not self._in_backward and \
                 not self._stepping[unit.index]:
             unit.release(self.manager)

@@ -98,3 +98,69 @@ def test_a_failed_sub_group_waits_its_issued_writes_before_freeing_slots(disk_di
         engine.close()
     assert any(r.waited for r in issued), "the injected failure came before any write"
     assert freed_early == [], f"freed while a write from it was in flight: {freed_early}"
+
+
+class _FailOnce:
+    """A backward pre-hook that raises in the backward it is armed for."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __call__(self, module, grad_output):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("injected backward failure")
+
+
+@pytest.mark.parametrize("schedule", ["on", "off"])
+def test_training_goes_on_after_a_backward_that_raises(disk_dir, schedule) -> None:
+    """A backward raises half-way (the units after the failing layer have their gradients, the
+    others not): the next backward must neither wait for the dropped gradients (the early step
+    held them) nor add them in; with the deferred schedule training then equals torch that
+    skipped the batch (the early step has already stepped the units done before the failure,
+    which cannot be undone)."""
+    import copy
+    import threading
+
+    import infinity
+    from parity import make_model, zero_config
+
+    torch.manual_seed(0)
+    model = make_model("llama", layers=3, width=64)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    failing = _FailOnce()
+    model.model.layers[0].register_full_backward_pre_hook(failing)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=schedule)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for step in range(5):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            loss = loss_of(engine(input_ids=x, labels=x))
+            if step == 2:
+                failing.armed = True
+                with pytest.raises(RuntimeError, match="injected backward failure"):
+                    engine.backward(loss)
+                continue                               # the batch is skipped
+            done = threading.Event()
+
+            def backward_and_step() -> None:
+                engine.backward(loss)
+                engine.step()
+                done.set()
+
+            worker = threading.Thread(target=backward_and_step, daemon=True)
+            worker.start()
+            worker.join(timeout=120)
+            assert done.is_set(), f"step {step}: backward did not finish after a failed one"
+            ref_loss = loss_of(reference(input_ids=x, labels=x))
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            if schedule == "off" or step < 3:
+                torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            assert torch.isfinite(loss)
+    finally:
+        engine.close()
