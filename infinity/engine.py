@@ -28,7 +28,7 @@ from infinity.engine_sizing import COMPUTE_DTYPES, EngineSizes, derive, resolve_
 from infinity.sizes import format_bytes
 from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.coordinator import Coordinator
-from infinity.zero.init import register_engine
+from infinity.zero.init import EXTERNAL_PARAMS_ATTR, register_engine
 from infinity.zero.materialize import materialize_params
 from infinity.zero.partition import modules_needing, partition
 from infinity.zero.prefetch import PrefetchLimits
@@ -158,6 +158,11 @@ class Engine:
             step_fetched=self.optimizer.step_fetched)
         self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
+        for module in model.modules():      # register_external_parameter before initialize
+            external = module.__dict__.get(EXTERNAL_PARAMS_ATTR, [])
+            external[:] = [replacements.get(p, p) for p in external]
+            for param in external:
+                self.hook_external_parameter(module, param)
         self.activation_swapper = self._activation_swapper()
         register_engine(self)
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
@@ -183,7 +188,13 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    def _check_open(self, what: str) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"engine.{what}() after engine.close(): the engine's states and "
+                               "swap files are gone; build a new engine with infinity.initialize")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("forward")
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self.manager.counters.reset()
@@ -195,12 +206,20 @@ class Engine:
                 with self.activation_swapper.hooks():
                     return self.module(*args, **kwargs)
             return self.module(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             self.coordinator.abandon_pass()     # post-hooks did not run: units stay fetched
+            if isinstance(exc, RuntimeError) and "storage of size 0" in str(exc):
+                raise RuntimeError(
+                    "the forward used a parameter whose unit was not fetched: stage 3 fetches a "
+                    "unit only around the forward of a module that holds its parameters. If a "
+                    "module's forward uses another module's parameter (e.g. "
+                    "F.linear(x, self.embed.weight) in a parent module), declare it with "
+                    "infinity.zero.register_external_parameter(module, parameter)") from exc
             raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backward of ``loss`` (scaled by 1/gradient_accumulation_steps, as DeepSpeed does)."""
+        self._check_open("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss)}"
                              + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
@@ -224,6 +243,7 @@ class Engine:
 
     def step(self) -> None:
         """Count a micro-step; at the accumulation boundary step the optimizer and scheduler."""
+        self._check_open("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -282,6 +302,13 @@ class Engine:
         """Timings and bytes of the last optimizer step (see ``_record_stats`` for keys)."""
         return dict(self._last_stats)
 
+    def hook_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
+        """``module``'s forward uses ``param`` of another module: fetch its unit around it
+        (``infinity.zero.register_external_parameter``)."""
+        unit = next((u for u in self.units if any(e.param is param for e in u.params)), None)
+        if unit is not None:
+            self.coordinator.hook_module(module, [unit.index])
+
     def pin_unit(self, unit: Unit) -> None:
         """Fetch ``unit`` and keep it fetched until ``unpin_unit`` (GatheredParameters): a step
         waiting for it runs on the fetch, and no write of the last step is left in flight (a
@@ -314,7 +341,10 @@ class Engine:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def close(self) -> None:
-        """Remove hooks, free states and delete this run's swap files."""
+        """Remove hooks, free states and delete this run's swap files (once; again is a no-op)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         try:
             if getattr(self, "coordinator", None) is not None:
                 self.coordinator.release_finished_steps(self.optimizer.drain_steps())

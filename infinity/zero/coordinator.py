@@ -81,17 +81,22 @@ class Coordinator:
     # -- installation ----------------------------------------------------------------------
     def install(self) -> None:
         for module, unit_ids in self.hooked:
-            ids = tuple(unit_ids)
-            self._handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, ids=ids: self._forward_pre(ids, args, kwargs),
-                with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                lambda m, args, output, ids=ids: self._forward_post(ids, output)))
+            self.hook_module(module, unit_ids)
         for unit in self.units:
             for entry in unit.trainable_entries():
                 self._handles.append(entry.param.register_post_accumulate_grad_hook(
                     lambda param, unit=unit, entry=entry: self._grad_ready(unit, entry)))
         self.reset_backward_state()
+
+    def hook_module(self, module: nn.Module, unit_ids: list[int]) -> None:
+        """Fetch ``unit_ids`` before ``module`` runs and release them after (its own unit, a
+        tied parameter's, or one registered as external)."""
+        ids = tuple(unit_ids)
+        self._handles.append(module.register_forward_pre_hook(
+            lambda m, args, kwargs, ids=ids: self._forward_pre(ids, args, kwargs),
+            with_kwargs=True))
+        self._handles.append(module.register_forward_hook(
+            lambda m, args, output, ids=ids: self._forward_post(ids, output)))
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -9,6 +9,11 @@ one unit at a time and sends it to its home tier, so peak memory is about one un
 ``GatheredParameters(params, modifier_rank=...)`` fetches the units holding ``params`` so they
 can be read (or, with a modifier rank, changed: changes are written back to the home tiers and
 the optimizer's fp32 master on exit).
+
+``register_external_parameter(module, param)`` says that ``module``'s forward uses ``param``,
+which belongs to another module (``F.linear(h, self.embed.weight)`` in a parent's forward): the
+stage-3 hooks then fetch its unit around ``module``'s forward too. DeepSpeed's name and
+signature; call it before or after ``infinity.initialize``.
 """
 from __future__ import annotations
 
@@ -58,6 +63,22 @@ def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
         return None
     return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                         requires_grad=param.requires_grad)
+
+
+EXTERNAL_PARAMS_ATTR = "_infinity_external_params"
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """``module``'s forward uses ``parameter``, owned by another module: fetch it around
+    ``module``'s forward (see the module docstring)."""
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError(f"register_external_parameter expects an nn.Parameter, got "
+                        f"{type(parameter).__name__}")
+    external = module.__dict__.setdefault(EXTERNAL_PARAMS_ATTR, [])
+    if not any(p is parameter for p in external):
+        external.append(parameter)
+    for engine in list(_live_engines):
+        engine.hook_external_parameter(module, parameter)
 
 
 class GatheredParameters(contextlib.ContextDecorator):

@@ -9,6 +9,7 @@ reaches it and is fetched at each use.
 """
 from __future__ import annotations
 
+import difflib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -46,6 +47,14 @@ def find_blocks(model: nn.Module, unit_modules: list[str] | None = None) -> list
             visit(_join(prefix, name), child)
 
     visit("", model)
+    unknown = wanted - {type(m).__name__ for m in model.modules()}
+    if unknown:
+        classes = sorted({type(m).__name__ for m in model.modules() if _has_params(m)})
+        close = {name: difflib.get_close_matches(name, classes, n=1) for name in sorted(unknown)}
+        hints = "; ".join(f"{name!r}" + (f" (did you mean {match[0]!r}?)" if match else "")
+                          for name, match in close.items())
+        raise ValueError(f"infinity.unit_modules names module classes this model does not have: "
+                         f"{hints}. Classes with parameters in it: {', '.join(classes[:20])}")
     return blocks
 
 

@@ -164,3 +164,18 @@ def test_training_goes_on_after_a_backward_that_raises(disk_dir, schedule) -> No
             assert torch.isfinite(loss)
     finally:
         engine.close()
+
+
+def test_a_closed_engine_says_so(disk_dir) -> None:
+    """close() twice is harmless; a forward, backward or step afterwards is a clear error (not
+    a new swap space and an unallocated-extent error)."""
+    engine = nvme_engine(disk_dir, "on", layers=1)
+    x = torch.randint(0, VOCAB, (1, 8))
+    loss = loss_of(engine(input_ids=x, labels=x))
+    engine.close()
+    engine.close()
+    for call in (lambda: engine(input_ids=x, labels=x), lambda: engine.backward(loss),
+                 engine.step):
+        with pytest.raises(RuntimeError, match=r"after engine.close\(\)"):
+            call()
+    assert [d for d in os.listdir(disk_dir) if d.startswith("infinity-swap")] == []
