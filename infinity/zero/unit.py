@@ -148,19 +148,24 @@ class Unit:
             if not manager.device_cache.try_attach(self.flat.untyped_storage(), self.nbytes,
                                                    f"unit {self.name}"):
                 return False
-            self.fetch_request = self._read_into_device()
         else:
             slot = pool.try_acquire()
             if slot is None:
                 return False
-            self._read_into_slot(slot)
+            self.fetch_slot = slot
+        try:
+            self.fetch_request = (self._read_into_device() if pool is None
+                                  else self._read_into_slot(self.fetch_slot))
+        except BaseException:
+            self._drop_fetch(manager, pool)     # the read was not issued: give back the room
+            raise
         self.residency.to(Residency.FETCHING)
         return True
 
-    def _read_into_slot(self, slot) -> None:
+    def _read_into_slot(self, slot):
         """The NVMe read of the parameters into a host slot (copied to the device at finish)."""
         self.fetch_slot = slot
-        self.fetch_request = self.param_store.load_async(slot.view(self.dtype, self.numel))
+        return self.param_store.load_async(slot.view(self.dtype, self.numel))
 
     @property
     def flat_on_aligned_host(self) -> bool:
@@ -182,18 +187,18 @@ class Unit:
             return
         self.fetch_count += 1
         direct = pool is None and self.param_home is Tier.NVME
-        if self.residency == Residency.FETCHING:
-            if self.fetch_request.done():
-                self.prefetch_hits += 1
-        elif direct:
-            self._allocate_device(manager)
-            self.fetch_request = self._read_into_device()
-        elif self.param_home is Tier.NVME:
-            self._read_into_slot(pool.acquire(timeout=60.0))
         try:
+            if self.residency == Residency.FETCHING:
+                if self.fetch_request.done():
+                    self.prefetch_hits += 1
+            elif direct:
+                self._allocate_device(manager)
+                self.fetch_request = self._read_into_device()
+            elif self.param_home is Tier.NVME:
+                self.fetch_request = self._read_into_slot(pool.acquire(timeout=60.0))
             manager.wait(self.fetch_request)
         except BaseException:
-            self._drop_fetch(manager, pool)
+            self._drop_fetch(manager, pool)     # issued or not, nothing of it stays held
             raise
         self.fetch_request = None
         if not direct:

@@ -179,3 +179,35 @@ def test_a_closed_engine_says_so(disk_dir) -> None:
         with pytest.raises(RuntimeError, match=r"after engine.close\(\)"):
             call()
     assert [d for d in os.listdir(disk_dir) if d.startswith("infinity-swap")] == []
+
+
+@pytest.mark.parametrize("schedule", ["on", "off"])
+def test_a_parameter_read_that_fails_to_start_leaves_no_memory_held(disk_dir, monkeypatch,
+                                                                     schedule) -> None:
+    """A prefetch or fetch whose read fails when it is issued (not when waited): the forward
+    raises, and the unit's memory or slot goes back, so the next steps fetch it again."""
+    engine = nvme_engine(disk_dir, schedule, layers=3, stage3_max_reuse_distance=0)
+    x = torch.randint(0, VOCAB, (1, 8))
+    engine.backward(loss_of(engine(input_ids=x, labels=x)))
+    engine.step()
+    original = FlatStore.load_async
+    failed: list[str] = []
+
+    def failing_once(self, buf, start=0, count=None):
+        if self.name.endswith(".params") and not failed:
+            failed.append(self.name)
+            raise OSError(5, "injected EIO at submit", self.name)
+        return original(self, buf, start, count)
+
+    monkeypatch.setattr(FlatStore, "load_async", failing_once)
+    try:
+        with pytest.raises(OSError, match="injected EIO at submit"):
+            engine(input_ids=x, labels=x)
+        assert failed
+        for _ in range(2):
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+            assert torch.isfinite(loss)
+    finally:
+        engine.close()
