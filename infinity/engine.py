@@ -28,6 +28,7 @@ from infinity.engine_sizing import COMPUTE_DTYPES, EngineSizes, derive, resolve_
 from infinity.sizes import format_bytes
 from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.coordinator import Coordinator
+from infinity.optim.loss_scaler import LossScaler
 from infinity.zero.init import EXTERNAL_PARAMS_ATTR, register_engine
 from infinity.zero.materialize import materialize_params
 from infinity.zero.partition import modules_needing, partition
@@ -168,6 +169,9 @@ class Engine:
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
         self._step_started = None
         self._last_stats: dict[str, float] = {}
+        # fp16: the loss scale and the skipping of steps whose gradients overflow
+        self.loss_scaler = LossScaler(self.config.fp16) if self.config.fp16.enabled else None
+        self.skipped_steps = 0
 
     def _activation_swapper(self) -> ActivationSwapper | None:
         """The swapper of saved activations when ``infinity.offload_activations`` is "nvme"."""
@@ -225,6 +229,8 @@ class Engine:
                              + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
         try:
             loss.backward(retain_graph=retain_graph)
@@ -250,7 +256,11 @@ class Engine:
             return
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
+        self.optimizer.loss_scale = self.loss_scale
         self.optimizer.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self.optimizer.overflow)
+        self.skipped_steps += int(self.optimizer.overflow)
         if self.optimizer.early_step:
             self.coordinator.release_finished_steps(self.optimizer.reaped_at_step)
         else:
@@ -259,8 +269,8 @@ class Engine:
             self.coordinator.step_waiting_units(
                 [u for u in self.optimizer.waiting_units() if u.persistent])
             self.coordinator.release_finished_steps()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        if self.lr_scheduler is not None and not self.optimizer.overflow:
+            self.lr_scheduler.step()      # a skipped step does not move the schedule
         self.global_steps += 1
         self._record_stats()
         if self.config.infinity.mmap_threshold_in_use is not None:
@@ -336,6 +346,11 @@ class Engine:
 
     def named_parameters(self, *args: Any, **kwargs: Any):
         return self.module.named_parameters(*args, **kwargs)
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale now (1 without fp16)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]

@@ -205,6 +205,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.timers = OptimTimers()
         self.clip_norm = 0.0
         self.last_grad_norm: float | None = None
+        self.loss_scale = 1.0        # the fp16 loss scale the gradients carry (set by the engine)
+        self.overflow = False        # the last step was skipped: its gradients were not finite
         self._sq_norm = 0.0
         self._accumulate_chunk: torch.Tensor | None = None
         self._boundary = True
@@ -399,22 +401,28 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             while self._grad_writes:
                 self._retire_grad_write()
         finally:
-            dropped = 0
-            for state in self.states:
-                touched = state.grads_seen > 0 or state.has_grads
-                dropped += touched
-                self._drop_grad_buffer(state)
-                state.grads_seen = 0
-                state.has_grads = state.norm_counted = False
-                if touched and state.grad_store is not None and state.grad_store.resident:
-                    # in place since this cycle began (no waiting step reads it: the unit was
-                    # fetched, so its step ran, before any of these gradients came)
-                    state.grad_store.tensor.zero_()
-            self._sq_norm = 0.0
+            dropped = self._drop_cycle_gradients()
             log.warning("backward raised: the gradients of %d unit(s) collected since the last "
                         "optimizer step are dropped%s", dropped,
                         "; units already stepped in this backward keep their update"
                         if self.early_step else "")
+
+    def _drop_cycle_gradients(self) -> int:
+        """Forget every gradient collected since the last step; returns how many units had
+        some."""
+        dropped = 0
+        for state in self.states:
+            touched = state.grads_seen > 0 or state.has_grads
+            dropped += touched
+            self._drop_grad_buffer(state)
+            state.grads_seen = 0
+            state.has_grads = state.norm_counted = False
+            if touched and state.grad_store is not None and state.grad_store.resident:
+                # in place since this cycle began (no waiting step reads it: the unit was
+                # fetched, so its step ran, before any of these gradients came)
+                state.grad_store.tensor.zero_()
+        self._sq_norm = 0.0
+        return dropped
 
     def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
         """Units whose background step has finished, in order: with ``wait`` all of them, with
@@ -581,12 +589,13 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             reqs.append((store.store_async(tensor, start, count), None))
 
     def grad_scale_for_clipping(self) -> float:
-        """Divisor applied to gradients in the kernel (global-norm clipping), 1 when off."""
-        norm = math.sqrt(self._sq_norm)
+        """Divisor applied to gradients in the kernel: the loss scale, times the global-norm
+        clipping factor when clipping acts (the norm is that of the unscaled gradients)."""
+        norm = math.sqrt(self._sq_norm) / self.loss_scale
         self.last_grad_norm = norm
         if self.clip_norm > 0 and norm > self.clip_norm:
-            return (norm + 1e-6) / self.clip_norm
-        return 1.0
+            return self.loss_scale * (norm + 1e-6) / self.clip_norm
+        return self.loss_scale
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch API
@@ -596,6 +605,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("PartitionedOptimizer.step does not take a closure")
         start = time.perf_counter()
+        self.overflow = False
         try:
             if self.early_step:
                 self.reaped_at_step = self._finish_early_steps()
@@ -614,6 +624,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             if state.has_grads and not state.norm_counted:
                 # its last gradient of the cycle came before the last micro-step: at home
                 self._sq_norm += sum(_sum_of_squares(v) for _, v in self._home_gradient(state))
+        if not math.isfinite(self._sq_norm):
+            # inf or NaN in a gradient (see optim/loss_scaler.py): the step is skipped
+            self.overflow = True
+            self.last_grad_norm = math.inf
+            self._drop_cycle_gradients()
+            return
         scale = self.grad_scale_for_clipping()
         position = {uid: i for i, uid in enumerate(self.forward_order())}
         stepped = [s for s in self.states if s.has_grads]

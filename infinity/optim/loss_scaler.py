@@ -1,0 +1,51 @@
+"""The fp16 loss scale: the loss is multiplied by it before backward so small fp16 gradients do
+not flush to zero, and the optimizer divides it out again (with the clipping factor, in one
+``grad_scale``). A step whose gradients are not finite (inf or NaN anywhere: the scale was too
+large, or the model diverged) is skipped -- no unit is stepped, the gradients are dropped -- and
+the dynamic scale comes down; after ``loss_scale_window`` steps without one it goes up again.
+
+DeepSpeed's rules, so a ds_config behaves the same: ``loss_scale`` 0 means dynamic, starting at
+2**``initial_scale_power``; an overflow halves the scale only once ``hysteresis`` overflows have
+come since it last changed; it never goes under ``min_loss_scale``. A static scale (``loss_scale``
+> 0) never changes, but overflowing steps are still skipped. With fp32 compute (the CPU) the
+scale changes no result -- multiplying by a power of two and dividing it out is exact -- but the
+skipping of non-finite steps is what the config asked for.
+"""
+from __future__ import annotations
+
+from infinity.config_sections import Fp16Config
+from infinity.log import get_logger
+
+log = get_logger("optim")
+
+
+class LossScaler:
+    """The current loss scale and its updates after each optimizer step."""
+
+    def __init__(self, config: Fp16Config) -> None:
+        self.dynamic = config.loss_scale == 0
+        self.scale = 2.0 ** config.initial_scale_power if self.dynamic else config.loss_scale
+        self.window = config.loss_scale_window
+        self.min_scale = config.min_loss_scale
+        self.hysteresis = config.hysteresis
+        self._hysteresis_left = config.hysteresis
+        self._steps = 0
+        self._last_overflow = -1
+
+    def update(self, overflow: bool) -> None:
+        """Called once per optimizer step, with whether its gradients overflowed."""
+        if overflow:
+            attempted = self.scale
+            if self.dynamic and self._hysteresis_left <= 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+            elif self.dynamic:
+                self._hysteresis_left -= 1
+            self._last_overflow = self._steps
+            log.warning("gradients overflowed at loss scale %g: step skipped, scale now %g",
+                        attempted, self.scale)
+        elif self.dynamic:
+            stable = self._steps - self._last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
+                self.scale *= 2
+                self._hysteresis_left = self.hysteresis
+        self._steps += 1

@@ -1,0 +1,88 @@
+"""fp16 loss scaling on the out-of-core path: scaled losses train like torch (powers of two are
+divided out exactly in fp32), and a step whose gradients overflow is skipped whole."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import infinity
+from parity import VOCAB, loss_of, make_model, run_parity, zero_config
+
+
+def _fp16(ds: dict, **fp16) -> dict:
+    ds["fp16"] = {"enabled": True, **fp16}
+    return ds
+
+
+@pytest.mark.parametrize("fp16", [{"initial_scale_power": 10}, {"loss_scale": 64.0}])
+def test_scaled_loss_trains_like_torch(disk_dir, fp16) -> None:
+    model = make_model("llama", layers=2, width=64)
+    ds = _fp16(zero_config(3, "nvme", "nvme", str(disk_dir)), **fp16)
+    result = run_parity(model, ds, steps=5, clip=1.0, close=False)
+    try:
+        assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+        assert result.engine.loss_scale == fp16.get("loss_scale", 1024.0)
+        assert result.engine.skipped_steps == 0
+    finally:
+        result.engine.close()
+
+
+class _InfOnce:
+    """A backward hook that turns the gradient into inf in the backward it is armed for."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __call__(self, module, grad_output):
+        if self.armed:
+            self.armed = False
+            return tuple(g * float("inf") if g is not None else None for g in grad_output)
+        return None
+
+
+def test_an_overflowing_step_is_skipped_and_the_scale_comes_down(disk_dir) -> None:
+    """Step 2's gradients are inf: no parameter or Adam state moves, the LR schedule does not
+    advance, the dynamic scale halves (hysteresis 1); training goes on equal to torch that
+    skipped the batch."""
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    inf_once = _InfOnce()
+    model.model.layers[0].register_full_backward_pre_hook(inf_once)
+    ds = _fp16(zero_config(3, "nvme", "nvme", str(disk_dir)), initial_scale_power=8,
+               hysteresis=1)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3,
+                                                      "warmup_num_steps": 5,
+                                                      "warmup_type": "linear"}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    gen = torch.Generator().manual_seed(4)
+    ref_step = 0
+    try:
+        for step in range(5):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            inf_once.armed = step == 2
+            lr_before = engine.get_lr()[0]
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+            if step == 2:
+                assert engine.skipped_steps == 1 and engine.loss_scale == 128.0
+                assert engine.get_lr()[0] == lr_before, "a skipped step moved the schedule"
+                continue
+            ref_loss = loss_of(reference(input_ids=x, labels=x))
+            ref_loss.backward()
+            for group in ref_opt.param_groups:
+                group["lr"] = 1e-4 + (1e-3 - 1e-4) * min(1.0, ref_step / 5)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            ref_step += 1
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        engine.flush()
+        steps = {s.unit.name: s.step for s in engine.optimizer.states}
+        assert set(steps.values()) == {4}, steps
+    finally:
+        engine.close()
