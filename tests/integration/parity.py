@@ -160,3 +160,20 @@ def nvme_engine(disk_dir, early_step: str, layers: int, **zero_extra):
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
     engine, *_ = infinity.initialize(model=model, config=ds)
     return engine
+
+
+class ArmedBackwardHook:
+    """A backward pre-hook that acts once, in the backward it is armed for: raises ``error`` or
+    multiplies the output gradients by ``factor`` (inf: an overflow)."""
+
+    def __init__(self, error: str | None = None, factor: float | None = None) -> None:
+        self.error, self.factor = error, factor
+        self.armed = False
+
+    def __call__(self, module, grad_output):
+        if not self.armed:
+            return None
+        self.armed = False
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return tuple(g * self.factor if g is not None else None for g in grad_output)

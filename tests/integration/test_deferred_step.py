@@ -31,6 +31,26 @@ def _deferred_config(disk_dir, **infinity_section) -> dict:
     return ds
 
 
+def _alternating_heads(disk_dir, grad_home: str, **ds_extra):
+    """AlternatingHeadModel (seed 0) under the deferred schedule with gradients at ``grad_home``,
+    and a torch copy with its AdamW: (model, reference, ref_opt, engine)."""
+    torch.manual_seed(0)
+    model = AlternatingHeadModel(width=256)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01, foreach=False)
+    # 1 MiB of host memory does not hold the gradients (1.1 MB); the device pool is set apart
+    budget = {"host_memory_budget": "1MiB", "device_memory_budget": "2MiB"} \
+        if grad_home == "nvme" else {}
+    ds = _deferred_config(disk_dir, **budget)
+    del ds["scheduler"]
+    ds.update(ds_extra)
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    if any(s.grad_store.resident != (grad_home == "host") for s in engine.optimizer.states):
+        engine.close()
+        raise AssertionError(f"the gradients are not at {grad_home}: change the budgets")
+    return model, reference, ref_opt, engine
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_deferred_step_lands_before_any_read_with_its_own_learning_rate(disk_dir,
                                                                         family: str) -> None:
@@ -82,19 +102,8 @@ def test_units_without_gradients_are_not_stepped(disk_dir, grad_home: str) -> No
     """A model that alternates two heads: the head a step did not use has no gradient, so torch
     does not step it; the deferred schedule must not step it either (with gradients on NVMe it
     would otherwise step again with the gradient of two steps ago)."""
-    torch.manual_seed(0)
-    model = AlternatingHeadModel(width=256)
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01, foreach=False)
-    # 1 MiB of host memory does not hold the gradients (1.1 MB); the device pool is set apart
-    budget = {"host_memory_budget": "1MiB", "device_memory_budget": "2MiB"} \
-        if grad_home == "nvme" else {}
-    ds = _deferred_config(disk_dir, **budget)
-    del ds["scheduler"]
-    engine, *_ = infinity.initialize(model=model, config=ds)
+    model, reference, ref_opt, engine = _alternating_heads(disk_dir, grad_home)
     try:
-        heads = [s for s in engine.optimizer.states if s.unit.name.startswith("heads")]
-        assert all(s.grad_store.resident == (grad_home == "host") for s in heads)
         x = torch.randint(0, VOCAB, (2, 8))
         for _ in range(6):
             loss = engine(input_ids=x, labels=x)
@@ -151,19 +160,9 @@ def test_accumulation_over_micro_steps_that_use_different_units(disk_dir, grad_h
     may come in the second micro-step: it must not be added to the gradient its NVMe home still
     holds from the last cycle. A head used only in the first micro-step still counts in the
     clipping norm (the norm covers the whole cycle, not the last backward)."""
-    torch.manual_seed(0)
-    model = AlternatingHeadModel(width=256)
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01, foreach=False)
-    budget = {"host_memory_budget": "1MiB", "device_memory_budget": "2MiB"} \
-        if grad_home == "nvme" else {}
-    ds = _deferred_config(disk_dir, **budget)
-    del ds["scheduler"]
-    ds["gradient_accumulation_steps"] = 2
-    engine, *_ = infinity.initialize(model=model, config=ds)
+    model, reference, ref_opt, engine = _alternating_heads(disk_dir, grad_home,
+                                                           gradient_accumulation_steps=2)
     try:
-        assert all(s.grad_store.resident == (grad_home == "host")
-                   for s in engine.optimizer.states)
         gen = torch.Generator().manual_seed(5)
         for _ in range(4):
             for _ in range(2):

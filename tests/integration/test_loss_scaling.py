@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import infinity
-from parity import VOCAB, loss_of, make_model, run_parity, zero_config
+from parity import VOCAB, ArmedBackwardHook, loss_of, make_model, run_parity, zero_config
 
 
 def _fp16(ds: dict, **fp16) -> dict:
@@ -29,19 +29,6 @@ def test_scaled_loss_trains_like_torch(disk_dir, fp16) -> None:
         result.engine.close()
 
 
-class _InfOnce:
-    """A backward hook that turns the gradient into inf in the backward it is armed for."""
-
-    def __init__(self) -> None:
-        self.armed = False
-
-    def __call__(self, module, grad_output):
-        if self.armed:
-            self.armed = False
-            return tuple(g * float("inf") if g is not None else None for g in grad_output)
-        return None
-
-
 def test_an_overflowing_step_is_skipped_and_the_scale_comes_down(disk_dir) -> None:
     """Step 2's gradients are inf: no parameter or Adam state moves, the LR schedule does not
     advance, the dynamic scale halves (hysteresis 1); training goes on equal to torch that
@@ -50,7 +37,7 @@ def test_an_overflowing_step_is_skipped_and_the_scale_comes_down(disk_dir) -> No
     model = make_model("llama", layers=2, width=64)
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    inf_once = _InfOnce()
+    inf_once = ArmedBackwardHook(factor=float("inf"))
     model.model.layers[0].register_full_backward_pre_hook(inf_once)
     ds = _fp16(zero_config(3, "nvme", "nvme", str(disk_dir)), initial_scale_power=8,
                hysteresis=1)

@@ -100,18 +100,6 @@ def test_a_failed_sub_group_waits_its_issued_writes_before_freeing_slots(disk_di
     assert freed_early == [], f"freed while a write from it was in flight: {freed_early}"
 
 
-class _FailOnce:
-    """A backward pre-hook that raises in the backward it is armed for."""
-
-    def __init__(self) -> None:
-        self.armed = False
-
-    def __call__(self, module, grad_output):
-        if self.armed:
-            self.armed = False
-            raise RuntimeError("injected backward failure")
-
-
 @pytest.mark.parametrize("schedule", ["on", "off"])
 def test_training_goes_on_after_a_backward_that_raises(disk_dir, schedule) -> None:
     """A backward raises half-way (the units after the failing layer have their gradients, the
@@ -123,13 +111,13 @@ def test_training_goes_on_after_a_backward_that_raises(disk_dir, schedule) -> No
     import threading
 
     import infinity
-    from parity import make_model, zero_config
+    from parity import ArmedBackwardHook, make_model, zero_config
 
     torch.manual_seed(0)
     model = make_model("llama", layers=3, width=64)
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    failing = _FailOnce()
+    failing = ArmedBackwardHook(error="injected backward failure")
     model.model.layers[0].register_full_backward_pre_hook(failing)
     ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=schedule)
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
