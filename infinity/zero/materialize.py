@@ -5,7 +5,12 @@ engine adopts each unit. A meta tensor cannot be given CPU storage in place, so 
 parameter is replaced by a new ``nn.Parameter`` (same shape, dtype, requires_grad) in every
 module that holds it (``module._parameters``, the FSDP2 way; tied weights stay tied), then the
 owning modules are initialised by the model's own initialisation (``_init_weights`` of a
-``transformers`` model, ``reset_parameters`` otherwise). Peak memory is about one unit.
+``transformers`` model, applied as ``post_init`` does, or ``reset_parameters``). Peak memory is
+about one unit.
+
+What zero.Init cannot keep: initialisation a module's ``__init__`` does by hand after building
+its children (``nn.init.zeros_(self.head.weight)`` in the parent's constructor) happens while the
+parameters are meta, so it is lost; the model's own init methods run instead.
 """
 from __future__ import annotations
 
@@ -20,31 +25,85 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
     if not meta:
         return []
     replaced: list[tuple[str, nn.Parameter, nn.Parameter]] = []
-    owners: list[nn.Module] = []
     for name, old in meta:
         new = nn.Parameter(torch.zeros(old.shape, dtype=old.dtype, device=device),
                            requires_grad=old.requires_grad)
         replaced.append((name, old, new))
+    by_old = {id(old): new for _, old, new in replaced}
+    owners: list[nn.Module] = []
     for module in model.modules():
         touched = False
         for key, value in list(module._parameters.items()):
-            for _, old, new in replaced:
-                if value is old:
-                    module._parameters[key] = new
-                    touched = True
+            if value is not None and id(value) in by_old:
+                module._parameters[key] = by_old[id(value)]
+                touched = True
         if touched:
             owners.append(module)
+    new_ids = {id(new) for _, _, new in replaced}
     init_weights = getattr(model, "_init_weights", None)
     with torch.no_grad():
-        for module in owners:
-            if callable(init_weights):
-                init_weights(module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            else:
-                names = [n for n, _ in module.named_parameters(recurse=False)]
-                raise ValueError(
-                    f"cannot initialise parameters {names} of {type(module).__name__} built under "
-                    "infinity.zero.Init: the module has no reset_parameters() and the model no "
-                    "_init_weights(); build this model outside zero.Init or add one")
+        if callable(init_weights):
+            _init_like_transformers(model, init_weights, new_ids)
+        else:
+            for module in owners:
+                _reset(module)
     return replaced
+
+
+def _init_like_transformers(model: nn.Module, init_weights, new_ids: set[int]) -> None:
+    """What ``model.apply(model._init_weights)`` does to the new parameters: every module whose
+    subtree holds one, children before parents (a parent may re-initialise its children: GPT-2's
+    scaled ``c_proj``, T5's attention and feed-forward weights). Every other parameter those
+    calls could reach -- another unit's, already offloaded (no storage), or still meta -- is
+    stood in for by a meta tensor meanwhile, so the calls cannot write to it."""
+    holders = [m for m in model.modules()
+               if any(id(p) in new_ids for p in m.parameters())]
+    order = [m for m in _post_order(model) if any(m is h for h in holders)]
+    with _foreign_params_on_meta(order, new_ids):
+        for module in order:
+            init_weights(module)
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+class _foreign_params_on_meta:
+    """Within the block, parameters of ``modules`` (and below) not in ``keep`` are meta tensors."""
+
+    def __init__(self, modules: list[nn.Module], keep: set[int]) -> None:
+        self.modules, self.keep = modules, keep
+        self.saved: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+    def __enter__(self) -> None:
+        seen: set[int] = set()
+        for top in self.modules:
+            for module in top.modules():
+                if id(module) in seen:
+                    continue
+                seen.add(id(module))
+                for key, value in list(module._parameters.items()):
+                    if value is None or id(value) in self.keep:
+                        continue
+                    self.saved.append((module, key, value))
+                    module._parameters[key] = nn.Parameter(
+                        torch.empty(value.shape, dtype=value.dtype, device="meta"),
+                        requires_grad=value.requires_grad)
+
+    def __exit__(self, *exc) -> None:
+        for module, key, value in reversed(self.saved):
+            module._parameters[key] = value
+        self.saved.clear()
+
+
+def _reset(module: nn.Module) -> None:
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+        return
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+    raise ValueError(
+        f"cannot initialise parameters {names} of {type(module).__name__} built under "
+        "infinity.zero.Init: the module has no reset_parameters() and the model no "
+        "_init_weights(); build this model outside zero.Init or add one")

@@ -391,6 +391,53 @@ def test_zero_init_builds_on_meta_and_materialises_per_unit(disk_dir) -> None:
         engine.close()
 
 
+def _init_family(family: str):
+    import transformers as T
+
+    common = dict(vocab_size=VOCAB, pad_token_id=0)
+    if family == "gpt2":       # parents re-initialise c_proj (scaled by depth)
+        return T.GPT2LMHeadModel(T.GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64,
+                                              bos_token_id=1, eos_token_id=2, **common))
+    if family == "bert":       # the MLM decoder's weight is tied to the word embeddings
+        return T.BertForMaskedLM(T.BertConfig(num_hidden_layers=2, hidden_size=64,
+                                              intermediate_size=128, num_attention_heads=4,
+                                              max_position_embeddings=64, **common))
+    return T.T5ForConditionalGeneration(T.T5Config(  # T5Attention initialises q, k, v, o
+        num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128, d_kv=16, num_heads=4,
+        eos_token_id=1, decoder_start_token_id=0, **common))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "t5"])
+def test_zero_init_initialises_like_the_model_itself(disk_dir, family: str) -> None:
+    """Built under zero.Init, each parameter gets the spread the model's own post_init gives it
+    (transformers initialises some weights from a parent module), ties stay tied, and a tied
+    weight already offloaded is not touched by another unit's init."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    plain = {n: p.detach().clone() for n, p in _init_family(family).named_parameters()}
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    with infinity.zero.Init(config=ds):
+        model = _init_family(family)
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        named = dict(model.named_parameters())
+        wrong = []
+        for name, param in named.items():
+            with infinity.zero.GatheredParameters([param]):
+                got, want = float(param.std()), float(plain[name].std())
+            if param.numel() >= 256 and want > 0 and not 0.7 < got / want < 1.4:
+                wrong.append(f"{name}: std {got:.4f}, the model's own init gives {want:.4f}")
+        assert wrong == [], wrong[:6]
+        if family in ("gpt2", "bert"):
+            emb = model.get_input_embeddings().weight
+            assert model.get_output_embeddings().weight is emb, "the tie was lost"
+    finally:
+        engine.close()
+
+
 def test_gathered_parameters_modifications_reach_every_tier(disk_dir) -> None:
     model = make_model("torch", layers=2, width=64)
     engine = _engine(model, disk_dir)
