@@ -101,8 +101,10 @@ def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[U
 def modules_needing(model: nn.Module, specs: list[UnitSpec]) -> list[tuple[nn.Module, list[int]]]:
     """Each module that must fetch units before it runs, with the indices of those units.
 
-    A unit's root module fetches its unit; a module outside that root that uses one of the
-    unit's parameters directly (a tied head) fetches it too.
+    A unit's root module fetches its unit. A root that is never called -- a block that is an
+    ``nn.ModuleDict`` -- has each of its children fetch it instead, and a unit rooted at a
+    parameter container (indexed by its parent's forward) is fetched by that parent. A module
+    outside a unit's root that uses one of its parameters directly (a tied head) fetches it too.
     """
     owner: dict[nn.Parameter, int] = {}
     for index, spec in enumerate(specs):
@@ -111,19 +113,34 @@ def modules_needing(model: nn.Module, specs: list[UnitSpec]) -> list[tuple[nn.Mo
     root_of = {id(spec.module): index for index, spec in enumerate(specs)}
     hooked: dict[int, tuple[nn.Module, list[int]]] = {}
 
-    def visit(module: nn.Module, covered: frozenset[int]) -> None:
+    def hook(module: nn.Module, unit: int) -> None:
+        entry = hooked.setdefault(id(module), (module, []))[1]
+        if unit not in entry:
+            entry.append(unit)
+
+    def visit(module: nn.Module, covered: frozenset[int],
+              inherited: tuple[int, ...] = ()) -> list[int]:
+        """Hook ``module`` and below; returns the units only its caller can fetch (rooted at
+        a parameter container, which is indexed, never called)."""
         own = root_of.get(id(module))
-        if own is not None and own not in covered:
-            hooked.setdefault(id(module), (module, []))[1].append(own)
-            covered = covered | {own}
+        wanted = [u for u in (*inherited, *([own] if own is not None else [])) if u not in covered]
+        if isinstance(module, (nn.ParameterDict, nn.ParameterList)):
+            held = [owner[p] for p in module.parameters(recurse=False) if owner[p] not in covered]
+            return list(dict.fromkeys(wanted + held))
+        if isinstance(module, (nn.ModuleDict, nn.ModuleList)) and wanted:
+            # never called either: each of its children fetches the unit instead
+            orphans = [u for child in module.children() for u in visit(child, covered, tuple(wanted))]
+            return list(dict.fromkeys(orphans))
+        for unit in wanted:
+            hook(module, unit)
+        covered = covered | set(wanted)
         for param in module.parameters(recurse=False):
-            unit = owner[param]
-            if unit not in covered:
-                entry = hooked.setdefault(id(module), (module, []))[1]
-                if unit not in entry:
-                    entry.append(unit)
+            if owner[param] not in covered:
+                hook(module, owner[param])
         for child in module.children():
-            visit(child, covered)
+            for unit in visit(child, covered):
+                hook(module, unit)
+        return []
 
     visit(model, frozenset())
     return list(hooked.values())
