@@ -222,12 +222,19 @@ def _restore_sigterm(previous: Any) -> None:
 
 
 def _make_engine(kind: EngineKind, model_config: Any, ds: dict[str, Any], config: Any) -> Any:
-    if kind == "torch":
-        model = models.build_model(model_config)
-        return TorchBaselineEngine(model, config)
     import infinity
 
     model = models.build_model(model_config, infinity.zero.Init(config=ds))
+    if kind == "torch":
+        # the same initial weights as the infinity engine: materialised unit by unit, in its
+        # order, from the same random stream (a plainly built model draws them in another order)
+        from infinity.zero.materialize import materialize_params
+        from infinity.zero.partition import partition
+
+        unit_modules = list(config.infinity.unit_modules or []) or None
+        for spec in partition(model, unit_modules):
+            materialize_params(model, spec.params, torch.device("cpu"))
+        return TorchBaselineEngine(model, config)
     engine, _, _, _ = infinity.initialize(model=model, model_parameters=None, config=ds)
     return engine
 
