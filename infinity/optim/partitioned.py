@@ -18,17 +18,8 @@ sub-group, reading ahead and writing behind (optim/step_stream.py).
 
 The fp32 master on a CPU-only machine with fp32 compute is the parameter itself (DESIGN.md
 "fp32 on CPU"): it is stepped in place in its home (device copy, host store or NVMe extent), so
-parameters are stored once, not twice.
-
-[Note: held gradients]
-In the early step on a CPU device a unit's gradients are not copied anywhere: the tensors
-autograd produced are held, by parameter, until the unit's step has run, and the Adam kernel
-reads them piece by piece. Copying them into one flat buffer cost the training thread about
-0.7 s a step at 0.49B (2 GB read and written on the cores backward computes on). Held gradients
-take the room the flat buffers took (``GRADS_HELD`` units, counted in the host budget): a unit
-that starts receiving gradients while that many are held waits for a background step to
-finish, as it waited for a buffer before. On CUDA the gradients are on the device and go
-through a host buffer as before.
+parameters are stored once, not twice. How gradients are collected, accumulated, normed and
+dropped is in optim/gradients.py.
 """
 from __future__ import annotations
 
@@ -42,30 +33,22 @@ import torch
 
 from infinity.log import get_logger
 from infinity.optim.cpu_adam import adam_step_flat
+from infinity.optim.gradients import (  # noqa: F401 - accumulate_chunk_numel: engine sizing
+    GRADS_HELD,
+    CompleteGradient,
+    GradientCollector,
+    _grad_pieces,
+    _sum_of_squares,
+    accumulate_chunk_numel,
+    gradients_held,
+)
 from infinity.optim.step_stream import StepJob, StepStream
 from infinity.storage.buffer_pool import BufferPool, Slot
-from infinity.storage.manager import FlatStore, TierManager, padded_numel
+from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
-from infinity.zero.unit import ParamEntry, Unit
+from infinity.zero.unit import Unit
 
 log = get_logger("optim")
-
-
-GRADS_HELD = 2   # units whose gradients may wait for their early step at once
-# elements (8 MiB) of the host chunk through which accumulation adds a gradient kept on NVMe
-ACCUMULATE_CHUNK_NUMEL = 2 << 20
-
-
-def accumulate_chunk_numel(max_trainable: int) -> int:
-    """The accumulation chunk: 8 MiB, or the largest unit's gradient when smaller (a multiple
-    of 4 KiB either way, so every chunk starts aligned for O_DIRECT)."""
-    return min(ACCUMULATE_CHUNK_NUMEL, padded_numel(max(1, max_trainable), torch.float32))
-
-
-def gradients_held(device: torch.device) -> bool:
-    """Whether an early step holds autograd's gradients as they are (see [Note: held
-    gradients]): on a CPU device; elsewhere they are copied to a host buffer."""
-    return device.type == "cpu"
 
 
 def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
@@ -82,52 +65,6 @@ def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
     # (none when its device copy is page-aligned host memory)
     staging = 2 if param_tier is Tier.NVME else 0
     return max(1, 3 * per_group + staging)
-
-
-def _sum_of_squares(values: torch.Tensor, chunk: int = 1 << 18) -> float:
-    """sum(values**2) in float64, a chunk at a time: no full-size float64 temporary, and chunks
-    small enough (2 MiB, under the malloc mmap threshold) to be reused from the heap rather than
-    mapped fresh each time. (A float32 norm of 64M elements is ~1% off; torch.linalg.vector_norm
-    with dtype=float64 copies the whole input.)"""
-    total = 0.0
-    for start in range(0, values.numel(), chunk):
-        part = values[start:start + chunk].double()
-        total += float(torch.dot(part, part))
-    return total
-
-
-def _grad_pieces(unit: Unit, grad: torch.Tensor | dict[int, torch.Tensor], origin: int,
-                 a: int, b: int):
-    """(x, y, gradient of elements [x, y)) covering [a, b) of the unit: one piece of a flat
-    gradient indexed from ``origin``, or per parameter from held parts (a parameter without a
-    gradient steps with zeros, as in a zeroed flat buffer; the gaps between parameters, zero
-    everywhere, are skipped)."""
-    if isinstance(grad, torch.Tensor):
-        yield a, b, grad[a - origin:b - origin]
-        return
-    for entry in unit.trainable_entries():
-        x, y = max(a, entry.offset), min(b, entry.offset + entry.numel)
-        if x >= y:
-            continue
-        part = grad.get(entry.offset)
-        yield x, y, (torch.zeros(y - x) if part is None
-                     else part[x - entry.offset:y - entry.offset])
-
-
-@dataclass(eq=False)
-class CompleteGradient:
-    """A unit's complete gradient, handed over to its early step: held parts or a flat host
-    buffer, and the slot or ticket it holds. The step owns it from then on (the unit's state
-    starts collecting the next backward's gradient) and gives it back after its last kernel."""
-
-    values: torch.Tensor | dict[int, torch.Tensor]
-    slot: Slot | None = None
-    ticket: bool = False
-
-    def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:
-        """Elements [start, end): the flat buffer's slice, or all held parts
-        (``_grad_pieces`` cuts them)."""
-        return self.values if isinstance(self.values, dict) else self.values[start:end]
 
 
 @dataclass(eq=False)
@@ -178,7 +115,7 @@ class SubGroup:
     end: int
 
 
-class PartitionedOptimizer(torch.optim.Optimizer):
+class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
     def __init__(self, units: list[Unit], param_groups: list[dict], manager: TierManager, *,
@@ -268,82 +205,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self._init_master(unit, state.master)
 
     # -- gradients (called by the coordinator's hooks) -------------------------------------
-    def begin_backward(self, boundary: bool) -> None:
-        """Called before each backward: ``boundary`` is True on the last micro-step."""
-        self._boundary = boundary
-        if boundary:
-            self._sq_norm = 0.0
-
-    def on_grad(self, unit: Unit, entry: ParamEntry, grad: torch.Tensor) -> None:
-        start = time.perf_counter()
-        state = self._by_unit[unit.index]
-        if self.holds_grads:
-            self._hold_grad(state, entry, grad)
-            self.timers.grad_s += time.perf_counter() - start
-            return
-        target = self._grad_target(state)
-        view = target[entry.offset:entry.offset + entry.numel].view(entry.shape)
-        written = state.grad_written
-        with torch.no_grad():
-            if written is not None and entry.offset not in written:
-                view.copy_(grad)                 # first gradient into a fresh buffer
-                written.add(entry.offset)
-            else:
-                view.add_(grad.to(torch.float32))   # zeroed targets, or a second gradient
-        state.grads_seen += 1
-        self.timers.grad_s += time.perf_counter() - start
-
-    def _hold_grad(self, state: UnitOptimState, entry: ParamEntry, grad: torch.Tensor) -> None:
-        """Keep ``grad`` for the unit's step instead of copying it (see [Note: held
-        gradients]); a second gradient of the same parameter makes a new sum, never an
-        in-place add (autograd may have handed the same tensor to another parameter)."""
-        if state.grad_parts is None:
-            state.grad_ticket = self._grad_tickets.acquire(blocking=False)
-            if not state.grad_ticket and any(not j.future.done() for _, j in self._pending_steps):
-                # backpressure: a background step gives its ticket back when it has run
-                state.grad_ticket = self._grad_tickets.acquire(timeout=600.0)
-            state.grad_parts = {}
-        flat = grad.detach().to(torch.float32).reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        held = state.grad_parts.get(entry.offset)
-        state.grad_parts[entry.offset] = flat if held is None else held + flat
-        state.grads_seen += 1
-
-    def _grad_target(self, state: UnitOptimState) -> torch.Tensor:
-        if state.grad_store is not None and state.grad_store.resident:
-            return state.grad_store.tensor
-        if state.grad_buffer is None:
-            # Usually one unit is incomplete at a time; if more are (a tied weight waits for its
-            # last use), take a budgeted buffer outside the pool instead of waiting for a slot.
-            state.grad_slot = self.grad_pool.try_acquire()
-            while state.grad_slot is None and self._grad_writes:
-                self._retire_grad_write()   # deferred: the oldest gradient write frees its slot
-                state.grad_slot = self.grad_pool.try_acquire()
-            if state.grad_slot is None and any(not j.future.done() for _, j in self._pending_steps):
-                # backpressure: a background step frees its gradient slot when it finishes
-                state.grad_slot = self.grad_pool.acquire(timeout=600.0)
-            if state.grad_slot is not None:
-                state.grad_buffer = state.grad_slot.view(torch.float32, state.unit.trainable_numel)
-            else:
-                state.grad_buffer = self.manager.host_empty(
-                    state.unit.trainable_numel, torch.float32, what=f"{state.unit.name} gradient")
-            state.grad_written = set()
-        return state.grad_buffer
-
-    def _zero_unwritten(self, state: UnitOptimState) -> None:
-        """Zero what of a fresh ``grad_buffer`` no gradient was copied into (gaps, unused params)."""
-        if state.grad_written is None or state.grad_buffer is None:
-            return
-        covered = sorted((e.offset, e.offset + e.numel) for e in state.unit.trainable_entries()
-                         if e.offset in state.grad_written)
-        cursor = 0
-        for start, end in covered + [(state.unit.trainable_numel, state.unit.trainable_numel)]:
-            if start > cursor:
-                state.grad_buffer[cursor:start].zero_()
-            cursor = max(cursor, end)
-        state.grad_written = None
-
     def on_unit_backward_done(self, unit: Unit) -> bool:
         """All of ``unit``'s gradients for this backward have arrived.
 
@@ -407,23 +268,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                         "; units already stepped in this backward keep their update"
                         if self.early_step else "")
 
-    def _drop_cycle_gradients(self) -> int:
-        """Forget every gradient collected since the last step; returns how many units had
-        some."""
-        dropped = 0
-        for state in self.states:
-            touched = state.grads_seen > 0 or state.has_grads
-            dropped += touched
-            self._drop_grad_buffer(state)
-            state.grads_seen = 0
-            state.has_grads = state.norm_counted = False
-            if touched and state.grad_store is not None and state.grad_store.resident:
-                # in place since this cycle began (no waiting step reads it: the unit was
-                # fetched, so its step ran, before any of these gradients came)
-                state.grad_store.tensor.zero_()
-        self._sq_norm = 0.0
-        return dropped
-
     def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
         """Units whose background step has finished, in order: with ``wait`` all of them, with
         ``wait_first`` at least the oldest. Re-raises a background step's error here."""
@@ -461,87 +305,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 units.append(state.unit)
         return units
 
-    def _finish_grads(self, state: UnitOptimState) -> None:
-        store = state.grad_store
-        if store.resident:
-            grads = store.tensor[: state.unit.trainable_numel]
-        else:
-            grads = state.grad_buffer
-            if state.has_grads:      # an earlier micro-step of this cycle left one at home
-                self._add_home_gradient(state, grads)
-        state.has_grads = True
-        if self._boundary:
-            self._sq_norm += _sum_of_squares(grads)
-            state.norm_counted = True
-        if not store.resident:
-            # the write goes on while backward continues; the buffer (slot) is released when it
-            # has landed (``_retire_grad_write``), at the latest when the backward ends
-            self._grad_writes.append((store.store_async(grads), state.grad_slot, grads))
-            state.grad_slot = None
-            state.grad_buffer = None
-
-    def _add_home_gradient(self, state: UnitOptimState, grads: torch.Tensor) -> None:
-        """Add the gradient the unit's NVMe home holds into ``grads``."""
-        for start, values in self._home_gradient(state):
-            grads[start:start + values.numel()].add_(values)
-
-    def _home_gradient(self, state: UnitOptimState):
-        """(start, values) pieces of the gradient at the unit's home: the resident store as it
-        is, or NVMe read through one budgeted chunk (a whole-unit buffer would be a second
-        gradient's worth of host memory)."""
-        n, store = state.unit.trainable_numel, state.grad_store
-        if store.resident:
-            yield 0, store.tensor[:n]
-            return
-        if self._accumulate_chunk is None:
-            self._accumulate_chunk = self.manager.host_empty(
-                accumulate_chunk_numel(self._max_trainable), torch.float32,
-                what="gradient accumulation chunk")
-        chunk = self._accumulate_chunk.numel()
-        for start in range(0, n, chunk):
-            count = min(chunk, n - start)
-            self.manager.wait(store.load_async(self._accumulate_chunk, start, count))
-            yield start, self._accumulate_chunk[:count]
-
-    def _retire_grad_write(self) -> None:
-        request, slot, _buffer = self._grad_writes.pop(0)
-        try:
-            self.manager.wait(request)
-        finally:
-            if slot is not None:
-                self.grad_pool.release(slot)
-
-    def _drop_grad_buffer(self, state: UnitOptimState) -> None:
-        if state.grad_slot is not None:
-            self.grad_pool.release(state.grad_slot)
-        state.grad_slot = None
-        state.grad_buffer = None
-        state.grad_written = None
-        state.grad_parts = None
-        if state.grad_ticket:
-            state.grad_ticket = False
-            self._grad_tickets.release()
-
-    def _take_gradient(self, state: UnitOptimState) -> CompleteGradient:
-        """Move the unit's complete gradient out of its state, for its early step."""
-        values = state.grad_parts if state.grad_parts is not None else state.grad_buffer
-        gradient = CompleteGradient({} if values is None else values, state.grad_slot,
-                                    state.grad_ticket)
-        state.grad_parts = state.grad_buffer = state.grad_slot = state.grad_written = None
-        state.grad_ticket = False
-        state.grads_seen = 0
-        return gradient
-
-    def release_gradient(self, gradient: CompleteGradient) -> None:
-        """Give back what a step's gradient held (once; later calls do nothing)."""
-        if gradient.slot is not None:
-            self.grad_pool.release(gradient.slot)
-            gradient.slot = None
-        if gradient.ticket:
-            gradient.ticket = False
-            self._grad_tickets.release()
-        gradient.values = {}
-
     def end_backward(self) -> None:
         """Called by the engine after each backward: gradient writes land, and accumulation
         continues until a step."""
@@ -564,10 +327,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def _kernel(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
                 grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_scale: float,
-                half_out: torch.Tensor | None, hyper: list[dict] | None = None) -> None:
+                half_out: torch.Tensor | None, hyper: list[dict]) -> None:
         """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``;
-        ``hyper`` per param group (default: the groups' values now)."""
-        hyper = self.hyperparameters() if hyper is None else hyper
+        ``hyper`` per param group (``hyperparameters()`` when the step was asked for)."""
         for seg in state.unit.segments:
             a, b = max(seg.start, start), min(seg.end, end)
             if a >= b:
