@@ -18,6 +18,7 @@ from infinity.budget import MemoryBudget
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
 from infinity.malloc_tuning import set_mmap_threshold, trim
+from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.partitioned import PartitionedOptimizer
 from infinity.optim.schedules import build_scheduler
 from infinity.storage.buffer_pool import BufferPool
@@ -28,7 +29,6 @@ from infinity.engine_sizing import COMPUTE_DTYPES, EngineSizes, derive, resolve_
 from infinity.sizes import format_bytes
 from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.coordinator import Coordinator
-from infinity.optim.loss_scaler import LossScaler
 from infinity.zero.init import EXTERNAL_PARAMS_ATTR, register_engine
 from infinity.zero.materialize import materialize_params
 from infinity.zero.partition import modules_needing, partition

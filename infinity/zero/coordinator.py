@@ -238,10 +238,6 @@ class Coordinator:
             if self._active[unit.index] == 0:
                 self._release_or_keep(unit.index)
 
-    def units_without_grads(self) -> list[Unit]:
-        """Trainable units that received no gradient in the last backward (all unused)."""
-        return [u for u in self.units if u.has_trainable and not self._done[u.index]]
-
     def release_finished_steps(self, finished: list[Unit] | None = None) -> None:
         """Release units whose background step is over (``finished``, else asked via reap)."""
         for unit in (self.reap() if finished is None else finished):
