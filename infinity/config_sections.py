@@ -443,6 +443,12 @@ class InfinitySection:
     """Bytes for the DEVICE tier; None = the GPU's free memory (CPU-only: the planner's choice)."""
     early_step: Literal["auto", "on", "off"] = "auto"
     """Step a unit's offloaded optimizer as soon as its gradient arrives; "auto" = when correctness allows."""
+    speculative_step: Literal["auto", "on", "off"] = "auto"
+    """Where the early step is not exact (clipping, fp16 loss scaling, accumulation), step each
+    unit during backward anyway into second copies of its NVMe states, and keep them when the
+    step needs no clipping and no skip (else redo the step from the first copies). Doubles the
+    NVMe space of parameters and Adam states; "auto" = on at stage 3 with both on NVMe when the
+    disk has room, and for a step only while the last step kept its speculation."""
     unit_modules: tuple[str, ...] | None = None
     """Class names of modules that form units; None = detect the repeated blocks."""
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -482,6 +488,7 @@ class InfinitySection:
                               "malloc alone")
         _set(self, "device_memory_budget", _size(f"{p}.device_memory_budget", self.device_memory_budget))
         _choice(f"{p}.early_step", self.early_step, ("auto", "on", "off"))
+        _choice(f"{p}.speculative_step", self.speculative_step, ("auto", "on", "off"))
         if self.unit_modules is not None:
             names = self.unit_modules
             if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names or \

@@ -25,7 +25,14 @@ from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier, deeper
-from infinity.engine_sizing import COMPUTE_DTYPES, EngineSizes, derive, resolve_sizes
+from infinity.engine_sizing import (
+    COMPUTE_DTYPES,
+    EngineSizes,
+    derive,
+    disk_has_room,
+    resolve_sizes,
+    speculation_possible,
+)
 from infinity.sizes import format_bytes
 from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.coordinator import Coordinator
@@ -89,12 +96,23 @@ class Engine:
         self.early_step = derived.early_step
         # on a CPU device, parameters are read from NVMe straight into device memory
         self.direct_fetch = param_tier is Tier.NVME and DeviceMemoryCache.supported(self.device)
-        self.sizes: EngineSizes = resolve_sizes(self.config, specs, derived, self.compute_dtype,
-                                                param_tier, optimizer_tier,
-                                                self.master_separate, self.early_step,
-                                                direct_fetch=self.direct_fetch)
         nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
             or self.config.zero.offload_optimizer.nvme_path
+        self.speculative = speculation_possible(self.config, stage, param_tier, optimizer_tier,
+                                                self.early_step)
+
+        def sizes() -> EngineSizes:
+            return resolve_sizes(self.config, specs, derived, self.compute_dtype, param_tier,
+                                 optimizer_tier, self.master_separate, self.early_step,
+                                 direct_fetch=self.direct_fetch, speculative=self.speculative)
+
+        self.sizes: EngineSizes = sizes()
+        if self.speculative and self.config.infinity.speculative_step == "auto" and \
+                not disk_has_room(nvme_path, self.sizes.nvme_bytes):
+            log.info("speculative step off: %s on %s has no room for second copies of the "
+                     "NVMe states", format_bytes(self.sizes.nvme_bytes), nvme_path)
+            self.speculative = False
+            self.sizes = sizes()
         self.manager = TierManager(
             host_budget=MemoryBudget("host", self.sizes.host_budget),
             device_budget=MemoryBudget("device", self.sizes.device_budget),
@@ -112,7 +130,8 @@ class Engine:
         log.info("engine ready: stage %d, compute %s, params on %s, optimizer on %s, %d units, "
                  "%s schedule; holding %s", stage, str(self.compute_dtype).replace("torch.", ""),
                  param_tier.name, optimizer_tier.name, len(self.units),
-                 "early-step" if self.optimizer.early_step else "deferred-step",
+                 "early-step" if self.optimizer.early_step else
+                 f"deferred-step (speculative {self.optimizer.speculation})",
                  self.manager.describe())
 
     # -- construction ----------------------------------------------------------------------
@@ -137,7 +156,8 @@ class Engine:
             unit = Unit(index, spec.name, spec.module, named, self.compute_dtype, self.device)
             # A unit stays on the device when all of it is below the persistence threshold.
             persistent = self.stage < 3 or unit.numel <= self.sizes.persistence_threshold
-            unit.adopt(self.manager, self.param_tier, persistent, staging=self.fetch_pool)
+            unit.adopt(self.manager, self.param_tier, persistent, staging=self.fetch_pool,
+                       doubled=self.speculative and unit.has_trainable)
             self.units.append(unit)
         for group in groups:
             group["params"] = [replacements.get(p, p) for p in group["params"]]
@@ -147,7 +167,8 @@ class Engine:
             self.units, groups, self.manager, optimizer_tier=self.optimizer_tier,
             grad_tier=grad_tier, early_step=early, sub_group_numel=self.sizes.sub_group_numel,
             master_separate=self.master_separate, staging_pool=self.fetch_pool,
-            adamw_mode=self.config.optimizer.adam_w_mode)
+            adamw_mode=self.config.optimizer.adam_w_mode,
+            speculation=self.config.infinity.speculative_step if self.speculative else "off")
         self.optimizer.clip_norm = self.config.gradient_clipping
         self.coordinator = Coordinator(
             self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
@@ -203,6 +224,7 @@ class Engine:
             self._step_started = time.perf_counter()
             self.manager.counters.reset()
             self.optimizer.timers.reset()
+        self._void_speculation()
         self.coordinator.begin_forward(self.module.training)
         try:
             if self.activation_swapper is not None and self.module.training and \
@@ -231,6 +253,8 @@ class Engine:
             loss = loss / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
+        self._void_speculation()       # a second backward in one cycle
+        self.optimizer.loss_scale = self.loss_scale
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
         try:
             loss.backward(retain_graph=retain_graph)
@@ -241,6 +265,7 @@ class Engine:
                 self.optimizer.abandon_backward()
             finally:
                 self.coordinator.abandon_pass()
+                self._drop_rolled_back()
             raise
         self.optimizer.end_backward()
 
@@ -264,6 +289,7 @@ class Engine:
         if self.optimizer.early_step:
             self.coordinator.release_finished_steps(self.optimizer.reaped_at_step)
         else:
+            self._drop_rolled_back()     # a speculative step that clipping or overflow undid
             # persistent units are never fetched again: their deferred steps run now (the rest
             # run when the next forward fetches them)
             self.coordinator.step_waiting_units(
@@ -294,6 +320,19 @@ class Engine:
             "optimizer_background_s": t.background_s,
         }
 
+    def _void_speculation(self) -> None:
+        """The model is about to be read before ``step()``: speculated parameters must not be
+        seen (see [Note: speculative step] in optim/speculation.py)."""
+        if self.optimizer.speculation_pending:
+            self.optimizer.void_speculation()
+            self._drop_rolled_back()
+
+    def _drop_rolled_back(self) -> None:
+        """Release the units whose steps finished in a roll-back, then drop the device copies
+        that hold rolled-back values (the next fetch reads the current home)."""
+        self.coordinator.release_finished_steps(self.optimizer.take_reaped())
+        self.coordinator.discard(self.optimizer.take_rolled_back())
+
     def flush(self) -> None:
         """Finish the last optimizer step: run the deferred steps still waiting for their units
         to be fetched and wait for every write in flight (the early step returns once every
@@ -323,6 +362,7 @@ class Engine:
         """Fetch ``unit`` and keep it fetched until ``unpin_unit`` (GatheredParameters): a step
         waiting for it runs on the fetch, and no write of the last step is left in flight (a
         change written home must not race it)."""
+        self._void_speculation()
         self._settle()
         self.coordinator.pin(unit)
         self._settle()

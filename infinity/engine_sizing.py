@@ -14,6 +14,7 @@ from infinity.config import InfinityConfig
 from infinity.optim.partitioned import accumulate_chunk_numel, step_slot_count
 from infinity.planner import DerivedSizes, ModelStats, derive_sizes, detect_hardware
 from infinity.storage.manager import padded_numel
+from infinity.storage.preflight import free_bytes
 from infinity.storage.tiers import Tier
 from infinity.zero.activation_swap import ACTIVATION_STAGING_BYTES
 from infinity.zero.partition import UnitSpec
@@ -65,11 +66,44 @@ def _layout_bound(spec: UnitSpec, dtype: torch.dtype) -> tuple[int, int]:
     return numel, trainable
 
 
+def speculation_possible(cfg: InfinityConfig, stage: int, param_tier: Tier,
+                         optimizer_tier: Tier, early_step: bool) -> bool:
+    """Whether the speculative step applies (see [Note: speculative step] in
+    optim/speculation.py): the deferred schedule, with parameters and Adam states on NVMe,
+    where second copies cost disk space only. Raises when it is asked for ("on") elsewhere."""
+    mode = cfg.infinity.speculative_step
+    if mode == "off":
+        return False
+    blockers = []
+    if early_step:
+        blockers.append("the early step is in use (it needs no speculation)")
+    if stage != 3:
+        blockers.append(f"zero_optimization.stage is {stage} (stage 3 only)")
+    if param_tier is not Tier.NVME or optimizer_tier is not Tier.NVME:
+        blockers.append(f"parameters live on {param_tier.name} and Adam states on "
+                        f"{optimizer_tier.name} (both must be on NVMe)")
+    if blockers and mode == "on":
+        raise ValueError("infinity.speculative_step = 'on' cannot be used: " + "; ".join(blockers)
+                         + ". Set it to 'auto' or 'off'")
+    return not blockers
+
+
+def disk_has_room(nvme_path: str | None, nvme_bytes: int, margin: float = 1.05) -> bool:
+    """Whether ``nvme_path``'s filesystem has ``nvme_bytes`` (and 5% more) free."""
+    if nvme_path is None:
+        return False
+    try:
+        return free_bytes(nvme_path) >= margin * nvme_bytes
+    except OSError:
+        return True    # the swap-path preflight reports a missing or unreadable path clearly
+
+
 def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSizes,
                   compute_dtype: torch.dtype, param_tier: Tier, optimizer_tier: Tier,
                   master_separate: bool, early_step: bool,
-                  direct_fetch: bool = False) -> EngineSizes:
-    """Sizes for this model, config and machine.
+                  direct_fetch: bool = False, speculative: bool = False) -> EngineSizes:
+    """Sizes for this model, config and machine (``speculative``: parameters and Adam states
+    have second copies on NVMe).
 
     ``direct_fetch``: NVMe reads land straight in device memory (a CPU device, see
     ``Unit.start_fetch``), so there are no fetch slots; the host they would have taken goes to
@@ -134,10 +168,11 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
             sub_group = max(2048, min(sub_group, room // 2048 * 2048))
         host += slots * padded_numel(min(sub_group, max(max_trainable, 1)), torch.float32) * 4
     nvme = 0
+    copies = 2 if speculative else 1
     if param_tier is Tier.NVME:
-        nvme += sum(streamed_units) * itemsize
+        nvme += sum(streamed_units) * itemsize * copies
     if optimizer_tier is Tier.NVME:
-        nvme += total_trainable * 4 * (3 if master_separate else 2)
+        nvme += total_trainable * 4 * (3 if master_separate else 2) * copies
     if grad_tier is Tier.NVME:
         nvme += total_trainable * 4
     del total_params

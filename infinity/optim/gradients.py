@@ -97,7 +97,11 @@ class GradientCollector:
         """Called before each backward: ``boundary`` is True on the last micro-step."""
         self._boundary = boundary
         if boundary:
+            # a second backward before the step recounts everything (units it does not touch
+            # are read from their home at the step)
             self._sq_norm = 0.0
+            for state in self.states:
+                state.norm_counted = False
 
     def on_grad(self, unit: Unit, entry: ParamEntry, grad: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -186,7 +190,10 @@ class GradientCollector:
         self._sq_norm = 0.0
         return dropped
 
-    def _finish_grads(self, state: UnitOptimState) -> None:
+    def _finish_grads(self, state: UnitOptimState, write_home: bool = True) -> torch.Tensor:
+        """The unit's gradient of this backward is complete: add what earlier micro-steps left
+        at home, count it in the norm at the boundary, and (``write_home``) send it home.
+        Returns the complete gradient (without ``write_home`` still in the state's buffer)."""
         store = state.grad_store
         if store.resident:
             grads = store.tensor[: state.unit.trainable_numel]
@@ -198,12 +205,13 @@ class GradientCollector:
         if self._boundary:
             self._sq_norm += _sum_of_squares(grads)
             state.norm_counted = True
-        if not store.resident:
+        if write_home and not store.resident:
             # the write goes on while backward continues; the buffer (slot) is released when it
             # has landed (``_retire_grad_write``), at the latest when the backward ends
             self._grad_writes.append((store.store_async(grads), state.grad_slot, grads))
             state.grad_slot = None
             state.grad_buffer = None
+        return grads
 
     def _add_home_gradient(self, state: UnitOptimState, grads: torch.Tensor) -> None:
         """Add the gradient the unit's NVMe home holds into ``grads``."""

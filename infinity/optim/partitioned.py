@@ -42,6 +42,7 @@ from infinity.optim.gradients import (  # noqa: F401 - accumulate_chunk_numel: e
     accumulate_chunk_numel,
     gradients_held,
 )
+from infinity.optim.speculation import Speculation
 from infinity.optim.step_stream import StepJob, StepStream
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore, TierManager
@@ -115,14 +116,18 @@ class SubGroup:
     end: int
 
 
-class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
+class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
     def __init__(self, units: list[Unit], param_groups: list[dict], manager: TierManager, *,
                  optimizer_tier: Tier, grad_tier: Tier, early_step: bool, sub_group_numel: int,
                  master_separate: bool, staging_pool: BufferPool | None,
-                 adamw_mode: bool = True, threads: int | None = None) -> None:
+                 adamw_mode: bool = True, threads: int | None = None,
+                 speculation: str = "off") -> None:
         super().__init__(param_groups, defaults={})
+        # see [Note: speculative step] in optim/speculation.py
+        self._init_speculation("off" if early_step else speculation)
+        doubled = self.speculation != "off"
         self.manager = manager
         self.staging_pool = staging_pool
         # both schedules step through one stream (optim/step_stream.py)
@@ -136,6 +141,7 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
         # the unit indices in the order the next forward uses them (set by the engine)
         self.forward_order: Callable[[], list[int]] = list
         self.reaped_at_step: list[Unit] = []
+        self._in_backward = False
         self.early_step = early_step
         self.adamw_mode = adamw_mode
         self.threads = threads
@@ -155,13 +161,15 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
         self._max_trainable = max_trainable
         for unit in trainable_units:
             n = unit.trainable_numel
-            master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier)
-                      if master_separate else None)
+            master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier,
+                                     doubled=doubled) if master_separate else None)
             grad_store = None if early_step else manager.create(
                 f"{unit.name}.grad", n, torch.float32, grad_tier)
             self.states.append(UnitOptimState(
-                unit, manager.create(f"{unit.name}.exp_avg", n, torch.float32, optimizer_tier),
-                manager.create(f"{unit.name}.exp_avg_sq", n, torch.float32, optimizer_tier),
+                unit, manager.create(f"{unit.name}.exp_avg", n, torch.float32, optimizer_tier,
+                                     doubled=doubled),
+                manager.create(f"{unit.name}.exp_avg_sq", n, torch.float32, optimizer_tier,
+                               doubled=doubled),
                 master, grad_store))
             if master is not None:
                 self._init_master(unit, master)
@@ -213,6 +221,12 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
         """
         start = time.perf_counter()
         state = self._by_unit[unit.index]
+        if self._can_speculate(state):
+            try:
+                self._speculate(state)
+            finally:
+                self.timers.grad_s += time.perf_counter() - start
+            return False
         self._zero_unwritten(state)
         if self.early_step:
             gradient = self._take_gradient(state)
@@ -240,7 +254,10 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
         """``unit``'s gradients are coming (early step): its Adam states may be read ahead
         while the stream has slots to spare (see [Note: expected steps])."""
         state = self._by_unit.get(unit.index)
-        if not self.early_step or state is None or unit.index in self._expected or \
+        steps_now = self._speculating if self._in_backward else self.plans_speculation()
+        # (not while a deferred step of the unit waits: its reads would overtake that step)
+        if not (self.early_step or steps_now) or state is None or unit.index in self._expected or \
+                unit.index in self._waiting or \
                 any(s is state and not j.stepped.done() for s, j in self._pending_steps):
             return
         self._expected[unit.index] = self._stream.expect(state)
@@ -252,13 +269,23 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
             self._drop_grad_buffer(self._by_unit[index])
         self._expected.clear()
 
+    def begin_backward(self, boundary: bool) -> None:
+        """Called before each backward (see ``GradientCollector``); a speculation still pending
+        from an earlier backward of this cycle was voided by the engine's forward."""
+        super().begin_backward(boundary)
+        self._in_backward = True
+        self._speculating = boundary and self.plans_speculation() and not self._speculated
+
     def abandon_backward(self) -> None:
         """A backward raised: drop the gradients collected since the last step (this backward's
         partial ones, and with accumulation the earlier micro-steps' too), so the next step
         sees none of them. Early steps that already ran keep their update: they cannot be
-        undone."""
+        undone; speculated ones are rolled back (``take_rolled_back``)."""
+        self._in_backward = self._speculating = False
         self.cancel_expected()
         try:
+            if self._speculated:
+                self._roll_back("the backward raised")
             while self._grad_writes:
                 self._retire_grad_write()
         finally:
@@ -269,8 +296,8 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
                         if self.early_step else "")
 
     def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
-        """Units whose background step has finished, in order: with ``wait`` all of them, with
-        ``wait_first`` at least the oldest. Re-raises a background step's error here."""
+        """Units whose background steps have all finished, in order: with ``wait`` all of them,
+        with ``wait_first`` at least one. Re-raises a background step's error here."""
         finished: list[Unit] = []
         while self._pending_steps and (wait or (wait_first and not finished)
                                        or self._pending_steps[0][1].future.done()):
@@ -285,7 +312,8 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
                 if job.gradient is not None:
                     self.release_gradient(job.gradient)
                 self.timers.optimizer_s += time.perf_counter() - start
-            finished.append(state.unit)
+            if not any(s is state for s, _ in self._pending_steps):
+                finished.append(state.unit)   # else a newer step of the unit still holds it
         return finished
 
     def drain_steps(self) -> list[Unit]:
@@ -308,6 +336,7 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
     def end_backward(self) -> None:
         """Called by the engine after each backward: gradient writes land, and accumulation
         continues until a step."""
+        self._in_backward = self._speculating = False
         self.cancel_expected()
         while self._grad_writes:
             self._retire_grad_write()
@@ -345,10 +374,12 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
         return [SubGroup(state, a, min(a + self.sub_group_numel, n))
                 for a in range(0, n, self.sub_group_numel)]
 
-    def _store(self, store: FlatStore, tensor: torch.Tensor, start: int, count: int, reqs: list):
-        """Write back a loaded tensor (resident stores were updated in place, nothing to do)."""
+    def _store(self, store: FlatStore, tensor: torch.Tensor, start: int, count: int, reqs: list,
+               shadow: bool = False):
+        """Write back a loaded tensor (resident stores were updated in place, nothing to do;
+        ``shadow``: to the store's shadow extent)."""
         if not store.resident:
-            reqs.append((store.store_async(tensor, start, count), None))
+            reqs.append((store.store_async(tensor, start, count, shadow), None))
 
     def grad_scale_for_clipping(self) -> float:
         """Divisor applied to gradients in the kernel: the loss scale, times the global-norm
@@ -390,9 +421,13 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
             # inf or NaN in a gradient (see optim/loss_scaler.py): the step is skipped
             self.overflow = True
             self.last_grad_norm = math.inf
-            self._drop_cycle_gradients()
+            try:
+                self._resolve_speculation(keep=False)
+            finally:
+                self._drop_cycle_gradients()
             return
         scale = self.grad_scale_for_clipping()
+        self._resolve_speculation(keep=scale == self.loss_scale)   # no clipping acted
         position = {uid: i for i, uid in enumerate(self.forward_order())}
         stepped = [s for s in self.states if s.has_grads]
         for state in sorted(stepped, key=lambda s: position.get(s.unit.index, len(position))):
@@ -433,6 +468,12 @@ class PartitionedOptimizer(GradientCollector, torch.optim.Optimizer):
             except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
                 return self.reap(wait=True)
         return self.reap()
+
+    def take_reaped(self) -> list[Unit]:
+        """Units whose steps finished inside ``step()`` or a roll-back (the caller releases
+        them)."""
+        units, self.reaped_at_step = self.reaped_at_step, []
+        return units
 
     def settle(self) -> list[Unit]:
         """Wait for every background step's writes (before anything reads or writes the

@@ -96,6 +96,9 @@ class StepJob:
     gradient: CompleteGradient | None = None   # early step: handed over with the job
     ready: bool = True             # gradients complete; False while only expected
     cancelled: bool = False        # an expected step that did not happen (no gradients came)
+    # results go to the shadow extents and the gradient home (see [Note: speculative step] in
+    # optim/speculation.py)
+    speculative: bool = False
     counted: bool = False          # ``state.step`` advanced for this job
     error: BaseException | None = None
 
@@ -127,11 +130,12 @@ class StepStream:
 
     # -- the training thread's side ---------------------------------------------------------
     def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0,
-               gradient: CompleteGradient | None = None) -> StepJob:
+               gradient: CompleteGradient | None = None, speculative: bool = False) -> StepJob:
         """Queue ``state``'s unit for a step with its gradients complete (an early step's
         ``gradient`` is the job's from here on). The unit must be fetched and held until the
         job's future is done: the step updates its device copy."""
-        return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient)
+        return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient,
+                               speculative=speculative)
 
     def expect(self, state: UnitOptimState, early: bool = True,
                grad_scale: float = 1.0) -> StepJob:
@@ -142,13 +146,17 @@ class StepStream:
         self.stats["expected"] += 1
         return self._queue_job(state, early, grad_scale, ready=False)
 
-    def make_ready(self, job: StepJob, gradient: CompleteGradient | None = None) -> None:
+    def make_ready(self, job: StepJob, gradient: CompleteGradient | None = None,
+                   speculative: bool = False, grad_scale: float | None = None) -> None:
         """The expected job may run: its gradients are complete (an early step's ``gradient``)
         and its unit is fetched and held until the job's future is done."""
         with self._wake:
             if job.hyper is None:
                 job.hyper = self.opt.hyperparameters()
             job.gradient = gradient
+            job.speculative = speculative
+            if grad_scale is not None:
+                job.grad_scale = grad_scale
             job.ready = True
             self._wake.notify()
 
@@ -161,14 +169,15 @@ class StepStream:
                 self._wake.notify()
 
     def _queue_job(self, state, early: bool, grad_scale: float, ready: bool,
-                   gradient: CompleteGradient | None = None) -> StepJob:
+                   gradient: CompleteGradient | None = None,
+                   speculative: bool = False) -> StepJob:
         groups = deque(self.opt._sub_groups(state))
         # the hyperparameters (learning rate) of the step being asked for: an early step's are
         # fixed when its gradients are complete, a deferred step's now (a scheduler moves the
         # rate before the step runs)
         hyper = self.opt.hyperparameters() if ready or not early else None
         job = StepJob(state, Future(), Future(), groups, len(groups), early, grad_scale,
-                      hyper, gradient, ready)
+                      hyper, gradient, ready, speculative=speculative)
         with self._wake:
             self._incoming.append(job)
             self._wake.notify()
@@ -370,34 +379,41 @@ class StepStream:
                     job.hyper)
         if not job.early and state.grad_store.resident:
             grad.zero_()          # the next backward accumulates into the home gradient
-        opt._store(state.exp_avg, t["m"], start, n, writes)
-        opt._store(state.exp_avg_sq, t["v"], start, n, writes)
+        shadow = job.speculative
+        opt._store(state.exp_avg, t["m"], start, n, writes, shadow)
+        opt._store(state.exp_avg_sq, t["v"], start, n, writes, shadow)
         if state.master is not None:
-            opt._store(state.master, param, start, n, writes)
+            opt._store(state.master, param, start, n, writes, shadow)
             unit.flat[start:end].copy_(half if half is not None else param)
-        self._write_params(unit, start, n, writes)
+        self._write_params(unit, start, n, writes, shadow)
+        if shadow:
+            # kept at home for a redo, written from the job's buffer (given back at ``_finish``)
+            opt._store(state.grad_store, grad, start, n, writes)
         if not job.groups and all(x.job is not job for x in self._loads):
             # its last kernel ran: the gradient is given back, the device copy current
-            if job.gradient is not None:
+            if job.gradient is not None and not shadow:
                 opt.release_gradient(job.gradient)
             job.stepped.set_result(None)
 
-    def _write_params(self, unit, start: int, n: int, writes: list) -> None:
-        """The unit's updated device copy goes to its home."""
+    def _write_params(self, unit, start: int, n: int, writes: list, shadow: bool = False) -> None:
+        """The unit's updated device copy goes to its home (``shadow``: its shadow extent)."""
         store = unit.param_store
         if store is None:
             return
         if not store.resident and unit.flat_on_aligned_host:
             # the device buffer is host memory, page-aligned, and stays fetched until the
             # unit's future is done: write it as it is (no staging copy)
-            writes.append((store.store_async(unit.flat[start:], start, n), None))
+            writes.append((store.store_async(unit.flat[start:], start, n, shadow), None))
         else:
-            self._write_values(store, unit.flat[start:start + n], start, n, writes)
+            self._write_values(store, unit.flat[start:start + n], start, n, writes, shadow)
 
     def _write_values(self, store, values: torch.Tensor, start: int, n: int,
-                      writes: list) -> None:
+                      writes: list, shadow: bool = False) -> None:
         """Write ``values`` (any memory) to ``store``, through a slot when it is on NVMe."""
         if store.resident:
+            if shadow:
+                raise RuntimeError(f"{store.name}: a speculative step cannot write a resident "
+                                   "store in place")
             store.tensor[start:start + n].copy_(values)
             return
         slot = self._free_slot()
@@ -407,7 +423,7 @@ class StepStream:
         writes.append((None, slot))        # the slot is the sub-group's from here on
         buf = slot.view(store.dtype, padded_numel(n, store.dtype))
         buf[:n].copy_(values)
-        writes.append((store.store_async(buf, start, n), None))
+        writes.append((store.store_async(buf, start, n, shadow), None))
 
     def _free_slot(self) -> Slot | None:
         """A free slot without blocking: retire writes (oldest first) until one is free; None

@@ -68,10 +68,15 @@ DONE = _DoneRequest()
 
 
 class FlatStore:
-    """One flat model state (e.g. a unit's exp_avg) in its home tier."""
+    """One flat model state (e.g. a unit's exp_avg) in its home tier.
+
+    An NVME store created ``doubled`` has a second extent, the shadow: a speculative step writes
+    its results there, and ``flip`` makes them current (commit) or they are simply never read
+    (roll back; see [Note: speculative step] in optim/speculation.py).
+    """
 
     def __init__(self, manager: "TierManager", name: str, numel: int, dtype: torch.dtype,
-                 home: Tier) -> None:
+                 home: Tier, doubled: bool = False) -> None:
         self.manager = manager
         self.name = name
         self.numel = numel
@@ -81,6 +86,7 @@ class FlatStore:
         self.nbytes = self.padded * torch.empty((), dtype=dtype).element_size()
         self._host: torch.Tensor | None = None
         self._extent = None
+        self._shadow = None
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self._device_reserved = 0
         if home is Tier.HOST:
@@ -92,6 +98,20 @@ class FlatStore:
             self._device_reserved = self.nbytes
         else:
             self._extent = manager.swap.allocate(self.nbytes, tag=name)
+            if doubled:
+                self._shadow = manager.swap.allocate(self.nbytes, tag=f"{name}.shadow")
+
+    @property
+    def doubled(self) -> bool:
+        """True when the store has a shadow extent for speculative writes."""
+        return self._shadow is not None
+
+    def flip(self) -> None:
+        """The shadow becomes the current extent (its writes must have been issued already:
+        a request is bound to its extent when it is issued)."""
+        if self._shadow is None:
+            raise RuntimeError(f"{self.name} has no shadow extent to flip to")
+        self._extent, self._shadow = self._shadow, self._extent
 
     @property
     def resident(self) -> bool:
@@ -127,17 +147,26 @@ class FlatStore:
         return self.manager.swap.read(self._extent, buf.view(torch.uint8)[:nbytes],
                                       offset=start * self.itemsize)
 
-    def store_async(self, buf: torch.Tensor, start: int = 0, count: int | None = None):
-        """Write ``buf`` to elements [start, start+count) of the store. Returns a request."""
+    def store_async(self, buf: torch.Tensor, start: int = 0, count: int | None = None,
+                    shadow: bool = False):
+        """Write ``buf`` to elements [start, start+count) of the store (with ``shadow``, of its
+        shadow extent). Returns a request."""
         count = self.padded - start if count is None else count
         span = self._check_range(start, count)
+        if shadow and self._shadow is None:
+            raise RuntimeError(f"{self.name}: a speculative write needs a doubled NVMe store")
         if self._host is not None:
             if buf.data_ptr() != self._host[start:].data_ptr():
                 self._host[start:start + count].copy_(buf[:count])
             return DONE
+        return self.write_extent(self._shadow if shadow else self._extent, buf, start, span)
+
+    def write_extent(self, extent, buf: torch.Tensor, start: int, span: int):
+        """Write ``span`` elements of ``buf`` at element ``start`` of one of the store's NVMe
+        extents (the request is bound to that extent, whatever ``flip`` does later)."""
         nbytes = span * self.itemsize
         self.manager.counters.nvme_write_bytes += nbytes
-        return self.manager.swap.write(self._extent, buf.view(torch.uint8)[:nbytes],
+        return self.manager.swap.write(extent, buf.view(torch.uint8)[:nbytes],
                                        offset=start * self.itemsize)
 
     def free(self) -> None:
@@ -150,6 +179,9 @@ class FlatStore:
         elif self._extent is not None:
             self.manager.swap.free(self._extent)
             self._extent = None
+            if self._shadow is not None:
+                self.manager.swap.free(self._shadow)
+                self._shadow = None
 
 
 class _NamedBudget:
@@ -231,9 +263,11 @@ class TierManager:
                                    reserve_bytes=self.nvme_reserve_bytes)
         return self._swap
 
-    def create(self, name: str, numel: int, dtype: torch.dtype, home: Tier) -> FlatStore:
-        """A new zero-filled (HOST) or allocated (NVME) flat state."""
-        return FlatStore(self, name, numel, dtype, home)
+    def create(self, name: str, numel: int, dtype: torch.dtype, home: Tier,
+               doubled: bool = False) -> FlatStore:
+        """A new zero-filled (HOST) or allocated (NVME) flat state (``doubled``: with a shadow
+        extent on NVMe, see ``FlatStore``)."""
+        return FlatStore(self, name, numel, dtype, home, doubled=doubled and home is Tier.NVME)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:

@@ -245,6 +245,20 @@ class Coordinator:
             if self._active[unit.index] == 0:
                 self._release_or_keep(unit.index)
 
+    def discard(self, units: list[Unit]) -> None:
+        """Drop the device copies of ``units`` (their values were rolled back, see [Note:
+        speculative step] in optim/speculation.py): the next use fetches the current home. Their
+        steps must be over. A pinned unit is fetched again at once."""
+        for unit in units:
+            uid = unit.index
+            self._stepping[uid] = False
+            self._kept.discard(uid)
+            if unit.persistent or unit.residency != Residency.FETCHED:
+                continue
+            unit.release(self.manager)
+            if self._active[uid] > 0:
+                unit.finish_fetch(self.manager, self.fetch_pool)
+
     # -- keeping for reuse (see [Note: keeping units for reuse]) ---------------------------
     def _upcoming_all(self) -> list[int]:
         """The recorded order from now on: rest of this pass, then the pass that follows."""

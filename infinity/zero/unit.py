@@ -101,7 +101,8 @@ class Unit:
         return [p for p in self.params if p.trainable]
 
     # -- building ------------------------------------------------------------------------
-    def adopt(self, manager: TierManager, param_home: Tier, persistent: bool, staging=None) -> None:
+    def adopt(self, manager: TierManager, param_home: Tier, persistent: bool, staging=None,
+              doubled: bool = False) -> None:
         """Take the parameters' current values into the flat buffer and point them at it.
 
         With a HOST/NVME param home the values go to the home tier and the unit ends RELEASED
@@ -119,8 +120,9 @@ class Unit:
         self.residency.to(Residency.FETCHED)
         self._point_params()
         if self.param_home is not Tier.DEVICE:
+            # doubled: the speculative step writes parameters to a shadow extent
             self.param_store = manager.create(f"{self.name}.params", self.numel, self.dtype,
-                                              self.param_home)
+                                              self.param_home, doubled=doubled)
             self.write_home(manager, staging)
             self.release(manager)
 
@@ -240,24 +242,31 @@ class Unit:
         self.residency.to(Residency.RELEASED)
 
     def write_home(self, manager: TierManager, staging=None) -> None:
-        """Write the device copy back to the param home (after it was modified).
+        """Write the device copy back to the param home (after it was modified), to both of a
+        doubled store's extents (the frozen part is written nowhere else).
 
         For NVMe the copy goes through ``staging`` slots in slot-sized chunks, two in flight
         (without a pool, through one temporary aligned buffer).
         """
-        if self.param_store is None:
+        store = self.param_store
+        if store is None:
             return
-        if self.param_store.resident:
-            self.param_store.tensor[: self.numel].copy_(self.flat)
+        if store.resident:
+            store.tensor[: self.numel].copy_(self.flat)
             return
         manager.counters.device_to_host_bytes += self.nbytes
+
+        def write(buf: torch.Tensor, start: int = 0, count: int | None = None) -> list:
+            shadows = (False, True) if store.doubled else (False,)
+            return [store.store_async(buf, start, count, shadow=s) for s in shadows]
+
         if staging is None and self.flat_on_aligned_host:
-            manager.wait(self.param_store.store_async(self.flat))   # page-aligned: as it is
+            manager.wait(*write(self.flat))   # page-aligned: as it is
             return
         if staging is None:
-            buf = manager.host_empty(self.param_store.padded, self.dtype, what=f"{self.name} staging")
+            buf = manager.host_empty(store.padded, self.dtype, what=f"{self.name} staging")
             buf[: self.numel].copy_(self.flat)
-            manager.wait(self.param_store.store_async(buf))
+            manager.wait(*write(buf))
             return
         chunk = staging.slot_bytes // self.flat.element_size()
         in_flight: list = []
@@ -265,17 +274,17 @@ class Unit:
             for start in range(0, self.numel, chunk):
                 count = min(chunk, self.numel - start)
                 if len(in_flight) == 2:
-                    req, slot = in_flight.pop(0)
-                    manager.wait(req)
+                    reqs, slot = in_flight.pop(0)
+                    manager.wait(*reqs)
                     staging.release(slot)
                 slot = staging.acquire(timeout=600.0)
                 buf = slot.view(self.dtype, count)
                 buf.copy_(self.flat[start:start + count])
-                in_flight.append((self.param_store.store_async(buf, start, count), slot))
+                in_flight.append((write(buf, start, count), slot))
         finally:
-            for req, slot in in_flight:
+            for reqs, slot in in_flight:
                 try:
-                    manager.wait(req)
+                    manager.wait(*reqs)
                 finally:
                     staging.release(slot)
 

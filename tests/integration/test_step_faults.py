@@ -22,10 +22,10 @@ def test_write_error_in_a_step_is_raised_at_step_and_close_cleans_up(disk_dir, m
 
     original = FlatStore.store_async
 
-    def failing(self, buf, start=0, count=None):
+    def failing(self, buf, start=0, count=None, shadow=False):
         if self.name.endswith(".exp_avg_sq"):
             raise OSError(5, "injected EIO", self.name)
-        return original(self, buf, start, count)
+        return original(self, buf, start, count, shadow)
 
     monkeypatch.setattr(FlatStore, "store_async", failing)
     try:
@@ -71,10 +71,10 @@ def test_a_failed_sub_group_waits_its_issued_writes_before_freeing_slots(disk_di
     original_store = FlatStore.store_async
     original_release = BufferPool.release
 
-    def tracking_store(self, buf, start=0, count=None):
+    def tracking_store(self, buf, start=0, count=None, shadow=False):
         if self.name.endswith(".exp_avg_sq"):
             raise OSError(5, "injected EIO", self.name)
-        request = _TrackedRequest(original_store(self, buf, start, count), buf)
+        request = _TrackedRequest(original_store(self, buf, start, count, shadow), buf)
         issued.append(request)
         return request
 

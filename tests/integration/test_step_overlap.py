@@ -13,7 +13,7 @@ from torch import nn
 import infinity
 from infinity.optim import partitioned
 from infinity.optim.step_stream import READ_AHEAD
-from infinity.storage.manager import FlatStore
+from infinity.storage.manager import FlatStore, padded_numel
 from infinity.storage.tiers import Residency
 from infinity.zero.unit import Unit
 from parity import VOCAB, make_model, nvme_engine, run_parity, zero_config
@@ -27,22 +27,28 @@ class _LateWrites:
     DELAY_S = 0.05
 
     def __init__(self, monkeypatch) -> None:
-        self.pending: list[tuple[FlatStore, int, int, int, int]] = []   # store, range, buffer
+        self.pending: list[tuple] = []   # store, extent, range, buffer
         self.violations: list[str] = []
         store, load, release = FlatStore.store_async, FlatStore.load_async, Unit.release
         tracker = self
 
-        def late_store(self, buf, start=0, count=None):
+        def late_store(self, buf, start=0, count=None, shadow=False):
             n = self.padded - start if count is None else count
-            entry = (self, start, start + n, buf.data_ptr(),
+            # the extent written: a speculative step writes the shadow one
+            extent = self._shadow if shadow else self._extent
+            entry = (self, extent, start, start + n, buf.data_ptr(),
                      buf.data_ptr() + n * buf.element_size())
             tracker.pending.append(entry)
-            return _LateWrite(lambda: store(self, buf, start, count), tracker, entry)
+            if extent is None:      # resident: written in place
+                return _LateWrite(lambda: store(self, buf, start, count), tracker, entry)
+            # issued late, but to the extent asked for now (a flip may come in between)
+            span = padded_numel(n, self.dtype)
+            return _LateWrite(lambda: self.write_extent(extent, buf, start, span), tracker, entry)
 
         def checked_load(self, buf, start=0, count=None):
             n = self.padded - start if count is None else count
-            for other, a, b, _, _ in list(tracker.pending):
-                if other is self and a < start + n and start < b:
+            for other, extent, a, b, _, _ in list(tracker.pending):
+                if other is self and extent is self._extent and a < start + n and start < b:
                     tracker.violations.append(f"read {self.name}[{start}:{start + n}] before "
                                               f"its write [{a}:{b}] landed")
             return load(self, buf, start, count)
@@ -51,7 +57,7 @@ class _LateWrites:
             if self.residency == Residency.FETCHED and not self.persistent:
                 lo = self.flat.data_ptr()
                 hi = lo + self.flat.numel() * self.flat.element_size()
-                for store_, a, b, p, q in list(tracker.pending):
+                for store_, _, a, b, p, q in list(tracker.pending):
                     if p < hi and lo < q:
                         tracker.violations.append(f"released {self.name} while a write of "
                                                   f"{store_.name} from its memory was pending")
