@@ -193,6 +193,7 @@ class Engine:
         # fp16: the loss scale and the skipping of steps whose gradients overflow
         self.loss_scaler = LossScaler(self.config.fp16) if self.config.fp16.enabled else None
         self.skipped_steps = 0
+        self._backwards_since_step = 0
 
     def _activation_swapper(self) -> ActivationSwapper | None:
         """The swapper of saved activations when ``infinity.offload_activations`` is "nvme"."""
@@ -249,6 +250,13 @@ class Engine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss)}"
                              + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        if self.optimizer.early_step and self._backwards_since_step:
+            raise RuntimeError(
+                "engine.backward() was called twice without engine.step() in between: the early "
+                "step (infinity.early_step) steps each unit during its backward, so a second "
+                "backward would step it again instead of adding its gradients up. Call "
+                "engine.step() after each backward, set gradient_accumulation_steps to add "
+                "micro-batches up, or set infinity.early_step \"off\"")
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.loss_scaler is not None:
@@ -268,6 +276,7 @@ class Engine:
                 self._drop_rolled_back()
             raise
         self.optimizer.end_backward()
+        self._backwards_since_step += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -277,6 +286,7 @@ class Engine:
         self._check_open("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self._backwards_since_step = 0
         if not boundary:
             return
         # units a deferred step still waits for (the forward did not use them) run first

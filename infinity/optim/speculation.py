@@ -133,14 +133,13 @@ class Speculation:
                 self.rolled_back.append(state.unit)
         log.debug("speculative step of %d unit(s) rolled back (%s)", len(speculated), why)
 
-    def void_speculation(self) -> list[Unit]:
+    def void_speculation(self) -> None:
         """Something reads the model before ``step()``: roll back now, so it sees the
-        parameters of the last step; the deferred path takes this cycle over. Returns the units
-        whose device copies must be dropped."""
+        parameters of the last step; the deferred path takes this cycle over. The caller drops
+        the device copies ``take_rolled_back`` lists."""
         if self._speculated:
             self.speculation_stats["voided"] += 1
             self._roll_back("the model was used before step()")
-        return self.take_rolled_back()
 
     def take_rolled_back(self) -> list[Unit]:
         """The units rolled back since the last call (their device copies are stale)."""
