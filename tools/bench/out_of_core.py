@@ -58,12 +58,23 @@ GROWTH_BAR = 0.1  # bytes of peak RSS per parameter between the two sizes
 DS_TARGET = 0.5
 
 
+# --schedules: name -> (infinity.early_step, infinity.speculative_step, gradient_clipping)
+SCHEDULES = {
+    "on": ("on", "auto", 0.0), "auto": ("auto", "auto", 0.0),
+    "off": ("off", "auto", 0.0),              # deferred, speculation kept every step
+    "nospec": ("off", "off", 0.0),            # deferred without speculation
+    "clip": ("auto", "on", 1.0),              # clipping: speculation, kept or rolled back
+    "clip-nospec": ("auto", "off", 1.0),      # clipping, deferred without speculation
+}
+
+
 def ds_config(nvme_path: str, args: argparse.Namespace, schedule: str) -> dict:
     """Our config: DeepSpeed JSON (ZeRO-3, nvme/nvme) plus the "infinity" section."""
+    early, speculative, clipping = SCHEDULES[schedule]
     return {
         "train_micro_batch_size_per_gpu": args.mbs,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": clipping,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                   "weight_decay": args.weight_decay}},
         "zero_optimization": {"stage": 3,
@@ -71,7 +82,8 @@ def ds_config(nvme_path: str, args: argparse.Namespace, schedule: str) -> dict:
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}},
         "aio": {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth,
                 "thread_count": 1, "single_submit": False, "overlap_events": True},
-        "infinity": {"host_memory_budget": args.host_budget, "early_step": schedule,
+        "infinity": {"host_memory_budget": args.host_budget, "early_step": early,
+                     "speculative_step": speculative,
                      "offload_activations": args.offload_activations},
     }
 
@@ -136,6 +148,7 @@ def _ours(spec: dict, res: dict) -> None:
                       "thread_count": aio.thread_count, "single_submit": aio.single_submit,
                       "overlap_events": aio.overlap_events, "backend": aio.backend}
         res["early_step_in_use"] = bool(engine.optimizer.early_step)
+        res["speculation_in_use"] = engine.optimizer.speculation
         res["swap_bytes_after_init"] = C.dir_bytes(nvme)
         losses, steps, stats = [], [], []
         io0 = C.proc_io()
@@ -170,6 +183,8 @@ def _ours(spec: dict, res: dict) -> None:
         res["proc_io_per_step"] = {k: (io1.get(k, 0) - io0.get(k, 0)) / max(1, len(steps))
                                    for k in ("read_bytes", "write_bytes")}
         res["swap_bytes_end"] = C.dir_bytes(nvme)
+        res["speculation_stats"] = dict(engine.optimizer.speculation_stats)
+        res["grad_norms"] = engine.optimizer.last_grad_norm
         res["native_info"] = infinity.native_info()
         if engine.activation_swapper is not None:
             res["activation_swap"] = engine.activation_swapper.describe()
@@ -518,7 +533,8 @@ class Driver:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.49B,1.04B", help="comma list: 0.49B, 1.04B, tiny, HxLxAxIxV")
-    ap.add_argument("--schedules", default="on,off", help="early_step values to run: on,off")
+    ap.add_argument("--schedules", default="on,off",
+                    help=f"schedules to run, of {', '.join(SCHEDULES)} (see SCHEDULES)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps of ours and compute")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--ds-steps", type=int, default=3, help="timed DeepSpeed steps (after 1 warm-up)")
@@ -583,8 +599,8 @@ def main() -> int:
         return 0
     _lists(args)
     for s in args.schedules:
-        if s not in ("on", "off", "auto"):
-            ap.error(f"--schedules: {s!r} is not one of on, off, auto")
+        if s not in SCHEDULES:
+            ap.error(f"--schedules: {s!r} is not one of {', '.join(SCHEDULES)}")
     for s in args.sizes:
         C.size_shape(s)
     drv = Driver(args)
@@ -669,13 +685,13 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
         size, n = got["size"], got["n_params"]
         for schedule, res in got["ours"].items():
             if not res.get("ok"):
-                rows.append([size, f"ours early_step {schedule}", "FAILED: " + str(res.get("error"))[:80]]
+                rows.append([size, f"ours {schedule}", "FAILED: " + str(res.get("error"))[:80]]
                             + [None] * 6)
                 continue
             st = res["median_stats"]
             split = (f"compute {st['compute_s']:.1f} / opt {st['optimizer_s']:.1f} "
                      f"(bg {st.get('optimizer_background_s', 0):.1f}) / io wait {st['io_wait_s']:.1f}")
-            rows.append([size, f"ours early_step {schedule}", round(res["median_step_s"], 2),
+            rows.append([size, f"ours {schedule}", round(res["median_step_s"], 2),
                          ", ".join(f"{x:.1f}" for x in res["step_s"]), split,
                          f"{st['io_read_bytes'] / C.GiB:.2f} / {st['io_write_bytes'] / C.GiB:.2f}",
                          _hit_ratio(res), C.gib(res["vm_hwm_bytes"]),
@@ -737,7 +753,7 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
                 continue
             fl = dict(floors, io=_med(got["io"].get(schedule)))
             known = {k: v for k, v in fl.items() if v}
-            line = (f"{size} early_step {schedule}: peak RSS {C.gib(res['vm_hwm_bytes'])} GiB "
+            line = (f"{size} schedule {schedule}: peak RSS {C.gib(res['vm_hwm_bytes'])} GiB "
                     f"({'<=' if res['vm_hwm_bytes'] <= RSS_BAR else 'OVER'} 4 GiB)")
             if known:
                 top = max(known, key=known.get)
@@ -759,7 +775,7 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
             if ra.get("ok") and rb.get("ok") and b["n_params"] != a["n_params"]:
                 dn = b["n_params"] - a["n_params"]
                 g = (rb["vm_hwm_bytes"] - ra["vm_hwm_bytes"]) / dn
-                line = (f"early_step {schedule}: peak RSS growth {a['size']} -> {b['size']} = "
+                line = (f"schedule {schedule}: peak RSS growth {a['size']} -> {b['size']} = "
                         f"{g:.4f} B/param ({'<' if g < GROWTH_BAR else 'NOT <'} {GROWTH_BAR})")
                 ca, cb = a.get("compute") or {}, b.get("compute") or {}
                 if ra.get("activation_swap") and rb.get("activation_swap"):
