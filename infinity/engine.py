@@ -7,6 +7,7 @@ its own module (see DESIGN.md "Layers").
 """
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -36,7 +37,12 @@ from infinity.engine_sizing import (
 from infinity.sizes import format_bytes
 from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.coordinator import Coordinator
-from infinity.zero.init import EXTERNAL_PARAMS_ATTR, register_engine
+from infinity.zero.init import (
+    EXTERNAL_PARAMS_ATTR,
+    check_not_released,
+    register_engine,
+    remember_released,
+)
 from infinity.zero.materialize import materialize_params
 from infinity.zero.partition import modules_needing, partition
 from infinity.zero.prefetch import PrefetchLimits
@@ -71,6 +77,7 @@ class Engine:
         if self.config.infinity.mmap_threshold_in_use is not None:
             set_mmap_threshold(self.config.infinity.mmap_threshold_in_use)
         self.module = model
+        check_not_released(model)
         self.device = _model_device(model)
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
         derived = derive(self.config, specs)
@@ -98,6 +105,7 @@ class Engine:
         self.direct_fetch = param_tier is Tier.NVME and DeviceMemoryCache.supported(self.device)
         nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
             or self.config.zero.offload_optimizer.nvme_path
+        _warn_second_nvme_path(self.config, nvme_path, param_tier, optimizer_tier)
         self.speculative = speculation_possible(self.config, stage, param_tier, optimizer_tier,
                                                 self.early_step)
 
@@ -200,7 +208,9 @@ class Engine:
         section = self.config.infinity
         if section.offload_activations != "nvme":
             return None
-        storages = {p.untyped_storage()._cdata for p in self.module.parameters()}
+        # parameters are views of their unit's flat buffer while fetched (empty when released)
+        storages = {u.flat.untyped_storage()._cdata for u in self.units}
+        storages |= {p.untyped_storage()._cdata for p in self.module.parameters()}
         swapper = ActivationSwapper(
             self.manager, min_bytes=section.activation_min_bytes,
             window_bytes=section.activation_window,
@@ -235,12 +245,13 @@ class Engine:
             return self.module(*args, **kwargs)
         except BaseException as exc:
             self.coordinator.abandon_pass()     # post-hooks did not run: units stay fetched
-            if isinstance(exc, RuntimeError) and "storage of size 0" in str(exc):
+            if isinstance(exc, RuntimeError) and _mentions_empty_tensor(str(exc)):
                 raise RuntimeError(
-                    "the forward used a parameter whose unit was not fetched: stage 3 fetches a "
-                    "unit only around the forward of a module that holds its parameters. If a "
-                    "module's forward uses another module's parameter (e.g. "
-                    "F.linear(x, self.embed.weight) in a parent module), declare it with "
+                    f"the forward failed ({str(exc).splitlines()[0][:200]}), probably on a "
+                    "parameter whose unit was not fetched (released parameters have 0 "
+                    "elements): stage 3 fetches a unit only around the forward of a module that "
+                    "holds its parameters. If a module's forward uses another module's parameter "
+                    "(e.g. F.linear(x, self.embed.weight) in a parent module), declare it with "
                     "infinity.zero.register_external_parameter(module, parameter)") from exc
             raise
 
@@ -415,6 +426,7 @@ class Engine:
                 self.coordinator.release_finished_steps(self.optimizer.drain_steps())
                 self.coordinator.release_all()
                 self.coordinator.remove()
+                remember_released(u for u in self.units if not u.persistent)
         finally:
             try:
                 if getattr(self, "activation_swapper", None) is not None:
@@ -429,6 +441,29 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _warn_second_nvme_path(config: InfinityConfig, used: str | None, param_tier: Tier,
+                           optimizer_tier: Tier) -> None:
+    """One swap directory per rank holds every NVMe state: say so when the config names two."""
+    paths = set()
+    if param_tier is Tier.NVME and config.zero.offload_param.device == "nvme":
+        paths.add(config.zero.offload_param.nvme_path)
+    if optimizer_tier is Tier.NVME:
+        paths.add(config.zero.offload_optimizer.nvme_path)
+    other = sorted(p for p in paths - {used, None})
+    if used is not None and other:
+        missing = "" if Path(other[0]).is_dir() else " (it does not exist)"
+        log.warning("offload_param.nvme_path and offload_optimizer.nvme_path differ: every "
+                    "NVMe state goes to one swap directory under %s; %s is not used%s. Set both "
+                    "to the same path to silence this", used, other[0], missing)
+
+
+def _mentions_empty_tensor(message: str) -> bool:
+    """Whether a torch error message is about a 0-element or 0-byte tensor (a released
+    parameter): "storage of size 0", "shape [0]", "vec (0)", "got 0"..."""
+    return "storage of size 0" in message or re.search(
+        r"\[0\]|\(0\)|\bsize 0\b|\bgot 0\b|must be \d-D", message) is not None
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -46,6 +46,7 @@ DEFAULT_BUFFER_COUNT = 4          # read i+1 | step i | write i-1 | one spare
 SUB_GROUP_ROUND = 1 << 20         # auto sub-groups: a multiple of 1 Mi elements (4 MiB of fp32) ...
 MIN_SUB_GROUP = 1 << 20           # ... and at least this many unless the host budget forbids
 ALIGN_ELEMS = 1024                # 4 KiB of fp32: O_DIRECT alignment of every extent
+ALIGN_BYTES = 4 * ALIGN_ELEMS
 PREFETCH_UNITS = 2                # prefetch about this many units ahead (within the device budget)
 PERSISTENCE_THRESHOLD = 100_000   # params below this many elements stay on the device ...
 PERSISTENT_SHARE = 0.05           # ... if they take at most this share of the device budget
@@ -233,6 +234,14 @@ def _device_working(lay: _Layout, unit: int, prefetch: int, persist: int, bucket
     return 0 if lay.grads_tier == "device" else lay.c * (unit + bucket)
 
 
+def _layout_slack(stats: ModelStats) -> int:
+    """Bytes the flat layout adds to the element counts on the device: each unit's stores are
+    padded to 4 KiB and each parameter starts on 64 bytes, in up to 5 fp32-sized states
+    (parameters, gradients, m, v, master). Small next to a real model; most of a tiny one."""
+    n_params = len(stats.param_numels) if stats.param_numels else 16 * stats.n_units
+    return 5 * (stats.n_units * ALIGN_BYTES + n_params * 64)
+
+
 def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> DerivedSizes:
     """Resolve every size of ``cfg`` for this model on this machine (see the module docstring)."""
     lay = _layout(cfg, stats, hw)
@@ -253,6 +262,7 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
             least, wanted = (resident_device + _device_working(lay, unit, p, persist_guess, unit_cap)
                              for p in (0, prefetch_guess))
             device_budget = max(least, min(wanted, int(EMULATED_DEVICE_SHARE * allowed)))
+            device_budget += _layout_slack(stats)
     host_budget = allowed
     if _pool_in_host_budget(cfg, hw):
         host_budget = max(0, allowed - device_budget)  # the emulated device is host RAM too

@@ -45,3 +45,16 @@ def disk_dir() -> Path:
             else:
                 child.unlink()
         path.rmdir()
+
+
+@pytest.fixture
+def infinity_log(caplog: pytest.LogCaptureFixture):
+    """caplog that also sees the package logger (which does not propagate to the root logger)."""
+    import logging
+
+    logger = logging.getLogger("infinity")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -26,14 +26,42 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
+from infinity.budget import BudgetExceededError
 from infinity.config import InfinityConfig
+from infinity.sizes import format_bytes
 
 _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# parameters left empty by a closed engine (their values lived in its swap space), by id (a
+# WeakSet would compare tensors with ==)
+_released_params: dict[int, "weakref.ref[nn.Parameter]"] = {}
 
 
 def register_engine(engine: Any) -> None:
     """Engines register themselves so GatheredParameters can find a parameter's unit."""
     _live_engines.add(engine)
+
+
+def remember_released(units: Iterable[Any]) -> None:
+    """A closing engine leaves these units' parameters empty (see zero/unit.py)."""
+    for unit in units:
+        for entry in unit.params:
+            _released_params[id(entry.param)] = weakref.ref(
+                entry.param, lambda _, key=id(entry.param): _released_params.pop(key, None))
+
+
+def check_not_released(model: nn.Module) -> None:
+    """Refuse a model whose parameters a closed engine left empty, before anything is built."""
+    def released(p: nn.Parameter) -> bool:
+        ref = _released_params.get(id(p))
+        return ref is not None and ref() is p and p.numel() == 0
+
+    empty = [name for name, p in model.named_parameters() if released(p)]
+    if empty:
+        raise ValueError(
+            f"{len(empty)} parameter(s) of this model (e.g. {empty[0]!r}) are empty: a closed "
+            "engine released them, and their values lived in its swap space, which close() "
+            "removed. Read what you need under infinity.zero.GatheredParameters before close() "
+            "(e.g. a state_dict), or build the model again")
 
 
 class Init(contextlib.ContextDecorator):
@@ -98,8 +126,22 @@ class GatheredParameters(contextlib.ContextDecorator):
             for unit in engine.units:
                 if any(e.param is p for e in unit.params for p in self.params):
                     self._units.append((engine, unit))
-        for engine, unit in self._units:
-            engine.pin_unit(unit)
+        pinned = []
+        try:
+            for engine, unit in self._units:
+                engine.pin_unit(unit)
+                pinned.append((engine, unit))
+        except BudgetExceededError as exc:
+            for engine, unit in pinned:
+                engine.unpin_unit(unit, modified=False)
+            need = sum(unit.nbytes for _, unit in self._units)
+            count = len(self._units)
+            self._units.clear()
+            raise BudgetExceededError(
+                f"GatheredParameters needs the units of these parameters fetched at once "
+                f"({count} units, {format_bytes(need)}) and the device budget "
+                f"does not hold them ({exc}). Gather fewer parameters at a time (e.g. one "
+                "module's), or raise infinity.device_memory_budget") from exc
         return self
 
     def __exit__(self, *exc: Any) -> None:

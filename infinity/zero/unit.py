@@ -1,12 +1,16 @@
 """A unit: a group of parameters fetched to the device together (usually one transformer block).
 
-The unit owns a flat device buffer in the compute dtype; each of its parameters is a view into it
-(set once with ``param.data = view``, the supported torch API; no attributes are set on the
-Parameter). Releasing the unit leaves the flat buffer's storage with 0 bytes, so the parameters
-and every tensor autograd saved from them hold no memory; fetching gives it memory again and
-fills it from the unit's home tier (the memory itself is recycled by the device cache, see
-storage/device_cache.py). This is how a parameter's identity, ``named_parameters()`` and the
-autograd graph survive release (FSDP does the same).
+The unit owns a flat device buffer in the compute dtype; while the unit is fetched each of its
+parameters is a view into it (``param.data = view``, the supported torch API; no attributes are
+set on the Parameter). Releasing the unit leaves the flat buffer's storage with 0 bytes, so every
+tensor autograd saved from the parameters holds no memory, and points each parameter at an
+empty tensor of its dtype and device (as DeepSpeed does): a released parameter has 0 elements,
+so whatever reads it outside a forward (``copy.deepcopy(model)``, ``p.numpy()``, a state dict)
+sees an empty tensor instead of reading memory that is not there. Fetching gives the flat buffer
+memory again, fills it from the unit's home tier (the memory itself is recycled by the device
+cache, see storage/device_cache.py) and points the parameters back at it. A parameter's
+identity, its name in ``named_parameters()`` and ``state_dict()``, and the autograd graph (its
+saved views keep the flat buffer's storage) survive release.
 
 [Note: flat layout]
 Trainable parameters come first, grouped by optimizer param group; frozen parameters come last,
@@ -79,6 +83,7 @@ class Unit:
         self.param_home = Tier.DEVICE
         self.param_store: FlatStore | None = None
         self.flat = torch.empty(0, dtype=dtype, device=device)
+        self._released_data = torch.empty(0, dtype=dtype, device=device)
         self.fetch_request = None
         self.fetch_slot = None
         self.fetch_count = 0
@@ -129,6 +134,11 @@ class Unit:
     def _point_params(self) -> None:
         for entry in self.params:
             entry.param.data = self.flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
+
+    def _unpoint_params(self) -> None:
+        """Released: every parameter has 0 elements (see the module docstring)."""
+        for entry in self.params:
+            entry.param.data = self._released_data
 
     def _allocate_device(self, manager: TierManager) -> None:
         if self.flat.numel() != self.numel:
@@ -213,6 +223,7 @@ class Unit:
                 else:
                     self.flat.copy_(self.param_store.tensor[: self.numel])
         manager.counters.host_to_device_bytes += self.nbytes
+        self._point_params()
         self.residency.to(Residency.FETCHED)
 
     def _drop_fetch(self, manager: TierManager, pool) -> None:
@@ -238,6 +249,7 @@ class Unit:
         """Free the device copy (no write-back: the home tier holds the current values)."""
         if self.persistent or self.residency != Residency.FETCHED:
             return
+        self._unpoint_params()
         manager.device_cache.detach(self.flat.untyped_storage())
         self.residency.to(Residency.RELEASED)
 

@@ -32,20 +32,29 @@ def test_released_parameters_hold_no_storage(disk_dir) -> None:
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
         engine.step()
         engine.flush()   # the early step's last writes land behind step()
-        big = [(n, p) for n, p in model.named_parameters() if p.numel() > 10_000]
+        big = [(n, p) for n, p in model.named_parameters() if shapes[n].numel() > 10_000]
         assert big, "the test model should have parameters above the persistence threshold"
         for name, p in big:
-            assert p.untyped_storage().nbytes() == 0, name
-            assert p.shape == shapes[name]
+            # released: 0 elements of the parameter's dtype on its device (as DeepSpeed)
+            assert p.untyped_storage().nbytes() == 0 and p.numel() == 0, name
+            assert p.dtype == torch.float32 and p.device.type == "cpu", name
         assert set(model.state_dict()) >= set(shapes)
+        # whatever reads released parameters outside a forward sees empty tensors (reading a
+        # full-shaped tensor without storage crashed the process)
+        copied = copy.deepcopy(model)
+        assert all(copied.get_parameter(n).numel() == 0 for n, _ in big)
+        assert big[0][1].detach().numpy().size == 0
         with infinity.zero.GatheredParameters([p for _, p in big]):
             for name, p in big:
+                assert p.shape == shapes[name], name
                 assert p.untyped_storage().nbytes() == p.numel() * 4, name
                 assert torch.isfinite(p).all()
         for name, p in big:
-            assert p.untyped_storage().nbytes() == 0, name
+            assert p.untyped_storage().nbytes() == 0 and p.numel() == 0, name
     finally:
         engine.close()
+    with pytest.raises(ValueError, match="a closed engine released them"):
+        infinity.initialize(model=model, config=zero_config(3, "cpu", "cpu", str(disk_dir)))
 
 
 def test_units_needed_again_soon_stay_fetched(disk_dir) -> None:
@@ -466,3 +475,40 @@ def test_host_tier_too_small_is_a_clear_error_before_any_step() -> None:
     ds["infinity"] = {"host_memory_budget": "64KiB", "device_memory_budget": "16MiB"}
     with pytest.raises(MemoryError, match="host budget"):
         infinity.initialize(model=model, config=ds)
+
+
+def test_gathering_more_than_the_device_budget_holds_is_a_clear_error(disk_dir) -> None:
+    """GatheredParameters over every parameter when the device budget holds two units: a
+    BudgetExceededError that says what to do, nothing stays pinned, training goes on."""
+    from infinity.budget import BudgetExceededError
+
+    model = make_model("llama", layers=3, width=64)
+    engine = _engine(model, disk_dir, reuse_distance=0)
+    try:
+        x = torch.randint(0, VOCAB, (1, 8))
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+        engine.flush()
+        engine.manager.device_cache.clear()     # freed unit memory is kept for reuse
+        budget = engine.manager.device_budget
+        largest = max(u.nbytes for u in engine.units if not u.persistent)
+        budget.limit = budget.held + 2 * largest
+        with pytest.raises(BudgetExceededError, match="Gather fewer parameters at a time"):
+            with infinity.zero.GatheredParameters(list(model.parameters())):
+                pass
+        assert not any(engine.coordinator._pins), engine.coordinator._pins
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+    finally:
+        engine.close()
+
+
+def test_a_second_nvme_path_is_named_in_a_warning(disk_dir, infinity_log) -> None:
+    """One swap directory per rank: a different offload_optimizer.nvme_path is not silently
+    ignored."""
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    ds["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(disk_dir / "elsewhere")
+    engine, *_ = infinity.initialize(model=make_model("llama", layers=1, width=32), config=ds)
+    engine.close()
+    assert any("elsewhere is not used (it does not exist)" in r.getMessage()
+               for r in infinity_log.records), [r.getMessage() for r in infinity_log.records]

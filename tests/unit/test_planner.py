@@ -120,6 +120,8 @@ def test_cpu_only_device_budget_is_taken_from_host_memory() -> None:
     cfg = config(3, "cpu", "cpu")
     sizes = derive_sizes(cfg, SMALL, CPU_BOX)
     working = 4 * (1_000_000 + 2_000_000) + 4 * 1_000_000
+    # plus the flat layout's padding: 4 KiB per unit and 64 B per parameter, in 5 states
+    working += 5 * (SMALL.n_units * 4096 + 16 * SMALL.n_units * 64)
     assert sizes.device_budget_bytes == working
     assert sizes.host_budget_bytes == int(0.8 * 16 * GiB) - working
     gpu = derive_sizes(cfg, SMALL, GPU_BOX)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import stat
@@ -16,17 +15,6 @@ import pytest
 from infinity.storage import swap_dir as sd
 from infinity.storage.swap_dir import (MARKER_NAME, Liveness, NotOursError, Owner,
                                        OwnerAliveError, SwapDir, reclaim, reclaim_stale)
-
-
-@pytest.fixture
-def infinity_log(caplog: pytest.LogCaptureFixture):
-    """caplog that also sees the package logger (which does not propagate to the root logger)."""
-    logger = logging.getLogger("infinity")
-    logger.addHandler(caplog.handler)
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def dead_pid() -> int:
