@@ -185,7 +185,7 @@ class Engine:
             on_grad=self.optimizer.on_grad,
             on_unit_backward_done=self.optimizer.on_unit_backward_done,
             reap=self.optimizer.reap, expect_backward=self.optimizer.expect_backward,
-            step_fetched=self.optimizer.step_fetched)
+            step_fetched=self.optimizer.step_fetched, before_read=self._void_speculation)
         self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
         for module in model.modules():      # register_external_parameter before initialize

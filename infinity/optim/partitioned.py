@@ -251,8 +251,9 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         return dict(self._stream.stats)
 
     def expect_backward(self, unit: Unit) -> None:
-        """``unit``'s gradients are coming (early step): its Adam states may be read ahead
-        while the stream has slots to spare (see [Note: expected steps])."""
+        """``unit``'s gradients are coming (early step, or a backward that speculates): its
+        Adam states may be read ahead while the stream has slots to spare (see [Note: expected
+        steps])."""
         state = self._by_unit.get(unit.index)
         steps_now = self._speculating if self._in_backward else self.plans_speculation()
         # (not while a deferred step of the unit waits: its reads would overtake that step)

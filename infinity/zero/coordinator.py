@@ -51,7 +51,8 @@ class Coordinator:
                  on_unit_backward_done: Callable[[Unit], bool],
                  reap: Callable[..., list[Unit]] = lambda **_: [],
                  expect_backward: Callable[[Unit], None] = lambda unit: None,
-                 step_fetched: Callable[[Unit], bool] = lambda unit: False) -> None:
+                 step_fetched: Callable[[Unit], bool] = lambda unit: False,
+                 before_read: Callable[[], None] = lambda: None) -> None:
         self.units = units
         self.hooked = hooked
         self.manager = manager
@@ -62,6 +63,9 @@ class Coordinator:
         self.reap = reap
         self.expect_backward = expect_backward
         self.step_fetched = step_fetched
+        # a forward outside the engine's (model.generate(), a plain model call) reads the units
+        # too: a speculated step must be dropped first (see [Note: speculative step])
+        self.before_read = before_read
         self._stepping = [False] * len(units)   # a background step holds the unit fetched
         self.traces = {"train_fwd": Trace(), "bwd": Trace(), "eval_fwd": Trace()}
         self._handles: list = []
@@ -127,6 +131,8 @@ class Coordinator:
 
     def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> None:
         recompute = self._in_graph_task()
+        if not recompute:
+            self.before_read()
         trace = None if recompute else self.traces[self._fwd_trace_name or "eval_fwd"]
         for uid in ids:
             self._ensure(uid, trace)
