@@ -162,6 +162,21 @@ def nvme_engine(disk_dir, early_step: str, layers: int, **zero_extra):
     return engine
 
 
+def engine_and_reference(model: nn.Module, ds_config: dict, lr: float = 1e-3,
+                         weight_decay: float = 0.01):
+    """``model`` under infinity with AdamW(lr, weight_decay), and an un-offloaded copy of it
+    with torch AdamW(foreach=False): (engine, reference, ref_opt), for lock-step tests."""
+    import infinity
+
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=weight_decay,
+                                foreach=False)
+    ds = copy.deepcopy(ds_config)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    return engine, reference, ref_opt
+
+
 class ArmedBackwardHook:
     """A backward pre-hook that acts once, in the backward it is armed for: raises ``error`` or
     multiplies the output gradients by ``factor`` (inf: an overflow)."""

@@ -4,14 +4,13 @@ clipping acts, else rolled back and redone. Whichever happens, training equals t
 clipping, and nothing reads a speculated value that was not kept."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 import infinity
 from infinity import engine_sizing
-from parity import VOCAB, loss_of, make_model, run_parity, zero_config
+from parity import VOCAB, engine_and_reference, loss_of, make_model, run_parity, zero_config
 from test_step_overlap import _LateWrites
 
 # The tiny models' gradient norms lie between ~2.2 and ~2.6 in these runs: a threshold in
@@ -85,11 +84,7 @@ def test_a_forward_before_step_sees_the_parameters_before_the_step(disk_dir) -> 
     the deferred step takes the cycle over."""
     torch.manual_seed(0)
     model = make_model("llama", layers=3, width=64)
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    ds = _config(disk_dir)
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
-    engine, *_ = infinity.initialize(model=model, config=ds)
+    engine, reference, ref_opt = engine_and_reference(model, _config(disk_dir))
     gen = torch.Generator().manual_seed(3)
     try:
         for step in range(3):
@@ -162,12 +157,8 @@ def test_two_backwards_before_a_step_add_up_or_are_refused(disk_dir, retain: boo
     of the first backward is voided by the second forward or backward), as torch does; the
     early step, which has already stepped the units, refuses the second backward clearly."""
     torch.manual_seed(0)
-    model = make_model("llama", layers=2, width=64)
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    ds = _config(disk_dir)
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
-    engine, *_ = infinity.initialize(model=model, config=ds)
+    engine, reference, ref_opt = engine_and_reference(make_model("llama", layers=2, width=64),
+                                                      _config(disk_dir))
     gen = torch.Generator().manual_seed(5)
     try:
         for _ in range(3):
