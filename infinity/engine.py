@@ -389,11 +389,15 @@ class Engine:
         self._settle()
 
     def unpin_unit(self, unit: Unit, modified: bool) -> None:
-        """Undo ``pin_unit``; with ``modified`` write the values back to every copy first."""
-        if modified:
-            self.optimizer.reload_master(unit)
-            unit.write_home(self.manager, self.fetch_pool)
-        self.coordinator.unpin(unit)
+        """Undo ``pin_unit``; with ``modified`` write the values back to every copy first (the
+        unit is unpinned even when that fails)."""
+        try:
+            if modified:
+                unit.take_rebound_values()
+                self.optimizer.reload_master(unit)
+                unit.write_home(self.manager, self.fetch_pool)
+        finally:
+            self.coordinator.unpin(unit)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

@@ -149,9 +149,14 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
     sub_group = max(1, derived.sub_group_size)
     streamed = optimizer_tier is Tier.NVME or param_tier is Tier.NVME
     grad_tier = Tier.HOST
-    if not early_step and host_budget is not None and \
-            host + total_trainable * 4 > host_budget and nvme_path:
-        grad_tier = Tier.NVME
+    if not early_step and host_budget is not None and nvme_path:
+        # gradients stay on the host when they fit beside the smallest optimizer slots
+        least_slots = step_slot_count(optimizer_tier, param_tier, Tier.HOST, master_separate,
+                                      early_step, compute_dtype) * 2048 * 4 if streamed else 0
+        if host + total_trainable * 4 + least_slots > host_budget:
+            grad_tier = Tier.NVME
+    if not early_step and grad_tier is Tier.HOST:
+        host += total_trainable * 4              # the gradients' home
     if early_step or grad_tier is Tier.NVME:
         host += 2 * max_trainable * 4
     if grad_tier is Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:

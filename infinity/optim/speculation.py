@@ -98,9 +98,15 @@ class Speculation:
         return job
 
     def _resolve_speculation(self, keep: bool) -> None:
-        """At ``step()``: commit (``keep``) or roll back every speculated unit."""
+        """At ``step()``: commit (``keep``) or roll back every speculated unit. A speculation
+        whose hyperparameters are no longer this step's (the learning rate was set between
+        backward and step) is rolled back too."""
         self._speculation_pays = keep
         if not self._speculated:
+            return
+        now = self.hyperparameters()
+        if keep and any(job.hyper != now for _, job in self._speculated):
+            self._roll_back("the hyperparameters changed after the backward")
             return
         if not keep:
             self._roll_back("clipping or an overflow")

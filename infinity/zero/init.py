@@ -145,6 +145,12 @@ class GatheredParameters(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for engine, unit in self._units:
-            engine.unpin_unit(unit, modified=self.modifier_rank is not None and exc[0] is None)
-        self._units.clear()
+        units, self._units = self._units, []
+        errors = []
+        for engine, unit in units:      # every unit is unpinned; the first error is raised
+            try:
+                engine.unpin_unit(unit, modified=self.modifier_rank is not None and exc[0] is None)
+            except Exception as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+        if errors:
+            raise errors[0]

@@ -135,6 +135,25 @@ class Unit:
         for entry in self.params:
             entry.param.data = self.flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
 
+    def take_rebound_values(self) -> None:
+        """A fetched unit's parameters were changed by rebinding ``param.data`` (not in place,
+        e.g. ``p.data = torch.zeros_like(p)``): copy the new values into the flat buffer and
+        point the parameters back at it. A new shape cannot be taken (the layout is fixed)."""
+        for entry in self.params:
+            data = entry.param.data
+            view = self.flat[entry.offset:entry.offset + entry.numel]
+            if data.data_ptr() == view.data_ptr() and data.shape == entry.shape:
+                continue
+            if data.shape != entry.shape:
+                raise ValueError(
+                    f"parameter {entry.name} of unit {self.name} was given shape "
+                    f"{tuple(data.shape)} (it has {tuple(entry.shape)}): stage 3 keeps each "
+                    "parameter's shape for the engine's life; resize the model (e.g. "
+                    "resize_token_embeddings) before infinity.initialize")
+            with torch.no_grad():
+                view.copy_(data.reshape(-1))
+        self._point_params()
+
     def _unpoint_params(self) -> None:
         """Released: every parameter has 0 elements (see the module docstring)."""
         for entry in self.params:

@@ -74,3 +74,17 @@ def test_cpu_offload_with_too_small_a_budget_fails_before_the_first_step() -> No
     assert "exp_avg" in str(info.value) or "slot" in str(info.value)
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p.detach(), q)   # the user's model is untouched
+
+
+@pytest.mark.parametrize("host_budget", ["2MiB", "2560KiB", "3MiB", "4MiB"])
+def test_every_host_budget_between_nvme_and_host_gradients_builds(disk_dir, host_budget) -> None:
+    """Gradients kept on the host count in the host budget before the optimizer's slots are
+    sized from what is left (2.5 and 3 MiB failed while 2 and 4 MiB built)."""
+    import infinity
+    from parity import make_model, zero_config
+
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="off",
+                     host_memory_budget=host_budget, device_memory_budget="4MiB")
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=make_model("llama", layers=4, width=128), config=ds)
+    engine.close()

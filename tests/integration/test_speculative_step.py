@@ -185,3 +185,28 @@ def test_two_backwards_before_a_step_add_up_or_are_refused(disk_dir, retain: boo
             engine.backward(loss_of(engine(input_ids=x, labels=x)))
     finally:
         engine.close()
+
+
+def test_a_learning_rate_set_between_backward_and_step_is_the_one_used(disk_dir) -> None:
+    """The speculated step ran with the learning rate of backward time; a rate set before
+    step() (by hand, as some loops do) makes step() redo it with the new one."""
+    torch.manual_seed(0)
+    engine, reference, ref_opt = engine_and_reference(make_model("llama", layers=2, width=64),
+                                                      _config(disk_dir))
+    gen = torch.Generator().manual_seed(6)
+    try:
+        for step, lr in enumerate((1e-2, 3e-3, 2e-2)):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            ref_loss = loss_of(reference(input_ids=x, labels=x))
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            for group in engine.optimizer.param_groups + ref_opt.param_groups:
+                group["lr"] = lr
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        assert engine.optimizer.speculation_stats["rolled_back"] == 3
+    finally:
+        engine.close()

@@ -512,3 +512,25 @@ def test_a_second_nvme_path_is_named_in_a_warning(disk_dir, infinity_log) -> Non
     engine.close()
     assert any("elsewhere is not used (it does not exist)" in r.getMessage()
                for r in infinity_log.records), [r.getMessage() for r in infinity_log.records]
+
+
+def test_gathered_changes_made_by_rebinding_data_are_kept(disk_dir) -> None:
+    """Under GatheredParameters(modifier_rank=0) ``p.data = new`` (not in place) reaches the
+    homes like an in-place change; a new shape is a clear error and leaves nothing pinned."""
+    model = make_model("llama", layers=2, width=64)
+    engine = _engine(model, disk_dir, reuse_distance=0)
+    try:
+        weight = model.model.layers[0].mlp.up_proj.weight
+        with infinity.zero.GatheredParameters([weight], modifier_rank=0):
+            weight.data = torch.full_like(weight, 0.5)
+        with infinity.zero.GatheredParameters([weight]):
+            assert bool((weight == 0.5).all())
+        with pytest.raises(ValueError, match="keeps each parameter's shape"):
+            with infinity.zero.GatheredParameters([weight], modifier_rank=0):
+                weight.data = torch.zeros(weight.shape[0] + 1, weight.shape[1])
+        assert not any(engine.coordinator._pins)
+        x = torch.randint(0, VOCAB, (1, 8))
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+    finally:
+        engine.close()
