@@ -106,6 +106,7 @@ class GradientCollector:
     def on_grad(self, unit: Unit, entry: ParamEntry, grad: torch.Tensor) -> None:
         start = time.perf_counter()
         state = self._by_unit[unit.index]
+        state.arrived.add(entry.offset)
         if self.holds_grads:
             self._hold_grad(state, entry, grad)
             self.timers.grad_s += time.perf_counter() - start
@@ -180,6 +181,7 @@ class GradientCollector:
         for state in self.states:
             touched = state.grads_seen > 0 or state.has_grads
             dropped += touched
+            state.arrived.clear()
             self._drop_grad_buffer(state)
             state.grads_seen = 0
             state.has_grads = state.norm_counted = False
@@ -254,6 +256,13 @@ class GradientCollector:
         if state.grad_ticket:
             state.grad_ticket = False
             self._grad_tickets.release()
+
+    def take_arrived(self, state: UnitOptimState) -> frozenset[int]:
+        """The parameters that got a gradient since the unit's last step, for the step being
+        asked for (the next cycle starts with none)."""
+        arrived = frozenset(state.arrived)
+        state.arrived.clear()
+        return arrived
 
     def _take_gradient(self, state: UnitOptimState) -> CompleteGradient:
         """Move the unit's complete gradient out of its state, for its early step."""

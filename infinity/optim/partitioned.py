@@ -16,6 +16,15 @@ Two schedules:
 Both run on the step stream, sub-group (aligned chunk of a unit's trainable range) by
 sub-group, reading ahead and writing behind (optim/step_stream.py).
 
+[Note: parameters without a gradient]
+torch's optimizers skip a parameter whose ``.grad`` is None (an expert no token was routed to,
+a head this batch did not use): no decay, no momentum, and its step count does not advance, so
+its bias correction differs from its neighbours' from then on. Units step flat ranges, so each
+unit records which parameters received a gradient since its last step (``arrived``) and how
+many steps each parameter has taken (``param_steps``); a job steps only the parameters that got
+one, in runs of neighbours with the same param group and step count (``step_runs``: with every
+parameter used every time, one run per param group).
+
 The fp32 master on a CPU-only machine with fp32 compute is the parameter itself (DESIGN.md
 "fp32 on CPU"): it is stepped in place in its home (device copy, host store or NVMe extent), so
 parameters are stored once, not twice. How gradients are collected, accumulated, normed and
@@ -26,8 +35,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -78,6 +87,10 @@ class UnitOptimState:
     master: FlatStore | None          # None: the parameter itself is the fp32 master
     grad_store: FlatStore | None      # deferred schedule only
     step: int = 0
+    # [Note: parameters without a gradient]: steps taken by each trainable parameter (by entry
+    # offset), and the parameters that received a gradient since the unit's last step
+    param_steps: dict[int, int] = field(default_factory=dict)
+    arrived: set[int] = field(default_factory=set)
     grad_buffer: torch.Tensor | None = None   # transient fp32 gradient during backward
     grad_slot: Slot | None = None
     grads_seen: int = 0
@@ -105,6 +118,16 @@ class OptimTimers:
 
     def reset(self) -> None:
         self.optimizer_s = self.grad_s = self.background_s = 0.0
+
+
+class StepRun(NamedTuple):
+    """A contiguous range [start, end) of one param group's parameters stepped together, all
+    taking step ``step`` (from 1)."""
+
+    group_index: int
+    start: int
+    end: int
+    step: int
 
 
 @dataclass(frozen=True)
@@ -230,11 +253,12 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         self._zero_unwritten(state)
         if self.early_step:
             gradient = self._take_gradient(state)
+            params = self.take_arrived(state)
             job = self._expected.pop(unit.index, None)
             if job is not None:
-                self._stream.make_ready(job, gradient)
+                self._stream.make_ready(job, gradient, params=params)
             else:
-                job = self._stream.submit(state, early=True, gradient=gradient)
+                job = self._stream.submit(state, early=True, gradient=gradient, params=params)
             self._pending_steps.append((state, job))
             self.timers.grad_s += time.perf_counter() - start
             return False
@@ -355,20 +379,50 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         step runs after the scheduler has moved the learning rate on)."""
         return [self._hyper(i) for i in range(len(self.param_groups))]
 
+    def step_runs(self, state: UnitOptimState, stepped: frozenset[int] | None) -> list[StepRun]:
+        """Count one step for the parameters in ``stepped`` (entry offsets; None: all) and
+        return the runs the kernel steps: contiguous ranges of one param group whose
+        parameters all take the same step (see [Note: parameters without a gradient]). With
+        every parameter stepped every time there is one run per param group."""
+        state.step += 1
+        runs: list[StepRun] = []
+        entries = sorted(state.unit.trainable_entries(), key=lambda e: e.offset)
+        for entry in entries:
+            if stepped is not None and entry.offset not in stepped:
+                runs.append(None)             # a break: this parameter is not stepped
+                continue
+            count = state.param_steps.get(entry.offset, 0) + 1
+            state.param_steps[entry.offset] = count
+            last = runs[-1] if runs else None
+            if last is not None and (last.group_index, last.step) == (entry.group_index, count):
+                runs[-1] = StepRun(last.group_index, last.start, entry.offset + entry.numel, count)
+            else:
+                runs.append(StepRun(entry.group_index, entry.offset, entry.offset + entry.numel,
+                                    count))
+        return [r for r in runs if r is not None]
+
+    def uncount_step(self, state: UnitOptimState, stepped: frozenset[int] | None) -> None:
+        """Undo ``step_runs``' counting (a speculated step rolled back)."""
+        state.step -= 1
+        for entry in state.unit.trainable_entries():
+            if stepped is None or entry.offset in stepped:
+                state.param_steps[entry.offset] -= 1
+
     def _kernel(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
                 grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_scale: float,
-                half_out: torch.Tensor | None, hyper: list[dict]) -> None:
+                half_out: torch.Tensor | None, hyper: list[dict], runs: list[StepRun]) -> None:
         """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``;
-        ``hyper`` per param group (``hyperparameters()`` when the step was asked for)."""
-        for seg in state.unit.segments:
-            a, b = max(seg.start, start), min(seg.end, end)
+        ``hyper`` per param group (``hyperparameters()`` when the step was asked for), ``runs``
+        from ``step_runs``."""
+        for run in runs:
+            a, b = max(run.start, start), min(run.end, end)
             if a >= b:
                 continue
             for x, y, g in _grad_pieces(state.unit, grad, start, a, b):
                 s = slice(x - start, y - start)
-                adam_step_flat(param[s], g, m[s], v[s], step=state.step, grad_scale=grad_scale,
+                adam_step_flat(param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
                                half_out=None if half_out is None else half_out[s],
-                               threads=self.threads, **hyper[seg.group_index])
+                               threads=self.threads, **hyper[run.group_index])
 
     def _sub_groups(self, state: UnitOptimState) -> list[SubGroup]:
         n = state.unit.trainable_numel
@@ -433,8 +487,8 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         stepped = [s for s in self.states if s.has_grads]
         for state in sorted(stepped, key=lambda s: position.get(s.unit.index, len(position))):
             state.has_grads = state.norm_counted = False
-            self._waiting[state.unit.index] = self._stream.expect(state, early=False,
-                                                                  grad_scale=scale)
+            self._waiting[state.unit.index] = self._stream.expect(
+                state, early=False, grad_scale=scale, params=self.take_arrived(state))
 
     def waiting_units(self) -> list[Unit]:
         """Units whose deferred step waits for them to be fetched, in the order queued."""

@@ -87,12 +87,15 @@ class Speculation:
         gradient = CompleteGradient(grads, state.grad_slot)
         state.grad_slot = state.grad_buffer = state.grad_written = None
         state.grads_seen = 0
+        params = self.take_arrived(state)
         job = self._expected.pop(state.unit.index, None)
         if job is not None:
-            self._stream.make_ready(job, gradient, speculative=True, grad_scale=self.loss_scale)
+            self._stream.make_ready(job, gradient, speculative=True, grad_scale=self.loss_scale,
+                                    params=params)
         else:
             job = self._stream.submit(state, early=True, gradient=gradient,
-                                      grad_scale=self.loss_scale, speculative=True)
+                                      grad_scale=self.loss_scale, speculative=True,
+                                      params=params)
         self._pending_steps.append((state, job))
         self._speculated.append((state, job))
         return job
@@ -134,8 +137,11 @@ class Speculation:
         finally:
             for state, job in speculated:
                 if job.counted:
-                    state.step -= 1
+                    self.uncount_step(state, job.params)
                     job.counted = False
+                # the deferred step takes these parameters' gradients from home
+                state.arrived |= job.params if job.params is not None else {
+                    e.offset for e in state.unit.trainable_entries()}
                 self.rolled_back.append(state.unit)
         log.debug("speculative step of %d unit(s) rolled back (%s)", len(speculated), why)
 

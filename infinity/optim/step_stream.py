@@ -99,6 +99,10 @@ class StepJob:
     # results go to the shadow extents and the gradient home (see [Note: speculative step] in
     # optim/speculation.py)
     speculative: bool = False
+    # the parameters (entry offsets) that got a gradient, None: all (see [Note: parameters
+    # without a gradient] in optim/partitioned.py), and the runs the kernel steps
+    params: frozenset[int] | None = None
+    runs: list | None = None
     counted: bool = False          # ``state.step`` advanced for this job
     error: BaseException | None = None
 
@@ -130,30 +134,37 @@ class StepStream:
 
     # -- the training thread's side ---------------------------------------------------------
     def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0,
-               gradient: CompleteGradient | None = None, speculative: bool = False) -> StepJob:
+               gradient: CompleteGradient | None = None, speculative: bool = False,
+               params: frozenset[int] | None = None) -> StepJob:
         """Queue ``state``'s unit for a step with its gradients complete (an early step's
-        ``gradient`` is the job's from here on). The unit must be fetched and held until the
-        job's future is done: the step updates its device copy."""
-        return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient,
-                               speculative=speculative)
+        ``gradient`` is the job's from here on) of the parameters ``params`` (None: all). The
+        unit must be fetched and held until the job's future is done: the step updates its
+        device copy."""
+        job = self._queue_job(state, early, grad_scale, ready=True, gradient=gradient,
+                              speculative=speculative, params=params)
+        return job
 
-    def expect(self, state: UnitOptimState, early: bool = True,
-               grad_scale: float = 1.0) -> StepJob:
+    def expect(self, state: UnitOptimState, early: bool = True, grad_scale: float = 1.0,
+               params: frozenset[int] | None = None) -> StepJob:
         """Queue a step that may not run yet (see [Note: expected steps]): an early step whose
         gradients are still being computed, or a deferred step whose unit is not fetched yet
         (see [Note: the deferred step lands at the next fetch]). Its states are read ahead
         while slots are free; ``make_ready`` or ``cancel`` must follow."""
         self.stats["expected"] += 1
-        return self._queue_job(state, early, grad_scale, ready=False)
+        return self._queue_job(state, early, grad_scale, ready=False, params=params)
 
     def make_ready(self, job: StepJob, gradient: CompleteGradient | None = None,
-                   speculative: bool = False, grad_scale: float | None = None) -> None:
-        """The expected job may run: its gradients are complete (an early step's ``gradient``)
-        and its unit is fetched and held until the job's future is done."""
+                   speculative: bool = False, grad_scale: float | None = None,
+                   params: frozenset[int] | None = None) -> None:
+        """The expected job may run: its gradients are complete (an early step's ``gradient``,
+        of the parameters ``params``, None: as queued) and its unit is fetched and held until
+        the job's future is done."""
         with self._wake:
             if job.hyper is None:
                 job.hyper = self.opt.hyperparameters()
             job.gradient = gradient
+            if params is not None:
+                job.params = params
             job.speculative = speculative
             if grad_scale is not None:
                 job.grad_scale = grad_scale
@@ -169,15 +180,15 @@ class StepStream:
                 self._wake.notify()
 
     def _queue_job(self, state, early: bool, grad_scale: float, ready: bool,
-                   gradient: CompleteGradient | None = None,
-                   speculative: bool = False) -> StepJob:
+                   gradient: CompleteGradient | None = None, speculative: bool = False,
+                   params: frozenset[int] | None = None) -> StepJob:
         groups = deque(self.opt._sub_groups(state))
         # the hyperparameters (learning rate) of the step being asked for: an early step's are
         # fixed when its gradients are complete, a deferred step's now (a scheduler moves the
         # rate before the step runs)
         hyper = self.opt.hyperparameters() if ready or not early else None
         job = StepJob(state, Future(), Future(), groups, len(groups), early, grad_scale,
-                      hyper, gradient, ready, speculative=speculative)
+                      hyper, gradient, ready, speculative=speculative, params=params)
         with self._wake:
             self._incoming.append(job)
             self._wake.notify()
@@ -345,7 +356,7 @@ class StepStream:
 
     def _count_step(self, job: StepJob) -> None:
         if not job.counted:
-            job.state.step += 1
+            job.runs = self.opt.step_runs(job.state, job.params)
             job.counted = True
 
     def _abandon(self, requests: list) -> None:
@@ -374,9 +385,9 @@ class StepStream:
         grad = job.gradient.of(start, end) if job.early else t["g"]
         half = None
         if state.master is not None and unit.dtype != torch.float32:
-            half = torch.empty(n, dtype=unit.dtype)
+            half = param.to(unit.dtype)     # parameters the runs skip keep their values
         opt._kernel(state, start, end, param, grad, t["m"], t["v"], job.grad_scale, half,
-                    job.hyper)
+                    job.hyper, job.runs)
         if not job.early and state.grad_store.resident:
             grad.zero_()          # the next backward accumulates into the home gradient
         shadow = job.speculative

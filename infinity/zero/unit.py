@@ -17,9 +17,9 @@ Trainable parameters come first, grouped by optimizer param group; frozen parame
 after the trainable range padded to a 4 KiB multiple of fp32 (``trainable_numel``: the range the
 optimizer steps, so no frozen element may lie in it -- AdamW's decay would move it). Every
 parameter starts on a 64-byte boundary (SIMD alignment for the Adam kernel); the total is padded
-to a 4 KiB multiple (O_DIRECT). ``segments`` lists the contiguous (group, start, end) runs
-the optimizer steps with one set of hyperparameters; the gaps between parameters are zeros in
-params, grads and moments alike, so stepping them is harmless and keeps runs contiguous.
+to a 4 KiB multiple (O_DIRECT). The optimizer steps contiguous runs of one param group (see
+``PartitionedOptimizer.step_runs``); the gaps between parameters are zeros in params, grads and
+moments alike, so stepping them is harmless and keeps runs contiguous.
 """
 from __future__ import annotations
 
@@ -50,15 +50,6 @@ class ParamEntry:
         return self.group_index >= 0
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A contiguous run of one param group's trainable elements in the flat layout."""
-
-    group_index: int
-    start: int
-    end: int
-
-
 class Unit:
     """Parameters fetched and released together, with their flat buffers and states."""
 
@@ -76,8 +67,6 @@ class Unit:
         self.params: list[ParamEntry] = [
             ParamEntry(name_, param, param.shape, offset, param.numel(), group)
             for (name_, param, group), offset in zip(order, offsets)]
-        trainable = [p for p in self.params if p.trainable]
-        self.segments = _segments(trainable, self.trainable_numel)
         self.residency = ResidencyState(f"unit {name}")
         self.persistent = False
         self.param_home = Tier.DEVICE
@@ -336,14 +325,3 @@ def flat_layout(params: list[tuple[int, bool]], dtype: torch.dtype) -> tuple[lis
         offset += numel
     return offsets, max(padded_numel(offset, dtype), trainable_numel), trainable_numel
 
-
-def _segments(trainable: list[ParamEntry], end: int) -> list[Segment]:
-    """Contiguous runs of one group; each run extends to the next run's start (gaps included)."""
-    runs: list[Segment] = []
-    for entry in trainable:
-        if runs and runs[-1].group_index == entry.group_index:
-            continue
-        if runs:
-            runs[-1] = Segment(runs[-1].group_index, runs[-1].start, entry.offset)
-        runs.append(Segment(entry.group_index, entry.offset if runs else 0, end))
-    return runs
