@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = get_logger("optim")
 
 SPECULATION_MODES = ("off", "auto", "on")
+VOIDED = "the model was read before step()"   # a roll-back counted as "voided"
 
 
 class Speculation:
@@ -131,7 +132,7 @@ class Speculation:
         copies), give their step counts back, and list the units whose device copies must be
         dropped (``rolled_back``). The gradients stay at home for the deferred path."""
         speculated, self._speculated = self._speculated, []
-        self.speculation_stats["rolled_back"] += 1
+        self.speculation_stats["voided" if why == VOIDED else "rolled_back"] += 1
         try:
             self.reaped_at_step.extend(self.reap(wait=True))
         finally:
@@ -150,8 +151,7 @@ class Speculation:
         parameters of the last step; the deferred path takes this cycle over. The caller drops
         the device copies ``take_rolled_back`` lists."""
         if self._speculated:
-            self.speculation_stats["voided"] += 1
-            self._roll_back("the model was used before step()")
+            self._roll_back(VOIDED)
 
     def take_rolled_back(self) -> list[Unit]:
         """The units rolled back since the last call (their device copies are stale)."""
