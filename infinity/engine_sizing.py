@@ -157,8 +157,8 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
             grad_tier = Tier.NVME
     if not early_step and grad_tier is Tier.HOST:
         host += total_trainable * 4              # the gradients' home
-    if early_step or grad_tier is Tier.NVME:
-        host += 2 * max_trainable * 4
+    if early_step or grad_tier is Tier.NVME or speculative:
+        host += 2 * max_trainable * 4            # gradient buffers, or gradients held (GRADS_HELD)
     if grad_tier is Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
         host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
     if cfg.infinity.offload_activations == "nvme":

@@ -107,7 +107,7 @@ class GradientCollector:
         start = time.perf_counter()
         state = self._by_unit[unit.index]
         state.arrived.add(entry.offset)
-        if self.holds_grads:
+        if self.holds_grads and (state.grad_parts is not None or self._holds_for(state)):
             self._hold_grad(state, entry, grad)
             self.timers.grad_s += time.perf_counter() - start
             return
@@ -122,6 +122,15 @@ class GradientCollector:
                 view.add_(grad.to(torch.float32))   # zeroed targets, or a second gradient
         state.grads_seen += 1
         self.timers.grad_s += time.perf_counter() - start
+
+    def _holds_for(self, state: UnitOptimState) -> bool:
+        """Whether the unit's gradients of this backward are held as autograd made them: for
+        an early step, or a speculated one whose gradient starts this cycle (an accumulated
+        one is added to its home copy, through a buffer)."""
+        if self.early_step:
+            return True
+        return (state.grad_buffer is None and not state.has_grads
+                and self._can_speculate(state))
 
     def _hold_grad(self, state: UnitOptimState, entry: ParamEntry, grad: torch.Tensor) -> None:
         """Keep ``grad`` for the unit's step instead of copying it (see [Note: held

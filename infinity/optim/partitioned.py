@@ -198,7 +198,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
                 self._init_master(unit, master)
         self._by_unit = {s.unit.index: s for s in self.states}
         # see [Note: held gradients]; the host budget keeps GRADS_HELD units' room for them
-        self.holds_grads = early_step and gradients_held(manager.device)
+        self.holds_grads = (early_step or doubled) and gradients_held(manager.device)
         self._grad_tickets = threading.Semaphore(GRADS_HELD)
         needs_grad_buffer = (early_step and not self.holds_grads) or grad_tier is Tier.NVME
         self.grad_pool = BufferPool(manager, max_trainable * 4, GRADS_HELD, "gradient") \
@@ -463,6 +463,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
             self.timers.optimizer_s += time.perf_counter() - start
 
     def _queue_deferred_steps(self) -> None:
+        self._collect_speculated_norms()
         if self._waiting:
             names = [self._by_unit[i].unit.name for i in self._waiting]
             raise RuntimeError(

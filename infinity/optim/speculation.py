@@ -81,13 +81,18 @@ class Speculation:
 
     # -- running ---------------------------------------------------------------------------
     def _speculate(self, state: UnitOptimState) -> StepJob:
-        """Step the unit (fetched, gradients complete and normed) into its shadow extents; its
-        gradient goes home from the job (for a redo)."""
-        self._zero_unwritten(state)
-        grads = self._finish_grads(state, write_home=False)
-        gradient = CompleteGradient(grads, state.grad_slot)
-        state.grad_slot = state.grad_buffer = state.grad_written = None
-        state.grads_seen = 0
+        """Step the unit (fetched, gradients complete) into its shadow extents; its gradient
+        goes home from the job (for a redo). Held gradients (see [Note: held gradients]) are
+        normed and copied home by the stream; a flat buffer was normed here."""
+        if state.grad_parts is not None:
+            gradient = self._take_gradient(state)
+            state.has_grads = state.norm_counted = True    # the job's norm joins at step()
+        else:
+            self._zero_unwritten(state)
+            grads = self._finish_grads(state, write_home=False)
+            gradient = CompleteGradient(grads, state.grad_slot)
+            state.grad_slot = state.grad_buffer = state.grad_written = None
+            state.grads_seen = 0
         params = self.take_arrived(state)
         job = self._expected.pop(state.unit.index, None)
         if job is not None:
@@ -100,6 +105,15 @@ class Speculation:
         self._pending_steps.append((state, job))
         self._speculated.append((state, job))
         return job
+
+    def _collect_speculated_norms(self) -> None:
+        """Add the norms the stream computed for speculated held gradients to the step's norm
+        (once per job; waits for their kernels)."""
+        for _, job in self._speculated:
+            if not job.norm_collected:
+                job.stepped.result()
+                self._sq_norm += job.sq_norm
+                job.norm_collected = True
 
     def _resolve_speculation(self, keep: bool) -> None:
         """At ``step()``: commit (``keep``) or roll back every speculated unit. A speculation
@@ -131,8 +145,11 @@ class Speculation:
         """Drop every speculated result: wait for the jobs (their writes read the units' device
         copies), give their step counts back, and list the units whose device copies must be
         dropped (``rolled_back``). The gradients stay at home for the deferred path."""
-        speculated, self._speculated = self._speculated, []
         self.speculation_stats["voided" if why == VOIDED else "rolled_back"] += 1
+        try:
+            self._collect_speculated_norms()   # the gradients stay counted (norm_counted)
+        finally:
+            speculated, self._speculated = self._speculated, []
         try:
             self.reaped_at_step.extend(self.reap(wait=True))
         finally:

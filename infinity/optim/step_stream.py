@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infinity.optim.gradients import _grad_pieces, _sum_of_squares
 from infinity.storage.manager import padded_numel
 
 if TYPE_CHECKING:
@@ -103,6 +104,9 @@ class StepJob:
     # without a gradient] in optim/partitioned.py), and the runs the kernel steps
     params: frozenset[int] | None = None
     runs: list | None = None
+    # a speculated step of held gradients norms them here (``sq_norm``, collected at step())
+    sq_norm: float = 0.0
+    norm_collected: bool = False
     counted: bool = False          # ``state.step`` advanced for this job
     error: BaseException | None = None
 
@@ -397,14 +401,32 @@ class StepStream:
             opt._store(state.master, param, start, n, writes, shadow)
             unit.flat[start:end].copy_(half if half is not None else param)
         self._write_params(unit, start, n, writes, shadow)
+        flat_gradient = isinstance(grad, torch.Tensor)
         if shadow:
-            # kept at home for a redo, written from the job's buffer (given back at ``_finish``)
-            opt._store(state.grad_store, grad, start, n, writes)
+            # kept at home for a redo: a flat buffer is written as it is (given back at
+            # ``_finish``), held gradients are normed and copied
+            if flat_gradient:
+                opt._store(state.grad_store, grad, start, n, writes)
+            else:
+                self._write_held_gradient(job, start, end, writes)
         if not job.groups and all(x.job is not job for x in self._loads):
             # its last kernel ran: the gradient is given back, the device copy current
-            if job.gradient is not None and not shadow:
+            if job.gradient is not None and not (shadow and flat_gradient):
                 opt.release_gradient(job.gradient)
             job.stepped.set_result(None)
+
+    def _write_held_gradient(self, job: StepJob, start: int, end: int, writes: list) -> None:
+        """Norm a speculated step's held gradient over [start, end) and write it to the unit's
+        gradient home (the gaps between parameters as zeros), for a redo."""
+        store, n = job.state.grad_store, end - start
+        values = store.tensor[start:end] if store.resident else \
+            self._staging(writes, torch.float32, n)[:n]
+        values.zero_()
+        for x, y, g in _grad_pieces(job.state.unit, job.gradient.values, start, start, end):
+            values[x - start:y - start].copy_(g)
+        job.sq_norm += _sum_of_squares(values)
+        if not store.resident:
+            writes.append((store.store_async(values, start, n), None))
 
     def _write_params(self, unit, start: int, n: int, writes: list, shadow: bool = False) -> None:
         """The unit's updated device copy goes to its home (``shadow``: its shadow extent)."""
@@ -427,14 +449,19 @@ class StepStream:
                                    "store in place")
             store.tensor[start:start + n].copy_(values)
             return
+        buf = self._staging(writes, store.dtype, n)
+        buf[:n].copy_(values)
+        writes.append((store.store_async(buf, start, n, shadow), None))
+
+    def _staging(self, writes: list, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """A slot's buffer for ``n`` elements to be written; the slot joins ``writes`` (it is
+        the sub-group's from here on, freed when its writes have landed)."""
         slot = self._free_slot()
         while slot is None and self._preempt():
             slot = self._free_slot()
         slot = slot or self.opt.step_pool.acquire(timeout=600.0)
-        writes.append((None, slot))        # the slot is the sub-group's from here on
-        buf = slot.view(store.dtype, padded_numel(n, store.dtype))
-        buf[:n].copy_(values)
-        writes.append((store.store_async(buf, start, n, shadow), None))
+        writes.append((None, slot))
+        return slot.view(dtype, padded_numel(n, dtype))
 
     def _free_slot(self) -> Slot | None:
         """A free slot without blocking: retire writes (oldest first) until one is free; None
