@@ -177,6 +177,17 @@ def engine_and_reference(model: nn.Module, ds_config: dict, lr: float = 1e-3,
     return engine, reference, ref_opt
 
 
+def backward_both(engine, reference: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of batch ``x`` (labels = inputs) through the engine and the torch
+    reference; their losses must agree (1e-5). Returns the engine's loss."""
+    loss = loss_of(engine(input_ids=x, labels=x))
+    engine.backward(loss)
+    ref_loss = loss_of(reference(input_ids=x, labels=x))
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    return loss
+
+
 class ArmedBackwardHook:
     """A backward pre-hook that acts once, in the backward it is armed for: raises ``error`` or
     multiplies the output gradients by ``factor`` (inf: an overflow)."""

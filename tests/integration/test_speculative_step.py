@@ -10,7 +10,15 @@ import torch
 
 import infinity
 from infinity import engine_sizing
-from parity import VOCAB, engine_and_reference, loss_of, make_model, run_parity, zero_config
+from parity import (
+    VOCAB,
+    backward_both,
+    engine_and_reference,
+    loss_of,
+    make_model,
+    run_parity,
+    zero_config,
+)
 from test_step_overlap import _LateWrites
 
 # The tiny models' gradient norms lie between ~2.2 and ~2.6 in these runs: a threshold in
@@ -89,11 +97,7 @@ def test_a_forward_before_step_sees_the_parameters_before_the_step(disk_dir) -> 
     try:
         for step in range(3):
             x = torch.randint(0, VOCAB, (2, 16), generator=gen)
-            loss = loss_of(engine(input_ids=x, labels=x))
-            engine.backward(loss)
-            ref_loss = loss_of(reference(input_ids=x, labels=x))
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            backward_both(engine, reference, x)
             if step >= 1:
                 # through the engine, then calling the model itself (as generate() does)
                 engine.eval()
@@ -195,13 +199,8 @@ def test_a_learning_rate_set_between_backward_and_step_is_the_one_used(disk_dir)
                                                       _config(disk_dir))
     gen = torch.Generator().manual_seed(6)
     try:
-        for step, lr in enumerate((1e-2, 3e-3, 2e-2)):
-            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
-            loss = loss_of(engine(input_ids=x, labels=x))
-            engine.backward(loss)
-            ref_loss = loss_of(reference(input_ids=x, labels=x))
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for lr in (1e-2, 3e-3, 2e-2):
+            backward_both(engine, reference, torch.randint(0, VOCAB, (2, 16), generator=gen))
             for group in engine.optimizer.param_groups + ref_opt.param_groups:
                 group["lr"] = lr
             engine.step()
