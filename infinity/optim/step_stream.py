@@ -144,9 +144,8 @@ class StepStream:
         ``gradient`` is the job's from here on) of the parameters ``params`` (None: all). The
         unit must be fetched and held until the job's future is done: the step updates its
         device copy."""
-        job = self._queue_job(state, early, grad_scale, ready=True, gradient=gradient,
-                              speculative=speculative, params=params)
-        return job
+        return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient,
+                               speculative=speculative, params=params)
 
     def expect(self, state: UnitOptimState, early: bool = True, grad_scale: float = 1.0,
                params: frozenset[int] | None = None) -> StepJob:
