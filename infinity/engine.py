@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from infinity.budget import MemoryBudget
+from infinity.checkpoint import load_checkpoint, save_checkpoint
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
 from infinity.malloc_tuning import set_mmap_threshold, trim
@@ -371,6 +372,24 @@ class Engine:
     def step_stats(self) -> dict[str, float]:
         """Timings and bytes of the last optimizer step (see ``_record_stats`` for keys)."""
         return dict(self._last_stats)
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
+                        client_state: Any = None, save_latest: bool = True) -> Path:
+        """Save the whole training state under ``save_dir/tag`` (default ``global_step<N>``),
+        streamed unit by unit, and point ``save_dir/latest`` at it (see infinity/checkpoint).
+        ``client_state``: anything JSON-serializable, given back by ``load_checkpoint``."""
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        verify_checksums: bool = True) -> tuple[str | None, Any]:
+        """Load a checkpoint (default: the one ``load_dir/latest`` names); returns
+        (its directory, client_state), or (None, None) when there is no ``latest``. The
+        checkpoint is checked whole (files, checksums, parameter names and shapes) before
+        anything is loaded."""
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, verify_checksums)
 
     def hook_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """``module``'s forward uses ``param`` of another module: fetch its unit around it

@@ -49,3 +49,17 @@ class LossScaler:
                 self.scale *= 2
                 self._hysteresis_left = self.hysteresis
         self._steps += 1
+
+    def state_dict(self) -> dict[str, float | int]:
+        """What a checkpoint keeps: the scale and where its growth and hysteresis stand."""
+        return {"scale": self.scale, "hysteresis_left": self._hysteresis_left,
+                "steps": self._steps, "last_overflow": self._last_overflow}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        try:
+            self.scale = float(state["scale"])
+            self._hysteresis_left = int(state["hysteresis_left"])
+            self._steps = int(state["steps"])
+            self._last_overflow = int(state["last_overflow"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"loss scaler state {state!r} is incomplete or malformed ({exc})") from None

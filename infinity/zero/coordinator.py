@@ -420,6 +420,10 @@ class Coordinator:
                 not self._stepping[unit.index]:
             unit.release(self.manager)
 
+    def pinned_units(self) -> list[Unit]:
+        """Units held by ``pin`` now (inside GatheredParameters)."""
+        return [u for u in self.units if self._pins[u.index]]
+
     def fetch_all(self) -> None:
         """Fetch every unit (for whole-model reads such as GatheredParameters on all params)."""
         for unit in self.units:

@@ -1,0 +1,217 @@
+"""Checkpoint directories: tags, the manifest, the ``latest`` pointer, and crash-safe commits.
+
+A save writes every file of a tag into a hidden staging directory next to it, fsyncs them and
+the directory, and only then renames it to the tag's name (replacing an older save of the same
+tag), then points ``latest`` at it with an atomic rename of its own. A crash at any moment
+leaves the previous checkpoint and ``latest`` as they were: at worst a staging directory is
+left behind, which the next save of that tag removes. Nothing is removed that the manifest of
+a checkpoint does not list.
+
+The manifest (``manifest.json``) says what a checkpoint holds: its files with sizes and
+sha256, the engine's counters, each parameter's shape and step count, the optimizer's
+hyperparameters, the LR scheduler and loss scaler states and the user's ``client_state``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from infinity.checkpoint.tensor_file import CheckpointError, sha256_of_file
+from infinity.log import get_logger
+
+log = get_logger("checkpoint")
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT = "infinity-checkpoint"
+VERSION = 1
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*$")
+
+
+def check_tag(tag: str) -> str:
+    """A tag names a directory: letters, digits and ``_.+=-``, not starting with a dot."""
+    tag = str(tag)
+    if not _TAG.match(tag) or tag == LATEST:
+        raise ValueError(f"checkpoint tag {tag!r} cannot name a directory: use letters, digits "
+                         f"and _.+=- (not starting with '.', and not {LATEST!r}), e.g. "
+                         "\"global_step100\"")
+    return tag
+
+
+def staging_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f".{tag}.partial"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prepare_staging(save_dir: Path, tag: str) -> Path:
+    """An empty staging directory for ``tag`` (one an interrupted save left is cleared, but
+    only of the files a save writes)."""
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create the checkpoint directory {save_dir}: "
+                                 f"{exc.strerror}; choose a writable save_dir") from exc
+    if not os.access(save_dir, os.W_OK | os.X_OK):
+        raise PermissionError(f"the checkpoint directory {save_dir} is not writable; choose "
+                              "another save_dir or fix its permissions")
+    staging = staging_dir(save_dir, tag)
+    if staging.exists():
+        remove_checkpoint_files(staging, ours_only=False)
+    staging.mkdir()
+    return staging
+
+
+def remove_checkpoint_files(directory: Path, ours_only: bool = True) -> None:
+    """Remove a checkpoint or staging directory: the files a save writes (``ours_only``: those
+    its manifest lists, and the manifest), then the directory if nothing else is in it."""
+    if ours_only:
+        try:
+            listed = set(read_manifest_file(directory).get("files", {}))
+        except CheckpointError:
+            listed = set()
+        names = listed | {MANIFEST}
+    else:
+        names = {p.name for p in directory.iterdir()
+                 if p.name == MANIFEST or p.name.endswith(".safetensors")}
+    for name in names:
+        try:
+            (directory / name).unlink()
+        except FileNotFoundError:
+            pass
+    try:
+        directory.rmdir()
+    except OSError:
+        left = sorted(p.name for p in directory.iterdir())
+        log.warning("kept %s: it holds files a checkpoint does not write (%s)", directory,
+                    ", ".join(left[:5]))
+
+
+def commit(staging: Path, save_dir: Path, tag: str) -> Path:
+    """Make the staged checkpoint the tag's (see the module docstring); returns its path."""
+    for path in staging.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(staging)
+    final = save_dir / tag
+    replaced = None
+    if final.exists():
+        if not (final / MANIFEST).is_file():
+            raise CheckpointError(
+                f"{final} exists and is not a checkpoint (no {MANIFEST}); it is left alone: "
+                "choose another tag or move it away")
+        replaced = save_dir / f".{tag}.replaced"
+        if replaced.exists():
+            remove_checkpoint_files(replaced)
+        os.rename(final, replaced)
+    os.rename(staging, final)
+    _fsync_dir(save_dir)
+    if replaced is not None:
+        remove_checkpoint_files(replaced)
+    return final
+
+
+def write_latest(save_dir: Path, tag: str) -> None:
+    """Point ``latest`` at ``tag``, atomically."""
+    pending = save_dir / f".{LATEST}.partial"
+    with open(pending, "w") as f:
+        f.write(tag + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pending, save_dir / LATEST)
+    _fsync_dir(save_dir)
+
+
+def read_latest(load_dir: Path) -> str | None:
+    """The tag ``latest`` names, or None without one."""
+    try:
+        tag = (load_dir / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return check_tag(tag) if tag else None
+
+
+def available_tags(load_dir: Path) -> list[str]:
+    """Tags under ``load_dir`` that hold a manifest."""
+    if not load_dir.is_dir():
+        return []
+    return sorted(p.name for p in load_dir.iterdir()
+                  if not p.name.startswith(".") and (p / MANIFEST).is_file())
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    text = json.dumps(manifest, indent=1, allow_nan=True)
+    with open(directory / MANIFEST, "x") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest_file(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} has no {MANIFEST}: it is not a checkpoint, or its "
+                              "save did not finish") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not readable JSON ({exc}): the checkpoint is "
+                              "damaged") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an infinity checkpoint manifest (format "
+                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path} has format version {manifest.get('version')}; this "
+                              f"version of infinity reads version {VERSION}")
+    return manifest
+
+
+def resolve(load_dir: Path, tag: str | None) -> Path | None:
+    """The checkpoint directory to load: ``tag``'s, or the one ``latest`` names (None when
+    there is no ``latest``). Raises when the named checkpoint is not there."""
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            return None
+    directory = load_dir / check_tag(tag)
+    if not (directory / MANIFEST).is_file():
+        tags = available_tags(load_dir)
+        partial = staging_dir(load_dir, tag).exists()
+        raise CheckpointError(
+            f"no checkpoint {tag!r} in {load_dir}"
+            + (" (a save of it was interrupted: its staging directory is there)" if partial else "")
+            + (f"; checkpoints there: {', '.join(tags)}" if tags else "; there are none")
+            + ". Pass tag= to load another one")
+    return directory
+
+
+def verify_files(directory: Path, manifest: dict[str, Any], checksums: bool) -> None:
+    """Every file the manifest lists is there with its size (and, with ``checksums``, its
+    sha256), before anything is loaded."""
+    for name, entry in manifest.get("files", {}).items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is "
+                                  "incomplete; load another tag")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"checkpoint file {path} has {size} bytes, its manifest says "
+                                  f"{entry['bytes']}: the file is truncated or was changed; "
+                                  "load another tag")
+        if checksums and sha256_of_file(path) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} does not match its sha256 in the "
+                                  "manifest: the file is damaged; load another tag")
+
+
+def free_bytes(directory: Path) -> int:
+    return shutil.disk_usage(directory).free

@@ -1,0 +1,98 @@
+"""What a checkpoint holds of an engine, and in which order: shared by save and load.
+
+Two tensor files per rank. ``rank{r}_model.safetensors``: every parameter by its name in
+``named_parameters()`` (a tied parameter once, under the name of the unit that owns it; its
+other names are listed as aliases in the manifest), trainable ones as their fp32 master,
+frozen ones in their own dtype, then the module's persistent buffers.
+``rank{r}_optim.safetensors``: ``<name>.exp_avg`` and ``<name>.exp_avg_sq`` of every trainable
+parameter. In both, tensors come unit by unit in flat-layout order, which is the order the
+stores are streamed in, so each file is written front to back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from infinity.checkpoint.unit_io import Source
+from infinity.zero.unit import ParamEntry, Unit
+
+if TYPE_CHECKING:
+    from infinity.engine import Engine
+    from infinity.optim.partitioned import UnitOptimState
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def model_file(rank: int) -> str:
+    return f"rank{rank}_model.safetensors"
+
+
+def optim_file(rank: int) -> str:
+    return f"rank{rank}_optim.safetensors"
+
+
+@dataclass(eq=False)
+class UnitLayout:
+    """One unit's parameters and where their current values live."""
+
+    unit: Unit
+    state: "UnitOptimState | None"
+
+    @property
+    def entries(self) -> list[ParamEntry]:
+        return sorted(self.unit.params, key=lambda e: e.offset)
+
+    @property
+    def trainable(self) -> list[ParamEntry]:
+        return [e for e in self.entries if e.trainable]
+
+    @property
+    def frozen(self) -> list[ParamEntry]:
+        return [e for e in self.entries if not e.trainable]
+
+    @property
+    def params(self) -> Source:
+        """The unit's parameters in their home (a persistent unit's device copy is its home)."""
+        unit = self.unit
+        return unit.param_store if unit.param_store is not None else unit.flat
+
+    @property
+    def master(self) -> Source | None:
+        """The separate fp32 master, or None when the parameters are their own master."""
+        return None if self.state is None else self.state.master
+
+    def model_sources(self) -> list[tuple[Source, list[ParamEntry]]]:
+        """Where the model file's values of this unit come from, in file order."""
+        if self.master is not None:
+            return [(self.master, self.trainable), (self.params, self.frozen)]
+        return [(self.params, self.entries)]
+
+    def file_dtype(self, entry: ParamEntry) -> torch.dtype:
+        return torch.float32 if entry.trainable and self.master is not None else self.unit.dtype
+
+
+def unit_layouts(engine: "Engine") -> list[UnitLayout]:
+    by_unit = {s.unit.index: s for s in engine.optimizer.states}
+    return [UnitLayout(u, by_unit.get(u.index)) for u in engine.units]
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of the buffers ``state_dict()`` saves, each once."""
+    found, seen = [], set()
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is None or name in module._non_persistent_buffers_set or buf in seen:
+                continue
+            seen.add(buf)
+            found.append((f"{prefix}.{name}" if prefix else name, buf))
+    return found
+
+
+def aliases(model: nn.Module, layouts: list[UnitLayout]) -> dict[str, str]:
+    """Other names of tied parameters -> the name they are saved under."""
+    canonical = {e.param: e.name for lay in layouts for e in lay.unit.params}
+    return {name: canonical[p] for name, p in model.named_parameters(remove_duplicate=False)
+            if p in canonical and canonical[p] != name}

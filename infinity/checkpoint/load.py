@@ -1,0 +1,216 @@
+"""``Engine.load_checkpoint``: check a checkpoint whole, then stream it into every unit's homes.
+
+Everything that can be wrong with a checkpoint is found before any state is touched: the
+manifest, each file's size and sha256, each tensor file's table, and the match between the
+checkpoint's parameters and the model's (names, through tied aliases; shapes; optimizer states
+for the trainable ones). Only then are the homes written, unit by unit. Parameters are kept by
+name, so a checkpoint loads into another stage, offload tier, unit layout or compute dtype than
+the one that saved it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from infinity.checkpoint.directory import read_manifest_file, resolve, verify_files
+from infinity.checkpoint.layout import (
+    MOMENTS,
+    UnitLayout,
+    model_file,
+    optim_file,
+    persistent_buffers,
+    unit_layouts,
+)
+from infinity.checkpoint.save import RANK, check_at_rest
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
+from infinity.checkpoint.unit_io import ChunkPool, Fill, load_entries
+from infinity.log import get_logger
+from infinity.zero.unit import ParamEntry
+
+if TYPE_CHECKING:
+    from infinity.engine import Engine
+
+log = get_logger("checkpoint")
+
+
+def _reader_fill(reader: TensorFileReader, names: dict[ParamEntry, str], suffix: str = "") -> Fill:
+    """Fill a host tensor from the file tensor an entry maps to, casting when dtypes differ."""
+
+    def fill(entry: ParamEntry, start: int, out: torch.Tensor) -> None:
+        name = names[entry] + suffix
+        if reader.info(name).dtype == out.dtype and out.is_contiguous():
+            reader.read_into(name, out, start)
+            return
+        part = torch.empty(out.numel(), dtype=reader.info(name).dtype)
+        reader.read_into(name, part, start)
+        out.copy_(part)
+
+    return fill
+
+
+class Match:
+    """Which file tensor each of the model's parameters loads from, found before any load."""
+
+    def __init__(self, model: nn.Module, layouts: list[UnitLayout], manifest: dict[str, Any],
+                 reader: TensorFileReader) -> None:
+        other_names: dict[nn.Parameter, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            other_names.setdefault(p, []).append(name)
+        saved_as = manifest.get("aliases", {})
+        self.names: dict[ParamEntry, str] = {}
+        self.missing: list[str] = []
+        self.mismatched: list[str] = []
+        for lay in layouts:
+            for entry in lay.entries:
+                candidates = [entry.name, *other_names.get(entry.param, [])]
+                candidates += [saved_as[c] for c in candidates if c in saved_as]
+                found = next((c for c in candidates if c in reader.tensors), None)
+                if found is None:
+                    self.missing.append(entry.name)
+                elif reader.tensors[found].shape != tuple(entry.shape):
+                    self.mismatched.append(f"{entry.name}: checkpoint {list(reader.tensors[found].shape)}"
+                                           f", model {list(entry.shape)}")
+                else:
+                    self.names[entry] = found
+        used = set(self.names.values())
+        self.unexpected = [n for n in manifest.get("params", {}) if n not in used]
+
+    def check(self, strict: bool, directory: Path) -> None:
+        if self.mismatched:
+            raise CheckpointError(f"checkpoint {directory} does not fit the model: shapes differ "
+                                  f"for {len(self.mismatched)} parameter(s): "
+                                  + "; ".join(self.mismatched[:5]))
+        problems = []
+        if self.missing:
+            problems.append(f"{len(self.missing)} of the model's parameters are not in it "
+                            f"({', '.join(self.missing[:5])})")
+        if self.unexpected:
+            problems.append(f"{len(self.unexpected)} of its parameters are not in the model "
+                            f"({', '.join(self.unexpected[:5])})")
+        if problems and strict:
+            raise CheckpointError(f"checkpoint {directory} does not match the model: "
+                                  + "; ".join(problems)
+                                  + ". Pass load_module_strict=False to load what matches")
+        for problem in problems:
+            log.warning("loading %s: %s; those keep their current values", directory, problem)
+
+
+def _check_optimizer(layouts: list[UnitLayout], match: Match, manifest: dict[str, Any],
+                     optim: TensorFileReader, engine: "Engine", directory: Path) -> None:
+    saved_groups = manifest.get("param_groups", [])
+    if len(saved_groups) != len(engine.optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint {directory} has {len(saved_groups)} optimizer param group(s), the engine "
+            f"{len(engine.optimizer.param_groups)}: build the engine with the same groups, or pass "
+            "load_optimizer_states=False to load the model only")
+    lacking = [e.name for lay in layouts for e in lay.trainable
+               if e in match.names and f"{match.names[e]}.{MOMENTS[0]}" not in optim.tensors]
+    if lacking:
+        raise CheckpointError(
+            f"checkpoint {directory} has no Adam states for {len(lacking)} trainable "
+            f"parameter(s) ({', '.join(lacking[:5])}): they were frozen when it was saved. Pass "
+            "load_optimizer_states=False to load the model only")
+
+
+def _load_unit(lay: UnitLayout, match: Match, model: TensorFileReader,
+               optim: TensorFileReader | None, chunks: ChunkPool,
+               params_manifest: dict[str, Any]) -> None:
+    loaded = [e for e in lay.entries if e in match.names]
+    partial = len(loaded) < len(lay.entries)
+    values = _reader_fill(model, match.names)
+    load_entries(lay.params, loaded, chunks, values, both_extents=True, merge=partial)
+    if lay.master is not None:
+        trainable = [e for e in lay.trainable if e in match.names]
+        load_entries(lay.master, trainable, chunks, values,
+                     merge=len(trainable) < len(lay.trainable))
+    if optim is None or lay.state is None:
+        return
+    trainable = [e for e in lay.trainable if e in match.names]
+    for moment in MOMENTS:
+        load_entries(getattr(lay.state, moment), trainable, chunks,
+                     _reader_fill(optim, match.names, f".{moment}"),
+                     merge=len(trainable) < len(lay.trainable))
+    for entry in trainable:
+        lay.state.param_steps[entry.offset] = int(params_manifest[match.names[entry]].get("steps", 0))
+    lay.state.step = max(lay.state.param_steps.values(), default=0)
+
+
+def _load_buffers(engine: "Engine", reader: TensorFileReader, strict: bool,
+                  directory: Path) -> None:
+    buffers = persistent_buffers(engine.module)
+    missing = [n for n, _ in buffers if n not in reader.tensors]
+    wrong = [f"{n}: checkpoint {list(reader.tensors[n].shape)}, model {list(b.shape)}"
+             for n, b in buffers if n in reader.tensors and reader.tensors[n].shape != tuple(b.shape)]
+    if wrong or (missing and strict):
+        raise CheckpointError(f"checkpoint {directory} does not match the model's buffers: "
+                              + "; ".join(wrong[:5] + [f"missing {m}" for m in missing[:5]]))
+    with torch.no_grad():
+        for name, buf in buffers:
+            if name in reader.tensors:
+                buf.copy_(reader.read(name))
+
+
+def _restore_state(engine: "Engine", manifest: dict[str, Any], optimizer_states: bool,
+                   scheduler_states: bool) -> None:
+    counters = manifest.get("engine", {})
+    engine.global_steps = int(counters.get("global_steps", 0))
+    engine.micro_steps = int(counters.get("micro_steps", 0))
+    engine.skipped_steps = int(counters.get("skipped_steps", 0))
+    if optimizer_states:
+        for group, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
+            for key, value in saved.items():
+                group[key] = tuple(value) if key == "betas" else value
+        if engine.loss_scaler is not None and manifest.get("loss_scaler") is not None:
+            engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
+    scheduler = engine.lr_scheduler
+    if scheduler_states and scheduler is not None and manifest.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(manifest["lr_scheduler"])
+        if not optimizer_states:     # the next step must use the schedule's rate
+            for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+
+
+def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: str | None = None,
+                    load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                    verify_checksums: bool = True) -> tuple[str | None, Any]:
+    """Load ``load_dir/tag`` (default: the tag ``latest`` names) into the engine; returns
+    (checkpoint directory, client_state), or (None, None) when ``load_dir`` has no ``latest``
+    (nothing to resume from)."""
+    check_at_rest(engine, "load_checkpoint")
+    load_dir = Path(load_dir)
+    directory = resolve(load_dir, tag)
+    if directory is None:
+        log.warning("no %s/latest: no checkpoint loaded (pass tag= to load a given one)", load_dir)
+        return None, None
+    manifest = read_manifest_file(directory)
+    if manifest.get("world_size", 1) != 1:
+        raise CheckpointError(f"checkpoint {directory} was saved by {manifest['world_size']} "
+                              "ranks; this engine runs one")
+    verify_files(directory, manifest, verify_checksums)
+    if load_module_only:
+        load_optimizer_states = load_lr_scheduler_states = False
+    layouts = unit_layouts(engine)
+    with TensorFileReader(directory / model_file(RANK)) as model:
+        match = Match(engine.module, layouts, manifest, model)
+        match.check(load_module_strict, directory)
+        optim = TensorFileReader(directory / optim_file(RANK)) if load_optimizer_states else None
+        try:
+            if optim is not None:
+                _check_optimizer(layouts, match, manifest, optim, engine, directory)
+            engine.flush()
+            engine.coordinator.release_all()
+            _load_buffers(engine, model, load_module_strict, directory)
+            chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
+            for lay in layouts:
+                _load_unit(lay, match, model, optim, chunks, manifest["params"])
+        finally:
+            if optim is not None:
+                optim.close()
+    if not load_module_only:
+        _restore_state(engine, manifest, load_optimizer_states, load_lr_scheduler_states)
+    log.info("loaded checkpoint %s (global step %d)", directory, engine.global_steps)
+    return str(directory), manifest.get("client_state")

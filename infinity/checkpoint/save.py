@@ -1,0 +1,198 @@
+"""``Engine.save_checkpoint``: stream every unit's states into a new checkpoint directory.
+
+The engine is brought to rest first (the last step's deferred steps run and every write
+lands), then each unit's parameters (the fp32 master), Adam moments and step counts are read
+from their homes a chunk at a time and appended to the rank's tensor files (see
+checkpoint/layout.py), and the directory is committed as in checkpoint/directory.py. Nothing
+the user saved before is touched until the new checkpoint is complete on disk.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from infinity.checkpoint.directory import (
+    FORMAT,
+    VERSION,
+    check_tag,
+    commit,
+    free_bytes,
+    prepare_staging,
+    remove_checkpoint_files,
+    write_latest,
+    write_manifest,
+)
+from infinity.checkpoint.layout import (
+    MOMENTS,
+    UnitLayout,
+    aliases,
+    model_file,
+    optim_file,
+    persistent_buffers,
+    unit_layouts,
+)
+from infinity.checkpoint.tensor_file import TensorFileWriter, itemsize
+from infinity.checkpoint.unit_io import ChunkPool, save_entries
+from infinity.log import get_logger
+from infinity.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from infinity.engine import Engine
+
+log = get_logger("checkpoint")
+RANK = 0        # one rank per engine until the multi-rank work lands
+
+
+def check_at_rest(engine: "Engine", what: str) -> None:
+    """Checkpoints are taken between optimizer steps: gradients of an unfinished cycle are in
+    no checkpoint, and losing them silently would be worse than saying so."""
+    engine._check_open(what)
+    if engine._backwards_since_step:
+        raise RuntimeError(f"engine.{what}() between backward() and step(): the gradients of "
+                           "this step would not be in it. Call engine.step() first")
+    if engine.micro_steps % engine.gradient_accumulation_steps:
+        raise RuntimeError(
+            f"engine.{what}() in the middle of a gradient accumulation cycle (micro-step "
+            f"{engine.micro_steps % engine.gradient_accumulation_steps} of "
+            f"{engine.gradient_accumulation_steps}): the accumulated gradients would not be in "
+            "it. Call it after the step at the accumulation boundary")
+    if engine.coordinator.pinned_units():
+        raise RuntimeError(f"engine.{what}() inside GatheredParameters: leave the context first "
+                           "(its changes are written back on exit)")
+
+
+def json_value(value: Any, what: str) -> Any:
+    """``value`` as the manifest will hold it (JSON), or a TypeError naming ``what``."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=True))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what} must be JSON-serializable (numbers, strings, booleans, lists "
+                        f"and dicts with string keys) to go in a checkpoint manifest: {exc}. "
+                        "Convert tensors with .tolist() or .item()") from None
+
+
+def engine_state(engine: "Engine", client_state: Any) -> dict[str, Any]:
+    """The manifest's non-tensor state (validated before anything is written)."""
+    optimizer = engine.optimizer
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    scheduler = engine.lr_scheduler
+    return {
+        "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                   "skipped_steps": engine.skipped_steps, "stage": engine.stage,
+                   "compute_dtype": str(engine.compute_dtype).replace("torch.", ""),
+                   "gradient_accumulation_steps": engine.gradient_accumulation_steps},
+        "param_groups": json_value(groups, "the optimizer's param group settings"),
+        "lr_scheduler": None if scheduler is None else
+        json_value(scheduler.state_dict(), "the LR scheduler's state_dict()"),
+        "loss_scaler": None if engine.loss_scaler is None else engine.loss_scaler.state_dict(),
+        "client_state": json_value(client_state, "client_state"),
+    }
+
+
+def _model_tensors(layouts: list[UnitLayout], buffers) -> list[tuple]:
+    tensors = []
+    for lay in layouts:
+        for _, entries in lay.model_sources():
+            tensors += [(e.name, lay.file_dtype(e), tuple(e.shape)) for e in entries]
+    return tensors + [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
+
+
+def _optim_tensors(layouts: list[UnitLayout]) -> list[tuple]:
+    return [(f"{e.name}.{moment}", torch.float32, tuple(e.shape))
+            for lay in layouts if lay.state is not None for moment in MOMENTS
+            for e in lay.trainable]
+
+
+def _file_bytes(tensors: list[tuple]) -> int:
+    return sum(itemsize(dtype) * math.prod(shape) for _, dtype, shape in tensors)
+
+
+def _params_manifest(layouts: list[UnitLayout]) -> dict[str, dict]:
+    params = {}
+    for lay in layouts:
+        for e in lay.entries:
+            entry: dict[str, Any] = {"shape": list(e.shape), "trainable": e.trainable}
+            if e.trainable and lay.state is not None:
+                entry["group"] = e.group_index
+                entry["steps"] = lay.state.param_steps.get(e.offset, 0)
+            params[e.name] = entry
+    return params
+
+
+def _write_model(path: Path, layouts: list[UnitLayout], buffers, chunks: ChunkPool) -> tuple:
+    writer = TensorFileWriter(path, _model_tensors(layouts, buffers), {"format": FORMAT})
+    try:
+        for lay in layouts:
+            for source, entries in lay.model_sources():
+                save_entries(source, entries, chunks, lambda e, v: writer.append(e.name, v))
+        for name, buf in buffers:
+            writer.append(name, buf)
+        return writer.close()
+    finally:
+        writer.abort()
+
+
+def _write_optim(path: Path, layouts: list[UnitLayout], chunks: ChunkPool) -> tuple:
+    writer = TensorFileWriter(path, _optim_tensors(layouts), {"format": FORMAT})
+    try:
+        for lay in layouts:
+            if lay.state is None:
+                continue
+            for moment in MOMENTS:
+                save_entries(getattr(lay.state, moment), lay.trainable, chunks,
+                             lambda e, v, m=moment: writer.append(f"{e.name}.{m}", v))
+        return writer.close()
+    finally:
+        writer.abort()
+
+
+def save_checkpoint(engine: "Engine", save_dir: str | Path, tag: str | None = None,
+                    client_state: Any = None, save_latest: bool = True) -> Path:
+    """Save the engine's training state under ``save_dir/tag`` (default tag
+    ``global_step<N>``); with ``save_latest`` point ``save_dir/latest`` at it. Returns the
+    checkpoint's directory."""
+    check_at_rest(engine, "save_checkpoint")
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    state = engine_state(engine, {} if client_state is None else client_state)
+    save_dir = Path(save_dir)
+    started = time.perf_counter()
+    engine.flush()
+    layouts = unit_layouts(engine)
+    buffers = persistent_buffers(engine.module)
+    need = _file_bytes(_model_tensors(layouts, buffers)) + _file_bytes(_optim_tensors(layouts))
+    staging = prepare_staging(save_dir, tag)
+    try:
+        free = free_bytes(save_dir)
+        if free < need:
+            raise OSError(errno.ENOSPC, f"checkpoint {tag} needs {format_bytes(need)} in "
+                                        f"{save_dir}, which has {format_bytes(free)} free; free "
+                                        "space or choose another save_dir")
+        chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
+        files = {}
+        for name, write in ((model_file(RANK), lambda p: _write_model(p, layouts, buffers, chunks)),
+                            (optim_file(RANK), lambda p: _write_optim(p, layouts, chunks))):
+            nbytes, digest = write(staging / name)
+            files[name] = {"bytes": nbytes, "sha256": digest}
+        write_manifest(staging, {
+            "format": FORMAT, "version": VERSION, "tag": tag, "world_size": 1,
+            "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "files": files, "params": _params_manifest(layouts),
+            "aliases": aliases(engine.module, layouts),
+            "buffers": [name for name, _ in buffers], **state})
+        final = commit(staging, save_dir, tag)
+    except BaseException:
+        if staging.exists():
+            remove_checkpoint_files(staging, ours_only=False)
+        raise
+    if save_latest:
+        write_latest(save_dir, tag)
+    log.info("saved checkpoint %s (%s) in %.1f s", final, format_bytes(need),
+             time.perf_counter() - started)
+    return final

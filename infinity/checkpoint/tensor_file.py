@@ -1,0 +1,271 @@
+"""Tensor files in the safetensors format, written and read a piece at a time.
+
+A checkpoint of an out-of-core model cannot be gathered into one dict first (the ``safetensors``
+package's ``save_file`` needs every tensor in memory), so the writer takes the table of tensors
+up front, writes the header, then takes each tensor's bytes in order, in as many pieces as the
+caller has, hashing as it goes. The reader parses and checks the header and reads any range of
+a tensor into a caller's buffer with ``pread``. Files are plain safetensors: the ``safetensors``
+package (and anything built on it) opens them.
+
+Layout: an 8-byte little-endian header length, the JSON header (padded with spaces to a multiple
+of 8 bytes), then the tensors' bytes back to back in header order.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# safetensors' dtype names
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+MAX_HEADER_BYTES = 256 << 20      # a header is a table of names and shapes, never this big
+HASH_CHUNK = 8 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or does not match the model."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a file: dtype, shape and its byte range in the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _as_bytes(values: torch.Tensor) -> memoryview:
+    """A host tensor's bytes, without a copy when it is contiguous."""
+    flat = values.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.contiguous().view(torch.uint8).numpy())
+
+
+class TensorFileWriter:
+    """Writes ``tensors`` (name, dtype, shape), in that order, to ``path`` in safetensors form.
+
+    ``append(name, values)`` adds the next bytes of tensor ``name`` (the current one, or the
+    next one once the current is complete); ``close()`` checks every tensor is complete, fsyncs
+    and returns (bytes, sha256 of the whole file).
+    """
+
+    def __init__(self, path: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        self.tensors: list[TensorInfo] = []
+        offset = 0
+        for name, dtype, shape in tensors:
+            if dtype not in DTYPE_NAMES:
+                raise TypeError(f"tensor {name}: dtype {dtype} has no safetensors name")
+            if name in header:
+                raise ValueError(f"tensor {name} appears twice in one file")
+            size = itemsize(dtype)
+            for d in shape:
+                size *= d
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            self.tensors.append(TensorInfo(name, dtype, tuple(shape), offset, offset + size))
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self.path = path
+        self._hash = hashlib.sha256()
+        self._file = open(path, "xb")     # noqa: SIM115 - closed in close()/abort()
+        self._bytes = 0
+        self._index = 0       # the tensor being written
+        self._written = 0     # its bytes written so far
+        self._raw(struct.pack("<Q", len(encoded)) + encoded)
+        self._skip_empty()
+
+    def _raw(self, data) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self._bytes += len(data)
+
+    def _skip_empty(self) -> None:
+        while self._index < len(self.tensors) and \
+                self.tensors[self._index].end == self.tensors[self._index].begin:
+            self._index += 1
+
+    def append(self, name: str, values: torch.Tensor) -> None:
+        """The next ``values.numel()`` elements of tensor ``name`` (in the file's dtype)."""
+        if self._index >= len(self.tensors):
+            raise ValueError(f"{self.path.name}: every tensor is complete; got more for {name}")
+        current = self.tensors[self._index]
+        if current.name != name:
+            raise ValueError(f"{self.path.name}: tensor {current.name} is written now "
+                             f"({self._written} of {current.end - current.begin} bytes); got {name}")
+        if values.dtype != current.dtype:
+            raise TypeError(f"{self.path.name}: tensor {name} is {current.dtype}, got {values.dtype}")
+        data = _as_bytes(values)
+        if self._written + len(data) > current.end - current.begin:
+            raise ValueError(f"{self.path.name}: tensor {name} has {current.end - current.begin} "
+                             f"bytes; {self._written + len(data)} were given")
+        self._raw(data)
+        self._written += len(data)
+        if self._written == current.end - current.begin:
+            self._index += 1
+            self._written = 0
+            self._skip_empty()
+
+    def close(self) -> tuple[int, str]:
+        """Check completeness, flush to disk; (file bytes, sha256 hex)."""
+        if self._index < len(self.tensors):
+            missing = self.tensors[self._index].name
+            self.abort()
+            raise ValueError(f"{self.path.name}: tensor {missing} and {len(self.tensors) - self._index - 1} "
+                             "after it were not written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        _drop_from_page_cache(self._file.fileno())
+        self._file.close()
+        return self._bytes, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        """Close without checks (the caller removes the file with its directory)."""
+        if not self._file.closed:
+            self._file.close()
+
+
+class TensorFileReader:
+    """The table of a safetensors file, checked, and ``read_into`` for any tensor range."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} is missing") from None
+        try:
+            self.tensors, self.metadata, self.data_start = self._parse()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _parse(self) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{self.path} is truncated ({size} bytes): not a tensor file")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            raise CheckpointError(f"{self.path}: header length {length} does not fit in the "
+                                  f"file's {size} bytes: the file is truncated or not a tensor file")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{self.path}: unreadable header ({exc})") from None
+        metadata = header.pop("__metadata__", None) or {}
+        tensors: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            try:
+                dtype = DTYPES_BY_NAME[entry["dtype"]]
+                shape = tuple(int(d) for d in entry["shape"])
+                begin, end = (int(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: malformed entry for tensor {name}: {entry}") from None
+            info = TensorInfo(name, dtype, shape, begin, end)
+            if end - begin != info.numel * itemsize(dtype) or begin < 0:
+                raise CheckpointError(f"{self.path}: tensor {name} spans [{begin}, {end}), which "
+                                      f"does not match {entry['dtype']} {list(shape)}")
+            tensors[name] = info
+        data_bytes = max((t.end for t in tensors.values()), default=0)
+        if 8 + length + data_bytes != size:
+            raise CheckpointError(
+                f"{self.path} has {size} bytes but its header describes {8 + length + data_bytes}: "
+                "the file is truncated (an interrupted save?) or was changed")
+        return tensors, metadata, 8 + length
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path} has no tensor {name}") from None
+
+    def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+        """Fill host tensor ``out`` with elements [start, start + out.numel()) of ``name``
+        (``out`` has the file's dtype and is contiguous)."""
+        info = self.info(name)
+        if out.dtype != info.dtype:
+            raise TypeError(f"{self.path}: tensor {name} is {info.dtype}, asked into {out.dtype}")
+        if start < 0 or start + out.numel() > info.numel:
+            raise ValueError(f"{self.path}: tensor {name} has {info.numel} elements; asked for "
+                             f"[{start}, {start + out.numel()})")
+        view = memoryview(out.view(torch.uint8).numpy())
+        offset = self.data_start + info.begin + start * itemsize(info.dtype)
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: short read of tensor {name} at byte "
+                                      f"{offset + done}: the file shrank while being read")
+            done += n
+
+    def read(self, name: str) -> torch.Tensor:
+        """A whole tensor (for small ones: buffers, exports)."""
+        info = self.info(name)
+        out = torch.empty(info.shape, dtype=info.dtype)
+        if info.numel:
+            self.read_into(name, out.reshape(-1))
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            _drop_from_page_cache(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "TensorFileReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def sha256_of_file(path: Path) -> str:
+    """The sha256 of a file, read in 8 MiB pieces (and dropped from the page cache after)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(HASH_CHUNK)
+            if not block:
+                break
+            digest.update(block)
+        _drop_from_page_cache(f.fileno())
+    return digest.hexdigest()
+
+
+def _drop_from_page_cache(fd: int) -> None:
+    """A checkpoint is written or read once: its pages should not push the training's out."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
