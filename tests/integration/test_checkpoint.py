@@ -1,0 +1,242 @@
+"""Checkpoints (infinity/checkpoint): a run resumed from a checkpoint is the run that was not
+interrupted, bit for bit with the same config; a checkpoint holds what torch AdamW holds; it
+loads into another stage, tier and schedule; its files are plain safetensors."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import infinity
+from infinity.checkpoint import consolidated_state_dict
+from parity import VOCAB, backward_both, engine_and_reference, loss_of, make_model, zero_config
+
+SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3,
+                                            "warmup_num_steps": 8, "warmup_type": "linear"}}
+
+
+def _config(disk_dir, stage: int, param: str, optimizer: str, **extra) -> dict:
+    ds = zero_config(stage, param, optimizer, str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    ds["scheduler"] = copy.deepcopy(SCHEDULER)
+    ds.update(extra)
+    return ds
+
+
+def _batches(count: int, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(count)]
+
+
+def _train(engine, batches) -> list[float]:
+    losses = []
+    for x in batches:
+        loss = loss_of(engine(input_ids=x, labels=x))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _files(directory) -> dict[str, torch.Tensor]:
+    return {**load_file(str(directory / "rank0_model.safetensors")),
+            **load_file(str(directory / "rank0_optim.safetensors"))}
+
+
+def _assert_same_states(a_dir, b_dir) -> None:
+    a, b = _files(a_dir), _files(b_dir)
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, different[:5]
+    steps = [{n: e.get("steps") for n, e in json.loads((d / "manifest.json").read_text())
+              ["params"].items()} for d in (a_dir, b_dir)]
+    assert steps[0] == steps[1]
+
+
+RESUME_CASES = {
+    # family, (stage, param tier, optimizer tier), extra config
+    "llama-s3-nvme-early": ("llama", (3, "nvme", "nvme"), {}),
+    # a frozen parameter in a speculated unit: its value must reach both extents of the store
+    "qwen2-s3-nvme-speculative-clip": ("qwen2", (3, "nvme", "nvme"), {"gradient_clipping": 0.3}),
+    # speculation kept at every step, with a frozen parameter in a speculated unit: its value
+    # must reach both extents of the store
+    "llama-s3-nvme-speculative-frozen": ("llama", (3, "nvme", "nvme"),
+                                         {"infinity": {"early_step": "off"},
+                                          "_frozen": "model.layers.0.mlp.up_proj.weight"}),
+    "gpt2-s3-cpu-accumulation": ("gpt2", (3, "cpu", "cpu"), {"gradient_accumulation_steps": 2}),
+    "gpt2-s2-cpu-fp16": ("gpt2", (2, "none", "cpu"),
+                         {"fp16": {"enabled": True, "initial_scale_power": 6,
+                                   "loss_scale_window": 2}}),
+    "torch-s3-nvme-deferred-bf16": ("torch", (3, "nvme", "nvme"),
+                                    {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                                     "infinity": {"speculative_step": "off"}}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+def test_a_resumed_run_is_the_uninterrupted_run(disk_dir, case) -> None:
+    """A trains 3 steps, saves, trains 3 more; B (another init) loads A's checkpoint and trains
+    the same 3 batches: same losses, and bit-equal parameters, Adam states and step counts."""
+    family, tiers, extra = RESUME_CASES[case]
+    extra = dict(extra)
+    frozen = extra.pop("_frozen", None)
+    ds = _config(disk_dir, *tiers, **extra)
+    accumulation = ds.get("gradient_accumulation_steps", 1)
+    batches = _batches(6 * accumulation)
+    first, rest = batches[:3 * accumulation], batches[3 * accumulation:]
+
+    def model(seed: int):
+        m = make_model(family, seed=seed, layers=2)
+        if frozen:
+            m.get_parameter(frozen).requires_grad_(False)
+        return m
+
+    a, *_ = infinity.initialize(model=model(0), config=ds)
+    try:
+        _train(a, first)
+        saved = a.save_checkpoint(disk_dir / "ckpt", client_state={"batches_seen": len(first)})
+        lr_at_save, scale_at_save = a.get_lr(), a.loss_scale
+        losses_a = _train(a, rest)
+        a.save_checkpoint(disk_dir / "final_a", tag="end")
+    finally:
+        a.close()
+    assert saved.name == "global_step3"
+    b, *_ = infinity.initialize(model=model(7), config=ds)
+    try:
+        path, client_state = b.load_checkpoint(disk_dir / "ckpt")
+        assert (path, client_state) == (str(saved), {"batches_seen": len(first)})
+        assert b.global_steps == 3 and b.micro_steps == 3 * accumulation
+        assert b.get_lr() == lr_at_save and b.loss_scale == scale_at_save
+        assert _train(b, rest) == losses_a
+        b.save_checkpoint(disk_dir / "final_b", tag="end")
+    finally:
+        b.close()
+    _assert_same_states(disk_dir / "final_a" / "end", disk_dir / "final_b" / "end")
+
+
+@pytest.mark.slow
+def test_the_checkpoint_holds_what_torch_adamw_holds_and_resumes_in_lock_step(disk_dir) -> None:
+    """After 3 steps the checkpoint's weights, exp_avg and exp_avg_sq are torch AdamW's (fp32,
+    1e-5); an engine that loads it goes on in lock step with torch."""
+    model = make_model("llama", layers=2, width=32)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    engine, reference, ref_opt = engine_and_reference(model, ds)
+    batches = _batches(6, seed=3)
+    try:
+        for x in batches[:3]:
+            backward_both(engine, reference, x)
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        directory = engine.save_checkpoint(disk_dir / "ckpt")
+    finally:
+        engine.close()
+    weights = consolidated_state_dict(disk_dir / "ckpt")
+    moments = load_file(str(directory / "rank0_optim.safetensors"))
+    steps = json.loads((directory / "manifest.json").read_text())["params"]
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), rtol=1e-5, atol=1e-6)
+        state = ref_opt.state[p]
+        torch.testing.assert_close(moments[f"{name}.exp_avg"], state["exp_avg"], rtol=1e-5,
+                                   atol=1e-7)
+        torch.testing.assert_close(moments[f"{name}.exp_avg_sq"], state["exp_avg_sq"],
+                                   rtol=1e-5, atol=1e-9)
+        assert steps[name]["steps"] == int(state["step"])
+    b, *_ = infinity.initialize(model=make_model("llama", seed=9, layers=2, width=32),
+                                config={**ds, "optimizer": {"type": "AdamW", "params": {
+                                    "lr": 1e-3, "weight_decay": 0.01}}})
+    try:
+        b.load_checkpoint(disk_dir / "ckpt")
+        for x in batches[3:]:
+            backward_both(b, reference, x)     # asserts the losses agree (1e-5)
+            b.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    finally:
+        b.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [(2, "none", "cpu"), (3, "cpu", "cpu"), (1, "none", "none")])
+def test_a_checkpoint_loads_into_another_stage_and_tier(disk_dir, target) -> None:
+    """Saved at stage 3 with everything on NVMe (deferred schedule), resumed elsewhere: the
+    losses are the uninterrupted run's (1e-5; the schedules sum gradients in other orders)."""
+    source = _config(disk_dir, 3, "nvme", "nvme", gradient_clipping=1.0)
+    batches = _batches(6, seed=5)
+    a, *_ = infinity.initialize(model=make_model("gpt2", layers=2), config=source)
+    try:
+        _train(a, batches[:3])
+        a.save_checkpoint(disk_dir / "ckpt")
+        losses_a = _train(a, batches[3:])
+    finally:
+        a.close()
+    b, *_ = infinity.initialize(model=make_model("gpt2", seed=4, layers=2),
+                                config=_config(disk_dir, *target, gradient_clipping=1.0))
+    try:
+        b.load_checkpoint(disk_dir / "ckpt")
+        torch.testing.assert_close(torch.tensor(_train(b, batches[3:])), torch.tensor(losses_a),
+                                   rtol=1e-5, atol=0)
+    finally:
+        b.close()
+
+
+def test_frozen_parameters_and_buffers_are_saved_and_tied_names_exported(disk_dir) -> None:
+    """Frozen parameters (no Adam states) and persistent buffers come back; the export names
+    a tied weight under both of its names and loads into a plain model."""
+    model = make_model("gpt2", layers=2)
+    model.transformer.wpe.weight.requires_grad_(False)
+    model.register_buffer("seen", torch.zeros(3))
+    ds = _config(disk_dir, 3, "nvme", "nvme")
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        _train(engine, _batches(2))
+        model.seen += torch.tensor([1.0, 2.0, 3.0])
+        directory = engine.save_checkpoint(disk_dir / "ckpt", tag="frozen")
+    finally:
+        engine.close()
+    moments = load_file(str(directory / "rank0_optim.safetensors"))
+    assert "transformer.wpe.weight.exp_avg" not in moments
+    assert "transformer.h.0.attn.c_attn.weight.exp_avg" in moments
+    state = consolidated_state_dict(directory)
+    plain = make_model("gpt2", seed=3, layers=2)
+    plain.register_buffer("seen", torch.zeros(3))
+    plain.load_state_dict(state, strict=True)
+    assert state["lm_head.weight"] is state["transformer.wte.weight"]
+    assert torch.equal(plain.seen, torch.tensor([1.0, 2.0, 3.0]))
+    reloaded = make_model("gpt2", seed=3, layers=2)
+    reloaded.transformer.wpe.weight.requires_grad_(False)
+    reloaded.register_buffer("seen", torch.zeros(3))
+    b, *_ = infinity.initialize(model=reloaded, config=ds)
+    try:
+        b.load_checkpoint(disk_dir / "ckpt")
+        assert torch.equal(reloaded.seen, torch.tensor([1.0, 2.0, 3.0]))
+        b.save_checkpoint(disk_dir / "again", tag="frozen")
+    finally:
+        b.close()
+    _assert_same_states(directory, disk_dir / "again" / "frozen")
+
+
+def test_load_module_only_keeps_the_optimizer_and_counters(disk_dir) -> None:
+    ds = _config(disk_dir, 3, "cpu", "cpu")
+    a, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    try:
+        _train(a, _batches(3))
+        a.save_checkpoint(disk_dir / "ckpt")
+    finally:
+        a.close()
+    model = make_model("llama", seed=2, layers=2)
+    b, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        b.load_checkpoint(disk_dir / "ckpt", load_module_only=True)
+        assert b.global_steps == 0 and b.get_lr() == [1e-4]
+        b.save_checkpoint(disk_dir / "b")
+    finally:
+        b.close()
+    saved, loaded = _files(disk_dir / "ckpt" / "global_step3"), _files(disk_dir / "b" / "global_step0")
+    for name in saved:
+        same = torch.equal(saved[name], loaded[name])
+        assert same if not name.endswith(("exp_avg", "exp_avg_sq")) else not same, name

@@ -1,0 +1,79 @@
+"""The streamed safetensors writer and reader (infinity/checkpoint/tensor_file.py): pieces in
+any sizes make a file the ``safetensors`` package reads, and damage is found at open."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorFileWriter
+
+TABLE = [("a", torch.float32, (3, 5)), ("empty", torch.float32, (0,)),
+         ("b", torch.bfloat16, (7,)), ("c", torch.int64, (2, 2)), ("d", torch.float16, ())]
+
+
+def _values() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"a": torch.randn(3, 5), "empty": torch.empty(0), "b": torch.randn(7).bfloat16(),
+            "c": torch.arange(4).reshape(2, 2), "d": torch.tensor(1.5, dtype=torch.float16)}
+
+
+def _write(path, values, piece: int = 4):
+    writer = TensorFileWriter(path, TABLE, {"note": "x"})
+    for name, _, _ in TABLE:
+        flat = values[name].reshape(-1)
+        for start in range(0, flat.numel(), piece):
+            writer.append(name, flat[start:start + piece])
+    return writer.close()
+
+
+@pytest.mark.parametrize("piece", [1, 4, 100])
+def test_pieces_make_a_safetensors_file(tmp_path, piece):
+    values = _values()
+    path = tmp_path / "t.safetensors"
+    nbytes, digest = _write(path, values, piece)
+    assert nbytes == path.stat().st_size
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(values)
+        assert f.metadata() == {"note": "x"}
+        for name, expected in values.items():
+            assert torch.equal(f.get_tensor(name), expected)
+    with TensorFileReader(path) as reader:
+        for name, expected in values.items():
+            assert torch.equal(reader.read(name), expected)
+        part = torch.empty(6)
+        reader.read_into("a", part, start=4)
+        assert torch.equal(part, values["a"].reshape(-1)[4:10])
+
+
+def test_writer_refuses_out_of_order_wrong_dtype_and_incomplete(tmp_path):
+    writer = TensorFileWriter(tmp_path / "t.safetensors", TABLE)
+    with pytest.raises(ValueError, match="tensor a is written now"):
+        writer.append("b", torch.zeros(7, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="float32"):
+        writer.append("a", torch.zeros(15, dtype=torch.float64))
+    with pytest.raises(ValueError, match="has 60 bytes"):
+        writer.append("a", torch.zeros(16))
+    writer.append("a", torch.zeros(15))
+    with pytest.raises(ValueError, match="tensor b and 2 after it were not written"):
+        writer.close()
+
+
+def test_truncated_and_damaged_files_are_refused_at_open(tmp_path):
+    path = tmp_path / "t.safetensors"
+    _write(path, _values())
+    data = path.read_bytes()
+    path.write_bytes(data[:-3])
+    with pytest.raises(CheckpointError, match="truncated"):
+        TensorFileReader(path)
+    path.write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match="truncated"):
+        TensorFileReader(path)
+    path.write_bytes(data[:8] + b"{not json" + data[17:])
+    with pytest.raises(CheckpointError, match="unreadable header"):
+        TensorFileReader(path)
+    with pytest.raises(CheckpointError, match="is missing"):
+        TensorFileReader(tmp_path / "nope.safetensors")
