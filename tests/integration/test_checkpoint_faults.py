@@ -1,0 +1,196 @@
+"""Checkpoints under faults and bad input: an interrupted save leaves the earlier checkpoint and
+``latest`` whole; a damaged, incomplete or mismatched checkpoint is refused, with what is wrong
+and what to do, before any state is touched; nothing the engine did not write is removed."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import infinity
+from infinity.checkpoint import CheckpointError
+from infinity.checkpoint import save as save_module
+from infinity.checkpoint.tensor_file import TensorFileWriter
+from parity import VOCAB, loss_of, make_model, zero_config
+
+
+@pytest.fixture
+def engine(disk_dir):
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    eng, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    _train(eng, 2)
+    yield eng
+    eng.close()
+
+
+def _train(engine, steps: int, seed: int = 1) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+        loss = loss_of(engine(input_ids=x, labels=x))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _weights(directory) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "rank0_model.safetensors"))
+
+
+def _assert_unchanged(engine, disk_dir, before: str) -> None:
+    """The engine's states equal those saved in ``before``."""
+    after = engine.save_checkpoint(disk_dir / "probe", tag="after", save_latest=False)
+    saved = _weights(disk_dir / "probe" / before)
+    now = _weights(after)
+    assert all(torch.equal(saved[k], now[k]) for k in saved)
+
+
+def test_an_interrupted_save_leaves_the_last_checkpoint_whole(engine, disk_dir, monkeypatch):
+    first = engine.save_checkpoint(disk_dir / "ckpt")
+    _train(engine, 1)
+    calls = {"n": 0}
+    original = TensorFileWriter.append
+
+    def failing_append(self, name, values):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise OSError(errno.EIO, "injected write error")
+        return original(self, name, values)
+
+    monkeypatch.setattr(TensorFileWriter, "append", failing_append)
+    with pytest.raises(OSError, match="injected"):
+        engine.save_checkpoint(disk_dir / "ckpt")
+    with pytest.raises(OSError, match="injected"):       # the same tag again: replaced whole
+        calls["n"] = 0
+        engine.save_checkpoint(disk_dir / "ckpt", tag="global_step2")
+    monkeypatch.setattr(TensorFileWriter, "append", original)
+    assert sorted(p.name for p in (disk_dir / "ckpt").iterdir()) == ["global_step2", "latest"]
+    assert (disk_dir / "ckpt" / "latest").read_text().strip() == first.name
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    other, *_ = infinity.initialize(model=make_model("llama", seed=3, layers=2), config=ds)
+    try:
+        assert other.load_checkpoint(disk_dir / "ckpt")[0] == str(first)
+    finally:
+        other.close()
+    _train(engine, 1)                                    # the engine goes on
+    assert engine.save_checkpoint(disk_dir / "ckpt").name == "global_step4"
+
+
+def test_no_room_is_an_error_before_writing(engine, disk_dir, monkeypatch):
+    monkeypatch.setattr(save_module, "free_bytes", lambda path: 1000)
+    with pytest.raises(OSError, match="needs .* which has 1000 B free") as info:
+        engine.save_checkpoint(disk_dir / "ckpt")
+    assert info.value.errno == errno.ENOSPC
+    assert list((disk_dir / "ckpt").iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "missing_file"])
+def test_a_damaged_checkpoint_is_refused_before_anything_is_loaded(engine, disk_dir, damage):
+    directory = engine.save_checkpoint(disk_dir / "ckpt", tag="good")
+    engine.save_checkpoint(disk_dir / "probe", tag="before", save_latest=False)
+    target = directory / "rank0_optim.safetensors"
+    expected = {"truncate": "truncated", "flip": "sha256", "no_manifest": "no checkpoint 'good'",
+                "missing_file": "is missing"}[damage]
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-100])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[-5] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "no_manifest":
+        (directory / "manifest.json").unlink()
+    else:
+        target.unlink()
+    _train(engine, 1)      # the engine has moved on: a refused load must leave it there
+    engine.save_checkpoint(disk_dir / "probe", tag="moved", save_latest=False)
+    with pytest.raises(CheckpointError, match=expected):
+        engine.load_checkpoint(disk_dir / "ckpt")
+    _assert_unchanged(engine, disk_dir, "moved")
+
+
+def test_missing_latest_and_unknown_tags(engine, disk_dir, infinity_log):
+    with infinity_log.at_level(logging.WARNING):
+        assert engine.load_checkpoint(disk_dir / "nothing-here") == (None, None)
+    assert "no checkpoint loaded" in infinity_log.text
+    engine.save_checkpoint(disk_dir / "ckpt", tag="a")
+    with pytest.raises(CheckpointError, match="no checkpoint 'b'.*checkpoints there: a"):
+        engine.load_checkpoint(disk_dir / "ckpt", tag="b")
+    with pytest.raises(ValueError, match="cannot name a directory"):
+        engine.save_checkpoint(disk_dir / "ckpt", tag="../escape")
+
+
+def test_files_the_engine_did_not_write_are_kept(engine, disk_dir, infinity_log):
+    directory = engine.save_checkpoint(disk_dir / "ckpt", tag="t")
+    (directory / "notes.txt").write_text("mine")
+    with infinity_log.at_level(logging.WARNING):
+        engine.save_checkpoint(disk_dir / "ckpt", tag="t")      # replaces the tag
+    assert (disk_dir / "ckpt" / ".t.replaced" / "notes.txt").read_text() == "mine"
+    assert "notes.txt" in infinity_log.text
+    assert (disk_dir / "ckpt" / "t" / "manifest.json").is_file()
+    (disk_dir / "plain").mkdir()
+    (disk_dir / "plain" / "t").mkdir()
+    (disk_dir / "plain" / "t" / "data.bin").write_text("x")
+    with pytest.raises(CheckpointError, match="is not a checkpoint"):
+        engine.save_checkpoint(disk_dir / "plain", tag="t")
+    assert (disk_dir / "plain" / "t" / "data.bin").read_text() == "x"
+    (disk_dir / "afile").write_text("x")
+    with pytest.raises(OSError, match="cannot create the checkpoint directory"):
+        engine.save_checkpoint(disk_dir / "afile" / "sub")
+
+
+def test_saving_at_the_wrong_moment_or_bad_client_state(engine, disk_dir):
+    with pytest.raises(TypeError, match="client_state must be JSON-serializable"):
+        engine.save_checkpoint(disk_dir / "ckpt", client_state={"t": torch.zeros(2)})
+    assert not (disk_dir / "ckpt").exists()
+    x = torch.randint(0, VOCAB, (2, 16))
+    engine.backward(loss_of(engine(input_ids=x, labels=x)))
+    with pytest.raises(RuntimeError, match="between backward\\(\\) and step\\(\\)"):
+        engine.save_checkpoint(disk_dir / "ckpt")
+    engine.step()
+    weight = engine.module.model.layers[0].mlp.up_proj.weight
+    with infinity.zero.GatheredParameters([weight]):
+        with pytest.raises(RuntimeError, match="inside GatheredParameters"):
+            engine.save_checkpoint(disk_dir / "ckpt")
+    assert engine.save_checkpoint(disk_dir / "ckpt").name == "global_step3"
+
+
+def test_a_checkpoint_of_another_model_is_refused(engine, disk_dir):
+    engine.save_checkpoint(disk_dir / "ckpt")
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    wider, *_ = infinity.initialize(model=make_model("llama", layers=2, width=64), config=ds)
+    try:
+        with pytest.raises(CheckpointError, match="shapes differ"):
+            wider.load_checkpoint(disk_dir / "ckpt")
+    finally:
+        wider.close()
+    deeper_model = make_model("llama", layers=3)
+    # a parameter the checkpoint lacks inside a unit it has: the rest of the unit is loaded
+    # around it (on NVMe: read, filled, written back)
+    deeper_model.model.layers[0].extra = torch.nn.Parameter(torch.full((300,), 0.5))
+    before = {n: p.detach().clone() for n, p in deeper_model.named_parameters()
+              if n.startswith(("model.layers.2", "model.layers.0.extra"))}
+    nvme = zero_config(3, "nvme", "nvme", str(disk_dir))
+    nvme["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    deeper, *_ = infinity.initialize(model=deeper_model, config=nvme)
+    try:
+        with pytest.raises(CheckpointError, match="10 of the model's parameters are not in it"):
+            deeper.load_checkpoint(disk_dir / "ckpt")
+        deeper.load_checkpoint(disk_dir / "ckpt", load_module_strict=False)
+        deeper.save_checkpoint(disk_dir / "deeper", tag="t")
+    finally:
+        deeper.close()
+    saved = _weights(disk_dir / "ckpt" / "global_step2")
+    loaded = _weights(disk_dir / "deeper" / "t")
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert len(before) == 10 and all(torch.equal(before[k], loaded[k]) for k in before)
+    manifest = json.loads((disk_dir / "deeper" / "t" / "manifest.json").read_text())
+    assert manifest["params"]["model.layers.2.mlp.up_proj.weight"]["steps"] == 0
