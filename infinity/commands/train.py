@@ -57,6 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: about 20 lines per run)")
 
 
+    parser.add_argument("--save-dir", metavar="DIR", default=None,
+                        help="write checkpoints here: after the last step, and every "
+                             "--save-interval steps")
+    parser.add_argument("--save-interval", type=int, default=None, metavar="N",
+                        help="optimizer steps between checkpoints (default: only at the end)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --save-dir (start fresh "
+                             "when there is none)")
+
+
 def run(args: argparse.Namespace) -> int:
     from infinity.train.loop import TrainOptions, run_training  # torch: only when training
 
@@ -65,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         hf_config=args.hf_config, data=args.data, steps=args.steps, seq_len=args.seq_len,
         micro_batch=args.micro_batch, nvme_path=args.nvme_path, host_budget=args.host_budget,
         lr=args.lr, seed=args.seed, metrics=args.metrics, plot=args.plot,
-        progress_every=args.progress_every)
+        progress_every=args.progress_every, save_dir=args.save_dir,
+        save_interval=args.save_interval, resume=args.resume)
     run_training(opts)
     return 0

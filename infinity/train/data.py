@@ -142,6 +142,8 @@ class BatchSampler:
         self.micro_batch = micro_batch
         self._starts = n - seq_len + 1
         self._generator = torch.Generator().manual_seed(seed)
+        # micro-batches drawn so far (a resumed run skips as many to continue the sequence)
+        self.drawn = 0
 
     @property
     def tokens_per_batch(self) -> int:
@@ -151,5 +153,13 @@ class BatchSampler:
     def next_batch(self) -> torch.Tensor:
         """A ``[micro_batch, seq_len]`` int64 tensor of token ids."""
         starts = torch.randint(0, self._starts, (self.micro_batch,), generator=self._generator)
+        self.drawn += 1
         offsets = torch.arange(self.seq_len)
         return self.tokens[starts[:, None] + offsets[None, :]]
+
+    def skip(self, batches: int) -> None:
+        """Draw and drop ``batches`` micro-batches: the next one is the one a run that drew
+        them would get next."""
+        for _ in range(batches):
+            torch.randint(0, self._starts, (self.micro_batch,), generator=self._generator)
+        self.drawn += batches

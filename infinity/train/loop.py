@@ -26,6 +26,7 @@ from infinity.sizes import format_bytes
 from infinity.train import data as data_mod
 from infinity.train import models
 from infinity.train.baseline import TorchBaselineEngine
+from infinity.train.checkpoints import RunCheckpoints
 from infinity.train.defaults import DEFAULT_SEQ_LEN, DEFAULT_STEPS
 from infinity.train.metrics import (MetricsWriter, StepRecord, Summary, plot_available,
                                     render_summary, summarize, write_plot)
@@ -74,6 +75,12 @@ class TrainOptions:
     """Write a PNG of the loss and the step-time split here (needs matplotlib)."""
     progress_every: int | None = None
     """Off a terminal, print a progress line every this many steps (None: about 20 lines)."""
+    save_dir: str | None = None
+    """Write checkpoints here (after the last step, and every ``save_interval`` steps)."""
+    save_interval: int | None = None
+    """Optimizer steps between checkpoints; None = only after the last step."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``save_dir`` (start fresh when there is none)."""
 
 
 @dataclass
@@ -116,6 +123,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     for parent in swap_parents:
         _preflight(parent, direct_io=config.aio.backend != "mmap")
     plot_path = _plot_path(opts)
+    checkpoints = RunCheckpoints.from_options(opts.save_dir, opts.save_interval, opts.resume,
+                                              opts.engine)
     writer = MetricsWriter(opts.metrics) if opts.metrics else None
     model_config = models.model_config(opts.model_size, opts.hf_config, opts.seq_len)
     n_params = models.count_parameters(model_config)
@@ -148,9 +157,12 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         _log.info("%s engine ready in %.1f s%s", opts.engine, init_s,
                   f"; swap directory {', '.join(swap_dirs)}" if swap_dirs else "")
 
-        # 3. Steps.
+        # 3. Steps (a resumed run continues where its checkpoint stopped).
+        identity = {"seed": opts.seed, "data": corpus.source, "seq_len": opts.seq_len,
+                    "micro_batch": sampler.micro_batch}
+        done = checkpoints.resume_into(engine, sampler, identity, opts.steps)
         timers = _PhaseTimers(config.wall_clock_breakdown, config.steps_per_print)
-        for step in range(1, opts.steps + 1):
+        for step in range(done + 1, opts.steps + 1):
             lr = engine.get_lr()[0]
             losses = []
             for _ in range(accum):
@@ -173,6 +185,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
                 writer.write(record)
             bar.update(record)
             timers.log(step)
+            checkpoints.after_step(engine, step, opts.steps, sampler, identity)
     finally:
         _restore_sigterm(previous_sigterm)
         bar.close()

@@ -152,3 +152,30 @@ def test_sigterm_mid_run_removes_the_swap_directory(disk_dir: Path, tmp_path: Pa
             proc.kill()
             proc.wait()
     assert list(disk_dir.iterdir()) == []  # unwound through engine.close(), like Ctrl-C
+
+
+def test_a_resumed_run_continues_the_interrupted_one(disk_dir: Path, tmp_path: Path) -> None:
+    """--save-dir/--save-interval/--resume: a run stopped after step 3 and resumed to step 6
+    has the losses of the run that was not stopped (same batches, same states)."""
+    common = ("--model-size", "tiny", "--seq-len", "32", "--lr", "3e-3", "--nvme-path",
+              str(disk_dir), "--host-budget", "256MiB")
+    whole, first, rest = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "rest"))
+    proc = _infinity("train", *common, "--steps", "6", "--metrics", str(whole),
+                     "--save-dir", str(tmp_path / "whole"), "--save-interval", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == \
+        ["global_step2", "global_step4", "global_step6", "latest"]
+    proc = _infinity("train", *common, "--steps", "3", "--metrics", str(first),
+                     "--save-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _infinity("train", *common, "--steps", "6", "--metrics", str(rest),
+                     "--save-dir", str(tmp_path / "run"), "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr
+    expected = [(r["step"], r["loss"]) for r in read_metrics(whole)]
+    got = [(r["step"], r["loss"]) for r in read_metrics(first) + read_metrics(rest)]
+    assert got == expected
+    proc = _infinity("train", *common, "--steps", "6", "--seed", "5",
+                     "--save-dir", str(tmp_path / "run"), "--resume")
+    assert proc.returncode == 2 and "taken from another run" in proc.stderr, proc.stderr[-2000:]
+    assert list(disk_dir.iterdir()) == []

@@ -1,0 +1,79 @@
+"""Checkpoints of an ``infinity train`` run: ``--save-dir``, ``--save-interval``, ``--resume``.
+
+Why a module: a resumed run must be the run that was not interrupted, so the checkpoint
+carries, beside the engine's states, where the batch sampler stood and what it sampled from
+(seed, data, sequence length, micro-batch): a resume with other data or another seed is refused
+instead of silently training on a different sequence of batches.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infinity.log import get_logger
+from infinity.train.data import BatchSampler
+
+_log = get_logger("train")
+
+
+@dataclass(frozen=True)
+class RunCheckpoints:
+    """Where and how often a run saves, and whether it resumes."""
+
+    save_dir: Path | None
+    interval: int | None
+    resume: bool
+
+    @classmethod
+    def from_options(cls, save_dir: str | None, interval: int | None, resume: bool,
+                     engine_kind: str) -> "RunCheckpoints":
+        """Checked before anything is built: a bad flag fails in a moment."""
+        if (interval is not None or resume) and save_dir is None:
+            raise ValueError("--save-interval and --resume need --save-dir (where checkpoints "
+                             "are written and read)")
+        if interval is not None and interval < 1:
+            raise ValueError(f"--save-interval must be at least 1, got {interval}")
+        if save_dir is not None and engine_kind != "infinity":
+            raise ValueError("--save-dir needs --engine infinity (the torch baseline does not "
+                             "save checkpoints)")
+        path = None if save_dir is None else Path(save_dir)
+        if path is not None:
+            existing = next((p for p in (path, *path.parents) if p.exists()), None)
+            if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
+                raise ValueError(f"--save-dir {path}: {existing} is not a writable directory; "
+                                 "choose another path")
+        return cls(path, interval, resume)
+
+    def resume_into(self, engine: Any, sampler: BatchSampler, identity: dict[str, Any],
+                    last_step: int) -> int:
+        """Load the latest checkpoint (with --resume) and move the sampler on; returns the
+        optimizer steps already taken (0 when starting fresh)."""
+        if not self.resume:
+            return 0
+        path, client = engine.load_checkpoint(self.save_dir)
+        if path is None:
+            _log.info("--resume: no checkpoint in %s yet; starting from step 1", self.save_dir)
+            return 0
+        saved = {k: client.get(k) for k in identity}
+        if saved != identity:
+            differing = {k: (saved[k], identity[k]) for k in identity if saved[k] != identity[k]}
+            raise ValueError(f"--resume: checkpoint {path} was taken from another run "
+                             f"(saved, now: {differing}); use the same data, seed, --seq-len "
+                             "and micro-batch, or another --save-dir")
+        if engine.global_steps >= last_step:
+            raise ValueError(f"--resume: checkpoint {path} is at step {engine.global_steps} and "
+                             f"--steps is {last_step}: nothing is left to train; raise --steps")
+        sampler.skip(int(client["batches_drawn"]))
+        _log.info("resumed from %s at step %d", path, engine.global_steps)
+        return engine.global_steps
+
+    def after_step(self, engine: Any, step: int, last_step: int, sampler: BatchSampler,
+                   identity: dict[str, Any]) -> None:
+        """Save at every ``interval``-th step and after the last one."""
+        if self.save_dir is None:
+            return
+        if step == last_step or (self.interval is not None and step % self.interval == 0):
+            engine.save_checkpoint(self.save_dir,
+                                   client_state={**identity, "batches_drawn": sampler.drawn})
