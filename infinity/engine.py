@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from infinity.budget import MemoryBudget
-from infinity.checkpoint import load_checkpoint, save_checkpoint
+from infinity.checkpoint import load_checkpoint, save_checkpoint, save_model_weights
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
 from infinity.malloc_tuning import set_mmap_threshold, trim
@@ -390,6 +390,12 @@ class Engine:
         anything is loaded."""
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, verify_checksums)
+
+    def save_16bit_model(self, save_dir: str | Path,
+                         save_filename: str = "model.safetensors") -> Path:
+        """The model's weights in their compute dtype as ``save_dir/save_filename``
+        (safetensors, loadable by ``transformers``), streamed unit by unit."""
+        return save_model_weights(self, Path(save_dir) / save_filename)
 
     def hook_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """``module``'s forward uses ``param`` of another module: fetch its unit around it

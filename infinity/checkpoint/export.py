@@ -1,14 +1,23 @@
-"""A checkpoint's weights as a plain ``state_dict``, without an engine (DeepSpeed's
-``zero_to_fp32``): to load into a model built without infinity, or to publish."""
+"""Weights out of infinity: a checkpoint's as a plain ``state_dict`` without an engine
+(DeepSpeed's ``zero_to_fp32``), or an engine's as one safetensors file (DeepSpeed's
+``save_16bit_model``), to load into a model built without infinity, or to publish."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from infinity.checkpoint.directory import read_manifest_file, resolve, verify_files
-from infinity.checkpoint.layout import model_file
-from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
+from infinity.checkpoint.layout import model_file, persistent_buffers, unit_layouts
+from infinity.checkpoint.save import check_at_rest
+from infinity.checkpoint.tensor_file import (CheckpointError, TensorFileReader,
+                                             TensorFileWriter)
+from infinity.checkpoint.unit_io import ChunkPool, save_entries
+
+if TYPE_CHECKING:
+    from infinity.engine import Engine
 
 
 def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
@@ -29,3 +38,37 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
     for alias, name in manifest.get("aliases", {}).items():
         state[alias] = state[name]
     return state
+
+
+def save_model_weights(engine: "Engine", path: str | Path) -> Path:
+    """The model's weights in their compute dtype (what a forward uses) as one safetensors file
+    with ``{"format": "pt"}`` metadata (what ``transformers`` loads), streamed unit by unit;
+    a tied parameter is saved once, under the name of the unit that owns it. Written to a
+    temporary name, fsync'd, then renamed: an existing file is replaced only by a whole one."""
+    path = Path(path)
+    if path.suffix in (".bin", ".pt", ".pth"):
+        raise ValueError(f"{path.name}: infinity writes safetensors only (no pickle); name the "
+                         "file *.safetensors (transformers loads model.safetensors)")
+    check_at_rest(engine, "save_16bit_model")
+    engine.flush()
+    layouts = unit_layouts(engine)
+    buffers = persistent_buffers(engine.module)
+    tensors = [(e.name, lay.unit.dtype, tuple(e.shape)) for lay in layouts for e in lay.entries]
+    tensors += [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.unlink(missing_ok=True)
+    writer = TensorFileWriter(partial, tensors, {"format": "pt"})
+    try:
+        chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
+        for lay in layouts:
+            save_entries(lay.params, lay.entries, chunks, lambda e, v: writer.append(e.name, v))
+        for name, buf in buffers:
+            writer.append(name, buf)
+        writer.close()
+        os.replace(partial, path)
+    except BaseException:
+        writer.abort()
+        partial.unlink(missing_ok=True)
+        raise
+    return path

@@ -240,3 +240,29 @@ def test_load_module_only_keeps_the_optimizer_and_counters(disk_dir) -> None:
     for name in saved:
         same = torch.equal(saved[name], loaded[name])
         assert same if not name.endswith(("exp_avg", "exp_avg_sq")) else not same, name
+
+
+def test_save_16bit_model_is_what_transformers_loads(disk_dir) -> None:
+    """``save_16bit_model``: the weights a forward uses, in one safetensors file that
+    ``from_pretrained`` loads (tied head saved once) and that computes the engine's logits."""
+    import transformers
+
+    model = make_model("gpt2", layers=2)
+    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir, 3, "nvme", "nvme"))
+    x = _batches(1, seed=8)[0]
+    try:
+        _train(engine, _batches(2))
+        engine.eval()
+        with torch.no_grad():
+            expected = engine(input_ids=x).logits
+        model.config.save_pretrained(disk_dir / "export")
+        path = engine.save_16bit_model(disk_dir / "export")
+        with pytest.raises(ValueError, match="safetensors only"):
+            engine.save_16bit_model(disk_dir / "export", "pytorch_model.bin")
+    finally:
+        engine.close()
+    assert path.name == "model.safetensors"
+    assert "lm_head.weight" not in load_file(str(path))
+    plain = transformers.GPT2LMHeadModel.from_pretrained(disk_dir / "export").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=x).logits, expected, rtol=0, atol=0)
