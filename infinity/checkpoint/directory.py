@@ -1,11 +1,14 @@
 """Checkpoint directories: tags, the manifest, the ``latest`` pointer, and crash-safe commits.
 
 A save writes every file of a tag into a hidden staging directory next to it, fsyncs them and
-the directory, and only then renames it to the tag's name (replacing an older save of the same
-tag), then points ``latest`` at it with an atomic rename of its own. A crash at any moment
-leaves the previous checkpoint and ``latest`` as they were: at worst a staging directory is
-left behind, which the next save of that tag removes. Nothing is removed that the manifest of
-a checkpoint does not list.
+the directory, and only then puts it in the tag's place: a new tag by a rename, an older save of
+the same tag by an atomic exchange of the two directories (``renameat2(RENAME_EXCHANGE)``), then
+points ``latest`` at it with an atomic rename of its own. A crash at any moment leaves the
+previous checkpoint and ``latest`` as they were: at worst a staging directory is left behind,
+which the next save of that tag reuses. (On a filesystem without the exchange, the old tag is
+renamed aside first; a load that finds the tag missing but its renamed-aside copy whole uses
+that copy.) Nothing is removed that the manifest of a checkpoint does not list: files a user put
+in a tag's directory move with the tag to each new save of it.
 
 The manifest (``manifest.json``) says what a checkpoint holds: its files with sizes and
 sha256, the engine's counters, each parameter's shape and step count, the optimizer's
@@ -13,6 +16,9 @@ hyperparameters, the LR scheduler and loss scaler states and the user's ``client
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import json
 import os
 import re
@@ -46,6 +52,33 @@ def staging_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f".{tag}.partial"
 
 
+def replaced_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f".{tag}.replaced"
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically; False where the system or filesystem cannot."""
+    libc = _libc()
+    renameat2 = getattr(libc, "renameat2", None) if libc is not None else None
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -55,8 +88,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def prepare_staging(save_dir: Path, tag: str) -> Path:
-    """An empty staging directory for ``tag`` (one an interrupted save left is cleared, but
-    only of the files a save writes)."""
+    """A staging directory for ``tag`` without checkpoint files (one an interrupted save left
+    is reused: the files a save writes are removed from it, a user's files stay and go into
+    the tag with this save)."""
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -67,28 +101,35 @@ def prepare_staging(save_dir: Path, tag: str) -> Path:
                               "another save_dir or fix its permissions")
     staging = staging_dir(save_dir, tag)
     if staging.exists():
-        remove_checkpoint_files(staging, ours_only=False)
-    staging.mkdir()
+        remove_checkpoint_files(staging, ours_only=False, keep_dir=True)
+    else:
+        staging.mkdir()
     return staging
 
 
-def remove_checkpoint_files(directory: Path, ours_only: bool = True) -> None:
-    """Remove a checkpoint or staging directory: the files a save writes (``ours_only``: those
-    its manifest lists, and the manifest), then the directory if nothing else is in it."""
+def checkpoint_files(directory: Path, ours_only: bool = True) -> set[str]:
+    """The names in ``directory`` a save wrote: those its manifest lists and the manifest
+    (without ``ours_only``, of a staging directory: the manifest and tensor files)."""
     if ours_only:
         try:
             listed = set(read_manifest_file(directory).get("files", {}))
         except CheckpointError:
             listed = set()
-        names = listed | {MANIFEST}
-    else:
-        names = {p.name for p in directory.iterdir()
-                 if p.name == MANIFEST or p.name.endswith(".safetensors")}
-    for name in names:
+        return listed | {MANIFEST}
+    return {p.name for p in directory.iterdir()
+            if p.name == MANIFEST or p.name.endswith(".safetensors")}
+
+
+def remove_checkpoint_files(directory: Path, ours_only: bool = True, keep_dir: bool = False) -> None:
+    """Remove the files a save wrote from ``directory`` (see ``checkpoint_files``), then the
+    directory unless ``keep_dir`` or other files are in it."""
+    for name in checkpoint_files(directory, ours_only):
         try:
             (directory / name).unlink()
         except FileNotFoundError:
             pass
+    if keep_dir:
+        return
     try:
         directory.rmdir()
     except OSError:
@@ -97,27 +138,45 @@ def remove_checkpoint_files(directory: Path, ours_only: bool = True) -> None:
                     ", ".join(left[:5]))
 
 
+def _carry_user_files(old: Path, new: Path) -> None:
+    """Move what a user put in the old checkpoint's directory into the new one."""
+    ours = checkpoint_files(old)
+    for entry in old.iterdir():
+        if entry.name not in ours and not (new / entry.name).exists():
+            os.rename(entry, new / entry.name)
+
+
 def commit(staging: Path, save_dir: Path, tag: str) -> Path:
     """Make the staged checkpoint the tag's (see the module docstring); returns its path."""
-    for path in staging.iterdir():
-        with open(path, "rb") as f:
+    for name in checkpoint_files(staging, ours_only=False):
+        with open(staging / name, "rb") as f:
             os.fsync(f.fileno())
     _fsync_dir(staging)
     final = save_dir / tag
-    replaced = None
-    if final.exists():
-        if not (final / MANIFEST).is_file():
-            raise CheckpointError(
-                f"{final} exists and is not a checkpoint (no {MANIFEST}); it is left alone: "
-                "choose another tag or move it away")
-        replaced = save_dir / f".{tag}.replaced"
-        if replaced.exists():
-            remove_checkpoint_files(replaced)
-        os.rename(final, replaced)
-    os.rename(staging, final)
+    aside = replaced_dir(save_dir, tag)
+    if final.exists() and not (final / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{final} exists and is not a checkpoint (no {MANIFEST}); it is left alone: "
+            "choose another tag or move it away")
+    if not final.exists():
+        os.rename(staging, final)
+    else:
+        _carry_user_files(final, staging)
+        if _exchange(staging, final):
+            old = staging
+        else:
+            if aside.exists():
+                _carry_user_files(aside, staging)
+                remove_checkpoint_files(aside)
+            os.rename(final, aside)
+            os.rename(staging, final)
+            old = aside
+        _fsync_dir(save_dir)
+        remove_checkpoint_files(old)
     _fsync_dir(save_dir)
-    if replaced is not None:
-        remove_checkpoint_files(replaced)
+    if aside.exists():      # left by a save of this tag that stopped between its renames
+        _carry_user_files(aside, final)
+        remove_checkpoint_files(aside)
     return final
 
 
@@ -134,11 +193,18 @@ def write_latest(save_dir: Path, tag: str) -> None:
 
 def read_latest(load_dir: Path) -> str | None:
     """The tag ``latest`` names, or None without one."""
+    if load_dir.exists() and not load_dir.is_dir():
+        raise CheckpointError(f"{load_dir} is a file, not a checkpoint directory")
     try:
         tag = (load_dir / LATEST).read_text().strip()
     except FileNotFoundError:
         return None
-    return check_tag(tag) if tag else None
+    except (UnicodeDecodeError, OSError) as exc:
+        raise CheckpointError(f"{load_dir / LATEST} is unreadable ({exc}); pass tag=") from None
+    try:
+        return check_tag(tag) if tag else None
+    except ValueError as exc:
+        raise CheckpointError(f"{load_dir / LATEST} names no tag: {exc}") from None
 
 
 def available_tags(load_dir: Path) -> list[str]:
@@ -184,6 +250,12 @@ def resolve(load_dir: Path, tag: str | None) -> Path | None:
         if tag is None:
             return None
     directory = load_dir / check_tag(tag)
+    aside = replaced_dir(load_dir, tag)
+    if not directory.exists() and (aside / MANIFEST).is_file():
+        # a save of this tag stopped between its two renames (see the module docstring)
+        log.warning("checkpoint %s is missing but its previous save is whole in %s: loading "
+                    "that", directory, aside)
+        return aside
     if not (directory / MANIFEST).is_file():
         tags = available_tags(load_dir)
         partial = staging_dir(load_dir, tag).exists()
@@ -195,10 +267,16 @@ def resolve(load_dir: Path, tag: str | None) -> Path | None:
     return directory
 
 
-def verify_files(directory: Path, manifest: dict[str, Any], checksums: bool) -> None:
-    """Every file the manifest lists is there with its size (and, with ``checksums``, its
-    sha256), before anything is loaded."""
-    for name, entry in manifest.get("files", {}).items():
+def verify_files(directory: Path, manifest: dict[str, Any], checksums: bool,
+                 needed: list[str]) -> None:
+    """The ``needed`` files are listed in the manifest and there with their size (and, with
+    ``checksums``, their sha256), before anything is loaded."""
+    files = manifest.get("files", {})
+    for name in needed:
+        if name not in files:
+            raise CheckpointError(f"the manifest of {directory} lists no {name}: the checkpoint "
+                                  "is damaged; load another tag")
+        entry = files[name]
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is "

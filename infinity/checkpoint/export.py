@@ -32,7 +32,7 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
         raise CheckpointError(f"{root} holds no checkpoint manifest and no 'latest' file; pass "
                               "a checkpoint directory or tag=")
     manifest = read_manifest_file(directory)
-    verify_files(directory, manifest, verify_checksums)
+    verify_files(directory, manifest, verify_checksums, [model_file(0)])
     with TensorFileReader(directory / model_file(0)) as reader:
         state = {name: reader.read(name) for name in reader.tensors}
     for alias, name in manifest.get("aliases", {}).items():

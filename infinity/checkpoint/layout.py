@@ -79,20 +79,27 @@ def unit_layouts(engine: "Engine") -> list[UnitLayout]:
     return [UnitLayout(u, by_unit.get(u.index)) for u in engine.units]
 
 
+def _all_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of every buffer ``state_dict()`` saves, under each of its names."""
+    return [(f"{prefix}.{name}" if prefix else name, buf)
+            for prefix, module in model.named_modules(remove_duplicate=False)
+            for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set]
+
+
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, buffer) of the buffers ``state_dict()`` saves, each once."""
+    """(name, buffer) of the buffers ``state_dict()`` saves, each once (under its first name)."""
     found, seen = [], set()
-    for prefix, module in model.named_modules():
-        for name, buf in module._buffers.items():
-            if buf is None or name in module._non_persistent_buffers_set or buf in seen:
-                continue
+    for name, buf in _all_persistent_buffers(model):
+        if buf not in seen:
             seen.add(buf)
-            found.append((f"{prefix}.{name}" if prefix else name, buf))
+            found.append((name, buf))
     return found
 
 
 def aliases(model: nn.Module, layouts: list[UnitLayout]) -> dict[str, str]:
-    """Other names of tied parameters -> the name they are saved under."""
+    """Other names of tied parameters and shared buffers -> the name they are saved under."""
     canonical = {e.param: e.name for lay in layouts for e in lay.unit.params}
-    return {name: canonical[p] for name, p in model.named_parameters(remove_duplicate=False)
-            if p in canonical and canonical[p] != name}
+    canonical.update({buf: name for name, buf in reversed(persistent_buffers(model))})
+    named = list(model.named_parameters(remove_duplicate=False)) + _all_persistent_buffers(model)
+    return {name: canonical[t] for name, t in named if t in canonical and canonical[t] != name}

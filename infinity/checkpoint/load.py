@@ -157,8 +157,14 @@ def _restore_state(engine: "Engine", manifest: dict[str, Any], optimizer_states:
                    scheduler_states: bool) -> None:
     counters = manifest.get("engine", {})
     engine.global_steps = int(counters.get("global_steps", 0))
-    engine.micro_steps = int(counters.get("micro_steps", 0))
     engine.skipped_steps = int(counters.get("skipped_steps", 0))
+    # saved at an accumulation boundary: the next micro-step starts a cycle of this engine's
+    # length, whatever the saving engine's was
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
+    saved_gas = int(counters.get("gradient_accumulation_steps", engine.gradient_accumulation_steps))
+    if saved_gas != engine.gradient_accumulation_steps:
+        log.info("checkpoint saved with gradient_accumulation_steps %d, resumed with %d",
+                 saved_gas, engine.gradient_accumulation_steps)
     if optimizer_states:
         for group, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
             for key, value in saved.items():
@@ -190,9 +196,10 @@ def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: str | None = No
     if manifest.get("world_size", 1) != 1:
         raise CheckpointError(f"checkpoint {directory} was saved by {manifest['world_size']} "
                               "ranks; this engine runs one")
-    verify_files(directory, manifest, verify_checksums)
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = False
+    verify_files(directory, manifest, verify_checksums,
+                 [model_file(RANK)] + ([optim_file(RANK)] if load_optimizer_states else []))
     layouts = unit_layouts(engine)
     with TensorFileReader(directory / model_file(RANK)) as model:
         match = Match(engine.module, layouts, manifest, model)

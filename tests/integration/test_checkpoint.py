@@ -266,3 +266,42 @@ def test_save_16bit_model_is_what_transformers_loads(disk_dir) -> None:
     plain = transformers.GPT2LMHeadModel.from_pretrained(disk_dir / "export").eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=x).logits, expected, rtol=0, atol=0)
+
+
+def test_resuming_with_another_accumulation_starts_a_whole_cycle(disk_dir) -> None:
+    """Saved with 2 micro-steps a step, resumed with 4: the first step after the load takes 4
+    micro-steps (the saved micro-step count is not carried over as is)."""
+    a, *_ = infinity.initialize(model=make_model("torch", layers=2),
+                                config=_config(disk_dir, 3, "cpu", "cpu",
+                                               gradient_accumulation_steps=2))
+    try:
+        _train(a, _batches(6))
+        a.save_checkpoint(disk_dir / "ckpt")
+    finally:
+        a.close()
+    b, *_ = infinity.initialize(model=make_model("torch", seed=2, layers=2),
+                                config=_config(disk_dir, 3, "cpu", "cpu",
+                                               gradient_accumulation_steps=4))
+    try:
+        b.load_checkpoint(disk_dir / "ckpt")
+        counts = []
+        for x in _batches(4, seed=2):
+            _train(b, [x])
+            counts.append(b.global_steps)
+        assert counts == [3, 3, 3, 4]
+    finally:
+        b.close()
+
+
+def test_a_buffer_shared_by_two_modules_is_exported_under_both_names(disk_dir) -> None:
+    model = make_model("torch", layers=2)
+    table = torch.arange(4.0)
+    model.blocks[0].register_buffer("table", table)
+    model.blocks[1].register_buffer("table", table)
+    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir, 3, "cpu", "cpu"))
+    try:
+        engine.save_checkpoint(disk_dir / "ckpt")
+    finally:
+        engine.close()
+    state = consolidated_state_dict(disk_dir / "ckpt")
+    assert torch.equal(state["blocks.1.table"], table) and torch.equal(state["blocks.0.table"], table)

@@ -127,14 +127,13 @@ def test_missing_latest_and_unknown_tags(engine, disk_dir, infinity_log):
         engine.save_checkpoint(disk_dir / "ckpt", tag="../escape")
 
 
-def test_files_the_engine_did_not_write_are_kept(engine, disk_dir, infinity_log):
+def test_files_the_engine_did_not_write_are_kept(engine, disk_dir):
     directory = engine.save_checkpoint(disk_dir / "ckpt", tag="t")
     (directory / "notes.txt").write_text("mine")
-    with infinity_log.at_level(logging.WARNING):
-        engine.save_checkpoint(disk_dir / "ckpt", tag="t")      # replaces the tag
-    assert (disk_dir / "ckpt" / ".t.replaced" / "notes.txt").read_text() == "mine"
-    assert "notes.txt" in infinity_log.text
-    assert (disk_dir / "ckpt" / "t" / "manifest.json").is_file()
+    for _ in range(2):      # replacing the tag: the user's file moves along with it
+        engine.save_checkpoint(disk_dir / "ckpt", tag="t")
+        assert (directory / "notes.txt").read_text() == "mine"
+        assert sorted(p.name for p in (disk_dir / "ckpt").iterdir()) == ["latest", "t"]
     (disk_dir / "plain").mkdir()
     (disk_dir / "plain" / "t").mkdir()
     (disk_dir / "plain" / "t" / "data.bin").write_text("x")
@@ -194,3 +193,51 @@ def test_a_checkpoint_of_another_model_is_refused(engine, disk_dir):
     assert len(before) == 10 and all(torch.equal(before[k], loaded[k]) for k in before)
     manifest = json.loads((disk_dir / "deeper" / "t" / "manifest.json").read_text())
     assert manifest["params"]["model.layers.2.mlp.up_proj.weight"]["steps"] == 0
+
+
+def test_a_save_stopped_between_renames_is_recovered(engine, disk_dir, monkeypatch):
+    """Without an atomic exchange of directories (some filesystems), replacing a tag takes two
+    renames; a crash between them leaves the tag missing and its last save renamed aside: a load
+    uses that, and the next save of the tag cleans it up (keeping the user's files)."""
+    from infinity.checkpoint import directory as directory_module
+
+    first = engine.save_checkpoint(disk_dir / "ckpt", tag="t")
+    (first / "notes.txt").write_text("mine")
+    _train(engine, 1)
+    monkeypatch.setattr(directory_module, "_exchange", lambda a, b: False)
+    real_rename = directory_module.os.rename
+
+    def crash_before_the_new_one_is_in_place(src, dst):
+        if str(src).endswith(".t.partial"):
+            raise KeyboardInterrupt("power cut")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(directory_module.os, "rename", crash_before_the_new_one_is_in_place)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(disk_dir / "ckpt", tag="t")
+    monkeypatch.setattr(directory_module.os, "rename", real_rename)
+    assert not (disk_dir / "ckpt" / "t").exists()
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    other, *_ = infinity.initialize(model=make_model("llama", seed=3, layers=2), config=ds)
+    try:
+        path, _ = other.load_checkpoint(disk_dir / "ckpt")
+        assert path.endswith(".t.replaced") and other.global_steps == 2
+    finally:
+        other.close()
+    engine.save_checkpoint(disk_dir / "ckpt", tag="t")
+    assert sorted(p.name for p in (disk_dir / "ckpt").iterdir()) == ["latest", "t"]
+    assert (disk_dir / "ckpt" / "t" / "notes.txt").read_text() == "mine"
+    assert json.loads((disk_dir / "ckpt" / "t" / "manifest.json").read_text())[
+        "engine"]["global_steps"] == 3
+
+
+def test_a_users_file_in_a_left_staging_directory_goes_into_the_tag(engine, disk_dir):
+    staging = disk_dir / "ckpt" / ".t.partial"
+    staging.mkdir(parents=True)
+    (staging / "rank0_model.safetensors").write_bytes(b"half a file")
+    (staging / "notes.txt").write_text("mine")
+    engine.save_checkpoint(disk_dir / "ckpt", tag="t")
+    assert sorted(p.name for p in (disk_dir / "ckpt").iterdir()) == ["latest", "t"]
+    assert (disk_dir / "ckpt" / "t" / "notes.txt").read_text() == "mine"
+    assert engine.load_checkpoint(disk_dir / "ckpt")[0].endswith("/t")
