@@ -12,10 +12,12 @@ of 8 bytes), then the tensors' bytes back to back in header order.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 MAX_HEADER_BYTES = 256 << 20      # a header is a table of names and shapes, never this big
 HASH_CHUNK = 8 << 20
+PARALLEL_HASH_BYTES = 1 << 20   # pieces this large are hashed while they are written
 
 
 class CheckpointError(ValueError):
@@ -52,6 +55,11 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
+
+
+@functools.lru_cache(maxsize=1)
+def _hash_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -105,8 +113,16 @@ class TensorFileWriter:
         self._skip_empty()
 
     def _raw(self, data) -> None:
-        self._file.write(data)
-        self._hash.update(data)
+        if len(data) >= PARALLEL_HASH_BYTES:
+            # both release the GIL: hash on a helper thread while this one writes
+            hashed = _hash_thread().submit(self._hash.update, data)
+            try:
+                self._file.write(data)
+            finally:
+                hashed.result()
+        else:
+            self._file.write(data)
+            self._hash.update(data)
         self._bytes += len(data)
 
     def _skip_empty(self) -> None:
