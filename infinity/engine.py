@@ -374,11 +374,14 @@ class Engine:
         return dict(self._last_stats)
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
-                        client_state: Any = None, save_latest: bool = True) -> Path:
+                        client_state: Any = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> Path:
         """Save the whole training state under ``save_dir/tag`` (default ``global_step<N>``),
         streamed unit by unit, and point ``save_dir/latest`` at it (see infinity/checkpoint).
-        ``client_state``: anything JSON-serializable, given back by ``load_checkpoint``."""
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        ``client_state``: anything JSON-serializable, given back by ``load_checkpoint``;
+        ``exclude_frozen_parameters``: parameters that do not train are left out."""
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                               exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,

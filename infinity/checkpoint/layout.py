@@ -40,6 +40,7 @@ class UnitLayout:
 
     unit: Unit
     state: "UnitOptimState | None"
+    with_frozen: bool = True     # False: frozen parameters are left out (a LoRA-style save)
 
     @property
     def entries(self) -> list[ParamEntry]:
@@ -67,16 +68,25 @@ class UnitLayout:
     def model_sources(self) -> list[tuple[Source, list[ParamEntry]]]:
         """Where the model file's values of this unit come from, in file order."""
         if self.master is not None:
-            return [(self.master, self.trainable), (self.params, self.frozen)]
-        return [(self.params, self.entries)]
+            sources = [(self.master, self.trainable), (self.params, self.frozen)]
+        else:
+            sources = [(self.params, self.entries)]
+        if not self.with_frozen:
+            sources = [(source, [e for e in entries if e.trainable]) for source, entries in sources]
+        return sources
+
+    @property
+    def saved(self) -> list[ParamEntry]:
+        """The entries the model file holds."""
+        return [e for _, entries in self.model_sources() for e in entries]
 
     def file_dtype(self, entry: ParamEntry) -> torch.dtype:
         return torch.float32 if entry.trainable and self.master is not None else self.unit.dtype
 
 
-def unit_layouts(engine: "Engine") -> list[UnitLayout]:
+def unit_layouts(engine: "Engine", with_frozen: bool = True) -> list[UnitLayout]:
     by_unit = {s.unit.index: s for s in engine.optimizer.states}
-    return [UnitLayout(u, by_unit.get(u.index)) for u in engine.units]
+    return [UnitLayout(u, by_unit.get(u.index), with_frozen) for u in engine.units]
 
 
 def _all_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -68,6 +68,8 @@ class Match:
                 candidates = [entry.name, *other_names.get(entry.param, [])]
                 candidates += [saved_as[c] for c in candidates if c in saved_as]
                 found = next((c for c in candidates if c in reader.tensors), None)
+                if found is None and not entry.trainable and manifest.get("frozen_excluded"):
+                    continue        # saved without frozen parameters: they keep their values
                 if found is None:
                     self.missing.append(entry.name)
                 elif reader.tensors[found].shape != tuple(entry.shape):

@@ -117,7 +117,7 @@ def _file_bytes(tensors: list[tuple]) -> int:
 def _params_manifest(layouts: list[UnitLayout]) -> dict[str, dict]:
     params = {}
     for lay in layouts:
-        for e in lay.entries:
+        for e in lay.saved:
             entry: dict[str, Any] = {"shape": list(e.shape), "trainable": e.trainable}
             if e.trainable and lay.state is not None:
                 entry["group"] = e.group_index
@@ -154,17 +154,19 @@ def _write_optim(path: Path, layouts: list[UnitLayout], chunks: ChunkPool) -> tu
 
 
 def save_checkpoint(engine: "Engine", save_dir: str | Path, tag: str | None = None,
-                    client_state: Any = None, save_latest: bool = True) -> Path:
+                    client_state: Any = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> Path:
     """Save the engine's training state under ``save_dir/tag`` (default tag
     ``global_step<N>``); with ``save_latest`` point ``save_dir/latest`` at it. Returns the
-    checkpoint's directory."""
+    checkpoint's directory. ``exclude_frozen_parameters``: leave parameters that do not train
+    out (they keep their values when the checkpoint is loaded)."""
     check_at_rest(engine, "save_checkpoint")
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     state = engine_state(engine, {} if client_state is None else client_state)
     save_dir = Path(save_dir)
     started = time.perf_counter()
     engine.flush()
-    layouts = unit_layouts(engine)
+    layouts = unit_layouts(engine, with_frozen=not exclude_frozen_parameters)
     buffers = persistent_buffers(engine.module)
     need = _file_bytes(_model_tensors(layouts, buffers)) + _file_bytes(_optim_tensors(layouts))
     staging = prepare_staging(save_dir, tag)
@@ -185,6 +187,7 @@ def save_checkpoint(engine: "Engine", save_dir: str | Path, tag: str | None = No
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "files": files, "params": _params_manifest(layouts),
             "aliases": aliases(engine.module, layouts),
+            "frozen_excluded": exclude_frozen_parameters,
             "buffers": [name for name, _ in buffers], **state})
         final = commit(staging, save_dir, tag)
     except BaseException:

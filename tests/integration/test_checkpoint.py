@@ -305,3 +305,34 @@ def test_a_buffer_shared_by_two_modules_is_exported_under_both_names(disk_dir) -
         engine.close()
     state = consolidated_state_dict(disk_dir / "ckpt")
     assert torch.equal(state["blocks.1.table"], table) and torch.equal(state["blocks.0.table"], table)
+
+
+def test_exclude_frozen_parameters_leaves_them_out_and_keeps_them_at_load(disk_dir) -> None:
+    """DeepSpeed's ``exclude_frozen_parameters``: a fine-tuning checkpoint without the frozen
+    base weights; a strict load takes the rest and the frozen ones keep their values."""
+    def model(seed: int):
+        m = make_model("gpt2", seed=seed, layers=2)
+        for p in m.transformer.h[0].parameters():
+            p.requires_grad_(False)
+        return m
+
+    ds = _config(disk_dir, 3, "nvme", "nvme")
+    a, *_ = infinity.initialize(model=model(0), config=ds)
+    try:
+        _train(a, _batches(2))
+        a.save_checkpoint(disk_dir / "full", tag="t")
+        a.save_checkpoint(disk_dir / "lora", tag="t", exclude_frozen_parameters=True)
+    finally:
+        a.close()
+    full = load_file(str(disk_dir / "full" / "t" / "rank0_model.safetensors"))
+    lora = load_file(str(disk_dir / "lora" / "t" / "rank0_model.safetensors"))
+    frozen = {n for n in full if n.startswith("transformer.h.0.")}
+    assert frozen and set(full) - set(lora) == frozen
+    b_model = model(0)        # same frozen base (seed 0): loading the rest gives the full state
+    b, *_ = infinity.initialize(model=b_model, config=ds)
+    try:
+        b.load_checkpoint(disk_dir / "lora")
+        b.save_checkpoint(disk_dir / "again", tag="t")
+    finally:
+        b.close()
+    _assert_same_states(disk_dir / "full" / "t", disk_dir / "again" / "t")
