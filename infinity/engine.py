@@ -229,6 +229,13 @@ class Engine:
         if getattr(self, "_closed", False):
             raise RuntimeError(f"engine.{what}() after engine.close(): the engine's states and "
                                "swap files are gone; build a new engine with infinity.initialize")
+        failure = self.optimizer.step_failure
+        if failure is not None:
+            raise RuntimeError(
+                f"engine.{what}(): an optimizer step failed earlier ({type(failure).__name__}: "
+                f"{failure}), so some units' states may be half-written and this engine cannot "
+                "go on. close() it, build a new engine with infinity.initialize and "
+                "load_checkpoint the last checkpoint") from failure
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open("forward")
@@ -362,6 +369,7 @@ class Engine:
         release the units they held. For measurements and for reading the swap files."""
         if getattr(self, "coordinator", None) is None:
             return
+        self._check_open("flush")
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
         self._settle()
 
@@ -411,6 +419,7 @@ class Engine:
         """Fetch ``unit`` and keep it fetched until ``unpin_unit`` (GatheredParameters): a step
         waiting for it runs on the fetch, and no write of the last step is left in flight (a
         change written home must not race it)."""
+        self._check_open("GatheredParameters")
         self._void_speculation()
         self._settle()
         self.coordinator.pin(unit)

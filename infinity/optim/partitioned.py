@@ -173,6 +173,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         self.last_grad_norm: float | None = None
         self.loss_scale = 1.0        # the fp16 loss scale the gradients carry (set by the engine)
         self.overflow = False        # the last step was skipped: its gradients were not finite
+        self.step_failure: BaseException | None = None   # the first background step that failed
         self._sq_norm = 0.0
         self._accumulate_chunk: torch.Tensor | None = None
         self._boundary = True
@@ -330,6 +331,10 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
             start = time.perf_counter()
             try:
                 job.future.result()
+            except BaseException as exc:
+                if self.step_failure is None:
+                    self.step_failure = exc   # the states may be half-written from here on
+                raise
             finally:
                 # the job's gradient goes back (the stream did so unless the job failed before
                 # it was handed over); the state's belongs to the backward in progress, which

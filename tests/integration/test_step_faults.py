@@ -32,6 +32,16 @@ def test_write_error_in_a_step_is_raised_at_step_and_close_cleans_up(disk_dir, m
         with pytest.raises(OSError, match="injected EIO"):
             engine.backward(loss_of(engine(input_ids=x, labels=x)))
             engine.step()
+            engine.flush()        # the deferred step runs here (no next forward)
+        monkeypatch.setattr(FlatStore, "store_async", original)
+        # the states may be half-written: the engine says so, once and for every call (the
+        # other failed units' errors are not raised one by one), and saves nothing
+        for call in (lambda: engine(input_ids=x, labels=x), engine.step, engine.flush,
+                     lambda: engine.save_checkpoint(disk_dir / "ckpt")):
+            with pytest.raises(RuntimeError, match="an optimizer step failed earlier .*injected "
+                                                   "EIO.*load_checkpoint"):
+                call()
+        assert not (disk_dir / "ckpt").exists()
     finally:
         monkeypatch.setattr(FlatStore, "store_async", original)
         engine.close()
