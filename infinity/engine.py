@@ -186,7 +186,8 @@ class Engine:
             on_grad=self.optimizer.on_grad,
             on_unit_backward_done=self.optimizer.on_unit_backward_done,
             reap=self.optimizer.reap, expect_backward=self.optimizer.expect_backward,
-            step_fetched=self.optimizer.step_fetched, before_read=self._void_speculation)
+            step_fetched=self.optimizer.step_fetched, before_read=self._void_speculation,
+            modified_in_forward=self._keep_forward_change)
         self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
         for module in model.modules():      # register_external_parameter before initialize
@@ -348,6 +349,14 @@ class Engine:
             "prefetch_hit_ratio": self.coordinator.prefetch_hit_ratio,
             "optimizer_background_s": t.background_s,
         }
+
+    def _keep_forward_change(self, unit: Unit) -> None:
+        """A module's forward changed ``unit``'s parameters in place (``nn.Embedding`` with
+        ``max_norm`` renormalises the rows it looks up): keep the change, as torch does, by
+        writing the device copy to every home once the unit's earlier writes have landed."""
+        self._settle()
+        unit.write_home(self.manager, self.fetch_pool)
+        self.optimizer.reload_master(unit)
 
     def _void_speculation(self) -> None:
         """The model is about to be read before ``step()``: speculated parameters must not be

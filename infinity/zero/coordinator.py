@@ -52,7 +52,8 @@ class Coordinator:
                  reap: Callable[..., list[Unit]] = lambda **_: [],
                  expect_backward: Callable[[Unit], None] = lambda unit: None,
                  step_fetched: Callable[[Unit], bool] = lambda unit: False,
-                 before_read: Callable[[], None] = lambda: None) -> None:
+                 before_read: Callable[[], None] = lambda: None,
+                 modified_in_forward: Callable[[Unit], None] = lambda unit: None) -> None:
         self.units = units
         self.hooked = hooked
         self.manager = manager
@@ -66,6 +67,10 @@ class Coordinator:
         # a forward outside the engine's (model.generate(), a plain model call) reads the units
         # too: a speculated step must be dropped first (see [Note: speculative step])
         self.before_read = before_read
+        # a module changed its parameters in place in its forward (nn.Embedding(max_norm=...)
+        # renormalises the rows it reads): the device copy must go home before its release
+        self.modified_in_forward = modified_in_forward
+        self._versions: dict[int, int] = {}   # unit -> its parameters' versions at first use
         self._stepping = [False] * len(units)   # a background step holds the unit fetched
         self.traces = {"train_fwd": Trace(), "bwd": Trace(), "eval_fwd": Trace()}
         self._handles: list = []
@@ -136,6 +141,8 @@ class Coordinator:
         trace = None if recompute else self.traces[self._fwd_trace_name or "eval_fwd"]
         for uid in ids:
             self._ensure(uid, trace)
+            if self._active[uid] == 0 and not recompute:
+                self._versions[uid] = _param_versions(self.units[uid])
             self._active[uid] += 1
         if torch.is_grad_enabled() and not recompute:
             tensors = [t for t in tree_flatten((args, kwargs))[0]
@@ -144,9 +151,14 @@ class Coordinator:
                 t.register_hook(lambda grad, ids=ids: self._post_backward(ids))
 
     def _forward_post(self, ids: tuple[int, ...], output):
+        recompute = self._in_graph_task()
         for uid in ids:
+            if self._active[uid] == 1 and not recompute:     # its last use (still held)
+                before = self._versions.pop(uid, None)
+                if before is not None and before != _param_versions(self.units[uid]):
+                    self.modified_in_forward(self.units[uid])
             self._active[uid] -= 1
-        if not self._in_graph_task():
+        if not recompute:
             for uid in ids:
                 if self._active[uid] == 0:
                     self._release_or_keep(uid)
@@ -441,3 +453,9 @@ class Coordinator:
     def prefetch_hit_ratio(self) -> float:
         n = self.fetch_stats["nvme_fetches"]
         return self.fetch_stats["prefetch_hits"] / n if n else 1.0
+
+
+def _param_versions(unit: Unit) -> int:
+    """The sum of the unit's parameters' version counters: an in-place change through a
+    parameter raises it; the engine's own writes into the flat buffer do not."""
+    return sum(entry.param._version for entry in unit.params)

@@ -534,3 +534,49 @@ def test_gathered_changes_made_by_rebinding_data_are_kept(disk_dir) -> None:
         engine.step()
     finally:
         engine.close()
+
+
+class RenormedEmbeddingModel(nn.Module):
+    """``nn.Embedding(max_norm=1)`` renormalises the rows it looks up, in place, in forward."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width, max_norm=1.0)
+        self.head = nn.Linear(width, VOCAB)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)          # rows longer than max_norm
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.emb(input_ids))
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("tiers", [("cpu", "cpu"), ("nvme", "nvme")])
+@pytest.mark.parametrize("early_step", ["on", "off"])
+def test_a_forward_that_changes_its_parameters_in_place_keeps_the_change(disk_dir, tiers,
+                                                                         early_step) -> None:
+    """Stage 3 keeps what a module's forward does to its own weights, as torch does (the
+    change used to be dropped with the device copy at release)."""
+    torch.manual_seed(0)
+    model = RenormedEmbeddingModel()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    ds = zero_config(3, *tiers, str(disk_dir), early_step=early_step)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = torch.arange(12).reshape(2, 6)
+    try:
+        for _ in range(3):
+            loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference(x, x)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        with infinity.zero.GatheredParameters([model.emb.weight]):
+            torch.testing.assert_close(model.emb.weight, reference.emb.weight, rtol=1e-6,
+                                       atol=1e-7)
+    finally:
+        engine.close()
