@@ -254,14 +254,7 @@ class Engine:
             return self.module(*args, **kwargs)
         except BaseException as exc:
             self.coordinator.abandon_pass()     # post-hooks did not run: units stay fetched
-            if isinstance(exc, RuntimeError) and _mentions_empty_tensor(str(exc)):
-                raise RuntimeError(
-                    f"the forward failed ({str(exc).splitlines()[0][:200]}), probably on a "
-                    "parameter whose unit was not fetched (released parameters have 0 "
-                    "elements): stage 3 fetches a unit only around the forward of a module that "
-                    "holds its parameters. If a module's forward uses another module's parameter "
-                    "(e.g. F.linear(x, self.embed.weight) in a parent module), declare it with "
-                    "infinity.zero.register_external_parameter(module, parameter)") from exc
+            _raise_with_external_parameter_hint(exc, "forward", self.stage)
             raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
@@ -286,7 +279,7 @@ class Engine:
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
         try:
             loss.backward(retain_graph=retain_graph)
-        except BaseException:
+        except BaseException as exc:
             # no gradients will come for the rest: drop the partial ones, and start the next
             # backward clean (its end-of-backward callback never ran)
             try:
@@ -294,6 +287,7 @@ class Engine:
             finally:
                 self.coordinator.abandon_pass()
                 self._drop_rolled_back()
+            _raise_with_external_parameter_hint(exc, "backward", self.stage)
             raise
         self.optimizer.end_backward()
         self._backwards_since_step += 1
@@ -507,6 +501,30 @@ def _warn_second_nvme_path(config: InfinityConfig, used: str | None, param_tier:
         log.warning("offload_param.nvme_path and offload_optimizer.nvme_path differ: every "
                     "NVMe state goes to one swap directory under %s; %s is not used%s. Set both "
                     "to the same path to silence this", used, other[0], missing)
+
+
+EXTERNAL_PARAMETER_HINT = (
+    "stage 3 fetches a unit only around the forward of a module that holds its parameters "
+    "(released parameters have 0 elements). If a module's forward uses another module's "
+    "parameter (e.g. F.linear(x, self.embed.weight) or a penalty on a child's weight in a "
+    "parent module), declare it with infinity.zero.register_external_parameter(module, "
+    "parameter)")
+
+
+def _raise_with_external_parameter_hint(exc: BaseException, where: str, stage: int) -> None:
+    """A forward or backward failed at stage 3: when torch's message is about a 0-element
+    tensor, raise a RuntimeError that says how to declare an external parameter; for other
+    errors of the kinds such a read causes (an IndexError in transformers' code, say), add
+    the hint as a note and let the caller re-raise the error as it is."""
+    if stage != 3 or not isinstance(exc, (RuntimeError, IndexError, ValueError)):
+        return
+    if isinstance(exc, RuntimeError) and _mentions_empty_tensor(str(exc)):
+        raise RuntimeError(f"the {where} failed ({str(exc).splitlines()[0][:200]}), probably "
+                           f"on a parameter whose unit was not fetched: "
+                           f"{EXTERNAL_PARAMETER_HINT}") from exc
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"infinity: if this {where} read a parameter of a module other than the "
+                     f"one running, {EXTERNAL_PARAMETER_HINT}")
 
 
 def _mentions_empty_tensor(message: str) -> bool:

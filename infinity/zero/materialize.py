@@ -99,9 +99,11 @@ class _foreign_params_on_meta:
 
 
 def _reset(module: nn.Module) -> None:
-    if hasattr(module, "reset_parameters"):
-        module.reset_parameters()
-        return
+    # torch's own modules: reset_parameters, or _reset_parameters (nn.MultiheadAttention)
+    for name in ("reset_parameters", "_reset_parameters"):
+        if callable(getattr(module, name, None)):
+            getattr(module, name)()
+            return
     names = [n for n, _ in module.named_parameters(recurse=False)]
     raise ValueError(
         f"cannot initialise parameters {names} of {type(module).__name__} built under "

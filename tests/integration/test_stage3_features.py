@@ -192,6 +192,73 @@ def test_a_parameter_used_outside_its_module_needs_registering(disk_dir) -> None
         engine.close()
 
 
+class IndexedTableModel(nn.Module):
+    """The root indexes a child's weight as a 2-D table (DeBERTa's relative embeddings do
+    this): a released weight fails with an IndexError, not a RuntimeError."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.table = nn.Embedding(8, width)
+        self.body = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.body(x + self.table.weight[:, None][0, 0]).pow(2).mean()
+
+
+class PenaltyModel(nn.Module):
+    """The root adds a penalty on a block's weight after the block ran: the forward computes
+    a sum over 0 elements, the backward fails on the gradient's shape."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x.pow(2).mean() + 0.1 * self.blocks[0].weight.pow(2).sum()
+
+
+def test_other_failures_of_an_external_parameter_read_carry_the_hint(disk_dir) -> None:
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0   # every unit released
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    x = torch.randn(2, 16)
+    engine, *_ = infinity.initialize(model=IndexedTableModel(), config=ds)
+    try:
+        with pytest.raises(IndexError) as info:
+            engine(x)
+        assert "register_external_parameter" in "".join(getattr(info.value, "__notes__", []))
+    finally:
+        engine.close()
+    engine, *_ = infinity.initialize(model=PenaltyModel(), config=ds)
+    try:
+        loss = engine(x)
+        with pytest.raises(RuntimeError, match="the backward failed.*register_external_parameter"):
+            engine.backward(loss)
+    finally:
+        engine.close()
+
+
+def test_zero_init_initialises_torch_attention_modules(disk_dir) -> None:
+    """nn.MultiheadAttention has _reset_parameters (no reset_parameters): built under zero.Init
+    it is initialised by it, as torch does."""
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    torch.manual_seed(0)
+    with infinity.zero.Init(config=ds):
+        layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True)
+    engine, *_ = infinity.initialize(model=layer, config=ds)
+    try:
+        with infinity.zero.GatheredParameters(list(layer.parameters())):
+            bias = layer.self_attn.in_proj_bias
+            weight = layer.self_attn.in_proj_weight
+            assert torch.count_nonzero(bias) == 0      # _reset_parameters zeroes it
+            assert 0.05 < float(weight.std()) < 0.3    # xavier_uniform over (96, 32)
+    finally:
+        engine.close()
+
+
 class DynamicDepthModel(SharedBlockModel):
     """Runs a different subset of blocks on odd steps: the trace must be re-learned."""
 
