@@ -160,7 +160,8 @@ class Engine:
                 replacements[old] = new
                 group_of[new] = group_of.pop(old, -1)
             spec.params = [(n, replacements.get(p, p)) for n, p in spec.params]
-            named = [(n, p, group_of.get(p, -1) if p.requires_grad else -1)
+            # a parameter with no elements has nothing to step: kept as frozen
+            named = [(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
                      for n, p in spec.params]
             unit = Unit(index, spec.name, spec.module, named, self.compute_dtype, self.device)
             # A unit stays on the device when all of it is below the persistence threshold.

@@ -81,7 +81,7 @@ def read_chunks(source: Source, lo: int, hi: int, chunks: ChunkPool
     valid until the next item."""
     if isinstance(source, torch.Tensor) or source.resident:
         tensor = source if isinstance(source, torch.Tensor) else source.tensor
-        step = hi - lo if tensor.device.type == "cpu" else \
+        step = max(1, hi - lo) if tensor.device.type == "cpu" else \
             max(1, DEVICE_PIECE_BYTES // tensor.element_size())
         for a in range(lo, hi, step):
             yield a, tensor[a:min(hi, a + step)].cpu()

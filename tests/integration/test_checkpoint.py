@@ -336,3 +336,40 @@ def test_exclude_frozen_parameters_leaves_them_out_and_keeps_them_at_load(disk_d
     finally:
         b.close()
     _assert_same_states(disk_dir / "full" / "t", disk_dir / "again" / "t")
+
+
+class WithEmptyParameter(torch.nn.Module):
+    """A root-level trainable parameter with no elements (a placeholder some models keep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.placeholder = torch.nn.Parameter(torch.empty(0))
+        self.second = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.second(self.first(x)).pow(2).mean() + self.placeholder.sum()
+
+
+@pytest.mark.parametrize("tiers", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_a_parameter_without_elements_trains_and_checkpoints(disk_dir, tiers) -> None:
+    torch.manual_seed(0)
+    model = WithEmptyParameter()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir, 3, *tiers))
+    try:
+        for x in torch.randn(3, 2, 8):
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference(x)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+        directory = engine.save_checkpoint(disk_dir / "ckpt")
+        assert engine.load_checkpoint(disk_dir / "ckpt")[0] == str(directory)
+    finally:
+        engine.close()
+    assert consolidated_state_dict(directory)["placeholder"].shape == (0,)
