@@ -177,6 +177,17 @@ def engine_and_reference(model: nn.Module, ds_config: dict, lr: float = 1e-3,
     return engine, reference, ref_opt
 
 
+def train_steps(engine, batches) -> list[float]:
+    """One engine step per batch (labels = inputs); the losses."""
+    losses = []
+    for x in batches:
+        loss = loss_of(engine(input_ids=x, labels=x))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def backward_both(engine, reference: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Forward and backward of batch ``x`` (labels = inputs) through the engine and the torch
     reference; their losses must agree (1e-5). Returns the engine's loss."""

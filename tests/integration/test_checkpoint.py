@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 import infinity
 from infinity.checkpoint import consolidated_state_dict
-from parity import VOCAB, backward_both, engine_and_reference, loss_of, make_model, zero_config
+from parity import (VOCAB, backward_both, engine_and_reference, make_model,
+                    train_steps, zero_config)
 
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3,
                                             "warmup_num_steps": 8, "warmup_type": "linear"}}
@@ -29,16 +30,6 @@ def _config(disk_dir, stage: int, param: str, optimizer: str, **extra) -> dict:
 def _batches(count: int, seed: int = 1) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(count)]
-
-
-def _train(engine, batches) -> list[float]:
-    losses = []
-    for x in batches:
-        loss = loss_of(engine(input_ids=x, labels=x))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _files(directory) -> dict[str, torch.Tensor]:
@@ -97,10 +88,10 @@ def test_a_resumed_run_is_the_uninterrupted_run(disk_dir, case) -> None:
 
     a, *_ = infinity.initialize(model=model(0), config=ds)
     try:
-        _train(a, first)
+        train_steps(a, first)
         saved = a.save_checkpoint(disk_dir / "ckpt", client_state={"batches_seen": len(first)})
         lr_at_save, scale_at_save = a.get_lr(), a.loss_scale
-        losses_a = _train(a, rest)
+        losses_a = train_steps(a, rest)
         a.save_checkpoint(disk_dir / "final_a", tag="end")
     finally:
         a.close()
@@ -111,7 +102,7 @@ def test_a_resumed_run_is_the_uninterrupted_run(disk_dir, case) -> None:
         assert (path, client_state) == (str(saved), {"batches_seen": len(first)})
         assert b.global_steps == 3 and b.micro_steps == 3 * accumulation
         assert b.get_lr() == lr_at_save and b.loss_scale == scale_at_save
-        assert _train(b, rest) == losses_a
+        assert train_steps(b, rest) == losses_a
         b.save_checkpoint(disk_dir / "final_b", tag="end")
     finally:
         b.close()
@@ -169,16 +160,16 @@ def test_a_checkpoint_loads_into_another_stage_and_tier(disk_dir, target) -> Non
     batches = _batches(6, seed=5)
     a, *_ = infinity.initialize(model=make_model("gpt2", layers=2), config=source)
     try:
-        _train(a, batches[:3])
+        train_steps(a, batches[:3])
         a.save_checkpoint(disk_dir / "ckpt")
-        losses_a = _train(a, batches[3:])
+        losses_a = train_steps(a, batches[3:])
     finally:
         a.close()
     b, *_ = infinity.initialize(model=make_model("gpt2", seed=4, layers=2),
                                 config=_config(disk_dir, *target, gradient_clipping=1.0))
     try:
         b.load_checkpoint(disk_dir / "ckpt")
-        torch.testing.assert_close(torch.tensor(_train(b, batches[3:])), torch.tensor(losses_a),
+        torch.testing.assert_close(torch.tensor(train_steps(b, batches[3:])), torch.tensor(losses_a),
                                    rtol=1e-5, atol=0)
     finally:
         b.close()
@@ -193,7 +184,7 @@ def test_frozen_parameters_and_buffers_are_saved_and_tied_names_exported(disk_di
     ds = _config(disk_dir, 3, "nvme", "nvme")
     engine, *_ = infinity.initialize(model=model, config=ds)
     try:
-        _train(engine, _batches(2))
+        train_steps(engine, _batches(2))
         model.seen += torch.tensor([1.0, 2.0, 3.0])
         directory = engine.save_checkpoint(disk_dir / "ckpt", tag="frozen")
     finally:
@@ -224,7 +215,7 @@ def test_load_module_only_keeps_the_optimizer_and_counters(disk_dir) -> None:
     ds = _config(disk_dir, 3, "cpu", "cpu")
     a, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
     try:
-        _train(a, _batches(3))
+        train_steps(a, _batches(3))
         a.save_checkpoint(disk_dir / "ckpt")
     finally:
         a.close()
@@ -251,7 +242,7 @@ def test_save_16bit_model_is_what_transformers_loads(disk_dir) -> None:
     engine, *_ = infinity.initialize(model=model, config=_config(disk_dir, 3, "nvme", "nvme"))
     x = _batches(1, seed=8)[0]
     try:
-        _train(engine, _batches(2))
+        train_steps(engine, _batches(2))
         engine.eval()
         with torch.no_grad():
             expected = engine(input_ids=x).logits
@@ -275,7 +266,7 @@ def test_resuming_with_another_accumulation_starts_a_whole_cycle(disk_dir) -> No
                                 config=_config(disk_dir, 3, "cpu", "cpu",
                                                gradient_accumulation_steps=2))
     try:
-        _train(a, _batches(6))
+        train_steps(a, _batches(6))
         a.save_checkpoint(disk_dir / "ckpt")
     finally:
         a.close()
@@ -286,7 +277,7 @@ def test_resuming_with_another_accumulation_starts_a_whole_cycle(disk_dir) -> No
         b.load_checkpoint(disk_dir / "ckpt")
         counts = []
         for x in _batches(4, seed=2):
-            _train(b, [x])
+            train_steps(b, [x])
             counts.append(b.global_steps)
         assert counts == [3, 3, 3, 4]
     finally:
@@ -319,7 +310,7 @@ def test_exclude_frozen_parameters_leaves_them_out_and_keeps_them_at_load(disk_d
     ds = _config(disk_dir, 3, "nvme", "nvme")
     a, *_ = infinity.initialize(model=model(0), config=ds)
     try:
-        _train(a, _batches(2))
+        train_steps(a, _batches(2))
         a.save_checkpoint(disk_dir / "full", tag="t")
         a.save_checkpoint(disk_dir / "lora", tag="t", exclude_frozen_parameters=True)
     finally:

@@ -15,7 +15,7 @@ import infinity
 from infinity.checkpoint import CheckpointError
 from infinity.checkpoint import save as save_module
 from infinity.checkpoint.tensor_file import TensorFileWriter
-from parity import VOCAB, loss_of, make_model, zero_config
+from parity import VOCAB, loss_of, make_model, train_steps, zero_config
 
 
 @pytest.fixture
@@ -30,14 +30,8 @@ def engine(disk_dir):
 
 def _train(engine, steps: int, seed: int = 1) -> list[float]:
     gen = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        x = torch.randint(0, VOCAB, (2, 16), generator=gen)
-        loss = loss_of(engine(input_ids=x, labels=x))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return train_steps(engine, [torch.randint(0, VOCAB, (2, 16), generator=gen)
+                                for _ in range(steps)])
 
 
 def _weights(directory) -> dict[str, torch.Tensor]:

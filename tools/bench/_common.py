@@ -145,6 +145,17 @@ class RssSampler:
         return self.peak
 
 
+def timed_call(sampler: "RssSampler", fn: Callable[[], Any]) -> dict:
+    """Run ``fn``; its seconds and the RSS peak it added over the RSS before it."""
+    before = proc_status(("VmRSS",))["VmRSS"]
+    sampler.take_peak()
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    peak = max(sampler.take_peak(), proc_status(("VmRSS",))["VmRSS"])
+    return {"s": round(seconds, 2), "rss_before_bytes": before, "rss_added_bytes": peak - before}
+
+
 def dir_bytes(path: str | os.PathLike[str]) -> int:
     """Allocated bytes of the files under ``path`` (what a run put on disk)."""
     total = 0

@@ -39,17 +39,6 @@ PEERS = Path(os.environ.get("PEERS_DIR", REPO.parent / "shared" / "peers"))
 PEERS_PY = Path(os.environ.get("PEERS_PYTHON", Path.home() / ".venvs" / "peers" / "bin" / "python"))
 
 
-def _timed(sampler: C.RssSampler, fn) -> dict:
-    """Run ``fn``; its seconds and the RSS peak it added over the RSS before it."""
-    before = C.proc_status(("VmRSS",))["VmRSS"]
-    sampler.take_peak()
-    start = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - start
-    peak = max(sampler.take_peak(), C.proc_status(("VmRSS",))["VmRSS"])
-    return {"s": round(seconds, 2), "rss_before_bytes": before, "rss_added_bytes": peak - before}
-
-
 def ours_worker(spec: dict) -> None:
     with C.worker_stdout() as emit:
         res: dict = {"bench": "checkpoint", "contender": "ours", "size": spec["size"], "ok": False,
@@ -99,10 +88,10 @@ def _ours(spec: dict, res: dict, sampler: C.RssSampler) -> None:
         engine.step()
         engine.flush()
         target = scratch / "ckpt"
-        res["save"] = _timed(sampler, lambda: engine.save_checkpoint(target, tag="t"))
+        res["save"] = C.timed_call(sampler, lambda: engine.save_checkpoint(target, tag="t"))
         res["checkpoint_bytes"] = C.dir_bytes(target)
-        res["load"] = _timed(sampler, lambda: engine.load_checkpoint(target, tag="t"))
-        res["load_unverified"] = _timed(
+        res["load"] = C.timed_call(sampler, lambda: engine.load_checkpoint(target, tag="t"))
+        res["load_unverified"] = C.timed_call(
             sampler, lambda: engine.load_checkpoint(target, tag="t", verify_checksums=False))
     finally:
         engine.close()
@@ -126,15 +115,6 @@ def keep(*a, **k):
     return out
 deepspeed.initialize = keep
 
-def timed(sampler, fn):
-    before = C.proc_status(("VmRSS",))["VmRSS"]
-    sampler.take_peak()
-    start = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - start
-    peak = max(sampler.take_peak(), C.proc_status(("VmRSS",))["VmRSS"])
-    return {"s": round(seconds, 2), "rss_before_bytes": before, "rss_added_bytes": peak - before}
-
 def worker(args):
     with C.worker_stdout() as emit:
         res = {"bench": "checkpoint", "contender": "deepspeed", "size": name, "ok": False}
@@ -142,9 +122,9 @@ def worker(args):
         try:
             ds_e2e._run_worker(args, res)
             engine = taken["engine"]
-            res["save"] = timed(sampler, lambda: engine.save_checkpoint(target, tag="t"))
+            res["save"] = C.timed_call(sampler, lambda: engine.save_checkpoint(target, tag="t"))
             res["checkpoint_bytes"] = C.dir_bytes(target)
-            res["load"] = timed(sampler, lambda: engine.load_checkpoint(target, tag="t"))
+            res["load"] = C.timed_call(sampler, lambda: engine.load_checkpoint(target, tag="t"))
             res["ok"] = True
         except BaseException as exc:
             import traceback

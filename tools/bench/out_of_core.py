@@ -682,7 +682,7 @@ def _hit_ratio(res: dict) -> str:
 def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str:
     rows, bars = [], []
     for got in per_size:
-        size, n = got["size"], got["n_params"]
+        size = got["size"]
         for schedule, res in got["ours"].items():
             if not res.get("ok"):
                 rows.append([size, f"ours {schedule}", "FAILED: " + str(res.get("error"))[:80]]
