@@ -202,9 +202,11 @@ def read_latest(load_dir: Path) -> str | None:
     except (UnicodeDecodeError, OSError) as exc:
         raise CheckpointError(f"{load_dir / LATEST} is unreadable ({exc}); pass tag=") from None
     try:
-        return check_tag(tag) if tag else None
+        return check_tag(tag)
     except ValueError as exc:
-        raise CheckpointError(f"{load_dir / LATEST} names no tag: {exc}") from None
+        raise CheckpointError(f"{load_dir / LATEST} names no tag ({exc}): it was damaged; "
+                              f"pass tag= (checkpoints there: "
+                              f"{', '.join(available_tags(load_dir)) or 'none'})") from None
 
 
 def available_tags(load_dir: Path) -> list[str]:

@@ -56,6 +56,11 @@ class RunCheckpoints:
         if path is None:
             _log.info("--resume: no checkpoint in %s yet; starting from step 1", self.save_dir)
             return 0
+        drawn = client.get("batches_drawn") if isinstance(client, dict) else None
+        if not isinstance(drawn, int) or isinstance(drawn, bool) or drawn < 0:
+            raise ValueError(f"--resume: checkpoint {path} does not say where the batch sampler "
+                             f"stood (client_state {client!r}): it was not saved by infinity "
+                             "train; use another --save-dir")
         saved = {k: client.get(k) for k in identity}
         if saved != identity:
             differing = {k: (saved[k], identity[k]) for k in identity if saved[k] != identity[k]}
@@ -65,7 +70,7 @@ class RunCheckpoints:
         if engine.global_steps >= last_step:
             raise ValueError(f"--resume: checkpoint {path} is at step {engine.global_steps} and "
                              f"--steps is {last_step}: nothing is left to train; raise --steps")
-        sampler.skip(int(client["batches_drawn"]))
+        sampler.skip(drawn)
         _log.info("resumed from %s at step %d", path, engine.global_steps)
         return engine.global_steps
 
