@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         get_logger("cli").debug("usage error", exc_info=True)
         print(f"infinity {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"infinity {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,14 +8,18 @@ instead of silently training on a different sequence of batches.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infinity.checkpoint.directory import available_tags
 from infinity.log import get_logger
+from infinity.sizes import format_bytes
 from infinity.train.data import BatchSampler
 
 _log = get_logger("train")
+CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,19 @@ class RunCheckpoints:
                                  "choose another path")
         return cls(path, interval, resume)
 
+    def check_room(self, n_params: int) -> None:
+        """A checkpoint holds 12 bytes a parameter (fp32 weight and two Adam moments): a disk
+        without room for one fails the run at its first save, after the training."""
+        if self.save_dir is None:
+            return
+        existing = next(p for p in (self.save_dir, *self.save_dir.parents) if p.exists())
+        need = CHECKPOINT_BYTES_PER_PARAM * n_params
+        free = shutil.disk_usage(existing).free
+        if free < need:
+            raise ValueError(f"--save-dir {self.save_dir}: a checkpoint of this model needs about "
+                             f"{format_bytes(need)}, and {existing} has {format_bytes(free)} free; "
+                             "choose a larger disk or free some space")
+
     def resume_into(self, engine: Any, sampler: BatchSampler, identity: dict[str, Any],
                     last_step: int) -> int:
         """Load the latest checkpoint (with --resume) and move the sampler on; returns the
@@ -54,6 +71,11 @@ class RunCheckpoints:
             return 0
         path, client = engine.load_checkpoint(self.save_dir)
         if path is None:
+            tags = available_tags(self.save_dir)
+            if tags:
+                raise ValueError(f"--resume: {self.save_dir} has checkpoints ({', '.join(tags)}) "
+                                 "but no 'latest' file naming one: write the tag to resume from "
+                                 f"into {self.save_dir / 'latest'}, or use another --save-dir")
             _log.info("--resume: no checkpoint in %s yet; starting from step 1", self.save_dir)
             return 0
         drawn = client.get("batches_drawn") if isinstance(client, dict) else None

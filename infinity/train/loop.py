@@ -130,6 +130,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     n_params = models.count_parameters(model_config)
     for parent in swap_parents:
         _check_space(parent, STATE_BYTES_PER_PARAM * n_params)
+    checkpoints.check_room(n_params)
 
     accum = config.gradient_accumulation_steps
     tokens_per_step = sampler.tokens_per_batch * accum

@@ -50,11 +50,18 @@ def remember_released(units: Iterable[Any]) -> None:
 
 
 def check_not_released(model: nn.Module) -> None:
-    """Refuse a model whose parameters a closed engine left empty, before anything is built."""
+    """Refuse a model that a live engine holds, or whose parameters a closed engine left
+    empty, before anything is built."""
     def released(p: nn.Parameter) -> bool:
         ref = _released_params.get(id(p))
         return ref is not None and ref() is p and p.numel() == 0
 
+    for engine in list(_live_engines):
+        if getattr(engine, "module", None) is model and not getattr(engine, "_closed", False):
+            raise ValueError(
+                "this model already belongs to a live engine: two engines over one model would "
+                "fight over its parameters (at stage 3 the second would see released, empty "
+                "ones). close() the first engine, or build another model")
     empty = [name for name, p in model.named_parameters() if released(p)]
     if empty:
         raise ValueError(

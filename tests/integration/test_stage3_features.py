@@ -647,3 +647,20 @@ def test_a_forward_that_changes_its_parameters_in_place_keeps_the_change(disk_di
                                        atol=1e-7)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_model_held_by_a_live_engine_is_refused(disk_dir, stage) -> None:
+    """A second engine over the same model would fight the first over its parameters (at
+    stage 3 it would take over released, empty ones and train nothing)."""
+    model = make_model("torch", layers=2)
+    ds = zero_config(stage, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    first, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        with pytest.raises(ValueError, match="already belongs to a live engine"):
+            infinity.initialize(model=model, config=ds)
+    finally:
+        first.close()
+    if stage < 3:    # after close, a stage-1 model keeps its values and may be used again
+        infinity.initialize(model=model, config=ds)[0].close()
