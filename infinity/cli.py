@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 
+from infinity.budget import BudgetExceededError
 from infinity.log import get_logger
 
 SUBCOMMANDS = {
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(modules[args.command].run(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError, PermissionError) as exc:
+    except (UsageError, ValueError, FileNotFoundError, PermissionError,
+            BudgetExceededError) as exc:    # a budget too small for the run: its message says so
         get_logger("cli").debug("usage error", exc_info=True)
         print(f"infinity {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -109,6 +109,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         raise ValueError(f"--engine {opts.engine!r}: expected 'infinity' or 'torch'")
     if opts.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {opts.steps}")
+    if opts.progress_every is not None and opts.progress_every < 1:
+        raise ValueError(f"--progress-every must be at least 1, got {opts.progress_every}")
 
     # 1. Everything that reads user input, before any big allocation; the cheap checks first
     # (no transformers import), so that bad input fails in a moment.
