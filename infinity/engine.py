@@ -43,6 +43,7 @@ from infinity.zero.init import (
     check_not_released,
     register_engine,
     remember_released,
+    unregister_engine,
 )
 from infinity.zero.materialize import materialize_params
 from infinity.zero.partition import modules_needing, partition
@@ -466,6 +467,7 @@ class Engine:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        unregister_engine(self)
         try:
             if getattr(self, "coordinator", None) is not None:
                 self.coordinator.release_finished_steps(self.optimizer.drain_steps())

@@ -41,6 +41,11 @@ def register_engine(engine: Any) -> None:
     _live_engines.add(engine)
 
 
+def unregister_engine(engine: Any) -> None:
+    """A closed engine holds no unit any more."""
+    _live_engines.discard(engine)
+
+
 def remember_released(units: Iterable[Any]) -> None:
     """A closing engine leaves these units' parameters empty (see zero/unit.py)."""
     for unit in units:

@@ -663,4 +663,9 @@ def test_a_model_held_by_a_live_engine_is_refused(disk_dir, stage) -> None:
     finally:
         first.close()
     if stage < 3:    # after close, a stage-1 model keeps its values and may be used again
-        infinity.initialize(model=model, config=ds)[0].close()
+        second, *_ = infinity.initialize(model=model, config=ds)
+        try:          # only the live engine's units are gathered
+            with infinity.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                assert all(p.numel() for p in model.parameters())
+        finally:
+            second.close()
