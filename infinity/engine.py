@@ -7,6 +7,7 @@ its own module (see DESIGN.md "Layers").
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from pathlib import Path
@@ -561,7 +562,8 @@ def _param_groups(model: nn.Module, model_parameters: Iterable | None,
     groups = []
     seen = set()
     for i, group in enumerate(raw):
-        params = [p for p in group["params"] if p.requires_grad]
+        params = _group_params(group, i)
+        params = [p for p in params if p.requires_grad]
         for p in params:
             if p in seen:
                 raise ValueError(f"a parameter appears in more than one param group (group {i})")
@@ -570,10 +572,44 @@ def _param_groups(model: nn.Module, model_parameters: Iterable | None,
         if unknown:
             raise ValueError(f"param group {i} has unknown keys {sorted(unknown)}; "
                              f"allowed: params, {', '.join(defaults)}")
-        groups.append({**defaults, **{k: v for k, v in group.items() if k != "params"},
-                       "params": params})
+        merged = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
+        _check_hyperparameters(merged, i)
+        groups.append({**merged, "params": params})
     left_out = [n for n, p in model.named_parameters() if p.requires_grad and p not in seen]
     if left_out and model_parameters is not None:
         log.warning("%d trainable parameters are in no param group and will not be updated "
                     "(e.g. %s)", len(left_out), left_out[:3])
     return groups
+
+
+def _group_params(group: Any, index: int) -> list:
+    """A param group's parameters, or a ValueError that says what was passed instead."""
+    if not isinstance(group, Mapping) or "params" not in group:
+        raise ValueError(f"param group {index} must be a dict with a \"params\" list, got "
+                         f"{type(group).__name__}")
+    params = group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    for p in params:
+        if isinstance(p, tuple):
+            raise ValueError(f"param group {index} holds (name, parameter) pairs: pass "
+                             "model.parameters(), not model.named_parameters()")
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"param group {index} holds a {type(p).__name__}, not a parameter")
+    return params
+
+
+def _check_hyperparameters(group: dict, index: int) -> None:
+    """Adam's settings of a param group, checked at initialize rather than at the first step."""
+    def number(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or value < 0:
+            raise ValueError(f"param group {index}: {key} must be a finite number >= 0, got "
+                             f"{value!r}")
+        return float(value)
+
+    for key in ("lr", "eps", "weight_decay"):
+        number(key, group[key])
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
+            not all(0 <= number("betas", b) < 1 for b in betas):
+        raise ValueError(f"param group {index}: betas must be two numbers in [0, 1), got {betas!r}")
