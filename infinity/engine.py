@@ -7,7 +7,6 @@ its own module (see DESIGN.md "Layers").
 """
 from __future__ import annotations
 
-import math
 import re
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from infinity.budget import MemoryBudget
 from infinity.checkpoint import load_checkpoint, save_checkpoint, save_model_weights
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
+from infinity.param_groups import param_groups
 from infinity.malloc_tuning import set_mmap_threshold, trim
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.partitioned import PartitionedOptimizer
@@ -102,7 +102,7 @@ class Engine:
             optimizer_tier = Tier.HOST
         self.param_tier, self.optimizer_tier = param_tier, optimizer_tier
 
-        groups = _param_groups(model, model_parameters, self.config)
+        groups = param_groups(model, model_parameters, self.config)
         self.early_step = derived.early_step
         # on a CPU device, parameters are read from NVMe straight into device memory
         self.direct_fetch = param_tier is Tier.NVME and DeviceMemoryCache.supported(self.device)
@@ -544,72 +544,3 @@ def _model_device(model: nn.Module) -> torch.device:
             return p.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-
-
-def _param_groups(model: nn.Module, model_parameters: Iterable | None,
-                  config: InfinityConfig) -> list[dict]:
-    """Param groups with the config's hyperparameters as defaults (torch optimizer layout)."""
-    opt = config.optimizer
-    defaults = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps,
-                "weight_decay": opt.weight_decay, "bias_correction": opt.bias_correction,
-                "adamw_mode": opt.adam_w_mode}
-    if model_parameters is None:
-        raw: list = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    else:
-        raw = list(model_parameters)
-        if raw and not isinstance(raw[0], dict):
-            raw = [{"params": raw}]
-    groups = []
-    seen = set()
-    for i, group in enumerate(raw):
-        params = _group_params(group, i)
-        params = [p for p in params if p.requires_grad]
-        for p in params:
-            if p in seen:
-                raise ValueError(f"a parameter appears in more than one param group (group {i})")
-            seen.add(p)
-        unknown = set(group) - {"params", *defaults, "name"}
-        if unknown:
-            raise ValueError(f"param group {i} has unknown keys {sorted(unknown)}; "
-                             f"allowed: params, {', '.join(defaults)}")
-        merged = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
-        _check_hyperparameters(merged, i)
-        groups.append({**merged, "params": params})
-    left_out = [n for n, p in model.named_parameters() if p.requires_grad and p not in seen]
-    if left_out and model_parameters is not None:
-        log.warning("%d trainable parameters are in no param group and will not be updated "
-                    "(e.g. %s)", len(left_out), left_out[:3])
-    return groups
-
-
-def _group_params(group: Any, index: int) -> list:
-    """A param group's parameters, or a ValueError that says what was passed instead."""
-    if not isinstance(group, Mapping) or "params" not in group:
-        raise ValueError(f"param group {index} must be a dict with a \"params\" list, got "
-                         f"{type(group).__name__}")
-    params = group["params"]
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
-    for p in params:
-        if isinstance(p, tuple):
-            raise ValueError(f"param group {index} holds (name, parameter) pairs: pass "
-                             "model.parameters(), not model.named_parameters()")
-        if not isinstance(p, torch.Tensor):
-            raise ValueError(f"param group {index} holds a {type(p).__name__}, not a parameter")
-    return params
-
-
-def _check_hyperparameters(group: dict, index: int) -> None:
-    """Adam's settings of a param group, checked at initialize rather than at the first step."""
-    def number(key: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value) or value < 0:
-            raise ValueError(f"param group {index}: {key} must be a finite number >= 0, got "
-                             f"{value!r}")
-        return float(value)
-
-    for key in ("lr", "eps", "weight_decay"):
-        number(key, group[key])
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
-            not all(0 <= number("betas", b) < 1 for b in betas):
-        raise ValueError(f"param group {index}: betas must be two numbers in [0, 1), got {betas!r}")
