@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -293,7 +292,3 @@ def verify_files(directory: Path, manifest: dict[str, Any], checksums: bool,
         if sha256_of_file(directory / name) != files[name]["sha256"]:
             raise CheckpointError(f"checkpoint file {directory / name} does not match its sha256 "
                                   "in the manifest: the file is damaged; load another tag")
-
-
-def free_bytes(directory: Path) -> int:
-    return shutil.disk_usage(directory).free

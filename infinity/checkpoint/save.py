@@ -23,7 +23,6 @@ from infinity.checkpoint.directory import (
     VERSION,
     check_tag,
     commit,
-    free_bytes,
     prepare_staging,
     remove_checkpoint_files,
     write_latest,
@@ -41,6 +40,7 @@ from infinity.checkpoint.layout import (
 from infinity.checkpoint.tensor_file import TensorFileWriter, itemsize
 from infinity.checkpoint.unit_io import ChunkPool, save_entries
 from infinity.log import get_logger
+from infinity.storage.preflight import free_bytes
 from infinity.sizes import format_bytes
 
 if TYPE_CHECKING:

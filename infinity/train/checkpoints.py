@@ -8,7 +8,6 @@ instead of silently training on a different sequence of batches.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from infinity.checkpoint.directory import available_tags
 from infinity.log import get_logger
 from infinity.sizes import format_bytes
+from infinity.storage.preflight import free_bytes
 from infinity.train.data import BatchSampler
 
 _log = get_logger("train")
@@ -57,7 +57,7 @@ class RunCheckpoints:
             return
         existing = next(p for p in (self.save_dir, *self.save_dir.parents) if p.exists())
         need = CHECKPOINT_BYTES_PER_PARAM * n_params
-        free = shutil.disk_usage(existing).free
+        free = free_bytes(existing)
         if free < need:
             raise ValueError(f"--save-dir {self.save_dir}: a checkpoint of this model needs about "
                              f"{format_bytes(need)}, and {existing} has {format_bytes(free)} free; "

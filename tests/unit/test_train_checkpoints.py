@@ -2,8 +2,6 @@
 room, and a --save-dir whose ``latest`` is gone are refused before the run trains."""
 from __future__ import annotations
 
-from collections import namedtuple
-
 import pytest
 
 from infinity.train import checkpoints as module
@@ -23,8 +21,7 @@ def test_flags_are_checked_up_front(tmp_path) -> None:
 
 
 def test_a_disk_without_room_for_one_checkpoint_is_refused(tmp_path, monkeypatch) -> None:
-    usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(module.shutil, "disk_usage", lambda path: usage(10**9, 0, 10**6))
+    monkeypatch.setattr(module, "free_bytes", lambda path: 10**6)
     run = RunCheckpoints.from_options(str(tmp_path / "new" / "ck"), None, False, "infinity")
     with pytest.raises(ValueError, match="needs about 1.12 GiB"):
         run.check_room(100_000_000)
