@@ -1,6 +1,7 @@
 """Byte sizes as users write them ("3GiB", "512MB", 1e9) and as we print them."""
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -31,7 +32,12 @@ def parse_bytes(value: int | float | str, what: str = "size") -> int:
         raise ValueError(f"{what}: expected a byte count such as 3GiB or 1e9, got {value!r}")
     if number < 0:
         raise ValueError(f"{what}: must not be negative, got {value!r}")
-    return int(number * _UNITS[unit])
+    total = number * _UNITS[unit]
+    if not math.isfinite(total):
+        # JSON's Infinity/NaN (Python's json accepts them), "1e400" or "1e300TiB": int() would
+        # raise an OverflowError that names no key
+        raise ValueError(f"{what}: must be a finite number, got {value!r}")
+    return int(total)
 
 
 def format_bytes(nbytes: float) -> str:

@@ -109,6 +109,17 @@ def test_config_error(capsys: pytest.CaptureFixture[str], tmp_path: Path, disk_d
     assert list(disk_dir.iterdir()) == []
 
 
+def test_non_finite_number_in_the_config(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                         disk_dir: Path) -> None:
+    """Python's json reads the bare literal Infinity; it was an OverflowError traceback."""
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 3, "sub_group_size": Infinity}}')
+    code, err = _run_cli(capsys, "--config", str(config), "--nvme-path", str(disk_dir))
+    assert code == 2 and "Traceback" not in err
+    assert "zero_optimization.sub_group_size = inf: must be a finite number" in _one_error_line(err)
+    assert list(disk_dir.iterdir()) == []
+
+
 def test_swap_path_that_fails_preflight(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
     code, err = _run_cli(capsys, "--model-size", "tiny", "--nvme-path", str(missing))

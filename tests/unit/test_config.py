@@ -376,3 +376,25 @@ def test_malloc_mmap_threshold_defaults_to_4mib_and_accepts_null_and_sizes() -> 
 def test_malloc_mmap_threshold_out_of_glibc_range_is_refused(value) -> None:
     with pytest.raises(ConfigError, match="malloc_mmap_threshold"):
         InfinityConfig.from_dict({"infinity": {"malloc_mmap_threshold": value}})
+
+
+_SIZES = ("zero_optimization.sub_group_size", "zero_optimization.reduce_bucket_size",
+          "zero_optimization.offload_optimizer.buffer_size", "aio.block_size",
+          "infinity.host_memory_budget", "infinity.activation_window")
+_NUMBERS = ("zero_optimization.stage", "aio.queue_depth", "scheduler.params.warmup_num_steps",
+            "optimizer.params.lr", "gradient_clipping", "fp16.loss_scale")
+
+
+@pytest.mark.parametrize("path, value", [
+    *[(p, v) for p in _SIZES for v in (float("inf"), float("nan"), "1e400", "1e300TiB")],
+    *[(p, v) for p in _NUMBERS for v in (float("inf"), float("-inf"), float("nan"))],
+])
+def test_non_finite_numbers_are_config_errors_naming_the_key(path: str, value: object) -> None:
+    """Python's json reads Infinity and NaN; int(inf) of a size raised a bare OverflowError."""
+    leaf = path.rsplit(".", 1)[-1]
+    with pytest.raises(ConfigError, match=rf"{leaf} = .*(finite|integer)"):
+        InfinityConfig.from_dict(with_change(path, value), world_size=2)
+    text = json.dumps(with_change(path, value))   # as read from a file: bare Infinity / NaN
+    assert "Infinity" in text or "NaN" in text or isinstance(value, str)
+    with pytest.raises(ConfigError, match=leaf):
+        InfinityConfig.from_dict(json.loads(text), world_size=2)
