@@ -28,8 +28,8 @@ from infinity.train import models
 from infinity.train.baseline import TorchBaselineEngine
 from infinity.train.checkpoints import RunCheckpoints
 from infinity.train.defaults import DEFAULT_SEQ_LEN, DEFAULT_STEPS
-from infinity.train.metrics import (MetricsWriter, StepRecord, Summary, plot_available,
-                                    render_summary, summarize, write_plot)
+from infinity.train.metrics import (MetricsWriter, StepRecord, Summary, check_writable,
+                                    plot_available, render_summary, summarize, write_plot)
 from infinity.train.progress import ProgressBar
 from infinity.train.run_config import (Overrides, build_ds_config, demo_config, nvme_paths,
                                        read_config_file)
@@ -124,10 +124,10 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     swap_parents = nvme_paths(ds) if opts.engine == "infinity" else []
     for parent in swap_parents:
         _preflight(parent, direct_io=config.aio.backend != "mmap")
+    writer = MetricsWriter(opts.metrics) if opts.metrics else None
     plot_path = _plot_path(opts)
     checkpoints = RunCheckpoints.from_options(opts.save_dir, opts.save_interval, opts.resume,
                                               opts.engine)
-    writer = MetricsWriter(opts.metrics) if opts.metrics else None
     model_config = models.model_config(opts.model_size, opts.hf_config, opts.seq_len)
     n_params = models.count_parameters(model_config)
     for parent in swap_parents:
@@ -295,11 +295,12 @@ def _plot_path(opts: TrainOptions) -> Path | None:
             raise ValueError(f"--plot {opts.plot} needs matplotlib, which is not installed; "
                              "pip install matplotlib (or infinity-offload[plot]) or drop --plot")
         path = Path(opts.plot)
-        if not path.parent.is_dir():
-            raise FileNotFoundError(f"--plot {path}: directory {path.parent} does not exist")
+        check_writable(path, "--plot", example="plot.png")
         return path
     if opts.metrics and plot_available():
-        return Path(opts.metrics).with_suffix(".png")
+        path = Path(opts.metrics).with_suffix(".png")
+        check_writable(path, "--plot (default: next to --metrics)", example="plot.png")
+        return path
     return None
 
 

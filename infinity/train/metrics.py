@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Iterable, Sequence
@@ -92,18 +94,13 @@ class StepRecord:
 class MetricsWriter:
     """Writes one JSON line per step to ``path``, flushed per line.
 
-    The path is checked at construction; the file is created (or truncated) at the first record,
-    so a run that fails before its first step leaves no file behind.
+    The path is checked at construction (``check_writable``); the file is created (or truncated)
+    at the first record, so a run that fails before its first step leaves no file behind.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if self.path.is_dir():
-            raise ValueError(f"--metrics {self.path} is a directory; pass a file path such as "
-                             f"{self.path / 'metrics.jsonl'}")
-        if not self.path.parent.is_dir():
-            raise FileNotFoundError(f"--metrics {self.path}: directory {self.path.parent} does "
-                                    "not exist; create it or choose another path")
+        check_writable(self.path, "--metrics")
         self._file: IO[str] | None = None
         self._closed = False
 
@@ -120,6 +117,34 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def check_writable(path: Path, flag: str, example: str = "metrics.jsonl") -> None:
+    """Raise now, not after the run, when ``path`` cannot be written (the run's results would be lost).
+
+    Writing is tried for real (a probe file next to it, removed at once; an existing file is
+    opened for appending, which changes nothing): permission bits say nothing for root, nor for
+    a read-only mount or /proc. The file itself is not created, so a run that fails before its
+    first step leaves none behind.
+    """
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; pass a file path such as "
+                         f"{path / example}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: directory {parent} does not exist; create it "
+                                "or choose another path")
+    try:
+        if path.exists():
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        else:
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=".infinity-probe-")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        where = path if path.exists() else parent
+        raise PermissionError(f"{flag} {path}: cannot write {where} ({exc.strerror or exc}); "
+                              "choose a writable path") from None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -120,6 +120,41 @@ def test_non_finite_number_in_the_config(capsys: pytest.CaptureFixture[str], tmp
     assert list(disk_dir.iterdir()) == []
 
 
+def _unwritable_dirs(tmp_path: Path) -> list[Path]:
+    """Directories this process cannot write in: /proc (even as root) and, unless root, a 0555 one."""
+    dirs = [Path("/proc")]
+    if os.geteuid() != 0:   # root ignores permission bits
+        locked = tmp_path / "read-only"
+        locked.mkdir(mode=0o555)
+        dirs.append(locked)
+    return dirs
+
+
+@pytest.mark.parametrize("flag", ["--metrics", "--plot"])
+def test_unwritable_metrics_or_plot_path_fails_before_training(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, disk_dir: Path,
+        monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    """It failed only after the run (the first record, or the plot at the end)."""
+    from infinity.train import loop, metrics
+
+    def no_training(*args: object) -> None:
+        raise AssertionError("the engine was built before the bad path was reported")
+
+    monkeypatch.setattr(loop, "_make_engine", no_training)
+    monkeypatch.setattr(loop, "plot_available", lambda: True)   # --plot without matplotlib
+    monkeypatch.setattr(metrics, "plot_available", lambda: True)
+    for where in _unwritable_dirs(tmp_path):
+        target = where / ("m.jsonl" if flag == "--metrics" else "m.png")
+        extra = [] if flag == "--metrics" else ["--metrics", str(tmp_path / "ok.jsonl")]
+        code, err = _run_cli(capsys, "--model-size", "tiny", "--steps", "1", "--nvme-path",
+                             str(disk_dir), flag, str(target), *extra)
+        line = _one_error_line(err)
+        assert code == 2 and f"{flag} {target}: cannot write" in line, err
+        assert "choose a writable path" in line and "Traceback" not in err
+        assert list(disk_dir.iterdir()) == [] and not target.exists()
+    assert not (tmp_path / "ok.jsonl").exists()    # the good file is not created early either
+
+
 def test_swap_path_that_fails_preflight(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
     code, err = _run_cli(capsys, "--model-size", "tiny", "--nvme-path", str(missing))
