@@ -148,19 +148,26 @@ _SCHEDULER_KEYS: dict[str, tuple[str, ...]] = {
                       "total_num_steps", "last_batch_iteration"),
     "WarmupCosineLR": ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
                        "total_num_steps", "last_batch_iteration"),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
+                 "cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count",
+                 "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom",
+                 "decay_mom_rate", "last_batch_iteration"),
+    "LRRangeTest": ("lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                    "lr_range_test_staircase", "last_batch_iteration"),
 }
 
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """``"scheduler"``: DeepSpeed's warm-up schedules, with DeepSpeed's parameter names."""
+    """``"scheduler"``: DeepSpeed's LR schedules, with DeepSpeed's parameter names and defaults."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
     """Schedule name."""
     warmup_min_lr: float = 0.0
     """LR at step 0 (WarmupLR, WarmupDecayLR)."""
     warmup_max_lr: float | None = None
-    """LR reached after warm-up; None = the optimizer's lr (WarmupLR, WarmupDecayLR)."""
+    """LR reached after warm-up; None = the optimizer's lr (WarmupLR) or 0.001 (WarmupDecayLR), as
+    DeepSpeed's defaults."""
     warmup_num_steps: int = 1000
     """Warm-up length in optimizer steps."""
     warmup_type: Literal["log", "linear"] = "log"
@@ -171,12 +178,54 @@ class SchedulerConfig:
     """Start LR as a fraction of the optimizer's lr (WarmupCosineLR)."""
     cos_min_ratio: float = 1e-4
     """End LR as a fraction of the optimizer's lr (WarmupCosineLR)."""
+    cycle_min_lr: float | None = None
+    """OneCycle: LR at the start and end of the cycle (required)."""
+    cycle_max_lr: float | None = None
+    """OneCycle: LR at the top of the cycle (required)."""
+    decay_lr_rate: float = 0.0
+    """OneCycle: after the cycle, lr = cycle_min_lr / (1 + decay_lr_rate * steps / decay_step_size)."""
+    cycle_first_step_size: int = 2000
+    """OneCycle: steps of the rising half."""
+    cycle_second_step_size: int | None = None
+    """OneCycle: steps of the falling half; None = cycle_first_step_size."""
+    cycle_first_stair_count: int = 0
+    """OneCycle: stairs in the rising half (0 = continuous)."""
+    cycle_second_stair_count: int | None = None
+    """OneCycle: stairs in the falling half; None = cycle_first_stair_count."""
+    decay_step_size: int = 0
+    """OneCycle: steps per decay interval after the cycle (0 = no decay)."""
+    cycle_momentum: bool = True
+    """OneCycle: cycle Adam's beta1 inversely to the LR (DeepSpeed then sets beta2 to 0.99)."""
+    cycle_min_mom: float = 0.8
+    """OneCycle: beta1 at the top of the cycle."""
+    cycle_max_mom: float = 0.9
+    """OneCycle: beta1 at the start and end of the cycle."""
+    decay_mom_rate: float = 0.0
+    """OneCycle: after the cycle, beta1 = cycle_max_mom * (1 + decay_mom_rate * steps / decay_step_size)."""
+    lr_range_test_min_lr: float = 1e-3
+    """LRRangeTest: the starting LR."""
+    lr_range_test_step_size: int = 2000
+    """LRRangeTest: steps per interval of increase."""
+    lr_range_test_step_rate: float = 1.0
+    """LRRangeTest: lr = min_lr * (1 + step_rate * intervals)."""
+    lr_range_test_staircase: bool = False
+    """LRRangeTest: whole intervals only (a staircase) instead of a continuous ramp."""
     last_batch_iteration: int = -1
     """Index of the last step taken (-1: a fresh run)."""
 
     def __post_init__(self) -> None:
         p = "scheduler.params"
         _choice("scheduler.type", self.type, tuple(_SCHEDULER_KEYS))
+        if self.type == "OneCycle":
+            self._check_one_cycle(p)
+        if self.type == "LRRangeTest":
+            _set(self, "lr_range_test_min_lr",
+                 _float(f"{p}.lr_range_test_min_lr", self.lr_range_test_min_lr, 0.0))
+            _set(self, "lr_range_test_step_size",
+                 _int(f"{p}.lr_range_test_step_size", self.lr_range_test_step_size, 1))
+            _set(self, "lr_range_test_step_rate",
+                 _float(f"{p}.lr_range_test_step_rate", self.lr_range_test_step_rate, 0.0))
+            _bool(f"{p}.lr_range_test_staircase", self.lr_range_test_staircase)
         _set(self, "warmup_min_lr", _float(f"{p}.warmup_min_lr", self.warmup_min_lr, 0.0))
         if self.warmup_max_lr is not None:
             _set(self, "warmup_max_lr", _float(f"{p}.warmup_max_lr", self.warmup_max_lr, 0.0))
@@ -190,6 +239,27 @@ class SchedulerConfig:
         _set(self, "warmup_min_ratio", _float(f"{p}.warmup_min_ratio", self.warmup_min_ratio, 0.0, 1.0))
         _set(self, "cos_min_ratio", _float(f"{p}.cos_min_ratio", self.cos_min_ratio, 0.0, 1.0))
         _set(self, "last_batch_iteration", _int(f"{p}.last_batch_iteration", self.last_batch_iteration, -1))
+
+    def _check_one_cycle(self, p: str) -> None:
+        for name in ("cycle_min_lr", "cycle_max_lr"):
+            if getattr(self, name) is None:
+                raise ConfigError(f"scheduler OneCycle needs {p}.{name} (DeepSpeed has no default "
+                                  "for it): set it to a learning rate")
+            _set(self, name, _float(f"{p}.{name}", getattr(self, name), 0.0))
+        for name in ("decay_lr_rate", "decay_mom_rate"):
+            _set(self, name, _float(f"{p}.{name}", getattr(self, name), 0.0))
+        _set(self, "cycle_first_step_size", _int(f"{p}.cycle_first_step_size", self.cycle_first_step_size, 1))
+        for name in ("cycle_second_step_size", "cycle_second_stair_count"):
+            if getattr(self, name) is not None:
+                _set(self, name, _int(f"{p}.{name}", getattr(self, name), 0))
+        _set(self, "cycle_first_stair_count", _int(f"{p}.cycle_first_stair_count", self.cycle_first_stair_count, 0))
+        _set(self, "decay_step_size", _int(f"{p}.decay_step_size", self.decay_step_size, 0))
+        _bool(f"{p}.cycle_momentum", self.cycle_momentum)
+        for name in ("cycle_min_mom", "cycle_max_mom"):
+            _set(self, name, _float(f"{p}.{name}", getattr(self, name), 0.0, 1.0, hi_open=True))
+        if self.cycle_second_stair_count and self.cycle_second_step_size == 0:
+            raise ConfigError(f"{p}.cycle_second_stair_count = {self.cycle_second_stair_count} "
+                              f"needs a falling half: {p}.cycle_second_step_size is 0")
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type,

@@ -1,4 +1,17 @@
-"""DeepSpeed's LR schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR) as torch LR schedulers."""
+"""DeepSpeed's LR schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest),
+step for step as DeepSpeed's engine applies them, so a ds_config's schedule trains the same here.
+
+Two DeepSpeed habits are kept on purpose, because a run moved over from DeepSpeed should see the
+same learning rates at the same steps:
+
+- The count is ``last_batch_iteration``, -1 when the run starts, and the engine calls ``step()``
+  after each optimizer step. The first optimizer step runs at the schedule's value for -1 (the
+  warm-up schedules' start value, WarmupCosineLR's 0, OneCycle's and LRRangeTest's minimum), the
+  second at the value for 0 -- which is again the start value for the warm-ups -- and step ``k``
+  at the value for ``k - 2``.
+- OneCycle with ``cycle_momentum`` (its default) sets each group's Adam betas to
+  ``(cycled beta1, 0.99)``: beta2 becomes 0.99 whatever the optimizer section said.
+"""
 from __future__ import annotations
 
 import math
@@ -6,54 +19,205 @@ from typing import Any, Callable
 
 import torch
 
+from infinity.config_sections import SchedulerConfig
 
-def _warmup_gamma(step: int, warmup_steps: int, kind: str) -> float:
-    """The warm-up fraction at ``step``; ``warmup_steps`` is already at least 2, as DeepSpeed
-    makes it (its log warm-up divides by log(warmup_steps))."""
-    if step >= warmup_steps:
-        return 1.0
-    if kind == "log":
-        return math.log(step + 1) / math.log(warmup_steps)
-    return step / warmup_steps
+Betas = tuple[float, float]
 
 
-def schedule_lambda(sched, base_lr: float) -> Callable[[int], float]:
-    """The multiplier of ``base_lr`` at each step (the count of optimizer steps taken, as
-    DeepSpeed's ``last_batch_iteration``) for a config's ``scheduler`` section, with DeepSpeed's
-    formulas: WarmupDecayLR decays linearly from max to ``warmup_min_lr`` (not to 0), and
-    WarmupCosineLR's cosine starts one step into the decay."""
-    kind = sched.type
-    warmup = max(2, sched.warmup_num_steps)
-    if kind in ("WarmupDecayLR", "WarmupCosineLR") and sched.total_num_steps is None:
+class DeepSpeedSchedule:
+    """Sets each param group's ``lr`` (and, for OneCycle, ``betas``) from ``last_batch_iteration``.
+
+    The scheduler interface DeepSpeed's schedules have: ``step()``, ``get_lr()``,
+    ``get_last_lr()``, ``state_dict()`` / ``load_state_dict()`` (``{"last_batch_iteration": n}``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: SchedulerConfig) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self._lr_at, self._betas_at = _schedule(config, [float(g["lr"]) for g in optimizer.param_groups])
+        self.last_batch_iteration = config.last_batch_iteration
+        self._last_lr = self._apply()
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group at the current ``last_batch_iteration``."""
+        return [self._lr_at(self.last_batch_iteration, i) for i in range(len(self.optimizer.param_groups))]
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """Called after each optimizer step (the engine does; a step skipped for overflow is not)."""
+        self.last_batch_iteration = (self.last_batch_iteration + 1 if last_batch_iteration is None
+                                     else int(last_batch_iteration))
+        self._last_lr = self._apply()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Accepts this class's state, and the ``LambdaLR`` state that infinity's checkpoints held
+        before (``last_epoch`` = optimizer steps taken; the same position is ``last_epoch - 1``)."""
+        if "last_batch_iteration" in state:
+            self.last_batch_iteration = int(state["last_batch_iteration"])
+        elif "last_epoch" in state:
+            self.last_batch_iteration = int(state["last_epoch"]) - 1
+        else:
+            raise ValueError(f"LR scheduler state {sorted(state)} has no last_batch_iteration")
+        self._last_lr = self._apply()
+
+    def _apply(self) -> list[float]:
+        lrs = self.get_lr()
+        for i, (group, lr) in enumerate(zip(self.optimizer.param_groups, lrs)):
+            group["lr"] = lr
+            betas = self._betas_at(self.last_batch_iteration, i)
+            if betas is not None:
+                group["betas"] = betas
+        return lrs
+
+
+def _schedule(cfg: SchedulerConfig, group_lrs: list[float]
+              ) -> tuple[Callable[[int, int], float], Callable[[int, int], Betas | None]]:
+    """``(lr(iteration, group), betas(iteration, group))`` for the config's schedule."""
+    kind = cfg.type
+    if kind in ("WarmupDecayLR", "WarmupCosineLR") and cfg.total_num_steps is None:
         raise ValueError(f"scheduler {kind} needs params.total_num_steps (it was unset or \"auto\"); "
                          "set it to the number of optimizer steps of the run")
+    no_betas: Callable[[int, int], Betas | None] = lambda it, group: None  # noqa: E731
     if kind in ("WarmupLR", "WarmupDecayLR"):
-        lo = sched.warmup_min_lr
-        hi = sched.warmup_max_lr if sched.warmup_max_lr is not None else base_lr
-
-        def absolute(step: int) -> float:
-            gamma = _warmup_gamma(step, warmup, sched.warmup_type)
-            if kind == "WarmupDecayLR" and step >= warmup:
-                total = sched.total_num_steps
-                gamma = max(0.0, (total - step) / max(1, total - warmup))
-            lr = lo + (hi - lo) * gamma
-            return lr / base_lr if base_lr else 0.0
-
-        return absolute
+        return _warmup_lr(cfg, group_lrs), no_betas
     if kind == "WarmupCosineLR":
-        total = sched.total_num_steps
+        return _warmup_cosine_lr(cfg, group_lrs), no_betas
+    if kind == "LRRangeTest":
+        return _range_test_lr(cfg), no_betas
+    if kind == "OneCycle":
+        cycle = _OneCycle(cfg)
+        return (lambda it, group: cycle.lr(it)), (lambda it, group: cycle.betas(it))
+    raise ValueError(f"scheduler.type {kind!r} is not supported; use WarmupLR, WarmupDecayLR, "
+                     "WarmupCosineLR, OneCycle or LRRangeTest, or pass lr_scheduler= to infinity.initialize")
 
-        def cosine(step: int) -> float:
-            if step < warmup:
-                g = _warmup_gamma(step, warmup, sched.warmup_type)
-                return sched.warmup_min_ratio + (1 - sched.warmup_min_ratio) * g
-            progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
-            ratio = (1 + math.cos(math.pi * progress)) / 2
-            return max(0.0, sched.cos_min_ratio + (1 - sched.cos_min_ratio) * ratio)
 
-        return cosine
-    raise ValueError(f"scheduler.type {kind!r} is not supported; use WarmupLR, WarmupDecayLR or "
-                     "WarmupCosineLR, or pass lr_scheduler= to infinity.initialize")
+def _warmup_fraction(it: int, warmup: int, kind: str) -> float:
+    """How far the warm-up is at iteration ``it`` (< warmup); ``warmup`` is at least 2, as DeepSpeed
+    makes it (its log warm-up divides by log(warmup))."""
+    return math.log(it + 1) / math.log(warmup) if kind == "log" else it / warmup
+
+
+def _warmup_lr(cfg: SchedulerConfig, group_lrs: list[float]) -> Callable[[int, int], float]:
+    """WarmupLR / WarmupDecayLR: min + (max - min) * gamma; the decay falls linearly to
+    ``warmup_min_lr`` (not to 0) at ``total_num_steps``."""
+    warmup = max(2, cfg.warmup_num_steps)
+    lo = cfg.warmup_min_lr
+    # without warmup_max_lr DeepSpeed's WarmupLR climbs to each group's lr, its WarmupDecayLR to 0.001
+    default_max = group_lrs if cfg.type == "WarmupLR" else [0.001] * len(group_lrs)
+
+    def lr(it: int, group: int) -> float:
+        if it < 0:
+            return lo
+        hi = cfg.warmup_max_lr if cfg.warmup_max_lr is not None else default_max[group]
+        if it < warmup:
+            gamma = _warmup_fraction(it, warmup, cfg.warmup_type)
+        elif cfg.type == "WarmupDecayLR":
+            total = cfg.total_num_steps
+            gamma = max(0.0, (total - it) / max(1, total - warmup))
+        else:
+            gamma = 1.0
+        return lo + (hi - lo) * gamma
+
+    return lr
+
+
+def _warmup_cosine_lr(cfg: SchedulerConfig, group_lrs: list[float]) -> Callable[[int, int], float]:
+    """WarmupCosineLR: a ratio of each group's own lr; the cosine's progress at iteration ``it``
+    is ``(it - warmup + 1) / (total - warmup)``, capped at 1."""
+    warmup = max(2, cfg.warmup_num_steps)
+    total = cfg.total_num_steps
+
+    def ratio(it: int) -> float:
+        if it < 0:
+            return 0.0
+        if it < warmup:
+            f = _warmup_fraction(it, warmup, cfg.warmup_type)
+            return cfg.warmup_min_ratio + (1.0 - cfg.warmup_min_ratio) * f
+        progress = min(1.0, (it - warmup + 1) / max(1, total - warmup))
+        cosine = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, cfg.cos_min_ratio + (1.0 - cfg.cos_min_ratio) * cosine)
+
+    return lambda it, group: group_lrs[group] * ratio(it)
+
+
+def _range_test_lr(cfg: SchedulerConfig) -> Callable[[int, int], float]:
+    """LRRangeTest: ``min_lr * (1 + rate * (it + 1) / step_size)``, floored to whole intervals
+    with ``lr_range_test_staircase``."""
+    def lr(it: int, group: int) -> float:
+        if it < 0:
+            return cfg.lr_range_test_min_lr
+        intervals = (it + 1) / cfg.lr_range_test_step_size
+        if cfg.lr_range_test_staircase:
+            intervals = math.floor(intervals)
+        return cfg.lr_range_test_min_lr * (1 + cfg.lr_range_test_step_rate * intervals)
+
+    return lr
+
+
+class _OneCycle:
+    """One triangle from cycle_min_lr up to cycle_max_lr and back (beta1 the other way), then an
+    optional decay; the same value for every group, as DeepSpeed's."""
+
+    BETA2 = 0.99  # DeepSpeed's OneCycle writes this beta2 whenever it cycles momentum
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.first = float(cfg.cycle_first_step_size)
+        self.second = float(cfg.cycle_second_step_size if cfg.cycle_second_step_size is not None
+                            else cfg.cycle_first_step_size)
+        self.total = self.first + self.second
+        self.rise = self.first / self.total
+        self.first_stairs = cfg.cycle_first_stair_count
+        self.second_stairs = (cfg.cycle_first_stair_count if cfg.cycle_second_stair_count is None
+                              else cfg.cycle_second_stair_count)
+        self.lr_decays = cfg.decay_step_size != 0 and cfg.decay_lr_rate != 0
+        self.mom_decays = cfg.decay_step_size != 0 and cfg.decay_mom_rate != 0
+
+    def _height(self, it: int) -> float:
+        """Where in the triangle iteration ``it`` is: 0 at the ends, 1 at the top."""
+        batch = it + 1
+        x = 1.0 + batch / self.total - math.floor(1 + batch / self.total)
+        rising = x <= self.rise
+        height = x / self.rise if rising else (x - 1) / (self.rise - 1)
+        stairs = self.first_stairs if rising else self.second_stairs
+        if stairs > 0:
+            # whole stairs, from the integer offset into the cycle (a float height can land a
+            # hair under a stair boundary and drop a whole stair)
+            offset = batch % self.total
+            position = (offset * stairs / self.first if offset <= self.first
+                        else (self.total - offset) * stairs / self.second)
+            height = math.floor(position) / stairs
+        return height
+
+    def lr(self, it: int) -> float:
+        cfg = self.cfg
+        if it < 0:
+            return cfg.cycle_min_lr
+        if it < self.total:
+            return cfg.cycle_min_lr + (cfg.cycle_max_lr - cfg.cycle_min_lr) * self._height(it)
+        if not self.lr_decays:
+            return cfg.cycle_min_lr
+        intervals = (it - self.total + 1) / cfg.decay_step_size
+        return cfg.cycle_min_lr / (1 + cfg.decay_lr_rate * intervals)
+
+    def betas(self, it: int) -> Betas | None:
+        cfg = self.cfg
+        if not cfg.cycle_momentum:
+            return None
+        if it < 0:
+            return (cfg.cycle_min_mom, self.BETA2)
+        if it < self.total:
+            return (cfg.cycle_max_mom - (cfg.cycle_max_mom - cfg.cycle_min_mom) * self._height(it),
+                    self.BETA2)
+        if not self.mom_decays:
+            return (cfg.cycle_max_mom, self.BETA2)
+        intervals = (it - self.total + 1) / cfg.decay_step_size
+        return (cfg.cycle_max_mom * (1 + cfg.decay_mom_rate * intervals), self.BETA2)
 
 
 def build_scheduler(config, optimizer: torch.optim.Optimizer, user: Any):
@@ -62,5 +226,4 @@ def build_scheduler(config, optimizer: torch.optim.Optimizer, user: Any):
         return user(optimizer) if callable(user) and not hasattr(user, "step") else user
     if config.scheduler is None:
         return None
-    lambdas = [schedule_lambda(config.scheduler, float(g["lr"])) for g in optimizer.param_groups]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    return DeepSpeedSchedule(optimizer, config.scheduler)

@@ -93,14 +93,22 @@ class ParityResult:
 
 def run_parity(model: nn.Module, ds_config: dict, steps: int = 20, seq: int = 16, batch: int = 2,
                lr: float = 1e-3, weight_decay: float = 0.01, clip: float = 0.0,
-               accumulation: int = 1, seed: int = 1, close: bool = True) -> ParityResult:
-    """Train ``model`` with infinity and a copy with torch AdamW(foreach=False) in lock step."""
+               accumulation: int = 1, seed: int = 1, close: bool = True,
+               schedule: dict | None = None) -> ParityResult:
+    """Train ``model`` with infinity and a copy with torch AdamW(foreach=False) in lock step;
+    ``schedule`` (a ds_config "scheduler" section) drives both optimizers' lr and betas."""
     import infinity
+    from infinity.config import InfinityConfig
+    from infinity.optim.schedules import build_scheduler
 
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=weight_decay,
                                 foreach=False)
+    ref_sched = None if schedule is None else build_scheduler(
+        InfinityConfig.from_dict({"scheduler": schedule}), ref_opt, None)
     ds = copy.deepcopy(ds_config)
+    if schedule is not None:
+        ds["scheduler"] = schedule
     ds.setdefault("optimizer", {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}})
     ds.setdefault("train_micro_batch_size_per_gpu", batch)
     ds["gradient_accumulation_steps"] = accumulation
@@ -126,6 +134,8 @@ def run_parity(model: nn.Module, ds_config: dict, steps: int = 20, seq: int = 16
                 torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
             ref_opt.step()
             ref_opt.zero_grad()
+            if ref_sched is not None:
+                ref_sched.step()
             losses.append(sum(step_losses) / accumulation)
             ref_losses.append(sum(step_ref) / accumulation)
     finally:

@@ -207,7 +207,7 @@ def test_ignored_deepspeed_keys_are_accepted_with_one_log_line() -> None:
     ("gradient_clipping", -1, r"gradient_clipping = -1\.0 is out of range"),
     ("scheduler.params.total_num_steps", 10,
      r"total_num_steps = 10 is smaller than scheduler\.params\.warmup_num_steps = 100"),
-    ("scheduler.type", "OneCycle", r"scheduler\.type = 'OneCycle'.*'WarmupLR'"),
+    ("scheduler.type", "Cyclic", r"scheduler\.type = 'Cyclic'.*'WarmupLR'"),
     ("zero_optimization.offload_optimizer", [], r"offload_optimizer: expected a JSON object"),
 ])
 def test_bad_value_names_key_value_and_allowed(path: str, value: object, expected: str) -> None:

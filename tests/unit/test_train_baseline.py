@@ -35,7 +35,8 @@ def test_baseline_matches_plain_pytorch() -> None:
     batches = [torch.randint(0, VOCAB_SIZE, (2, 16), generator=generator) for _ in range(8)]
     lrs = []
     for step in range(4):
-        lr = min(1.0, step / 3) * 1e-2  # linear warm-up from 0 over 3 steps
+        # linear warm-up from 0 over 3 steps, DeepSpeed's count starting at -1
+        lr = min(1.0, max(0, step - 1) / 3) * 1e-2
         lrs.append(engine.get_lr()[0])
         for g in opt.param_groups:
             g["lr"] = lr
@@ -53,7 +54,7 @@ def test_baseline_matches_plain_pytorch() -> None:
         opt.zero_grad()
         stats = engine.step_stats()
         assert stats["step_s"] >= stats["compute_s"] > 0 and stats["io_wait_s"] == 0.0
-    assert lrs == pytest.approx([0.0, 1e-2 / 3, 2e-2 / 3, 1e-2])
+    assert lrs == pytest.approx([0.0, 0.0, 1e-2 / 3, 2e-2 / 3])
     assert engine.global_steps == 4 and engine.micro_steps == 8
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
