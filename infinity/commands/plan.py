@@ -13,12 +13,16 @@ import argparse
 import dataclasses
 import json
 import re
+from pathlib import Path
+from typing import Any
 
 from infinity.config import InfinityConfig
 from infinity.planner import (DEFAULT_SWAP_DIR, LLAMA_PRESETS, ModelStats, detect_hardware,
                               llama_stats, plan_memory, recommend_config)
 from infinity.sizes import parse_bytes
+from infinity.train.run_config import read_config_file
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2", "org/name"
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
@@ -61,10 +65,32 @@ def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> Mo
         import transformers
     except ImportError as exc:
         raise ValueError(f"--hf-config needs transformers ({exc}); use --params or --model-size") from None
-    hf_config = transformers.AutoConfig.from_pretrained(args.hf_config)
+    hf_config = _hf_config(args.hf_config, transformers)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     return ModelStats.from_module(model, unit_modules)
+
+
+def _hf_config(arg: str, transformers: Any) -> Any:
+    """A local config.json (or its directory), else a Hugging Face hub model id such as "org/name".
+
+    Anything that looks like a path (ends in .json, starts with / . ~, or has more than one
+    separator) is read locally only: a missing file is said to be missing instead of being
+    looked up on the hub (minutes of retries offline), and a bad one is named with its parse
+    error (``infinity.train.models.read_hf_config``, shared with ``infinity train``).
+    """
+    from infinity.train.models import read_hf_config
+
+    path = Path(arg).expanduser()
+    if path.exists() or arg.endswith(".json") or not _HUB_ID.match(arg):
+        return read_hf_config(path)[0]
+    try:
+        return transformers.AutoConfig.from_pretrained(arg)
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"--hf-config {arg}: no such local file or directory, and transformers "
+                         f"cannot load it as a Hugging Face hub model id ({first}); pass the path "
+                         "of a config.json") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if args.device_budget:
         budgets["device_memory_budget"] = parse_bytes(args.device_budget, "--device-budget")
     if args.config:
-        base = InfinityConfig.load(args.config, world_size=args.world_size, auto_defaults=True)
+        base = InfinityConfig.load(read_config_file(args.config), world_size=args.world_size,
+                                   auto_defaults=True)
     else:
         base = InfinityConfig(world_size=args.world_size)
     base = dataclasses.replace(base, infinity=dataclasses.replace(base.infinity, **budgets))

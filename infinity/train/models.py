@@ -71,8 +71,13 @@ def preset_config(name: str, seq_len: int) -> Any:
     return config
 
 
-def hf_config(path: str | Path, seq_len: int) -> Any:
-    """The ``transformers`` config in ``path`` (a config.json or its directory), checked for bytes."""
+def read_hf_config(path: str | Path) -> tuple[Any, Path]:
+    """The ``transformers`` config in ``path`` (a config.json or its directory) and the file read.
+
+    Shared with ``infinity plan``: a missing path, a directory without config.json, a file that
+    is not JSON or not a model config each raise one line naming the file (never the Hugging
+    Face hub's lookup, which a missing local path would otherwise fall through to).
+    """
     from transformers import AutoConfig
 
     source = Path(path)
@@ -81,19 +86,28 @@ def hf_config(path: str | Path, seq_len: int) -> Any:
                                 "config.json (or the directory holding it)")
     file = source / "config.json" if source.is_dir() else source
     if not file.is_file():
-        raise FileNotFoundError(f"--hf-config {source}: no config.json there")
+        raise FileNotFoundError(f"--hf-config {source}: no config.json there; pass a transformers "
+                                "config.json (or the directory holding it)")
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"--hf-config {file}: not valid JSON at line {exc.lineno} column "
                          f"{exc.colno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--hf-config {file}: not a text file ({exc.reason} at byte "
+                         f"{exc.start}); pass a transformers config.json") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"--hf-config {file}: expected a transformers config with a "
                          "\"model_type\" key (e.g. \"llama\", \"gpt2\", \"qwen2\")")
     try:
-        config = AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as exc:
+        return AutoConfig.for_model(**data), file
+    except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--hf-config {file}: transformers cannot read it: {exc}") from None
+
+
+def hf_config(path: str | Path, seq_len: int) -> Any:
+    """The ``transformers`` config in ``path`` (a config.json or its directory), checked for bytes."""
+    config, file = read_hf_config(path)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < VOCAB_SIZE:
         raise ValueError(f"--hf-config {file}: vocab_size = {vocab!r} cannot hold the byte ids "

@@ -70,8 +70,12 @@ def demo_config() -> dict[str, Any]:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The JSON object in ``path``; FileNotFoundError / ConfigError name the file."""
+    """The JSON object in ``path``; FileNotFoundError / ConfigError name the file (also for
+    ``infinity plan --config``, where a directory was an IsADirectoryError traceback)."""
     source = Path(path)
+    if source.is_dir():
+        raise FileNotFoundError(f"--config {source} is a directory; pass the DeepSpeed-format "
+                                "ds_config.json file itself")
     if not source.is_file():
         raise FileNotFoundError(f"--config {source} does not exist (or is not a file); pass a "
                                 "DeepSpeed-format ds_config.json")
@@ -80,6 +84,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--config {source}: not valid JSON at line {exc.lineno} column "
                           f"{exc.colno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {source}: not a text file ({exc.reason} at byte "
+                          f"{exc.start}); pass a DeepSpeed-format ds_config.json") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {source}: expected a JSON object at the top, got "
                           f"{type(data).__name__}")

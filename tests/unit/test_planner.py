@@ -234,3 +234,40 @@ def test_cli_plan_hf_config(tmp_path, capsys) -> None:
     assert cli.main(["plan", "--hf-config", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["total_params"] == llama_stats(LLAMA_PRESETS["85M"]).total_params
+
+
+def test_cli_plan_config_that_is_a_directory(tmp_path, capsys) -> None:
+    """It was an IsADirectoryError traceback."""
+    assert cli.main(["plan", "--model-size", "125M", "--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--config {tmp_path} is a directory" in err
+
+
+@pytest.mark.skipif(os.environ.get("INFINITY_SKIP_HF") == "1", reason="INFINITY_SKIP_HF=1")
+def test_cli_plan_bad_hf_config_is_one_line_and_never_asks_the_hub(tmp_path, capsys,
+                                                                    monkeypatch) -> None:
+    """A missing local path fell through to the hub (a repo-id error, or minutes of retries
+    offline); a file that is not JSON was a traceback."""
+    transformers = pytest.importorskip("transformers")
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"asked the Hugging Face hub for {args}")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "not-json.json").write_text("vocab_size: 100\n")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "empty-dir").mkdir()
+    cases = {
+        "./missing.json": "missing.json does not exist",
+        "configs/llama.json": "configs/llama.json does not exist",
+        str(tmp_path / "no" / "such" / "dir"): "does not exist",
+        "not-json.json": "not-json.json: not valid JSON at line 1 column 1",
+        "list.json": "list.json: expected a transformers config with a \"model_type\" key",
+        "empty-dir": "empty-dir: no config.json there",
+    }
+    for arg, expected in cases.items():
+        assert cli.main(["plan", "--hf-config", arg]) == 2, arg
+        err = capsys.readouterr().err
+        assert err.startswith("infinity plan: error: --hf-config ") and err.count("\n") == 1, err
+        assert expected in err, (arg, err)
