@@ -54,7 +54,10 @@ REDUCE_BUCKET_SHARE = 1 / 8       # a gradient reduce bucket takes at most this 
 EMULATED_DEVICE_SHARE = 0.25      # CPU-only: the device pool's share of the host's budgeted memory
                                   # (prefetch shrinks first; the pool never drops below one unit)
 RUNTIME_OVERHEAD_BYTES = 512 << 20  # Python + torch + native library resident set (measured ~0.3-0.5 GiB)
-DEFAULT_SWAP_DIR = "/var/tmp/infinity-swap"  # placeholder swap dir when recommending NVMe offload
+# nvme_path when recommending NVMe offload without one: the parent `infinity train` uses by default
+# (infinity.train.defaults.DEFAULT_NVME_PATH; the engine makes its private swap directory inside),
+# which exists on most systems; "/var/tmp/infinity-swap" did not, so the ds_config printed failed.
+DEFAULT_SWAP_DIR = "/var/tmp"
 
 _DEPTH = {"device": 0, "host": 1, "nvme": 2}
 _TIER_OF_DEVICE = {"none": "device", "cpu": "host", "nvme": "nvme"}

@@ -93,6 +93,25 @@ def _hf_config(arg: str, transformers: Any) -> Any:
                          "of a config.json") from None
 
 
+def _missing_nvme_notes(cfg: InfinityConfig) -> tuple[str, ...]:
+    """A note per NVMe nvme_path that does not exist (yet): the plan still sizes everything (its
+    free space is that of the nearest existing directory, see ``detect_hardware``), but a run
+    fails on it, since ``infinity train`` does not create the swap path."""
+    notes = []
+    sections = (cfg.zero.offload_param, cfg.zero.offload_optimizer)
+    for path in dict.fromkeys(s.nvme_path for s in sections if s.device == "nvme" and s.nvme_path):
+        target = Path(path).absolute()
+        if target.exists():
+            continue
+        nearest = target
+        while not nearest.exists() and nearest != nearest.parent:
+            nearest = nearest.parent
+        notes.append(f"nvme_path {path} does not exist yet: the free space shown is that of "
+                     f"{nearest}; create it (mkdir -p {path}) before training, infinity train "
+                     "does not")
+    return tuple(notes)
+
+
 def run(args: argparse.Namespace) -> int:
     budgets = {}
     if args.host_budget:
@@ -116,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     hw = detect_hardware(nvme_path or (None if args.config else DEFAULT_SWAP_DIR))
     cfg = base if args.config else recommend_config(stats, hw, base, nvme_path)
     plan = plan_memory(cfg, stats, hw)
+    missing = _missing_nvme_notes(plan.config)
+    if missing:
+        plan = dataclasses.replace(plan, notes=plan.notes + missing)
     if args.json:
         print(json.dumps({"recommended": not args.config, **plan.as_dict()}, indent=2))
     else:

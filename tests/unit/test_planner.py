@@ -271,3 +271,30 @@ def test_cli_plan_bad_hf_config_is_one_line_and_never_asks_the_hub(tmp_path, cap
         err = capsys.readouterr().err
         assert err.startswith("infinity plan: error: --hf-config ") and err.count("\n") == 1, err
         assert expected in err, (arg, err)
+
+
+def test_cli_plan_nvme_path_that_does_not_exist_yet(tmp_path, capsys) -> None:
+    """Plan only sizes: a missing swap path is measured on its nearest existing parent, created
+    by nobody, and named in a note (a run would fail on it)."""
+    missing = tmp_path / "not-yet" / "swap"
+    code = cli.main(["plan", "--params", "2e9", "--host-budget", "2GiB", "--nvme-path",
+                     str(missing), "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"]["disk_free_bytes"] > 0 and not (tmp_path / "not-yet").exists()
+    assert data["ds_config"]["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(missing)
+    notes = [n for n in data["notes"] if "does not exist yet" in n]
+    assert len(notes) == 1 and f"of {tmp_path}" in notes[0] and f"mkdir -p {missing}" in notes[0]
+
+
+def test_cli_plan_default_swap_path_is_the_one_train_uses(capsys) -> None:
+    """It was /var/tmp/infinity-swap, which does not exist: the printed ds_config failed to train."""
+    from infinity.planner import DEFAULT_SWAP_DIR
+    from infinity.train.defaults import DEFAULT_NVME_PATH
+
+    assert DEFAULT_SWAP_DIR == DEFAULT_NVME_PATH
+    assert cli.main(["plan", "--model-size", "70B", "--host-budget", "4GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ds_config"]["zero_optimization"]["offload_param"]["nvme_path"] == DEFAULT_SWAP_DIR
+    assert data["hardware"]["nvme_path"] == DEFAULT_SWAP_DIR
+    assert any("does not exist yet" in n for n in data["notes"]) == (not os.path.isdir(DEFAULT_SWAP_DIR))
