@@ -3,7 +3,8 @@
 PATH is either one private swap directory (``.../infinity-swap-r0-p1234-ab12cd``) or the
 ``nvme_path`` that holds them. Only directories with an infinity marker whose owner is dead are
 touched, and in them only the files the marker lists; a directory without a marker, or whose
-owner still runs (or runs on another host), is refused with exit code 2.
+owner still runs (or runs on another host), is refused with exit code 2. A directory that holds
+nothing but the temporary marker (a run killed while creating it) is recognised and removed.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import sys
 from pathlib import Path
 
 from infinity.sizes import format_bytes
-from infinity.storage.swap_dir import (MARKER_NAME, NotOursError, OwnerAliveError, Removal,
-                                       find_swap_dirs, reclaim)
+from infinity.storage.swap_dir import (MARKER_NAME, MARKER_TMP_NAME, NotOursError,
+                                       OwnerAliveError, Removal, find_swap_dirs, reclaim)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     path: Path = args.path
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
-    if (path / MARKER_NAME).exists() or path.is_symlink() or not path.is_dir():
+    if (path / MARKER_NAME).exists() or (path / MARKER_TMP_NAME).exists() or path.is_symlink() \
+            or not path.is_dir():
         # One private directory: refusals propagate (ValueError -> one line, exit 2).
         print(_describe(reclaim(path, dry_run=args.dry_run), args.dry_run))
         return 0

@@ -17,6 +17,7 @@ directory, and remove exactly what we created:
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -34,7 +35,12 @@ from infinity.sizes import format_bytes
 DIR_PREFIX = "infinity-swap-"
 MARKER_NAME = "infinity-swap.json"
 MARKER_FORMAT = "infinity-swap-marker/1"
-_MARKER_TMP = MARKER_NAME + ".tmp"
+MARKER_TMP_NAME = MARKER_NAME + ".tmp"
+"""The marker is written here, then renamed: a process killed in between leaves only this file."""
+_MARKER_TMP = MARKER_TMP_NAME
+_DIR_NAME = re.compile(rf"^{re.escape(DIR_PREFIX)}r(\d+)-p(\d+)-[0-9a-f]{{6}}$")
+ORPHAN_GRACE_S = 60.0
+"""A temporary marker that cannot be read is left alone this long (its writer may still run)."""
 # Names we create in a private dir: plain, no slash, no leading dot, short.
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -180,6 +186,43 @@ def read_marker(path: str | os.PathLike[str]) -> Marker:
     return Marker.from_json(text, marker)
 
 
+def _orphan_marker(path: Path) -> Marker | None:
+    """The marker of a directory that ``SwapDir.create`` left holding only its temporary marker
+    (the process was killed between writing and renaming it), or None when ``path`` is not
+    exactly that: one of our directory names, a real directory, and no entry but that file.
+
+    The owner is read from the temporary marker; when it is cut short (killed while writing),
+    from the directory name (rank, pid; this host assumed), and only once the file is older than
+    ``ORPHAN_GRACE_S``, so a run creating its directory right now is never raced.
+    """
+    match = _DIR_NAME.match(path.name)
+    if match is None:
+        return None
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode) or os.listdir(path) != [_MARKER_TMP]:
+            return None
+        tmp = path / _MARKER_TMP
+        st = os.lstat(tmp)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        text = tmp.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        return Marker.from_json(text, tmp)
+    except NotOursError:
+        head = '{\n "format": ' + json.dumps(MARKER_FORMAT)   # how Marker.to_json starts
+        if not (text.startswith(head) or head.startswith(text)):
+            return None   # not a marker of ours cut short: not ours to delete
+    age = time.time() - st.st_mtime
+    if age < ORPHAN_GRACE_S:
+        raise OwnerAliveError(f"{path} holds only a partly written {_MARKER_TMP} from {age:.0f} s "
+                              "ago: its run may be creating it right now; try again in a minute")
+    rank, pid = int(match.group(1)), int(match.group(2))
+    return Marker(owner=Owner(pid=pid, boot_id="", start_time=0, rank=rank,
+                              hostname=socket.gethostname()), created=st.st_mtime)
+
+
 def _remove_listed(path: Path, names: list[str]) -> Removal:
     """Unlink ``names`` and the marker in ``path``, then rmdir it if it is empty."""
     result = Removal(path=path)
@@ -247,7 +290,12 @@ class SwapDir:
         try:
             swap_dir._write_marker()
         except BaseException:
-            os.rmdir(path)
+            # e.g. SIGTERM (SystemExit) between the write and the rename: remove the temporary
+            # marker too, or the rmdir fails and hides the first exception
+            with contextlib.suppress(OSError):
+                os.unlink(path / _MARKER_TMP)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
             raise
         return swap_dir
 
@@ -302,10 +350,12 @@ def reclaim(path: str | os.PathLike[str], *, dry_run: bool = False) -> Removal:
     """Remove the swap directory ``path`` left by a dead run.
 
     Raises NotOursError (no valid marker) or OwnerAliveError (owner running, or on another host);
-    nothing is touched then. With ``dry_run`` only reports what would be freed.
+    nothing is touched then. A directory holding nothing but the temporary marker of a creation
+    that was killed is ours too (``_orphan_marker``). With ``dry_run`` only reports what would be
+    freed.
     """
     path = Path(path)
-    marker = read_marker(path)
+    marker = _orphan_marker(path) or read_marker(path)
     state, reason = marker.owner.liveness()
     if state is Liveness.ALIVE:
         raise OwnerAliveError(f"{path} is in use: {reason}; stop that run first (it removes its "

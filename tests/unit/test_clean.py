@@ -12,6 +12,8 @@ from infinity.cli import main
 from infinity.storage import swap_dir as sd
 from infinity.storage.swap_dir import MARKER_NAME, Owner, SwapDir
 
+TMP_MARKER = MARKER_NAME + ".tmp"   # the marker before its rename
+
 
 def _dead_owner(rank: int = 0) -> Owner:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -78,3 +80,26 @@ def test_clean_refuses_a_foreign_directory(disk_dir: Path, capsys: pytest.Captur
 def test_clean_of_a_missing_path(disk_dir: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["clean", str(disk_dir / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_clean_removes_a_dir_left_with_only_the_temporary_marker(disk_dir: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """A run killed between writing its marker and renaming it; named directly or via its parent."""
+    owner = _dead_owner()
+    for how in ("directly", "parent"):
+        path = disk_dir / f"infinity-swap-r0-p{owner.pid}-{'ab' if how == 'parent' else 'cd'}0000"
+        path.mkdir(mode=0o700)
+        (path / TMP_MARKER).write_text(sd.Marker(owner=owner).to_json())
+        assert main(["clean", str(path if how == "directly" else disk_dir)]) == 0, capsys.readouterr().err
+        assert "freed 0 B in 0 swap files" in capsys.readouterr().out and not path.exists()
+    # beside anything else it is not recognised: refused, nothing touched
+    path = disk_dir / f"infinity-swap-r0-p{owner.pid}-ef0000"
+    path.mkdir(mode=0o700)
+    (path / TMP_MARKER).write_text(sd.Marker(owner=owner).to_json())
+    (path / "data.bin").write_bytes(b"not ours")
+    assert main(["clean", str(path)]) == 2
+    assert "nothing there was touched" in capsys.readouterr().err
+    assert sorted(os.listdir(path)) == ["data.bin", TMP_MARKER]
+    for name in os.listdir(path):
+        (path / name).unlink()
+    path.rmdir()

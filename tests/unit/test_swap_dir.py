@@ -16,6 +16,9 @@ from infinity.storage import swap_dir as sd
 from infinity.storage.swap_dir import (MARKER_NAME, Liveness, NotOursError, Owner,
                                        OwnerAliveError, SwapDir, reclaim, reclaim_stale)
 
+TMP_MARKER = MARKER_NAME + ".tmp"   # the marker before its rename
+OLDER_THAN_GRACE_S = 120.0        # sd.ORPHAN_GRACE_S is 60
+
 
 def dead_pid() -> int:
     """A pid that just exited (reuse within the test is vanishingly unlikely)."""
@@ -166,3 +169,82 @@ def test_unreadable_directory_does_not_stop_reclaim(disk_dir: Path, monkeypatch,
     assert blocked.exists() and "could not check or reclaim" in infinity_log.text
     monkeypatch.undo()
     reclaim(blocked)
+
+
+def _killed_during_create(parent: Path) -> Path:
+    """A real SIGTERM (default action: no unwinding) between the marker's write and its rename."""
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal
+        from infinity.storage.swap_dir import SwapDir
+        os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGTERM)
+        SwapDir.create({str(parent)!r}, rank=2)
+        """)], capture_output=True, text=True, timeout=60)
+    assert child.returncode == -signal.SIGTERM, child.stderr
+    (path,) = [p for p in parent.iterdir() if p.name.startswith(sd.DIR_PREFIX)]
+    assert os.listdir(path) == [TMP_MARKER]
+    return path
+
+
+def test_dir_left_with_only_the_temporary_marker_is_reclaimed(disk_dir: Path) -> None:
+    """It was refused ("no marker") by infinity clean and by the next start, forever."""
+    path = _killed_during_create(disk_dir)
+    assert reclaim(path, dry_run=True).files_removed == 0 and path.exists()
+    assert [r.path for r in reclaim_stale(disk_dir)] == [path] and not path.exists()
+
+
+def test_temporary_marker_cut_short_is_reclaimed_only_when_old_and_its_pid_is_gone(
+        disk_dir: Path) -> None:
+    text = sd.Marker(owner=Owner(dead_pid(), "", 0, 0, "h")).to_json()
+    for pid, content in ((dead_pid(), ""), (dead_pid(), text[:40]), (os.getpid(), text[:40])):
+        path = disk_dir / f"{sd.DIR_PREFIX}r0-p{pid}-abc123"
+        path.mkdir(mode=0o700)
+        tmp = path / TMP_MARKER
+        tmp.write_text(content)
+        with pytest.raises(OwnerAliveError, match="may be creating it right now"):
+            reclaim(path)      # a fresh file: its writer may still run
+        old = tmp.stat().st_mtime - OLDER_THAN_GRACE_S
+        os.utime(tmp, (old, old))
+        if pid == os.getpid():
+            with pytest.raises(OwnerAliveError, match="still running"):
+                reclaim(path)
+            tmp.unlink()
+            path.rmdir()
+        else:
+            assert reclaim(path).dir_removed and not path.exists()
+
+
+def test_only_an_exact_orphan_is_ours(disk_dir: Path) -> None:
+    """Anything beside the temporary marker, another name, or foreign content: refused, untouched."""
+    owner = Owner(dead_pid(), "", 0, 0, Owner.of_this_process(0).hostname)
+    text = sd.Marker(owner=owner).to_json()
+    cases = {  # directory name -> (its entries, the error)
+        f"{sd.DIR_PREFIX}r0-p{owner.pid}-aaaaaa": ({TMP_MARKER: text, "data.bin": "x"},
+                                                 NotOursError),
+        f"{sd.DIR_PREFIX}mine": ({TMP_MARKER: text}, NotOursError),
+        f"{sd.DIR_PREFIX}r0-p{owner.pid}-bbbbbb": ({TMP_MARKER: "my notes"}, NotOursError),
+    }
+    for name, (entries, error) in cases.items():
+        path = disk_dir / name
+        path.mkdir()
+        for entry, content in entries.items():
+            (path / entry).write_text(content)
+            old = (path / entry).stat().st_mtime - OLDER_THAN_GRACE_S
+            os.utime(path / entry, (old, old))
+        with pytest.raises(error):
+            reclaim(path)
+        assert sorted(os.listdir(path)) == sorted(entries)
+        for entry in entries:
+            (path / entry).unlink()
+        path.rmdir()
+
+
+def test_create_interrupted_before_the_rename_leaves_nothing(disk_dir: Path, monkeypatch) -> None:
+    """SIGTERM in a run is SystemExit: the rmdir of the half-made directory failed on the
+    temporary marker (OSError instead of SystemExit, and the directory stayed)."""
+    def interrupted(src, dst):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(sd.os, "replace", interrupted)
+    with pytest.raises(SystemExit):
+        SwapDir.create(disk_dir)
+    assert list(disk_dir.iterdir()) == []
