@@ -8,8 +8,9 @@ here); this module holds the whole configuration and the JSON parser.
 
 Rules kept here:
 
-* Unknown or misspelled keys are errors naming the key path and the closest valid key. A short,
-  explicit list of DeepSpeed keys that infinity ignores on purpose is accepted with one log line.
+* Unknown or misspelled keys are errors naming the key path and the closest valid key. An
+  explicit list of DeepSpeed keys that infinity ignores on purpose is accepted with one log line,
+  and so are DeepSpeed features infinity lacks while they are switched off (on, they are errors).
 * ``"auto"`` (as written by the Hugging Face integration) for a *size* (sub-groups, buffers,
   buckets) means "derive it from the memory budgets" (``None`` here; ``infinity.planner`` fills
   it in), never DeepSpeed's literal defaults (a 1e9-element sub-group is 12 GB of host buffers).
@@ -52,19 +53,72 @@ from infinity.config_sections import (  # noqa: F401 - sections are re-exported
 __all__ = [
     "ConfigError", "InfinityConfig", "OptimizerConfig", "SchedulerConfig", "Fp16Config",
     "Bf16Config", "OffloadConfig", "ZeroConfig", "AioSection", "InfinitySection",
-    "IGNORED_KEYS",
+    "IGNORED_KEYS", "OFF_ONLY_KEYS",
 ]
 
-# DeepSpeed keys we accept and ignore on purpose (they configure tools infinity does not have, or
-# behaviour that has no effect here). Kept explicit and short; anything else unknown is an error.
+# DeepSpeed keys we accept and ignore on purpose: they configure tools infinity does not have
+# (monitors, profilers, compilers), collectives of a world size of 1, or memory layouts that change
+# no result here. Anything else unknown is an error.
 IGNORED_KEYS: dict[str, tuple[str, ...]] = {
     "": ("zero_allow_untested_optimizer", "communication_data_type", "activation_checkpointing",
          "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger",
          "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
-         "zero_force_ds_cpu_optimizer", "checkpoint", "data_types", "elasticity"),
+         "zero_force_ds_cpu_optimizer", "checkpoint", "data_types", "elasticity", "compile",
+         "dataloader_drop_last", "disable_allgather", "gradient_allreduce_op",
+         "seq_parallel_communication_data_type", "log_level", "disable_python_gc",
+         "use_data_before_expert_parallelism", "timers"),
     "zero_optimization": ("allgather_partitions", "ignore_unused_parameters",
-                          "load_from_fp32_weights"),
+                          "load_from_fp32_weights", "elastic_checkpoint",
+                          "use_multi_rank_bucket_allreduce", "model_persistence_threshold",
+                          "stage3_model_persistence_threshold", "module_granularity_threshold",
+                          "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+                          "stage3_use_all_reduce_for_fetch_params", "allgather_sequential",
+                          "stage3_allgather_sequential", "memory_efficient_linear",
+                          "pipeline_loading_checkpoint", "override_module_apply",
+                          "log_trace_cache_warnings", "enable_sanity_checks", "compute_grad_norm",
+                          "parameter_alignment", "cpu_offload_use_pin_memory", "leaf_module",
+                          "save_muon_momentum_buffer_in_memory"),
+    # bf16 steps here accumulate gradients in fp32 and step as they come; DeepSpeed's stage 3
+    # does not check bf16 gradients for overflow either
+    "bf16": ("immediate_grad_update", "check_grad_overflow"),
     "optimizer.params": ("torch_adam", "fused"),
+}
+
+
+def _is_off(value: Any) -> bool:
+    return value is False or value is None
+
+
+def _section_off(value: Any) -> bool:
+    return value is None or value == {} or (isinstance(value, Mapping) and value.get("enabled") is False)
+
+
+# DeepSpeed features infinity does not have. A copied config often lists them switched off, so
+# that is accepted (logged with the ignored keys); switched on, ignoring them would train something
+# else than the config asks for, so it is an error. key -> (is it off?, the off value, what to do)
+OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
+    "": {"amp": (_section_off, '{"enabled": false}', "use fp16 or bf16"),
+         "torch_autocast": (_section_off, '{"enabled": false}', "use bf16 or fp16"),
+         "sparse_gradients": (_is_off, "false", "")},
+    "fp16": {"fp16_master_weights_and_grads": (_is_off, "false", "master weights stay fp32")},
+    "bf16": {"bf16_master_weights_and_grads": (_is_off, "false", "master weights stay fp32"),
+             "bf16_optimizer_states": (_is_off, "false", "Adam moments stay fp32")},
+    "zero_optimization": {
+        "zero_quantized_weights": (_is_off, "false", ""),
+        "zero_quantized_nontrainable_weights": (_is_off, "false", ""),
+        "zero_quantized_gradients": (_is_off, "false", ""),
+        "zero_hpz_partition_size": (lambda v: v in (0, 1), "1", ""),
+        "mics_shard_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v <= 0,
+                            "-1", ""),
+        "mics_hierarchical_params_gather": (_is_off, "false", ""),
+        "legacy_stage1": (_is_off, "false", ""),
+        "cpu_offload": (_is_off, "false",
+                        'DeepSpeed\'s old spelling: use "offload_optimizer": {"device": "cpu"}'),
+        "cpu_offload_param": (_is_off, "false",
+                              'DeepSpeed\'s old spelling: use "offload_param": {"device": "cpu"}'),
+        "zenflow": (_section_off, "null", ""),
+        "zeropp_loco_param": (_is_off, "null", ""),
+    },
 }
 
 
@@ -291,6 +345,7 @@ class _Parser:
             raise ConfigError(f"{where}: expected a JSON object, got {data!r}")
         aliases = _ALIASES.get(path, {})
         ignored = IGNORED_KEYS.get(path, ())
+        off_only = OFF_ONLY_KEYS.get(path, {})
         out: dict[str, Any] = {}
         for key, value in data.items():
             full = f"{path}.{key}" if path else str(key)
@@ -301,8 +356,16 @@ class _Parser:
                 out[name] = value
             elif key in ignored:
                 self.ignored.append(full)
+            elif key in off_only:
+                is_off, off_value, advice = off_only[key]
+                if not is_off(value):
+                    raise ConfigError(
+                        f"{full} = {json.dumps(value)}: infinity does not have this DeepSpeed "
+                        f"feature; remove the key or set it to {off_value}"
+                        + (f" ({advice})" if advice else ""))
+                self.ignored.append(full)
             else:
-                valid = sorted(set(allowed) | set(aliases) | set(ignored))
+                valid = sorted(set(allowed) | set(aliases) | set(ignored) | set(off_only))
                 close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
                 hint = (f"did you mean {(f'{path}.' if path else '') + close[0]!r}?" if close
                         else f"valid keys here: {', '.join(allowed)}")

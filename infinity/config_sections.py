@@ -282,6 +282,10 @@ class Fp16Config:
     """Overflows tolerated before the dynamic scale halves."""
     min_loss_scale: float = 1.0
     """Floor of the dynamic scale."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis after every step without overflow, so only overflows in a row count."""
+    auto_cast: bool = False
+    """Cast floating-point tensors among the forward's inputs to the compute dtype."""
 
     def __post_init__(self) -> None:
         _bool("fp16.enabled", self.enabled)
@@ -290,6 +294,8 @@ class Fp16Config:
         _set(self, "loss_scale_window", _int("fp16.loss_scale_window", self.loss_scale_window, 1))
         _set(self, "hysteresis", _int("fp16.hysteresis", self.hysteresis, 1))
         _set(self, "min_loss_scale", _float("fp16.min_loss_scale", self.min_loss_scale, 0.0, lo_open=True))
+        _bool("fp16.consecutive_hysteresis", self.consecutive_hysteresis)
+        _bool("fp16.auto_cast", self.auto_cast)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -438,6 +444,11 @@ class ZeroConfig:
             section = getattr(self, name)
             if not isinstance(section, OffloadConfig) or section.kind != kind:
                 raise ConfigError(f"{p}.{name}: expected OffloadConfig(kind={kind!r}), got {section!r}")
+        if self.sub_group_size == 0:
+            # DeepSpeed reads 0 as a sub-group per parameter; here sub-groups follow the units
+            _log.info("%s.sub_group_size = 0 (DeepSpeed: a sub-group per parameter) is taken as "
+                      "\"auto\" (sub-groups follow the units)", p)
+            _set(self, "sub_group_size", None)
         for name in ("sub_group_size", "stage3_prefetch_bucket_size",
                      "stage3_param_persistence_threshold", "stage3_max_live_parameters",
                      "stage3_max_reuse_distance", "reduce_bucket_size", "allgather_bucket_size"):

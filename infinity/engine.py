@@ -57,16 +57,27 @@ log = get_logger("engine")
 def initialize(model: nn.Module, model_parameters: Iterable | None = None,
                config: str | Path | Mapping[str, Any] | InfinityConfig | None = None,
                optimizer: Any = None, lr_scheduler: Any = None, config_params: Any = None,
-               **unsupported: Any):
-    """DeepSpeed-style entry point: ``(engine, optimizer, None, scheduler)``."""
+               auto_values: Mapping[str, Any] | None = None, **unsupported: Any):
+    """DeepSpeed-style entry point: ``(engine, optimizer, None, scheduler)``.
+
+    ``auto_values`` maps key paths (``"optimizer.params.lr"``, ``"train_micro_batch_size_per_gpu"``)
+    to the values that replace the config's ``"auto"`` entries, as the Hugging Face integration
+    fills them in before it calls DeepSpeed.
+    """
     if unsupported:
         raise TypeError(f"infinity.initialize got unsupported arguments {sorted(unsupported)}; "
-                        "supported: model, model_parameters, config, optimizer, lr_scheduler")
+                        "supported: model, model_parameters, config, optimizer, lr_scheduler, "
+                        "config_params, auto_values")
     if optimizer is not None:
         raise ValueError("infinity.initialize builds its own offloaded optimizer from the config's "
                          "\"optimizer\" section; pass optimizer=None and set the section instead")
-    engine = Engine(model, model_parameters, config if config is not None else config_params,
-                    lr_scheduler=lr_scheduler)
+    if config is not None and config_params is not None:
+        raise ValueError("infinity.initialize got both config and config_params (DeepSpeed's "
+                         "older name for it): pass one")
+    source = config if config is not None else config_params
+    if auto_values is not None:
+        source = InfinityConfig.load(source or {}, auto_values=auto_values)
+    engine = Engine(model, model_parameters, source, lr_scheduler=lr_scheduler)
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
@@ -248,6 +259,8 @@ class Engine:
             self.manager.counters.reset()
             self.optimizer.timers.reset()
         self._void_speculation()
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         self.coordinator.begin_forward(self.module.training)
         try:
             if self.activation_swapper is not None and self.module.training and \
@@ -544,3 +557,18 @@ def _model_device(model: nn.Module) -> torch.device:
             return p.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """fp16.auto_cast: floating-point tensors anywhere in the forward's arguments (lists, tuples,
+    dicts) in the compute dtype; integer tensors (token ids, masks) and everything else as given."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        items = [_cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_cast_floating(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value

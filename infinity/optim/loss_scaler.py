@@ -6,7 +6,8 @@ the dynamic scale comes down; after ``loss_scale_window`` steps without one it g
 
 DeepSpeed's rules, so a ds_config behaves the same: ``loss_scale`` 0 means dynamic, starting at
 2**``initial_scale_power``; an overflow halves the scale only once ``hysteresis`` overflows have
-come since it last changed; it never goes under ``min_loss_scale``. A static scale (``loss_scale``
+come since it last changed (with ``consecutive_hysteresis``, since the last step without one);
+it never goes under ``min_loss_scale``. A static scale (``loss_scale``
 > 0) never changes, but overflowing steps are still skipped. With fp32 compute (the CPU) the
 scale changes no result -- multiplying by a power of two and dividing it out is exact -- but the
 skipping of non-finite steps is what the config asked for.
@@ -28,6 +29,7 @@ class LossScaler:
         self.window = config.loss_scale_window
         self.min_scale = config.min_loss_scale
         self.hysteresis = config.hysteresis
+        self.consecutive_hysteresis = config.consecutive_hysteresis
         self._hysteresis_left = config.hysteresis
         self._steps = 0
         self._last_overflow = -1
@@ -44,6 +46,8 @@ class LossScaler:
             log.warning("gradients overflowed at loss scale %g: step skipped, scale now %g",
                         attempted, self.scale)
         elif self.dynamic:
+            if self.consecutive_hysteresis:
+                self._hysteresis_left = self.hysteresis
             stable = self._steps - self._last_overflow - 1
             if stable > 0 and stable % self.window == 0:
                 self.scale *= 2

@@ -182,6 +182,68 @@ def test_ignored_deepspeed_keys_are_accepted_with_one_log_line() -> None:
         assert key in message
 
 
+# the zero3 config Hugging Face / axolotl users copy, with DeepSpeed 0.19's other keys at their
+# off values
+COPIED_ZERO3 = {
+    "fp16": {"enabled": False, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 32,
+             "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False,
+             "min_loss_scale": 1, "fp16_master_weights_and_grads": False},
+    "bf16": {"enabled": True, "immediate_grad_update": False, "check_grad_overflow": True,
+             "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False},
+    "amp": {"enabled": False}, "torch_autocast": {"enabled": False}, "sparse_gradients": False,
+    "compile": {"disable": False}, "dataloader_drop_last": False, "gradient_allreduce_op": "mean",
+    "zero_optimization": {
+        "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
+        "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
+        "stage3_gather_16bit_weights_on_model_save": True, "elastic_checkpoint": False,
+        "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
+        "zero_quantized_gradients": False, "zero_hpz_partition_size": 1, "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False, "memory_efficient_linear": True,
+        "stage3_model_persistence_threshold": 1e9, "stage3_module_granularity_threshold": 0,
+        "stage3_use_all_reduce_for_fetch_params": False, "legacy_stage1": False,
+        "cpu_offload": False, "log_trace_cache_warnings": False, "zenflow": None},
+    "wall_clock_breakdown": False,
+}
+
+
+def test_a_copied_deepspeed_zero3_config_is_accepted() -> None:
+    cfg = InfinityConfig.from_dict(COPIED_ZERO3)
+    assert cfg.zero.stage == 3 and cfg.bf16.enabled
+    assert cfg.zero.sub_group_size is None          # DeepSpeed's 0 (a sub-group per parameter)
+
+
+@pytest.mark.parametrize("path, value, expected", [
+    ("zero_quantized_weights", True, r"zero_optimization\.zero_quantized_weights = true: infinity "
+                                     r"does not have this DeepSpeed feature; remove the key or set "
+                                     r"it to false"),
+    ("zero_hpz_partition_size", 8, r"zero_hpz_partition_size = 8.*set it to 1"),
+    ("mics_shard_size", 4, r"mics_shard_size = 4.*set it to -1"),
+    ("cpu_offload", True, r"cpu_offload = true.*offload_optimizer.*cpu"),
+])
+def test_deepspeed_features_infinity_lacks_are_refused_when_on(path, value, expected) -> None:
+    data = copy.deepcopy(COPIED_ZERO3)
+    data["zero_optimization"][path] = value
+    with pytest.raises(ConfigError, match=expected):
+        InfinityConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("section, value", [("amp", {"enabled": True}),
+                                            ("torch_autocast", {"enabled": True, "dtype": "bf16"}),
+                                            ("sparse_gradients", True)])
+def test_top_level_features_infinity_lacks_are_refused_when_on(section, value) -> None:
+    data = copy.deepcopy(COPIED_ZERO3)
+    data[section] = value
+    with pytest.raises(ConfigError, match=rf"{section} = .*remove the key or set it to"):
+        InfinityConfig.from_dict(data)
+
+
+def test_master_weights_in_16_bits_are_refused() -> None:
+    data = copy.deepcopy(COPIED_ZERO3)
+    data["bf16"]["bf16_master_weights_and_grads"] = True
+    with pytest.raises(ConfigError, match=r"bf16\.bf16_master_weights_and_grads = true.*fp32"):
+        InfinityConfig.from_dict(data)
+
+
 @pytest.mark.parametrize("path, value, expected", [
     ("zero_optimization.stage", 4, r"zero_optimization\.stage = 4 is out of range.*\[0, 3\]"),
     ("zero_optimization.offload_optimizer.device", "ssd",
@@ -198,7 +260,7 @@ def test_ignored_deepspeed_keys_are_accepted_with_one_log_line() -> None:
     ("aio.backend", "spdk", r"aio\.backend = 'spdk'.*'io_uring'"),
     ("aio.use_gds", True, r"GPUDirect Storage is not supported"),
     ("zero_optimization.sub_group_size", "lots", r"zero_optimization\.sub_group_size.*'lots'"),
-    ("zero_optimization.sub_group_size", 0, r"sub_group_size = 0 is out of range: expected at least 1"),
+    ("zero_optimization.sub_group_size", -1, r"sub_group_size = -1: must not be negative"),
     ("zero_optimization.offload_optimizer.ratio", 0.5, r"ratio = 0\.5: partial offload is not supported"),
     ("infinity.early_step", "maybe", r"infinity\.early_step = 'maybe'.*'auto', 'on', 'off'"),
     ("infinity.unit_modules", "LlamaDecoderLayer", r"unit_modules = 'LlamaDecoderLayer'.*list"),

@@ -4,7 +4,6 @@ hyperparameter ranges, every SIMD kernel equals the scalar reference bit for bit
 path equals it too, and the 16-bit copy equals torch's cast of the fp32 result."""
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

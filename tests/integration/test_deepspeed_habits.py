@@ -1,0 +1,109 @@
+"""What a DeepSpeed user brings along works as it does there: the zero3 config the Hugging Face
+integration hands over (its "auto"s filled by auto_values), DeepSpeed's older config_params name,
+and fp16.auto_cast."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from parity import make_model, run_parity
+
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "auto_cast": False, "loss_scale": 0, "initial_scale_power": 32,
+             "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+        "contiguous_gradients": True, "sub_group_size": 0, "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
+        "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "steps_per_print": 2000, "wall_clock_breakdown": False,
+}
+FILLED = {"fp16.enabled": False, "bf16.enabled": False, "optimizer.params.lr": 1e-3,
+          "optimizer.params.betas": [0.9, 0.999], "optimizer.params.eps": 1e-8,
+          "optimizer.params.weight_decay": 0.01, "gradient_accumulation_steps": 1,
+          "gradient_clipping": 1.0, "train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}
+
+
+def test_the_hugging_face_zero3_config_trains_like_torch(monkeypatch) -> None:
+    original = infinity.initialize
+    monkeypatch.setattr(infinity, "initialize",
+                        lambda **kw: original(**kw, auto_values=FILLED))   # what run_parity calls
+    model = make_model("llama", layers=2, width=64)
+    result = run_parity(model, copy.deepcopy(HF_ZERO3), steps=4, clip=1.0, close=False)
+    try:
+        assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+        assert result.engine.config.gradient_clipping == 1.0
+    finally:
+        result.engine.close()
+
+
+def test_auto_without_a_value_says_how_to_give_one() -> None:
+    with pytest.raises(Exception, match=r"auto_values=\{'gradient_accumulation_steps'"):
+        infinity.initialize(model=nn.Linear(4, 4), config=HF_ZERO3)
+
+
+def test_config_params_is_deepspeeds_older_name_and_not_both() -> None:
+    engine, *_ = infinity.initialize(model=nn.Linear(4, 4), config_params={
+        "zero_optimization": {"stage": 1}, "gradient_clipping": 0.5})
+    try:
+        assert engine.config.gradient_clipping == 0.5
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="both config and config_params"):
+        infinity.initialize(model=nn.Linear(4, 4), config={}, config_params={})
+
+
+class _Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, inputs: dict) -> torch.Tensor:
+        return self.body(inputs["x"]) * inputs["scale"]
+
+
+def _fp16_engine(model: nn.Module, auto_cast: bool):
+    config = {"train_micro_batch_size_per_gpu": 4,
+              "fp16": {"enabled": True, "auto_cast": auto_cast, "initial_scale_power": 8},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu"}},
+              "infinity": {"compute_dtype": "fp16"}}
+    engine, *_ = infinity.initialize(model=model, config=config)
+    return engine
+
+
+def test_fp16_auto_cast_casts_floating_inputs_to_the_compute_dtype() -> None:
+    """fp32 inputs, nested in a dict, reach fp16 weights cast (an int tensor stays as it is);
+    the losses are those of the same engine fed inputs cast by hand; without auto_cast the
+    fp32 inputs meet fp16 weights and torch refuses, as in DeepSpeed."""
+    torch.manual_seed(0)
+    model = _Regressor()
+    twin = copy.deepcopy(model)
+    auto, by_hand = _fp16_engine(model, True), _fp16_engine(twin, False)
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=gen)
+            scale = torch.tensor(2, dtype=torch.int64)
+            loss_a = auto({"x": x, "scale": scale}).float().pow(2).mean()
+            loss_b = by_hand({"x": x.half(), "scale": scale}).float().pow(2).mean()
+            assert loss_a.item() == loss_b.item()
+            for engine, loss in ((auto, loss_a), (by_hand, loss_b)):
+                engine.backward(loss)
+                engine.step()
+        with pytest.raises(RuntimeError, match="dtype"):
+            by_hand({"x": torch.randn(4, 8), "scale": scale})
+    finally:
+        auto.close()
+        by_hand.close()
