@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 
 # Public names served lazily, so `import infinity` stays cheap and each layer loads on first use.
 _LAZY = {
-    "initialize": "infinity.engine",
+    "initialize": "infinity.entry",
+    "add_config_arguments": "infinity.entry",
     "Engine": "infinity.engine",
     "InfinityConfig": "infinity.config",
     "CPUAdam": "infinity.optim.cpu_adam",

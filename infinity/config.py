@@ -64,7 +64,7 @@ IGNORED_KEYS: dict[str, tuple[str, ...]] = {
          "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger",
          "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
          "zero_force_ds_cpu_optimizer", "checkpoint", "data_types", "elasticity", "compile",
-         "dataloader_drop_last", "disable_allgather", "gradient_allreduce_op",
+         "disable_allgather", "gradient_allreduce_op",
          "seq_parallel_communication_data_type", "log_level", "disable_python_gc",
          "use_data_before_expert_parallelism", "timers"),
     "zero_optimization": ("allgather_partitions", "ignore_unused_parameters",
@@ -163,6 +163,8 @@ class InfinityConfig:
     """Log progress every this many optimizer steps."""
     seed: int | None = None
     """Seed for torch's generators at engine start; None = leave them alone."""
+    dataloader_drop_last: bool = False
+    """The loader ``initialize(training_data=...)`` returns drops a last, short batch."""
 
     def __post_init__(self) -> None:
         _set(self, "world_size", _int("world_size", self.world_size, 1))
@@ -176,6 +178,7 @@ class InfinityConfig:
         _set(self, "gradient_clipping", _float("gradient_clipping", self.gradient_clipping, 0.0))
         _bool("wall_clock_breakdown", self.wall_clock_breakdown)
         _set(self, "steps_per_print", _int("steps_per_print", self.steps_per_print, 1))
+        _bool("dataloader_drop_last", self.dataloader_drop_last)
         if self.seed is not None:
             _set(self, "seed", _int("seed", self.seed, 0))
         if self.fp16.enabled and self.bf16.enabled:
@@ -297,6 +300,7 @@ class InfinityConfig:
             "infinity": self.infinity.to_dict(),
             "wall_clock_breakdown": self.wall_clock_breakdown,
             "steps_per_print": self.steps_per_print,
+            "dataloader_drop_last": self.dataloader_drop_last,
         })
         if self.seed is not None:
             out["seed"] = self.seed
@@ -308,7 +312,8 @@ class InfinityConfig:
 
 _TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
-             "aio", "infinity", "wall_clock_breakdown", "steps_per_print", "seed")
+             "aio", "infinity", "wall_clock_breakdown", "steps_per_print", "seed",
+             "dataloader_drop_last")
 _ALIASES: dict[str, dict[str, str]] = {
     "": {"bfloat16": "bf16"},
     "aio": {"intra_op_parallelism": "thread_count"},

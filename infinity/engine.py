@@ -54,33 +54,6 @@ from infinity.zero.unit import Unit
 log = get_logger("engine")
 
 
-def initialize(model: nn.Module, model_parameters: Iterable | None = None,
-               config: str | Path | Mapping[str, Any] | InfinityConfig | None = None,
-               optimizer: Any = None, lr_scheduler: Any = None, config_params: Any = None,
-               auto_values: Mapping[str, Any] | None = None, **unsupported: Any):
-    """DeepSpeed-style entry point: ``(engine, optimizer, None, scheduler)``.
-
-    ``auto_values`` maps key paths (``"optimizer.params.lr"``, ``"train_micro_batch_size_per_gpu"``)
-    to the values that replace the config's ``"auto"`` entries, as the Hugging Face integration
-    fills them in before it calls DeepSpeed.
-    """
-    if unsupported:
-        raise TypeError(f"infinity.initialize got unsupported arguments {sorted(unsupported)}; "
-                        "supported: model, model_parameters, config, optimizer, lr_scheduler, "
-                        "config_params, auto_values")
-    if optimizer is not None:
-        raise ValueError("infinity.initialize builds its own offloaded optimizer from the config's "
-                         "\"optimizer\" section; pass optimizer=None and set the section instead")
-    if config is not None and config_params is not None:
-        raise ValueError("infinity.initialize got both config and config_params (DeepSpeed's "
-                         "older name for it): pass one")
-    source = config if config is not None else config_params
-    if auto_values is not None:
-        source = InfinityConfig.load(source or {}, auto_values=auto_values)
-    engine = Engine(model, model_parameters, source, lr_scheduler=lr_scheduler)
-    return engine, engine.optimizer, None, engine.lr_scheduler
-
-
 class Engine:
     """Trains ``model`` with its states in tiers, per the DeepSpeed-style ``config``."""
 

@@ -60,7 +60,7 @@ def test_config_params_is_deepspeeds_older_name_and_not_both() -> None:
         assert engine.config.gradient_clipping == 0.5
     finally:
         engine.close()
-    with pytest.raises(ValueError, match="both config and config_params"):
+    with pytest.raises(ValueError, match=r"config 2 times \(config, config_params\)"):
         infinity.initialize(model=nn.Linear(4, 4), config={}, config_params={})
 
 
@@ -107,3 +107,39 @@ def test_fp16_auto_cast_casts_floating_inputs_to_the_compute_dtype() -> None:
     finally:
         auto.close()
         by_hand.close()
+
+
+def test_a_deepspeed_script_with_args_and_training_data(tmp_path) -> None:
+    """DeepSpeed's CIFAR-style script: add_config_arguments, --deepspeed_config, training_data in,
+    a loader of micro-batches out; the loader covers the dataset once per epoch."""
+    import argparse
+
+    config_file = tmp_path / "ds_config.json"
+    config_file.write_text('{"train_micro_batch_size_per_gpu": 4, "dataloader_drop_last": false,'
+                           ' "optimizer": {"type": "Adam", "params": {"lr": 0.01}},'
+                           ' "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},'
+                           ' "offload_optimizer": {"device": "cpu"}}}')
+    parser = infinity.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(config_file)])
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(10, 8), torch.randn(10, 1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    engine, optimizer, loader, _ = infinity.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=data)
+    try:
+        assert optimizer is engine.optimizer
+        sizes = []
+        for x, y in loader:
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            sizes.append(len(x))
+        assert sizes == [4, 4, 2] and engine.global_steps == 3
+        seen = torch.cat([x for x, _ in loader])
+        assert sorted(seen[:, 0].tolist()) == sorted(data.tensors[0][:, 0].tolist())
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match=r"config 2 times \(config, args\.deepspeed_config\)"):
+        infinity.initialize(args=args, model=nn.Linear(2, 2), config={})
+    with pytest.raises(ValueError, match="mpu"):
+        infinity.initialize(model=nn.Linear(2, 2), config={}, mpu=object())

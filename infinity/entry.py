@@ -1,0 +1,93 @@
+"""``infinity.initialize`` and ``infinity.add_config_arguments``: DeepSpeed's entry points, with
+the arguments DeepSpeed scripts pass them (``args`` carrying ``--deepspeed_config``,
+``training_data`` to get a data loader back, ``config_params``), so such a script runs with its
+``deepspeed`` import swapped for ``infinity``.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from infinity.config import InfinityConfig
+from infinity.engine import Engine
+
+
+def initialize(args: Any = None, model: nn.Module | None = None,
+               optimizer: Any = None, model_parameters: Iterable | None = None,
+               training_data: torch.utils.data.Dataset | None = None,
+               lr_scheduler: Any = None, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None,
+               config: str | Path | Mapping[str, Any] | InfinityConfig | None = None,
+               config_params: Any = None, auto_values: Mapping[str, Any] | None = None,
+               **unsupported: Any):
+    """DeepSpeed's ``initialize``: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    The config comes from ``config``, or ``config_params`` (DeepSpeed's older name), or
+    ``args.deepspeed_config`` (a path, as ``add_config_arguments`` parses it); giving two is an
+    error, as in DeepSpeed. ``training_data`` (a torch Dataset) gets a DataLoader of
+    ``train_micro_batch_size_per_gpu`` samples in random order (``dataloader_drop_last`` from the
+    config) as the third value, else it is None. ``auto_values`` maps key paths
+    (``"optimizer.params.lr"``) to the values that replace the config's ``"auto"`` entries, as the
+    Hugging Face integration fills them in before it calls DeepSpeed.
+    """
+    if unsupported:
+        raise TypeError(f"infinity.initialize got unsupported arguments {sorted(unsupported)}; "
+                        "supported: args, model, optimizer (None), model_parameters, "
+                        "training_data, lr_scheduler, dist_init_required, collate_fn, config, "
+                        "config_params, auto_values")
+    if model is None:
+        raise ValueError("infinity.initialize needs model=<the torch.nn.Module to train>")
+    if optimizer is not None:
+        raise ValueError("infinity.initialize builds its own offloaded optimizer from the config's "
+                         "\"optimizer\" section; pass optimizer=None and set the section instead")
+    if mpu is not None:
+        raise ValueError("infinity.initialize: model parallelism (mpu=...) is not supported; "
+                         "infinity trains the whole model on each rank with ZeRO")
+    source = _config_source(args, config, config_params)
+    if auto_values is not None:
+        source = InfinityConfig.load(source or {}, auto_values=auto_values)
+    engine = Engine(model, model_parameters, source, lr_scheduler=lr_scheduler)
+    loader = None
+    if training_data is not None:
+        loader = training_loader(training_data, engine.config, collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    given = {name: value for name, value in (("config", config), ("config_params", config_params),
+                                             ("args.deepspeed_config", from_args))
+             if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"infinity.initialize got the config {len(given)} times "
+                         f"({', '.join(given)}): pass exactly one")
+    return next(iter(given.values()), None)
+
+
+def training_loader(dataset: torch.utils.data.Dataset, config: InfinityConfig,
+                    collate_fn: Callable | None = None) -> torch.utils.data.DataLoader:
+    """The loader DeepSpeed returns for ``training_data`` on one rank: micro-batches in random
+    order (torch's global generator, so ``torch.manual_seed`` fixes it)."""
+    if not isinstance(dataset, torch.utils.data.Dataset):
+        raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(dataset).__name__}")
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=config.train_micro_batch_size_per_gpu,
+        shuffle=False if iterable else True, collate_fn=collate_fn,
+        drop_last=config.dataloader_drop_last)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's ``add_config_arguments``: ``--deepspeed`` and ``--deepspeed_config PATH`` (and
+    the old ``--deepscale_config``), which ``initialize(args=...)`` reads."""
+    group = parser.add_argument_group("infinity", "infinity (DeepSpeed-compatible) configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="accepted for DeepSpeed scripts; infinity is always on")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="the ds_config.json to train with")
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
