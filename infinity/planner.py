@@ -33,6 +33,7 @@ from infinity.sizes import format_bytes
 __all__ = [
     "LLAMA_PRESETS", "ModelStats", "Hardware", "DerivedSizes", "Plan", "PlanItem",
     "detect_hardware", "derive_sizes", "plan_memory", "recommend_config", "llama_stats",
+    "host_budget_fits", "minimum_host_budget",
 ]
 
 Tier = Literal["device", "host", "nvme"]
@@ -556,6 +557,40 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     return Plan(config=sz.apply(cfg), stats=stats, hardware=hw, sizes=sz, items=tuple(items),
                 peak_host_rss_bytes=rss, nvme_read_bytes_per_step=reads,
                 nvme_write_bytes_per_step=writes, warnings=tuple(warnings), notes=tuple(notes))
+
+
+def host_budget_fits(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> bool:
+    """Whether ``cfg``'s host memory budget holds the planned host tier and, on a CPU-only
+    machine without a device budget, the emulated device pool paid from it (disk and RSS aside)."""
+    plan = plan_memory(cfg, stats, hw)
+    host, device = plan.bytes(tier="host"), plan.bytes(tier="device")
+    if host > plan.sizes.host_budget_bytes:
+        return False
+    return not _pool_in_host_budget(cfg, hw) or host + device <= _host_allowed(cfg, hw)
+
+
+def minimum_host_budget(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> int | None:
+    """The smallest ``infinity.host_memory_budget`` (within 0.4%) for which ``host_budget_fits``,
+    or None when no budget does (sizes written in the config that no memory can hold).
+
+    Why: a budget too small fails only inside the engine's start, after the swap files were
+    preallocated, and names the share left to one pool ("0 B of the 0 B host budget"), not the
+    budget the user gave; ``infinity train`` checks the budget against this first.
+    """
+    def fits(budget: int) -> bool:
+        inf = dataclasses.replace(cfg.infinity, host_memory_budget=budget)
+        return host_budget_fits(dataclasses.replace(cfg, infinity=inf), stats, hw)
+
+    low, high = 0, 1 << 50
+    if not fits(high):
+        return None
+    while high - low > max(4096, low >> 8):
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def recommend_config(stats: ModelStats, hw: Hardware, base: InfinityConfig | None = None,

@@ -21,10 +21,11 @@ from typing import IO, Any, Literal
 
 import torch
 
+from infinity.budget import BudgetExceededError
 from infinity.log import get_logger
 from infinity.sizes import format_bytes
 from infinity.train import data as data_mod
-from infinity.train import models
+from infinity.train import host_budget, models
 from infinity.train.baseline import TorchBaselineEngine
 from infinity.train.checkpoints import RunCheckpoints
 from infinity.train.defaults import DEFAULT_SEQ_LEN, DEFAULT_STEPS
@@ -129,7 +130,12 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     checkpoints = RunCheckpoints.from_options(opts.save_dir, opts.save_interval, opts.resume,
                                               opts.engine)
     model_config = models.model_config(opts.model_size, opts.hf_config, opts.seq_len)
-    n_params = models.count_parameters(model_config)
+    stats = models.model_stats(model_config, config.infinity.unit_modules)
+    n_params = stats.total_params
+    budget_text = host_budget.describe_budget(
+        _lookup_budget(ds), opts.host_budget, opts.config)
+    if opts.engine == "infinity":
+        host_budget.check_host_budget(config, stats, budget_text)
     for parent in swap_parents:
         _check_space(parent, STATE_BYTES_PER_PARAM * n_params)
     checkpoints.check_room(n_params)
@@ -153,7 +159,12 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         # 2. Model and engine.
         init_start = time.perf_counter()
         torch.manual_seed(opts.seed)
-        engine = _make_engine(opts.engine, model_config, ds, config)
+        try:
+            engine = _make_engine(opts.engine, model_config, ds, config)
+        except BudgetExceededError as exc:
+            if "of host memory" not in str(exc) or config.infinity.host_memory_budget is None:
+                raise
+            raise host_budget.explain(exc, budget_text) from None
         engine.train()
         init_s = time.perf_counter() - init_start
         swap_dirs = _our_swap_dirs(swap_parents)
@@ -214,6 +225,11 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         written_plot = str(write_plot(records, plot_path))
     return TrainResult(records=records, summary=summary, n_params=n_params, swap_dirs=swap_dirs,
                        plot=written_plot, init_s=init_s, wall_s=wall_s)
+
+
+def _lookup_budget(ds: dict[str, Any]) -> Any:
+    section = ds.get("infinity")
+    return section.get("host_memory_budget") if isinstance(section, dict) else None
 
 
 def _exit_on_sigterm() -> Any:

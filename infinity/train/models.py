@@ -139,6 +139,17 @@ def count_parameters(config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def model_stats(config: Any, unit_modules: tuple[str, ...] | None = None) -> Any:
+    """The planner's ``ModelStats`` (counts, units) of the model ``config`` describes, on meta."""
+    from transformers import AutoModelForCausalLM
+
+    from infinity.planner import ModelStats
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return ModelStats.from_module(model, unit_modules)
+
+
 def build_model(config: Any, init_context: ContextManager[Any] | None = None) -> nn.Module:
     """Build a randomly initialised causal LM from ``config`` inside ``init_context``.
 

@@ -155,6 +155,47 @@ def test_unwritable_metrics_or_plot_path_fails_before_training(
     assert not (tmp_path / "ok.jsonl").exists()    # the good file is not created early either
 
 
+def test_host_budget_too_small_states_the_given_value_and_the_minimum(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, disk_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """It said "... only 0 B of the 0 B host budget is free" (the share left after the engine's
+    device pool), after preallocating the swap files."""
+    from infinity.train import loop
+
+    def no_engine(*args: object) -> None:
+        raise AssertionError("the engine was built before the budget was checked")
+
+    monkeypatch.setattr(loop, "_make_engine", no_engine)
+    code, err = _run_cli(capsys, "--model-size", "tiny", "--nvme-path", str(disk_dir),
+                         "--host-budget", "1B")
+    line = _one_error_line(err)
+    assert code == 2 and "the host memory budget 1B (--host-budget) is too small" in line, err
+    assert "needs at least " in line and "pass --host-budget " in line and " 0 B" not in line
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(disk_dir)},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(disk_dir)}},
+        "infinity": {"host_memory_budget": 1}}))
+    code, err = _run_cli(capsys, "--model-size", "tiny", "--config", str(config))
+    line = _one_error_line(err)
+    assert code == 2 and f"budget 1 (= 1 B, infinity.host_memory_budget in {config})" in line
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_host_budget_error_of_the_engine_names_the_given_budget(
+        capsys: pytest.CaptureFixture[str], disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the planner's check passes but the engine's pools do not fit, the engine's message
+    (a share of the budget) is completed with the budget the user gave."""
+    from infinity.train import host_budget
+
+    monkeypatch.setattr(host_budget, "check_host_budget", lambda *args: None)
+    code, err = _run_cli(capsys, "--model-size", "tiny", "--nvme-path", str(disk_dir),
+                         "--host-budget", "1B")
+    line = _one_error_line(err)
+    assert code == 2 and "of host memory" in line and "left of 1B (--host-budget)" in line, err
+    assert list(disk_dir.iterdir()) == []
+
+
 def test_swap_path_that_fails_preflight(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
     code, err = _run_cli(capsys, "--model-size", "tiny", "--nvme-path", str(missing))

@@ -298,3 +298,22 @@ def test_cli_plan_default_swap_path_is_the_one_train_uses(capsys) -> None:
     assert data["ds_config"]["zero_optimization"]["offload_param"]["nvme_path"] == DEFAULT_SWAP_DIR
     assert data["hardware"]["nvme_path"] == DEFAULT_SWAP_DIR
     assert any("does not exist yet" in n for n in data["notes"]) == (not os.path.isdir(DEFAULT_SWAP_DIR))
+
+
+@pytest.mark.parametrize("hw", [CPU_BOX, GPU_BOX])
+def test_minimum_host_budget_is_the_edge_of_host_budget_fits(hw: Hardware) -> None:
+    """What `infinity train` checks a given host budget against, before the engine starts."""
+    from infinity.planner import host_budget_fits, minimum_host_budget
+
+    cfg = config(3, "nvme", "nvme", gradient_clipping=1.0)
+
+    def with_budget(budget: int) -> InfinityConfig:
+        return InfinityConfig.from_dict({**cfg.to_dict(), "infinity": {"host_memory_budget": budget}})
+
+    least = minimum_host_budget(cfg, SMALL, hw)
+    assert least is not None and 0 < least < 1 * GiB
+    assert host_budget_fits(with_budget(least), SMALL, hw)
+    assert not host_budget_fits(with_budget(int(least * 0.99)), SMALL, hw)
+    assert not host_budget_fits(with_budget(1), SMALL, hw)
+    hosted = config(3, "cpu", "cpu")   # states on the host: the budget must hold them (16 B/param)
+    assert minimum_host_budget(hosted, SMALL, hw) >= 12 * SMALL.total_params

@@ -1,0 +1,58 @@
+"""The host memory budget of an ``infinity train`` run, checked before the engine starts.
+
+Why: a budget too small for the run used to fail inside the engine's start, after the swap files
+were preallocated (21 GiB and half a minute for the 1B preset), with a message that named the
+share left to one pool ("gradient slot 0 needs 164 KiB ... only 0 B of the 0 B host budget is
+free", for ``--host-budget 1B``), not the budget the user gave. The planner, which sizes the
+engine's pools from the same budget, says up front what the least budget is; the message names
+the value as the user wrote it, where it came from, and that minimum.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from infinity.budget import BudgetExceededError
+from infinity.config import InfinityConfig
+from infinity.planner import detect_hardware, host_budget_fits, minimum_host_budget
+from infinity.planner_inputs import ModelStats
+from infinity.sizes import format_bytes
+
+
+def describe_budget(given: Any, flag: str | None, config_file: str | None) -> str:
+    """The budget as the user wrote it and where: ``1B (--host-budget)``,
+    ``1 (= 1 B, infinity.host_memory_budget in ds.json)``, ``512MiB (the demo's default)``."""
+    if flag is not None:
+        return f"{flag} (--host-budget)"
+    where = (f"infinity.host_memory_budget in {config_file}" if config_file is not None
+             else "the demo's default")
+    if isinstance(given, (int, float)) and not isinstance(given, bool):
+        return f"{given} (= {format_bytes(given)}, {where})"
+    return f"{given} ({where})"
+
+
+def check_host_budget(config: InfinityConfig, stats: ModelStats, described: str) -> None:
+    """Raise ValueError when the planner finds the host budget too small for this run."""
+    budget = config.infinity.host_memory_budget
+    if budget is None:
+        return    # unset: 80% of MemAvailable at start, nothing the user wrote to check
+    nvme_path = config.zero.offload_param.nvme_path or config.zero.offload_optimizer.nvme_path
+    hw = detect_hardware(nvme_path)
+    if host_budget_fits(config, stats, hw):
+        return
+    least = minimum_host_budget(config, stats, hw)
+    if least is None:
+        need = ("no budget holds the sizes this config sets: see `infinity plan --config` for "
+                "the ones to make smaller")
+    else:
+        need = (f"it needs at least {format_bytes(least)} (`infinity plan` shows the split): "
+                f"pass --host-budget {math.ceil(least / 2**20)}MiB or more")
+    raise ValueError(f"the host memory budget {described} is too small for this model and "
+                     f"config: {need}")
+
+
+def explain(exc: BudgetExceededError, described: str) -> BudgetExceededError:
+    """The engine's own "host budget" error (a share of the budget, after its pools), with the
+    budget the user gave: for the rare run the planner thought would fit."""
+    return BudgetExceededError(f"{exc} (that share is what is left of {described} after the "
+                               "engine's other pools: raise the budget)")
