@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier, deeper
+from infinity.engine_api import DeepSpeedEngineAccessors
 from infinity.engine_sizing import (
     COMPUTE_DTYPES,
     EngineSizes,
@@ -54,7 +55,7 @@ from infinity.zero.unit import Unit
 log = get_logger("engine")
 
 
-class Engine:
+class Engine(DeepSpeedEngineAccessors):
     """Trains ``model`` with its states in tiers, per the DeepSpeed-style ``config``."""
 
     def __init__(self, model: nn.Module, model_parameters: Iterable | None,
@@ -71,7 +72,6 @@ class Engine:
         self.compute_dtype = COMPUTE_DTYPES[derived.compute_dtype]
         stage = self.config.zero.stage
         self.stage = stage
-        self.gradient_accumulation_steps = self.config.gradient_accumulation_steps or 1
         self.micro_steps = 0
         self.global_steps = 0
         cpu_fp32 = self.device.type == "cpu" and self.compute_dtype == torch.float32
@@ -174,7 +174,10 @@ class Engine:
             on_unit_backward_done=self.optimizer.on_unit_backward_done,
             reap=self.optimizer.reap, expect_backward=self.optimizer.expect_backward,
             step_fetched=self.optimizer.step_fetched, before_read=self._void_speculation,
-            modified_in_forward=self._keep_forward_change)
+            modified_in_forward=self._keep_forward_change,
+            untracked_backward=(self._begin_untracked_backward, self._end_untracked_backward))
+        self.optimizer.on_zero_grad = self.zero_grad
+        _route_module_zero_grad(model, self.zero_grad)
         self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
         for module in model.modules():      # register_external_parameter before initialize
@@ -191,6 +194,7 @@ class Engine:
         self.loss_scaler = LossScaler(self.config.fp16) if self.config.fp16.enabled else None
         self.skipped_steps = 0
         self._backwards_since_step = 0
+        self._warned_hyper_moved = False
 
     def _activation_swapper(self) -> ActivationSwapper | None:
         """The swapper of saved activations when ``infinity.offload_activations`` is "nvme"."""
@@ -253,19 +257,16 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss)}"
                              + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
         if self.optimizer.early_step and self._backwards_since_step:
-            raise RuntimeError(
-                "engine.backward() was called twice without engine.step() in between: the early "
-                "step (infinity.early_step) steps each unit during its backward, so a second "
-                "backward would step it again instead of adding its gradients up. Call "
-                "engine.step() after each backward, set gradient_accumulation_steps to add "
-                "micro-batches up, or set infinity.early_step \"off\"")
-        if self.gradient_accumulation_steps > 1:
-            loss = loss / self.gradient_accumulation_steps
+            raise RuntimeError(_SECOND_EARLY_BACKWARD.format(call="engine.backward()"))
+        if self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         self._void_speculation()       # a second backward in one cycle
         self.optimizer.loss_scale = self.loss_scale
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
+        self._hyper_at_backward = self.optimizer.hyperparameters() if self.optimizer.early_step else None
+        self.coordinator.engine_backward = True
         try:
             loss.backward(retain_graph=retain_graph)
         except BaseException as exc:
@@ -278,11 +279,68 @@ class Engine:
                 self._drop_rolled_back()
             _raise_with_external_parameter_hint(exc, "backward", self.stage)
             raise
+        finally:
+            self.coordinator.engine_backward = False
         self.optimizer.end_backward()
         self._backwards_since_step += 1
 
+    def _begin_untracked_backward(self) -> None:
+        """``loss.backward()`` called directly (the coordinator saw the first gradient of a
+        backward that engine.backward did not start): do what engine.backward does before it,
+        except scaling the loss, which is the caller's (torch's semantics: no division by the
+        accumulation steps). With fp16 loss scaling, or a second backward under the early step,
+        that cannot be right, so it is refused."""
+        problem = None
+        if self.loss_scaler is not None:
+            problem = ("loss.backward() was called directly with fp16 loss scaling on: the loss "
+                       "was not multiplied by the loss scale, so every gradient would come out "
+                       f"{self.loss_scale:g}x too small. Call engine.backward(loss) instead")
+        elif self.optimizer.early_step and self._backwards_since_step:
+            problem = _SECOND_EARLY_BACKWARD.format(call="loss.backward()")
+        if problem is not None:
+            self.optimizer.abandon_backward()
+            raise RuntimeError(problem)
+        self._void_speculation()
+        self.optimizer.loss_scale = self.loss_scale
+        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
+        self._hyper_at_backward = self.optimizer.hyperparameters() if self.optimizer.early_step else None
+
+    def _end_untracked_backward(self) -> None:
+        self.optimizer.end_backward()
+        self._backwards_since_step += 1
+
+    def _warn_if_hyperparameters_moved(self) -> None:
+        """Under the early step the units were stepped during the backward, with the lr and betas
+        of then: a change made between backward() and step() applies from the next step only."""
+        before, self._hyper_at_backward = getattr(self, "_hyper_at_backward", None), None
+        if before is None or self._warned_hyper_moved or before == self.optimizer.hyperparameters():
+            return
+        self._warned_hyper_moved = True
+        log.warning("the optimizer's param groups (lr, betas, ...) changed between backward() and "
+                    "step(): under the early step each unit was stepped during the backward with "
+                    "the values of then; the change applies from the next step. Change them "
+                    "before the backward, or set infinity.early_step \"off\"")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients of the backwards since the last optimizer step, as torch's
+        ``optimizer.zero_grad()`` between a backward and a step does (``optimizer.zero_grad()``
+        comes here too). Under the early step each unit was already stepped during its backward:
+        that cannot be undone, so it is refused."""
+        self._check_open("zero_grad")
+        if self.optimizer.early_step:
+            if self._backwards_since_step:
+                raise RuntimeError(
+                    "zero_grad() between backward() and step() under the early step: each unit "
+                    "was already stepped during the backward, so its gradients cannot be "
+                    "discarded. Call zero_grad() before the backward (or after step()), or set "
+                    "infinity.early_step \"off\" to keep gradients until step()")
+            return
+        if self.optimizer.holds_cycle_gradients():
+            self.optimizer.discard_cycle_gradients()
+            self._drop_rolled_back()
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def step(self) -> None:
         """Count a micro-step; at the accumulation boundary step the optimizer and scheduler."""
@@ -292,6 +350,7 @@ class Engine:
         self._backwards_since_step = 0
         if not boundary:
             return
+        self._warn_if_hyperparameters_moved()
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
         self.optimizer.loss_scale = self.loss_scale
@@ -455,6 +514,7 @@ class Engine:
             return
         self._closed = True
         unregister_engine(self)
+        self.module.__dict__.pop("zero_grad", None)     # the module's own zero_grad again
         try:
             if getattr(self, "coordinator", None) is not None:
                 self.coordinator.release_finished_steps(self.optimizer.drain_steps())
@@ -530,6 +590,25 @@ def _model_device(model: nn.Module) -> torch.device:
             return p.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
+
+
+def _route_module_zero_grad(model: nn.Module, engine_zero_grad: Callable[[bool], None]) -> None:
+    """``model.zero_grad()`` (what a torch loop, or Hugging Face's Trainer, calls) discards the
+    engine's pending gradients too, as it would discard the .grad torch keeps."""
+    module_zero_grad = model.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        engine_zero_grad(set_to_none)
+        module_zero_grad(set_to_none)
+
+    model.zero_grad = zero_grad     # an instance attribute; close() removes it
+
+
+_SECOND_EARLY_BACKWARD = (
+    "{call} was called twice without engine.step() in between: the early step "
+    "(infinity.early_step) steps each unit during its backward, so a second backward would step "
+    "it again instead of adding its gradients up. Call engine.step() after each backward, set "
+    "gradient_accumulation_steps to add micro-batches up, or set infinity.early_step \"off\"")
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

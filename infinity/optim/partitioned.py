@@ -174,6 +174,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         self.loss_scale = 1.0        # the fp16 loss scale the gradients carry (set by the engine)
         self.overflow = False        # the last step was skipped: its gradients were not finite
         self.step_failure: BaseException | None = None   # the first background step that failed
+        self.on_zero_grad: Callable[[bool], None] | None = None   # the engine's zero_grad
         self._sq_norm = 0.0
         self._accumulate_chunk: torch.Tensor | None = None
         self._boundary = True
@@ -543,7 +544,27 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
 
     # -- state dict (torch Adam layout per parameter) --------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients never live on the parameters; nothing to clear."""
+        """Gradients never live on the parameters, but the ones collected since the last step
+        are discarded, as torch's zero_grad between a backward and a step does: the engine's
+        ``zero_grad`` (``on_zero_grad``) knows the schedule's rules."""
+        if self.on_zero_grad is not None:
+            self.on_zero_grad(set_to_none)
+
+    def holds_cycle_gradients(self) -> bool:
+        """Whether a backward since the last step left gradients (or a speculated step) here."""
+        return self.speculation_pending or any(s.grads_seen or s.has_grads for s in self.states)
+
+    def discard_cycle_gradients(self) -> None:
+        """zero_grad between a backward and a step: forget this cycle's gradients and roll a
+        speculated step back (the engine then drops the rolled-back device copies)."""
+        self.cancel_expected()
+        if self._speculated:
+            self._roll_back("zero_grad() discarded the gradients")
+        while self._grad_writes:
+            self._retire_grad_write()
+        dropped = self._drop_cycle_gradients()
+        log.info("zero_grad(): the gradients of %d unit(s) collected since the last step are "
+                 "discarded", dropped)
 
     def close(self) -> None:
         try:

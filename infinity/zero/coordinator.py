@@ -26,7 +26,8 @@ needs its room releases kept units first, the one needed last first.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections import OrderedDict
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -53,7 +54,9 @@ class Coordinator:
                  expect_backward: Callable[[Unit], None] = lambda unit: None,
                  step_fetched: Callable[[Unit], bool] = lambda unit: False,
                  before_read: Callable[[], None] = lambda: None,
-                 modified_in_forward: Callable[[Unit], None] = lambda unit: None) -> None:
+                 modified_in_forward: Callable[[Unit], None] = lambda unit: None,
+                 untracked_backward: tuple[Callable[[], None], Callable[[], None]] | None = None
+                 ) -> None:
         self.units = units
         self.hooked = hooked
         self.manager = manager
@@ -70,6 +73,12 @@ class Coordinator:
         # a module changed its parameters in place in its forward (nn.Embedding(max_norm=...)
         # renormalises the rows it reads): the device copy must go home before its release
         self.modified_in_forward = modified_in_forward
+        # a backward the engine did not start (loss.backward() called directly) is announced at
+        # its first gradient -- autograd.grad(), which accumulates none, is not a backward here --
+        # and closed at its end (begin, end); ``engine_backward`` is set by engine.backward
+        self.untracked_backward = untracked_backward
+        self.engine_backward = False
+        self._untracked = False
         self._versions: dict[int, int] = {}   # unit -> its parameters' versions at first use
         self._stepping = [False] * len(units)   # a background step holds the unit fetched
         self.traces = {"train_fwd": Trace(), "bwd": Trace(), "eval_fwd": Trace()}
@@ -101,11 +110,21 @@ class Coordinator:
         """Fetch ``unit_ids`` before ``module`` runs and release them after (its own unit, a
         tied parameter's, or one registered as external)."""
         ids = tuple(unit_ids)
-        self._handles.append(module.register_forward_pre_hook(
-            lambda m, args, kwargs, ids=ids: self._forward_pre(ids, args, kwargs),
-            with_kwargs=True))
-        self._handles.append(module.register_forward_hook(
-            lambda m, args, output, ids=ids: self._forward_post(ids, output)))
+
+        # The user's own hooks on the module see its parameters fetched: the fetch runs before
+        # every other pre-hook (an old-style weight_norm pre-hook computes weight from g and v)
+        # and the release after every other forward hook, also those registered after ours.
+        def pre(m: nn.Module, args, kwargs):
+            _keep_at(m._forward_hooks, post.id, last=True)
+            return self._forward_pre(ids, args, kwargs)
+
+        def after(m: nn.Module, args, output):
+            _keep_at(m._forward_pre_hooks, first.id, last=False)
+            return self._forward_post(ids, output)
+
+        first = module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+        post = module.register_forward_hook(after)
+        self._handles += [first, post]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -202,6 +221,13 @@ class Coordinator:
         grad = entry.param.grad
         if grad is None:
             return
+        if not self.engine_backward and not self._untracked and self.untracked_backward:
+            try:
+                self.untracked_backward[0]()
+            except BaseException:
+                self.abandon_pass()
+                raise
+            self._untracked = True
         entry.param.grad = None
         self.on_grad(unit, entry, grad)
         self._pending[unit.index] -= 1
@@ -237,9 +263,12 @@ class Coordinator:
             for unit in self.units:
                 if self._active[unit.index] == 0 and not self._stepping[unit.index]:
                     self._release_or_keep(unit.index)
+            if self._untracked:
+                self.untracked_backward[1]()
         finally:
             self._in_backward = False
             self._callback_queued = False
+            self._untracked = False
             self.reset_backward_state()
 
     def abandon_pass(self) -> None:
@@ -248,6 +277,7 @@ class Coordinator:
         what no step or pin holds, so the next pass starts clean."""
         self._in_backward = False
         self._callback_queued = False
+        self._untracked = False
         self._fwd_trace_name = None
         self._active = list(self._pins)
         self.reset_backward_state()
@@ -459,3 +489,10 @@ def _param_versions(unit: Unit) -> int:
     """The sum of the unit's parameters' version counters: an in-place change through a
     parameter raises it; the engine's own writes into the flat buffer do not."""
     return sum(entry.param._version for entry in unit.params)
+
+
+def _keep_at(hooks: OrderedDict[int, Any], hook_id: int, last: bool) -> None:
+    """Move hook ``hook_id`` to the end (``last``) or the front of a module's hook dict; torch
+    copies the dict's items before it calls them, so this is safe from inside a hook."""
+    if hook_id in hooks and next(reversed(hooks) if last else iter(hooks)) != hook_id:
+        hooks.move_to_end(hook_id, last=last)

@@ -17,8 +17,9 @@ LR, MIN_LR, WARMUP = 1e-3, 1e-4, 4
 
 
 def _warmup_lr(step: int) -> float:
-    """DeepSpeed's WarmupLR, linear: the learning rate of optimizer step ``step`` (from 0)."""
-    return MIN_LR + (LR - MIN_LR) * min(1.0, step / WARMUP)
+    """DeepSpeed's WarmupLR, linear: the learning rate of optimizer step ``step`` (from 0); its
+    count starts at -1, so steps 0 and 1 both run at the minimum."""
+    return MIN_LR + (LR - MIN_LR) * min(1.0, max(0, step - 1) / WARMUP)
 
 
 def _deferred_config(disk_dir, **infinity_section) -> dict:

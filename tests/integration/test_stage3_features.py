@@ -669,3 +669,64 @@ def test_a_model_held_by_a_live_engine_is_refused(disk_dir, stage) -> None:
                 assert all(p.numel() for p in model.parameters())
         finally:
             second.close()
+
+
+class _HookedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), x.flatten())
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_the_users_module_hooks_see_fetched_parameters(disk_dir, tier) -> None:
+    """A forward pre-hook registered before initialize, a forward hook registered after it and
+    an old-style weight_norm (a pre-hook computing weight from g and v) all read the module's
+    own parameters: they must see them fetched, in training and in an eval forward, and train
+    like torch (before: the pre-hook read a (0,) tensor, the late forward hook too, and
+    weight_norm on empty tensors killed the process with SIGFPE)."""
+    def pre(module, args):
+        return (args[0] + 1e-2 * module[0].weight.sum(),)
+
+    def post(module, args, out):
+        return out + 1e-2 * module[0].weight.mean()
+
+    def build() -> nn.Module:       # (weight_norm's module cannot be deep-copied)
+        torch.manual_seed(0)
+        net = _HookedNet()
+        torch.nn.utils.weight_norm(net.blocks[2][0])
+        net.blocks[0].register_forward_pre_hook(pre)
+        return net
+
+    model, reference = build(), build()
+    reference.blocks[1].register_forward_hook(post)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ds = zero_config(3, tier, tier, str(disk_dir), early_step="off")
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    model.blocks[1].register_forward_hook(post)
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for _ in range(3):
+            x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+            loss, ref_loss = engine(x), reference(x)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            engine.backward(loss)
+            engine.step()
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        engine.eval()
+        reference.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x), reference(x), rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()

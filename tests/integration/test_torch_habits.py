@@ -1,0 +1,162 @@
+"""Habits of a plain torch loop under the engine: zero_grad() between a backward and a step
+discards the gradients, loss.backward() called directly is a backward like engine.backward's
+(without its loss scaling), torch.autograd.grad() is not; where the schedule cannot honour the
+habit, a clear error says so."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import infinity
+from parity import VOCAB, loss_of, make_model, zero_config
+
+
+def _setup(disk_dir, tier: str, early_step: str, clip: float = 0.0, **fp16):
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ds = zero_config(3, tier, tier, str(disk_dir), early_step=early_step)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    ds["gradient_clipping"] = clip
+    if fp16:
+        ds["fp16"] = {"enabled": True, **fp16}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    return engine, model, reference, ref_opt
+
+
+def _batches(count: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (2, 12), generator=gen) for _ in range(count)]
+
+
+def _assert_same_weights(engine, reference) -> None:
+    engine.flush()
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("clip", [0.0, 0.5], ids=["speculated", "clipped"])
+@pytest.mark.parametrize("how", ["engine", "optimizer", "module"])
+def test_zero_grad_between_backward_and_step_discards(disk_dir, tier, clip, how) -> None:
+    """backward(a); zero_grad(); backward(b); step() steps with b's gradients alone, as torch."""
+    engine, model, reference, ref_opt = _setup(disk_dir, tier, "off", clip)
+    zero_grad = {"engine": engine.zero_grad, "optimizer": engine.optimizer.zero_grad,
+                 "module": model.zero_grad}[how]
+    try:
+        for a, b in zip(*[iter(_batches(6))] * 2):
+            engine.backward(loss_of(engine(input_ids=a, labels=a)))
+            zero_grad()
+            engine.backward(loss_of(engine(input_ids=b, labels=b)))
+            engine.step()
+            loss_of(reference(input_ids=a, labels=a)).backward()
+            ref_opt.zero_grad()
+            loss_of(reference(input_ids=b, labels=b)).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        _assert_same_weights(engine, reference)
+    finally:
+        engine.close()
+
+
+def test_zero_grad_after_an_early_step_backward_is_refused(disk_dir) -> None:
+    engine, model, *_ = _setup(disk_dir, "cpu", "on")
+    x = _batches(1)[0]
+    try:
+        model.zero_grad()                       # before the backward: nothing to discard
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        with pytest.raises(RuntimeError, match="already stepped during the backward"):
+            model.zero_grad()
+        engine.step()
+        engine.optimizer.zero_grad()            # after the step: fine
+    finally:
+        engine.close()
+    assert "zero_grad" not in model.__dict__    # close() gave the module its own zero_grad back
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("early_step,clip", [("on", 0.0), ("off", 0.0), ("off", 0.5)],
+                         ids=["early", "speculated", "clipped"])
+def test_loss_backward_called_directly_trains_like_torch(disk_dir, tier, early_step, clip) -> None:
+    """Before: the clipping norm was never reset for such backwards (it summed every step's),
+    so clipping grew stronger each step."""
+    engine, _, reference, ref_opt = _setup(disk_dir, tier, early_step, clip)
+    try:
+        for x in _batches(4):
+            loss = loss_of(engine(input_ids=x, labels=x))
+            loss.backward()
+            engine.step()
+            ref_loss = loss_of(reference(input_ids=x, labels=x))
+            ref_loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        _assert_same_weights(engine, reference)
+    finally:
+        engine.close()
+
+
+def test_direct_backwards_the_schedule_cannot_honour_are_refused(disk_dir) -> None:
+    """Two under the early step (each would step every unit) and one under fp16 loss scaling
+    (its loss is not scaled): errors that say to call engine.backward; the engine goes on."""
+    x, y = _batches(2)
+    engine, *_ = _setup(disk_dir, "cpu", "on")
+    try:
+        loss_of(engine(input_ids=x, labels=x)).backward()
+        with pytest.raises(RuntimeError, match=r"loss\.backward\(\) was called twice"):
+            loss_of(engine(input_ids=y, labels=y)).backward()
+        engine.step()
+        engine.backward(loss_of(engine(input_ids=y, labels=y)))
+        engine.step()
+    finally:
+        engine.close()
+    engine, *_ = _setup(disk_dir, "cpu", "auto", initial_scale_power=8)
+    try:
+        with pytest.raises(RuntimeError, match="fp16 loss scaling.*engine.backward"):
+            loss_of(engine(input_ids=x, labels=x)).backward()
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+        assert engine.global_steps == 1
+    finally:
+        engine.close()
+
+
+def test_autograd_grad_is_not_a_backward(disk_dir) -> None:
+    """torch.autograd.grad of the loss (here w.r.t. the input embeddings) between steps does not
+    count as the early step's backward: engine.backward after it is accepted."""
+    engine, model, *_ = _setup(disk_dir, "cpu", "on")
+    x = _batches(1)[0]
+    try:
+        embeds = model.get_input_embeddings()(x).detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(loss_of(engine(inputs_embeds=embeds, labels=x)), embeds)
+        assert grad.abs().sum() > 0
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+    finally:
+        engine.close()
+
+
+def test_an_lr_change_between_an_early_backward_and_its_step_is_warned(disk_dir, infinity_log) -> None:
+    """Under the early step the units were stepped during the backward: an lr set between
+    backward() and step() applies from the next step, and a warning says so (once)."""
+    engine, *_ = _setup(disk_dir, "cpu", "on")
+    x = _batches(1)[0]
+    try:
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+        assert "changed between backward() and step()" not in infinity_log.text
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 5e-4
+        engine.step()
+        assert infinity_log.text.count("changed between backward() and step()") == 1
+    finally:
+        engine.close()
