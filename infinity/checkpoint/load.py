@@ -162,11 +162,11 @@ def _restore_state(engine: "Engine", manifest: dict[str, Any], optimizer_states:
     engine.skipped_steps = int(counters.get("skipped_steps", 0))
     # saved at an accumulation boundary: the next micro-step starts a cycle of this engine's
     # length, whatever the saving engine's was
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
-    saved_gas = int(counters.get("gradient_accumulation_steps", engine.gradient_accumulation_steps))
-    if saved_gas != engine.gradient_accumulation_steps:
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    saved_gas = int(counters.get("gradient_accumulation_steps", engine.gradient_accumulation_steps()))
+    if saved_gas != engine.gradient_accumulation_steps():
         log.info("checkpoint saved with gradient_accumulation_steps %d, resumed with %d",
-                 saved_gas, engine.gradient_accumulation_steps)
+                 saved_gas, engine.gradient_accumulation_steps())
     if optimizer_states:
         for group, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
             for key, value in saved.items():

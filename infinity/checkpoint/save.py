@@ -57,11 +57,11 @@ def check_at_rest(engine: "Engine", what: str) -> None:
     if engine._backwards_since_step:
         raise RuntimeError(f"engine.{what}() between backward() and step(): the gradients of "
                            "this step would not be in it. Call engine.step() first")
-    if engine.micro_steps % engine.gradient_accumulation_steps:
+    if engine.micro_steps % engine.gradient_accumulation_steps():
         raise RuntimeError(
             f"engine.{what}() in the middle of a gradient accumulation cycle (micro-step "
-            f"{engine.micro_steps % engine.gradient_accumulation_steps} of "
-            f"{engine.gradient_accumulation_steps}): the accumulated gradients would not be in "
+            f"{engine.micro_steps % engine.gradient_accumulation_steps()} of "
+            f"{engine.gradient_accumulation_steps()}): the accumulated gradients would not be in "
             "it. Call it after the step at the accumulation boundary")
     if engine.coordinator.pinned_units():
         raise RuntimeError(f"engine.{what}() inside GatheredParameters: leave the context first "
@@ -87,7 +87,7 @@ def engine_state(engine: "Engine", client_state: Any) -> dict[str, Any]:
         "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                    "skipped_steps": engine.skipped_steps, "stage": engine.stage,
                    "compute_dtype": str(engine.compute_dtype).replace("torch.", ""),
-                   "gradient_accumulation_steps": engine.gradient_accumulation_steps},
+                   "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
         "param_groups": json_value(groups, "the optimizer's param group settings"),
         "lr_scheduler": None if scheduler is None else
         json_value(scheduler.state_dict(), "the LR scheduler's state_dict()"),

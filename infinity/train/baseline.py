@@ -32,7 +32,7 @@ class TorchBaselineEngine:
         self.optimizer = cls(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                              weight_decay=opt.weight_decay, fused=True)
         self.lr_scheduler = build_scheduler(config, self.optimizer, None)
-        self.gradient_accumulation_steps = config.gradient_accumulation_steps or 1
+        self._accumulation = config.gradient_accumulation_steps or 1
         self.micro_steps = 0
         self.global_steps = 0
         self._phase = {"compute_s": 0.0, "optimizer_s": 0.0}
@@ -55,15 +55,15 @@ class TorchBaselineEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` scaled by 1/gradient_accumulation_steps (the engine's rule)."""
         start = time.perf_counter()
-        if self.gradient_accumulation_steps > 1:
-            loss = loss / self.gradient_accumulation_steps
+        if self._accumulation > 1:
+            loss = loss / self._accumulation
         loss.backward()
         self._phase["compute_s"] += time.perf_counter() - start
 
     def step(self) -> None:
         """Count a micro-step; at the accumulation boundary clip, step AdamW and the schedule."""
         self.micro_steps += 1
-        if self.micro_steps % self.gradient_accumulation_steps:
+        if self.micro_steps % self._accumulation:
             return
         start = time.perf_counter()
         if self.config.gradient_clipping > 0:
@@ -89,6 +89,9 @@ class TorchBaselineEngine:
     def step_stats(self) -> dict[str, float]:
         """Timings and bytes of the last optimizer step, with the engine's keys."""
         return dict(self._last_stats)
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._accumulation
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]

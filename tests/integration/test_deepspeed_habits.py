@@ -143,3 +143,34 @@ def test_a_deepspeed_script_with_args_and_training_data(tmp_path) -> None:
         infinity.initialize(args=args, model=nn.Linear(2, 2), config={})
     with pytest.raises(ValueError, match="mpu"):
         infinity.initialize(model=nn.Linear(2, 2), config={}, mpu=object())
+
+
+def test_the_deepspeed_engine_accessors(disk_dir) -> None:
+    """What scripts, Hugging Face's Trainer and accelerate ask DeepSpeed's engine."""
+    model = make_model("gpt2", layers=2, width=32)
+    config = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+              "fp16": {"enabled": True, "initial_scale_power": 4},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "cpu"}}}
+    engine, *_ = infinity.initialize(model=model, config=config)
+    try:
+        assert engine.gradient_accumulation_steps() == 2
+        assert engine.train_batch_size() == 8 and engine.train_micro_batch_size_per_gpu() == 4
+        assert engine.zero_optimization_stage() == 3 and engine.gradient_clipping() == 1.0
+        assert engine.fp16_enabled() and not engine.bfloat16_enabled()
+        assert engine.get_global_grad_norm() is None
+        x = torch.randint(1, 60, (4, 8))
+        with engine.no_sync():
+            for _ in range(2):
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+        norm = engine.get_global_grad_norm()
+        assert norm is not None and norm > 0 and engine.was_step_applied()
+        assert engine.global_samples == 8 and engine.get_mom() == [(0.9, 0.999)]
+        with torch.no_grad():       # attribute access falls through to the model
+            assert engine.generate(x[:1, :3], max_new_tokens=2, do_sample=False).shape == (1, 5)
+        assert engine.config is not model.config        # the engine's own config stays its own
+        with pytest.raises(AttributeError, match="no_such_thing"):
+            engine.no_such_thing
+    finally:
+        engine.close()

@@ -1,0 +1,65 @@
+"""The accessors DeepSpeed's engine offers and training scripts (and Hugging Face's Trainer and
+accelerate) call on it: batch sizes, precision flags, the last gradient norm, whether a step was
+applied, and attribute access falling through to the model (``engine.generate(...)``). Kept out
+of ``engine.py``, which holds the training logic; ``Engine`` inherits them."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+
+class DeepSpeedEngineAccessors:
+    """Mixed into ``Engine``; reads ``self.config``, ``self.optimizer``, ``self.module``."""
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer step (inf after an overflow); None
+        under the early step, which steps each unit before the others' gradients exist and so
+        never forms the global norm."""
+        return self.optimizer.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped (fp16 gradients not finite)."""
+        return not self.optimizer.overflow
+
+    def get_mom(self) -> list[tuple[float, float]]:
+        """Each param group's Adam betas."""
+        return [tuple(g["betas"]) for g in self.optimizer.param_groups]
+
+    @property
+    def global_samples(self) -> int:
+        return self.global_steps * self.config.train_batch_size
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accepted for scripts written for data parallelism: with one rank there is nothing to
+        synchronise (accumulate with gradient_accumulation_steps)."""
+        yield
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the engine does not have come from the model, as with DeepSpeed's engine
+        (``engine.generate(...)``, ``engine.config`` is the engine's own)."""
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(module, name)
