@@ -13,10 +13,13 @@ import math
 from typing import Any
 
 from infinity.budget import BudgetExceededError
+from infinity.log import get_logger
 from infinity.config import InfinityConfig
 from infinity.planner import detect_hardware, host_budget_fits, minimum_host_budget
 from infinity.planner_inputs import ModelStats
 from infinity.sizes import format_bytes
+
+_log = get_logger("train")
 
 
 def describe_budget(given: Any, flag: str | None, config_file: str | None) -> str:
@@ -31,8 +34,15 @@ def describe_budget(given: Any, flag: str | None, config_file: str | None) -> st
     return f"{given} ({where})"
 
 
+# The planner's least budget errs on the safe side (about 4x for a tiny model, ~10% at 85M-1B),
+# so a budget under it by less than this factor is only warned about: the engine, which sizes its
+# pools exactly, is the judge there.
+REFUSE_BELOW_FRACTION = 0.5
+
+
 def check_host_budget(config: InfinityConfig, stats: ModelStats, described: str) -> None:
-    """Raise ValueError when the planner finds the host budget too small for this run."""
+    """Raise ValueError when the host budget is clearly too small for this run (under half the
+    planner's least budget); warn when it is under that least budget but could still work."""
     budget = config.infinity.host_memory_budget
     if budget is None:
         return    # unset: 80% of MemAvailable at start, nothing the user wrote to check
@@ -47,6 +57,11 @@ def check_host_budget(config: InfinityConfig, stats: ModelStats, described: str)
     else:
         need = (f"it needs at least {format_bytes(least)} (`infinity plan` shows the split): "
                 f"pass --host-budget {math.ceil(least / 2**20)}MiB or more")
+        if budget >= REFUSE_BELOW_FRACTION * least:
+            _log.warning("the host memory budget %s is under the planner's estimate for this "
+                         "model and config (%s); trying anyway, the engine will say if it does "
+                         "not fit", described, format_bytes(least))
+            return
     raise ValueError(f"the host memory budget {described} is too small for this model and "
                      f"config: {need}")
 
