@@ -189,6 +189,15 @@ class Coordinator:
 
     # -- backward --------------------------------------------------------------------------
     def _pre_backward(self, ids: tuple[int, ...]) -> None:
+        if torch.is_grad_enabled() and any(not self.units[uid].persistent for uid in ids):
+            # grad mode is on inside a backward only with create_graph=True: the graph it builds
+            # would need the units' parameters again after their release
+            raise RuntimeError(
+                "a backward with create_graph=True (a double backward: a gradient penalty, a "
+                "Hessian-vector product) reached parameters that ZeRO stage 3 releases after use, "
+                "so its second backward would find them empty. Train such a loss with "
+                "zero_optimization.stage 1 or 2 (offload_optimizer still works), as with "
+                "DeepSpeed")
         if not self._callback_queued:
             self._callback_queued = True
             self._in_backward = True

@@ -160,3 +160,63 @@ def test_an_lr_change_between_an_early_backward_and_its_step_is_warned(disk_dir,
         assert infinity_log.text.count("changed between backward() and step()") == 1
     finally:
         engine.close()
+
+
+class _Critic(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _penalised_loss(model, x: torch.Tensor) -> torch.Tensor:
+    """A gradient penalty (WGAN-GP style): a double backward through the model."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return out.pow(2).mean() + grad.pow(2).sum(-1).mean()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_double_backward_trains_at_stage_2_and_is_refused_clearly_at_stage_3(stage) -> None:
+    """Stage 3 releases parameters after their backward, so the graph create_graph=True builds
+    cannot be run again: a clear error that names stage 1/2 (before: transformers-like "got [0]"
+    errors naming register_external_parameter, or, on some tiers, the right numbers by luck),
+    and the engine trains on. Stage 2 keeps parameters: equal to torch."""
+    torch.manual_seed(0)
+    model = _Critic()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    if stage == 3:      # (threshold 0: no unit stays fetched for being small)
+        zero.update(offload_param={"device": "cpu"}, stage3_param_persistence_threshold=0)
+    engine, *_ = infinity.initialize(model=model, config={
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}})
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for _ in range(3):
+            x = torch.randn(4, 16, generator=gen)
+            if stage == 3:
+                with pytest.raises(RuntimeError, match="create_graph=True.*stage 1 or 2"):
+                    _penalised_loss(engine, x)
+                engine.backward(engine(x).pow(2).mean())     # the engine goes on
+                engine.step()
+                continue
+            loss = _penalised_loss(engine, x)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = _penalised_loss(reference, x)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert engine.global_steps == 3
+    finally:
+        engine.close()
