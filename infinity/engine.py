@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ from infinity.zero.init import (
     unregister_engine,
 )
 from infinity.zero.materialize import materialize_params
+from infinity.zero.module_state import load_module_state_dict
 from infinity.zero.partition import modules_needing, partition
 from infinity.zero.prefetch import PrefetchLimits
 from infinity.zero.unit import Unit
@@ -177,7 +178,7 @@ class Engine(DeepSpeedEngineAccessors):
             modified_in_forward=self._keep_forward_change,
             untracked_backward=(self._begin_untracked_backward, self._end_untracked_backward))
         self.optimizer.on_zero_grad = self.zero_grad
-        _route_module_zero_grad(model, self.zero_grad)
+        _route_module_methods(model, self)
         self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
         for module in model.modules():      # register_external_parameter before initialize
@@ -514,7 +515,8 @@ class Engine(DeepSpeedEngineAccessors):
             return
         self._closed = True
         unregister_engine(self)
-        self.module.__dict__.pop("zero_grad", None)     # the module's own zero_grad again
+        for name in ("zero_grad", "load_state_dict"):    # the module's own methods again
+            self.module.__dict__.pop(name, None)
         try:
             if getattr(self, "coordinator", None) is not None:
                 self.coordinator.release_finished_steps(self.optimizer.drain_steps())
@@ -592,16 +594,23 @@ def _model_device(model: nn.Module) -> torch.device:
         else torch.device("cpu")
 
 
-def _route_module_zero_grad(model: nn.Module, engine_zero_grad: Callable[[bool], None]) -> None:
+def _route_module_methods(model: nn.Module, engine: "Engine") -> None:
     """``model.zero_grad()`` (what a torch loop, or Hugging Face's Trainer, calls) discards the
-    engine's pending gradients too, as it would discard the .grad torch keeps."""
+    engine's pending gradients too, as it would discard the .grad torch keeps; and
+    ``model.load_state_dict(sd)`` writes every unit's homes (``zero.module_state``). Instance
+    attributes, which close() removes."""
     module_zero_grad = model.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
-        engine_zero_grad(set_to_none)
+        engine.zero_grad(set_to_none)
         module_zero_grad(set_to_none)
 
-    model.zero_grad = zero_grad     # an instance attribute; close() removes it
+    def load_state_dict(state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        engine._check_open("load_state_dict")
+        return load_module_state_dict(engine, state_dict, strict=strict, assign=assign)
+
+    model.zero_grad = zero_grad
+    model.load_state_dict = load_state_dict
 
 
 _SECOND_EARLY_BACKWARD = (

@@ -220,3 +220,71 @@ def test_a_double_backward_trains_at_stage_2_and_is_refused_clearly_at_stage_3(s
         assert engine.global_steps == 3
     finally:
         engine.close()
+
+
+def _tied_llama(seed: int) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("early_step,clip", [("on", 0.0), ("off", 0.5)], ids=["early", "clipped"])
+def test_load_state_dict_on_the_held_model_reaches_every_unit(disk_dir, tier, early_step,
+                                                              clip) -> None:
+    """model.load_state_dict(sd) mid-training (a deferred step still waiting for its units):
+    training goes on from the loaded weights with the Adam moments it had, as torch's does
+    (before: a size-mismatch error after a partial load on host tiers, or the waiting step
+    applied on top of the loaded values on NVMe). Tied embeddings: loaded under both names."""
+    model, other = _tied_llama(0), _tied_llama(5).state_dict()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ds = zero_config(3, tier, tier, str(disk_dir), early_step=early_step)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    ds["gradient_clipping"] = clip
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        for step, x in enumerate(_batches(5)):
+            if step == 2:
+                result = model.load_state_dict(other)
+                assert not result.missing_keys and not result.unexpected_keys
+                reference.load_state_dict(other)
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+            ref_loss = loss_of(reference(input_ids=x, labels=x))
+            ref_loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        _assert_same_weights(engine, reference)
+    finally:
+        engine.close()
+
+
+def test_load_state_dict_checks_everything_before_writing(disk_dir) -> None:
+    engine, model, reference, _ = _setup(disk_dir, "nvme", "off")
+    sd = {k: v.clone() for k, v in reference.state_dict().items()}
+    try:
+        bad = dict(sd, **{"lm_head.weight": torch.zeros(3, 3)})
+        bad["model.norm.weight"] = bad["model.norm.weight"] + 1      # would change if written
+        with pytest.raises(RuntimeError, match=r"size mismatch for lm_head\.weight.*nothing was loaded"):
+            model.load_state_dict(bad)
+        partial = {k: v for k, v in sd.items() if not k.startswith("model.layers.1.")}
+        with pytest.raises(RuntimeError, match=r"missing keys \['model\.layers\.1\."):
+            model.load_state_dict(partial)
+        partial["model.norm.weight"] = partial["model.norm.weight"] * 2
+        partial["extra"] = torch.zeros(1)
+        result = model.load_state_dict(partial, strict=False)
+        assert result.unexpected_keys == ["extra"] and len(result.missing_keys) > 0
+        reference.model.norm.weight.data.mul_(2)
+        _assert_same_weights(engine, reference)
+    finally:
+        engine.close()
+    assert "load_state_dict" not in model.__dict__

@@ -1,0 +1,84 @@
+"""``model.load_state_dict(sd)`` on a model an engine holds: the values go to every unit's homes.
+
+Why: at stage 3 most parameters are released (0 elements) and their values live in the tiers, so
+torch's own load_state_dict fails on their shapes after loading part of the model (host tiers), or
+writes into a unit that happens to be fetched and is then overwritten by a step still pending
+(NVMe). Here every name and shape is checked first, as torch does but before anything is
+written, then each unit is pinned (fetched, pending steps settled), written and unpinned as
+modified, which sends it home as ``GatheredParameters(modifier_rank=0)`` does; one unit at a time,
+so the memory needed is one unit's.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+if TYPE_CHECKING:
+    from infinity.engine import Engine
+
+
+def load_module_state_dict(engine: "Engine", state_dict: Mapping[str, Any], strict: bool = True,
+                           assign: bool = False) -> _IncompatibleKeys:
+    """Load ``state_dict`` into ``engine.module`` with torch's key rules (tied and shared names
+    count under each name); raises before writing anything on a shape mismatch, and with
+    ``strict`` on missing or unexpected keys."""
+    if assign:
+        raise ValueError("load_state_dict(assign=True) would replace parameters the engine "
+                         "manages: load with assign=False (values are copied into its tiers)")
+    model = engine.module
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = _persistent_buffers(model)
+    expected = set(params) | set(buffers)
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    full_shape = {entry.param: entry.shape for unit in engine.units for entry in unit.params}
+    mismatched = [f"{name}: checkpoint {tuple(state_dict[name].shape)}, model "
+                  f"{tuple(full_shape.get(p, p.shape))}"
+                  for name, p in params.items() if name in state_dict
+                  and tuple(state_dict[name].shape) != tuple(full_shape.get(p, p.shape))]
+    mismatched += [f"{name}: checkpoint {tuple(state_dict[name].shape)}, model {tuple(b.shape)}"
+                   for name, b in buffers.items()
+                   if name in state_dict and tuple(state_dict[name].shape) != tuple(b.shape)]
+    problems = []
+    if mismatched:
+        problems.append("size mismatch for " + "; ".join(mismatched))
+    if strict and missing:
+        problems.append(f"missing keys {missing}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    if problems:
+        raise RuntimeError(f"load_state_dict into {type(model).__name__}: " + " | ".join(problems)
+                           + " (nothing was loaded)")
+
+    value_of = {p: state_dict[name] for name, p in params.items() if name in state_dict}
+    in_units = {entry.param for unit in engine.units for entry in unit.params}
+    with torch.no_grad():
+        for param, value in value_of.items():
+            if param not in in_units:       # kept as a plain tensor (no unit holds it)
+                param.copy_(value)
+        for unit in engine.units:
+            entries = [e for e in unit.params if e.param in value_of]
+            if not entries:
+                continue
+            engine.pin_unit(unit)
+            try:
+                for entry in entries:
+                    entry.param.data.copy_(value_of[entry.param].reshape(entry.shape))
+            except BaseException:
+                engine.unpin_unit(unit, modified=False)
+                raise
+            engine.unpin_unit(unit, modified=True)
+        for name, buf in buffers.items():
+            if name in state_dict:
+                buf.copy_(state_dict[name])
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {(f"{prefix}.{name}" if prefix else name): buf
+            for prefix, module in model.named_modules(remove_duplicate=False)
+            for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set}
