@@ -22,6 +22,7 @@ _LAZY = {
     "InfinityConfig": "infinity.config",
     "CPUAdam": "infinity.optim.cpu_adam",
     "zero": "infinity.zero",
+    "checkpoint": "infinity.checkpoint",
 }
 
 __all__ = ["native_info", "__version__", *_LAZY]

@@ -61,7 +61,8 @@ __all__ = [
 # no result here. Anything else unknown is an error.
 IGNORED_KEYS: dict[str, tuple[str, ...]] = {
     "": ("zero_allow_untested_optimizer", "communication_data_type", "activation_checkpointing",
-         "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger",
+         "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+         "autotuning",
          "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
          "zero_force_ds_cpu_optimizer", "checkpoint", "data_types", "elasticity", "compile",
          "disable_allgather", "gradient_allreduce_op",

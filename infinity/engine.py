@@ -568,7 +568,8 @@ def _raise_with_external_parameter_hint(exc: BaseException, where: str, stage: i
     tensor, raise a RuntimeError that says how to declare an external parameter; for other
     errors of the kinds such a read causes (an IndexError in transformers' code, say), add
     the hint as a note and let the caller re-raise the error as it is."""
-    if stage != 3 or not isinstance(exc, (RuntimeError, IndexError, ValueError)):
+    if stage != 3 or not isinstance(exc, (RuntimeError, IndexError, ValueError)) or \
+            _raised_by_infinity(exc):
         return
     if isinstance(exc, RuntimeError) and _mentions_empty_tensor(str(exc)):
         raise RuntimeError(f"the {where} failed ({str(exc).splitlines()[0][:200]}), probably "
@@ -577,6 +578,18 @@ def _raise_with_external_parameter_hint(exc: BaseException, where: str, stage: i
     if hasattr(exc, "add_note"):
         exc.add_note(f"infinity: if this {where} read a parameter of a module other than the "
                      f"one running, {EXTERNAL_PARAMETER_HINT}")
+
+
+def _raised_by_infinity(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc`` is infinity's own code (its optimizer refusing a
+    hyperparameter, say): such an error is not about a parameter read outside its module."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
+
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def _mentions_empty_tensor(message: str) -> bool:

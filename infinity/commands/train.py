@@ -15,8 +15,18 @@ from infinity.train.defaults import (DEFAULT_HOST_BUDGET, DEFAULT_LR, DEFAULT_MI
                                      DEFAULT_STEPS)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default, except where it is None: those flags name theirs in their help
+    (the demo's value, which the config may change)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = _DefaultsFormatter
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model-size", metavar="NAME", default=None,
                        help=f"Llama preset with the byte vocabulary (tiny, {DEFAULT_PRESET}, 1B, "

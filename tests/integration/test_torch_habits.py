@@ -288,3 +288,18 @@ def test_load_state_dict_checks_everything_before_writing(disk_dir) -> None:
     finally:
         engine.close()
     assert "load_state_dict" not in model.__dict__
+
+
+def test_infinitys_own_errors_carry_no_external_parameter_note(disk_dir) -> None:
+    """The register_external_parameter note is for errors a stray parameter read causes in the
+    model's code, not for infinity's own refusals (a beta1 of 1.5 here)."""
+    engine, *_ = _setup(disk_dir, "cpu", "on")
+    x = _batches(1)[0]
+    try:
+        for group in engine.optimizer.param_groups:
+            group["betas"] = (1.5, 0.999)
+        with pytest.raises(ValueError, match="beta1") as caught:
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        assert not getattr(caught.value, "__notes__", None)
+    finally:
+        engine.close()

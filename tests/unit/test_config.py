@@ -460,3 +460,9 @@ def test_non_finite_numbers_are_config_errors_naming_the_key(path: str, value: o
     assert "Infinity" in text or "NaN" in text or isinstance(value, str)
     with pytest.raises(ConfigError, match=leaf):
         InfinityConfig.from_dict(json.loads(text), world_size=2)
+
+
+def test_deepspeed_tool_sections_are_ignored() -> None:
+    cfg = InfinityConfig.from_dict({"comet": {"enabled": False}, "autotuning": {"enabled": False},
+                                    "csv_monitor": {"enabled": True}})
+    assert cfg.zero.stage == 0
