@@ -99,11 +99,22 @@ def prepare_staging(save_dir: Path, tag: str) -> Path:
         raise PermissionError(f"the checkpoint directory {save_dir} is not writable; choose "
                               "another save_dir or fix its permissions")
     staging = staging_dir(save_dir, tag)
+    for path in (save_dir / tag, staging):
+        _refuse_link(path)
     if staging.exists():
         remove_checkpoint_files(staging, ours_only=False, keep_dir=True)
     else:
         staging.mkdir()
     return staging
+
+
+def _refuse_link(path: Path) -> None:
+    """A tag (or its staging name) that is a symbolic link would have the save replace and clean
+    the directory it points to -- another checkpoint, often the one ``latest`` names."""
+    if path.is_symlink():
+        raise CheckpointError(f"{path} is a symbolic link (to {os.readlink(path)}); a checkpoint "
+                              "tag must be a directory of its own: choose another tag or remove "
+                              "the link (its target is left alone)")
 
 
 def checkpoint_files(directory: Path, ours_only: bool = True) -> set[str]:
@@ -115,8 +126,13 @@ def checkpoint_files(directory: Path, ours_only: bool = True) -> set[str]:
         except CheckpointError:
             listed = set()
         return listed | {MANIFEST}
+    # only the names a save writes: a user's own .safetensors (an adapter) carried in from the
+    # tag's directory must survive a failed or interrupted save
     return {p.name for p in directory.iterdir()
-            if p.name == MANIFEST or p.name.endswith(".safetensors")}
+            if p.name == MANIFEST or _WRITTEN_TENSOR_FILE.fullmatch(p.name)}
+
+
+_WRITTEN_TENSOR_FILE = re.compile(r"rank\d+_(model|optim)\.safetensors")
 
 
 def remove_checkpoint_files(directory: Path, ours_only: bool = True, keep_dir: bool = False) -> None:
@@ -153,6 +169,8 @@ def commit(staging: Path, save_dir: Path, tag: str) -> Path:
     _fsync_dir(staging)
     final = save_dir / tag
     aside = replaced_dir(save_dir, tag)
+    for path in (final, staging, aside):
+        _refuse_link(path)
     if final.exists() and not (final / MANIFEST).is_file():
         raise CheckpointError(
             f"{final} exists and is not a checkpoint (no {MANIFEST}); it is left alone: "
@@ -161,7 +179,12 @@ def commit(staging: Path, save_dir: Path, tag: str) -> Path:
         os.rename(staging, final)
     else:
         _carry_user_files(final, staging)
-        if _exchange(staging, final):
+        try:
+            exchanged = _exchange(staging, final)
+        except BaseException:
+            _carry_user_files(staging, final)      # the old tag keeps the user's files
+            raise
+        if exchanged:
             old = staging
         else:
             if aside.exists():

@@ -235,3 +235,57 @@ def test_a_users_file_in_a_left_staging_directory_goes_into_the_tag(engine, disk
     assert sorted(p.name for p in (disk_dir / "ckpt").iterdir()) == ["latest", "t"]
     assert (disk_dir / "ckpt" / "t" / "notes.txt").read_text() == "mine"
     assert engine.load_checkpoint(disk_dir / "ckpt")[0].endswith("/t")
+
+
+def test_a_tag_that_is_a_symbolic_link_is_refused_and_its_target_kept(engine, disk_dir):
+    """Saving to tag "best" -> global_step2 used to replace and then clean the link's target
+    through it: the checkpoint `latest` named lost its files."""
+    ckpt = disk_dir / "ckpt"
+    target = engine.save_checkpoint(ckpt)
+    (ckpt / "best").symlink_to(target.name)
+    before = sorted(p.name for p in target.iterdir())
+    with pytest.raises(CheckpointError, match="is a symbolic link.*target is left alone"):
+        engine.save_checkpoint(ckpt, tag="best")
+    assert sorted(p.name for p in target.iterdir()) == before
+    assert (ckpt / "best").is_symlink() and not (ckpt / ".best.partial").exists()
+    path, _ = engine.load_checkpoint(ckpt)
+    assert str(path) == str(target)
+
+
+def test_a_failed_resave_keeps_the_users_files_in_the_tag(engine, disk_dir, monkeypatch):
+    """The user's files (an adapter in .safetensors among them) are carried into the new save
+    before the atomic exchange; when that fails, they go back, and nothing of theirs is deleted
+    (the staging clean-up used to remove every *.safetensors)."""
+    from infinity.checkpoint import directory
+
+    ckpt = disk_dir / "ckpt"
+    tag = engine.save_checkpoint(ckpt, tag="best")
+    (tag / "notes.txt").write_text("mine")
+    (tag / "adapter.safetensors").write_bytes(b"not ours")
+    _train(engine, 1)
+
+    def failing_exchange(a, b):
+        raise OSError(errno.EIO, "injected exchange error")
+
+    monkeypatch.setattr(directory, "_exchange", failing_exchange)
+    with pytest.raises(OSError, match="injected"):
+        engine.save_checkpoint(ckpt, tag="best")
+    assert (tag / "notes.txt").read_text() == "mine"
+    assert (tag / "adapter.safetensors").read_bytes() == b"not ours"
+    monkeypatch.undo()
+    engine.save_checkpoint(ckpt, tag="best")
+    assert (tag / "adapter.safetensors").read_bytes() == b"not ours"
+
+
+def test_a_users_safetensors_in_a_left_staging_directory_survives(engine, disk_dir):
+    """A save killed after carrying the user's files into .<tag>.partial: the next save reuses
+    that directory, removes only the names a save writes, and takes the user's file along."""
+    ckpt = disk_dir / "ckpt"
+    engine.save_checkpoint(ckpt, tag="best")
+    staging = ckpt / ".best.partial"
+    staging.mkdir()
+    (staging / "adapter.safetensors").write_bytes(b"not ours")
+    (staging / "rank0_model.safetensors").write_bytes(b"a half-written file of ours")
+    engine.save_checkpoint(ckpt, tag="best")
+    assert (ckpt / "best" / "adapter.safetensors").read_bytes() == b"not ours"
+    assert not staging.exists()
