@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import json
 import os
 import re
@@ -83,8 +84,11 @@ def process_start_time(pid: int) -> int | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     # Field 2 (comm) may hold spaces and parentheses: split after the last ')'. The rest starts at
-    # field 3, so field 22 is index 19.
-    return int(text[text.rindex(")") + 2:].split()[19])
+    # field 3 (the state), so field 22 is index 19.
+    fields = text[text.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None     # a zombie: it has exited, only its parent has not reaped it yet
+    return int(fields[19])
 
 
 @dataclass(frozen=True)
@@ -270,6 +274,24 @@ class SwapDir:
         self.path = path
         self._marker = marker
         self._removed = False
+        self._lock_fd: int | None = None
+
+    def _hold_lock(self) -> None:
+        """Hold a shared flock on the directory for as long as this object lives: a pid in the
+        marker says nothing to a process in another PID namespace (a container on the same
+        host), but the lock does, and it goes away with the process however it ends."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     @classmethod
     def create(cls, parent: str | os.PathLike[str], rank: int = 0) -> SwapDir:
@@ -288,8 +310,10 @@ class SwapDir:
         os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask; this only ever tightens it
         swap_dir = cls(path, Marker(owner=owner, created=time.time()))
         try:
+            swap_dir._hold_lock()
             swap_dir._write_marker()
         except BaseException:
+            swap_dir._release_lock()
             # e.g. SIGTERM (SystemExit) between the write and the rename: remove the temporary
             # marker too, or the rmdir fails and hides the first exception
             with contextlib.suppress(OSError):
@@ -330,7 +354,10 @@ class SwapDir:
         if self._removed:
             return Removal(path=self.path, dir_removed=True)
         self._removed = True
-        return _remove_listed(self.path, self._marker.files)
+        try:
+            return _remove_listed(self.path, self._marker.files)
+        finally:
+            self._release_lock()
 
     def _write_marker(self) -> None:
         tmp = self.path / _MARKER_TMP
@@ -360,6 +387,11 @@ def reclaim(path: str | os.PathLike[str], *, dry_run: bool = False) -> Removal:
     if state is Liveness.ALIVE:
         raise OwnerAliveError(f"{path} is in use: {reason}; stop that run first (it removes its "
                               "own swap files when it exits)")
+    if state is Liveness.DEAD and _locked_by_a_live_process(path):
+        raise OwnerAliveError(f"{path} is in use: {reason}, but a running process holds the "
+                              "directory's lock (its owner runs in another PID namespace: a "
+                              "container on this host, say); stop that run first (it removes "
+                              "its own swap files when it exits)")
     if state is Liveness.UNKNOWN:
         raise OwnerAliveError(f"{path} cannot be judged: {reason}; run `infinity clean` on that "
                               "host instead")
@@ -375,6 +407,23 @@ def reclaim(path: str | os.PathLike[str], *, dry_run: bool = False) -> Removal:
     result = _remove_listed(path, marker.files)
     result.reason = reason
     return result
+
+
+def _locked_by_a_live_process(path: Path) -> bool:
+    """Whether a live SwapDir (of any process on this host) holds the directory's lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False        # a filesystem without flock: the marker's pid decides
+    finally:
+        os.close(fd)        # (closing drops a lock we took)
+    return False
 
 
 def find_swap_dirs(parent: str | os.PathLike[str]) -> list[Path]:

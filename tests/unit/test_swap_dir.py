@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,39 @@ def test_create_interrupted_before_the_rename_leaves_nothing(disk_dir: Path, mon
     with pytest.raises(SystemExit):
         SwapDir.create(disk_dir)
     assert list(disk_dir.iterdir()) == []
+
+
+def test_a_live_run_in_another_pid_namespace_keeps_its_directory(disk_dir: Path) -> None:
+    """Seen from here, a run in another PID namespace (a container on this host) has a marker
+    pid that is gone or someone else's; its lock on the directory says it runs. Simulated: a
+    live SwapDir whose marker names a dead pid."""
+    live = SwapDir.create(disk_dir)
+    live.register_file("swap-0.bin").write_bytes(b"live data")
+    owner = live.owner
+    live._marker.owner = Owner(dead_pid(), owner.boot_id, owner.start_time, 0, owner.hostname)
+    live._write_marker()
+    try:
+        with pytest.raises(OwnerAliveError, match="holds the directory's lock"):
+            reclaim(live.path)
+        assert reclaim_stale(disk_dir) == []
+        assert (live.path / "swap-0.bin").read_bytes() == b"live data"
+    finally:
+        live.remove()
+    assert not live.path.exists()
+
+
+def test_a_zombie_owner_counts_as_gone(disk_dir: Path) -> None:
+    """A run that exited but whose parent has not reaped it yet still has a /proc entry."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(200):        # wait for it to exit, without reaping it
+        if Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1].startswith("Z"):
+            break
+        time.sleep(0.05)
+    try:
+        assert sd.process_start_time(child.pid) is None
+        me = Owner.of_this_process(0)
+        path = fake_private_dir(disk_dir, Owner(child.pid, me.boot_id, 1, 0, me.hostname),
+                                {"swap-0.bin": 4096})
+        assert reclaim(path).dir_removed
+    finally:
+        child.wait()
