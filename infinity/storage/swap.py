@@ -250,7 +250,7 @@ class SwapSpace:
             try:
                 check_free_space(self._dir.path, size)
             except ValueError:
-                size = max(self._file_size, padded)  # the smallest file that does the job
+                size = padded   # short of room: the smallest file that does the job
         check_free_space(self._dir.path, size,
                          what=f"swap file {len(self._res.files)} (for extent {tag!r})")
         self._add_file(size)

@@ -119,6 +119,17 @@ def test_growth_beyond_free_space_names_both_sizes(disk_dir: Path, aio, monkeypa
         assert len(space.files) == 1
 
 
+def test_auto_growth_short_of_room_takes_only_what_the_extent_needs(disk_dir: Path, aio,
+                                                                    monkeypatch) -> None:
+    """An "auto" space grows by large files (at least 64 MiB); with less free than that, a small
+    extent (an activation) gets a file of its own size instead of an error for 64 MiB."""
+    with SwapSpace(disk_dir, aio=aio, reserve_bytes=MiB) as space:
+        space.allocate(space.bytes_on_disk)             # the first (64 MiB) file is full
+        monkeypatch.setattr(preflight, "free_bytes", lambda path: 35 * MiB)
+        space.allocate(16 * 1024, tag="small")
+        assert len(space.files) == 2 and space.files[1].stat().st_size == 16 * 1024
+
+
 def test_fallocate_enospc_names_the_file_and_removes_it(disk_dir: Path, aio, monkeypatch) -> None:
     with SwapSpace(disk_dir, aio=aio, file_size=MiB) as space:
         def full(fd: int, offset: int, length: int) -> None:
