@@ -261,8 +261,11 @@ def read_manifest_file(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not an infinity checkpoint manifest (format "
                               f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
     if manifest.get("version") != VERSION:
+        newer = isinstance(manifest.get("version"), int) and manifest["version"] > VERSION
         raise CheckpointError(f"{path} has format version {manifest.get('version')}; this "
-                              f"version of infinity reads version {VERSION}")
+                              f"version of infinity reads version {VERSION}"
+                              + ("; it was written by a newer infinity: upgrade infinity to load "
+                                 "it" if newer else ""))
     return manifest
 
 

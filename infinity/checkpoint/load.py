@@ -115,6 +115,16 @@ def _check_optimizer(layouts: list[UnitLayout], match: Match, manifest: dict[str
             f"checkpoint {directory} has no Adam states for {len(lacking)} trainable "
             f"parameter(s) ({', '.join(lacking[:5])}): they were frozen when it was saved. Pass "
             "load_optimizer_states=False to load the model only")
+    params = manifest.get("params")
+    unlisted = [match.names[e] for lay in layouts for e in lay.trainable if e in match.names
+                and not (isinstance(params, dict) and isinstance(params.get(match.names[e]), dict)
+                         and isinstance(params[match.names[e]].get("steps", 0), int))]
+    if unlisted:
+        raise CheckpointError(
+            f"checkpoint {directory}: its manifest.json has no step count for {len(unlisted)} "
+            f"parameter(s) ({', '.join(unlisted[:5])}) although its tensor files hold them: the "
+            "manifest was edited or damaged. Load another checkpoint, or pass "
+            "load_optimizer_states=False to load the model only")
 
 
 def _load_unit(lay: UnitLayout, match: Match, model: TensorFileReader,

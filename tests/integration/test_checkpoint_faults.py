@@ -289,3 +289,26 @@ def test_a_users_safetensors_in_a_left_staging_directory_survives(engine, disk_d
     engine.save_checkpoint(ckpt, tag="best")
     assert (ckpt / "best" / "adapter.safetensors").read_bytes() == b"not ours"
     assert not staging.exists()
+
+
+@pytest.mark.parametrize("damage", ["params_entry", "newer_version"])
+def test_a_manifest_that_does_not_match_its_files_is_refused_before_loading(engine, disk_dir,
+                                                                            damage):
+    """A params entry missing from manifest.json (its tensors whole) used to raise a bare
+    KeyError after every parameter had been overwritten; a newer format says to upgrade."""
+    ckpt = disk_dir / "ckpt"
+    tag = engine.save_checkpoint(ckpt)
+    manifest_path = tag / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    if damage == "params_entry":
+        manifest["params"].pop("lm_head.weight")
+        expected = r"no step count for 1 parameter\(s\) \(lm_head\.weight\)"
+    else:
+        manifest["version"] += 1
+        expected = "newer infinity: upgrade infinity"
+    manifest_path.write_text(json.dumps(manifest))
+    _train(engine, 1)
+    probe = engine.save_checkpoint(disk_dir / "probe", tag="before", save_latest=False)
+    with pytest.raises(CheckpointError, match=expected):
+        engine.load_checkpoint(ckpt, verify_checksums=False)
+    _assert_unchanged(engine, disk_dir, probe.name)
