@@ -30,7 +30,8 @@ from infinity.train.baseline import TorchBaselineEngine
 from infinity.train.checkpoints import RunCheckpoints
 from infinity.train.defaults import DEFAULT_SEQ_LEN, DEFAULT_STEPS
 from infinity.train.metrics import (MetricsWriter, StepRecord, Summary, check_writable,
-                                    plot_available, render_summary, summarize, write_plot)
+                                    plot_available, plot_formats, render_summary, summarize,
+                                    write_plot)
 from infinity.train.progress import ProgressBar
 from infinity.train.run_config import (Overrides, build_ds_config, demo_config, nvme_paths,
                                        read_config_file)
@@ -125,8 +126,9 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     swap_parents = nvme_paths(ds) if opts.engine == "infinity" else []
     for parent in swap_parents:
         _preflight(parent, direct_io=config.aio.backend != "mmap")
-    writer = MetricsWriter(opts.metrics) if opts.metrics else None
+    writer = MetricsWriter(opts.metrics, append=opts.resume) if opts.metrics else None
     plot_path = _plot_path(opts)
+    _refuse_outputs_over_inputs(opts, plot_path)
     checkpoints = RunCheckpoints.from_options(opts.save_dir, opts.save_interval, opts.resume,
                                               opts.engine)
     model_config = models.model_config(opts.model_size, opts.hf_config, opts.seq_len)
@@ -305,12 +307,31 @@ def _our_swap_dirs(parents: list[str]) -> list[str]:
     return found
 
 
+def _refuse_outputs_over_inputs(opts: TrainOptions, plot_path: Path | None) -> None:
+    """--metrics or --plot naming the --data or --config file would overwrite the user's input."""
+    inputs = {flag: Path(value) for flag, value in (("--data", opts.data), ("--config", opts.config),
+                                                    ("--hf-config", opts.hf_config)) if value}
+    outputs = {flag: Path(value) for flag, value in (("--metrics", opts.metrics),
+                                                     ("--plot", plot_path)) if value}
+    for out_flag, out in outputs.items():
+        for in_flag, given in inputs.items():
+            if out.exists() and given.exists() and os.path.samefile(out, given):
+                raise ValueError(f"{out_flag} {out} is the {in_flag} file: writing it would "
+                                 f"overwrite your input; choose another {out_flag} path")
+
+
 def _plot_path(opts: TrainOptions) -> Path | None:
     if opts.plot:
         if not plot_available():
             raise ValueError(f"--plot {opts.plot} needs matplotlib, which is not installed; "
                              "pip install matplotlib (or infinity-offload[plot]) or drop --plot")
         path = Path(opts.plot)
+        formats = plot_formats()
+        if path.suffix.lower().lstrip(".") not in formats:
+            kind = f"{path.suffix} file" if path.suffix else "file without an extension"
+            raise ValueError(f"--plot {opts.plot}: matplotlib cannot write a {kind}; end the name "
+                             f"in one of {', '.join('.' + f for f in sorted(formats))} "
+                             "(e.g. run.png)")
         check_writable(path, "--plot", example="plot.png")
         return path
     if opts.metrics and plot_available():

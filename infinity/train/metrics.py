@@ -94,13 +94,15 @@ class StepRecord:
 class MetricsWriter:
     """Writes one JSON line per step to ``path``, flushed per line.
 
-    The path is checked at construction (``check_writable``); the file is created (or truncated)
-    at the first record, so a run that fails before its first step leaves no file behind.
+    The path is checked at construction (``check_writable``); the file is created (or truncated,
+    or with ``append`` added to) at the first record, so a run that fails before its first step
+    leaves no file behind.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, append: bool = False) -> None:
         self.path = Path(path)
         check_writable(self.path, "--metrics")
+        self.append = append     # a resumed run adds its steps to the interrupted run's
         self._file: IO[str] | None = None
         self._closed = False
 
@@ -108,7 +110,7 @@ class MetricsWriter:
         if self._closed:
             raise RuntimeError(f"metrics file {self.path} is already closed")
         if self._file is None:
-            self._file = open(self.path, "w", encoding="utf-8")
+            self._file = open(self.path, "a" if self.append else "w", encoding="utf-8")
         self._file.write(json.dumps(record.to_json()) + "\n")
         self._file.flush()
 
@@ -233,6 +235,15 @@ def plot_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def plot_formats() -> set[str]:
+    """The file extensions matplotlib writes (png, pdf, svg, ...)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    return set(Figure().canvas.get_supported_filetypes())
 
 
 def write_plot(records: Iterable[StepRecord], path: str | Path) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from infinity.cli import main
-from infinity.train.metrics import read_metrics
+from infinity.train.metrics import plot_available, read_metrics
 
 METRIC_KEYS = ("step", "loss", "step_s", "compute_s", "io_wait_s", "optimizer_s", "comm_s",
                "device_bytes", "host_bytes", "nvme_bytes", "io_read_bytes", "io_write_bytes",
@@ -246,7 +246,7 @@ def test_a_resumed_run_continues_the_interrupted_one(disk_dir: Path, tmp_path: P
     has the losses of the run that was not stopped (same batches, same states)."""
     common = ("--model-size", "tiny", "--seq-len", "32", "--lr", "3e-3", "--nvme-path",
               str(disk_dir), "--host-budget", "256MiB")
-    whole, first, rest = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "rest"))
+    whole, first = (tmp_path / f"{n}.jsonl" for n in ("whole", "first"))
     proc = _infinity("train", *common, "--steps", "6", "--metrics", str(whole),
                      "--save-dir", str(tmp_path / "whole"), "--save-interval", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -255,14 +255,31 @@ def test_a_resumed_run_continues_the_interrupted_one(disk_dir: Path, tmp_path: P
     proc = _infinity("train", *common, "--steps", "3", "--metrics", str(first),
                      "--save-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = _infinity("train", *common, "--steps", "6", "--metrics", str(rest),
+    proc = _infinity("train", *common, "--steps", "6", "--metrics", str(first),
                      "--save-dir", str(tmp_path / "run"), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr
     expected = [(r["step"], r["loss"]) for r in read_metrics(whole)]
-    got = [(r["step"], r["loss"]) for r in read_metrics(first) + read_metrics(rest)]
+    got = [(r["step"], r["loss"]) for r in read_metrics(first)]   # the resumed run appended
     assert got == expected
     proc = _infinity("train", *common, "--steps", "6", "--seed", "5",
                      "--save-dir", str(tmp_path / "run"), "--resume")
     assert proc.returncode == 2 and "taken from another run" in proc.stderr, proc.stderr[-2000:]
     assert list(disk_dir.iterdir()) == []
+
+
+def test_outputs_that_would_overwrite_inputs_or_cannot_be_written_fail_first(tmp_path: Path) -> None:
+    """--metrics naming the --data file (it was truncated after the first step), and a --plot
+    format matplotlib does not write (it failed after the whole run): one line, exit 2, the
+    input untouched."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": "some words " * 20}) for _ in range(8)))
+    before = corpus.read_bytes()
+    proc = _infinity("train", "--model-size", "tiny", "--steps", "1", "--data", str(corpus),
+                     "--metrics", str(corpus))
+    assert proc.returncode == 2 and "is the --data file" in proc.stderr, proc.stderr[-2000:]
+    assert corpus.read_bytes() == before
+    if plot_available():
+        proc = _infinity("train", "--model-size", "tiny", "--steps", "1", "--plot",
+                         str(tmp_path / "run.xyz"))
+        assert proc.returncode == 2 and "cannot write a .xyz file" in proc.stderr, proc.stderr
