@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from infinity.sizes import format_bytes
-from infinity.storage.swap_dir import (MARKER_NAME, MARKER_TMP_NAME, NotOursError,
+from infinity.storage.swap_dir import (DIR_PREFIX, MARKER_NAME, MARKER_TMP_NAME, NotOursError,
                                        OwnerAliveError, Removal, find_swap_dirs, reclaim)
 
 
@@ -37,12 +37,15 @@ def run(args: argparse.Namespace) -> int:
     path: Path = args.path
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
-    if (path / MARKER_NAME).exists() or (path / MARKER_TMP_NAME).exists() or path.is_symlink() \
-            or not path.is_dir():
+    private = path.name.startswith(DIR_PREFIX) and (
+        (path / MARKER_NAME).exists() or (path / MARKER_TMP_NAME).exists() or path.is_symlink())
+    if private or not path.is_dir():
         # One private directory: refusals propagate (ValueError -> one line, exit 2).
         print(_describe(reclaim(path, dry_run=args.dry_run), args.dry_run))
         return 0
-    candidates = find_swap_dirs(path)
+    # a parent (an nvme_path): through a symbolic link too (/scratch -> /mnt/nvme), and whatever
+    # files of the user's it holds (one named like our marker included)
+    candidates = find_swap_dirs(path.resolve())
     if not candidates:
         raise NotOursError(f"{path} has no {MARKER_NAME} marker and holds no infinity swap "
                            "directories; nothing was touched")

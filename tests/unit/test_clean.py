@@ -103,3 +103,23 @@ def test_clean_removes_a_dir_left_with_only_the_temporary_marker(disk_dir: Path,
     for name in os.listdir(path):
         (path / name).unlink()
     path.rmdir()
+
+
+def test_clean_of_a_parent_through_a_link_or_holding_a_marker_named_file(disk_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """An nvme_path given as a symbolic link (/scratch -> /mnt/nvme) was refused as "a symlink";
+    a user's own file named like the marker in the parent made clean refuse the whole parent.
+    Both are parents: their dead runs' directories are reclaimed, the user's files kept."""
+    real = disk_dir / "nvme"
+    real.mkdir()
+    (real / MARKER_NAME).write_text("the user's own file")
+    dead = _stale_dir(real)
+    link = tmp_path / "scratch"
+    link.symlink_to(real)
+    assert main(["clean", str(link)]) == 0
+    assert not dead.exists() and (real / MARKER_NAME).read_text() == "the user's own file"
+    dead = _stale_dir(real)
+    assert main(["clean", str(real)]) == 0
+    assert not dead.exists() and (real / MARKER_NAME).exists()
+    (real / MARKER_NAME).unlink()
+    real.rmdir()
