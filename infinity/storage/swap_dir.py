@@ -203,7 +203,13 @@ def _orphan_marker(path: Path) -> Marker | None:
     if match is None:
         return None
     try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode) or os.listdir(path) != [_MARKER_TMP]:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return None
+        entries = os.listdir(path)
+        if not entries:
+            # killed between mkdir and the first marker write: nothing in it to lose
+            return _owner_from_name(path, match, os.lstat(path).st_mtime, "is empty")
+        if entries != [_MARKER_TMP]:
             return None
         tmp = path / _MARKER_TMP
         st = os.lstat(tmp)
@@ -218,13 +224,19 @@ def _orphan_marker(path: Path) -> Marker | None:
         head = '{\n "format": ' + json.dumps(MARKER_FORMAT)   # how Marker.to_json starts
         if not (text.startswith(head) or head.startswith(text)):
             return None   # not a marker of ours cut short: not ours to delete
-    age = time.time() - st.st_mtime
+    return _owner_from_name(path, match, st.st_mtime, f"holds only a partly written {_MARKER_TMP}")
+
+
+def _owner_from_name(path: Path, match: re.Match[str], mtime: float, state: str) -> Marker:
+    """A marker for a directory whose own marker never got written: the owner's rank and pid
+    from the directory name (this host assumed), once it is older than ``ORPHAN_GRACE_S``."""
+    age = time.time() - mtime
     if age < ORPHAN_GRACE_S:
-        raise OwnerAliveError(f"{path} holds only a partly written {_MARKER_TMP} from {age:.0f} s "
-                              "ago: its run may be creating it right now; try again in a minute")
+        raise OwnerAliveError(f"{path} {state} from {age:.0f} s ago: its run may be creating it "
+                              "right now; try again in a minute")
     rank, pid = int(match.group(1)), int(match.group(2))
     return Marker(owner=Owner(pid=pid, boot_id="", start_time=0, rank=rank,
-                              hostname=socket.gethostname()), created=st.st_mtime)
+                              hostname=socket.gethostname()), created=mtime)
 
 
 def _remove_listed(path: Path, names: list[str]) -> Removal:

@@ -285,3 +285,15 @@ def test_a_zombie_owner_counts_as_gone(disk_dir: Path) -> None:
         assert reclaim(path).dir_removed
     finally:
         child.wait()
+
+
+def test_an_empty_directory_of_ours_left_by_a_kill_after_mkdir_is_reclaimed(disk_dir: Path) -> None:
+    """Killed between mkdir and the first marker write: an empty directory with our name, which
+    clean called "not created by infinity" forever. Reclaimed once past the grace period."""
+    path = disk_dir / f"{sd.DIR_PREFIX}r0-p{dead_pid()}-abcdef"
+    path.mkdir(mode=0o700)
+    with pytest.raises(OwnerAliveError, match="is empty from 0 s ago"):
+        reclaim(path)
+    old = time.time() - sd.ORPHAN_GRACE_S - 5
+    os.utime(path, (old, old))
+    assert reclaim(path).dir_removed and not path.exists()
