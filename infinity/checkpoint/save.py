@@ -190,9 +190,16 @@ def save_checkpoint(engine: "Engine", save_dir: str | Path, tag: str | None = No
             "frozen_excluded": exclude_frozen_parameters,
             "buffers": [name for name, _ in buffers], **state})
         final = commit(staging, save_dir, tag)
-    except BaseException:
+    except BaseException as exc:
         if staging.exists():
             remove_checkpoint_files(staging, ours_only=False)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and "checkpoint" not in str(exc):
+            raise OSError(errno.ENOSPC, f"checkpoint {tag}: the disk of {save_dir} filled up while "
+                                        f"it was written ({format_bytes(need)} needed, "
+                                        f"{format_bytes(free_bytes(save_dir))} free now that its "
+                                        "partial files are removed); the previous checkpoint and "
+                                        "latest are unchanged: free space or choose another "
+                                        "save_dir") from exc
         raise
     if save_latest:
         write_latest(save_dir, tag)

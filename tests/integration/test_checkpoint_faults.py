@@ -312,3 +312,27 @@ def test_a_manifest_that_does_not_match_its_files_is_refused_before_loading(engi
     with pytest.raises(CheckpointError, match=expected):
         engine.load_checkpoint(ckpt, verify_checksums=False)
     _assert_unchanged(engine, disk_dir, probe.name)
+
+
+def test_a_disk_that_fills_during_the_write_says_what_and_what_to_do(engine, disk_dir,
+                                                                     monkeypatch):
+    """Another writer fills the disk after the room check: the bare "[Errno 28] No space left on
+    device" now names the checkpoint, the directory and what to do; latest is unchanged."""
+    ckpt = disk_dir / "ckpt"
+    engine.save_checkpoint(ckpt)
+    calls = {"n": 0}
+    original = TensorFileWriter.append
+
+    def filling_append(self, name, values):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, name, values)
+
+    monkeypatch.setattr(TensorFileWriter, "append", filling_append)
+    _train(engine, 1)
+    with pytest.raises(OSError, match=r"checkpoint global_step3: the disk of .* filled up.*"
+                                      r"previous checkpoint and latest are unchanged") as info:
+        engine.save_checkpoint(ckpt)
+    assert info.value.errno == errno.ENOSPC
+    assert (ckpt / "latest").read_text().strip() == "global_step2"
