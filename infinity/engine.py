@@ -27,6 +27,7 @@ from infinity.optim.schedules import build_scheduler
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.manager import TierManager
+from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier, deeper
 from infinity.engine_api import DeepSpeedEngineAccessors
 from infinity.engine_sizing import (
@@ -120,8 +121,13 @@ class Engine(DeepSpeedEngineAccessors):
                              "offload_optimizer.nvme_path")
         try:
             self._build(model, specs, groups, lr_scheduler)
-        except BaseException:
+        except BaseException as exc:
             self.manager.close()
+            if isinstance(exc, SwapPathError) and self.speculative and "free space" in str(exc):
+                raise SwapPathError(
+                    f"{exc} (the speculative step keeps second copies of the NVMe parameters "
+                    "and Adam states, which doubles their room: infinity.speculative_step "
+                    "\"auto\" turns it off when the disk lacks the room, \"off\" always)") from exc
             raise
         log.info("engine ready: stage %d, compute %s, params on %s, optimizer on %s, %d units, "
                  "%s schedule; holding %s", stage, str(self.compute_dtype).replace("torch.", ""),

@@ -209,3 +209,15 @@ def test_a_learning_rate_set_between_backward_and_step_is_the_one_used(disk_dir)
         assert engine.optimizer.speculation_stats["rolled_back"] == 3
     finally:
         engine.close()
+
+
+def test_on_without_room_for_second_copies_says_speculation_doubles_them(disk_dir,
+                                                                         monkeypatch) -> None:
+    from infinity.storage import preflight
+
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: 4096)     # 4 KiB free
+    with pytest.raises(preflight.SwapPathError, match="speculative step keeps second copies.*"
+                                                      "speculative_step"):
+        infinity.initialize(model=make_model("llama", layers=1, width=32),
+                            config=_config(disk_dir, mode="on"))
+    assert list(disk_dir.iterdir()) == []
