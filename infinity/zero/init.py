@@ -81,7 +81,13 @@ class Init(contextlib.ContextDecorator):
 
     def __init__(self, config_dict_or_path: str | Path | Mapping[str, Any] | None = None, *,
                  config: str | Path | Mapping[str, Any] | None = None, enabled: bool = True,
-                 **ignored: Any) -> None:
+                 **deepspeed_only: Any) -> None:
+        unknown = sorted(set(deepspeed_only) - _DEEPSPEED_INIT_ARGS)
+        if unknown:
+            raise TypeError(f"infinity.zero.Init got unknown arguments {unknown}; it takes "
+                            "config_dict_or_path (or config) and enabled, and accepts (and does "
+                            f"not need) DeepSpeed's {sorted(_DEEPSPEED_INIT_ARGS)}: tiers and "
+                            "dtypes come from the config")
         source = config if config is not None else config_dict_or_path
         self.config = InfinityConfig.load(source) if source is not None else None
         self.enabled = enabled and (self.config is None or self.config.zero.stage == 3)
@@ -96,6 +102,14 @@ class Init(contextlib.ContextDecorator):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+# deepspeed.zero.Init's other arguments: placement (remote_device, pin_memory), dtype and the
+# parallel groups are the config's and the engine's business here
+_DEEPSPEED_INIT_ARGS = frozenset({
+    "module", "data_parallel_group", "mem_efficient_linear", "remote_device", "pin_memory",
+    "dtype", "mpu", "zero_param_parallel_group", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "sequence_data_parallel_group", "param_swapper"})
 
 
 def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):

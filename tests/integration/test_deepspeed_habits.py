@@ -174,3 +174,13 @@ def test_the_deepspeed_engine_accessors(disk_dir) -> None:
             engine.no_such_thing
     finally:
         engine.close()
+
+
+def test_zero_init_takes_deepspeeds_arguments_and_refuses_misspelled_ones() -> None:
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    with infinity.zero.Init(remote_device="cpu", pin_memory=True, dtype=torch.float32,
+                            config_dict_or_path=config):
+        layer = nn.Linear(4, 4)
+    assert layer.weight.device.type == "meta"
+    with pytest.raises(TypeError, match=r"unknown arguments \['remot_device'\]"):
+        infinity.zero.Init(config_dict_or_path=config, remot_device="cpu")
