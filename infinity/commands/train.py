@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write one JSON line per step here")
     parser.add_argument("--plot", metavar="FILE", default=None,
                         help="PNG of the loss and the step-time split (needs matplotlib; default: "
-                             "next to --metrics when matplotlib is installed, else off)")
+                             "next to --metrics when matplotlib is installed, else off; "
+                             "--plot off: none)")
     parser.add_argument("--engine", choices=("infinity", "torch"), default="infinity",
                         help="infinity: the out-of-core engine; torch: the in-memory baseline "
                              "(plain PyTorch + AdamW), for comparison")

@@ -321,6 +321,8 @@ def _refuse_outputs_over_inputs(opts: TrainOptions, plot_path: Path | None) -> N
 
 
 def _plot_path(opts: TrainOptions) -> Path | None:
+    if opts.plot in ("off", "none"):
+        return None
     if opts.plot:
         if not plot_available():
             raise ValueError(f"--plot {opts.plot} needs matplotlib, which is not installed; "

@@ -68,6 +68,15 @@ def test_plot_next_to_metrics_when_matplotlib_is_there(tmp_path: Path) -> None:
     assert result.plot == str(tmp_path / "m.png") and Path(result.plot).stat().st_size > 0
 
 
+def test_plot_off_writes_no_plot(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    metrics = tmp_path / "m.jsonl"
+    result = run_training(TrainOptions(engine="torch", model_size="tiny", steps=1, seq_len=16,
+                                       metrics=str(metrics), plot="off"),
+                          stream=io.StringIO(), out=io.StringIO())
+    assert result.plot is None and sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]
+
+
 def test_explicit_plot_without_matplotlib_is_a_usage_error(tmp_path: Path, monkeypatch) -> None:
     import infinity.train.loop as loop
 
