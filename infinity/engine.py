@@ -257,16 +257,19 @@ class Engine(DeepSpeedEngineAccessors):
             _raise_with_external_parameter_hint(exc, "forward", self.stage)
             raise
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Backward of ``loss`` (scaled by 1/gradient_accumulation_steps, as DeepSpeed does)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss``, scaled by 1/gradient_accumulation_steps unless ``scale_wrt_gas``
+        is False, as DeepSpeed does; returns the loss so scaled (DeepSpeed's return value)."""
         self._check_open("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss)}"
                              + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
         if self.optimizer.early_step and self._backwards_since_step:
             raise RuntimeError(_SECOND_EARLY_BACKWARD.format(call="engine.backward()"))
-        if self.gradient_accumulation_steps() > 1:
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
+        scaled = loss.detach()
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         self._void_speculation()       # a second backward in one cycle
@@ -290,6 +293,7 @@ class Engine(DeepSpeedEngineAccessors):
             self.coordinator.engine_backward = False
         self.optimizer.end_backward()
         self._backwards_since_step += 1
+        return scaled
 
     def _begin_untracked_backward(self) -> None:
         """``loss.backward()`` called directly (the coordinator saw the first gradient of a
@@ -349,8 +353,9 @@ class Engine(DeepSpeedEngineAccessors):
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
-    def step(self) -> None:
-        """Count a micro-step; at the accumulation boundary step the optimizer and scheduler."""
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Count a micro-step; at the accumulation boundary step the optimizer and scheduler
+        (``lr_kwargs`` go to the scheduler's step, as DeepSpeed passes them)."""
         self._check_open("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -375,7 +380,7 @@ class Engine(DeepSpeedEngineAccessors):
                 [u for u in self.optimizer.waiting_units() if u.persistent])
             self.coordinator.release_finished_steps()
         if self.lr_scheduler is not None and not self.optimizer.overflow:
-            self.lr_scheduler.step()      # a skipped step does not move the schedule
+            self.lr_scheduler.step(**(lr_kwargs or {}))   # a skipped step does not move it
         self.global_steps += 1
         self._record_stats()
         if self.config.infinity.mmap_threshold_in_use is not None:

@@ -184,3 +184,35 @@ def test_zero_init_takes_deepspeeds_arguments_and_refuses_misspelled_ones() -> N
     assert layer.weight.device.type == "meta"
     with pytest.raises(TypeError, match=r"unknown arguments \['remot_device'\]"):
         infinity.zero.Init(config_dict_or_path=config, remot_device="cpu")
+
+
+def test_backward_and_step_take_deepspeeds_arguments() -> None:
+    """backward(scale_wrt_gas=False) adds unscaled gradients and returns the loss it used;
+    step(lr_kwargs=...) passes them to the scheduler's step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    twin = copy.deepcopy(model)
+    config = {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
+                                                           "warmup_max_lr": 0.1,
+                                                           "warmup_num_steps": 10}}}
+    engine, *_ = infinity.initialize(model=model, config=config)
+    reference, *_ = infinity.initialize(model=twin, config=config)
+    x = torch.randn(3, 4)
+    try:
+        loss = engine(x).pow(2).mean()
+        assert engine.backward(loss, scale_wrt_gas=False).item() == pytest.approx(loss.item())
+        ref_loss = reference(x).pow(2).mean()
+        assert reference.backward(ref_loss * 2).item() == pytest.approx(loss.item())
+        for e in (engine, reference):
+            e.step()
+            e.backward(e(x).pow(2).mean() * 0)
+        engine.step(lr_kwargs={"last_batch_iteration": 6})
+        reference.step()
+        torch.testing.assert_close(model.weight, twin.weight)     # the same gradients
+        assert engine.lr_scheduler.last_batch_iteration == 6
+        assert reference.lr_scheduler.last_batch_iteration == 0
+    finally:
+        engine.close()
+        reference.close()
