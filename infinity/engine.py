@@ -7,7 +7,6 @@ its own module (see DESIGN.md "Layers").
 """
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -37,6 +36,7 @@ from infinity.engine_sizing import (
     disk_has_room,
     resolve_sizes,
     speculation_possible,
+    warn_second_nvme_path,
 )
 from infinity.sizes import format_bytes
 from infinity.zero.activation_swap import ActivationSwapper
@@ -49,6 +49,7 @@ from infinity.zero.init import (
     unregister_engine,
 )
 from infinity.zero.materialize import materialize_params
+from infinity.zero.external_hint import raise_with_external_parameter_hint
 from infinity.zero.module_state import load_module_state_dict
 from infinity.zero.partition import modules_needing, partition
 from infinity.zero.prefetch import PrefetchLimits
@@ -94,7 +95,7 @@ class Engine(DeepSpeedEngineAccessors):
         self.direct_fetch = param_tier is Tier.NVME and DeviceMemoryCache.supported(self.device)
         nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
             or self.config.zero.offload_optimizer.nvme_path
-        _warn_second_nvme_path(self.config, nvme_path, param_tier, optimizer_tier)
+        warn_second_nvme_path(self.config, nvme_path, param_tier, optimizer_tier)
         self.speculative = speculation_possible(self.config, stage, param_tier, optimizer_tier,
                                                 self.early_step)
 
@@ -254,7 +255,7 @@ class Engine(DeepSpeedEngineAccessors):
             return self.module(*args, **kwargs)
         except BaseException as exc:
             self.coordinator.abandon_pass()     # post-hooks did not run: units stay fetched
-            _raise_with_external_parameter_hint(exc, "forward", self.stage)
+            raise_with_external_parameter_hint(exc, "forward", self.stage)
             raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -287,7 +288,7 @@ class Engine(DeepSpeedEngineAccessors):
             finally:
                 self.coordinator.abandon_pass()
                 self._drop_rolled_back()
-            _raise_with_external_parameter_hint(exc, "backward", self.stage)
+            raise_with_external_parameter_hint(exc, "backward", self.stage)
             raise
         finally:
             self.coordinator.engine_backward = False
@@ -548,66 +549,6 @@ class Engine(DeepSpeedEngineAccessors):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _warn_second_nvme_path(config: InfinityConfig, used: str | None, param_tier: Tier,
-                           optimizer_tier: Tier) -> None:
-    """One swap directory per rank holds every NVMe state: say so when the config names two."""
-    paths = set()
-    if param_tier is Tier.NVME and config.zero.offload_param.device == "nvme":
-        paths.add(config.zero.offload_param.nvme_path)
-    if optimizer_tier is Tier.NVME:
-        paths.add(config.zero.offload_optimizer.nvme_path)
-    other = sorted(p for p in paths - {used, None})
-    if used is not None and other:
-        missing = "" if Path(other[0]).is_dir() else " (it does not exist)"
-        log.warning("offload_param.nvme_path and offload_optimizer.nvme_path differ: every "
-                    "NVMe state goes to one swap directory under %s; %s is not used%s. Set both "
-                    "to the same path to silence this", used, other[0], missing)
-
-
-EXTERNAL_PARAMETER_HINT = (
-    "stage 3 fetches a unit only around the forward of a module that holds its parameters "
-    "(released parameters have 0 elements). If a module's forward uses another module's "
-    "parameter (e.g. F.linear(x, self.embed.weight) or a penalty on a child's weight in a "
-    "parent module), declare it with infinity.zero.register_external_parameter(module, "
-    "parameter)")
-
-
-def _raise_with_external_parameter_hint(exc: BaseException, where: str, stage: int) -> None:
-    """A forward or backward failed at stage 3: when torch's message is about a 0-element
-    tensor, raise a RuntimeError that says how to declare an external parameter; for other
-    errors of the kinds such a read causes (an IndexError in transformers' code, say), add
-    the hint as a note and let the caller re-raise the error as it is."""
-    if stage != 3 or not isinstance(exc, (RuntimeError, IndexError, ValueError)) or \
-            _raised_by_infinity(exc):
-        return
-    if isinstance(exc, RuntimeError) and _mentions_empty_tensor(str(exc)):
-        raise RuntimeError(f"the {where} failed ({str(exc).splitlines()[0][:200]}), probably "
-                           f"on a parameter whose unit was not fetched: "
-                           f"{EXTERNAL_PARAMETER_HINT}") from exc
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"infinity: if this {where} read a parameter of a module other than the "
-                     f"one running, {EXTERNAL_PARAMETER_HINT}")
-
-
-def _raised_by_infinity(exc: BaseException) -> bool:
-    """Whether the innermost frame of ``exc`` is infinity's own code (its optimizer refusing a
-    hyperparameter, say): such an error is not about a parameter read outside its module."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
-
-
-_PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def _mentions_empty_tensor(message: str) -> bool:
-    """Whether a torch error message is about a 0-element or 0-byte tensor (a released
-    parameter): "storage of size 0", "shape [0]", "vec (0)", "got 0"..."""
-    return "storage of size 0" in message or re.search(
-        r"\[0\]|\(0\)|\bsize 0\b|\bgot 0\b|must be \d-D", message) is not None
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -7,10 +7,12 @@ numbers (slot counts, where gradients live, how much NVMe to reserve).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from infinity.config import InfinityConfig
+from infinity.log import get_logger
 from infinity.optim.partitioned import accumulate_chunk_numel, step_slot_count
 from infinity.planner import DerivedSizes, ModelStats, derive_sizes, detect_hardware
 from infinity.storage.manager import padded_numel
@@ -19,6 +21,8 @@ from infinity.storage.tiers import Tier
 from infinity.zero.activation_swap import ACTIVATION_STAGING_BYTES
 from infinity.zero.partition import UnitSpec
 from infinity.zero.unit import PARAM_ALIGN_BYTES, flat_layout
+
+log = get_logger("engine")
 
 
 @dataclass(frozen=True)
@@ -190,3 +194,19 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         max_live_numel=max(derived.max_live_parameters, 2 * max(unit_numels, default=0)),
         max_reuse_numel=max_reuse,
         grad_tier=grad_tier, nvme_bytes=nvme)
+
+
+def warn_second_nvme_path(config: InfinityConfig, used: str | None, param_tier: Tier,
+                           optimizer_tier: Tier) -> None:
+    """One swap directory per rank holds every NVMe state: say so when the config names two."""
+    paths = set()
+    if param_tier is Tier.NVME and config.zero.offload_param.device == "nvme":
+        paths.add(config.zero.offload_param.nvme_path)
+    if optimizer_tier is Tier.NVME:
+        paths.add(config.zero.offload_optimizer.nvme_path)
+    other = sorted(p for p in paths - {used, None})
+    if used is not None and other:
+        missing = "" if Path(other[0]).is_dir() else " (it does not exist)"
+        log.warning("offload_param.nvme_path and offload_optimizer.nvme_path differ: every "
+                    "NVMe state goes to one swap directory under %s; %s is not used%s. Set both "
+                    "to the same path to silence this", used, other[0], missing)

@@ -1,0 +1,53 @@
+"""The hint stage-3 forward and backward errors get when a module may have read a parameter of
+another module (released: 0 elements) without ``register_external_parameter``. Torch's and
+transformers' own messages ("got [0]", an IndexError) never name the cause; the engine turns the
+empty-tensor ones into an error that does and adds a note to the others (not to infinity's
+own errors)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+
+EXTERNAL_PARAMETER_HINT = (
+    "stage 3 fetches a unit only around the forward of a module that holds its parameters "
+    "(released parameters have 0 elements). If a module's forward uses another module's "
+    "parameter (e.g. F.linear(x, self.embed.weight) or a penalty on a child's weight in a "
+    "parent module), declare it with infinity.zero.register_external_parameter(module, "
+    "parameter)")
+
+
+def raise_with_external_parameter_hint(exc: BaseException, where: str, stage: int) -> None:
+    """A forward or backward failed at stage 3: when torch's message is about a 0-element
+    tensor, raise a RuntimeError that says how to declare an external parameter; for other
+    errors of the kinds such a read causes (an IndexError in transformers' code, say), add
+    the hint as a note and let the caller re-raise the error as it is."""
+    if stage != 3 or not isinstance(exc, (RuntimeError, IndexError, ValueError)) or \
+            _raised_by_infinity(exc):
+        return
+    if isinstance(exc, RuntimeError) and _mentions_empty_tensor(str(exc)):
+        raise RuntimeError(f"the {where} failed ({str(exc).splitlines()[0][:200]}), probably "
+                           f"on a parameter whose unit was not fetched: "
+                           f"{EXTERNAL_PARAMETER_HINT}") from exc
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"infinity: if this {where} read a parameter of a module other than the "
+                     f"one running, {EXTERNAL_PARAMETER_HINT}")
+
+
+def _raised_by_infinity(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc`` is infinity's own code (its optimizer refusing a
+    hyperparameter, say): such an error is not about a parameter read outside its module."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
+
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent     # infinity/
+
+
+def _mentions_empty_tensor(message: str) -> bool:
+    """Whether a torch error message is about a 0-element or 0-byte tensor (a released
+    parameter): "storage of size 0", "shape [0]", "vec (0)", "got 0"..."""
+    return "storage of size 0" in message or re.search(
+        r"\[0\]|\(0\)|\bsize 0\b|\bgot 0\b|must be \d-D", message) is not None
