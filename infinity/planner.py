@@ -281,6 +281,10 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
     allgather_bucket = z.allgather_bucket_size or min(unit_cap, bucket_cap)
 
     prefetch = z.stage3_prefetch_bucket_size
+    if prefetch is not None:
+        # more than the model holds prefetches nothing more (DeepSpeed configs say 1e9, 1e12),
+        # but would size a fetch slot per unit of it out of the host budget
+        prefetch = min(prefetch, stats.total_params)
     if prefetch is None:
         if z.stage == 3:
             free = device_budget - resident_device - _device_working(lay, unit, 0, persist, 0)

@@ -317,3 +317,18 @@ def test_minimum_host_budget_is_the_edge_of_host_budget_fits(hw: Hardware) -> No
     assert not host_budget_fits(with_budget(1), SMALL, hw)
     hosted = config(3, "cpu", "cpu")   # states on the host: the budget must hold them (16 B/param)
     assert minimum_host_budget(hosted, SMALL, hw) >= 12 * SMALL.total_params
+
+
+def test_a_prefetch_bucket_larger_than_the_model_is_the_model() -> None:
+    """DeepSpeed configs carry stage3_prefetch_bucket_size 1e9 or more; sized as written it
+    gave a fetch slot per unit of it, which starved every other host pool (a tiny model failed
+    at initialize with "0 B of the 40 KiB host budget")."""
+    from infinity.planner import derive_sizes
+
+    cfg = config(3, "nvme", "nvme", zero_optimization={
+        "stage": 3, "stage3_prefetch_bucket_size": 1e12,
+        "offload_param": {"device": "nvme", "nvme_path": "/swap"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/swap"}})
+    sizes = derive_sizes(cfg, SMALL, CPU_BOX)
+    assert sizes.prefetch_bucket_size == SMALL.total_params
+    assert sizes.param_buffer_count <= 2 + -(-SMALL.total_params // SMALL.largest_unit_params)
