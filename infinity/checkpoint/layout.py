@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from infinity.checkpoint.unit_io import Source
+from infinity.zero.module_state import all_persistent_buffers
 from infinity.zero.unit import ParamEntry, Unit
 
 if TYPE_CHECKING:
@@ -89,18 +90,10 @@ def unit_layouts(engine: "Engine", with_frozen: bool = True) -> list[UnitLayout]
     return [UnitLayout(u, by_unit.get(u.index), with_frozen) for u in engine.units]
 
 
-def _all_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, buffer) of every buffer ``state_dict()`` saves, under each of its names."""
-    return [(f"{prefix}.{name}" if prefix else name, buf)
-            for prefix, module in model.named_modules(remove_duplicate=False)
-            for name, buf in module._buffers.items()
-            if buf is not None and name not in module._non_persistent_buffers_set]
-
-
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, buffer) of the buffers ``state_dict()`` saves, each once (under its first name)."""
     found, seen = [], set()
-    for name, buf in _all_persistent_buffers(model):
+    for name, buf in all_persistent_buffers(model):
         if buf not in seen:
             seen.add(buf)
             found.append((name, buf))
@@ -111,5 +104,5 @@ def aliases(model: nn.Module, layouts: list[UnitLayout]) -> dict[str, str]:
     """Other names of tied parameters and shared buffers -> the name they are saved under."""
     canonical = {e.param: e.name for lay in layouts for e in lay.unit.params}
     canonical.update({buf: name for name, buf in reversed(persistent_buffers(model))})
-    named = list(model.named_parameters(remove_duplicate=False)) + _all_persistent_buffers(model)
+    named = list(model.named_parameters(remove_duplicate=False)) + all_persistent_buffers(model)
     return {name: canonical[t] for name, t in named if t in canonical and canonical[t] != name}

@@ -30,7 +30,7 @@ def load_module_state_dict(engine: "Engine", state_dict: Mapping[str, Any], stri
                          "manages: load with assign=False (values are copied into its tiers)")
     model = engine.module
     params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = _persistent_buffers(model)
+    buffers = dict(all_persistent_buffers(model))
     expected = set(params) | set(buffers)
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)
@@ -77,8 +77,10 @@ def load_module_state_dict(engine: "Engine", state_dict: Mapping[str, Any], stri
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {(f"{prefix}.{name}" if prefix else name): buf
+def all_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) of every buffer ``state_dict()`` saves, under each of its names (a buffer
+    two modules share appears twice). The checkpoint layout reads them the same way."""
+    return [(f"{prefix}.{name}" if prefix else name, buf)
             for prefix, module in model.named_modules(remove_duplicate=False)
             for name, buf in module._buffers.items()
-            if buf is not None and name not in module._non_persistent_buffers_set}
+            if buf is not None and name not in module._non_persistent_buffers_set]
