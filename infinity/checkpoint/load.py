@@ -183,6 +183,9 @@ def _restore_state(engine: "Engine", manifest: dict[str, Any], optimizer_states:
                 group[key] = tuple(value) if key == "betas" else value
         if engine.loss_scaler is not None and manifest.get("loss_scaler") is not None:
             engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
+        if counters.get("speculation_pays") is not None and \
+                hasattr(engine.optimizer, "speculation_pays"):
+            engine.optimizer.speculation_pays = bool(counters["speculation_pays"])
     scheduler = engine.lr_scheduler
     if scheduler_states and scheduler is not None and manifest.get("lr_scheduler") is not None:
         scheduler.load_state_dict(manifest["lr_scheduler"])

@@ -87,7 +87,10 @@ def engine_state(engine: "Engine", client_state: Any) -> dict[str, Any]:
         "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                    "skipped_steps": engine.skipped_steps, "stage": engine.stage,
                    "compute_dtype": str(engine.compute_dtype).replace("torch.", ""),
-                   "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
+                   "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+                   # whether the next step speculates ("auto"): a resumed run takes the
+                   # uninterrupted run's path (a rolled-back step's gradient is rebuilt)
+                   "speculation_pays": getattr(optimizer, "speculation_pays", None)},
         "param_groups": json_value(groups, "the optimizer's param group settings"),
         "lr_scheduler": None if scheduler is None else
         json_value(scheduler.state_dict(), "the LR scheduler's state_dict()"),

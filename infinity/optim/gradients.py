@@ -237,15 +237,21 @@ class GradientCollector:
         if store.resident:
             yield 0, store.tensor[:n]
             return
+        buffer = self._chunk_buffer()
+        chunk = buffer.numel()
+        for start in range(0, n, chunk):
+            count = min(chunk, n - start)
+            self.manager.wait(store.load_async(buffer, start, count))
+            yield start, buffer[:count]
+
+    def _chunk_buffer(self) -> torch.Tensor:
+        """The budgeted host chunk through which the training thread reads and writes
+        gradients at home (accumulation, norms, a speculated step's rebuild); one at a time."""
         if self._accumulate_chunk is None:
             self._accumulate_chunk = self.manager.host_empty(
                 accumulate_chunk_numel(self._max_trainable), torch.float32,
                 what="gradient accumulation chunk")
-        chunk = self._accumulate_chunk.numel()
-        for start in range(0, n, chunk):
-            count = min(chunk, n - start)
-            self.manager.wait(store.load_async(self._accumulate_chunk, start, count))
-            yield start, self._accumulate_chunk[:count]
+        return self._accumulate_chunk
 
     def _retire_grad_write(self) -> None:
         request, slot, _buffer = self._grad_writes.pop(0)

@@ -312,7 +312,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         self.cancel_expected()
         try:
             if self._speculated:
-                self._roll_back("the backward raised")
+                self._roll_back("the backward raised", rebuild_gradients=False)
             while self._grad_writes:
                 self._retire_grad_write()
         finally:
@@ -484,7 +484,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
             self.overflow = True
             self.last_grad_norm = math.inf
             try:
-                self._resolve_speculation(keep=False)
+                self._resolve_speculation(keep=False, overflow=True)
             finally:
                 self._drop_cycle_gradients()
             return
@@ -559,7 +559,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         speculated step back (the engine then drops the rolled-back device copies)."""
         self.cancel_expected()
         if self._speculated:
-            self._roll_back("zero_grad() discarded the gradients")
+            self._roll_back("zero_grad() discarded the gradients", rebuild_gradients=False)
         while self._grad_writes:
             self._retire_grad_write()
         dropped = self._drop_cycle_gradients()

@@ -11,14 +11,15 @@ is the plain one, known as soon as a unit's gradient is complete.
 So, at the backward that ends an accumulation cycle, each unit is stepped as in the early step
 (on its fetched device copy, as its gradients complete) but every result goes to a second copy:
 its NVMe stores are doubled (``FlatStore.doubled``) and the step writes parameters, m and v to
-the shadow extents, reading only the current ones; its gradient is written home as the deferred
-schedule does. At ``step()`` the norm is known:
+the shadow extents, reading only the current ones; its gradient is normed but not written home
+(see [Note: the gradient of a speculated step]). At ``step()`` the norm is known:
 - no clipping acts and the gradients are finite: commit. Every speculated store flips (the
   shadow becomes current) and nothing is left to do; the units' device copies are the new
   parameters, as after an early step.
 - clipping acts, or a gradient overflowed: roll back. The current extents still hold the old
   states; the speculated units' device copies (new parameters) are dropped, their step counts
-  go back, and the deferred step runs from the gradients at home (or, on overflow, nothing).
+  go back, their gradients are rebuilt at home, and the deferred step runs from there (or, on
+  overflow, nothing runs and the gradients are dropped).
 A unit that cannot be doubled (persistent, or a state resident in memory) is not speculated and
 takes the deferred path. Reading the model between backward and step (a forward, or
 GatheredParameters) would see speculated parameters, so the speculation is rolled back first
@@ -27,10 +28,29 @@ GatheredParameters) would see speculated parameters, so the speculation is rolle
 With ``speculative_step`` "auto" a step speculates while the last step would have kept its
 speculation (first step included): a run whose gradients are clipped every step stops paying
 the wasted writes after one step and tries again after a step that needed no clipping.
+
+[Note: the gradient of a speculated step]
+Writing each speculated unit's gradient home, in case the step is redone, cost a quarter of
+the step's writes (1.8 of 7.4 GiB a step at 0.49B) for a copy that a kept speculation never
+reads. It is not written: the step's own results hold it. The speculated m is
+m' = beta1 * m + (1 - beta1) * (g / s + l2 * p) (s: the loss scale it was stepped with, l2: the
+weight decay of a group in Adam's L2 mode, else 0), and both m (current extent) and m' (shadow
+extent) are on disk until the next speculation, so a roll-back that goes on to the deferred
+step (clipping acted, the learning rate or betas changed, or the model was read before the
+step) rebuilds g = s * ((m' - beta1 * m) / (1 - beta1) - l2 * p) in float64, chunk by chunk,
+into the gradient's home, for the parameters the step stepped (zero elsewhere). The rebuilt
+gradient differs from the one autograd made by the rounding of m' (a few float32 ulps of m,
+divided by 1 - beta1); the redone step multiplies it by 1 - beta1 again, so its m and v are
+within a few ulps of a step from the original gradient. A roll-back that drops the gradients
+(an overflow, ``zero_grad``, a failed backward) rebuilds nothing. The price moves to the rare
+path: a rebuild reads m twice and writes g (with ``speculative_step`` "auto" once per run of
+clipped steps).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 from infinity.log import get_logger
 from infinity.optim.gradients import CompleteGradient
@@ -43,7 +63,8 @@ if TYPE_CHECKING:
 log = get_logger("optim")
 
 SPECULATION_MODES = ("off", "auto", "on")
-VOIDED = "the model was read before step()"   # a roll-back counted as "voided"
+VOIDED = "the model was read before step()"
+BLOCK_NUMEL = 1024     # fp32 elements in 4 KiB: a rebuild chunk starts on an O_DIRECT boundary   # a roll-back counted as "voided"
 
 
 class Speculation:
@@ -55,7 +76,9 @@ class Speculation:
         self.speculation = mode
         self._speculating = False        # this backward speculates
         self._speculated: list[tuple[UnitOptimState, StepJob]] = []
-        self._speculation_pays = True    # the last step would have kept its speculation
+        # the last step would have kept its speculation ("auto" speculates while it is True);
+        # checkpoints keep it, so a resumed run speculates where the uninterrupted one did
+        self.speculation_pays = True
         self.rolled_back: list[Unit] = []  # units whose device copies hold rolled-back values
         self.speculation_stats = {"committed": 0, "rolled_back": 0, "voided": 0}
 
@@ -64,7 +87,7 @@ class Speculation:
         """Whether the next cycle's last backward will speculate."""
         if self.early_step or self.speculation == "off":
             return False
-        return self.speculation == "on" or self._speculation_pays
+        return self.speculation == "on" or self.speculation_pays
 
     def _can_speculate(self, state: UnitOptimState) -> bool:
         """Every store the unit's step writes has a shadow extent (see the note)."""
@@ -81,15 +104,17 @@ class Speculation:
 
     # -- running ---------------------------------------------------------------------------
     def _speculate(self, state: UnitOptimState) -> StepJob:
-        """Step the unit (fetched, gradients complete) into its shadow extents; its gradient
-        goes home from the job (for a redo). Held gradients (see [Note: held gradients]) are
-        normed and copied home by the stream; a flat buffer was normed here."""
+        """Step the unit (fetched, gradients complete) into its shadow extents. Held gradients
+        (see [Note: held gradients]) are normed by the stream, a flat buffer was normed here;
+        neither goes home (see [Note: the gradient of a speculated step])."""
+        at_home = False
         if state.grad_parts is not None:
             gradient = self._take_gradient(state)
             state.has_grads = state.norm_counted = True    # the job's norm joins at step()
         else:
             self._zero_unwritten(state)
             grads = self._finish_grads(state, write_home=False)
+            at_home = state.grad_store.resident      # accumulated in its home: nothing to rebuild
             gradient = CompleteGradient(grads, state.grad_slot)
             state.grad_slot = state.grad_buffer = state.grad_written = None
             state.grads_seen = 0
@@ -102,6 +127,7 @@ class Speculation:
             job = self._stream.submit(state, early=True, gradient=gradient,
                                       grad_scale=self.loss_scale, speculative=True,
                                       params=params)
+        job.rebuild_gradient = not at_home
         self._pending_steps.append((state, job))
         self._speculated.append((state, job))
         return job
@@ -115,11 +141,12 @@ class Speculation:
                 self._sq_norm += job.sq_norm
                 job.norm_collected = True
 
-    def _resolve_speculation(self, keep: bool) -> None:
-        """At ``step()``: commit (``keep``) or roll back every speculated unit. A speculation
-        whose hyperparameters are no longer this step's (the learning rate was set between
-        backward and step) is rolled back too."""
-        self._speculation_pays = keep
+    def _resolve_speculation(self, keep: bool, overflow: bool = False) -> None:
+        """At ``step()``: commit (``keep``) or roll back every speculated unit (for the deferred
+        step, or with ``overflow`` for no step at all). A speculation whose hyperparameters are
+        no longer this step's (the learning rate was set between backward and step) is rolled
+        back too."""
+        self.speculation_pays = keep
         if not self._speculated:
             return
         now = self.hyperparameters()
@@ -127,7 +154,8 @@ class Speculation:
             self._roll_back("the hyperparameters changed after the backward")
             return
         if not keep:
-            self._roll_back("clipping or an overflow")
+            self._roll_back("an overflow" if overflow else "clipping",
+                            rebuild_gradients=not overflow)
             return
         speculated, self._speculated = self._speculated, []
         for _, job in speculated:
@@ -141,10 +169,11 @@ class Speculation:
                 state.grad_store.tensor.zero_()   # the next cycle accumulates from zero
         self.speculation_stats["committed"] += 1
 
-    def _roll_back(self, why: str) -> None:
+    def _roll_back(self, why: str, rebuild_gradients: bool = True) -> None:
         """Drop every speculated result: wait for the jobs (their writes read the units' device
         copies), give their step counts back, and list the units whose device copies must be
-        dropped (``rolled_back``). The gradients stay at home for the deferred path."""
+        dropped (``rolled_back``). With ``rebuild_gradients`` the gradients are rebuilt at
+        home for the deferred path (see [Note: the gradient of a speculated step])."""
         self.speculation_stats["voided" if why == VOIDED else "rolled_back"] += 1
         try:
             self._collect_speculated_norms()   # the gradients stay counted (norm_counted)
@@ -162,6 +191,56 @@ class Speculation:
                     e.offset for e in state.unit.trainable_entries()}
                 self.rolled_back.append(state.unit)
         log.debug("speculative step of %d unit(s) rolled back (%s)", len(speculated), why)
+        if rebuild_gradients:
+            self._rebuild_gradients([(s, j) for s, j in speculated if j.rebuild_gradient])
+
+    def _rebuild_gradients(self, speculated: list[tuple[UnitOptimState, StepJob]]) -> None:
+        """Write each unit's gradient home, recovered from the m its step read and the m it
+        wrote (see [Note: the gradient of a speculated step]), through a free gradient slot (or
+        the accumulation chunk) cut in pieces."""
+        if not speculated:
+            return
+        l2 = any(_l2(job.hyper[run.group_index]) for _, job in speculated for run in job.runs)
+        slot = self.grad_pool.try_acquire() if self.grad_pool is not None else None
+        try:
+            pieces = _pieces(slot.view(torch.float32, self.grad_pool.slot_bytes // 4)
+                             if slot is not None else self._chunk_buffer(), 4 if l2 else 3)
+            if pieces is None:   # units of under 4 x 1024 elements: a small buffer of its own
+                pieces = _pieces(self.manager.host_empty(4 * BLOCK_NUMEL, torch.float32,
+                                                         what="gradient rebuild"), 4)
+            for state, job in speculated:
+                self._rebuild_gradient(state, job, l2, *pieces)
+        finally:
+            if slot is not None:
+                self.grad_pool.release(slot)
+
+    def _rebuild_gradient(self, state: UnitOptimState, job: StepJob, l2: bool,
+                          m_old: torch.Tensor, m_new: torch.Tensor, out: torch.Tensor,
+                          param: torch.Tensor | None = None) -> None:
+        """One unit's rebuild, ``m_old.numel()`` elements at a time."""
+        chunk = m_old.numel()
+        n, home = state.unit.trainable_numel, state.grad_store
+        params = state.master if state.master is not None else state.unit.param_store
+        for start in range(0, n, chunk):
+            count = min(chunk, n - start)
+            reads = [state.exp_avg.load_async(m_old, start, count),
+                     state.exp_avg.load_async(m_new, start, count, shadow=True)]
+            if l2:
+                reads.append(params.load_async(param, start, count))
+            self.manager.wait(*reads)
+            out.zero_()
+            for run in job.runs:
+                a, b = max(run.start, start) - start, min(run.end, start + count) - start
+                if a < b:
+                    hyper = job.hyper[run.group_index]
+                    g = _gradient_term(m_old[a:b], m_new[a:b], hyper["beta1"])
+                    if _l2(hyper):
+                        g -= hyper["weight_decay"] * param[a:b].double()
+                    out[a:b] = g.mul_(job.grad_scale)
+            if home.resident:
+                home.tensor[start:start + count].copy_(out[:count])
+            else:
+                self.manager.wait(home.store_async(out, start, count))
 
     def void_speculation(self) -> None:
         """Something reads the model before ``step()``: roll back now, so it sees the
@@ -174,3 +253,24 @@ class Speculation:
         """The units rolled back since the last call (their device copies are stale)."""
         units, self.rolled_back = self.rolled_back, []
         return units
+
+
+def _l2(hyper: dict) -> bool:
+    """Whether a param group's step added weight decay to the gradient (Adam's L2 mode)."""
+    return not hyper["adamw_mode"] and hyper["weight_decay"] != 0.0
+
+
+def _gradient_term(m: torch.Tensor, m_new: torch.Tensor, beta1: float) -> torch.Tensor:
+    """(m_new - beta1 * m) / (1 - beta1) in float64, with beta1 * m and 1 - beta1 rounded to
+    float32 as the kernel rounded them: where the step's gradient term was exactly 0 (a row
+    no token used), so is this, and m, v that are 0 stay 0 in the redone step (noise there
+    would be divided by a v of the same size)."""
+    one_minus_beta1 = float(torch.tensor(1.0 - beta1, dtype=torch.float32))
+    return (m_new - m * beta1).double().div_(one_minus_beta1)
+
+
+def _pieces(buffer: torch.Tensor, parts: int) -> list[torch.Tensor] | None:
+    """``parts`` equal pieces of ``buffer``, each a multiple of 4 KiB (so each starts on an
+    O_DIRECT boundary of a page-aligned buffer); None when it is too small."""
+    size = buffer.numel() // parts // BLOCK_NUMEL * BLOCK_NUMEL
+    return None if size == 0 else [buffer[i * size:(i + 1) * size] for i in range(parts)]

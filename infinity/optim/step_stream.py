@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infinity.optim.gradients import _grad_pieces, _sum_of_squares
+from infinity.optim.gradients import _sum_of_squares
 from infinity.storage.manager import padded_numel
 
 if TYPE_CHECKING:
@@ -97,8 +97,7 @@ class StepJob:
     gradient: CompleteGradient | None = None   # early step: handed over with the job
     ready: bool = True             # gradients complete; False while only expected
     cancelled: bool = False        # an expected step that did not happen (no gradients came)
-    # results go to the shadow extents and the gradient home (see [Note: speculative step] in
-    # optim/speculation.py)
+    # results go to the shadow extents (see [Note: speculative step] in optim/speculation.py)
     speculative: bool = False
     # the parameters (entry offsets) that got a gradient, None: all (see [Note: parameters
     # without a gradient] in optim/partitioned.py), and the runs the kernel steps
@@ -108,6 +107,8 @@ class StepJob:
     sq_norm: float = 0.0
     norm_collected: bool = False
     counted: bool = False          # ``state.step`` advanced for this job
+    # a speculated step whose gradient is not at home: a roll-back rebuilds it from m
+    rebuild_gradient: bool = False
     error: BaseException | None = None
 
 
@@ -117,6 +118,17 @@ class _Loaded:
     group: SubGroup
     tensors: dict
     requests: list = field(default_factory=list)   # (request, slot or None)
+
+
+def _held_sum_of_squares(parts: dict[int, torch.Tensor], start: int, end: int) -> float:
+    """sum(g**2) over elements [start, end) of a unit's held gradient parts (keyed by the
+    parameter's offset in the unit; what no part covers is zero)."""
+    total = 0.0
+    for offset, part in parts.items():
+        a, b = max(start, offset), min(end, offset + part.numel())
+        if a < b:
+            total += _sum_of_squares(part[a - offset:b - offset])
+    return total
 
 
 class StepStream:
@@ -400,32 +412,16 @@ class StepStream:
             opt._store(state.master, param, start, n, writes, shadow)
             unit.flat[start:end].copy_(half if half is not None else param)
         self._write_params(unit, start, n, writes, shadow)
-        flat_gradient = isinstance(grad, torch.Tensor)
-        if shadow:
-            # kept at home for a redo: a flat buffer is written as it is (given back at
-            # ``_finish``), held gradients are normed and copied
-            if flat_gradient:
-                opt._store(state.grad_store, grad, start, n, writes)
-            else:
-                self._write_held_gradient(job, start, end, writes)
+        if shadow and not isinstance(grad, torch.Tensor):
+            # held gradients are normed here (a flat buffer was normed when it was complete);
+            # the gradient is not written home: a roll-back rebuilds it from m (see [Note:
+            # the gradient of a speculated step] in optim/speculation.py)
+            job.sq_norm += _held_sum_of_squares(job.gradient.values, start, end)
         if not job.groups and all(x.job is not job for x in self._loads):
             # its last kernel ran: the gradient is given back, the device copy current
-            if job.gradient is not None and not (shadow and flat_gradient):
+            if job.gradient is not None:
                 opt.release_gradient(job.gradient)
             job.stepped.set_result(None)
-
-    def _write_held_gradient(self, job: StepJob, start: int, end: int, writes: list) -> None:
-        """Norm a speculated step's held gradient over [start, end) and write it to the unit's
-        gradient home (the gaps between parameters as zeros), for a redo."""
-        store, n = job.state.grad_store, end - start
-        values = store.tensor[start:end] if store.resident else \
-            self._staging(writes, torch.float32, n)[:n]
-        values.zero_()
-        for x, y, g in _grad_pieces(job.state.unit, job.gradient.values, start, start, end):
-            values[x - start:y - start].copy_(g)
-        job.sq_norm += _sum_of_squares(values)
-        if not store.resident:
-            writes.append((store.store_async(values, start, n), None))
 
     def _write_params(self, unit, start: int, n: int, writes: list, shadow: bool = False) -> None:
         """The unit's updated device copy goes to its home (``shadow``: its shadow extent)."""

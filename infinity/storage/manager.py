@@ -132,20 +132,24 @@ class FlatStore:
                              f"{ALIGN_BYTES}-byte boundary and lie within {self.padded} elements")
         return padded_numel(count, self.dtype)
 
-    def load_async(self, buf: torch.Tensor, start: int = 0, count: int | None = None):
-        """Fill ``buf`` with elements [start, start+count) of the store. Returns a request.
+    def load_async(self, buf: torch.Tensor, start: int = 0, count: int | None = None,
+                   shadow: bool = False):
+        """Fill ``buf`` with elements [start, start+count) of the store (with ``shadow``, of
+        its shadow extent). Returns a request.
 
         ``buf`` must be an aligned host buffer of at least ``count`` rounded up to 4 KiB.
         """
         count = self.padded - start if count is None else count
         span = self._check_range(start, count)
+        if shadow and self._shadow is None:
+            raise RuntimeError(f"{self.name}: no shadow extent to read (not a doubled NVMe store)")
         if self._host is not None:
             buf[:count].copy_(self._host[start:start + count])
             return DONE
         nbytes = span * self.itemsize
         self.manager.counters.nvme_read_bytes += nbytes
-        return self.manager.swap.read(self._extent, buf.view(torch.uint8)[:nbytes],
-                                      offset=start * self.itemsize)
+        return self.manager.swap.read(self._shadow if shadow else self._extent,
+                                      buf.view(torch.uint8)[:nbytes], offset=start * self.itemsize)
 
     def store_async(self, buf: torch.Tensor, start: int = 0, count: int | None = None,
                     shadow: bool = False):

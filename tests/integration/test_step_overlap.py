@@ -45,13 +45,14 @@ class _LateWrites:
             span = padded_numel(n, self.dtype)
             return _LateWrite(lambda: self.write_extent(extent, buf, start, span), tracker, entry)
 
-        def checked_load(self, buf, start=0, count=None):
+        def checked_load(self, buf, start=0, count=None, shadow=False):
             n = self.padded - start if count is None else count
+            read = self._shadow if shadow else self._extent
             for other, extent, a, b, _, _ in list(tracker.pending):
-                if other is self and extent is self._extent and a < start + n and start < b:
+                if other is self and extent is read and a < start + n and start < b:
                     tracker.violations.append(f"read {self.name}[{start}:{start + n}] before "
                                               f"its write [{a}:{b}] landed")
-            return load(self, buf, start, count)
+            return load(self, buf, start, count, shadow)
 
         def checked_release(self, manager):
             if self.residency == Residency.FETCHED and not self.persistent:
