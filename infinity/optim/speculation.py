@@ -30,21 +30,25 @@ speculation (first step included): a run whose gradients are clipped every step 
 the wasted writes after one step and tries again after a step that needed no clipping.
 
 [Note: the gradient of a speculated step]
-Writing each speculated unit's gradient home, in case the step is redone, cost a quarter of
+Writing each speculated unit's gradient home, in case the step is redone, costs a quarter of
 the step's writes (1.8 of 7.4 GiB a step at 0.49B) for a copy that a kept speculation never
-reads. It is not written: the step's own results hold it. The speculated m is
-m' = beta1 * m + (1 - beta1) * (g / s + l2 * p) (s: the loss scale it was stepped with, l2: the
-weight decay of a group in Adam's L2 mode, else 0), and both m (current extent) and m' (shadow
-extent) are on disk until the next speculation, so a roll-back that goes on to the deferred
-step (clipping acted, the learning rate or betas changed, or the model was read before the
-step) rebuilds g = s * ((m' - beta1 * m) / (1 - beta1) - l2 * p) in float64, chunk by chunk,
+reads. With clipping configured a redo is a likely outcome, and the gradient goes home while
+backward runs (also for a param group in Adam's L2 mode, where m holds g + l2 * p and taking
+l2 * p back out would cost the rebuild its precision). Otherwise only rare events roll a
+speculation back (an overflow, which
+needs no gradient; a learning rate set by hand before ``step()``; a forward or
+``GatheredParameters`` before ``step()``), so it is not written: the step's own results hold
+it. The speculated m is
+m' = beta1 * m + (1 - beta1) * g / s (s: the loss scale it was stepped with), and both m
+(current extent) and m' (shadow extent) are on disk until the next speculation, so a roll-back
+that goes on to the deferred step (the learning rate or betas changed, or the model was read
+before the step) rebuilds g = s * (m' - beta1 * m) / (1 - beta1) in float64, chunk by chunk,
 into the gradient's home, for the parameters the step stepped (zero elsewhere). The rebuilt
 gradient differs from the one autograd made by the rounding of m' (a few float32 ulps of m,
 divided by 1 - beta1); the redone step multiplies it by 1 - beta1 again, so its m and v are
 within a few ulps of a step from the original gradient. A roll-back that drops the gradients
-(an overflow, ``zero_grad``, a failed backward) rebuilds nothing. The price moves to the rare
-path: a rebuild reads m twice and writes g (with ``speculative_step`` "auto" once per run of
-clipped steps).
+(an overflow, ``zero_grad``, a failed backward) rebuilds nothing. A rebuild reads m twice and
+writes g, on the training thread: the price of the rare path.
 """
 from __future__ import annotations
 
@@ -81,6 +85,8 @@ class Speculation:
         self.speculation_pays = True
         self.rolled_back: list[Unit] = []  # units whose device copies hold rolled-back values
         self.speculation_stats = {"committed": 0, "rolled_back": 0, "voided": 0}
+        # by unit: its speculated gradient is neither at home nor on its way there
+        self._rebuild_gradient_of: dict[int, bool] = {}
 
     # -- deciding --------------------------------------------------------------------------
     def plans_speculation(self) -> bool:
@@ -106,7 +112,8 @@ class Speculation:
     def _speculate(self, state: UnitOptimState) -> StepJob:
         """Step the unit (fetched, gradients complete) into its shadow extents. Held gradients
         (see [Note: held gradients]) are normed by the stream, a flat buffer was normed here;
-        neither goes home (see [Note: the gradient of a speculated step])."""
+        either goes home only with clipping configured (see [Note: the gradient of a
+        speculated step])."""
         at_home = False
         if state.grad_parts is not None:
             gradient = self._take_gradient(state)
@@ -119,15 +126,19 @@ class Speculation:
             state.grad_slot = state.grad_buffer = state.grad_written = None
             state.grads_seen = 0
         params = self.take_arrived(state)
+        # with clipping configured a roll-back is a likely outcome: the gradient goes home
+        # while backward runs; without, only rare events roll back (see the note)
+        home = not at_home and (self.clip_norm > 0 or any(
+            _l2(self._hyper(e.group_index)) for e in state.unit.trainable_entries()))
         job = self._expected.pop(state.unit.index, None)
         if job is not None:
             self._stream.make_ready(job, gradient, speculative=True, grad_scale=self.loss_scale,
-                                    params=params)
+                                    params=params, gradient_home=home)
         else:
             job = self._stream.submit(state, early=True, gradient=gradient,
                                       grad_scale=self.loss_scale, speculative=True,
-                                      params=params)
-        job.rebuild_gradient = not at_home
+                                      params=params, gradient_home=home)
+        self._rebuild_gradient_of[state.unit.index] = not (at_home or home)
         self._pending_steps.append((state, job))
         self._speculated.append((state, job))
         return job
@@ -158,6 +169,7 @@ class Speculation:
                             rebuild_gradients=not overflow)
             return
         speculated, self._speculated = self._speculated, []
+        self._rebuild_gradient_of.clear()
         for _, job in speculated:
             job.stepped.result()     # its writes are issued: bound to the shadow extents
         for state, _ in speculated:
@@ -192,7 +204,9 @@ class Speculation:
                 self.rolled_back.append(state.unit)
         log.debug("speculative step of %d unit(s) rolled back (%s)", len(speculated), why)
         if rebuild_gradients:
-            self._rebuild_gradients([(s, j) for s, j in speculated if j.rebuild_gradient])
+            self._rebuild_gradients([(s, j) for s, j in speculated
+                                     if self._rebuild_gradient_of.get(s.unit.index)])
+        self._rebuild_gradient_of.clear()
 
     def _rebuild_gradients(self, speculated: list[tuple[UnitOptimState, StepJob]]) -> None:
         """Write each unit's gradient home, recovered from the m its step read and the m it
@@ -200,42 +214,33 @@ class Speculation:
         the accumulation chunk) cut in pieces."""
         if not speculated:
             return
-        l2 = any(_l2(job.hyper[run.group_index]) for _, job in speculated for run in job.runs)
         slot = self.grad_pool.try_acquire() if self.grad_pool is not None else None
         try:
             pieces = _pieces(slot.view(torch.float32, self.grad_pool.slot_bytes // 4)
-                             if slot is not None else self._chunk_buffer(), 4 if l2 else 3)
-            if pieces is None:   # units of under 4 x 1024 elements: a small buffer of its own
-                pieces = _pieces(self.manager.host_empty(4 * BLOCK_NUMEL, torch.float32,
-                                                         what="gradient rebuild"), 4)
+                             if slot is not None else self._chunk_buffer(), 3)
+            if pieces is None:   # units of under 3 x 1024 elements: a small buffer of its own
+                pieces = _pieces(self.manager.host_empty(3 * BLOCK_NUMEL, torch.float32,
+                                                         what="gradient rebuild"), 3)
             for state, job in speculated:
-                self._rebuild_gradient(state, job, l2, *pieces)
+                self._rebuild_gradient(state, job, *pieces)
         finally:
             if slot is not None:
                 self.grad_pool.release(slot)
 
-    def _rebuild_gradient(self, state: UnitOptimState, job: StepJob, l2: bool,
-                          m_old: torch.Tensor, m_new: torch.Tensor, out: torch.Tensor,
-                          param: torch.Tensor | None = None) -> None:
+    def _rebuild_gradient(self, state: UnitOptimState, job: StepJob, m_old: torch.Tensor,
+                          m_new: torch.Tensor, out: torch.Tensor) -> None:
         """One unit's rebuild, ``m_old.numel()`` elements at a time."""
         chunk = m_old.numel()
         n, home = state.unit.trainable_numel, state.grad_store
-        params = state.master if state.master is not None else state.unit.param_store
         for start in range(0, n, chunk):
             count = min(chunk, n - start)
-            reads = [state.exp_avg.load_async(m_old, start, count),
-                     state.exp_avg.load_async(m_new, start, count, shadow=True)]
-            if l2:
-                reads.append(params.load_async(param, start, count))
-            self.manager.wait(*reads)
+            self.manager.wait(state.exp_avg.load_async(m_old, start, count),
+                              state.exp_avg.load_async(m_new, start, count, shadow=True))
             out.zero_()
             for run in job.runs:
                 a, b = max(run.start, start) - start, min(run.end, start + count) - start
                 if a < b:
-                    hyper = job.hyper[run.group_index]
-                    g = _gradient_term(m_old[a:b], m_new[a:b], hyper["beta1"])
-                    if _l2(hyper):
-                        g -= hyper["weight_decay"] * param[a:b].double()
+                    g = _gradient_term(m_old[a:b], m_new[a:b], job.hyper[run.group_index]["beta1"])
                     out[a:b] = g.mul_(job.grad_scale)
             if home.resident:
                 home.tensor[start:start + count].copy_(out[:count])

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infinity.optim.gradients import _sum_of_squares
+from infinity.optim.gradients import _grad_pieces, _sum_of_squares
 from infinity.storage.manager import padded_numel
 
 if TYPE_CHECKING:
@@ -107,8 +107,8 @@ class StepJob:
     sq_norm: float = 0.0
     norm_collected: bool = False
     counted: bool = False          # ``state.step`` advanced for this job
-    # a speculated step whose gradient is not at home: a roll-back rebuilds it from m
-    rebuild_gradient: bool = False
+    # a speculated step writes its gradient home (for a redo), or a roll-back rebuilds it
+    gradient_home: bool = False
     error: BaseException | None = None
 
 
@@ -151,13 +151,14 @@ class StepStream:
     # -- the training thread's side ---------------------------------------------------------
     def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0,
                gradient: CompleteGradient | None = None, speculative: bool = False,
-               params: frozenset[int] | None = None) -> StepJob:
+               params: frozenset[int] | None = None, gradient_home: bool = False) -> StepJob:
         """Queue ``state``'s unit for a step with its gradients complete (an early step's
         ``gradient`` is the job's from here on) of the parameters ``params`` (None: all). The
         unit must be fetched and held until the job's future is done: the step updates its
         device copy."""
         return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient,
-                               speculative=speculative, params=params)
+                               speculative=speculative, params=params,
+                               gradient_home=gradient_home)
 
     def expect(self, state: UnitOptimState, early: bool = True, grad_scale: float = 1.0,
                params: frozenset[int] | None = None) -> StepJob:
@@ -170,7 +171,7 @@ class StepStream:
 
     def make_ready(self, job: StepJob, gradient: CompleteGradient | None = None,
                    speculative: bool = False, grad_scale: float | None = None,
-                   params: frozenset[int] | None = None) -> None:
+                   params: frozenset[int] | None = None, gradient_home: bool = False) -> None:
         """The expected job may run: its gradients are complete (an early step's ``gradient``,
         of the parameters ``params``, None: as queued) and its unit is fetched and held until
         the job's future is done."""
@@ -181,6 +182,7 @@ class StepStream:
             if params is not None:
                 job.params = params
             job.speculative = speculative
+            job.gradient_home = gradient_home
             if grad_scale is not None:
                 job.grad_scale = grad_scale
             job.ready = True
@@ -196,14 +198,15 @@ class StepStream:
 
     def _queue_job(self, state, early: bool, grad_scale: float, ready: bool,
                    gradient: CompleteGradient | None = None, speculative: bool = False,
-                   params: frozenset[int] | None = None) -> StepJob:
+                   params: frozenset[int] | None = None, gradient_home: bool = False) -> StepJob:
         groups = deque(self.opt._sub_groups(state))
         # the hyperparameters (learning rate) of the step being asked for: an early step's are
         # fixed when its gradients are complete, a deferred step's now (a scheduler moves the
         # rate before the step runs)
         hyper = self.opt.hyperparameters() if ready or not early else None
         job = StepJob(state, Future(), Future(), groups, len(groups), early, grad_scale,
-                      hyper, gradient, ready, speculative=speculative, params=params)
+                      hyper, gradient, ready, speculative=speculative, params=params,
+                      gradient_home=gradient_home)
         with self._wake:
             self._incoming.append(job)
             self._wake.notify()
@@ -412,16 +415,36 @@ class StepStream:
             opt._store(state.master, param, start, n, writes, shadow)
             unit.flat[start:end].copy_(half if half is not None else param)
         self._write_params(unit, start, n, writes, shadow)
-        if shadow and not isinstance(grad, torch.Tensor):
-            # held gradients are normed here (a flat buffer was normed when it was complete);
-            # the gradient is not written home: a roll-back rebuilds it from m (see [Note:
-            # the gradient of a speculated step] in optim/speculation.py)
+        flat_gradient = isinstance(grad, torch.Tensor)
+        if shadow and job.gradient_home:
+            # kept at home for a redo: a flat buffer is written as it is (given back at
+            # ``_finish``), held gradients are normed and copied
+            if flat_gradient:
+                opt._store(state.grad_store, grad, start, n, writes)
+            else:
+                self._write_held_gradient(job, start, end, writes)
+        elif shadow and not flat_gradient:
+            # normed only (a flat buffer was normed when it was complete): a roll-back rebuilds
+            # it (see [Note: the gradient of a speculated step] in optim/speculation.py)
             job.sq_norm += _held_sum_of_squares(job.gradient.values, start, end)
         if not job.groups and all(x.job is not job for x in self._loads):
             # its last kernel ran: the gradient is given back, the device copy current
-            if job.gradient is not None:
+            if job.gradient is not None and not (shadow and flat_gradient and job.gradient_home):
                 opt.release_gradient(job.gradient)
             job.stepped.set_result(None)
+
+    def _write_held_gradient(self, job: StepJob, start: int, end: int, writes: list) -> None:
+        """Norm a speculated step's held gradient over [start, end) and write it to the unit's
+        gradient home (the gaps between parameters as zeros), for a redo."""
+        store, n = job.state.grad_store, end - start
+        values = store.tensor[start:end] if store.resident else \
+            self._staging(writes, torch.float32, n)[:n]
+        values.zero_()
+        for x, y, g in _grad_pieces(job.state.unit, job.gradient.values, start, start, end):
+            values[x - start:y - start].copy_(g)
+        job.sq_norm += _sum_of_squares(values)
+        if not store.resident:
+            writes.append((store.store_async(values, start, n), None))
 
     def _write_params(self, unit, start: int, n: int, writes: list, shadow: bool = False) -> None:
         """The unit's updated device copy goes to its home (``shadow``: its shadow extent)."""

@@ -228,11 +228,11 @@ def test_on_without_room_for_second_copies_says_speculation_doubles_them(disk_di
                                              ("AdamW", (0.0, 0.999))])
 def test_a_rolled_back_step_rebuilds_the_gradient_it_did_not_write(disk_dir, optimizer: str,
                                                                     betas) -> None:
-    """A speculated step writes no gradient home (see [Note: the gradient of a speculated
-    step]); when clipping rolls it back, the gradient rebuilt from m (with Adam's L2 weight
-    decay taken back out) is autograd's, element by element, and the redone steps leave the
-    parameters of the deferred step without speculation. Every step here is clipped, so every
-    step rebuilds."""
+    """Without clipping a speculated step writes no gradient home (see [Note: the gradient of
+    a speculated step]); when it is rolled back (here: a learning rate set by hand before
+    every step) the gradient rebuilt from m is autograd's element by element, and the redone
+    steps leave the parameters of the deferred step without speculation. (Adam's L2 mode
+    writes the gradient home instead: the same checks hold.)"""
     torch.manual_seed(0)
     model = make_model("llama", layers=2, width=64)
     models = {"reference": copy.deepcopy(model), "off": copy.deepcopy(model), "on": model}
@@ -242,7 +242,6 @@ def test_a_rolled_back_step_rebuilds_the_gradient_it_did_not_write(disk_dir, opt
         ds["optimizer"] = {"type": optimizer, "params": {
             "lr": 1e-3, "betas": list(betas), "weight_decay": 0.1,
             "adam_w_mode": optimizer == "AdamW"}}     # DeepSpeed's "Adam" is AdamW by default
-        ds["gradient_clipping"] = 0.5        # below every norm of these runs: clipping acts
         (disk_dir / mode).mkdir()
         engines[mode] = infinity.initialize(model=models[mode], config=ds)[0]
     reference = models["reference"]
@@ -255,6 +254,9 @@ def test_a_rolled_back_step_rebuilds_the_gradient_it_did_not_write(disk_dir, opt
             x = torch.randint(0, VOCAB, (2, 16), generator=gen)
             backward_both(engines["on"], reference, x)
             engines["off"].backward(loss_of(engines["off"](input_ids=x, labels=x)))
+            for opt in [e.optimizer for e in engines.values()] + [ref_opt]:
+                for group in opt.param_groups:
+                    group["lr"] = 1e-3 * (1.1 + 0.1 * step)     # another rate each step
             for engine in engines.values():
                 engine.step()
             worst, opt = 0.0, engines["on"].optimizer
@@ -264,20 +266,25 @@ def test_a_rolled_back_step_rebuilds_the_gradient_it_did_not_write(disk_dir, opt
                     rebuilt = home[entry.offset:entry.offset + entry.numel].view(entry.shape)
                     expected = reference_of[id(entry.param)].grad
                     scale = expected.abs().max().item() + 1e-12
-                    worst = max(worst, (rebuilt - expected).abs().max().item() / scale)
-            # the rounding of m' (a few ulps of m, which L2 decay makes larger than g), over
-            # 1 - beta1; the redone step takes the (1 - beta1) back (the comparison below)
-            assert worst <= 1e-4, f"step {step}: rebuilt gradient off by {worst:.2e} of its max"
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+                    error = (rebuilt - expected).abs().max().item() / scale
+                    if error > worst:
+                        worst, worst_name = error, entry.name
+            # the rounding of m' (a few ulps of m), over 1 - beta1; the redone step takes the
+            # (1 - beta1) back (the comparison below)
+            assert worst <= 1e-4, \
+                f"step {step}: rebuilt gradient of {worst_name} off by {worst:.2e} of its max"
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
         assert opt.speculation_stats["rolled_back"] == 4, opt.speculation_stats
-        on, off = (list(models[m].parameters()) for m in ("on", "off"))
+        on, off, ref = (list(models[m].parameters()) for m in ("on", "off", "reference"))
         with infinity.zero.GatheredParameters(on), infinity.zero.GatheredParameters(off):
-            for a, b in zip(on, off):
-                # 1e-5 of each tensor's scale (an update lr * m / sqrt(v) where m nearly
-                # cancels is sensitive to ulps of the gradient: 1.2e-7 at most here)
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * b.abs().max().item())
+            for a, b, c in zip(on, off, ref):
+                # what the rebuild adds is of the order of what the engine's own deferred
+                # step differs from torch by (Adam's m / sqrt(v) where m nearly cancels, and
+                # the embedding's gradient summed in another order, amplify ulps alike)
+                added = (a - b).abs().max().item()
+                allowed = 2 * max((b - c).abs().max().item(), 1e-6 * c.abs().max().item())
+                assert added <= allowed, (added, allowed)
     finally:
         for engine in engines.values():
             engine.close()
