@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 from infinity.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch, reuse_distance
+from infinity.zero.working_set import check_backward_working_set
 from infinity.zero.unit import ParamEntry, Unit
 
 log = get_logger("zero")
@@ -93,6 +94,7 @@ class Coordinator:
         self._fwd_trace_name: str | None = None
         self._kept: set[int] = set()   # released by their hooks but kept fetched for reuse
         self._largest = max((u.nbytes for u in units if not u.persistent), default=0)
+        check_backward_working_set(units, hooked, manager.device_budget)
         self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0,
                             "kept_for_reuse": 0, "prefetches_cancelled": 0}
 

@@ -4,6 +4,7 @@ on NVMe, training runs and the peak RSS stays under budget + post-import baselin
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -88,3 +89,36 @@ def test_every_host_budget_between_nvme_and_host_gradients_builds(disk_dir, host
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, *_ = infinity.initialize(model=make_model("llama", layers=4, width=128), config=ds)
     engine.close()
+
+
+@pytest.mark.parametrize("early_step", ["on", "off"])
+def test_a_device_budget_too_small_for_a_tied_unit_beside_a_block_is_refused_at_start(
+        disk_dir, early_step: str) -> None:
+    """GPT-2's embedding is tied to its head, so it stays fetched from the head's backward to
+    its own, beside every block (see zero/working_set.py): a device budget that holds each unit
+    alone but not that pair is refused at initialize with the size that works (it used to fail
+    in the first backward), and that size trains."""
+    import torch
+
+    import infinity
+    from parity import VOCAB, loss_of, make_model, zero_config
+
+    def config(budget: int) -> dict:
+        ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=early_step,
+                         device_memory_budget=budget)
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        return ds
+
+    with pytest.raises(ValueError, match=r"transformer\.wte .*tied.*at least") as info:
+        infinity.initialize(model=make_model("gpt2", layers=2, width=64), config=config(230_000))
+    assert list(disk_dir.iterdir()) == []        # nothing left behind
+    need = re.search(r"at least ([\d.]+) KiB", str(info.value))
+    engine, *_ = infinity.initialize(model=make_model("gpt2", layers=2, width=64),
+                                     config=config(int((float(need.group(1)) + 0.01) * 1024)))
+    try:
+        x = torch.randint(0, VOCAB, (2, 16))
+        for _ in range(2):
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+    finally:
+        engine.close()
