@@ -27,8 +27,10 @@ def shared_units(units: list[Unit], hooked: list[tuple[nn.Module, list[int]]]) -
     shared = []
     for unit in units:
         modules = fetchers.get(unit.index, [])
+        if len(modules) < 2:
+            continue
         inside = {id(m) for m in unit.module.modules()}
-        if len(modules) > 1 and any(id(m) not in inside for m in modules):
+        if any(id(m) not in inside for m in modules):
             shared.append(unit)
     return shared
 
