@@ -11,15 +11,16 @@ is the plain one, known as soon as a unit's gradient is complete.
 So, at the backward that ends an accumulation cycle, each unit is stepped as in the early step
 (on its fetched device copy, as its gradients complete) but every result goes to a second copy:
 its NVMe stores are doubled (``FlatStore.doubled``) and the step writes parameters, m and v to
-the shadow extents, reading only the current ones; its gradient is normed but not written home
-(see [Note: the gradient of a speculated step]). At ``step()`` the norm is known:
+the shadow extents, reading only the current ones; its gradient is normed, and written home
+only when a redo is likely (see [Note: the gradient of a speculated step]). At ``step()`` the
+norm is known:
 - no clipping acts and the gradients are finite: commit. Every speculated store flips (the
   shadow becomes current) and nothing is left to do; the units' device copies are the new
   parameters, as after an early step.
 - clipping acts, or a gradient overflowed: roll back. The current extents still hold the old
   states; the speculated units' device copies (new parameters) are dropped, their step counts
-  go back, their gradients are rebuilt at home, and the deferred step runs from there (or, on
-  overflow, nothing runs and the gradients are dropped).
+  go back, and the deferred step runs from the gradients at home, written there during
+  backward or rebuilt now (on overflow nothing runs and the gradients are dropped).
 A unit that cannot be doubled (persistent, or a state resident in memory) is not speculated and
 takes the deferred path. Reading the model between backward and step (a forward, or
 GatheredParameters) would see speculated parameters, so the speculation is rolled back first
@@ -35,14 +36,12 @@ the step's writes (1.8 of 7.4 GiB a step at 0.49B) for a copy that a kept specul
 reads. With clipping configured a redo is a likely outcome, and the gradient goes home while
 backward runs (also for a param group in Adam's L2 mode, where m holds g + l2 * p and taking
 l2 * p back out would cost the rebuild its precision). Otherwise only rare events roll a
-speculation back (an overflow, which
-needs no gradient; a learning rate set by hand before ``step()``; a forward or
-``GatheredParameters`` before ``step()``), so it is not written: the step's own results hold
-it. The speculated m is
-m' = beta1 * m + (1 - beta1) * g / s (s: the loss scale it was stepped with), and both m
-(current extent) and m' (shadow extent) are on disk until the next speculation, so a roll-back
-that goes on to the deferred step (the learning rate or betas changed, or the model was read
-before the step) rebuilds g = s * (m' - beta1 * m) / (1 - beta1) in float64, chunk by chunk,
+speculation back (an overflow, which needs no gradient; a learning rate set by hand before
+``step()``; a forward or ``GatheredParameters`` before ``step()``), so it is not written: the
+step's own results hold it. The speculated m is m' = beta1 * m + (1 - beta1) * g / s (s: the
+loss scale it was stepped with), and both m (current extent) and m' (shadow extent) are on disk
+until the next speculation, so a roll-back that goes on to the deferred step (the learning rate
+or betas changed, or the model was read before the step) rebuilds g = s * (m' - beta1 * m) / (1 - beta1) in float64, chunk by chunk,
 into the gradient's home, for the parameters the step stepped (zero elsewhere). The rebuilt
 gradient differs from the one autograd made by the rounding of m' (a few float32 ulps of m,
 divided by 1 - beta1); the redone step multiplies it by 1 - beta1 again, so its m and v are
@@ -67,8 +66,8 @@ if TYPE_CHECKING:
 log = get_logger("optim")
 
 SPECULATION_MODES = ("off", "auto", "on")
-VOIDED = "the model was read before step()"
-BLOCK_NUMEL = 1024     # fp32 elements in 4 KiB: a rebuild chunk starts on an O_DIRECT boundary   # a roll-back counted as "voided"
+VOIDED = "the model was read before step()"   # a roll-back counted as "voided"
+BLOCK_NUMEL = 1024     # fp32 elements in 4 KiB: a rebuild chunk starts on an O_DIRECT boundary
 
 
 class Speculation:
