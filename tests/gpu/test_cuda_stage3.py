@@ -13,7 +13,7 @@ import torch
 import infinity
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from parity import VOCAB, loss_of, make_model, zero_config  # noqa: E402
+from parity import VOCAB, loss_of, make_model, reference_step, zero_config  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -53,12 +53,7 @@ def test_training_on_cuda_equals_torch(disk_dir, family, tiers, clip) -> None:
             loss = loss_of(engine(input_ids=x, labels=x))
             engine.backward(loss)
             engine.step()
-            ref_loss = loss_of(reference(input_ids=x, labels=x))
-            ref_loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-            ref_opt.step()
-            ref_opt.zero_grad()
+            ref_loss = reference_step(reference, ref_opt, x, clip)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()

@@ -198,6 +198,18 @@ def train_steps(engine, batches) -> list[float]:
     return losses
 
 
+def reference_step(reference: nn.Module, ref_opt, x: torch.Tensor, clip: float) -> torch.Tensor:
+    """One torch step of the un-offloaded copy on batch ``x`` (labels = inputs), with global-norm
+    clipping when ``clip``; its loss."""
+    ref_loss = loss_of(reference(input_ids=x, labels=x))
+    ref_loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return ref_loss
+
+
 def backward_both(engine, reference: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Forward and backward of batch ``x`` (labels = inputs) through the engine and the torch
     reference; their losses must agree (1e-5). Returns the engine's loss."""

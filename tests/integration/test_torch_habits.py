@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import infinity
-from parity import VOCAB, loss_of, make_model, zero_config
+from parity import VOCAB, loss_of, make_model, reference_step, zero_config
 
 
 def _setup(disk_dir, tier: str, early_step: str, clip: float = 0.0, **fp16):
@@ -30,17 +30,6 @@ def _setup(disk_dir, tier: str, early_step: str, clip: float = 0.0, **fp16):
 def _batches(count: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     return [torch.randint(0, VOCAB, (2, 12), generator=gen) for _ in range(count)]
-
-
-def _reference_step(reference, ref_opt, x: torch.Tensor, clip: float) -> torch.Tensor:
-    """One torch AdamW step of the un-offloaded copy on batch ``x``; its loss."""
-    ref_loss = loss_of(reference(input_ids=x, labels=x))
-    ref_loss.backward()
-    if clip:
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-    ref_opt.step()
-    ref_opt.zero_grad()
-    return ref_loss
 
 
 def _assert_same_weights(engine, reference) -> None:
@@ -103,7 +92,7 @@ def test_loss_backward_called_directly_trains_like_torch(disk_dir, tier, early_s
             loss = loss_of(engine(input_ids=x, labels=x))
             loss.backward()
             engine.step()
-            ref_loss = _reference_step(reference, ref_opt, x, clip)
+            ref_loss = reference_step(reference, ref_opt, x, clip)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         _assert_same_weights(engine, reference)
     finally:
@@ -262,7 +251,7 @@ def test_load_state_dict_on_the_held_model_reaches_every_unit(disk_dir, tier, ea
             loss = loss_of(engine(input_ids=x, labels=x))
             engine.backward(loss)
             engine.step()
-            ref_loss = _reference_step(reference, ref_opt, x, clip)
+            ref_loss = reference_step(reference, ref_opt, x, clip)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         _assert_same_weights(engine, reference)
     finally:
