@@ -84,8 +84,8 @@ class Speculation:
         self.speculation_pays = True
         self.rolled_back: list[Unit] = []  # units whose device copies hold rolled-back values
         self.speculation_stats = {"committed": 0, "rolled_back": 0, "voided": 0}
-        # by unit: its speculated gradient is neither at home nor on its way there
-        self._rebuild_gradient_of: dict[int, bool] = {}
+        # units whose speculated gradient is neither at home nor on its way there
+        self._gradient_not_home: set[int] = set()
 
     # -- deciding --------------------------------------------------------------------------
     def plans_speculation(self) -> bool:
@@ -137,7 +137,8 @@ class Speculation:
             job = self._stream.submit(state, early=True, gradient=gradient,
                                       grad_scale=self.loss_scale, speculative=True,
                                       params=params, gradient_home=home)
-        self._rebuild_gradient_of[state.unit.index] = not (at_home or home)
+        if not (at_home or home):
+            self._gradient_not_home.add(state.unit.index)
         self._pending_steps.append((state, job))
         self._speculated.append((state, job))
         return job
@@ -168,7 +169,7 @@ class Speculation:
                             rebuild_gradients=not overflow)
             return
         speculated, self._speculated = self._speculated, []
-        self._rebuild_gradient_of.clear()
+        self._gradient_not_home.clear()
         for _, job in speculated:
             job.stepped.result()     # its writes are issued: bound to the shadow extents
         for state, _ in speculated:
@@ -204,8 +205,8 @@ class Speculation:
         log.debug("speculative step of %d unit(s) rolled back (%s)", len(speculated), why)
         if rebuild_gradients:
             self._rebuild_gradients([(s, j) for s, j in speculated
-                                     if self._rebuild_gradient_of.get(s.unit.index)])
-        self._rebuild_gradient_of.clear()
+                                     if s.unit.index in self._gradient_not_home])
+        self._gradient_not_home.clear()
 
     def _rebuild_gradients(self, speculated: list[tuple[UnitOptimState, StepJob]]) -> None:
         """Write each unit's gradient home, recovered from the m its step read and the m it
