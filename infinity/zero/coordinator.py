@@ -16,6 +16,14 @@ and, if it has frozen parameters, the gradient w.r.t. its module's inputs exists
 needs it anyway (a unit used twice), the pre-backward hook fetches it again. During backward,
 forward post-hooks (activation checkpointing recomputation) do not release.
 
+[Note: outputs passed through]
+The pre-backward hook goes on the tensors a module produced, not on an input it hands back as
+an output unchanged (T5's blocks pass on the position bias block 0 computed). Such a tensor's
+gradient is complete only when its producer's backward has run, long after the passing module's
+own backward: a hook on it fetched the passing unit again after its release, and held it beside
+the units that were really running (a device budget that fits the backward failed in T5's
+first one).
+
 [Note: keeping units for reuse]
 A unit whose next use, in the recorded order, comes within ``stage3_max_reuse_distance``
 elements of other units is kept fetched instead of released: the last units of the forward are
@@ -93,6 +101,8 @@ class Coordinator:
         self._callback_queued = False
         self._fwd_trace_name: str | None = None
         self._kept: set[int] = set()   # released by their hooks but kept fetched for reuse
+        # per hooked module, a stack (one entry per call in progress) of its inputs' tensor ids
+        self._call_inputs: dict[int, list[frozenset[int]]] = {}
         self._largest = max((u.nbytes for u in units if not u.persistent), default=0)
         check_backward_working_set(units, hooked, manager.device_budget)
         self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0,
@@ -118,11 +128,13 @@ class Coordinator:
         # and the release after every other forward hook, also those registered after ours.
         def pre(m: nn.Module, args, kwargs):
             _keep_at(m._forward_hooks, post.id, last=True)
+            self._call_inputs.setdefault(id(m), []).append(_tensor_ids((args, kwargs)))
             return self._forward_pre(ids, args, kwargs)
 
         def after(m: nn.Module, args, output):
             _keep_at(m._forward_pre_hooks, first.id, last=False)
-            return self._forward_post(ids, output)
+            calls = self._call_inputs.get(id(m))
+            return self._forward_post(ids, output, calls.pop() if calls else frozenset())
 
         first = module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
         post = module.register_forward_hook(after)
@@ -171,7 +183,7 @@ class Coordinator:
             for t in tensors:
                 t.register_hook(lambda grad, ids=ids: self._post_backward(ids))
 
-    def _forward_post(self, ids: tuple[int, ...], output):
+    def _forward_post(self, ids: tuple[int, ...], output, passed_through: frozenset[int]):
         recompute = self._in_graph_task()
         for uid in ids:
             if self._active[uid] == 1 and not recompute:     # its last use (still held)
@@ -184,8 +196,11 @@ class Coordinator:
                 if self._active[uid] == 0:
                     self._release_or_keep(uid)
         if torch.is_grad_enabled():
+            # an input handed back unchanged (T5's blocks return the position bias they were
+            # given) gets its gradient only at its producer's backward: see [Note: outputs
+            # passed through]
             for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+                if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in passed_through:
                     t.register_hook(lambda grad, ids=ids: self._pre_backward(ids))
         return None
 
@@ -290,6 +305,7 @@ class Coordinator:
         self._callback_queued = False
         self._untracked = False
         self._fwd_trace_name = None
+        self._call_inputs.clear()
         self._active = list(self._pins)
         self.reset_backward_state()
         self.release_finished_steps()
@@ -507,3 +523,8 @@ def _keep_at(hooks: OrderedDict[int, Any], hook_id: int, last: bool) -> None:
     copies the dict's items before it calls them, so this is safe from inside a hook."""
     if hook_id in hooks and next(reversed(hooks) if last else iter(hooks)) != hook_id:
         hooks.move_to_end(hook_id, last=last)
+
+
+def _tensor_ids(tree) -> frozenset[int]:
+    """The ids of the tensors in a module call's (args, kwargs)."""
+    return frozenset(id(t) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))

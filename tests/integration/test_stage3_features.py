@@ -730,3 +730,83 @@ def test_the_users_module_hooks_see_fetched_parameters(disk_dir, tier) -> None:
             torch.testing.assert_close(engine(x), reference(x), rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
+
+
+class PassedBiasBlock(nn.Module):
+    """Block 0 computes a bias every block adds; each block hands it on as an output (as T5's
+    blocks pass on their position bias)."""
+
+    def __init__(self, width: int, makes_bias: bool) -> None:
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+        self.bias_of = nn.Linear(width, width) if makes_bias else None
+
+    def forward(self, h: torch.Tensor, bias: torch.Tensor | None = None):
+        if bias is None:
+            bias = self.bias_of(h)
+        return torch.tanh(self.mix(h) + bias), bias
+
+
+class PassedBiasModel(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(PassedBiasBlock(width, i == 0) for i in range(depth))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels):
+        h, bias = self.embed(input_ids), None
+        for block in self.blocks:
+            h, bias = block(h, bias=bias)
+        return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def test_a_block_passing_on_an_input_is_not_fetched_again_after_its_backward(disk_dir,
+                                                                             monkeypatch) -> None:
+    """Every unit is fetched once in a backward: the bias a block hands on gets its gradient
+    at block 0's backward, which must not fetch the passing blocks again (see [Note: outputs
+    passed through] in zero/coordinator.py)."""
+    from infinity.zero.unit import Unit
+
+    torch.manual_seed(0)
+    model = PassedBiasModel()
+    engine = _engine(model, disk_dir, reuse_distance=0)
+    fetched: list[str] = []
+    real_finish = Unit.finish_fetch
+
+    def recording(self, *args, **kwargs):
+        fetched.append(self.name)
+        return real_finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(Unit, "finish_fetch", recording)
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    try:
+        for _ in range(2):
+            loss = engine(input_ids=x, labels=x)
+            fetched.clear()
+            engine.backward(loss)
+            twice = sorted({name for name in fetched if fetched.count(name) > 1})
+            assert twice == [], f"fetched again in one backward: {twice} (order {fetched})"
+            engine.step()
+    finally:
+        engine.close()
+
+
+def test_t5_trains_under_a_device_budget_its_backward_fits(disk_dir) -> None:
+    """T5 (blocks pass on the position bias, a tied shared embedding) under stage 3 with a
+    device budget of the tied unit plus the two largest blocks equals torch AdamW."""
+    import transformers as T
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=VOCAB, num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, d_kv=8,
+        num_heads=4, dropout_rate=0.0, eos_token_id=1, pad_token_id=0, decoder_start_token_id=0))
+    shared = model.shared.weight.numel() * 4
+    block = sum(p.numel() for p in model.decoder.block[1].parameters()) * 4
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir),
+                     device_memory_budget=shared + 2 * block + 16384)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    result = run_parity(model, ds, steps=6)
+    assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
