@@ -33,9 +33,9 @@ class DeepSpeedEngineAccessors:
         return self.config.gradient_clipping
 
     def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm of the last optimizer step (inf after an overflow); None
-        under the early step, which steps each unit before the others' gradients exist and so
-        never forms the global norm."""
+        """The global gradient norm of the last optimizer step (inf after an overflow; None
+        before the first step). Under the early step no step needs it: the Adam kernel sums
+        each unit's gradient squares as it steps the unit."""
         return self.optimizer.last_grad_norm
 
     def was_step_applied(self) -> bool:

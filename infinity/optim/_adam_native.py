@@ -52,6 +52,9 @@ def _signatures() -> dict:
     return {
         "inf_adam_step": (c_int, [ctypes.POINTER(HParams), ctypes.POINTER(TensorRange), c_int,
                                   c_int, c_int, c_int, c_int]),
+        "inf_adam_step_norm": (c_int, [ctypes.POINTER(HParams), ctypes.POINTER(TensorRange),
+                                       c_int, c_int, c_int, c_int, c_int,
+                                       ctypes.POINTER(ctypes.c_double)]),
         "inf_adam_kernel_supported": (c_int, [c_int]),
         "inf_adam_kernel_best": (c_int, []),
         "inf_adam_kernel_name": (ctypes.c_char_p, [c_int]),
@@ -82,6 +85,17 @@ def step(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: int, ke
                               kernel, threads)
     _native.check(ret, f"inf_adam_step({len(ranges)} ranges, kernel {KERNEL_NAMES.get(kernel)}, "
                        f"grad dtype {grad_dtype}, half dtype {half_dtype}, {threads} threads)")
+
+
+def step_norm(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: int, kernel: int,
+              threads: int) -> float:
+    """``step``, returning the sum of the gradients' squares (as given, before 1/grad_scale)."""
+    total = ctypes.c_double(0.0)
+    ret = lib().inf_adam_step_norm(ctypes.byref(hp), ranges, len(ranges), grad_dtype, half_dtype,
+                                   kernel, threads, ctypes.byref(total))
+    _native.check(ret, f"inf_adam_step_norm({len(ranges)} ranges, kernel "
+                       f"{KERNEL_NAMES.get(kernel)}, grad dtype {grad_dtype}, {threads} threads)")
+    return total.value
 
 
 def rmw_bandwidth(a: int, b: int, c: int, d: int, n: int, threads: int) -> None:

@@ -167,21 +167,23 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                    eps: float, weight_decay: float, adamw_mode: bool = True,
                    bias_correction: bool = True, grad_scale: float = 1.0,
                    half_out: torch.Tensor | None = None, threads: int | None = None,
-                   impl: str = "native") -> None:
+                   impl: str = "native", grad_sq_sum: bool = False) -> float | None:
     """One Adam/AdamW step of a flat range, in place.
 
     All tensors are 1-D contiguous CPU tensors of equal numel: param, exp_avg, exp_avg_sq fp32;
     grad fp32, bf16 or fp16 (divided by ``grad_scale``); ``half_out`` (optional) bf16 or fp16
     receives the updated param rounded as ``param.to(half_out.dtype)`` would. ``step`` is the
     step being taken, from 1. ``threads``: default the CPUs this process may use. ``impl``: see
-    the module docstring. Raises ValueError naming the argument on any mismatch.
+    the module docstring. ``grad_sq_sum``: also return sum(grad**2) in float64, of the gradient
+    as given (summed in the same pass, while each chunk is in cache). Raises ValueError naming
+    the argument on any mismatch.
     """
     _check_group(_FLAT_NAMES, (param, grad, exp_avg, exp_avg_sq, half_out), flat=True)
-    _step_many([(param, grad, exp_avg, exp_avg_sq, half_out)], step=int(step), lr=float(lr),
-               beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-               weight_decay=float(weight_decay), adamw_mode=bool(adamw_mode),
-               bias_correction=bool(bias_correction), grad_scale=float(grad_scale),
-               threads=threads, impl=impl)
+    return _step_many([(param, grad, exp_avg, exp_avg_sq, half_out)], step=int(step),
+                      lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                      weight_decay=float(weight_decay), adamw_mode=bool(adamw_mode),
+                      bias_correction=bool(bias_correction), grad_scale=float(grad_scale),
+                      threads=threads, impl=impl, grad_sq_sum=grad_sq_sum)
 
 
 def adam_step_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -215,8 +217,10 @@ def adam_step_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
 
 def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, adamw_mode: bool, bias_correction: bool,
-               grad_scale: float, threads: int | None, impl: str) -> None:
-    """Rows of (param, grad, exp_avg, exp_avg_sq, half_out or None), already checked."""
+               grad_scale: float, threads: int | None, impl: str,
+               grad_sq_sum: bool = False) -> float | None:
+    """Rows of (param, grad, exp_avg, exp_avg_sq, half_out or None), already checked; with
+    ``grad_sq_sum``, returns the sum of the gradients' squares."""
     _check_hparams(step, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_scale)
     if threads is None:
         threads = _default_threads()
@@ -234,15 +238,19 @@ def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: 
     name, kernel = _resolve(impl)
     record_in_use("adam_kernel", name)
     if not rows:
-        return
+        return 0.0 if grad_sq_sum else None
     if kernel < 0:
         c = adam_constants(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, adamw_mode=adamw_mode,
                            bias_correction=bias_correction, grad_scale=grad_scale)
+        total = 0.0
         for p, g, m, v, h in rows:
+            if grad_sq_sum:
+                wide = g.reshape(-1).double()
+                total += float(torch.dot(wide, wide))
             step_torch(p.view(-1), g.view(-1), m.view(-1), v.view(-1),
                        None if h is None else h.view(-1), c)
-        return
+        return total if grad_sq_sum else None
     hp = N.HParams(lr, beta1, beta2, eps, weight_decay, grad_scale, step, int(adamw_mode),
                    int(bias_correction))
     ranges = (N.TensorRange * len(rows))()
@@ -253,8 +261,9 @@ def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: 
         r.half_out = None if h is None else h.data_ptr()
         r.numel = p.numel()
     hdt = hdts.pop()
-    N.step(hp, ranges, _GRAD_DTYPES[gdts.pop()], N.DTYPE_NONE if hdt is None else _HALF_DTYPES[hdt],
-           kernel, int(threads))
+    run = N.step_norm if grad_sq_sum else N.step
+    return run(hp, ranges, _GRAD_DTYPES[gdts.pop()],
+               N.DTYPE_NONE if hdt is None else _HALF_DTYPES[hdt], kernel, int(threads))
 
 
 def _scalar(x: float | torch.Tensor, what: str) -> float:

@@ -336,6 +336,8 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
                 if self.step_failure is None:
                     self.step_failure = exc   # the states may be half-written from here on
                 raise
+            else:
+                self._collect_norm(job)
             finally:
                 # the job's gradient goes back (the stream did so unless the job failed before
                 # it was handed over); the state's belongs to the backward in progress, which
@@ -416,19 +418,24 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
 
     def _kernel(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
                 grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_scale: float,
-                half_out: torch.Tensor | None, hyper: list[dict], runs: list[StepRun]) -> None:
+                half_out: torch.Tensor | None, hyper: list[dict], runs: list[StepRun],
+                grad_sq_sum: bool = False) -> float:
         """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``;
         ``hyper`` per param group (``hyperparameters()`` when the step was asked for), ``runs``
-        from ``step_runs``."""
+        from ``step_runs``. Returns the stepped gradient's sum of squares (as given) when
+        ``grad_sq_sum``, else 0."""
+        total = 0.0
         for run in runs:
             a, b = max(run.start, start), min(run.end, end)
             if a >= b:
                 continue
             for x, y, g in _grad_pieces(state.unit, grad, start, a, b):
                 s = slice(x - start, y - start)
-                adam_step_flat(param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
-                               half_out=None if half_out is None else half_out[s],
-                               threads=self.threads, **hyper[run.group_index])
+                total += adam_step_flat(
+                    param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
+                    half_out=None if half_out is None else half_out[s], threads=self.threads,
+                    grad_sq_sum=grad_sq_sum, **hyper[run.group_index]) or 0.0
+        return total
 
     def _sub_groups(self, state: UnitOptimState) -> list[SubGroup]:
         n = state.unit.trainable_numel
@@ -529,7 +536,19 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
                 job.stepped.result()
             except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
                 return self.reap(wait=True)
+        for _, job in self._pending_steps:
+            self._collect_norm(job)
+        # the kernels summed each unit's gradient squares as they stepped it: the norm no
+        # step of this schedule needs, but get_global_grad_norm() reports
+        self.last_grad_norm = math.sqrt(self._sq_norm) / self.loss_scale
         return self.reap()
+
+    def _collect_norm(self, job: StepJob) -> None:
+        """Add the squares the stream summed for ``job``'s gradient to the step's norm, once
+        (its kernels have run)."""
+        if not job.norm_collected:
+            self._sq_norm += job.sq_norm
+            job.norm_collected = True
 
     def take_reaped(self) -> list[Unit]:
         """Units whose steps finished inside ``step()`` or a roll-back (the caller releases

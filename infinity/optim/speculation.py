@@ -149,8 +149,7 @@ class Speculation:
         for _, job in self._speculated:
             if not job.norm_collected:
                 job.stepped.result()
-                self._sq_norm += job.sq_norm
-                job.norm_collected = True
+                self._collect_norm(job)
 
     def _resolve_speculation(self, keep: bool, overflow: bool = False) -> None:
         """At ``step()``: commit (``keep``) or roll back every speculated unit (for the deferred

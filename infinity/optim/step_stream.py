@@ -103,7 +103,8 @@ class StepJob:
     # without a gradient] in optim/partitioned.py), and the runs the kernel steps
     params: frozenset[int] | None = None
     runs: list | None = None
-    # a speculated step of held gradients norms them here (``sq_norm``, collected at step())
+    # the squares of the gradient this job's kernels normed (early steps, speculated held
+    # gradients), collected into the step's norm once
     sq_norm: float = 0.0
     norm_collected: bool = False
     counted: bool = False          # ``state.step`` advanced for this job
@@ -118,17 +119,6 @@ class _Loaded:
     group: SubGroup
     tensors: dict
     requests: list = field(default_factory=list)   # (request, slot or None)
-
-
-def _held_sum_of_squares(parts: dict[int, torch.Tensor], start: int, end: int) -> float:
-    """sum(g**2) over elements [start, end) of a unit's held gradient parts (keyed by the
-    parameter's offset in the unit; what no part covers is zero)."""
-    total = 0.0
-    for offset, part in parts.items():
-        a, b = max(start, offset), min(end, offset + part.numel())
-        if a < b:
-            total += _sum_of_squares(part[a - offset:b - offset])
-    return total
 
 
 class StepStream:
@@ -404,18 +394,23 @@ class StepStream:
         half = None
         if state.master is not None and unit.dtype != torch.float32:
             half = param.to(unit.dtype)     # parameters the runs skip keep their values
-        opt._kernel(state, start, end, param, grad, t["m"], t["v"], job.grad_scale, half,
-                    job.hyper, job.runs)
+        shadow = job.speculative
+        flat_gradient = isinstance(grad, torch.Tensor)
+        # the kernel norms the gradient where nothing else does: an early step's (the global
+        # norm for get_global_grad_norm) and a speculated step's held gradient that stays here
+        # (a flat buffer was normed when complete, one going home is normed as it is written)
+        norm_in_kernel = job.early and not (shadow and (flat_gradient or job.gradient_home))
+        sq = opt._kernel(state, start, end, param, grad, t["m"], t["v"], job.grad_scale, half,
+                         job.hyper, job.runs, grad_sq_sum=norm_in_kernel)
+        job.sq_norm += sq
         if not job.early and state.grad_store.resident:
             grad.zero_()          # the next backward accumulates into the home gradient
-        shadow = job.speculative
         opt._store(state.exp_avg, t["m"], start, n, writes, shadow)
         opt._store(state.exp_avg_sq, t["v"], start, n, writes, shadow)
         if state.master is not None:
             opt._store(state.master, param, start, n, writes, shadow)
             unit.flat[start:end].copy_(half if half is not None else param)
         self._write_params(unit, start, n, writes, shadow)
-        flat_gradient = isinstance(grad, torch.Tensor)
         if shadow and job.gradient_home:
             # kept at home for a redo: a flat buffer is written as it is (given back at
             # ``_finish``), held gradients are normed and copied
@@ -423,10 +418,8 @@ class StepStream:
                 opt._store(state.grad_store, grad, start, n, writes)
             else:
                 self._write_held_gradient(job, start, end, writes)
-        elif shadow and not flat_gradient:
-            # normed only (a flat buffer was normed when it was complete): a roll-back rebuilds
-            # it (see [Note: the gradient of a speculated step] in optim/speculation.py)
-            job.sq_norm += _held_sum_of_squares(job.gradient.values, start, end)
+        # otherwise a speculated held gradient is only normed (in the kernel): a roll-back
+        # rebuilds it (see [Note: the gradient of a speculated step] in optim/speculation.py)
         if not job.groups and all(x.job is not job for x in self._loads):
             # its last kernel ran: the gradient is given back, the device copy current
             if job.gradient is not None and not (shadow and flat_gradient and job.gradient_home):

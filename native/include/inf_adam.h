@@ -77,6 +77,17 @@ struct inf_adam_tensor {
 INF_API int inf_adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                           int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads);
 
+/* inf_adam_step that also stores in *grad_sq_sum the sum over every element of every range of
+ * grad^2, the gradient as given (before 1 / grad_scale), in double: the global gradient norm
+ * of a step whose gradients are never all in memory at once is the root of the sum of these.
+ * Each chunk's gradient is summed right after its update, while it is still in cache; the
+ * products are exact in double and the sums run in a fixed order (eight lanes per chunk, the
+ * chunks in range order), so the result is the same for every kernel and thread count.
+ * grad_sq_sum must not be NULL; it is written only when 0 is returned. */
+INF_API int inf_adam_step_norm(const struct inf_adam_hparams *hp,
+                               const struct inf_adam_tensor *tensors, int ntensors, int grad_dtype,
+                               int half_dtype, int kernel, int nthreads, double *grad_sq_sum);
+
 /* 1 when kernel (an INF_ADAM_KERNEL_*) can run on this CPU with this build, else 0. */
 INF_API int inf_adam_kernel_supported(int kernel);
 

@@ -32,6 +32,7 @@ struct job {
     const struct chunk *chunks;
     size_t nchunks;
     int gdt, hdt;
+    double *chunk_sq; /* per chunk: its gradient's sum of squares (inf_adam_step_norm), or NULL */
     atomic_size_t next;
 };
 
@@ -48,8 +49,11 @@ static void run_chunks(void *arg, int index) {
         const struct inf_adam_tensor *t = ch->t;
         int64_t b = ch->begin;
         void *half = t->half_out ? (void *)((uint16_t *)t->half_out + b) : NULL;
-        j->fn(j->c, t->param + b, (const unsigned char *)t->grad + (size_t)b * gsz,
-              t->exp_avg + b, t->exp_avg_sq + b, half, (size_t)(ch->end - b), j->gdt, j->hdt);
+        const void *grad = (const unsigned char *)t->grad + (size_t)b * gsz;
+        /* summed first: the chunk's gradient (256 KiB) is then in cache for the update */
+        if (j->chunk_sq) j->chunk_sq[k] = inf_adam_grad_sq_sum(grad, (size_t)(ch->end - b), j->gdt);
+        j->fn(j->c, t->param + b, grad, t->exp_avg + b, t->exp_avg_sq + b, half,
+              (size_t)(ch->end - b), j->gdt, j->hdt);
     }
 }
 
@@ -84,16 +88,25 @@ static size_t fill_chunks(const struct inf_adam_tensor *ts, int nt, struct chunk
     return n;
 }
 
-/* Runs fn over every range of ts on up to nthreads threads. */
+/* Runs fn over every range of ts on up to nthreads threads; with sq_sum, also stores the sum of
+ * the gradients' squares there (chunk sums added in chunk order: independent of the threads). */
 static int run_ranges(const struct adam_consts *c, adam_range_fn fn,
-                      const struct inf_adam_tensor *ts, int nt, int gdt, int hdt, int nthreads) {
+                      const struct inf_adam_tensor *ts, int nt, int gdt, int hdt, int nthreads,
+                      double *sq_sum) {
     int64_t total = 0;
     for (int i = 0; i < nt; i++) total += ts[i].numel;
+    if (sq_sum) *sq_sum = 0.0;
     if (total == 0) return 0;
     size_t cap = count_chunks(ts, nt);
     struct chunk *chunks = malloc(cap * sizeof *chunks);
     if (!chunks) return -ENOMEM;
-    struct job j = {.c = c, .fn = fn, .chunks = chunks, .gdt = gdt, .hdt = hdt};
+    double *chunk_sq = NULL;
+    if (sq_sum && !(chunk_sq = calloc(cap, sizeof *chunk_sq))) {
+        free(chunks);
+        return -ENOMEM;
+    }
+    struct job j = {.c = c, .fn = fn, .chunks = chunks, .gdt = gdt, .hdt = hdt,
+                    .chunk_sq = chunk_sq};
     j.nchunks = fill_chunks(ts, nt, chunks);
     atomic_init(&j.next, 0);
     if (nthreads <= 0) nthreads = inf_adam_cpus_allowed();
@@ -102,6 +115,12 @@ static int run_ranges(const struct adam_consts *c, adam_range_fn fn,
     if (nthreads > useful) nthreads = (int)useful;
     if ((size_t)nthreads > j.nchunks) nthreads = (int)j.nchunks;
     inf_adam_pool_run(nthreads, run_chunks, &j);
+    if (sq_sum) {
+        double sum = 0.0;
+        for (size_t k = 0; k < j.nchunks; k++) sum += chunk_sq[k];
+        *sq_sum = sum;
+    }
+    free(chunk_sq);
     free(chunks);
     return 0;
 }
@@ -220,8 +239,9 @@ static struct adam_consts make_consts(const struct inf_adam_hparams *hp) {
     return c;
 }
 
-int inf_adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
-                  int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads) {
+static int adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
+                     int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads,
+                     double *grad_sq_sum) {
     int rc = check_hparams(hp);
     if (rc == 0) rc = check_tensors(tensors, ntensors, grad_dtype, half_dtype);
     if (rc) return rc;
@@ -230,7 +250,22 @@ int inf_adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tenso
     adam_range_fn fn = kernel_fn(kernel);
     if (!fn) return -ENOTSUP;
     struct adam_consts c = make_consts(hp);
-    return run_ranges(&c, fn, tensors, ntensors, grad_dtype, half_dtype, nthreads);
+    return run_ranges(&c, fn, tensors, ntensors, grad_dtype, half_dtype, nthreads, grad_sq_sum);
+}
+
+int inf_adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
+                  int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads) {
+    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, NULL);
+}
+
+int inf_adam_step_norm(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
+                       int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads,
+                       double *grad_sq_sum) {
+    if (!grad_sq_sum) return -EINVAL;
+    double sum = 0.0;
+    int rc = adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, &sum);
+    if (rc == 0) *grad_sq_sum = sum;
+    return rc;
 }
 
 /* ---- bandwidth reference ---- */
@@ -277,5 +312,5 @@ int inf_adam_rmw_bandwidth(float *a, const float *b, float *c, float *d, int64_t
 #if defined(__x86_64__)
     if (inf_adam_kernel_supported(INF_ADAM_KERNEL_AVX2)) fn = rmw_range_avx2;
 #endif
-    return run_ranges(&unused, fn, &t, 1, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE, nthreads);
+    return run_ranges(&unused, fn, &t, 1, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE, nthreads, NULL);
 }

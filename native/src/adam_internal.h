@@ -150,6 +150,9 @@ static inline uint16_t adam_f32_to_f16(float f) {
     return (uint16_t)(sign | (r >> 13));
 }
 
+/* Sum over n gradient elements of grad^2 in double, the same bits on every CPU (adam_norm.c). */
+double inf_adam_grad_sq_sum(const void *g, size_t n, int gdt);
+
 /* ---- thread pool (adam_pool.c) ---- */
 
 /* fn(arg, index) runs on up to nthreads threads, index 0 being the caller, and must take work

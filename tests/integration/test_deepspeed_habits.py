@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import infinity
-from parity import make_model, run_parity
+from parity import VOCAB, engine_and_reference, make_model, run_parity, zero_config
 
 HF_ZERO3 = {
     "fp16": {"enabled": "auto", "auto_cast": False, "loss_scale": 0, "initial_scale_power": 32,
@@ -216,3 +216,39 @@ def test_backward_and_step_take_deepspeeds_arguments() -> None:
     finally:
         engine.close()
         reference.close()
+
+
+@pytest.mark.parametrize("tiers,early_step,speculative_step", [
+    ("nvme", "on", "auto"), ("cpu", "on", "auto"),     # early step: the kernels norm
+    ("nvme", "off", "on"),                            # speculated, held gradients normed
+    ("nvme", "off", "off"),                           # deferred: normed for clipping
+])
+def test_the_global_grad_norm_is_torchs_under_every_schedule(disk_dir, tiers: str,
+                                                             early_step: str,
+                                                             speculative_step: str) -> None:
+    """get_global_grad_norm() after each step equals the total norm of the un-offloaded
+    copy's gradients (what clip_grad_norm_ returns, what Hugging Face's Trainer logs), also
+    where no step needs the norm (the early step sums it in the Adam kernel). A unit
+    without a gradient in a step (the sometimes-used body half) counts as zero."""
+    from test_unused_params import SometimesUsedModel
+
+    torch.manual_seed(0)
+    model = SometimesUsedModel()
+    ds = zero_config(3, tiers, tiers, str(disk_dir), early_step=early_step,
+                     speculative_step=speculative_step)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, reference, ref_opt = engine_and_reference(model, ds)
+    gen = torch.Generator().manual_seed(7)
+    try:
+        assert engine.optimizer.early_step == (early_step == "on")
+        for _ in range(4):
+            x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+            engine.backward(engine(input_ids=x, labels=x))
+            engine.step()
+            reference(input_ids=x, labels=x).backward()
+            want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+            assert engine.get_global_grad_norm() == pytest.approx(float(want), rel=1e-5)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+    finally:
+        engine.close()

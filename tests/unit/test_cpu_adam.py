@@ -169,6 +169,34 @@ def test_threads_do_not_change_results() -> None:
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+def test_grad_sq_sum_is_the_same_on_every_kernel_and_thread_count() -> None:
+    """The sum of the gradient's squares returned with the step: float64-exact products,
+    one summation order (the same bits for every kernel, thread count and call), within
+    float64 rounding of torch's sum; the update itself is the step without it."""
+    torch.manual_seed(6)
+    impls = ["scalar", *[k for k in SIMD if k in available_kernels()]]
+    for n in (1, 9, 65_537, 2_000_003):
+        for gdt in (torch.float32, torch.bfloat16, torch.float16):
+            g = torch.randn(n).to(gdt)
+            want = float((g.double() ** 2).sum())
+            sums, params = set(), []
+            for impl in impls:
+                for threads in (1, 3):
+                    p, m, v = torch.ones(n), torch.zeros(n), torch.zeros(n)
+                    got = adam_step_flat(p, g, m, v, step=1, threads=threads, impl=impl,
+                                         grad_sq_sum=True, **HP)
+                    sums.add(got)
+                    params.append(p)
+            assert len(sums) == 1, f"n={n}, {gdt}: sums differ across kernels/threads: {sums}"
+            assert sums.pop() == pytest.approx(want, rel=1e-12), (n, gdt)
+            p = torch.ones(n)
+            assert adam_step_flat(p, g, torch.zeros(n), torch.zeros(n), step=1, **HP) is None
+            assert all(torch.equal(p, q) for q in params), f"n={n}, {gdt}: the update changed"
+    torch_sum = adam_step_flat(torch.ones(5), torch.full((5,), 2.0), torch.zeros(5),
+                               torch.zeros(5), step=1, impl="torch", grad_sq_sum=True, **HP)
+    assert torch_sum == 20.0
+
+
 def test_many_tensors_in_one_call_equal_flat_calls() -> None:
     torch.manual_seed(6)
     sizes = [1, 7, 100_000, 3, 65_537, 250_000]
