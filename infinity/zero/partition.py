@@ -6,6 +6,16 @@ whose class name is listed in ``unit_modules`` -- and every other top-level modu
 parameters is a unit of its own. "Top-level" is relative to the spine: the modules that contain
 blocks. A parameter shared by several modules (tied embeddings) belongs to the first unit that
 reaches it and is fetched at each use.
+
+[Note: units too large to stream]
+A model without repeated blocks found by that rule -- ALBERT's one shared layer, a network whose
+layers are attributes rather than a list, a single-layer model -- would be one or two units
+holding nearly all of it: stage 3 would fetch the whole model to run any of it, and a device
+budget smaller than the model could not train it at all. So a unit that is not a block, holds
+more than half of the model's parameters and has children with parameters joins the spine: its
+children become units (its own direct parameters one more), and so on down until no unit
+holds more than half, or the big one is a leaf. Naming the block class in
+``infinity.unit_modules`` still takes precedence where it finds blocks.
 """
 from __future__ import annotations
 
@@ -62,23 +72,21 @@ def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[U
     """Split ``model``'s parameters into units, in module registration order."""
     blocks = find_blocks(model, unit_modules)
     block_ids = {id(m) for _, m in blocks}
-    block_names = [n for n, _ in blocks]
     spine = {""}
-    for name in block_names:
+    for name, _ in blocks:
         parts = name.split(".")
         for i in range(len(parts)):
             spine.add(".".join(parts[:i]))
-    roots: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if id(module) in block_ids:
-            roots.append((name, module))
-        elif name in spine:
-            if any(True for _ in module.parameters(recurse=False)):
-                roots.append((name, module))  # the spine module's own direct parameters
-        else:
-            parent = name.rsplit(".", 1)[0] if "." in name else ""
-            if parent in spine and id(module) not in block_ids and _has_params(module):
-                roots.append((name, module))
+    total = _numel(model)
+    while True:
+        roots = _roots(model, block_ids, spine)
+        # see [Note: units too large to stream]
+        too_large = [name for name, module in roots
+                     if name not in spine and id(module) not in block_ids
+                     and 2 * _numel(module) > total and any(map(_has_params, module.children()))]
+        if not too_large:
+            break
+        spine.update(too_large)
     seen: set[nn.Parameter] = set()
     specs: list[UnitSpec] = []
     for name, module in roots:
@@ -144,6 +152,27 @@ def modules_needing(model: nn.Module, specs: list[UnitSpec]) -> list[tuple[nn.Mo
 
     visit(model, frozenset())
     return list(hooked.values())
+
+
+def _roots(model: nn.Module, block_ids: set[int], spine: set[str]) -> list[tuple[str, nn.Module]]:
+    """The root module of each unit: every block, each spine module with direct parameters
+    (those only), and each module with parameters whose parent is on the spine."""
+    roots: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if id(module) in block_ids:
+            roots.append((name, module))
+        elif name in spine:
+            if any(True for _ in module.parameters(recurse=False)):
+                roots.append((name, module))  # the spine module's own direct parameters
+        else:
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            if parent in spine and _has_params(module):
+                roots.append((name, module))
+    return roots
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -62,3 +62,38 @@ def test_units_rooted_at_containers_are_fetched_by_what_is_called() -> None:
             assert unit_of[f"blocks.{i}"] in hooks[id(entry)][1]
         assert id(block) not in hooks
     assert unit_of["scales"] in hooks[id(model)][1]    # the parent indexes the list
+
+
+class AttributeLayers(nn.Module):
+    """No repeated blocks in a list: layers are attributes of a body module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.body = nn.Module()
+        self.body.first = nn.Linear(8, 8)
+        self.body.second = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.body.third = nn.Linear(8, 8)
+        self.body.gain = nn.Parameter(torch.ones(8))
+        self.head = nn.Linear(8, 2)
+
+
+def test_a_unit_holding_most_of_a_blockless_model_is_split() -> None:
+    """See [Note: units too large to stream]: 'body' holds ~70% of the parameters, so its
+    children are units and its direct parameter one more; nothing holds more than half."""
+    model = AttributeLayers()
+    specs = partition(model)
+    assert [s.name for s in specs] == ["embed", "body", "body.first", "body.second",
+                                       "body.third", "head"]
+    assert [n for n, _ in specs[1].params] == ["body.gain"]
+    total = sum(p.numel() for p in model.parameters())
+    assert max(sum(p.numel() for _, p in s.params) for s in specs) * 2 <= total
+    assert sorted(n for s in specs for n, _ in s.params) == sorted(
+        n for n, _ in model.named_parameters())
+
+
+def test_block_models_and_big_leaves_keep_their_units() -> None:
+    """The split leaves models with blocks alone, and a leaf (a big embedding) whole."""
+    assert [s.name for s in partition(Net())] == ["layers.0", "layers.1", "layers.2", "head"]
+    big_leaf = nn.Sequential(nn.Embedding(1000, 8), nn.Linear(8, 2))
+    assert [s.name for s in partition(big_leaf)] == ["0", "1"]
