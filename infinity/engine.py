@@ -247,16 +247,20 @@ class Engine(DeepSpeedEngineAccessors):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         self.coordinator.begin_forward(self.module.training)
+        training = self.module.training and torch.is_grad_enabled()
         try:
-            if self.activation_swapper is not None and self.module.training and \
-                    torch.is_grad_enabled():
+            if self.activation_swapper is not None and training:
                 with self.activation_swapper.hooks():
-                    return self.module(*args, **kwargs)
-            return self.module(*args, **kwargs)
+                    output = self.module(*args, **kwargs)
+            else:
+                output = self.module(*args, **kwargs)
         except BaseException as exc:
             self.coordinator.abandon_pass()     # post-hooks did not run: units stay fetched
             raise_with_external_parameter_hint(exc, "forward", self.stage)
             raise
+        if training:
+            self.coordinator.end_forward()
+        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

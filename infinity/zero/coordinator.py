@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 from infinity.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch, reuse_distance
-from infinity.zero.working_set import check_backward_working_set
+from infinity.zero.working_set import check_backward_working_set, check_traced_working_set
 from infinity.zero.unit import ParamEntry, Unit
 
 log = get_logger("zero")
@@ -105,6 +105,7 @@ class Coordinator:
         self._call_inputs: dict[int, list[frozenset[int]]] = {}
         self._largest = max((u.nbytes for u in units if not u.persistent), default=0)
         check_backward_working_set(units, hooked, manager.device_budget)
+        self._checked_order: list[int] = []   # the forward order last checked (end_forward)
         self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0,
                             "kept_for_reuse": 0, "prefetches_cancelled": 0}
 
@@ -163,6 +164,15 @@ class Coordinator:
             # whose backward comes first (see [Note: expected steps])
             for uid in self._next_trainable(self.traces["bwd"].order, EXPECTED_AHEAD):
                 self.expect_backward(self.units[uid])
+
+    def end_forward(self) -> None:
+        """Called by the engine after a training forward returned: a newly recorded order is
+        checked against the device budget before its backward runs (see
+        ``check_traced_working_set``)."""
+        order = self.traces["train_fwd"].order
+        if order and order != self._checked_order:
+            self._checked_order = list(order)
+            check_traced_working_set(self.units, order, self.manager.device_budget)
 
     def _in_graph_task(self) -> bool:
         return torch._C._current_graph_task_id() != -1

@@ -60,3 +60,53 @@ def check_backward_working_set(units: list[Unit], hooked: list[tuple[nn.Module, 
         f"complete{beside}, with {format_bytes(persistent)} of persistent units: "
         f"{format_bytes(need)} at once. Raise infinity.device_memory_budget to at least "
         f"{format_bytes(need)} (or untie the parameters)")
+
+
+def traced_backward_need(units: list[Unit], forward_order: list[int]) -> tuple[int, list[Unit]]:
+    """The device bytes the backward of a recorded training forward needs at its fullest, and
+    the units fetched then: the backward runs the forward's units in reverse; a unit with
+    trainable parameters used more than once (a tied weight, a block shared by several depths)
+    is fetched at its last use in the forward and held until its first (its gradient is
+    complete only then), every other unit only while its own backward runs. A lower bound:
+    recomputation (activation checkpointing) holds more."""
+    backward = list(reversed(forward_order))
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for position, uid in enumerate(backward):
+        first.setdefault(uid, position)
+        last[uid] = position
+    persistent = sum(u.nbytes for u in units if u.persistent)
+    held = {uid: (first[uid], last[uid]) for uid in first
+            if not units[uid].persistent and units[uid].has_trainable}
+    need, fullest = persistent, []
+    for position, uid in enumerate(backward):
+        live = {u for u, (a, b) in held.items() if a <= position <= b}
+        if not units[uid].persistent:
+            live.add(uid)
+        size = persistent + sum(units[u].nbytes for u in live)
+        if size > need:
+            need, fullest = size, sorted(live, key=lambda u: -units[u].nbytes)
+    return need, [units[u] for u in fullest]
+
+
+def check_traced_working_set(units: list[Unit], forward_order: list[int],
+                             budget: MemoryBudget) -> None:
+    """Raise ValueError, after a training forward and before its backward, when the device
+    budget cannot hold what that backward must hold at once (``traced_backward_need``):
+    a block shared by several depths cannot be seen before the first forward runs it."""
+    if budget.limit is None or not forward_order:
+        return
+    need, fullest = traced_backward_need(units, forward_order)
+    if need <= budget.limit:
+        return
+    uses = {uid: forward_order.count(uid) for uid in set(forward_order)}
+    reused = [u for u in fullest if uses.get(u.index, 0) > 1]
+    listed = ", ".join(f"{u.name} ({format_bytes(u.nbytes)}, used {uses[u.index]} times)"
+                       for u in reused[:4]) + (" ..." if len(reused) > 4 else "")
+    others = [u for u in fullest if u not in reused]
+    beside = f", beside {others[0].name} ({format_bytes(others[0].nbytes)})" if others else ""
+    raise ValueError(
+        f"the device budget {format_bytes(budget.limit)} is too small for this model's "
+        f"backward: {listed or 'its units'} stay fetched from their last use in the forward "
+        f"until their gradient is complete at their first{beside}: {format_bytes(need)} at "
+        f"once. Raise infinity.device_memory_budget to at least {format_bytes(need)}")

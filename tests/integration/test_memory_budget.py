@@ -122,3 +122,60 @@ def test_a_device_budget_too_small_for_a_tied_unit_beside_a_block_is_refused_at_
             engine.step()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("early_step", ["on", "off"])
+def test_a_device_budget_too_small_for_blocks_shared_across_depths_is_refused_at_the_first_forward(
+        disk_dir, early_step: str) -> None:
+    """Two blocks each used at three depths (ALBERT-style sharing) stay fetched together
+    through most of the backward. One module fetches each, so only the first forward shows
+    the reuse: a budget that holds one block but not both is refused right after that
+    forward, before its backward (it used to fail inside it), with the size that works; that
+    size trains equal to torch AdamW."""
+    import torch
+    from torch import nn
+
+    import infinity
+    from infinity.zero.working_set import traced_backward_need
+    from parity import VOCAB, run_parity, zero_config
+
+    class AlternatingShared(nn.Module):
+        def __init__(self, width: int = 16, hidden: int = 256) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, width)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width))
+                for _ in range(2))
+            self.head = nn.Linear(width, VOCAB)
+
+        def forward(self, input_ids, labels):
+            h = self.embed(input_ids)
+            for _ in range(3):
+                for block in self.blocks:
+                    h = h + block(h)
+            return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB),
+                                               labels.reshape(-1))
+
+    def config(budget: int) -> dict:
+        ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=early_step,
+                         device_memory_budget=budget)
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+        return ds
+
+    torch.manual_seed(0)
+    block_bytes = sum(p.numel() for p in AlternatingShared().blocks[0].parameters()) * 4
+    engine, *_ = infinity.initialize(model=AlternatingShared(),
+                                     config=config(int(block_bytes * 1.5)))
+    try:
+        x = torch.randint(0, VOCAB, (2, 8))
+        with pytest.raises(ValueError, match=r"blocks\.[01] .*used 3 times.*at least"):
+            engine(input_ids=x, labels=x)
+        need, _ = traced_backward_need(engine.coordinator.units,
+                                       engine.coordinator.traces["train_fwd"].order)
+    finally:
+        engine.close()
+    assert need >= 2 * block_bytes
+    torch.manual_seed(0)
+    result = run_parity(AlternatingShared(), config(need), steps=4)
+    assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
