@@ -55,6 +55,7 @@ def _signatures() -> dict:
         "inf_adam_step_norm": (c_int, [ctypes.POINTER(HParams), ctypes.POINTER(TensorRange),
                                        c_int, c_int, c_int, c_int, c_int,
                                        ctypes.POINTER(ctypes.c_double)]),
+        "inf_grad_sq_sum": (c_int, [vp, i64, c_int, c_int, ctypes.POINTER(ctypes.c_double)]),
         "inf_adam_kernel_supported": (c_int, [c_int]),
         "inf_adam_kernel_best": (c_int, []),
         "inf_adam_kernel_name": (ctypes.c_char_p, [c_int]),
@@ -95,6 +96,14 @@ def step_norm(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: in
                                    kernel, threads, ctypes.byref(total))
     _native.check(ret, f"inf_adam_step_norm({len(ranges)} ranges, kernel "
                        f"{KERNEL_NAMES.get(kernel)}, grad dtype {grad_dtype}, {threads} threads)")
+    return total.value
+
+
+def grad_sq_sum(address: int, numel: int, grad_dtype: int, threads: int) -> float:
+    """sum(g**2) in float64 over ``numel`` elements at ``address`` (one read pass)."""
+    total = ctypes.c_double(0.0)
+    _native.check(lib().inf_grad_sq_sum(address, numel, grad_dtype, threads, ctypes.byref(total)),
+                  f"inf_grad_sq_sum({numel} elements, grad dtype {grad_dtype}, {threads} threads)")
     return total.value
 
 

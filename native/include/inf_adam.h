@@ -88,6 +88,14 @@ INF_API int inf_adam_step_norm(const struct inf_adam_hparams *hp,
                                const struct inf_adam_tensor *tensors, int ntensors, int grad_dtype,
                                int half_dtype, int kernel, int nthreads, double *grad_sq_sum);
 
+/* The sum of grad^2 over numel elements of grad (of grad_dtype) alone, summed as
+ * inf_adam_step_norm sums it (the same bits for a buffer at the same address, whatever the
+ * kernel and thread count): the norm of a gradient that is not stepped yet (clipping needs the
+ * global norm before any step). One read pass, shared by nthreads threads (<= 0: the CPUs this
+ * process may run on). Returns 0, -EINVAL or -ENOMEM. */
+INF_API int inf_grad_sq_sum(const void *grad, int64_t numel, int grad_dtype, int nthreads,
+                            double *out);
+
 /* 1 when kernel (an INF_ADAM_KERNEL_*) can run on this CPU with this build, else 0. */
 INF_API int inf_adam_kernel_supported(int kernel);
 

@@ -52,8 +52,9 @@ static void run_chunks(void *arg, int index) {
         const void *grad = (const unsigned char *)t->grad + (size_t)b * gsz;
         /* summed first: the chunk's gradient (256 KiB) is then in cache for the update */
         if (j->chunk_sq) j->chunk_sq[k] = inf_adam_grad_sq_sum(grad, (size_t)(ch->end - b), j->gdt);
-        j->fn(j->c, t->param + b, grad, t->exp_avg + b, t->exp_avg_sq + b, half,
-              (size_t)(ch->end - b), j->gdt, j->hdt);
+        if (j->fn)
+            j->fn(j->c, t->param + b, grad, t->exp_avg + b, t->exp_avg_sq + b, half,
+                  (size_t)(ch->end - b), j->gdt, j->hdt);
     }
 }
 
@@ -266,6 +267,20 @@ int inf_adam_step_norm(const struct inf_adam_hparams *hp, const struct inf_adam_
     int rc = adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, &sum);
     if (rc == 0) *grad_sq_sum = sum;
     return rc;
+}
+
+/* ---- the norm alone ---- */
+
+/* Steps nothing: the job's chunks only have their gradient summed (run_chunks with fn NULL). */
+int inf_grad_sq_sum(const void *grad, int64_t numel, int grad_dtype, int nthreads, double *out) {
+    if (!out || numel < 0 || (numel > 0 && !grad)) return -EINVAL;
+    if (grad_dtype != INF_ADAM_DTYPE_F32 && grad_dtype != INF_ADAM_DTYPE_BF16 &&
+        grad_dtype != INF_ADAM_DTYPE_F16)
+        return -EINVAL;
+    /* param only places the chunk boundaries (at its 64-byte lines): the gradient's own */
+    struct inf_adam_tensor t = {(float *)grad, grad, NULL, NULL, NULL, numel};
+    struct adam_consts unused = {0};
+    return run_ranges(&unused, NULL, &t, 1, grad_dtype, INF_ADAM_DTYPE_NONE, nthreads, out);
 }
 
 /* ---- bandwidth reference ---- */
