@@ -17,11 +17,12 @@ class BudgetExceededError(MemoryError):
 class MemoryBudget:
     """Counts bytes reserved against a limit (``None`` = unlimited, counted only)."""
 
-    def __init__(self, name: str, limit: int | None) -> None:
+    def __init__(self, name: str, limit: int | None, note: str = "") -> None:
         if limit is not None and limit < 0:
             raise ValueError(f"{name} budget must be >= 0 bytes, got {limit}")
         self.name = name
         self.limit = limit
+        self.note = note   # how the limit came about, told when it is exceeded
         self._held = 0
         self._peak = 0
         self._lock = threading.Lock()
@@ -51,7 +52,8 @@ class MemoryBudget:
                     f"{what} needs {format_bytes(nbytes)} of {self.name} memory but only "
                     f"{format_bytes(self.limit - self._held)} of the {format_bytes(self.limit)} "
                     f"{self.name} budget is free; raise the budget or offload deeper "
-                    f"(e.g. offload_optimizer/offload_param device \"nvme\")")
+                    f"(e.g. offload_optimizer/offload_param device \"nvme\")"
+                    + (f" ({self.note})" if self.note else ""))
             self._held += nbytes
             self._peak = max(self._peak, self._held)
 

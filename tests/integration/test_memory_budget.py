@@ -77,6 +77,20 @@ def test_cpu_offload_with_too_small_a_budget_fails_before_the_first_step() -> No
         assert torch.equal(p.detach(), q)   # the user's model is untouched
 
 
+def test_a_host_budget_the_emulated_device_pool_takes_says_so(disk_dir) -> None:
+    """On a CPU-only machine without a device_memory_budget the emulated device pool is paid
+    out of the host budget: when too little is left, the error says where the budget went."""
+    import infinity
+    from parity import make_model, state_bytes, zero_config
+
+    model = make_model("llama", layers=1, width=32)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir),
+                     host_memory_budget=state_bytes(model) // 4 - 1)
+    with pytest.raises(MemoryError, match=r"emulated device pool took .* of "
+                                          r"infinity\.host_memory_budget .*device_memory_budget"):
+        infinity.initialize(model=model, config=ds)
+
+
 @pytest.mark.parametrize("host_budget", ["2MiB", "2560KiB", "3MiB", "4MiB"])
 def test_every_host_budget_between_nvme_and_host_gradients_builds(disk_dir, host_budget) -> None:
     """Gradients kept on the host count in the host budget before the optimizer's slots are
