@@ -105,7 +105,10 @@ class Coordinator:
         self._call_inputs: dict[int, list[frozenset[int]]] = {}
         self._largest = max((u.nbytes for u in units if not u.persistent), default=0)
         check_backward_working_set(units, hooked, manager.device_budget)
-        self._checked_order: list[int] = []   # the forward order last checked (end_forward)
+        # the units the training forward in progress used with grad enabled, in order (a use
+        # under no_grad has no backward), and the order last checked (``end_forward``)
+        self._grad_uses: list[int] = []
+        self._checked_order: list[int] = []
         self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0,
                             "kept_for_reuse": 0, "prefetches_cancelled": 0}
 
@@ -157,6 +160,7 @@ class Coordinator:
         """Called by the engine before each forward pass (starts a trace pass)."""
         name = "train_fwd" if training and torch.is_grad_enabled() else "eval_fwd"
         self._fwd_trace_name = name
+        self._grad_uses = []
         self.traces[name].start_pass()
         self._prefetch(self.traces[name])
         if name == "train_fwd":
@@ -169,7 +173,7 @@ class Coordinator:
         """Called by the engine after a training forward returned: a newly recorded order is
         checked against the device budget before its backward runs (see
         ``check_traced_working_set``)."""
-        order = self.traces["train_fwd"].order
+        order = self._grad_uses
         if order and order != self._checked_order:
             self._checked_order = list(order)
             check_traced_working_set(self.units, order, self.manager.device_budget)
@@ -187,6 +191,8 @@ class Coordinator:
             if self._active[uid] == 0 and not recompute:
                 self._versions[uid] = _param_versions(self.units[uid])
             self._active[uid] += 1
+        if not recompute and torch.is_grad_enabled():
+            self._grad_uses.extend(ids)
         if torch.is_grad_enabled() and not recompute:
             tensors = [t for t in tree_flatten((args, kwargs))[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]

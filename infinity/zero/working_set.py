@@ -64,11 +64,12 @@ def check_backward_working_set(units: list[Unit], hooked: list[tuple[nn.Module, 
 
 def traced_backward_need(units: list[Unit], forward_order: list[int]) -> tuple[int, list[Unit]]:
     """The device bytes the backward of a recorded training forward needs at its fullest, and
-    the units fetched then: the backward runs the forward's units in reverse; a unit with
-    trainable parameters used more than once (a tied weight, a block shared by several depths)
-    is fetched at its last use in the forward and held until its first (its gradient is
-    complete only then), every other unit only while its own backward runs. A lower bound:
-    recomputation (activation checkpointing) holds more."""
+    the units fetched then. ``forward_order``: the units the forward used with grad enabled, in
+    order. The backward runs them in reverse; a unit with trainable parameters used more than
+    once (a tied weight, a block shared by several depths) is fetched at its last use in the
+    forward and held until its first (its gradient is complete only then), every other unit
+    only while its own backward runs. A lower bound: recomputation (activation checkpointing)
+    holds more."""
     backward = list(reversed(forward_order))
     first: dict[int, int] = {}
     last: dict[int, int] = {}

@@ -193,3 +193,48 @@ def test_a_device_budget_too_small_for_blocks_shared_across_depths_is_refused_at
     torch.manual_seed(0)
     result = run_parity(AlternatingShared(), config(need), steps=4)
     assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+
+
+def test_a_block_also_used_under_no_grad_is_not_counted_as_held(disk_dir) -> None:
+    """A teacher pass under no_grad through the same blocks (self-distillation) has no
+    backward: the blocks are not held across it, and a budget of one and a half blocks trains
+    (only uses with grad enabled count in the check after the first forward)."""
+    import torch
+    from torch import nn
+
+    import infinity
+    from parity import VOCAB, zero_config
+
+    class SelfDistilled(nn.Module):
+        def __init__(self, width: int = 16, hidden: int = 256) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, width)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width))
+                for _ in range(2))
+
+        def run(self, h):
+            for block in self.blocks:
+                h = h + block(h)
+            return h
+
+        def forward(self, input_ids, labels):
+            h = self.embed(input_ids)
+            with torch.no_grad():
+                target = self.run(h.flip(1))
+            return nn.functional.mse_loss(self.run(h), target)
+
+    torch.manual_seed(0)
+    model = SelfDistilled()
+    block_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * 4
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), device_memory_budget=int(block_bytes * 1.5))
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        x = torch.randint(0, VOCAB, (2, 8))
+        for _ in range(3):
+            engine.backward(engine(input_ids=x, labels=x))
+            engine.step()
+    finally:
+        engine.close()
