@@ -420,11 +420,26 @@ class StepStream:
                 self._write_held_gradient(job, start, end, writes)
         # otherwise a speculated held gradient is only normed (in the kernel): a roll-back
         # rebuilds it (see [Note: the gradient of a speculated step] in optim/speculation.py)
+        if job.gradient is not None and not flat_gradient:
+            self._free_stepped_parts(job)
         if not job.groups and all(x.job is not job for x in self._loads):
             # its last kernel ran: the gradient is given back, the device copy current
             if job.gradient is not None and not (shadow and flat_gradient and job.gradient_home):
                 opt.release_gradient(job.gradient)
             job.stepped.set_result(None)
+
+    def _free_stepped_parts(self, job: StepJob) -> None:
+        """Free the held gradient parts no sub-group still to be stepped covers, as the step
+        goes and not at its end: a Llama layer's gradient at width 2048 is ~200 MB, and with two
+        units' gradients waiting for their steps (the stream behind the backward) holding each
+        whole until its last kernel made peak memory depend on how far behind it fell."""
+        pending = [(g.start, g.end) for g in job.groups] + \
+            [(x.group.start, x.group.end) for x in self._loads if x.job is job]
+        parts = job.gradient.values
+        done = [offset for offset, part in parts.items()
+                if not any(a < offset + part.numel() and offset < b for a, b in pending)]
+        for offset in done:
+            del parts[offset]
 
     def _write_held_gradient(self, job: StepJob, start: int, end: int, writes: list) -> None:
         """Norm a speculated step's held gradient over [start, end) and write it to the unit's
