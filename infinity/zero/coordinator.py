@@ -132,7 +132,8 @@ class Coordinator:
         # and the release after every other forward hook, also those registered after ours.
         def pre(m: nn.Module, args, kwargs):
             _keep_at(m._forward_hooks, post.id, last=True)
-            self._call_inputs.setdefault(id(m), []).append(_tensor_ids((args, kwargs)))
+            inputs = _tensor_ids((args, kwargs)) if torch.is_grad_enabled() else frozenset()
+            self._call_inputs.setdefault(id(m), []).append(inputs)
             return self._forward_pre(ids, args, kwargs)
 
         def after(m: nn.Module, args, output):
