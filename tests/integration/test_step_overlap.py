@@ -234,3 +234,35 @@ def test_reaping_a_finished_step_leaves_the_next_gradient_alone(disk_dir) -> Non
             engine.unpin_unit(state.unit, modified=False)
     finally:
         engine.close()
+
+
+def test_held_gradient_parts_go_as_their_sub_groups_are_stepped(disk_dir, monkeypatch) -> None:
+    """An early step frees each held gradient part once no sub-group still to be stepped
+    covers it, not when the unit's whole step has run (a Llama layer's gradient is ~200 MB at
+    width 2048): with sub-groups smaller than the parameters, a unit holds fewer parts after
+    its first kernels than it was handed, none after its last, and training equals torch."""
+    from infinity.optim.step_stream import StepStream
+
+    counts: dict[int, list[int]] = {}      # job -> parts held before its first kernel, then after each
+    real = StepStream._free_stepped_parts
+
+    def recording(self, job):
+        held = counts.setdefault(id(job), [len(job.gradient.values)])
+        real(self, job)
+        held.append(len(job.gradient.values))
+
+    monkeypatch.setattr(StepStream, "_free_stepped_parts", recording)
+    model = make_model("llama", layers=2, width=64)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
+    ds["zero_optimization"]["sub_group_size"] = 4096
+    result = run_parity(model, ds, steps=3)
+    assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+    # layers: several parameters over three sub-groups or more (a one-parameter unit, the
+    # embedding, can only go at its end)
+    layers = [c for c in counts.values() if len(c) >= 4 and c[0] >= 3]
+    assert layers, f"no unit of several parameters took three sub-groups: {counts}"
+    for held in layers:
+        handed, during, last = held[0], held[1:-1], held[-1]
+        assert last == 0, held
+        assert during == sorted(during, reverse=True), held
+        assert min(during) < handed, f"nothing freed before the step's last kernel: {held}"
