@@ -10,6 +10,9 @@ import sys
 import textwrap
 
 import pytest
+from torch import nn
+
+from parity import VOCAB
 
 SCRIPT = textwrap.dedent("""
     import json, sys, torch, transformers, infinity
@@ -138,6 +141,20 @@ def test_a_device_budget_too_small_for_a_tied_unit_beside_a_block_is_refused_at_
         engine.close()
 
 
+class _TwoBlocks(nn.Module):
+    """An embedding and two MLP blocks of 16 -> 256 -> 16 (~33 KiB each); the forward is the
+    test's."""
+
+    width = 16
+
+    def __init__(self, hidden: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, self.width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(self.width, hidden), nn.Tanh(), nn.Linear(hidden, self.width))
+            for _ in range(2))
+
+
 @pytest.mark.parametrize("early_step", ["on", "off"])
 def test_a_device_budget_too_small_for_blocks_shared_across_depths_is_refused_at_the_first_forward(
         disk_dir, early_step: str) -> None:
@@ -153,14 +170,11 @@ def test_a_device_budget_too_small_for_blocks_shared_across_depths_is_refused_at
     from infinity.zero.working_set import traced_backward_need
     from parity import VOCAB, run_parity, zero_config
 
-    class AlternatingShared(nn.Module):
-        def __init__(self, width: int = 16, hidden: int = 256) -> None:
+
+    class AlternatingShared(_TwoBlocks):
+        def __init__(self) -> None:
             super().__init__()
-            self.embed = nn.Embedding(VOCAB, width)
-            self.blocks = nn.ModuleList(
-                nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width))
-                for _ in range(2))
-            self.head = nn.Linear(width, VOCAB)
+            self.head = nn.Linear(self.width, VOCAB)
 
         def forward(self, input_ids, labels):
             h = self.embed(input_ids)
@@ -205,14 +219,8 @@ def test_a_block_also_used_under_no_grad_is_not_counted_as_held(disk_dir) -> Non
     import infinity
     from parity import VOCAB, zero_config
 
-    class SelfDistilled(nn.Module):
-        def __init__(self, width: int = 16, hidden: int = 256) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(VOCAB, width)
-            self.blocks = nn.ModuleList(
-                nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width))
-                for _ in range(2))
 
+    class SelfDistilled(_TwoBlocks):
         def run(self, h):
             for block in self.blocks:
                 h = h + block(h)
