@@ -34,6 +34,7 @@ from infinity.engine_sizing import (
     EngineSizes,
     derive,
     disk_has_room,
+    host_budget_note,
     resolve_sizes,
     speculation_possible,
     warn_second_nvme_path,
@@ -112,7 +113,8 @@ class Engine(DeepSpeedEngineAccessors):
             self.speculative = False
             self.sizes = sizes()
         self.manager = TierManager(
-            host_budget=MemoryBudget("host", self.sizes.host_budget, self._host_budget_note()),
+            host_budget=MemoryBudget("host", self.sizes.host_budget,
+                                     host_budget_note(self.config, self.device, self.sizes)),
             device_budget=MemoryBudget("device", self.sizes.device_budget),
             nvme_path=nvme_path, aio_config=self.config.aio, device=self.device)
         self.manager.nvme_reserve_bytes = self.sizes.nvme_bytes
@@ -220,19 +222,6 @@ class Engine(DeepSpeedEngineAccessors):
                  format_bytes(section.activation_min_bytes),
                  format_bytes(section.activation_window))
         return swapper
-
-    def _host_budget_note(self) -> str:
-        """Where the host budget went when the engine's share is less than the configured
-        one: on a CPU-only machine the emulated device pool is host memory too."""
-        configured = self.config.infinity.host_memory_budget
-        if configured is None or self.config.infinity.device_memory_budget is not None or \
-                self.device.type != "cpu" or self.sizes.host_budget is None or \
-                self.sizes.host_budget >= configured:
-            return ""
-        return (f"on this CPU-only machine the emulated device pool took "
-                f"{format_bytes(configured - self.sizes.host_budget)} of infinity."
-                f"host_memory_budget {format_bytes(configured)}: raise host_memory_budget, or set "
-                "infinity.device_memory_budget to size the pool yourself")
 
     # -- training API ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

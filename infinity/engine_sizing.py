@@ -13,6 +13,7 @@ import torch
 
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
+from infinity.sizes import format_bytes
 from infinity.optim.partitioned import accumulate_chunk_numel, step_slot_count
 from infinity.planner import DerivedSizes, ModelStats, derive_sizes, detect_hardware
 from infinity.storage.manager import padded_numel
@@ -194,6 +195,20 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         max_live_numel=max(derived.max_live_parameters, 2 * max(unit_numels, default=0)),
         max_reuse_numel=max_reuse,
         grad_tier=grad_tier, nvme_bytes=nvme)
+
+
+def host_budget_note(cfg: InfinityConfig, device: torch.device, sizes: EngineSizes) -> str:
+    """Where the host budget went when the engine's share is less than the configured one
+    (told when it is exceeded): on a CPU-only machine the emulated device pool is host memory
+    too."""
+    configured = cfg.infinity.host_memory_budget
+    if configured is None or cfg.infinity.device_memory_budget is not None or \
+            device.type != "cpu" or sizes.host_budget is None or sizes.host_budget >= configured:
+        return ""
+    return (f"on this CPU-only machine the emulated device pool took "
+            f"{format_bytes(configured - sizes.host_budget)} of infinity.host_memory_budget "
+            f"{format_bytes(configured)}: raise host_memory_budget, or set "
+            "infinity.device_memory_budget to size the pool yourself")
 
 
 def warn_second_nvme_path(config: InfinityConfig, used: str | None, param_tier: Tier,
