@@ -243,11 +243,11 @@ def test_held_gradient_parts_go_as_their_sub_groups_are_stepped(disk_dir, monkey
     its first kernels than it was handed, none after its last, and training equals torch."""
     from infinity.optim.step_stream import StepStream
 
-    counts: dict[int, list[int]] = {}      # job -> parts held before its first kernel, then after each
-    real = StepStream._free_stepped_parts
+    counts: dict = {}      # job (kept alive: ids are reused) -> parts held before its first
+    real = StepStream._free_stepped_parts     # kernel, then after each
 
     def recording(self, job):
-        held = counts.setdefault(id(job), [len(job.gradient.values)])
+        held = counts.setdefault(job, [len(job.gradient.values)])
         real(self, job)
         held.append(len(job.gradient.values))
 
