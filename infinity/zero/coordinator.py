@@ -132,9 +132,8 @@ class Coordinator:
         # and the release after every other forward hook, also those registered after ours.
         def pre(m: nn.Module, args, kwargs):
             _keep_at(m._forward_hooks, post.id, last=True)
-            inputs = _tensor_ids((args, kwargs)) if torch.is_grad_enabled() else frozenset()
-            self._call_inputs.setdefault(id(m), []).append(inputs)
-            return self._forward_pre(ids, args, kwargs)
+            self._call_inputs.setdefault(id(m), []).append(self._forward_pre(ids, args, kwargs))
+            return None   # the arguments as they are
 
         def after(m: nn.Module, args, output):
             _keep_at(m._forward_pre_hooks, first.id, last=False)
@@ -182,7 +181,9 @@ class Coordinator:
     def _in_graph_task(self) -> bool:
         return torch._C._current_graph_task_id() != -1
 
-    def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> None:
+    def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> frozenset[int]:
+        """Fetch the units; returns the ids of the call's input tensors when grad is enabled
+        (see [Note: outputs passed through]), else an empty set."""
         recompute = self._in_graph_task()
         if not recompute:
             self.before_read()
@@ -192,13 +193,15 @@ class Coordinator:
             if self._active[uid] == 0 and not recompute:
                 self._versions[uid] = _param_versions(self.units[uid])
             self._active[uid] += 1
-        if not recompute and torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return frozenset()
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not recompute:
             self._grad_uses.extend(ids)
-        if torch.is_grad_enabled() and not recompute:
-            tensors = [t for t in tree_flatten((args, kwargs))[0]
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            for t in tensors:
-                t.register_hook(lambda grad, ids=ids: self._post_backward(ids))
+            for t in inputs:
+                if t.requires_grad:
+                    t.register_hook(lambda grad, ids=ids: self._post_backward(ids))
+        return frozenset(id(t) for t in inputs)
 
     def _forward_post(self, ids: tuple[int, ...], output, passed_through: frozenset[int]):
         recompute = self._in_graph_task()
@@ -541,7 +544,3 @@ def _keep_at(hooks: OrderedDict[int, Any], hook_id: int, last: bool) -> None:
     if hook_id in hooks and next(reversed(hooks) if last else iter(hooks)) != hook_id:
         hooks.move_to_end(hook_id, last=last)
 
-
-def _tensor_ids(tree) -> frozenset[int]:
-    """The ids of the tensors in a module call's (args, kwargs)."""
-    return frozenset(id(t) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
