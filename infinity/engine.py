@@ -408,7 +408,7 @@ class Engine(DeepSpeedEngineAccessors):
             "device_bytes": tiers["device"], "host_bytes": tiers["host"], "nvme_bytes": tiers["nvme"],
             "io_read_bytes": c.nvme_read_bytes, "io_write_bytes": c.nvme_write_bytes,
             "prefetch_hit_ratio": self.coordinator.prefetch_hit_ratio,
-            "optimizer_background_s": t.background_s,
+            "optimizer_background_s": t.background_s, "grad_wait_s": t.grad_wait_s,
         }
 
     def _keep_forward_change(self, unit: Unit) -> None:

@@ -163,7 +163,9 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
     if not early_step and grad_tier is Tier.HOST:
         host += total_trainable * 4              # the gradients' home
     if early_step or grad_tier is Tier.NVME or speculative:
-        host += 2 * max_trainable * 4            # gradient buffers, or gradients held (GRADS_HELD)
+        # flat gradient buffers (GRADS_HELD), or held gradients: the room (HELD_ROOM_UNITS) and
+        # the part waiting for it
+        host += 2 * max_trainable * 4
     if grad_tier is Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
         host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
     if cfg.infinity.offload_activations == "nvme":

@@ -7,10 +7,10 @@ In the early step on a CPU device a unit's gradients are not copied anywhere: th
 autograd produced are held, by parameter, until the unit's step has run, and the Adam kernel
 reads them piece by piece. Copying them into one flat buffer cost the training thread about
 0.7 s a step at 0.49B (2 GB read and written on the cores backward computes on). Held gradients
-take the room the flat buffers took (``GRADS_HELD`` units, counted in the host budget): a unit
-that starts receiving gradients while that many are held waits for a background step to
-finish, as it waited for a buffer before. On CUDA the gradients are on the device and go
-through a host buffer as before.
+are counted in bytes against a room of one unit's gradient (``HELD_ROOM_UNITS``; the host budget
+keeps two units' worth, the room and the part that waits for it): a part that does not fit waits
+for a background step to free the parts it has stepped (see optim/held_room.py). On CUDA the
+gradients are on the device and go through ``GRADS_HELD`` flat host buffers.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from infinity.zero.unit import ParamEntry, Unit
 if TYPE_CHECKING:
     from infinity.optim.partitioned import UnitOptimState
 
-GRADS_HELD = 2   # units whose gradients may wait for their early step at once
+GRADS_HELD = 2   # flat gradient buffers (a unit's gradient each) for early steps off the CPU
+HELD_ROOM_UNITS = 1.0   # largest units' worth of held gradients (see optim/held_room.py)
 # elements (8 MiB) of the host chunk through which accumulation adds a gradient kept on NVMe
 ACCUMULATE_CHUNK_NUMEL = 2 << 20
 
@@ -38,6 +39,11 @@ def accumulate_chunk_numel(max_trainable: int) -> int:
     """The accumulation chunk: 8 MiB, or the largest unit's gradient when smaller (a multiple
     of 4 KiB either way, so every chunk starts aligned for O_DIRECT)."""
     return min(ACCUMULATE_CHUNK_NUMEL, padded_numel(max(1, max_trainable), torch.float32))
+
+
+def held_room_bytes(max_trainable: int) -> int:
+    """Bytes held gradients may take before the backward waits for a background step."""
+    return int(HELD_ROOM_UNITS * max_trainable * 4)
 
 
 def gradients_held(device: torch.device) -> bool:
@@ -97,12 +103,13 @@ def _grad_pieces(unit: Unit, grad: torch.Tensor | dict[int, torch.Tensor], origi
 @dataclass(eq=False)
 class CompleteGradient:
     """A unit's complete gradient, handed over to its early step: held parts or a flat host
-    buffer, and the slot or ticket it holds. The step owns it from then on (the unit's state
-    starts collecting the next backward's gradient) and gives it back after its last kernel."""
+    buffer, and the slot or held-room bytes it holds. The step owns it from then on (the
+    unit's state starts collecting the next backward's gradient) and gives it back after its
+    last kernel."""
 
     values: torch.Tensor | dict[int, torch.Tensor]
     slot: Slot | None = None
-    ticket: bool = False
+    held_bytes: int = 0
 
     def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:
         """Elements [start, end): the flat buffer's slice, or all held parts
@@ -157,17 +164,21 @@ class GradientCollector:
         gradients]); a second gradient of the same parameter makes a new sum, never an
         in-place add (autograd may have handed the same tensor to another parameter)."""
         if state.grad_parts is None:
-            state.grad_ticket = self._grad_tickets.acquire(blocking=False)
-            if not state.grad_ticket and any(not j.future.done() for _, j in self._pending_steps):
-                # backpressure: a background step gives its ticket back when it has run
-                state.grad_ticket = self._grad_tickets.acquire(timeout=600.0)
             state.grad_parts = {}
         flat = grad.detach().to(torch.float32).reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
         held = state.grad_parts.get(entry.offset)
+        if held is None:
+            # backpressure: waits while background steps hold the room (they give it back as
+            # they go, see [Note: room in bytes, freed as the step goes])
+            self.timers.grad_wait_s += self.held_room.take(flat.numel() * 4, self._steps_running)
+            state.held_bytes += flat.numel() * 4
         state.grad_parts[entry.offset] = flat if held is None else held + flat
         state.grads_seen += 1
+
+    def _steps_running(self) -> bool:
+        return any(not j.future.done() for _, j in self._pending_steps)
 
     def _grad_target(self, state: UnitOptimState) -> torch.Tensor:
         if state.grad_store is not None and state.grad_store.resident:
@@ -288,9 +299,8 @@ class GradientCollector:
         state.grad_buffer = None
         state.grad_written = None
         state.grad_parts = None
-        if state.grad_ticket:
-            state.grad_ticket = False
-            self._grad_tickets.release()
+        self.held_room.give(state.held_bytes)
+        state.held_bytes = 0
 
     def take_arrived(self, state: UnitOptimState) -> frozenset[int]:
         """The parameters that got a gradient since the unit's last step, for the step being
@@ -303,18 +313,24 @@ class GradientCollector:
         """Move the unit's complete gradient out of its state, for its early step."""
         values = state.grad_parts if state.grad_parts is not None else state.grad_buffer
         gradient = CompleteGradient({} if values is None else values, state.grad_slot,
-                                    state.grad_ticket)
+                                    state.held_bytes)
         state.grad_parts = state.grad_buffer = state.grad_slot = state.grad_written = None
-        state.grad_ticket = False
+        state.held_bytes = 0
         state.grads_seen = 0
         return gradient
+
+    def free_gradient_part(self, gradient: CompleteGradient, offset: int) -> None:
+        """Free one held part of a step's gradient (its sub-groups have been stepped)."""
+        part = gradient.values.pop(offset)
+        nbytes = min(part.numel() * 4, gradient.held_bytes)
+        gradient.held_bytes -= nbytes
+        self.held_room.give(nbytes)
 
     def release_gradient(self, gradient: CompleteGradient) -> None:
         """Give back what a step's gradient held (once; later calls do nothing)."""
         if gradient.slot is not None:
             self.grad_pool.release(gradient.slot)
             gradient.slot = None
-        if gradient.ticket:
-            gradient.ticket = False
-            self._grad_tickets.release()
+        self.held_room.give(gradient.held_bytes)
+        gradient.held_bytes = 0
         gradient.values = {}

@@ -33,7 +33,6 @@ dropped is in optim/gradients.py.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -50,7 +49,9 @@ from infinity.optim.gradients import (  # noqa: F401 - accumulate_chunk_numel: e
     _sum_of_squares,
     accumulate_chunk_numel,
     gradients_held,
+    held_room_bytes,
 )
+from infinity.optim.held_room import HeldRoom
 from infinity.optim.speculation import Speculation
 from infinity.optim.step_stream import StepJob, StepStream
 from infinity.storage.buffer_pool import BufferPool, Slot
@@ -100,7 +101,7 @@ class UnitOptimState:
     # early step on a CPU device: the gradients autograd produced, by entry offset, held as they
     # are until the unit's step has run (see [Note: held gradients])
     grad_parts: dict[int, torch.Tensor] | None = None
-    grad_ticket: bool = False
+    held_bytes: int = 0     # of grad_parts, counted in the held room
     # deferred schedule: gradients arrived since the unit's last step (a unit without any is
     # not stepped, as torch skips parameters whose gradient is None)
     has_grads: bool = False
@@ -114,10 +115,11 @@ class OptimTimers:
 
     optimizer_s: float = 0.0
     grad_s: float = 0.0
+    grad_wait_s: float = 0.0    # of grad_s: backward waiting for room for held gradients
     background_s: float = 0.0
 
     def reset(self) -> None:
-        self.optimizer_s = self.grad_s = self.background_s = 0.0
+        self.optimizer_s = self.grad_s = self.grad_wait_s = self.background_s = 0.0
 
 
 class StepRun(NamedTuple):
@@ -201,7 +203,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         self._by_unit = {s.unit.index: s for s in self.states}
         # see [Note: held gradients]; the host budget keeps GRADS_HELD units' room for them
         self.holds_grads = (early_step or doubled) and gradients_held(manager.device)
-        self._grad_tickets = threading.Semaphore(GRADS_HELD)
+        self.held_room = HeldRoom(held_room_bytes(max_trainable))
         needs_grad_buffer = (early_step and not self.holds_grads) or grad_tier is Tier.NVME
         self.grad_pool = BufferPool(manager, max_trainable * 4, GRADS_HELD, "gradient") \
             if needs_grad_buffer and max_trainable else None

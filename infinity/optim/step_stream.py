@@ -439,7 +439,7 @@ class StepStream:
         done = [offset for offset, part in parts.items()
                 if not any(a < offset + part.numel() and offset < b for a, b in pending)]
         for offset in done:
-            del parts[offset]
+            self.opt.free_gradient_part(job.gradient, offset)
 
     def _write_held_gradient(self, job: StepJob, start: int, end: int, writes: list) -> None:
         """Norm a speculated step's held gradient over [start, end) and write it to the unit's

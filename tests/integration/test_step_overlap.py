@@ -266,3 +266,46 @@ def test_held_gradient_parts_go_as_their_sub_groups_are_stepped(disk_dir, monkey
         assert last == 0, held
         assert during == sorted(during, reverse=True), held
         assert min(during) < handed, f"nothing freed before the step's last kernel: {held}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("units", [1.0, 0.0])
+def test_held_gradients_stay_within_their_room(disk_dir, monkeypatch, family: str,
+                                               units: float) -> None:
+    """The backward waits for background steps to give room back (see [Note: room in bytes,
+    freed as the step goes]): with a room of one unit's gradient (the default) or none at all
+    (every unit waits for the step ahead of it), the bytes held never exceed the room or the
+    gradient of the units still collecting (GPT-2's tied embedding collects through the whole
+    backward), all are given back by each step, and training equals torch."""
+    from infinity.optim.held_room import HeldRoom
+
+    capacities: list[int] = []
+    monkeypatch.setattr(partitioned, "held_room_bytes",
+                        lambda max_trainable: capacities.append(int(units * max_trainable * 4))
+                        or capacities[-1])
+    left_after_step: list[int] = []
+    real_step = partitioned.PartitionedOptimizer.step
+
+    def step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        left_after_step.append(self.held_room.held)
+        return result
+
+    monkeypatch.setattr(partitioned.PartitionedOptimizer, "step", step)
+    model = make_model(family, layers=3, width=64)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
+    ds["zero_optimization"]["sub_group_size"] = 4096
+    result = run_parity(model, ds, steps=4, close=False)
+    try:
+        opt = result.engine.optimizer
+        room = opt.held_room
+        assert isinstance(room, HeldRoom) and room.capacity == capacities[-1]
+        assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+        largest = max(s.unit.trainable_numel for s in opt.states) * 4
+        tied = sum(s.unit.trainable_numel * 4 for s in opt.states
+                   if family == "gpt2" and "wte" in s.unit.name)
+        assert room.peak <= max(room.capacity, largest) + tied, (room.peak, room.capacity, largest)
+        assert room.peak > 0, "no gradient was held"
+        assert left_after_step and set(left_after_step) == {0}, left_after_step
+    finally:
+        result.engine.close()
