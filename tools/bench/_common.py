@@ -100,6 +100,23 @@ def proc_io() -> dict[str, int]:
     return out
 
 
+def cpu_usage() -> tuple[float, float, int]:
+    """(user s, system s, minor page faults) of this process so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime, r.ru_minflt
+
+
+def cpu_usage_since(start: tuple[float, float, int]) -> dict[str, float]:
+    """CPU seconds (user, system) and minor page faults since ``start`` (``cpu_usage()``): on
+    a machine with few cores, a step that needs more CPU than compute alone cannot overlap its
+    way under it; fresh pages (faulted in and zeroed) are a large part of system time."""
+    user, system, faults = cpu_usage()
+    return {"cpu_user_s": user - start[0], "cpu_sys_s": system - start[1],
+            "minor_faults": faults - start[2]}
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:

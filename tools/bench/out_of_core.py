@@ -156,7 +156,7 @@ def _ours(spec: dict, res: dict) -> None:
         sampler, rss = spec["sampler"], []
         for ids in data:
             sampler.take_peak()
-            ta = time.perf_counter()
+            ta, usage0 = time.perf_counter(), C.cpu_usage()
             out = engine(input_ids=ids, labels=ids)
             r_fwd = (C.proc_status(("VmRSS",))["VmRSS"], sampler.take_peak())
             engine.backward(out.loss)
@@ -166,6 +166,7 @@ def _ours(spec: dict, res: dict) -> None:
             r_opt = (C.proc_status(("VmRSS",))["VmRSS"], sampler.take_peak())
             losses.append(float(out.loss))
             stats.append(engine.step_stats())
+            stats[-1].update(C.cpu_usage_since(usage0))
             # where in the step RSS peaks: (RSS at the end of the phase, sampler peak during it)
             rss.append({"fwd": r_fwd, "bwd": r_bwd, "step": r_opt})
             # step_stats' prefetch_hit_ratio counts from the engine's start (the coordinator never
@@ -209,16 +210,17 @@ def _compute(spec: dict, res: dict) -> None:
     steps, splits, losses = [], [], []
     res["saved_activation_bytes"] = _saved_activation_bytes(torch, model, data[0])
     for ids in data:
-        ta = time.perf_counter()
+        ta, usage0 = time.perf_counter(), C.cpu_usage()
         out = model(input_ids=ids, labels=ids)
         tb = time.perf_counter()
         out.loss.backward()
         tc = time.perf_counter()
         model.zero_grad(set_to_none=True)
         steps.append(tc - ta)
-        splits.append({"fwd_s": tb - ta, "bwd_s": tc - tb})
+        splits.append({"fwd_s": tb - ta, "bwd_s": tc - tb, **C.cpu_usage_since(usage0)})
         losses.append(float(out.loss))
-        print(f"[compute] step {len(steps) - 1} {steps[-1]:.2f}s", file=sys.stderr, flush=True)
+        print(f"[compute] step {len(steps) - 1} {steps[-1]:.2f}s {json.dumps(splits[-1])}",
+              file=sys.stderr, flush=True)
     res["losses"], res["step_s"], res["splits"] = losses, steps, splits
     res["median_step_s"] = C.median(steps[spec["warmup"]:])
     timed = splits[spec["warmup"]:]
@@ -679,6 +681,14 @@ def _hit_ratio(res: dict) -> str:
     return f"~{C.median(per):.2f} ({cum})" if per else cum
 
 
+def _cpu_split(stats: dict) -> str:
+    """'; cpu user / sys s' of a step's median stats, when recorded (on 2 cores the step is
+    bound by the CPU whenever user + sys approaches twice its wall time)."""
+    if "cpu_user_s" not in stats:
+        return ""
+    return f"; cpu {stats['cpu_user_s']:.1f} + {stats['cpu_sys_s']:.1f} sys"
+
+
 def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str:
     rows, bars = [], []
     for got in per_size:
@@ -690,7 +700,9 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
                 continue
             st = res["median_stats"]
             split = (f"compute {st['compute_s']:.1f} / opt {st['optimizer_s']:.1f} "
-                     f"(bg {st.get('optimizer_background_s', 0):.1f}) / io wait {st['io_wait_s']:.1f}")
+                     f"(bg {st.get('optimizer_background_s', 0):.1f}, grad wait "
+                     f"{st.get('grad_wait_s', 0):.1f}) / io wait {st['io_wait_s']:.1f}"
+                     f"{_cpu_split(st)}")
             rows.append([size, f"ours {schedule}", round(res["median_step_s"], 2),
                          ", ".join(f"{x:.1f}" for x in res["step_s"]), split,
                          f"{st['io_read_bytes'] / C.GiB:.2f} / {st['io_write_bytes'] / C.GiB:.2f}",
@@ -702,7 +714,8 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
                 sp = c["median_split"]
                 rows.append([size, "compute alone (torch fwd+bwd, RAM)", round(c["median_step_s"], 2),
                              ", ".join(f"{x:.1f}" for x in c["step_s"]),
-                             f"fwd {sp['fwd_s']:.1f} / bwd {sp['bwd_s']:.1f}", "-", "-",
+                             f"fwd {sp['fwd_s']:.1f} / bwd {sp['bwd_s']:.1f}{_cpu_split(sp)}",
+                             "-", "-",
                              C.gib(c["vm_hwm_bytes"]), C.gib(c["sampler_peak_rss_bytes"])])
             else:
                 rows.append([size, "compute alone", "SKIPPED/FAILED: " + str(c.get("skipped") or c.get("error"))[:80]]
