@@ -41,6 +41,10 @@ def accumulate_chunk_numel(max_trainable: int) -> int:
     return min(ACCUMULATE_CHUNK_NUMEL, padded_numel(max(1, max_trainable), torch.float32))
 
 
+def _never() -> bool:
+    return False
+
+
 def held_room_bytes(max_trainable: int) -> int:
     """Bytes held gradients may take before the backward waits for a background step."""
     return int(HELD_ROOM_UNITS * max_trainable * 4)
@@ -171,8 +175,10 @@ class GradientCollector:
         held = state.grad_parts.get(entry.offset)
         if held is None:
             # backpressure: waits while background steps hold the room (they give it back as
-            # they go, see [Note: room in bytes, freed as the step goes])
-            self.timers.grad_wait_s += self.held_room.take(flat.numel() * 4, self._steps_running)
+            # they go); a unit's first part never waits (see [Note: room in bytes, freed as
+            # the step goes])
+            may_wait = self._steps_running if state.held_bytes else _never
+            self.timers.grad_wait_s += self.held_room.take(flat.numel() * 4, may_wait)
             state.held_bytes += flat.numel() * 4
         state.grad_parts[entry.offset] = flat if held is None else held + flat
         state.grads_seen += 1

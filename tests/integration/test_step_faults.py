@@ -116,7 +116,7 @@ def test_training_goes_on_after_a_backward_that_raises(disk_dir, schedule) -> No
     others not): the next backward must neither wait for the dropped gradients (the early step
     held them) nor add them in; with the deferred schedule training then equals torch that
     skipped the batch (the early step has already stepped the units done before the failure,
-    which cannot be undone)."""
+    which cannot be undone). The held gradients' room is empty after every step."""
     import threading
 
     from parity import ArmedBackwardHook, engine_and_reference, make_model, zero_config
@@ -148,6 +148,8 @@ def test_training_goes_on_after_a_backward_that_raises(disk_dir, schedule) -> No
             worker.start()
             worker.join(timeout=120)
             assert done.is_set(), f"step {step}: backward did not finish after a failed one"
+            # the dropped gradients gave their room back (a leak would make later backwards wait)
+            assert engine.optimizer.held_room.held == 0, (step, engine.optimizer.held_room.held)
             ref_loss = loss_of(reference(input_ids=x, labels=x))
             ref_loss.backward()
             ref_opt.step()

@@ -276,7 +276,8 @@ def test_held_gradients_stay_within_their_room(disk_dir, monkeypatch, family: st
     freed as the step goes]): with a room of one unit's gradient (the default) or none at all
     (every unit waits for the step ahead of it), the bytes held never exceed the room or the
     gradient of the units still collecting (GPT-2's tied embedding collects through the whole
-    backward), all are given back by each step, and training equals torch."""
+    backward) by more than a unit's first part, all are given back by each step, and training
+    equals torch."""
     from infinity.optim.held_room import HeldRoom
 
     capacities: list[int] = []
@@ -301,10 +302,14 @@ def test_held_gradients_stay_within_their_room(disk_dir, monkeypatch, family: st
         room = opt.held_room
         assert isinstance(room, HeldRoom) and room.capacity == capacities[-1]
         assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
-        largest = max(s.unit.trainable_numel for s in opt.states) * 4
+        unit = max(s.unit.trainable_numel for s in opt.states) * 4
+        part = max(e.numel for s in opt.states for e in s.unit.trainable_entries()) * 4
         tied = sum(s.unit.trainable_numel * 4 for s in opt.states
                    if family == "gpt2" and "wte" in s.unit.name)
-        assert room.peak <= max(room.capacity, largest) + tied, (room.peak, room.capacity, largest)
+        # the room (or, with no step running, the unit still collecting), and on top a unit's
+        # first part, taken without waiting
+        bound = max(room.capacity, unit) + part + tied
+        assert room.peak <= bound, (room.peak, room.capacity, part, unit, tied)
         assert room.peak > 0, "no gradient was held"
         assert left_after_step and set(left_after_step) == {0}, left_after_step
     finally:
