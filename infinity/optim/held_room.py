@@ -14,9 +14,10 @@ A part that does not fit waits only while some background step is still running 
 room back); otherwise it is taken anyway (a unit larger than the room, or gradients held for a
 tied weight's last use), so the backward never waits on itself. A unit's first part is taken
 without waiting: with a room of one unit, the next unit's first gradient always arrives while
-the step ahead holds the whole room, and every unit would wait for that step's first kernels
-even where the stream keeps up (~0.2 s a step at 0.49B, seven layers). So the room holds at most
-its capacity and one part (the host budget keeps two units' worth).
+the step ahead holds the whole room, so every unit waited for that step's first kernels even
+where the stream keeps up; taken freely, the step was 3-6% faster at 0.49B and 1.04B
+(BENCHMARKS.md, session 11). So the room holds at most its capacity and one part (the host
+budget keeps two units' worth).
 """
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ class HeldRoom:
         self.capacity = capacity
         self.held = 0
         self.peak = 0       # most bytes held at once (tests, reports)
-        self.waited_s = 0.0
         self._changed = threading.Condition()
 
     def take(self, nbytes: int, steps_running: Callable[[], bool]) -> float:
@@ -56,7 +56,6 @@ class HeldRoom:
                             "the step stream is stuck (see the log for its error)")
                     self._changed.wait(_POLL_S)
                 waited = time.perf_counter() - start
-                self.waited_s += waited
             self.held += nbytes
             self.peak = max(self.peak, self.held)
         return waited

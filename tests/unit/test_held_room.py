@@ -9,34 +9,34 @@ import pytest
 from infinity.optim.held_room import HeldRoom
 
 
-def _taker(room: HeldRoom, nbytes: int, running) -> tuple[threading.Thread, threading.Event]:
-    done = threading.Event()
+def _taker(room: HeldRoom, nbytes: int, running) -> tuple[threading.Thread, threading.Event, list]:
+    done, waited = threading.Event(), []
 
     def take() -> None:
-        room.take(nbytes, running)
+        waited.append(room.take(nbytes, running))
         done.set()
 
     thread = threading.Thread(target=take, daemon=True)
     thread.start()
-    return thread, done
+    return thread, done, waited
 
 
 def test_bytes_that_fit_are_taken_at_once() -> None:
     room = HeldRoom(100)
-    room.take(60, lambda: True)
-    room.take(40, lambda: True)
-    assert room.held == 100 and room.peak == 100 and room.waited_s == 0.0
+    assert room.take(60, lambda: True) == 0.0
+    assert room.take(40, lambda: True) == 0.0
+    assert room.held == 100 and room.peak == 100
 
 
 def test_bytes_that_do_not_fit_wait_for_a_running_step_to_give_room_back() -> None:
     room = HeldRoom(100)
     room.take(80, lambda: True)                  # a unit handed to its background step
-    thread, done = _taker(room, 50, lambda: True)
+    thread, done, waited = _taker(room, 50, lambda: True)
     assert not done.wait(0.3), "took 50 bytes into a 100-byte room holding 80"
     room.give(30)                                # the step freed its first parts
     assert done.wait(5.0), "still waiting after room was given back"
     thread.join(5.0)
-    assert room.held == 100 and room.peak == 100 and room.waited_s > 0.0
+    assert room.held == 100 and room.peak == 100 and waited[0] > 0.2
 
 
 def test_nothing_waits_when_no_step_is_running() -> None:
@@ -54,7 +54,7 @@ def test_a_waiter_goes_on_when_the_last_step_stops_running() -> None:
     room.take(100, lambda: True)
     running = threading.Event()
     running.set()
-    thread, done = _taker(room, 10, running.is_set)
+    thread, done, _ = _taker(room, 10, running.is_set)
     assert not done.wait(0.3)
     running.clear()
     assert done.wait(5.0), "the waiter did not notice that no step is running"
