@@ -201,7 +201,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
             if master is not None:
                 self._init_master(unit, master)
         self._by_unit = {s.unit.index: s for s in self.states}
-        # see [Note: held gradients]; the host budget keeps GRADS_HELD units' room for them
+        # see [Note: held gradients]: a room of HELD_ROOM_UNITS (optim/held_room.py)
         self.holds_grads = (early_step or doubled) and gradients_held(manager.device)
         self.held_room = HeldRoom(held_room_bytes(max_trainable))
         needs_grad_buffer = (early_step and not self.holds_grads) or grad_tier is Tier.NVME
