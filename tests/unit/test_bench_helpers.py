@@ -103,3 +103,46 @@ def test_run_worker_reads_the_json_line_and_survives_a_crash(tmp_path):
     assert not bad["ok"] and bad["returncode"] == 3 and "boom" in bad["log_tail"]
     assert "exited 3" in bad["error"]
     json.dumps(bad)  # what goes into the results file stays JSON
+
+
+def _fake(tag: str, median: float, **extra) -> dict:
+    return {"ok": True, "tag": tag, "median_step_s": median, **extra}
+
+
+def test_paired_ratios_pair_each_round_with_its_own_compute_run():
+    got = {"rounds": [
+        {"ours": {"on": _fake("ours-on", 5.0)}, "compute": _fake("compute", 4.0)},
+        {"ours": {"on": _fake("ours-on@2", 4.2)}, "compute": _fake("compute@2", 3.5)},
+        # a failed compute run pairs with nothing
+        {"ours": {"on": _fake("ours-on@3", 4.0)}, "compute": {"ok": False, "tag": "compute@3"}},
+    ]}
+    assert out_of_core.paired_ratios(got, "on") == [5.0 / 4.0, 4.2 / 3.5]
+    assert out_of_core.paired_ratios(got, "off") == []
+    assert [out_of_core.round_tag("compute", r) for r in range(3)] == \
+        ["compute", "compute@2", "compute@3"]
+
+
+def test_thread_cpu_counts_a_busy_thread_by_its_name():
+    import threading
+    import time
+
+    start = C.thread_cpu()
+    done = threading.Event()
+
+    def spin():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        done.wait()
+
+    t = threading.Thread(target=spin, name="bench-spinner")
+    t.start()
+    try:
+        time.sleep(0.5)
+        per_step = C.thread_cpu_since(start, steps=1)
+    finally:
+        done.set()
+        t.join()
+    user, system = per_step["bench-spinner"]
+    assert user + system >= 0.2, per_step
+    assert "MainThread" not in per_step or sum(per_step["MainThread"]) < 0.2, per_step

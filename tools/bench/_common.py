@@ -117,6 +117,41 @@ def cpu_usage_since(start: tuple[float, float, int]) -> dict[str, float]:
             "minor_faults": faults - start[2]}
 
 
+def thread_cpu() -> dict[str, tuple[float, float]]:
+    """CPU seconds (user, system) of each live thread of this process by name (Python's thread
+    name where it has one, else the kernel's ``comm`` and thread id): which of the engine's
+    threads competes with torch's for the cores. Threads that ended are not counted."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, tuple[float, float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue       # the thread ended meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = names.get(int(tid), f"{comm}-{tid}")
+        out[name] = (int(fields[11]) / tick, int(fields[12]) / tick)
+    return out
+
+
+def thread_cpu_since(start: dict[str, tuple[float, float]], steps: int) -> dict[str, list[float]]:
+    """Per-thread (user, system) CPU seconds per step since ``start`` (``thread_cpu()``),
+    threads that used under 10 ms a step left out."""
+    out = {}
+    for name, (user, system) in thread_cpu().items():
+        u0, s0 = start.get(name, (0.0, 0.0))
+        per = [round((user - u0) / steps, 3), round((system - s0) / steps, 3)]
+        if sum(per) >= 0.01:
+            out[name] = per
+    return out
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:

@@ -154,7 +154,10 @@ def _ours(spec: dict, res: dict) -> None:
         io0 = C.proc_io()
         fetch0 = dict(engine.coordinator.fetch_stats)
         sampler, rss = spec["sampler"], []
+        threads0 = {}
         for ids in data:
+            if len(steps) == spec["warmup"]:
+                threads0 = C.thread_cpu()
             sampler.take_peak()
             ta, usage0 = time.perf_counter(), C.cpu_usage()
             out = engine(input_ids=ids, labels=ids)
@@ -180,6 +183,9 @@ def _ours(spec: dict, res: dict) -> None:
             print(f"[ours {spec['schedule']}] step {len(steps) - 1} loss {losses[-1]:.6f} "
                   f"{steps[-1]:.2f}s {json.dumps({k: round(v, 3) for k, v in stats[-1].items()})}",
                   file=sys.stderr, flush=True)
+        res["thread_cpu_per_step"] = C.thread_cpu_since(threads0, len(steps) - spec["warmup"])
+        print(f"[ours {spec['schedule']}] cpu per step by thread (user, sys): "
+              f"{json.dumps(res['thread_cpu_per_step'])}", file=sys.stderr, flush=True)
         io1 = C.proc_io()
         res["proc_io_per_step"] = {k: (io1.get(k, 0) - io0.get(k, 0)) / max(1, len(steps))
                                    for k in ("read_bytes", "write_bytes")}
@@ -209,7 +215,10 @@ def _compute(spec: dict, res: dict) -> None:
     res["init_s"] = time.perf_counter() - t0
     steps, splits, losses = [], [], []
     res["saved_activation_bytes"] = _saved_activation_bytes(torch, model, data[0])
+    threads0 = {}
     for ids in data:
+        if len(steps) == spec["warmup"]:
+            threads0 = C.thread_cpu()
         ta, usage0 = time.perf_counter(), C.cpu_usage()
         out = model(input_ids=ids, labels=ids)
         tb = time.perf_counter()
@@ -221,6 +230,9 @@ def _compute(spec: dict, res: dict) -> None:
         losses.append(float(out.loss))
         print(f"[compute] step {len(steps) - 1} {steps[-1]:.2f}s {json.dumps(splits[-1])}",
               file=sys.stderr, flush=True)
+    res["thread_cpu_per_step"] = C.thread_cpu_since(threads0, len(steps) - spec["warmup"])
+    print(f"[compute] cpu per step by thread (user, sys): "
+          f"{json.dumps(res['thread_cpu_per_step'])}", file=sys.stderr, flush=True)
     res["losses"], res["step_s"], res["splits"] = losses, steps, splits
     res["median_step_s"] = C.median(steps[spec["warmup"]:])
     timed = splits[spec["warmup"]:]
@@ -443,20 +455,23 @@ class Driver:
         shape = C.size_shape(size)
         n_params = C.llama_params(shape)
         got: dict = {"size": size, "n_params": n_params}
-        ours = {}
-        got["compute"] = None
-        for i, schedule in enumerate(a.schedules if "ours" in a.only else []):
-            dsc = ds_config("@NVME@", a, schedule)
-            print(f"ds_config (ours, {size}, early_step {schedule}):\n{json.dumps(dsc, indent=1)}",
-                  flush=True)
-            ours[schedule] = self.run("ours", size, self.spec(
-                size, schedule=schedule, ds_config=dsc, nvme_placeholder="@NVME@"),
-                tag=f"ours-{schedule}")
-            if i == 0 and "compute" in a.only:
-                got["compute"] = self.compute(size, n_params)
-        got["ours"] = ours
-        if not ours and "compute" in a.only:
-            got["compute"] = self.compute(size, n_params)
+        got["rounds"] = []
+        for rnd in range(a.rounds):
+            ours, compute = {}, None
+            for i, schedule in enumerate(a.schedules if "ours" in a.only else []):
+                dsc = ds_config("@NVME@", a, schedule)
+                if rnd == 0:
+                    print(f"ds_config (ours, {size}, early_step {schedule}):\n"
+                          f"{json.dumps(dsc, indent=1)}", flush=True)
+                ours[schedule] = self.run("ours", size, self.spec(
+                    size, schedule=schedule, ds_config=dsc, nvme_placeholder="@NVME@"),
+                    tag=round_tag(f"ours-{schedule}", rnd))
+                if i == 0 and "compute" in a.only:
+                    compute = self.compute(size, n_params, rnd)
+            if not ours and "compute" in a.only:
+                compute = self.compute(size, n_params, rnd)
+            got["rounds"].append({"ours": ours, "compute": compute})
+        got["ours"], got["compute"] = got["rounds"][0]["ours"], got["rounds"][0]["compute"]
         got["io"] = {}
         replayed: dict = {}
         for schedule, res in ours.items():
@@ -485,17 +500,18 @@ class Driver:
         got["deepspeed"] = self.deepspeed(size) if "deepspeed" in a.only else None
         return got
 
-    def compute(self, size: str, n_params: int) -> dict:
+    def compute(self, size: str, n_params: int, rnd: int = 0) -> dict:
         need = n_params * 8 + int(1.5 * C.GiB)  # params + grads + activations and slack
         avail = C.mem_available()
         if need > 0.92 * avail:
-            res = {"ok": False, "contender": "compute", "tag": "compute", "size_name": size,
+            res = {"ok": False, "contender": "compute", "tag": round_tag("compute", rnd),
+                   "size_name": size,
                    "skipped": f"needs ~{need / C.GiB:.1f} GiB, MemAvailable is {avail / C.GiB:.1f} GiB"}
             C.append_jsonl(self.out, res)
             print(f"{size} compute: SKIPPED: {res['skipped']}", flush=True)
             return res
         self.wait_for_memory(need, f"{size} compute")
-        return self.run("compute", size, self.spec(size))
+        return self.run("compute", size, self.spec(size), tag=round_tag("compute", rnd))
 
     def wait_for_memory(self, need: int, what: str) -> None:
         """Wait up to --mem-wait s for MemAvailable >= need (the machine is shared; a run that
@@ -539,6 +555,10 @@ def parser() -> argparse.ArgumentParser:
                     help=f"schedules to run, of {', '.join(SCHEDULES)} (see SCHEDULES)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps of ours and compute")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of ours (each schedule) and compute alone, alternating, each in a "
+                         "fresh process: the step / compute ratio is also given per round, which "
+                         "pairs runs minutes apart instead of a whole bench apart (host drift)")
     ap.add_argument("--ds-steps", type=int, default=3, help="timed DeepSpeed steps (after 1 warm-up)")
     ap.add_argument("--io-reps", type=int, default=3, help="timed reps of the I/O and optimizer replays")
     ap.add_argument("--io-chunk", type=int, default=None,
@@ -645,10 +665,17 @@ def report_file(paths: list[Path]) -> str:
                 old = mine.get(r["tag"])
                 if old is None or r.get("ok") or not old.get("ok"):
                     mine[r["tag"]] = r
+        rounds = []
+        for rnd in range(max(1, getattr(args, "rounds", 1))):
+            ours = {s: mine[round_tag(f"ours-{s}", rnd)] for s in args.schedules
+                    if round_tag(f"ours-{s}", rnd) in mine}
+            compute = mine.get(round_tag("compute", rnd))
+            if ours or compute:
+                rounds.append({"ours": ours, "compute": compute})
+        rounds = rounds or [{"ours": {}, "compute": None}]
         got = {"size": size, "n_params": C.llama_params(C.size_shape(size)),
-               "ours": {s: mine[f"ours-{s}"] for s in args.schedules if f"ours-{s}" in mine},
-               "compute": mine.get("compute"), "optimizer": mine.get("optimizer"),
-               "deepspeed": mine.get("deepspeed"), "io": {}}
+               "ours": rounds[0]["ours"], "compute": rounds[0]["compute"], "rounds": rounds,
+               "optimizer": mine.get("optimizer"), "deepspeed": mine.get("deepspeed"), "io": {}}
         ios = [r for t, r in mine.items() if t.startswith("io-")]
         for schedule, res in got["ours"].items():
             io = mine.get(f"io-{schedule}")
@@ -660,6 +687,22 @@ def report_file(paths: list[Path]) -> str:
                 got["io"][schedule] = io
         per_size.append(got)
     return report(per_size, args, headers[0]["machine"])
+
+
+def round_tag(tag: str, rnd: int) -> str:
+    """The tag of a run in round ``rnd`` (0-based): the first round keeps the plain tag, so
+    results of one round read as before."""
+    return tag if rnd == 0 else f"{tag}@{rnd + 1}"
+
+
+def paired_ratios(got: dict, schedule: str) -> list[float]:
+    """Per round, ours' median step over that round's compute-alone median (both ok)."""
+    out = []
+    for r in got.get("rounds") or []:
+        ours, compute = r["ours"].get(schedule), r["compute"]
+        if _med(ours) and _med(compute):
+            out.append(ours["median_step_s"] / compute["median_step_s"])
+    return out
 
 
 def _med(res: dict | None) -> float | None:
@@ -689,37 +732,49 @@ def _cpu_split(stats: dict) -> str:
     return f"; cpu {stats['cpu_user_s']:.1f} + {stats['cpu_sys_s']:.1f} sys"
 
 
+def _round_rows(size: str, r: dict, label: str) -> list[list]:
+    """Table rows of one round's runs of ours (each schedule) and compute alone."""
+    rows: list[list] = []
+    for schedule, res in r["ours"].items():
+        if not res.get("ok"):
+            rows.append([size, f"ours {schedule}{label}", "FAILED: " + str(res.get("error"))[:80]]
+                        + [None] * 6)
+            continue
+        st = res["median_stats"]
+        split = (f"compute {st['compute_s']:.1f} / opt {st['optimizer_s']:.1f} "
+                 f"(bg {st.get('optimizer_background_s', 0):.1f}, grad wait "
+                 f"{st.get('grad_wait_s', 0):.1f}) / io wait {st['io_wait_s']:.1f}"
+                 f"{_cpu_split(st)}")
+        rows.append([size, f"ours {schedule}{label}", round(res["median_step_s"], 2),
+                     ", ".join(f"{x:.1f}" for x in res["step_s"]), split,
+                     f"{st['io_read_bytes'] / C.GiB:.2f} / {st['io_write_bytes'] / C.GiB:.2f}",
+                     _hit_ratio(res), C.gib(res["vm_hwm_bytes"]),
+                     C.gib(res["sampler_peak_rss_bytes"])])
+    c = r["compute"]
+    if c is not None:
+        if c.get("ok"):
+            sp = c["median_split"]
+            rows.append([size, f"compute alone (torch fwd+bwd, RAM){label}",
+                         round(c["median_step_s"], 2),
+                         ", ".join(f"{x:.1f}" for x in c["step_s"]),
+                         f"fwd {sp['fwd_s']:.1f} / bwd {sp['bwd_s']:.1f}{_cpu_split(sp)}",
+                         "-", "-",
+                         C.gib(c["vm_hwm_bytes"]), C.gib(c["sampler_peak_rss_bytes"])])
+        else:
+            rows.append([size, f"compute alone{label}",
+                         "SKIPPED/FAILED: " + str(c.get("skipped") or c.get("error"))[:80]]
+                        + [None] * 6)
+    return rows
+
+
 def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str:
     rows, bars = [], []
     for got in per_size:
         size = got["size"]
-        for schedule, res in got["ours"].items():
-            if not res.get("ok"):
-                rows.append([size, f"ours {schedule}", "FAILED: " + str(res.get("error"))[:80]]
-                            + [None] * 6)
-                continue
-            st = res["median_stats"]
-            split = (f"compute {st['compute_s']:.1f} / opt {st['optimizer_s']:.1f} "
-                     f"(bg {st.get('optimizer_background_s', 0):.1f}, grad wait "
-                     f"{st.get('grad_wait_s', 0):.1f}) / io wait {st['io_wait_s']:.1f}"
-                     f"{_cpu_split(st)}")
-            rows.append([size, f"ours {schedule}", round(res["median_step_s"], 2),
-                         ", ".join(f"{x:.1f}" for x in res["step_s"]), split,
-                         f"{st['io_read_bytes'] / C.GiB:.2f} / {st['io_write_bytes'] / C.GiB:.2f}",
-                         _hit_ratio(res), C.gib(res["vm_hwm_bytes"]),
-                         C.gib(res["sampler_peak_rss_bytes"])])
+        rounds = got.get("rounds") or [{"ours": got["ours"], "compute": got.get("compute")}]
+        for rnd, r in enumerate(rounds):
+            rows += _round_rows(size, r, f" (round {rnd + 1})" if len(rounds) > 1 else "")
         c = got.get("compute")
-        if c is not None:
-            if c.get("ok"):
-                sp = c["median_split"]
-                rows.append([size, "compute alone (torch fwd+bwd, RAM)", round(c["median_step_s"], 2),
-                             ", ".join(f"{x:.1f}" for x in c["step_s"]),
-                             f"fwd {sp['fwd_s']:.1f} / bwd {sp['bwd_s']:.1f}{_cpu_split(sp)}",
-                             "-", "-",
-                             C.gib(c["vm_hwm_bytes"]), C.gib(c["sampler_peak_rss_bytes"])])
-            else:
-                rows.append([size, "compute alone", "SKIPPED/FAILED: " + str(c.get("skipped") or c.get("error"))[:80]]
-                            + [None] * 6)
         seen = set()
         for schedule, io in got["io"].items():
             if id(io) in seen:
@@ -777,6 +832,10 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
                 peaks = {ph: max(r[ph][1] for r in res["rss_phases"]) for ph in ("fwd", "bwd", "step")}
                 line += "; sampler peak by phase fwd / bwd / step " + " / ".join(
                     f"{C.gib(v):.2f}" for v in peaks.values()) + " GiB"
+            paired = paired_ratios(got, schedule)
+            if len(paired) > 1:
+                line += ("; step / compute alone by round " + ", ".join(f"{x:.2f}" for x in paired)
+                         + f" (median {C.median(paired):.2f})")
             if _med(d):
                 ratio = res["median_step_s"] / d["median_step_s"]
                 line += f"; ours / DeepSpeed = {ratio:.2f} ({'meets' if ratio <= DS_TARGET else 'misses'} <= 0.5)"
