@@ -191,6 +191,9 @@ def _ours(spec: dict, res: dict) -> None:
                                    for k in ("read_bytes", "write_bytes")}
         res["swap_bytes_end"] = C.dir_bytes(nvme)
         res["speculation_stats"] = dict(engine.optimizer.speculation_stats)
+        room = getattr(engine.optimizer, "held_room", None)
+        if room is not None:   # the early step's held gradients (optim/held_room.py)
+            res["held_room"] = {"capacity": room.capacity, "peak": room.peak}
         res["grad_norms"] = engine.optimizer.last_grad_norm
         res["native_info"] = infinity.native_info()
         if engine.activation_swapper is not None:
@@ -828,6 +831,9 @@ def report(per_size: list[dict], args: argparse.Namespace, machine: dict) -> str
                 line += (f"; step / max(floors) = {res['median_step_s']:.1f} / {known[top]:.1f} ({top}) = "
                          f"{res['median_step_s'] / known[top]:.2f}"
                          + ("" if len(known) == 3 else f" [missing: {sorted(set(fl) - set(known))}]"))
+            if res.get("held_room"):
+                line += f"; held gradients peak {res['held_room']['peak'] / C.MiB:.0f} MiB " \
+                        f"(room {res['held_room']['capacity'] / C.MiB:.0f} MiB)"
             if res.get("rss_phases"):
                 peaks = {ph: max(r[ph][1] for r in res["rss_phases"]) for ph in ("fwd", "bwd", "step")}
                 line += "; sampler peak by phase fwd / bwd / step " + " / ".join(
