@@ -148,21 +148,37 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise ValueError("--plot needs matplotlib, which is not installed: pip install "
                              "matplotlib (or infinity-offload[plot]), or drop --plot") from None
-    # SIGTERM unwinds like Ctrl-C, so the private directory is removed either way.
-    previous = signal.getsignal(signal.SIGTERM)
+    # SIGTERM unwinds like Ctrl-C, so the private directory is removed either way. The signal
+    # is also remembered: a KeyboardInterrupt raised while Python runs a finalizer (an I/O
+    # buffer freed by the garbage collector) is printed and dropped, so the sweep checks the
+    # flag at each phase and raises again.
+    caught: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def _terminate(signum, frame):
+    def _interrupt(signum, frame):
+        caught.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _terminate)
+    bar = _ProgressBar()
+
+    def progress(done: int, total: int, point: tune.TunePoint, phase: str) -> None:
+        if caught:
+            raise KeyboardInterrupt
+        bar(done, total, point, phase)
+
+    for sig in previous:
+        signal.signal(sig, _interrupt)
     try:
         report = tune.sweep(args.path, points, size=size, repeats=args.repeats, fsync=args.fsync,
-                            progress=_ProgressBar())
+                            progress=progress)
+        if caught:
+            raise KeyboardInterrupt   # the last phase's interrupt was dropped
     except KeyboardInterrupt:
         print("infinity nvme-tune: interrupted; the test file was removed", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     section = {"aio": report.aio_section()}
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
