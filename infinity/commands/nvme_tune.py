@@ -153,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
     # buffer freed by the garbage collector) is printed and dropped, so the sweep checks the
     # flag at each phase and raises again.
     caught: list[int] = []
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # (SIGINT only where it is not ignored: a sweep started with nohup or in the background)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)
+                if sig != signal.SIGINT or signal.getsignal(sig) is signal.default_int_handler}
 
     def _interrupt(signum, frame):
         caught.append(signum)
