@@ -13,9 +13,15 @@ import torch
 
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
-from infinity.sizes import format_bytes
 from infinity.optim.partitioned import accumulate_chunk_numel, step_slot_count
-from infinity.planner import DerivedSizes, ModelStats, derive_sizes, detect_hardware
+from infinity.planner import (
+    PREFETCH_UNITS,
+    DerivedSizes,
+    ModelStats,
+    derive_sizes,
+    detect_hardware,
+)
+from infinity.sizes import format_bytes
 from infinity.storage.manager import padded_numel
 from infinity.storage.preflight import free_bytes
 from infinity.storage.tiers import Tier
@@ -150,6 +156,18 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         # the emulated pool is host memory set aside for units (activations live outside it), and
         # a kept unit never blocks a fetch: keep whatever the pool holds (fewer NVMe reads)
         max_reuse = max(max_reuse, device_budget // itemsize)
+    prefetch = derived.prefetch_bucket_size
+    max_live = derived.max_live_parameters
+    if direct_fetch and device_budget is not None and cfg.zero.stage == 3:
+        # the planner sized an automatic prefetch bucket before the fetch slots' memory moved
+        # into the emulated pool; with that room, prefetch its PREFETCH_UNITS largest units
+        # (the prefetch counts what is already in flight: see choose_prefetch)
+        largest = max(unit_numels, default=0)
+        if cfg.zero.stage3_prefetch_bucket_size is None:
+            prefetch = max(prefetch, min(PREFETCH_UNITS * largest,
+                                         (device_budget - 2 * max_unit_bytes) // itemsize))
+        if cfg.zero.stage3_max_live_parameters is None:
+            max_live = max(max_live, largest + prefetch)
     max_trainable = max(trainable, default=0)
     sub_group = max(1, derived.sub_group_size)
     streamed = optimizer_tier is Tier.NVME or param_tier is Tier.NVME
@@ -193,8 +211,8 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         fetch_slots=fetch_slots if direct_fetch else max(2, fetch_slots),
         max_unit_bytes=max_unit_bytes,
         persistence_threshold=threshold,
-        prefetch_bucket_numel=max(derived.prefetch_bucket_size, max(unit_numels, default=0)),
-        max_live_numel=max(derived.max_live_parameters, 2 * max(unit_numels, default=0)),
+        prefetch_bucket_numel=max(prefetch, max(unit_numels, default=0)),
+        max_live_numel=max(max_live, 2 * max(unit_numels, default=0)),
         max_reuse_numel=max_reuse,
         grad_tier=grad_tier, nvme_bytes=nvme)
 

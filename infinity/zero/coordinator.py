@@ -29,8 +29,9 @@ A unit whose next use, in the recorded order, comes within ``stage3_max_reuse_di
 elements of other units is kept fetched instead of released: the last units of the forward are
 the first of the backward, and (early step) the last units stepped are the first of the next
 forward, whose device copies are already current. A kept unit never blocks a fetch: it is kept
-only while one more unit of the largest size still fits the device budget, and a fetch that
-needs its room releases kept units first, the one needed last first.
+only while one more unit of the largest size still fits the device budget, a fetch that needs
+its room releases kept units first, the one needed last first, and a prefetch releases those
+needed after the unit it reads (kept units do not count as live parameters for prefetch).
 """
 from __future__ import annotations
 
@@ -472,16 +473,21 @@ class Coordinator:
             upcoming = upcoming + self.traces["bwd"].order[: self.limits.max_units_ahead]
         if not upcoming:
             return
+        # kept units never block a fetch (see [Note: keeping units for reuse]): not live here
         live = sum(u.numel for u in self.units if u.residency != Residency.RELEASED
-                   and not u.persistent)
+                   and not u.persistent and u.index not in self._kept)
         chosen = choose_prefetch(
             upcoming, lambda u: self.units[u].numel,
-            lambda u: self.units[u].residency == Residency.RELEASED, live, self.limits)
+            lambda u: self.units[u].residency == Residency.RELEASED, live, self.limits,
+            is_kept=self._kept.__contains__)
         for uid in chosen:
             # with a slot pool, keep one slot free for synchronous fetches and write-backs;
             # without one, prefetches read into device memory while it has room
             if self.fetch_pool is not None and self.fetch_pool.available <= 1:
                 break
+            if self.fetch_pool is None:   # the read goes into device memory: make room
+                self._evict_kept(self.units[uid].nbytes, upcoming,
+                                 nearer_than=self._next_use_or_never(uid, upcoming))
             if not self.units[uid].start_fetch(self.manager, self.fetch_pool):
                 break
 

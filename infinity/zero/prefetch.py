@@ -56,27 +56,35 @@ class PrefetchLimits:
 
 
 def choose_prefetch(upcoming: list[int], numel_of, is_released, live_numel: int,
-                    limits: PrefetchLimits) -> list[int]:
+                    limits: PrefetchLimits, is_kept=lambda unit: False) -> list[int]:
     """Which of ``upcoming`` units to start swapping in now.
 
-    ``numel_of(u)`` gives a unit's size, ``is_released(u)`` whether it needs a fetch at all.
-    Stops at the first unit that does not fit, so prefetch stays in execution order.
+    ``numel_of(u)`` gives a unit's size, ``is_released(u)`` whether it needs a fetch at all,
+    ``is_kept(u)`` whether a fetched unit is only kept for reuse. Units already fetched or in
+    flight ahead of use count against the bucket (kept ones do not: nothing is in flight for
+    them), so the hooks that call this for every unit do not push the frontier one unit further
+    each time; the next unit always goes when nothing is ahead. Stops at the first unit that
+    does not fit, so prefetch stays in execution order.
     """
     chosen: list[int] = []
-    ahead = 0
+    ahead = 0        # elements fetched or in flight ahead of use, and those chosen now
+    started = 0      # elements chosen now (``live_numel`` counts the fetched ones already)
     seen: set[int] = set()
     for unit in upcoming:
         if len(chosen) >= limits.max_units_ahead or unit in seen:
             break
         seen.add(unit)
-        if not is_released(unit):
-            continue
         size = numel_of(unit)
-        if chosen and (ahead + size > limits.bucket_numel
-                       or live_numel + ahead + size > limits.max_live_numel):
+        if not is_released(unit):
+            if not is_kept(unit):
+                ahead += size
+            continue
+        if ahead and (ahead + size > limits.bucket_numel
+                      or live_numel + started + size > limits.max_live_numel):
             break
         chosen.append(unit)
         ahead += size
+        started += size
     return chosen
 
 

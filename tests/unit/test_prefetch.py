@@ -66,3 +66,32 @@ def test_kept_units_are_evicted_needed_last_first() -> None:
     coordinator.traces["train_fwd"].order = [0, 3, 1, 2]     # next forward: 0 first, 2 last
     coordinator._evict_kept(200)                             # room for 2 units: evict 2, then 1
     assert released == [2, 1] and coordinator._kept == {0}
+
+
+def test_units_in_flight_count_against_the_bucket_so_repeated_calls_do_not_run_ahead() -> None:
+    """The hooks ask for prefetches at every unit: what is already fetched or in flight ahead of
+    use must count, or each call pushes the frontier one unit further (in a 18-layer model it
+    ran six layers ahead of the backward, filling the device pool)."""
+    limits = PrefetchLimits(bucket_numel=150, max_live_numel=10_000, max_units_ahead=4)
+    released = {1, 2, 3}
+    order = [1, 2, 3]
+    assert choose_prefetch(order, SIZES.get, released.__contains__, 0, limits) == [1]
+    released.discard(1)             # 1 is in flight now
+    for _ in range(3):              # more hooks fire before 1 is used: nothing more starts
+        assert choose_prefetch(order, SIZES.get, released.__contains__, 100, limits) == []
+    # once 1 is in use the next call looks from 2 on, and 2 goes
+    assert choose_prefetch(order[1:], SIZES.get, released.__contains__, 100, limits) == [2]
+
+
+def test_kept_units_do_not_count_as_in_flight() -> None:
+    """A unit kept for reuse is ready, and nothing is in flight for it: the units behind it are
+    still prefetched within the bucket (the first units of the backward are the last of the
+    forward, kept)."""
+    limits = PrefetchLimits(bucket_numel=150, max_live_numel=10_000, max_units_ahead=4)
+    released = {2, 3}
+    kept = {4, 1}
+    chosen = choose_prefetch([4, 1, 2, 3], SIZES.get, released.__contains__, 110, limits,
+                             is_kept=kept.__contains__)
+    assert chosen == [2]            # 2 fits the bucket, 2 + 3 would not
+    chosen = choose_prefetch([4, 1, 2, 3], SIZES.get, released.__contains__, 110, limits)
+    assert chosen == []             # counted as in flight, 4 + 1 fill the bucket
