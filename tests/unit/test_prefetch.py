@@ -95,3 +95,41 @@ def test_kept_units_do_not_count_as_in_flight() -> None:
     assert chosen == [2]            # 2 fits the bucket, 2 + 3 would not
     chosen = choose_prefetch([4, 1, 2, 3], SIZES.get, released.__contains__, 110, limits)
     assert chosen == []             # counted as in flight, 4 + 1 fill the bucket
+
+
+def test_a_needed_unit_cancels_the_prefetches_holding_its_room_needed_last_first() -> None:
+    """Prefetches of an order that changed hold the device room the unit needed now must have:
+    they are cancelled, the one needed last first, and only as many as the room needs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from infinity.budget import MemoryBudget
+    from infinity.storage.device_cache import DeviceMemoryCache
+    from infinity.storage.tiers import Residency
+    from infinity.zero.coordinator import Coordinator
+
+    budget = MemoryBudget("device", 300)
+    manager = SimpleNamespace(device_budget=budget,
+                              device_cache=DeviceMemoryCache(budget, torch.device("cpu")))
+    cancelled = []
+
+    class FakeUnit(SimpleNamespace):
+        def cancel_fetch(self, _manager, _pool) -> None:
+            budget.release(self.nbytes)
+            self.residency = Residency.RELEASED
+            cancelled.append(self.index)
+
+    units = [FakeUnit(index=i, numel=100, nbytes=100, persistent=False,
+                      residency=Residency.RELEASED, trainable_entries=lambda: [])
+             for i in range(4)]
+    coordinator = Coordinator(units, [], manager, None, PrefetchLimits(100, 400, 1000),
+                              on_grad=None, on_unit_backward_done=None)
+    for uid in (0, 1, 2):               # 0 in use, 1 and 2 prefetched for the old order
+        units[uid].residency = Residency.FETCHED if uid == 0 else Residency.FETCHING
+    budget.reserve(300, "units 0-2")
+    coordinator._fwd_trace_name = None
+    coordinator.traces["train_fwd"].order = [3, 1, 2]      # the new order: 3 now, 2 last
+    coordinator._cancel_prefetches(100)                    # room for 3
+    assert cancelled == [2] and units[1].residency is Residency.FETCHING
+    assert coordinator.fetch_stats["prefetches_cancelled"] == 1
