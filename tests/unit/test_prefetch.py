@@ -35,9 +35,14 @@ def test_choose_prefetch_stays_in_order_within_the_budgets() -> None:
     assert chosen == [1]                                     # the first one always goes
 
 
-def test_kept_units_are_evicted_needed_last_first() -> None:
-    """A unit needed right next (distance 0) is the last to go, not taken for "never used"."""
+def _coordinator_over_fake_units(residencies: list, next_forward: list[int]):
+    """A coordinator over units of 100 elements (and bytes) in a device budget of 300 bytes,
+    with the given residencies (the non-released ones reserved in the budget) and the next
+    forward's order; returns it, the units, and the indices of units released or cancelled, in
+    order."""
     from types import SimpleNamespace
+
+    import torch
 
     from infinity.budget import MemoryBudget
     from infinity.storage.device_cache import DeviceMemoryCache
@@ -46,26 +51,39 @@ def test_kept_units_are_evicted_needed_last_first() -> None:
 
     budget = MemoryBudget("device", 300)
     manager = SimpleNamespace(device_budget=budget,
-                              device_cache=DeviceMemoryCache(budget, __import__("torch").device("cpu")))
-    released = []
+                              device_cache=DeviceMemoryCache(budget, torch.device("cpu")))
+    gone: list[int] = []
 
     class FakeUnit(SimpleNamespace):
         def release(self, _manager) -> None:
             budget.release(self.nbytes)
             self.residency = Residency.RELEASED
-            released.append(self.index)
+            gone.append(self.index)
 
-    units = [FakeUnit(index=i, numel=100, nbytes=100, persistent=False,
-                      residency=Residency.FETCHED, trainable_entries=lambda: [])
-             for i in range(4)]
+        def cancel_fetch(self, manager, _pool) -> None:
+            self.release(manager)
+
+    units = [FakeUnit(index=i, numel=100, nbytes=100, persistent=False, residency=residency,
+                      trainable_entries=lambda: [])
+             for i, residency in enumerate(residencies)]
     coordinator = Coordinator(units, [], manager, None, PrefetchLimits(100, 400, 1000),
                               on_grad=None, on_unit_backward_done=None)
-    budget.reserve(300, "units 0-2 fetched")
-    coordinator._kept = {0, 1, 2}
+    budget.reserve(100 * sum(u.residency is not Residency.RELEASED for u in units), "units")
     coordinator._fwd_trace_name = None
-    coordinator.traces["train_fwd"].order = [0, 3, 1, 2]     # next forward: 0 first, 2 last
+    coordinator.traces["train_fwd"].order = next_forward
+    return coordinator, units, gone
+
+
+def test_kept_units_are_evicted_needed_last_first() -> None:
+    """A unit needed right next (distance 0) is the last to go, not taken for "never used"."""
+    from infinity.storage.tiers import Residency
+
+    fetched, released = Residency.FETCHED, Residency.RELEASED
+    coordinator, _, gone = _coordinator_over_fake_units(
+        [fetched, fetched, fetched, released], next_forward=[0, 3, 1, 2])   # 0 first, 2 last
+    coordinator._kept = {0, 1, 2}
     coordinator._evict_kept(200)                             # room for 2 units: evict 2, then 1
-    assert released == [2, 1] and coordinator._kept == {0}
+    assert gone == [2, 1] and coordinator._kept == {0}
 
 
 def test_units_in_flight_count_against_the_bucket_so_repeated_calls_do_not_run_ahead() -> None:
@@ -100,36 +118,12 @@ def test_kept_units_do_not_count_as_in_flight() -> None:
 def test_a_needed_unit_cancels_the_prefetches_holding_its_room_needed_last_first() -> None:
     """Prefetches of an order that changed hold the device room the unit needed now must have:
     they are cancelled, the one needed last first, and only as many as the room needs."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from infinity.budget import MemoryBudget
-    from infinity.storage.device_cache import DeviceMemoryCache
     from infinity.storage.tiers import Residency
-    from infinity.zero.coordinator import Coordinator
 
-    budget = MemoryBudget("device", 300)
-    manager = SimpleNamespace(device_budget=budget,
-                              device_cache=DeviceMemoryCache(budget, torch.device("cpu")))
-    cancelled = []
-
-    class FakeUnit(SimpleNamespace):
-        def cancel_fetch(self, _manager, _pool) -> None:
-            budget.release(self.nbytes)
-            self.residency = Residency.RELEASED
-            cancelled.append(self.index)
-
-    units = [FakeUnit(index=i, numel=100, nbytes=100, persistent=False,
-                      residency=Residency.RELEASED, trainable_entries=lambda: [])
-             for i in range(4)]
-    coordinator = Coordinator(units, [], manager, None, PrefetchLimits(100, 400, 1000),
-                              on_grad=None, on_unit_backward_done=None)
-    for uid in (0, 1, 2):               # 0 in use, 1 and 2 prefetched for the old order
-        units[uid].residency = Residency.FETCHED if uid == 0 else Residency.FETCHING
-    budget.reserve(300, "units 0-2")
-    coordinator._fwd_trace_name = None
-    coordinator.traces["train_fwd"].order = [3, 1, 2]      # the new order: 3 now, 2 last
+    # 0 in use, 1 and 2 prefetched for the old order; the new order needs 3 now, 2 last
+    coordinator, units, gone = _coordinator_over_fake_units(
+        [Residency.FETCHED, Residency.FETCHING, Residency.FETCHING, Residency.RELEASED],
+        next_forward=[3, 1, 2])
     coordinator._cancel_prefetches(100)                    # room for 3
-    assert cancelled == [2] and units[1].residency is Residency.FETCHING
+    assert gone == [2] and units[1].residency is Residency.FETCHING
     assert coordinator.fetch_stats["prefetches_cancelled"] == 1
