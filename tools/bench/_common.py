@@ -121,8 +121,6 @@ def thread_cpu() -> dict[str, tuple[float, float]]:
     """CPU seconds (user, system) of each live thread of this process by name (Python's thread
     name where it has one, else the kernel's ``comm`` and thread id): which of the engine's
     threads competes with torch's for the cores. Threads that ended are not counted."""
-    import threading
-
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, tuple[float, float]] = {}

@@ -607,6 +607,8 @@ def _lists(args: argparse.Namespace) -> None:
     bad = sorted(set(args.only) - set(KINDS))
     if bad:
         raise SystemExit(f"--only: unknown runs {bad}; choose from {','.join(KINDS)}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: give at least 1")
     if args.skip_deepspeed:
         args.only = [k for k in args.only if k != "deepspeed"]
     if args.skip_compute:
