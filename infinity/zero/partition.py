@@ -70,6 +70,7 @@ def find_blocks(model: nn.Module, unit_modules: list[str] | None = None) -> list
 
 def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[UnitSpec]:
     """Split ``model``'s parameters into units, in module registration order."""
+    _refuse_non_float_parameters(model)
     blocks = find_blocks(model, unit_modules)
     block_ids = {id(m) for _, m in blocks}
     spine = {""}
@@ -104,6 +105,20 @@ def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[U
     if missing:
         raise RuntimeError(f"partition left parameters without a unit: {missing[:5]}")
     return specs
+
+
+def _refuse_non_float_parameters(model: nn.Module) -> None:
+    """A unit keeps its parameters in one flat buffer of the compute dtype, so an integer or
+    bool parameter (an index table) would come back as floats and break the forward that
+    indexes with it: refused before anything is moved, with the fix."""
+    odd = [f"{name} ({str(p.dtype).replace('torch.', '')})"
+           for name, p in model.named_parameters() if not p.is_floating_point()]
+    if odd:
+        raise TypeError(
+            f"{len(odd)} parameter(s) of {type(model).__name__} are not floating point: "
+            f"{', '.join(odd[:5])}. The engine keeps parameters in the compute dtype, which would "
+            "turn them into floats; register such tensors as buffers instead "
+            "(module.register_buffer(name, tensor)), which the engine leaves as they are")
 
 
 def modules_needing(model: nn.Module, specs: list[UnitSpec]) -> list[tuple[nn.Module, list[int]]]:

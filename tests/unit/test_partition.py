@@ -97,3 +97,15 @@ def test_block_models_and_big_leaves_keep_their_units() -> None:
     assert [s.name for s in partition(Net())] == ["layers.0", "layers.1", "layers.2", "head"]
     big_leaf = nn.Sequential(nn.Embedding(1000, 8), nn.Linear(8, 2))
     assert [s.name for s in partition(big_leaf)] == ["0", "1"]
+
+
+def test_an_integer_parameter_is_refused_with_the_fix() -> None:
+    """A unit's flat buffer holds the compute dtype: an int64 index table would come back as
+    floats and break the forward that indexes with it."""
+    net = Net()
+    net.index = nn.Parameter(torch.arange(4), requires_grad=False)
+    with pytest.raises(TypeError, match=r"index \(int64\).*register_buffer"):
+        partition(net)
+    net.index = None
+    net.register_buffer("table", torch.arange(4))
+    assert [s.name for s in partition(net)] == ["layers.0", "layers.1", "layers.2", "head"]
