@@ -58,21 +58,19 @@ GROWTH_BAR = 0.1  # bytes of peak RSS per parameter between the two sizes
 DS_TARGET = 0.5
 
 
-# --schedules: name -> (infinity.early_step, infinity.speculative_step, gradient_clipping,
-# infinity.late_step)
+# --schedules: name -> (infinity.early_step, infinity.speculative_step, gradient_clipping)
 SCHEDULES = {
-    "on": ("on", "auto", 0.0, "auto"), "auto": ("auto", "auto", 0.0, "auto"),
-    "nolate": ("on", "auto", 0.0, "off"),            # early step, every unit in the backward
-    "off": ("off", "auto", 0.0, "auto"),             # deferred, speculation kept every step
-    "nospec": ("off", "off", 0.0, "auto"),           # deferred without speculation
-    "clip": ("auto", "on", 1.0, "auto"),             # clipping: speculation, kept or rolled back
-    "clip-nospec": ("auto", "off", 1.0, "auto"),     # clipping, deferred without speculation
+    "on": ("on", "auto", 0.0), "auto": ("auto", "auto", 0.0),
+    "off": ("off", "auto", 0.0),              # deferred, speculation kept every step
+    "nospec": ("off", "off", 0.0),            # deferred without speculation
+    "clip": ("auto", "on", 1.0),              # clipping: speculation, kept or rolled back
+    "clip-nospec": ("auto", "off", 1.0),      # clipping, deferred without speculation
 }
 
 
 def ds_config(nvme_path: str, args: argparse.Namespace, schedule: str) -> dict:
     """Our config: DeepSpeed JSON (ZeRO-3, nvme/nvme) plus the "infinity" section."""
-    early, speculative, clipping, late = SCHEDULES[schedule]
+    early, speculative, clipping = SCHEDULES[schedule]
     return {
         "train_micro_batch_size_per_gpu": args.mbs,
         "gradient_accumulation_steps": 1,
@@ -85,7 +83,7 @@ def ds_config(nvme_path: str, args: argparse.Namespace, schedule: str) -> dict:
         "aio": {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth,
                 "thread_count": 1, "single_submit": False, "overlap_events": True},
         "infinity": {"host_memory_budget": args.host_budget, "early_step": early,
-                     "speculative_step": speculative, "late_step": late,
+                     "speculative_step": speculative,
                      "offload_activations": args.offload_activations},
     }
 
@@ -151,7 +149,6 @@ def _ours(spec: dict, res: dict) -> None:
                       "overlap_events": aio.overlap_events, "backend": aio.backend}
         res["early_step_in_use"] = bool(engine.optimizer.early_step)
         res["speculation_in_use"] = engine.optimizer.speculation
-        res["late_step_in_use"] = bool(engine.optimizer.late_step)
         res["swap_bytes_after_init"] = C.dir_bytes(nvme)
         losses, steps, stats = [], [], []
         io0 = C.proc_io()
@@ -194,8 +191,6 @@ def _ours(spec: dict, res: dict) -> None:
                                    for k in ("read_bytes", "write_bytes")}
         res["swap_bytes_end"] = C.dir_bytes(nvme)
         res["speculation_stats"] = dict(engine.optimizer.speculation_stats)
-        res["late_stats"] = dict(engine.optimizer.late_stats)
-        res["late_units"] = [u.name for u in engine.units if engine.optimizer.is_late(u.index)]
         room = getattr(engine.optimizer, "held_room", None)
         if room is not None:   # the early step's held gradients (optim/held_room.py)
             res["held_room"] = {"capacity": room.capacity, "peak": room.peak}
