@@ -329,7 +329,6 @@ _ALIASES: dict[str, dict[str, str]] = {
 }
 # Keys whose own choices include "auto" (resolved later by the planner and engine, not here).
 _AUTO_IS_A_CHOICE = frozenset({"aio.backend", "infinity.early_step", "infinity.speculative_step",
-                               "infinity.late_step",
                                "infinity.compute_dtype",
                                "infinity.host_memory_budget", "infinity.device_memory_budget"})
 _ZERO_SCALARS = tuple(f.name for f in dataclasses.fields(ZeroConfig)

@@ -524,11 +524,6 @@ class InfinitySection:
     """Bytes for the DEVICE tier; None = the GPU's free memory (CPU-only: the planner's choice)."""
     early_step: Literal["auto", "on", "off"] = "auto"
     """Step a unit's offloaded optimizer as soon as its gradient arrives; "auto" = when correctness allows."""
-    late_step: Literal["auto", "on", "off"] = "auto"
-    """Under the early step, step the units the backward reaches first (up to one largest
-    unit's gradient, held meanwhile) during the next forward instead: their optimizer reads and
-    writes then overlap the forward, whose disk has little to do, not the backward, whose disk
-    is the limit. "auto" = on when the Adam states are on NVMe."""
     speculative_step: Literal["auto", "on", "off"] = "auto"
     """Where the early step is not exact (clipping, fp16 loss scaling, accumulation), step each
     unit during backward anyway into second copies of its NVMe states, and keep them when the
@@ -574,12 +569,7 @@ class InfinitySection:
                               "malloc alone")
         _set(self, "device_memory_budget", _size(f"{p}.device_memory_budget", self.device_memory_budget))
         _choice(f"{p}.early_step", self.early_step, ("auto", "on", "off"))
-        _choice(f"{p}.late_step", self.late_step, ("auto", "on", "off"))
         _choice(f"{p}.speculative_step", self.speculative_step, ("auto", "on", "off"))
-        if self.early_step == "off" and self.late_step == "on":
-            raise ConfigError(f"{p}.late_step = 'on' moves steps of the early-step schedule, "
-                              f"but {p}.early_step is 'off': set late_step 'auto' or 'off', or "
-                              "early_step 'auto'")
         if self.unit_modules is not None:
             names = self.unit_modules
             if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names or \

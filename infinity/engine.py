@@ -34,7 +34,6 @@ from infinity.engine_sizing import (
     EngineSizes,
     derive,
     disk_has_room,
-    late_step_wanted,
     host_budget_note,
     resolve_sizes,
     speculation_possible,
@@ -93,8 +92,6 @@ class Engine(DeepSpeedEngineAccessors):
 
         groups = param_groups(model, model_parameters, self.config)
         self.early_step = derived.early_step
-        self.late_step = late_step_wanted(self.config, self.early_step, optimizer_tier,
-                                          self.device)
         # on a CPU device, parameters are read from NVMe straight into device memory
         self.direct_fetch = param_tier is Tier.NVME and DeviceMemoryCache.supported(self.device)
         nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
@@ -106,8 +103,7 @@ class Engine(DeepSpeedEngineAccessors):
         def sizes() -> EngineSizes:
             return resolve_sizes(self.config, specs, derived, self.compute_dtype, param_tier,
                                  optimizer_tier, self.master_separate, self.early_step,
-                                 direct_fetch=self.direct_fetch, speculative=self.speculative,
-                                 late_step=self.late_step)
+                                 direct_fetch=self.direct_fetch, speculative=self.speculative)
 
         self.sizes: EngineSizes = sizes()
         if self.speculative and self.config.infinity.speculative_step == "auto" and \
@@ -139,8 +135,7 @@ class Engine(DeepSpeedEngineAccessors):
         log.info("engine ready: stage %d, compute %s, params on %s, optimizer on %s, %d units, "
                  "%s schedule; holding %s", stage, str(self.compute_dtype).replace("torch.", ""),
                  param_tier.name, optimizer_tier.name, len(self.units),
-                 ("early-step (late step on)" if self.optimizer.late_step else "early-step")
-                 if self.optimizer.early_step else
+                 "early-step" if self.optimizer.early_step else
                  f"deferred-step (speculative {self.optimizer.speculation})",
                  self.manager.describe())
 
@@ -179,8 +174,7 @@ class Engine(DeepSpeedEngineAccessors):
             grad_tier=grad_tier, early_step=early, sub_group_numel=self.sizes.sub_group_numel,
             master_separate=self.master_separate, staging_pool=self.fetch_pool,
             adamw_mode=self.config.optimizer.adam_w_mode,
-            speculation=self.config.infinity.speculative_step if self.speculative else "off",
-            late_step=self.late_step)
+            speculation=self.config.infinity.speculative_step if self.speculative else "off")
         self.optimizer.clip_norm = self.config.gradient_clipping
         self.coordinator = Coordinator(
             self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
@@ -191,8 +185,7 @@ class Engine(DeepSpeedEngineAccessors):
             reap=self.optimizer.reap, expect_backward=self.optimizer.expect_backward,
             step_fetched=self.optimizer.step_fetched, before_read=self._void_speculation,
             modified_in_forward=self._keep_forward_change,
-            untracked_backward=(self._begin_untracked_backward, self._end_untracked_backward),
-            is_late=self.optimizer.is_late)
+            untracked_backward=(self._begin_untracked_backward, self._end_untracked_backward))
         self.optimizer.on_zero_grad = self.zero_grad
         _route_module_methods(model, self)
         self.optimizer.forward_order = self.coordinator.forward_order

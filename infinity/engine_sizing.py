@@ -14,7 +14,6 @@ import torch
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
 from infinity.optim.partitioned import accumulate_chunk_numel, step_slot_count
-from infinity.optim.late_step import LATE_ROOM_UNITS
 from infinity.planner import (
     PREFETCH_UNITS,
     DerivedSizes,
@@ -100,28 +99,6 @@ def speculation_possible(cfg: InfinityConfig, stage: int, param_tier: Tier,
     return not blockers
 
 
-def late_step_wanted(cfg: InfinityConfig, early_step: bool, optimizer_tier: Tier,
-                     device: torch.device) -> bool:
-    """Whether the late step applies (see [Note: late step] in optim/late_step.py): under the
-    early step on a CPU device (where gradients are held as autograd made them); "auto" only
-    with the Adam states on NVMe, where the steps it moves are disk traffic. Raises when it is
-    asked for ("on") where it cannot run."""
-    mode = cfg.infinity.late_step
-    if mode == "off":
-        return False
-    blockers = []
-    if not early_step:
-        blockers.append("the early step is not in use (gradient clipping, fp16 loss scaling or "
-                        "gradient accumulation keep every step until step())")
-    if device.type != "cpu":
-        blockers.append(f"the model is on {device} (late steps hold gradients as autograd made "
-                        "them, which only a CPU device does)")
-    if blockers and mode == "on":
-        raise ValueError("infinity.late_step = 'on' cannot be used: " + "; ".join(blockers)
-                         + ". Set it to 'auto' or 'off'")
-    return not blockers and (mode == "on" or optimizer_tier is Tier.NVME)
-
-
 def disk_has_room(nvme_path: str | None, nvme_bytes: int, margin: float = 1.05) -> bool:
     """Whether ``nvme_path``'s filesystem has ``nvme_bytes`` (and 5% more) free."""
     if nvme_path is None:
@@ -135,10 +112,9 @@ def disk_has_room(nvme_path: str | None, nvme_bytes: int, margin: float = 1.05) 
 def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSizes,
                   compute_dtype: torch.dtype, param_tier: Tier, optimizer_tier: Tier,
                   master_separate: bool, early_step: bool,
-                  direct_fetch: bool = False, speculative: bool = False,
-                  late_step: bool = False) -> EngineSizes:
+                  direct_fetch: bool = False, speculative: bool = False) -> EngineSizes:
     """Sizes for this model, config and machine (``speculative``: parameters and Adam states
-    have second copies on NVMe; ``late_step``: a unit's gradient is parked for the next forward).
+    have second copies on NVMe).
 
     ``direct_fetch``: NVMe reads land straight in device memory (a CPU device, see
     ``Unit.start_fetch``), so there are no fetch slots; the host they would have taken goes to
@@ -208,8 +184,6 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
         # flat gradient buffers (GRADS_HELD), or held gradients: the room (HELD_ROOM_UNITS) and
         # the part waiting for it
         host += 2 * max_trainable * 4
-    if late_step:
-        host += int(LATE_ROOM_UNITS * max_trainable) * 4   # parked gradients
     if grad_tier is Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
         host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
     if cfg.infinity.offload_activations == "nvme":

@@ -52,7 +52,6 @@ from infinity.optim.gradients import (  # noqa: F401 - accumulate_chunk_numel: e
     held_room_bytes,
 )
 from infinity.optim.held_room import HeldRoom
-from infinity.optim.late_step import LateSteps
 from infinity.optim.speculation import Speculation
 from infinity.optim.step_stream import StepJob, StepStream
 from infinity.storage.buffer_pool import BufferPool, Slot
@@ -142,14 +141,14 @@ class SubGroup:
     end: int
 
 
-class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.optim.Optimizer):
+class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
     def __init__(self, units: list[Unit], param_groups: list[dict], manager: TierManager, *,
                  optimizer_tier: Tier, grad_tier: Tier, early_step: bool, sub_group_numel: int,
                  master_separate: bool, staging_pool: BufferPool | None,
                  adamw_mode: bool = True, threads: int | None = None,
-                 speculation: str = "off", late_step: bool = False) -> None:
+                 speculation: str = "off") -> None:
         super().__init__(param_groups, defaults={})
         # see [Note: speculative step] in optim/speculation.py
         self._init_speculation("off" if early_step else speculation)
@@ -173,7 +172,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
         self.threads = threads
         self.timers = OptimTimers()
         self.clip_norm = 0.0
-        self.last_grad_norm = None
+        self.last_grad_norm: float | None = None
         self.loss_scale = 1.0        # the fp16 loss scale the gradients carry (set by the engine)
         self.overflow = False        # the last step was skipped: its gradients were not finite
         self.step_failure: BaseException | None = None   # the first background step that failed
@@ -205,8 +204,6 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
         # see [Note: held gradients]: a room of HELD_ROOM_UNITS (optim/held_room.py)
         self.holds_grads = (early_step or doubled) and gradients_held(manager.device)
         self.held_room = HeldRoom(held_room_bytes(max_trainable))
-        # see [Note: late step] in optim/late_step.py (held gradients only)
-        self._init_late_step(early_step and late_step and self.holds_grads, max_trainable)
         needs_grad_buffer = (early_step and not self.holds_grads) or grad_tier is Tier.NVME
         self.grad_pool = BufferPool(manager, max_trainable * 4, GRADS_HELD, "gradient") \
             if needs_grad_buffer and max_trainable else None
@@ -262,12 +259,6 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
             gradient = self._take_gradient(state)
             params = self.take_arrived(state)
             job = self._expected.pop(unit.index, None)
-            if unit.index in self.late_ids:
-                if job is not None:
-                    self._stream.cancel(job)
-                self._park(state, gradient, params)
-                self.timers.grad_s += time.perf_counter() - start
-                return False
             if job is not None:
                 self._stream.make_ready(job, gradient, params=params)
             else:
@@ -295,7 +286,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
         steps_now = self._speculating if self._in_backward else self.plans_speculation()
         # (not while a deferred step of the unit waits: its reads would overtake that step)
         if not (self.early_step or steps_now) or state is None or unit.index in self._expected or \
-                unit.index in self._waiting or unit.index in self.late_ids or \
+                unit.index in self._waiting or \
                 any(s is state and not j.stepped.done() for s, j in self._pending_steps):
             return
         self._expected[unit.index] = self._stream.expect(state)
@@ -310,9 +301,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
     def begin_backward(self, boundary: bool) -> None:
         """Called before each backward (see ``GradientCollector``); a speculation still pending
         from an earlier backward of this cycle was voided by the engine's forward."""
-        self._settle_late_norm()     # before the norm of this cycle starts
         super().begin_backward(boundary)
-        self._choose_late()
         self._in_backward = True
         self._speculating = boundary and self.plans_speculation() and not self._speculated
 
@@ -323,7 +312,6 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
         undone; speculated ones are rolled back (``take_rolled_back``)."""
         self._in_backward = self._speculating = False
         self.cancel_expected()
-        self._dropped_parked.extend(self._drop_parked())   # released at the next reap
         try:
             if self._speculated:
                 self._roll_back("the backward raised", rebuild_gradients=False)
@@ -339,9 +327,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
     def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
         """Units whose background steps have all finished, in order: with ``wait`` all of them,
         with ``wait_first`` at least one. Re-raises a background step's error here."""
-        if (wait or wait_first) and self._parked:
-            self._submit_parked()     # a wait is never for a step not yet submitted
-        finished, self._dropped_parked = self._dropped_parked, []
+        finished: list[Unit] = []
         while self._pending_steps and (wait or (wait_first and not finished)
                                        or self._pending_steps[0][1].future.done()):
             state, job = self._pending_steps.pop(0)
@@ -361,8 +347,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
                 if job.gradient is not None:
                     self.release_gradient(job.gradient)
                 self.timers.optimizer_s += time.perf_counter() - start
-            if not any(s is state for s, _ in self._pending_steps) and \
-                    state.unit.index not in self._parked:
+            if not any(s is state for s, _ in self._pending_steps):
                 finished.append(state.unit)   # else a newer step of the unit still holds it
         return finished
 
@@ -373,7 +358,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
         for job in self._waiting.values():   # closing: nothing can read their results
             self._stream.cancel(job)
         self._waiting.clear()
-        units, self._dropped_parked = self._drop_parked() + self._dropped_parked, []
+        units = []
         while self._pending_steps:
             state = self._pending_steps[0][0]
             try:
@@ -529,7 +514,6 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
         """``unit`` has just been fetched: run its waiting deferred step on the device copy and
         wait for its kernels. True when it did: the unit must stay fetched until ``reap``
         returns it (its writes go out from the device copy)."""
-        self._wait_for_kernels_of(unit)     # a late step of it (see [Note: late step])
         job = self._waiting.pop(unit.index, None)
         if job is None:
             return False
@@ -548,25 +532,17 @@ class PartitionedOptimizer(GradientCollector, Speculation, LateSteps, torch.opti
     def _finish_early_steps(self) -> list[Unit]:
         """Wait until every unit's kernels have run (its device copy is the new parameters);
         writes still in flight go on behind the next forward (see [Note: writes behind the
-        step]); the late steps go on behind it (see [Note: late step] in optim/late_step.py).
-        Returns the units whose writes have landed too."""
-        self._submit_parked()
-        late = set(map(id, self._late_jobs))
+        step]). Returns the units whose writes have landed too."""
         for _, job in self._pending_steps:
-            if id(job) in late:
-                continue
             try:
                 job.stepped.result()
             except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
                 return self.reap(wait=True)
         for _, job in self._pending_steps:
-            if id(job) not in late:
-                self._collect_norm(job)
+            self._collect_norm(job)
         # the kernels summed each unit's gradient squares as they stepped it: the norm no
-        # step of this schedule needs, but get_global_grad_norm() reports (with the late
-        # steps' squares once their kernels have run)
+        # step of this schedule needs, but get_global_grad_norm() reports
         self.last_grad_norm = math.sqrt(self._sq_norm) / self.loss_scale
-        self._norm_open = bool(self._late_jobs)
         return self.reap()
 
     def _collect_norm(self, job: StepJob) -> None:

@@ -141,15 +141,14 @@ class StepStream:
     # -- the training thread's side ---------------------------------------------------------
     def submit(self, state: UnitOptimState, early: bool, grad_scale: float = 1.0,
                gradient: CompleteGradient | None = None, speculative: bool = False,
-               params: frozenset[int] | None = None, gradient_home: bool = False,
-               hyper: list[dict] | None = None) -> StepJob:
+               params: frozenset[int] | None = None, gradient_home: bool = False) -> StepJob:
         """Queue ``state``'s unit for a step with its gradients complete (an early step's
-        ``gradient`` is the job's from here on) of the parameters ``params`` (None: all), with
-        ``hyper`` (None: the param groups' now). The unit must be fetched and held until the
-        job's future is done: the step updates its device copy."""
+        ``gradient`` is the job's from here on) of the parameters ``params`` (None: all). The
+        unit must be fetched and held until the job's future is done: the step updates its
+        device copy."""
         return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient,
                                speculative=speculative, params=params,
-                               gradient_home=gradient_home, hyper=hyper)
+                               gradient_home=gradient_home)
 
     def expect(self, state: UnitOptimState, early: bool = True, grad_scale: float = 1.0,
                params: frozenset[int] | None = None) -> StepJob:
@@ -189,14 +188,12 @@ class StepStream:
 
     def _queue_job(self, state, early: bool, grad_scale: float, ready: bool,
                    gradient: CompleteGradient | None = None, speculative: bool = False,
-                   params: frozenset[int] | None = None, gradient_home: bool = False,
-                   hyper: list[dict] | None = None) -> StepJob:
+                   params: frozenset[int] | None = None, gradient_home: bool = False) -> StepJob:
         groups = deque(self.opt._sub_groups(state))
         # the hyperparameters (learning rate) of the step being asked for: an early step's are
-        # fixed when its gradients are complete (a late step's were then), a deferred step's
-        # now (a scheduler moves the rate before the step runs)
-        if hyper is None and (ready or not early):
-            hyper = self.opt.hyperparameters()
+        # fixed when its gradients are complete, a deferred step's now (a scheduler moves the
+        # rate before the step runs)
+        hyper = self.opt.hyperparameters() if ready or not early else None
         job = StepJob(state, Future(), Future(), groups, len(groups), early, grad_scale,
                       hyper, gradient, ready, speculative=speculative, params=params,
                       gradient_home=gradient_home)

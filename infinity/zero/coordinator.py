@@ -65,8 +65,8 @@ class Coordinator:
                  step_fetched: Callable[[Unit], bool] = lambda unit: False,
                  before_read: Callable[[], None] = lambda: None,
                  modified_in_forward: Callable[[Unit], None] = lambda unit: None,
-                 untracked_backward: tuple[Callable[[], None], Callable[[], None]] | None = None,
-                 is_late: Callable[[int], bool] = lambda uid: False) -> None:
+                 untracked_backward: tuple[Callable[[], None], Callable[[], None]] | None = None
+                 ) -> None:
         self.units = units
         self.hooked = hooked
         self.manager = manager
@@ -77,9 +77,6 @@ class Coordinator:
         self.reap = reap
         self.expect_backward = expect_backward
         self.step_fetched = step_fetched
-        # units whose step waits for the next forward (see [Note: late step] in
-        # optim/late_step.py): their Adam states are not read ahead for the backward
-        self.is_late = is_late
         # a forward outside the engine's (model.generate(), a plain model call) reads the units
         # too: a speculated step must be dropped first (see [Note: speculative step])
         self.before_read = before_read
@@ -258,8 +255,7 @@ class Coordinator:
         for uid in order:
             if len(found) == count:
                 break
-            if uid not in found and self.units[uid].has_trainable and not self._done[uid] and \
-                    not self.is_late(uid):
+            if uid not in found and self.units[uid].has_trainable and not self._done[uid]:
                 found.append(uid)
         return found
 
@@ -461,6 +457,7 @@ class Coordinator:
     def forward_order(self) -> list[int]:
         """The units in the order the last training forward first used them."""
         return list(dict.fromkeys(self.traces["train_fwd"].order))
+
     def step_waiting_units(self, units: list[Unit]) -> None:
         """Fetch ``units`` so their waiting deferred steps run (units the forward did not use,
         or a flush); each is released when its writes have landed."""

@@ -136,8 +136,7 @@ def test_expected_steps_read_ahead_and_unused_ones_are_cancelled(disk_dir) -> No
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01,
                                 foreach=False)
-    # (the late step would step the heads after step(), never expecting them)
-    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on", late_step="off")
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
     engine, *_ = infinity.initialize(model=model, config=ds)
     try:
