@@ -7,6 +7,7 @@ its own module (see DESIGN.md "Layers").
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -22,7 +23,7 @@ from infinity.param_groups import param_groups
 from infinity.malloc_tuning import set_mmap_threshold, trim
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.partitioned import PartitionedOptimizer
-from infinity.optim.schedules import build_scheduler
+from infinity.optim.schedules import build_scheduler, check_user_scheduler
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.manager import TierManager
@@ -45,6 +46,7 @@ from infinity.zero.coordinator import Coordinator
 from infinity.zero.init import (
     EXTERNAL_PARAMS_ATTR,
     check_not_released,
+    engine_in_backward,
     register_engine,
     remember_released,
     unregister_engine,
@@ -65,6 +67,8 @@ class Engine(DeepSpeedEngineAccessors):
     def __init__(self, model: nn.Module, model_parameters: Iterable | None,
                  config: str | Path | Mapping[str, Any] | InfinityConfig | None,
                  lr_scheduler: Any = None) -> None:
+        refuse_multiple_ranks()
+        check_user_scheduler(lr_scheduler)
         self.config = InfinityConfig.load(config or {})
         if self.config.infinity.mmap_threshold_in_use is not None:
             set_mmap_threshold(self.config.infinity.mmap_threshold_in_use)
@@ -187,6 +191,7 @@ class Engine(DeepSpeedEngineAccessors):
             modified_in_forward=self._keep_forward_change,
             untracked_backward=(self._begin_untracked_backward, self._end_untracked_backward))
         self.optimizer.on_zero_grad = self.zero_grad
+        self.optimizer.on_user_step = self._step_from_optimizer
         _route_module_methods(model, self)
         self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
@@ -315,6 +320,9 @@ class Engine(DeepSpeedEngineAccessors):
                        f"{self.loss_scale:g}x too small. Call engine.backward(loss) instead")
         elif self.optimizer.early_step and self._backwards_since_step:
             problem = _SECOND_EARLY_BACKWARD.format(call="loss.backward()")
+        elif self.optimizer.early_step and (other := engine_in_backward(self)) is not None:
+            problem = _FOREIGN_EARLY_BACKWARD.format(
+                other=type(other.module).__name__, this=type(self.module).__name__)
         if problem is not None:
             self.optimizer.abandon_backward()
             raise RuntimeError(problem)
@@ -363,6 +371,14 @@ class Engine(DeepSpeedEngineAccessors):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at the accumulation boundary step the optimizer and scheduler
         (``lr_kwargs`` go to the scheduler's step, as DeepSpeed passes them)."""
+        self._step(lr_kwargs, step_scheduler=True)
+
+    def _step_from_optimizer(self) -> None:
+        """``optimizer.step()`` in a torch-style loop: the engine's step, whose scheduler the
+        loop steps itself (as it would a torch scheduler)."""
+        self._step(None, step_scheduler=False)
+
+    def _step(self, lr_kwargs: dict[str, Any] | None, step_scheduler: bool) -> None:
         self._check_open("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -373,7 +389,11 @@ class Engine(DeepSpeedEngineAccessors):
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
         self.optimizer.loss_scale = self.loss_scale
-        self.optimizer.step()
+        self.optimizer.engine_stepping = True
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.engine_stepping = False
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.optimizer.overflow)
         self.skipped_steps += int(self.optimizer.overflow)
@@ -386,7 +406,7 @@ class Engine(DeepSpeedEngineAccessors):
             self.coordinator.step_waiting_units(
                 [u for u in self.optimizer.waiting_units() if u.persistent])
             self.coordinator.release_finished_steps()
-        if self.lr_scheduler is not None and not self.optimizer.overflow:
+        if step_scheduler and self.lr_scheduler is not None and not self.optimizer.overflow:
             self.lr_scheduler.step(**(lr_kwargs or {}))   # a skipped step does not move it
         self.global_steps += 1
         self._record_stats()
@@ -555,6 +575,34 @@ class Engine(DeepSpeedEngineAccessors):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_FOREIGN_EARLY_BACKWARD = (
+    "the backward of another engine (over {other}) reached this engine's parameters "
+    "({this}), as a GAN's generator loss goes through its discriminator. Under the early step "
+    "(infinity.early_step) this engine steps each unit as its gradients arrive, so it would "
+    "take an optimizer step now that its own step() never asked for; nothing was stepped. Set "
+    "infinity.early_step \"off\" for this engine (its gradients are then kept until its "
+    "step() or dropped by its zero_grad(), as torch does), or keep them out of that loss "
+    "(detach the input, or requires_grad_(False) on these parameters around the other step)")
+
+
+def refuse_multiple_ranks() -> None:
+    """One engine trains one rank's model alone: under a launcher with several ranks each would
+    train its own copy, never averaging gradients, saving over the others' checkpoints and not
+    noticing a rank that died. Refused before anything is built, until the collectives land."""
+    world = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+    elif os.environ.get("WORLD_SIZE", "1").strip().isdigit():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world is not None and world > 1:
+        raise RuntimeError(
+            f"{world} ranks (torch.distributed / WORLD_SIZE): infinity trains one process per "
+            "model for now -- data parallelism over several ranks (gradient averaging, sharded "
+            "states, per-rank checkpoints) is not implemented, and each rank would silently "
+            "train its own copy. Run a single process (one GPU or CPU-only); ZeRO-Infinity's "
+            "NVMe offload is what lets one process hold a model larger than memory")
 
 
 def _model_device(model: nn.Module) -> torch.device:

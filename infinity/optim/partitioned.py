@@ -141,6 +141,13 @@ class SubGroup:
     end: int
 
 
+_STATE_DICT_REFUSED = (
+    "{call}: the Adam states of an infinity engine live in their tiers (host memory or the "
+    "NVMe swap space), unit by unit, and may not fit in memory as one dict. Save and restore "
+    "them with engine.save_checkpoint(dir) / engine.load_checkpoint(dir) (also the model, "
+    "scheduler and counters), as with DeepSpeed")
+
+
 class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
@@ -177,6 +184,10 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         self.overflow = False        # the last step was skipped: its gradients were not finite
         self.step_failure: BaseException | None = None   # the first background step that failed
         self.on_zero_grad: Callable[[bool], None] | None = None   # the engine's zero_grad
+        # the engine's step without its scheduler (a torch loop's optimizer.step()), and
+        # whether the engine's own step is calling
+        self.on_user_step: Callable[[], None] | None = None
+        self.engine_stepping = False
         self._sq_norm = 0.0
         self._accumulate_chunk: torch.Tensor | None = None
         self._boundary = True
@@ -464,9 +475,14 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
     def step(self, closure=None):  # noqa: D401 - torch API
         """Early schedule: wait until every unit's kernels have run. Deferred schedule: queue
         the step of every unit that received gradients, to run when the unit is next fetched
-        (see [Note: the deferred step lands at the next fetch])."""
+        (see [Note: the deferred step lands at the next fetch]). Called by a torch-style loop
+        (``optimizer.step()``), it goes through the engine's step (``on_user_step``), which
+        counts it and releases what the step held; the loop steps its scheduler itself."""
         if closure is not None:
             raise ValueError("PartitionedOptimizer.step does not take a closure")
+        if self.on_user_step is not None and not self.engine_stepping:
+            self.on_user_step()
+            return None
         start = time.perf_counter()
         self.overflow = False
         try:
@@ -563,7 +579,15 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         homes outside the stream); returns the units they held."""
         return self.reap(wait=True)
 
-    # -- state dict (torch Adam layout per parameter) --------------------------------------
+    # -- state dict ------------------------------------------------------------------------
+    def state_dict(self):  # noqa: D401 - torch API
+        """Refused: the Adam states live in their tiers (NVMe, host), possibly larger than
+        memory; torch's empty dict would restore as a silent reset of Adam."""
+        raise RuntimeError(_STATE_DICT_REFUSED.format(call="optimizer.state_dict()"))
+
+    def load_state_dict(self, state_dict) -> None:
+        raise RuntimeError(_STATE_DICT_REFUSED.format(call="optimizer.load_state_dict()"))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients never live on the parameters, but the ones collected since the last step
         are discarded, as torch's zero_grad between a backward and a step does: the engine's

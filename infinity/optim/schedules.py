@@ -223,7 +223,27 @@ class _OneCycle:
 def build_scheduler(config, optimizer: torch.optim.Optimizer, user: Any):
     """The scheduler: the user's (an instance or a factory taking the optimizer) or the config's."""
     if user is not None:
-        return user(optimizer) if callable(user) and not hasattr(user, "step") else user
+        return user(optimizer) if _is_factory(user) else user
     if config.scheduler is None:
         return None
     return DeepSpeedSchedule(optimizer, config.scheduler)
+
+
+def _is_factory(user: Any) -> bool:
+    return callable(user) and not hasattr(user, "step")
+
+
+def check_user_scheduler(user: Any) -> None:
+    """Refuse, before the engine builds anything, a scheduler object already bound to an
+    optimizer: the engine's optimizer does not exist before ``initialize``, so stepping that
+    scheduler would never change the engine's learning rate."""
+    if user is None or _is_factory(user):
+        return
+    bound = getattr(user, "optimizer", None)
+    if bound is not None:
+        raise ValueError(
+            f"lr_scheduler is a {type(user).__name__} built on a {type(bound).__name__} "
+            "that is not the engine's optimizer (initialize creates that one), so stepping it "
+            "would never change the engine's learning rate. Pass a factory, which the engine "
+            "calls with its own optimizer: lr_scheduler=lambda opt: "
+            "torch.optim.lr_scheduler.LambdaLR(opt, ...)")

@@ -46,6 +46,17 @@ def unregister_engine(engine: Any) -> None:
     _live_engines.discard(engine)
 
 
+def engine_in_backward(besides: Any) -> Any | None:
+    """A live engine other than ``besides`` whose ``engine.backward`` is running, if any (its
+    backward may reach another engine's parameters: a GAN's generator loss goes through the
+    discriminator)."""
+    for engine in list(_live_engines):
+        coordinator = getattr(engine, "coordinator", None)
+        if engine is not besides and coordinator is not None and coordinator.engine_backward:
+            return engine
+    return None
+
+
 def remember_released(units: Iterable[Any]) -> None:
     """A closing engine leaves these units' parameters empty (see zero/unit.py)."""
     for unit in units:
@@ -61,12 +72,25 @@ def check_not_released(model: nn.Module) -> None:
         ref = _released_params.get(id(p))
         return ref is not None and ref() is p and p.numel() == 0
 
+    mine = {id(p): name for name, p in model.named_parameters()}
     for engine in list(_live_engines):
-        if getattr(engine, "module", None) is model and not getattr(engine, "_closed", False):
+        if getattr(engine, "_closed", False):
+            continue
+        if getattr(engine, "module", None) is model:
             raise ValueError(
                 "this model already belongs to a live engine: two engines over one model would "
                 "fight over its parameters (at stage 3 the second would see released, empty "
                 "ones). close() the first engine, or build another model")
+        shared = [mine[id(p)] for p in engine.module.parameters() if id(p) in mine] \
+            if getattr(engine, "module", None) is not None else []
+        if shared:
+            raise ValueError(
+                f"{len(shared)} parameter(s) of this model (e.g. {shared[0]!r}) belong to a "
+                f"live engine over another model ({type(engine.module).__name__}): each engine "
+                "keeps its own copy of the states of its parameters, so two engines training "
+                "one parameter would each overwrite the other's update (and at stage 3 each "
+                "releases it after use). Train both parts under one engine (one nn.Module "
+                "holding them), or give each model its own copy of the shared module")
     empty = [name for name, p in model.named_parameters() if released(p)]
     if empty:
         raise ValueError(

@@ -293,3 +293,42 @@ def test_infinitys_own_errors_carry_no_external_parameter_note(disk_dir) -> None
         assert not getattr(caught.value, "__notes__", None)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("early_step", ["on", "off"])
+def test_a_torch_loop_with_optimizer_step_trains_like_torch(disk_dir, early_step) -> None:
+    """``loss.backward(); optimizer.step(); optimizer.zero_grad()`` with the optimizer
+    initialize returned: the engine's step runs (counted, units released), the loop's own
+    scheduler steps once per step. Before, the early step refused the zero_grad after the
+    step and the second backward ("twice without engine.step()")."""
+    engine, _, reference, ref_opt = _setup(disk_dir, "nvme", early_step)
+    optimizer = engine.optimizer
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    try:
+        for x in _batches(3):
+            loss = loss_of(engine(input_ids=x, labels=x))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            ref_loss = reference_step(reference, ref_opt, x, 0.0)
+            ref_sched.step()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert engine.global_steps == 3
+        assert optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 1e-3 / 8
+        _assert_same_weights(engine, reference)
+    finally:
+        engine.close()
+
+
+def test_optimizer_state_dict_is_refused_with_the_checkpoint_calls(disk_dir) -> None:
+    """Its states live in their tiers: torch's empty dict would load as a silent Adam reset."""
+    engine, *_ = _setup(disk_dir, "cpu", "auto")
+    try:
+        with pytest.raises(RuntimeError, match=r"optimizer.state_dict\(\).*save_checkpoint"):
+            engine.optimizer.state_dict()
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(\).*load_checkpoint"):
+            engine.optimizer.load_state_dict({"state": {}, "param_groups": []})
+    finally:
+        engine.close()

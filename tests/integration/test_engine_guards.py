@@ -1,0 +1,146 @@
+"""What an engine refuses before it builds anything, or before it takes a step nobody asked for:
+several ranks, parameters another live engine trains, a scheduler bound to another optimizer,
+and another engine's backward reaching it under the early step (a GAN's generator loss)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity.zero.init import _live_engines
+
+
+class Net(nn.Module):
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(inputs, 32), nn.Linear(32, 32)])
+        self.out = nn.Linear(32, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.out(x)
+
+
+def _config(disk_dir, early_step: str = "auto") -> dict:
+    disk_dir.mkdir(exist_ok=True)
+    path = str(disk_dir)
+    return {"train_micro_batch_size_per_gpu": 8,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3,
+                                  "offload_param": {"device": "nvme", "nvme_path": path},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": path}},
+            "infinity": {"early_step": early_step}}
+
+
+def _weights(engine) -> torch.Tensor:
+    params = list(engine.module.parameters())
+    with infinity.zero.GatheredParameters(params):
+        return torch.cat([p.detach().flatten().clone() for p in params])
+
+
+def test_several_ranks_are_refused_before_anything_is_built(disk_dir, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    before = len(_live_engines)
+    with pytest.raises(RuntimeError, match="2 ranks .*not implemented.*single process"):
+        infinity.initialize(model=Net(4, 2), config=_config(disk_dir))
+    assert len(_live_engines) == before and list(disk_dir.iterdir()) == []
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    engine, *_ = infinity.initialize(model=Net(4, 2), config=_config(disk_dir))
+    engine.close()
+
+
+def test_a_parameter_another_live_engine_trains_is_refused(disk_dir) -> None:
+    shared = nn.Linear(4, 4)
+    first = nn.Sequential(shared, nn.Linear(4, 2))
+    second = nn.Sequential(shared, nn.Linear(4, 3))
+    engine, *_ = infinity.initialize(model=first, config=_config(disk_dir / "a"))
+    try:
+        with pytest.raises(ValueError, match=r"2 parameter\(s\) of this model \(e.g. '0.weight'\)"
+                                             r".*live engine over another model \(Sequential\)"):
+            infinity.initialize(model=second, config=_config(disk_dir / "b"))
+    finally:
+        engine.close()
+
+
+def test_a_scheduler_bound_to_another_optimizer_is_refused(disk_dir) -> None:
+    model = Net(4, 2)
+    foreign = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    with pytest.raises(ValueError, match="StepLR built on a SGD.*lr_scheduler=lambda opt"):
+        infinity.initialize(model=model, config=_config(disk_dir), lr_scheduler=foreign)
+    assert not any(e.module is model for e in _live_engines)
+    engine, _, _, scheduler = infinity.initialize(
+        model=model, config=_config(disk_dir),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    try:
+        assert scheduler.optimizer is engine.optimizer
+    finally:
+        engine.close()
+
+
+def test_another_engines_backward_never_early_steps_this_one(disk_dir) -> None:
+    """The generator's backward goes through the discriminator's engine: under the early step
+    the discriminator would step then; it refuses instead, before stepping anything, and the
+    generator's engine trains on once the discriminator is kept out of its loss."""
+    torch.manual_seed(0)
+    gen_model, disc_model = Net(4, 8), Net(8, 1)
+    gen, *_ = infinity.initialize(model=gen_model, config=_config(disk_dir / "g"))
+    disc, *_ = infinity.initialize(model=disc_model, config=_config(disk_dir / "d"))
+    try:
+        assert disc.optimizer.early_step
+        before = _weights(disc)
+        z = torch.randn(8, 4)
+        with pytest.raises(RuntimeError, match="backward of another engine.*nothing was stepped"
+                                               r".*early_step \"off\""):
+            gen.backward(disc(gen(z)).mean())
+        assert torch.equal(_weights(disc), before)
+        for p in disc_model.parameters():
+            p.requires_grad_(False)
+        gen.backward(disc(gen(z)).mean())
+        gen.step()
+        assert gen.global_steps == 1 and torch.equal(_weights(disc), before)
+    finally:
+        gen.close()
+        disc.close()
+
+
+def test_a_deferred_engine_keeps_another_engines_gradients_as_torch_does(disk_dir) -> None:
+    """With early_step "off" the discriminator keeps what the generator's backward gave it until
+    its own zero_grad() (a GAN loop), and trains as torch does."""
+    torch.manual_seed(0)
+    gen_model, disc_model = Net(4, 8), Net(8, 1)
+    ref_gen, ref_disc = copy.deepcopy(gen_model), copy.deepcopy(disc_model)
+    opt_g = torch.optim.Adam(ref_gen.parameters(), lr=1e-2)
+    opt_d = torch.optim.Adam(ref_disc.parameters(), lr=1e-2)
+    gen, *_ = infinity.initialize(model=gen_model, config=_config(disk_dir / "g"))
+    disc, *_ = infinity.initialize(model=disc_model, config=_config(disk_dir / "d", "off"))
+    data = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            z, real = torch.randn(8, 4, generator=data), torch.randn(8, 8, generator=data)
+            # discriminator step
+            disc.zero_grad()
+            loss_d = disc(real).mean() - disc(gen(z).detach()).mean()
+            disc.backward(loss_d)
+            disc.step()
+            opt_d.zero_grad()
+            ref_loss_d = ref_disc(real).mean() - ref_disc(ref_gen(z).detach()).mean()
+            ref_loss_d.backward()
+            opt_d.step()
+            # generator step: its backward leaves gradients in the discriminator
+            loss_g = disc(gen(z)).mean()
+            gen.backward(loss_g)
+            gen.step()
+            opt_g.zero_grad()
+            ref_loss_g = ref_disc(ref_gen(z)).mean()
+            ref_loss_g.backward()
+            opt_g.step()
+            torch.testing.assert_close(loss_d, ref_loss_d, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loss_g, ref_loss_g, rtol=1e-5, atol=1e-6)
+        assert disc.global_steps == gen.global_steps == 3
+    finally:
+        gen.close()
+        disc.close()
