@@ -28,6 +28,7 @@ from torch.nn.modules import module as module_mod
 
 from infinity.budget import BudgetExceededError
 from infinity.config import InfinityConfig
+from infinity.zero.materialize import CREATOR_ATTR, KEEP_VALUE_NUMEL, VALUE_ATTR
 from infinity.sizes import format_bytes
 
 _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -115,17 +116,19 @@ class Init(contextlib.ContextDecorator):
         source = config if config is not None else config_dict_or_path
         self.config = InfinityConfig.load(source) if source is not None else None
         self.enabled = enabled and (self.config is None or self.config.zero.stage == 3)
-        self._handle = None
+        # one hook per entry: the same Init may be entered again inside itself (nested
+        # ``with``, or a decorated builder that recurses), and each exit removes its own
+        self._handles: list[Any] = []
 
     def __enter__(self) -> "Init":
-        if self.enabled:
-            self._handle = module_mod.register_module_parameter_registration_hook(_to_meta)
+        self._handles.append(module_mod.register_module_parameter_registration_hook(_to_meta)
+                             if self.enabled else None)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        handle = self._handles.pop() if self._handles else None
+        if handle is not None:
+            handle.remove()
 
 
 # deepspeed.zero.Init's other arguments: placement (remote_device, pin_memory), dtype and the
@@ -138,9 +141,15 @@ _DEEPSPEED_INIT_ARGS = frozenset({
 
 def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
     if param is None or param.device.type == "meta":
-        return None
-    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+        return None     # (a meta parameter registered again is a tie, not a creation)
+    meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                         requires_grad=param.requires_grad)
+    # the module that created it initialises it at materialisation, not one it is tied into
+    # later; a small one keeps the value it was built with (see infinity/zero/materialize.py)
+    setattr(meta, CREATOR_ATTR, weakref.ref(module))
+    if param.numel() <= KEEP_VALUE_NUMEL:
+        setattr(meta, VALUE_ATTR, param.detach())
+    return meta
 
 
 EXTERNAL_PARAMS_ATTR = "_infinity_external_params"

@@ -8,14 +8,28 @@ owning modules are initialised by the model's own initialisation (``_init_weight
 ``transformers`` model, applied as ``post_init`` does, or ``reset_parameters``). Peak memory is
 about one unit.
 
-What zero.Init cannot keep: initialisation a module's ``__init__`` does by hand after building
-its children (``nn.init.zeros_(self.head.weight)`` in the parent's constructor) happens while the
-parameters are meta, so it is lost; the model's own init methods run instead.
+A parameter of up to ``KEEP_VALUE_NUMEL`` elements starts from the value its constructor gave
+it (``nn.Parameter(torch.randn(r, n) * 0.1)``, a LoRA factor that no init method covers), so
+only the model's init methods change it, as in a plain build; a larger one starts from zeros.
+
+A parameter tied into another module (``self.head.weight = self.embed.weight`` in the model's
+``__init__``) is initialised by the module that created it only (``zero.Init`` records it), as
+in a plain build, where the other module's init ran on the parameter the tie replaced.
+
+What zero.Init cannot keep: initialisation a module's ``__init__`` does by hand on parameters
+already registered (``nn.init.zeros_(self.head.weight)`` in the parent's constructor) happens
+while they are meta, so it is lost; the model's own init methods run instead.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+CREATOR_ATTR = "_infinity_created_by"   # on a meta parameter: weakref to its creating module
+VALUE_ATTR = "_infinity_built_value"     # on a meta parameter: the value it was built with
+# parameters up to this size keep the value their constructor gave them (4M elements: LoRA
+# factors, norms, biases); a larger one's (torch.empty's, for torch's own modules) is dropped
+KEEP_VALUE_NUMEL = 1 << 22
 
 
 def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
@@ -26,15 +40,22 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
         return []
     replaced: list[tuple[str, nn.Parameter, nn.Parameter]] = []
     for name, old in meta:
-        new = nn.Parameter(torch.zeros(old.shape, dtype=old.dtype, device=device),
-                           requires_grad=old.requires_grad)
+        built = getattr(old, VALUE_ATTR, None)
+        value = torch.zeros(old.shape, dtype=old.dtype, device=device) if built is None else \
+            built.to(device=device, dtype=old.dtype, copy=True)
+        new = nn.Parameter(value, requires_grad=old.requires_grad)
         replaced.append((name, old, new))
     by_old = {id(old): new for _, old, new in replaced}
+    # each new parameter is initialised by one module: its creator, else its first holder
+    initialiser: dict[int, nn.Module] = {}
     owners: list[nn.Module] = []
     for module in model.modules():
         touched = False
         for key, value in list(module._parameters.items()):
             if value is not None and id(value) in by_old:
+                creator = getattr(value, CREATOR_ATTR, None)
+                creator = creator() if creator is not None else None
+                initialiser.setdefault(id(by_old[id(value)]), creator or module)
                 module._parameters[key] = by_old[id(value)]
                 touched = True
         if touched:
@@ -46,7 +67,11 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
             _init_like_transformers(model, init_weights, new_ids)
         else:
             for module in owners:
-                _reset(module)
+                mine = {id(p) for p in module._parameters.values()
+                        if p is not None and initialiser.get(id(p)) is module}
+                if mine:
+                    with _foreign_params_on_meta([module], mine):
+                        _reset(module)
     return replaced
 
 

@@ -259,6 +259,58 @@ def test_zero_init_initialises_torch_attention_modules(disk_dir) -> None:
         engine.close()
 
 
+class LoRALinear(nn.Linear):
+    """A factor set by value in __init__, which no init method covers (as PEFT does)."""
+
+    def __init__(self, inputs: int, outputs: int, rank: int = 4) -> None:
+        super().__init__(inputs, outputs)
+        self.lora_a = nn.Parameter(torch.randn(rank, inputs) * 0.1)
+        self.lora_b = nn.Parameter(torch.zeros(outputs, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def test_zero_init_keeps_built_values_and_inits_a_tied_weight_by_its_creator(disk_dir) -> None:
+    """A tied head (``head.weight = embed.weight`` in __init__) gets the embedding's init, as in
+    a plain build (the head's own init ran on the weight the tie replaced), and a small
+    parameter set by value in __init__ keeps it. Before, the head's init (std ~0.1 instead of
+    N(0, 1)) won, and the LoRA factor came out as zeros: it never trained."""
+    from parity import TinyLM
+
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    with infinity.zero.Init(config=ds):
+        lazy = TinyLM(width=32, depth=2, tie=True)
+        lazy.extra = LoRALinear(32, 32)
+    engine, *_ = infinity.initialize(model=lazy, config=ds)
+    try:
+        with infinity.zero.GatheredParameters(list(lazy.parameters())):
+            assert lazy.head.weight is lazy.embed.weight
+            assert 0.9 < float(lazy.embed.weight.std()) < 1.1     # nn.Embedding's N(0, 1)
+            assert 0.05 < float(lazy.extra.lora_a.std()) < 0.15   # its built value
+            assert torch.count_nonzero(lazy.extra.lora_b) == 0
+    finally:
+        engine.close()
+
+
+def test_one_zero_init_entered_twice_leaves_no_hook_behind() -> None:
+    """A decorated builder that recurses enters the same Init inside itself: each exit removes
+    its own hook (before, modules built after it stayed on the meta device)."""
+    build = infinity.zero.Init(config={"zero_optimization": {"stage": 3}})
+
+    @build
+    def tree(depth: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), *[tree(depth - 1) for _ in range(2 if depth else 0)])
+
+    assert tree(1)[0].weight.device.type == "meta"
+    with build:
+        with build:
+            assert nn.Linear(2, 2).weight.device.type == "meta"
+        assert nn.Linear(2, 2).weight.device.type == "meta"
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
 class DynamicDepthModel(SharedBlockModel):
     """Runs a different subset of blocks on odd steps: the trace must be re-learned."""
 
