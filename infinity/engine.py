@@ -303,9 +303,16 @@ class Engine(DeepSpeedEngineAccessors):
             raise
         finally:
             self.coordinator.engine_backward = False
+            self._release_dropped_activations()
         self.optimizer.end_backward()
         self._backwards_since_step += 1
         return scaled
+
+    def _release_dropped_activations(self) -> None:
+        """The backward dropped its graph's swapped activations: free their swap extents now
+        rather than at the next forward (see ``ActivationSwapper.release_forgotten``)."""
+        if self.activation_swapper is not None:
+            self.activation_swapper.release_forgotten()
 
     def _begin_untracked_backward(self) -> None:
         """``loss.backward()`` called directly (the coordinator saw the first gradient of a
@@ -332,6 +339,7 @@ class Engine(DeepSpeedEngineAccessors):
         self._hyper_at_backward = self.optimizer.hyperparameters() if self.optimizer.early_step else None
 
     def _end_untracked_backward(self) -> None:
+        self._release_dropped_activations()
         self.optimizer.end_backward()
         self._backwards_since_step += 1
 

@@ -128,6 +128,9 @@ class ActivationSwapper:
         self._ahead_low = 0            # lowest position considered for read-ahead this backward
         self._ahead_bytes = 0          # bytes read and not yet given up
         self._live = 0
+        # records whose handle is gone, freed at the swapper's next call (see ``_forget``)
+        self._forgotten: deque[_Record] = deque()
+        self._raised: set = set()      # failed writes already raised (not raised twice)
         self.stats = ActivationStats()
         self.closed = False
 
@@ -136,6 +139,7 @@ class ActivationSwapper:
     def hooks(self) -> Iterator[None]:
         """Swap the tensors autograd saves inside the block (a training forward)."""
         with self._lock:
+            self._drain_forgotten()
             if self._live == 0:
                 self._order.clear()
             self._shared.clear()
@@ -158,6 +162,7 @@ class ActivationSwapper:
             if self.closed:
                 raise RuntimeError("the activation swapper is closed (engine.close() was called); "
                                    "run the forward before closing the engine")
+            self._drain_forgotten()
             seen = self._shared.get(id(tensor))
             if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
                 self.stats.shared += 1
@@ -174,6 +179,7 @@ class ActivationSwapper:
             return packed
         record = packed.record
         with self._lock:
+            self._drain_forgotten()
             record.uses_left -= 1
             if record.held is not None:
                 if record.held._version != record.version:
@@ -210,7 +216,7 @@ class ActivationSwapper:
                          held=tensor, version=tensor._version)
         handle = _Swapped(record)
         self._live += 1
-        weakref.finalize(handle, self._forget, record)
+        weakref.finalize(handle, self._forgotten.append, record)
         record.position = len(self._order)
         self._order.append(weakref.ref(record))
         self._held[id(record)] = record
@@ -256,7 +262,11 @@ class ActivationSwapper:
         request, chunk = self._writes.popleft()
         try:
             self.manager.wait(request)
+        except BaseException:
+            if request not in self._raised:
+                raise          # (one the backward that needed it raised already is not again)
         finally:
+            self._raised.discard(request)
             self._free_chunks.append(chunk)
 
     # -- reading ---------------------------------------------------------------------------
@@ -264,7 +274,11 @@ class ActivationSwapper:
         """Issue ``record``'s read into a fresh aligned buffer (its writes waited first)."""
         if record.extent is None:
             raise RuntimeError("a swapped activation was unpacked after the swapper closed")
-        self.manager.wait(*record.writes)
+        try:
+            self.manager.wait(*record.writes)
+        except BaseException:
+            self._raised.update(record.writes)   # raised here, at the backward that needs it
+            raise
         record.writes.clear()
         padded = record.padded
         record.buffer = aligned_empty(padded, pin=record.device.type != "cpu")
@@ -284,8 +298,21 @@ class ActivationSwapper:
         self._ahead_low = index + 1
 
     # -- lifetime --------------------------------------------------------------------------
+    def release_forgotten(self) -> None:
+        """Free what the handles dropped since the swapper's last call held (the engine calls
+        this after a backward)."""
+        with self._lock:
+            self._drain_forgotten()
+
+    def _drain_forgotten(self) -> None:
+        while self._forgotten:
+            self._forget(self._forgotten.popleft())
+
     def _forget(self, record: _Record) -> None:
-        """The handle is gone: wait its I/O, free its extent (any thread, via the finalizer)."""
+        """The handle is gone: wait its I/O, free its extent. Called from the swapper's own
+        calls, never from the handle's finalizer: the cyclic GC may run that finalizer inside any
+        allocation, e.g. while the swap space holds its lock to hand out an extent, and freeing
+        one there would wait on that lock forever; the finalizer only queues the record."""
         with self._lock:
             self._live -= 1
             if self._held.pop(id(record), None) is not None:
@@ -304,6 +331,7 @@ class ActivationSwapper:
     def close(self) -> None:
         """Wait the writes in flight; later unpacks raise (the swap space goes with the engine)."""
         with self._lock:
+            self._drain_forgotten()
             while self._writes:
                 with contextlib.suppress(BaseException):
                     self._retire_write()
