@@ -205,11 +205,15 @@ def commit(staging: Path, save_dir: Path, tag: str) -> Path:
 def write_latest(save_dir: Path, tag: str) -> None:
     """Point ``latest`` at ``tag``, atomically."""
     pending = save_dir / f".{LATEST}.partial"
-    with open(pending, "w") as f:
-        f.write(tag + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pending, save_dir / LATEST)
+    try:
+        with open(pending, "w") as f:
+            f.write(tag + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pending, save_dir / LATEST)
+    except BaseException:
+        pending.unlink(missing_ok=True)     # ours: the old ``latest`` is left as it was
+        raise
     _fsync_dir(save_dir)
 
 

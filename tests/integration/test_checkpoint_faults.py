@@ -336,3 +336,27 @@ def test_a_disk_that_fills_during_the_write_says_what_and_what_to_do(engine, dis
         engine.save_checkpoint(ckpt)
     assert info.value.errno == errno.ENOSPC
     assert (ckpt / "latest").read_text().strip() == "global_step2"
+
+
+def test_a_failed_latest_update_leaves_the_old_one_and_no_partial_file(engine, disk_dir,
+                                                                       monkeypatch):
+    """The rename that points ``latest`` at a new tag fails: ``latest`` still names the last
+    tag and the engine's own temporary file is gone (before, ``.latest.partial`` stayed)."""
+    from infinity.checkpoint import directory
+
+    first = engine.save_checkpoint(disk_dir / "ckpt")
+    _train(engine, 1)
+    replace = directory.os.replace
+
+    def failing_replace(src, dst, *args, **kwargs):
+        if str(dst).endswith("latest"):
+            raise OSError(errno.EIO, "injected rename error")
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(directory.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="injected rename error"):
+        engine.save_checkpoint(disk_dir / "ckpt")
+    monkeypatch.setattr(directory.os, "replace", replace)
+    names = sorted(p.name for p in (disk_dir / "ckpt").iterdir())
+    assert ".latest.partial" not in names, names
+    assert (disk_dir / "ckpt" / "latest").read_text().strip() == first.name
