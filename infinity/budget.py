@@ -14,6 +14,15 @@ class BudgetExceededError(MemoryError):
     """A reservation would take a tier past its budget."""
 
 
+_HINTS = {
+    "host": "raise infinity.host_memory_budget or offload deeper (offload_optimizer / "
+            "offload_param device \"nvme\")",
+    "device": "raise infinity.device_memory_budget, or hold fewer units at once (a smaller "
+              "stage3_prefetch_bucket_size / stage3_max_live_parameters; one backward per "
+              "forward: two forwards summed into one backward hold both graphs' units)",
+}
+
+
 class MemoryBudget:
     """Counts bytes reserved against a limit (``None`` = unlimited, counted only)."""
 
@@ -51,8 +60,7 @@ class MemoryBudget:
                 raise BudgetExceededError(
                     f"{what} needs {format_bytes(nbytes)} of {self.name} memory but only "
                     f"{format_bytes(self.limit - self._held)} of the {format_bytes(self.limit)} "
-                    f"{self.name} budget is free; raise the budget or offload deeper "
-                    f"(e.g. offload_optimizer/offload_param device \"nvme\")"
+                    f"{self.name} budget is free; " + _HINTS.get(self.name, _HINTS["host"])
                     + (f" ({self.note})" if self.note else ""))
             self._held += nbytes
             self._peak = max(self._peak, self._held)

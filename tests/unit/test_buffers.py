@@ -88,3 +88,12 @@ def test_pinned_with_cuda_and_unregistered_when_freed() -> None:
     del t
     gc.collect()
     assert budget.held == 0
+
+
+def test_an_exceeded_budget_names_the_key_that_raises_it() -> None:
+    """The device budget's fix is its own key and fewer units at once, not "offload deeper"
+    (the states may all be on NVMe already)."""
+    with pytest.raises(BudgetExceededError, match="infinity.device_memory_budget.*prefetch"):
+        MemoryBudget("device", 4096).reserve(8192, "unit embed")
+    with pytest.raises(BudgetExceededError, match="infinity.host_memory_budget.*nvme"):
+        MemoryBudget("host", 4096).reserve(8192, "a slot")
