@@ -34,12 +34,21 @@ def param_groups(model: nn.Module, model_parameters: Iterable | None,
             raw = [{"params": raw}]
     groups = []
     seen = set()
+    in_model = {id(p) for p in model.parameters()}
     for i, group in enumerate(raw):
         params = _group_params(group, i)
         params = [p for p in params if p.requires_grad]
         for p in params:
             if p in seen:
                 raise ValueError(f"a parameter appears in more than one param group (group {i})")
+            if id(p) not in in_model:
+                # the engine keeps states for the model's parameters only: it would never
+                # step this one (torch would)
+                raise ValueError(
+                    f"param group {i} holds a parameter of shape {tuple(p.shape)} that is not "
+                    f"in the model ({type(model).__name__}): the engine trains the model's "
+                    "parameters only. Register it on the model (e.g. as an attribute of a "
+                    "module, so it appears in model.parameters()) or leave it out")
             seen.add(p)
         unknown = set(group) - {"params", *defaults, "name"}
         if unknown:

@@ -23,6 +23,10 @@ def _model() -> torch.nn.Module:
     (lambda m: [{"params": list(m.parameters()), "betas": (0.9, 1.0)}], "betas must be two"),
     (lambda m: [{"params": list(m.parameters()), "weight_decay": None}], "weight_decay must"),
     (lambda m: [{"lr": 0.1}], 'group 0 must be a dict with a "params" list'),
+    # a learnable loss temperature outside the model was accepted and never stepped
+    (lambda m: [{"params": list(m.parameters())},
+                {"params": [torch.nn.Parameter(torch.ones(()))]}],
+     r"param group 1 holds a parameter of shape \(\) that is not in the model"),
     (lambda m: [{"params": list(m.parameters()), "momentum": 0.9}], "unknown keys"),
     (lambda m: [{"params": [m[0].weight]}, {"params": [m[0].weight]}], "more than one"),
 ])
