@@ -93,7 +93,11 @@ class _Layout:
 
     @property
     def grads_tier(self) -> Tier | None:
-        return None if self.early_step else self.opt_tier
+        """Where the deferred schedule keeps gradients: as the engine does (engine_sizing),
+        beside offloaded Adam states, and in host memory when the states stay on the device."""
+        if self.early_step:
+            return None
+        return "host" if self.opt_tier == "device" else self.opt_tier
 
 
 def _compute_dtype(cfg: InfinityConfig, hw: Hardware) -> str:
