@@ -500,11 +500,13 @@ class Engine(DeepSpeedEngineAccessors):
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, verify_checksums)
 
-    def save_16bit_model(self, save_dir: str | Path,
-                         save_filename: str = "model.safetensors") -> Path:
+    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> Path:
         """The model's weights in their compute dtype as ``save_dir/save_filename``
-        (safetensors, loadable by ``transformers``), streamed unit by unit."""
-        return save_model_weights(self, Path(save_dir) / save_filename)
+        (safetensors, loadable by ``transformers``), streamed unit by unit;
+        ``exclude_frozen_parameters``: only the trained ones (an adapter's), as DeepSpeed's."""
+        return save_model_weights(self, Path(save_dir) / save_filename,
+                                  with_frozen=not exclude_frozen_parameters)
 
     def hook_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """``module``'s forward uses ``param`` of another module: fetch its unit around it

@@ -40,10 +40,11 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
     return state
 
 
-def save_model_weights(engine: "Engine", path: str | Path) -> Path:
+def save_model_weights(engine: "Engine", path: str | Path, with_frozen: bool = True) -> Path:
     """The model's weights in their compute dtype (what a forward uses) as one safetensors file
     with ``{"format": "pt"}`` metadata (what ``transformers`` loads), streamed unit by unit;
-    a tied parameter is saved once, under the name of the unit that owns it. Written to a
+    a tied parameter is saved once, under the name of the unit that owns it (without
+    ``with_frozen``, parameters that do not train are left out). Written to a
     temporary name, fsync'd, then renamed: an existing file is replaced only by a whole one."""
     path = Path(path)
     if path.suffix in (".bin", ".pt", ".pth"):
@@ -53,7 +54,8 @@ def save_model_weights(engine: "Engine", path: str | Path) -> Path:
     engine.flush()
     layouts = unit_layouts(engine)
     buffers = persistent_buffers(engine.module)
-    tensors = [(e.name, lay.unit.dtype, tuple(e.shape)) for lay in layouts for e in lay.entries]
+    saved = {id(lay): lay.entries if with_frozen else lay.trainable for lay in layouts}
+    tensors = [(e.name, lay.unit.dtype, tuple(e.shape)) for lay in layouts for e in saved[id(lay)]]
     tensors += [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
@@ -62,7 +64,9 @@ def save_model_weights(engine: "Engine", path: str | Path) -> Path:
     try:
         chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
         for lay in layouts:
-            save_entries(lay.params, lay.entries, chunks, lambda e, v: writer.append(e.name, v))
+            if saved[id(lay)]:
+                save_entries(lay.params, saved[id(lay)], chunks,
+                             lambda e, v: writer.append(e.name, v))
         for name, buf in buffers:
             writer.append(name, buf)
         writer.close()

@@ -259,6 +259,26 @@ def test_save_16bit_model_is_what_transformers_loads(disk_dir) -> None:
         torch.testing.assert_close(plain(input_ids=x).logits, expected, rtol=0, atol=0)
 
 
+def test_save_16bit_model_can_leave_frozen_parameters_out(disk_dir) -> None:
+    """DeepSpeed's ``exclude_frozen_parameters``: an adapter's save holds the trained weights
+    only, with the values the engine has."""
+    model = make_model("llama", layers=2)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir, 3, "nvme", "nvme"))
+    try:
+        train_steps(engine, _batches(2))
+        full = load_file(str(engine.save_16bit_model(disk_dir / "full")))
+        trained = load_file(str(engine.save_16bit_model(disk_dir / "adapter",
+                                                        exclude_frozen_parameters=True)))
+    finally:
+        engine.close()
+    assert "model.embed_tokens.weight" in full
+    assert "model.embed_tokens.weight" not in trained
+    assert set(trained) == set(full) - {"model.embed_tokens.weight"}
+    for name, values in trained.items():
+        torch.testing.assert_close(values, full[name], rtol=0, atol=0)
+
+
 def test_resuming_with_another_accumulation_starts_a_whole_cycle(disk_dir) -> None:
     """Saved with 2 micro-steps a step, resumed with 4: the first step after the load takes 4
     micro-steps (the saved micro-step count is not carried over as is)."""
