@@ -31,7 +31,10 @@ def _param_count(text: str) -> int:
     match = _COUNT.match(text)
     if not match:
         raise argparse.ArgumentTypeError(f"cannot read {text!r} as a parameter count; write e.g. 7e9 or 7B")
-    return int(float(match.group(1)) * _SUFFIX[match.group(2).lower()])
+    count = int(float(match.group(1)) * _SUFFIX[match.group(2).lower()])
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is {count} parameters: a model has at least one")
+    return count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -335,3 +335,12 @@ def test_a_prefetch_bucket_larger_than_the_model_is_the_model() -> None:
     sizes = derive_sizes(cfg, SMALL, CPU_BOX)
     assert sizes.prefetch_bucket_size == SMALL.total_params
     assert sizes.param_buffer_count <= 2 + -(-SMALL.total_params // SMALL.largest_unit_params)
+
+
+@pytest.mark.parametrize("count", ["0", "0.0000001"])
+def test_cli_plan_refuses_a_model_without_parameters(count, capsys) -> None:
+    """It printed a plan for 0 parameters in 34 units."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--params", count])
+    assert exit_info.value.code == 2
+    assert "a model has at least one" in capsys.readouterr().err
