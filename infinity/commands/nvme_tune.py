@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from infinity.sizes import parse_bytes
+from infinity.sizes import format_bytes, parse_bytes
 from infinity.storage import nvme_tune as tune
 
 _BACKENDS = ("auto", "io_uring", "libaio", "threads", "mmap")
@@ -138,8 +138,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--size {args.size!r}: give at least 4KiB (e.g. 1GiB)")
     if args.repeats < 1:
         raise ValueError(f"--repeats {args.repeats}: give at least 1")
-    points = tune.grid(_split(args.backend, "backend", _backend),
-                       _split(args.block_size, "block-size", _block),
+    blocks = _split(args.block_size, "block-size", _block)
+    too_big = [b for b in blocks if b > size]
+    if too_big:
+        # one request would cover the whole file: nothing about that block size is measured
+        raise ValueError(f"--size {args.size!r} is smaller than block size(s) "
+                         f"{', '.join(format_bytes(b) for b in too_big)}: give a --size of at "
+                         "least a few blocks (e.g. 1GiB), or smaller --block-size values")
+    points = tune.grid(_split(args.backend, "backend", _backend), blocks,
                        _split(args.queue_depth, "queue-depth", _positive_int),
                        _split(args.threads, "threads", _positive_int))
     if args.plot is not None:

@@ -157,7 +157,8 @@ def test_an_interrupt_dropped_inside_a_finalizer_still_stops_the_sweep(tmp_path,
     monkeypatch.setattr(tune, "sweep", sweep_with_a_dropped_interrupt)
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # SIG_IGN under nohup
     try:
-        rc = main(["nvme-tune", "--path", str(tmp_path), "--size", "1MiB", "--backend", "threads"])
+        rc = main(["nvme-tune", "--path", str(tmp_path), "--size", "1MiB", "--backend", "threads",
+                   "--block-size", "256K"])
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
     finally:
         signal.signal(signal.SIGINT, outer)
@@ -165,3 +166,11 @@ def test_an_interrupt_dropped_inside_a_finalizer_still_stops_the_sweep(tmp_path,
     assert rc == 130, err
     assert phases == ["write"]
     assert "interrupted" in err
+
+
+def test_a_size_below_the_block_size_is_refused(disk_dir: Path, capsys) -> None:
+    """A 4 KiB file measured with 256K-4M blocks printed a "recommended" section."""
+    assert main(["nvme-tune", "--path", str(disk_dir), "--size", "4KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "smaller than block size(s) 256.00 KiB, 1.00 MiB, 4.00 MiB" in err, err
+    assert list(disk_dir.iterdir()) == []
