@@ -14,8 +14,10 @@ holding nearly all of it: stage 3 would fetch the whole model to run any of it, 
 budget smaller than the model could not train it at all. So a unit that is not a block, holds
 more than half of the model's parameters and has children with parameters joins the spine: its
 children become units (its own direct parameters one more), and so on down until no unit
-holds more than half, or the big one is a leaf. Naming the block class in
-``infinity.unit_modules`` still takes precedence where it finds blocks.
+holds more than half, or the big one is a leaf. nn.MultiheadAttention is never split: its
+forward reads ``out_proj.weight`` without calling ``out_proj``, which a child unit, fetched only
+around its own forward, would not have. Naming
+the block class in ``infinity.unit_modules`` still takes precedence where it finds blocks.
 """
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[U
         # see [Note: units too large to stream]
         too_large = [name for name, module in roots
                      if name not in spine and id(module) not in block_ids
-                     and 2 * _numel(module) > total and any(map(_has_params, module.children()))]
+                     and 2 * _numel(module) > total and any(map(_has_params, module.children()))
+                     and not isinstance(module, _READS_CHILD_WEIGHTS)]
         if not too_large:
             break
         spine.update(too_large)
@@ -188,6 +191,10 @@ def _roots(model: nn.Module, block_ids: set[int], spine: set[str]) -> list[tuple
 
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+# torch modules whose forward reads a child's weights without calling the child
+_READS_CHILD_WEIGHTS = (nn.MultiheadAttention,)
 
 
 def _has_params(module: nn.Module) -> bool:

@@ -893,3 +893,37 @@ def test_models_without_repeated_blocks_are_streamed_in_parts(disk_dir) -> None:
                                                result.ref_losses)
         largest = max(u.nbytes for u in result.engine.coordinator.units)
         assert largest * 2 <= params, f"{type(model).__name__}: a unit holds {largest} of {params}"
+
+
+class AttentionModel(nn.Module):
+    """nn.MultiheadAttention holds most of the parameters: the split of units that are too large
+    must not cut it (its forward reads out_proj.weight without calling out_proj)."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.up = nn.Linear(8, width)
+        self.attention = nn.MultiheadAttention(width, 4, batch_first=True)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels):
+        h = self.up(self.embed(input_ids))
+        h, _ = self.attention(h, h, h, need_weights=False)
+        return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_multihead_attention_stays_one_unit_and_trains_like_torch(disk_dir, tier) -> None:
+    torch.manual_seed(0)
+    model = AttentionModel()
+    ds = zero_config(3, tier, tier, str(disk_dir))
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    result = run_parity(model, ds, steps=4, close=False)
+    try:
+        names = [u.name for u in result.engine.units]
+        assert "attention" in names and "attention.out_proj" not in names, names
+        attention = result.engine.units[names.index("attention")]
+        assert 2 * attention.numel > sum(p.numel() for p in model.parameters())
+        assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+    finally:
+        result.engine.close()
