@@ -17,6 +17,16 @@ EXTERNAL_PARAMETER_HINT = (
     "parameter)")
 
 
+DTYPE_HINT = (
+    "infinity: every parameter is kept in the engine's compute dtype (infinity.compute_dtype; "
+    "fp32 on a CPU-only machine, else from bf16/fp16.enabled), whatever dtype the model was "
+    "built in: a forward that casts its inputs to a submodule's own dtype, or is fed inputs of "
+    "another float dtype, meets the compute dtype instead")
+# torch's messages for operands of two float dtypes
+_DTYPE_MISMATCH = re.compile(r"same dtype|dtype .* but got|expected .*(dtype|scalar type)"
+                             r"|Input type .* and weight type", re.IGNORECASE)
+
+
 def raise_with_external_parameter_hint(exc: BaseException, where: str, stage: int) -> None:
     """A forward or backward failed at stage 3: when torch's message is about a 0-element
     tensor, raise a RuntimeError that says how to declare an external parameter; for other
@@ -30,8 +40,11 @@ def raise_with_external_parameter_hint(exc: BaseException, where: str, stage: in
                            f"on a parameter whose unit was not fetched: "
                            f"{EXTERNAL_PARAMETER_HINT}") from exc
     if hasattr(exc, "add_note"):
-        exc.add_note(f"infinity: if this {where} read a parameter of a module other than the "
-                     f"one running, {EXTERNAL_PARAMETER_HINT}")
+        if _DTYPE_MISMATCH.search(str(exc)):
+            exc.add_note(DTYPE_HINT)
+        else:
+            exc.add_note(f"infinity: if this {where} read a parameter of a module other than "
+                         f"the one running, {EXTERNAL_PARAMETER_HINT}")
 
 
 def _raised_by_infinity(exc: BaseException) -> bool:

@@ -25,6 +25,7 @@ import difflib
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -73,6 +74,7 @@ def find_blocks(model: nn.Module, unit_modules: list[str] | None = None) -> list
 def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[UnitSpec]:
     """Split ``model``'s parameters into units, in module registration order."""
     _refuse_non_float_parameters(model)
+    _refuse_sparse_gradients(model)
     blocks = find_blocks(model, unit_modules)
     block_ids = {id(m) for _, m in blocks}
     spine = {""}
@@ -111,17 +113,43 @@ def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[U
 
 
 def _refuse_non_float_parameters(model: nn.Module) -> None:
-    """A unit keeps its parameters in one flat buffer of the compute dtype, so an integer or
-    bool parameter (an index table) would come back as floats and break the forward that
-    indexes with it: refused before anything is moved, with the fix."""
-    odd = [f"{name} ({str(p.dtype).replace('torch.', '')})"
-           for name, p in model.named_parameters() if not p.is_floating_point()]
+    """A unit keeps its parameters in one flat buffer of the compute dtype (fp32, bf16 or
+    fp16), so the engine casts every parameter to it: an integer or bool parameter (an index
+    table) or a float64 model would come back in another dtype and break the forward that
+    relies on it. Refused before anything is moved, with the fix. (Mixed float dtypes are
+    cast: a frozen bf16 base with fp32 adapters trains, its forward casting as it would.)"""
+    def dtype_name(p: nn.Parameter) -> str:
+        return str(p.dtype).replace("torch.", "")
+
+    named = list(model.named_parameters())
+    odd = [f"{name} ({dtype_name(p)})" for name, p in named if not p.is_floating_point()]
     if odd:
         raise TypeError(
             f"{len(odd)} parameter(s) of {type(model).__name__} are not floating point: "
             f"{', '.join(odd[:5])}. The engine keeps parameters in the compute dtype, which would "
             "turn them into floats; register such tensors as buffers instead "
             "(module.register_buffer(name, tensor)), which the engine leaves as they are")
+    wide = [f"{name}" for name, p in named if p.dtype == torch.float64]
+    if wide:
+        raise TypeError(
+            f"{len(wide)} parameter(s) of {type(model).__name__} are float64 (e.g. {wide[0]}): the "
+            "engine computes in fp32, bf16 or fp16 and would cast them, so a float64 forward "
+            "would meet float32 weights. Convert the model first (model.float()), and its inputs")
+
+
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    """An embedding with ``sparse=True`` makes sparse gradients, which the engine's flat
+    gradient path cannot take (torch's AdamW refuses them too): said at initialize, not as an
+    internal error at the first backward."""
+    sparse = [name for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+              and m.weight.requires_grad]
+    if sparse:
+        raise TypeError(
+            f"{len(sparse)} embedding(s) of {type(model).__name__} make sparse gradients "
+            f"(sparse=True: {', '.join(sparse[:5])}); Adam over offloaded states takes dense "
+            "gradients only, as torch.optim.AdamW does. Build them with sparse=False (the "
+            "default), or freeze them (requires_grad_(False))")
 
 
 def modules_needing(model: nn.Module, specs: list[UnitSpec]) -> list[tuple[nn.Module, list[int]]]:

@@ -205,6 +205,32 @@ class IndexedTableModel(nn.Module):
         return self.body(x + self.table.weight[:, None][0, 0]).pow(2).mean()
 
 
+class CastingModel(nn.Module):
+    """Built with a bf16 submodule whose input the forward casts to bf16: the engine keeps every
+    parameter in its compute dtype (fp32 here), so the cast meets fp32 weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 8).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(self.a(x).to(torch.bfloat16)).float().pow(2).mean()
+
+
+def test_a_dtype_mismatch_carries_the_compute_dtype_note_not_the_external_one(disk_dir) -> None:
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = infinity.initialize(model=CastingModel(), config=ds)
+    try:
+        with pytest.raises(RuntimeError, match="dtype") as info:
+            engine(torch.randn(2, 4))
+        notes = "".join(getattr(info.value, "__notes__", []))
+        assert "compute dtype" in notes and "register_external_parameter" not in notes, notes
+    finally:
+        engine.close()
+
+
 class PenaltyModel(nn.Module):
     """The root adds a penalty on a block's weight after the block ran: the forward computes
     a sum over 0 elements, the backward fails on the gradient's shape."""

@@ -109,3 +109,15 @@ def test_an_integer_parameter_is_refused_with_the_fix() -> None:
     net.index = None
     net.register_buffer("table", torch.arange(4))
     assert [s.name for s in partition(net)] == ["layers.0", "layers.1", "layers.2", "head"]
+
+
+def test_a_float64_model_and_sparse_embeddings_are_refused_with_the_fix() -> None:
+    """Both used to be accepted: float64 weights were cast to float32 (the forward then met a
+    float64 input), and a sparse embedding failed at the first backward inside the engine."""
+    with pytest.raises(TypeError, match=r"4 parameter\(s\) of Sequential are float64.*model.float"):
+        partition(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)).double())
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(TypeError, match=r"sparse gradients \(sparse=True: 0\).*sparse=False"):
+        partition(sparse)
+    sparse[0].weight.requires_grad_(False)           # frozen: no gradient at all
+    assert [s.name for s in partition(sparse)] == ["0", "1"]
