@@ -50,6 +50,49 @@ class DeepSpeedEngineAccessors:
     def global_samples(self) -> int:
         return self.global_steps * self.config.train_batch_size
 
+    # one process, one rank (several are refused at initialize)
+    local_rank = 0
+    global_rank = 0
+    world_size = 1
+    dp_world_size = 1
+
+    def to(self, *args: Any, **kwargs: Any) -> "DeepSpeedEngineAccessors":
+        """The engine places its states itself: ``engine.to(device)`` returns the engine, as
+        DeepSpeed's does (not the model, which ``__getattr__`` would hand back), after
+        checking that the device is the engine's."""
+        import torch
+
+        wanted = next((a for a in (*args, *kwargs.values())
+                       if isinstance(a, (str, torch.device))), None)
+        if wanted is not None and torch.device(wanted).type != self.device.type:
+            raise ValueError(f"engine.to({wanted!r}): the engine trains on {self.device}; it "
+                             "moves states between its tiers itself. Build the model on the "
+                             "device you want before initialize")
+        return self
+
+    def module_state_dict(self, destination: dict | None = None, prefix: str = "",
+                          keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The model's full state dict (DeepSpeed's name), read unit by unit under
+        ``GatheredParameters``: current values, every parameter a copy (a plain
+        ``module.state_dict()`` at stage 3 shows released parameters empty, and a unit still
+        fetched may lag a deferred step). Holds the whole model in host memory; to save it,
+        ``save_16bit_model`` streams instead. ``keep_vars`` applies to buffers only."""
+        from infinity.zero.init import GatheredParameters
+        from infinity.zero.module_state import all_persistent_buffers
+
+        state = {} if destination is None else destination
+        for unit in self.units:
+            mine = {id(e.param) for e in unit.params
+                    if not (exclude_frozen_parameters and not e.param.requires_grad)}
+            with GatheredParameters([e.param for e in unit.params]):
+                for name, param in self.module.named_parameters(remove_duplicate=False):
+                    if id(param) in mine:
+                        state[prefix + name] = param.detach().clone()
+        for name, buf in all_persistent_buffers(self.module):
+            state[prefix + name] = buf if keep_vars else buf.detach()
+        return state
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accepted for scripts written for data parallelism: with one rank there is nothing to
@@ -63,3 +106,4 @@ class DeepSpeedEngineAccessors:
         if module is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(module, name)
+
