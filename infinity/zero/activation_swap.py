@@ -212,8 +212,12 @@ class ActivationSwapper:
 
     # -- writing ---------------------------------------------------------------------------
     def _hold(self, tensor: torch.Tensor, nbytes: int) -> _Swapped:
+        # held detached: the tensor itself would point back at its grad_fn, which holds this
+        # handle, a cycle the GC cannot see into (a graph dropped without a backward, or whose
+        # backward raised, then kept up to the window's bytes alive); a detached alias shares
+        # its storage and version counter
         record = _Record(tensor.shape, tensor.dtype, tensor.device, nbytes,
-                         held=tensor, version=tensor._version)
+                         held=tensor.detach(), version=tensor._version)
         handle = _Swapped(record)
         self._live += 1
         weakref.finalize(handle, self._forgotten.append, record)

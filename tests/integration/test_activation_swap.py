@@ -286,3 +286,29 @@ def test_a_handle_collected_while_the_swap_space_allocates_does_not_deadlock(dis
         monkeypatch.setattr(extents.ExtentAllocator, "allocate", allocate)
         if done.is_set():
             engine.close()
+
+
+def test_a_forward_dropped_without_backward_frees_its_activations(disk_dir) -> None:
+    """A training forward whose loss is dropped (computed for logging, say) frees what it
+    saved: the swapper held each saved tensor itself, which points back at its grad_fn, which
+    holds the handle -- a cycle the GC cannot see into, so dropped graphs piled up to the
+    window's bytes (64 MiB by default) and were then written to NVMe for nothing."""
+    import gc
+
+    model = make_model("llama", layers=2, width=32)
+    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir,
+                                                                 activation_window="64MiB"))
+    swapper = engine.activation_swapper
+    x = torch.randint(0, VOCAB, (2, 16))
+    try:
+        for _ in range(5):
+            loss = loss_of(engine(input_ids=x, labels=x))
+            del loss
+            gc.collect()
+        swapper.release_forgotten()
+        assert (swapper._live, swapper._held_bytes) == (0, 0), swapper.describe()
+        assert swapper.stats.written == 0          # nothing dead went to the disk
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+    finally:
+        engine.close()
