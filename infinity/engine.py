@@ -7,7 +7,6 @@ its own module (see DESIGN.md "Layers").
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -30,6 +29,11 @@ from infinity.storage.manager import TierManager
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier, deeper
 from infinity.engine_api import DeepSpeedEngineAccessors
+from infinity.engine_guards import (
+    FOREIGN_EARLY_BACKWARD,
+    SECOND_EARLY_BACKWARD,
+    refuse_multiple_ranks,
+)
 from infinity.engine_sizing import (
     COMPUTE_DTYPES,
     EngineSizes,
@@ -278,7 +282,7 @@ class Engine(DeepSpeedEngineAccessors):
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss)}"
                              + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
         if self.optimizer.early_step and self._backwards_since_step:
-            raise RuntimeError(_SECOND_EARLY_BACKWARD.format(call="engine.backward()"))
+            raise RuntimeError(SECOND_EARLY_BACKWARD.format(call="engine.backward()"))
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss.detach()
@@ -326,9 +330,9 @@ class Engine(DeepSpeedEngineAccessors):
                        "was not multiplied by the loss scale, so every gradient would come out "
                        f"{self.loss_scale:g}x too small. Call engine.backward(loss) instead")
         elif self.optimizer.early_step and self._backwards_since_step:
-            problem = _SECOND_EARLY_BACKWARD.format(call="loss.backward()")
+            problem = SECOND_EARLY_BACKWARD.format(call="loss.backward()")
         elif self.optimizer.early_step and (other := engine_in_backward(self)) is not None:
-            problem = _FOREIGN_EARLY_BACKWARD.format(
+            problem = FOREIGN_EARLY_BACKWARD.format(
                 other=type(other.module).__name__, this=type(self.module).__name__)
         if problem is not None:
             self.optimizer.abandon_backward()
@@ -587,34 +591,6 @@ class Engine(DeepSpeedEngineAccessors):
         self.close()
 
 
-_FOREIGN_EARLY_BACKWARD = (
-    "the backward of another engine (over {other}) reached this engine's parameters "
-    "({this}), as a GAN's generator loss goes through its discriminator. Under the early step "
-    "(infinity.early_step) this engine steps each unit as its gradients arrive, so it would "
-    "take an optimizer step now that its own step() never asked for; nothing was stepped. Set "
-    "infinity.early_step \"off\" for this engine (its gradients are then kept until its "
-    "step() or dropped by its zero_grad(), as torch does), or keep them out of that loss "
-    "(detach the input, or requires_grad_(False) on these parameters around the other step)")
-
-
-def refuse_multiple_ranks() -> None:
-    """One engine trains one rank's model alone: under a launcher with several ranks each would
-    train its own copy, never averaging gradients, saving over the others' checkpoints and not
-    noticing a rank that died. Refused before anything is built, until the collectives land."""
-    world = None
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-    elif os.environ.get("WORLD_SIZE", "1").strip().isdigit():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world is not None and world > 1:
-        raise RuntimeError(
-            f"{world} ranks (torch.distributed / WORLD_SIZE): infinity trains one process per "
-            "model for now -- data parallelism over several ranks (gradient averaging, sharded "
-            "states, per-rank checkpoints) is not implemented, and each rank would silently "
-            "train its own copy. Run a single process (one GPU or CPU-only); ZeRO-Infinity's "
-            "NVMe offload is what lets one process hold a model larger than memory")
-
-
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         if p.device.type != "meta":
@@ -640,13 +616,6 @@ def _route_module_methods(model: nn.Module, engine: "Engine") -> None:
 
     model.zero_grad = zero_grad
     model.load_state_dict = load_state_dict
-
-
-_SECOND_EARLY_BACKWARD = (
-    "{call} was called twice without engine.step() in between: the early step "
-    "(infinity.early_step) steps each unit during its backward, so a second backward would step "
-    "it again instead of adding its gradients up. Call engine.step() after each backward, set "
-    "gradient_accumulation_steps to add micro-batches up, or set infinity.early_step \"off\"")
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
