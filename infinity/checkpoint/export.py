@@ -64,9 +64,7 @@ def save_model_weights(engine: "Engine", path: str | Path, with_frozen: bool = T
     try:
         chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
         for lay in layouts:
-            if saved[id(lay)]:
-                save_entries(lay.params, saved[id(lay)], chunks,
-                             lambda e, v: writer.append(e.name, v))
+            save_entries(lay.params, saved[id(lay)], chunks, lambda e, v: writer.append(e.name, v))
         for name, buf in buffers:
             writer.append(name, buf)
         writer.close()

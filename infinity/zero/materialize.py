@@ -27,9 +27,9 @@ from torch import nn
 
 CREATOR_ATTR = "_infinity_created_by"   # on a meta parameter: weakref to its creating module
 VALUE_ATTR = "_infinity_built_value"     # on a meta parameter: the value it was built with
-# parameters up to this size keep the value their constructor gave them (4M elements: LoRA
+# parameters up to this size keep the value their constructor gave them (1M elements: LoRA
 # factors, norms, biases); a larger one's (torch.empty's, for torch's own modules) is dropped
-KEEP_VALUE_NUMEL = 1 << 22
+KEEP_VALUE_NUMEL = 1 << 20
 
 
 def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
