@@ -78,17 +78,19 @@ class DeepSpeedEngineAccessors:
         ``module.state_dict()`` at stage 3 shows released parameters empty, and a unit still
         fetched may lag a deferred step). Holds the whole model in host memory; to save it,
         ``save_16bit_model`` streams instead. ``keep_vars`` applies to buffers only."""
+        from infinity.checkpoint.layout import aliases, unit_layouts
         from infinity.zero.init import GatheredParameters
         from infinity.zero.module_state import all_persistent_buffers
 
         state = {} if destination is None else destination
         for unit in self.units:
-            mine = {id(e.param) for e in unit.params
-                    if not (exclude_frozen_parameters and not e.param.requires_grad)}
             with GatheredParameters([e.param for e in unit.params]):
-                for name, param in self.module.named_parameters(remove_duplicate=False):
-                    if id(param) in mine:
-                        state[prefix + name] = param.detach().clone()
+                for entry in unit.params:
+                    if entry.param.requires_grad or not exclude_frozen_parameters:
+                        state[prefix + entry.name] = entry.param.detach().clone()
+        for alias, name in aliases(self.module, unit_layouts(self)).items():
+            if prefix + name in state:        # a tied parameter's other names share it
+                state[prefix + alias] = state[prefix + name]
         for name, buf in all_persistent_buffers(self.module):
             state[prefix + name] = buf if keep_vars else buf.detach()
         return state

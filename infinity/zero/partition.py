@@ -16,8 +16,8 @@ more than half of the model's parameters and has children with parameters joins 
 children become units (its own direct parameters one more), and so on down until no unit
 holds more than half, or the big one is a leaf. nn.MultiheadAttention is never split: its
 forward reads ``out_proj.weight`` without calling ``out_proj``, which a child unit, fetched only
-around its own forward, would not have. Naming
-the block class in ``infinity.unit_modules`` still takes precedence where it finds blocks.
+around its own forward, would not have. Naming the block class in ``infinity.unit_modules``
+still takes precedence where it finds blocks.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def find_blocks(model: nn.Module, unit_modules: list[str] | None = None) -> list
 
 def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[UnitSpec]:
     """Split ``model``'s parameters into units, in module registration order."""
-    _refuse_non_float_parameters(model)
+    _refuse_parameter_dtypes(model)
     _refuse_sparse_gradients(model)
     blocks = find_blocks(model, unit_modules)
     block_ids = {id(m) for _, m in blocks}
@@ -112,7 +112,7 @@ def partition(model: nn.Module, unit_modules: list[str] | None = None) -> list[U
     return specs
 
 
-def _refuse_non_float_parameters(model: nn.Module) -> None:
+def _refuse_parameter_dtypes(model: nn.Module) -> None:
     """A unit keeps its parameters in one flat buffer of the compute dtype (fp32, bf16 or
     fp16), so the engine casts every parameter to it: an integer or bool parameter (an index
     table) or a float64 model would come back in another dtype and break the forward that
@@ -129,7 +129,7 @@ def _refuse_non_float_parameters(model: nn.Module) -> None:
             f"{', '.join(odd[:5])}. The engine keeps parameters in the compute dtype, which would "
             "turn them into floats; register such tensors as buffers instead "
             "(module.register_buffer(name, tensor)), which the engine leaves as they are")
-    wide = [f"{name}" for name, p in named if p.dtype == torch.float64]
+    wide = [name for name, p in named if p.dtype == torch.float64]
     if wide:
         raise TypeError(
             f"{len(wide)} parameter(s) of {type(model).__name__} are float64 (e.g. {wide[0]}): the "

@@ -254,15 +254,20 @@ def test_the_global_grad_norm_is_torchs_under_every_schedule(disk_dir, tiers: st
         engine.close()
 
 
-@pytest.mark.parametrize("tier,early_step", [("cpu", "off"), ("nvme", "on")])
-def test_rank_accessors_to_and_module_state_dict(disk_dir, tier, early_step) -> None:
+@pytest.mark.parametrize("tier,early_step,family,steps", [
+    ("cpu", "off", "llama", 2), ("nvme", "on", "llama", 2),
+    # a tied head under both names (untrained: GPT-2's key bias has no gradient, so Adam
+    # steps it on rounding noise, ~1e-5 apart from torch after two steps)
+    ("cpu", "off", "gpt2", 0)])
+def test_rank_accessors_to_and_module_state_dict(disk_dir, tier, early_step, family,
+                                                 steps) -> None:
     """DeepSpeed's rank accessors are one rank's; engine.to(device) returns the engine (it
     returned the model); module_state_dict() gives the current full weights -- right after a
     deferred step too, where module.state_dict() held released (empty) and pre-step values."""
     from parity import loss_of, reference_step
 
     torch.manual_seed(0)
-    model = make_model("llama", layers=2, width=64)
+    model = make_model(family, layers=2, width=64)
     engine, reference, ref_opt = engine_and_reference(
         model, zero_config(3, tier, tier, str(disk_dir), early_step=early_step))
     try:
@@ -270,12 +275,14 @@ def test_rank_accessors_to_and_module_state_dict(disk_dir, tier, early_step) -> 
                 engine.dp_world_size) == (0, 0, 1, 1)
         assert engine.to("cpu") is engine and engine.to(torch.device("cpu")) is engine
         gen = torch.Generator().manual_seed(4)
-        for _ in range(2):
+        for _ in range(steps):
             x = torch.randint(0, VOCAB, (2, 12), generator=gen)
             engine.backward(loss_of(engine(input_ids=x, labels=x)))
             engine.step()
             reference_step(reference, ref_opt, x, 0.0)
         state = engine.module_state_dict()
+        if family == "gpt2":
+            assert state["lm_head.weight"] is state["transformer.wte.weight"]
         expected = reference.state_dict()
         assert set(state) == set(expected)
         for name, value in expected.items():
