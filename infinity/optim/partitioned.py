@@ -519,6 +519,11 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         stepped = [s for s in self.states if s.has_grads]
         for state in sorted(stepped, key=lambda s: position.get(s.unit.index, len(position))):
             state.has_grads = state.norm_counted = False
+            # a forward between the backward and this step expected the next backward's units
+            # (speculation planned): those reads are of the states this step is about to change
+            stale = self._expected.pop(state.unit.index, None)
+            if stale is not None:
+                self._stream.cancel(stale)
             self._waiting[state.unit.index] = self._stream.expect(
                 state, early=False, grad_scale=scale, params=self.take_arrived(state))
 

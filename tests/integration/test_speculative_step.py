@@ -118,6 +118,33 @@ def test_a_forward_before_step_sees_the_parameters_before_the_step(disk_dir) -> 
         engine.close()
 
 
+def test_a_training_forward_before_step_does_not_leave_stale_reads_for_the_next(disk_dir) -> None:
+    """A training forward (grad enabled, output dropped) between backward and step expects the
+    next backward's units (speculation planned) and reads their Adam states ahead; the step then
+    changes those states, so those reads must be dropped: the next steps equal torch."""
+    torch.manual_seed(0)
+    model = make_model("llama", layers=3, width=64)
+    engine, reference, ref_opt = engine_and_reference(model, _config(disk_dir, mode="auto"))
+    gen = torch.Generator().manual_seed(5)
+    try:
+        for step in range(4):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            backward_both(engine, reference, x)
+            if step == 1:
+                engine(input_ids=x, labels=x)        # training mode, grad enabled, dropped
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        assert engine.optimizer.speculation_stats["voided"] == 1, \
+            engine.optimizer.speculation_stats
+        weights = engine.module_state_dict()
+        for name, expected in reference.state_dict().items():
+            torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("clip,expected", [(1e-3, {"committed": 0, "rolled_back": 1}),
                                            (100.0, {"committed": 4, "rolled_back": 0})])
 def test_auto_stops_speculating_while_steps_are_clipped(disk_dir, clip: float,
