@@ -7,6 +7,7 @@ its own module (see DESIGN.md "Layers").
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -29,6 +30,7 @@ from infinity.storage.manager import TierManager
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier, deeper
 from infinity.engine_api import DeepSpeedEngineAccessors
+from infinity.engine_passes import PassHooks
 from infinity.engine_guards import (
     FOREIGN_EARLY_BACKWARD,
     SECOND_EARLY_BACKWARD,
@@ -199,6 +201,8 @@ class Engine(DeepSpeedEngineAccessors):
         _route_module_methods(model, self)
         self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
+        self._passes = PassHooks(model, self._begin_pass, self._end_pass,
+                                 self.coordinator.keep_outermost)
         for module in model.modules():      # register_external_parameter before initialize
             external = module.__dict__.get(EXTERNAL_PARAMS_ATTR, [])
             external[:] = [replacements.get(p, p) for p in external]
@@ -249,29 +253,44 @@ class Engine(DeepSpeedEngineAccessors):
                 "load_checkpoint the last checkpoint") from failure
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward; the pass around it is the root module's hooks' (see
+        engine_passes.py), so calling the model itself does the same."""
+        self._check_open("forward")
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException as exc:
+            raise_with_external_parameter_hint(exc, "forward", self.stage)
+            raise
+
+    def _begin_pass(self) -> tuple[bool, contextlib.ExitStack]:
+        """Before a forward: returns whether it trains, and the activation swapper's hooks."""
         self._check_open("forward")
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self.manager.counters.reset()
             self.optimizer.timers.reset()
         self._void_speculation()
-        if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
         self.coordinator.begin_forward(self.module.training)
         training = self.module.training and torch.is_grad_enabled()
-        try:
-            if self.activation_swapper is not None and training:
-                with self.activation_swapper.hooks():
-                    output = self.module(*args, **kwargs)
-            else:
-                output = self.module(*args, **kwargs)
-        except BaseException as exc:
-            self.coordinator.abandon_pass()     # post-hooks did not run: units stay fetched
-            raise_with_external_parameter_hint(exc, "forward", self.stage)
-            raise
+        hooks = contextlib.ExitStack()
+        if self.activation_swapper is not None and training:
+            hooks.enter_context(self.activation_swapper.hooks())
+        return training, hooks
+
+    def _end_pass(self, state: tuple[bool, contextlib.ExitStack],
+                  error: BaseException | None) -> None:
+        training, hooks = state
+        if error is not None:
+            try:
+                hooks.__exit__(type(error), error, error.__traceback__)
+            finally:
+                self.coordinator.abandon_pass()   # post-hooks did not run: units stay fetched
+            return
+        hooks.close()
         if training:
             self.coordinator.end_forward()
-        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -574,6 +593,8 @@ class Engine(DeepSpeedEngineAccessors):
                 self.coordinator.release_finished_steps(self.optimizer.drain_steps())
                 self.coordinator.release_all()
                 self.coordinator.remove()
+                if getattr(self, "_passes", None) is not None:
+                    self._passes.remove()
                 remember_released(u for u in self.units if not u.persistent)
         finally:
             try:

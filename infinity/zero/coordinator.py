@@ -104,6 +104,7 @@ class Coordinator:
         self._kept: set[int] = set()   # released by their hooks but kept fetched for reuse
         # per hooked module, a stack (one entry per call in progress) of its inputs' tensor ids
         self._call_inputs: dict[int, list[frozenset[int]]] = {}
+        self._outermost: dict[int, list[int]] = {}     # per module, pre-hooks kept ahead of ours
         self._largest = max((u.nbytes for u in units if not u.persistent), default=0)
         check_backward_working_set(units, hooked, manager.device_budget)
         # the units the training forward in progress used with grad enabled, in order (a use
@@ -138,12 +139,20 @@ class Coordinator:
 
         def after(m: nn.Module, args, output):
             _keep_at(m._forward_pre_hooks, first.id, last=False)
+            for outer in self._outermost.get(id(m), ()):
+                _keep_at(m._forward_pre_hooks, outer, last=False)
             calls = self._call_inputs.get(id(m))
             return self._forward_post(ids, output, calls.pop() if calls else frozenset())
 
         first = module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
         post = module.register_forward_hook(after)
         self._handles += [first, post]
+
+    def keep_outermost(self, module: nn.Module, pre_hook_id: int) -> None:
+        """Keep ``pre_hook_id`` ahead of the fetch hook on ``module`` (the engine's pass begins
+        before a root that owns parameters fetches them)."""
+        self._outermost.setdefault(id(module), []).append(pre_hook_id)
+        _keep_at(module._forward_pre_hooks, pre_hook_id, last=False)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -332,3 +332,52 @@ def test_optimizer_state_dict_is_refused_with_the_checkpoint_calls(disk_dir) -> 
             engine.optimizer.load_state_dict({"state": {}, "param_groups": []})
     finally:
         engine.close()
+
+
+def test_calling_the_model_itself_runs_the_engines_forward_pass(disk_dir) -> None:
+    """A torch loop calls the model, not the engine: each call is a pass of its mode (the
+    traces stay one pass long, so prefetch follows them), its activations are swapped, a call
+    that raises leaves the engine usable, and training equals torch. Before, such calls
+    appended every fetch to one growing trace and never prefetched."""
+    torch.manual_seed(0)
+    model = make_model("llama", layers=3, width=64)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="off",
+                     offload_activations="nvme", activation_min_bytes=4096, activation_window=0)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    ds["zero_optimization"]["stage3_max_reuse_distance"] = 0
+    engine, optimizer, *_ = infinity.initialize(model=model, config=ds)
+    units = len(engine.units)
+    armed = []
+
+    def fail_once(module, args):
+        if armed:
+            armed.clear()
+            raise RuntimeError("a bad batch")
+
+    model.model.layers[1].register_forward_pre_hook(fail_once)
+    try:
+        for step, x in enumerate(_batches(6)):
+            if step == 2:
+                armed.append(True)
+                with pytest.raises(RuntimeError, match="a bad batch"):
+                    model(input_ids=x, labels=x)
+            loss = loss_of(model(input_ids=x, labels=x))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ref_loss = reference_step(reference, ref_opt, x, 0.0)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=x)
+            model.train()
+        traces = engine.coordinator.traces
+        assert len(traces["train_fwd"].order) <= units and len(traces["eval_fwd"].order) <= units, \
+            {k: len(t.order) for k, t in traces.items()}
+        assert engine.coordinator.fetch_stats["prefetch_hits"] > 0, engine.coordinator.fetch_stats
+        assert engine.activation_swapper.stats.written > 0, engine.activation_swapper.stats
+        _assert_same_weights(engine, reference)
+    finally:
+        engine.close()

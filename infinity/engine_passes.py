@@ -1,0 +1,88 @@
+"""A forward pass begins and ends at the model's own call, whoever makes it.
+
+Why: a torch-style loop calls the model itself (``loss = model(x)``; ``generate()`` calls it once
+a token), not ``engine(x)``. What the engine does around a forward (drop a pending speculation,
+start the mode's trace pass that prefetch follows, swap saved activations, check a training
+forward's traced working set before its backward, forget a pass that raised) therefore hangs on
+the root module's hooks, so both kinds of call get it. Before, a direct call never started a
+pass: its fetches were appended to one ever-growing trace (no prefetch, memory growing by the
+units of every call) and its activations were not swapped.
+
+The begin hook must run before the coordinator's fetch hook of a root that owns parameters
+itself (a speculation is voided before anything is fetched): ``Coordinator.keep_outermost``
+keeps it first. The end runs from an ``always_call`` hook, which torch also calls when the
+forward raised (then the pass is abandoned); a normal hook after the others marks the calls that
+returned.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class _Call:
+    began: bool             # this call started a pass (not a nested or recomputed call)
+    state: Any = None       # what ``begin`` returned, handed to ``end``
+    returned: bool = False  # the forward and the hooks before ours returned
+
+
+class PassHooks:
+    """Calls ``begin()`` before each outermost call of ``root`` and ``end(state, error)`` after
+    it (``error``: the exception the forward raised, else None)."""
+
+    def __init__(self, root: nn.Module, begin: Callable[[], Any],
+                 end: Callable[[Any, BaseException | None], None],
+                 keep_outermost: Callable[[nn.Module, int], None]) -> None:
+        self._begin, self._end = begin, end
+        self._calls: list[_Call] = []
+        # closures, not bound methods: copy.deepcopy(model) copies the hook dicts, and a bound
+        # method would drag this object (and the engine behind it) into the copy
+        self._handles = [
+            root.register_forward_pre_hook(lambda m, args: self._before(), prepend=True),
+            root.register_forward_hook(lambda m, args, out: self._returned()),
+            root.register_forward_hook(lambda m, args, out: self._after(), always_call=True),
+        ]
+        keep_outermost(root, self._handles[0].id)
+
+    @property
+    def in_pass(self) -> bool:
+        return any(call.began for call in self._calls)
+
+    def _before(self) -> None:
+        # a call inside a pass (a model calling itself) or a recompute in backward (activation
+        # checkpointing around the whole model) is part of the pass already running
+        nested = self.in_pass or torch._C._current_graph_task_id() != -1
+        call = _Call(began=not nested)
+        self._calls.append(call)
+        if call.began:
+            try:
+                call.state = self._begin()
+            except BaseException:
+                self._calls.pop()   # the forward will not run: no hook follows
+                raise
+        return None
+
+    def _returned(self) -> None:
+        call = self._calls[-1]
+        call.returned = True
+        if call.began:
+            call.began = False          # ended here: ``_after`` has nothing left to do
+            self._end(call.state, None)
+        return None
+
+    def _after(self) -> None:
+        call = self._calls.pop()
+        if call.began and not call.returned:
+            error = sys.exc_info()[1]    # torch calls this hook inside its except block
+            self._end(call.state, error if error is not None else RuntimeError("forward failed"))
+        return None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
