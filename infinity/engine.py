@@ -19,7 +19,7 @@ from infinity.budget import MemoryBudget
 from infinity.checkpoint import load_checkpoint, save_checkpoint, save_model_weights
 from infinity.config import InfinityConfig
 from infinity.log import get_logger
-from infinity.param_groups import param_groups
+from infinity.param_groups import optimizer_defaults, param_groups
 from infinity.malloc_tuning import set_mmap_threshold, trim
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.partitioned import PartitionedOptimizer
@@ -184,6 +184,7 @@ class Engine(DeepSpeedEngineAccessors):
             grad_tier=grad_tier, early_step=early, sub_group_numel=self.sizes.sub_group_numel,
             master_separate=self.master_separate, staging_pool=self.fetch_pool,
             adamw_mode=self.config.optimizer.adam_w_mode,
+            defaults=optimizer_defaults(self.config),
             speculation=self.config.infinity.speculative_step if self.speculative else "off")
         self.optimizer.clip_norm = self.config.gradient_clipping
         self.coordinator = Coordinator(
@@ -244,6 +245,13 @@ class Engine(DeepSpeedEngineAccessors):
         if getattr(self, "_closed", False):
             raise RuntimeError(f"engine.{what}() after engine.close(): the engine's states and "
                                "swap files are gone; build a new engine with infinity.initialize")
+        failure = getattr(self, "_load_failure", None)
+        if failure is not None and what not in ("load_checkpoint", "flush"):
+            raise RuntimeError(
+                f"engine.{what}(): a load_checkpoint failed part-way ({type(failure).__name__}: "
+                f"{failure}), so some units hold the checkpoint's values and others this "
+                "engine's: load_checkpoint again (this checkpoint or another) before going on") \
+                from failure
         failure = self.optimizer.step_failure
         if failure is not None:
             raise RuntimeError(
@@ -425,8 +433,9 @@ class Engine(DeepSpeedEngineAccessors):
             self.optimizer.step()
         finally:
             self.optimizer.engine_stepping = False
+        stuck = False
         if self.loss_scaler is not None:
-            self.loss_scaler.update(self.optimizer.overflow)
+            stuck = self.loss_scaler.update(self.optimizer.overflow)
         self.skipped_steps += int(self.optimizer.overflow)
         if self.optimizer.early_step:
             self.coordinator.release_finished_steps(self.optimizer.reaped_at_step)
@@ -443,6 +452,13 @@ class Engine(DeepSpeedEngineAccessors):
         self._record_stats()
         if self.config.infinity.mmap_threshold_in_use is not None:
             trim()
+        if stuck:
+            raise FloatingPointError(
+                f"the gradients overflowed (inf or NaN) at the minimum loss scale "
+                f"(fp16.min_loss_scale = {self.loss_scaler.min_scale:g}), so the scale cannot come "
+                "down and every step from here would be skipped; DeepSpeed stops the run here "
+                "too. The step was skipped (nothing changed). The model has likely diverged: "
+                "lower the learning rate or check the data, and resume from the last checkpoint")
 
     def _record_stats(self) -> None:
         now = time.perf_counter()

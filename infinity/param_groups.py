@@ -19,13 +19,19 @@ from infinity.log import get_logger
 log = get_logger("engine")
 
 
+def optimizer_defaults(config: InfinityConfig) -> dict[str, Any]:
+    """The config's optimizer settings: every group's defaults, and the optimizer's
+    ``defaults`` (torch's OneCycleLR and CyclicLR look there for betas)."""
+    opt = config.optimizer
+    return {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps,
+            "weight_decay": opt.weight_decay, "bias_correction": opt.bias_correction,
+            "adamw_mode": opt.adam_w_mode}
+
+
 def param_groups(model: nn.Module, model_parameters: Iterable | None,
                   config: InfinityConfig) -> list[dict]:
     """Param groups with the config's hyperparameters as defaults (torch optimizer layout)."""
-    opt = config.optimizer
-    defaults = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps,
-                "weight_decay": opt.weight_decay, "bias_correction": opt.bias_correction,
-                "adamw_mode": opt.adam_w_mode}
+    defaults = optimizer_defaults(config)
     if model_parameters is None:
         raw: list = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     else:

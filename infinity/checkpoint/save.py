@@ -68,8 +68,26 @@ def check_at_rest(engine: "Engine", what: str) -> None:
                            "(its changes are written back on exit)")
 
 
+def _check_string_keys(value: Any, what: str, depth: int = 0) -> None:
+    if depth > 100:
+        return            # json.dumps reports a circular or too deep value itself
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{what} has a dict key {key!r} of type {type(key).__name__}: a "
+                                "checkpoint manifest is JSON, whose keys are strings, so it would "
+                                "come back as {!r}. Use string keys".format(str(key)))
+            _check_string_keys(item, what, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_string_keys(item, what, depth + 1)
+
+
 def json_value(value: Any, what: str) -> Any:
-    """``value`` as the manifest will hold it (JSON), or a TypeError naming ``what``."""
+    """``value`` as the manifest will hold it (JSON; tuples come back as lists), or a TypeError
+    naming ``what``. A dict key that is not a string is refused: JSON would turn ``{1: x}``
+    into ``{"1": x}`` and the load would hand back another dict than the one saved."""
+    _check_string_keys(value, what)
     try:
         return json.loads(json.dumps(value, allow_nan=True))
     except (TypeError, ValueError) as exc:

@@ -34,9 +34,13 @@ class LossScaler:
         self._steps = 0
         self._last_overflow = -1
 
-    def update(self, overflow: bool) -> None:
-        """Called once per optimizer step, with whether its gradients overflowed."""
+    def update(self, overflow: bool) -> bool:
+        """Called once per optimizer step, with whether its gradients overflowed. True when a
+        dynamic scale overflowed at its minimum with no hysteresis left: it cannot come down,
+        so every later step would be skipped too (the engine stops the run, as DeepSpeed's)."""
+        stuck = False
         if overflow:
+            stuck = self.dynamic and self._hysteresis_left <= 1 and self.scale <= self.min_scale
             attempted = self.scale
             if self.dynamic and self._hysteresis_left <= 1:
                 self.scale = max(self.scale / 2, self.min_scale)
@@ -53,6 +57,7 @@ class LossScaler:
                 self.scale *= 2
                 self._hysteresis_left = self.hysteresis
         self._steps += 1
+        return stuck
 
     def state_dict(self) -> dict[str, float | int]:
         """What a checkpoint keeps: the scale and where its growth and hysteresis stand."""

@@ -155,8 +155,9 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
                  optimizer_tier: Tier, grad_tier: Tier, early_step: bool, sub_group_numel: int,
                  master_separate: bool, staging_pool: BufferPool | None,
                  adamw_mode: bool = True, threads: int | None = None,
-                 speculation: str = "off") -> None:
-        super().__init__(param_groups, defaults={})
+                 speculation: str = "off", defaults: dict | None = None) -> None:
+        super().__init__(param_groups, defaults=dict(defaults or {}))
+        self._groups_fixed = True    # see add_param_group
         # see [Note: speculative step] in optim/speculation.py
         self._init_speculation("off" if early_step else speculation)
         doubled = self.speculation != "off"
@@ -592,6 +593,19 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
 
     def load_state_dict(self, state_dict) -> None:
         raise RuntimeError(_STATE_DICT_REFUSED.format(call="optimizer.load_state_dict()"))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only while the optimizer is built: each parameter's states, sub-groups and unit are
+        laid out at ``initialize``, so a group added later would never be stepped."""
+        if getattr(self, "_groups_fixed", False):
+            raise ValueError(
+                "optimizer.add_param_group() after infinity.initialize: the engine lays out the "
+                "optimizer states of every parameter it trains at initialize, so the new group "
+                "would never be stepped. Give every group to infinity.initialize "
+                "(model_parameters=[...]); to start training more of the model later, "
+                "save_checkpoint, build a new engine with the new groups and load_checkpoint "
+                "with load_optimizer_states=False")
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients never live on the parameters, but the ones collected since the last step

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import infinity
 from infinity.checkpoint import CheckpointError
 from infinity.checkpoint import save as save_module
-from infinity.checkpoint.tensor_file import TensorFileWriter
+from infinity.checkpoint.tensor_file import TensorFileReader, TensorFileWriter
 from parity import VOCAB, loss_of, make_model, train_steps, zero_config
 
 
@@ -142,6 +142,9 @@ def test_files_the_engine_did_not_write_are_kept(engine, disk_dir):
 def test_saving_at_the_wrong_moment_or_bad_client_state(engine, disk_dir):
     with pytest.raises(TypeError, match="client_state must be JSON-serializable"):
         engine.save_checkpoint(disk_dir / "ckpt", client_state={"t": torch.zeros(2)})
+    # JSON would hand {1: ...} back as {"1": ...}
+    with pytest.raises(TypeError, match="client_state has a dict key 1 of type int"):
+        engine.save_checkpoint(disk_dir / "ckpt", client_state={"epochs": {1: "a"}})
     assert not (disk_dir / "ckpt").exists()
     x = torch.randint(0, VOCAB, (2, 16))
     engine.backward(loss_of(engine(input_ids=x, labels=x)))
@@ -291,11 +294,13 @@ def test_a_users_safetensors_in_a_left_staging_directory_survives(engine, disk_d
     assert not staging.exists()
 
 
-@pytest.mark.parametrize("damage", ["params_entry", "newer_version"])
+@pytest.mark.parametrize("damage", ["params_entry", "newer_version", "counter", "betas",
+                                    "groups", "scaler"])
 def test_a_manifest_that_does_not_match_its_files_is_refused_before_loading(engine, disk_dir,
                                                                             damage):
     """A params entry missing from manifest.json (its tensors whole) used to raise a bare
-    KeyError after every parameter had been overwritten; a newer format says to upgrade."""
+    KeyError after every parameter had been overwritten; a newer format says to upgrade; a
+    damaged counter or group setting raised (or was taken) after the weights were loaded."""
     ckpt = disk_dir / "ckpt"
     tag = engine.save_checkpoint(ckpt)
     manifest_path = tag / "manifest.json"
@@ -303,15 +308,142 @@ def test_a_manifest_that_does_not_match_its_files_is_refused_before_loading(engi
     if damage == "params_entry":
         manifest["params"].pop("lm_head.weight")
         expected = r"no step count for 1 parameter\(s\) \(lm_head\.weight\)"
-    else:
+    elif damage == "newer_version":
         manifest["version"] += 1
         expected = "newer infinity: upgrade infinity"
+    elif damage == "counter":
+        manifest["engine"]["global_steps"] = "2"
+        expected = "global_steps = '2', not an integer"
+    elif damage == "betas":
+        manifest["param_groups"][0]["betas"] = [0.9]
+        expected = r"param_groups\[0\]\.betas = \[0\.9\], not two numbers"
+    elif damage == "groups":
+        manifest["param_groups"] = {"0": manifest["param_groups"][0]}
+        expected = "has 0 optimizer param group|not a list of settings"
+    else:
+        manifest["loss_scaler"] = [1.0]
+        expected = "loss_scaler is not a dict"
     manifest_path.write_text(json.dumps(manifest))
     _train(engine, 1)
     probe = engine.save_checkpoint(disk_dir / "probe", tag="before", save_latest=False)
+    steps, betas = engine.global_steps, engine.optimizer.param_groups[0]["betas"]
     with pytest.raises(CheckpointError, match=expected):
         engine.load_checkpoint(ckpt, verify_checksums=False)
     _assert_unchanged(engine, disk_dir, probe.name)
+    assert (engine.global_steps, engine.optimizer.param_groups[0]["betas"]) == (steps, betas)
+
+
+def _two_group_engine(disk_dir, model, decay_first: bool, **ds_extra):
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1},
+              {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}]
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds.update(ds_extra)
+    engine, *_ = infinity.initialize(model=model, config=ds,
+                                     model_parameters=groups if decay_first else groups[::-1])
+    return engine
+
+
+def test_param_groups_built_in_another_order_are_refused(disk_dir):
+    """The groups' settings are restored by position: groups built in another order would
+    give each parameter the other group's lr and weight decay, silently. Refused, naming a
+    parameter; load_optimizer_states=False still loads the weights."""
+    first = _two_group_engine(disk_dir, make_model("llama", layers=2), decay_first=True)
+    _train(first, 1)
+    tag = first.save_checkpoint(disk_dir / "ckpt")
+    first.close()
+    second = _two_group_engine(disk_dir, make_model("llama", layers=2, seed=1), decay_first=False)
+    try:
+        groups = [dict(g) for g in second.optimizer.param_groups]
+        with pytest.raises(CheckpointError, match=r"in another optimizer param group.*group 1 "
+                                                  r"then, 0 now.*load_optimizer_states=False"):
+            second.load_checkpoint(disk_dir / "ckpt")
+        assert [dict(g) for g in second.optimizer.param_groups] == groups
+        assert second.global_steps == 0
+        assert second.load_checkpoint(disk_dir / "ckpt", load_optimizer_states=False)[0] == str(tag)
+        assert second.global_steps == 1
+    finally:
+        second.close()
+
+
+def test_the_configs_update_rule_is_kept_over_the_checkpoints(disk_dir, infinity_log):
+    """adam_w_mode is the config's (as it is DeepSpeed's optimizer's attribute): a checkpoint
+    saved with L2 Adam does not turn an AdamW engine into one."""
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False,
+                                                  "weight_decay": 0.1}}
+    first, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    _train(first, 1)
+    first.save_checkpoint(disk_dir / "ckpt")
+    first.close()
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
+    second, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    try:
+        with infinity_log.at_level(logging.WARNING):
+            second.load_checkpoint(disk_dir / "ckpt")
+        assert all(g["adamw_mode"] is True for g in second.optimizer.param_groups)
+        assert "adamw_mode = False" in infinity_log.text
+    finally:
+        second.close()
+
+
+def test_a_scheduler_state_of_another_kind_is_refused_before_loading(disk_dir):
+    """Saved under a ds_config schedule, resumed with a torch LambdaLR factory (the Hugging
+    Face habit): the scheduler's load_state_dict raised a bare KeyError after every weight and
+    counter had been replaced. Now refused first; load_lr_scheduler_states=False loads."""
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}
+    first, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    _train(first, 2)
+    first.save_checkpoint(disk_dir / "ckpt")
+    first.close()
+    del ds["scheduler"]
+    second, *_ = infinity.initialize(
+        model=make_model("llama", layers=2, seed=1), config=ds,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5))
+    try:
+        second.save_checkpoint(disk_dir / "probe", tag="before", save_latest=False)
+        with pytest.raises(CheckpointError, match="another kind of scheduler.*"
+                                                  "load_lr_scheduler_states=False"):
+            second.load_checkpoint(disk_dir / "ckpt")
+        _assert_unchanged(second, disk_dir, "before")
+        assert second.global_steps == 0
+        second.load_checkpoint(disk_dir / "ckpt", load_lr_scheduler_states=False)
+        assert second.global_steps == 2
+    finally:
+        second.close()
+
+
+def test_a_load_that_fails_part_way_stops_the_engine_until_a_load_completes(engine, disk_dir,
+                                                                            monkeypatch):
+    """An I/O error in the middle of a load leaves some units loaded and others not: training
+    or saving that mix is refused until a load completes."""
+    engine.save_checkpoint(disk_dir / "ckpt")
+    _train(engine, 1)
+    calls = {"n": 0}
+    original = TensorFileReader.read_into
+
+    def failing_read(self, name, out, start=0):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise OSError(errno.EIO, "injected read error")
+        return original(self, name, out, start)
+
+    monkeypatch.setattr(TensorFileReader, "read_into", failing_read)
+    with pytest.raises(OSError, match="injected read error"):
+        engine.load_checkpoint(disk_dir / "ckpt")
+    x = torch.randint(0, VOCAB, (2, 16))
+    with pytest.raises(RuntimeError, match="load_checkpoint failed part-way"):
+        engine(input_ids=x, labels=x)
+    with pytest.raises(RuntimeError, match="load_checkpoint failed part-way"):
+        engine.save_checkpoint(disk_dir / "ckpt")
+    monkeypatch.setattr(TensorFileReader, "read_into", original)
+    engine.load_checkpoint(disk_dir / "ckpt")
+    assert engine.global_steps == 2
+    _train(engine, 1)
 
 
 def test_a_disk_that_fills_during_the_write_says_what_and_what_to_do(engine, disk_dir,

@@ -74,3 +74,31 @@ def test_an_overflowing_step_is_skipped_and_the_scale_comes_down(disk_dir) -> No
         assert set(steps.values()) == {4}, steps
     finally:
         engine.close()
+
+
+def test_an_overflow_at_the_minimum_scale_stops_the_run_as_deepspeed_does(disk_dir) -> None:
+    """Every step overflows: the scale comes down to min_loss_scale, and the overflow there
+    raises (every later step would be skipped, forever, with a warning each), after the step
+    was skipped whole; before that, overflows only skip."""
+    model = make_model("llama", layers=2, width=64)
+    inf_always = ArmedBackwardHook(factor=float("inf"))
+    model.model.layers[0].register_full_backward_pre_hook(inf_always)
+    ds = _fp16(zero_config(3, "cpu", "cpu", str(disk_dir)), initial_scale_power=2, hysteresis=1,
+               min_loss_scale=1)
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = torch.randint(0, VOCAB, (2, 16))
+    try:
+        scales = []
+        for _ in range(2):
+            inf_always.armed = True
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+            scales.append(engine.loss_scale)
+        assert scales == [2.0, 1.0] and engine.skipped_steps == 2
+        inf_always.armed = True
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        with pytest.raises(FloatingPointError, match=r"minimum loss scale.*min_loss_scale = 1\b"):
+            engine.step()
+        assert engine.skipped_steps == 3 and engine.global_steps == 3
+    finally:
+        engine.close()

@@ -381,3 +381,38 @@ def test_calling_the_model_itself_runs_the_engines_forward_pass(disk_dir) -> Non
         _assert_same_weights(engine, reference)
     finally:
         engine.close()
+
+
+def test_torch_schedulers_that_cycle_betas_work_and_add_param_group_is_refused(disk_dir) -> None:
+    """torch's OneCycleLR looks for betas in optimizer.defaults (it was empty: initialize
+    failed); it then trains like torch with the same scheduler. add_param_group after
+    initialize was accepted and the new group never trained: refused."""
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+
+    def one_cycle(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=8)
+
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="off")
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    engine, optimizer, _, scheduler = infinity.initialize(model=model, config=ds,
+                                                         lr_scheduler=one_cycle)
+    ref_sched = one_cycle(ref_opt)
+    try:
+        assert optimizer.defaults["betas"] == (0.9, 0.999)
+        for x in _batches(4):
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference_step(reference, ref_opt, x, 0.0)
+            ref_sched.step()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert optimizer.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"]
+        _assert_same_weights(engine, reference)
+        extra = torch.nn.Parameter(torch.zeros(3))
+        with pytest.raises(ValueError, match="add_param_group.*would never be stepped"):
+            optimizer.add_param_group({"params": [extra]})
+    finally:
+        engine.close()
