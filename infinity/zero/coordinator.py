@@ -35,8 +35,9 @@ needed after the unit it reads (kept units do not count as live parameters for p
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -205,7 +206,7 @@ class Coordinator:
             self._active[uid] += 1
         if not torch.is_grad_enabled():
             return frozenset()
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = list(tensors_in((args, kwargs)))
         if not recompute:
             self._grad_uses.extend(ids)
             for t in inputs:
@@ -217,9 +218,13 @@ class Coordinator:
         recompute = self._in_graph_task()
         for uid in ids:
             if self._active[uid] == 1 and not recompute:     # its last use (still held)
+                unit = self.units[uid]
                 before = self._versions.pop(uid, None)
-                if before is not None and before != _param_versions(self.units[uid]):
-                    self.modified_in_forward(self.units[uid])
+                if unit.rebound():        # ``p.data = renorm(p.data)``, a max-norm layer
+                    unit.take_rebound_values()
+                    self.modified_in_forward(unit)
+                elif before is not None and before != _param_versions(unit):
+                    self.modified_in_forward(unit)
             self._active[uid] -= 1
         if not recompute:
             for uid in ids:
@@ -229,8 +234,8 @@ class Coordinator:
             # an input handed back unchanged (T5's blocks return the position bias they were
             # given) gets its gradient only at its producer's backward: see [Note: outputs
             # passed through]
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in passed_through:
+            for t in tensors_in(output):
+                if t.requires_grad and id(t) not in passed_through:
                     t.register_hook(lambda grad, ids=ids: self._pre_backward(ids))
         return None
 
@@ -545,6 +550,19 @@ class Coordinator:
     def prefetch_hit_ratio(self) -> float:
         n = self.fetch_stats["nvme_fetches"]
         return self.fetch_stats["prefetch_hits"] / n if n else 1.0
+
+
+def tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in a module's inputs or output: torch's pytree (tuples, lists, dicts,
+    namedtuples, transformers' ModelOutput), and inside dataclasses, which pytree does not
+    open: a unit's output tensors found nowhere get no pre-backward hook, so the unit would not
+    be fetched for its backward."""
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif depth < 8 and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            yield from tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)],
+                                  depth + 1)
 
 
 def _param_versions(unit: Unit) -> int:

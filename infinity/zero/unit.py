@@ -124,6 +124,12 @@ class Unit:
         for entry in self.params:
             entry.param.data = self.flat[entry.offset:entry.offset + entry.numel].view(entry.shape)
 
+    def rebound(self) -> bool:
+        """Whether a fetched parameter's ``.data`` was rebound (it no longer views the flat
+        buffer), see ``take_rebound_values``."""
+        base, size = self.flat.data_ptr(), self.flat.element_size()
+        return any(e.numel and e.param.data_ptr() != base + e.offset * size for e in self.params)
+
     def take_rebound_values(self) -> None:
         """A fetched unit's parameters were changed by rebinding ``param.data`` (not in place,
         e.g. ``p.data = torch.zeros_like(p)``): copy the new values into the flat buffer and

@@ -3,6 +3,7 @@ checkpointing, units used twice, prefetch, the page cache, zero.Init and Gathere
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -697,14 +698,31 @@ class RenormedEmbeddingModel(nn.Module):
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
+class MaxNormLinear(nn.Linear):
+    """A max-norm constrained layer as braindecode writes it: the forward rebinds
+    ``weight.data`` to a renormalised copy (no version counter moves)."""
+
+    def forward(self, x):
+        self.weight.data = torch.renorm(self.weight.data, p=2, dim=0, maxnorm=0.2)
+        return super().forward(x)
+
+
+class MaxNormLinearModel(RenormedEmbeddingModel):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__(width)
+        self.head = MaxNormLinear(width, VOCAB)
+
+
 @pytest.mark.parametrize("tiers", [("cpu", "cpu"), ("nvme", "nvme")])
 @pytest.mark.parametrize("early_step", ["on", "off"])
+@pytest.mark.parametrize("model_class", [RenormedEmbeddingModel, MaxNormLinearModel])
 def test_a_forward_that_changes_its_parameters_in_place_keeps_the_change(disk_dir, tiers,
-                                                                         early_step) -> None:
+                                                                         early_step,
+                                                                         model_class) -> None:
     """Stage 3 keeps what a module's forward does to its own weights, as torch does (the
-    change used to be dropped with the device copy at release)."""
+    change used to be dropped with the device copy at release; a rebound .data until now)."""
     torch.manual_seed(0)
-    model = RenormedEmbeddingModel()
+    model = model_class()
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
     ds = zero_config(3, *tiers, str(disk_dir), early_step=early_step)
@@ -721,9 +739,70 @@ def test_a_forward_that_changes_its_parameters_in_place_keeps_the_change(disk_di
             ref_opt.step()
             ref_opt.zero_grad()
             torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
-        with infinity.zero.GatheredParameters([model.emb.weight]):
+        with infinity.zero.GatheredParameters([model.emb.weight, model.head.weight]):
             torch.testing.assert_close(model.emb.weight, reference.emb.weight, rtol=1e-6,
                                        atol=1e-7)
+            torch.testing.assert_close(model.head.weight, reference.head.weight, rtol=1e-6,
+                                       atol=1e-7)
+    finally:
+        engine.close()
+
+
+@dataclasses.dataclass
+class BlockOutput:
+    hidden: torch.Tensor
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        return BlockOutput(x + torch.tanh(self.proj(x)))
+
+
+class DataclassOutputModel(nn.Module):
+    """Blocks (units) return a dataclass, which torch's pytree does not open."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(DataclassBlock(width) for _ in range(3))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = block(h).hidden
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("early_step", ["on", "off"])
+def test_units_returning_a_dataclass_are_fetched_for_their_backward(disk_dir, early_step) -> None:
+    """The output's tensors get the pre-backward hook that fetches the unit again; inside a
+    dataclass they were not found and the backward failed on a released parameter."""
+    torch.manual_seed(0)
+    model = DataclassOutputModel()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=early_step)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
+    ds["zero_optimization"]["stage3_max_reuse_distance"] = 0
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = torch.arange(12).reshape(2, 6)
+    try:
+        for _ in range(3):
+            loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference(x, x)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     finally:
         engine.close()
 
