@@ -532,7 +532,8 @@ class Engine(DeepSpeedEngineAccessors):
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         verify_checksums: bool = True) -> tuple[str | None, Any]:
-        """Load a checkpoint (default: the one ``load_dir/latest`` names); returns
+        """Load a checkpoint (default: the one ``load_dir/latest`` names, or ``load_dir`` itself
+        when it is one checkpoint's directory, as ``save_checkpoint`` returns it); returns
         (its directory, client_state), or (None, None) when there is no ``latest``. The
         checkpoint is checked whole (files, checksums, parameter names and shapes) before
         anything is loaded."""

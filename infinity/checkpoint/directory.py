@@ -273,6 +273,14 @@ def read_manifest_file(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def checkpoint_directory(path: Path, tag: str | None) -> Path | None:
+    """``path`` itself when it is one checkpoint's directory (what ``save_checkpoint`` returns)
+    and no tag is given, else ``resolve(path, tag)``."""
+    if tag is None and (path / MANIFEST).is_file():
+        return path
+    return resolve(path, tag)
+
+
 def resolve(load_dir: Path, tag: str | None) -> Path | None:
     """The checkpoint directory to load: ``tag``'s, or the one ``latest`` names (None when
     there is no ``latest``). Raises when the named checkpoint is not there."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infinity.checkpoint.directory import read_manifest_file, resolve, verify_files
+from infinity.checkpoint.directory import checkpoint_directory, read_manifest_file, verify_files
 from infinity.checkpoint.layout import model_file, persistent_buffers, unit_layouts
 from infinity.checkpoint.save import check_at_rest
 from infinity.checkpoint.tensor_file import (CheckpointError, TensorFileReader,
@@ -27,7 +27,7 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
     ``checkpoint_dir`` is a save directory (then ``tag`` or ``latest`` picks the checkpoint)
     or one checkpoint's directory."""
     root = Path(checkpoint_dir)
-    directory = root if (root / "manifest.json").is_file() and tag is None else resolve(root, tag)
+    directory = checkpoint_directory(root, tag)
     if directory is None:
         raise CheckpointError(f"{root} holds no checkpoint manifest and no 'latest' file; pass "
                               "a checkpoint directory or tag=")

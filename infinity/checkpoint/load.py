@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from infinity.checkpoint.directory import read_manifest_file, resolve, verify_files
+from infinity.checkpoint.directory import checkpoint_directory, read_manifest_file, verify_files
 from infinity.checkpoint.layout import (
     MOMENTS,
     UnitLayout,
@@ -302,7 +302,7 @@ def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: str | None = No
     (nothing to resume from)."""
     check_at_rest(engine, "load_checkpoint")
     load_dir = Path(load_dir)
-    directory = resolve(load_dir, tag)
+    directory = checkpoint_directory(load_dir, tag)   # a save dir, or one checkpoint's
     if directory is None:
         log.warning("no %s/latest: no checkpoint loaded (pass tag= to load a given one)", load_dir)
         return None, None

@@ -114,9 +114,13 @@ def test_missing_latest_and_unknown_tags(engine, disk_dir, infinity_log):
     with infinity_log.at_level(logging.WARNING):
         assert engine.load_checkpoint(disk_dir / "nothing-here") == (None, None)
     assert "no checkpoint loaded" in infinity_log.text
-    engine.save_checkpoint(disk_dir / "ckpt", tag="a")
+    returned = engine.save_checkpoint(disk_dir / "ckpt", tag="a")
     with pytest.raises(CheckpointError, match="no checkpoint 'b'.*checkpoints there: a"):
         engine.load_checkpoint(disk_dir / "ckpt", tag="b")
+    # the directory save_checkpoint returns loads as it is (it loaded nothing, with a warning)
+    _train(engine, 1)
+    assert engine.load_checkpoint(returned)[0] == str(returned)
+    assert engine.global_steps == 2
     with pytest.raises(ValueError, match="cannot name a directory"):
         engine.save_checkpoint(disk_dir / "ckpt", tag="../escape")
 
