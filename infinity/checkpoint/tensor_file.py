@@ -28,7 +28,9 @@ import torch
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64", torch.complex64: "C64",     # a RoPE table kept as a complex buffer
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 MAX_HEADER_BYTES = 256 << 20      # a header is a table of names and shapes, never this big
@@ -92,7 +94,11 @@ class TensorFileWriter:
         offset = 0
         for name, dtype, shape in tensors:
             if dtype not in DTYPE_NAMES:
-                raise TypeError(f"tensor {name}: dtype {dtype} has no safetensors name")
+                raise TypeError(
+                    f"tensor {name}: dtype {dtype} has no safetensors name, so it cannot go in a "
+                    f"checkpoint (safetensors holds {', '.join(sorted(DTYPES_BY_NAME))}). If it "
+                    "is a buffer the model rebuilds itself, register it with persistent=False; "
+                    "else keep it in a dtype of that list")
             if name in header:
                 raise ValueError(f"tensor {name} appears twice in one file")
             size = itemsize(dtype)

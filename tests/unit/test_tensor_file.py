@@ -77,3 +77,32 @@ def test_truncated_and_damaged_files_are_refused_at_open(tmp_path):
         TensorFileReader(path)
     with pytest.raises(CheckpointError, match="is missing"):
         TensorFileReader(tmp_path / "nope.safetensors")
+
+
+def test_complex_unsigned_and_float8_tensors_round_trip(tmp_path):
+    """A RoPE table kept as a complex64 persistent buffer made every save fail; the dtypes
+    safetensors names (C64, U16-U64, F8) are written and read back bit-exact, and safetensors
+    itself reads them. One it does not name is refused with what to do."""
+    from safetensors.torch import load_file
+    tensors = {
+        "freqs_cis": torch.polar(torch.ones(4, 3), torch.randn(4, 3)),
+        "u16": torch.tensor([1, 2, 65535], dtype=torch.int32).to(torch.uint16),
+        "u64": torch.tensor([2**40, 7], dtype=torch.int64).to(torch.uint64),
+        "f8": torch.randn(5).to(torch.float8_e4m3fn),
+    }
+    path = tmp_path / "x.safetensors"
+    writer = TensorFileWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()],
+                              {"format": "pt"})
+    for name, value in tensors.items():
+        writer.append(name, value)
+    writer.close()
+    with TensorFileReader(path) as reader:
+        for name, value in tensors.items():
+            got = reader.read(name)
+            assert got.dtype == value.dtype and torch.equal(got.view(torch.uint8),
+                                                            value.view(torch.uint8)), name
+    loaded = load_file(str(path))
+    assert loaded["freqs_cis"].dtype == torch.complex64
+    assert torch.equal(loaded["freqs_cis"], tensors["freqs_cis"])
+    with pytest.raises(TypeError, match="complex128 has no safetensors name.*persistent=False"):
+        TensorFileWriter(tmp_path / "y.safetensors", [("z", torch.complex128, (2,))], {})
