@@ -6,6 +6,7 @@ optimizer step is written and flushed as the step ends, so a killed run keeps it
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -110,15 +111,46 @@ class MetricsWriter:
         if self._closed:
             raise RuntimeError(f"metrics file {self.path} is already closed")
         if self._file is None:
+            if self.append:
+                self._drop_records_from(record.step)
             self._file = open(self.path, "a" if self.append else "w", encoding="utf-8")
         self._file.write(json.dumps(record.to_json()) + "\n")
         self._file.flush()
+
+    def _drop_records_from(self, step: int) -> None:
+        """A resumed run starts again at its checkpoint's step: the interrupted run's records of
+        that step and later (written after the checkpoint) are dropped, so each step appears
+        once. Other lines are kept as they are; the file is replaced whole (temp + rename)."""
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if not _record_at_or_after(line, step)]
+        if len(kept) == len(lines):
+            return
+        fd, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.writelines(kept)
+            os.replace(temp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
 
     def close(self) -> None:
         self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _record_at_or_after(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and isinstance(record.get("step"), int) and \
+        record["step"] >= step
 
 
 def check_writable(path: Path, flag: str, example: str = "metrics.jsonl") -> None:

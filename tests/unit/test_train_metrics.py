@@ -46,6 +46,28 @@ def test_metrics_file_has_one_line_per_step_with_the_promised_keys(tmp_path: Pat
     json.dumps(rows)  # plain JSON values
 
 
+def test_a_resumed_run_replaces_the_records_written_after_its_checkpoint(tmp_path: Path) -> None:
+    """Interrupted after step 5 with a checkpoint at step 3: the resumed run starts at step 4,
+    and the records of steps 4-5 it repeats are dropped (they were listed twice); a line that
+    is not a record is kept."""
+    path = tmp_path / "m.jsonl"
+    writer = MetricsWriter(path)
+    for step in range(1, 6):
+        writer.write(_record(step, 1.0))
+    writer.close()
+    with path.open("a") as f:
+        f.write("# a note of the user's\n")
+    resumed = MetricsWriter(path, append=True)
+    for step in range(4, 9):
+        resumed.write(_record(step, 2.0))
+    resumed.close()
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()
+             if line.startswith("{")]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert "# a note of the user's" in path.read_text()
+    assert [r["loss"] for r in map(json.loads, path.read_text().splitlines()[:3])] == [1.0] * 3
+
+
 def test_metrics_path_is_checked_up_front(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is a directory"):
         MetricsWriter(tmp_path)
