@@ -234,8 +234,11 @@ class SchedulerConfig:
         if self.total_num_steps is not None:
             _set(self, "total_num_steps", _int(f"{p}.total_num_steps", self.total_num_steps, 1))
             if self.total_num_steps < self.warmup_num_steps:
-                raise ConfigError(f"{p}.total_num_steps = {self.total_num_steps} is smaller than "
-                                  f"{p}.warmup_num_steps = {self.warmup_num_steps}")
+                # DeepSpeed warns and runs (a short smoke run of a long config): the schedule
+                # decays to its floor once the warm-up is over
+                _log.warning("%s.total_num_steps = %d is smaller than %s.warmup_num_steps = %d: "
+                             "the warm-up is cut short by the end of the schedule", p,
+                             self.total_num_steps, p, self.warmup_num_steps)
         _set(self, "warmup_min_ratio", _float(f"{p}.warmup_min_ratio", self.warmup_min_ratio, 0.0, 1.0))
         _set(self, "cos_min_ratio", _float(f"{p}.cos_min_ratio", self.cos_min_ratio, 0.0, 1.0))
         _set(self, "last_batch_iteration", _int(f"{p}.last_batch_iteration", self.last_batch_iteration, -1))

@@ -11,6 +11,12 @@ same learning rates at the same steps:
   at the value for ``k - 2``.
 - OneCycle with ``cycle_momentum`` (its default) sets each group's Adam betas to
   ``(cycled beta1, 0.99)``: beta2 becomes 0.99 whatever the optimizer section said.
+- A schedule built with ``last_batch_iteration`` other than -1 leaves the optimizer's lr (and
+  betas) as they are for the first step.
+
+One habit is not kept: WarmupLR without ``warmup_max_lr`` climbs to each param group's own
+lr; DeepSpeed 0.19 takes the first group's lr as every group's maximum (reported upstream as
+a bug), which would give a no-decay group of another lr the wrong rate.
 """
 from __future__ import annotations
 
@@ -36,7 +42,10 @@ class DeepSpeedSchedule:
         self.config = config
         self._lr_at, self._betas_at = _schedule(config, [float(g["lr"]) for g in optimizer.param_groups])
         self.last_batch_iteration = config.last_batch_iteration
-        self._last_lr = self._apply()
+        # as DeepSpeed's schedules: built at a later iteration (a run resumed by hand), they
+        # leave the optimizer's values for the first step and take over at the first step()
+        self._last_lr = self._apply() if self.last_batch_iteration == -1 else \
+            [float(g["lr"]) for g in optimizer.param_groups]
 
     def get_lr(self) -> list[float]:
         """The learning rate of each param group at the current ``last_batch_iteration``."""
@@ -107,7 +116,8 @@ def _warmup_lr(cfg: SchedulerConfig, group_lrs: list[float]) -> Callable[[int, i
     ``warmup_min_lr`` (not to 0) at ``total_num_steps``."""
     warmup = max(2, cfg.warmup_num_steps)
     lo = cfg.warmup_min_lr
-    # without warmup_max_lr DeepSpeed's WarmupLR climbs to each group's lr, its WarmupDecayLR to 0.001
+    # without warmup_max_lr WarmupLR climbs to each group's lr (DeepSpeed: the first group's,
+    # see the module docstring), WarmupDecayLR to 0.001 as DeepSpeed's
     default_max = group_lrs if cfg.type == "WarmupLR" else [0.001] * len(group_lrs)
 
     def lr(it: int, group: int) -> float:

@@ -169,3 +169,25 @@ def test_matches_deepspeed(kind: str) -> None:
             assert tuple(a["betas"]) == pytest.approx(tuple(b["betas"]), rel=1e-12), (kind, step)
         theirs.step()
         ours.step()
+
+
+def test_a_schedule_shorter_than_its_warm_up_is_warned_and_runs(infinity_log) -> None:
+    """DeepSpeed warns (a smoke run of a long config) where this used to be a ConfigError: the
+    warm-up is cut short and the decay reaches warmup_min_lr at total_num_steps."""
+    import logging
+    with infinity_log.at_level(logging.WARNING):
+        lrs = _lrs({"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 10,
+            "total_num_steps": 4, "warmup_type": "linear"}}, 7)
+    assert "total_num_steps = 4 is smaller than scheduler.params.warmup_num_steps = 10" in \
+        infinity_log.text
+    assert lrs == pytest.approx([0.0, 0.0, 0.01, 0.02, 0.03, 0.04, 0.05])
+
+
+def test_a_schedule_built_past_its_start_leaves_the_first_step_alone() -> None:
+    """As DeepSpeed's: built with last_batch_iteration other than -1, the first step runs at
+    the optimizer's own lr, and the schedule takes over at its first step()."""
+    lrs = _lrs({"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
+                                               "warmup_num_steps": 4, "warmup_type": "linear",
+                                               "last_batch_iteration": 1}}, 4, lr=0.5)
+    assert lrs == pytest.approx([0.5, 0.05, 0.075, 0.1])
