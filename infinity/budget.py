@@ -19,7 +19,9 @@ _HINTS = {
             "offload_param device \"nvme\")",
     "device": "raise infinity.device_memory_budget, or hold fewer units at once (a smaller "
               "stage3_prefetch_bucket_size / stage3_max_live_parameters; one backward per "
-              "forward: two forwards summed into one backward hold both graphs' units)",
+              "forward: two forwards summed into one backward hold both graphs' units; "
+              "activation checkpointing a block at a time: a torch.utils.checkpoint span over "
+              "several units holds all of them while its backward recomputes it)",
 }
 
 
