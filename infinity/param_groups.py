@@ -39,14 +39,18 @@ def param_groups(model: nn.Module, model_parameters: Iterable | None,
         if raw and not isinstance(raw[0], dict):
             raw = [{"params": raw}]
     groups = []
-    seen = set()
+    seen: dict[nn.Parameter, int] = {}     # parameter -> its group
     in_model = {id(p) for p in model.parameters()}
     for i, group in enumerate(raw):
         params = _group_params(group, i)
         params = [p for p in params if p.requires_grad]
         for p in params:
             if p in seen:
-                raise ValueError(f"a parameter appears in more than one param group (group {i})")
+                where = f"twice in param group {i}" if seen[p] == i else \
+                    f"in param groups {seen[p]} and {i}"
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is listed {where}: "
+                                 "each parameter belongs to one group, once (torch refuses "
+                                 "this too)")
             if id(p) not in in_model:
                 # the engine keeps states for the model's parameters only: it would never
                 # step this one (torch would)
@@ -55,7 +59,7 @@ def param_groups(model: nn.Module, model_parameters: Iterable | None,
                     f"in the model ({type(model).__name__}): the engine trains the model's "
                     "parameters only. Register it on the model (e.g. as an attribute of a "
                     "module, so it appears in model.parameters()) or leave it out")
-            seen.add(p)
+            seen[p] = i
         unknown = set(group) - {"params", *defaults, "name"}
         if unknown:
             raise ValueError(f"param group {i} has unknown keys {sorted(unknown)}; "

@@ -28,7 +28,9 @@ def _model() -> torch.nn.Module:
                 {"params": [torch.nn.Parameter(torch.ones(()))]}],
      r"param group 1 holds a parameter of shape \(\) that is not in the model"),
     (lambda m: [{"params": list(m.parameters()), "momentum": 0.9}], "unknown keys"),
-    (lambda m: [{"params": [m[0].weight]}, {"params": [m[0].weight]}], "more than one"),
+    (lambda m: [{"params": [m[0].weight]}, {"params": [m[0].weight]}],
+     r"listed in param groups 0 and 1"),
+    (lambda m: [{"params": [m[0].weight, m[0].weight]}], r"listed twice in param group 0"),
 ])
 def test_bad_param_groups_are_refused_at_initialize(groups, message) -> None:
     model = _model()
