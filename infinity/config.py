@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from infinity.config_file import decode_base64_config, parse_config_text
 from infinity.config_sections import (  # noqa: F401 - sections are re-exported
     _AUTO,
     _OFFLOAD_KEYS,
@@ -269,14 +270,14 @@ class InfinityConfig:
             data = source
         else:
             path = Path(source)
-            text = path.read_text()  # FileNotFoundError names the path
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: "
-                                  f"{exc.msg}") from None
-            if not isinstance(data, dict):
-                raise ConfigError(f"{path}: expected a JSON object at the top, got {type(data).__name__}")
+            encoded = decode_base64_config(source) if isinstance(source, str) and \
+                not path.exists() else None
+            if encoded is not None:
+                data = encoded
+            else:
+                # FileNotFoundError names the path; comments and trailing commas are read as
+                # DeepSpeed's hjson reads them, a duplicate key is refused (config_file.py)
+                data = parse_config_text(path.read_text(), str(path))
         return cls.from_dict(data, world_size=world_size, auto_values=auto_values,
                              auto_defaults=auto_defaults)
 

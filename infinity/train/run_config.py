@@ -12,12 +12,12 @@ budget, so the run is really out of core.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from infinity.config import ConfigError, InfinityConfig
+from infinity.config_file import parse_config_text
 from infinity.log import get_logger
 from infinity.sizes import parse_bytes
 from infinity.train.defaults import (DEFAULT_HOST_BUDGET, DEFAULT_LR, DEFAULT_MICRO_BATCH,
@@ -80,17 +80,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"--config {source} does not exist (or is not a file); pass a "
                                 "DeepSpeed-format ds_config.json")
     try:
-        data = json.loads(source.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--config {source}: not valid JSON at line {exc.lineno} column "
-                          f"{exc.colno}: {exc.msg}") from None
+        text = source.read_text()
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--config {source}: not a text file ({exc.reason} at byte "
                           f"{exc.start}); pass a DeepSpeed-format ds_config.json") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {source}: expected a JSON object at the top, got "
-                          f"{type(data).__name__}")
-    return data
+    return parse_config_text(text, f"--config {source}")
 
 
 def build_ds_config(base: dict[str, Any], overrides: Overrides) -> tuple[dict[str, Any], InfinityConfig]:

@@ -417,7 +417,7 @@ def test_load_reads_a_json_file(tmp_path) -> None:
     cfg = InfinityConfig()
     assert InfinityConfig.load(cfg) is cfg
     bad = tmp_path / "bad.json"
-    bad.write_text('{"zero_optimization": {"stage": 3,}}')
+    bad.write_text('{"zero_optimization": {"stage": 3,, }}')
     with pytest.raises(ConfigError, match=r"bad\.json: not valid JSON at line 1 column"):
         InfinityConfig.load(bad)
     with pytest.raises(FileNotFoundError):
@@ -464,3 +464,33 @@ def test_deepspeed_tool_sections_are_ignored() -> None:
     cfg = InfinityConfig.from_dict({"comet": {"enabled": False}, "autotuning": {"enabled": False},
                                     "csv_monitor": {"enabled": True}})
     assert cfg.zero.stage == 0
+
+
+def test_config_files_are_read_as_deepspeed_reads_them(tmp_path) -> None:
+    """DeepSpeed reads ds_config files with hjson: comments and trailing commas are taken (they
+    were refused as invalid JSON); a key given twice is refused (the last one silently won:
+    a second zero_optimization section replaced the first); a base64 config string works."""
+    import base64
+    import json as json_module
+    path = tmp_path / "ds_config.json"
+    path.write_text('''{
+      // ZeRO-3 with both offloads
+      "train_micro_batch_size_per_gpu": 2,  # per rank
+      /* the optimizer section
+         as DeepSpeed documents it */
+      "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], },},
+      "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},},
+    }''')
+    cfg = InfinityConfig.load(path)
+    assert (cfg.zero.stage, cfg.optimizer.lr, tuple(cfg.optimizer.betas)) == (3, 3e-4, (0.9, 0.95))
+    path.write_text('{"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0,\n'
+                    ' "zero_optimization": {"stage": 1}}')
+    with pytest.raises(ConfigError, match=r"ds_config\.json: key 'zero_optimization' is given twice"):
+        InfinityConfig.load(path)
+    path.write_text('{"zero_optimization": {"stage": 3 "offload_param": {}}}')
+    with pytest.raises(ConfigError, match=r"not valid JSON at line 1 column 35"):
+        InfinityConfig.load(path)
+    encoded = base64.b64encode(json_module.dumps({"train_micro_batch_size_per_gpu": 3}).encode())
+    assert InfinityConfig.load(encoded.decode()).train_micro_batch_size_per_gpu == 3
+    with pytest.raises(FileNotFoundError):
+        InfinityConfig.load(str(tmp_path / "missing.json"))
