@@ -19,6 +19,8 @@ fallocate an ``OSError`` naming the file. I/O errors (ENOSPC, EIO) come back fro
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import os
 import threading
@@ -62,6 +64,19 @@ class _Resources:
         self.lock = threading.Lock()
 
     def release(self) -> None:
+        try:
+            self._release()
+        except BaseException:
+            # interrupted (a second Ctrl-C during close): the finalizer will not run again, so
+            # finish at interpreter exit rather than leave gigabytes of swap files behind
+            atexit.register(self._release_at_exit)
+            raise
+
+    def _release_at_exit(self) -> None:
+        with contextlib.suppress(BaseException):
+            self._release()
+
+    def _release(self) -> None:
         # Wait for this space's I/O in flight: closing a file under a running request could let a
         # reused descriptor number receive its bytes. Errors were (or will be) seen by the owner.
         with self.lock:

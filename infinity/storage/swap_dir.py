@@ -365,11 +365,12 @@ class SwapDir:
         """Delete the registered files and the marker, then the directory (idempotent)."""
         if self._removed:
             return Removal(path=self.path, dir_removed=True)
+        # marked removed only once it is: a removal interrupted part-way (a second Ctrl-C) is
+        # finished by the next call (files already gone are skipped)
+        result = _remove_listed(self.path, self._marker.files)
         self._removed = True
-        try:
-            return _remove_listed(self.path, self._marker.files)
-        finally:
-            self._release_lock()
+        self._release_lock()
+        return result
 
     def _write_marker(self) -> None:
         tmp = self.path / _MARKER_TMP

@@ -222,3 +222,42 @@ def test_unclosed_space_is_removed_by_gc_and_at_exit(disk_dir: Path, aio) -> Non
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip().startswith(str(disk_dir))
     assert os.listdir(disk_dir) == []
+
+
+def test_a_close_interrupted_part_way_is_finished_at_exit(disk_dir: Path) -> None:
+    """A second Ctrl-C while close() unlinks the swap files: the directory (gigabytes in a real
+    run) used to stay for good, since the removal marked itself done before it started and the
+    finalizer runs once. Now the next removal finishes it, and interpreter exit does."""
+    script = textwrap.dedent(f"""
+        import os
+        from infinity.storage.swap import SwapSpace
+
+        class File:
+            def __init__(self, path): self.path = path
+            def close(self): pass
+
+        class Engine:
+            backend = "threads"
+            def open(self, path, mode): return File(path)
+
+        space = SwapSpace({str(disk_dir)!r}, aio=Engine(), reserve_bytes=1 << 20, file_size=1 << 18)
+        print(space.path, flush=True)
+        real_unlink, calls = os.unlink, [0]
+
+        def unlink(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise KeyboardInterrupt
+            return real_unlink(*args, **kwargs)
+
+        os.unlink = unlink
+        try:
+            space.close()
+        except KeyboardInterrupt:
+            print("interrupted", sorted(os.listdir(space.path)), flush=True)
+        os.unlink = real_unlink
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith(str(disk_dir)) and lines[1].startswith("interrupted ['"), lines
+    assert os.listdir(disk_dir) == [], os.listdir(disk_dir)
