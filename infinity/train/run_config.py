@@ -94,8 +94,8 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides) -> tuple[dict[st
     if o.micro_batch is not None:
         if o.micro_batch < 1:
             raise ValueError(f"--micro-batch must be at least 1, got {o.micro_batch}")
+        _keep_accumulation(ds)
         ds["train_micro_batch_size_per_gpu"] = o.micro_batch
-        ds.pop("train_batch_size", None)  # re-derived from micro * accumulation (DeepSpeed's rule)
     if o.lr is not None:
         if not o.lr > 0:
             raise ValueError(f"--lr must be positive, got {o.lr}")
@@ -104,6 +104,8 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides) -> tuple[dict[st
         if isinstance(sched, dict) and isinstance(sched.get("params"), dict) \
                 and "warmup_max_lr" in sched["params"]:
             sched["params"]["warmup_max_lr"] = o.lr
+        else:
+            _warn_if_schedule_sets_lr(sched, o.lr)
     if o.host_budget is not None:
         parse_bytes(o.host_budget, what="--host-budget")  # the flag's name in the message
         _section(ds, "infinity")["host_memory_budget"] = o.host_budget
@@ -115,6 +117,35 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides) -> tuple[dict[st
             "gradient_accumulation_steps": 1}
     config = InfinityConfig.from_dict(ds, auto_values=auto)
     return ds, config
+
+
+# schedules whose learning rate comes from their own keys, not the optimizer's lr
+_OWN_LR_KEYS = {"OneCycle": "cycle_min_lr / cycle_max_lr",
+                "LRRangeTest": "lr_range_test_min_lr",
+                "WarmupDecayLR": "warmup_max_lr (0.001 when unset)"}
+
+
+def _warn_if_schedule_sets_lr(sched: Any, lr: float) -> None:
+    kind = sched.get("type") if isinstance(sched, dict) else None
+    if kind in _OWN_LR_KEYS:
+        _log.warning("--lr %g has no effect on the learning rate: the config's %s schedule sets "
+                     "it from its %s; change those in the config", lr, kind, _OWN_LR_KEYS[kind])
+
+
+def _keep_accumulation(ds: dict[str, Any]) -> None:
+    """--micro-batch replaces the micro-batch and keeps the accumulation; train_batch_size is
+    re-derived (micro x accumulation, DeepSpeed's rule). An accumulation the config left to be
+    derived from train_batch_size / micro-batch is written out first: dropping train_batch_size
+    alone lost it (8 = 2 x 4 became one micro-batch of 2), silently."""
+    total = ds.pop("train_batch_size", None)
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    if ds.get("gradient_accumulation_steps") is None and _plain_int(total) and \
+            _plain_int(micro) and micro > 0 and total % micro == 0:
+        ds["gradient_accumulation_steps"] = total // micro
+
+
+def _plain_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def nvme_paths(ds: dict[str, Any]) -> list[str]:

@@ -43,6 +43,29 @@ def test_flags_override_the_config(tmp_path: Path) -> None:
     assert base["train_micro_batch_size_per_gpu"] == 2  # the input is not changed
 
 
+def test_micro_batch_keeps_an_accumulation_the_config_left_implicit() -> None:
+    """train_batch_size 8 with micro-batches of 2 means 4 micro-steps (DeepSpeed's rule);
+    --micro-batch 4 keeps the 4 (train_batch_size 16), where it silently became 1."""
+    base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
+    _, config = build_ds_config(base, Overrides(micro_batch=4))
+    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
+            config.train_batch_size) == (4, 4, 16)
+    _, config = build_ds_config({"train_batch_size": 8}, Overrides(micro_batch=2))
+    assert (config.gradient_accumulation_steps, config.train_batch_size) == (1, 2)
+
+
+def test_lr_a_schedule_sets_itself_is_warned(infinity_log) -> None:
+    """--lr moves a warm-up's maximum; a schedule whose rate comes from its own keys ignores it,
+    which used to pass silently."""
+    import logging
+    ds = {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3,
+                                                       "cycle_first_step_size": 10}}}
+    with infinity_log.at_level(logging.WARNING):
+        build_ds_config(ds, Overrides(lr=0.5))
+    assert "--lr 0.5 has no effect on the learning rate" in infinity_log.text
+    assert "cycle_min_lr / cycle_max_lr" in infinity_log.text
+
+
 def test_user_config_keeps_its_nvme_path_and_gets_a_default_where_missing(tmp_path: Path) -> None:
     ds = {"zero_optimization": {"stage": 3,
                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
