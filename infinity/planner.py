@@ -544,12 +544,12 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     if rss > hw.host_available_bytes:
         warnings.append(f"predicted peak host RSS {format_bytes(rss)} exceeds the available "
                         f"{format_bytes(hw.host_available_bytes)}: offload deeper (stage 3, nvme)")
-    if slot and cfg.zero.sub_group_size is None and sz.sub_group_size < min(MIN_SUB_GROUP, lay.opt_elems):
-        warnings.append(f"the host budget {format_bytes(sz.host_budget_bytes)} allows only "
-                        f"{sz.sub_group_size:,}-element sub-groups (under {MIN_SUB_GROUP:,}): NVMe "
-                        "transfers will be small and slow; raise infinity.host_memory_budget")
-
     notes: list[str] = []
+    if slot and cfg.zero.sub_group_size is None and sz.sub_group_size < min(MIN_SUB_GROUP, lay.opt_elems):
+        # slow, not a failure: initialize trains this (the plan said "does not fit")
+        notes.append(f"slow: the host budget {format_bytes(sz.host_budget_bytes)} allows only "
+                     f"{sz.sub_group_size:,}-element sub-groups (under {MIN_SUB_GROUP:,}): NVMe "
+                     "transfers will be small and slow; raise infinity.host_memory_budget")
     if cfg.infinity.compute_dtype == "auto" and not hw.has_gpu and (cfg.bf16.enabled or cfg.fp16.enabled):
         notes.append("compute dtype fp32 on this CPU-only machine (16-bit matmuls are far slower "
                      "here); set infinity.compute_dtype to force 16-bit")

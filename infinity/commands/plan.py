@@ -20,6 +20,7 @@ from infinity.config import InfinityConfig
 from infinity.planner import (DEFAULT_SWAP_DIR, LLAMA_PRESETS, ModelStats, detect_hardware,
                               llama_stats, plan_memory, recommend_config)
 from infinity.sizes import parse_bytes
+from infinity.storage.preflight import SwapPathError, check_swap_path
 from infinity.train.run_config import read_config_file
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2", "org/name"
@@ -115,6 +116,22 @@ def _missing_nvme_notes(cfg: InfinityConfig) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def _unusable_swap_paths(cfg: InfinityConfig) -> tuple[str, ...]:
+    """The checks ``infinity train`` and ``initialize`` make of an existing nvme_path (a
+    directory on a disk, writable, O_DIRECT where the backend needs it): a plan on a path they
+    refuse (tmpfs, a regular file) does not fit."""
+    problems = []
+    sections = (cfg.zero.offload_param, cfg.zero.offload_optimizer)
+    for path in dict.fromkeys(s.nvme_path for s in sections if s.device == "nvme" and s.nvme_path):
+        if not Path(path).exists():
+            continue        # a note says to create it (see _missing_nvme_notes)
+        try:
+            check_swap_path(path, 0, direct_io=cfg.aio.backend != "mmap")
+        except SwapPathError as exc:
+            problems.append(str(exc))
+    return tuple(problems)
+
+
 def run(args: argparse.Namespace) -> int:
     budgets = {}
     if args.host_budget:
@@ -139,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = base if args.config else recommend_config(stats, hw, base, nvme_path)
     plan = plan_memory(cfg, stats, hw)
     missing = _missing_nvme_notes(plan.config)
-    if missing:
-        plan = dataclasses.replace(plan, notes=plan.notes + missing)
+    unusable = _unusable_swap_paths(plan.config)
+    if missing or unusable:
+        plan = dataclasses.replace(plan, notes=plan.notes + missing,
+                                   warnings=plan.warnings + unusable)
     if args.json:
         print(json.dumps({"recommended": not args.config, **plan.as_dict()}, indent=2))
     else:

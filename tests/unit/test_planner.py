@@ -99,12 +99,15 @@ def test_optimizer_on_host_over_budget_warns_with_the_fix() -> None:
     assert "host budget is 3.00 GiB: set offload_optimizer.device nvme" in warning
 
 
-def test_small_host_budget_shrinks_sub_groups_and_warns() -> None:
+def test_small_host_budget_shrinks_sub_groups_and_says_it_is_slow() -> None:
+    """Small sub-groups are slow, not a failure (initialize trains them): a note, and the plan
+    still fits (it said "does not fit" on this warning alone)."""
     cfg = config(3, "nvme", "nvme", infinity={"host_memory_budget": "40MiB", "device_memory_budget": "1GiB"})
     plan = plan_memory(cfg, SMALL, CPU_BOX)
     # half of 40 MiB over 4 slots x 16 B = 327,680 elements (a multiple of 1024)
     assert plan.sizes.sub_group_size == 327_680
-    assert any("allows only 327,680-element sub-groups" in w for w in plan.warnings)
+    assert any("slow: " in n and "allows only 327,680-element sub-groups" in n for n in plan.notes)
+    assert plan.fits and plan.warnings == (), plan.warnings
 
 
 def test_values_written_in_the_config_win_and_apply_round_trips() -> None:
@@ -288,6 +291,19 @@ def test_cli_plan_nvme_path_that_does_not_exist_yet(tmp_path, capsys) -> None:
     assert data["ds_config"]["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(missing)
     notes = [n for n in data["notes"] if "does not exist yet" in n]
     assert len(notes) == 1 and f"of {tmp_path}" in notes[0] and f"mkdir -p {missing}" in notes[0]
+
+
+def test_cli_plan_on_a_swap_path_train_refuses_does_not_fit(tmp_path, capsys) -> None:
+    """A regular file (or tmpfs) as nvme_path: train refuses it at the preflight, so the plan
+    must not say "fits" (it did)."""
+    not_a_dir = tmp_path / "swapfile"
+    not_a_dir.write_bytes(b"")
+    code = cli.main(["plan", "--params", "2e9", "--host-budget", "2GiB", "--nvme-path",
+                     str(not_a_dir), "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is False
+    assert any("is not a directory" in w for w in data["warnings"]), data["warnings"]
 
 
 def test_cli_plan_default_swap_path_is_the_one_train_uses(capsys) -> None:
