@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from infinity.config import InfinityConfig
-from infinity.planner import (DEFAULT_SWAP_DIR, LLAMA_PRESETS, ModelStats, detect_hardware,
+from infinity.planner import (DEFAULT_SWAP_DIR, ModelStats, detect_hardware,
                               llama_stats, plan_memory, recommend_config)
 from infinity.sizes import parse_bytes
 from infinity.storage.preflight import SwapPathError, check_swap_path
+from infinity.train.models import preset_kwargs, preset_names
 from infinity.train.run_config import read_config_file
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2", "org/name"
@@ -40,8 +41,10 @@ def _param_count(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model-size", choices=list(LLAMA_PRESETS),
-                       help="a Llama-style preset (infinity.planner.LLAMA_PRESETS)")
+    model.add_argument("--model-size", choices=preset_names(),
+                       help="the model `infinity train --model-size` builds (a Llama preset with "
+                            "its byte vocabulary); for another vocabulary use --hf-config or "
+                            "--params")
     model.add_argument("--hf-config", metavar="CONFIG_JSON",
                        help="a Hugging Face config.json (model built on the meta device: needs transformers)")
     model.add_argument("--params", type=_param_count, metavar="N",
@@ -58,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> ModelStats:
     if args.model_size:
-        return llama_stats(LLAMA_PRESETS[args.model_size])
+        # what `infinity train --model-size` builds, not the 32000-vocabulary shape of the name
+        # (the two differed: plan's 85M was another model than the demo's)
+        return llama_stats(preset_kwargs(args.model_size, seq_len=0))
     if args.params is not None:
         if args.layers < 1:
             raise ValueError(f"--layers must be >= 1, got {args.layers}")

@@ -55,6 +55,14 @@ def preset_config(name: str, seq_len: int) -> Any:
     """A ``LlamaConfig`` for preset ``name`` with the byte vocabulary, for ``seq_len`` tokens."""
     from transformers import LlamaConfig
 
+    config = LlamaConfig(**preset_kwargs(name, seq_len))
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def preset_kwargs(name: str, seq_len: int) -> dict[str, Any]:
+    """The ``LlamaConfig`` kwargs of preset ``name`` (byte vocabulary); ``infinity plan
+    --model-size`` plans the same model from them."""
     if name in BYTE_PRESETS:
         kwargs = dict(BYTE_PRESETS[name])
     else:
@@ -66,9 +74,7 @@ def preset_config(name: str, seq_len: int) -> Any:
     kwargs.update(vocab_size=VOCAB_SIZE, tie_word_embeddings=False, use_cache=False,
                   max_position_embeddings=max(seq_len, int(kwargs.get("max_position_embeddings", 0))),
                   attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    config = LlamaConfig(**kwargs)
-    config._attn_implementation = "sdpa"
-    return config
+    return kwargs
 
 
 def read_hf_config(path: str | Path) -> tuple[Any, Path]:

@@ -204,7 +204,24 @@ def test_detect_hardware(disk_dir) -> None:
 def test_cli_plan_preset_text(capsys) -> None:
     assert cli.main(["plan", "--model-size", "125M", "--host-budget", "4GiB"]) == 0
     out = capsys.readouterr().out
-    assert "134.1M params" in out and "optimizer states" in out and "ds_config" in out
+    # the byte vocabulary of infinity train: the 125M shape has 85.4M parameters there
+    assert "85.4M params" in out and "optimizer states" in out and "ds_config" in out
+
+
+@pytest.mark.parametrize("size", ["85M", "1B"])
+def test_cli_plan_model_size_is_the_model_train_builds(size, capsys) -> None:
+    """plan's 85M was a 576-wide 32000-vocabulary model, train's the 768-wide byte one: the
+    plan of the demo said it did not fit at the demo's budget."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from infinity.train.models import preset_config
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(preset_config(size, 64))
+    assert cli.main(["plan", "--model-size", size, "--host-budget", "4GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["total_params"] == sum(p.numel() for p in model.parameters())
 
 
 def test_cli_plan_json_with_config(tmp_path, capsys) -> None:
