@@ -397,6 +397,8 @@ def reclaim(path: str | os.PathLike[str], *, dry_run: bool = False) -> Removal:
     path = Path(path)
     marker = _orphan_marker(path) or read_marker(path)
     state, reason = marker.owner.liveness()
+    if state is Liveness.UNKNOWN:
+        state, reason = _judge_by_lock(path, marker.owner, state, reason)
     if state is Liveness.ALIVE:
         raise OwnerAliveError(f"{path} is in use: {reason}; stop that run first (it removes its "
                               "own swap files when it exits)")
@@ -422,18 +424,42 @@ def reclaim(path: str | os.PathLike[str], *, dry_run: bool = False) -> Removal:
     return result
 
 
+def _judge_by_lock(path: Path, owner: Owner, state: Liveness,
+                   reason: str) -> tuple[Liveness, str]:
+    """An owner of another hostname whose kernel is this one (the same boot id: a container
+    restarted under a new name, a pod on the same node) is judged by the directory's lock,
+    which every live SwapDir holds and which the kernel drops when its process dies; left
+    UNKNOWN where the boot differs or the filesystem has no flock."""
+    if not owner.boot_id or owner.boot_id != boot_id():
+        return state, reason
+    held = _lock_state(path)
+    if held is None:
+        return state, reason
+    if held:
+        return Liveness.ALIVE, (f"a process of host {owner.hostname!r} (this kernel) holds its "
+                                "lock")
+    return Liveness.DEAD, (f"its owner ran on host {owner.hostname!r} under this kernel (same "
+                           "boot id) and no process holds its lock")
+
+
 def _locked_by_a_live_process(path: Path) -> bool:
     """Whether a live SwapDir (of any process on this host) holds the directory's lock."""
+    return _lock_state(path) is True
+
+
+def _lock_state(path: Path) -> bool | None:
+    """True when a process holds the directory's lock, False when none does, None when it
+    cannot be told (the directory cannot be opened, or its filesystem has no flock)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     except OSError:
-        return False        # a filesystem without flock: the marker's pid decides
+        return None         # a filesystem without flock: the marker's pid decides
     finally:
         os.close(fd)        # (closing drops a lock we took)
     return False

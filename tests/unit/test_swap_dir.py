@@ -118,6 +118,28 @@ def test_live_foreign_and_other_host_dirs_are_not_reclaimed(disk_dir: Path) -> N
     assert me.hostname != "another-host"
 
 
+def test_a_dir_of_another_hostname_under_this_kernel_is_judged_by_its_lock(disk_dir: Path) -> None:
+    """A container restarted under a new hostname (same boot id: same kernel) left its swap
+    directory: refused forever before ("run it on that host"); now free when no process holds
+    its lock, in use when one does."""
+    import fcntl
+    me = Owner.of_this_process(0)
+    if not me.boot_id:
+        pytest.skip("no boot id on this system")
+    owner = Owner(dead_pid(), me.boot_id, 1, 0, "old-pod-name")
+    held = fake_private_dir(disk_dir, owner, {"swap-0.bin": 4096}, name=f"{sd.DIR_PREFIX}held")
+    fd = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(OwnerAliveError, match="'old-pod-name' .*holds its lock"):
+            reclaim(held)
+    finally:
+        os.close(fd)
+    result = reclaim(held)
+    assert result.files_removed == 1 and not held.exists()
+    assert "same boot id" in result.reason
+
+
 def test_marker_never_deletes_outside_names(disk_dir: Path) -> None:
     outside = disk_dir / "victim.txt"
     outside.write_text("must survive")
