@@ -57,6 +57,15 @@ def _float(path: str, value: Any, lo: float | None = None, hi: float | None = No
     return value
 
 
+def _float_per_group(path: str, value: Any, lo: float) -> float | tuple[float, ...]:
+    """A number, or (as DeepSpeed's schedules take) a list of one number per param group."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(f"{path} = []: expected a number, or one number per param group")
+        return tuple(_float(f"{path}[{i}]", v, lo) for i, v in enumerate(value))
+    return _float(path, value, lo)
+
+
 def _choice(path: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ConfigError(f"{path} = {value!r}: expected one of {', '.join(map(repr, choices))}")
@@ -163,9 +172,9 @@ class SchedulerConfig:
 
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
     """Schedule name."""
-    warmup_min_lr: float = 0.0
+    warmup_min_lr: float | tuple[float, ...] = 0.0       # or one per param group
     """LR at step 0 (WarmupLR, WarmupDecayLR)."""
-    warmup_max_lr: float | None = None
+    warmup_max_lr: float | tuple[float, ...] | None = None
     """LR reached after warm-up; None = the optimizer's lr (WarmupLR) or 0.001 (WarmupDecayLR), as
     DeepSpeed's defaults."""
     warmup_num_steps: int = 1000
@@ -226,9 +235,10 @@ class SchedulerConfig:
             _set(self, "lr_range_test_step_rate",
                  _float(f"{p}.lr_range_test_step_rate", self.lr_range_test_step_rate, 0.0))
             _bool(f"{p}.lr_range_test_staircase", self.lr_range_test_staircase)
-        _set(self, "warmup_min_lr", _float(f"{p}.warmup_min_lr", self.warmup_min_lr, 0.0))
+        _set(self, "warmup_min_lr", _float_per_group(f"{p}.warmup_min_lr", self.warmup_min_lr, 0.0))
         if self.warmup_max_lr is not None:
-            _set(self, "warmup_max_lr", _float(f"{p}.warmup_max_lr", self.warmup_max_lr, 0.0))
+            _set(self, "warmup_max_lr", _float_per_group(f"{p}.warmup_max_lr", self.warmup_max_lr,
+                                                         0.0))
         _set(self, "warmup_num_steps", _int(f"{p}.warmup_num_steps", self.warmup_num_steps, 1))
         _choice(f"{p}.warmup_type", self.warmup_type, ("log", "linear"))
         if self.total_num_steps is not None:

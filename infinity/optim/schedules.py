@@ -115,15 +115,18 @@ def _warmup_lr(cfg: SchedulerConfig, group_lrs: list[float]) -> Callable[[int, i
     """WarmupLR / WarmupDecayLR: min + (max - min) * gamma; the decay falls linearly to
     ``warmup_min_lr`` (not to 0) at ``total_num_steps``."""
     warmup = max(2, cfg.warmup_num_steps)
-    lo = cfg.warmup_min_lr
+    groups = len(group_lrs)
+    lows = _per_group(cfg.warmup_min_lr, groups, "warmup_min_lr")
     # without warmup_max_lr WarmupLR climbs to each group's lr (DeepSpeed: the first group's,
     # see the module docstring), WarmupDecayLR to 0.001 as DeepSpeed's
-    default_max = group_lrs if cfg.type == "WarmupLR" else [0.001] * len(group_lrs)
+    highs = _per_group(cfg.warmup_max_lr, groups, "warmup_max_lr") \
+        if cfg.warmup_max_lr is not None else \
+        (group_lrs if cfg.type == "WarmupLR" else [0.001] * groups)
 
     def lr(it: int, group: int) -> float:
+        lo, hi = lows[group], highs[group]
         if it < 0:
             return lo
-        hi = cfg.warmup_max_lr if cfg.warmup_max_lr is not None else default_max[group]
         if it < warmup:
             gamma = _warmup_fraction(it, warmup, cfg.warmup_type)
         elif cfg.type == "WarmupDecayLR":
@@ -134,6 +137,16 @@ def _warmup_lr(cfg: SchedulerConfig, group_lrs: list[float]) -> Callable[[int, i
         return lo + (hi - lo) * gamma
 
     return lr
+
+
+def _per_group(value: float | tuple[float, ...], groups: int, key: str) -> list[float]:
+    """A value for every param group: one number for all, or a list of one per group."""
+    if not isinstance(value, tuple):
+        return [float(value)] * groups
+    if len(value) != groups:
+        raise ValueError(f"scheduler.params.{key} has {len(value)} values but the optimizer has "
+                         f"{groups} param group(s): give one number, or one per group")
+    return list(value)
 
 
 def _warmup_cosine_lr(cfg: SchedulerConfig, group_lrs: list[float]) -> Callable[[int, int], float]:

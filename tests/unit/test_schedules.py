@@ -191,3 +191,28 @@ def test_a_schedule_built_past_its_start_leaves_the_first_step_alone() -> None:
                                                "warmup_num_steps": 4, "warmup_type": "linear",
                                                "last_batch_iteration": 1}}, 4, lr=0.5)
     assert lrs == pytest.approx([0.5, 0.05, 0.075, 0.1])
+
+
+def test_warm_up_bounds_may_be_given_per_param_group() -> None:
+    """DeepSpeed's schedules take warmup_min_lr / warmup_max_lr as one number or a list of
+    one per group (the list was refused); a list of the wrong length says what is wrong."""
+    section = {"type": "WarmupLR", "params": {"warmup_min_lr": [0.0, 0.01],
+                                              "warmup_max_lr": [0.1, 0.2],
+                                              "warmup_num_steps": 4, "warmup_type": "linear"}}
+    cfg = InfinityConfig.from_dict({"optimizer": {"type": "AdamW", "params": {"lr": 1.0}},
+                                    "scheduler": section})
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))]},
+              {"params": [torch.nn.Parameter(torch.zeros(1))]}]
+    opt = torch.optim.AdamW(groups, lr=1.0)
+    sched = build_scheduler(cfg, opt, None)
+    seen = []
+    for _ in range(6):
+        seen.append([g["lr"] for g in opt.param_groups])
+        sched.step()
+    expected = [[0.0, 0.01], [0.0, 0.01], [0.025, 0.0575], [0.05, 0.105], [0.075, 0.1525],
+                [0.1, 0.2]]
+    assert [lr for step in seen for lr in step] == pytest.approx(
+        [lr for step in expected for lr in step])
+    three = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(3)])
+    with pytest.raises(ValueError, match="warmup_min_lr has 2 values but the optimizer has 3"):
+        build_scheduler(cfg, three, None)
