@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from infinity.log import get_logger
+
 BYTE_IDS = 256
 """Ids 0..255 are the bytes of the text."""
 BOS_ID = 256
@@ -29,6 +31,7 @@ VOCAB_SIZE = 260
 DEFAULT_CORPUS = "kjv_excerpt.txt"
 """File name of the shipped corpus under ``infinity/data`` (see infinity/data/README.md)."""
 
+_log = get_logger("train")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
@@ -57,7 +60,8 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
     """Read ``path`` (``None``: the shipped corpus) into byte tokens.
 
     JSON lines are recognised by the suffix (.jsonl, .ndjson, .json) or by a first non-blank line
-    starting with ``{``. Raises FileNotFoundError for a missing file and ValueError for a
+    that is a JSON object with a ``text`` field (a text file whose first line is code starting
+    with ``{`` stays text). Raises FileNotFoundError for a missing file and ValueError for a
     directory, an empty corpus, or a JSON line without a string ``text`` field.
     """
     source = default_corpus_path() if path is None else Path(path)
@@ -98,13 +102,28 @@ def _looks_like_jsonl(path: Path, raw: bytes) -> bool:
         return True
     for line in raw.splitlines():
         if line.strip():
-            return line.lstrip().startswith(b"{")
+            # a record with a "text" field; plain text whose first line is code starting with
+            # "{" stays plain text
+            try:
+                record = json.loads(line)
+            except (ValueError, UnicodeDecodeError):
+                return False
+            return isinstance(record, dict) and "text" in record
     return False
 
 
 def _jsonl_texts(path: Path, raw: bytes) -> list[str]:
     texts = []
-    for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+    try:
+        decoded = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # JSON is UTF-8; the bytes that are not are read as U+FFFD (3 bytes each in the tokens)
+        decoded = raw.decode("utf-8", errors="replace")
+        line = raw.count(b"\n", 0, exc.start) + 1
+        _log.warning("%s is not UTF-8 (first bad byte at offset %d, line %d): such bytes are read "
+                     "as U+FFFD; JSON lines must be UTF-8 (a plain-text file keeps its bytes as "
+                     "they are)", path, exc.start, line)
+    for number, line in enumerate(decoded.splitlines(), start=1):
         if not line.strip():
             continue
         try:

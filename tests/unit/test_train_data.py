@@ -104,3 +104,19 @@ def test_corpus_shorter_than_a_sample_is_refused() -> None:
 def test_sampler_sizes_are_checked(seq_len: int, micro: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         data.BatchSampler(_corpus(100), seq_len=seq_len, micro_batch=micro, seed=0)
+
+
+def test_text_that_starts_like_json_stays_text_and_bad_utf8_in_json_lines_is_warned(
+        tmp_path: Path, infinity_log) -> None:
+    """A .txt of code whose first line starts with "{" was parsed as JSON lines and refused;
+    invalid UTF-8 in JSON lines was replaced silently."""
+    import logging
+    code = tmp_path / "code.txt"
+    code.write_bytes(b"{ int x = 1; }\nreturn x;\n")
+    assert data.load_corpus(code).tokens.tolist() == list(code.read_bytes())
+    dirty = tmp_path / "dirty.jsonl"
+    dirty.write_bytes(b'{"text": "ok"}\n{"text": "bad \xff byte"}\n')
+    with infinity_log.at_level(logging.WARNING):
+        corpus = data.load_corpus(dirty)
+    assert corpus.documents == 2
+    assert "dirty.jsonl is not UTF-8 (first bad byte at offset 29, line 2)" in infinity_log.text
