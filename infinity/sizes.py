@@ -37,6 +37,9 @@ def parse_bytes(value: int | float | str, what: str = "size") -> int:
         # JSON's Infinity/NaN (Python's json accepts them), "1e400" or "1e300TiB": int() would
         # raise an OverflowError that names no key
         raise ValueError(f"{what}: must be a finite number, got {value!r}")
+    if not unit and total != int(total):
+        # a count without a unit (sub_group_size 1.5): cutting it to 1 would be a silent change
+        raise ValueError(f"{what}: {value!r} is not a whole number")
     return int(total)
 
 

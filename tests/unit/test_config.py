@@ -394,6 +394,15 @@ def test_sizes_accept_ints_floats_and_units() -> None:
     assert cfg.infinity.host_memory_budget == 3 * 2**30 and cfg.infinity.device_memory_budget == 512 * 10**6
 
 
+def test_a_fractional_count_is_refused_not_cut() -> None:
+    """sub_group_size 1.5 became 1 silently (DeepSpeed's int field refuses it); a fractional
+    size with a unit is bytes, rounded down."""
+    with pytest.raises(ConfigError, match=r"sub_group_size = 1\.5: .*not a whole number"):
+        InfinityConfig.from_dict({"zero_optimization": {"stage": 3, "sub_group_size": 1.5}})
+    cfg = InfinityConfig.from_dict({"infinity": {"host_memory_budget": "1.5KiB"}})
+    assert cfg.infinity.host_memory_budget == 1536
+
+
 def test_dataclasses_validate_when_built_directly() -> None:
     with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.max_in_cpu = -1"):
         OffloadConfig(kind="param", max_in_cpu=-1)
