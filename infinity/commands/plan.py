@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a Hugging Face config.json (model built on the meta device: needs transformers)")
     model.add_argument("--params", type=_param_count, metavar="N",
                        help="a parameter count (7e9, 7B); units assumed to be --layers equal blocks plus 2")
-    parser.add_argument("--layers", type=int, default=32,
+    parser.add_argument("--layers", type=int, default=None,
                         help="with --params: repeated blocks assumed (default 32)")
     parser.add_argument("--config", metavar="DS_JSON", help="plan this ds_config.json instead of recommending one")
     parser.add_argument("--host-budget", help="host memory budget, e.g. 16GiB (default 80%% of MemAvailable)")
@@ -60,15 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> ModelStats:
+    if args.layers is not None and args.params is None:
+        raise ValueError("--layers goes with --params (the model of --model-size or --hf-config "
+                         "has its own layers)")
     if args.model_size:
         # what `infinity train --model-size` builds, not the 32000-vocabulary shape of the name
         # (the two differed: plan's 85M was another model than the demo's)
         return llama_stats(preset_kwargs(args.model_size, seq_len=0))
     if args.params is not None:
-        if args.layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {args.layers}")
-        unit = -(-args.params // (args.layers + 2))
-        return ModelStats.from_counts(args.params, unit, args.layers + 2)
+        layers = 32 if args.layers is None else args.layers
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        unit = -(-args.params // (layers + 2))
+        return ModelStats.from_counts(args.params, unit, layers + 2)
     try:
         import torch
         import transformers

@@ -247,6 +247,9 @@ def test_cli_plan_json_with_config(tmp_path, capsys) -> None:
 def test_cli_plan_bad_input_exits_2(capsys) -> None:
     assert cli.main(["plan", "--model-size", "7B", "--host-budget", "lots"]) == 2
     assert "--host-budget" in capsys.readouterr().err
+    # --layers shapes --params only: with a preset it was ignored silently
+    assert cli.main(["plan", "--model-size", "7B", "--layers", "4"]) == 2
+    assert "--layers goes with --params" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(os.environ.get("INFINITY_SKIP_HF") == "1", reason="INFINITY_SKIP_HF=1")
