@@ -30,7 +30,8 @@ from infinity.storage.manager import TierManager
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier, deeper
 from infinity.engine_api import DeepSpeedEngineAccessors
-from infinity.engine_passes import PassHooks
+from infinity.engine_model import model_device, route_module_methods, unroute_module_methods
+from infinity.engine_passes import PassHooks, cast_floating
 from infinity.engine_guards import (
     FOREIGN_EARLY_BACKWARD,
     SECOND_EARLY_BACKWARD,
@@ -59,7 +60,6 @@ from infinity.zero.init import (
 )
 from infinity.zero.materialize import materialize_params
 from infinity.zero.external_hint import raise_with_external_parameter_hint
-from infinity.zero.module_state import load_module_state_dict
 from infinity.zero.partition import modules_needing, partition
 from infinity.zero.prefetch import PrefetchLimits
 from infinity.zero.unit import Unit
@@ -80,7 +80,7 @@ class Engine(DeepSpeedEngineAccessors):
             set_mmap_threshold(self.config.infinity.mmap_threshold_in_use)
         self.module = model
         check_not_released(model)
-        self.device = _model_device(model)
+        self.device = model_device(model)
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
         derived = derive(self.config, specs)
         self.compute_dtype = COMPUTE_DTYPES[derived.compute_dtype]
@@ -199,7 +199,7 @@ class Engine(DeepSpeedEngineAccessors):
             untracked_backward=(self._begin_untracked_backward, self._end_untracked_backward))
         self.optimizer.on_zero_grad = self.zero_grad
         self.optimizer.on_user_step = self._step_from_optimizer
-        _route_module_methods(model, self)
+        route_module_methods(model, self)
         self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
         self._passes = PassHooks(model, self._begin_pass, self._end_pass,
@@ -265,7 +265,7 @@ class Engine(DeepSpeedEngineAccessors):
         engine_passes.py), so calling the model itself does the same."""
         self._check_open("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
-            args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
+            args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
         try:
             return self.module(*args, **kwargs)
         except BaseException as exc:
@@ -603,8 +603,7 @@ class Engine(DeepSpeedEngineAccessors):
             return
         self._closed = True
         unregister_engine(self)
-        for name in ("zero_grad", "load_state_dict"):    # the module's own methods again
-            self.module.__dict__.pop(name, None)
+        unroute_module_methods(self.module)
         try:
             if getattr(self, "coordinator", None) is not None:
                 self.coordinator.release_finished_steps(self.optimizer.drain_steps())
@@ -627,45 +626,3 @@ class Engine(DeepSpeedEngineAccessors):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        if p.device.type != "meta":
-            return p.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-
-
-def _route_module_methods(model: nn.Module, engine: "Engine") -> None:
-    """``model.zero_grad()`` (what a torch loop, or Hugging Face's Trainer, calls) discards the
-    engine's pending gradients too, as it would discard the .grad torch keeps; and
-    ``model.load_state_dict(sd)`` writes every unit's homes (``zero.module_state``). Instance
-    attributes, which close() removes."""
-    module_zero_grad = model.zero_grad
-
-    def zero_grad(set_to_none: bool = True) -> None:
-        engine.zero_grad(set_to_none)
-        module_zero_grad(set_to_none)
-
-    def load_state_dict(state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        engine._check_open("load_state_dict")
-        return load_module_state_dict(engine, state_dict, strict=strict, assign=assign)
-
-    model.zero_grad = zero_grad
-    model.load_state_dict = load_state_dict
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """fp16.auto_cast: floating-point tensors anywhere in the forward's arguments (lists, tuples,
-    dicts) in the compute dtype; integer tensors (token ids, masks) and everything else as given."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        items = [_cast_floating(v, dtype) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        return [_cast_floating(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value

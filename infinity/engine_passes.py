@@ -86,3 +86,18 @@ class PassHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """fp16.auto_cast: floating-point tensors anywhere in the forward's arguments (lists, tuples,
+    dicts) in the compute dtype; integer tensors (token ids, masks) and everything else as given."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        items = [cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [cast_floating(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
+    return value
