@@ -194,7 +194,8 @@ class Engine(DeepSpeedEngineAccessors):
             on_grad=self.optimizer.on_grad,
             on_unit_backward_done=self.optimizer.on_unit_backward_done,
             reap=self.optimizer.reap, expect_backward=self.optimizer.expect_backward,
-            step_fetched=self.optimizer.step_fetched, before_read=self._void_speculation,
+            step_fetched=self.optimizer.step_fetched, wait_stepped=self.optimizer.wait_stepped,
+            before_read=self._void_speculation,
             modified_in_forward=self._keep_forward_change,
             untracked_backward=(self._begin_untracked_backward, self._end_untracked_backward))
         self.optimizer.on_zero_grad = self.zero_grad
@@ -438,7 +439,7 @@ class Engine(DeepSpeedEngineAccessors):
             stuck = self.loss_scaler.update(self.optimizer.overflow)
         self.skipped_steps += int(self.optimizer.overflow)
         if self.optimizer.early_step:
-            self.coordinator.release_finished_steps(self.optimizer.reaped_at_step)
+            self.coordinator.release_finished_steps(self.optimizer.take_reaped())
         else:
             self._drop_rolled_back()     # a speculative step that clipping or overflow undid
             # persistent units are never fetched again: their deferred steps run now (the rest

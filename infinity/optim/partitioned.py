@@ -167,6 +167,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
         self._stream: StepStream | None = None
         self._grad_writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
         self._pending_steps: list[tuple[UnitOptimState, StepJob]] = []
+        self._reaped_unclaimed: list[Unit] = []   # see reap
         self._expected: dict[int, StepJob] = {}   # unit index -> early step read ahead
         # unit index -> deferred step waiting for its unit to be fetched (see [Note: the
         # deferred step lands at the next fetch] in step_stream.py)
@@ -339,29 +340,52 @@ class PartitionedOptimizer(GradientCollector, Speculation, torch.optim.Optimizer
     def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
         """Units whose background steps have all finished, in order: with ``wait`` all of them,
         with ``wait_first`` at least one. Re-raises a background step's error here."""
-        finished: list[Unit] = []
+        # units finished by a call that was interrupted before it could return them
+        finished, self._reaped_unclaimed = self._reaped_unclaimed, []
         while self._pending_steps and (wait or (wait_first and not finished)
                                        or self._pending_steps[0][1].future.done()):
-            state, job = self._pending_steps.pop(0)
+            state, job = self._pending_steps[0]
             start = time.perf_counter()
             try:
                 job.future.result()
-            except BaseException as exc:
+            except Exception as exc:
+                self._pending_steps.pop(0)
                 if self.step_failure is None:
                     self.step_failure = exc   # the states may be half-written from here on
+                self._give_back_gradient(job)
                 raise
-            else:
-                self._collect_norm(job)
+            except BaseException:
+                # the wait was interrupted (Ctrl-C), not the job: it stays pending, and the
+                # units already finished are handed out by the next call
+                self._reaped_unclaimed = finished
+                raise
             finally:
-                # the job's gradient goes back (the stream did so unless the job failed before
-                # it was handed over); the state's belongs to the backward in progress, which
-                # may already collect the unit's next gradient
-                if job.gradient is not None:
-                    self.release_gradient(job.gradient)
                 self.timers.optimizer_s += time.perf_counter() - start
+            self._pending_steps.pop(0)
+            self._collect_norm(job)
+            self._give_back_gradient(job)
             if not any(s is state for s, _ in self._pending_steps):
                 finished.append(state.unit)   # else a newer step of the unit still holds it
         return finished
+
+    def _give_back_gradient(self, job: StepJob) -> None:
+        # the job's gradient goes back (the stream did so unless the job failed before it was
+        # handed over); the state's belongs to the backward in progress, which may already
+        # collect the unit's next gradient
+        if job.gradient is not None:
+            self.release_gradient(job.gradient)
+
+    def wait_stepped(self, unit: Unit) -> None:
+        """Wait until the kernels of ``unit``'s steps in flight have run (its device copy holds
+        the new parameters): a forward after a backward that raised, or after a ``step()``
+        that was interrupted, must not read a copy being stepped. Re-raises a step's error."""
+        for state, job in list(self._pending_steps):
+            if state.unit is unit and not job.stepped.done():
+                try:
+                    job.stepped.result()
+                except Exception:  # noqa: BLE001 - raised by reap, which records it
+                    self.reap(wait=True)
+                    raise
 
     def drain_steps(self) -> list[Unit]:
         """Wait for every background step (at close): errors were raised at ``reap`` already,

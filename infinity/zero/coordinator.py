@@ -64,6 +64,7 @@ class Coordinator:
                  reap: Callable[..., list[Unit]] = lambda **_: [],
                  expect_backward: Callable[[Unit], None] = lambda unit: None,
                  step_fetched: Callable[[Unit], bool] = lambda unit: False,
+                 wait_stepped: Callable[[Unit], None] = lambda unit: None,
                  before_read: Callable[[], None] = lambda: None,
                  modified_in_forward: Callable[[Unit], None] = lambda unit: None,
                  untracked_backward: tuple[Callable[[], None], Callable[[], None]] | None = None
@@ -78,6 +79,9 @@ class Coordinator:
         self.reap = reap
         self.expect_backward = expect_backward
         self.step_fetched = step_fetched
+        # a unit still being stepped is read only once its kernels have run (a forward right
+        # after a backward that raised, or after an interrupted step())
+        self.wait_stepped = wait_stepped
         # a forward outside the engine's (model.generate(), a plain model call) reads the units
         # too: a speculated step must be dropped first (see [Note: speculative step])
         self.before_read = before_read
@@ -440,6 +444,8 @@ class Coordinator:
         if any(self._stepping):
             self.release_finished_steps()
         unit = self.units[uid]
+        if self._stepping[uid]:
+            self.wait_stepped(unit)
         self._kept.discard(uid)   # in use again
         needs_memory = unit.flat.untyped_storage().nbytes() == 0   # not fetched or read into
         if needs_memory:
@@ -465,8 +471,10 @@ class Coordinator:
             self._prefetch(trace)
         # a deferred step waiting for this unit runs on the copy just fetched (see [Note: the
         # deferred step lands at the next fetch]); the unit is held until its writes land
-        if self.step_fetched(unit):
-            self._stepping[uid] = True
+        # (marked stepping first: an interrupt while its step runs must not let the unit go)
+        was_stepping, self._stepping[uid] = self._stepping[uid], True
+        if not self.step_fetched(unit):
+            self._stepping[uid] = was_stepping
 
     def forward_order(self) -> list[int]:
         """The units in the order the last training forward first used them."""
