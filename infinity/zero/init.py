@@ -142,6 +142,9 @@ _DEEPSPEED_INIT_ARGS = frozenset({
 def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
     if param is None or param.device.type == "meta":
         return None     # (a meta parameter registered again is a tie, not a creation)
+    existing = module._parameters.get(name)
+    if existing is not None and existing.device.type == "meta":
+        raise RuntimeError(LOAD_UNDER_INIT.format(name=f"{type(module).__name__}.{name}"))
     meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                         requires_grad=param.requires_grad)
     # the module that created it initialises it at materialisation, not one it is tied into
@@ -151,6 +154,20 @@ def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
         setattr(meta, VALUE_ATTR, param.detach())
     return meta
 
+
+# A value given to a parameter that Init already made meta: a load (transformers' from_pretrained
+# assigns each checkpoint tensor so, as does load_state_dict(assign=True)). Init keeps no values,
+# so the weights would be lost and replaced by a random init at materialisation, silently.
+LOAD_UNDER_INIT = (
+    "a value was assigned to parameter {name} inside infinity.zero.Init after it was built: "
+    "that is a load (transformers' from_pretrained, or load_state_dict(assign=True)), and Init "
+    "keeps no values (the model is built on the meta device, materialised by initialize), so "
+    "the loaded weights would be lost to a random init. Either build the model outside "
+    "zero.Init (from_pretrained then needs host memory for the model once; initialize moves it "
+    "to its tiers), or build it inside zero.Init from its config (from_config) and after "
+    "infinity.initialize load the weights with model.load_state_dict(sd): for a sharded "
+    "checkpoint, one shard at a time with strict=False (safetensors.torch.load_file), which "
+    "holds one shard in memory")
 
 EXTERNAL_PARAMS_ATTR = "_infinity_external_params"
 

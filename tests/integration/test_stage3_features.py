@@ -547,6 +547,44 @@ def test_zero_init_builds_on_meta_and_materialises_per_unit(disk_dir) -> None:
         engine.close()
 
 
+def test_from_pretrained_under_zero_init_is_refused_and_shards_load_after_initialize(
+        disk_dir, tmp_path) -> None:
+    """from_pretrained inside zero.Init lost every checkpoint weight to a random init, silently
+    (Init keeps no values); refused now, naming what works: build from the config under
+    Init, initialize, then load the checkpoint's shards one at a time (strict=False)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                   tie_word_embeddings=False)
+    saved = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(0.5)                       # unmistakably not an init
+    saved.save_pretrained(tmp_path, max_shard_size="40KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    with pytest.raises(RuntimeError, match="inside infinity.zero.Init after it was built: that "
+                                           "is a load.*one shard at a time with strict=False"):
+        with infinity.zero.Init(config=ds):
+            transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    with infinity.zero.Init(config=ds):
+        model = transformers.LlamaForCausalLM(cfg)
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        for shard in shards:
+            model.load_state_dict(load_file(str(shard)), strict=False)
+        weights = engine.module_state_dict()
+        for name, expected in saved.state_dict().items():
+            torch.testing.assert_close(weights[name], expected, rtol=0, atol=0, msg=name)
+    finally:
+        engine.close()
+
+
 def _init_family(family: str):
     import transformers as T
 
