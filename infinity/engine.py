@@ -161,9 +161,12 @@ class Engine(DeepSpeedEngineAccessors):
                                      self.sizes.fetch_slots, "fetch") \
             if nvme_params and not self.direct_fetch else None
         replacements = {}
+        # full shapes by id: units built before a later one's init runs are released by then
+        full_shapes = {id(p): p.shape for spec in specs for _, p in spec.params}
         for index, spec in enumerate(specs):
-            for name, old, new in materialize_params(model, spec.params, self.device):
+            for name, old, new in materialize_params(model, spec.params, self.device, full_shapes):
                 replacements[old] = new
+                full_shapes[id(new)] = old.shape
                 group_of[new] = group_of.pop(old, -1)
             spec.params = [(n, replacements.get(p, p)) for n, p in spec.params]
             # a parameter with no elements has nothing to step: kept as frozen

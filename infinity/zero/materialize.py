@@ -22,6 +22,8 @@ while they are meta, so it is lost; the model's own init methods run instead.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 from torch import nn
 
@@ -33,8 +35,11 @@ KEEP_VALUE_NUMEL = 1 << 20
 
 
 def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
-                       device: torch.device) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-    """Replace the meta parameters among ``params``; returns (name, old, new) for each."""
+                       device: torch.device, full_shapes: Mapping[int, torch.Size] | None = None
+                       ) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+    """Replace the meta parameters among ``params``; returns (name, old, new) for each.
+    ``full_shapes``: by ``id``, the shapes of parameters already offloaded (released, 0
+    elements), which an init reading another module's weight sees in their stand-ins."""
     meta = [(name, p) for name, p in params if p.device.type == "meta"]
     if not meta:
         return []
@@ -62,20 +67,22 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
             owners.append(module)
     new_ids = {id(new) for _, _, new in replaced}
     init_weights = getattr(model, "_init_weights", None)
+    shapes = full_shapes or {}
     with torch.no_grad():
         if callable(init_weights):
-            _init_like_transformers(model, init_weights, new_ids)
+            _init_like_transformers(model, init_weights, new_ids, shapes)
         else:
             for module in owners:
                 mine = {id(p) for p in module._parameters.values()
                         if p is not None and initialiser.get(id(p)) is module}
                 if mine:
-                    with _foreign_params_on_meta([module], mine):
+                    with _foreign_params_on_meta([module], mine, shapes):
                         _reset(module)
     return replaced
 
 
-def _init_like_transformers(model: nn.Module, init_weights, new_ids: set[int]) -> None:
+def _init_like_transformers(model: nn.Module, init_weights, new_ids: set[int],
+                            shapes: Mapping[int, torch.Size]) -> None:
     """What ``model.apply(model._init_weights)`` does to the new parameters: every module whose
     subtree holds one, children before parents (a parent may re-initialise its children: GPT-2's
     scaled ``c_proj``, T5's attention and feed-forward weights). Every other parameter those
@@ -84,7 +91,7 @@ def _init_like_transformers(model: nn.Module, init_weights, new_ids: set[int]) -
     holders = [m for m in model.modules()
                if any(id(p) in new_ids for p in m.parameters())]
     order = [m for m in _post_order(model) if any(m is h for h in holders)]
-    with _foreign_params_on_meta(order, new_ids):
+    with _foreign_params_on_meta(order, new_ids, shapes):
         for module in order:
             init_weights(module)
 
@@ -96,10 +103,13 @@ def _post_order(module: nn.Module):
 
 
 class _foreign_params_on_meta:
-    """Within the block, parameters of ``modules`` (and below) not in ``keep`` are meta tensors."""
+    """Within the block, parameters of ``modules`` (and below) not in ``keep`` are meta tensors
+    of their full shape (``shapes`` by id for released ones: Whisper's init reads its position
+    table's shape, Funnel's a tied embedding's)."""
 
-    def __init__(self, modules: list[nn.Module], keep: set[int]) -> None:
-        self.modules, self.keep = modules, keep
+    def __init__(self, modules: list[nn.Module], keep: set[int],
+                 shapes: Mapping[int, torch.Size]) -> None:
+        self.modules, self.keep, self.shapes = modules, keep, shapes
         self.saved: list[tuple[nn.Module, str, nn.Parameter]] = []
 
     def __enter__(self) -> None:
@@ -114,7 +124,8 @@ class _foreign_params_on_meta:
                         continue
                     self.saved.append((module, key, value))
                     module._parameters[key] = nn.Parameter(
-                        torch.empty(value.shape, dtype=value.dtype, device="meta"),
+                        torch.empty(self.shapes.get(id(value), value.shape), dtype=value.dtype,
+                                    device="meta"),
                         requires_grad=value.requires_grad)
 
     def __exit__(self, *exc) -> None:
