@@ -43,6 +43,7 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
     meta = [(name, p) for name, p in params if p.device.type == "meta"]
     if not meta:
         return []
+    _refuse_parametrized(model, {id(p) for _, p in meta})
     replaced: list[tuple[str, nn.Parameter, nn.Parameter]] = []
     for name, old in meta:
         built = getattr(old, VALUE_ATTR, None)
@@ -79,6 +80,21 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
                     with _foreign_params_on_meta([module], mine, shapes):
                         _reset(module)
     return replaced
+
+
+def _refuse_parametrized(model: nn.Module, meta_ids: set[int]) -> None:
+    """A parametrization (weight_norm's g and v, say) computes its original tensors from the
+    weight it is given at build time, which is meta under zero.Init: they would come out as
+    zeros (a transformers init writes the computed weight, a temporary), and the forward as
+    NaN, silently (Wav2Vec2's positional convolution)."""
+    for name, module in model.named_modules():
+        if type(module).__name__ == "ParametrizationList" and \
+                any(id(p) in meta_ids for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"{name} is a parametrization (e.g. nn.utils.parametrizations.weight_norm) built "
+                "under infinity.zero.Init: its original tensors are computed from the weight at "
+                "build time, which is a meta tensor there, so they cannot be initialised. Build "
+                "this model outside zero.Init (initialize then moves it to its tiers)")
 
 
 def _init_like_transformers(model: nn.Module, init_weights, new_ids: set[int],

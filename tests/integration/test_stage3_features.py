@@ -585,6 +585,23 @@ def test_from_pretrained_under_zero_init_is_refused_and_shards_load_after_initia
         engine.close()
 
 
+def test_zero_init_refuses_a_parametrized_module(disk_dir) -> None:
+    """Wav2Vec2's positional convolution is weight-normed: under zero.Init its g and v came
+    out as zeros (computed from a meta weight) and every loss was NaN, silently."""
+    import transformers as T
+
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    with infinity.zero.Init(config=ds):
+        model = T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            conv_dim=(8, 8), conv_stride=(2, 2), conv_kernel=(3, 3), num_conv_pos_embeddings=4,
+            num_conv_pos_embedding_groups=2, vocab_size=VOCAB, pad_token_id=0))
+    with pytest.raises(ValueError, match=r"pos_conv_embed\.conv\.parametrizations\.weight is a "
+                                         r"parametrization .*Build this model outside zero.Init"):
+        infinity.initialize(model=model, config=ds)
+
+
 def _init_family(family: str):
     import transformers as T
 
