@@ -10,11 +10,13 @@ from pathlib import Path
 
 
 EXTERNAL_PARAMETER_HINT = (
-    "stage 3 fetches a unit only around the forward of a module that holds its parameters "
-    "(released parameters have 0 elements). If a module's forward uses another module's "
-    "parameter (e.g. F.linear(x, self.embed.weight) or a penalty on a child's weight in a "
-    "parent module), declare it with infinity.zero.register_external_parameter(module, "
-    "parameter)")
+    "stage 3 fetches a unit only around the forward of the unit's root module (a transformer "
+    "block, say; released parameters have 0 elements). If a module's forward uses another module's parameter (e.g. F.linear(x, "
+    "self.embed.weight) or a penalty on a child's weight in a parent module), declare it with "
+    "infinity.zero.register_external_parameter(module, parameter). If a parent calls a "
+    "submodule of a block directly, not through the block (self.blocks[0].mlp(h); Reformer's "
+    "reversible layers), make that submodule's class a unit of its own with "
+    "\"infinity\": {\"unit_modules\": [\"ClassName\", ...]}")
 
 
 DTYPE_HINT = (

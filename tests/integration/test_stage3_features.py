@@ -585,6 +585,75 @@ def test_from_pretrained_under_zero_init_is_refused_and_shards_load_after_initia
         engine.close()
 
 
+class Feed(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class FeedBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.feed = Feed(width)
+
+
+class ChildCallingModel(nn.Module):
+    """The parent calls each block's submodules itself (Reformer's reversible layers do)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(FeedBlock(width) for _ in range(3))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = h + block.feed(block.norm(h))
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def test_a_blocks_submodule_called_by_the_parent_says_to_make_it_a_unit(disk_dir) -> None:
+    """The note said to register an external parameter of "a module other than the one
+    running", which is not this case; it names unit_modules now, and that trains like torch."""
+    torch.manual_seed(0)
+    model = ChildCallingModel()
+    reference = copy.deepcopy(model)
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = torch.arange(12).reshape(2, 6)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            engine(x, x)
+        assert "unit_modules" in "".join(getattr(info.value, "__notes__", [])) or \
+            "unit_modules" in str(info.value), info.value
+    finally:
+        engine.close()
+    ds["infinity"] = {**ds.get("infinity", {}), "unit_modules": ["Feed", "LayerNorm"]}
+    model = copy.deepcopy(reference)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        for _ in range(3):
+            loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference(x, x)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    finally:
+        engine.close()
+
+
 def test_zero_init_refuses_a_parametrized_module(disk_dir) -> None:
     """Wav2Vec2's positional convolution is weight-normed: under zero.Init its g and v came
     out as zeros (computed from a meta weight) and every loss was NaN, silently."""
