@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Union
 
 import torch
 
-from infinity.storage.buffer_pool import BufferPool, Slot
+from infinity.storage.buffer_pool import BufferPool, Slot, wait_and_release
 from infinity.storage.manager import ALIGN_BYTES, FlatStore, TierManager
 from infinity.zero.unit import ParamEntry
 
@@ -154,11 +154,7 @@ def load_entries(target: Source, entries: list[ParamEntry], chunks: ChunkPool, f
         for a in range(lo, hi, n):
             count = min(n, hi - a)
             if len(in_flight) == chunks.depth:
-                requests, slot = in_flight.popleft()
-                try:
-                    manager.wait(*requests)
-                finally:
-                    chunks.release(slot)
+                wait_and_release(deque([in_flight.popleft()]), manager.wait, chunks.release)
             slot = chunks.acquire()
             try:
                 buf = slot.view(target.dtype, n)
@@ -175,11 +171,7 @@ def load_entries(target: Source, entries: list[ParamEntry], chunks: ChunkPool, f
                 raise
             in_flight.append((requests, slot))
     finally:
-        for requests, slot in in_flight:
-            try:
-                manager.wait(*requests)
-            finally:
-                chunks.release(slot)
+        wait_and_release(in_flight, manager.wait, chunks.release)
 
 
 def _load_in_memory(tensor: torch.Tensor, entries: list[ParamEntry], fill: Fill) -> None:

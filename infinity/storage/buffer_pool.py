@@ -6,7 +6,9 @@ host memory used for staging is fixed at start-up (and counted), whatever the mo
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -69,3 +71,22 @@ class BufferPool:
     @property
     def available(self) -> int:
         return len(self._free)
+
+
+def wait_and_release(in_flight: list | deque, wait: Callable[..., Any],
+                     release: Callable[[Any], None]) -> None:
+    """Wait for each ``(requests, slot)`` of ``in_flight`` and release its slot, every one even
+    when an earlier wait raised (the first error is raised after all are done): stopping at the
+    first failure left the later slots taken for good, one more per failed load or write.
+    A slot goes back only once its own requests are over (I/O may still read it before)."""
+    error: BaseException | None = None
+    while in_flight:
+        requests, slot = in_flight.pop(0) if isinstance(in_flight, list) else in_flight.popleft()
+        for request in requests:
+            try:
+                wait(request)
+            except BaseException as exc:   # noqa: BLE001 - raised below, once all are waited
+                error = error or exc
+        release(slot)
+    if error is not None:
+        raise error

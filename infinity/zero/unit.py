@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from infinity.storage.buffer_pool import wait_and_release
 from infinity.storage.manager import FlatStore, TierManager, padded_numel
 from infinity.storage.tiers import Residency, ResidencyState, Tier
 
@@ -300,19 +301,13 @@ class Unit:
             for start in range(0, self.numel, chunk):
                 count = min(chunk, self.numel - start)
                 if len(in_flight) == 2:
-                    reqs, slot = in_flight.pop(0)
-                    manager.wait(*reqs)
-                    staging.release(slot)
+                    wait_and_release([in_flight.pop(0)], manager.wait, staging.release)
                 slot = staging.acquire(timeout=600.0)
                 buf = slot.view(self.dtype, count)
                 buf.copy_(self.flat[start:start + count])
                 in_flight.append((write(buf, start, count), slot))
         finally:
-            for reqs, slot in in_flight:
-                try:
-                    manager.wait(*reqs)
-                finally:
-                    staging.release(slot)
+            wait_and_release(in_flight, manager.wait, staging.release)
 
 
 def flat_layout(params: list[tuple[int, bool]], dtype: torch.dtype) -> tuple[list[int], int, int]:

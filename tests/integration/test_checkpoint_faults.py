@@ -496,3 +496,54 @@ def test_a_failed_latest_update_leaves_the_old_one_and_no_partial_file(engine, d
     names = sorted(p.name for p in (disk_dir / "ckpt").iterdir())
     assert ".latest.partial" not in names, names
     assert (disk_dir / "ckpt" / "latest").read_text().strip() == first.name
+
+
+def test_a_load_whose_writes_fail_gives_every_slot_back(disk_dir, monkeypatch):
+    """Two chunk writes of one unit fail at their wait: the clean-up stopped at the first, so
+    the other chunk's slot (an optimizer step slot) stayed taken, one more per failed load."""
+    from infinity.storage.manager import FlatStore
+
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["zero_optimization"]["sub_group_size"] = 2048        # 8 KiB slots: many chunks a unit
+    engine, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    try:
+        _train(engine, 1)
+        engine.save_checkpoint(disk_dir / "ckpt")
+        engine.flush()
+        pool = engine.optimizer.step_pool
+        original = FlatStore.store_async
+        calls = {"n": 0}
+
+        class FailingWrite:
+            def __init__(self, request):
+                self.request = request
+
+            def wait(self, timeout=None):
+                self.request.wait()
+                raise OSError(5, "injected EIO at completion")
+
+        def failing(self, buf, start=0, count=None, shadow=False):
+            request = original(self, buf, start, count, shadow)
+            if self.name.endswith("embed_tokens.params"):
+                calls["n"] += 1
+                if calls["n"] in calls.get("fail", ()):
+                    return FailingWrite(request)
+            return request
+
+        monkeypatch.setattr(FlatStore, "store_async", failing)
+        engine.load_checkpoint(disk_dir / "ckpt")      # counts the unit's chunk writes
+        chunks = calls["n"]
+        assert chunks >= 3, chunks
+        calls["fail"] = (chunks - 1, chunks)            # the last two: both still in flight
+        for _ in range(2):
+            calls["n"] = 0
+            monkeypatch.setattr(FlatStore, "store_async", failing)
+            with pytest.raises(OSError, match="injected EIO at completion"):
+                engine.load_checkpoint(disk_dir / "ckpt")
+            monkeypatch.setattr(FlatStore, "store_async", original)
+            assert pool.available == pool.count, (pool.available, pool.count)
+        engine.load_checkpoint(disk_dir / "ckpt")
+        _train(engine, 1)
+    finally:
+        engine.close()
