@@ -32,6 +32,7 @@ from infinity.storage.tiers import Tier, deeper
 from infinity.engine_api import DeepSpeedEngineAccessors
 from infinity.engine_model import model_device, route_module_methods, unroute_module_methods
 from infinity.engine_passes import PassHooks, cast_floating
+from infinity.interrupts import deferred_interrupts
 from infinity.engine_guards import (
     FOREIGN_EARLY_BACKWARD,
     SECOND_EARLY_BACKWARD,
@@ -413,13 +414,16 @@ class Engine(DeepSpeedEngineAccessors):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at the accumulation boundary step the optimizer and scheduler
-        (``lr_kwargs`` go to the scheduler's step, as DeepSpeed passes them)."""
-        self._step(lr_kwargs, step_scheduler=True)
+        (``lr_kwargs`` go to the scheduler's step, as DeepSpeed passes them). A Ctrl-C meanwhile
+        is raised once the step is whole (see infinity/interrupts.py)."""
+        with deferred_interrupts("the optimizer step"):
+            self._step(lr_kwargs, step_scheduler=True)
 
     def _step_from_optimizer(self) -> None:
         """``optimizer.step()`` in a torch-style loop: the engine's step, whose scheduler the
         loop steps itself (as it would a torch scheduler)."""
-        self._step(None, step_scheduler=False)
+        with deferred_interrupts("the optimizer step"):
+            self._step(None, step_scheduler=False)
 
     def _step(self, lr_kwargs: dict[str, Any] | None, step_scheduler: bool) -> None:
         self._check_open("step")

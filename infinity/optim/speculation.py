@@ -51,6 +51,7 @@ writes g, on the training thread: the price of the rare path.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -167,10 +168,11 @@ class Speculation:
             self._roll_back("an overflow" if overflow else "clipping",
                             rebuild_gradients=not overflow)
             return
+        for _, job in self._speculated:
+            job.stepped.result()     # its writes are issued: bound to the shadow extents
+        # (waited first: an interrupt there leaves the speculation whole, to be resolved again)
         speculated, self._speculated = self._speculated, []
         self._gradient_not_home.clear()
-        for _, job in speculated:
-            job.stepped.result()     # its writes are issued: bound to the shadow extents
         for state, _ in speculated:
             for store in (state.unit.param_store, state.exp_avg, state.exp_avg_sq, state.master):
                 if store is not None:
@@ -185,11 +187,13 @@ class Speculation:
         copies), give their step counts back, and list the units whose device copies must be
         dropped (``rolled_back``). With ``rebuild_gradients`` the gradients are rebuilt at
         home for the deferred path (see [Note: the gradient of a speculated step])."""
-        self.speculation_stats["voided" if why == VOIDED else "rolled_back"] += 1
-        try:
+        # every wait first: an interrupt (Ctrl-C) in one leaves the speculation whole, to be
+        # rolled back again; a failed step is raised (and recorded) by reap, after the
+        # bookkeeping below
+        with contextlib.suppress(Exception):
             self._collect_speculated_norms()   # the gradients stay counted (norm_counted)
-        finally:
-            speculated, self._speculated = self._speculated, []
+        self.speculation_stats["voided" if why == VOIDED else "rolled_back"] += 1
+        speculated, self._speculated = self._speculated, []
         try:
             self.reaped_at_step.extend(self.reap(wait=True))
         finally:

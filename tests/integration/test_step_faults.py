@@ -208,3 +208,175 @@ def test_a_parameter_read_that_fails_to_start_leaves_no_memory_held(disk_dir, mo
             assert torch.isfinite(loss)
     finally:
         engine.close()
+
+
+def test_the_units_a_step_reaped_are_handed_over_once(disk_dir, monkeypatch) -> None:
+    """Early step: engine.step() released the units whose steps ended inside it but kept the
+    list, and a later backward that raised released those units again -- while new steps of
+    theirs ran, on a slow disk, so the next forward read a copy still being stepped (wrong
+    values; seen with delayed reads, not reproducible on a fast disk). Here step() is made to
+    report every unit as finished: the list must be empty after it, and training goes on equal
+    to torch across a failed backward."""
+    from infinity.optim.partitioned import PartitionedOptimizer
+    from parity import ArmedBackwardHook, engine_and_reference, make_model, zero_config
+
+    finish = PartitionedOptimizer._finish_early_steps
+
+    def everything_landed(self):
+        finish(self)
+        self.settle()                      # every write has landed ...
+        return [s.unit for s in self.states]   # ... so every unit may be released
+
+    monkeypatch.setattr(PartitionedOptimizer, "_finish_early_steps", everything_landed)
+    torch.manual_seed(0)
+    model = make_model("llama", layers=3, width=64)
+    failing = ArmedBackwardHook(error="injected backward failure")
+    model.model.embed_tokens.register_full_backward_pre_hook(failing)
+    engine, reference, ref_opt = engine_and_reference(
+        model, zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on"))
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for step in range(4):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            loss = loss_of(engine(input_ids=x, labels=x))
+            torch.testing.assert_close(loss, loss_of(reference(input_ids=x, labels=x)),
+                                       rtol=1e-5, atol=1e-6)
+            stepped_on_failure = step == 2
+            if stepped_on_failure:
+                failing.armed = True
+                with pytest.raises(RuntimeError, match="injected backward failure"):
+                    engine.backward(loss)
+            else:
+                engine.backward(loss)
+                engine.step()
+                assert engine.optimizer.reaped_at_step == [], \
+                    [u.name for u in engine.optimizer.reaped_at_step]
+            loss_of(reference(input_ids=x, labels=x)).backward()
+            if stepped_on_failure:     # every unit but the embedding had its gradients
+                reference.model.embed_tokens.weight.grad = None
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+    finally:
+        engine.close()
+
+
+def test_an_interrupted_wait_for_background_steps_is_not_a_failed_step(disk_dir,
+                                                                         monkeypatch) -> None:
+    """Ctrl-C while flush() (or save_checkpoint) waits for the steps' writes: the wait was
+    interrupted, not the step, yet the engine recorded it as a failed step and refused every
+    later call ("load_checkpoint the last checkpoint"), losing the progress since. Now the
+    jobs stay pending; saving and training go on, equal to torch."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from parity import engine_and_reference, make_model, zero_config
+
+    torch.manual_seed(0)
+    engine, reference, ref_opt = engine_and_reference(
+        make_model("llama", layers=3, width=64),
+        zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on"))
+    original_store = FlatStore.store_async
+
+    class SlowWrite:
+        def __init__(self, request):
+            self.request = request
+
+        def wait(self, timeout=None):
+            time.sleep(0.2)
+            return self.request.wait()
+
+    def slow_store(self, buf, start=0, count=None, shadow=False):
+        return SlowWrite(original_store(self, buf, start, count, shadow))
+
+    original_result = Future.result
+    armed = []
+
+    def interrupted_result(self, timeout=None):
+        if armed and threading.current_thread() is threading.main_thread() and not self.done():
+            armed.clear()
+            raise KeyboardInterrupt
+        return original_result(self, timeout)
+
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for step in range(3):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            if step == 1:
+                monkeypatch.setattr(FlatStore, "store_async", slow_store)
+            engine.step()
+            if step == 1:
+                monkeypatch.setattr(Future, "result", interrupted_result)
+                armed.append(True)
+                with pytest.raises(KeyboardInterrupt):
+                    engine.flush()
+                monkeypatch.setattr(Future, "result", original_result)
+                monkeypatch.setattr(FlatStore, "store_async", original_store)
+                assert engine.optimizer.step_failure is None
+                engine.save_checkpoint(disk_dir / "ckpt")
+            ref_loss = loss_of(reference(input_ids=x, labels=x))
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    finally:
+        monkeypatch.setattr(Future, "result", original_result)
+        engine.close()
+
+
+@pytest.mark.parametrize("schedule", ["on", "off"])
+def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
+                                                          schedule) -> None:
+    """A real SIGINT while engine.step() waits on a slow background step: before, the step was
+    left half done (counters, schedule, speculation) and a loop resumed after the interrupt
+    trained on wrong values. Now the step finishes, KeyboardInterrupt follows, and training
+    goes on equal to torch that took the step."""
+    import signal
+    import threading
+    import time
+
+    from infinity.optim.partitioned import PartitionedOptimizer
+    from parity import engine_and_reference, make_model, zero_config
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT has another handler in this process")
+    torch.manual_seed(0)
+    engine, reference, ref_opt = engine_and_reference(
+        make_model("llama", layers=3, width=64),
+        zero_config(3, "nvme", "nvme", str(disk_dir), early_step=schedule))
+    slow = {"on": False}
+    kernel = PartitionedOptimizer._kernel
+
+    def slow_kernel(self, state, *args, **kwargs):
+        if slow["on"]:
+            time.sleep(0.1)
+        return kernel(self, state, *args, **kwargs)
+
+    monkeypatch.setattr(PartitionedOptimizer, "_kernel", slow_kernel)
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for step in range(4):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            if step == 1:
+                slow["on"] = True
+                timer = threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGINT))
+                timer.start()
+                with pytest.raises(KeyboardInterrupt):
+                    engine.step()
+                    time.sleep(1.0)          # (a Ctrl-C that came late lands here)
+                timer.join()
+                slow["on"] = False
+                assert engine.global_steps == 2
+            else:
+                engine.step()
+            ref_loss = loss_of(reference(input_ids=x, labels=x))
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
