@@ -164,8 +164,17 @@ class IORequest:
             size = f"{self.file.size} bytes"
         except (OSError, ValueError):
             size = "of unknown size"
+        if SWAP_DIR_MARK in str(getattr(self.file, "path", "")):
+            # the engine's own swap file, preallocated whole: someone else cut it
+            return (f"read past end of file: {self._describe()} got only {got} bytes; the swap "
+                    f"file is {size}, shorter than the engine made it: it was truncated or "
+                    "replaced from outside the engine, and the states it held are lost. close() "
+                    "the engine and load_checkpoint the last checkpoint into a new one")
         return (f"read past end of file: {self._describe()} got only {got} bytes; the file is "
                 f"{size}. Pass allow_short=True to accept a short read")
+
+
+SWAP_DIR_MARK = "infinity-swap-"    # in the path of every swap directory (storage/swap_dir.py)
 
 
 class AioEngine:

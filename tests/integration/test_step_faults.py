@@ -380,3 +380,27 @@ def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
+
+
+def test_a_swap_file_cut_from_outside_says_so(disk_dir) -> None:
+    """Someone truncates the engine's swap files mid-run: the read error told the user to
+    "pass allow_short=True", an argument of the I/O layer no user calls; it now says the swap
+    file was cut from outside and what to do."""
+    engine = nvme_engine(disk_dir, "on", layers=2)
+    try:
+        x = torch.randint(0, VOCAB, (1, 8))
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+        engine.flush()
+        swap = [d for d in os.listdir(disk_dir) if d.startswith("infinity-swap")]
+        for name in os.listdir(disk_dir / swap[0]):
+            if name.endswith(".bin"):
+                os.truncate(disk_dir / swap[0] / name, 4096)
+        with pytest.raises(OSError, match="truncated or replaced from outside the engine.*"
+                                          "load_checkpoint") as info:
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+            engine.flush()
+        assert "allow_short" not in str(info.value)
+    finally:
+        engine.close()
