@@ -585,6 +585,21 @@ def test_from_pretrained_under_zero_init_is_refused_and_shards_load_after_initia
         engine.close()
 
 
+class TinyBlocksLM(nn.Module):
+    """An embedding, three blocks of ``block_class`` and a head; ``run_blocks`` says how a
+    subclass runs its blocks."""
+
+    def __init__(self, block_class, width: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(block_class(width) for _ in range(3))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.run_blocks(self.emb(input_ids)))
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
 class Feed(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -601,21 +616,16 @@ class FeedBlock(nn.Module):
         self.feed = Feed(width)
 
 
-class ChildCallingModel(nn.Module):
+class ChildCallingModel(TinyBlocksLM):
     """The parent calls each block's submodules itself (Reformer's reversible layers do)."""
 
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, width)
-        self.blocks = nn.ModuleList(FeedBlock(width) for _ in range(3))
-        self.head = nn.Linear(width, VOCAB)
+    def __init__(self) -> None:
+        super().__init__(FeedBlock)
 
-    def forward(self, input_ids, labels):
-        h = self.emb(input_ids)
+    def run_blocks(self, h):
         for block in self.blocks:
             h = h + block.feed(block.norm(h))
-        logits = self.head(h)
-        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        return h
 
 
 def test_a_blocks_submodule_called_by_the_parent_says_to_make_it_a_unit(disk_dir) -> None:
@@ -637,21 +647,7 @@ def test_a_blocks_submodule_called_by_the_parent_says_to_make_it_a_unit(disk_dir
     finally:
         engine.close()
     ds["infinity"] = {**ds.get("infinity", {}), "unit_modules": ["Feed", "LayerNorm"]}
-    model = copy.deepcopy(reference)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
-    engine, *_ = infinity.initialize(model=model, config=ds)
-    try:
-        for _ in range(3):
-            loss = engine(x, x)
-            engine.backward(loss)
-            engine.step()
-            ref_loss = reference(x, x)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
-    finally:
-        engine.close()
+    _trains_like_torch(reference, ds)
 
 
 def test_zero_init_refuses_a_parametrized_module(disk_dir) -> None:
@@ -815,6 +811,31 @@ def test_gathered_changes_made_by_rebinding_data_are_kept(disk_dir) -> None:
         engine.close()
 
 
+def _trains_like_torch(model: nn.Module, ds: dict, check=None, steps: int = 3) -> None:
+    """``steps`` steps of ``model`` (forward(ids, labels) -> loss) under ``ds`` equal torch AdamW
+    (lr 1e-3, no weight decay) on an untouched copy, loss by loss; ``check(model, reference)``
+    runs after them, before the engine closes."""
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = torch.arange(12).reshape(2, 6)
+    try:
+        for _ in range(steps):
+            loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference(x, x)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        if check is not None:
+            check(model, reference)
+    finally:
+        engine.close()
+
+
 class RenormedEmbeddingModel(nn.Module):
     """``nn.Embedding(max_norm=1)`` renormalises the rows it looks up, in place, in forward."""
 
@@ -853,31 +874,16 @@ def test_a_forward_that_changes_its_parameters_in_place_keeps_the_change(disk_di
                                                                          model_class) -> None:
     """Stage 3 keeps what a module's forward does to its own weights, as torch does (the
     change used to be dropped with the device copy at release; a rebound .data until now)."""
-    torch.manual_seed(0)
-    model = model_class()
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
-    ds = zero_config(3, *tiers, str(disk_dir), early_step=early_step)
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
-    engine, *_ = infinity.initialize(model=model, config=ds)
-    x = torch.arange(12).reshape(2, 6)
-    try:
-        for _ in range(3):
-            loss = engine(x, x)
-            engine.backward(loss)
-            engine.step()
-            ref_loss = reference(x, x)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    def same_weights(model, reference) -> None:
         with infinity.zero.GatheredParameters([model.emb.weight, model.head.weight]):
             torch.testing.assert_close(model.emb.weight, reference.emb.weight, rtol=1e-6,
                                        atol=1e-7)
             torch.testing.assert_close(model.head.weight, reference.head.weight, rtol=1e-6,
                                        atol=1e-7)
-    finally:
-        engine.close()
+
+    torch.manual_seed(0)
+    _trains_like_torch(model_class(), zero_config(3, *tiers, str(disk_dir), early_step=early_step),
+                       same_weights)
 
 
 @dataclasses.dataclass
@@ -894,21 +900,16 @@ class DataclassBlock(nn.Module):
         return BlockOutput(x + torch.tanh(self.proj(x)))
 
 
-class DataclassOutputModel(nn.Module):
+class DataclassOutputModel(TinyBlocksLM):
     """Blocks (units) return a dataclass, which torch's pytree does not open."""
 
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, width)
-        self.blocks = nn.ModuleList(DataclassBlock(width) for _ in range(3))
-        self.head = nn.Linear(width, VOCAB)
+    def __init__(self) -> None:
+        super().__init__(DataclassBlock)
 
-    def forward(self, input_ids, labels):
-        h = self.emb(input_ids)
+    def run_blocks(self, h):
         for block in self.blocks:
             h = block(h).hidden
-        logits = self.head(h)
-        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        return h
 
 
 @pytest.mark.parametrize("early_step", ["on", "off"])
@@ -916,27 +917,10 @@ def test_units_returning_a_dataclass_are_fetched_for_their_backward(disk_dir, ea
     """The output's tensors get the pre-backward hook that fetches the unit again; inside a
     dataclass they were not found and the backward failed on a released parameter."""
     torch.manual_seed(0)
-    model = DataclassOutputModel()
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
     ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step=early_step)
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
     ds["zero_optimization"]["stage3_max_reuse_distance"] = 0
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    engine, *_ = infinity.initialize(model=model, config=ds)
-    x = torch.arange(12).reshape(2, 6)
-    try:
-        for _ in range(3):
-            loss = engine(x, x)
-            engine.backward(loss)
-            engine.step()
-            ref_loss = reference(x, x)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
-    finally:
-        engine.close()
+    _trains_like_torch(DataclassOutputModel(), ds)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from infinity.storage.manager import FlatStore
-from parity import VOCAB, loss_of, nvme_engine
+from parity import VOCAB, loss_of, nvme_engine, reference_step
 
 
 @pytest.mark.parametrize("schedule", ["on", "off"])
@@ -316,11 +316,8 @@ def test_an_interrupted_wait_for_background_steps_is_not_a_failed_step(disk_dir,
                 monkeypatch.setattr(FlatStore, "store_async", original_store)
                 assert engine.optimizer.step_failure is None
                 engine.save_checkpoint(disk_dir / "ckpt")
-            ref_loss = loss_of(reference(input_ids=x, labels=x))
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loss, reference_step(reference, ref_opt, x, 0.0),
+                                       rtol=1e-5, atol=1e-6)
     finally:
         monkeypatch.setattr(Future, "result", original_result)
         engine.close()
@@ -373,11 +370,8 @@ def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
                 assert engine.global_steps == 2
             else:
                 engine.step()
-            ref_loss = loss_of(reference(input_ids=x, labels=x))
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loss, reference_step(reference, ref_opt, x, 0.0),
+                                       rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
 

@@ -198,6 +198,21 @@ def test_dead_runs_directory_is_reclaimed_at_start(disk_dir: Path, aio) -> None:
         assert not stale.exists() and space.path.exists()
 
 
+# A child process's stand-in for the I/O engine: the swap space's files are opened and closed
+# through it, so the child needs neither torch nor the native library.
+_STUB_AIO = textwrap.dedent("""
+    from infinity.storage.swap import SwapSpace
+
+    class File:
+        def __init__(self, path): self.path = path
+        def close(self): pass
+
+    class Engine:
+        backend = "threads"
+        def open(self, path, mode): return File(path)
+    """)
+
+
 def test_unclosed_space_is_removed_by_gc_and_at_exit(disk_dir: Path, aio) -> None:
     space = SwapSpace(disk_dir, aio=aio, reserve_bytes=MiB)
     private = space.path
@@ -205,17 +220,7 @@ def test_unclosed_space_is_removed_by_gc_and_at_exit(disk_dir: Path, aio) -> Non
     gc.collect()
     assert not private.exists()
     # At interpreter exit (no close, no gc): a stub engine keeps the child free of torch's import.
-    script = textwrap.dedent(f"""
-        from infinity.storage.swap import SwapSpace
-
-        class File:
-            def __init__(self, path): self.path = path
-            def close(self): pass
-
-        class Engine:
-            backend = "threads"
-            def open(self, path, mode): return File(path)
-
+    script = _STUB_AIO + textwrap.dedent(f"""
         space = SwapSpace({str(disk_dir)!r}, aio=Engine(), reserve_bytes=1 << 20)
         print(space.path, flush=True)
         """)
@@ -228,17 +233,8 @@ def test_a_close_interrupted_part_way_is_finished_at_exit(disk_dir: Path) -> Non
     """A second Ctrl-C while close() unlinks the swap files: the directory (gigabytes in a real
     run) used to stay for good, since the removal marked itself done before it started and the
     finalizer runs once. Now the next removal finishes it, and interpreter exit does."""
-    script = textwrap.dedent(f"""
+    script = _STUB_AIO + textwrap.dedent(f"""
         import os
-        from infinity.storage.swap import SwapSpace
-
-        class File:
-            def __init__(self, path): self.path = path
-            def close(self): pass
-
-        class Engine:
-            backend = "threads"
-            def open(self, path, mode): return File(path)
 
         space = SwapSpace({str(disk_dir)!r}, aio=Engine(), reserve_bytes=1 << 20, file_size=1 << 18)
         print(space.path, flush=True)
