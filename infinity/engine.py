@@ -274,6 +274,7 @@ class Engine(DeepSpeedEngineAccessors):
         try:
             return self.module(*args, **kwargs)
         except BaseException as exc:
+            self._passes.abandon_cut_short(exc)    # a Ctrl-C skipped the pass's end
             raise_with_external_parameter_hint(exc, "forward", self.stage)
             raise
 
@@ -614,11 +615,13 @@ class Engine(DeepSpeedEngineAccessors):
         unroute_module_methods(self.module)
         try:
             if getattr(self, "coordinator", None) is not None:
+                if getattr(self, "_passes", None) is not None:
+                    # a forward cut short by a Ctrl-C: its swapper hooks and units go too
+                    self._passes.abandon_open(RuntimeError("the engine was closed"))
+                    self._passes.remove()
                 self.coordinator.release_finished_steps(self.optimizer.drain_steps())
                 self.coordinator.release_all()
                 self.coordinator.remove()
-                if getattr(self, "_passes", None) is not None:
-                    self._passes.remove()
                 remember_released(u for u in self.units if not u.persistent)
         finally:
             try:

@@ -17,6 +17,7 @@ returned.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,12 +41,19 @@ class PassHooks:
                  keep_outermost: Callable[[nn.Module, int], None]) -> None:
         self._begin, self._end = begin, end
         self._calls: list[_Call] = []
+        self._root = weakref.ref(root)
         # closures, not bound methods: copy.deepcopy(model) copies the hook dicts, and a bound
-        # method would drag this object (and the engine behind it) into the copy
+        # method would drag this object (and the engine behind it) into the copy; the copy's
+        # calls (an EMA or teacher copy) are not this engine's passes
+        def ours(m: nn.Module) -> bool:
+            return m is self._root()
+
         self._handles = [
-            root.register_forward_pre_hook(lambda m, args: self._before(), prepend=True),
-            root.register_forward_hook(lambda m, args, out: self._returned()),
-            root.register_forward_hook(lambda m, args, out: self._after(), always_call=True),
+            root.register_forward_pre_hook(lambda m, args: self._before() if ours(m) else None,
+                                           prepend=True),
+            root.register_forward_hook(lambda m, args, out: self._returned() if ours(m) else None),
+            root.register_forward_hook(lambda m, args, out: self._after() if ours(m) else None,
+                                       always_call=True),
         ]
         keep_outermost(root, self._handles[0].id)
 
@@ -54,6 +62,10 @@ class PassHooks:
         return any(call.began for call in self._calls)
 
     def _before(self) -> None:
+        if self._calls and _calls_of(self._root()) == 1:
+            # no outer call of the root is running: the recorded ones were cut short by a
+            # KeyboardInterrupt (torch runs always_call hooks for an Exception only)
+            self.abandon_open(KeyboardInterrupt())
         # a call inside a pass (a model calling itself) or a recompute in backward (activation
         # checkpointing around the whole model) is part of the pass already running
         nested = self.in_pass or torch._C._current_graph_task_id() != -1
@@ -63,7 +75,7 @@ class PassHooks:
             try:
                 call.state = self._begin()
             except BaseException:
-                self._calls.pop()   # the forward will not run: no hook follows
+                call.began = False   # nothing to end; ``_after`` drops the record
                 raise
         return None
 
@@ -82,10 +94,38 @@ class PassHooks:
             self._end(call.state, error if error is not None else RuntimeError("forward failed"))
         return None
 
+    def abandon_open(self, error: BaseException) -> None:
+        """End every pass still recorded as running with ``error`` (a forward cut short by a
+        KeyboardInterrupt, which skips the ``always_call`` hook; ``engine.forward`` and
+        ``close()`` call this, and so does the next call of the root)."""
+        calls, self._calls = self._calls, []
+        for call in reversed(calls):
+            if call.began:
+                call.began = False
+                self._end(call.state, error)
+
+    def abandon_cut_short(self, error: BaseException) -> None:
+        """After a call of the root raised: when no call of it is running any more, end what a
+        KeyboardInterrupt left recorded (see ``abandon_open``)."""
+        if self._calls and _calls_of(self._root()) == 0:
+            self.abandon_open(error)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _calls_of(root: nn.Module | None) -> int:
+    """How many calls of ``root`` are running in this thread (``Module._call_impl`` frames with
+    ``self`` the root); read only when a call record is left over, so its cost is rare."""
+    count, frame = 0, sys._getframe(1)
+    code = nn.Module._call_impl.__code__
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is root:
+            count += 1
+        frame = frame.f_back
+    return count
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:

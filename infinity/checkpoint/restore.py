@@ -73,9 +73,12 @@ def _check_scheduler_state(engine: "Engine", state: Any, directory: Path) -> Non
     scheduler = engine.lr_scheduler
     if scheduler is None or state is None:
         return
+    accepts = getattr(scheduler, "accepts_state", None)   # a schedule that says what it takes
+    if accepts is not None and accepts(state):
+        return
     expected = set(scheduler.state_dict())
     missing = sorted(expected - set(state)) if isinstance(state, dict) else sorted(expected)
-    if missing:
+    if missing or accepts is not None:
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(
             f"checkpoint {directory}: its LR scheduler state ({found}) lacks what this engine's "

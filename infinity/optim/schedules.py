@@ -63,6 +63,11 @@ class DeepSpeedSchedule:
     def state_dict(self) -> dict[str, int]:
         return {"last_batch_iteration": self.last_batch_iteration}
 
+    @staticmethod
+    def accepts_state(state: Any) -> bool:
+        """Whether ``load_state_dict`` takes ``state`` (checked before a checkpoint loads)."""
+        return isinstance(state, dict) and ("last_batch_iteration" in state or "last_epoch" in state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Accepts this class's state, and the ``LambdaLR`` state that infinity's checkpoints held
         before (``last_epoch`` = optimizer steps taken; the same position is ``last_epoch - 1``)."""

@@ -18,6 +18,7 @@ signature; call it before or after ``infinity.initialize``.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -143,7 +144,7 @@ def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
     if param is None or param.device.type == "meta":
         return None     # (a meta parameter registered again is a tie, not a creation)
     existing = module._parameters.get(name)
-    if existing is not None and existing.device.type == "meta":
+    if existing is not None and existing.device.type == "meta" and _loading():
         raise RuntimeError(LOAD_UNDER_INIT.format(name=f"{type(module).__name__}.{name}"))
     meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                         requires_grad=param.requires_grad)
@@ -168,6 +169,22 @@ LOAD_UNDER_INIT = (
     "infinity.initialize load the weights with model.load_state_dict(sd): for a sharded "
     "checkpoint, one shard at a time with strict=False (safetensors.torch.load_file), which "
     "holds one shard in memory")
+
+# functions on the stack when a parameter is given a value by a load rather than by a module's
+# construction (which may replace a parameter too: a subclass's __init__ redefining weight)
+_LOADERS = frozenset({"from_pretrained", "_load_from_state_dict", "load_state_dict"})
+
+
+def _loading() -> bool:
+    """Whether a load (transformers' from_pretrained, torch's load_state_dict) is running in this
+    thread; read only when a built parameter is replaced, so its cost is rare."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _LOADERS:
+            return True
+        frame = frame.f_back
+    return False
+
 
 EXTERNAL_PARAMS_ATTR = "_infinity_external_params"
 

@@ -45,12 +45,15 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
         return []
     _refuse_parametrized(model, {id(p) for _, p in meta})
     replaced: list[tuple[str, nn.Parameter, nn.Parameter]] = []
+    valued: set[int] = set()      # new parameters that got the value they were built with
     for name, old in meta:
         built = getattr(old, VALUE_ATTR, None)
         value = torch.zeros(old.shape, dtype=old.dtype, device=device) if built is None else \
             built.to(device=device, dtype=old.dtype, copy=True)
         new = nn.Parameter(value, requires_grad=old.requires_grad)
         replaced.append((name, old, new))
+        if built is not None:
+            valued.add(id(new))
     by_old = {id(old): new for _, old, new in replaced}
     # each new parameter is initialised by one module: its creator, else its first holder
     initialiser: dict[int, nn.Module] = {}
@@ -78,7 +81,7 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
                         if p is not None and initialiser.get(id(p)) is module}
                 if mine:
                     with _foreign_params_on_meta([module], mine, shapes):
-                        _reset(module)
+                        _reset(module, all_built=mine <= valued)
     return replaced
 
 
@@ -150,12 +153,16 @@ class _foreign_params_on_meta:
         self.saved.clear()
 
 
-def _reset(module: nn.Module) -> None:
-    # torch's own modules: reset_parameters, or _reset_parameters (nn.MultiheadAttention)
+def _reset(module: nn.Module, all_built: bool = False) -> None:
+    # torch's own modules: reset_parameters, or _reset_parameters (nn.MultiheadAttention); their
+    # kept values are torch.empty's, which the reset replaces
     for name in ("reset_parameters", "_reset_parameters"):
         if callable(getattr(module, name, None)):
             getattr(module, name)()
             return
+    if all_built:
+        return      # no init method, but every parameter kept the value it was built with (a
+        # LoRA wrapper's factors): nothing to initialise
     names = [n for n, _ in module.named_parameters(recurse=False)]
     raise ValueError(
         f"cannot initialise parameters {names} of {type(module).__name__} built under "

@@ -547,3 +547,32 @@ def test_a_load_whose_writes_fail_gives_every_slot_back(disk_dir, monkeypatch):
         _train(engine, 1)
     finally:
         engine.close()
+
+
+def test_a_checkpoint_with_the_older_scheduler_state_still_loads(disk_dir):
+    """Older infinity checkpoints hold a ds_config schedule's state in torch LambdaLR's form
+    (last_epoch = steps taken); the schedule still takes it, and the checks before a load must
+    not refuse what it takes (they did, as "another kind of scheduler")."""
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
+                                                      "warmup_type": "linear"}}
+    first, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    _train(first, 3)
+    tag = first.save_checkpoint(disk_dir / "ckpt")
+    expected = first.get_lr()
+    first.close()
+    manifest_path = tag / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    position = manifest["lr_scheduler"]["last_batch_iteration"]
+    manifest["lr_scheduler"] = {"last_epoch": position + 1, "base_lrs": [1e-3], "_step_count": 4,
+                                "verbose": False, "_get_lr_called_within_step": False,
+                                "_last_lr": expected, "lr_lambdas": [None]}
+    manifest_path.write_text(json.dumps(manifest))
+    second, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    try:
+        second.load_checkpoint(disk_dir / "ckpt")
+        assert second.get_lr() == pytest.approx(expected)
+        assert second.lr_scheduler.last_batch_iteration == position
+    finally:
+        second.close()

@@ -650,6 +650,53 @@ def test_a_blocks_submodule_called_by_the_parent_says_to_make_it_a_unit(disk_dir
     _trains_like_torch(reference, ds)
 
 
+class RedefinedLinear(nn.Linear):
+    """A subclass whose __init__ replaces the weight nn.Linear registered (a construction,
+    not a load: refused by the first form of the from_pretrained check)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, width)
+        self.weight = nn.Parameter(torch.empty(width, width))
+        nn.init.xavier_uniform_(self.weight)
+
+
+class LoRAWrapper(nn.Module):
+    """A LoRA-style wrapper without reset_parameters: its factors keep the values they were
+    built with (zero.Init refused it, asking for an init method)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.base = RedefinedLinear(width)
+        self.base.bias = nn.Parameter(torch.zeros(width))     # a parent replacing a child's:
+        # refused too, as a load
+        self.lora_a = nn.Parameter(torch.full((2, width), 0.1))
+        self.lora_b = nn.Parameter(torch.full((width, 2), 0.2))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+def test_zero_init_takes_parameters_replaced_while_building(disk_dir) -> None:
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    with infinity.zero.Init(config=ds):
+        model = LoRAWrapper()
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        weights = engine.module_state_dict()
+        assert torch.equal(weights["lora_a"], torch.full((2, 8), 0.1))
+        assert torch.equal(weights["lora_b"], torch.full((8, 2), 0.2))
+        # (the replaced bias is nn.Linear's to initialise at materialisation, as the README
+        # says of a parent's changes to a built child)
+        assert torch.isfinite(weights["base.bias"]).all()
+        assert 0.05 < float(weights["base.weight"].std()) < 1.0     # initialised, not zeros
+        loss = engine(torch.randn(2, 8)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    finally:
+        engine.close()
+
+
 def test_zero_init_refuses_a_parametrized_module(disk_dir) -> None:
     """Wav2Vec2's positional convolution is weight-normed: under zero.Init its g and v came
     out as zeros (computed from a meta weight) and every loss was NaN, silently."""

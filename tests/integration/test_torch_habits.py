@@ -416,3 +416,65 @@ def test_torch_schedulers_that_cycle_betas_work_and_add_param_group_is_refused(d
             optimizer.add_param_group({"params": [extra]})
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("how", ["model", "engine"])
+def test_a_forward_cut_short_by_ctrl_c_leaves_no_pass_open(disk_dir, how) -> None:
+    """torch runs always_call forward hooks for an Exception only: a KeyboardInterrupt inside a
+    forward skipped the pass's end, so every later call counted as nested (no pass began,
+    the traces and the used-unit list grew), the units stayed fetched, and the activation
+    swapper's hooks stayed on the thread (after close() any autograd failed). Now the next
+    call (or engine.forward itself, or close) ends it."""
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), offload_activations="nvme",
+                     activation_min_bytes=4096)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    engine, optimizer, *_ = infinity.initialize(model=model, config=ds)
+    call = model if how == "model" else engine
+    armed = []
+
+    def interrupt_once(module, args):
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt
+
+    model.model.layers[1].register_forward_pre_hook(interrupt_once)
+    try:
+        for step, x in enumerate(_batches(5)):
+            if step == 2:
+                armed.append(True)
+                with pytest.raises(KeyboardInterrupt):
+                    call(input_ids=x, labels=x)
+            loss = loss_of(call(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+            torch.testing.assert_close(loss, reference_step(reference, ref_opt, x, 0.0),
+                                       rtol=1e-5, atol=1e-6)
+        assert not engine._passes.in_pass
+        assert len(engine.coordinator.traces["train_fwd"].order) <= len(engine.units)
+    finally:
+        engine.close()
+    a = torch.randn(16, 16, requires_grad=True)
+    (a.sin() * a).sum().backward()          # no swapper hook left on the thread
+
+
+def test_a_copy_of_the_model_made_after_initialize_runs_on_its_own(disk_dir) -> None:
+    """An EMA or teacher copy made with copy.deepcopy after initialize (stage 2: full weights)
+    shares the hooks' closures: its calls began passes of this engine, and after close()
+    raised "engine.forward() after engine.close()"."""
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    ds = zero_config(2, "cpu", "cpu", str(disk_dir))
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = _batches(1)[0]
+    try:
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+        copy_of_model = copy.deepcopy(model)
+        expected = loss_of(copy_of_model(input_ids=x, labels=x))
+    finally:
+        engine.close()
+    torch.testing.assert_close(loss_of(copy_of_model(input_ids=x, labels=x)), expected)
