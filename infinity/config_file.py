@@ -64,12 +64,14 @@ def _strip_comments_and_trailing_commas(text: str) -> str:
     out: list[str] = []
     i, n = 0, len(text)
     pending_comma: int | None = None     # index in ``out`` of a comma not yet followed by a value
+    previous = ""                        # the last character of JSON (not space, not comment)
     while i < n:
         c = text[i]
         if c == '"':
             end = _string_end(text, i)
             out.append(text[i:end])
             pending_comma = None
+            previous = '"'
             i = end
             continue
         if c == "#" or text.startswith("//", i):
@@ -87,9 +89,12 @@ def _strip_comments_and_trailing_commas(text: str) -> str:
         if c in "}]" and pending_comma is not None:
             out[pending_comma] = " "
         if c == ",":
-            pending_comma = len(out)
+            # trailing only after a value: "{,}" or "[1,,]" stay invalid JSON
+            pending_comma = len(out) if previous not in "{[," else None
         elif not c.isspace():
             pending_comma = None
+        if not c.isspace():
+            previous = c
         out.append(c)
         i += 1
     return "".join(out)

@@ -496,6 +496,10 @@ def test_config_files_are_read_as_deepspeed_reads_them(tmp_path) -> None:
                     ' "zero_optimization": {"stage": 1}}')
     with pytest.raises(ConfigError, match=r"ds_config\.json: key 'zero_optimization' is given twice"):
         InfinityConfig.load(path)
+    for not_trailing in ('{,}', '{"gradient_clipping": [1.0,,]}'):    # a comma after no value
+        path.write_text(not_trailing)
+        with pytest.raises(ConfigError, match="not valid JSON"):
+            InfinityConfig.load(path)
     path.write_text('{"zero_optimization": {"stage": 3 "offload_param": {}}}')
     with pytest.raises(ConfigError, match=r"not valid JSON at line 1 column 35"):
         InfinityConfig.load(path)
