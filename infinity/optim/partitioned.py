@@ -501,10 +501,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
         self._stream.make_ready(job)
         self._pending_steps.append((self._by_unit[unit.index], job))
         try:
-            job.stepped.result()
-        except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
-            self.reap(wait=True)
-            raise
+            self.wait_kernels(job)
         finally:
             self.timers.optimizer_s += time.perf_counter() - start
         return True

@@ -69,11 +69,16 @@ class StepReaping:
         that was interrupted, must not read a copy being stepped. Re-raises a step's error."""
         for state, job in list(self._pending_steps):
             if state.unit is unit and not job.stepped.done():
-                try:
-                    job.stepped.result()
-                except Exception:  # noqa: BLE001 - raised by reap, which records it
-                    self.reap(wait=True)
-                    raise
+                self.wait_kernels(job)
+
+    def wait_kernels(self, job: StepJob) -> None:
+        """Wait until ``job``'s kernels have run; a failed job is raised through ``reap``,
+        which records it and sees the other steps through first."""
+        try:
+            job.stepped.result()
+        except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
+            self.reap(wait=True)
+            raise
 
     def drain_steps(self) -> list[Unit]:
         """Wait for every background step (at close): errors were raised at ``reap`` already,
