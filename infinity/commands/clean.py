@@ -5,6 +5,8 @@ PATH is either one private swap directory (``.../infinity-swap-r0-p1234-ab12cd``
 touched, and in them only the files the marker lists; a directory without a marker, or whose
 owner still runs (or runs on another host), is refused with exit code 2. A directory that holds
 nothing but the temporary marker (a run killed while creating it) is recognised and removed.
+Given a parent, every directory in it is tried: one that is refused (or cannot be read, another
+user's 0700 directory) is reported and the rest are still reclaimed; the exit code is 2 at the end.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from infinity.cli import UsageError
 from infinity.sizes import format_bytes
 from infinity.storage.swap_dir import (DIR_PREFIX, MARKER_NAME, MARKER_TMP_NAME, NotOursError,
                                        OwnerAliveError, Removal, find_swap_dirs, reclaim)
@@ -45,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # a parent (an nvme_path): through a symbolic link too (/scratch -> /mnt/nvme), and whatever
     # files of the user's it holds (one named like our marker included)
-    candidates = find_swap_dirs(path.resolve())
+    try:
+        candidates = find_swap_dirs(path.resolve())
+    except OSError as exc:
+        raise UsageError(f"cannot list {path} to find its swap directories: "
+                         f"{exc.strerror or exc} (errno {exc.errno}); run clean as a user who "
+                         "may read it, or name one swap directory in it") from exc
     if not candidates:
         raise NotOursError(f"{path} has no {MARKER_NAME} marker and holds no infinity swap "
                            "directories; nothing was touched")
@@ -53,7 +61,14 @@ def run(args: argparse.Namespace) -> int:
     for candidate in candidates:
         try:
             print(_describe(reclaim(candidate, dry_run=args.dry_run), args.dry_run))
-        except (NotOursError, OwnerAliveError, FileNotFoundError) as exc:
+        except (NotOursError, OwnerAliveError) as exc:
             refused += 1
             print(f"infinity clean: refused: {exc}", file=sys.stderr)
+        except OSError as exc:
+            # unreadable (another user's 0700 directory) or gone meanwhile: like the engine's
+            # start-up reclaim, go on with the others rather than leave them all behind
+            refused += 1
+            print(f"infinity clean: refused: {candidate} could not be checked: "
+                  f"{exc.strerror or exc} (errno {exc.errno}); it was left as it is",
+                  file=sys.stderr)
     return 2 if refused else 0

@@ -123,3 +123,52 @@ def test_clean_of_a_parent_through_a_link_or_holding_a_marker_named_file(disk_di
     assert not dead.exists() and (real / MARKER_NAME).exists()
     (real / MARKER_NAME).unlink()
     real.rmdir()
+
+
+def _unreadable(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """Make ``path`` unreadable: chmod 000, and (as root, whom that does not stop) listing it
+    raises the PermissionError a non-root user would get."""
+    real_listdir = os.listdir
+
+    def listdir(p=".") -> list[str]:
+        if Path(p) == path or Path(p).resolve() == path.resolve():
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_listdir(p)
+
+    path.chmod(0)
+    monkeypatch.setattr(os, "listdir", listdir)
+
+
+def test_clean_of_a_parent_goes_on_past_an_unreadable_directory(
+        disk_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's 0700 swap directory sorted before a stale one stopped clean there (exit 2,
+    the stale one kept); it is reported as refused, naming the path and the error, and the stale
+    directories after it are still reclaimed; exit 2 at the end."""
+    locked = _stale_dir(disk_dir, "infinity-swap-r0-p1-aaaaaa")
+    stale = _stale_dir(disk_dir, "infinity-swap-r1-p2-bbbbbb")
+    assert sd.find_swap_dirs(disk_dir) == [locked, stale]    # the unreadable one comes first
+    _unreadable(monkeypatch, locked)
+    try:
+        assert main(["clean", str(disk_dir)]) == 2
+    finally:
+        locked.chmod(0o700)
+    out, err = capsys.readouterr()
+    assert not stale.exists() and "freed 1.00 MiB in 1 swap files" in out
+    assert f"refused: {locked} could not be checked: Permission denied (errno 13)" in err
+    assert (locked / "swap-0.bin").exists()
+    monkeypatch.undo()
+    assert main(["clean", str(disk_dir)]) == 0 and not locked.exists()
+
+
+def test_clean_of_an_unlistable_parent(disk_dir: Path, capsys: pytest.CaptureFixture,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    parent = disk_dir / "nvme"
+    parent.mkdir()
+    _unreadable(monkeypatch, parent)
+    try:
+        assert main(["clean", str(parent)]) == 2
+    finally:
+        parent.chmod(0o700)
+    err = capsys.readouterr().err
+    assert f"cannot list {parent} to find its swap directories: Permission denied" in err
+    parent.rmdir()
