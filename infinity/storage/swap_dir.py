@@ -396,17 +396,10 @@ def reclaim(path: str | os.PathLike[str], *, dry_run: bool = False) -> Removal:
     """
     path = Path(path)
     marker = _orphan_marker(path) or read_marker(path)
-    state, reason = marker.owner.liveness()
-    if state is Liveness.UNKNOWN:
-        state, reason = _judge_by_lock(path, marker.owner, state, reason)
+    state, reason = judge_owner(marker.owner, _lock_state(path))
     if state is Liveness.ALIVE:
         raise OwnerAliveError(f"{path} is in use: {reason}; stop that run first (it removes its "
                               "own swap files when it exits)")
-    if state is Liveness.DEAD and _locked_by_a_live_process(path):
-        raise OwnerAliveError(f"{path} is in use: {reason}, but a running process holds the "
-                              "directory's lock (its owner runs in another PID namespace: a "
-                              "container on this host, say); stop that run first (it removes "
-                              "its own swap files when it exits)")
     if state is Liveness.UNKNOWN:
         raise OwnerAliveError(f"{path} cannot be judged: {reason}; run `infinity clean` on that "
                               "host instead")
@@ -424,27 +417,28 @@ def reclaim(path: str | os.PathLike[str], *, dry_run: bool = False) -> Removal:
     return result
 
 
-def _judge_by_lock(path: Path, owner: Owner, state: Liveness,
-                   reason: str) -> tuple[Liveness, str]:
-    """An owner of another hostname whose kernel is this one (the same boot id: a container
-    restarted under a new name, a pod on the same node) is judged by the directory's lock,
-    which every live SwapDir holds and which the kernel drops when its process dies; left
-    UNKNOWN where the boot differs or the filesystem has no flock."""
-    if not owner.boot_id or owner.boot_id != boot_id():
-        return state, reason
-    held = _lock_state(path)
-    if held is None:
-        return state, reason
-    if held:
-        return Liveness.ALIVE, (f"a process of host {owner.hostname!r} (this kernel) holds its "
-                                "lock")
-    return Liveness.DEAD, (f"its owner ran on host {owner.hostname!r} under this kernel (same "
-                           "boot id) and no process holds its lock")
+def judge_owner(owner: Owner, lock_held: bool | None) -> tuple[Liveness, str]:
+    """Whether ``owner`` of a swap directory (or of any resource it marks, a checkpoint
+    directory's writer lock say) still runs, with the reason in words. ``lock_held`` is whether
+    a process holds the resource's flock (None: cannot be told), which every live owner holds
+    and the kernel drops when its process dies.
 
-
-def _locked_by_a_live_process(path: Path) -> bool:
-    """Whether a live SwapDir (of any process on this host) holds the directory's lock."""
-    return _lock_state(path) is True
+    The rules, in one place: an owner of another host cannot be judged (UNKNOWN), except one of
+    another hostname under this very kernel (the same boot id: a container restarted under a new
+    name), which the lock judges; an owner that looks dead by its pid but whose lock a process
+    holds is alive (it runs in another PID namespace: a container on this host)."""
+    state, reason = owner.liveness()
+    if (state is Liveness.UNKNOWN and lock_held is not None and owner.boot_id
+            and owner.boot_id == boot_id()):
+        if lock_held:
+            return Liveness.ALIVE, (f"a process of host {owner.hostname!r} (this kernel) holds "
+                                    "its lock")
+        return Liveness.DEAD, (f"its owner ran on host {owner.hostname!r} under this kernel "
+                               "(same boot id) and no process holds its lock")
+    if state is Liveness.DEAD and lock_held:
+        return Liveness.ALIVE, (f"{reason}, but a running process holds its lock (its owner "
+                                "runs in another PID namespace: a container on this host, say)")
+    return state, reason
 
 
 def _lock_state(path: Path) -> bool | None:

@@ -283,7 +283,7 @@ def test_a_live_run_in_another_pid_namespace_keeps_its_directory(disk_dir: Path)
     live._marker.owner = Owner(dead_pid(), owner.boot_id, owner.start_time, 0, owner.hostname)
     live._write_marker()
     try:
-        with pytest.raises(OwnerAliveError, match="holds the directory's lock"):
+        with pytest.raises(OwnerAliveError, match="a running process holds its lock"):
             reclaim(live.path)
         assert reclaim_stale(disk_dir) == []
         assert (live.path / "swap-0.bin").read_bytes() == b"live data"
