@@ -201,24 +201,7 @@ class TensorFileReader:
         if length > min(MAX_HEADER_BYTES, size - 8):
             raise CheckpointError(f"{self.path}: header length {length} does not fit in the "
                                   f"file's {size} bytes: the file is truncated or not a tensor file")
-        try:
-            header = json.loads(os.pread(self._fd, length, 8))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{self.path}: unreadable header ({exc})") from None
-        metadata = header.pop("__metadata__", None) or {}
-        tensors: dict[str, TensorInfo] = {}
-        for name, entry in header.items():
-            try:
-                dtype = DTYPES_BY_NAME[entry["dtype"]]
-                shape = tuple(int(d) for d in entry["shape"])
-                begin, end = (int(x) for x in entry["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.path}: malformed entry for tensor {name}: {entry}") from None
-            info = TensorInfo(name, dtype, shape, begin, end)
-            if end - begin != info.numel * itemsize(dtype) or begin < 0:
-                raise CheckpointError(f"{self.path}: tensor {name} spans [{begin}, {end}), which "
-                                      f"does not match {entry['dtype']} {list(shape)}")
-            tensors[name] = info
+        tensors, metadata = _parse_header(self.path, os.pread(self._fd, length, 8))
         data_bytes = max((t.end for t in tensors.values()), default=0)
         if 8 + length + data_bytes != size:
             raise CheckpointError(
@@ -270,6 +253,78 @@ class TensorFileReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"key {twice[0]!r} appears twice")
+    return dict(pairs)
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int       # JSON's integers; not a float, a string or a bool
+
+
+def _parse_header(path: Path, raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The table of tensors and the metadata of a header, every part of it checked.
+
+    A header is read from a file that may be damaged or not ours (its checksum may have been
+    rewritten to match, or checking turned off), so valid JSON of the wrong shape (a list, an
+    entry that is a string, offsets that are floats) is a CheckpointError naming the file, never
+    a TypeError from deep inside. Entries are checked the way the ``safetensors`` package does:
+    an object of tensor name -> {dtype, shape, data_offsets} plus an optional ``__metadata__`` of
+    strings, whole non-negative numbers, and byte ranges that tile the data section in order.
+    """
+    try:
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:   # JSONDecodeError too
+        what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise CheckpointError(f"{path}: unreadable header ({what}): the file is damaged or not "
+                              "a tensor file") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is a JSON {type(header).__name__}, not an "
+                              "object of tensors: the file is damaged or not a tensor file")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: the header's __metadata__ must be an object of strings; "
+                              f"it is {str(metadata)[:200]}")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        def malformed(why: str, name: str = name, entry: object = entry) -> CheckpointError:
+            return CheckpointError(f"{path}: malformed entry for tensor {name} ({why}): "
+                                   f"{str(entry)[:200]}")
+        if not isinstance(entry, dict):
+            raise malformed(f"a JSON {type(entry).__name__}, not an object")
+        missing = {"dtype", "shape", "data_offsets"} - entry.keys()
+        if missing:
+            raise malformed(f"no {', '.join(sorted(missing))}")
+        dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES_BY_NAME:
+            raise malformed(f"dtype {dtype_name!r} is none of {', '.join(sorted(DTYPES_BY_NAME))}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise malformed("shape is not a list of whole numbers >= 0")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_int(x) and x >= 0 for x in offsets)):
+            raise malformed("data_offsets is not two whole numbers >= 0")
+        dtype, (begin, end) = DTYPES_BY_NAME[dtype_name], offsets
+        info = TensorInfo(name, dtype, tuple(shape), begin, end)
+        if end - begin != info.numel * itemsize(dtype):
+            raise CheckpointError(f"{path}: tensor {name} spans [{begin}, {end}), which does not "
+                                  f"match {dtype_name} {shape}")
+        tensors[name] = info
+    expected = 0
+    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if info.begin != expected:
+            raise CheckpointError(
+                f"{path}: tensor {info.name} starts at byte {info.begin} of the data, but the "
+                f"tensors before it end at {expected}: tensors overlap or leave a gap, so the "
+                "header is damaged")
+        expected = info.end
+    return tensors, metadata
 
 
 def sha256_of_file(path: Path) -> str:

@@ -106,3 +106,59 @@ def test_complex_unsigned_and_float8_tensors_round_trip(tmp_path):
     assert torch.equal(loaded["freqs_cis"], tensors["freqs_cis"])
     with pytest.raises(TypeError, match="complex128 has no safetensors name.*persistent=False"):
         TensorFileWriter(tmp_path / "y.safetensors", [("z", torch.complex128, (2,))], {})
+
+
+def _with_header(path, header, data: bytes = b"") -> None:
+    """A tensor file whose header is ``header`` (any JSON text), then ``data``."""
+    import struct
+    encoded = header.encode() if isinstance(header, str) else header
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+
+
+GOOD = '"dtype": "F32", "shape": [2], "data_offsets": [0, 8]'
+
+
+@pytest.mark.parametrize("header, says", [
+    ('[1, 2]', "header is a JSON list, not an object"),
+    ('"x"', "header is a JSON str"),
+    ('{"a": [1]}', "tensor a (a JSON list, not an object)"),
+    ('{"a": "F32"}', "tensor a (a JSON str, not an object)"),
+    ('{"a": {"dtype": "F32", "shape": [2]}}', "tensor a (no data_offsets)"),
+    ('{"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}', "dtype ['F32'] is none"),
+    ('{"a": {"dtype": "F32", "shape": 2, "data_offsets": [0, 8]}}', "shape is not a list"),
+    ('{"a": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}}', "shape is not a list"),
+    ('{"a": {"dtype": "F32", "shape": [true, 2], "data_offsets": [0, 8]}}', "shape is not a list"),
+    ('{"a": {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}}', "shape is not a list"),
+    ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}}', "data_offsets is not two"),
+    ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}}', "data_offsets is not two"),
+    ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 8]}}', "data_offsets is not two"),
+    ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": {"0": 8}}}', "data_offsets is not two"),
+    ('{"__metadata__": [1], "a": {%s}}' % GOOD, "__metadata__ must be an object of strings"),
+    ('{"__metadata__": {"k": 1}, "a": {%s}}' % GOOD, "__metadata__ must be an object of strings"),
+    ('{"a": {%s}, "a": {%s}}' % (GOOD, GOOD), "key 'a' appears twice"),
+    ('{"a": {%s}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}' % GOOD,
+     "tensors overlap or leave a gap"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+], ids=lambda text: text[:40])
+def test_a_header_of_the_wrong_shape_is_a_checkpoint_error_naming_the_file(tmp_path, header, says):
+    """Valid JSON of the wrong shape (a checksum rewritten to match, or checks turned off)
+    raised TypeError (or was read with floats cut to ints, bools as 1); every part of the
+    header is checked and a damaged one is a CheckpointError that names the file."""
+    path = tmp_path / "t.safetensors"
+    _with_header(path, header, bytes(12))
+    with pytest.raises(CheckpointError) as caught:
+        TensorFileReader(path)
+    assert str(path) in str(caught.value) and says in str(caught.value)
+
+
+def test_a_header_written_by_safetensors_in_its_own_order_is_read(tmp_path):
+    """Tensors listed out of byte order (safetensors sorts its header by name) are fine."""
+    from safetensors.torch import save_file
+    values = {"z": torch.arange(3.0), "a": torch.arange(5, dtype=torch.int64), "m": torch.ones(2, 2)}
+    path = tmp_path / "s.safetensors"
+    save_file(values, str(path), metadata={"k": "v"})
+    with TensorFileReader(path) as reader:
+        assert reader.metadata == {"k": "v"}
+        for name, value in values.items():
+            assert torch.equal(reader.read(name), value)
