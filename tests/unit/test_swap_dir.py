@@ -77,7 +77,8 @@ def test_dead_owner_is_reclaimed_with_a_log_line(disk_dir: Path, how: str, infin
     me = Owner.of_this_process(0)
     owner = {
         "pid_gone": Owner(dead_pid(), me.boot_id, 12345, 0, me.hostname),
-        "pid_reused": Owner(os.getpid(), me.boot_id, me.start_time + 1, 0, me.hostname),
+        # an owner that had our pid before us: it started earlier (a later start cannot be)
+        "pid_reused": Owner(os.getpid(), me.boot_id, me.start_time - 1, 0, me.hostname),
         "rebooted": Owner(os.getpid(), "00000000-dead-boot-0000-000000000000", me.start_time, 0,
                           me.hostname),
     }[how]
@@ -87,6 +88,50 @@ def test_dead_owner_is_reclaimed_with_a_log_line(disk_dir: Path, how: str, infin
     assert [r.path for r in results] == [path] and not path.exists()
     assert results[0].bytes_freed >= 2 << 20 and results[0].files_removed == 2
     assert "2.00 MiB freed in 2 files" in infinity_log.text
+
+
+@pytest.fixture
+def running_child():
+    """A real process that runs until the test ends: its pid and start time are the ones a
+    marker's owner is judged against."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_pid_reused_by_a_later_process_is_dead_and_the_same_start_is_alive(running_child) -> None:
+    """Pid reuse: the marker's owner had the pid before the process that holds it now, so its
+    recorded start time is EARLIER than the current one: dead. The same start time is the
+    owner itself: alive. (A comparison by "<" calls the reused pid alive; ">=", "<=" or "=="
+    call the owner itself dead.)"""
+    me = Owner.of_this_process(0)
+    started = sd.process_start_time(running_child.pid)
+    assert started is not None and started > 1
+    reused = Owner(running_child.pid, me.boot_id, started - 1, 0, me.hostname)
+    liveness, reason = reused.liveness()
+    assert liveness is Liveness.DEAD, reason
+    assert f"pid {running_child.pid} now belongs to another process" in reason
+    itself = Owner(running_child.pid, me.boot_id, started, 0, me.hostname)
+    assert itself.liveness()[0] is Liveness.ALIVE
+
+
+def test_a_pid_reused_across_an_unseen_reboot_is_dead(running_child, monkeypatch) -> None:
+    """Where the kernel exposes no boot id, a reboot cannot be seen: an owner of the previous
+    boot that started late in it (a long uptime) has a start time LATER than the process that
+    holds its pid in this boot. Another start time either way is another process (a comparison
+    by ">" calls it alive)."""
+    monkeypatch.setattr(sd, "boot_id", lambda: "")
+    me = Owner.of_this_process(0)
+    assert me.boot_id == ""
+    started = sd.process_start_time(running_child.pid)
+    assert started is not None
+    previous_boot = Owner(running_child.pid, "", started + 100 * 86400 * 100, 0, me.hostname)
+    liveness, reason = previous_boot.liveness()
+    assert liveness is Liveness.DEAD, reason
+    assert Owner(running_child.pid, "", started, 0, me.hostname).liveness()[0] is Liveness.ALIVE
 
 
 def test_live_foreign_and_other_host_dirs_are_not_reclaimed(disk_dir: Path) -> None:
