@@ -64,3 +64,66 @@ def test_matches_deepspeed_dynamic_loss_scaler(consecutive: bool, monkeypatch) -
         theirs.update_scale(overflow)
         ours.update(overflow)
         assert ours.scale == theirs.cur_scale, (step, overflow)
+
+
+# DeepSpeed's DynamicLossScaler.update_scale (deepspeed/runtime/fp16/loss_scaler.py), written out
+# so these run without deepspeed (scale_factor 2, delayed_shift = hysteresis):
+#   overflow:  if delayed_shift == 1 or cur_hysteresis == 1:
+#                  raise if cur_scale == min_scale (and raise_error_at_min_scale)   -> ours: True
+#                  cur_scale = max(cur_scale / 2, min_scale)
+#              else: cur_hysteresis -= 1
+#              last_overflow_iter = cur_iter
+#   clean:     if consecutive_hysteresis: cur_hysteresis = delayed_shift
+#              stable = cur_iter - last_overflow_iter - 1
+#              if stable > 0 and stable % scale_window == 0:
+#                  if not consecutive_hysteresis: cur_hysteresis = delayed_shift
+#                  cur_scale *= 2
+#   cur_iter += 1
+# Each row: (overflow, expected scale, hysteresis left and update()'s return after the update),
+# worked out by hand from those rules.
+
+REFILL_AFTER_GROWTH = [   # scale 8, window 2, hysteresis 2, min 2, consecutive_hysteresis off
+    (True, 8.0, 1, False),    # iter 0: hysteresis 2 -> 1, scale kept
+    (True, 4.0, 1, False),    # iter 1: hysteresis 1: halved
+    (False, 4.0, 1, False),   # iter 2: stable 0; no refill without consecutive_hysteresis
+    (False, 4.0, 1, False),   # iter 3: stable 1
+    (False, 8.0, 2, False),   # iter 4: stable 2 = window: doubled AND hysteresis refilled
+    (True, 8.0, 1, False),    # iter 5: the refilled hysteresis absorbs this overflow
+    (True, 4.0, 1, False),    # iter 6: halved
+    (True, 2.0, 1, False),    # iter 7: halved to min (it was 4: not stuck)
+    (True, 2.0, 1, True),     # iter 8: at min, no hysteresis left: stuck (DeepSpeed raises)
+]
+
+MIN_SCALE_WITH_HYSTERESIS_LEFT = [   # scale 4, window 2, hysteresis 3, min 2, consecutive on
+    (True, 4.0, 2, False),    # iter 0: 3 -> 2
+    (True, 4.0, 1, False),    # iter 1: 2 -> 1
+    (False, 4.0, 3, False),   # iter 2: a clean step refills (consecutive); stable 0
+    (True, 4.0, 2, False),    # iter 3
+    (True, 4.0, 1, False),    # iter 4
+    (True, 2.0, 1, False),    # iter 5: halved to min
+    (False, 2.0, 3, False),   # iter 6: refilled; stable 0
+    (True, 2.0, 2, False),    # iter 7: at min but hysteresis left: only counts down, not stuck
+    (True, 2.0, 1, False),    # iter 8: the same
+    (True, 2.0, 1, True),     # iter 9: at min, none left: stuck
+]
+
+
+@pytest.mark.parametrize("config, events", [
+    (dict(initial_scale_power=3, loss_scale_window=2, hysteresis=2, min_loss_scale=2.0,
+          consecutive_hysteresis=False), REFILL_AFTER_GROWTH),
+    (dict(initial_scale_power=2, loss_scale_window=2, hysteresis=3, min_loss_scale=2.0,
+          consecutive_hysteresis=True), MIN_SCALE_WITH_HYSTERESIS_LEFT),
+], ids=["refill-after-growth", "min-scale-with-hysteresis-left"])
+def test_scale_hysteresis_and_stuck_follow_deepspeeds_rules_step_by_step(config, events) -> None:
+    scaler = LossScaler(Fp16Config(enabled=True, **config))
+    seen = []
+    for overflow, *_ in events:
+        stuck = scaler.update(overflow)
+        seen.append((overflow, scaler.scale, scaler.state_dict()["hysteresis_left"], stuck))
+    assert seen == events
+
+
+def test_a_static_scale_is_never_stuck() -> None:
+    scaler = LossScaler(Fp16Config(enabled=True, loss_scale=1.0, min_loss_scale=1.0))
+    assert [scaler.update(True) for _ in range(3)] == [False, False, False]
+    assert scaler.scale == 1.0
