@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from infinity.config_file import decode_base64_config, parse_config_text
+from infinity.config_file import check_nesting, decode_base64_config, read_config_file
 from infinity.config_sections import (  # noqa: F401 - sections are re-exported
     _AUTO,
     _OFFLOAD_KEYS,
@@ -257,6 +257,7 @@ class InfinityConfig:
         default instead of raising; only for tools that read a config for its memory layout
         (``infinity plan``), never for a training run.
         """
+        check_nesting(d, "the config")
         return _Parser(dict(auto_values or {}), auto_defaults).config(d, world_size)
 
     @classmethod
@@ -275,9 +276,10 @@ class InfinityConfig:
             if encoded is not None:
                 data = encoded
             else:
-                # FileNotFoundError names the path; comments and trailing commas are read as
-                # DeepSpeed's hjson reads them, a duplicate key is refused (config_file.py)
-                data = parse_config_text(path.read_text(), str(path))
+                # the one reader of a config path (the CLI's too): FileNotFoundError names the
+                # path, a FIFO or device is refused before opening, comments and trailing
+                # commas are read as DeepSpeed's hjson reads them, a duplicate key is refused
+                data = read_config_file(path)
         return cls.from_dict(data, world_size=world_size, auto_values=auto_values,
                              auto_defaults=auto_defaults)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from infinity.config import ConfigError, InfinityConfig
-from infinity.config_file import parse_config_text
+from infinity import config_file
 from infinity.log import get_logger
 from infinity.sizes import parse_bytes
 from infinity.train.defaults import (DEFAULT_HOST_BUDGET, DEFAULT_LR, DEFAULT_MICRO_BATCH,
@@ -70,21 +70,9 @@ def demo_config() -> dict[str, Any]:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The JSON object in ``path``; FileNotFoundError / ConfigError name the file (also for
-    ``infinity plan --config``, where a directory was an IsADirectoryError traceback)."""
-    source = Path(path)
-    if source.is_dir():
-        raise FileNotFoundError(f"--config {source} is a directory; pass the DeepSpeed-format "
-                                "ds_config.json file itself")
-    if not source.is_file():
-        raise FileNotFoundError(f"--config {source} does not exist (or is not a file); pass a "
-                                "DeepSpeed-format ds_config.json")
-    try:
-        text = source.read_text()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"--config {source}: not a text file ({exc.reason} at byte "
-                          f"{exc.start}); pass a DeepSpeed-format ds_config.json") from None
-    return parse_config_text(text, f"--config {source}")
+    """The JSON object in ``--config`` ``path``: the one config reader (``infinity.config_file``,
+    the API's too) with ``--config`` in its messages."""
+    return config_file.read_config_file(path, "--config")
 
 
 def build_ds_config(base: dict[str, Any], overrides: Overrides) -> tuple[dict[str, Any], InfinityConfig]:
