@@ -367,6 +367,32 @@ def test_state_dict_loads_into_torch_adamw_and_back() -> None:
     _assert_close(b, c, init)
 
 
+@pytest.mark.parametrize("as_number", [int, float])
+def test_a_state_dict_with_a_plain_number_step_goes_on_where_it_stopped(as_number) -> None:
+    """A state_dict whose ``step`` is a plain number (older torch, hand-made or JSON-loaded
+    states) loads with its count: the bias correction goes on from step 5, not from 1. Against
+    torch AdamW run 10 steps straight, within 1e-3 of the parameters' total movement (a restart
+    at step 1 makes the 6th update ~1.9 times as large: far outside)."""
+    init = [p.detach().clone() for p in _model_params()]
+    first, ref = _model_params(), _model_params()
+    before = CPUAdam(first, lr=1e-2, weight_decay=0.01)
+    _run(before, first, 5)
+    sd = copy.deepcopy(before.state_dict())
+    for st in sd["state"].values():
+        st["step"] = as_number(st["step"].item())
+    assert all(type(st["step"]) is as_number and st["step"] == 5 for st in sd["state"].values())
+    resumed = _model_params()
+    for p_resumed, p_first in zip(resumed, first):
+        p_resumed.data.copy_(p_first.data)
+    after = CPUAdam(resumed, lr=1.0)      # the hyperparameters come from the state_dict
+    after.load_state_dict(sd)
+    _run(after, resumed, 5, start=5)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01, foreach=False)
+    _run(torch_opt, ref, 10)
+    _assert_close(resumed, ref, init)
+    assert all(float(st["step"]) == 10.0 for st in after.state_dict()["state"].values())
+
+
 def test_adam_mode_state_dict_keeps_l2_in_torch() -> None:
     ps = _model_params()
     ours = CPUAdam(ps, weight_decay=0.1, adamw_mode=False)
