@@ -130,3 +130,63 @@ def test_small_filesystem_refuses_more_than_it_has(disk_dir: Path) -> None:
     result = _in_private_mount_namespace('mount -t tmpfs -o size=1m none "$DIR"; $PY', check, disk_dir)
     assert result.returncode == 0, result.stderr
     assert "ERR not enough free space" in result.stdout and "(2097152 bytes)" in result.stdout
+
+
+def _fake_mount_table(monkeypatch: pytest.MonkeyPatch, module, table: str) -> None:
+    """``module`` reads ``table`` as its /proc/mounts (and /proc/self/mounts)."""
+    import builtins
+    import io
+
+    real_open = builtins.open
+
+    def fake_open(file, *args, **kwargs):
+        if str(file) in ("/proc/mounts", "/proc/self/mounts"):
+            return io.StringIO(table)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(module, "open", fake_open, raising=False)
+
+
+def _preflight_fs(path: str) -> tuple[str, str | None]:
+    fs_type, mount = filesystem_of(path)
+    return fs_type, None if mount is None else str(mount)
+
+
+def _io_fs(path: str) -> tuple[str, None]:
+    from infinity.io import files
+    return files.filesystem_of(path), None
+
+
+@pytest.mark.parametrize("which", ["storage.preflight", "io.files"])
+def test_a_mount_point_matches_whole_path_components_only(tmp_path: Path, monkeypatch,
+                                                          which: str) -> None:
+    """With mounts at .../data and .../data2, .../data2/x is on data2 (whichever comes first in
+    the table) and .../database/x is on neither: a mount point is a prefix of whole path
+    components, not of characters."""
+    from infinity.io import files
+
+    base = os.path.realpath(tmp_path)
+    for name in ("data", "data2", "database", "my disk"):
+        os.mkdir(os.path.join(base, name))
+    table = "\n".join([
+        "/dev/root / rootfs rw 0 0",
+        f"/dev/sdb1 {base}/data2 btrfs rw 0 0",
+        f"/dev/sda1 {base}/data xfs rw 0 0",
+        f"/dev/sdc1 {base}/my\\040disk ext2 rw 0 0",
+        f"/dev/sdd1 {base}/data2/inner ext3 rw 0 0",
+    ]) + "\n"
+    module, fs_of = {"storage.preflight": (preflight, _preflight_fs),
+                     "io.files": (files, _io_fs)}[which]
+    _fake_mount_table(monkeypatch, module, table)
+    with_mount = which == "storage.preflight"     # io.files gives the type only
+
+    def expect(fs_type: str, mount: str) -> tuple[str, str | None]:
+        return fs_type, mount if with_mount else None
+
+    assert fs_of(f"{base}/data2/x") == expect("btrfs", f"{base}/data2")
+    assert fs_of(f"{base}/data2") == expect("btrfs", f"{base}/data2")
+    assert fs_of(f"{base}/data/x") == expect("xfs", f"{base}/data")
+    assert fs_of(f"{base}/database/x") == expect("rootfs", "/")
+    assert fs_of(f"{base}/data2/inner/y") == expect("ext3", f"{base}/data2/inner")
+    assert fs_of(f"{base}/data2/innermost") == expect("btrfs", f"{base}/data2")
+    assert fs_of(f"{base}/my disk/z") == expect("ext2", f"{base}/my disk")
