@@ -127,3 +127,66 @@ def test_a_needed_unit_cancels_the_prefetches_holding_its_room_needed_last_first
     coordinator._cancel_prefetches(100)                    # room for 3
     assert gone == [2] and units[1].residency is Residency.FETCHING
     assert coordinator.fetch_stats["prefetches_cancelled"] == 1
+
+
+AHEAD_CASES = [1, 2, 3, 5]
+
+
+def test_choose_prefetch_takes_exactly_max_units_ahead() -> None:
+    """With room for everything, exactly ``max_units_ahead`` units go, the next ones in order:
+    not one fewer, not one more."""
+    upcoming = list(range(1, 9))
+    for ahead in AHEAD_CASES:
+        limits = PrefetchLimits(bucket_numel=10_000, max_live_numel=10_000, max_units_ahead=ahead)
+        chosen = choose_prefetch(upcoming, lambda u: 10, lambda u: True, 0, limits)
+        assert chosen == upcoming[:ahead], ahead
+
+
+def _coordinator_over_released_units(count: int, ahead: int):
+    """A coordinator over ``count`` released units of 10 elements, budgets with room for all,
+    ``max_units_ahead`` = ``ahead``; returns it and the list of units whose fetch it starts."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from infinity.budget import MemoryBudget
+    from infinity.storage.device_cache import DeviceMemoryCache
+    from infinity.storage.tiers import Residency
+    from infinity.zero.coordinator import Coordinator
+
+    budget = MemoryBudget("device", 1 << 20)
+    manager = SimpleNamespace(device_budget=budget,
+                              device_cache=DeviceMemoryCache(budget, torch.device("cpu")))
+    started: list[int] = []
+
+    class FakeUnit(SimpleNamespace):
+        def start_fetch(self, _manager, _pool) -> bool:
+            self.residency = Residency.FETCHING
+            started.append(self.index)
+            return True
+
+    units = [FakeUnit(index=i, numel=10, nbytes=10, persistent=False,
+                      residency=Residency.RELEASED, trainable_entries=lambda: [])
+             for i in range(count)]
+    coordinator = Coordinator(units, [], manager, None,
+                              PrefetchLimits(10_000, 10_000, max_units_ahead=ahead),
+                              on_grad=None, on_unit_backward_done=None)
+    return coordinator, started
+
+
+def test_the_coordinator_fetches_exactly_max_units_ahead() -> None:
+    """Mid-forward, the next ``max_units_ahead`` units of the trace are fetched; at the end of
+    the forward, the first ``max_units_ahead`` of the backward: exactly that many each time."""
+    for ahead in AHEAD_CASES:
+        coordinator, started = _coordinator_over_released_units(10, ahead)
+        forward = coordinator.traces["train_fwd"]
+        forward.order, forward.complete, forward.position = list(range(10)), True, 1
+        coordinator._prefetch(forward)
+        assert started == list(range(1, 1 + ahead)), ahead
+
+        coordinator, started = _coordinator_over_released_units(10, ahead)
+        forward = coordinator.traces["train_fwd"]
+        forward.order, forward.complete, forward.position = list(range(10)), True, 10
+        coordinator.traces["bwd"].order = list(range(9, -1, -1))
+        coordinator._prefetch(forward)
+        assert started == list(range(9, 9 - ahead, -1)), ahead
