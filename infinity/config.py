@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -87,6 +88,15 @@ IGNORED_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+MAX_BATCH_SIZE = 2**31 - 1
+"""Batch sizes above this (samples per step) are refused as a typo (1e30), not a plan."""
+
+
+def _is_whole(value: Any) -> bool:
+    """An integer of any integral type, never a bool (``true == 1`` in Python)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _is_off(value: Any) -> bool:
     return value is False or value is None
 
@@ -109,9 +119,8 @@ OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
         "zero_quantized_weights": (_is_off, "false", ""),
         "zero_quantized_nontrainable_weights": (_is_off, "false", ""),
         "zero_quantized_gradients": (_is_off, "false", ""),
-        "zero_hpz_partition_size": (lambda v: v in (0, 1), "1", ""),
-        "mics_shard_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v <= 0,
-                            "-1", ""),
+        "zero_hpz_partition_size": (lambda v: _is_whole(v) and v in (0, 1), "1", ""),
+        "mics_shard_size": (lambda v: _is_whole(v) and v <= 0, "-1", ""),
         "mics_hierarchical_params_gather": (_is_off, "false", ""),
         "legacy_stage1": (_is_off, "false", ""),
         "cpu_offload": (_is_off, "false",
@@ -182,7 +191,7 @@ class InfinityConfig:
         _set(self, "steps_per_print", _int("steps_per_print", self.steps_per_print, 1))
         _bool("dataloader_drop_last", self.dataloader_drop_last)
         if self.seed is not None:
-            _set(self, "seed", _int("seed", self.seed, 0))
+            _set(self, "seed", _int("seed", self.seed, 0, 2**64 - 1))   # torch.manual_seed's range
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true: enable at most one")
         dtype = self.infinity.compute_dtype
@@ -209,10 +218,8 @@ class InfinityConfig:
         train, micro, accum = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
                                self.gradient_accumulation_steps)
         names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-        for name, value in zip(names, (train, micro, accum)):
-            if value is not None:
-                _int(name, value, 1)
-        train, micro, accum = (None if v is None else int(v) for v in (train, micro, accum))
+        train, micro, accum = (None if v is None else _int(name, v, 1, MAX_BATCH_SIZE)
+                               for name, v in zip(names, (train, micro, accum)))
 
         def inconsistent(why: str) -> ConfigError:
             return ConfigError(

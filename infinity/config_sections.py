@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -34,13 +36,38 @@ def _bool(path: str, value: Any) -> bool:
     return value
 
 
+INT64_MAX = 2**63 - 1
+"""The largest integer a config value may be unless its key says otherwise: values go to C and
+torch as int64."""
+_EXACT_FLOAT_INT = 2**53
+"""Floats up to this are exact integers; a larger one (1e30) names no particular integer."""
+
+
 def _int(path: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
-    if isinstance(value, float) and value.is_integer():
+    """``value`` as a Python int, or a ConfigError naming ``path``.
+
+    Any integral type is taken (a numpy or torch integer from a config built in Python: they
+    are ``numbers.Integral``), and a float that is a whole number up to 2**53 (JSON's ``4.0``,
+    ``1e3``); never a bool (``true`` is not a count, though Python calls it 1), a fraction, or a
+    float too large to name one integer. Without ``hi`` the range ends at INT64_MAX.
+    """
+    limit = INT64_MAX if hi is None else hi
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):    # numpy's too
+        raise ConfigError(f"{path} = {value!r}: expected an integer{_range(lo, hi)}, not true or "
+                          "false")
+    if isinstance(value, numbers.Integral):
+        value = operator.index(value)
+    elif isinstance(value, numbers.Real) and math.isfinite(value) and \
+            float(value).is_integer():
+        if abs(value) > _EXACT_FLOAT_INT:
+            raise ConfigError(f"{path} = {value!r} is out of range: expected an integer"
+                              f"{_range(lo, limit)} (a float this large is no exact integer)")
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
+    else:
         raise ConfigError(f"{path} = {value!r}: expected an integer{_range(lo, hi)}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ConfigError(f"{path} = {value!r} is out of range: expected an integer{_range(lo, hi)}")
+    if (lo is not None and value < lo) or value > limit:
+        raise ConfigError(f"{path} = {value!r} is out of range: expected an integer"
+                          f"{_range(lo, limit)}")
     return value
 
 
@@ -457,7 +484,7 @@ class ZeroConfig:
             section = getattr(self, name)
             if not isinstance(section, OffloadConfig) or section.kind != kind:
                 raise ConfigError(f"{p}.{name}: expected OffloadConfig(kind={kind!r}), got {section!r}")
-        if self.sub_group_size == 0:
+        if self.sub_group_size == 0 and not isinstance(self.sub_group_size, bool):
             # DeepSpeed reads 0 as a sub-group per parameter; here sub-groups follow the units
             _log.info("%s.sub_group_size = 0 (DeepSpeed: a sub-group per parameter) is taken as "
                       "\"auto\" (sub-groups follow the units)", p)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 
 import pytest
 
@@ -507,3 +508,94 @@ def test_config_files_are_read_as_deepspeed_reads_them(tmp_path) -> None:
     assert InfinityConfig.load(encoded.decode()).train_micro_batch_size_per_gpu == 3
     with pytest.raises(FileNotFoundError):
         InfinityConfig.load(str(tmp_path / "missing.json"))
+
+
+def _integer_keys() -> list[tuple[str, dict]]:
+    """Every integer key of the config (fields typed int), with a base config where it counts:
+    (key path, config dict holding the key as the placeholder ``"VALUE"``)."""
+    import dataclasses
+
+    from infinity.config import (_SCHEDULER_KEYS, AioSection, Fp16Config, InfinitySection,
+                                 SchedulerConfig)
+
+    def ints(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if "int" in str(f.type)]
+
+    keys = [(name, {name: "VALUE"}) for name in ints(InfinityConfig) if name != "world_size"]
+    for cls, section in ((ZeroConfig, "zero_optimization"), (Fp16Config, "fp16"),
+                         (AioSection, "aio"), (InfinitySection, "infinity")):
+        keys += [(f"{section}.{name}", {section: {name: "VALUE"}}) for name in ints(cls)]
+    for kind in ("optimizer", "param"):
+        for name in ints(OffloadConfig):
+            if name in ("buffer_count", "buffer_size", "max_in_cpu") and \
+                    (kind == "param" or name == "buffer_count"):
+                keys.append((f"zero_optimization.offload_{kind}.{name}", {"zero_optimization": {
+                    "stage": 3, f"offload_{kind}": {"device": "cpu", name: "VALUE"}}}))
+    for name in ints(SchedulerConfig):
+        kind = next(k for k, allowed in _SCHEDULER_KEYS.items() if name in allowed)
+        needed = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3} if kind == "OneCycle" else {}
+        keys.append((f"scheduler.params.{name}",
+                     {"scheduler": {"type": kind, "params": {name: "VALUE", **needed}}}))
+    keys.append(("zero_optimization.zero_hpz_partition_size",
+                 {"zero_optimization": {"zero_hpz_partition_size": "VALUE"}}))
+    return keys
+
+
+def _put(config: dict, value: object) -> dict:
+    return json.loads(json.dumps(config), object_hook=lambda d: {
+        k: (value if v == "VALUE" else v) for k, v in d.items()})
+
+
+GOOD_INTS = {"zero_optimization.stage": 3, "fp16.initial_scale_power": 16, "aio.thread_count": 4,
+             "aio.queue_depth": 8, "zero_optimization.zero_hpz_partition_size": 1}
+
+
+@pytest.mark.parametrize("path, config", _integer_keys(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_integer_key_refuses_true_and_false(path: str, config: dict) -> None:
+    """``true`` was taken where a count is expected (Python's True == 1): every integer key of
+    the config refuses true and false with the key's name, while a real integer there is read."""
+    InfinityConfig.from_dict(_put(config, GOOD_INTS.get(path, 4096)))   # the base is valid
+    for flag in (True, False):
+        with pytest.raises(ConfigError, match=re.escape(path)):
+            InfinityConfig.from_dict(_put(config, flag))
+
+
+def test_world_size_refuses_a_bool() -> None:
+    with pytest.raises(ConfigError, match="world_size = True: expected an integer >= 1"):
+        InfinityConfig(world_size=True)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1e30, r"train_micro_batch_size_per_gpu = 1e\+30 is out of range: expected an integer in \[1, 2147483647\]"),
+    (2**40, r"train_micro_batch_size_per_gpu = 1099511627776 is out of range"),
+    (2.5, r"train_micro_batch_size_per_gpu = 2\.5: expected an integer"),
+    (float("nan"), r"train_micro_batch_size_per_gpu = nan: expected an integer"),
+])
+def test_a_batch_size_that_is_no_count_is_refused(value: object, expected: str) -> None:
+    """1e30 was taken (a whole float, then int(1e30) samples per step)."""
+    with pytest.raises(ConfigError, match=expected):
+        InfinityConfig.from_dict({"train_micro_batch_size_per_gpu": value})
+    assert InfinityConfig.from_dict({"train_micro_batch_size_per_gpu": 4.0}).train_micro_batch_size_per_gpu == 4
+
+
+def test_integers_of_other_integral_types_are_read_as_ints() -> None:
+    """A config built in Python with numpy values: stage np.int64(3) was refused as "expected an
+    integer"; numpy and torch integers are integers (their bools are not)."""
+    np = pytest.importorskip("numpy")
+    import torch
+    cfg = InfinityConfig.from_dict({"train_micro_batch_size_per_gpu": np.int32(2),
+                                    "gradient_accumulation_steps": torch.tensor(3).item(),
+                                    "steps_per_print": np.uint8(5),
+                                    "zero_optimization": {"stage": np.int64(3)},
+                                    "aio": {"queue_depth": np.int16(16)},
+                                    "scheduler": {"type": "WarmupLR",
+                                                  "params": {"warmup_num_steps": np.int64(10)}}})
+    assert (cfg.zero.stage, cfg.train_micro_batch_size_per_gpu, cfg.aio.queue_depth) == (3, 2, 16)
+    assert type(cfg.zero.stage) is int and type(cfg.train_micro_batch_size_per_gpu) is int
+    assert type(cfg.aio.queue_depth) is int and type(cfg.steps_per_print) is int
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage = .*True.*not true or false"):
+        InfinityConfig.from_dict({"zero_optimization": {"stage": np.bool_(True)}})
+    with pytest.raises(ConfigError, match=r"seed = 18446744073709551616 is out of range"):
+        InfinityConfig.from_dict({"seed": 2**64})
+    with pytest.raises(ConfigError, match=r"steps_per_print = 9223372036854775808 is out of range"):
+        InfinityConfig.from_dict({"steps_per_print": 2**63})
