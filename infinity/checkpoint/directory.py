@@ -5,10 +5,16 @@ the directory, and only then puts it in the tag's place: a new tag by a rename, 
 the same tag by an atomic exchange of the two directories (``renameat2(RENAME_EXCHANGE)``), then
 points ``latest`` at it with an atomic rename of its own. A crash at any moment leaves the
 previous checkpoint and ``latest`` as they were: at worst a staging directory is left behind,
-which the next save of that tag reuses. (On a filesystem without the exchange, the old tag is
+which the next save in that directory cleans up (the next save of that tag adopts it, with any
+files of the user's carried into it). (On a filesystem without the exchange, the old tag is
 renamed aside first; a load that finds the tag missing but its renamed-aside copy whole uses
-that copy.) Nothing is removed that the manifest of a checkpoint does not list: files a user put
-in a tag's directory move with the tag to each new save of it.
+that copy.) One writer at a time: a save holds the directory's save lock
+(checkpoint/writer_lock.py), and each writer stages under a name of its own.
+
+Nothing is removed but the names a save writes (``WRITTEN_FILE``), and of an earlier
+checkpoint only those of them its manifest lists, each unlinked through the directory's file
+descriptor: a manifest naming ``../x`` or an absolute path (edited, or downloaded) removes
+nothing outside. Files a user put in a tag's directory move with the tag to each new save.
 
 The manifest (``manifest.json``) says what a checkpoint holds: its files with sizes and
 sha256, the engine's counters, each parameter's shape and step count, the optimizer's
@@ -22,6 +28,8 @@ import functools
 import json
 import os
 import re
+import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +55,42 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+WRITTEN_FILE = re.compile(r"manifest\.json|rank\d+_(model|optim)\.safetensors")
+"""The names a save writes into a checkpoint directory, and so the only names ever removed from
+one; a file kind added later is added here, nowhere else."""
+
+_STAGING = re.compile(r"^\.(?P<tag>.+)\.partial(?:\.[0-9a-f]{8})?$")
+"""A staging directory: ``.<tag>.partial.<writer's token>`` (``.<tag>.partial`` before the token
+was added: such a directory is cleaned up the same way)."""
+
+
+def is_written_name(name: str) -> bool:
+    """Whether ``name`` is a file a save writes (see ``WRITTEN_FILE``)."""
+    return WRITTEN_FILE.fullmatch(name) is not None
+
+
 def staging_dir(save_dir: Path, tag: str) -> Path:
-    return save_dir / f".{tag}.partial"
+    """A fresh staging name for ``tag``, of this writer's own."""
+    return save_dir / f".{tag}.partial.{secrets.token_hex(4)}"
+
+
+def staging_dirs(save_dir: Path, tag: str | None = None) -> list[Path]:
+    """Staging directories in ``save_dir`` (of ``tag`` only, when given), real directories only."""
+    found = []
+    try:
+        names = sorted(os.listdir(save_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for name in names:
+        match = _STAGING.match(name)
+        if match is None or (tag is not None and match.group("tag") != tag):
+            continue
+        try:
+            if stat.S_ISDIR(os.lstat(save_dir / name).st_mode):
+                found.append(save_dir / name)
+        except FileNotFoundError:
+            continue
+    return found
 
 
 def replaced_dir(save_dir: Path, tag: str) -> Path:
@@ -87,9 +129,26 @@ def _fsync_dir(path: Path) -> None:
 
 
 def prepare_staging(save_dir: Path, tag: str) -> Path:
-    """A staging directory for ``tag`` without checkpoint files (one an interrupted save left
-    is reused: the files a save writes are removed from it, a user's files stay and go into
-    the tag with this save)."""
+    """A staging directory of this writer's own for ``tag``, empty of checkpoint files. The
+    caller holds the save lock (``ensure_save_dir`` first), so every other staging directory
+    there was left by a save that did not finish: they are cleaned up (``clean_stale_staging``),
+    and one of ``tag`` is adopted, with the files of the user's it carries going into the tag
+    with this save."""
+    staging = staging_dir(save_dir, tag)
+    for path in (save_dir / tag, staging):
+        _refuse_link(path)
+    left = staging_dirs(save_dir, tag)
+    clean_stale_staging(save_dir, keep=left[:1])
+    if left:
+        os.rename(left[0], staging)
+        remove_checkpoint_files(staging, ours_only=False, keep_dir=True)
+    else:
+        staging.mkdir()
+    return staging
+
+
+def ensure_save_dir(save_dir: Path) -> None:
+    """Create ``save_dir`` if needed; a clear error when it cannot be written."""
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -98,14 +157,27 @@ def prepare_staging(save_dir: Path, tag: str) -> Path:
     if not os.access(save_dir, os.W_OK | os.X_OK):
         raise PermissionError(f"the checkpoint directory {save_dir} is not writable; choose "
                               "another save_dir or fix its permissions")
-    staging = staging_dir(save_dir, tag)
-    for path in (save_dir / tag, staging):
-        _refuse_link(path)
-    if staging.exists():
-        remove_checkpoint_files(staging, ours_only=False, keep_dir=True)
-    else:
-        staging.mkdir()
-    return staging
+
+
+def clean_stale_staging(save_dir: Path, keep: list[Path] = ()) -> list[Path]:
+    """Remove the staging directories a save that did not finish left in ``save_dir`` (all
+    but ``keep``); returns those removed. Only the names a save writes are deleted; files of
+    the user's (carried in from the tag just before it was to be replaced) go back into the
+    tag's directory, and a directory still holding anything else is kept, with a warning.
+    The caller holds the save lock, so no live writer is staging there."""
+    removed = []
+    for staging in staging_dirs(save_dir):
+        if staging in keep:
+            continue
+        tag = _STAGING.match(staging.name).group("tag")
+        final = save_dir / tag
+        if _TAG.match(tag) and final.is_dir() and not final.is_symlink():
+            _carry_user_files(staging, final, keep_ours=False)
+        remove_checkpoint_files(staging, ours_only=False)
+        if not staging.exists():
+            removed.append(staging)
+            log.info("removed %s, left by a save that did not finish", staging)
+    return removed
 
 
 def _refuse_link(path: Path) -> None:
@@ -118,31 +190,48 @@ def _refuse_link(path: Path) -> None:
 
 
 def checkpoint_files(directory: Path, ours_only: bool = True) -> set[str]:
-    """The names in ``directory`` a save wrote: those its manifest lists and the manifest
-    (without ``ours_only``, of a staging directory: the manifest and tensor files)."""
+    """The names in ``directory`` a save wrote: the written names (``WRITTEN_FILE``) its
+    manifest lists, and the manifest (without ``ours_only``, of a staging directory: the
+    written names that are there)."""
     if ours_only:
         try:
-            listed = set(read_manifest_file(directory).get("files", {}))
+            listed = read_manifest_file(directory).get("files", {})
         except CheckpointError:
-            listed = set()
-        return listed | {MANIFEST}
+            listed = {}
+        names = {MANIFEST}
+        for name in listed if isinstance(listed, dict) else ():
+            if isinstance(name, str) and is_written_name(name):
+                names.add(name)
+            else:
+                log.warning("the manifest of %s lists %r, which is not a file a save writes; "
+                            "it is left alone", directory, name)
+        return names
     # only the names a save writes: a user's own .safetensors (an adapter) carried in from the
     # tag's directory must survive a failed or interrupted save
-    return {p.name for p in directory.iterdir()
-            if p.name == MANIFEST or _WRITTEN_TENSOR_FILE.fullmatch(p.name)}
-
-
-_WRITTEN_TENSOR_FILE = re.compile(r"rank\d+_(model|optim)\.safetensors")
+    return {p.name for p in directory.iterdir() if is_written_name(p.name)}
 
 
 def remove_checkpoint_files(directory: Path, ours_only: bool = True, keep_dir: bool = False) -> None:
-    """Remove the files a save wrote from ``directory`` (see ``checkpoint_files``), then the
-    directory unless ``keep_dir`` or other files are in it."""
-    for name in checkpoint_files(directory, ours_only):
-        try:
-            (directory / name).unlink()
-        except FileNotFoundError:
-            pass
+    """Remove the files a save wrote from ``directory`` (see ``checkpoint_files``), each through
+    the directory's file descriptor, then the directory unless ``keep_dir`` or other files are
+    in it."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:     # a symbolic link (ELOOP, ENOTDIR): never followed
+        log.warning("not cleaning %s: %s", directory, exc)
+        return
+    try:
+        for name in checkpoint_files(directory, ours_only):
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:
+                pass            # a directory under a written name is not ours
+    finally:
+        os.close(dir_fd)
     if keep_dir:
         return
     try:
@@ -153,9 +242,10 @@ def remove_checkpoint_files(directory: Path, ours_only: bool = True, keep_dir: b
                     ", ".join(left[:5]))
 
 
-def _carry_user_files(old: Path, new: Path) -> None:
-    """Move what a user put in the old checkpoint's directory into the new one."""
-    ours = checkpoint_files(old)
+def _carry_user_files(old: Path, new: Path, keep_ours: bool = True) -> None:
+    """Move what a user put in the old checkpoint's directory into the new one (``keep_ours``:
+    the names the old one's manifest lists stay; else every written name stays)."""
+    ours = checkpoint_files(old, ours_only=keep_ours)
     for entry in old.iterdir():
         if entry.name not in ours and not (new / entry.name).exists():
             os.rename(entry, new / entry.name)
@@ -163,10 +253,17 @@ def _carry_user_files(old: Path, new: Path) -> None:
 
 def commit(staging: Path, save_dir: Path, tag: str) -> Path:
     """Make the staged checkpoint the tag's (see the module docstring); returns its path."""
-    for name in checkpoint_files(staging, ours_only=False):
-        with open(staging / name, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(staging)
+    dir_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name in checkpoint_files(staging, ours_only=False):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
     final = save_dir / tag
     aside = replaced_dir(save_dir, tag)
     for path in (final, staging, aside):
@@ -297,7 +394,17 @@ def resolve(load_dir: Path, tag: str | None) -> Path | None:
         return aside
     if not (directory / MANIFEST).is_file():
         tags = available_tags(load_dir)
-        partial = staging_dir(load_dir, tag).exists()
+        if directory.is_dir():
+            present = sorted(p.name for p in directory.iterdir())
+            raise CheckpointError(
+                f"{directory} has no {MANIFEST}, so it cannot be loaded as checkpoint {tag!r}: "
+                "the manifest says what the checkpoint holds and the checksums of its files, and "
+                f"it was deleted or never written (the directory holds: "
+                f"{', '.join(present[:6]) or 'nothing'}{', ...' if len(present) > 6 else ''})"
+                + (f"; other checkpoints there: {', '.join(t for t in tags if t != tag)}"
+                   if [t for t in tags if t != tag] else "")
+                + ". Pass tag= to load another one, or restore the manifest")
+        partial = bool(staging_dirs(load_dir, tag))
         raise CheckpointError(
             f"no checkpoint {tag!r} in {load_dir}"
             + (" (a save of it was interrupted: its staging directory is there)" if partial else "")

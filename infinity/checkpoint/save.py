@@ -23,6 +23,7 @@ from infinity.checkpoint.directory import (
     VERSION,
     check_tag,
     commit,
+    ensure_save_dir,
     prepare_staging,
     remove_checkpoint_files,
     write_latest,
@@ -39,6 +40,7 @@ from infinity.checkpoint.layout import (
 )
 from infinity.checkpoint.tensor_file import TensorFileWriter, itemsize
 from infinity.checkpoint.unit_io import ChunkPool, save_entries
+from infinity.checkpoint.writer_lock import SaveLock
 from infinity.log import get_logger
 from infinity.storage.preflight import free_bytes
 from infinity.sizes import format_bytes
@@ -174,6 +176,23 @@ def _write_optim(path: Path, layouts: list[UnitLayout], chunks: ChunkPool) -> tu
         writer.abort()
 
 
+def _write_files(engine: "Engine", staging: Path, tag: str, layouts: list[UnitLayout], buffers,
+                 need: int) -> dict[str, dict[str, Any]]:
+    """This rank's tensor files in ``staging``; their sizes and sha256 for the manifest."""
+    free = free_bytes(staging)
+    if free < need:
+        raise OSError(errno.ENOSPC, f"checkpoint {tag} needs {format_bytes(need)} in "
+                                    f"{staging.parent}, which has {format_bytes(free)} free; free "
+                                    "space or choose another save_dir")
+    chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
+    files = {}
+    for name, write in ((model_file(RANK), lambda p: _write_model(p, layouts, buffers, chunks)),
+                        (optim_file(RANK), lambda p: _write_optim(p, layouts, chunks))):
+        nbytes, digest = write(staging / name)
+        files[name] = {"bytes": nbytes, "sha256": digest}
+    return files
+
+
 def save_checkpoint(engine: "Engine", save_dir: str | Path, tag: str | None = None,
                     client_state: Any = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> Path:
@@ -190,40 +209,32 @@ def save_checkpoint(engine: "Engine", save_dir: str | Path, tag: str | None = No
     layouts = unit_layouts(engine, with_frozen=not exclude_frozen_parameters)
     buffers = persistent_buffers(engine.module)
     need = _file_bytes(_model_tensors(layouts, buffers)) + _file_bytes(_optim_tensors(layouts))
-    staging = prepare_staging(save_dir, tag)
-    try:
-        free = free_bytes(save_dir)
-        if free < need:
-            raise OSError(errno.ENOSPC, f"checkpoint {tag} needs {format_bytes(need)} in "
-                                        f"{save_dir}, which has {format_bytes(free)} free; free "
-                                        "space or choose another save_dir")
-        chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
-        files = {}
-        for name, write in ((model_file(RANK), lambda p: _write_model(p, layouts, buffers, chunks)),
-                            (optim_file(RANK), lambda p: _write_optim(p, layouts, chunks))):
-            nbytes, digest = write(staging / name)
-            files[name] = {"bytes": nbytes, "sha256": digest}
-        write_manifest(staging, {
-            "format": FORMAT, "version": VERSION, "tag": tag, "world_size": 1,
-            "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "files": files, "params": _params_manifest(layouts),
-            "aliases": aliases(engine.module, layouts),
-            "frozen_excluded": exclude_frozen_parameters,
-            "buffers": [name for name, _ in buffers], **state})
-        final = commit(staging, save_dir, tag)
-    except BaseException as exc:
-        if staging.exists():
-            remove_checkpoint_files(staging, ours_only=False)
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and "checkpoint" not in str(exc):
-            raise OSError(errno.ENOSPC, f"checkpoint {tag}: the disk of {save_dir} filled up while "
-                                        f"it was written ({format_bytes(need)} needed, "
-                                        f"{format_bytes(free_bytes(save_dir))} free now that its "
-                                        "partial files are removed); the previous checkpoint and "
-                                        "latest are unchanged: free space or choose another "
-                                        "save_dir") from exc
-        raise
-    if save_latest:
-        write_latest(save_dir, tag)
+    ensure_save_dir(save_dir)
+    with SaveLock.acquire(save_dir):     # one writer per directory (checkpoint/writer_lock.py)
+        staging = prepare_staging(save_dir, tag)
+        try:
+            files = _write_files(engine, staging, tag, layouts, buffers, need)
+            write_manifest(staging, {
+                "format": FORMAT, "version": VERSION, "tag": tag, "world_size": 1,
+                "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "files": files, "params": _params_manifest(layouts),
+                "aliases": aliases(engine.module, layouts),
+                "frozen_excluded": exclude_frozen_parameters,
+                "buffers": [name for name, _ in buffers], **state})
+            final = commit(staging, save_dir, tag)
+        except BaseException as exc:
+            if staging.exists():
+                remove_checkpoint_files(staging, ours_only=False)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and "checkpoint" not in str(exc):
+                raise OSError(errno.ENOSPC, f"checkpoint {tag}: the disk of {save_dir} filled up "
+                                            f"while it was written ({format_bytes(need)} needed, "
+                                            f"{format_bytes(free_bytes(save_dir))} free now that "
+                                            "its partial files are removed); the previous "
+                                            "checkpoint and latest are unchanged: free space or "
+                                            "choose another save_dir") from exc
+            raise
+        if save_latest:
+            write_latest(save_dir, tag)
     log.info("saved checkpoint %s (%s) in %.1f s", final, format_bytes(need),
              time.perf_counter() - started)
     return final

@@ -91,7 +91,7 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_loaded(engine, disk_
     directory = engine.save_checkpoint(disk_dir / "ckpt", tag="good")
     engine.save_checkpoint(disk_dir / "probe", tag="before", save_latest=False)
     target = directory / "rank0_optim.safetensors"
-    expected = {"truncate": "truncated", "flip": "sha256", "no_manifest": "no checkpoint 'good'",
+    expected = {"truncate": "truncated", "flip": "sha256", "no_manifest": "good has no manifest.json.*deleted or never written",
                 "missing_file": "is missing"}[damage]
     if damage == "truncate":
         target.write_bytes(target.read_bytes()[:-100])
@@ -209,7 +209,7 @@ def test_a_save_stopped_between_renames_is_recovered(engine, disk_dir, monkeypat
     real_rename = directory_module.os.rename
 
     def crash_before_the_new_one_is_in_place(src, dst):
-        if str(src).endswith(".t.partial"):
+        if ".t.partial" in str(src):
             raise KeyboardInterrupt("power cut")
         real_rename(src, dst)
 
