@@ -123,26 +123,35 @@ def test_paired_ratios_pair_each_round_with_its_own_compute_run():
 
 
 def test_thread_cpu_counts_a_busy_thread_by_its_name():
+    """No timing: the spinner spins until its own CPU clock (time.thread_time) has 0.3 s, says
+    so, and waits; only then is the count read, however loaded the machine (it slept 0.5 s of
+    wall time and hoped the spinner got 0.2 s of CPU in it)."""
     import threading
     import time
 
     start = C.thread_cpu()
-    done = threading.Event()
+    spun, done = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
 
     def spin():
-        end = time.thread_time() + 0.3
-        while time.thread_time() < end:
-            pass
-        done.wait()
+        try:
+            while time.thread_time() < 0.3:     # this thread's own CPU seconds
+                pass
+        except BaseException as exc:            # noqa: BLE001 - reported by the main thread
+            failed.append(exc)
+        finally:
+            spun.set()
+        done.wait()                             # stays alive (and listed) until measured
 
     t = threading.Thread(target=spin, name="bench-spinner")
     t.start()
     try:
-        time.sleep(0.5)
+        spun.wait()
         per_step = C.thread_cpu_since(start, steps=1)
     finally:
         done.set()
         t.join()
+    assert not failed
     user, system = per_step["bench-spinner"]
-    assert user + system >= 0.2, per_step
-    assert "MainThread" not in per_step or sum(per_step["MainThread"]) < 0.2, per_step
+    assert user + system >= 0.25, per_step
+    assert "MainThread" not in per_step or sum(per_step["MainThread"]) < 0.25, per_step
