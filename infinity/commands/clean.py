@@ -1,7 +1,9 @@
 """``infinity clean PATH``: remove swap files left by a killed run, by hand.
 
 PATH is either one private swap directory (``.../infinity-swap-r0-p1234-ab12cd``) or the
-``nvme_path`` that holds them. Only directories with an infinity marker whose owner is dead are
+``nvme_path`` that holds them, or a checkpoint directory (``save_dir``), where the hidden
+staging directories of saves that did not finish are removed (under the save lock, so never a
+running save's; only the files a save writes). Only directories with an infinity marker whose owner is dead are
 touched, and in them only the files the marker lists; a directory without a marker, or whose
 owner still runs (or runs on another host), is refused with exit code 2. A directory that holds
 nothing but the temporary marker (a run killed while creating it) is recognised and removed.
@@ -15,6 +17,8 @@ import sys
 from pathlib import Path
 
 from infinity.cli import UsageError
+from infinity.checkpoint.directory import clean_stale_staging, staging_dirs
+from infinity.checkpoint.writer_lock import SaveDirBusyError, SaveLock
 from infinity.sizes import format_bytes
 from infinity.storage.swap_dir import (DIR_PREFIX, MARKER_NAME, MARKER_TMP_NAME, NotOursError,
                                        OwnerAliveError, Removal, find_swap_dirs, reclaim)
@@ -22,7 +26,8 @@ from infinity.storage.swap_dir import (DIR_PREFIX, MARKER_NAME, MARKER_TMP_NAME,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", type=Path,
-                        help="a private swap directory, or the nvme_path holding such directories")
+                        help="a private swap directory, the nvme_path holding such directories, or a "
+                             "checkpoint save_dir (its unfinished saves' staging directories)")
     parser.add_argument("--dry-run", action="store_true",
                         help="only say what would be removed")
 
@@ -34,6 +39,26 @@ def _describe(result: Removal, dry_run: bool) -> str:
     if result.leftovers:
         line += f"; directory kept, it holds files infinity did not create: {', '.join(result.leftovers)}"
     return line
+
+
+def _clean_checkpoint_staging(save_dir: Path, staging: list[Path], dry_run: bool) -> int:
+    """Remove the staging directories saves that did not finish (killed with kill -9) left in
+    the checkpoint directory ``save_dir``, under its save lock, so never a live save's;
+    returns 1 when refused, else 0."""
+    if dry_run:
+        for path in staging:
+            print(f"{path}: would remove the files a checkpoint save left there (a save that "
+                  "did not finish)")
+        return 0
+    try:
+        with SaveLock.acquire(save_dir):
+            removed = clean_stale_staging(save_dir)
+    except SaveDirBusyError as exc:
+        print(f"infinity clean: refused: {exc}", file=sys.stderr)
+        return 1
+    for path in removed:
+        print(f"{path}: removed, left by a checkpoint save that did not finish")
+    return 0 if len(removed) == len(staging) else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,10 +79,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot list {path} to find its swap directories: "
                          f"{exc.strerror or exc} (errno {exc.errno}); run clean as a user who "
                          "may read it, or name one swap directory in it") from exc
-    if not candidates:
+    staging = staging_dirs(path)
+    if not candidates and not staging:
         raise NotOursError(f"{path} has no {MARKER_NAME} marker and holds no infinity swap "
-                           "directories; nothing was touched")
-    refused = 0
+                           "directories nor checkpoint staging directories; nothing was touched")
+    refused = 0 if not staging else _clean_checkpoint_staging(path, staging, args.dry_run)
     for candidate in candidates:
         try:
             print(_describe(reclaim(candidate, dry_run=args.dry_run), args.dry_run))

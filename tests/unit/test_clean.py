@@ -172,3 +172,30 @@ def test_clean_of_an_unlistable_parent(disk_dir: Path, capsys: pytest.CaptureFix
     err = capsys.readouterr().err
     assert f"cannot list {parent} to find its swap directories: Permission denied" in err
     parent.rmdir()
+
+
+def test_clean_of_a_checkpoint_directory_removes_unfinished_saves_staging(
+        disk_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """A save killed with kill -9 leaves ``.<tag>.partial.<token>``; ``infinity clean SAVE_DIR``
+    removes the files a save writes from it, gives the user's back to their tag, and refuses
+    while a live process holds the save lock."""
+    from infinity.checkpoint.writer_lock import SaveLock
+
+    ckpt = disk_dir / "ckpt"
+    (ckpt / "t").mkdir(parents=True)
+    (ckpt / "t" / "manifest.json").write_text("{}")
+    staging = ckpt / ".t.partial.0a1b2c3d"
+    staging.mkdir()
+    (staging / "rank0_model.safetensors").write_bytes(b"half")
+    (staging / "notes.txt").write_text("the user's")
+    (ckpt / "mine.txt").write_text("keep")
+    assert main(["clean", str(ckpt), "--dry-run"]) == 0
+    assert "would remove" in capsys.readouterr().out and staging.exists()
+    with SaveLock.acquire(ckpt):        # a save running now (another fd: another writer)
+        assert main(["clean", str(ckpt)]) == 2
+        assert "being saved into by another process" in capsys.readouterr().err
+        assert staging.exists()
+    assert main(["clean", str(ckpt)]) == 0
+    assert "removed, left by a checkpoint save" in capsys.readouterr().out
+    assert sorted(p.name for p in ckpt.iterdir()) == ["mine.txt", "t"]
+    assert (ckpt / "t" / "notes.txt").read_text() == "the user's"
