@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import infinity
-from parity import VOCAB, ArmedBackwardHook, loss_of, make_model, run_parity, zero_config
+from parity import (VOCAB, ArmedBackwardHook, engine_and_reference, loss_of, make_model,
+                    run_parity, zero_config)
 
 
 def _fp16(ds: dict, **fp16) -> dict:
@@ -100,5 +101,45 @@ def test_an_overflow_at_the_minimum_scale_stops_the_run_as_deepspeed_does(disk_d
         with pytest.raises(FloatingPointError, match=r"minimum loss scale.*min_loss_scale = 1\b"):
             engine.step()
         assert engine.skipped_steps == 3 and engine.global_steps == 3
+    finally:
+        engine.close()
+
+
+def test_clipping_on_some_steps_only_under_a_dynamic_loss_scale_trains_like_torch(disk_dir) -> None:
+    """fp16 (dynamic scale 2**10) with gradient_clipping 20: the loss is weighted 1 or 4 per step,
+    so the gradient norm is ~10 on some steps (not clipped) and ~40 on others (clipped), and the
+    clipping factor must go together with the loss scale into the one divisor of the gradients.
+    Against torch (unscaled gradients, clip_grad_norm_, AdamW foreach=False): every step's loss
+    within rtol 1e-5 (fp32 compute on the CPU: the scale is divided out exactly). A clipping
+    factor that lost the loss scale leaves the clipped steps' gradients 1024 times too large;
+    Adam's moments then mix scales, and the losses part after the first clipped step."""
+    clip, weights = 20.0, [1, 1, 4, 1, 4, 4, 1, 4, 1]
+    model = make_model("torch", layers=2, width=32)
+    ds = _fp16(zero_config(3, "nvme", "nvme", str(disk_dir)), initial_scale_power=10)
+    ds["gradient_clipping"] = clip
+    engine, reference, ref_opt = engine_and_reference(model, ds, lr=1e-2, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(4)
+    norms = []
+    try:
+        for step, weight in enumerate(weights):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            loss = loss_of(engine(input_ids=x, labels=x)) * weight
+            engine.backward(loss)
+            engine.step()
+            ref_loss = loss_of(reference(input_ids=x, labels=x)) * weight
+            ref_loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)))
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, step=step: f"step {step}: {m}")
+        # the case this is about: clipping acted on the weighted steps only
+        assert [n > clip for n in norms] == [w == 4 for w in weights], norms
+        assert engine.loss_scale == 1024.0 and engine.skipped_steps == 0
+        x = torch.randint(0, VOCAB, (2, 16), generator=gen)     # after the last step
+        with torch.no_grad():
+            torch.testing.assert_close(loss_of(engine(input_ids=x, labels=x)),
+                                       loss_of(reference(input_ids=x, labels=x)),
+                                       rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
