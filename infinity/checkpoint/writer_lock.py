@@ -88,7 +88,8 @@ class SaveLock:
     def acquire(cls, save_dir: Path) -> SaveLock:
         """Take the lock of ``save_dir`` (an existing directory), or raise SaveDirBusyError
         naming the live owner."""
-        dir_fd = os.open(save_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # the save_dir is the user's to name, a symbolic link to a scratch disk included
+        dir_fd = os.open(save_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for _ in range(100):
                 lock = cls._try_once(save_dir, dir_fd)

@@ -246,3 +246,14 @@ def test_two_processes_saving_one_tag_always_leave_a_loadable_checkpoint(engine,
     path, _ = engine.load_checkpoint(ckpt)
     assert path.endswith("/t")
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "t"]
+
+
+def test_a_save_dir_that_is_a_symbolic_link_is_saved_into(engine, disk_dir):
+    """A save_dir the user links to a scratch disk is theirs to name (only tags and the lock
+    file are refused as links)."""
+    real = disk_dir / "scratch"
+    real.mkdir()
+    (disk_dir / "out").symlink_to(real)
+    engine.save_checkpoint(disk_dir / "out", tag="t")
+    assert sorted(p.name for p in real.iterdir()) == ["latest", "t"]
+    assert engine.load_checkpoint(disk_dir / "out")[0].endswith("/t")
