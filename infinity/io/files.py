@@ -10,6 +10,7 @@ import ctypes
 import errno
 import os
 import threading
+from pathlib import Path
 from typing import Literal
 
 Mode = Literal["r", "w", "rw"]
@@ -93,25 +94,48 @@ class IOFile:
         return f"IOFile({self.path!r}, mode={self.mode!r}, {kind}, fd={self.fd})"
 
 
-def filesystem_of(path: str) -> str:
-    """Filesystem type of the mount holding ``path`` (e.g. "ext4", "tmpfs"); "unknown" if not found."""
-    target = os.path.realpath(path)
-    if not os.path.exists(target):
-        target = os.path.dirname(target) or "/"
-    best, fstype = "", "unknown"
+def _unescape_mount_field(field: str) -> str:
+    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mount_of(path: str | os.PathLike[str]) -> tuple[str, Path | None]:
+    """(filesystem type, mount point) holding ``path`` (or, when it does not exist yet, its
+    parent), from the longest /proc/self/mounts entry that is a prefix of whole path components
+    (``/mnt/data`` does not hold ``/mnt/data2``); ("unknown", None) when none can be read."""
+    real = os.path.realpath(path)
+    if not os.path.exists(real):
+        real = os.path.dirname(real) or "/"
+    best: tuple[str, Path | None] = ("unknown", None)
+    best_len = -1
     try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, fstype = mnt, parts[2]
+        with open("/proc/self/mounts") as mounts:
+            lines = mounts.readlines()
     except OSError:
-        pass
-    return fstype
+        return best
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount_point = _unescape_mount_field(parts[1])
+        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+        # ">=": a later mount over the same point hides the earlier one.
+        if inside and len(mount_point) >= best_len:
+            best, best_len = (parts[2], Path(mount_point)), len(mount_point)
+    return best
+
+
+def filesystem_of(path: str | os.PathLike[str]) -> str:
+    """Filesystem type of the mount holding ``path`` (e.g. "ext4", "tmpfs"); "unknown" if not found."""
+    return mount_of(path)[0]
 
 
 def open_file(path: str | os.PathLike[str], mode: Mode = "r", *, create: bool = False,

@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from infinity.io.files import mount_of
 from infinity.sizes import format_bytes
 
 # Filesystems whose "files" are memory: swapping there spends the RAM we are trying to save.
@@ -41,41 +42,6 @@ class PreflightReport:
     """Whether an O_DIRECT write and read of one page worked (False when not checked)."""
 
 
-def _unescape_mount_field(field: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as octal escapes (\040 ...).
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def filesystem_of(path: str | os.PathLike[str]) -> tuple[str, Path | None]:
-    """(filesystem type, mount point) holding ``path``, from the longest matching /proc/mounts entry."""
-    real = os.path.realpath(path)
-    best: tuple[str, Path | None] = ("unknown", None)
-    best_len = -1
-    try:
-        with open("/proc/mounts") as mounts:
-            lines = mounts.readlines()
-    except OSError:
-        return best
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount_point = _unescape_mount_field(parts[1])
-        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-        # ">=": a later mount over the same point hides the earlier one.
-        if inside and len(mount_point) >= best_len:
-            best, best_len = (parts[2], Path(mount_point)), len(mount_point)
-    return best
-
-
 def free_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes that may still be written under ``path`` (statvfs f_bavail * f_frsize)."""
     st = os.statvfs(path)
@@ -86,7 +52,7 @@ def check_free_space(path: str | os.PathLike[str], need_bytes: int, what: str = 
     """Raise SwapPathError unless ``need_bytes`` fit on ``path``'s filesystem; returns free bytes."""
     free = free_bytes(path)
     if need_bytes > free:
-        fs_type, mount = filesystem_of(path)
+        fs_type, mount = mount_of(path)
         raise SwapPathError(
             f"not enough free space for {what} in {path}: need {format_bytes(need_bytes)} "
             f"({need_bytes} bytes) but only {format_bytes(free)} ({free} bytes) are free on "
@@ -134,7 +100,7 @@ def check_swap_path(path: str | os.PathLike[str], need_bytes: int = 0, *, direct
     if not path.is_dir():
         raise SwapPathError(f"swap path {path} is not a directory; give the directory that should "
                             "hold the swap files")
-    fs_type, mount = filesystem_of(path)
+    fs_type, mount = mount_of(path)
     where = f"{path} (filesystem {fs_type}, mounted at {mount or '?'})"
     if fs_type in MEMORY_FILESYSTEMS and not allow_memory_fs:
         raise SwapPathError(

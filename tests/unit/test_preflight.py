@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from infinity.storage import preflight
-from infinity.storage.preflight import SwapPathError, check_swap_path, filesystem_of
+from infinity.io.files import mount_of
+from infinity.storage.preflight import SwapPathError, check_swap_path
 
 
 def test_good_disk_path_passes(disk_dir: Path) -> None:
@@ -33,7 +34,7 @@ def test_a_file_is_not_a_directory(disk_dir: Path) -> None:
         check_swap_path(disk_dir / "f")
 
 
-@pytest.mark.skipif(filesystem_of("/dev/shm")[0] != "tmpfs", reason="/dev/shm is not tmpfs here")
+@pytest.mark.skipif(mount_of("/dev/shm")[0] != "tmpfs", reason="/dev/shm is not tmpfs here")
 def test_tmpfs_is_refused_as_memory() -> None:
     with pytest.raises(SwapPathError, match=r"filesystem tmpfs.*is memory, not a disk"):
         check_swap_path("/dev/shm")
@@ -69,7 +70,7 @@ def test_no_direct_io_suggests_mmap(disk_dir: Path, monkeypatch: pytest.MonkeyPa
         check_swap_path(disk_dir)
     message = str(info.value)
     assert "O_DIRECT does not work" in message and '"mmap"' in message
-    assert f"filesystem {filesystem_of(disk_dir)[0]}" in message
+    assert f"filesystem {mount_of(disk_dir)[0]}" in message
     check_swap_path(disk_dir, direct_io=False)  # the mmap backend skips the probe
 
 
@@ -147,22 +148,11 @@ def _fake_mount_table(monkeypatch: pytest.MonkeyPatch, module, table: str) -> No
     monkeypatch.setattr(module, "open", fake_open, raising=False)
 
 
-def _preflight_fs(path: str) -> tuple[str, str | None]:
-    fs_type, mount = filesystem_of(path)
-    return fs_type, None if mount is None else str(mount)
-
-
-def _io_fs(path: str) -> tuple[str, None]:
-    from infinity.io import files
-    return files.filesystem_of(path), None
-
-
-@pytest.mark.parametrize("which", ["storage.preflight", "io.files"])
-def test_a_mount_point_matches_whole_path_components_only(tmp_path: Path, monkeypatch,
-                                                          which: str) -> None:
+def test_a_mount_point_matches_whole_path_components_only(tmp_path: Path, monkeypatch) -> None:
     """With mounts at .../data and .../data2, .../data2/x is on data2 (whichever comes first in
     the table) and .../database/x is on neither: a mount point is a prefix of whole path
-    components, not of characters."""
+    components, not of characters. (One reader of the mount table serves the I/O engine and the
+    swap-path preflight.)"""
     from infinity.io import files
 
     base = os.path.realpath(tmp_path)
@@ -175,13 +165,15 @@ def test_a_mount_point_matches_whole_path_components_only(tmp_path: Path, monkey
         f"/dev/sdc1 {base}/my\\040disk ext2 rw 0 0",
         f"/dev/sdd1 {base}/data2/inner ext3 rw 0 0",
     ]) + "\n"
-    module, fs_of = {"storage.preflight": (preflight, _preflight_fs),
-                     "io.files": (files, _io_fs)}[which]
-    _fake_mount_table(monkeypatch, module, table)
-    with_mount = which == "storage.preflight"     # io.files gives the type only
+    _fake_mount_table(monkeypatch, files, table)
 
-    def expect(fs_type: str, mount: str) -> tuple[str, str | None]:
-        return fs_type, mount if with_mount else None
+    def fs_of(path: str) -> tuple[str, str | None]:
+        fs_type, mount = files.mount_of(path)
+        assert files.filesystem_of(path) == fs_type
+        return fs_type, None if mount is None else str(mount)
+
+    def expect(fs_type: str, mount: str) -> tuple[str, str]:
+        return fs_type, mount
 
     assert fs_of(f"{base}/data2/x") == expect("btrfs", f"{base}/data2")
     assert fs_of(f"{base}/data2") == expect("btrfs", f"{base}/data2")
