@@ -15,6 +15,9 @@ dotted names (infinity.storage.extents, infinity.storage). Options:
     --max-children N    mutmut workers (default 1)
     --tests FILE ...    extra test files for every module (added to the mapped ones)
     --via-helpers       also map tests that reach a module only through a helper in tests/
+    --integration       keep tests/integration files for modules that unit tests import too (by
+                        default a module gets integration tests only when no unit test imports
+                        it: an engine test costs seconds to a minute for every mutant it covers)
     --show-survivors    print the diff of every surviving mutant after the run
 
 What it does, and why it does it this way:
@@ -34,7 +37,7 @@ What it does, and why it does it this way:
    an empty module named like the finder's (the `.pth` file imports it by name, and PYTHONPATH comes
    first), so no finder is installed -- in mutmut's process and in any python a test spawns -- and
    `infinity` is imported from mutants/. The native library, which sits only in site-packages, is
-   passed as INFINITY_NATIVE_LIB (see infinity/_native.py). A preflight checks both in a child
+   passed as INFINITY_NATIVE_LIB (see infinity/base/native_library.py). A preflight checks both in a child
    python before mutmut starts; mutmut's own forced-fail run then checks that mutants are switched
    on (every test must fail when the "fail" mutant is active).
 4. Reads mutmut's per-file verdicts and reports per module and per package: mutants, killed,
@@ -287,7 +290,7 @@ def run_env(work: Path, native: str) -> dict[str, str]:
 
 
 PREFLIGHT = """
-import sys, infinity, infinity._native as n
+import sys, infinity, infinity.base.native_library as n
 n.lib()
 print(infinity.__file__)
 print(n.library_path())
@@ -372,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-children", type=int, default=1)
     ap.add_argument("--tests", nargs="*", default=[])
     ap.add_argument("--via-helpers", action="store_true")
+    ap.add_argument("--integration", action="store_true")
     ap.add_argument("--show-survivors", action="store_true")
     args = ap.parse_args(argv)
 
@@ -383,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     names = [module_name(m) for m in modules]
     test_map = map_tests(names, WORK / "tests", args.via_helpers)
     for name in names:
+        unit = [t for t in test_map[name] if not t.startswith("tests/integration/")]
+        if unit and not args.integration:
+            test_map[name] = unit
         test_map[name] = sorted(set(test_map[name]) | set(args.tests))
     selection = sorted({t for ts in test_map.values() for t in ts})
     if not selection:

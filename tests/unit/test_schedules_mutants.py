@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from infinity.config import InfinityConfig
-from infinity.config_sections import SchedulerConfig
 from infinity.optim.schedules import DeepSpeedSchedule, build_scheduler, check_user_scheduler
 
 
@@ -24,6 +23,11 @@ def _sched(section: dict, *lrs: float) -> tuple[DeepSpeedSchedule, torch.optim.O
                                     "scheduler": section})
     opt = _opt(*lrs)
     return build_scheduler(cfg, opt, None), opt
+
+
+def _config(section: dict):
+    """The SchedulerConfig of a ds_config's scheduler section."""
+    return InfinityConfig.from_dict({"scheduler": section}).scheduler
 
 
 def _lr_at(sched: DeepSpeedSchedule, opt: torch.optim.Optimizer, it: int, group: int = 0) -> float:
@@ -69,13 +73,13 @@ def test_accepts_state_takes_either_position_form_only(state, ok: bool) -> None:
 
 @pytest.mark.parametrize("kind", ["WarmupDecayLR", "WarmupCosineLR"])
 def test_decaying_schedules_need_total_num_steps(kind: str) -> None:
-    cfg = SchedulerConfig(type=kind, warmup_num_steps=4)
+    cfg = _config({"type": kind, "params": {"warmup_num_steps": 4}})
     with pytest.raises(ValueError, match=f"scheduler {kind} needs params.total_num_steps"):
         DeepSpeedSchedule(_opt(1.0), cfg)
 
 
 def test_an_unknown_schedule_type_is_refused_by_name() -> None:
-    cfg = SchedulerConfig(type="WarmupLR")
+    cfg = _config({"type": "WarmupLR"})
     object.__setattr__(cfg, "type", "StepLR")  # past the config's own check
     with pytest.raises(ValueError, match="scheduler.type 'StepLR' is not supported"):
         DeepSpeedSchedule(_opt(1.0), cfg)
@@ -242,3 +246,16 @@ def test_check_user_scheduler_refuses_a_callable_scheduler_bound_to_an_optimizer
 
     with pytest.raises(ValueError, match="built on a AdamW"):
         check_user_scheduler(Bound(_opt(1.0)))
+
+
+def test_a_factory_is_never_refused_even_one_holding_an_optimizer_attribute() -> None:
+    """Only a scheduler (it has step) bound to an optimizer is refused: a factory object that
+    keeps some optimizer reference of its own is still called with the engine's optimizer."""
+    class Factory:
+        def __init__(self) -> None:
+            self.optimizer = _opt(1.0)   # e.g. a template it was configured from
+
+        def __call__(self, opt):
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+    check_user_scheduler(Factory())
