@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from infinity.native_info import native_info
+from infinity.base.native_info import native_info
 
 __version__ = "0.1.0"
 
 # Public names served lazily, so `import infinity` stays cheap and each layer loads on first use.
 _LAZY = {
-    "initialize": "infinity.entry",
-    "add_config_arguments": "infinity.entry",
+    "initialize": "infinity.engine.entry",
+    "add_config_arguments": "infinity.engine.entry",
     "Engine": "infinity.engine",
     "InfinityConfig": "infinity.config",
     "CPUAdam": "infinity.optim.cpu_adam",

@@ -9,19 +9,16 @@ import argparse
 import importlib
 import sys
 
-from infinity.budget import BudgetExceededError
-from infinity.log import get_logger
+from infinity.base.budget import BudgetExceededError
+from infinity.base.log import get_logger
+from infinity.commands import UsageError
 
 SUBCOMMANDS = {
     "train": ("infinity.commands.train", "train a model out of core (default: a demo model on NVMe)"),
     "plan": ("infinity.commands.plan", "predict memory per tier and the settings for a model size"),
     "nvme-tune": ("infinity.commands.nvme_tune", "measure a swap path and recommend an \"aio\" section"),
-    "clean": ("infinity.commands.clean", "remove swap files left by a killed run"),
+    "clean": ("infinity.commands.clean", "remove swap files (or checkpoint staging) left by a killed run"),
 }
-
-
-class UsageError(Exception):
-    """Bad user input: printed as one line, exit code 2."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 
 
 class BudgetExceededError(MemoryError):

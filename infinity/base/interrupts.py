@@ -16,7 +16,7 @@ import signal
 import threading
 from typing import Iterator
 
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 
 log = get_logger("engine")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 
 log = get_logger("memory")
 

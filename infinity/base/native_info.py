@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infinity import _native
+from infinity.base import native_library
 
 _CPU_BITS = {"avx2": 1 << 0, "fma": 1 << 1, "f16c": 1 << 2, "avx512f": 1 << 3,
              "avx512bw": 1 << 4, "neon": 1 << 5}
@@ -25,11 +25,11 @@ def native_info() -> dict[str, Any]:
     ``avx512f``, ``avx512bw``, ``neon`` (bools), ``in_use`` (component -> choice), plus
     ``io_backend`` and ``adam_kernel`` (the choice in use, or the one that would be chosen).
     """
-    lib = _native.lib()
+    lib = native_library.lib()
     features = lib.inf_cpu_features()
     info: dict[str, Any] = {
         "version": lib.inf_version().decode(),
-        "library": str(_native.library_path()),
+        "library": str(native_library.library_path()),
         "io_uring": bool(lib.inf_probe_io_uring()),
         "libaio": bool(lib.inf_probe_libaio()),
     }

@@ -44,7 +44,7 @@ def library_path() -> Path:
         spec = None
     if spec is not None and spec.origin and Path(spec.origin).is_file():
         return Path(spec.origin)
-    beside = Path(__file__).with_name("libinfinity_native.so")
+    beside = Path(__file__).parent.parent / "libinfinity_native.so"     # in the infinity package
     if beside.is_file():
         return beside
     raise NativeLibraryError(

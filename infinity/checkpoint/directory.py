@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from infinity.checkpoint.tensor_file import CheckpointError, sha256_of_file
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 
 log = get_logger("checkpoint")
 

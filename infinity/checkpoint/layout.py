@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from infinity.checkpoint.unit_io import Source
-from infinity.zero.module_state import all_persistent_buffers
+from infinity.zero.persistent_buffers import all_persistent_buffers
 from infinity.zero.unit import ParamEntry, Unit
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from infinity.checkpoint.restore import RestorePlan
 from infinity.checkpoint.save import RANK, check_at_rest
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
 from infinity.checkpoint.unit_io import ChunkPool, Fill, load_entries
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 from infinity.zero.unit import ParamEntry
 
 if TYPE_CHECKING:

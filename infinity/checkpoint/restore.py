@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from infinity.checkpoint.tensor_file import CheckpointError
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 
 if TYPE_CHECKING:
     from infinity.engine import Engine

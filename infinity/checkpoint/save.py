@@ -41,9 +41,9 @@ from infinity.checkpoint.layout import (
 from infinity.checkpoint.tensor_file import TensorFileWriter, itemsize
 from infinity.checkpoint.unit_io import ChunkPool, save_entries
 from infinity.checkpoint.writer_lock import SaveLock
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 from infinity.storage.preflight import free_bytes
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 
 if TYPE_CHECKING:
     from infinity.engine import Engine

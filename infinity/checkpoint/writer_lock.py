@@ -35,7 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from infinity.checkpoint.tensor_file import CheckpointError
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 from infinity.storage.swap_dir import Liveness, Owner, judge_owner
 
 log = get_logger("checkpoint")

@@ -16,10 +16,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from infinity.cli import UsageError
+from infinity.commands import UsageError
 from infinity.checkpoint.directory import clean_stale_staging, staging_dirs
 from infinity.checkpoint.writer_lock import SaveDirBusyError, SaveLock
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 from infinity.storage.swap_dir import (DIR_PREFIX, MARKER_NAME, MARKER_TMP_NAME, NotOursError,
                                        OwnerAliveError, Removal, find_swap_dirs, reclaim)
 

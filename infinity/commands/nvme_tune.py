@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from infinity.sizes import format_bytes, parse_bytes
+from infinity.base.sizes import format_bytes, parse_bytes
 from infinity.storage import nvme_tune as tune
 
 _BACKENDS = ("auto", "io_uring", "libaio", "threads", "mmap")

@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from infinity.config_sections import ConfigError
-
+from infinity.config.values import ConfigError
 
 MAX_CONFIG_DEPTH = 100
 """Objects and lists nested deeper than this are refused: a ds_config is a handful of levels

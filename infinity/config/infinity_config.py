@@ -3,8 +3,8 @@
 Users bring the JSON they already have for DeepSpeed; everything downstream (engine, storage,
 optimizer, planner) reads these frozen, keyword-only dataclasses instead of dict lookups, so
 every default lives in one place and every bad key or value is caught before any memory is
-touched. The sections and their value checks are in ``infinity.config_sections`` (re-exported
-here); this module holds the whole configuration and the JSON parser.
+touched. Each section is a module of this package, their shared value checks are in
+``config/values.py``; this module holds the whole configuration and the JSON parser.
 
 Rules kept here:
 
@@ -12,7 +12,7 @@ Rules kept here:
   explicit list of DeepSpeed keys that infinity ignores on purpose is accepted with one log line,
   and so are DeepSpeed features infinity lacks while they are switched off (on, they are errors).
 * ``"auto"`` (as written by the Hugging Face integration) for a *size* (sub-groups, buffers,
-  buckets) means "derive it from the memory budgets" (``None`` here; ``infinity.planner`` fills
+  buckets) means "derive it from the memory budgets" (``None`` here; ``infinity.planner.plan`` fills
   it in), never DeepSpeed's literal defaults (a 1e9-element sub-group is 12 GB of host buffers).
   ``"auto"`` for any other value (lr, betas, batch sizes, ...) needs a resolved value from the
   caller: ``from_dict(d, auto_values={"optimizer.params.lr": 3e-4})``.
@@ -30,33 +30,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from infinity.config_file import check_nesting, decode_base64_config, read_config_file
-from infinity.config_sections import (  # noqa: F401 - sections are re-exported
-    _AUTO,
-    _OFFLOAD_KEYS,
-    _SCHEDULER_KEYS,
-    _SIZE_KEYS,
-    AioSection,
-    Bf16Config,
+from infinity.config.aio import AioSection
+from infinity.config.file import check_nesting, decode_base64_config, read_config_file
+from infinity.config.infinity_section import InfinitySection
+from infinity.config.optimizer import SCHEDULER_KEYS, OptimizerConfig, SchedulerConfig
+from infinity.config.precision import Bf16Config, Fp16Config
+from infinity.config.values import (
+    AUTO,
     ConfigError,
-    Fp16Config,
-    InfinitySection,
-    OffloadConfig,
-    OptimizerConfig,
-    SchedulerConfig,
-    ZeroConfig,
-    _bool,
-    _float,
-    _int,
-    _log,
-    _set,
+    check_bool,
+    check_float,
+    check_int,
+    log,
+    set_field,
 )
-
-__all__ = [
-    "ConfigError", "InfinityConfig", "OptimizerConfig", "SchedulerConfig", "Fp16Config",
-    "Bf16Config", "OffloadConfig", "ZeroConfig", "AioSection", "InfinitySection",
-    "IGNORED_KEYS", "OFF_ONLY_KEYS",
-]
+from infinity.config.zero import OFFLOAD_KEYS, SIZE_KEYS, OffloadConfig, ZeroConfig
 
 # DeepSpeed keys we accept and ignore on purpose: they configure tools infinity does not have
 # (monitors, profilers, compilers), collectives of a world size of 1, or memory layouts that change
@@ -178,7 +166,7 @@ class InfinityConfig:
     """The loader ``initialize(training_data=...)`` returns drops a last, short batch."""
 
     def __post_init__(self) -> None:
-        _set(self, "world_size", _int("world_size", self.world_size, 1))
+        set_field(self, "world_size", check_int("world_size", self.world_size, 1))
         self._resolve_batch_sizes()
         for name, cls in (("optimizer", OptimizerConfig), ("fp16", Fp16Config), ("bf16", Bf16Config),
                           ("zero", ZeroConfig), ("aio", AioSection), ("infinity", InfinitySection)):
@@ -186,12 +174,12 @@ class InfinityConfig:
                 raise ConfigError(f"{name}: expected {cls.__name__}, got {getattr(self, name)!r}")
         if self.scheduler is not None and not isinstance(self.scheduler, SchedulerConfig):
             raise ConfigError(f"scheduler: expected SchedulerConfig or None, got {self.scheduler!r}")
-        _set(self, "gradient_clipping", _float("gradient_clipping", self.gradient_clipping, 0.0))
-        _bool("wall_clock_breakdown", self.wall_clock_breakdown)
-        _set(self, "steps_per_print", _int("steps_per_print", self.steps_per_print, 1))
-        _bool("dataloader_drop_last", self.dataloader_drop_last)
+        set_field(self, "gradient_clipping", check_float("gradient_clipping", self.gradient_clipping, 0.0))
+        check_bool("wall_clock_breakdown", self.wall_clock_breakdown)
+        set_field(self, "steps_per_print", check_int("steps_per_print", self.steps_per_print, 1))
+        check_bool("dataloader_drop_last", self.dataloader_drop_last)
         if self.seed is not None:
-            _set(self, "seed", _int("seed", self.seed, 0, 2**64 - 1))   # torch.manual_seed's range
+            set_field(self, "seed", check_int("seed", self.seed, 0, 2**64 - 1))   # torch.manual_seed's range
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true: enable at most one")
         dtype = self.infinity.compute_dtype
@@ -218,7 +206,7 @@ class InfinityConfig:
         train, micro, accum = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
                                self.gradient_accumulation_steps)
         names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-        train, micro, accum = (None if v is None else _int(name, v, 1, MAX_BATCH_SIZE)
+        train, micro, accum = (None if v is None else check_int(name, v, 1, MAX_BATCH_SIZE)
                                for name, v in zip(names, (train, micro, accum)))
 
         def inconsistent(why: str) -> ConfigError:
@@ -247,9 +235,9 @@ class InfinityConfig:
         train = micro * accum * ws if train is None else train
         if train != micro * accum * ws:
             raise inconsistent(f"{micro} * {accum} * {ws} = {micro * accum * ws}")
-        _set(self, "train_batch_size", train)
-        _set(self, "train_micro_batch_size_per_gpu", micro)
-        _set(self, "gradient_accumulation_steps", accum)
+        set_field(self, "train_batch_size", train)
+        set_field(self, "train_micro_batch_size_per_gpu", micro)
+        set_field(self, "gradient_accumulation_steps", accum)
 
     # -- reading and writing ------------------------------------------------------------------
 
@@ -389,12 +377,12 @@ class _Parser:
         return out
 
     def resolve(self, values: dict[str, Any], path: str,
-                sizes: frozenset[str] = _SIZE_KEYS) -> dict[str, Any]:
+                sizes: frozenset[str] = SIZE_KEYS) -> dict[str, Any]:
         """Replace "auto": sizes -> None (derived later); anything else -> auto_values[path]."""
         out = {}
         for key, value in values.items():
             full = f"{path}.{key}" if path else key
-            if isinstance(value, str) and value == _AUTO and full not in _AUTO_IS_A_CHOICE:
+            if isinstance(value, str) and value == AUTO and full not in _AUTO_IS_A_CHOICE:
                 if full in self.auto_values:
                     value = self.auto_values[full]
                 elif key in sizes:
@@ -428,7 +416,7 @@ class _Parser:
             kwargs["zero"] = self.zero(top["zero_optimization"])
         config = InfinityConfig(**kwargs)
         if self.ignored:
-            _log.info("ignoring DeepSpeed keys that infinity does not use: %s", ", ".join(self.ignored))
+            log.info("ignoring DeepSpeed keys that infinity does not use: %s", ", ".join(self.ignored))
         return config
 
     def optimizer(self, data: Any) -> OptimizerConfig:
@@ -442,10 +430,10 @@ class _Parser:
     def scheduler(self, data: Any) -> SchedulerConfig:
         section = self.keys(data, "scheduler", ("type", "params"))
         kind = section.get("type")
-        if kind not in _SCHEDULER_KEYS:
+        if kind not in SCHEDULER_KEYS:
             raise ConfigError(f"scheduler.type = {kind!r}: expected one of "
-                              f"{', '.join(map(repr, _SCHEDULER_KEYS))}")
-        params = self.keys(section.get("params", {}), "scheduler.params", _SCHEDULER_KEYS[kind])
+                              f"{', '.join(map(repr, SCHEDULER_KEYS))}")
+        params = self.keys(section.get("params", {}), "scheduler.params", SCHEDULER_KEYS[kind])
         return SchedulerConfig(type=kind, **self.resolve(params, "scheduler.params"))
 
     def zero(self, data: Any) -> ZeroConfig:
@@ -458,6 +446,6 @@ class _Parser:
             if raw is None:
                 continue
             sub = f"{path}.offload_{kind}"
-            values = self.resolve(self.keys(raw, sub, _OFFLOAD_KEYS[kind]), sub)
+            values = self.resolve(self.keys(raw, sub, OFFLOAD_KEYS[kind]), sub)
             kwargs[f"offload_{kind}"] = OffloadConfig(kind=kind, **values)
         return ZeroConfig(**kwargs)

@@ -80,7 +80,7 @@ class DeepSpeedEngineAccessors:
         ``save_16bit_model`` streams instead. ``keep_vars`` applies to buffers only."""
         from infinity.checkpoint.layout import aliases, unit_layouts
         from infinity.zero.init import GatheredParameters
-        from infinity.zero.module_state import all_persistent_buffers
+        from infinity.zero.persistent_buffers import all_persistent_buffers
 
         state = {} if destination is None else destination
         for unit in self.units:

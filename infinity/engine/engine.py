@@ -15,12 +15,12 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from infinity.budget import MemoryBudget
+from infinity.base.budget import MemoryBudget
 from infinity.checkpoint import load_checkpoint, save_checkpoint, save_model_weights
 from infinity.config import InfinityConfig
-from infinity.log import get_logger
-from infinity.param_groups import optimizer_defaults, param_groups
-from infinity.malloc_tuning import set_mmap_threshold, trim
+from infinity.base.log import get_logger
+from infinity.engine.param_groups import optimizer_defaults, param_groups
+from infinity.base.malloc_tuning import set_mmap_threshold, trim
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.partitioned import PartitionedOptimizer
 from infinity.optim.schedules import build_scheduler, check_user_scheduler
@@ -29,16 +29,16 @@ from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.manager import TierManager
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier, deeper
-from infinity.engine_api import DeepSpeedEngineAccessors
-from infinity.engine_model import model_device, route_module_methods, unroute_module_methods
-from infinity.engine_passes import PassHooks, cast_floating
-from infinity.interrupts import deferred_interrupts
-from infinity.engine_guards import (
+from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
+from infinity.engine.model_methods import model_device, route_module_methods, unroute_module_methods
+from infinity.engine.passes import PassHooks, cast_floating
+from infinity.base.interrupts import deferred_interrupts
+from infinity.engine.guards import (
     FOREIGN_EARLY_BACKWARD,
     SECOND_EARLY_BACKWARD,
     refuse_multiple_ranks,
 )
-from infinity.engine_sizing import (
+from infinity.engine.sizing import (
     COMPUTE_DTYPES,
     EngineSizes,
     derive,
@@ -48,7 +48,7 @@ from infinity.engine_sizing import (
     speculation_possible,
     warn_second_nvme_path,
 )
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.coordinator import Coordinator
 from infinity.zero.init import (
@@ -416,7 +416,7 @@ class Engine(DeepSpeedEngineAccessors):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at the accumulation boundary step the optimizer and scheduler
         (``lr_kwargs`` go to the scheduler's step, as DeepSpeed passes them). A Ctrl-C meanwhile
-        is raised once the step is whole (see infinity/interrupts.py)."""
+        is raised once the step is whole (see infinity/base/interrupts.py)."""
         with deferred_interrupts("the optimizer step"):
             self._step(lr_kwargs, step_scheduler=True)
 

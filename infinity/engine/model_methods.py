@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
-from infinity.zero.module_state import load_module_state_dict
+from infinity.engine.module_state import load_module_state_dict
 
 if TYPE_CHECKING:
     from infinity.engine import Engine

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
-from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
+
+from infinity.zero.persistent_buffers import all_persistent_buffers
 
 if TYPE_CHECKING:
     from infinity.engine import Engine
@@ -75,12 +76,3 @@ def load_module_state_dict(engine: "Engine", state_dict: Mapping[str, Any], stri
             if name in state_dict:
                 buf.copy_(state_dict[name])
     return _IncompatibleKeys(missing, unexpected)
-
-
-def all_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, buffer) of every buffer ``state_dict()`` saves, under each of its names (a buffer
-    two modules share appears twice). The checkpoint layout reads them the same way."""
-    return [(f"{prefix}.{name}" if prefix else name, buf)
-            for prefix, module in model.named_modules(remove_duplicate=False)
-            for name, buf in module._buffers.items()
-            if buf is not None and name not in module._non_persistent_buffers_set]

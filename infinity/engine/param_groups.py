@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from infinity.config import InfinityConfig
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 
 log = get_logger("engine")
 

@@ -1,6 +1,6 @@
 """The engine's sizes: the planner's derived sizes plus what only the built units can tell.
 
-The planner (``infinity.planner.derive_sizes``) is the one place where "auto" and unset sizes are
+The planner (``infinity.planner.plan.derive_sizes``) is the one place where "auto" and unset sizes are
 derived from the budgets; this module feeds it the real unit sizes and adds the engine's own
 numbers (slot counts, where gradients live, how much NVMe to reserve).
 """
@@ -12,16 +12,16 @@ from pathlib import Path
 import torch
 
 from infinity.config import InfinityConfig
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 from infinity.optim.partitioned import accumulate_chunk_numel, step_slot_count
-from infinity.planner import (
+from infinity.planner.plan import (
     PREFETCH_UNITS,
     DerivedSizes,
     ModelStats,
     derive_sizes,
     detect_hardware,
 )
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 from infinity.storage.manager import padded_numel
 from infinity.storage.preflight import free_bytes
 from infinity.storage.tiers import Tier

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 
-from infinity import _native
+from infinity.base import native_library
 
 BACKENDS = {"auto": 0, "io_uring": 1, "libaio": 2, "threads": 3, "mmap": 4}
 BACKEND_NAMES = {v: k for k, v in BACKENDS.items()}
@@ -50,7 +50,7 @@ def _signatures() -> dict:
 
 def lib() -> ctypes.CDLL:
     """The native library with the inf_aio_* signatures declared."""
-    return _native.declare("async I/O", _signatures)
+    return native_library.declare("async I/O", _signatures)
 
 
 def backend_available(name: str) -> bool:

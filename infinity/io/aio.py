@@ -27,8 +27,8 @@ import torch
 from infinity.io import _lib
 from infinity.io.config import AioConfig
 from infinity.io.files import IOFile, Mode, open_file
-from infinity.log import get_logger
-from infinity.native_info import record_in_use
+from infinity.base.log import get_logger
+from infinity.base.native_info import record_in_use
 
 _log = get_logger("io.aio")
 _SECTOR = 512

@@ -14,9 +14,9 @@ import weakref
 
 import torch
 
-from infinity.budget import MemoryBudget
+from infinity.base.budget import MemoryBudget
 from infinity.io import _lib
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 
 _log = get_logger("io.buffers")
 _cuda_lock = threading.Lock()

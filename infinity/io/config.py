@@ -60,7 +60,7 @@ class AioConfig:
 
         Sizes may be given as strings ("1MiB"). ``use_gds`` is accepted only when false.
         """
-        from infinity.sizes import parse_bytes
+        from infinity.base.sizes import parse_bytes
 
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 
-from infinity import _native
+from infinity.base import native_library
 
 DTYPE_NONE = -1
 DTYPE_F32 = 0
@@ -66,7 +66,7 @@ def _signatures() -> dict:
 def lib() -> ctypes.CDLL:
     """The native library with the inf_adam_* signatures declared (raises NativeLibraryError when
     it is missing or was built before this component existed)."""
-    return _native.declare("CPU Adam", _signatures)
+    return native_library.declare("CPU Adam", _signatures)
 
 
 def kernel_supported(name: str) -> bool:
@@ -84,7 +84,7 @@ def step(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: int, ke
     """One native step over ``ranges`` (an array of TensorRange); raises OSError on a -errno."""
     ret = lib().inf_adam_step(ctypes.byref(hp), ranges, len(ranges), grad_dtype, half_dtype,
                               kernel, threads)
-    _native.check(ret, f"inf_adam_step({len(ranges)} ranges, kernel {KERNEL_NAMES.get(kernel)}, "
+    native_library.check(ret, f"inf_adam_step({len(ranges)} ranges, kernel {KERNEL_NAMES.get(kernel)}, "
                        f"grad dtype {grad_dtype}, half dtype {half_dtype}, {threads} threads)")
 
 
@@ -94,7 +94,7 @@ def step_norm(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: in
     total = ctypes.c_double(0.0)
     ret = lib().inf_adam_step_norm(ctypes.byref(hp), ranges, len(ranges), grad_dtype, half_dtype,
                                    kernel, threads, ctypes.byref(total))
-    _native.check(ret, f"inf_adam_step_norm({len(ranges)} ranges, kernel "
+    native_library.check(ret, f"inf_adam_step_norm({len(ranges)} ranges, kernel "
                        f"{KERNEL_NAMES.get(kernel)}, grad dtype {grad_dtype}, {threads} threads)")
     return total.value
 
@@ -102,12 +102,12 @@ def step_norm(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: in
 def grad_sq_sum(address: int, numel: int, grad_dtype: int, threads: int) -> float:
     """sum(g**2) in float64 over ``numel`` elements at ``address`` (one read pass)."""
     total = ctypes.c_double(0.0)
-    _native.check(lib().inf_grad_sq_sum(address, numel, grad_dtype, threads, ctypes.byref(total)),
+    native_library.check(lib().inf_grad_sq_sum(address, numel, grad_dtype, threads, ctypes.byref(total)),
                   f"inf_grad_sq_sum({numel} elements, grad dtype {grad_dtype}, {threads} threads)")
     return total.value
 
 
 def rmw_bandwidth(a: int, b: int, c: int, d: int, n: int, threads: int) -> None:
     """The 28 B/element read-modify-write reference kernel (a, c, d += b) on raw float32 addresses."""
-    _native.check(lib().inf_adam_rmw_bandwidth(a, b, c, d, n, threads),
+    native_library.check(lib().inf_adam_rmw_bandwidth(a, b, c, d, n, threads),
                   f"inf_adam_rmw_bandwidth({n} elements, {threads} threads)")

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from infinity.log import get_logger
-from infinity.native_info import record_in_use
+from infinity.base.log import get_logger
+from infinity.base.native_info import record_in_use
 from infinity.optim import _adam_native as N
 from infinity.optim._adam_torch import adam_constants, step_torch
 

@@ -14,8 +14,8 @@ skipping of non-finite steps is what the config asked for.
 """
 from __future__ import annotations
 
-from infinity.config_sections import Fp16Config
-from infinity.log import get_logger
+from infinity.config import Fp16Config
+from infinity.base.log import get_logger
 
 log = get_logger("optim")
 

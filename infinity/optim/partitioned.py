@@ -39,7 +39,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.optim.gradients import (  # noqa: F401 - accumulate_chunk_numel: engine sizing
     GRADS_HELD,

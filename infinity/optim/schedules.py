@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from infinity.config_sections import SchedulerConfig
+from infinity.config import SchedulerConfig
 
 Betas = tuple[float, float]
 

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 from infinity.optim.gradients import CompleteGradient
 from infinity.zero.unit import Unit
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 from infinity.optim.step_stream import StepJob
 from infinity.zero.unit import Unit
 

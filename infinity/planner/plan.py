@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from infinity.config import InfinityConfig
-from infinity.planner_inputs import (LLAMA_PRESETS, Hardware, ModelStats, detect_hardware,  # noqa: F401 (re-exported)
+from infinity.planner.inputs import (LLAMA_PRESETS, Hardware, ModelStats, detect_hardware,  # noqa: F401 (re-exported)
                                      llama_stats)
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 
 __all__ = [
     "LLAMA_PRESETS", "ModelStats", "Hardware", "DerivedSizes", "Plan", "PlanItem",

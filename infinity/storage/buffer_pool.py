@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from infinity.budget import MemoryBudget
+from infinity.base.budget import MemoryBudget
 from infinity.io.buffers import aligned_empty
 
 

@@ -22,7 +22,7 @@ import bisect
 import threading
 from dataclasses import dataclass
 
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 
 ALIGNMENT = 4096
 

@@ -21,9 +21,9 @@ from typing import Iterator
 
 import torch
 
-from infinity.budget import MemoryBudget
-from infinity.log import get_logger
-from infinity.sizes import format_bytes
+from infinity.base.budget import MemoryBudget
+from infinity.base.log import get_logger
+from infinity.base.sizes import format_bytes
 from infinity.storage.tiers import Tier
 
 log = get_logger("storage")

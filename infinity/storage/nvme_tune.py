@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from infinity.log import get_logger
-from infinity.sizes import format_bytes
+from infinity.base.log import get_logger
+from infinity.base.sizes import format_bytes
 from infinity.storage.preflight import check_swap_path
 from infinity.storage.swap_dir import SwapDir, reclaim_stale
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infinity.io.files import mount_of
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 
 # Filesystems whose "files" are memory: swapping there spends the RAM we are trying to save.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})

@@ -28,8 +28,8 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infinity.log import get_logger
-from infinity.sizes import format_bytes, parse_bytes
+from infinity.base.log import get_logger
+from infinity.base.sizes import format_bytes, parse_bytes
 from infinity.storage.extents import ALIGNMENT, Extent, ExtentAllocator, round_up
 from infinity.storage.preflight import PreflightReport, check_free_space, check_swap_path
 from infinity.storage.swap_dir import SwapDir, reclaim_stale

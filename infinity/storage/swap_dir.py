@@ -30,8 +30,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infinity.log import get_logger
-from infinity.sizes import format_bytes
+from infinity.base.log import get_logger
+from infinity.base.sizes import format_bytes
 
 DIR_PREFIX = "infinity-swap-"
 MARKER_NAME = "infinity-swap.json"

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from infinity.checkpoint.directory import available_tags
-from infinity.log import get_logger
-from infinity.sizes import format_bytes
+from infinity.base.log import get_logger
+from infinity.base.sizes import format_bytes
 from infinity.storage.preflight import free_bytes
 from infinity.train.data import BatchSampler
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 
 BYTE_IDS = 256
 """Ids 0..255 are the bytes of the text."""

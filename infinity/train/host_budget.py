@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from infinity.budget import BudgetExceededError
-from infinity.log import get_logger
+from infinity.base.budget import BudgetExceededError
+from infinity.base.log import get_logger
 from infinity.config import InfinityConfig
-from infinity.planner import detect_hardware, host_budget_fits, minimum_host_budget
-from infinity.planner_inputs import ModelStats
-from infinity.sizes import format_bytes
+from infinity.planner.plan import detect_hardware, host_budget_fits, minimum_host_budget
+from infinity.planner.inputs import ModelStats
+from infinity.base.sizes import format_bytes
 
 _log = get_logger("train")
 

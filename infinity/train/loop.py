@@ -21,9 +21,9 @@ from typing import IO, Any, Literal
 
 import torch
 
-from infinity.budget import BudgetExceededError
-from infinity.log import get_logger
-from infinity.sizes import format_bytes
+from infinity.base.budget import BudgetExceededError
+from infinity.base.log import get_logger
+from infinity.base.sizes import format_bytes
 from infinity.train import data as data_mod
 from infinity.train import host_budget, models
 from infinity.train.baseline import TorchBaselineEngine

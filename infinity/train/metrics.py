@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Iterable, Sequence
 
-from infinity.log import get_logger
-from infinity.sizes import format_bytes
+from infinity.base.log import get_logger
+from infinity.base.sizes import format_bytes
 
 _log = get_logger("train.metrics")
 

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import IO
 
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 from infinity.train.metrics import StepRecord
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from infinity.config import ConfigError, InfinityConfig
-from infinity import config_file
-from infinity.log import get_logger
-from infinity.sizes import parse_bytes
+from infinity.config import file as config_file
+from infinity.base.log import get_logger
+from infinity.base.sizes import parse_bytes
 from infinity.train.defaults import (DEFAULT_HOST_BUDGET, DEFAULT_LR, DEFAULT_MICRO_BATCH,
                                      DEFAULT_NVME_PATH, DEFAULT_WARMUP_STEPS)
 
@@ -70,7 +70,7 @@ def demo_config() -> dict[str, Any]:
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The JSON object in ``--config`` ``path``: the one config reader (``infinity.config_file``,
+    """The JSON object in ``--config`` ``path``: the one config reader (``infinity.config.file``,
     the API's too) with ``--config`` in its messages."""
     return config_file.read_config_file(path, "--config")
 

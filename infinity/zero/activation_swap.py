@@ -48,7 +48,7 @@ from typing import Callable, Iterator
 import torch
 
 from infinity.io.buffers import aligned_empty
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 from infinity.storage.extents import round_up
 from infinity.storage.manager import TierManager
 

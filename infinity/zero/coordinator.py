@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch, reuse_distance
 from infinity.zero.working_set import check_backward_working_set, check_traced_working_set

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
-from infinity.budget import BudgetExceededError
+from infinity.base.budget import BudgetExceededError
 from infinity.config import InfinityConfig
 from infinity.zero.materialize import CREATOR_ATTR, KEEP_VALUE_NUMEL, VALUE_ATTR
-from infinity.sizes import format_bytes
+from infinity.base.sizes import format_bytes
 
 _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
 # parameters left empty by a closed engine (their values lived in its swap space), by id (a

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from infinity.budget import MemoryBudget
-from infinity.sizes import format_bytes
+from infinity.base.budget import MemoryBudget
+from infinity.base.sizes import format_bytes
 from infinity.zero.unit import Unit
 
 

@@ -14,7 +14,7 @@ import torch
 import infinity
 from infinity.config import ConfigError
 from infinity.storage.manager import TierManager
-from infinity.budget import MemoryBudget
+from infinity.base.budget import MemoryBudget
 from infinity.zero.activation_swap import ActivationSwapper
 from parity import VOCAB, loss_of, make_model, run_parity, zero_config
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import infinity
-from infinity import engine_sizing
+from infinity.engine import sizing as engine_sizing
 from parity import (
     VOCAB,
     backward_both,

@@ -802,7 +802,7 @@ def test_host_tier_too_small_is_a_clear_error_before_any_step() -> None:
 def test_gathering_more_than_the_device_budget_holds_is_a_clear_error(disk_dir) -> None:
     """GatheredParameters over every parameter when the device budget holds two units: a
     BudgetExceededError that says what to do, nothing stays pinned, training goes on."""
-    from infinity.budget import BudgetExceededError
+    from infinity.base.budget import BudgetExceededError
 
     model = make_model("llama", layers=3, width=64)
     engine = _engine(model, disk_dir, reuse_distance=0)

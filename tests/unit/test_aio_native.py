@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infinity import _native
+from infinity.base import native_library
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ def test_native_aio_c_program(tmp_path, disk_dir) -> None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build native/test/test_aio.c")
-    lib = _native.library_path()
+    lib = native_library.library_path()
     exe = tmp_path / "test_aio"
     subprocess.run([cc, "-O1", "-Wall", "-Werror", "-I", str(ROOT / "native/include"),
                     str(ROOT / "native/test/test_aio.c"), str(lib), f"-Wl,-rpath,{lib.parent}",

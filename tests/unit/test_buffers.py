@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from infinity.budget import BudgetExceededError, MemoryBudget
+from infinity.base.budget import BudgetExceededError, MemoryBudget
 from infinity.io import aligned_empty
 
 

@@ -515,7 +515,7 @@ def _integer_keys() -> list[tuple[str, dict]]:
     (key path, config dict holding the key as the placeholder ``"VALUE"``)."""
     import dataclasses
 
-    from infinity.config import (_SCHEDULER_KEYS, AioSection, Fp16Config, InfinitySection,
+    from infinity.config import (SCHEDULER_KEYS, AioSection, Fp16Config, InfinitySection,
                                  SchedulerConfig)
 
     def ints(cls) -> list[str]:
@@ -532,7 +532,7 @@ def _integer_keys() -> list[tuple[str, dict]]:
                 keys.append((f"zero_optimization.offload_{kind}.{name}", {"zero_optimization": {
                     "stage": 3, f"offload_{kind}": {"device": "cpu", name: "VALUE"}}}))
     for name in ints(SchedulerConfig):
-        kind = next(k for k, allowed in _SCHEDULER_KEYS.items() if name in allowed)
+        kind = next(k for k, allowed in SCHEDULER_KEYS.items() if name in allowed)
         needed = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3} if kind == "OneCycle" else {}
         keys.append((f"scheduler.params.{name}",
                      {"scheduler": {"type": kind, "params": {name: "VALUE", **needed}}}))

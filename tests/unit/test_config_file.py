@@ -1,4 +1,4 @@
-"""The one reader of a ds_config path (infinity/config_file.py ``read_config_file``), used by the
+"""The one reader of a ds_config path (infinity/config/file.py ``read_config_file``), used by the
 API (``InfinityConfig.load``, ``infinity.initialize(config=path)``) and the CLI (``--config``):
 what is not a regular UTF-8 text file, and nesting too deep, are one clear error naming the path."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from infinity import cli
 from infinity.config import ConfigError, InfinityConfig
-from infinity.config_file import MAX_CONFIG_DEPTH, parse_config_text
+from infinity.config.file import MAX_CONFIG_DEPTH, parse_config_text
 from infinity.train.run_config import read_config_file as cli_read_config_file
 
 DEEP = 50_000

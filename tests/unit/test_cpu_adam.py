@@ -278,7 +278,7 @@ def test_kernel_forcing_and_native_info(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_fallback_to_torch_warns_once_when_library_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     def missing():
-        raise infinity._native.NativeLibraryError("libinfinity_native.so is not built")
+        raise infinity.base.native_library.NativeLibraryError("libinfinity_native.so is not built")
 
     monkeypatch.setattr(N, "lib", missing)
     monkeypatch.setattr(cpu_adam, "_fallback_warned", False)
@@ -292,7 +292,7 @@ def test_fallback_to_torch_warns_once_when_library_missing(monkeypatch: pytest.M
         warnings.simplefilter("error")
         adam_step_flat(p, g, torch.zeros(100), torch.zeros(100), step=2, **HP)
     assert infinity.native_info()["in_use"]["adam_kernel"] == "torch"
-    with pytest.raises(infinity._native.NativeLibraryError):
+    with pytest.raises(infinity.base.native_library.NativeLibraryError):
         adam_step_flat(p, g, torch.zeros(100), torch.zeros(100), step=3, impl="scalar", **HP)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infinity import _native
+from infinity.base import native_library
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ def test_native_adam_c_suite(tmp_path: Path) -> None:
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         pytest.skip("no C compiler on this machine to build native/test/test_adam.c")
-    lib = _native.library_path()
+    lib = native_library.library_path()
     exe = tmp_path / "test_adam"
     build = subprocess.run(
         [cc, "-O2", "-std=gnu11", "-pthread", f"-I{ROOT / 'native/include'}",

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from infinity.budget import BudgetExceededError, MemoryBudget
+from infinity.base.budget import BudgetExceededError, MemoryBudget
 from infinity.storage.device_cache import DeviceMemoryCache
 
 MiB = 1 << 20

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from infinity.engine_sizing import _layout_bound
+from infinity.engine.sizing import _layout_bound
 from infinity.zero.partition import UnitSpec
 from infinity.zero.unit import PARAM_ALIGN_BYTES, flat_layout
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from infinity.interrupts import deferred_interrupts
+from infinity.base.interrupts import deferred_interrupts
 
 
 def _ctrl_c() -> None:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from infinity.config_sections import Fp16Config
+from infinity.config import Fp16Config
 from infinity.optim.loss_scaler import LossScaler
 
 

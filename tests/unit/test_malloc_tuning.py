@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from infinity.malloc_tuning import set_mmap_threshold
+from infinity.base.malloc_tuning import set_mmap_threshold
 
 PROBE = """
 import ctypes, ctypes.util, sys
-from infinity.malloc_tuning import set_mmap_threshold, trim
+from infinity.base.malloc_tuning import set_mmap_threshold, trim
 class M(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                                                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -1,5 +1,5 @@
 """Param groups given to ``infinity.initialize`` are checked there, with the group's index and
-what is wrong, not at the first step (infinity/param_groups.py)."""
+what is wrong, not at the first step (infinity/engine/param_groups.py)."""
 from __future__ import annotations
 
 import pytest

@@ -10,7 +10,7 @@ from torch import nn
 
 from infinity import cli
 from infinity.config import InfinityConfig
-from infinity.planner import (LLAMA_PRESETS, RUNTIME_OVERHEAD_BYTES, Hardware, ModelStats,
+from infinity.planner.plan import (LLAMA_PRESETS, RUNTIME_OVERHEAD_BYTES, Hardware, ModelStats,
                               derive_sizes, detect_hardware, llama_stats, plan_memory,
                               recommend_config)
 
@@ -328,7 +328,7 @@ def test_cli_plan_on_a_swap_path_train_refuses_does_not_fit(tmp_path, capsys) ->
 
 def test_cli_plan_default_swap_path_is_the_one_train_uses(capsys) -> None:
     """It was /var/tmp/infinity-swap, which does not exist: the printed ds_config failed to train."""
-    from infinity.planner import DEFAULT_SWAP_DIR
+    from infinity.planner.plan import DEFAULT_SWAP_DIR
     from infinity.train.defaults import DEFAULT_NVME_PATH
 
     assert DEFAULT_SWAP_DIR == DEFAULT_NVME_PATH
@@ -342,7 +342,7 @@ def test_cli_plan_default_swap_path_is_the_one_train_uses(capsys) -> None:
 @pytest.mark.parametrize("hw", [CPU_BOX, GPU_BOX])
 def test_minimum_host_budget_is_the_edge_of_host_budget_fits(hw: Hardware) -> None:
     """What `infinity train` checks a given host budget against, before the engine starts."""
-    from infinity.planner import host_budget_fits, minimum_host_budget
+    from infinity.planner.plan import host_budget_fits, minimum_host_budget
 
     cfg = config(3, "nvme", "nvme", gradient_clipping=1.0)
 
@@ -362,7 +362,7 @@ def test_a_prefetch_bucket_larger_than_the_model_is_the_model() -> None:
     """DeepSpeed configs carry stage3_prefetch_bucket_size 1e9 or more; sized as written it
     gave a fetch slot per unit of it, which starved every other host pool (a tiny model failed
     at initialize with "0 B of the 40 KiB host budget")."""
-    from infinity.planner import derive_sizes
+    from infinity.planner.plan import derive_sizes
 
     cfg = config(3, "nvme", "nvme", zero_optimization={
         "stage": 3, "stage3_prefetch_bucket_size": 1e12,

@@ -44,7 +44,7 @@ def _coordinator_over_fake_units(residencies: list, next_forward: list[int]):
 
     import torch
 
-    from infinity.budget import MemoryBudget
+    from infinity.base.budget import MemoryBudget
     from infinity.storage.device_cache import DeviceMemoryCache
     from infinity.storage.tiers import Residency
     from infinity.zero.coordinator import Coordinator
@@ -149,7 +149,7 @@ def _coordinator_over_released_units(count: int, ahead: int):
 
     import torch
 
-    from infinity.budget import MemoryBudget
+    from infinity.base.budget import MemoryBudget
     from infinity.storage.device_cache import DeviceMemoryCache
     from infinity.storage.tiers import Residency
     from infinity.zero.coordinator import Coordinator

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infinity.log import get_logger
+from infinity.base.log import get_logger
 from infinity.train.loop import TrainOptions, run_training
 from infinity.train.metrics import read_metrics
 

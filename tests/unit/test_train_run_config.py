@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from infinity.config import ConfigError
-from infinity.sizes import parse_bytes
+from infinity.base.sizes import parse_bytes
 from infinity.train.run_config import (DEFAULT_HOST_BUDGET, DEFAULT_NVME_PATH, Overrides,
                                        build_ds_config, demo_config, nvme_paths, read_config_file)
 

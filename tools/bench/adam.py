@@ -44,7 +44,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from infinity.native_info import native_info  # noqa: E402
+from infinity.base.native_info import native_info  # noqa: E402
 from infinity.optim import _adam_native  # noqa: E402
 from infinity.optim.cpu_adam import CPUAdam, adam_step_tensors  # noqa: E402
 

@@ -287,7 +287,7 @@ def main() -> int:
 
     import torch
 
-    from infinity.sizes import parse_bytes
+    from infinity.base.sizes import parse_bytes
 
     # One intra-op thread on both sides: idle OpenMP workers spin after the untimed buffer fills
     # and would be billed to the timed I/O by process_time().

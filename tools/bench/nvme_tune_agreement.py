@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="path stem for .json/.md results")
     a = ap.parse_args()
 
-    from infinity.sizes import parse_bytes
+    from infinity.base.sizes import parse_bytes
     from infinity.storage import nvme_tune as tune
 
     io_bench = load_io_bench()

@@ -355,7 +355,7 @@ def _replay(eng, f, wbuf, rbufs, reads: int, writes: int, chunk: int, file_bytes
 def _optimizer(spec: dict, res: dict) -> None:
     import torch
 
-    from infinity.native_info import native_info
+    from infinity.base.native_info import native_info
     from infinity.optim.cpu_adam import adam_step_flat
 
     torch.set_num_threads(spec["threads"])

@@ -1,0 +1,89 @@
+"""The ``"infinity"`` section: our own keys (memory budgets, schedules, compute choices)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from infinity.config.values import ConfigError, check_choice, check_size, set_field
+from infinity.base.malloc_tuning import GLIBC_MAX_THRESHOLD
+
+
+@dataclass(frozen=True, kw_only=True)
+class InfinitySection:
+    """``"infinity"``: our own keys: memory budgets and compute choices."""
+
+    host_memory_budget: int | None = None
+    """Bytes of host memory for the HOST tier and buffers; None = 80% of MemAvailable at start."""
+    device_memory_budget: int | None = None
+    """Bytes for the DEVICE tier; None = the GPU's free memory (CPU-only: the planner's choice)."""
+    early_step: Literal["auto", "on", "off"] = "auto"
+    """Step a unit's offloaded optimizer as soon as its gradient arrives; "auto" = when correctness allows."""
+    speculative_step: Literal["auto", "on", "off"] = "auto"
+    """Where the early step is not exact (clipping, fp16 loss scaling, accumulation), step each
+    unit during backward anyway into second copies of its NVMe states, and keep them when the
+    step needs no clipping and no skip (else redo the step from the first copies). Doubles the
+    NVMe space of parameters and Adam states; "auto" = on at stage 3 with both on NVMe when the
+    disk has room, and for a step only while the last step kept its speculation."""
+    unit_modules: tuple[str, ...] | None = None
+    """Class names of modules that form units; None = detect the repeated blocks."""
+    compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Forward/backward dtype; "auto" = fp32 on CPU-only machines, else from bf16/fp16.enabled."""
+    malloc_mmap_threshold: int | None = 4 * 1024 * 1024
+    """glibc: host allocations of at least this size are mapped and unmapped on their own (and
+    the heap is trimmed after each step), so freed gradients and activations go back to the
+    system instead of fragmenting the heap (peak RSS); None = leave malloc alone."""
+    offload_activations: Literal["none", "nvme"] = "none"
+    """"nvme": tensors the training forward saves for backward go to the swap space and are read
+    back (ahead) in backward, so memory stops growing with depth; "none" keeps them in memory."""
+    activation_min_bytes: int = 256 * 1024
+    """Saved tensors smaller than this stay in memory (offload_activations "nvme")."""
+    activation_window: int = 64 * 1024 * 1024
+    """Bytes of swapped activations in memory at a time (offload_activations "nvme"): the newest
+    ones are held at the end of the forward, then reads run this far ahead of backward."""
+
+    @property
+    def mmap_threshold_in_use(self) -> int | None:
+        """The malloc threshold the engine sets: with activations offloaded, at most
+        ``activation_min_bytes``, so the memory of tensors that leave for NVMe goes back to
+        the system instead of staying in the heap (peak RSS grew ~11 MB a layer without)."""
+        threshold = self.malloc_mmap_threshold
+        if threshold is not None and self.offload_activations == "nvme":
+            return min(threshold, self.activation_min_bytes)
+        return threshold
+
+    def __post_init__(self) -> None:
+        p = "infinity"
+        set_field(self, "host_memory_budget", check_size(f"{p}.host_memory_budget", self.host_memory_budget))
+        set_field(self, "malloc_mmap_threshold",
+             check_size(f"{p}.malloc_mmap_threshold", self.malloc_mmap_threshold, lo=1))
+        if self.malloc_mmap_threshold is not None and \
+                self.malloc_mmap_threshold > GLIBC_MAX_THRESHOLD:
+            raise ConfigError(f"{p}.malloc_mmap_threshold = {self.malloc_mmap_threshold}: glibc "
+                              f"accepts at most 32 MiB ({GLIBC_MAX_THRESHOLD}); use null to leave "
+                              "malloc alone")
+        set_field(self, "device_memory_budget", check_size(f"{p}.device_memory_budget", self.device_memory_budget))
+        check_choice(f"{p}.early_step", self.early_step, ("auto", "on", "off"))
+        check_choice(f"{p}.speculative_step", self.speculative_step, ("auto", "on", "off"))
+        if self.unit_modules is not None:
+            names = self.unit_modules
+            if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names or \
+                    not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(f"{p}.unit_modules = {names!r}: expected a non-empty list of "
+                                  "module class names, e.g. [\"LlamaDecoderLayer\"]")
+            set_field(self, "unit_modules", tuple(names))
+        check_choice(f"{p}.compute_dtype", self.compute_dtype, ("auto", "fp32", "bf16", "fp16"))
+        check_choice(f"{p}.offload_activations", self.offload_activations, ("none", "nvme"))
+        for name, lo in (("activation_min_bytes", 1), ("activation_window", 0)):
+            value = check_size(f"{p}.{name}", getattr(self, name), lo=lo)
+            if value is None:
+                raise ConfigError(f"{p}.{name} needs a size (e.g. \"1MiB\"), got "
+                                  f"{getattr(self, name)!r}")
+            set_field(self, name, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.unit_modules is not None:
+            out["unit_modules"] = list(self.unit_modules)
+        return out
+
