@@ -31,6 +31,7 @@ from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier, deeper
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.model_methods import model_device, route_module_methods, unroute_module_methods
+from infinity.engine.pass_owner import EnginePassOwner
 from infinity.engine.passes import PassHooks, cast_floating
 from infinity.base.interrupts import deferred_interrupts
 from infinity.engine.guards import (
@@ -63,6 +64,7 @@ from infinity.zero.materialize import materialize_params
 from infinity.zero.external_hint import raise_with_external_parameter_hint
 from infinity.zero.partition import modules_needing, partition
 from infinity.zero.prefetch import PrefetchLimits
+from infinity.zero.protocols import Wait
 from infinity.zero.unit import Unit
 
 log = get_logger("engine")
@@ -195,13 +197,7 @@ class Engine(DeepSpeedEngineAccessors):
             self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
             PrefetchLimits(self.sizes.prefetch_bucket_numel, self.sizes.max_live_numel,
                            self.sizes.max_reuse_numel),
-            on_grad=self.optimizer.on_grad,
-            on_unit_backward_done=self.optimizer.on_unit_backward_done,
-            reap=self.optimizer.reap, expect_backward=self.optimizer.expect_backward,
-            step_fetched=self.optimizer.step_fetched, wait_stepped=self.optimizer.wait_stepped,
-            before_read=self._void_speculation,
-            modified_in_forward=self._keep_forward_change,
-            untracked_backward=(self._begin_untracked_backward, self._end_untracked_backward))
+            stepper=self.optimizer, owner=EnginePassOwner(self))
         self.optimizer.on_zero_grad = self.zero_grad
         self.optimizer.on_user_step = self._step_from_optimizer
         route_module_methods(model, self)
@@ -447,14 +443,14 @@ class Engine(DeepSpeedEngineAccessors):
             stuck = self.loss_scaler.update(self.optimizer.overflow)
         self.skipped_steps += int(self.optimizer.overflow)
         if self.optimizer.early_step:
-            self.coordinator.release_finished_steps(self.optimizer.take_reaped())
+            self.coordinator.reap()
         else:
             self._drop_rolled_back()     # a speculative step that clipping or overflow undid
             # persistent units are never fetched again: their deferred steps run now (the rest
             # run when the next forward fetches them)
             self.coordinator.step_waiting_units(
                 [u for u in self.optimizer.waiting_units() if u.persistent])
-            self.coordinator.release_finished_steps()
+            self.coordinator.reap()
         if step_scheduler and self.lr_scheduler is not None and not self.optimizer.overflow:
             self.lr_scheduler.step(**(lr_kwargs or {}))   # a skipped step does not move it
         self.global_steps += 1
@@ -505,7 +501,7 @@ class Engine(DeepSpeedEngineAccessors):
     def _drop_rolled_back(self) -> None:
         """Release the units whose steps finished in a roll-back, then drop the device copies
         that hold rolled-back values (the next fetch reads the current home)."""
-        self.coordinator.release_finished_steps(self.optimizer.take_reaped())
+        self.coordinator.reap()
         self.coordinator.discard(self.optimizer.take_rolled_back())
 
     def flush(self) -> None:
@@ -521,7 +517,7 @@ class Engine(DeepSpeedEngineAccessors):
 
     def _settle(self) -> None:
         """Wait for the optimizer's writes in flight and release the units they held."""
-        self.coordinator.release_finished_steps(self.optimizer.settle())
+        self.coordinator.reap(Wait.ALL)
 
     def step_stats(self) -> dict[str, float]:
         """Timings and bytes of the last optimizer step (see ``_record_stats`` for keys)."""
@@ -619,7 +615,7 @@ class Engine(DeepSpeedEngineAccessors):
                     # a forward cut short by a Ctrl-C: its swapper hooks and units go too
                     self._passes.abandon_open(RuntimeError("the engine was closed"))
                     self._passes.remove()
-                self.coordinator.release_finished_steps(self.optimizer.drain_steps())
+                self.coordinator.drain()
                 self.coordinator.release_all()
                 self.coordinator.remove()
                 remember_released(u for u in self.units if not u.persistent)

@@ -168,14 +168,15 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
         self._stream: StepStream | None = None
         self._grad_writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
         self._pending_steps: list[tuple[UnitOptimState, StepJob]] = []
-        self._reaped_unclaimed: list[Unit] = []   # see reap
+        # units whose steps are over, not yet handed out by ``reap`` (reaped inside step() or
+        # a roll-back, or by a wait that was interrupted)
+        self._unclaimed: list[Unit] = []
         self._expected: dict[int, StepJob] = {}   # unit index -> early step read ahead
         # unit index -> deferred step waiting for its unit to be fetched (see [Note: the
         # deferred step lands at the next fetch] in step_stream.py)
         self._waiting: dict[int, StepJob] = {}
         # the unit indices in the order the next forward uses them (set by the engine)
         self.forward_order: Callable[[], list[int]] = list
-        self.reaped_at_step: list[Unit] = []
         self._in_backward = False
         self.early_step = early_step
         self.adamw_mode = adamw_mode
@@ -446,7 +447,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
         self.overflow = False
         try:
             if self.early_step:
-                self.reaped_at_step = self._finish_early_steps()
+                self._finish_early_steps()
             else:
                 self._queue_deferred_steps()
         finally:
@@ -501,26 +502,22 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
         self._stream.make_ready(job)
         self._pending_steps.append((self._by_unit[unit.index], job))
         try:
-            self.wait_kernels(job)
+            self.wait_stepped(unit)
         finally:
             self.timers.optimizer_s += time.perf_counter() - start
         return True
 
-    def _finish_early_steps(self) -> list[Unit]:
+    def _finish_early_steps(self) -> None:
         """Wait until every unit's kernels have run (its device copy is the new parameters);
         writes still in flight go on behind the next forward (see [Note: writes behind the
-        step]). Returns the units whose writes have landed too."""
-        for _, job in self._pending_steps:
-            try:
-                job.stepped.result()
-            except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
-                return self.reap(wait=True)
+        step]). The units whose writes have landed too wait for the next ``reap``."""
+        self.wait_stepped()
         for _, job in self._pending_steps:
             self._collect_norm(job)
         # the kernels summed each unit's gradient squares as they stepped it: the norm no
         # step of this schedule needs, but get_global_grad_norm() reports
         self.last_grad_norm = math.sqrt(self._sq_norm) / self.loss_scale
-        return self.reap()
+        self._unclaimed.extend(self.reap())
 
     # -- state dict ------------------------------------------------------------------------
     def state_dict(self):  # noqa: D401 - torch API
@@ -573,7 +570,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
                 self._retire_grad_write()
             if self._stream is not None:
                 try:
-                    self.drain_steps()
+                    self.drain()
                 finally:
                     self._stream.shutdown()
         finally:

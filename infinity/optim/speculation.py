@@ -58,6 +58,7 @@ import torch
 
 from infinity.base.log import get_logger
 from infinity.optim.gradients import CompleteGradient
+from infinity.zero.protocols import Wait
 from infinity.zero.unit import Unit
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ class Speculation:
         self.speculation_stats["voided" if why == VOIDED else "rolled_back"] += 1
         speculated, self._speculated = self._speculated, []
         try:
-            self.reaped_at_step.extend(self.reap(wait=True))
+            self._unclaimed.extend(self.reap(Wait.ALL))
         finally:
             for state, job in speculated:
                 if job.counted:

@@ -9,7 +9,7 @@ to be handed out by the next call.
 
 A mixin of ``PartitionedOptimizer``, which owns ``_pending_steps`` ((state, job) in submission
 order), ``_waiting``, ``_stream``, ``_sq_norm``, ``timers``, ``step_failure`` and
-``reaped_at_step``.
+``_unclaimed``.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 
 from infinity.base.log import get_logger
 from infinity.optim.step_stream import StepJob
+from infinity.zero.protocols import Wait
 from infinity.zero.unit import Unit
 
 log = get_logger("optim")
@@ -25,12 +26,12 @@ log = get_logger("optim")
 class StepReaping:
     """Completion of background steps (see the module docstring)."""
 
-    def reap(self, wait: bool = False, wait_first: bool = False) -> list[Unit]:
-        """Units whose background steps have all finished, in order: with ``wait`` all of them,
-        with ``wait_first`` at least one. Re-raises a background step's error here."""
-        # units finished by a call that was interrupted before it could return them
-        finished, self._reaped_unclaimed = self._reaped_unclaimed, []
-        while self._pending_steps and (wait or (wait_first and not finished)
+    def reap(self, wait: Wait = Wait.NONE) -> list[Unit]:
+        """Units whose background steps have all finished, in order (see ``Wait``), and those
+        finished by earlier calls that did not hand them out (an interrupted wait, a step or
+        roll-back that reaped inside). Re-raises a background step's error here."""
+        finished, self._unclaimed = self._unclaimed, []
+        while self._pending_steps and (wait is Wait.ALL or (wait is Wait.ONE and not finished)
                                        or self._pending_steps[0][1].future.done()):
             state, job = self._pending_steps[0]
             start = time.perf_counter()
@@ -41,11 +42,14 @@ class StepReaping:
                 if self.step_failure is None:
                     self.step_failure = exc   # the states may be half-written from here on
                 self._give_back_gradient(job)
+                if not any(s is state for s, _ in self._pending_steps):
+                    finished.append(state.unit)   # its writes are over too
+                self._unclaimed = finished       # handed out by the next call (close)
                 raise
             except BaseException:
                 # the wait was interrupted (Ctrl-C), not the job: it stays pending, and the
                 # units already finished are handed out by the next call
-                self._reaped_unclaimed = finished
+                self._unclaimed = finished
                 raise
             finally:
                 self.timers.optimizer_s += time.perf_counter() - start
@@ -63,24 +67,21 @@ class StepReaping:
         if job.gradient is not None:
             self.release_gradient(job.gradient)
 
-    def wait_stepped(self, unit: Unit) -> None:
-        """Wait until the kernels of ``unit``'s steps in flight have run (its device copy holds
-        the new parameters): a forward after a backward that raised, or after a ``step()``
-        that was interrupted, must not read a copy being stepped. Re-raises a step's error."""
+    def wait_stepped(self, unit: Unit | None = None) -> None:
+        """Wait until the kernels of ``unit``'s steps in flight (None: every unit's) have run
+        (its device copy holds the new parameters): a forward after a backward that raised, or
+        after a ``step()`` that was interrupted, must not read a copy being stepped. A failed
+        step is raised through ``reap``, which records it and sees the other steps through
+        first."""
         for state, job in list(self._pending_steps):
-            if state.unit is unit and not job.stepped.done():
-                self.wait_kernels(job)
+            if (unit is None or state.unit is unit) and not job.stepped.done():
+                try:
+                    job.stepped.result()
+                except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
+                    self._unclaimed.extend(self.reap(Wait.ALL))
+                    raise
 
-    def wait_kernels(self, job: StepJob) -> None:
-        """Wait until ``job``'s kernels have run; a failed job is raised through ``reap``,
-        which records it and sees the other steps through first."""
-        try:
-            job.stepped.result()
-        except Exception:  # noqa: BLE001 - raised by reap, which also drops the rest
-            self.reap(wait=True)
-            raise
-
-    def drain_steps(self) -> list[Unit]:
+    def drain(self) -> list[Unit]:
         """Wait for every background step (at close): errors were raised at ``reap`` already,
         so here they are only logged, and every unit comes back for release."""
         self.cancel_expected()
@@ -88,13 +89,11 @@ class StepReaping:
             self._stream.cancel(job)
         self._waiting.clear()
         units = []
-        while self._pending_steps:
-            state = self._pending_steps[0][0]
+        while self._pending_steps or self._unclaimed:
             try:
-                units.extend(self.reap(wait_first=True))
+                units.extend(self.reap(Wait.ALL))
             except Exception as exc:  # noqa: BLE001 - see the docstring
-                log.warning("a background step of %s failed: %s", state.unit.name, exc)
-                units.append(state.unit)
+                log.warning("a background step failed: %s", exc)
         return units
 
     def _collect_norm(self, job: StepJob) -> None:
@@ -103,14 +102,3 @@ class StepReaping:
         if not job.norm_collected:
             self._sq_norm += job.sq_norm
             job.norm_collected = True
-
-    def take_reaped(self) -> list[Unit]:
-        """Units whose steps finished inside ``step()`` or a roll-back (the caller releases
-        them)."""
-        units, self.reaped_at_step = self.reaped_at_step, []
-        return units
-
-    def settle(self) -> list[Unit]:
-        """Wait for every background step's writes (before anything reads or writes the
-        homes outside the stream); returns the units they held."""
-        return self.reap(wait=True)

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch, reuse_distance
+from infinity.zero.protocols import NO_PASS_OWNER, NO_STEPPER, PassOwner, UnitStepper, Wait
 from infinity.zero.working_set import check_backward_working_set, check_traced_working_set
 from infinity.zero.unit import ParamEntry, Unit
 
@@ -58,40 +59,17 @@ class Coordinator:
     """Installs and runs the fetch/release hooks for a list of units."""
 
     def __init__(self, units: list[Unit], hooked: list[tuple[nn.Module, list[int]]], manager,
-                 fetch_pool, limits: PrefetchLimits,
-                 on_grad: Callable[[Unit, ParamEntry, torch.Tensor], None],
-                 on_unit_backward_done: Callable[[Unit], bool],
-                 reap: Callable[..., list[Unit]] = lambda **_: [],
-                 expect_backward: Callable[[Unit], None] = lambda unit: None,
-                 step_fetched: Callable[[Unit], bool] = lambda unit: False,
-                 wait_stepped: Callable[[Unit], None] = lambda unit: None,
-                 before_read: Callable[[], None] = lambda: None,
-                 modified_in_forward: Callable[[Unit], None] = lambda unit: None,
-                 untracked_backward: tuple[Callable[[], None], Callable[[], None]] | None = None
-                 ) -> None:
+                 fetch_pool, limits: PrefetchLimits, stepper: UnitStepper = NO_STEPPER,
+                 owner: PassOwner = NO_PASS_OWNER) -> None:
         self.units = units
         self.hooked = hooked
         self.manager = manager
         self.fetch_pool = fetch_pool
         self.limits = limits
-        self.on_grad = on_grad
-        self.on_unit_backward_done = on_unit_backward_done
-        self.reap = reap
-        self.expect_backward = expect_backward
-        self.step_fetched = step_fetched
-        # a unit still being stepped is read only once its kernels have run (a forward right
-        # after a backward that raised, or after an interrupted step())
-        self.wait_stepped = wait_stepped
-        # a forward outside the engine's (model.generate(), a plain model call) reads the units
-        # too: a speculated step must be dropped first (see [Note: speculative step])
-        self.before_read = before_read
-        # a module changed its parameters in place in its forward (nn.Embedding(max_norm=...)
-        # renormalises the rows it reads): the device copy must go home before its release
-        self.modified_in_forward = modified_in_forward
-        # a backward the engine did not start (loss.backward() called directly) is announced at
-        # its first gradient -- autograd.grad(), which accumulates none, is not a backward here --
-        # and closed at its end (begin, end); ``engine_backward`` is set by engine.backward
-        self.untracked_backward = untracked_backward
+        self.stepper = stepper   # the optimizer (see zero/protocols.py)
+        self.owner = owner       # the engine
+        # a backward the owner did not start (loss.backward() called directly) is announced
+        # at its first gradient and closed at its end; set by engine.backward around its own
         self.engine_backward = False
         self._untracked = False
         self._versions: dict[int, int] = {}   # unit -> its parameters' versions at first use
@@ -182,7 +160,7 @@ class Coordinator:
             # the disk has little to do in the forward: read the Adam states of the units
             # whose backward comes first (see [Note: expected steps])
             for uid in self._next_trainable(self.traces["bwd"].order, EXPECTED_AHEAD):
-                self.expect_backward(self.units[uid])
+                self.stepper.expect_backward(self.units[uid])
 
     def end_forward(self) -> None:
         """Called by the engine after a training forward returned: a newly recorded order is
@@ -201,7 +179,7 @@ class Coordinator:
         (see [Note: outputs passed through]), else an empty set."""
         recompute = self._in_graph_task()
         if not recompute:
-            self.before_read()
+            self.owner.before_read()
         trace = None if recompute else self.traces[self._fwd_trace_name or "eval_fwd"]
         for uid in ids:
             self._ensure(uid, trace)
@@ -226,9 +204,9 @@ class Coordinator:
                 before = self._versions.pop(uid, None)
                 if unit.rebound():        # ``p.data = renorm(p.data)``, a max-norm layer
                     unit.take_rebound_values()
-                    self.modified_in_forward(unit)
+                    self.owner.modified_in_forward(unit)
                 elif before is not None and before != _param_versions(unit):
-                    self.modified_in_forward(unit)
+                    self.owner.modified_in_forward(unit)
             self._active[uid] -= 1
         if not recompute:
             for uid in ids:
@@ -264,7 +242,7 @@ class Coordinator:
             self._ensure(uid, self.traces["bwd"])
         for uid in ids + tuple(self._next_trainable(self.traces["bwd"].upcoming(), 1)):
             if self.units[uid].has_trainable and not self._done[uid]:
-                self.expect_backward(self.units[uid])
+                self.stepper.expect_backward(self.units[uid])
 
     def _next_trainable(self, order: list[int], count: int) -> list[int]:
         """The first ``count`` distinct units of ``order`` with trainable parameters whose
@@ -286,15 +264,15 @@ class Coordinator:
         grad = entry.param.grad
         if grad is None:
             return
-        if not self.engine_backward and not self._untracked and self.untracked_backward:
+        if not self.engine_backward and not self._untracked:
             try:
-                self.untracked_backward[0]()
+                self.owner.begin_untracked_backward()
             except BaseException:
                 self.abandon_pass()
                 raise
             self._untracked = True
         entry.param.grad = None
-        self.on_grad(unit, entry, grad)
+        self.stepper.on_grad(unit, entry, grad)
         self._pending[unit.index] -= 1
         self._maybe_finish(unit)
 
@@ -307,7 +285,7 @@ class Coordinator:
         if not unit.has_trainable and not self._input_done[uid]:
             return
         self._done[uid] = True
-        if unit.has_trainable and not self.on_unit_backward_done(unit):
+        if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):
             self._stepping[uid] = True
             return
         if self._active[uid] == 0:
@@ -321,15 +299,15 @@ class Coordinator:
                 if not self._done[uid] and unit.has_trainable and \
                         self._pending[uid] < len(unit.trainable_entries()):
                     self._done[uid] = True
-                    if not self.on_unit_backward_done(unit):
+                    if not self.stepper.on_unit_backward_done(unit):
                         self._stepping[uid] = True
             self._in_backward = False
-            self.release_finished_steps()
+            self.reap()
             for unit in self.units:
                 if self._active[unit.index] == 0 and not self._stepping[unit.index]:
                     self._release_or_keep(unit.index)
             if self._untracked:
-                self.untracked_backward[1]()
+                self.owner.end_untracked_backward()
         finally:
             self._in_backward = False
             self._callback_queued = False
@@ -347,14 +325,21 @@ class Coordinator:
         self._call_inputs.clear()
         self._active = list(self._pins)
         self.reset_backward_state()
-        self.release_finished_steps()
+        self.reap()
         for unit in self.units:
             if self._active[unit.index] == 0:
                 self._release_or_keep(unit.index)
 
-    def release_finished_steps(self, finished: list[Unit] | None = None) -> None:
-        """Release units whose background step is over (``finished``, else asked via reap)."""
-        for unit in (self.reap() if finished is None else finished):
+    def reap(self, wait: Wait = Wait.NONE) -> None:
+        """Release (or keep) the units whose background steps are over (see ``Wait``)."""
+        self._release_stepped(self.stepper.reap(wait))
+
+    def drain(self) -> None:
+        """The run ends: every background step is seen out and its unit let go."""
+        self._release_stepped(self.stepper.drain())
+
+    def _release_stepped(self, units: list[Unit]) -> None:
+        for unit in units:
             self._stepping[unit.index] = False
             if self._active[unit.index] == 0:
                 self._release_or_keep(unit.index)
@@ -442,10 +427,10 @@ class Coordinator:
     # -- fetching --------------------------------------------------------------------------
     def _ensure(self, uid: int, trace: Trace | None) -> None:
         if any(self._stepping):
-            self.release_finished_steps()
+            self.reap()
         unit = self.units[uid]
         if self._stepping[uid]:
-            self.wait_stepped(unit)
+            self.stepper.wait_stepped(unit)
         self._kept.discard(uid)   # in use again
         needs_memory = unit.flat.untyped_storage().nbytes() == 0   # not fetched or read into
         if needs_memory:
@@ -455,7 +440,7 @@ class Coordinator:
         while needs_memory and any(self._stepping) and \
                 budget.limit is not None and cache.in_use_bytes() + unit.nbytes > budget.limit:
             # backpressure: units held by background steps free the device when they finish
-            self.release_finished_steps(self.reap(wait_first=True))
+            self.reap(Wait.ONE)
         if trace is not None:
             trace.observe(uid)
         if unit.residency != Residency.FETCHED:
@@ -473,7 +458,7 @@ class Coordinator:
         # deferred step lands at the next fetch]); the unit is held until its writes land
         # (marked stepping first: an interrupt while its step runs must not let the unit go)
         was_stepping, self._stepping[uid] = self._stepping[uid], True
-        if not self.step_fetched(unit):
+        if not self.stepper.step_fetched(unit):
             self._stepping[uid] = was_stepping
 
     def forward_order(self) -> list[int]:

@@ -218,14 +218,15 @@ def test_the_units_a_step_reaped_are_handed_over_once(disk_dir, monkeypatch) -> 
     report every unit as finished: the list must be empty after it, and training goes on equal
     to torch across a failed backward."""
     from infinity.optim.partitioned import PartitionedOptimizer
+    from infinity.zero.protocols import Wait
     from parity import ArmedBackwardHook, engine_and_reference, make_model, zero_config
 
     finish = PartitionedOptimizer._finish_early_steps
 
     def everything_landed(self):
         finish(self)
-        self.settle()                      # every write has landed ...
-        return [s.unit for s in self.states]   # ... so every unit may be released
+        self._unclaimed.extend(self.reap(Wait.ALL))   # every write has landed ...
+        self._unclaimed[:] = [s.unit for s in self.states]   # ... so every unit may go
 
     monkeypatch.setattr(PartitionedOptimizer, "_finish_early_steps", everything_landed)
     torch.manual_seed(0)
@@ -249,8 +250,8 @@ def test_the_units_a_step_reaped_are_handed_over_once(disk_dir, monkeypatch) -> 
             else:
                 engine.backward(loss)
                 engine.step()
-                assert engine.optimizer.reaped_at_step == [], \
-                    [u.name for u in engine.optimizer.reaped_at_step]
+                assert engine.optimizer._unclaimed == [], \
+                    [u.name for u in engine.optimizer._unclaimed]
             loss_of(reference(input_ids=x, labels=x)).backward()
             if stepped_on_failure:     # every unit but the embedding had its gradients
                 reference.model.embed_tokens.weight.grad = None

@@ -66,8 +66,7 @@ def _coordinator_over_fake_units(residencies: list, next_forward: list[int]):
     units = [FakeUnit(index=i, numel=100, nbytes=100, persistent=False, residency=residency,
                       trainable_entries=lambda: [])
              for i, residency in enumerate(residencies)]
-    coordinator = Coordinator(units, [], manager, None, PrefetchLimits(100, 400, 1000),
-                              on_grad=None, on_unit_backward_done=None)
+    coordinator = Coordinator(units, [], manager, None, PrefetchLimits(100, 400, 1000))
     budget.reserve(100 * sum(u.residency is not Residency.RELEASED for u in units), "units")
     coordinator._fwd_trace_name = None
     coordinator.traces["train_fwd"].order = next_forward
@@ -169,8 +168,7 @@ def _coordinator_over_released_units(count: int, ahead: int):
                       residency=Residency.RELEASED, trainable_entries=lambda: [])
              for i in range(count)]
     coordinator = Coordinator(units, [], manager, None,
-                              PrefetchLimits(10_000, 10_000, max_units_ahead=ahead),
-                              on_grad=None, on_unit_backward_done=None)
+                              PrefetchLimits(10_000, 10_000, max_units_ahead=ahead))
     return coordinator, started
 
 

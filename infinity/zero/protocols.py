@@ -1,0 +1,122 @@
+"""What the coordinator calls up to, as Protocols the layers above implement (DESIGN.md
+"Layers": zero never imports optim or engine).
+
+- ``UnitStepper``: the optimizer as the coordinator sees it. It takes each unit's gradients,
+  steps the unit (in the background, on its device copy), and says when a step holds the unit
+  fetched and when it lets it go (see [Note: the life of a step job] in optim/records.py).
+- ``PassOwner``: whoever runs the passes (the engine). It is told before the model is read,
+  when a forward changed parameters in place, and around a backward it did not start.
+
+``NO_STEPPER`` and ``NO_PASS_OWNER`` do nothing (a coordinator without an optimizer: tests,
+tools).
+"""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from infinity.zero.unit import ParamEntry, Unit
+
+
+class Wait(enum.Enum):
+    """How long ``UnitStepper.reap`` waits for background steps to land."""
+
+    NONE = "none"    # only the steps already over
+    ONE = "one"      # until at least one unit comes back (backpressure on the device budget)
+    ALL = "all"      # until every step has landed
+
+
+class UnitStepper(Protocol):
+    """The optimizer, for the coordinator's hooks."""
+
+    def on_grad(self, unit: Unit, entry: ParamEntry, grad: torch.Tensor) -> None:
+        """A parameter's gradient of this backward (autograd's tensor, the parameter's
+        ``.grad`` already cleared)."""
+
+    def on_unit_backward_done(self, unit: Unit) -> bool:
+        """Every gradient of ``unit`` in this backward has arrived. True: the unit may be
+        released; False: a background step holds it until ``reap`` returns it."""
+
+    def expect_backward(self, unit: Unit) -> None:
+        """``unit``'s gradients are coming soon: its optimizer states may be read ahead."""
+
+    def step_fetched(self, unit: Unit) -> bool:
+        """``unit`` was just fetched: run a step that waited for it on the device copy. True
+        when one ran: the unit is held until ``reap`` returns it."""
+
+    def wait_stepped(self, unit: Unit | None = None) -> None:
+        """Wait until the kernels of ``unit``'s steps in flight (None: every unit's) have run:
+        its device copy is current. Re-raises a step's failure."""
+
+    def reap(self, wait: Wait = Wait.NONE) -> list[Unit]:
+        """The units whose background steps are all over (their writes landed): the caller
+        releases them. Re-raises a step's failure."""
+
+    def drain(self) -> list[Unit]:
+        """The run ends: steps that never started are cancelled, the rest are waited out (their
+        failures logged, not raised); every unit a step held comes back."""
+
+
+class PassOwner(Protocol):
+    """The engine, for the coordinator's hooks."""
+
+    def before_read(self) -> None:
+        """A forward is about to read the units (also one the engine did not start: a plain
+        model call, ``model.generate()``): a speculated step must be dropped first (see [Note:
+        speculative step] in optim/speculation.py)."""
+
+    def modified_in_forward(self, unit: Unit) -> None:
+        """A module changed ``unit``'s parameters in place in its forward
+        (``nn.Embedding(max_norm=...)``): the device copy must go home before its release."""
+
+    def begin_untracked_backward(self) -> None:
+        """The first gradient of a backward the engine did not start (``loss.backward()``
+        called directly; ``autograd.grad()``, which accumulates none, is not one). May raise:
+        the pass is then abandoned."""
+
+    def end_untracked_backward(self) -> None:
+        """That backward is over."""
+
+
+class _NoStepper:
+    def on_grad(self, unit, entry, grad) -> None:
+        pass
+
+    def on_unit_backward_done(self, unit) -> bool:
+        return True
+
+    def expect_backward(self, unit) -> None:
+        pass
+
+    def step_fetched(self, unit) -> bool:
+        return False
+
+    def wait_stepped(self, unit=None) -> None:
+        pass
+
+    def reap(self, wait: Wait = Wait.NONE) -> list:
+        return []
+
+    def drain(self) -> list:
+        return []
+
+
+class _NoPassOwner:
+    def before_read(self) -> None:
+        pass
+
+    def modified_in_forward(self, unit) -> None:
+        pass
+
+    def begin_untracked_backward(self) -> None:
+        pass
+
+    def end_untracked_backward(self) -> None:
+        pass
+
+
+NO_STEPPER: UnitStepper = _NoStepper()
+NO_PASS_OWNER: PassOwner = _NoPassOwner()
