@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,10 +13,8 @@ from infinity.checkpoint.layout import model_file, persistent_buffers, unit_layo
 from infinity.checkpoint.save import check_at_rest
 from infinity.checkpoint.tensor_file import (CheckpointError, TensorFileReader,
                                              TensorFileWriter)
+from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, save_entries
-
-if TYPE_CHECKING:
-    from infinity.engine import Engine
 
 
 def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
@@ -40,7 +37,7 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
     return state
 
 
-def save_model_weights(engine: "Engine", path: str | Path, with_frozen: bool = True) -> Path:
+def save_model_weights(state: TrainingState, path: str | Path, with_frozen: bool = True) -> Path:
     """The model's weights in their compute dtype (what a forward uses) as one safetensors file
     with ``{"format": "pt"}`` metadata (what ``transformers`` loads), streamed unit by unit;
     a tied parameter is saved once, under the name of the unit that owns it (without
@@ -50,10 +47,10 @@ def save_model_weights(engine: "Engine", path: str | Path, with_frozen: bool = T
     if path.suffix in (".bin", ".pt", ".pth"):
         raise ValueError(f"{path.name}: infinity writes safetensors only (no pickle); name the "
                          "file *.safetensors (transformers loads model.safetensors)")
-    check_at_rest(engine, "save_16bit_model")
-    engine.flush()
-    layouts = unit_layouts(engine)
-    buffers = persistent_buffers(engine.module)
+    check_at_rest(state, "save_16bit_model")
+    state.flush()
+    layouts = unit_layouts(state)
+    buffers = persistent_buffers(state.module)
     saved = {id(lay): lay.entries if with_frozen else lay.trainable for lay in layouts}
     tensors = [(e.name, lay.unit.dtype, tuple(e.shape)) for lay in layouts for e in saved[id(lay)]]
     tensors += [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
@@ -62,7 +59,7 @@ def save_model_weights(engine: "Engine", path: str | Path, with_frozen: bool = T
     partial.unlink(missing_ok=True)
     writer = TensorFileWriter(partial, tensors, {"format": "pt"})
     try:
-        chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
+        chunks = ChunkPool(state.manager, state.lendable_pools)
         for lay in layouts:
             save_entries(lay.params, saved[id(lay)], chunks, lambda e, v: writer.append(e.name, v))
         for name, buf in buffers:

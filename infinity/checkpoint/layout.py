@@ -11,17 +11,17 @@ stores are streamed in, so each file is written front to back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
 
+from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import Source
 from infinity.zero.persistent_buffers import all_persistent_buffers
 from infinity.zero.unit import ParamEntry, Unit
 
 if TYPE_CHECKING:
-    from infinity.engine import Engine
     from infinity.optim.partitioned import UnitOptimState
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -85,9 +85,9 @@ class UnitLayout:
         return torch.float32 if entry.trainable and self.master is not None else self.unit.dtype
 
 
-def unit_layouts(engine: "Engine", with_frozen: bool = True) -> list[UnitLayout]:
-    by_unit = {s.unit.index: s for s in engine.optimizer.states}
-    return [UnitLayout(u, by_unit.get(u.index), with_frozen) for u in engine.units]
+def unit_layouts(state: TrainingState, with_frozen: bool = True) -> list[UnitLayout]:
+    by_unit = {s.unit.index: s for s in state.unit_states}
+    return [UnitLayout(u, by_unit.get(u.index), with_frozen) for u in state.units]
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -100,9 +100,9 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def aliases(model: nn.Module, layouts: list[UnitLayout]) -> dict[str, str]:
+def aliases(model: nn.Module, units: Sequence[Unit]) -> dict[str, str]:
     """Other names of tied parameters and shared buffers -> the name they are saved under."""
-    canonical = {e.param: e.name for lay in layouts for e in lay.unit.params}
+    canonical = {e.param: e.name for unit in units for e in unit.params}
     canonical.update({buf: name for name, buf in reversed(persistent_buffers(model))})
     named = list(model.named_parameters(remove_duplicate=False)) + all_persistent_buffers(model)
     return {name: canonical[t] for name, t in named if t in canonical and canonical[t] != name}

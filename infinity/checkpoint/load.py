@@ -1,16 +1,20 @@
 """``Engine.load_checkpoint``: check a checkpoint whole, then stream it into every unit's homes.
 
-Everything that can be wrong with a checkpoint is found before any state is touched: the
-manifest, each file's size and sha256, each tensor file's table, and the match between the
-checkpoint's parameters and the model's (names, through tied aliases; shapes; optimizer states
-for the trainable ones). Only then are the homes written, unit by unit. Parameters are kept by
-name, so a checkpoint loads into another stage, offload tier, unit layout or compute dtype than
-the one that saved it.
+Two phases, so that the engine knows when its state began to change. ``prepare_load`` finds
+everything that can be wrong with a checkpoint before any state is touched: the manifest, each
+file's size and sha256, each tensor file's table, and the match between the checkpoint's
+parameters and buffers and the model's (names, through tied aliases; shapes; optimizer states
+for the trainable ones); the counters and settings to restore are read and checked too
+(checkpoint/restore.py). Only then does ``CheckpointLoad.write`` write the homes, unit by
+unit; a write that fails part-way leaves a mix of the checkpoint's values and the engine's,
+which the engine refuses to train on until a load completes (``Engine.load_checkpoint``).
+Parameters are kept by name, so a checkpoint loads into another stage, offload tier, unit
+layout or compute dtype than the one that saved it.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,15 +28,13 @@ from infinity.checkpoint.layout import (
     persistent_buffers,
     unit_layouts,
 )
-from infinity.checkpoint.restore import RestorePlan
+from infinity.checkpoint.restore import Restore, read_restore
 from infinity.checkpoint.save import RANK, check_at_rest
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
+from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, Fill, load_entries
 from infinity.base.log import get_logger
 from infinity.zero.unit import ParamEntry
-
-if TYPE_CHECKING:
-    from infinity.engine import Engine
 
 log = get_logger("checkpoint")
 
@@ -102,12 +104,12 @@ class Match:
 
 
 def _check_optimizer(layouts: list[UnitLayout], match: Match, manifest: dict[str, Any],
-                     optim: TensorFileReader, engine: "Engine", directory: Path) -> None:
+                     optim: TensorFileReader, state: TrainingState, directory: Path) -> None:
     saved_groups = manifest.get("param_groups", [])
-    if len(saved_groups) != len(engine.optimizer.param_groups):
+    if len(saved_groups) != len(state.param_groups):
         raise CheckpointError(
             f"checkpoint {directory} has {len(saved_groups)} optimizer param group(s), the engine "
-            f"{len(engine.optimizer.param_groups)}: build the engine with the same groups, or pass "
+            f"{len(state.param_groups)}: build the engine with the same groups, or pass "
             "load_optimizer_states=False to load the model only")
     lacking = [e.name for lay in layouts for e in lay.trainable
                if e in match.names and f"{match.names[e]}.{MOMENTS[0]}" not in optim.tensors]
@@ -162,34 +164,86 @@ def _load_unit(lay: UnitLayout, match: Match, model: TensorFileReader,
     lay.state.step = max(lay.state.param_steps.values(), default=0)
 
 
-def _load_buffers(engine: "Engine", reader: TensorFileReader, strict: bool,
-                  directory: Path) -> None:
-    buffers = persistent_buffers(engine.module)
+def _check_buffers(buffers: list[tuple[str, torch.Tensor]], reader: TensorFileReader,
+                   strict: bool, directory: Path) -> None:
     missing = [n for n, _ in buffers if n not in reader.tensors]
     wrong = [f"{n}: checkpoint {list(reader.tensors[n].shape)}, model {list(b.shape)}"
              for n, b in buffers if n in reader.tensors and reader.tensors[n].shape != tuple(b.shape)]
     if wrong or (missing and strict):
         raise CheckpointError(f"checkpoint {directory} does not match the model's buffers: "
                               + "; ".join(wrong[:5] + [f"missing {m}" for m in missing[:5]]))
-    with torch.no_grad():
-        for name, buf in buffers:
-            if name in reader.tensors:
-                buf.copy_(reader.read(name))
 
 
-def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: str | None = None,
-                    load_module_strict: bool = True, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    verify_checksums: bool = True) -> tuple[str | None, Any]:
-    """Load ``load_dir/tag`` (default: the tag ``latest`` names) into the engine; returns
-    (checkpoint directory, client_state), or (None, None) when ``load_dir`` has no ``latest``
-    (nothing to resume from)."""
-    check_at_rest(engine, "load_checkpoint")
+class CheckpointLoad:
+    """A checkpoint read and checked whole (``prepare_load``), its files open, ready to be
+    written into the units' homes; ``restore`` and ``client_state`` are for the engine."""
+
+    def __init__(self, state: TrainingState, directory: Path, manifest: dict[str, Any],
+                 restore: Restore | None) -> None:
+        self.state = state
+        self.directory = directory
+        self.manifest = manifest
+        self.restore = restore
+        """The counters and settings to apply once written (None: load_module_only)."""
+        self.client_state: Any = manifest.get("client_state")
+        self.layouts = unit_layouts(state)
+        self.buffers = persistent_buffers(state.module)
+        self.model: TensorFileReader | None = None
+        self.optim: TensorFileReader | None = None
+        self.match: Match | None = None
+
+    def check(self, strict: bool, optimizer_states: bool) -> None:
+        """Open the tensor files and match them to the model (nothing is written)."""
+        directory = self.directory
+        self.model = TensorFileReader(directory / model_file(RANK))
+        self.match = Match(self.state.module, self.layouts, self.manifest, self.model)
+        self.match.check(strict, directory)
+        if optimizer_states:
+            self.optim = TensorFileReader(directory / optim_file(RANK))
+            _check_optimizer(self.layouts, self.match, self.manifest, self.optim, self.state,
+                             directory)
+        _check_buffers(self.buffers, self.model, strict, directory)
+
+    def write(self) -> None:
+        """Write the checkpoint's buffers and every unit's states into their homes. A failure
+        here leaves some units with the checkpoint's values and others with their own."""
+        assert self.model is not None and self.match is not None, "check() first"
+        with torch.no_grad():
+            for name, buf in self.buffers:
+                if name in self.model.tensors:
+                    buf.copy_(self.model.read(name))
+        chunks = ChunkPool(self.state.manager, self.state.lendable_pools)
+        for lay in self.layouts:
+            _load_unit(lay, self.match, self.model, self.optim, chunks, self.manifest["params"])
+
+    def close(self) -> None:
+        for reader in (self.optim, self.model):
+            if reader is not None:
+                reader.close()
+        self.model = self.optim = None
+
+    def __enter__(self) -> "CheckpointLoad":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def prepare_load(state: TrainingState, load_dir: str | Path, tag: str | None = None,
+                 load_module_strict: bool = True, load_optimizer_states: bool = True,
+                 load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                 verify_checksums: bool = True) -> CheckpointLoad | None:
+    """Read and check ``load_dir/tag`` (default: the tag ``latest`` names) whole, then bring
+    the units to rest (the last step's writes land, fetched units are released): the load to
+    ``write``, or None when ``load_dir`` has no ``latest`` (nothing to resume from). Nothing
+    of the training state has changed when this returns or raises (beyond the last step's
+    work finishing)."""
+    check_at_rest(state, "load_checkpoint")
     load_dir = Path(load_dir)
     directory = checkpoint_directory(load_dir, tag)   # a save dir, or one checkpoint's
     if directory is None:
         log.warning("no %s/latest: no checkpoint loaded (pass tag= to load a given one)", load_dir)
-        return None, None
+        return None
     manifest = read_manifest_file(directory)
     if manifest.get("world_size", 1) != 1:
         raise CheckpointError(f"checkpoint {directory} was saved by {manifest['world_size']} "
@@ -198,33 +252,14 @@ def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: str | None = No
         load_optimizer_states = load_lr_scheduler_states = False
     verify_files(directory, manifest, verify_checksums,
                  [model_file(RANK)] + ([optim_file(RANK)] if load_optimizer_states else []))
-    layouts = unit_layouts(engine)
-    plan = None if load_module_only else RestorePlan(
-        engine, manifest, load_optimizer_states, load_lr_scheduler_states, directory)
-    with TensorFileReader(directory / model_file(RANK)) as model:
-        match = Match(engine.module, layouts, manifest, model)
-        match.check(load_module_strict, directory)
-        optim = TensorFileReader(directory / optim_file(RANK)) if load_optimizer_states else None
-        try:
-            if optim is not None:
-                _check_optimizer(layouts, match, manifest, optim, engine, directory)
-            engine.flush()
-            engine.coordinator.release_all()
-            _load_buffers(engine, model, load_module_strict, directory)
-            chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
-            try:
-                for lay in layouts:
-                    _load_unit(lay, match, model, optim, chunks, manifest["params"])
-                if plan is not None:
-                    plan.apply(engine)
-            except BaseException as exc:
-                # some units hold the checkpoint's values, others the engine's: training on
-                # would mix them (a load that completes clears this)
-                engine._load_failure = exc
-                raise
-            engine._load_failure = None
-        finally:
-            if optim is not None:
-                optim.close()
-    log.info("loaded checkpoint %s (global step %d)", directory, engine.global_steps)
-    return str(directory), manifest.get("client_state")
+    restore = None if load_module_only else read_restore(
+        state, manifest, load_optimizer_states, load_lr_scheduler_states, directory)
+    load = CheckpointLoad(state, directory, manifest, restore)
+    try:
+        load.check(load_module_strict, load_optimizer_states)
+        state.flush()
+        state.release_units()
+    except BaseException:
+        load.close()
+        raise
+    return load

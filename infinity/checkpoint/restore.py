@@ -3,18 +3,18 @@ param-group settings, the fp16 loss scaler's and the LR scheduler's state.
 
 Why apart from load.py: they are read and checked before any tensor is loaded (a damaged
 manifest, a scheduler state of another kind, groups that moved) and applied after, so a load
-either changes all of the engine or, refused, none of it.
+either changes all of the engine or, refused, none of it. They are applied by the engine
+(``Restore`` is a value: checkpoint code changes no engine state).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from infinity.checkpoint.tensor_file import CheckpointError
+from infinity.checkpoint.training_state import TrainingState
 from infinity.base.log import get_logger
-
-if TYPE_CHECKING:
-    from infinity.engine import Engine
 
 log = get_logger("checkpoint")
 
@@ -32,7 +32,7 @@ def _number(value: Any, what: str, directory: Path, integer: bool = False) -> An
     return value
 
 
-def _saved_groups(engine: "Engine", manifest: dict[str, Any], directory: Path) -> list[dict]:
+def _saved_groups(state: TrainingState, manifest: dict[str, Any], directory: Path) -> list[dict]:
     """The saved group settings to restore, checked against the engine's groups' keys and
     types (a damaged manifest is refused before anything is loaded)."""
     saved = manifest.get("param_groups")
@@ -40,7 +40,7 @@ def _saved_groups(engine: "Engine", manifest: dict[str, Any], directory: Path) -
         raise CheckpointError(f"checkpoint {directory}: its manifest.json's param_groups is not a "
                               "list of settings: the manifest was edited or damaged")
     groups = []
-    for index, (group, settings) in enumerate(zip(engine.optimizer.param_groups, saved)):
+    for index, (group, settings) in enumerate(zip(state.param_groups, saved)):
         restored = {}
         for key, value in settings.items():
             if key in CONFIG_GROUP_KEYS or key not in group or key == "params":
@@ -67,10 +67,10 @@ def _saved_groups(engine: "Engine", manifest: dict[str, Any], directory: Path) -
     return groups
 
 
-def _check_scheduler_state(engine: "Engine", state: Any, directory: Path) -> None:
+def _check_scheduler_state(training: TrainingState, state: Any, directory: Path) -> None:
     """A scheduler state another kind of scheduler saved (a ds_config schedule resumed with a
     torch LambdaLR, say) would fail inside ``load_state_dict``: refused before any load."""
-    scheduler = engine.lr_scheduler
+    scheduler = training.lr_scheduler
     if scheduler is None or state is None:
         return
     accepts = getattr(scheduler, "accepts_state", None)   # a schedule that says what it takes
@@ -87,53 +87,58 @@ def _check_scheduler_state(engine: "Engine", state: Any, directory: Path) -> Non
             "this engine's schedule")
 
 
-class RestorePlan:
-    """The counters and settings a load restores, read and checked before anything loads."""
+@dataclass(frozen=True, kw_only=True)
+class Restore:
+    """What a load restores besides the tensors, read and checked before anything loads; the
+    engine applies it once every unit is loaded."""
 
-    def __init__(self, engine: "Engine", manifest: dict[str, Any], optimizer_states: bool,
-                 scheduler_states: bool, directory: Path) -> None:
-        counters = manifest.get("engine", {})
-        if not isinstance(counters, dict):
-            raise CheckpointError(f"checkpoint {directory}: its manifest.json's engine counters "
-                                  "are not a dict: the manifest was edited or damaged")
-        gas = engine.gradient_accumulation_steps()
-        self.global_steps = _number(counters.get("global_steps", 0), "global_steps", directory, True)
-        self.skipped_steps = _number(counters.get("skipped_steps", 0), "skipped_steps", directory,
-                                     True)
-        self.saved_gas = _number(counters.get("gradient_accumulation_steps", gas),
-                                 "gradient_accumulation_steps", directory, True)
-        if min(self.global_steps, self.skipped_steps) < 0:
-            raise CheckpointError(f"checkpoint {directory}: its manifest.json has negative step "
-                                  f"counts ({self.global_steps}, {self.skipped_steps})")
-        self.groups = _saved_groups(engine, manifest, directory) if optimizer_states else None
-        self.loss_scaler = manifest.get("loss_scaler") if optimizer_states else None
-        if self.loss_scaler is not None and not isinstance(self.loss_scaler, dict):
-            raise CheckpointError(f"checkpoint {directory}: its manifest.json's loss_scaler is "
-                                  "not a dict: the manifest was edited or damaged")
-        self.speculation_pays = counters.get("speculation_pays") if optimizer_states else None
-        self.scheduler = manifest.get("lr_scheduler") if scheduler_states else None
-        _check_scheduler_state(engine, self.scheduler, directory)
-        self.optimizer_states = optimizer_states
+    global_steps: int
+    skipped_steps: int
+    micro_steps: int
+    """Saved at an accumulation boundary: the next micro-step starts a cycle of the loading
+    engine's length, whatever the saving engine's was."""
+    saved_gradient_accumulation_steps: int
+    param_groups: list[dict[str, Any]] | None
+    """Settings to update each param group with, in order (None: the optimizer's are kept)."""
+    loss_scaler: dict[str, Any] | None
+    """The fp16 loss scaler's state_dict (None: kept)."""
+    speculation_pays: bool | None
+    """Whether the next step speculates (None: kept)."""
+    lr_scheduler: Any
+    """The LR scheduler's state_dict (None: kept)."""
+    lr_from_scheduler: bool
+    """Set each group's lr from the restored schedule (its settings were not restored, and the
+    next step must use the schedule's rate)."""
 
-    def apply(self, engine: "Engine") -> None:
-        engine.global_steps = self.global_steps
-        engine.skipped_steps = self.skipped_steps
-        # saved at an accumulation boundary: the next micro-step starts a cycle of this engine's
-        # length, whatever the saving engine's was
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-        if self.saved_gas != engine.gradient_accumulation_steps():
-            log.info("checkpoint saved with gradient_accumulation_steps %d, resumed with %d",
-                     self.saved_gas, engine.gradient_accumulation_steps())
-        if self.groups is not None:
-            for group, restored in zip(engine.optimizer.param_groups, self.groups):
-                group.update(restored)
-        if engine.loss_scaler is not None and self.loss_scaler is not None:
-            engine.loss_scaler.load_state_dict(self.loss_scaler)
-        if self.speculation_pays is not None and hasattr(engine.optimizer, "speculation_pays"):
-            engine.optimizer.speculation_pays = bool(self.speculation_pays)
-        scheduler = engine.lr_scheduler
-        if scheduler is not None and self.scheduler is not None:
-            scheduler.load_state_dict(self.scheduler)
-            if not self.optimizer_states:     # the next step must use the schedule's rate
-                for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr()):
-                    group["lr"] = lr
+
+def read_restore(state: TrainingState, manifest: dict[str, Any], optimizer_states: bool,
+                 scheduler_states: bool, directory: Path) -> Restore:
+    """The counters and settings of ``manifest`` to restore, checked against ``state``."""
+    counters = manifest.get("engine", {})
+    if not isinstance(counters, dict):
+        raise CheckpointError(f"checkpoint {directory}: its manifest.json's engine counters "
+                              "are not a dict: the manifest was edited or damaged")
+    gas = state.gradient_accumulation_steps
+    global_steps = _number(counters.get("global_steps", 0), "global_steps", directory, True)
+    skipped_steps = _number(counters.get("skipped_steps", 0), "skipped_steps", directory, True)
+    saved_gas = _number(counters.get("gradient_accumulation_steps", gas),
+                        "gradient_accumulation_steps", directory, True)
+    if min(global_steps, skipped_steps) < 0:
+        raise CheckpointError(f"checkpoint {directory}: its manifest.json has negative step "
+                              f"counts ({global_steps}, {skipped_steps})")
+    groups = _saved_groups(state, manifest, directory) if optimizer_states else None
+    loss_scaler = manifest.get("loss_scaler") if optimizer_states else None
+    if loss_scaler is not None and not isinstance(loss_scaler, dict):
+        raise CheckpointError(f"checkpoint {directory}: its manifest.json's loss_scaler is "
+                              "not a dict: the manifest was edited or damaged")
+    speculation_pays = counters.get("speculation_pays") if optimizer_states else None
+    scheduler = manifest.get("lr_scheduler") if scheduler_states else None
+    _check_scheduler_state(state, scheduler, directory)
+    return Restore(
+        global_steps=global_steps, skipped_steps=skipped_steps, micro_steps=global_steps * gas,
+        saved_gradient_accumulation_steps=saved_gas, param_groups=groups,
+        loss_scaler=loss_scaler if state.loss_scaler is not None else None,
+        speculation_pays=None if speculation_pays is None or state.speculation_pays is None
+        else bool(speculation_pays),
+        lr_scheduler=scheduler if state.lr_scheduler is not None else None,
+        lr_from_scheduler=not optimizer_states)

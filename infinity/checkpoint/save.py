@@ -1,6 +1,7 @@
 """``Engine.save_checkpoint``: stream every unit's states into a new checkpoint directory.
 
-The engine is brought to rest first (the last step's deferred steps run and every write
+The engine hands over its parts as a ``TrainingState`` (checkpoint/training_state.py). It is
+brought to rest first (the last step's deferred steps run and every write
 lands), then each unit's parameters (the fp32 master), Adam moments and step counts are read
 from their homes a chunk at a time and appended to the rank's tensor files (see
 checkpoint/layout.py), and the directory is committed as in checkpoint/directory.py. Nothing
@@ -14,7 +15,7 @@ import math
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -39,33 +40,31 @@ from infinity.checkpoint.layout import (
     unit_layouts,
 )
 from infinity.checkpoint.tensor_file import TensorFileWriter, itemsize
+from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, save_entries
 from infinity.checkpoint.writer_lock import SaveLock
 from infinity.base.log import get_logger
 from infinity.storage.preflight import free_bytes
 from infinity.base.sizes import format_bytes
 
-if TYPE_CHECKING:
-    from infinity.engine import Engine
-
 log = get_logger("checkpoint")
 RANK = 0        # one rank per engine until the multi-rank work lands
 
 
-def check_at_rest(engine: "Engine", what: str) -> None:
+def check_at_rest(state: TrainingState, what: str) -> None:
     """Checkpoints are taken between optimizer steps: gradients of an unfinished cycle are in
     no checkpoint, and losing them silently would be worse than saying so."""
-    engine._check_open(what)
-    if engine._backwards_since_step:
+    state.check_open(what)
+    if state.backwards_since_step:
         raise RuntimeError(f"engine.{what}() between backward() and step(): the gradients of "
                            "this step would not be in it. Call engine.step() first")
-    if engine.micro_steps % engine.gradient_accumulation_steps():
+    gas = state.gradient_accumulation_steps
+    if state.micro_steps % gas:
         raise RuntimeError(
             f"engine.{what}() in the middle of a gradient accumulation cycle (micro-step "
-            f"{engine.micro_steps % engine.gradient_accumulation_steps()} of "
-            f"{engine.gradient_accumulation_steps()}): the accumulated gradients would not be in "
+            f"{state.micro_steps % gas} of {gas}): the accumulated gradients would not be in "
             "it. Call it after the step at the accumulation boundary")
-    if engine.coordinator.pinned_units():
+    if state.any_pinned():
         raise RuntimeError(f"engine.{what}() inside GatheredParameters: leave the context first "
                            "(its changes are written back on exit)")
 
@@ -98,23 +97,22 @@ def json_value(value: Any, what: str) -> Any:
                         "Convert tensors with .tolist() or .item()") from None
 
 
-def engine_state(engine: "Engine", client_state: Any) -> dict[str, Any]:
+def manifest_state(state: TrainingState, client_state: Any) -> dict[str, Any]:
     """The manifest's non-tensor state (validated before anything is written)."""
-    optimizer = engine.optimizer
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    scheduler = engine.lr_scheduler
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in state.param_groups]
+    scheduler = state.lr_scheduler
     return {
-        "engine": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                   "skipped_steps": engine.skipped_steps, "stage": engine.stage,
-                   "compute_dtype": str(engine.compute_dtype).replace("torch.", ""),
-                   "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "engine": {"global_steps": state.global_steps, "micro_steps": state.micro_steps,
+                   "skipped_steps": state.skipped_steps, "stage": state.stage,
+                   "compute_dtype": state.compute_dtype_name,
+                   "gradient_accumulation_steps": state.gradient_accumulation_steps,
                    # whether the next step speculates ("auto"): a resumed run takes the
                    # uninterrupted run's path (a rolled-back step's gradient is rebuilt)
-                   "speculation_pays": getattr(optimizer, "speculation_pays", None)},
+                   "speculation_pays": state.speculation_pays},
         "param_groups": json_value(groups, "the optimizer's param group settings"),
         "lr_scheduler": None if scheduler is None else
         json_value(scheduler.state_dict(), "the LR scheduler's state_dict()"),
-        "loss_scaler": None if engine.loss_scaler is None else engine.loss_scaler.state_dict(),
+        "loss_scaler": None if state.loss_scaler is None else state.loss_scaler.state_dict(),
         "client_state": json_value(client_state, "client_state"),
     }
 
@@ -176,7 +174,7 @@ def _write_optim(path: Path, layouts: list[UnitLayout], chunks: ChunkPool) -> tu
         writer.abort()
 
 
-def _write_files(engine: "Engine", staging: Path, tag: str, layouts: list[UnitLayout], buffers,
+def _write_files(state: TrainingState, staging: Path, tag: str, layouts: list[UnitLayout], buffers,
                  need: int) -> dict[str, dict[str, Any]]:
     """This rank's tensor files in ``staging``; their sizes and sha256 for the manifest."""
     free = free_bytes(staging)
@@ -184,7 +182,7 @@ def _write_files(engine: "Engine", staging: Path, tag: str, layouts: list[UnitLa
         raise OSError(errno.ENOSPC, f"checkpoint {tag} needs {format_bytes(need)} in "
                                     f"{staging.parent}, which has {format_bytes(free)} free; free "
                                     "space or choose another save_dir")
-    chunks = ChunkPool(engine.manager, [engine.optimizer.step_pool, engine.fetch_pool])
+    chunks = ChunkPool(state.manager, state.lendable_pools)
     files = {}
     for name, write in ((model_file(RANK), lambda p: _write_model(p, layouts, buffers, chunks)),
                         (optim_file(RANK), lambda p: _write_optim(p, layouts, chunks))):
@@ -193,32 +191,32 @@ def _write_files(engine: "Engine", staging: Path, tag: str, layouts: list[UnitLa
     return files
 
 
-def save_checkpoint(engine: "Engine", save_dir: str | Path, tag: str | None = None,
+def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | None = None,
                     client_state: Any = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> Path:
-    """Save the engine's training state under ``save_dir/tag`` (default tag
+    """Save the training state under ``save_dir/tag`` (default tag
     ``global_step<N>``); with ``save_latest`` point ``save_dir/latest`` at it. Returns the
     checkpoint's directory. ``exclude_frozen_parameters``: leave parameters that do not train
     out (they keep their values when the checkpoint is loaded)."""
-    check_at_rest(engine, "save_checkpoint")
-    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
-    state = engine_state(engine, {} if client_state is None else client_state)
+    check_at_rest(training, "save_checkpoint")
+    tag = check_tag(tag if tag is not None else f"global_step{training.global_steps}")
+    state = manifest_state(training, {} if client_state is None else client_state)
     save_dir = Path(save_dir)
     started = time.perf_counter()
-    engine.flush()
-    layouts = unit_layouts(engine, with_frozen=not exclude_frozen_parameters)
-    buffers = persistent_buffers(engine.module)
+    training.flush()
+    layouts = unit_layouts(training, with_frozen=not exclude_frozen_parameters)
+    buffers = persistent_buffers(training.module)
     need = _file_bytes(_model_tensors(layouts, buffers)) + _file_bytes(_optim_tensors(layouts))
     ensure_save_dir(save_dir)
     with SaveLock.acquire(save_dir):     # one writer per directory (checkpoint/writer_lock.py)
         staging = prepare_staging(save_dir, tag)
         try:
-            files = _write_files(engine, staging, tag, layouts, buffers, need)
+            files = _write_files(training, staging, tag, layouts, buffers, need)
             write_manifest(staging, {
                 "format": FORMAT, "version": VERSION, "tag": tag, "world_size": 1,
                 "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "files": files, "params": _params_manifest(layouts),
-                "aliases": aliases(engine.module, layouts),
+                "aliases": aliases(training.module, training.units),
                 "frozen_excluded": exclude_frozen_parameters,
                 "buffers": [name for name, _ in buffers], **state})
             final = commit(staging, save_dir, tag)

@@ -10,7 +10,7 @@ model larger than memory needs no more host memory than the training does.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import torch
 
@@ -29,7 +29,7 @@ class ChunkPool:
     """Host slots for chunks of NVMe stores: the optimizer's or the fetch pool's (idle while
     no step or fetch runs), else a small pool of its own, counted in the host budget."""
 
-    def __init__(self, manager: TierManager, lendable: list[BufferPool | None]) -> None:
+    def __init__(self, manager: TierManager, lendable: Sequence[BufferPool | None]) -> None:
         self.manager = manager
         self._pool = next((p for p in lendable if p is not None and p.slot_bytes >= ALIGN_BYTES),
                           None)

@@ -78,7 +78,7 @@ class DeepSpeedEngineAccessors:
         ``module.state_dict()`` at stage 3 shows released parameters empty, and a unit still
         fetched may lag a deferred step). Holds the whole model in host memory; to save it,
         ``save_16bit_model`` streams instead. ``keep_vars`` applies to buffers only."""
-        from infinity.checkpoint.layout import aliases, unit_layouts
+        from infinity.checkpoint.layout import aliases
         from infinity.zero.init import GatheredParameters
         from infinity.zero.persistent_buffers import all_persistent_buffers
 
@@ -88,7 +88,7 @@ class DeepSpeedEngineAccessors:
                 for entry in unit.params:
                     if entry.param.requires_grad or not exclude_frozen_parameters:
                         state[prefix + entry.name] = entry.param.detach().clone()
-        for alias, name in aliases(self.module, unit_layouts(self)).items():
+        for alias, name in aliases(self.module, self.units).items():
             if prefix + name in state:        # a tied parameter's other names share it
                 state[prefix + alias] = state[prefix + name]
         for name, buf in all_persistent_buffers(self.module):

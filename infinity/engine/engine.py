@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from infinity.base.budget import MemoryBudget
-from infinity.checkpoint import load_checkpoint, save_checkpoint, save_model_weights
+from infinity.checkpoint import prepare_load, save_checkpoint, save_model_weights
 from infinity.config import InfinityConfig
 from infinity.base.log import get_logger
 from infinity.engine.param_groups import optimizer_defaults, param_groups
@@ -29,6 +29,7 @@ from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.manager import TierManager
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier, deeper
+from infinity.engine.checkpointing import apply_restore, training_state
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.model_methods import model_device, route_module_methods, unroute_module_methods
 from infinity.engine.pass_owner import EnginePassOwner
@@ -530,7 +531,7 @@ class Engine(DeepSpeedEngineAccessors):
         streamed unit by unit, and point ``save_dir/latest`` at it (see infinity/checkpoint).
         ``client_state``: anything JSON-serializable, given back by ``load_checkpoint``;
         ``exclude_frozen_parameters``: parameters that do not train are left out."""
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest,
+        return save_checkpoint(training_state(self), save_dir, tag, client_state, save_latest,
                                exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,
@@ -542,15 +543,31 @@ class Engine(DeepSpeedEngineAccessors):
         (its directory, client_state), or (None, None) when there is no ``latest``. The
         checkpoint is checked whole (files, checksums, parameter names and shapes) before
         anything is loaded."""
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only, verify_checksums)
+        load = prepare_load(training_state(self), load_dir, tag, load_module_strict,
+                            load_optimizer_states, load_lr_scheduler_states, load_module_only,
+                            verify_checksums)
+        if load is None:
+            return None, None
+        with load:
+            try:
+                load.write()
+                if load.restore is not None:
+                    apply_restore(self, load.restore)
+            except BaseException as exc:
+                # some units hold the checkpoint's values, others the engine's: training on
+                # would mix them (_check_open refuses until a load completes)
+                self._load_failure = exc
+                raise
+            self._load_failure = None
+        log.info("loaded checkpoint %s (global step %d)", load.directory, self.global_steps)
+        return str(load.directory), load.client_state
 
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> Path:
         """The model's weights in their compute dtype as ``save_dir/save_filename``
         (safetensors, loadable by ``transformers``), streamed unit by unit;
         ``exclude_frozen_parameters``: only the trained ones (an adapter's), as DeepSpeed's."""
-        return save_model_weights(self, Path(save_dir) / save_filename,
+        return save_model_weights(training_state(self), Path(save_dir) / save_filename,
                                   with_frozen=not exclude_frozen_parameters)
 
     def hook_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:

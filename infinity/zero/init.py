@@ -75,9 +75,7 @@ def check_not_released(model: nn.Module) -> None:
         return ref is not None and ref() is p and p.numel() == 0
 
     mine = {id(p): name for name, p in model.named_parameters()}
-    for engine in list(_live_engines):
-        if getattr(engine, "_closed", False):
-            continue
+    for engine in list(_live_engines):      # a closing engine unregisters itself first
         if getattr(engine, "module", None) is model:
             raise ValueError(
                 "this model already belongs to a live engine: two engines over one model would "

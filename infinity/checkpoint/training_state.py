@@ -1,0 +1,74 @@
+"""What a checkpoint saves and loads of a training run: the parts, handed over by the engine.
+
+The checkpoint package never sees the engine (DESIGN.md "Layers"): as torchtitan's
+checkpoint manager takes the model, optimizer and scheduler and never the trainer, the engine
+builds a ``TrainingState`` for each save or load. Tensors are streamed to and from the units'
+homes through the parts it names; counters are values read when it was built. Nothing here
+changes the engine: a load hands back what to restore (``load.Restore``) and the engine
+applies it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from infinity.optim.loss_scaler import LossScaler
+    from infinity.optim.partitioned import UnitOptimState
+    from infinity.storage.buffer_pool import BufferPool
+    from infinity.storage.manager import TierManager
+    from infinity.zero.unit import Unit
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingState:
+    """One training run's parts and counters, as a checkpoint needs them."""
+
+    module: nn.Module
+    """The model (its persistent buffers are saved; its parameter names are the file's)."""
+    units: Sequence["Unit"]
+    """Every unit, in order: their entries name the parameters and where their homes are."""
+    unit_states: Sequence["UnitOptimState"]
+    """The optimizer's per-unit states (fp32 master, Adam moments, step counts)."""
+    param_groups: list[dict[str, Any]]
+    """The optimizer's param groups themselves: settings are saved, and checked on a load."""
+    lr_scheduler: Any
+    """The LR scheduler (``state_dict()``, ``accepts_state``), or None."""
+    loss_scaler: "LossScaler | None"
+    """The fp16 loss scaler, or None."""
+    global_steps: int
+    """Optimizer steps taken (skipped ones included)."""
+    micro_steps: int
+    """Micro-steps taken (backward + step calls)."""
+    skipped_steps: int
+    """Steps the fp16 loss scaler skipped."""
+    stage: int
+    """The ZeRO stage (recorded in the manifest)."""
+    compute_dtype: torch.dtype
+    """The dtype forward and backward run in (recorded in the manifest)."""
+    gradient_accumulation_steps: int
+    """Micro-steps per optimizer step."""
+    speculation_pays: bool | None
+    """Whether the next step speculates ("auto"); None when the optimizer does not speculate."""
+    backwards_since_step: int
+    """Backwards whose gradients no step has taken yet (a checkpoint is refused then)."""
+    manager: "TierManager"
+    """The tier manager the chunked I/O of NVMe homes goes through."""
+    lendable_pools: Sequence["BufferPool | None"]
+    """Buffer pools idle while no step or fetch runs: their slots carry the chunks."""
+    check_open: Callable[[str], None]
+    """Raises when the engine cannot take ``engine.<what>()`` now (closed, a step failed, a
+    load failed part-way), naming ``what``."""
+    any_pinned: Callable[[], bool]
+    """Whether a unit is held by GatheredParameters now."""
+    flush: Callable[[], None]
+    """Finish the last optimizer step: deferred steps run, every write in flight lands."""
+    release_units: Callable[[], None]
+    """Release every fetched unit, so that a load writes homes nobody holds a copy of."""
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return str(self.compute_dtype).replace("torch.", "")

@@ -1,0 +1,55 @@
+"""The engine's side of checkpoints: the parts it hands to infinity.checkpoint (a
+``TrainingState``, never the engine itself), and what a load restores, applied here: only the
+engine changes its own state."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from infinity.base.log import get_logger
+from infinity.checkpoint import Restore, TrainingState
+
+if TYPE_CHECKING:
+    from infinity.engine.engine import Engine
+
+log = get_logger("checkpoint")
+
+
+def training_state(engine: "Engine") -> TrainingState:
+    """The engine's parts and counters as they are now, for one save or load."""
+    optimizer = engine.optimizer
+    coordinator = engine.coordinator
+    return TrainingState(
+        module=engine.module, units=engine.units, unit_states=optimizer.states,
+        param_groups=optimizer.param_groups, lr_scheduler=engine.lr_scheduler,
+        loss_scaler=engine.loss_scaler, global_steps=engine.global_steps,
+        micro_steps=engine.micro_steps, skipped_steps=engine.skipped_steps, stage=engine.stage,
+        compute_dtype=engine.compute_dtype,
+        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+        speculation_pays=getattr(optimizer, "speculation_pays", None),
+        backwards_since_step=engine._backwards_since_step, manager=engine.manager,
+        lendable_pools=(optimizer.step_pool, engine.fetch_pool),
+        check_open=engine._check_open, any_pinned=lambda: bool(coordinator.pinned_units()),
+        flush=engine.flush, release_units=coordinator.release_all)
+
+
+def apply_restore(engine: "Engine", restore: Restore) -> None:
+    """Set the counters and settings a load restores (after every unit is loaded)."""
+    engine.global_steps = restore.global_steps
+    engine.skipped_steps = restore.skipped_steps
+    engine.micro_steps = restore.micro_steps
+    if restore.saved_gradient_accumulation_steps != engine.gradient_accumulation_steps():
+        log.info("checkpoint saved with gradient_accumulation_steps %d, resumed with %d",
+                 restore.saved_gradient_accumulation_steps, engine.gradient_accumulation_steps())
+    optimizer = engine.optimizer
+    if restore.param_groups is not None:
+        for group, restored in zip(optimizer.param_groups, restore.param_groups):
+            group.update(restored)
+    if restore.loss_scaler is not None:
+        engine.loss_scaler.load_state_dict(restore.loss_scaler)
+    if restore.speculation_pays is not None:
+        optimizer.speculation_pays = restore.speculation_pays
+    if restore.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(restore.lr_scheduler)
+        if restore.lr_from_scheduler:     # the next step must use the schedule's rate
+            for group, lr in zip(optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
