@@ -13,6 +13,10 @@ _UNITS = {
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
+ALIGN_BYTES = 4096
+"""O_DIRECT alignment: every swap-file extent, swap slot, flat store and I/O piece is a multiple
+of it (defined once here, the lowest layer, for config checks, the planner and storage alike)."""
+
 
 def parse_bytes(value: int | float | str, what: str = "size") -> int:
     """Parse ``value`` into a non-negative byte count; ``what`` names it in errors."""

@@ -106,7 +106,7 @@ class ZeroConfig:
     """``"zero_optimization"``: ZeRO stage, home tiers, and the sizes of sub-groups and buckets.
 
     Sizes count elements; ``None`` (written ``"auto"``) means derived from the memory budgets
-    by ``infinity.planner.plan.derive_sizes``.
+    by ``infinity.planner.sizes.derive_sizes``.
     """
 
     stage: int = 0

@@ -1,52 +1,31 @@
-"""The engine's sizes: the planner's derived sizes plus what only the built units can tell.
+"""The engine's sizes: what the planner derives, for the built units on this machine.
 
-The planner (``infinity.planner.plan.derive_sizes``) is the one place where "auto" and unset sizes are
-derived from the budgets; this module feeds it the real unit sizes and adds the engine's own
-numbers (slot counts, where gradients live, how much NVMe to reserve).
+The planner is the one place sizes are computed: ``infinity.planner.sizes.derive_sizes`` derives
+"auto" and unset sizes from the budgets, ``infinity.planner.engine_sizes.engine_sizes`` adds the
+engine's own numbers (slot counts, where gradients live, how much NVMe to reserve). This module
+only feeds them what needs the live model and machine: the units' parameter counts, the
+hardware, free disk space.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from infinity.config import InfinityConfig
 from infinity.base.log import get_logger
-from infinity.optim.partitioned import accumulate_chunk_numel, step_slot_count
-from infinity.planner.plan import (
-    PREFETCH_UNITS,
-    DerivedSizes,
-    ModelStats,
-    derive_sizes,
-    detect_hardware,
-)
 from infinity.base.sizes import format_bytes
-from infinity.storage.manager import padded_numel
+from infinity.config import InfinityConfig
+from infinity.planner.engine_sizes import EngineSizes, engine_sizes
+from infinity.planner.inputs import ModelStats, detect_hardware
+from infinity.planner.sizes import DerivedSizes, derive_sizes
 from infinity.storage.preflight import free_bytes
 from infinity.storage.tiers import Tier
-from infinity.zero.activation_swap import ACTIVATION_STAGING_BYTES
 from infinity.zero.partition import UnitSpec
-from infinity.zero.unit import PARAM_ALIGN_BYTES, flat_layout
+
+__all__ = ["COMPUTE_DTYPES", "EngineSizes", "derive", "resolve_sizes", "speculation_possible",
+           "disk_has_room", "host_budget_note", "warn_second_nvme_path"]
 
 log = get_logger("engine")
-
-
-@dataclass(frozen=True)
-class EngineSizes:
-    """Every size the engine allocates by (bytes unless the name says numel)."""
-
-    host_budget: int | None
-    device_budget: int | None
-    sub_group_numel: int
-    fetch_slots: int
-    max_unit_bytes: int
-    persistence_threshold: int
-    prefetch_bucket_numel: int
-    max_live_numel: int
-    max_reuse_numel: int
-    grad_tier: Tier
-    nvme_bytes: int
 
 
 def _stats(specs: list[UnitSpec]) -> ModelStats:
@@ -65,16 +44,6 @@ def derive(cfg: InfinityConfig, specs: list[UnitSpec]) -> DerivedSizes:
     """The planner's sizes (and compute dtype, early-step choice) for these units here."""
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     return derive_sizes(cfg, _stats(specs), detect_hardware(nvme_path))
-
-
-def _layout_bound(spec: UnitSpec, dtype: torch.dtype) -> tuple[int, int]:
-    """An upper bound of the unit's flat numel and trainable numel (zero/unit.py's layout, each
-    parameter rounded up to its alignment, so the order of param groups cannot matter)."""
-    align = max(1, PARAM_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-    items = sorted(((-(-p.numel() // align) * align, p.requires_grad) for _, p in spec.params),
-                   key=lambda item: not item[1])
-    _, numel, trainable = flat_layout(items, dtype)
-    return numel, trainable
 
 
 def speculation_possible(cfg: InfinityConfig, stage: int, param_tier: Tier,
@@ -113,108 +82,12 @@ def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSi
                   compute_dtype: torch.dtype, param_tier: Tier, optimizer_tier: Tier,
                   master_separate: bool, early_step: bool,
                   direct_fetch: bool = False, speculative: bool = False) -> EngineSizes:
-    """Sizes for this model, config and machine (``speculative``: parameters and Adam states
-    have second copies on NVMe).
-
-    ``direct_fetch``: NVMe reads land straight in device memory (a CPU device, see
-    ``Unit.start_fetch``), so there are no fetch slots; the host they would have taken goes to
-    the emulated device pool, where prefetched units now wait (unless the user set its budget).
-    """
-    nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
-    itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    layouts = [_layout_bound(s, compute_dtype) for s in specs]
-    unit_numels = [numel for numel, _ in layouts]
-    trainable = [numel for _, numel in layouts]
-    max_unit_bytes = max(unit_numels, default=0) * itemsize
-    threshold = derived.persistence_threshold
-    streamed_units = [n for n in unit_numels if n > threshold] if cfg.zero.stage == 3 else []
-    host_budget = derived.host_budget_bytes
-    # on a CPU-only machine the planner pays the emulated device pool out of the host budget
-    device_budget = derived.device_budget_bytes
-
-    # Host bytes the engine will hold before gradients get a home.
-    total_trainable = sum(trainable)
-    total_params = sum(unit_numels)
-    host = 0
-    if param_tier is Tier.HOST:
-        host += sum(streamed_units) * itemsize
-    if optimizer_tier is Tier.HOST:
-        host += total_trainable * 4 * (3 if master_separate else 2)
-    fetch_slots = derived.param_buffer_count
-    if param_tier is Tier.NVME and direct_fetch:
-        moved = fetch_slots * max_unit_bytes
-        if cfg.infinity.device_memory_budget is None and host_budget is not None and \
-                device_budget is not None:
-            moved = min(moved, max(0, host_budget - max_unit_bytes))
-            host_budget -= moved
-            device_budget += moved
-        fetch_slots = 0
-    elif param_tier is Tier.NVME:
-        host += fetch_slots * max_unit_bytes
-    max_reuse = derived.max_reuse_distance
-    if direct_fetch and cfg.zero.stage3_max_reuse_distance is None and device_budget is not None:
-        # the emulated pool is host memory set aside for units (activations live outside it), and
-        # a kept unit never blocks a fetch: keep whatever the pool holds (fewer NVMe reads)
-        max_reuse = max(max_reuse, device_budget // itemsize)
-    prefetch = derived.prefetch_bucket_size
-    max_live = derived.max_live_parameters
-    if direct_fetch and device_budget is not None and cfg.zero.stage == 3:
-        # the planner sized an automatic prefetch bucket before the fetch slots' memory moved
-        # into the emulated pool; with that room, prefetch its PREFETCH_UNITS largest units
-        # (the prefetch counts what is already in flight: see choose_prefetch)
-        largest = max(unit_numels, default=0)
-        if cfg.zero.stage3_prefetch_bucket_size is None:
-            prefetch = max(prefetch, min(PREFETCH_UNITS * largest,
-                                         (device_budget - 2 * max_unit_bytes) // itemsize))
-        if cfg.zero.stage3_max_live_parameters is None:
-            max_live = max(max_live, largest + prefetch)
-    max_trainable = max(trainable, default=0)
-    sub_group = max(1, derived.sub_group_size)
-    streamed = optimizer_tier is Tier.NVME or param_tier is Tier.NVME
-    grad_tier = Tier.HOST
-    if not early_step and host_budget is not None and nvme_path:
-        # gradients stay on the host when they fit beside the smallest optimizer slots
-        least_slots = step_slot_count(optimizer_tier, param_tier, Tier.HOST, master_separate,
-                                      early_step, compute_dtype) * 2048 * 4 if streamed else 0
-        if host + total_trainable * 4 + least_slots > host_budget:
-            grad_tier = Tier.NVME
-    if not early_step and grad_tier is Tier.HOST:
-        host += total_trainable * 4              # the gradients' home
-    if early_step or grad_tier is Tier.NVME or speculative:
-        # flat gradient buffers (GRADS_HELD), or held gradients: the room (HELD_ROOM_UNITS) and
-        # the part waiting for it
-        host += 2 * max_trainable * 4
-    if grad_tier is Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
-        host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
-    if cfg.infinity.offload_activations == "nvme":
-        host += ACTIVATION_STAGING_BYTES
-    if streamed:
-        # The optimizer slots get what the other pools leave of the host budget (the planner
-        # sized the sub-group for its own count of slots, which the deferred schedule exceeds).
-        slots = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate,
-                                early_step, compute_dtype)
-        if host_budget is not None:
-            room = int(0.95 * (host_budget - host)) // (slots * 4)
-            sub_group = max(2048, min(sub_group, room // 2048 * 2048))
-        host += slots * padded_numel(min(sub_group, max(max_trainable, 1)), torch.float32) * 4
-    nvme = 0
-    copies = 2 if speculative else 1
-    if param_tier is Tier.NVME:
-        nvme += sum(streamed_units) * itemsize * copies
-    if optimizer_tier is Tier.NVME:
-        nvme += total_trainable * 4 * (3 if master_separate else 2) * copies
-    if grad_tier is Tier.NVME:
-        nvme += total_trainable * 4
-    del total_params
-    return EngineSizes(
-        host_budget=host_budget, device_budget=device_budget, sub_group_numel=sub_group,
-        fetch_slots=fetch_slots if direct_fetch else max(2, fetch_slots),
-        max_unit_bytes=max_unit_bytes,
-        persistence_threshold=threshold,
-        prefetch_bucket_numel=max(prefetch, max(unit_numels, default=0)),
-        max_live_numel=max(max_live, 2 * max(unit_numels, default=0)),
-        max_reuse_numel=max_reuse,
-        grad_tier=grad_tier, nvme_bytes=nvme)
+    """The planner's ``engine_sizes`` for these units (their parameters' counts) in the compute
+    dtype (see ``infinity.planner.engine_sizes``)."""
+    units = [[(p.numel(), p.requires_grad) for _, p in spec.params] for spec in specs]
+    return engine_sizes(cfg, units, derived, compute_dtype.itemsize, param_tier, optimizer_tier,
+                        master_separate, early_step, direct_fetch=direct_fetch,
+                        speculative=speculative)
 
 
 def host_budget_note(cfg: InfinityConfig, device: torch.device, sizes: EngineSizes) -> str:

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from infinity.optim import _adam_native as N
+from infinity.planner.engine_sizes import accumulate_chunk_numel
 from infinity.storage.buffer_pool import Slot
-from infinity.storage.manager import padded_numel
 from infinity.zero.unit import ParamEntry, Unit
 
 if TYPE_CHECKING:
@@ -31,16 +31,6 @@ if TYPE_CHECKING:
 
 GRADS_HELD = 2   # flat gradient buffers (a unit's gradient each) for early steps off the CPU
 HELD_ROOM_UNITS = 1.0   # largest units' worth of held gradients (see optim/held_room.py)
-# elements (8 MiB) of the host chunk through which accumulation adds a gradient kept on NVMe
-ACCUMULATE_CHUNK_NUMEL = 2 << 20
-
-
-def accumulate_chunk_numel(max_trainable: int) -> int:
-    """The accumulation chunk: 8 MiB, or the largest unit's gradient when smaller (a multiple
-    of 4 KiB either way, so every chunk starts aligned for O_DIRECT)."""
-    return min(ACCUMULATE_CHUNK_NUMEL, padded_numel(max(1, max_trainable), torch.float32))
-
-
 def _never() -> bool:
     return False
 

@@ -41,13 +41,12 @@ import torch
 
 from infinity.base.log import get_logger
 from infinity.optim.cpu_adam import adam_step_flat
-from infinity.optim.gradients import (  # noqa: F401 - accumulate_chunk_numel: engine sizing
+from infinity.optim.gradients import (
     GRADS_HELD,
     CompleteGradient,
     GradientCollector,
     _grad_pieces,
     _sum_of_squares,
-    accumulate_chunk_numel,
     gradients_held,
     held_room_bytes,
 )
@@ -55,28 +54,13 @@ from infinity.optim.held_room import HeldRoom
 from infinity.optim.speculation import Speculation
 from infinity.optim.step_reaping import StepReaping
 from infinity.optim.step_stream import StepJob, StepStream
+from infinity.planner.engine_sizes import step_slot_count
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
 from infinity.zero.unit import Unit
 
 log = get_logger("optim")
-
-
-def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
-                    master_separate: bool, early_step: bool, compute_dtype: torch.dtype) -> int:
-    """Host slots for the step stream: about 3 sub-groups in flight (read ahead, stepped,
-    written behind), each with one slot per state streamed from NVMe. The stream holds fewer
-    when the pool runs short; it never waits on slots it holds itself."""
-    per_group = 0
-    if optimizer_tier is Tier.NVME:
-        per_group += 2 + int(master_separate)          # m, v (+ fp32 master)
-    if not early_step and grad_tier is Tier.NVME:
-        per_group += 1                                  # gradient
-    # both schedules step a fetched unit and write its parameters home through two more slots
-    # (none when its device copy is page-aligned host memory)
-    staging = 2 if param_tier is Tier.NVME else 0
-    return max(1, 3 * per_group + staging)
 
 
 @dataclass(eq=False)
@@ -226,8 +210,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
             u.param_store is not None and not u.param_store.resident for u in trainable_units)
         param_tier = next((u.param_store.home for u in trainable_units if u.param_store is not None),
                           Tier.DEVICE)
-        count = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate, early_step,
-                                trainable_units[0].dtype if trainable_units else torch.float32)
+        count = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate, early_step)
         self.step_pool = BufferPool(manager, self.sub_group_numel * 4, count, "optimizer") \
             if any_nvme and max_trainable else None
         self._stream = StepStream(self)

@@ -22,9 +22,9 @@ import bisect
 import threading
 from dataclasses import dataclass
 
-from infinity.base.sizes import format_bytes
+from infinity.base.sizes import ALIGN_BYTES, format_bytes
 
-ALIGNMENT = 4096
+ALIGNMENT = ALIGN_BYTES
 
 
 def round_up(nbytes: int, alignment: int = ALIGNMENT) -> int:

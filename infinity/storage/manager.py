@@ -23,19 +23,17 @@ import torch
 
 from infinity.base.budget import MemoryBudget
 from infinity.base.log import get_logger
-from infinity.base.sizes import format_bytes
+from infinity.base.sizes import ALIGN_BYTES, format_bytes
+from infinity.planner import alignment
 from infinity.storage.tiers import Tier
 
 log = get_logger("storage")
 
-ALIGN_BYTES = 4096
-
 
 def padded_numel(numel: int, dtype: torch.dtype) -> int:
-    """``numel`` rounded up so that the byte size is a multiple of 4 KiB (O_DIRECT extents)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_block = ALIGN_BYTES // itemsize
-    return -(-numel // per_block) * per_block
+    """``numel`` rounded up so that the byte size is a multiple of 4 KiB (O_DIRECT extents;
+    ``infinity.planner.alignment.padded_numel`` for this dtype)."""
+    return alignment.padded_numel(numel, dtype.itemsize)
 
 
 @dataclass

@@ -1,39 +1,18 @@
 """Tiers and residency: where a tensor lives, and the checked transitions between places.
 
-Every large tensor has a home tier (DEVICE, HOST or NVME). A fetched unit's device copy moves
-through RELEASED -> FETCHING -> FETCHED -> RELEASED; a swapped tensor through its home tier and
-IN_FLIGHT. An illegal transition is a bug in the engine, and raises (it is never ignored), so a
+Every large tensor has a home tier (DEVICE, HOST or NVME: ``Tier``, defined once in
+``infinity.planner.tiers``, the lowest layer that speaks of tiers, and re-used here). A fetched
+unit's device copy moves through RELEASED -> FETCHING -> FETCHED -> RELEASED; a swapped tensor
+through its home tier and IN_FLIGHT. An illegal transition is a bug in the engine, and raises (it is never ignored), so a
 missed release or a double fetch shows up at the first step instead of as a silent leak.
 """
 from __future__ import annotations
 
 import enum
 
+from infinity.planner.tiers import Tier, deeper
 
-class Tier(enum.Enum):
-    """A place a model state can live."""
-
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
-
-    @classmethod
-    def from_offload_device(cls, device: str) -> "Tier":
-        """Map a DeepSpeed ``offload_*.device`` value (none/cpu/nvme) to a tier."""
-        mapping = {"none": cls.DEVICE, "cpu": cls.HOST, "nvme": cls.NVME}
-        if device not in mapping:
-            raise ValueError(f"offload device must be one of {sorted(mapping)}, got {device!r}")
-        return mapping[device]
-
-    @property
-    def depth(self) -> int:
-        """0 for DEVICE, 1 for HOST, 2 for NVME: larger is further from compute."""
-        return {Tier.DEVICE: 0, Tier.HOST: 1, Tier.NVME: 2}[self]
-
-
-def deeper(a: Tier, b: Tier) -> Tier:
-    """The tier further from compute of ``a`` and ``b``."""
-    return a if a.depth >= b.depth else b
+__all__ = ["Tier", "deeper", "Residency", "ResidencyError", "ResidencyState"]
 
 
 class Residency(enum.Enum):

@@ -49,12 +49,10 @@ import torch
 
 from infinity.io.buffers import aligned_empty
 from infinity.base.sizes import format_bytes
+# the staging's size is counted in the host budget by the planner (one definition there)
+from infinity.planner.engine_sizes import STAGING_CHUNK_BYTES, STAGING_CHUNKS
 from infinity.storage.extents import round_up
 from infinity.storage.manager import TierManager
-
-STAGING_CHUNK_BYTES = 4 << 20
-STAGING_CHUNKS = 8
-ACTIVATION_STAGING_BYTES = STAGING_CHUNK_BYTES * STAGING_CHUNKS   # host, counted in its budget
 
 
 @dataclass(eq=False)

@@ -19,7 +19,9 @@ optimizer steps, so no frozen element may lie in it -- AdamW's decay would move 
 parameter starts on a 64-byte boundary (SIMD alignment for the Adam kernel); the total is padded
 to a 4 KiB multiple (O_DIRECT). The optimizer steps contiguous runs of one param group (see
 ``PartitionedOptimizer.step_runs``); the gaps between parameters are zeros in params, grads and
-moments alike, so stepping them is harmless and keeps runs contiguous.
+moments alike, so stepping them is harmless and keeps runs contiguous. The arithmetic is
+``infinity.planner.alignment.flat_layout`` (PARAM_ALIGN_BYTES there), which the engine's sizes
+bound too.
 """
 from __future__ import annotations
 
@@ -28,11 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from infinity.planner.alignment import flat_layout
 from infinity.storage.buffer_pool import wait_and_release
-from infinity.storage.manager import FlatStore, TierManager, padded_numel
+from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, ResidencyState, Tier
-
-PARAM_ALIGN_BYTES = 64
 
 
 @dataclass(eq=False)
@@ -64,7 +65,7 @@ class Unit:
         self.device = device
         order = sorted(named_params, key=lambda t: (t[2] < 0, t[2]))
         offsets, self.numel, self.trainable_numel = flat_layout(
-            [(param.numel(), group >= 0) for _, param, group in order], dtype)
+            [(param.numel(), group >= 0) for _, param, group in order], dtype.itemsize)
         self.params: list[ParamEntry] = [
             ParamEntry(name_, param, param.shape, offset, param.numel(), group)
             for (name_, param, group), offset in zip(order, offsets)]
@@ -308,21 +309,4 @@ class Unit:
                 in_flight.append((write(buf, start, count), slot))
         finally:
             wait_and_release(in_flight, manager.wait, staging.release)
-
-
-def flat_layout(params: list[tuple[int, bool]], dtype: torch.dtype) -> tuple[list[int], int, int]:
-    """[Note: flat layout] for (numel, trainable) pairs, trainable ones first: each one's offset,
-    the flat buffer's numel and the trainable range's numel (both padded to 4 KiB)."""
-    align = max(1, PARAM_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
-    offsets: list[int] = []
-    offset = trainable_numel = 0
-    for numel, trainable in params:
-        offset = -(-offset // align) * align
-        if trainable:
-            trainable_numel = padded_numel(offset + numel, torch.float32)
-        elif offsets and offset < trainable_numel:
-            offset = trainable_numel           # frozen ones start after the stepped range
-        offsets.append(offset)
-        offset += numel
-    return offsets, max(padded_numel(offset, dtype), trainable_numel), trainable_numel
 

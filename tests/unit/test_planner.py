@@ -362,7 +362,7 @@ def test_a_prefetch_bucket_larger_than_the_model_is_the_model() -> None:
     """DeepSpeed configs carry stage3_prefetch_bucket_size 1e9 or more; sized as written it
     gave a fetch slot per unit of it, which starved every other host pool (a tiny model failed
     at initialize with "0 B of the 40 KiB host budget")."""
-    from infinity.planner.plan import derive_sizes
+    from infinity.planner.sizes import derive_sizes
 
     cfg = config(3, "nvme", "nvme", zero_optimization={
         "stage": 3, "stage3_prefetch_bucket_size": 1e12,
@@ -380,3 +380,49 @@ def test_cli_plan_refuses_a_model_without_parameters(count, capsys) -> None:
         cli.main(["plan", "--params", count])
     assert exit_info.value.code == 2
     assert "a model has at least one" in capsys.readouterr().err
+
+
+def test_the_planner_is_pure_and_the_one_home_of_tiers_and_sizes() -> None:
+    """The planner imports no torch, storage or I/O (DESIGN.md: the one place sizes are computed,
+    importable from anywhere); storage's Tier is the planner's, and the optimizer's slot and
+    chunk counts are the planner's functions."""
+    import subprocess
+    import sys
+
+    code = ("import sys, infinity.planner.plan, infinity.planner.engine_sizes\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
+            "m.startswith(('infinity.storage', 'infinity.io', 'infinity.zero', 'infinity.optim'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
+
+    from infinity.optim import gradients, partitioned
+    from infinity.planner import engine_sizes
+    from infinity.planner.tiers import Tier
+    from infinity.storage import tiers
+
+    assert tiers.Tier is Tier and Tier.HOST == "host" and Tier.from_offload_device("cpu") is Tier.HOST
+    assert partitioned.step_slot_count is engine_sizes.step_slot_count
+    assert gradients.accumulate_chunk_numel is engine_sizes.accumulate_chunk_numel
+
+
+@pytest.mark.parametrize("opt, param, grad, separate, early, slots", [
+    ("nvme", "nvme", "host", False, True, 3 * 2 + 2),     # m, v; a fetched unit's two staging slots
+    ("nvme", "nvme", "nvme", True, False, 3 * 4 + 2),     # + master and gradient (deferred)
+    ("nvme", "nvme", "nvme", True, True, 3 * 3 + 2),      # the early step keeps no gradient
+    ("host", "host", "host", False, False, 1),            # nothing streamed: at least one
+    ("host", "nvme", "host", False, False, 2),
+])
+def test_step_slot_count(opt, param, grad, separate, early, slots) -> None:
+    from infinity.planner.engine_sizes import step_slot_count
+    from infinity.planner.tiers import Tier
+
+    assert step_slot_count(Tier(opt), Tier(param), Tier(grad), separate, early) == slots
+
+
+def test_accumulate_chunk_is_8_mib_or_the_aligned_largest_gradient() -> None:
+    from infinity.planner.engine_sizes import ACCUMULATE_CHUNK_NUMEL, accumulate_chunk_numel
+
+    assert ACCUMULATE_CHUNK_NUMEL * 4 == 8 * MiB
+    assert accumulate_chunk_numel(10 ** 9) == ACCUMULATE_CHUNK_NUMEL
+    assert accumulate_chunk_numel(0) == accumulate_chunk_numel(1) == 1024   # 4 KiB of fp32
+    assert accumulate_chunk_numel(1025) == 2048

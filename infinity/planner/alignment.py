@@ -1,0 +1,53 @@
+"""How elements are padded: O_DIRECT blocks on disk and in flat stores, SIMD alignment of each
+parameter in a unit's flat buffer ([Note: flat layout] in zero/unit.py).
+
+Pure arithmetic on element counts and item sizes (bytes per element), so the planner, storage
+and the units compute the same numbers from one definition.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from infinity.base.sizes import ALIGN_BYTES
+
+__all__ = ["ALIGN_BYTES", "PARAM_ALIGN_BYTES", "padded_numel", "flat_layout", "unit_layout_bound"]
+
+PARAM_ALIGN_BYTES = 64
+"""Every parameter of a unit starts on this boundary of its flat buffer (SIMD alignment for the
+Adam kernel)."""
+
+FP32_BYTES = 4
+
+
+def padded_numel(numel: int, itemsize: int) -> int:
+    """``numel`` rounded up so that the byte size is a multiple of ALIGN_BYTES (O_DIRECT extents)."""
+    per_block = ALIGN_BYTES // itemsize
+    return -(-numel // per_block) * per_block
+
+
+def flat_layout(params: Iterable[tuple[int, bool]], itemsize: int) -> tuple[list[int], int, int]:
+    """[Note: flat layout] for (numel, trainable) pairs, trainable ones first: each one's offset,
+    the flat buffer's numel and the trainable range's numel (both padded to 4 KiB)."""
+    align = max(1, PARAM_ALIGN_BYTES // itemsize)
+    offsets: list[int] = []
+    offset = trainable_numel = 0
+    for numel, trainable in params:
+        offset = -(-offset // align) * align
+        if trainable:
+            trainable_numel = padded_numel(offset + numel, FP32_BYTES)
+        elif offsets and offset < trainable_numel:
+            offset = trainable_numel           # frozen ones start after the stepped range
+        offsets.append(offset)
+        offset += numel
+    return offsets, max(padded_numel(offset, itemsize), trainable_numel), trainable_numel
+
+
+def unit_layout_bound(params: Iterable[tuple[int, bool]], itemsize: int) -> tuple[int, int]:
+    """An upper bound of a unit's flat numel and trainable numel for its (numel, trainable)
+    parameters: each parameter rounded up to its alignment, so the order of param groups
+    (which decides the real layout) cannot matter."""
+    align = max(1, PARAM_ALIGN_BYTES // itemsize)
+    items = sorted(((-(-numel // align) * align, trainable) for numel, trainable in params),
+                   key=lambda item: not item[1])
+    _, numel, trainable = flat_layout(items, itemsize)
+    return numel, trainable

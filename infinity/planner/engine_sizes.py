@@ -1,0 +1,178 @@
+"""The engine's own sizes: the derived sizes (``infinity.planner.sizes``) completed with what
+only the built units tell (their flat layouts), the schedule's slot counts, where gradients live
+and how much NVMe to reserve.
+
+Pure: the engine (``infinity.engine.sizing``) hands in each unit's (numel, trainable) pairs and
+the compute dtype's item size; the optimizer asks ``step_slot_count`` and
+``accumulate_chunk_numel`` for the pools it allocates, so what the engine budgets for is what the
+optimizer takes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from infinity.config import InfinityConfig
+from infinity.planner.alignment import ALIGN_BYTES, FP32_BYTES, padded_numel, unit_layout_bound
+from infinity.planner.sizes import PREFETCH_UNITS, DerivedSizes
+from infinity.planner.tiers import Tier
+
+__all__ = ["EngineSizes", "engine_sizes", "step_slot_count", "accumulate_chunk_numel",
+           "ACCUMULATE_CHUNK_NUMEL", "ACTIVATION_STAGING_BYTES"]
+
+ACCUMULATE_CHUNK_NUMEL = 2 << 20
+"""Elements (8 MiB) of the host chunk through which accumulation adds a gradient kept on NVMe."""
+STAGING_CHUNK_BYTES = 4 << 20
+"""Bytes of one page-aligned staging chunk of the activation swapper (zero/activation_swap.py)."""
+STAGING_CHUNKS = 8
+"""Staging chunks of the activation swapper."""
+ACTIVATION_STAGING_BYTES = STAGING_CHUNK_BYTES * STAGING_CHUNKS
+"""Host bytes of the activation swapper's staging, counted in the host budget."""
+SUB_GROUP_ALIGN = ALIGN_BYTES // 2
+"""Sub-groups are multiples of this many elements (2048: 4 KiB aligned in fp32 and in 16-bit, as
+the optimizer rounds them); the host budget shrinks one to no less than this."""
+
+
+@dataclass(frozen=True)
+class EngineSizes:
+    """Every size the engine allocates by (bytes unless the name says numel)."""
+
+    host_budget: int | None
+    device_budget: int | None
+    sub_group_numel: int
+    fetch_slots: int
+    max_unit_bytes: int
+    persistence_threshold: int
+    prefetch_bucket_numel: int
+    max_live_numel: int
+    max_reuse_numel: int
+    grad_tier: Tier
+    nvme_bytes: int
+
+
+def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
+                    master_separate: bool, early_step: bool) -> int:
+    """Host slots for the step stream: about 3 sub-groups in flight (read ahead, stepped,
+    written behind), each with one slot per state streamed from NVMe. The stream holds fewer
+    when the pool runs short; it never waits on slots it holds itself."""
+    per_group = 0
+    if optimizer_tier == Tier.NVME:
+        per_group += 2 + int(master_separate)          # m, v (+ fp32 master)
+    if not early_step and grad_tier == Tier.NVME:
+        per_group += 1                                  # gradient
+    # both schedules step a fetched unit and write its parameters home through two more slots
+    # (none when its device copy is page-aligned host memory)
+    staging = 2 if param_tier == Tier.NVME else 0
+    return max(1, 3 * per_group + staging)
+
+
+def accumulate_chunk_numel(max_trainable: int) -> int:
+    """The accumulation chunk: 8 MiB, or the largest unit's gradient when smaller (a multiple
+    of 4 KiB either way, so every chunk starts aligned for O_DIRECT)."""
+    return min(ACCUMULATE_CHUNK_NUMEL, padded_numel(max(1, max_trainable), FP32_BYTES))
+
+
+def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]],
+                 derived: DerivedSizes, itemsize: int, param_tier: Tier, optimizer_tier: Tier,
+                 master_separate: bool, early_step: bool, direct_fetch: bool = False,
+                 speculative: bool = False) -> EngineSizes:
+    """Sizes for this model, config and machine: ``units`` are each unit's (numel, trainable)
+    parameters, ``itemsize`` the compute dtype's bytes per element (``speculative``: parameters
+    and Adam states have second copies on NVMe).
+
+    ``direct_fetch``: NVMe reads land straight in device memory (a CPU device, see
+    ``Unit.start_fetch``), so there are no fetch slots; the host they would have taken goes to
+    the emulated device pool, where prefetched units now wait (unless the user set its budget).
+    """
+    nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
+    layouts = [unit_layout_bound(u, itemsize) for u in units]
+    unit_numels = [numel for numel, _ in layouts]
+    trainable = [numel for _, numel in layouts]
+    max_unit_bytes = max(unit_numels, default=0) * itemsize
+    threshold = derived.persistence_threshold
+    streamed_units = [n for n in unit_numels if n > threshold] if cfg.zero.stage == 3 else []
+    host_budget = derived.host_budget_bytes
+    # on a CPU-only machine the planner pays the emulated device pool out of the host budget
+    device_budget = derived.device_budget_bytes
+
+    # Host bytes the engine will hold before gradients get a home.
+    total_trainable = sum(trainable)
+    host = 0
+    if param_tier == Tier.HOST:
+        host += sum(streamed_units) * itemsize
+    if optimizer_tier == Tier.HOST:
+        host += total_trainable * 4 * (3 if master_separate else 2)
+    fetch_slots = derived.param_buffer_count
+    if param_tier == Tier.NVME and direct_fetch:
+        moved = fetch_slots * max_unit_bytes
+        if cfg.infinity.device_memory_budget is None and host_budget is not None and \
+                device_budget is not None:
+            moved = min(moved, max(0, host_budget - max_unit_bytes))
+            host_budget -= moved
+            device_budget += moved
+        fetch_slots = 0
+    elif param_tier == Tier.NVME:
+        host += fetch_slots * max_unit_bytes
+    max_reuse = derived.max_reuse_distance
+    if direct_fetch and cfg.zero.stage3_max_reuse_distance is None and device_budget is not None:
+        # the emulated pool is host memory set aside for units (activations live outside it), and
+        # a kept unit never blocks a fetch: keep whatever the pool holds (fewer NVMe reads)
+        max_reuse = max(max_reuse, device_budget // itemsize)
+    prefetch = derived.prefetch_bucket_size
+    max_live = derived.max_live_parameters
+    if direct_fetch and device_budget is not None and cfg.zero.stage == 3:
+        # the planner sized an automatic prefetch bucket before the fetch slots' memory moved
+        # into the emulated pool; with that room, prefetch its PREFETCH_UNITS largest units
+        # (the prefetch counts what is already in flight: see choose_prefetch)
+        largest = max(unit_numels, default=0)
+        if cfg.zero.stage3_prefetch_bucket_size is None:
+            prefetch = max(prefetch, min(PREFETCH_UNITS * largest,
+                                         (device_budget - 2 * max_unit_bytes) // itemsize))
+        if cfg.zero.stage3_max_live_parameters is None:
+            max_live = max(max_live, largest + prefetch)
+    max_trainable = max(trainable, default=0)
+    sub_group = max(1, derived.sub_group_size)
+    streamed = optimizer_tier == Tier.NVME or param_tier == Tier.NVME
+    grad_tier = Tier.HOST
+    if not early_step and host_budget is not None and nvme_path:
+        # gradients stay on the host when they fit beside the smallest optimizer slots
+        least_slots = step_slot_count(optimizer_tier, param_tier, Tier.HOST, master_separate,
+                                      early_step) * SUB_GROUP_ALIGN * 4 if streamed else 0
+        if host + total_trainable * 4 + least_slots > host_budget:
+            grad_tier = Tier.NVME
+    if not early_step and grad_tier == Tier.HOST:
+        host += total_trainable * 4              # the gradients' home
+    if early_step or grad_tier == Tier.NVME or speculative:
+        # flat gradient buffers (GRADS_HELD), or held gradients: the room (HELD_ROOM_UNITS) and
+        # the part waiting for it
+        host += 2 * max_trainable * 4
+    if grad_tier == Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
+        host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
+    if cfg.infinity.offload_activations == "nvme":
+        host += ACTIVATION_STAGING_BYTES
+    if streamed:
+        # The optimizer slots get what the other pools leave of the host budget (the planner
+        # sized the sub-group for its own count of slots, which the deferred schedule exceeds).
+        slots = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate, early_step)
+        if host_budget is not None:
+            room = int(0.95 * (host_budget - host)) // (slots * 4)
+            sub_group = max(SUB_GROUP_ALIGN,
+                            min(sub_group, room // SUB_GROUP_ALIGN * SUB_GROUP_ALIGN))
+        host += slots * padded_numel(min(sub_group, max(max_trainable, 1)), FP32_BYTES) * 4
+    nvme = 0
+    copies = 2 if speculative else 1
+    if param_tier == Tier.NVME:
+        nvme += sum(streamed_units) * itemsize * copies
+    if optimizer_tier == Tier.NVME:
+        nvme += total_trainable * 4 * (3 if master_separate else 2) * copies
+    if grad_tier == Tier.NVME:
+        nvme += total_trainable * 4
+    return EngineSizes(
+        host_budget=host_budget, device_budget=device_budget, sub_group_numel=sub_group,
+        fetch_slots=fetch_slots if direct_fetch else max(2, fetch_slots),
+        max_unit_bytes=max_unit_bytes,
+        persistence_threshold=threshold,
+        prefetch_bucket_numel=max(prefetch, max(unit_numels, default=0)),
+        max_live_numel=max(max_live, 2 * max(unit_numels, default=0)),
+        max_reuse_numel=max_reuse,
+        grad_tier=grad_tier, nvme_bytes=nvme)

@@ -1,0 +1,103 @@
+"""Where each kind of state lives for a config on a machine, and its bytes there (per rank).
+
+Byte math (N = world size; P = parameters, T = trainable parameters):
+
+* fp32 Adam states are 12 B per trainable parameter (master 4 + m 4 + v 4), sharded over N from
+  stage 1; fp32 gradients add 4 B (sharded from stage 2); a 16-bit compute copy of the parameters
+  adds 2 B (sharded at stage 3). Mixed precision: 18 B/param.
+* When the compute dtype is fp32 and the compute copy can be fetched from where the master lives
+  (same tier, or stage 3 on a CPU-only machine whose "device" is an emulated pool), the fp32
+  master *is* the parameter and is stored once, in the deeper of the two tiers: 16 B/param with
+  gradients, not the 20 B DeepSpeed keeps (see shared/peers/DS_E2E.md).
+* With the early step (the optimizer steps a unit as soon as its gradient shard arrives) the
+  gradients have no home at all; only one sub-group's staging buffer exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infinity.config import InfinityConfig
+from infinity.planner.inputs import Hardware, ModelStats
+from infinity.planner.tiers import Tier, deeper
+
+__all__ = ["Placement", "COMPONENTS", "place", "resident_bytes", "choose_compute_dtype",
+           "choose_early_step"]
+
+COMPONENTS = ("params", "grads", "optimizer_states", "buffers")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each kind of state lives, and how many elements of each this rank holds."""
+
+    stage: int
+    compute_dtype: str
+    c: int                  # bytes per element of the compute dtype
+    param_tier: Tier        # home of the compute copy of the parameters
+    opt_tier: Tier          # home of m and v (and the master unless single_copy)
+    single_copy: bool       # fp32 compute: the master is the parameter, stored once
+    early_step: bool
+    param_elems: int        # per rank
+    opt_elems: int          # per rank
+    grad_elems: int         # per rank
+
+    @property
+    def master_tier(self) -> Tier:
+        return self.param_tier if self.single_copy else self.opt_tier
+
+    @property
+    def grads_tier(self) -> Tier | None:
+        """Where the deferred schedule keeps gradients: as the engine does (engine_sizes),
+        beside offloaded Adam states, and in host memory when the states stay on the device."""
+        if self.early_step:
+            return None
+        return Tier.HOST if self.opt_tier == Tier.DEVICE else self.opt_tier
+
+
+def choose_compute_dtype(cfg: InfinityConfig, hw: Hardware) -> str:
+    """The config's compute dtype, or for "auto" the one this machine computes fastest in."""
+    if cfg.infinity.compute_dtype != "auto":
+        return cfg.infinity.compute_dtype
+    if not hw.has_gpu:
+        return "fp32"  # bf16 matmuls are ~45x slower than fp32 on CPUs without AVX512-BF16
+    return "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
+
+
+def choose_early_step(cfg: InfinityConfig, dtype: str) -> bool:
+    """Whether a unit's optimizer step runs as soon as its gradients arrive."""
+    if cfg.infinity.early_step != "auto":
+        return cfg.infinity.early_step == "on"
+    # "auto": only for the partitioned (offloaded) optimizer, and only when nothing needs all
+    # gradients before the step: no clipping (global norm), no fp16 (overflow check), no accumulation.
+    return (cfg.zero.offload_optimizer.device != "none" and cfg.gradient_clipping == 0
+            and not cfg.fp16.enabled and dtype != "fp16" and cfg.gradient_accumulation_steps == 1)
+
+
+def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Placement:
+    """Where the states of ``stats``' model live under ``cfg`` on ``hw``."""
+    z, n = cfg.zero, cfg.world_size
+    dtype = choose_compute_dtype(cfg, hw)
+    opt_tier = Tier.from_offload_device(z.offload_optimizer.device)
+    param_tier = Tier.DEVICE if z.stage < 3 else Tier.from_offload_device(z.offload_param.device)
+    single = dtype == "fp32" and (param_tier == opt_tier or (not hw.has_gpu and z.stage == 3))
+    if single:
+        param_tier = deeper(param_tier, opt_tier)
+    shard = lambda elems, from_stage: -(-elems // n) if z.stage >= from_stage else elems  # noqa: E731
+    return Placement(stage=z.stage, compute_dtype=dtype, c=4 if dtype == "fp32" else 2,
+                     param_tier=param_tier, opt_tier=opt_tier, single_copy=single,
+                     early_step=choose_early_step(cfg, dtype),
+                     param_elems=shard(stats.total_params, 3), opt_elems=shard(stats.trainable_params, 1),
+                     grad_elems=shard(stats.trainable_params, 2))
+
+
+def resident_bytes(lay: Placement) -> dict[tuple[str, Tier], int]:
+    """Bytes of params, grads and optimizer states at their home tiers."""
+    out: dict[tuple[str, Tier], int] = {}
+
+    def add(component: str, tier: Tier | None, nbytes: int) -> None:
+        if tier is not None and nbytes:
+            out[(component, tier)] = out.get((component, tier), 0) + nbytes
+    add("params", lay.param_tier, (4 if lay.single_copy else lay.c) * lay.param_elems)
+    add("optimizer_states", lay.opt_tier, (8 if lay.single_copy else 12) * lay.opt_elems)
+    add("grads", lay.grads_tier, 4 * lay.grad_elems)
+    return out

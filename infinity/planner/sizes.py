@@ -1,0 +1,222 @@
+"""Sizes derived from the budgets: every "auto" or unset size of a config, resolved for a model
+on a machine (``derive_sizes``), before any memory is touched.
+
+The engine sizes its sub-groups, buffers and prefetch from ``derive_sizes`` at start (then adds
+what only the built units tell, in ``infinity.planner.engine_sizes``), and ``infinity plan``
+predicts memory from the same numbers (``infinity.planner.plan``), so the two always agree.
+Assumptions are named constants below; activations and autograd temporaries are not modelled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from infinity.base.sizes import ALIGN_BYTES
+from infinity.config import InfinityConfig
+from infinity.planner.alignment import PARAM_ALIGN_BYTES
+from infinity.planner.inputs import Hardware, ModelStats
+from infinity.planner.placement import Placement, place, resident_bytes
+from infinity.planner.tiers import Tier
+
+__all__ = ["DerivedSizes", "derive_sizes", "host_allowed", "pool_in_host_budget",
+           "slot_bytes_per_elem", "device_working"]
+
+# ---- assumptions (change them here, and the engine and `infinity plan` follow) ----------------
+HOST_BUDGET_FRACTION = 0.8        # default host budget: this share of MemAvailable at start
+OPTIMIZER_BUFFER_SHARE = 0.5      # share of the host budget the optimizer swap slots may take
+DEFAULT_BUFFER_COUNT = 4          # read i+1 | step i | write i-1 | one spare
+SUB_GROUP_ROUND = 1 << 20         # auto sub-groups: a multiple of 1 Mi elements (4 MiB of fp32) ...
+MIN_SUB_GROUP = 1 << 20           # ... and at least this many unless the host budget forbids
+ALIGN_ELEMS = ALIGN_BYTES // 4    # 1024: 4 KiB of fp32, O_DIRECT alignment of every extent
+PREFETCH_UNITS = 2                # prefetch about this many units ahead (within the device budget)
+PERSISTENCE_THRESHOLD = 100_000   # params below this many elements stay on the device ...
+PERSISTENT_SHARE = 0.05           # ... if they take at most this share of the device budget
+REDUCE_BUCKET_SHARE = 1 / 8       # a gradient reduce bucket takes at most this share of the device
+EMULATED_DEVICE_SHARE = 0.25      # CPU-only: the device pool's share of the host's budgeted memory
+                                  # (prefetch shrinks first; the pool never drops below one unit)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _round_down(value: int, multiple: int) -> int:
+    return value // multiple * multiple
+
+
+@dataclass(frozen=True, kw_only=True)
+class DerivedSizes:
+    """Every size the engine uses, resolved: the config's value where given, else from budgets.
+
+    Counts of elements unless the name says bytes.
+    """
+
+    sub_group_size: int
+    """Optimizer elements stepped and swapped at once."""
+    buffer_count: int
+    """Optimizer swap slots (read i+1 | step i | write i-1 | spare)."""
+    buffer_size: int
+    """Elements per optimizer swap slot (one sub-group)."""
+    param_buffer_count: int
+    """Parameter swap slots (current unit + prefetched units + one written back)."""
+    param_buffer_size: int
+    """Elements per parameter swap slot (one unit's shard)."""
+    max_in_cpu: int
+    """Parameter elements cached on the host when parameters live on NVMe."""
+    prefetch_bucket_size: int
+    """Parameter elements fetched ahead of use."""
+    max_live_parameters: int
+    """Most parameter elements fetched on the device at once."""
+    max_reuse_distance: int
+    """Keep a released parameter reused within this many elements."""
+    persistence_threshold: int
+    """Parameters below this many elements stay on the device."""
+    reduce_bucket_size: int
+    """Gradient elements reduced at once."""
+    allgather_bucket_size: int
+    """Parameter elements all-gathered at once (stages 1-2)."""
+    host_budget_bytes: int
+    """Bytes the HOST tier and host buffers may hold."""
+    device_budget_bytes: int
+    """Bytes the DEVICE tier (or the emulated device pool) may hold."""
+    compute_dtype: Literal["fp32", "bf16", "fp16"]
+    """Forward/backward dtype."""
+    early_step: bool
+    """Whether a unit's optimizer step runs as soon as its gradients arrive."""
+
+    def apply(self, cfg: InfinityConfig) -> InfinityConfig:
+        """``cfg`` with every "auto" replaced by these values (what a run really used)."""
+        z = cfg.zero
+        zero = dataclasses.replace(
+            z, sub_group_size=self.sub_group_size,
+            stage3_prefetch_bucket_size=self.prefetch_bucket_size,
+            stage3_param_persistence_threshold=self.persistence_threshold,
+            stage3_max_live_parameters=self.max_live_parameters,
+            stage3_max_reuse_distance=self.max_reuse_distance,
+            reduce_bucket_size=self.reduce_bucket_size,
+            allgather_bucket_size=self.allgather_bucket_size,
+            offload_optimizer=dataclasses.replace(z.offload_optimizer, buffer_count=self.buffer_count,
+                                                  buffer_size=self.buffer_size),
+            offload_param=dataclasses.replace(z.offload_param, buffer_count=self.param_buffer_count,
+                                              buffer_size=self.param_buffer_size,
+                                              max_in_cpu=self.max_in_cpu))
+        inf = dataclasses.replace(cfg.infinity, host_memory_budget=self.host_budget_bytes,
+                                  device_memory_budget=self.device_budget_bytes,
+                                  compute_dtype=self.compute_dtype,
+                                  early_step="on" if self.early_step else "off")
+        return dataclasses.replace(cfg, zero=zero, infinity=inf)
+
+
+def host_allowed(cfg: InfinityConfig, hw: Hardware) -> int:
+    """The host memory budget as given, else HOST_BUDGET_FRACTION of MemAvailable."""
+    given = cfg.infinity.host_memory_budget
+    return int(HOST_BUDGET_FRACTION * hw.host_available_bytes) if given is None else given
+
+
+def pool_in_host_budget(cfg: InfinityConfig, hw: Hardware) -> bool:
+    """CPU-only without a device budget: the planner's device pool is paid from the host budget."""
+    return not hw.has_gpu and cfg.infinity.device_memory_budget is None
+
+
+def slot_bytes_per_elem(lay: Placement) -> int:
+    """Bytes per element of one optimizer swap slot: the NVMe-homed states of a sub-group."""
+    tensors = 0
+    if lay.master_tier == Tier.NVME:
+        tensors += 1
+    if lay.opt_tier == Tier.NVME:
+        tensors += 2  # m, v
+    if lay.grads_tier == Tier.NVME or (lay.early_step and tensors and lay.opt_tier == Tier.NVME):
+        tensors += 1  # the gradient is swapped, or staged in the slot by the early step
+    return 4 * tensors
+
+
+def device_working(lay: Placement, unit: int, prefetch: int, persist: int, bucket: int) -> int:
+    """Device bytes beyond the resident states: fetched units, persistent params, unit grads."""
+    if lay.stage == 3:
+        return lay.c * (unit + prefetch + persist) + lay.c * unit  # + the unit's grads in backward
+    return 0 if lay.grads_tier == Tier.DEVICE else lay.c * (unit + bucket)
+
+
+def layout_slack(stats: ModelStats) -> int:
+    """Bytes the flat layout adds to the element counts on the device: each unit's stores are
+    padded to 4 KiB and each parameter starts on PARAM_ALIGN_BYTES (64), in up to 5 fp32-sized
+    states (parameters, gradients, m, v, master). Small next to a real model; most of a tiny one."""
+    n_params = len(stats.param_numels) if stats.param_numels else 16 * stats.n_units
+    return 5 * (stats.n_units * ALIGN_BYTES + n_params * PARAM_ALIGN_BYTES)
+
+
+def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> DerivedSizes:
+    """Resolve every size of ``cfg`` for this model on this machine (see the module docstring)."""
+    lay = place(cfg, stats, hw)
+    z, c, unit = cfg.zero, lay.c, stats.largest_unit_params
+    resident_device = sum(b for (_, tier), b in resident_bytes(lay).items() if tier == Tier.DEVICE)
+    unit_cap = _round_up(max(unit, 1), ALIGN_ELEMS)
+
+    threshold = (z.stage3_param_persistence_threshold if z.stage3_param_persistence_threshold
+                 is not None else PERSISTENCE_THRESHOLD)
+    allowed = host_allowed(cfg, hw)
+    device_budget = cfg.infinity.device_memory_budget
+    if device_budget is None:
+        if hw.has_gpu:
+            device_budget = hw.gpu_free_bytes or 0
+        else:  # CPU-only: the emulated device gets what the working set needs, within a share
+            persist_guess = stats.persistent_elements(threshold) if z.stage == 3 else 0
+            prefetch_guess = PREFETCH_UNITS * unit if z.stage == 3 else 0
+            least, wanted = (resident_device + device_working(lay, unit, p, persist_guess, unit_cap)
+                             for p in (0, prefetch_guess))
+            device_budget = max(least, min(wanted, int(EMULATED_DEVICE_SHARE * allowed)))
+            device_budget += layout_slack(stats)
+    host_budget = allowed
+    if pool_in_host_budget(cfg, hw):
+        host_budget = max(0, allowed - device_budget)  # the emulated device is host RAM too
+
+    if z.stage3_param_persistence_threshold is None:
+        fits = c * stats.persistent_elements(PERSISTENCE_THRESHOLD) <= PERSISTENT_SHARE * device_budget
+        threshold = PERSISTENCE_THRESHOLD if fits else 0
+    persist = stats.persistent_elements(threshold) if z.stage == 3 else 0
+
+    bucket_cap = max(ALIGN_ELEMS, int(REDUCE_BUCKET_SHARE * device_budget) // c)
+    reduce_bucket = z.reduce_bucket_size or min(unit_cap, bucket_cap)
+    allgather_bucket = z.allgather_bucket_size or min(unit_cap, bucket_cap)
+
+    prefetch = z.stage3_prefetch_bucket_size
+    if prefetch is not None:
+        # more than the model holds prefetches nothing more (DeepSpeed configs say 1e9, 1e12),
+        # but would size a fetch slot per unit of it out of the host budget
+        prefetch = min(prefetch, stats.total_params)
+    if prefetch is None:
+        if z.stage == 3:
+            free = device_budget - resident_device - device_working(lay, unit, 0, persist, 0)
+            prefetch = max(0, min(PREFETCH_UNITS * unit, free // c))
+        else:
+            prefetch = 0
+    max_live = z.stage3_max_live_parameters
+    max_live = unit + prefetch if max_live is None else max_live
+    reuse = z.stage3_max_reuse_distance
+    reuse = prefetch if reuse is None else reuse
+
+    opt = z.offload_optimizer
+    buffer_count = opt.buffer_count or DEFAULT_BUFFER_COUNT
+    sub_group = z.sub_group_size
+    if sub_group is None:
+        sub_group = min(_round_up(max(unit, 1), SUB_GROUP_ROUND), _round_up(max(lay.opt_elems, 1), ALIGN_ELEMS))
+        slot = slot_bytes_per_elem(lay) or 16
+        if slot_bytes_per_elem(lay):
+            fit = _round_down(int(OPTIMIZER_BUFFER_SHARE * host_budget) // (buffer_count * slot), ALIGN_ELEMS)
+            sub_group = max(ALIGN_ELEMS, min(sub_group, fit))
+    buffer_size = opt.buffer_size or sub_group
+
+    par = z.offload_param
+    shard_unit = -(-unit // cfg.world_size) if z.stage == 3 else unit
+    param_buffer_size = par.buffer_size or _round_up(max(shard_unit, 1), ALIGN_ELEMS)
+    param_buffer_count = par.buffer_count or (2 + math.ceil(prefetch / unit) if unit else 3)
+    return DerivedSizes(
+        sub_group_size=sub_group, buffer_count=buffer_count, buffer_size=buffer_size,
+        param_buffer_count=param_buffer_count, param_buffer_size=param_buffer_size,
+        max_in_cpu=par.max_in_cpu or 0, prefetch_bucket_size=prefetch,
+        max_live_parameters=max_live, max_reuse_distance=reuse, persistence_threshold=threshold,
+        reduce_bucket_size=reduce_bucket, allgather_bucket_size=allgather_bucket,
+        host_budget_bytes=host_budget, device_budget_bytes=device_budget,
+        compute_dtype=lay.compute_dtype, early_step=lay.early_step)  # type: ignore[arg-type]
