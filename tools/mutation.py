@@ -9,11 +9,14 @@ Run from the repository root (one worker, nice'd: the machine is shared):
 Arguments are modules or packages, as paths (infinity/storage/extents.py, infinity/storage) or
 dotted names (infinity.storage.extents, infinity.storage). Options:
 
-    --worktree          test the working tree (with uncommitted edits) instead of HEAD
+    --rev REV           test that commit (default HEAD)
+    --worktree          test the working tree (with uncommitted edits) instead of a commit
+    --overlay FILE      (repeatable) copy this working-tree file over the snapshot (a new test file, say, on
+                        a commit that predates it)
     --fresh             forget cached verdicts (by default killed mutants stay killed while the
                         function they mutate is unchanged; every other verdict is checked again)
     --max-children N    mutmut workers (default 1)
-    --tests FILE ...    extra test files for every module (added to the mapped ones)
+    --tests FILE        (repeatable) an extra test file for every module (added to the mapped ones)
     --via-helpers       also map tests that reach a module only through a helper in tests/
     --integration       keep tests/integration files for modules that unit tests import too (by
                         default a module gets integration tests only when no unit test imports
@@ -37,7 +40,8 @@ What it does, and why it does it this way:
    an empty module named like the finder's (the `.pth` file imports it by name, and PYTHONPATH comes
    first), so no finder is installed -- in mutmut's process and in any python a test spawns -- and
    `infinity` is imported from mutants/. The native library, which sits only in site-packages, is
-   passed as INFINITY_NATIVE_LIB (see infinity/base/native_library.py). A preflight checks both in a child
+   passed as INFINITY_NATIVE_LIB (see infinity/base/native_library.py, formerly infinity/_native.py).
+   A preflight checks both in a child
    python before mutmut starts; mutmut's own forced-fail run then checks that mutants are switched
    on (every test must fail when the "fail" mutant is active).
 4. Reads mutmut's per-file verdicts and reports per module and per package: mutants, killed,
@@ -158,8 +162,8 @@ def map_tests(modules: list[str], tests_root: Path, via_helpers: bool) -> dict[s
 
 # -- the private work copy ---------------------------------------------------------------------------
 
-def snapshot(worktree: bool, staging: Path) -> str:
-    """HEAD (or the working tree) of infinity/, tests/ and pyproject.toml into staging; returns a
+def snapshot(worktree: bool, staging: Path, rev: str = "HEAD") -> str:
+    """A commit (or the working tree) of infinity/, tests/ and pyproject.toml into staging; returns a
     description of what was copied."""
     if staging.exists():
         shutil.rmtree(staging)
@@ -171,11 +175,11 @@ def snapshot(worktree: bool, staging: Path) -> str:
         shutil.copy2(ROOT / "pyproject.toml", staging / "pyproject.toml")
         head = git("rev-parse", "--short", "HEAD")
         return f"working tree (HEAD {head} plus uncommitted edits)"
-    data = subprocess.run(["git", "archive", "--format=tar", "HEAD", PACKAGE, "tests", "pyproject.toml"],
+    data = subprocess.run(["git", "archive", "--format=tar", rev, PACKAGE, "tests", "pyproject.toml"],
                           cwd=ROOT, check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(staging, filter="data")
-    return f"HEAD {git('rev-parse', '--short', 'HEAD')}"
+    return f"{rev} {git('rev-parse', '--short', rev)}"
 
 
 def git(*args: str) -> str:
@@ -290,7 +294,13 @@ def run_env(work: Path, native: str) -> dict[str, str]:
 
 
 PREFLIGHT = """
-import sys, infinity, infinity.base.native_library as n
+import importlib, sys, infinity
+for name in ("infinity.base.native_library", "infinity._native"):   # the loader's home, new or old
+    try:
+        n = importlib.import_module(name)
+        break
+    except ModuleNotFoundError:
+        continue
 n.lib()
 print(infinity.__file__)
 print(n.library_path())
@@ -371,9 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("targets", nargs="*", default=DEFAULT_TARGETS)
     ap.add_argument("--worktree", action="store_true")
+    ap.add_argument("--rev", default="HEAD")
+    ap.add_argument("--overlay", action="append", default=[])
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--max-children", type=int, default=1)
-    ap.add_argument("--tests", nargs="*", default=[])
+    ap.add_argument("--tests", action="append", default=[])
     ap.add_argument("--via-helpers", action="store_true")
     ap.add_argument("--integration", action="store_true")
     ap.add_argument("--show-survivors", action="store_true")
@@ -381,7 +393,13 @@ def main(argv: list[str] | None = None) -> int:
 
     STATE.mkdir(exist_ok=True)
     modules = expand_targets(args.targets)
-    source = snapshot(args.worktree, STATE / "staging")
+    source = snapshot(args.worktree, STATE / "staging", args.rev)
+    for rel in args.overlay:
+        target = STATE / "staging" / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / rel, target)
+    if args.overlay:
+        source += " with working-tree " + " ".join(args.overlay)
     sync(STATE / "staging", WORK)
     shutil.rmtree(STATE / "staging")
     names = [module_name(m) for m in modules]

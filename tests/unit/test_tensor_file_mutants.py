@@ -172,3 +172,89 @@ def test_closing_a_reader_twice_closes_nothing_else(tmp_path: Path) -> None:
             os.fstat(fd)
     finally:
         os.close(other)
+
+
+def _raw_file(path: Path, header: bytes, data: bytes = b"", length: int | None = None) -> Path:
+    import struct
+    path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
+    return path
+
+
+GOOD_A = '"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}'
+
+
+def test_writer_refuses_more_data_once_complete_and_counts_later_tensors_on_their_own(
+        tmp_path: Path) -> None:
+    w = TensorFileWriter(tmp_path / "t.safetensors", [("a", torch.float32, (2,)),
+                                                      ("b", torch.float32, (2,))])
+    w.append("a", torch.zeros(2))
+    with pytest.raises(ValueError, match=r"tensor b is written now \(0 of 8 bytes\); got a"):
+        w.append("a", torch.zeros(1))
+    with pytest.raises(ValueError, match="tensor b has 8 bytes; 12 were given"):
+        w.append("b", torch.zeros(3))
+    w.append("b", torch.zeros(1))
+    with pytest.raises(ValueError, match="tensor b has 8 bytes; 12 were given"):
+        w.append("b", torch.zeros(2))
+    w.append("b", torch.zeros(1))
+    with pytest.raises(ValueError, match="every tensor is complete; got more for b"):
+        w.append("b", torch.zeros(1))
+    w.close()
+
+
+def test_a_file_without_tensor_data_is_read(tmp_path: Path) -> None:
+    """A table with no tensors, or only empty ones: the header runs to the end of the file."""
+    path = tmp_path / "empty.safetensors"
+    w = TensorFileWriter(path, [], metadata={"k": "v"})
+    w.close()
+    with TensorFileReader(path) as r:
+        assert r.tensors == {} and r.metadata == {"k": "v"}
+    path2 = tmp_path / "zero.safetensors"
+    w = TensorFileWriter(path2, [("e", torch.float32, (0, 3))])
+    w.close()
+    with TensorFileReader(path2) as r:
+        assert r.read("e").shape == (0, 3)
+        assert r.data_start == path2.stat().st_size
+
+
+def test_a_header_length_past_the_end_of_the_file_is_refused_as_such(tmp_path: Path) -> None:
+    header = ("{" + GOOD_A + "}").encode()
+    for length in (len(header) + 8 + 1, len(header) + 8 + 4, 1 << 63, (1 << 64) - 1):
+        path = _raw_file(tmp_path / f"t{length}.safetensors", header, bytes(8), length=length)
+        size = path.stat().st_size
+        with pytest.raises(tf.CheckpointError,
+                           match=f"header length {length} does not fit in the file's {size} bytes"):
+            TensorFileReader(path)
+
+
+def test_a_size_mismatch_names_both_sizes(tmp_path: Path) -> None:
+    header = ("{" + GOOD_A + "}").encode()
+    path = _raw_file(tmp_path / "t.safetensors", header, bytes(12))
+    with pytest.raises(tf.CheckpointError, match=f"has {8 + len(header) + 12} bytes but its header "
+                                                 f"describes {8 + len(header) + 8}: the file is "
+                                                 "truncated"):
+        TensorFileReader(path)
+
+
+def test_header_errors_show_the_offending_part(tmp_path: Path) -> None:
+    cases = [
+        ('{"b": {%s}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}, "b": {%s}}'
+         % (GOOD_A[6:-1], GOOD_A[6:-1]), "key 'b' appears twice"),
+        ('{"__metadata__": {"k": 7}}', "it is {'k': 7}"),
+        ('{"a": {"dtype": "F32"}}', "tensor a (no data_offsets, shape): {'dtype': 'F32'}"),
+        ('{"a": {"dtype": "F31", "shape": [2], "data_offsets": [0, 8]}}',
+         "dtype 'F31' is none of BF16, BOOL, C64"),
+        ('{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}',
+         "tensor a spans [0, 8), which does not match F32 [4]"),
+    ]
+    for i, (header, says) in enumerate(cases):
+        path = _raw_file(tmp_path / f"t{i}.safetensors", header.encode(), bytes(8))
+        with pytest.raises(tf.CheckpointError) as caught:
+            TensorFileReader(path)
+        assert says in str(caught.value), (header, str(caught.value))
+
+
+def test_tensor_infos_carry_their_names(tmp_path: Path) -> None:
+    path = _file_of(tmp_path / "t.safetensors", {"w": torch.zeros(2), "b": torch.zeros(1)})
+    with TensorFileReader(path) as r:
+        assert {n: i.name for n, i in r.tensors.items()} == {"w": "w", "b": "b"}
+        assert r.info("b") == tf.TensorInfo("b", torch.float32, (1,), 8, 12)
