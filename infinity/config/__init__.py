@@ -5,7 +5,7 @@ keys, aliases, "auto"); each section is a frozen, keyword-only dataclass in a mo
 validating its values in ``__post_init__`` with the checks in config/values.py, which name the
 key path in every error. Pure: imports nothing above config/ but the base helpers (log, sizes).
 """
-from infinity.config.aio import AioSection
+from infinity.config.aio import AioConfig
 from infinity.config.infinity_config import IGNORED_KEYS, OFF_ONLY_KEYS, InfinityConfig
 from infinity.config.infinity_section import InfinitySection
 from infinity.config.optimizer import SCHEDULER_KEYS, OptimizerConfig, SchedulerConfig
@@ -15,6 +15,6 @@ from infinity.config.zero import OffloadConfig, ZeroConfig
 
 __all__ = [
     "ConfigError", "InfinityConfig", "OptimizerConfig", "SchedulerConfig", "Fp16Config",
-    "Bf16Config", "OffloadConfig", "ZeroConfig", "AioSection", "InfinitySection",
+    "Bf16Config", "OffloadConfig", "ZeroConfig", "AioConfig", "InfinitySection",
     "IGNORED_KEYS", "OFF_ONLY_KEYS", "SCHEDULER_KEYS",
 ]

@@ -12,7 +12,7 @@ Rules kept here:
   explicit list of DeepSpeed keys that infinity ignores on purpose is accepted with one log line,
   and so are DeepSpeed features infinity lacks while they are switched off (on, they are errors).
 * ``"auto"`` (as written by the Hugging Face integration) for a *size* (sub-groups, buffers,
-  buckets) means "derive it from the memory budgets" (``None`` here; ``infinity.planner.plan`` fills
+  buckets) means "derive it from the memory budgets" (``None`` here; ``infinity.planner.sizes`` fills
   it in), never DeepSpeed's literal defaults (a 1e9-element sub-group is 12 GB of host buffers).
   ``"auto"`` for any other value (lr, betas, batch sizes, ...) needs a resolved value from the
   caller: ``from_dict(d, auto_values={"optimizer.params.lr": 3e-4})``.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from infinity.config.aio import AioSection
+from infinity.config.aio import AioConfig
 from infinity.config.file import check_nesting, decode_base64_config, read_config_file
 from infinity.config.infinity_section import InfinitySection
 from infinity.config.optimizer import SCHEDULER_KEYS, OptimizerConfig, SchedulerConfig
@@ -152,7 +152,7 @@ class InfinityConfig:
     """Clip the global gradient norm to this value; 0 = off."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """ZeRO stage, home tiers, sizes (JSON key "zero_optimization")."""
-    aio: AioSection = field(default_factory=AioSection)
+    aio: AioConfig = field(default_factory=AioConfig)
     """Async I/O engine settings."""
     infinity: InfinitySection = field(default_factory=InfinitySection)
     """Budgets and compute choices."""
@@ -169,7 +169,7 @@ class InfinityConfig:
         set_field(self, "world_size", check_int("world_size", self.world_size, 1))
         self._resolve_batch_sizes()
         for name, cls in (("optimizer", OptimizerConfig), ("fp16", Fp16Config), ("bf16", Bf16Config),
-                          ("zero", ZeroConfig), ("aio", AioSection), ("infinity", InfinitySection)):
+                          ("zero", ZeroConfig), ("aio", AioConfig), ("infinity", InfinitySection)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: expected {cls.__name__}, got {getattr(self, name)!r}")
         if self.scheduler is not None and not isinstance(self.scheduler, SchedulerConfig):
@@ -407,7 +407,7 @@ class _Parser:
             kwargs["optimizer"] = self.optimizer(top["optimizer"])
         if top.get("scheduler") is not None:
             kwargs["scheduler"] = self.scheduler(top["scheduler"])
-        for name, cls in (("fp16", Fp16Config), ("bf16", Bf16Config), ("aio", AioSection),
+        for name, cls in (("fp16", Fp16Config), ("bf16", Bf16Config), ("aio", AioConfig),
                           ("infinity", InfinitySection)):
             if name in top:
                 allowed = tuple(f.name for f in dataclasses.fields(cls))

@@ -4,7 +4,7 @@
 """
 from infinity.io.aio import AioEngine, IORequest, wait_all
 from infinity.io.buffers import aligned_empty
-from infinity.io.config import AioConfig
+from infinity.config.aio import AioConfig  # the one AioConfig (the config's "aio" section)
 from infinity.io.files import IOFile, filesystem_of, open_direct, open_file
 from infinity.io.pagecache import drop_cached, resident_pages
 

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import torch
 
 from infinity.io import _lib
-from infinity.io.config import AioConfig
+from infinity.config.aio import AioConfig
 from infinity.io.files import IOFile, Mode, open_file
 from infinity.base.log import get_logger
 from infinity.base.native_info import record_in_use

@@ -24,6 +24,7 @@ import torch
 from infinity.base.budget import MemoryBudget
 from infinity.base.log import get_logger
 from infinity.base.sizes import ALIGN_BYTES, format_bytes
+from infinity.config.aio import AioConfig
 from infinity.planner import alignment
 from infinity.storage.tiers import Tier
 
@@ -206,7 +207,7 @@ class TierManager:
     host_budget: MemoryBudget
     device_budget: MemoryBudget
     nvme_path: str | None = None
-    aio_config: object | None = None  # the config's "aio" section (infinity.config.AioSection)
+    aio_config: AioConfig | None = None  # the config's "aio" section
     rank: int = 0
     device: torch.device = torch.device("cpu")
     counters: TierCounters = field(default_factory=TierCounters)
@@ -243,14 +244,9 @@ class TierManager:
     @property
     def aio(self):
         if self._aio is None:
-            from infinity.io import AioConfig, AioEngine
+            from infinity.io import AioEngine
 
-            a = self.aio_config
-            config = AioConfig() if a is None else AioConfig(
-                backend=a.backend, block_size=a.block_size, queue_depth=a.queue_depth,
-                thread_count=a.thread_count, single_submit=a.single_submit,
-                overlap_events=a.overlap_events)
-            self._aio = AioEngine(config)
+            self._aio = AioEngine(self.aio_config)   # None: the defaults
         return self._aio
 
     @property

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from infinity.config import (AioSection, ConfigError, InfinityConfig, OffloadConfig,
+from infinity.config import (AioConfig, ConfigError, InfinityConfig, OffloadConfig,
                              OptimizerConfig, ZeroConfig)
 
 # A realistic ZeRO-3 NVMe config as users write it for DeepSpeed (plus our "infinity" section).
@@ -109,7 +109,7 @@ def test_zero3_nvme_config_parses_and_round_trips() -> None:
     assert z.offload_optimizer.pipeline_read and z.offload_optimizer.buffer_count == 4
     assert z.offload_param.buffer_size == 100_000_000 and z.offload_param.max_in_cpu == 10**9
     assert z.stage3_gather_16bit_weights_on_model_save
-    assert cfg.aio == AioSection(block_size=1 << 20, queue_depth=32, thread_count=2)
+    assert cfg.aio == AioConfig(block_size=1 << 20, queue_depth=32, thread_count=2)
     assert cfg.infinity.host_memory_budget == 12 * 2**30 and cfg.infinity.device_memory_budget == 4 * 10**9
     assert cfg.infinity.unit_modules == ("LlamaDecoderLayer",)
     assert cfg.seed == 1234 and cfg.steps_per_print == 50 and cfg.wall_clock_breakdown
@@ -515,7 +515,7 @@ def _integer_keys() -> list[tuple[str, dict]]:
     (key path, config dict holding the key as the placeholder ``"VALUE"``)."""
     import dataclasses
 
-    from infinity.config import (SCHEDULER_KEYS, AioSection, Fp16Config, InfinitySection,
+    from infinity.config import (SCHEDULER_KEYS, AioConfig, Fp16Config, InfinitySection,
                                  SchedulerConfig)
 
     def ints(cls) -> list[str]:
@@ -523,7 +523,7 @@ def _integer_keys() -> list[tuple[str, dict]]:
 
     keys = [(name, {name: "VALUE"}) for name in ints(InfinityConfig) if name != "world_size"]
     for cls, section in ((ZeroConfig, "zero_optimization"), (Fp16Config, "fp16"),
-                         (AioSection, "aio"), (InfinitySection, "infinity")):
+                         (AioConfig, "aio"), (InfinitySection, "infinity")):
         keys += [(f"{section}.{name}", {section: {name: "VALUE"}}) for name in ints(cls)]
     for kind in ("optimizer", "param"):
         for name in ints(OffloadConfig):

@@ -17,7 +17,7 @@ import torch
 from infinity.io import _lib
 from infinity.io.aio import AioEngine
 from infinity.io.buffers import aligned_empty
-from infinity.io.config import AioConfig
+from infinity.config.aio import AioConfig
 from infinity.storage import preflight, swap as swap_mod
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.swap import SwapSpace
