@@ -258,3 +258,28 @@ def test_tensor_infos_carry_their_names(tmp_path: Path) -> None:
     with TensorFileReader(path) as r:
         assert {n: i.name for n, i in r.tensors.items()} == {"w": "w", "b": "b"}
         assert r.info("b") == tf.TensorInfo("b", torch.float32, (1,), 8, 12)
+
+
+def test_writer_table_and_duplicate_names(tmp_path: Path) -> None:
+    table = [("a", torch.float32, (2, 3)), ("b", torch.int8, (5,)), ("c", torch.bfloat16, ())]
+    w = TensorFileWriter(tmp_path / "t.safetensors", table)
+    assert [(t.name, t.dtype, t.shape, t.begin, t.end) for t in w.tensors] == [
+        ("a", torch.float32, (2, 3), 0, 24), ("b", torch.int8, (5,), 24, 29),
+        ("c", torch.bfloat16, (), 29, 31)]
+    assert [t.numel for t in w.tensors] == [6, 5, 1]
+    w.abort()
+    with pytest.raises(ValueError, match="tensor a appears twice in one file"):
+        TensorFileWriter(tmp_path / "u.safetensors", [("a", torch.float32, (1,))] * 2)
+
+
+@pytest.mark.parametrize("name", ["a", "ab", "abc", "abcd", "abcde", "abcdef", "abcdefg", "w" * 8])
+def test_the_data_section_starts_8_byte_aligned(tmp_path: Path, name: str) -> None:
+    """The header is padded with spaces to a multiple of 8 bytes (as safetensors' own writer), so
+    the tensors' bytes start aligned for views of the mapped file."""
+    path = _file_of(tmp_path / "t.safetensors", {name: torch.arange(3, dtype=torch.float32)})
+    with TensorFileReader(path) as r:
+        assert r.data_start % 8 == 0
+        assert torch.equal(r.read(name), torch.arange(3, dtype=torch.float32))
+    raw = path.read_bytes()
+    header = raw[8:r.data_start]
+    assert header.rstrip(b" ").endswith(b"}") and set(header[len(header.rstrip(b" ")):]) <= {32}
