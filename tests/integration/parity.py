@@ -172,6 +172,25 @@ def nvme_engine(disk_dir, early_step: str, layers: int, **zero_extra):
     return engine
 
 
+def checkpoint_engine(disk_dir, offload: str = "nvme", steps: int = 2):
+    """The checkpoint tests' engine: a 2-layer Llama at stage 3 with parameters and optimizer
+    on ``offload``, AdamW lr 1e-3, trained ``steps`` steps on random tokens (seed 1)."""
+    import infinity
+
+    ds = zero_config(3, offload, offload, str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    train_random(engine, steps)
+    return engine
+
+
+def train_random(engine, steps: int, seed: int = 1) -> list[float]:
+    """``steps`` engine steps on random (2, 16) token batches drawn from ``seed``; the losses."""
+    gen = torch.Generator().manual_seed(seed)
+    return train_steps(engine, [torch.randint(0, VOCAB, (2, 16), generator=gen)
+                                for _ in range(steps)])
+
+
 def engine_and_reference(model: nn.Module, ds_config: dict, lr: float = 1e-3,
                          weight_decay: float = 0.01):
     """``model`` under infinity with AdamW(lr, weight_decay), and an un-offloaded copy of it

@@ -15,23 +15,17 @@ import infinity
 from infinity.checkpoint import CheckpointError
 from infinity.checkpoint import save as save_module
 from infinity.checkpoint.tensor_file import TensorFileReader, TensorFileWriter
-from parity import VOCAB, loss_of, make_model, train_steps, zero_config
+from parity import VOCAB, checkpoint_engine, loss_of, make_model, train_random, zero_config
 
 
 @pytest.fixture
 def engine(disk_dir):
-    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-    eng, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
-    _train(eng, 2)
+    eng = checkpoint_engine(disk_dir, "nvme", steps=2)
     yield eng
     eng.close()
 
 
-def _train(engine, steps: int, seed: int = 1) -> list[float]:
-    gen = torch.Generator().manual_seed(seed)
-    return train_steps(engine, [torch.randint(0, VOCAB, (2, 16), generator=gen)
-                                for _ in range(steps)])
+_train = train_random
 
 
 def _weights(directory) -> dict[str, torch.Tensor]:

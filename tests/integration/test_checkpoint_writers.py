@@ -17,28 +17,23 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 import infinity
 from infinity.checkpoint import directory
 from infinity.checkpoint import writer_lock
 from infinity.checkpoint.writer_lock import LOCK_NAME, SaveDirBusyError, SaveLock
-from parity import VOCAB, make_model, train_steps, zero_config
+from parity import checkpoint_engine, train_random
 
 
 @pytest.fixture
 def engine(disk_dir):
-    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-    eng, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
-    _train(eng, 1)
+    eng = checkpoint_engine(disk_dir, "cpu", steps=1)
     yield eng
     eng.close()
 
 
 def _train(engine, steps: int) -> None:
-    gen = torch.Generator().manual_seed(len(str(engine.global_steps)) + engine.global_steps)
-    train_steps(engine, [torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(steps)])
+    train_random(engine, steps, seed=engine.global_steps)
 
 
 def _edit_manifest(tag_dir, files_extra: dict) -> None:
@@ -206,16 +201,14 @@ def test_a_directory_without_its_manifest_is_named_as_such(engine, disk_dir):
 
 
 _WRITER = textwrap.dedent("""
-    import sys, torch, infinity
+    import sys
     sys.path.insert(0, sys.argv[3])
-    from parity import VOCAB, make_model, train_steps, zero_config
+    from parity import checkpoint_engine, train_random
     from infinity.checkpoint.writer_lock import SaveDirBusyError
-    ds = zero_config(3, "cpu", "cpu", sys.argv[2])
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-    engine, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+    engine = checkpoint_engine(sys.argv[2], "cpu", steps=0)
     saved = refused = 0
     for i in range(12):
-        train_steps(engine, [torch.randint(0, VOCAB, (2, 16))])
+        train_random(engine, 1, seed=i)
         try:
             engine.save_checkpoint(sys.argv[1], tag="t")
             saved += 1
