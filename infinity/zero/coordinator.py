@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
+from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus
 from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch, reuse_distance
 from infinity.zero.protocols import NO_PASS_OWNER, NO_STEPPER, PassOwner, UnitStepper, Wait
 from infinity.zero.working_set import check_backward_working_set, check_traced_working_set
@@ -72,18 +73,10 @@ class Coordinator:
         # at its first gradient and closed at its end; set by engine.backward around its own
         self.engine_backward = False
         self._untracked = False
-        self._versions: dict[int, int] = {}   # unit -> its parameters' versions at first use
-        self._stepping = [False] * len(units)   # a background step holds the unit fetched
-        self.traces = {"train_fwd": Trace(), "bwd": Trace(), "eval_fwd": Trace()}
+        self.traces = {phase.value: Trace() for phase in PassPhase if phase.value is not None}
         self._handles: list = []
-        self._active = [0] * len(units)
-        self._pins = [0] * len(units)          # of ``_active``: held by ``pin``, not by hooks
-        self._pending = [0] * len(units)
-        self._input_done = [False] * len(units)
-        self._done = [False] * len(units)
-        self._in_backward = False
-        self._callback_queued = False
-        self._fwd_trace_name: str | None = None
+        self._status = [UnitStatus() for _ in units]   # by unit index
+        self._phase = PassPhase.IDLE
         self._kept: set[int] = set()   # released by their hooks but kept fetched for reuse
         # per hooked module, a stack (one entry per call in progress) of its inputs' tensor ids
         self._call_inputs: dict[int, list[frozenset[int]]] = {}
@@ -143,20 +136,19 @@ class Coordinator:
         self._handles.clear()
 
     def reset_backward_state(self) -> None:
-        for unit in self.units:
-            self._pending[unit.index] = len(unit.trainable_entries())
-            self._input_done[unit.index] = False
-            self._done[unit.index] = False
+        for unit, status in zip(self.units, self._status):
+            status.start_backward(len(unit.trainable_entries()))
 
     # -- forward ---------------------------------------------------------------------------
     def begin_forward(self, training: bool) -> None:
         """Called by the engine before each forward pass (starts a trace pass)."""
-        name = "train_fwd" if training and torch.is_grad_enabled() else "eval_fwd"
-        self._fwd_trace_name = name
+        training = training and torch.is_grad_enabled()
+        self._phase = PassPhase.TRAIN_FORWARD if training else PassPhase.EVAL_FORWARD
         self._grad_uses = []
-        self.traces[name].start_pass()
-        self._prefetch(self.traces[name])
-        if name == "train_fwd":
+        trace = self.traces[self._phase.value]
+        trace.start_pass()
+        self._prefetch(trace)
+        if training:
             # the disk has little to do in the forward: read the Adam states of the units
             # whose backward comes first (see [Note: expected steps])
             for uid in self._next_trainable(self.traces["bwd"].order, EXPECTED_AHEAD):
@@ -180,12 +172,14 @@ class Coordinator:
         recompute = self._in_graph_task()
         if not recompute:
             self.owner.before_read()
-        trace = None if recompute else self.traces[self._fwd_trace_name or "eval_fwd"]
+        phase = self._phase if self._phase in FORWARDS else PassPhase.EVAL_FORWARD
+        trace = None if recompute else self.traces[phase.value]
         for uid in ids:
             self._ensure(uid, trace)
-            if self._active[uid] == 0 and not recompute:
-                self._versions[uid] = _param_versions(self.units[uid])
-            self._active[uid] += 1
+            status = self._status[uid]
+            if status.users == 0 and not recompute:
+                status.versions = _param_versions(self.units[uid])
+            status.users += 1
         if not torch.is_grad_enabled():
             return frozenset()
         inputs = list(tensors_in((args, kwargs)))
@@ -199,18 +193,19 @@ class Coordinator:
     def _forward_post(self, ids: tuple[int, ...], output, passed_through: frozenset[int]):
         recompute = self._in_graph_task()
         for uid in ids:
-            if self._active[uid] == 1 and not recompute:     # its last use (still held)
+            status = self._status[uid]
+            if status.users == 1 and not recompute:     # its last use (still held)
                 unit = self.units[uid]
-                before = self._versions.pop(uid, None)
+                before, status.versions = status.versions, None
                 if unit.rebound():        # ``p.data = renorm(p.data)``, a max-norm layer
                     unit.take_rebound_values()
                     self.owner.modified_in_forward(unit)
                 elif before is not None and before != _param_versions(unit):
                     self.owner.modified_in_forward(unit)
-            self._active[uid] -= 1
+            status.users -= 1
         if not recompute:
             for uid in ids:
-                if self._active[uid] == 0:
+                if self._status[uid].users == 0:
                     self._release_or_keep(uid)
         if torch.is_grad_enabled():
             # an input handed back unchanged (T5's blocks return the position bias they were
@@ -232,16 +227,14 @@ class Coordinator:
                 "so its second backward would find them empty. Train such a loss with "
                 "zero_optimization.stage 1 or 2 (offload_optimizer still works), as with "
                 "DeepSpeed")
-        if not self._callback_queued:
-            self._callback_queued = True
-            self._in_backward = True
-            self._fwd_trace_name = None
+        if self._phase is not PassPhase.BACKWARD:
+            self._phase = PassPhase.BACKWARD
             self.traces["bwd"].start_pass()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         for uid in ids:
             self._ensure(uid, self.traces["bwd"])
         for uid in ids + tuple(self._next_trainable(self.traces["bwd"].upcoming(), 1)):
-            if self.units[uid].has_trainable and not self._done[uid]:
+            if self.units[uid].has_trainable and not self._status[uid].backward_done:
                 self.stepper.expect_backward(self.units[uid])
 
     def _next_trainable(self, order: list[int], count: int) -> list[int]:
@@ -251,13 +244,14 @@ class Coordinator:
         for uid in order:
             if len(found) == count:
                 break
-            if uid not in found and self.units[uid].has_trainable and not self._done[uid]:
+            if uid not in found and self.units[uid].has_trainable and \
+                    not self._status[uid].backward_done:
                 found.append(uid)
         return found
 
     def _post_backward(self, ids: tuple[int, ...]) -> None:
         for uid in ids:
-            self._input_done[uid] = True
+            self._status[uid].inputs_done = True
             self._maybe_finish(self.units[uid])
 
     def _grad_ready(self, unit: Unit, entry: ParamEntry) -> None:
@@ -273,44 +267,42 @@ class Coordinator:
             self._untracked = True
         entry.param.grad = None
         self.stepper.on_grad(unit, entry, grad)
-        self._pending[unit.index] -= 1
+        self._status[unit.index].grads_pending -= 1
         self._maybe_finish(unit)
 
     def _maybe_finish(self, unit: Unit) -> None:
-        uid = unit.index
-        if self._done[uid] or self._pending[uid] > 0:
+        uid, status = unit.index, self._status[unit.index]
+        if status.backward_done or status.grads_pending > 0:
             return
-        if unit.has_frozen and not self._input_done[uid]:
+        if unit.has_frozen and not status.inputs_done:
             return
-        if not unit.has_trainable and not self._input_done[uid]:
+        if not unit.has_trainable and not status.inputs_done:
             return
-        self._done[uid] = True
+        status.backward_done = True
         if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):
-            self._stepping[uid] = True
+            status.stepping = True
             return
-        if self._active[uid] == 0:
+        if status.users == 0:
             self._release_or_keep(uid)   # kept: the next forward (and a deferred step) use it
 
     def _end_backward(self) -> None:
         """Runs once when autograd has finished the whole backward pass."""
         try:
-            for unit in self.units:
-                uid = unit.index
-                if not self._done[uid] and unit.has_trainable and \
-                        self._pending[uid] < len(unit.trainable_entries()):
-                    self._done[uid] = True
+            for unit, status in zip(self.units, self._status):
+                if not status.backward_done and unit.has_trainable and \
+                        status.grads_pending < len(unit.trainable_entries()):
+                    status.backward_done = True
                     if not self.stepper.on_unit_backward_done(unit):
-                        self._stepping[uid] = True
-            self._in_backward = False
+                        status.stepping = True
+            self._phase = PassPhase.IDLE
             self.reap()
-            for unit in self.units:
-                if self._active[unit.index] == 0 and not self._stepping[unit.index]:
+            for unit, status in zip(self.units, self._status):
+                if status.users == 0 and not status.stepping:
                     self._release_or_keep(unit.index)
             if self._untracked:
                 self.owner.end_untracked_backward()
         finally:
-            self._in_backward = False
-            self._callback_queued = False
+            self._phase = PassPhase.IDLE
             self._untracked = False
             self.reset_backward_state()
 
@@ -318,16 +310,15 @@ class Coordinator:
         """A forward or backward raised: its hooks will not finish the pass (post-hooks, the
         end-of-backward callback). Forget the pass, count no module as running, and release
         what no step or pin holds, so the next pass starts clean."""
-        self._in_backward = False
-        self._callback_queued = False
+        self._phase = PassPhase.IDLE
         self._untracked = False
-        self._fwd_trace_name = None
         self._call_inputs.clear()
-        self._active = list(self._pins)
+        for status in self._status:
+            status.users = status.pins
         self.reset_backward_state()
         self.reap()
-        for unit in self.units:
-            if self._active[unit.index] == 0:
+        for unit, status in zip(self.units, self._status):
+            if status.users == 0:
                 self._release_or_keep(unit.index)
 
     def reap(self, wait: Wait = Wait.NONE) -> None:
@@ -340,8 +331,9 @@ class Coordinator:
 
     def _release_stepped(self, units: list[Unit]) -> None:
         for unit in units:
-            self._stepping[unit.index] = False
-            if self._active[unit.index] == 0:
+            status = self._status[unit.index]
+            status.stepping = False
+            if status.users == 0:
                 self._release_or_keep(unit.index)
 
     def discard(self, units: list[Unit]) -> None:
@@ -350,23 +342,23 @@ class Coordinator:
         steps must be over. A pinned unit is fetched again at once."""
         for unit in units:
             uid = unit.index
-            self._stepping[uid] = False
+            self._status[uid].stepping = False
             self._kept.discard(uid)
             if unit.persistent or unit.residency != Residency.FETCHED:
                 continue
             unit.release(self.manager)
-            if self._active[uid] > 0:
+            if self._status[uid].users > 0:
                 unit.finish_fetch(self.manager, self.fetch_pool)
 
     # -- keeping for reuse (see [Note: keeping units for reuse]) ---------------------------
     def _upcoming_all(self) -> list[int]:
         """The recorded order from now on: rest of this pass, then the pass that follows."""
         fwd, bwd = self.traces["train_fwd"], self.traces["bwd"]
-        if self._in_backward:
+        if self._phase is PassPhase.BACKWARD:
             return bwd.upcoming() + fwd.order
-        if self._fwd_trace_name == "train_fwd":
+        if self._phase is PassPhase.TRAIN_FORWARD:
             return fwd.upcoming() + bwd.order
-        if self._fwd_trace_name == "eval_fwd":
+        if self._phase is PassPhase.EVAL_FORWARD:
             return self.traces["eval_fwd"].upcoming()
         return list(fwd.order)   # after a backward: the next training forward
 
@@ -379,7 +371,7 @@ class Coordinator:
 
     def _release_or_keep(self, uid: int) -> None:
         unit = self.units[uid]
-        if unit.persistent or unit.residency != Residency.FETCHED or self._stepping[uid]:
+        if unit.persistent or unit.residency != Residency.FETCHED or self._status[uid].stepping:
             return   # a unit being stepped is released when its step is over
         upcoming = self._upcoming_all()
         distance = self._next_use(uid, upcoming)
@@ -407,7 +399,7 @@ class Coordinator:
 
     def _drop_kept(self, uid: int) -> None:
         self._kept.discard(uid)
-        if self._active[uid] == 0 and not self._stepping[uid]:
+        if not self._status[uid].held:
             self.units[uid].release(self.manager)
 
     def _free_room(self, nbytes: int, candidates: list[int], drop: Callable[[int], None],
@@ -426,10 +418,10 @@ class Coordinator:
 
     # -- fetching --------------------------------------------------------------------------
     def _ensure(self, uid: int, trace: Trace | None) -> None:
-        if any(self._stepping):
+        if self._any_stepping():
             self.reap()
-        unit = self.units[uid]
-        if self._stepping[uid]:
+        unit, status = self.units[uid], self._status[uid]
+        if status.stepping:
             self.stepper.wait_stepped(unit)
         self._kept.discard(uid)   # in use again
         needs_memory = unit.flat.untyped_storage().nbytes() == 0   # not fetched or read into
@@ -437,7 +429,7 @@ class Coordinator:
             self._evict_kept(unit.nbytes)
             self._cancel_prefetches(unit.nbytes)
         budget, cache = self.manager.device_budget, self.manager.device_cache
-        while needs_memory and any(self._stepping) and \
+        while needs_memory and self._any_stepping() and \
                 budget.limit is not None and cache.in_use_bytes() + unit.nbytes > budget.limit:
             # backpressure: units held by background steps free the device when they finish
             self.reap(Wait.ONE)
@@ -457,9 +449,9 @@ class Coordinator:
         # a deferred step waiting for this unit runs on the copy just fetched (see [Note: the
         # deferred step lands at the next fetch]); the unit is held until its writes land
         # (marked stepping first: an interrupt while its step runs must not let the unit go)
-        was_stepping, self._stepping[uid] = self._stepping[uid], True
+        was_stepping, status.stepping = status.stepping, True
         if not self.stepper.step_fetched(unit):
-            self._stepping[uid] = was_stepping
+            status.stepping = was_stepping
 
     def forward_order(self) -> list[int]:
         """The units in the order the last training forward first used them."""
@@ -512,19 +504,20 @@ class Coordinator:
     def pin(self, unit: Unit) -> None:
         """Fetch ``unit`` and hold it (not released by hooks) until ``unpin``."""
         self._ensure(unit.index, None)
-        self._active[unit.index] += 1
-        self._pins[unit.index] += 1
+        status = self._status[unit.index]
+        status.users += 1
+        status.pins += 1
 
     def unpin(self, unit: Unit) -> None:
-        self._active[unit.index] -= 1
-        self._pins[unit.index] -= 1
-        if self._active[unit.index] == 0 and not self._in_backward and \
-                not self._stepping[unit.index]:
+        status = self._status[unit.index]
+        status.users -= 1
+        status.pins -= 1
+        if not status.held and self._phase is not PassPhase.BACKWARD:
             unit.release(self.manager)
 
     def pinned_units(self) -> list[Unit]:
         """Units held by ``pin`` now (inside GatheredParameters)."""
-        return [u for u in self.units if self._pins[u.index]]
+        return [u for u in self.units if self._status[u.index].pins]
 
     def fetch_all(self) -> None:
         """Fetch every unit (for whole-model reads such as GatheredParameters on all params)."""
@@ -535,9 +528,12 @@ class Coordinator:
         """Release every fetched unit and drop unused prefetches."""
         self._kept.clear()
         for unit in self.units:
-            if self._active[unit.index] == 0 and not self._stepping[unit.index]:
+            if not self._status[unit.index].held:
                 unit.cancel_fetch(self.manager, self.fetch_pool)
                 unit.release(self.manager)
+
+    def _any_stepping(self) -> bool:
+        return any(status.stepping for status in self._status)
 
     @property
     def prefetch_hit_ratio(self) -> float:

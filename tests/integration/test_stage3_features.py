@@ -818,7 +818,7 @@ def test_gathering_more_than_the_device_budget_holds_is_a_clear_error(disk_dir) 
         with pytest.raises(BudgetExceededError, match="Gather fewer parameters at a time"):
             with infinity.zero.GatheredParameters(list(model.parameters())):
                 pass
-        assert not any(engine.coordinator._pins), engine.coordinator._pins
+        assert not engine.coordinator.pinned_units(), engine.coordinator.pinned_units()
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
         engine.step()
     finally:
@@ -850,7 +850,7 @@ def test_gathered_changes_made_by_rebinding_data_are_kept(disk_dir) -> None:
         with pytest.raises(ValueError, match="keeps each parameter's shape"):
             with infinity.zero.GatheredParameters([weight], modifier_rank=0):
                 weight.data = torch.zeros(weight.shape[0] + 1, weight.shape[1])
-        assert not any(engine.coordinator._pins)
+        assert not engine.coordinator.pinned_units()
         x = torch.randint(0, VOCAB, (1, 8))
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
         engine.step()

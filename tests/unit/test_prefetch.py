@@ -48,6 +48,7 @@ def _coordinator_over_fake_units(residencies: list, next_forward: list[int]):
     from infinity.storage.device_cache import DeviceMemoryCache
     from infinity.storage.tiers import Residency
     from infinity.zero.coordinator import Coordinator
+    from infinity.zero.pass_state import PassPhase
 
     budget = MemoryBudget("device", 300)
     manager = SimpleNamespace(device_budget=budget,
@@ -68,7 +69,7 @@ def _coordinator_over_fake_units(residencies: list, next_forward: list[int]):
              for i, residency in enumerate(residencies)]
     coordinator = Coordinator(units, [], manager, None, PrefetchLimits(100, 400, 1000))
     budget.reserve(100 * sum(u.residency is not Residency.RELEASED for u in units), "units")
-    coordinator._fwd_trace_name = None
+    coordinator._phase = PassPhase.IDLE
     coordinator.traces["train_fwd"].order = next_forward
     return coordinator, units, gone
 
@@ -152,6 +153,7 @@ def _coordinator_over_released_units(count: int, ahead: int):
     from infinity.storage.device_cache import DeviceMemoryCache
     from infinity.storage.tiers import Residency
     from infinity.zero.coordinator import Coordinator
+    from infinity.zero.pass_state import PassPhase
 
     budget = MemoryBudget("device", 1 << 20)
     manager = SimpleNamespace(device_budget=budget,
