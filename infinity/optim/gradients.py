@@ -16,21 +16,22 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
 from infinity.optim import _adam_native as N
+from infinity.optim.held_room import HeldRoom
+from infinity.optim.records import CompleteGradient, OptimTimers, UnitOptimState
 from infinity.planner.engine_sizes import accumulate_chunk_numel
-from infinity.storage.buffer_pool import Slot
+from infinity.storage.buffer_pool import BufferPool
+from infinity.storage.manager import TierManager
 from infinity.zero.unit import ParamEntry, Unit
-
-if TYPE_CHECKING:
-    from infinity.optim.partitioned import UnitOptimState
 
 GRADS_HELD = 2   # flat gradient buffers (a unit's gradient each) for early steps off the CPU
 HELD_ROOM_UNITS = 1.0   # largest units' worth of held gradients (see optim/held_room.py)
+
+
 def _never() -> bool:
     return False
 
@@ -76,51 +77,38 @@ _NATIVE_GRAD_DTYPES = {torch.float32: N.DTYPE_F32, torch.bfloat16: N.DTYPE_BF16,
 _norm_scratch = threading.local()   # each thread that norms (training, step stream) has its own
 
 
-def _grad_pieces(unit: Unit, grad: torch.Tensor | dict[int, torch.Tensor], origin: int,
-                 a: int, b: int):
-    """(x, y, gradient of elements [x, y)) covering [a, b) of the unit: one piece of a flat
-    gradient indexed from ``origin``, or per parameter from held parts (a parameter without a
-    gradient steps with zeros, as in a zeroed flat buffer; the gaps between parameters, zero
-    everywhere, are skipped)."""
-    if isinstance(grad, torch.Tensor):
-        yield a, b, grad[a - origin:b - origin]
-        return
-    for entry in unit.trainable_entries():
-        x, y = max(a, entry.offset), min(b, entry.offset + entry.numel)
-        if x >= y:
-            continue
-        part = grad.get(entry.offset)
-        yield x, y, (torch.zeros(y - x) if part is None
-                     else part[x - entry.offset:y - entry.offset])
-
-
-@dataclass(eq=False)
-class CompleteGradient:
-    """A unit's complete gradient, handed over to its early step: held parts or a flat host
-    buffer, and the slot or held-room bytes it holds. The step owns it from then on (the
-    unit's state starts collecting the next backward's gradient) and gives it back after its
-    last kernel."""
-
-    values: torch.Tensor | dict[int, torch.Tensor]
-    slot: Slot | None = None
-    held_bytes: int = 0
-
-    def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:
-        """Elements [start, end): the flat buffer's slice, or all held parts
-        (``_grad_pieces`` cuts them)."""
-        return self.values if isinstance(self.values, dict) else self.values[start:end]
-
-
 class GradientCollector:
-    """The gradient side of ``PartitionedOptimizer`` (its states, pools and timers)."""
+    """The gradients of every unit's state, from the coordinator's hooks to a step: owned by the
+    optimizer; ``steps_running`` says whether a background step may still give room or slots
+    back, ``speculates`` whether a unit's step this backward is speculated."""
+
+    def __init__(self, states: list[UnitOptimState], manager: TierManager, *, early_step: bool,
+                 holds_grads: bool, grad_pool: BufferPool | None, held_room: HeldRoom,
+                 timers: OptimTimers, max_trainable: int, steps_running: Callable[[], bool],
+                 speculates: Callable[[UnitOptimState], bool]) -> None:
+        self.states = states
+        self._by_unit = {s.unit.index: s for s in states}
+        self.manager = manager
+        self.early_step = early_step
+        self.holds_grads = holds_grads
+        self.grad_pool = grad_pool
+        self.held_room = held_room
+        self.timers = timers
+        self._max_trainable = max_trainable
+        self._steps_running = steps_running
+        self._speculates = speculates
+        self.sq_norm = 0.0       # sum of squares of this cycle's gradients (clipping, overflow)
+        self.boundary = True     # the backward in progress is the cycle's last micro-step
+        self._writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
+        self._chunk: torch.Tensor | None = None
 
     def begin_backward(self, boundary: bool) -> None:
         """Called before each backward: ``boundary`` is True on the last micro-step."""
-        self._boundary = boundary
+        self.boundary = boundary
         if boundary:
             # a second backward before the step recounts everything (units it does not touch
             # are read from their home at the step)
-            self._sq_norm = 0.0
+            self.sq_norm = 0.0
             for state in self.states:
                 state.norm_counted = False
 
@@ -151,7 +139,7 @@ class GradientCollector:
         if self.early_step:
             return True
         return (state.grad_buffer is None and not state.has_grads
-                and self._can_speculate(state))
+                and self._speculates(state))
 
     def _hold_grad(self, state: UnitOptimState, entry: ParamEntry, grad: torch.Tensor) -> None:
         """Keep ``grad`` for the unit's step instead of copying it (see [Note: held
@@ -173,9 +161,6 @@ class GradientCollector:
         state.grad_parts[entry.offset] = flat if held is None else held + flat
         state.grads_seen += 1
 
-    def _steps_running(self) -> bool:
-        return any(not j.future.done() for _, j in self._pending_steps)
-
     def _grad_target(self, state: UnitOptimState) -> torch.Tensor:
         if state.grad_store is not None and state.grad_store.resident:
             return state.grad_store.tensor
@@ -183,10 +168,10 @@ class GradientCollector:
             # Usually one unit is incomplete at a time; if more are (a tied weight waits for its
             # last use), take a budgeted buffer outside the pool instead of waiting for a slot.
             state.grad_slot = self.grad_pool.try_acquire()
-            while state.grad_slot is None and self._grad_writes:
-                self._retire_grad_write()   # deferred: the oldest gradient write frees its slot
+            while state.grad_slot is None and self._writes:
+                self._land_write()   # deferred: the oldest gradient write frees its slot
                 state.grad_slot = self.grad_pool.try_acquire()
-            if state.grad_slot is None and any(not j.future.done() for _, j in self._pending_steps):
+            if state.grad_slot is None and self._steps_running():
                 # backpressure: a background step frees its gradient slot when it finishes
                 state.grad_slot = self.grad_pool.acquire(timeout=600.0)
             if state.grad_slot is not None:
@@ -197,7 +182,7 @@ class GradientCollector:
             state.grad_written = set()
         return state.grad_buffer
 
-    def _zero_unwritten(self, state: UnitOptimState) -> None:
+    def zero_unwritten(self, state: UnitOptimState) -> None:
         """Zero what of a fresh ``grad_buffer`` no gradient was copied into (gaps, unused params)."""
         if state.grad_written is None or state.grad_buffer is None:
             return
@@ -210,7 +195,7 @@ class GradientCollector:
             cursor = max(cursor, end)
         state.grad_written = None
 
-    def _drop_cycle_gradients(self) -> int:
+    def drop_cycle(self) -> int:
         """Forget every gradient collected since the last step; returns how many units had
         some."""
         dropped = 0
@@ -218,17 +203,17 @@ class GradientCollector:
             touched = state.grads_seen > 0 or state.has_grads
             dropped += touched
             state.arrived.clear()
-            self._drop_grad_buffer(state)
+            self.drop_buffer(state)
             state.grads_seen = 0
             state.has_grads = state.norm_counted = False
             if touched and state.grad_store is not None and state.grad_store.resident:
                 # in place since this cycle began (no waiting step reads it: the unit was
                 # fetched, so its step ran, before any of these gradients came)
                 state.grad_store.tensor.zero_()
-        self._sq_norm = 0.0
+        self.sq_norm = 0.0
         return dropped
 
-    def _finish_grads(self, state: UnitOptimState, write_home: bool = True) -> torch.Tensor:
+    def finish(self, state: UnitOptimState, write_home: bool = True) -> torch.Tensor:
         """The unit's gradient of this backward is complete: add what earlier micro-steps left
         at home, count it in the norm at the boundary, and (``write_home``) send it home.
         Returns the complete gradient (without ``write_home`` still in the state's buffer)."""
@@ -240,23 +225,23 @@ class GradientCollector:
             if state.has_grads:      # an earlier micro-step of this cycle left one at home
                 self._add_home_gradient(state, grads)
         state.has_grads = True
-        if self._boundary:
-            self._sq_norm += _sum_of_squares(grads)
+        if self.boundary:
+            self.sq_norm += _sum_of_squares(grads)
             state.norm_counted = True
         if write_home and not store.resident:
             # the write goes on while backward continues; the buffer (slot) is released when it
-            # has landed (``_retire_grad_write``), at the latest when the backward ends
-            self._grad_writes.append((store.store_async(grads), state.grad_slot, grads))
+            # has landed (``land_writes``), at the latest when the backward ends
+            self._writes.append((store.store_async(grads), state.grad_slot, grads))
             state.grad_slot = None
             state.grad_buffer = None
         return grads
 
     def _add_home_gradient(self, state: UnitOptimState, grads: torch.Tensor) -> None:
         """Add the gradient the unit's NVMe home holds into ``grads``."""
-        for start, values in self._home_gradient(state):
+        for start, values in self.home_gradient(state):
             grads[start:start + values.numel()].add_(values)
 
-    def _home_gradient(self, state: UnitOptimState):
+    def home_gradient(self, state: UnitOptimState):
         """(start, values) pieces of the gradient at the unit's home: the resident store as it
         is, or NVMe read through one budgeted chunk (a whole-unit buffer would be a second
         gradient's worth of host memory)."""
@@ -264,31 +249,37 @@ class GradientCollector:
         if store.resident:
             yield 0, store.tensor[:n]
             return
-        buffer = self._chunk_buffer()
+        buffer = self.chunk_buffer()
         chunk = buffer.numel()
         for start in range(0, n, chunk):
             count = min(chunk, n - start)
             self.manager.wait(store.load_async(buffer, start, count))
             yield start, buffer[:count]
 
-    def _chunk_buffer(self) -> torch.Tensor:
+    def chunk_buffer(self) -> torch.Tensor:
         """The budgeted host chunk through which the training thread reads and writes
         gradients at home (accumulation, norms, a speculated step's rebuild); one at a time."""
-        if self._accumulate_chunk is None:
-            self._accumulate_chunk = self.manager.host_empty(
+        if self._chunk is None:
+            self._chunk = self.manager.host_empty(
                 accumulate_chunk_numel(self._max_trainable), torch.float32,
                 what="gradient accumulation chunk")
-        return self._accumulate_chunk
+        return self._chunk
 
-    def _retire_grad_write(self) -> None:
-        request, slot, _buffer = self._grad_writes.pop(0)
+    def land_writes(self) -> None:
+        """Wait for every gradient write in flight and free its slot."""
+        while self._writes:
+            self._land_write()
+
+    def _land_write(self) -> None:
+        request, slot, _buffer = self._writes.pop(0)
         try:
             self.manager.wait(request)
         finally:
             if slot is not None:
                 self.grad_pool.release(slot)
 
-    def _drop_grad_buffer(self, state: UnitOptimState) -> None:
+    def drop_buffer(self, state: UnitOptimState) -> None:
+        """Give back the unit's transient gradient (buffer, slot, held parts)."""
         if state.grad_slot is not None:
             self.grad_pool.release(state.grad_slot)
         state.grad_slot = None
@@ -305,28 +296,15 @@ class GradientCollector:
         state.arrived.clear()
         return arrived
 
-    def _take_gradient(self, state: UnitOptimState) -> CompleteGradient:
-        """Move the unit's complete gradient out of its state, for its early step."""
-        values = state.grad_parts if state.grad_parts is not None else state.grad_buffer
+    def take(self, state: UnitOptimState,
+             values: torch.Tensor | None = None) -> CompleteGradient:
+        """Move the unit's complete gradient (``values``, else its held parts or its buffer)
+        out of its state, for a step that owns it from here on."""
+        if values is None:
+            values = state.grad_parts if state.grad_parts is not None else state.grad_buffer
         gradient = CompleteGradient({} if values is None else values, state.grad_slot,
-                                    state.held_bytes)
+                                    state.held_bytes, self.grad_pool, self.held_room)
         state.grad_parts = state.grad_buffer = state.grad_slot = state.grad_written = None
         state.held_bytes = 0
         state.grads_seen = 0
         return gradient
-
-    def free_gradient_part(self, gradient: CompleteGradient, offset: int) -> None:
-        """Free one held part of a step's gradient (its sub-groups have been stepped)."""
-        part = gradient.values.pop(offset)
-        nbytes = min(part.numel() * 4, gradient.held_bytes)
-        gradient.held_bytes -= nbytes
-        self.held_room.give(nbytes)
-
-    def release_gradient(self, gradient: CompleteGradient) -> None:
-        """Give back what a step's gradient held (once; later calls do nothing)."""
-        if gradient.slot is not None:
-            self.grad_pool.release(gradient.slot)
-            gradient.slot = None
-        self.held_room.give(gradient.held_bytes)
-        gradient.held_bytes = 0
-        gradient.values = {}

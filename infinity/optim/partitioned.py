@@ -27,103 +27,49 @@ parameter used every time, one run per param group).
 
 The fp32 master on a CPU-only machine with fp32 compute is the parameter itself (DESIGN.md
 "fp32 on CPU"): it is stepped in place in its home (device copy, host store or NVMe extent), so
-parameters are stored once, not twice. How gradients are collected, accumulated, normed and
-dropped is in optim/gradients.py.
+parameters are stored once, not twice.
+
+The optimizer is composed of its parts, each an object it owns: the gradient collector
+(optim/gradients.py), the Adam kernel (optim/kernel.py), the step stream (optim/step_stream.py),
+the pending steps (optim/pending_steps.py) and the speculator (optim/speculation.py); their
+records live in optim/records.py. It implements the coordinator's ``UnitStepper``
+(zero/protocols.py).
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 from infinity.base.log import get_logger
-from infinity.optim.cpu_adam import adam_step_flat
 from infinity.optim.gradients import (
     GRADS_HELD,
-    CompleteGradient,
     GradientCollector,
-    _grad_pieces,
     _sum_of_squares,
     gradients_held,
     held_room_bytes,
 )
 from infinity.optim.held_room import HeldRoom
-from infinity.optim.speculation import Speculation
-from infinity.optim.step_reaping import StepReaping
-from infinity.optim.step_stream import StepJob, StepStream
+from infinity.optim.kernel import AdamKernel
+from infinity.optim.pending_steps import PendingSteps
+from infinity.optim.records import (
+    CompleteGradient,
+    OptimTimers,
+    StepJob,
+    UnitOptimState,
+)
+from infinity.optim.speculation import Speculator
+from infinity.optim.step_stream import StepStream
 from infinity.planner.engine_sizes import step_slot_count
-from infinity.storage.buffer_pool import BufferPool, Slot
+from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
-from infinity.zero.unit import Unit
+from infinity.zero.protocols import Wait
+from infinity.zero.unit import ParamEntry, Unit
 
 log = get_logger("optim")
-
-
-@dataclass(eq=False)
-class UnitOptimState:
-    """The Adam states of one unit (fp32, ``unit.trainable_numel`` elements each)."""
-
-    unit: Unit
-    exp_avg: FlatStore
-    exp_avg_sq: FlatStore
-    master: FlatStore | None          # None: the parameter itself is the fp32 master
-    grad_store: FlatStore | None      # deferred schedule only
-    step: int = 0
-    # [Note: parameters without a gradient]: steps taken by each trainable parameter (by entry
-    # offset), and the parameters that received a gradient since the unit's last step
-    param_steps: dict[int, int] = field(default_factory=dict)
-    arrived: set[int] = field(default_factory=set)
-    grad_buffer: torch.Tensor | None = None   # transient fp32 gradient during backward
-    grad_slot: Slot | None = None
-    grads_seen: int = 0
-    # offsets of the parameters whose gradient was copied into a fresh ``grad_buffer`` (the
-    # buffer is not zeroed up front; what no gradient covered is zeroed when the unit is done)
-    grad_written: set[int] | None = None
-    # early step on a CPU device: the gradients autograd produced, by entry offset, held as they
-    # are until the unit's step has run (see [Note: held gradients])
-    grad_parts: dict[int, torch.Tensor] | None = None
-    held_bytes: int = 0     # of grad_parts, counted in the held room
-    # deferred schedule: gradients arrived since the unit's last step (a unit without any is
-    # not stepped, as torch skips parameters whose gradient is None)
-    has_grads: bool = False
-    norm_counted: bool = False   # its gradient is in the clipping norm of this cycle
-
-
-@dataclass
-class OptimTimers:
-    """Seconds spent by the training thread in the optimizer (waiting for background steps
-    included) and in gradient handling, and by the background early-step worker."""
-
-    optimizer_s: float = 0.0
-    grad_s: float = 0.0
-    grad_wait_s: float = 0.0    # of grad_s: backward waiting for room for held gradients
-    background_s: float = 0.0
-
-    def reset(self) -> None:
-        self.optimizer_s = self.grad_s = self.grad_wait_s = self.background_s = 0.0
-
-
-class StepRun(NamedTuple):
-    """A contiguous range [start, end) of one param group's parameters stepped together, all
-    taking step ``step`` (from 1)."""
-
-    group_index: int
-    start: int
-    end: int
-    step: int
-
-
-@dataclass(frozen=True)
-class SubGroup:
-    """An aligned chunk [start, end) of one unit's trainable range, stepped at once."""
-
-    state: UnitOptimState
-    start: int
-    end: int
 
 
 _STATE_DICT_REFUSED = (
@@ -133,7 +79,7 @@ _STATE_DICT_REFUSED = (
     "scheduler and counters), as with DeepSpeed")
 
 
-class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.optim.Optimizer):
+class PartitionedOptimizer(torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
     def __init__(self, units: list[Unit], param_groups: list[dict], manager: TierManager, *,
@@ -143,18 +89,11 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
                  speculation: str = "off", defaults: dict | None = None) -> None:
         super().__init__(param_groups, defaults=dict(defaults or {}))
         self._groups_fixed = True    # see add_param_group
-        # see [Note: speculative step] in optim/speculation.py
-        self._init_speculation("off" if early_step else speculation)
-        doubled = self.speculation != "off"
+        speculation = "off" if early_step else speculation   # see [Note: speculative step]
+        doubled = speculation != "off"
         self.manager = manager
         self.staging_pool = staging_pool
-        # both schedules step through one stream (optim/step_stream.py)
         self._stream: StepStream | None = None
-        self._grad_writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
-        self._pending_steps: list[tuple[UnitOptimState, StepJob]] = []
-        # units whose steps are over, not yet handed out by ``reap`` (reaped inside step() or
-        # a roll-back, or by a wait that was interrupted)
-        self._unclaimed: list[Unit] = []
         self._expected: dict[int, StepJob] = {}   # unit index -> early step read ahead
         # unit index -> deferred step waiting for its unit to be fetched (see [Note: the
         # deferred step lands at the next fetch] in step_stream.py)
@@ -163,28 +102,21 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
         self.forward_order: Callable[[], list[int]] = list
         self._in_backward = False
         self.early_step = early_step
-        self.adamw_mode = adamw_mode
-        self.threads = threads
         self.timers = OptimTimers()
         self.clip_norm = 0.0
         self.last_grad_norm: float | None = None
         self.loss_scale = 1.0        # the fp16 loss scale the gradients carry (set by the engine)
         self.overflow = False        # the last step was skipped: its gradients were not finite
-        self.step_failure: BaseException | None = None   # the first background step that failed
         self.on_zero_grad: Callable[[bool], None] | None = None   # the engine's zero_grad
         # the engine's step without its scheduler (a torch loop's optimizer.step()), and
         # whether the engine's own step is calling
         self.on_user_step: Callable[[], None] | None = None
         self.engine_stepping = False
-        self._sq_norm = 0.0
-        self._accumulate_chunk: torch.Tensor | None = None
-        self._boundary = True
         self.states: list[UnitOptimState] = []
         trainable_units = [u for u in units if u.has_trainable]
         max_trainable = max((u.trainable_numel for u in trainable_units), default=0)
         # multiples of 2048 elements keep every sub-group 4 KiB aligned in fp32 and in 16-bit
         self.sub_group_numel = -(-max(1, min(sub_group_numel, max_trainable or 1)) // 2048) * 2048
-        self._max_trainable = max_trainable
         for unit in trainable_units:
             n = unit.trainable_numel
             master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier,
@@ -213,7 +145,59 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
         count = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate, early_step)
         self.step_pool = BufferPool(manager, self.sub_group_numel * 4, count, "optimizer") \
             if any_nvme and max_trainable else None
-        self._stream = StepStream(self)
+        # the parts (see the module docstring)
+        self.kernel = AdamKernel(lambda: self.param_groups, adamw_mode, threads)
+        self.steps = PendingSteps(self.timers, self._add_norm)
+        self.gradients = GradientCollector(
+            self.states, manager, early_step=early_step, holds_grads=self.holds_grads,
+            grad_pool=self.grad_pool, held_room=self.held_room, timers=self.timers,
+            max_trainable=max_trainable, steps_running=self.steps.running,
+            speculates=lambda state: self.speculator.can_speculate(state))
+        self.speculator = Speculator(speculation, manager, self.gradients, self.kernel,
+                                     self.steps, self.grad_pool)
+        # both schedules step through one stream (optim/step_stream.py)
+        self._stream = StepStream(self.kernel, manager, self.step_pool, self.sub_group_numel,
+                                  self.timers)
+
+    def _add_norm(self, squares: float) -> None:
+        self.gradients.sq_norm += squares
+
+    # -- what the engine and checkpoints read ----------------------------------------------
+    @property
+    def speculation(self) -> str:
+        """The speculative step's mode: "off", "auto" or "on"."""
+        return self.speculator.mode
+
+    @property
+    def speculation_pays(self) -> bool:
+        """Whether the last step would have kept its speculation (checkpoints keep it)."""
+        return self.speculator.pays
+
+    @speculation_pays.setter
+    def speculation_pays(self, value: bool) -> None:
+        self.speculator.pays = value
+
+    @property
+    def speculation_stats(self) -> dict[str, int]:
+        return self.speculator.stats
+
+    @property
+    def speculation_pending(self) -> bool:
+        """Speculated steps wait for ``step()`` to keep or drop them."""
+        return self.speculator.pending
+
+    @property
+    def step_failure(self) -> BaseException | None:
+        """The first background step that failed (the states may be half-written)."""
+        return self.steps.failure
+
+    def hyperparameters(self) -> list[dict]:
+        """Each param group's Adam hyperparameters now (see ``AdamKernel``)."""
+        return self.kernel.hyperparameters()
+
+    def stream_stats(self) -> dict[str, int]:
+        """Counters of the step stream's expected steps (see [Note: expected steps])."""
+        return dict(self._stream.stats)
 
     # -- set-up ----------------------------------------------------------------------------
     def _init_master(self, unit: Unit, master: FlatStore) -> None:
@@ -237,7 +221,10 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
         if state is not None and state.master is not None:
             self._init_master(unit, state.master)
 
-    # -- gradients (called by the coordinator's hooks) -------------------------------------
+    # -- the coordinator's UnitStepper (zero/protocols.py) ---------------------------------
+    def on_grad(self, unit: Unit, entry: ParamEntry, grad: torch.Tensor) -> None:
+        self.gradients.on_grad(unit, entry, grad)
+
     def on_unit_backward_done(self, unit: Unit) -> bool:
         """All of ``unit``'s gradients for this backward have arrived.
 
@@ -246,77 +233,118 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
         """
         start = time.perf_counter()
         state = self._by_unit[unit.index]
-        if self._can_speculate(state):
+        if self.speculator.can_speculate(state):
             try:
-                self._speculate(state)
+                self.speculator.speculate(state, self.clip_norm, self.loss_scale,
+                                          self._submit_ready)
             finally:
                 self.timers.grad_s += time.perf_counter() - start
             return False
-        self._zero_unwritten(state)
+        self.gradients.zero_unwritten(state)
         if self.early_step:
-            gradient = self._take_gradient(state)
-            params = self.take_arrived(state)
-            job = self._expected.pop(unit.index, None)
-            if job is not None:
-                self._stream.make_ready(job, gradient, params=params)
-            else:
-                job = self._stream.submit(state, early=True, gradient=gradient, params=params)
-            self._pending_steps.append((state, job))
+            self._submit_ready(state, self.gradients.take(state),
+                               self.gradients.take_arrived(state))
             self.timers.grad_s += time.perf_counter() - start
             return False
         try:
-            self._finish_grads(state)
+            self.gradients.finish(state)
         finally:
-            self._drop_grad_buffer(state)
+            self.gradients.drop_buffer(state)
             state.grads_seen = 0
             self.timers.grad_s += time.perf_counter() - start
         return True
 
-    def stream_stats(self) -> dict[str, int]:
-        """Counters of the step stream's expected steps (see [Note: expected steps])."""
-        return dict(self._stream.stats)
+    def _submit_ready(self, state: UnitOptimState, gradient: CompleteGradient,
+                      params: frozenset[int], **settings) -> StepJob:
+        """Queue the unit's step with its gradient complete (its expected job made ready, or
+        a new one) and count it pending."""
+        job = self._expected.pop(state.unit.index, None)
+        if job is not None:
+            self._stream.make_ready(job, gradient, params=params, **settings)
+        else:
+            job = self._stream.submit(state, early=True, gradient=gradient, params=params,
+                                      **settings)
+        self.steps.add(job)
+        return job
 
     def expect_backward(self, unit: Unit) -> None:
         """``unit``'s gradients are coming (early step, or a backward that speculates): its
         Adam states may be read ahead while the stream has slots to spare (see [Note: expected
         steps])."""
         state = self._by_unit.get(unit.index)
-        steps_now = self._speculating if self._in_backward else self.plans_speculation()
+        steps_now = self.speculator.speculating if self._in_backward else \
+            self.speculator.plans()
         # (not while a deferred step of the unit waits: its reads would overtake that step)
         if not (self.early_step or steps_now) or state is None or unit.index in self._expected or \
-                unit.index in self._waiting or \
-                any(s is state and not j.stepped.done() for s, j in self._pending_steps):
+                unit.index in self._waiting or self.steps.holds(state, stepping_only=True):
             return
         self._expected[unit.index] = self._stream.expect(state)
+
+    def step_fetched(self, unit: Unit) -> bool:
+        """``unit`` has just been fetched: run its waiting deferred step on the device copy and
+        wait for its kernels. True when it did: the unit must stay fetched until ``reap``
+        returns it (its writes go out from the device copy)."""
+        job = self._waiting.pop(unit.index, None)
+        if job is None:
+            return False
+        start = time.perf_counter()
+        self._stream.make_ready(job)
+        self.steps.add(job)
+        try:
+            self.steps.wait_stepped(unit)
+        finally:
+            self.timers.optimizer_s += time.perf_counter() - start
+        return True
+
+    def wait_stepped(self, unit: Unit | None = None) -> None:
+        """Wait until the kernels of ``unit``'s steps in flight (None: every unit's) have run:
+        a forward after a backward that raised, or after an interrupted ``step()``, must not
+        read a copy being stepped. Re-raises a step's failure."""
+        self.steps.wait_stepped(unit)
+
+    def reap(self, wait: Wait = Wait.NONE) -> list[Unit]:
+        """Units whose background steps have all landed (the caller releases them); see
+        [Note: the life of a step job] in optim/records.py."""
+        return self.steps.reap(wait)
+
+    def drain(self) -> list[Unit]:
+        """The run ends: expected and waiting steps are cancelled (nothing can read their
+        results), the rest are seen through (failures logged), and every unit comes back."""
+        self.cancel_expected()
+        for job in self._waiting.values():
+            self._stream.cancel(job)
+        self._waiting.clear()
+        return self.steps.drain()
 
     def cancel_expected(self) -> None:
         """The backward is over (or failed): units that got no gradients are not stepped."""
         for index, job in self._expected.items():
             self._stream.cancel(job)
-            self._drop_grad_buffer(self._by_unit[index])
+            self.gradients.drop_buffer(self._by_unit[index])
         self._expected.clear()
 
+    # -- the engine's backward ------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
-        """Called before each backward (see ``GradientCollector``); a speculation still pending
-        from an earlier backward of this cycle was voided by the engine's forward."""
-        super().begin_backward(boundary)
+        """Called before each backward: ``boundary`` is True on the last micro-step; a
+        speculation still pending from an earlier backward of this cycle was voided by the
+        engine's forward."""
+        self.gradients.begin_backward(boundary)
         self._in_backward = True
-        self._speculating = boundary and self.plans_speculation() and not self._speculated
+        self.speculator.begin_backward(boundary)
 
     def abandon_backward(self) -> None:
         """A backward raised: drop the gradients collected since the last step (this backward's
         partial ones, and with accumulation the earlier micro-steps' too), so the next step
         sees none of them. Early steps that already ran keep their update: they cannot be
         undone; speculated ones are rolled back (``take_rolled_back``)."""
-        self._in_backward = self._speculating = False
+        self._in_backward = self.speculator.speculating = False
         self.cancel_expected()
         try:
-            if self._speculated:
-                self._roll_back("the backward raised", rebuild_gradients=False)
-            while self._grad_writes:
-                self._retire_grad_write()
+            if self.speculator.pending:
+                self.speculator.roll_back("the backward raised", rebuild_gradients=False)
+            self.gradients.land_writes()
         finally:
-            dropped = self._drop_cycle_gradients()
+            dropped = self.gradients.drop_cycle()
             log.warning("backward raised: the gradients of %d unit(s) collected since the last "
                         "optimizer step are dropped%s", dropped,
                         "; units already stepped in this backward keep their update"
@@ -325,90 +353,15 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
     def end_backward(self) -> None:
         """Called by the engine after each backward: gradient writes land, and accumulation
         continues until a step."""
-        self._in_backward = self._speculating = False
+        self._in_backward = self.speculator.speculating = False
         self.cancel_expected()
-        while self._grad_writes:
-            self._retire_grad_write()
+        self.gradients.land_writes()
 
     # -- stepping --------------------------------------------------------------------------
-    def _hyper(self, group_index: int) -> dict:
-        g = self.param_groups[group_index]
-        lr = g["lr"]
-        return {"lr": float(lr), "beta1": g["betas"][0], "beta2": g["betas"][1], "eps": g["eps"],
-                "weight_decay": g["weight_decay"], "bias_correction": g.get("bias_correction", True),
-                "adamw_mode": g.get("adamw_mode", self.adamw_mode)}
-
-    def hyperparameters(self) -> list[dict]:
-        """Each param group's Adam hyperparameters now, for a step that runs later (a deferred
-        step runs after the scheduler has moved the learning rate on)."""
-        return [self._hyper(i) for i in range(len(self.param_groups))]
-
-    def step_runs(self, state: UnitOptimState, stepped: frozenset[int] | None) -> list[StepRun]:
-        """Count one step for the parameters in ``stepped`` (entry offsets; None: all) and
-        return the runs the kernel steps: contiguous ranges of one param group whose
-        parameters all take the same step (see [Note: parameters without a gradient]). With
-        every parameter stepped every time there is one run per param group."""
-        state.step += 1
-        runs: list[StepRun] = []
-        entries = sorted(state.unit.trainable_entries(), key=lambda e: e.offset)
-        for entry in entries:
-            if stepped is not None and entry.offset not in stepped:
-                runs.append(None)             # a break: this parameter is not stepped
-                continue
-            count = state.param_steps.get(entry.offset, 0) + 1
-            state.param_steps[entry.offset] = count
-            last = runs[-1] if runs else None
-            if last is not None and (last.group_index, last.step) == (entry.group_index, count):
-                runs[-1] = StepRun(last.group_index, last.start, entry.offset + entry.numel, count)
-            else:
-                runs.append(StepRun(entry.group_index, entry.offset, entry.offset + entry.numel,
-                                    count))
-        return [r for r in runs if r is not None]
-
-    def uncount_step(self, state: UnitOptimState, stepped: frozenset[int] | None) -> None:
-        """Undo ``step_runs``' counting (a speculated step rolled back)."""
-        state.step -= 1
-        for entry in state.unit.trainable_entries():
-            if stepped is None or entry.offset in stepped:
-                state.param_steps[entry.offset] -= 1
-
-    def _kernel(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
-                grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad_scale: float,
-                half_out: torch.Tensor | None, hyper: list[dict], runs: list[StepRun],
-                grad_sq_sum: bool = False) -> float:
-        """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``;
-        ``hyper`` per param group (``hyperparameters()`` when the step was asked for), ``runs``
-        from ``step_runs``. Returns the stepped gradient's sum of squares (as given) when
-        ``grad_sq_sum``, else 0."""
-        total = 0.0
-        for run in runs:
-            a, b = max(run.start, start), min(run.end, end)
-            if a >= b:
-                continue
-            for x, y, g in _grad_pieces(state.unit, grad, start, a, b):
-                s = slice(x - start, y - start)
-                total += adam_step_flat(
-                    param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
-                    half_out=None if half_out is None else half_out[s], threads=self.threads,
-                    grad_sq_sum=grad_sq_sum, **hyper[run.group_index]) or 0.0
-        return total
-
-    def _sub_groups(self, state: UnitOptimState) -> list[SubGroup]:
-        n = state.unit.trainable_numel
-        return [SubGroup(state, a, min(a + self.sub_group_numel, n))
-                for a in range(0, n, self.sub_group_numel)]
-
-    def _store(self, store: FlatStore, tensor: torch.Tensor, start: int, count: int, reqs: list,
-               shadow: bool = False):
-        """Write back a loaded tensor (resident stores were updated in place, nothing to do;
-        ``shadow``: to the store's shadow extent)."""
-        if not store.resident:
-            reqs.append((store.store_async(tensor, start, count, shadow), None))
-
     def grad_scale_for_clipping(self) -> float:
         """Divisor applied to gradients in the kernel: the loss scale, times the global-norm
         clipping factor when clipping acts (the norm is that of the unscaled gradients)."""
-        norm = math.sqrt(self._sq_norm) / self.loss_scale
+        norm = math.sqrt(self.gradients.sq_norm) / self.loss_scale
         self.last_grad_norm = norm
         if self.clip_norm > 0 and norm > self.clip_norm:
             return self.loss_scale * (norm + 1e-6) / self.clip_norm
@@ -437,7 +390,7 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
             self.timers.optimizer_s += time.perf_counter() - start
 
     def _queue_deferred_steps(self) -> None:
-        self._collect_speculated_norms()
+        self.speculator.collect_norms()
         if self._waiting:
             names = [self._by_unit[i].unit.name for i in self._waiting]
             raise RuntimeError(
@@ -446,18 +399,19 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
         for state in self.states:
             if state.has_grads and not state.norm_counted:
                 # its last gradient of the cycle came before the last micro-step: at home
-                self._sq_norm += sum(_sum_of_squares(v) for _, v in self._home_gradient(state))
-        if not math.isfinite(self._sq_norm):
+                self.gradients.sq_norm += sum(
+                    _sum_of_squares(v) for _, v in self.gradients.home_gradient(state))
+        if not math.isfinite(self.gradients.sq_norm):
             # inf or NaN in a gradient (see optim/loss_scaler.py): the step is skipped
             self.overflow = True
             self.last_grad_norm = math.inf
             try:
-                self._resolve_speculation(keep=False, overflow=True)
+                self.speculator.resolve(keep=False, overflow=True)
             finally:
-                self._drop_cycle_gradients()
+                self.gradients.drop_cycle()
             return
         scale = self.grad_scale_for_clipping()
-        self._resolve_speculation(keep=scale == self.loss_scale)   # no clipping acted
+        self.speculator.resolve(keep=scale == self.loss_scale)   # no clipping acted
         position = {uid: i for i, uid in enumerate(self.forward_order())}
         stepped = [s for s in self.states if s.has_grads]
         for state in sorted(stepped, key=lambda s: position.get(s.unit.index, len(position))):
@@ -468,39 +422,32 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
             if stale is not None:
                 self._stream.cancel(stale)
             self._waiting[state.unit.index] = self._stream.expect(
-                state, early=False, grad_scale=scale, params=self.take_arrived(state))
+                state, early=False, grad_scale=scale, params=self.gradients.take_arrived(state))
 
     def waiting_units(self) -> list[Unit]:
         """Units whose deferred step waits for them to be fetched, in the order queued."""
         return [self._by_unit[i].unit for i in self._waiting]
 
-    def step_fetched(self, unit: Unit) -> bool:
-        """``unit`` has just been fetched: run its waiting deferred step on the device copy and
-        wait for its kernels. True when it did: the unit must stay fetched until ``reap``
-        returns it (its writes go out from the device copy)."""
-        job = self._waiting.pop(unit.index, None)
-        if job is None:
-            return False
-        start = time.perf_counter()
-        self._stream.make_ready(job)
-        self._pending_steps.append((self._by_unit[unit.index], job))
-        try:
-            self.wait_stepped(unit)
-        finally:
-            self.timers.optimizer_s += time.perf_counter() - start
-        return True
-
     def _finish_early_steps(self) -> None:
         """Wait until every unit's kernels have run (its device copy is the new parameters);
         writes still in flight go on behind the next forward (see [Note: writes behind the
-        step]). The units whose writes have landed too wait for the next ``reap``."""
-        self.wait_stepped()
-        for _, job in self._pending_steps:
-            self._collect_norm(job)
+        step]); the engine's next ``reap`` hands out the units whose writes have landed."""
+        self.steps.wait_stepped()
+        for job in self.steps.jobs:
+            self.steps.collect_norm(job)
         # the kernels summed each unit's gradient squares as they stepped it: the norm no
         # step of this schedule needs, but get_global_grad_norm() reports
-        self.last_grad_norm = math.sqrt(self._sq_norm) / self.loss_scale
-        self._unclaimed.extend(self.reap())
+        self.last_grad_norm = math.sqrt(self.gradients.sq_norm) / self.loss_scale
+        self.steps.reap(hand_out=False)
+
+    # -- speculation (see [Note: speculative step] in optim/speculation.py) -----------------
+    def void_speculation(self) -> None:
+        """Something reads the model before ``step()``: roll the speculation back."""
+        self.speculator.void()
+
+    def take_rolled_back(self) -> list[Unit]:
+        """The units rolled back since the last call (their device copies are stale)."""
+        return self.speculator.take_rolled_back()
 
     # -- state dict ------------------------------------------------------------------------
     def state_dict(self):  # noqa: D401 - torch API
@@ -533,24 +480,23 @@ class PartitionedOptimizer(GradientCollector, Speculation, StepReaping, torch.op
 
     def holds_cycle_gradients(self) -> bool:
         """Whether a backward since the last step left gradients (or a speculated step) here."""
-        return self.speculation_pending or any(s.grads_seen or s.has_grads for s in self.states)
+        return self.speculator.pending or any(s.grads_seen or s.has_grads for s in self.states)
 
     def discard_cycle_gradients(self) -> None:
         """zero_grad between a backward and a step: forget this cycle's gradients and roll a
         speculated step back (the engine then drops the rolled-back device copies)."""
         self.cancel_expected()
-        if self._speculated:
-            self._roll_back("zero_grad() discarded the gradients", rebuild_gradients=False)
-        while self._grad_writes:
-            self._retire_grad_write()
-        dropped = self._drop_cycle_gradients()
+        if self.speculator.pending:
+            self.speculator.roll_back("zero_grad() discarded the gradients",
+                                      rebuild_gradients=False)
+        self.gradients.land_writes()
+        dropped = self.gradients.drop_cycle()
         log.info("zero_grad(): the gradients of %d unit(s) collected since the last step are "
                  "discarded", dropped)
 
     def close(self) -> None:
         try:
-            while self._grad_writes:
-                self._retire_grad_write()
+            self.gradients.land_writes()
             if self._stream is not None:
                 try:
                     self.drain()

@@ -52,18 +52,19 @@ writes g, on the training thread: the price of the rare path.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
 from infinity.base.log import get_logger
-from infinity.optim.gradients import CompleteGradient
+from infinity.optim.gradients import GradientCollector
+from infinity.optim.kernel import AdamKernel
+from infinity.optim.pending_steps import PendingSteps
+from infinity.optim.records import JobPhase, StepJob, UnitOptimState
+from infinity.storage.buffer_pool import BufferPool
+from infinity.storage.manager import TierManager
 from infinity.zero.protocols import Wait
 from infinity.zero.unit import Unit
-
-if TYPE_CHECKING:
-    from infinity.optim.partitioned import UnitOptimState
-    from infinity.optim.step_stream import StepJob
 
 log = get_logger("optim")
 
@@ -71,119 +72,126 @@ SPECULATION_MODES = ("off", "auto", "on")
 VOIDED = "the model was read before step()"   # a roll-back counted as "voided"
 BLOCK_NUMEL = 1024     # fp32 elements in 4 KiB: a rebuild chunk starts on an O_DIRECT boundary
 
+# submit(state, gradient, params, **job settings) -> the job, queued ready and pending
+Submit = Callable[..., StepJob]
 
-class Speculation:
-    """The speculative side of ``PartitionedOptimizer`` (its states, stream and pending steps)."""
 
-    def _init_speculation(self, mode: str) -> None:
+class Speculator:
+    """The speculative step of the deferred schedule (see the notes above), owned by the
+    optimizer, with its gradients, kernel and pending steps."""
+
+    def __init__(self, mode: str, manager: TierManager, gradients: GradientCollector,
+                 kernel: AdamKernel, steps: PendingSteps, grad_pool: BufferPool | None) -> None:
         if mode not in SPECULATION_MODES:
             raise ValueError(f"speculative step mode {mode!r}: expected one of {SPECULATION_MODES}")
-        self.speculation = mode
-        self._speculating = False        # this backward speculates
-        self._speculated: list[tuple[UnitOptimState, StepJob]] = []
+        self.mode = mode
+        self.manager = manager
+        self.gradients = gradients
+        self.kernel = kernel
+        self.steps = steps
+        self.grad_pool = grad_pool
+        self.speculating = False        # this backward speculates
+        self.jobs: list[StepJob] = []   # speculated, waiting for step() to keep or drop them
         # the last step would have kept its speculation ("auto" speculates while it is True);
         # checkpoints keep it, so a resumed run speculates where the uninterrupted one did
-        self.speculation_pays = True
+        self.pays = True
         self.rolled_back: list[Unit] = []  # units whose device copies hold rolled-back values
-        self.speculation_stats = {"committed": 0, "rolled_back": 0, "voided": 0}
+        self.stats = {"committed": 0, "rolled_back": 0, "voided": 0}
         # units whose speculated gradient is neither at home nor on its way there
         self._gradient_not_home: set[int] = set()
 
     # -- deciding --------------------------------------------------------------------------
-    def plans_speculation(self) -> bool:
+    def plans(self) -> bool:
         """Whether the next cycle's last backward will speculate."""
-        if self.early_step or self.speculation == "off":
+        if self.mode == "off":
             return False
-        return self.speculation == "on" or self.speculation_pays
+        return self.mode == "on" or self.pays
 
-    def _can_speculate(self, state: UnitOptimState) -> bool:
+    def begin_backward(self, boundary: bool) -> None:
+        """A speculation still pending from an earlier backward of this cycle was voided by
+        the engine's forward; this backward speculates at the boundary."""
+        self.speculating = boundary and self.plans() and not self.jobs
+
+    def can_speculate(self, state: UnitOptimState) -> bool:
         """Every store the unit's step writes has a shadow extent (see the note)."""
         store = state.unit.param_store
-        return (self._speculating and store is not None and store.doubled
+        return (self.speculating and store is not None and store.doubled
                 and state.exp_avg.doubled and state.exp_avg_sq.doubled
                 and (state.master is None or state.master.doubled)
-                and not any(s is state for s, _ in self._speculated))
+                and not any(job.state is state for job in self.jobs))
 
     @property
-    def speculation_pending(self) -> bool:
+    def pending(self) -> bool:
         """Speculated steps wait for ``step()`` to keep or drop them."""
-        return bool(self._speculated)
+        return bool(self.jobs)
 
     # -- running ---------------------------------------------------------------------------
-    def _speculate(self, state: UnitOptimState) -> StepJob:
+    def speculate(self, state: UnitOptimState, clip_norm: float, loss_scale: float,
+                  submit: Submit) -> StepJob:
         """Step the unit (fetched, gradients complete) into its shadow extents. Held gradients
         (see [Note: held gradients]) are normed by the stream, a flat buffer was normed here;
         either goes home only with clipping configured (see [Note: the gradient of a
         speculated step])."""
         at_home = False
         if state.grad_parts is not None:
-            gradient = self._take_gradient(state)
+            gradient = self.gradients.take(state)
             state.has_grads = state.norm_counted = True    # the job's norm joins at step()
         else:
-            self._zero_unwritten(state)
-            grads = self._finish_grads(state, write_home=False)
+            self.gradients.zero_unwritten(state)
+            grads = self.gradients.finish(state, write_home=False)
             at_home = state.grad_store.resident      # accumulated in its home: nothing to rebuild
-            gradient = CompleteGradient(grads, state.grad_slot)
-            state.grad_slot = state.grad_buffer = state.grad_written = None
-            state.grads_seen = 0
-        params = self.take_arrived(state)
+            gradient = self.gradients.take(state, grads)
+        params = self.gradients.take_arrived(state)
         # with clipping configured a roll-back is a likely outcome: the gradient goes home
         # while backward runs; without, only rare events roll back (see the note)
-        home = not at_home and (self.clip_norm > 0 or any(
-            _l2(self._hyper(e.group_index)) for e in state.unit.trainable_entries()))
-        job = self._expected.pop(state.unit.index, None)
-        if job is not None:
-            self._stream.make_ready(job, gradient, speculative=True, grad_scale=self.loss_scale,
-                                    params=params, gradient_home=home)
-        else:
-            job = self._stream.submit(state, early=True, gradient=gradient,
-                                      grad_scale=self.loss_scale, speculative=True,
-                                      params=params, gradient_home=home)
+        home = not at_home and (clip_norm > 0 or any(
+            _l2(self.kernel.hyper(e.group_index)) for e in state.unit.trainable_entries()))
+        job = submit(state, gradient, params, speculative=True, grad_scale=loss_scale,
+                     gradient_home=home)
         if not (at_home or home):
             self._gradient_not_home.add(state.unit.index)
-        self._pending_steps.append((state, job))
-        self._speculated.append((state, job))
+        self.jobs.append(job)
         return job
 
-    def _collect_speculated_norms(self) -> None:
+    def collect_norms(self) -> None:
         """Add the norms the stream computed for speculated held gradients to the step's norm
         (once per job; waits for their kernels)."""
-        for _, job in self._speculated:
-            if not job.norm_collected:
-                job.stepped.result()
-                self._collect_norm(job)
+        for job in self.jobs:
+            job.stepped_future.result()
+            self.steps.collect_norm(job)
 
-    def _resolve_speculation(self, keep: bool, overflow: bool = False) -> None:
+    def resolve(self, keep: bool, overflow: bool = False) -> None:
         """At ``step()``: commit (``keep``) or roll back every speculated unit (for the deferred
         step, or with ``overflow`` for no step at all). A speculation whose hyperparameters are
         no longer this step's (the learning rate was set between backward and step) is rolled
         back too."""
-        self.speculation_pays = keep
-        if not self._speculated:
+        self.pays = keep
+        if not self.jobs:
             return
-        now = self.hyperparameters()
-        if keep and any(job.hyper != now for _, job in self._speculated):
-            self._roll_back("the hyperparameters changed after the backward")
+        now = self.kernel.hyperparameters()
+        if keep and any(job.hyper != now for job in self.jobs):
+            self.roll_back("the hyperparameters changed after the backward")
             return
         if not keep:
-            self._roll_back("an overflow" if overflow else "clipping",
-                            rebuild_gradients=not overflow)
+            self.roll_back("an overflow" if overflow else "clipping",
+                           rebuild_gradients=not overflow)
             return
-        for _, job in self._speculated:
-            job.stepped.result()     # its writes are issued: bound to the shadow extents
+        for job in self.jobs:
+            job.stepped_future.result()     # its writes are issued: bound to the shadow extents
         # (waited first: an interrupt there leaves the speculation whole, to be resolved again)
-        speculated, self._speculated = self._speculated, []
+        speculated, self.jobs = self.jobs, []
         self._gradient_not_home.clear()
-        for state, _ in speculated:
+        for job in speculated:
+            state = job.state
             for store in (state.unit.param_store, state.exp_avg, state.exp_avg_sq, state.master):
                 if store is not None:
                     store.flip()
             state.has_grads = state.norm_counted = False
             if state.grad_store.resident:
                 state.grad_store.tensor.zero_()   # the next cycle accumulates from zero
-        self.speculation_stats["committed"] += 1
+        self.stats["committed"] += 1
 
-    def _roll_back(self, why: str, rebuild_gradients: bool = True) -> None:
+    def roll_back(self, why: str, rebuild_gradients: bool = True) -> None:
         """Drop every speculated result: wait for the jobs (their writes read the units' device
         copies), give their step counts back, and list the units whose device copies must be
         dropped (``rolled_back``). With ``rebuild_gradients`` the gradients are rebuilt at
@@ -192,27 +200,31 @@ class Speculation:
         # rolled back again; a failed step is raised (and recorded) by reap, after the
         # bookkeeping below
         with contextlib.suppress(Exception):
-            self._collect_speculated_norms()   # the gradients stay counted (norm_counted)
-        self.speculation_stats["voided" if why == VOIDED else "rolled_back"] += 1
-        speculated, self._speculated = self._speculated, []
+            self.collect_norms()   # the gradients stay counted (norm_counted)
+        self.stats["voided" if why == VOIDED else "rolled_back"] += 1
+        speculated, self.jobs = self.jobs, []
         try:
-            self._unclaimed.extend(self.reap(Wait.ALL))
+            self.steps.reap(Wait.ALL, hand_out=False)   # the engine releases them next
         finally:
-            for state, job in speculated:
+            for job in speculated:
+                state = job.state
                 if job.counted:
-                    self.uncount_step(state, job.params)
-                    job.counted = False
+                    self.kernel.uncount_step(state, job.params)
+                if job.phase in (JobPhase.REAPED, JobPhase.FAILED):
+                    job.roll_back()
+                else:   # a failure cut the wait short: its count went back all the same
+                    job.runs = None
                 # the deferred step takes these parameters' gradients from home
                 state.arrived |= job.params if job.params is not None else {
                     e.offset for e in state.unit.trainable_entries()}
                 self.rolled_back.append(state.unit)
         log.debug("speculative step of %d unit(s) rolled back (%s)", len(speculated), why)
         if rebuild_gradients:
-            self._rebuild_gradients([(s, j) for s, j in speculated
-                                     if s.unit.index in self._gradient_not_home])
+            self._rebuild_gradients([j for j in speculated
+                                     if j.state.unit.index in self._gradient_not_home])
         self._gradient_not_home.clear()
 
-    def _rebuild_gradients(self, speculated: list[tuple[UnitOptimState, StepJob]]) -> None:
+    def _rebuild_gradients(self, speculated: list[StepJob]) -> None:
         """Write each unit's gradient home, recovered from the m its step read and the m it
         wrote (see [Note: the gradient of a speculated step]), through a free gradient slot (or
         the accumulation chunk) cut in pieces."""
@@ -221,19 +233,20 @@ class Speculation:
         slot = self.grad_pool.try_acquire() if self.grad_pool is not None else None
         try:
             pieces = _pieces(slot.view(torch.float32, self.grad_pool.slot_bytes // 4)
-                             if slot is not None else self._chunk_buffer(), 3)
+                             if slot is not None else self.gradients.chunk_buffer(), 3)
             if pieces is None:   # units of under 3 x 1024 elements: a small buffer of its own
                 pieces = _pieces(self.manager.host_empty(3 * BLOCK_NUMEL, torch.float32,
                                                          what="gradient rebuild"), 3)
-            for state, job in speculated:
-                self._rebuild_gradient(state, job, *pieces)
+            for job in speculated:
+                self._rebuild_gradient(job, *pieces)
         finally:
             if slot is not None:
                 self.grad_pool.release(slot)
 
-    def _rebuild_gradient(self, state: UnitOptimState, job: StepJob, m_old: torch.Tensor,
-                          m_new: torch.Tensor, out: torch.Tensor) -> None:
+    def _rebuild_gradient(self, job: StepJob, m_old: torch.Tensor, m_new: torch.Tensor,
+                          out: torch.Tensor) -> None:
         """One unit's rebuild, ``m_old.numel()`` elements at a time."""
+        state = job.state
         chunk = m_old.numel()
         n, home = state.unit.trainable_numel, state.grad_store
         for start in range(0, n, chunk):
@@ -251,12 +264,12 @@ class Speculation:
             else:
                 self.manager.wait(home.store_async(out, start, count))
 
-    def void_speculation(self) -> None:
+    def void(self) -> None:
         """Something reads the model before ``step()``: roll back now, so it sees the
         parameters of the last step; the deferred path takes this cycle over. The caller drops
         the device copies ``take_rolled_back`` lists."""
-        if self._speculated:
-            self._roll_back(VOIDED)
+        if self.jobs:
+            self.roll_back(VOIDED)
 
     def take_rolled_back(self) -> list[Unit]:
         """The units rolled back since the last call (their device copies are stale)."""

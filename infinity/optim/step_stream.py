@@ -5,9 +5,10 @@ sub-group, with the disk kept busy in both directions.
 In the early-step schedule a unit's step (swap-in of m and v, CPU Adam, swap-out of m, v and the
 parameters) is submitted here as soon as its gradients are complete, and runs while backward goes
 on with the next units. The unit stays fetched (its device copy is the fp32 master being stepped)
-until its future is done, which ``PartitionedOptimizer.reap`` reports. ``step()`` waits until
-every unit's kernels have run, so the next forward never sees a unit mid-update, and prefetch in
-backward only reads units that have not had their backward yet (never one being written).
+until its job has landed, which ``reap`` reports (see [Note: the life of a step job] in
+optim/records.py). ``step()`` waits until every unit's kernels have run, so the next forward
+never sees a unit mid-update, and prefetch in backward only reads units that have not had their
+backward yet (never one being written).
 
 [Note: the deferred step lands at the next fetch]
 The deferred schedule (clipping, loss scaling, accumulation) cannot step a unit before the whole
@@ -26,7 +27,7 @@ stopping training, and the parameters are read once per step instead of twice.
 The stream does not drain at each unit's end: sub-groups of every queued unit form one stream,
 with up to ``READ_AHEAD`` sub-groups' reads in flight ahead of the one being stepped and the
 writes of earlier ones retiring behind it, so the disk reads the next unit's states while the
-last writes of the previous unit go out. A unit's future completes when the writes of its last
+last writes of the previous unit go out. A unit's job lands when the writes of its last
 sub-group have landed. Slots are taken without blocking while reads are issued (a full pool
 retires writes first, or stops reading ahead), so the stream cannot deadlock on its own slots.
 In the early step on a CPU device the parameters are written home straight from the unit's
@@ -58,59 +59,45 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from infinity.optim.gradients import _grad_pieces, _sum_of_squares
-from infinity.storage.manager import padded_numel
-
-if TYPE_CHECKING:
-    from infinity.optim.partitioned import (
-        CompleteGradient,
-        PartitionedOptimizer,
-        SubGroup,
-        UnitOptimState,
-    )
-    from infinity.storage.buffer_pool import Slot
+from infinity.optim.gradients import _sum_of_squares
+from infinity.optim.records import (
+    CompleteGradient,
+    JobPhase,
+    OptimTimers,
+    StepJob,
+    StepRun,
+    SubGroup,
+    UnitOptimState,
+    grad_pieces,
+    sub_groups,
+)
+from infinity.storage.buffer_pool import BufferPool, Slot
+from infinity.storage.manager import TierManager, padded_numel
 
 READ_AHEAD = 2       # sub-groups whose reads are in flight ahead of the one being stepped
 WRITES_BEHIND = 2    # sub-groups whose writes may still be in flight
 IDLE_WAIT_S = 0.05   # the stream re-checks its jobs at least this often when it has nothing to do
 
 
-@dataclass(eq=False)
-class StepJob:
-    """One unit's step in the stream. ``stepped`` completes when its last kernel has run (the
-    device copy is current), ``future`` when its writes have landed as well."""
+class StepKernel(Protocol):
+    """What the stream asks of the optimizer's kernel (optim/kernel.py)."""
 
-    state: UnitOptimState
-    future: Future
-    stepped: Future
-    groups: deque
-    left: int                      # sub-groups not yet retired
-    early: bool                    # gradient handed over (early step); else from its home
-    grad_scale: float = 1.0
-    hyper: list[dict] | None = None   # per param group, fixed when the step was asked for
-    gradient: CompleteGradient | None = None   # early step: handed over with the job
-    ready: bool = True             # gradients complete; False while only expected
-    cancelled: bool = False        # an expected step that did not happen (no gradients came)
-    # results go to the shadow extents (see [Note: speculative step] in optim/speculation.py)
-    speculative: bool = False
-    # the parameters (entry offsets) that got a gradient, None: all (see [Note: parameters
-    # without a gradient] in optim/partitioned.py), and the runs the kernel steps
-    params: frozenset[int] | None = None
-    runs: list | None = None
-    # the squares of the gradient this job's kernels normed (early steps, speculated held
-    # gradients), collected into the step's norm once
-    sq_norm: float = 0.0
-    norm_collected: bool = False
-    counted: bool = False          # ``state.step`` advanced for this job
-    # a speculated step writes its gradient home (for a redo), or a roll-back rebuilds it
-    gradient_home: bool = False
-    error: BaseException | None = None
+    def hyperparameters(self) -> list[dict]:
+        """Each param group's hyperparameters now (fixed into a job when its step is asked)."""
+
+    def step_runs(self, state: UnitOptimState, stepped: frozenset[int] | None) -> list[StepRun]:
+        """Advance the unit's step count for ``stepped`` and return the runs to step."""
+
+    def run(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
+            grad: torch.Tensor | dict[int, torch.Tensor], m: torch.Tensor, v: torch.Tensor,
+            grad_scale: float, half_out: torch.Tensor | None, hyper: list[dict],
+            runs: list[StepRun], grad_sq_sum: bool = False) -> float:
+        """Adam on elements [start, end) of the unit; the gradient's squares when asked."""
 
 
 @dataclass(eq=False)
@@ -124,8 +111,13 @@ class _Loaded:
 class StepStream:
     """Owns the stream's thread and its sub-groups in flight (see the notes above)."""
 
-    def __init__(self, optimizer: PartitionedOptimizer) -> None:
-        self.opt = optimizer
+    def __init__(self, kernel: StepKernel, manager: TierManager, pool: BufferPool | None,
+                 sub_group_numel: int, timers: OptimTimers) -> None:
+        self.kernel = kernel
+        self.manager = manager
+        self.pool = pool                  # slots for the states streamed from NVMe
+        self.sub_group_numel = sub_group_numel
+        self.timers = timers
         self._wake = threading.Condition()
         self._incoming: deque[StepJob | None] = deque()   # None: shut down after the rest
         self._stopping = False
@@ -144,7 +136,7 @@ class StepStream:
                params: frozenset[int] | None = None, gradient_home: bool = False) -> StepJob:
         """Queue ``state``'s unit for a step with its gradients complete (an early step's
         ``gradient`` is the job's from here on) of the parameters ``params`` (None: all). The
-        unit must be fetched and held until the job's future is done: the step updates its
+        unit must be fetched and held until the job has landed: the step updates its
         device copy."""
         return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient,
                                speculative=speculative, params=params,
@@ -164,10 +156,10 @@ class StepStream:
                    params: frozenset[int] | None = None, gradient_home: bool = False) -> None:
         """The expected job may run: its gradients are complete (an early step's ``gradient``,
         of the parameters ``params``, None: as queued) and its unit is fetched and held until
-        the job's future is done."""
+        the job has landed."""
         with self._wake:
             if job.hyper is None:
-                job.hyper = self.opt.hyperparameters()
+                job.hyper = self.kernel.hyperparameters()
             job.gradient = gradient
             if params is not None:
                 job.params = params
@@ -175,27 +167,27 @@ class StepStream:
             job.gradient_home = gradient_home
             if grad_scale is not None:
                 job.grad_scale = grad_scale
-            job.ready = True
+            job.make_ready()
             self._wake.notify()
 
     def cancel(self, job: StepJob) -> None:
         """The expected job will not run (no gradients came, or the engine closes): drop it
         (its reads are discarded)."""
         with self._wake:
-            if not job.ready:
-                job.cancelled = True
+            if job.cancel():
                 self._wake.notify()
 
     def _queue_job(self, state, early: bool, grad_scale: float, ready: bool,
                    gradient: CompleteGradient | None = None, speculative: bool = False,
                    params: frozenset[int] | None = None, gradient_home: bool = False) -> StepJob:
-        groups = deque(self.opt._sub_groups(state))
+        groups = deque(sub_groups(state, self.sub_group_numel))
         # the hyperparameters (learning rate) of the step being asked for: an early step's are
         # fixed when its gradients are complete, a deferred step's now (a scheduler moves the
         # rate before the step runs)
-        hyper = self.opt.hyperparameters() if ready or not early else None
-        job = StepJob(state, Future(), Future(), groups, len(groups), early, grad_scale,
-                      hyper, gradient, ready, speculative=speculative, params=params,
+        hyper = self.kernel.hyperparameters() if ready or not early else None
+        job = StepJob(state, groups, len(groups), early,
+                      JobPhase.READY if ready else JobPhase.EXPECTED, grad_scale, hyper,
+                      gradient, speculative=speculative, params=params,
                       gradient_home=gradient_home)
         with self._wake:
             self._incoming.append(job)
@@ -221,7 +213,7 @@ class StepStream:
             except BaseException as exc:  # noqa: BLE001 - reported through the units' futures
                 self._fail_all(exc)
                 moved = True
-            self.opt.timers.background_s += time.perf_counter() - start
+            self.timers.background_s += time.perf_counter() - start
             if not moved:
                 with self._wake:
                     if not self._incoming and not self._has_news():
@@ -233,12 +225,12 @@ class StepStream:
             if job is None:
                 self._stopping = True
                 for waiting in self._jobs:      # no gradients will come any more
-                    waiting.cancelled = waiting.cancelled or not waiting.ready
+                    waiting.cancel()
                 continue
             self._jobs.append(job)
             if not job.groups and job.ready:
                 self._count_step(job)
-                job.stepped.set_result(None)
+                job.stepped()
                 self._finish(job)
 
     def _has_news(self) -> bool:
@@ -264,7 +256,7 @@ class StepStream:
         # the disk still reads from it would put garbage in another unit's states)
         writes: list = [(None, slot) for _, slot in loaded.requests]
         try:
-            self.opt.manager.wait(*[r for r, _ in loaded.requests])
+            self.manager.wait(*[r for r, _ in loaded.requests])
             self._step(loaded, writes)
         except BaseException:
             self._abandon(writes)
@@ -294,7 +286,7 @@ class StepStream:
         self._retire_writes_of(job.state)   # a sub-group is read only after its last write
         group = job.groups[0]
         n = group.end - group.start
-        state, pool = job.state, self.opt.step_pool
+        state, pool = job.state, self.pool
         stores = {"m": state.exp_avg, "v": state.exp_avg_sq}
         if state.master is not None:
             stores["p"] = state.master
@@ -350,9 +342,8 @@ class StepStream:
         for job in [j for j in self._jobs if j.cancelled]:
             self.stats["cancelled"] += 1
             job.groups.clear()
-            job.stepped.set_result(None)
             self._jobs.remove(job)
-            job.future.set_result(None)
+            job.dropped()
         return True
 
     def _retire_writes_of(self, state: UnitOptimState) -> None:
@@ -363,9 +354,8 @@ class StepStream:
             self._retire()
 
     def _count_step(self, job: StepJob) -> None:
-        if not job.counted:
-            job.runs = self.opt.step_runs(job.state, job.params)
-            job.counted = True
+        if job.runs is None:
+            job.runs = self.kernel.step_runs(job.state, job.params)
 
     def _abandon(self, requests: list) -> None:
         """A sub-group that will not be stepped or written on: wait for its issued (request,
@@ -374,17 +364,17 @@ class StepStream:
         for req, _ in requests:
             if req is not None:
                 try:
-                    self.opt.manager.wait(req)
+                    self.manager.wait(req)
                 except BaseException:  # noqa: BLE001
                     pass
         for _, slot in requests:
             if slot is not None:
-                self.opt.step_pool.release(slot)
+                self.pool.release(slot)
 
     def _step(self, loaded: _Loaded, writes: list) -> None:
         """Adam on one sub-group of a fetched unit (the fp32 master is its device copy, unless
         a separate master was read); the writes of its results are appended to ``writes``."""
-        opt, job, group = self.opt, loaded.job, loaded.group
+        job, group = loaded.job, loaded.group
         state, unit = job.state, job.state.unit
         start, end, n = group.start, group.end, group.end - group.start
         t = loaded.tensors
@@ -400,22 +390,22 @@ class StepStream:
         # norm for get_global_grad_norm) and a speculated step's held gradient that stays here
         # (a flat buffer was normed when complete, one going home is normed as it is written)
         norm_in_kernel = job.early and not (shadow and (flat_gradient or job.gradient_home))
-        sq = opt._kernel(state, start, end, param, grad, t["m"], t["v"], job.grad_scale, half,
-                         job.hyper, job.runs, grad_sq_sum=norm_in_kernel)
+        sq = self.kernel.run(state, start, end, param, grad, t["m"], t["v"], job.grad_scale,
+                             half, job.hyper, job.runs, grad_sq_sum=norm_in_kernel)
         job.sq_norm += sq
         if not job.early and state.grad_store.resident:
             grad.zero_()          # the next backward accumulates into the home gradient
-        opt._store(state.exp_avg, t["m"], start, n, writes, shadow)
-        opt._store(state.exp_avg_sq, t["v"], start, n, writes, shadow)
+        _store(state.exp_avg, t["m"], start, n, writes, shadow)
+        _store(state.exp_avg_sq, t["v"], start, n, writes, shadow)
         if state.master is not None:
-            opt._store(state.master, param, start, n, writes, shadow)
+            _store(state.master, param, start, n, writes, shadow)
             unit.flat[start:end].copy_(half if half is not None else param)
         self._write_params(unit, start, n, writes, shadow)
         if shadow and job.gradient_home:
             # kept at home for a redo: a flat buffer is written as it is (given back at
             # ``_finish``), held gradients are normed and copied
             if flat_gradient:
-                opt._store(state.grad_store, grad, start, n, writes)
+                _store(state.grad_store, grad, start, n, writes)
             else:
                 self._write_held_gradient(job, start, end, writes)
         # otherwise a speculated held gradient is only normed (in the kernel): a roll-back
@@ -425,8 +415,8 @@ class StepStream:
         if not job.groups and all(x.job is not job for x in self._loads):
             # its last kernel ran: the gradient is given back, the device copy current
             if job.gradient is not None and not (shadow and flat_gradient and job.gradient_home):
-                opt.release_gradient(job.gradient)
-            job.stepped.set_result(None)
+                job.gradient.give_back()
+            job.stepped()
 
     def _free_stepped_parts(self, job: StepJob) -> None:
         """Free the held gradient parts no sub-group still to be stepped covers, as the step
@@ -439,7 +429,7 @@ class StepStream:
         done = [offset for offset, part in parts.items()
                 if not any(a < offset + part.numel() and offset < b for a, b in pending)]
         for offset in done:
-            self.opt.free_gradient_part(job.gradient, offset)
+            job.gradient.free_part(offset)
 
     def _write_held_gradient(self, job: StepJob, start: int, end: int, writes: list) -> None:
         """Norm a speculated step's held gradient over [start, end) and write it to the unit's
@@ -448,7 +438,7 @@ class StepStream:
         values = store.tensor[start:end] if store.resident else \
             self._staging(writes, torch.float32, n)[:n]
         values.zero_()
-        for x, y, g in _grad_pieces(job.state.unit, job.gradient.values, start, start, end):
+        for x, y, g in grad_pieces(job.state.unit, job.gradient.values, start, start, end):
             values[x - start:y - start].copy_(g)
         job.sq_norm += _sum_of_squares(values)
         if not store.resident:
@@ -461,7 +451,7 @@ class StepStream:
             return
         if not store.resident and unit.flat_on_aligned_host:
             # the device buffer is host memory, page-aligned, and stays fetched until the
-            # unit's future is done: write it as it is (no staging copy)
+            # unit's job has landed: write it as it is (no staging copy)
             writes.append((store.store_async(unit.flat[start:], start, n, shadow), None))
         else:
             self._write_values(store, unit.flat[start:start + n], start, n, writes, shadow)
@@ -485,29 +475,29 @@ class StepStream:
         slot = self._free_slot()
         while slot is None and self._preempt():
             slot = self._free_slot()
-        slot = slot or self.opt.step_pool.acquire(timeout=600.0)
+        slot = slot or self.pool.acquire(timeout=600.0)
         writes.append((None, slot))
         return slot.view(dtype, padded_numel(n, dtype))
 
     def _free_slot(self) -> Slot | None:
         """A free slot without blocking: retire writes (oldest first) until one is free; None
         when every slot is held by reads or the sub-group being stepped."""
-        slot = self.opt.step_pool.try_acquire()
+        slot = self.pool.try_acquire()
         while slot is None and self._writes:
             self._retire()
-            slot = self.opt.step_pool.try_acquire()
+            slot = self.pool.try_acquire()
         return slot
 
     def _retire(self) -> None:
         job, entries = self._writes.popleft()
         try:
-            self.opt.manager.wait(*[r for r, _ in entries if r is not None])
+            self.manager.wait(*[r for r, _ in entries if r is not None])
         except BaseException as exc:  # noqa: BLE001
             job.error = job.error or exc
         finally:
             for _, slot in entries:
                 if slot is not None:
-                    self.opt.step_pool.release(slot)
+                    self.pool.release(slot)
         job.left -= 1
         if job.left == 0:
             self._finish(job)
@@ -515,15 +505,13 @@ class StepStream:
     def _finish(self, job: StepJob) -> None:
         self._jobs.remove(job)
         if job.gradient is not None:     # a failed job's gradient, given back all the same
-            self.opt.release_gradient(job.gradient)
+            job.gradient.give_back()
         if job.error is not None:
-            if not job.stepped.done():
-                job.stepped.set_exception(job.error)
-            job.future.set_exception(job.error)
+            job.fail(job.error)
         else:
-            if not job.stepped.done():
-                job.stepped.set_result(None)
-            job.future.set_result(None)
+            if job.phase is JobPhase.READY:
+                job.stepped()
+            job.landed()
 
     def _fail_all(self, exc: BaseException) -> None:
         """An error mid-stream: wait out what is in flight, fail every unit in hand (expected
@@ -537,3 +525,11 @@ class StepStream:
             job.error = job.error or exc
             job.groups.clear()
             self._finish(job)
+
+
+def _store(store, tensor: torch.Tensor, start: int, count: int, writes: list,
+           shadow: bool = False) -> None:
+    """Write back a loaded tensor (resident stores were updated in place, nothing to do;
+    ``shadow``: to the store's shadow extent)."""
+    if not store.resident:
+        writes.append((store.store_async(tensor, start, count, shadow), None))

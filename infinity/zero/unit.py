@@ -18,8 +18,8 @@ after the trainable range padded to a 4 KiB multiple of fp32 (``trainable_numel`
 optimizer steps, so no frozen element may lie in it -- AdamW's decay would move it). Every
 parameter starts on a 64-byte boundary (SIMD alignment for the Adam kernel); the total is padded
 to a 4 KiB multiple (O_DIRECT). The optimizer steps contiguous runs of one param group (see
-``PartitionedOptimizer.step_runs``); the gaps between parameters are zeros in params, grads and
-moments alike, so stepping them is harmless and keeps runs contiguous. The arithmetic is
+``AdamKernel.step_runs`` in optim/kernel.py); the gaps between parameters are zeros in params,
+grads and moments alike, so stepping them is harmless and keeps runs contiguous. The arithmetic is
 ``infinity.planner.alignment.flat_layout`` (PARAM_ALIGN_BYTES there), which the engine's sizes
 bound too.
 """

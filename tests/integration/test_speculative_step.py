@@ -288,7 +288,7 @@ def test_a_rolled_back_step_rebuilds_the_gradient_it_did_not_write(disk_dir, opt
                 engine.step()
             worst, opt = 0.0, engines["on"].optimizer
             for state in opt.states:
-                home = torch.cat([v for _, v in opt._home_gradient(state)])
+                home = torch.cat([v for _, v in opt.gradients.home_gradient(state)])
                 for entry in state.unit.trainable_entries():
                     rebuilt = home[entry.offset:entry.offset + entry.numel].view(entry.shape)
                     expected = reference_of[id(entry.param)].grad

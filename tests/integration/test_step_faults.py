@@ -225,8 +225,8 @@ def test_the_units_a_step_reaped_are_handed_over_once(disk_dir, monkeypatch) -> 
 
     def everything_landed(self):
         finish(self)
-        self._unclaimed.extend(self.reap(Wait.ALL))   # every write has landed ...
-        self._unclaimed[:] = [s.unit for s in self.states]   # ... so every unit may go
+        self.steps.reap(Wait.ALL, hand_out=False)          # every write has landed ...
+        self.steps.unclaimed[:] = [s.unit for s in self.states]   # ... so every unit may go
 
     monkeypatch.setattr(PartitionedOptimizer, "_finish_early_steps", everything_landed)
     torch.manual_seed(0)
@@ -250,8 +250,8 @@ def test_the_units_a_step_reaped_are_handed_over_once(disk_dir, monkeypatch) -> 
             else:
                 engine.backward(loss)
                 engine.step()
-                assert engine.optimizer._unclaimed == [], \
-                    [u.name for u in engine.optimizer._unclaimed]
+                assert engine.optimizer.steps.unclaimed == [], \
+                    [u.name for u in engine.optimizer.steps.unclaimed]
             loss_of(reference(input_ids=x, labels=x)).backward()
             if stepped_on_failure:     # every unit but the embedding had its gradients
                 reference.model.embed_tokens.weight.grad = None
@@ -335,7 +335,7 @@ def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
     import threading
     import time
 
-    from infinity.optim.partitioned import PartitionedOptimizer
+    from infinity.optim.kernel import AdamKernel
     from parity import engine_and_reference, make_model, zero_config
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
@@ -345,14 +345,14 @@ def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
         make_model("llama", layers=3, width=64),
         zero_config(3, "nvme", "nvme", str(disk_dir), early_step=schedule))
     slow = {"on": False}
-    kernel = PartitionedOptimizer._kernel
+    kernel = AdamKernel.run
 
     def slow_kernel(self, state, *args, **kwargs):
         if slow["on"]:
             time.sleep(0.1)
         return kernel(self, state, *args, **kwargs)
 
-    monkeypatch.setattr(PartitionedOptimizer, "_kernel", slow_kernel)
+    monkeypatch.setattr(AdamKernel, "run", slow_kernel)
     gen = torch.Generator().manual_seed(2)
     try:
         for step in range(4):

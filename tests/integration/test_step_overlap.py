@@ -12,6 +12,7 @@ from torch import nn
 
 import infinity
 from infinity.optim import partitioned
+from infinity.optim.records import sub_groups
 from infinity.optim.step_stream import READ_AHEAD
 from infinity.storage.manager import FlatStore, padded_numel
 from infinity.storage.tiers import Residency
@@ -169,7 +170,8 @@ def test_a_ready_step_never_waits_on_an_expected_one(disk_dir) -> None:
     try:
         opt = engine.optimizer
         stream = opt._stream
-        waiting, ready = [s for s in opt.states if len(opt._sub_groups(s)) > READ_AHEAD + 1][:2]
+        waiting, ready = [s for s in opt.states
+                          if len(sub_groups(s, opt.sub_group_numel)) > READ_AHEAD + 1][:2]
         steps_before = (waiting.step, ready.step)
         expected = stream.expect(waiting)
         deadline = time.monotonic() + 30
@@ -179,13 +181,13 @@ def test_a_ready_step_never_waits_on_an_expected_one(disk_dir) -> None:
         engine.pin_unit(ready.unit)            # an early step updates the fetched copy
         try:
             zeros = partitioned.CompleteGradient({})   # complete (zero) gradients
-            stream.submit(ready, early=True, gradient=zeros).future.result(timeout=20)
+            stream.submit(ready, early=True, gradient=zeros).landed_future.result(timeout=20)
         finally:
             engine.unpin_unit(ready.unit, modified=False)
         assert stream.stats["preempted"] >= 1, stream.stats
-        assert not expected.future.done()
+        assert not expected.landed_future.done()
         stream.cancel(expected)
-        expected.future.result(timeout=20)
+        expected.landed_future.result(timeout=20)
         assert (waiting.step, ready.step) == (steps_before[0], steps_before[1] + 1)
     finally:
         engine.close()
@@ -222,8 +224,8 @@ def test_reaping_a_finished_step_leaves_the_next_gradient_alone(disk_dir) -> Non
         try:
             old = opt._stream.submit(state, early=True,
                                      gradient=partitioned.CompleteGradient({}))
-            old.future.result(timeout=60)
-            opt._pending_steps.append((state, old))      # finished, not reaped yet
+            old.landed_future.result(timeout=60)
+            opt.steps.add(old)                             # finished, not reaped yet
             entries = state.unit.trainable_entries()
             for entry in entries:                          # the next backward's gradient
                 opt.on_grad(state.unit, entry, torch.ones(entry.shape))

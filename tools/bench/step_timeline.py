@@ -45,7 +45,7 @@ def _wrap(owner, name: str, label: str) -> None:
 
 def instrument() -> None:
     """Wrap the calls whose time matters; nested wrapped calls are reported separately."""
-    from infinity.optim import partitioned
+    from infinity.optim import gradients, kernel, partitioned
     from infinity.storage import buffer_pool, manager
     from infinity.zero import coordinator, unit
 
@@ -53,8 +53,8 @@ def instrument() -> None:
     _wrap(buffer_pool.BufferPool, "acquire", "slot acquire")
     _wrap(unit.Unit, "finish_fetch", "fetch (incl. wait+copy)")
     _wrap(unit.Unit, "write_home", "write_home")
-    _wrap(partitioned.PartitionedOptimizer, "_kernel", "adam kernel")
-    _wrap(partitioned.PartitionedOptimizer, "on_grad", "grad add")
+    _wrap(kernel.AdamKernel, "run", "adam kernel")
+    _wrap(gradients.GradientCollector, "on_grad", "grad add")
     _wrap(partitioned.PartitionedOptimizer, "on_unit_backward_done", "unit grads done")
     _wrap(partitioned, "_sum_of_squares", "grad norm")
     _wrap(partitioned.PartitionedOptimizer, "reap", "reap")

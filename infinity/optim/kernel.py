@@ -1,0 +1,85 @@
+"""The Adam kernel over a unit's flat ranges: the hyperparameters of each param group, the step
+runs of a job (see [Note: parameters without a gradient] in optim/partitioned.py) and the CPU
+Adam call on a sub-group. The step stream sees it through its ``StepKernel`` Protocol
+(optim/step_stream.py); the optimizer and the speculation own the same object."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from infinity.optim.cpu_adam import adam_step_flat
+from infinity.optim.records import StepRun, UnitOptimState, grad_pieces
+
+
+class AdamKernel:
+    """Adam/AdamW on flat fp32 ranges, per the param groups ``param_groups()`` returns now."""
+
+    def __init__(self, param_groups: Callable[[], list[dict]], adamw_mode: bool,
+                 threads: int | None) -> None:
+        self._param_groups = param_groups
+        self.adamw_mode = adamw_mode
+        self.threads = threads
+
+    def hyper(self, group_index: int) -> dict:
+        """One param group's Adam hyperparameters now."""
+        g = self._param_groups()[group_index]
+        return {"lr": float(g["lr"]), "beta1": g["betas"][0], "beta2": g["betas"][1],
+                "eps": g["eps"], "weight_decay": g["weight_decay"],
+                "bias_correction": g.get("bias_correction", True),
+                "adamw_mode": g.get("adamw_mode", self.adamw_mode)}
+
+    def hyperparameters(self) -> list[dict]:
+        """Each param group's Adam hyperparameters now, for a step that runs later (a deferred
+        step runs after the scheduler has moved the learning rate on)."""
+        return [self.hyper(i) for i in range(len(self._param_groups()))]
+
+    def step_runs(self, state: UnitOptimState, stepped: frozenset[int] | None) -> list[StepRun]:
+        """Count one step for the parameters in ``stepped`` (entry offsets; None: all) and
+        return the runs the kernel steps: contiguous ranges of one param group whose
+        parameters all take the same step (see [Note: parameters without a gradient]). With
+        every parameter stepped every time there is one run per param group."""
+        state.step += 1
+        runs: list[StepRun | None] = []
+        entries = sorted(state.unit.trainable_entries(), key=lambda e: e.offset)
+        for entry in entries:
+            if stepped is not None and entry.offset not in stepped:
+                runs.append(None)             # a break: this parameter is not stepped
+                continue
+            count = state.param_steps.get(entry.offset, 0) + 1
+            state.param_steps[entry.offset] = count
+            last = runs[-1] if runs else None
+            if last is not None and (last.group_index, last.step) == (entry.group_index, count):
+                runs[-1] = StepRun(last.group_index, last.start, entry.offset + entry.numel, count)
+            else:
+                runs.append(StepRun(entry.group_index, entry.offset, entry.offset + entry.numel,
+                                    count))
+        return [r for r in runs if r is not None]
+
+    def uncount_step(self, state: UnitOptimState, stepped: frozenset[int] | None) -> None:
+        """Undo ``step_runs``' counting (a speculated step rolled back)."""
+        state.step -= 1
+        for entry in state.unit.trainable_entries():
+            if stepped is None or entry.offset in stepped:
+                state.param_steps[entry.offset] -= 1
+
+    def run(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
+            grad: torch.Tensor | dict[int, torch.Tensor], m: torch.Tensor, v: torch.Tensor,
+            grad_scale: float, half_out: torch.Tensor | None, hyper: list[dict],
+            runs: list[StepRun], grad_sq_sum: bool = False) -> float:
+        """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``;
+        ``hyper`` per param group (``hyperparameters()`` when the step was asked for), ``runs``
+        from ``step_runs``. Returns the stepped gradient's sum of squares (as given) when
+        ``grad_sq_sum``, else 0."""
+        total = 0.0
+        for run in runs:
+            a, b = max(run.start, start), min(run.end, end)
+            if a >= b:
+                continue
+            for x, y, g in grad_pieces(state.unit, grad, start, a, b):
+                s = slice(x - start, y - start)
+                total += adam_step_flat(
+                    param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
+                    half_out=None if half_out is None else half_out[s], threads=self.threads,
+                    grad_sq_sum=grad_sq_sum, **hyper[run.group_index]) or 0.0
+        return total

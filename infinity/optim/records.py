@@ -1,0 +1,289 @@
+"""The optimizer's records: one unit's Adam states, its sub-groups and step runs, a complete
+gradient handed to a step, and the step job with its life. A leaf: the parts of the
+partitioned optimizer (gradients, step stream, speculation, kernel) all import from here and
+never from each other's homes.
+
+[Note: the life of a step job]
+A step job is one unit's optimizer step on the step stream (optim/step_stream.py). Its phase is
+one ``JobPhase``; each transition has one verb, checked against the phases it may leave:
+
+  EXPECTED --make_ready--> READY --stepped--> STEPPED --landed--> LANDED --reaped--> REAPED
+  EXPECTED --cancel--> CANCELLED
+  EXPECTED, READY, STEPPED or CANCELLED --fail--> FAILED
+  REAPED or FAILED --roll_back--> ROLLED_BACK
+
+- ``StepStream.expect`` queues a job EXPECTED: its gradients are still being computed (early
+  step, speculation) or its unit is not fetched yet (deferred step); its reads may go ahead, not
+  its kernels. ``StepStream.submit`` queues one READY at once.
+- ``make_ready`` (training thread): the gradients are complete and the unit is fetched and held.
+- ``cancel`` (training thread): no gradients came (the backward ended or failed, the engine
+  closes); nothing runs. The stream drops its reads and lets it go (``dropped``: its futures
+  complete, it stays CANCELLED).
+- ``stepped`` (stream): its last kernel ran; the device copy is current; ``stepped_future``
+  completes. The optimizer's ``wait_stepped`` waits for this (a forward reads the unit, step()).
+- ``landed`` (stream): its last write landed; ``landed_future`` completes.
+- ``fail`` (stream): an I/O or kernel error; both futures raise it; states may be half-written.
+- ``reaped`` (training thread, ``PendingSteps.reap``): its gradient's norm is counted, what the
+  gradient held goes back, and its unit is handed out for release (unless a newer job of the
+  unit holds it). A FAILED job is reaped by raising its error, once.
+- ``roll_back`` (speculation): a speculated step's results are dropped; the unit's step counts
+  go back (see [Note: speculative step] in optim/speculation.py).
+
+Outside the optimizer these events have one verb each (``UnitStepper`` in zero/protocols.py):
+``wait_stepped(unit)`` waits for STEPPED (every unit's with None); ``reap(wait)`` reaps the
+LANDED jobs (``Wait.NONE``: those already landed, ``ONE``: at least one unit's, ``ALL``: every
+job's) and hands out their units, also those reaped inside ``step()`` or a roll-back, which
+stay in the pending steps until then; ``drain()`` is the end (close): what never started is
+cancelled, the rest reaped, failures logged. The coordinator's ``reap``/``drain`` release the
+units handed out; ``Engine.flush`` fetches the units deferred steps wait for, then reaps with
+``Wait.ALL``.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from infinity.optim.held_room import HeldRoom
+from infinity.storage.buffer_pool import BufferPool, Slot
+from infinity.storage.manager import FlatStore
+from infinity.zero.unit import Unit
+
+
+@dataclass(eq=False)
+class UnitOptimState:
+    """The Adam states of one unit (fp32, ``unit.trainable_numel`` elements each)."""
+
+    unit: Unit
+    exp_avg: FlatStore
+    exp_avg_sq: FlatStore
+    master: FlatStore | None          # None: the parameter itself is the fp32 master
+    grad_store: FlatStore | None      # deferred schedule only
+    step: int = 0
+    # [Note: parameters without a gradient]: steps taken by each trainable parameter (by entry
+    # offset), and the parameters that received a gradient since the unit's last step
+    param_steps: dict[int, int] = field(default_factory=dict)
+    arrived: set[int] = field(default_factory=set)
+    grad_buffer: torch.Tensor | None = None   # transient fp32 gradient during backward
+    grad_slot: Slot | None = None
+    grads_seen: int = 0
+    # offsets of the parameters whose gradient was copied into a fresh ``grad_buffer`` (the
+    # buffer is not zeroed up front; what no gradient covered is zeroed when the unit is done)
+    grad_written: set[int] | None = None
+    # early step on a CPU device: the gradients autograd produced, by entry offset, held as they
+    # are until the unit's step has run (see [Note: held gradients])
+    grad_parts: dict[int, torch.Tensor] | None = None
+    held_bytes: int = 0     # of grad_parts, counted in the held room
+    # deferred schedule: gradients arrived since the unit's last step (a unit without any is
+    # not stepped, as torch skips parameters whose gradient is None)
+    has_grads: bool = False
+    norm_counted: bool = False   # its gradient is in the clipping norm of this cycle
+
+
+@dataclass
+class OptimTimers:
+    """Seconds spent by the training thread in the optimizer (waiting for background steps
+    included) and in gradient handling, and by the background early-step worker."""
+
+    optimizer_s: float = 0.0
+    grad_s: float = 0.0
+    grad_wait_s: float = 0.0    # of grad_s: backward waiting for room for held gradients
+    background_s: float = 0.0
+
+    def reset(self) -> None:
+        self.optimizer_s = self.grad_s = self.grad_wait_s = self.background_s = 0.0
+
+
+class StepRun(NamedTuple):
+    """A contiguous range [start, end) of one param group's parameters stepped together, all
+    taking step ``step`` (from 1)."""
+
+    group_index: int
+    start: int
+    end: int
+    step: int
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """An aligned chunk [start, end) of one unit's trainable range, stepped at once."""
+
+    state: UnitOptimState
+    start: int
+    end: int
+
+
+def sub_groups(state: UnitOptimState, numel: int) -> list[SubGroup]:
+    """The unit's trainable range cut in chunks of ``numel`` elements."""
+    n = state.unit.trainable_numel
+    return [SubGroup(state, a, min(a + numel, n)) for a in range(0, n, numel)]
+
+
+def grad_pieces(unit: Unit, grad: torch.Tensor | dict[int, torch.Tensor], origin: int,
+                a: int, b: int):
+    """(x, y, gradient of elements [x, y)) covering [a, b) of the unit: one piece of a flat
+    gradient indexed from ``origin``, or per parameter from held parts (a parameter without a
+    gradient steps with zeros, as in a zeroed flat buffer; the gaps between parameters, zero
+    everywhere, are skipped)."""
+    if isinstance(grad, torch.Tensor):
+        yield a, b, grad[a - origin:b - origin]
+        return
+    for entry in unit.trainable_entries():
+        x, y = max(a, entry.offset), min(b, entry.offset + entry.numel)
+        if x >= y:
+            continue
+        part = grad.get(entry.offset)
+        yield x, y, (torch.zeros(y - x) if part is None
+                     else part[x - entry.offset:y - entry.offset])
+
+
+@dataclass(eq=False)
+class CompleteGradient:
+    """A unit's complete gradient, handed over to its early step: held parts or a flat host
+    buffer, and the slot (of ``pool``) or held-room bytes (of ``room``) it holds. The step owns
+    it from then on (the unit's state starts collecting the next backward's gradient) and gives
+    it back after its last kernel."""
+
+    values: torch.Tensor | dict[int, torch.Tensor]
+    slot: Slot | None = None
+    held_bytes: int = 0
+    pool: BufferPool | None = None
+    room: HeldRoom | None = None
+
+    def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:
+        """Elements [start, end): the flat buffer's slice, or all held parts
+        (``grad_pieces`` cuts them)."""
+        return self.values if isinstance(self.values, dict) else self.values[start:end]
+
+    def free_part(self, offset: int) -> None:
+        """Free one held part (its sub-groups have been stepped)."""
+        part = self.values.pop(offset)
+        nbytes = min(part.numel() * 4, self.held_bytes)
+        self.held_bytes -= nbytes
+        if self.room is not None:
+            self.room.give(nbytes)
+
+    def give_back(self) -> None:
+        """Give back what it holds (once; later calls do nothing)."""
+        if self.slot is not None:
+            self.pool.release(self.slot)
+            self.slot = None
+        if self.room is not None:
+            self.room.give(self.held_bytes)
+        self.held_bytes = 0
+        self.values = {}
+
+
+class JobPhase(enum.Enum):
+    """Where a step job is in its life (see [Note: the life of a step job])."""
+
+    EXPECTED = "expected"
+    READY = "ready"
+    STEPPED = "stepped"
+    LANDED = "landed"
+    REAPED = "reaped"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    ROLLED_BACK = "rolled back"
+
+
+_QUEUED = (JobPhase.EXPECTED, JobPhase.READY)
+
+
+@dataclass(eq=False)
+class StepJob:
+    """One unit's step in the stream (see [Note: the life of a step job])."""
+
+    state: UnitOptimState
+    groups: deque
+    left: int                      # sub-groups not yet retired
+    early: bool                    # gradient handed over (early step); else from its home
+    phase: JobPhase = JobPhase.READY
+    grad_scale: float = 1.0
+    hyper: list[dict] | None = None   # per param group, fixed when the step was asked for
+    gradient: CompleteGradient | None = None   # early step: handed over with the job
+    # results go to the shadow extents (see [Note: speculative step] in optim/speculation.py)
+    speculative: bool = False
+    # the parameters (entry offsets) that got a gradient, None: all (see [Note: parameters
+    # without a gradient] in optim/partitioned.py), and the runs the kernel steps (set when
+    # the unit's step count advances for this job, at its first kernel)
+    params: frozenset[int] | None = None
+    runs: list[StepRun] | None = None
+    # the squares of the gradient this job's kernels normed (early steps, speculated held
+    # gradients), taken into the step's norm once (``take_sq_norm``)
+    sq_norm: float = 0.0
+    # a speculated step writes its gradient home (for a redo), or a roll-back rebuilds it
+    gradient_home: bool = False
+    error: BaseException | None = None    # the first error of its kernels or writes
+    stepped_future: Future = field(default_factory=Future)
+    landed_future: Future = field(default_factory=Future)
+
+    def _move(self, to: JobPhase, *allowed: JobPhase) -> None:
+        if self.phase not in allowed:
+            raise RuntimeError(f"step job of {self.state.unit.name}: {self.phase.value} -> "
+                               f"{to.value} (allowed from {[a.value for a in allowed]})")
+        self.phase = to
+
+    # -- transitions (see [Note: the life of a step job]) ----------------------------------
+    def make_ready(self) -> None:
+        if self.phase is not JobPhase.FAILED:   # failed while expected: reap raises it
+            self._move(JobPhase.READY, JobPhase.EXPECTED)
+
+    def cancel(self) -> bool:
+        """EXPECTED -> CANCELLED; False (nothing done) from any other phase."""
+        if self.phase is not JobPhase.EXPECTED:
+            return False
+        self.phase = JobPhase.CANCELLED
+        return True
+
+    def stepped(self) -> None:
+        self._move(JobPhase.STEPPED, JobPhase.READY)
+        self.stepped_future.set_result(None)
+
+    def landed(self) -> None:
+        self._move(JobPhase.LANDED, JobPhase.STEPPED)
+        self.landed_future.set_result(None)
+
+    def dropped(self) -> None:
+        """A cancelled job leaves the stream: its waiters go on (nothing ran)."""
+        self._move(JobPhase.CANCELLED, JobPhase.CANCELLED)
+        self.stepped_future.set_result(None)
+        self.landed_future.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        self._move(JobPhase.FAILED, JobPhase.EXPECTED, JobPhase.READY, JobPhase.STEPPED,
+                   JobPhase.CANCELLED)
+        self.error = self.error or error
+        if not self.stepped_future.done():
+            self.stepped_future.set_exception(self.error)
+        self.landed_future.set_exception(self.error)
+
+    def reaped(self) -> None:
+        self._move(JobPhase.REAPED, JobPhase.LANDED)
+
+    def roll_back(self) -> None:
+        self._move(JobPhase.ROLLED_BACK, JobPhase.REAPED, JobPhase.FAILED)
+
+    # -- questions -------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Its gradients are complete (READY or later, not cancelled)."""
+        return self.phase not in (JobPhase.EXPECTED, JobPhase.CANCELLED)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.phase is JobPhase.CANCELLED
+
+    @property
+    def counted(self) -> bool:
+        """The unit's step count advanced for this job (and was not given back)."""
+        return self.runs is not None and self.phase is not JobPhase.ROLLED_BACK
+
+    def take_sq_norm(self) -> float:
+        """The squares its kernels summed, once (its kernels have run); 0 after."""
+        sq, self.sq_norm = self.sq_norm, 0.0
+        return sq
