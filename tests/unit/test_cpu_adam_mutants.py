@@ -1,0 +1,121 @@
+"""CPUAdam: behaviours that mutation testing (tools/mutation.py, issue 23) found unchecked by
+test_cpu_adam.py -- torch's defaults and boundary hyperparameters, the lr argument's errors, and
+how states from torch Adam (L2), older states and hand-made ones are adopted."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from infinity.optim.cpu_adam import CPUAdam
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((8, 5), (5,))]
+
+
+def _steps(opt, params, n: int, start: int = 0) -> None:
+    for k in range(start, start + n):
+        g = torch.Generator().manual_seed(100 + k)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def _close(a, b, atol: float = 1e-6) -> None:
+    for x, y in zip(a, b):
+        assert torch.allclose(x.detach(), y.detach(), rtol=0, atol=atol)
+
+
+def test_defaults_are_torch_adams() -> None:
+    ours, ref = CPUAdam(_params()), torch.optim.Adam(_params())
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        assert ours.defaults[key] == ref.defaults[key], key
+
+
+def test_a_zero_lr_is_allowed_and_moves_nothing() -> None:
+    ps = _params()
+    before = [p.detach().clone() for p in ps]
+    opt = CPUAdam(ps, lr=0.0)
+    _steps(opt, ps, 3)
+    _close(ps, before, atol=0.0)
+
+
+def test_beta1_zero_is_allowed_and_matches_torch() -> None:
+    ours, ref = _params(), _params()
+    opt = CPUAdam(ours, lr=1e-2, betas=(0.0, 0.999))
+    topt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.0, 0.999), weight_decay=0.0, foreach=False)
+    _steps(opt, ours, 4)
+    _steps(topt, ref, 4)
+    _close(ours, ref)
+
+
+def test_an_lr_tensor_of_several_elements_is_refused_naming_lr() -> None:
+    with pytest.raises(ValueError, match=r"lr must be a number or a 1-element tensor, got shape \(2,\)"):
+        CPUAdam(_params(), lr=torch.tensor([1e-3, 2e-3]))
+
+
+def test_a_torch_adam_state_loads_as_l2_mode_and_goes_on_like_torch() -> None:
+    """torch.optim.Adam's state (decoupled_weight_decay False) into a CPUAdam built in AdamW mode:
+    the state decides, and the steps after it match torch Adam's."""
+    init = _params()
+    a, b = _params(), _params()
+    topt = torch.optim.Adam(a, lr=1e-2, weight_decay=0.1, foreach=False)
+    _steps(topt, a, 3)
+    for pa, pb in zip(a, b):
+        pb.data.copy_(pa.data)
+    ours = CPUAdam(b, lr=1.0)          # adamw_mode=True by default
+    ours.load_state_dict(copy.deepcopy(topt.state_dict()))
+    group = ours.param_groups[0]
+    assert group["adamw_mode"] is False and group["decoupled_weight_decay"] is False
+    _steps(topt, a, 3, start=3)
+    _steps(ours, b, 3, start=3)
+    _close(b, a)
+    assert not torch.allclose(b[0], init[0])
+    again = torch.optim.Adam(_params(), foreach=False)
+    again.load_state_dict(ours.state_dict())
+    assert again.param_groups[0]["decoupled_weight_decay"] is False
+
+
+def test_an_older_state_without_decoupled_weight_decay_keeps_its_mode() -> None:
+    """A CPUAdam state saved before groups carried decoupled_weight_decay: its adamw_mode holds,
+    whatever the loading optimizer was built with."""
+    ps = _params()
+    old = CPUAdam(ps, adamw_mode=False, weight_decay=0.1)
+    _steps(old, ps, 1)
+    sd = copy.deepcopy(old.state_dict())
+    for group in sd["param_groups"]:
+        del group["decoupled_weight_decay"]
+    new = CPUAdam(_params(), adamw_mode=True)
+    new.load_state_dict(sd)
+    assert new.param_groups[0]["adamw_mode"] is False
+    assert new.param_groups[0]["decoupled_weight_decay"] is False
+
+
+def test_a_maximize_state_is_refused() -> None:
+    t = torch.optim.Adam(_params(), maximize=True)
+    with pytest.raises(ValueError, match="CPUAdam does not support maximize=True"):
+        CPUAdam(_params()).load_state_dict(t.state_dict())
+
+
+def test_a_minimal_state_gets_torchs_group_keys() -> None:
+    """A hand-made state with only the hyperparameters CPUAdam steps with: the groups get the
+    keys torch's Adam expects (amsgrad and maximize off, the weight-decay form), so the state
+    loads into torch too."""
+    ps = _params()
+    opt = CPUAdam(ps)
+    _steps(opt, ps, 1)
+    sd = copy.deepcopy(opt.state_dict())
+    for group in sd["param_groups"]:
+        for key in ("amsgrad", "maximize", "decoupled_weight_decay", "bias_correction"):
+            group.pop(key)
+    fresh = CPUAdam(_params())
+    fresh.load_state_dict(sd)
+    group = fresh.param_groups[0]
+    assert group["amsgrad"] is False and group["maximize"] is False
+    assert group["bias_correction"] is True and group["decoupled_weight_decay"] is True
+    t = torch.optim.AdamW(_params(), foreach=False)
+    t.load_state_dict(fresh.state_dict())
+    assert t.param_groups[0]["amsgrad"] is False and t.param_groups[0]["maximize"] is False
