@@ -26,6 +26,7 @@ Exit codes: 0 done, 3 the load failed, 4 a step or save failed, 5 the recovery l
 from __future__ import annotations
 
 import errno
+import faulthandler
 import hashlib
 import json
 import os
@@ -223,8 +224,7 @@ def life(spec: dict, log: EventLog, traps: Traps) -> int:
     log("ready", swap_dirs=swap, free=free_bytes(spec["save_dir"]))
     ready_fd = spec.get("ready_fd")
     if ready_fd is not None:
-        os.write(ready_fd, b"r")
-        os.close(ready_fd)
+        os.write(ready_fd, b"r")      # the engine is up ("l" follows once latest is loaded)
 
     def load(why: str) -> str | None:
         nonlocal engine
@@ -246,6 +246,9 @@ def life(spec: dict, log: EventLog, traps: Traps) -> int:
         if not (spec.get("recover") and traps.fired):
             return 3
         tag = load("retry")          # the injected fault is spent: the load must work now
+    if ready_fd is not None:
+        os.write(ready_fd, b"l")
+        os.close(ready_fd)
     if tag is not None and spec.get("probe"):
         traps.begin("probe")
         probe = engine.save_checkpoint(spec["probe_dir"], tag="probe", save_latest=False)
@@ -330,6 +333,7 @@ def main() -> int:
     # Ctrl-C as at a terminal: a harness started in the background (``cmd &``) passes SIGINT
     # down ignored, and Python then installs no handler of its own
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # the harness's look at a hang
     spec = json.loads(sys.argv[1])
     log = EventLog(spec["log"])
     log("start", pid=os.getpid(), life=spec.get("life"))

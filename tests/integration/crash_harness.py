@@ -88,7 +88,9 @@ CI_SCHEDULE = [
     dict(mode="sigkill-trap", phase="save", func="exchange", n=1, k=1),
     dict(mode="sigkill-delay"),
     dict(mode="sigkill-delay"),
-    dict(mode="sigint-delay"),
+    # after the load: a Ctrl-C as the load starts its hash thread hangs the process at exit
+    # (the xfail test in test_crash_consistency.py); the long run keeps that window
+    dict(mode="sigint-delay", after="loaded"),
     dict(mode="sigint-trap", phase="save", func="rename"),
     dict(mode="enospc", phase="save", func="write", where="write", full_saves=0),
     dict(mode="enospc", phase="save", func="fsync", where="write", full_saves=1),
@@ -231,6 +233,7 @@ class Point:
     filler: int = 0
     full_saves: int | None = None
     resave: str | None = None        # a tag in place beyond latest, which this life re-saves
+    after: str = "ready"             # a delay counts from the engine's start, or "loaded"
 
 
 class CrashRun:
@@ -338,6 +341,7 @@ class CrashRun:
         p.probe = mode != "enospc" and rng.random() < 0.6
         p.recover = fixed.pop("recover", rng.random() < 0.5)
         if mode in ("sigkill-delay", "sigint-delay"):
+            p.after = fixed.pop("after", "ready")
             p.delay = rng.uniform(0.0, self._seconds_per_save() * (p.saves + 1))
         elif mode == "enospc" and self.ws.real_enospc:
             fixed.pop("phase", None), fixed.pop("func", None)     # the injected mode's site
@@ -397,9 +401,16 @@ class CrashRun:
         proc, ready_fd = self._launch(spec, log, err, ready=p.delay is not None)
         signalled, sent_at = None, None
         try:
-            if p.delay is not None:
-                readable, _, _ = select.select([ready_fd], [], [], self.timeout)
-                if readable and os.read(ready_fd, 1) == b"r":
+            if p.delay is not None:     # from the engine's start, or the end of its load
+                want = b"l" if p.after == "loaded" else b"r"
+                got = b""
+                while want not in got:
+                    readable, _, _ = select.select([ready_fd], [], [], self.timeout)
+                    byte = os.read(ready_fd, 1) if readable else b""
+                    if not byte:
+                        break            # the child died before (EOF), or a hang
+                    got += byte
+                if want in got:
                     time.sleep(p.delay)
                     sig = signal.SIGKILL if p.mode == "sigkill-delay" else signal.SIGINT
                     if proc.poll() is None:
@@ -408,6 +419,8 @@ class CrashRun:
             rc = proc.wait(timeout=self.timeout)
             hang = False
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)     # every thread's stack into its output
+            time.sleep(2)
             proc.kill()
             rc, hang = proc.wait(), True
         finally:
@@ -441,7 +454,9 @@ class CrashRun:
         outcome = {-9: "sigkill", -2: "sigint", 130: "sigint", 0: "clean", 3: "error", 4: "error",
                    5: "error", 6: "error"}.get(rc, f"rc {rc}")
         if hang:
-            fails.append(f"hang: the child did not exit within {self.timeout} s")
+            last = next((e for e in reversed(evs)), {"ev": "nothing"})
+            fails.append(f"hang: the child did not exit within {self.timeout} s (its last event: "
+                         f"{last['ev']} in {last.get('phase', '-')}; stacks in {err})")
         if outcome.startswith("rc"):
             fails.append(f"unexpected exit {rc}: {err.read_text()[-1500:]}")
         enospc = [e for e in errors if e.get("errno") == errno.ENOSPC
