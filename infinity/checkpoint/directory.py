@@ -308,10 +308,25 @@ def write_latest(save_dir: Path, tag: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(pending, save_dir / LATEST)
-    except BaseException:
+    except BaseException as exc:
         pending.unlink(missing_ok=True)     # ours: the old ``latest`` is left as it was
+        if isinstance(exc, OSError):
+            previous = read_latest_quietly(save_dir)
+            raise OSError(exc.errno, f"checkpoint {tag} is saved whole in {save_dir / tag}, but "
+                                     f"{save_dir / LATEST} could not be pointed at it "
+                                     f"({exc.strerror or exc}); latest still names "
+                                     f"{previous or 'no checkpoint'}. Load it with tag="
+                                     f"{tag!r}, or fix the cause and save again") from exc
         raise
     _fsync_dir(save_dir)
+
+
+def read_latest_quietly(load_dir: Path) -> str | None:
+    """The tag ``latest`` names, or None when there is none or it cannot be read (for a message)."""
+    try:
+        return read_latest(load_dir)
+    except CheckpointError:
+        return None
 
 
 def read_latest(load_dir: Path) -> str | None:

@@ -17,10 +17,13 @@ import hashlib
 import itertools
 import json
 import os
+import queue
 import struct
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -60,9 +63,38 @@ class TensorInfo:
         return n
 
 
+class _HashThread:
+    """One daemon thread that runs hash updates handed to it, in order (hashlib releases the
+    GIL, so a piece is hashed while the caller writes or reads the next).
+
+    Not a ThreadPoolExecutor: its worker is not a daemon, and concurrent.futures registers it
+    for the join at exit only after it has started, so a Ctrl-C landing in between (a load
+    interrupted as it begins to hash) left a worker nothing would ever stop, and the
+    interpreter waited for it forever at exit (found by the crash test)."""
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="checkpoint-hash", daemon=True).start()
+
+    def submit(self, update: Callable[[Any], None], data: Any) -> Future:
+        done: Future = Future()
+        self._work.put((done, update, data))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            done, update, data = self._work.get()
+            try:
+                update(data)
+            except BaseException as exc:        # handed to the waiting caller
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+
 @functools.lru_cache(maxsize=1)
-def _hash_thread() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+def _hash_thread() -> _HashThread:
+    return _HashThread()
 
 
 def itemsize(dtype: torch.dtype) -> int:
