@@ -15,44 +15,52 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from infinity.base.budget import MemoryBudget
+from infinity.base.interrupts import deferred_interrupts
+from infinity.base.log import get_logger
+from infinity.base.malloc_tuning import set_mmap_threshold, trim
+from infinity.base.sizes import format_bytes
 from infinity.checkpoint import prepare_load, save_checkpoint, save_model_weights
 from infinity.config import InfinityConfig
-from infinity.base.log import get_logger
-from infinity.engine.param_groups import optimizer_defaults, param_groups
-from infinity.base.malloc_tuning import set_mmap_threshold, trim
-from infinity.optim.loss_scaler import LossScaler
-from infinity.optim.partitioned import PartitionedOptimizer
-from infinity.optim.schedules import build_scheduler, check_user_scheduler
-from infinity.storage.buffer_pool import BufferPool
-from infinity.storage.device_cache import DeviceMemoryCache
-from infinity.storage.manager import TierManager
-from infinity.storage.preflight import SwapPathError
-from infinity.storage.tiers import Tier, deeper
 from infinity.engine.checkpointing import apply_restore, training_state
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
-from infinity.engine.model_methods import model_device, route_module_methods, unroute_module_methods
-from infinity.engine.pass_owner import EnginePassOwner
-from infinity.engine.passes import PassHooks, cast_floating
-from infinity.base.interrupts import deferred_interrupts
 from infinity.engine.guards import (
     FOREIGN_EARLY_BACKWARD,
     SECOND_EARLY_BACKWARD,
     refuse_multiple_ranks,
 )
+from infinity.engine.model_methods import (
+    model_device,
+    route_module_methods,
+    unroute_module_methods,
+)
+from infinity.engine.param_groups import optimizer_defaults, param_groups
+from infinity.engine.pass_owner import EnginePassOwner
+from infinity.engine.passes import PassHooks, cast_floating
 from infinity.engine.sizing import (
     COMPUTE_DTYPES,
     EngineSizes,
     derive,
     disk_has_room,
-    host_budget_note,
     resolve_sizes,
     speculation_possible,
     warn_second_nvme_path,
 )
-from infinity.base.sizes import format_bytes
-from infinity.zero.activation_swap import ActivationSwapper
+from infinity.engine.step_stats import step_stats
+from infinity.engine.wiring import (
+    activation_swapper,
+    build_units,
+    state_tiers,
+    tier_manager,
+)
+from infinity.optim.loss_scaler import LossScaler
+from infinity.optim.partitioned import PartitionedOptimizer
+from infinity.optim.schedules import build_scheduler, check_user_scheduler
+from infinity.storage.buffer_pool import BufferPool
+from infinity.storage.device_cache import DeviceMemoryCache
+from infinity.storage.preflight import SwapPathError
+from infinity.storage.tiers import Tier
 from infinity.zero.coordinator import Coordinator
+from infinity.zero.external_hint import raise_with_external_parameter_hint
 from infinity.zero.init import (
     EXTERNAL_PARAMS_ATTR,
     check_not_released,
@@ -61,8 +69,6 @@ from infinity.zero.init import (
     remember_released,
     unregister_engine,
 )
-from infinity.zero.materialize import materialize_params
-from infinity.zero.external_hint import raise_with_external_parameter_hint
 from infinity.zero.partition import modules_needing, partition
 from infinity.zero.prefetch import PrefetchLimits
 from infinity.zero.protocols import Wait
@@ -92,16 +98,8 @@ class Engine(DeepSpeedEngineAccessors):
         self.stage = stage
         self.micro_steps = 0
         self.global_steps = 0
-        cpu_fp32 = self.device.type == "cpu" and self.compute_dtype == torch.float32
-        self.master_separate = not cpu_fp32
-        optimizer_tier = Tier.from_offload_device(self.config.zero.offload_optimizer.device)
-        param_tier = Tier.from_offload_device(self.config.zero.offload_param.device) \
-            if stage == 3 else Tier.DEVICE
-        if cpu_fp32 and stage == 3:
-            # DESIGN.md "fp32 on CPU": one fp32 tensor per parameter, in the deeper tier.
-            param_tier = deeper(param_tier, optimizer_tier)
-        if self.master_separate and optimizer_tier is Tier.DEVICE and self.device.type == "cpu":
-            optimizer_tier = Tier.HOST
+        param_tier, optimizer_tier, self.master_separate = state_tiers(
+            self.config, self.device, self.compute_dtype)
         self.param_tier, self.optimizer_tier = param_tier, optimizer_tier
 
         groups = param_groups(model, model_parameters, self.config)
@@ -126,12 +124,7 @@ class Engine(DeepSpeedEngineAccessors):
                      "NVMe states", format_bytes(self.sizes.nvme_bytes), nvme_path)
             self.speculative = False
             self.sizes = sizes()
-        self.manager = TierManager(
-            host_budget=MemoryBudget("host", self.sizes.host_budget,
-                                     host_budget_note(self.config, self.device, self.sizes)),
-            device_budget=MemoryBudget("device", self.sizes.device_budget),
-            nvme_path=nvme_path, aio_config=self.config.aio, device=self.device)
-        self.manager.nvme_reserve_bytes = self.sizes.nvme_bytes
+        self.manager = tier_manager(self.config, self.device, self.sizes, nvme_path)
         if self.config.infinity.offload_activations == "nvme" and nvme_path is None:
             raise ValueError("infinity.offload_activations is \"nvme\" but no swap directory is "
                              "configured: set zero_optimization.offload_param.nvme_path or "
@@ -155,35 +148,15 @@ class Engine(DeepSpeedEngineAccessors):
 
     # -- construction ----------------------------------------------------------------------
     def _build(self, model: nn.Module, specs, groups: list[dict], lr_scheduler: Any) -> None:
-        group_of = {}
-        for index, group in enumerate(groups):
-            for p in group["params"]:
-                group_of[p] = index
-        self.units: list[Unit] = []
         nvme_params = self.param_tier is Tier.NVME
         self.fetch_pool = BufferPool(self.manager, self.sizes.max_unit_bytes,
                                      self.sizes.fetch_slots, "fetch") \
             if nvme_params and not self.direct_fetch else None
-        replacements = {}
-        # full shapes by id: units built before a later one's init runs are released by then
-        full_shapes = {id(p): p.shape for spec in specs for _, p in spec.params}
-        for index, spec in enumerate(specs):
-            for name, old, new in materialize_params(model, spec.params, self.device, full_shapes):
-                replacements[old] = new
-                full_shapes[id(new)] = old.shape
-                group_of[new] = group_of.pop(old, -1)
-            spec.params = [(n, replacements.get(p, p)) for n, p in spec.params]
-            # a parameter with no elements has nothing to step: kept as frozen
-            named = [(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
-                     for n, p in spec.params]
-            unit = Unit(index, spec.name, spec.module, named, self.compute_dtype, self.device)
-            # A unit stays on the device when all of it is below the persistence threshold.
-            persistent = self.stage < 3 or unit.numel <= self.sizes.persistence_threshold
-            unit.adopt(self.manager, self.param_tier, persistent, staging=self.fetch_pool,
-                       doubled=self.speculative and unit.has_trainable)
-            self.units.append(unit)
-        for group in groups:
-            group["params"] = [replacements.get(p, p) for p in group["params"]]
+        self.units, replacements = build_units(
+            model, specs, groups, self.device, self.compute_dtype, self.manager,
+            self.param_tier, staging=self.fetch_pool,
+            persistence_threshold=self.sizes.persistence_threshold if self.stage == 3 else None,
+            doubled=self.speculative)
         early = self.early_step
         grad_tier = self.sizes.grad_tier
         self.optimizer = PartitionedOptimizer(
@@ -211,7 +184,8 @@ class Engine(DeepSpeedEngineAccessors):
             external[:] = [replacements.get(p, p) for p in external]
             for param in external:
                 self.hook_external_parameter(module, param)
-        self.activation_swapper = self._activation_swapper()
+        self.activation_swapper = activation_swapper(self.config, self.manager, self.units,
+                                                     self.module)
         register_engine(self)
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
         self._step_started = None
@@ -221,23 +195,6 @@ class Engine(DeepSpeedEngineAccessors):
         self.skipped_steps = 0
         self._backwards_since_step = 0
         self._warned_hyper_moved = False
-
-    def _activation_swapper(self) -> ActivationSwapper | None:
-        """The swapper of saved activations when ``infinity.offload_activations`` is "nvme"."""
-        section = self.config.infinity
-        if section.offload_activations != "nvme":
-            return None
-        # parameters are views of their unit's flat buffer while fetched (empty when released)
-        storages = {u.flat.untyped_storage()._cdata for u in self.units}
-        storages |= {p.untyped_storage()._cdata for p in self.module.parameters()}
-        swapper = ActivationSwapper(
-            self.manager, min_bytes=section.activation_min_bytes,
-            window_bytes=section.activation_window,
-            is_parameter_storage=lambda t: t.untyped_storage()._cdata in storages)
-        log.info("saved activations of >= %s go to NVMe (%s of them in memory at a time)",
-                 format_bytes(section.activation_min_bytes),
-                 format_bytes(section.activation_window))
-        return swapper
 
     # -- training API ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -470,19 +427,8 @@ class Engine(DeepSpeedEngineAccessors):
         now = time.perf_counter()
         step_s = now - (self._step_started or now)
         self._step_started = None
-        c = self.manager.counters
-        t = self.optimizer.timers
-        tiers = self.manager.tier_bytes()
-        optimizer_s = t.optimizer_s + t.grad_s
-        io_wait = c.io_wait_s
-        self._last_stats = {
-            "step_s": step_s, "io_wait_s": io_wait, "optimizer_s": optimizer_s,
-            "compute_s": max(0.0, step_s - optimizer_s - io_wait), "comm_s": 0.0,
-            "device_bytes": tiers["device"], "host_bytes": tiers["host"], "nvme_bytes": tiers["nvme"],
-            "io_read_bytes": c.nvme_read_bytes, "io_write_bytes": c.nvme_write_bytes,
-            "prefetch_hit_ratio": self.coordinator.prefetch_hit_ratio,
-            "optimizer_background_s": t.background_s, "grad_wait_s": t.grad_wait_s,
-        }
+        self._last_stats = step_stats(step_s, self.manager, self.optimizer.timers,
+                                      self.coordinator.prefetch_hit_ratio)
 
     def _keep_forward_change(self, unit: Unit) -> None:
         """A module's forward changed ``unit``'s parameters in place (``nn.Embedding`` with

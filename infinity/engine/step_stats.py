@@ -1,0 +1,27 @@
+"""What ``engine.step_stats()`` reports for the last step: where its time went and what it moved.
+
+Why here: the tools (tools/bench, ``infinity train``'s metrics) read these names; one place
+builds them from the tier manager's counters and the optimizer's timers.
+"""
+from __future__ import annotations
+
+from infinity.optim.records import OptimTimers
+from infinity.storage.manager import TierManager
+
+
+def step_stats(step_s: float, manager: TierManager, timers: OptimTimers,
+               prefetch_hit_ratio: float) -> dict[str, float]:
+    """The stats of a step that took ``step_s`` seconds (counters are cumulative where the
+    manager's are)."""
+    c = manager.counters
+    tiers = manager.tier_bytes()
+    optimizer_s = timers.optimizer_s + timers.grad_s
+    io_wait = c.io_wait_s
+    return {
+        "step_s": step_s, "io_wait_s": io_wait, "optimizer_s": optimizer_s,
+        "compute_s": max(0.0, step_s - optimizer_s - io_wait), "comm_s": 0.0,
+        "device_bytes": tiers["device"], "host_bytes": tiers["host"], "nvme_bytes": tiers["nvme"],
+        "io_read_bytes": c.nvme_read_bytes, "io_write_bytes": c.nvme_write_bytes,
+        "prefetch_hit_ratio": prefetch_hit_ratio,
+        "optimizer_background_s": timers.background_s, "grad_wait_s": timers.grad_wait_s,
+    }

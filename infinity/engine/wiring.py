@@ -1,0 +1,108 @@
+"""How the engine's parts are made from the config and the model, before it wires them.
+
+Why a module of its own: the facade (engine.py) holds the training calls; what decides where
+each state lives, turns the partitioned model into units in their home tiers and makes the
+activation swapper is construction, read once when a run starts and not again.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infinity.base.budget import MemoryBudget
+from infinity.base.log import get_logger
+from infinity.base.sizes import format_bytes
+from infinity.config import InfinityConfig
+from infinity.engine.sizing import EngineSizes, host_budget_note
+from infinity.storage.buffer_pool import BufferPool
+from infinity.storage.manager import TierManager
+from infinity.storage.tiers import Tier, deeper
+from infinity.zero.activation_swap import ActivationSwapper
+from infinity.zero.materialize import materialize_params
+from infinity.zero.partition import UnitSpec
+from infinity.zero.unit import Unit
+
+log = get_logger("engine")
+
+
+def state_tiers(config: InfinityConfig, device: torch.device,
+                compute_dtype: torch.dtype) -> tuple[Tier, Tier, bool]:
+    """(parameter tier, optimizer tier, whether the fp32 master is separate from the compute
+    copy) for this config on this device."""
+    stage = config.zero.stage
+    cpu_fp32 = device.type == "cpu" and compute_dtype == torch.float32
+    master_separate = not cpu_fp32
+    optimizer_tier = Tier.from_offload_device(config.zero.offload_optimizer.device)
+    param_tier = Tier.from_offload_device(config.zero.offload_param.device) \
+        if stage == 3 else Tier.DEVICE
+    if cpu_fp32 and stage == 3:
+        # DESIGN.md "fp32 on CPU": one fp32 tensor per parameter, in the deeper tier.
+        param_tier = deeper(param_tier, optimizer_tier)
+    if master_separate and optimizer_tier is Tier.DEVICE and device.type == "cpu":
+        optimizer_tier = Tier.HOST
+    return param_tier, optimizer_tier, master_separate
+
+
+def tier_manager(config: InfinityConfig, device: torch.device, sizes: EngineSizes,
+                 nvme_path: str | None) -> TierManager:
+    """The tier manager with the budgets ``sizes`` gives, its swap space reserved up front."""
+    manager = TierManager(
+        host_budget=MemoryBudget("host", sizes.host_budget,
+                                 host_budget_note(config, device, sizes)),
+        device_budget=MemoryBudget("device", sizes.device_budget),
+        nvme_path=nvme_path, aio_config=config.aio, device=device)
+    manager.nvme_reserve_bytes = sizes.nvme_bytes
+    return manager
+
+
+def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], device: torch.device,
+                compute_dtype: torch.dtype, manager: TierManager, param_tier: Tier, *,
+                staging: BufferPool | None, persistence_threshold: int | None,
+                doubled: bool) -> tuple[list[Unit], dict[nn.Parameter, nn.Parameter]]:
+    """The units of ``specs``, each adopted into ``param_tier`` (persistent on the device when
+    ``persistence_threshold`` is None, below stage 3, or the unit is no larger), and the
+    parameters that were materialized (meta or zero.Init-released ones) as {old: new}; the
+    ``groups``' params are replaced in place."""
+    group_of = {}
+    for index, group in enumerate(groups):
+        for p in group["params"]:
+            group_of[p] = index
+    units: list[Unit] = []
+    replacements = {}
+    # full shapes by id: units built before a later one's init runs are released by then
+    full_shapes = {id(p): p.shape for spec in specs for _, p in spec.params}
+    for index, spec in enumerate(specs):
+        for name, old, new in materialize_params(model, spec.params, device, full_shapes):
+            replacements[old] = new
+            full_shapes[id(new)] = old.shape
+            group_of[new] = group_of.pop(old, -1)
+        spec.params = [(n, replacements.get(p, p)) for n, p in spec.params]
+        # a parameter with no elements has nothing to step: kept as frozen
+        named = [(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
+                 for n, p in spec.params]
+        unit = Unit(index, spec.name, spec.module, named, compute_dtype, device)
+        # A unit stays on the device when all of it is below the persistence threshold.
+        persistent = persistence_threshold is None or unit.numel <= persistence_threshold
+        unit.adopt(manager, param_tier, persistent, staging=staging,
+                   doubled=doubled and unit.has_trainable)
+        units.append(unit)
+    for group in groups:
+        group["params"] = [replacements.get(p, p) for p in group["params"]]
+    return units, replacements
+
+
+def activation_swapper(config: InfinityConfig, manager: TierManager, units: list[Unit],
+                       model: nn.Module) -> ActivationSwapper | None:
+    """The swapper of saved activations when ``infinity.offload_activations`` is "nvme"."""
+    section = config.infinity
+    if section.offload_activations != "nvme":
+        return None
+    # parameters are views of their unit's flat buffer while fetched (empty when released)
+    storages = {u.flat.untyped_storage()._cdata for u in units}
+    storages |= {p.untyped_storage()._cdata for p in model.parameters()}
+    swapper = ActivationSwapper(
+        manager, min_bytes=section.activation_min_bytes, window_bytes=section.activation_window,
+        is_parameter_storage=lambda t: t.untyped_storage()._cdata in storages)
+    log.info("saved activations of >= %s go to NVMe (%s of them in memory at a time)",
+             format_bytes(section.activation_min_bytes), format_bytes(section.activation_window))
+    return swapper
