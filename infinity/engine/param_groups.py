@@ -13,8 +13,8 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from infinity.config import InfinityConfig
 from infinity.base.log import get_logger
+from infinity.config import InfinityConfig
 
 log = get_logger("engine")
 
