@@ -11,6 +11,12 @@ A request's buffer must outlive the I/O. The engine holds every request (and so 
 ``_inflight`` until someone sees it finish (``done()``, ``wait()``, ``wait_all``, the periodic
 sweep, or ``close()``); only then is the native request freed. A thread blocked in the native wait
 counts as a user of the native handle, and the handle is freed by the last user out.
+
+A request may carry a check (``check_on_wait``, the swap space's integrity check of what a read
+brought back): it runs once, on the first thread whose ``wait()`` sees the request finished
+without error, before that ``wait()`` returns; an ``OSError`` it raises becomes the request's
+error, raised by every ``wait()``. ``done()`` never runs it, so a caller must ``wait()`` before
+using a read's bytes (as it must to see I/O errors).
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -54,6 +60,8 @@ class IORequest:
         self._lock = threading.RLock()
         self._result = 0
         self._error: tuple[int, str] | None = None
+        self._check: Callable[[], None] | None = None   # see check_on_wait
+        self._check_error: OSError | None = None
 
     # -- public -----------------------------------------------------------------------------
     def done(self) -> bool:
@@ -82,7 +90,28 @@ class IORequest:
         if self._error is not None:
             code, msg = self._error
             raise OSError(code, msg)
+        if self._check is not None:
+            self._run_check()
+        if self._check_error is not None:
+            raise self._check_error
         return self._result
+
+    def check_on_wait(self, check: Callable[[], None]) -> None:
+        """Run ``check()`` once the request has finished without error, before ``wait()``
+        returns; an ``OSError`` it raises is the request's error from then on (see the module
+        docstring). Set it right after submission, before anyone waits."""
+        with self._lock:
+            self._check = check
+
+    def _run_check(self) -> None:
+        with self._lock:   # one thread runs it; another waiting thread sees its outcome
+            check, self._check = self._check, None
+            if check is None:
+                return
+            try:
+                check()
+            except OSError as exc:
+                self._check_error = exc
 
     def _finish_quietly(self) -> None:
         """Block until finished without raising its error (for close paths)."""

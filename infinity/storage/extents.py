@@ -154,6 +154,11 @@ class ExtentAllocator:
         """Number of live extents."""
         return len(self._live)
 
+    def padded_of(self, file_index: int, offset: int) -> int:
+        """The padded length of the live extent at ``(file_index, offset)`` (KeyError if none)."""
+        with self._lock:
+            return self._live[(file_index, offset)]
+
     def free_ranges(self, file_index: int | None = None) -> list[tuple[int, int, int]]:
         """Free ranges as sorted ``(file_index, offset, length)`` (all files, or one)."""
         with self._lock:

@@ -16,6 +16,11 @@ Growth: when no free range holds a request, a file is added (never while a fitti
 free space is checked first, so a full disk is a ``SwapPathError`` naming both sizes, and a failed
 fallocate an ``OSError`` naming the file. I/O errors (ENOSPC, EIO) come back from the request's
 ``wait()`` as ``OSError`` naming the swap file, offset and size (the aio engine's contract).
+
+Integrity: every write records fingerprints of its pages and every read checks them when it is
+waited on; bytes changed behind the engine's back come back from ``wait()`` as a
+``SwapCorruptionError`` naming the file and the extent (see [Note: swap-space integrity check] in
+integrity.py).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes, parse_bytes
 from infinity.storage.extents import ALIGNMENT, Extent, ExtentAllocator, round_up
+from infinity.storage.integrity import PageFingerprints, SwapCorruptionError, mode_from_env
 from infinity.storage.preflight import PreflightReport, check_free_space, check_swap_path
 from infinity.storage.swap_dir import SwapDir, reclaim_stale
 
@@ -125,6 +131,7 @@ class SwapSpace:
         self._lock = threading.Lock()
         self._alloc = ExtentAllocator(ALIGNMENT)
         self._tags: dict[tuple[int, int], str] = {}
+        self.integrity = PageFingerprints(mode_from_env())   # [Note: swap-space integrity check]
         self._dir = SwapDir.create(self.nvme_path, rank)
         self._res = _Resources(self._dir)
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)
@@ -157,10 +164,19 @@ class SwapSpace:
         with self._lock:
             self._alloc.free(extent)
             self._tags.pop((extent.file_index, extent.offset), None)
+            self.integrity.forget(extent.file_index, extent.offset, extent.padded_nbytes)
 
     def tag_of(self, extent: Extent) -> str:
         """The tag ``extent`` was allocated with (for messages)."""
         return self._tags.get((extent.file_index, extent.offset), "")
+
+    def layout(self) -> list[tuple[str, Path, int, int]]:
+        """Where each live extent lies: ``(tag, swap file, offset, padded length)``, by file and
+        offset (for diagnostics and for tests that touch the files behind the engine's back)."""
+        with self._lock:
+            live = sorted(self._tags.items())
+            return [(tag, Path(self._res.files[f].path), off, self._alloc.padded_of(f, off))
+                    for (f, off), tag in live]
 
     # -- I/O ------------------------------------------------------------------------------------
     def write(self, extent: Extent, tensor: Any, offset: int = 0,
@@ -204,12 +220,33 @@ class SwapSpace:
         except OSError as exc:
             raise OSError(exc.errno, f"submitting {op} of {nbytes} bytes at offset {at} of swap "
                                      f"file {f.path} (extent {tag!r}): {exc.strerror or exc}") from exc
+        check = self.integrity
+        if check.active:
+            if op == "write":
+                check.record(extent.file_index, at, tensor, nbytes)
+            else:
+                req.check_on_wait(
+                    lambda: self._verify(check, extent, tag, f.path, at, tensor, nbytes))
         with self._res.lock:
             pending = self._res.pending
             pending.append(req)
             if len(pending) >= _PRUNE_AT:
                 pending[:] = [r for r in pending if not r.done()]
         return req
+
+    @staticmethod
+    def _verify(check: PageFingerprints, extent: Extent, tag: str, path: str, at: int,
+                tensor: Any, nbytes: int) -> None:
+        """A read of ``extent`` finished: its pages must be what this space wrote there."""
+        bad, checked, first, last = check.verify(extent.file_index, at, tensor, nbytes)
+        if bad:
+            err = SwapCorruptionError(
+                path=str(path), tag=tag, extent_offset=extent.offset,
+                extent_nbytes=extent.nbytes, offset=at, nbytes=nbytes, bad_pages=bad,
+                checked_pages=checked, first_bad_offset=first, last_bad_offset=last,
+                mode=check.mode)
+            _log.error("%s", err.strerror)
+            raise err
 
     # -- accounting -----------------------------------------------------------------------------
     @property
@@ -289,4 +326,5 @@ class SwapSpace:
             raise OSError(exc.errno, f"preallocating {size} bytes ({format_bytes(size)}) for swap "
                                      f"file {path} failed: {os.strerror(exc.errno or 0)}; {hint}") from exc
         self._res.files.append(self.aio.open(path, "rw"))
+        self.integrity.add_file(size)
         self._alloc.add_file(size)
