@@ -221,7 +221,7 @@ class Engine(DeepSpeedEngineAccessors):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward; the pass around it is the root module's hooks' (see
-        engine_passes.py), so calling the model itself does the same."""
+        engine/passes.py), so calling the model itself does the same."""
         self._check_open("forward")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = cast_floating((args, kwargs), self.compute_dtype)

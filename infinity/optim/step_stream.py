@@ -30,8 +30,8 @@ writes of earlier ones retiring behind it, so the disk reads the next unit's sta
 last writes of the previous unit go out. A unit's job lands when the writes of its last
 sub-group have landed. Slots are taken without blocking while reads are issued (a full pool
 retires writes first, or stops reading ahead), so the stream cannot deadlock on its own slots.
-In the early step on a CPU device the parameters are written home straight from the unit's
-page-aligned device buffer; elsewhere through a slot.
+Where the unit's flat buffer is page-aligned host memory (a CPU device, either schedule) the
+parameters are written home straight from it; elsewhere (a GPU) through a slot.
 
 [Note: expected steps]
 Without help the stream would read a unit's m and v only once its gradients are complete, and

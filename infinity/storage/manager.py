@@ -1,7 +1,8 @@
 """The tier manager: the only way a model state moves between tiers.
 
-It owns the per-tier byte budgets, the host slot pool, the swap space on NVMe (created on first
-use) and the I/O engine, and it counts bytes held and moved per tier and the time spent waiting
+It owns the per-tier byte budgets, the swap space on NVMe (created on first use) and the I/O
+engine (the slot pools are made by their users, the engine and the optimizer, against its host
+budget), and it counts bytes held and moved per tier and the time spent waiting
 on I/O. Model states are ``FlatStore`` objects: a flat tensor of fixed size and dtype whose home is
 HOST (a persistent aligned host tensor) or NVME (an extent of a swap file).
 

@@ -2,9 +2,11 @@
 
 Every large tensor has a home tier (DEVICE, HOST or NVME: ``Tier``, defined once in
 ``infinity.planner.tiers``, the lowest layer that speaks of tiers, and re-used here). A fetched
-unit's device copy moves through RELEASED -> FETCHING -> FETCHED -> RELEASED; a swapped tensor
-through its home tier and IN_FLIGHT. An illegal transition is a bug in the engine, and raises (it is never ignored), so a
-missed release or a double fetch shows up at the first step instead of as a silent leak.
+unit's device copy moves through RELEASED -> FETCHING -> FETCHED -> RELEASED (``Residency``);
+a swapped tensor's bytes in flight are its I/O request's, until it is waited on (see [Note:
+request lifetime] in io/aio.py). An illegal transition is a bug in the engine, and raises (it is
+never ignored), so a missed release or a double fetch shows up at the first step instead of as
+a silent leak.
 """
 from __future__ import annotations
 
