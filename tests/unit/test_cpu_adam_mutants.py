@@ -119,3 +119,70 @@ def test_a_minimal_state_gets_torchs_group_keys() -> None:
     t = torch.optim.AdamW(_params(), foreach=False)
     t.load_state_dict(fresh.state_dict())
     assert t.param_groups[0]["amsgrad"] is False and t.param_groups[0]["maximize"] is False
+
+
+def test_parameters_after_one_without_a_gradient_are_still_stepped() -> None:
+    frozen, ours, ref = (torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.ones(4)),
+                         torch.nn.Parameter(torch.ones(4)))
+    opt = CPUAdam([frozen, ours], lr=1e-2)
+    topt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.0, foreach=False)
+    for _ in range(2):
+        ours.grad = torch.arange(4.0)
+        ref.grad = torch.arange(4.0)
+        opt.step()
+        topt.step()
+    assert frozen not in opt.state
+    _close([ours], [ref])
+
+
+def test_a_non_contiguous_gradient_of_a_contiguous_parameter_is_stepped() -> None:
+    ours, ref = torch.nn.Parameter(torch.ones(4, 6)), torch.nn.Parameter(torch.ones(4, 6))
+    opt = CPUAdam([ours], lr=1e-2)
+    topt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.0, foreach=False)
+    g = torch.randn(6, 4).t()
+    assert not g.is_contiguous()
+    ours.grad, ref.grad = g, g.clone()
+    opt.step()
+    topt.step()
+    _close([ours], [ref])
+
+
+
+def _rows(n: int = 2):
+    ps = [torch.zeros(4) for _ in range(n)]
+    return ps, [torch.ones(4) for _ in range(n)], [torch.zeros(4) for _ in range(n)], \
+        [torch.zeros(4) for _ in range(n)]
+
+
+HP = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+def test_adam_step_tensors_length_errors_give_every_length() -> None:
+    from infinity.optim.cpu_adam import adam_step_tensors
+
+    ps, gs, ms, vs = _rows()
+    with pytest.raises(ValueError, match="must have equal lengths, got 2, 1, 2, 2"):
+        adam_step_tensors(ps, gs[:1], ms, vs, **HP)
+    with pytest.raises(ValueError, match="half_outs has 1 entries but params has 2"):
+        adam_step_tensors(ps, gs, ms, vs, half_outs=[None], **HP)
+
+
+@pytest.mark.parametrize("which,label", [(0, "params[1]"), (1, "grads[1]"), (2, "exp_avgs[1]"),
+                                         (3, "exp_avg_sqs[1]"), (4, "half_outs[1]")])
+def test_adam_step_tensors_errors_name_the_argument_and_index(which: int, label: str) -> None:
+    from infinity.optim.cpu_adam import adam_step_tensors
+
+    cols = list(_rows())
+    halves = [torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)]
+    if which < 4:
+        cols[which][1] = torch.zeros(5)                       # a wrong size in row 1
+        match = f"{label} has 5 elements"
+    else:
+        halves[1] = torch.zeros(4, dtype=torch.float64)       # a wrong half dtype in row 1
+        match = f"{label} must be bfloat16 or float16"
+    if which == 0:
+        match = f"grads\\[1\\] has 4 elements but params\\[1\\] has 5"
+    else:
+        match = match.replace("[", "\\[").replace("]", "\\]")
+    with pytest.raises(ValueError, match=match):
+        adam_step_tensors(*cols, half_outs=halves, **HP)
