@@ -122,10 +122,17 @@ def _step(spec: dict, res: dict) -> None:
     res["schedule"] = spec["schedule"]
     torch.manual_seed(spec["seed"])
     t0 = time.perf_counter()
-    with infinity.zero.Init(config=dsc):
-        model = transformers.LlamaForCausalLM(cfg)
-    res["n_params"] = sum(p.numel() for p in model.parameters())
-    engine, *_ = infinity.initialize(model=model, config=dsc)
+    try:
+        with infinity.zero.Init(config=dsc):
+            model = transformers.LlamaForCausalLM(cfg)
+        res["n_params"] = sum(p.numel() for p in model.parameters())
+        engine, *_ = infinity.initialize(model=model, config=dsc)
+    except BaseException:
+        try:
+            os.rmdir(nvme)   # ours (mkdtemp above); left if a failed start left files in it
+        except OSError:
+            pass
+        raise
     res["init_s"] = time.perf_counter() - t0
     batches = iter(data)
     steps: list[dict] = []
