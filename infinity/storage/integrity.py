@@ -64,8 +64,10 @@ import torch
 
 from infinity.base import native_library
 from infinity.base.native_info import record_in_use
+from infinity.base.sizes import ALIGN_BYTES
 
-PAGE = 4096
+PAGE = ALIGN_BYTES
+"""A fingerprinted page: the O_DIRECT alignment, so every extent is whole pages."""
 ENV = "INFINITY_SWAP_CHECK"
 CheckMode = Literal["sampled", "full", "off"]
 MODES: tuple[str, ...] = ("sampled", "full", "off")

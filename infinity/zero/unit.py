@@ -30,10 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from infinity.base.log import get_logger
 from infinity.planner.alignment import flat_layout
 from infinity.storage.buffer_pool import wait_and_release
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, ResidencyState, Tier
+
+log = get_logger("zero")
 
 
 @dataclass(eq=False)
@@ -253,11 +256,18 @@ class Unit:
             self.residency.to(Residency.RELEASED)
 
     def cancel_fetch(self, manager: TierManager, pool) -> None:
-        """Drop a prefetch that was not used (waits for its read, frees its slot or memory)."""
+        """Drop a prefetch that was not used (waits for its read, frees its slot or memory).
+
+        Its bytes are dropped unread, so a read that failed (an I/O error, or garbage the swap
+        integrity check found) is only logged: a fetch that uses those bytes reads them again
+        and raises then, and ``close()`` after such an error no longer raises it a second time."""
         if self.residency != Residency.FETCHING:
             return
         try:
             manager.wait(self.fetch_request)
+        except OSError as exc:
+            log.warning("a prefetch of unit %s that was not used failed (%s); its bytes were "
+                        "dropped", self.name, exc)
         finally:
             self._drop_fetch(manager, pool)
 
