@@ -38,6 +38,11 @@ class InfinitySection:
     back (ahead) in backward, so memory stops growing with depth; "none" keeps them in memory."""
     activation_min_bytes: int = 256 * 1024
     """Saved tensors smaller than this stay in memory (offload_activations "nvme")."""
+    swap_check: Literal["sampled", "full", "off"] = "sampled"
+    """What a swap-in checks of the pages it reads against fingerprints taken when they were
+    written: "sampled" (the first and last 8 bytes of each 4 KiB page: a whole file or any range
+    reaching a page edge overwritten from outside), "full" (a CRC-32C of every page), or "off"
+    (see [Note: swap-space integrity check] in storage/integrity.py)."""
     activation_window: int = 64 * 1024 * 1024
     """Bytes of swapped activations in memory at a time (offload_activations "nvme"): the newest
     ones are held at the end of the forward, then reads run this far ahead of backward."""
@@ -74,6 +79,7 @@ class InfinitySection:
             set_field(self, "unit_modules", tuple(names))
         check_choice(f"{p}.compute_dtype", self.compute_dtype, ("auto", "fp32", "bf16", "fp16"))
         check_choice(f"{p}.offload_activations", self.offload_activations, ("none", "nvme"))
+        check_choice(f"{p}.swap_check", self.swap_check, ("sampled", "full", "off"))
         for name, lo in (("activation_min_bytes", 1), ("activation_window", 0)):
             value = check_size(f"{p}.{name}", getattr(self, name), lo=lo)
             if value is None:

@@ -50,7 +50,8 @@ def tier_manager(config: InfinityConfig, device: torch.device, sizes: EngineSize
         host_budget=MemoryBudget("host", sizes.host_budget,
                                  host_budget_note(config, device, sizes)),
         device_budget=MemoryBudget("device", sizes.device_budget),
-        nvme_path=nvme_path, aio_config=config.aio, device=device)
+        nvme_path=nvme_path, aio_config=config.aio, device=device,
+        swap_check=config.infinity.swap_check)
     manager.nvme_reserve_bytes = sizes.nvme_bytes
     return manager
 

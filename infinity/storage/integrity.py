@@ -47,14 +47,14 @@ loaded 2-core VM, ~1% of the 4 s step of a quiet one, inside the 2% bar. ``full`
 ~20% of a quiet one, too dear as the default. Host memory: 4 bytes per 4 KiB page of the swap
 files (0.1%), not counted in the host budget.
 
-The mode comes from ``$INFINITY_SWAP_CHECK`` ("sampled", "full" or "off") when the swap space is
-created, and ``PageFingerprints.set_mode`` changes it (between steps, with no I/O in flight).
+The mode is the config's ``infinity.swap_check`` ("sampled", "full" or "off"), given to the swap
+space when it is created; ``PageFingerprints.set_mode`` changes it (between steps, with no I/O in
+flight).
 """
 from __future__ import annotations
 
 import ctypes
 import errno
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -68,7 +68,6 @@ from infinity.base.sizes import ALIGN_BYTES
 
 PAGE = ALIGN_BYTES
 """A fingerprinted page: the O_DIRECT alignment, so every extent is whole pages."""
-ENV = "INFINITY_SWAP_CHECK"
 CheckMode = Literal["sampled", "full", "off"]
 MODES: tuple[str, ...] = ("sampled", "full", "off")
 _NATIVE_MODE = {"sampled": 1, "full": 2}
@@ -114,14 +113,6 @@ def kernel_name(kernel: int = 0) -> str:
     """The fingerprint kernel ``kernel`` (0: auto) resolves to here: "scalar" or "sse4.2"."""
     choice = native_library.check(lib().inf_check_kernel(kernel), "choosing the check kernel")
     return _KERNELS[choice]
-
-
-def mode_from_env() -> CheckMode:
-    """The mode ``$INFINITY_SWAP_CHECK`` names (default "sampled")."""
-    value = os.environ.get(ENV, "sampled").strip().lower() or "sampled"
-    if value not in MODES:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: choose one of {', '.join(MODES)}")
-    return value  # type: ignore[return-value]
 
 
 def _ptr(buf: Any) -> int:

@@ -27,6 +27,7 @@ from infinity.base.log import get_logger
 from infinity.base.sizes import ALIGN_BYTES, format_bytes
 from infinity.config.aio import AioConfig
 from infinity.planner import alignment
+from infinity.storage.integrity import CheckMode
 from infinity.storage.tiers import Tier
 
 log = get_logger("storage")
@@ -209,6 +210,7 @@ class TierManager:
     device_budget: MemoryBudget
     nvme_path: str | None = None
     aio_config: AioConfig | None = None  # the config's "aio" section
+    swap_check: CheckMode = "sampled"    # the config's infinity.swap_check
     rank: int = 0
     device: torch.device = torch.device("cpu")
     counters: TierCounters = field(default_factory=TierCounters)
@@ -259,7 +261,8 @@ class TierManager:
             from infinity.storage.swap import SwapSpace
 
             self._swap = SwapSpace(self.nvme_path, rank=self.rank, aio=self.aio,
-                                   reserve_bytes=self.nvme_reserve_bytes)
+                                   reserve_bytes=self.nvme_reserve_bytes,
+                                   check_mode=self.swap_check)
         return self._swap
 
     def create(self, name: str, numel: int, dtype: torch.dtype, home: Tier,

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes, parse_bytes
 from infinity.storage.extents import ALIGNMENT, Extent, ExtentAllocator, round_up
-from infinity.storage.integrity import PageFingerprints, SwapCorruptionError, mode_from_env
+from infinity.storage.integrity import CheckMode, PageFingerprints, SwapCorruptionError
 from infinity.storage.preflight import PreflightReport, check_free_space, check_swap_path
 from infinity.storage.swap_dir import SwapDir, reclaim_stale
 
@@ -109,7 +109,8 @@ class SwapSpace:
     """
 
     def __init__(self, nvme_path: str | os.PathLike[str], *, rank: int = 0, aio: AioEngine,
-                 reserve_bytes: int = 0, file_size: int | str = "auto") -> None:
+                 reserve_bytes: int = 0, file_size: int | str = "auto",
+                 check_mode: CheckMode = "sampled") -> None:
         if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
             raise ValueError(f"reserve_bytes must be a non-negative int, got {reserve_bytes!r}")
         self._auto = file_size == "auto"
@@ -131,7 +132,7 @@ class SwapSpace:
         self._lock = threading.Lock()
         self._alloc = ExtentAllocator(ALIGNMENT)
         self._tags: dict[tuple[int, int], str] = {}
-        self.integrity = PageFingerprints(mode_from_env())   # [Note: swap-space integrity check]
+        self.integrity = PageFingerprints(check_mode)   # [Note: swap-space integrity check]
         self._dir = SwapDir.create(self.nvme_path, rank)
         self._res = _Resources(self._dir)
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)

@@ -53,9 +53,9 @@ def aio():
 
 
 @pytest.fixture(params=["sampled", "full"])
-def space(request, disk_dir: Path, aio: AioEngine, monkeypatch):
-    monkeypatch.setenv(integrity.ENV, request.param)
-    with SwapSpace(disk_dir, aio=aio, reserve_bytes=4 * MiB, file_size=4 * MiB) as s:
+def space(request, disk_dir: Path, aio: AioEngine):
+    with SwapSpace(disk_dir, aio=aio, reserve_bytes=4 * MiB, file_size=4 * MiB,
+                   check_mode=request.param) as s:
         assert s.integrity.mode == request.param
         yield s
 
@@ -230,13 +230,12 @@ def test_flat_store_path_reports_corruption(disk_dir: Path) -> None:
         manager.close()
 
 
-def test_env_mode_is_validated(monkeypatch) -> None:
-    monkeypatch.setenv(integrity.ENV, "crc")
-    with pytest.raises(ValueError, match="INFINITY_SWAP_CHECK='crc'"):
-        integrity.mode_from_env()
-    monkeypatch.setenv(integrity.ENV, "OFF")
-    assert integrity.mode_from_env() == "off"
-    monkeypatch.delenv(integrity.ENV)
-    assert integrity.mode_from_env() == "sampled"
+def test_the_mode_is_a_config_key_and_validated() -> None:
+    from infinity.config import ConfigError, InfinityConfig
+
+    assert InfinityConfig.load({}).infinity.swap_check == "sampled"
+    assert InfinityConfig.load({"infinity": {"swap_check": "full"}}).infinity.swap_check == "full"
+    with pytest.raises(ConfigError, match="infinity.swap_check = 'crc'"):
+        InfinityConfig.load({"infinity": {"swap_check": "crc"}})
     with pytest.raises(ValueError, match="choose one of"):
         PageFingerprints("xxhash")
