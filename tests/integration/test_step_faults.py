@@ -266,11 +266,16 @@ def test_an_interrupted_wait_for_background_steps_is_not_a_failed_step(disk_dir,
     """Ctrl-C while flush() (or save_checkpoint) waits for the steps' writes: the wait was
     interrupted, not the step, yet the engine recorded it as a failed step and refused every
     later call ("load_checkpoint the last checkpoint"), losing the progress since. Now the
-    jobs stay pending; saving and training go on, equal to torch."""
+    jobs stay pending; saving and training go on, equal to torch.
+
+    The writes of step 1 are held (an Event) from the moment every one of its jobs has stepped
+    until the interrupt has happened, so flush() always finds a write in flight, however far
+    the stream got before it: a delay (sleeping in each write) lost that race to a main thread
+    descheduled on a loaded machine, and flush() found nothing to wait for."""
     import threading
-    import time
     from concurrent.futures import Future
 
+    from infinity.optim.records import StepJob
     from parity import engine_and_reference, make_model, zero_config
 
     torch.manual_seed(0)
@@ -278,17 +283,30 @@ def test_an_interrupted_wait_for_background_steps_is_not_a_failed_step(disk_dir,
         make_model("llama", layers=3, width=64),
         zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on"))
     original_store = FlatStore.store_async
+    original_stepped = StepJob.stepped
+    all_stepped = threading.Event()   # every job of step 1 ran its kernels: step() can return
+    release = threading.Event()       # the held writes may land
+    stepped = {"count": 0, "jobs_per_step": None}
 
-    class SlowWrite:
+    def counted_stepped(self):        # the stream thread
+        original_stepped(self)
+        stepped["count"] += 1
+        if stepped["jobs_per_step"] is not None and stepped["count"] >= stepped["jobs_per_step"]:
+            all_stepped.set()
+
+    class HeldWrite:
         def __init__(self, request):
             self.request = request
 
         def wait(self, timeout=None):
-            time.sleep(0.2)
+            # a hang guard only: the test opens ``release`` itself; if it never does, the write
+            # fails (a failed step), and the test with it
+            if all_stepped.is_set() and not release.wait(120):
+                raise TimeoutError("the test never released the held writes")
             return self.request.wait()
 
-    def slow_store(self, buf, start=0, count=None, shadow=False):
-        return SlowWrite(original_store(self, buf, start, count, shadow))
+    def held_store(self, buf, start=0, count=None, shadow=False):
+        return HeldWrite(original_store(self, buf, start, count, shadow))
 
     original_result = Future.result
     armed = []
@@ -299,27 +317,35 @@ def test_an_interrupted_wait_for_background_steps_is_not_a_failed_step(disk_dir,
             raise KeyboardInterrupt
         return original_result(self, timeout)
 
+    monkeypatch.setattr(StepJob, "stepped", counted_stepped)
     gen = torch.Generator().manual_seed(2)
     try:
         for step in range(3):
             x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            if step == 1:
+                # step 0's kernels have all run (step() waited for them): the jobs of a step
+                stepped["jobs_per_step"], stepped["count"] = stepped["count"], 0
+                assert stepped["jobs_per_step"] > 0
+                monkeypatch.setattr(FlatStore, "store_async", held_store)
             loss = loss_of(engine(input_ids=x, labels=x))
             engine.backward(loss)
-            if step == 1:
-                monkeypatch.setattr(FlatStore, "store_async", slow_store)
             engine.step()
             if step == 1:
+                assert all_stepped.is_set()
                 monkeypatch.setattr(Future, "result", interrupted_result)
                 armed.append(True)
                 with pytest.raises(KeyboardInterrupt):
                     engine.flush()
                 monkeypatch.setattr(Future, "result", original_result)
                 monkeypatch.setattr(FlatStore, "store_async", original_store)
+                assert engine.optimizer.steps.jobs, "the interrupted wait dropped pending jobs"
+                release.set()
                 assert engine.optimizer.step_failure is None
                 engine.save_checkpoint(disk_dir / "ckpt")
             torch.testing.assert_close(loss, reference_step(reference, ref_opt, x, 0.0),
                                        rtol=1e-5, atol=1e-6)
     finally:
+        release.set()
         monkeypatch.setattr(Future, "result", original_result)
         engine.close()
 
@@ -327,12 +353,15 @@ def test_an_interrupted_wait_for_background_steps_is_not_a_failed_step(disk_dir,
 @pytest.mark.parametrize("schedule", ["on", "off"])
 def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
                                                           schedule) -> None:
-    """A real SIGINT while engine.step() waits on a slow background step: before, the step was
-    left half done (counters, schedule, speculation) and a loop resumed after the interrupt
-    trained on wrong values. Now the step finishes, KeyboardInterrupt follows, and training
-    goes on equal to torch that took the step."""
+    """A real SIGINT while engine.step() is under way (the early schedule then waits on slow
+    background steps): before, the step was left half done (counters, schedule, speculation)
+    and a loop resumed after the interrupt trained on wrong values. Now the step finishes,
+    KeyboardInterrupt follows, and training goes on equal to torch that took the step.
+
+    The SIGINT is sent from inside the step (as the optimizer's part of it begins), not by a
+    timer: a timer's 20 ms could run out before a descheduled main thread entered step(), and
+    the interrupt then came before the step (nothing counted) or after it."""
     import signal
-    import threading
     import time
 
     from infinity.optim.kernel import AdamKernel
@@ -349,10 +378,20 @@ def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
 
     def slow_kernel(self, state, *args, **kwargs):
         if slow["on"]:
-            time.sleep(0.1)
+            time.sleep(0.1)     # widens the wait; nothing depends on its length
         return kernel(self, state, *args, **kwargs)
 
+    optimizer_step = engine.optimizer.step
+    sent = []
+
+    def step_with_ctrl_c(*args, **kwargs):
+        if slow["on"] and not sent:
+            sent.append(signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)   # its handler runs before os.kill returns
+        return optimizer_step(*args, **kwargs)
+
     monkeypatch.setattr(AdamKernel, "run", slow_kernel)
+    monkeypatch.setattr(engine.optimizer, "step", step_with_ctrl_c)
     gen = torch.Generator().manual_seed(2)
     try:
         for step in range(4):
@@ -361,13 +400,10 @@ def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
             engine.backward(loss)
             if step == 1:
                 slow["on"] = True
-                timer = threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGINT))
-                timer.start()
                 with pytest.raises(KeyboardInterrupt):
                     engine.step()
-                    time.sleep(1.0)          # (a Ctrl-C that came late lands here)
-                timer.join()
                 slow["on"] = False
+                assert sent, "the step never reached the optimizer"
                 assert engine.global_steps == 2
             else:
                 engine.step()
