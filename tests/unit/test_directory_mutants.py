@@ -65,3 +65,38 @@ def test_only_visible_directories_with_a_manifest_are_tags(tmp_path: Path) -> No
     (tmp_path / "file").write_text("")
     assert d.available_tags(tmp_path) == ["a", "b"]
     assert d.available_tags(tmp_path / "missing") == []
+
+
+def _manifest(files: list[str]) -> str:
+    return json.dumps({"format": d.FORMAT, "version": d.VERSION,
+                       "files": {name: {"bytes": 1, "sha256": "0" * 64} for name in files}})
+
+
+def test_a_resave_carries_the_users_files_but_no_file_of_the_old_checkpoint(tmp_path: Path) -> None:
+    """The old tag's manifest listed a rank-1 shard (a save at world size 2); the new save has
+    rank 0 only: the old shard must not come along into the new checkpoint, the user's file
+    and a written-like name the old manifest did not list (not the old save's) do."""
+    d.ensure_save_dir(tmp_path)
+    first = d.prepare_staging(tmp_path, "t")
+    for name in ("rank0_model.safetensors", "rank1_model.safetensors"):
+        (first / name).write_text("old " + name)
+    (first / d.MANIFEST).write_text(_manifest(["rank0_model.safetensors",
+                                               "rank1_model.safetensors"]))
+    d.commit(first, tmp_path, "t")
+    (tmp_path / "t" / "adapter.safetensors").write_text("the user's")
+    (tmp_path / "t" / "rank7_optim.safetensors").write_text("not listed: the user's")
+    second = d.prepare_staging(tmp_path, "t")
+    (second / "rank0_model.safetensors").write_text("new")
+    (second / d.MANIFEST).write_text(_manifest(["rank0_model.safetensors"]))
+    final = d.commit(second, tmp_path, "t")
+    assert sorted(p.name for p in final.iterdir()) == [
+        "adapter.safetensors", d.MANIFEST, "rank0_model.safetensors", "rank7_optim.safetensors"]
+    assert (final / "rank0_model.safetensors").read_text() == "new"
+
+
+def test_a_failed_exchange_names_both_directories(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    with pytest.raises(OSError) as caught:
+        d._exchange(tmp_path / "missing", tmp_path / "b")
+    assert caught.value.errno == 2
+    assert f"cannot exchange {tmp_path / 'missing'} and {tmp_path / 'b'}: No such file" in str(caught.value)
