@@ -16,10 +16,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from infinity.config import InfinityConfig
-from infinity.planner.plan import (DEFAULT_SWAP_DIR, ModelStats, detect_hardware,
-                              llama_stats, plan_memory, recommend_config)
 from infinity.base.sizes import parse_bytes
+from infinity.config import InfinityConfig
+from infinity.planner.inputs import ModelStats, detect_hardware, llama_stats
+from infinity.planner.plan import DEFAULT_SWAP_DIR, plan_memory, recommend_config
 from infinity.storage.preflight import SwapPathError, check_swap_path
 from infinity.train.models import preset_kwargs, preset_names
 from infinity.train.run_config import read_config_file

@@ -1,6 +1,6 @@
 """What the planner plans for: the model (counts of elements per unit, Llama presets) and the
 machine (cores, host memory, GPU memory, free disk at the swap path). Pure and importable from
-anywhere; ``infinity.planner.plan`` re-exports every public name here.
+anywhere; ``infinity.planner.plan`` uses them.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ shallowest config that fits (``recommend_config``).
 Pure functions, importable from any layer: ``infinity plan`` prints ``plan_memory`` for a model
 that may never fit on this machine, from the sizes the engine itself starts with
 (``infinity.planner.sizes.derive_sizes``), where each state lives (``infinity.planner.placement``)
-and the byte math written there. The planner's public names are re-exported here.
+and the byte math written there.
 """
 from __future__ import annotations
 
@@ -15,20 +15,22 @@ from typing import Any
 
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
-from infinity.planner.inputs import (LLAMA_PRESETS, Hardware, ModelStats, detect_hardware,  # noqa: F401 (re-exported)
-                                     llama_stats)
+from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.placement import COMPONENTS, place, resident_bytes
 from infinity.planner.render import render_plan
-from infinity.planner.sizes import (MIN_SUB_GROUP, DerivedSizes, derive_sizes,  # noqa: F401 (re-exported)
-                                    device_working, host_allowed, pool_in_host_budget,
-                                    slot_bytes_per_elem)
+from infinity.planner.sizes import (
+    MIN_SUB_GROUP,
+    DerivedSizes,
+    derive_sizes,
+    device_working,
+    host_allowed,
+    pool_in_host_budget,
+    slot_bytes_per_elem,
+)
 from infinity.planner.tiers import TIERS, Tier
 
-__all__ = [
-    "LLAMA_PRESETS", "ModelStats", "Hardware", "DerivedSizes", "Plan", "PlanItem",
-    "detect_hardware", "derive_sizes", "plan_memory", "recommend_config", "llama_stats",
-    "host_budget_fits", "minimum_host_budget",
-]
+__all__ = ["Plan", "PlanItem", "plan_memory", "recommend_config", "host_budget_fits",
+           "minimum_host_budget"]
 
 RUNTIME_OVERHEAD_BYTES = 512 << 20  # Python + torch + native library resident set (measured ~0.3-0.5 GiB)
 # nvme_path when recommending NVMe offload without one: the parent `infinity train` uses by default

@@ -14,10 +14,10 @@ from typing import Any
 
 from infinity.base.budget import BudgetExceededError
 from infinity.base.log import get_logger
-from infinity.config import InfinityConfig
-from infinity.planner.plan import detect_hardware, host_budget_fits, minimum_host_budget
-from infinity.planner.inputs import ModelStats
 from infinity.base.sizes import format_bytes
+from infinity.config import InfinityConfig
+from infinity.planner.inputs import ModelStats, detect_hardware
+from infinity.planner.plan import host_budget_fits, minimum_host_budget
 
 _log = get_logger("train")
 

@@ -4,7 +4,7 @@ Why here and not in the planner: the planner's ``LLAMA_PRESETS`` describe the us
 32000-token vocabulary; ``infinity train`` reads bytes, so every preset is built with the byte
 vocabulary of ``infinity.train.data`` (260 ids). Two presets are defined for that vocabulary
 directly (``tiny`` for tests and ``85M``, the demo), so their names are their real sizes; every
-other name is taken from ``infinity.planner.plan.LLAMA_PRESETS`` with the vocabulary replaced (the
+other name is taken from ``infinity.planner.inputs.LLAMA_PRESETS`` with the vocabulary replaced (the
 embeddings shrink, so those models come out a little smaller than their names: the log and the
 summary print the real count). ``--hf-config`` takes any ``transformers`` causal-LM config
 (AutoConfig + AutoModelForCausalLM.from_config, random init), whose vocabulary must hold the
@@ -39,7 +39,7 @@ def preset_names() -> list[str]:
 
 
 def _planner_presets() -> dict[str, dict[str, Any]]:
-    from infinity.planner.plan import LLAMA_PRESETS
+    from infinity.planner.inputs import LLAMA_PRESETS
     return LLAMA_PRESETS
 
 
@@ -149,7 +149,7 @@ def model_stats(config: Any, unit_modules: tuple[str, ...] | None = None) -> Any
     """The planner's ``ModelStats`` (counts, units) of the model ``config`` describes, on meta."""
     from transformers import AutoModelForCausalLM
 
-    from infinity.planner.plan import ModelStats
+    from infinity.planner.inputs import ModelStats
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

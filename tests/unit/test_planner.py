@@ -10,9 +10,15 @@ from torch import nn
 
 from infinity import cli
 from infinity.config import InfinityConfig
-from infinity.planner.plan import (LLAMA_PRESETS, RUNTIME_OVERHEAD_BYTES, Hardware, ModelStats,
-                              derive_sizes, detect_hardware, llama_stats, plan_memory,
-                              recommend_config)
+from infinity.planner.inputs import (
+    LLAMA_PRESETS,
+    Hardware,
+    ModelStats,
+    detect_hardware,
+    llama_stats,
+)
+from infinity.planner.plan import RUNTIME_OVERHEAD_BYTES, plan_memory, recommend_config
+from infinity.planner.sizes import derive_sizes
 
 GiB, MiB = 2**30, 2**20
 CPU_BOX = Hardware(cpu_cores=2, host_total_bytes=24 * GiB, host_available_bytes=16 * GiB,
@@ -420,7 +426,10 @@ def test_step_slot_count(opt, param, grad, separate, early, slots) -> None:
 
 
 def test_accumulate_chunk_is_8_mib_or_the_aligned_largest_gradient() -> None:
-    from infinity.planner.engine_sizes import ACCUMULATE_CHUNK_NUMEL, accumulate_chunk_numel
+    from infinity.planner.engine_sizes import (
+        ACCUMULATE_CHUNK_NUMEL,
+        accumulate_chunk_numel,
+    )
 
     assert ACCUMULATE_CHUNK_NUMEL * 4 == 8 * MiB
     assert accumulate_chunk_numel(10 ** 9) == ACCUMULATE_CHUNK_NUMEL

@@ -153,7 +153,6 @@ def _coordinator_over_released_units(count: int, ahead: int):
     from infinity.storage.device_cache import DeviceMemoryCache
     from infinity.storage.tiers import Residency
     from infinity.zero.coordinator import Coordinator
-    from infinity.zero.pass_state import PassPhase
 
     budget = MemoryBudget("device", 1 << 20)
     manager = SimpleNamespace(device_budget=budget,
