@@ -288,11 +288,11 @@ def test_an_interrupted_wait_for_background_steps_is_not_a_failed_step(disk_dir,
     release = threading.Event()       # the held writes may land
     stepped = {"count": 0, "jobs_per_step": None}
 
-    def counted_stepped(self):        # the stream thread
-        original_stepped(self)
+    def counted_stepped(self):        # the stream thread, after the job's last kernel
         stepped["count"] += 1
         if stepped["jobs_per_step"] is not None and stepped["count"] >= stepped["jobs_per_step"]:
-            all_stepped.set()
+            all_stepped.set()         # before the future: step() may return as soon as it is set
+        original_stepped(self)
 
     class HeldWrite:
         def __init__(self, request):
