@@ -186,3 +186,69 @@ def test_adam_step_tensors_errors_name_the_argument_and_index(which: int, label:
         match = match.replace("[", "\\[").replace("]", "\\]")
     with pytest.raises(ValueError, match=match):
         adam_step_tensors(*cols, half_outs=halves, **HP)
+
+
+def test_constructor_bounds_and_messages() -> None:
+    ps = _params()
+    with pytest.raises(ValueError, match="Invalid betas"):
+        CPUAdam(ps, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"Invalid epsilon value: -1e-08 \(must be >= 0\)"):
+        CPUAdam(ps, eps=-1e-8)
+    with pytest.raises(ValueError, match=r"Invalid weight_decay value: -0.1 \(must be >= 0\)"):
+        CPUAdam(ps, weight_decay=-0.1)
+    with pytest.raises(ValueError, match="threads must be >= 1 or None, got 0"):
+        CPUAdam(ps, threads=0)
+    CPUAdam(ps, eps=0.0, threads=1)           # the bounds themselves are allowed
+
+
+def test_two_non_contiguous_parameters_in_one_group_are_both_stepped() -> None:
+    base = [torch.randn(6, 4), torch.randn(5, 3)]
+    ours = [torch.nn.Parameter(b.t()) for b in base]
+    ref = [torch.nn.Parameter(b.t().clone()) for b in base]
+    opt = CPUAdam(ours, lr=1e-2)
+    topt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0, foreach=False)
+    for k in range(2):
+        for p, r in zip(ours, ref):
+            g = torch.randn(p.shape)
+            p.grad, r.grad = g, g.clone()
+        opt.step()
+        topt.step()
+    _close(ours, ref)
+
+
+def test_impl_torch_never_calls_the_native_kernel(monkeypatch) -> None:
+    from infinity.optim import _adam_native as N
+
+    def no_native(*a, **kw):
+        raise AssertionError("the native kernel ran for impl='torch'")
+
+    monkeypatch.setattr(N, "step", no_native)
+    monkeypatch.setattr(N, "step_norm", no_native)
+    ours, ref = _params(), _params()
+    opt = CPUAdam(ours, lr=1e-2, impl="torch")
+    topt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0, foreach=False)
+    _steps(opt, ours, 2)
+    _steps(topt, ref, 2)
+    _close(ours, ref)
+
+
+def test_an_adamw_mode_state_keeps_decoupled_decay_in_torch_adam() -> None:
+    ps = _params()
+    ours = CPUAdam(ps, weight_decay=0.1)       # AdamW mode
+    _steps(ours, ps, 1)
+    t = torch.optim.Adam(_params(), foreach=False)
+    t.load_state_dict(ours.state_dict())
+    assert t.param_groups[0]["decoupled_weight_decay"] is True
+
+
+def test_group_lr_and_betas_errors_name_them() -> None:
+    ps = _params()
+    opt = CPUAdam(ps)
+    _steps(opt, ps, 1)
+    opt.param_groups[0]["lr"] = torch.tensor([1e-3, 1e-3])
+    with pytest.raises(ValueError, match=r"lr must be a number or a 1-element tensor"):
+        _steps(opt, ps, 1)
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.param_groups[0]["betas"] = (torch.tensor([0.9, 0.9]), 0.999)
+    with pytest.raises(ValueError, match=r"betas must be a number or a 1-element tensor"):
+        _steps(opt, ps, 1)
