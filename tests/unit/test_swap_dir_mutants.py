@@ -124,7 +124,8 @@ def test_marker_file_mode_is_0600(tmp_path):
 
 
 def test_marker_write_refuses_a_planted_symlink(tmp_path):
-    d = SwapDir.create(tmp_path / "p" if (tmp_path / "p").mkdir() is None else tmp_path)
+    (tmp_path / "p").mkdir()
+    d = SwapDir.create(tmp_path / "p")
     victim = tmp_path / "victim"
     victim.write_text("untouched")
     os.symlink(victim, d.path / TMP_MARKER)
