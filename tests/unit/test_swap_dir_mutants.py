@@ -143,3 +143,39 @@ def test_second_remove_reports_the_dir_removed_and_registering_after_fails(tmp_p
     assert second.path == d.path and second.dir_removed and second.files_removed == 0
     with pytest.raises(SwapDirError):
         d.register_file("b.bin")
+
+
+def test_marker_json_round_trip_and_missing_created():
+    owner = sd.Owner(pid=12, boot_id="b", start_time=34, rank=3, hostname="h")
+    m = sd.Marker(owner=owner, files=["a.bin", "b.bin"], created=1234.5)
+    assert sd.Marker.from_json(m.to_json(), None) == m
+    import json
+    data = json.loads(m.to_json())
+    del data["created"]
+    assert sd.Marker.from_json(json.dumps(data), None).created == 0.0
+
+
+def test_dry_run_reports_the_listed_files_blocks(tmp_path):
+    pid = _dead_pid()
+    owner = sd.Owner(pid=pid, boot_id=sd.boot_id(), start_time=1, rank=0, hostname=sd.socket.gethostname())
+    path = tmp_path / f"{sd.DIR_PREFIX}r0-p{pid}-abcdef"
+    path.mkdir()
+    (path / MARKER_NAME).write_text(sd.Marker(owner=owner, files=["a.bin", "b.bin"]).to_json())
+    for name, size in (("a.bin", 8192), ("b.bin", 12288)):
+        with open(path / name, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, size)
+    expected = sum(os.lstat(path / n).st_blocks * 512 for n in ("a.bin", "b.bin"))
+    result = sd.reclaim(path, dry_run=True)
+    assert result.path == path and result.bytes_freed == expected and result.files_removed == 2
+    assert (path / "a.bin").exists()
+
+
+def test_lock_state_cannot_be_told_through_a_symlink_or_of_a_file(tmp_path):
+    d = SwapDir.create(tmp_path)
+    link = tmp_path / "link"
+    os.symlink(d.path, link)
+    assert sd._lock_state(link) is None
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    assert sd._lock_state(regular) is None
+    d.remove()
