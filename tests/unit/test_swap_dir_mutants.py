@@ -179,3 +179,14 @@ def test_lock_state_cannot_be_told_through_a_symlink_or_of_a_file(tmp_path):
     regular.write_text("x")
     assert sd._lock_state(regular) is None
     d.remove()
+
+
+def test_remove_listed_refuses_a_symlinked_directory(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "a.bin").write_text("keep")
+    link = tmp_path / "link"
+    os.symlink(real, link)
+    with pytest.raises(OSError):
+        sd._remove_listed(link, ["a.bin"])
+    assert (real / "a.bin").read_text() == "keep"
