@@ -68,6 +68,20 @@ SCHEDULES = {
 }
 
 
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The settings ``ds_config`` and the workers read, shared with the benches that run this
+    one's engine (swap_check.py)."""
+    ap.add_argument("--host-budget", default="3GiB")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--mbs", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--aio-block-size", type=int, default=1 << 20)
+    ap.add_argument("--aio-queue-depth", type=int, default=32)
+
+
 def ds_config(nvme_path: str, args: argparse.Namespace, schedule: str) -> dict:
     """Our config: DeepSpeed JSON (ZeRO-3, nvme/nvme) plus the "infinity" section."""
     early, speculative, clipping = SCHEDULES[schedule]
@@ -579,15 +593,7 @@ def parser() -> argparse.ArgumentParser:
                          "optimizer need ours); e.g. --only deepspeed to redo a killed peer run")
     ap.add_argument("--mem-wait", type=float, default=900,
                     help="seconds to wait for enough MemAvailable before compute / DeepSpeed runs")
-    ap.add_argument("--host-budget", default="3GiB")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--mbs", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--aio-block-size", type=int, default=1 << 20)
-    ap.add_argument("--aio-queue-depth", type=int, default=32)
+    add_run_arguments(ap)
     ap.add_argument("--scratch", default="/var/tmp/infinity-bench",
                     help="directory on the disk under test (each run uses a fresh subdir)")
     ap.add_argument("--timeout", type=float, default=2400, help="seconds per worker")
