@@ -224,7 +224,8 @@ def test_two_processes_saving_one_tag_always_leave_a_loadable_checkpoint(engine,
     """The issue's case: two jobs saving the same tag at once. Before the lock, their shared
     staging directory was cleaned by one while the other wrote, and no loadable checkpoint
     remained (3 of 3 trials). Whatever the interleaving, each save now either commits whole or
-    is refused, and ``latest`` loads with its checksums verified."""
+    is refused, and ``latest`` loads with its checksums verified. The split between saved and
+    refused is the scheduler's and is not asserted."""
     ckpt = disk_dir / "ckpt"
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(ckpt), str(disk_dir / f"s{i}"),
@@ -234,8 +235,10 @@ def test_two_processes_saving_one_tag_always_leave_a_loadable_checkpoint(engine,
     for proc, (out, err) in zip(procs, results):
         assert proc.returncode == 0, err[-2000:]
     counts = [tuple(map(int, out.split())) for out, _ in results]
-    assert all(saved + refused == 12 for saved, refused in counts) and sum(
-        saved for saved, _ in counts) >= 12, counts
+    # How many saves each side wins depends on the scheduler; that at least one wins does not
+    # (a save is refused only while the other process holds the lock, i.e. is saving).
+    assert all(saved + refused == 12 for saved, refused in counts), counts
+    assert sum(saved for saved, _ in counts) >= 1, counts
     path, _ = engine.load_checkpoint(ckpt)
     assert path.endswith("/t")
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "t"]
