@@ -46,6 +46,10 @@ class InfinitySection:
     activation_window: int = 64 * 1024 * 1024
     """Bytes of swapped activations in memory at a time (offload_activations "nvme"): the newest
     ones are held at the end of the forward, then reads run this far ahead of backward."""
+    collective_timeout: float = 1800.0
+    """Seconds a collective waits for the other ranks before the run stops with an error naming
+    the rank that is missing (a rank that raised or was killed); applies to the process group
+    the engine (or ``infinity.init_distributed``) creates."""
 
     @property
     def mmap_threshold_in_use(self) -> int | None:
@@ -80,6 +84,12 @@ class InfinitySection:
         check_choice(f"{p}.compute_dtype", self.compute_dtype, ("auto", "fp32", "bf16", "fp16"))
         check_choice(f"{p}.offload_activations", self.offload_activations, ("none", "nvme"))
         check_choice(f"{p}.swap_check", self.swap_check, ("sampled", "full", "off"))
+        timeout = self.collective_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not 0 < timeout < 1e7:
+            raise ConfigError(f"{p}.collective_timeout = {timeout!r}: expected seconds, a number "
+                              "above 0 (e.g. 600)")
+        set_field(self, "collective_timeout", float(timeout))
         for name, lo in (("activation_min_bytes", 1), ("activation_window", 0)):
             value = check_size(f"{p}.{name}", getattr(self, name), lo=lo)
             if value is None:

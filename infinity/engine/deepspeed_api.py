@@ -50,11 +50,22 @@ class DeepSpeedEngineAccessors:
     def global_samples(self) -> int:
         return self.global_steps * self.config.train_batch_size
 
-    # one process, one rank (several are refused at initialize)
-    local_rank = 0
-    global_rank = 0
-    world_size = 1
-    dp_world_size = 1
+    # the data-parallel ranks (see infinity/comm)
+    @property
+    def local_rank(self) -> int:
+        return self.ranks.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.ranks.world_size
 
     def to(self, *args: Any, **kwargs: Any) -> "DeepSpeedEngineAccessors":
         """The engine places its states itself: ``engine.to(device)`` returns the engine, as

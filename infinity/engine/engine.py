@@ -20,13 +20,16 @@ from infinity.base.log import get_logger
 from infinity.base.malloc_tuning import set_mmap_threshold, trim
 from infinity.base.sizes import format_bytes
 from infinity.checkpoint import prepare_load, save_checkpoint, save_model_weights
-from infinity.config import InfinityConfig
+from infinity.comm.collectives import Collectives
+from infinity.comm.group import RankInfo, current_ranks, init_distributed
+from infinity.config import InfinityConfig, InfinitySection
+from infinity.config.file import decode_base64_config, read_config_file
 from infinity.engine.checkpointing import apply_restore, training_state
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.guards import (
     FOREIGN_EARLY_BACKWARD,
     SECOND_EARLY_BACKWARD,
-    refuse_multiple_ranks,
+    check_same_on_every_rank,
 )
 from infinity.engine.model_methods import (
     model_device,
@@ -82,15 +85,24 @@ class Engine(DeepSpeedEngineAccessors):
 
     def __init__(self, model: nn.Module, model_parameters: Iterable | None,
                  config: str | Path | Mapping[str, Any] | InfinityConfig | None,
-                 lr_scheduler: Any = None) -> None:
-        refuse_multiple_ranks()
+                 lr_scheduler: Any = None, process_group: Any = None,
+                 auto_values: Mapping[str, Any] | None = None) -> None:
         check_user_scheduler(lr_scheduler)
-        self.config = InfinityConfig.load(config or {})
+        self.ranks: RankInfo = _join_ranks(config, process_group, model_device(model))
+        self.config = InfinityConfig.load(config or {}, world_size=self.ranks.world_size,
+                                          auto_values=auto_values)
+        if self.config.world_size != self.ranks.world_size:
+            raise ValueError(f"the config was read for world size {self.config.world_size} but "
+                             f"this run has {self.ranks.world_size} ranks: pass the config as a "
+                             "dict or path, and initialize reads it for the ranks it finds")
         if self.config.infinity.mmap_threshold_in_use is not None:
             set_mmap_threshold(self.config.infinity.mmap_threshold_in_use)
         self.module = model
         check_not_released(model)
         self.device = model_device(model)
+        self.comm = _collectives(self.ranks, self.config)
+        # every rank must build the same engine: a config or model that differs is named
+        check_same_on_every_rank(self.comm, self.config, model)
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
         derived = derive(self.config, specs)
         self.compute_dtype = COMPUTE_DTYPES[derived.compute_dtype]
@@ -109,8 +121,9 @@ class Engine(DeepSpeedEngineAccessors):
         nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
             or self.config.zero.offload_optimizer.nvme_path
         warn_second_nvme_path(self.config, nvme_path, param_tier, optimizer_tier)
+        # several ranks never speculate (see PartitionedOptimizer)
         self.speculative = speculation_possible(self.config, stage, param_tier, optimizer_tier,
-                                                self.early_step)
+                                                self.early_step) and not self.comm.active
 
         def sizes() -> EngineSizes:
             return resolve_sizes(self.config, specs, derived, self.compute_dtype, param_tier,
@@ -156,7 +169,7 @@ class Engine(DeepSpeedEngineAccessors):
             model, specs, groups, self.device, self.compute_dtype, self.manager,
             self.param_tier, staging=self.fetch_pool,
             persistence_threshold=self.sizes.persistence_threshold if self.stage == 3 else None,
-            doubled=self.speculative)
+            doubled=self.speculative, comm=self.comm, stage=self.stage)
         early = self.early_step
         grad_tier = self.sizes.grad_tier
         self.optimizer = PartitionedOptimizer(
@@ -165,7 +178,8 @@ class Engine(DeepSpeedEngineAccessors):
             master_separate=self.master_separate, staging_pool=self.fetch_pool,
             adamw_mode=self.config.optimizer.adam_w_mode,
             defaults=optimizer_defaults(self.config),
-            speculation=self.config.infinity.speculative_step if self.speculative else "off")
+            speculation=self.config.infinity.speculative_step if self.speculative else "off",
+            comm=self.comm, shard_states=self.stage >= 1)
         self.optimizer.clip_norm = self.config.gradient_clipping
         self.coordinator = Coordinator(
             self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
@@ -239,6 +253,7 @@ class Engine(DeepSpeedEngineAccessors):
             self._step_started = time.perf_counter()
             self.manager.counters.reset()
             self.optimizer.timers.reset()
+            self.comm.counters.reset()
         self._void_speculation()
         self.coordinator.begin_forward(self.module.training)
         training = self.module.training and torch.is_grad_enabled()
@@ -428,7 +443,7 @@ class Engine(DeepSpeedEngineAccessors):
         step_s = now - (self._step_started or now)
         self._step_started = None
         self._last_stats = step_stats(step_s, self.manager, self.optimizer.timers,
-                                      self.coordinator.prefetch_hit_ratio)
+                                      self.coordinator.prefetch_hit_ratio, self.comm.counters)
 
     def _keep_forward_change(self, unit: Unit) -> None:
         """A module's forward changed ``unit``'s parameters in place (``nn.Embedding`` with
@@ -461,6 +476,7 @@ class Engine(DeepSpeedEngineAccessors):
         self._check_open("flush")
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
         self._settle()
+        self.coordinator.make_whole()   # replicated units gather their step's shards
 
     def _settle(self) -> None:
         """Wait for the optimizer's writes in flight and release the units they held."""
@@ -596,3 +612,40 @@ class Engine(DeepSpeedEngineAccessors):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _join_ranks(config: Any, process_group: Any, device: torch.device) -> RankInfo:
+    """The data-parallel ranks: ``process_group`` when given, else the default group, which
+    is created from the launcher's environment (``torchrun``) when it is not yet."""
+    if process_group is not None:
+        return current_ranks(process_group)
+    return init_distributed(timeout_s=_timeout_of(config), device=device)
+
+
+def _timeout_of(config: Any) -> float:
+    """``infinity.collective_timeout`` of a config not read yet (its batch sizes are checked
+    against the world size, which the process group gives): the section alone."""
+    if isinstance(config, InfinityConfig):
+        return config.infinity.collective_timeout
+    if config is None:
+        return InfinitySection().collective_timeout
+    if isinstance(config, Mapping):
+        data = config
+    elif isinstance(config, str) and not Path(config).exists():
+        data = decode_base64_config(config)
+    else:
+        data = read_config_file(Path(config))
+    section = data.get("infinity") if isinstance(data, Mapping) else None
+    value = section.get("collective_timeout") if isinstance(section, Mapping) else None
+    return InfinitySection().collective_timeout if value is None else \
+        InfinitySection(collective_timeout=value).collective_timeout
+
+
+def _collectives(ranks: RankInfo, config: InfinityConfig) -> Collectives:
+    """The collectives of this run, bucketed per the config (DeepSpeed's sizes are elements;
+    counted here as fp32 bytes)."""
+    z = config.zero
+    gather = z.allgather_bucket_size or (1 << 62)
+    reduce = z.reduce_bucket_size or (1 << 62)
+    return Collectives(ranks.group, ranks.world_size, ranks.rank,
+                       gather_bucket_bytes=int(gather) * 4, reduce_bucket_bytes=int(reduce) * 4)

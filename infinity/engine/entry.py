@@ -23,7 +23,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                collate_fn: Callable | None = None,
                config: str | Path | Mapping[str, Any] | InfinityConfig | None = None,
                config_params: Any = None, auto_values: Mapping[str, Any] | None = None,
-               **unsupported: Any):
+               process_group: Any = None, **unsupported: Any):
     """DeepSpeed's ``initialize``: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     The config comes from ``config``, or ``config_params`` (DeepSpeed's older name), or
@@ -33,12 +33,16 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     config) as the third value, else it is None. ``auto_values`` maps key paths
     (``"optimizer.params.lr"``) to the values that replace the config's ``"auto"`` entries, as the
     Hugging Face integration fills them in before it calls DeepSpeed.
+
+    Ranks: ``process_group`` (a torch.distributed group) when given, else the default group,
+    which is created from the launcher's environment (``torchrun``) when it is not yet (see
+    ``infinity.init_distributed``). Each rank passes its own micro-batches.
     """
     if unsupported:
         raise TypeError(f"infinity.initialize got unsupported arguments {sorted(unsupported)}; "
                         "supported: args, model, optimizer (None), model_parameters, "
                         "training_data, lr_scheduler, dist_init_required, collate_fn, config, "
-                        "config_params, auto_values")
+                        "config_params, auto_values, process_group")
     if model is None:
         raise ValueError("infinity.initialize needs model=<the torch.nn.Module to train>")
     if optimizer is not None:
@@ -48,9 +52,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         raise ValueError("infinity.initialize: model parallelism (mpu=...) is not supported; "
                          "infinity trains the whole model on each rank with ZeRO")
     source = _config_source(args, config, config_params)
-    if auto_values is not None:
-        source = InfinityConfig.load(source or {}, auto_values=auto_values)
-    engine = Engine(model, model_parameters, source, lr_scheduler=lr_scheduler)
+    engine = Engine(model, model_parameters, source, lr_scheduler=lr_scheduler,
+                    process_group=process_group, auto_values=auto_values)
     loader = None
     if training_data is not None:
         loader = training_loader(training_data, engine.config, collate_fn)

@@ -1,12 +1,16 @@
 """What an engine refuses because it cannot honour it, and the messages that say why and what
-to do: several ranks (each would train alone), and backwards the early step cannot take (a
+to do: ranks started differently, and backwards the early step cannot take (a
 second one before step(), another engine's reaching this one's parameters). Kept out of
 ``engine.py``, which holds the training logic."""
 from __future__ import annotations
 
-import os
+import json
+from typing import Any
 
 import torch
+
+from infinity.comm.collectives import Collectives
+from infinity.config import InfinityConfig
 
 FOREIGN_EARLY_BACKWARD = (
     "the backward of another engine (over {other}) reached this engine's parameters "
@@ -18,22 +22,45 @@ FOREIGN_EARLY_BACKWARD = (
     "(detach the input, or requires_grad_(False) on these parameters around the other step)")
 
 
-def refuse_multiple_ranks() -> None:
-    """One engine trains one rank's model alone: under a launcher with several ranks each would
-    train its own copy, never averaging gradients, saving over the others' checkpoints and not
-    noticing a rank that died. Refused before anything is built, until the collectives land."""
-    world = None
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-    elif os.environ.get("WORLD_SIZE", "1").strip().isdigit():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world is not None and world > 1:
-        raise RuntimeError(
-            f"{world} ranks (torch.distributed / WORLD_SIZE): infinity trains one process per "
-            "model for now -- data parallelism over several ranks (gradient averaging, sharded "
-            "states, per-rank checkpoints) is not implemented, and each rank would silently "
-            "train its own copy. Run a single process (one GPU or CPU-only); ZeRO-Infinity's "
-            "NVMe offload is what lets one process hold a model larger than memory")
+def check_same_on_every_rank(comm: Collectives, config: InfinityConfig,
+                             model: torch.nn.Module) -> None:
+    """Ranks started with different configs or model structures would shard different layouts
+    and pair unrelated collectives (garbage, or a hang): every rank compares its config and
+    its parameters' names, shapes and dtypes with rank 0's before anything is built, and each
+    raises naming the first difference."""
+    if not comm.active:
+        return
+    mine = {"config": json.dumps(config.to_dict(), sort_keys=True, default=str),
+            "model": [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                      for name, p in model.named_parameters()]}
+    everyone = comm.all_gather_objects(mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        raise RuntimeError(f"rank {rank} was started differently from rank 0: "
+                           f"{_first_difference(everyone[0], theirs)}. Every rank must build "
+                           "the same model and read the same config (launch one script with "
+                           "one config on every rank)")
+
+
+def _first_difference(a: dict, b: dict) -> str:
+    if a["config"] != b["config"]:
+        left, right = json.loads(a["config"]), json.loads(b["config"])
+        for path, x, y in _walk(left, right, ""):
+            return f"config key {path or '<root>'} is {x!r} on rank 0 and {y!r} there"
+    for (n0, *r0), (n1, *r1) in zip(a["model"], b["model"]):
+        if (n0, r0) != (n1, r1):
+            return (f"model parameter {n0} {tuple(r0)} on rank 0, {n1} {tuple(r1)} there "
+                    "(name, shape, dtype, requires_grad)")
+    return f"the model has {len(a['model'])} parameters on rank 0 and {len(b['model'])} there"
+
+
+def _walk(x: Any, y: Any, path: str):
+    if isinstance(x, dict) and isinstance(y, dict):
+        for key in sorted(set(x) | set(y)):
+            yield from _walk(x.get(key), y.get(key), f"{path}.{key}" if path else key)
+    elif x != y:
+        yield path, x, y
 
 
 SECOND_EARLY_BACKWARD = (

@@ -12,6 +12,7 @@ from torch import nn
 from infinity.base.budget import MemoryBudget
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
+from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.config import InfinityConfig
 from infinity.engine.sizing import EngineSizes, host_budget_note
 from infinity.storage.buffer_pool import BufferPool
@@ -59,11 +60,14 @@ def tier_manager(config: InfinityConfig, device: torch.device, sizes: EngineSize
 def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], device: torch.device,
                 compute_dtype: torch.dtype, manager: TierManager, param_tier: Tier, *,
                 staging: BufferPool | None, persistence_threshold: int | None,
-                doubled: bool) -> tuple[list[Unit], dict[nn.Parameter, nn.Parameter]]:
+                doubled: bool, comm: Collectives = NO_COMM,
+                stage: int = 3) -> tuple[list[Unit], dict[nn.Parameter, nn.Parameter]]:
     """The units of ``specs``, each adopted into ``param_tier`` (persistent on the device when
     ``persistence_threshold`` is None, below stage 3, or the unit is no larger), and the
     parameters that were materialized (meta or zero.Init-released ones) as {old: new}; the
-    ``groups``' params are replaced in place."""
+    ``groups``' params are replaced in place. With several ranks each unit is cut in shards
+    (stages 1-3) whose parameters are sharded at stage 3 (see [Note: shards] in zero/unit.py)."""
+    shards = comm.world_size if stage >= 1 else 1
     group_of = {}
     for index, group in enumerate(groups):
         for p in group["params"]:
@@ -81,7 +85,8 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
         # a parameter with no elements has nothing to step: kept as frozen
         named = [(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
                  for n, p in spec.params]
-        unit = Unit(index, spec.name, spec.module, named, compute_dtype, device)
+        unit = Unit(index, spec.name, spec.module, named, compute_dtype, device, comm=comm,
+                    shards=shards, params_sharded=stage == 3)
         # A unit stays on the device when all of it is below the persistence threshold.
         persistent = persistence_threshold is None or unit.numel <= persistence_threshold
         unit.adopt(manager, param_tier, persistent, staging=staging,

@@ -11,6 +11,16 @@ are counted in bytes against a room of one unit's gradient (``HELD_ROOM_UNITS``;
 keeps two units' worth, the room and the part that waits for it): a part that does not fit waits
 for a background step to free the parts it has stepped (see optim/held_room.py). On CUDA the
 gradients are on the device and go through ``GRADS_HELD`` flat host buffers.
+
+[Note: gradients over ranks]
+With several data-parallel ranks a unit's gradient is collected whole in a flat buffer (never
+held, never straight into a resident home: the home holds only the own shard), and when the
+unit's backward is done it is averaged over the ranks: reduce-scatter into the own shard at
+stages 1-3 (the shard lands at the front of the same buffer), all-reduce of the whole trainable
+range at stage 0. Which parameters got a gradient is OR-ed over ranks (a parameter is stepped if
+any rank gave it one). From there the shard is what a single rank's whole gradient was: added
+to its home, normed (the global norm sums the ranks' squares at the step), or handed to an
+early step.
 """
 from __future__ import annotations
 
@@ -20,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim import _adam_native as N
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.records import CompleteGradient, OptimTimers, UnitOptimState
@@ -85,7 +96,8 @@ class GradientCollector:
     def __init__(self, states: list[UnitOptimState], manager: TierManager, *, early_step: bool,
                  holds_grads: bool, grad_pool: BufferPool | None, held_room: HeldRoom,
                  timers: OptimTimers, max_trainable: int, steps_running: Callable[[], bool],
-                 speculates: Callable[[UnitOptimState], bool]) -> None:
+                 speculates: Callable[[UnitOptimState], bool], comm: Collectives = NO_COMM,
+                 scatter: bool = False) -> None:
         self.states = states
         self._by_unit = {s.unit.index: s for s in states}
         self.manager = manager
@@ -101,6 +113,15 @@ class GradientCollector:
         self.boundary = True     # the backward in progress is the cycle's last micro-step
         self._writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
         self._chunk: torch.Tensor | None = None
+        # see [Note: gradients over ranks]: reduce-scatter (``scatter``) or all-reduce
+        self.comm = comm
+        self.reduces = comm.active
+        self.scatter = scatter and comm.active
+
+    def collect_numel(self, unit: Unit) -> int:
+        """Elements of the flat buffer a unit's gradient is collected in: its trainable range,
+        or every shard of its flat buffer when the gradient is reduce-scattered."""
+        return unit.flat_numel if self.scatter else unit.trainable_numel
 
     def begin_backward(self, boundary: bool) -> None:
         """Called before each backward: ``boundary`` is True on the last micro-step."""
@@ -162,7 +183,7 @@ class GradientCollector:
         state.grads_seen += 1
 
     def _grad_target(self, state: UnitOptimState) -> torch.Tensor:
-        if state.grad_store is not None and state.grad_store.resident:
+        if state.grad_store is not None and state.grad_store.resident and not self.reduces:
             return state.grad_store.tensor
         if state.grad_buffer is None:
             # Usually one unit is incomplete at a time; if more are (a tied weight waits for its
@@ -174,11 +195,12 @@ class GradientCollector:
             if state.grad_slot is None and self._steps_running():
                 # backpressure: a background step frees its gradient slot when it finishes
                 state.grad_slot = self.grad_pool.acquire(timeout=600.0)
+            numel = self.collect_numel(state.unit)
             if state.grad_slot is not None:
-                state.grad_buffer = state.grad_slot.view(torch.float32, state.unit.trainable_numel)
+                state.grad_buffer = state.grad_slot.view(torch.float32, numel)
             else:
                 state.grad_buffer = self.manager.host_empty(
-                    state.unit.trainable_numel, torch.float32, what=f"{state.unit.name} gradient")
+                    numel, torch.float32, what=f"{state.unit.name} gradient")
             state.grad_written = set()
         return state.grad_buffer
 
@@ -188,8 +210,8 @@ class GradientCollector:
             return
         covered = sorted((e.offset, e.offset + e.numel) for e in state.unit.trainable_entries()
                          if e.offset in state.grad_written)
-        cursor = 0
-        for start, end in covered + [(state.unit.trainable_numel, state.unit.trainable_numel)]:
+        cursor, total = 0, state.grad_buffer.numel()
+        for start, end in covered + [(total, total)]:
             if start > cursor:
                 state.grad_buffer[cursor:start].zero_()
             cursor = max(cursor, end)
@@ -213,13 +235,36 @@ class GradientCollector:
         self.sq_norm = 0.0
         return dropped
 
+    def reduce(self, state: UnitOptimState) -> None:
+        """The unit's gradient of this backward is complete on every rank: average it over
+        the ranks into the state's range (see [Note: gradients over ranks]); a no-op with one
+        rank."""
+        if not self.reduces:
+            return
+        unit, buffer = state.unit, self._grad_target(state)
+        self.zero_unwritten(state)
+        if self.scatter:
+            shard = torch.empty(unit.shard_numel, dtype=torch.float32)
+            self.comm.reduce_scatter_mean(shard, buffer[:unit.flat_numel])
+            buffer[:state.numel].copy_(shard[:state.numel])
+        else:
+            self.comm.all_reduce_mean(buffer[:unit.trainable_numel])
+        state.grad_buffer = buffer[:state.numel]
+        entries = unit.trainable_entries()
+        mask = torch.tensor([e.offset in state.arrived for e in entries], dtype=torch.bool)
+        state.arrived = {e.offset for e, got in zip(entries, self.comm.any_mask(mask).tolist())
+                         if got}
+
     def finish(self, state: UnitOptimState, write_home: bool = True) -> torch.Tensor:
         """The unit's gradient of this backward is complete: add what earlier micro-steps left
         at home, count it in the norm at the boundary, and (``write_home``) send it home.
         Returns the complete gradient (without ``write_home`` still in the state's buffer)."""
         store = state.grad_store
-        if store.resident:
-            grads = store.tensor[: state.unit.trainable_numel]
+        if store.resident and self.reduces:
+            grads = store.tensor[: state.numel]
+            grads.add_(state.grad_buffer)     # the own shard, averaged over ranks
+        elif store.resident:
+            grads = store.tensor[: state.numel]
         else:
             grads = state.grad_buffer
             if state.has_grads:      # an earlier micro-step of this cycle left one at home
@@ -228,7 +273,7 @@ class GradientCollector:
         if self.boundary:
             self.sq_norm += _sum_of_squares(grads)
             state.norm_counted = True
-        if write_home and not store.resident:
+        if write_home and not store.resident and state.numel:
             # the write goes on while backward continues; the buffer (slot) is released when it
             # has landed (``land_writes``), at the latest when the backward ends
             self._writes.append((store.store_async(grads), state.grad_slot, grads))
@@ -245,7 +290,7 @@ class GradientCollector:
         """(start, values) pieces of the gradient at the unit's home: the resident store as it
         is, or NVMe read through one budgeted chunk (a whole-unit buffer would be a second
         gradient's worth of host memory)."""
-        n, store = state.unit.trainable_numel, state.grad_store
+        n, store = state.numel, state.grad_store
         if store.resident:
             yield 0, store.tensor[:n]
             return
@@ -303,7 +348,8 @@ class GradientCollector:
         if values is None:
             values = state.grad_parts if state.grad_parts is not None else state.grad_buffer
         gradient = CompleteGradient({} if values is None else values, state.grad_slot,
-                                    state.held_bytes, self.grad_pool, self.held_room)
+                                    state.held_bytes, self.grad_pool, self.held_room,
+                                    origin=state.lo if isinstance(values, torch.Tensor) else 0)
         state.grad_parts = state.grad_buffer = state.grad_slot = state.grad_written = None
         state.held_bytes = 0
         state.grads_seen = 0

@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from infinity.base.log import get_logger
+from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim.gradients import (
     GRADS_HELD,
     GradientCollector,
@@ -79,6 +80,16 @@ _STATE_DICT_REFUSED = (
     "scheduler and counters), as with DeepSpeed")
 
 
+def _state_range(unit: Unit, sharded: bool) -> tuple[int, int]:
+    """[lo, hi) of the unit's trainable range this rank steps: its shard of it (see [Note:
+    shards] in zero/unit.py; empty past the trainable part), or all of it."""
+    n = unit.trainable_numel
+    if not sharded:
+        return 0, n
+    lo = min(unit.shard_start, n)
+    return lo, min(unit.shard_start + unit.shard_numel, n)
+
+
 class PartitionedOptimizer(torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
@@ -86,10 +97,18 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                  optimizer_tier: Tier, grad_tier: Tier, early_step: bool, sub_group_numel: int,
                  master_separate: bool, staging_pool: BufferPool | None,
                  adamw_mode: bool = True, threads: int | None = None,
-                 speculation: str = "off", defaults: dict | None = None) -> None:
+                 speculation: str = "off", defaults: dict | None = None,
+                 comm: Collectives = NO_COMM, shard_states: bool = False) -> None:
         super().__init__(param_groups, defaults=dict(defaults or {}))
         self._groups_fixed = True    # see add_param_group
         speculation = "off" if early_step else speculation   # see [Note: speculative step]
+        # several ranks: each steps its shard of every unit (``shard_states``, stages 1-3) or
+        # all of it (stage 0), from gradients averaged over the ranks (see [Note: gradients
+        # over ranks] in optim/gradients.py); no speculation (a redo would need the others')
+        self.comm = comm
+        shard_states = shard_states and comm.active
+        if comm.active:
+            speculation = "off"
         doubled = speculation != "off"
         self.manager = manager
         self.staging_pool = staging_pool
@@ -118,7 +137,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         # multiples of 2048 elements keep every sub-group 4 KiB aligned in fp32 and in 16-bit
         self.sub_group_numel = -(-max(1, min(sub_group_numel, max_trainable or 1)) // 2048) * 2048
         for unit in trainable_units:
-            n = unit.trainable_numel
+            lo, hi = _state_range(unit, shard_states)
+            n = max(hi - lo, 1)        # a shard past the trainable part steps nothing
             master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier,
                                      doubled=doubled) if master_separate else None)
             grad_store = None if early_step else manager.create(
@@ -128,15 +148,19 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                                      doubled=doubled),
                 manager.create(f"{unit.name}.exp_avg_sq", n, torch.float32, optimizer_tier,
                                doubled=doubled),
-                master, grad_store))
+                master, grad_store, shard=(lo, hi) if shard_states else None))
             if master is not None:
-                self._init_master(unit, master)
+                self._init_master(unit, master, (lo, hi))
         self._by_unit = {s.unit.index: s for s in self.states}
         # see [Note: held gradients]: a room of HELD_ROOM_UNITS (optim/held_room.py)
-        self.holds_grads = (early_step or doubled) and gradients_held(manager.device)
+        self.holds_grads = (early_step or doubled) and gradients_held(manager.device) and \
+            not comm.active
         self.held_room = HeldRoom(held_room_bytes(max_trainable))
-        needs_grad_buffer = (early_step and not self.holds_grads) or grad_tier is Tier.NVME
-        self.grad_pool = BufferPool(manager, max_trainable * 4, GRADS_HELD, "gradient") \
+        needs_grad_buffer = (early_step and not self.holds_grads) or grad_tier is Tier.NVME or \
+            comm.active
+        max_collect = max((u.flat_numel if shard_states else u.trainable_numel
+                           for u in trainable_units), default=0)
+        self.grad_pool = BufferPool(manager, max_collect * 4, GRADS_HELD, "gradient") \
             if needs_grad_buffer and max_trainable else None
         any_nvme = optimizer_tier is Tier.NVME or grad_tier is Tier.NVME or any(
             u.param_store is not None and not u.param_store.resident for u in trainable_units)
@@ -152,12 +176,21 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.states, manager, early_step=early_step, holds_grads=self.holds_grads,
             grad_pool=self.grad_pool, held_room=self.held_room, timers=self.timers,
             max_trainable=max_trainable, steps_running=self.steps.running,
-            speculates=lambda state: self.speculator.can_speculate(state))
+            speculates=lambda state: self.speculator.can_speculate(state), comm=comm,
+            scatter=shard_states)
         self.speculator = Speculator(speculation, manager, self.gradients, self.kernel,
                                      self.steps, self.grad_pool)
         # both schedules step through one stream (optim/step_stream.py)
         self._stream = StepStream(self.kernel, manager, self.step_pool, self.sub_group_numel,
                                   self.timers)
+
+    def _global_sq_norm(self, local: float) -> float:
+        """The squares of the whole model's gradient from this rank's: with sharded states
+        each rank normed its shards and the global norm sums them; at stage 0 each rank holds
+        the whole averaged gradient. Either way every rank calls the sum (so an overflow seen
+        anywhere is seen by all: every rank skips the step and keeps one loss scale)."""
+        total = self.comm.sum_float(local)
+        return total if self.gradients.scatter else total / max(1, self.comm.world_size)
 
     def _add_norm(self, squares: float) -> None:
         self.gradients.sq_norm += squares
@@ -200,17 +233,23 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         return dict(self._stream.stats)
 
     # -- set-up ----------------------------------------------------------------------------
-    def _init_master(self, unit: Unit, master: FlatStore) -> None:
-        """Seed the fp32 master from the unit's current parameters."""
+    def _init_master(self, unit: Unit, master: FlatStore,
+                     span: tuple[int, int] | None = None) -> None:
+        """Seed the fp32 master from the unit's current parameters (its range ``span`` of
+        them, by default the state's)."""
         was_released = unit.residency != Residency.FETCHED
-        if was_released:
-            unit.finish_fetch(self.manager, self.staging_pool)
-        values = unit.flat[: unit.trainable_numel].float()
+        if was_released:   # the own shard is all the range needs
+            unit.finish_fetch(self.manager, self.staging_pool, gather=False)
+        if span is None:
+            state = self._by_unit[unit.index]
+            span = state.lo, state.hi
+        lo, hi = span
+        values = unit.flat[lo:hi].float()
         if master.resident:
-            master.tensor[: unit.trainable_numel].copy_(values)
+            master.tensor[: hi - lo].copy_(values)
         else:
             buf = self.manager.host_empty(master.padded, torch.float32, what="master init")
-            buf[: unit.trainable_numel].copy_(values)
+            buf[: hi - lo].copy_(values)
             self.manager.wait(master.store_async(buf))
         if was_released:
             unit.release(self.manager)
@@ -241,6 +280,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 self.timers.grad_s += time.perf_counter() - start
             return False
         self.gradients.zero_unwritten(state)
+        self.gradients.reduce(state)    # over the ranks (see [Note: gradients over ranks])
         if self.early_step:
             self._submit_ready(state, self.gradients.take(state),
                                self.gradients.take_arrived(state))
@@ -401,6 +441,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 # its last gradient of the cycle came before the last micro-step: at home
                 self.gradients.sq_norm += sum(
                     _sum_of_squares(v) for _, v in self.gradients.home_gradient(state))
+        self.gradients.sq_norm = self._global_sq_norm(self.gradients.sq_norm)
         if not math.isfinite(self.gradients.sq_norm):
             # inf or NaN in a gradient (see optim/loss_scaler.py): the step is skipped
             self.overflow = True
@@ -437,7 +478,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.steps.collect_norm(job)
         # the kernels summed each unit's gradient squares as they stepped it: the norm no
         # step of this schedule needs, but get_global_grad_norm() reports
-        self.last_grad_norm = math.sqrt(self.gradients.sq_norm) / self.loss_scale
+        self.last_grad_norm = math.sqrt(self._global_sq_norm(self.gradients.sq_norm)) / \
+            self.loss_scale
         self.steps.reap(hand_out=False)
 
     # -- speculation (see [Note: speculative step] in optim/speculation.py) -----------------

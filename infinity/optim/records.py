@@ -56,7 +56,10 @@ from infinity.zero.unit import Unit
 
 @dataclass(eq=False)
 class UnitOptimState:
-    """The Adam states of one unit (fp32, ``unit.trainable_numel`` elements each)."""
+    """The Adam states of one unit's range [lo, hi) of its trainable elements (fp32, ``numel``
+    elements each): the whole trainable range, or this rank's shard of it (see [Note: shards] in
+    zero/unit.py). Ranges, sub-groups and step runs are in the unit's flat coordinates; a
+    store's element i is the unit's element lo + i."""
 
     unit: Unit
     exp_avg: FlatStore
@@ -82,6 +85,20 @@ class UnitOptimState:
     # not stepped, as torch skips parameters whose gradient is None)
     has_grads: bool = False
     norm_counted: bool = False   # its gradient is in the clipping norm of this cycle
+    shard: tuple[int, int] | None = None   # [lo, hi); None: [0, unit.trainable_numel)
+
+    @property
+    def lo(self) -> int:
+        return 0 if self.shard is None else self.shard[0]
+
+    @property
+    def hi(self) -> int:
+        return self.unit.trainable_numel if self.shard is None else self.shard[1]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the range this rank steps (0: a shard past the trainable part)."""
+        return self.hi - self.lo
 
 
 @dataclass
@@ -118,9 +135,9 @@ class SubGroup:
 
 
 def sub_groups(state: UnitOptimState, numel: int) -> list[SubGroup]:
-    """The unit's trainable range cut in chunks of ``numel`` elements."""
-    n = state.unit.trainable_numel
-    return [SubGroup(state, a, min(a + numel, n)) for a in range(0, n, numel)]
+    """The state's range cut in chunks of ``numel`` elements."""
+    lo, hi = state.lo, state.hi
+    return [SubGroup(state, a, min(a + numel, hi)) for a in range(lo, hi, numel)]
 
 
 def grad_pieces(unit: Unit, grad: torch.Tensor | dict[int, torch.Tensor], origin: int,
@@ -153,11 +170,14 @@ class CompleteGradient:
     held_bytes: int = 0
     pool: BufferPool | None = None
     room: HeldRoom | None = None
+    origin: int = 0      # the unit element a flat buffer's first element is (a shard's lo)
 
     def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:
-        """Elements [start, end): the flat buffer's slice, or all held parts
+        """Elements [start, end) of the unit: the flat buffer's slice, or all held parts
         (``grad_pieces`` cuts them)."""
-        return self.values if isinstance(self.values, dict) else self.values[start:end]
+        if isinstance(self.values, dict):
+            return self.values
+        return self.values[start - self.origin:end - self.origin]
 
     def free_part(self, offset: int) -> None:
         """Free one held part (its sub-groups have been stepped)."""

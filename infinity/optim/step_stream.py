@@ -236,12 +236,12 @@ class StepStream:
     def _has_news(self) -> bool:
         """A job that became ready or cancelled since the stream last looked."""
         return any(x.job.ready or x.job.cancelled for x in self._loads) or any(
-            (j.ready and j.groups) or j.cancelled for j in self._jobs)
+            (j.ready and (j.groups or j.left == 0)) or j.cancelled for j in self._jobs)
 
     def _advance(self) -> bool:
         """Issue reads ahead, step the oldest loaded sub-group whose gradients are complete,
         retire writes behind it. False when nothing could move."""
-        moved = self._drop_cancelled()
+        moved = self._drop_cancelled() | self._finish_empty()
         while self._read_next():
             moved = True
         loaded = next((x for x in self._loads if x.job.ready), None)
@@ -265,6 +265,17 @@ class StepStream:
         while len(self._writes) > WRITES_BEHIND:
             self._retire()
         return True
+
+    def _finish_empty(self) -> bool:
+        """Jobs of an empty range (a rank's shard past a unit's trainable part) that became
+        ready: nothing to read or step; their step is counted, as on the other ranks."""
+        empty = [j for j in self._jobs if j.phase is JobPhase.READY and not j.groups and
+                 j.left == 0]
+        for job in empty:
+            self._count_step(job)
+            job.stepped()
+            self._finish(job)
+        return bool(empty)
 
     def _next_to_read(self) -> StepJob | None:
         """Jobs whose gradients are complete come first; then expected ones, read ahead."""
@@ -293,6 +304,7 @@ class StepStream:
         if not job.early:
             stores["g"] = state.grad_store
         needed = sum(not store.resident for store in stores.values())
+        at = group.start - state.lo     # where the sub-group lies in the state's stores
         slots = []
         while len(slots) < needed:
             slot = self._free_slot()
@@ -309,11 +321,11 @@ class StepStream:
         free = iter(slots)
         for key, store in stores.items():
             if store.resident:
-                loaded.tensors[key] = store.tensor[group.start:group.end]
+                loaded.tensors[key] = store.tensor[at:at + n]
                 continue
             slot = next(free)
             buf = slot.view(torch.float32, padded_numel(n, torch.float32))
-            loaded.requests.append((store.load_async(buf, group.start, n), slot))
+            loaded.requests.append((store.load_async(buf, at, n), slot))
             loaded.tensors[key] = buf[:n]
         self._loads.append(loaded)
         return True
@@ -377,6 +389,7 @@ class StepStream:
         job, group = loaded.job, loaded.group
         state, unit = job.state, job.state.unit
         start, end, n = group.start, group.end, group.end - group.start
+        at = start - state.lo           # in the state's stores
         t = loaded.tensors
         self._count_step(job)
         param = t["p"] if "p" in t else unit.flat[start:end]
@@ -395,17 +408,17 @@ class StepStream:
         job.sq_norm += sq
         if not job.early and state.grad_store.resident:
             grad.zero_()          # the next backward accumulates into the home gradient
-        _store(state.exp_avg, t["m"], start, n, writes, shadow)
-        _store(state.exp_avg_sq, t["v"], start, n, writes, shadow)
+        _store(state.exp_avg, t["m"], at, n, writes, shadow)
+        _store(state.exp_avg_sq, t["v"], at, n, writes, shadow)
         if state.master is not None:
-            _store(state.master, param, start, n, writes, shadow)
+            _store(state.master, param, at, n, writes, shadow)
             unit.flat[start:end].copy_(half if half is not None else param)
         self._write_params(unit, start, n, writes, shadow)
         if shadow and job.gradient_home:
             # kept at home for a redo: a flat buffer is written as it is (given back at
             # ``_finish``), held gradients are normed and copied
             if flat_gradient:
-                _store(state.grad_store, grad, start, n, writes)
+                _store(state.grad_store, grad, at, n, writes)
             else:
                 self._write_held_gradient(job, start, end, writes)
         # otherwise a speculated held gradient is only normed (in the kernel): a roll-back
@@ -449,12 +462,13 @@ class StepStream:
         store = unit.param_store
         if store is None:
             return
+        at = start - unit.home_start    # the home holds the own shard (see [Note: shards])
         if not store.resident and unit.flat_on_aligned_host:
             # the device buffer is host memory, page-aligned, and stays fetched until the
             # unit's job has landed: write it as it is (no staging copy)
-            writes.append((store.store_async(unit.flat[start:], start, n, shadow), None))
+            writes.append((store.store_async(unit.flat[start:], at, n, shadow), None))
         else:
-            self._write_values(store, unit.flat[start:start + n], start, n, writes, shadow)
+            self._write_values(store, unit.flat[start:start + n], at, n, writes, shadow)
 
     def _write_values(self, store, values: torch.Tensor, start: int, n: int,
                       writes: list, shadow: bool = False) -> None:

@@ -10,13 +10,18 @@ from typing import Iterable
 
 from infinity.base.sizes import ALIGN_BYTES
 
-__all__ = ["ALIGN_BYTES", "PARAM_ALIGN_BYTES", "padded_numel", "flat_layout", "unit_layout_bound"]
+__all__ = ["ALIGN_BYTES", "PARAM_ALIGN_BYTES", "SHARD_ALIGN_NUMEL", "padded_numel", "flat_layout",
+           "shard_numel", "unit_layout_bound"]
 
 PARAM_ALIGN_BYTES = 64
 """Every parameter of a unit starts on this boundary of its flat buffer (SIMD alignment for the
 Adam kernel)."""
 
 FP32_BYTES = 4
+
+SHARD_ALIGN_NUMEL = 2048
+"""A rank's shard of a unit is a multiple of this many elements: 4 KiB of fp32 or 16-bit values,
+so every shard starts on an O_DIRECT block in each state's store and in the flat buffer."""
 
 
 def padded_numel(numel: int, itemsize: int) -> int:
@@ -51,3 +56,16 @@ def unit_layout_bound(params: Iterable[tuple[int, bool]], itemsize: int) -> tupl
                    key=lambda item: not item[1])
     _, numel, trainable = flat_layout(items, itemsize)
     return numel, trainable
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements of one rank's shard of a unit's flat buffer of ``numel`` elements (see [Note:
+    shards] in zero/shard.py): the whole buffer with one rank, else an equal 1/N of it rounded
+    up to ``SHARD_ALIGN_NUMEL``, so the N shards cover ``world_size * shard`` elements, the tail
+    padding."""
+    if world_size < 1:
+        raise ValueError(f"world size {world_size} must be at least 1")
+    if world_size == 1:
+        return numel
+    per_rank = -(-numel // world_size)
+    return -(-per_rank // SHARD_ALIGN_NUMEL) * SHARD_ALIGN_NUMEL

@@ -24,6 +24,15 @@ own backward: a hook on it fetched the passing unit again after its release, and
 the units that were really running (a device budget that fits the backward failed in T5's
 first one).
 
+[Note: gathers at every use]
+With parameters sharded over ranks (stage 3, several ranks) whether a unit is still fetched when
+it is needed again depends on timing (a background step's writes landing frees it, a kept unit
+is evicted when room runs short), and the ranks must gather in the same order (see [Note:
+collective order] in comm/collectives.py). So the gather does not depend on it: every use that
+no module call in progress covers (a module's forward, its backward's pre-hook, a pin) gathers,
+whether the own shard was just read from home or is still in memory. A kept unit so saves its
+disk read, not its gather. Replicated units (stages 1-2) gather only after their step.
+
 [Note: keeping units for reuse]
 A unit whose next use, in the recorded order, comes within ``stage3_max_reuse_distance``
 elements of other units is kept fetched instead of released: the last units of the forward are
@@ -281,6 +290,7 @@ class Coordinator:
         status.backward_done = True
         if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):
             status.stepping = True
+            status.stale = unit.shards > 1
             return
         if status.users == 0:
             self._release_or_keep(uid)   # kept: the next forward (and a deferred step) use it
@@ -294,6 +304,7 @@ class Coordinator:
                     status.backward_done = True
                     if not self.stepper.on_unit_backward_done(unit):
                         status.stepping = True
+                        status.stale = unit.shards > 1
             self._phase = PassPhase.IDLE
             self.reap()
             for unit, status in zip(self.units, self._status):
@@ -438,7 +449,8 @@ class Coordinator:
         if unit.residency != Residency.FETCHED:
             prefetched = unit.residency == Residency.FETCHING
             hit = prefetched and unit.fetch_request is not None and unit.fetch_request.done()
-            unit.finish_fetch(self.manager, self.fetch_pool)
+            # the own shard only: a waiting step changes it before the others are gathered
+            unit.finish_fetch(self.manager, self.fetch_pool, gather=False)
             self.fetch_stats["fetches"] += 1
             if unit.param_store is not None and not unit.param_store.resident:
                 self.fetch_stats["nvme_fetches"] += 1
@@ -450,8 +462,28 @@ class Coordinator:
         # deferred step lands at the next fetch]); the unit is held until its writes land
         # (marked stepping first: an interrupt while its step runs must not let the unit go)
         was_stepping, status.stepping = status.stepping, True
-        if not self.stepper.step_fetched(unit):
+        if self.stepper.step_fetched(unit):
+            status.stale = status.stale or unit.shards > 1
+        else:
             status.stepping = was_stepping
+        # [Note: gathers at every use]: a unit with sharded parameters is gathered each time a
+        # use begins that no module call in progress covers
+        if status.stale or (unit.params_sharded and status.users == 0):
+            unit.gather()
+            status.stale = False
+
+    def make_whole(self) -> None:
+        """Gather the replicated units (parameters not sharded) whose copies are stale since
+        their step, in unit order, before the model is read outside a pass (a checkpoint,
+        ``state_dict``); every rank calls it at once. Units with sharded parameters are gathered
+        by their next fetch."""
+        stale = [u for u in self.units if self._status[u.index].stale and not u.params_sharded]
+        if not stale:
+            return
+        self.stepper.wait_stepped()
+        for unit in stale:
+            unit.gather()
+            self._status[unit.index].stale = False
 
     def forward_order(self) -> list[int]:
         """The units in the order the last training forward first used them."""
@@ -522,7 +554,13 @@ class Coordinator:
     def fetch_all(self) -> None:
         """Fetch every unit (for whole-model reads such as GatheredParameters on all params)."""
         for unit in self.units:
-            unit.finish_fetch(self.manager, self.fetch_pool)
+            # sharded parameters are gathered whether or not the unit was still fetched (see
+            # [Note: gathers at every use])
+            unit.finish_fetch(self.manager, self.fetch_pool, gather=False)
+            if unit.params_sharded:
+                unit.gather()
+                self._status[unit.index].stale = False
+        self.make_whole()
 
     def release_all(self) -> None:
         """Release every fetched unit and drop unused prefetches."""

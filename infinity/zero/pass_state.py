@@ -29,6 +29,9 @@ class UnitStatus:
     inputs_done: bool = False    # the gradient w.r.t. its module's inputs exists
     backward_done: bool = False  # see [Note: release during backward]
     stepping: bool = False       # a background step holds it fetched
+    # its device copy holds a newer own shard than the other ranks' shards in it (a step ran, or
+    # only the own shard was read): gathered before the next use (see [Note: shards])
+    stale: bool = False
     versions: int | None = None  # its parameters' version counters at a forward's first use
 
     @property

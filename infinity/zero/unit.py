@@ -22,6 +22,17 @@ to a 4 KiB multiple (O_DIRECT). The optimizer steps contiguous runs of one param
 grads and moments alike, so stepping them is harmless and keeps runs contiguous. The arithmetic is
 ``infinity.planner.alignment.flat_layout`` (PARAM_ALIGN_BYTES there), which the engine's sizes
 bound too.
+
+[Note: shards]
+With N data-parallel ranks at stage 1-3 the flat buffer is cut into N equal shards of
+``shard_numel`` elements (``infinity.planner.alignment.shard_numel``: a multiple of 2048
+elements, so each shard keeps the 4 KiB alignment; the last ones padded), and the device buffer
+has ``flat_numel = N * shard_numel`` elements. Rank r owns elements [r * shard_numel, (r+1) *
+shard_numel): its optimizer steps that range of the trainable part, and at stage 3 its param
+home (HOST store, NVMe extent, device store) holds only that range. Fetching reads the own
+shard from home into its place in the device buffer, then all-gathers the others
+(``gather``). After a step changed the own shard, the device copy is stale until the next
+gather; the coordinator keeps track (see [Note: collective order] in comm/collectives.py).
 """
 from __future__ import annotations
 
@@ -31,7 +42,8 @@ import torch
 from torch import nn
 
 from infinity.base.log import get_logger
-from infinity.planner.alignment import flat_layout
+from infinity.comm.collectives import NO_COMM, Collectives
+from infinity.planner.alignment import flat_layout, shard_numel
 from infinity.storage.buffer_pool import wait_and_release
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, ResidencyState, Tier
@@ -60,7 +72,8 @@ class Unit:
 
     def __init__(self, index: int, name: str, module: nn.Module,
                  named_params: list[tuple[str, nn.Parameter, int]], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, *, comm: Collectives = NO_COMM, shards: int = 1,
+                 params_sharded: bool = False) -> None:
         self.index = index
         self.name = name
         self.module = module
@@ -72,6 +85,14 @@ class Unit:
         self.params: list[ParamEntry] = [
             ParamEntry(name_, param, param.shape, offset, param.numel(), group)
             for (name_, param, group), offset in zip(order, offsets)]
+        # see [Note: shards]: ``shards`` is the world size when states are sharded (stage >= 1)
+        self.comm = comm
+        self.shards = shards
+        self.rank = comm.rank if shards > 1 else 0
+        self.shard_numel = shard_numel(self.numel, shards)
+        self.flat_numel = shards * self.shard_numel
+        self.shard_start = self.rank * self.shard_numel
+        self.params_sharded = params_sharded and shards > 1
         self.residency = ResidencyState(f"unit {name}")
         self.persistent = False
         self.param_home = Tier.DEVICE
@@ -86,7 +107,30 @@ class Unit:
     # -- properties ----------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return self.numel * self.flat.element_size()
+        """Bytes of the device buffer (all shards, with their padding)."""
+        return self.flat_numel * self.flat.element_size()
+
+    @property
+    def home_numel(self) -> int:
+        """Elements the param home holds: the own shard, or the whole buffer."""
+        return self.shard_numel if self.params_sharded else self.numel
+
+    @property
+    def home_start(self) -> int:
+        """Where the param home's first element lies in the flat buffer."""
+        return self.shard_start if self.params_sharded else 0
+
+    @property
+    def own_flat(self) -> torch.Tensor:
+        """The part of the device buffer the param home holds."""
+        return self.flat[self.home_start:self.home_start + self.home_numel]
+
+    def gather(self) -> None:
+        """Fill the other ranks' shards of the device buffer from them (its own shard is
+        current); a no-op with one rank. Every rank calls it at the same point (see [Note:
+        collective order] in comm/collectives.py)."""
+        if self.shards > 1:
+            self.comm.all_gather(self.flat)
 
     @property
     def has_trainable(self) -> bool:
@@ -107,7 +151,8 @@ class Unit:
         With a HOST/NVME param home the values go to the home tier and the unit ends RELEASED
         (unless persistent); with a DEVICE home the unit stays FETCHED for good.
         """
-        self.persistent = persistent or param_home is Tier.DEVICE
+        # sharded at stage 3, a DEVICE home holds the own shard (see [Note: shards])
+        self.persistent = persistent or (param_home is Tier.DEVICE and not self.params_sharded)
         # A persistent unit's device copy is its only home (no second copy on host or NVMe).
         self.param_home = Tier.DEVICE if self.persistent else param_home
         self._allocate_device(manager)
@@ -118,9 +163,9 @@ class Unit:
                     entry.param.detach().reshape(-1))
         self.residency.to(Residency.FETCHED)
         self._point_params()
-        if self.param_home is not Tier.DEVICE:
+        if not self.persistent:
             # doubled: the speculative step writes parameters to a shadow extent
-            self.param_store = manager.create(f"{self.name}.params", self.numel, self.dtype,
+            self.param_store = manager.create(f"{self.name}.params", self.home_numel, self.dtype,
                                               self.param_home, doubled=doubled)
             self.write_home(manager, staging)
             self.release(manager)
@@ -160,8 +205,8 @@ class Unit:
             entry.param.data = self._released_data
 
     def _allocate_device(self, manager: TierManager) -> None:
-        if self.flat.numel() != self.numel:
-            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        if self.flat.numel() != self.flat_numel:
+            self.flat = torch.empty(self.flat_numel, dtype=self.dtype, device=self.device)
             self.flat.untyped_storage().resize_(0)   # memory comes from the device cache
         manager.device_cache.attach(self.flat.untyped_storage(), self.nbytes, f"unit {self.name}")
 
@@ -196,7 +241,7 @@ class Unit:
     def _read_into_slot(self, slot):
         """The NVMe read of the parameters into a host slot (copied to the device at finish)."""
         self.fetch_slot = slot
-        return self.param_store.load_async(slot.view(self.dtype, self.numel))
+        return self.param_store.load_async(slot.view(self.dtype, self.home_numel))
 
     @property
     def flat_on_aligned_host(self) -> bool:
@@ -210,10 +255,12 @@ class Unit:
             raise RuntimeError(f"unit {self.name}: direct reads need page-aligned host memory "
                                f"for the device buffer, got {self.flat.device} at "
                                f"{self.flat.data_ptr():#x}; fetch through a slot pool instead")
-        return self.param_store.load_async(self.flat)
+        return self.param_store.load_async(self.own_flat)
 
-    def finish_fetch(self, manager: TierManager, pool) -> None:
-        """Make the unit's parameters valid on the device (waits for a prefetch in flight)."""
+    def finish_fetch(self, manager: TierManager, pool, gather: bool = True) -> None:
+        """Make the unit's parameters valid on the device (waits for a prefetch in flight).
+        With sharded parameters the own shard is read and, with ``gather``, the others are
+        gathered; without, the caller gathers (after a step of the own shard)."""
         if self.residency == Residency.FETCHED:
             return
         self.fetch_count += 1
@@ -236,14 +283,16 @@ class Unit:
             self._allocate_device(manager)
             with torch.no_grad():
                 if self.param_home is Tier.NVME:
-                    self.flat.copy_(self.fetch_slot.view(self.dtype, self.numel))
+                    self.own_flat.copy_(self.fetch_slot.view(self.dtype, self.home_numel))
                     pool.release(self.fetch_slot)
                     self.fetch_slot = None
                 else:
-                    self.flat.copy_(self.param_store.tensor[: self.numel])
-        manager.counters.host_to_device_bytes += self.nbytes
+                    self.own_flat.copy_(self.param_store.tensor[: self.home_numel])
+        manager.counters.host_to_device_bytes += self.home_numel * self.flat.element_size()
         self._point_params()
         self.residency.to(Residency.FETCHED)
+        if gather and self.params_sharded:
+            self.gather()
 
     def _drop_fetch(self, manager: TierManager, pool) -> None:
         """A fetch failed or was cancelled (its read is over): give back what it held."""
@@ -289,33 +338,34 @@ class Unit:
         store = self.param_store
         if store is None:
             return
+        own, n = self.own_flat, self.home_numel
         if store.resident:
-            store.tensor[: self.numel].copy_(self.flat)
+            store.tensor[:n].copy_(own)
             return
-        manager.counters.device_to_host_bytes += self.nbytes
+        manager.counters.device_to_host_bytes += n * own.element_size()
 
         def write(buf: torch.Tensor, start: int = 0, count: int | None = None) -> list:
             shadows = (False, True) if store.doubled else (False,)
             return [store.store_async(buf, start, count, shadow=s) for s in shadows]
 
         if staging is None and self.flat_on_aligned_host:
-            manager.wait(*write(self.flat))   # page-aligned: as it is
+            manager.wait(*write(own))   # page-aligned: as it is
             return
         if staging is None:
             buf = manager.host_empty(store.padded, self.dtype, what=f"{self.name} staging")
-            buf[: self.numel].copy_(self.flat)
+            buf[:n].copy_(own)
             manager.wait(*write(buf))
             return
         chunk = staging.slot_bytes // self.flat.element_size()
         in_flight: list = []
         try:
-            for start in range(0, self.numel, chunk):
-                count = min(chunk, self.numel - start)
+            for start in range(0, n, chunk):
+                count = min(chunk, n - start)
                 if len(in_flight) == 2:
                     wait_and_release([in_flight.pop(0)], manager.wait, staging.release)
                 slot = staging.acquire(timeout=600.0)
                 buf = slot.view(self.dtype, count)
-                buf.copy_(self.flat[start:start + count])
+                buf.copy_(own[start:start + count])
                 in_flight.append((write(buf, start, count), slot))
         finally:
             wait_and_release(in_flight, manager.wait, staging.release)

@@ -1,0 +1,221 @@
+"""The collectives the engine runs over data-parallel ranks, on flat buffers, with every byte
+counted.
+
+Why one module: ZeRO's traffic is three operations on a unit's flat buffer (all-gather of
+parameter shards, reduce-scatter of gradients, all-reduce at stage 0) plus a few scalars (the
+global gradient norm, which parameters got a gradient on any rank). Keeping them here gives one
+place that buckets them (``reduce_bucket_size`` / ``allgather_bucket_size``), falls back to
+operations every backend has, measures their time and counts their bytes for ``step_stats()``.
+
+[Note: bytes counted]
+The counts are what this rank puts on and takes off the wire under the ring algorithms torch's
+backends use for these operations: an all-gather or a reduce-scatter of a buffer of B bytes over
+N ranks sends and receives (N-1)/N * B each; an all-reduce twice that. They are computed from the
+sizes of the tensors actually passed, per call (a formula applied to each real call, not an
+estimate of a step).
+
+[Note: collective order]
+Every rank must issue the same collectives in the same order, or gloo pairs one rank's
+all-gather of unit 3 with another's of unit 4. The engine issues them only from the training
+thread, at points every rank reaches in the same order: a unit made whole before its module
+runs (forward and backward hooks, in the model's call order), a unit's gradient complete in
+backward (autograd's order, the same for the same graph, as torch's DDP assumes), and the
+optimizer step's scalars. Nothing that depends on timing (a prefetch that found a free slot, a
+write that landed) decides whether a collective runs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from infinity.base.log import get_logger
+
+log = get_logger("comm")
+
+
+@dataclass
+class CommCounters:
+    """Bytes this rank sent and received and seconds spent in collectives, since the last reset."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    comm_s: float = 0.0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.sent_bytes = self.received_bytes = self.calls = 0
+        self.comm_s = 0.0
+
+
+class LostRankError(RuntimeError):
+    """A collective failed because another rank stopped (raised, was killed, or timed out)."""
+
+
+class Collectives:
+    """Collectives over ``group`` (None: the default group) for a world of ``world_size``.
+
+    ``bucket_bytes``: the most bytes one all-gather or reduce-scatter call moves (DeepSpeed's
+    ``allgather_bucket_size`` / ``reduce_bucket_size`` in elements, converted by the caller);
+    a larger buffer goes in several calls. With one rank every operation is a no-op (what
+    ``average`` divides by is 1), so the single-process engine pays nothing.
+    """
+
+    def __init__(self, group: Any = None, world_size: int = 1, rank: int = 0, *,
+                 gather_bucket_bytes: int = 1 << 62, reduce_bucket_bytes: int = 1 << 62,
+                 on_failure: Any = None) -> None:
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.gather_bucket_bytes = max(1, gather_bucket_bytes)
+        self.reduce_bucket_bytes = max(1, reduce_bucket_bytes)
+        self.counters = CommCounters()
+        # called with the error when a collective fails (the engine names the lost rank)
+        self.on_failure = on_failure
+        self._has_tensor_ops = world_size == 1 or _backend_has_tensor_ops(group)
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _count(self, nbytes: int, factor: float, start: float) -> None:
+        moved = int(nbytes * factor * (self.world_size - 1) / self.world_size)
+        self.counters.sent_bytes += moved
+        self.counters.received_bytes += moved
+        self.counters.comm_s += time.perf_counter() - start
+        self.counters.calls += 1
+
+    def _run(self, what: str, call, *args) -> None:
+        try:
+            call(*args)
+        except Exception as exc:  # noqa: BLE001 - translated, with the lost rank named
+            if self.on_failure is not None:
+                self.on_failure(what, exc)
+            raise LostRankError(f"rank {self.rank}: the {what} failed ({type(exc).__name__}: "
+                                f"{exc}); another rank has likely stopped") from exc
+
+    # -- flat buffers -----------------------------------------------------------------------
+    def all_gather(self, output: torch.Tensor) -> None:
+        """``output`` holds ``world_size`` equal shards, this rank's filled in: fill the others
+        from their ranks (in place)."""
+        if not self.active:
+            return
+        n = self.world_size
+        shard = output.numel() // n
+        if shard * n != output.numel():
+            raise ValueError(f"all_gather: {output.numel()} elements do not split into {n} shards")
+        start = time.perf_counter()
+        chunk = max(1, self.gather_bucket_bytes // (output.element_size() * n))
+        if shard <= chunk and self._has_tensor_ops:
+            own = output[self.rank * shard:(self.rank + 1) * shard]
+            self._run("all-gather", _ALL_GATHER_TENSOR, output, own, self.group)
+        else:
+            for off in range(0, shard, chunk):
+                c = min(chunk, shard - off)
+                pieces = [output[r * shard + off:r * shard + off + c] for r in range(n)]
+                own = pieces[self.rank].clone()
+                if self._has_tensor_ops:
+                    tmp = torch.empty(n * c, dtype=output.dtype, device=output.device)
+                    self._run("all-gather", _ALL_GATHER_TENSOR, tmp, own, self.group)
+                    for r in range(n):
+                        pieces[r].copy_(tmp[r * c:(r + 1) * c])
+                else:
+                    outs = [torch.empty_like(own) for _ in range(n)]
+                    self._run("all-gather", dist.all_gather, outs, own, self.group)
+                    for r in range(n):
+                        pieces[r].copy_(outs[r])
+        self._count(output.numel() * output.element_size(), 1.0, start)
+
+    def reduce_scatter_mean(self, output: torch.Tensor, source: torch.Tensor) -> None:
+        """``output`` = this rank's shard of the mean over ranks of ``source`` (``world_size``
+        equal shards). ``source`` is clobbered on backends without ``reduce_scatter_tensor``."""
+        n = self.world_size
+        if source.numel() != n * output.numel():
+            raise ValueError(f"reduce_scatter: {source.numel()} elements are not {n} shards of "
+                             f"{output.numel()}")
+        if not self.active:
+            output.copy_(source)
+            return
+        shard = output.numel()
+        start = time.perf_counter()
+        chunk = max(1, self.reduce_bucket_bytes // (source.element_size() * n))
+        if not self._has_tensor_ops:
+            # same numerics: a sum over ranks, then this rank's slice (moves twice the bytes)
+            self._run("all-reduce", dist.all_reduce, source, dist.ReduceOp.SUM, self.group)
+            output.copy_(source[self.rank * shard:(self.rank + 1) * shard])
+            self._count(source.numel() * source.element_size(), 2.0, start)
+            output.div_(n)
+            return
+        if shard <= chunk:
+            self._run("reduce-scatter", _REDUCE_SCATTER_TENSOR, output, source,
+                      dist.ReduceOp.SUM, self.group)
+        else:
+            for off in range(0, shard, chunk):
+                c = min(chunk, shard - off)
+                tmp = torch.cat([source[r * shard + off:r * shard + off + c] for r in range(n)])
+                self._run("reduce-scatter", _REDUCE_SCATTER_TENSOR, output[off:off + c], tmp,
+                          dist.ReduceOp.SUM, self.group)
+        self._count(source.numel() * source.element_size(), 1.0, start)
+        output.div_(n)
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> None:
+        """``tensor`` = its mean over ranks, in place (stage 0's gradient average)."""
+        if not self.active:
+            return
+        start = time.perf_counter()
+        self._run("all-reduce", dist.all_reduce, tensor, dist.ReduceOp.SUM, self.group)
+        self._count(tensor.numel() * tensor.element_size(), 2.0, start)
+        tensor.div_(self.world_size)
+
+    # -- scalars and small vectors ----------------------------------------------------------
+    def sum_float(self, value: float) -> float:
+        """The sum over ranks of ``value`` (fp64: a gradient norm's squares; inf and NaN
+        propagate, so every rank sees an overflow any rank saw)."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        start = time.perf_counter()
+        self._run("all-reduce", dist.all_reduce, t, dist.ReduceOp.SUM, self.group)
+        self._count(8, 2.0, start)
+        return float(t.item())
+
+    def any_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The element-wise OR over ranks of a bool mask (which parameters got a gradient)."""
+        if not self.active:
+            return mask
+        t = mask.to(torch.uint8)
+        start = time.perf_counter()
+        self._run("all-reduce", dist.all_reduce, t, dist.ReduceOp.MAX, self.group)
+        self._count(t.numel(), 2.0, start)
+        return t.bool()
+
+    def all_gather_objects(self, value: Any) -> list[Any]:
+        """``value`` of every rank, by rank (small, picklable: configs' fingerprints)."""
+        if not self.active:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        self._run("object all-gather", dist.all_gather_object, out, value, self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            self._run("barrier", dist.barrier, self.group)
+
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn)
+_ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _backend_has_tensor_ops(group: Any) -> bool:
+    """Whether the group's backend has ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+    (gloo has both since torch 2.6, NCCL always; MPI and older gloo do not)."""
+    backend = str(dist.get_backend(group)).lower()
+    return backend in ("gloo", "nccl", "cpu:gloo,cuda:nccl") or "nccl" in backend
+
+
+NO_COMM = Collectives()

@@ -1,0 +1,91 @@
+"""The data-parallel process group: taken from the launcher's environment (``torchrun`` sets
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), made by ``infinity.init_distributed()`` as
+DeepSpeed's ``deepspeed.init_distributed()``, or passed in by the user. We write no transport and
+no launcher: torch.distributed (NCCL on GPUs, gloo on CPUs) is both.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from infinity.base.log import get_logger
+
+log = get_logger("comm")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who this process is among the data-parallel ranks."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    group: Any = None     # None: the default group
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = RankInfo(0, 1, 0)
+
+
+def env_world_size() -> int:
+    """``WORLD_SIZE`` from the launcher's environment (1 when unset); a value that is not a
+    positive integer is an error naming it."""
+    raw = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"WORLD_SIZE={raw!r} in the environment is not a positive integer; "
+                         "launch with torchrun (which sets it) or unset it")
+    return int(raw)
+
+
+def default_backend(device: torch.device | None = None) -> str:
+    """NCCL where the ranks compute on CUDA devices, gloo otherwise."""
+    if device is not None and device.type == "cuda":
+        return "nccl"
+    if device is None and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        return "nccl"
+    return "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0,
+                     device: torch.device | None = None) -> RankInfo:
+    """Join the process group the launcher describes (DeepSpeed's ``init_distributed``): a
+    no-op when torch.distributed is already initialised or there is one rank. ``timeout_s``
+    bounds every collective (see ``infinity.collective_timeout``): a rank that stopped makes
+    the others fail after at most this long instead of waiting for ever."""
+    if dist.is_available() and dist.is_initialized():
+        return current_ranks()
+    world = env_world_size()
+    if world == 1:
+        return SINGLE
+    if not dist.is_available():
+        raise RuntimeError(f"WORLD_SIZE={world} but this torch build has no torch.distributed")
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={world} but {', '.join(missing)} is not set: start the "
+                           "ranks with torchrun (torchrun --nproc_per_node N train.py), which "
+                           "sets them, or call torch.distributed.init_process_group yourself")
+    backend = backend or default_backend(device)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    info = current_ranks()
+    log.info("joined the process group: rank %d of %d (%s, collective timeout %gs)",
+             info.rank, info.world_size, backend, timeout_s)
+    return info
+
+
+def current_ranks(group: Any = None) -> RankInfo:
+    """This process's rank in ``group`` (None: the default group, when initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("a process group was given but torch.distributed is not "
+                               "initialised")
+        return SINGLE
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return RankInfo(dist.get_rank(group), dist.get_world_size(group), local, group)

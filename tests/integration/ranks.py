@@ -1,0 +1,90 @@
+"""Shared helpers of the multi-rank tests: start N processes on localhost as torchrun would (each
+with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in its environment), run a worker script in
+each, and read back what each rank wrote; and the plain-torch reference of a data-parallel run
+(one process, the whole batch)."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world_size: int, script: str, args: list[str], *, timeout: float = 600.0,
+           env_extra: dict[str, str] | None = None, node_rank: int | None = None,
+           nnodes: int = 1, port: int | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``script`` (a file next to this one) as ``world_size`` ranks; returns each rank's
+    completed process (stdout, stderr, returncode), by rank. Torch threads: the cores shared
+    among the local ranks."""
+    port = port or free_port()
+    threads = max(1, (os.cpu_count() or 2) // world_size)
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS=str(threads), PYTHONPATH=str(HERE) + os.pathsep +
+                   os.environ.get("PYTHONPATH", ""))
+        env.update(env_extra or {})
+        procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, err = proc.communicate()
+            err += f"\n[rank {rank} killed after {timeout}s]"
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def check_ranks(results: list[subprocess.CompletedProcess]) -> None:
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+
+
+def read_results(directory: Path, world_size: int) -> list[dict]:
+    return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def reference_run(model: nn.Module, batches: list[list[torch.Tensor]], *, lr: float,
+                  weight_decay: float, clip: float, skip_steps: frozenset[int] = frozenset(),
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain torch AdamW on the whole batch: ``batches[step][micro]`` is the global micro-batch
+    (all ranks' rows); each step averages its micro-batches' gradients (as accumulation does),
+    clips to ``clip`` (0: off) and steps, except on ``skip_steps`` (an overflow every rank
+    skips). Returns the losses per step (mean over micro-batches) and the final parameters."""
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=weight_decay,
+                            foreach=False)
+    losses = []
+    for step, micros in enumerate(batches):
+        total = 0.0
+        for x in micros:
+            loss = reference(input_ids=x, labels=x)
+            (loss / len(micros)).backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        if step not in skip_steps:
+            opt.step()
+        opt.zero_grad()
+        losses.append(total / len(micros))
+    return losses, {n: p.detach().clone() for n, p in reference.named_parameters()}
