@@ -10,11 +10,12 @@ import torch
 
 from infinity.checkpoint.directory import checkpoint_directory, read_manifest_file, verify_files
 from infinity.checkpoint.layout import model_file, persistent_buffers, unit_layouts
-from infinity.checkpoint.save import check_at_rest
-from infinity.checkpoint.tensor_file import (CheckpointError, TensorFileReader,
-                                             TensorFileWriter)
+from infinity.checkpoint.load import saved_ranks
+from infinity.checkpoint.save import RankAgreement, check_at_rest
+from infinity.checkpoint.sliced import open_ranks
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter
 from infinity.checkpoint.training_state import TrainingState
-from infinity.checkpoint.unit_io import ChunkPool, save_entries
+from infinity.checkpoint.unit_io import ChunkPool, parts_of, save_entries
 
 
 def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
@@ -29,8 +30,11 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
         raise CheckpointError(f"{root} holds no checkpoint manifest and no 'latest' file; pass "
                               "a checkpoint directory or tag=")
     manifest = read_manifest_file(directory)
-    verify_files(directory, manifest, verify_checksums, [model_file(0)])
-    with TensorFileReader(directory / model_file(0)) as reader:
+    files = [model_file(r) for r in range(saved_ranks(manifest, directory))]
+    verify_files(directory, manifest, verify_checksums, files)
+    shapes = {name: p.get("shape", []) for name, p in manifest.get("params", {}).items()
+              if isinstance(p, dict)}
+    with open_ranks(directory, files, shapes) as reader:     # the slices of every rank
         state = {name: reader.read(name) for name in reader.tensors}
     for alias, name in manifest.get("aliases", {}).items():
         state[alias] = state[name]
@@ -54,20 +58,44 @@ def save_model_weights(state: TrainingState, path: str | Path, with_frozen: bool
     saved = {id(lay): lay.entries if with_frozen else lay.trainable for lay in layouts}
     tensors = [(e.name, lay.unit.dtype, tuple(e.shape)) for lay in layouts for e in saved[id(lay)]]
     tensors += [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
-    path.parent.mkdir(parents=True, exist_ok=True)
+    writes = state.rank == 0
+    # with several ranks each unit is gathered by all and rank 0 writes the file (DeepSpeed's
+    # stage3_gather_16bit_weights_on_model_save)
+    return RankAgreement(state, "no file was written").all_succeed(
+        lambda: _write_weights(state, path, layouts, saved, buffers, tensors, writes),
+        "write the weights") if state.world_size > 1 else \
+        _write_weights(state, path, layouts, saved, buffers, tensors, writes)
+
+
+def _write_weights(state: TrainingState, path: Path, layouts, saved, buffers, tensors,
+                   writes: bool) -> Path:
+    gathered = state.world_size > 1
     partial = path.with_name(f".{path.name}.partial")
-    partial.unlink(missing_ok=True)
-    writer = TensorFileWriter(partial, tensors, {"format": "pt"})
+    writer = None
+    if writes:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.unlink(missing_ok=True)
+        writer = TensorFileWriter(partial, tensors, {"format": "pt"})
     try:
         chunks = ChunkPool(state.manager, state.lendable_pools)
         for lay in layouts:
-            save_entries(lay.params, saved[id(lay)], chunks, lambda e, v: writer.append(e.name, v))
-        for name, buf in buffers:
-            writer.append(name, buf)
-        writer.close()
-        os.replace(partial, path)
+            emit = (lambda p, v: writer.append(p[0].name, v)) if writes else (lambda p, v: None)
+            if gathered:
+                with state.gathered(lay.unit):
+                    if writes:
+                        save_entries(lay.unit.flat, parts_of(saved[id(lay)]), chunks, emit)
+                continue
+            placed = lay.placed_params
+            save_entries(placed.source, parts_of(saved[id(lay)], placed.covers), chunks, emit,
+                         origin=placed.origin)
+        if writer is not None:
+            for name, buf in buffers:
+                writer.append(name, buf)
+            writer.close()
+            os.replace(partial, path)
     except BaseException:
-        writer.abort()
-        partial.unlink(missing_ok=True)
+        if writer is not None:
+            writer.abort()
+            partial.unlink(missing_ok=True)
         raise
     return path

@@ -7,6 +7,15 @@ frozen ones in their own dtype, then the module's persistent buffers.
 ``rank{r}_optim.safetensors``: ``<name>.exp_avg`` and ``<name>.exp_avg_sq`` of every trainable
 parameter. In both, tensors come unit by unit in flat-layout order, which is the order the
 stores are streamed in, so each file is written front to back.
+
+[Note: checkpoints by parameter and slice]
+With N ranks, rank r writes the slice of each parameter that lies in its range of each unit
+(``owned``: the r-th of N equal shards of the flat buffer, see [Note: shards] in
+zero/unit.py), as a 1-D tensor named ``<name>#<first element>`` (checkpoint/sliced.py); the
+buffers go in rank 0's file only. Because every tensor is named by parameter and element range,
+not by rank or unit layout, a checkpoint saved at N ranks loads at M: each loading rank reads
+the slices that cover its own range from whichever files hold them (DeepSpeed needs a separate
+"universal checkpoint" conversion for this). One rank writes whole tensors, as before.
 """
 from __future__ import annotations
 
@@ -17,7 +26,8 @@ import torch
 from torch import nn
 
 from infinity.checkpoint.training_state import TrainingState
-from infinity.checkpoint.unit_io import Source
+from infinity.checkpoint.unit_io import Part, Source, parts_of
+from infinity.planner.alignment import shard_numel
 from infinity.zero.persistent_buffers import all_persistent_buffers
 from infinity.zero.unit import ParamEntry, Unit
 
@@ -35,6 +45,16 @@ def optim_file(rank: int) -> str:
     return f"rank{rank}_optim.safetensors"
 
 
+@dataclass(frozen=True)
+class Placed:
+    """A flat state in its home: element 0 is the unit's element ``origin``, and it holds the
+    unit's elements [``covers[0]``, ``covers[1]``) (the own shard, or all of them)."""
+
+    source: Source
+    origin: int
+    covers: tuple[int, int]
+
+
 @dataclass(eq=False)
 class UnitLayout:
     """One unit's parameters and where their current values live."""
@@ -42,6 +62,40 @@ class UnitLayout:
     unit: Unit
     state: "UnitOptimState | None"
     with_frozen: bool = True     # False: frozen parameters are left out (a LoRA-style save)
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def owned(self) -> tuple[int, int]:
+        """The unit elements this rank saves (see [Note: checkpoints by parameter and slice])."""
+        size = shard_numel(self.unit.numel, self.world_size)
+        return self.rank * size, min((self.rank + 1) * size, self.unit.numel)
+
+    @property
+    def placed_params(self) -> Placed:
+        unit = self.unit
+        if unit.param_store is None:          # a persistent unit: its device copy, all of it
+            return Placed(unit.flat, 0, (0, unit.numel))
+        start = unit.home_start
+        return Placed(unit.param_store, start, (start, min(start + unit.home_numel, unit.numel)))
+
+    def placed_state(self, store: Source) -> Placed:
+        """A store of the optimizer state (master or a moment): its range of the unit."""
+        return Placed(store, self.state.lo, (self.state.lo, self.state.hi))
+
+    def saved_parts(self, placed: Placed, entries: list[ParamEntry]) -> list[Part]:
+        """The parts of ``entries`` this rank saves from ``placed``."""
+        a, b = placed.covers
+        lo, hi = self.owned
+        return parts_of(entries, (max(a, lo), min(b, hi)))
+
+    def tensor_name(self, part: Part, suffix: str = "") -> tuple[str, tuple[int, ...]]:
+        """The file tensor of a part, and its shape: whole parameters with one rank, else a
+        slice (see [Note: checkpoints by parameter and slice])."""
+        entry, x, y = part
+        if self.world_size == 1:
+            return entry.name + suffix, tuple(entry.shape)
+        return slice_name(entry.name + suffix, x - entry.offset), (y - x,)
 
     @property
     def entries(self) -> list[ParamEntry]:
@@ -66,20 +120,22 @@ class UnitLayout:
         """The separate fp32 master, or None when the parameters are their own master."""
         return None if self.state is None else self.state.master
 
-    def model_sources(self) -> list[tuple[Source, list[ParamEntry]]]:
-        """Where the model file's values of this unit come from, in file order."""
+    def model_sources(self) -> list[tuple[Placed, list[Part]]]:
+        """Where the model file's values of this unit come from, and the parts this rank
+        saves of each, in file order."""
         if self.master is not None:
-            sources = [(self.master, self.trainable), (self.params, self.frozen)]
+            sources = [(self.placed_state(self.master), self.trainable),
+                       (self.placed_params, self.frozen)]
         else:
-            sources = [(self.params, self.entries)]
+            sources = [(self.placed_params, self.entries)]
         if not self.with_frozen:
-            sources = [(source, [e for e in entries if e.trainable]) for source, entries in sources]
-        return sources
+            sources = [(placed, [e for e in entries if e.trainable]) for placed, entries in sources]
+        return [(placed, self.saved_parts(placed, entries)) for placed, entries in sources]
 
     @property
     def saved(self) -> list[ParamEntry]:
-        """The entries the model file holds."""
-        return [e for _, entries in self.model_sources() for e in entries]
+        """The entries the model files hold (all ranks' together)."""
+        return [e for e in self.entries if self.with_frozen or e.trainable]
 
     def file_dtype(self, entry: ParamEntry) -> torch.dtype:
         return torch.float32 if entry.trainable and self.master is not None else self.unit.dtype
@@ -87,7 +143,17 @@ class UnitLayout:
 
 def unit_layouts(state: TrainingState, with_frozen: bool = True) -> list[UnitLayout]:
     by_unit = {s.unit.index: s for s in state.unit_states}
-    return [UnitLayout(u, by_unit.get(u.index), with_frozen) for u in state.units]
+    return [UnitLayout(u, by_unit.get(u.index), with_frozen, state.rank, state.world_size)
+            for u in state.units]
+
+
+SLICE_MARK = "#"
+
+
+def slice_name(name: str, first: int) -> str:
+    """The file tensor holding elements [first, ...) of the flattened tensor ``name`` (a
+    parameter's name never holds '#': names are Python identifiers joined by dots)."""
+    return f"{name}{SLICE_MARK}{first}"
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -9,7 +9,8 @@ for the trainable ones); the counters and settings to restore are read and check
 unit; a write that fails part-way leaves a mix of the checkpoint's values and the engine's,
 which the engine refuses to train on until a load completes (``Engine.load_checkpoint``).
 Parameters are kept by name, so a checkpoint loads into another stage, offload tier, unit
-layout or compute dtype than the one that saved it.
+layout or compute dtype than the one that saved it, and at another number of ranks (see [Note:
+checkpoints by parameter and slice] in checkpoint/layout.py).
 """
 from __future__ import annotations
 
@@ -29,17 +30,18 @@ from infinity.checkpoint.layout import (
     unit_layouts,
 )
 from infinity.checkpoint.restore import Restore, read_restore
-from infinity.checkpoint.save import RANK, check_at_rest
-from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
+from infinity.checkpoint.save import RankAgreement, check_at_rest
+from infinity.checkpoint.sliced import SlicedReader, open_ranks
+from infinity.checkpoint.tensor_file import CheckpointError
 from infinity.checkpoint.training_state import TrainingState
-from infinity.checkpoint.unit_io import ChunkPool, Fill, load_entries
+from infinity.checkpoint.unit_io import ChunkPool, Fill, load_entries, parts_of
 from infinity.base.log import get_logger
 from infinity.zero.unit import ParamEntry
 
 log = get_logger("checkpoint")
 
 
-def _reader_fill(reader: TensorFileReader, names: dict[ParamEntry, str], suffix: str = "") -> Fill:
+def _reader_fill(reader: SlicedReader, names: dict[ParamEntry, str], suffix: str = "") -> Fill:
     """Fill a host tensor from the file tensor an entry maps to, casting when dtypes differ."""
 
     def fill(entry: ParamEntry, start: int, out: torch.Tensor) -> None:
@@ -58,7 +60,7 @@ class Match:
     """Which file tensor each of the model's parameters loads from, found before any load."""
 
     def __init__(self, model: nn.Module, layouts: list[UnitLayout], manifest: dict[str, Any],
-                 reader: TensorFileReader) -> None:
+                 reader: SlicedReader) -> None:
         other_names: dict[nn.Parameter, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             other_names.setdefault(p, []).append(name)
@@ -104,7 +106,7 @@ class Match:
 
 
 def _check_optimizer(layouts: list[UnitLayout], match: Match, manifest: dict[str, Any],
-                     optim: TensorFileReader, state: TrainingState, directory: Path) -> None:
+                     optim: SlicedReader, state: TrainingState, directory: Path) -> None:
     saved_groups = manifest.get("param_groups", [])
     if len(saved_groups) != len(state.param_groups):
         raise CheckpointError(
@@ -141,30 +143,33 @@ def _check_optimizer(layouts: list[UnitLayout], match: Match, manifest: dict[str
             "load_optimizer_states=False to load the model only")
 
 
-def _load_unit(lay: UnitLayout, match: Match, model: TensorFileReader,
-               optim: TensorFileReader | None, chunks: ChunkPool,
+def _load_unit(lay: UnitLayout, match: Match, model: SlicedReader,
+               optim: SlicedReader | None, chunks: ChunkPool,
                params_manifest: dict[str, Any]) -> None:
     loaded = [e for e in lay.entries if e in match.names]
     partial = len(loaded) < len(lay.entries)
     values = _reader_fill(model, match.names)
-    load_entries(lay.params, loaded, chunks, values, both_extents=True, merge=partial)
+    params = lay.placed_params     # each home takes the range of the unit it holds
+    load_entries(params.source, parts_of(loaded, params.covers), chunks, values,
+                 both_extents=True, merge=partial, origin=params.origin)
+    trainable = [e for e in lay.trainable if e in match.names]
     if lay.master is not None:
-        trainable = [e for e in lay.trainable if e in match.names]
-        load_entries(lay.master, trainable, chunks, values,
-                     merge=len(trainable) < len(lay.trainable))
+        master = lay.placed_state(lay.master)
+        load_entries(master.source, parts_of(trainable, master.covers), chunks, values,
+                     merge=len(trainable) < len(lay.trainable), origin=master.origin)
     if optim is None or lay.state is None:
         return
-    trainable = [e for e in lay.trainable if e in match.names]
     for moment in MOMENTS:
-        load_entries(getattr(lay.state, moment), trainable, chunks,
+        placed = lay.placed_state(getattr(lay.state, moment))
+        load_entries(placed.source, parts_of(trainable, placed.covers), chunks,
                      _reader_fill(optim, match.names, f".{moment}"),
-                     merge=len(trainable) < len(lay.trainable))
+                     merge=len(trainable) < len(lay.trainable), origin=placed.origin)
     for entry in trainable:
         lay.state.param_steps[entry.offset] = int(params_manifest[match.names[entry]].get("steps", 0))
     lay.state.step = max(lay.state.param_steps.values(), default=0)
 
 
-def _check_buffers(buffers: list[tuple[str, torch.Tensor]], reader: TensorFileReader,
+def _check_buffers(buffers: list[tuple[str, torch.Tensor]], reader: SlicedReader,
                    strict: bool, directory: Path) -> None:
     missing = [n for n, _ in buffers if n not in reader.tensors]
     wrong = [f"{n}: checkpoint {list(reader.tensors[n].shape)}, model {list(b.shape)}"
@@ -188,18 +193,22 @@ class CheckpointLoad:
         self.client_state: Any = manifest.get("client_state")
         self.layouts = unit_layouts(state)
         self.buffers = persistent_buffers(state.module)
-        self.model: TensorFileReader | None = None
-        self.optim: TensorFileReader | None = None
+        self.model: SlicedReader | None = None
+        self.optim: SlicedReader | None = None
         self.match: Match | None = None
 
     def check(self, strict: bool, optimizer_states: bool) -> None:
         """Open the tensor files and match them to the model (nothing is written)."""
         directory = self.directory
-        self.model = TensorFileReader(directory / model_file(RANK))
+        saved = saved_ranks(self.manifest, directory)
+        shapes = {name: p.get("shape", []) for name, p in self.manifest.get("params", {}).items()
+                  if isinstance(p, dict)}
+        self.model = open_ranks(directory, [model_file(r) for r in range(saved)], shapes)
         self.match = Match(self.state.module, self.layouts, self.manifest, self.model)
         self.match.check(strict, directory)
         if optimizer_states:
-            self.optim = TensorFileReader(directory / optim_file(RANK))
+            moments = {f"{name}.{m}": shape for name, shape in shapes.items() for m in MOMENTS}
+            self.optim = open_ranks(directory, [optim_file(r) for r in range(saved)], moments)
             _check_optimizer(self.layouts, self.match, self.manifest, self.optim, self.state,
                              directory)
         _check_buffers(self.buffers, self.model, strict, directory)
@@ -239,25 +248,42 @@ def prepare_load(state: TrainingState, load_dir: str | Path, tag: str | None = N
     of the training state has changed when this returns or raises (beyond the last step's
     work finishing)."""
     check_at_rest(state, "load_checkpoint")
-    load_dir = Path(load_dir)
+    state.flush()      # the last step's work finishes first (with several ranks, together)
+    # every rank reads and checks the checkpoint; a failure on any makes all raise
+    return RankAgreement(state, "nothing was loaded").all_succeed(
+        lambda: _prepare(state, Path(load_dir), tag, load_module_strict, load_optimizer_states,
+                         load_lr_scheduler_states, load_module_only, verify_checksums),
+        "read the checkpoint")
+
+
+def saved_ranks(manifest: dict[str, Any], directory: Path) -> int:
+    """How many ranks saved the checkpoint (each wrote a model and an optim file)."""
+    world = manifest.get("world_size", 1)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"checkpoint {directory}: its manifest.json has world_size = "
+                              f"{world!r}: the manifest was edited or damaged")
+    return world
+
+
+def _prepare(state: TrainingState, load_dir: Path, tag: str | None, load_module_strict: bool,
+             load_optimizer_states: bool, load_lr_scheduler_states: bool,
+             load_module_only: bool, verify_checksums: bool) -> CheckpointLoad | None:
     directory = checkpoint_directory(load_dir, tag)   # a save dir, or one checkpoint's
     if directory is None:
         log.warning("no %s/latest: no checkpoint loaded (pass tag= to load a given one)", load_dir)
         return None
     manifest = read_manifest_file(directory)
-    if manifest.get("world_size", 1) != 1:
-        raise CheckpointError(f"checkpoint {directory} was saved by {manifest['world_size']} "
-                              "ranks; this engine runs one")
+    saved = saved_ranks(manifest, directory)
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = False
     verify_files(directory, manifest, verify_checksums,
-                 [model_file(RANK)] + ([optim_file(RANK)] if load_optimizer_states else []))
+                 [model_file(r) for r in range(saved)] +
+                 ([optim_file(r) for r in range(saved)] if load_optimizer_states else []))
     restore = None if load_module_only else read_restore(
         state, manifest, load_optimizer_states, load_lr_scheduler_states, directory)
     load = CheckpointLoad(state, directory, manifest, restore)
     try:
         load.check(load_module_strict, load_optimizer_states)
-        state.flush()
         state.release_units()
     except BaseException:
         load.close()

@@ -9,6 +9,7 @@ the user saved before is touched until the new checkpoint is complete on disk.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -39,7 +40,7 @@ from infinity.checkpoint.layout import (
     persistent_buffers,
     unit_layouts,
 )
-from infinity.checkpoint.tensor_file import TensorFileWriter, itemsize
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter, itemsize
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, save_entries
 from infinity.checkpoint.writer_lock import SaveLock
@@ -48,7 +49,6 @@ from infinity.storage.preflight import free_bytes
 from infinity.base.sizes import format_bytes
 
 log = get_logger("checkpoint")
-RANK = 0        # one rank per engine until the multi-rank work lands
 
 
 def check_at_rest(state: TrainingState, what: str) -> None:
@@ -120,15 +120,26 @@ def manifest_state(state: TrainingState, client_state: Any) -> dict[str, Any]:
 def _model_tensors(layouts: list[UnitLayout], buffers) -> list[tuple]:
     tensors = []
     for lay in layouts:
-        for _, entries in lay.model_sources():
-            tensors += [(e.name, lay.file_dtype(e), tuple(e.shape)) for e in entries]
+        for _, parts in lay.model_sources():
+            tensors += [(*lay.tensor_name(p), lay.file_dtype(p[0])) for p in parts]
+    tensors = [(name, dtype, shape) for name, shape, dtype in tensors]
     return tensors + [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
 
 
+def _moment_parts(lay: UnitLayout, moment: str):
+    return lay.saved_parts(lay.placed_state(getattr(lay.state, moment)), lay.trainable)
+
+
 def _optim_tensors(layouts: list[UnitLayout]) -> list[tuple]:
-    return [(f"{e.name}.{moment}", torch.float32, tuple(e.shape))
-            for lay in layouts if lay.state is not None for moment in MOMENTS
-            for e in lay.trainable]
+    tensors = []
+    for lay in layouts:
+        if lay.state is None:
+            continue
+        for moment in MOMENTS:
+            for part in _moment_parts(lay, moment):
+                name, shape = lay.tensor_name(part, f".{moment}")
+                tensors.append((name, torch.float32, shape))
+    return tensors
 
 
 def _file_bytes(tensors: list[tuple]) -> int:
@@ -151,8 +162,10 @@ def _write_model(path: Path, layouts: list[UnitLayout], buffers, chunks: ChunkPo
     writer = TensorFileWriter(path, _model_tensors(layouts, buffers), {"format": FORMAT})
     try:
         for lay in layouts:
-            for source, entries in lay.model_sources():
-                save_entries(source, entries, chunks, lambda e, v: writer.append(e.name, v))
+            for placed, parts in lay.model_sources():
+                save_entries(placed.source, parts, chunks,
+                             lambda p, v, lay=lay: writer.append(lay.tensor_name(p)[0], v),
+                             origin=placed.origin)
         for name, buf in buffers:
             writer.append(name, buf)
         return writer.close()
@@ -167,8 +180,10 @@ def _write_optim(path: Path, layouts: list[UnitLayout], chunks: ChunkPool) -> tu
             if lay.state is None:
                 continue
             for moment in MOMENTS:
-                save_entries(getattr(lay.state, moment), lay.trainable, chunks,
-                             lambda e, v, m=moment: writer.append(f"{e.name}.{m}", v))
+                save_entries(getattr(lay.state, moment), _moment_parts(lay, moment), chunks,
+                             lambda p, v, m=moment, lay=lay:
+                             writer.append(lay.tensor_name(p, f".{m}")[0], v),
+                             origin=lay.state.lo)
         return writer.close()
     finally:
         writer.abort()
@@ -184,8 +199,9 @@ def _write_files(state: TrainingState, staging: Path, tag: str, layouts: list[Un
                                     "space or choose another save_dir")
     chunks = ChunkPool(state.manager, state.lendable_pools)
     files = {}
-    for name, write in ((model_file(RANK), lambda p: _write_model(p, layouts, buffers, chunks)),
-                        (optim_file(RANK), lambda p: _write_optim(p, layouts, chunks))):
+    rank = state.rank
+    for name, write in ((model_file(rank), lambda p: _write_model(p, layouts, buffers, chunks)),
+                        (optim_file(rank), lambda p: _write_optim(p, layouts, chunks))):
         nbytes, digest = write(staging / name)
         files[name] = {"bytes": nbytes, "sha256": digest}
     return files
@@ -197,7 +213,8 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
     """Save the training state under ``save_dir/tag`` (default tag
     ``global_step<N>``); with ``save_latest`` point ``save_dir/latest`` at it. Returns the
     checkpoint's directory. ``exclude_frozen_parameters``: leave parameters that do not train
-    out (they keep their values when the checkpoint is loaded)."""
+    out (they keep their values when the checkpoint is loaded). With several ranks every rank
+    calls it: see [Note: a save over ranks]."""
     check_at_rest(training, "save_checkpoint")
     tag = check_tag(tag if tag is not None else f"global_step{training.global_steps}")
     state = manifest_state(training, {} if client_state is None else client_state)
@@ -205,23 +222,25 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
     started = time.perf_counter()
     training.flush()
     layouts = unit_layouts(training, with_frozen=not exclude_frozen_parameters)
-    buffers = persistent_buffers(training.module)
+    buffers = persistent_buffers(training.module) if training.rank == 0 else []
     need = _file_bytes(_model_tensors(layouts, buffers)) + _file_bytes(_optim_tensors(layouts))
-    ensure_save_dir(save_dir)
-    with SaveLock.acquire(save_dir):     # one writer per directory (checkpoint/writer_lock.py)
-        staging = prepare_staging(save_dir, tag)
+    ranks = RankAgreement(training)
+    if training.rank == 0:
+        ensure_save_dir(save_dir)
+    with contextlib.ExitStack() as held:
+        # rank 0 takes the lock and names the staging directory; the others write into it
+        staging = ranks.decided_by_first(lambda: _begin(save_dir, tag, held))
         try:
-            files = _write_files(training, staging, tag, layouts, buffers, need)
-            write_manifest(staging, {
-                "format": FORMAT, "version": VERSION, "tag": tag, "world_size": 1,
-                "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "files": files, "params": _params_manifest(layouts),
-                "aliases": aliases(training.module, training.units),
-                "frozen_excluded": exclude_frozen_parameters,
-                "buffers": [name for name, _ in buffers], **state})
-            final = commit(staging, save_dir, tag)
+            ranks.all_succeed(lambda: _check_visible(staging, training.rank),
+                              "see rank 0's staging directory")
+            files = ranks.all_succeed(
+                lambda: _write_files(training, staging, tag, layouts, buffers, need),
+                "write its checkpoint files", share=True)
+            final = ranks.decided_by_first(lambda: _finish(
+                training, staging, save_dir, tag, files, layouts, state,
+                exclude_frozen_parameters))
         except BaseException as exc:
-            if staging.exists():
+            if training.rank == 0 and staging.exists():
                 remove_checkpoint_files(staging, ours_only=False)
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and "checkpoint" not in str(exc):
                 raise OSError(errno.ENOSPC, f"checkpoint {tag}: the disk of {save_dir} filled up "
@@ -232,7 +251,91 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
                                             "choose another save_dir") from exc
             raise
         if save_latest:
-            write_latest(save_dir, tag)
+            ranks.decided_by_first(lambda: write_latest(save_dir, tag))
     log.info("saved checkpoint %s (%s) in %.1f s", final, format_bytes(need),
              time.perf_counter() - started)
     return final
+
+
+def _begin(save_dir: Path, tag: str, held: contextlib.ExitStack) -> Path:
+    """Rank 0: take the save lock (one writer per directory, checkpoint/writer_lock.py) and
+    make the staging directory."""
+    held.enter_context(SaveLock.acquire(save_dir))
+    return prepare_staging(save_dir, tag)
+
+
+def _check_visible(staging: Path, rank: int) -> None:
+    if not staging.is_dir():
+        raise OSError(errno.ENOENT, f"rank {rank} cannot see {staging}, the staging directory "
+                                    "rank 0 made: the save directory must be on a file system "
+                                    "every rank mounts (a shared disk across nodes)")
+
+
+def _finish(training: TrainingState, staging: Path, save_dir: Path, tag: str,
+            files: list[dict[str, dict[str, Any]]], layouts: list[UnitLayout],
+            state: dict[str, Any], exclude_frozen: bool) -> Path:
+    """Rank 0: the manifest naming every rank's files, then the atomic commit."""
+    write_manifest(staging, {
+        "format": FORMAT, "version": VERSION, "tag": tag, "world_size": training.world_size,
+        "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": {name: info for rank_files in files for name, info in rank_files.items()},
+        "params": _params_manifest(layouts),
+        "aliases": aliases(training.module, training.units),
+        "frozen_excluded": exclude_frozen,
+        "buffers": [name for name, _ in persistent_buffers(training.module)], **state})
+    return commit(staging, save_dir, tag)
+
+
+class RankAgreement:
+    """[Note: a save over ranks]
+    Every rank writes its own tensor files into one staging directory, which rank 0 makes
+    under the save lock; rank 0 writes the manifest and commits (the rename into place and
+    ``latest``) once every rank has written. Each of these moves is agreed: a rank that fails
+    (a full disk, a directory it cannot see) makes every rank raise, naming it, rank 0 removes
+    the staging directory, and nothing the user saved before is touched. With one rank these
+    are plain calls."""
+
+    def __init__(self, training: TrainingState, nothing_done: str = "nothing was committed") -> None:
+        self.comm = training.comm if training.world_size > 1 else None
+        self.rank = training.rank
+        self.nothing_done = nothing_done
+
+    def decided_by_first(self, action):
+        """Rank 0 runs ``action``; every rank gets its result, or raises its failure."""
+        if self.comm is None:
+            return action()
+        result, error = None, None
+        if self.rank == 0:
+            try:
+                result = action()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, the others told
+                error = exc
+        outcome = self.comm.all_gather_objects(
+            (result, None if error is None else f"{type(error).__name__}: {error}"))[0]
+        if error is not None:
+            raise error
+        if outcome[1] is not None:
+            raise CheckpointError(f"rank 0 failed ({outcome[1]}); {self.nothing_done}")
+        return outcome[0]
+
+    def all_succeed(self, action, what: str, share: bool = False):
+        """Every rank runs ``action``; its result (with ``share``, the list of every rank's
+        results by rank), or every rank raises when any failed."""
+        if self.comm is None:
+            return [action()] if share else action()
+        result, error = None, None
+        try:
+            result = action()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, the others told
+            error = exc
+        outcomes = self.comm.all_gather_objects(
+            (result if share else None,
+             None if error is None else f"{type(error).__name__}: {error}"))
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, (_, e) in enumerate(outcomes) if e is not None]
+        if failed:
+            raise CheckpointError("; ".join(
+                f"rank {r} could not {what} ({e})" for r, e in failed)
+                + f"; {self.nothing_done}")
+        return [r for r, _ in outcomes] if share else result

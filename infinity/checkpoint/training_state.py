@@ -10,12 +10,13 @@ applies it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from infinity.comm.collectives import Collectives
     from infinity.optim.loss_scaler import LossScaler
     from infinity.optim.partitioned import UnitOptimState
     from infinity.storage.buffer_pool import BufferPool
@@ -68,6 +69,20 @@ class TrainingState:
     """Finish the last optimizer step: deferred steps run, every write in flight lands."""
     release_units: Callable[[], None]
     """Release every fetched unit, so that a load writes homes nobody holds a copy of."""
+    gathered: "Callable[[Unit], ContextManager[None]] | None" = None
+    """A unit fetched whole on every rank for the block (all ranks enter it together): how an
+    export reads parameters sharded over ranks."""
+    comm: "Collectives | None" = None
+    """The ranks' collectives (None: one rank): a save is written by every rank into rank 0's
+    staging directory and committed by rank 0."""
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.comm is None else self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.comm is None else self.comm.world_size
 
     @property
     def compute_dtype_name(self) -> str:

@@ -60,17 +60,36 @@ def _dtype(source: Source) -> torch.dtype:
     return source.dtype
 
 
-def span_of(entries: list[ParamEntry], dtype: torch.dtype) -> tuple[int, int]:
-    """[lo, hi) covering ``entries``, ``lo`` rounded down to a 4 KiB boundary."""
-    per_block = ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
-    lo = min(e.offset for e in entries)
-    return lo - lo % per_block, max(e.offset + e.numel for e in entries)
+# (entry, x, y): elements [x, y) of the unit's flat buffer that belong to ``entry``
+Part = tuple[ParamEntry, int, int]
+EVERYTHING = (0, 1 << 62)
 
 
-def pieces(entries: list[ParamEntry], a: int, b: int) -> Iterator[tuple[ParamEntry, int, int]]:
-    """(entry, x, y): the parts [x, y) of ``entries`` inside [a, b)."""
-    for entry in entries:
+def parts_of(entries: Sequence[ParamEntry], window: tuple[int, int] = EVERYTHING) -> list[Part]:
+    """The parts of ``entries`` inside ``window`` (unit coordinates), in offset order: whole
+    entries with one rank, a rank's slices of them with several (see [Note: shards] in
+    zero/unit.py)."""
+    a, b = window
+    found = []
+    for entry in sorted(entries, key=lambda e: e.offset):
         x, y = max(a, entry.offset), min(b, entry.offset + entry.numel)
+        if x < y or (entry.numel == 0 and a <= entry.offset <= b):   # an empty one: kept whole
+            found.append((entry, x, max(x, y)))
+    return found
+
+
+def span_of(parts: list[Part], dtype: torch.dtype, origin: int) -> tuple[int, int]:
+    """[lo, hi) of a store whose element 0 is the unit's ``origin``, covering ``parts``,
+    ``lo`` rounded down to a 4 KiB boundary."""
+    per_block = ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    lo = min(x for _, x, _ in parts) - origin
+    return lo - lo % per_block, max(y for _, _, y in parts) - origin
+
+
+def pieces(parts: list[Part], a: int, b: int) -> Iterator[Part]:
+    """The pieces [x, y) of ``parts`` inside [a, b)."""
+    for entry, x0, y0 in parts:
+        x, y = max(a, x0), min(b, y0)
         if x < y:
             yield entry, x, y
 
@@ -116,36 +135,44 @@ def read_chunks(source: Source, lo: int, hi: int, chunks: ChunkPool
                 chunks.release(slot)
 
 
-def save_entries(source: Source, entries: list[ParamEntry], chunks: ChunkPool,
-                 emit: Callable[[ParamEntry, torch.Tensor], None]) -> None:
-    """Hand each entry's values in ``source`` to ``emit`` in pieces, entries in offset
-    order (the order their tensors have in the file)."""
-    if not entries:
+# emit(part, values of elements [x, y) of the unit, a piece of the part)
+Emit = Callable[[Part, torch.Tensor], None]
+
+
+def save_entries(source: Source, parts: list[Part], chunks: ChunkPool, emit: Emit,
+                 origin: int = 0) -> None:
+    """Hand the values of ``parts`` (``parts_of``) in ``source``, whose element 0 is the
+    unit's element ``origin``, to ``emit`` in pieces, in offset order (the order their tensors
+    have in the file)."""
+    if not parts:
         return
-    ordered = sorted(entries, key=lambda e: e.offset)
-    lo, hi = span_of(ordered, _dtype(source))
+    lo, hi = span_of(parts, _dtype(source), origin)
     for a, values in read_chunks(source, lo, hi, chunks):
-        for entry, x, y in pieces(ordered, a, a + values.numel()):
-            emit(entry, values[x - a:y - a])
+        start = a + origin
+        for part in parts:
+            entry, x0, y0 = part
+            x, y = max(start, x0), min(start + values.numel(), y0)
+            if x < y:
+                emit(part, values[x - start:y - start])
 
 
 # fill(entry, first element of the entry, host tensor to fill)
 Fill = Callable[[ParamEntry, int, torch.Tensor], None]
 
 
-def load_entries(target: Source, entries: list[ParamEntry], chunks: ChunkPool, fill: Fill,
-                 both_extents: bool = False, merge: bool = False) -> None:
-    """Write each entry's values, got from ``fill``, into ``target`` (with ``both_extents``
+def load_entries(target: Source, parts: list[Part], chunks: ChunkPool, fill: Fill,
+                 both_extents: bool = False, merge: bool = False, origin: int = 0) -> None:
+    """Write the values of ``parts`` (``parts_of`` the target's range), got from ``fill``,
+    into ``target``, whose element 0 is the unit's element ``origin`` (with ``both_extents``
     also into a doubled store's shadow extent). The gaps between entries are zero; with
     ``merge`` (some of the unit's parameters keep their values) each NVMe chunk is read
     before it is filled."""
-    if not entries:
+    if not parts:
         return
-    ordered = sorted(entries, key=lambda e: e.offset)
-    lo, hi = span_of(ordered, _dtype(target))
+    lo, hi = span_of(parts, _dtype(target), origin)
     if isinstance(target, torch.Tensor) or target.resident:
         tensor = target if isinstance(target, torch.Tensor) else target.tensor
-        _load_in_memory(tensor, ordered, fill)
+        _load_in_memory(tensor, parts, fill, origin)
         return
     n = chunks.elements(target.dtype)
     manager = chunks.manager
@@ -162,8 +189,8 @@ def load_entries(target: Source, entries: list[ParamEntry], chunks: ChunkPool, f
                     manager.wait(target.load_async(buf, a, count))
                 else:
                     buf.zero_()
-                for entry, x, y in pieces(ordered, a, a + count):
-                    fill(entry, x - entry.offset, buf[x - a:y - a])
+                for entry, x, y in pieces(parts, a + origin, a + origin + count):
+                    fill(entry, x - entry.offset, buf[x - origin - a:y - origin - a])
                 shadows = (False, True) if both_extents and target.doubled else (False,)
                 requests = [target.store_async(buf, a, count, shadow=s) for s in shadows]
             except BaseException:
@@ -174,16 +201,17 @@ def load_entries(target: Source, entries: list[ParamEntry], chunks: ChunkPool, f
         wait_and_release(in_flight, manager.wait, chunks.release)
 
 
-def _load_in_memory(tensor: torch.Tensor, entries: list[ParamEntry], fill: Fill) -> None:
-    """Entries straight into a host tensor, or through host pieces into device memory."""
+def _load_in_memory(tensor: torch.Tensor, parts: list[Part], fill: Fill, origin: int) -> None:
+    """Parts straight into a host tensor, or through host pieces into device memory."""
     with torch.no_grad():
-        for entry in entries:
-            view = tensor[entry.offset:entry.offset + entry.numel]
+        for entry, x, y in parts:
+            view = tensor[x - origin:y - origin]
+            first = x - entry.offset
             if tensor.device.type == "cpu":
-                fill(entry, 0, view)
+                fill(entry, first, view)
                 continue
             step = max(1, DEVICE_PIECE_BYTES // tensor.element_size())
-            for a in range(0, entry.numel, step):
-                part = torch.empty(min(step, entry.numel - a), dtype=tensor.dtype)
-                fill(entry, a, part)
-                view[a:a + part.numel()].copy_(part)
+            for a in range(0, y - x, step):
+                piece = torch.empty(min(step, y - x - a), dtype=tensor.dtype)
+                fill(entry, first + a, piece)
+                view[a:a + piece.numel()].copy_(piece)

@@ -3,7 +3,8 @@
 engine changes its own state."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Iterator
 
 from infinity.base.log import get_logger
 from infinity.checkpoint import Restore, TrainingState
@@ -29,7 +30,18 @@ def training_state(engine: "Engine") -> TrainingState:
         backwards_since_step=engine._backwards_since_step, manager=engine.manager,
         lendable_pools=(optimizer.step_pool, engine.fetch_pool),
         check_open=engine._check_open, any_pinned=lambda: bool(coordinator.pinned_units()),
-        flush=engine.flush, release_units=coordinator.release_all)
+        flush=engine.flush, release_units=coordinator.release_all, comm=engine.comm,
+        gathered=lambda unit: _gathered(engine, unit))
+
+
+@contextlib.contextmanager
+def _gathered(engine: "Engine", unit) -> Iterator[None]:
+    """``unit`` fetched whole (gathered over the ranks) for the block, then let go."""
+    engine.pin_unit(unit)
+    try:
+        yield
+    finally:
+        engine.unpin_unit(unit, modified=False)
 
 
 def apply_restore(engine: "Engine", restore: Restore) -> None:

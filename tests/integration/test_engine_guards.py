@@ -42,10 +42,16 @@ def _weights(engine) -> torch.Tensor:
         return torch.cat([p.detach().flatten().clone() for p in params])
 
 
-def test_several_ranks_are_refused_before_anything_is_built(disk_dir, monkeypatch) -> None:
+def test_ranks_the_launcher_did_not_describe_are_refused_before_anything_is_built(
+        disk_dir, monkeypatch) -> None:
+    """WORLD_SIZE=2 without the rest of torchrun's environment: said, with what to do, before
+    anything is built (multi-rank training itself: tests/integration/test_zero_ranks.py)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     before = len(_live_engines)
-    with pytest.raises(RuntimeError, match="2 ranks .*not implemented.*single process"):
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but RANK, MASTER_ADDR, MASTER_PORT is "
+                                           "not set: start the ranks with torchrun"):
         infinity.initialize(model=Net(4, 2), config=_config(disk_dir))
     assert len(_live_engines) == before and list(disk_dir.iterdir()) == []
     monkeypatch.setenv("WORLD_SIZE", "1")

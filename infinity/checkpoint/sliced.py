@@ -1,0 +1,114 @@
+"""The tensor files of every rank of a checkpoint read as one set of whole tensors.
+
+Why: a checkpoint saved at N ranks holds each parameter as slices spread over N files (see
+[Note: checkpoints by parameter and slice] in checkpoint/layout.py). A load at M ranks, or an
+export, asks for elements of a parameter by its name; ``SlicedReader`` answers from whichever
+files hold them, so the loading code reads one "file" whatever N was.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from infinity.checkpoint.layout import SLICE_MARK
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorInfo
+
+# (first element, element count, reader, file tensor name)
+_Slice = tuple[int, int, TensorFileReader, str]
+
+
+class SlicedReader:
+    """Tensors by their whole name over several ``TensorFileReader``s. A file tensor
+    ``<name>#<first>`` is elements [first, first + n) of the flattened tensor ``name``, whose
+    shape ``shapes`` gives (the manifest's); any other name is a whole tensor."""
+
+    def __init__(self, readers: Sequence[TensorFileReader], shapes: dict[str, Sequence[int]],
+                 what: Path) -> None:
+        self.readers = list(readers)
+        self._slices: dict[str, list[_Slice]] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        for reader in self.readers:
+            for file_name, info in reader.tensors.items():
+                base, mark, first = file_name.rpartition(SLICE_MARK)
+                if mark and first.isdigit() and base in shapes:
+                    name, start = base, int(first)
+                else:
+                    name, start = file_name, 0
+                    if name in self.tensors:
+                        raise CheckpointError(f"checkpoint {what}: tensor {name} is in two "
+                                              "files: the checkpoint is damaged")
+                    self.tensors[name] = info
+                if dtypes.setdefault(name, info.dtype) != info.dtype:
+                    raise CheckpointError(f"checkpoint {what}: the slices of {name} have two "
+                                          f"dtypes ({dtypes[name]}, {info.dtype}): damaged")
+                self._slices.setdefault(name, []).append((start, info.numel, reader, file_name))
+        for name, slices in self._slices.items():
+            slices.sort(key=lambda s: s[0])
+            if name in self.tensors:
+                continue
+            shape = tuple(int(d) for d in shapes[name])
+            numel = 1
+            for d in shape:
+                numel *= d
+            cursor = 0
+            for start, count, _, _ in slices:
+                if start != cursor:
+                    raise CheckpointError(
+                        f"checkpoint {what}: the slices of {name} leave elements [{cursor}, "
+                        f"{start}) of {numel} in no rank's file: a rank's files are missing or "
+                        "damaged; load another tag")
+                cursor = start + count
+            if cursor != numel:
+                raise CheckpointError(
+                    f"checkpoint {what}: the slices of {name} cover {cursor} of its {numel} "
+                    "elements: a rank's files are missing or damaged; load another tag")
+            self.tensors[name] = TensorInfo(name, dtypes[name], shape, 0, 0)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"the checkpoint has no tensor {name}") from None
+
+    def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+        """Fill host tensor ``out`` with elements [start, start + out.numel()) of ``name``."""
+        end = start + out.numel()
+        self.info(name)
+        for first, count, reader, file_name in self._slices[name]:
+            a, b = max(start, first), min(end, first + count)
+            if a < b:
+                reader.read_into(file_name, out[a - start:b - start], a - first)
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.info(name)
+        out = torch.empty(info.shape, dtype=info.dtype)
+        if out.numel():
+            self.read_into(name, out.reshape(-1))
+        return out
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+    def __enter__(self) -> "SlicedReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_ranks(directory: Path, names: Sequence[str], shapes: dict[str, Sequence[int]]
+               ) -> SlicedReader:
+    """The files ``names`` of a checkpoint (one per saving rank) as one ``SlicedReader``."""
+    readers: list[TensorFileReader] = []
+    try:
+        for name in names:
+            readers.append(TensorFileReader(directory / name))
+        return SlicedReader(readers, shapes, directory)
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
