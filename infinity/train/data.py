@@ -145,9 +145,22 @@ class BatchSampler:
     """Random windows of ``seq_len`` tokens, ``micro_batch`` at a time, from a seeded generator.
 
     The labels of a causal LM are its inputs (the model shifts them), so one window serves both.
+
+    [Note: batches over ranks] The generator draws one sequence of micro-batches whatever the
+    world size; rank r of ``world_size`` trains on micro-batches r, r + N, r + 2N, ... of it (each
+    rank draws all N and keeps its own, so every generator stays in step). An optimizer step of
+    N ranks x A accumulation steps thus trains on N x A consecutive micro-batches, the same ones a
+    single rank with accumulation N x A trains on: the global batch (``train_batch_size`` = micro
+    x accumulation x world size) and its data do not depend on how it is split over ranks, and
+    ``drawn`` (micro-batches of the sequence consumed, all ranks together) lets a checkpoint
+    resume at another world size with the same global batch.
     """
 
-    def __init__(self, corpus: Corpus, seq_len: int, micro_batch: int, seed: int) -> None:
+    def __init__(self, corpus: Corpus, seq_len: int, micro_batch: int, seed: int, *,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} of world size {world_size}: expected 0 <= rank < "
+                             "world size")
         if seq_len < 2:
             raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
         if micro_batch < 1:
@@ -161,7 +174,10 @@ class BatchSampler:
         self.micro_batch = micro_batch
         self._starts = n - seq_len + 1
         self._generator = torch.Generator().manual_seed(seed)
-        # micro-batches drawn so far (a resumed run skips as many to continue the sequence)
+        self.rank = rank
+        self.world_size = world_size
+        # micro-batches of the sequence drawn so far, by all ranks together (a resumed run skips
+        # as many to continue the sequence)
         self.drawn = 0
 
     @property
@@ -170,15 +186,20 @@ class BatchSampler:
         return self.seq_len * self.micro_batch
 
     def next_batch(self) -> torch.Tensor:
-        """A ``[micro_batch, seq_len]`` int64 tensor of token ids."""
-        starts = torch.randint(0, self._starts, (self.micro_batch,), generator=self._generator)
-        self.drawn += 1
+        """This rank's next ``[micro_batch, seq_len]`` int64 tensor of token ids (see
+        [Note: batches over ranks])."""
+        starts = torch.empty(0, dtype=torch.int64)
+        for r in range(self.world_size):
+            drawn = torch.randint(0, self._starts, (self.micro_batch,), generator=self._generator)
+            if r == self.rank:
+                starts = drawn
+        self.drawn += self.world_size
         offsets = torch.arange(self.seq_len)
         return self.tokens[starts[:, None] + offsets[None, :]]
 
     def skip(self, batches: int) -> None:
-        """Draw and drop ``batches`` micro-batches: the next one is the one a run that drew
-        them would get next."""
+        """Draw and drop ``batches`` micro-batches of the sequence (all ranks' together, as
+        ``drawn`` counts them): the next one is the one a run that drew them would get next."""
         for _ in range(batches):
             torch.randint(0, self._starts, (self.micro_batch,), generator=self._generator)
         self.drawn += batches

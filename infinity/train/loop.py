@@ -5,6 +5,12 @@ stays a thin argument parser. Everything that can fail on user input (data file,
 ds_config, swap path, metrics path) is checked before the model is built, so a bad run fails in
 a second with one line and leaves nothing behind. The engine is closed in ``finally`` (which
 removes its swap directory), also on Ctrl-C.
+
+Under ``torchrun --nproc_per_node N`` every rank runs this same function: each trains on its own
+micro-batches ([Note: batches over ranks] in data.py), the loss of a step is the mean over all
+ranks' micro-batches, and only rank 0 writes the progress, the summary, ``--metrics`` and
+``--plot`` (other ranks log warnings and errors only, see infinity.base.log). The torch baseline
+is one process and is refused under a launcher of several ranks.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import torch
 from infinity.base.budget import BudgetExceededError
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
+from infinity.comm.group import env_world_size
 from infinity.train import data as data_mod
 from infinity.train import host_budget, models
 from infinity.train.baseline import TorchBaselineEngine
@@ -113,6 +120,13 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         raise ValueError(f"--steps must be at least 1, got {opts.steps}")
     if opts.progress_every is not None and opts.progress_every < 1:
         raise ValueError(f"--progress-every must be at least 1, got {opts.progress_every}")
+    rank, world = _launch_ranks()
+    if opts.engine == "torch" and world > 1:
+        raise ValueError(f"--engine torch is the single-process baseline and this run has "
+                         f"{world} ranks (WORLD_SIZE={world}): run it without torchrun, with "
+                         "the same global batch (--config with train_batch_size, or a "
+                         "gradient_accumulation_steps of N times)")
+    first = rank == 0
 
     # 1. Everything that reads user input, before any big allocation; the cheap checks first
     # (no transformers import), so that bad input fails in a moment.
@@ -120,14 +134,15 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     base = read_config_file(opts.config) if opts.config else demo_config()
     ds, config = build_ds_config(base, Overrides(
         micro_batch=opts.micro_batch, lr=opts.lr, nvme_path=opts.nvme_path,
-        host_budget=opts.host_budget, steps=opts.steps))
+        host_budget=opts.host_budget, steps=opts.steps), world_size=world)
     sampler = data_mod.BatchSampler(corpus, opts.seq_len, config.train_micro_batch_size_per_gpu,
-                                    opts.seed)
+                                    opts.seed, rank=rank, world_size=world)
     swap_parents = nvme_paths(ds) if opts.engine == "infinity" else []
     for parent in swap_parents:
         _preflight(parent, direct_io=config.aio.backend != "mmap")
-    writer = MetricsWriter(opts.metrics, append=opts.resume) if opts.metrics else None
-    plot_path = _plot_path(opts)
+    # the run's outputs are rank 0's (the other ranks' paths need not exist on their nodes)
+    writer = MetricsWriter(opts.metrics, append=opts.resume) if opts.metrics and first else None
+    plot_path = _plot_path(opts) if first else None
     _refuse_outputs_over_inputs(opts, plot_path)
     checkpoints = RunCheckpoints.from_options(opts.save_dir, opts.save_interval, opts.resume,
                                               opts.engine)
@@ -143,24 +158,25 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     checkpoints.check_room(n_params)
 
     accum = config.gradient_accumulation_steps
-    tokens_per_step = sampler.tokens_per_batch * accum
+    tokens_per_step = sampler.tokens_per_batch * accum * world   # all ranks' together
     _log.info("model: %s", models.describe(model_config, n_params))
     _log.info("data: %s (%s tokens, %d document%s); %d steps of %d tokens (%d micro-batch%s of "
-              "%d x %d)", corpus.source, f"{corpus.tokens.numel():,}", corpus.documents,
+              "%d x %d%s)", corpus.source, f"{corpus.tokens.numel():,}", corpus.documents,
               "" if corpus.documents == 1 else "s", opts.steps, tokens_per_step, accum,
-              "" if accum == 1 else "es", config.train_micro_batch_size_per_gpu, opts.seq_len)
+              "" if accum == 1 else "es", config.train_micro_batch_size_per_gpu, opts.seq_len,
+              f" on each of {world} ranks" if world > 1 else "")
     _log_placement(opts.engine, config, n_params, swap_parents)
 
     records: list[StepRecord] = []
     engine: Any = None
-    bar = ProgressBar(opts.steps, stream=stream, every=opts.progress_every)
+    bar = ProgressBar(opts.steps, stream=stream, every=opts.progress_every) if first else None
     swap_dirs: list[str] = []
     init_s = 0.0
     previous_sigterm = _exit_on_sigterm()
     try:
         # 2. Model and engine.
         init_start = time.perf_counter()
-        torch.manual_seed(opts.seed)
+        torch.manual_seed(opts.seed)    # the same on every rank: the shards form one model
         try:
             engine = _make_engine(opts.engine, model_config, ds, config)
         except BudgetExceededError as exc:
@@ -191,7 +207,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
                 with timers.phase("step"):
                     engine.step()
                 losses.append(float(loss.detach()))
-            mean_loss = statistics.fmean(losses)
+            mean_loss = _mean_over_ranks(losses, engine, world)
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"loss is {mean_loss} at step {step}; lower --lr "
                                          f"(now {lr:g}) or add gradient_clipping to the config")
@@ -199,12 +215,14 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
             records.append(record)
             if writer is not None:
                 writer.write(record)
-            bar.update(record)
+            if bar is not None:
+                bar.update(record)
             timers.log(step)
             checkpoints.after_step(engine, step, opts.steps, sampler, identity)
     finally:
         _restore_sigterm(previous_sigterm)
-        bar.close()
+        if bar is not None:
+            bar.close()
         if writer is not None:
             writer.close()
         if engine is not None:
@@ -218,15 +236,48 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
 
     summary = summarize(records)
     wall_s = time.perf_counter() - started
-    out.write(render_summary(summary, f"infinity train ({opts.engine} engine, "
-                                      f"{n_params / 1e6:.2f}M params): {wall_s:.1f} s in all, "
-                                      f"{init_s:.1f} s to set up") + "\n")
-    out.flush()
+    if first:
+        ranks_text = f", {world} ranks" if world > 1 else ""
+        out.write(render_summary(summary, f"infinity train ({opts.engine} engine, "
+                                          f"{n_params / 1e6:.2f}M params{ranks_text}): "
+                                          f"{wall_s:.1f} s in all, {init_s:.1f} s to set up")
+                  + "\n")
+        out.flush()
     written_plot = None
     if plot_path is not None:
         written_plot = str(write_plot(records, plot_path))
     return TrainResult(records=records, summary=summary, n_params=n_params, swap_dirs=swap_dirs,
                        plot=written_plot, init_s=init_s, wall_s=wall_s)
+
+
+def _launch_ranks() -> tuple[int, int]:
+    """(rank, world size) of this process: the process group's when one is initialised, else
+    the launcher's environment (``torchrun`` sets RANK and WORLD_SIZE; the engine joins the
+    group from them), else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world = env_world_size()
+    raw = os.environ.get("RANK", "0").strip() or "0"
+    if not raw.isdigit() or int(raw) >= world:
+        raise ValueError(f"RANK={raw!r} in the environment is not a rank of WORLD_SIZE={world}; "
+                         "launch with torchrun (which sets both) or unset them")
+    return int(raw), world
+
+
+def _mean_over_ranks(losses: list[float], engine: Any, world: int) -> float:
+    """The step's loss: the mean over every rank's micro-batches (each rank has as many), so a
+    run of N ranks logs what one rank with N times the accumulation would; every rank gets the
+    same value, so a non-finite loss stops all of them alike."""
+    mean = statistics.fmean(losses)
+    if world == 1:
+        return mean
+    import torch.distributed as dist
+
+    total = torch.tensor([mean], dtype=torch.float64)
+    dist.all_reduce(total, group=engine.ranks.group)
+    return float(total.item()) / world
 
 
 def _lookup_budget(ds: dict[str, Any]) -> Any:
@@ -258,7 +309,9 @@ def _restore_sigterm(previous: Any) -> None:
 def _make_engine(kind: EngineKind, model_config: Any, ds: dict[str, Any], config: Any) -> Any:
     import infinity
 
-    model = models.build_model(model_config, infinity.zero.Init(config=ds))
+    # the checked config (read for this world size: zero.Init would read ``ds`` for one rank,
+    # where a train_batch_size of micro x accumulation x N ranks does not add up)
+    model = models.build_model(model_config, infinity.zero.Init(config=config))
     if kind == "torch":
         # the same initial weights as the infinity engine: materialised unit by unit, in its
         # order, from the same random stream (a plainly built model draws them in another order)

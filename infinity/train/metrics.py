@@ -58,6 +58,11 @@ class StepRecord:
     """Bytes read from swap files during the step."""
     io_write_bytes: int
     """Bytes written to swap files during the step."""
+    comm_sent_bytes: int = 0
+    """Bytes this rank sent in the step's collectives (0 at world size 1); with several ranks the
+    record is rank 0's, and ``tokens`` and ``loss`` are all ranks' together."""
+    comm_received_bytes: int = 0
+    """Bytes this rank received in the step's collectives."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,7 +87,9 @@ class StepRecord:
                    optimizer_s=num("optimizer_s"), comm_s=num("comm_s"),
                    device_bytes=int(num("device_bytes")), host_bytes=int(num("host_bytes")),
                    nvme_bytes=int(num("nvme_bytes")), io_read_bytes=int(num("io_read_bytes")),
-                   io_write_bytes=int(num("io_write_bytes")))
+                   io_write_bytes=int(num("io_write_bytes")),
+                   comm_sent_bytes=int(num("comm_sent_bytes")),
+                   comm_received_bytes=int(num("comm_received_bytes")))
 
     def to_json(self) -> dict[str, Any]:
         """The JSON line: every field plus ``tokens_per_s`` and ``io_gbps``."""
@@ -207,6 +214,10 @@ class Summary:
     io_write_bytes: int
     io_gbps: float
     """Swap bytes moved over the summed step time."""
+    comm_sent_bytes: int = 0
+    """Bytes sent in collectives over the run (this rank's)."""
+    comm_received_bytes: int = 0
+    """Bytes received in collectives over the run (this rank's)."""
 
     @property
     def loss_ratio(self) -> float:
@@ -233,7 +244,9 @@ def summarize(records: Sequence[StepRecord]) -> Summary:
         tokens_per_s=tokens / wall if wall > 0 else 0.0,
         peak_tiers={t: max(getattr(r, t) for r in records) for t in TIERS},
         io_read_bytes=read, io_write_bytes=written,
-        io_gbps=(read + written) / wall / 1e9 if wall > 0 else 0.0)
+        io_gbps=(read + written) / wall / 1e9 if wall > 0 else 0.0,
+        comm_sent_bytes=sum(r.comm_sent_bytes for r in records),
+        comm_received_bytes=sum(r.comm_received_bytes for r in records))
 
 
 def render_summary(summary: Summary, title: str = "infinity train summary") -> str:
@@ -254,6 +267,12 @@ def render_summary(summary: Summary, title: str = "infinity train summary") -> s
         ("swap I/O", f"read {format_bytes(s.io_read_bytes)}, written "
                      f"{format_bytes(s.io_write_bytes)}, {s.io_gbps:.2f} GB/s"),
     ]
+    if s.comm_sent_bytes or s.comm_received_bytes:
+        rows.append(("collectives (rank 0)",
+                     f"sent {format_bytes(s.comm_sent_bytes)}, received "
+                     f"{format_bytes(s.comm_received_bytes)} "
+                     f"({format_bytes(s.comm_sent_bytes // s.steps)} / "
+                     f"{format_bytes(s.comm_received_bytes // s.steps)} a step)"))
     width = max(len(k) for k, _ in rows)
     lines = [title, "| " + "what".ljust(width) + " | value |", "|" + "-" * (width + 2) + "|---|"]
     lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]

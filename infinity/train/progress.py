@@ -19,11 +19,14 @@ def format_step(record: StepRecord, total_steps: int) -> str:
     """One step as a single line (no newline)."""
     r = record
     width = len(str(total_steps))
+    moved = r.comm_sent_bytes + r.comm_received_bytes
+    # with several ranks: the bytes rank 0 sent and received in the step's collectives
+    comm = f" | comm {format_bytes(moved)}" if moved else ""
     return (f"step {r.step:>{width}}/{total_steps} | loss {r.loss:.4f} | "
             f"{r.tokens_per_s:,.0f} tok/s | {r.step_s:.2f} s (compute {r.compute_s:.2f}, "
             f"io {r.io_wait_s:.2f}, opt {r.optimizer_s:.2f}, comm {r.comm_s:.2f}) | "
             f"dev {format_bytes(r.device_bytes)} host {format_bytes(r.host_bytes)} "
-            f"nvme {format_bytes(r.nvme_bytes)} | io {r.io_gbps:.2f} GB/s")
+            f"nvme {format_bytes(r.nvme_bytes)} | io {r.io_gbps:.2f} GB/s{comm}")
 
 
 class ProgressBar:

@@ -75,14 +75,16 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return config_file.read_config_file(path, "--config")
 
 
-def build_ds_config(base: dict[str, Any], overrides: Overrides) -> tuple[dict[str, Any], InfinityConfig]:
-    """Apply ``overrides`` to a copy of ``base``; return the dict and its checked InfinityConfig."""
+def build_ds_config(base: dict[str, Any], overrides: Overrides, *,
+                    world_size: int = 1) -> tuple[dict[str, Any], InfinityConfig]:
+    """Apply ``overrides`` to a copy of ``base``; return the dict and its checked InfinityConfig,
+    read for ``world_size`` ranks (``train_batch_size`` = micro x accumulation x world size)."""
     ds = copy.deepcopy(base)
     o = overrides
     if o.micro_batch is not None:
         if o.micro_batch < 1:
             raise ValueError(f"--micro-batch must be at least 1, got {o.micro_batch}")
-        _keep_accumulation(ds)
+        _keep_accumulation(ds, world_size)
         ds["train_micro_batch_size_per_gpu"] = o.micro_batch
     if o.lr is not None:
         if not o.lr > 0:
@@ -103,7 +105,7 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides) -> tuple[dict[st
     auto = {"optimizer.params.lr": lr if isinstance(lr, (int, float)) else DEFAULT_LR,
             "train_micro_batch_size_per_gpu": o.micro_batch or 1,
             "gradient_accumulation_steps": 1}
-    config = InfinityConfig.from_dict(ds, auto_values=auto)
+    config = InfinityConfig.from_dict(ds, world_size=world_size, auto_values=auto)
     return ds, config
 
 
@@ -120,16 +122,16 @@ def _warn_if_schedule_sets_lr(sched: Any, lr: float) -> None:
                      "it from its %s; change those in the config", lr, kind, _OWN_LR_KEYS[kind])
 
 
-def _keep_accumulation(ds: dict[str, Any]) -> None:
+def _keep_accumulation(ds: dict[str, Any], world_size: int) -> None:
     """--micro-batch replaces the micro-batch and keeps the accumulation; train_batch_size is
-    re-derived (micro x accumulation, DeepSpeed's rule). An accumulation the config left to be
-    derived from train_batch_size / micro-batch is written out first: dropping train_batch_size
-    alone lost it (8 = 2 x 4 became one micro-batch of 2), silently."""
+    re-derived (micro x accumulation x world size, DeepSpeed's rule). An accumulation the config
+    left to be derived from train_batch_size / (micro-batch x world size) is written out first:
+    dropping train_batch_size alone lost it (8 = 2 x 4 became one micro-batch of 2), silently."""
     total = ds.pop("train_batch_size", None)
     micro = ds.get("train_micro_batch_size_per_gpu")
     if ds.get("gradient_accumulation_steps") is None and _plain_int(total) and \
-            _plain_int(micro) and micro > 0 and total % micro == 0:
-        ds["gradient_accumulation_steps"] = total // micro
+            _plain_int(micro) and micro > 0 and total % (micro * world_size) == 0:
+        ds["gradient_accumulation_steps"] = total // (micro * world_size)
 
 
 def _plain_int(value: Any) -> bool:

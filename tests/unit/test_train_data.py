@@ -89,6 +89,26 @@ def test_batches_are_windows_of_the_stream_and_repeat_with_the_seed() -> None:
     assert a.tokens_per_batch == 48
 
 
+def test_ranks_take_turns_on_one_sequence_of_micro_batches() -> None:
+    """[Note: batches over ranks]: rank r of N gets micro-batches r, r + N, ... of the sequence a
+    single rank draws, so N ranks x A micro-steps train on what 1 rank x N*A micro-steps does;
+    ``drawn`` counts the sequence (all ranks), and skip() continues it at any world size."""
+    corpus = _corpus(1000)
+    single = data.BatchSampler(corpus, seq_len=8, micro_batch=2, seed=3)
+    sequence = [single.next_batch() for _ in range(6)]
+    ranks = [data.BatchSampler(corpus, seq_len=8, micro_batch=2, seed=3, rank=r, world_size=2)
+             for r in range(2)]
+    for k in range(3):
+        for r, sampler in enumerate(ranks):
+            assert torch.equal(sampler.next_batch(), sequence[2 * k + r]), (k, r)
+    assert [s.drawn for s in ranks] == [6, 6] and single.drawn == 6
+    resumed = data.BatchSampler(corpus, seq_len=8, micro_batch=2, seed=3, rank=1, world_size=2)
+    resumed.skip(4)
+    assert torch.equal(resumed.next_batch(), sequence[5])
+    with pytest.raises(ValueError, match="rank 2 of world size 2"):
+        data.BatchSampler(corpus, seq_len=8, micro_batch=2, seed=3, rank=2, world_size=2)
+
+
 def test_every_start_is_reachable_including_the_last() -> None:
     sampler = data.BatchSampler(_corpus(10), seq_len=9, micro_batch=64, seed=0)
     starts = set(sampler.next_batch()[:, 0].tolist())

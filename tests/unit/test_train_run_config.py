@@ -54,6 +54,21 @@ def test_micro_batch_keeps_an_accumulation_the_config_left_implicit() -> None:
     assert (config.gradient_accumulation_steps, config.train_batch_size) == (1, 2)
 
 
+def test_batch_sizes_are_read_for_the_world_size() -> None:
+    """Under torchrun the config is read for its ranks: train_batch_size = micro x accumulation
+    x world size (the issue's seed config: 32 = 4 x 2 x 4), and --micro-batch keeps the
+    accumulation that train_batch_size implied at that world size."""
+    base = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2}
+    _, config = build_ds_config(base, Overrides(), world_size=4)
+    assert (config.world_size, config.gradient_accumulation_steps) == (4, 2)
+    with pytest.raises(ValueError, match="train_batch_size"):
+        build_ds_config(base, Overrides(), world_size=1)
+    implicit = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}
+    _, config = build_ds_config(implicit, Overrides(micro_batch=4), world_size=2)
+    assert (config.gradient_accumulation_steps, config.train_batch_size) == (4, 32)
+
+
 def test_lr_a_schedule_sets_itself_is_warned(infinity_log) -> None:
     """--lr moves a warm-up's maximum; a schedule whose rate comes from its own keys ignores it,
     which used to pass silently."""
