@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from infinity.config import InfinityConfig
-from infinity.planner.alignment import ALIGN_BYTES, FP32_BYTES, padded_numel, unit_layout_bound
+from infinity.planner.alignment import (
+    ALIGN_BYTES,
+    FP32_BYTES,
+    padded_numel,
+    shard_numel,
+    unit_layout_bound,
+)
 from infinity.planner.sizes import PREFETCH_UNITS, DerivedSizes
 from infinity.planner.tiers import Tier
 
@@ -87,19 +93,25 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     layouts = [unit_layout_bound(u, itemsize) for u in units]
     unit_numels = [numel for numel, _ in layouts]
+    # per rank (see [Note: shards] in zero/unit.py): each rank's homes hold a shard of every
+    # unit's parameters (stage 3) and of its optimizer states and gradients (stages 1-3)
+    ranks = cfg.world_size if cfg.zero.stage >= 1 else 1
+    shards = [shard_numel(numel, ranks) for numel in unit_numels]
     trainable = [numel for _, numel in layouts]
+    state_shares = [min(t, s) for t, s in zip(trainable, shards)]
     max_unit_bytes = max(unit_numels, default=0) * itemsize
     threshold = derived.persistence_threshold
-    streamed_units = [n for n in unit_numels if n > threshold] if cfg.zero.stage == 3 else []
+    streamed_homes = [s for n, s in zip(unit_numels, shards) if n > threshold] \
+        if cfg.zero.stage == 3 else []
     host_budget = derived.host_budget_bytes
     # on a CPU-only machine the planner pays the emulated device pool out of the host budget
     device_budget = derived.device_budget_bytes
 
     # Host bytes the engine will hold before gradients get a home.
-    total_trainable = sum(trainable)
+    total_trainable = sum(state_shares)
     host = 0
     if param_tier == Tier.HOST:
-        host += sum(streamed_units) * itemsize
+        host += sum(streamed_homes) * itemsize
     if optimizer_tier == Tier.HOST:
         host += total_trainable * 4 * (3 if master_separate else 2)
     fetch_slots = derived.param_buffer_count
@@ -162,7 +174,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     nvme = 0
     copies = 2 if speculative else 1
     if param_tier == Tier.NVME:
-        nvme += sum(streamed_units) * itemsize * copies
+        nvme += sum(streamed_homes) * itemsize * copies
     if optimizer_tier == Tier.NVME:
         nvme += total_trainable * 4 * (3 if master_separate else 2) * copies
     if grad_tier == Tier.NVME:

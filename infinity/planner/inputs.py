@@ -190,6 +190,8 @@ class Hardware:
     """Where swap files would go."""
     disk_free_bytes: int | None = None
     """Free bytes on the filesystem of nvme_path."""
+    ranks_per_node: int = 1
+    """Ranks sharing this machine's memory (torchrun's LOCAL_WORLD_SIZE)."""
 
     @property
     def has_gpu(self) -> bool:
@@ -229,4 +231,10 @@ def detect_hardware(nvme_path: str | os.PathLike[str] | None = None) -> Hardware
     return Hardware(cpu_cores=cores, host_total_bytes=total, host_available_bytes=available,
                     gpu_name=gpu_name, gpu_total_bytes=gpu_total, gpu_free_bytes=gpu_free,
                     nvme_path=None if nvme_path is None else str(nvme_path),
-                    disk_free_bytes=disk_free)
+                    disk_free_bytes=disk_free, ranks_per_node=_local_world_size())
+
+
+def _local_world_size() -> int:
+    """Ranks on this machine as the launcher says (``LOCAL_WORLD_SIZE``; 1 when unset)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1

@@ -110,9 +110,12 @@ class DerivedSizes:
 
 
 def host_allowed(cfg: InfinityConfig, hw: Hardware) -> int:
-    """The host memory budget as given, else HOST_BUDGET_FRACTION of MemAvailable."""
+    """The host memory budget (per rank) as given, else HOST_BUDGET_FRACTION of MemAvailable
+    shared by the ranks on this machine."""
     given = cfg.infinity.host_memory_budget
-    return int(HOST_BUDGET_FRACTION * hw.host_available_bytes) if given is None else given
+    if given is not None:
+        return given
+    return int(HOST_BUDGET_FRACTION * hw.host_available_bytes) // max(1, hw.ranks_per_node)
 
 
 def pool_in_host_budget(cfg: InfinityConfig, hw: Hardware) -> bool:
