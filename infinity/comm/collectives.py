@@ -66,15 +66,18 @@ class Collectives:
 
     def __init__(self, group: Any = None, world_size: int = 1, rank: int = 0, *,
                  gather_bucket_bytes: int = 1 << 62, reduce_bucket_bytes: int = 1 << 62,
-                 on_failure: Any = None) -> None:
+                 on_failure: Any = None, watch: Any = None) -> None:
         self.group = group
         self.world_size = world_size
         self.rank = rank
         self.gather_bucket_bytes = max(1, gather_bucket_bytes)
         self.reduce_bucket_bytes = max(1, reduce_bucket_bytes)
         self.counters = CommCounters()
-        # called with the error when a collective fails (the engine names the lost rank)
-        self.on_failure = on_failure
+        # called with (what, error) when a collective fails; returns the lost rank's story
+        # (a RankWatch's diagnosis by default: see [Note: lost rank] in comm/watchdog.py)
+        self.watch = watch
+        self.on_failure = on_failure if on_failure is not None or watch is None else \
+            (lambda what, exc: watch.diagnose(what))
         self._has_tensor_ops = world_size == 1 or _backend_has_tensor_ops(group)
 
     @property
@@ -93,10 +96,28 @@ class Collectives:
         try:
             call(*args)
         except Exception as exc:  # noqa: BLE001 - translated, with the lost rank named
+            detail = None
             if self.on_failure is not None:
-                self.on_failure(what, exc)
-            raise LostRankError(f"rank {self.rank}: the {what} failed ({type(exc).__name__}: "
-                                f"{exc}); another rank has likely stopped") from exc
+                try:
+                    detail = self.on_failure(what, exc)
+                except Exception as why:  # noqa: BLE001 - never hide the collective's error
+                    detail = f"(naming the lost rank failed: {type(why).__name__}: {why})"
+            cause = detail if isinstance(detail, str) and detail else \
+                "another rank has likely stopped"
+            raise LostRankError(f"rank {self.rank}: the {what} failed: {cause}. The "
+                                f"collective's error: {type(exc).__name__}: {exc}") from exc
+
+    def report_failure(self, error: BaseException, where: str) -> None:
+        """``error`` escaped this rank's ``where`` (forward, backward, step): tell the other
+        ranks, whose next collective fails, who stopped and why (see [Note: lost rank] in
+        comm/watchdog.py)."""
+        if self.watch is not None:
+            self.watch.report(error, where)
+
+    def carried_on(self) -> None:
+        """A step completed after a reported failure (the caller caught it): withdraw it."""
+        if self.watch is not None:
+            self.watch.carried_on()
 
     # -- flat buffers -----------------------------------------------------------------------
     def all_gather(self, output: torch.Tensor) -> None:

@@ -89,3 +89,34 @@ def current_ranks(group: Any = None) -> RankInfo:
         return SINGLE
     local = int(os.environ.get("LOCAL_RANK", "0") or 0)
     return RankInfo(dist.get_rank(group), dist.get_world_size(group), local, group)
+
+
+def join_ranks(process_group: Any = None, timeout_s: float | None = None,
+               device: torch.device | None = None) -> RankInfo:
+    """The engine's ranks: ``process_group`` when given, else the default group, created from
+    the launcher's environment when it is not yet. ``timeout_s`` (the config's
+    ``infinity.collective_timeout``, None when the config leaves it unset) bounds every
+    collective: a group made here gets it at creation, one the user made (with
+    ``init_distributed`` or torch) has its timeout changed to it, so that a lost rank stops
+    the others after the configured time however the group was made."""
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return init_distributed(timeout_s=1800.0 if timeout_s is None else timeout_s,
+                                device=device)
+    info = current_ranks(process_group)
+    if timeout_s is not None and info.world_size > 1:
+        set_collective_timeout(info.group, timeout_s)
+    return info
+
+
+def set_collective_timeout(group: Any, timeout_s: float) -> None:
+    """Make every later collective of ``group`` (None: the default group) fail after
+    ``timeout_s`` seconds (gloo and NCCL; other backends keep theirs, with a warning)."""
+    try:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+    except Exception as exc:  # noqa: BLE001 - a private torch API: keep the group's own timeout
+        log.warning("cannot set the collective timeout of the process group to %gs (%s: %s); "
+                    "it keeps the timeout it was created with", timeout_s,
+                    type(exc).__name__, exc)
+        return
+    log.info("collective timeout of the process group: %gs", timeout_s)
+

@@ -21,7 +21,8 @@ from infinity.base.malloc_tuning import set_mmap_threshold, trim
 from infinity.base.sizes import format_bytes
 from infinity.checkpoint import prepare_load, save_checkpoint, save_model_weights
 from infinity.comm.collectives import Collectives
-from infinity.comm.group import RankInfo, current_ranks, init_distributed
+from infinity.comm.group import RankInfo, join_ranks
+from infinity.comm.watchdog import watch_ranks
 from infinity.config import InfinityConfig, InfinitySection
 from infinity.config.file import decode_base64_config, read_config_file
 from infinity.engine.checkpointing import apply_restore, training_state
@@ -266,6 +267,7 @@ class Engine(DeepSpeedEngineAccessors):
                   error: BaseException | None) -> None:
         training, hooks = state
         if error is not None:
+            self.comm.report_failure(error, "forward")    # the other ranks name this one
             try:
                 hooks.__exit__(type(error), error, error.__traceback__)
             finally:
@@ -298,6 +300,7 @@ class Engine(DeepSpeedEngineAccessors):
         try:
             loss.backward(retain_graph=retain_graph)
         except BaseException as exc:
+            self.comm.report_failure(exc, "backward")
             # no gradients will come for the rest: drop the partial ones, and start the next
             # backward clean (its end-of-backward callback never ran)
             try:
@@ -386,14 +389,26 @@ class Engine(DeepSpeedEngineAccessors):
         """Count a micro-step; at the accumulation boundary step the optimizer and scheduler
         (``lr_kwargs`` go to the scheduler's step, as DeepSpeed passes them). A Ctrl-C meanwhile
         is raised once the step is whole (see infinity/base/interrupts.py)."""
-        with deferred_interrupts("the optimizer step"):
+        with deferred_interrupts("the optimizer step"), self._reported("step"):
             self._step(lr_kwargs, step_scheduler=True)
 
     def _step_from_optimizer(self) -> None:
         """``optimizer.step()`` in a torch-style loop: the engine's step, whose scheduler the
         loop steps itself (as it would a torch scheduler)."""
-        with deferred_interrupts("the optimizer step"):
+        with deferred_interrupts("the optimizer step"), self._reported("step"):
             self._step(None, step_scheduler=False)
+
+    @contextlib.contextmanager
+    def _reported(self, where: str):
+        """An error escaping ``where`` is told to the other ranks (whose next collective fails
+        naming this rank); a step that completes withdraws an earlier report the caller
+        caught (see [Note: lost rank] in comm/watchdog.py)."""
+        try:
+            yield
+        except BaseException as exc:
+            self.comm.report_failure(exc, where)
+            raise
+        self.comm.carried_on()
 
     def _step(self, lr_kwargs: dict[str, Any] | None, step_scheduler: bool) -> None:
         self._check_open("step")
@@ -616,19 +631,19 @@ class Engine(DeepSpeedEngineAccessors):
 
 def _join_ranks(config: Any, process_group: Any, device: torch.device) -> RankInfo:
     """The data-parallel ranks: ``process_group`` when given, else the default group, which
-    is created from the launcher's environment (``torchrun``) when it is not yet."""
-    if process_group is not None:
-        return current_ranks(process_group)
-    return init_distributed(timeout_s=_timeout_of(config), device=device)
+    is created from the launcher's environment (``torchrun``) when it is not yet; a timeout
+    the config sets applies to the group however it was made (see ``join_ranks``)."""
+    return join_ranks(process_group, _timeout_of(config), device)
 
 
-def _timeout_of(config: Any) -> float:
+def _timeout_of(config: Any) -> float | None:
     """``infinity.collective_timeout`` of a config not read yet (its batch sizes are checked
-    against the world size, which the process group gives): the section alone."""
+    against the world size, which the process group gives): the section alone; None when
+    the config leaves it unset."""
     if isinstance(config, InfinityConfig):
         return config.infinity.collective_timeout
     if config is None:
-        return InfinitySection().collective_timeout
+        return None
     if isinstance(config, Mapping):
         data = config
     elif isinstance(config, str) and not Path(config).exists():
@@ -637,8 +652,7 @@ def _timeout_of(config: Any) -> float:
         data = read_config_file(Path(config))
     section = data.get("infinity") if isinstance(data, Mapping) else None
     value = section.get("collective_timeout") if isinstance(section, Mapping) else None
-    return InfinitySection().collective_timeout if value is None else \
-        InfinitySection(collective_timeout=value).collective_timeout
+    return None if value is None else InfinitySection(collective_timeout=value).collective_timeout
 
 
 def _collectives(ranks: RankInfo, config: InfinityConfig) -> Collectives:
@@ -648,4 +662,5 @@ def _collectives(ranks: RankInfo, config: InfinityConfig) -> Collectives:
     gather = z.allgather_bucket_size or (1 << 62)
     reduce = z.reduce_bucket_size or (1 << 62)
     return Collectives(ranks.group, ranks.world_size, ranks.rank,
-                       gather_bucket_bytes=int(gather) * 4, reduce_bucket_bytes=int(reduce) * 4)
+                       gather_bucket_bytes=int(gather) * 4, reduce_bucket_bytes=int(reduce) * 4,
+                       watch=watch_ranks(ranks.group, ranks.rank, ranks.world_size))

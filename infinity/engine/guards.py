@@ -48,11 +48,16 @@ def _first_difference(a: dict, b: dict) -> str:
         left, right = json.loads(a["config"]), json.loads(b["config"])
         for path, x, y in _walk(left, right, ""):
             return f"config key {path or '<root>'} is {x!r} on rank 0 and {y!r} there"
-    for (n0, *r0), (n1, *r1) in zip(a["model"], b["model"]):
-        if (n0, r0) != (n1, r1):
-            return (f"model parameter {n0} {tuple(r0)} on rank 0, {n1} {tuple(r1)} there "
-                    "(name, shape, dtype, requires_grad)")
+    for p0, p1 in zip(a["model"], b["model"]):
+        if p0 != p1:
+            return f"model parameter {_describe(p0)} on rank 0, {_describe(p1)} there"
     return f"the model has {len(a['model'])} parameters on rank 0 and {len(b['model'])} there"
+
+
+def _describe(param: tuple) -> str:
+    name, shape, dtype, requires_grad = param
+    return (f"{name} of shape {tuple(shape)}, {dtype}"
+            + ("" if requires_grad else ", frozen"))
 
 
 def _walk(x: Any, y: Any, path: str):

@@ -30,6 +30,25 @@ def launch(world_size: int, script: str, args: list[str], *, timeout: float = 60
     """Run ``script`` (a file next to this one) as ``world_size`` ranks; returns each rank's
     completed process (stdout, stderr, returncode), by rank. Torch threads: the cores shared
     among the local ranks."""
+    procs = start(world_size, script, args, env_extra=env_extra, port=port)
+    results = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, err = proc.communicate()
+            err += f"\n[rank {rank} killed after {timeout}s]"
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def start(world_size: int, script: str, args: list[str], *,
+          env_extra: dict[str, str] | None = None, port: int | None = None
+          ) -> list[subprocess.Popen]:
+    """Start ``script`` as ``world_size`` ranks and return their processes, by rank (stdout
+    and stderr piped, text)."""
     port = port or free_port()
     threads = max(1, (os.cpu_count() or 2) // world_size)
     procs = []
@@ -42,17 +61,7 @@ def launch(world_size: int, script: str, args: list[str], *, timeout: float = 60
         env.update(env_extra or {})
         procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for rank, proc in enumerate(procs):
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            out, err = proc.communicate()
-            err += f"\n[rank {rank} killed after {timeout}s]"
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return results
+    return procs
 
 
 def check_ranks(results: list[subprocess.CompletedProcess]) -> None:

@@ -1,0 +1,215 @@
+"""Naming the lost rank: when a collective fails, say which rank stopped and why.
+
+[Note: lost rank]
+A collective fails on the surviving ranks in one of two ways: at once, when a peer's process
+is gone (gloo reads "Connection closed by peer" on its socket: a rank killed, or one that
+raised and exited), or after ``infinity.collective_timeout`` seconds, when a peer is alive but
+never joins (it hangs, or it issues another collective). Neither error says which rank. So every
+rank keeps a side channel in the process group's store (the TCPStore torch rendezvoused
+through, hosted by rank 0 or by torchrun's agent), under ``infinity/``:
+
+- ``who/<r>``: host and pid of rank r, set when its watch starts;
+- ``beat/<r>``: a counter rank r's heartbeat thread adds 1 to every ``beat_s`` seconds;
+- ``failed/<r>``: the error that escaped rank r's forward, backward or step, or its script
+  (``sys.excepthook``), set before the exception leaves the rank; cleared if the rank carries
+  on and steps again;
+- ``exited/<r>``: set at a normal interpreter exit (``atexit``).
+
+When a collective fails, ``diagnose`` reads them: a rank that reported a failure is named with
+its error; else a rank whose heartbeat does not advance over ~3 beats has stopped (killed, or
+exited without a word); a rank whose ``exited`` key is set finished its script early. A store
+that no longer answers means its host is gone: rank 0 when the ranks rendezvoused by
+``MASTER_ADDR`` themselves (torchrun's agent hosts it otherwise). The heartbeat and the
+diagnosis each have their own store connection (``Store.clone``), made up front with a short
+timeout, so a dead host fails them at once and the training thread's never waits on the beat.
+A LostRankError is not reported as a failure: its cause is another rank's.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch.distributed as dist
+
+from infinity.base.log import get_logger
+
+log = get_logger("comm")
+
+PREFIX = "infinity/"
+STORE_TIMEOUT_S = 5.0
+MAX_TEXT = 2000
+
+
+class RankWatch:
+    """This rank's heartbeat and failure reports in ``store``, and the diagnosis of a failed
+    collective from the other ranks' (see [Note: lost rank])."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, *, beat_s: float = 1.0,
+                 store_host: str = "") -> None:
+        self.rank, self.world_size, self.beat_s = rank, world_size, beat_s
+        self.store_host = store_host      # who hosts the store, for the message when it is gone
+        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        self._store = store.clone()
+        self._store.set_timeout(timeout)
+        self._beat_store = store.clone()
+        self._beat_store.set_timeout(timeout)
+        self._reported = False
+        self._closed = threading.Event()
+        self._store.set(f"{PREFIX}who/{rank}", f"{socket.gethostname()}, pid {os.getpid()}")
+        self._beat_store.add(f"{PREFIX}beat/{rank}", 1)
+        self._thread = threading.Thread(target=self._beat, name=f"infinity-heartbeat-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- this rank ------------------------------------------------------------------------
+    def _beat(self) -> None:
+        key = f"{PREFIX}beat/{self.rank}"
+        while not self._closed.wait(self.beat_s):
+            try:
+                self._beat_store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store's host is gone: nothing to tell
+                return
+
+    def report(self, error: BaseException, where: str) -> None:
+        """Tell the other ranks that ``error`` escaped this rank's ``where`` (the first report
+        stands: a later one is the same failure seen further up)."""
+        from infinity.comm.collectives import LostRankError
+        if self._reported or self._closed.is_set() or isinstance(error, LostRankError):
+            return
+        lines = traceback.format_exception_only(type(error), error)
+        text = f"{''.join(lines).strip()} (in {where})"[:MAX_TEXT]
+        # the store may be gone too: the error is raised anyway
+        with contextlib.suppress(Exception):
+            self._store.set(f"{PREFIX}failed/{self.rank}", text)
+            self._reported = True
+
+    def carried_on(self) -> None:
+        """This rank went past a reported failure (the caller caught it) and stepped: withdraw
+        the report, so that a later failure is not blamed on it."""
+        if self._reported:
+            self._reported = False
+            with contextlib.suppress(Exception):
+                self._store.delete_key(f"{PREFIX}failed/{self.rank}")
+
+    def mark_exited(self) -> None:
+        if not self._reported and not self._closed.is_set():
+            with contextlib.suppress(Exception):
+                self._store.set(f"{PREFIX}exited/{self.rank}", "1")
+        self.close()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    # -- the others -------------------------------------------------------------------------
+    def _failures(self, others: list[int]) -> dict[int, str]:
+        found = {}
+        for r in others:
+            key = f"{PREFIX}failed/{r}"
+            if self._store.check([key]):
+                found[r] = self._store.get(key).decode(errors="replace")
+        return found
+
+    def _who(self, r: int) -> str:
+        key = f"{PREFIX}who/{r}"
+        try:
+            return f" ({self._store.get(key).decode()})" if self._store.check([key]) else ""
+        except Exception:  # noqa: BLE001
+            return ""
+
+    def diagnose(self, what: str = "collective") -> str:
+        """Which rank(s) stopped, and how, from the store; takes up to ~3 heartbeats."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            failed = self._failures(others)
+            if not failed:
+                beats = {r: self._store.add(f"{PREFIX}beat/{r}", 0) for r in others}
+                deadline = time.monotonic() + 3 * self.beat_s
+                silent = set(others)
+                while silent and time.monotonic() < deadline:
+                    time.sleep(self.beat_s / 4)
+                    silent = {r for r in silent
+                              if self._store.add(f"{PREFIX}beat/{r}", 0) == beats[r]}
+                failed = self._failures(others)    # one may have reported meanwhile
+        except Exception as exc:  # noqa: BLE001 - the store went with its host
+            return (f"the store the ranks share no longer answers ({type(exc).__name__}: "
+                    f"{exc}): {self.store_host or 'its host'} has stopped")
+        if failed:
+            return "; ".join(f"rank {r}{self._who(r)} failed: {text}"
+                             for r, text in sorted(failed.items()))
+        if silent:
+            parts = []
+            for r in sorted(silent):
+                if self._store.check([f"{PREFIX}exited/{r}"]):
+                    parts.append(f"rank {r}{self._who(r)} exited (its script ended) while "
+                                 f"this rank waited in the {what}")
+                else:
+                    parts.append(f"rank {r}{self._who(r)} stopped: its heartbeat stopped "
+                                 "(killed, or it exited without reporting an error)")
+            return "; ".join(parts)
+        return (f"every other rank is alive (their heartbeats advance) and none reported an "
+                f"error, but the {what} did not complete: a rank hangs, or the ranks issue "
+                "different collectives")
+
+
+_WATCH: RankWatch | None = None
+_WATCH_KEY: Any = None
+_LOCK = threading.Lock()
+
+
+def watch_ranks(group: Any, rank: int, world_size: int) -> RankWatch | None:
+    """The watch of this process in ``group``'s store (one per process group, started at its
+    first engine; None with one rank or when the store cannot be reached)."""
+    global _WATCH, _WATCH_KEY
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    with _LOCK:
+        try:
+            pg = group if group is not None else dist.distributed_c10d._get_default_group()
+            if _WATCH is not None and _WATCH_KEY is pg:
+                return _WATCH
+            store = dist.distributed_c10d._get_process_group_store(pg)
+            watch = RankWatch(store, rank, world_size, store_host=_store_host())
+        except Exception as exc:  # noqa: BLE001 - the engine runs; failures are just less named
+            log.warning("cannot watch the other ranks through the process group's store (%s: "
+                        "%s): a lost rank will not be named", type(exc).__name__, exc)
+            return None
+        if _WATCH is not None:
+            _WATCH.close()
+        else:
+            _install_hooks()
+        _WATCH, _WATCH_KEY = watch, pg
+        return watch
+
+
+def _store_host() -> str:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return "torchrun's agent on the first node (which hosts it)"
+    return "rank 0 (which hosts it)"
+
+
+def _install_hooks() -> None:
+    """Report an exception that ends the script, and mark a normal exit (see [Note: lost
+    rank]); the previous excepthook still runs."""
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        if _WATCH is not None and isinstance(value, BaseException):
+            _WATCH.report(value, "the script")
+            _WATCH.close()      # not a normal exit: the heartbeat stops, no exited key
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+    def at_exit() -> None:
+        if _WATCH is not None:
+            _WATCH.mark_exited()
+
+    atexit.register(at_exit)

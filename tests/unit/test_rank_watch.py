@@ -1,0 +1,103 @@
+"""The lost-rank diagnosis ([Note: lost rank] in infinity/comm/watchdog.py) on an in-process
+TCPStore, with a fast heartbeat: who failed with which error, who stopped beating, who exited,
+and a store whose host is gone; and the collectives' error carrying it."""
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from infinity.comm.collectives import Collectives, LostRankError
+from infinity.comm.watchdog import RankWatch
+
+BEAT = 0.2
+
+
+@pytest.fixture
+def watches():
+    """Three ranks' watches on one in-process store (closed before it goes)."""
+    server = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    made = [RankWatch(server, r, 3, beat_s=BEAT, store_host="rank 0 (which hosts it)")
+            for r in range(3)]
+    yield made
+    for w in made:
+        w.close()
+
+
+def test_a_reported_failure_is_named_with_its_error(watches):
+    w = watches
+    try:
+        raise ValueError("bad batch")
+    except ValueError as exc:
+        w[2].report(exc, "forward")
+    w[2].report(RuntimeError("later"), "step")            # the first report stands
+    text = w[0].diagnose("all-gather")
+    assert text.startswith("rank 2 (") and "pid" in text
+    assert "failed: ValueError: bad batch (in forward)" in text and "later" not in text
+
+
+def test_a_lost_rank_error_is_not_reported_as_a_failure(watches):
+    w = watches
+    w[1].report(LostRankError("rank 1: the all-gather failed: rank 2 stopped"), "forward")
+    w[2].close()
+    text = w[0].diagnose("all-gather")
+    assert "rank 2 (" in text and "stopped: its heartbeat stopped" in text
+    assert "rank 1" not in text
+
+
+def test_a_withdrawn_report_is_forgotten(watches):
+    w = watches
+    w[1].report(RuntimeError("out of memory"), "forward")
+    w[1].carried_on()
+    text = w[0].diagnose("reduce-scatter")
+    assert "out of memory" not in text and "every other rank is alive" in text
+
+
+def test_a_silent_rank_is_named_and_an_exited_one_said_so(watches):
+    w = watches
+    w[1].close()              # killed: its heartbeat stops without a word
+    w[2].mark_exited()        # its script ended
+    text = w[0].diagnose("barrier")
+    assert "rank 1 (" in text and "stopped: its heartbeat stopped" in text
+    assert "rank 2 (" in text and "exited (its script ended) while this rank waited in the " \
+        "barrier" in text
+
+
+def test_a_store_that_is_gone_names_its_host():
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    client = dist.TCPStore("127.0.0.1", server.port, 2, is_master=False,
+                           timeout=datetime.timedelta(seconds=5))
+    watch = RankWatch(client, 1, 2, beat_s=BEAT, store_host="rank 0 (which hosts it)")
+    del server
+    text = watch.diagnose()
+    assert "no longer answers" in text and "rank 0 (which hosts it) has stopped" in text
+    watch.close()
+
+
+def test_a_failed_collective_raises_the_diagnosis():
+    class Watch:
+        def diagnose(self, what):
+            return f"rank 3 stopped (seen from the {what})"
+
+    comm = Collectives(world_size=1, rank=0, watch=Watch())
+
+    def broken(*_):
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(LostRankError, match=r"rank 0: the all-gather failed: rank 3 stopped "
+                       r"\(seen from the all-gather\)\. The collective's error: RuntimeError: "
+                       r"Connection closed by peer"):
+        comm._run("all-gather", broken)
+
+
+def test_a_diagnosis_that_fails_does_not_hide_the_collective_error():
+    def on_failure(what, exc):
+        raise OSError("store gone")
+
+    comm = Collectives(world_size=1, on_failure=on_failure)
+    with pytest.raises(LostRankError, match=r"naming the lost rank failed: OSError: store gone"
+                       r".*Connection reset"):
+        comm._run("barrier", lambda: (_ for _ in ()).throw(RuntimeError("Connection reset")))
