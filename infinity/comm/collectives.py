@@ -222,6 +222,17 @@ class Collectives:
         self._run("object all-gather", dist.all_gather_object, out, value, self.group)
         return out
 
+    def broadcast(self, tensor: torch.Tensor, source_rank: int) -> None:
+        """``tensor`` = rank ``source_rank``'s, in place (a change made on one rank)."""
+        if not self.active:
+            return
+        if not 0 <= source_rank < self.world_size:
+            raise ValueError(f"broadcast from rank {source_rank}: the ranks are 0 to "
+                             f"{self.world_size - 1}")
+        start = time.perf_counter()
+        self._run("broadcast", dist.broadcast, tensor, source_rank, self.group)
+        self._count(tensor.numel() * tensor.element_size(), 1.0, start)
+
     def barrier(self) -> None:
         if self.active:
             self._run("barrier", dist.barrier, self.group)

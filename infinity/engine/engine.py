@@ -564,12 +564,15 @@ class Engine(DeepSpeedEngineAccessors):
         self.coordinator.pin(unit)
         self._settle()
 
-    def unpin_unit(self, unit: Unit, modified: bool) -> None:
+    def unpin_unit(self, unit: Unit, modified: bool, source_rank: int | None = None) -> None:
         """Undo ``pin_unit``; with ``modified`` write the values back to every copy first (the
-        unit is unpinned even when that fails)."""
+        unit is unpinned even when that fails). With several ranks the values are rank
+        ``source_rank``'s (DeepSpeed's ``modifier_rank``), sent to every rank first."""
         try:
             if modified:
                 unit.take_rebound_values()
+                if self.comm.active:
+                    self.comm.broadcast(unit.flat, 0 if source_rank is None else source_rank)
                 self.optimizer.reload_master(unit)
                 unit.write_home(self.manager, self.fetch_pool)
         finally:

@@ -56,7 +56,8 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                     process_group=process_group, auto_values=auto_values)
     loader = None
     if training_data is not None:
-        loader = training_loader(training_data, engine.config, collate_fn)
+        loader = training_loader(training_data, engine.config, collate_fn,
+                                 rank=engine.ranks.rank, world_size=engine.ranks.world_size)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
@@ -72,12 +73,23 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
 
 
 def training_loader(dataset: torch.utils.data.Dataset, config: InfinityConfig,
-                    collate_fn: Callable | None = None) -> torch.utils.data.DataLoader:
-    """The loader DeepSpeed returns for ``training_data`` on one rank: micro-batches in random
-    order (torch's global generator, so ``torch.manual_seed`` fixes it)."""
+                    collate_fn: Callable | None = None, rank: int = 0,
+                    world_size: int = 1) -> torch.utils.data.DataLoader:
+    """The loader DeepSpeed returns for ``training_data``: micro-batches in random order
+    (torch's global generator, so ``torch.manual_seed`` fixes it); with several ranks each
+    rank's share of the samples, as DeepSpeed's DistributedSampler gives (call
+    ``loader.sampler.set_epoch(epoch)`` each epoch for a new order; its seed is 0 on every
+    rank, as DeepSpeed's, so the shares never overlap)."""
     if not isinstance(dataset, torch.utils.data.Dataset):
         raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(dataset).__name__}")
     iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    if world_size > 1 and not iterable:
+        sampler = torch.utils.data.DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0,
+            drop_last=config.dataloader_drop_last)
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
+            collate_fn=collate_fn, drop_last=config.dataloader_drop_last)
     return torch.utils.data.DataLoader(
         dataset, batch_size=config.train_micro_batch_size_per_gpu,
         shuffle=False if iterable else True, collate_fn=collate_fn,

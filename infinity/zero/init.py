@@ -240,7 +240,8 @@ class GatheredParameters(contextlib.ContextDecorator):
         errors = []
         for engine, unit in units:      # every unit is unpinned; the first error is raised
             try:
-                engine.unpin_unit(unit, modified=self.modifier_rank is not None and exc[0] is None)
+                engine.unpin_unit(unit, modified=self.modifier_rank is not None and exc[0] is None,
+                                  source_rank=self.modifier_rank)
             except Exception as error:  # noqa: BLE001 - re-raised below
                 errors.append(error)
         if errors:

@@ -1,0 +1,49 @@
+"""One rank of test_ranks_api.py: DeepSpeed API habits across ranks. GatheredParameters with
+modifier_rank=0 (rank 0's change reaches every rank, whatever the others wrote), the
+training_data loader (each rank its share), and engine rank accessors.
+
+argv: out_dir nvme_dir
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import infinity
+from parity import make_model
+
+
+def main() -> None:
+    out, nvme = Path(sys.argv[1]), sys.argv[2]
+    info = infinity.init_distributed()
+    rank = info.rank
+    ds = {"train_micro_batch_size_per_gpu": 2,
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                                "offload_optimizer": {"device": "cpu"}},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "infinity": {"collective_timeout": 60}}
+    model = make_model("torch", seed=0, layers=2, width=32)
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    engine, _, loader, _ = infinity.initialize(model=model, config=ds, training_data=data)
+    try:
+        weight = model.blocks[0].up.weight
+        with infinity.zero.GatheredParameters([weight], modifier_rank=0):
+            weight.data.fill_(1.0 + rank)        # only rank 0's value may stay
+        x = torch.randint(0, 256, (2, 8))
+        loss = engine(input_ids=x, labels=x)       # a forward gathers the unit again
+        with infinity.zero.GatheredParameters([weight]):
+            seen = weight.detach().clone()
+        samples = sorted(int(s) for (batch,) in loader for s in batch)
+        result = {"values": sorted(set(seen.reshape(-1).tolist())), "samples": samples,
+                  "ranks": [engine.global_rank, engine.world_size, engine.dp_world_size],
+                  "loss_finite": bool(torch.isfinite(loss))}
+    finally:
+        engine.close()
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
