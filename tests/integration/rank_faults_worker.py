@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-from parity import VOCAB, make_model
 
 import infinity
+from parity import VOCAB, make_model
 
 MICRO, SEQ, STEPS = 2, 16, 6
 

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 import torch
-from parity import VOCAB, TinyLM
 
 import infinity
+from parity import VOCAB, TinyLM
 
 WIDTH, DEPTH, MICRO, SEQ, STEPS = 512, 2, 2, 16, 4
 

@@ -13,6 +13,7 @@ import subprocess
 import time
 
 import pytest
+
 from ranks import start
 
 TIMEOUT_S = 10.0      # infinity.collective_timeout of these runs

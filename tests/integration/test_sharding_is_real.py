@@ -22,9 +22,9 @@ import itertools
 import subprocess
 
 import pytest
-from ranks import read_results, start
 
 from infinity.planner.alignment import SHARD_ALIGN_NUMEL
+from ranks import read_results, start
 
 SCHEDULES = ("early", "deferred")
 FP32 = 4
