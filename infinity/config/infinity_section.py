@@ -49,7 +49,8 @@ class InfinitySection:
     collective_timeout: float = 1800.0
     """Seconds a collective waits for the other ranks before the run stops with an error naming
     the rank that is missing (a rank that raised or was killed); applies to the process group
-    the engine (or ``infinity.init_distributed``) creates."""
+    the engine creates, and, when the config sets it, to one made before (by
+    ``infinity.init_distributed`` or torch). A rank that exited is named at once."""
 
     @property
     def mmap_threshold_in_use(self) -> int | None:
