@@ -135,7 +135,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         trainable_units = [u for u in units if u.has_trainable]
         max_trainable = max((u.trainable_numel for u in trainable_units), default=0)
         # multiples of 2048 elements keep every sub-group 4 KiB aligned in fp32 and in 16-bit
-        self.sub_group_numel = -(-max(1, min(sub_group_numel, max_trainable or 1)) // 2048) * 2048
+        # a sub-group never exceeds the largest range a rank steps (its shard with several)
+        max_range = max((hi - lo for lo, hi in (_state_range(u, shard_states)
+                                                for u in trainable_units)), default=0)
+        self.sub_group_numel = -(-max(1, min(sub_group_numel, max_range or 1)) // 2048) * 2048
         for unit in trainable_units:
             lo, hi = _state_range(unit, shard_states)
             n = max(hi - lo, 1)        # a shard past the trainable part steps nothing

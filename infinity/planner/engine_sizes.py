@@ -170,7 +170,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
             room = int(0.95 * (host_budget - host)) // (slots * 4)
             sub_group = max(SUB_GROUP_ALIGN,
                             min(sub_group, room // SUB_GROUP_ALIGN * SUB_GROUP_ALIGN))
-        host += slots * padded_numel(min(sub_group, max(max_trainable, 1)), FP32_BYTES) * 4
+        host += slots * padded_numel(min(sub_group, max(max(state_shares, default=0), 1)),
+                                     FP32_BYTES) * 4
     nvme = 0
     copies = 2 if speculative else 1
     if param_tier == Tier.NVME:
