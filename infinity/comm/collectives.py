@@ -26,6 +26,7 @@ write that landed) decides whether a collective runs.
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,7 @@ class Collectives:
         self.on_failure = on_failure if on_failure is not None or watch is None else \
             (lambda what, exc: watch.diagnose(what))
         self._has_tensor_ops = world_size == 1 or _backend_has_tensor_ops(group)
+        self._sequence = 0    # a fingerprint of the collectives issued (see check_same_sequence)
 
     @property
     def active(self) -> bool:
@@ -92,7 +94,13 @@ class Collectives:
         self.counters.comm_s += time.perf_counter() - start
         self.counters.calls += 1
 
-    def _run(self, what: str, call, *args) -> None:
+    def _run(self, what: str, call, *args, tag: int | None = None) -> None:
+        first = args[0] if args else None
+        size = first.numel() if isinstance(first, torch.Tensor) else \
+            len(first) if isinstance(first, (list, tuple)) else 0
+        # the fingerprint of the sequence: each call's kind, size and ``tag`` (the unit)
+        code = zlib.crc32(f"{what}:{size}:{tag}".encode())
+        self._sequence = (self._sequence * 1_000_003 + code) % _SEQUENCE_MOD
         try:
             call(*args)
         except Exception as exc:  # noqa: BLE001 - translated, with the lost rank named
@@ -120,9 +128,10 @@ class Collectives:
             self.watch.carried_on()
 
     # -- flat buffers -----------------------------------------------------------------------
-    def all_gather(self, output: torch.Tensor) -> None:
+    def all_gather(self, output: torch.Tensor, tag: int | None = None) -> None:
         """``output`` holds ``world_size`` equal shards, this rank's filled in: fill the others
-        from their ranks (in place)."""
+        from their ranks (in place). ``tag`` (a unit's index) enters the sequence's
+        fingerprint (see ``check_same_sequence``)."""
         if not self.active:
             return
         n = self.world_size
@@ -133,7 +142,7 @@ class Collectives:
         chunk = max(1, self.gather_bucket_bytes // (output.element_size() * n))
         if shard <= chunk and self._has_tensor_ops:
             own = output[self.rank * shard:(self.rank + 1) * shard]
-            self._run("all-gather", _ALL_GATHER_TENSOR, output, own, self.group)
+            self._run("all-gather", _ALL_GATHER_TENSOR, output, own, self.group, tag=tag)
         else:
             for off in range(0, shard, chunk):
                 c = min(chunk, shard - off)
@@ -141,17 +150,18 @@ class Collectives:
                 own = pieces[self.rank].clone()
                 if self._has_tensor_ops:
                     tmp = torch.empty(n * c, dtype=output.dtype, device=output.device)
-                    self._run("all-gather", _ALL_GATHER_TENSOR, tmp, own, self.group)
+                    self._run("all-gather", _ALL_GATHER_TENSOR, tmp, own, self.group, tag=tag)
                     for r in range(n):
                         pieces[r].copy_(tmp[r * c:(r + 1) * c])
                 else:
                     outs = [torch.empty_like(own) for _ in range(n)]
-                    self._run("all-gather", dist.all_gather, outs, own, self.group)
+                    self._run("all-gather", dist.all_gather, outs, own, self.group, tag=tag)
                     for r in range(n):
                         pieces[r].copy_(outs[r])
         self._count(output.numel() * output.element_size(), 1.0, start)
 
-    def reduce_scatter_mean(self, output: torch.Tensor, source: torch.Tensor) -> None:
+    def reduce_scatter_mean(self, output: torch.Tensor, source: torch.Tensor,
+                            tag: int | None = None) -> None:
         """``output`` = this rank's shard of the mean over ranks of ``source`` (``world_size``
         equal shards). ``source`` is clobbered on backends without ``reduce_scatter_tensor``."""
         n = self.world_size
@@ -166,29 +176,29 @@ class Collectives:
         chunk = max(1, self.reduce_bucket_bytes // (source.element_size() * n))
         if not self._has_tensor_ops:
             # same numerics: a sum over ranks, then this rank's slice (moves twice the bytes)
-            self._run("all-reduce", dist.all_reduce, source, dist.ReduceOp.SUM, self.group)
+            self._run("all-reduce", dist.all_reduce, source, dist.ReduceOp.SUM, self.group, tag=tag)
             output.copy_(source[self.rank * shard:(self.rank + 1) * shard])
             self._count(source.numel() * source.element_size(), 2.0, start)
             output.div_(n)
             return
         if shard <= chunk:
             self._run("reduce-scatter", _REDUCE_SCATTER_TENSOR, output, source,
-                      dist.ReduceOp.SUM, self.group)
+                      dist.ReduceOp.SUM, self.group, tag=tag)
         else:
             for off in range(0, shard, chunk):
                 c = min(chunk, shard - off)
                 tmp = torch.cat([source[r * shard + off:r * shard + off + c] for r in range(n)])
                 self._run("reduce-scatter", _REDUCE_SCATTER_TENSOR, output[off:off + c], tmp,
-                          dist.ReduceOp.SUM, self.group)
+                          dist.ReduceOp.SUM, self.group, tag=tag)
         self._count(source.numel() * source.element_size(), 1.0, start)
         output.div_(n)
 
-    def all_reduce_mean(self, tensor: torch.Tensor) -> None:
+    def all_reduce_mean(self, tensor: torch.Tensor, tag: int | None = None) -> None:
         """``tensor`` = its mean over ranks, in place (stage 0's gradient average)."""
         if not self.active:
             return
         start = time.perf_counter()
-        self._run("all-reduce", dist.all_reduce, tensor, dist.ReduceOp.SUM, self.group)
+        self._run("all-reduce", dist.all_reduce, tensor, dist.ReduceOp.SUM, self.group, tag=tag)
         self._count(tensor.numel() * tensor.element_size(), 2.0, start)
         tensor.div_(self.world_size)
 
@@ -233,9 +243,43 @@ class Collectives:
         self._run("broadcast", dist.broadcast, tensor, source_rank, self.group)
         self._count(tensor.numel() * tensor.element_size(), 1.0, start)
 
+    def check_same_sequence(self, where: str) -> None:
+        """Raise on every rank when the ranks issued different collectives since the last check
+        (a model whose path depends on the rank's data: one rank ran a unit another skipped,
+        so gathers and reductions paired unrelated buffers). Called once per optimizer step:
+        a mismatch is said at the step it happened in, instead of training on mixed values."""
+        if not self.active:
+            return
+        mine = self._sequence
+        t = torch.tensor([mine, -mine], dtype=torch.int64)
+        start = time.perf_counter()
+        try:
+            dist.all_reduce(t, dist.ReduceOp.MAX, self.group)
+        except Exception as exc:  # noqa: BLE001 - the same story as any collective
+            self._run("sequence check", _raise, exc)
+        self._count(16, 2.0, start)
+        self._sequence = 0
+        if int(t[0]) != -int(t[1]):
+            raise RuntimeError(
+                f"rank {self.rank}: the ranks issued different collectives before {where} (their "
+                "fingerprints differ): the model took a different path on some rank (a module "
+                "run or skipped depending on the data, a unit whose parameters got gradients on "
+                "one rank only), so its gathers and gradient averages paired unrelated buffers "
+                "and this step's values are not to be trusted. Every rank must run the same "
+                "modules each step, as torch's DDP requires (route data-dependent paths through "
+                "every module, e.g. multiply a skipped branch by zero); resume from the last "
+                "checkpoint")
+
     def barrier(self) -> None:
         if self.active:
             self._run("barrier", dist.barrier, self.group)
+
+
+_SEQUENCE_MOD = (1 << 61) - 1
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn)

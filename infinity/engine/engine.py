@@ -418,6 +418,7 @@ class Engine(DeepSpeedEngineAccessors):
         if not boundary:
             return
         self._warn_if_hyperparameters_moved()
+        self.comm.check_same_sequence(f"optimizer step {self.global_steps + 1}")
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
         self.optimizer.loss_scale = self.loss_scale

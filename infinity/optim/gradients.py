@@ -245,10 +245,10 @@ class GradientCollector:
         self.zero_unwritten(state)
         if self.scatter:
             shard = torch.empty(unit.shard_numel, dtype=torch.float32)
-            self.comm.reduce_scatter_mean(shard, buffer[:unit.flat_numel])
+            self.comm.reduce_scatter_mean(shard, buffer[:unit.flat_numel], tag=unit.index)
             buffer[:state.numel].copy_(shard[:state.numel])
         else:
-            self.comm.all_reduce_mean(buffer[:unit.trainable_numel])
+            self.comm.all_reduce_mean(buffer[:unit.trainable_numel], tag=unit.index)
         state.grad_buffer = buffer[:state.numel]
         entries = unit.trainable_entries()
         mask = torch.tensor([e.offset in state.arrived for e in entries], dtype=torch.bool)

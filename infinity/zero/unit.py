@@ -130,7 +130,7 @@ class Unit:
         current); a no-op with one rank. Every rank calls it at the same point (see [Note:
         collective order] in comm/collectives.py)."""
         if self.shards > 1:
-            self.comm.all_gather(self.flat)
+            self.comm.all_gather(self.flat, tag=self.index)
 
     @property
     def has_trainable(self) -> bool:
