@@ -19,6 +19,11 @@ Cases (``--cases``):
             per rank (out_of_core.py's settings), no clipping (the early step)
   s2-cpu    ZeRO-2, offload_optimizer cpu, host_memory_budget --s2-host-budget (unset: the
             engine's default), no clipping
+  gloo-floor  no engine: the transport alone, torch.distributed all_gather_into_tensor and
+            reduce_scatter_tensor of a --floor-mib fp32 buffer (about a unit of the 0.54B model)
+            at the same threads per rank, median of 5 after 1; what a collective of the
+            engine's costs at least on this machine (appended to the same results file:
+            ``--cases gloo-floor --worlds 2 --rounds 1 --out <the same .jsonl>``)
 Each run is a fresh set of processes: 1 rank (--threads torch threads) or 2 ranks started as
 torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR 127.0.0.1, a free MASTER_PORT; torch
 threads --threads / 2 each), never two runs at once. Rounds interleave the world sizes, the
@@ -47,6 +52,7 @@ import _common as C  # noqa: E402
 import out_of_core as O  # noqa: E402
 
 CASES = ("s3-nvme", "s2-cpu")
+FLOOR = "gloo-floor"
 DEFAULT_SIZE = "2048x8x16x5504x32000"     # 0.54B: out_of_core.py's 0.49B shape with 8 layers
 NVME = "@NVME@"
 # DeepSpeed beside (shared/peers/RESULTS.md, 2026-12-01, this machine kind; not run here)
@@ -67,7 +73,9 @@ def ds_config(case: str, args: argparse.Namespace) -> dict:
                 "thread_count": 1, "single_submit": False, "overlap_events": True},
         "infinity": {"collective_timeout": args.collective_timeout},
     }
-    if case == "s3-nvme":
+    if case == FLOOR:
+        cfg["floor_mib"] = args.floor_mib
+    elif case == "s3-nvme":
         cfg["zero_optimization"] = {"stage": 3,
                                     "offload_param": {"device": "nvme", "nvme_path": NVME},
                                     "offload_optimizer": {"device": "nvme", "nvme_path": NVME}}
@@ -77,7 +85,8 @@ def ds_config(case: str, args: argparse.Namespace) -> dict:
         if args.s2_host_budget:
             cfg["infinity"]["host_memory_budget"] = args.s2_host_budget
     else:
-        raise ValueError(f"unknown case {case!r}: expected one of {', '.join(CASES)}")
+        raise ValueError(f"unknown case {case!r}: expected one of {', '.join(CASES)}, "
+                         f"{FLOOR}")
     return cfg
 
 
@@ -95,10 +104,11 @@ def worker(spec: dict) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     with C.worker_stdout() as emit:
         res: dict = {"bench": "zero_scaling", "case": spec["case"], "size": spec["size"],
-                     "world": world, "rank": rank, "ok": False, "git": C.git_state()}
+                     "world": world, "rank": rank, "ok": False, "git": C.git_state(),
+                     "threads": spec["threads"]}
         sampler = C.RssSampler().start()
         try:
-            _rank_run(spec, res, rank, world, sampler)
+            (_floor if spec["case"] == FLOOR else _rank_run)(spec, res, rank, world, sampler)
             res["ok"] = True
         except BaseException as exc:  # noqa: BLE001 - the driver reports it with the log tail
             import traceback
@@ -117,7 +127,6 @@ def _rank_run(spec: dict, res: dict, rank: int, world: int, sampler: C.RssSample
     import infinity
 
     torch.set_num_threads(spec["threads"])
-    res["threads"] = spec["threads"]
     shape = C.size_shape(spec["size"])
     cfg = C.llama_config(shape, spec["seq"])
     runs = spec["warmup"] + spec["steps"]
@@ -168,6 +177,33 @@ def _rank_run(spec: dict, res: dict, rank: int, world: int, sampler: C.RssSample
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _floor(spec: dict, res: dict, rank: int, world: int, sampler: C.RssSampler) -> None:
+    """The collectives alone on a buffer of ``floor_mib`` MiB (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec["threads"])
+    dist.init_process_group("gloo")
+    numel = (spec["ds_config"]["floor_mib"] << 20) // 4 // world * world
+    full, shard = torch.zeros(numel), torch.ones(numel // world)
+    ops = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+           "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full)}
+    res["floor"] = {}
+    for name, op in ops.items():
+        op()
+        dist.barrier()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - start)
+        received = numel * 4 * (world - 1) // world
+        med = C.median(times)
+        res["floor"][name] = {"buffer_bytes": numel * 4, "received_bytes": received,
+                              "median_s": med, "gib_per_s": received / med / C.GiB}
+    dist.destroy_process_group()
 
 
 # =========================================================================== driver
@@ -267,7 +303,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default=DEFAULT_SIZE,
                     help="HxLxAxIxV or a _common.py name (default: 0.54B, 8 layers of 2048)")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma list of " + ", ".join(CASES))
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="comma list of " + ", ".join(CASES) + f" (and {FLOOR})")
     ap.add_argument("--worlds", default="1,2", help="comma list of world sizes")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -276,6 +313,7 @@ def main() -> int:
     ap.add_argument("--s2-host-budget", default=None,
                     help="host_memory_budget of the stage 2 case (default: the engine's)")
     ap.add_argument("--collective-timeout", type=float, default=300)
+    ap.add_argument("--floor-mib", type=int, default=256, help="buffer of the gloo-floor case")
     ap.add_argument("--scratch", default="/var/tmp/infinity-bench",
                     help="directory on the NVMe/disk under test (swap files go in fresh subdirs)")
     ap.add_argument("--timeout", type=float, default=2400, help="seconds per run")
@@ -332,6 +370,9 @@ def main() -> int:
                 C.append_jsonl(out, record)
                 for res in results:
                     ok = ok and bool(res.get("ok"))
+                    if res.get("ok") and "floor" in res:
+                        print(f"  rank {res['rank']}: {json.dumps(res['floor'])}", flush=True)
+                        continue
                     print(f"  rank {res.get('rank')}: " + (
                         f"median step {res['median_step_s']:.2f} s, init {res['init_s']:.0f} s, "
                         f"peak RSS {C.gib(res['vm_hwm_bytes'])} GiB, comm recv "
@@ -349,7 +390,8 @@ def main() -> int:
 
 def report(records: list[dict]) -> str:
     header = next(r for r in records if r.get("kind") == "header")
-    runs = [r for r in records if r.get("kind") == "run"]
+    runs = [r for r in records if r.get("kind") == "run" and r["case"] != FLOOR]
+    floors = [r for r in records if r.get("kind") == "run" and r["case"] == FLOOR]
     m = header["machine"]
     n_params = header["n_params"]
     lines = [f"ZeRO scaling bench ({header['size']} = {n_params / 1e9:.2f}B params, fp32); "
@@ -379,6 +421,14 @@ def report(records: list[dict]) -> str:
          "wait4 maxrss GiB", "init s", "samples/step (all ranks)"], rows))
     lines.append("")
     lines += _ratios(runs, n_params)
+    for run in floors:
+        for res in run["ranks"]:
+            if res.get("ok"):
+                lines.append(f"* transport floor, {run['world']} ranks, rank {res['rank']}, "
+                             f"{res['threads']} thread(s): " + "; ".join(
+                                 f"{op} of {f['buffer_bytes'] / C.MiB:.0f} MiB: "
+                                 f"{f['median_s']:.3f} s, {f['gib_per_s']:.2f} GiB/s received"
+                                 for op, f in res["floor"].items()))
     return "\n".join(lines)
 
 
