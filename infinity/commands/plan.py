@@ -18,8 +18,16 @@ from typing import Any
 
 from infinity.base.sizes import parse_bytes
 from infinity.config import InfinityConfig
+from infinity.commands.plan_target import add_target_arguments, target_from_args
 from infinity.planner.inputs import ModelStats, detect_hardware, llama_stats
 from infinity.planner.plan import DEFAULT_SWAP_DIR, plan_memory, recommend_config
+from infinity.planner.shape import (
+    ModelShape,
+    estimated_shape,
+    shape_from_hf_config,
+    shape_from_llama_kwargs,
+)
+from infinity.planner.target_plan import plan_target
 from infinity.storage.preflight import SwapPathError, check_swap_path
 from infinity.train.models import preset_kwargs, preset_names
 from infinity.train.run_config import read_config_file
@@ -55,24 +63,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-budget", help="host memory budget, e.g. 16GiB (default 80%% of MemAvailable)")
     parser.add_argument("--device-budget", help="device memory budget, e.g. 20GiB")
     parser.add_argument("--nvme-path", help="swap directory (free space is checked there)")
-    parser.add_argument("--world-size", type=int, default=1, help="ranks sharing the model states (default 1)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks sharing the model states (default 1; with target flags "
+                             "--gpus x --nodes)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_target_arguments(parser)
 
 
-def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> ModelStats:
+def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> tuple[ModelStats, ModelShape]:
     if args.layers is not None and args.params is None:
         raise ValueError("--layers goes with --params (the model of --model-size or --hf-config "
                          "has its own layers)")
     if args.model_size:
         # what `infinity train --model-size` builds, not the 32000-vocabulary shape of the name
         # (the two differed: plan's 85M was another model than the demo's)
-        return llama_stats(preset_kwargs(args.model_size, seq_len=0))
+        kwargs = preset_kwargs(args.model_size, seq_len=0)
+        return llama_stats(kwargs), shape_from_llama_kwargs(kwargs)
     if args.params is not None:
         layers = 32 if args.layers is None else args.layers
         if layers < 1:
             raise ValueError(f"--layers must be >= 1, got {layers}")
         unit = -(-args.params // (layers + 2))
-        return ModelStats.from_counts(args.params, unit, layers + 2)
+        return ModelStats.from_counts(args.params, unit, layers + 2), estimated_shape(args.params, layers)
     try:
         import torch
         import transformers
@@ -81,7 +93,9 @@ def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> Mo
     hf_config = _hf_config(args.hf_config, transformers)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    return ModelStats.from_module(model, unit_modules)
+    stats = ModelStats.from_module(model, unit_modules)
+    layers = max(1, stats.n_units - 2)
+    return stats, shape_from_hf_config(hf_config) or estimated_shape(stats.total_params, layers)
 
 
 def _hf_config(arg: str, transformers: Any) -> Any:
@@ -141,7 +155,29 @@ def _unusable_swap_paths(cfg: InfinityConfig) -> tuple[str, ...]:
     return tuple(problems)
 
 
+def _run_target(args: argparse.Namespace, target: Any, workload: Any) -> int:
+    """Plan for the target machine the flags describe (``infinity.planner.target_plan``)."""
+    if args.host_budget or args.device_budget:
+        raise ValueError("--host-budget and --device-budget are this machine's budgets: for a "
+                         "target give --host-memory (per node) and --gpu-memory")
+    base = (InfinityConfig.load(read_config_file(args.config), world_size=target.world_size,
+                                auto_defaults=True) if args.config else None)
+    stats, shape = _stats(args, base.infinity.unit_modules if base else None)
+    plan = plan_target(stats, shape, target, workload, base, args.nvme_path,
+                       as_written=base is not None)
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=2))
+    else:
+        print("infinity plan: for the target machine described (not this one)")
+        print(plan.render())
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    described = target_from_args(args)
+    if described is not None:
+        return _run_target(args, *described)
+    args.world_size = 1 if args.world_size is None else args.world_size
     budgets = {}
     if args.host_budget:
         budgets["host_memory_budget"] = parse_bytes(args.host_budget, "--host-budget")
@@ -159,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
             name: dataclasses.replace(section, nvme_path=args.nvme_path)
             for name, section in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param))
             if section.device == "nvme"}))
-    stats = _stats(args, base.infinity.unit_modules)
+    stats, _ = _stats(args, base.infinity.unit_modules)
     nvme_path = args.nvme_path or base.zero.offload_optimizer.nvme_path or base.zero.offload_param.nvme_path
     hw = detect_hardware(nvme_path or (None if args.config else DEFAULT_SWAP_DIR))
     cfg = base if args.config else recommend_config(stats, hw, base, nvme_path)

@@ -54,6 +54,10 @@ class EngineSizes:
     max_reuse_numel: int
     grad_tier: Tier
     nvme_bytes: int
+    host_home_bytes: int = 0
+    """Host bytes of the states whose home is the host (parameters, Adam states, gradients)."""
+    host_buffer_bytes: int = 0
+    """Host bytes of the pools: fetch slots, step-stream slots, gradient rooms, staging."""
 
 
 def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
@@ -114,6 +118,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         host += sum(streamed_homes) * itemsize
     if optimizer_tier == Tier.HOST:
         host += total_trainable * 4 * (3 if master_separate else 2)
+    homes = host
     fetch_slots = derived.param_buffer_count
     if param_tier == Tier.NVME and direct_fetch:
         moved = fetch_slots * max_unit_bytes
@@ -154,9 +159,11 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
             grad_tier = Tier.NVME
     if not early_step and grad_tier == Tier.HOST:
         host += total_trainable * 4              # the gradients' home
-    if early_step or grad_tier == Tier.NVME or speculative:
+        homes += total_trainable * 4
+    if early_step or grad_tier == Tier.NVME or speculative or cfg.world_size > 1:
         # flat gradient buffers (GRADS_HELD), or held gradients: the room (HELD_ROOM_UNITS) and
-        # the part waiting for it
+        # the part waiting for it; across ranks the optimizer always collects a unit's reduced
+        # gradient in those buffers (PartitionedOptimizer's grad_pool when comm is active)
         host += 2 * max_trainable * 4
     if grad_tier == Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
         host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
@@ -188,4 +195,5 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         prefetch_bucket_numel=max(prefetch, max(unit_numels, default=0)),
         max_live_numel=max(max_live, 2 * max(unit_numels, default=0)),
         max_reuse_numel=max_reuse,
-        grad_tier=grad_tier, nvme_bytes=nvme)
+        grad_tier=grad_tier, nvme_bytes=nvme, host_home_bytes=homes,
+        host_buffer_bytes=host - homes)

@@ -4,6 +4,7 @@ anywhere; ``infinity.planner.plan`` uses them.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,8 @@ class ModelStats:
     """Elements of the largest single parameter."""
     param_numels: tuple[int, ...] | None = None
     """Every parameter's element count (for persistence thresholds); None = unknown."""
+    unit_numels: tuple[int, ...] | None = None
+    """Every unit's element count, in order; None = unknown (``units()`` assumes equal units)."""
 
     def __post_init__(self) -> None:
         for name in ("total_params", "trainable_params", "largest_unit_params", "n_units",
@@ -61,6 +64,25 @@ class ModelStats:
             raise ValueError(f"ModelStats: trainable_params ({self.trainable_params}) and "
                              f"largest_unit_params ({self.largest_unit_params}) must not exceed "
                              f"total_params ({self.total_params})")
+
+    def units(self) -> list[int]:
+        """Each unit's element count: as counted, else ``n_units`` units of the largest size
+        whose sum is the total (one smaller unit taking the remainder)."""
+        if self.unit_numels is not None:
+            return list(self.unit_numels)
+        unit, left, out = max(1, self.largest_unit_params), self.total_params, []
+        for _ in range(self.n_units):
+            out.append(min(unit, left))
+            left -= out[-1]
+        return [u for u in out if u] or [0]
+
+    def split_into_parameters(self) -> "ModelStats":
+        """The same model with every parameter its own unit (``infinity.unit_modules`` naming
+        the linear layers' class), or ``self`` when the sizes are unknown."""
+        if self.param_numels is None:
+            return self
+        return dataclasses.replace(self, largest_unit_params=self.largest_param,
+                                   n_units=len(self.param_numels), unit_numels=self.param_numels)
 
     def persistent_elements(self, threshold: int) -> int:
         """Elements in parameters smaller than ``threshold`` (0 when the sizes are unknown)."""
@@ -119,7 +141,8 @@ class ModelStats:
         units = [u for u in units if u]
         return cls(total_params=sum(numels), trainable_params=trainable,
                    largest_unit_params=max(units, default=0), n_units=len(units),
-                   largest_param=max(numels, default=0), param_numels=tuple(numels))
+                   largest_param=max(numels, default=0), param_numels=tuple(numels),
+                   unit_numels=tuple(units))
 
 
 def _repeated_block_class(model: Any, nn: Any) -> set[str]:
@@ -167,7 +190,8 @@ def llama_stats(kwargs: dict[str, Any]) -> ModelStats:
         units.append(vocab * h)
     return ModelStats(total_params=sum(numels), trainable_params=sum(numels),
                       largest_unit_params=max(units), n_units=len(units),
-                      largest_param=max(numels), param_numels=tuple(numels))
+                      largest_param=max(numels), param_numels=tuple(numels),
+                      unit_numels=tuple(units))
 
 
 @dataclass(frozen=True, kw_only=True)

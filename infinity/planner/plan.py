@@ -98,7 +98,8 @@ class Plan:
                                     "write": self.nvme_write_bytes_per_step},
             "items": [dataclasses.asdict(i) for i in self.items],
             "sizes": dataclasses.asdict(self.sizes),
-            "model": {k: v for k, v in dataclasses.asdict(self.stats).items() if k != "param_numels"},
+            "model": {k: v for k, v in dataclasses.asdict(self.stats).items()
+                      if k not in ("param_numels", "unit_numels")},
             "hardware": dataclasses.asdict(self.hardware),
             "warnings": list(self.warnings), "notes": list(self.notes),
             "ds_config": self.config.to_dict(),

@@ -15,7 +15,7 @@ from typing import Literal
 
 from infinity.base.sizes import ALIGN_BYTES
 from infinity.config import InfinityConfig
-from infinity.planner.alignment import PARAM_ALIGN_BYTES
+from infinity.planner.alignment import PARAM_ALIGN_BYTES, shard_numel
 from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.placement import Placement, place, resident_bytes
 from infinity.planner.tiers import Tier
@@ -204,7 +204,11 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
     buffer_count = opt.buffer_count or DEFAULT_BUFFER_COUNT
     sub_group = z.sub_group_size
     if sub_group is None:
-        sub_group = min(_round_up(max(unit, 1), SUB_GROUP_ROUND), _round_up(max(lay.opt_elems, 1), ALIGN_ELEMS))
+        # a rank steps its shard of each unit (stages 1-3): a sub-group larger than the largest
+        # shard buys nothing but slots (a 1T model's 7.7B-element unit at 8 ranks: 961M)
+        unit_share = shard_numel(unit, cfg.world_size) if z.stage >= 1 else unit
+        sub_group = min(_round_up(max(unit_share, 1), SUB_GROUP_ROUND),
+                        _round_up(max(lay.opt_elems, 1), ALIGN_ELEMS))
         slot = slot_bytes_per_elem(lay) or 16
         if slot_bytes_per_elem(lay):
             fit = _round_down(int(OPTIMIZER_BUFFER_SHARE * host_budget) // (buffer_count * slot), ALIGN_ELEMS)

@@ -1,0 +1,194 @@
+"""The memory one rank of a target machine needs for a config: device, host and NVMe bytes by
+what they hold, the node's totals (its ranks together), and why it does not fit, if it does not.
+
+Every size is the engine's own: the states' homes from ``placement``, the derived sizes from
+``sizes.derive_sizes``, the engine's pools (fetch slots, step-stream slots, gradient rooms) and
+swap-file bytes from ``engine_sizes.engine_sizes`` -- the function the engine calls at start --
+fed with the model's units. Only the activations (``shape.activation_bytes``) and the runtime's
+own memory are added here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from infinity.base.sizes import format_bytes
+from infinity.config import InfinityConfig
+from infinity.planner.engine_sizes import EngineSizes, engine_sizes
+from infinity.planner.inputs import ModelStats
+from infinity.planner.placement import Placement, place, resident_bytes
+from infinity.planner.shape import ModelShape, activation_bytes
+from infinity.planner.sizes import HOST_BUDGET_FRACTION, DerivedSizes, derive_sizes, device_working
+from infinity.planner.target import Target, Workload
+from infinity.planner.tiers import Tier
+
+__all__ = ["RankMemory", "rank_memory", "GPU_RUNTIME_HOST_BYTES", "speculation_applies"]
+
+GPU_RUNTIME_HOST_BYTES = 4 << 30
+"""Host memory of one GPU rank's process besides the engine's pools: Python, torch and the CUDA
+libraries (cuBLAS, cuDNN, NCCL) mapped and touched, the CUDA context's host side (an assumption:
+2-5 GiB is the usual resident set of a CUDA PyTorch process)."""
+
+
+def speculation_applies(cfg: InfinityConfig, lay: Placement) -> bool:
+    """Whether the engine would speculate (``engine.sizing.speculation_possible``'s rule):
+    the deferred schedule at stage 3 with parameters and Adam states on NVMe, unless "off"."""
+    return (cfg.infinity.speculative_step != "off" and not lay.early_step and lay.stage == 3
+            and lay.param_tier == Tier.NVME and lay.opt_tier == Tier.NVME)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """One rank's bytes per tier for a config on a target, and the node's totals."""
+
+    config: InfinityConfig
+    """The config with every size written in (budgets, sub-group, buffers)."""
+    candidate: InfinityConfig
+    """The config as given to ``rank_memory`` (a rung's stage and tiers, sizes "auto")."""
+    stats: ModelStats
+    """The model's units as planned (split into parameters when ``units_split``)."""
+    placement: Placement
+    derived: DerivedSizes
+    engine: EngineSizes
+    units_split: bool
+    """Every parameter is its own unit (the default units did not fit the device)."""
+    checkpointing: bool
+    """Activations recomputed per block in backward."""
+    speculative: bool
+    """The speculative step's second copies are on the NVMe."""
+    device: dict[str, int]
+    """Bytes on one GPU: "states", "working" (fetched units, prefetch, gradients), "activations"."""
+    host: dict[str, int]
+    """Bytes of one rank's host memory: "states", "buffers", "runtime"."""
+    nvme: int
+    """Bytes of one rank's swap files."""
+    node_host: int
+    """Host bytes of a node's ranks together."""
+    node_nvme: int
+    """Swap bytes of a node's ranks together."""
+    problems: tuple[str, ...]
+    """Why it does not fit, each naming the bytes and the budget; empty when it fits."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    def bytes_per_param(self) -> dict[str, int]:
+        """Bytes this engine stores per parameter, by state: the 16-bit parameter (or the fp32
+        master stored once), the Adam states (fp32 master, m, v), the gradient (fp32, none
+        under the early step) -- against the paper's 2 + 2 + 12 = 16."""
+        lay = self.placement
+        return {"params": 4 if lay.single_copy else lay.c,
+                "optimizer_states": 8 if lay.single_copy else 12,
+                "grads": 0 if lay.early_step else 4}
+
+    @property
+    def model_states_bytes(self) -> int:
+        """The whole model's states over all ranks (no padding, no buffers)."""
+        per = self.bytes_per_param()
+        return (per["params"] * self.stats.total_params
+                + (per["optimizer_states"] + per["grads"]) * self.stats.trainable_params)
+
+    def per_tier(self) -> dict[str, int]:
+        """tier -> bytes of one rank (``--json``'s ``per_rank``)."""
+        return {Tier.DEVICE: self.device_total, Tier.HOST: self.host_total, Tier.NVME: self.nvme}
+
+
+def _engine_units(stats: ModelStats) -> list[list[tuple[int, bool]]]:
+    """The units as ``engine_sizes`` takes them: one (numel, trainable) entry per unit (the
+    per-parameter 64-byte alignment inside a unit is below a plan's resolution)."""
+    frozen = stats.total_params - stats.trainable_params
+    units = []
+    for numel in stats.units():
+        take = min(frozen, numel)
+        frozen -= take
+        units.append([(numel - take, True), (take, False)] if take else [(numel, True)])
+    return units
+
+
+def rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
+                workload: Workload, *, checkpointing: bool, split_units: bool = False,
+                speculative: bool | None = None) -> RankMemory:
+    """The bytes one rank of ``target`` holds under ``cfg`` (whose stage and offload devices are
+    the candidate's; budgets and sizes are filled in here), and whether they fit.
+
+    ``speculative`` None: as the engine decides ("auto" takes the second copies only where the
+    node's NVMe has room for them)."""
+    args = (cfg, stats, shape, target, workload, checkpointing, split_units)
+    if speculative is not None:
+        return _rank_memory(*args, speculative)
+    plain = _rank_memory(*args, False)
+    if speculation_applies(plain.config, plain.placement):
+        doubled = _rank_memory(*args, True)
+        if doubled.node_nvme <= target.nvme_bytes:
+            return doubled
+    return plain
+
+
+def _rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
+                 workload: Workload, checkpointing: bool, split_units: bool,
+                 speculative: bool) -> RankMemory:
+    candidate = cfg
+    if split_units:
+        stats = stats.split_into_parameters()
+    hw = target.hardware(cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path)
+    lay = place(cfg, stats, hw)
+    acts = activation_bytes(shape, workload.seq_len, workload.micro_batch, checkpointing, lay.c)
+    host_budget = int(HOST_BUDGET_FRACTION * target.host_memory_bytes) // target.gpus_per_node
+    inf = dataclasses.replace(cfg.infinity, host_memory_budget=host_budget,
+                              device_memory_budget=max(0, target.device_budget_bytes - acts),
+                              unit_modules=["Linear"] if split_units else cfg.infinity.unit_modules)
+    cfg = dataclasses.replace(cfg, infinity=inf)
+    derived = derive_sizes(cfg, stats, hw)
+    es = engine_sizes(cfg, _engine_units(stats), derived, lay.c, lay.param_tier, lay.opt_tier,
+                      master_separate=not lay.single_copy, early_step=lay.early_step,
+                      speculative=speculative)
+    # the engine's sub-group (what the host budget leaves for the step stream's slots)
+    cfg = derived.apply(cfg)
+    cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, sub_group_size=es.sub_group_numel))
+
+    resident = resident_bytes(lay)
+    device_states = sum(b for (comp, tier), b in resident.items()
+                        if tier == Tier.DEVICE and comp != "grads")
+    persist = stats.persistent_elements(derived.persistence_threshold) if lay.stage == 3 else 0
+    working = device_working(lay, stats.largest_unit_params, derived.prefetch_bucket_size, persist,
+                             derived.reduce_bucket_size)
+    device = {"states": device_states, "working": working, "activations": acts}
+    host = {"states": es.host_home_bytes, "buffers": es.host_buffer_bytes,
+            "runtime": GPU_RUNTIME_HOST_BYTES}
+    node_host = target.gpus_per_node * sum(host.values())
+    node_nvme = target.gpus_per_node * es.nvme_bytes
+
+    problems: list[str] = []
+    over = sum(device.values()) - target.device_budget_bytes
+    if over > 0:
+        parts = ", ".join(f"{name} {format_bytes(b)}" for name, b in device.items() if b)
+        problems.append(f"GPU memory: needs {format_bytes(sum(device.values()))} per GPU ({parts}), "
+                        f"{format_bytes(over)} more than the {format_bytes(target.device_budget_bytes)} "
+                        "one GPU offers")
+    engine_host = es.host_home_bytes + es.host_buffer_bytes
+    if engine_host > host_budget:
+        problems.append(f"host memory: a rank needs {format_bytes(engine_host)} (states "
+                        f"{format_bytes(es.host_home_bytes)}, buffers {format_bytes(es.host_buffer_bytes)}) "
+                        f"but its share of the node is {format_bytes(host_budget)} "
+                        f"({HOST_BUDGET_FRACTION:.0%} of {format_bytes(target.host_memory_bytes)} "
+                        f"over {target.gpus_per_node} ranks)")
+    elif node_host > target.host_memory_bytes:
+        problems.append(f"host memory: the node's {target.gpus_per_node} ranks need "
+                        f"{format_bytes(node_host)} with their runtimes, more than its "
+                        f"{format_bytes(target.host_memory_bytes)}")
+    if node_nvme > target.nvme_bytes:
+        have = format_bytes(target.nvme_bytes) if target.nvme_bytes else "no NVMe (--nvme)"
+        problems.append(f"NVMe: the node's swap files need {format_bytes(node_nvme)}, it has {have}")
+    return RankMemory(config=cfg, candidate=candidate, stats=stats, placement=lay, derived=derived, engine=es,
+                      units_split=split_units, checkpointing=checkpointing,
+                      speculative=speculative, device=device, host=host, nvme=es.nvme_bytes,
+                      node_host=node_host, node_nvme=node_nvme, problems=tuple(problems))

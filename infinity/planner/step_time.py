@@ -1,0 +1,176 @@
+"""Predicted step time of a plan on its target: per link, the bytes (or FLOPs) one optimizer
+step moves over it and the seconds they take; the slowest link bounds the step, and the engine's
+measured overlap turns the bound into the expected step.
+
+Pure. Traffic per step of one rank (N ranks, P parameters, c bytes of the 16-bit type, A
+micro-steps of accumulation):
+
+* GPU compute: tokens x ``shape.flops_per_token`` (with recomputation under checkpointing) at
+  ``Target.mfu`` of the GPU's peak.
+* PCIe, host <-> device: a parameter shard homed off the GPU is fetched in the forward and again
+  in the backward (2 c P / N per micro-step); a gradient shard kept off the GPU goes down as
+  fp32 (4 P / N per micro-step, as DESIGN.md's step: reduce-scatter -> shard -> host, fp32);
+  parameters homed on the GPU under an offloaded optimizer come back up updated (c per element
+  of the rank's parameters). The two directions are separate lanes: the larger one counts.
+* NVMe, per node (its ranks share the drives): parameter shards on NVMe are read at each fetch
+  (2 c P / N per micro-step) and written once updated (c P / N); Adam states on NVMe are read and
+  written once per step (12 B per element with a separate fp32 master); gradients kept on NVMe
+  are written per micro-step and read at the step (4 B each way).
+* Collectives, per GPU: ring all-gather and reduce-scatter move (N-1)/N of the buffer:
+  stage 3 gathers parameters twice per micro-step and reduce-scatters gradients once; stages
+  1-2 reduce-scatter gradients per micro-step and gather the updated parameters once per step;
+  stage 0 all-reduces gradients (twice the bytes) per micro-step. In 16-bit.
+* CPU Adam, per node: the node's optimizer elements at ``CPU_ADAM_PARAMS_PER_CORE`` per core, or
+  at the host memory bandwidth for ``CPU_ADAM_BYTES_PER_PARAM`` bytes each, the slower.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infinity.planner.rank_memory import RankMemory
+from infinity.planner.shape import ModelShape, flops_per_token
+from infinity.planner.target import Target, Workload
+from infinity.planner.tiers import Tier
+
+__all__ = ["Link", "StepTime", "predict_step", "OVERLAP_FACTOR", "CPU_ADAM_PARAMS_PER_CORE",
+           "CPU_ADAM_BYTES_PER_PARAM", "LINK_EFFICIENCY"]
+
+CPU_ADAM_PARAMS_PER_CORE = 0.9e9
+"""Parameters per second per core of the engine's CPU Adam: BENCHMARKS.md, "Out-of-core (stage
+3)", session 14 ("optimizer alone"): 0.485B parameters in 0.27 s and 1.04B in 0.55 s on 2
+cores, 0.90 and 0.95 G/s per core."""
+CPU_ADAM_BYTES_PER_PARAM = 30
+"""Memory traffic of one parameter's Adam step with the 16-bit copy written (BENCHMARKS.md,
+"CPU Adam": ``ours_bf16copy``, 30 B/param)."""
+OVERLAP_FACTOR = 1.14
+"""Expected step / the slowest link: BENCHMARKS.md, "Out-of-core (stage 3)", session 14, the
+step against max(compute alone, I/O alone, optimizer alone) was 1.10-1.14 at 0.49B and 1.04B in
+both schedules (measured on a 2-core CPU machine, where the floors share the cores; no GPU
+measurement exists yet)."""
+LINK_EFFICIENCY = 0.8
+"""Share of a link's theoretical bandwidth a bulk transfer reaches (PCIe pinned copies, NCCL
+ring collectives): an assumption, typical of published measurements."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One resource a step uses, what it moves or computes, and for how long."""
+
+    name: str
+    amount: float
+    """Bytes, FLOPs (GPU) or parameters (CPU Adam) per step."""
+    unit: str
+    """"B", "FLOP" or "param" (CPU Adam)."""
+    rate: float
+    """Bytes or FLOPs per second this link moves."""
+    per: str
+    """"GPU" or "node": whose amount it is."""
+    note: str
+
+    @property
+    def seconds(self) -> float:
+        return self.amount / self.rate if self.amount else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """The links of one optimizer step and what they add up to."""
+
+    links: tuple[Link, ...]
+    bound_s: float
+    """The slowest link's seconds: no schedule does better."""
+    predicted_s: float
+    """``bound_s`` x OVERLAP_FACTOR: the engine's measured overlap."""
+    bottleneck: str
+    tokens_per_s: float
+    """Tokens trained per second, all GPUs."""
+    tflops_per_gpu: float
+    """Model FLOPs (6 N + 12 L h s per token, no recomputation) per second per GPU."""
+    model_flops_per_step: float
+    """Per GPU."""
+
+
+def predict_step(memory: RankMemory, shape: ModelShape, target: Target, workload: Workload) -> StepTime:
+    """The step time of ``memory``'s config (its placement and the engine's sizes) on ``target``."""
+    lay, n = memory.placement, target.world_size
+    stats = memory.stats
+    accum = workload.gradient_accumulation_steps
+    tokens = workload.tokens_per_step
+    c = lay.c
+    params, shard = stats.total_params, lay.param_elems          # per rank: P / N at stage 3
+    opt_elems, grad_elems = lay.opt_elems, lay.grad_elems
+
+    model_flops = tokens * flops_per_token(params, shape, workload.seq_len)
+    hw_flops = tokens * flops_per_token(params, shape, workload.seq_len, memory.checkpointing)
+    links = [Link(name="GPU compute", amount=hw_flops, unit="FLOP",
+                  rate=target.gpu.peak_tflops * 1e12 * target.mfu, per="GPU",
+                  note=f"{target.mfu:.0%} of {target.gpu.peak_tflops:g} TFLOPS"
+                       + (", forward recomputed (checkpointing)" if memory.checkpointing else ""))]
+
+    down = up = 0.0                                               # device -> host, host -> device
+    if lay.stage == 3 and lay.param_tier != Tier.DEVICE:
+        up += 2 * c * shard * accum
+    if lay.opt_tier != Tier.DEVICE:
+        down += 4 * opt_elems * accum
+        if lay.param_tier == Tier.DEVICE:
+            up += c * (shard if lay.stage == 3 else opt_elems)
+    elif not lay.early_step:                  # the engine keeps gradients in host memory: down
+        down += 4 * grad_elems * accum        # per micro-step, up again for the device's step
+        up += 4 * grad_elems
+    pcie = target.gpu.pcie_GBps * 1e9 * LINK_EFFICIENCY
+    links.append(Link(name="PCIe host<->GPU", amount=max(up, down), unit="B", rate=pcie, per="GPU",
+                      note=f"up {up / 1e9:.1f} GB, down {down / 1e9:.1f} GB"))
+
+    read = write = 0.0
+    if lay.param_tier == Tier.NVME:
+        read += 2 * c * shard * accum
+        write += c * shard
+    if lay.opt_tier == Tier.NVME:
+        states = (12 if not lay.single_copy else 8) * opt_elems
+        read += states
+        write += states
+    if memory.engine.grad_tier == Tier.NVME and not lay.early_step:
+        write += 4 * grad_elems * accum
+        read += 4 * grad_elems * accum      # added to at each later micro-step, read at the step
+    ranks = target.gpus_per_node
+    if read or write:
+        links.append(Link(name="NVMe read", amount=ranks * read, unit="B",
+                          rate=max(target.nvme_read_GBps, 1e-9) * 1e9, per="node",
+                          note=f"{target.nvme_drives} drive(s), {target.nvme_read_GBps:g} GB/s"))
+        links.append(Link(name="NVMe write", amount=ranks * write, unit="B",
+                          rate=max(target.nvme_write_GBps, 1e-9) * 1e9, per="node",
+                          note=f"{target.nvme_drives} drive(s), {target.nvme_write_GBps:g} GB/s"))
+
+    if n > 1:
+        ring = (n - 1) / n
+        if lay.stage == 3:
+            gather, scatter = 2 * c * params * ring * accum, c * params * ring * accum
+        elif lay.stage >= 1:
+            gather, scatter = c * params * ring, c * params * ring * accum
+        else:
+            gather, scatter = 0.0, 2 * c * params * ring * accum
+        where = "NVLink" if target.nodes == 1 and target.gpu.nvlink_GBps else \
+            "PCIe" if target.nodes == 1 else "network"
+        links.append(Link(name=f"collectives ({where})", amount=gather + scatter, unit="B",
+                          rate=target.collective_GBps * 1e9 * LINK_EFFICIENCY, per="GPU",
+                          note=f"all-gather {gather / 1e9:.1f} GB, reduce-scatter/all-reduce "
+                               f"{scatter / 1e9:.1f} GB"))
+
+    if lay.opt_tier != Tier.DEVICE:
+        node_params = ranks * opt_elems
+        by_cores = CPU_ADAM_PARAMS_PER_CORE * target.cpu_cores
+        by_memory = target.host_memory_GBps * 1e9 / CPU_ADAM_BYTES_PER_PARAM
+        rate = min(by_cores, by_memory)
+        limit = "cores" if by_cores <= by_memory else "memory bandwidth"
+        links.append(Link(name="CPU Adam", amount=node_params, unit="param", rate=rate, per="node",
+                          note=f"{target.cpu_cores} cores x {CPU_ADAM_PARAMS_PER_CORE / 1e9:g} G/s, "
+                               f"{target.host_memory_GBps:g} GB/s memory: {limit}-bound"))
+
+    slowest = max(links, key=lambda link: link.seconds)
+    bound = slowest.seconds
+    predicted = bound * OVERLAP_FACTOR
+    return StepTime(links=tuple(links), bound_s=bound, predicted_s=predicted,
+                    bottleneck=slowest.name,
+                    tokens_per_s=n * tokens / predicted if predicted else 0.0,
+                    tflops_per_gpu=model_flops / predicted / 1e12 if predicted else 0.0,
+                    model_flops_per_step=model_flops)
