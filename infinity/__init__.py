@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # Public names served lazily, so `import infinity` stays cheap and each layer loads on first use.
 _LAZY = {
     "initialize": "infinity.engine.entry",
+    "from_pretrained": "infinity.engine.pretrained",
     "init_distributed": "infinity.comm",
     "add_config_arguments": "infinity.engine.entry",
     "Engine": "infinity.engine",

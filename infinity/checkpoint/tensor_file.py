@@ -169,6 +169,11 @@ class TensorFileWriter:
                 self.tensors[self._index].end == self.tensors[self._index].begin:
             self._index += 1
 
+    @property
+    def complete(self) -> bool:
+        """Every tensor has all its bytes."""
+        return self._index >= len(self.tensors)
+
     def append(self, name: str, values: torch.Tensor) -> None:
         """The next ``values.numel()`` elements of tensor ``name`` (in the file's dtype)."""
         if self._index >= len(self.tensors):
@@ -265,6 +270,18 @@ class TensorFileReader:
                 raise CheckpointError(f"{self.path}: short read of tensor {name} at byte "
                                       f"{offset + done}: the file shrank while being read")
             done += n
+
+    def drop_cached(self, name: str, start: int, count: int) -> None:
+        """Drop the page-cache pages of elements [start, start + count) of ``name``: a tensor
+        read once (a pretrained load) should not fill memory with its file's pages."""
+        info = self.info(name)
+        size = itemsize(info.dtype)
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self._fd, self.data_start + info.begin + start * size,
+                                 count * size, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
 
     def read(self, name: str) -> torch.Tensor:
         """A whole tensor (for small ones: buffers, exports)."""

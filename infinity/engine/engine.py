@@ -75,7 +75,7 @@ from infinity.zero.init import (
 )
 from infinity.zero.partition import modules_needing, partition
 from infinity.zero.prefetch import PrefetchLimits
-from infinity.zero.protocols import Wait
+from infinity.zero.protocols import UnitValues, Wait
 from infinity.zero.unit import Unit
 
 log = get_logger("engine")
@@ -87,7 +87,11 @@ class Engine(DeepSpeedEngineAccessors):
     def __init__(self, model: nn.Module, model_parameters: Iterable | None,
                  config: str | Path | Mapping[str, Any] | InfinityConfig | None,
                  lr_scheduler: Any = None, process_group: Any = None,
-                 auto_values: Mapping[str, Any] | None = None) -> None:
+                 auto_values: Mapping[str, Any] | None = None,
+                 weights: UnitValues | None = None) -> None:
+        """``weights``: where parameters take their first values instead of the model's
+        (``infinity.from_pretrained``'s checkpoint), read into each unit as it is placed."""
+        self._weights = weights
         check_user_scheduler(lr_scheduler)
         self.ranks: RankInfo = _join_ranks(config, process_group, model_device(model))
         self.config = InfinityConfig.load(config or {}, world_size=self.ranks.world_size,
@@ -170,7 +174,7 @@ class Engine(DeepSpeedEngineAccessors):
             model, specs, groups, self.device, self.compute_dtype, self.manager,
             self.param_tier, staging=self.fetch_pool,
             persistence_threshold=self.sizes.persistence_threshold if self.stage == 3 else None,
-            doubled=self.speculative, comm=self.comm, stage=self.stage)
+            doubled=self.speculative, comm=self.comm, stage=self.stage, values=self._weights)
         early = self.early_step
         grad_tier = self.sizes.grad_tier
         self.optimizer = PartitionedOptimizer(
@@ -180,7 +184,8 @@ class Engine(DeepSpeedEngineAccessors):
             adamw_mode=self.config.optimizer.adam_w_mode,
             defaults=optimizer_defaults(self.config),
             speculation=self.config.infinity.speculative_step if self.speculative else "off",
-            comm=self.comm, shard_states=self.stage >= 1)
+            comm=self.comm, shard_states=self.stage >= 1, values=self._weights)
+        self._weights = None     # read: its files are the caller's to close
         self.optimizer.clip_norm = self.config.gradient_clipping
         self.coordinator = Coordinator(
             self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
@@ -547,6 +552,21 @@ class Engine(DeepSpeedEngineAccessors):
         ``exclude_frozen_parameters``: only the trained ones (an adapter's), as DeepSpeed's."""
         return save_model_weights(training_state(self), Path(save_dir) / save_filename,
                                   with_frozen=not exclude_frozen_parameters)
+
+    def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
+                        dtype: Any = None) -> Path:
+        """The model's current weights (after the last step has landed) as a directory
+        transformers and ``infinity.from_pretrained`` load: ``model.safetensors``, or shards
+        of at most ``max_shard_size`` ("5GB", "500MiB" or bytes) with
+        ``model.safetensors.index.json``, then ``config.json`` and the generation config of a
+        transformers model, and the tokenizer files of the directory it was loaded from.
+        Streamed unit by unit (any size); every rank calls it, rank 0 writes. ``dtype``:
+        "fp32", "bf16", "fp16"; None: the compute dtype, or fp32 (from the fp32 masters) at
+        stage 3 without ``stage3_gather_16bit_weights_on_model_save`` (see [Note: the dtype
+        of a saved model] in engine/pretrained.py). ``model.save_pretrained(dir)`` comes here."""
+        from infinity.engine.pretrained import save_pretrained
+
+        return save_pretrained(self, save_directory, max_shard_size, dtype)
 
     def hook_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """``module``'s forward uses ``param`` of another module: fetch its unit around it

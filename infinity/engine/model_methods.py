@@ -6,17 +6,18 @@ instance attributes that shadow the class's, so removing them restores the model
 """
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
 
-from infinity.engine.module_state import load_module_state_dict
+from infinity.engine.module_state import full_state_dict, load_module_state_dict
 
 if TYPE_CHECKING:
     from infinity.engine import Engine
 
-ROUTED = ("zero_grad", "load_state_dict")
+ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -30,9 +31,11 @@ def model_device(model: nn.Module) -> torch.device:
 
 def route_module_methods(model: nn.Module, engine: "Engine") -> None:
     """``model.zero_grad()`` (what a torch loop, or Hugging Face's Trainer, calls) discards the
-    engine's pending gradients too, as it would discard the .grad torch keeps; and
-    ``model.load_state_dict(sd)`` writes every unit's homes (``zero.module_state``). Instance
-    attributes, which close() removes."""
+    engine's pending gradients too, as it would discard the .grad torch keeps;
+    ``model.load_state_dict(sd)`` writes every unit's homes (``zero.module_state``);
+    ``model.state_dict()`` reads the current full weights (``full_state_dict``) and a
+    transformers model's ``save_pretrained(dir)`` is the engine's. Instance attributes, which
+    close() removes."""
     module_zero_grad = model.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
@@ -43,8 +46,54 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         engine._check_open("load_state_dict")
         return load_module_state_dict(engine, state_dict, strict=strict, assign=assign)
 
+    def state_dict(*args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
+        engine._check_open("state_dict")
+        if args:        # torch's deprecated positional form
+            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3] \
+                if len(args) == 1 else (*args, keep_vars)[:3]
+        return full_state_dict(engine, destination, prefix, keep_vars)
+
     model.zero_grad = zero_grad
     model.load_state_dict = load_state_dict
+    model.state_dict = state_dict
+    if _is_transformers_model(model):
+        model.save_pretrained = _routed_save_pretrained(model, engine)
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (not a PEFT wrapper, whose save_pretrained writes
+    its adapter from ``state_dict()``); transformers is loaded when such a model exists."""
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    return base is not None and isinstance(model, base)
+
+
+def _routed_save_pretrained(model: nn.Module, engine: "Engine"):
+    """``model.save_pretrained(dir)`` on a model the engine holds: the engine's streamed save
+    of its current weights (see ``Engine.save_pretrained``), where transformers' own would
+    read released parameters (0 elements) or a unit that lags a pending step. A
+    ``state_dict=`` given is the caller's whole dict, saved by transformers' method."""
+    own = type(model).save_pretrained
+
+    def save_pretrained(save_directory: Any, is_main_process: bool = True,
+                        state_dict: Mapping[str, Any] | None = None, push_to_hub: bool = False,
+                        max_shard_size: int | str = "5GB", variant: str | None = None,
+                        safe_serialization: bool = True, **kwargs: Any) -> None:
+        if push_to_hub:
+            raise ValueError("model.save_pretrained(push_to_hub=True) on a model an infinity "
+                             "engine holds: save to a directory, then upload it")
+        if variant is not None or safe_serialization is False:
+            raise ValueError("model.save_pretrained on a model an infinity engine holds writes "
+                             "model.safetensors (or its shards) only: no variant, no pickle")
+        if state_dict is not None:
+            return own(model, save_directory, is_main_process=is_main_process,
+                       state_dict=state_dict, max_shard_size=max_shard_size, **kwargs)
+        # every rank takes part (units are gathered over the ranks); rank 0 writes
+        engine.save_pretrained(save_directory, max_shard_size=max_shard_size)
+        return None
+
+    return save_pretrained
 
 
 def unroute_module_methods(model: nn.Module) -> None:

@@ -76,3 +76,23 @@ def load_module_state_dict(engine: "Engine", state_dict: Mapping[str, Any], stri
             if name in state_dict:
                 buf.copy_(state_dict[name])
     return _IncompatibleKeys(missing, unexpected)
+
+
+def full_state_dict(engine: "Engine", destination: Any = None, prefix: str = "",
+                    keep_vars: bool = False) -> dict[str, Any]:
+    """``model.state_dict()`` on a model an engine holds: every parameter's current full value
+    (a copy, after any pending step has landed; released parameters would be empty, and a
+    unit still fetched may lag a deferred step), when the model fits in the host budget; else
+    an error naming the streamed save. With several ranks every rank calls it (each unit is
+    gathered)."""
+    nbytes = sum(u.numel for u in engine.units) * engine.compute_dtype.itemsize
+    limit = engine.manager.host_budget.limit
+    if limit is not None and nbytes > limit:
+        raise RuntimeError(
+            f"model.state_dict() on a model an infinity engine holds would gather its "
+            f"{nbytes / 2**30:.2f} GiB of parameters into host memory, more than the host "
+            f"budget ({limit / 2**30:.2f} GiB). Save the weights streamed, a unit at a time: "
+            "engine.save_pretrained(dir) (a transformers directory) or "
+            "engine.save_checkpoint(dir); read single parameters under "
+            "infinity.zero.GatheredParameters")
+    return engine.module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)

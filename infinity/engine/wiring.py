@@ -21,6 +21,7 @@ from infinity.storage.tiers import Tier, deeper
 from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.materialize import materialize_params
 from infinity.zero.partition import UnitSpec
+from infinity.zero.protocols import UnitValues
 from infinity.zero.unit import Unit
 
 log = get_logger("engine")
@@ -45,14 +46,14 @@ def state_tiers(config: InfinityConfig, device: torch.device,
 
 
 def tier_manager(config: InfinityConfig, device: torch.device, sizes: EngineSizes,
-                 nvme_path: str | None) -> TierManager:
+                 nvme_path: str | None, rank: int = 0) -> TierManager:
     """The tier manager with the budgets ``sizes`` gives, its swap space reserved up front."""
     manager = TierManager(
         host_budget=MemoryBudget("host", sizes.host_budget,
                                  host_budget_note(config, device, sizes)),
         device_budget=MemoryBudget("device", sizes.device_budget),
         nvme_path=nvme_path, aio_config=config.aio, device=device,
-        swap_check=config.infinity.swap_check)
+        swap_check=config.infinity.swap_check, rank=rank)
     manager.nvme_reserve_bytes = sizes.nvme_bytes
     return manager
 
@@ -60,13 +61,17 @@ def tier_manager(config: InfinityConfig, device: torch.device, sizes: EngineSize
 def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], device: torch.device,
                 compute_dtype: torch.dtype, manager: TierManager, param_tier: Tier, *,
                 staging: BufferPool | None, persistence_threshold: int | None,
-                doubled: bool, comm: Collectives = NO_COMM,
-                stage: int = 3) -> tuple[list[Unit], dict[nn.Parameter, nn.Parameter]]:
+                doubled: bool, comm: Collectives = NO_COMM, stage: int = 3,
+                values: UnitValues | None = None,
+                ) -> tuple[list[Unit], dict[nn.Parameter, nn.Parameter]]:
     """The units of ``specs``, each adopted into ``param_tier`` (persistent on the device when
     ``persistence_threshold`` is None, below stage 3, or the unit is no larger), and the
     parameters that were materialized (meta or zero.Init-released ones) as {old: new}; the
     ``groups``' params are replaced in place. With several ranks each unit is cut in shards
-    (stages 1-3) whose parameters are sharded at stage 3 (see [Note: shards] in zero/unit.py)."""
+    (stages 1-3) whose parameters are sharded at stage 3 (see [Note: shards] in zero/unit.py).
+    ``values``: where the parameters it provides take their first values (a pretrained
+    checkpoint), read into each unit as it is adopted instead of initialised, so each home is
+    written once."""
     shards = comm.world_size if stage >= 1 else 1
     group_of = {}
     for index, group in enumerate(groups):
@@ -77,7 +82,9 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
     # full shapes by id: units built before a later one's init runs are released by then
     full_shapes = {id(p): p.shape for spec in specs for _, p in spec.params}
     for index, spec in enumerate(specs):
-        for name, old, new in materialize_params(model, spec.params, device, full_shapes):
+        provided = values.provides if values is not None else None
+        for name, old, new in materialize_params(model, spec.params, device, full_shapes,
+                                                 provided):
             replacements[old] = new
             full_shapes[id(new)] = old.shape
             group_of[new] = group_of.pop(old, -1)
@@ -90,7 +97,7 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
         # A unit stays on the device when all of it is below the persistence threshold.
         persistent = persistence_threshold is None or unit.numel <= persistence_threshold
         unit.adopt(manager, param_tier, persistent, staging=staging,
-                   doubled=doubled and unit.has_trainable)
+                   doubled=doubled and unit.has_trainable, values=values)
         units.append(unit)
     for group in groups:
         group["params"] = [replacements.get(p, p) for p in group["params"]]

@@ -67,7 +67,7 @@ from infinity.planner.engine_sizes import step_slot_count
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
-from infinity.zero.protocols import Wait
+from infinity.zero.protocols import UnitValues, Wait
 from infinity.zero.unit import ParamEntry, Unit
 
 log = get_logger("optim")
@@ -98,7 +98,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                  master_separate: bool, staging_pool: BufferPool | None,
                  adamw_mode: bool = True, threads: int | None = None,
                  speculation: str = "off", defaults: dict | None = None,
-                 comm: Collectives = NO_COMM, shard_states: bool = False) -> None:
+                 comm: Collectives = NO_COMM, shard_states: bool = False,
+                 values: UnitValues | None = None) -> None:
         super().__init__(param_groups, defaults=dict(defaults or {}))
         self._groups_fixed = True    # see add_param_group
         speculation = "off" if early_step else speculation   # see [Note: speculative step]
@@ -153,7 +154,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                                doubled=doubled),
                 master, grad_store, shard=(lo, hi) if shard_states else None))
             if master is not None:
-                self._init_master(unit, master, (lo, hi))
+                self._init_master(unit, master, (lo, hi), values)
         self._by_unit = {s.unit.index: s for s in self.states}
         # see [Note: held gradients]: a room of HELD_ROOM_UNITS (optim/held_room.py)
         self.holds_grads = (early_step or doubled) and gradients_held(manager.device) and \
@@ -237,9 +238,17 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     # -- set-up ----------------------------------------------------------------------------
     def _init_master(self, unit: Unit, master: FlatStore,
-                     span: tuple[int, int] | None = None) -> None:
+                     span: tuple[int, int] | None = None,
+                     values: UnitValues | None = None) -> None:
         """Seed the fp32 master from the unit's current parameters (its range ``span`` of
-        them, by default the state's)."""
+        them, by default the state's), or from ``values`` when it provides every parameter of
+        the range (a pretrained checkpoint: read again in fp32, not from the unit's home,
+        so a 16-bit compute copy loses nothing of an fp32 file)."""
+        if span is not None and values is not None and all(
+                values.provides(e.name) for e in unit.params
+                if e.offset < span[1] and e.offset + e.numel > span[0]):
+            self._master_from(unit, master, span, values)
+            return
         was_released = unit.residency != Residency.FETCHED
         if was_released:   # the own shard is all the range needs
             unit.finish_fetch(self.manager, self.staging_pool, gather=False)
@@ -256,6 +265,16 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.manager.wait(master.store_async(buf))
         if was_released:
             unit.release(self.manager)
+
+    def _master_from(self, unit: Unit, master: FlatStore, span: tuple[int, int],
+                     values: UnitValues) -> None:
+        lo, hi = span
+        if master.resident:
+            unit.fill_range(values, lo, hi, master.tensor[: hi - lo])
+            return
+        buf = self.manager.host_empty(master.padded, torch.float32, what="master init")
+        unit.fill_range(values, lo, hi, buf[: hi - lo])
+        self.manager.wait(master.store_async(buf))
 
     def reload_master(self, unit: Unit) -> None:
         """The unit's parameters were changed by hand: make the fp32 master match them."""
@@ -283,7 +302,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 self.timers.grad_s += time.perf_counter() - start
             return False
         self.gradients.zero_unwritten(state)
+        comm_before = self.comm.counters.comm_s
         self.gradients.reduce(state)    # over the ranks (see [Note: gradients over ranks])
+        start += self.comm.counters.comm_s - comm_before   # counted in comm_s, not here
         if self.early_step:
             self._submit_ready(state, self.gradients.take(state),
                                self.gradients.take_arrived(state))
@@ -422,15 +443,16 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if self.on_user_step is not None and not self.engine_stepping:
             self.on_user_step()
             return None
-        start = time.perf_counter()
+        start, comm_before = time.perf_counter(), self.comm.counters.comm_s
         self.overflow = False
         try:
             if self.early_step:
                 self._finish_early_steps()
             else:
                 self._queue_deferred_steps()
-        finally:
-            self.timers.optimizer_s += time.perf_counter() - start
+        finally:   # the norm's all-reduce is counted in comm_s, not here
+            self.timers.optimizer_s += time.perf_counter() - start - \
+                (self.comm.counters.comm_s - comm_before)
 
     def _queue_deferred_steps(self) -> None:
         self.speculator.collect_norms()

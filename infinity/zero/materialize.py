@@ -22,7 +22,7 @@ while they are meta, so it is lost; the model's own init methods run instead.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -35,18 +35,30 @@ KEEP_VALUE_NUMEL = 1 << 20
 
 
 def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
-                       device: torch.device, full_shapes: Mapping[int, torch.Size] | None = None
+                       device: torch.device, full_shapes: Mapping[int, torch.Size] | None = None,
+                       provided: Callable[[str], bool] | None = None,
                        ) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
     """Replace the meta parameters among ``params``; returns (name, old, new) for each.
     ``full_shapes``: by ``id``, the shapes of parameters already offloaded (released, 0
-    elements), which an init reading another module's weight sees in their stand-ins."""
+    elements), which an init reading another module's weight sees in their stand-ins.
+    ``provided(name)``: the parameter's values come from elsewhere (a pretrained checkpoint,
+    see ``UnitValues`` in zero/protocols.py), read into the unit's buffer when it is adopted:
+    it is neither initialised nor given memory here (a stand-in of its shape whose elements
+    all view one zero)."""
     meta = [(name, p) for name, p in params if p.device.type == "meta"]
     if not meta:
         return []
     _refuse_parametrized(model, {id(p) for _, p in meta})
     replaced: list[tuple[str, nn.Parameter, nn.Parameter]] = []
     valued: set[int] = set()      # new parameters that got the value they were built with
+    skipped: set[int] = set()     # new parameters whose values come from ``provided``
     for name, old in meta:
+        if provided is not None and provided(name):
+            stand_in = torch.zeros((), dtype=old.dtype, device=device).expand(old.shape)
+            new = nn.Parameter(stand_in, requires_grad=old.requires_grad)
+            replaced.append((name, old, new))
+            skipped.add(id(new))
+            continue
         built = getattr(old, VALUE_ATTR, None)
         value = torch.zeros(old.shape, dtype=old.dtype, device=device) if built is None else \
             built.to(device=device, dtype=old.dtype, copy=True)
@@ -69,7 +81,9 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
                 touched = True
         if touched:
             owners.append(module)
-    new_ids = {id(new) for _, _, new in replaced}
+    new_ids = {id(new) for _, _, new in replaced} - skipped
+    if not new_ids:
+        return replaced
     init_weights = getattr(model, "_init_weights", None)
     shapes = full_shapes or {}
     with torch.no_grad():
@@ -78,7 +92,7 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
         else:
             for module in owners:
                 mine = {id(p) for p in module._parameters.values()
-                        if p is not None and initialiser.get(id(p)) is module}
+                        if p is not None and initialiser.get(id(p)) is module} - skipped
                 if mine:
                     with _foreign_params_on_meta([module], mine, shapes):
                         _reset(module, all_built=mine <= valued)

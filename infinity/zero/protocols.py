@@ -6,6 +6,9 @@
   fetched and when it lets it go (see [Note: the life of a step job] in optim/records.py).
 - ``PassOwner``: whoever runs the passes (the engine). It is told before the model is read,
   when a forward changed parameters in place, and around a backward it did not start.
+- ``UnitValues``: where the first values of parameters come from when not from the model's
+  init (a pretrained checkpoint, checkpoint/pretrained.py): read straight into each unit's
+  flat buffer as the unit is adopted, so that homes are written once.
 
 ``NO_STEPPER`` and ``NO_PASS_OWNER`` do nothing (a coordinator without an optimizer: tests,
 tools).
@@ -79,6 +82,18 @@ class PassOwner(Protocol):
 
     def end_untracked_backward(self) -> None:
         """That backward is over."""
+
+
+class UnitValues(Protocol):
+    """The first values of some parameters, by their ``state_dict`` name (any of a tied
+    parameter's names)."""
+
+    def provides(self, name: str) -> bool:
+        """Whether parameter ``name`` takes its values from here (else from the model's init)."""
+
+    def fill(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` (contiguous, 1-D, of any floating dtype, on any device) with elements
+        [start, start + out.numel()) of parameter ``name`` flattened, cast to ``out``'s dtype."""
 
 
 class _NoStepper:

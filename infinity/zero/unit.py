@@ -47,6 +47,7 @@ from infinity.planner.alignment import flat_layout, shard_numel
 from infinity.storage.buffer_pool import wait_and_release
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, ResidencyState, Tier
+from infinity.zero.protocols import UnitValues
 
 log = get_logger("zero")
 
@@ -145,11 +146,13 @@ class Unit:
 
     # -- building ------------------------------------------------------------------------
     def adopt(self, manager: TierManager, param_home: Tier, persistent: bool, staging=None,
-              doubled: bool = False) -> None:
+              doubled: bool = False, values: UnitValues | None = None) -> None:
         """Take the parameters' current values into the flat buffer and point them at it.
 
         With a HOST/NVME param home the values go to the home tier and the unit ends RELEASED
-        (unless persistent); with a DEVICE home the unit stays FETCHED for good.
+        (unless persistent); with a DEVICE home the unit stays FETCHED for good. ``values``:
+        the parameters it provides are read from it instead (a pretrained checkpoint), only
+        the range the home holds when the unit is released after (its own shard at stage 3).
         """
         # sharded at stage 3, a DEVICE home holds the own shard (see [Note: shards])
         self.persistent = persistent or (param_home is Tier.DEVICE and not self.params_sharded)
@@ -157,10 +160,15 @@ class Unit:
         self.param_home = Tier.DEVICE if self.persistent else param_home
         self._allocate_device(manager)
         with torch.no_grad():
-            self.flat.zero_()
-            for entry in self.params:
-                self.flat[entry.offset:entry.offset + entry.numel].copy_(
-                    entry.param.detach().reshape(-1))
+            if values is None:
+                self.flat.zero_()
+                for entry in self.params:
+                    self.flat[entry.offset:entry.offset + entry.numel].copy_(
+                        entry.param.detach().reshape(-1))
+            else:
+                lo, hi = (0, self.flat_numel) if self.persistent else \
+                    (self.home_start, self.home_start + self.home_numel)
+                self.fill_range(values, lo, hi, self.flat[lo:hi])
         self.residency.to(Residency.FETCHED)
         self._point_params()
         if not self.persistent:
@@ -169,6 +177,25 @@ class Unit:
                                               self.param_home, doubled=doubled)
             self.write_home(manager, staging)
             self.release(manager)
+
+    def fill_range(self, values: UnitValues, lo: int, hi: int, out: torch.Tensor) -> None:
+        """``out`` = elements [lo, hi) of the flat buffer's layout: the parameters ``values``
+        provides read from it, the others' current values, zeros between them."""
+        cursor = lo
+        for entry in sorted(self.params, key=lambda e: e.offset):
+            x, y = max(lo, entry.offset), min(hi, entry.offset + entry.numel)
+            if x >= y:
+                continue
+            if cursor < x:
+                out[cursor - lo:x - lo].zero_()
+            piece = out[x - lo:y - lo]
+            if values.provides(entry.name):
+                values.fill(entry.name, x - entry.offset, piece)
+            else:
+                piece.copy_(entry.param.detach().reshape(-1)[x - entry.offset:y - entry.offset])
+            cursor = y
+        if cursor < hi:
+            out[cursor - lo:].zero_()
 
     def _point_params(self) -> None:
         for entry in self.params:

@@ -1,0 +1,336 @@
+"""The weights of a Hugging Face model directory, read straight into the engine's units.
+
+A pretrained directory holds ``model.safetensors``, or shards named by
+``model.safetensors.index.json`` (``{"weight_map": {tensor: file}}``). ``PretrainedWeights``
+opens it, checks it whole before anything is built (every file the index names is there and
+holds the tensors it is said to; the tensors match the model's parameters by name and shape:
+missing, unexpected and mismatched ones are listed in one error), then serves as the
+engine's ``UnitValues`` (zero/protocols.py): each unit, as it is placed in its home tier, has
+the range its home holds (its own shard at stage 3 with several ranks) read from the files
+into its buffer, converted to the compute dtype on the way. Nothing is initialised then
+overwritten, so an NVMe home is written once.
+
+Memory: a read goes straight into the unit's buffer when the dtypes agree, else through one
+bounded buffer (``CONVERT_BYTES``); the file's pages are dropped from the page cache behind each
+piece read (``READ_PIECE_BYTES``), so what a load holds is about one unit, whatever the size of
+the model. Names: a parameter matches the checkpoint under any of its names (tied weights:
+``lm_head.weight`` is ``model.embed_tokens.weight``), and the model's ``base_model_prefix`` is
+added or removed when the checkpoint was saved from the base model or the model with a head
+(as transformers does). Keys the model class says to ignore (``_keys_to_ignore_on_load_*``)
+and keys naming non-persistent buffers (an old checkpoint's rotary ``inv_freq``) are not
+unexpected.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from infinity.base.log import get_logger
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorInfo
+from infinity.zero.persistent_buffers import all_persistent_buffers
+
+log = get_logger("checkpoint")
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+READ_PIECE_BYTES = 32 << 20     # pages dropped from the page cache behind each piece read
+CONVERT_BYTES = 16 << 20        # the buffer a read goes through when dtypes differ
+LISTED = 20                     # names listed in an error, per kind
+
+
+class PretrainedMismatchError(CheckpointError):
+    """The checkpoint's tensors do not match the model's parameters (names or shapes)."""
+
+
+def weight_map(source: Path) -> tuple[Path, dict[str, str]]:
+    """(directory, {tensor name: file name}) of a pretrained ``source``: a directory with
+    ``model.safetensors.index.json`` or ``model.safetensors``, or one ``.safetensors`` file.
+    The files are not opened here (``PretrainedWeights`` checks them)."""
+    if source.is_file():
+        if source.name == INDEX_NAME:
+            return weight_map(source.parent)
+        if source.suffix != ".safetensors":
+            raise CheckpointError(f"{source}: not a safetensors file; infinity reads safetensors "
+                                  "only (no pickle): pass the model's directory or its "
+                                  "*.safetensors file")
+        with TensorFileReader(source) as reader:
+            return source.parent, {name: source.name for name in reader.tensors}
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source} does not exist: pass a local directory saved with "
+                                "save_pretrained (download a Hub model first, e.g. `hf download "
+                                "<repo> --local-dir DIR`)")
+    index = source / INDEX_NAME
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{index}: not valid JSON ({exc})") from None
+        mapping = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(mapping, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+            raise CheckpointError(f"{index}: no \"weight_map\" of tensor names to file names")
+        for name in set(mapping.values()):
+            if Path(name).name != name:
+                raise CheckpointError(f"{index}: file {name!r} is not a file name in {source}")
+        return source, dict(mapping)
+    single = source / SINGLE_NAME
+    if single.is_file():
+        return weight_map(single)
+    others = sorted(p.name for p in source.iterdir()
+                    if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    hint = ""
+    if any(not n.endswith(".safetensors") for n in others):
+        hint = (" It holds pickle files (pytorch_model.bin): infinity reads safetensors only; "
+                "convert them once with transformers (from_pretrained, then "
+                "save_pretrained)")
+    elif others:
+        hint = f" It holds {', '.join(others[:5])}: pass one of them as the path."
+    raise CheckpointError(f"{source} has no {SINGLE_NAME} and no {INDEX_NAME}.{hint}")
+
+
+@dataclass
+class _Source:
+    """Where a parameter's values are: a tensor of one file."""
+
+    reader: TensorFileReader
+    info: TensorInfo
+
+
+@dataclass
+class MatchReport:
+    """How the checkpoint's tensors matched the model (what ``strict=False`` lets pass)."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    missing_buffers: list[str] = field(default_factory=list)
+
+
+class PretrainedWeights:
+    """A pretrained directory's tensors, checked and matched to a model, served to the units
+    being placed (``provides`` / ``fill``, see ``UnitValues`` in zero/protocols.py)."""
+
+    def __init__(self, source: str | Path, *, drop_cache: bool = True) -> None:
+        self.directory, mapping = weight_map(Path(source))
+        self.drop_cache = drop_cache
+        self._readers: dict[str, TensorFileReader] = {}
+        self._tensors: dict[str, _Source] = {}
+        self._params: dict[str, _Source] = {}        # every name of each matched parameter
+        self._buffers: dict[str, _Source] = {}
+        self._convert: torch.Tensor | None = None
+        self.bytes_read = 0
+        try:
+            self._open(mapping)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, mapping: dict[str, str]) -> None:
+        by_file: dict[str, list[str]] = {}
+        for name, file in mapping.items():
+            by_file.setdefault(file, []).append(name)
+        absent = {f: names for f, names in by_file.items() if not (self.directory / f).is_file()}
+        if absent:
+            listed = "; ".join(f"{f} (holds {len(n)} tensors, e.g. {sorted(n)[0]})"
+                               for f, n in sorted(absent.items()))
+            raise CheckpointError(f"{self.directory}: the shard file(s) that {INDEX_NAME} "
+                                  f"names are missing: {listed}. Copy the whole directory "
+                                  "again (an interrupted download?)")
+        for file, names in sorted(by_file.items()):
+            reader = TensorFileReader(self.directory / file)
+            self._readers[file] = reader
+            lacking = sorted(set(names) - set(reader.tensors))
+            if lacking:
+                raise CheckpointError(
+                    f"{self.directory / file} lacks {len(lacking)} tensor(s) that {INDEX_NAME} "
+                    f"says it holds: {', '.join(lacking[:LISTED])}. The directory is damaged "
+                    "or its shards come from different saves")
+            for name in names:
+                self._tensors[name] = _Source(reader, reader.tensors[name])
+
+    # -- the match ----------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        """Every tensor name of the checkpoint."""
+        return list(self._tensors)
+
+    def file_of(self, key: str) -> Path:
+        return self._tensors[key].reader.path
+
+    def match(self, model: nn.Module, *, strict: bool = True,
+              ignore_mismatched_sizes: bool = False, prefix: str = "",
+              ignore_unexpected: Sequence[str] = (),
+              ignore_missing: Sequence[str] = ()) -> MatchReport:
+        """Match the checkpoint to ``model``'s parameters (their full shapes: a model on the
+        meta device or under ``zero.Init``) and persistent buffers. Raises
+        ``PretrainedMismatchError`` listing what is wrong: shapes that differ (unless
+        ``ignore_mismatched_sizes``: those parameters keep the model's init), and, with
+        ``strict``, parameters the checkpoint lacks and tensors the model lacks. Unmatched
+        parameters keep the model's init, as transformers leaves them (logged). ``prefix``:
+        the model's ``base_model_prefix``; ``ignore_unexpected`` / ``ignore_missing``:
+        patterns (regular expressions) of names that are neither."""
+        key_for = _key_mapper(model, self._tensors, prefix)
+        names_of: dict[int, list[str]] = {}
+        params: dict[int, nn.Parameter] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(name)
+            params[id(p)] = p
+        report = MatchReport()
+        used: set[str] = set()
+        for pid, names in names_of.items():
+            keys = [key_for(n) for n in names]
+            present = [k for k in keys if k in self._tensors]
+            used.update(present)
+            if not present:
+                report.missing.append(names[0])
+                continue
+            source = self._tensors[present[0]]
+            shape = tuple(params[pid].shape)
+            if source.info.shape != shape:
+                report.mismatched.append(
+                    f"{names[0]}: checkpoint {list(source.info.shape)} in "
+                    f"{source.reader.path.name}, model {list(shape)}")
+                continue
+            if not source.info.dtype.is_floating_point:
+                raise PretrainedMismatchError(
+                    f"{present[0]} in {source.reader.path} is {source.info.dtype}, but the "
+                    f"model's {names[0]} is a floating point parameter")
+            for n in names:
+                self._params[n] = source
+        persistent = all_persistent_buffers(model)
+        persistent_names = {n for n, _ in persistent}
+        for name, buf in persistent:
+            key = key_for(name)
+            if key not in self._tensors:
+                report.missing_buffers.append(name)
+                continue
+            used.add(key)
+            source = self._tensors[key]
+            if source.info.shape != tuple(buf.shape):
+                report.mismatched.append(f"{name} (buffer): checkpoint {list(source.info.shape)} "
+                                         f"in {source.reader.path.name}, model {list(buf.shape)}")
+                continue
+            self._buffers[name] = source
+        for name, _ in model.named_buffers(remove_duplicate=False):
+            if name not in persistent_names and key_for(name) in self._tensors:
+                used.add(key_for(name))       # rebuilt by the model: the saved copy is ignored
+        skip_unexpected = [re.compile(p) for p in ignore_unexpected]
+        skip_missing = [re.compile(p) for p in ignore_missing]
+        report.unexpected = sorted(k for k in self._tensors if k not in used
+                                   and not any(p.search(k) for p in skip_unexpected))
+        report.missing = [n for n in report.missing if not any(p.search(n) for p in skip_missing)]
+        self._check(report, strict, ignore_mismatched_sizes)
+        return report
+
+    def _check(self, report: MatchReport, strict: bool, ignore_mismatched: bool) -> None:
+        problems = []
+        if report.mismatched and not ignore_mismatched:
+            problems.append(f"{len(report.mismatched)} shape(s) differ: "
+                            + "; ".join(report.mismatched[:LISTED]))
+        if strict and report.missing:
+            problems.append(f"{len(report.missing)} parameter(s) of the model are not in it: "
+                            + ", ".join(report.missing[:LISTED]))
+        if strict and report.unexpected:
+            problems.append(f"{len(report.unexpected)} tensor(s) of it are not in the model: "
+                            + ", ".join(f"{k} ({self.file_of(k).name})"
+                                        for k in report.unexpected[:LISTED]))
+        if problems:
+            fixes = []
+            if report.mismatched and not ignore_mismatched:
+                fixes.append("ignore_mismatched_sizes=True initialises the mismatched ones")
+            if strict and (report.missing or report.unexpected):
+                fixes.append("strict=False loads what matches and initialises the rest")
+            raise PretrainedMismatchError(
+                f"the checkpoint in {self.directory} does not match the model: "
+                + " | ".join(problems) + " (nothing was loaded; " + "; ".join(fixes) + ")")
+        if report.mismatched:
+            log.warning("%s: %d parameter(s) of another shape keep the model's init: %s",
+                        self.directory, len(report.mismatched), "; ".join(report.mismatched[:5]))
+        if report.missing:
+            log.warning("%s: %d parameter(s) not in the checkpoint keep the model's init: %s",
+                        self.directory, len(report.missing), ", ".join(report.missing[:5]))
+        if report.unexpected:
+            log.warning("%s: %d tensor(s) not in the model were not loaded: %s",
+                        self.directory, len(report.unexpected), ", ".join(report.unexpected[:5]))
+        if report.missing_buffers:
+            log.info("%s: buffer(s) not in the checkpoint keep the model's values: %s",
+                     self.directory, ", ".join(report.missing_buffers[:5]))
+
+    # -- UnitValues ---------------------------------------------------------------------
+    def provides(self, name: str) -> bool:
+        return name in self._params
+
+    def fill(self, name: str, start: int, out: torch.Tensor) -> None:
+        source = self._params[name]
+        self._read(source, start, out)
+
+    def load_buffers(self, model: nn.Module) -> None:
+        """Copy the checkpoint's persistent buffers into ``model``'s (small: read whole)."""
+        buffers = dict(all_persistent_buffers(model))
+        with torch.no_grad():
+            for name, source in self._buffers.items():
+                buf = buffers[name]
+                value = torch.empty(source.info.shape, dtype=source.info.dtype)
+                if value.numel():
+                    self._read(source, 0, value.reshape(-1))
+                buf.copy_(value)
+
+    def _read(self, source: _Source, start: int, out: torch.Tensor) -> None:
+        n = out.numel()
+        if not n:
+            return
+        info, reader = source.info, source.reader
+        item = info.dtype.itemsize
+        direct = out.device.type == "cpu" and out.dtype == info.dtype and out.is_contiguous()
+        if direct:
+            step = max(1, READ_PIECE_BYTES // item)
+        else:
+            step = max(1, CONVERT_BYTES // item)
+            if self._convert is None or self._convert.numel() < step * item:
+                self._convert = torch.empty(CONVERT_BYTES, dtype=torch.uint8)
+        flat = out.reshape(-1) if out.is_contiguous() else out
+        for a in range(0, n, step):
+            c = min(step, n - a)
+            target = flat[a:a + c] if direct else self._convert[:c * item].view(info.dtype)
+            reader.read_into(info.name, target, start + a)
+            if self.drop_cache:
+                reader.drop_cached(info.name, start + a, c)
+            if not direct:
+                flat[a:a + c].copy_(target)
+            self.bytes_read += c * item
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self._convert = None
+
+    def __enter__(self) -> "PretrainedWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _key_mapper(model: nn.Module, keys: Iterable[str], prefix: str):
+    """name in the model -> its key in the checkpoint: the same, or with ``prefix`` (the
+    model's ``base_model_prefix``) removed (the checkpoint is a base model's, the model has a
+    head) or added (the other way), as transformers maps them."""
+    keys = set(keys)
+    if not prefix:
+        return lambda name: name
+    dot = prefix + "."
+    checkpoint_has = any(k.startswith(dot) for k in keys)
+    model_has = any(n.startswith(dot) for n, _ in model.named_parameters())
+    if model_has and not checkpoint_has:
+        return lambda name: name[len(dot):] if name.startswith(dot) else name
+    if checkpoint_has and not model_has:
+        return lambda name: dot + name
+    return lambda name: name
+

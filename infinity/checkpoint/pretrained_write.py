@@ -1,0 +1,395 @@
+"""Weights out as a Hugging Face directory: sharded safetensors with an index, ``config.json``.
+
+``save_pretrained(state, directory, ...)`` writes an engine's current weights (after its last
+step has landed), streamed unit by unit through the checkpoint chunks, so a model of any size
+needs about one chunk of host memory (with several ranks each unit is gathered, one at a time,
+and rank 0 writes). ``export_pretrained(checkpoint_dir, directory, ...)`` writes the same from
+a checkpoint with no engine (``infinity export``), reading each tensor's slices from every
+rank's file (DeepSpeed's ``zero_to_fp32`` with the Hugging Face layout).
+
+The layout is transformers': ``model.safetensors`` when the weights fit in ``max_shard_size``,
+else ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json`` (``{"metadata":
+{"total_size": bytes}, "weight_map": {tensor: file}}``); tensors in ``{"format": "pt"}``
+files, a shard closed before the tensor that would take it past the size (a tensor larger than
+the size gets a shard of its own). A tied parameter is written once, under the name
+transformers keeps (the source of the model's ``_tied_weights_keys``). Each file goes to a
+hidden temporary name, is fsync'd and renamed; the index comes last; the weight files of an
+earlier save in the directory that this one does not replace are removed (only names of
+transformers' weight layout), so a reader never mixes two saves.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Collection, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from infinity.base.log import get_logger
+from infinity.checkpoint.directory import checkpoint_directory, read_manifest_file, verify_files
+from infinity.checkpoint.layout import UnitLayout, model_file, persistent_buffers, unit_layouts
+from infinity.checkpoint.pretrained import INDEX_NAME, SINGLE_NAME
+from infinity.checkpoint.save import RankAgreement, check_at_rest
+from infinity.checkpoint.sliced import open_ranks
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter, itemsize
+from infinity.checkpoint.training_state import TrainingState
+from infinity.checkpoint.unit_io import ChunkPool, parts_of, read_chunks, save_entries
+
+log = get_logger("checkpoint")
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+EXPORT_PIECE_BYTES = 16 << 20      # an export reads each tensor this much at a time
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+# files of a pretrained directory besides weights and config that a save carries over
+CARRIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                 "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                 "preprocessor_config.json", "spiece.model", "vocab.txt")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def shard_bytes(value: int | str) -> int:
+    """``max_shard_size`` as bytes: an int, or transformers' strings ("5GB" = 5e9 bytes,
+    "500MiB" = 500 * 2**20)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", value.upper())
+        if not m or m.group(2) not in _UNITS:
+            raise ValueError(f"max_shard_size {value!r}: expected bytes or a size like "
+                             "\"5GB\" or \"500MiB\"")
+        size = int(float(m.group(1)) * _UNITS[m.group(2)])
+    else:
+        raise TypeError(f"max_shard_size must be an int or a string like \"5GB\", got "
+                        f"{type(value).__name__}")
+    if size <= 0:
+        raise ValueError(f"max_shard_size {value!r} must be positive")
+    return size
+
+
+def out_dtype(value: Any, default: torch.dtype) -> torch.dtype:
+    """The dtype asked for (None: ``default``): a torch dtype or "fp32", "bf16", "fp16"."""
+    if value is None:
+        return default
+    if isinstance(value, torch.dtype) and value in (torch.float32, torch.bfloat16, torch.float16):
+        return value
+    if isinstance(value, str) and value.lower().replace("torch.", "") in DTYPES:
+        return DTYPES[value.lower().replace("torch.", "")]
+    raise ValueError(f"dtype {value!r}: expected one of fp32, bf16, fp16 (or the torch dtypes)")
+
+
+Table = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def plan_shards(tensors: Table, max_bytes: int) -> list[Table]:
+    """The tensors split into files of at most ``max_bytes`` each, in order (transformers'
+    rule: a tensor that would take a shard past the size starts the next one)."""
+    shards: list[Table] = [[]]
+    size = 0
+    for name, dtype, shape in tensors:
+        n = itemsize(dtype)
+        for d in shape:
+            n *= d
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, dtype, shape))
+        size += n
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+class ShardedWriter:
+    """Writes ``tensors`` into transformers' sharded layout in ``directory``, in order:
+    ``append(name, values)`` as ``TensorFileWriter`` takes them; ``close()`` commits."""
+
+    def __init__(self, directory: Path, tensors: Table, max_bytes: int) -> None:
+        self.directory = directory
+        self.plan = plan_shards(tensors, max_bytes)
+        self.names = shard_names(len(self.plan))
+        self.file_of = {t[0]: file for file, shard in zip(self.names, self.plan) for t in shard}
+        self.total = sum(itemsize(d) * _numel(s) for _, d, s in tensors)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._index = -1
+        self._writer: TensorFileWriter | None = None
+        self._written: list[Path] = []
+        self._next()
+
+    def _partial(self, index: int) -> Path:
+        return self.directory / f".{self.names[index]}.partial"
+
+    def _next(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._written.append(self._partial(self._index))
+            self._writer = None
+        self._index += 1
+        while self._index < len(self.plan):
+            shard = self.plan[self._index]
+            path = self._partial(self._index)
+            path.unlink(missing_ok=True)
+            self._writer = TensorFileWriter(path, shard, {"format": "pt"})
+            if not self._writer.complete:
+                return
+            self._writer.close()        # only empty tensors: complete already
+            self._written.append(path)
+            self._writer = None
+            self._index += 1
+
+    def append(self, name: str, values: torch.Tensor) -> None:
+        if self._writer is None:
+            raise ValueError(f"{self.directory}: every tensor is written; got more for {name}")
+        self._writer.append(name, values)
+        if self._writer.complete:
+            self._next()
+
+    def close(self) -> list[Path]:
+        """Rename the files into place, write the index (several files), remove what an
+        earlier save left that this one does not replace; the files written."""
+        if self._writer is not None or self._index < len(self.plan):
+            self.abort()
+            raise ValueError(f"{self.directory}: not every tensor was written")
+        old_files = _weight_files(self.directory)
+        final = []
+        for partial, name in zip(self._written, self.names):
+            os.replace(partial, self.directory / name)
+            final.append(self.directory / name)
+        index = self.directory / INDEX_NAME
+        if len(self.names) > 1:
+            body = {"metadata": {"total_size": self.total},
+                    "weight_map": dict(sorted(self.file_of.items()))}
+            write_text(index, json.dumps(body, indent=2) + "\n")
+        else:
+            index.unlink(missing_ok=True)
+        for stale in old_files - set(self.names):
+            (self.directory / stale).unlink(missing_ok=True)
+        _fsync_dir(self.directory)
+        return final
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        for i in range(len(self.plan)):
+            self._partial(i).unlink(missing_ok=True)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _weight_files(directory: Path) -> set[str]:
+    """The weight files of transformers' layout in ``directory`` (an earlier save's)."""
+    return {p.name for p in directory.iterdir() if _WEIGHT_FILE.match(p.name)}
+
+
+def write_text(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary name (fsync'd, renamed)."""
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_model_files(directory: Path, texts: Mapping[str, str],
+                      carry_from: Path | None) -> None:
+    """``config.json`` and the like (``texts``: file name -> its text), then the files of
+    ``CARRIED_FILES`` that ``carry_from`` (the directory the model was loaded from) has and
+    ``texts`` does not."""
+    for name, text in texts.items():
+        write_text(directory / name, text)
+    if carry_from is None or Path(carry_from).resolve() == directory.resolve():
+        return
+    for name in CARRIED_FILES:
+        src = Path(carry_from) / name
+        if name not in texts and src.is_file():
+            shutil.copyfile(src, directory / name)
+
+
+# -- from an engine ---------------------------------------------------------------------------
+def saved_names(model: nn.Module, layouts: Sequence[UnitLayout],
+                tie_targets: Collection[str] = ()) -> dict[Any, str]:
+    """Each entry's name in the files: its own, or for a tied parameter a name that is not
+    among ``tie_targets`` (the names a model ties to another: ``lm_head.weight`` ->
+    ``model.embed_tokens.weight``)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    chosen = {}
+    for lay in layouts:
+        for entry in lay.entries:
+            aliases = names.get(id(entry.param), [entry.name])
+            kept = [n for n in aliases if n not in tie_targets]
+            chosen[entry] = entry.name if entry.name in kept or not kept else kept[0]
+    return chosen
+
+
+def save_pretrained(state: TrainingState, directory: str | Path, *,
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                    dtype: torch.dtype | None = None, texts: Mapping[str, str] | None = None,
+                    carry_from: Path | None = None, tie_targets: Collection[str] = (),
+                    what: str = "save_pretrained") -> Path:
+    """The engine's current weights (every unit, after the last step lands) and persistent
+    buffers into ``directory`` in ``dtype`` (None: the compute dtype), with ``texts``
+    (config.json ...) and the files ``carry_from`` has; a tied parameter under a name not in
+    ``tie_targets`` (``saved_names``). Every rank calls it; rank 0 writes."""
+    directory = Path(directory)
+    max_bytes = shard_bytes(max_shard_size)
+    check_at_rest(state, what)
+    state.flush()
+    dtype = dtype or state.compute_dtype
+    layouts = unit_layouts(state)
+    names = saved_names(state.module, layouts, tie_targets)
+    buffers = persistent_buffers(state.module)
+    tensors: Table = [(names[e], dtype, tuple(e.shape)) for lay in layouts for e in lay.entries]
+    tensors += [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
+    dup = {n for n in (t[0] for t in tensors) if sum(1 for t in tensors if t[0] == n) > 1}
+    if dup:
+        raise CheckpointError(f"{what}: two tensors would be saved as {sorted(dup)[0]}")
+    writes = state.rank == 0
+
+    def write() -> Path:
+        writer = ShardedWriter(directory, tensors, max_bytes) if writes else None
+        try:
+            _stream_units(state, layouts, names, dtype, writer)
+            if writer is not None:
+                for name, buf in buffers:      # in their own dtype, as state_dict has them
+                    if buf.numel():
+                        writer.append(name, buf.detach())
+                writer.close()
+                write_model_files(directory, texts or {}, carry_from)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        return directory
+
+    if state.world_size > 1:
+        return RankAgreement(state, "no file was written").all_succeed(write, "save the weights")
+    return write()
+
+
+def _stream_units(state: TrainingState, layouts: Sequence[UnitLayout], names, dtype: torch.dtype,
+                  writer: ShardedWriter | None) -> None:
+    chunks = ChunkPool(state.manager, state.lendable_pools)
+
+    def emit(part, values: torch.Tensor) -> None:
+        if writer is not None:
+            writer.append(names[part[0]], values.to(dtype))
+
+    for lay in layouts:
+        # an fp32 save of a 16-bit engine reads the trainable parameters' fp32 master
+        from_master = dtype == torch.float32 and lay.master is not None and bool(lay.trainable)
+        if state.world_size > 1:
+            with state.gathered(lay.unit):
+                if from_master:
+                    full = _gathered_master(state, lay, chunks)
+                    save_entries(full, parts_of(lay.trainable), chunks, emit)
+                    save_entries(lay.unit.flat, parts_of(lay.frozen), chunks, emit)
+                else:
+                    save_entries(lay.unit.flat, parts_of(lay.entries), chunks, emit)
+            continue
+        if from_master:
+            master = lay.placed_state(lay.master)
+            save_entries(master.source, parts_of(lay.trainable, master.covers), chunks, emit,
+                         origin=master.origin)
+            placed, entries = lay.placed_params, lay.frozen
+        else:
+            placed, entries = lay.placed_params, lay.entries
+        save_entries(placed.source, parts_of(entries, placed.covers), chunks, emit,
+                     origin=placed.origin)
+
+
+def _gathered_master(state: TrainingState, lay: UnitLayout, chunks: ChunkPool) -> torch.Tensor:
+    """The unit's fp32 master whole, on every rank: each rank's own range of it (its shard of
+    the trainable part), all-gathered (one unit of fp32 host memory)."""
+    unit = lay.unit
+    full = torch.zeros(unit.flat_numel, dtype=torch.float32)
+    placed = lay.placed_state(lay.master)
+    lo, hi = placed.covers
+    if hi > lo:
+        for a, values in read_chunks(placed.source, 0, hi - lo, chunks):
+            full[lo + a:lo + a + values.numel()].copy_(values[:hi - lo - a])
+    state.comm.all_gather(full, tag=unit.index)
+    return full
+
+
+# -- from a checkpoint (no engine) --------------------------------------------------------
+def export_pretrained(checkpoint_dir: str | Path, directory: str | Path, *,
+                      tag: str | None = None, dtype: torch.dtype | None = torch.float32,
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                      texts: Mapping[str, str] | None = None, carry_from: Path | None = None,
+                      verify_checksums: bool = True) -> Path:
+    """A checkpoint's weights (trainable ones from their fp32 master) as a transformers
+    directory in ``dtype`` (None: as stored: fp32 masters, frozen ones in the compute dtype),
+    a tensor at a time; ``config.json`` from ``texts`` or else the checkpoint's manifest
+    (``model_files``, saved by engines over a transformers model)."""
+    root = Path(checkpoint_dir)
+    source = checkpoint_directory(root, tag)
+    if source is None:
+        raise CheckpointError(f"{root} holds no checkpoint manifest and no 'latest' file; pass "
+                              "a checkpoint directory or --tag")
+    manifest = read_manifest_file(source)
+    from infinity.checkpoint.load import saved_ranks
+
+    files = [model_file(r) for r in range(saved_ranks(manifest, source))]
+    verify_files(source, manifest, verify_checksums, files)
+    params = {name: p for name, p in manifest.get("params", {}).items() if isinstance(p, dict)}
+    shapes = {name: p.get("shape", []) for name, p in params.items()}
+    model_texts = dict(texts or {})
+    saved_texts = manifest.get("model_files") or {}
+    for name, text in saved_texts.items():
+        if isinstance(name, str) and isinstance(text, str) and Path(name).name == name:
+            model_texts.setdefault(name, text)
+    if "config.json" not in model_texts:
+        log.warning("export %s: the checkpoint holds no config.json (its model was not a "
+                    "transformers model, or an older infinity saved it): pass --config",
+                    source)
+    out = Path(directory)
+    with open_ranks(source, files, shapes) as reader:
+        table: Table = []
+        for name, info in reader.tensors.items():
+            keep = info.dtype if dtype is None or not info.dtype.is_floating_point else dtype
+            table.append((name, keep, tuple(info.shape)))
+        writer = ShardedWriter(out, table, shard_bytes(max_shard_size))
+        try:
+            buf = torch.empty(EXPORT_PIECE_BYTES, dtype=torch.uint8)
+            for name, keep, shape in table:
+                info = reader.info(name)
+                step = max(1, EXPORT_PIECE_BYTES // itemsize(info.dtype))
+                n = _numel(shape)
+                for a in range(0, n, step):
+                    piece = buf[:min(step, n - a) * itemsize(info.dtype)].view(info.dtype)
+                    reader.read_into(name, piece, a)
+                    writer.append(name, piece.to(keep))
+            writer.close()
+            write_model_files(out, model_texts, carry_from)
+        except BaseException:
+            writer.abort()
+            raise
+    return out

@@ -1,0 +1,227 @@
+"""``infinity.from_pretrained`` and ``engine.save_pretrained``: Hugging Face directories in and out.
+
+In: the model is built from the directory's ``config.json`` under ``zero.Init`` (on the meta
+device: no memory, no init), the checkpoint is checked against it whole (files, names,
+shapes: checkpoint/pretrained.py), then the engine places each unit with its values read
+straight from the files into its home (``UnitValues``, zero/protocols.py): one unit in memory
+at a time, each NVMe home written once, the fp32 master read in fp32, the Adam moments zero
+without a write. The tuple returned is ``initialize``'s.
+
+Out: the current weights as transformers writes them (checkpoint/pretrained_write.py), with
+``config.json``, the generation config and, for a model loaded from a directory, its
+tokenizer files.
+
+[Note: the dtype of a saved model]
+``dtype=None`` saves in the compute dtype, DeepSpeed's ``save_16bit_model``; except at stage 3
+with ``stage3_gather_16bit_weights_on_model_save`` false, where DeepSpeed gathers no 16-bit
+weights and its users take the fp32 weights (``zero_to_fp32``): there the save is fp32, read
+from the fp32 masters. Streaming makes both cheap (a unit at a time), so the flag chooses the
+precision, never whether the weights are written.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from infinity.base.log import get_logger
+from infinity.checkpoint.pretrained import PretrainedWeights
+from infinity.checkpoint.pretrained_write import (
+    DEFAULT_MAX_SHARD_SIZE,
+    out_dtype,
+    save_pretrained as write_pretrained,
+)
+from infinity.zero.init import Init
+
+if TYPE_CHECKING:
+    from infinity.engine.engine import Engine
+
+log = get_logger("engine")
+
+# from_pretrained's keyword arguments of transformers that mean something else here
+_MODEL_KWARGS = ("attn_implementation", "trust_remote_code", "experts_implementation")
+_HARMLESS = ("local_files_only", "low_cpu_mem_usage", "cache_dir", "force_download",
+             "_fast_init", "output_loading_info")
+_REFUSED = {
+    "device_map": "the engine places every state itself (its tiers come from the config)",
+    "max_memory": "the engine's budgets come from the config's \"infinity\" section",
+    "offload_folder": "the engine offloads to zero_optimization.offload_*.nvme_path",
+    "quantization_config": "quantized weights are not supported",
+    "load_in_8bit": "quantized weights are not supported",
+    "load_in_4bit": "quantized weights are not supported",
+    "tp_plan": "tensor parallelism is not supported (ZeRO shards over data-parallel ranks)",
+    "state_dict": "pass the directory; its files are streamed unit by unit",
+    "variant": "pass the variant's file (or the directory of one) as the path",
+    "gguf_file": "infinity reads safetensors only",
+    "from_tf": "infinity reads safetensors only",
+    "from_flax": "infinity reads safetensors only",
+    "revision": "the path is a local directory (download the revision first)",
+    "token": "the path is a local directory (download it first)",
+}
+
+
+def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = None, *,
+                    model_class: Any = None, strict: bool = True,
+                    ignore_mismatched_sizes: bool = False, optimizer: Any = None,
+                    model_parameters: Iterable | None = None, lr_scheduler: Any = None,
+                    training_data: Any = None, collate_fn: Callable | None = None,
+                    auto_values: Mapping[str, Any] | None = None, process_group: Any = None,
+                    args: Any = None, **hf_kwargs: Any):
+    """A transformers model from a local directory (``config.json`` + ``model.safetensors``,
+    or shards with ``model.safetensors.index.json``) trained by an engine:
+    ``(engine, optimizer, training_dataloader, lr_scheduler)`` as ``infinity.initialize``.
+
+    ``config``: the ds_config (as ``initialize``'s; or ``args.deepspeed_config``).
+    ``model_class``: the transformers class to build (default ``AutoModelForCausalLM``).
+    ``strict``: parameters the checkpoint lacks or tensors the model lacks are an error listing
+    them (False: they are logged, and the missing ones keep the model's init);
+    ``ignore_mismatched_sizes``: parameters of another shape keep the model's init instead of
+    an error. ``hf_kwargs``: ``attn_implementation``, ``trust_remote_code``, and config
+    overrides (``use_cache=False``, ...), as transformers' ``from_pretrained`` takes them;
+    ``dtype`` is the engine's compute dtype (the config's bf16 / fp16 sections), into which the
+    weights are converted. The model is in eval mode, as transformers returns it: call
+    ``engine.train()`` before training with dropout.
+    """
+    from infinity.engine.engine import Engine
+    from infinity.engine.entry import _config_source, training_loader
+
+    source = Path(pretrained_model_name_or_path)
+    directory = source if source.is_dir() else source.parent
+    config_source = _config_source(args, config, None)
+    weights = PretrainedWeights(source)          # the files are checked before anything else
+    try:
+        hf_config, model_kwargs = _hf_config(directory, hf_kwargs)
+        model = _build(hf_config, model_class, model_kwargs)
+        weights.match(model, strict=strict, ignore_mismatched_sizes=ignore_mismatched_sizes,
+                      prefix=getattr(model, "base_model_prefix", "") or "",
+                      ignore_unexpected=_patterns(model, "_keys_to_ignore_on_load_unexpected"),
+                      ignore_missing=_patterns(model, "_keys_to_ignore_on_load_missing"))
+        weights.load_buffers(model)
+        extra = {"optimizer": optimizer} if optimizer is not None else {}
+        engine = Engine(model, model_parameters, config_source, lr_scheduler=lr_scheduler,
+                        process_group=process_group, auto_values=auto_values, weights=weights,
+                        **extra)
+        log.info("loaded %s from %s (%.2f GB read)", type(model).__name__, weights.directory,
+                 weights.bytes_read / 1e9)
+    finally:
+        weights.close()
+    engine.pretrained_source = weights.directory
+    model.eval()
+    loader = None
+    if training_data is not None:
+        loader = training_loader(training_data, engine.config, collate_fn,
+                                 rank=engine.ranks.rank, world_size=engine.ranks.world_size)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _hf_config(directory: Path, hf_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The transformers config of ``directory`` with the overrides among ``hf_kwargs``, and
+    the keyword arguments for building the model."""
+    from transformers import AutoConfig
+
+    kwargs = dict(hf_kwargs)
+    refused = sorted(k for k in kwargs if k in _REFUSED)
+    if refused:
+        raise TypeError("infinity.from_pretrained: " + "; ".join(
+            f"{k}: {_REFUSED[k]}" for k in refused))
+    if kwargs.pop("use_safetensors", True) is False:
+        raise ValueError("infinity.from_pretrained reads safetensors only (no pickle): "
+                         "use_safetensors=False cannot be honoured")
+    for name in _HARMLESS:
+        kwargs.pop(name, None)
+    for name in ("dtype", "torch_dtype"):
+        asked = kwargs.pop(name, None)
+        if asked not in (None, "auto"):
+            log.info("from_pretrained(%s=%s): the engine computes in its compute dtype (the "
+                     "config's bf16 / fp16 sections) and converts the weights to it", name, asked)
+    model_kwargs = {k: kwargs.pop(k) for k in _MODEL_KWARGS if k in kwargs}
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} has no config.json: from_pretrained builds the "
+                                "model from it (save_pretrained writes it)")
+    trust = model_kwargs.get("trust_remote_code", False)
+    hf_config, unused = AutoConfig.from_pretrained(str(directory), return_unused_kwargs=True,
+                                                   trust_remote_code=trust, **kwargs)
+    if unused:
+        raise TypeError(f"infinity.from_pretrained got arguments that are neither options nor "
+                        f"attributes of the model's config: {sorted(unused)}")
+    return hf_config, model_kwargs
+
+
+def _build(hf_config: Any, model_class: Any, model_kwargs: dict[str, Any]) -> nn.Module:
+    """The model on the meta device (``zero.Init``: buffers real, no memory, no init)."""
+    if model_class is None:
+        from transformers import AutoModelForCausalLM
+
+        model_class = AutoModelForCausalLM
+    build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config")
+    with Init():
+        # built in fp32 (buffers computed as in a plain load); the engine converts the
+        # parameters to its compute dtype
+        return build(hf_config, dtype=torch.float32, **model_kwargs)
+
+
+def _patterns(model: nn.Module, attribute: str) -> list[str]:
+    """A transformers model class's list of name patterns (``_keys_to_ignore_on_load_*``)."""
+    found = getattr(model, attribute, None) or []
+    return [p for p in found if isinstance(p, str)]
+
+
+def tie_targets(model: nn.Module) -> set[str]:
+    """The names a transformers model ties to another parameter (``lm_head.weight``), which
+    its own save leaves out: ``all_tied_weights_keys`` (transformers 5, whole model) or the
+    class's ``_tied_weights_keys``."""
+    ties = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(ties, Mapping):
+        ties = getattr(model, "_tied_weights_keys", None)
+    if isinstance(ties, Mapping):
+        return {t for t in ties if isinstance(t, str)}
+    if isinstance(ties, (list, tuple, set)):
+        return {t for t in ties if isinstance(t, str)}
+    return set()
+
+
+# -- saving ---------------------------------------------------------------------------------
+def default_save_dtype(engine: "Engine") -> torch.dtype:
+    """See [Note: the dtype of a saved model]."""
+    if engine.stage == 3 and not engine.config.zero.stage3_gather_16bit_weights_on_model_save:
+        return torch.float32
+    return engine.compute_dtype
+
+
+def model_texts(model: nn.Module, dtype: torch.dtype) -> dict[str, str]:
+    """``config.json`` (with ``dtype`` and the model's class as its architecture, as
+    transformers writes it) and ``generation_config.json`` of a transformers model; nothing
+    for another module."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return {}
+    config = copy.deepcopy(config)
+    config.architectures = [type(model).__name__]
+    try:
+        config.dtype = dtype
+    except AttributeError:      # an older config class
+        config.torch_dtype = dtype
+    texts = {"config.json": config.to_json_string(use_diff=True)}
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        texts["generation_config.json"] = generation.to_json_string(use_diff=True)
+    return texts
+
+
+def save_pretrained(engine: "Engine", save_directory: str | Path,
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: Any = None,
+                    what: str = "save_pretrained") -> Path:
+    """``engine.save_pretrained`` (see there)."""
+    from infinity.engine.checkpointing import training_state
+
+    dtype = out_dtype(dtype, default_save_dtype(engine))
+    engine._check_open(what)
+    return write_pretrained(training_state(engine), save_directory,
+                            max_shard_size=max_shard_size, dtype=dtype,
+                            texts=model_texts(engine.module, dtype),
+                            carry_from=engine.__dict__.get("pretrained_source"),
+                            tie_targets=tie_targets(engine.module), what=what)
