@@ -140,8 +140,9 @@ class InfinityConfig:
     """Micro-batches accumulated per optimizer step."""
     world_size: int = 1
     """Ranks in the run (not part of the JSON; from torch.distributed)."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """The optimizer (AdamW with DeepSpeed's defaults when the section is absent)."""
+    optimizer: OptimizerConfig | None = None
+    """The optimizer; None when the config has no ``"optimizer"`` section (then
+    ``initialize`` needs ``optimizer=torch.optim.AdamW(...)``, whose settings it takes over)."""
     scheduler: SchedulerConfig | None = None
     """Learning-rate schedule; None = constant lr."""
     fp16: Fp16Config = field(default_factory=Fp16Config)
@@ -168,10 +169,12 @@ class InfinityConfig:
     def __post_init__(self) -> None:
         set_field(self, "world_size", check_int("world_size", self.world_size, 1))
         self._resolve_batch_sizes()
-        for name, cls in (("optimizer", OptimizerConfig), ("fp16", Fp16Config), ("bf16", Bf16Config),
+        for name, cls in (("fp16", Fp16Config), ("bf16", Bf16Config),
                           ("zero", ZeroConfig), ("aio", AioConfig), ("infinity", InfinitySection)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: expected {cls.__name__}, got {getattr(self, name)!r}")
+        if self.optimizer is not None and not isinstance(self.optimizer, OptimizerConfig):
+            raise ConfigError(f"optimizer: expected OptimizerConfig or None, got {self.optimizer!r}")
         if self.scheduler is not None and not isinstance(self.scheduler, SchedulerConfig):
             raise ConfigError(f"scheduler: expected SchedulerConfig or None, got {self.scheduler!r}")
         set_field(self, "gradient_clipping", check_float("gradient_clipping", self.gradient_clipping, 0.0))
@@ -288,8 +291,9 @@ class InfinityConfig:
             "train_batch_size": self.train_batch_size,
             "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "optimizer": self.optimizer.to_dict(),
         }
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.to_dict()
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.to_dict()
         out.update({

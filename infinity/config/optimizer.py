@@ -16,9 +16,18 @@ from infinity.config.values import (
 )
 
 
+MISSING_OPTIMIZER = (
+    "the config has no \"optimizer\" section and no optimizer was passed, so there is nothing "
+    "to say how to train: add one to the config, e.g. \"optimizer\": {{\"type\": \"AdamW\", "
+    "\"params\": {{\"lr\": 1e-4, \"weight_decay\": 0.01}}}}, or pass {call} a "
+    "torch.optim.AdamW(model.parameters(), lr=...) whose settings the engine takes over")
+"""The error of a run without an optimizer (``{call}`` names where to pass one)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """``"optimizer": {"type": ..., "params": {...}}``: Adam or AdamW, stepped by infinity's CPU Adam."""
+    """``"optimizer": {"type": ..., "params": {...}}``: Adam or AdamW, stepped by infinity's CPU Adam.
+    Without the section, ``initialize`` needs ``optimizer=`` a torch Adam or AdamW to take over."""
 
     type: Literal["Adam", "AdamW"] = "AdamW"
     """Optimizer name (case-insensitive in the JSON, as in DeepSpeed)."""
@@ -40,7 +49,7 @@ class OptimizerConfig:
         names = {"adam": "Adam", "adamw": "AdamW"}
         if not isinstance(self.type, str) or self.type.lower() not in names:
             raise ConfigError(f"optimizer.type = {self.type!r}: infinity supports only 'Adam' and "
-                              "'AdamW' (its CPU Adam); remove the optimizer section to use AdamW")
+                              "'AdamW' (its CPU Adam)")
         set_field(self, "type", names[self.type.lower()])
         set_field(self, "lr", check_float(f"{p}.lr", self.lr, 0.0))
         betas = self.betas

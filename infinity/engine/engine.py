@@ -37,7 +37,8 @@ from infinity.engine.model_methods import (
     route_module_methods,
     unroute_module_methods,
 )
-from infinity.engine.param_groups import optimizer_defaults, param_groups
+from infinity.engine.client_optimizer import rebind_scheduler
+from infinity.engine.param_groups import optimizer_groups
 from infinity.engine.pass_owner import EnginePassOwner
 from infinity.engine.passes import PassHooks, cast_floating
 from infinity.engine.sizing import (
@@ -87,12 +88,13 @@ class Engine(DeepSpeedEngineAccessors):
     def __init__(self, model: nn.Module, model_parameters: Iterable | None,
                  config: str | Path | Mapping[str, Any] | InfinityConfig | None,
                  lr_scheduler: Any = None, process_group: Any = None,
-                 auto_values: Mapping[str, Any] | None = None,
+                 auto_values: Mapping[str, Any] | None = None, optimizer: Any = None,
                  weights: UnitValues | None = None) -> None:
         """``weights``: where parameters take their first values instead of the model's
         (``infinity.from_pretrained``'s checkpoint), read into each unit as it is placed."""
         self._weights = weights
-        check_user_scheduler(lr_scheduler)
+        if optimizer is None or getattr(lr_scheduler, "optimizer", None) is not optimizer:
+            check_user_scheduler(lr_scheduler)   # one on the optimizer passed moves over
         self.ranks: RankInfo = _join_ranks(config, process_group, model_device(model))
         self.config = InfinityConfig.load(config or {}, world_size=self.ranks.world_size,
                                           auto_values=auto_values)
@@ -119,7 +121,10 @@ class Engine(DeepSpeedEngineAccessors):
             self.config, self.device, self.compute_dtype)
         self.param_tier, self.optimizer_tier = param_tier, optimizer_tier
 
-        groups = param_groups(model, model_parameters, self.config)
+        # the config's optimizer, or the one passed, taken over (engine/client_optimizer.py)
+        groups, self.optimizer_defaults = optimizer_groups(model, model_parameters, self.config,
+                                                           optimizer)
+        self._client_optimizer = optimizer
         self.early_step = derived.early_step
         # on a CPU device, parameters are read from NVMe straight into device memory
         self.direct_fetch = param_tier is Tier.NVME and DeviceMemoryCache.supported(self.device)
@@ -181,8 +186,8 @@ class Engine(DeepSpeedEngineAccessors):
             self.units, groups, self.manager, optimizer_tier=self.optimizer_tier,
             grad_tier=grad_tier, early_step=early, sub_group_numel=self.sizes.sub_group_numel,
             master_separate=self.master_separate, staging_pool=self.fetch_pool,
-            adamw_mode=self.config.optimizer.adam_w_mode,
-            defaults=optimizer_defaults(self.config),
+            adamw_mode=self.optimizer_defaults["adamw_mode"],
+            defaults=self.optimizer_defaults,
             speculation=self.config.infinity.speculative_step if self.speculative else "off",
             comm=self.comm, shard_states=self.stage >= 1, values=self._weights)
         self._weights = None     # read: its files are the caller's to close
@@ -207,6 +212,7 @@ class Engine(DeepSpeedEngineAccessors):
         self.activation_swapper = activation_swapper(self.config, self.manager, self.units,
                                                      self.module)
         register_engine(self)
+        lr_scheduler = rebind_scheduler(lr_scheduler, self._client_optimizer, self.optimizer)
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
         self._step_started = None
         self._last_stats: dict[str, float] = {}

@@ -37,23 +37,26 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     Ranks: ``process_group`` (a torch.distributed group) when given, else the default group,
     which is created from the launcher's environment (``torchrun``) when it is not yet (see
     ``infinity.init_distributed``). Each rank passes its own micro-batches.
+
+    ``optimizer``: a ``torch.optim.Adam`` / ``AdamW`` (or a callable building one from the
+    parameters) whose param groups and hyperparameters the engine takes over, for a config
+    without an ``"optimizer"`` section (one of the two is needed). The object passed is not
+    stepped: use the optimizer returned here (see [Note: the optimizer taken over] in
+    engine/client_optimizer.py).
     """
     if unsupported:
         raise TypeError(f"infinity.initialize got unsupported arguments {sorted(unsupported)}; "
-                        "supported: args, model, optimizer (None), model_parameters, "
+                        "supported: args, model, optimizer, model_parameters, "
                         "training_data, lr_scheduler, dist_init_required, collate_fn, config, "
                         "config_params, auto_values, process_group")
     if model is None:
         raise ValueError("infinity.initialize needs model=<the torch.nn.Module to train>")
-    if optimizer is not None:
-        raise ValueError("infinity.initialize builds its own offloaded optimizer from the config's "
-                         "\"optimizer\" section; pass optimizer=None and set the section instead")
     if mpu is not None:
         raise ValueError("infinity.initialize: model parallelism (mpu=...) is not supported; "
                          "infinity trains the whole model on each rank with ZeRO")
     source = _config_source(args, config, config_params)
     engine = Engine(model, model_parameters, source, lr_scheduler=lr_scheduler,
-                    process_group=process_group, auto_values=auto_values)
+                    process_group=process_group, auto_values=auto_values, optimizer=optimizer)
     loader = None
     if training_data is not None:
         loader = training_loader(training_data, engine.config, collate_fn,

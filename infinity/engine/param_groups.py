@@ -15,23 +15,55 @@ from torch import nn
 
 from infinity.base.log import get_logger
 from infinity.config import InfinityConfig
+from infinity.config.optimizer import MISSING_OPTIMIZER
+from infinity.engine.client_optimizer import client_param_groups
 
 log = get_logger("engine")
+
+
+def optimizer_groups(model: nn.Module, model_parameters: Iterable | None,
+                     config: InfinityConfig, client: Any = None) -> tuple[list[dict], dict[str, Any]]:
+    """(param groups, optimizer defaults) of a run: from the config's ``"optimizer"`` section
+    and ``model_parameters``, or from the optimizer passed to ``initialize`` (``client``,
+    taken over: see engine/client_optimizer.py). Neither, or both, is an error naming what to
+    do: a run never trains with hyperparameters nobody chose."""
+    if client is not None:
+        if config.optimizer is not None:
+            raise ValueError(
+                f"initialize got an optimizer ({type(client).__name__}) and the config has an "
+                f"\"optimizer\" section ({config.optimizer.type}, lr {config.optimizer.lr:g}): "
+                "which settings to train with is unclear. Remove the section from the config, "
+                "or pass optimizer=None")
+        trainable = lambda: [p for p in model.parameters() if p.requires_grad]   # noqa: E731
+        raw, defaults = client_param_groups(client, model_parameters, trainable)
+        log.info("taking over the %s passed to initialize: %d param group(s), lr %s, weight "
+                 "decay %s (that object is not stepped: use the optimizer initialize returns)",
+                 type(client).__name__, len(raw), sorted({g["lr"] for g in raw}),
+                 sorted({g["weight_decay"] for g in raw}))
+        return param_groups(model, raw, config, defaults=defaults, named_groups=True), defaults
+    if config.optimizer is None:
+        raise ValueError(MISSING_OPTIMIZER.format(call="initialize(optimizer=...)"))
+    return param_groups(model, model_parameters, config), optimizer_defaults(config)
 
 
 def optimizer_defaults(config: InfinityConfig) -> dict[str, Any]:
     """The config's optimizer settings: every group's defaults, and the optimizer's
     ``defaults`` (torch's OneCycleLR and CyclicLR look there for betas)."""
     opt = config.optimizer
+    if opt is None:
+        raise ValueError(MISSING_OPTIMIZER.format(call="initialize(optimizer=...)"))
     return {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps,
             "weight_decay": opt.weight_decay, "bias_correction": opt.bias_correction,
             "adamw_mode": opt.adam_w_mode}
 
 
 def param_groups(model: nn.Module, model_parameters: Iterable | None,
-                  config: InfinityConfig) -> list[dict]:
-    """Param groups with the config's hyperparameters as defaults (torch optimizer layout)."""
-    defaults = optimizer_defaults(config)
+                 config: InfinityConfig, defaults: dict[str, Any] | None = None,
+                 named_groups: bool = False) -> list[dict]:
+    """Param groups with the config's hyperparameters (or ``defaults``) as defaults (torch
+    optimizer layout). ``named_groups``: the groups were named explicitly (an optimizer's),
+    so trainable parameters left out of them are worth a warning."""
+    defaults = optimizer_defaults(config) if defaults is None else defaults
     if model_parameters is None:
         raw: list = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     else:
@@ -68,7 +100,7 @@ def param_groups(model: nn.Module, model_parameters: Iterable | None,
         _check_hyperparameters(merged, i)
         groups.append({**merged, "params": params})
     left_out = [n for n, p in model.named_parameters() if p.requires_grad and p not in seen]
-    if left_out and model_parameters is not None:
+    if left_out and (model_parameters is not None or named_groups):
         log.warning("%d trainable parameters are in no param group and will not be updated "
                     "(e.g. %s)", len(left_out), left_out[:3])
     return groups

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from infinity.config import InfinityConfig
+from infinity.config.optimizer import MISSING_OPTIMIZER
 from infinity.optim.schedules import build_scheduler
 
 
@@ -26,6 +27,8 @@ class TorchBaselineEngine:
         self.module = model
         self.config = config
         opt = config.optimizer
+        if opt is None:
+            raise ValueError(MISSING_OPTIMIZER.format(call="the run"))
         params = [p for p in model.parameters() if p.requires_grad]
         # Adam with decoupled weight decay is AdamW; plain Adam (adam_w_mode off) is L2 decay.
         cls = torch.optim.AdamW if opt.adam_w_mode else torch.optim.Adam

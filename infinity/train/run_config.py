@@ -12,6 +12,7 @@ budget, so the run is really out of core.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,12 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides, *,
     if o.host_budget is not None:
         parse_bytes(o.host_budget, what="--host-budget")  # the flag's name in the message
         _section(ds, "infinity")["host_memory_budget"] = o.host_budget
+    if ds.get("optimizer") is None:
+        # the library refuses a run without one; the main job says which it uses instead
+        ds["optimizer"] = copy.deepcopy(demo_config()["optimizer"])
+        ds["optimizer"]["params"]["lr"] = o.lr or DEFAULT_LR
+        _log.warning("the config has no \"optimizer\" section: infinity train uses its own, %s "
+                     "(set --lr, or the section, to choose)", json.dumps(ds["optimizer"]))
     _fill_nvme_paths(ds, o.nvme_path)
     _fill_schedule_length(ds, o.steps)
     lr = _lookup(ds, ("optimizer", "params", "lr"))

@@ -144,6 +144,16 @@ def run_parity(model: nn.Module, ds_config: dict, steps: int = 20, seq: int = 16
     return ParityResult(losses, ref_losses, engine)
 
 
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-3}}
+"""The optimizer section of tests that train with AdamW at lr 1e-3 and no weight decay (a config
+without an optimizer section, and no optimizer passed, is refused)."""
+
+
+def with_adamw(ds: dict) -> dict:
+    """``ds`` with the ``ADAMW`` optimizer section unless it has one."""
+    return {"optimizer": copy.deepcopy(ADAMW), **ds}
+
+
 def zero_config(stage: int, param: str, optimizer: str, nvme_path: str, **infinity_section) -> dict:
     z = {"stage": stage, "offload_optimizer": {"device": optimizer}}
     if optimizer == "nvme":

@@ -16,7 +16,7 @@ from infinity.config import ConfigError
 from infinity.storage.manager import TierManager
 from infinity.base.budget import MemoryBudget
 from infinity.zero.activation_swap import ActivationSwapper
-from parity import VOCAB, loss_of, make_model, run_parity, zero_config
+from parity import VOCAB, loss_of, make_model, run_parity, with_adamw, zero_config
 
 
 def _config(disk_dir, stage: int = 3, early_step: str = "auto", **extra) -> dict:
@@ -64,8 +64,8 @@ def test_swapped_activations_with_checkpointing_match_torch(reentrant: bool, dis
 
 def test_large_min_bytes_keeps_everything_in_memory_and_eval_swaps_nothing(disk_dir) -> None:
     model = make_model("llama", layers=2, width=64)
-    engine, *_ = infinity.initialize(model=model, config=_config(
-        disk_dir, activation_min_bytes="1GiB"))
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(_config(
+        disk_dir, activation_min_bytes="1GiB")))
     try:
         x = torch.randint(0, VOCAB, (2, 16))
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
@@ -144,7 +144,7 @@ def test_a_held_tensor_modified_in_place_is_an_error_at_backward(disk_dir) -> No
 def test_write_error_in_the_forward_is_raised_and_close_cleans_up(disk_dir,
                                                                    monkeypatch) -> None:
     model = make_model("llama", layers=2, width=64)
-    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir))
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(_config(disk_dir)))
     x = torch.randint(0, VOCAB, (2, 16))
     swap = engine.manager.swap
     original = type(swap).write
@@ -169,14 +169,14 @@ def test_activation_config_errors(disk_dir) -> None:
     model = make_model("torch", layers=1, width=16)
     no_disk = zero_config(3, "cpu", "cpu", str(disk_dir), offload_activations="nvme")
     with pytest.raises(ValueError, match="offload_activations.*nvme_path"):
-        infinity.initialize(model=model, config=no_disk)
+        infinity.initialize(model=model, config=with_adamw(no_disk))
     with pytest.raises(ConfigError, match="offload_activations"):
-        infinity.initialize(model=model, config=zero_config(
-            3, "nvme", "nvme", str(disk_dir), offload_activations="cpu"))
+        infinity.initialize(model=model, config=with_adamw(zero_config(
+            3, "nvme", "nvme", str(disk_dir), offload_activations="cpu")))
     with pytest.raises(ConfigError, match="activation_min_bytes"):
-        infinity.initialize(model=model, config=zero_config(
+        infinity.initialize(model=model, config=with_adamw(zero_config(
             3, "nvme", "nvme", str(disk_dir), offload_activations="nvme",
-            activation_min_bytes=None))
+            activation_min_bytes=None)))
 
 
 class _FailedWrite:
@@ -199,7 +199,8 @@ def test_a_failed_write_is_raised_once_at_the_backward_that_needs_it(disk_dir,
     reads it raises; the next steps train (before, the same error came again at the next
     forward, which lost a second batch)."""
     model = make_model("torch", layers=3, width=32)
-    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir, activation_window=0))
+    engine, *_ = infinity.initialize(
+        model=model, config=with_adamw(_config(disk_dir, activation_window=0)))
     swap = engine.manager.swap
     original = type(swap).write
     writes = {"n": 0, "fail": None}
@@ -255,7 +256,8 @@ def test_a_handle_collected_while_the_swap_space_allocates_does_not_deadlock(dis
         return allocate(self, nbytes)
 
     model = make_model("torch", layers=2, width=32)
-    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir, activation_window=0))
+    engine, *_ = infinity.initialize(
+        model=model, config=with_adamw(_config(disk_dir, activation_window=0)))
     monkeypatch.setattr(extents.ExtentAllocator, "allocate", collecting)
     gen = torch.Generator().manual_seed(1)
     done, failure = threading.Event(), []
@@ -296,8 +298,8 @@ def test_a_forward_dropped_without_backward_frees_its_activations(disk_dir) -> N
     import gc
 
     model = make_model("llama", layers=2, width=32)
-    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir,
-                                                                 activation_window="64MiB"))
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(_config(disk_dir,
+                                                                 activation_window="64MiB")))
     swapper = engine.activation_swapper
     x = torch.randint(0, VOCAB, (2, 16))
     try:

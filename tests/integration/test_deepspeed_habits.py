@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import infinity
-from parity import VOCAB, engine_and_reference, make_model, run_parity, zero_config
+from parity import (VOCAB, engine_and_reference, make_model, run_parity, with_adamw,
+                    zero_config)
 
 HF_ZERO3 = {
     "fp16": {"enabled": "auto", "auto_cast": False, "loss_scale": 0, "initial_scale_power": 32,
@@ -54,8 +55,8 @@ def test_auto_without_a_value_says_how_to_give_one() -> None:
 
 
 def test_config_params_is_deepspeeds_older_name_and_not_both() -> None:
-    engine, *_ = infinity.initialize(model=nn.Linear(4, 4), config_params={
-        "zero_optimization": {"stage": 1}, "gradient_clipping": 0.5})
+    engine, *_ = infinity.initialize(model=nn.Linear(4, 4), config_params=with_adamw({
+        "zero_optimization": {"stage": 1}, "gradient_clipping": 0.5}))
     try:
         assert engine.config.gradient_clipping == 0.5
     finally:
@@ -79,7 +80,7 @@ def _fp16_engine(model: nn.Module, auto_cast: bool):
               "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                     "offload_optimizer": {"device": "cpu"}},
               "infinity": {"compute_dtype": "fp16"}}
-    engine, *_ = infinity.initialize(model=model, config=config)
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(config))
     return engine
 
 
@@ -152,7 +153,7 @@ def test_the_deepspeed_engine_accessors(disk_dir) -> None:
               "fp16": {"enabled": True, "initial_scale_power": 4},
               "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                     "offload_optimizer": {"device": "cpu"}}}
-    engine, *_ = infinity.initialize(model=model, config=config)
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(config))
     try:
         assert engine.gradient_accumulation_steps() == 2
         assert engine.train_batch_size() == 8 and engine.train_micro_batch_size_per_gpu() == 4

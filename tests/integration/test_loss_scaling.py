@@ -9,7 +9,7 @@ import torch
 
 import infinity
 from parity import (VOCAB, ArmedBackwardHook, engine_and_reference, loss_of, make_model,
-                    run_parity, zero_config)
+                    run_parity, with_adamw, zero_config)
 
 
 def _fp16(ds: dict, **fp16) -> dict:
@@ -86,7 +86,7 @@ def test_an_overflow_at_the_minimum_scale_stops_the_run_as_deepspeed_does(disk_d
     model.model.layers[0].register_full_backward_pre_hook(inf_always)
     ds = _fp16(zero_config(3, "cpu", "cpu", str(disk_dir)), initial_scale_power=2, hysteresis=1,
                min_loss_scale=1)
-    engine, *_ = infinity.initialize(model=model, config=ds)
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(ds))
     x = torch.randint(0, VOCAB, (2, 16))
     try:
         scales = []

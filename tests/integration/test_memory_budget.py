@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from torch import nn
 
-from parity import VOCAB
+from parity import VOCAB, with_adamw
 
 SCRIPT = textwrap.dedent("""
     import json, sys, torch, transformers, infinity
@@ -74,7 +74,7 @@ def test_cpu_offload_with_too_small_a_budget_fails_before_the_first_step() -> No
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
           "infinity": {"host_memory_budget": "16KiB", "device_memory_budget": "64MiB"}}
     with pytest.raises(MemoryError, match="host budget") as info:
-        infinity.initialize(model=model, config=ds)
+        infinity.initialize(model=model, config=with_adamw(ds))
     assert "exp_avg" in str(info.value) or "slot" in str(info.value)
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p.detach(), q)   # the user's model is untouched
@@ -91,7 +91,7 @@ def test_a_host_budget_the_emulated_device_pool_takes_says_so(disk_dir) -> None:
                      host_memory_budget=state_bytes(model) // 4 - 1)
     with pytest.raises(MemoryError, match=r"emulated device pool took .* of "
                                           r"infinity\.host_memory_budget .*device_memory_budget"):
-        infinity.initialize(model=model, config=ds)
+        infinity.initialize(model=model, config=with_adamw(ds))
 
 
 @pytest.mark.parametrize("host_budget", ["2MiB", "2560KiB", "3MiB", "4MiB"])
@@ -104,7 +104,8 @@ def test_every_host_budget_between_nvme_and_host_gradients_builds(disk_dir, host
     ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="off",
                      host_memory_budget=host_budget, device_memory_budget="4MiB")
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    engine, *_ = infinity.initialize(model=make_model("llama", layers=4, width=128), config=ds)
+    engine, *_ = infinity.initialize(model=make_model("llama", layers=4, width=128),
+                                     config=with_adamw(ds))
     engine.close()
 
 
@@ -127,11 +128,13 @@ def test_a_device_budget_too_small_for_a_tied_unit_beside_a_block_is_refused_at_
         return ds
 
     with pytest.raises(ValueError, match=r"transformer\.wte .*tied.*at least") as info:
-        infinity.initialize(model=make_model("gpt2", layers=2, width=64), config=config(230_000))
+        infinity.initialize(model=make_model("gpt2", layers=2, width=64),
+                            config=with_adamw(config(230_000)))
     assert list(disk_dir.iterdir()) == []        # nothing left behind
     need = re.search(r"at least ([\d.]+) KiB", str(info.value))
     engine, *_ = infinity.initialize(model=make_model("gpt2", layers=2, width=64),
-                                     config=config(int((float(need.group(1)) + 0.01) * 1024)))
+                                     config=with_adamw(
+                                         config(int((float(need.group(1)) + 0.01) * 1024))))
     try:
         x = torch.randint(0, VOCAB, (2, 16))
         for _ in range(2):

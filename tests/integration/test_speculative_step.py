@@ -18,6 +18,7 @@ from parity import (
     loss_of,
     make_model,
     run_parity,
+    with_adamw,
     zero_config,
 )
 from test_step_overlap import _LateWrites
@@ -164,17 +165,19 @@ def test_auto_stops_speculating_while_steps_are_clipped(disk_dir, clip: float,
 def test_on_where_it_cannot_apply_is_a_clear_error(disk_dir) -> None:
     ds = zero_config(3, "cpu", "cpu", str(disk_dir), early_step="off", speculative_step="on")
     with pytest.raises(ValueError, match="both must be on NVMe"):
-        infinity.initialize(model=make_model("llama", layers=1, width=32), config=ds)
+        infinity.initialize(model=make_model("llama", layers=1, width=32),
+                            config=with_adamw(ds))
     ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on", speculative_step="on")
     with pytest.raises(ValueError, match="early step is in use"):
-        infinity.initialize(model=make_model("llama", layers=1, width=32), config=ds)
+        infinity.initialize(model=make_model("llama", layers=1, width=32),
+                            config=with_adamw(ds))
 
 
 def test_auto_leaves_it_off_when_the_disk_lacks_room_for_second_copies(disk_dir,
                                                                        monkeypatch) -> None:
     model = make_model("llama", layers=1, width=32)
     monkeypatch.setattr(engine_sizing, "free_bytes", lambda path: 4096)   # 4 KiB free
-    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir, mode="auto"))
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(_config(disk_dir, mode="auto")))
     try:
         assert not engine.speculative and engine.optimizer.speculation == "off"
         assert not any(s.exp_avg.doubled for s in engine.optimizer.states)
@@ -208,7 +211,7 @@ def test_two_backwards_before_a_step_add_up_or_are_refused(disk_dir, retain: boo
         assert engine.optimizer.speculation_stats["voided"] == 3
     finally:
         engine.close()
-    ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
+    ds = with_adamw(zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on"))
     engine, *_ = infinity.initialize(model=make_model("llama", layers=1, width=32), config=ds)
     try:
         x = torch.randint(0, VOCAB, (1, 8))
@@ -247,7 +250,7 @@ def test_on_without_room_for_second_copies_says_speculation_doubles_them(disk_di
     with pytest.raises(preflight.SwapPathError, match="speculative step keeps second copies.*"
                                                       "speculative_step"):
         infinity.initialize(model=make_model("llama", layers=1, width=32),
-                            config=_config(disk_dir, mode="on"))
+                            config=with_adamw(_config(disk_dir, mode="on")))
     assert list(disk_dir.iterdir()) == []
 
 

@@ -11,7 +11,8 @@ from torch import nn
 
 import infinity
 from infinity.storage.tiers import Residency
-from parity import VOCAB, loss_of, make_model, run_parity, state_bytes, zero_config
+from parity import (VOCAB, loss_of, make_model, run_parity, state_bytes, with_adamw,
+                    zero_config)
 
 
 def _engine(model, disk_dir, param="nvme", optimizer="nvme", reuse_distance=None, **extra):
@@ -796,7 +797,7 @@ def test_host_tier_too_small_is_a_clear_error_before_any_step() -> None:
     ds = zero_config(3, "cpu", "cpu", "/unused")
     ds["infinity"] = {"host_memory_budget": "64KiB", "device_memory_budget": "16MiB"}
     with pytest.raises(MemoryError, match="host budget"):
-        infinity.initialize(model=model, config=ds)
+        infinity.initialize(model=model, config=with_adamw(ds))
 
 
 def test_gathering_more_than_the_device_budget_holds_is_a_clear_error(disk_dir) -> None:
@@ -830,7 +831,7 @@ def test_a_second_nvme_path_is_named_in_a_warning(disk_dir, infinity_log) -> Non
     ignored."""
     ds = zero_config(3, "nvme", "nvme", str(disk_dir))
     ds["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(disk_dir / "elsewhere")
-    engine, *_ = infinity.initialize(model=make_model("llama", layers=1, width=32), config=ds)
+    engine, *_ = infinity.initialize(model=make_model("llama", layers=1, width=32), config=with_adamw(ds))
     engine.close()
     assert any("elsewhere is not used (it does not exist)" in r.getMessage()
                for r in infinity_log.records), [r.getMessage() for r in infinity_log.records]

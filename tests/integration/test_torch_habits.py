@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import infinity
-from parity import VOCAB, loss_of, make_model, reference_step, zero_config
+from parity import VOCAB, loss_of, make_model, reference_step, with_adamw, zero_config
 
 
 def _setup(disk_dir, tier: str, early_step: str, clip: float = 0.0, **fp16):
@@ -468,7 +468,7 @@ def test_a_copy_of_the_model_made_after_initialize_runs_on_its_own(disk_dir) -> 
     torch.manual_seed(0)
     model = make_model("llama", layers=2, width=64)
     ds = zero_config(2, "cpu", "cpu", str(disk_dir))
-    engine, *_ = infinity.initialize(model=model, config=ds)
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(ds))
     x = _batches(1)[0]
     try:
         engine.backward(loss_of(engine(input_ids=x, labels=x)))

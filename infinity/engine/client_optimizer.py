@@ -1,0 +1,132 @@
+"""The optimizer a user brings to ``initialize(optimizer=...)``, taken over by the engine.
+
+Why a module: ``transformers.Trainer`` (and many DeepSpeed scripts) build a
+``torch.optim.AdamW`` with their own param groups (weight decay on matrices, none on biases and
+norms) and hand it over. The engine cannot step that object (its Adam states would have to live
+in host memory, whole, next to the parameters), so its param groups and hyperparameters become
+the engine's offloaded optimizer instead, with every setting checked here, at ``initialize``:
+what infinity's CPU Adam cannot do (amsgrad, maximize) is refused rather than silently dropped.
+
+[Note: the optimizer taken over]
+The object passed stays the user's and is never changed or stepped by the engine: its
+``state`` stays empty. Its ``step()`` would find no gradient (the engine never leaves them on
+``param.grad``) and change nothing, so the optimizer to call is the engine's, which
+``initialize`` returns second. A scheduler built on the passed optimizer (DeepSpeed's
+``initialize(optimizer=opt, lr_scheduler=LambdaLR(opt, ...))``) is moved onto the engine's, so
+stepping it sets the rate the engine uses (``rebind_scheduler``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+
+SUPPORTED = "torch.optim.Adam, torch.optim.AdamW (or a callable returning one, given the parameters)"
+
+
+def client_param_groups(optimizer: Any, model_parameters: Iterable | None,
+                        trainable: Callable[[], list[torch.nn.Parameter]]
+                        ) -> tuple[list[dict], dict[str, Any]]:
+    """(param groups in the engine's layout, the optimizer's defaults) of the ``optimizer``
+    passed to ``initialize``: a torch Adam or AdamW, or a callable that builds one from
+    ``model_parameters`` (the model's trainable parameters when None), as DeepSpeed takes it.
+    ``trainable`` gives the model's trainable parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+        params = list(model_parameters) if model_parameters is not None else trainable()
+        built = optimizer(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer callable passed to initialize returned "
+                            f"{type(built).__name__}, not an optimizer; supported: {SUPPORTED}")
+        optimizer, model_parameters = built, None
+    if not isinstance(optimizer, torch.optim.Adam):     # AdamW is an Adam in torch
+        raise TypeError(
+            f"initialize(optimizer=...) got a {type(optimizer).__module__}."
+            f"{type(optimizer).__name__}: the engine steps Adam/AdamW only (its CPU Adam over "
+            f"the offloaded states); supported: {SUPPORTED}. Or leave optimizer=None and give "
+            "the config an \"optimizer\" section ({\"type\": \"AdamW\", \"params\": {...}})")
+    if optimizer.state:
+        raise ValueError(
+            f"initialize(optimizer=...): the {type(optimizer).__name__} passed has already been "
+            f"stepped ({len(optimizer.state)} parameters hold Adam states): the engine starts "
+            "its own states at zero and cannot take these over. Pass a fresh optimizer, or "
+            "resume with engine.load_checkpoint")
+    decoupled_default = isinstance(optimizer, torch.optim.AdamW)
+    groups = [_group(g, i, decoupled_default) for i, g in enumerate(optimizer.param_groups)]
+    groups = [g for g in groups if g["params"]]           # DeepSpeed drops empty groups too
+    if model_parameters is not None:
+        _check_same_parameters(groups, model_parameters)
+    defaults = _group({**optimizer.defaults, "params": []}, -1, decoupled_default)
+    defaults.pop("params")
+    return groups, defaults
+
+
+def _group(group: dict, index: int, decoupled_default: bool) -> dict:
+    """One torch Adam param group in the engine's keys (the ``defaults`` when index is -1)."""
+    where = "the optimizer's defaults" if index < 0 else f"param group {index}"
+    for key, what in (("amsgrad", "amsgrad"), ("maximize", "maximize")):
+        if group.get(key):
+            raise ValueError(f"initialize(optimizer=...): {where} has {key}=True; infinity's "
+                             f"CPU Adam has no {what}: pass {key}=False")
+    out = {"params": list(group["params"]),
+           "lr": _number(group.get("lr", 1e-3), "lr", where),
+           "betas": tuple(_number(b, "betas", where) for b in group.get("betas", (0.9, 0.999))),
+           "eps": _number(group.get("eps", 1e-8), "eps", where),
+           "weight_decay": _number(group.get("weight_decay", 0.0), "weight_decay", where),
+           "adamw_mode": bool(group.get("decoupled_weight_decay", decoupled_default)),
+           "bias_correction": True}
+    if "name" in group:
+        out["name"] = group["name"]
+    return out
+
+
+def _number(value: Any, key: str, where: str) -> float:
+    """A hyperparameter as a float (torch allows a tensor lr and betas)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"initialize(optimizer=...): {where}: {key} is a tensor of shape "
+                             f"{tuple(value.shape)}, expected one number")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"initialize(optimizer=...): {where}: {key} = {value!r} is not a "
+                         "finite number")
+    return float(value)
+
+
+def _check_same_parameters(groups: list[dict], model_parameters: Iterable) -> None:
+    """``model_parameters`` and an optimizer object both given: they must name the same
+    parameters (the optimizer's groups are the ones used), else the intent is unclear."""
+    given = list(model_parameters)
+    flat = [p for item in given for p in (item["params"] if isinstance(item, dict) else [item])]
+    named = {id(p) for p in flat if getattr(p, "requires_grad", False)}
+    taken = {id(p) for g in groups for p in g["params"] if p.requires_grad}
+    if named != taken:
+        raise ValueError(
+            f"initialize got both model_parameters ({len(named)} trainable parameters) and an "
+            f"optimizer whose param groups hold {len(taken)} others or more: the optimizer's "
+            "groups are what the engine trains. Pass one of them (optimizer=... alone is "
+            "enough)")
+
+
+def rebind_scheduler(scheduler: Any, passed: Any, engine_optimizer: torch.optim.Optimizer) -> Any:
+    """A torch LR scheduler built on the optimizer passed to ``initialize`` now drives the
+    engine's optimizer instead (see [Note: the optimizer taken over]); anything else is returned
+    unchanged."""
+    if scheduler is None or passed is None or getattr(scheduler, "optimizer", None) is not passed:
+        return scheduler
+    if len(passed.param_groups) != len(engine_optimizer.param_groups):
+        raise ValueError(
+            f"lr_scheduler is built on the optimizer passed to initialize, whose "
+            f"{len(passed.param_groups)} param groups became {len(engine_optimizer.param_groups)} "
+            "in the engine (empty groups are dropped): pass a factory instead, "
+            "lr_scheduler=lambda opt: ..., which the engine calls with its own optimizer")
+    # torch's schedulers wrap their optimizer's step() at construction, to warn when they are
+    # stepped before it: a scheduler of no effect made on the engine's optimizer wraps it the
+    # same way (then the rates are set from the user's scheduler)
+    torch.optim.lr_scheduler.LambdaLR(engine_optimizer, lambda _: 1.0)
+    for ours, theirs in zip(engine_optimizer.param_groups, passed.param_groups):
+        if "initial_lr" in theirs:
+            ours["initial_lr"] = theirs["initial_lr"]
+        ours["lr"] = float(theirs["lr"])
+    scheduler.optimizer = engine_optimizer
+    return scheduler

@@ -1,0 +1,142 @@
+"""initialize(optimizer=torch.optim.AdamW(...)): the optimizer a user (or transformers.Trainer)
+builds is taken over, its param groups and hyperparameters becoming the engine's offloaded
+optimizer; other classes, and a run with no optimizer at all, are refused with what to do."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import infinity
+from parity import VOCAB, loss_of, make_model, zero_config
+
+STEPS = 4
+
+
+def _decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """transformers.Trainer's groups: decay on matrices, none on biases and norms."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _train_both(engine, reference: torch.nn.Module, ref_opt, schedule=None,
+                ref_schedule=None) -> tuple[list[float], list[float]]:
+    gen = torch.Generator().manual_seed(3)
+    ours, theirs = [], []
+    for _ in range(STEPS):
+        x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+        loss = loss_of(engine(input_ids=x, labels=x))
+        engine.backward(loss)
+        engine.step()
+        ref = loss_of(reference(input_ids=x, labels=x))
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if ref_schedule is not None:
+            ref_schedule.step()
+        ours.append(loss.item())
+        theirs.append(ref.item())
+    return ours, theirs
+
+
+def _final_weights_equal(engine, reference: torch.nn.Module) -> None:
+    mine = engine.module_state_dict()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(mine[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "Adam"])
+def test_a_torch_adam_with_decay_groups_is_taken_over(disk_dir, kind: str) -> None:
+    """AdamW (decoupled decay) and Adam (L2 decay) with two groups (lr and decay of their own)
+    train as torch's same optimizer does, on NVMe; the object passed is never stepped."""
+    model = make_model("llama", layers=2, width=32)
+    reference = copy.deepcopy(model)
+    cls = getattr(torch.optim, kind)
+    passed = cls(_decay_groups(model, 0.1), lr=2e-3, betas=(0.9, 0.95), eps=1e-7)
+    passed.param_groups[1]["lr"] = 1e-3
+    ref_opt = cls(_decay_groups(reference, 0.1), lr=2e-3, betas=(0.9, 0.95), eps=1e-7,
+                  foreach=False)
+    ref_opt.param_groups[1]["lr"] = 1e-3
+    engine, optimizer, _, _ = infinity.initialize(
+        model=model, optimizer=passed, config=zero_config(3, "nvme", "nvme", str(disk_dir)))
+    try:
+        assert optimizer is engine.optimizer and optimizer is not passed
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+        assert [g["lr"] for g in groups] == [2e-3, 1e-3]
+        assert all(g["adamw_mode"] is (kind == "AdamW") and g["betas"] == (0.9, 0.95)
+                   and g["eps"] == 1e-7 for g in groups)
+        ours, theirs = _train_both(engine, reference, ref_opt)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+        _final_weights_equal(engine, reference)
+        # [Note: the optimizer taken over]: the object passed holds no state, and stepping it
+        # changes nothing (no gradient is ever left on the parameters)
+        assert not passed.state
+        before = engine.module_state_dict()
+        passed.step()
+        after = engine.module_state_dict()
+        assert all(torch.equal(before[n], after[n]) for n in before)
+    finally:
+        engine.close()
+
+
+def test_a_scheduler_on_the_passed_optimizer_and_a_factory_drive_the_engine(disk_dir) -> None:
+    """DeepSpeed's habit initialize(optimizer=opt, lr_scheduler=LambdaLR(opt, ...)): the
+    scheduler moves to the engine's optimizer; a callable optimizer is called with the
+    parameters."""
+    model = make_model("torch", layers=2)
+    reference = copy.deepcopy(model)
+    warm = lambda step: min(1.0, (step + 1) / 3)   # noqa: E731
+    passed = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(passed, warm)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, warm)
+    engine, optimizer, _, scheduler = infinity.initialize(
+        model=model, optimizer=passed, lr_scheduler=schedule,
+        config=zero_config(3, "cpu", "cpu", str(disk_dir)))
+    try:
+        assert scheduler is schedule and scheduler.optimizer is optimizer
+        assert engine.get_lr() == pytest.approx([1e-2 / 3])
+        ours, theirs = _train_both(engine, reference, ref_opt, ref_schedule=ref_schedule)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+        assert engine.get_lr() == pytest.approx([1e-2])
+    finally:
+        engine.close()
+    model = make_model("torch", layers=2)
+    engine, optimizer, *_ = infinity.initialize(
+        model=model, optimizer=lambda params: torch.optim.Adam(params, lr=5e-3),
+        config=zero_config(2, "cpu", "cpu", str(disk_dir)))
+    try:
+        assert [g["lr"] for g in optimizer.param_groups] == [5e-3]
+        assert optimizer.param_groups[0]["adamw_mode"] is False
+    finally:
+        engine.close()
+
+
+def test_what_cannot_be_taken_over_is_refused_with_what_to_do() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(TypeError, match=r"torch\.optim\.sgd\.SGD.*Adam/AdamW only.*"
+                                        r"torch\.optim\.Adam, torch\.optim\.AdamW"):
+        infinity.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="amsgrad=True.*pass amsgrad=False"):
+        infinity.initialize(model=model,
+                            optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True))
+    stepped = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    stepped.step()
+    with pytest.raises(ValueError, match=r"already been stepped \(4 parameters"):
+        infinity.initialize(model=model, optimizer=stepped)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=r"initialize got an optimizer \(AdamW\) and the config "
+                                         r"has an \"optimizer\" section"):
+        infinity.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                            config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    with pytest.raises(ValueError, match=r"no \"optimizer\" section and no optimizer was passed"
+                                         r".*\"optimizer\": \{\"type\": \"AdamW\".*"
+                                         r"torch\.optim\.AdamW\(model\.parameters\(\)"):
+        infinity.initialize(model=model, config={})
+    with pytest.raises(ValueError, match="both model_parameters .* and an optimizer"):
+        infinity.initialize(model=model, model_parameters=list(model[0].parameters()),
+                            optimizer=torch.optim.AdamW(model.parameters()))
