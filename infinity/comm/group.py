@@ -45,6 +45,14 @@ def env_world_size() -> int:
     return int(raw)
 
 
+def launched_world_size() -> int:
+    """The world size of this run: the process group's when it exists, else the launcher's
+    ``WORLD_SIZE`` (1 when unset)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return env_world_size()
+
+
 def default_backend(device: torch.device | None = None) -> str:
     """NCCL where the ranks compute on CUDA devices, gloo otherwise."""
     if device is not None and device.type == "cuda":

@@ -147,7 +147,8 @@ class Engine(DeepSpeedEngineAccessors):
                      "NVMe states", format_bytes(self.sizes.nvme_bytes), nvme_path)
             self.speculative = False
             self.sizes = sizes()
-        self.manager = tier_manager(self.config, self.device, self.sizes, nvme_path)
+        self.manager = tier_manager(self.config, self.device, self.sizes, nvme_path,
+                                    rank=self.ranks.rank)
         if self.config.infinity.offload_activations == "nvme" and nvme_path is None:
             raise ValueError("infinity.offload_activations is \"nvme\" but no swap directory is "
                              "configured: set zero_optimization.offload_param.nvme_path or "

@@ -27,10 +27,15 @@ def check_same_on_every_rank(comm: Collectives, config: InfinityConfig,
     """Ranks started with different configs or model structures would shard different layouts
     and pair unrelated collectives (garbage, or a hang): every rank compares its config and
     its parameters' names, shapes and dtypes with rank 0's before anything is built, and each
-    raises naming the first difference."""
+    raises naming the first difference. Swap paths may differ (each node its local NVMe)."""
     if not comm.active:
         return
-    mine = {"config": json.dumps(config.to_dict(), sort_keys=True, default=str),
+    settings = config.to_dict()
+    for section in ("offload_param", "offload_optimizer"):
+        part = settings.get("zero_optimization", {}).get(section)
+        if isinstance(part, dict):
+            part.pop("nvme_path", None)
+    mine = {"config": json.dumps(settings, sort_keys=True, default=str),
             "model": [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
                       for name, p in model.named_parameters()]}
     everyone = comm.all_gather_objects(mine)

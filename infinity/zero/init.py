@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 
 from infinity.base.budget import BudgetExceededError
+from infinity.comm.group import launched_world_size
 from infinity.config import InfinityConfig
 from infinity.zero.materialize import CREATOR_ATTR, KEEP_VALUE_NUMEL, VALUE_ATTR
 from infinity.base.sizes import format_bytes
@@ -113,7 +114,9 @@ class Init(contextlib.ContextDecorator):
                             f"not need) DeepSpeed's {sorted(_DEEPSPEED_INIT_ARGS)}: tiers and "
                             "dtypes come from the config")
         source = config if config is not None else config_dict_or_path
-        self.config = InfinityConfig.load(source) if source is not None else None
+        # read for the ranks the run has (its batch sizes add up only at that world size)
+        self.config = InfinityConfig.load(source, world_size=launched_world_size()) \
+            if source is not None else None
         self.enabled = enabled and (self.config is None or self.config.zero.stage == 3)
         # one hook per entry: the same Init may be entered again inside itself (nested
         # ``with``, or a decorated builder that recurses), and each exit removes its own

@@ -38,6 +38,7 @@ def main() -> None:
             seen = weight.detach().clone()
         samples = sorted(int(s) for (batch,) in loader for s in batch)
         result = {"values": sorted(set(seen.reshape(-1).tolist())), "samples": samples,
+                  "swap_dir": engine.manager.swap.path.name,
                   "ranks": [engine.global_rank, engine.world_size, engine.dp_world_size],
                   "loss_finite": bool(torch.isfinite(loss))}
     finally:

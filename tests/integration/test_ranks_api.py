@@ -16,5 +16,6 @@ def test_modifier_rank_training_data_and_rank_accessors(tmp_path):
         assert r["values"] == [1.0], (rank, r["values"])      # rank 0 wrote 1.0, rank 1 2.0
         assert r["ranks"] == [rank, 2, 2]
         assert r["loss_finite"]
+        assert r["swap_dir"].startswith(f"infinity-swap-r{rank}-"), r["swap_dir"]
     shares = [set(r["samples"]) for r in results]
     assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(20)), shares
