@@ -205,8 +205,16 @@ def run(args: argparse.Namespace) -> int:
     if missing or unusable:
         plan = dataclasses.replace(plan, notes=plan.notes + missing,
                                    warnings=plan.warnings + unusable)
+    # no candidate fits: the deepest one is shown as the reason, never as a recommendation
+    infeasible = not args.config and not plan.fits
     if args.json:
-        print(json.dumps({"recommended": not args.config, **plan.as_dict()}, indent=2))
+        print(json.dumps({"recommended": not args.config and not infeasible,
+                          "feasible": plan.fits, **plan.as_dict()}, indent=2))
+    elif infeasible:
+        print("infinity plan: INFEASIBLE on this machine: no offload fits (the deepest, stage 3 "
+              "with parameters and optimizer states on NVMe, is planned below with what is over)")
+        print(plan.render())
+        print("\nno ds_config is recommended; what to add is in the warnings above")
     else:
         source = f"config {args.config}" if args.config else "recommended config (no --config given)"
         print(f"infinity plan: {source}")

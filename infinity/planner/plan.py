@@ -208,8 +208,15 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
         warnings.append(f"swap files need {format_bytes(nvme)} but {hw.nvme_path} has "
                         f"{format_bytes(hw.disk_free_bytes)} free: free space or choose another nvme_path")
     if rss > hw.host_available_bytes:
+        deepest = lay.stage == 3 and lay.param_tier == Tier.NVME and lay.opt_tier == Tier.NVME
+        # at the deepest offload "offload deeper" contradicted the config it was said of
+        fix = ("offload deeper (stage 3, nvme)" if not deepest else
+               f"this is already the deepest offload: it needs "
+               f"{format_bytes(rss - hw.host_available_bytes)} more free host memory (or smaller "
+               "units: infinity.unit_modules), or a larger machine (plan one with infinity plan "
+               "--gpus/--host-memory/--nvme)")
         warnings.append(f"predicted peak host RSS {format_bytes(rss)} exceeds the available "
-                        f"{format_bytes(hw.host_available_bytes)}: offload deeper (stage 3, nvme)")
+                        f"{format_bytes(hw.host_available_bytes)}: {fix}")
     notes: list[str] = []
     if slot and cfg.zero.sub_group_size is None and sz.sub_group_size < min(MIN_SUB_GROUP, lay.opt_elems):
         # slow, not a failure: initialize trains this (the plan said "does not fit")

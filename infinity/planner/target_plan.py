@@ -51,8 +51,9 @@ class TargetPlan:
             return {}
         full = self.chosen.config.to_dict()
         out = {key: full[key] for key in DS_CONFIG_KEYS if key in full}
-        if not full["fp16"]["enabled"]:
-            out.pop("fp16", None)
+        for dtype in ("fp16", "bf16"):
+            if not full[dtype]["enabled"]:
+                out.pop(dtype, None)
         return out
 
     def as_dict(self) -> dict[str, Any]:
