@@ -1,4 +1,4 @@
-"""The ``infinity`` command: ``train``, ``plan``, ``nvme-tune``, ``clean``.
+"""The ``infinity`` command: ``train``, ``plan``, ``nvme-tune``, ``clean``, ``export``.
 
 Each subcommand lives in ``infinity/commands/<name>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; this module only dispatches. Bad input exits with code 2 and one clear line.
@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "plan": ("infinity.commands.plan", "predict memory per tier and the settings for a model size"),
     "nvme-tune": ("infinity.commands.nvme_tune", "measure a swap path and recommend an \"aio\" section"),
     "clean": ("infinity.commands.clean", "remove swap files (or checkpoint staging) left by a killed run"),
+    "export": ("infinity.commands.export", "write a checkpoint's weights as a transformers directory"),
 }
 
 

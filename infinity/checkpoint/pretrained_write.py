@@ -370,6 +370,8 @@ def export_pretrained(checkpoint_dir: str | Path, directory: str | Path, *,
         log.warning("export %s: the checkpoint holds no config.json (its model was not a "
                     "transformers model, or an older infinity saved it): pass --config",
                     source)
+    if dtype is not None and "config.json" in model_texts:
+        model_texts["config.json"] = config_with_dtype(model_texts["config.json"], dtype)
     out = Path(directory)
     with open_ranks(source, files, shapes) as reader:
         table: Table = []
@@ -393,3 +395,19 @@ def export_pretrained(checkpoint_dir: str | Path, directory: str | Path, *,
             writer.abort()
             raise
     return out
+
+
+def config_with_dtype(text: str, dtype: torch.dtype) -> str:
+    """A config.json's text saying the weights are ``dtype`` (transformers' "dtype" key, and
+    "torch_dtype" where an older one wrote it)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config.json is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError("config.json is not a JSON object")
+    name = str(dtype).replace("torch.", "")
+    data["dtype"] = name
+    if "torch_dtype" in data:
+        data["torch_dtype"] = name
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"

@@ -114,6 +114,8 @@ def manifest_state(state: TrainingState, client_state: Any) -> dict[str, Any]:
         json_value(scheduler.state_dict(), "the LR scheduler's state_dict()"),
         "loss_scaler": None if state.loss_scaler is None else state.loss_scaler.state_dict(),
         "client_state": json_value(client_state, "client_state"),
+        # config.json and the like of a transformers model: `infinity export` writes them
+        "model_files": dict(state.model_files or {}),
     }
 
 

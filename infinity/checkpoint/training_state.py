@@ -10,7 +10,7 @@ applies it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -75,6 +75,9 @@ class TrainingState:
     comm: "Collectives | None" = None
     """The ranks' collectives (None: one rank): a save is written by every rank into rank 0's
     staging directory and committed by rank 0."""
+    model_files: Mapping[str, str] | None = None
+    """Text files that describe the model (a transformers model's ``config.json``,
+    ``generation_config.json``), kept in the manifest so that an export writes them."""
 
     @property
     def rank(self) -> int:

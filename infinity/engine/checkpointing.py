@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from infinity.base.log import get_logger
 from infinity.checkpoint import Restore, TrainingState
+from infinity.engine.pretrained import model_texts
 
 if TYPE_CHECKING:
     from infinity.engine.engine import Engine
@@ -31,7 +32,8 @@ def training_state(engine: "Engine") -> TrainingState:
         lendable_pools=(optimizer.step_pool, engine.fetch_pool),
         check_open=engine._check_open, any_pinned=lambda: bool(coordinator.pinned_units()),
         flush=engine.flush, release_units=coordinator.release_all, comm=engine.comm,
-        gathered=lambda unit: _gathered(engine, unit))
+        gathered=lambda unit: _gathered(engine, unit),
+        model_files=model_texts(engine.module, engine.compute_dtype))
 
 
 @contextlib.contextmanager

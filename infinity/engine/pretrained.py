@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from infinity.base.log import get_logger
+from infinity.base.sizes import format_bytes
 from infinity.checkpoint.pretrained import PretrainedWeights
 from infinity.checkpoint.pretrained_write import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -104,8 +105,8 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
         engine = Engine(model, model_parameters, config_source, lr_scheduler=lr_scheduler,
                         process_group=process_group, auto_values=auto_values, weights=weights,
                         **extra)
-        log.info("loaded %s from %s (%.2f GB read)", type(model).__name__, weights.directory,
-                 weights.bytes_read / 1e9)
+        log.info("loaded %s from %s (%s read by this rank)", type(model).__name__,
+                 weights.directory, format_bytes(weights.bytes_read))
     finally:
         weights.close()
     engine.pretrained_source = weights.directory

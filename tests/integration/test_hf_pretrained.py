@@ -1,0 +1,397 @@
+"""Hugging Face directories in and out (issue 26): ``infinity.from_pretrained`` loads a
+transformers checkpoint (sharded safetensors written by transformers' own ``save_pretrained``)
+into the tiers with the logits of a plain ``from_pretrained``; after training,
+``engine.save_pretrained`` / ``model.save_pretrained`` write the current weights as a directory
+transformers loads; errors in the checkpoint are named before anything is built."""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import infinity
+from infinity.checkpoint.pretrained import PretrainedMismatchError
+from infinity.checkpoint.tensor_file import CheckpointError
+from parity import VOCAB, loss_of, make_model, zero_config
+
+pytestmark = pytest.mark.slow
+SHARD = "40KB"        # the small models below come out as 5 to 20 shards
+
+
+def _transformers():
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _saved(directory: Path, family: str = "llama", dtype: torch.dtype | None = None,
+           shard: str = SHARD, **kwargs) -> Path:
+    """A small random ``family`` model saved by transformers into ``directory/src``."""
+    _transformers()
+    model = make_model(family, layers=kwargs.pop("layers", 3), width=kwargs.pop("width", 64),
+                       **kwargs)
+    if dtype is not None:
+        model = model.to(dtype)
+    src = directory / "src"
+    model.save_pretrained(src, max_shard_size=shard)
+    return src
+
+
+def _config(disk_dir: Path, stage: int = 3, tier: str = "nvme", **extra) -> dict:
+    ds = zero_config(stage, tier, tier, str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+    ds["train_micro_batch_size_per_gpu"] = 2
+    ds.update(extra)
+    return ds
+
+
+def _plain(path: Path, **kwargs):
+    return _transformers().AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(file))
+    return state
+
+
+def _batches(steps: int, seed: int = 3) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (2, 12), generator=gen) for _ in range(steps)]
+
+
+def _logits(model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_pretrained_loads_trains_and_saves_as_transformers_would(disk_dir, family) -> None:
+    """Logits equal a plain from_pretrained (0 difference in fp32); 5 steps at stage 3 with
+    parameters and optimizer on NVMe match torch AdamW on the plain model (1e-5 relative);
+    save_pretrained reloads, with transformers and with infinity, to the engine's logits."""
+    src = _saved(disk_dir, family)
+    assert (src / "model.safetensors.index.json").is_file()
+    plain = _plain(src)
+    reference = _plain(src).train()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01,
+                                foreach=False)
+    engine, optimizer, _, _ = infinity.from_pretrained(src, config=_config(disk_dir))
+    x = _batches(1, seed=9)[0]
+    try:
+        assert optimizer is engine.optimizer
+        assert not engine.module.training              # as transformers returns it
+        assert (_logits(engine, x) - _logits(plain, x)).abs().max().item() == 0.0
+        engine.train()
+        for batch in _batches(5):
+            loss = loss_of(engine(input_ids=batch, labels=batch))
+            engine.backward(loss)
+            engine.step()
+            ref_loss = loss_of(reference(input_ids=batch, labels=batch))
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+        engine.eval()
+        trained = _logits(engine, x)
+        out = disk_dir / "out"
+        assert engine.save_pretrained(out, max_shard_size=SHARD) == out
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1
+        config = json.loads((out / "config.json").read_text())
+        assert config["architectures"] == [type(engine.module).__name__]
+        if family == "gpt2":       # the tied head is saved once, under the embedding's name
+            assert "transformer.wte.weight" in index["weight_map"]
+            assert "lm_head.weight" not in index["weight_map"]
+        assert (_logits(_plain(out), x) - trained).abs().max().item() == 0.0
+        torch.testing.assert_close(trained, _logits(reference.eval(), x), rtol=1e-4, atol=1e-5)
+    finally:
+        engine.close()
+    again, *_ = infinity.from_pretrained(out, config=_config(disk_dir))
+    try:
+        assert (_logits(again, x) - trained).abs().max().item() == 0.0
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("stage, tier", [(3, "nvme"), (2, "cpu")])
+def test_model_save_pretrained_and_state_dict_are_current_after_a_clipped_step(
+        disk_dir, stage, tier) -> None:
+    """model.save_pretrained() and model.state_dict() of a held model, before and right after
+    a step with clipping (whose update lands at the next fetch): the engine's current weights,
+    equal to torch's after the same step, never empty or one step stale."""
+    src = _saved(disk_dir, "llama")
+    reference = _plain(src).train()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01,
+                                foreach=False)
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir, stage, tier,
+                                                              gradient_clipping=0.05))
+    model = engine.module
+    try:
+        model.save_pretrained(disk_dir / "before")
+        before = _weights(disk_dir / "before")
+        expected = {n: p.detach() for n, p in reference.named_parameters()}
+        assert set(before) == set(expected)
+        for name, value in expected.items():
+            assert torch.equal(before[name], value), name
+        engine.train()
+        x = _batches(1)[0]
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+        loss = loss_of(reference(input_ids=x, labels=x))
+        loss.backward()
+        assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05) > 0.05   # clipped
+        ref_opt.step()
+        model.save_pretrained(disk_dir / "after")
+        after = _weights(disk_dir / "after")
+        state = model.state_dict()
+        current = engine.module_state_dict()
+        for name, value in reference.named_parameters():
+            assert after[name].numel() == value.numel() > 0, name
+            assert torch.equal(after[name], current[name]), name
+            assert torch.equal(state[name], current[name]), name
+            torch.testing.assert_close(after[name], value.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=name)
+        moved = [n for n in before if not torch.equal(before[n], after[n])]
+        assert len(moved) == len(before), "every parameter moves in a step"
+    finally:
+        engine.close()
+
+
+def test_state_dict_beyond_the_host_budget_names_the_streamed_save(disk_dir) -> None:
+    src = _saved(disk_dir, "llama")
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    try:
+        engine.manager.host_budget.limit = 1024       # a model larger than the budget
+        with pytest.raises(RuntimeError, match=r"engine\.save_pretrained\(dir\)"):
+            engine.module.state_dict()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_files_load_into_fp32_compute(disk_dir, dtype) -> None:
+    src = _saved(disk_dir, "qwen2", dtype=dtype)
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    x = _batches(1)[0]
+    try:
+        assert engine.compute_dtype == torch.float32
+        plain = _plain(src, dtype=torch.float32)
+        assert (_logits(engine, x) - _logits(plain, x)).abs().max().item() == 0.0
+    finally:
+        engine.close()
+
+
+def test_a_16bit_engine_keeps_the_fp32_file_in_its_masters(disk_dir) -> None:
+    """bf16 compute from an fp32 file: the fp32 masters are read from the file (not from the
+    bf16 copy), so an fp32 save right after the load gives the file back bit for bit; the
+    default save dtype follows stage3_gather_16bit_weights_on_model_save."""
+    src = _saved(disk_dir, "llama", layers=2)
+    original = _weights(src)
+    for gather, expect in ((False, torch.float32), (True, torch.bfloat16)):
+        ds = _config(disk_dir, 3, "cpu", bf16={"enabled": True},
+                     infinity={"compute_dtype": "bf16"})
+        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather
+        engine, *_ = infinity.from_pretrained(src, config=ds)
+        try:
+            assert engine.compute_dtype == torch.bfloat16
+            engine.save_pretrained(disk_dir / "out")
+        finally:
+            engine.close()
+        saved = _weights(disk_dir / "out")
+        config = json.loads((disk_dir / "out" / "config.json").read_text())
+        assert config["dtype"] == str(expect).replace("torch.", "")
+        for name, value in original.items():
+            assert saved[name].dtype == expect, name
+            want = value if expect == torch.float32 else value.to(torch.bfloat16)
+            assert torch.equal(saved[name], want), name
+
+
+def test_tokenizer_and_generation_files_travel_with_the_model(disk_dir) -> None:
+    src = _saved(disk_dir, "llama")
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    try:
+        engine.save_pretrained(disk_dir / "out")
+    finally:
+        engine.close()
+    out = disk_dir / "out"
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        assert (out / name).read_text() == (src / name).read_text()
+    assert (out / "generation_config.json").is_file() and (out / "model.safetensors").is_file()
+    assert not (out / "model.safetensors.index.json").exists()
+
+
+def test_a_second_save_replaces_the_first_whole(disk_dir) -> None:
+    """A sharded save over a single-file one (and back) leaves no file of the earlier save
+    that transformers would read."""
+    src = _saved(disk_dir, "llama")
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    out = disk_dir / "out"
+    try:
+        engine.save_pretrained(out)
+        engine.save_pretrained(out, max_shard_size=SHARD)
+        assert not (out / "model.safetensors").exists()
+        shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert sorted(set(index["weight_map"].values())) == shards
+        engine.save_pretrained(out)
+        assert not list(out.glob("model-*.safetensors"))
+        assert not (out / "model.safetensors.index.json").exists()
+        assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    finally:
+        engine.close()
+
+
+# -- errors in the checkpoint ------------------------------------------------------------
+def _single_file(disk_dir: Path, change) -> Path:
+    """A llama checkpoint as one file, its state dict changed by ``change(sd)``."""
+    from safetensors.torch import save_file
+
+    model = make_model("llama", layers=2, width=64)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    change(sd)
+    src = disk_dir / "src"
+    model.config.save_pretrained(src)
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    return src
+
+
+def _no_swap_left(disk_dir: Path) -> bool:
+    return not list(disk_dir.glob("infinity-swap-*"))
+
+
+def test_a_missing_parameter_is_named_and_strict_false_loads_the_rest(disk_dir) -> None:
+    name = "model.layers.1.mlp.up_proj.weight"
+    src = _single_file(disk_dir, lambda sd: sd.pop(name))
+    with pytest.raises(PretrainedMismatchError, match=f"not in it: {name}.*strict=False"):
+        infinity.from_pretrained(src, config=_config(disk_dir))
+    assert _no_swap_left(disk_dir)
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir), strict=False)
+    try:
+        current = engine.module_state_dict()
+        full = make_model("llama", layers=2, width=64).state_dict()
+        for key, value in full.items():
+            if key != name:
+                assert torch.equal(current[key], value), key
+        assert current[name].std() > 0          # the model's init, not zeros
+    finally:
+        engine.close()
+
+
+def test_an_unexpected_tensor_is_named_with_its_file(disk_dir) -> None:
+    src = _single_file(disk_dir, lambda sd: sd.update({"model.layers.0.extra.weight":
+                                                        torch.zeros(3)}))
+    with pytest.raises(PretrainedMismatchError,
+                       match=r"not in the model: model\.layers\.0\.extra\.weight "
+                             r"\(model\.safetensors\)"):
+        infinity.from_pretrained(src, config=_config(disk_dir))
+    assert _no_swap_left(disk_dir)
+
+
+def test_a_shape_mismatch_names_the_tensor_and_the_file(disk_dir) -> None:
+    name = "model.layers.0.mlp.down_proj.weight"
+    src = _single_file(disk_dir, lambda sd: sd.update({name: torch.zeros(64, 100)}))
+    with pytest.raises(PretrainedMismatchError,
+                       match=rf"{name}: checkpoint \[64, 100\] in model\.safetensors, model "
+                             r"\[64, 128\].*ignore_mismatched_sizes=True"):
+        infinity.from_pretrained(src, config=_config(disk_dir))
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir),
+                                          ignore_mismatched_sizes=True)
+    engine.close()
+
+
+def test_a_missing_shard_is_named_with_a_tensor_it_holds(disk_dir) -> None:
+    src = _saved(disk_dir, "llama")
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    lost = sorted(set(index.values()))[1]
+    held = sorted(k for k, v in index.items() if v == lost)[0]
+    (src / lost).unlink()
+    with pytest.raises(CheckpointError, match=rf"missing: {lost} \(holds \d+ tensors, e\.g\. "
+                                              rf"{held}\)"):
+        infinity.from_pretrained(src, config=_config(disk_dir))
+    assert _no_swap_left(disk_dir)
+
+
+def test_a_directory_without_safetensors_is_refused_plainly(disk_dir) -> None:
+    src = _single_file(disk_dir, lambda sd: None)
+    shutil.move(src / "model.safetensors", src / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="safetensors only"):
+        infinity.from_pretrained(src, config=_config(disk_dir))
+
+
+# -- infinity export ---------------------------------------------------------------------
+def test_infinity_export_writes_a_directory_transformers_loads(disk_dir, capsys) -> None:
+    from infinity.cli import main
+
+    src = _saved(disk_dir, "gpt2")
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    x = _batches(1, seed=5)[0]
+    try:
+        engine.train()
+        for batch in _batches(2):
+            engine.backward(loss_of(engine(input_ids=batch, labels=batch)))
+            engine.step()
+        engine.save_checkpoint(disk_dir / "ckpt")
+        engine.eval()
+        trained = _logits(engine, x)
+    finally:
+        engine.close()
+    out = disk_dir / "exported"
+    assert main(["export", str(disk_dir / "ckpt"), str(out), "--max-shard-size", SHARD]) == 0
+    assert "weight file(s)" in capsys.readouterr().out
+    assert (out / "model.safetensors.index.json").is_file()
+    assert (_logits(_plain(out), x) - trained).abs().max().item() == 0.0
+    assert main(["export", str(disk_dir / "ckpt"), str(disk_dir / "half"), "--dtype", "bf16"]) == 0
+    assert json.loads((disk_dir / "half" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(v.dtype == torch.bfloat16 for v in _weights(disk_dir / "half").values()
+               if v.is_floating_point())
+
+
+# -- two ranks -------------------------------------------------------------------------------
+@pytest.mark.distributed
+def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path) -> None:
+    """from_pretrained at 2 gloo ranks (stage 3, NVMe, each rank reading only its shards),
+    3 clipped steps: the mean loss over the ranks equals torch AdamW on the whole batch;
+    engine.save_pretrained and model.save_pretrained (all ranks calling, rank 0 writing) load
+    with transformers to the engine's logits; model.state_dict() is the same on both ranks."""
+    from ranks import check_ranks, launch, read_results
+    from safetensors.torch import load_file
+
+    steps = 3
+    src = _saved(disk_dir, "llama")
+    check_ranks(launch(2, "hf_pretrained_ranks_worker.py",
+                       [str(tmp_path), str(disk_dir), str(src), str(steps)], timeout=600))
+    results = read_results(tmp_path, 2)
+    reference = _plain(src).train()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(steps):
+        x = torch.randint(0, VOCAB, (4, 12), generator=gen)
+        halves = [loss_of(reference(input_ids=x[r * 2:(r + 1) * 2], labels=x[r * 2:(r + 1) * 2]))
+                  for r in range(2)]
+        (sum(halves) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        got = sum(r["losses"][step] for r in results) / 2
+        want = sum(h.item() for h in halves) / 2
+        assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
+    logits = load_file(str(tmp_path / "logits0.safetensors"))["logits"]
+    assert torch.equal(logits, load_file(str(tmp_path / "logits1.safetensors"))["logits"])
+    x = torch.arange(12).reshape(1, 12) % VOCAB
+    for name in ("saved", "model_saved"):
+        assert (_logits(_plain(tmp_path / name), x) - logits).abs().max().item() == 0.0, name
+    assert (tmp_path / "saved" / "model.safetensors.index.json").is_file()
+    assert results[0]["state"] == results[1]["state"]
+    torch.testing.assert_close(logits, _logits(reference.eval(), x), rtol=1e-4, atol=1e-5)
