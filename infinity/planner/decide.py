@@ -199,6 +199,19 @@ def _additions(base: InfinityConfig, stats: ModelStats, shape: ModelShape, targe
             nvme_need = rung.memory.node_nvme if rung else 0
             out.append(f"host memory and NVMe together: {format_bytes(need.host_memory_bytes)} "
                        f"and {format_bytes(nvme_need)} per node -> {rung.label if rung else ''}")
+    deepest = _try_rung(base, stats, shape, target, workload, *ladder[-1], nvme_path).memory
+    if any(p.startswith("GPU memory") for p in deepest.problems):
+        unit = deepest.stats.largest_unit_params
+        need = format_bytes(2 * deepest.placement.c * unit)
+        if stats.param_numels is None:
+            out.append(f"smaller units: the largest unit ({unit:,} elements) takes {need} on a GPU "
+                       "fetched with its gradient, before prefetch and activations; name smaller "
+                       "modules in infinity.unit_modules (plan with --hf-config and the plan sizes "
+                       "one unit per parameter)")
+        elif deepest.units_split:
+            out.append(f"a single parameter of {unit:,} elements takes {need} on a GPU with its "
+                       "gradient: splitting one weight (the paper's memory-centric tiling) is not "
+                       "implemented")
     gpu = target.gpu
     mem = _smallest(gpu.memory_bytes, gpu.memory_bytes * 16,
                     lambda b: fit(target.with_(gpu=dataclasses.replace(gpu, memory_bytes=b))) is not None)

@@ -64,7 +64,7 @@ def render_target_plan(plan: "TargetPlan") -> str:
     else:
         lines += ["", f"recommended: {d.rungs[-1].label}"]
     per = ref.bytes_per_param()
-    kept = "fp32 gradient" if per["grads"] else "no gradient home (the early step)"
+    kept = "fp32 gradients" if per["grads"] else "no gradient home: the early step"
     lines += [
         "",
         f"model states  {sum(per.values())} B/param stored = {per['params']} (16-bit params) + "
@@ -93,7 +93,7 @@ def render_target_plan(plan: "TargetPlan") -> str:
         lines.append(f"  bound {st.bound_s:.2f} s ({st.bottleneck}) x {OVERLAP_FACTOR} (the engine's "
                      f"measured overlap) = predicted {st.predicted_s:.2f} s/step; "
                      f"{st.tokens_per_s:,.0f} tokens/s; {st.tflops_per_gpu:.1f} TFLOPS per GPU "
-                     f"({st.tflops_per_gpu / gpu.peak_tflops:.0%} of peak)")
+                     f"({st.tflops_per_gpu / gpu.peak_tflops:.1%} of peak)")
     lines += [f"note: {n}" for n in plan.notes]
     cfg = plan.ds_config()
     if cfg:
