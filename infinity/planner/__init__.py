@@ -12,4 +12,14 @@ Pure (no torch, no storage, no I/O beyond reading /proc and a config), one conce
   optimizer's slot and chunk counts;
 * ``plan.py``: predicted memory per tier with warnings (``plan_memory``), the shallowest config
   that fits; ``render.py``: the plan as a table for people.
+
+For a machine described instead of detected (``infinity plan --gpus ...``, issue 27):
+
+* ``target.py``: GPU presets, the target cluster (``Target``) and the workload (``Workload``);
+* ``shape.py``: a transformer's widths and depth, its activations and FLOPs per token;
+* ``rank_memory.py``: one rank's device, host and NVMe bytes for a config, by the engine's own
+  ``engine_sizes``, and whether the node holds its ranks;
+* ``decide.py``: the decision path, stage 0 -> ZeRO-1/2/3 -> CPU -> NVMe, or what to add;
+* ``step_time.py``: the step's traffic per link, the bottleneck, the predicted step;
+* ``target_plan.py``: the three together with notes and JSON; ``explain.py``: as text.
 """

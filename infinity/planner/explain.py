@@ -79,9 +79,11 @@ def render_target_plan(plan: "TargetPlan") -> str:
         f"NVMe {format_bytes(ref.node_nvme)} of {format_bytes(t.nvme_bytes)}",
     ]
     es = ref.engine
-    lines.append(f"sizes         sub-group {es.sub_group_numel:,} elements; fetch slots "
-                 f"{es.fetch_slots} x {format_bytes(es.max_unit_bytes)}; prefetch "
-                 f"{ref.derived.prefetch_bucket_size:,} elements; gradients on {es.grad_tier}")
+    slots = (f"; fetch slots {es.fetch_slots} x {format_bytes(es.max_unit_bytes)}"
+             if ref.placement.param_tier == "nvme" else "")
+    grads = "no gradient home" if ref.placement.early_step else f"gradients on {es.grad_tier}"
+    lines.append(f"sizes         sub-group {es.sub_group_numel:,} elements{slots}; prefetch "
+                 f"{ref.derived.prefetch_bucket_size:,} elements; {grads}")
     if plan.step is not None:
         st = plan.step
         lines += ["", f"step time (one optimizer step: {w.tokens_per_step:,} tokens per GPU)",

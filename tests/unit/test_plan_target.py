@@ -244,3 +244,18 @@ def test_cli_1t_hf_config_on_8x80gb_plans_nvme_in_well_under_a_minute(tmp_path) 
     assert ranks * data["per_rank"]["host"] == data["per_node"]["host"] <= 2 * TiB
     assert data["per_node"]["nvme"] <= 28 * TB
     assert data["predicted_step_s"] > 0 and data["bottleneck"]
+
+
+def test_a_config_is_planned_as_written_on_the_target(tmp_path, capsys) -> None:
+    """--config with target flags: the one rung of its own stage and offload devices, with its
+    clipping (so the deferred step: fp32 gradients kept, 18 B/param)."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"gradient_clipping": 1.0, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}))
+    assert cli.main(["plan", "--model-size", "7B", "--config", str(ds), "--gpus", "2", "--gpu",
+                     "A100-40G", "--host-memory", "256GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["decision"]) == 1 and data["decision"][0]["rung"].startswith("the config as written")
+    assert (data["decision"][0]["stage"], data["decision"][0]["offload_param"]) == (3, "cpu")
+    assert data["feasible"] and data["bytes_per_param"]["this_engine"]["grads"] == 4
+    assert data["ds_config"]["bf16"] == {"enabled": True}       # 16-bit compute on the GPUs
