@@ -1,0 +1,309 @@
+"""``transformers.Trainer`` on an infinity engine: change the import, keep the script.
+
+```python
+from infinity.integrations.hf import Trainer, TrainingArguments   # was: from transformers
+args = TrainingArguments("out", deepspeed="ds_config.json", gradient_accumulation_steps=2, ...)
+Trainer(model=model, args=args, train_dataset=..., eval_dataset=...).train()
+```
+
+``deepspeed=`` (the ds_config path or dict HF users already have, ``"auto"`` values and all)
+is infinity's config here; with transformers' own ``TrainingArguments`` pass
+``Trainer(..., config=ds_config)`` instead. The DeepSpeed package is not needed.
+
+How it plugs in (the extension points transformers documents for subclasses, and the three
+private hooks its DeepSpeed support also goes through, named here so a transformers upgrade
+that moves them is caught at import):
+- ``create_optimizer``: the Trainer's own optimizer (``args.optim``, its weight-decay groups:
+  none on biases and norms) is built and handed to ``infinity.initialize``, which takes it over
+  (engine/client_optimizer.py); a config with an ``"optimizer"`` section is used instead, with
+  the same groups. The schedule is the config's ``"scheduler"``, else ``args.lr_scheduler_type``
+  built on the engine's optimizer. The engine owns both, so its checkpoints hold them.
+- ``training_step``: the Trainer's forward, loss scaling and ``loss.backward()`` (the engine
+  sees that backward), then ``engine.step()`` at every micro-batch, as DeepSpeed's engine is
+  stepped: it steps the optimizer and the schedule at the accumulation boundary. The Trainer's
+  ``optimizer.step()`` and ``lr_scheduler.step()`` are then no-ops (as accelerate's DeepSpeed
+  wrappers are), the logged ``learning_rate`` is the rate of the step just taken and
+  ``grad_norm`` the engine's (``_get_grad_norm`` / ``_clip_grad_norm``: clipping is the config's
+  ``gradient_clipping``, filled from ``max_grad_norm``).
+- ``_wrap_model`` hands the engine out as the wrapped model (no DDP over it at several ranks:
+  the engine reduces gradients itself); ``save_model`` writes through the safe path
+  (``engine.save_pretrained``, or a PEFT model's adapter from its current weights); a
+  Trainer checkpoint holds ``engine.save_checkpoint`` (``global_step<N>/`` and ``latest``, as
+  with DeepSpeed), which ``_load_optimizer_and_scheduler`` loads on resume.
+
+The engine lives as long as the Trainer: ``trainer.close()`` (or ``trainer.engine.close()``)
+removes its swap files; evaluation and ``save_model`` after ``train()`` use it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from accelerate.optimizer import AcceleratedOptimizer
+
+from infinity.base.log import get_logger
+from infinity.integrations.hf_config import fill_from_training_args, read_ds_config
+
+log = get_logger("integrations")
+
+# transformers' private hooks this module overrides: a version without them would silently run
+# its own (grad norm 0, an optimizer.pt of nothing), so their absence stops the import
+_PRIVATE_HOOKS = ("_get_grad_norm", "_clip_grad_norm", "_wrap_model",
+                  "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+                  "_load_from_checkpoint")
+_missing = [name for name in _PRIVATE_HOOKS if not hasattr(transformers.Trainer, name)]
+if _missing:
+    raise ImportError(f"infinity.integrations.hf needs transformers >= 5.0 (its Trainer has "
+                      f"no {', '.join(_missing)}); this is transformers "
+                      f"{transformers.__version__}")
+
+__all__ = ["Trainer", "TrainingArguments"]
+
+
+@dataclasses.dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """transformers' TrainingArguments, whose ``deepspeed`` (a ds_config path or dict) is
+    infinity's config: it lands in ``infinity_config`` and transformers' DeepSpeed support
+    stays off. The model is not moved to the device before the engine places it."""
+
+    infinity_config: dict | str | None = dataclasses.field(
+        default=None, metadata={"help": "The ds_config infinity trains with (deepspeed= "
+                                        "is read as this)."})
+
+    def __post_init__(self) -> None:
+        if self.deepspeed is not None:
+            if self.infinity_config is not None:
+                raise ValueError("TrainingArguments got deepspeed= and infinity_config=: both "
+                                 "name infinity's config, pass one")
+            self.infinity_config, self.deepspeed = self.deepspeed, None
+        super().__post_init__()
+
+    @property
+    def place_model_on_device(self) -> bool:
+        return False
+
+
+class _EngineOptimizer(AcceleratedOptimizer):
+    """What the Trainer holds as its optimizer: the engine's, whose ``step()`` the engine took
+    at the last micro-batch (so here it is a no-op, as accelerate's DeepSpeed wrapper's is)."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine.optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+        self._is_accelerate_prepared = True      # accelerate's prepare() keeps it as it is
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        return None
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return not self.engine.was_step_applied()
+
+
+class _EngineSchedule:
+    """What the Trainer holds as its LR scheduler: the engine steps the real one (its
+    ``lr_scheduler``) after each optimizer step; ``get_last_lr()`` is the rates of the step
+    just taken, which is what the plain Trainer logs."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.step_lrs: list[float] | None = None
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.step_lrs) if self.step_lrs is not None else self.engine.get_lr()
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("the Trainer's schedule lives in the infinity engine: it is saved "
+                           "and loaded with its checkpoints (engine.save_checkpoint)")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state_dict()
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` training through an infinity engine (see the module docstring).
+    ``config``: the ds_config, when ``args`` is transformers' own TrainingArguments."""
+
+    def __init__(self, *args: Any, config: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from_args = getattr(self.args, "infinity_config", None)
+        if config is not None and from_args is not None:
+            raise ValueError("Trainer got config= and TrainingArguments(deepspeed=...): both "
+                             "name infinity's config, pass one")
+        self.infinity_config = config if config is not None else from_args
+        if self.infinity_config is None:
+            raise ValueError(
+                "infinity's Trainer needs a ds_config: TrainingArguments(deepspeed="
+                "\"ds_config.json\") from infinity.integrations.hf, or Trainer(config=...)")
+        if self.is_deepspeed_enabled:
+            raise ValueError("these TrainingArguments turn transformers' DeepSpeed support on: "
+                             "use infinity.integrations.hf.TrainingArguments, whose deepspeed= "
+                             "is infinity's config")
+        self.engine = None
+
+    # -- building the engine -----------------------------------------------------------------
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The engine, built once, with the Trainer's optimizer taken over (or the config's,
+        with the Trainer's weight-decay groups) and its schedule."""
+        if self.engine is not None:
+            return self.optimizer
+        import infinity
+
+        max_steps = self.state.max_steps or self.args.max_steps
+        if not max_steps or max_steps < 0:
+            raise ValueError("infinity's Trainer builds its engine when training starts "
+                             "(trainer.train()), which knows the number of steps")
+        ds = fill_from_training_args(read_ds_config(self.infinity_config), self.args,
+                                     world_size=self.args.world_size, max_steps=max_steps)
+        kwargs: dict[str, Any] = {}
+        user_schedule = self.lr_scheduler          # Trainer(optimizers=(opt, schedule))
+        if "optimizer" in ds:
+            if self.optimizer is not None:
+                raise ValueError("the ds_config has an \"optimizer\" section and the Trainer "
+                                 "was given an optimizer: remove one")
+            kwargs["model_parameters"] = self._decay_groups()
+        else:
+            kwargs["optimizer"] = super().create_optimizer(model)
+        if "scheduler" not in ds:
+            kwargs["lr_scheduler"] = user_schedule if user_schedule is not None else \
+                self._schedule_factory(max_steps)
+        elif user_schedule is not None:
+            raise ValueError("the ds_config has a \"scheduler\" section and the Trainer was "
+                             "given a scheduler: remove one")
+        engine, *_ = infinity.initialize(model=self.model, config=ds, **kwargs)
+        self.engine = engine
+        self.optimizer = _EngineOptimizer(engine)
+        self.lr_scheduler = _EngineSchedule(engine)
+        return self.optimizer
+
+    def _decay_groups(self) -> list[dict]:
+        """The Trainer's param groups (decay on all but biases and norms) for a config's
+        optimizer: the no-decay group overrides the config's weight_decay with 0."""
+        decay = set(self.get_decay_parameter_names(self.model))
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay]},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
+
+    def _schedule_factory(self, max_steps: int):
+        args = self.args
+
+        def build(optimizer: torch.optim.Optimizer):
+            return transformers.get_scheduler(
+                args.lr_scheduler_type, optimizer=optimizer,
+                num_warmup_steps=args.get_warmup_steps(max_steps), num_training_steps=max_steps,
+                scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+
+        return build
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The engine holds the schedule (built with it in ``create_optimizer``)."""
+        if self.engine is None:
+            self.create_optimizer()
+        return self.lr_scheduler
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        if self.engine is not None:
+            return self.engine
+        return super()._wrap_model(model, training, dataloader)
+
+    # -- training ----------------------------------------------------------------------------
+    def training_step(self, model: Any, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """The Trainer's forward and backward, then the engine's step (every micro-batch; it
+        steps at the accumulation boundary, which must be the Trainer's)."""
+        engine = self.engine
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary != self.accelerator.sync_gradients:
+            raise RuntimeError(
+                f"the Trainer ends an optimizer step at a micro-batch where the engine, which "
+                f"steps every gradient_accumulation_steps = "
+                f"{engine.gradient_accumulation_steps()} micro-batches, does not: the epoch's "
+                "micro-batches are not a multiple of it. Use a dataset whose size is a "
+                "multiple of per_device_train_batch_size x gradient_accumulation_steps x "
+                "world size, or dataloader_drop_last=True")
+        lrs = engine.get_lr() if boundary else None
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        engine.step()
+        if lrs is not None:
+            self.lr_scheduler.step_lrs = lrs
+        return loss
+
+    def _clip_grad_norm(self, model: Any) -> float | None:
+        return self.engine.get_global_grad_norm()     # the engine clipped (gradient_clipping)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float | None:
+        return self.engine.get_global_grad_norm()
+
+    # -- saving and resuming -----------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model's current weights, through the engine (every rank takes part; rank 0
+        writes): a transformers directory (``engine.save_pretrained``), or a PEFT model's
+        adapter; then the tokenizer (processing class) and the arguments as JSON."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _is_peft_model(self.model):
+            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        else:
+            self.engine.save_pretrained(output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            (Path(output_dir) / "training_args.json").write_text(self.args.to_json_string())
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        return None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine's checkpoint (model, Adam states, schedule, counters) in the Trainer's
+        checkpoint directory; a PEFT model's frozen base is left out (it does not change)."""
+        self.engine.save_checkpoint(output_dir,
+                                    exclude_frozen_parameters=_is_peft_model(self.model))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path, _ = self.engine.load_checkpoint(checkpoint)
+        if path is None:
+            raise FileNotFoundError(f"resume_from_checkpoint={checkpoint!r}: no infinity "
+                                    "checkpoint there (no 'latest' file)")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Called before the engine exists on resume: the engine's checkpoint is loaded once
+        it is built (``_load_optimizer_and_scheduler``); here it is only checked for."""
+        if self.engine is not None:
+            self.engine.load_checkpoint(resume_from_checkpoint, load_module_only=True)
+            return
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, "latest")):
+            raise FileNotFoundError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} holds no infinity "
+                "checkpoint ('latest'): resume from a checkpoint this Trainer saved")
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        log.info("loading the best model from %s (score %s)", best, self.state.best_metric)
+        self.engine.load_checkpoint(best, load_module_only=True)
+
+    def close(self) -> None:
+        """Close the engine (its swap files are removed); the model is released with it."""
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)

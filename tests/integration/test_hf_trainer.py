@@ -1,0 +1,115 @@
+"""transformers.Trainer on an infinity engine (infinity.integrations.hf), one rank: the import
+changes, nothing else. Against the plain Trainer on the same model and data (gradient
+accumulation 2, evaluation every 5 steps, warm-up then linear decay, weight-decay groups, the
+default clipping at max_grad_norm 1.0): the same losses, grad norms and learning rates logged;
+save_model reloads with transformers to the engine's logits; a run resumed from a Trainer
+checkpoint continues the interrupted run's losses."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from hf_common import STEPS, hf_args, hf_data, hf_ds, logged
+from parity import make_model
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+hf = pytest.importorskip("infinity.integrations.hf")
+
+def _close(ours: list[float], theirs: list[float], rel: float) -> None:
+    assert len(ours) == len(theirs) and ours, (ours, theirs)
+    for a, b in zip(ours, theirs):
+        assert abs(a - b) <= rel * abs(b), (ours, theirs)
+
+
+def test_the_trainer_trains_logs_saves_and_resumes_as_the_plain_trainer(disk_dir, tmp_path) -> None:
+    warnings.filterwarnings("ignore")
+    data, evals = hf_data(), hf_data(8, seed=1)
+    model = make_model("llama", layers=2, width=32)
+    plain = transformers.Trainer(
+        model=copy.deepcopy(model), args=transformers.TrainingArguments(tmp_path / "plain",
+                                                                        **hf_args()),
+        train_dataset=data, eval_dataset=evals)
+    plain.train()
+
+    fresh = copy.deepcopy(model)
+    trainer = hf.Trainer(
+        model=model, train_dataset=data, eval_dataset=evals,
+        args=hf.TrainingArguments(tmp_path / "run", deepspeed=hf_ds(disk_dir),
+                                  **hf_args(save_strategy="steps", save_steps=10)))
+    try:
+        trainer.train()
+        engine = trainer.engine
+        assert engine.zero_optimization_stage() == 3 and engine.gradient_accumulation_steps() == 2
+        assert engine.gradient_clipping() == 1.0            # "auto" <- max_grad_norm
+        # the Trainer's weight-decay groups, taken over: none on biases and norms
+        assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.1, 0.0]
+        _close(logged(trainer, "loss"), logged(plain, "loss"), 1e-5)
+        _close(logged(trainer, "grad_norm"), logged(plain, "grad_norm"), 1e-5)
+        assert logged(trainer, "learning_rate") == pytest.approx(logged(plain, "learning_rate"),
+                                                                  rel=1e-12)
+        evals_ours = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+        evals_plain = [h["eval_loss"] for h in plain.state.log_history if "eval_loss" in h]
+        _close(evals_ours, evals_plain, 1e-5)
+
+        # save_model: a directory transformers loads, holding the engine's current weights
+        trainer.save_model(tmp_path / "saved")
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+        x = torch.stack([d["input_ids"] for d in evals[:4]])
+        engine.eval()
+        with torch.no_grad():
+            ours = engine(input_ids=x).logits
+            theirs = reloaded.eval()(input_ids=x).logits
+        assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+    finally:
+        trainer.close()
+
+    checkpoint = tmp_path / "run" / "checkpoint-10"
+    assert (checkpoint / "latest").is_file() and (checkpoint / "model.safetensors").is_file()
+    resumed = hf.Trainer(
+        model=fresh, train_dataset=data, eval_dataset=evals,
+        args=hf.TrainingArguments(tmp_path / "resumed", deepspeed=hf_ds(disk_dir), **hf_args()))
+    try:
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+        assert resumed.engine.global_steps == STEPS
+        _close(logged(resumed, "loss", after=10), logged(trainer, "loss", after=10), 1e-5)
+        _close(logged(resumed, "grad_norm", after=10), logged(trainer, "grad_norm", after=10),
+               1e-5)
+    finally:
+        resumed.close()
+
+
+def test_a_config_optimizer_and_schedule_take_the_trainers_values(disk_dir, tmp_path) -> None:
+    """An "optimizer" and a "scheduler" section of "auto" values, filled from the arguments as
+    Hugging Face fills them; the Trainer's no-decay group keeps weight decay 0. A value written
+    that disagrees with the arguments is refused, naming both."""
+    warnings.filterwarnings("ignore")
+    ds = hf_ds(disk_dir, optimizer={"type": "AdamW", "params": {
+        "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+             scheduler={"type": "WarmupDecayLR", "params": {
+                 "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                 "total_num_steps": "auto"}})
+    trainer = hf.Trainer(model=make_model("llama", layers=1, width=32), train_dataset=hf_data(16),
+                         args=hf.TrainingArguments(tmp_path / "run", deepspeed=ds,
+                                                   **hf_args(max_steps=4, eval_strategy="no")))
+    try:
+        trainer.train()
+        groups = trainer.engine.optimizer.param_groups
+        assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+        assert trainer.engine.config.scheduler.total_num_steps == 4
+        assert trainer.engine.config.scheduler.warmup_max_lr == 1e-2
+        assert all(h["grad_norm"] > 0 for h in trainer.state.log_history if "grad_norm" in h)
+    finally:
+        trainer.close()
+    wrong = hf_ds(disk_dir, gradient_accumulation_steps=4,
+                optimizer={"type": "AdamW", "params": {"lr": 1e-4}})
+    trainer = hf.Trainer(model=make_model("llama", layers=1, width=32), train_dataset=hf_data(16),
+                         args=hf.TrainingArguments(tmp_path / "wrong", deepspeed=wrong,
+                                                   **hf_args(max_steps=4, eval_strategy="no")))
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps = 4 but .* = 2\n"
+                                         r"- optimizer\.params\.lr = 0\.0001 but .*"
+                                         r"learning_rate = 0\.01"):
+        trainer.train()
