@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from infinity.base.sizes import parse_bytes
-from infinity.config import InfinityConfig
 from infinity.commands.plan_target import add_target_arguments, target_from_args
+from infinity.config import InfinityConfig
 from infinity.planner.inputs import ModelStats, detect_hardware, llama_stats
 from infinity.planner.plan import DEFAULT_SWAP_DIR, plan_memory, recommend_config
 from infinity.planner.shape import (

@@ -18,7 +18,12 @@ from infinity.planner.engine_sizes import EngineSizes, engine_sizes
 from infinity.planner.inputs import ModelStats
 from infinity.planner.placement import Placement, place, resident_bytes
 from infinity.planner.shape import ModelShape, activation_bytes
-from infinity.planner.sizes import HOST_BUDGET_FRACTION, DerivedSizes, derive_sizes, device_working
+from infinity.planner.sizes import (
+    HOST_BUDGET_FRACTION,
+    DerivedSizes,
+    derive_sizes,
+    device_working,
+)
 from infinity.planner.target import Target, Workload
 from infinity.planner.tiers import Tier
 

@@ -10,12 +10,17 @@ from typing import Any
 
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
-from infinity.planner.decide import Decision, decide
+from infinity.planner.decide import TARGET_SWAP_DIR, Decision, decide
 from infinity.planner.inputs import ModelStats
-from infinity.planner.rank_memory import RankMemory, rank_memory, speculation_applies
+from infinity.planner.rank_memory import (
+    GPU_RUNTIME_HOST_BYTES,
+    RankMemory,
+    rank_memory,
+    speculation_applies,
+)
 from infinity.planner.shape import ModelShape
 from infinity.planner.step_time import StepTime, predict_step
-from infinity.planner.target import Target, Workload
+from infinity.planner.target import DEVICE_RESERVE_BYTES, Target, Workload
 
 __all__ = ["TargetPlan", "plan_target", "PAPER_BYTES_PER_PARAM", "DS_CONFIG_KEYS"]
 
@@ -107,9 +112,17 @@ class TargetPlan:
 
 def _notes(d: Decision) -> list[str]:
     notes: list[str] = []
-    t, ref = d.target, (d.chosen or d.rungs[-1].memory)
+    t = d.target
     if t.assumed:
         notes.append("assumed (not given): " + ", ".join(t.assumed))
+    notes.append(f"assumed overheads: {format_bytes(DEVICE_RESERVE_BYTES)} of each GPU kept out of "
+                 f"the plan (CUDA context, NCCL, allocator); {format_bytes(GPU_RUNTIME_HOST_BYTES)} "
+                 "of host memory per rank beside the engine's pools (Python, torch, CUDA libraries)")
+    paths = {m.config.zero.offload_param.nvme_path, m.config.zero.offload_optimizer.nvme_path} \
+        if (m := d.chosen) is not None else set()
+    if TARGET_SWAP_DIR in paths:
+        notes.append(f"nvme_path {TARGET_SWAP_DIR} stands for the target's NVMe mount (set it, or "
+                     "pass --nvme-path)")
     if d.shape.estimated:
         notes.append(f"model shape estimated from the parameter count (width {d.shape.hidden}, "
                      f"vocabulary {d.shape.vocab}): pass --hf-config for exact activations")

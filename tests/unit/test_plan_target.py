@@ -231,7 +231,8 @@ def test_cli_1t_hf_config_on_8x80gb_plans_nvme_in_well_under_a_minute(tmp_path) 
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "infinity.cli", "plan", "--hf-config", str(path),
                            "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "2TiB",
-                           "--nvme", "28TB", "--json"], capture_output=True, text=True, timeout=120)
+                           "--nvme", "28TB", "--json"], capture_output=True, text=True, timeout=120,
+                          check=False)
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert elapsed < 30, elapsed
