@@ -58,13 +58,13 @@ def run(schedule: str, nvme_dir: str, rank: int, world: int) -> dict:
     comm = engine.comm
     gather, reduce_scatter = comm.all_gather, comm.reduce_scatter_mean
 
-    def counted_gather(output):
+    def counted_gather(output, tag=None):
         calls["all_gather"].append(output.numel() * output.element_size())
-        gather(output)
+        gather(output, tag=tag)
 
-    def counted_reduce_scatter(output, source):
+    def counted_reduce_scatter(output, source, tag=None):
         calls["reduce_scatter"].append(source.numel() * source.element_size())
-        reduce_scatter(output, source)
+        reduce_scatter(output, source, tag=tag)
 
     comm.all_gather, comm.reduce_scatter_mean = counted_gather, counted_reduce_scatter
 
