@@ -10,10 +10,10 @@ the range its home holds (its own shard at stage 3 with several ranks) read from
 into its buffer, converted to the compute dtype on the way. Nothing is initialised then
 overwritten, so an NVMe home is written once.
 
-Memory: a read goes straight into the unit's buffer when the dtypes agree, else through one
-bounded buffer (``CONVERT_BYTES``); the file's pages are dropped from the page cache behind each
-piece read (``READ_PIECE_BYTES``), so what a load holds is about one unit, whatever the size of
-the model. Names: a parameter matches the checkpoint under any of its names (tied weights:
+Memory: a read goes straight into the unit's buffer when the dtypes agree, else through a few
+bounded buffers (``CONVERT_BYTES``), read ahead of the conversions by a helper thread (see
+[Note: reads ahead of conversions]); the file's pages are dropped from the page cache behind
+each piece read, so what a load holds is about one unit, whatever the size of the model. Names: a parameter matches the checkpoint under any of its names (tied weights:
 ``lm_head.weight`` is ``model.embed_tokens.weight``), and the model's ``base_model_prefix`` is
 added or removed when the checkpoint was saved from the base model or the model with a head
 (as transformers does). Keys the model class says to ignore (``_keys_to_ignore_on_load_*``)
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -40,7 +42,8 @@ log = get_logger("checkpoint")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 READ_PIECE_BYTES = 32 << 20     # pages dropped from the page cache behind each piece read
-CONVERT_BYTES = 16 << 20        # the buffer a read goes through when dtypes differ
+CONVERT_BYTES = 16 << 20        # the buffers a read goes through when dtypes differ
+RING = 3                        # how many (the reader runs up to RING - 1 pieces ahead)
 LISTED = 20                     # names listed in an error, per kind
 
 
@@ -123,7 +126,8 @@ class PretrainedWeights:
         self._tensors: dict[str, _Source] = {}
         self._params: dict[str, _Source] = {}        # every name of each matched parameter
         self._buffers: dict[str, _Source] = {}
-        self._convert: torch.Tensor | None = None
+        self._ring: list[torch.Tensor] | None = None      # see [Note: reads ahead ...]
+        self._reader: ThreadPoolExecutor | None = None
         self.bytes_read = 0
         try:
             self._open(mapping)
@@ -266,9 +270,9 @@ class PretrainedWeights:
     def provides(self, name: str) -> bool:
         return name in self._params
 
-    def fill(self, name: str, start: int, out: torch.Tensor) -> None:
-        source = self._params[name]
-        self._read(source, start, out)
+    def fill(self, pieces: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        """See [Note: reads ahead of conversions]."""
+        self._run([self._jobs(self._params[name], start, out) for name, start, out in pieces])
 
     def load_buffers(self, model: nn.Module) -> None:
         """Copy the checkpoint's persistent buffers into ``model``'s (small: read whole)."""
@@ -277,39 +281,75 @@ class PretrainedWeights:
             for name, source in self._buffers.items():
                 buf = buffers[name]
                 value = torch.empty(source.info.shape, dtype=source.info.dtype)
-                if value.numel():
-                    self._read(source, 0, value.reshape(-1))
+                self._run([self._jobs(source, 0, value.reshape(-1))])
                 buf.copy_(value)
 
-    def _read(self, source: _Source, start: int, out: torch.Tensor) -> None:
+    # [Note: reads ahead of conversions]
+    # A unit's pieces are cut in jobs of at most READ_PIECE_BYTES (read straight into the
+    # unit's buffer: same dtype, host memory) or CONVERT_BYTES (read into one of RING host
+    # buffers, then copied into the unit's buffer with the cast). One reader thread runs the
+    # preads (which release the GIL) up to RING - 1 jobs ahead of the caller, who converts:
+    # reading the files and converting overlap. Each job's file pages are dropped from the
+    # page cache behind it. A ring buffer is reused only after its conversion (the reader is
+    # never more than RING - 1 jobs ahead), and a failure waits for every read in flight.
+    def _jobs(self, source: _Source, start: int, out: torch.Tensor) -> list[tuple]:
         n = out.numel()
-        if not n:
-            return
-        info, reader = source.info, source.reader
+        info = source.info
         item = info.dtype.itemsize
         direct = out.device.type == "cpu" and out.dtype == info.dtype and out.is_contiguous()
-        if direct:
-            step = max(1, READ_PIECE_BYTES // item)
-        else:
-            step = max(1, CONVERT_BYTES // item)
-            if self._convert is None or self._convert.numel() < step * item:
-                self._convert = torch.empty(CONVERT_BYTES, dtype=torch.uint8)
+        step = max(1, (READ_PIECE_BYTES if direct else CONVERT_BYTES) // item)
         flat = out.reshape(-1) if out.is_contiguous() else out
-        for a in range(0, n, step):
-            c = min(step, n - a)
-            target = flat[a:a + c] if direct else self._convert[:c * item].view(info.dtype)
-            reader.read_into(info.name, target, start + a)
-            if self.drop_cache:
-                reader.drop_cached(info.name, start + a, c)
-            if not direct:
-                flat[a:a + c].copy_(target)
-            self.bytes_read += c * item
+        return [(source, start + a, min(step, n - a), flat[a:a + min(step, n - a)], direct)
+                for a in range(0, n, step)]
+
+    def _run(self, groups: list[list[tuple]]) -> None:
+        jobs = [job for group in groups for job in group]
+        if not jobs:
+            return
+        if self._ring is None:
+            self._ring = [torch.empty(CONVERT_BYTES, dtype=torch.uint8) for _ in range(RING)]
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="pretrained-read")
+        in_flight: deque = deque()
+
+        def submit(i: int) -> None:
+            source, first, count, out, direct = jobs[i]
+            target = out if direct else \
+                self._ring[i % RING][:count * source.info.dtype.itemsize].view(source.info.dtype)
+            in_flight.append((jobs[i], target, self._reader.submit(self._pread, source, first,
+                                                                   target)))
+
+        ahead = 0
+        try:
+            while ahead < min(RING - 1, len(jobs)):
+                submit(ahead)
+                ahead += 1
+            for _ in range(len(jobs)):
+                (source, _, _, out, direct), target, read = in_flight.popleft()
+                read.result()
+                if ahead < len(jobs):
+                    submit(ahead)
+                    ahead += 1
+                if not direct:
+                    out.copy_(target)
+        finally:
+            for _, _, read in in_flight:
+                read.exception()         # waits; the error raised first is the one reported
+
+    def _pread(self, source: _Source, first: int, target: torch.Tensor) -> None:
+        reader, name = source.reader, source.info.name
+        reader.read_into(name, target, first)
+        if self.drop_cache:
+            reader.drop_cached(name, first, target.numel())
+        self.bytes_read += target.numel() * source.info.dtype.itemsize
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
-        self._convert = None
+        self._ring = None
 
     def __enter__(self) -> "PretrainedWeights":
         return self

@@ -81,24 +81,39 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
     replacements = {}
     # full shapes by id: units built before a later one's init runs are released by then
     full_shapes = {id(p): p.shape for spec in specs for _, p in spec.params}
-    for index, spec in enumerate(specs):
-        provided = values.provides if values is not None else None
-        for name, old, new in materialize_params(model, spec.params, device, full_shapes,
-                                                 provided):
-            replacements[old] = new
-            full_shapes[id(new)] = old.shape
-            group_of[new] = group_of.pop(old, -1)
-        spec.params = [(n, replacements.get(p, p)) for n, p in spec.params]
-        # a parameter with no elements has nothing to step: kept as frozen
-        named = [(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
-                 for n, p in spec.params]
-        unit = Unit(index, spec.name, spec.module, named, compute_dtype, device, comm=comm,
-                    shards=shards, params_sharded=stage == 3)
-        # A unit stays on the device when all of it is below the persistence threshold.
-        persistent = persistence_threshold is None or unit.numel <= persistence_threshold
-        unit.adopt(manager, param_tier, persistent, staging=staging,
-                   doubled=doubled and unit.has_trainable, values=values)
-        units.append(unit)
+    # with ``values`` a unit's home write is left in flight while the next unit is read, so
+    # reading the files overlaps writing the homes (two units' device memory at most);
+    # ``pending`` waits for the last such write and releases its unit
+    pending = None
+    try:
+        for index, spec in enumerate(specs):
+            provided = values.provides if values is not None else None
+            for name, old, new in materialize_params(model, spec.params, device, full_shapes,
+                                                     provided):
+                replacements[old] = new
+                full_shapes[id(new)] = old.shape
+                group_of[new] = group_of.pop(old, -1)
+            spec.params = [(n, replacements.get(p, p)) for n, p in spec.params]
+            # a parameter with no elements has nothing to step: kept as frozen
+            named = [(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
+                     for n, p in spec.params]
+            unit = Unit(index, spec.name, spec.module, named, compute_dtype, device, comm=comm,
+                        shards=shards, params_sharded=stage == 3)
+            # A unit stays on the device when all of it is below the persistence threshold.
+            persistent = persistence_threshold is None or unit.numel <= persistence_threshold
+            if pending is not None and not manager.device_cache.fits(unit.nbytes):
+                previous, pending = pending, None     # no room for two units: it lands first
+                previous()
+            finish = unit.adopt(manager, param_tier, persistent, staging=staging,
+                                doubled=doubled and unit.has_trainable, values=values,
+                                write_behind=values is not None)
+            units.append(unit)
+            previous, pending = pending, finish
+            if previous is not None:
+                previous()
+    finally:
+        if pending is not None:
+            pending()
     for group in groups:
         group["params"] = [replacements.get(p, p) for p in group["params"]]
     return units, replacements

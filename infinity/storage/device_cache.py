@@ -79,13 +79,17 @@ class DeviceMemoryCache:
                 raise
         storage._swap_data_ptr_(block)
 
-    def try_attach(self, storage: torch.UntypedStorage, nbytes: int, what: str) -> bool:
-        """``attach`` if ``nbytes`` fit now (a cached block of that size, or budget room after
-        freeing cached blocks of other sizes); False, changing nothing, when they do not."""
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` can be attached now (a cached block of that size, or budget room
+        after freeing cached blocks of other sizes)."""
         with self._lock:
-            fits = bool(self._free.get(nbytes)) or self.budget.limit is None or \
+            return bool(self._free.get(nbytes)) or self.budget.limit is None or \
                 self.budget.held - self.cached_bytes + nbytes <= self.budget.limit
-        if not fits:
+
+    def try_attach(self, storage: torch.UntypedStorage, nbytes: int, what: str) -> bool:
+        """``attach`` if ``nbytes`` fit now (see ``fits``); False, changing nothing, when they
+        do not."""
+        if not self.fits(nbytes):
             return False
         self.attach(storage, nbytes, what)
         return True

@@ -16,7 +16,7 @@ tools).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -91,9 +91,11 @@ class UnitValues(Protocol):
     def provides(self, name: str) -> bool:
         """Whether parameter ``name`` takes its values from here (else from the model's init)."""
 
-    def fill(self, name: str, start: int, out: torch.Tensor) -> None:
-        """Fill ``out`` (contiguous, 1-D, of any floating dtype, on any device) with elements
-        [start, start + out.numel()) of parameter ``name`` flattened, cast to ``out``'s dtype."""
+    def fill(self, pieces: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        """For each (name, start, out): fill ``out`` (contiguous, 1-D, of any floating dtype,
+        on any device) with elements [start, start + out.numel()) of parameter ``name``
+        flattened, cast to ``out``'s dtype. All the pieces of a unit come in one call, so that
+        reads may run ahead of conversions."""
 
 
 class _NoStepper:

@@ -37,6 +37,7 @@ gather; the coordinator keeps track (see [Note: collective order] in comm/collec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -146,13 +147,18 @@ class Unit:
 
     # -- building ------------------------------------------------------------------------
     def adopt(self, manager: TierManager, param_home: Tier, persistent: bool, staging=None,
-              doubled: bool = False, values: UnitValues | None = None) -> None:
+              doubled: bool = False, values: UnitValues | None = None,
+              write_behind: bool = False) -> Callable[[], None] | None:
         """Take the parameters' current values into the flat buffer and point them at it.
 
         With a HOST/NVME param home the values go to the home tier and the unit ends RELEASED
         (unless persistent); with a DEVICE home the unit stays FETCHED for good. ``values``:
         the parameters it provides are read from it instead (a pretrained checkpoint), only
         the range the home holds when the unit is released after (its own shard at stage 3).
+        ``write_behind``: an NVMe home written straight from page-aligned host memory is left
+        in flight, and a callable is returned that waits for the write and releases the unit
+        (the caller fills the next unit meanwhile; until it is called this unit stays FETCHED
+        and holds its device memory); None when nothing was left in flight.
         """
         # sharded at stage 3, a DEVICE home holds the own shard (see [Note: shards])
         self.persistent = persistent or (param_home is Tier.DEVICE and not self.params_sharded)
@@ -175,13 +181,25 @@ class Unit:
             # doubled: the speculative step writes parameters to a shadow extent
             self.param_store = manager.create(f"{self.name}.params", self.home_numel, self.dtype,
                                               self.param_home, doubled=doubled)
+            if write_behind and staging is None and self.flat_on_aligned_host and \
+                    not self.param_store.resident:
+                requests = self._write_direct(manager)
+
+                def finish() -> None:
+                    try:
+                        manager.wait(*requests)
+                    finally:
+                        self.release(manager)
+                return finish
             self.write_home(manager, staging)
             self.release(manager)
+        return None
 
     def fill_range(self, values: UnitValues, lo: int, hi: int, out: torch.Tensor) -> None:
         """``out`` = elements [lo, hi) of the flat buffer's layout: the parameters ``values``
         provides read from it, the others' current values, zeros between them."""
         cursor = lo
+        pieces = []
         for entry in sorted(self.params, key=lambda e: e.offset):
             x, y = max(lo, entry.offset), min(hi, entry.offset + entry.numel)
             if x >= y:
@@ -190,12 +208,14 @@ class Unit:
                 out[cursor - lo:x - lo].zero_()
             piece = out[x - lo:y - lo]
             if values.provides(entry.name):
-                values.fill(entry.name, x - entry.offset, piece)
+                pieces.append((entry.name, x - entry.offset, piece))
             else:
                 piece.copy_(entry.param.detach().reshape(-1)[x - entry.offset:y - entry.offset])
             cursor = y
         if cursor < hi:
             out[cursor - lo:].zero_()
+        if pieces:
+            values.fill(pieces)
 
     def _point_params(self) -> None:
         for entry in self.params:
@@ -355,6 +375,15 @@ class Unit:
         manager.device_cache.detach(self.flat.untyped_storage())
         self.residency.to(Residency.RELEASED)
 
+    def _write_direct(self, manager: TierManager, count: bool = True) -> list:
+        """Start the writes of the own range of a page-aligned host device buffer to the NVMe
+        param home (both extents of a doubled store); the requests."""
+        store, own = self.param_store, self.own_flat
+        if count:
+            manager.counters.device_to_host_bytes += self.home_numel * own.element_size()
+        shadows = (False, True) if store.doubled else (False,)
+        return [store.store_async(own, shadow=s) for s in shadows]
+
     def write_home(self, manager: TierManager, staging=None) -> None:
         """Write the device copy back to the param home (after it was modified), to both of a
         doubled store's extents (the frozen part is written nowhere else).
@@ -376,7 +405,7 @@ class Unit:
             return [store.store_async(buf, start, count, shadow=s) for s in shadows]
 
         if staging is None and self.flat_on_aligned_host:
-            manager.wait(*write(own))   # page-aligned: as it is
+            manager.wait(*self._write_direct(manager, count=False))   # page-aligned: as it is
             return
         if staging is None:
             buf = manager.host_empty(store.padded, self.dtype, what=f"{self.name} staging")

@@ -2,7 +2,7 @@
 ``infinity.from_pretrained`` at stage 3 with parameters and optimizer on NVMe, a few clipped
 steps on this rank's rows of each global batch, then ``engine.save_pretrained`` and
 ``model.save_pretrained`` (every rank calls them; rank 0 writes), and the eval logits of a
-fixed batch.
+fixed batch; then a bf16 engine's fp32 save of what it loaded.
 
 argv: out_dir nvme_dir src_dir steps
 """
@@ -49,6 +49,14 @@ def main() -> None:
         with torch.no_grad():
             logits = engine(input_ids=torch.arange(12).reshape(1, 12) % VOCAB).logits
         state = engine.module.state_dict()
+    finally:
+        engine.close()
+    # a bf16 engine saves fp32 by default at stage 3 (no 16-bit gather): its masters, each
+    # rank's shard of them gathered, which hold the file's fp32 values bit for bit
+    ds.update(bf16={"enabled": True}, infinity={"compute_dtype": "bf16"})
+    engine, *_ = infinity.from_pretrained(src, config=ds)
+    try:
+        engine.save_pretrained(out / "masters")
     finally:
         engine.close()
     save_file({"logits": logits.contiguous()}, str(out / f"logits{rank}.safetensors"))

@@ -364,7 +364,8 @@ def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path) -> None:
     """from_pretrained at 2 gloo ranks (stage 3, NVMe, each rank reading only its shards),
     3 clipped steps: the mean loss over the ranks equals torch AdamW on the whole batch;
     engine.save_pretrained and model.save_pretrained (all ranks calling, rank 0 writing) load
-    with transformers to the engine's logits; model.state_dict() is the same on both ranks."""
+    with transformers to the engine's logits; model.state_dict() is the same on both ranks; a
+    bf16 engine's default (fp32) save gathers its masters: the file's values bit for bit."""
     from ranks import check_ranks, launch, read_results
     from safetensors.torch import load_file
 
@@ -394,4 +395,9 @@ def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path) -> None:
         assert (_logits(_plain(tmp_path / name), x) - logits).abs().max().item() == 0.0, name
     assert (tmp_path / "saved" / "model.safetensors.index.json").is_file()
     assert results[0]["state"] == results[1]["state"]
+    original = _weights(src)
+    masters = _weights(tmp_path / "masters")
+    assert set(masters) == set(original)
+    for name, value in original.items():
+        assert masters[name].dtype == torch.float32 and torch.equal(masters[name], value), name
     torch.testing.assert_close(logits, _logits(reference.eval(), x), rtol=1e-4, atol=1e-5)
