@@ -7,6 +7,7 @@ instance attributes that shadow the class's, so removing them restores the model
 from __future__ import annotations
 
 import sys
+import types
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -54,11 +55,24 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
                 if len(args) == 1 else (*args, keep_vars)[:3]
         return full_state_dict(engine, destination, prefix, keep_vars)
 
-    model.zero_grad = zero_grad
-    model.load_state_dict = load_state_dict
-    model.state_dict = state_dict
+    routed = {"zero_grad": zero_grad, "load_state_dict": load_state_dict,
+              "state_dict": state_dict}
     if _is_transformers_model(model):
-        model.save_pretrained = _routed_save_pretrained(model, engine)
+        routed["save_pretrained"] = _routed_save_pretrained(model, engine)
+    for name, function in routed.items():
+        setattr(model, name, _bound(model, engine, name, function))
+
+
+def _bound(model: nn.Module, engine: "Engine", name: str, function):
+    """``function`` as a method of ``model`` that a copy of the model (``copy.deepcopy``, which
+    rebinds methods to the copy) does not share: the copy gets its class's own method."""
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self is engine.module:
+            return function(*args, **kwargs)
+        return getattr(type(self), name)(self, *args, **kwargs)
+
+    method.__name__ = name
+    return types.MethodType(method, model)
 
 
 def _is_transformers_model(model: nn.Module) -> bool:

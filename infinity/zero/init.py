@@ -164,12 +164,11 @@ LOAD_UNDER_INIT = (
     "a value was assigned to parameter {name} inside infinity.zero.Init after it was built: "
     "that is a load (transformers' from_pretrained, or load_state_dict(assign=True)), and Init "
     "keeps no values (the model is built on the meta device, materialised by initialize), so "
-    "the loaded weights would be lost to a random init. Either build the model outside "
-    "zero.Init (from_pretrained then needs host memory for the model once; initialize moves it "
-    "to its tiers), or build it inside zero.Init from its config (from_config) and after "
-    "infinity.initialize load the weights with model.load_state_dict(sd): for a sharded "
-    "checkpoint, one shard at a time with strict=False (safetensors.torch.load_file), which "
-    "holds one shard in memory")
+    "the loaded weights would be lost to a random init. Load a transformers directory with "
+    "infinity.from_pretrained(dir, config=ds_config) instead: it builds the model on the meta "
+    "device and reads each unit's weights straight into its tier (memory holds about two "
+    "units); or build the model outside zero.Init (from_pretrained then needs host memory for "
+    "the model once; initialize moves it to its tiers)")
 
 # functions on the stack when a parameter is given a value by a load rather than by a module's
 # construction (which may replace a parameter too: a subclass's __init__ redefining weight)
@@ -181,7 +180,9 @@ def _loading() -> bool:
     thread; read only when a built parameter is replaced, so its cost is rare."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name in _LOADERS:
+        # (infinity.from_pretrained builds the model under Init: a construction, not a load)
+        if frame.f_code.co_name in _LOADERS and \
+                not str(frame.f_globals.get("__name__", "")).startswith("infinity."):
             return True
         frame = frame.f_back
     return False

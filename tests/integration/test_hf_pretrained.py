@@ -253,6 +253,33 @@ def test_a_second_save_replaces_the_first_whole(disk_dir) -> None:
         engine.close()
 
 
+def test_a_base_model_checkpoint_loads_under_a_head_and_kwargs_reach_the_config(disk_dir) -> None:
+    """A checkpoint saved from the base model (no ``model.`` prefix, no head) loads into the
+    causal LM with strict=False, as transformers maps base_model_prefix; keyword arguments
+    override the config, and the ones that mean something else here are refused."""
+    _transformers()
+    full = make_model("llama", layers=2, width=64)
+    full.model.save_pretrained(disk_dir / "base")
+    with pytest.raises(PretrainedMismatchError, match=r"not in it: lm_head\.weight"):
+        infinity.from_pretrained(disk_dir / "base", config=_config(disk_dir))
+    with pytest.raises(TypeError, match="device_map: the engine places every state itself"):
+        infinity.from_pretrained(disk_dir / "base", config=_config(disk_dir), device_map="auto")
+    with pytest.raises(TypeError, match="not_a_setting"):
+        infinity.from_pretrained(disk_dir / "base", config=_config(disk_dir), strict=False,
+                                 not_a_setting=1)
+    engine, *_ = infinity.from_pretrained(disk_dir / "base", config=_config(disk_dir),
+                                          strict=False, use_cache=False,
+                                          attn_implementation="eager")
+    try:
+        assert engine.module.config.use_cache is False
+        assert engine.module.config._attn_implementation == "eager"
+        state = engine.module_state_dict()
+        for name, value in full.model.state_dict().items():
+            assert torch.equal(state["model." + name], value), name
+    finally:
+        engine.close()
+
+
 # -- errors in the checkpoint ------------------------------------------------------------
 def _single_file(disk_dir: Path, change) -> Path:
     """A llama checkpoint as one file, its state dict changed by ``change(sd)``."""
