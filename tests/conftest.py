@@ -50,9 +50,11 @@ def disk_dir() -> Path:
 @pytest.fixture
 def infinity_log(caplog: pytest.LogCaptureFixture):
     """caplog that also sees the package logger (which does not propagate to the root logger)."""
-    import logging
+    from infinity.base.log import get_logger
 
-    logger = logging.getLogger("infinity")
+    # set up first: get_logger configures the logger (its level, its stderr handler) only
+    # while it has no handler, so adding caplog's before left it at the root's WARNING
+    logger = get_logger()
     logger.addHandler(caplog.handler)
     try:
         yield caplog

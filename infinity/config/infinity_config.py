@@ -33,6 +33,7 @@ from typing import Any, Mapping
 from infinity.config.aio import AioConfig
 from infinity.config.file import check_nesting, decode_base64_config, read_config_file
 from infinity.config.infinity_section import InfinitySection
+from infinity.config.monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from infinity.config.optimizer import SCHEDULER_KEYS, OptimizerConfig, SchedulerConfig
 from infinity.config.precision import Bf16Config, Fp16Config
 from infinity.config.values import (
@@ -47,11 +48,11 @@ from infinity.config.values import (
 from infinity.config.zero import OFFLOAD_KEYS, SIZE_KEYS, OffloadConfig, ZeroConfig
 
 # DeepSpeed keys we accept and ignore on purpose: they configure tools infinity does not have
-# (monitors, profilers, compilers), collectives of a world size of 1, or memory layouts that change
+# (profilers, compilers), collectives of a world size of 1, or memory layouts that change
 # no result here. Anything else unknown is an error.
 IGNORED_KEYS: dict[str, tuple[str, ...]] = {
     "": ("zero_allow_untested_optimizer", "communication_data_type", "activation_checkpointing",
-         "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+         "flops_profiler", "comms_logger",
          "autotuning",
          "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
          "zero_force_ds_cpu_optimizer", "checkpoint", "data_types", "elasticity", "compile",
@@ -98,6 +99,7 @@ def _section_off(value: Any) -> bool:
 # else than the config asks for, so it is an error. key -> (is it off?, the off value, what to do)
 OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
     "": {"amp": (_section_off, '{"enabled": false}', "use fp16 or bf16"),
+         "comet": (_section_off, '{"enabled": false}', "use tensorboard, csv_monitor or wandb"),
          "torch_autocast": (_section_off, '{"enabled": false}', "use bf16 or fp16"),
          "sparse_gradients": (_is_off, "false", "")},
     "fp16": {"fp16_master_weights_and_grads": (_is_off, "false", "master weights stay fp32")},
@@ -165,12 +167,20 @@ class InfinityConfig:
     """Seed for torch's generators at engine start; None = leave them alone."""
     dataloader_drop_last: bool = False
     """The loader ``initialize(training_data=...)`` returns drops a last, short batch."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """TensorBoard events of each step (DeepSpeed's tags, engine/monitor.py)."""
+    csv_monitor: CsvMonitorConfig = field(default_factory=CsvMonitorConfig)
+    """CSV files of the same events."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging of the same events."""
 
     def __post_init__(self) -> None:
         set_field(self, "world_size", check_int("world_size", self.world_size, 1))
         self._resolve_batch_sizes()
         for name, cls in (("fp16", Fp16Config), ("bf16", Bf16Config),
-                          ("zero", ZeroConfig), ("aio", AioConfig), ("infinity", InfinitySection)):
+                          ("zero", ZeroConfig), ("aio", AioConfig), ("infinity", InfinitySection),
+                          ("tensorboard", TensorBoardConfig), ("csv_monitor", CsvMonitorConfig),
+                          ("wandb", WandbConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: expected {cls.__name__}, got {getattr(self, name)!r}")
         if self.optimizer is not None and not isinstance(self.optimizer, OptimizerConfig):
@@ -305,6 +315,10 @@ class InfinityConfig:
             "steps_per_print": self.steps_per_print,
             "dataloader_drop_last": self.dataloader_drop_last,
         })
+        for name in _MONITORS:
+            section = getattr(self, name)
+            if section != type(section)():
+                out[name] = section.to_dict()
         if self.seed is not None:
             out["seed"] = self.seed
         return out
@@ -316,7 +330,8 @@ class InfinityConfig:
 _TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
              "aio", "infinity", "wall_clock_breakdown", "steps_per_print", "seed",
-             "dataloader_drop_last")
+             "dataloader_drop_last", "tensorboard", "csv_monitor", "wandb")
+_MONITORS = ("tensorboard", "csv_monitor", "wandb")
 _ALIASES: dict[str, dict[str, str]] = {
     "": {"bfloat16": "bf16"},
     "aio": {"intra_op_parallelism": "thread_count"},
@@ -405,14 +420,16 @@ class _Parser:
         top = self.keys(data, "", _TOP_KEYS)
         kwargs: dict[str, Any] = {"world_size": world_size}
         scalars = {k: v for k, v in top.items() if k not in
-                   ("optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "aio", "infinity")}
+                   ("optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "aio", "infinity",
+                    *_MONITORS)}
         kwargs.update(self.resolve(scalars, "", sizes=frozenset()))
         if "optimizer" in top:
             kwargs["optimizer"] = self.optimizer(top["optimizer"])
         if top.get("scheduler") is not None:
             kwargs["scheduler"] = self.scheduler(top["scheduler"])
         for name, cls in (("fp16", Fp16Config), ("bf16", Bf16Config), ("aio", AioConfig),
-                          ("infinity", InfinitySection)):
+                          ("infinity", InfinitySection), ("tensorboard", TensorBoardConfig),
+                          ("csv_monitor", CsvMonitorConfig), ("wandb", WandbConfig)):
             if name in top:
                 allowed = tuple(f.name for f in dataclasses.fields(cls))
                 kwargs[name] = cls(**self.resolve(self.keys(top[name], name, allowed), name))

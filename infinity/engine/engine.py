@@ -39,6 +39,7 @@ from infinity.engine.model_methods import (
 )
 from infinity.engine.client_optimizer import rebind_scheduler
 from infinity.engine.param_groups import optimizer_groups
+from infinity.engine.monitor import StepReport
 from infinity.engine.pass_owner import EnginePassOwner
 from infinity.engine.passes import PassHooks, cast_floating
 from infinity.engine.sizing import (
@@ -147,6 +148,8 @@ class Engine(DeepSpeedEngineAccessors):
                      "NVMe states", format_bytes(self.sizes.nvme_bytes), nvme_path)
             self.speculative = False
             self.sizes = sizes()
+        # the monitors first: a section enabled without its library stops before any file
+        self.report = StepReport(self.config, self.ranks.rank)
         self.manager = tier_manager(self.config, self.device, self.sizes, nvme_path,
                                     rank=self.ranks.rank)
         if self.config.infinity.offload_activations == "nvme" and nvme_path is None:
@@ -273,6 +276,7 @@ class Engine(DeepSpeedEngineAccessors):
         hooks = contextlib.ExitStack()
         if self.activation_swapper is not None and training:
             hooks.enter_context(self.activation_swapper.hooks())
+        self._pass_started = time.perf_counter()
         return training, hooks
 
     def _end_pass(self, state: tuple[bool, contextlib.ExitStack],
@@ -288,6 +292,7 @@ class Engine(DeepSpeedEngineAccessors):
         hooks.close()
         if training:
             self.coordinator.end_forward()
+            self.report.add_time("forward", time.perf_counter() - self._pass_started)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -302,6 +307,7 @@ class Engine(DeepSpeedEngineAccessors):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss.detach()
+        self.report.add_loss(scaled)
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         self._void_speculation()       # a second backward in one cycle
@@ -309,6 +315,7 @@ class Engine(DeepSpeedEngineAccessors):
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
         self._hyper_at_backward = self.optimizer.hyperparameters() if self.optimizer.early_step else None
         self.coordinator.engine_backward = True
+        started = time.perf_counter()
         try:
             loss.backward(retain_graph=retain_graph)
         except BaseException as exc:
@@ -325,6 +332,7 @@ class Engine(DeepSpeedEngineAccessors):
         finally:
             self.coordinator.engine_backward = False
             self._release_dropped_activations()
+            self.report.add_time("backward", time.perf_counter() - started)
         self.optimizer.end_backward()
         self._backwards_since_step += 1
         return scaled
@@ -358,8 +366,10 @@ class Engine(DeepSpeedEngineAccessors):
         self.optimizer.loss_scale = self.loss_scale
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
         self._hyper_at_backward = self.optimizer.hyperparameters() if self.optimizer.early_step else None
+        self._untracked_started = time.perf_counter()
 
     def _end_untracked_backward(self) -> None:
+        self.report.add_time("backward", time.perf_counter() - self._untracked_started)
         self._release_dropped_activations()
         self.optimizer.end_backward()
         self._backwards_since_step += 1
@@ -393,6 +403,14 @@ class Engine(DeepSpeedEngineAccessors):
         if self.optimizer.holds_cycle_gradients():
             self.optimizer.discard_cycle_gradients()
             self._drop_rolled_back()
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Count ``loss`` in this step's reported loss (the monitors' ``train_loss``, the
+        ``steps_per_print`` line) when its backward was ``loss.backward()`` called directly
+        (as Hugging Face's Trainer does), which the engine cannot see: pass the loss that was
+        backpropagated, already divided by the accumulation steps. ``engine.backward``
+        records its own."""
+        self.report.add_loss(loss)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
@@ -429,11 +447,13 @@ class Engine(DeepSpeedEngineAccessors):
         self._backwards_since_step = 0
         if not boundary:
             return
+        started = time.perf_counter()
         self._warn_if_hyperparameters_moved()
         self.comm.check_same_sequence(f"optimizer step {self.global_steps + 1}")
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
         self.optimizer.loss_scale = self.loss_scale
+        lrs = self.get_lr()            # the rates this step uses, reported after it
         self.optimizer.engine_stepping = True
         try:
             self.optimizer.step()
@@ -456,6 +476,10 @@ class Engine(DeepSpeedEngineAccessors):
             self.lr_scheduler.step(**(lr_kwargs or {}))   # a skipped step does not move it
         self.global_steps += 1
         self._record_stats()
+        self.report.add_time("step", time.perf_counter() - started)
+        self.report.after_step(step=self.global_steps, samples=self.global_samples, lr=lrs,
+                               loss_scale=self.loss_scale, grad_norm=self.get_global_grad_norm(),
+                               skipped=self.skipped_steps, mom=self.get_mom())
         if self.config.infinity.mmap_threshold_in_use is not None:
             trim()
         if stuck:
@@ -633,6 +657,8 @@ class Engine(DeepSpeedEngineAccessors):
             return
         self._closed = True
         unregister_engine(self)
+        if getattr(self, "report", None) is not None:
+            self.report.close()
         unroute_module_methods(self.module)
         try:
             if getattr(self, "coordinator", None) is not None:

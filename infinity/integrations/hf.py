@@ -234,6 +234,7 @@ class Trainer(transformers.Trainer):
                 "world size, or dataloader_drop_last=True")
         lrs = engine.get_lr() if boundary else None
         loss = super().training_step(model, inputs, num_items_in_batch)
+        engine.record_loss(loss)       # its backward was loss.backward(): the monitors' loss
         engine.step()
         if lrs is not None:
             self.lr_scheduler.step_lrs = lrs

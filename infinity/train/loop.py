@@ -193,7 +193,9 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         identity = {"seed": opts.seed, "data": corpus.source, "seq_len": opts.seq_len,
                     "micro_batch": sampler.micro_batch}
         done = checkpoints.resume_into(engine, sampler, identity, opts.steps)
-        timers = _PhaseTimers(config.wall_clock_breakdown, config.steps_per_print)
+        # infinity's engine logs wall_clock_breakdown itself (engine/monitor.py)
+        timers = _PhaseTimers(config.wall_clock_breakdown and opts.engine == "torch",
+                              config.steps_per_print)
         for step in range(done + 1, opts.steps + 1):
             lr = engine.get_lr()[0]
             losses = []

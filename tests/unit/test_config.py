@@ -167,7 +167,7 @@ def test_ignored_deepspeed_keys_are_accepted_with_one_log_line() -> None:
     logger.setLevel(logging.DEBUG)
     try:
         cfg = InfinityConfig.from_dict({
-            "zero_allow_untested_optimizer": True, "tensorboard": {"enabled": False},
+            "zero_allow_untested_optimizer": True, "comet": {"enabled": False},
             "activation_checkpointing": {"partition_activations": True},
             "zero_optimization": {"stage": 2, "allgather_partitions": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
@@ -178,7 +178,7 @@ def test_ignored_deepspeed_keys_are_accepted_with_one_log_line() -> None:
     assert cfg.zero.stage == 2 and cfg.optimizer.lr == 1e-4
     assert len(records) == 1
     message = records[0].getMessage()
-    for key in ("zero_allow_untested_optimizer", "tensorboard", "activation_checkpointing",
+    for key in ("zero_allow_untested_optimizer", "comet", "activation_checkpointing",
                 "zero_optimization.allgather_partitions", "optimizer.params.torch_adam"):
         assert key in message
 
