@@ -28,7 +28,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -265,6 +265,12 @@ class PretrainedWeights:
         if report.missing_buffers:
             log.info("%s: buffer(s) not in the checkpoint keep the model's values: %s",
                      self.directory, ", ".join(report.missing_buffers[:5]))
+
+    def rename(self, names: Mapping[str, str]) -> None:
+        """The model's parameters were renamed (wrapped in another module): ``names`` maps each
+        new name to the old one; the matched parameters are served under the new names."""
+        self._params = {new: self._params[old] for new, old in names.items()
+                        if old in self._params}
 
     # -- UnitValues ---------------------------------------------------------------------
     def provides(self, name: str) -> bool:

@@ -70,7 +70,8 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
                     model_parameters: Iterable | None = None, lr_scheduler: Any = None,
                     training_data: Any = None, collate_fn: Callable | None = None,
                     auto_values: Mapping[str, Any] | None = None, process_group: Any = None,
-                    args: Any = None, **hf_kwargs: Any):
+                    args: Any = None, prepare_model: Callable[[nn.Module], nn.Module] | None = None,
+                    **hf_kwargs: Any):
     """A transformers model from a local directory (``config.json`` + ``model.safetensors``,
     or shards with ``model.safetensors.index.json``) trained by an engine:
     ``(engine, optimizer, training_dataloader, lr_scheduler)`` as ``infinity.initialize``.
@@ -85,6 +86,12 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
     ``dtype`` is the engine's compute dtype (the config's bf16 / fp16 sections), into which the
     weights are converted. The model is in eval mode, as transformers returns it: call
     ``engine.train()`` before training with dropout.
+
+    ``prepare_model(model) -> model``: called on the model after the checkpoint was matched to
+    it and before the engine takes it, outside ``zero.Init`` (the loaded parameters are still
+    meta; modules it adds are built with their values: a PEFT LoRA wrapper, frozen layers).
+    The model it returns is the one trained; the checkpoint's tensors follow their parameters
+    under the new names.
     """
     from infinity.engine.engine import Engine
     from infinity.engine.entry import _config_source, training_loader
@@ -101,6 +108,8 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
                       ignore_unexpected=_patterns(model, "_keys_to_ignore_on_load_unexpected"),
                       ignore_missing=_patterns(model, "_keys_to_ignore_on_load_missing"))
         weights.load_buffers(model)
+        if prepare_model is not None:
+            model = _prepared(model, prepare_model, weights)
         extra = {"optimizer": optimizer} if optimizer is not None else {}
         engine = Engine(model, model_parameters, config_source, lr_scheduler=lr_scheduler,
                         process_group=process_group, auto_values=auto_values, weights=weights,
@@ -116,6 +125,19 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
         loader = training_loader(training_data, engine.config, collate_fn,
                                  rank=engine.ranks.rank, world_size=engine.ranks.world_size)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _prepared(model: nn.Module, prepare: Callable[[nn.Module], nn.Module],
+              weights: PretrainedWeights) -> nn.Module:
+    """``prepare(model)``, the checkpoint's tensors following their parameters' new names."""
+    before = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    prepared = prepare(model)
+    if not isinstance(prepared, nn.Module):
+        raise TypeError(f"prepare_model returned {type(prepared).__name__}, not the nn.Module "
+                        "to train")
+    weights.rename({name: before[id(p)] for name, p in
+                    prepared.named_parameters(remove_duplicate=False) if id(p) in before})
+    return prepared
 
 
 def _hf_config(directory: Path, hf_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -280,6 +280,42 @@ def test_a_base_model_checkpoint_loads_under_a_head_and_kwargs_reach_the_config(
         engine.close()
 
 
+class _Wrapped(torch.nn.Module):
+    """A model wrapped as PEFT wraps one: new names, a small adapter with its own values."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+        self.scale = torch.nn.Parameter(torch.full((64,), 0.5))
+
+    def forward(self, input_ids, labels=None):
+        out = self.inner(input_ids=input_ids, labels=labels)
+        return out
+
+
+def test_prepare_model_wraps_and_freezes_outside_zero_init(disk_dir) -> None:
+    """prepare_model runs after the match, outside zero.Init: a wrapper's new parameter keeps
+    the value it was built with, frozen parameters stay frozen, and the checkpoint's tensors
+    follow their parameters under the wrapper's names."""
+    src = _saved(disk_dir, "llama")
+
+    def prepare(model):
+        assert next(model.parameters()).device.type == "meta"
+        model.model.embed_tokens.requires_grad_(False)
+        return _Wrapped(model)
+
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir), prepare_model=prepare)
+    x = _batches(1)[0]
+    try:
+        assert isinstance(engine.module, _Wrapped)
+        state = engine.module_state_dict()
+        assert torch.equal(state["scale"], torch.full((64,), 0.5))
+        assert not engine.module.inner.model.embed_tokens.weight.requires_grad
+        assert (_logits(engine, x) - _logits(_plain(src), x)).abs().max().item() == 0.0
+    finally:
+        engine.close()
+
+
 # -- errors in the checkpoint ------------------------------------------------------------
 def _single_file(disk_dir: Path, change) -> Path:
     """A llama checkpoint as one file, its state dict changed by ``change(sd)``."""
