@@ -44,6 +44,7 @@ def main() -> None:
             engine.step()
             losses.append(loss.item())
         engine.save_pretrained(out / "saved", max_shard_size="40KB")
+        engine.save_checkpoint(out / "ckpt")        # slices per rank, for infinity export
         engine.module.save_pretrained(out / "model_saved")
         engine.eval()
         with torch.no_grad():

@@ -426,8 +426,8 @@ def test_infinity_export_writes_a_directory_transformers_loads(disk_dir, capsys)
 def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path) -> None:
     """from_pretrained at 2 gloo ranks (stage 3, NVMe, each rank reading only its shards),
     3 clipped steps: the mean loss over the ranks equals torch AdamW on the whole batch;
-    engine.save_pretrained and model.save_pretrained (all ranks calling, rank 0 writing) load
-    with transformers to the engine's logits; model.state_dict() is the same on both ranks; a
+    engine.save_pretrained, model.save_pretrained (all ranks calling, rank 0 writing) and
+    infinity export of the 2-rank checkpoint load with transformers to the engine's logits; model.state_dict() is the same on both ranks; a
     bf16 engine's default (fp32) save gathers its masters: the file's values bit for bit."""
     from ranks import check_ranks, launch, read_results
     from safetensors.torch import load_file
@@ -454,7 +454,10 @@ def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path) -> None:
     logits = load_file(str(tmp_path / "logits0.safetensors"))["logits"]
     assert torch.equal(logits, load_file(str(tmp_path / "logits1.safetensors"))["logits"])
     x = torch.arange(12).reshape(1, 12) % VOCAB
-    for name in ("saved", "model_saved"):
+    from infinity.cli import main
+
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
+    for name in ("saved", "model_saved", "exported"):
         assert (_logits(_plain(tmp_path / name), x) - logits).abs().max().item() == 0.0, name
     assert (tmp_path / "saved" / "model.safetensors.index.json").is_file()
     assert results[0]["state"] == results[1]["state"]
