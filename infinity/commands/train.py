@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from infinity.train.defaults import (DEFAULT_HOST_BUDGET, DEFAULT_LR, DEFAULT_MICRO_BATCH,
-                                     DEFAULT_NVME_PATH, DEFAULT_PRESET, DEFAULT_SEQ_LEN,
-                                     DEFAULT_STEPS)
+from infinity.train.defaults import (DEFAULT_FINETUNE_LR, DEFAULT_HOST_BUDGET, DEFAULT_LR,
+                                     DEFAULT_MICRO_BATCH, DEFAULT_NVME_PATH, DEFAULT_PRESET,
+                                     DEFAULT_SEQ_LEN, DEFAULT_STEPS)
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -33,15 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"7B, ...; default {DEFAULT_PRESET})")
     model.add_argument("--hf-config", metavar="PATH", default=None,
                        help="a transformers config.json of any causal LM (random init)")
+    model.add_argument("--pretrained", metavar="DIR", default=None,
+                       help="fine-tune the transformers model saved in DIR (config.json and "
+                            "safetensors weights); its tokenizer when DIR has one, else bytes")
     parser.add_argument("--config", metavar="FILE", default=None,
                         help="DeepSpeed-format ds_config.json (default: stage 3, params and "
                              "optimizer on NVMe)")
     parser.add_argument("--data", metavar="FILE", default=None,
                         help="plain text, or JSON lines with a \"text\" field (default: the "
                              "shipped public-domain corpus)")
+    parser.add_argument("--export", metavar="DIR", default=None,
+                        help="write the trained model to DIR at the end, as a directory "
+                             "from_pretrained loads (with the --pretrained tokenizer)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
     parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
-                        help="tokens (bytes) per sample")
+                        help="tokens per sample (bytes, or the --pretrained tokenizer's)")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help=f"samples per forward (default: the config's; the demo: "
                              f"{DEFAULT_MICRO_BATCH})")
@@ -52,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"host memory budget, e.g. 2GiB (default: the config's; the demo: "
                              f"{DEFAULT_HOST_BUDGET})")
     parser.add_argument("--lr", type=float, default=None,
-                        help=f"peak learning rate (default: the config's; the demo: {DEFAULT_LR})")
+                        help=f"peak learning rate (default: the config's; the demo: {DEFAULT_LR}, "
+                             f"{DEFAULT_FINETUNE_LR} with --pretrained)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
     parser.add_argument("--metrics", metavar="FILE", default=None,
                         help="write one JSON line per step here")
@@ -83,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
     opts = TrainOptions(
         engine=args.engine, config=args.config, model_size=args.model_size,
-        hf_config=args.hf_config, data=args.data, steps=args.steps, seq_len=args.seq_len,
+        hf_config=args.hf_config, pretrained=args.pretrained, export=args.export,
+        data=args.data, steps=args.steps, seq_len=args.seq_len,
         micro_batch=args.micro_batch, nvme_path=args.nvme_path, host_budget=args.host_budget,
         lr=args.lr, seed=args.seed, metrics=args.metrics, plot=args.plot,
         progress_every=args.progress_every, save_dir=args.save_dir,

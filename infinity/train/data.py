@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 from importlib import resources
 from pathlib import Path
 
@@ -45,6 +46,8 @@ class Corpus:
     """The path it was read from (for logs and the summary)."""
     documents: int
     """Documents read (1 for plain text)."""
+    tokenizer: str | None = None
+    """The tokenizer's directory when the text was tokenized (``--pretrained``); None: bytes."""
 
 
 def default_corpus_path() -> Path:
@@ -56,8 +59,9 @@ def default_corpus_path() -> Path:
     return path
 
 
-def load_corpus(path: str | Path | None = None) -> Corpus:
-    """Read ``path`` (``None``: the shipped corpus) into byte tokens.
+def load_corpus(path: str | Path | None = None, tokenizer: Any = None) -> Corpus:
+    """Read ``path`` (``None``: the shipped corpus) into byte tokens, or into ``tokenizer``'s
+    ids (a transformers tokenizer; documents joined by its end-of-text id when it has one).
 
     JSON lines are recognised by the suffix (.jsonl, .ndjson, .json) or by a first non-blank line
     that is a JSON object with a ``text`` field (a text file whose first line is code starting
@@ -72,6 +76,8 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
         raise ValueError(f"data path {source} is a directory; pass --data with one file "
                          "(plain text, or JSON lines with a \"text\" field)")
     raw = source.read_bytes()
+    if tokenizer is not None:
+        return _tokenized(source, raw, tokenizer)
     if _looks_like_jsonl(source, raw):
         texts = _jsonl_texts(source, raw)
         documents = len(texts)
@@ -89,6 +95,27 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
         raise ValueError(f"data file {source} is empty (no text in {len(raw)} bytes); pass --data "
                          "with a file that holds some text")
     return Corpus(tokens=tokens, source=str(source), documents=documents)
+
+
+def _tokenized(source: Path, raw: bytes, tokenizer: Any) -> Corpus:
+    """The documents of ``source`` (JSON lines, or the whole file as one) as ``tokenizer``'s ids."""
+    if _looks_like_jsonl(source, raw):
+        texts = _jsonl_texts(source, raw)
+    else:
+        texts = [raw.decode("utf-8", errors="replace")] if raw.strip() else []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids: list[int] = []
+    for text in texts:
+        # verbose=False: a corpus is longer than the model's window on purpose
+        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        if eos is not None and len(texts) > 1:
+            ids.append(eos)
+    if not ids:
+        raise ValueError(f"data file {source} is empty (no text in {len(raw)} bytes); pass --data "
+                         "with a file that holds some text")
+    return Corpus(tokens=torch.tensor(ids, dtype=torch.int64), source=str(source),
+                  documents=len(texts),
+                  tokenizer=str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__))
 
 
 def _bytes_to_tokens(data: bytes) -> torch.Tensor:
@@ -167,7 +194,8 @@ class BatchSampler:
             raise ValueError(f"--micro-batch must be at least 1, got {micro_batch}")
         n = int(corpus.tokens.numel())
         if n < seq_len:
-            raise ValueError(f"data file {corpus.source} has {n} tokens (bytes), fewer than "
+            unit = " (bytes)" if corpus.tokenizer is None else ""
+            raise ValueError(f"data file {corpus.source} has {n} tokens{unit}, fewer than "
                              f"--seq-len {seq_len}; pass more text or a smaller --seq-len")
         self.tokens = corpus.tokens
         self.seq_len = seq_len

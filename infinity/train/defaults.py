@@ -11,6 +11,8 @@ DEFAULT_MICRO_BATCH = 2
 """Samples per forward in the demo config."""
 DEFAULT_LR = 2e-3
 """Peak learning rate of the demo config."""
+DEFAULT_FINETUNE_LR = 1e-4
+"""Peak learning rate of the demo config when it fine-tunes a ``--pretrained`` model."""
 DEFAULT_WARMUP_STEPS = 10
 """Linear warm-up of the demo config (then cosine decay, WarmupCosineLR)."""
 DEFAULT_NVME_PATH = "/var/tmp"

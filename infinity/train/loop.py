@@ -35,7 +35,7 @@ from infinity.train import data as data_mod
 from infinity.train import host_budget, models
 from infinity.train.baseline import TorchBaselineEngine
 from infinity.train.checkpoints import RunCheckpoints
-from infinity.train.defaults import DEFAULT_SEQ_LEN, DEFAULT_STEPS
+from infinity.train.defaults import DEFAULT_FINETUNE_LR, DEFAULT_SEQ_LEN, DEFAULT_STEPS
 from infinity.train.metrics import (MetricsWriter, StepRecord, Summary, check_writable,
                                     plot_available, plot_formats, render_summary, summarize,
                                     write_plot)
@@ -62,6 +62,11 @@ class TrainOptions:
     """A preset name (see infinity.train.models); None = the demo's 85M."""
     hf_config: str | None = None
     """A transformers config.json of any causal LM (instead of a preset)."""
+    pretrained: str | None = None
+    """A transformers model directory to fine-tune (its weights; its tokenizer when it has one,
+    else bytes), instead of a random init."""
+    export: str | None = None
+    """Write the trained model here at the end, as a directory ``from_pretrained`` loads."""
     data: str | None = None
     """Plain text or JSON lines with "text"; None = the shipped public-domain corpus."""
     steps: int = DEFAULT_STEPS
@@ -130,10 +135,17 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
 
     # 1. Everything that reads user input, before any big allocation; the cheap checks first
     # (no transformers import), so that bad input fails in a moment.
-    corpus = data_mod.load_corpus(opts.data)
+    if opts.pretrained and (opts.model_size or opts.hf_config):
+        raise ValueError("--pretrained and --model-size/--hf-config both given: the model is "
+                         "the pretrained one; pass one of them")
+    tokenizer = models.load_tokenizer(opts.pretrained) if opts.pretrained else None
+    corpus = data_mod.load_corpus(opts.data, tokenizer)
     base = read_config_file(opts.config) if opts.config else demo_config()
+    # a fine-tune of the demo config starts from a gentler rate than a random init
+    lr = opts.lr if opts.lr is not None or not opts.pretrained or opts.config else \
+        DEFAULT_FINETUNE_LR
     ds, config = build_ds_config(base, Overrides(
-        micro_batch=opts.micro_batch, lr=opts.lr, nvme_path=opts.nvme_path,
+        micro_batch=opts.micro_batch, lr=lr, nvme_path=opts.nvme_path,
         host_budget=opts.host_budget, steps=opts.steps), world_size=world)
     sampler = data_mod.BatchSampler(corpus, opts.seq_len, config.train_micro_batch_size_per_gpu,
                                     opts.seed, rank=rank, world_size=world)
@@ -146,7 +158,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     _refuse_outputs_over_inputs(opts, plot_path)
     checkpoints = RunCheckpoints.from_options(opts.save_dir, opts.save_interval, opts.resume,
                                               opts.engine)
-    model_config = models.model_config(opts.model_size, opts.hf_config, opts.seq_len)
+    model_config = models.pretrained_config(opts.pretrained, opts.seq_len, tokenizer) \
+        if opts.pretrained else models.model_config(opts.model_size, opts.hf_config, opts.seq_len)
     stats = models.model_stats(model_config, config.infinity.unit_modules)
     n_params = stats.total_params
     budget_text = host_budget.describe_budget(
@@ -159,7 +172,11 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
 
     accum = config.gradient_accumulation_steps
     tokens_per_step = sampler.tokens_per_batch * accum * world   # all ranks' together
-    _log.info("model: %s", models.describe(model_config, n_params))
+    _log.info("model: %s%s", models.describe(model_config, n_params),
+              f", pretrained from {opts.pretrained}" if opts.pretrained else "")
+    if opts.pretrained:
+        _log.info("tokens: %s", f"the tokenizer of {opts.pretrained}" if tokenizer is not None
+                  else "bytes (the pretrained directory has no tokenizer)")
     _log.info("data: %s (%s tokens, %d document%s); %d steps of %d tokens (%d micro-batch%s of "
               "%d x %d%s)", corpus.source, f"{corpus.tokens.numel():,}", corpus.documents,
               "" if corpus.documents == 1 else "s", opts.steps, tokens_per_step, accum,
@@ -178,7 +195,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         init_start = time.perf_counter()
         torch.manual_seed(opts.seed)    # the same on every rank: the shards form one model
         try:
-            engine = _make_engine(opts.engine, model_config, ds, config)
+            engine = _make_engine(opts.engine, model_config, ds, config, opts.pretrained)
         except BudgetExceededError as exc:
             if "of host memory" not in str(exc) or config.infinity.host_memory_budget is None:
                 raise
@@ -221,6 +238,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
                 bar.update(record)
             timers.log(step)
             checkpoints.after_step(engine, step, opts.steps, sampler, identity)
+        if opts.export:
+            _export(engine, opts.export)
     finally:
         _restore_sigterm(previous_sigterm)
         if bar is not None:
@@ -240,7 +259,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     wall_s = time.perf_counter() - started
     if first:
         ranks_text = f", {world} ranks" if world > 1 else ""
-        out.write(render_summary(summary, f"infinity train ({opts.engine} engine, "
+        tuned = f"fine-tune of {opts.pretrained}, " if opts.pretrained else ""
+        out.write(render_summary(summary, f"infinity train ({opts.engine} engine, {tuned}"
                                           f"{n_params / 1e6:.2f}M params{ranks_text}): "
                                           f"{wall_s:.1f} s in all, {init_s:.1f} s to set up")
                   + "\n")
@@ -308,9 +328,20 @@ def _restore_sigterm(previous: Any) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _make_engine(kind: EngineKind, model_config: Any, ds: dict[str, Any], config: Any) -> Any:
+def _make_engine(kind: EngineKind, model_config: Any, ds: dict[str, Any], config: Any,
+                 pretrained: str | None = None) -> Any:
     import infinity
 
+    if pretrained is not None:
+        if kind == "torch":
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+            return TorchBaselineEngine(model, config)
+        # weights streamed into each unit's home (infinity.from_pretrained), read for this
+        # world size as initialize reads it
+        engine, _, _, _ = infinity.from_pretrained(pretrained, config=ds)
+        return engine
     # the checked config (read for this world size: zero.Init would read ``ds`` for one rank,
     # where a train_batch_size of micro x accumulation x N ranks does not add up)
     model = models.build_model(model_config, infinity.zero.Init(config=config))
@@ -326,6 +357,16 @@ def _make_engine(kind: EngineKind, model_config: Any, ds: dict[str, Any], config
         return TorchBaselineEngine(model, config)
     engine, _, _, _ = infinity.initialize(model=model, model_parameters=None, config=ds)
     return engine
+
+
+def _export(engine: Any, directory: str) -> None:
+    """``--export``: the trained model as a directory ``from_pretrained`` loads (config.json,
+    the pretrained directory's tokenizer and generation config when it had them)."""
+    if isinstance(engine, TorchBaselineEngine):
+        engine.module.save_pretrained(directory)
+    else:
+        engine.save_pretrained(directory)      # every rank takes part; rank 0 writes
+    _log.info("exported the trained model to %s", directory)
 
 
 def _preflight(parent: str, direct_io: bool) -> None:
@@ -365,13 +406,16 @@ def _our_swap_dirs(parents: list[str]) -> list[str]:
 def _refuse_outputs_over_inputs(opts: TrainOptions, plot_path: Path | None) -> None:
     """--metrics or --plot naming the --data or --config file would overwrite the user's input."""
     inputs = {flag: Path(value) for flag, value in (("--data", opts.data), ("--config", opts.config),
-                                                    ("--hf-config", opts.hf_config)) if value}
+                                                    ("--hf-config", opts.hf_config),
+                                                    ("--pretrained", opts.pretrained)) if value}
     outputs = {flag: Path(value) for flag, value in (("--metrics", opts.metrics),
-                                                     ("--plot", plot_path)) if value}
+                                                     ("--plot", plot_path),
+                                                     ("--export", opts.export)) if value}
     for out_flag, out in outputs.items():
         for in_flag, given in inputs.items():
             if out.exists() and given.exists() and os.path.samefile(out, given):
-                raise ValueError(f"{out_flag} {out} is the {in_flag} file: writing it would "
+                kind = "directory" if given.is_dir() else "file"
+                raise ValueError(f"{out_flag} {out} is the {in_flag} {kind}: writing it would "
                                  f"overwrite your input; choose another {out_flag} path")
 
 

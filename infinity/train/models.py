@@ -77,7 +77,7 @@ def preset_kwargs(name: str, seq_len: int) -> dict[str, Any]:
     return kwargs
 
 
-def read_hf_config(path: str | Path) -> tuple[Any, Path]:
+def read_hf_config(path: str | Path, flag: str = "--hf-config") -> tuple[Any, Path]:
     """The ``transformers`` config in ``path`` (a config.json or its directory) and the file read.
 
     Shared with ``infinity plan``: a missing path, a directory without config.json, a file that
@@ -88,27 +88,27 @@ def read_hf_config(path: str | Path) -> tuple[Any, Path]:
 
     source = Path(path)
     if not source.exists():
-        raise FileNotFoundError(f"--hf-config {source} does not exist; pass a transformers "
+        raise FileNotFoundError(f"{flag} {source} does not exist; pass a transformers "
                                 "config.json (or the directory holding it)")
     file = source / "config.json" if source.is_dir() else source
     if not file.is_file():
-        raise FileNotFoundError(f"--hf-config {source}: no config.json there; pass a transformers "
+        raise FileNotFoundError(f"{flag} {source}: no config.json there; pass a transformers "
                                 "config.json (or the directory holding it)")
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--hf-config {file}: not valid JSON at line {exc.lineno} column "
+        raise ValueError(f"{flag} {file}: not valid JSON at line {exc.lineno} column "
                          f"{exc.colno}: {exc.msg}") from None
     except UnicodeDecodeError as exc:
-        raise ValueError(f"--hf-config {file}: not a text file ({exc.reason} at byte "
+        raise ValueError(f"{flag} {file}: not a text file ({exc.reason} at byte "
                          f"{exc.start}); pass a transformers config.json") from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"--hf-config {file}: expected a transformers config with a "
+        raise ValueError(f"{flag} {file}: expected a transformers config with a "
                          "\"model_type\" key (e.g. \"llama\", \"gpt2\", \"qwen2\")")
     try:
         return AutoConfig.for_model(**data), file
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"--hf-config {file}: transformers cannot read it: {exc}") from None
+        raise ValueError(f"{flag} {file}: transformers cannot read it: {exc}") from None
 
 
 def hf_config(path: str | Path, seq_len: int) -> Any:
@@ -124,6 +124,48 @@ def hf_config(path: str | Path, seq_len: int) -> Any:
                          f"--seq-len is {seq_len}; lower --seq-len")
     if hasattr(config, "use_cache"):
         config.use_cache = False
+    return config
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A directory holding any of these has a tokenizer ``AutoTokenizer`` can read."""
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """The tokenizer saved in ``directory`` (``--pretrained``), or None when it has none (the
+    run then reads bytes)."""
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--pretrained {directory}: its tokenizer files cannot be read "
+                         f"({exc}); remove them to train on bytes") from None
+
+
+def pretrained_config(directory: str | Path, seq_len: int, tokenizer: Any) -> Any:
+    """The config of the model saved in ``directory`` (``--pretrained``), checked for the run:
+    its vocabulary holds the tokenizer's ids (or the byte ids without one), its positions
+    ``seq_len``."""
+    source = Path(directory)
+    if not source.is_dir():
+        raise FileNotFoundError(f"--pretrained {source}: not a directory; pass the directory "
+                                "of a transformers model (config.json and model.safetensors)")
+    config, file = read_hf_config(source, flag="--pretrained")
+    vocab = getattr(config, "vocab_size", None)
+    need = len(tokenizer) if tokenizer is not None else VOCAB_SIZE
+    if not isinstance(vocab, int) or vocab < need:
+        what = (f"the {need} ids of its tokenizer" if tokenizer is not None else
+                f"the byte ids of infinity train (0..{VOCAB_SIZE - 1}; the directory has no "
+                "tokenizer)")
+        raise ValueError(f"--pretrained {file}: vocab_size = {vocab!r} cannot hold {what}")
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(positions, int) and positions < seq_len:
+        raise ValueError(f"--pretrained {file}: the model takes at most {positions} positions "
+                         f"but --seq-len is {seq_len}; lower --seq-len")
     return config
 
 
