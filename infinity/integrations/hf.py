@@ -32,7 +32,10 @@ that moves them is caught at import):
   with DeepSpeed), which ``_load_optimizer_and_scheduler`` loads on resume.
 
 The engine lives as long as the Trainer: ``trainer.close()`` (or ``trainer.engine.close()``)
-removes its swap files; evaluation and ``save_model`` after ``train()`` use it.
+removes its swap files; evaluation and ``save_model`` after ``train()`` use it. A model larger
+than host memory cannot be loaded by transformers first: build its engine with
+``infinity.from_pretrained(dir, config=..., optimizer=...)`` and pass
+``Trainer(model=engine.module, engine=engine, ...)``.
 """
 from __future__ import annotations
 
@@ -132,16 +135,29 @@ class _EngineSchedule:
 
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` training through an infinity engine (see the module docstring).
-    ``config``: the ds_config, when ``args`` is transformers' own TrainingArguments."""
+    ``config``: the ds_config, when ``args`` is transformers' own TrainingArguments.
+    ``engine``: an engine already holding ``model`` (``infinity.from_pretrained``, for a model
+    larger than host memory), trained as it is: its config's batch sizes must be the
+    arguments', its optimizer is its own, and ``args.lr_scheduler_type`` drives it unless its
+    config has a schedule."""
 
-    def __init__(self, *args: Any, config: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, config: Any = None, engine: Any = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         from_args = getattr(self.args, "infinity_config", None)
         if config is not None and from_args is not None:
             raise ValueError("Trainer got config= and TrainingArguments(deepspeed=...): both "
                              "name infinity's config, pass one")
         self.infinity_config = config if config is not None else from_args
-        if self.infinity_config is None:
+        self._held = engine
+        if engine is not None:
+            if self.infinity_config is not None:
+                raise ValueError("Trainer got engine= and a ds_config: the engine has its "
+                                 "config already, pass one of them")
+            if engine.module is not self.model:
+                raise ValueError("Trainer(engine=...) trains the engine's model: pass "
+                                 "model=engine.module")
+        elif self.infinity_config is None:
             raise ValueError(
                 "infinity's Trainer needs a ds_config: TrainingArguments(deepspeed="
                 "\"ds_config.json\") from infinity.integrations.hf, or Trainer(config=...)")
@@ -163,6 +179,8 @@ class Trainer(transformers.Trainer):
         if not max_steps or max_steps < 0:
             raise ValueError("infinity's Trainer builds its engine when training starts "
                              "(trainer.train()), which knows the number of steps")
+        if self._held is not None:
+            return self._adopt(self._held, max_steps)
         ds = fill_from_training_args(read_ds_config(self.infinity_config), self.args,
                                      world_size=self.args.world_size, max_steps=max_steps)
         kwargs: dict[str, Any] = {}
@@ -181,6 +199,34 @@ class Trainer(transformers.Trainer):
             raise ValueError("the ds_config has a \"scheduler\" section and the Trainer was "
                              "given a scheduler: remove one")
         engine, *_ = infinity.initialize(model=self.model, config=ds, **kwargs)
+        self.engine = engine
+        self.optimizer = _EngineOptimizer(engine)
+        self.lr_scheduler = _EngineSchedule(engine)
+        return self.optimizer
+
+    def _adopt(self, engine: Any, max_steps: int) -> torch.optim.Optimizer:
+        """Train with an engine built before the Trainer (``Trainer(engine=...)``)."""
+        if self.optimizer is not None:
+            raise ValueError("Trainer(engine=...) got an optimizer too: the engine's is used")
+        world = self.args.world_size
+        wanted = {"train_micro_batch_size_per_gpu": self.args.per_device_train_batch_size,
+                  "gradient_accumulation_steps": self.args.gradient_accumulation_steps}
+        differ = [f"{k} = {getattr(engine.config, k)} but the Trainer's is {v}"
+                  for k, v in wanted.items() if getattr(engine.config, k) != v]
+        clip = float(self.args.max_grad_norm or 0.0)
+        if engine.config.gradient_clipping != clip:
+            differ.append(f"gradient_clipping = {engine.config.gradient_clipping} but the "
+                          f"Trainer's max_grad_norm is {clip}")
+        if engine.world_size != world:
+            differ.append(f"the engine has {engine.world_size} ranks, the Trainer {world}")
+        if differ:
+            raise ValueError("the engine's config and the TrainingArguments disagree:\n- "
+                             + "\n- ".join(differ))
+        if engine.lr_scheduler is None:
+            if self.lr_scheduler is not None:
+                raise ValueError("Trainer(engine=...) got a scheduler: give it to the engine "
+                                 "(lr_scheduler=lambda opt: ...) instead")
+            engine.lr_scheduler = self._schedule_factory(max_steps)(engine.optimizer)
         self.engine = engine
         self.optimizer = _EngineOptimizer(engine)
         self.lr_scheduler = _EngineSchedule(engine)

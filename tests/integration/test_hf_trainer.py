@@ -113,3 +113,44 @@ def test_a_config_optimizer_and_schedule_take_the_trainers_values(disk_dir, tmp_
                                          r"- optimizer\.params\.lr = 0\.0001 but .*"
                                          r"learning_rate = 0\.01"):
         trainer.train()
+
+
+def test_an_engine_from_pretrained_trains_under_the_trainer(disk_dir, tmp_path) -> None:
+    """A model too large for host memory comes through infinity.from_pretrained: the Trainer
+    trains that engine as it is (its optimizer, the Trainer's schedule), as the plain Trainer
+    trains transformers' load of the same directory."""
+    import infinity
+
+    warnings.filterwarnings("ignore")
+    make_model("llama", layers=2, width=32).save_pretrained(tmp_path / "base")
+    data = hf_data(32)
+    args = hf_args(max_steps=6, eval_strategy="no", weight_decay=0.0)
+    plain = transformers.Trainer(
+        model=transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+        args=transformers.TrainingArguments(tmp_path / "plain", **args), train_dataset=data)
+    plain.train()
+    ds = hf_ds(disk_dir, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+               gradient_clipping=1.0)
+    engine, *_ = infinity.from_pretrained(
+        tmp_path / "base", config=ds,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0))
+    trainer = hf.Trainer(model=engine.module, engine=engine, train_dataset=data,
+                         args=hf.TrainingArguments(tmp_path / "run", **args))
+    try:
+        trainer.train()
+        _close(logged(trainer, "loss"), logged(plain, "loss"), 1e-5)
+        _close(logged(trainer, "grad_norm"), logged(plain, "grad_norm"), 1e-5)
+        assert logged(trainer, "learning_rate") == pytest.approx(logged(plain, "learning_rate"))
+    finally:
+        trainer.close()
+    engine, *_ = infinity.from_pretrained(tmp_path / "base", config=ds,
+                                          optimizer=lambda params: torch.optim.AdamW(params))
+    try:
+        trainer = hf.Trainer(model=engine.module, engine=engine, train_dataset=data,
+                             args=hf.TrainingArguments(tmp_path / "bad",
+                                                       **{**args, "max_grad_norm": 0.5}))
+        with pytest.raises(ValueError, match=r"gradient_clipping = 1\.0 but the Trainer's "
+                                             r"max_grad_norm is 0\.5"):
+            trainer.train()
+    finally:
+        engine.close()
