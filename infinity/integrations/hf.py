@@ -180,7 +180,11 @@ class Trainer(transformers.Trainer):
             raise ValueError("infinity's Trainer builds its engine when training starts "
                              "(trainer.train()), which knows the number of steps")
         if self._held is not None:
+            self._check_device(self._held.device)
             return self._adopt(self._held, max_steps)
+        from infinity.engine.model_methods import model_device
+
+        self._check_device(model_device(self.model))
         ds = fill_from_training_args(read_ds_config(self.infinity_config), self.args,
                                      world_size=self.args.world_size, max_steps=max_steps)
         kwargs: dict[str, Any] = {}
@@ -203,6 +207,17 @@ class Trainer(transformers.Trainer):
         self.optimizer = _EngineOptimizer(engine)
         self.lr_scheduler = _EngineSchedule(engine)
         return self.optimizer
+
+    def _check_device(self, device: torch.device) -> None:
+        """The engine trains on its model's device; the Trainer sends the batches to
+        ``args.device``: they must be one kind (a CPU model on a GPU machine would train on
+        the CPU, or fail at the first batch)."""
+        if device.type != self.args.device.type:
+            raise ValueError(
+                f"the model is on {device} but the Trainer runs on {self.args.device}: the "
+                "engine trains on its model's device. Put the model there first (model.to(...) "
+                "when it fits; else infinity.from_pretrained(dir, config=...) builds it there, "
+                "then Trainer(model=engine.module, engine=engine)), or pass use_cpu=True")
 
     def _adopt(self, engine: Any, max_steps: int) -> torch.optim.Optimizer:
         """Train with an engine built before the Trainer (``Trainer(engine=...)``)."""
