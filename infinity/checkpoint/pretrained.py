@@ -10,10 +10,10 @@ the range its home holds (its own shard at stage 3 with several ranks) read from
 into its buffer, converted to the compute dtype on the way. Nothing is initialised then
 overwritten, so an NVMe home is written once.
 
-Memory: a read goes straight into the unit's buffer when the dtypes agree, else through a few
-bounded buffers (``CONVERT_BYTES``), read ahead of the conversions by a helper thread (see
-[Note: reads ahead of conversions]); the file's pages are dropped from the page cache behind
-each piece read, so what a load holds is about one unit, whatever the size of the model. Names: a parameter matches the checkpoint under any of its names (tied weights:
+Memory: the files are read with O_DIRECT (no page cache) through a few bounded buffers
+(``CONVERT_BYTES``), ahead of the conversions into the units by a helper thread (see [Note:
+reads ahead of conversions]), so what a load holds is about one unit, whatever the size of
+the model. Names: a parameter matches the checkpoint under any of its names (tied weights:
 ``lm_head.weight`` is ``model.embed_tokens.weight``), and the model's ``base_model_prefix`` is
 added or removed when the checkpoint was saved from the base model or the model with a head
 (as transformers does). Keys the model class says to ignore (``_keys_to_ignore_on_load_*``)
@@ -23,6 +23,7 @@ unexpected.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -35,15 +36,17 @@ from torch import nn
 
 from infinity.base.log import get_logger
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorInfo
+from infinity.io.buffers import aligned_empty
 from infinity.zero.persistent_buffers import all_persistent_buffers
 
 log = get_logger("checkpoint")
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-READ_PIECE_BYTES = 32 << 20     # pages dropped from the page cache behind each piece read
-CONVERT_BYTES = 16 << 20        # the buffers a read goes through when dtypes differ
+READ_PIECE_BYTES = 32 << 20     # buffered reads: pages dropped from the page cache behind each
+CONVERT_BYTES = 16 << 20        # the buffers a read goes through (O_DIRECT, or a cast)
 RING = 3                        # how many (the reader runs up to RING - 1 pieces ahead)
+DIRECT_ALIGN = 4096             # O_DIRECT offsets and lengths
 LISTED = 20                     # names listed in an error, per kind
 
 
@@ -103,6 +106,7 @@ class _Source:
 
     reader: TensorFileReader
     info: TensorInfo
+    direct_fd: int | None = None       # the file opened with O_DIRECT, where it can be
 
 
 @dataclass
@@ -119,9 +123,12 @@ class PretrainedWeights:
     """A pretrained directory's tensors, checked and matched to a model, served to the units
     being placed (``provides`` / ``fill``, see ``UnitValues`` in zero/protocols.py)."""
 
-    def __init__(self, source: str | Path, *, drop_cache: bool = True) -> None:
+    def __init__(self, source: str | Path, *, drop_cache: bool = True,
+                 direct_io: bool = True) -> None:
         self.directory, mapping = weight_map(Path(source))
         self.drop_cache = drop_cache
+        self.direct_io = direct_io
+        self._direct_fds: dict[str, int] = {}
         self._readers: dict[str, TensorFileReader] = {}
         self._tensors: dict[str, _Source] = {}
         self._params: dict[str, _Source] = {}        # every name of each matched parameter
@@ -149,6 +156,7 @@ class PretrainedWeights:
         for file, names in sorted(by_file.items()):
             reader = TensorFileReader(self.directory / file)
             self._readers[file] = reader
+            direct_fd = self._open_direct(self.directory / file)
             lacking = sorted(set(names) - set(reader.tensors))
             if lacking:
                 raise CheckpointError(
@@ -156,7 +164,19 @@ class PretrainedWeights:
                     f"says it holds: {', '.join(lacking[:LISTED])}. The directory is damaged "
                     "or its shards come from different saves")
             for name in names:
-                self._tensors[name] = _Source(reader, reader.tensors[name])
+                self._tensors[name] = _Source(reader, reader.tensors[name], direct_fd)
+
+    def _open_direct(self, path: Path) -> int | None:
+        """A second descriptor of ``path`` with O_DIRECT, or None where the filesystem refuses
+        it (tmpfs) or ``direct_io`` is off (see [Note: reads ahead of conversions])."""
+        if not self.direct_io or not hasattr(os, "O_DIRECT"):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            return None
+        self._direct_fds[str(path)] = fd
+        return fd
 
     # -- the match ----------------------------------------------------------------------
     @property
@@ -291,21 +311,28 @@ class PretrainedWeights:
                 buf.copy_(value)
 
     # [Note: reads ahead of conversions]
-    # A unit's pieces are cut in jobs of at most READ_PIECE_BYTES (read straight into the
-    # unit's buffer: same dtype, host memory) or CONVERT_BYTES (read into one of RING host
-    # buffers, then copied into the unit's buffer with the cast). One reader thread runs the
-    # preads (which release the GIL) up to RING - 1 jobs ahead of the caller, who converts:
-    # reading the files and converting overlap. Each job's file pages are dropped from the
-    # page cache behind it. A ring buffer is reused only after its conversion (the reader is
-    # never more than RING - 1 jobs ahead), and a failure waits for every read in flight.
+    # A unit's pieces are cut in jobs of at most CONVERT_BYTES, each read into one of RING
+    # page-aligned host buffers with O_DIRECT (the aligned blocks around the piece: the disk
+    # writes straight into the buffer, no page cache, no kernel copy), then copied into the
+    # unit's buffer with the cast. One reader thread runs the preads (which release the GIL)
+    # up to RING - 1 jobs ahead of the caller, who copies: reading the files and converting
+    # overlap. A ring buffer is reused only after its copy (the reader is never more than
+    # RING - 1 jobs ahead), and a failure waits for every read in flight. Where O_DIRECT is
+    # refused (tmpfs) the reads go through the page cache, straight into the unit's buffer
+    # when the dtypes agree, and each piece's pages are dropped behind it.
     def _jobs(self, source: _Source, start: int, out: torch.Tensor) -> list[tuple]:
         n = out.numel()
         info = source.info
         item = info.dtype.itemsize
-        direct = out.device.type == "cpu" and out.dtype == info.dtype and out.is_contiguous()
-        step = max(1, (READ_PIECE_BYTES if direct else CONVERT_BYTES) // item)
+        if source.direct_fd is not None:
+            mode = "direct"
+        elif out.device.type == "cpu" and out.dtype == info.dtype and out.is_contiguous():
+            mode = "straight"
+        else:
+            mode = "ring"
+        step = max(1, (READ_PIECE_BYTES if mode == "straight" else CONVERT_BYTES) // item)
         flat = out.reshape(-1) if out.is_contiguous() else out
-        return [(source, start + a, min(step, n - a), flat[a:a + min(step, n - a)], direct)
+        return [(source, start + a, min(step, n - a), flat[a:a + min(step, n - a)], mode)
                 for a in range(0, n, step)]
 
     def _run(self, groups: list[list[tuple]]) -> None:
@@ -313,16 +340,16 @@ class PretrainedWeights:
         if not jobs:
             return
         if self._ring is None:
-            self._ring = [torch.empty(CONVERT_BYTES, dtype=torch.uint8) for _ in range(RING)]
+            self._ring = [aligned_empty(CONVERT_BYTES + 2 * DIRECT_ALIGN, pin=False)
+                          for _ in range(RING)]
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="pretrained-read")
         in_flight: deque = deque()
 
         def submit(i: int) -> None:
-            source, first, count, out, direct = jobs[i]
-            target = out if direct else \
-                self._ring[i % RING][:count * source.info.dtype.itemsize].view(source.info.dtype)
-            in_flight.append((jobs[i], target, self._reader.submit(self._pread, source, first,
-                                                                   target)))
+            source, first, count, out, mode = jobs[i]
+            buf = out if mode == "straight" else self._ring[i % RING]
+            in_flight.append((jobs[i], self._reader.submit(self._pread, source, first, count,
+                                                           buf, mode)))
 
         ahead = 0
         try:
@@ -330,28 +357,58 @@ class PretrainedWeights:
                 submit(ahead)
                 ahead += 1
             for _ in range(len(jobs)):
-                (source, _, _, out, direct), target, read = in_flight.popleft()
-                read.result()
+                (_, _, _, out, mode), read = in_flight.popleft()
+                values = read.result()
                 if ahead < len(jobs):
                     submit(ahead)
                     ahead += 1
-                if not direct:
-                    out.copy_(target)
+                if mode != "straight":
+                    out.copy_(values)
         finally:
-            for _, _, read in in_flight:
+            for _, read in in_flight:
                 read.exception()         # waits; the error raised first is the one reported
 
-    def _pread(self, source: _Source, first: int, target: torch.Tensor) -> None:
-        reader, name = source.reader, source.info.name
-        reader.read_into(name, target, first)
+    def _pread(self, source: _Source, first: int, count: int, buf: torch.Tensor,
+               mode: str) -> torch.Tensor:
+        """Elements [first, first + count) of the source's tensor: read into ``buf`` (the
+        target itself when ``mode`` is "straight"); the tensor holding them."""
+        reader, info = source.reader, source.info
+        item = info.dtype.itemsize
+        self.bytes_read += count * item
+        if mode == "direct":
+            start = reader.data_start + info.begin + first * item
+            end = start + count * item
+            a0 = start - start % DIRECT_ALIGN
+            a1 = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
+            view = memoryview(buf.numpy())[:a1 - a0]
+            done = 0
+            while done < end - a0:
+                try:
+                    n = os.preadv(source.direct_fd, [view[done:]], a0 + done)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"reading {a1 - a0} bytes at {a0} from "
+                                             f"{reader.path}: {exc.strerror}") from None
+                if n <= 0:
+                    raise CheckpointError(f"{reader.path}: short read of tensor {info.name} at "
+                                          f"byte {a0 + done}: the file shrank while being read")
+                done += n
+            raw = buf[start - a0:end - a0]
+            if (start - a0) % item:      # a tensor not aligned to its element size
+                raw = raw.clone()
+            return raw.view(info.dtype)
+        target = buf if mode == "straight" else buf[:count * item].view(info.dtype)
+        reader.read_into(info.name, target, first)
         if self.drop_cache:
-            reader.drop_cached(name, first, target.numel())
-        self.bytes_read += target.numel() * source.info.dtype.itemsize
+            reader.drop_cached(info.name, first, count)
+        return target
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None
+        for fd in self._direct_fds.values():
+            os.close(fd)
+        self._direct_fds.clear()
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()

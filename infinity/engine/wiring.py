@@ -6,6 +6,8 @@ activation swapper is construction, read once when a run starts and not again.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.materialize import materialize_params
 from infinity.zero.partition import UnitSpec
 from infinity.zero.protocols import UnitValues
-from infinity.zero.unit import Unit
+from infinity.zero.unit import Unit, flat_nbytes
 
 log = get_logger("engine")
 
@@ -85,6 +87,8 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
     # reading the files overlaps writing the homes (two units' device memory at most);
     # ``pending`` waits for the last such write and releases its unit
     pending = None
+    warming = _warm_blocks(specs[1:3], group_of, compute_dtype, shards, manager) \
+        if values is not None else None
     try:
         for index, spec in enumerate(specs):
             provided = values.provides if values is not None else None
@@ -112,11 +116,39 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
             if previous is not None:
                 previous()
     finally:
+        if warming is not None:
+            warming.join()
         if pending is not None:
             pending()
     for group in groups:
         group["params"] = [replacements.get(p, p) for p in group["params"]]
     return units, replacements
+
+
+def _warm_blocks(specs: list[UnitSpec], group_of: dict, dtype: torch.dtype, shards: int,
+                 manager: TierManager) -> threading.Thread | None:
+    """Device memory for the units of ``specs`` (the next ones to be placed), allocated on a
+    helper thread while the first unit is read: on a CPU device fresh memory is slow to
+    populate (huge pages), and a load otherwise waits for it unit after unit until the device
+    cache holds the blocks the pipeline cycles through."""
+    cache = manager.device_cache
+    if not cache.enabled or not specs:
+        return None
+    sizes = [flat_nbytes([(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
+                          for n, p in spec.params], dtype, shards) for spec in specs]
+
+    def run() -> None:
+        for size in sizes:
+            try:
+                if not cache.warm(size, "a unit's device memory (load)"):
+                    return
+            except Exception as exc:  # noqa: BLE001 - an optimisation: the attach allocates
+                log.debug("warming device memory failed: %s", exc)
+                return
+
+    thread = threading.Thread(target=run, name="warm-device-memory", daemon=True)
+    thread.start()
+    return thread
 
 
 def activation_swapper(config: InfinityConfig, manager: TierManager, units: list[Unit],

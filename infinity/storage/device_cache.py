@@ -34,6 +34,8 @@ class DeviceMemoryCache:
         self.enabled = self.supported(device)
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self._lock = threading.Lock()
+        self._warmed = threading.Condition(self._lock)
+        self._warming: dict[int, int] = {}     # blocks being allocated by ``warm``, by size
         self.cached_bytes = 0
         self.hits = 0
         self.misses = 0
@@ -61,6 +63,8 @@ class DeviceMemoryCache:
                 raise
             return
         with self._lock:
+            while not self._free.get(nbytes) and self._warming.get(nbytes):
+                self._warmed.wait()          # a block of this size is on its way (``warm``)
             blocks = self._free.get(nbytes)
             block = blocks.pop() if blocks else None
             if block is not None:
@@ -78,6 +82,33 @@ class DeviceMemoryCache:
                 self.budget.release(nbytes)
                 raise
         storage._swap_data_ptr_(block)
+
+    def warm(self, nbytes: int, what: str) -> bool:
+        """Allocate a block of ``nbytes`` now (its pages populated) and keep it for the next
+        attach of that size, which waits for it meanwhile: a loader calls it on a helper
+        thread for the units it will place next, so populating memory overlaps its reads.
+        False, changing nothing, when the budget has no room without evicting."""
+        if not self.enabled:
+            return False
+        with self._lock:
+            if self.budget.limit is not None and self.budget.held + nbytes > self.budget.limit:
+                return False
+            self.budget.reserve(nbytes, what)
+            self.cached_bytes += nbytes
+            self._warming[nbytes] = self._warming.get(nbytes, 0) + 1
+        block = None
+        try:
+            block = aligned_empty(nbytes, pin=False).untyped_storage()
+        finally:
+            with self._lock:
+                self._warming[nbytes] -= 1
+                if block is not None:
+                    self._free.setdefault(nbytes, []).append(block)
+                else:
+                    self.cached_bytes -= nbytes
+                    self.budget.release(nbytes)
+                self._warmed.notify_all()
+        return True
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` can be attached now (a cached block of that size, or budget room

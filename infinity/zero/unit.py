@@ -69,6 +69,14 @@ class ParamEntry:
         return self.group_index >= 0
 
 
+def flat_nbytes(named_params: list[tuple[str, nn.Parameter, int]], dtype: torch.dtype,
+                shards: int = 1) -> int:
+    """``Unit(...).nbytes`` of these parameters (shapes only: meta ones do), before it is made."""
+    order = sorted(named_params, key=lambda t: (t[2] < 0, t[2]))
+    _, numel, _ = flat_layout([(p.numel(), group >= 0) for _, p, group in order], dtype.itemsize)
+    return shards * shard_numel(numel, shards) * dtype.itemsize
+
+
 class Unit:
     """Parameters fetched and released together, with their flat buffers and states."""
 

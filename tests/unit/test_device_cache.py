@@ -75,3 +75,41 @@ def test_disabled_cache_resizes_and_releases():
     assert budget.held == MiB and flat.untyped_storage().nbytes() == MiB
     cache.detach(flat.untyped_storage())
     assert budget.held == 0 and cache.cached_bytes == 0
+
+
+def test_warm_blocks_are_taken_by_the_next_attach_which_waits_for_them(monkeypatch):
+    """warm (a loader's helper thread) allocates a block ahead of need within the budget; an
+    attach of that size meanwhile waits for it and takes it (a hit, no second allocation)."""
+    import threading
+
+    import infinity.storage.device_cache as dc
+
+    budget = MemoryBudget("device", 3 * MiB)
+    cache = DeviceMemoryCache(budget, torch.device("cpu"))
+    started, release = threading.Event(), threading.Event()
+    real = dc.aligned_empty
+
+    def slow(nbytes, **kwargs):
+        started.set()
+        release.wait(10)
+        return real(nbytes, **kwargs)
+
+    monkeypatch.setattr(dc, "aligned_empty", slow)
+    warming = threading.Thread(target=cache.warm, args=(2 * MiB, "next unit"))
+    warming.start()
+    assert started.wait(10)
+    assert not cache.warm(2 * MiB, "no room")              # 2 + 2 MiB > 3 MiB: refused
+    flat = _flat(MiB // 2)
+    attaching = threading.Thread(target=cache.attach,
+                                 args=(flat.untyped_storage(), 2 * MiB, "unit"))
+    attaching.start()
+    attaching.join(0.2)
+    assert attaching.is_alive()                            # waits for the block being made
+    release.set()
+    attaching.join(10)
+    warming.join(10)
+    assert flat.untyped_storage().nbytes() == 2 * MiB
+    assert (cache.hits, cache.misses) == (1, 0) and budget.held == 2 * MiB
+    cache.detach(flat.untyped_storage())
+    cache.clear()
+    assert budget.held == 0 and cache.cached_bytes == 0

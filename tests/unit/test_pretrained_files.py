@@ -135,17 +135,20 @@ def test_an_index_naming_a_tensor_its_file_lacks_is_refused(tmp_path) -> None:
         weight_map(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("direct_io", [True, False])
 @pytest.mark.parametrize("piece_bytes", [8, 64, 1 << 20])
-def test_pieces_are_read_ahead_and_cast_in_order(tmp_path, monkeypatch, piece_bytes) -> None:
-    """Reads through the ring of conversion buffers (many pieces: the reader runs ahead) and
-    straight into the target give the file's values; a piece may start inside a tensor."""
+def test_pieces_are_read_ahead_and_cast_in_order(tmp_path, monkeypatch, piece_bytes,
+                                                 direct_io) -> None:
+    """Reads through the ring of buffers (many pieces: the reader runs ahead), with O_DIRECT
+    (aligned blocks around each piece) or through the page cache (straight into the target
+    when the dtypes agree), give the file's values; a piece may start inside a tensor."""
     monkeypatch.setattr(pretrained, "CONVERT_BYTES", piece_bytes)
     monkeypatch.setattr(pretrained, "READ_PIECE_BYTES", piece_bytes)
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(37, 5, generator=gen).bfloat16()
     b = torch.randn(101, generator=gen)
     src = _shards(tmp_path / "m", {"one.safetensors": {"a": a}, "two.safetensors": {"b": b}})
-    with PretrainedWeights(src) as weights:
+    with PretrainedWeights(src, direct_io=direct_io) as weights:
         weights._params = {"a": weights._tensors["a"], "b": weights._tensors["b"]}
         out_a = torch.empty(a.numel() - 3)                     # cast bf16 -> fp32
         out_b = torch.empty(b.numel())                         # straight read
