@@ -103,6 +103,7 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
     try:
         hf_config, model_kwargs = _hf_config(directory, hf_kwargs)
         model = _build(hf_config, model_class, model_kwargs)
+        _load_generation_config(model, directory)
         weights.match(model, strict=strict, ignore_mismatched_sizes=ignore_mismatched_sizes,
                       prefix=getattr(model, "base_model_prefix", "") or "",
                       ignore_unexpected=_patterns(model, "_keys_to_ignore_on_load_unexpected"),
@@ -138,6 +139,21 @@ def _prepared(model: nn.Module, prepare: Callable[[nn.Module], nn.Module],
     weights.rename({name: before[id(p)] for name, p in
                     prepared.named_parameters(remove_duplicate=False) if id(p) in before})
     return prepared
+
+
+def _load_generation_config(model: nn.Module, directory: Path) -> None:
+    """The directory's ``generation_config.json`` on the model, as transformers' own
+    ``from_pretrained`` sets it (``generate`` and a later save use it)."""
+    if not (directory / "generation_config.json").is_file() or \
+            getattr(model, "generation_config", None) is None:
+        return
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("%s: generation_config.json not read (%s); the model's defaults stay",
+                    directory, exc)
 
 
 def _hf_config(directory: Path, hf_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

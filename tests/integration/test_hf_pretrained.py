@@ -218,6 +218,9 @@ def test_a_16bit_engine_keeps_the_fp32_file_in_its_masters(disk_dir) -> None:
 
 def test_tokenizer_and_generation_files_travel_with_the_model(disk_dir) -> None:
     src = _saved(disk_dir, "llama")
+    generation = json.loads((src / "generation_config.json").read_text())
+    generation["max_new_tokens"] = 17
+    (src / "generation_config.json").write_text(json.dumps(generation))
     (src / "tokenizer_config.json").write_text('{"model_max_length": 128}')
     (src / "tokenizer.json").write_text('{"version": "1.0"}')
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
@@ -228,7 +231,8 @@ def test_tokenizer_and_generation_files_travel_with_the_model(disk_dir) -> None:
     out = disk_dir / "out"
     for name in ("tokenizer_config.json", "tokenizer.json"):
         assert (out / name).read_text() == (src / name).read_text()
-    assert (out / "generation_config.json").is_file() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 17
+    assert (out / "model.safetensors").is_file()
     assert not (out / "model.safetensors.index.json").exists()
 
 
