@@ -245,7 +245,7 @@ def main() -> int:
                          "args": vars(args)})
     spec = {"checkpoint": str(checkpoint), "scratch": str(scratch), "threads": args.threads,
             "host_budget": args.host_budget, "device_budget": args.device_budget, "check": True}
-    rows = []
+    rows, loads, raws = [], [], []
     for round_ in range(args.rounds):
         ours = C.run_worker([sys.executable, __file__, "--worker", "ours", "--spec",
                              json.dumps(spec)], log_path=out.with_suffix(f".ours{round_}.log"),
@@ -275,6 +275,8 @@ def main() -> int:
                    "rss_bar_gib": C.gib(rss_bar), "rss_ok": ours["vm_hwm_bytes"] <= rss_bar,
                    "time_ok": ours["load_s"] <= 1.25 * raw_s}
         C.append_jsonl(out, {"bench": "hf_load", "verdict": verdict})
+        loads.append(ours["load_s"])
+        raws.append(raw_s)
         rows.append([round_, info["file_bytes"] / 1e9, ours["nvme_write_bytes"] / 1e9,
                      ours["load_s"], raw["read_s"], raw["write_s"], verdict["time_ratio"],
                      verdict["baseline_rss_gib"], verdict["peak_rss_gib"],
@@ -286,6 +288,12 @@ def main() -> int:
     print(C.markdown_table(["round", "file GB", "stored GB", "load s", "raw read s",
                             "raw write s", "load / raw", "baseline GiB", "peak RSS GiB",
                             "RSS bar GiB", "bars met"], rows))
+    median_ratio = C.median([a / b for a, b in zip(loads, raws)])
+    print(f"median load {C.median(loads):.2f} s, median raw read + write {C.median(raws):.2f} s, "
+          f"median per-round ratio {median_ratio:.3f} (bar 1.25)")
+    C.append_jsonl(out, {"bench": "hf_load", "summary": {
+        "median_load_s": C.median(loads), "median_raw_s": C.median(raws),
+        "median_ratio": median_ratio}})
     print(f"results: {out}")
     return 0
 
