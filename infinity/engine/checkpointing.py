@@ -4,10 +4,11 @@ engine changes its own state."""
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
 
 from infinity.base.log import get_logger
-from infinity.checkpoint import Restore, TrainingState
+from infinity.checkpoint import Restore, TrainingState, prepare_load
 from infinity.engine.pretrained import model_texts
 
 if TYPE_CHECKING:
@@ -67,3 +68,28 @@ def apply_restore(engine: "Engine", restore: Restore) -> None:
         if restore.lr_from_scheduler:     # the next step must use the schedule's rate
             for group, lr in zip(optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
                 group["lr"] = lr
+
+
+def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: str | None,
+                    load_module_strict: bool, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool, load_module_only: bool,
+                    verify_checksums: bool) -> tuple[str | None, Any]:
+    """``Engine.load_checkpoint``: check the checkpoint whole, write it into every unit's
+    homes, then apply what it restores; a write that fails part-way marks the engine (its
+    units hold a mix: ``check_open`` refuses to train on until a load completes)."""
+    load = prepare_load(training_state(engine), load_dir, tag, load_module_strict,
+                        load_optimizer_states, load_lr_scheduler_states, load_module_only,
+                        verify_checksums)
+    if load is None:
+        return None, None
+    with load:
+        try:
+            load.write()
+            if load.restore is not None:
+                apply_restore(engine, load.restore)
+        except BaseException as exc:
+            engine._load_failure = exc
+            raise
+        engine._load_failure = None
+    log.info("loaded checkpoint %s (global step %d)", load.directory, engine.global_steps)
+    return str(load.directory), load.client_state

@@ -19,18 +19,16 @@ from infinity.base.interrupts import deferred_interrupts
 from infinity.base.log import get_logger
 from infinity.base.malloc_tuning import set_mmap_threshold, trim
 from infinity.base.sizes import format_bytes
-from infinity.checkpoint import prepare_load, save_checkpoint, save_model_weights
-from infinity.comm.collectives import Collectives
-from infinity.comm.group import RankInfo, join_ranks
-from infinity.comm.watchdog import watch_ranks
-from infinity.config import InfinityConfig, InfinitySection
-from infinity.config.file import decode_base64_config, read_config_file
-from infinity.engine.checkpointing import apply_restore, training_state
+from infinity.checkpoint import save_checkpoint, save_model_weights
+from infinity.comm.group import RankInfo
+from infinity.config import InfinityConfig
+from infinity.engine.checkpointing import load_checkpoint, training_state
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.guards import (
-    FOREIGN_EARLY_BACKWARD,
     SECOND_EARLY_BACKWARD,
+    check_open,
     check_same_on_every_rank,
+    warn_if_hyperparameters_moved,
 )
 from infinity.engine.model_methods import (
     model_device,
@@ -41,6 +39,7 @@ from infinity.engine.client_optimizer import rebind_scheduler
 from infinity.engine.param_groups import optimizer_groups
 from infinity.engine.monitor import StepReport
 from infinity.engine.pass_owner import EnginePassOwner
+from infinity.engine.ranks import join as join_ranks_and_config
 from infinity.engine.passes import PassHooks, cast_floating
 from infinity.engine.sizing import (
     COMPUTE_DTYPES,
@@ -70,7 +69,6 @@ from infinity.zero.external_hint import raise_with_external_parameter_hint
 from infinity.zero.init import (
     EXTERNAL_PARAMS_ATTR,
     check_not_released,
-    engine_in_backward,
     register_engine,
     remember_released,
     unregister_engine,
@@ -96,19 +94,14 @@ class Engine(DeepSpeedEngineAccessors):
         self._weights = weights
         if optimizer is None or getattr(lr_scheduler, "optimizer", None) is not optimizer:
             check_user_scheduler(lr_scheduler)   # one on the optimizer passed moves over
-        self.ranks: RankInfo = _join_ranks(config, process_group, model_device(model))
-        self.config = InfinityConfig.load(config or {}, world_size=self.ranks.world_size,
-                                          auto_values=auto_values)
-        if self.config.world_size != self.ranks.world_size:
-            raise ValueError(f"the config was read for world size {self.config.world_size} but "
-                             f"this run has {self.ranks.world_size} ranks: pass the config as a "
-                             "dict or path, and initialize reads it for the ranks it finds")
+        self.ranks: RankInfo
+        self.ranks, self.config, self.comm = join_ranks_and_config(
+            config, process_group, model_device(model), auto_values)
         if self.config.infinity.mmap_threshold_in_use is not None:
             set_mmap_threshold(self.config.infinity.mmap_threshold_in_use)
         self.module = model
         check_not_released(model)
         self.device = model_device(model)
-        self.comm = _collectives(self.ranks, self.config)
         # every rank must build the same engine: a config or model that differs is named
         check_same_on_every_rank(self.comm, self.config, model)
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
@@ -231,23 +224,7 @@ class Engine(DeepSpeedEngineAccessors):
         return self.forward(*args, **kwargs)
 
     def _check_open(self, what: str) -> None:
-        if getattr(self, "_closed", False):
-            raise RuntimeError(f"engine.{what}() after engine.close(): the engine's states and "
-                               "swap files are gone; build a new engine with infinity.initialize")
-        failure = getattr(self, "_load_failure", None)
-        if failure is not None and what not in ("load_checkpoint", "flush"):
-            raise RuntimeError(
-                f"engine.{what}(): a load_checkpoint failed part-way ({type(failure).__name__}: "
-                f"{failure}), so some units hold the checkpoint's values and others this "
-                "engine's: load_checkpoint again (this checkpoint or another) before going on") \
-                from failure
-        failure = self.optimizer.step_failure
-        if failure is not None:
-            raise RuntimeError(
-                f"engine.{what}(): an optimizer step failed earlier ({type(failure).__name__}: "
-                f"{failure}), so some units' states may be half-written and this engine cannot "
-                "go on. close() it, build a new engine with infinity.initialize and "
-                "load_checkpoint the last checkpoint") from failure
+        check_open(self, what)   # closed, a load failed part-way, a step failed (guards.py)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward; the pass around it is the root module's hooks' (see
@@ -343,49 +320,6 @@ class Engine(DeepSpeedEngineAccessors):
         if self.activation_swapper is not None:
             self.activation_swapper.release_forgotten()
 
-    def _begin_untracked_backward(self) -> None:
-        """``loss.backward()`` called directly (the coordinator saw the first gradient of a
-        backward that engine.backward did not start): do what engine.backward does before it,
-        except scaling the loss, which is the caller's (torch's semantics: no division by the
-        accumulation steps). With fp16 loss scaling, or a second backward under the early step,
-        that cannot be right, so it is refused."""
-        problem = None
-        if self.loss_scaler is not None:
-            problem = ("loss.backward() was called directly with fp16 loss scaling on: the loss "
-                       "was not multiplied by the loss scale, so every gradient would come out "
-                       f"{self.loss_scale:g}x too small. Call engine.backward(loss) instead")
-        elif self.optimizer.early_step and self._backwards_since_step:
-            problem = SECOND_EARLY_BACKWARD.format(call="loss.backward()")
-        elif self.optimizer.early_step and (other := engine_in_backward(self)) is not None:
-            problem = FOREIGN_EARLY_BACKWARD.format(
-                other=type(other.module).__name__, this=type(self.module).__name__)
-        if problem is not None:
-            self.optimizer.abandon_backward()
-            raise RuntimeError(problem)
-        self._void_speculation()
-        self.optimizer.loss_scale = self.loss_scale
-        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
-        self._hyper_at_backward = self.optimizer.hyperparameters() if self.optimizer.early_step else None
-        self._untracked_started = time.perf_counter()
-
-    def _end_untracked_backward(self) -> None:
-        self.report.add_time("backward", time.perf_counter() - self._untracked_started)
-        self._release_dropped_activations()
-        self.optimizer.end_backward()
-        self._backwards_since_step += 1
-
-    def _warn_if_hyperparameters_moved(self) -> None:
-        """Under the early step the units were stepped during the backward, with the lr and betas
-        of then: a change made between backward() and step() applies from the next step only."""
-        before, self._hyper_at_backward = getattr(self, "_hyper_at_backward", None), None
-        if before is None or self._warned_hyper_moved or before == self.optimizer.hyperparameters():
-            return
-        self._warned_hyper_moved = True
-        log.warning("the optimizer's param groups (lr, betas, ...) changed between backward() and "
-                    "step(): under the early step each unit was stepped during the backward with "
-                    "the values of then; the change applies from the next step. Change them "
-                    "before the backward, or set infinity.early_step \"off\"")
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients of the backwards since the last optimizer step, as torch's
         ``optimizer.zero_grad()`` between a backward and a step does (``optimizer.zero_grad()``
@@ -448,7 +382,7 @@ class Engine(DeepSpeedEngineAccessors):
         if not boundary:
             return
         started = time.perf_counter()
-        self._warn_if_hyperparameters_moved()
+        warn_if_hyperparameters_moved(self)
         self.comm.check_same_sequence(f"optimizer step {self.global_steps + 1}")
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
@@ -557,24 +491,8 @@ class Engine(DeepSpeedEngineAccessors):
         (its directory, client_state), or (None, None) when there is no ``latest``. The
         checkpoint is checked whole (files, checksums, parameter names and shapes) before
         anything is loaded."""
-        load = prepare_load(training_state(self), load_dir, tag, load_module_strict,
-                            load_optimizer_states, load_lr_scheduler_states, load_module_only,
-                            verify_checksums)
-        if load is None:
-            return None, None
-        with load:
-            try:
-                load.write()
-                if load.restore is not None:
-                    apply_restore(self, load.restore)
-            except BaseException as exc:
-                # some units hold the checkpoint's values, others the engine's: training on
-                # would mix them (_check_open refuses until a load completes)
-                self._load_failure = exc
-                raise
-            self._load_failure = None
-        log.info("loaded checkpoint %s (global step %d)", load.directory, self.global_steps)
-        return str(load.directory), load.client_state
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, verify_checksums)
 
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> Path:
@@ -684,40 +602,3 @@ class Engine(DeepSpeedEngineAccessors):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _join_ranks(config: Any, process_group: Any, device: torch.device) -> RankInfo:
-    """The data-parallel ranks: ``process_group`` when given, else the default group, which
-    is created from the launcher's environment (``torchrun``) when it is not yet; a timeout
-    the config sets applies to the group however it was made (see ``join_ranks``)."""
-    return join_ranks(process_group, _timeout_of(config), device)
-
-
-def _timeout_of(config: Any) -> float | None:
-    """``infinity.collective_timeout`` of a config not read yet (its batch sizes are checked
-    against the world size, which the process group gives): the section alone; None when
-    the config leaves it unset."""
-    if isinstance(config, InfinityConfig):
-        return config.infinity.collective_timeout
-    if config is None:
-        return None
-    if isinstance(config, Mapping):
-        data = config
-    elif isinstance(config, str) and not Path(config).exists():
-        data = decode_base64_config(config)
-    else:
-        data = read_config_file(Path(config))
-    section = data.get("infinity") if isinstance(data, Mapping) else None
-    value = section.get("collective_timeout") if isinstance(section, Mapping) else None
-    return None if value is None else InfinitySection(collective_timeout=value).collective_timeout
-
-
-def _collectives(ranks: RankInfo, config: InfinityConfig) -> Collectives:
-    """The collectives of this run, bucketed per the config (DeepSpeed's sizes are elements;
-    counted here as fp32 bytes)."""
-    z = config.zero
-    gather = z.allgather_bucket_size or (1 << 62)
-    reduce = z.reduce_bucket_size or (1 << 62)
-    return Collectives(ranks.group, ranks.world_size, ranks.rank,
-                       gather_bucket_bytes=int(gather) * 4, reduce_bucket_bytes=int(reduce) * 4,
-                       watch=watch_ranks(ranks.group, ranks.rank, ranks.world_size))

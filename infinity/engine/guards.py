@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 
+from infinity.base.log import get_logger
 from infinity.comm.collectives import Collectives
 from infinity.config import InfinityConfig
+
+log = get_logger("engine")
 
 FOREIGN_EARLY_BACKWARD = (
     "the backward of another engine (over {other}) reached this engine's parameters "
@@ -78,3 +81,41 @@ SECOND_EARLY_BACKWARD = (
     "(infinity.early_step) steps each unit during its backward, so a second backward would step "
     "it again instead of adding its gradients up. Call engine.step() after each backward, set "
     "gradient_accumulation_steps to add micro-batches up, or set infinity.early_step \"off\"")
+
+
+def check_open(engine: Any, what: str) -> None:
+    """Raise when ``engine`` cannot take ``engine.<what>()`` now: it was closed, a load failed
+    part-way (until a load completes), or an optimizer step failed (its states may be
+    half-written)."""
+    if getattr(engine, "_closed", False):
+        raise RuntimeError(f"engine.{what}() after engine.close(): the engine's states and "
+                           "swap files are gone; build a new engine with infinity.initialize")
+    failure = getattr(engine, "_load_failure", None)
+    if failure is not None and what not in ("load_checkpoint", "flush"):
+        raise RuntimeError(
+            f"engine.{what}(): a load_checkpoint failed part-way ({type(failure).__name__}: "
+            f"{failure}), so some units hold the checkpoint's values and others this "
+            "engine's: load_checkpoint again (this checkpoint or another) before going on") \
+            from failure
+    failure = engine.optimizer.step_failure
+    if failure is not None:
+        raise RuntimeError(
+            f"engine.{what}(): an optimizer step failed earlier ({type(failure).__name__}: "
+            f"{failure}), so some units' states may be half-written and this engine cannot "
+            "go on. close() it, build a new engine with infinity.initialize and "
+            "load_checkpoint the last checkpoint") from failure
+
+
+def warn_if_hyperparameters_moved(engine: Any) -> None:
+    """Under the early step the units were stepped during the backward, with the lr and betas
+    of then: a change made between backward() and step() applies from the next step only
+    (said once per engine)."""
+    before, engine._hyper_at_backward = getattr(engine, "_hyper_at_backward", None), None
+    if before is None or engine._warned_hyper_moved or \
+            before == engine.optimizer.hyperparameters():
+        return
+    engine._warned_hyper_moved = True
+    log.warning("the optimizer's param groups (lr, betas, ...) changed between backward() and "
+                "step(): under the early step each unit was stepped during the backward with "
+                "the values of then; the change applies from the next step. Change them "
+                "before the backward, or set infinity.early_step \"off\"")
