@@ -8,12 +8,10 @@ from pathlib import Path
 
 import torch
 
-from infinity.checkpoint.directory import checkpoint_directory, read_manifest_file, verify_files
-from infinity.checkpoint.layout import model_file, persistent_buffers, unit_layouts
-from infinity.checkpoint.load import saved_ranks
+from infinity.checkpoint.layout import persistent_buffers, unit_layouts
 from infinity.checkpoint.save import RankAgreement, check_at_rest
-from infinity.checkpoint.sliced import open_ranks
-from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter
+from infinity.checkpoint.sliced import model_files_of, open_ranks, param_shapes
+from infinity.checkpoint.tensor_file import TensorFileWriter
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, parts_of, save_entries
 
@@ -24,17 +22,8 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
     ``state_dict`` name, tied parameters under each of their names (sharing one tensor).
     ``checkpoint_dir`` is a save directory (then ``tag`` or ``latest`` picks the checkpoint)
     or one checkpoint's directory."""
-    root = Path(checkpoint_dir)
-    directory = checkpoint_directory(root, tag)
-    if directory is None:
-        raise CheckpointError(f"{root} holds no checkpoint manifest and no 'latest' file; pass "
-                              "a checkpoint directory or tag=")
-    manifest = read_manifest_file(directory)
-    files = [model_file(r) for r in range(saved_ranks(manifest, directory))]
-    verify_files(directory, manifest, verify_checksums, files)
-    shapes = {name: p.get("shape", []) for name, p in manifest.get("params", {}).items()
-              if isinstance(p, dict)}
-    with open_ranks(directory, files, shapes) as reader:     # the slices of every rank
+    directory, manifest, files = model_files_of(Path(checkpoint_dir), tag, verify_checksums)
+    with open_ranks(directory, files, param_shapes(manifest)) as reader:   # every rank's slices
         state = {name: reader.read(name) for name in reader.tensors}
     for alias, name in manifest.get("aliases", {}).items():
         state[alias] = state[name]

@@ -31,7 +31,7 @@ from infinity.checkpoint.layout import (
 )
 from infinity.checkpoint.restore import Restore, read_restore
 from infinity.checkpoint.save import RankAgreement, check_at_rest
-from infinity.checkpoint.sliced import SlicedReader, open_ranks
+from infinity.checkpoint.sliced import SlicedReader, open_ranks, param_shapes, saved_ranks
 from infinity.checkpoint.tensor_file import CheckpointError
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, Fill, load_entries, parts_of
@@ -201,8 +201,7 @@ class CheckpointLoad:
         """Open the tensor files and match them to the model (nothing is written)."""
         directory = self.directory
         saved = saved_ranks(self.manifest, directory)
-        shapes = {name: p.get("shape", []) for name, p in self.manifest.get("params", {}).items()
-                  if isinstance(p, dict)}
+        shapes = param_shapes(self.manifest)
         self.model = open_ranks(directory, [model_file(r) for r in range(saved)], shapes)
         self.match = Match(self.state.module, self.layouts, self.manifest, self.model)
         self.match.check(strict, directory)
@@ -254,15 +253,6 @@ def prepare_load(state: TrainingState, load_dir: str | Path, tag: str | None = N
         lambda: _prepare(state, Path(load_dir), tag, load_module_strict, load_optimizer_states,
                          load_lr_scheduler_states, load_module_only, verify_checksums),
         "read the checkpoint")
-
-
-def saved_ranks(manifest: dict[str, Any], directory: Path) -> int:
-    """How many ranks saved the checkpoint (each wrote a model and an optim file)."""
-    world = manifest.get("world_size", 1)
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise CheckpointError(f"checkpoint {directory}: its manifest.json has world_size = "
-                              f"{world!r}: the manifest was edited or damaged")
-    return world
 
 
 def _prepare(state: TrainingState, load_dir: Path, tag: str | None, load_module_strict: bool,

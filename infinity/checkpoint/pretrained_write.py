@@ -30,11 +30,10 @@ import torch
 from torch import nn
 
 from infinity.base.log import get_logger
-from infinity.checkpoint.directory import checkpoint_directory, read_manifest_file, verify_files
-from infinity.checkpoint.layout import UnitLayout, model_file, persistent_buffers, unit_layouts
+from infinity.checkpoint.layout import UnitLayout, persistent_buffers, unit_layouts
 from infinity.checkpoint.pretrained import INDEX_NAME, SINGLE_NAME
 from infinity.checkpoint.save import RankAgreement, check_at_rest
-from infinity.checkpoint.sliced import open_ranks
+from infinity.checkpoint.sliced import model_files_of, open_ranks, param_shapes
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter, itemsize
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, parts_of, read_chunks, save_entries
@@ -349,18 +348,9 @@ def export_pretrained(checkpoint_dir: str | Path, directory: str | Path, *,
     directory in ``dtype`` (None: as stored: fp32 masters, frozen ones in the compute dtype),
     a tensor at a time; ``config.json`` from ``texts`` or else the checkpoint's manifest
     (``model_files``, saved by engines over a transformers model)."""
-    root = Path(checkpoint_dir)
-    source = checkpoint_directory(root, tag)
-    if source is None:
-        raise CheckpointError(f"{root} holds no checkpoint manifest and no 'latest' file; pass "
-                              "a checkpoint directory or --tag")
-    manifest = read_manifest_file(source)
-    from infinity.checkpoint.load import saved_ranks
-
-    files = [model_file(r) for r in range(saved_ranks(manifest, source))]
-    verify_files(source, manifest, verify_checksums, files)
-    params = {name: p for name, p in manifest.get("params", {}).items() if isinstance(p, dict)}
-    shapes = {name: p.get("shape", []) for name, p in params.items()}
+    source, manifest, files = model_files_of(Path(checkpoint_dir), tag, verify_checksums,
+                                             tag_hint="--tag")
+    shapes = param_shapes(manifest)
     model_texts = dict(texts or {})
     saved_texts = manifest.get("model_files") or {}
     for name, text in saved_texts.items():

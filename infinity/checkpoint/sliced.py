@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
-from infinity.checkpoint.layout import SLICE_MARK
+from infinity.checkpoint.directory import checkpoint_directory, read_manifest_file, verify_files
+from infinity.checkpoint.layout import SLICE_MARK, model_file
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorInfo
 
 # (first element, element count, reader, file tensor name)
@@ -112,3 +113,34 @@ def open_ranks(directory: Path, names: Sequence[str], shapes: dict[str, Sequence
         for reader in readers:
             reader.close()
         raise
+
+
+def saved_ranks(manifest: dict[str, Any], directory: Path) -> int:
+    """How many ranks saved the checkpoint (each wrote a model and an optim file)."""
+    world = manifest.get("world_size", 1)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"checkpoint {directory}: its manifest.json has world_size = "
+                              f"{world!r}: the manifest was edited or damaged")
+    return world
+
+
+def param_shapes(manifest: dict[str, Any]) -> dict[str, Sequence[int]]:
+    """Each saved parameter's full shape, by name (what a slice is a part of)."""
+    return {name: p.get("shape", []) for name, p in manifest.get("params", {}).items()
+            if isinstance(p, dict)}
+
+
+def model_files_of(root: Path, tag: str | None, verify_checksums: bool,
+                   tag_hint: str = "tag=") -> tuple[Path, dict[str, Any], list[str]]:
+    """A checkpoint read without an engine: its directory (``root`` is a save directory, then
+    ``tag`` or ``latest`` picks it, or one checkpoint's directory), its manifest, and every
+    saving rank's model file, checked against the manifest (sizes; sha256 with
+    ``verify_checksums``)."""
+    directory = checkpoint_directory(root, tag)
+    if directory is None:
+        raise CheckpointError(f"{root} holds no checkpoint manifest and no 'latest' file; pass "
+                              f"a checkpoint directory or {tag_hint}")
+    manifest = read_manifest_file(directory)
+    files = [model_file(r) for r in range(saved_ranks(manifest, directory))]
+    verify_files(directory, manifest, verify_checksums, files)
+    return directory, manifest, files

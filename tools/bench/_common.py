@@ -240,6 +240,27 @@ def worker_stdout() -> Iterator[Callable[[dict], None]]:
         os.close(json_fd)
 
 
+def measured_worker(res: dict, body: Callable[[RssSampler], None]) -> None:
+    """Inside a worker: run ``body(sampler)`` with an RSS sampler going, then emit ``res`` as
+    the one result line with ``ok``, the error (its traceback on stderr) and the peak RSS
+    (sampled and VmHWM). ``res`` also records the git state of the tree the worker runs."""
+    with worker_stdout() as emit:
+        res.setdefault("ok", False)
+        res["git"] = git_state()   # the engine in the working tree may change between runs
+        sampler = RssSampler().start()
+        try:
+            body(sampler)
+            res["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - the driver reports it with the log tail
+            import traceback
+
+            traceback.print_exc()
+            res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        res["sampler_peak_rss_bytes"] = sampler.stop()
+        res["vm_hwm_bytes"] = proc_status()["VmHWM"]
+        emit(res)
+
+
 def run_worker(cmd: list[str], *, log_path: Path, timeout_s: float,
                env: dict[str, str] | None = None) -> dict:
     """Run one worker process; returns its JSON line plus ``process_wall_s`` and ``wait4_maxrss``.

@@ -104,25 +104,15 @@ def ds_config(nvme_path: str, args: argparse.Namespace, schedule: str) -> dict:
 
 # =========================================================================== workers
 def worker(kind: str, spec: dict) -> None:
-    with C.worker_stdout() as emit:
-        res: dict = {"bench": "out_of_core", "contender": kind, "size": spec["size"], "ok": False}
-        for key in ("schedule",):
-            if key in spec:
-                res[key] = spec[key]
-        res["git"] = C.git_state()  # the engine in the working tree may change between runs
-        sampler = C.RssSampler().start()
-        try:
-            spec["sampler"] = sampler
-            {"ours": _ours, "compute": _compute, "io": _io, "optimizer": _optimizer}[kind](spec, res)
-            res["ok"] = True
-        except BaseException as exc:  # noqa: BLE001 - the driver reports it with the log tail
-            import traceback
+    res: dict = {"bench": "out_of_core", "contender": kind, "size": spec["size"]}
+    if "schedule" in spec:
+        res["schedule"] = spec["schedule"]
 
-            traceback.print_exc()
-            res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        res["sampler_peak_rss_bytes"] = sampler.stop()
-        res["vm_hwm_bytes"] = C.proc_status()["VmHWM"]
-        emit(res)
+    def body(sampler: C.RssSampler) -> None:
+        spec["sampler"] = sampler
+        {"ours": _ours, "compute": _compute, "io": _io, "optimizer": _optimizer}[kind](spec, res)
+
+    C.measured_worker(res, body)
 
 
 def _setup(spec: dict):

@@ -55,21 +55,8 @@ def ds_config(nvme_path: str, args: argparse.Namespace) -> dict:
 
 # --------------------------------------------------------------------------- worker
 def worker(kind: str, spec: dict) -> None:
-    with C.worker_stdout() as emit:
-        res: dict = {"bench": "zero_offload", "contender": kind, "size": spec["size"], "ok": False}
-        res["git"] = C.git_state()  # the engine in the working tree may change between runs
-        sampler = C.RssSampler().start()
-        try:
-            _work(kind, spec, res)
-            res["ok"] = True
-        except BaseException as exc:  # noqa: BLE001 - the driver reports it with the log tail
-            import traceback
-
-            traceback.print_exc()
-            res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        res["sampler_peak_rss_bytes"] = sampler.stop()
-        res["vm_hwm_bytes"] = C.proc_status()["VmHWM"]
-        emit(res)
+    res: dict = {"bench": "zero_offload", "contender": kind, "size": spec["size"]}
+    C.measured_worker(res, lambda sampler: _work(kind, spec, res))
 
 
 def _work(kind: str, spec: dict, res: dict) -> None:

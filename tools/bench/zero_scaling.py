@@ -102,22 +102,10 @@ def comm_formula_bytes(case: str, n_params: int, world: int) -> int:
 def worker(spec: dict) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    with C.worker_stdout() as emit:
-        res: dict = {"bench": "zero_scaling", "case": spec["case"], "size": spec["size"],
-                     "world": world, "rank": rank, "ok": False, "git": C.git_state(),
-                     "threads": spec["threads"]}
-        sampler = C.RssSampler().start()
-        try:
-            (_floor if spec["case"] == FLOOR else _rank_run)(spec, res, rank, world, sampler)
-            res["ok"] = True
-        except BaseException as exc:  # noqa: BLE001 - the driver reports it with the log tail
-            import traceback
-
-            traceback.print_exc()
-            res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        res["sampler_peak_rss_bytes"] = sampler.stop()
-        res["vm_hwm_bytes"] = C.proc_status()["VmHWM"]
-        emit(res)
+    res: dict = {"bench": "zero_scaling", "case": spec["case"], "size": spec["size"],
+                 "world": world, "rank": rank, "threads": spec["threads"]}
+    C.measured_worker(res, lambda sampler: (_floor if spec["case"] == FLOOR else _rank_run)(
+        spec, res, rank, world, sampler))
 
 
 def _rank_run(spec: dict, res: dict, rank: int, world: int, sampler: C.RssSampler) -> None:
