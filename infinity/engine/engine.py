@@ -169,7 +169,7 @@ class Engine(DeepSpeedEngineAccessors):
     # -- construction ----------------------------------------------------------------------
     def _build(self, model: nn.Module, specs, groups: list[dict], lr_scheduler: Any) -> None:
         nvme_params = self.param_tier is Tier.NVME
-        self.fetch_pool = BufferPool(self.manager, self.sizes.max_unit_bytes,
+        self.fetch_pool = BufferPool(self.manager, self.sizes.fetch_slot_bytes,
                                      self.sizes.fetch_slots, "fetch") \
             if nvme_params and not self.direct_fetch else None
         self.units, replacements = build_units(

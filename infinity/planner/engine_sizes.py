@@ -48,6 +48,8 @@ class EngineSizes:
     sub_group_numel: int
     fetch_slots: int
     max_unit_bytes: int
+    fetch_slot_bytes: int
+    """A fetch slot: the largest unit's parameter home (its shard with several ranks)."""
     persistence_threshold: int
     prefetch_bucket_numel: int
     max_live_numel: int
@@ -107,6 +109,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     threshold = derived.persistence_threshold
     streamed_homes = [s for n, s in zip(unit_numels, shards) if n > threshold] \
         if cfg.zero.stage == 3 else []
+    # a fetch reads a rank's own shard into a slot (the gather fills the rest on the device)
+    fetch_slot_bytes = max(streamed_homes, default=0) * itemsize or max_unit_bytes
     host_budget = derived.host_budget_bytes
     # on a CPU-only machine the planner pays the emulated device pool out of the host budget
     device_budget = derived.device_budget_bytes
@@ -129,7 +133,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
             device_budget += moved
         fetch_slots = 0
     elif param_tier == Tier.NVME:
-        host += fetch_slots * max_unit_bytes
+        host += fetch_slots * fetch_slot_bytes
     max_reuse = derived.max_reuse_distance
     if direct_fetch and cfg.zero.stage3_max_reuse_distance is None and device_budget is not None:
         # the emulated pool is host memory set aside for units (activations live outside it), and
@@ -190,7 +194,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     return EngineSizes(
         host_budget=host_budget, device_budget=device_budget, sub_group_numel=sub_group,
         fetch_slots=fetch_slots if direct_fetch else max(2, fetch_slots),
-        max_unit_bytes=max_unit_bytes,
+        max_unit_bytes=max_unit_bytes, fetch_slot_bytes=fetch_slot_bytes,
         persistence_threshold=threshold,
         prefetch_bucket_numel=max(prefetch, max(unit_numels, default=0)),
         max_live_numel=max(max_live, 2 * max(unit_numels, default=0)),

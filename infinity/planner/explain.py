@@ -79,7 +79,7 @@ def render_target_plan(plan: "TargetPlan") -> str:
         f"NVMe {format_bytes(ref.node_nvme)} of {format_bytes(t.nvme_bytes)}",
     ]
     es = ref.engine
-    slots = (f"; fetch slots {es.fetch_slots} x {format_bytes(es.max_unit_bytes)}"
+    slots = (f"; fetch slots {es.fetch_slots} x {format_bytes(es.fetch_slot_bytes)}"
              if ref.placement.param_tier == "nvme" else "")
     grads = "no gradient home" if ref.placement.early_step else f"gradients on {es.grad_tier}"
     lines.append(f"sizes         sub-group {es.sub_group_numel:,} elements{slots}; prefetch "

@@ -51,6 +51,20 @@ def case_config(case: dict, nvme_dir: str, world: int) -> dict:
 
 
 def run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world: int) -> dict:
+    from infinity.storage.device_cache import DeviceMemoryCache
+
+    # "slots": the path of devices without the memory cache (CUDA): NVMe reads of the own
+    # shard into host fetch slots, then a copy into the device buffer and the gather
+    supported = DeviceMemoryCache.supported
+    DeviceMemoryCache.supported = staticmethod(
+        (lambda device: False) if case.get("slots") else supported)
+    try:
+        return _run_case(case, nvme_dir, steps, out, rank, world)
+    finally:
+        DeviceMemoryCache.supported = supported
+
+
+def _run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world: int) -> dict:
     model = make_model("torch", seed=0, layers=3, width=32)
     overflow = ArmedBackwardHook(factor=float("inf"))
     model.blocks[0].register_full_backward_pre_hook(overflow)
@@ -75,6 +89,9 @@ def run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world:
         with infinity.zero.GatheredParameters(list(model.parameters())):
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
         torch.save(params, out / f"{case['name']}.rank{rank}.pt")
+        if case.get("slots"):
+            assert engine.fetch_pool is not None and not engine.direct_fetch
+            assert engine.fetch_pool.slot_bytes < max(u.nbytes for u in engine.units)
         return {"losses": losses, "skipped": engine.skipped_steps, "sent": sent,
                 "early": engine.optimizer.early_step, "grad_norm": engine.get_global_grad_norm()}
     finally:

@@ -30,6 +30,9 @@ def _matrix() -> list[dict]:
             name = f"s{stage}-{opt}-{param or 'replicated'}-{schedule}"
             cases.append({"name": name, "stage": stage, "opt": opt, "param": param or "none",
                           "schedule": schedule})
+    for schedule in ("early", "deferred"):     # host fetch slots holding the own shard
+        cases.append({"name": f"s3-nvme-nvme-slots-{schedule}", "stage": 3, "opt": "nvme",
+                      "param": "nvme", "schedule": schedule, "slots": True})
     for stage, opt, param in ((0, "none", "none"), (2, "cpu", "none"), (3, "nvme", "nvme")):
         cases.append({"name": f"s{stage}-{opt}-{param}-fp16-overflow", "stage": stage,
                       "opt": opt, "param": param, "schedule": "deferred", "fp16": True})
