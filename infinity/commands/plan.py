@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks sharing the model states (default 1; with target flags "
                              "--gpus x --nodes)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="also run the engine's own units and coordinator over the model "
+                             "built on the meta device, byte-free, on a simulated clock: the "
+                             "fetch/prefetch/release order, peak bytes per tier, I/O per step, "
+                             "the simulated step time (needs --hf-config or --model-size)")
     add_target_arguments(parser)
 
 
@@ -165,12 +170,46 @@ def _run_target(args: argparse.Namespace, target: Any, workload: Any) -> int:
     stats, shape = _stats(args, base.infinity.unit_modules if base else None)
     plan = plan_target(stats, shape, target, workload, base, args.nvme_path,
                        as_written=base is not None)
+    report = None
+    if args.dry_run and plan.chosen is not None:
+        from infinity.commands.dry_run import dry_run, target_setup
+
+        setup, rates = target_setup(plan.chosen, target, workload)
+        report = dry_run(_meta_model(args), setup, rates, seq_len=workload.seq_len,
+                         micro_batch=workload.micro_batch, shape=shape,
+                         analytical_s=plan.step.predicted_s if plan.step else None)
     if args.json:
-        print(json.dumps(plan.as_dict(), indent=2))
+        data = plan.as_dict()
+        if args.dry_run:
+            data["dry_run"] = report.as_dict() if report is not None else None
+        print(json.dumps(data, indent=2))
     else:
         print("infinity plan: for the target machine described (not this one)")
         print(plan.render())
+        if report is not None:
+            print(report.render())
+        elif args.dry_run:
+            print("dry run: none (the plan is infeasible)")
     return 0
+
+
+def _meta_model(args: argparse.Namespace) -> Any:
+    """The model of --hf-config or --model-size on the meta device (--dry-run)."""
+    if args.params is not None:
+        raise ValueError("--dry-run runs the model's own modules: give it as --hf-config or "
+                         "--model-size, not --params")
+    import torch
+    import transformers
+
+    if args.hf_config:
+        config = _hf_config(args.hf_config, transformers)
+    else:
+        from infinity.train.models import preset_config
+
+        config = preset_config(args.model_size, seq_len=0)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -195,11 +234,23 @@ def run(args: argparse.Namespace) -> int:
             name: dataclasses.replace(section, nvme_path=args.nvme_path)
             for name, section in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param))
             if section.device == "nvme"}))
-    stats, _ = _stats(args, base.infinity.unit_modules)
+    stats, shape = _stats(args, base.infinity.unit_modules)
     nvme_path = args.nvme_path or base.zero.offload_optimizer.nvme_path or base.zero.offload_param.nvme_path
     hw = detect_hardware(nvme_path or (None if args.config else DEFAULT_SWAP_DIR))
     cfg = base if args.config else recommend_config(stats, hw, base, nvme_path)
     plan = plan_memory(cfg, stats, hw)
+    report = None
+    if args.dry_run:
+        from infinity.commands.dry_run import dry_run, local_setup
+        from infinity.planner.target import Workload
+
+        setup, rates = local_setup(cfg, stats, hw)   # as the engine would size it
+        workload = Workload()
+        report = dry_run(_meta_model(args), setup, rates, seq_len=workload.seq_len,
+                         micro_batch=workload.micro_batch, shape=shape)
+        report.notes.append(f"this machine's rates assumed: {rates.compute_flops_per_s / 1e9:.0f} "
+                            f"GFLOP/s, NVMe {rates.nvme_read_GBps:g} GB/s; sequence "
+                            f"{workload.seq_len}, micro-batch {workload.micro_batch}")
     missing = _missing_nvme_notes(plan.config)
     unusable = _unusable_swap_paths(plan.config)
     if missing or unusable:
@@ -208,9 +259,11 @@ def run(args: argparse.Namespace) -> int:
     # no candidate fits: the deepest one is shown as the reason, never as a recommendation
     infeasible = not args.config and not plan.fits
     if args.json:
+        extra = {"dry_run": report.as_dict()} if report is not None else {}
         print(json.dumps({"recommended": not args.config and not infeasible,
-                          "feasible": plan.fits, **plan.as_dict()}, indent=2))
-    elif infeasible:
+                          "feasible": plan.fits, **plan.as_dict(), **extra}, indent=2))
+        return 0
+    if infeasible:
         print("infinity plan: INFEASIBLE on this machine: no offload fits (the deepest, stage 3 "
               "with parameters and optimizer states on NVMe, is planned below with what is over)")
         print(plan.render())
@@ -225,4 +278,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: swap files planned in {DEFAULT_SWAP_DIR}; pass --nvme-path for a faster disk")
             print("\nds_config (copy into your ds_config.json):")
             print(json.dumps({k: plan.config.to_dict()[k] for k in ("zero_optimization", "infinity")}, indent=2))
+    if report is not None:
+        print()
+        print(report.render())
     return 0

@@ -22,4 +22,9 @@ For a machine described instead of detected (``infinity plan --gpus ...``, issue
 * ``decide.py``: the decision path, stage 0 -> ZeRO-1/2/3 -> CPU -> NVMe, or what to add;
 * ``step_time.py``: the step's traffic per link, the bottleneck, the predicted step;
 * ``target_plan.py``: the three together with notes and JSON; ``explain.py``: as text.
+
+For this (CPU-only) machine, measured: ``calibration.py``, the step time and peak host memory of
+a run from rates measured here, and the constants fitted to measured runs
+(tools/bench/plan_calibration.py). The metadata-only dry run of the engine's own schedule is
+above the engine, in ``infinity.commands.dry_run``.
 """

@@ -27,7 +27,7 @@ from infinity.planner.sizes import (
 from infinity.planner.target import Target, Workload
 from infinity.planner.tiers import Tier
 
-__all__ = ["RankMemory", "rank_memory", "GPU_RUNTIME_HOST_BYTES", "speculation_applies"]
+__all__ = ["RankMemory", "rank_memory", "engine_units", "GPU_RUNTIME_HOST_BYTES", "speculation_applies"]
 
 GPU_RUNTIME_HOST_BYTES = 4 << 30
 """Host memory of one GPU rank's process besides the engine's pools: Python, torch and the CUDA
@@ -107,7 +107,7 @@ class RankMemory:
         return {Tier.DEVICE: self.device_total, Tier.HOST: self.host_total, Tier.NVME: self.nvme}
 
 
-def _engine_units(stats: ModelStats) -> list[list[tuple[int, bool]]]:
+def engine_units(stats: ModelStats) -> list[list[tuple[int, bool]]]:
     """The units as ``engine_sizes`` takes them: one (numel, trainable) entry per unit (the
     per-parameter 64-byte alignment inside a unit is below a plan's resolution)."""
     frozen = stats.total_params - stats.trainable_params
@@ -153,7 +153,7 @@ def _rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, targ
                               unit_modules=["Linear"] if split_units else cfg.infinity.unit_modules)
     cfg = dataclasses.replace(cfg, infinity=inf)
     derived = derive_sizes(cfg, stats, hw)
-    es = engine_sizes(cfg, _engine_units(stats), derived, lay.c, lay.param_tier, lay.opt_tier,
+    es = engine_sizes(cfg, engine_units(stats), derived, lay.c, lay.param_tier, lay.opt_tier,
                       master_separate=not lay.single_copy, early_step=lay.early_step,
                       speculative=speculative)
     # the engine's sub-group (what the host budget leaves for the step stream's slots)

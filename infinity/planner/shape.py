@@ -3,9 +3,13 @@ token: the activations autograd saves on the device, and the FLOPs of a training
 
 Pure. Counts, with their sources:
 
-* FLOPs per token of a step (forward + backward): ``6 N + 12 L h s`` (N parameters, L layers,
-  width h, sequence s) -- the model FLOPs of PaLM (Chowdhery et al. 2022, appendix B), the
-  attention term counted for a full (non-causal) score matrix as there. Activation
+* FLOPs per token of a step (forward + backward): ``6 N + 12 L h s`` (N parameters that
+  multiply, L layers, width h, sequence s) -- the model FLOPs of PaLM (Chowdhery et al. 2022,
+  appendix B), the attention term counted for a full (non-causal) score matrix as there. The
+  input embedding of an untied model is a lookup, not a product, so its V h parameters are not
+  in N (a tied one is the head's weight, which multiplies): at 0.49B (7 Llama layers of width
+  2048, vocabulary 32000) that is 13% of the parameters, and the compute time of the 0.49B and
+  1.04B benches grows as 6 N without them (BENCHMARKS.md, "Plan calibration"). Activation
   checkpointing recomputes the forward once more: ``8 N + 16 L h s`` of hardware FLOPs.
 * Activations a Llama block saves for backward, in the 16-bit compute type, per token: the
   inputs of both RMSNorms, of q/k/v, of o (the attention output) and of gate/up, the three MLP
@@ -37,6 +41,8 @@ class ModelShape:
     intermediate: int
     layers: int
     vocab: int
+    tied: bool = False
+    """The head's weight is the input embedding's (``tie_word_embeddings``)."""
     estimated: bool = False
     """True when guessed from a parameter count (``estimated_shape``), not read from a config."""
 
@@ -44,7 +50,8 @@ class ModelShape:
 def shape_from_llama_kwargs(kwargs: dict[str, Any]) -> ModelShape:
     """The shape of a LlamaConfig's keyword arguments (the presets of ``inputs.LLAMA_PRESETS``)."""
     return ModelShape(hidden=int(kwargs["hidden_size"]), intermediate=int(kwargs["intermediate_size"]),
-                      layers=int(kwargs["num_hidden_layers"]), vocab=int(kwargs["vocab_size"]))
+                      layers=int(kwargs["num_hidden_layers"]), vocab=int(kwargs["vocab_size"]),
+                      tied=bool(kwargs.get("tie_word_embeddings", False)))
 
 
 def shape_from_hf_config(config: Any) -> ModelShape | None:
@@ -61,7 +68,8 @@ def shape_from_hf_config(config: Any) -> ModelShape | None:
     if hidden is None or layers is None or vocab is None:
         return None
     intermediate = first("intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * hidden
-    return ModelShape(hidden=hidden, intermediate=intermediate, layers=layers, vocab=vocab)
+    return ModelShape(hidden=hidden, intermediate=intermediate, layers=layers, vocab=vocab,
+                      tied=bool(getattr(config, "tie_word_embeddings", False)))
 
 
 def estimated_shape(params: int, layers: int) -> ModelShape:
@@ -86,7 +94,10 @@ def activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, checkpoi
 
 def flops_per_token(params: int, shape: ModelShape, seq_len: int, checkpointing: bool = False) -> float:
     """FLOPs of one token's forward and backward: model FLOPs, or with ``checkpointing`` the
-    hardware FLOPs (one more forward)."""
+    hardware FLOPs (one more forward). ``params``: all of the model's; an untied input
+    embedding is taken out (a lookup)."""
+    if not shape.tied:
+        params = max(0, params - shape.vocab * shape.hidden)
     attention = shape.layers * shape.hidden * seq_len
     if checkpointing:
         return 8.0 * params + 16.0 * attention

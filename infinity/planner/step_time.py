@@ -13,13 +13,23 @@ micro-steps of accumulation):
   parameters homed on the GPU under an offloaded optimizer come back up updated (c per element
   of the rank's parameters). The two directions are separate lanes: the larger one counts.
 * NVMe, per node (its ranks share the drives): parameter shards on NVMe are read at each fetch
-  (2 c P / N per micro-step) and written once updated (c P / N); Adam states on NVMe are read and
-  written once per step (12 B per element with a separate fp32 master); gradients kept on NVMe
-  are written per micro-step and read at the step (4 B each way).
+  (2 c P / N per micro-step, less the units still fetched at a turn: ``reuse_bytes``) and written
+  once updated (c P / N); Adam states on NVMe are read and written once per step (12 B per
+  element with a separate fp32 master, 8 when the fp32 parameter is the master); gradients kept
+  on NVMe are written per micro-step and read at the step (4 B each way), unless the early or
+  the speculative step holds them (``nvme_traffic``).
+* Reuse: at REUSE_TURNS points of a step the units used last are the first used next (the
+  forward's last blocks begin the backward; the step's last units begin the next forward), and
+  the coordinator keeps what the device has room for fetched (see [Note: keeping units for
+  reuse] in zero/coordinator.py): those bytes are not read again. Measured on the out-of-core
+  bench (tools/bench/plan_calibration.py): 0.49B reads 5.62 GB a step, not the 7.76 GB of two
+  whole fetches plus the Adam states.
 * Collectives, per GPU: ring all-gather and reduce-scatter move (N-1)/N of the buffer:
   stage 3 gathers parameters twice per micro-step and reduce-scatters gradients once; stages
   1-2 reduce-scatter gradients per micro-step and gather the updated parameters once per step;
-  stage 0 all-reduces gradients (twice the bytes) per micro-step. In 16-bit.
+  stage 0 all-reduces gradients (twice the bytes) per micro-step. Parameters in the compute
+  dtype; gradients in fp32, as the engine collects them (optim/gradients.py, [Note: gradients
+  over ranks]) -- the dry run's collectives showed the 16-bit count 2x short.
 * CPU Adam, per node: the node's optimizer elements at ``CPU_ADAM_PARAMS_PER_CORE`` per core, or
   at the host memory bandwidth for ``CPU_ADAM_BYTES_PER_PARAM`` bytes each, the slower.
 """
@@ -27,13 +37,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infinity.planner.placement import Placement
 from infinity.planner.rank_memory import RankMemory
 from infinity.planner.shape import ModelShape, flops_per_token
 from infinity.planner.target import Target, Workload
 from infinity.planner.tiers import Tier
 
-__all__ = ["Link", "StepTime", "predict_step", "OVERLAP_FACTOR", "CPU_ADAM_PARAMS_PER_CORE",
-           "CPU_ADAM_BYTES_PER_PARAM", "LINK_EFFICIENCY"]
+__all__ = ["Link", "StepTime", "predict_step", "nvme_traffic", "reuse_bytes", "OVERLAP_FACTOR",
+           "CPU_ADAM_PARAMS_PER_CORE", "CPU_ADAM_BYTES_PER_PARAM", "LINK_EFFICIENCY", "REUSE_TURNS"]
 
 CPU_ADAM_PARAMS_PER_CORE = 0.9e9
 """Parameters per second per core of the engine's CPU Adam: BENCHMARKS.md, "Out-of-core (stage
@@ -50,6 +61,37 @@ measurement exists yet)."""
 LINK_EFFICIENCY = 0.8
 """Share of a link's theoretical bandwidth a bulk transfer reaches (PCIe pinned copies, NCCL
 ring collectives): an assumption, typical of published measurements."""
+REUSE_TURNS = 2
+"""Points per step where units stay fetched for their next use: forward -> backward, and the
+end of backward (the step) -> the next forward."""
+
+
+def reuse_bytes(keep_limit_bytes: int, room_bytes: int, param_bytes: int) -> int:
+    """Parameter bytes (of one rank's own shards) still fetched at one turn, so not read again:
+    what the device has room for beside the fetch in progress and the prefetch, within the
+    keep limit (``stage3_max_reuse_distance``) and the parameters' own bytes."""
+    return max(0, min(keep_limit_bytes, room_bytes, param_bytes))
+
+
+def nvme_traffic(lay: Placement, grad_tier: Tier, accum: int = 1, *, grads_held: bool = False,
+                 reused: int = 0) -> tuple[float, float]:
+    """(read, write) bytes of one rank's swap files per optimizer step (see the module
+    docstring); ``reused``: parameter bytes not read again at each of the REUSE_TURNS;
+    ``grads_held``: the deferred step holds autograd's gradients until it runs (the speculative
+    step on a CPU device, ``optim/gradients.py``), so none go to NVMe."""
+    read = write = 0.0
+    if lay.param_tier == Tier.NVME:
+        pbytes = (4 if lay.single_copy else lay.c) * lay.param_elems
+        read += max(0.0, 2 * pbytes * accum - REUSE_TURNS * min(reused, pbytes))
+        write += pbytes
+    if lay.opt_tier == Tier.NVME:
+        states = (12 if not lay.single_copy else 8) * lay.opt_elems
+        read += states
+        write += states
+    if grad_tier == Tier.NVME and not lay.early_step and not grads_held:
+        write += 4 * lay.grad_elems * accum
+        read += 4 * lay.grad_elems * accum  # added to at each later micro-step, read at the step
+    return read, write
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,9 +149,14 @@ def predict_step(memory: RankMemory, shape: ModelShape, target: Target, workload
                   note=f"{target.mfu:.0%} of {target.gpu.peak_tflops:g} TFLOPS"
                        + (", forward recomputed (checkpointing)" if memory.checkpointing else ""))]
 
+    # units kept fetched at the turns: the device's room left over (GPU memory beside the
+    # working set), within stage3_max_reuse_distance
+    room = max(0, target.device_budget_bytes - memory.device_total)
+    reused = reuse_bytes(memory.engine.max_reuse_numel * c, room, c * shard) \
+        if lay.stage == 3 and lay.param_tier != Tier.DEVICE else 0
     down = up = 0.0                                               # device -> host, host -> device
     if lay.stage == 3 and lay.param_tier != Tier.DEVICE:
-        up += 2 * c * shard * accum
+        up += max(0.0, 2 * c * shard * accum - REUSE_TURNS * reused)
     if lay.opt_tier != Tier.DEVICE:
         down += 4 * opt_elems * accum
         if lay.param_tier == Tier.DEVICE:
@@ -121,17 +168,7 @@ def predict_step(memory: RankMemory, shape: ModelShape, target: Target, workload
     links.append(Link(name="PCIe host<->GPU", amount=max(up, down), unit="B", rate=pcie, per="GPU",
                       note=f"up {up / 1e9:.1f} GB, down {down / 1e9:.1f} GB"))
 
-    read = write = 0.0
-    if lay.param_tier == Tier.NVME:
-        read += 2 * c * shard * accum
-        write += c * shard
-    if lay.opt_tier == Tier.NVME:
-        states = (12 if not lay.single_copy else 8) * opt_elems
-        read += states
-        write += states
-    if memory.engine.grad_tier == Tier.NVME and not lay.early_step:
-        write += 4 * grad_elems * accum
-        read += 4 * grad_elems * accum      # added to at each later micro-step, read at the step
+    read, write = nvme_traffic(lay, memory.engine.grad_tier, accum, reused=reused)
     ranks = target.gpus_per_node
     if read or write:
         links.append(Link(name="NVMe read", amount=ranks * read, unit="B",
@@ -143,12 +180,13 @@ def predict_step(memory: RankMemory, shape: ModelShape, target: Target, workload
 
     if n > 1:
         ring = (n - 1) / n
+        g = 4                               # fp32 gradients
         if lay.stage == 3:
-            gather, scatter = 2 * c * params * ring * accum, c * params * ring * accum
+            gather, scatter = 2 * c * params * ring * accum, g * params * ring * accum
         elif lay.stage >= 1:
-            gather, scatter = c * params * ring, c * params * ring * accum
+            gather, scatter = c * params * ring, g * params * ring * accum
         else:
-            gather, scatter = 0.0, 2 * c * params * ring * accum
+            gather, scatter = 0.0, 2 * g * params * ring * accum
         where = "NVLink" if target.nodes == 1 and target.gpu.nvlink_GBps else \
             "PCIe" if target.nodes == 1 else "network"
         links.append(Link(name=f"collectives ({where})", amount=gather + scatter, unit="B",

@@ -98,6 +98,11 @@ class Coordinator:
         self._checked_order: list[int] = []
         self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0,
                             "kept_for_reuse": 0, "prefetches_cancelled": 0}
+        # when a list: (kind, unit index) of every "prefetch" (a read issued ahead of use),
+        # "fetch" (a use that found the unit not fetched), "keep" (kept for reuse), "cancel"
+        # (a prefetch dropped) and "release", in order: the schedule ``infinity plan
+        # --dry-run`` reports, which its tests compare with a real step's
+        self.events: list[tuple[str, int]] | None = None
 
     # -- installation ----------------------------------------------------------------------
     def install(self) -> None:
@@ -357,7 +362,7 @@ class Coordinator:
             self._kept.discard(uid)
             if unit.persistent or unit.residency != Residency.FETCHED:
                 continue
-            unit.release(self.manager)
+            self._release(unit)
             if self._status[uid].users > 0:
                 unit.finish_fetch(self.manager, self.fetch_pool)
 
@@ -391,9 +396,19 @@ class Coordinator:
             if self._device_room() >= self._largest:
                 self._kept.add(uid)
                 self.fetch_stats["kept_for_reuse"] += 1
+                self._note("keep", uid)
                 return
         self._kept.discard(uid)
+        self._release(unit)
+
+    def _release(self, unit: Unit) -> None:
+        if self.events is not None and unit.residency == Residency.FETCHED and not unit.persistent:
+            self.events.append(("release", unit.index))
         unit.release(self.manager)
+
+    def _note(self, kind: str, uid: int) -> None:
+        if self.events is not None:
+            self.events.append((kind, uid))
 
     def _device_room(self) -> int:
         limit = self.manager.device_budget.limit
@@ -411,7 +426,7 @@ class Coordinator:
     def _drop_kept(self, uid: int) -> None:
         self._kept.discard(uid)
         if not self._status[uid].held:
-            self.units[uid].release(self.manager)
+            self._release(self.units[uid])
 
     def _free_room(self, nbytes: int, candidates: list[int], drop: Callable[[int], None],
                    upcoming: list[int] | None = None, nearer_than: int | None = None) -> None:
@@ -450,6 +465,7 @@ class Coordinator:
             prefetched = unit.residency == Residency.FETCHING
             hit = prefetched and unit.fetch_request is not None and unit.fetch_request.done()
             # the own shard only: a waiting step changes it before the others are gathered
+            self._note("fetch", uid)
             unit.finish_fetch(self.manager, self.fetch_pool, gather=False)
             self.fetch_stats["fetches"] += 1
             if unit.param_store is not None and not unit.param_store.resident:
@@ -521,6 +537,7 @@ class Coordinator:
                                  nearer_than=self._next_use_or_never(uid, upcoming))
             if not self.units[uid].start_fetch(self.manager, self.fetch_pool):
                 break
+            self._note("prefetch", uid)
 
     def _cancel_prefetches(self, nbytes: int) -> None:
         """A unit that was not prefetched is needed now: if prefetches into device memory hold
@@ -530,6 +547,7 @@ class Coordinator:
             self._free_room(nbytes, fetching, self._cancel_prefetch)
 
     def _cancel_prefetch(self, uid: int) -> None:
+        self._note("cancel", uid)
         self.units[uid].cancel_fetch(self.manager, None)
         self.fetch_stats["prefetches_cancelled"] += 1
 
@@ -545,7 +563,7 @@ class Coordinator:
         status.users -= 1
         status.pins -= 1
         if not status.held and self._phase is not PassPhase.BACKWARD:
-            unit.release(self.manager)
+            self._release(unit)
 
     def pinned_units(self) -> list[Unit]:
         """Units held by ``pin`` now (inside GatheredParameters)."""
@@ -568,7 +586,7 @@ class Coordinator:
         for unit in self.units:
             if not self._status[unit.index].held:
                 unit.cancel_fetch(self.manager, self.fetch_pool)
-                unit.release(self.manager)
+                self._release(unit)
 
     def _any_stepping(self) -> bool:
         return any(status.stepping for status in self._status)

@@ -80,14 +80,15 @@ def test_7b_on_one_24gb_gpu_offloads_the_optimizer_with_checkpointing() -> None:
 
 
 def test_7b_step_time_per_link_by_hand() -> None:
-    """Compute: 2048 tokens x (8 P + 16 L h s) (checkpointing recomputes the forward) at 40% of
-    165.2 TFLOPS; PCIe: the fp32 gradient shard down (4 P) against the updated bf16 params up
+    """Compute: 2048 tokens x (8 N + 16 L h s) (checkpointing recomputes the forward; N: the
+    parameters less the input embedding's 32000 x 4096, a lookup) at 40% of 165.2 TFLOPS; PCIe: the fp32 gradient shard down (4 P) against the updated bf16 params up
     (2 P); CPU Adam: P at min(16 cores x 0.9 G/s, 200 GB/s / 30 B)."""
     p, layers, h, s = 6_738_415_616, 32, 4096, 2048
     plan = plan_for(LLAMA_PRESETS["7B"], node("4090", 1, 128 * GiB, 2 * TB, cores=16))
     links = {link.name: link for link in plan.step.links}
     assert set(links) == {"GPU compute", "PCIe host<->GPU", "CPU Adam"}   # 1 GPU: no collectives
-    compute = s * (8 * p + 16 * layers * h * s) / (165.2e12 * 0.4)
+    mult = p - 32000 * h
+    compute = s * (8 * mult + 16 * layers * h * s) / (165.2e12 * 0.4)
     assert links["GPU compute"].seconds == pytest.approx(compute)
     assert links["PCIe host<->GPU"].seconds == pytest.approx(4 * p / (32e9 * LINK_EFFICIENCY))
     adam_rate = min(CPU_ADAM_PARAMS_PER_CORE * 16, 200e9 / CPU_ADAM_BYTES_PER_PARAM)
@@ -96,7 +97,7 @@ def test_7b_step_time_per_link_by_hand() -> None:
     assert plan.step.bottleneck == "GPU compute" and plan.step.bound_s == pytest.approx(bound)
     assert plan.step.predicted_s == pytest.approx(OVERLAP_FACTOR * bound)
     assert plan.step.tokens_per_s == pytest.approx(s / plan.step.predicted_s)
-    model_flops = s * (6 * p + 12 * layers * h * s)
+    model_flops = s * (6 * mult + 12 * layers * h * s)
     assert plan.step.tflops_per_gpu == pytest.approx(model_flops / plan.step.predicted_s / 1e12)
 
 

@@ -1,0 +1,384 @@
+"""``infinity plan --dry-run``: the engine's own units and coordinator run training steps of a
+model built on the meta device, over a byte-free backend on a simulated clock.
+
+What runs for real: ``zero.partition`` (the units), ``zero.unit.Unit`` (flat layouts, shards,
+fetch, release, the device budget's reservations), ``zero.coordinator.Coordinator`` (the hooks,
+the recorded traces, prefetch within the bucket and live limits, keeping units for reuse,
+releases), the planner's sizes (``derive_sizes`` + ``engine_sizes``, as the engine calls them)
+and the engine's order of calls around a step (``Engine.forward``/``backward``/``step``). What
+is simulated (``dry_run_backend``, ``dry_run_stepper``): the bytes (meta tensors, no swap
+files), the disk, the collectives and the optimizer's step stream, on a clock whose rates are
+the target's (or this machine's, assumed). The host tier's pools are the optimizer's and the
+engine's (``PartitionedOptimizer``'s rules: fetch slots, gradient buffers, step-stream slots,
+the fp32 master's initialisation buffer), reserved in the same budget.
+
+Not simulated: the step stream's sub-groups (a unit's step is one job), PCIe copies, the CPU
+shared by compute and the CPU Adam on a CPU-only machine, activation swapping (its staging is
+counted), a gradient buffer taken outside the pool, the accumulation chunk.
+
+Compute time: each ``nn.Linear`` call costs 2 x tokens x its weight's elements FLOPs, each block
+4 x tokens x sequence x width more (attention), at ``DryRunRates.compute_flops_per_s``; a unit's
+backward twice its forward, counted when its first gradient arrives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.base.sizes import format_bytes
+from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, SimManager, SimPool
+from infinity.commands.dry_run_stepper import SimStepper
+from infinity.config import InfinityConfig
+from infinity.optim.gradients import GRADS_HELD
+from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES, EngineSizes, step_slot_count
+from infinity.planner.placement import Placement
+from infinity.planner.shape import ModelShape
+from infinity.storage.tiers import Residency, Tier
+from infinity.zero.coordinator import Coordinator
+from infinity.zero.partition import find_blocks, modules_needing, partition
+from infinity.zero.prefetch import PrefetchLimits
+from infinity.zero.unit import Unit
+
+__all__ = ["DryRunRates", "DryRunSetup", "DryRunReport", "StepTrace", "dry_run", "meta_llama",
+           "COMPUTE_DTYPES"]
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunRates:
+    """The simulated clock's rates (per rank; the disk per node divided by its ranks)."""
+
+    compute_flops_per_s: float
+    nvme_read_GBps: float
+    nvme_write_GBps: float
+    adam_params_per_s: float
+    net_GBps: float = 0.0
+    """Collectives, per rank (ring): only with several ranks."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunSetup:
+    """What the plan decided: the config with its sizes, where the states live, the engine's
+    sizes, the schedule."""
+
+    config: InfinityConfig
+    placement: Placement
+    sizes: EngineSizes
+    speculative: bool
+    device_is_cpu: bool
+    """The device is the CPU (direct fetch, the device cache, held gradients)."""
+    unit_modules: tuple[str, ...] | None = None
+
+
+@dataclass
+class StepTrace:
+    """One simulated step."""
+
+    seconds: float
+    io_wait_s: float
+    nvme_read_bytes: int
+    nvme_write_bytes: int
+    comm_bytes: int
+    events: list[tuple[str, int]]
+    """The coordinator's (kind, unit) of this step, forward then backward then the step."""
+    phase_ends: dict[str, int]
+    """Index in ``events`` where "forward" and "backward" ended."""
+
+
+@dataclass
+class DryRunReport:
+    units: list[dict[str, Any]]
+    steps: list[StepTrace]
+    peak: dict[str, int]
+    """Peak bytes per tier: "host" and "device" (the budgets' peaks, device including the
+    cache's kept blocks on a CPU device), "device_in_use", "nvme", "held_gradients"."""
+    budgets: dict[str, int | None]
+    analytical_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self, first: int = 24) -> dict[str, Any]:
+        names = [u["name"] for u in self.units]
+        last = self.steps[-1]
+        return {
+            "units": self.units, "peak_bytes": self.peak, "budgets": self.budgets,
+            "steps": [{"simulated_s": s.seconds, "io_wait_s": s.io_wait_s,
+                       "nvme_read_bytes": s.nvme_read_bytes,
+                       "nvme_write_bytes": s.nvme_write_bytes, "comm_bytes": s.comm_bytes,
+                       "events": len(s.events)} for s in self.steps],
+            "order": {phase: [f"{kind} {names[uid]}" for kind, uid in events[:first]]
+                      for phase, events in _phases(last).items()},
+            "simulated_step_s": last.seconds, "analytical_step_s": self.analytical_s,
+            "notes": self.notes}
+
+    def render(self, first: int = 12) -> str:
+        names = [u["name"] for u in self.units]
+        last = self.steps[-1]
+        lines = [f"dry run: {len(self.units)} units on the meta device, "
+                 f"{len(self.steps)} steps simulated (the last one shown)"]
+        for phase, events in _phases(last).items():
+            shown = ", ".join(f"{kind} {names[uid]}" for kind, uid in events[:first])
+            more = f", ... ({len(events) - first} more)" if len(events) > first else ""
+            lines.append(f"  {phase:8s} {shown}{more}")
+        lines.append("  peak per rank: " + ", ".join(
+            f"{tier} {format_bytes(b)}" for tier, b in self.peak.items()))
+        lines.append(f"  per step: NVMe read {format_bytes(last.nvme_read_bytes)}, write "
+                     f"{format_bytes(last.nvme_write_bytes)}, collectives "
+                     f"{format_bytes(last.comm_bytes)}; I/O wait {last.io_wait_s:.2f} s")
+        analytic = f"{self.analytical_s:.2f} s" if self.analytical_s is not None else "-"
+        lines.append(f"  step time: simulated {last.seconds:.2f} s, analytical {analytic}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _phases(step: StepTrace) -> dict[str, list[tuple[str, int]]]:
+    f, b = step.phase_ends["forward"], step.phase_ends["backward"]
+    return {"forward": step.events[:f], "backward": step.events[f:b], "step": step.events[b:]}
+
+
+class _MetaUnit(Unit):
+    """A unit on the meta device. On a CPU device the engine reads NVMe straight into the
+    unit's page-aligned memory (no slots); here that is decided by the setup, not by where a
+    meta tensor's (absent) bytes lie."""
+
+    direct = False
+
+    @property
+    def flat_on_aligned_host(self) -> bool:
+        return self.direct
+
+
+def meta_llama(model_kwargs: dict[str, Any]) -> nn.Module:
+    """A transformers ``LlamaForCausalLM`` of ``model_kwargs`` on the meta device."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**model_kwargs)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg)
+
+
+def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len: int,
+            micro_batch: int, steps: int = 2, shape: ModelShape | None = None,
+            instant: bool = False, analytical_s: float | None = None,
+            events: list[list[tuple[str, int]]] | None = None) -> DryRunReport:
+    """Simulate ``steps`` training steps of ``model`` (on the meta device) under ``setup``.
+    ``instant``: steps cost nothing (see ``dry_run_stepper``)."""
+    cfg, lay, es = setup.config, setup.placement, setup.sizes
+    world = cfg.world_size
+    dtype = COMPUTE_DTYPES[lay.compute_dtype]
+    clock = SimClock()
+    manager = SimManager(es.host_budget, es.device_budget, clock=clock,
+                         read_Bps=rates.nvme_read_GBps * 1e9, write_Bps=rates.nvme_write_GBps * 1e9,
+                         device_is_cpu=setup.device_is_cpu)
+    comm = SimCollectives(world, clock, rates.net_GBps * 1e9)
+    direct = lay.param_tier is Tier.NVME and setup.device_is_cpu
+    fetch_pool = SimPool(manager, es.fetch_slot_bytes, es.fetch_slots, "fetch") \
+        if lay.param_tier is Tier.NVME and not direct else None
+
+    specs = partition(model, list(setup.unit_modules or cfg.infinity.unit_modules or []) or None)
+    threshold = es.persistence_threshold if lay.stage == 3 else None
+    shards = world if lay.stage >= 1 else 1
+    units: list[Unit] = []
+    for index, spec in enumerate(specs):
+        named = [(n, p, 0 if p.requires_grad and p.numel() else -1) for n, p in spec.params]
+        unit = _MetaUnit(index, spec.name, spec.module, named, dtype, META, comm=comm,
+                         shards=shards, params_sharded=lay.stage == 3)
+        unit.direct = direct
+        persistent = threshold is None or unit.numel <= threshold
+        unit.adopt(manager, lay.param_tier, persistent, staging=fetch_pool,
+                   doubled=setup.speculative and unit.has_trainable)
+        units.append(unit)
+
+    # the optimizer's stores and pools, in PartitionedOptimizer's order
+    flops: dict[int, float] = {}
+    stepper = SimStepper(
+        units, manager, early=lay.early_step, speculative=setup.speculative,
+        opt_tier=lay.opt_tier, grad_tier=es.grad_tier, master_separate=not lay.single_copy,
+        adam_params_per_s=rates.adam_params_per_s, comm=comm,
+        grads_held=(lay.early_step or setup.speculative) and setup.device_is_cpu and world == 1,
+        backward_s=lambda u: 2 * flops.get(u.index, 0.0) / rates.compute_flops_per_s,
+        instant=instant)
+    _init_masters(units, manager, fetch_pool, lay)
+    _optimizer_pools(units, manager, lay, es, setup, world)
+    if cfg.infinity.offload_activations == "nvme":
+        manager.host_budget.reserve(ACTIVATION_STAGING_BYTES, "activation staging")
+
+    coordinator = Coordinator(units, modules_needing(model, specs), manager, fetch_pool,
+                              PrefetchLimits(es.prefetch_bucket_numel, es.max_live_numel,
+                                             es.max_reuse_numel), stepper=stepper)
+    coordinator.install()
+    _compute_hooks(model, specs, flops, clock, rates, seq_len * micro_batch, seq_len, shape)
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=META)
+    mask = torch.ones(micro_batch, 1, seq_len, seq_len, dtype=torch.bool, device=META)
+
+    traces: list[StepTrace] = []
+    for _ in range(steps):
+        coordinator.events = log = []
+        manager.counters.reset()
+        comm_before = comm.counters.sent_bytes
+        start, wait_before = clock.now, clock.io_wait_s
+        for uid in list(flops):
+            flops[uid] = 0.0
+        coordinator.begin_forward(True)
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        coordinator.end_forward()
+        forward_end = len(log)
+        stepper.begin_backward()
+        coordinator.engine_backward = True
+        try:
+            out.loss.backward()
+        finally:
+            coordinator.engine_backward = False
+        stepper.end_backward()
+        backward_end = len(log)
+        # Engine._step: units a deferred step waits for that the forward did not use, the
+        # optimizer's step, then the reaping
+        coordinator.step_waiting_units(stepper.waiting_units())
+        stepper.step(coordinator.forward_order(), units)
+        if not stepper.early_like:
+            coordinator.step_waiting_units([u for u in stepper.waiting_units() if u.persistent])
+        coordinator.reap()
+        traces.append(StepTrace(seconds=clock.now - start, io_wait_s=clock.io_wait_s - wait_before,
+                                nvme_read_bytes=manager.counters.nvme_read_bytes,
+                                nvme_write_bytes=manager.counters.nvme_write_bytes,
+                                comm_bytes=comm.counters.sent_bytes - comm_before,
+                                events=log, phase_ends={"forward": forward_end,
+                                                        "backward": backward_end}))
+        if events is not None:
+            events.append(list(log))
+    coordinator.events = None
+    notes = []
+    if fetch_pool is not None and fetch_pool.low == 0:
+        notes.append("every fetch slot was in use at some point (prefetch waited for slots)")
+    return DryRunReport(
+        units=[{"name": u.name, "numel": u.numel, "nbytes": u.nbytes, "persistent": u.persistent}
+               for u in units],
+        steps=traces,
+        peak={"host": manager.host_budget.peak, "device": manager.device_budget.peak,
+              "device_in_use": manager.device_cache.peak_in_use, "nvme": manager.nvme_bytes,
+              "held_gradients": stepper.held_peak},
+        budgets={"host": es.host_budget, "device": es.device_budget},
+        analytical_s=analytical_s, notes=notes)
+
+
+def _init_masters(units: list[Unit], manager: SimManager, pool, lay: Placement) -> None:
+    """A separate fp32 master on NVMe is written from a host buffer of its size, the unit
+    fetched meanwhile (``PartitionedOptimizer._init_master``)."""
+    if lay.single_copy or lay.opt_tier is not Tier.NVME:
+        return
+    for unit in units:
+        if not unit.has_trainable:
+            continue
+        released = unit.residency != Residency.FETCHED
+        if released:
+            unit.finish_fetch(manager, pool, gather=False)
+        n = unit.shard_numel if unit.shards > 1 else unit.trainable_numel
+        buf = manager.host_empty(-(-n // 1024) * 1024, torch.float32, what="master init")
+        manager.release_host(buf)
+        if released:
+            unit.release(manager)
+
+
+def _optimizer_pools(units: list[Unit], manager: SimManager, lay: Placement, es: EngineSizes,
+                     setup: DryRunSetup, world: int) -> None:
+    """The gradient buffers and step-stream slots ``PartitionedOptimizer`` allocates."""
+    trainable = [u for u in units if u.has_trainable]
+    if not trainable:
+        return
+    shard_states = lay.stage >= 1
+    holds = (lay.early_step or setup.speculative) and setup.device_is_cpu and world == 1
+    grad_tier = es.grad_tier if not lay.early_step else Tier.HOST
+    needs_grad_buffer = (lay.early_step and not holds) or \
+        (not lay.early_step and es.grad_tier is Tier.NVME) or world > 1
+    max_collect = max(u.flat_numel if shard_states else u.trainable_numel for u in trainable)
+    if needs_grad_buffer:
+        SimPool(manager, max_collect * 4, GRADS_HELD, "gradient")
+    ranges = [u.shard_numel if shard_states and u.shards > 1 else u.trainable_numel
+              for u in trainable]
+    any_nvme = lay.opt_tier is Tier.NVME or grad_tier is Tier.NVME or any(
+        u.param_store is not None and not u.param_store.resident for u in trainable)
+    if any_nvme:
+        sub = -(-max(1, min(es.sub_group_numel, max(ranges) or 1)) // 2048) * 2048
+        count = step_slot_count(lay.opt_tier, lay.param_tier if lay.stage == 3 else Tier.DEVICE,
+                                grad_tier, not lay.single_copy, lay.early_step)
+        SimPool(manager, sub * 4, count, "optimizer")
+
+
+def _compute_hooks(model: nn.Module, specs, flops: dict[int, float], clock: SimClock,
+                   rates: DryRunRates, tokens: int, seq_len: int,
+                   shape: ModelShape | None) -> None:
+    """Forward hooks that advance the clock by each call's FLOPs and count them per unit."""
+    owner = {}
+    for index, spec in enumerate(specs):
+        for _, param in spec.params:
+            owner[param] = index
+
+    def linear(module: nn.Module, args, output) -> None:
+        weight = module.weight
+        amount = 2.0 * tokens * weight.shape[0] * weight.shape[1]
+        uid = owner.get(weight)
+        if uid is not None:
+            flops[uid] = flops.get(uid, 0.0) + amount
+        clock.now += amount / rates.compute_flops_per_s
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(linear)
+    if shape is not None:
+        blocks = {id(m) for _, m in find_blocks(model)}
+        for index, spec in enumerate(specs):
+            if id(spec.module) in blocks:
+                def attention(module, args, output, uid=index) -> None:
+                    amount = 4.0 * tokens * seq_len * shape.hidden
+                    flops[uid] = flops.get(uid, 0.0) + amount
+                    clock.now += amount / rates.compute_flops_per_s
+                spec.module.register_forward_hook(attention)
+
+
+
+# ---- the plan's setups (``infinity plan --dry-run``) ------------------------------------------
+LOCAL_COMPUTE_FLOPS = 1e11
+"""This machine's dry run: FLOP/s assumed for the CPU's forward and backward (an order of
+magnitude; ``tools/bench/plan_calibration.py`` measures the real rates)."""
+LOCAL_NVME_GBPS = 2.0
+"""This machine's dry run: the swap path's read and write GB/s assumed (``infinity nvme-tune``
+measures them)."""
+
+
+def target_setup(memory, target, workload) -> tuple[DryRunSetup, DryRunRates]:
+    """The dry run of a target plan's chosen config (``planner.rank_memory.RankMemory``): one
+    rank, its GPU at the plan's MFU, its share of the node's NVMe and CPU Adam, the ring's
+    bandwidth for the collectives."""
+    from infinity.planner.step_time import CPU_ADAM_PARAMS_PER_CORE, LINK_EFFICIENCY
+
+    ranks = target.gpus_per_node
+    setup = DryRunSetup(config=memory.config, placement=memory.placement, sizes=memory.engine,
+                        speculative=memory.speculative, device_is_cpu=False,
+                        unit_modules=("Linear",) if memory.units_split else None)
+    rates = DryRunRates(
+        compute_flops_per_s=target.gpu.peak_tflops * 1e12 * target.mfu,
+        nvme_read_GBps=target.nvme_read_GBps / ranks, nvme_write_GBps=target.nvme_write_GBps / ranks,
+        adam_params_per_s=CPU_ADAM_PARAMS_PER_CORE * target.cpu_cores / ranks,
+        net_GBps=target.collective_GBps * LINK_EFFICIENCY)
+    return setup, rates
+
+
+def local_setup(cfg: InfinityConfig, stats, hw) -> tuple[DryRunSetup, DryRunRates]:
+    """The dry run of a config on this (CPU-only) machine, at assumed rates."""
+    from infinity.planner.calibration import CPU_COMPUTE_EFFICIENCY, run_sizes
+    from infinity.planner.step_time import CPU_ADAM_PARAMS_PER_CORE
+
+    if hw.has_gpu:
+        raise ValueError("--dry-run for this machine simulates a CPU-only one; on a GPU machine "
+                         "describe it with the target flags (--gpus, --gpu, ...)")
+    lay, sizes, speculative = run_sizes(cfg, stats, hw)
+    setup = DryRunSetup(config=cfg, placement=lay, sizes=sizes, speculative=speculative,
+                        device_is_cpu=True)
+    rates = DryRunRates(compute_flops_per_s=LOCAL_COMPUTE_FLOPS * CPU_COMPUTE_EFFICIENCY,
+                        nvme_read_GBps=LOCAL_NVME_GBPS, nvme_write_GBps=LOCAL_NVME_GBPS,
+                        adam_params_per_s=CPU_ADAM_PARAMS_PER_CORE * hw.cpu_cores)
+    return setup, rates

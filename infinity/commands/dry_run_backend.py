@@ -1,0 +1,362 @@
+"""A byte-free backend for ``infinity plan --dry-run``: the tier manager, its stores, the device
+memory cache, the slot pools and the collectives as the engine's units and coordinator use them,
+holding no bytes (tensors live on the meta device) and moving none, on a simulated clock.
+
+Why: the dry run runs the engine's own ``Unit`` and ``Coordinator`` (fetch, prefetch, keep,
+release; the device budget's checks) over a model built on the meta device, so its schedule is
+the engine's, not a model of it. Only what would touch bytes is replaced, each by a class with
+the interface the engine calls:
+
+* ``SimManager`` for ``storage.manager.TierManager``: the same ``MemoryBudget`` objects (their
+  peaks are the tier peaks reported), counters, ``create`` -> ``SimStore``, ``wait`` advancing
+  the clock to the requests' ends;
+* ``SimStore`` for ``FlatStore``: an NVMe store's reads and writes are requests on the
+  simulated disk; a HOST store reserves its bytes in the host budget, as the real one does;
+* ``SimDeviceCache`` for ``storage.device_cache.DeviceMemoryCache``: the same accounting
+  (released blocks kept by size and counted in the device budget, other sizes evicted first)
+  with meta storages resized instead of memory moved; disabled as on a GPU when the device is
+  not the CPU;
+* ``SimPool`` for ``storage.buffer_pool.BufferPool``: slots of meta memory, reserved in the host
+  budget;
+* ``SimCollectives`` for ``comm.collectives.Collectives``: rank 0 of ``world_size``, each
+  all-gather a transfer on the simulated network.
+
+The clock: one ``Lane`` per resource (the disk, which reads and writes share; the network), each
+serving its transfers in order at its rate; a request is done when the clock has passed its end,
+and waiting for it moves the clock there (counted as I/O wait).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from infinity.base.budget import MemoryBudget
+from infinity.storage.buffer_pool import Slot
+from infinity.storage.manager import TierCounters, padded_numel
+from infinity.storage.tiers import Tier
+
+__all__ = ["SimClock", "Lane", "SimRequest", "SimManager", "SimStore", "SimDeviceCache",
+           "SimPool", "SimCollectives", "META"]
+
+META = torch.device("meta")
+
+
+@dataclass
+class SimClock:
+    """Seconds since the dry run began, on the training thread."""
+
+    now: float = 0.0
+    io_wait_s: float = 0.0
+    """Time the training thread spent waiting on requests."""
+
+    def wait_until(self, t: float) -> None:
+        if t > self.now:
+            self.io_wait_s += t - self.now
+            self.now = t
+
+
+@dataclass
+class Lane:
+    """One resource serving transfers in order: ``rate`` bytes (or units) a second."""
+
+    clock: SimClock
+    rate: float
+    free_at: float = 0.0
+    busy_s: float = 0.0
+    moved: float = 0.0
+
+    def schedule(self, amount: float, not_before: float | None = None) -> float:
+        """When ``amount`` submitted now (or at ``not_before``) is through."""
+        start = max(self.clock.now if not_before is None else not_before, self.free_at)
+        seconds = amount / self.rate if self.rate > 0 and amount else 0.0
+        self.free_at = start + seconds
+        self.busy_s += seconds
+        self.moved += amount
+        return self.free_at
+
+
+class SimRequest:
+    """An I/O request that is over at ``end`` on ``clock``."""
+
+    def __init__(self, clock: SimClock, end: float) -> None:
+        self.clock, self.end = clock, end
+
+    def done(self) -> bool:
+        return self.clock.now >= self.end
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.clock.wait_until(self.end)
+        return 0
+
+
+@dataclass
+class SimDisk:
+    """The swap path: reads and writes share one lane, each at its own rate."""
+
+    clock: SimClock
+    read_Bps: float
+    write_Bps: float
+    lane: Lane = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lane = Lane(self.clock, 1.0)     # amounts in seconds
+
+    def read(self, nbytes: int, not_before: float | None = None) -> SimRequest:
+        return SimRequest(self.clock, self.lane.schedule(
+            nbytes / self.read_Bps if self.read_Bps > 0 else 0.0, not_before))
+
+    def write(self, nbytes: int, not_before: float | None = None) -> SimRequest:
+        return SimRequest(self.clock, self.lane.schedule(
+            nbytes / self.write_Bps if self.write_Bps > 0 else 0.0, not_before))
+
+
+class SimStore:
+    """A ``FlatStore`` without bytes: NVMe transfers go to the simulated disk."""
+
+    def __init__(self, manager: "SimManager", name: str, numel: int, dtype: torch.dtype,
+                 home: Tier, doubled: bool = False) -> None:
+        self.manager, self.name, self.numel, self.dtype, self.home = manager, name, numel, dtype, home
+        self.padded = padded_numel(numel, dtype)
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = self.padded * self.itemsize
+        self.doubled = doubled and home is Tier.NVME
+        self._tensor = None
+        if home is Tier.HOST:
+            manager.host_budget.reserve(self.nbytes, name)
+            self._tensor = torch.empty(self.padded, dtype=dtype, device=META)
+        elif home is Tier.DEVICE:
+            manager.device_budget.reserve(self.nbytes, name)
+            self._tensor = torch.empty(self.padded, dtype=dtype, device=META)
+        else:
+            manager.nvme_bytes += self.nbytes * (2 if self.doubled else 1)
+
+    @property
+    def resident(self) -> bool:
+        return self._tensor is not None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError(f"{self.name} lives on NVME; it has no resident tensor")
+        return self._tensor
+
+    def _span(self, start: int, count: int | None) -> int:
+        """Bytes a transfer of [start, start+count) moves (FlatStore's: whole 4 KiB blocks)."""
+        count = self.padded - start if count is None else count
+        return padded_numel(count, self.dtype) * self.itemsize
+
+    def load_async(self, buf: torch.Tensor, start: int = 0, count: int | None = None,
+                   shadow: bool = False):
+        if self.resident:
+            return SimRequest(self.manager.clock, self.manager.clock.now)
+        return self.read_bytes(self._span(start, count))
+
+    def store_async(self, buf: torch.Tensor, start: int = 0, count: int | None = None,
+                    shadow: bool = False):
+        if self.resident:
+            return SimRequest(self.manager.clock, self.manager.clock.now)
+        return self.write_bytes(self._span(start, count))
+
+    def write_bytes(self, nbytes: int, not_before: float | None = None) -> SimRequest:
+        self.manager.counters.nvme_write_bytes += nbytes
+        return self.manager.disk.write(nbytes, not_before)
+
+    def read_bytes(self, nbytes: int, not_before: float | None = None) -> SimRequest:
+        self.manager.counters.nvme_read_bytes += nbytes
+        return self.manager.disk.read(nbytes, not_before)
+
+    def flip(self) -> None:
+        pass
+
+    def free(self) -> None:
+        if self._tensor is not None:
+            budget = self.manager.host_budget if self.home is Tier.HOST else \
+                self.manager.device_budget
+            budget.release(self.nbytes)
+            self._tensor = None
+
+
+class SimDeviceCache:
+    """``DeviceMemoryCache``'s accounting on meta storages (``enabled``: a CPU device, whose
+    released units' memory the real cache keeps; off: a GPU's, which the caching allocator
+    keeps outside the budget)."""
+
+    def __init__(self, budget: MemoryBudget, enabled: bool) -> None:
+        self.budget = budget
+        self.enabled = enabled
+        self._free: dict[int, int] = {}      # block size -> blocks kept
+        self.cached_bytes = 0
+        self.peak_in_use = 0
+
+    def in_use_bytes(self) -> int:
+        return self.budget.held - self.cached_bytes
+
+    def attach(self, storage: torch.UntypedStorage, nbytes: int, what: str) -> None:
+        if storage.nbytes():
+            raise RuntimeError(f"{what}: attaching memory to a storage that still holds "
+                               f"{storage.nbytes()} bytes (release it first)")
+        if not self.enabled:
+            self.budget.reserve(nbytes, what)
+        elif self._free.get(nbytes):
+            self._free[nbytes] -= 1
+            self.cached_bytes -= nbytes
+        else:
+            self._evict_for(nbytes)
+            self.budget.reserve(nbytes, what)
+        storage.resize_(nbytes)
+        self.peak_in_use = max(self.peak_in_use, self.in_use_bytes())
+
+    def warm(self, nbytes: int, what: str) -> bool:
+        return False
+
+    def fits(self, nbytes: int) -> bool:
+        return bool(self._free.get(nbytes)) or self.budget.limit is None or \
+            self.budget.held - self.cached_bytes + nbytes <= self.budget.limit
+
+    def try_attach(self, storage: torch.UntypedStorage, nbytes: int, what: str) -> bool:
+        if not self.fits(nbytes):
+            return False
+        self.attach(storage, nbytes, what)
+        return True
+
+    def detach(self, storage: torch.UntypedStorage) -> None:
+        nbytes = storage.nbytes()
+        if not nbytes:
+            return
+        storage.resize_(0)
+        if not self.enabled:
+            self.budget.release(nbytes)
+            return
+        self._free[nbytes] = self._free.get(nbytes, 0) + 1
+        self.cached_bytes += nbytes
+
+    def _evict_for(self, nbytes: int) -> None:
+        limit = self.budget.limit
+        if limit is None:
+            return
+        for size in sorted(self._free, key=lambda s: (s == nbytes, -s)):
+            while self._free[size] and self.budget.held + nbytes > limit:
+                self._free[size] -= 1
+                self.cached_bytes -= size
+                self.budget.release(size)
+
+    def clear(self) -> None:
+        for size, count in self._free.items():
+            self.cached_bytes -= size * count
+            self.budget.release(size * count)
+        self._free.clear()
+
+
+class SimManager:
+    """The tier manager's interface over the simulated disk, without bytes."""
+
+    def __init__(self, host_budget: int | None, device_budget: int | None, *, clock: SimClock,
+                 read_Bps: float, write_Bps: float, device_is_cpu: bool) -> None:
+        self.host_budget = MemoryBudget("host", host_budget)
+        self.device_budget = MemoryBudget("device", device_budget)
+        self.device_cache = SimDeviceCache(self.device_budget, enabled=device_is_cpu)
+        self.counters = TierCounters()
+        self.clock = clock
+        self.disk = SimDisk(clock, read_Bps, write_Bps)
+        self.device = META
+        self.nvme_bytes = 0
+
+    def host_empty(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """Reserved in the host budget like the real one; callers give it back with
+        ``release_host`` (the real memory goes back with its tensor)."""
+        self.host_budget.reserve(numel * torch.empty((), dtype=dtype).element_size(), what)
+        return torch.empty(numel, dtype=dtype, device=META)
+
+    def release_host(self, tensor: torch.Tensor) -> None:
+        self.host_budget.release(tensor.numel() * tensor.element_size())
+
+    def create(self, name: str, numel: int, dtype: torch.dtype, home: Tier,
+               doubled: bool = False) -> SimStore:
+        return SimStore(self, name, numel, dtype, home, doubled)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        yield
+
+    def wait(self, *requests) -> None:
+        for request in requests:
+            if request is not None:
+                request.wait()
+
+    def tier_bytes(self) -> dict[str, int]:
+        return {"device": self.device_budget.held, "host": self.host_budget.held,
+                "nvme": self.nvme_bytes}
+
+
+class SimPool:
+    """``BufferPool``'s interface: ``count`` slots of ``slot_bytes`` meta bytes, reserved in the
+    host budget (the real slots are allocated from it at start)."""
+
+    def __init__(self, manager: SimManager, slot_bytes: int, count: int, name: str) -> None:
+        self.name, self.slot_bytes, self.count = name, slot_bytes, count
+        manager.host_budget.reserve(slot_bytes * count, f"{name} slots")
+        self._free = [Slot(i, torch.empty(slot_bytes, dtype=torch.uint8, device=META))
+                      for i in range(count)]
+        self.low = count
+
+    def acquire(self, timeout: float | None = None) -> Slot:
+        if not self._free:
+            raise RuntimeError(f"{self.name}: all {self.count} slots are in use (the dry run "
+                               "has no other thread to give one back)")
+        slot = self._free.pop()
+        self.low = min(self.low, len(self._free))
+        return slot
+
+    def try_acquire(self) -> Slot | None:
+        return self.acquire() if self._free else None
+
+    def release(self, slot: Slot) -> None:
+        self._free.append(slot)
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+
+@dataclass
+class _Counters:
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    comm_s: float = 0.0
+    calls: int = 0
+
+
+class SimCollectives:
+    """Rank 0 of ``world_size``: collectives take the ring's (N-1)/N of their bytes over the
+    network lane; the training thread waits for each."""
+
+    def __init__(self, world_size: int, clock: SimClock, rate_Bps: float) -> None:
+        self.world_size = world_size
+        self.rank = 0
+        self.clock = clock
+        self.lane = Lane(clock, rate_Bps)
+        self.counters = _Counters()
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def _move(self, nbytes: int) -> None:
+        moved = int(nbytes * (self.world_size - 1) / self.world_size)
+        before = self.clock.now
+        self.clock.now = max(self.clock.now, self.lane.schedule(moved))
+        self.counters.sent_bytes += moved
+        self.counters.received_bytes += moved
+        self.counters.comm_s += self.clock.now - before
+        self.counters.calls += 1
+
+    def all_gather(self, output: torch.Tensor, tag: int | None = None) -> None:
+        if self.active:
+            self._move(output.numel() * output.element_size())
+
+    def reduce_scatter(self, nbytes: int) -> None:
+        if self.active:
+            self._move(nbytes)

@@ -1,0 +1,205 @@
+"""The optimizer as the coordinator sees it (``zero.protocols.UnitStepper``), on the dry run's
+simulated clock: which units a step holds and when it lets them go, what it reads and writes.
+
+This is a model of ``optim.partitioned.PartitionedOptimizer`` and its step stream, not the
+code itself (that one runs the Adam kernel over real slots). What it keeps of them, from their
+notes in optim/step_stream.py:
+
+* early step (and a speculative step, which runs in the backward the same way): a unit whose
+  gradients are complete is stepped in the background and stays fetched until the writes of
+  its parameters and Adam states have landed (``on_unit_backward_done`` returns False, ``reap``
+  hands it back); the states of the units whose backward comes next are read ahead
+  (``expect_backward``); ``step()`` waits for every unit's kernels;
+* deferred step: gradients go home (written to NVMe when their tier is NVMe) and the unit is
+  released; ``step()`` queues every unit's step in the next forward's order with its states
+  read ahead, and the forward's fetch of a unit runs it on the fetched copy
+  (``step_fetched``), waiting for its kernels; the writes land behind.
+
+Per unit the job is coarse (the stream's sub-groups are not modelled): its reads on the disk
+lane, its Adam on one CPU lane (the step stream's thread), its writes on the disk lane.
+``instant``: every job lands when it is submitted (a step that costs nothing), so the schedule
+no longer depends on timing: the order tests compare this with a real engine whose background
+steps are waited for at each reap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from infinity.commands.dry_run_backend import Lane, SimCollectives, SimManager, SimStore
+from infinity.storage.tiers import Tier
+from infinity.zero.protocols import Wait
+from infinity.zero.unit import Unit
+
+__all__ = ["SimStepper"]
+
+
+@dataclass
+class _Job:
+    unit: Unit
+    reads_end: float
+    kernel_end: float = -1.0
+    landed: float = -1.0
+
+    @property
+    def stepped(self) -> bool:
+        return self.kernel_end >= 0
+
+
+class SimStepper:
+    """The optimizer's schedule on ``manager``'s clock (see the module docstring)."""
+
+    def __init__(self, units: list[Unit], manager: SimManager, *, early: bool, speculative: bool,
+                 opt_tier: Tier, grad_tier: Tier, master_separate: bool, adam_params_per_s: float,
+                 comm: SimCollectives, grads_held: bool, backward_s: Callable[[Unit], float],
+                 instant: bool = False) -> None:
+        self.manager, self.clock = manager, manager.clock
+        self.early_like = early or speculative     # stepped during the backward
+        self.early, self.speculative = early, speculative
+        self.comm = comm
+        self.instant = instant
+        self.grads_held = grads_held
+        self.backward_s = backward_s
+        self.adam = Lane(self.clock, float("inf") if instant else adam_params_per_s)
+        self.states: dict[int, list[SimStore]] = {}
+        self.grad_stores: dict[int, SimStore] = {}
+        for unit in units:
+            if not unit.has_trainable:
+                continue
+            n = max(1, unit.shard_numel if unit.shards > 1 else unit.trainable_numel)
+            names = ["exp_avg", "exp_avg_sq"] + (["master"] if master_separate else [])
+            self.states[unit.index] = [
+                manager.create(f"{unit.name}.{name}", n, torch.float32, opt_tier,
+                               doubled=speculative) for name in names]
+            if not early:
+                self.grad_stores[unit.index] = manager.create(f"{unit.name}.grad", n,
+                                                              torch.float32, grad_tier)
+        self.jobs: dict[int, _Job] = {}         # stepping: held until landed
+        self.expected: dict[int, float] = {}    # unit -> when its states' reads are through
+        self.waiting: list[Unit] = []           # deferred steps queued for the next fetch
+        self._seen: set[int] = set()            # units whose gradients began this backward
+        self.held_bytes = 0
+        self.held_peak = 0
+        self._held: dict[int, int] = {}
+
+    # -- what a job moves -----------------------------------------------------------------
+    def _read_states(self, unit: Unit) -> float:
+        end = self.clock.now
+        for store in self.states[unit.index]:
+            if not store.resident:
+                end = max(end, self._req(store.read_bytes(store.nbytes)))
+        grad = self.grad_stores.get(unit.index)
+        if grad is not None and not grad.resident and not self.early_like:
+            end = max(end, self._req(grad.read_bytes(grad.nbytes)))
+        return end
+
+    def _req(self, request) -> float:
+        return self.clock.now if self.instant else request.end
+
+    def _run(self, job: _Job) -> None:
+        """Adam after the reads, then the writes of the parameters and the states."""
+        unit = job.unit
+        start = max(job.reads_end, self.clock.now)
+        job.kernel_end = self.adam.schedule(unit.trainable_numel, not_before=start)
+        if self.instant:
+            job.kernel_end = self.clock.now
+        end = job.kernel_end
+        store = unit.param_store
+        if store is not None and not store.resident:
+            nbytes = store.nbytes       # written once (a speculative step: to the shadow)
+            end = max(end, self._req(store.write_bytes(nbytes, not_before=job.kernel_end)))
+        for state in self.states[unit.index]:
+            if not state.resident:
+                end = max(end, self._req(state.write_bytes(state.nbytes,
+                                                           not_before=job.kernel_end)))
+        job.landed = self.clock.now if self.instant else end
+        self._drop_held(unit)
+
+    def _drop_held(self, unit: Unit) -> None:
+        self.held_bytes -= self._held.pop(unit.index, 0)
+
+    # -- the coordinator's UnitStepper -----------------------------------------------------
+    def on_grad(self, unit: Unit, entry, grad) -> None:
+        if unit.index not in self._seen:
+            self._seen.add(unit.index)
+            self.clock.now += self.backward_s(unit)   # the unit's backward computed them
+        if self.grads_held:
+            nbytes = grad.numel() * grad.element_size()
+            self._held[unit.index] = self._held.get(unit.index, 0) + nbytes
+            self.held_bytes += nbytes
+            self.held_peak = max(self.held_peak, self.held_bytes)
+
+    def on_unit_backward_done(self, unit: Unit) -> bool:
+        self.comm.reduce_scatter(unit.flat_numel * 4)
+        if self.early_like:
+            reads = self.expected.pop(unit.index, None)
+            job = _Job(unit, reads if reads is not None else self._read_states(unit))
+            self._run(job)
+            self.jobs[unit.index] = job
+            return False
+        grad = self.grad_stores.get(unit.index)
+        if grad is not None and not grad.resident:
+            grad.write_bytes(grad.nbytes)
+        self._drop_held(unit)
+        return True
+
+    def expect_backward(self, unit: Unit) -> None:
+        if self.early_like and unit.index in self.states and unit.index not in self.expected \
+                and unit.index not in self.jobs:
+            self.expected[unit.index] = self._read_states(unit)
+
+    def step_fetched(self, unit: Unit) -> bool:
+        for i, waiting in enumerate(self.waiting):
+            if waiting is unit:
+                del self.waiting[i]
+                job = self.jobs[unit.index]
+                self._run(job)
+                self.clock.wait_until(job.kernel_end)
+                return True
+        return False
+
+    def wait_stepped(self, unit: Unit | None = None) -> None:
+        for job in list(self.jobs.values()):
+            if (unit is None or job.unit is unit) and job.stepped:
+                self.clock.wait_until(job.kernel_end)
+
+    def reap(self, wait: Wait = Wait.NONE) -> list[Unit]:
+        stepped = [j for j in self.jobs.values() if j.stepped]
+        if wait is Wait.ALL and stepped:
+            self.clock.wait_until(max(j.landed for j in stepped))
+        elif wait is Wait.ONE and stepped and all(j.landed > self.clock.now for j in stepped):
+            self.clock.wait_until(min(j.landed for j in stepped))
+        done = [j for j in stepped if j.landed <= self.clock.now]
+        for job in done:
+            del self.jobs[job.unit.index]
+        return [job.unit for job in done]
+
+    def drain(self) -> list[Unit]:
+        self.waiting.clear()
+        self.jobs = {i: j for i, j in self.jobs.items() if j.stepped}
+        return self.reap(Wait.ALL)
+
+    # -- the engine's calls ---------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self._seen.clear()
+
+    def end_backward(self) -> None:
+        self.expected.clear()     # units that got no gradients are not stepped
+
+    def step(self, forward_order: list[int], units: list[Unit]) -> None:
+        """Early: every unit's kernels have run. Deferred: queue the steps in the next
+        forward's order, their states read ahead now."""
+        if self.early_like:
+            self.wait_stepped()
+            return
+        position = {uid: i for i, uid in enumerate(forward_order)}
+        for unit in sorted((u for u in units if u.index in self.states),
+                           key=lambda u: position.get(u.index, len(position))):
+            self.jobs[unit.index] = _Job(unit, self._read_states(unit))
+            self.waiting.append(unit)
+
+    def waiting_units(self) -> list[Unit]:
+        return list(self.waiting)
+
