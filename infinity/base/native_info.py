@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from infinity.base import native_library
+from infinity.base.cpu_bf16 import detect_cpu_bf16
 
 _CPU_BITS = {"avx2": 1 << 0, "fma": 1 << 1, "f16c": 1 << 2, "avx512f": 1 << 3,
              "avx512bw": 1 << 4, "neon": 1 << 5}
@@ -23,7 +24,10 @@ def native_info() -> dict[str, Any]:
 
     Keys: ``version``, ``library`` (path), ``io_uring``, ``libaio``, ``avx2``, ``fma``, ``f16c``,
     ``avx512f``, ``avx512bw``, ``neon`` (bools), ``in_use`` (component -> choice), plus
-    ``io_backend`` and ``adam_kernel`` (the choice in use, or the one that would be chosen).
+    ``io_backend`` and ``adam_kernel`` (the choice in use, or the one that would be chosen), and
+    ``cpu_bf16``: whether the CPU multiplies bf16 natively, its flags and why (see
+    ``infinity.base.cpu_bf16``; the probe runs on the first call in a process). An engine records
+    its compute dtype and the reason in ``in_use["compute_dtype"]``.
     """
     lib = native_library.lib()
     features = lib.inf_cpu_features()
@@ -35,6 +39,7 @@ def native_info() -> dict[str, Any]:
     }
     for name, bit in _CPU_BITS.items():
         info[name] = bool(features & bit)
+    info["cpu_bf16"] = detect_cpu_bf16().to_dict()
     info["in_use"] = dict(_in_use)
     info["io_backend"] = _in_use.get("io_backend", _default_io_backend(info))
     info["adam_kernel"] = _in_use.get("adam_kernel", _default_adam_kernel(info))

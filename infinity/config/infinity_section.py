@@ -28,7 +28,8 @@ class InfinitySection:
     unit_modules: tuple[str, ...] | None = None
     """Class names of modules that form units; None = detect the repeated blocks."""
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Forward/backward dtype; "auto" = fp32 on CPU-only machines, else from bf16/fp16.enabled."""
+    """Forward/backward dtype; "auto" = on CPU-only machines bf16 where the CPU multiplies bf16
+    natively (flags + a timed probe; not with fp16.enabled), else fp32; on GPUs from bf16/fp16.enabled."""
     malloc_mmap_threshold: int | None = 4 * 1024 * 1024
     """glibc: host allocations of at least this size are mapped and unmapped on their own (and
     the heap is trimmed after each step), so freed gradients and activations go back to the

@@ -40,7 +40,7 @@ from infinity.engine.param_groups import optimizer_groups
 from infinity.engine.monitor import StepReport
 from infinity.engine.pass_owner import EnginePassOwner
 from infinity.engine.ranks import join as join_ranks_and_config
-from infinity.engine.passes import PassHooks, cast_floating
+from infinity.engine.passes import PassHooks, cast_floating, cast_inputs
 from infinity.engine.sizing import (
     COMPUTE_DTYPES,
     EngineSizes,
@@ -105,7 +105,7 @@ class Engine(DeepSpeedEngineAccessors):
         # every rank must build the same engine: a config or model that differs is named
         check_same_on_every_rank(self.comm, self.config, model)
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
-        derived = derive(self.config, specs)
+        derived = derive(self.config, specs, self.comm)
         self.compute_dtype = COMPUTE_DTYPES[derived.compute_dtype]
         stage = self.config.zero.stage
         self.stage = stage
@@ -201,6 +201,11 @@ class Engine(DeepSpeedEngineAccessors):
         self.coordinator.install()
         self._passes = PassHooks(model, self._begin_pass, self._end_pass,
                                  self.coordinator.keep_outermost)
+        # "auto" chose bf16 for this CPU (infinity/base/cpu_bf16.py): fp32 inputs are cast for
+        # the user, who asked for no 16-bit dtype (a GPU's bf16.enabled leaves that to the user)
+        self._cast_hook = cast_inputs(model, self.compute_dtype) if (
+            self.config.infinity.compute_dtype == "auto" and self.device.type == "cpu"
+            and self.compute_dtype != torch.float32) else None
         for module in model.modules():      # register_external_parameter before initialize
             external = module.__dict__.get(EXTERNAL_PARAMS_ATTR, [])
             external[:] = [replacements.get(p, p) for p in external]
@@ -584,6 +589,8 @@ class Engine(DeepSpeedEngineAccessors):
                     # a forward cut short by a Ctrl-C: its swapper hooks and units go too
                     self._passes.abandon_open(RuntimeError("the engine was closed"))
                     self._passes.remove()
+                if getattr(self, "_cast_hook", None) is not None:
+                    self._cast_hook.remove()
                 self.coordinator.drain()
                 self.coordinator.release_all()
                 self.coordinator.remove()

@@ -128,6 +128,17 @@ def _calls_of(root: nn.Module | None) -> int:
     return count
 
 
+def cast_inputs(root: nn.Module, dtype: torch.dtype) -> Any:
+    """A forward pre-hook on ``root`` casting the floating-point tensors of each call's arguments
+    to ``dtype`` (``cast_floating``), for ``engine(x)`` and ``model(x)`` alike; its handle. Used
+    where "auto" chose bf16 for the CPU: the user asked for no 16-bit dtype and feeds fp32."""
+    ref = weakref.ref(root)    # a closure, not a bound method: see PassHooks
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        return cast_floating((args, kwargs), dtype) if module is ref() else None
+    return root.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """fp16.auto_cast: floating-point tensors anywhere in the forward's arguments (lists, tuples,
     dicts) in the compute dtype; integer tensors (token ids, masks) and everything else as given."""

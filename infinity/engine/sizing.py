@@ -8,15 +8,19 @@ hardware, free disk space.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from infinity.base.log import get_logger
+from infinity.base.native_info import record_in_use
 from infinity.base.sizes import format_bytes
+from infinity.comm.collectives import Collectives
 from infinity.config import InfinityConfig
 from infinity.planner.engine_sizes import EngineSizes, engine_sizes
 from infinity.planner.inputs import ModelStats, detect_hardware
+from infinity.planner.placement import compute_dtype_choice
 from infinity.planner.sizes import DerivedSizes, derive_sizes
 from infinity.storage.preflight import free_bytes
 from infinity.storage.tiers import Tier
@@ -40,10 +44,25 @@ def _stats(specs: list[UnitSpec]) -> ModelStats:
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def derive(cfg: InfinityConfig, specs: list[UnitSpec]) -> DerivedSizes:
-    """The planner's sizes (and compute dtype, early-step choice) for these units here."""
+def derive(cfg: InfinityConfig, specs: list[UnitSpec],
+           comm: Collectives | None = None) -> DerivedSizes:
+    """The planner's sizes (and compute dtype, early-step choice) for these units here. The
+    compute dtype and why it was chosen are logged and recorded for ``native_info()``; with
+    several ranks, "auto" picks bf16 on CPUs only where every rank's CPU has it natively."""
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
-    return derive_sizes(cfg, _stats(specs), detect_hardware(nvme_path))
+    hw = detect_hardware(nvme_path)
+    if comm is not None and comm.active and cfg.infinity.compute_dtype == "auto":
+        # ranks must agree on one dtype (the flat shards and collectives are in it), and each
+        # probed its own CPU: a collective on every rank, as the config is the same everywhere
+        everyone = comm.all_gather_objects(hw.cpu_bf16)
+        without = [rank for rank, native in enumerate(everyone) if not native]
+        if hw.cpu_bf16 and without:
+            hw = dataclasses.replace(hw, cpu_bf16=False, cpu_bf16_reason=(
+                f"rank(s) {', '.join(map(str, without))} have no native bf16"))
+    dtype, why = compute_dtype_choice(cfg, hw)
+    record_in_use("compute_dtype", f"{dtype} ({why})")
+    log.info("compute dtype %s: %s", dtype, why)
+    return derive_sizes(cfg, _stats(specs), hw)
 
 
 def speculation_possible(cfg: InfinityConfig, stage: int, param_tier: Tier,

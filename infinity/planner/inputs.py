@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from infinity.base.cpu_bf16 import detect_cpu_bf16
+
 # Llama-style presets as transformers LlamaConfig kwargs (untied embeddings, vocab 32000).
 # 125M and 1B are the sizes of shared/peers/DS_E2E.md (134.1M and 940.6M parameters).
 LLAMA_PRESETS: dict[str, dict[str, Any]] = {
@@ -216,6 +218,11 @@ class Hardware:
     """Free bytes on the filesystem of nvme_path."""
     ranks_per_node: int = 1
     """Ranks sharing this machine's memory (torchrun's LOCAL_WORLD_SIZE)."""
+    cpu_bf16: bool = False
+    """The CPU multiplies bf16 natively (flags and a timed probe: ``infinity.base.cpu_bf16``);
+    decides what compute_dtype "auto" means where there is no GPU."""
+    cpu_bf16_reason: str = ""
+    """Why cpu_bf16 is what it is (for the log and ``infinity plan``); empty when not asked."""
 
     @property
     def has_gpu(self) -> bool:
@@ -224,7 +231,8 @@ class Hardware:
 
 
 def detect_hardware(nvme_path: str | os.PathLike[str] | None = None) -> Hardware:
-    """Cores, host memory (/proc/meminfo), the GPU's memory (torch.cuda) and free disk at nvme_path."""
+    """Cores, host memory (/proc/meminfo), the GPU's memory (torch.cuda), free disk at nvme_path,
+    and on CPU-only machines whether the CPU multiplies bf16 natively (probed once a process)."""
     meminfo: dict[str, int] = {}
     try:
         with open("/proc/meminfo") as f:
@@ -245,6 +253,10 @@ def detect_hardware(nvme_path: str | os.PathLike[str] | None = None) -> Hardware
             gpu_name = torch.cuda.get_device_name()
     except ImportError:
         pass
+    cpu_bf16, cpu_bf16_reason = False, ""
+    if gpu_total is None:    # a GPU computes otherwise: its CPU's bf16 does not matter
+        answer = detect_cpu_bf16()
+        cpu_bf16, cpu_bf16_reason = answer.native, answer.reason
     disk_free = None
     if nvme_path is not None:
         probe = Path(nvme_path).absolute()
@@ -255,7 +267,8 @@ def detect_hardware(nvme_path: str | os.PathLike[str] | None = None) -> Hardware
     return Hardware(cpu_cores=cores, host_total_bytes=total, host_available_bytes=available,
                     gpu_name=gpu_name, gpu_total_bytes=gpu_total, gpu_free_bytes=gpu_free,
                     nvme_path=None if nvme_path is None else str(nvme_path),
-                    disk_free_bytes=disk_free, ranks_per_node=_local_world_size())
+                    disk_free_bytes=disk_free, ranks_per_node=_local_world_size(),
+                    cpu_bf16=cpu_bf16, cpu_bf16_reason=cpu_bf16_reason)
 
 
 def _local_world_size() -> int:

@@ -21,7 +21,7 @@ from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.tiers import Tier, deeper
 
 __all__ = ["Placement", "COMPONENTS", "place", "resident_bytes", "choose_compute_dtype",
-           "choose_early_step"]
+           "compute_dtype_choice", "choose_early_step"]
 
 COMPONENTS = ("params", "grads", "optimizer_states", "buffers")
 
@@ -56,11 +56,31 @@ class Placement:
 
 def choose_compute_dtype(cfg: InfinityConfig, hw: Hardware) -> str:
     """The config's compute dtype, or for "auto" the one this machine computes fastest in."""
-    if cfg.infinity.compute_dtype != "auto":
-        return cfg.infinity.compute_dtype
+    return compute_dtype_choice(cfg, hw)[0]
+
+
+def compute_dtype_choice(cfg: InfinityConfig, hw: Hardware) -> tuple[str, str]:
+    """The compute dtype and one line saying why. An explicit ``infinity.compute_dtype`` always
+    wins. "auto": on a GPU, bf16/fp16 as ``bf16.enabled``/``fp16.enabled`` say (else fp32); on a
+    CPU-only machine bf16 where the CPU multiplies bf16 natively (``hw.cpu_bf16``; ~3x faster than
+    fp32 there, ~45x slower elsewhere: see [Note: bf16 on CPUs] in infinity/base/cpu_bf16.py)
+    unless fp16 loss scaling is asked for, else fp32."""
+    asked = cfg.infinity.compute_dtype
+    if asked != "auto":
+        return asked, f"infinity.compute_dtype is {asked!r} in the config"
+    why = f" ({hw.cpu_bf16_reason})" if hw.cpu_bf16_reason else ""
     if not hw.has_gpu:
-        return "fp32"  # bf16 matmuls are ~45x slower than fp32 on CPUs without AVX512-BF16
-    return "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
+        if not hw.cpu_bf16:
+            return "fp32", f"auto: CPU-only, and the CPU has no native bf16{why}"
+        if cfg.fp16.enabled:
+            return "fp32", ("auto: CPU-only; fp16.enabled asks for fp16, which CPUs multiply far "
+                            "slower than fp32, and bf16 would contradict it")
+        return "bf16", f"auto: CPU-only, and the CPU multiplies bf16 natively{why}"
+    if cfg.bf16.enabled:
+        return "bf16", "auto: GPU, bf16.enabled"
+    if cfg.fp16.enabled:
+        return "fp16", "auto: GPU, fp16.enabled"
+    return "fp32", "auto: GPU, neither bf16 nor fp16 enabled"
 
 
 def choose_early_step(cfg: InfinityConfig, dtype: str) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
 from infinity.planner.inputs import Hardware, ModelStats
-from infinity.planner.placement import COMPONENTS, place, resident_bytes
+from infinity.planner.placement import COMPONENTS, compute_dtype_choice, place, resident_bytes
 from infinity.planner.render import render_plan
 from infinity.planner.sizes import (
     MIN_SUB_GROUP,
@@ -223,9 +223,9 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
         notes.append(f"slow: the host budget {format_bytes(sz.host_budget_bytes)} allows only "
                      f"{sz.sub_group_size:,}-element sub-groups (under {MIN_SUB_GROUP:,}): NVMe "
                      "transfers will be small and slow; raise infinity.host_memory_budget")
-    if cfg.infinity.compute_dtype == "auto" and not hw.has_gpu and (cfg.bf16.enabled or cfg.fp16.enabled):
-        notes.append("compute dtype fp32 on this CPU-only machine (16-bit matmuls are far slower "
-                     "here); set infinity.compute_dtype to force 16-bit")
+    if cfg.infinity.compute_dtype == "auto" and not hw.has_gpu:
+        notes.append(f"compute dtype {lay.compute_dtype}: {compute_dtype_choice(cfg, hw)[1]}; set "
+                     "infinity.compute_dtype to choose")
     if lay.single_copy:
         notes.append(f"fp32 compute: parameters are the optimizer's master, stored once on {lay.param_tier}")
     if lay.early_step:

@@ -21,7 +21,8 @@ EXTERNAL_PARAMETER_HINT = (
 
 DTYPE_HINT = (
     "infinity: every parameter is kept in the engine's compute dtype (infinity.compute_dtype; "
-    "fp32 on a CPU-only machine, else from bf16/fp16.enabled), whatever dtype the model was "
+    "\"auto\": on a CPU-only machine bf16 where the CPU has native bf16, else fp32; on a GPU from "
+    "bf16/fp16.enabled), whatever dtype the model was "
     "built in: a forward that casts its inputs to a submodule's own dtype, or is fed inputs of "
     "another float dtype, meets the compute dtype instead")
 # torch's messages for operands of two float dtypes

@@ -31,11 +31,14 @@ def hf_args(**extra) -> dict:
 def hf_ds(nvme_path, **extra) -> dict:
     """Stage 3, parameters and optimizer on NVMe; batch sizes and clipping from the Trainer."""
     path = str(nvme_path)
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
-                                  "offload_optimizer": {"device": "nvme", "nvme_path": path}},
-            **extra}
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto",
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path},
+                                "offload_optimizer": {"device": "nvme", "nvme_path": path}},
+          **extra}
+    # the plain Trainer computes in fp32: so do we, even on a CPU with native bf16 ("auto")
+    ds["infinity"] = {"compute_dtype": "fp32", **ds.get("infinity", {})}
+    return ds
 
 
 def logged(trainer_or_history, key: str, after: int = 0) -> list[float]:

@@ -113,6 +113,7 @@ def run_parity(model: nn.Module, ds_config: dict, steps: int = 20, seq: int = 16
     ds.setdefault("train_micro_batch_size_per_gpu", batch)
     ds["gradient_accumulation_steps"] = accumulation
     ds["gradient_clipping"] = clip
+    pin_fp32(ds)
     engine, _, _, _ = infinity.initialize(model=model, config=ds)
     gen = torch.Generator().manual_seed(seed)
     # a few fixed random sequences, so that the loss visibly falls as the model memorises them
@@ -144,6 +145,14 @@ def run_parity(model: nn.Module, ds_config: dict, steps: int = 20, seq: int = 16
     return ParityResult(losses, ref_losses, engine)
 
 
+def pin_fp32(ds: dict) -> dict:
+    """``ds`` (changed in place) computing in fp32 unless it names a compute dtype: parity with
+    fp32 torch at fp32 tolerances needs fp32 compute, which "auto" is not on a CPU with native
+    bf16 (see infinity/base/cpu_bf16.py)."""
+    ds.setdefault("infinity", {}).setdefault("compute_dtype", "fp32")
+    return ds
+
+
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3}}
 """The optimizer section of tests that train with AdamW at lr 1e-3 and no weight decay (a config
 without an optimizer section, and no optimizer passed, is refused)."""
@@ -162,10 +171,8 @@ def zero_config(stage: int, param: str, optimizer: str, nvme_path: str, **infini
         z["offload_param"] = {"device": param}
         if param == "nvme":
             z["offload_param"]["nvme_path"] = nvme_path
-    ds = {"zero_optimization": z}
-    if infinity_section:
-        ds["infinity"] = infinity_section
-    return ds
+    infinity_section.setdefault("compute_dtype", "fp32")    # see pin_fp32
+    return {"zero_optimization": z, "infinity": infinity_section}
 
 
 def nvme_engine(disk_dir, early_step: str, layers: int, **zero_extra):
@@ -212,6 +219,7 @@ def engine_and_reference(model: nn.Module, ds_config: dict, lr: float = 1e-3,
                                 foreach=False)
     ds = copy.deepcopy(ds_config)
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}}
+    pin_fp32(ds)
     engine, *_ = infinity.initialize(model=model, config=ds)
     return engine, reference, ref_opt
 

@@ -34,7 +34,8 @@ SCRIPT = textwrap.dedent("""
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
                                                                   "nvme_path": sys.argv[1]}},
-          "infinity": {"host_memory_budget": budget, "device_memory_budget": "1GiB"}}
+          "infinity": {"host_memory_budget": budget, "device_memory_budget": "1GiB",
+                       "compute_dtype": "fp32"}}     # the byte math above is fp32's
     engine, *_ = infinity.initialize(model=model, config=ds)
     x = torch.randint(0, 8000, (1, 64))
     losses = []
@@ -72,7 +73,8 @@ def test_cpu_offload_with_too_small_a_budget_fails_before_the_first_step() -> No
     model = make_model("llama", layers=2, width=64)
     before = [p.detach().clone() for p in model.parameters()]
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-          "infinity": {"host_memory_budget": "16KiB", "device_memory_budget": "64MiB"}}
+          "infinity": {"host_memory_budget": "16KiB", "device_memory_budget": "64MiB",
+                       "compute_dtype": "fp32"}}     # the parameter is the master: no copy
     with pytest.raises(MemoryError, match="host budget") as info:
         infinity.initialize(model=model, config=with_adamw(ds))
     assert "exp_avg" in str(info.value) or "slot" in str(info.value)

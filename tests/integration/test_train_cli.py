@@ -60,12 +60,17 @@ def test_tiny_out_of_core_run_writes_metrics_and_cleans_up(disk_dir: Path, tmp_p
 def test_engine_torch_is_the_same_run_in_plain_pytorch(disk_dir: Path, tmp_path: Path) -> None:
     """`--engine torch` starts from the same weights and batches as the out-of-core engine, so
     their losses agree step by step (fp32, lr 3e-3, 3 steps)."""
+    from infinity.train.run_config import demo_config
+
+    config = demo_config()
+    config["infinity"]["compute_dtype"] = "fp32"    # "auto" is bf16 on a CPU with native bf16
+    (tmp_path / "fp32.json").write_text(json.dumps(config))
     losses = {}
     for engine in ("infinity", "torch"):
         metrics = tmp_path / f"{engine}.jsonl"
         proc = _infinity("train", "--model-size", "tiny", "--steps", "3", "--seq-len", "32",
                          "--lr", "3e-3", "--nvme-path", str(disk_dir), "--engine", engine,
-                         "--metrics", str(metrics))
+                         "--metrics", str(metrics), "--config", str(tmp_path / "fp32.json"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[engine] = [r["loss"] for r in read_metrics(metrics)]
     assert losses["infinity"] == pytest.approx(losses["torch"], rel=1e-5), losses

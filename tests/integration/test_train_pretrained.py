@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from infinity.train.loop import TrainOptions, run_training
+from infinity.train.run_config import demo_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,6 +46,12 @@ def _pretrained(directory: Path, vocab_size: int, tokenizer: bool) -> Path:
 
 def _run(pretrained: Path, data: Path, disk_dir: Path, out: Path, engine: str = "infinity",
          **extra):
+    # the demo config in fp32: "auto" is bf16 on a CPU with native bf16, the losses below are
+    # compared with the fp32 torch baseline's
+    config = demo_config()
+    config["infinity"]["compute_dtype"] = "fp32"
+    (out / "fp32.json").write_text(json.dumps(config))
+    extra.setdefault("config", str(out / "fp32.json"))
     opts = TrainOptions(engine=engine, pretrained=str(pretrained), data=str(data), steps=6,
                         seq_len=32, nvme_path=str(disk_dir), metrics=str(out / "run.jsonl"),
                         export=str(out / "export"), progress_every=2, lr=3e-3, **extra)

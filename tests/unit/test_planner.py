@@ -234,7 +234,8 @@ def test_cli_plan_json_with_config(tmp_path, capsys) -> None:
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
                               "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "x"},
-                                                    "offload_optimizer": {"device": "nvme", "nvme_path": "x"}}}))
+                                                    "offload_optimizer": {"device": "nvme", "nvme_path": "x"}},
+                              "infinity": {"compute_dtype": "fp32"}}))   # the hand math below is fp32's
     code = cli.main(["plan", "--params", "2e8", "--layers", "8", "--config", str(ds), "--nvme-path",
                      str(tmp_path), "--host-budget", "2GiB", "--json"])
     assert code == 0
