@@ -48,11 +48,17 @@ from infinity.planner.tiers import Tier
 __all__ = ["MachineRates", "Constants", "RunPrediction", "predict_run", "run_sizes", "fit_constants",
            "CPU_COMPUTE_EFFICIENCY", "RSS_RESIDUAL_BYTES", "HELD_GRADIENT_UNITS"]
 
-CPU_COMPUTE_EFFICIENCY = 0.70
-"""A training forward + backward's FLOP/s over those of its blocks' matrix products alone, on a
-CPU: fitted on the 0.49B out-of-core model (BENCHMARKS.md, "Plan calibration")."""
-RSS_RESIDUAL_BYTES = 0
-"""Peak resident bytes beyond the parts ``predict_run`` names: fitted on the 0.49B model."""
+CPU_COMPUTE_EFFICIENCY = 1.02
+"""A training forward + backward's FLOP/s over those of its blocks' matrix products alone
+(``infinity.train.calibrate.measure_compute``, at the run's tokens), on a CPU: fitted on the
+0.49B out-of-core model (BENCHMARKS.md, "Plan calibration": the forward and backward take the
+time of their matrix products at the probe's rate; norms, attention and autograd cost what the
+probe's smaller working set gains)."""
+RSS_RESIDUAL_BYTES = 437 << 20
+"""Peak resident bytes beyond the parts ``predict_run`` names, fitted on the 0.49B model (the
+same bench): the engine process's threads, modules and what the allocator keeps of the
+backward's temporaries (a plain torch forward + backward keeps less; see BENCHMARKS.md). At
+85M it is ~230 MiB (tests/integration/test_plan_calibration.py fits it there)."""
 HELD_GRADIENT_UNITS = 1
 """Largest units' gradients (in the compute dtype, as autograd makes them) the early or the
 speculative step holds outside the host budget on a CPU device at the peak: the held room's
