@@ -382,3 +382,18 @@ def local_setup(cfg: InfinityConfig, stats, hw) -> tuple[DryRunSetup, DryRunRate
                         nvme_read_GBps=LOCAL_NVME_GBPS, nvme_write_GBps=LOCAL_NVME_GBPS,
                         adam_params_per_s=CPU_ADAM_PARAMS_PER_CORE * hw.cpu_cores)
     return setup, rates
+
+
+def local_analytical_s(cfg: InfinityConfig, stats, shape, hw, rates: DryRunRates,
+                       workload) -> float | None:
+    """``planner.calibration.predict_run``'s step at the dry run's rates (None: no shape)."""
+    from infinity.planner.calibration import CPU_COMPUTE_EFFICIENCY, MachineRates, predict_run
+
+    if shape is None:
+        return None
+    machine = MachineRates(compute_flops_per_s=rates.compute_flops_per_s / CPU_COMPUTE_EFFICIENCY,
+                           nvme_read_GBps=rates.nvme_read_GBps,
+                           nvme_write_GBps=rates.nvme_write_GBps,
+                           adam_params_per_s=rates.adam_params_per_s, runtime_rss_bytes=0)
+    return predict_run(cfg, stats, shape, hw, seq_len=workload.seq_len,
+                       micro_batch=workload.micro_batch, rates=machine).predicted_s

@@ -241,13 +241,15 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_memory(cfg, stats, hw)
     report = None
     if args.dry_run:
-        from infinity.commands.dry_run import dry_run, local_setup
+        from infinity.commands.dry_run import dry_run, local_analytical_s, local_setup
         from infinity.planner.target import Workload
 
         setup, rates = local_setup(cfg, stats, hw)   # as the engine would size it
         workload = Workload()
         report = dry_run(_meta_model(args), setup, rates, seq_len=workload.seq_len,
-                         micro_batch=workload.micro_batch, shape=shape)
+                         micro_batch=workload.micro_batch, shape=shape,
+                         analytical_s=local_analytical_s(cfg, stats, shape, hw, rates,
+                                                         workload))
         report.notes.append(f"this machine's rates assumed: {rates.compute_flops_per_s / 1e9:.0f} "
                             f"GFLOP/s, NVMe {rates.nvme_read_GBps:g} GB/s; sequence "
                             f"{workload.seq_len}, micro-batch {workload.micro_batch}")

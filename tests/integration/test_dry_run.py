@@ -163,3 +163,19 @@ def test_1t_dry_run_on_a_node_of_8x80gb_in_a_minute_and_a_gib(tmp_path) -> None:
     assert wall < 60, f"{wall:.1f} s"
     maxrss = int(err.decode().strip().splitlines()[-1].split()[-1]) * 1024
     assert maxrss < 1 << 30, f"{maxrss >> 20} MiB"
+
+
+def test_this_machines_plan_dry_runs_and_params_alone_cannot(disk_dir, capsys) -> None:
+    """Without target flags the recommended config of this machine is dry-run (at assumed
+    rates, said in a note); a model given only as a parameter count has no modules to run."""
+    from infinity import cli
+
+    assert cli.main(["plan", "--model-size", "85M", "--host-budget", "400MiB", "--nvme-path",
+                     str(disk_dir), "--dry-run", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    dry = data["dry_run"]
+    assert dry["peak_bytes"]["host"] > 0 and dry["order"]["forward"]
+    assert dry["simulated_step_s"] > 0 and dry["analytical_step_s"] > 0
+    assert any("assumed" in note for note in dry["notes"])
+    assert cli.main(["plan", "--params", "7B", "--gpus", "1", "--gpu", "H100", "--dry-run"]) != 0
+    assert "--hf-config or --model-size" in capsys.readouterr().err
