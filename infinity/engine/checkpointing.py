@@ -8,7 +8,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from infinity.base.log import get_logger
-from infinity.checkpoint import Restore, TrainingState, prepare_load
+from infinity.checkpoint import (
+    Restore,
+    TrainingState,
+    prepare_load,
+    save_checkpoint,
+    save_model_weights,
+)
 from infinity.engine.pretrained import model_texts
 
 if TYPE_CHECKING:
@@ -93,3 +99,53 @@ def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: str | None,
         engine._load_failure = None
     log.info("loaded checkpoint %s (global step %d)", load.directory, engine.global_steps)
     return str(load.directory), load.client_state
+
+
+class CheckpointCalls:
+    """The engine's checkpoint and export calls (DeepSpeed's names and arguments): each hands
+    ``training_state(self)`` to infinity.checkpoint, or applies what a load returns."""
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
+                        client_state: Any = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> Path:
+        """Save the whole training state under ``save_dir/tag`` (default ``global_step<N>``),
+        streamed unit by unit, and point ``save_dir/latest`` at it (see infinity/checkpoint).
+        ``client_state``: anything JSON-serializable, given back by ``load_checkpoint``;
+        ``exclude_frozen_parameters``: parameters that do not train are left out."""
+        return save_checkpoint(training_state(self), save_dir, tag, client_state, save_latest,
+                               exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        verify_checksums: bool = True) -> tuple[str | None, Any]:
+        """Load a checkpoint (default: the one ``load_dir/latest`` names, or ``load_dir`` itself
+        when it is one checkpoint's directory, as ``save_checkpoint`` returns it); returns
+        (its directory, client_state), or (None, None) when there is no ``latest``. The
+        checkpoint is checked whole (files, checksums, parameter names and shapes) before
+        anything is loaded."""
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, verify_checksums)
+
+    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> Path:
+        """The model's weights in their compute dtype as ``save_dir/save_filename``
+        (safetensors, loadable by ``transformers``), streamed unit by unit;
+        ``exclude_frozen_parameters``: only the trained ones (an adapter's), as DeepSpeed's."""
+        return save_model_weights(training_state(self), Path(save_dir) / save_filename,
+                                  with_frozen=not exclude_frozen_parameters)
+
+    def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
+                        dtype: Any = None) -> Path:
+        """The model's current weights (after the last step has landed) as a directory
+        transformers and ``infinity.from_pretrained`` load: ``model.safetensors``, or shards
+        of at most ``max_shard_size`` ("5GB", "500MiB" or bytes) with
+        ``model.safetensors.index.json``, then ``config.json`` and the generation config of a
+        transformers model, and the tokenizer files of the directory it was loaded from.
+        Streamed unit by unit (any size); every rank calls it, rank 0 writes. ``dtype``:
+        "fp32", "bf16", "fp16"; None: the compute dtype, or fp32 (from the fp32 masters) at
+        stage 3 without ``stage3_gather_16bit_weights_on_model_save`` (see [Note: the dtype
+        of a saved model] in engine/pretrained.py). ``model.save_pretrained(dir)`` comes here."""
+        from infinity.engine.pretrained import save_pretrained
+
+        return save_pretrained(self, save_directory, max_shard_size, dtype)

@@ -19,10 +19,9 @@ from infinity.base.interrupts import deferred_interrupts
 from infinity.base.log import get_logger
 from infinity.base.malloc_tuning import set_mmap_threshold, trim
 from infinity.base.sizes import format_bytes
-from infinity.checkpoint import save_checkpoint, save_model_weights
 from infinity.comm.group import RankInfo
 from infinity.config import InfinityConfig
-from infinity.engine.checkpointing import load_checkpoint, training_state
+from infinity.engine.checkpointing import CheckpointCalls
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.guards import (
     SECOND_EARLY_BACKWARD,
@@ -81,7 +80,7 @@ from infinity.zero.unit import Unit
 log = get_logger("engine")
 
 
-class Engine(DeepSpeedEngineAccessors):
+class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
     """Trains ``model`` with its states in tiers, per the DeepSpeed-style ``config``."""
 
     def __init__(self, model: nn.Module, model_parameters: Iterable | None,
@@ -476,51 +475,6 @@ class Engine(DeepSpeedEngineAccessors):
     def step_stats(self) -> dict[str, float]:
         """Timings and bytes of the last optimizer step (see ``_record_stats`` for keys)."""
         return dict(self._last_stats)
-
-    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
-                        client_state: Any = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> Path:
-        """Save the whole training state under ``save_dir/tag`` (default ``global_step<N>``),
-        streamed unit by unit, and point ``save_dir/latest`` at it (see infinity/checkpoint).
-        ``client_state``: anything JSON-serializable, given back by ``load_checkpoint``;
-        ``exclude_frozen_parameters``: parameters that do not train are left out."""
-        return save_checkpoint(training_state(self), save_dir, tag, client_state, save_latest,
-                               exclude_frozen_parameters)
-
-    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,
-                        load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        verify_checksums: bool = True) -> tuple[str | None, Any]:
-        """Load a checkpoint (default: the one ``load_dir/latest`` names, or ``load_dir`` itself
-        when it is one checkpoint's directory, as ``save_checkpoint`` returns it); returns
-        (its directory, client_state), or (None, None) when there is no ``latest``. The
-        checkpoint is checked whole (files, checksums, parameter names and shapes) before
-        anything is loaded."""
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only, verify_checksums)
-
-    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> Path:
-        """The model's weights in their compute dtype as ``save_dir/save_filename``
-        (safetensors, loadable by ``transformers``), streamed unit by unit;
-        ``exclude_frozen_parameters``: only the trained ones (an adapter's), as DeepSpeed's."""
-        return save_model_weights(training_state(self), Path(save_dir) / save_filename,
-                                  with_frozen=not exclude_frozen_parameters)
-
-    def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
-                        dtype: Any = None) -> Path:
-        """The model's current weights (after the last step has landed) as a directory
-        transformers and ``infinity.from_pretrained`` load: ``model.safetensors``, or shards
-        of at most ``max_shard_size`` ("5GB", "500MiB" or bytes) with
-        ``model.safetensors.index.json``, then ``config.json`` and the generation config of a
-        transformers model, and the tokenizer files of the directory it was loaded from.
-        Streamed unit by unit (any size); every rank calls it, rank 0 writes. ``dtype``:
-        "fp32", "bf16", "fp16"; None: the compute dtype, or fp32 (from the fp32 masters) at
-        stage 3 without ``stage3_gather_16bit_weights_on_model_save`` (see [Note: the dtype
-        of a saved model] in engine/pretrained.py). ``model.save_pretrained(dir)`` comes here."""
-        from infinity.engine.pretrained import save_pretrained
-
-        return save_pretrained(self, save_directory, max_shard_size, dtype)
 
     def hook_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """``module``'s forward uses ``param`` of another module: fetch its unit around it

@@ -44,16 +44,14 @@ needed after the unit it reads (kept units do not count as live parameters for p
 """
 from __future__ import annotations
 
-import dataclasses
-from collections import OrderedDict
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
+from infinity.zero.module_calls import keep_at, param_versions, tensors_in
 from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus
 from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch, reuse_distance
 from infinity.zero.protocols import NO_PASS_OWNER, NO_STEPPER, PassOwner, UnitStepper, Wait
@@ -123,14 +121,14 @@ class Coordinator:
         # every other pre-hook (an old-style weight_norm pre-hook computes weight from g and v)
         # and the release after every other forward hook, also those registered after ours.
         def pre(m: nn.Module, args, kwargs):
-            _keep_at(m._forward_hooks, post.id, last=True)
+            keep_at(m._forward_hooks, post.id, last=True)
             self._call_inputs.setdefault(id(m), []).append(self._forward_pre(ids, args, kwargs))
             return None   # the arguments as they are
 
         def after(m: nn.Module, args, output):
-            _keep_at(m._forward_pre_hooks, first.id, last=False)
+            keep_at(m._forward_pre_hooks, first.id, last=False)
             for outer in self._outermost.get(id(m), ()):
-                _keep_at(m._forward_pre_hooks, outer, last=False)
+                keep_at(m._forward_pre_hooks, outer, last=False)
             calls = self._call_inputs.get(id(m))
             return self._forward_post(ids, output, calls.pop() if calls else frozenset())
 
@@ -142,7 +140,7 @@ class Coordinator:
         """Keep ``pre_hook_id`` ahead of the fetch hook on ``module`` (the engine's pass begins
         before a root that owns parameters fetches them)."""
         self._outermost.setdefault(id(module), []).append(pre_hook_id)
-        _keep_at(module._forward_pre_hooks, pre_hook_id, last=False)
+        keep_at(module._forward_pre_hooks, pre_hook_id, last=False)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -192,7 +190,7 @@ class Coordinator:
             self._ensure(uid, trace)
             status = self._status[uid]
             if status.users == 0 and not recompute:
-                status.versions = _param_versions(self.units[uid])
+                status.versions = param_versions(self.units[uid])
             status.users += 1
         if not torch.is_grad_enabled():
             return frozenset()
@@ -214,7 +212,7 @@ class Coordinator:
                 if unit.rebound():        # ``p.data = renorm(p.data)``, a max-norm layer
                     unit.take_rebound_values()
                     self.owner.modified_in_forward(unit)
-                elif before is not None and before != _param_versions(unit):
+                elif before is not None and before != param_versions(unit):
                     self.owner.modified_in_forward(unit)
             status.users -= 1
         if not recompute:
@@ -595,30 +593,3 @@ class Coordinator:
     def prefetch_hit_ratio(self) -> float:
         n = self.fetch_stats["nvme_fetches"]
         return self.fetch_stats["prefetch_hits"] / n if n else 1.0
-
-
-def tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """The tensors in a module's inputs or output: torch's pytree (tuples, lists, dicts,
-    namedtuples, transformers' ModelOutput), and inside dataclasses, which pytree does not
-    open: a unit's output tensors found nowhere get no pre-backward hook, so the unit would not
-    be fetched for its backward."""
-    for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
-        elif depth < 8 and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            yield from tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)],
-                                  depth + 1)
-
-
-def _param_versions(unit: Unit) -> int:
-    """The sum of the unit's parameters' version counters: an in-place change through a
-    parameter raises it; the engine's own writes into the flat buffer do not."""
-    return sum(entry.param._version for entry in unit.params)
-
-
-def _keep_at(hooks: OrderedDict[int, Any], hook_id: int, last: bool) -> None:
-    """Move hook ``hook_id`` to the end (``last``) or the front of a module's hook dict; torch
-    copies the dict's items before it calls them, so this is safe from inside a hook."""
-    if hook_id in hooks and next(reversed(hooks) if last else iter(hooks)) != hook_id:
-        hooks.move_to_end(hook_id, last=last)
-

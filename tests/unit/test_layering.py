@@ -152,3 +152,13 @@ def test_no_import_from_the_layers_above(package):
             found += [f"{path.name}:{node.lineno} {n}" for n in names
                       if any(n == above or n.startswith(above + ".") for above in ABOVE)]
     assert not found, f"infinity.{package} imports from the layers above it: {found}"
+
+
+MAX_MODULE_LINES = 600   # issue 24: a module past this is two concepts; split it by concept
+
+
+def test_no_module_over_600_lines():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, (f"modules over {MAX_MODULE_LINES} lines (move a concept into a module of "
+                      f"its own; a shim or a denser style is not the fix): {long}")

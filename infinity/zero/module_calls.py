@@ -1,0 +1,41 @@
+"""What the coordinator's hooks read from a module call: the tensors its inputs and outputs hold,
+a unit's parameter versions (an in-place change through a parameter), and the order of a
+module's hooks (the coordinator's pre-hook must run after hooks that change the inputs, its
+post-hook last)."""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from infinity.zero.unit import Unit
+
+
+def tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in a module's inputs or output: torch's pytree (tuples, lists, dicts,
+    namedtuples, transformers' ModelOutput), and inside dataclasses, which pytree does not
+    open: a unit's output tensors found nowhere get no pre-backward hook, so the unit would not
+    be fetched for its backward."""
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif depth < 8 and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            yield from tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)],
+                                  depth + 1)
+
+
+def param_versions(unit: Unit) -> int:
+    """The sum of the unit's parameters' version counters: an in-place change through a
+    parameter raises it; the engine's own writes into the flat buffer do not."""
+    return sum(entry.param._version for entry in unit.params)
+
+
+def keep_at(hooks: OrderedDict[int, Any], hook_id: int, last: bool) -> None:
+    """Move hook ``hook_id`` to the end (``last``) or the front of a module's hook dict; torch
+    copies the dict's items before it calls them, so this is safe from inside a hook."""
+    if hook_id in hooks and next(reversed(hooks) if last else iter(hooks)) != hook_id:
+        hooks.move_to_end(hook_id, last=last)
+
