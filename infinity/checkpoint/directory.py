@@ -42,7 +42,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "infinity-checkpoint"
 VERSION = 1
-_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*$")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*\Z")   # \Z: "$" would let "tag\n" through
 
 
 def check_tag(tag: str) -> str:
@@ -59,7 +59,7 @@ WRITTEN_FILE = re.compile(r"manifest\.json|rank\d+_(model|optim)\.safetensors")
 """The names a save writes into a checkpoint directory, and so the only names ever removed from
 one; a file kind added later is added here, nowhere else."""
 
-_STAGING = re.compile(r"^\.(?P<tag>.+)\.partial(?:\.[0-9a-f]{8})?$")
+_STAGING = re.compile(r"^\.(?P<tag>.+)\.partial(?:\.[0-9a-f]{8})?\Z")
 """A staging directory: ``.<tag>.partial.<writer's token>`` (``.<tag>.partial`` before the token
 was added: such a directory is cleaned up the same way)."""
 

@@ -39,11 +39,11 @@ MARKER_FORMAT = "infinity-swap-marker/1"
 MARKER_TMP_NAME = MARKER_NAME + ".tmp"
 """The marker is written here, then renamed: a process killed in between leaves only this file."""
 _MARKER_TMP = MARKER_TMP_NAME
-_DIR_NAME = re.compile(rf"^{re.escape(DIR_PREFIX)}r(\d+)-p(\d+)-[0-9a-f]{{6}}$")
+_DIR_NAME = re.compile(rf"^{re.escape(DIR_PREFIX)}r(\d+)-p(\d+)-[0-9a-f]{{6}}\Z")
 ORPHAN_GRACE_S = 60.0
 """A temporary marker that cannot be read is left alone this long (its writer may still run)."""
 # Names we create in a private dir: plain, no slash, no leading dot, short.
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")   # \Z: "$" also matches before a final "\n"
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 _log = get_logger("storage.swap_dir")

@@ -403,3 +403,19 @@ def test_a_directory_that_stays_and_cannot_be_listed_is_reported_unreadable(tmp_
     assert f"left {path} in place" in infinity_log.text and "(unreadable)" in infinity_log.text
     monkeypatch.undo()
     assert sorted(os.listdir(path)) == ["users-file"]
+
+
+def test_names_ending_in_a_newline_are_not_ours(tmp_path):
+    """The name patterns ended in "$", which also matches before a final newline."""
+    d = SwapDir.create(tmp_path)
+    with pytest.raises(ValueError, match="plain name"):
+        d.register_file("a.bin\n")
+    d.remove()
+    path = tmp_path / f"{sd.DIR_PREFIX}r0-p{_dead_pid()}-abcdef\n"
+    path.mkdir()
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    assert sd._orphan_marker(path) is None
+    with pytest.raises(sd.NotOursError):
+        sd.reclaim(path)
+    assert path.is_dir()
