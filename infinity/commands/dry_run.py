@@ -33,7 +33,11 @@ from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, Si
 from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
 from infinity.optim.gradients import GRADS_HELD
-from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES, EngineSizes, step_slot_count
+from infinity.planner.engine_sizes import (
+    ACTIVATION_STAGING_BYTES,
+    EngineSizes,
+    step_slot_count,
+)
 from infinity.planner.placement import Placement
 from infinity.planner.shape import ModelShape
 from infinity.storage.tiers import Residency, Tier
@@ -204,7 +208,7 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
         instant=instant)
     _init_masters(units, manager, fetch_pool, lay)
     _optimizer_pools(units, manager, lay, es, setup, world)
-    if cfg.infinity.offload_activations == "nvme":
+    if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)
         manager.host_budget.reserve(ACTIVATION_STAGING_BYTES, "activation staging")
 
     coordinator = Coordinator(units, modules_needing(model, specs), manager, fetch_pool,

@@ -346,7 +346,7 @@ _ALIASES: dict[str, dict[str, str]] = {
 }
 # Keys whose own choices include "auto" (resolved later by the planner and engine, not here).
 _AUTO_IS_A_CHOICE = frozenset({"aio.backend", "infinity.early_step", "infinity.speculative_step",
-                               "infinity.compute_dtype",
+                               "infinity.compute_dtype", "infinity.offload_activations",
                                "infinity.host_memory_budget", "infinity.device_memory_budget"})
 _ZERO_SCALARS = tuple(f.name for f in dataclasses.fields(ZeroConfig)
                       if f.name not in ("offload_optimizer", "offload_param"))

@@ -34,18 +34,21 @@ class InfinitySection:
     """glibc: host allocations of at least this size are mapped and unmapped on their own (and
     the heap is trimmed after each step), so freed gradients and activations go back to the
     system instead of fragmenting the heap (peak RSS); None = leave malloc alone."""
-    offload_activations: Literal["none", "nvme"] = "none"
+    offload_activations: Literal["auto", "none", "nvme"] = "auto"
     """"nvme": tensors the training forward saves for backward go to the swap space and are read
-    back (ahead) in backward, so memory stops growing with depth; "none" keeps them in memory."""
+    back (ahead) in backward, so memory stops growing with depth; "none" keeps them in memory;
+    "auto": "nvme" for a batch whose saved bytes (predicted by the planner from the model's and
+    the batch's shapes) exceed what the host budget leaves beside the engine's pools, else
+    "none" (without a swap directory: "none", with a warning naming the overshoot)."""
     activation_min_bytes: int = 256 * 1024
-    """Saved tensors smaller than this stay in memory (offload_activations "nvme")."""
+    """Saved tensors smaller than this stay in memory (when activations are offloaded)."""
     swap_check: Literal["sampled", "full", "off"] = "sampled"
     """What a swap-in checks of the pages it reads against fingerprints taken when they were
     written: "sampled" (the first and last 8 bytes of each 4 KiB page: a whole file or any range
     reaching a page edge overwritten from outside), "full" (a CRC-32C of every page), or "off"
     (see [Note: swap-space integrity check] in storage/integrity.py)."""
     activation_window: int = 64 * 1024 * 1024
-    """Bytes of swapped activations in memory at a time (offload_activations "nvme"): the newest
+    """Bytes of swapped activations in memory at a time (when offloaded): the newest
     ones are held at the end of the forward, then reads run this far ahead of backward."""
     collective_timeout: float = 1800.0
     """Seconds a collective waits for the other ranks before the run stops with an error naming
@@ -57,11 +60,17 @@ class InfinitySection:
     def mmap_threshold_in_use(self) -> int | None:
         """The malloc threshold the engine sets: with activations offloaded, at most
         ``activation_min_bytes``, so the memory of tensors that leave for NVMe goes back to
-        the system instead of staying in the heap (peak RSS grew ~11 MB a layer without)."""
+        the system instead of staying in the heap (peak RSS grew ~11 MB a layer without).
+        "auto" starts with ``offloaded_mmap_threshold``'s value once it chooses to offload."""
+        if self.offload_activations == "nvme":
+            return self.offloaded_mmap_threshold
+        return self.malloc_mmap_threshold
+
+    @property
+    def offloaded_mmap_threshold(self) -> int | None:
+        """The malloc threshold while activations are offloaded (see ``mmap_threshold_in_use``)."""
         threshold = self.malloc_mmap_threshold
-        if threshold is not None and self.offload_activations == "nvme":
-            return min(threshold, self.activation_min_bytes)
-        return threshold
+        return None if threshold is None else min(threshold, self.activation_min_bytes)
 
     def __post_init__(self) -> None:
         p = "infinity"
@@ -84,7 +93,8 @@ class InfinitySection:
                                   "module class names, e.g. [\"LlamaDecoderLayer\"]")
             set_field(self, "unit_modules", tuple(names))
         check_choice(f"{p}.compute_dtype", self.compute_dtype, ("auto", "fp32", "bf16", "fp16"))
-        check_choice(f"{p}.offload_activations", self.offload_activations, ("none", "nvme"))
+        check_choice(f"{p}.offload_activations", self.offload_activations,
+                     ("auto", "none", "nvme"))
         check_choice(f"{p}.swap_check", self.swap_check, ("sampled", "full", "off"))
         timeout = self.collective_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \

@@ -210,8 +210,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             external[:] = [replacements.get(p, p) for p in external]
             for param in external:
                 self.hook_external_parameter(module, param)
-        self.activation_swapper = activation_swapper(self.config, self.manager, self.units,
-                                                     self.module)
+        self.activation_swapper = activation_swapper(
+            self.config, self.manager, self.units, self.module, sizes=self.sizes,
+            compute_dtype=self.compute_dtype, has_swap=self.manager.nvme_path is not None)
         register_engine(self)
         lr_scheduler = rebind_scheduler(lr_scheduler, self._client_optimizer, self.optimizer)
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)

@@ -16,6 +16,7 @@ from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.config import InfinityConfig
+from infinity.engine.activation_policy import AutoActivationOffload
 from infinity.engine.sizing import EngineSizes, host_budget_note
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
@@ -152,17 +153,35 @@ def _warm_blocks(specs: list[UnitSpec], group_of: dict, dtype: torch.dtype, shar
 
 
 def activation_swapper(config: InfinityConfig, manager: TierManager, units: list[Unit],
-                       model: nn.Module) -> ActivationSwapper | None:
-    """The swapper of saved activations when ``infinity.offload_activations`` is "nvme"."""
+                       model: nn.Module, *, sizes: EngineSizes | None = None,
+                       compute_dtype: torch.dtype | None = None, has_swap: bool = True,
+                       ) -> ActivationSwapper | AutoActivationOffload | None:
+    """The swapper of saved activations for ``infinity.offload_activations``: "nvme" swaps
+    every training forward's, "auto" those of a batch that does not fit in what the host budget
+    leaves (``sizes.activation_room``; see engine/activation_policy.py), "none" gives None."""
     section = config.infinity
-    if section.offload_activations != "nvme":
+    mode = section.offload_activations
+    if mode == "none":
         return None
-    # parameters are views of their unit's flat buffer while fetched (empty when released)
-    storages = {u.flat.untyped_storage()._cdata for u in units}
-    storages |= {p.untyped_storage()._cdata for p in model.parameters()}
-    swapper = ActivationSwapper(
-        manager, min_bytes=section.activation_min_bytes, window_bytes=section.activation_window,
-        is_parameter_storage=lambda t: t.untyped_storage()._cdata in storages)
-    log.info("saved activations of >= %s go to NVMe (%s of them in memory at a time)",
-             format_bytes(section.activation_min_bytes), format_bytes(section.activation_window))
-    return swapper
+    swapper = None
+    if mode == "nvme" or (has_swap and sizes is not None and sizes.activation_staging):
+        # parameters are views of their unit's flat buffer while fetched (empty when released)
+        storages = {u.flat.untyped_storage()._cdata for u in units}
+        storages |= {p.untyped_storage()._cdata for p in model.parameters()}
+        swapper = ActivationSwapper(
+            manager, min_bytes=section.activation_min_bytes,
+            window_bytes=section.activation_window,
+            is_parameter_storage=lambda t: t.untyped_storage()._cdata in storages)
+    if mode == "nvme":
+        log.info("saved activations of >= %s go to NVMe (%s of them in memory at a time)",
+                 format_bytes(section.activation_min_bytes), format_bytes(section.activation_window))
+        return swapper
+    dtype = compute_dtype if compute_dtype is not None else \
+        (units[0].dtype if units else torch.float32)
+    room = sizes.activation_room if sizes is not None else None
+    device = units[0].device if units else torch.device("cpu")
+    return AutoActivationOffload(
+        model, swapper, room if room is not None else 0, dtype.itemsize,
+        largest_unit_numel=max((u.trainable_numel for u in units), default=0),
+        on_device=device.type != "cpu" or room is None,
+        offloaded_mmap_threshold=section.offloaded_mmap_threshold)

@@ -24,7 +24,7 @@ from infinity.planner.sizes import PREFETCH_UNITS, DerivedSizes
 from infinity.planner.tiers import Tier
 
 __all__ = ["EngineSizes", "engine_sizes", "step_slot_count", "accumulate_chunk_numel",
-           "ACCUMULATE_CHUNK_NUMEL", "ACTIVATION_STAGING_BYTES"]
+           "ACCUMULATE_CHUNK_NUMEL", "ACTIVATION_STAGING_BYTES", "activation_staging"]
 
 ACCUMULATE_CHUNK_NUMEL = 2 << 20
 """Elements (8 MiB) of the host chunk through which accumulation adds a gradient kept on NVMe."""
@@ -60,6 +60,13 @@ class EngineSizes:
     """Host bytes of the states whose home is the host (parameters, Adam states, gradients)."""
     host_buffer_bytes: int = 0
     """Host bytes of the pools: fetch slots, step-stream slots, gradient rooms, staging."""
+    activation_staging: bool = False
+    """The activation swapper's staging is in the host buffers ("nvme", or "auto" with a swap
+    directory where the budget has room for it beside the smallest optimizer slots)."""
+    activation_room: int | None = None
+    """Host bytes the host budget leaves beside the engine's homes and pools (and, on a CPU-only
+    machine, the emulated device pool): where activations kept in memory must fit
+    (offload_activations "auto"); None without a host budget."""
 
 
 def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
@@ -171,7 +178,14 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         host += 2 * max_trainable * 4
     if grad_tier == Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
         host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
-    if cfg.infinity.offload_activations == "nvme":
+    staging = cfg.infinity.offload_activations == "nvme"
+    if not staging and activation_staging(cfg):
+        # "auto" takes the staging only where it fits beside the smallest optimizer slots: a
+        # budget that worked without it keeps working (its activations then stay in memory)
+        least = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate,
+                                early_step) * SUB_GROUP_ALIGN * 4 if streamed else 0
+        staging = host_budget is None or host + ACTIVATION_STAGING_BYTES + least <= host_budget
+    if staging:
         host += ACTIVATION_STAGING_BYTES
     if streamed:
         # The optimizer slots get what the other pools leave of the host budget (the planner
@@ -200,4 +214,13 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         max_live_numel=max(max_live, 2 * max(unit_numels, default=0)),
         max_reuse_numel=max_reuse,
         grad_tier=grad_tier, nvme_bytes=nvme, host_home_bytes=homes,
-        host_buffer_bytes=host - homes)
+        host_buffer_bytes=host - homes, activation_staging=staging,
+        activation_room=None if host_budget is None else max(0, host_budget - host))
+
+
+def activation_staging(cfg: InfinityConfig) -> bool:
+    """Whether the activation swapper's staging is budgeted: "nvme", or "auto" with a swap
+    directory to offload to (it may choose to at the first training forward)."""
+    mode = cfg.infinity.offload_activations
+    has_swap = bool(cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path)
+    return mode == "nvme" or (mode == "auto" and has_swap)

@@ -1,0 +1,156 @@
+"""``infinity.offload_activations`` "auto": saved activations go to the swap space only for a
+batch whose saved bytes do not fit in what the host budget leaves.
+
+Why here: the decision needs the batch's shape, which only the training forward has, and the
+engine's sizes; the sizes themselves (the prediction, the room, the choice) are the planner's
+(``infinity.planner.activations``). This module reads the batch from the forward's arguments
+before any of the model runs and turns the swapper's hooks on or off for that forward.
+
+[Note: the host budget and activations]
+The engine's homes and pools (and on a CPU-only machine the emulated device pool) are sized
+within ``infinity.host_memory_budget`` by the planner; what they leave is ``activation_room``
+(``EngineSizes``). Before each training forward the saved bytes of that batch are predicted
+from the model's config and the batch's (size, length); when they exceed the room and a swap
+directory exists, the forward's saved tensors are swapped as with "nvme" (only ``window`` bytes
+of them in memory at a time), else they stay in memory. Without a swap directory an overshoot is
+a warning naming its size, never an error. The interpreter, torch's own allocations (the
+post-import RSS, ~0.2 GiB here) and autograd's temporaries are outside the budget. A batch of
+another shape is decided again (a cheap count); graphs already saved keep their handles, so a
+change between forwards is safe. On a GPU the activations live in device memory, which the host
+budget does not hold: "auto" keeps them there.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.base.log import get_logger
+from infinity.base.malloc_tuning import set_mmap_threshold
+from infinity.base.native_info import record_in_use
+from infinity.planner.activations import (
+    ActivationShape,
+    OffloadChoice,
+    activation_shape_from_hf_config,
+    choose_activation_offload,
+    saved_activation_bytes,
+    step_working_bytes,
+)
+from infinity.zero.activation_swap import ActivationStats, ActivationSwapper
+
+__all__ = ["AutoActivationOffload", "batch_of"]
+
+log = get_logger("engine")
+
+
+def batch_of(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """(sequences, tokens per sequence) of a forward's inputs: ``input_ids`` or
+    ``inputs_embeds``, else the first tensor argument; None when there is none."""
+    tensor = kwargs.get("input_ids")
+    if tensor is None:
+        tensor = kwargs.get("inputs_embeds")
+    if tensor is None:
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        return None
+    if tensor.dim() == 1:
+        return 1, int(tensor.shape[0])
+    return int(tensor.shape[0]), int(tensor.shape[1])
+
+
+class AutoActivationOffload:
+    """The "auto" policy around an activation swapper (None: no swap directory): the engine
+    calls it as it calls an ``ActivationSwapper`` (``hooks``, ``release_forgotten``,
+    ``close``, ``describe``, ``stats``); see [Note: the host budget and activations]."""
+
+    def __init__(self, model: nn.Module, swapper: ActivationSwapper | None, room: int,
+                 itemsize: int, *, largest_unit_numel: int = 0, on_device: bool = False,
+                 offloaded_mmap_threshold: int | None = None) -> None:
+        self.swapper = swapper
+        self.largest_unit_numel = largest_unit_numel
+        self.room = room
+        self.itemsize = itemsize
+        self.on_device = on_device
+        self.shape: ActivationShape | None = activation_shape_from_hf_config(
+            getattr(model, "config", None))
+        self.choice: OffloadChoice | None = None
+        """The choice for the last training forward (None before the first)."""
+        self.active = False
+        self._threshold = offloaded_mmap_threshold
+        self._decided: dict[tuple[int, int], OffloadChoice] = {}
+        self._handle = model.register_forward_pre_hook(self._before_forward, with_kwargs=True,
+                                                       prepend=True)
+
+    @property
+    def stats(self) -> ActivationStats:
+        return self.swapper.stats if self.swapper is not None else ActivationStats()
+
+    def predict(self, batch: int, seq: int) -> int | None:
+        """Saved bytes of a training forward of ``batch`` x ``seq`` tokens (the loss counted: it
+        saves the logits' log-softmax inside the forward or after it)."""
+        if self.shape is None:
+            return None
+        return saved_activation_bytes(self.shape, batch, seq, self.itemsize, with_loss=True)
+
+    def decide(self, batch: int, seq: int) -> OffloadChoice:
+        """The choice for a batch of this shape (made once per shape, logged)."""
+        key = (batch, seq)
+        choice = self._decided.get(key)
+        if choice is None:
+            if self.on_device:
+                choice = OffloadChoice(decision="none", predicted_bytes=self.predict(batch, seq),
+                                       room_bytes=self.room, reason=(
+                                           "activations live in device memory, which the host "
+                                           "budget does not hold: kept there"))
+            else:
+                working = step_working_bytes(self.shape, batch, seq, self.itemsize,
+                                             self.largest_unit_numel)
+                choice = choose_activation_offload(self.predict(batch, seq), self.room,
+                                                   self.swapper is not None, working)
+            self._decided[key] = choice
+            text = f"offload_activations auto, batch {batch} x {seq}: {choice.reason}"
+            if choice.overshoot_bytes:
+                log.warning(text)
+            else:
+                log.info(text)
+            record_in_use("offload_activations", f"{choice.decision} ({choice.reason})")
+        if choice.decision == "nvme" and self._threshold is not None:
+            set_mmap_threshold(self._threshold)   # see InfinitySection.mmap_threshold_in_use
+        return choice
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        shape = batch_of(args, kwargs)
+        if shape is None:
+            self.choice = choose_activation_offload(None, self.room, self.swapper is not None)
+            self.active = False
+            return
+        self.choice = self.decide(*shape)
+        self.active = self.choice.decision == "nvme"
+
+    # -- what the engine calls on a swapper ------------------------------------------------
+    def hooks(self) -> contextlib.AbstractContextManager:
+        """The swapper's hooks when this forward offloads, else nothing."""
+        if self.active and self.swapper is not None:
+            return self.swapper.hooks()
+        return contextlib.nullcontext()
+
+    def release_forgotten(self) -> None:
+        if self.swapper is not None:
+            self.swapper.release_forgotten()
+
+    def close(self) -> None:
+        self._handle.remove()
+        if self.swapper is not None:
+            self.swapper.close()
+
+    def describe(self) -> str:
+        what = self.choice.reason if self.choice is not None else "no training forward yet"
+        swapped = f"; {self.swapper.describe()}" if self.swapper is not None else ""
+        return f"auto: {what}{swapped}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {} if self.choice is None else self.choice.as_dict()

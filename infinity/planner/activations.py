@@ -1,0 +1,187 @@
+"""The bytes autograd saves for backward in one training forward, predicted from the model's
+shape and the batch's, and whether they fit in what the host budget leaves
+(``infinity.offload_activations`` "auto").
+
+Pure: the engine hands in the model's config (read by attribute name, as ``shape.py`` does), the
+batch's size and length, the compute dtype's item size and the room its own sizes leave.
+
+[Note: saved bytes of a Llama-family block]
+Counted from what torch 2.x saves for each op of transformers' Llama / Qwen2 / Mistral decoder
+layer (RMSNorm, rotary embedding, grouped-query attention through
+``scaled_dot_product_attention``, SwiGLU MLP), per token, with ``c`` the compute dtype's bytes,
+``d`` = hidden / heads:
+
+* each RMSNorm (two a block, one at the end): its input upcast to fp32 (``4 h``, the input
+  itself when ``c`` is 4), the fp32 reciprocal RMS (4), the normalized value in the compute
+  dtype (``c h``, for the weight's product) and the weighted output (``c h``, for the next
+  projections, which share it);
+* attention (sdpa): q after the rotary embedding (``c h``), k and v with their KV heads
+  (``2 c kv d``: no repeat, sdpa takes the groups), the output (``c h``, shared with o's input)
+  and the fp32 log-sum-exp (``4 heads``); the eager path instead keeps k and v repeated to
+  every head and the fp32 probabilities and their 16-bit cast (``(4 + c) heads s``);
+* the MLP: gate and up outputs, SiLU's output and down's input (``4 c i``);
+* per sequence the rotary cos and sin (``2 s d c``), per token the int64 ids (8); with labels
+  (the loss inside the forward) the fp32 log-softmax of the logits (``4 V``) and the int64
+  targets (8).
+
+Measured by ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters left
+out) on small random Llama and Qwen2 models in bf16 and fp32, the count is exact
+(tests/unit/test_activation_prediction.py). Other models with a transformers-style config get
+``shape.activation_bytes``' estimate (16-bit ``8 h + 4 i`` a block, logits ``(c + 4) V``),
+marked as estimated; a model without one is not predicted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from infinity.base.sizes import format_bytes
+
+__all__ = ["ActivationShape", "activation_shape_from_hf_config", "saved_activation_bytes",
+           "OffloadChoice", "choose_activation_offload", "step_working_bytes", "LLAMA_FAMILY"]
+
+LLAMA_FAMILY = frozenset({"llama", "qwen2", "mistral"})
+"""``model_type``s whose blocks are counted op by op (see the note above)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationShape:
+    """What the saved bytes of a forward depend on, besides the batch and the dtype."""
+
+    family: Literal["llama", "estimated"]
+    """"llama": counted op by op; "estimated": the generic per-block estimate."""
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    """transformers' attention implementation: sdpa keeps no s x s scores, eager does."""
+
+
+def activation_shape_from_hf_config(config: Any) -> ActivationShape | None:
+    """The shape of a transformers config (Llama-style or GPT-2 names), None when it has no
+    width, depth or vocabulary to read."""
+    def first(*names: str) -> int | None:
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+    hidden = first("hidden_size", "n_embd", "d_model")
+    layers = first("num_hidden_layers", "n_layer", "num_layers")
+    vocab = first("vocab_size")
+    if hidden is None or layers is None or vocab is None:
+        return None
+    heads = first("num_attention_heads", "n_head") or 1
+    impl = getattr(config, "_attn_implementation", None)
+    family = "llama" if getattr(config, "model_type", None) in LLAMA_FAMILY and \
+        hidden % heads == 0 else "estimated"
+    return ActivationShape(
+        family=family, hidden=hidden, layers=layers, vocab=vocab, heads=heads,
+        intermediate=first("intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * hidden,
+        kv_heads=first("num_key_value_heads") or heads,
+        attention="eager" if impl == "eager" else "sdpa")
+
+
+def saved_activation_bytes(shape: ActivationShape, batch: int, seq: int, itemsize: int,
+                           with_loss: bool) -> int:
+    """Bytes autograd saves in one training forward of ``batch`` sequences of ``seq`` tokens in
+    a compute dtype of ``itemsize`` bytes (``with_loss``: labels given, the loss computed inside
+    the forward); see [Note: saved bytes of a Llama-family block]."""
+    if batch < 1 or seq < 1 or itemsize not in (2, 4):
+        raise ValueError(f"saved_activation_bytes: batch {batch}, seq {seq}, itemsize "
+                         f"{itemsize}: expected a batch and a length >= 1, an item size 2 or 4")
+    c, h, i, v = itemsize, shape.hidden, shape.intermediate, shape.vocab
+    tokens = batch * seq
+    loss = (4 * v + 8) * tokens + 4 if with_loss else 0
+    if shape.family == "estimated":
+        per_block = c * (8 * h + 4 * i)
+        return shape.layers * per_block * tokens + (c + 4) * v * tokens + loss
+    d = h // shape.heads
+    norm = 4 * h + 4 + 2 * c * h
+    if shape.attention == "eager":
+        # the fp32 probabilities, and their cast to the compute dtype (none when that is fp32)
+        attention = c * (4 * h) + (4 + (c if c < 4 else 0)) * shape.heads * seq
+    else:
+        attention = c * (2 * h + 2 * shape.kv_heads * d) + 4 * shape.heads
+    block = 2 * norm + attention + 4 * c * i
+    per_token = shape.layers * block + norm + 8
+    return per_token * tokens + 2 * seq * d * c + loss
+
+
+def step_working_bytes(shape: ActivationShape | None, batch: int, seq: int, itemsize: int,
+                       largest_unit_numel: int) -> int:
+    """Bytes a training step holds beside its saved activations and outside the engine's pools,
+    at the turn from forward to backward: autograd's gradient of the largest unit in the compute
+    dtype (before the engine takes it into its budgeted buffers; see HELD_GRADIENT_UNITS in
+    ``calibration.py``) and the logits' working set (the output, its fp32 upcast, the fp32
+    gradient and its cast back). Staying in memory either way, they count against the room
+    before the activations do."""
+    logits = (2 * itemsize + 8) * shape.vocab * batch * seq if shape is not None else 0
+    return logits + largest_unit_numel * itemsize
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadChoice:
+    """What "auto" chose for a batch's saved activations, and why."""
+
+    decision: Literal["nvme", "none"]
+    predicted_bytes: int | None
+    """The saved bytes predicted (None: the model's shape is unknown)."""
+    room_bytes: int
+    """What the host budget leaves beside the engine's own pools."""
+    reason: str
+    working_bytes: int = 0
+    """What the step holds besides (``step_working_bytes``), counted against the room first."""
+
+    @property
+    def overshoot_bytes(self) -> int:
+        """Bytes the activations kept in memory exceed the room by (0 when they fit)."""
+        if self.decision == "nvme" or self.predicted_bytes is None:
+            return 0
+        return max(0, self.predicted_bytes + self.working_bytes - self.room_bytes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"decision": self.decision, "predicted_bytes": self.predicted_bytes,
+                "room_bytes": self.room_bytes, "working_bytes": self.working_bytes,
+                "overshoot_bytes": self.overshoot_bytes,
+                "reason": self.reason}
+
+
+def _mib(nbytes: int) -> str:
+    return format_bytes(nbytes)
+
+
+def choose_activation_offload(predicted: int | None, room: int, has_swap: bool,
+                              working: int = 0) -> OffloadChoice:
+    """"nvme" when the ``predicted`` saved bytes do not fit in the ``room`` the host budget
+    leaves after the step's other ``working`` bytes and there is a swap space to send them to;
+    "none" otherwise (the reason says which case)."""
+    room, working = max(0, room), max(0, working)
+    left = max(0, room - working)
+    if predicted is None:
+        return OffloadChoice(decision="none", predicted_bytes=None, room_bytes=room, reason=(
+            "the model's saved activations cannot be predicted (no transformers-style config "
+            "with a width, depth and vocabulary): kept in memory; set "
+            "infinity.offload_activations \"nvme\" to send them to the swap space"),
+            working_bytes=working)
+    beside = f"the {_mib(left)} the host budget leaves ({_mib(room)} beside the engine's " \
+             f"pools, less {_mib(working)} of the step's gradients and logits)"
+    if predicted <= left:
+        return OffloadChoice(decision="none", predicted_bytes=predicted, room_bytes=room,
+                             working_bytes=working,
+                             reason=f"{_mib(predicted)} predicted fit in {beside}: kept in memory")
+    if not has_swap:
+        return OffloadChoice(decision="none", predicted_bytes=predicted, room_bytes=room,
+                             working_bytes=working, reason=(
+            f"{_mib(predicted)} predicted, {_mib(predicted - left)} more than {beside}, but "
+            "there is no swap space to offload them to (no nvme_path, or no room in the budget "
+            "for the swapper's staging): they stay in memory and peak memory exceeds "
+            "infinity.host_memory_budget by about that much (set zero_optimization."
+            "offload_param or offload_optimizer.nvme_path, or raise the budget)"))
+    return OffloadChoice(decision="nvme", predicted_bytes=predicted, room_bytes=room,
+                         working_bytes=working,
+                         reason=f"{_mib(predicted)} predicted exceed {beside}: offloaded to the "
+                                "swap space")

@@ -1,0 +1,77 @@
+"""infinity.offload_activations "auto" (the default): saved activations go to the swap space when
+the planner's prediction does not fit in what the host budget leaves, and only then; the
+losses equal those of "none" exactly (fp32: autograd gets back the bytes it saved); without a
+swap directory a config that fits no more is a warning naming the overshoot, not an error.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import infinity
+from infinity.base.log import get_logger
+from parity import VOCAB, make_model, with_adamw, zero_config
+
+BATCH = (8, 64)
+"""~7 MiB of saved activations for the small Qwen2 below in fp32 (the planner's count)."""
+
+
+def _train(disk_dir, budget: str, mode: str = "auto", steps: int = 2, nvme: bool = True):
+    model = make_model("qwen2", layers=3, width=64)
+    # a small min_bytes and window, so that the tensors of this tiny model are really written
+    section = {"offload_activations": mode, "host_memory_budget": budget,
+               "activation_min_bytes": 1, "activation_window": "16KiB"}
+    placement = ("nvme", "nvme") if nvme else ("cpu", "cpu")
+    ds = with_adamw(zero_config(3, *placement, str(disk_dir), **section))
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    try:
+        for _ in range(steps):
+            x = torch.randint(0, VOCAB, BATCH, generator=gen)
+            out = engine(input_ids=x, labels=x)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(out.loss.item())
+        return losses, engine.activation_swapper, engine.sizes
+    finally:
+        engine.close()
+
+
+def test_auto_offloads_under_a_small_budget_and_not_under_a_large_one(disk_dir) -> None:
+    small, swapper, sizes = _train(disk_dir, "40MiB")
+    choice = swapper.choice
+    assert sizes.activation_staging, sizes
+    assert choice.decision == "nvme", choice.reason
+    assert choice.predicted_bytes + choice.working_bytes > sizes.activation_room, choice
+    assert swapper.stats.written > 0, swapper.describe()
+
+    large, swapper, sizes = _train(disk_dir, "1GiB")
+    assert swapper.choice.decision == "none", swapper.choice.reason
+    assert swapper.choice.predicted_bytes <= sizes.activation_room, swapper.choice
+    assert swapper.stats.swapped == 0, swapper.describe()
+
+    none, swapper, _ = _train(disk_dir, "40MiB", mode="none")
+    assert swapper is None
+    assert small == none, (small, none)       # the same bytes back: exactly the same losses
+    assert large == none, (large, none)
+
+
+def test_auto_without_a_swap_directory_warns_and_trains(disk_dir, caplog) -> None:
+    """Parameters and optimizer on the host: no swap space. A budget too small for the
+    activations worked with "none" and keeps working with "auto", with the overshoot named."""
+    logger = get_logger()       # the package logger does not propagate to caplog's root
+    logger.addHandler(caplog.handler)
+    try:
+        losses, swapper, sizes = _train(disk_dir, "8MiB", nvme=False)
+    finally:
+        logger.removeHandler(caplog.handler)
+    choice = swapper.choice
+    assert swapper.swapper is None and not sizes.activation_staging
+    assert choice.decision == "none" and choice.overshoot_bytes > 0, choice
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and
+              "offload_activations auto" in r.getMessage()]
+    assert warned and "no swap space" in warned[0].getMessage(), \
+        [r.getMessage() for r in caplog.records]
+    assert all(torch.isfinite(torch.tensor(losses))), losses
