@@ -266,9 +266,12 @@ def _prepare(state: TrainingState, load_dir: Path, tag: str | None, load_module_
     saved = saved_ranks(manifest, directory)
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = False
+    # each rank hashes its share of the files; prepare_load's agreement fails every rank when
+    # one finds a damaged file
     verify_files(directory, manifest, verify_checksums,
                  [model_file(r) for r in range(saved)] +
-                 ([optim_file(r) for r in range(saved)] if load_optimizer_states else []))
+                 ([optim_file(r) for r in range(saved)] if load_optimizer_states else []),
+                 share=(state.rank, state.world_size))
     restore = None if load_module_only else read_restore(
         state, manifest, load_optimizer_states, load_lr_scheduler_states, directory)
     load = CheckpointLoad(state, directory, manifest, restore)

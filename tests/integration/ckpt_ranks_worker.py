@@ -3,7 +3,10 @@
 and trains steps [first, last); the global batch (all ranks' rows) is the same at every world
 size, so a run saved at N ranks and resumed at M must continue as one never interrupted.
 
-argv: out_dir nvme_dir ckpt_root cases_json mode(save|resume) first last
+argv: out_dir nvme_dir ckpt_root cases_json mode(save|resume|resume-damaged) first last
+
+Resuming, each rank records the checkpoint files it hashed (the ranks divide the checking);
+"resume-damaged" expects the load to fail on every rank and records the error.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from pathlib import Path
 import torch
 
 import infinity
+import infinity.checkpoint.directory as checkpoint_directory
 from parity import make_model
 from parity_ranks_worker import case_config, global_batches
 
@@ -28,6 +32,14 @@ def main() -> None:
     rank, world = info.rank, info.world_size
     rows = GLOBAL_ROWS // world
     results = {}
+    hashed: list[str] = []
+    hash_file = checkpoint_directory.sha256_of_file
+
+    def counted_hash(path, *args, **kwargs):
+        hashed.append(Path(path).name)
+        return hash_file(path, *args, **kwargs)
+
+    checkpoint_directory.sha256_of_file = counted_hash
     for case in cases:
         ds = case_config(case, nvme, world)
         ds["train_micro_batch_size_per_gpu"] = rows
@@ -39,6 +51,14 @@ def main() -> None:
         ckpt = root / case["name"]
         try:
             steps = range(0, first) if mode == "save" else range(first, last)
+            hashed.clear()
+            if mode == "resume-damaged":
+                try:
+                    engine.load_checkpoint(ckpt)
+                except infinity.checkpoint.CheckpointError as exc:
+                    results[case["name"]] = {"error": str(exc), "hashed": list(hashed)}
+                    continue
+                raise AssertionError(f"rank {rank}: a damaged checkpoint loaded")
             if mode == "resume":
                 path, client = engine.load_checkpoint(ckpt)
                 assert path is not None and client == {"by": "test"}, (path, client)
@@ -54,7 +74,8 @@ def main() -> None:
                 losses.append(total / accumulation)
             if mode == "save":
                 engine.save_checkpoint(ckpt, client_state={"by": "test"})
-            results[case["name"]] = {"losses": losses, "global_steps": engine.global_steps}
+            results[case["name"]] = {"losses": losses, "global_steps": engine.global_steps,
+                                     "hashed": list(hashed)}
         finally:
             engine.close()
     (out / f"rank{rank}.json").write_text(json.dumps(results))

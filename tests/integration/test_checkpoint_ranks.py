@@ -1,7 +1,9 @@
 """Checkpoints across ranks: saved at 2 ranks (each rank its slices, rank 0 commits), resumed at 1
 and at 4 with the same global batch, the run continues as plain torch that was never
-interrupted (losses within 1e-5 relative); ``consolidated_state_dict`` reads the 2-rank
-checkpoint whole; one rank's files missing is named at load."""
+interrupted (losses within 1e-5 relative); the resuming ranks divide the checksum reading (each
+file hashed once in all) and a damaged file found by one rank fails the load on every rank;
+``consolidated_state_dict`` reads the 2-rank checkpoint whole; one rank's files missing is named
+at load."""
 from __future__ import annotations
 
 import json
@@ -58,6 +60,34 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_another_world_size(saved, wo
             assert abs(got - want) <= 1e-5 * abs(want), (name, world, saved_losses + resumed,
                                                          ref_losses)
         assert all(r[name]["global_steps"] == LAST for r in after)
+        # every file of the 2-rank save (model and optimizer, both ranks) hashed once in all
+        hashed = sorted(f for r in after for f in r[name]["hashed"])
+        assert hashed == sorted(f"rank{r}_{kind}.safetensors" for r in range(2)
+                                for kind in ("model", "optim")), (name, world, hashed)
+
+
+def test_a_damaged_file_found_by_one_rank_fails_the_load_on_every_rank(saved, tmp_path):
+    import shutil
+
+    root, _, nvme = saved
+    case = CASES[0]
+    copy = tmp_path / "ckpts"
+    shutil.copytree(root / case["name"], copy / case["name"])
+    tag = (copy / case["name"] / "latest").read_text().strip()
+    damaged = copy / case["name"] / tag / "rank1_optim.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF             # same size: only the checksum can tell
+    damaged.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    out.mkdir()
+    check_ranks(launch(2, "ckpt_ranks_worker.py", [str(out), str(nvme), str(copy),
+                                                    json.dumps([case]), "resume-damaged",
+                                                    str(FIRST), str(LAST)], timeout=600))
+    results = [r[case["name"]] for r in read_results(out, 2)]
+    finders = [rank for rank, r in enumerate(results) if "rank1_optim.safetensors" in r["hashed"]]
+    assert len(finders) == 1, results          # hashed by one rank only
+    for rank, r in enumerate(results):
+        assert "rank1_optim.safetensors" in r["error"] and "sha256" in r["error"], (rank, r)
 
 
 def test_the_two_rank_checkpoint_reads_whole_without_an_engine(saved):
