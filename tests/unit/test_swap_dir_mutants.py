@@ -311,12 +311,15 @@ def test_reclaim_stale_goes_on_past_live_and_foreign_dirs_and_logs_what_it_freed
     stale, pid = _dead_owner_dir(tmp_path, name=f"{sd.DIR_PREFIX}z-stale", files={"s.bin": 4096})
     assert sorted(sd.find_swap_dirs(tmp_path)) == sorted([live.path, foreign, stale])
     assert sd.find_swap_dirs(tmp_path)[-1] == stale
-    with infinity_log.at_level("INFO", logger="infinity"):
+    with infinity_log.at_level("DEBUG", logger="infinity"):
         done = sd.reclaim_stale(tmp_path)
     assert [r.path for r in done] == [stale] and not stale.exists()
     assert live.path.exists() and foreign.exists()
     assert f"reclaimed swap dir {stale}" in infinity_log.text
     assert f"pid {pid} is gone" in infinity_log.text
+    # INFINITY_LOG_LEVEL=DEBUG says why each other directory was left
+    assert f"not reclaiming {live.path}: {live.path} is in use: its owner pid" in infinity_log.text
+    assert f"skipping {foreign}: {foreign} has no {MARKER_NAME} marker" in infinity_log.text
     live.remove()
 
 
