@@ -67,7 +67,9 @@ class AutoActivationOffload:
 
     def __init__(self, model: nn.Module, swapper: ActivationSwapper | None, room: int,
                  itemsize: int, *, largest_unit_numel: int = 0, on_device: bool = False,
-                 offloaded_mmap_threshold: int | None = None) -> None:
+                 offloaded_mmap_threshold: int | None = None,
+                 no_swap: str = "no nvme_path is set") -> None:
+        self.no_swap = no_swap
         self.swapper = swapper
         self.largest_unit_numel = largest_unit_numel
         self.room = room
@@ -108,7 +110,8 @@ class AutoActivationOffload:
                 working = step_working_bytes(self.shape, batch, seq, self.itemsize,
                                              self.largest_unit_numel)
                 choice = choose_activation_offload(self.predict(batch, seq), self.room,
-                                                   self.swapper is not None, working)
+                                                   self.swapper is not None, working,
+                                                   self.no_swap)
             self._decided[key] = choice
             text = f"offload_activations auto, batch {batch} x {seq}: {choice.reason}"
             if choice.overshoot_bytes:

@@ -21,7 +21,7 @@ from infinity.config import InfinityConfig
 from infinity.planner.engine_sizes import EngineSizes, engine_sizes
 from infinity.planner.inputs import ModelStats, detect_hardware
 from infinity.planner.placement import compute_dtype_choice
-from infinity.planner.sizes import DerivedSizes, derive_sizes
+from infinity.planner.sizes import DerivedSizes, derive_sizes, host_allowed
 from infinity.storage.preflight import free_bytes
 from infinity.storage.tiers import Tier
 from infinity.zero.partition import UnitSpec
@@ -62,7 +62,27 @@ def derive(cfg: InfinityConfig, specs: list[UnitSpec],
     dtype, why = compute_dtype_choice(cfg, hw)
     record_in_use("compute_dtype", f"{dtype} ({why})")
     log.info("compute dtype %s: %s", dtype, why)
-    return derive_sizes(cfg, _stats(specs), hw)
+    derived = derive_sizes(cfg, _stats(specs), hw)
+    resident = resident_bytes()
+    if resident is not None:
+        # [Note: the host budget and activations] in engine/activation_policy.py
+        log.info("host budget %s: the engine's pools and the activations it keeps in memory; "
+                 "outside it, the %s this process already holds (the interpreter, torch and "
+                 "its libraries, the model as built) and autograd's temporaries",
+                 format_bytes(host_allowed(cfg, hw)), format_bytes(resident))
+    return derived
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (VmRSS), None where /proc does not tell."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def speculation_possible(cfg: InfinityConfig, stage: int, param_tier: Tier,

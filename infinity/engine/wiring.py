@@ -18,6 +18,7 @@ from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.config import InfinityConfig
 from infinity.engine.activation_policy import AutoActivationOffload
 from infinity.engine.sizing import EngineSizes, host_budget_note
+from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier, deeper
@@ -182,6 +183,12 @@ def activation_swapper(config: InfinityConfig, manager: TierManager, units: list
     device = units[0].device if units else torch.device("cpu")
     return AutoActivationOffload(
         model, swapper, room if room is not None else 0, dtype.itemsize,
-        largest_unit_numel=max((u.trainable_numel for u in units), default=0),
+        # autograd's gradient of a unit counts against the room unless sizes reserved it
+        largest_unit_numel=0 if sizes is not None and sizes.gradient_reserve_bytes else
+        max((u.trainable_numel for u in units), default=0),
         on_device=device.type != "cpu" or room is None,
-        offloaded_mmap_threshold=section.offloaded_mmap_threshold)
+        offloaded_mmap_threshold=section.offloaded_mmap_threshold,
+        no_swap="no swap directory: set zero_optimization.offload_param or offload_optimizer "
+                ".nvme_path" if not has_swap else
+                f"the host budget leaves no room beside the engine's pools for the swapper's "
+                f"{format_bytes(ACTIVATION_STAGING_BYTES)} of staging")

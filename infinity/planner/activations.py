@@ -155,10 +155,11 @@ def _mib(nbytes: int) -> str:
 
 
 def choose_activation_offload(predicted: int | None, room: int, has_swap: bool,
-                              working: int = 0) -> OffloadChoice:
+                              working: int = 0, no_swap: str = "no nvme_path is set"
+                              ) -> OffloadChoice:
     """"nvme" when the ``predicted`` saved bytes do not fit in the ``room`` the host budget
     leaves after the step's other ``working`` bytes and there is a swap space to send them to;
-    "none" otherwise (the reason says which case)."""
+    "none" otherwise (the reason says which case; ``no_swap``: why there is no swap space)."""
     room, working = max(0, room), max(0, working)
     left = max(0, room - working)
     if predicted is None:
@@ -177,10 +178,9 @@ def choose_activation_offload(predicted: int | None, room: int, has_swap: bool,
         return OffloadChoice(decision="none", predicted_bytes=predicted, room_bytes=room,
                              working_bytes=working, reason=(
             f"{_mib(predicted)} predicted, {_mib(predicted - left)} more than {beside}, but "
-            "there is no swap space to offload them to (no nvme_path, or no room in the budget "
-            "for the swapper's staging): they stay in memory and peak memory exceeds "
-            "infinity.host_memory_budget by about that much (set zero_optimization."
-            "offload_param or offload_optimizer.nvme_path, or raise the budget)"))
+            f"they cannot be offloaded ({no_swap}): they stay in memory and peak memory "
+            "exceeds infinity.host_memory_budget by about that much (raise the budget, or give "
+            "the swap space room)"))
     return OffloadChoice(decision="nvme", predicted_bytes=predicted, room_bytes=room,
                          working_bytes=working,
                          reason=f"{_mib(predicted)} predicted exceed {beside}: offloaded to the "

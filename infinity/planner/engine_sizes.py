@@ -63,10 +63,16 @@ class EngineSizes:
     activation_staging: bool = False
     """The activation swapper's staging is in the host buffers ("nvme", or "auto" with a swap
     directory where the budget has room for it beside the smallest optimizer slots)."""
+    step_reserve_bytes: int = 0
+    """Host bytes the optimizer slots leave for the step beside the pools: on a CPU device
+    autograd's gradient of the largest unit, with activation staging two windows of swapped
+    activations (see [Note: room kept for the step])."""
+    gradient_reserve_bytes: int = 0
+    """Of ``step_reserve_bytes``, autograd's gradient of the largest unit (0 off a CPU device)."""
     activation_room: int | None = None
     """Host bytes the host budget leaves beside the engine's homes and pools (and, on a CPU-only
-    machine, the emulated device pool): where activations kept in memory must fit
-    (offload_activations "auto"); None without a host budget."""
+    machine, the emulated device pool) and the step's reserve: where activations kept in memory
+    must fit (offload_activations "auto"); None without a host budget."""
 
 
 def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
@@ -187,12 +193,18 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         staging = host_budget is None or host + ACTIVATION_STAGING_BYTES + least <= host_budget
     if staging:
         host += ACTIVATION_STAGING_BYTES
+    # [Note: room kept for the step] on a CPU device autograd's gradient of a unit (in the
+    # compute dtype, before the engine takes it into its buffers) is host memory outside the
+    # pools, and so are the swapped activations' held tail and reads ahead (a window each):
+    # the optimizer slots leave room for them, so that the budget holds the step
+    gradient_reserve = max_trainable * itemsize if direct_fetch else 0
+    reserve = gradient_reserve + (2 * cfg.infinity.activation_window if staging else 0)
     if streamed:
         # The optimizer slots get what the other pools leave of the host budget (the planner
         # sized the sub-group for its own count of slots, which the deferred schedule exceeds).
         slots = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate, early_step)
         if host_budget is not None:
-            room = int(0.95 * (host_budget - host)) // (slots * 4)
+            room = int(0.95 * max(0, host_budget - host - reserve)) // (slots * 4)
             sub_group = max(SUB_GROUP_ALIGN,
                             min(sub_group, room // SUB_GROUP_ALIGN * SUB_GROUP_ALIGN))
         host += slots * padded_numel(min(sub_group, max(max(state_shares, default=0), 1)),
@@ -214,8 +226,9 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         max_live_numel=max(max_live, 2 * max(unit_numels, default=0)),
         max_reuse_numel=max_reuse,
         grad_tier=grad_tier, nvme_bytes=nvme, host_home_bytes=homes,
-        host_buffer_bytes=host - homes, activation_staging=staging,
-        activation_room=None if host_budget is None else max(0, host_budget - host))
+        host_buffer_bytes=host - homes, activation_staging=staging, step_reserve_bytes=reserve,
+        gradient_reserve_bytes=gradient_reserve,
+        activation_room=None if host_budget is None else max(0, host_budget - host - reserve))
 
 
 def activation_staging(cfg: InfinityConfig) -> bool:

@@ -72,6 +72,6 @@ def test_auto_without_a_swap_directory_warns_and_trains(disk_dir, caplog) -> Non
     assert choice.decision == "none" and choice.overshoot_bytes > 0, choice
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and
               "offload_activations auto" in r.getMessage()]
-    assert warned and "no swap space" in warned[0].getMessage(), \
+    assert warned and "no swap directory" in warned[0].getMessage(), \
         [r.getMessage() for r in caplog.records]
     assert all(torch.isfinite(torch.tensor(losses))), losses

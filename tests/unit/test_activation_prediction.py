@@ -100,9 +100,10 @@ def test_auto_offloads_what_does_not_fit_and_only_that() -> None:
     large = choose_activation_offload(100 * mib, room=140 * mib, has_swap=True, working=30 * mib)
     assert large.decision == "none" and large.overshoot_bytes == 0, large
     # no swap space: kept in memory, the overshoot named (a warning, never an error)
-    stuck = choose_activation_offload(100 * mib, room=120 * mib, has_swap=False, working=30 * mib)
+    stuck = choose_activation_offload(100 * mib, room=120 * mib, has_swap=False, working=30 * mib,
+                                      no_swap="no swap directory")
     assert stuck.decision == "none" and stuck.overshoot_bytes == 10 * mib, stuck
-    assert "10.00 MiB more" in stuck.reason and "no swap space" in stuck.reason, stuck.reason
+    assert "10.00 MiB more" in stuck.reason and "no swap directory" in stuck.reason, stuck.reason
     unknown = choose_activation_offload(None, room=0, has_swap=True)
     assert unknown.decision == "none" and "cannot be predicted" in unknown.reason
 

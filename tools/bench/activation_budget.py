@@ -79,6 +79,7 @@ def worker(kind: str, spec: dict) -> None:
         import infinity  # noqa: F401 - the baseline is RSS after this import
 
         res["rss_after_import_bytes"] = C.proc_status()["VmRSS"]
+        spec["sampler"] = sampler
         if kind == "ours":
             torch.set_num_threads(spec["threads"])
             _ours(spec, res)
@@ -100,20 +101,27 @@ def _ours(spec: dict, res: dict) -> None:
     with infinity.zero.Init(config=dsc):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     res["n_params"] = sum(p.numel() for p in model.parameters())
+    res["rss_before_engine_bytes"] = C.proc_status()["VmRSS"]
     engine, *_ = infinity.initialize(model=model, config=dsc)
+    sampler = spec["sampler"]
     gen = torch.Generator().manual_seed(spec["seed"] + 1)
     try:
         res["vm_hwm_after_init_bytes"] = C.proc_status()["VmHWM"]
         res["engine_sizes"] = {k: (v.name if hasattr(v, "name") else v)
                                for k, v in vars(engine.sizes).items()}
-        losses, steps, hwm = [], [], []
+        losses, steps, hwm, phases = [], [], [], []
         for _ in range(spec["steps"]):
             ids = torch.randint(0, cfg.vocab_size, (spec["mbs"], spec["seq"]), generator=gen)
             start = time.perf_counter()
+            sampler.take_peak()
             out = engine(input_ids=ids, labels=ids)
+            fwd = sampler.take_peak()
             engine.backward(out.loss)
+            bwd = sampler.take_peak()
             engine.step()
             steps.append(time.perf_counter() - start)
+            # the sampler's RSS peak (50 ms samples) in each phase
+            phases.append({"fwd": fwd, "bwd": bwd, "step": sampler.take_peak()})
             losses.append(float(out.loss))
             del out
             hwm.append(C.proc_status()["VmHWM"])
@@ -126,11 +134,14 @@ def _ours(spec: dict, res: dict) -> None:
         if choice is not None:
             res["auto_choice"] = choice.as_dict()
         res["host_describe"] = engine.manager.describe()
+        # what the budgets held at most (bytes reserved), beside what the process held
+        res["budget_peaks"] = {"host": engine.manager.host_budget.peak,
+                               "device": engine.manager.device_budget.peak}
         res["native_info"] = infinity.native_info()
     finally:
         engine.close()
         os.rmdir(nvme)
-    res.update(losses=losses, step_s=steps, vm_hwm_per_step=hwm)
+    res.update(losses=losses, step_s=steps, vm_hwm_per_step=hwm, rss_phases=phases)
 
 
 # =========================================================================== driver
@@ -165,11 +176,17 @@ def report(args: argparse.Namespace, machine: dict, baseline: dict, rounds: list
         for mode, res in runs.items():
             choice = res.get("auto_choice") or {}
             peak = res.get("vm_hwm_bytes")
+            held = res.get("budget_peaks") or {}
+            phase = res.get("rss_phases") or []
+            where = max(("fwd", "bwd", "step"), key=lambda k: max(
+                (p[k] for p in phase), default=0)) if phase else "-"
             rows.append([rnd, mode, C.gib(peak), C.gib(bar),
                          ("yes" if peak <= bar else "no") if res.get("ok") and peak else
                          "failed: " + str(res.get("error"))[:80],
                          choice.get("decision", "-"), C.gib(choice.get("predicted_bytes")),
                          C.gib(choice.get("room_bytes")),
+                         C.gib(res.get("rss_before_engine_bytes")),
+                         C.gib(sum(held.values())) if held else None, where,
                          C.median(res.get("step_s", [])[1:]),
                          " ".join(f"{x:.4f}" for x in res.get("losses", []))])
     lines = [f"activation_budget: {args.model}, micro-batch {args.mbs} x {args.seq} tokens, "
@@ -181,6 +198,8 @@ def report(args: argparse.Namespace, machine: dict, baseline: dict, rounds: list
              f"native_info: {json.dumps(machine.get('native_info'))}", "",
              C.markdown_table(["round", "offload_activations", "peak RSS GiB", "bar GiB",
                                "within", "auto chose", "predicted GiB", "room GiB",
+                               "RSS before the engine GiB", "budgets' peak held GiB",
+                               "peak in",
                                "median step s (after the first)", "losses"], rows)]
     return "\n".join(lines)
 
