@@ -422,3 +422,15 @@ def test_names_ending_in_a_newline_are_not_ours(tmp_path):
     with pytest.raises(sd.NotOursError):
         sd.reclaim(path)
     assert path.is_dir()
+
+
+def test_a_lock_that_cannot_be_taken_fails_create_with_its_error_and_leaves_nothing(tmp_path,
+                                                                                   monkeypatch):
+    """A filesystem whose flock fails: create raises the lock's error (not one of its cleanup)
+    and leaves no directory behind."""
+    def no_flock(fd, op):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(sd.fcntl, "flock", no_flock)
+    with pytest.raises(OSError, match="Function not implemented"):
+        SwapDir.create(tmp_path)
+    assert list(tmp_path.iterdir()) == []
