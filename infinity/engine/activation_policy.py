@@ -82,8 +82,11 @@ class AutoActivationOffload:
         self.active = False
         self._threshold = offloaded_mmap_threshold
         self._decided: dict[tuple[int, int], OffloadChoice] = {}
-        self._handle = model.register_forward_pre_hook(self._before_forward, with_kwargs=True,
-                                                       prepend=True)
+        # a function, not the bound method: copy.deepcopy(model) copies a bound method's object
+        # (this policy, its swapper's locks: "cannot pickle '_thread.lock'"), a function it shares
+        self._handle = model.register_forward_pre_hook(
+            lambda module, args, kwargs: self._before_forward(module, args, kwargs),
+            with_kwargs=True, prepend=True)
 
     @property
     def stats(self) -> ActivationStats:
