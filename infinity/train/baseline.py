@@ -6,6 +6,18 @@ shared/peers/RESULTS.md), and a real option for models that fit in memory. It of
 methods the training loop uses (``train``, call, ``backward``, ``step``, ``step_stats``,
 ``get_lr``, ``close``) and reads the same ds_config sections (optimizer, scheduler, gradient
 clipping, gradient accumulation); ZeRO and offload sections have no effect on it.
+
+[Note: the baseline's compute dtype]
+The baseline computes in the engine's compute dtype, chosen by the same rule
+(``infinity.planner.placement.compute_dtype_choice``: an explicit ``infinity.compute_dtype``,
+else "auto", which is bf16 on a CPU that multiplies bf16 natively): a comparison of the two
+engines is then one of the same arithmetic. In bf16 it runs the engine's recipe in plain torch:
+the parameters are bf16 (forward and backward in bf16), each has an fp32 master that AdamW steps
+(its gradient is the bf16 gradient widened, clipped over the masters), and the parameters are
+rounded from the masters after each step -- what tests/integration/test_cpu_bf16_compute.py
+holds the engine to. Buffers stay as built, as in the engine; floating inputs are cast to bf16
+when "auto" chose it, as the engine casts them. fp16 (loss-scaled) is not reproduced: it runs
+fp32, with a warning.
 """
 from __future__ import annotations
 
@@ -15,9 +27,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity.base.log import get_logger
 from infinity.config import InfinityConfig
 from infinity.config.optimizer import MISSING_OPTIMIZER
 from infinity.optim.schedules import build_scheduler
+
+_log = get_logger("train.baseline")
+
+
+def baseline_compute_dtype(config: InfinityConfig) -> torch.dtype:
+    """The dtype the baseline computes in (see [Note: the baseline's compute dtype])."""
+    from infinity.planner.inputs import detect_hardware
+    from infinity.planner.placement import compute_dtype_choice
+
+    name, why = compute_dtype_choice(config, detect_hardware())
+    if name == "fp16":
+        _log.warning("torch baseline: compute dtype fp16 (%s) is not reproduced (no loss "
+                     "scaling here): it computes in fp32", why)
+        return torch.float32
+    _log.info("torch baseline: compute dtype %s (%s)", name, why)
+    return torch.bfloat16 if name == "bf16" else torch.float32
 
 
 class TorchBaselineEngine:
@@ -30,9 +59,21 @@ class TorchBaselineEngine:
         if opt is None:
             raise ValueError(MISSING_OPTIMIZER.format(call="the run"))
         params = [p for p in model.parameters() if p.requires_grad]
+        self.compute_dtype = baseline_compute_dtype(config)
+        self._cast_inputs = config.infinity.compute_dtype == "auto" and \
+            self.compute_dtype != torch.float32
+        self._params = params
+        self._masters: list[torch.Tensor] | None = None
+        if self.compute_dtype != torch.float32:
+            # fp32 masters taken before any rounding, then the model's parameters in bf16
+            self._masters = [p.detach().clone().float() for p in params]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data = p.data.to(self.compute_dtype)
         # Adam with decoupled weight decay is AdamW; plain Adam (adam_w_mode off) is L2 decay.
         cls = torch.optim.AdamW if opt.adam_w_mode else torch.optim.Adam
-        self.optimizer = cls(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+        self.optimizer = cls(self._masters if self._masters is not None else params, lr=opt.lr,
+                             betas=tuple(opt.betas), eps=opt.eps,
                              weight_decay=opt.weight_decay, fused=True)
         self.lr_scheduler = build_scheduler(config, self.optimizer, None)
         self._accumulation = config.gradient_accumulation_steps or 1
@@ -51,6 +92,9 @@ class TorchBaselineEngine:
         if self._step_started is None:
             self._step_started = time.perf_counter()
         start = time.perf_counter()
+        if self._cast_inputs:
+            args = tuple(self._cast(a) for a in args)
+            kwargs = {k: self._cast(v) for k, v in kwargs.items()}
         out = self.module(*args, **kwargs)
         self._phase["compute_s"] += time.perf_counter() - start
         return out
@@ -69,9 +113,19 @@ class TorchBaselineEngine:
         if self.micro_steps % self._accumulation:
             return
         start = time.perf_counter()
+        stepped = self._params
+        if self._masters is not None:   # the bf16 gradients, widened, are the masters'
+            for master, p in zip(self._masters, self._params):
+                master.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+            stepped = self._masters
         if self.config.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
+            torch.nn.utils.clip_grad_norm_(stepped, self.config.gradient_clipping)
         self.optimizer.step()
+        if self._masters is not None:
+            with torch.no_grad():
+                for master, p in zip(self._masters, self._params):
+                    p.copy_(master)
         held = self._held_bytes()  # parameters, gradients and moments, before the grads go
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
@@ -103,10 +157,15 @@ class TorchBaselineEngine:
         """Nothing on disk to remove; drop the optimizer states."""
         self.optimizer.state.clear()
 
+    def _cast(self, value: Any) -> Any:
+        return value.to(self.compute_dtype) if isinstance(value, torch.Tensor) and \
+            value.is_floating_point() else value
+
     def _held_bytes(self) -> int:
-        """Parameters, gradients and optimizer moments held (all in the DEVICE tier here)."""
+        """Parameters (and fp32 masters), gradients and optimizer moments held (all in the
+        DEVICE tier here)."""
         total = 0
-        for p in self.module.parameters():
+        for p in [*self.module.parameters(), *(self._masters or [])]:
             total += p.numel() * p.element_size()
             if p.grad is not None:
                 total += p.grad.numel() * p.grad.element_size()
