@@ -701,3 +701,103 @@ def test_a_tag_ending_in_a_newline_is_refused(tmp_path: Path) -> None:
         d.check_tag("t\n")
     (tmp_path / ".t.partial.0123abcd\n").mkdir()     # not a staging name of ours either
     assert d.staging_dirs(tmp_path) == []
+
+
+# -- from the first run of directory.py with the tests above (its survivors that were real gaps) ----
+
+def test_exchange_works_on_relative_paths(tmp_path: Path, monkeypatch) -> None:
+    """A save_dir given relative to the working directory (``save_checkpoint("ckpt", ...)``)."""
+    if not _can_exchange(tmp_path):
+        pytest.skip("this filesystem cannot exchange directories (RENAME_EXCHANGE)")
+    monkeypatch.chdir(tmp_path)
+    Path("a").mkdir()
+    Path("b").mkdir()
+    Path("a", "in_a").write_text("")
+    assert d._exchange(Path("a"), Path("b")) is True
+    assert os.listdir(tmp_path / "b") == ["in_a"]
+
+
+def test_prepare_staging_adopts_only_its_own_tags_staging(tmp_path: Path) -> None:
+    other = tmp_path / ".a.partial.0123abcd"        # sorts before the tag's own
+    other.mkdir()
+    (other / "notes.txt").write_text("a user's file of tag a, whose directory is gone")
+    own = tmp_path / ".t.partial.89abcdef"
+    own.mkdir()
+    (own / "rank0_model.safetensors").write_text("half written")
+    staging = d.prepare_staging(tmp_path, "t")
+    assert staging.is_dir() and os.listdir(staging) == []      # adopted own, emptied, kept
+    assert not own.exists()
+    assert os.listdir(other) == ["notes.txt"]                  # not adopted into tag t
+
+
+def test_prepare_staging_cleans_every_other_left_staging_of_the_tag(tmp_path: Path) -> None:
+    for token in ("0123abcd", "89abcdef", "aaaaaaaa"):
+        (tmp_path / f".t.partial.{token}").mkdir()
+        (tmp_path / f".t.partial.{token}" / "rank0_optim.safetensors").write_text(token)
+    staging = d.prepare_staging(tmp_path, "t")
+    assert d.staging_dirs(tmp_path) == [staging] and os.listdir(staging) == []
+
+
+def test_a_stale_stagings_half_written_shards_never_go_into_the_tag(tmp_path: Path) -> None:
+    """A save killed before its manifest: its shards are not the committed tag's, even where
+    the tag has no file of that name (it was saved at another world size)."""
+    tag = _write_tag(tmp_path, "t", {"rank0_model.safetensors": "committed"})
+    stale = tmp_path / ".t.partial.0123abcd"
+    stale.mkdir()
+    (stale / "rank1_model.safetensors").write_text("half written")
+    (stale / d.MANIFEST).write_text(_manifest(["rank1_model.safetensors"]))
+    (stale / "notes.txt").write_text("the user's")
+    assert d.clean_stale_staging(tmp_path) == [stale]
+    assert sorted(os.listdir(tag)) == [d.MANIFEST, "notes.txt", "rank0_model.safetensors"]
+    assert json.loads((tag / d.MANIFEST).read_text())["files"] == json.loads(
+        _manifest(["rank0_model.safetensors"]))["files"]
+
+
+def test_remove_checkpoint_files_of_a_regular_file_warns_and_leaves_it(tmp_path: Path,
+                                                                      ckpt_log) -> None:
+    path = tmp_path / "rank0_model.safetensors"
+    path.write_text("keep")
+    d.remove_checkpoint_files(path)
+    assert path.read_text() == "keep"
+    assert f"not cleaning {path}: [Errno {errno.ENOTDIR}]" in ckpt_log.text
+
+
+def test_not_cleaning_a_symlinked_directory_says_why(tmp_path: Path, ckpt_log) -> None:
+    real = _write_tag(tmp_path, "real", {})
+    link = tmp_path / "link"
+    os.symlink(real, link)
+    d.remove_checkpoint_files(link)
+    assert f"not cleaning {link}: [Errno " in ckpt_log.text
+
+
+def test_a_version_mismatch_message_ends_with_the_version_read(tmp_path: Path) -> None:
+    (tmp_path / d.MANIFEST).write_text(json.dumps({"format": d.FORMAT, "version": 0}))
+    with pytest.raises(d.CheckpointError) as info:
+        d.read_manifest_file(tmp_path)
+    assert str(info.value).endswith(f"this version of infinity reads version {d.VERSION}")
+
+
+def test_resolve_messages_list_tags_and_entries_exactly(tmp_path: Path) -> None:
+    for tag in ("a", "b"):
+        _write_tag(tmp_path, tag, {})
+    (tmp_path / ".u.partial.0123abcd").mkdir()      # another tag's interrupted save
+    with pytest.raises(d.CheckpointError) as info:
+        d.resolve(tmp_path, "t")
+    assert str(info.value) == (f"no checkpoint 't' in {tmp_path}; checkpoints there: a, b. "
+                               "Pass tag= to load another one")
+    tag = tmp_path / "t"
+    tag.mkdir()
+    for i in range(6):
+        (tag / f"rank{i}_model.safetensors").write_text("")
+    with pytest.raises(d.CheckpointError) as info:
+        d.resolve(tmp_path, "t")
+    listed = ", ".join(f"rank{i}_model.safetensors" for i in range(6))
+    assert f"(the directory holds: {listed}); other checkpoints there: a, b. Pass" in str(info.value)
+
+
+def test_write_latest_that_cannot_create_its_file_reports_that(tmp_path: Path) -> None:
+    gone = tmp_path / "removed-meanwhile"
+    with pytest.raises(OSError) as info:
+        d.write_latest(gone, "t")
+    assert info.value.errno == errno.ENOENT
+    assert f"checkpoint t is saved whole in {gone / 't'}, but {gone / d.LATEST} could not" in str(info.value)
