@@ -115,3 +115,44 @@ def test_step_working_bytes_counts_the_largest_unit_and_the_logits() -> None:
     assert step_working_bytes(None, 2, 8, 4, 1000) == 4000
     with pytest.raises(ValueError, match="batch 0"):
         saved_activation_bytes(shape, 0, 8, 2, True)
+
+
+class _StubSwapper:
+    """Stands in for the engine's ActivationSwapper: only whether its hooks are entered matters."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+
+    def hooks(self):
+        import contextlib
+
+        self.entered += 1
+        return contextlib.nullcontext()
+
+
+def test_auto_policy_decides_before_each_training_forward_by_its_batch() -> None:
+    from infinity.engine.activation_policy import AutoActivationOffload, batch_of
+
+    model, cfg = _model("llama", "sdpa")
+    shape = activation_shape_from_hf_config(cfg)
+    room = saved_activation_bytes(shape, 2, 32, 4, True) + step_working_bytes(shape, 2, 32, 4, 0)
+    swapper = _StubSwapper()
+    policy = AutoActivationOffload(model, swapper, room, 4)     # type: ignore[arg-type]
+    try:
+        small = torch.randint(0, cfg.vocab_size, (2, 32))
+        model(input_ids=small, labels=small)
+        assert policy.choice.decision == "none" and not policy.active, policy.choice
+        large = torch.randint(0, cfg.vocab_size, (2, 33))          # one token per row more
+        model(input_ids=large, labels=large)
+        assert policy.choice.decision == "nvme" and policy.active, policy.choice
+        with policy.hooks():
+            pass
+        assert swapper.entered == 1
+        model.eval()
+        model(input_ids=small)                                     # no training: no decision
+        assert policy.choice.decision == "nvme"
+    finally:
+        policy._handle.remove()
+    assert batch_of((), {"inputs_embeds": torch.zeros(3, 7, 4)}) == (3, 7)
+    assert batch_of((torch.zeros(5, dtype=torch.long),), {}) == (1, 5)
+    assert batch_of((), {"labels": None}) is None
