@@ -232,7 +232,11 @@ def predict_run(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, hw: H
     if rates.layer_rss_bytes is not None:     # measured per block; the logits as counted
         acts += shape.layers * (rates.layer_rss_bytes - activation_bytes(
             dataclasses.replace(shape, layers=1, vocab=0), seq_len, micro_batch, False, lay.c))
-    if cfg.infinity.offload_activations == "nvme":
+    mode = cfg.infinity.offload_activations
+    # "auto" offloads when they exceed the room the engine's sizes leave (engine/
+    # activation_policy.py, there from the exact count; here from this estimate)
+    if mode == "nvme" or (mode == "auto" and es.activation_staging and
+                          es.activation_room is not None and acts > es.activation_room):
         acts = activation_bytes(shape, seq_len, micro_batch, True, lay.c)   # one block's set
     pool = (es.device_budget or 0) if device_pool_bytes is None else device_pool_bytes
     parts = {"runtime": rates.runtime_rss_bytes, "host pools": host_pools, "device pool": pool,
