@@ -24,10 +24,26 @@ layer (RMSNorm, rotary embedding, grouped-query attention through
   (the loss inside the forward) the fp32 log-softmax of the logits (``4 V``) and the int64
   targets (8).
 
+[Note: saved bytes of a GPT-2 block]
+transformers' GPT-2 (LayerNorm, one fused q/k/v projection, sdpa, GELU "new"), per token:
+
+* each LayerNorm (two a block, one at the end): its input and its output (``2 c h``), the mean
+  and the reciprocal deviation (``2 c``);
+* attention without attention dropout (sdpa's fused kernel): the q/k/v projection's output,
+  whose views q, k and v are (``3 c h``), the output (``c h``) and the fp32 log-sum-exp
+  (``4 heads``); with attention dropout sdpa takes its math path in fp32: q, k and v upcast
+  (``12 h``; in fp32 with one sequence v stays a view of the whole q/k/v output: ``8 h``
+  more), the probabilities, the dropout mask and the dropped probabilities (``12 heads s``), and
+  the output (``c h``);
+* the MLP: the fc output, the tanh, the inner sum and product of GELU "new", and the
+  projection's input (``5 c i``);
+* dropout masks (``c h``): two a block with residual dropout, one with embedding dropout;
+* per sequence the int64 positions (``8 s``); the ids and the loss as for Llama.
+
 Measured by ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters left
-out) on small random Llama and Qwen2 models in bf16 and fp32, the count is exact
-(tests/unit/test_activation_prediction.py). Other models with a transformers-style config get
-``shape.activation_bytes``' estimate (16-bit ``8 h + 4 i`` a block, logits ``(c + 4) V``),
+out) on small random Llama, Qwen2, Mistral and GPT-2 models in bf16 and fp32, the counts are
+exact (tests/unit/test_activation_prediction.py). Other models with a transformers-style config
+get ``shape.activation_bytes``' estimate (16-bit ``8 h + 4 i`` a block, logits ``(c + 4) V``),
 marked as estimated; a model without one is not predicted.
 """
 from __future__ import annotations
@@ -48,8 +64,8 @@ LLAMA_FAMILY = frozenset({"llama", "qwen2", "mistral"})
 class ActivationShape:
     """What the saved bytes of a forward depend on, besides the batch and the dtype."""
 
-    family: Literal["llama", "estimated"]
-    """"llama": counted op by op; "estimated": the generic per-block estimate."""
+    family: Literal["llama", "gpt2", "estimated"]
+    """"llama", "gpt2": counted op by op; "estimated": the generic per-block estimate."""
     hidden: int
     intermediate: int
     layers: int
@@ -58,6 +74,8 @@ class ActivationShape:
     kv_heads: int
     attention: Literal["sdpa", "eager"] = "sdpa"
     """transformers' attention implementation: sdpa keeps no s x s scores, eager does."""
+    dropout: tuple[bool, bool, bool] = (False, False, False)
+    """GPT-2: whether attention, residual and embedding dropout are on (they save masks)."""
 
 
 def activation_shape_from_hf_config(config: Any) -> ActivationShape | None:
@@ -76,13 +94,20 @@ def activation_shape_from_hf_config(config: Any) -> ActivationShape | None:
         return None
     heads = first("num_attention_heads", "n_head") or 1
     impl = getattr(config, "_attn_implementation", None)
-    family = "llama" if getattr(config, "model_type", None) in LLAMA_FAMILY and \
-        hidden % heads == 0 else "estimated"
+    attention = "eager" if impl == "eager" else "sdpa"
+    model_type = getattr(config, "model_type", None)
+    family = "estimated"
+    if model_type in LLAMA_FAMILY and hidden % heads == 0:
+        family = "llama"
+    elif model_type == "gpt2" and attention == "sdpa" and hidden % heads == 0:
+        family = "gpt2"
+    dropout = tuple(bool(getattr(config, name, 0.0) or 0.0)
+                    for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"))
     return ActivationShape(
         family=family, hidden=hidden, layers=layers, vocab=vocab, heads=heads,
         intermediate=first("intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * hidden,
-        kv_heads=first("num_key_value_heads") or heads,
-        attention="eager" if impl == "eager" else "sdpa")
+        kv_heads=first("num_key_value_heads") or heads, attention=attention,
+        dropout=dropout)  # type: ignore[arg-type]
 
 
 def saved_activation_bytes(shape: ActivationShape, batch: int, seq: int, itemsize: int,
@@ -99,6 +124,8 @@ def saved_activation_bytes(shape: ActivationShape, batch: int, seq: int, itemsiz
     if shape.family == "estimated":
         per_block = c * (8 * h + 4 * i)
         return shape.layers * per_block * tokens + (c + 4) * v * tokens + loss
+    if shape.family == "gpt2":
+        return _gpt2_bytes(shape, batch, seq, c) + loss
     d = h // shape.heads
     norm = 4 * h + 4 + 2 * c * h
     if shape.attention == "eager":
@@ -109,6 +136,22 @@ def saved_activation_bytes(shape: ActivationShape, batch: int, seq: int, itemsiz
     block = 2 * norm + attention + 4 * c * i
     per_token = shape.layers * block + norm + 8
     return per_token * tokens + 2 * seq * d * c + loss
+
+
+def _gpt2_bytes(shape: ActivationShape, batch: int, seq: int, c: int) -> int:
+    """Saved bytes of GPT-2's forward without the loss: [Note: saved bytes of a GPT-2 block]."""
+    h, i, heads = shape.hidden, shape.intermediate, shape.heads
+    attn_dropout, resid_dropout, embd_dropout = shape.dropout
+    norm = 2 * c * h + 2 * c
+    if attn_dropout:
+        attention = 12 * h + 12 * heads * seq + c * h
+        if c == 4 and batch == 1:
+            attention += 8 * h     # v is a view of the whole q/k/v output (no upcast, no copy)
+    else:
+        attention = 3 * c * h + c * h + 4 * heads
+    block = 2 * norm + attention + 5 * c * i + (2 * c * h if resid_dropout else 0)
+    per_token = shape.layers * block + norm + 8 + (c * h if embd_dropout else 0)
+    return per_token * batch * seq + 8 * seq
 
 
 def step_working_bytes(shape: ActivationShape | None, batch: int, seq: int, itemsize: int,

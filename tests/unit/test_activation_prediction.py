@@ -2,10 +2,11 @@
 (``infinity.planner.activations``) against what autograd really saves, and the "auto" choice.
 
 Tolerance: the prediction is within 0.1% of the measured bytes (distinct storages the forward
-hands to ``saved_tensors_hooks``, parameters left out) for Llama, Qwen2 and Mistral in bf16 and
-fp32, sdpa and eager attention, with and without labels: the count follows each op (see
-[Note: saved bytes of a Llama-family block]); only the int64 targets' storage of a single
-sequence (8 bytes more, a view of the padded labels) is not modelled.
+hands to ``saved_tensors_hooks``, parameters left out) for Llama, Qwen2 and Mistral (sdpa and
+eager attention) and GPT-2 (sdpa, each kind of dropout on and off), in bf16 and fp32, with and
+without labels: the count follows each op (see [Note: saved bytes of a Llama-family block] and
+[Note: saved bytes of a GPT-2 block]); only the int64 targets' storage of a single sequence
+(8 bytes more, a view of the padded labels) is not modelled.
 """
 from __future__ import annotations
 
@@ -74,6 +75,31 @@ def test_prediction_matches_saved_bytes(family: str, attention: str) -> None:
                     (family, attention, dtype, batch, seq, labels, predicted, got)
 
 
+@pytest.mark.parametrize("dropout", [(0.0, 0.0, 0.0), (0.1, 0.0, 0.0), (0.0, 0.1, 0.1),
+                                     (0.1, 0.1, 0.1)])
+def test_gpt2_prediction_matches_saved_bytes(dropout: tuple[float, float, float]) -> None:
+    """GPT-2 is another family: LayerNorm, a fused q/k/v projection, GELU "new", dropout (sdpa
+    leaves its fused kernel for the fp32 math path with attention dropout)."""
+    warnings.filterwarnings("ignore")
+    attn, resid, embd = dropout
+    cfg = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=1000,
+                                  n_positions=256, attn_pdrop=attn, resid_pdrop=resid,
+                                  embd_pdrop=embd, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    shape = activation_shape_from_hf_config(cfg)
+    assert shape is not None and shape.family == "gpt2", shape
+    for dtype in (torch.bfloat16, torch.float32):
+        model.to(dtype)
+        for batch, seq in ((2, 64), (1, 100)):
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+            for labels in (True, False):
+                got = measured_saved_bytes(model, ids, labels)
+                predicted = saved_activation_bytes(shape, batch, seq, dtype.itemsize, labels)
+                assert abs(predicted - got) <= TOLERANCE * got, \
+                    (dropout, dtype, batch, seq, labels, predicted, got)
+
+
 def test_prediction_follows_the_compute_dtype() -> None:
     """bf16 saves less than fp32, but not half: the norms' fp32 upcasts and the loss's fp32
     log-softmax stay fp32 (a count scaled by the item size alone would be 2x off)."""
@@ -85,6 +111,7 @@ def test_prediction_follows_the_compute_dtype() -> None:
 
 def test_other_configs_are_estimated_and_none_is_unknown() -> None:
     gpt2 = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=500)
+    gpt2._attn_implementation = "eager"        # counted for sdpa only
     shape = activation_shape_from_hf_config(gpt2)
     assert shape is not None and shape.family == "estimated" and shape.intermediate == 256
     assert saved_activation_bytes(shape, 1, 16, 2, True) > 0
