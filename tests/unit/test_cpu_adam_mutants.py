@@ -252,3 +252,52 @@ def test_group_lr_and_betas_errors_name_them() -> None:
     opt.param_groups[0]["betas"] = (torch.tensor([0.9, 0.9]), 0.999)
     with pytest.raises(ValueError, match=r"betas must be a number or a 1-element tensor"):
         _steps(opt, ps, 1)
+
+
+# -- the flat kernel API (adam_step_flat): the rest of cpu_adam.py's mutants ----------------------
+
+import math
+
+import infinity
+from infinity.optim import _adam_native as N
+from infinity.optim import cpu_adam
+from infinity.optim.cpu_adam import adam_step_flat
+
+_HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+def _flat(n: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g), torch.randn(n, generator=g), torch.zeros(n),
+            torch.zeros(n))
+
+
+@pytest.mark.parametrize("lr", [-1e-3, -math.inf, math.inf])
+def test_a_negative_or_infinite_lr_is_refused(lr) -> None:
+    with pytest.raises(ValueError, match=f"lr must be a finite number >= 0, got {lr}"):
+        adam_step_flat(*_flat(), step=1, **dict(_HP, lr=lr))
+
+
+@pytest.mark.parametrize("value", ["auto", " Auto ", ""])
+def test_the_kernel_variable_set_to_auto_is_the_default_choice(monkeypatch, value) -> None:
+    monkeypatch.setenv(cpu_adam.KERNEL_ENV, value)
+    adam_step_flat(*_flat(), step=1, **_HP)
+    assert infinity.native_info()["in_use"]["adam_kernel"] == N.best_kernel()
+
+
+def test_the_torch_path_is_reported_as_torch() -> None:
+    adam_step_flat(*_flat(), step=1, impl="torch", **_HP)
+    assert infinity.native_info()["in_use"]["adam_kernel"] == "torch"
+
+
+def test_empty_tensors_take_no_part_in_a_call() -> None:
+    """A zero-element parameter (an empty bias, say) is skipped, its grad's dtype included."""
+    from infinity.optim.cpu_adam import adam_step_tensors
+    p, g, m, v = _flat()
+    ref = [t.clone() for t in (p, g, m, v)]
+    empty = (torch.zeros(0), torch.zeros(0, dtype=torch.bfloat16), torch.zeros(0), torch.zeros(0))
+    adam_step_tensors([p, empty[0]], [g, empty[1]], [m, empty[2]], [v, empty[3]], step=1, **_HP)
+    adam_step_flat(*ref, step=1, **_HP)
+    assert torch.equal(p, ref[0]) and torch.equal(m, ref[2]) and torch.equal(v, ref[3])
+    assert adam_step_flat(*empty[:1], torch.zeros(0), *empty[2:], step=1, grad_sq_sum=True,
+                          **_HP) == 0.0
