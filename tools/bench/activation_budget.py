@@ -102,7 +102,11 @@ def _ours(spec: dict, res: dict) -> None:
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     res["n_params"] = sum(p.numel() for p in model.parameters())
     res["rss_before_engine_bytes"] = C.proc_status()["VmRSS"]
-    engine, *_ = infinity.initialize(model=model, config=dsc)
+    try:
+        engine, *_ = infinity.initialize(model=model, config=dsc)
+    except BaseException:
+        os.rmdir(nvme)      # ours (mkdtemp above); a failed initialize left nothing in it
+        raise
     sampler = spec["sampler"]
     gen = torch.Generator().manual_seed(spec["seed"] + 1)
     try:
