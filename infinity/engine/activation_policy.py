@@ -92,31 +92,38 @@ class AutoActivationOffload:
     def stats(self) -> ActivationStats:
         return self.swapper.stats if self.swapper is not None else ActivationStats()
 
-    def predict(self, batch: int, seq: int) -> int | None:
+    def predict(self, batch: int, seq: int, checkpointed: bool = False) -> int | None:
         """Saved bytes of a training forward of ``batch`` x ``seq`` tokens (the loss counted: it
-        saves the logits' log-softmax inside the forward or after it)."""
+        saves the logits' log-softmax inside the forward or after it; ``checkpointed``: the
+        model's blocks run under activation checkpointing)."""
         if self.shape is None:
             return None
-        return saved_activation_bytes(self.shape, batch, seq, self.itemsize, with_loss=True)
+        return saved_activation_bytes(self.shape, batch, seq, self.itemsize, with_loss=True,
+                                      checkpointed=checkpointed)
 
-    def decide(self, batch: int, seq: int) -> OffloadChoice:
-        """The choice for a batch of this shape (made once per shape, logged)."""
-        key = (batch, seq)
+    def decide(self, batch: int, seq: int, checkpointed: bool = False) -> OffloadChoice:
+        """The choice for a batch of this shape (made once per shape and checkpointing, logged:
+        transformers' ``gradient_checkpointing_enable()`` after initialize is seen at the next
+        forward)."""
+        key = (batch, seq, checkpointed)
         choice = self._decided.get(key)
         if choice is None:
             if self.on_device:
-                choice = OffloadChoice(decision="none", predicted_bytes=self.predict(batch, seq),
+                choice = OffloadChoice(decision="none",
+                                       predicted_bytes=self.predict(batch, seq, checkpointed),
                                        room_bytes=self.room, reason=(
                                            "activations live in device memory, which the host "
                                            "budget does not hold: kept there"))
             else:
                 working = step_working_bytes(self.shape, batch, seq, self.itemsize,
-                                             self.largest_unit_numel)
-                choice = choose_activation_offload(self.predict(batch, seq), self.room,
+                                             self.largest_unit_numel, checkpointed)
+                choice = choose_activation_offload(self.predict(batch, seq, checkpointed),
+                                                   self.room,
                                                    self.swapper is not None, working,
                                                    self.no_swap)
             self._decided[key] = choice
-            text = f"offload_activations auto, batch {batch} x {seq}: {choice.reason}"
+            text = f"offload_activations auto, batch {batch} x {seq}" \
+                f"{' (blocks checkpointed)' if checkpointed else ''}: {choice.reason}"
             if choice.overshoot_bytes:
                 log.warning(text)
             else:
@@ -134,7 +141,9 @@ class AutoActivationOffload:
             self.choice = choose_activation_offload(None, self.room, self.swapper is not None)
             self.active = False
             return
-        self.choice = self.decide(*shape)
+        # transformers' PreTrainedModel says whether its blocks run checkpointed
+        checkpointed = bool(getattr(module, "is_gradient_checkpointing", False))
+        self.choice = self.decide(*shape, checkpointed)
         self.active = self.choice.decision == "nvme"
 
     # -- what the engine calls on a swapper ------------------------------------------------

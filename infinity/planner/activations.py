@@ -48,13 +48,15 @@ marked as estimated; a model without one is not predicted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from infinity.base.sizes import format_bytes
+from infinity.planner.shape import config_int
 
 __all__ = ["ActivationShape", "activation_shape_from_hf_config", "saved_activation_bytes",
-           "OffloadChoice", "choose_activation_offload", "step_working_bytes", "LLAMA_FAMILY"]
+           "OffloadChoice", "choose_activation_offload", "step_working_bytes", "LLAMA_FAMILY",
+           "recomputed_block_bytes"]
 
 LLAMA_FAMILY = frozenset({"llama", "qwen2", "mistral"})
 """``model_type``s whose blocks are counted op by op (see the note above)."""
@@ -82,11 +84,7 @@ def activation_shape_from_hf_config(config: Any) -> ActivationShape | None:
     """The shape of a transformers config (Llama-style or GPT-2 names), None when it has no
     width, depth or vocabulary to read."""
     def first(*names: str) -> int | None:
-        for name in names:
-            value = getattr(config, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-        return None
+        return config_int(config, *names)
     hidden = first("hidden_size", "n_embd", "d_model")
     layers = first("num_hidden_layers", "n_layer", "num_layers")
     vocab = first("vocab_size")
@@ -111,13 +109,17 @@ def activation_shape_from_hf_config(config: Any) -> ActivationShape | None:
 
 
 def saved_activation_bytes(shape: ActivationShape, batch: int, seq: int, itemsize: int,
-                           with_loss: bool) -> int:
+                           with_loss: bool, checkpointed: bool = False) -> int:
     """Bytes autograd saves in one training forward of ``batch`` sequences of ``seq`` tokens in
     a compute dtype of ``itemsize`` bytes (``with_loss``: labels given, the loss computed inside
-    the forward); see [Note: saved bytes of a Llama-family block]."""
+    the forward; ``checkpointed``: the blocks run under activation checkpointing, as
+    transformers' ``gradient_checkpointing_enable()`` runs them); see [Note: saved bytes of a
+    Llama-family block] and [Note: saved bytes under activation checkpointing]."""
     if batch < 1 or seq < 1 or itemsize not in (2, 4):
         raise ValueError(f"saved_activation_bytes: batch {batch}, seq {seq}, itemsize "
                          f"{itemsize}: expected a batch and a length >= 1, an item size 2 or 4")
+    if checkpointed:
+        return _checkpointed_bytes(shape, batch, seq, itemsize, with_loss)
     c, h, i, v = itemsize, shape.hidden, shape.intermediate, shape.vocab
     tokens = batch * seq
     loss = (4 * v + 8) * tokens + 4 if with_loss else 0
@@ -138,6 +140,30 @@ def saved_activation_bytes(shape: ActivationShape, batch: int, seq: int, itemsiz
     return per_token * tokens + 2 * seq * d * c + loss
 
 
+def _checkpointed_bytes(shape: ActivationShape, batch: int, seq: int, c: int,
+                        with_loss: bool) -> int:
+    """[Note: saved bytes under activation checkpointing]
+    With each block checkpointed, the forward keeps of a block only its input hidden state
+    (``c h`` a token); what runs outside the blocks (embedding, final norm, logits, loss) saves
+    what it saves without checkpointing, the rotary cos and sin excepted (only the blocks'
+    attention saved them). Backward then recomputes one block at a time, holding that block's
+    saved set while it runs: ``recomputed_block_bytes``, which the step's working bytes count.
+    Measured like the plain count (saved_tensors_hooks, reentrant checkpointing, where the
+    block's input is what the outer graph saves): exact for Llama, Qwen2 and GPT-2. The
+    non-reentrant kind keeps the same inputs alive through its recomputation closure instead
+    of saving them, the same bytes."""
+    outside = saved_activation_bytes(replace(shape, layers=0), batch, seq, c, with_loss)
+    if shape.family == "llama":
+        outside -= 2 * seq * (shape.hidden // shape.heads) * c
+    return outside + shape.layers * c * shape.hidden * batch * seq
+
+
+def recomputed_block_bytes(shape: ActivationShape, batch: int, seq: int, itemsize: int) -> int:
+    """One block's saved bytes: what backward holds while it recomputes a checkpointed block."""
+    one = saved_activation_bytes(replace(shape, layers=1), batch, seq, itemsize, False)
+    return one - saved_activation_bytes(replace(shape, layers=0), batch, seq, itemsize, False)
+
+
 def _gpt2_bytes(shape: ActivationShape, batch: int, seq: int, c: int) -> int:
     """Saved bytes of GPT-2's forward without the loss: [Note: saved bytes of a GPT-2 block]."""
     h, i, heads = shape.hidden, shape.intermediate, shape.heads
@@ -155,15 +181,18 @@ def _gpt2_bytes(shape: ActivationShape, batch: int, seq: int, c: int) -> int:
 
 
 def step_working_bytes(shape: ActivationShape | None, batch: int, seq: int, itemsize: int,
-                       largest_unit_numel: int) -> int:
+                       largest_unit_numel: int, checkpointed: bool = False) -> int:
     """Bytes a training step holds beside its saved activations and outside the engine's pools,
     at the turn from forward to backward: autograd's gradient of the largest unit in the compute
     dtype (before the engine takes it into its budgeted buffers; see HELD_GRADIENT_UNITS in
     ``calibration.py``) and the logits' working set (the output, its fp32 upcast, the fp32
-    gradient and its cast back). Staying in memory either way, they count against the room
-    before the activations do."""
+    gradient and its cast back), and with ``checkpointed`` blocks the one block backward
+    recomputes at a time. Staying in memory either way, they count against the room before the
+    activations do."""
     logits = (2 * itemsize + 8) * shape.vocab * batch * seq if shape is not None else 0
-    return logits + largest_unit_numel * itemsize
+    recompute = recomputed_block_bytes(shape, batch, seq, itemsize) \
+        if checkpointed and shape is not None else 0
+    return logits + largest_unit_numel * itemsize + recompute
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -54,14 +54,20 @@ def shape_from_llama_kwargs(kwargs: dict[str, Any]) -> ModelShape:
                       tied=bool(kwargs.get("tie_word_embeddings", False)))
 
 
+def config_int(config: Any, *names: str) -> int | None:
+    """The first of ``names`` that ``config`` (a transformers config, read by attribute) has as
+    a positive integer (a bool is not one), else None: the one reader of a model's sizes."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def shape_from_hf_config(config: Any) -> ModelShape | None:
     """The shape of a transformers config (Llama-style names, or GPT-2's), None when unknown."""
     def first(*names: str) -> int | None:
-        for name in names:
-            value = getattr(config, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
+        return config_int(config, *names)
     hidden = first("hidden_size", "n_embd", "d_model")
     layers = first("num_hidden_layers", "n_layer", "num_layers")
     vocab = first("vocab_size")

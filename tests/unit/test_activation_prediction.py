@@ -18,6 +18,7 @@ import torch
 from infinity.planner.activations import (
     activation_shape_from_hf_config,
     choose_activation_offload,
+    recomputed_block_bytes,
     saved_activation_bytes,
     step_working_bytes,
 )
@@ -98,6 +99,74 @@ def test_gpt2_prediction_matches_saved_bytes(dropout: tuple[float, float, float]
                 predicted = saved_activation_bytes(shape, batch, seq, dtype.itemsize, labels)
                 assert abs(predicted - got) <= TOLERANCE * got, \
                     (dropout, dtype, batch, seq, labels, predicted, got)
+
+
+def _gpt2(dropout: float = 0.0):
+    warnings.filterwarnings("ignore")
+    cfg = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=1000,
+                                  n_positions=256, attn_pdrop=dropout, resid_pdrop=dropout,
+                                  embd_pdrop=dropout, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).train(), cfg
+
+
+@pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("qwen2", "eager"),
+                                              ("gpt2", "sdpa")])
+def test_checkpointed_prediction_matches_saved_bytes(family: str, attention: str) -> None:
+    """transformers' gradient checkpointing (reentrant: the outer graph saves each block's
+    input): the forward keeps a block's input instead of its saved set (see [Note: saved bytes
+    under activation checkpointing]); the block backward recomputes at a time is the difference
+    between the plain and the checkpointed forward, per block, plus that input."""
+    model, cfg = _gpt2() if family == "gpt2" else _model(family, attention)
+    shape = activation_shape_from_hf_config(cfg)
+    for dtype in (torch.bfloat16, torch.float32):
+        model.to(dtype)
+        c = dtype.itemsize
+        for batch, seq in ((2, 64), (1, 100)):
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+            model.gradient_checkpointing_disable()
+            plain = measured_saved_bytes(model, ids, False)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": True})
+            for labels in (True, False):
+                got = measured_saved_bytes(model, ids, labels)
+                predicted = saved_activation_bytes(shape, batch, seq, c, labels,
+                                                   checkpointed=True)
+                assert abs(predicted - got) <= TOLERANCE * got, \
+                    (family, dtype, batch, seq, labels, predicted, got)
+            checkpointed = measured_saved_bytes(model, ids, False)
+            assert checkpointed < plain / 2, (plain, checkpointed)   # what checkpointing is for
+            rotary = 2 * seq * (shape.hidden // shape.heads) * c if family != "gpt2" else 0
+            per_block = (plain - checkpointed - rotary) / shape.layers + c * shape.hidden * batch * seq
+            assert recomputed_block_bytes(shape, batch, seq, c) == pytest.approx(
+                per_block, rel=TOLERANCE), (family, dtype, batch, seq)
+            model.gradient_checkpointing_disable()
+
+
+def test_auto_policy_sees_gradient_checkpointing_turned_on() -> None:
+    """A budget the plain forward's activations overflow but the checkpointed one's fit: "auto"
+    offloads, then keeps them in memory once the model checkpoints its blocks (decided again)."""
+    from infinity.engine.activation_policy import AutoActivationOffload
+
+    model, cfg = _model("llama", "sdpa")
+    shape = activation_shape_from_hf_config(cfg)
+    batch, seq = 2, 64
+    needed = {ck: saved_activation_bytes(shape, batch, seq, 4, True, checkpointed=ck) +
+              step_working_bytes(shape, batch, seq, 4, 0, checkpointed=ck) for ck in (False, True)}
+    assert needed[True] < needed[False]
+    swapper = _StubSwapper()
+    policy = AutoActivationOffload(model, swapper, (needed[True] + needed[False]) // 2, 4)  # type: ignore[arg-type]
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+        model(input_ids=ids, labels=ids)
+        assert policy.choice.decision == "nvme", policy.choice
+        model.gradient_checkpointing_enable()
+        model(input_ids=ids, labels=ids)
+        assert policy.choice.decision == "none", policy.choice
+        assert policy.choice.predicted_bytes == saved_activation_bytes(shape, batch, seq, 4, True,
+                                                                       checkpointed=True)
+    finally:
+        policy._handle.remove()
 
 
 def test_prediction_follows_the_compute_dtype() -> None:
