@@ -301,3 +301,24 @@ def test_empty_tensors_take_no_part_in_a_call() -> None:
     assert torch.equal(p, ref[0]) and torch.equal(m, ref[2]) and torch.equal(v, ref[3])
     assert adam_step_flat(*empty[:1], torch.zeros(0), *empty[2:], step=1, grad_sq_sum=True,
                           **_HP) == 0.0
+
+
+def test_one_call_refuses_mixed_grad_or_half_out_dtypes() -> None:
+    from infinity.optim.cpu_adam import adam_step_tensors
+    a, b = _flat(seed=1), _flat(seed=2)
+    with pytest.raises(ValueError) as info:
+        adam_step_tensors([a[0], b[0]], [a[1], b[1].bfloat16()], [a[2], b[2]], [a[3], b[3]],
+                          step=1, **_HP)
+    assert str(info.value) == ("all grads of one call must share a dtype, got "
+                               "['torch.bfloat16', 'torch.float32']")
+    with pytest.raises(ValueError) as info:
+        adam_step_tensors([a[0], b[0]], [a[1], b[1]], [a[2], b[2]], [a[3], b[3]], step=1,
+                          half_outs=[None, torch.zeros(8, dtype=torch.float16)], **_HP)
+    assert str(info.value) == ("all half_outs of one call must share a dtype (or all be None), "
+                               "got ['None', 'torch.float16']")
+
+
+def test_a_flat_step_of_nothing_returns_none_or_a_zero_sum() -> None:
+    empty = (torch.zeros(0),) * 4
+    assert adam_step_flat(*[t.clone() for t in empty], step=1, **_HP) is None
+    assert adam_step_flat(*[t.clone() for t in empty], step=1, grad_sq_sum=True, **_HP) == 0.0
