@@ -143,3 +143,40 @@ def test_ranks_agree_on_bf16_only_where_every_cpu_has_it(other: bool, dtype: str
     assert derive(cfg, specs, _Ranks(other)).compute_dtype == dtype
     if not other:
         assert "rank(s) 1 have no native bf16" in infinity.native_info()["in_use"]["compute_dtype"]
+
+
+@pytest.mark.parametrize("unused", [False, True])
+def test_deferred_bf16_step_leaves_parameters_the_masters_rounding(
+        unused: bool, disk_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After deferred bf16 steps (clipping on, masters in host memory) every parameter's home
+    holds exactly its fp32 master rounded to bf16: where the kernel rounds into the device copy
+    (the step's runs cover a sub-group) and where it does not (a block's parameter that never
+    gets a gradient: its sub-group keeps the master's own rounding there)."""
+    monkeypatch.setenv(ENV, "1")
+    torch.manual_seed(0)
+    model = make_model("torch", layers=2, width=64)
+    if unused:
+        model.blocks[0].norm.register_parameter("unused", torch.nn.Parameter(torch.randn(64)))
+    ds = _ds(3, "cpu", "cpu", disk_dir)
+    ds["gradient_clipping"] = 1.0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        assert engine.compute_dtype == torch.bfloat16 and engine.master_separate
+        for x in _batches()[:3]:
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+        engine.flush()          # the deferred steps run (they land at the next fetch otherwise)
+        checked = set()
+        for state in engine.optimizer.states:
+            unit = state.unit
+            with infinity.zero.GatheredParameters([e.param for e in unit.params]):
+                master = state.master.tensor[: state.hi - state.lo]
+                for entry in unit.trainable_entries():
+                    got = entry.param.detach().reshape(-1)
+                    want = master[entry.offset - state.lo:entry.offset - state.lo + entry.numel]
+                    assert torch.equal(got, want.to(torch.bfloat16)), entry.name
+                    checked.add(entry.name)
+        assert ("blocks.0.norm.unused" in checked) == unused
+    finally:
+        engine.close()
