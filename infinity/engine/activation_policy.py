@@ -22,7 +22,7 @@ budget does not hold: "auto" keeps them there.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -68,7 +68,8 @@ class AutoActivationOffload:
     def __init__(self, model: nn.Module, swapper: ActivationSwapper | None, room: int,
                  itemsize: int, *, largest_unit_numel: int = 0, on_device: bool = False,
                  offloaded_mmap_threshold: int | None = None,
-                 no_swap: str = "no nvme_path is set") -> None:
+                 no_swap: str = "no nvme_path is set",
+                 keep_outermost: Callable[[nn.Module, int], None] | None = None) -> None:
         self.no_swap = no_swap
         self.swapper = swapper
         self.largest_unit_numel = largest_unit_numel
@@ -87,6 +88,11 @@ class AutoActivationOffload:
         self._handle = model.register_forward_pre_hook(
             lambda module, args, kwargs: self._before_forward(module, args, kwargs),
             with_kwargs=True, prepend=True)
+        if keep_outermost is not None:
+            # ahead of the engine's pass hook, whose ``hooks()`` reads this forward's choice:
+            # the coordinator moves the pass hook back to the front after each call of a root
+            # that owns parameters, and the choice then lagged one forward behind its batch
+            keep_outermost(model, self._handle.id)
 
     @property
     def stats(self) -> ActivationStats:

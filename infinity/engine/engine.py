@@ -212,7 +212,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                 self.hook_external_parameter(module, param)
         self.activation_swapper = activation_swapper(
             self.config, self.manager, self.units, self.module, sizes=self.sizes,
-            compute_dtype=self.compute_dtype, has_swap=self.manager.nvme_path is not None)
+            compute_dtype=self.compute_dtype, has_swap=self.manager.nvme_path is not None,
+            keep_outermost=self.coordinator.keep_outermost)
         register_engine(self)
         lr_scheduler = rebind_scheduler(lr_scheduler, self._client_optimizer, self.optimizer)
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)

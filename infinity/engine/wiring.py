@@ -7,6 +7,7 @@ activation swapper is construction, read once when a run starts and not again.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 from torch import nn
@@ -156,6 +157,7 @@ def _warm_blocks(specs: list[UnitSpec], group_of: dict, dtype: torch.dtype, shar
 def activation_swapper(config: InfinityConfig, manager: TierManager, units: list[Unit],
                        model: nn.Module, *, sizes: EngineSizes | None = None,
                        compute_dtype: torch.dtype | None = None, has_swap: bool = True,
+                       keep_outermost: Callable[[nn.Module, int], None] | None = None,
                        ) -> ActivationSwapper | AutoActivationOffload | None:
     """The swapper of saved activations for ``infinity.offload_activations``: "nvme" swaps
     every training forward's, "auto" those of a batch that does not fit in what the host budget
@@ -187,7 +189,7 @@ def activation_swapper(config: InfinityConfig, manager: TierManager, units: list
         largest_unit_numel=0 if sizes is not None and sizes.gradient_reserve_bytes else
         max((u.trainable_numel for u in units), default=0),
         on_device=device.type != "cpu" or room is None,
-        offloaded_mmap_threshold=section.offloaded_mmap_threshold,
+        offloaded_mmap_threshold=section.offloaded_mmap_threshold, keep_outermost=keep_outermost,
         no_swap="no swap directory: set zero_optimization.offload_param or offload_optimizer "
                 ".nvme_path" if not has_swap else
                 f"the host budget leaves no room beside the engine's pools for the swapper's "

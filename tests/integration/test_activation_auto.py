@@ -75,3 +75,46 @@ def test_auto_without_a_swap_directory_warns_and_trains(disk_dir, caplog) -> Non
     assert warned and "no swap directory" in warned[0].getMessage(), \
         [r.getMessage() for r in caplog.records]
     assert all(torch.isfinite(torch.tensor(losses))), losses
+
+
+class _RootWithParameter(torch.nn.Module):
+    """A transformers model under a root that owns a parameter itself (a learned loss scale):
+    the coordinator fetches the root's own unit, and its hooks on the root reorder the pre-hooks
+    after each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = make_model("qwen2", layers=3, width=64)
+        self.config = self.lm.config
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, input_ids, labels=None):
+        return self.lm(input_ids=input_ids, labels=labels).loss * self.scale
+
+
+def test_auto_swaps_each_forward_by_its_own_batch_under_a_root_owning_parameters(disk_dir) -> None:
+    """Short and long batches alternate under a budget the long ones overflow: each forward's
+    saved tensors are swapped exactly when its own batch was decided "nvme". The policy's hook
+    must run before the engine's pass hook enters the swapper: before the fix the coordinator
+    moved the pass hook back in front after the first call, and every later forward used the
+    previous batch's choice (the short batch swapped, the long one kept)."""
+    model = _RootWithParameter()
+    section = {"host_memory_budget": "40MiB", "activation_min_bytes": 1,
+               "activation_window": "16KiB"}
+    ds = with_adamw(zero_config(3, "nvme", "nvme", str(disk_dir), **section))
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    policy = engine.activation_swapper
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    try:
+        for seq in (8, 64, 8, 64):
+            x = torch.randint(0, VOCAB, (8, seq), generator=gen)
+            before = policy.swapper.stats.swapped
+            loss = engine(input_ids=x, labels=x)
+            seen.append((seq, policy.choice.decision, policy.swapper.stats.swapped - before))
+            engine.backward(loss)
+            engine.step()
+    finally:
+        engine.close()
+    assert [d for _, d, _ in seen] == ["none", "nvme", "none", "nvme"], seen
+    assert all((swapped > 0) == (decision == "nvme") for _, decision, swapped in seen), seen
