@@ -153,6 +153,22 @@ class TorchBaselineEngine:
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
+    def save_pretrained(self, directory: str) -> None:
+        """The model as ``from_pretrained`` loads it: in fp32, from the masters when it computes
+        in bf16 (as the engine exports a stage-3 model), its bf16 copy otherwise lost."""
+        if self._masters is None:
+            self.module.save_pretrained(directory)
+            return
+        computed = {p: p.data for p in self.module.parameters()}
+        masters = {p: m for p, m in zip(self._params, self._masters)}
+        try:
+            for p in computed:
+                p.data = masters[p] if p in masters else p.data.float()
+            self.module.save_pretrained(directory)
+        finally:
+            for p, data in computed.items():
+                p.data = data
+
     def close(self) -> None:
         """Nothing on disk to remove; drop the optimizer states."""
         self.optimizer.state.clear()

@@ -363,7 +363,7 @@ def _export(engine: Any, directory: str) -> None:
     """``--export``: the trained model as a directory ``from_pretrained`` loads (config.json,
     the pretrained directory's tokenizer and generation config when it had them)."""
     if isinstance(engine, TorchBaselineEngine):
-        engine.module.save_pretrained(directory)
+        engine.save_pretrained(directory)
     else:
         engine.save_pretrained(directory)      # every rank takes part; rank 0 writes
     _log.info("exported the trained model to %s", directory)

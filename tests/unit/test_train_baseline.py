@@ -80,8 +80,8 @@ def test_held_bytes_count_params_grads_and_moments() -> None:
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
-def test_auto_follows_the_engines_compute_dtype(native: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_follows_the_engines_compute_dtype(native: str, monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path) -> None:
     """"auto" on a CPU with native bf16 (the probe's answer forced both ways): the baseline runs
     the engine's bf16 recipe (bf16 parameters, fp32 masters stepped by AdamW, clipped over the
     masters, parameters rounded from them) step for step like a hand-written one; without
@@ -124,4 +124,10 @@ def test_auto_follows_the_engines_compute_dtype(native: str,
     # moments (gradients of the last step are counted before they go)
     held = engine.step_stats()["device_bytes"]
     assert held == (n * (2 + 4 + 4 + 8) if native == "1" else 16 * n)
+    # --export: fp32, from the masters (as the engine exports at stage 3); the model computes on
+    engine.save_pretrained(str(tmp_path))
+    exported = type(model).from_pretrained(tmp_path)
+    for (name, p), master in zip(exported.named_parameters(), masters):
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), master), name
+    assert all(p.dtype == want for p in model.parameters())
     engine.close()
