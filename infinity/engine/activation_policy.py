@@ -22,6 +22,7 @@ budget does not hold: "auto" keeps them there.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -47,10 +48,11 @@ log = get_logger("engine")
 
 def batch_of(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     """(sequences, tokens per sequence) of a forward's inputs: ``input_ids`` or
-    ``inputs_embeds``, else the first tensor argument; None when there is none."""
-    tensor = kwargs.get("input_ids")
+    ``inputs_embeds``, as keywords or in a dict batch passed whole (``model(batch)``, a
+    tokenizer's ``BatchEncoding``), else the first tensor argument; None when there is none."""
+    tensor = _ids_of(kwargs)
     if tensor is None:
-        tensor = kwargs.get("inputs_embeds")
+        tensor = next((t for t in map(_ids_of, args) if t is not None), None)
     if tensor is None:
         tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
@@ -58,6 +60,14 @@ def batch_of(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     if tensor.dim() == 1:
         return 1, int(tensor.shape[0])
     return int(tensor.shape[0]), int(tensor.shape[1])
+
+
+def _ids_of(inputs: Any) -> Any:
+    """``input_ids`` or else ``inputs_embeds`` of a mapping (None for anything else)."""
+    if not isinstance(inputs, Mapping):
+        return None
+    tensor = inputs.get("input_ids")
+    return inputs.get("inputs_embeds") if tensor is None else tensor
 
 
 class AutoActivationOffload:
@@ -144,7 +154,11 @@ class AutoActivationOffload:
             return
         shape = batch_of(args, kwargs)
         if shape is None:
-            self.choice = choose_activation_offload(None, self.room, self.swapper is not None)
+            self.choice = choose_activation_offload(
+                None, self.room, self.swapper is not None,
+                unknown="the forward's arguments name no input_ids, inputs_embeds or tensor to "
+                        "read the batch's size and length from" if self.shape is not None
+                        else None)
             self.active = False
             return
         # transformers' PreTrainedModel says whether its blocks run checkpointed

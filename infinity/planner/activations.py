@@ -227,17 +227,19 @@ def _mib(nbytes: int) -> str:
 
 
 def choose_activation_offload(predicted: int | None, room: int, has_swap: bool,
-                              working: int = 0, no_swap: str = "no nvme_path is set"
-                              ) -> OffloadChoice:
+                              working: int = 0, no_swap: str = "no nvme_path is set",
+                              unknown: str | None = None) -> OffloadChoice:
     """"nvme" when the ``predicted`` saved bytes do not fit in the ``room`` the host budget
     leaves after the step's other ``working`` bytes and there is a swap space to send them to;
-    "none" otherwise (the reason says which case; ``no_swap``: why there is no swap space)."""
+    "none" otherwise (the reason says which case; ``no_swap``: why there is no swap space;
+    ``unknown``: why nothing was predicted, when not for want of the model's config)."""
     room, working = max(0, room), max(0, working)
     left = max(0, room - working)
     if predicted is None:
+        why = unknown or ("no transformers-style config with a width, depth and "
+                          "vocabulary")
         return OffloadChoice(decision="none", predicted_bytes=None, room_bytes=room, reason=(
-            "the model's saved activations cannot be predicted (no transformers-style config "
-            "with a width, depth and vocabulary): kept in memory; set "
+            f"the model's saved activations cannot be predicted ({why}): kept in memory; set "
             "infinity.offload_activations \"nvme\" to send them to the swap space"),
             working_bytes=working)
     beside = f"the {_mib(left)} the host budget leaves ({_mib(room)} beside the engine's " \

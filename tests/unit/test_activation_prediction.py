@@ -252,3 +252,41 @@ def test_auto_policy_decides_before_each_training_forward_by_its_batch() -> None
     assert batch_of((), {"inputs_embeds": torch.zeros(3, 7, 4)}) == (3, 7)
     assert batch_of((torch.zeros(5, dtype=torch.long),), {}) == (1, 5)
     assert batch_of((), {"labels": None}) is None
+
+
+def test_auto_policy_reads_a_dict_batch_passed_whole() -> None:
+    """``model(batch)`` with the tokenizer's dict: its input_ids give the batch's shape (before,
+    only keywords and bare tensors were read, and a batch over the room stayed in memory with a
+    reason blaming the model's config); arguments with no batch in them say so."""
+    from collections import UserDict
+
+    from infinity.engine.activation_policy import AutoActivationOffload, batch_of
+
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    assert batch_of(({"input_ids": ids, "labels": ids},), {}) == (3, 7)
+    assert batch_of((UserDict(inputs_embeds=torch.zeros(2, 5, 4)),), {}) == (2, 5)
+    assert batch_of(({"labels": None}, torch.zeros(4, 6)), {}) == (4, 6)
+
+    inner, cfg = _model("llama", "sdpa")
+
+    class TakesADict(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm, self.config = inner, inner.config
+
+        def forward(self, batch):
+            return self.lm(**batch)
+
+    model = TakesADict().train()
+    shape = activation_shape_from_hf_config(cfg)
+    policy = AutoActivationOffload(model, _StubSwapper(), 1, 4)   # type: ignore[arg-type]
+    try:
+        x = torch.randint(0, cfg.vocab_size, (2, 16))
+        model({"input_ids": x, "labels": x})
+        assert policy.choice.decision == "nvme", policy.choice
+        assert policy.choice.predicted_bytes == saved_activation_bytes(shape, 2, 16, 4, True)
+        policy._before_forward(model, ({"labels": None},), {})     # no batch to read
+    finally:
+        policy._handle.remove()
+    assert policy.choice.predicted_bytes is None and policy.choice.decision == "none"
+    assert "no input_ids, inputs_embeds or tensor" in policy.choice.reason, policy.choice.reason
