@@ -193,4 +193,5 @@ def activation_swapper(config: InfinityConfig, manager: TierManager, units: list
         no_swap="no swap directory: set zero_optimization.offload_param or offload_optimizer "
                 ".nvme_path" if not has_swap else
                 f"the host budget leaves no room beside the engine's pools for the swapper's "
-                f"{format_bytes(ACTIVATION_STAGING_BYTES)} of staging")
+                f"{format_bytes(ACTIVATION_STAGING_BYTES)} of staging and the step's activation "
+                f"windows, or only by halving the optimizer's sub-groups (slower steps)")

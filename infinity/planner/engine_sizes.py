@@ -34,6 +34,9 @@ STAGING_CHUNKS = 8
 """Staging chunks of the activation swapper."""
 ACTIVATION_STAGING_BYTES = STAGING_CHUNK_BYTES * STAGING_CHUNKS
 """Host bytes of the activation swapper's staging, counted in the host budget."""
+MIN_SLOT_SHARE = 0.5
+"""The room kept for the step (activation windows, autograd's gradient) is kept only where the
+optimizer slots keep at least this share of the sub-group they would get without it."""
 SUB_GROUP_ALIGN = ALIGN_BYTES // 2
 """Sub-groups are multiples of this many elements (2048: 4 KiB aligned in fp32 and in 16-bit, as
 the optimizer rounds them); the host budget shrinks one to no less than this."""
@@ -191,6 +194,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         least = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate,
                                 early_step) * SUB_GROUP_ALIGN * 4 if streamed else 0
         staging = host_budget is None or host + ACTIVATION_STAGING_BYTES + least <= host_budget
+    auto_staging = staging and cfg.infinity.offload_activations != "nvme"
     if staging:
         host += ACTIVATION_STAGING_BYTES
     # [Note: room kept for the step] on a CPU device autograd's gradient of a unit (in the
@@ -202,14 +206,28 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     # 85M main job under 512 MiB: 2.8 -> 3.1-3.5 s a step with halved sub-groups)
     gradient_reserve = max_trainable * itemsize if direct_fetch and staging else 0
     reserve = gradient_reserve + (2 * cfg.infinity.activation_window if staging else 0)
+    slots = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate, early_step)
+
+    def slots_sub_group(held: int) -> int:
+        """The sub-group the optimizer slots get of what ``held`` bytes leave of the budget."""
+        room = int(0.95 * max(0, host_budget - held)) // (slots * 4)
+        return max(SUB_GROUP_ALIGN, min(sub_group, room // SUB_GROUP_ALIGN * SUB_GROUP_ALIGN))
+    if streamed and host_budget is not None and reserve:
+        # the step's room must not starve the optimizer: where it would cost the slots more
+        # than half their sub-group (the 85M main job at 560-650 MiB: 2,048 elements instead
+        # of ~600,000, 30x slower steps), the budget cannot hold both; speed wins: "auto" then
+        # keeps activations in memory (it warns of the overshoot), "nvme" keeps its staging
+        # without the reserve, as before the reserve existed
+        without = host - (ACTIVATION_STAGING_BYTES if auto_staging else 0)
+        if slots_sub_group(host + reserve) < MIN_SLOT_SHARE * slots_sub_group(without):
+            reserve = gradient_reserve = 0
+            if auto_staging:
+                staging, host = False, without
     if streamed:
         # The optimizer slots get what the other pools leave of the host budget (the planner
         # sized the sub-group for its own count of slots, which the deferred schedule exceeds).
-        slots = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate, early_step)
         if host_budget is not None:
-            room = int(0.95 * max(0, host_budget - host - reserve)) // (slots * 4)
-            sub_group = max(SUB_GROUP_ALIGN,
-                            min(sub_group, room // SUB_GROUP_ALIGN * SUB_GROUP_ALIGN))
+            sub_group = slots_sub_group(host + reserve)
         host += slots * padded_numel(min(sub_group, max(max(state_shares, default=0), 1)),
                                      FP32_BYTES) * 4
     nvme = 0

@@ -1,0 +1,49 @@
+"""The room the host budget keeps for the step ([Note: room kept for the step] in
+planner/engine_sizes.py) never starves the optimizer: where keeping it would cost the slots more
+than half their sub-group, "auto" keeps activations in memory and "nvme" keeps its staging
+without the reserve. Sizes from the planner alone (no engine), for the 85M main job and a Qwen2
+0.66B under 3 GiB (the host-budget bench's model)."""
+from __future__ import annotations
+
+import pytest
+
+from infinity.planner.calibration import run_sizes
+from infinity.planner.engine_sizes import MIN_SLOT_SHARE
+from infinity.planner.inputs import detect_hardware, llama_stats
+from infinity.train.models import preset_kwargs
+from infinity.train.run_config import Overrides, build_ds_config, demo_config
+
+QWEN2_066B = dict(hidden_size=1536, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=2, intermediate_size=8960, vocab_size=32000,
+                  tie_word_embeddings=False)
+
+
+def _sizes(disk_dir, model: dict, budget: str, mode: str):
+    ds = demo_config()
+    ds.setdefault("infinity", {})["offload_activations"] = mode
+    _, cfg = build_ds_config(ds, Overrides(nvme_path=str(disk_dir), host_budget=budget))
+    return run_sizes(cfg, llama_stats(model), detect_hardware(str(disk_dir)))[1]
+
+
+@pytest.mark.parametrize("budget", ["560MiB", "600MiB", "650MiB", "1GiB"])
+def test_the_step_room_never_costs_the_optimizer_half_its_sub_group(disk_dir, budget) -> None:
+    main = preset_kwargs("85M", 128)
+    plain = _sizes(disk_dir, main, budget, "none")
+    for mode in ("auto", "nvme"):
+        sizes = _sizes(disk_dir, main, budget, mode)
+        assert sizes.sub_group_numel >= MIN_SLOT_SHARE * plain.sub_group_numel, (
+            mode, budget, sizes.sub_group_numel, plain.sub_group_numel)
+        if sizes.step_reserve_bytes == 0 and mode == "auto":
+            assert not sizes.activation_staging, sizes     # no swapper: activations in memory
+        if mode == "nvme":
+            assert sizes.activation_staging                # asked for: always staged
+
+
+def test_a_budget_with_room_keeps_the_step_room(disk_dir) -> None:
+    """Qwen2 0.66B under 3 GiB: the reserve (two activation windows and autograd's gradient of
+    the largest unit) is kept and "auto" has its staging; "none" reserves nothing."""
+    auto = _sizes(disk_dir, QWEN2_066B, "3GiB", "auto")
+    none = _sizes(disk_dir, QWEN2_066B, "3GiB", "none")
+    assert auto.activation_staging and auto.step_reserve_bytes > 0, auto
+    assert not none.activation_staging and none.step_reserve_bytes == 0, none
+    assert auto.activation_room < none.activation_room
