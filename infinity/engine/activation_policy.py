@@ -62,6 +62,16 @@ def batch_of(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     return int(tensor.shape[0]), int(tensor.shape[1])
 
 
+def blocks_checkpointed(model: nn.Module) -> bool:
+    """Whether transformers' PreTrainedModel runs its blocks under activation checkpointing:
+    ``is_activation_checkpointing``, or on transformers before 5 ``is_gradient_checkpointing``
+    (since 5 a deprecated alias that warns at every read; gone in 6)."""
+    value = getattr(model, "is_activation_checkpointing", None)
+    if value is None:
+        value = getattr(model, "is_gradient_checkpointing", False)
+    return bool(value)
+
+
 def _ids_of(inputs: Any) -> Any:
     """``input_ids`` or else ``inputs_embeds`` of a mapping (None for anything else)."""
     if not isinstance(inputs, Mapping):
@@ -161,8 +171,7 @@ class AutoActivationOffload:
                         else None)
             self.active = False
             return
-        # transformers' PreTrainedModel says whether its blocks run checkpointed
-        checkpointed = bool(getattr(module, "is_gradient_checkpointing", False))
+        checkpointed = blocks_checkpointed(module)
         self.choice = self.decide(*shape, checkpointed)
         self.active = self.choice.decision == "nvme"
 

@@ -290,3 +290,35 @@ def test_auto_policy_reads_a_dict_batch_passed_whole() -> None:
         policy._handle.remove()
     assert policy.choice.predicted_bytes is None and policy.choice.decision == "none"
     assert "no input_ids, inputs_embeds or tensor" in policy.choice.reason, policy.choice.reason
+
+
+def test_auto_policy_reads_checkpointing_without_a_deprecation_warning() -> None:
+    """transformers 5 deprecated ``is_gradient_checkpointing`` (a FutureWarning at every read,
+    the attribute gone in 6): the policy reads ``is_activation_checkpointing`` where it exists,
+    so a training forward warns nothing (before: the main job's output carried the warning) and
+    checkpointing is still seen."""
+    import warnings as warnings_module
+
+    from infinity.engine.activation_policy import AutoActivationOffload
+
+    model, cfg = _model("llama", "sdpa")
+    policy = AutoActivationOffload(model, _StubSwapper(), 1 << 40, 4)   # type: ignore[arg-type]
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    try:
+        with warnings_module.catch_warnings(record=True) as caught:
+            warnings_module.simplefilter("always")
+            model(input_ids=ids, labels=ids)
+            model.gradient_checkpointing_enable()
+            model(input_ids=ids, labels=ids)
+    finally:
+        policy._handle.remove()
+    deprecated = [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    assert not deprecated, deprecated
+    from infinity.engine.activation_policy import blocks_checkpointed
+
+    assert blocks_checkpointed(model) and policy.choice.predicted_bytes == saved_activation_bytes(
+        activation_shape_from_hf_config(cfg), 1, 8, 4, True, checkpointed=True), policy.choice
+
+    class OldStyle(torch.nn.Module):      # transformers 4: only is_gradient_checkpointing
+        is_gradient_checkpointing = True
+    assert blocks_checkpointed(OldStyle()) and not blocks_checkpointed(torch.nn.Linear(1, 1))
