@@ -322,3 +322,43 @@ def test_a_flat_step_of_nothing_returns_none_or_a_zero_sum() -> None:
     empty = (torch.zeros(0),) * 4
     assert adam_step_flat(*[t.clone() for t in empty], step=1, **_HP) is None
     assert adam_step_flat(*[t.clone() for t in empty], step=1, grad_sq_sum=True, **_HP) == 0.0
+
+
+def test_argument_errors_name_the_argument_and_what_it_got() -> None:
+    p, g, m, v = _flat()
+    with pytest.raises(ValueError) as info:
+        adam_step_flat(p, [0.0] * 8, m, v, step=1, **_HP)
+    assert str(info.value) == "grad must be a torch.Tensor, got list"
+    with pytest.raises(ValueError) as info:
+        adam_step_flat(p, g, torch.zeros(8, device="meta"), v, step=1, **_HP)
+    assert str(info.value) == "exp_avg must be a CPU tensor, got device meta"
+    with pytest.raises(ValueError) as info:
+        adam_step_flat(p, g.to(torch.int32), m, v, step=1, **_HP)
+    assert str(info.value) == "grad must be float32, bfloat16 or float16, got torch.int32"
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_layouts_are_refused_csr_included() -> None:
+    from infinity.optim.cpu_adam import adam_step_tensors
+    p = torch.zeros(2, 4)
+    for grad in (torch.eye(2, 4).to_sparse(), torch.eye(2, 4).to_sparse_csr()):
+        with pytest.raises(ValueError) as info:
+            adam_step_tensors([p], [grad], [torch.zeros(2, 4)], [torch.zeros(2, 4)], step=1,
+                              **_HP)
+        assert str(info.value) == (f"grads[0] must be a dense strided tensor, got layout "
+                                   f"{grad.layout}")
+
+
+def test_overlap_is_refused_for_one_element_and_adjacent_buffers_are_not() -> None:
+    one = torch.zeros(1)
+    with pytest.raises(ValueError, match="param and grad overlap in memory"):
+        adam_step_flat(one, one, torch.zeros(1), torch.zeros(1), step=1, **_HP)
+    buf = torch.zeros(32)
+    adam_step_flat(buf[0:8], buf[8:16], buf[16:24], buf[24:32], step=1, **_HP)   # adjacent
+    adam_step_flat(buf[24:32], buf[16:24], buf[8:16], buf[0:8], step=1, **_HP)   # reversed
+
+
+def test_the_torch_path_returns_none_without_the_sum() -> None:
+    assert adam_step_flat(*_flat(), step=1, impl="torch", **_HP) is None
+    total = adam_step_flat(*_flat(), step=1, impl="torch", grad_sq_sum=True, **_HP)
+    assert total == pytest.approx(float((_flat()[1].double() ** 2).sum()))
