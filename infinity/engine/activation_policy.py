@@ -22,6 +22,7 @@ budget does not hold: "auto" keeps them there.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -104,10 +105,12 @@ class AutoActivationOffload:
         self._threshold = offloaded_mmap_threshold
         self._decided: dict[tuple[int, int], OffloadChoice] = {}
         # a function, not the bound method: copy.deepcopy(model) copies a bound method's object
-        # (this policy, its swapper's locks: "cannot pickle '_thread.lock'"), a function it shares
+        # (this policy, its swapper's locks: "cannot pickle '_thread.lock'"), a function it
+        # shares; the copy's calls (an EMA or reference copy) are no pass of this engine
+        root = weakref.ref(model)
         self._handle = model.register_forward_pre_hook(
-            lambda module, args, kwargs: self._before_forward(module, args, kwargs),
-            with_kwargs=True, prepend=True)
+            lambda module, args, kwargs: self._before_forward(module, args, kwargs)
+            if module is root() else None, with_kwargs=True, prepend=True)
         if keep_outermost is not None:
             # ahead of the engine's pass hook, whose ``hooks()`` reads this forward's choice:
             # the coordinator moves the pass hook back to the front after each call of a root

@@ -322,3 +322,24 @@ def test_auto_policy_reads_checkpointing_without_a_deprecation_warning() -> None
     class OldStyle(torch.nn.Module):      # transformers 4: only is_gradient_checkpointing
         is_gradient_checkpointing = True
     assert blocks_checkpointed(OldStyle()) and not blocks_checkpointed(torch.nn.Linear(1, 1))
+
+
+def test_auto_policy_leaves_a_deep_copy_of_the_model_alone() -> None:
+    """copy.deepcopy(model) (an EMA or reference copy) shares the hook function: the copy's
+    training forwards are no pass of the engine, so they decide nothing (before: each new
+    shape of the copy's batches was decided, logged and recorded as the engine's choice)."""
+    import copy
+
+    from infinity.engine.activation_policy import AutoActivationOffload
+
+    model, cfg = _model("llama", "sdpa")
+    policy = AutoActivationOffload(model, _StubSwapper(), 1, 4)    # type: ignore[arg-type]
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    try:
+        twin(input_ids=ids, labels=ids)
+        assert policy.choice is None and not policy._decided, policy.choice
+        model(input_ids=ids, labels=ids)
+        assert policy.choice.decision == "nvme" and policy.active, policy.choice
+    finally:
+        policy._handle.remove()
