@@ -157,6 +157,7 @@ class AutoActivationOffload:
                 log.warning(text)
             else:
                 log.info(text)
+        if choice is not self.choice:      # what this forward does, decided now or before
             record_in_use("offload_activations", f"{choice.decision} ({choice.reason})")
         if choice.decision == "nvme" and self._threshold is not None:
             set_mmap_threshold(self._threshold)   # see InfinitySection.mmap_threshold_in_use

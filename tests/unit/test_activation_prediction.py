@@ -343,3 +343,26 @@ def test_auto_policy_leaves_a_deep_copy_of_the_model_alone() -> None:
         assert policy.choice.decision == "nvme" and policy.active, policy.choice
     finally:
         policy._handle.remove()
+
+
+def test_native_info_names_the_choice_of_the_last_training_forward() -> None:
+    """native_info()["in_use"]["offload_activations"] follows the forward that ran, also when
+    its shape was decided before (before: it kept the last new decision, so a long batch
+    after a short one read "none" while it was offloaded)."""
+    import infinity
+    from infinity.engine.activation_policy import AutoActivationOffload
+
+    model, cfg = _model("llama", "sdpa")
+    shape = activation_shape_from_hf_config(cfg)
+    room = saved_activation_bytes(shape, 2, 16, 4, True) + step_working_bytes(shape, 2, 16, 4, 0)
+    policy = AutoActivationOffload(model, _StubSwapper(), room, 4)    # type: ignore[arg-type]
+    seen = []
+    try:
+        for seq in (32, 16, 32):
+            ids = torch.randint(0, cfg.vocab_size, (2, seq))
+            model(input_ids=ids, labels=ids)
+            seen.append((policy.choice.decision,
+                         infinity.native_info()["in_use"]["offload_activations"].split()[0]))
+    finally:
+        policy._handle.remove()
+    assert seen == [("nvme", "nvme"), ("none", "none"), ("nvme", "nvme")], seen
