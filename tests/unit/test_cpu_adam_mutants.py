@@ -362,3 +362,14 @@ def test_the_torch_path_returns_none_without_the_sum() -> None:
     assert adam_step_flat(*_flat(), step=1, impl="torch", **_HP) is None
     total = adam_step_flat(*_flat(), step=1, impl="torch", grad_sq_sum=True, **_HP)
     assert total == pytest.approx(float((_flat()[1].double() ** 2).sum()))
+
+
+def test_cpu_adam_without_bias_correction_steps_without_it() -> None:
+    p, g, m, v = _flat()
+    param = torch.nn.Parameter(p.clone())
+    param.grad = g.clone()
+    CPUAdam([param], lr=1e-2, bias_correction=False).step()
+    ref_off, ref_on = p.clone(), p.clone()
+    adam_step_flat(ref_off, g.clone(), m.clone(), v.clone(), step=1, bias_correction=False, **_HP)
+    adam_step_flat(ref_on, g.clone(), m.clone(), v.clone(), step=1, **_HP)
+    assert torch.equal(param.detach(), ref_off) and not torch.equal(ref_off, ref_on)
