@@ -89,6 +89,7 @@ class AutoActivationOffload:
     def __init__(self, model: nn.Module, swapper: ActivationSwapper | None, room: int,
                  itemsize: int, *, largest_unit_numel: int = 0, on_device: bool = False,
                  offloaded_mmap_threshold: int | None = None,
+                 kept_mmap_threshold: int | None = None,
                  no_swap: str = "no nvme_path is set",
                  keep_outermost: Callable[[nn.Module, int], None] | None = None) -> None:
         self.no_swap = no_swap
@@ -103,6 +104,7 @@ class AutoActivationOffload:
         """The choice for the last training forward (None before the first)."""
         self.active = False
         self._threshold = offloaded_mmap_threshold
+        self._kept_threshold = kept_mmap_threshold
         self._decided: dict[tuple[int, int], OffloadChoice] = {}
         # a function, not the bound method: copy.deepcopy(model) copies a bound method's object
         # (this policy, its swapper's locks: "cannot pickle '_thread.lock'"), a function it
@@ -159,8 +161,11 @@ class AutoActivationOffload:
                 log.info(text)
         if choice is not self.choice:      # what this forward does, decided now or before
             record_in_use("offload_activations", f"{choice.decision} ({choice.reason})")
-        if choice.decision == "nvme" and self._threshold is not None:
-            set_mmap_threshold(self._threshold)   # see InfinitySection.mmap_threshold_in_use
+        # see InfinitySection.mmap_threshold_in_use: the offloaded threshold only while
+        # offloading (every allocation above it mapped and faulted in afresh is slower)
+        threshold = self._threshold if choice.decision == "nvme" else self._kept_threshold
+        if threshold is not None:
+            set_mmap_threshold(threshold)
         return choice
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -189,7 +189,8 @@ def activation_swapper(config: InfinityConfig, manager: TierManager, units: list
         largest_unit_numel=0 if sizes is not None and sizes.gradient_reserve_bytes else
         max((u.trainable_numel for u in units), default=0),
         on_device=device.type != "cpu" or room is None,
-        offloaded_mmap_threshold=section.offloaded_mmap_threshold, keep_outermost=keep_outermost,
+        offloaded_mmap_threshold=section.offloaded_mmap_threshold,
+        kept_mmap_threshold=section.malloc_mmap_threshold, keep_outermost=keep_outermost,
         no_swap="no swap directory: set zero_optimization.offload_param or offload_optimizer "
                 ".nvme_path" if not has_swap else
                 f"the host budget leaves no room beside the engine's pools for the swapper's "

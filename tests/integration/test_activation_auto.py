@@ -10,6 +10,7 @@ import logging
 import torch
 
 import infinity
+from infinity.base import malloc_tuning
 from infinity.base.log import get_logger
 from parity import VOCAB, make_model, with_adamw, zero_config
 
@@ -105,16 +106,21 @@ def test_auto_swaps_each_forward_by_its_own_batch_under_a_root_owning_parameters
     engine, *_ = infinity.initialize(model=model, config=ds)
     policy = engine.activation_swapper
     gen = torch.Generator().manual_seed(1)
-    seen = []
+    seen, thresholds = [], []
     try:
         for seq in (8, 64, 8, 64):
             x = torch.randint(0, VOCAB, (8, seq), generator=gen)
             before = policy.swapper.stats.swapped
             loss = engine(input_ids=x, labels=x)
             seen.append((seq, policy.choice.decision, policy.swapper.stats.swapped - before))
+            thresholds.append(malloc_tuning._applied)
             engine.backward(loss)
             engine.step()
     finally:
         engine.close()
     assert [d for _, d, _ in seen] == ["none", "nvme", "none", "nvme"], seen
     assert all((swapped > 0) == (decision == "nvme") for _, decision, swapped in seen), seen
+    if malloc_tuning._glibc() is not None:
+        # the low threshold (min(malloc_mmap_threshold, activation_min_bytes)) only while
+        # offloading: a batch kept in memory gets the configured 4 MiB back
+        assert thresholds == [4 << 20, 1, 4 << 20, 1], thresholds

@@ -366,3 +366,33 @@ def test_native_info_names_the_choice_of_the_last_training_forward() -> None:
     finally:
         policy._handle.remove()
     assert seen == [("nvme", "nvme"), ("none", "none"), ("nvme", "nvme")], seen
+
+
+def test_auto_policy_lowers_the_malloc_threshold_only_while_offloading() -> None:
+    """The offloaded mmap threshold (activation_min_bytes) is for forwards that offload; a batch
+    kept in memory after one that offloaded gets the configured threshold back (before: one
+    long batch left every later step at the low threshold, each allocation above it mapped
+    and faulted in afresh)."""
+    from infinity.base import malloc_tuning
+    from infinity.engine.activation_policy import AutoActivationOffload
+
+    if malloc_tuning._glibc() is None:
+        pytest.skip("not glibc: malloc is left alone")
+    model, cfg = _model("llama", "sdpa")
+    shape = activation_shape_from_hf_config(cfg)
+    room = saved_activation_bytes(shape, 2, 16, 4, True) + step_working_bytes(shape, 2, 16, 4, 0)
+    before = malloc_tuning._applied
+    policy = AutoActivationOffload(model, _StubSwapper(), room, 4,    # type: ignore[arg-type]
+                                   offloaded_mmap_threshold=256 << 10,
+                                   kept_mmap_threshold=4 << 20)
+    seen = []
+    try:
+        for seq in (16, 32, 16):
+            ids = torch.randint(0, cfg.vocab_size, (2, seq))
+            model(input_ids=ids, labels=ids)
+            seen.append((policy.choice.decision, malloc_tuning._applied))
+    finally:
+        policy._handle.remove()
+        if before is not None:
+            malloc_tuning.set_mmap_threshold(before)
+    assert seen == [("none", 4 << 20), ("nvme", 256 << 10), ("none", 4 << 20)], seen
