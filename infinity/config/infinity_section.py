@@ -61,7 +61,8 @@ class InfinitySection:
         """The malloc threshold the engine sets: with activations offloaded, at most
         ``activation_min_bytes``, so the memory of tensors that leave for NVMe goes back to
         the system instead of staying in the heap (peak RSS grew ~11 MB a layer without).
-        "auto" starts with ``offloaded_mmap_threshold``'s value once it chooses to offload."""
+        "auto" uses ``offloaded_mmap_threshold``'s value for the forwards it offloads, this one
+        for those it keeps in memory."""
         if self.offload_activations == "nvme":
             return self.offloaded_mmap_threshold
         return self.malloc_mmap_threshold
