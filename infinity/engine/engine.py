@@ -131,7 +131,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         def sizes() -> EngineSizes:
             return resolve_sizes(self.config, specs, derived, self.compute_dtype, param_tier,
                                  optimizer_tier, self.master_separate, self.early_step,
-                                 direct_fetch=self.direct_fetch, speculative=self.speculative)
+                                 direct_fetch=self.direct_fetch, speculative=self.speculative,
+                                 device=self.device)
 
         self.sizes: EngineSizes = sizes()
         if self.speculative and self.config.infinity.speculative_step == "auto" and \

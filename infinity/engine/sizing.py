@@ -120,13 +120,16 @@ def disk_has_room(nvme_path: str | None, nvme_bytes: int, margin: float = 1.05) 
 def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSizes,
                   compute_dtype: torch.dtype, param_tier: Tier, optimizer_tier: Tier,
                   master_separate: bool, early_step: bool,
-                  direct_fetch: bool = False, speculative: bool = False) -> EngineSizes:
+                  direct_fetch: bool = False, speculative: bool = False,
+                  device: torch.device | None = None) -> EngineSizes:
     """The planner's ``engine_sizes`` for these units (their parameters' counts) in the compute
-    dtype (see ``infinity.planner.engine_sizes``)."""
+    dtype (see ``infinity.planner.engine_sizes``) on ``device`` (a GPU's activations are not
+    in the host budget)."""
     units = [[(p.numel(), p.requires_grad) for _, p in spec.params] for spec in specs]
     return engine_sizes(cfg, units, derived, compute_dtype.itemsize, param_tier, optimizer_tier,
                         master_separate, early_step, direct_fetch=direct_fetch,
-                        speculative=speculative)
+                        speculative=speculative,
+                        host_activations=device is None or device.type == "cpu")
 
 
 def host_budget_note(cfg: InfinityConfig, device: torch.device, sizes: EngineSizes) -> str:

@@ -158,7 +158,8 @@ def run_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
     def sizes(spec: bool) -> EngineSizes:
         return engine_sizes(cfg, units, derived, lay.c, lay.param_tier, lay.opt_tier,
                             master_separate=not lay.single_copy, early_step=lay.early_step,
-                            direct_fetch=direct, speculative=spec)
+                            direct_fetch=direct, speculative=spec,
+                            host_activations=not hw.has_gpu)
     if speculative is None:
         speculative = speculation_applies(cfg, lay) and cfg.world_size == 1
         if speculative and hw.disk_free_bytes is not None:

@@ -103,10 +103,12 @@ def accumulate_chunk_numel(max_trainable: int) -> int:
 def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]],
                  derived: DerivedSizes, itemsize: int, param_tier: Tier, optimizer_tier: Tier,
                  master_separate: bool, early_step: bool, direct_fetch: bool = False,
-                 speculative: bool = False) -> EngineSizes:
+                 speculative: bool = False, host_activations: bool = True) -> EngineSizes:
     """Sizes for this model, config and machine: ``units`` are each unit's (numel, trainable)
     parameters, ``itemsize`` the compute dtype's bytes per element (``speculative``: parameters
-    and Adam states have second copies on NVMe).
+    and Adam states have second copies on NVMe; ``host_activations``: saved activations live in
+    host memory, a CPU device -- on a GPU they stay in device memory under "auto", which takes
+    no staging and keeps no room for them).
 
     ``direct_fetch``: NVMe reads land straight in device memory (a CPU device, see
     ``Unit.start_fetch``), so there are no fetch slots; the host they would have taken goes to
@@ -188,7 +190,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     if grad_tier == Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
         host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
     staging = cfg.infinity.offload_activations == "nvme"
-    if not staging and activation_staging(cfg):
+    if not staging and host_activations and activation_staging(cfg):
         # "auto" takes the staging only where it fits beside the smallest optimizer slots: a
         # budget that worked without it keeps working (its activations then stay in memory)
         least = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate,

@@ -155,7 +155,7 @@ def _rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, targ
     derived = derive_sizes(cfg, stats, hw)
     es = engine_sizes(cfg, engine_units(stats), derived, lay.c, lay.param_tier, lay.opt_tier,
                       master_separate=not lay.single_copy, early_step=lay.early_step,
-                      speculative=speculative)
+                      speculative=speculative, host_activations=not hw.has_gpu)
     # the engine's sub-group (what the host budget leaves for the step stream's slots)
     cfg = derived.apply(cfg)
     cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, sub_group_size=es.sub_group_numel))

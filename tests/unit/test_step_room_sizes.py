@@ -47,3 +47,24 @@ def test_a_budget_with_room_keeps_the_step_room(disk_dir) -> None:
     assert auto.activation_staging and auto.step_reserve_bytes > 0, auto
     assert not none.activation_staging and none.step_reserve_bytes == 0, none
     assert auto.activation_room < none.activation_room
+
+
+def test_a_gpu_takes_no_activation_staging_under_auto(disk_dir) -> None:
+    """On a GPU "auto" keeps activations in device memory (never offloads), so the host budget
+    keeps no staging and no room for them: the same sizes as "none" (before: 32 MiB of staging
+    allocated and two activation windows taken from the optimizer's slots, for nothing)."""
+    import dataclasses
+
+    from infinity.planner.calibration import run_sizes as sizes_on
+
+    ds = demo_config()
+    hw = dataclasses.replace(detect_hardware(str(disk_dir)), gpu_name="a GPU",
+                             gpu_total_bytes=80 << 30, gpu_free_bytes=80 << 30)
+    got = {}
+    for mode in ("auto", "none"):
+        ds.setdefault("infinity", {})["offload_activations"] = mode
+        _, cfg = build_ds_config(ds, Overrides(nvme_path=str(disk_dir), host_budget="3GiB"))
+        got[mode] = sizes_on(cfg, llama_stats(QWEN2_066B), hw)[1]
+    assert not got["auto"].activation_staging and got["auto"].step_reserve_bytes == 0, got["auto"]
+    assert got["auto"].activation_room == got["none"].activation_room, got
+    assert got["auto"].sub_group_numel == got["none"].sub_group_numel, got
