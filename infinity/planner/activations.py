@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from infinity.base.sizes import format_bytes
-from infinity.planner.shape import config_int
+from infinity.planner.shape import config_int, shape_from_hf_config
 
 __all__ = ["ActivationShape", "activation_shape_from_hf_config", "saved_activation_bytes",
            "OffloadChoice", "choose_activation_offload", "step_working_bytes", "LLAMA_FAMILY",
@@ -83,13 +83,13 @@ class ActivationShape:
 def activation_shape_from_hf_config(config: Any) -> ActivationShape | None:
     """The shape of a transformers config (Llama-style or GPT-2 names), None when it has no
     width, depth or vocabulary to read."""
+    sizes = shape_from_hf_config(config)
+    if sizes is None:
+        return None
+    hidden, layers, vocab = sizes.hidden, sizes.layers, sizes.vocab
+
     def first(*names: str) -> int | None:
         return config_int(config, *names)
-    hidden = first("hidden_size", "n_embd", "d_model")
-    layers = first("num_hidden_layers", "n_layer", "num_layers")
-    vocab = first("vocab_size")
-    if hidden is None or layers is None or vocab is None:
-        return None
     heads = first("num_attention_heads", "n_head") or 1
     impl = getattr(config, "_attn_implementation", None)
     attention = "eager" if impl == "eager" else "sdpa"
@@ -103,7 +103,7 @@ def activation_shape_from_hf_config(config: Any) -> ActivationShape | None:
                     for name in ("attn_pdrop", "resid_pdrop", "embd_pdrop"))
     return ActivationShape(
         family=family, hidden=hidden, layers=layers, vocab=vocab, heads=heads,
-        intermediate=first("intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * hidden,
+        intermediate=sizes.intermediate,
         kv_heads=first("num_key_value_heads") or heads, attention=attention,
         dropout=dropout)  # type: ignore[arg-type]
 
