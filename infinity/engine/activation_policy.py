@@ -105,7 +105,8 @@ class AutoActivationOffload:
         self.active = False
         self._threshold = offloaded_mmap_threshold
         self._kept_threshold = kept_mmap_threshold
-        self._decided: dict[tuple[int, int], OffloadChoice] = {}
+        self._decided: dict[tuple[int, int, bool], OffloadChoice] = {}
+        self._warned_overshoot = 0
         # a function, not the bound method: copy.deepcopy(model) copies a bound method's object
         # (this policy, its swapper's locks: "cannot pickle '_thread.lock'"), a function it
         # shares; the copy's calls (an EMA or reference copy) are no pass of this engine
@@ -155,7 +156,10 @@ class AutoActivationOffload:
             self._decided[key] = choice
             text = f"offload_activations auto, batch {batch} x {seq}" \
                 f"{' (blocks checkpointed)' if checkpointed else ''}: {choice.reason}"
-            if choice.overshoot_bytes:
+            # dynamic padding gives every batch a new length: a warning only for an overshoot
+            # larger than any warned before (by a quarter), the rest at info
+            if choice.overshoot_bytes > 1.25 * self._warned_overshoot:
+                self._warned_overshoot = choice.overshoot_bytes
                 log.warning(text)
             else:
                 log.info(text)
