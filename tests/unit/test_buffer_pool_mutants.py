@@ -121,3 +121,14 @@ def test_slots_compare_by_identity() -> None:
     assert Slot(0, buf) != Slot(0, buf)
     s = Slot(0, buf)
     assert s == s and len({s, Slot(0, buf)}) == 2
+
+
+def test_wait_and_release_without_an_error_returns_after_releasing_all() -> None:
+    from collections import deque
+
+    from infinity.storage.buffer_pool import wait_and_release
+    for container in (list, deque):
+        waited, released = [], []
+        in_flight = container([(["r1", "r2"], "s1"), ([], "s2")])
+        assert wait_and_release(in_flight, waited.append, released.append) is None
+        assert waited == ["r1", "r2"] and released == ["s1", "s2"] and not in_flight

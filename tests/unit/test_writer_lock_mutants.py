@@ -392,3 +392,21 @@ def test_acquire_of_a_missing_directory_raises_and_leaks_nothing(tmp_path: Path)
     with pytest.raises(FileNotFoundError):
         SaveLock.acquire(tmp_path / "missing")
     assert _open_fds() <= before
+
+
+def test_a_lock_of_another_hostname_under_this_kernel_is_judged_by_the_flock(tmp_path: Path,
+                                                                             monkeypatch) -> None:
+    """A container restarted under a new name (same boot id): nobody holds the flock, so its
+    lock is taken over; without flock on the filesystem it cannot be told, so it is refused."""
+    me = Owner.of_this_process(rank=0)
+    if not me.boot_id:
+        pytest.skip("no boot id on this system")
+    old_pod = Owner(_dead_pid(), me.boot_id, 1, 0, "old-pod-name")
+    (tmp_path / LOCK_NAME).write_text(_lock_text(old_pod))
+    monkeypatch.setattr(wl.fcntl, "flock", _no_flock)
+    with pytest.raises(SaveDirBusyError, match="'old-pod-name'"):
+        SaveLock.acquire(tmp_path)
+    monkeypatch.undo()
+    lock = SaveLock.acquire(tmp_path)
+    lock.release()
+    assert os.listdir(tmp_path) == []
