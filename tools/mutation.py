@@ -166,19 +166,21 @@ def map_tests(modules: list[str], tests_root: Path, via_helpers: bool) -> dict[s
 # -- the private work copy ---------------------------------------------------------------------------
 
 def snapshot(worktree: bool, staging: Path, rev: str = "HEAD") -> str:
-    """A commit (or the working tree) of infinity/, tests/ and pyproject.toml into staging; returns a
-    description of what was copied."""
+    """A commit (or the working tree) of infinity/, tests/, native/ and pyproject.toml into staging;
+    returns a description of what was copied."""
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     if worktree:
-        for name in (PACKAGE, "tests"):
+        for name in (PACKAGE, "tests", "native"):
             shutil.copytree(ROOT / name, staging / name,
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
         shutil.copy2(ROOT / "pyproject.toml", staging / "pyproject.toml")
         head = git("rev-parse", "--short", "HEAD")
         return f"working tree (HEAD {head} plus uncommitted edits)"
-    data = subprocess.run(["git", "archive", "--format=tar", rev, PACKAGE, "tests", "pyproject.toml"],
+    # native/: a few tests compile its C sources against the installed library (test_check.c)
+    data = subprocess.run(["git", "archive", "--format=tar", rev, PACKAGE, "tests", "native",
+                           "pyproject.toml"],
                           cwd=ROOT, check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(staging, filter="data")
@@ -193,7 +195,7 @@ def sync(staging: Path, work: Path) -> None:
     """Make work/ match staging/ for infinity/, tests/ and pyproject.toml, rewriting only files whose
     bytes changed: mutmut regenerates a module's mutants when the source is newer than its copy in
     mutants/, so an unchanged file must keep its old mtime and a changed one must get a new one."""
-    for top in (PACKAGE, "tests"):
+    for top in (PACKAGE, "tests", "native"):
         src_root, dst_root = staging / top, work / top
         wanted = {p.relative_to(src_root) for p in src_root.rglob("*") if p.is_file()}
         if dst_root.exists():
