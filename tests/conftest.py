@@ -60,3 +60,20 @@ def infinity_log(caplog: pytest.LogCaptureFixture):
         yield caplog
     finally:
         logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def infinity_info_log(infinity_log: pytest.LogCaptureFixture):
+    """``infinity_log`` with the package logger at INFO for the test (lines a test reads that
+    a quieter default level would drop)."""
+    import logging
+
+    from infinity.base.log import get_logger
+
+    logger = get_logger()
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield infinity_log
+    finally:
+        logger.setLevel(old)

@@ -398,30 +398,23 @@ def test_auto_policy_lowers_the_malloc_threshold_only_while_offloading() -> None
     assert seen == [("none", 4 << 20), ("nvme", 256 << 10), ("none", 4 << 20)], seen
 
 
-def test_dynamic_padding_warns_once_per_larger_overshoot(caplog) -> None:
+def test_dynamic_padding_warns_once_per_larger_overshoot(infinity_info_log) -> None:
     """No swap space and a batch length that changes every step (dynamic padding): each new
     shape is decided and logged, but a warning only when the overshoot grows by over a quarter
     beyond the largest warned; the rest go to info."""
     import logging
 
-    from infinity.base.log import get_logger
     from infinity.engine.activation_policy import AutoActivationOffload
 
     model, cfg = _model("llama", "sdpa")
     policy = AutoActivationOffload(model, None, 0, 4)     # type: ignore[arg-type]
-    logger = get_logger()
-    logger.addHandler(caplog.handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
     try:
         for seq in (32, 33, 34, 35, 36, 80, 81, 30):
             ids = torch.randint(0, cfg.vocab_size, (2, seq))
             model(input_ids=ids, labels=ids)
     finally:
-        logger.setLevel(old)
-        logger.removeHandler(caplog.handler)
         policy._handle.remove()
-    decided = [r for r in caplog.records if "offload_activations auto, batch 2 x" in r.message]
+    decided = [r for r in infinity_info_log.records if "offload_activations auto, batch 2 x" in r.message]
     assert len(decided) == 8, [r.message for r in decided]
     warned = [r.message.split(":")[0] for r in decided if r.levelno == logging.WARNING]
     assert warned == ["offload_activations auto, batch 2 x 32",

@@ -106,23 +106,6 @@ def test_a_failed_exchange_names_both_directories(tmp_path: Path) -> None:
 
 import errno
 import hashlib
-import logging
-
-
-@pytest.fixture
-def ckpt_log(caplog):
-    """caplog that sees the package logger (it does not propagate to the root logger)."""
-    from infinity.base.log import get_logger
-
-    logger = get_logger()
-    logger.addHandler(caplog.handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield caplog
-    finally:
-        logger.setLevel(old)
-        logger.removeHandler(caplog.handler)
 
 
 def _write_tag(save_dir: Path, tag: str, files: dict[str, str], listed=None) -> Path:
@@ -274,7 +257,7 @@ def test_prepare_staging_makes_a_fresh_empty_directory_of_its_own(tmp_path: Path
 
 
 def test_prepare_staging_adopts_a_left_staging_dir_of_the_tag_and_cleans_the_others(
-        tmp_path: Path, ckpt_log) -> None:
+        tmp_path: Path, infinity_info_log) -> None:
     left = tmp_path / ".t.partial.0123abcd"
     left.mkdir()
     (left / "rank0_model.safetensors").write_text("half written")
@@ -285,7 +268,7 @@ def test_prepare_staging_adopts_a_left_staging_dir_of_the_tag_and_cleans_the_oth
     staging = d.prepare_staging(tmp_path, "t")
     assert staging != left and not left.exists() and not other.exists()
     assert os.listdir(staging) == ["notes.txt"]
-    assert f"removed {other}, left by a save that did not finish" in ckpt_log.text
+    assert f"removed {other}, left by a save that did not finish" in infinity_info_log.text
 
 
 def test_prepare_staging_and_commit_refuse_a_symlinked_tag(tmp_path: Path) -> None:
@@ -334,7 +317,7 @@ def test_ensure_save_dir_creates_parents_and_names_a_dir_it_cannot_use(tmp_path:
 
 
 def test_clean_stale_staging_returns_what_it_removed_and_gives_user_files_back(
-        tmp_path: Path, ckpt_log) -> None:
+        tmp_path: Path, infinity_info_log) -> None:
     tag = _write_tag(tmp_path, "t", {"rank0_model.safetensors": "committed"})
     stale = tmp_path / ".t.partial.0123abcd"
     stale.mkdir()
@@ -352,7 +335,7 @@ def test_clean_stale_staging_returns_what_it_removed_and_gives_user_files_back(
     assert (tag / "rank0_model.safetensors").read_text() == "committed"
     assert (kept / "rank0_model.safetensors").read_text() == "kept"
     assert os.listdir(stuck) == ["other.bin"]
-    assert f"kept {stuck}: it holds files a checkpoint does not write (other.bin)" in ckpt_log.text
+    assert f"kept {stuck}: it holds files a checkpoint does not write (other.bin)" in infinity_info_log.text
     assert d.clean_stale_staging(tmp_path) == [kept]
 
 
@@ -366,13 +349,13 @@ def test_clean_stale_staging_never_carries_into_a_symlinked_tag(tmp_path: Path) 
     assert os.listdir(stale) == ["notes.txt"] and "notes.txt" not in os.listdir(elsewhere)
 
 
-def test_checkpoint_files_are_the_listed_written_names(tmp_path: Path, ckpt_log) -> None:
+def test_checkpoint_files_are_the_listed_written_names(tmp_path: Path, infinity_info_log) -> None:
     tag = _write_tag(tmp_path, "t", {"rank0_model.safetensors": "", "adapter.safetensors": ""},
                      listed=["rank0_model.safetensors", "../outside", "adapter.safetensors"])
     (tag / "rank1_model.safetensors").write_text("not listed")
     assert d.checkpoint_files(tag) == {d.MANIFEST, "rank0_model.safetensors"}
-    assert f"the manifest of {tag} lists '../outside', which is not a file a save writes" in ckpt_log.text
-    assert "'adapter.safetensors'" in ckpt_log.text
+    assert f"the manifest of {tag} lists '../outside', which is not a file a save writes" in infinity_info_log.text
+    assert "'adapter.safetensors'" in infinity_info_log.text
     assert d.checkpoint_files(tag, ours_only=False) == {
         d.MANIFEST, "rank0_model.safetensors", "rank1_model.safetensors"}
     (tag / d.MANIFEST).write_text(json.dumps({"format": d.FORMAT, "version": d.VERSION,
@@ -388,7 +371,7 @@ def test_checkpoint_files_are_the_listed_written_names(tmp_path: Path, ckpt_log)
 
 
 def test_remove_checkpoint_files_removes_only_ours_and_the_dir_when_empty(tmp_path: Path,
-                                                                         ckpt_log) -> None:
+                                                                         infinity_info_log) -> None:
     tag = _write_tag(tmp_path, "t", {"rank0_model.safetensors": "", "rank0_optim.safetensors": ""})
     d.remove_checkpoint_files(tag)
     assert not tag.exists()
@@ -399,7 +382,7 @@ def test_remove_checkpoint_files_removes_only_ours_and_the_dir_when_empty(tmp_pa
     d.remove_checkpoint_files(tag)
     assert sorted(os.listdir(tag)) == ["notes.txt", "rank0_optim.safetensors",
                                        "rank1_model.safetensors"]
-    assert f"kept {tag}: it holds files a checkpoint does not write (notes.txt, " in ckpt_log.text
+    assert f"kept {tag}: it holds files a checkpoint does not write (notes.txt, " in infinity_info_log.text
     kept = _write_tag(tmp_path, "v", {"rank0_model.safetensors": ""})
     d.remove_checkpoint_files(kept, keep_dir=True)
     assert kept.is_dir() and os.listdir(kept) == []
@@ -407,19 +390,19 @@ def test_remove_checkpoint_files_removes_only_ours_and_the_dir_when_empty(tmp_pa
 
 
 def test_remove_checkpoint_files_never_follows_a_symlinked_directory(tmp_path: Path,
-                                                                     ckpt_log) -> None:
+                                                                     infinity_info_log) -> None:
     real = _write_tag(tmp_path, "real", {"rank0_model.safetensors": "keep"})
     link = tmp_path / "link"
     os.symlink(real, link)
     d.remove_checkpoint_files(link)
     assert (real / "rank0_model.safetensors").read_text() == "keep" and link.is_symlink()
-    assert f"not cleaning {link}:" in ckpt_log.text
+    assert f"not cleaning {link}:" in infinity_info_log.text
 
 
-def test_remove_checkpoint_files_lists_at_most_five_leftovers(tmp_path: Path, ckpt_log) -> None:
+def test_remove_checkpoint_files_lists_at_most_five_leftovers(tmp_path: Path, infinity_info_log) -> None:
     tag = _write_tag(tmp_path, "t", {f"user{i}.txt": "" for i in range(7)}, listed=[])
     d.remove_checkpoint_files(tag)
-    assert "(user0.txt, user1.txt, user2.txt, user3.txt, user4.txt)" in ckpt_log.text
+    assert "(user0.txt, user1.txt, user2.txt, user3.txt, user4.txt)" in infinity_info_log.text
 
 
 def test_carry_user_files_moves_only_the_users_and_never_overwrites(tmp_path: Path) -> None:
@@ -613,11 +596,11 @@ def test_checkpoint_directory_takes_a_tags_own_directory_or_resolves(tmp_path: P
         d.checkpoint_directory(tag, "x")
 
 
-def test_resolve_falls_back_to_a_whole_aside_copy_with_a_warning(tmp_path: Path, ckpt_log) -> None:
+def test_resolve_falls_back_to_a_whole_aside_copy_with_a_warning(tmp_path: Path, infinity_info_log) -> None:
     aside = _write_tag(tmp_path, ".t.replaced", {})
     assert d.resolve(tmp_path, "t") == aside
     assert (f"checkpoint {tmp_path / 't'} is missing but its previous save is whole in {aside}"
-            in ckpt_log.text)
+            in infinity_info_log.text)
     _write_tag(tmp_path, "t", {})
     assert d.resolve(tmp_path, "t") == tmp_path / "t"
     (aside / d.MANIFEST).unlink()
@@ -751,20 +734,20 @@ def test_a_stale_stagings_half_written_shards_never_go_into_the_tag(tmp_path: Pa
 
 
 def test_remove_checkpoint_files_of_a_regular_file_warns_and_leaves_it(tmp_path: Path,
-                                                                      ckpt_log) -> None:
+                                                                      infinity_info_log) -> None:
     path = tmp_path / "rank0_model.safetensors"
     path.write_text("keep")
     d.remove_checkpoint_files(path)
     assert path.read_text() == "keep"
-    assert f"not cleaning {path}: [Errno {errno.ENOTDIR}]" in ckpt_log.text
+    assert f"not cleaning {path}: [Errno {errno.ENOTDIR}]" in infinity_info_log.text
 
 
-def test_not_cleaning_a_symlinked_directory_says_why(tmp_path: Path, ckpt_log) -> None:
+def test_not_cleaning_a_symlinked_directory_says_why(tmp_path: Path, infinity_info_log) -> None:
     real = _write_tag(tmp_path, "real", {})
     link = tmp_path / "link"
     os.symlink(real, link)
     d.remove_checkpoint_files(link)
-    assert f"not cleaning {link}: [Errno " in ckpt_log.text
+    assert f"not cleaning {link}: [Errno " in infinity_info_log.text
 
 
 def test_a_version_mismatch_message_ends_with_the_version_read(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -19,22 +18,6 @@ from infinity.checkpoint import writer_lock as wl
 from infinity.checkpoint.tensor_file import CheckpointError
 from infinity.checkpoint.writer_lock import LOCK_FORMAT, LOCK_NAME, SaveDirBusyError, SaveLock
 from infinity.storage.swap_dir import Owner
-
-
-@pytest.fixture
-def ckpt_log(caplog):
-    """caplog that sees the package logger (it does not propagate to the root logger)."""
-    from infinity.base.log import get_logger
-
-    logger = get_logger()
-    logger.addHandler(caplog.handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield caplog
-    finally:
-        logger.setLevel(old)
-        logger.removeHandler(caplog.handler)
 
 
 def _dead_pid() -> int:
@@ -115,7 +98,7 @@ def test_a_refusal_while_the_holder_has_not_written_its_name_yet(tmp_path: Path)
         os.close(fd)
 
 
-def test_a_dead_writers_lock_file_is_taken_over_with_a_log_line(tmp_path: Path, ckpt_log) -> None:
+def test_a_dead_writers_lock_file_is_taken_over_with_a_log_line(tmp_path: Path, infinity_info_log) -> None:
     me = Owner.of_this_process(rank=0)
     dead = Owner(_dead_pid(), me.boot_id, 1, 3, me.hostname)
     (tmp_path / LOCK_NAME).write_text(_lock_text(dead) + " " * 50)   # longer than ours
@@ -123,17 +106,17 @@ def test_a_dead_writers_lock_file_is_taken_over_with_a_log_line(tmp_path: Path, 
     try:
         assert json.loads((tmp_path / LOCK_NAME).read_text())["owner"]["pid"] == me.pid
         assert (f"taking over the save lock of {tmp_path} from a dead writer (its owner pid "
-                f"{dead.pid} is gone)") in ckpt_log.text
+                f"{dead.pid} is gone)") in infinity_info_log.text
     finally:
         lock.release()
 
 
-def test_our_own_lock_file_left_behind_is_taken_without_judging(tmp_path: Path, ckpt_log) -> None:
+def test_our_own_lock_file_left_behind_is_taken_without_judging(tmp_path: Path, infinity_info_log) -> None:
     """The same process's file (a save of this process that died before removing it)."""
     (tmp_path / LOCK_NAME).write_text(_lock_text(Owner.of_this_process(rank=0)))
     lock = SaveLock.acquire(tmp_path)
     lock.release()
-    assert "taking over" not in ckpt_log.text
+    assert "taking over" not in infinity_info_log.text
 
 
 @pytest.mark.parametrize("content", ["", "garbage", "[1]", '{"format": "other/1", "owner": {}}',
@@ -141,12 +124,12 @@ def test_our_own_lock_file_left_behind_is_taken_without_judging(tmp_path: Path, 
                                      '{"format": "infinity-save-lock/1", "owner": {"pid": "x"}}',
                                      b"\xff\xfe"])
 def test_a_lock_file_that_names_no_owner_is_taken_silently(tmp_path: Path, content,
-                                                           ckpt_log) -> None:
+                                                           infinity_info_log) -> None:
     path = tmp_path / LOCK_NAME
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     lock = SaveLock.acquire(tmp_path)
     lock.release()
-    assert "taking over" not in ckpt_log.text and os.listdir(tmp_path) == []
+    assert "taking over" not in infinity_info_log.text and os.listdir(tmp_path) == []
 
 
 def test_read_owner_reads_every_field(tmp_path: Path) -> None:
