@@ -42,6 +42,15 @@ def _model(family: str, attention: str):
     return model_cls(cfg).train(), cfg
 
 
+def _gpt2(attn: float = 0.0, resid: float = 0.0, embd: float = 0.0):
+    warnings.filterwarnings("ignore")
+    cfg = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=1000,
+                                  n_positions=256, attn_pdrop=attn, resid_pdrop=resid,
+                                  embd_pdrop=embd, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).train(), cfg
+
+
 def measured_saved_bytes(model, ids: torch.Tensor, labels: bool) -> int:
     """Bytes of the distinct storages a forward saves for backward, parameters left out."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -65,6 +74,12 @@ def test_prediction_matches_saved_bytes(family: str, attention: str) -> None:
     model, cfg = _model(family, attention)
     shape = activation_shape_from_hf_config(cfg)
     assert shape is not None and shape.family == "llama" and shape.attention == attention
+    _assert_prediction_matches(model, cfg, shape, (family, attention))
+
+
+def _assert_prediction_matches(model, cfg, shape, case) -> None:
+    """Prediction against the measured saved bytes in bf16 and fp32, two batch shapes, with
+    and without labels."""
     for dtype in (torch.bfloat16, torch.float32):
         model.to(dtype)
         for batch, seq in ((2, 64), (1, 100)):
@@ -73,7 +88,7 @@ def test_prediction_matches_saved_bytes(family: str, attention: str) -> None:
                 got = measured_saved_bytes(model, ids, labels)
                 predicted = saved_activation_bytes(shape, batch, seq, dtype.itemsize, labels)
                 assert abs(predicted - got) <= TOLERANCE * got, \
-                    (family, attention, dtype, batch, seq, labels, predicted, got)
+                    (case, dtype, batch, seq, labels, predicted, got)
 
 
 @pytest.mark.parametrize("dropout", [(0.0, 0.0, 0.0), (0.1, 0.0, 0.0), (0.0, 0.1, 0.1),
@@ -81,33 +96,10 @@ def test_prediction_matches_saved_bytes(family: str, attention: str) -> None:
 def test_gpt2_prediction_matches_saved_bytes(dropout: tuple[float, float, float]) -> None:
     """GPT-2 is another family: LayerNorm, a fused q/k/v projection, GELU "new", dropout (sdpa
     leaves its fused kernel for the fp32 math path with attention dropout)."""
-    warnings.filterwarnings("ignore")
-    attn, resid, embd = dropout
-    cfg = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=1000,
-                                  n_positions=256, attn_pdrop=attn, resid_pdrop=resid,
-                                  embd_pdrop=embd, use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).train()
+    model, cfg = _gpt2(*dropout)
     shape = activation_shape_from_hf_config(cfg)
     assert shape is not None and shape.family == "gpt2", shape
-    for dtype in (torch.bfloat16, torch.float32):
-        model.to(dtype)
-        for batch, seq in ((2, 64), (1, 100)):
-            ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-            for labels in (True, False):
-                got = measured_saved_bytes(model, ids, labels)
-                predicted = saved_activation_bytes(shape, batch, seq, dtype.itemsize, labels)
-                assert abs(predicted - got) <= TOLERANCE * got, \
-                    (dropout, dtype, batch, seq, labels, predicted, got)
-
-
-def _gpt2(dropout: float = 0.0):
-    warnings.filterwarnings("ignore")
-    cfg = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=1000,
-                                  n_positions=256, attn_pdrop=dropout, resid_pdrop=dropout,
-                                  embd_pdrop=dropout, use_cache=False)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).train(), cfg
+    _assert_prediction_matches(model, cfg, shape, dropout)
 
 
 @pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("qwen2", "eager"),
