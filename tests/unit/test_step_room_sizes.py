@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from infinity.planner.calibration import run_sizes
-from infinity.planner.engine_sizes import MIN_SLOT_SHARE
 from infinity.planner.inputs import detect_hardware, llama_stats
 from infinity.train.models import preset_kwargs
 from infinity.train.run_config import Overrides, build_ds_config, demo_config
 
+HALF = 0.5   # the rule the docstring states, not the module's constant (a test must not follow it)
 QWEN2_066B = dict(hidden_size=1536, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=2, intermediate_size=8960, vocab_size=32000,
                   tie_word_embeddings=False)
@@ -31,7 +31,7 @@ def test_the_step_room_never_costs_the_optimizer_half_its_sub_group(disk_dir, bu
     plain = _sizes(disk_dir, main, budget, "none")
     for mode in ("auto", "nvme"):
         sizes = _sizes(disk_dir, main, budget, mode)
-        assert sizes.sub_group_numel >= MIN_SLOT_SHARE * plain.sub_group_numel, (
+        assert sizes.sub_group_numel >= HALF * plain.sub_group_numel, (
             mode, budget, sizes.sub_group_numel, plain.sub_group_numel)
         if sizes.step_reserve_bytes == 0 and mode == "auto":
             assert not sizes.activation_staging, sizes     # no swapper: activations in memory
