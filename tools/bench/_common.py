@@ -306,6 +306,16 @@ def median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def lscpu_model() -> str:
+    """``lscpu``'s model name (what BENCHMARKS.md names the CPU by; "" without lscpu)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith("Model name")), "")
+
+
 def machine_info() -> dict:
     """What a reader needs to judge the numbers: CPU, cores, memory, kernel, load, versions."""
     import torch

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -162,15 +161,6 @@ def run(args: argparse.Namespace, out: Path, kind: str, tag: str, spec: dict) ->
     return res
 
 
-def lscpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                 if ln.startswith("Model name")), "")
-
-
 def report(args: argparse.Namespace, machine: dict, baseline: dict, rounds: list[dict],
            budget: int) -> str:
     base = baseline.get("rss_after_import_bytes") or 0
@@ -236,7 +226,7 @@ def main() -> int:
     out = Path(args.out or scratch / f"activation_budget-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     out.with_suffix(".logs").mkdir(parents=True, exist_ok=True)
     machine = C.machine_info()
-    machine["cpu_lscpu"] = lscpu_model()
+    machine["cpu_lscpu"] = C.lscpu_model()
     import infinity
 
     machine["native_info"] = infinity.native_info()

@@ -18,9 +18,7 @@ Bars (issue 28): auto >= 1.3x faster than fp32, or within 1.1x of its own I/O fl
 """
 from __future__ import annotations
 
-import copy
 import json
-import os
 import sys
 import time
 from pathlib import Path

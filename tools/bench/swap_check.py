@@ -29,7 +29,6 @@ import argparse
 import ctypes
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -215,15 +214,6 @@ def summarize(res: dict, arms: list[str]) -> None:
 
 
 # =========================================================================== driver
-def lscpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                 if ln.startswith("Model name")), "")
-
-
 def report(results: list[dict], machine: dict, args: argparse.Namespace) -> str:
     lines = [f"# Swap-space integrity check ({args.size})", "",
              f"machine: {machine['lscpu_model'] or machine['cpu']}, {machine['cpus']} CPUs, "
@@ -320,7 +310,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     logs = out.with_suffix(".logs")
     logs.mkdir(exist_ok=True)
-    machine = dict(C.machine_info(), lscpu_model=lscpu_model())
+    machine = dict(C.machine_info(), lscpu_model=C.lscpu_model())
     C.append_jsonl(out, {"bench": "swap_check", "kind": "header", "machine": machine,
                          "argv": sys.argv})
     results = []
