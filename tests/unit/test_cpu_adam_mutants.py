@@ -181,7 +181,7 @@ def test_adam_step_tensors_errors_name_the_argument_and_index(which: int, label:
         halves[1] = torch.zeros(4, dtype=torch.float64)       # a wrong half dtype in row 1
         match = f"{label} must be bfloat16 or float16"
     if which == 0:
-        match = f"grads\\[1\\] has 4 elements but params\\[1\\] has 5"
+        match = "grads\\[1\\] has 4 elements but params\\[1\\] has 5"
     else:
         match = match.replace("[", "\\[").replace("]", "\\]")
     with pytest.raises(ValueError, match=match):
