@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from infinity.optim.cpu_adam import adam_step_flat
+from infinity.optim import kernel as kernel_module
 from infinity.optim.kernel import AdamKernel
 from infinity.optim.records import StepRun, UnitOptimState
 from infinity.zero.unit import Unit
@@ -45,6 +46,7 @@ def test_hyper_reads_each_group_with_its_defaults() -> None:
                                "weight_decay": 0.0, "bias_correction": False,
                                "adamw_mode": False}
     assert _kernel(adamw_mode=True).hyper(0)["adamw_mode"] is True
+    assert _kernel(adamw_mode=True).hyper(1)["adamw_mode"] is False   # the group's own mode
     lr = _kernel([dict(GROUPS[0], lr=torch.tensor(0.5))]).hyper(0)["lr"]
     assert type(lr) is float and lr == 0.5       # a tensor lr (a scheduler's) as a float
 
@@ -156,6 +158,25 @@ def test_run_steps_each_run_inside_the_range_with_its_group_and_step() -> None:
     assert kernel.run(state, start, end, again[0], grad, again[1], again[2], 4.0, None, hyper,
                       runs) == 0.0
     assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
+
+
+def test_run_passes_the_kernel_its_threads_and_settings(monkeypatch) -> None:
+    """Each kernel call gets the kernel's thread count (the engine's setting), the run's step
+    and its group's settings, and the unscale factor, as given."""
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append({k: v for k, v in kwargs.items() if k != "half_out"})
+        return adam_step_flat(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "adam_step_flat", recording)
+    kernel = AdamKernel(lambda: GROUPS, adamw_mode=True, threads=3)
+    hyper = kernel.hyperparameters()
+    param, grad, m, v = _tensors(40, 3)
+    kernel.run(_state(), 0, 40, param, grad, m, v, 2.0, None, hyper,
+               [StepRun(0, 0, 10, 4), StepRun(1, 32, 37, 1)])
+    assert calls == [dict(step=4, grad_scale=2.0, threads=3, grad_sq_sum=False, **hyper[0]),
+                     dict(step=1, grad_scale=2.0, threads=3, grad_sq_sum=False, **hyper[1])]
 
 
 def test_run_from_held_parts_steps_each_parameter_from_its_own_part() -> None:
