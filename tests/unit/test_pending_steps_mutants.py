@@ -6,6 +6,7 @@ from inside that wait, in the waiting thread, so nothing depends on timing."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -240,6 +241,32 @@ def test_a_failed_kernel_seen_by_wait_stepped_is_raised_after_every_job_is_seen_
     assert rig.steps.unclaimed == [a.unit] and rig.steps.jobs == [jb]
     rig.land(jb)
     assert rig.steps.reap() == [a.unit, b.unit]
+
+
+def test_a_failed_kernel_behind_another_units_job_is_recorded_after_it() -> None:
+    """The failed job behind a job of another unit that has not landed: ``wait_stepped``
+    waits for that job first (its writes land, its unit comes back with the next reap), then
+    the failure is recorded and raised; nothing stays pending."""
+    rig, a, b = _Rig(), _state(0), _state(1)
+    jb, ja = rig.job(b, 2.0), rig.job(a, 1.0)
+    ja.stepped_future.on_wait = lambda: ja.fail(RuntimeError("kernel failed"))
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        rig.steps.wait_stepped(a.unit)
+    assert jb.phase is JobPhase.REAPED and rig.norms == [2.0]
+    assert rig.steps.failure is ja.error and rig.steps.jobs == []
+    assert rig.steps.reap() == [b.unit, a.unit]
+
+
+def test_the_optimizer_time_counts_only_the_wait() -> None:
+    """``optimizer_s`` grows by the seconds reap spent on the jobs, no more than the wall time
+    of the call."""
+    rig, a = _Rig(), _state(0)
+    rig.job(a)
+    rig.timers.optimizer_s = 5.0
+    t0 = time.perf_counter()
+    rig.steps.reap(Wait.ALL)
+    wall = time.perf_counter() - t0
+    assert 5.0 <= rig.timers.optimizer_s <= 5.0 + wall
 
 
 def test_drain_sees_every_job_through_and_logs_failures(infinity_log) -> None:
