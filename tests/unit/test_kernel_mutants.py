@@ -160,6 +160,22 @@ def test_run_steps_each_run_inside_the_range_with_its_group_and_step() -> None:
     assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
 
 
+def test_run_skips_runs_before_the_range_and_steps_those_after() -> None:
+    """A sub-group [30, 40) past the first run's end (and one ending exactly at its start):
+    those runs are skipped and the runs inside are still stepped."""
+    kernel, state = _kernel(), _state()
+    hyper = kernel.hyperparameters()
+    runs = [StepRun(0, 0, 22, 1), StepRun(0, 22, 30, 1), StepRun(1, 32, 37, 2)]
+    param, grad, m, v = _tensors(10, 4)
+    want = _expected(param, grad, m, v, [(2, 7, 2, 1, None)], hyper, 1.0)
+    got = [t.clone() for t in (param, m, v)]
+    total = kernel.run(state, 30, 40, got[0], grad, got[1], got[2], 1.0, None, hyper, runs,
+                       grad_sq_sum=True)
+    for a, b in zip(got, want[:3]):
+        assert torch.equal(a, b)
+    assert total == want[4] and total > 0
+
+
 def test_run_passes_the_kernel_its_threads_and_settings(monkeypatch) -> None:
     """Each kernel call gets the kernel's thread count (the engine's setting), the run's step
     and its group's settings, and the unscale factor, as given."""
