@@ -105,6 +105,7 @@ def test_give_back_releases_the_slot_and_the_bytes_once() -> None:
     assert pool.available == 1 and gradient.slot is None and gradient.values == {}
     gradient.give_back()                       # a second call does nothing
     assert pool.available == 1
+    assert pool.acquire() is slot              # the slot itself went back
     room = HeldRoom(100)
     room.take(40, lambda: False)
     held = CompleteGradient({0: torch.zeros(10)}, held_bytes=40, room=room)
