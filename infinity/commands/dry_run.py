@@ -205,7 +205,9 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
         adam_params_per_s=rates.adam_params_per_s, comm=comm,
         grads_held=(lay.early_step or setup.speculative) and setup.device_is_cpu and world == 1,
         backward_s=lambda u: 2 * flops.get(u.index, 0.0) / rates.compute_flops_per_s,
-        instant=instant)
+        instant=instant,
+        grad_dtype=torch.float32 if es.grad_home_itemsize == 4 else
+        (torch.bfloat16 if lay.compute_dtype == "bf16" else torch.float16))
     _init_masters(units, manager, fetch_pool, lay)
     _optimizer_pools(units, manager, lay, es, setup, world)
     if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)

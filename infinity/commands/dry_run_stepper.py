@@ -54,7 +54,7 @@ class SimStepper:
     def __init__(self, units: list[Unit], manager: SimManager, *, early: bool, speculative: bool,
                  opt_tier: Tier, grad_tier: Tier, master_separate: bool, adam_params_per_s: float,
                  comm: SimCollectives, grads_held: bool, backward_s: Callable[[Unit], float],
-                 instant: bool = False) -> None:
+                 instant: bool = False, grad_dtype: torch.dtype = torch.float32) -> None:
         self.manager, self.clock = manager, manager.clock
         self.early_like = early or speculative     # stepped during the backward
         self.early, self.speculative = early, speculative
@@ -75,7 +75,7 @@ class SimStepper:
                                doubled=speculative) for name in names]
             if not early:
                 self.grad_stores[unit.index] = manager.create(f"{unit.name}.grad", n,
-                                                              torch.float32, grad_tier)
+                                                              grad_dtype, grad_tier)
         self.jobs: dict[int, _Job] = {}         # stepping: held until landed
         self.expected: dict[int, float] = {}    # unit -> when its states' reads are through
         self.waiting: list[Unit] = []           # deferred steps queued for the next fetch

@@ -20,6 +20,7 @@ from infinity.config import InfinityConfig
 from infinity.engine.activation_policy import AutoActivationOffload
 from infinity.engine.sizing import EngineSizes, host_budget_note
 from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES
+from infinity.planner.placement import separate_master_tier
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier, deeper
@@ -45,8 +46,8 @@ def state_tiers(config: InfinityConfig, device: torch.device,
     if cpu_fp32 and stage == 3:
         # DESIGN.md "fp32 on CPU": one fp32 tensor per parameter, in the deeper tier.
         param_tier = deeper(param_tier, optimizer_tier)
-    if master_separate and optimizer_tier is Tier.DEVICE and device.type == "cpu":
-        optimizer_tier = Tier.HOST
+    if master_separate:
+        optimizer_tier = separate_master_tier(optimizer_tier, cpu_device=device.type == "cpu")
     return param_tier, optimizer_tier, master_separate
 
 

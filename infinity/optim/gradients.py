@@ -88,7 +88,8 @@ ADD_CHUNK_NUMEL = 1 << 18   # 1 MiB of float32: a widening add's temporary stays
 
 def _add_widened(target: torch.Tensor, grad: torch.Tensor) -> None:
     """``target += grad`` for a float32 ``target`` and a gradient of its shape in any float
-    dtype, bit for bit what ``target.add_(grad.to(torch.float32))`` gives.
+    dtype, bit for bit what ``target.add_(grad.to(torch.float32))`` gives (a target in the
+    gradient's own dtype, a 16-bit home, adds it as it is: no widening, no temporary).
 
     Why in chunks: a 16-bit gradient is widened into a float32 temporary (by ``.to`` or inside
     a mixed-dtype ``add_`` alike) the size of the parameter; above the engine's malloc mmap
@@ -98,7 +99,7 @@ def _add_widened(target: torch.Tensor, grad: torch.Tensor) -> None:
     most of this call's time. Slices of the first dimension of about ``ADD_CHUNK_NUMEL``
     elements keep the temporary in the heap, reused from slice to slice (a gradient that is
     not contiguous is sliced as it is); a float32 gradient needs none and is added whole."""
-    if grad.dtype == torch.float32 or grad.numel() <= ADD_CHUNK_NUMEL or grad.dim() == 0:
+    if grad.dtype == target.dtype or grad.numel() <= ADD_CHUNK_NUMEL or grad.dim() == 0:
         target.add_(grad)
         return
     rows = max(1, ADD_CHUNK_NUMEL // max(1, grad[0].numel()))

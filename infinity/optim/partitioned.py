@@ -99,8 +99,13 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                  adamw_mode: bool = True, threads: int | None = None,
                  speculation: str = "off", defaults: dict | None = None,
                  comm: Collectives = NO_COMM, shard_states: bool = False,
-                 values: UnitValues | None = None) -> None:
+                 values: UnitValues | None = None,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(param_groups, defaults=dict(defaults or {}))
+        if grad_dtype != torch.float32 and (grad_tier != Tier.HOST or comm.active):
+            raise ValueError(f"a {grad_dtype} gradient home needs grad_tier HOST and one rank, got "
+                             f"{grad_tier} with {comm.world_size} ranks "
+                             "(see [Note: the gradient home in the compute dtype])")
         self._groups_fixed = True    # see add_param_group
         speculation = "off" if early_step else speculation   # see [Note: speculative step]
         # several ranks: each steps its shard of every unit (``shard_states``, stages 1-3) or
@@ -146,7 +151,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier,
                                      doubled=doubled) if master_separate else None)
             grad_store = None if early_step else manager.create(
-                f"{unit.name}.grad", n, torch.float32, grad_tier)
+                f"{unit.name}.grad", n, grad_dtype, grad_tier)
             self.states.append(UnitOptimState(
                 unit, manager.create(f"{unit.name}.exp_avg", n, torch.float32, optimizer_tier,
                                      doubled=doubled),

@@ -20,6 +20,7 @@ from infinity.planner.alignment import (
     shard_numel,
     unit_layout_bound,
 )
+from infinity.planner.placement import gradient_home_itemsize
 from infinity.planner.sizes import PREFETCH_UNITS, DerivedSizes
 from infinity.planner.tiers import Tier
 
@@ -72,6 +73,9 @@ class EngineSizes:
     the largest unit (see [Note: room kept for the step])."""
     gradient_reserve_bytes: int = 0
     """Of ``step_reserve_bytes``, autograd's gradient of the largest unit (0 off a CPU device)."""
+    grad_home_itemsize: int = 4
+    """Bytes per element of the gradients' home: 2 where a host home never sums (see [Note: the
+    gradient home in the compute dtype] in planner/placement.py), else 4."""
     activation_room: int | None = None
     """Host bytes the host budget leaves beside the engine's homes and pools (and, on a CPU-only
     machine, the emulated device pool) and the step's reserve: where activations kept in memory
@@ -173,15 +177,19 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     sub_group = max(1, derived.sub_group_size)
     streamed = optimizer_tier == Tier.NVME or param_tier == Tier.NVME
     grad_tier = Tier.HOST
+    grad_itemsize = gradient_home_itemsize(itemsize, cfg.gradient_accumulation_steps or 1,
+                                           cfg.world_size)
     if not early_step and host_budget is not None and nvme_path:
         # gradients stay on the host when they fit beside the smallest optimizer slots
         least_slots = step_slot_count(optimizer_tier, param_tier, Tier.HOST, master_separate,
                                       early_step) * SUB_GROUP_ALIGN * 4 if streamed else 0
-        if host + total_trainable * 4 + least_slots > host_budget:
+        if host + total_trainable * grad_itemsize + least_slots > host_budget:
             grad_tier = Tier.NVME
+    if grad_tier == Tier.NVME or early_step:
+        grad_itemsize = 4          # an NVMe home goes through float32 slots; no home at all
     if not early_step and grad_tier == Tier.HOST:
-        host += total_trainable * 4              # the gradients' home
-        homes += total_trainable * 4
+        host += total_trainable * grad_itemsize              # the gradients' home
+        homes += total_trainable * grad_itemsize
     if early_step or grad_tier == Tier.NVME or speculative or cfg.world_size > 1:
         # flat gradient buffers (GRADS_HELD), or held gradients: the room (HELD_ROOM_UNITS) and
         # the part waiting for it; across ranks the optimizer always collects a unit's reduced
@@ -250,7 +258,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         max_reuse_numel=max_reuse,
         grad_tier=grad_tier, nvme_bytes=nvme, host_home_bytes=homes,
         host_buffer_bytes=host - homes, activation_staging=staging, step_reserve_bytes=reserve,
-        gradient_reserve_bytes=gradient_reserve,
+        gradient_reserve_bytes=gradient_reserve, grad_home_itemsize=grad_itemsize,
         activation_room=None if host_budget is None else max(0, host_budget - host - reserve))
 
 

@@ -11,6 +11,8 @@ Byte math (N = world size; P = parameters, T = trainable parameters):
   gradients, not the 20 B DeepSpeed keeps (see shared/peers/DS_E2E.md).
 * With the early step (the optimizer steps a unit as soon as its gradient shard arrives) the
   gradients have no home at all; only one sub-group's staging buffer exists.
+* A gradient home in host memory is 2 B/param instead of 4 where it never sums anything: 16-bit
+  compute, one micro-step, one rank (see [Note: the gradient home in the compute dtype]).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.tiers import Tier, deeper
 
 __all__ = ["Placement", "COMPONENTS", "place", "resident_bytes", "choose_compute_dtype",
-           "compute_dtype_choice", "choose_early_step"]
+           "compute_dtype_choice", "choose_early_step", "gradient_home_itemsize",
+           "separate_master_tier"]
 
 COMPONENTS = ("params", "grads", "optimizer_states", "buffers")
 
@@ -40,6 +43,7 @@ class Placement:
     param_elems: int        # per rank
     opt_elems: int          # per rank
     grad_elems: int         # per rank
+    grad_itemsize: int = 4  # bytes per element of a gradient home in host memory
 
     @property
     def master_tier(self) -> Tier:
@@ -52,6 +56,37 @@ class Placement:
         if self.early_step:
             return None
         return Tier.HOST if self.opt_tier == Tier.DEVICE else self.opt_tier
+
+
+# [Note: the gradient home in the compute dtype]
+# The deferred schedule keeps each parameter's gradient at home from the backward to the step.
+# With 16-bit compute, one micro-step a step and one rank, that home never sums anything: it
+# receives each parameter's gradient once, as autograd made it in the compute dtype, and the
+# step reads it back. A float32 home then holds the same values in twice the bytes, so it is
+# kept in the compute dtype: at 85M under a 512 MiB host budget the 170 MB it frees is a third
+# of the budget, and the optimizer's slots take it (larger sub-groups: the step's 2.2 GB of
+# Adam-state I/O ran at 60% of the disk's rate through 2 MiB pieces). Where a home sums --
+# gradient accumulation over micro-steps, the average over ranks -- it stays float32, as
+# DeepSpeed's default ``grad_accum_dtype`` does; and a home on NVMe stays float32 (its pool's
+# slots are float32). The one sum left: a parameter used twice in one backward (a tied
+# weight) has its two gradients added in the compute dtype, as autograd itself adds them for a
+# 16-bit parameter; so are two backwards before one step (a torch-style loop that accumulates
+# by calling backward twice).
+def gradient_home_itemsize(compute_itemsize: int, accumulation_steps: int,
+                           world_size: int) -> int:
+    """Bytes per element of a gradient home in host memory: the compute dtype's where the home
+    never sums (16-bit compute, one micro-step, one rank), else 4 (float32); see [Note: the
+    gradient home in the compute dtype]."""
+    if compute_itemsize < 4 and accumulation_steps <= 1 and world_size <= 1:
+        return compute_itemsize
+    return 4
+
+
+def separate_master_tier(optimizer_tier: Tier, cpu_device: bool) -> Tier:
+    """Where the optimizer's states live when the fp32 master is separate from the compute copy:
+    on a CPU device, "none" (the device tier) is host memory -- the emulated device pool holds
+    the units' compute copies only -- so the engine and the planner both count them there."""
+    return Tier.HOST if cpu_device and optimizer_tier == Tier.DEVICE else optimizer_tier
 
 
 def choose_compute_dtype(cfg: InfinityConfig, hw: Hardware) -> str:
@@ -102,12 +137,17 @@ def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Placement:
     single = dtype == "fp32" and (param_tier == opt_tier or (not hw.has_gpu and z.stage == 3))
     if single:
         param_tier = deeper(param_tier, opt_tier)
+    else:
+        opt_tier = separate_master_tier(opt_tier, cpu_device=not hw.has_gpu)
     shard = lambda elems, from_stage: -(-elems // n) if z.stage >= from_stage else elems  # noqa: E731
-    return Placement(stage=z.stage, compute_dtype=dtype, c=4 if dtype == "fp32" else 2,
+    c = 4 if dtype == "fp32" else 2
+    return Placement(stage=z.stage, compute_dtype=dtype, c=c,
                      param_tier=param_tier, opt_tier=opt_tier, single_copy=single,
                      early_step=choose_early_step(cfg, dtype),
                      param_elems=shard(stats.total_params, 3), opt_elems=shard(stats.trainable_params, 1),
-                     grad_elems=shard(stats.trainable_params, 2))
+                     grad_elems=shard(stats.trainable_params, 2),
+                     grad_itemsize=gradient_home_itemsize(c, cfg.gradient_accumulation_steps or 1,
+                                                          n))
 
 
 def resident_bytes(lay: Placement) -> dict[tuple[str, Tier], int]:
@@ -119,5 +159,6 @@ def resident_bytes(lay: Placement) -> dict[tuple[str, Tier], int]:
             out[(component, tier)] = out.get((component, tier), 0) + nbytes
     add("params", lay.param_tier, (4 if lay.single_copy else lay.c) * lay.param_elems)
     add("optimizer_states", lay.opt_tier, (8 if lay.single_copy else 12) * lay.opt_elems)
-    add("grads", lay.grads_tier, 4 * lay.grad_elems)
+    grad_bytes = lay.grad_itemsize if lay.grads_tier == Tier.HOST else 4
+    add("grads", lay.grads_tier, grad_bytes * lay.grad_elems)
     return out

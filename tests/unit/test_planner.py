@@ -69,8 +69,11 @@ def test_small_model_zero3_nvme_matches_hand_math() -> None:
 @pytest.mark.parametrize("hw, extra, per_param", [
     # CPU-only fp32: params stored once (4) + m, v (8) + grads (4) = 16 B, not DeepSpeed's 20
     (CPU_BOX, {}, 16),
-    # GPU mixed precision: bf16 params (2) + master, m, v (12) + grads (4) = 18 B
-    (GPU_BOX, {"bf16": {"enabled": True}}, 18),
+    # GPU mixed precision, one micro-step: bf16 params (2) + master, m, v (12) + grads in
+    # bf16 (2: the home never sums, see [Note: the gradient home in the compute dtype]) = 16 B
+    (GPU_BOX, {"bf16": {"enabled": True}}, 16),
+    # accumulating over micro-steps: the gradient home is fp32 (4), 18 B
+    (GPU_BOX, {"bf16": {"enabled": True}, "gradient_accumulation_steps": 2}, 18),
 ])
 def test_bytes_per_param_on_host(hw: Hardware, extra: dict, per_param: int) -> None:
     cfg = config(3, "cpu", "cpu", gradient_clipping=1.0, **extra)  # clipping: gradients kept
@@ -436,3 +439,28 @@ def test_accumulate_chunk_is_8_mib_or_the_aligned_largest_gradient() -> None:
     assert accumulate_chunk_numel(10 ** 9) == ACCUMULATE_CHUNK_NUMEL
     assert accumulate_chunk_numel(0) == accumulate_chunk_numel(1) == 1024   # 4 KiB of fp32
     assert accumulate_chunk_numel(1025) == 2048
+
+
+@pytest.mark.parametrize("itemsize, accumulation, world, expected", [
+    (2, 1, 1, 2),     # 16-bit compute, one micro-step, one rank: the home never sums
+    (2, 2, 1, 4),     # accumulation sums in the home: float32
+    (2, 1, 2, 4),     # the average over ranks is float32
+    (4, 1, 1, 4),     # fp32 compute
+])
+def test_gradient_home_itemsize(itemsize: int, accumulation: int, world: int,
+                                expected: int) -> None:
+    from infinity.planner.placement import gradient_home_itemsize
+    assert gradient_home_itemsize(itemsize, accumulation, world) == expected
+
+
+@pytest.mark.parametrize("hw, tier", [(CPU_BOX, "host"), (GPU_BOX, "device")])
+def test_optimizer_none_with_a_separate_master_is_counted_where_the_engine_puts_it(
+        hw: Hardware, tier: str) -> None:
+    """bf16 compute, stage 0, nothing offloaded: on a CPU device the engine keeps the fp32
+    master, m and v in host memory (engine/wiring.py ``state_tiers``), so the plan must count
+    them there -- counted in the emulated device pool, `infinity plan` recommended configs that
+    failed at initialize (a 4.5M Llama at 90 MiB: "master needs 2.25 MiB of host memory but only
+    1.30 MiB ... is free")."""
+    cfg = config(0, "none", "none", infinity={"compute_dtype": "bf16"})
+    plan = plan_memory(cfg, SMALL, hw)
+    assert plan.bytes("optimizer_states", tier) == 12 * SMALL.total_params
