@@ -1,0 +1,390 @@
+"""Moving a unit's flat states between their homes and checkpoint files (checkpoint/unit_io.py),
+at unit level on real stores (host tensors, HOST and NVMe FlatStores of a real TierManager on a
+real disk): no unit test imported the module (the engine's checkpoint tests reached it, seconds
+a mutant), so its mutation run (tools/mutation.py, issue 23) starts here -- which pool carries
+the chunks, the parts inside a window, the span rounded to a block, chunks read and written in
+order with at most two in flight and every slot given back (also on an error or an early stop),
+the gaps zeroed or kept, the shadow extent written, and device memory filled in pieces."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from infinity.base.budget import MemoryBudget
+from infinity.checkpoint import unit_io
+from infinity.io import aligned_empty
+from infinity.checkpoint.unit_io import (
+    EVERYTHING, OWN_SLOT_BYTES, SLOT_TIMEOUT_S, ChunkPool, load_entries, parts_of, pieces,
+    read_chunks, save_entries, span_of)
+from infinity.storage.buffer_pool import BufferPool
+from infinity.storage.manager import TierManager
+from infinity.storage.tiers import Tier
+from infinity.zero.unit import ParamEntry
+
+
+def _entry(name: str, offset: int, numel: int) -> ParamEntry:
+    return ParamEntry(name, nn.Parameter(torch.zeros(numel)), torch.Size([numel]), offset,
+                      numel, 0)
+
+
+class _Manager:
+    """What a pool asks the tier manager for (host slots), recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, torch.dtype, str]] = []
+
+    def host_empty(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        self.calls.append((numel, dtype, what))
+        return torch.zeros(numel, dtype=dtype)
+
+
+@pytest.fixture
+def manager(disk_dir: Path):
+    m = TierManager(MemoryBudget("host", None), MemoryBudget("device", None),
+                    nvme_path=str(disk_dir))
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+class _Counting(ChunkPool):
+    """A ChunkPool over a lent pool of 3 slots of 8 KiB (2048 fp32 a chunk) that records the
+    most slots out at once and every acquire's timeout."""
+
+    def __init__(self, manager: TierManager, slots: int = 3) -> None:
+        self.lent = BufferPool(manager, 8192, slots, "lent")
+        super().__init__(manager, [self.lent])
+        self.out = self.most = 0
+        self.timeouts: list[float | None] = []
+        real = self.lent.acquire
+
+        def acquire(timeout=None):
+            self.timeouts.append(timeout)
+            return real(timeout=timeout)
+
+        self.lent.acquire = acquire
+
+    def acquire(self):
+        slot = super().acquire()
+        self.out += 1
+        self.most = max(self.most, self.out)
+        return slot
+
+    def release(self, slot) -> None:
+        self.out -= 1
+        super().release(slot)
+
+
+def _aligned(values: torch.Tensor) -> torch.Tensor:
+    """fp32 values in a page-aligned buffer (O_DIRECT writes need one)."""
+    buf = aligned_empty(values.numel() * 4).view(torch.float32)
+    buf.copy_(values)
+    return buf
+
+
+def _nvme(manager: TierManager, numel: int, values: torch.Tensor | None = None,
+          doubled: bool = False):
+    store = manager.create("u0.exp_avg", numel, torch.float32, Tier.NVME, doubled=doubled)
+    if values is not None:
+        buf = _aligned(torch.zeros(store.padded))
+        buf[:values.numel()] = values
+        manager.wait(store.store_async(buf))
+    return store
+
+
+def _read_back(manager: TierManager, store, shadow: bool = False) -> torch.Tensor:
+    buf = _aligned(torch.zeros(store.padded))
+    manager.wait(store.load_async(buf, shadow=shadow))
+    return buf[:store.numel]
+
+
+def test_a_chunk_pool_borrows_the_first_pool_with_a_whole_block_slot() -> None:
+    """None and pools whose slot is under 4 KiB are passed over; exactly 4 KiB is enough; the
+    first such pool is taken, not a later one; nothing of its own is allocated."""
+    manager = _Manager()
+    small = BufferPool(manager, 4095, 4, "small")
+    block = BufferPool(manager, 4096, 1, "block")
+    later = BufferPool(manager, 1 << 20, 3, "later")
+    calls = len(manager.calls)
+    chunks = ChunkPool(manager, [None, small, block, later])
+    assert chunks.pool is block and chunks.depth == 1
+    assert ChunkPool(manager, [later, block]).pool is later
+    assert ChunkPool(manager, [later]).depth == 2
+    assert len(manager.calls) == calls
+
+
+def test_without_a_lendable_pool_a_small_pool_of_its_own_is_made_once_when_needed() -> None:
+    manager = _Manager()
+    chunks = ChunkPool(manager, [None])
+    assert manager.calls == []                  # not before a chunk is needed
+    pool = chunks.pool
+    assert manager.calls == [(OWN_SLOT_BYTES, torch.uint8, f"checkpoint slot {i}")
+                             for i in range(2)]
+    assert OWN_SLOT_BYTES == 8 << 20
+    assert (pool.slot_bytes, pool.count, pool.name) == (OWN_SLOT_BYTES, 2, "checkpoint")
+    assert chunks.pool is pool and len(manager.calls) == 2 and chunks.depth == 2
+
+
+def test_chunk_elements_are_whole_blocks_of_a_slot() -> None:
+    chunks = ChunkPool(_Manager(), [BufferPool(_Manager(), 3 * 4096 + 4000, 2, "p")])
+    assert chunks.elements(torch.float32) == 3 * 1024
+    assert chunks.elements(torch.bfloat16) == 3 * 2048
+    assert chunks.elements(torch.float64) == 3 * 512
+
+
+def test_a_slot_is_waited_for_as_long_as_the_timeout_and_given_back(manager) -> None:
+    chunks = _Counting(manager, slots=2)
+    slot = chunks.acquire()
+    assert chunks.timeouts == [SLOT_TIMEOUT_S] and SLOT_TIMEOUT_S == 120.0
+    assert chunks.lent.available == 1
+    chunks.release(slot)
+    assert chunks.lent.available == 2
+
+
+def test_parts_of_are_the_entries_inside_the_window_in_offset_order() -> None:
+    """Entries sorted by offset, cut to the window; one that only touches the window's edge
+    is not a part; an empty entry is kept whole when it lies inside or on the window's
+    edges, not outside."""
+    a, b, e, c = _entry("a", 0, 30), _entry("b", 100, 50), _entry("e", 200, 0), \
+        _entry("c", 300, 10)
+    everything = parts_of([c, e, b, a])
+    assert everything == [(a, 0, 30), (b, 100, 150), (e, 200, 200), (c, 300, 310)]
+    assert parts_of([c, b, a], EVERYTHING) == [(a, 0, 30), (b, 100, 150), (c, 300, 310)]
+    assert parts_of([b, a], (20, 120)) == [(a, 20, 30), (b, 100, 120)]
+    assert parts_of([a, b], (30, 100)) == []
+    assert parts_of([e], (150, 200)) == [(e, 200, 200)]
+    assert parts_of([e, c], (200, 305)) == [(e, 200, 200), (c, 300, 305)]
+    assert parts_of([e], (201, 400)) == [] and parts_of([e], (0, 199)) == []
+    assert EVERYTHING == (0, 1 << 62)
+
+
+def test_the_span_starts_on_a_block_boundary_of_the_store() -> None:
+    a, b = _entry("a", 1500, 100), _entry("b", 3000, 200)
+    parts = [(b, 3000, 3200), (a, 1500, 1600)]
+    assert span_of(parts, torch.float32, 0) == (1024, 3200)     # 1024 fp32 a block
+    assert span_of(parts, torch.bfloat16, 0) == (0, 3200)       # 2048 bf16 a block
+    assert span_of(parts, torch.float32, 1000) == (0, 2200)     # store element 0 = unit 1000
+    assert span_of([(b, 3000, 3200)], torch.float32, 900) == (2048, 2300)
+
+
+def test_pieces_are_the_parts_cut_to_a_range() -> None:
+    a, b = _entry("a", 0, 30), _entry("b", 100, 50)
+    parts = [(a, 0, 30), (b, 100, 150)]
+    assert list(pieces(parts, 20, 120)) == [(a, 20, 30), (b, 100, 120)]
+    assert list(pieces(parts, 30, 100)) == []
+    assert list(pieces(parts, 0, 200)) == parts
+
+
+def test_a_host_tensor_is_read_in_one_piece() -> None:
+    t = torch.arange(100.0)
+    [(start, values)] = list(read_chunks(t, 10, 90, ChunkPool(_Manager(), [])))
+    assert start == 10 and torch.equal(values, t[10:90])
+    assert list(read_chunks(t, 5, 5, ChunkPool(_Manager(), []))) == []
+
+
+def test_a_host_store_is_read_from_its_tensor(manager) -> None:
+    store = manager.create("u0.param", 5000, torch.float32, Tier.HOST)
+    store.tensor[:5000] = torch.arange(5000.0)
+    chunks = _Counting(manager)
+    [(start, values)] = list(read_chunks(store, 1024, 4000, chunks))
+    assert start == 1024 and torch.equal(values, torch.arange(1024.0, 4000.0))
+    assert chunks.timeouts == []                # no slot for a store in memory
+
+
+def test_an_nvme_store_is_read_in_chunks_in_order_two_in_flight(manager) -> None:
+    """Chunks of a slot's whole blocks (2048 fp32), the last one short; never more than two
+    slots out with three in the pool; every slot given back."""
+    store = _nvme(manager, 10_000, torch.arange(10_000.0))
+    chunks = _Counting(manager)
+    got = [(a, v.clone()) for a, v in read_chunks(store, 1024, 9000, chunks)]
+    assert [a for a, _ in got] == [1024, 3072, 5120, 7168]
+    assert [v.numel() for _, v in got] == [2048, 2048, 2048, 1832]
+    assert torch.equal(torch.cat([v for _, v in got]), torch.arange(1024.0, 9000.0))
+    assert chunks.most == 2 and chunks.out == 0 and chunks.lent.available == 3
+    one = _Counting(manager, slots=1)
+    assert [a for a, _ in read_chunks(store, 0, 5000, one)] == [0, 2048, 4096]
+    assert one.most == 1 and one.lent.available == 1
+
+
+def test_a_read_stopped_early_gives_every_slot_back(manager) -> None:
+    store = _nvme(manager, 10_000, torch.arange(10_000.0))
+    chunks = _Counting(manager)
+    reader = read_chunks(store, 0, 10_000, chunks)
+    start, values = next(reader)
+    assert start == 0 and torch.equal(values, torch.arange(2048.0))
+    assert chunks.out == 2
+    reader.close()
+    assert chunks.out == 0 and chunks.lent.available == 3
+
+
+def test_a_read_that_cannot_be_issued_gives_its_slot_back(manager, monkeypatch) -> None:
+    store = _nvme(manager, 10_000, torch.arange(10_000.0))
+    chunks = _Counting(manager)
+    real, calls = store.load_async, []
+
+    def load_async(buf, start, count):
+        calls.append(start)
+        if len(calls) == 2:
+            raise OSError(5, "planted")
+        return real(buf, start, count)
+
+    monkeypatch.setattr(store, "load_async", load_async)
+    with pytest.raises(OSError, match="planted"):
+        list(read_chunks(store, 0, 10_000, chunks))
+    assert calls == [0, 2048]
+    assert chunks.out == 0 and chunks.lent.available == 3
+
+
+def test_save_entries_hands_each_part_its_values_in_offset_order(manager) -> None:
+    """Parts across chunk boundaries come in pieces, each the values of its own elements; a
+    store whose element 0 is the unit's element ``origin``; no parts: nothing read."""
+    store = _nvme(manager, 10_000, torch.arange(10_000.0))
+    a, b, c = _entry("a", 1000, 1500), _entry("b", 2600, 3000), _entry("c", 9000, 500)
+    got: dict[str, list[torch.Tensor]] = {}
+    order = []
+
+    def emit(part, values) -> None:
+        order.append(part[0].name)
+        got.setdefault(part[0].name, []).append(values.clone())
+
+    chunks = _Counting(manager)
+    save_entries(store, parts_of([c, b, a], (0, 9300)), chunks, emit)
+    assert torch.equal(torch.cat(got["a"]), torch.arange(1000.0, 2500.0))
+    assert torch.equal(torch.cat(got["b"]), torch.arange(2600.0, 5600.0))
+    assert torch.equal(torch.cat(got["c"]), torch.arange(9000.0, 9300.0))
+    assert order == ["a", "a", "b", "b", "c"] and chunks.lent.available == 3
+    # the store holds the unit's elements [4096, 14096): unit element x is store element x - 4096
+    got.clear()
+    save_entries(store, [(_entry("d", 5000, 100), 5000, 5100)], chunks, emit, origin=4096)
+    assert torch.equal(torch.cat(got["d"]), torch.arange(904.0, 1004.0))
+    save_entries(None, [], chunks, emit)       # nothing to read: the source is not touched
+    assert chunks.timeouts.count(SLOT_TIMEOUT_S) == len(chunks.timeouts)
+
+
+def test_save_entries_of_a_host_tensor(manager) -> None:
+    t = torch.arange(50.0)
+    got = []
+    save_entries(t, [(_entry("a", 10, 5), 10, 15), (_entry("b", 20, 5), 22, 25)],
+                 ChunkPool(manager, []), lambda p, v: got.append((p[0].name, v.tolist())))
+    assert got == [("a", [10.0, 11.0, 12.0, 13.0, 14.0]), ("b", [22.0, 23.0, 24.0])]
+
+
+def _fill_from(values: dict[str, torch.Tensor], calls: list | None = None):
+    def fill(entry, first, out) -> None:
+        if calls is not None:
+            calls.append((entry.name, first, out.numel()))
+        out.copy_(values[entry.name][first:first + out.numel()])
+    return fill
+
+
+def test_load_entries_writes_parts_and_zeroes_the_gaps_of_an_nvme_store(manager) -> None:
+    """Each chunk zeroed, its pieces filled from the entry's own elements, written; the gaps
+    between entries come back zero though the store held ones; slots all given back; the
+    blocks outside the span are not written."""
+    store = _nvme(manager, 10_000, torch.ones(10_000))
+    a, b = _entry("a", 1100, 1400), _entry("b", 2600, 3000)
+    values = {"a": torch.arange(1400.0) + 1, "b": torch.arange(3000.0) + 10_000}
+    chunks = _Counting(manager)
+    calls: list = []
+    load_entries(store, parts_of([b, a]), chunks, _fill_from(values, calls))
+    expected = torch.ones(10_000)
+    expected[1024:6144] = 0                 # the span, in whole blocks
+    expected[1100:2500] = values["a"]
+    expected[2600:5600] = values["b"]
+    assert torch.equal(_read_back(manager, store), expected)
+    assert calls == [("a", 0, 1400), ("b", 0, 472), ("b", 472, 2048), ("b", 2520, 480)]
+    assert chunks.most == 2 and chunks.out == 0 and chunks.lent.available == 3
+
+
+def test_load_entries_with_merge_keeps_the_values_between_parts(manager) -> None:
+    store = _nvme(manager, 6000, torch.full((6000,), 7.0))
+    a = _entry("a", 3000, 100)
+    load_entries(store, [(a, 3000, 3100)], _Counting(manager), _fill_from({"a": torch.zeros(100)}),
+                 merge=True)
+    expected = torch.full((6000,), 7.0)
+    expected[3000:3100] = 0
+    assert torch.equal(_read_back(manager, store), expected)
+
+
+def test_load_entries_at_an_origin_and_into_the_shadow_extent(manager) -> None:
+    """A doubled store gets the values in both extents with ``both_extents``, in its current
+    one only without; unit element x is store element x - origin."""
+    a = _entry("a", 5000, 100)
+    fill = _fill_from({"a": torch.arange(100.0) + 1})
+    both = _nvme(manager, 2048, torch.ones(2048), doubled=True)
+    manager.wait(both.store_async(_aligned(torch.full((2048,), 3.0)), shadow=True))
+    load_entries(both, [(a, 5000, 5100)], _Counting(manager), fill, both_extents=True,
+                 origin=4096)
+    expected = torch.zeros(2048)
+    expected[904:1004] = torch.arange(100.0) + 1
+    assert torch.equal(_read_back(manager, both)[:1004], expected[:1004])
+    assert torch.equal(_read_back(manager, both, shadow=True)[:1004], expected[:1004])
+    one = manager.create("u1.exp_avg", 2048, torch.float32, Tier.NVME, doubled=True)
+    manager.wait(one.store_async(_aligned(torch.full((2048,), 3.0)), shadow=True))
+    load_entries(one, [(a, 5000, 5100)], _Counting(manager), fill, origin=4096)
+    assert torch.equal(_read_back(manager, one)[:1004], expected[:1004])
+    assert torch.equal(_read_back(manager, one, shadow=True), torch.full((2048,), 3.0))
+    single = _nvme(manager, 2048)
+    load_entries(single, [(a, 5000, 5100)], _Counting(manager), fill, both_extents=True,
+                 origin=4096)                   # not doubled: its one extent only
+    assert torch.equal(_read_back(manager, single)[:1004], expected[:1004])
+
+
+def test_a_fill_that_fails_gives_every_slot_back(manager) -> None:
+    store = _nvme(manager, 10_000)
+    chunks = _Counting(manager)
+    seen = []
+
+    def fill(entry, first, out) -> None:
+        seen.append(first)
+        if len(seen) == 3:
+            raise ValueError("planted")
+        out.fill_(1.0)
+
+    with pytest.raises(ValueError, match="planted"):
+        load_entries(store, [(_entry("a", 0, 10_000), 0, 10_000)], chunks, fill)
+    assert seen == [0, 2048, 4096]
+    assert chunks.out == 0 and chunks.lent.available == 3
+    load_entries(store, [], chunks, fill)      # nothing to write: nothing asked
+    assert seen == [0, 2048, 4096]
+
+
+def test_load_entries_into_host_memory_fills_the_parts_in_place(manager) -> None:
+    """A host tensor and a HOST store are filled through views, without slots; their gaps
+    keep their values (a host home is not rewritten whole)."""
+    t = torch.full((50,), 9.0)
+    a, b = _entry("a", 110, 5), _entry("b", 120, 10)
+    calls: list = []
+    load_entries(t, [(a, 110, 115), (b, 122, 130)], _Counting(manager),
+                 _fill_from({"a": torch.arange(5.0), "b": torch.arange(10.0)}, calls), origin=100)
+    expected = torch.full((50,), 9.0)
+    expected[10:15] = torch.arange(5.0)
+    expected[22:30] = torch.arange(2.0, 10.0)
+    assert torch.equal(t, expected)
+    assert calls == [("a", 0, 5), ("b", 2, 8)]
+    store = manager.create("u0.param", 3000, torch.float32, Tier.HOST)
+    chunks = _Counting(manager)
+    load_entries(store, [(_entry("c", 2000, 10), 2000, 2010)], chunks,
+                 _fill_from({"c": torch.ones(10)}))
+    assert store.tensor[2000:2010].eq(1).all() and store.tensor[:2000].eq(0).all()
+    assert chunks.timeouts == []
+
+
+def test_device_memory_is_filled_through_host_pieces(monkeypatch) -> None:
+    """A tensor not on the CPU (a meta tensor here: no GPU needed) gets each part through host
+    pieces of DEVICE_PIECE_BYTES: the fill asked for each piece's first element and size."""
+    monkeypatch.setattr(unit_io, "DEVICE_PIECE_BYTES", 16)     # 4 fp32 a piece
+    target = torch.empty(40, device="meta")
+    a, b = _entry("a", 0, 10), _entry("b", 20, 6)
+    calls: list = []
+
+    def fill(entry, first, piece) -> None:
+        assert piece.device.type == "cpu" and piece.dtype == torch.float32
+        calls.append((entry.name, first, piece.numel()))
+
+    load_entries(target, [(a, 0, 10), (b, 21, 26)], ChunkPool(_Manager(), []), fill)
+    assert calls == [("a", 0, 4), ("a", 4, 4), ("a", 8, 2), ("b", 1, 4), ("b", 5, 1)]
