@@ -4,7 +4,9 @@
  *    and larger, element offsets 0..15, all grad/half dtypes, both weight-decay forms, special
  *    values (NaN, inf, signed zeros, subnormals, huge);
  *  - results independent of the thread count; many ranges in one call == one call per range;
- *  - argument errors (-EINVAL, -ENOTSUP); two threads stepping at once; a step after fork().
+ *  - argument errors (-EINVAL, -ENOTSUP); two threads stepping at once; a step after fork();
+ *  - the gradient norm's SIMD lanes (adam_norm.c, compiled in here: its functions are hidden in
+ *    the library) against its scalar lanes, bit for bit, for every gradient dtype.
  * A kernel the CPU lacks is reported as SKIP (visible), not as a pass.
  * Run: build/<dir>/test_adam   (or tests/unit/test_cpu_adam_c.py compiles and runs it). */
 #define _GNU_SOURCE
@@ -393,6 +395,57 @@ static void test_concurrent_callers_and_fork(void) {
     passed++;
 }
 
+/* ---- the norm's sum of squares: SIMD lanes == scalar lanes ---- */
+
+#include "../src/adam_norm.c"
+
+static uint16_t sample16(int gdt, int special) {
+    static const uint16_t bf16_special[] = {0x0000, 0x8000, 0x7f80, 0xff80, 0x7fc0, 0x0001,
+                                            0x8001, 0x7f7f, 0x0080};
+    static const uint16_t f16_special[] = {0x0000, 0x8000, 0x7c00, 0xfc00, 0x7e00, 0x0001,
+                                           0x83ff, 0x7bff, 0x0400};
+    if (special) {
+        size_t k = rnd() % 9;
+        return gdt == INF_ADAM_DTYPE_BF16 ? bf16_special[k] : f16_special[k];
+    }
+    float f = frand(-30.0f, 30.0f);
+    return gdt == INF_ADAM_DTYPE_BF16 ? adam_f32_to_bf16(f) : adam_f32_to_f16(f);
+}
+
+static void test_norm_lanes_match_scalar(void) {
+    if (!(inf_cpu_features() & INF_CPU_AVX2)) {
+        printf("SKIP norm lanes: no AVX2 on this CPU (the scalar lanes are the only path)\n");
+        skipped++;
+        return;
+    }
+    enum { MAXN = 1100 };
+    static uint16_t h[MAXN + 16];
+    static float f[MAXN + 16];
+    const int dtypes[] = {INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_BF16, INF_ADAM_DTYPE_F16};
+    for (int d = 0; d < 3; d++) {
+        int gdt = dtypes[d];
+        for (size_t n = 0; n <= MAXN; n += (n < 40 ? 1 : 53)) {
+            for (size_t off = 0; off < 16; off += 5) {
+                int special = n % 3 == 1;     /* inf, NaN, subnormals, signed zeros among values */
+                for (size_t i = 0; i < n + off; i++) {
+                    h[i] = sample16(gdt == INF_ADAM_DTYPE_F32 ? INF_ADAM_DTYPE_BF16 : gdt,
+                                    special && rnd() % 7 == 0);
+                    f[i] = adam_bf16_to_f32(h[i]);
+                }
+                const void *g = gdt == INF_ADAM_DTYPE_F32 ? (const void *)(f + off)
+                                                          : (const void *)(h + off);
+                double acc[LANES] = {0};
+                lanes_scalar(acc, g, 0, n, gdt);
+                double want = combine(acc), got = inf_adam_grad_sq_sum(g, n, gdt);
+                int same = (want != want && got != got) || memcmp(&want, &got, sizeof want) == 0;
+                CHECK(same, "norm lanes, dtype %d, n %zu, offset %zu: simd %.17g, scalar %.17g",
+                      gdt, n, off, got, want);
+            }
+        }
+    }
+    passed++;
+}
+
 int main(void) {
     printf("best kernel: %s\n", inf_adam_kernel_name(inf_adam_kernel_best()));
     test_f16_conversions();
@@ -403,6 +456,7 @@ int main(void) {
     test_threads_and_ranges();
     test_errors();
     test_concurrent_callers_and_fork();
+    test_norm_lanes_match_scalar();
     printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     return failed ? 1 : 0;
 }
