@@ -168,6 +168,9 @@ def test_try_attach_changes_nothing_when_it_does_not_fit() -> None:
     assert s.nbytes() == 0 and budget.held == 0 and cache.misses == 0
     assert cache.try_attach(s, 2 * MiB, "fits")
     assert s.nbytes() == 2 * MiB and budget.held == 2 * MiB
+    budget.release(2 * MiB)
+    with pytest.raises(RuntimeError, match=r"^unit 3: attaching memory to a storage that still "):
+        cache.try_attach(s, MiB, "unit 3")             # attach's checks, with the caller's name
 
 
 def test_warm_fills_the_budget_exactly_and_refuses_beyond() -> None:
