@@ -282,6 +282,16 @@ def test_a_scheduler_state_that_is_not_a_dict_lacks_every_key() -> None:
                               f"this engine's LambdaLR keeps ({sorted(sched.state_dict())})")
 
 
+def test_a_scheduler_state_that_is_a_number_is_refused_as_damaged() -> None:
+    """An edited manifest's ``"lr_scheduler": 5``: the CheckpointError naming its type, not a
+    TypeError from looking into it (a mutation run survivor: ``isinstance(state, dict) or
+    True`` took set(state) of any state)."""
+    sched = _lambda_lr()
+    message = _refused(_state(scheduler=sched), {"param_groups": [], "lr_scheduler": 5})
+    assert message.startswith(f"checkpoint {DIR}: its LR scheduler state (int) lacks what "
+                              f"this engine's LambdaLR keeps ({sorted(sched.state_dict())})")
+
+
 def test_a_schedule_that_says_what_it_takes_decides() -> None:
     """accepts_state True: taken even with keys its state_dict lacks; False: refused even
     with every key of its state_dict; no scheduler state saved: nothing asked."""
