@@ -103,14 +103,15 @@ class _Comm:
 
 
 def _state(model: _Model, dtype: torch.dtype = torch.float32, comm=None, log=None,
-           u1_home: Tier = Tier.HOST, **over) -> TrainingState:
+           u1_home: Tier = Tier.HOST, nvme: Path | None = None, **over) -> TrainingState:
     log = [] if log is None else log
     units = [Unit(0, "u0", model, [("a", model.a, 0), ("frozen", model.frozen, -1)], dtype,
                   torch.device("cpu")),
              Unit(1, "u1", model, [("b", model.b, 0)], dtype, torch.device("cpu"))]
     # u0 kept in (device) memory for good, u1 released to its host home (unless u1_home is
     # DEVICE too: with several ranks every unit is read from its gathered copy)
-    manager = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
+    manager = TierManager(MemoryBudget("host", None), MemoryBudget("device", None),
+                          nvme_path=None if nvme is None else str(nvme))
     units[0].adopt(manager, Tier.DEVICE, persistent=True)
     units[1].adopt(manager, u1_home, persistent=u1_home is Tier.DEVICE)
 
@@ -243,3 +244,45 @@ def test_a_rank_that_fails_to_write_makes_every_rank_raise(tmp_path: Path) -> No
         save_model_weights(_state(_Model(), comm=_Failed(1)), tmp_path / "m.safetensors")
     assert str(info.value) == ("rank 0 could not write the weights (OSError: disk full); "
                                "no file was written")
+
+
+# -- the survivors of the first mutation run (BENCHMARKS.md "Mutation testing") -------------
+
+def test_a_manifest_without_aliases_reads_back(tmp_path: Path) -> None:
+    """A checkpoint whose manifest has no "aliases" (nothing tied) is read, not an
+    AttributeError."""
+    _checkpoint(tmp_path / "ck")
+    path = tmp_path / "ck" / MANIFEST
+    manifest = json.loads(path.read_text())
+    del manifest["aliases"]
+    path.write_text(json.dumps(manifest))
+    assert sorted(consolidated_state_dict(tmp_path / "ck")) == ["buf", "w"]
+
+
+def test_weights_of_an_nvme_home_are_read_through_a_pool_of_its_own(tmp_path: Path,
+                                                                    disk_dir: Path) -> None:
+    """u1 released to NVMe and no pool to borrow: its chunks go through a small pool the
+    export makes from the engine's tier manager."""
+    state = _state(_Model(), u1_home=Tier.NVME, nvme=disk_dir)
+    try:
+        tensors, _ = _read(save_model_weights(state, tmp_path / "m.safetensors"))
+    finally:
+        state.manager.close()
+    assert torch.equal(tensors["b"], torch.arange(4.0) + 100)
+    assert torch.equal(tensors["a"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_an_error_after_the_rename_is_the_one_raised(tmp_path: Path, monkeypatch) -> None:
+    """An interruption landing after the file was renamed into place: the temporary file is
+    gone, and its removal must not replace the interruption with a FileNotFoundError."""
+    real = export.os.replace
+
+    def replace_then_interrupt(src, dst):
+        real(src, dst)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export.os, "replace", replace_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        save_model_weights(_state(_Model()), tmp_path / "m.safetensors")
+    monkeypatch.undo()
+    assert list(_read(tmp_path / "m.safetensors")[0]) == ["a", "frozen", "b", "running"]

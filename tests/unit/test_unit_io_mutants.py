@@ -388,3 +388,200 @@ def test_device_memory_is_filled_through_host_pieces(monkeypatch) -> None:
 
     load_entries(target, [(a, 0, 10), (b, 21, 26)], ChunkPool(_Manager(), []), fill)
     assert calls == [("a", 0, 4), ("a", 4, 4), ("a", 8, 2), ("b", 1, 4), ("b", 5, 1)]
+
+
+# -- the survivors of the first mutation run (BENCHMARKS.md "Mutation testing") -------------
+
+class _OnDevice(torch.Tensor):
+    """A host tensor that says it is on a GPU: the device paths (host copies made in pieces of
+    DEVICE_PIECE_BYTES) run and their values can be checked without a GPU."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(torch.Tensor)
+
+
+def _all_back(pool: BufferPool, slots: list) -> None:
+    """Every slot of ``pool`` is free and is one of its own (a ``release(None)`` would count
+    as free too, and hand out None later)."""
+    got = [pool.try_acquire() for _ in range(pool.count)]
+    assert sorted(id(s) for s in got) == sorted(id(s) for s in slots)
+    for s in got:
+        pool.release(s)
+
+
+def _slots(pool: BufferPool) -> list:
+    slots = [pool.try_acquire() for _ in range(pool.count)]
+    for s in slots:
+        pool.release(s)
+    return slots
+
+
+class _Waits:
+    """The tier manager seen through a ChunkPool, recording what is waited for."""
+
+    def __init__(self, manager: TierManager) -> None:
+        self._manager, self.waited = manager, []
+
+    def wait(self, *requests) -> None:
+        self.waited += [r for r in requests]
+        self._manager.wait(*requests)
+
+
+def test_device_memory_is_read_in_pieces_and_host_memory_whole(monkeypatch) -> None:
+    """A device tensor is copied to the host DEVICE_PIECE_BYTES at a time (the last piece
+    short); a host tensor in one piece whatever that size; an element larger than a piece
+    is a piece of one."""
+    monkeypatch.setattr(unit_io, "DEVICE_PIECE_BYTES", 16)      # 4 fp32 a piece
+    chunks = ChunkPool(_Manager(), [])
+    dev = torch.arange(20.0).as_subclass(_OnDevice)
+    got = [(a, _plain(v).clone()) for a, v in read_chunks(dev, 3, 13, chunks)]
+    assert [a for a, _ in got] == [3, 7, 11]
+    assert [v.tolist() for _, v in got] == [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12]]
+    host = torch.arange(20.0)
+    [(a, v)] = list(read_chunks(host, 3, 13, chunks))
+    assert a == 3 and torch.equal(v, host[3:13])
+    monkeypatch.setattr(unit_io, "DEVICE_PIECE_BYTES", 4)
+    wide = torch.arange(3, dtype=torch.float64).as_subclass(_OnDevice)
+    assert [a for a, _ in read_chunks(wide, 0, 3, chunks)] == [0, 1, 2]
+
+
+def test_device_memory_is_filled_in_pieces_of_its_dtype(monkeypatch) -> None:
+    """The host pieces have the tensor's dtype, and their values land at their place; an
+    element larger than a piece is filled one at a time; a host tensor is filled through one
+    view per part whatever the piece size."""
+    monkeypatch.setattr(unit_io, "DEVICE_PIECE_BYTES", 4)      # 2 bf16, half an fp64
+    target = torch.zeros(12, dtype=torch.bfloat16).as_subclass(_OnDevice)
+    a = _entry("a", 2, 5)
+    dtypes, calls = [], []
+
+    def fill(entry, first, piece) -> None:
+        dtypes.append(piece.dtype)
+        calls.append((first, piece.numel()))
+        piece.copy_(torch.arange(first, first + piece.numel()) + 1)
+
+    load_entries(target, [(a, 2, 7)], ChunkPool(_Manager(), []), fill)
+    assert calls == [(0, 2), (2, 2), (4, 1)] and set(dtypes) == {torch.bfloat16}
+    assert _plain(target).tolist() == [0, 0, 1, 2, 3, 4, 5, 0, 0, 0, 0, 0]
+    calls.clear()
+    wide = torch.zeros(4, dtype=torch.float64).as_subclass(_OnDevice)
+    load_entries(wide, [(_entry("w", 0, 3), 0, 3)], ChunkPool(_Manager(), []), fill)
+    assert calls == [(0, 1), (1, 1), (2, 1)]
+    calls.clear()
+    host = torch.zeros(12)
+    load_entries(host, [(a, 2, 7)], ChunkPool(_Manager(), []), fill)
+    assert calls == [(0, 5)] and host[2:7].tolist() == [1, 2, 3, 4, 5]
+
+
+def test_an_nvme_read_waits_for_each_chunk_and_counts_what_it_reads(manager) -> None:
+    """Each chunk's request is waited for before its values are handed out; the bytes read
+    are the chunks' (whole blocks), not the store's rest from each chunk on."""
+    store = _nvme(manager, 10_000, torch.arange(10_000.0))
+    chunks = _Counting(manager)
+    chunks.manager = waits = _Waits(manager)
+    issued = []
+    real = store.load_async
+
+    def load_async(buf, start, count):
+        issued.append(real(buf, start, count))
+        return issued[-1]
+
+    store.load_async = load_async
+    before = manager.counters.nvme_read_bytes
+    for _ in read_chunks(store, 1024, 9000, chunks):
+        assert waits.waited == issued[:len(waits.waited)] and len(waits.waited) >= 1
+    assert waits.waited == issued and len(issued) == 4
+    assert manager.counters.nvme_read_bytes - before == 4 * 8192
+
+
+def test_slots_go_back_as_themselves(manager, monkeypatch) -> None:
+    """After a read, a read stopped by an error, a load and a load stopped by an error, the
+    pool holds its own slots again."""
+    store = _nvme(manager, 10_000, torch.arange(10_000.0))
+    chunks = _Counting(manager)
+    slots = _slots(chunks.lent)
+    list(read_chunks(store, 0, 10_000, chunks))
+    _all_back(chunks.lent, slots)
+    real, calls = store.load_async, []
+
+    def failing(buf, start, count):
+        calls.append(start)
+        if len(calls) == 2:
+            raise OSError(5, "planted")
+        return real(buf, start, count)
+
+    monkeypatch.setattr(store, "load_async", failing)
+    with pytest.raises(OSError):
+        list(read_chunks(store, 0, 10_000, chunks))
+    _all_back(chunks.lent, slots)
+    monkeypatch.setattr(store, "load_async", real)
+    whole = [(_entry("a", 0, 10_000), 0, 10_000)]
+    load_entries(store, whole, chunks, lambda e, first, out: out.fill_(1.0))
+
+    def fail_third(entry, first, out) -> None:
+        if first >= 4096:
+            raise ValueError("planted")
+
+    _all_back(chunks.lent, slots)
+    with pytest.raises(ValueError):
+        load_entries(store, whole, chunks, fail_third)
+    _all_back(chunks.lent, slots)
+
+
+def test_a_merged_load_reads_only_its_chunks(manager) -> None:
+    store = _nvme(manager, 10_000, torch.full((10_000,), 7.0))
+    before = manager.counters.nvme_read_bytes
+    load_entries(store, [(_entry("a", 1100, 3000), 1100, 4100)], _Counting(manager),
+                 _fill_from({"a": torch.zeros(3000)}), merge=True)
+    # the span [1024, 4100) in chunks of 2048: [1024, 3072) and [3072, 4100) -> 2 blocks
+    assert manager.counters.nvme_read_bytes - before == (2048 + 2048) * 4
+    expected = torch.full((10_000,), 7.0)
+    expected[1100:4100] = 0
+    assert torch.equal(_read_back(manager, store), expected)
+
+
+def test_bf16_stores_are_cut_in_their_own_blocks_and_chunks(manager) -> None:
+    """2048 bf16 elements a 4 KiB block, 4096 a chunk of an 8 KiB slot: a span from unit
+    element 3000 starts at 2048 (fp32 blocks would make it 2048 + 1024, off a bf16 block)."""
+    store = manager.create("u0.params", 12_000, torch.bfloat16, Tier.NVME)
+    values = torch.arange(12_000.0).to(torch.bfloat16)
+    buf = aligned_empty(store.nbytes).view(torch.bfloat16)
+    buf[:12_000] = values
+    manager.wait(store.store_async(buf))
+    chunks = _Counting(manager)
+    assert [a for a, _ in read_chunks(store, 0, 12_000, chunks)] == [0, 4096, 8192]
+    got = []
+    part = (_entry("p", 3500, 5000), 3500, 8500)
+    save_entries(store, [part], chunks, lambda p, v: got.append(v.clone()))
+    assert torch.equal(torch.cat(got), values[3500:8500]) and len(got) == 2
+    load_entries(store, [part], chunks,
+                 lambda e, first, out: out.copy_(torch.full((out.numel(),), -1.0)))
+    back = aligned_empty(store.nbytes).view(torch.bfloat16)
+    manager.wait(store.load_async(back))
+    assert back[3500:8500].eq(-1).all() and back[2048:3500].eq(0).all()
+    assert torch.equal(back[:2048], values[:2048])
+
+
+def test_a_part_ending_at_a_chunk_boundary_is_not_handed_an_empty_piece(manager) -> None:
+    store = _nvme(manager, 10_000, torch.arange(10_000.0))
+    pieces_seen = []
+    save_entries(store, [(_entry("a", 100, 1948), 100, 2048), (_entry("b", 4096, 10), 4096, 4106)],
+                 _Counting(manager), lambda p, v: pieces_seen.append((p[0].name, v.numel())))
+    assert pieces_seen == [("a", 1948), ("b", 10)]
+
+
+def test_a_load_at_an_origin_over_several_chunks(manager) -> None:
+    """Each chunk is filled with the parts inside its own range of the unit (unit element x is
+    store element x - origin), not with parts of the chunks before it."""
+    store = _nvme(manager, 8000, torch.ones(8000))
+    a, b = _entry("a", 5000, 1000), _entry("b", 8500, 3000)
+    values = {"a": torch.arange(1000.0) + 1, "b": torch.arange(3000.0) + 5000}
+    load_entries(store, [(a, 5000, 6000), (b, 8500, 11_500)], _Counting(manager),
+                 _fill_from(values), origin=4096)
+    out = _read_back(manager, store)
+    assert torch.equal(out[904:1904], values["a"]) and torch.equal(out[4404:7404], values["b"])
+    assert out[:904].eq(0).all() and out[1904:4404].eq(0).all()
