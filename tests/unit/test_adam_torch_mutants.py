@@ -22,7 +22,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_power_is_exact_where_the_powers_are_representable() -> None:
     """adam.c's power() by binary exponentiation: powers of 3 and 0.5 are exact in double, so each
     must come out exactly (a wrong bit test, shift or product changes them); n = 0 is 1."""
-    for n in range(0, 14):
+    for n in range(14):
         assert _power(3.0, n) == float(3 ** n), n
         assert _power(0.5, n) == 0.5 ** n, n
     assert _power(0.9, 0) == 1.0
