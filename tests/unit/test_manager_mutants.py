@@ -314,3 +314,91 @@ def test_create_passes_the_store_its_arguments() -> None:
     m = plain()
     s = m.create("n", 5, torch.float16, Tier.HOST)
     assert isinstance(s, FlatStore) and s.manager is m and s.padded == 2048 and s.nbytes == 4096
+
+
+def test_a_store_made_directly_is_single_unless_asked(nvme: TierManager) -> None:
+    s = FlatStore(nvme, "direct", 10, torch.float32, Tier.NVME)
+    assert not s.doubled and [t for t, *_ in nvme.swap.layout()] == ["direct"]
+    s.free()
+
+
+def test_ranges_and_bytes_follow_the_stores_dtype(nvme: TierManager) -> None:
+    """A 2-byte dtype: 2048 elements a 4 KiB block (a range starting at 1024 is refused) and
+    2 bytes an element counted; reads add up."""
+    h = nvme.create("h16", 4096, torch.bfloat16, Tier.HOST)
+    assert h.itemsize == 2 and nvme.host_budget.held == 8192
+    out = torch.zeros(4096, dtype=torch.bfloat16)
+    with raises_exactly(ValueError, "h16: range [1024, 2048) must start on a 4096-byte boundary "
+                        "and lie within 4096 elements"):
+        h.load_async(out, 1024, 1024)
+    assert h.load_async(out, 2048, 2048) is DONE
+    s = nvme.create("n64", 1024, torch.float64, Tier.NVME)
+    assert s.itemsize == 8 and s.padded == 1024
+    buf = aligned_empty(8192).view(torch.float64)
+    buf.copy_(torch.arange(1024, dtype=torch.float64))
+    nvme.wait(s.store_async(buf))
+    back = aligned_empty(8192).view(torch.float64)
+    nvme.wait(s.load_async(back, 512))
+    nvme.wait(s.load_async(back))
+    assert torch.equal(back, buf)
+    assert (nvme.counters.nvme_write_bytes, nvme.counters.nvme_read_bytes) == (8192, 12288)
+    s.free()
+    h.free()
+
+
+def test_a_host_store_over_budget_names_the_store() -> None:
+    with pytest.raises(BudgetExceededError, match=r"^u5\.exp_avg needs 8\.00 KiB of host"):
+        plain(host=4096).create("u5.exp_avg", 2000, torch.float32, Tier.HOST)
+
+
+def test_host_empty_counts_the_dtypes_bytes_and_pins() -> None:
+    m = plain()
+    t = m.host_empty(1000, torch.bfloat16, what="bf16 slot")
+    assert t.dtype == torch.bfloat16 and t.shape == (1000,) and m.host_budget.held == 2000
+    del t
+    assert m.host_budget.held == 0
+
+
+def test_host_buffers_are_asked_pinned(monkeypatch) -> None:
+    """Host tensors are page-locked where CUDA is (``pin=True``: host-to-GPU copies from them are
+    asynchronous); checked through a spy, as this machine may have no CUDA."""
+    import infinity.io as io_pkg
+
+    calls = []
+    real = io_pkg.aligned_empty
+
+    def spy(nbytes, **kwargs):
+        calls.append(kwargs.get("pin"))
+        return real(nbytes, **kwargs)
+
+    monkeypatch.setattr(io_pkg, "aligned_empty", spy)
+    plain().host_empty(10, torch.float32, what="x")
+    assert calls == [True]
+
+
+def test_device_tensors_go_to_the_managers_device_not_the_default() -> None:
+    """Under another default device (``with torch.device("meta")``, or "cuda" as models are
+    often built) device tensors and DEVICE stores are still made on the manager's device."""
+    m = plain()
+    with torch.device("meta"):
+        t = m.device_empty(10, torch.float32, torch.device("cpu"), what="staging")
+        s = m.create("d", 10, torch.float32, Tier.DEVICE)
+    assert t.device.type == "cpu" and s.tensor.device.type == "cpu"
+    assert not s.tensor.any()
+
+
+def test_no_swap_space_is_preallocated_without_a_reserve(disk_dir: Path) -> None:
+    m = TierManager(MemoryBudget("host", None), MemoryBudget("device", None),
+                    nvme_path=str(disk_dir))
+    try:
+        assert m.nvme_reserve_bytes == 0 and m.swap.bytes_on_disk == 0
+    finally:
+        m.close()
+
+
+def test_a_freed_doubled_store_has_no_shadow_left(nvme: TierManager) -> None:
+    s = nvme.create("dd", 10, torch.float32, Tier.NVME, doubled=True)
+    s.free()
+    assert not s.doubled
+    with raises_exactly(RuntimeError, "dd has no shadow extent to flip to"):
+        s.flip()
