@@ -368,7 +368,7 @@ def test_host_buffers_are_asked_pinned(monkeypatch) -> None:
     real = io_pkg.aligned_empty
 
     def spy(nbytes, **kwargs):
-        calls.append(kwargs.get("pin"))
+        calls.append(kwargs.get("pin", True))          # aligned_empty's default is True
         return real(nbytes, **kwargs)
 
     monkeypatch.setattr(io_pkg, "aligned_empty", spy)
