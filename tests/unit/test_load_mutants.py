@@ -21,6 +21,7 @@ from infinity.checkpoint.save import save_checkpoint
 from infinity.checkpoint.tensor_file import CheckpointError
 from infinity.checkpoint.training_state import TrainingState
 from infinity.optim.records import UnitOptimState
+from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
 from infinity.zero.unit import Unit
@@ -47,55 +48,74 @@ class Rig:
     def __init__(self, seed: float, home: Tier = Tier.HOST, nvme: Path | None = None,
                  dtype: torch.dtype = torch.float32, names: dict | None = None,
                  groups: dict | None = None, shapes: dict | None = None,
-                 drop: tuple = (), n_groups: int = 2, steps: int = 3) -> None:
+                 drop: tuple = (), n_groups: int = 2, steps: int | None = 3, extra: int = 0,
+                 u0: tuple = ("a", "frozen"), doubled: bool = False, lend: bool = False,
+                 comm=None, tie: bool = False, buffers: dict | None = None) -> None:
         self.log: list = []
         shapes = dict(SHAPES, **(shapes or {}))
         groups = dict(GROUPS, **(groups or {}))
+        for i in range(extra):                     # e0, e1, ... in u1, group 1
+            shapes[f"e{i}"] = (2,)
+            groups.setdefault(f"e{i}", 1)
         names = names or {}
         self.model = _Model(seed, shapes)
+        if tie:
+            self.model.tied_b = self.model.b       # b under a second name
+        for name, shape in (buffers or {}).items():
+            self.model.register_buffer(name, torch.zeros(shape))
         self.manager = TierManager(MemoryBudget("host", None), MemoryBudget("device", None),
                                    nvme_path=None if nvme is None else str(nvme))
+        sharded = {} if comm is None else {"comm": comm, "shards": comm.world_size,
+                                           "params_sharded": True}
 
         def unit(index: int, members: list[str]) -> Unit:
             named = [(names.get(n, n), getattr(self.model, n), groups[n]) for n in members
                      if n not in drop]
-            return Unit(index, f"u{index}", self.model, named, dtype, torch.device("cpu"))
+            return Unit(index, f"u{index}", self.model, named, dtype, torch.device("cpu"),
+                        **sharded)
 
-        self.units = [unit(0, ["a", "frozen"]), unit(1, ["b", "c"])]
+        self.units = [unit(0, list(u0)),
+                      unit(1, ["b", "c"] + [f"e{i}" for i in range(extra)])]
         initial = {id(p): p.detach().float().reshape(-1).clone()
                    for p in self.model.parameters()}
         self.units[0].adopt(self.manager, Tier.DEVICE, persistent=True)
-        self.units[1].adopt(self.manager, home, persistent=False)
+        self.units[1].adopt(self.manager, home, persistent=False, doubled=doubled)
         self.states = []
         for u in self.units:
-            n = u.trainable_numel
+            lo, hi = (0, u.trainable_numel) if comm is None else \
+                (min(u.shard_start, u.trainable_numel),
+                 min(u.shard_start + u.shard_numel, u.trainable_numel))
             stores = {}
             for what in ("exp_avg", "exp_avg_sq") + (("master",) if dtype != torch.float32
                                                      else ()):
-                store = self.manager.create(f"{u.name}.{what}", n, torch.float32, home)
-                values = torch.zeros(store.padded)
+                store = self.manager.create(f"{u.name}.{what}", max(hi - lo, 1), torch.float32,
+                                            home)
+                values = torch.zeros(lo + store.padded)
                 for e in u.params:
                     if e.trainable:
                         src = initial[id(e.param)] if what == "master" else \
                             torch.full((e.numel,), seed * (2 if what == "exp_avg" else 3))
-                        values[e.offset:e.offset + e.numel] = src
-                _put(self.manager, store, values)
+                        values[e.offset:e.offset + e.numel] = src[:max(0, values.numel()
+                                                                       - e.offset)]
+                _put(self.manager, store, values[lo:])
                 stores[what] = store
             state = UnitOptimState(u, stores["exp_avg"], stores["exp_avg_sq"],
-                                   stores.get("master"), None)
-            state.param_steps = {e.offset: steps + i for i, e in enumerate(u.params)
-                                 if e.trainable}
+                                   stores.get("master"), None,
+                                   shard=None if comm is None else (lo, hi))
+            state.param_steps = {} if steps is None else {
+                e.offset: steps + i for i, e in enumerate(u.params) if e.trainable}
             state.step = max(state.param_steps.values(), default=0)
             self.states.append(state)
+        self.lent = BufferPool(self.manager, 8192, 3, "lent") if lend else None
         self.state = TrainingState(
             module=self.model, units=self.units, unit_states=self.states,
             param_groups=[{"params": [], "lr": 0.1 * (g + 1)} for g in range(n_groups)],
             lr_scheduler=None, loss_scaler=None, global_steps=7, micro_steps=7, skipped_steps=1,
             stage=3, compute_dtype=dtype, gradient_accumulation_steps=1, speculation_pays=None,
-            backwards_since_step=0, manager=self.manager, lendable_pools=[],
+            backwards_since_step=0, manager=self.manager, lendable_pools=[self.lent],
             check_open=lambda what: self.log.append(("open", what)), any_pinned=lambda: False,
             flush=lambda: self.log.append(("flush",)),
-            release_units=lambda: self.log.append(("release",)))
+            release_units=lambda: self.log.append(("release",)), comm=comm)
 
     def close(self) -> None:
         self.manager.close()
@@ -486,3 +506,208 @@ def test_write_before_check_is_a_programming_error(tmp_path: Path, rigs) -> None
     with pytest.raises(AssertionError, match="check\\(\\) first"):
         load.write()
     load.close()
+
+
+# -- the survivors of the first mutation run (BENCHMARKS.md "Mutation testing") -------------
+
+class _Comm:
+    """Rank ``rank`` of two; the other rank always succeeds."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.world_size = rank, 2
+
+    def all_gather_objects(self, value):
+        return [value, (None, None)] if self.rank == 0 else [(None, None), value]
+
+
+def test_a_manifest_without_aliases_loads(tmp_path: Path, rigs) -> None:
+    old = rigs(1.0)
+    directory = _saved(old, tmp_path)
+    _edit(directory, lambda m: m.pop("aliases"))
+    new = rigs(5.0)
+    _load(new, tmp_path)
+    assert torch.equal(new.param("b"), old.param("b"))
+
+
+def test_a_tied_parameter_is_found_under_its_other_name(tmp_path: Path, rigs) -> None:
+    """b is also the module's tied_b; saved under tied_b with no alias recorded, it loads
+    into the unit entry named b through the module's other name for it."""
+    old = rigs(1.0, tie=True, names={"b": "tied_b"})
+    directory = _saved(old, tmp_path)
+    _edit(directory, lambda m: m["aliases"].clear())
+    new = rigs(5.0, tie=True)
+    _load(new, tmp_path)
+    assert torch.equal(new.param("b"), old.param("tied_b"))
+
+
+def test_a_frozen_parameter_left_out_does_not_stop_the_rest_of_its_unit(tmp_path: Path,
+                                                                         rigs) -> None:
+    """Saved without frozen parameters; now u0 holds frozen then a (frozen now, trainable
+    then, so in the checkpoint): a still loads after the skipped one."""
+    old = rigs(1.0)
+    _saved(old, tmp_path, exclude_frozen_parameters=True)
+    new = rigs(5.0, u0=("frozen", "a"), groups={"a": -1})
+    _load(new, tmp_path)
+    assert torch.equal(new.param("a"), old.param("a"))
+    assert torch.equal(new.param("frozen"), torch.arange(5.0) * 5 + 150)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_parameter_missing_between_loaded_ones_keeps_its_values(tmp_path: Path, disk_dir: Path,
+                                                                  rigs, dtype) -> None:
+    """u1 holds b, c, e0 in one NVMe chunk; the checkpoint lacks c: its parameter, master
+    and moments keep their values (the chunk is read before it is filled), b and e0 load."""
+    old = rigs(1.0, Tier.NVME, disk_dir, dtype=dtype, extra=1, drop=("c",))
+    _saved(old, tmp_path)
+    new = rigs(5.0, Tier.NVME, disk_dir, dtype=dtype, extra=1)
+    kept = {what: new.moment("c", what).clone() for what in
+            ("exp_avg", "exp_avg_sq") + (("master",) if dtype != torch.float32 else ())}
+    c = new.param("c").clone()
+    _load(new, tmp_path, load_module_strict=False)
+    assert torch.equal(new.param("c"), c) and c.abs().sum() > 0
+    for what, values in kept.items():
+        assert torch.equal(new.moment("c", what), values), what
+    assert torch.equal(new.param("e0"), old.param("e0"))
+    assert torch.equal(new.moment("e0", "exp_avg"), old.moment("e0", "exp_avg"))
+
+
+def test_a_whole_load_reads_nothing_from_the_homes_it_overwrites(tmp_path: Path, disk_dir: Path,
+                                                                 rigs) -> None:
+    """Every parameter, master and moment loaded: the NVMe chunks are zeroed and filled, not
+    read first (a read of every chunk would double the load's I/O)."""
+    old = rigs(1.0, Tier.NVME, disk_dir, dtype=torch.bfloat16, extra=1)
+    _saved(old, tmp_path)
+    new = rigs(5.0, Tier.NVME, disk_dir, dtype=torch.bfloat16, extra=1)
+    load = prepare_load(new.state, tmp_path)
+    before = new.manager.counters.nvme_read_bytes
+    with load:
+        load.write()
+    assert new.manager.counters.nvme_read_bytes == before
+    assert new.manager.counters.nvme_write_bytes > 0
+    assert torch.equal(new.moment("c", "master"), old.moment("c", "master"))
+
+
+def test_a_doubled_home_gets_the_values_in_both_extents(tmp_path: Path, disk_dir: Path,
+                                                        rigs) -> None:
+    """A speculative step's parameter store has a shadow extent: the load writes both, so a
+    flip after the load shows the checkpoint's values too."""
+    old = rigs(1.0)
+    _saved(old, tmp_path)
+    new = rigs(5.0, Tier.NVME, disk_dir, doubled=True)
+    _load(new, tmp_path)
+    store = new.units[1].param_store
+    assert store.doubled
+    _, b = new.entry("b")
+    from infinity.io import aligned_empty
+
+    shadow = aligned_empty(store.nbytes).view(store.dtype)
+    new.manager.wait(store.load_async(shadow, shadow=True))
+    assert torch.equal(shadow[b.offset:b.offset + b.numel], old.param("b"))
+    assert torch.equal(new.param("b"), old.param("b"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_parameter_over_several_chunks_loads_each_from_its_own_elements(
+        tmp_path: Path, disk_dir: Path, rigs, dtype) -> None:
+    """b (3000 elements) crosses chunks of a lent 8 KiB pool: each chunk is filled from the
+    file tensor's elements at its place, also when the values are cast (bf16 parameters
+    from an fp32 master file)."""
+    old = rigs(1.0, Tier.NVME, disk_dir, dtype=dtype, shapes={"b": (3000,)})
+    _saved(old, tmp_path)
+    new = rigs(5.0, Tier.NVME, disk_dir, dtype=dtype, shapes={"b": (3000,)}, lend=True)
+    _load(new, tmp_path)
+    assert torch.equal(new.param("b"), old.param("b"))
+    assert torch.equal(new.moment("b", "exp_avg"), old.moment("b", "exp_avg"))
+
+
+def test_a_fresh_engine_that_loads_none_of_a_units_parameters_keeps_step_zero(
+        tmp_path: Path, rigs) -> None:
+    """No step taken yet (no step counts), and none of u1's parameters in the checkpoint
+    (non-strict): u1's step stays 0; u0's comes from the checkpoint."""
+    directory = _saved(rigs(1.0, names={"b": "b_x", "c": "c_x"}), tmp_path)
+    _edit(directory, lambda m: m["aliases"].clear())
+    new = rigs(5.0, steps=None)
+    _load(new, tmp_path, load_module_strict=False)
+    assert new.states[1].step == 0 and new.states[1].param_steps == {}
+    assert new.states[0].step == 3
+
+
+def test_rank_one_of_two_loads_its_shard(tmp_path: Path, rigs) -> None:
+    """Rank 1 of 2 (a checkpoint saved by one rank): its parameter home holds the unit's
+    elements [2048, 4096), its master and moments [2048, trainable end): each is filled from
+    the checkpoint at its own place in the unit."""
+    old = rigs(1.0, dtype=torch.bfloat16, shapes={"b": (3000,)})
+    _saved(old, tmp_path)
+    new = rigs(5.0, dtype=torch.bfloat16, shapes={"b": (3000,)}, comm=_Comm(1))
+    _load(new, tmp_path)
+    u1, st = new.units[1], new.states[1]
+    _, b = new.entry("b")
+    _, c = new.entry("c")
+    assert u1.home_start == 2048 and (st.lo, st.hi) == (2048, 3072)  # trainable end, padded
+    home = u1.param_store.tensor.float()
+    assert torch.equal(home[:3000 - 2048], old.param("b")[2048:])
+    assert torch.equal(home[c.offset - 2048:c.offset - 2048 + 3], old.param("c"))
+    master = st.master.tensor
+    assert torch.equal(master[:952], old.moment("b", "master")[2048:])
+    assert torch.equal(master[c.offset - 2048:c.offset - 2045], old.moment("c", "master"))
+    assert st.exp_avg.tensor[:952].eq(2.0).all()
+    assert st.exp_avg_sq.tensor[c.offset - 2048:c.offset - 2045].eq(3.0).all()
+
+
+def _many(tmp_path: Path, rigs, **save_kwargs) -> Path:
+    return _saved(rigs(1.0, extra=6, **save_kwargs), tmp_path)
+
+
+def test_no_adam_states_for_six_lists_five(tmp_path: Path, rigs) -> None:
+    frozen = {n: -1 for n in ("b", "c", "e0", "e1", "e2", "e3")}
+    _many(tmp_path, rigs, groups=frozen)
+    assert _refused(rigs(5.0, extra=6), tmp_path) == (
+        f"checkpoint {tmp_path / 'step7'} has no Adam states for 6 trainable parameter(s) (b, c, "
+        "e0, e1, e2): they were frozen when it was saved. Pass load_optimizer_states=False to "
+        "load the model only")
+
+
+def test_four_moved_parameters_list_three_in_the_whole_message(tmp_path: Path, rigs) -> None:
+    _many(tmp_path, rigs)
+    message = _refused(rigs(5.0, extra=6, groups={n: 0 for n in ("b", "c", "e0", "e1")}),
+                       tmp_path)
+    assert message == (
+        f"checkpoint {tmp_path / 'step7'}: 4 parameter(s) are in another optimizer param group "
+        "than when it was saved (b (group 1 then, 0 now); c (group 1 then, 0 now); e0 (group 1 "
+        "then, 0 now)), and the groups' settings (lr, weight decay, betas) are restored by "
+        "position: they would train with another group's settings. Build the param groups in "
+        "the order and by the rules used when saving, or pass load_optimizer_states=False to "
+        "load the model only")
+
+
+def test_six_damaged_step_counts_list_five(tmp_path: Path, rigs) -> None:
+    directory = _many(tmp_path, rigs)
+
+    def damage(m: dict) -> None:
+        for n in ("b", "c", "e0", "e1", "e2", "e3"):
+            m["params"][n]["steps"] = 1.5
+    _edit(directory, damage)
+    assert _refused(rigs(5.0, extra=6), tmp_path).startswith(
+        f"checkpoint {tmp_path / 'step7'}: its manifest.json has no step count for 6 "
+        "parameter(s) (b, c, e0, e1, e2) although its tensor files hold them: ")
+
+
+def test_buffer_mismatches_list_five_of_each(tmp_path: Path, rigs) -> None:
+    _saved(rigs(1.0, buffers={f"w{i}": (2,) for i in range(6)}), tmp_path)
+    new = rigs(5.0, buffers={**{f"w{i}": (3,) for i in range(6)},
+                             **{f"m{i}": (1,) for i in range(6)}})
+    wrong = "; ".join(f"w{i}: checkpoint [2], model [3]" for i in range(5))
+    missing = "; ".join(f"missing m{i}" for i in range(5))
+    assert _refused(new, tmp_path) == (
+        f"checkpoint {tmp_path / 'step7'} does not match the model's buffers: {wrong}; {missing}")
+
+
+def test_write_needs_both_the_files_and_the_match(tmp_path: Path, rigs) -> None:
+    rig = rigs(1.0)
+    directory = _saved(rig, tmp_path)
+    load = CheckpointLoad(rig.state, directory, json.loads((directory / "manifest.json")
+                                                           .read_text()), None)
+    load.model = object()           # files open, but never matched
+    with pytest.raises(AssertionError) as info:
+        load.write()
+    assert str(info.value) == "check() first"
