@@ -43,38 +43,38 @@ static void lanes_scalar(double *acc, const void *g, size_t from, size_t n, int 
 }
 
 #if defined(__x86_64__)
-/* fp32 gradients, 8 per iteration: lanes 0-3 in lo, 4-7 in hi (as the scalar path's i % 8). */
+/* x's 8 floats squared in double into lanes 0-3 (lo) and 4-7 (hi), as the scalar path's i % 8. */
+__attribute__((target("avx2"), always_inline)) static inline void add_squares(__m256d *lo,
+                                                                              __m256d *hi,
+                                                                              __m256 x) {
+    __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    __m256d xh = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    *lo = _mm256_add_pd(*lo, _mm256_mul_pd(xl, xl));
+    *hi = _mm256_add_pd(*hi, _mm256_mul_pd(xh, xh));
+}
+
+/* fp32 gradients, 8 per iteration. */
 __attribute__((target("avx2"))) static size_t lanes_avx2(double *acc, const float *g, size_t n) {
     __m256d lo = _mm256_loadu_pd(acc), hi = _mm256_loadu_pd(acc + 4);
     size_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        __m256 x = _mm256_loadu_ps(g + i);
-        __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-        __m256d xh = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-        lo = _mm256_add_pd(lo, _mm256_mul_pd(xl, xl));
-        hi = _mm256_add_pd(hi, _mm256_mul_pd(xh, xh));
-    }
+    for (; i + LANES <= n; i += LANES) add_squares(&lo, &hi, _mm256_loadu_ps(g + i));
     _mm256_storeu_pd(acc, lo);
     _mm256_storeu_pd(acc + 4, hi);
     return i;
 }
 
 /* 16-bit gradients, 8 per iteration, widened to the fp32 values adam_bf16_to_f32 and
- * adam_f16_to_f32 give (exact: every bf16 and fp16 value is a float), then as lanes_avx2. bf16
- * is the upper half of a float (a shift); fp16 goes through F16C. A bf16 gradient home (the
- * deferred step's, see the planner's [Note: the gradient home in the compute dtype]) is normed
- * here every step: the scalar loop took ~8x the fp32 path's time. */
+ * adam_f16_to_f32 give (exact: every bf16 and fp16 value is a float): bf16 is the upper half of
+ * a float (a shift), fp16 goes through F16C. A bf16 gradient home (the deferred step's, see the
+ * planner's [Note: the gradient home in the compute dtype]) is normed here every step: the
+ * scalar loop took ~8x the fp32 path's time. */
 __attribute__((target("avx2"))) static size_t lanes_avx2_bf16(double *acc, const uint16_t *g,
                                                                 size_t n) {
     __m256d lo = _mm256_loadu_pd(acc), hi = _mm256_loadu_pd(acc + 4);
     size_t i = 0;
     for (; i + LANES <= n; i += LANES) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(g + i));
-        __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-        __m256d xh = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-        lo = _mm256_add_pd(lo, _mm256_mul_pd(xl, xl));
-        hi = _mm256_add_pd(hi, _mm256_mul_pd(xh, xh));
+        __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + i)));
+        add_squares(&lo, &hi, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
     }
     _mm256_storeu_pd(acc, lo);
     _mm256_storeu_pd(acc + 4, hi);
@@ -85,13 +85,8 @@ __attribute__((target("avx2,f16c"))) static size_t lanes_avx2_f16(double *acc, c
                                                                    size_t n) {
     __m256d lo = _mm256_loadu_pd(acc), hi = _mm256_loadu_pd(acc + 4);
     size_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + i)));
-        __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-        __m256d xh = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-        lo = _mm256_add_pd(lo, _mm256_mul_pd(xl, xl));
-        hi = _mm256_add_pd(hi, _mm256_mul_pd(xh, xh));
-    }
+    for (; i + LANES <= n; i += LANES)
+        add_squares(&lo, &hi, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + i))));
     _mm256_storeu_pd(acc, lo);
     _mm256_storeu_pd(acc + 4, hi);
     return i;
