@@ -711,3 +711,18 @@ def test_write_needs_both_the_files_and_the_match(tmp_path: Path, rigs) -> None:
     with pytest.raises(AssertionError) as info:
         load.write()
     assert str(info.value) == "check() first"
+
+
+def test_a_manifest_without_params_loads_the_model_only(tmp_path: Path, rigs) -> None:
+    """A manifest without "params" (edited): a module-only load reads the whole tensors of
+    the files (it needs no step counts), instead of a KeyError after the buffers were already
+    written (a bug found by load.py's mutation run, Match m52/m54: write() read
+    ``manifest["params"]`` for every unit); with optimizer states it is refused up front."""
+    old = rigs(1.0)
+    directory = _saved(old, tmp_path)
+    _edit(directory, lambda m: m.pop("params"))
+    new = rigs(5.0)
+    _load(new, tmp_path, load_module_only=True)
+    assert torch.equal(new.param("b"), old.param("b"))
+    assert torch.equal(new.model.running, torch.tensor([1.0, 2.0]))
+    assert "has no step count for 3 parameter(s) (a, b, c)" in _refused(rigs(6.0), tmp_path)
