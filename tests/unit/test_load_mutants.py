@@ -50,12 +50,13 @@ class Rig:
                  groups: dict | None = None, shapes: dict | None = None,
                  drop: tuple = (), n_groups: int = 2, steps: int | None = 3, extra: int = 0,
                  u0: tuple = ("a", "frozen"), doubled: bool = False, lend: bool = False,
-                 comm=None, tie: bool = False, buffers: dict | None = None) -> None:
+                 comm=None, tie: bool = False, buffers: dict | None = None,
+                 scheduler=None) -> None:
         self.log: list = []
         shapes = dict(SHAPES, **(shapes or {}))
         groups = dict(GROUPS, **(groups or {}))
         for i in range(extra):                     # e0, e1, ... in u1, group 1
-            shapes[f"e{i}"] = (2,)
+            shapes.setdefault(f"e{i}", (2,))
             groups.setdefault(f"e{i}", 1)
         names = names or {}
         self.model = _Model(seed, shapes)
@@ -110,7 +111,7 @@ class Rig:
         self.state = TrainingState(
             module=self.model, units=self.units, unit_states=self.states,
             param_groups=[{"params": [], "lr": 0.1 * (g + 1)} for g in range(n_groups)],
-            lr_scheduler=None, loss_scaler=None, global_steps=7, micro_steps=7, skipped_steps=1,
+            lr_scheduler=scheduler, loss_scaler=None, global_steps=7, micro_steps=7, skipped_steps=1,
             stage=3, compute_dtype=dtype, gradient_accumulation_steps=1, speculation_pays=None,
             backwards_since_step=0, manager=self.manager, lendable_pools=[self.lent],
             check_open=lambda what: self.log.append(("open", what)), any_pinned=lambda: False,
@@ -726,3 +727,127 @@ def test_a_manifest_without_params_loads_the_model_only(tmp_path: Path, rigs) ->
     assert torch.equal(new.param("b"), old.param("b"))
     assert torch.equal(new.model.running, torch.tensor([1.0, 2.0]))
     assert "has no step count for 3 parameter(s) (a, b, c)" in _refused(rigs(6.0), tmp_path)
+
+
+class _Schedule:
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.at}
+
+
+def test_a_load_restores_the_schedule_and_the_optimizer_settings_by_default(tmp_path: Path,
+                                                                            rigs) -> None:
+    _saved(rigs(1.0, scheduler=_Schedule(6)), tmp_path)
+    load = _load(rigs(5.0, scheduler=_Schedule(0)), tmp_path)
+    assert load.restore.lr_scheduler == {"last_batch_iteration": 6}
+    assert load.restore.param_groups == [{"lr": 0.1}, {"lr": 0.2}]
+    assert load.restore.lr_from_scheduler is False
+
+
+def test_damaged_counters_are_refused_naming_the_checkpoint(tmp_path: Path, rigs) -> None:
+    directory = _saved(rigs(1.0), tmp_path)
+    _edit(directory, lambda m: m.update(engine=[1]))
+    assert _refused(rigs(5.0), tmp_path) == (
+        f"checkpoint {directory}: its manifest.json's engine counters are not a dict: the "
+        "manifest was edited or damaged")
+    _edit(directory, lambda m: m.update(world_size=0))
+    assert _refused(rigs(5.0), tmp_path).startswith(
+        f"checkpoint {directory}: its manifest.json has world_size = 0")
+
+
+def test_without_latest_the_warning_says_so(tmp_path: Path, rigs, infinity_log) -> None:
+    assert prepare_load(rigs(1.0).state, tmp_path) is None
+    assert [r.getMessage() for r in infinity_log.records if r.levelname == "WARNING"] == [
+        f"no {tmp_path}/latest: no checkpoint loaded (pass tag= to load a given one)"]
+
+
+def test_another_rank_failing_to_read_fails_this_one(tmp_path: Path, rigs) -> None:
+    class _Failed(_Comm):
+        def all_gather_objects(self, value):
+            return [value, (None, "CheckpointError: damaged")]
+
+    _saved(rigs(1.0), tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        prepare_load(rigs(5.0, comm=_Failed(0)).state, tmp_path)
+    assert str(info.value) == ("rank 1 could not read the checkpoint (CheckpointError: "
+                               "damaged); nothing was loaded")
+
+
+def test_each_rank_hashes_only_its_share_of_the_files(tmp_path: Path, rigs) -> None:
+    """Rank 1 of 2 hashes the second of the two files; a damaged first file is rank 0's to
+    find (and its failure fails every rank), not read twice."""
+    directory = _saved(rigs(1.0), tmp_path)
+    path = directory / "rank0_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    load = prepare_load(rigs(5.0, comm=_Comm(1)).state, tmp_path)
+    assert load is not None
+    load.close()
+    with pytest.raises(CheckpointError, match="rank0_model.safetensors does not match"):
+        prepare_load(rigs(5.0, comm=_Comm(0)).state, tmp_path)
+
+
+def test_six_missing_or_mismatched_list_five(tmp_path: Path, rigs) -> None:
+    six = ("b", "c", "e0", "e1", "e2", "e3")
+    directory = _saved(rigs(1.0, extra=6, names={n: f"{n}_x" for n in six}), tmp_path / "m")
+    _edit(directory, lambda m: m["aliases"].clear())
+    assert "6 of the model's parameters are not in it (b, c, e0, e1, e2); 6 of" in \
+        _refused(rigs(5.0, extra=6), tmp_path / "m", load_optimizer_states=False)
+    _saved(rigs(1.0, extra=6), tmp_path / "s")
+    message = _refused(rigs(5.0, extra=6, shapes={f"e{i}": (3,) for i in range(6)}),
+                       tmp_path / "s")
+    assert message.endswith("shapes differ for 6 parameter(s): " + "; ".join(
+        f"e{i}: checkpoint [2], model [3]" for i in range(5)))
+
+
+def _split_into_two_ranks(directory: Path) -> None:
+    """The checkpoint as two ranks would have saved it: every parameter's tensor (and its
+    moments) as a 1-D slice from element 0 in rank 0's file and the rest, ``name#k``, in rank
+    1's; buffers whole in rank 0's."""
+    import hashlib
+
+    from infinity.checkpoint.tensor_file import TensorFileReader, TensorFileWriter
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    params = manifest["params"]
+    files = {}
+    for kind in ("model", "optim"):
+        reader = TensorFileReader(directory / f"rank0_{kind}.safetensors")
+        whole = {n: reader.read(n) for n in reader.tensors}
+        reader.close()
+        ranks: list[dict] = [{}, {}]
+        for name, t in whole.items():
+            if name.split(".exp_avg")[0] in params:
+                flat = t.reshape(-1)
+                k = max(1, flat.numel() // 2)
+                ranks[0][f"{name}#0"], ranks[1][f"{name}#{k}"] = flat[:k], flat[k:]
+            else:
+                ranks[0][name] = t
+        for r, tensors in enumerate(ranks):
+            path = directory / f"rank{r}_{kind}.safetensors"
+            path.unlink(missing_ok=True)
+            writer = TensorFileWriter(path, [(n, t.dtype, tuple(t.shape))
+                                             for n, t in tensors.items()])
+            for n, t in tensors.items():
+                writer.append(n, t.reshape(-1))
+            writer.close()
+            data = path.read_bytes()
+            files[path.name] = {"bytes": len(data),
+                                "sha256": hashlib.sha256(data).hexdigest()}
+    manifest.update(world_size=2, files=files)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_of_two_ranks_loads_its_slices_by_the_manifests_shapes(tmp_path: Path,
+                                                                          rigs) -> None:
+    old = rigs(1.0)
+    _split_into_two_ranks(_saved(old, tmp_path))
+    new = rigs(5.0, steps=40)
+    _load(new, tmp_path)
+    for name in ("a", "b", "c", "frozen"):
+        assert torch.equal(new.param(name), old.param(name)), name
+    assert torch.equal(new.moment("a", "exp_avg_sq"), old.moment("a", "exp_avg_sq"))
+    assert new.steps("c") == 4
