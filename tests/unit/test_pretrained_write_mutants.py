@@ -37,7 +37,11 @@ from infinity.checkpoint.pretrained_write import (
 )
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter
 from infinity.checkpoint.training_state import TrainingState
+from infinity.checkpoint.unit_io import ChunkPool
+from infinity.config.aio import AioConfig
+from infinity.io.buffers import aligned_empty
 from infinity.optim.records import UnitOptimState
+from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
 from infinity.zero.unit import Unit
@@ -112,6 +116,9 @@ def test_plans_count_every_dimension_and_keep_a_large_first_tensor_alone() -> No
     assert plan_shards([("s", F32, ()), ("t", F32, ())], 4) == [[("s", F32, ())],
                                                                  [("t", F32, ())]]
     assert plan_shards([], 10) == [[]]
+    # a later shard starts empty too: 40 + 60 fill it exactly
+    later = [("x", F32, (25,)), ("y", F32, (10,)), ("z", F32, (15,))]
+    assert plan_shards(later, 100) == [[later[0]], [later[1], later[2]]]
 
 
 def test_shard_names_of_one_and_of_several() -> None:
@@ -181,6 +188,29 @@ def test_an_unfinished_write_is_refused_and_leaves_no_partial_file(tmp_path: Pat
     writer = ShardedWriter(tmp_path, [("a", F32, (10,))], 40)
     writer.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_close_then_abort_is_harmless(tmp_path: Path) -> None:
+    """save_pretrained aborts the writer when anything fails, close() included, which has
+    aborted it already: the second abort must not raise over the first error."""
+    writer = ShardedWriter(tmp_path, [("a", F32, (10,)), ("b", F32, (10,))], 40)
+    writer.append("a", torch.zeros(3))
+    with pytest.raises(ValueError, match="not every tensor"):
+        writer.close()
+    writer.abort()
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stale_file_removed_meanwhile_is_no_error(tmp_path: Path, monkeypatch) -> None:
+    """An earlier save's shard that is gone by the time close() removes it (another cleaner)
+    is not an error."""
+    monkeypatch.setattr(pw, "_weight_files",
+                        lambda d: {"model-00001-of-00009.safetensors", "model.safetensors"})
+    writer = ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
+    writer.append("a", torch.ones(2))
+    writer.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
 
 
 def test_shards_of_empty_tensors_only_are_written_whole(tmp_path: Path) -> None:
@@ -336,16 +366,19 @@ class _Comm:
             tensor[lo:hi] = values
 
 
-def _state(model: _Model, dtype=F32, comm=None, log=None, masters=None, **over) -> TrainingState:
-    """Two units (u0: a and frozen; u1: b) in host homes; ``masters`` {unit index: fp32 master}
-    gives a unit an optimizer state with a separate master."""
+def _state(model: _Model, dtype=F32, comm=None, log=None, masters=None, units=None,
+           **over) -> TrainingState:
+    """Two units (u0: a and frozen; u1: b) kept in memory, unless ``units`` are given;
+    ``masters`` {unit index: fp32 master} gives a unit an optimizer state with a separate
+    master."""
     log = [] if log is None else log
-    units = [Unit(0, "u0", model, [("a", model.a, 0), ("frozen", model.frozen, -1)], dtype,
-                  torch.device("cpu")),
-             Unit(1, "u1", model, [("b", model.b, 0)], dtype, torch.device("cpu"))]
     manager = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
-    for u in units:
-        u.adopt(manager, Tier.DEVICE, persistent=True)
+    if units is None:
+        units = [Unit(0, "u0", model, [("a", model.a, 0), ("frozen", model.frozen, -1)], dtype,
+                      torch.device("cpu")),
+                 Unit(1, "u1", model, [("b", model.b, 0)], dtype, torch.device("cpu"))]
+        for u in units:
+            u.adopt(manager, Tier.DEVICE, persistent=True)
     states = []
     for index, master in (masters or {}).items():
         states.append(UnitOptimState(units[index], None, None, master, None,
@@ -393,6 +426,32 @@ def test_an_engine_saves_its_weights_in_its_dtype_with_texts_and_carried_files(
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
                                                      "tokenizer.json"]
     assert _metadata(out / "model.safetensors") == {"format": "pt"}
+
+
+def test_by_default_the_engine_call_is_save_pretrained(tmp_path: Path) -> None:
+    log: list = []
+    with pytest.raises(RuntimeError) as info:
+        save_pretrained(_state(_Model(), log=log, backwards_since_step=1), tmp_path / "o")
+    assert str(info.value).startswith("engine.save_pretrained() between backward() and step()")
+    assert log == [("open", "save_pretrained")] and not (tmp_path / "o").exists()
+
+
+def test_a_tied_parameter_is_saved_under_the_name_not_tied_to(tmp_path: Path) -> None:
+    """tie_targets reach the names: the unit holds the embedding, the file names it as the
+    head when the model ties the embedding to the head (and as itself otherwise)."""
+    model = nn.Module()
+    model.embed = nn.Embedding(4, 2)
+    model.head = nn.Linear(2, 4, bias=False)
+    model.head.weight = model.embed.weight
+    manager = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
+    unit = Unit(0, "u0", model, [("embed.weight", model.embed.weight, 0)], F32,
+                torch.device("cpu"))
+    unit.adopt(manager, Tier.DEVICE, persistent=True)
+    state = _state(model, units=[unit])
+    save_pretrained(state, tmp_path / "tied", tie_targets={"embed.weight"})
+    assert list(_load(tmp_path / "tied")) == ["head.weight"]
+    save_pretrained(state, tmp_path / "own")
+    assert list(_load(tmp_path / "own")) == ["embed.weight"]
 
 
 def test_an_fp32_save_takes_trainable_parameters_from_the_master(tmp_path: Path) -> None:
@@ -468,6 +527,124 @@ def test_with_two_ranks_rank0_writes_gathered_units_and_masters(tmp_path: Path) 
     assert not (tmp_path / "r1").exists()
 
 
+def test_with_two_ranks_a_failure_on_either_rank_is_agreed(tmp_path: Path) -> None:
+    """Rank 0 told that rank 1 failed raises naming it, after writing (and then removing)
+    nothing; a single-rank save with a comm of one rank is a plain call."""
+
+    class _OtherFailed(_Comm):
+        def all_gather_objects(self, value):
+            return [value, (None, "OSError: disk full")]
+
+    with pytest.raises(CheckpointError) as info:
+        save_pretrained(_state(_Model(), comm=_OtherFailed(0)), tmp_path / "o")
+    assert str(info.value) == ("rank 1 could not save the weights (OSError: disk full); no file "
+                               "was written")
+
+    class _Alone(_Comm):
+        def all_gather_objects(self, value):
+            raise AssertionError("one rank agrees with nobody")
+
+    save_pretrained(_state(_Model(), comm=_Alone(0, world_size=1)), tmp_path / "one")
+    assert sorted(_load(tmp_path / "one")) == ["a", "b", "empty", "frozen", "running"]
+
+
+def test_rank1_gathers_its_master_range_at_its_offset(tmp_path: Path) -> None:
+    """Rank 1's own range of u0's master is [3, 6): copied there, the rest from rank 0, into an
+    fp32 buffer whatever torch's default dtype (the all_gather of every rank must agree)."""
+    model = _Model()
+    own = torch.tensor([3.5, 4.5, 5.5])
+    comm = _Comm(1, others={0: [((0, 3), torch.tensor([0.5, 1.5, 2.5]))]})
+    dtypes = []
+    real = comm.all_gather
+    comm.all_gather = lambda tensor, tag=None: (dtypes.append(tensor.dtype), real(tensor, tag))
+    state = _state(model, BF16, comm=comm, masters={0: own})
+    state.unit_states[0].shard = (3, 6)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        gathered = pw._gathered_master(state, pw.unit_layouts(state)[0], None)
+    finally:
+        torch.set_default_dtype(previous)
+    assert dtypes == [torch.float32] and gathered.dtype == torch.float32
+    assert torch.equal(gathered[:6], torch.tensor([0.5, 1.5, 2.5, 3.5, 4.5, 5.5]))
+
+
+@pytest.fixture
+def nvme(disk_dir: Path):
+    m = TierManager(MemoryBudget("host", None), MemoryBudget("device", None),
+                    nvme_path=str(disk_dir), aio_config=AioConfig(backend="auto",
+                                                                  block_size=1 << 20,
+                                                                  queue_depth=4))
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def _nvme_store(manager: TierManager, name: str, values: torch.Tensor):
+    store = manager.create(name, values.numel(), values.dtype, Tier.NVME)
+    buf = aligned_empty(values.numel() * values.element_size(), values.dtype, pin=False)
+    buf.copy_(values)
+    manager.wait(store.store_async(buf))
+    return store
+
+
+class _NvmeModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(3000.0))
+        self.f = nn.Parameter(torch.full((700,), -2.0), requires_grad=False)
+
+
+@pytest.mark.parametrize("lend", [False, True])
+def test_nvme_homes_are_read_through_the_chunk_pool(tmp_path: Path, nvme, lend) -> None:
+    """Parameters and a master on NVMe go through host chunks: the engine's idle pool when it
+    lends one (4 KiB slots: a 3000-element master in three chunks), else a pool of its own made
+    from the tier manager; the values come back whole."""
+    model = _NvmeModel()
+    unit = Unit(0, "u0", model, [("w", model.w, 0), ("f", model.f, -1)], F32,
+                torch.device("cpu"))
+    unit.adopt(nvme, Tier.NVME, persistent=False)
+    pools = [BufferPool(nvme, 4096, 2, "lent")] if lend else []
+    state = _state(model, units=[unit], manager=nvme, lendable_pools=pools)
+    save_pretrained(state, tmp_path / "params")
+    back = _load(tmp_path / "params")
+    assert torch.equal(back["w"], torch.arange(3000.0))
+    assert torch.equal(back["f"], torch.full((700,), -2.0))
+    master = torch.arange(unit.numel, dtype=F32) * 0.5
+    model = _NvmeModel()
+    unit16 = Unit(0, "u0", model, [("w", model.w, 0), ("f", model.f, -1)], BF16,
+                  torch.device("cpu"))
+    unit16.adopt(nvme, Tier.NVME, persistent=False)
+    opt = UnitOptimState(unit16, None, None, _nvme_store(nvme, "u0.master", master), None,
+                         shard=(0, unit16.numel))
+    state = _state(model, BF16, units=[unit16], manager=nvme, lendable_pools=pools,
+                   unit_states=[opt])
+    save_pretrained(state, tmp_path / "master", dtype=F32)
+    back = _load(tmp_path / "master")
+    assert torch.equal(back["w"], master[:3000])
+    assert torch.equal(back["f"], torch.full((700,), -2.0))
+
+
+def test_a_rank_gathers_its_nvme_master_range_in_chunks(nvme) -> None:
+    """Rank 1's range [2048, numel) of the master, on NVMe, read in 1024-element chunks and
+    copied at its offset; the rest comes from rank 0 through all_gather."""
+    model = _NvmeModel()
+    unit = Unit(0, "u0", model, [("w", model.w, 0), ("f", model.f, -1)], BF16,
+                torch.device("cpu"))
+    unit.adopt(nvme, Tier.DEVICE, persistent=True)
+    n = unit.numel
+    full = torch.arange(n, dtype=F32) * 0.25
+    opt = UnitOptimState(unit, None, None, _nvme_store(nvme, "u0.master", full[2048:]), None,
+                         shard=(2048, n))
+    comm = _Comm(1, others={0: [((0, 2048), full[:2048])]})
+    state = _state(model, BF16, comm=comm, units=[unit], manager=nvme, unit_states=[opt],
+                   lendable_pools=[BufferPool(nvme, 4096, 2, "lent")])
+    lay = pw.unit_layouts(state)[0]
+    gathered = pw._gathered_master(state, lay, ChunkPool(nvme, state.lendable_pools))
+    assert torch.equal(gathered[:n], full)
+
+
 # -- from a checkpoint ---------------------------------------------------------------------
 W = torch.arange(12, dtype=F32).reshape(3, 4) + 0.5
 
@@ -503,7 +680,7 @@ def test_an_export_writes_each_tensor_in_the_dtype_asked_with_the_saved_config(
     """Floating tensors in ``dtype``, integer ones as stored; read in pieces (a piece smaller
     than a tensor); the manifest's config.json with the dtype written in, its other plain
     file names kept, a path-like or non-text entry dropped; no warning with a config."""
-    monkeypatch.setattr(pw, "EXPORT_PIECE_BYTES", 8)
+    monkeypatch.setattr(pw, "EXPORT_PIECE_BYTES", 20)     # w: pieces of 5, 5 and 2
     _checkpoint(tmp_path / "ck", {"config.json": '{"torch_dtype": "float32"}',
                                   "generation_config.json": "gen", "../evil.json": "x",
                                   "tokenizer.json": 3})
@@ -527,11 +704,20 @@ def test_an_export_as_stored_keeps_dtypes_and_the_given_config(tmp_path: Path) -
     and no dtype is written into it); the checkpoint found by its tag."""
     _checkpoint(tmp_path / "step4", {"config.json": '{"a": 1}'})
     out = tmp_path / "hf"
-    export_pretrained(tmp_path, out, tag="step4", dtype=None, texts={"config.json": "mine"})
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer.json").write_text("tok")
+    export_pretrained(tmp_path, out, tag="step4", dtype=None, texts={"config.json": "mine"},
+                      carry_from=src)
     back = _load(out)
     assert back["f"].dtype == BF16 and back["w"].dtype == F32 and torch.equal(back["w"], W)
     assert (out / "config.json").read_text() == "mine"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
+                                                     "tokenizer.json"]
+    with pytest.raises(CheckpointError) as info:
+        export_pretrained(src, tmp_path / "none")
+    assert str(info.value) == (f"{src} holds no checkpoint manifest and no 'latest' file; pass "
+                               "a checkpoint directory or --tag")
 
 
 def test_an_export_without_a_config_warns_and_checks_checksums(tmp_path: Path,
