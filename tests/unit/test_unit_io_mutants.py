@@ -558,8 +558,17 @@ def test_bf16_stores_are_cut_in_their_own_blocks_and_chunks(manager) -> None:
     part = (_entry("p", 3500, 5000), 3500, 8500)
     save_entries(store, [part], chunks, lambda p, v: got.append(v.clone()))
     assert torch.equal(torch.cat(got), values[3500:8500]) and len(got) == 2
+    writes = []
+    real_store = store.store_async
+
+    def store_async(buf, start, count, shadow=False):
+        writes.append((start, count))
+        return real_store(buf, start, count, shadow=shadow)
+
+    store.store_async = store_async
     load_entries(store, [part], chunks,
                  lambda e, first, out: out.copy_(torch.full((out.numel(),), -1.0)))
+    assert writes == [(2048, 4096), (6144, 2356)]     # bf16 chunks of 4096, from a bf16 block
     back = aligned_empty(store.nbytes).view(torch.bfloat16)
     manager.wait(store.load_async(back))
     assert back[3500:8500].eq(-1).all() and back[2048:3500].eq(0).all()
