@@ -645,6 +645,26 @@ def test_a_rank_gathers_its_nvme_master_range_in_chunks(nvme) -> None:
     assert torch.equal(gathered[:n], full)
 
 
+def test_an_fp32_save_over_ranks_gathers_an_nvme_master(tmp_path: Path, nvme) -> None:
+    """save_pretrained at rank 0 of 2, its master range [0, 2048) on NVMe (read through the
+    chunk pool), rank 1's from all_gather: the file holds the whole master's values."""
+    model = _NvmeModel()
+    unit = Unit(0, "u0", model, [("w", model.w, 0), ("f", model.f, -1)], BF16,
+                torch.device("cpu"))
+    unit.adopt(nvme, Tier.DEVICE, persistent=True)
+    n = unit.numel
+    full = torch.arange(n, dtype=F32) * 0.75
+    opt = UnitOptimState(unit, None, None, _nvme_store(nvme, "u0.master", full[:2048]), None,
+                         shard=(0, 2048))
+    comm = _Comm(0, others={0: [((2048, n), full[2048:])]})
+    state = _state(model, BF16, comm=comm, units=[unit], manager=nvme, unit_states=[opt],
+                   lendable_pools=[BufferPool(nvme, 4096, 2, "lent")])
+    save_pretrained(state, tmp_path / "o", dtype=F32)
+    back = _load(tmp_path / "o")
+    assert torch.equal(back["w"], full[:3000])
+    assert torch.equal(back["f"], torch.full((700,), -2.0))
+
+
 # -- from a checkpoint ---------------------------------------------------------------------
 W = torch.arange(12, dtype=F32).reshape(3, 4) + 0.5
 
