@@ -95,7 +95,7 @@ class Rig:
                 for e in u.params:
                     if e.trainable:
                         src = initial[id(e.param)] if what == "master" else \
-                            torch.full((e.numel,), seed * (2 if what == "exp_avg" else 3))
+                            _moment(seed, what, e.numel)
                         values[e.offset:e.offset + e.numel] = src[:max(0, values.numel()
                                                                        - e.offset)]
                 _put(self.manager, store, values[lo:])
@@ -141,6 +141,11 @@ class Rig:
     def steps(self, name: str) -> int:
         u, e = self.entry(name)
         return self.states[u.index].param_steps[e.offset]
+
+
+def _moment(seed: float, what: str, numel: int) -> torch.Tensor:
+    """A parameter's moment as a rig holds it: element i is seed * (2 or 3) + i / 4."""
+    return seed * (2 if what == "exp_avg" else 3) + torch.arange(float(numel)) / 4
 
 
 def _put(manager: TierManager, store, values: torch.Tensor) -> None:
@@ -271,7 +276,7 @@ def test_module_only_loads_parameters_and_buffers(tmp_path: Path, rigs) -> None:
     load = _load(new, tmp_path, load_module_only=True)
     assert load.restore is None
     assert torch.equal(new.param("a"), old.param("a"))
-    assert torch.equal(new.moment("a", "exp_avg"), torch.full((6,), 10.0))
+    assert torch.equal(new.moment("a", "exp_avg"), _moment(5.0, "exp_avg", 6))
     assert new.steps("a") == 40
     assert torch.equal(new.model.running, torch.tensor([1.0, 2.0]))
 
@@ -284,7 +289,7 @@ def test_without_optimizer_states_the_moments_are_kept(tmp_path: Path, rigs) -> 
     load = _load(new, tmp_path, load_optimizer_states=False)
     assert load.restore is not None and load.restore.param_groups is None
     assert torch.equal(new.param("b"), old.param("b"))
-    assert torch.equal(new.moment("b", "exp_avg_sq"), torch.full((4,), 15.0))
+    assert torch.equal(new.moment("b", "exp_avg_sq"), _moment(5.0, "exp_avg_sq", 4))
     assert new.steps("b") == 40
 
 
@@ -651,8 +656,9 @@ def test_rank_one_of_two_loads_its_shard(tmp_path: Path, rigs) -> None:
     master = st.master.tensor
     assert torch.equal(master[:952], old.moment("b", "master")[2048:])
     assert torch.equal(master[c.offset - 2048:c.offset - 2045], old.moment("c", "master"))
-    assert st.exp_avg.tensor[:952].eq(2.0).all()
-    assert st.exp_avg_sq.tensor[c.offset - 2048:c.offset - 2045].eq(3.0).all()
+    assert torch.equal(st.exp_avg.tensor[:952], _moment(1.0, "exp_avg", 3000)[2048:])
+    assert torch.equal(st.exp_avg_sq.tensor[c.offset - 2048:c.offset - 2045],
+                       _moment(1.0, "exp_avg_sq", 3))
 
 
 def _many(tmp_path: Path, rigs, **save_kwargs) -> Path:
