@@ -594,3 +594,25 @@ def test_a_load_at_an_origin_over_several_chunks(manager) -> None:
     out = _read_back(manager, store)
     assert torch.equal(out[904:1904], values["a"]) and torch.equal(out[4404:7404], values["b"])
     assert out[:904].eq(0).all() and out[1904:4404].eq(0).all()
+
+
+def test_a_read_stopped_early_waits_for_the_reads_in_flight(manager) -> None:
+    """Stopped after its first chunk, a read still waits for the chunk read in flight before
+    its slot goes back to the pool (a slot handed out while the disk still writes into it
+    would corrupt the next user's data)."""
+    store = _nvme(manager, 10_000, torch.arange(10_000.0))
+    chunks = _Counting(manager)
+    chunks.manager = waits = _Waits(manager)
+    issued = []
+    real = store.load_async
+
+    def load_async(buf, start, count):
+        issued.append(real(buf, start, count))
+        return issued[-1]
+
+    store.load_async = load_async
+    reader = read_chunks(store, 0, 10_000, chunks)
+    next(reader)
+    assert len(issued) == 2 and waits.waited == issued[:1]
+    reader.close()
+    assert waits.waited == issued and chunks.out == 0
