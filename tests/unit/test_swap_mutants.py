@@ -39,6 +39,7 @@ def test_auto_file_size() -> None:
     assert auto_file_size(0) == 256 * MiB
     assert auto_file_size(1) == 64 * MiB
     assert auto_file_size(400 * MiB + 4) == 101 * MiB
+    assert type(auto_file_size(400 * MiB + 4)) is int    # a float size fails posix_fallocate
     assert auto_file_size(1 << 40) == 16 << 30
 
 
@@ -126,9 +127,13 @@ def test_auto_growth_takes_a_quarter_of_the_space(disk_dir: Path, aio, monkeypat
         assert [f.stat().st_size for f in s.files] == [5 * MiB, 2 * MiB]
 
 
-def test_a_failed_preallocation_says_why(disk_dir: Path, aio, monkeypatch) -> None:
+@pytest.mark.parametrize("code,hint", [
+    (errno.EIO, "check the swap path"),
+    (errno.ENOSPC, "the disk is full; free space or choose a larger nvme_path"),
+    (errno.EDQUOT, "the disk is full; free space or choose a larger nvme_path")])
+def test_a_failed_preallocation_says_why(disk_dir: Path, aio, monkeypatch, code, hint) -> None:
     def fail(fd, off, size):
-        raise OSError(errno.EIO, "Input/output error")
+        raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(swap_mod.os, "posix_fallocate", fail)
     with SwapSpace(disk_dir, aio=aio, file_size="1MiB") as s:
@@ -136,10 +141,20 @@ def test_a_failed_preallocation_says_why(disk_dir: Path, aio, monkeypatch) -> No
             s.allocate(PAGE, tag="x")
         path = s.path / "swap-0.bin"
         msg = (f"preallocating 1048576 bytes (1.00 MiB) for swap file {path} failed: "
-               "Input/output error; check the swap path")
-        assert str(info.value) == f"[Errno 5] {msg}"
+               f"{os.strerror(code)}; {hint}")
+        assert str(info.value) == f"[Errno {code}] {msg}"
         del info
         assert not path.exists()
+
+
+def test_a_swap_file_is_never_one_that_is_already_there(disk_dir: Path, aio) -> None:
+    """The swap file is created with O_EXCL: a file already at its name (planted in the space's
+    private directory) is refused, not adopted and overwritten."""
+    with SwapSpace(disk_dir, aio=aio, file_size="1MiB") as s:
+        (s.path / "swap-0.bin").write_bytes(b"not ours")
+        with pytest.raises(OSError, match=r"^\[Errno 17\] preallocating .* failed: File exists; "):
+            s.allocate(PAGE, tag="x")
+        assert s.files == []
 
 
 def test_allocate_without_a_tag_and_tag_of(disk_dir: Path, aio) -> None:
