@@ -857,3 +857,40 @@ def test_a_checkpoint_of_two_ranks_loads_its_slices_by_the_manifests_shapes(tmp_
         assert torch.equal(new.param(name), old.param(name)), name
     assert torch.equal(new.moment("a", "exp_avg_sq"), old.moment("a", "exp_avg_sq"))
     assert new.steps("c") == 4
+
+
+def test_rank_one_saves_its_shard_from_its_own_places(tmp_path: Path, rigs) -> None:
+    """save.py at rank 1 of 2 (rank 0's answers played by the comm): its files hold the
+    slices of its range [2048, 4096) of u1, read from its master and moments at their own
+    place (store element 0 = unit element 2048), named by their first element."""
+    from infinity.checkpoint.tensor_file import TensorFileReader
+
+    staging = tmp_path / ".step7.partial"
+    staging.mkdir()
+
+    class _Rank0Said(_Comm):
+        def __init__(self) -> None:
+            super().__init__(1)
+            self.said = [(staging, None), (None, None), (None, None),
+                         (tmp_path / "step7", None), (None, None)]
+
+        def all_gather_objects(self, value):
+            return [self.said.pop(0), value]
+
+    rig = rigs(1.0, dtype=torch.bfloat16, shapes={"b": (3000,)}, comm=_Rank0Said())
+    assert save_checkpoint(rig.state, tmp_path, tag="step7") == tmp_path / "step7"
+
+    def read(name: str) -> dict:
+        reader = TensorFileReader(staging / name)
+        try:
+            return {n: reader.read(n) for n in reader.tensors}
+        finally:
+            reader.close()
+
+    model, optim = read("rank1_model.safetensors"), read("rank1_optim.safetensors")
+    b = torch.arange(3000.0) + 10
+    assert sorted(model) == ["b#2048", "c#0"]
+    assert torch.equal(model["b#2048"], b[2048:])
+    assert torch.equal(model["c#0"], torch.arange(3.0) + 20)
+    assert torch.equal(optim["b.exp_avg#2048"], _moment(1.0, "exp_avg", 3000)[2048:])
+    assert torch.equal(optim["c.exp_avg_sq#0"], _moment(1.0, "exp_avg_sq", 3))

@@ -341,3 +341,54 @@ def test_a_rank_that_cannot_see_the_staging_directory(tmp_path: Path) -> None:
     assert info.value.strerror == (
         f"rank 3 cannot see {tmp_path / 'gone'}, the staging directory rank 0 made: the save "
         "directory must be on a file system every rank mounts (a shared disk across nodes)")
+
+
+# -- the survivors of the first mutation run (BENCHMARKS.md "Mutation testing") -------------
+
+def test_the_files_carry_the_format_in_their_metadata(tmp_path: Path, manager) -> None:
+    final = save_checkpoint(_state(manager), tmp_path)
+    for name in ("rank0_model.safetensors", "rank0_optim.safetensors"):
+        reader = TensorFileReader(final / name)
+        try:
+            assert dict(reader.metadata) == {"format": FORMAT}
+        finally:
+            reader.close()
+
+
+def test_a_fresh_engine_saves_zero_steps(tmp_path: Path, manager) -> None:
+    """No step taken yet (no step counts): each trainable parameter's steps are 0 in the
+    manifest (null or 1 would make the load refuse it or restart Adam's bias correction
+    wrong)."""
+    state = _state(manager)
+    for st in state.unit_states:
+        st.param_steps = {}
+    m = json.loads((save_checkpoint(state, tmp_path) / "manifest.json").read_text())
+    assert m["params"]["a"]["steps"] == 0 and m["params"]["b"]["steps"] == 0
+
+
+def test_a_unit_without_optimizer_state_before_others(tmp_path: Path, manager) -> None:
+    """A unit with nothing to train (no optimizer state) first: the units after it still
+    save their moments."""
+    state = _state(manager)
+    state = _state(manager, unit_states=[state.unit_states[1]])
+    final = save_checkpoint(state, tmp_path)
+    assert list(_tensors(final / "rank0_optim.safetensors")) == ["b.exp_avg", "b.exp_avg_sq"]
+
+
+def test_the_free_space_needed_counts_16_bit_files_in_16_bits(tmp_path: Path, manager,
+                                                              monkeypatch) -> None:
+    """bf16 units without a master: the model file holds bf16 parameters (2 bytes each),
+    the moments fp32, the buffers their dtype."""
+    model = _Model()
+    units = [Unit(0, "u0", model, [("a", model.a, 0), ("frozen", model.frozen, -1)],
+                  torch.bfloat16, torch.device("cpu")),
+             Unit(1, "u1", model, [("b", model.b, 1)], torch.bfloat16, torch.device("cpu"))]
+    for u in units:
+        u.adopt(manager, Tier.DEVICE, persistent=True)
+    need = (6 + 5 + 4) * 2 + 2 * 4
+    monkeypatch.setattr(save, "free_bytes", lambda path: need - 1)
+    state = _state(manager, with_states=False, units=units, module=model)
+    with pytest.raises(OSError, match=f"needs {need} B in"):
+        save_checkpoint(state, tmp_path, tag="t")
+    monkeypatch.setattr(save, "free_bytes", lambda path: need)
+    save_checkpoint(state, tmp_path, tag="t")
