@@ -24,7 +24,7 @@ from infinity.checkpoint.pretrained import (
     PretrainedWeights,
     weight_map,
 )
-from infinity.checkpoint.tensor_file import CheckpointError
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -453,3 +453,182 @@ def test_a_file_that_shrinks_or_fails_while_read_is_reported(tmp_path: Path,
         start = w._tensors["f"].reader.data_start + w._tensors["f"].info.begin
         assert str(info.value) == (f"[Errno 5] reading 4096 bytes at {start - start % 4096} "
                                    f"from {path}: Input/output error")
+
+
+# -- the first mutation run's gaps -----------------------------------------------------------
+@pytest.mark.parametrize("pickle_name", ["pytorch_model.bin", "model.pt", "model.pth"])
+def test_each_pickle_suffix_gets_the_conversion_hint(tmp_path: Path, pickle_name: str) -> None:
+    (tmp_path / pickle_name).write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"It holds pickle files \(pytorch_model\.bin\)"):
+        weight_map(tmp_path)
+
+
+def test_buffered_reads_drop_their_pages_by_default(tmp_path: Path, monkeypatch) -> None:
+    d, _ = _odd_file(tmp_path)
+    with PretrainedWeights(d, direct_io=False) as w:
+        dropped = []
+        monkeypatch.setattr(w._tensors["f"].reader, "drop_cached",
+                            lambda name, first, count: dropped.append((name, first, count)))
+        w._params = dict(w._tensors)
+        w.fill([("f", 0, torch.empty(4))])
+    assert dropped == [("f", 0, 4)]
+
+
+class _Two(nn.Module):
+    """Parameters a, b, c and persistent buffers x, y, in that order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(2))
+        self.b = nn.Parameter(torch.zeros(2))
+        self.c = nn.Parameter(torch.zeros(2))
+        self.register_buffer("x", torch.zeros(2))
+        self.register_buffer("y", torch.zeros(2))
+
+
+def test_the_match_goes_on_past_a_missing_or_mismatched_parameter_or_buffer(
+        tmp_path: Path) -> None:
+    """a missing, b of another shape, c matched; buffer x missing, y matched: c and y are still
+    served (a ``break`` at the first problem left them out)."""
+    _save(tmp_path / "model.safetensors", {"b": torch.zeros(3), "c": torch.ones(2),
+                                           "y": torch.ones(2)})
+    with PretrainedWeights(tmp_path) as w:
+        report = w.match(_Two(), strict=False, ignore_mismatched_sizes=True)
+        assert report.missing == ["a"] and report.missing_buffers == ["x"]
+        assert w.provides("c") and sorted(w._buffers) == ["y"]
+    _save(tmp_path / "m2" / "model.safetensors", {"a": torch.zeros(2), "b": torch.zeros(2),
+                                                  "c": torch.ones(2), "x": torch.zeros(3),
+                                                  "y": torch.ones(2)})
+    with PretrainedWeights(tmp_path / "m2") as w:
+        report = w.match(_Two(), ignore_mismatched_sizes=True)
+        assert report.mismatched == ["x (buffer): checkpoint [3] in model.safetensors, model [2]"]
+        assert sorted(w._buffers) == ["y"]
+
+
+def test_a_strict_error_with_only_missing_parameters_names_the_fix(tmp_path: Path) -> None:
+    _save(tmp_path / "model.safetensors", {"b": torch.zeros(2), "c": torch.zeros(2),
+                                           "x": torch.zeros(2), "y": torch.zeros(2)})
+    with PretrainedWeights(tmp_path) as w, pytest.raises(PretrainedMismatchError) as info:
+        w.match(_Two())
+    assert str(info.value).endswith("(nothing was loaded; strict=False loads what matches and "
+                                    "initialises the rest)")
+
+
+def test_warnings_list_five_of_each(tmp_path: Path, infinity_log) -> None:
+    model = nn.Module()
+    tensors = {}
+    for i in range(7):
+        setattr(model, f"p{i}", nn.Parameter(torch.zeros(2)))
+        tensors[f"p{i}"] = torch.zeros(3)
+        model.register_buffer(f"b{i}", torch.zeros(1))
+    _save(tmp_path / "model.safetensors", tensors)
+    with infinity_log.at_level(logging.INFO, logger="infinity"):
+        with PretrainedWeights(tmp_path) as w:
+            w.match(model, strict=False, ignore_mismatched_sizes=True)
+    shapes = "; ".join(f"p{i}: checkpoint [3] in model.safetensors, model [2]" for i in range(5))
+    assert [r.getMessage() for r in infinity_log.records] == [
+        f"{tmp_path}: 7 parameter(s) of another shape keep the model's init: {shapes}",
+        f"{tmp_path}: buffer(s) not in the checkpoint keep the model's values: b0, b1, b2, b3, "
+        "b4"]
+
+
+def test_an_integer_buffer_is_loaded_exactly(tmp_path: Path) -> None:
+    """Read in its own dtype (not through float32, which holds 2**24 + 1 no more)."""
+    big = torch.tensor([2**40 + 1, -3])
+    _save(tmp_path / "model.safetensors", {"steps": big})
+    model = nn.Module()
+    model.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+    with PretrainedWeights(tmp_path) as w:
+        w.match(model)
+        w.load_buffers(model)
+    assert torch.equal(model.steps, big)
+
+
+def test_a_shared_non_persistent_buffer_saved_under_both_names_is_not_unexpected(
+        tmp_path: Path) -> None:
+    model = nn.Module()
+    model.one, model.two = nn.Module(), nn.Module()
+    shared = torch.ones(2)
+    model.one.register_buffer("inv_freq", shared, persistent=False)
+    model.two.register_buffer("inv_freq", shared, persistent=False)
+    _save(tmp_path / "model.safetensors", {"one.inv_freq": torch.ones(2),
+                                           "two.inv_freq": torch.ones(2)})
+    with PretrainedWeights(tmp_path) as w:
+        assert w.match(model) == MatchReport()
+
+
+def test_the_ring_buffers_are_not_pinned(tmp_path: Path, monkeypatch) -> None:
+    """They are host staging for host units: page-locking 3 x 16 MiB would buy nothing."""
+    calls = []
+    real = pt.aligned_empty
+
+    def spy(nbytes, *args, **kwargs):
+        calls.append(kwargs)
+        return real(nbytes, *args, **kwargs)
+
+    monkeypatch.setattr(pt, "aligned_empty", spy)
+    d, _ = _odd_file(tmp_path)
+    with PretrainedWeights(d, direct_io=False) as w:
+        w._params = dict(w._tensors)
+        w.fill([("f", 0, torch.empty(4, dtype=BF16))])
+    assert calls == [{"pin": False}] * pt.RING
+
+
+def _misaligned(directory: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Written in the order given (infinity's writer): bf16 ``h`` of 3 elements then fp32
+    ``f``, which starts 6 bytes after ``h``: not aligned to its element size."""
+    gen = torch.Generator().manual_seed(1)
+    t = {"h": torch.randn(3, generator=gen).to(BF16), "f": torch.randn(3000, generator=gen)}
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = TensorFileWriter(directory / "model.safetensors",
+                              [(n, v.dtype, tuple(v.shape)) for n, v in t.items()])
+    for n, v in t.items():
+        writer.append(n, v)
+    writer.close()
+    return directory, t
+
+
+def test_direct_reads_of_a_misaligned_tensor_in_partial_reads(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """O_DIRECT reads that come back 4 KiB at a time (the loop adds them up), of a tensor not
+    aligned to its element size (copied out of the buffer before the view), at an offset past
+    the first block; an error there names the bytes asked and where."""
+    d, t = _misaligned(tmp_path)
+    real = os.preadv
+
+    def partial(fd, buffers, offset):
+        return real(fd, [buffers[0][:4096]], offset)
+
+    monkeypatch.setattr(pt.os, "preadv", partial)
+    with PretrainedWeights(d) as w:
+        w._params = dict(w._tensors)
+        out = torch.empty(2000)
+        w.fill([("f", 1000, out)])
+        assert torch.equal(out, t["f"][1000:])
+        info = w._tensors["f"].info
+        assert (w._tensors["f"].reader.data_start + info.begin) % 4 != 0
+        w.close()
+        w.close()
+    with PretrainedWeights(d) as w:
+        w._params = dict(w._tensors)
+        monkeypatch.setattr(pt.os, "preadv", lambda fd, b, off: (_ for _ in ()).throw(
+            OSError(5, "Input/output error")))
+        with pytest.raises(OSError) as info:
+            w.fill([("f", 2000, torch.empty(4))])
+        start = w._tensors["f"].reader.data_start + w._tensors["f"].info.begin + 2000 * 4
+        a0 = start - start % 4096
+        a1 = -(-(start + 16) // 4096) * 4096
+        assert str(info.value) == (f"[Errno 5] reading {a1 - a0} bytes at {a0} from "
+                                   f"{d / 'model.safetensors'}: Input/output error")
+        assert a0 > 0
+
+
+def test_a_model_name_outside_the_prefix_is_kept(tmp_path: Path) -> None:
+    """A base model's checkpoint that also holds the head's own ``extra.weight``: the model's
+    names under the prefix lose it, the head's keep theirs."""
+    t = _net_tensors()
+    t["extra.weight"] = torch.full((1, 1), 3.0)
+    _save(tmp_path / "model.safetensors", t)
+    with PretrainedWeights(tmp_path) as w:
+        assert w.match(_Wrapped(), prefix="model") == MatchReport()
+        assert w.provides("extra.weight") and w.provides("model.proj.bias")
