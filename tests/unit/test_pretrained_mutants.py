@@ -632,3 +632,40 @@ def test_a_model_name_outside_the_prefix_is_kept(tmp_path: Path) -> None:
     with PretrainedWeights(tmp_path) as w:
         assert w.match(_Wrapped(), prefix="model") == MatchReport()
         assert w.provides("extra.weight") and w.provides("model.proj.bias")
+
+
+def test_the_reader_runs_ring_minus_one_pieces_ahead(tmp_path: Path, monkeypatch) -> None:
+    """With RING = 3 buffers, two reads are submitted before the first copy waits, then one
+    more after each: the order of submits and waits, through an executor that runs each read
+    at once (no timing)."""
+    monkeypatch.setattr(pt, "CONVERT_BYTES", 64)
+    d, t = _odd_file(tmp_path)
+    events: list[str] = []
+
+    class _Done:
+        def __init__(self, value):
+            self.value = value
+
+        def result(self):
+            events.append("wait")
+            return self.value
+
+        def exception(self):
+            return None
+
+    class _Executor:
+        def submit(self, fn, *args):
+            events.append("read")
+            return _Done(fn(*args))
+
+        def shutdown(self, wait=True):
+            pass
+
+    with PretrainedWeights(d, direct_io=False) as w:
+        w._params = dict(w._tensors)
+        w.fill([("f", 0, torch.empty(1, dtype=BF16))])       # makes the ring
+        w._reader = _Executor()
+        out = torch.empty(64, dtype=BF16)                     # 4 pieces of 16
+        w.fill([("f", 0, out)])
+    assert torch.equal(out, t["f"][:64].to(BF16))
+    assert events == ["read", "read", "wait", "read", "wait", "read", "wait", "wait"]
