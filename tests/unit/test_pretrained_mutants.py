@@ -669,3 +669,34 @@ def test_the_reader_runs_ring_minus_one_pieces_ahead(tmp_path: Path, monkeypatch
         w.fill([("f", 0, out)])
     assert torch.equal(out, t["f"][:64].to(BF16))
     assert events == ["read", "read", "wait", "read", "wait", "read", "wait", "wait"]
+
+
+def test_a_direct_read_whose_last_piece_is_one_byte_is_whole(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """A file ending 1 byte past a block boundary, read 4 KiB at a time: the last preadv
+    returns that 1 byte, which is data, not a short read."""
+    def write(nbytes: int) -> Path:
+        return _save(tmp_path / "model.safetensors",
+                     {"u": torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)})
+
+    path = write(5000)
+    with PretrainedWeights(tmp_path) as w:
+        data_start = w._tensors["u"].reader.data_start + w._tensors["u"].info.begin
+    nbytes = 2 * 4096 + 1 - data_start
+    path = write(nbytes)
+    assert path.stat().st_size == 2 * 4096 + 1
+    real = os.preadv
+    sizes = []
+
+    def partial(fd, buffers, offset):
+        n = real(fd, [buffers[0][:4096]], offset)
+        sizes.append(n)
+        return n
+
+    monkeypatch.setattr(pt.os, "preadv", partial)
+    with PretrainedWeights(tmp_path) as w:
+        w._params = dict(w._tensors)
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        w.fill([("u", 0, out)])
+    assert sizes[-1] == 1
+    assert torch.equal(out, torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8))
