@@ -392,3 +392,48 @@ def test_the_free_space_needed_counts_16_bit_files_in_16_bits(tmp_path: Path, ma
         save_checkpoint(state, tmp_path, tag="t")
     monkeypatch.setattr(save, "free_bytes", lambda path: need)
     save_checkpoint(state, tmp_path, tag="t")
+
+
+class _Recording:
+    """Rank ``rank`` of ``world``: records what this rank sends, pickles it as
+    torch.distributed's object collectives do, and plays the other ranks' ``answers``."""
+
+    def __init__(self, rank: int, world: int, answers: list) -> None:
+        self.rank, self.world_size, self.answers, self.sent = rank, world, answers, []
+
+    def all_gather_objects(self, value):
+        import pickle
+
+        pickle.dumps(value)
+        self.sent.append(value)
+        others = list(self.answers)
+        return others[:self.rank] + [value] + others[self.rank:]
+
+
+def test_a_rank_tells_the_others_its_failure_and_shares_only_what_is_asked(manager) -> None:
+    """all_succeed sends (None, "<type>: <message>") when it fails, (None, None) when not
+    sharing (the result may not even be picklable: a CheckpointLoad), its result when
+    sharing; decided_by_first's rank 0 sends its failure the same way."""
+    comm = _Recording(0, 2, [(None, None)])
+    agree = RankAgreement(_state(manager, comm=comm))
+    with pytest.raises(ValueError, match="mine"):
+        agree.all_succeed(lambda: (_ for _ in ()).throw(ValueError("mine")), "x")
+    assert comm.sent == [(None, "ValueError: mine")]
+    unpicklable = lambda: None     # noqa: E731 - a result that cannot be pickled
+    assert agree.all_succeed(lambda: unpicklable, "x") is unpicklable
+    assert comm.sent[-1] == (None, None)
+    comm.answers = [("theirs", None)]
+    assert agree.all_succeed(lambda: "mine", "x", share=True) == ["mine", "theirs"]
+    assert comm.sent[-1] == ("mine", None)
+    comm.answers = [(None, None)]
+    with pytest.raises(KeyError):
+        agree.decided_by_first(lambda: {}["k"])
+    assert comm.sent[-1] == (None, "KeyError: 'k'")
+
+
+def test_every_failed_rank_is_named(manager) -> None:
+    comm = _Recording(0, 3, [(None, "OSError: a"), (None, "OSError: b")])
+    with pytest.raises(CheckpointError) as info:
+        RankAgreement(_state(manager, comm=comm), "kept").all_succeed(lambda: 1, "write")
+    assert str(info.value) == "rank 1 could not write (OSError: a); rank 2 could not write " \
+                              "(OSError: b); kept"
