@@ -311,17 +311,20 @@ class SwapSpace:
     def _add_file(self, size: int) -> None:
         # Named by a counter of registrations, so a name that failed once is never reused.
         path = self._dir.register_file(f"swap-{len(self._dir.file_names)}.bin")
+        created = False
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            created = True
             try:
                 os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
         except OSError as exc:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            if created:        # ours to remove; a file already at the name (EEXIST) is not
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
             hint = ("the disk is full; free space or choose a larger nvme_path"
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "check the swap path")
             raise OSError(exc.errno, f"preallocating {size} bytes ({format_bytes(size)}) for swap "

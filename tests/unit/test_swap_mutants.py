@@ -149,12 +149,15 @@ def test_a_failed_preallocation_says_why(disk_dir: Path, aio, monkeypatch, code,
 
 def test_a_swap_file_is_never_one_that_is_already_there(disk_dir: Path, aio) -> None:
     """The swap file is created with O_EXCL: a file already at its name (planted in the space's
-    private directory) is refused, not adopted and overwritten."""
+    private directory) is refused, not adopted and overwritten -- and not deleted either: the
+    engine never removes a file it did not create (the cleanup of a failed preallocation once
+    unlinked whatever was at the name)."""
     with SwapSpace(disk_dir, aio=aio, file_size="1MiB") as s:
         (s.path / "swap-0.bin").write_bytes(b"not ours")
         with pytest.raises(OSError, match=r"^\[Errno 17\] preallocating .* failed: File exists; "):
             s.allocate(PAGE, tag="x")
         assert s.files == []
+        assert (s.path / "swap-0.bin").read_bytes() == b"not ours"
 
 
 def test_allocate_without_a_tag_and_tag_of(disk_dir: Path, aio) -> None:
