@@ -437,3 +437,80 @@ def test_every_failed_rank_is_named(manager) -> None:
         RankAgreement(_state(manager, comm=comm), "kept").all_succeed(lambda: 1, "write")
     assert str(info.value) == "rank 1 could not write (OSError: a); rank 2 could not write " \
                               "(OSError: b); kept"
+
+
+def test_the_key_check_counts_depth_through_dicts() -> None:
+    """A bad key under 100 nested dicts is found; under 101 it is left to json (the limit
+    that keeps a circular value from recursing forever)."""
+    def nested(levels: int) -> dict:
+        value: dict = {1: "x"}
+        for _ in range(levels):
+            value = {"k": value}
+        return value
+
+    with pytest.raises(TypeError, match="dict key 1 of type int"):
+        json_value(nested(100), "x")
+    assert json_value(nested(101), "x") is not None
+
+
+def test_the_save_log_line_says_size_and_seconds(tmp_path: Path, manager,
+                                                  infinity_info_log) -> None:
+    import re
+
+    final = save_checkpoint(_state(manager), tmp_path)
+    [line] = [r.getMessage() for r in infinity_info_log.records
+              if r.getMessage().startswith("saved checkpoint")]
+    found = re.fullmatch(rf"saved checkpoint {re.escape(str(final))} \(([0-9.]+ [KMG]?i?B)\) in "
+                         r"([0-9.]+) s", line)
+    assert found is not None and float(found.group(2)) < 600
+
+
+def _rank(rank: int, answers: list, staging: Path) -> _Recording:
+    comm = _Recording(rank, 2, [])
+    said = list(answers)
+
+    def gather(value):
+        comm.sent.append(value)
+        other = said.pop(0)
+        return [value, other] if rank == 0 else [other, value]
+
+    comm.all_gather_objects = gather
+    return comm
+
+
+def test_other_ranks_failures_are_named_by_step(tmp_path: Path, manager) -> None:
+    """Rank 0 told that rank 1 could not see the staging directory, or could not write its
+    files: a CheckpointError naming the step, and nothing committed."""
+    comm = _rank(0, [(None, None), (None, "OSError: not mounted")], tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(_state(manager, comm=comm), tmp_path, tag="t")
+    assert str(info.value) == ("rank 1 could not see rank 0's staging directory (OSError: not "
+                               "mounted); nothing was committed")
+    comm = _rank(0, [(None, None), (None, None), (None, "OSError: full")], tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(_state(manager, comm=comm), tmp_path, tag="t")
+    assert str(info.value) == ("rank 1 could not write its checkpoint files (OSError: full); "
+                               "nothing was committed")
+    assert not (tmp_path / "t").exists()
+
+
+def test_rank_one_checks_the_staging_directory_and_never_removes_it(tmp_path: Path, manager,
+                                                                   monkeypatch) -> None:
+    """Rank 1 that cannot see rank 0's staging directory says so naming itself; rank 1 whose
+    write fails leaves the staging directory (rank 0's to remove) as it is."""
+    comm = _rank(1, [(tmp_path / "gone", None), (None, None)], tmp_path)
+    with pytest.raises(OSError) as info:
+        save_checkpoint(_state(manager, comm=comm), tmp_path, tag="t")
+    assert info.value.strerror.startswith(f"rank 1 cannot see {tmp_path / 'gone'}, the staging")
+    staging = tmp_path / ".t.partial"
+    staging.mkdir()
+    (staging / "rank0_model.safetensors").write_bytes(b"rank 0's")
+
+    def full(*args):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(save, "_write_optim", full)
+    comm = _rank(1, [(staging, None), (None, None), (None, None)], tmp_path)
+    with pytest.raises(OSError, match="I/O error"):
+        save_checkpoint(_state(manager, comm=comm), tmp_path, tag="t")
+    assert (staging / "rank0_model.safetensors").read_bytes() == b"rank 0's"
