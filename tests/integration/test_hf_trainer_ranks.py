@@ -4,7 +4,6 @@ global batch (accumulation 4); save_model reloads to the engine's logits; a run 
 ranks from a Trainer checkpoint continues the interrupted run's losses."""
 from __future__ import annotations
 
-import copy
 import json
 import warnings
 

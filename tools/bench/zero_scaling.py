@@ -203,7 +203,7 @@ def run_ranks(world: int, spec: dict, *, log_dir: Path, tag: str, timeout_s: flo
     spec = dict(spec, nvme_dir=tempfile.mkdtemp(prefix=f"zero-scaling-{tag}-",
                                                 dir=spec["scratch"]))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--spec", json.dumps(spec)]
-    procs, logs, outs = [], [], []
+    procs, logs = [], []
     started = time.perf_counter()
     for rank in range(world):
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
