@@ -7,19 +7,11 @@ import threading
 
 import pytest
 import torch
+from fakes import RecordingManager
 
 from infinity.storage.buffer_pool import BufferPool, Slot, SlotExhaustedError
 
-
-class _Manager:
-    """Records what the pool asks the tier manager for."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, torch.dtype, str]] = []
-
-    def host_empty(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        self.calls.append((numel, dtype, what))
-        return torch.zeros(numel, dtype=dtype)
+_Manager = RecordingManager
 
 
 def test_a_slot_view_is_its_first_bytes_as_the_dtype() -> None:

@@ -14,13 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import failing_on_call
 from torch import nn
 
 from infinity.base.budget import MemoryBudget
 from infinity.checkpoint import export
 from infinity.checkpoint.directory import FORMAT, MANIFEST, VERSION
 from infinity.checkpoint.export import consolidated_state_dict, save_model_weights
-from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorFileWriter
+from infinity.checkpoint.tensor_file import (
+    CheckpointError,
+    TensorFileReader,
+    TensorFileWriter,
+)
 from infinity.checkpoint.training_state import TrainingState
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
@@ -193,14 +198,8 @@ def test_an_existing_file_is_replaced_whole_or_kept(tmp_path: Path, monkeypatch)
     path.write_bytes(b"old weights")
     stale = tmp_path / ".m.safetensors.partial"
     stale.write_bytes(b"stale")
-    calls = []
     real = export.save_entries
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        return real(*args, **kwargs)
+    failing, calls = failing_on_call(real, 2, OSError(28, "No space left on device"))
 
     monkeypatch.setattr(export, "save_entries", failing)
     with pytest.raises(OSError, match="No space left"):

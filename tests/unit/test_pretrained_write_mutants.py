@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import failing_on_call
 from safetensors import safe_open
 from torch import nn
 
@@ -490,13 +491,7 @@ def test_two_tensors_under_one_name_are_refused(tmp_path: Path) -> None:
 def test_a_failed_write_leaves_no_partial_file(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "o"
     real = pw.save_entries
-    calls = []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        return real(*args, **kwargs)
+    failing, calls = failing_on_call(real, 2, OSError(28, "No space left on device"))
 
     monkeypatch.setattr(pw, "save_entries", failing)
     with pytest.raises(OSError, match="No space left"):

@@ -11,14 +11,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import RecordingManager
 from torch import nn
 
 from infinity.base.budget import MemoryBudget
 from infinity.checkpoint import unit_io
-from infinity.io import aligned_empty
 from infinity.checkpoint.unit_io import (
-    EVERYTHING, OWN_SLOT_BYTES, SLOT_TIMEOUT_S, ChunkPool, load_entries, parts_of, pieces,
-    read_chunks, save_entries, span_of)
+    EVERYTHING,
+    OWN_SLOT_BYTES,
+    SLOT_TIMEOUT_S,
+    ChunkPool,
+    load_entries,
+    parts_of,
+    pieces,
+    read_chunks,
+    save_entries,
+    span_of,
+)
+from infinity.io import aligned_empty
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
@@ -30,15 +40,7 @@ def _entry(name: str, offset: int, numel: int) -> ParamEntry:
                       numel, 0)
 
 
-class _Manager:
-    """What a pool asks the tier manager for (host slots), recorded."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, torch.dtype, str]] = []
-
-    def host_empty(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        self.calls.append((numel, dtype, what))
-        return torch.zeros(numel, dtype=dtype)
+_Manager = RecordingManager
 
 
 @pytest.fixture
