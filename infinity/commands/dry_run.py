@@ -32,6 +32,7 @@ from infinity.base.sizes import format_bytes
 from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, SimManager, SimPool
 from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
+from infinity.engine.sizing import COMPUTE_DTYPES, gradient_home_dtype
 from infinity.optim.gradients import GRADS_HELD
 from infinity.planner.engine_sizes import (
     ACTIVATION_STAGING_BYTES,
@@ -48,8 +49,6 @@ from infinity.zero.unit import Unit
 
 __all__ = ["DryRunRates", "DryRunSetup", "DryRunReport", "StepTrace", "dry_run", "meta_llama",
            "COMPUTE_DTYPES"]
-
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,9 +204,7 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
         adam_params_per_s=rates.adam_params_per_s, comm=comm,
         grads_held=(lay.early_step or setup.speculative) and setup.device_is_cpu and world == 1,
         backward_s=lambda u: 2 * flops.get(u.index, 0.0) / rates.compute_flops_per_s,
-        instant=instant,
-        grad_dtype=torch.float32 if es.grad_home_itemsize == 4 else
-        (torch.bfloat16 if lay.compute_dtype == "bf16" else torch.float16))
+        instant=instant, grad_dtype=gradient_home_dtype(es, dtype))
     _init_masters(units, manager, fetch_pool, lay)
     _optimizer_pools(units, manager, lay, es, setup, world)
     if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)

@@ -42,6 +42,7 @@ from infinity.engine.ranks import join as join_ranks_and_config
 from infinity.engine.passes import PassHooks, cast_floating, cast_inputs
 from infinity.engine.sizing import (
     COMPUTE_DTYPES,
+    gradient_home_dtype,
     EngineSizes,
     derive,
     disk_has_room,
@@ -179,11 +180,10 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             doubled=self.speculative, comm=self.comm, stage=self.stage, values=self._weights)
         early = self.early_step
         grad_tier = self.sizes.grad_tier
-        # see [Note: the gradient home in the compute dtype] in planner/placement.py
-        grad_dtype = self.compute_dtype if self.sizes.grad_home_itemsize < 4 else torch.float32
         self.optimizer = PartitionedOptimizer(
             self.units, groups, self.manager, optimizer_tier=self.optimizer_tier,
-            grad_tier=grad_tier, grad_dtype=grad_dtype, early_step=early, sub_group_numel=self.sizes.sub_group_numel,
+            grad_tier=grad_tier, grad_dtype=gradient_home_dtype(self.sizes, self.compute_dtype),
+            early_step=early, sub_group_numel=self.sizes.sub_group_numel,
             master_separate=self.master_separate, staging_pool=self.fetch_pool,
             adamw_mode=self.optimizer_defaults["adamw_mode"],
             defaults=self.optimizer_defaults,

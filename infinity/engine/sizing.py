@@ -26,7 +26,7 @@ from infinity.storage.preflight import free_bytes
 from infinity.storage.tiers import Tier
 from infinity.zero.partition import UnitSpec
 
-__all__ = ["COMPUTE_DTYPES", "EngineSizes", "derive", "resolve_sizes", "speculation_possible",
+__all__ = ["COMPUTE_DTYPES", "EngineSizes", "derive", "gradient_home_dtype", "resolve_sizes", "speculation_possible",
            "disk_has_room", "host_budget_note", "warn_second_nvme_path"]
 
 log = get_logger("engine")
@@ -42,6 +42,13 @@ def _stats(specs: list[UnitSpec]) -> ModelStats:
 
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def gradient_home_dtype(sizes: EngineSizes, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the gradients' home these sizes budgeted (the engine's and the dry run's):
+    the compute dtype where it never sums, else float32 (see [Note: the gradient home in the
+    compute dtype] in planner/placement.py)."""
+    return compute_dtype if sizes.grad_home_itemsize < 4 else torch.float32
 
 
 def derive(cfg: InfinityConfig, specs: list[UnitSpec],

@@ -46,6 +46,12 @@ class Placement:
     grad_itemsize: int = 4  # bytes per element of a gradient home in host memory
 
     @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of the gradients at their home: ``grad_itemsize`` in host memory,
+        float32 on NVMe (the engine's NVMe home goes through float32 slots)."""
+        return self.grad_itemsize if self.grads_tier == Tier.HOST else 4
+
+    @property
     def master_tier(self) -> Tier:
         return self.param_tier if self.single_copy else self.opt_tier
 
@@ -159,6 +165,5 @@ def resident_bytes(lay: Placement) -> dict[tuple[str, Tier], int]:
             out[(component, tier)] = out.get((component, tier), 0) + nbytes
     add("params", lay.param_tier, (4 if lay.single_copy else lay.c) * lay.param_elems)
     add("optimizer_states", lay.opt_tier, (8 if lay.single_copy else 12) * lay.opt_elems)
-    grad_bytes = lay.grad_itemsize if lay.grads_tier == Tier.HOST else 4
-    add("grads", lay.grads_tier, grad_bytes * lay.grad_elems)
+    add("grads", lay.grads_tier, lay.grad_bytes * lay.grad_elems)
     return out

@@ -138,9 +138,7 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
         elif comp == "optimizer_states":
             note = "Adam m, v (fp32)" if lay.single_copy else "fp32 master, Adam m, v"
         else:
-            note = ("bf16" if lay.grad_itemsize == 2 and lay.compute_dtype == "bf16" else
-                    "fp16" if lay.grad_itemsize == 2 else "fp32") + ", kept until the step" \
-                if tier == Tier.HOST else "fp32, kept until the step"
+            note = f"{lay.compute_dtype if lay.grad_bytes < 4 else 'fp32'}, kept until the step"
         fix = _FIXES.get((comp, tier), "")
         if (comp, tier) == ("params", Tier.DEVICE) and lay.stage == 3:
             fix = "set offload_param.device cpu"

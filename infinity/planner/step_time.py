@@ -179,8 +179,8 @@ def predict_step(memory: RankMemory, shape: ModelShape, target: Target, workload
         if lay.param_tier == Tier.DEVICE:
             up += c * (shard if lay.stage == 3 else opt_elems)
     elif not lay.early_step:                  # the engine keeps gradients in host memory: down
-        down += lay.grad_itemsize * grad_elems * accum   # per micro-step, up again for the
-        up += lay.grad_itemsize * grad_elems             # device's step
+        down += lay.grad_bytes * grad_elems * accum   # per micro-step, up again for the
+        up += lay.grad_bytes * grad_elems             # device's step
     pcie = target.gpu.pcie_GBps * 1e9 * LINK_EFFICIENCY
     links.append(Link(name="PCIe host<->GPU", amount=max(up, down), unit="B", rate=pcie, per="GPU",
                       note=f"up {up / 1e9:.1f} GB, down {down / 1e9:.1f} GB"))

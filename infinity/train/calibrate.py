@@ -39,9 +39,9 @@ __all__ = ["measure_compute", "measure_disk", "measure_adam", "measure_runtime_r
 
 
 def _torch_dtype(name: str):
-    import torch
+    from infinity.engine.sizing import COMPUTE_DTYPES     # torch, imported when first needed
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return COMPUTE_DTYPES[name]
 
 
 def vm_bytes(key: str) -> int:
