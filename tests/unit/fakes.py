@@ -1,11 +1,15 @@
 """Small stand-ins shared by the unit tests (imported as ``fakes``: pytest puts tests/unit on
-sys.path): a tier manager that only records the host buffers asked of it, and a wrapper that
-makes the n-th call of a function fail."""
+sys.path): a tier manager that only records the host buffers asked of it, a wrapper that makes
+the n-th call of a function fail, a TrainingState whose callbacks log, and a textbook Adam in
+float64 to check the kernels against."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
+
+from infinity.checkpoint.training_state import TrainingState
 
 
 class RecordingManager:
@@ -32,3 +36,48 @@ def failing_on_call(real: Callable[..., Any], n: int,
             raise error
         return real(*args, **kwargs)
     return wrapped, calls
+
+
+def recording_training_state(model: Any, units: list, dtype: torch.dtype, comm: Any, log: list,
+                             **over: Any) -> TrainingState:
+    """A TrainingState of ``units`` at step 2 (4 micro-steps of 2, stage 3, no optimizer states)
+    whose callbacks (check_open, flush, gathered) append what they were called with to ``log``;
+    ``over`` gives the ``manager`` and replaces any other field."""
+    @contextlib.contextmanager
+    def gathered(unit):
+        log.append(("gathered", unit.name))
+        yield
+
+    fields = dict(
+        module=model, units=units, unit_states=[], param_groups=[], lr_scheduler=None,
+        loss_scaler=None, global_steps=2, micro_steps=4, skipped_steps=0, stage=3,
+        compute_dtype=dtype, gradient_accumulation_steps=2, speculation_pays=None,
+        backwards_since_step=0, lendable_pools=[],
+        check_open=lambda what: log.append(("open", what)), any_pinned=lambda: False,
+        flush=lambda: log.append(("flush",)), release_units=lambda: None, comm=comm,
+        gathered=gathered)
+    fields.update(over)
+    return TrainingState(**fields)
+
+
+def reference_adam_f64(p: torch.Tensor, gs: list[torch.Tensor], *, lr: float, beta1: float,
+                       beta2: float, eps: float, weight_decay: float, adamw_mode: bool,
+                       bias_correction: bool, grad_scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Textbook Adam/AdamW in float64, independent of the code under test: (p, m, v) after one
+    step per gradient of ``gs``."""
+    p = p.double().clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    for k, g in enumerate(gs, start=1):
+        g = g.double() / grad_scale
+        if not adamw_mode:
+            g = g + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        bc1 = 1 - beta1 ** k if bias_correction else 1.0
+        bc2 = 1 - beta2 ** k if bias_correction else 1.0
+        if adamw_mode:
+            p = p * (1 - lr * weight_decay)
+        p = p - lr / bc1 * m / ((v / bc2).sqrt() + eps)
+    return p, m, v

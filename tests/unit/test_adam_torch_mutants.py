@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from fakes import reference_adam_f64
 
 from infinity.optim._adam_torch import AdamConstants, _power, adam_constants, step_torch
 from infinity.optim.cpu_adam import adam_step_flat, available_kernels
@@ -73,24 +74,7 @@ def test_constants_without_weight_decay_or_bias_correction() -> None:
     assert adamw.use_l2 is False and adamw.decay == 1.0 and adamw.step_size == 0.5
 
 
-def _reference_f64(p, gs, *, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction,
-                   grad_scale):
-    """Textbook Adam/AdamW in float64, independent of the code under test."""
-    p = p.double().clone()
-    m = torch.zeros_like(p)
-    v = torch.zeros_like(p)
-    for k, g in enumerate(gs, start=1):
-        g = g.double() / grad_scale
-        if not adamw_mode:
-            g = g + weight_decay * p
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        bc1 = 1 - beta1 ** k if bias_correction else 1.0
-        bc2 = 1 - beta2 ** k if bias_correction else 1.0
-        if adamw_mode:
-            p = p * (1 - lr * weight_decay)
-        p = p - lr / bc1 * m / ((v / bc2).sqrt() + eps)
-    return p, m, v
+_reference_f64 = reference_adam_f64
 
 
 CASES = [  # (adamw_mode, weight_decay, bias_correction, grad_scale, grad dtype, half dtype)

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from fakes import reference_adam_f64
 
 import infinity
 from infinity.optim import _adam_native as N
@@ -66,23 +67,9 @@ def test_flat_100_steps_match_torch(adamw_mode: bool) -> None:
     assert float((v - st["exp_avg_sq"]).abs().max()) <= 1e-3 * float(st["exp_avg_sq"].abs().max())
 
 
-def _reference_f64(p, gs, *, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction,
-                   grad_scale):
-    """Textbook Adam/AdamW in float64, independent of the code under test."""
-    p, m, v = p.double().clone(), torch.zeros_like(p, dtype=torch.float64), None
-    v = torch.zeros_like(m)
-    for k, g in enumerate(gs, start=1):
-        g = g.double() / grad_scale
-        if not adamw_mode:
-            g = g + weight_decay * p
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        bc1 = 1 - beta1 ** k if bias_correction else 1.0
-        bc2 = 1 - beta2 ** k if bias_correction else 1.0
-        if adamw_mode:
-            p = p * (1 - lr * weight_decay)
-        p = p - lr / bc1 * m / ((v / bc2).sqrt() + eps)
-    return p
+def _reference_f64(p, gs, **hp):
+    """The updated parameter of the textbook float64 Adam/AdamW (fakes.reference_adam_f64)."""
+    return reference_adam_f64(p, gs, **hp)[0]
 
 
 @pytest.mark.parametrize("bias_correction", [True, False])

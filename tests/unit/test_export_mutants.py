@@ -7,14 +7,13 @@ checks before, the temporary name, the old file kept on a failure, and rank 0 wr
 every rank gathers)."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from fakes import failing_on_call
+from fakes import failing_on_call, recording_training_state
 from torch import nn
 
 from infinity.base.budget import MemoryBudget
@@ -119,22 +118,8 @@ def _state(model: _Model, dtype: torch.dtype = torch.float32, comm=None, log=Non
                           nvme_path=None if nvme is None else str(nvme))
     units[0].adopt(manager, Tier.DEVICE, persistent=True)
     units[1].adopt(manager, u1_home, persistent=u1_home is Tier.DEVICE)
-
-    @contextlib.contextmanager
-    def gathered(unit):
-        log.append(("gathered", unit.name))
-        yield
-
-    fields = dict(
-        module=model, units=units, unit_states=[], param_groups=[], lr_scheduler=None,
-        loss_scaler=None, global_steps=2, micro_steps=4, skipped_steps=0, stage=3,
-        compute_dtype=dtype, gradient_accumulation_steps=2, speculation_pays=None,
-        backwards_since_step=0, manager=manager, lendable_pools=[],
-        check_open=lambda what: log.append(("open", what)), any_pinned=lambda: False,
-        flush=lambda: log.append(("flush",)), release_units=lambda: None, comm=comm,
-        gathered=gathered)
-    fields.update(over)
-    return TrainingState(**fields)
+    return recording_training_state(model, units, dtype, comm, log,
+                                    **{"manager": manager, **over})
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -6,7 +6,6 @@ text files and the files carried over, tied parameters' names. test_pretrained_f
 the round trip; only the engine's integration tests reached the two entry points before."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import failing_on_call
+from fakes import failing_on_call, recording_training_state
 from safetensors import safe_open
 from torch import nn
 
@@ -384,22 +383,8 @@ def _state(model: _Model, dtype=F32, comm=None, log=None, masters=None, units=No
     for index, master in (masters or {}).items():
         states.append(UnitOptimState(units[index], None, None, master, None,
                                      shard=(0, master.numel())))
-
-    @contextlib.contextmanager
-    def gathered(unit):
-        log.append(("gathered", unit.name))
-        yield
-
-    fields = dict(
-        module=model, units=units, unit_states=states, param_groups=[], lr_scheduler=None,
-        loss_scaler=None, global_steps=2, micro_steps=4, skipped_steps=0, stage=3,
-        compute_dtype=dtype, gradient_accumulation_steps=2, speculation_pays=None,
-        backwards_since_step=0, manager=manager, lendable_pools=[],
-        check_open=lambda what: log.append(("open", what)), any_pinned=lambda: False,
-        flush=lambda: log.append(("flush",)), release_units=lambda: None, comm=comm,
-        gathered=gathered)
-    fields.update(over)
-    return TrainingState(**fields)
+    return recording_training_state(model, units, dtype, comm, log,
+                                    **{"manager": manager, "unit_states": states, **over})
 
 
 def test_an_engine_saves_its_weights_in_its_dtype_with_texts_and_carried_files(
