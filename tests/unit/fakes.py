@@ -1,7 +1,8 @@
 """Small stand-ins shared by the unit tests (imported as ``fakes``: pytest puts tests/unit on
 sys.path): a tier manager that only records the host buffers asked of it, a wrapper that makes
-the n-th call of a function fail, a TrainingState whose callbacks log, and a textbook Adam in
-float64 to check the kernels against."""
+the n-th call of a function fail, a TrainingState whose callbacks log, a textbook Adam in
+float64 to check the kernels against, and a flat store on a pretend disk with the manager that
+waits for its requests."""
 from __future__ import annotations
 
 import contextlib
@@ -81,3 +82,75 @@ def reference_adam_f64(p: torch.Tensor, gs: list[torch.Tensor], *, lr: float, be
             p = p * (1 - lr * weight_decay)
         p = p - lr / bc1 * m / ((v / bc2).sqrt() + eps)
     return p, m, v
+
+
+class MemoryRequest:
+    """An I/O request of ``MemoryStore``: its bytes move when it is waited for (once), as an
+    asynchronous read or write moves them while in flight."""
+
+    def __init__(self, move: Callable[[], Any]) -> None:
+        self._move = move
+        self.waited = False
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self.waited:
+            self._move()
+            self.waited = True
+        return 0
+
+
+class MemoryStore:
+    """A FlatStore on a pretend disk (not resident): ``data`` holds its float32 elements,
+    ``shadow`` its second extent when ``doubled``; a request is bound to its extent when issued
+    (``flip`` later does not move it), and a range must start on a 4 KiB boundary as for
+    O_DIRECT."""
+
+    resident = False
+
+    def __init__(self, numel: int, doubled: bool = False, name: str = "store") -> None:
+        self.name = name
+        self.data = torch.zeros(numel)
+        self.shadow = torch.zeros(numel) if doubled else None
+        self.flips = 0
+
+    @property
+    def doubled(self) -> bool:
+        return self.shadow is not None
+
+    def flip(self) -> None:
+        self.data, self.shadow = self.shadow, self.data
+        self.flips += 1
+
+    def _extent(self, start: int, count: int | None, shadow: bool) -> tuple[torch.Tensor, int]:
+        extent = self.shadow if shadow else self.data
+        if extent is None:
+            raise RuntimeError(f"{self.name}: no shadow extent")
+        count = extent.numel() - start if count is None else count
+        if start % 1024 or start < 0 or start + count > extent.numel():
+            raise ValueError(f"{self.name}: range [{start}, {start + count}) is not aligned "
+                             f"or not within {extent.numel()} elements")
+        return extent, count
+
+    def load_async(self, buf: torch.Tensor, start: int = 0, count: int | None = None,
+                   shadow: bool = False) -> MemoryRequest:
+        extent, count = self._extent(start, count, shadow)
+        return MemoryRequest(lambda: buf[:count].copy_(extent[start:start + count]))
+
+    def store_async(self, buf: torch.Tensor, start: int = 0, count: int | None = None,
+                    shadow: bool = False) -> MemoryRequest:
+        extent, count = self._extent(start, count, shadow)
+        return MemoryRequest(lambda: extent[start:start + count].copy_(buf[:count]))
+
+
+class WaitingManager(RecordingManager):
+    """A RecordingManager that also waits for requests (``wait``), recording each call's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[tuple] = []
+
+    def wait(self, *requests: Any) -> None:
+        self.waits.append(requests)
+        for request in requests:
+            if request is not None:
+                request.wait()
