@@ -1,0 +1,821 @@
+"""The partitioned optimizer (optim/partitioned.py) at unit level, for its mutation run
+(tools/mutation.py, issue 23): its tests were the engine's. Here it runs over a few small real
+Units and a real TierManager, driven as the coordinator and the engine drive it (gradients
+parameter by parameter, the unit's backward done, ``step()``, the deferred steps on the next
+fetch, ``reap``), and its updates are compared with torch.optim.AdamW on the same random data
+over several steps: plain, clipped (with a loss scale), accumulated, overflowed, early-step,
+with a frozen parameter and with a separate fp32 master. Around that: its sizes and stores, the
+guards and their messages, the norm over ranks, the bookkeeping of a dropped backward, and the
+accounting given back on close."""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from infinity.base.budget import MemoryBudget
+from infinity.comm.collectives import CommCounters
+from infinity.config.aio import AioConfig
+from infinity.optim.gradients import GRADS_HELD, held_room_bytes
+from infinity.optim.partitioned import PartitionedOptimizer, _state_range
+from infinity.planner.engine_sizes import step_slot_count
+from infinity.storage.manager import TierManager
+from infinity.storage.tiers import Residency, Tier
+from infinity.zero.protocols import Wait
+from infinity.zero.unit import Unit
+
+CPU = torch.device("cpu")
+# unit 0: a, b; unit 1: c; unit 2: d; unit 3: e (and the frozen f when asked)
+SHAPES = {"a": (4, 3), "b": (7,), "c": (5,), "d": (3,), "e": (6,)}
+UNIT_OF = {"a": 0, "b": 0, "c": 1, "d": 2, "e": 3}
+HYPER = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def exactly(kind, message: str):
+    return pytest.raises(kind, match="^" + re.escape(message) + "$")
+
+
+class _Comm:
+    """What the optimizer asks of its collectives, for a world of ``world_size`` ranks whose
+    norms' squares are ``factor`` times this rank's."""
+
+    def __init__(self, world_size: int = 2, factor: float = 3.0) -> None:
+        self.world_size, self.rank, self.factor = world_size, 0, factor
+        self.counters = CommCounters()
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def sum_float(self, value: float) -> float:
+        return value * self.factor
+
+
+class _Values:
+    """UnitValues giving fp32 values for the parameters named."""
+
+    def __init__(self, values: dict[str, torch.Tensor]) -> None:
+        self.values = values
+
+    def provides(self, name: str) -> bool:
+        return name in self.values
+
+    def fill(self, pieces) -> None:
+        for name, start, out in pieces:
+            flat = self.values[name].reshape(-1)
+            out.copy_(flat[start:start + out.numel()].to(out.dtype))
+
+
+class Rig:
+    """Units over a real TierManager, the optimizer, and a torch AdamW over clones."""
+
+    def __init__(self, *, early: bool = False, dtype: torch.dtype = torch.float32,
+                 master_separate: bool = False, frozen: bool = False,
+                 optimizer_tier: Tier = Tier.HOST, grad_tier: Tier = Tier.HOST,
+                 param_tier: Tier = Tier.HOST, disk: Path | None = None,
+                 sub_group_numel: int = 4096, speculation: str = "off",
+                 values: dict | None = None, grad_dtype: torch.dtype = torch.float32,
+                 two_groups: bool = False, doubled: bool = False) -> None:
+        torch.manual_seed(0)
+        self.dtype = dtype
+        self.init = {n: torch.randn(s) for n, s in SHAPES.items()}
+        if frozen:
+            self.init["f"] = torch.randn(4)
+        self.params = {n: nn.Parameter(v.to(dtype).clone()) for n, v in self.init.items()}
+        self.names = [n for n in self.params if n != "f"]
+        # the reference starts from the values the units hold (rounded to dtype)
+        self.ref = {n: nn.Parameter(self.params[n].detach().float().clone()) for n in self.names}
+        self.manager = TierManager(
+            MemoryBudget("host", None), MemoryBudget("device", None),
+            nvme_path=str(disk) if disk is not None else None,
+            aio_config=AioConfig(backend="auto", block_size=1 << 20, queue_depth=4))
+        group_of = {n: (1 if two_groups and n in ("c", "e") else 0) for n in self.names}
+        group_of["f"] = -1
+        self.units = []
+        for i in range(4):
+            named = [(n, self.params[n], group_of[n]) for n in self.params
+                     if UNIT_OF.get(n, 3) == i]
+            unit = Unit(i, f"u{i}", nn.Module(), named, dtype, CPU)
+            unit.adopt(self.manager, param_tier, persistent=False, doubled=doubled)
+            self.units.append(unit)
+        self.baseline = self.manager.tier_bytes()
+        self.baseline_host = self.manager.host_budget.held
+        groups = [{"params": [self.params[n] for n in self.names if group_of[n] == g], **HYPER}
+                  for g in range(2 if two_groups else 1)]
+        if two_groups:
+            groups[1].update(lr=0.02, weight_decay=0.0)
+        self.opt = PartitionedOptimizer(
+            self.units, groups, self.manager, optimizer_tier=optimizer_tier,
+            grad_tier=grad_tier, early_step=early, sub_group_numel=sub_group_numel,
+            master_separate=master_separate, staging_pool=None, threads=1,
+            speculation=speculation, values=_Values(values) if values is not None else None,
+            grad_dtype=grad_dtype, defaults=dict(HYPER))
+        ref_groups = [{"params": [self.ref[n] for n in self.names if group_of[n] == g]}
+                      for g in range(2 if two_groups else 1)]
+        if two_groups:
+            ref_groups[1].update(lr=0.02, weight_decay=0.0)
+        self.adamw = torch.optim.AdamW(ref_groups, lr=HYPER["lr"], betas=HYPER["betas"],
+                                       eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
+
+    def close(self) -> None:
+        self.opt.close()
+        self.manager.close()
+
+    def grads(self, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        # rounded to the compute dtype first: the gradients autograd gives are in it
+        return {n: (torch.randn(SHAPES[n]) * scale).to(self.dtype).float() for n in self.names}
+
+    def backward(self, grads: dict[str, torch.Tensor], boundary: bool = True,
+                 only: set[str] | None = None, loss_scale: float = 1.0) -> list[bool]:
+        """One backward as the coordinator runs it: units in reverse, each unit's gradients,
+        then its backward done (the answers returned)."""
+        opt = self.opt
+        opt.loss_scale = loss_scale
+        opt.begin_backward(boundary)
+        done = []
+        for unit in reversed(self.units):
+            unit.finish_fetch(self.manager, None)    # backward runs on the fetched unit
+            got = False
+            for entry in unit.params:
+                if entry.trainable and (only is None or entry.name in only):
+                    opt.on_grad(unit, entry, (grads[entry.name] * loss_scale).to(unit.dtype))
+                    got = True
+            if got:
+                done.append(opt.on_unit_backward_done(unit))
+                if done[-1]:
+                    unit.release(self.manager)
+            else:
+                unit.release(self.manager)
+        opt.end_backward()
+        return done
+
+    def step(self, call: bool = True) -> None:
+        """The engine's step: ``step()`` (unless called already), then the deferred steps on
+        their units' next fetch (or the early steps reaped), every unit released."""
+        if call:
+            self.opt.step()
+        for unit in self.opt.speculator.take_rolled_back():
+            unit.release(self.manager)
+        for unit in self.opt.waiting_units():
+            unit.finish_fetch(self.manager, None)
+            assert self.opt.step_fetched(unit)
+        for unit in self.opt.reap(Wait.ALL):
+            unit.release(self.manager)
+        for unit in self.units:
+            unit.release(self.manager)
+
+    def ref_step(self, grads: dict[str, torch.Tensor], clip: float = 0.0,
+                 only: set[str] | None = None) -> float:
+        for n in self.names:
+            self.ref[n].grad = grads[n].clone() if only is None or n in only else None
+        norm = float(torch.nn.utils.clip_grad_norm_(
+            [p for p in self.ref.values() if p.grad is not None], clip if clip > 0 else math.inf))
+        self.adamw.step()
+        return norm
+
+    def values(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for unit in self.units:
+            unit.finish_fetch(self.manager, None)
+            for entry in unit.params:
+                out[entry.name] = entry.param.detach().float().clone()
+            unit.release(self.manager)
+        return out
+
+    def assert_matches(self, **tol) -> None:
+        got = self.values()
+        for n in self.names:
+            torch.testing.assert_close(got[n], self.ref[n].detach(), **(tol or TOL), msg=n)
+
+    def state(self, index: int):
+        return self.opt._by_unit[index]
+
+
+@pytest.fixture
+def rig():
+    made: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        made.append(Rig(**kw))
+        return made[-1]
+    yield make
+    for r in made:
+        r.close()
+
+
+# -- updates against torch.optim.AdamW ----------------------------------------------------
+def test_deferred_steps_match_adamw_and_queue_in_forward_order(rig) -> None:
+    """Three deferred steps with weight decay in two param groups: the same parameters as
+    AdamW's; each backward's units stay releasable, ``step()`` queues every unit (in the next
+    forward's order, units it does not name last) and each runs when its unit is fetched."""
+    r = rig(two_groups=True)
+    assert r.opt.waiting_units() == []
+    r.opt.forward_order = lambda: [2, 0]
+    for k in range(3):
+        g = r.grads()
+        assert r.backward(g) == [True] * 4
+        r.opt.step()
+        assert r.opt.waiting_units() == [r.units[i] for i in (2, 0, 1, 3)]
+        assert not r.opt.overflow
+        r.step(call=False)
+        r.ref_step(g)
+        assert r.opt.last_grad_norm == pytest.approx(
+            math.sqrt(sum(float((v ** 2).sum()) for v in g.values())), rel=1e-6)
+    r.assert_matches()
+    assert r.opt.waiting_units() == [] and r.state(0).step == 3
+
+
+def test_the_default_forward_order_is_the_units_order(rig) -> None:
+    r = rig()
+    assert r.opt.forward_order() == []
+    r.backward(r.grads())
+    r.opt.step()
+    assert r.opt.waiting_units() == r.units
+
+
+def test_clipping_acts_on_the_unscaled_norm_as_torch_clips(rig) -> None:
+    """Gradients scaled by a loss scale of 8 and a norm far above the clip: the update is
+    AdamW's after clip_grad_norm_, and the norm reported is the unscaled one."""
+    r = rig()
+    r.opt.clip_norm = 0.5
+    for _ in range(2):
+        g = r.grads(scale=3.0)
+        r.backward(g, loss_scale=8.0)
+        r.step()
+        norm = r.ref_step(g, clip=0.5)
+        assert r.opt.last_grad_norm == pytest.approx(norm, rel=1e-6) and norm > 0.5
+    r.assert_matches()
+
+
+def test_clipping_above_the_norm_leaves_the_update_alone(rig) -> None:
+    r = rig()
+    r.opt.clip_norm = 1e6
+    g = r.grads()
+    r.backward(g, loss_scale=4.0)
+    r.step()
+    r.ref_step(g)
+    r.assert_matches()
+
+
+def test_grad_scale_for_clipping(rig) -> None:
+    """The kernel's divisor: the loss scale, times (norm + 1e-6) / clip when the unscaled norm
+    exceeds the clip (not when it equals it); the norm is recorded."""
+    opt = rig().opt
+    opt.loss_scale = 2.0
+    opt.gradients.sq_norm = 100.0                # scaled norm 10: unscaled 5
+    assert opt.grad_scale_for_clipping() == 2.0 and opt.last_grad_norm == 5.0
+    opt.clip_norm = 5.0
+    assert opt.grad_scale_for_clipping() == 2.0
+    opt.clip_norm = 2.0
+    assert opt.grad_scale_for_clipping() == pytest.approx(2.0 * (5.0 + 1e-6) / 2.0, rel=1e-15)
+    assert opt.grad_scale_for_clipping() != 5.0
+    opt.clip_norm = 6.0
+    assert opt.grad_scale_for_clipping() == 2.0
+
+
+def test_accumulated_gradients_are_summed_and_normed_whole(rig) -> None:
+    """Two micro-steps then a step: AdamW on the sum; the first micro-step's gradients are in
+    the clipping norm (counted at the step, from their home)."""
+    r = rig()
+    r.opt.clip_norm = 0.1
+    g1, g2 = r.grads(), r.grads()
+    r.backward(g1, boundary=False)
+    assert r.opt.holds_cycle_gradients()
+    r.backward(g2, boundary=True)
+    r.step()
+    total = {n: g1[n] + g2[n] for n in g1}
+    norm = r.ref_step(total, clip=0.1)
+    assert r.opt.last_grad_norm == pytest.approx(norm, rel=1e-6)
+    r.assert_matches()
+    assert not r.opt.holds_cycle_gradients()
+
+
+def test_a_gradient_that_is_not_finite_skips_the_step(rig) -> None:
+    """An inf in one gradient: ``overflow``, the norm inf, nothing queued, nothing changed,
+    the gradients dropped; the next step is AdamW's first (the skipped one not counted)."""
+    r = rig()
+    before = r.values()
+    g = r.grads()
+    g["c"][1] = math.inf
+    r.backward(g)
+    r.opt.step()
+    assert r.opt.overflow and r.opt.last_grad_norm == math.inf
+    assert r.opt.waiting_units() == [] and not r.opt.holds_cycle_gradients()
+    r.step(call=False)
+    after = r.values()
+    for n in r.names:
+        assert torch.equal(after[n], before[n]), n
+    g = r.grads()
+    r.backward(g)
+    r.step()
+    assert not r.opt.overflow
+    r.ref_step(g)
+    r.assert_matches()
+    assert r.state(1).step == 1
+
+
+def test_parameters_without_a_gradient_and_frozen_ones_are_not_stepped(rig) -> None:
+    """A frozen parameter never moves; a parameter that got no gradient this step is skipped
+    as torch skips it (no decay, its step count behind)."""
+    r = rig(frozen=True)
+    f0 = r.values()["f"]
+    for only in (None, {"a", "c", "e"}, None):
+        g = r.grads()
+        r.backward(g, only=only)
+        r.step()
+        r.ref_step(g, only=only)
+    r.assert_matches()
+    assert torch.equal(r.values()["f"], f0)
+
+
+def test_early_steps_match_adamw_and_report_the_norm(rig) -> None:
+    """Early schedule: each unit steps as its backward is done (not releasable then),
+    ``step()`` waits and reports the norm of the unscaled gradients."""
+    r = rig(early=True)
+    assert r.opt.early_step and r.opt.holds_grads and r.opt.grad_pool is None
+    for _ in range(2):
+        g = r.grads()
+        assert r.backward(g, loss_scale=4.0) == [False] * 4
+        r.step()
+        norm = r.ref_step(g)
+        assert r.opt.last_grad_norm == pytest.approx(norm, rel=1e-6)
+    r.assert_matches()
+
+
+def test_expected_early_steps_are_made_ready_or_cancelled(rig) -> None:
+    """Units expected before their gradients: those that get them step (the expected job made
+    ready, expected again next time), the one that gets none is cancelled and unchanged."""
+    r = rig(early=True)
+    opt = r.opt
+    before = r.values()
+    for k in range(2):
+        for unit in r.units:
+            opt.expect_backward(unit)
+            opt.expect_backward(unit)           # once only
+        assert opt.stream_stats()["expected"] == 4 * (k + 1)
+        g = r.grads()
+        r.backward(g, only={"a", "b", "c", "d"})
+        r.step()
+        r.ref_step(g, only={"a", "b", "c", "d"})
+    r.assert_matches()
+    assert torch.equal(r.values()["e"], before["e"])
+
+
+def test_deferred_steps_expect_nothing_without_speculation(rig) -> None:
+    r = rig()
+    for unit in r.units:
+        r.opt.expect_backward(unit)
+    assert r.opt.stream_stats() == {"expected": 0, "read_early": 0, "preempted": 0,
+                                    "cancelled": 0}
+
+
+def test_a_separate_master_is_seeded_from_the_units_and_stepped(rig) -> None:
+    """bf16 compute: the fp32 master starts as the units' bf16 values and follows AdamW in
+    fp32; the units get its rounding. The units stay released through the seeding."""
+    r = rig(dtype=torch.bfloat16, master_separate=True)
+    assert all(u.residency == Residency.RELEASED for u in r.units)
+    st = r.state(0)
+    a = r.params["a"]
+    assert st.master.home is Tier.HOST and st.master.dtype == torch.float32
+    r.units[0].finish_fetch(r.manager, None)
+    off = r.units[0].params[0].offset
+    torch.testing.assert_close(st.master.tensor[off:off + 12], a.detach().float().reshape(-1),
+                               rtol=0, atol=0)
+    r.units[0].release(r.manager)
+    g = r.grads()
+    r.backward(g)
+    r.step()
+    r.ref_step(g)
+    entry = r.units[0].params[0]
+    torch.testing.assert_close(st.master.tensor[entry.offset:entry.offset + 12],
+                               r.ref["a"].detach().reshape(-1), **TOL)
+    r.assert_matches(rtol=1e-2, atol=1e-2)
+
+
+def test_a_master_from_values_takes_them_in_fp32_when_all_are_given(rig) -> None:
+    """Values providing every parameter of a unit's range: its master is them, unrounded;
+    a unit with one parameter not provided is seeded from the unit (bf16-rounded)."""
+    torch.manual_seed(0)
+    exact = {n: torch.randn(SHAPES[n]) for n in ("a", "c")}
+    r = rig(dtype=torch.bfloat16, master_separate=True, values=exact)
+    c = r.units[1].params[0]
+    torch.testing.assert_close(r.state(1).master.tensor[c.offset:c.offset + 5], exact["c"],
+                               rtol=0, atol=0)
+    a = r.units[0].params[0]            # b is not provided: from the unit
+    assert a.name == "a"
+    torch.testing.assert_close(r.state(0).master.tensor[a.offset:a.offset + 12],
+                               r.init["a"].to(torch.bfloat16).float().reshape(-1), rtol=0, atol=0)
+
+
+def test_reload_master_takes_values_changed_by_hand(rig) -> None:
+    """A fetched unit's parameters set by hand: ``reload_master`` makes the master match (and
+    leaves the unit fetched); a unit with no optimizer state is left alone."""
+    r = rig(dtype=torch.bfloat16, master_separate=True)
+    unit = r.units[1]
+    unit.finish_fetch(r.manager, None)
+    with torch.no_grad():
+        r.params["c"].fill_(0.5)
+    r.opt.reload_master(unit)
+    unit.write_home(r.manager)
+    assert unit.residency == Residency.FETCHED
+    e = unit.params[0]
+    assert torch.equal(r.state(1).master.tensor[e.offset:e.offset + 5], torch.full((5,), 0.5))
+    unit.release(r.manager)
+    with torch.no_grad():                    # a released unit is fetched for it, and let go
+        r.state(1).master.tensor.zero_()
+    r.opt.reload_master(unit)
+    assert unit.residency == Residency.RELEASED
+    assert torch.equal(r.state(1).master.tensor[e.offset:e.offset + 5], torch.full((5,), 0.5))
+    r.opt.reload_master(Unit(9, "frozen", nn.Module(), [("z", nn.Parameter(torch.zeros(2)), -1)],
+                             torch.bfloat16, CPU))
+
+
+def test_nvme_states_and_master_match_adamw(rig, disk_dir) -> None:
+    """Adam states, master and gradients on NVMe, parameters too: the same updates, through
+    the step pool (and a gradient buffer); the master seeded through the disk."""
+    r = rig(dtype=torch.bfloat16, master_separate=True, optimizer_tier=Tier.NVME,
+            grad_tier=Tier.NVME, param_tier=Tier.NVME, disk=disk_dir, sub_group_numel=2048)
+    opt = r.opt
+    assert opt.step_pool is not None and opt.grad_pool is not None
+    assert opt.step_pool.slot_bytes == 2048 * 4
+    assert opt.step_pool.count == step_slot_count(Tier.NVME, Tier.NVME, Tier.NVME, True, False)
+    assert opt.grad_pool.slot_bytes == 1024 * 4 and opt.grad_pool.count == GRADS_HELD
+    assert all(u.residency == Residency.RELEASED for u in r.units)
+    st = r.state(0)
+    buf = r.manager.host_empty(st.master.padded, torch.float32, what="test")
+    r.manager.wait(st.master.load_async(buf))
+    a = r.units[0].params[0]
+    torch.testing.assert_close(buf[a.offset:a.offset + 12],
+                               r.init["a"].to(torch.bfloat16).float().reshape(-1), rtol=0, atol=0)
+    for _ in range(2):
+        g = r.grads()
+        r.backward(g)
+        r.step()
+        r.ref_step(g)
+    r.manager.wait(st.master.load_async(buf))
+    torch.testing.assert_close(buf[a.offset:a.offset + 12], r.ref["a"].detach().reshape(-1),
+                               **TOL)
+    r.assert_matches(rtol=1e-2, atol=1e-2)
+
+
+def test_a_speculated_step_is_kept_without_clipping_and_redone_with(rig, disk_dir) -> None:
+    """speculation "on" (NVMe, doubled stores): the units step during the backward (not
+    releasable), and the step keeps it; with clipping acting it is rolled back and the
+    deferred step runs with the clipped gradient. Both are AdamW's."""
+    r = rig(optimizer_tier=Tier.NVME, param_tier=Tier.NVME, disk=disk_dir, speculation="on",
+            doubled=True)
+    opt = r.opt
+    assert opt.speculation == "on" and opt.holds_grads
+    g = r.grads()
+    assert r.backward(g) == [False] * 4
+    assert opt.speculation_pending and opt.holds_cycle_gradients()
+    r.step()
+    r.ref_step(g)
+    assert not opt.speculation_pending and opt.speculation_pays
+    opt.clip_norm = 0.1
+    g = r.grads()
+    r.backward(g)
+    r.step()
+    r.ref_step(g, clip=0.1)
+    assert opt.speculation_pays is False
+    assert opt.speculation_stats["committed"] == 1
+    r.assert_matches()
+    opt.speculation_pays = True
+    assert opt.speculator.pays is True
+
+
+def test_speculation_is_off_in_the_early_schedule(rig, disk_dir) -> None:
+    r = rig(early=True, optimizer_tier=Tier.NVME, disk=disk_dir, speculation="on")
+    assert r.opt.speculation == "off"
+    assert r.state(0).exp_avg.doubled is False
+
+
+# -- sizes and stores ----------------------------------------------------------------------
+def test_stores_and_pools_on_host(rig) -> None:
+    """Deferred on HOST: m, v and a gradient store per trainable unit, each of the unit's
+    trainable range, fp32 in the optimizer tier; no master, no pools; the sub-group the
+    largest range rounded up to 2048 elements; the held room one unit's gradient."""
+    r = rig(frozen=True)
+    opt = r.opt
+    assert [s.unit for s in opt.states] == r.units
+    for s in opt.states:
+        n = s.unit.trainable_numel
+        assert (s.lo, s.hi, s.shard) == (0, n, None)
+        for store, what in ((s.exp_avg, "exp_avg"), (s.exp_avg_sq, "exp_avg_sq"),
+                            (s.grad_store, "grad")):
+            assert (store.name, store.numel, store.dtype, store.home) == (
+                f"{s.unit.name}.{what}", n, torch.float32, Tier.HOST)
+        assert s.master is None
+    assert opt.grad_pool is None and opt.step_pool is None
+    assert opt.sub_group_numel == 2048
+    assert opt.held_room.capacity == held_room_bytes(max(u.trainable_numel for u in r.units))
+    assert not opt.holds_grads and opt.speculation == "off"
+    assert (opt.clip_norm, opt.last_grad_norm, opt.loss_scale, opt.overflow) == (
+        0.0, None, 1.0, False)
+    assert opt.step_failure is None and not opt.engine_stepping
+    assert opt.kernel.adamw_mode is True and opt.kernel.threads == 1
+    assert opt.defaults == HYPER
+
+
+def test_the_sub_group_is_rounded_to_2048_and_capped_by_the_largest_range(rig) -> None:
+    assert rig(sub_group_numel=1).opt.sub_group_numel == 2048
+    assert rig(sub_group_numel=0).opt.sub_group_numel == 2048
+    assert rig(sub_group_numel=10 ** 6).opt.sub_group_numel == 2048   # ranges of 1024
+
+
+def test_a_16_bit_gradient_home_and_its_guard(rig, disk_dir) -> None:
+    """A bf16 gradient home: on HOST with one rank it is made (and the step matches AdamW up
+    to the gradient's rounding); with an NVMe gradient tier or several ranks it is refused."""
+    r = rig(grad_dtype=torch.bfloat16)
+    assert r.state(0).grad_store.dtype == torch.bfloat16
+    g = {n: v.to(torch.bfloat16).float() for n, v in r.grads().items()}
+    r.backward(g)
+    r.step()
+    r.ref_step(g)
+    r.assert_matches()
+    units = r.units
+    with exactly(ValueError, "a torch.bfloat16 gradient home needs grad_tier HOST and one rank, "
+                             "got nvme with 1 ranks (see [Note: the gradient home in the "
+                             "compute dtype])"):
+        PartitionedOptimizer(units, [{"params": [r.params["a"]]}], r.manager,
+                             optimizer_tier=Tier.HOST, grad_tier=Tier.NVME, early_step=False,
+                             sub_group_numel=2048, master_separate=False, staging_pool=None,
+                             grad_dtype=torch.bfloat16)
+    with exactly(ValueError, "a torch.float16 gradient home needs grad_tier HOST and one rank, "
+                             "got host with 2 ranks (see [Note: the gradient home in the "
+                             "compute dtype])"):
+        PartitionedOptimizer(units, [{"params": [r.params["a"]]}], r.manager,
+                             optimizer_tier=Tier.HOST, grad_tier=Tier.HOST, early_step=False,
+                             sub_group_numel=2048, master_separate=False, staging_pool=None,
+                             grad_dtype=torch.float16, comm=_Comm())
+
+
+def _sharded_units(comm: _Comm) -> list[Unit]:
+    named = [("w", nn.Parameter(torch.zeros(3000)), 0)]
+    u0 = Unit(0, "s0", nn.Module(), named, torch.float32, CPU, comm=comm, shards=2)
+    u1 = Unit(1, "s1", nn.Module(), [("x", nn.Parameter(torch.zeros(100)), 0),
+                                     ("y", nn.Parameter(torch.zeros(5000)), -1)],
+              torch.float32, CPU, comm=comm, shards=2)
+    return [u0, u1]
+
+
+def test_state_range_is_the_shard_of_the_trainable_part() -> None:
+    """Sharded: this rank's shard, cut at the trainable part's end (empty past it)."""
+    comm = _Comm()
+    u0, u1 = _sharded_units(comm)
+    assert (u0.trainable_numel, u0.shard_numel) == (3072, 2048)
+    assert _state_range(u0, False) == (0, 3072)
+    assert _state_range(u0, True) == (0, 2048)
+    comm.rank = 1
+    v0, v1 = _sharded_units(comm)
+    assert _state_range(v0, True) == (2048, 3072)
+    assert v1.shard_start > v1.trainable_numel
+    assert _state_range(v1, True) == (1024, 1024)
+    assert _state_range(v1, False) == (0, 1024)
+
+
+def test_several_ranks_shard_the_states_and_never_hold_or_speculate() -> None:
+    """Two ranks, sharded states: each unit's stores are its shard (at least one element),
+    the sub-group capped by the largest shard, a gradient buffer of the whole flat unit, no
+    speculation, no held gradients."""
+    comm = _Comm()
+    comm.rank = 1
+    units = _sharded_units(comm)
+    m = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
+    try:
+        for u in units:
+            u.adopt(m, Tier.HOST, persistent=False)
+        opt = PartitionedOptimizer(
+            units, [{"params": [units[0].params[0].param, units[1].params[0].param]}], m,
+            optimizer_tier=Tier.HOST, grad_tier=Tier.HOST, early_step=False,
+            sub_group_numel=10 ** 6, master_separate=False, staging_pool=None,
+            speculation="on", comm=comm, shard_states=True)
+        s0, s1 = opt.states
+        assert (s0.lo, s0.hi, s0.shard) == (2048, 3072, (2048, 3072))
+        assert s0.exp_avg.numel == 1024 and s0.grad_store.numel == 1024
+        assert (s1.lo, s1.hi, s1.shard) == (1024, 1024, (1024, 1024)) and s1.exp_avg.numel == 1
+        assert opt.sub_group_numel == 2048
+        assert opt.speculation == "off" and not opt.holds_grads
+        assert [u.flat_numel for u in units] == [4096, 8192]
+        assert opt.grad_pool.slot_bytes == 8192 * 4 and opt.grad_pool.count == GRADS_HELD
+        assert opt.gradients.scatter
+        # the norm: every rank's squares summed (sharded), or their mean (stage 0)
+        assert opt._global_sq_norm(2.0) == 6.0
+        opt.gradients.scatter = False
+        assert opt._global_sq_norm(2.0) == 3.0
+        opt.close()
+        stage0 = PartitionedOptimizer(
+            units, [{"params": [units[0].params[0].param, units[1].params[0].param]}], m,
+            optimizer_tier=Tier.HOST, grad_tier=Tier.HOST, early_step=True,
+            sub_group_numel=10 ** 6, master_separate=False, staging_pool=None, comm=comm,
+            shard_states=False)
+        assert stage0.states[0].shard is None and stage0.states[0].exp_avg.numel == 3072
+        assert stage0.grad_pool.slot_bytes == 3072 * 4 and not stage0.holds_grads
+        assert stage0.sub_group_numel == 4096
+        stage0.close()
+    finally:
+        m.close()
+
+
+def test_states_are_not_sharded_with_one_rank(rig) -> None:
+    comm = _Comm(world_size=1)
+    units = _sharded_units(comm)
+    m = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
+    try:
+        for u in units:
+            u.adopt(m, Tier.HOST, persistent=False)
+        opt = PartitionedOptimizer(
+            units, [{"params": [units[0].params[0].param]}], m, optimizer_tier=Tier.HOST,
+            grad_tier=Tier.HOST, early_step=False, sub_group_numel=4096,
+            master_separate=False, staging_pool=None, comm=comm, shard_states=True)
+        assert opt.states[0].shard is None and opt.grad_pool is None
+        assert opt._global_sq_norm(2.0) == 6.0 / 1
+        opt.close()
+    finally:
+        m.close()
+
+
+# -- guards, dropped backwards, the torch API ----------------------------------------------
+def test_a_second_step_before_the_deferred_ones_ran_is_refused(rig) -> None:
+    r = rig()
+    r.backward(r.grads())
+    r.opt.step()
+    r.backward(r.grads())
+    with exactly(RuntimeError, "the previous deferred step of 4 unit(s) (u0, u1, u2) has not "
+                               "run yet: step through Engine.step, which fetches and steps "
+                               "them first"):
+        r.opt.step()
+
+
+def test_step_refuses_a_closure_and_routes_a_users_call_through_the_engine(rig) -> None:
+    r = rig()
+    with exactly(ValueError, "PartitionedOptimizer.step does not take a closure"):
+        r.opt.step(closure=lambda: 0.0)
+    calls = []
+    r.opt.on_user_step = lambda: calls.append(1)
+    r.backward(r.grads())
+    r.opt.overflow = True
+    assert r.opt.step() is None
+    assert calls == [1] and r.opt.waiting_units() == [] and r.opt.overflow
+    r.opt.engine_stepping = True
+    r.opt.step()
+    assert calls == [1] and len(r.opt.waiting_units()) == 4 and not r.opt.overflow
+
+
+def test_state_dict_and_load_state_dict_are_refused(rig) -> None:
+    opt = rig().opt
+    tail = (": the Adam states of an infinity engine live in their tiers (host memory or the "
+            "NVMe swap space), unit by unit, and may not fit in memory as one dict. Save and "
+            "restore them with engine.save_checkpoint(dir) / engine.load_checkpoint(dir) (also "
+            "the model, scheduler and counters), as with DeepSpeed")
+    with exactly(RuntimeError, "optimizer.state_dict()" + tail):
+        opt.state_dict()
+    with exactly(RuntimeError, "optimizer.load_state_dict()" + tail):
+        opt.load_state_dict({})
+
+
+def test_add_param_group_is_refused_after_construction(rig) -> None:
+    opt = rig(two_groups=True).opt
+    assert len(opt.param_groups) == 2        # given at construction: taken
+    with pytest.raises(ValueError, match=re.escape(
+            "optimizer.add_param_group() after infinity.initialize: the engine lays out")):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    assert len(opt.param_groups) == 2
+
+
+def test_zero_grad_calls_the_engines(rig) -> None:
+    opt = rig().opt
+    opt.zero_grad()                            # no engine: nothing
+    seen = []
+    opt.on_zero_grad = seen.append
+    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)
+    assert seen == [True, False]
+
+
+def test_a_backward_that_raised_drops_the_cycles_gradients(rig, infinity_log) -> None:
+    """``abandon_backward``: the gradients so far are dropped (nothing queued, nothing
+    changed), with a warning counting the units; the next cycle is AdamW's first step."""
+    r = rig()
+    before = r.values()
+    g = r.grads()
+    opt = r.opt
+    opt.begin_backward(True)
+    for unit in r.units[2:]:
+        for e in unit.params:
+            opt.on_grad(unit, e, g[e.name])
+    opt.on_unit_backward_done(r.units[3])
+    assert opt.holds_cycle_gradients()
+    with infinity_log.at_level(logging.WARNING, logger="infinity"):
+        opt.abandon_backward()
+    assert [rec.getMessage() for rec in infinity_log.records] == [
+        "backward raised: the gradients of 2 unit(s) collected since the last optimizer step "
+        "are dropped"]
+    assert not opt.holds_cycle_gradients() and not opt.speculator.speculating
+    r.step()
+    assert r.values().keys() == before.keys()
+    assert all(torch.equal(r.values()[n], before[n]) for n in r.names)
+    g = r.grads()
+    r.backward(g)
+    r.step()
+    r.ref_step(g)
+    r.assert_matches()
+
+
+def test_an_early_backward_that_raised_says_stepped_units_keep_their_update(
+        rig, infinity_log) -> None:
+    r = rig(early=True)
+    g = r.grads()
+    opt = r.opt
+    opt.begin_backward(True)
+    unit = r.units[3]
+    unit.finish_fetch(r.manager, None)
+    opt.expect_backward(r.units[2])
+    for e in unit.params:
+        opt.on_grad(unit, e, g[e.name])
+    assert opt.on_unit_backward_done(unit) is False
+    with infinity_log.at_level(logging.WARNING, logger="infinity"):
+        opt.abandon_backward()
+    assert [rec.getMessage() for rec in infinity_log.records] == [
+        "backward raised: the gradients of 0 unit(s) collected since the last optimizer step "
+        "are dropped; units already stepped in this backward keep their update"]
+    opt.expect_backward(r.units[2])            # the cancelled one is expected anew
+    assert opt.stream_stats()["expected"] == 2
+    opt.cancel_expected()
+    r.step()
+    r.ref_step(g, only={"e"})
+    got = r.values()
+    torch.testing.assert_close(got["e"], r.ref["e"].detach(), **TOL)
+
+
+def test_zero_grad_between_backward_and_step_discards_the_gradients(rig, infinity_log) -> None:
+    r = rig()
+    before = r.values()
+    r.backward(r.grads(), only={"a", "c"})
+    assert r.opt.holds_cycle_gradients()
+    with infinity_log.at_level(logging.INFO, logger="infinity"):
+        r.opt.discard_cycle_gradients()
+    assert "zero_grad(): the gradients of 2 unit(s) collected since the last step are " \
+        "discarded" in [rec.getMessage() for rec in infinity_log.records]
+    assert not r.opt.holds_cycle_gradients()
+    r.step()
+    assert all(torch.equal(r.values()[n], before[n]) for n in r.names)
+
+
+def test_step_fetched_without_a_waiting_step_does_nothing(rig) -> None:
+    r = rig()
+    unit = r.units[0]
+    unit.finish_fetch(r.manager, None)
+    assert r.opt.step_fetched(unit) is False
+    r.backward(r.grads())
+    r.opt.step()
+    unit.finish_fetch(r.manager, None)
+    t0 = r.opt.timers.optimizer_s
+    assert r.opt.step_fetched(unit) is True and r.opt.step_fetched(unit) is False
+    assert r.opt.timers.optimizer_s > t0
+    r.opt.wait_stepped(unit)
+    assert r.opt.reap(Wait.ALL) == [unit]
+
+
+def test_drain_cancels_waiting_steps_and_hands_back_stepping_units(rig) -> None:
+    r = rig()
+    before = r.values()
+    r.backward(r.grads())
+    r.opt.step()
+    unit = r.units[1]
+    unit.finish_fetch(r.manager, None)
+    r.opt.step_fetched(unit)
+    assert r.opt.drain() == [unit]
+    assert r.opt.waiting_units() == []
+    after = r.values()
+    assert not torch.equal(after["c"], before["c"])
+    assert all(torch.equal(after[n], before[n]) for n in ("a", "b", "d", "e"))
+
+
+def test_the_timers_count_the_gradients_and_the_step(rig) -> None:
+    r = rig()
+    r.backward(r.grads())
+    assert r.opt.timers.grad_s > 0.0
+    r.opt.step()
+    assert r.opt.timers.optimizer_s > 0.0
+    assert r.opt.hyperparameters()[0]["lr"] == HYPER["lr"]
+
+
+def test_close_frees_every_store_even_with_steps_waiting(rig) -> None:
+    """Closing with deferred steps still queued: every state store freed, the host memory the
+    optimizer's stores held given back."""
+    r = rig(dtype=torch.bfloat16, master_separate=True)
+    assert r.manager.tier_bytes()["host"] > r.baseline["host"]
+    r.backward(r.grads())
+    r.opt.step()
+    r.opt.close()
+    assert r.manager.tier_bytes() == r.baseline
+    for s in r.opt.states:
+        for store in (s.exp_avg, s.exp_avg_sq, s.master, s.grad_store):
+            assert not store.resident
