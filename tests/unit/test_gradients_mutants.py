@@ -6,6 +6,7 @@ checked against float64 sums or torch's own add, exactly where the code promises
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -115,7 +116,9 @@ class _Rig:
                 slot.buffer.fill_(0xFF)      # float32 NaN
         self.room = room if room is not None else _Room()
         self.timers = OptimTimers()
-        extra = {} if comm is None else {"comm": comm, "scatter": scatter}
+        extra = {} if comm is None else {"comm": comm}
+        if scatter:    # with NO_COMM too: scattering needs several ranks
+            extra["scatter"] = True       # else the default: an all-reduce (stage 0)
         self.g = GradientCollector(
             self.states, self.manager, early_step=early_step, holds_grads=holds_grads,
             grad_pool=self.pool, held_room=self.room, timers=self.timers,
@@ -257,6 +260,7 @@ def test_add_widened_slices_a_16_bit_gradient_by_rows_and_adds_others_whole(monk
         (torch.zeros(7, 3, dtype=torch.bfloat16), torch.ones(7, 3, dtype=torch.bfloat16), [(7, 3)]),
         (torch.zeros(7), torch.ones(7, dtype=torch.bfloat16), [(7,)]),
         (torch.zeros(8), torch.ones(8, dtype=torch.bfloat16), [(7,), (1,)]),
+        (torch.zeros(1, 9), torch.ones(1, 9, dtype=torch.bfloat16), [(1, 9)]),   # one row
     ]
     for target, grad, want in cases:
         with _AddCalls() as calls:
@@ -692,3 +696,64 @@ def test_take_moves_held_parts_or_the_buffer_into_a_complete_gradient() -> None:
     values = torch.ones(4)
     assert rig.g.take(buffered, values).values is values
     assert rig.g.take(buffered).values == {}           # nothing collected
+
+
+def test_gradient_time_is_added_to_the_timers_and_bounded_by_the_wall_time() -> None:
+    """Each gradient's handling time is added to ``grad_s`` (held or copied alike): more than
+    what was there, less than that plus the wall time around the calls."""
+    for kwargs in (dict(home=None, early_step=True, holds_grads=True), dict(home="disk")):
+        rig = _Rig([_unit()], **kwargs)
+        state = rig.states[0]
+        rig.timers.grad_s = 100.0
+        t0 = time.perf_counter()
+        rig.grad(state, 0, torch.ones(3, 5))
+        rig.grad(state, 1, torch.ones(7))
+        wall = time.perf_counter() - t0
+        assert 100.0 < rig.timers.grad_s <= 100.0 + wall, kwargs
+
+
+def test_a_strided_gradient_is_held_contiguous() -> None:
+    """autograd may hand a 1-D float32 gradient with a stride (a view): the held part is a
+    contiguous copy, as the Adam kernel reads it flat."""
+    rig = _Rig([_unit()], home=None, early_step=True, holds_grads=True)
+    state = rig.states[0]
+    base = torch.randn(14)
+    rig.grad(state, 1, base[::2])
+    part = state.grad_parts[16]
+    assert part.is_contiguous() and torch.equal(part, base[::2])
+
+
+def test_the_boundary_norm_sums_every_unit() -> None:
+    rig = _Rig([_unit(0), _unit(1)], home="disk")
+    a, b = rig.states
+    g0, g1 = torch.randn(3, 5), torch.randn(7)
+    rig.grad(a, 0, g0)
+    rig.grad(b, 1, g1)
+    for s in (a, b):
+        rig.g.zero_unwritten(s)
+        rig.g.finish(s)
+    want = float((g0.double() ** 2).sum() + (g1.double() ** 2).sum())
+    assert rig.g.sq_norm == pytest.approx(want, rel=1e-12)
+
+
+def test_home_gradient_reads_a_short_last_chunk() -> None:
+    """A unit larger than the chunk (over 8 MiB in the engine; here a 2048-element chunk and a
+    3072-element unit) is read in full chunks and a short last one, never past its end."""
+    unit = _unit(shapes=((2100,),))
+    rig = _Rig([unit], home="disk", max_trainable=2048)
+    state = rig.states[0]
+    values = torch.arange(3072, dtype=F32)
+    state.grad_store.data.copy_(values)
+    pieces = [(start, part.clone()) for start, part in rig.g.home_gradient(state)]
+    assert [(s, p.numel()) for s, p in pieces] == [(0, 2048), (2048, 1024)]
+    assert torch.equal(torch.cat([p for _, p in pieces]), values)
+
+
+def test_a_slot_given_back_is_the_next_units_buffer() -> None:
+    rig = _Rig([_unit(0), _unit(1)], home="disk", slots=1)
+    a, b = rig.states
+    rig.grad(a, 0, torch.ones(3, 5))
+    slot = a.grad_slot
+    rig.g.drop_buffer(a)
+    rig.grad(b, 0, torch.ones(3, 5))
+    assert b.grad_slot is slot and rig.manager.calls == [(1024 * 4, torch.uint8, "gradient slot 0")]
