@@ -16,6 +16,14 @@ and, if it has frozen parameters, the gradient w.r.t. its module's inputs exists
 needs it anyway (a unit used twice), the pre-backward hook fetches it again. During backward,
 forward post-hooks (activation checkpointing recomputation) do not release.
 
+The same holds for every other way a unit is let go in backward: once a pre-backward hook has
+fetched a unit, nothing releases it before its backward is done. A unit whose deferred step ran
+at its forward fetch is held until the step's writes land, and the poll that finds them landed
+may come between the hook that fetched the unit again and the op that reads it (ALBERT's tied
+decoder: the decoder's hook fetches the embeddings' unit, the prediction head's hook on the
+same tensor polls the steps, and the decoder's backward then read an empty buffer, about once
+in 40 runs on a loaded machine).
+
 [Note: outputs passed through]
 The pre-backward hook goes on the tensors a module produced, not on an input it hands back as
 an output unchanged (T5's blocks pass on the position bias block 0 computed). Such a tensor's
@@ -245,6 +253,7 @@ class Coordinator:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         for uid in ids:
             self._ensure(uid, self.traces["bwd"])
+            self._status[uid].backward_fetched = True
         for uid in ids + tuple(self._next_trainable(self.traces["bwd"].upcoming(), 1)):
             if self.units[uid].has_trainable and not self._status[uid].backward_done:
                 self.stepper.expect_backward(self.units[uid])
@@ -383,10 +392,20 @@ class Coordinator:
         distance = self._next_use(uid, upcoming)
         return 1 << 62 if distance is None else distance
 
+    def _backward_may_read(self, uid: int) -> bool:
+        """A backward op still to run may read the unit: a pre-backward hook of the backward
+        in progress fetched it and its backward is not done (see [Note: release during
+        backward])."""
+        status = self._status[uid]
+        return self._phase is PassPhase.BACKWARD and status.backward_fetched and \
+            not status.backward_done
+
     def _release_or_keep(self, uid: int) -> None:
         unit = self.units[uid]
         if unit.persistent or unit.residency != Residency.FETCHED or self._status[uid].stepping:
             return   # a unit being stepped is released when its step is over
+        if self._backward_may_read(uid):
+            return   # released when its backward is done, or at the backward's end
         upcoming = self._upcoming_all()
         distance = self._next_use(uid, upcoming)
         if distance is not None and distance < self.limits.max_reuse_numel:   # 0: never keep

@@ -28,6 +28,9 @@ class UnitStatus:
     grads_pending: int = 0   # trainable parameters whose gradient this backward has not brought
     inputs_done: bool = False    # the gradient w.r.t. its module's inputs exists
     backward_done: bool = False  # see [Note: release during backward]
+    # a pre-backward hook of this backward fetched it: until its backward is done, an op about
+    # to run may read it (see [Note: release during backward])
+    backward_fetched: bool = False
     stepping: bool = False       # a background step holds it fetched
     # its device copy holds a newer own shard than the other ranks' shards in it (a step ran, or
     # only the own shard was read): gathered before the next use (see [Note: shards])
@@ -41,4 +44,4 @@ class UnitStatus:
 
     def start_backward(self, trainable: int) -> None:
         self.grads_pending = trainable
-        self.inputs_done = self.backward_done = False
+        self.inputs_done = self.backward_done = self.backward_fetched = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -94,9 +95,11 @@ class ParityResult:
 def run_parity(model: nn.Module, ds_config: dict, steps: int = 20, seq: int = 16, batch: int = 2,
                lr: float = 1e-3, weight_decay: float = 0.01, clip: float = 0.0,
                accumulation: int = 1, seed: int = 1, close: bool = True,
-               schedule: dict | None = None) -> ParityResult:
+               schedule: dict | None = None,
+               prepare: Callable[[Any], None] | None = None) -> ParityResult:
     """Train ``model`` with infinity and a copy with torch AdamW(foreach=False) in lock step;
-    ``schedule`` (a ds_config "scheduler" section) drives both optimizers' lr and betas."""
+    ``schedule`` (a ds_config "scheduler" section) drives both optimizers' lr and betas;
+    ``prepare`` is called with the engine before the first step (to instrument it)."""
     import infinity
     from infinity.config import InfinityConfig
     from infinity.optim.schedules import build_scheduler
@@ -115,6 +118,8 @@ def run_parity(model: nn.Module, ds_config: dict, steps: int = 20, seq: int = 16
     ds["gradient_clipping"] = clip
     pin_fp32(ds)
     engine, _, _, _ = infinity.initialize(model=model, config=ds)
+    if prepare is not None:
+        prepare(engine)
     gen = torch.Generator().manual_seed(seed)
     # a few fixed random sequences, so that the loss visibly falls as the model memorises them
     pool = torch.randint(0, VOCAB, (4, batch, seq), generator=gen)
