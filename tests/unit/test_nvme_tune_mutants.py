@@ -137,13 +137,13 @@ def test_points_without_a_measured_rate_are_never_recommended() -> None:
 # -- what a report says ------------------------------------------------------------------------
 
 def test_a_point_result_as_json_rounds_rates_to_four_digits_and_keeps_every_sample() -> None:
-    r = PointResult(TunePoint("io_uring", MiB, 8, 2), "io_uring", [1.234567, 3.0, 2.00004],
+    r = PointResult(TunePoint("io_uring", MiB, 8, 2), "io_uring", [1.234567, 3.0, 2.34567],
                     [0.5, 0.123456], [0.0, 0.25])
-    swap = 1.0 / (1.0 / 2.00004 + 1.0 / ((0.5 + 0.123456) / 2))
+    swap = 1.0 / (1.0 / 2.34567 + 1.0 / ((0.5 + 0.123456) / 2))
     assert r.to_dict() == {
         "backend": "io_uring", "block_size": MiB, "queue_depth": 8, "thread_count": 2,
-        "backend_used": "io_uring", "write_GBps": 2.0, "read_GBps": 0.3117,
-        "swap_GBps": round(swap, 4), "write_samples_GBps": [1.2346, 3.0, 2.0],
+        "backend_used": "io_uring", "write_GBps": 2.3457, "read_GBps": 0.3117,
+        "swap_GBps": round(swap, 4), "write_samples_GBps": [1.2346, 3.0, 2.3457],
         "read_samples_GBps": [0.5, 0.1235], "resident_before_read": [0.0, 0.25]}
 
 
@@ -365,6 +365,18 @@ def test_a_measurement_rewrites_the_whole_file_and_reads_it_back(disk_dir: Path,
         tf.measure(TunePoint("threads", 4096, 4), before_read=None)
 
 
+def test_a_file_that_is_not_whole_buffers_is_read_with_a_short_last_request(
+        disk_dir: Path, monkeypatch) -> None:
+    """5 pages through a 2-page buffer: the last request of each pass is one page; reading a
+    whole buffer there would run past the end of the file."""
+    monkeypatch.setattr(tune, "MAX_BUFFER", 8192)
+    with tune.TuneFile(disk_dir, 5 * 4096) as tf:
+        pattern = tf.buf.numpy().tobytes()
+        backend, write, read, resident = tf.measure(TunePoint("threads", 4096, 4))
+        assert backend == "threads" and write > 0 and read > 0
+        assert tf.file_path.read_bytes() == pattern * 2 + pattern[:4096]
+
+
 @pytest.mark.parametrize("pages, expected", [(1, 0.3333), (2, 0.6667), (3, 1.0), (50, 1.0)])
 def test_the_cached_fraction_before_a_read_is_pages_over_the_file_at_most_one(
         disk_dir: Path, monkeypatch, pages: int, expected: float) -> None:
@@ -401,25 +413,25 @@ def _tiles(buf: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 def test_the_check_stamps_every_tile_with_its_index_and_samples_every_16th_and_the_last() -> None:
-    buf = torch.empty(34 * 64 * KiB, dtype=torch.uint8)
+    buf = torch.empty(35 * 64 * KiB, dtype=torch.uint8)
     check = tune._Check(buf)
     rows = _tiles(buf, 64 * KiB)
-    for k in range(34):
+    for k in range(35):
         assert int(rows[k, :8].view(torch.int64)) == k
     assert not torch.equal(rows[0, 8:], torch.zeros_like(rows[0, 8:]))
-    assert torch.equal(rows[1, 8:], rows[33, 8:])              # one pattern after the stamp
+    assert torch.equal(rows[1, 8:], rows[34, 8:])              # one pattern after the stamp
     assert check.verify()
     check.clear()
-    sampled = {0, 16, 32, 33}
-    for k in range(34):
+    sampled = {0, 16, 32, 34}
+    for k in range(35):
         zero = bool((rows[k] == 0).all())
         assert zero == (k in sampled), k
     assert not check.verify()
 
 
-@pytest.mark.parametrize("row", [0, 16, 32, 33])
+@pytest.mark.parametrize("row", [0, 16, 32, 34])
 def test_the_check_fails_when_any_sampled_tile_differs(row: int) -> None:
-    buf = torch.empty(34 * 64 * KiB, dtype=torch.uint8)
+    buf = torch.empty(35 * 64 * KiB, dtype=torch.uint8)
     check = tune._Check(buf)
     rows = _tiles(buf, 64 * KiB)
     rows[row, 9] ^= 1
@@ -435,13 +447,13 @@ def test_a_tile_read_from_the_wrong_offset_is_caught_by_its_stamp() -> None:
 
 
 def test_a_buffer_that_is_not_whole_64k_tiles_uses_4k_tiles() -> None:
-    buf = torch.empty(18 * 4096, dtype=torch.uint8)
+    buf = torch.empty(19 * 4096, dtype=torch.uint8)
     check = tune._Check(buf)
     rows = _tiles(buf, 4096)
-    assert [int(rows[k, :8].view(torch.int64)) for k in range(18)] == list(range(18))
+    assert [int(rows[k, :8].view(torch.int64)) for k in range(19)] == list(range(19))
     check.clear()
-    assert [bool((rows[k] == 0).all()) for k in range(18)] == \
-        [k in (0, 16, 17) for k in range(18)]
+    assert [bool((rows[k] == 0).all()) for k in range(19)] == \
+        [k in (0, 16, 18) for k in range(19)]
     assert not check.verify()
 
 
