@@ -65,6 +65,8 @@ class _TwoRanks:
         self.calls: list[tuple] = []
 
     def reduce_scatter_mean(self, output, source, tag=None) -> None:
+        if output.dtype != source.dtype:     # as reduce_scatter_tensor requires
+            raise TypeError(f"reduce-scatter of {source.dtype} into {output.dtype}")
         self.calls.append(("reduce_scatter", source.numel(), tag))
         n = output.numel()
         output.copy_(((source + self.other) / 2)[self.rank * n:(self.rank + 1) * n])
@@ -757,3 +759,26 @@ def test_a_slot_given_back_is_the_next_units_buffer() -> None:
     rig.g.drop_buffer(a)
     rig.grad(b, 0, torch.ones(3, 5))
     assert b.grad_slot is slot and rig.manager.calls == [(1024 * 4, torch.uint8, "gradient slot 0")]
+
+
+def test_the_scattered_shard_is_float32_whatever_the_default_dtype() -> None:
+    """A user's ``torch.set_default_dtype(torch.float64)`` must not make the reduce-scatter's
+    output a float64 tensor against the float32 gradient."""
+    other = torch.randn(4096)
+    comm = _TwoRanks(0, other, [True, True])
+    unit = _unit(shapes=((40, 50), (900,)), comm=comm, shards=2)
+    rig = _Rig([unit], home="disk", comm=comm, scatter=True, shards=[(0, 2048)])
+    state = rig.states[0]
+    g0 = torch.randn(40, 50)
+    rig.grad(state, 0, g0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        rig.g.reduce(state)
+    finally:
+        torch.set_default_dtype(default)
+    whole = torch.zeros(4096, dtype=torch.float64)
+    whole[:2000] = g0.double().reshape(-1)
+    assert state.grad_buffer.dtype == F32
+    assert torch.allclose(state.grad_buffer.double(), ((whole + other.double()) / 2)[:2048],
+                          rtol=0, atol=1e-6)
