@@ -236,6 +236,9 @@ def test_speculating_a_flat_buffer_norms_it_here() -> None:
     assert rig.gradients.sq_norm == pytest.approx(float((g1.double() ** 2).sum()), rel=1e-12)
     assert b.norm_counted and b.has_grads and job.params == frozenset({16})
     assert rig.submitted[-1]["gradient_home"] is False
+    assert job.gradient.slot is not None and rig.pool.available == 0   # the step holds it
+    rig.gradients.land_writes()
+    assert float(b.grad_store.data.abs().sum()) == 0.0     # not sent home
 
 
 def test_the_gradient_goes_home_with_clipping_or_an_l2_group_else_not() -> None:
@@ -251,8 +254,11 @@ def test_the_gradient_goes_home_with_clipping_or_an_l2_group_else_not() -> None:
     b.has_grads = True
     rig.spec.begin_backward(True)
     rig.gradients.on_grad(b.unit, b.unit.trainable_entries()[0], torch.ones(3, 5))
-    rig.spec.speculate(b, 1.0, 1.0, rig.submit)
+    job = rig.spec.speculate(b, 1.0, 1.0, rig.submit)
     assert rig.submitted[-1]["gradient_home"] is False
+    # the step reads the gradient where it accumulated: the home itself
+    assert job.gradient.values.data_ptr() == b.grad_store.tensor.data_ptr()
+    assert job.gradient.values.numel() == 1024 and job.gradient.origin == 0
 
 
 def test_l2_is_adam_mode_with_weight_decay() -> None:
@@ -480,7 +486,9 @@ def test_a_roll_back_rebuilds_the_gradient_home_chunk_by_chunk(home) -> None:
     assert (rebuilt[3512:] == 0).all()
     loads = [w for w in rig.manager.waits if len(w) == 2]
     assert len(loads) == 4                # m and m' of each chunk, waited together
-    assert rig.pool.available == 1        # the slot went back
+    # through the free slot (3172 floats: pieces of 1024), no other buffer; the slot went back
+    assert [c[2] for c in rig.manager.calls] == ["gradient slot 0"]
+    assert rig.pool.available == 1 and rig.pool.try_acquire() is not None
 
 
 def test_a_rebuild_without_a_free_slot_goes_through_the_accumulation_chunk() -> None:
@@ -562,3 +570,121 @@ def test_pieces_are_equal_multiples_of_4_kib_or_none() -> None:
     assert _pieces(torch.zeros(3 * 1024 - 1), 3) is None
     assert [p.numel() for p in _pieces(torch.zeros(3 * 1024), 3)] == [1024] * 3
     assert [p.numel() for p in _pieces(torch.zeros(4096), 2)] == [2048, 2048]
+
+
+class _LandsWhenWaited(Future):
+    """The landed future of a job that has stepped and lands when it is waited for."""
+
+    def __init__(self, job: StepJob) -> None:
+        super().__init__()
+        self.job = job
+
+    def result(self, timeout=None):
+        if not self.done():
+            self.job.landed_future = Future()
+            self.job.landed()
+            self.set_result(None)
+        return super().result(timeout)
+
+
+def test_a_roll_back_waits_for_every_job_to_land() -> None:
+    rig = _Rig(units=(SMALL, SMALL))
+    rig.run_now = False
+    a, b = rig.states
+    jobs = rig.backward(a, b)
+    for job in jobs:
+        job.runs = rig.kernel.step_runs(job.state, job.params)
+        job.stepped()
+        job.landed_future = _LandsWhenWaited(job)
+    rig.spec.roll_back("clipping")
+    assert [j.phase for j in jobs] == [JobPhase.ROLLED_BACK] * 2
+    assert rig.steps.jobs == [] and a.step == 0 and b.step == 0
+    assert rig.steps.reap() == [a.unit, b.unit]
+
+
+def test_a_roll_back_gives_back_only_the_parameters_that_stepped() -> None:
+    rig = _Rig()
+    state = rig.states[0]
+    rig.spec.begin_backward(True)
+    rig.gradients.on_grad(state.unit, state.unit.trainable_entries()[1], torch.ones(7))
+    rig.spec.speculate(state, 1.0, 1.0, rig.submit)
+    assert state.param_steps == {16: 1}
+    rig.spec.roll_back("clipping")
+    assert state.param_steps == {16: 0} and state.step == 0 and state.arrived == {16}
+
+
+def test_the_counts_add_up_over_steps() -> None:
+    rig = _Rig()
+    state = rig.states[0]
+    for _ in range(2):
+        rig.backward(state)
+        rig.spec.resolve(keep=True)
+    for _ in range(2):
+        rig.backward(state, clip=1.0)
+        rig.spec.resolve(keep=False)
+    for _ in range(2):
+        rig.backward(state)
+        rig.spec.void()
+    assert rig.spec.stats == {"committed": 2, "rolled_back": 2, "voided": 2}
+
+
+def test_each_roll_back_logs_how_many_units_and_why() -> None:
+    import logging
+
+    from infinity.optim import speculation
+
+    records: list[str] = []
+
+    class _List(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+    handler = _List(level=logging.DEBUG)
+    level = speculation.log.level
+    speculation.log.setLevel(logging.DEBUG)
+    speculation.log.addHandler(handler)
+    try:
+        rig = _Rig(units=(SMALL, SMALL))
+        rig.backward(*rig.states, clip=1.0)
+        rig.spec.resolve(keep=False)
+        rig.backward(rig.states[0])
+        rig.spec.resolve(keep=False, overflow=True)
+        rig.backward(rig.states[0])
+        rig.groups[0]["lr"] = 5e-4
+        rig.spec.resolve(keep=True)
+        rig.backward(rig.states[1])
+        rig.spec.void()
+    finally:
+        speculation.log.removeHandler(handler)
+        speculation.log.setLevel(level)
+    assert records == [
+        "speculative step of 2 unit(s) rolled back (clipping)",
+        "speculative step of 1 unit(s) rolled back (an overflow)",
+        "speculative step of 1 unit(s) rolled back (the hyperparameters changed after the "
+        "backward)",
+        "speculative step of 1 unit(s) rolled back (the model was read before step())",
+    ]
+
+
+def test_a_rebuild_in_pieces_of_3072_reads_a_short_last_chunk() -> None:
+    """Pieces of 3072 elements over 4096: a full chunk and one of 1024, never past the end."""
+    rig = _Rig(units=(LARGE,), slot_bytes=4 * (3 * 3072 + 50))
+    state = rig.states[0]
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(6))
+    rig.backward(state, grads=[g[0:2500], g[2512:3512]])
+    m, m_new = _speculated_moments(rig, state, g, 1.0)
+    rig.spec.resolve(keep=False)
+    assert torch.equal(state.grad_store.data, _formula(rig, state, m, m_new, 1.0))
+    assert len([w for w in rig.manager.waits if len(w) == 2]) == 2
+
+
+def test_gradient_term_rounds_one_minus_beta1_to_float32_whatever_the_default_dtype() -> None:
+    m = torch.tensor([1.0, -3.0], dtype=F32)
+    m_new = m * 0.9 + torch.tensor([0.1, 0.2])
+    one_minus = float(torch.tensor(1 - 0.9, dtype=F32))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = _gradient_term(m, m_new, 0.9)
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.equal(got, (m_new - m * 0.9).double() / one_minus)
