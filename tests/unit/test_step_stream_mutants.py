@@ -12,6 +12,9 @@ thread down at once (nothing queued), then queues jobs and runs ``_run`` by hand
 the log records does not depend on timing. Two tests use the stream's own thread."""
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,8 +24,10 @@ from fakes import failing_on_call, reference_adam_f64
 from infinity.base.budget import MemoryBudget
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
-from infinity.optim.records import CompleteGradient, JobPhase, OptimTimers, UnitOptimState
-from infinity.optim.step_stream import READ_AHEAD, WRITES_BEHIND, StepStream
+from infinity.optim.records import (
+    CompleteGradient, JobPhase, OptimTimers, StepRun, UnitOptimState)
+from infinity.optim.step_stream import (
+    READ_AHEAD, WRITES_BEHIND, StepStream, flat_rounded_by_kernel)
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
@@ -337,6 +342,7 @@ def test_hyperparameters_fixed_when_asked_deferred_at_expect_early_at_ready() ->
     rig.run()
     check_adam(sa, va, [ga], lr=1e-2)
     check_adam(sb, vb, [gb], lr=0.05)
+    assert rig.stream.stats["expected"] == 2
 
 
 def test_make_ready_overrides_only_what_it_is_given() -> None:
@@ -347,14 +353,18 @@ def test_make_ready_overrides_only_what_it_is_given() -> None:
     ub, vb = rig.unit("b", [1000, 1000], seed=2)
     sa, sb = rig.state(ua, va), rig.state(ub, vb)
     ga, gb = grad_of(va, 3), grad_of(vb, 4)
-    ja = rig.stream.expect(sa, grad_scale=3.0, params=frozenset({0}))
+    ja = rig.stream.expect(sa, grad_scale=3.0)
     jb = rig.stream.expect(sb, grad_scale=3.0, params=frozenset({0}))
     rig.stream.make_ready(ja, CompleteGradient(ga * 2), grad_scale=2.0,
-                          params=frozenset({0, 1008}))
+                          params=frozenset({1008}))
     rig.stream.make_ready(jb, CompleteGradient(gb * 3))
     rig.run()
-    check_adam(sa, va, [ga])
-    assert sa.param_steps == {0: 1, 1008: 1} and sb.param_steps == {0: 1}
+    assert sa.param_steps == {1008: 1} and sb.param_steps == {0: 1}
+    pa, _, _ = reference_adam_f64(va[1008:2008], [ga[1008:2008]], lr=1e-2, beta1=0.9,
+                                  beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                                  bias_correction=True, grad_scale=1.0)
+    close(ua.flat[1008:2008], pa)
+    assert torch.equal(ua.flat[:1000], va[:1000])
     p, _, _ = reference_adam_f64(vb[:1000], [gb[:1000]], lr=1e-2, beta1=0.9, beta2=0.999,
                                  eps=1e-8, weight_decay=0.01, adamw_mode=True,
                                  bias_correction=True, grad_scale=1.0)
@@ -538,7 +548,7 @@ def test_a_ready_step_preempts_expected_reads_and_steps_first() -> None:
     rig.run()
     check_adam(se, ve, [ge])
     check_adam(sr, vr, [gr])
-    assert rig.stream.stats["preempted"] >= 1
+    assert rig.stream.stats["preempted"] == 2         # e's two newest reads, one for each r
     kernels = [e[1] for e in rig.events("kernel")]
     assert kernels == ["r", "r", "e", "e", "e", "e"]
     e_reads = [e[2] for e in rig.events("read") if e[1] == "e.m"]
@@ -572,6 +582,10 @@ def test_the_stream_thread_steps_jobs_made_ready_later() -> None:
     state = rig.state(unit, values)
     g = grad_of(values)
     try:
+        # one daemon thread, named for stack dumps: a process whose engine was never closed
+        # must still exit
+        named = [t for t in threading.enumerate() if t.name == "infinity-step-stream"]
+        assert rig.stream._thread in named and rig.stream._thread.daemon is True
         job = rig.stream.expect(state)
         rig.stream.make_ready(job, CompleteGradient(g))
         job.landed_future.result(timeout=60)
@@ -613,7 +627,7 @@ def test_a_speculated_step_writes_shadows_and_its_gradient_home(held) -> None:
     a flat buffer as it is (and kept until the job ends), held parts with zeros in the gaps,
     normed into the job's squares."""
     rig = Rig()
-    unit, values = rig.unit("u", [1000, 1000])
+    unit, values = rig.unit("u", [1000, 1000], aligned=not held)   # params direct, or a slot
     g = grad_of(values)
     state = rig.state(unit, values, grad=torch.full((unit.trainable_numel,), 9.0))
     gpool = BufferPool(rig.manager, unit.trainable_numel * 4, 1, "gradient")
@@ -632,6 +646,7 @@ def test_a_speculated_step_writes_shadows_and_its_gradient_home(held) -> None:
     assert job.phase is JobPhase.LANDED
     assert not state.exp_avg.data.any() and torch.equal(unit.param_store.data[:2048],
                                                         values.to(unit.dtype))
+    assert torch.equal(unit.param_store.shadow[:2048], unit.flat[:2048])
     writes = [e for e in rig.events("write") if e[1] != "u.g"]
     assert writes and all(e[4] for e in writes)
     shadow_m = state.exp_avg.shadow
@@ -657,11 +672,18 @@ def test_a_speculated_step_without_gradient_home_norms_only_a_held_gradient() ->
         unit, values = rig.unit("u", [1000])
         g = grad_of(values)
         state = rig.state(unit, values)
-        grad = {0: g[:1000].clone()} if held else g
-        job = rig.stream.submit(state, early=True, gradient=CompleteGradient(grad),
-                                speculative=True)
+        gpool = BufferPool(rig.manager, 1024 * 4, 1, "gradient")
+        slot = gpool.acquire()
+        slot.view(torch.float32, 1024).copy_(g)
+        gradient = CompleteGradient({0: g[:1000].clone()}) if held else \
+            CompleteGradient(slot.view(torch.float32, 1024), slot=slot, pool=gpool)
+        job = rig.stream.submit(state, early=True, gradient=gradient, speculative=True)
+        at_stepped: list = []
+        job.stepped_future.add_done_callback(lambda f: at_stepped.append(gpool.available))
         rig.run()
         assert job.phase is JobPhase.LANDED
+        if not held:         # the flat buffer is not kept: given back after the last kernel
+            assert at_stepped == [1]
         sq[held] = job.sq_norm
     assert sq[False] == 0.0
     assert sq[True] == pytest.approx(float((g.double() ** 2).sum()), rel=1e-6)
@@ -782,3 +804,226 @@ def test_a_kernel_error_waits_out_the_writes_in_flight_before_freeing_slots(monk
     issued = [e[1:3] for e in rig.log if e[0] in ("read", "write")]
     waited = [e[2:4] for e in rig.log if e[0] in ("done", "failed")]
     assert sorted(issued) == sorted(waited)
+
+
+# -- staging slots (parameters written home through a slot) ------------------------------------
+
+def _ready_behind_expected(slots: int):
+    """A ready unit r (one sub-group, parameters through a slot) read first, then an expected
+    unit e read ahead with what is left; e is made ready once r has stepped."""
+    rig = Rig(slots=slots)
+    ur, vr = rig.unit("r", [1024], aligned=False, seed=1)
+    ue, ve = rig.unit("e", [2048], seed=2)
+    sr, se = rig.state(ur, vr), rig.state(ue, ve)
+    gr, ge = grad_of(vr, 3), grad_of(ve, 4)
+    ready = rig.stream.submit(sr, early=True, gradient=CompleteGradient(gr))
+    expected = rig.stream.expect(se)
+    ready.stepped_future.add_done_callback(
+        lambda f: rig.stream.make_ready(expected, CompleteGradient(ge)))
+    rig.run()
+    check_adam(sr, vr, [gr])
+    check_adam(se, ve, [ge])
+    return rig
+
+
+def test_a_staging_slot_taken_while_one_is_free_gives_up_no_expected_read() -> None:
+    """Parameters written through a slot while the pool has one free: no expected read is
+    given up for it, and every slot comes back."""
+    rig = _ready_behind_expected(slots=12)
+    assert rig.stream.stats["preempted"] == 0
+    assert [e[2] for e in rig.events("read") if e[1] == "e.m"] == [0, 1024]
+    assert rig.pool.available == 12
+
+
+def test_a_staging_slot_with_none_free_gives_up_the_newest_expected_read_only() -> None:
+    """The pool held by r's reads and e's read ahead: writing r's parameters gives up e's
+    newest sub-group read (one, read again later), not all of them."""
+    rig = _ready_behind_expected(slots=6)
+    assert rig.stream.stats["preempted"] == 1
+    assert [e[2] for e in rig.events("read") if e[1] == "e.m"] == [0, 1024, 1024]
+    assert rig.pool.available == 6
+
+
+def test_a_staging_slot_with_none_free_retires_the_oldest_writes() -> None:
+    """Eight slots, four one-sub-group units whose parameters and held gradients (speculated,
+    kept at home) go through slots: with every slot held by reads and writes in flight, a
+    write's slot comes from retiring the oldest writes (no wait on a slot the stream holds
+    itself); all values land."""
+    rig = Rig(slots=8)
+    units = [rig.unit(f"u{k}", [1024], aligned=False, seed=k) for k in range(4)]
+    states = [rig.state(u, v, grad=torch.zeros(1024)) for u, v in units]
+    jobs = []
+    for k, (state, (unit, v)) in enumerate(zip(states, units)):
+        g = grad_of(v, 10 + k)
+        jobs.append(rig.stream.submit(state, early=True, gradient=CompleteGradient({0: g}),
+                                      speculative=True, gradient_home=True))
+    rig.run()
+    assert all(j.phase is JobPhase.LANDED for j in jobs)
+    for k, (state, (unit, v)) in enumerate(zip(states, units)):
+        assert torch.equal(state.grad_store.data, grad_of(v, 10 + k))
+        assert torch.equal(unit.param_store.shadow[:1024], unit.flat[:1024])
+    assert rig.pool.available == 8 and rig.stream.stats["preempted"] == 0
+    # retiring u0's writes freed the slots for u3's reads before u1 was stepped
+    assert rig.log.index(("read", "u3.m", 0, 1024)) < rig.log.index(("kernel", "u1", 0, 1024))
+
+
+def test_a_speculated_held_gradient_is_copied_into_a_host_gradient_home() -> None:
+    """A held gradient kept for a redo in a host gradient home: copied in place, the gaps
+    between parameters zeroed, normed once."""
+    rig = Rig()
+    unit, values = rig.unit("u", [1000, 1000])
+    g = grad_of(values)
+    state = rig.state(unit, values, grad=torch.full((unit.trainable_numel,), 9.0),
+                      grad_disk=False)
+    parts = {e.offset: g[e.offset:e.offset + e.numel].clone() for e in unit.params}
+    job = rig.stream.submit(state, early=True, gradient=CompleteGradient(parts),
+                            speculative=True, gradient_home=True)
+    rig.run()
+    assert job.phase is JobPhase.LANDED
+    assert torch.equal(state.grad_store.tensor[:2048], g)
+    assert job.sq_norm == pytest.approx(float((g.double() ** 2).sum()), rel=1e-6)
+    assert rig.pool.available == 12
+
+
+def test_a_speculated_step_made_ready_later_takes_its_settings_from_make_ready() -> None:
+    """``make_ready`` sets the speculation of an expected job: speculative, the results go to
+    the shadow extents; with ``gradient_home`` the held gradient is written home, without it
+    only normed (in the kernel)."""
+    for home in (False, True):
+        rig = Rig()
+        unit, values = rig.unit("u", [1000])
+        g = grad_of(values)
+        state = rig.state(unit, values, grad=torch.zeros(unit.trainable_numel))
+        job = rig.stream.expect(state)
+        if home:
+            rig.stream.make_ready(job, CompleteGradient({0: g[:1000].clone()}),
+                                  speculative=True, gradient_home=True)
+        else:
+            rig.stream.make_ready(job, CompleteGradient({0: g[:1000].clone()}),
+                                  speculative=True)
+        rig.run()
+        assert job.phase is JobPhase.LANDED
+        assert not state.exp_avg.data.any() and state.exp_avg.shadow.any()
+        assert torch.equal(state.grad_store.data, g if home else torch.zeros_like(g))
+        assert job.sq_norm == pytest.approx(float((g.double() ** 2).sum()), rel=1e-6)
+
+
+def test_a_shard_of_the_unit_reads_and_writes_its_stores_from_their_start() -> None:
+    """States of a shard [1024, 3072) of the unit (stores of 2048 elements: store element i is
+    the unit's 1024 + i): the shard steps to Adam's values, written at the store's offsets;
+    the elements before the shard are not touched."""
+    rig = Rig()
+    unit, values = rig.unit("u", [3000])
+    n = unit.trainable_numel
+    state = UnitOptimState(unit, DiskStore("u.m", torch.zeros(n - 1024), rig.log),
+                           DiskStore("u.v", torch.zeros(n - 1024), rig.log), None, None,
+                           shard=(1024, n))
+    g = grad_of(values)
+    job = rig.stream.submit(state, early=True,
+                            gradient=CompleteGradient(g[1024:].clone(), origin=1024))
+    rig.run()
+    assert job.phase is JobPhase.LANDED
+    p, m, v = reference_adam_f64(values[1024:3000], [g[1024:3000]], lr=1e-2, beta1=0.9,
+                                 beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                                 bias_correction=True, grad_scale=1.0)
+    close(state.exp_avg.data[:1976], m)
+    close(state.exp_avg_sq.data[:1976], v)
+    close(unit.flat[1024:3000], p)
+    assert torch.equal(unit.flat[:1024], values[:1024])
+    assert torch.equal(unit.param_store.data[:3000], unit.flat[:3000])
+    assert sorted(e[2] for e in rig.events("write") if e[1] == "u.m") == [0, 1024]
+
+
+def test_an_fp32_device_copy_with_a_separate_master_takes_the_master_as_it_is() -> None:
+    """A separate fp32 master with an fp32 device copy: nothing to round; the device copy is
+    the stepped master."""
+    rig = Rig()
+    unit, values = rig.unit("u", [2000])
+    state = rig.state(unit, values, master=True)
+    g = grad_of(values)
+    job = rig.stream.submit(state, early=True, gradient=CompleteGradient(g))
+    rig.run()
+    assert job.phase is JobPhase.LANDED
+    check_adam(state, values, [g])
+
+
+def test_runs_ending_at_the_sub_group_end_round_into_the_device_copy() -> None:
+    """A run that ends exactly at the sub-group's end covers it, whatever gap follows in the
+    later runs."""
+    flat = SimpleNamespace(flat=torch.zeros(100, dtype=torch.bfloat16))
+    runs = [StepRun(0, 0, 40, 1), StepRun(0, 60, 100, 1)]
+    assert flat_rounded_by_kernel(flat, torch.zeros(100), runs, 0, 40)
+    assert flat_rounded_by_kernel(flat, torch.zeros(100), runs, 60, 100)
+    assert not flat_rounded_by_kernel(flat, torch.zeros(100), runs, 0, 41)
+
+
+def test_a_speculated_step_writes_a_separate_master_to_its_shadow() -> None:
+    """bf16 compute with an fp32 master: a speculative step's new master goes to the master's
+    shadow extent; the current master keeps the values before the step."""
+    rig = Rig()
+    unit, values = rig.unit("u", [1000], dtype=torch.bfloat16)
+    state = rig.state(unit, values, master=True)
+    unit.flat[:unit.trainable_numel].copy_(values.to(torch.bfloat16))
+    g = grad_of(values)
+    job = rig.stream.submit(state, early=True, gradient=CompleteGradient(g), speculative=True)
+    rig.run()
+    assert job.phase is JobPhase.LANDED
+    assert torch.equal(state.master.data, values)
+    p, _, _ = reference_adam_f64(values[:1000], [g[:1000]], lr=1e-2, beta1=0.9, beta2=0.999,
+                                 eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                                 bias_correction=True, grad_scale=1.0)
+    close(state.master.shadow[:1000], p)
+
+
+def test_sharded_parameters_are_written_at_their_place_in_the_own_shard_home() -> None:
+    """Rank 1 of 2 with sharded parameters: its param home holds only its own shard (the unit's
+    elements [2048, 4096)); the stepped shard is written there from its start."""
+    rig = Rig()
+    g0 = torch.Generator().manual_seed(5)
+    param = nn.Parameter(torch.randn(4000, generator=g0))
+    unit = Unit(0, "u", nn.Module(), [("w", param, 0)], torch.float32, torch.device("cpu"),
+                comm=SimpleNamespace(rank=1), shards=2, params_sharded=True)
+    assert (unit.home_start, unit.home_numel) == (2048, 2048)
+    unit.flat = rig.manager.host_empty(unit.flat_numel, torch.float32, "flat")
+    unit.flat.zero_()
+    unit.flat[:4000].copy_(param.detach())
+    unit.param_store = DiskStore("u.p", torch.zeros(2048), rig.log)
+    values = unit.flat[:4096].clone()
+    hi = unit.trainable_numel
+    state = UnitOptimState(unit, DiskStore("u.m", torch.zeros(hi - 2048), rig.log),
+                           DiskStore("u.v", torch.zeros(hi - 2048), rig.log), None, None,
+                           shard=(2048, hi))
+    g = grad_of(values)
+    job = rig.stream.submit(state, early=True,
+                            gradient=CompleteGradient(g[2048:hi].clone(), origin=2048))
+    rig.run()
+    assert job.phase is JobPhase.LANDED
+    p, _, _ = reference_adam_f64(values[2048:4000], [g[2048:4000]], lr=1e-2, beta1=0.9,
+                                 beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+                                 bias_correction=True, grad_scale=1.0)
+    close(unit.flat[2048:4000], p)
+    assert torch.equal(unit.param_store.data[:1952], unit.flat[2048:4000])
+
+
+def test_background_time_is_the_sum_of_the_loop_turns() -> None:
+    """``timers.background_s`` adds up the stream's working turns: at least the time spent in
+    its kernels (each runs inside a turn), at most the wall time around the run."""
+    rig = Rig()
+    units = [rig.unit(f"u{k}", [2048], seed=k) for k in range(3)]
+    spent: list[float] = []
+    real_run = rig.kernel.run
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real_run(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - t0)
+    rig.kernel.run = timed
+    for unit, v in units:
+        rig.stream.submit(rig.state(unit, v), early=True, gradient=CompleteGradient(grad_of(v)))
+    t0 = time.perf_counter()
+    rig.run()
+    wall = time.perf_counter() - t0
+    assert len(spent) == 6
+    assert sum(spent) <= rig.timers.background_s <= wall
