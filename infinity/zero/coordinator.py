@@ -41,18 +41,10 @@ no module call in progress covers (a module's forward, its backward's pre-hook, 
 whether the own shard was just read from home or is still in memory. A kept unit so saves its
 disk read, not its gather. Replicated units (stages 1-2) gather only after their step.
 
-[Note: keeping units for reuse]
-A unit whose next use, in the recorded order, comes within ``stage3_max_reuse_distance``
-elements of other units is kept fetched instead of released: the last units of the forward are
-the first of the backward, and (early step) the last units stepped are the first of the next
-forward, whose device copies are already current. A kept unit never blocks a fetch: it is kept
-only while one more unit of the largest size still fits the device budget, a fetch that needs
-its room releases kept units first, the one needed last first, and a prefetch releases those
-needed after the unit it reads (kept units do not count as live parameters for prefetch).
+Which units go when room runs short, and which are kept fetched for reuse: zero/device_room.py
+([Note: keeping units for reuse]).
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import nn
@@ -61,7 +53,8 @@ from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import keep_at, param_versions, tensors_in
 from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus
-from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch, reuse_distance
+from infinity.zero.device_room import DeviceRoom
+from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch
 from infinity.zero.protocols import NO_PASS_OWNER, NO_STEPPER, PassOwner, UnitStepper, Wait
 from infinity.zero.working_set import check_backward_working_set, check_traced_working_set
 from infinity.zero.unit import ParamEntry, Unit
@@ -92,11 +85,10 @@ class Coordinator:
         self._handles: list = []
         self._status = [UnitStatus() for _ in units]   # by unit index
         self._phase = PassPhase.IDLE
-        self._kept: set[int] = set()   # released by their hooks but kept fetched for reuse
+        self._room = DeviceRoom(units, manager, limits, self._upcoming_all)
         # per hooked module, a stack (one entry per call in progress) of its inputs' tensor ids
         self._call_inputs: dict[int, list[frozenset[int]]] = {}
         self._outermost: dict[int, list[int]] = {}     # per module, pre-hooks kept ahead of ours
-        self._largest = max((u.nbytes for u in units if not u.persistent), default=0)
         check_backward_working_set(units, hooked, manager.device_budget)
         # the units the training forward in progress used with grad enabled, in order (a use
         # under no_grad has no backward), and the order last checked (``end_forward``)
@@ -366,14 +358,14 @@ class Coordinator:
         for unit in units:
             uid = unit.index
             self._status[uid].stepping = False
-            self._kept.discard(uid)
+            self._room.kept.discard(uid)
             if unit.persistent or unit.residency != Residency.FETCHED:
                 continue
             self._release(unit)
             if self._status[uid].users > 0:
                 unit.finish_fetch(self.manager, self.fetch_pool)
 
-    # -- keeping for reuse (see [Note: keeping units for reuse]) ---------------------------
+    # -- releasing and keeping (see [Note: keeping units for reuse] in zero/device_room.py) -
     def _upcoming_all(self) -> list[int]:
         """The recorded order from now on: rest of this pass, then the pass that follows."""
         fwd, bwd = self.traces["train_fwd"], self.traces["bwd"]
@@ -384,13 +376,6 @@ class Coordinator:
         if self._phase is PassPhase.EVAL_FORWARD:
             return self.traces["eval_fwd"].upcoming()
         return list(fwd.order)   # after a backward: the next training forward
-
-    def _next_use(self, uid: int, upcoming: list[int]) -> int | None:
-        return reuse_distance(uid, upcoming, lambda u: self.units[u].numel)
-
-    def _next_use_or_never(self, uid: int, upcoming: list[int]) -> int:
-        distance = self._next_use(uid, upcoming)
-        return 1 << 62 if distance is None else distance
 
     def _backward_may_read(self, uid: int) -> bool:
         """A backward op still to run may read the unit: a pre-backward hook of the backward
@@ -406,16 +391,10 @@ class Coordinator:
             return   # a unit being stepped is released when its step is over
         if self._backward_may_read(uid):
             return   # released when its backward is done, or at the backward's end
-        upcoming = self._upcoming_all()
-        distance = self._next_use(uid, upcoming)
-        if distance is not None and distance < self.limits.max_reuse_numel:   # 0: never keep
-            self._evict_kept(self._largest, upcoming, nearer_than=distance)
-            if self._device_room() >= self._largest:
-                self._kept.add(uid)
-                self.fetch_stats["kept_for_reuse"] += 1
-                self._note("keep", uid)
-                return
-        self._kept.discard(uid)
+        if self._room.keep(uid, self._upcoming_all(), self._drop_kept):
+            self.fetch_stats["kept_for_reuse"] += 1
+            self._note("keep", uid)
+            return
         self._release(unit)
 
     def _release(self, unit: Unit) -> None:
@@ -427,37 +406,10 @@ class Coordinator:
         if self.events is not None:
             self.events.append((kind, uid))
 
-    def _device_room(self) -> int:
-        limit = self.manager.device_budget.limit
-        if limit is None:
-            return 1 << 62
-        return limit - self.manager.device_cache.in_use_bytes()
-
-    def _evict_kept(self, nbytes: int, upcoming: list[int] | None = None,
-                    nearer_than: int | None = None) -> None:
-        """Release kept units, the one needed last first, until ``nbytes`` fit the device
-        budget (with ``nearer_than``: only units needed later than that distance)."""
-        if self._kept:
-            self._free_room(nbytes, list(self._kept), self._drop_kept, upcoming, nearer_than)
-
     def _drop_kept(self, uid: int) -> None:
-        self._kept.discard(uid)
+        self._room.kept.discard(uid)
         if not self._status[uid].held:
             self._release(self.units[uid])
-
-    def _free_room(self, nbytes: int, candidates: list[int], drop: Callable[[int], None],
-                   upcoming: list[int] | None = None, nearer_than: int | None = None) -> None:
-        """``drop`` candidates, the one needed last first, until ``nbytes`` fit the device
-        budget; with ``nearer_than``, stop at the first one needed within that distance."""
-        if self._device_room() >= nbytes:
-            return
-        upcoming = self._upcoming_all() if upcoming is None else upcoming
-        for uid in sorted(candidates, key=lambda u: -self._next_use_or_never(u, upcoming)):
-            if self._device_room() >= nbytes:
-                return
-            if nearer_than is not None and self._next_use_or_never(uid, upcoming) <= nearer_than:
-                return
-            drop(uid)
 
     # -- fetching --------------------------------------------------------------------------
     def _ensure(self, uid: int, trace: Trace | None) -> None:
@@ -466,10 +418,10 @@ class Coordinator:
         unit, status = self.units[uid], self._status[uid]
         if status.stepping:
             self.stepper.wait_stepped(unit)
-        self._kept.discard(uid)   # in use again
+        self._room.kept.discard(uid)   # in use again
         needs_memory = unit.flat.untyped_storage().nbytes() == 0   # not fetched or read into
         if needs_memory:
-            self._evict_kept(unit.nbytes)
+            self._room.evict_kept(unit.nbytes, self._drop_kept)
             self._cancel_prefetches(unit.nbytes)
         budget, cache = self.manager.device_budget, self.manager.device_cache
         while needs_memory and self._any_stepping() and \
@@ -539,19 +491,19 @@ class Coordinator:
             return
         # kept units never block a fetch (see [Note: keeping units for reuse]): not live here
         live = sum(u.numel for u in self.units if u.residency != Residency.RELEASED
-                   and not u.persistent and u.index not in self._kept)
+                   and not u.persistent and u.index not in self._room.kept)
         chosen = choose_prefetch(
             upcoming, lambda u: self.units[u].numel,
             lambda u: self.units[u].residency == Residency.RELEASED, live, self.limits,
-            is_kept=self._kept.__contains__)
+            is_kept=self._room.kept.__contains__)
         for uid in chosen:
             # with a slot pool, keep one slot free for synchronous fetches and write-backs;
             # without one, prefetches read into device memory while it has room
             if self.fetch_pool is not None and self.fetch_pool.available <= 1:
                 break
             if self.fetch_pool is None:   # the read goes into device memory: make room
-                self._evict_kept(self.units[uid].nbytes, upcoming,
-                                 nearer_than=self._next_use_or_never(uid, upcoming))
+                self._room.evict_kept(self.units[uid].nbytes, self._drop_kept, upcoming,
+                                      nearer_than=self._room.next_use_or_never(uid, upcoming))
             if not self.units[uid].start_fetch(self.manager, self.fetch_pool):
                 break
             self._note("prefetch", uid)
@@ -561,7 +513,7 @@ class Coordinator:
         the room it needs, cancel them, the one needed last first (the order changed)."""
         if self.fetch_pool is None:
             fetching = [u.index for u in self.units if u.residency == Residency.FETCHING]
-            self._free_room(nbytes, fetching, self._cancel_prefetch)
+            self._room.free(nbytes, fetching, self._cancel_prefetch)
 
     def _cancel_prefetch(self, uid: int) -> None:
         self._note("cancel", uid)
@@ -599,7 +551,7 @@ class Coordinator:
 
     def release_all(self) -> None:
         """Release every fetched unit and drop unused prefetches."""
-        self._kept.clear()
+        self._room.kept.clear()
         for unit in self.units:
             if not self._status[unit.index].held:
                 unit.cancel_fetch(self.manager, self.fetch_pool)

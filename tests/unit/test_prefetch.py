@@ -81,9 +81,9 @@ def test_kept_units_are_evicted_needed_last_first() -> None:
     fetched, released = Residency.FETCHED, Residency.RELEASED
     coordinator, _, gone = _coordinator_over_fake_units(
         [fetched, fetched, fetched, released], next_forward=[0, 3, 1, 2])   # 0 first, 2 last
-    coordinator._kept = {0, 1, 2}
-    coordinator._evict_kept(200)                             # room for 2 units: evict 2, then 1
-    assert gone == [2, 1] and coordinator._kept == {0}
+    coordinator._room.kept = {0, 1, 2}
+    coordinator._room.evict_kept(200, coordinator._drop_kept)   # room for 2 units: evict 2, then 1
+    assert gone == [2, 1] and coordinator._room.kept == {0}
 
 
 def test_units_in_flight_count_against_the_bucket_so_repeated_calls_do_not_run_ahead() -> None:
