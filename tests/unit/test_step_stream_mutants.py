@@ -1027,3 +1027,27 @@ def test_background_time_is_the_sum_of_the_loop_turns() -> None:
     wall = time.perf_counter() - t0
     assert len(spent) == 6
     assert sum(spent) <= rig.timers.background_s <= wall
+
+
+def test_a_read_that_finds_too_few_slots_gives_back_those_it_took() -> None:
+    """Three slots, two needed per sub-group: the next sub-group's read takes one slot, finds
+    no second, gives the first back and waits for the step to free more; at the end the pool
+    holds its three slots again."""
+    rig = Rig(slots=3)
+    unit, values = rig.unit("u", [3072], param_home="none")
+    state = rig.state(unit, values)
+    g = grad_of(values)
+    rig.stream.submit(state, early=True, gradient=CompleteGradient(g))
+    rig.run()
+    check_adam(state, values, [g])
+    back = [rig.pool.try_acquire() for _ in range(3)]
+    assert all(s is not None for s in back) and len({s.index for s in back}) == 3
+
+
+def test_each_cancelled_step_is_counted() -> None:
+    rig = Rig()
+    jobs = [rig.stream.expect(rig.state(*rig.unit(f"u{k}", [1024], seed=k))) for k in range(2)]
+    for job in jobs:
+        rig.stream.cancel(job)
+    rig.run()
+    assert rig.stream.stats["cancelled"] == 2 and all(j.cancelled for j in jobs)
