@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,7 @@ class _Comm:
     def __init__(self, world_size: int = 2, factor: float = 3.0) -> None:
         self.world_size, self.rank, self.factor = world_size, 0, factor
         self.counters = CommCounters()
+        self.calls: list[tuple] = []
 
     @property
     def active(self) -> bool:
@@ -55,6 +58,18 @@ class _Comm:
 
     def sum_float(self, value: float) -> float:
         return value * self.factor
+
+    # every rank has this rank's gradient (their mean is it); each collective "takes" 1000 s
+    # of comm time, which the optimizer's own timers must leave out
+    def all_reduce_mean(self, tensor: torch.Tensor, tag: int | None = None) -> None:
+        self.counters.comm_s += 1000.0
+        self.calls.append(("all-reduce", tag, tensor.numel()))
+
+    def any_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask
+
+    def all_gather(self, output: torch.Tensor, tag: int | None = None) -> None:
+        self.calls.append(("all-gather", tag, output.numel()))
 
 
 class _Values:
@@ -81,7 +96,8 @@ class Rig:
                  param_tier: Tier = Tier.HOST, disk: Path | None = None,
                  sub_group_numel: int = 4096, speculation: str = "off",
                  values: dict | None = None, grad_dtype: torch.dtype = torch.float32,
-                 two_groups: bool = False, doubled: bool = False) -> None:
+                 two_groups: bool = False, doubled: bool = False,
+                 host_budget: int | None = None, comm=None) -> None:
         torch.manual_seed(0)
         self.dtype = dtype
         self.init = {n: torch.randn(s) for n, s in SHAPES.items()}
@@ -92,7 +108,7 @@ class Rig:
         # the reference starts from the values the units hold (rounded to dtype)
         self.ref = {n: nn.Parameter(self.params[n].detach().float().clone()) for n in self.names}
         self.manager = TierManager(
-            MemoryBudget("host", None), MemoryBudget("device", None),
+            MemoryBudget("host", host_budget), MemoryBudget("device", None),
             nvme_path=str(disk) if disk is not None else None,
             aio_config=AioConfig(backend="auto", block_size=1 << 20, queue_depth=4))
         group_of = {n: (1 if two_groups and n in ("c", "e") else 0) for n in self.names}
@@ -115,7 +131,8 @@ class Rig:
             grad_tier=grad_tier, early_step=early, sub_group_numel=sub_group_numel,
             master_separate=master_separate, staging_pool=None, threads=1,
             speculation=speculation, values=_Values(values) if values is not None else None,
-            grad_dtype=grad_dtype, defaults=dict(HYPER))
+            grad_dtype=grad_dtype, defaults=dict(HYPER),
+            **({"comm": comm} if comm is not None else {}))
         ref_groups = [{"params": [self.ref[n] for n in self.names if group_of[n] == g]}
                       for g in range(2 if two_groups else 1)]
         if two_groups:
@@ -279,17 +296,19 @@ def test_grad_scale_for_clipping(rig) -> None:
     assert opt.grad_scale_for_clipping() == 2.0
 
 
-def test_accumulated_gradients_are_summed_and_normed_whole(rig) -> None:
-    """Two micro-steps then a step: AdamW on the sum; the first micro-step's gradients are in
-    the clipping norm (counted at the step, from their home)."""
+@pytest.mark.parametrize("last", [None, {"a", "b", "c", "d"}])
+def test_accumulated_gradients_are_summed_and_normed_whole(rig, last) -> None:
+    """Two micro-steps then a step: AdamW on the sum, clipped by the norm of the sum; a unit
+    whose gradients all came in the first micro-step (``last``: the units of the second) has
+    its norm counted at the step, from its home."""
     r = rig()
     r.opt.clip_norm = 0.1
     g1, g2 = r.grads(), r.grads()
     r.backward(g1, boundary=False)
     assert r.opt.holds_cycle_gradients()
-    r.backward(g2, boundary=True)
+    r.backward(g2, boundary=True, only=last)
     r.step()
-    total = {n: g1[n] + g2[n] for n in g1}
+    total = {n: g1[n] + (g2[n] if last is None or n in last else 0) for n in g1}
     norm = r.ref_step(total, clip=0.1)
     assert r.opt.last_grad_norm == pytest.approx(norm, rel=1e-6)
     r.assert_matches()
@@ -339,12 +358,19 @@ def test_early_steps_match_adamw_and_report_the_norm(rig) -> None:
     ``step()`` waits and reports the norm of the unscaled gradients."""
     r = rig(early=True)
     assert r.opt.early_step and r.opt.holds_grads and r.opt.grad_pool is None
-    for _ in range(2):
+    assert r.state(0).grad_store is None and r.opt.step_pool is None
+    for only in (None, {"a", "c", "d", "e"}, None):     # b without a gradient once
         g = r.grads()
-        assert r.backward(g, loss_scale=4.0) == [False] * 4
-        r.step()
-        norm = r.ref_step(g)
+        assert r.backward(g, loss_scale=4.0, only=only) == [False] * 4
+        for job in r.opt.steps.jobs:                     # every write landed: step() reaps
+            job.landed_future.result()
+        r.opt.step()
+        norm = r.ref_step(g, only=only)
         assert r.opt.last_grad_norm == pytest.approx(norm, rel=1e-6)
+        # the units step() reaped come with the next reap, with the rest
+        assert sorted(u.index for u in r.opt.reap(Wait.ALL)) == [0, 1, 2, 3]
+        for unit in r.units:
+            unit.release(r.manager)
     r.assert_matches()
 
 
@@ -360,15 +386,19 @@ def test_expected_early_steps_are_made_ready_or_cancelled(rig) -> None:
             opt.expect_backward(unit)           # once only
         assert opt.stream_stats()["expected"] == 4 * (k + 1)
         g = r.grads()
-        r.backward(g, only={"a", "b", "c", "d"})
+        r.backward(g, only={"a", "c", "d"})
         r.step()
-        r.ref_step(g, only={"a", "b", "c", "d"})
+        r.ref_step(g, only={"a", "c", "d"})
     r.assert_matches()
     assert torch.equal(r.values()["e"], before["e"])
 
 
 def test_deferred_steps_expect_nothing_without_speculation(rig) -> None:
+    """Not before a backward, not after one (a forward between backward and step)."""
     r = rig()
+    for unit in r.units:
+        r.opt.expect_backward(unit)
+    r.backward(r.grads())
     for unit in r.units:
         r.opt.expect_backward(unit)
     assert r.opt.stream_stats() == {"expected": 0, "read_early": 0, "preempted": 0,
@@ -383,6 +413,7 @@ def test_a_separate_master_is_seeded_from_the_units_and_stepped(rig) -> None:
     st = r.state(0)
     a = r.params["a"]
     assert st.master.home is Tier.HOST and st.master.dtype == torch.float32
+    assert st.master.name == "u0.master" and st.master.numel == r.units[0].trainable_numel
     r.units[0].finish_fetch(r.manager, None)
     off = r.units[0].params[0].offset
     torch.testing.assert_close(st.master.tensor[off:off + 12], a.detach().float().reshape(-1),
@@ -472,8 +503,13 @@ def test_a_speculated_step_is_kept_without_clipping_and_redone_with(rig, disk_di
             doubled=True)
     opt = r.opt
     assert opt.speculation == "on" and opt.holds_grads
+    opt.expect_backward(r.units[3])       # a forward before the backward that speculates
+    assert opt.stream_stats()["expected"] == 1
     g = r.grads()
+    opt.timers.grad_s = 5.0
+    t0 = time.perf_counter()
     assert r.backward(g) == [False] * 4
+    assert 5.0 < opt.timers.grad_s <= 5.0 + time.perf_counter() - t0
     assert opt.speculation_pending and opt.holds_cycle_gradients()
     r.step()
     r.ref_step(g)
@@ -776,9 +812,9 @@ def test_step_fetched_without_a_waiting_step_does_nothing(rig) -> None:
     r.backward(r.grads())
     r.opt.step()
     unit.finish_fetch(r.manager, None)
-    t0 = r.opt.timers.optimizer_s
+    t0, w0 = r.opt.timers.optimizer_s, time.perf_counter()
     assert r.opt.step_fetched(unit) is True and r.opt.step_fetched(unit) is False
-    assert r.opt.timers.optimizer_s > t0
+    assert t0 < r.opt.timers.optimizer_s <= t0 + time.perf_counter() - w0
     r.opt.wait_stepped(unit)
     assert r.opt.reap(Wait.ALL) == [unit]
 
@@ -799,11 +835,19 @@ def test_drain_cancels_waiting_steps_and_hands_back_stepping_units(rig) -> None:
 
 
 def test_the_timers_count_the_gradients_and_the_step(rig) -> None:
-    r = rig()
-    r.backward(r.grads())
-    assert r.opt.timers.grad_s > 0.0
-    r.opt.step()
-    assert r.opt.timers.optimizer_s > 0.0
+    """The seconds counted lie between 0 and the wall time of the calls."""
+    for early in (False, True):
+        r = rig(early=early)
+        g = r.grads()
+        r.opt.timers.grad_s = 5.0            # added to, unit by unit
+        t0 = time.perf_counter()
+        r.backward(g)
+        wall = time.perf_counter() - t0
+        assert 5.0 < r.opt.timers.grad_s <= 5.0 + wall
+        t0 = time.perf_counter()
+        r.opt.step()
+        wall = time.perf_counter() - t0
+        assert 0.0 < r.opt.timers.optimizer_s <= wall
     assert r.opt.hyperparameters()[0]["lr"] == HYPER["lr"]
 
 
@@ -819,3 +863,363 @@ def test_close_frees_every_store_even_with_steps_waiting(rig) -> None:
     for s in r.opt.states:
         for store in (s.exp_avg, s.exp_avg_sq, s.master, s.grad_store):
             assert not store.resident
+
+
+def test_an_optimizer_of_frozen_units_only_holds_nothing(rig) -> None:
+    """No unit trains: no states, no pools, a room of 0 bytes, the smallest sub-group."""
+    m = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
+    try:
+        frozen = nn.Parameter(torch.zeros(3))
+        unit = Unit(0, "f", nn.Module(), [("f", frozen, -1)], torch.float32, CPU)
+        unit.adopt(m, Tier.HOST, persistent=False)
+        opt = PartitionedOptimizer([unit], [{"params": [frozen]}], m, optimizer_tier=Tier.NVME,
+                                   grad_tier=Tier.NVME, early_step=False, sub_group_numel=10,
+                                   master_separate=True, staging_pool=None)
+        assert opt.states == [] and opt.grad_pool is None and opt.step_pool is None
+        assert opt.held_room.capacity == 0 and opt.sub_group_numel == 2048
+        opt.close()
+    finally:
+        m.close()
+
+
+def test_step_pools_for_each_nvme_home(rig, disk_dir) -> None:
+    """The step stream's pool exists when any state streams from NVMe: the parameters only
+    (two staging slots), the gradients only (with a gradient buffer); the pools are named."""
+    params = rig(param_tier=Tier.NVME, disk=disk_dir).opt
+    assert params.step_pool.count == step_slot_count(Tier.HOST, Tier.NVME, Tier.HOST, False,
+                                                     False) == 2
+    assert params.step_pool.name == "optimizer" and params.grad_pool is None
+    grads = rig(grad_tier=Tier.NVME, disk=disk_dir).opt
+    assert grads.step_pool.count == 3 and grads.step_pool.slot_bytes == 2048 * 4
+    assert grads.grad_pool.name == "gradient"
+
+
+def test_speculation_doubles_every_nvme_state(rig, disk_dir) -> None:
+    r = rig(dtype=torch.bfloat16, master_separate=True, optimizer_tier=Tier.NVME,
+            param_tier=Tier.NVME, disk=disk_dir, speculation="auto", doubled=True)
+    st = r.state(0)
+    assert st.master.doubled and st.exp_avg.doubled and st.exp_avg_sq.doubled
+    assert r.opt.speculation == "auto" and r.opt.holds_grads
+
+
+def test_an_nvme_master_from_values_is_written_through_the_disk(rig, disk_dir) -> None:
+    """Values for every parameter of unit 1 and not of unit 0: unit 1's NVMe master is the
+    values unrounded, unit 0's the unit's bf16 values."""
+    torch.manual_seed(0)
+    exact = {"c": torch.randn(SHAPES["c"]), "a": torch.randn(SHAPES["a"])}
+    r = rig(dtype=torch.bfloat16, master_separate=True, optimizer_tier=Tier.NVME,
+            disk=disk_dir, values=exact)
+    for index, name, want in ((1, "c", exact["c"]),
+                              (0, "a", r.init["a"].to(torch.bfloat16).float())):
+        master = r.state(index).master
+        buf = r.manager.host_empty(master.padded, torch.float32, what="test")
+        r.manager.wait(master.load_async(buf))
+        e = r.units[index].params[0]
+        assert e.name == name
+        torch.testing.assert_close(buf[e.offset:e.offset + e.numel], want.reshape(-1),
+                                   rtol=0, atol=0)
+        assert not buf[r.units[index].trainable_numel:].any()
+
+
+def _speculated(rig, disk_dir) -> Rig:
+    r = rig(optimizer_tier=Tier.NVME, param_tier=Tier.NVME, disk=disk_dir, speculation="on",
+            doubled=True)
+    r.before = r.values()
+    assert r.backward(r.grads()) == [False] * 4 and r.opt.speculation_pending
+    return r
+
+
+def _unchanged_after_a_clean_step(r: Rig) -> None:
+    """The rolled-back units given back, no step queued, every parameter as before; the next
+    cycle is AdamW's first step."""
+    assert sorted(u.index for u in r.opt.take_rolled_back()) == [0, 1, 2, 3]
+    for u in r.opt.reap(Wait.ALL):
+        u.release(r.manager)
+    for u in r.units:
+        u.release(r.manager)
+    assert not r.opt.speculation_pending and not r.opt.holds_cycle_gradients()
+    got = r.values()
+    assert all(torch.equal(got[n], r.before[n]) for n in r.names)
+    g = r.grads()
+    r.backward(g)
+    r.step()
+    r.ref_step(g)
+    r.assert_matches()
+
+
+def test_zero_grad_rolls_a_speculated_step_back(rig, disk_dir, infinity_log) -> None:
+    r = _speculated(rig, disk_dir)
+    with infinity_log.at_level(logging.DEBUG, logger="infinity"):
+        r.opt.discard_cycle_gradients()
+    assert "speculative step of 4 unit(s) rolled back (zero_grad() discarded the gradients)" in \
+        [rec.getMessage() for rec in infinity_log.records]
+    assert r.opt.speculation_stats["rolled_back"] == 1
+    _unchanged_after_a_clean_step(r)
+
+
+def test_a_backward_that_raised_rolls_a_speculated_step_back(rig, disk_dir,
+                                                            infinity_log) -> None:
+    r = _speculated(rig, disk_dir)
+    with infinity_log.at_level(logging.DEBUG, logger="infinity"):
+        r.opt.abandon_backward()
+    assert "speculative step of 4 unit(s) rolled back (the backward raised)" in \
+        [rec.getMessage() for rec in infinity_log.records]
+    assert r.opt.speculation_stats["rolled_back"] == 1
+    _unchanged_after_a_clean_step(r)
+
+
+def test_a_unit_whose_step_has_not_run_its_kernels_is_not_expected(rig) -> None:
+    """Early schedule, the kernels held back: a unit whose step waits for its kernels is not
+    expected again (its reads would overtake that step), another unit is; once the kernels
+    ran (the job not yet reaped) the unit may be expected again."""
+    r = rig(early=True)
+    opt, gate = r.opt, threading.Event()
+    real = opt.kernel.run
+
+    def held_run(*args, **kwargs):
+        assert gate.wait(30.0)
+        return real(*args, **kwargs)
+
+    opt.kernel.run = held_run
+    g = r.grads()
+    opt.begin_backward(True)
+    unit = r.units[3]
+    unit.finish_fetch(r.manager, None)
+    try:
+        opt.expect_backward(unit)                # made ready when its gradients are in
+        assert opt.stream_stats()["expected"] == 1
+        for e in unit.params:
+            opt.on_grad(unit, e, g[e.name])
+        assert opt.on_unit_backward_done(unit) is False
+        opt.expect_backward(unit)
+        assert opt.stream_stats()["expected"] == 1
+        opt.expect_backward(r.units[2])
+        assert opt.stream_stats()["expected"] == 2
+    finally:
+        gate.set()      # a failure above must not leave the stream held
+    opt.wait_stepped(unit)
+    opt.expect_backward(unit)
+    assert opt.stream_stats()["expected"] == 3
+    opt.end_backward()
+    r.step()
+    r.ref_step(g, only={"e"})
+    torch.testing.assert_close(r.values()["e"], r.ref["e"].detach(), **TOL)
+
+
+def test_a_unit_whose_deferred_step_waits_is_not_expected(rig, disk_dir) -> None:
+    """Speculation planned, clipping acting: the speculated steps are redone as deferred
+    ones waiting for their units; a forward expecting the next backward's units must not
+    read ahead the states of a unit whose step waits."""
+    r = rig(optimizer_tier=Tier.NVME, param_tier=Tier.NVME, disk=disk_dir, speculation="on",
+            doubled=True)
+    r.opt.clip_norm = 1e-3
+    r.backward(r.grads())
+    r.opt.step()
+    assert len(r.opt.waiting_units()) == 4
+    before = r.opt.stream_stats()["expected"]
+    r.opt.expect_backward(r.units[3])
+    assert r.opt.stream_stats()["expected"] == before
+
+
+@pytest.mark.parametrize("values", [None, {"a": torch.ones(4, 3), "b": torch.ones(7)}])
+def test_the_master_init_buffer_is_named_in_a_host_budget_error(rig, disk_dir, values) -> None:
+    """An NVMe master is seeded through a host buffer counted in the host budget (from the
+    units or from values): too small a budget names it."""
+    from infinity.base.budget import BudgetExceededError
+    with pytest.raises(BudgetExceededError, match="^master init needs 4.00 KiB of host memory"):
+        rig(dtype=torch.bfloat16, master_separate=True, optimizer_tier=Tier.NVME,
+            grad_tier=Tier.NVME, param_tier=Tier.NVME, disk=disk_dir, host_budget=1024,
+            values=values)
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.NVME])
+def test_a_sharded_master_is_seeded_from_the_own_shard(tier, disk_dir) -> None:
+    """Rank 1 of 2: the master holds elements [2048, 3072) of the unit, from its values."""
+    comm = _Comm()
+    comm.rank = 1
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3000).to(torch.bfloat16))
+    unit = Unit(0, "s0", nn.Module(), [("w", w, 0)], torch.bfloat16, CPU, comm=comm, shards=2,
+                params_sharded=True)
+    # this rank's shard of ``past`` lies past its trainable part: a master of nothing
+    x = nn.Parameter(torch.randn(100).to(torch.bfloat16))
+    past = Unit(1, "s1", nn.Module(), [("x", x, 0),
+                                       ("y", nn.Parameter(torch.zeros(5000, dtype=torch.bfloat16)),
+                                        -1)], torch.bfloat16, CPU, comm=comm, shards=2)
+    want = w.detach().float()[2048:3000].clone()
+    m = TierManager(MemoryBudget("host", None), MemoryBudget("device", None),
+                    nvme_path=str(disk_dir),
+                    aio_config=AioConfig(backend="auto", block_size=1 << 20, queue_depth=4))
+    try:
+        unit.adopt(m, Tier.HOST, persistent=False)
+        past.adopt(m, Tier.HOST, persistent=False)
+        opt = PartitionedOptimizer([unit, past], [{"params": [w, x]}], m, optimizer_tier=tier,
+                                   grad_tier=Tier.HOST, early_step=False, sub_group_numel=2048,
+                                   master_separate=True, staging_pool=None, comm=comm,
+                                   shard_states=True)
+        master = opt.states[0].master
+        buf = m.host_empty(master.padded, torch.float32, what="test")
+        if master.resident:
+            buf.copy_(master.tensor)
+        else:
+            m.wait(master.load_async(buf))
+        assert torch.equal(buf[:952], want) and not buf[952:].any()
+        assert unit.residency == Residency.RELEASED
+        assert (opt.states[1].lo, opt.states[1].hi, opt.states[1].master.numel) == (1024, 1024, 1)
+        assert comm.calls == []          # the own shard only: no collective at construction
+        opt.close()
+    finally:
+        m.close()
+
+
+def test_reap_waits_as_asked(rig) -> None:
+    """A unit's early step held back in its kernels: ``reap()`` hands out nothing (nothing
+    landed), ``reap(Wait.ALL)`` waits for the step to land and hands the unit out."""
+    r = rig(early=True)
+    opt, gate = r.opt, threading.Event()
+    real = opt.kernel.run
+
+    def held_run(*args, **kwargs):
+        assert gate.wait(30.0)
+        return real(*args, **kwargs)
+
+    opt.kernel.run = held_run
+    g = r.grads()
+    opt.begin_backward(True)
+    unit = r.units[3]
+    unit.finish_fetch(r.manager, None)
+    try:
+        for e in unit.params:
+            opt.on_grad(unit, e, g[e.name])
+        assert opt.on_unit_backward_done(unit) is False
+        assert opt.reap() == []
+        (job,) = opt.steps.jobs
+        landed = job.landed_future.result
+
+        def open_then_wait(timeout=None):     # the gate opens once reap waits
+            gate.set()
+            return landed(timeout)
+
+        job.landed_future.result = open_then_wait
+        assert opt.reap(Wait.ALL) == [unit]
+    finally:
+        gate.set()
+    opt.end_backward()
+
+
+def test_an_overflow_rolls_a_speculated_step_back(rig, disk_dir, infinity_log) -> None:
+    """A speculated step whose gradients were not finite: skipped (rolled back for an
+    overflow, never kept), the parameters as before; the next step is AdamW's first."""
+    r = rig(optimizer_tier=Tier.NVME, param_tier=Tier.NVME, disk=disk_dir, speculation="on",
+            doubled=True)
+    r.before = r.values()
+    g = r.grads()
+    g["a"][0, 0] = math.nan
+    assert r.backward(g) == [False] * 4 and r.opt.speculation_pending
+    with infinity_log.at_level(logging.DEBUG, logger="infinity"):
+        r.opt.step()
+    assert r.opt.overflow and r.opt.waiting_units() == []
+    assert "speculative step of 4 unit(s) rolled back (an overflow)" in \
+        [rec.getMessage() for rec in infinity_log.records]
+    _unchanged_after_a_clean_step(r)
+
+
+def test_values_need_only_the_parameters_of_the_range(rig, disk_dir) -> None:
+    """Whether the master comes from the values asks only about the parameters inside the
+    state's range: a frozen parameter starting where the trainable range ends, or (sharded)
+    a parameter ending where the own shard begins, need not be provided."""
+    torch.manual_seed(1)
+    exact_e = torch.randn(SHAPES["e"])
+    r = rig(dtype=torch.bfloat16, master_separate=True, frozen=True, values={"e": exact_e})
+    unit = r.units[3]
+    e, f = unit.params
+    assert (e.name, f.name, f.offset) == ("e", "f", unit.trainable_numel)
+    assert torch.equal(r.state(3).master.tensor[:6], exact_e)
+
+    comm = _Comm()
+    comm.rank = 1
+    p1 = nn.Parameter(torch.zeros(2048, dtype=torch.bfloat16))
+    p2 = nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16))
+    sharded = Unit(0, "s", nn.Module(), [("p1", p1, 0), ("p2", p2, 0)], torch.bfloat16, CPU,
+                   comm=comm, shards=2)
+    assert [p.offset for p in sharded.params] == [0, 2048] and sharded.shard_start == 2048
+    exact_p2 = torch.randn(1000)
+    m = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
+    try:
+        sharded.adopt(m, Tier.HOST, persistent=False)
+        opt = PartitionedOptimizer([sharded], [{"params": [p1, p2]}], m,
+                                   optimizer_tier=Tier.HOST, grad_tier=Tier.HOST,
+                                   early_step=False, sub_group_numel=2048, master_separate=True,
+                                   staging_pool=None, comm=comm, shard_states=True,
+                                   values=_Values({"p2": exact_p2}))
+        assert torch.equal(opt.states[0].master.tensor[:1000], exact_p2)
+        opt.close()
+    finally:
+        m.close()
+
+
+def test_a_forward_between_backward_and_step_leaves_no_stale_reads(rig, disk_dir) -> None:
+    """The model read between a speculated backward and the step (the speculation voided),
+    and that forward expected the next backward's units: the step drops those expected reads
+    (of the states it is about to change), so the next cycle still matches AdamW."""
+    r = rig(optimizer_tier=Tier.NVME, param_tier=Tier.NVME, disk=disk_dir, speculation="on",
+            doubled=True)
+    opt = r.opt
+    g1 = r.grads()
+    assert r.backward(g1) == [False] * 4
+    opt.void_speculation()
+    for u in opt.take_rolled_back() + opt.reap(Wait.ALL):
+        u.release(r.manager)
+    for unit in r.units[2:]:
+        opt.expect_backward(unit)
+    r.step()
+    r.ref_step(g1)
+    g2 = r.grads()
+    assert r.backward(g2) == [False] * 4
+    r.step()
+    r.ref_step(g2)
+    r.assert_matches()
+
+
+def test_two_ranks_at_stage_0_step_the_averaged_gradient(rig, monkeypatch) -> None:
+    """Stage 0 over two ranks that computed the same gradients: each unit's gradient averaged
+    (one all-reduce of its trainable range), the norm their mean, the update the single-rank
+    AdamW's (clipped); the collectives' seconds (1000 each, on the optimizer's clock) are not
+    counted as the optimizer's."""
+    from types import SimpleNamespace
+
+    from infinity.optim import partitioned
+    comm = _Comm(world_size=2, factor=2.0)
+    monkeypatch.setattr(partitioned, "time", SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + comm.counters.comm_s))
+    r = rig(comm=comm)
+    r.opt.clip_norm = 1.0
+    assert r.opt.grad_pool is not None and not r.opt.holds_grads
+    for _ in range(2):
+        g = r.grads()
+        comm.calls.clear()
+        r.opt.timers.grad_s = 5.0
+        t0 = time.perf_counter()
+        r.backward(g)
+        wall = time.perf_counter() - t0
+        assert [c[:2] for c in comm.calls] == [("all-reduce", i) for i in (3, 2, 1, 0)]
+        assert 5.0 < r.opt.timers.grad_s <= 5.0 + wall
+        r.step()
+        norm = r.ref_step(g, clip=1.0)
+        assert r.opt.last_grad_norm == pytest.approx(norm, rel=1e-6)
+        r.opt.timers.reset()
+    r.assert_matches()
+
+
+def test_a_backward_that_does_not_speculate_expects_nothing(rig, disk_dir) -> None:
+    """Speculation "on", but a micro-step before the boundary does not speculate: its units'
+    states are not read ahead (the forward before it, which plans the boundary's, may)."""
+    r = rig(optimizer_tier=Tier.NVME, param_tier=Tier.NVME, disk=disk_dir, speculation="on",
+            doubled=True)
+    r.opt.begin_backward(False)
+    r.opt.expect_backward(r.units[3])
+    assert r.opt.stream_stats()["expected"] == 0
+    r.opt.end_backward()
+    r.opt.expect_backward(r.units[3])
+    assert r.opt.stream_stats()["expected"] == 1
+    r.opt.cancel_expected()
