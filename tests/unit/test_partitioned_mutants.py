@@ -719,8 +719,13 @@ def test_state_dict_and_load_state_dict_are_refused(rig) -> None:
 def test_add_param_group_is_refused_after_construction(rig) -> None:
     opt = rig(two_groups=True).opt
     assert len(opt.param_groups) == 2        # given at construction: taken
-    with pytest.raises(ValueError, match=re.escape(
-            "optimizer.add_param_group() after infinity.initialize: the engine lays out")):
+    with exactly(ValueError, (
+            "optimizer.add_param_group() after infinity.initialize: the engine lays out the "
+            "optimizer states of every parameter it trains at initialize, so the new group "
+            "would never be stepped. Give every group to infinity.initialize "
+            "(model_parameters=[...]); to start training more of the model later, "
+            "save_checkpoint, build a new engine with the new groups and load_checkpoint "
+            "with load_optimizer_states=False")):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
     assert len(opt.param_groups) == 2
 
@@ -858,7 +863,13 @@ def test_close_frees_every_store_even_with_steps_waiting(rig) -> None:
     assert r.manager.tier_bytes()["host"] > r.baseline["host"]
     r.backward(r.grads())
     r.opt.step()
+
+    def streams() -> int:
+        return sum(t.name == "infinity-step-stream" and t.is_alive()
+                   for t in threading.enumerate())
+    running = streams()
     r.opt.close()
+    assert streams() == running - 1          # the step stream stopped
     assert r.manager.tier_bytes() == r.baseline
     for s in r.opt.states:
         for store in (s.exp_avg, s.exp_avg_sq, s.master, s.grad_store):
