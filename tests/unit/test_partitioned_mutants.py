@@ -1234,3 +1234,24 @@ def test_a_backward_that_does_not_speculate_expects_nothing(rig, disk_dir) -> No
     r.opt.expect_backward(r.units[3])
     assert r.opt.stream_stats()["expected"] == 1
     r.opt.cancel_expected()
+
+
+def test_held_gradients_past_the_room_wait_for_the_running_steps(rig) -> None:
+    """Early schedule with a held-gradient room of 0 bytes: every unit's gradients go past
+    it, so each take asks whether a background step is still running (and waits for it to
+    give room back); the updates are AdamW's."""
+    r = rig(early=True)
+    r.opt.held_room.capacity = 0
+    g = r.grads()
+    assert r.backward(g) == [False] * 4
+    r.step()
+    r.ref_step(g)
+    r.assert_matches()
+
+
+def test_an_early_step_streams_no_gradient_from_nvme(rig, disk_dir) -> None:
+    """Early schedule with an NVMe gradient tier: gradients never go home, so the step pool
+    holds the one slot of nothing streamed, not a gradient slot per sub-group."""
+    opt = rig(early=True, grad_tier=Tier.NVME, disk=disk_dir).opt
+    assert opt.step_pool.count == step_slot_count(Tier.HOST, Tier.HOST, Tier.NVME, False,
+                                                  True) == 1
