@@ -565,6 +565,27 @@ def test_the_sub_group_is_rounded_to_2048_and_capped_by_the_largest_range(rig) -
     assert rig(sub_group_numel=10 ** 6).opt.sub_group_numel == 2048   # ranges of 1024
 
 
+@pytest.mark.parametrize("asked,made", [(2048, 2048), (2049, 4096), (4097, 6144),
+                                        (9000, 10240), (10 ** 6, 20480)])
+def test_a_sub_group_is_rounded_up_to_whole_2048s_below_the_largest_range(asked: int,
+                                                                       made: int) -> None:
+    """One unit of 20,000 elements: the sub-group asked for is rounded up to a multiple of
+    2048 (never down: a sub-group just past a multiple gets the next one), capped by the
+    range rounded the same way."""
+    manager = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
+    param = nn.Parameter(torch.randn(20_000))
+    unit = Unit(0, "u0", nn.Module(), [("w", param, 0)], torch.float32, CPU)
+    unit.adopt(manager, Tier.HOST, persistent=False)
+    opt = PartitionedOptimizer([unit], [{"params": [param], **HYPER}], manager,
+                               optimizer_tier=Tier.HOST, grad_tier=Tier.HOST, early_step=False,
+                               sub_group_numel=asked, master_separate=False, staging_pool=None,
+                               threads=1, defaults=dict(HYPER))
+    try:
+        assert opt.sub_group_numel == made
+    finally:
+        opt.close()
+
+
 def test_a_16_bit_gradient_home_and_its_guard(rig, disk_dir) -> None:
     """A bf16 gradient home: on HOST with one rank it is made (and the step matches AdamW up
     to the gradient's rounding); with an NVMe gradient tier or several ranks it is refused."""
