@@ -1151,6 +1151,9 @@ def test_an_overflow_rolls_a_speculated_step_back(rig, disk_dir, infinity_log) -
     with infinity_log.at_level(logging.DEBUG, logger="infinity"):
         r.opt.step()
     assert r.opt.overflow and r.opt.waiting_units() == []
+    # a checkpoint saves this (false, not null: a null is not restored, and a resumed run
+    # would take speculation to pay again)
+    assert r.opt.speculation_pays is False
     assert "speculative step of 4 unit(s) rolled back (an overflow)" in \
         [rec.getMessage() for rec in infinity_log.records]
     _unchanged_after_a_clean_step(r)
