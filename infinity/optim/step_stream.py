@@ -150,7 +150,9 @@ class StepStream:
         """Queue ``state``'s unit for a step with its gradients complete (an early step's
         ``gradient`` is the job's from here on) of the parameters ``params`` (None: all). The
         unit must be fetched and held until the job has landed: the step updates its
-        device copy."""
+        device copy. A unit's next job must come after this one's kernels have run: jobs queued
+        together read their Adam states at once, so the second would step stale ones (the
+        partitioned optimizer waits for a unit's steps before it queues another)."""
         return self._queue_job(state, early, grad_scale, ready=True, gradient=gradient,
                                speculative=speculative, params=params,
                                gradient_home=gradient_home)
