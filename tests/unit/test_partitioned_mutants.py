@@ -1000,19 +1000,26 @@ def test_a_backward_that_raised_rolls_a_speculated_step_back(rig, disk_dir,
     _unchanged_after_a_clean_step(r)
 
 
+def _hold_kernels(opt: PartitionedOptimizer) -> threading.Event:
+    """Make ``opt``'s step kernels wait until the returned event is set (the order of events
+    is then the test's; the long limit only ends a hang)."""
+    gate, real = threading.Event(), opt.kernel.run
+
+    def held_run(*args, **kwargs):
+        if not gate.wait(600.0):
+            raise TimeoutError("the test never let the held kernels run")
+        return real(*args, **kwargs)
+
+    opt.kernel.run = held_run
+    return gate
+
+
 def test_a_unit_whose_step_has_not_run_its_kernels_is_not_expected(rig) -> None:
     """Early schedule, the kernels held back: a unit whose step waits for its kernels is not
     expected again (its reads would overtake that step), another unit is; once the kernels
     ran (the job not yet reaped) the unit may be expected again."""
     r = rig(early=True)
-    opt, gate = r.opt, threading.Event()
-    real = opt.kernel.run
-
-    def held_run(*args, **kwargs):
-        assert gate.wait(30.0)
-        return real(*args, **kwargs)
-
-    opt.kernel.run = held_run
+    opt, gate = r.opt, _hold_kernels(r.opt)
     g = r.grads()
     opt.begin_backward(True)
     unit = r.units[3]
@@ -1108,14 +1115,7 @@ def test_reap_waits_as_asked(rig) -> None:
     """A unit's early step held back in its kernels: ``reap()`` hands out nothing (nothing
     landed), ``reap(Wait.ALL)`` waits for the step to land and hands the unit out."""
     r = rig(early=True)
-    opt, gate = r.opt, threading.Event()
-    real = opt.kernel.run
-
-    def held_run(*args, **kwargs):
-        assert gate.wait(30.0)
-        return real(*args, **kwargs)
-
-    opt.kernel.run = held_run
+    opt, gate = r.opt, _hold_kernels(r.opt)
     g = r.grads()
     opt.begin_backward(True)
     unit = r.units[3]
