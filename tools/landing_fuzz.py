@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Late landings: train small models of several families at stage 3 while background steps are
 seen landed later than they did (each poll hands out a finished step with probability P, the
-rest later; tests/integration/late_landing.py), beside torch AdamW, over params/optimizer on
+rest later; tests/integration/late_landing.py; a low P holds steps across the forward into the
+backward, where a release can hurt: before its fix the ALBERT race showed at 0.05, rarely at 0.3), beside torch AdamW, over params/optimizer on
 cpu and nvme, reuse distance 0 and the default, a device budget of 1.2x the parameters and
 none, clipping off and acting. A unit released while a backward op or a step still reads it
 shows as an error ("storage of size 0") or a loss unequal to torch's. The short CI version is
@@ -10,7 +11,7 @@ tests/integration/test_stage3_features.py::test_random_late_landings_train_like_
 Run (from the repository root):
     python tools/landing_fuzz.py --seeds 2
 Options: --families (default all: llama gpt2 torch llama_tied albert bert t5), --seeds N (seeds
-1..N per config), --p P (default 0.3), --steps S (default 4). Prints one line per case and a
+1..N per config), --p P [P ...] (default 0.05 0.3), --steps S (default 4). Prints one line per case and a
 summary; exit status 1 when any case failed.
 """
 from __future__ import annotations
@@ -33,19 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", nargs="+", default=list(late_landing.FAMILIES),
                     choices=late_landing.FAMILIES)
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--p", type=float, default=0.3)
+    ap.add_argument("--p", type=float, nargs="+", default=[0.05, 0.3])
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args(argv)
     failed = cases = late = 0
-    for family, tier, reuse, share, clip, seed in itertools.product(
-            args.families, ("nvme", "cpu"), (0, None), (1.2, None), (0.0, 0.05),
+    for family, tier, reuse, share, clip, p, seed in itertools.product(
+            args.families, ("nvme", "cpu"), (0, None), (1.2, None), (0.0, 0.05), args.p,
             range(1, args.seeds + 1)):
-        tag = f"{family} {tier} reuse={reuse} share={share} clip={clip} seed={seed}"
+        tag = f"{family} {tier} reuse={reuse} share={share} clip={clip} p={p} seed={seed}"
         cases += 1
         with tempfile.TemporaryDirectory(prefix="landing-fuzz-") as disk:
             try:
                 worst, handed_late = late_landing.run_case(
-                    family, tier, disk, seed, reuse, share, clip, args.p, args.steps)
+                    family, tier, disk, seed, reuse, share, clip, p, args.steps)
             except Exception as exc:  # noqa: BLE001 - a case's failure is the finding
                 failed += 1
                 print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
