@@ -85,7 +85,7 @@ class Coordinator:
         self._handles: list = []
         self._status = [UnitStatus() for _ in units]   # by unit index
         self._phase = PassPhase.IDLE
-        self._room = DeviceRoom(units, manager, limits, self._upcoming_all)
+        self._room = DeviceRoom(units, manager, limits, self._upcoming_all, self._drop_kept)
         # per hooked module, a stack (one entry per call in progress) of its inputs' tensor ids
         self._call_inputs: dict[int, list[frozenset[int]]] = {}
         self._outermost: dict[int, list[int]] = {}     # per module, pre-hooks kept ahead of ours
@@ -391,7 +391,7 @@ class Coordinator:
             return   # a unit being stepped is released when its step is over
         if self._backward_may_read(uid):
             return   # released when its backward is done, or at the backward's end
-        if self._room.keep(uid, self._upcoming_all(), self._drop_kept):
+        if self._room.keep(uid, self._upcoming_all()):
             self.fetch_stats["kept_for_reuse"] += 1
             self._note("keep", uid)
             return
@@ -421,7 +421,7 @@ class Coordinator:
         self._room.kept.discard(uid)   # in use again
         needs_memory = unit.flat.untyped_storage().nbytes() == 0   # not fetched or read into
         if needs_memory:
-            self._room.evict_kept(unit.nbytes, self._drop_kept)
+            self._room.evict_kept(unit.nbytes)
             self._cancel_prefetches(unit.nbytes)
         budget, cache = self.manager.device_budget, self.manager.device_cache
         while needs_memory and self._any_stepping() and \
@@ -502,7 +502,7 @@ class Coordinator:
             if self.fetch_pool is not None and self.fetch_pool.available <= 1:
                 break
             if self.fetch_pool is None:   # the read goes into device memory: make room
-                self._room.evict_kept(self.units[uid].nbytes, self._drop_kept, upcoming,
+                self._room.evict_kept(self.units[uid].nbytes, upcoming,
                                       nearer_than=self._room.next_use_or_never(uid, upcoming))
             if not self.units[uid].start_fetch(self.manager, self.fetch_pool):
                 break

@@ -20,17 +20,19 @@ from infinity.zero.prefetch import PrefetchLimits, reuse_distance
 from infinity.zero.unit import Unit
 
 NEVER = 1 << 62   # the distance of a unit the recorded order does not use again
+UNLIMITED = 1 << 62   # the free bytes of a device budget without a limit
 
 
 class DeviceRoom:
     """The kept units (by index) and the choice of which units to drop for room."""
 
     def __init__(self, units: list[Unit], manager, limits: PrefetchLimits,
-                 upcoming: Callable[[], list[int]]) -> None:
+                 upcoming: Callable[[], list[int]], drop_kept: Callable[[int], None]) -> None:
         self.units = units
         self.manager = manager
         self.limits = limits
         self._upcoming = upcoming   # the recorded order from now on (the coordinator's phase)
+        self._drop_kept = drop_kept   # lets a kept unit go (released unless something holds it)
         self.kept: set[int] = set()   # released by their hooks but kept fetched for reuse
         self.largest = max((u.nbytes for u in units if not u.persistent), default=0)
 
@@ -38,7 +40,7 @@ class DeviceRoom:
         """Bytes the device budget has free now (unlimited: a very large number)."""
         limit = self.manager.device_budget.limit
         if limit is None:
-            return NEVER
+            return UNLIMITED
         return limit - self.manager.device_cache.in_use_bytes()
 
     def next_use(self, uid: int, upcoming: list[int]) -> int | None:
@@ -50,7 +52,7 @@ class DeviceRoom:
         distance = self.next_use(uid, upcoming)
         return NEVER if distance is None else distance
 
-    def keep(self, uid: int, upcoming: list[int], drop_kept: Callable[[int], None]) -> bool:
+    def keep(self, uid: int, upcoming: list[int]) -> bool:
         """Keep ``uid`` fetched when its next use is near enough and one more unit of the
         largest size still fits after dropping the kept units needed later than it; whether
         it is kept."""
@@ -58,19 +60,19 @@ class DeviceRoom:
         if distance is None or distance >= self.limits.max_reuse_numel:   # 0: never keep
             self.kept.discard(uid)
             return False
-        self.evict_kept(self.largest, drop_kept, upcoming, nearer_than=distance)
+        self.evict_kept(self.largest, upcoming, nearer_than=distance)
         if self.free_bytes() < self.largest:
             self.kept.discard(uid)
             return False
         self.kept.add(uid)
         return True
 
-    def evict_kept(self, nbytes: int, drop_kept: Callable[[int], None],
-                   upcoming: list[int] | None = None, nearer_than: int | None = None) -> None:
+    def evict_kept(self, nbytes: int, upcoming: list[int] | None = None,
+                   nearer_than: int | None = None) -> None:
         """Drop kept units, the one needed last first, until ``nbytes`` fit the device budget
         (with ``nearer_than``: only units needed later than that distance)."""
         if self.kept:
-            self.free(nbytes, list(self.kept), drop_kept, upcoming, nearer_than)
+            self.free(nbytes, list(self.kept), self._drop_kept, upcoming, nearer_than)
 
     def free(self, nbytes: int, candidates: list[int], drop: Callable[[int], None],
              upcoming: list[int] | None = None, nearer_than: int | None = None) -> None:

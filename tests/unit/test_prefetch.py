@@ -82,7 +82,7 @@ def test_kept_units_are_evicted_needed_last_first() -> None:
     coordinator, _, gone = _coordinator_over_fake_units(
         [fetched, fetched, fetched, released], next_forward=[0, 3, 1, 2])   # 0 first, 2 last
     coordinator._room.kept = {0, 1, 2}
-    coordinator._room.evict_kept(200, coordinator._drop_kept)   # room for 2 units: evict 2, then 1
+    coordinator._room.evict_kept(200)                        # room for 2 units: evict 2, then 1
     assert gone == [2, 1] and coordinator._room.kept == {0}
 
 
