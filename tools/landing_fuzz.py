@@ -2,17 +2,18 @@
 """Late landings: train small models of several families at stage 3 while background steps are
 seen landed later than they did (each poll hands out a finished step with probability P, the
 rest later; tests/integration/late_landing.py; a low P holds steps across the forward into the
-backward, where a release can hurt: before its fix the ALBERT race showed at 0.05, rarely at 0.3), beside torch AdamW, over params/optimizer on
-cpu and nvme, reuse distance 0 and the default, a device budget of 1.2x the parameters and
-none, clipping off and acting. A unit released while a backward op or a step still reads it
-shows as an error ("storage of size 0") or a loss unequal to torch's. The short CI version is
+backward, where a release can hurt: before its fix the ALBERT race showed at 0.05, rarely at
+0.3), beside torch AdamW, over params/optimizer on cpu and nvme, reuse distance 0 and the
+default, a device budget of 1.2x the parameters and none, clipping off and acting. A unit
+released while a backward op or a step still reads it shows as an error ("storage of size 0")
+or a loss unequal to torch's. The short CI version is
 tests/integration/test_stage3_features.py::test_random_late_landings_train_like_torch.
 
 Run (from the repository root):
     python tools/landing_fuzz.py --seeds 2
 Options: --families (default all: llama gpt2 torch llama_tied albert bert t5), --seeds N (seeds
-1..N per config), --p P [P ...] (default 0.05 0.3), --steps S (default 4). Prints one line per case and a
-summary; exit status 1 when any case failed.
+1..N per config), --p P [P ...] (default 0.05 0.3), --steps S (default 4). Prints one line per
+case and a summary; exit status 1 when any case failed.
 """
 from __future__ import annotations
 

@@ -42,10 +42,10 @@ from infinity.engine.ranks import join as join_ranks_and_config
 from infinity.engine.passes import PassHooks, cast_floating, cast_inputs
 from infinity.engine.sizing import (
     COMPUTE_DTYPES,
-    gradient_home_dtype,
     EngineSizes,
     derive,
     disk_has_room,
+    gradient_home_dtype,
     resolve_sizes,
     speculation_possible,
     warn_second_nvme_path,

@@ -26,8 +26,8 @@ from infinity.storage.preflight import free_bytes
 from infinity.storage.tiers import Tier
 from infinity.zero.partition import UnitSpec
 
-__all__ = ["COMPUTE_DTYPES", "EngineSizes", "derive", "gradient_home_dtype", "resolve_sizes", "speculation_possible",
-           "disk_has_room", "host_budget_note", "warn_second_nvme_path"]
+__all__ = ["COMPUTE_DTYPES", "EngineSizes", "derive", "gradient_home_dtype", "resolve_sizes",
+           "speculation_possible", "disk_has_room", "host_budget_note", "warn_second_nvme_path"]
 
 log = get_logger("engine")
 

@@ -32,7 +32,8 @@ class StepLandsLate:
     fetch ran, its writes landing late. Waits (``Wait.ONE``/``ALL``) and ``drain`` hand it out."""
 
     def __init__(self, engine: Any, index: int) -> None:
-        self.coordinator, self.inner, self.index = engine.coordinator, engine.coordinator.stepper, index
+        self.coordinator, self.inner = engine.coordinator, engine.coordinator.stepper
+        self.index = index
         self.held: list = []
         self.polls_in_backward = 0
         self.handed_out_in_backward = 0
