@@ -33,7 +33,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from infinity.checkpoint.tensor_file import CheckpointError, sha256_of_file
+from infinity.checkpoint.tensor_file import CheckpointError
 from infinity.base.log import get_logger
 
 log = get_logger("checkpoint")
@@ -364,12 +364,22 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
 
 
 def read_manifest_file(directory: Path) -> dict[str, Any]:
+    """The manifest of ``directory``, read by path (a load reads it through its pin instead,
+    checkpoint/pinned.py)."""
     path = directory / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{directory} has no {MANIFEST}: it is not a checkpoint, or its "
                               "save did not finish") from None
+    return parse_manifest(raw, path)
+
+
+def parse_manifest(raw: bytes, path: Path) -> dict[str, Any]:
+    """The manifest read from ``path`` as bytes, checked to be an infinity checkpoint's of
+    this version."""
+    try:
+        manifest = json.loads(raw.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is not readable JSON ({exc}): the checkpoint is "
                               "damaged") from None
@@ -426,36 +436,3 @@ def resolve(load_dir: Path, tag: str | None) -> Path | None:
             + (f"; checkpoints there: {', '.join(tags)}" if tags else "; there are none")
             + ". Pass tag= to load another one")
     return directory
-
-
-def verify_files(directory: Path, manifest: dict[str, Any], checksums: bool,
-                 needed: list[str], share: tuple[int, int] = (0, 1)) -> None:
-    """The ``needed`` files are listed in the manifest and there with their size (and, with
-    ``checksums``, their sha256), before anything is loaded. ``share`` = (rank, world size):
-    the ranks of one load divide the hashing, rank r hashing every world-th file from the r-th
-    (each file read once in all, not once per rank: 8 ranks resuming a 1 TB checkpoint read 1 TB
-    to check it, not 8); the caller makes a failure on any rank fail every rank."""
-    rank, world = share
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"share must be (rank, world size) with 0 <= rank < world size, "
-                         f"got {share}")
-    files = manifest.get("files", {})
-    for name in needed:
-        if name not in files:
-            raise CheckpointError(f"the manifest of {directory} lists no {name}: the checkpoint "
-                                  "is damaged; load another tag")
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is "
-                                  "incomplete; load another tag")
-        size = path.stat().st_size
-        if size != files[name]["bytes"]:
-            raise CheckpointError(f"checkpoint file {path} has {size} bytes, its manifest says "
-                                  f"{files[name]['bytes']}: the file is truncated or was changed; "
-                                  "load another tag")
-    if not checksums:
-        return
-    for name in needed[rank::world]:   # one after the other: side by side was slower (measured)
-        if sha256_of_file(directory / name) != files[name]["sha256"]:
-            raise CheckpointError(f"checkpoint file {directory / name} does not match its sha256 "
-                                  "in the manifest: the file is damaged; load another tag")

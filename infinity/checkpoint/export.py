@@ -3,7 +3,6 @@
 ``save_16bit_model``), to load into a model built without infinity, or to publish."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from infinity.checkpoint.layout import persistent_buffers, unit_layouts
 from infinity.checkpoint.save import RankAgreement, check_at_rest
 from infinity.checkpoint.sliced import model_files_of, open_ranks, param_shapes
-from infinity.checkpoint.tensor_file import TensorFileWriter
+from infinity.checkpoint.pretrained_write import ShardedWriter, write_weights
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, parts_of, save_entries
 
@@ -22,8 +21,9 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
     ``state_dict`` name, tied parameters under each of their names (sharing one tensor).
     ``checkpoint_dir`` is a save directory (then ``tag`` or ``latest`` picks the checkpoint)
     or one checkpoint's directory."""
-    directory, manifest, files = model_files_of(Path(checkpoint_dir), tag, verify_checksums)
-    with open_ranks(directory, files, param_shapes(manifest)) as reader:   # every rank's slices
+    save, files = model_files_of(Path(checkpoint_dir), tag, verify_checksums)
+    manifest = save.manifest
+    with save, open_ranks(save, files, param_shapes(manifest)) as reader:   # every rank's slices
         state = {name: reader.read(name) for name in reader.tensors}
     for alias, name in manifest.get("aliases", {}).items():
         state[alias] = state[name]
@@ -35,7 +35,9 @@ def save_model_weights(state: TrainingState, path: str | Path, with_frozen: bool
     with ``{"format": "pt"}`` metadata (what ``transformers`` loads), streamed unit by unit;
     a tied parameter is saved once, under the name of the unit that owns it (without
     ``with_frozen``, parameters that do not train are left out). Written to a
-    temporary name, fsync'd, then renamed: an existing file is replaced only by a whole one."""
+    hidden name, fsync'd, then renamed under the directory's save lock: an existing file is
+    replaced only by a whole one, and ``model.safetensors`` over an earlier sharded save
+    replaces that save as a whole."""
     path = Path(path)
     if path.suffix in (".bin", ".pt", ".pth"):
         raise ValueError(f"{path.name}: infinity writes safetensors only (no pickle); name the "
@@ -59,19 +61,15 @@ def save_model_weights(state: TrainingState, path: str | Path, with_frozen: bool
 def _write_weights(state: TrainingState, path: Path, layouts, saved, buffers, tensors,
                    writes: bool) -> Path:
     gathered = state.world_size > 1
-    partial = path.with_name(f".{path.name}.partial")
-    writer = None
-    if writes:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.unlink(missing_ok=True)
-        writer = TensorFileWriter(partial, tensors, {"format": "pt"})
-    try:
-        chunks = ChunkPool(state.manager, state.lendable_pools)
+    chunks = ChunkPool(state.manager, state.lendable_pools)
+
+    def fill(writer: ShardedWriter | None) -> None:
         for lay in layouts:
-            emit = (lambda p, v: writer.append(p[0].name, v)) if writes else (lambda p, v: None)
+            emit = (lambda p, v: writer.append(p[0].name, v)) if writer is not None \
+                else (lambda p, v: None)
             if gathered:
                 with state.gathered(lay.unit):
-                    if writes:
+                    if writer is not None:
                         save_entries(lay.unit.flat, parts_of(saved[id(lay)]), chunks, emit)
                 continue
             placed = lay.placed_params
@@ -79,12 +77,11 @@ def _write_weights(state: TrainingState, path: Path, layouts, saved, buffers, te
                          origin=placed.origin)
         if writer is not None:
             for name, buf in buffers:
-                writer.append(name, buf)
-            writer.close()
-            os.replace(partial, path)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-            partial.unlink(missing_ok=True)
-        raise
+                if buf.numel():
+                    writer.append(name, buf)
+
+    # one file, whatever its size; named model.safetensors it is the directory's weights
+    # (an earlier sharded save there is replaced as a whole, see checkpoint/weights_dir.py)
+    write_weights(path.parent, tensors, max_bytes=1 << 62, fill=fill, what="save_16bit_model",
+                  writes=writes, single_name=path.name)
     return path

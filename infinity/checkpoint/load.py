@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.checkpoint.directory import checkpoint_directory, read_manifest_file, verify_files
+from infinity.checkpoint.directory import checkpoint_directory
 from infinity.checkpoint.layout import (
     MOMENTS,
     UnitLayout,
@@ -29,6 +29,7 @@ from infinity.checkpoint.layout import (
     persistent_buffers,
     unit_layouts,
 )
+from infinity.checkpoint.pinned import PinnedSave, SavedWhileLoading, pin_save
 from infinity.checkpoint.restore import Restore, read_restore
 from infinity.checkpoint.save import RankAgreement, check_at_rest
 from infinity.checkpoint.sliced import SlicedReader, open_ranks, param_shapes, saved_ranks
@@ -183,14 +184,15 @@ class CheckpointLoad:
     """A checkpoint read and checked whole (``prepare_load``), its files open, ready to be
     written into the units' homes; ``restore`` and ``client_state`` are for the engine."""
 
-    def __init__(self, state: TrainingState, directory: Path, manifest: dict[str, Any],
-                 restore: Restore | None) -> None:
+    def __init__(self, state: TrainingState, save: PinnedSave, restore: Restore | None) -> None:
         self.state = state
-        self.directory = directory
-        self.manifest = manifest
+        self.save = save
+        """The save being loaded, held open (see [Note: a load pinned to one save])."""
+        self.directory = save.directory
+        self.manifest = save.manifest
         self.restore = restore
         """The counters and settings to apply once written (None: load_module_only)."""
-        self.client_state: Any = manifest.get("client_state")
+        self.client_state: Any = save.manifest.get("client_state")
         self.layouts = unit_layouts(state)
         self.buffers = persistent_buffers(state.module)
         self.model: SlicedReader | None = None
@@ -202,12 +204,12 @@ class CheckpointLoad:
         directory = self.directory
         saved = saved_ranks(self.manifest, directory)
         shapes = param_shapes(self.manifest)
-        self.model = open_ranks(directory, [model_file(r) for r in range(saved)], shapes)
+        self.model = open_ranks(self.save, [model_file(r) for r in range(saved)], shapes)
         self.match = Match(self.state.module, self.layouts, self.manifest, self.model)
         self.match.check(strict, directory)
         if optimizer_states:
             moments = {f"{name}.{m}": shape for name, shape in shapes.items() for m in MOMENTS}
-            self.optim = open_ranks(directory, [optim_file(r) for r in range(saved)], moments)
+            self.optim = open_ranks(self.save, [optim_file(r) for r in range(saved)], moments)
             _check_optimizer(self.layouts, self.match, self.manifest, self.optim, self.state,
                              directory)
         _check_buffers(self.buffers, self.model, strict, directory)
@@ -232,6 +234,7 @@ class CheckpointLoad:
             if reader is not None:
                 reader.close()
         self.model = self.optim = None
+        self.save.close()
 
     def __enter__(self) -> "CheckpointLoad":
         return self
@@ -252,32 +255,60 @@ def prepare_load(state: TrainingState, load_dir: str | Path, tag: str | None = N
     check_at_rest(state, "load_checkpoint")
     state.flush()      # the last step's work finishes first (with several ranks, together)
     # every rank reads and checks the checkpoint; a failure on any makes all raise
-    return RankAgreement(state, "nothing was loaded").all_succeed(
+    ranks = RankAgreement(state, "nothing was loaded")
+    load = ranks.all_succeed(
         lambda: _prepare(state, Path(load_dir), tag, load_module_strict, load_optimizer_states,
                          load_lr_scheduler_states, load_module_only, verify_checksums),
         "read the checkpoint")
+    if state.world_size > 1:
+        try:
+            _same_save_on_every_rank(ranks, load)
+        except BaseException:
+            if load is not None:
+                load.close()
+            raise
+    return load
+
+
+def _same_save_on_every_rank(ranks: RankAgreement, load: CheckpointLoad | None) -> None:
+    """Each rank pinned the save it found; a save of the tag between two ranks' pins would
+    have them load two saves (see [Note: a load pinned to one save])."""
+    pinned = ranks.all_succeed(lambda: None if load is None else load.save.manifest_sha256,
+                               "compare the save it opened", share=True)
+    if len(set(pinned)) > 1:
+        where = load.directory if load is not None else "the checkpoint"
+        raise SavedWhileLoading(
+            f"the ranks opened different saves of {where} (a save of that tag happened while "
+            "they were opening it): nothing was loaded; load again")
 
 
 def _prepare(state: TrainingState, load_dir: Path, tag: str | None, load_module_strict: bool,
              load_optimizer_states: bool, load_lr_scheduler_states: bool,
              load_module_only: bool, verify_checksums: bool) -> CheckpointLoad | None:
-    directory = checkpoint_directory(load_dir, tag)   # a save dir, or one checkpoint's
-    if directory is None:
-        log.warning("no %s/latest: no checkpoint loaded (pass tag= to load a given one)", load_dir)
-        return None
-    manifest = read_manifest_file(directory)
-    saved = saved_ranks(manifest, directory)
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = False
+
+    def locate() -> Path | None:
+        return checkpoint_directory(load_dir, tag)   # a save dir, or one checkpoint's
+
+    def needed(save: PinnedSave) -> list[str]:
+        saved = saved_ranks(save.manifest, save.directory)
+        return [model_file(r) for r in range(saved)] + \
+            ([optim_file(r) for r in range(saved)] if load_optimizer_states else [])
+
     # each rank hashes its share of the files; prepare_load's agreement fails every rank when
     # one finds a damaged file
-    verify_files(directory, manifest, verify_checksums,
-                 [model_file(r) for r in range(saved)] +
-                 ([optim_file(r) for r in range(saved)] if load_optimizer_states else []),
-                 share=(state.rank, state.world_size))
-    restore = None if load_module_only else read_restore(
-        state, manifest, load_optimizer_states, load_lr_scheduler_states, directory)
-    load = CheckpointLoad(state, directory, manifest, restore)
+    save = pin_save(locate, needed, verify_checksums, share=(state.rank, state.world_size))
+    if save is None:
+        log.warning("no %s/latest: no checkpoint loaded (pass tag= to load a given one)", load_dir)
+        return None
+    try:
+        restore = None if load_module_only else read_restore(
+            state, save.manifest, load_optimizer_states, load_lr_scheduler_states, save.directory)
+    except BaseException:
+        save.close()
+        raise
+    load = CheckpointLoad(state, save, restore)
     try:
         load.check(load_module_strict, load_optimizer_states)
         state.release_units()

@@ -22,9 +22,11 @@ unexpected.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,6 +73,11 @@ def weight_map(source: Path) -> tuple[Path, dict[str, str]]:
         raise FileNotFoundError(f"{source} does not exist: pass a local directory saved with "
                                 "save_pretrained (download a Hub model first, e.g. `hf download "
                                 "<repo> --local-dir DIR`)")
+    # transformers' order: model.safetensors when it is there, else the index (a save over an
+    # earlier one relies on it, see [Note: committing a weights directory] in weights_dir.py)
+    single = source / SINGLE_NAME
+    if single.is_file():
+        return weight_map(single)
     index = source / INDEX_NAME
     if index.is_file():
         try:
@@ -85,9 +92,12 @@ def weight_map(source: Path) -> tuple[Path, dict[str, str]]:
             if Path(name).name != name:
                 raise CheckpointError(f"{index}: file {name!r} is not a file name in {source}")
         return source, dict(mapping)
-    single = source / SINGLE_NAME
-    if single.is_file():
-        return weight_map(single)
+    for path in (single, index):
+        what = not_a_file(path)
+        if what is not None:
+            raise CheckpointError(f"{path} is {what}, not a file: infinity reads the weights "
+                                  "from regular files. Replace it with the file itself (copy "
+                                  "the model directory again)")
     others = sorted(p.name for p in source.iterdir()
                     if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
     hint = ""
@@ -98,6 +108,31 @@ def weight_map(source: Path) -> tuple[Path, dict[str, str]]:
     elif others:
         hint = f" It holds {', '.join(others[:5])}: pass one of them as the path."
     raise CheckpointError(f"{source} has no {SINGLE_NAME} and no {INDEX_NAME}.{hint}")
+
+
+def not_a_file(path: Path) -> str | None:
+    """What ``path`` is when it exists (as a name) but is no regular file to read -- "a FIFO
+    (named pipe)", "a symbolic link that loops (to model.safetensors)" -- else None."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        target = os.readlink(path)
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            return f"a symbolic link to {target}, which does not exist"
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return f"a symbolic link that loops (to {target})"
+            return f"a symbolic link to {target}, which cannot be read ({exc.strerror})"
+        inner = not_a_file(Path(os.path.realpath(path)))
+        return None if inner is None else f"a symbolic link to {inner}"
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), None)
 
 
 @dataclass

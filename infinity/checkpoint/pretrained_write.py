@@ -12,31 +12,44 @@ else ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json
 {"total_size": bytes}, "weight_map": {tensor: file}}``); tensors in ``{"format": "pt"}``
 files, a shard closed before the tensor that would take it past the size (a tensor larger than
 the size gets a shard of its own). A tied parameter is written once, under the name
-transformers keeps (the source of the model's ``_tied_weights_keys``). Each file goes to a
-hidden temporary name, is fsync'd and renamed; the index comes last; the weight files of an
-earlier save in the directory that this one does not replace are removed (only names of
-transformers' weight layout), so a reader never mixes two saves.
+transformers keeps (the source of the model's ``_tied_weights_keys``). A save over an earlier one replaces it as a whole, at one
+commit point, under the directory's save lock (see [Note: committing a weights directory] in
+checkpoint/weights_dir.py): a reader loads one save or the other, never a mix.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
-import shutil
 from pathlib import Path
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from infinity.base.log import get_logger
 from infinity.checkpoint.layout import UnitLayout, persistent_buffers, unit_layouts
-from infinity.checkpoint.pretrained import INDEX_NAME, SINGLE_NAME
+from infinity.checkpoint.pretrained import SINGLE_NAME
 from infinity.checkpoint.save import RankAgreement, check_at_rest
 from infinity.checkpoint.sliced import model_files_of, open_ranks, param_shapes
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter, itemsize
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, parts_of, read_chunks, save_entries
+from infinity.checkpoint.weights_dir import (
+    CARRIED_FILES,
+    commit_weights,
+    fsync_dir,
+    partial_path,
+    remove_stale_partials,
+    replace_with,
+    shard_names,
+    weight_files,
+    write_text,
+)
+from infinity.checkpoint.writer_lock import SaveLock
+from infinity.base.sizes import format_bytes
+from infinity.storage.preflight import free_bytes
 
 log = get_logger("checkpoint")
 
@@ -44,12 +57,6 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 EXPORT_PIECE_BYTES = 16 << 20      # an export reads each tensor this much at a time
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-_WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-# files of a pretrained directory besides weights and config that a save carries over
-CARRIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
-                 "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                 "preprocessor_config.json", "spiece.model", "vocab.txt")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
@@ -104,30 +111,43 @@ def plan_shards(tensors: Table, max_bytes: int) -> list[Table]:
     return shards
 
 
-def shard_names(count: int) -> list[str]:
-    if count == 1:
-        return [SINGLE_NAME]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
 class ShardedWriter:
     """Writes ``tensors`` into transformers' sharded layout in ``directory``, in order:
-    ``append(name, values)`` as ``TensorFileWriter`` takes them; ``close()`` commits."""
+    ``append(name, values)`` as ``TensorFileWriter`` takes them; ``close()`` commits the whole
+    save at one point (see [Note: committing a weights directory] in checkpoint/weights_dir.py),
+    ``abort()`` leaves the directory as it was. Holds the directory's save lock from
+    construction to ``close``/``abort``. ``single_name``: the one file's name when everything
+    fits in one (another name than ``model.safetensors`` is a file of its own, renamed into
+    place, which no index involves)."""
 
-    def __init__(self, directory: Path, tensors: Table, max_bytes: int) -> None:
+    def __init__(self, directory: Path, tensors: Table, max_bytes: int,
+                 single_name: str = SINGLE_NAME, what: str = "save") -> None:
         self.directory = directory
+        self.what = what
         self.plan = plan_shards(tensors, max_bytes)
-        self.names = shard_names(len(self.plan))
-        self.file_of = {t[0]: file for file, shard in zip(self.names, self.plan) for t in shard}
         self.total = sum(itemsize(d) * _numel(s) for _, d, s in tensors)
-        directory.mkdir(parents=True, exist_ok=True)
+        _make_directory(directory, what)
+        self._lock: SaveLock | None = SaveLock.acquire(directory)
         self._index = -1
         self._writer: TensorFileWriter | None = None
         self._written: list[Path] = []
-        self._next()
+        self.names: list[str] = []
+        try:
+            remove_stale_partials(directory)
+            self.names = shard_names(len(self.plan), weight_files(directory))
+            if len(self.plan) == 1:
+                self.names = [single_name]
+            self.file_of = {t[0]: file for file, shard in zip(self.names, self.plan)
+                            for t in shard}
+            headers = sum(4096 + 128 * len(shard) for shard in self.plan)
+            check_room(directory, self.total + headers, what)
+            self._next()
+        except BaseException:
+            self.abort()
+            raise
 
     def _partial(self, index: int) -> Path:
-        return self.directory / f".{self.names[index]}.partial"
+        return partial_path(self.directory, self.names[index])
 
     def _next(self) -> None:
         if self._writer is not None:
@@ -154,35 +174,102 @@ class ShardedWriter:
         if self._writer.complete:
             self._next()
 
-    def close(self) -> list[Path]:
-        """Rename the files into place, write the index (several files), remove what an
-        earlier save left that this one does not replace; the files written."""
+    def close(self, texts: Mapping[str, str] | None = None,
+              carry_from: Path | None = None) -> list[Path]:
+        """Write ``texts`` (config.json ...) and the files ``carry_from`` has
+        (``write_model_files``), then commit the weights and remove the earlier save's; the
+        weight files in place. Releases the lock."""
         if self._writer is not None or self._index < len(self.plan):
             self.abort()
             raise ValueError(f"{self.directory}: not every tensor was written")
-        old_files = _weight_files(self.directory)
-        final = []
-        for partial, name in zip(self._written, self.names):
-            os.replace(partial, self.directory / name)
-            final.append(self.directory / name)
-        index = self.directory / INDEX_NAME
-        if len(self.names) > 1:
-            body = {"metadata": {"total_size": self.total},
+        try:
+            write_model_files(self.directory, texts or {}, carry_from)
+            staged = list(zip(self._written, self.names))
+            if len(self.names) == 1 and self.names[0] != SINGLE_NAME:
+                os.replace(staged[0][0], self.directory / self.names[0])
+                fsync_dir(self.directory)
+                final = [self.directory / self.names[0]]
+            else:
+                index = None if len(self.names) == 1 else {
+                    "metadata": {"total_size": self.total},
                     "weight_map": dict(sorted(self.file_of.items()))}
-            write_text(index, json.dumps(body, indent=2) + "\n")
-        else:
-            index.unlink(missing_ok=True)
-        for stale in old_files - set(self.names):
-            (self.directory / stale).unlink(missing_ok=True)
-        _fsync_dir(self.directory)
+                final = commit_weights(self.directory, staged, index)
+        except BaseException:
+            self.abort()
+            raise
+        self._release()
         return final
 
     def abort(self) -> None:
+        """Remove what this save wrote under hidden names; the directory's weights are the
+        earlier save's. Releases the lock."""
         if self._writer is not None:
             self._writer.abort()
             self._writer = None
-        for i in range(len(self.plan)):
-            self._partial(i).unlink(missing_ok=True)
+        if self._lock is not None:       # without it, the hidden names may be another writer's
+            for i in range(len(self.names)):
+                self._partial(i).unlink(missing_ok=True)
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def write_weights(directory: Path, tensors: Table, max_bytes: int,
+                  fill: Callable[[ShardedWriter | None], None], *,
+                  texts: Mapping[str, str] | None = None, carry_from: Path | None = None,
+                  what: str = "save", writes: bool = True,
+                  single_name: str = SINGLE_NAME) -> list[Path]:
+    """One save into ``directory``: a ``ShardedWriter`` (where ``writes``: rank 0 of
+    several) that ``fill`` appends every tensor to, then closed with ``texts`` and the files
+    of ``carry_from``; on any failure the hidden files are removed and the earlier save stays
+    whole (a full disk says so). ``fill(None)`` is called where this rank writes nothing (it
+    takes part in the gathers). The weight files in place ([] without ``writes``)."""
+    writer = ShardedWriter(directory, tensors, max_bytes, single_name, what) if writes else None
+    need = writer.total if writer is not None else 0
+    try:
+        fill(writer)
+        return writer.close(texts, carry_from) if writer is not None else []
+    except BaseException as exc:
+        if writer is not None:
+            writer.abort()
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise full_disk_error(exc, directory, need, what) from exc
+        raise
+
+
+def _make_directory(directory: Path, what: str) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{what}: cannot create {directory}: {exc.strerror}; choose a "
+                                 "writable directory") from exc
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(f"{what}: {directory} is not writable; choose another directory "
+                              "or fix its permissions")
+
+
+def check_room(directory: Path, need: int, what: str) -> None:
+    """Refuse, before writing anything, a save that cannot fit in ``directory``'s free space
+    (its files are written beside the earlier save's, which stay until the commit)."""
+    free = free_bytes(directory)
+    if free < need:
+        raise OSError(errno.ENOSPC, f"{what} into {directory} needs {format_bytes(need)}, and its "
+                                    f"disk has {format_bytes(free)} free; nothing was written "
+                                    "and the earlier save there is unchanged: free space or "
+                                    "choose another directory")
+
+
+def full_disk_error(exc: OSError, directory: Path, need: int, what: str) -> OSError:
+    """The error of a disk that filled up during a save (the hidden files removed first):
+    the directory, the bytes needed and free, and that the earlier save is unchanged."""
+    return OSError(exc.errno, f"{what} into {directory}: the disk filled up while writing "
+                              f"({exc.strerror}; {format_bytes(need)} needed, "
+                              f"{format_bytes(free_bytes(directory))} free now that the partial "
+                              "files are removed); the earlier save there is unchanged: free "
+                              "space or choose another directory")
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -192,34 +279,11 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _weight_files(directory: Path) -> set[str]:
-    """The weight files of transformers' layout in ``directory`` (an earlier save's)."""
-    return {p.name for p in directory.iterdir() if _WEIGHT_FILE.match(p.name)}
-
-
-def write_text(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary name (fsync'd, renamed)."""
-    partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_model_files(directory: Path, texts: Mapping[str, str],
                       carry_from: Path | None) -> None:
     """``config.json`` and the like (``texts``: file name -> its text), then the files of
     ``CARRIED_FILES`` that ``carry_from`` (the directory the model was loaded from) has and
-    ``texts`` does not."""
+    ``texts`` does not, each replaced atomically."""
     for name, text in texts.items():
         write_text(directory / name, text)
     if carry_from is None or Path(carry_from).resolve() == directory.resolve():
@@ -227,7 +291,7 @@ def write_model_files(directory: Path, texts: Mapping[str, str],
     for name in CARRIED_FILES:
         src = Path(carry_from) / name
         if name not in texts and src.is_file():
-            shutil.copyfile(src, directory / name)
+            replace_with(directory / name, src.read_bytes())
 
 
 # -- from an engine ---------------------------------------------------------------------------
@@ -272,20 +336,16 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
         raise CheckpointError(f"{what}: two tensors would be saved as {sorted(dup)[0]}")
     writes = state.rank == 0
 
+    def fill(writer: ShardedWriter | None) -> None:
+        _stream_units(state, layouts, names, dtype, writer)
+        if writer is not None:
+            for name, buf in buffers:      # in their own dtype, as state_dict has them
+                if buf.numel():
+                    writer.append(name, buf.detach())
+
     def write() -> Path:
-        writer = ShardedWriter(directory, tensors, max_bytes) if writes else None
-        try:
-            _stream_units(state, layouts, names, dtype, writer)
-            if writer is not None:
-                for name, buf in buffers:      # in their own dtype, as state_dict has them
-                    if buf.numel():
-                        writer.append(name, buf.detach())
-                writer.close()
-                write_model_files(directory, texts or {}, carry_from)
-        except BaseException:
-            if writer is not None:
-                writer.abort()
-            raise
+        write_weights(directory, tensors, max_bytes, fill, texts=texts, carry_from=carry_from,
+                      what=what, writes=writes)
         return directory
 
     if state.world_size > 1:
@@ -348,8 +408,15 @@ def export_pretrained(checkpoint_dir: str | Path, directory: str | Path, *,
     directory in ``dtype`` (None: as stored: fp32 masters, frozen ones in the compute dtype),
     a tensor at a time; ``config.json`` from ``texts`` or else the checkpoint's manifest
     (``model_files``, saved by engines over a transformers model)."""
-    source, manifest, files = model_files_of(Path(checkpoint_dir), tag, verify_checksums,
-                                             tag_hint="--tag")
+    save, files = model_files_of(Path(checkpoint_dir), tag, verify_checksums, tag_hint="--tag")
+    with save:
+        return _export_pinned(save, files, directory, dtype, max_shard_size, texts, carry_from)
+
+
+def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.dtype | None,
+                   max_shard_size: int | str, texts: Mapping[str, str] | None,
+                   carry_from: Path | None) -> Path:
+    source, manifest = save.directory, save.manifest
     shapes = param_shapes(manifest)
     model_texts = dict(texts or {})
     saved_texts = manifest.get("model_files") or {}
@@ -363,13 +430,14 @@ def export_pretrained(checkpoint_dir: str | Path, directory: str | Path, *,
     if dtype is not None and "config.json" in model_texts:
         model_texts["config.json"] = config_with_dtype(model_texts["config.json"], dtype)
     out = Path(directory)
-    with open_ranks(source, files, shapes) as reader:
+    with open_ranks(save, files, shapes) as reader:
         table: Table = []
         for name, info in reader.tensors.items():
             keep = info.dtype if dtype is None or not info.dtype.is_floating_point else dtype
             table.append((name, keep, tuple(info.shape)))
-        writer = ShardedWriter(out, table, shard_bytes(max_shard_size))
-        try:
+
+        def fill(writer: ShardedWriter | None) -> None:
+            assert writer is not None
             buf = torch.empty(EXPORT_PIECE_BYTES, dtype=torch.uint8)
             for name, keep, shape in table:
                 info = reader.info(name)
@@ -379,11 +447,9 @@ def export_pretrained(checkpoint_dir: str | Path, directory: str | Path, *,
                     piece = buf[:min(step, n - a) * itemsize(info.dtype)].view(info.dtype)
                     reader.read_into(name, piece, a)
                     writer.append(name, piece.to(keep))
-            writer.close()
-            write_model_files(out, model_texts, carry_from)
-        except BaseException:
-            writer.abort()
-            raise
+
+        write_weights(out, table, shard_bytes(max_shard_size), fill, texts=model_texts,
+                      carry_from=carry_from, what="export")
     return out
 
 

@@ -12,8 +12,9 @@ from typing import Any, Sequence
 
 import torch
 
-from infinity.checkpoint.directory import checkpoint_directory, read_manifest_file, verify_files
+from infinity.checkpoint.directory import checkpoint_directory
 from infinity.checkpoint.layout import SLICE_MARK, model_file
+from infinity.checkpoint.pinned import PinnedSave, pin_save
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorInfo
 
 # (first element, element count, reader, file tensor name)
@@ -101,14 +102,15 @@ class SlicedReader:
         self.close()
 
 
-def open_ranks(directory: Path, names: Sequence[str], shapes: dict[str, Sequence[int]]
+def open_ranks(save: PinnedSave, names: Sequence[str], shapes: dict[str, Sequence[int]]
                ) -> SlicedReader:
-    """The files ``names`` of a checkpoint (one per saving rank) as one ``SlicedReader``."""
+    """The files ``names`` of a pinned checkpoint (one per saving rank) as one
+    ``SlicedReader``."""
     readers: list[TensorFileReader] = []
     try:
         for name in names:
-            readers.append(TensorFileReader(directory / name))
-        return SlicedReader(readers, shapes, directory)
+            readers.append(save.reader(name))
+        return SlicedReader(readers, shapes, save.directory)
     except BaseException:
         for reader in readers:
             reader.close()
@@ -131,16 +133,21 @@ def param_shapes(manifest: dict[str, Any]) -> dict[str, Sequence[int]]:
 
 
 def model_files_of(root: Path, tag: str | None, verify_checksums: bool,
-                   tag_hint: str = "tag=") -> tuple[Path, dict[str, Any], list[str]]:
-    """A checkpoint read without an engine: its directory (``root`` is a save directory, then
-    ``tag`` or ``latest`` picks it, or one checkpoint's directory), its manifest, and every
-    saving rank's model file, checked against the manifest (sizes; sha256 with
+                   tag_hint: str = "tag=") -> tuple[PinnedSave, list[str]]:
+    """A checkpoint read without an engine: the save pinned (``root`` is a save directory,
+    then ``tag`` or ``latest`` picks it, or one checkpoint's directory; the caller closes it)
+    and every saving rank's model file, checked against its manifest (sizes; sha256 with
     ``verify_checksums``)."""
-    directory = checkpoint_directory(root, tag)
-    if directory is None:
-        raise CheckpointError(f"{root} holds no checkpoint manifest and no 'latest' file; pass "
-                              f"a checkpoint directory or {tag_hint}")
-    manifest = read_manifest_file(directory)
-    files = [model_file(r) for r in range(saved_ranks(manifest, directory))]
-    verify_files(directory, manifest, verify_checksums, files)
-    return directory, manifest, files
+    def locate() -> Path:
+        directory = checkpoint_directory(root, tag)
+        if directory is None:
+            raise CheckpointError(f"{root} holds no checkpoint manifest and no 'latest' file; "
+                                  f"pass a checkpoint directory or {tag_hint}")
+        return directory
+
+    def files_of(save: PinnedSave) -> list[str]:
+        return [model_file(r) for r in range(saved_ranks(save.manifest, save.directory))]
+
+    save = pin_save(locate, files_of, verify_checksums)
+    assert save is not None
+    return save, files_of(save)

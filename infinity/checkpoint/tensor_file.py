@@ -217,12 +217,17 @@ class TensorFileWriter:
 class TensorFileReader:
     """The table of a safetensors file, checked, and ``read_into`` for any tensor range."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fd: int | None = None) -> None:
+        """``fd``: the file already open (a checkpoint's pinned save), owned from here on;
+        else ``path`` is opened."""
         self.path = path
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {path} is missing") from None
+        if fd is not None:
+            self._fd = fd
+        else:
+            try:
+                self._fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint file {path} is missing") from None
         try:
             self.tensors, self.metadata, self.data_start = self._parse()
         except BaseException:
@@ -377,21 +382,32 @@ def _parse_header(path: Path, raw: bytes) -> tuple[dict[str, TensorInfo], dict[s
 
 
 def sha256_of_file(path: Path) -> str:
-    """The sha256 of a file, read in 8 MiB pieces, each hashed on a helper thread while the
-    next is read (and dropped from the page cache after)."""
+    """The sha256 of the file at ``path`` (``sha256_of_fd``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return sha256_of_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of_fd(fd: int) -> str:
+    """The sha256 of an open file, from its first byte (its offset is not used), read in
+    8 MiB pieces, each hashed on a helper thread while the next is read (and dropped from the
+    page cache after)."""
     digest = hashlib.sha256()
     buffers = (bytearray(HASH_CHUNK), bytearray(HASH_CHUNK))
     hashing = None
-    with open(path, "rb", buffering=0) as f:
-        for i in itertools.count():
-            buf = buffers[i & 1]         # the other one may be being hashed
-            n = f.readinto(buf)
-            if hashing is not None:
-                hashing.result()
-            if not n:
-                break
-            hashing = _hash_thread().submit(digest.update, memoryview(buf)[:n])
-        _drop_from_page_cache(f.fileno())
+    offset = 0
+    for i in itertools.count():
+        buf = buffers[i & 1]         # the other one may be being hashed
+        n = os.preadv(fd, [buf], offset)
+        offset += n
+        if hashing is not None:
+            hashing.result()
+        if not n:
+            break
+        hashing = _hash_thread().submit(digest.update, memoryview(buf)[:n])
+    _drop_from_page_cache(fd)
     return digest.hexdigest()
 
 

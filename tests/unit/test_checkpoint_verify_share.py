@@ -1,14 +1,16 @@
-"""The ranks of one load divide the checksum reading (checkpoint/directory.py ``verify_files``
+"""The ranks of one load divide the checksum reading (checkpoint/pinned.py ``PinnedSave.verify``
 ``share``): rank r of w hashes the needed files r, r + w, ...; sizes are checked by every rank."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
 
 from infinity.checkpoint import CheckpointError
-from infinity.checkpoint.directory import verify_files
+from infinity.checkpoint.directory import FORMAT, MANIFEST, VERSION
+from infinity.checkpoint.pinned import PinnedSave
 
 NAMES = [f"rank{r}_{kind}.safetensors" for kind in ("model", "optim") for r in range(3)]
 
@@ -20,6 +22,15 @@ def _checkpoint(tmp_path: Path) -> dict:
         (tmp_path / name).write_bytes(data)
         files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     return {"files": files}
+
+
+def verify_files(directory: Path, manifest: dict, checksums: bool, needed: list[str],
+                 share: tuple[int, int]) -> None:
+    """The files checked through a pin of ``directory`` with ``manifest`` as its manifest."""
+    (directory / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": VERSION,
+                                                  **manifest}))
+    with PinnedSave(directory) as save:
+        save.verify(needed, checksums, share=share)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 6, 8])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -259,13 +260,13 @@ def test_weights_of_an_nvme_home_are_read_through_a_pool_of_its_own(tmp_path: Pa
 def test_an_error_after_the_rename_is_the_one_raised(tmp_path: Path, monkeypatch) -> None:
     """An interruption landing after the file was renamed into place: the temporary file is
     gone, and its removal must not replace the interruption with a FileNotFoundError."""
-    real = export.os.replace
+    real = os.replace
 
     def replace_then_interrupt(src, dst):
         real(src, dst)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export.os, "replace", replace_then_interrupt)
+    monkeypatch.setattr(os, "replace", replace_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         save_model_weights(_state(_Model()), tmp_path / "m.safetensors")
     monkeypatch.undo()

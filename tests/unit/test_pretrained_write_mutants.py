@@ -21,6 +21,7 @@ from infinity.base.budget import MemoryBudget
 from infinity.checkpoint import pretrained_write as pw
 from infinity.checkpoint.directory import FORMAT, MANIFEST, VERSION
 from infinity.checkpoint.layout import UnitLayout
+from infinity.checkpoint import weights_dir
 from infinity.checkpoint.pretrained_write import (
     CARRIED_FILES,
     ShardedWriter,
@@ -178,8 +179,9 @@ def test_an_unfinished_write_is_refused_and_leaves_no_partial_file(tmp_path: Pat
     writer = ShardedWriter(tmp_path, table, 40)
     writer.append("a", torch.zeros(10))
     writer.append("b", torch.zeros(4))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".model-00001-of-00003.safetensors.partial", ".model-00002-of-00003.safetensors.partial"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [       # the save lock held meanwhile
+        ".infinity-save.lock", ".model-00001-of-00003.safetensors.partial",
+        ".model-00002-of-00003.safetensors.partial"]
     with pytest.raises(ValueError) as info:
         writer.close()
     assert str(info.value) == f"{tmp_path}: not every tensor was written"
@@ -205,7 +207,7 @@ def test_a_failed_close_then_abort_is_harmless(tmp_path: Path) -> None:
 def test_a_stale_file_removed_meanwhile_is_no_error(tmp_path: Path, monkeypatch) -> None:
     """An earlier save's shard that is gone by the time close() removes it (another cleaner)
     is not an error."""
-    monkeypatch.setattr(pw, "_weight_files",
+    monkeypatch.setattr(weights_dir, "weight_files",
                         lambda d: {"model-00001-of-00009.safetensors", "model.safetensors"})
     writer = ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
     writer.append("a", torch.ones(2))
@@ -257,7 +259,7 @@ def test_files_and_the_directory_are_fsynced(tmp_path: Path, monkeypatch) -> Non
     """write_text fsyncs the text before its rename, and close() fsyncs the directory (the
     module's ``os`` replaced by a proxy that records what each fsync was given)."""
     synced: list[str] = []
-    real_os = pw.os
+    real_os = weights_dir.os
 
     class _Os:
         def __getattr__(self, name):
@@ -268,7 +270,7 @@ def test_files_and_the_directory_are_fsynced(tmp_path: Path, monkeypatch) -> Non
             synced.append(Path(f"/proc/self/fd/{fd}").resolve().name)
             return real_os.fsync(fd)
 
-    monkeypatch.setattr(pw, "os", _Os())
+    monkeypatch.setattr(weights_dir, "os", _Os())
     write_text(tmp_path / "config.json", "{}\n")
     assert synced == [".config.json.partial"]
     assert (tmp_path / "config.json").read_text() == "{}\n"
@@ -277,7 +279,7 @@ def test_files_and_the_directory_are_fsynced(tmp_path: Path, monkeypatch) -> Non
     writer = ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
     writer.append("a", torch.ones(2))
     writer.close()
-    assert synced == [tmp_path.name]
+    assert synced and set(synced) == {tmp_path.name}     # after the commit and the removals
 
 
 # -- text files and names ------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from infinity.checkpoint.directory import FORMAT, MANIFEST, VERSION
+from infinity.checkpoint.pinned import PinnedSave
 from infinity.checkpoint.sliced import (
     SlicedReader, model_files_of, open_ranks, param_shapes, saved_ranks)
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorFileWriter
@@ -152,11 +153,17 @@ def test_slices_of_two_dtypes_are_refused(tmp_path: Path) -> None:
                                "(torch.float32, torch.bfloat16): damaged")
 
 
+def _pinned(directory: Path) -> PinnedSave:
+    """``directory`` pinned as a checkpoint (a manifest listing no files)."""
+    (directory / MANIFEST).write_text(json.dumps({"format": FORMAT, "version": VERSION}))
+    return PinnedSave(directory)
+
+
 def test_open_ranks_reads_the_named_files_as_one(tmp_path: Path) -> None:
     flat = W.reshape(-1)
     _write(tmp_path / "r0", {"w#0": flat[:7]})
     _write(tmp_path / "r1", {"w#7": flat[7:]})
-    with open_ranks(tmp_path, ["r0", "r1"], {"w": [3, 4]}) as reader:
+    with _pinned(tmp_path) as save, open_ranks(save, ["r0", "r1"], {"w": [3, 4]}) as reader:
         assert [r.path for r in reader.readers] == [tmp_path / "r0", tmp_path / "r1"]
         assert torch.equal(reader.read("w"), W)
 
@@ -166,14 +173,17 @@ def test_open_ranks_closes_what_it_opened_when_a_file_fails(tmp_path: Path) -> N
     closed (no fd left behind), and the error is the reader's."""
     flat = W.reshape(-1)
     _write(tmp_path / "r0", {"w#0": flat[:7]})
+    save = _pinned(tmp_path)
+    save.open_all(["r0"])
     before = _open_fds()
     with pytest.raises(CheckpointError, match="r1 is missing"):
-        open_ranks(tmp_path, ["r0", "r1"], {"w": [3, 4]})
+        open_ranks(save, ["r0", "r1"], {"w": [3, 4]})
     assert _open_fds() == before
     with pytest.raises(CheckpointError) as info:
-        open_ranks(tmp_path, ["r0"], {"w": [3, 4]})
+        open_ranks(save, ["r0"], {"w": [3, 4]})
     assert str(info.value).startswith(f"checkpoint {tmp_path}: the slices of w cover 7 of its 12")
     assert _open_fds() == before
+    save.close()
 
 
 def test_saved_ranks_is_the_manifests_world_size() -> None:
@@ -210,10 +220,16 @@ def test_model_files_of_a_checkpoint_directory_or_a_save_dir(tmp_path: Path) -> 
     directory, manifest and every saving rank's model file."""
     manifest = _checkpoint(tmp_path / "step3")
     want = (tmp_path / "step3", manifest, ["rank0_model.safetensors", "rank1_model.safetensors"])
-    assert model_files_of(tmp_path / "step3", None, True) == want
-    assert model_files_of(tmp_path, "step3", True) == want
+
+    def found(*args) -> tuple:
+        save, files = model_files_of(*args)
+        with save:
+            return save.directory, save.manifest, files
+
+    assert found(tmp_path / "step3", None, True) == want
+    assert found(tmp_path, "step3", True) == want
     (tmp_path / "latest").write_text("step3\n")
-    assert model_files_of(tmp_path, None, False) == want
+    assert found(tmp_path, None, False) == want
 
 
 def test_model_files_of_a_directory_without_a_checkpoint_says_what_to_pass(tmp_path: Path) -> None:
@@ -232,7 +248,9 @@ def test_model_files_of_checks_sizes_and_checksums_only_when_asked(tmp_path: Pat
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF                                    # same size, other bytes
     path.write_bytes(bytes(data))
-    assert model_files_of(tmp_path / "ck", None, False)[2] == ["rank0_model.safetensors"]
+    save, files = model_files_of(tmp_path / "ck", None, False)
+    save.close()
+    assert files == ["rank0_model.safetensors"]
     with pytest.raises(CheckpointError, match="does not match its sha256"):
         model_files_of(tmp_path / "ck", None, True)
     path.write_bytes(bytes(data) + b"x")
