@@ -179,11 +179,15 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     grad_tier = Tier.HOST
     grad_itemsize = gradient_home_itemsize(itemsize, cfg.gradient_accumulation_steps or 1,
                                            cfg.world_size)
+    asked_staging = ACTIVATION_STAGING_BYTES if cfg.infinity.offload_activations == "nvme" else 0
     if not early_step and host_budget is not None and nvme_path:
-        # gradients stay on the host when they fit beside the smallest optimizer slots
+        # gradients stay on the host when they fit beside the smallest optimizer slots (and
+        # the activation staging "nvme" always takes: left out, the 85M job in fp32 under
+        # 560 MiB kept its gradients on the host and got 2,048-element slots, 3.4M with them
+        # on NVMe)
         least_slots = step_slot_count(optimizer_tier, param_tier, Tier.HOST, master_separate,
                                       early_step) * SUB_GROUP_ALIGN * 4 if streamed else 0
-        if host + total_trainable * grad_itemsize + least_slots > host_budget:
+        if host + total_trainable * grad_itemsize + least_slots + asked_staging > host_budget:
             grad_tier = Tier.NVME
     if grad_tier == Tier.NVME or early_step:
         grad_itemsize = 4          # an NVMe home goes through float32 slots; no home at all

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import infinity
-import infinity.checkpoint.directory as checkpoint_directory
+import infinity.checkpoint.pinned as pinned
 from parity import make_model
 from parity_ranks_worker import case_config, global_batches
 
@@ -33,13 +33,19 @@ def main() -> None:
     rows = GLOBAL_ROWS // world
     results = {}
     hashed: list[str] = []
-    hash_file = checkpoint_directory.sha256_of_file
+    verify = pinned.PinnedSave.verify
 
-    def counted_hash(path, *args, **kwargs):
-        hashed.append(Path(path).name)
-        return hash_file(path, *args, **kwargs)
+    def counted_verify(save, needed, checksums, share=(0, 1), hash_fd=pinned.sha256_of_fd):
+        names = {fd: name for name, fd in save._fds.items()}
 
-    checkpoint_directory.sha256_of_file = counted_hash
+        def counted_hash(fd):
+            hashed.append(names[fd])
+            return hash_fd(fd)
+        save.open_all(needed)
+        names.update({fd: name for name, fd in save._fds.items()})
+        return verify(save, needed, checksums, share, counted_hash)
+
+    pinned.PinnedSave.verify = counted_verify
     for case in cases:
         ds = case_config(case, nvme, world)
         ds["train_micro_batch_size_per_gpu"] = rows
