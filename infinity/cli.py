@@ -6,6 +6,7 @@ Each subcommand lives in ``infinity/commands/<name>.py`` with ``add_arguments(pa
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -17,7 +18,7 @@ SUBCOMMANDS = {
     "train": ("infinity.commands.train", "train a model out of core (default: a demo model on NVMe)"),
     "plan": ("infinity.commands.plan", "predict memory per tier and the settings for a model size"),
     "nvme-tune": ("infinity.commands.nvme_tune", "measure a swap path and recommend an \"aio\" section"),
-    "clean": ("infinity.commands.clean", "remove swap files (or checkpoint staging) left by a killed run"),
+    "clean": ("infinity.commands.clean", "remove swap files (or an unfinished save's files) left by a killed run"),
     "export": ("infinity.commands.export", "write a checkpoint's weights as a transformers directory"),
 }
 
@@ -45,6 +46,15 @@ def main(argv: list[str] | None = None) -> int:
             BudgetExceededError) as exc:    # a budget too small for the run: its message says so
         get_logger("cli").debug("usage error", exc_info=True)
         print(f"infinity {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # a full disk (or quota) is the user's to fix, not a bug: the saves' own messages name
+        # the directory, the bytes and what is left of the earlier save
+        get_logger("cli").debug("disk full", exc_info=True)
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"infinity {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"infinity {args.command}: interrupted", file=sys.stderr)

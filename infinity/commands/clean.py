@@ -2,8 +2,10 @@
 
 PATH is either one private swap directory (``.../infinity-swap-r0-p1234-ab12cd``) or the
 ``nvme_path`` that holds them, or a checkpoint directory (``save_dir``), where the hidden
-staging directories of saves that did not finish are removed (under the save lock, so never a
-running save's; only the files a save writes). Only directories with an infinity marker whose owner is dead are
+staging directories of saves that did not finish are removed, or a weights directory
+(``save_pretrained``, ``infinity export``, ``save_16bit_model``), where the hidden files of a
+save that did not finish are (under the save lock, so never a running save's; only the files a
+save writes). Only directories with an infinity marker whose owner is dead are
 touched, and in them only the files the marker lists; a directory without a marker, or whose
 owner still runs (or runs on another host), is refused with exit code 2. A directory that holds
 nothing but the temporary marker (a run killed while creating it) is recognised and removed.
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from infinity.commands import UsageError
 from infinity.checkpoint.directory import clean_stale_staging, staging_dirs
+from infinity.checkpoint.weights_dir import remove_stale_partials, stale_partials
 from infinity.checkpoint.writer_lock import SaveDirBusyError, SaveLock
 from infinity.base.sizes import format_bytes
 from infinity.storage.swap_dir import (DIR_PREFIX, MARKER_NAME, MARKER_TMP_NAME, NotOursError,
@@ -26,8 +29,9 @@ from infinity.storage.swap_dir import (DIR_PREFIX, MARKER_NAME, MARKER_TMP_NAME,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", type=Path,
-                        help="a private swap directory, the nvme_path holding such directories, or a "
-                             "checkpoint save_dir (its unfinished saves' staging directories)")
+                        help="a private swap directory, the nvme_path holding such directories, a "
+                             "checkpoint save_dir or a weights directory (what its unfinished "
+                             "saves left)")
     parser.add_argument("--dry-run", action="store_true",
                         help="only say what would be removed")
 
@@ -41,24 +45,31 @@ def _describe(result: Removal, dry_run: bool) -> str:
     return line
 
 
-def _clean_checkpoint_staging(save_dir: Path, staging: list[Path], dry_run: bool) -> int:
-    """Remove the staging directories saves that did not finish (killed with kill -9) left in
-    the checkpoint directory ``save_dir``, under its save lock, so never a live save's;
-    returns 1 when refused, else 0."""
+def _clean_unfinished_saves(save_dir: Path, staging: list[Path], partials: list[Path],
+                            dry_run: bool) -> int:
+    """Remove what saves that did not finish (killed with kill -9) left in ``save_dir``: the
+    staging directories of checkpoint saves, and the hidden files of a weights directory's save
+    (save_pretrained, export, save_16bit_model); under the directory's save lock, so never a
+    live save's. Returns 1 when refused or when some could not be removed, else 0."""
     if dry_run:
         for path in staging:
             print(f"{path}: would remove the files a checkpoint save left there (a save that "
                   "did not finish)")
+        for path in partials:
+            print(f"{path}: would remove it, left by a save that did not finish")
         return 0
     try:
         with SaveLock.acquire(save_dir):
             removed = clean_stale_staging(save_dir)
+            removed_partials = remove_stale_partials(save_dir)
     except SaveDirBusyError as exc:
         print(f"infinity clean: refused: {exc}", file=sys.stderr)
         return 1
     for path in removed:
         print(f"{path}: removed, left by a checkpoint save that did not finish")
-    return 0 if len(removed) == len(staging) else 1
+    for path in removed_partials:
+        print(f"{path}: removed, left by a save that did not finish")
+    return 0 if len(removed) == len(staging) and len(removed_partials) == len(partials) else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot list {path} to find its swap directories: "
                          f"{exc.strerror or exc} (errno {exc.errno}); run clean as a user who "
                          "may read it, or name one swap directory in it") from exc
-    staging = staging_dirs(path)
-    if not candidates and not staging:
+    staging, partials = staging_dirs(path), stale_partials(path)
+    if not candidates and not staging and not partials:
         raise NotOursError(f"{path} has no {MARKER_NAME} marker and holds no infinity swap "
-                           "directories nor checkpoint staging directories; nothing was touched")
-    refused = 0 if not staging else _clean_checkpoint_staging(path, staging, args.dry_run)
+                           "directories, no checkpoint staging directories and no hidden files "
+                           "of an unfinished weights save; nothing was touched")
+    refused = (_clean_unfinished_saves(path, staging, partials, args.dry_run)
+               if staging or partials else 0)
     for candidate in candidates:
         try:
             print(_describe(reclaim(candidate, dry_run=args.dry_run), args.dry_run))
