@@ -10,6 +10,11 @@ the short CI version is tests/integration/test_crash_consistency.py.
 Run (from the repository root; as root a 64 MiB ext4 image is loop-mounted for real ENOSPC,
 else ENOSPC is injected at the checkpoint writer, and the first line says which):
     python tools/crash_test.py --points 200 --seed 23 --out /var/tmp/infinity-crash/crash-200.jsonl
+Weights directories (issue 34): ``--exports N`` kills N children saving a transformers
+directory over an earlier save instead (save_pretrained, export, save_16bit_model; fewer, as
+many and more shards; SIGKILL at a random file operation or a random delay) and checks each
+leaves the earlier save or the new one, never a mix (tests/integration/weights_crash.py):
+    python tools/crash_test.py --exports 200 --seed 23
 Options: --points N (kill points, default 200), --seed S, --out F (JSON lines: one per point,
 then a summary; default /var/tmp/infinity-crash/crash-<time>.jsonl), --no-mount (inject
 ENOSPC), --ci (the CI schedule, cycled), --base DIR (a real disk, default $INFINITY_TEST_DISK or
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -37,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-mount", action="store_true")
     ap.add_argument("--ci", action="store_true")
     ap.add_argument("--base", default=None)
+    ap.add_argument("--exports", type=int, default=0,
+                    help="kill N saves of a weights directory instead (see above)")
     args = ap.parse_args(argv)
+    if args.exports:
+        return _exports(args)
     # stop cleanly (the loop mount is undone) on SIGTERM and on Ctrl-C, also when started with &
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -66,6 +76,39 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary['unloadable']}, changed checkpoints {summary['changed_checkpoints']}, "
             f"changed outside {summary['changed_outside']}; {minutes:.1f} min; ENOSPC "
             f"{ws.enospc}; results in {out}")
+        for failure in summary["failures"]:
+            say(f"FAILURE: {failure}")
+    return 1 if summary["failures"] else 0
+
+
+def _exports(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import weights_crash
+
+    out = args.out or (Path("/var/tmp/infinity-crash")
+                       / f"exports-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    base = args.base or os.environ.get("INFINITY_TEST_DISK", "/var/tmp")
+    with open(out, "w") as f, tempfile.TemporaryDirectory(prefix="infinity-exports-",
+                                                          dir=base) as work:
+        def record(rec: dict) -> None:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+
+        def say(line: str) -> None:
+            print(line, flush=True)
+            record({"say": line})
+
+        summary = weights_crash.run_kills(Path(work), args.exports, args.seed, say, record)
+        say(f"\n{'kind and mode':<24} {'tried':>6} {'killed':>7} {'old':>5} {'new':>5} "
+            f"{'failed':>7}")
+        for key, c in sorted(summary["per_kind"].items()):
+            say(f"{key:<24} {c['tried']:>6} {c['killed']:>7} {c['old']:>5} {c['new']:>5} "
+                f"{c['failed']:>7}")
+        say(f"{summary['points']} points, {len(summary['failures'])} failures; "
+            f"{(time.monotonic() - started) / 60:.1f} min; results in {out}")
         for failure in summary["failures"]:
             say(f"FAILURE: {failure}")
     return 1 if summary["failures"] else 0

@@ -161,19 +161,27 @@ def shard_sizes(reference: Path) -> dict[int, int]:
     return {n: found[n] for n in (1, 2, 3)}
 
 
+def engine_config(swap: str) -> dict:
+    """The engine of the saves: stage 3, parameters and optimizer on NVMe under ``swap``."""
+    from parity import zero_config
+
+    ds = zero_config(3, "nvme", "nvme", swap)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+    return ds
+
+
 class Saves:
     """A tiny transformers Llama under stage 3 on NVMe at two states (A: one step, B: two),
     with checkpoints of both, and the reference saves of every kind and shard count."""
 
     def __init__(self, work: Path) -> None:
         import infinity
-        from parity import make_model, train_random, zero_config
+        from parity import make_model, train_random
 
         self.work = work
-        ds = zero_config(3, "nvme", "nvme", str(work / "swap"))
-        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
         (work / "swap").mkdir(parents=True, exist_ok=True)
-        self.engine, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
+        self.engine, *_ = infinity.initialize(model=make_model("llama", layers=2),
+                                              config=engine_config(str(work / "swap")))
         self.refs: dict[tuple[str, str, int], Path] = {}
         train_random(self.engine, 1)
         self.ckpt = {"A": Path(self.engine.save_checkpoint(work / "ckpt", tag="A"))}
@@ -224,3 +232,109 @@ class Saves:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def count_operations(saves: Saves, case: Case, directory: Path) -> tuple[int, float]:
+    """How many file operations ``trap`` sees in ``case``'s save, uninterrupted, and its
+    seconds."""
+    import time
+
+    case.reset(directory)
+    started = time.monotonic()
+    with trap(1 << 30) as seen:
+        saves.save(case.kind, "B", directory, case.new_shards)
+    return len(seen), time.monotonic() - started
+
+
+def run_kills(work: Path, points: int, seed: int, say: Callable[[str], None],
+              record: Callable[[dict], None]) -> dict:
+    """``points`` kills of a child saving over an earlier save (weights_crash_child.py), the
+    cases shuffled and cycled: each SIGKILLed at a random file operation of the save, or at a
+    random delay after it started (up to 1.5x an uninterrupted save's time in this process, so
+    some land after it).
+    After each: the directory holds the earlier save or the new one (Case.check), and the next
+    save (this process's, taking over the dead child's lock) completes and leaves no hidden
+    file. Returns the counts per kind and outcome, and the failures."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = random.Random(seed)
+    saves = Saves(work)
+    child = Path(__file__).with_name("weights_crash_child.py")
+    directory, swap = work / "out", work / "child-swap"
+    swap.mkdir(exist_ok=True)
+    cases = saves.cases()
+    rng.shuffle(cases)
+    measured = {id(c): count_operations(saves, c, directory) for c in cases}
+    operations = {key: count for key, (count, _) in measured.items()}
+    durations = {key: seconds for key, (_, seconds) in measured.items()}
+    summary: dict = {"points": 0, "failures": [], "per_kind": {}}
+    try:
+        for point in range(points):
+            case = cases[point % len(cases)]
+            mode = rng.choice(("trap", "delay"))
+            case.reset(directory)
+            trap_at = rng.randint(1, operations[id(case)]) if mode == "trap" else 0
+            argv = [sys.executable, str(child), case.kind, str(saves.ckpt["B"]), str(directory),
+                    str(saves.sizes[case.new_shards]), str(swap), str(trap_at)]
+            started = time.monotonic()
+            log = open(work / "child.log", "w+")
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+            delay = None
+            if proc.stdout.readline().strip() != "saving":
+                proc.wait(timeout=600)
+                summary["failures"].append(f"point {point}: the child did not start saving: "
+                                           f"{_tail(log)}")
+                continue
+            if mode == "delay":
+                delay = rng.uniform(0, 1.5 * durations[id(case)])
+                try:
+                    proc.wait(timeout=delay)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGKILL)
+            rc = proc.wait(timeout=600)
+            killed = rc == -signal.SIGKILL
+            if not killed and rc != 0:
+                summary["failures"].append(f"point {point}: the child failed (exit {rc}): "
+                                           f"{_tail(log)}")
+                continue
+            rec = {"point": point, "kind": case.kind, "shards": [case.old_shards,
+                                                                 case.new_shards],
+                   "mode": mode, "trap_at": trap_at, "of": operations[id(case)],
+                   "delay_s": delay, "killed": killed,
+                   "seconds": round(time.monotonic() - started, 2)}
+            try:
+                rec["found"] = case.check(directory)
+                rec["hidden_left"] = hidden_files(directory)
+                saves.save(case.kind, "B", directory, case.new_shards)
+                if case.check(directory) != "new" or hidden_files(directory):
+                    raise AssertionError(f"the next save left {hidden_files(directory)} or "
+                                         "did not commit")
+            except Exception as exc:      # noqa: BLE001 -- recorded, the run goes on
+                rec["failure"] = f"{type(exc).__name__}: {exc}"
+                summary["failures"].append(f"point {point} ({case.kind} {case.old_shards}->"
+                                           f"{case.new_shards}, {mode}): {rec['failure']}")
+            record(rec)
+            summary["points"] += 1
+            key = f"{case.kind} {mode}"
+            counts = summary["per_kind"].setdefault(key, {"tried": 0, "killed": 0, "old": 0,
+                                                          "new": 0, "failed": 0})
+            counts["tried"] += 1
+            counts["killed"] += killed
+            if "failure" in rec:
+                counts["failed"] += 1
+            else:
+                counts[rec["found"]] += 1
+            if point % 20 == 19:
+                say(f"{point + 1} points, {len(summary['failures'])} failures")
+    finally:
+        saves.close()
+    return summary
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    return log.read()[-2000:]
