@@ -154,6 +154,26 @@ class MatchReport:
     missing_buffers: list[str] = field(default_factory=list)
 
 
+OPEN_ATTEMPTS = 3
+"""Times a load opens a directory that another process keeps saving over, before refusing."""
+
+
+def commit_point(source: Path) -> tuple[str, int, int, int, int] | None:
+    """The file whose rename committed the save a reader of ``source`` sees (a directory's
+    ``model.safetensors`` when it is a file, else its index; or ``source`` itself), as (name,
+    device, inode, size, mtime): a save that commits meanwhile replaces it by a new file
+    (infinity's saves), or rewrites it in place (a writer that does not rename)."""
+    candidates = [source] if not source.is_dir() else [source / SINGLE_NAME, source / INDEX_NAME]
+    for path in candidates:
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            return path.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return None
+
+
 class PretrainedWeights:
     """A pretrained directory's tensors, checked and matched to a model, served to the units
     being placed (``provides`` / ``fill``, see ``UnitValues`` in zero/protocols.py)."""
@@ -172,10 +192,35 @@ class PretrainedWeights:
         self._reader: ThreadPoolExecutor | None = None
         self.bytes_read = 0
         try:
-            self._open(mapping)
+            self._open_one_save(Path(source), mapping)
         except BaseException:
             self.close()
             raise
+
+    def _open_one_save(self, source: Path, mapping: dict[str, str]) -> None:
+        """Open the files of one save: where the commit point (``model.safetensors``, or the
+        index) changed while the shards were being opened, another process saved over the
+        directory, and the files opened may be two saves' (weights_dir.py gives a new save's
+        shards names the index before it does not name, but a third save may take the first
+        one's names again): open them again, from the new commit."""
+        for _ in range(OPEN_ATTEMPTS):
+            seen = commit_point(source)
+            try:
+                self._open(mapping)
+            except (CheckpointError, FileNotFoundError):
+                if commit_point(source) == seen:
+                    raise
+            else:
+                if commit_point(source) == seen:
+                    return
+            log.info("%s was saved over while it was being opened; opening it again",
+                     self.directory)
+            self.close()
+            self._tensors.clear()
+            self.directory, mapping = weight_map(source)
+        raise CheckpointError(f"{self.directory} was saved over {OPEN_ATTEMPTS} times while it "
+                              "was being opened: another process keeps saving into it; load "
+                              "it when that save is done, or from a copy")
 
     def _open(self, mapping: dict[str, str]) -> None:
         by_file: dict[str, list[str]] = {}

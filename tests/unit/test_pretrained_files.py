@@ -4,10 +4,12 @@ reads (read ahead of conversions, straight reads, casts)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from infinity.checkpoint import pretrained
 from infinity.checkpoint.pretrained import PretrainedWeights, weight_map
@@ -158,3 +160,39 @@ def test_pieces_are_read_ahead_and_cast_in_order(tmp_path, monkeypatch, piece_by
         assert torch.equal(out_b, b)
         assert torch.equal(out_b16, b[51:].bfloat16())
         assert weights.bytes_read == (a.numel() - 3) * 2 + b.numel() * 4 + 50 * 4
+
+
+def test_a_load_opened_across_two_saves_over_it_opens_the_last_one_whole(tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    """A load reads save 1's index, and while it opens the shards two saves commit over the
+    directory (the second takes save 1's standard names back): the files it opened are two
+    saves'; it sees the index replaced and opens the last save, whole."""
+    pt = pretrained
+
+    def save(value: float) -> None:
+        _write(tmp_path, {n: torch.full((64,), value) for n in ("a", "b", "c")}, 300)
+    save(1.0)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    opened = []
+    real = pt.TensorFileReader
+
+    def reader_meanwhile_saved_over(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        if len(opened) == 2:
+            save(2.0)      # token names: the standard ones are taken
+            save(3.0)      # the standard names again
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(pt, "TensorFileReader", reader_meanwhile_saved_over)
+    with pt.PretrainedWeights(tmp_path, direct_io=False) as weights:
+        model = nn.Module()
+        for n in ("a", "b", "c"):
+            model.register_parameter(n, nn.Parameter(torch.zeros(64)))
+        weights.match(model)
+        got = {}
+        for n in ("a", "b", "c"):
+            out = torch.empty(64)
+            weights.fill([(n, 0, out)])
+            got[n] = out
+    assert len(opened) > 3, opened          # opened again after the saves
+    assert all(torch.equal(v, torch.full((64,), 3.0)) for v in got.values()), got
