@@ -54,12 +54,12 @@ from infinity.engine.step_stats import step_stats
 from infinity.engine.wiring import (
     activation_swapper,
     build_units,
-    state_tiers,
     tier_manager,
 )
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.partitioned import PartitionedOptimizer
 from infinity.optim.schedules import build_scheduler, check_user_scheduler
+from infinity.planner.placement import state_tiers
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.preflight import SwapPathError
@@ -111,8 +111,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.stage = stage
         self.micro_steps = 0
         self.global_steps = 0
-        param_tier, optimizer_tier, self.master_separate = state_tiers(
-            self.config, self.device, self.compute_dtype)
+        param_tier, optimizer_tier, single_copy = state_tiers(
+            self.config, derived.compute_dtype, cpu_device=self.device.type == "cpu")
+        self.master_separate = not single_copy
         self.param_tier, self.optimizer_tier = param_tier, optimizer_tier
 
         # the config's optimizer, or the one passed, taken over (engine/client_optimizer.py)

@@ -20,10 +20,9 @@ from infinity.config import InfinityConfig
 from infinity.engine.activation_policy import AutoActivationOffload
 from infinity.engine.sizing import EngineSizes, host_budget_note
 from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES
-from infinity.planner.placement import separate_master_tier
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
-from infinity.storage.tiers import Tier, deeper
+from infinity.storage.tiers import Tier
 from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.materialize import materialize_params
 from infinity.zero.partition import UnitSpec
@@ -31,24 +30,6 @@ from infinity.zero.protocols import UnitValues
 from infinity.zero.unit import Unit, flat_nbytes
 
 log = get_logger("engine")
-
-
-def state_tiers(config: InfinityConfig, device: torch.device,
-                compute_dtype: torch.dtype) -> tuple[Tier, Tier, bool]:
-    """(parameter tier, optimizer tier, whether the fp32 master is separate from the compute
-    copy) for this config on this device."""
-    stage = config.zero.stage
-    cpu_fp32 = device.type == "cpu" and compute_dtype == torch.float32
-    master_separate = not cpu_fp32
-    optimizer_tier = Tier.from_offload_device(config.zero.offload_optimizer.device)
-    param_tier = Tier.from_offload_device(config.zero.offload_param.device) \
-        if stage == 3 else Tier.DEVICE
-    if cpu_fp32 and stage == 3:
-        # DESIGN.md "fp32 on CPU": one fp32 tensor per parameter, in the deeper tier.
-        param_tier = deeper(param_tier, optimizer_tier)
-    if master_separate:
-        optimizer_tier = separate_master_tier(optimizer_tier, cpu_device=device.type == "cpu")
-    return param_tier, optimizer_tier, master_separate
 
 
 def tier_manager(config: InfinityConfig, device: torch.device, sizes: EngineSizes,

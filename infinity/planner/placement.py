@@ -5,10 +5,11 @@ Byte math (N = world size; P = parameters, T = trainable parameters):
 * fp32 Adam states are 12 B per trainable parameter (master 4 + m 4 + v 4), sharded over N from
   stage 1; fp32 gradients add 4 B (sharded from stage 2); a 16-bit compute copy of the parameters
   adds 2 B (sharded at stage 3). Mixed precision: 18 B/param.
-* When the compute dtype is fp32 and the compute copy can be fetched from where the master lives
-  (same tier, or stage 3 on a CPU-only machine whose "device" is an emulated pool), the fp32
-  master *is* the parameter and is stored once, in the deeper of the two tiers: 16 B/param with
-  gradients, not the 20 B DeepSpeed keeps (see shared/peers/DS_E2E.md).
+* On a CPU device with fp32 compute the fp32 master *is* the parameter and is stored once (at
+  stage 3 in the deeper of the two tiers; below it in the device pool, which is host memory):
+  16 B/param with gradients, not the 20 B DeepSpeed keeps (see shared/peers/DS_E2E.md). On a
+  GPU the master is separate from the compute copy in fp32 too. ``state_tiers`` is that rule,
+  the one the engine and the plan both read.
 * With the early step (the optimizer steps a unit as soon as its gradient shard arrives) the
   gradients have no home at all; only one sub-group's staging buffer exists.
 * A gradient home in host memory is 2 B/param instead of 4 where it never sums anything: 16-bit
@@ -16,13 +17,15 @@ Byte math (N = world size; P = parameters, T = trainable parameters):
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from infinity.config import InfinityConfig
 from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.tiers import Tier, deeper
 
-__all__ = ["Placement", "COMPONENTS", "place", "resident_bytes", "choose_compute_dtype",
+__all__ = ["Placement", "COMPONENTS", "place", "state_tiers", "resident_bytes",
+           "choose_compute_dtype",
            "compute_dtype_choice", "choose_early_step", "gradient_home_itemsize",
            "separate_master_tier"]
 
@@ -44,6 +47,7 @@ class Placement:
     opt_elems: int          # per rank
     grad_elems: int         # per rank
     grad_itemsize: int = 4  # bytes per element of a gradient home in host memory
+    grad_home: Tier | None = None   # the gradients' tier as the engine's sizes decided it
 
     @property
     def grad_bytes(self) -> int:
@@ -57,11 +61,21 @@ class Placement:
 
     @property
     def grads_tier(self) -> Tier | None:
-        """Where the deferred schedule keeps gradients: as the engine does (engine_sizes),
-        beside offloaded Adam states, and in host memory when the states stay on the device."""
+        """Where the deferred schedule keeps gradients: where the engine's sizes put them
+        (``grad_home``, see ``with_gradient_home``: host memory unless the host budget cannot
+        hold them beside the optimizer's slots); before those sizes are known, the deepest
+        the engine might use, beside offloaded Adam states (host memory when the states stay
+        on the device)."""
         if self.early_step:
             return None
+        if self.grad_home is not None:
+            return self.grad_home
         return Tier.HOST if self.opt_tier == Tier.DEVICE else self.opt_tier
+
+    def with_gradient_home(self, tier: Tier, itemsize: int) -> "Placement":
+        """This placement with the gradients' home the engine's sizes decided
+        (``EngineSizes.grad_tier`` and ``grad_home_itemsize``)."""
+        return dataclasses.replace(self, grad_home=tier, grad_itemsize=itemsize)
 
 
 # [Note: the gradient home in the compute dtype]
@@ -93,6 +107,24 @@ def separate_master_tier(optimizer_tier: Tier, cpu_device: bool) -> Tier:
     on a CPU device, "none" (the device tier) is host memory -- the emulated device pool holds
     the units' compute copies only -- so the engine and the planner both count them there."""
     return Tier.HOST if cpu_device and optimizer_tier == Tier.DEVICE else optimizer_tier
+
+
+def state_tiers(cfg: InfinityConfig, compute_dtype: str,
+                cpu_device: bool) -> tuple[Tier, Tier, bool]:
+    """(parameter tier, optimizer tier, single copy) for ``cfg`` computing in
+    ``compute_dtype`` on a CPU device or a GPU: the one rule for where the states live, read by
+    the engine (for its device) and by ``place`` (for the hardware's). Single copy: fp32 on a
+    CPU device, where the master is the parameter (DESIGN.md "fp32 on CPU"), stored in the
+    deeper of the two tiers at stage 3."""
+    z = cfg.zero
+    single = cpu_device and compute_dtype == "fp32"
+    opt_tier = Tier.from_offload_device(z.offload_optimizer.device)
+    param_tier = Tier.from_offload_device(z.offload_param.device) if z.stage == 3 else Tier.DEVICE
+    if single and z.stage == 3:
+        param_tier = deeper(param_tier, opt_tier)
+    if not single:
+        opt_tier = separate_master_tier(opt_tier, cpu_device=cpu_device)
+    return param_tier, opt_tier, single
 
 
 def choose_compute_dtype(cfg: InfinityConfig, hw: Hardware) -> str:
@@ -138,13 +170,7 @@ def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Placement:
     """Where the states of ``stats``' model live under ``cfg`` on ``hw``."""
     z, n = cfg.zero, cfg.world_size
     dtype = choose_compute_dtype(cfg, hw)
-    opt_tier = Tier.from_offload_device(z.offload_optimizer.device)
-    param_tier = Tier.DEVICE if z.stage < 3 else Tier.from_offload_device(z.offload_param.device)
-    single = dtype == "fp32" and (param_tier == opt_tier or (not hw.has_gpu and z.stage == 3))
-    if single:
-        param_tier = deeper(param_tier, opt_tier)
-    else:
-        opt_tier = separate_master_tier(opt_tier, cpu_device=not hw.has_gpu)
+    param_tier, opt_tier, single = state_tiers(cfg, dtype, cpu_device=not hw.has_gpu)
     shard = lambda elems, from_stage: -(-elems // n) if z.stage >= from_stage else elems  # noqa: E731
     c = 4 if dtype == "fp32" else 2
     return Placement(stage=z.stage, compute_dtype=dtype, c=c,

@@ -15,6 +15,7 @@ from typing import Any
 
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
+from infinity.planner.calibration import run_sizes
 from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.placement import COMPONENTS, compute_dtype_choice, place, resident_bytes
 from infinity.planner.render import render_plan
@@ -127,7 +128,10 @@ _FIX_DEVICE_WORK = ("set a smaller stage3_prefetch_bucket_size / reduce_bucket_s
 
 def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     """Bytes per tier of params, grads, optimizer states and buffers, with warnings."""
-    lay = place(cfg, stats, hw)
+    # the gradients' home as the engine's sizes decide it (host memory unless the budget
+    # cannot hold it), not where it might go: the plan shows the bytes the engine allocates
+    lay, engine, _ = run_sizes(cfg, stats, hw)
+    lay = lay.with_gradient_home(engine.grad_tier, engine.grad_home_itemsize)
     sz = derive_sizes(cfg, stats, hw)
     items: list[PlanItem] = []
     names = {"params": "parameters", "grads": "gradients", "optimizer_states": "optimizer states"}

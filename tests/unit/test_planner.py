@@ -86,10 +86,12 @@ def test_bytes_per_param_on_host(hw: Hardware, extra: dict, per_param: int) -> N
 
 def test_world_size_shards_by_stage() -> None:
     stats = ModelStats.from_counts(8_000_000, 1_000_000, 8)
-    # fp32 without offload: the parameter is the master, so the optimizer shard adds m, v (8 B);
-    # the deferred schedule's gradients live in host memory, as the engine keeps them
-    for stage, expected in ((1, (4 * 8_000_000, 4 * 8_000_000, 8 * 2_000_000)),
-                            (2, (4 * 8_000_000, 4 * 2_000_000, 8 * 2_000_000))):
+    # fp32 without offload on a GPU: the engine keeps a master of its own beside the compute
+    # copy (state_tiers: one copy on a CPU device only), so the optimizer shard is master, m
+    # and v (12 B); the deferred schedule's gradients live in host memory, as the engine keeps
+    # them
+    for stage, expected in ((1, (4 * 8_000_000, 4 * 8_000_000, 12 * 2_000_000)),
+                            (2, (4 * 8_000_000, 4 * 2_000_000, 12 * 2_000_000))):
         cfg = InfinityConfig.from_dict({"zero_optimization": {"stage": stage},
                                         "infinity": {"early_step": "off"}}, world_size=4)
         plan = plan_memory(cfg, stats, GPU_BOX)
@@ -457,7 +459,7 @@ def test_gradient_home_itemsize(itemsize: int, accumulation: int, world: int,
 def test_optimizer_none_with_a_separate_master_is_counted_where_the_engine_puts_it(
         hw: Hardware, tier: str) -> None:
     """bf16 compute, stage 0, nothing offloaded: on a CPU device the engine keeps the fp32
-    master, m and v in host memory (engine/wiring.py ``state_tiers``), so the plan must count
+    master, m and v in host memory (planner/placement.py ``state_tiers``), so the plan must count
     them there -- counted in the emulated device pool, `infinity plan` recommended configs that
     failed at initialize (a 4.5M Llama at 90 MiB: "master needs 2.25 MiB of host memory but only
     1.30 MiB ... is free")."""
