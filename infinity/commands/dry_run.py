@@ -33,7 +33,7 @@ from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, Si
 from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
 from infinity.engine.sizing import COMPUTE_DTYPES, gradient_home_dtype
-from infinity.optim.gradients import GRADS_HELD
+from infinity.planner.engine_sizes import GRADS_HELD
 from infinity.planner.engine_sizes import (
     ACTIVATION_STAGING_BYTES,
     EngineSizes,

@@ -7,10 +7,11 @@ In the early step on a CPU device a unit's gradients are not copied anywhere: th
 autograd produced are held, by parameter, until the unit's step has run, and the Adam kernel
 reads them piece by piece. Copying them into one flat buffer cost the training thread about
 0.7 s a step at 0.49B (2 GB read and written on the cores backward computes on). Held gradients
-are counted in bytes against a room of one unit's gradient (``HELD_ROOM_UNITS``; the host budget
-keeps two units' worth, the room and the part that waits for it): a part that does not fit waits
-for a background step to free the parts it has stepped (see optim/held_room.py). On CUDA the
-gradients are on the device and go through ``GRADS_HELD`` flat host buffers.
+are counted in bytes against a room of one unit's gradient (``HELD_ROOM_UNITS``; the host
+budget keeps two units' worth, the room and the part that waits for it): a part that does not
+fit waits for a background step to free the parts it has stepped (see optim/held_room.py). On
+CUDA the gradients are on the device and go through ``GRADS_HELD`` flat host buffers. Both
+counts live in planner/engine_sizes.py, which sizes the host budget by them.
 
 [Note: gradients over ranks]
 With several data-parallel ranks a unit's gradient is collected whole in a flat buffer (never
@@ -39,17 +40,8 @@ from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.zero.unit import ParamEntry, Unit
 
-GRADS_HELD = 2   # flat gradient buffers (a unit's gradient each) for early steps off the CPU
-HELD_ROOM_UNITS = 1.0   # largest units' worth of held gradients (see optim/held_room.py)
-
-
 def _never() -> bool:
     return False
-
-
-def held_room_bytes(max_trainable: int) -> int:
-    """Bytes held gradients may take before the backward waits for a background step."""
-    return int(HELD_ROOM_UNITS * max_trainable * 4)
 
 
 def gradients_held(device: torch.device) -> bool:

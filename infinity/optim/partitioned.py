@@ -45,13 +45,7 @@ import torch
 
 from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
-from infinity.optim.gradients import (
-    GRADS_HELD,
-    GradientCollector,
-    _sum_of_squares,
-    gradients_held,
-    held_room_bytes,
-)
+from infinity.optim.gradients import GradientCollector, _sum_of_squares, gradients_held
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
 from infinity.optim.pending_steps import PendingSteps
@@ -63,7 +57,7 @@ from infinity.optim.records import (
 )
 from infinity.optim.speculation import Speculator
 from infinity.optim.step_stream import StepStream
-from infinity.planner.engine_sizes import step_slot_count
+from infinity.planner.engine_sizes import GRADS_HELD, held_room_bytes, step_slot_count
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier

@@ -35,6 +35,27 @@ STAGING_CHUNKS = 8
 """Staging chunks of the activation swapper."""
 ACTIVATION_STAGING_BYTES = STAGING_CHUNK_BYTES * STAGING_CHUNKS
 """Host bytes of the activation swapper's staging, counted in the host budget."""
+GRADS_HELD = 2
+"""Flat gradient buffers of the optimizer's gradient pool (a unit's gradient each: one being
+collected, one being stepped), where gradients go through host buffers (the early step off
+a CPU device, an NVMe gradient home, several ranks)."""
+HELD_ROOM_UNITS = 1.0
+"""Largest units' worth of held gradients before the backward waits for a background step
+(see optim/held_room.py)."""
+
+
+def held_room_bytes(max_trainable: int) -> int:
+    """Bytes held gradients may take before the backward waits for a background step."""
+    return int(HELD_ROOM_UNITS * max_trainable * 4)
+
+
+def gradient_buffer_bytes(max_trainable: int) -> int:
+    """Host bytes of the gradients on their way to the step, counted once for both ways the
+    optimizer may take them: its GRADS_HELD flat buffers, or held gradients (the room and the
+    part waiting for it)."""
+    return max(GRADS_HELD * max_trainable * 4, held_room_bytes(max_trainable) + max_trainable * 4)
+
+
 MIN_SLOT_SHARE = 0.5
 """The room kept for the step (activation windows, autograd's gradient) is kept only where the
 optimizer slots keep at least this share of the sub-group they would get without it."""
@@ -195,10 +216,9 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         host += total_trainable * grad_itemsize              # the gradients' home
         homes += total_trainable * grad_itemsize
     if early_step or grad_tier == Tier.NVME or speculative or cfg.world_size > 1:
-        # flat gradient buffers (GRADS_HELD), or held gradients: the room (HELD_ROOM_UNITS) and
-        # the part waiting for it; across ranks the optimizer always collects a unit's reduced
-        # gradient in those buffers (PartitionedOptimizer's grad_pool when comm is active)
-        host += 2 * max_trainable * 4
+        # across ranks the optimizer always collects a unit's reduced gradient in its flat
+        # buffers (PartitionedOptimizer's grad_pool when comm is active)
+        host += gradient_buffer_bytes(max_trainable)
     if grad_tier == Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
         host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
     staging = cfg.infinity.offload_activations == "nvme"

@@ -21,10 +21,9 @@ from infinity.optim.gradients import (
     _add_widened,
     _sum_of_squares,
     gradients_held,
-    held_room_bytes,
 )
 from infinity.optim.records import OptimTimers, UnitOptimState
-from infinity.planner.engine_sizes import accumulate_chunk_numel
+from infinity.planner.engine_sizes import accumulate_chunk_numel, held_room_bytes
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore
 from infinity.storage.tiers import Tier

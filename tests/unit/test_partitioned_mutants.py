@@ -23,7 +23,7 @@ from torch import nn
 from infinity.base.budget import MemoryBudget
 from infinity.comm.collectives import CommCounters
 from infinity.config.aio import AioConfig
-from infinity.optim.gradients import GRADS_HELD, held_room_bytes
+from infinity.planner.engine_sizes import GRADS_HELD, held_room_bytes
 from infinity.optim.partitioned import PartitionedOptimizer, _state_range
 from infinity.planner.engine_sizes import step_slot_count
 from infinity.storage.manager import TierManager
