@@ -36,6 +36,11 @@ from infinity.checkpoint.pretrained_write import (
     save_pretrained as write_pretrained,
 )
 from infinity.zero.init import Init
+from infinity.zero.materialize import (
+    FINAL_VALUE_ATTR,
+    copied_from,
+    values_kept_through_meta_moves,
+)
 
 if TYPE_CHECKING:
     from infinity.engine.engine import Engine
@@ -132,12 +137,29 @@ def _prepared(model: nn.Module, prepare: Callable[[nn.Module], nn.Module],
               weights: PretrainedWeights) -> nn.Module:
     """``prepare(model)``, the checkpoint's tensors following their parameters' new names."""
     before = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-    prepared = prepare(model)
+    # what it builds (an adapter) keeps the values it gave them when moved to the meta device
+    # of the layers it wraps; a copy of a loaded layer (modules_to_save) is loaded as it
+    with values_kept_through_meta_moves():
+        prepared = prepare(model)
     if not isinstance(prepared, nn.Module):
         raise TypeError(f"prepare_model returned {type(prepared).__name__}, not the nn.Module "
                         "to train")
-    weights.rename({name: before[id(p)] for name, p in
-                    prepared.named_parameters(remove_duplicate=False) if id(p) in before})
+    lost = [name for name, p in prepared.named_parameters()
+            if p.device.type == "meta" and id(copied_from(p)) not in before
+            and getattr(copied_from(p), FINAL_VALUE_ATTR, None) is None]
+    if lost:
+        # made on the meta device from the loaded layers' weights, which are not read yet: a
+        # DoRA magnitude (the norm of the base weight) would come out as a random init
+        raise ValueError(
+            f"prepare_model made {len(lost)} parameter(s) on the meta device from weights that "
+            f"are not loaded yet, so they have no value and would train from a random init: "
+            f"{', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} (a DoRA magnitude vector "
+            "is the norm of the base weight). Use an adapter that does not read the base "
+            "weights to initialise (LoRA without use_dora), or load the base with transformers "
+            "and pass the prepared model to infinity.initialize")
+    weights.rename({name: before[id(copied_from(p))] for name, p in
+                    prepared.named_parameters(remove_duplicate=False)
+                    if id(copied_from(p)) in before})
     return prepared
 
 

@@ -19,10 +19,20 @@ in a plain build, where the other module's init ran on the parameter the tie rep
 What zero.Init cannot keep: initialisation a module's ``__init__`` does by hand on parameters
 already registered (``nn.init.zeros_(self.head.weight)`` in the parent's constructor) happens
 while they are meta, so it is lost; the model's own init methods run instead.
+
+A library that wraps a model already on the meta device (``from_pretrained``'s
+``prepare_model``, a PEFT ``get_peft_model``) builds its own parameters with real values and
+then moves them to the device of the layer they wrap, meta: ``values_kept_through_meta_moves``
+keeps each moved parameter's value on its meta stand-in (``FINAL_VALUE_ATTR``), and notes a
+meta parameter deep-copied from another (PEFT's ``modules_to_save`` copies a head) as a copy of
+it (``COPY_OF_ATTR``); such a parameter is materialised with that value and never initialised
+again (a LoRA ``lora_B`` re-initialised by the model's ``_init_weights`` gets std 0.02 instead
+of the 0 PEFT gave it: step 0 is no longer the base model).
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import contextlib
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -32,6 +42,48 @@ VALUE_ATTR = "_infinity_built_value"     # on a meta parameter: the value it was
 # parameters up to this size keep the value their constructor gave them (1M elements: LoRA
 # factors, norms, biases); a larger one's (torch.empty's, for torch's own modules) is dropped
 KEEP_VALUE_NUMEL = 1 << 20
+FINAL_VALUE_ATTR = "_infinity_final_value"   # on a meta parameter: its value, initialised
+COPY_OF_ATTR = "_infinity_copy_of"           # on a meta parameter: the one it was copied from
+
+
+@contextlib.contextmanager
+def values_kept_through_meta_moves() -> Iterator[None]:
+    """Within the block, a parameter a module moves from real memory to the meta device
+    (``Module.to("meta")``, any ``_apply``) keeps its value on the meta parameter that replaces
+    it, and a meta parameter deep-copied records what it was copied from (see the module
+    docstring). Patches ``nn.Module._apply`` and ``nn.Parameter.__deepcopy__`` process-wide
+    for the block: a model preparation, one thread."""
+    apply, deepcopy = nn.Module._apply, nn.Parameter.__deepcopy__
+
+    def keeping_apply(module: nn.Module, fn, *args, **kwargs):
+        before = {(id(m), key): p for m in module.modules() for key, p in m._parameters.items()
+                  if p is not None and p.device.type != "meta"}
+        out = apply(module, fn, *args, **kwargs)
+        for m in module.modules():
+            for key, p in m._parameters.items():
+                moved = before.get((id(m), key))
+                if p is not None and moved is not None and p.device.type == "meta":
+                    setattr(p, FINAL_VALUE_ATTR, moved.detach())
+        return out
+
+    def noting_deepcopy(param: nn.Parameter, memo):
+        copy = deepcopy(param, memo)
+        if param.device.type == "meta":
+            setattr(copy, COPY_OF_ATTR, param)
+        return copy
+
+    nn.Module._apply, nn.Parameter.__deepcopy__ = keeping_apply, noting_deepcopy
+    try:
+        yield
+    finally:
+        nn.Module._apply, nn.Parameter.__deepcopy__ = apply, deepcopy
+
+
+def copied_from(param: nn.Parameter) -> nn.Parameter:
+    """The parameter ``param`` is a copy of (through copies of copies), else itself."""
+    while getattr(param, COPY_OF_ATTR, None) is not None:
+        param = getattr(param, COPY_OF_ATTR)
+    return param
 
 
 def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
@@ -59,7 +111,14 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
             replaced.append((name, old, new))
             skipped.add(id(new))
             continue
-        built = getattr(old, VALUE_ATTR, None)
+        final = getattr(copied_from(old), FINAL_VALUE_ATTR, None)
+        if final is not None:       # initialised already: never again
+            new = nn.Parameter(final.to(device=device, dtype=old.dtype, copy=True),
+                               requires_grad=old.requires_grad)
+            replaced.append((name, old, new))
+            skipped.add(id(new))
+            continue
+        built = getattr(copied_from(old), VALUE_ATTR, None)
         value = torch.zeros(old.shape, dtype=old.dtype, device=device) if built is None else \
             built.to(device=device, dtype=old.dtype, copy=True)
         new = nn.Parameter(value, requires_grad=old.requires_grad)

@@ -320,6 +320,52 @@ def test_prepare_model_wraps_and_freezes_outside_zero_init(disk_dir) -> None:
         engine.close()
 
 
+def _peft(model, **lora):
+    """``model`` wrapped by PEFT, its adapter drawn from seed 7."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(7)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            **lora))
+
+
+@pytest.mark.parametrize("lora", [{}, {"modules_to_save": ["lm_head"]}], ids=["lora", "head"])
+def test_a_peft_adapter_from_prepare_model_starts_from_the_base(disk_dir, lora) -> None:
+    """PEFT builds the adapter with its values (lora_B zero), then moves it to the meta device
+    of the layers it wraps: the adapter keeps those values (before, the model's _init_weights
+    re-initialised lora_B to std 0.02 and step 0 was not the base model), and a
+    modules_to_save copy of the head is loaded as the head. Step-0 logits equal the base
+    model's; every adapter tensor equals PEFT's on a plain model from the same seed."""
+    pytest.importorskip("peft")
+    src = _saved(disk_dir, "llama", layers=2)
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir),
+                                          prepare_model=lambda m: _peft(m, **lora))
+    x = _batches(1)[0]
+    try:
+        base = _plain(src)
+        assert (_logits(engine, x) - _logits(base, x)).abs().max().item() == 0.0
+        reference = _peft(_plain(src), **lora).state_dict()
+        state = engine.module_state_dict()
+        added = [k for k in reference if "lora_" in k or "modules_to_save" in k]
+        assert added and all(torch.equal(state[k], reference[k]) for k in added), added
+    finally:
+        engine.close()
+
+
+def test_an_adapter_computed_from_unloaded_weights_is_refused(disk_dir) -> None:
+    """DoRA computes its magnitude from the base weight, still on the meta device inside
+    prepare_model: refused before any work, naming the parameters and what to do (it would
+    otherwise train from a random init)."""
+    pytest.importorskip("peft")
+    src = _saved(disk_dir, "llama", layers=2)
+    with pytest.raises(ValueError) as info:
+        infinity.from_pretrained(src, config=_config(disk_dir),
+                                 prepare_model=lambda m: _peft(m, use_dora=True))
+    message = str(info.value)
+    assert "lora_magnitude_vector" in message and "use_dora" in message, message
+    assert "infinity.initialize" in message, message
+
+
 # -- errors in the checkpoint ------------------------------------------------------------
 def _single_file(disk_dir: Path, change) -> Path:
     """A llama checkpoint as one file, its state dict changed by ``change(sd)``."""
