@@ -59,6 +59,8 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
               "state_dict": state_dict}
     if _is_transformers_model(model):
         routed["save_pretrained"] = _routed_save_pretrained(model, engine)
+    elif _is_peft_model(model):
+        routed["save_pretrained"] = _routed_adapter_save(model, engine)
     for name, function in routed.items():
         setattr(model, name, _bound(model, engine, name, function))
 
@@ -105,6 +107,29 @@ def _routed_save_pretrained(model: nn.Module, engine: "Engine"):
                        state_dict=state_dict, max_shard_size=max_shard_size, **kwargs)
         # every rank takes part (units are gathered over the ranks); rank 0 writes
         engine.save_pretrained(save_directory, max_shard_size=max_shard_size)
+        return None
+
+    return save_pretrained
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    peft = sys.modules.get("peft")
+    base = getattr(peft, "PeftModel", None) if peft is not None else None
+    return base is not None and isinstance(model, base)
+
+
+def _routed_adapter_save(model: nn.Module, engine: "Engine"):
+    """``model.save_pretrained(dir)`` on a PEFT model the engine holds: the engine's adapter
+    save (its trainable parameters gathered a unit at a time, not the whole model's state
+    dict); PEFT's own method for what that does not cover (another adapter, a state_dict)."""
+    own = type(model).save_pretrained
+
+    def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        plain = not args and set(kwargs) <= {"is_main_process", "safe_serialization"} and \
+            kwargs.get("safe_serialization", True)
+        if not plain:
+            return own(model, save_directory, *args, **kwargs)
+        engine.save_pretrained(save_directory)
         return None
 
     return save_pretrained

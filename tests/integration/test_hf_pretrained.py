@@ -352,6 +352,44 @@ def test_a_peft_adapter_from_prepare_model_starts_from_the_base(disk_dir, lora) 
         engine.close()
 
 
+def test_save_pretrained_of_a_peft_model_is_its_adapter(disk_dir, tmp_path) -> None:
+    """engine.save_pretrained (and model.save_pretrained) of a PeftModel write what
+    PeftModel.save_pretrained writes -- adapter_config.json and adapter_model.safetensors under
+    PEFT's names, no config.json or model.safetensors of the wrapper's internal names (which
+    transformers loaded with the base's weights missing, silently) -- and PeftModel.from_pretrained
+    over the plain base gives the engine's logits after training; a README of the user's stays."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    src = _saved(disk_dir, "llama", layers=2)
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir),
+                                          prepare_model=lambda m: _peft(m))
+    x = _batches(1)[0]
+    try:
+        engine.train()
+        for batch in _batches(3, seed=5):
+            engine.backward(engine(input_ids=batch, labels=batch).loss)
+            engine.step()
+        engine.eval()
+        out = tmp_path / "adapter"
+        out.mkdir()
+        (out / "README.md").write_text("mine\n")
+        engine.save_pretrained(out)
+        assert sorted(p.name for p in out.iterdir()) == [
+            "README.md", "adapter_config.json", "adapter_model.safetensors"]
+        assert (out / "README.md").read_text() == "mine\n"
+        again = tmp_path / "again"
+        engine.module.save_pretrained(again)
+        assert (again / "adapter_model.safetensors").is_file()
+        ours = _logits(engine, x)
+    finally:
+        engine.close()
+    for directory in (out, again):
+        reloaded = PeftModel.from_pretrained(_plain(src), directory).eval()
+        assert (_logits(reloaded, x) - ours).abs().max().item() <= 1e-6
+        assert (_logits(reloaded, x) - _logits(_plain(src), x)).abs().max().item() > 1e-4
+
+
 def test_an_adapter_computed_from_unloaded_weights_is_refused(disk_dir) -> None:
     """DoRA computes its magnitude from the base weight, still on the meta device inside
     prepare_model: refused before any work, naming the parameters and what to do (it would
