@@ -31,7 +31,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -270,7 +270,9 @@ class PretrainedWeights:
     def match(self, model: nn.Module, *, strict: bool = True,
               ignore_mismatched_sizes: bool = False, prefix: str = "",
               ignore_unexpected: Sequence[str] = (),
-              ignore_missing: Sequence[str] = ()) -> MatchReport:
+              ignore_missing: Sequence[str] = (),
+              renamed: Callable[[str], str] | None = None,
+              fused_into: Callable[[str], str | None] | None = None) -> MatchReport:
         """Match the checkpoint to ``model``'s parameters (their full shapes: a model on the
         meta device or under ``zero.Init``) and persistent buffers. Raises
         ``PretrainedMismatchError`` listing what is wrong: shapes that differ (unless
@@ -278,7 +280,12 @@ class PretrainedWeights:
         ``strict``, parameters the checkpoint lacks and tensors the model lacks. Unmatched
         parameters keep the model's init, as transformers leaves them (logged). ``prefix``:
         the model's ``base_model_prefix``; ``ignore_unexpected`` / ``ignore_missing``:
-        patterns (regular expressions) of names that are neither."""
+        patterns (regular expressions) of names that are neither. ``renamed``: a checkpoint
+        key -> the model's name for it (transformers' load-time renamings, see
+        engine/hf_conversions.py); ``fused_into``: a checkpoint key -> the model tensor a
+        load-time fusion builds from it, which is refused, strict or not (see ``_check``)."""
+        if renamed is not None:
+            self._rename_keys(renamed)
         key_for = _key_mapper(model, self._tensors, prefix)
         names_of: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
@@ -329,8 +336,41 @@ class PretrainedWeights:
         report.unexpected = sorted(k for k in self._tensors if k not in used
                                    and not any(p.search(k) for p in skip_unexpected))
         report.missing = [n for n in report.missing if not any(p.search(n) for p in skip_missing)]
+        if fused_into is not None:
+            self._refuse_fusions(report, fused_into)
         self._check(report, strict, ignore_mismatched_sizes)
         return report
+
+    def _rename_keys(self, renamed: Callable[[str], str]) -> None:
+        """The tensors under the model's names for them (the files keep theirs)."""
+        by_name: dict[str, _Source] = {}
+        for key, source in self._tensors.items():
+            name = renamed(key)
+            if name in by_name:
+                raise PretrainedMismatchError(
+                    f"{self.directory}: two tensors of the checkpoint are the model's {name} "
+                    f"after transformers' load-time renaming ({key} in {source.reader.path.name}"
+                    f" and another): the directory mixes two layouts; save it again")
+            by_name[name] = source
+        self._tensors = by_name
+
+    def _refuse_fusions(self, report: MatchReport, fused_into: Callable[[str], str | None]) -> None:
+        """Tensors that transformers fuses at load time (a MoE's per-expert weights into one
+        tensor) are not fused here yet: refused whatever ``strict`` says, because what they
+        fuse into would otherwise stay at a random init in a model that looks loaded."""
+        fused = [(k, fused_into(k)) for k in report.unexpected]
+        fused = [(k, target) for k, target in fused if target is not None]
+        if not fused:
+            return
+        targets = sorted({target for _, target in fused})
+        raise PretrainedMismatchError(
+            f"the checkpoint in {self.directory} stores {len(fused)} tensor(s) that transformers "
+            f"fuses while loading, into {len(targets)} tensor(s) of the model (e.g. "
+            f"{fused[0][0]} -> {fused[0][1]}; transformers' conversion_mapping for this model "
+            "type). infinity does not apply load-time fusions yet, and strict=False would leave "
+            f"{', '.join(targets[:3])}{' ...' if len(targets) > 3 else ''} at a random init, so "
+            "nothing was loaded. If the model fits in memory, load it with transformers "
+            "(AutoModelForCausalLM.from_pretrained) and pass it to infinity.initialize")
 
     def _check(self, report: MatchReport, strict: bool, ignore_mismatched: bool) -> None:
         problems = []
@@ -349,7 +389,8 @@ class PretrainedWeights:
             if report.mismatched and not ignore_mismatched:
                 fixes.append("ignore_mismatched_sizes=True initialises the mismatched ones")
             if strict and (report.missing or report.unexpected):
-                fixes.append("strict=False loads what matches and initialises the rest")
+                fixes.append("strict=False loads what matches and leaves the rest at a random "
+                             "init")
             raise PretrainedMismatchError(
                 f"the checkpoint in {self.directory} does not match the model: "
                 + " | ".join(problems) + " (nothing was loaded; " + "; ".join(fixes) + ")")
@@ -357,8 +398,9 @@ class PretrainedWeights:
             log.warning("%s: %d parameter(s) of another shape keep the model's init: %s",
                         self.directory, len(report.mismatched), "; ".join(report.mismatched[:5]))
         if report.missing:
-            log.warning("%s: %d parameter(s) not in the checkpoint keep the model's init: %s",
-                        self.directory, len(report.missing), ", ".join(report.missing[:5]))
+            log.warning("%s: %d parameter(s) not in the checkpoint were not loaded and are "
+                        "random (the model's init): %s", self.directory, len(report.missing),
+                        ", ".join(report.missing[:5]))
         if report.unexpected:
             log.warning("%s: %d tensor(s) not in the model were not loaded: %s",
                         self.directory, len(report.unexpected), ", ".join(report.unexpected[:5]))

@@ -316,11 +316,14 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                     dtype: torch.dtype | None = None, texts: Mapping[str, str] | None = None,
                     carry_from: Path | None = None, tie_targets: Collection[str] = (),
-                    what: str = "save_pretrained") -> Path:
+                    what: str = "save_pretrained",
+                    hub_name: Callable[[str], str] | None = None) -> Path:
     """The engine's current weights (every unit, after the last step lands) and persistent
     buffers into ``directory`` in ``dtype`` (None: the compute dtype), with ``texts``
     (config.json ...) and the files ``carry_from`` has; a tied parameter under a name not in
-    ``tie_targets`` (``saved_names``). Every rank calls it; rank 0 writes."""
+    ``tie_targets`` (``saved_names``); each name as ``hub_name`` gives it (transformers'
+    renamings reversed: GPT-NeoX's ``lm_head`` saved as ``embed_out``). Every rank calls it;
+    rank 0 writes."""
     directory = Path(directory)
     max_bytes = shard_bytes(max_shard_size)
     check_at_rest(state, what)
@@ -329,6 +332,9 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     layouts = unit_layouts(state)
     names = saved_names(state.module, layouts, tie_targets)
     buffers = persistent_buffers(state.module)
+    if hub_name is not None:
+        names = {entry: hub_name(name) for entry, name in names.items()}
+        buffers = [(hub_name(name), buf) for name, buf in buffers]
     tensors: Table = [(names[e], dtype, tuple(e.shape)) for lay in layouts for e in lay.entries]
     tensors += [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
     dup = {n for n in (t[0] for t in tensors) if sum(1 for t in tensors if t[0] == n) > 1}

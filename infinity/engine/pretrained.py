@@ -36,6 +36,7 @@ from infinity.checkpoint.pretrained_write import (
     out_dtype,
     save_pretrained as write_pretrained,
 )
+from infinity.engine.hf_conversions import hub_names
 from infinity.zero.init import Init
 from infinity.zero.materialize import (
     FINAL_VALUE_ATTR,
@@ -110,10 +111,13 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
         hf_config, model_kwargs = _hf_config(directory, hf_kwargs)
         model = _build(hf_config, model_class, model_kwargs)
         _load_generation_config(model, directory)
+        conversions = hub_names(model)     # transformers' load-time renamings and fusions
         weights.match(model, strict=strict, ignore_mismatched_sizes=ignore_mismatched_sizes,
                       prefix=getattr(model, "base_model_prefix", "") or "",
                       ignore_unexpected=_patterns(model, "_keys_to_ignore_on_load_unexpected"),
-                      ignore_missing=_patterns(model, "_keys_to_ignore_on_load_missing"))
+                      ignore_missing=_patterns(model, "_keys_to_ignore_on_load_missing"),
+                      renamed=conversions.to_model if conversions else None,
+                      fused_into=conversions.fused_into if conversions else None)
         weights.load_buffers(model)
         if prepare_model is not None:
             model = _prepared(model, prepare_model, weights)
@@ -288,11 +292,13 @@ def save_pretrained(engine: "Engine", save_directory: str | Path,
                              "does; leave dtype unset")
         return save_adapter(engine, Path(save_directory))
     dtype = out_dtype(dtype, default_save_dtype(engine))
+    conversions = hub_names(engine.module)   # saved under the Hub's names, as transformers does
     return write_pretrained(training_state(engine), save_directory,
                             max_shard_size=max_shard_size, dtype=dtype,
                             texts=model_texts(engine.module, dtype),
                             carry_from=engine.__dict__.get("pretrained_source"),
-                            tie_targets=tie_targets(engine.module), what=what)
+                            tie_targets=tie_targets(engine.module), what=what,
+                            hub_name=conversions.to_hub if conversions else None)
 
 
 def is_peft_model(model: nn.Module) -> bool:

@@ -404,6 +404,60 @@ def test_an_adapter_computed_from_unloaded_weights_is_refused(disk_dir) -> None:
     assert "infinity.initialize" in message, message
 
 
+def _neox(directory: Path) -> Path:
+    """A small random GPT-NeoX saved by transformers: the Hub layout, with embed_out, which
+    transformers renames to lm_head while it loads."""
+    transformers = _transformers()
+    torch.manual_seed(0)
+    cfg = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     tie_word_embeddings=False)
+    src = directory / "neox"
+    transformers.GPTNeoXForCausalLM(cfg).save_pretrained(src, max_shard_size=SHARD)
+    return src
+
+
+def test_a_checkpoint_transformers_renames_at_load_loads_and_saves_back(disk_dir,
+                                                                        tmp_path) -> None:
+    """GPT-NeoX's embed_out is the model's lm_head after transformers' load-time renaming
+    (its conversion_mapping, read from transformers): the logits equal transformers' (fp32, 0
+    difference; before, the load was refused, and the strict=False it suggested left the head
+    random), and save_pretrained writes the Hub's names back, as transformers does."""
+    src = _neox(disk_dir)
+    assert "embed_out.weight" in _weights(src)
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    x = _batches(1)[0]
+    try:
+        assert (_logits(engine, x) - _logits(_plain(src), x)).abs().max().item() == 0.0
+        engine.save_pretrained(tmp_path / "out")
+    finally:
+        engine.close()
+    assert sorted(_weights(tmp_path / "out")) == sorted(_weights(src))
+    assert (_logits(_plain(tmp_path / "out"), x) - _logits(_plain(src), x)).abs().max() == 0.0
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_checkpoint_transformers_fuses_at_load_is_refused_not_left_random(disk_dir,
+                                                                            strict) -> None:
+    """Mixtral's per-expert w1/w2/w3 are fused by transformers into experts.gate_up_proj /
+    down_proj while it loads; infinity does not fuse yet: refused, strict or not, naming the
+    fusion and a way that works, never suggesting strict=False (which left the experts
+    random: logits off by 1.22)."""
+    transformers = _transformers()
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=64, num_local_experts=2)
+    src = disk_dir / "mixtral"
+    transformers.MixtralForCausalLM(cfg).save_pretrained(src)
+    assert any(".experts.1.w1." in k for k in _weights(src))
+    with pytest.raises(PretrainedMismatchError) as info:
+        infinity.from_pretrained(src, config=_config(disk_dir), strict=strict)
+    message = str(info.value)
+    assert "fuses while loading" in message and "gate_up_proj" in message, message
+    assert "infinity.initialize" in message and "strict=False loads" not in message, message
+
+
 # -- errors in the checkpoint ------------------------------------------------------------
 def _single_file(disk_dir: Path, change) -> Path:
     """A llama checkpoint as one file, its state dict changed by ``change(sd)``."""

@@ -261,14 +261,14 @@ def test_a_mismatch_lists_every_problem_in_one_error(tmp_path: Path) -> None:
         "checkpoint [4] in model.safetensors, model [3] | 1 parameter(s) of the model are not in "
         "it: proj.bias | 1 tensor(s) of it are not in the model: stray (model.safetensors) "
         "(nothing was loaded; ignore_mismatched_sizes=True initialises the mismatched ones; "
-        "strict=False loads what matches and initialises the rest)")
+        "strict=False loads what matches and leaves the rest at a random init)")
     with PretrainedWeights(tmp_path) as w, pytest.raises(PretrainedMismatchError) as info:
         w.match(_Net(), ignore_mismatched_sizes=True)
     assert str(info.value) == (
         f"the checkpoint in {tmp_path} does not match the model: 1 parameter(s) of the model "
         "are not in it: proj.bias | 1 tensor(s) of it are not in the model: stray "
         "(model.safetensors) (nothing was loaded; strict=False loads what matches and "
-        "initialises the rest)")
+        "leaves the rest at a random init)")
     with PretrainedWeights(tmp_path) as w, pytest.raises(PretrainedMismatchError) as info:
         w.match(_Net(), strict=False)
     assert str(info.value) == (
@@ -299,8 +299,8 @@ def test_a_lenient_match_warns_and_serves_only_what_matched(tmp_path: Path,
     assert messages == [
         ("WARNING", f"{tmp_path}: 1 parameter(s) of another shape keep the model's init: "
                     "proj.weight: checkpoint [2, 2] in model.safetensors, model [3, 2]"),
-        ("WARNING", f"{tmp_path}: 1 parameter(s) not in the checkpoint keep the model's init: "
-                    "proj.bias"),
+        ("WARNING", f"{tmp_path}: 1 parameter(s) not in the checkpoint were not loaded and are "
+                    "random (the model's init): proj.bias"),
         ("WARNING", f"{tmp_path}: 1 tensor(s) not in the model were not loaded: stray"),
         ("INFO", f"{tmp_path}: buffer(s) not in the checkpoint keep the model's values: scale")]
 
@@ -320,7 +320,8 @@ def test_lists_are_cut_and_ignore_patterns_searched(tmp_path: Path, infinity_log
     assert str(info.value) == (
         f"the checkpoint in {tmp_path} does not match the model: 25 parameter(s) of the model "
         f"are not in it: {params} | 25 tensor(s) of it are not in the model: {tensors} "
-        "(nothing was loaded; strict=False loads what matches and initialises the rest)")
+        "(nothing was loaded; strict=False loads what matches and leaves the rest at a random "
+        "init)")
     with infinity_log.at_level(logging.WARNING, logger="infinity"):
         with PretrainedWeights(tmp_path) as w:
             report = w.match(model, strict=False, ignore_unexpected=[r"0\d$"],
@@ -328,8 +329,8 @@ def test_lists_are_cut_and_ignore_patterns_searched(tmp_path: Path, infinity_log
     assert report.unexpected == [f"s{i:02d}" for i in range(10, 25)]
     assert report.missing == [f"p{i:02d}" for i in (*range(10), *range(20, 25))]
     assert [r.getMessage() for r in infinity_log.records] == [
-        f"{tmp_path}: 15 parameter(s) not in the checkpoint keep the model's init: "
-        "p00, p01, p02, p03, p04",
+        f"{tmp_path}: 15 parameter(s) not in the checkpoint were not loaded and are random "
+        "(the model's init): p00, p01, p02, p03, p04",
         f"{tmp_path}: 15 tensor(s) not in the model were not loaded: s10, s11, s12, s13, s14"]
 
 
@@ -511,7 +512,7 @@ def test_a_strict_error_with_only_missing_parameters_names_the_fix(tmp_path: Pat
     with PretrainedWeights(tmp_path) as w, pytest.raises(PretrainedMismatchError) as info:
         w.match(_Two())
     assert str(info.value).endswith("(nothing was loaded; strict=False loads what matches and "
-                                    "initialises the rest)")
+                                    "leaves the rest at a random init)")
 
 
 def test_warnings_list_five_of_each(tmp_path: Path, infinity_log) -> None:
