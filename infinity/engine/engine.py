@@ -111,6 +111,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.stage = stage
         self.micro_steps = 0
         self.global_steps = 0
+        self._boundary_set: bool | None = None      # set_gradient_accumulation_boundary
         param_tier, optimizer_tier, single_copy = state_tiers(
             self.config, derived.compute_dtype, cpu_device=self.device.type == "cpu")
         self.master_separate = not single_copy
@@ -357,7 +358,34 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.report.add_loss(loss)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the micro-step in progress ends the accumulation cycle (its ``step()``
+        steps the optimizer): the value ``set_gradient_accumulation_boundary`` set, else every
+        ``gradient_accumulation_steps``-th micro-step."""
+        if self._boundary_set is not None:
+            return self._boundary_set
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's call: the next micro-steps end the cycle (True) or not (False) whatever
+        the count says, until set again; ``None`` goes back to counting. Why: a data loader
+        whose epoch is not a multiple of the accumulation ends it with a shorter cycle (as
+        Hugging Face's Trainer and accelerate do, which call this before each micro-batch).
+        Set it before the micro-batch's forward: its backward reduces and norms the gradients
+        only when it knows it is the last. A cycle that ends early counts as a whole one
+        (``micro_steps`` moves on to the next multiple of the accumulation), so checkpoints,
+        which are taken at boundaries, and the counting after ``None`` start a fresh cycle."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary({is_boundary!r}): pass True, "
+                            "False or None (count gradient_accumulation_steps again)")
+        before, previous = self.is_gradient_accumulation_boundary(), self._boundary_set
+        self._boundary_set = is_boundary
+        if self._backwards_since_step and self.is_gradient_accumulation_boundary() != before:
+            self._boundary_set = previous
+            raise RuntimeError(
+                f"set_gradient_accumulation_boundary({is_boundary}) between backward() and "
+                f"step(): that backward ran as {'the last' if before else 'not the last'} "
+                "micro-step of its cycle (its gradients were reduced for it), so the step "
+                "cannot change that now. Set it before the micro-batch's forward")
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at the accumulation boundary step the optimizer and scheduler
@@ -391,6 +419,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self._backwards_since_step = 0
         if not boundary:
             return
+        # a cycle ended early (set_gradient_accumulation_boundary) counts as a whole one
+        self.micro_steps += -self.micro_steps % self.gradient_accumulation_steps()
         started = time.perf_counter()
         warn_if_hyperparameters_moved(self)
         self.comm.check_same_sequence(f"optimizer step {self.global_steps + 1}")

@@ -20,7 +20,9 @@ that moves them is caught at import):
   built on the engine's optimizer. The engine owns both, so its checkpoints hold them.
 - ``training_step``: the Trainer's forward, loss scaling and ``loss.backward()`` (the engine
   sees that backward), then ``engine.step()`` at every micro-batch, as DeepSpeed's engine is
-  stepped: it steps the optimizer and the schedule at the accumulation boundary. The Trainer's
+  stepped: it steps the optimizer and the schedule at the accumulation boundary, which is the
+  Trainer's (``set_gradient_accumulation_boundary``: an epoch that is not a multiple of the
+  accumulation ends with a shorter cycle, as with the plain Trainer). The Trainer's
   ``optimizer.step()`` and ``lr_scheduler.step()`` are then no-ops (as accelerate's DeepSpeed
   wrappers are), the logged ``learning_rate`` is the rate of the step just taken and
   ``grad_norm`` the engine's (``_get_grad_norm`` / ``_clip_grad_norm``: clipping is the config's
@@ -281,22 +283,21 @@ class Trainer(transformers.Trainer):
     # -- training ----------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
-        """The Trainer's forward and backward, then the engine's step (every micro-batch; it
-        steps at the accumulation boundary, which must be the Trainer's)."""
+        """The Trainer's forward and backward, then the engine's step (every micro-batch). The
+        Trainer decides where a cycle ends (``accelerator.sync_gradients``): every
+        ``gradient_accumulation_steps`` micro-batches, and at the last micro-batch of an epoch
+        whose micro-batches are not a multiple of them, a shorter cycle whose loss the Trainer
+        scales by its own count (``num_items_in_batch``). The engine is told so before the
+        forward (``set_gradient_accumulation_boundary``, as accelerate tells DeepSpeed's), then
+        goes back to its own count, which that early step realigned."""
         engine = self.engine
-        boundary = engine.is_gradient_accumulation_boundary()
-        if boundary != self.accelerator.sync_gradients:
-            raise RuntimeError(
-                f"the Trainer ends an optimizer step at a micro-batch where the engine, which "
-                f"steps every gradient_accumulation_steps = "
-                f"{engine.gradient_accumulation_steps()} micro-batches, does not: the epoch's "
-                "micro-batches are not a multiple of it. Use a dataset whose size is a "
-                "multiple of per_device_train_batch_size x gradient_accumulation_steps x "
-                "world size, or dataloader_drop_last=True")
+        boundary = self.accelerator.sync_gradients
+        engine.set_gradient_accumulation_boundary(boundary)
         lrs = engine.get_lr() if boundary else None
         loss = super().training_step(model, inputs, num_items_in_batch)
         engine.record_loss(loss)       # its backward was loss.backward(): the monitors' loss
         engine.step()
+        engine.set_gradient_accumulation_boundary(None)
         if lrs is not None:
             self.lr_scheduler.step_lrs = lrs
         return loss
