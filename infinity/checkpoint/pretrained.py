@@ -31,7 +31,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ CONVERT_BYTES = 16 << 20        # the buffers a read goes through (O_DIRECT, or 
 RING = 3                        # how many (the reader runs up to RING - 1 pieces ahead)
 DIRECT_ALIGN = 4096             # O_DIRECT offsets and lengths
 LISTED = 20                     # names listed in an error, per kind
+FUSED_KEPT = 2                  # fused tensors kept for a unit's next piece
 
 
 class PretrainedMismatchError(CheckpointError):
@@ -142,6 +143,7 @@ class _Source:
     reader: TensorFileReader
     info: TensorInfo
     direct_fd: int | None = None       # the file opened with O_DIRECT, where it can be
+    fused: Any = None                  # (Fusion, its parts' sources): see [Note: fused tensors]
 
 
 @dataclass
@@ -189,6 +191,7 @@ class PretrainedWeights:
         self._params: dict[str, _Source] = {}        # every name of each matched parameter
         self._buffers: dict[str, _Source] = {}
         self._ring: list[torch.Tensor] | None = None      # see [Note: reads ahead ...]
+        self._fused_kept: dict[str, torch.Tensor] = {}    # see [Note: fused tensors]
         self._reader: ThreadPoolExecutor | None = None
         self.bytes_read = 0
         try:
@@ -272,7 +275,8 @@ class PretrainedWeights:
               ignore_unexpected: Sequence[str] = (),
               ignore_missing: Sequence[str] = (),
               renamed: Callable[[str], str] | None = None,
-              fused_into: Callable[[str], str | None] | None = None) -> MatchReport:
+              fusions: Callable[[Iterable[str]], Mapping[str, Any]] | None = None
+              ) -> MatchReport:
         """Match the checkpoint to ``model``'s parameters (their full shapes: a model on the
         meta device or under ``zero.Init``) and persistent buffers. Raises
         ``PretrainedMismatchError`` listing what is wrong: shapes that differ (unless
@@ -282,10 +286,13 @@ class PretrainedWeights:
         the model's ``base_model_prefix``; ``ignore_unexpected`` / ``ignore_missing``:
         patterns (regular expressions) of names that are neither. ``renamed``: a checkpoint
         key -> the model's name for it (transformers' load-time renamings, see
-        engine/hf_conversions.py); ``fused_into``: a checkpoint key -> the model tensor a
-        load-time fusion builds from it, which is refused, strict or not (see ``_check``)."""
+        engine/hf_conversions.py); ``fusions``: the (renamed) keys -> the model tensors
+        transformers fuses from them (``Fusion``: target, parts, build), served as one tensor
+        built from its parts (see [Note: fused tensors])."""
         if renamed is not None:
             self._rename_keys(renamed)
+        if fusions is not None:
+            self._fuse(fusions(list(self._tensors)))
         key_for = _key_mapper(model, self._tensors, prefix)
         names_of: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
@@ -336,8 +343,6 @@ class PretrainedWeights:
         report.unexpected = sorted(k for k in self._tensors if k not in used
                                    and not any(p.search(k) for p in skip_unexpected))
         report.missing = [n for n in report.missing if not any(p.search(n) for p in skip_missing)]
-        if fused_into is not None:
-            self._refuse_fusions(report, fused_into)
         self._check(report, strict, ignore_mismatched_sizes)
         return report
 
@@ -354,23 +359,39 @@ class PretrainedWeights:
             by_name[name] = source
         self._tensors = by_name
 
-    def _refuse_fusions(self, report: MatchReport, fused_into: Callable[[str], str | None]) -> None:
-        """Tensors that transformers fuses at load time (a MoE's per-expert weights into one
-        tensor) are not fused here yet: refused whatever ``strict`` says, because what they
-        fuse into would otherwise stay at a random init in a model that looks loaded."""
-        fused = [(k, fused_into(k)) for k in report.unexpected]
-        fused = [(k, target) for k, target in fused if target is not None]
-        if not fused:
-            return
-        targets = sorted({target for _, target in fused})
-        raise PretrainedMismatchError(
-            f"the checkpoint in {self.directory} stores {len(fused)} tensor(s) that transformers "
-            f"fuses while loading, into {len(targets)} tensor(s) of the model (e.g. "
-            f"{fused[0][0]} -> {fused[0][1]}; transformers' conversion_mapping for this model "
-            "type). infinity does not apply load-time fusions yet, and strict=False would leave "
-            f"{', '.join(targets[:3])}{' ...' if len(targets) > 3 else ''} at a random init, so "
-            "nothing was loaded. If the model fits in memory, load it with transformers "
-            "(AutoModelForCausalLM.from_pretrained) and pass it to infinity.initialize")
+    # [Note: fused tensors]
+    # transformers fuses some checkpoint tensors into one model tensor while loading (a MoE's
+    # per-expert w1 / w3 into experts.gate_up_proj). Such a tensor is a source of its own: its
+    # shape and dtype from building it on the meta device, its values built with transformers'
+    # operations from its parts, read whole (a unit's experts, about what the unit holds), when
+    # a unit asks for any of its range; kept for the next piece of the same unit (FUSED_KEPT
+    # tensors), since a unit's range may come in several pieces.
+    def _fuse(self, fusions: Mapping[str, Any]) -> None:
+        for target, fusion in fusions.items():
+            parts = {k: self._tensors.pop(k) for k in fusion.parts}
+            meta = fusion.build(lambda k: torch.empty(parts[k].info.shape,
+                                                      dtype=parts[k].info.dtype, device="meta"))
+            first = parts[fusion.parts[0]]
+            info = TensorInfo(name=target, dtype=meta.dtype, shape=tuple(meta.shape),
+                              begin=0, end=0)
+            self._tensors[target] = _Source(first.reader, info, fused=(fusion, parts))
+
+    def _fused_value(self, source: _Source) -> torch.Tensor:
+        fusion, parts = source.fused
+        kept = self._fused_kept.get(fusion.target)
+        if kept is not None:
+            return kept
+
+        def load(key: str) -> torch.Tensor:
+            part = parts[key]
+            value = torch.empty(part.info.shape, dtype=part.info.dtype)
+            self._run([self._jobs(part, 0, value.reshape(-1))])
+            return value
+        value = fusion.build(load).contiguous()
+        self._fused_kept[fusion.target] = value
+        while len(self._fused_kept) > FUSED_KEPT:
+            self._fused_kept.pop(next(iter(self._fused_kept)))
+        return value
 
     def _check(self, report: MatchReport, strict: bool, ignore_mismatched: bool) -> None:
         problems = []
@@ -419,8 +440,16 @@ class PretrainedWeights:
         return name in self._params
 
     def fill(self, pieces: Sequence[tuple[str, int, torch.Tensor]]) -> None:
-        """See [Note: reads ahead of conversions]."""
-        self._run([self._jobs(self._params[name], start, out) for name, start, out in pieces])
+        """See [Note: reads ahead of conversions] and [Note: fused tensors]."""
+        plain = []
+        for name, start, out in pieces:
+            source = self._params[name]
+            if source.fused is None:
+                plain.append(self._jobs(source, start, out))
+                continue
+            piece = self._fused_value(source).reshape(-1)[start:start + out.numel()]
+            out.copy_(piece.reshape(out.shape))       # cast to the unit's dtype
+        self._run(plain)
 
     def load_buffers(self, model: nn.Module) -> None:
         """Copy the checkpoint's persistent buffers into ``model``'s (small: read whole)."""
@@ -535,6 +564,7 @@ class PretrainedWeights:
             reader.close()
         self._readers.clear()
         self._ring = None
+        self._fused_kept.clear()
 
     def __enter__(self) -> "PretrainedWeights":
         return self

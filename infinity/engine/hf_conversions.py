@@ -6,16 +6,19 @@ saves (``conversion_mapping.py``): GPT-NeoX / Pythia's ``embed_out`` is the mode
 its ``weight``. Others it fuses: Mixtral's and Qwen2-MoE's per-expert ``experts.N.w1/w2/w3``
 become one ``experts.gate_up_proj`` / ``down_proj`` tensor. infinity reads transformers' own
 mapping for the model (``get_model_conversion_mapping``, so a family transformers adds works
-here) and applies its renamings to the names (a rename costs nothing while streaming); the
-fusions it does not apply yet, and a checkpoint that needs one is refused (by
-checkpoint/pretrained.py), since loading the rest and leaving the fused parameters at a
-random init would be a model that looks loaded and is not.
+here) and applies its renamings to the names (a rename costs nothing while streaming), and its
+fusions with its own operations (``WeightConverter.convert``): a fused tensor is built from its
+parts when the unit holding it is placed, so memory holds about one unit's experts, as
+transformers holds them. Saves write the renamed names back; a fused tensor is saved as the
+model holds it (transformers 5 loads either layout).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
+import torch
 from torch import nn
 
 
@@ -25,10 +28,21 @@ class HubNames:
 
     to_model: Callable[[str], str]
     """A checkpoint key -> the model's name for it (transformers' renamings)."""
-    fused_into: Callable[[str], str | None]
-    """A checkpoint key -> the model tensor transformers fuses it into, None if none does."""
     to_hub: Callable[[str], str]
     """A model name -> the key transformers saves it under (its renamings reversed)."""
+    fusions: Callable[[Iterable[str]], dict[str, "Fusion"]] = field(default=lambda keys: {})
+    """Renamed checkpoint keys -> the model tensors transformers fuses from them."""
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """A model tensor transformers builds while loading from several checkpoint tensors."""
+
+    target: str
+    parts: tuple[str, ...]
+    """The (renamed) checkpoint keys it is built from, in transformers' order."""
+    build: Callable[[Callable[[str], torch.Tensor]], torch.Tensor]
+    """The tensor, from a function giving each part's values (transformers' operations)."""
 
 
 def hub_names(model: nn.Module) -> HubNames | None:
@@ -61,12 +75,38 @@ def hub_names(model: nn.Module) -> HubNames | None:
     def to_model(key: str) -> str:
         return rename_source_key(key, renamings, [])[0]
 
-    def fused_into(key: str) -> str | None:
-        target, pattern = rename_source_key(key, renamings, converters)
-        return target if pattern is not None else None
-
     def to_hub(name: str) -> str:
         return rename_source_key(name, reverse, [], reverse=True)[0]
 
-    return HubNames(to_model=to_model, fused_into=fused_into, to_hub=to_hub)
+    def fusions(keys: Iterable[str]) -> dict[str, Fusion]:
+        return _fusions(keys, converters)
+
+    return HubNames(to_model=to_model, to_hub=to_hub, fusions=fusions)
+
+
+def _fusions(keys: Iterable[str], converters: list) -> dict[str, Fusion]:
+    from transformers.core_model_loading import dot_natural_key
+
+    grouped: dict[str, tuple[object, list[tuple[str, str]]]] = {}
+    for key in sorted(keys, key=dot_natural_key):   # the order transformers collects them in
+        for converter in converters:
+            target, pattern = converter.rename_source_key(key)
+            if pattern is not None:
+                grouped.setdefault(target, (converter, []))[1].append((key, pattern))
+                break
+
+    def builder(target: str, converter, parts: list[tuple[str, str]]):
+        def build(load: Callable[[str], torch.Tensor]) -> torch.Tensor:
+            fresh = copy.deepcopy(converter)       # its collected tensors are this call's
+            for key, pattern in parts:
+                fresh.add_tensor(target, key, pattern, lambda key=key: load(key))
+            out = fresh.convert(target)
+            if target not in out:
+                raise ValueError(f"transformers' conversion of {len(parts)} tensor(s) into "
+                                 f"{target} gave {sorted(out)}: not the tensor the model has")
+            return out[target]
+        return build
+
+    return {target: Fusion(target, tuple(k for k, _ in parts), builder(target, conv, parts))
+            for target, (conv, parts) in grouped.items()}
 

@@ -117,7 +117,7 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
                       ignore_unexpected=_patterns(model, "_keys_to_ignore_on_load_unexpected"),
                       ignore_missing=_patterns(model, "_keys_to_ignore_on_load_missing"),
                       renamed=conversions.to_model if conversions else None,
-                      fused_into=conversions.fused_into if conversions else None)
+                      fusions=conversions.fusions if conversions else None)
         weights.load_buffers(model)
         if prepare_model is not None:
             model = _prepared(model, prepare_model, weights)
