@@ -7,6 +7,9 @@ import torch
 from parity import VOCAB
 
 STEPS = 20
+# epochs of any length: 17 examples, batch 2, accumulation 2, 2 epochs (at one rank 9
+# micro-batches an epoch, its 5th optimizer step of one micro-batch)
+EPOCHS_ARGS = dict(max_steps=-1, num_train_epochs=2, eval_strategy="no")
 
 
 def hf_data(count: int = 80, seed: int = 0) -> list[dict]:

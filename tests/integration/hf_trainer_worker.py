@@ -5,19 +5,23 @@ argv: out_dir nvme_dir
 First 12 steps, a Trainer checkpoint at step 6, save_model to out/saved; rank 0 writes
 out/train.json (log history) and out/logits.safetensors (the engine's eval logits). Then, in
 the same processes, a fresh model resumed from out/run/checkpoint-6; rank 0 writes
-out/resume.json.
+out/resume.json. Then epochs of any length: the plain transformers Trainer (DDP over the same
+gloo ranks) and infinity's, 17 examples, batch 2 per rank, accumulation 2, 2 epochs; rank 0
+writes out/epochs.json (both log histories, the largest difference of the final weights).
 """
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors.torch import save_file
 
-from hf_common import hf_args, hf_data, hf_ds
+from hf_common import EPOCHS_ARGS, hf_args, hf_data, hf_ds
 from infinity.integrations.hf import Trainer, TrainingArguments
 from parity import make_model
 
@@ -29,6 +33,7 @@ def main() -> None:
     out, nvme = Path(sys.argv[1]), sys.argv[2]
     run(out, nvme, "train")
     run(out, nvme, "resume")
+    epochs(out, nvme)
 
 
 def run(out: Path, nvme: str, mode: str) -> None:
@@ -52,6 +57,28 @@ def run(out: Path, nvme: str, mode: str) -> None:
             (out / f"{mode}.json").write_text(json.dumps(trainer.state.log_history))
             if mode == "train":
                 save_file({"logits": logits.contiguous()}, out / "logits.safetensors")
+    finally:
+        trainer.close()
+
+
+def epochs(out: Path, nvme: str) -> None:
+    data, model = hf_data(17), make_model("llama", layers=2, width=32)
+    args = hf_args(**EPOCHS_ARGS)
+    plain = transformers.Trainer(model=copy.deepcopy(model), train_dataset=data,
+                                 args=transformers.TrainingArguments(out / "plain", **args))
+    plain.train()
+    trainer = Trainer(model=model, train_dataset=data, args=TrainingArguments(
+        out / "epochs", deepspeed=hf_ds(nvme, infinity={"collective_timeout": 120}), **args))
+    try:
+        trainer.train()
+        ours = trainer.engine.module_state_dict()        # every rank gathers
+        if trainer.args.process_index == 0:
+            diff = max((ours[n] - p).abs().max().item()
+                       for n, p in plain.model.state_dict().items())
+            (out / "epochs.json").write_text(json.dumps(
+                {"plain": plain.state.log_history, "ours": trainer.state.log_history,
+                 "steps": [plain.state.global_step, trainer.engine.global_steps],
+                 "weights_max_diff": diff}))
     finally:
         trainer.close()
 

@@ -5,7 +5,8 @@ that step's own item count, ``num_items_in_batch``). infinity's Trainer takes th
 micro-batch of one example), with the same losses, grad norms, rates and final weights, and a
 Trainer checkpoint at each epoch end (after the short step). Beneath it, the engine's
 ``set_gradient_accumulation_boundary``: a cycle ended early is the step plain torch takes over
-its micro-batches, and a boundary changed between backward and step is refused."""
+its micro-batches, and a boundary changed between backward and step is refused. (2 ranks:
+test_hf_trainer_ranks.py, against the plain Trainer at 2 ranks.)"""
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 import infinity
-from hf_common import hf_args, hf_data, hf_ds, logged
+from hf_common import EPOCHS_ARGS, hf_args, hf_data, hf_ds, logged
 from parity import make_model
 
 transformers = pytest.importorskip("transformers")
@@ -34,7 +35,7 @@ def test_an_epoch_not_a_multiple_of_the_accumulation_ends_with_the_plain_trainer
         disk_dir, tmp_path) -> None:
     warnings.filterwarnings("ignore")
     data = hf_data(17)
-    args = hf_args(max_steps=-1, num_train_epochs=2, eval_strategy="no")
+    args = hf_args(**EPOCHS_ARGS)
     model = make_model("llama", layers=2, width=32)
     plain = transformers.Trainer(
         model=copy.deepcopy(model), train_dataset=data,

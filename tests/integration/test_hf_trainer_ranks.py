@@ -1,7 +1,10 @@
 """infinity's Trainer at 2 gloo ranks (one sample per rank and micro-batch, accumulation 2):
 the losses, grad norms and learning rates the plain Trainer logs on one rank with the same
 global batch (accumulation 4); save_model reloads to the engine's logits; a run resumed at 2
-ranks from a Trainer checkpoint continues the interrupted run's losses."""
+ranks from a Trainer checkpoint continues the interrupted run's losses. And epochs of any
+length: 17 examples, batch 2 per rank, accumulation 2, 2 epochs (5 micro-batches a rank an
+epoch: each epoch's 3rd step is one micro-batch) take the steps, losses, grad norms, rates and
+final weights of the plain Trainer at the same 2 ranks (DDP), in the same processes."""
 from __future__ import annotations
 
 import json
@@ -27,10 +30,18 @@ def _close(ours: list[float], theirs: list[float], rel: float) -> None:
         assert abs(a - b) <= rel * abs(b), (ours, theirs)
 
 
-def test_two_ranks_train_save_and_resume_as_one_plain_trainer(disk_dir, tmp_path) -> None:
+def test_two_ranks_train_save_resume_and_end_short_epochs_as_the_plain_trainer(
+        disk_dir, tmp_path) -> None:
     check_ranks(launch(2, "hf_trainer_worker.py", [str(tmp_path), str(disk_dir)], timeout=300))
     ranks2 = json.loads((tmp_path / "train.json").read_text())
     resumed = json.loads((tmp_path / "resume.json").read_text())
+    epochs = json.loads((tmp_path / "epochs.json").read_text())
+    assert epochs["steps"] == [6, 6]
+    for key in ("loss", "grad_norm"):
+        _close(logged(epochs["ours"], key), logged(epochs["plain"], key), 1e-5)
+    assert logged(epochs["ours"], "learning_rate") == pytest.approx(
+        logged(epochs["plain"], "learning_rate"), rel=1e-12)
+    assert epochs["weights_max_diff"] <= 1e-6
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(2)
