@@ -317,13 +317,17 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
                     dtype: torch.dtype | None = None, texts: Mapping[str, str] | None = None,
                     carry_from: Path | None = None, tie_targets: Collection[str] = (),
                     what: str = "save_pretrained",
-                    hub_name: Callable[[str], str] | None = None) -> Path:
+                    hub_name: Callable[[str], str] | None = None,
+                    hub_split: Callable[[str, torch.Tensor],
+                                        list[tuple[str, torch.Tensor]] | None] | None = None
+                    ) -> Path:
     """The engine's current weights (every unit, after the last step lands) and persistent
     buffers into ``directory`` in ``dtype`` (None: the compute dtype), with ``texts``
     (config.json ...) and the files ``carry_from`` has; a tied parameter under a name not in
     ``tie_targets`` (``saved_names``); each name as ``hub_name`` gives it (transformers'
-    renamings reversed: GPT-NeoX's ``lm_head`` saved as ``embed_out``). Every rank calls it;
-    rank 0 writes."""
+    renamings reversed: GPT-NeoX's ``lm_head`` saved as ``embed_out``), or as the tensors
+    ``hub_split`` splits it into (a MoE's fused experts one by one: the parameter is gathered
+    whole, about a unit, then split). Every rank calls it; rank 0 writes."""
     directory = Path(directory)
     max_bytes = shard_bytes(max_shard_size)
     check_at_rest(state, what)
@@ -332,10 +336,21 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     layouts = unit_layouts(state)
     names = saved_names(state.module, layouts, tie_targets)
     buffers = persistent_buffers(state.module)
+    splits: dict[str, Any] = {}      # a saved name -> the entry split into several tensors
+    tensors: Table = []
+    for lay in layouts:
+        for e in lay.entries:
+            parts = hub_split(names[e], torch.empty(tuple(e.shape), dtype=dtype,
+                                                    device="meta")) if hub_split else None
+            if parts:
+                splits[names[e]] = e
+                tensors += [(part, dtype, tuple(value.shape)) for part, value in parts]
+                continue
+            if hub_name is not None:
+                names[e] = hub_name(names[e])
+            tensors.append((names[e], dtype, tuple(e.shape)))
     if hub_name is not None:
-        names = {entry: hub_name(name) for entry, name in names.items()}
         buffers = [(hub_name(name), buf) for name, buf in buffers]
-    tensors: Table = [(names[e], dtype, tuple(e.shape)) for lay in layouts for e in lay.entries]
     tensors += [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
     dup = {n for n in (t[0] for t in tensors) if sum(1 for t in tensors if t[0] == n) > 1}
     if dup:
@@ -343,6 +358,8 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     writes = state.rank == 0
 
     def fill(writer: ShardedWriter | None) -> None:
+        if writer is not None and splits:
+            writer = _Splitting(writer, splits, hub_split)
         _stream_units(state, layouts, names, dtype, writer)
         if writer is not None:
             for name, buf in buffers:      # in their own dtype, as state_dict has them
@@ -357,6 +374,32 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     if state.world_size > 1:
         return RankAgreement(state, "no file was written").all_succeed(write, "save the weights")
     return write()
+
+
+class _Splitting:
+    """A writer that gathers each entry of ``splits`` whole from its pieces, then appends the
+    tensors ``split`` makes of it; every other tensor goes straight through."""
+
+    def __init__(self, writer: ShardedWriter, splits: Mapping[str, Any],
+                 split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]] | None]):
+        self.writer, self.splits, self.split = writer, splits, split
+        self._whole: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def append(self, name: str, values: torch.Tensor) -> None:
+        entry = self.splits.get(name)
+        if entry is None:
+            self.writer.append(name, values)
+            return
+        whole, filled = self._whole.get(name) or (
+            torch.empty(_numel(tuple(entry.shape)), dtype=values.dtype), 0)
+        whole[filled:filled + values.numel()].copy_(values.reshape(-1))
+        filled += values.numel()
+        if filled < whole.numel():
+            self._whole[name] = (whole, filled)
+            return
+        self._whole.pop(name, None)
+        for part, value in self.split(name, whole.view(tuple(entry.shape))):
+            self.writer.append(part, value.contiguous())
 
 
 def _stream_units(state: TrainingState, layouts: Sequence[UnitLayout], names, dtype: torch.dtype,

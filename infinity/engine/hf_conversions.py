@@ -9,8 +9,8 @@ mapping for the model (``get_model_conversion_mapping``, so a family transformer
 here) and applies its renamings to the names (a rename costs nothing while streaming), and its
 fusions with its own operations (``WeightConverter.convert``): a fused tensor is built from its
 parts when the unit holding it is placed, so memory holds about one unit's experts, as
-transformers holds them. Saves write the renamed names back; a fused tensor is saved as the
-model holds it (transformers 5 loads either layout).
+transformers holds them. Saves write the Hub layout back, as transformers does: the renamings
+reversed, a fused tensor split into its parts again (the reverse operations).
 """
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ class HubNames:
     """A model name -> the key transformers saves it under (its renamings reversed)."""
     fusions: Callable[[Iterable[str]], dict[str, "Fusion"]] = field(default=lambda keys: {})
     """Renamed checkpoint keys -> the model tensors transformers fuses from them."""
+    split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]] | None] = \
+        field(default=lambda name, value: None)
+    """A model tensor (its name, its values) -> the tensors transformers saves it as, under
+    their Hub names (a fused experts tensor back into one per expert); None where it saves it
+    whole. Values on the meta device give the names and shapes."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,9 @@ def hub_names(model: nn.Module) -> HubNames | None:
     # no prefix changes, in reverse order, each transform reversed
     saving = [t for t in get_model_conversion_mapping(model, add_legacy=False)
               if not isinstance(t, PrefixChange)][::-1]
-    reverse = [t.reverse_transform() for t in saving if isinstance(t, WeightRenaming)]
+    reversed_all = [t.reverse_transform() for t in saving]
+    reverse = [t for t in reversed_all if isinstance(t, WeightRenaming)]
+    unfuse = [t for t in reversed_all if isinstance(t, WeightConverter)]
 
     def to_model(key: str) -> str:
         return rename_source_key(key, renamings, [])[0]
@@ -81,7 +88,17 @@ def hub_names(model: nn.Module) -> HubNames | None:
     def fusions(keys: Iterable[str]) -> dict[str, Fusion]:
         return _fusions(keys, converters)
 
-    return HubNames(to_model=to_model, to_hub=to_hub, fusions=fusions)
+    def split(name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        for converter in unfuse:                   # as transformers saves: converter first
+            target, pattern = converter.rename_source_key(name)
+            if pattern is None:
+                continue
+            fresh = copy.deepcopy(converter)
+            fresh.add_tensor(target, name, pattern, lambda: value)
+            return [(to_hub(key), part) for key, part in fresh.convert(target).items()]
+        return None
+
+    return HubNames(to_model=to_model, to_hub=to_hub, fusions=fusions, split=split)
 
 
 def _fusions(keys: Iterable[str], converters: list) -> dict[str, Fusion]:

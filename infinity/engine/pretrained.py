@@ -298,7 +298,8 @@ def save_pretrained(engine: "Engine", save_directory: str | Path,
                             texts=model_texts(engine.module, dtype),
                             carry_from=engine.__dict__.get("pretrained_source"),
                             tie_targets=tie_targets(engine.module), what=what,
-                            hub_name=conversions.to_hub if conversions else None)
+                            hub_name=conversions.to_hub if conversions else None,
+                            hub_split=conversions.split if conversions else None)
 
 
 def is_peft_model(model: nn.Module) -> bool:

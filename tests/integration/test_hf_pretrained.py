@@ -463,8 +463,9 @@ def test_a_checkpoint_transformers_fuses_at_load_loads_as_transformers_loads_it(
     as each unit is placed: the logits equal transformers' (fp32: 0 difference; before, the
     load was refused and the strict=False it suggested left the experts random: 1.22 off for
     Mixtral); 5 steps at stage 3 on NVMe, the router's auxiliary loss in the loss, match torch
-    AdamW on transformers' model (1e-5 relative, as the dense families); the save reloads in
-    transformers to the engine's logits."""
+    AdamW on transformers' model (1e-5 relative, as the dense families); the save is the Hub
+    layout again (its names equal the source's) and reloads in transformers to the engine's
+    logits."""
     src = _moe(disk_dir, family)
     assert any(".experts.1." in k for k in _weights(src))
     assert len(list(src.glob("*.safetensors"))) > 2
@@ -492,6 +493,7 @@ def test_a_checkpoint_transformers_fuses_at_load_loads_as_transformers_loads_it(
     finally:
         engine.close()
     assert (_logits(_plain(tmp_path / "out"), x) - ours).abs().max().item() == 0.0
+    assert sorted(_weights(tmp_path / "out")) == sorted(_weights(src))   # the Hub layout
 
 
 # -- errors in the checkpoint ------------------------------------------------------------
