@@ -446,6 +446,10 @@ def _moe(directory: Path, family: str) -> Path:
     if family == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             num_local_experts=4, num_experts_per_tok=2, **common))
+    elif family == "phimoe":        # renames too: block_sparse_moe -> mlp, gate -> router
+        model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+            num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+            input_jitter_noise=0.0, **common))     # no noise: two runs route alike
     else:
         model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -455,7 +459,7 @@ def _moe(directory: Path, family: str) -> Path:
     return src
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "phimoe"])
 def test_a_checkpoint_transformers_fuses_at_load_loads_as_transformers_loads_it(
         disk_dir, tmp_path, family) -> None:
     """The per-expert tensors of a Hub MoE checkpoint are fused into the model's
