@@ -221,12 +221,37 @@ def _build(hf_config: Any, model_class: Any, model_kwargs: dict[str, Any]) -> nn
     if model_class is None:
         from transformers import AutoModelForCausalLM
 
+        if type(hf_config) not in AutoModelForCausalLM._model_mapping:
+            raise ValueError(_not_causal_lm(hf_config))
         model_class = AutoModelForCausalLM
     build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config")
     with Init():
         # built in fp32 (buffers computed as in a plain load); the engine converts the
         # parameters to its compute dtype
         return build(hf_config, dtype=torch.float32, **model_kwargs)
+
+
+# the Auto classes a model that is not a causal LM is likely built with, in the order tried
+_OTHER_AUTO_CLASSES = ("AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                       "AutoModelForSequenceClassification", "AutoModelForImageTextToText",
+                       "AutoModel")
+
+
+def _not_causal_lm(hf_config: Any) -> str:
+    """The error of a config AutoModelForCausalLM cannot build (T5, BERT...): the classes that
+    can, for ``model_class=`` (transformers' own error lists every causal LM it knows)."""
+    import transformers
+
+    fits = [name for name in _OTHER_AUTO_CLASSES
+            if type(hf_config) in getattr(transformers, name)._model_mapping]
+    named = [a for a in (getattr(hf_config, "architectures", None) or [])
+             if isinstance(a, str) and hasattr(transformers, a)]
+    hints = [f"model_class=transformers.{name}" for name in named + fits[:2]]
+    return (f"infinity.from_pretrained builds AutoModelForCausalLM by default, which has no "
+            f"{hf_config.model_type!r} model ({type(hf_config).__name__}); pass "
+            + (" or ".join(hints) if hints else "the model's class as model_class=")
+            + " (the directory's config.json names its architecture"
+            + (f": {', '.join(named)}" if named else "") + ")")
 
 
 def _patterns(model: nn.Module, attribute: str) -> list[str]:

@@ -500,6 +500,20 @@ def test_a_checkpoint_transformers_fuses_at_load_loads_as_transformers_loads_it(
     assert sorted(_weights(tmp_path / "out")) == sorted(_weights(src))   # the Hub layout
 
 
+def test_a_model_that_is_not_a_causal_lm_names_the_class_to_pass(disk_dir) -> None:
+    """T5 under the default AutoModelForCausalLM: the error names the classes that build it
+    (its config's architecture first), not transformers' list of every causal LM."""
+    transformers = _transformers()
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                num_heads=2)
+    transformers.T5ForConditionalGeneration(cfg).save_pretrained(disk_dir / "t5")
+    with pytest.raises(ValueError) as info:
+        infinity.from_pretrained(disk_dir / "t5", config=_config(disk_dir))
+    message = str(info.value)
+    assert "model_class=transformers.T5ForConditionalGeneration" in message, message
+    assert "AutoModelForSeq2SeqLM" in message and "GPT2Config" not in message, message
+
+
 # -- errors in the checkpoint ------------------------------------------------------------
 def _single_file(disk_dir: Path, change) -> Path:
     """A llama checkpoint as one file, its state dict changed by ``change(sd)``."""
