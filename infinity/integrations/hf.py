@@ -7,8 +7,11 @@ Trainer(model=model, args=args, train_dataset=..., eval_dataset=...).train()
 ```
 
 ``deepspeed=`` (the ds_config path or dict HF users already have, ``"auto"`` values and all)
-is infinity's config here; with transformers' own ``TrainingArguments`` pass
-``Trainer(..., config=ds_config)`` instead. The DeepSpeed package is not needed.
+is infinity's config here. The DeepSpeed package is not needed, but both names must come from
+here: transformers' own ``TrainingArguments(deepspeed=...)`` needs it, and fails as it is built
+(``PackageNotFoundError: deepspeed>=0.9.3``), before infinity sees it. transformers' own
+arguments without it are rebuilt as infinity's (``as_infinity_args``); pass the config as
+``Trainer(..., config=ds_config)``.
 
 How it plugs in (the extension points transformers documents for subclasses, and the three
 private hooks its DeepSpeed support also goes through, named here so a transformers upgrade
@@ -42,6 +45,7 @@ than host memory cannot be loaded by transformers first: build its engine with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -66,7 +70,7 @@ if _missing:
                       f"no {', '.join(_missing)}); this is transformers "
                       f"{transformers.__version__}")
 
-__all__ = ["Trainer", "TrainingArguments"]
+__all__ = ["Trainer", "TrainingArguments", "as_infinity_args"]
 
 
 @dataclasses.dataclass
@@ -90,6 +94,37 @@ class TrainingArguments(transformers.TrainingArguments):
     @property
     def place_model_on_device(self) -> bool:
         return False
+
+
+def as_infinity_args(args: Any) -> Any:
+    """transformers' own ``TrainingArguments`` (or a subclass of it: Seq2SeqTrainingArguments,
+    TRL's configs) as infinity's, of a class that is both, every field's value kept and its
+    ``deepspeed`` read as infinity's config; others as they are. Why: a script that swaps only
+    the Trainer's import keeps transformers' arguments, which would move the model to the
+    device before the engine places it and, with ``deepspeed=``, turn transformers' DeepSpeed
+    support on. They are built again from their fields' values (as ``dataclasses.replace``
+    does), so their checks run again; the object passed is left as it was, except that
+    transformers' global DeepSpeed config, which its ``deepspeed=`` registered (where the
+    DeepSpeed package is installed), is cleared: ``from_pretrained`` would read ZeRO-3 from it."""
+    if args is None or isinstance(args, TrainingArguments) \
+            or not isinstance(args, transformers.TrainingArguments):
+        return args
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    if getattr(args, "hf_deepspeed_config", None) is not None:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    return _infinity_class(type(args))(**values)
+
+
+@functools.cache
+def _infinity_class(cls: type) -> type:
+    """infinity's TrainingArguments over ``cls`` (transformers' or a subclass of it)."""
+    if cls is transformers.TrainingArguments:
+        return TrainingArguments
+    return dataclasses.dataclass(type(cls.__name__, (TrainingArguments, cls), {
+        "__module__": __name__, "__doc__": f"{cls.__name__} with infinity's deepspeed= "
+                                           "(infinity.integrations.hf.as_infinity_args)"}))
 
 
 class _EngineOptimizer(AcceleratedOptimizer):
@@ -145,6 +180,11 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args: Any, config: Any = None, engine: Any = None,
                  **kwargs: Any) -> None:
+        # transformers' own TrainingArguments become infinity's (as_infinity_args)
+        if len(args) > 1:
+            args = (args[0], as_infinity_args(args[1]), *args[2:])
+        elif "args" in kwargs:
+            kwargs["args"] = as_infinity_args(kwargs["args"])
         super().__init__(*args, **kwargs)
         from_args = getattr(self.args, "infinity_config", None)
         if config is not None and from_args is not None:
@@ -161,12 +201,17 @@ class Trainer(transformers.Trainer):
                                  "model=engine.module")
         elif self.infinity_config is None:
             raise ValueError(
-                "infinity's Trainer needs a ds_config: TrainingArguments(deepspeed="
-                "\"ds_config.json\") from infinity.integrations.hf, or Trainer(config=...)")
+                "infinity's Trainer needs a ds_config: import Trainer and TrainingArguments from "
+                "infinity.integrations.hf and pass TrainingArguments(deepspeed="
+                "\"ds_config.json\") (transformers' own TrainingArguments(deepspeed=...) needs "
+                "the DeepSpeed package), or pass Trainer(config=\"ds_config.json\")")
         if self.is_deepspeed_enabled:
-            raise ValueError("these TrainingArguments turn transformers' DeepSpeed support on: "
-                             "use infinity.integrations.hf.TrainingArguments, whose deepspeed= "
-                             "is infinity's config")
+            raise ValueError(
+                "transformers' DeepSpeed support is on (ACCELERATE_USE_DEEPSPEED=true in the "
+                "environment: accelerate launch with a DeepSpeed config?): infinity's Trainer "
+                "trains without DeepSpeed. Launch with torchrun (or accelerate without "
+                "DeepSpeed), with Trainer and TrainingArguments imported from "
+                "infinity.integrations.hf")
         self.engine = None
 
     # -- building the engine -----------------------------------------------------------------

@@ -154,3 +154,51 @@ def test_an_engine_from_pretrained_trains_under_the_trainer(disk_dir, tmp_path) 
             trainer.train()
     finally:
         engine.close()
+
+
+def test_transformers_own_training_arguments_become_infinitys(disk_dir, tmp_path) -> None:
+    """A script that swapped only the Trainer's import: transformers' own TrainingArguments are
+    rebuilt as infinity's, every field kept, and a ``deepspeed`` value is infinity's config
+    (transformers builds one only where the DeepSpeed package is installed: here it is set
+    after construction, with the global DeepSpeed config transformers would register). Without
+    a config, the error names the import to use; transformers' own TrainingArguments(deepspeed=)
+    without DeepSpeed fails in transformers, before infinity sees it (the README says so)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    warnings.filterwarnings("ignore")
+    args = transformers.TrainingArguments(      # some fields off their defaults, to be kept
+        tmp_path / "run", **hf_args(max_steps=2, eval_strategy="no", adam_beta2=0.99,
+                                    run_name="own", label_names=["labels"]))
+    args.deepspeed = hf_ds(disk_dir)
+
+    class ZeRO3:                       # what transformers registers for a ZeRO-3 deepspeed=
+        def is_zero3(self) -> bool:
+            return True
+
+    args.hf_deepspeed_config = registered = ZeRO3()
+    hf_deepspeed.set_hf_deepspeed_config(registered)
+    trainer = hf.Trainer(model=make_model("llama", layers=1, width=32), args=args,
+                         train_dataset=hf_data(16))
+    try:
+        assert isinstance(trainer.args, hf.TrainingArguments) and trainer.args.deepspeed is None
+        assert not hf_deepspeed.is_deepspeed_zero3_enabled()
+        ours = trainer.args.to_dict()
+        assert ours.pop("infinity_config") == args.deepspeed
+        assert ours == {**args.to_dict(), "deepspeed": None}
+        trainer.train()
+        assert trainer.engine.zero_optimization_stage() == 3 and trainer.engine.global_steps == 2
+    finally:
+        trainer.close()
+
+    plain_args = transformers.TrainingArguments(tmp_path / "none",
+                                                **hf_args(max_steps=2, eval_strategy="no"))
+    with pytest.raises(ValueError, match="import Trainer and TrainingArguments from "
+                                         "infinity.integrations.hf"):
+        hf.Trainer(model=make_model("llama", layers=1, width=32), args=plain_args)
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        import importlib.metadata
+
+        with pytest.raises(importlib.metadata.PackageNotFoundError, match="deepspeed"):
+            transformers.TrainingArguments(tmp_path / "ds", deepspeed=hf_ds(disk_dir))
