@@ -158,11 +158,12 @@ def test_an_engine_from_pretrained_trains_under_the_trainer(disk_dir, tmp_path) 
 
 def test_transformers_own_training_arguments_become_infinitys(disk_dir, tmp_path) -> None:
     """A script that swapped only the Trainer's import: transformers' own TrainingArguments are
-    rebuilt as infinity's, every field kept, and a ``deepspeed`` value is infinity's config
-    (transformers builds one only where the DeepSpeed package is installed: here it is set
-    after construction, with the global DeepSpeed config transformers would register). Without
-    a config, the error names the import to use; transformers' own TrainingArguments(deepspeed=)
-    without DeepSpeed fails in transformers, before infinity sees it (the README says so)."""
+    rebuilt as infinity's (a subclass's as both), every field kept, and a ``deepspeed`` value is
+    infinity's config (transformers builds one only where the DeepSpeed package is installed:
+    here it is set after construction, with the global DeepSpeed config transformers would
+    register). Without a config, the error names the import to use; transformers' own
+    TrainingArguments(deepspeed=) without DeepSpeed fails in transformers, before infinity sees
+    it (the README says so)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     warnings.filterwarnings("ignore")
@@ -189,6 +190,12 @@ def test_transformers_own_training_arguments_become_infinitys(disk_dir, tmp_path
         assert trainer.engine.zero_optimization_stage() == 3 and trainer.engine.global_steps == 2
     finally:
         trainer.close()
+
+    seq2seq = hf.as_infinity_args(transformers.Seq2SeqTrainingArguments(
+        tmp_path / "s2s", predict_with_generate=True, use_cpu=True, report_to=[]))
+    assert isinstance(seq2seq, hf.TrainingArguments)
+    assert isinstance(seq2seq, transformers.Seq2SeqTrainingArguments)
+    assert seq2seq.predict_with_generate and not seq2seq.place_model_on_device
 
     plain_args = transformers.TrainingArguments(tmp_path / "none",
                                                 **hf_args(max_steps=2, eval_strategy="no"))
