@@ -462,6 +462,22 @@ def export_pretrained(checkpoint_dir: str | Path, directory: str | Path, *,
         return _export_pinned(save, files, directory, dtype, max_shard_size, texts, carry_from)
 
 
+def _recorded_source(checkpoint: Path, recorded: Any) -> Path | None:
+    """The directory the checkpoint's model was loaded from, where its tokenizer files are,
+    when it is still there (else a warning: the export has no tokenizer)."""
+    if not isinstance(recorded, str) or not recorded:
+        return None
+    path = Path(recorded)
+    if path.is_dir():
+        log.info("export %s: the tokenizer files from %s, where its model was loaded from",
+                 checkpoint, path)
+        return path
+    log.warning("export %s: its model was loaded from %s, which is not there any more: the "
+                "export has no tokenizer files; pass --config DIR (a directory holding them)",
+                checkpoint, path)
+    return None
+
+
 def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.dtype | None,
                    max_shard_size: int | str, texts: Mapping[str, str] | None,
                    carry_from: Path | None) -> Path:
@@ -478,6 +494,8 @@ def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.d
                     source)
     if dtype is not None and "config.json" in model_texts:
         model_texts["config.json"] = config_with_dtype(model_texts["config.json"], dtype)
+    if carry_from is None:
+        carry_from = _recorded_source(source, manifest.get("model_source"))
     out = Path(directory)
     with open_ranks(save, files, shapes) as reader:
         table: Table = []

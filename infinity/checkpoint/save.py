@@ -116,6 +116,9 @@ def manifest_state(state: TrainingState, client_state: Any) -> dict[str, Any]:
         "client_state": json_value(client_state, "client_state"),
         # config.json and the like of a transformers model: `infinity export` writes them
         "model_files": dict(state.model_files or {}),
+        # where the model was loaded from: `infinity export` copies its tokenizer files
+        "model_source": (None if state.model_source is None
+                         else str(Path(state.model_source).resolve())),
     }
 
 

@@ -10,6 +10,7 @@ applies it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
@@ -78,6 +79,9 @@ class TrainingState:
     model_files: Mapping[str, str] | None = None
     """Text files that describe the model (a transformers model's ``config.json``,
     ``generation_config.json``), kept in the manifest so that an export writes them."""
+    model_source: Path | None = None
+    """The directory the model was loaded from (``from_pretrained``), recorded in the manifest
+    so that an export copies its tokenizer files from there."""
 
     @property
     def rank(self) -> int:

@@ -40,7 +40,8 @@ def training_state(engine: "Engine") -> TrainingState:
         check_open=engine._check_open, any_pinned=lambda: bool(coordinator.pinned_units()),
         flush=engine.flush, release_units=coordinator.release_all, comm=engine.comm,
         gathered=lambda unit: _gathered(engine, unit),
-        model_files=model_texts(engine.module, engine.compute_dtype))
+        model_files=model_texts(engine.module, engine.compute_dtype),
+        model_source=engine.__dict__.get("pretrained_source"))
 
 
 @contextlib.contextmanager

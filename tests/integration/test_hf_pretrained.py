@@ -226,11 +226,16 @@ def test_tokenizer_and_generation_files_travel_with_the_model(disk_dir) -> None:
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
     try:
         engine.save_pretrained(disk_dir / "out")
+        engine.save_checkpoint(disk_dir / "ckpt")
     finally:
         engine.close()
     out = disk_dir / "out"
-    for name in ("tokenizer_config.json", "tokenizer.json"):
-        assert (out / name).read_text() == (src / name).read_text()
+    # and an export of its checkpoint (no --config): from the directory the manifest records
+    from infinity.checkpoint.pretrained_write import export_pretrained
+    exported = export_pretrained(disk_dir / "ckpt", disk_dir / "exported")
+    for directory in (out, exported):
+        for name in ("tokenizer_config.json", "tokenizer.json"):
+            assert (directory / name).read_text() == (src / name).read_text(), directory
     assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 17
     assert (out / "model.safetensors").is_file()
     assert not (out / "model.safetensors.index.json").exists()

@@ -54,6 +54,10 @@ FOREIGN_PRIVATES = {
     "_buffers": "nn.Module's buffer dict: with _non_persistent_buffers_set, the buffers that "
                 "state_dict() saves (torch has no public accessor for persistence)",
     "_non_persistent_buffers_set": "see _buffers",
+    "_apply": "nn.Module._apply, wrapped while a prepare_model runs: every move of a module "
+              "(.to('meta'), .cuda(), .half()) goes through it, and it is the one place to see "
+              "a parameter replaced by its meta copy (PEFT moves its adapter so); no hook "
+              "reports a parameter's move",
     "_getframe": "sys._getframe: whether a load (from_pretrained, load_state_dict) is on the "
                  "stack when a parameter is replaced (inspect.stack() is far slower)",
     "_init_weights": "transformers' PreTrainedModel._init_weights: the per-module initializer "
