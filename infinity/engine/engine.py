@@ -107,8 +107,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
         derived = derive(self.config, specs, self.comm)
         self.compute_dtype = COMPUTE_DTYPES[derived.compute_dtype]
-        stage = self.config.zero.stage
-        self.stage = stage
+        self.stage = stage = self.config.zero.stage
         self.micro_steps = 0
         self.global_steps = 0
         self._boundary_set: bool | None = None      # set_gradient_accumulation_boundary
