@@ -2,8 +2,10 @@
 
 Why our own: it shows what an out-of-core run needs to be judged by (loss, tokens/s, the step
 time split into compute / I/O wait / optimizer / communication, bytes held per tier, swap I/O
-GB/s), which a generic bar does not. On a terminal one line is redrawn in place; otherwise (a
-log file, CI) one line is written every ``every`` steps and at the last step, so logs stay short.
+GB/s), which a generic bar does not, and the time left (the mean of the last ETA_STEPS steps'
+times, the first left out once there are others: it holds the warm-up). On a terminal one line
+is redrawn in place; otherwise (a log file, CI) one line is written every ``every`` steps and at
+the last step, so logs stay short.
 """
 from __future__ import annotations
 
@@ -13,6 +15,19 @@ from typing import IO
 
 from infinity.base.sizes import format_bytes
 from infinity.train.metrics import StepRecord
+
+
+ETA_STEPS = 10
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as a person reads a time left: 45 s, 3m05s, 2h10m."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def format_step(record: StepRecord, total_steps: int) -> str:
@@ -41,9 +56,20 @@ class ProgressBar:
         self.every = every if every is not None else max(1, total_steps // 20)
         self._open_line = False
         self._started = time.perf_counter()
+        self._step_times: list[float] = []
+
+    def eta_s(self, record: StepRecord) -> float:
+        """Seconds left after ``record``'s step, from the recent steps' times."""
+        self._step_times.append(record.step_s)
+        recent = self._step_times[1:] if len(self._step_times) > 1 else self._step_times
+        recent = recent[-ETA_STEPS:]
+        return max(0, self.total_steps - record.step) * sum(recent) / len(recent)
 
     def update(self, record: StepRecord) -> None:
         line = format_step(record, self.total_steps)
+        eta = self.eta_s(record)
+        if record.step < self.total_steps:
+            line += f" | eta {format_duration(eta)}"
         if self.tty:
             elapsed = time.perf_counter() - self._started
             self.stream.write(f"\r\x1b[2K{line} | {elapsed:.0f} s")

@@ -9,7 +9,7 @@ import pytest
 
 from infinity.train.metrics import (MetricsWriter, StepRecord, read_metrics, render_summary,
                                     summarize, write_plot)
-from infinity.train.progress import ProgressBar, format_step
+from infinity.train.progress import ProgressBar, format_duration, format_step
 
 STATS = {"step_s": 2.0, "compute_s": 1.0, "io_wait_s": 0.5, "optimizer_s": 0.4, "comm_s": 0.1,
          "device_bytes": 10, "host_bytes": 20, "nvme_bytes": 30, "io_read_bytes": 3e9,
@@ -119,6 +119,20 @@ def test_progress_line_shows_every_quantity() -> None:
     for part in ("step   7/100", "loss 1.2346", "128 tok/s", "compute 1.00", "io 0.50",
                  "opt 0.40", "comm 0.10", "dev 10 B", "host 20 B", "nvme 30 B", "io 2.00 GB/s"):
         assert part in line, (part, line)
+
+
+def test_progress_shows_the_time_left_from_the_recent_steps() -> None:
+    """The first step (the warm-up) is left out once there are others: 1 step of 9 s then 2 s
+    a step, 10 steps: 12 s left after step 4, none shown after the last."""
+    stream = io.StringIO()
+    bar = ProgressBar(10, stream=stream, tty=False, every=4)
+    for step in range(1, 11):
+        bar.update(_record(step, 2.0, step_s=9.0 if step == 1 else 2.0))
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("| eta 1m21s"), lines[0]       # 9 x 9 s: only the first known
+    assert lines[1].endswith("| eta 12 s"), lines[1]
+    assert "eta" not in lines[-1], lines[-1]
+    assert [format_duration(s) for s in (44.6, 185, 7800)] == ["45 s", "3m05s", "2h10m"]
 
 
 def test_plot_is_a_png(tmp_path: Path) -> None:
