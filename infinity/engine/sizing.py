@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from infinity.base.budget import BudgetExceededError
 from infinity.base.log import get_logger
 from infinity.base.native_info import record_in_use
 from infinity.base.sizes import format_bytes
@@ -21,6 +22,7 @@ from infinity.config import InfinityConfig
 from infinity.planner.engine_sizes import EngineSizes, engine_sizes
 from infinity.planner.inputs import ModelStats, detect_hardware
 from infinity.planner.placement import compute_dtype_choice
+from infinity.planner.plan import budget_need, host_budget_shortfall
 from infinity.planner.sizes import DerivedSizes, derive_sizes, host_allowed
 from infinity.storage.preflight import free_bytes
 from infinity.storage.tiers import Tier
@@ -66,6 +68,7 @@ def derive(cfg: InfinityConfig, specs: list[UnitSpec],
         if hw.cpu_bf16 and without:
             hw = dataclasses.replace(hw, cpu_bf16=False, cpu_bf16_reason=(
                 f"rank(s) {', '.join(map(str, without))} have no native bf16"))
+    _refuse_a_host_budget_too_small(cfg, _stats(specs), hw)
     dtype, why = compute_dtype_choice(cfg, hw)
     record_in_use("compute_dtype", f"{dtype} ({why})")
     log.info("compute dtype %s: %s", dtype, why)
@@ -78,6 +81,31 @@ def derive(cfg: InfinityConfig, specs: list[UnitSpec],
                  "its libraries, the model as built) and autograd's temporaries",
                  format_bytes(host_allowed(cfg, hw)), format_bytes(resident))
     return derived
+
+
+ENGINE_REFUSES_BELOW = 1 / 8
+"""The engine refuses a host budget under this share of the planner's least one: the planner
+errs on the safe side, most for small models (a 2-layer, 256-wide Llama at stage 3 on NVMe ran
+under 8 MiB and not under 6 MiB, where it plans 20 MiB), and a budget that runs must not be
+refused."""
+
+
+def _refuse_a_host_budget_too_small(cfg: InfinityConfig, stats: ModelStats, hw) -> None:
+    """A host budget clearly too small for this model is refused before anything is allocated,
+    naming the least budget the planner finds (the engine's own error, from the first pool
+    that did not fit, named that pool's share: "optimizer slot 0 needs 8 KiB ... 0 B free",
+    for a model that needs ~8 MiB); one under the planner's estimate but near it is tried."""
+    shortfall = host_budget_shortfall(cfg, stats, hw, refuse_below=ENGINE_REFUSES_BELOW)
+    if shortfall is None:
+        return
+    refuse, least = shortfall
+    given = format_bytes(cfg.infinity.host_memory_budget)
+    if refuse:
+        raise BudgetExceededError(
+            f"the host budget {given} (infinity.host_memory_budget) is too small for this model "
+            f"and config: {budget_need(least, 'set infinity.host_memory_budget to {}MiB or more')}")
+    log.warning("the host budget %s is under the planner's estimate for this model and config "
+                "(%s); trying anyway", given, format_bytes(least))
 
 
 def resident_bytes() -> int | None:

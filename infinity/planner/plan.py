@@ -10,6 +10,7 @@ and the byte math written there.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,8 @@ from infinity.planner.sizes import (
 from infinity.planner.tiers import TIERS, Tier
 
 __all__ = ["Plan", "PlanItem", "plan_memory", "recommend_config", "host_budget_fits",
-           "minimum_host_budget"]
+           "minimum_host_budget", "host_budget_shortfall", "REFUSE_BELOW_FRACTION",
+           "budget_need"]
 
 RUNTIME_OVERHEAD_BYTES = 512 << 20  # Python + torch + native library resident set (measured ~0.3-0.5 GiB)
 # nvme_path when recommending NVMe offload without one: the parent `infinity train` uses by default
@@ -276,6 +278,36 @@ def minimum_host_budget(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) ->
         else:
             low = middle
     return high
+
+
+# The least budget errs on the safe side (about 4x for a tiny model, ~10% at 85M-1B), so a
+# budget under it by less than this factor is only warned about: the engine, which sizes its
+# pools exactly, is the judge there.
+REFUSE_BELOW_FRACTION = 0.5
+
+
+def host_budget_shortfall(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
+                          refuse_below: float = REFUSE_BELOW_FRACTION
+                          ) -> tuple[bool, int | None] | None:
+    """None where ``cfg``'s host budget fits this model (or is unset); else (refuse, least):
+    ``least`` the smallest budget that fits (None: none does), ``refuse`` where the budget is
+    clearly too small (under ``refuse_below`` of ``least``, or none fits), else it is worth
+    trying. Read by ``infinity train`` and by the engine before it allocates anything."""
+    budget = cfg.infinity.host_memory_budget
+    if budget is None or host_budget_fits(cfg, stats, hw):
+        return None
+    least = minimum_host_budget(cfg, stats, hw)
+    return (least is None or budget < refuse_below * least), least
+
+
+def budget_need(least: int | None, fix: str) -> str:
+    """What a too small host budget needs, for its error: the least budget, and ``fix`` with
+    it in MiB (``"pass --host-budget {}MiB or more"``)."""
+    if least is None:
+        return ("no budget holds the sizes this config sets: see `infinity plan --config` for "
+                "the ones to make smaller")
+    return (f"it needs at least {format_bytes(least)} (`infinity plan` shows the split): "
+            + fix.format(math.ceil(least / 2**20)))
 
 
 def recommend_config(stats: ModelStats, hw: Hardware, base: InfinityConfig | None = None,

@@ -9,7 +9,6 @@ the value as the user wrote it, where it came from, and that minimum.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from infinity.base.budget import BudgetExceededError
@@ -17,7 +16,7 @@ from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
 from infinity.planner.inputs import ModelStats, detect_hardware
-from infinity.planner.plan import host_budget_fits, minimum_host_budget
+from infinity.planner.plan import budget_need, host_budget_shortfall
 
 _log = get_logger("train")
 
@@ -34,36 +33,21 @@ def describe_budget(given: Any, flag: str | None, config_file: str | None) -> st
     return f"{given} ({where})"
 
 
-# The planner's least budget errs on the safe side (about 4x for a tiny model, ~10% at 85M-1B),
-# so a budget under it by less than this factor is only warned about: the engine, which sizes its
-# pools exactly, is the judge there.
-REFUSE_BELOW_FRACTION = 0.5
-
-
 def check_host_budget(config: InfinityConfig, stats: ModelStats, described: str) -> None:
     """Raise ValueError when the host budget is clearly too small for this run (under half the
     planner's least budget); warn when it is under that least budget but could still work."""
-    budget = config.infinity.host_memory_budget
-    if budget is None:
-        return    # unset: 80% of MemAvailable at start, nothing the user wrote to check
     nvme_path = config.zero.offload_param.nvme_path or config.zero.offload_optimizer.nvme_path
-    hw = detect_hardware(nvme_path)
-    if host_budget_fits(config, stats, hw):
+    shortfall = host_budget_shortfall(config, stats, detect_hardware(nvme_path))
+    if shortfall is None:
         return
-    least = minimum_host_budget(config, stats, hw)
-    if least is None:
-        need = ("no budget holds the sizes this config sets: see `infinity plan --config` for "
-                "the ones to make smaller")
-    else:
-        need = (f"it needs at least {format_bytes(least)} (`infinity plan` shows the split): "
-                f"pass --host-budget {math.ceil(least / 2**20)}MiB or more")
-        if budget >= REFUSE_BELOW_FRACTION * least:
-            _log.warning("the host memory budget %s is under the planner's estimate for this "
-                         "model and config (%s); trying anyway, the engine will say if it does "
-                         "not fit", described, format_bytes(least))
-            return
+    refuse, least = shortfall
+    if not refuse:
+        _log.warning("the host memory budget %s is under the planner's estimate for this "
+                     "model and config (%s); trying anyway, the engine will say if it does "
+                     "not fit", described, format_bytes(least))
+        return
     raise ValueError(f"the host memory budget {described} is too small for this model and "
-                     f"config: {need}")
+                     f"config: {budget_need(least, 'pass --host-budget {}MiB or more')}")
 
 
 def explain(exc: BudgetExceededError, described: str) -> BudgetExceededError:

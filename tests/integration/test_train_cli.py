@@ -191,9 +191,11 @@ def test_host_budget_error_of_the_engine_names_the_given_budget(
         capsys: pytest.CaptureFixture[str], disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the planner's check passes but the engine's pools do not fit, the engine's message
     (a share of the budget) is completed with the budget the user gave."""
+    from infinity.engine import sizing
     from infinity.train import host_budget
 
     monkeypatch.setattr(host_budget, "check_host_budget", lambda *args: None)
+    monkeypatch.setattr(sizing, "_refuse_a_host_budget_too_small", lambda *args: None)
     code, err = _run_cli(capsys, "--model-size", "tiny", "--nvme-path", str(disk_dir),
                          "--host-budget", "1B")
     line = _one_error_line(err)
