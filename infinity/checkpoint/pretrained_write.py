@@ -336,30 +336,17 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     layouts = unit_layouts(state)
     names = saved_names(state.module, layouts, tie_targets)
     buffers = persistent_buffers(state.module)
-    splits: dict[str, Any] = {}      # a saved name -> the entry split into several tensors
-    tensors: Table = []
-    for lay in layouts:
-        for e in lay.entries:
-            parts = hub_split(names[e], torch.empty(tuple(e.shape), dtype=dtype,
-                                                    device="meta")) if hub_split else None
-            if parts:
-                splits[names[e]] = e
-                tensors += [(part, dtype, tuple(value.shape)) for part, value in parts]
-                continue
-            if hub_name is not None:
-                names[e] = hub_name(names[e])
-            tensors.append((names[e], dtype, tuple(e.shape)))
-    if hub_name is not None:
-        buffers = [(hub_name(name), buf) for name, buf in buffers]
-    tensors += [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
+    tensors, splits = hub_table(
+        [(names[e], dtype, tuple(e.shape)) for lay in layouts for e in lay.entries]
+        + [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers], hub_name, hub_split)
     dup = {n for n in (t[0] for t in tensors) if sum(1 for t in tensors if t[0] == n) > 1}
     if dup:
         raise CheckpointError(f"{what}: two tensors would be saved as {sorted(dup)[0]}")
     writes = state.rank == 0
 
     def fill(writer: ShardedWriter | None) -> None:
-        if writer is not None and splits:
-            writer = _Splitting(writer, splits, hub_split)
+        if writer is not None and (splits or hub_name):
+            writer = _Splitting(writer, splits, hub_split, hub_name)   # type: ignore[assignment]
         _stream_units(state, layouts, names, dtype, writer)
         if writer is not None:
             for name, buf in buffers:      # in their own dtype, as state_dict has them
@@ -377,29 +364,49 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
 
 
 class _Splitting:
-    """A writer that gathers each entry of ``splits`` whole from its pieces, then appends the
-    tensors ``split`` makes of it; every other tensor goes straight through."""
+    """A writer that gathers each tensor of ``shapes`` (a name -> its shape) whole from its
+    pieces, then appends the tensors ``split`` makes of it (transformers' Hub layout); every
+    other tensor goes straight through, under ``rename(name)`` where given."""
 
-    def __init__(self, writer: ShardedWriter, splits: Mapping[str, Any],
-                 split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]] | None]):
-        self.writer, self.splits, self.split = writer, splits, split
+    def __init__(self, writer: ShardedWriter, shapes: Mapping[str, tuple[int, ...]],
+                 split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]] | None],
+                 rename: Callable[[str], str] | None = None) -> None:
+        self.writer, self.shapes, self.split, self.rename = writer, shapes, split, rename
         self._whole: dict[str, tuple[torch.Tensor, int]] = {}
 
     def append(self, name: str, values: torch.Tensor) -> None:
-        entry = self.splits.get(name)
-        if entry is None:
-            self.writer.append(name, values)
+        shape = self.shapes.get(name)
+        if shape is None:
+            self.writer.append(self.rename(name) if self.rename else name, values)
             return
-        whole, filled = self._whole.get(name) or (
-            torch.empty(_numel(tuple(entry.shape)), dtype=values.dtype), 0)
+        whole, filled = self._whole.get(name) or (torch.empty(_numel(shape), dtype=values.dtype), 0)
         whole[filled:filled + values.numel()].copy_(values.reshape(-1))
         filled += values.numel()
         if filled < whole.numel():
             self._whole[name] = (whole, filled)
             return
         self._whole.pop(name, None)
-        for part, value in self.split(name, whole.view(tuple(entry.shape))):
+        for part, value in self.split(name, whole.view(shape)) or []:
             self.writer.append(part, value.contiguous())
+
+
+def hub_table(tensors: Table, hub_name: Callable[[str], str] | None,
+              hub_split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]] | None]
+              | None) -> tuple[Table, dict[str, tuple[int, ...]]]:
+    """``tensors`` (name, dtype, shape) as transformers saves them: each renamed by
+    ``hub_name``, or split into several by ``hub_split`` (shapes from the meta device); and
+    the split ones' shapes by their own names (for ``_Splitting``)."""
+    table: Table = []
+    splits: dict[str, tuple[int, ...]] = {}
+    for name, dtype, shape in tensors:
+        parts = hub_split(name, torch.empty(shape, dtype=dtype, device="meta")) \
+            if hub_split else None
+        if parts:
+            splits[name] = tuple(shape)
+            table += [(part, dtype, tuple(value.shape)) for part, value in parts]
+        else:
+            table.append((hub_name(name) if hub_name else name, dtype, tuple(shape)))
+    return table, splits
 
 
 def _stream_units(state: TrainingState, layouts: Sequence[UnitLayout], names, dtype: torch.dtype,
@@ -452,14 +459,18 @@ def export_pretrained(checkpoint_dir: str | Path, directory: str | Path, *,
                       tag: str | None = None, dtype: torch.dtype | None = torch.float32,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                       texts: Mapping[str, str] | None = None, carry_from: Path | None = None,
-                      verify_checksums: bool = True) -> Path:
+                      verify_checksums: bool = True,
+                      hub_names_of: Callable[[str], Any] | None = None) -> Path:
     """A checkpoint's weights (trainable ones from their fp32 master) as a transformers
     directory in ``dtype`` (None: as stored: fp32 masters, frozen ones in the compute dtype),
     a tensor at a time; ``config.json`` from ``texts`` or else the checkpoint's manifest
-    (``model_files``, saved by engines over a transformers model)."""
+    (``model_files``, saved by engines over a transformers model). ``hub_names_of(config
+    text)``: the model's conversions to the Hub layout (``to_hub``, ``split``: see
+    engine/hf_conversions.py), applied as ``save_pretrained`` applies them."""
     save, files = model_files_of(Path(checkpoint_dir), tag, verify_checksums, tag_hint="--tag")
     with save:
-        return _export_pinned(save, files, directory, dtype, max_shard_size, texts, carry_from)
+        return _export_pinned(save, files, directory, dtype, max_shard_size, texts, carry_from,
+                              hub_names_of)
 
 
 def _recorded_source(checkpoint: Path, recorded: Any) -> Path | None:
@@ -480,7 +491,8 @@ def _recorded_source(checkpoint: Path, recorded: Any) -> Path | None:
 
 def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.dtype | None,
                    max_shard_size: int | str, texts: Mapping[str, str] | None,
-                   carry_from: Path | None) -> Path:
+                   carry_from: Path | None, hub_names_of: Callable[[str], Any] | None = None
+                   ) -> Path:
     source, manifest = save.directory, save.manifest
     shapes = param_shapes(manifest)
     model_texts = dict(texts or {})
@@ -497,16 +509,24 @@ def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.d
     if carry_from is None:
         carry_from = _recorded_source(source, manifest.get("model_source"))
     out = Path(directory)
+    conversions = hub_names_of(model_texts["config.json"]) \
+        if hub_names_of is not None and "config.json" in model_texts else None
     with open_ranks(save, files, shapes) as reader:
         table: Table = []
         for name, info in reader.tensors.items():
             keep = info.dtype if dtype is None or not info.dtype.is_floating_point else dtype
             table.append((name, keep, tuple(info.shape)))
+        stored = table
+        if conversions is not None:     # the Hub's names and per-expert tensors
+            table, splits = hub_table(stored, conversions.to_hub, conversions.split)
 
         def fill(writer: ShardedWriter | None) -> None:
             assert writer is not None
+            if conversions is not None:
+                writer = _Splitting(writer, splits, conversions.split,  # type: ignore[assignment]
+                                    conversions.to_hub)
             buf = torch.empty(EXPORT_PIECE_BYTES, dtype=torch.uint8)
-            for name, keep, shape in table:
+            for name, keep, shape in stored:
                 info = reader.info(name)
                 step = max(1, EXPORT_PIECE_BYTES // itemsize(info.dtype))
                 n = _numel(shape)

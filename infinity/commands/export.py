@@ -21,6 +21,7 @@ from infinity.checkpoint.pretrained_write import (
     shard_bytes,
 )
 from infinity.commands import UsageError
+from infinity.engine.hf_conversions import hub_names_of_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = None if args.dtype == "stored" else out_dtype(args.dtype, None)
     out = export_pretrained(args.checkpoint, args.out, tag=args.tag, dtype=dtype,
                             max_shard_size=max_shard, texts=texts, carry_from=carry,
-                            verify_checksums=not args.no_verify)
+                            verify_checksums=not args.no_verify,
+                            hub_names_of=hub_names_of_config)
     files = sorted(p.name for p in out.iterdir() if p.name.endswith(".safetensors"))
     size = sum((out / f).stat().st_size for f in files)
     print(f"{out}: {len(files)} weight file(s), {size / 1e9:.3f} GB"

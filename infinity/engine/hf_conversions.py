@@ -127,3 +127,26 @@ def _fusions(keys: Iterable[str], converters: list) -> dict[str, Fusion]:
     return {target: Fusion(target, tuple(k for k, _ in parts), builder(target, conv, parts))
             for target, (conv, parts) in grouped.items()}
 
+
+
+def hub_names_of_config(config_text: str) -> HubNames | None:
+    """The conversions of the model a ``config.json`` describes (built on the meta device, no
+    memory): for an export, which has a checkpoint and its config but no model. None where
+    transformers cannot build it (no conversions are applied then)."""
+    import json
+
+    try:
+        import transformers
+    except ImportError:
+        return None
+    try:
+        values = json.loads(config_text)
+        config = transformers.AutoConfig.for_model(**values)
+        names = [a for a in values.get("architectures") or [] if hasattr(transformers, a)]
+        model_class = getattr(transformers, names[0]) if names else \
+            transformers.AutoModelForCausalLM
+        with torch.device("meta"):
+            model = model_class._from_config(config) if names else model_class.from_config(config)
+    except (ValueError, TypeError, KeyError, AttributeError, json.JSONDecodeError):
+        return None
+    return hub_names(model)

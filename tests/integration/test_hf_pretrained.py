@@ -499,10 +499,18 @@ def test_a_checkpoint_transformers_fuses_at_load_loads_as_transformers_loads_it(
         engine.eval()
         ours = _logits(engine, x)
         engine.save_pretrained(tmp_path / "out")
+        engine.save_checkpoint(tmp_path / "ckpt")
     finally:
         engine.close()
     assert (_logits(_plain(tmp_path / "out"), x) - ours).abs().max().item() == 0.0
     assert sorted(_weights(tmp_path / "out")) == sorted(_weights(src))   # the Hub layout
+    # and `infinity export` of its checkpoint, from the config.json the checkpoint holds
+    from infinity.checkpoint.pretrained_write import export_pretrained
+    from infinity.engine.hf_conversions import hub_names_of_config
+    exported = export_pretrained(tmp_path / "ckpt", tmp_path / "exported",
+                                 hub_names_of=hub_names_of_config)
+    assert sorted(_weights(exported)) == sorted(_weights(src))
+    assert (_logits(_plain(exported), x) - ours).abs().max().item() <= 1e-6
 
 
 def test_a_model_that_is_not_a_causal_lm_names_the_class_to_pass(disk_dir) -> None:
