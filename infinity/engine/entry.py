@@ -54,6 +54,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     if mpu is not None:
         raise ValueError("infinity.initialize: model parallelism (mpu=...) is not supported; "
                          "infinity trains the whole model on each rank with ZeRO")
+    refuse_an_adapter_without_values(model)
     source = _config_source(args, config, config_params)
     engine = Engine(model, model_parameters, source, lr_scheduler=lr_scheduler,
                     process_group=process_group, auto_values=auto_values, optimizer=optimizer)
@@ -62,6 +63,31 @@ def initialize(args: Any = None, model: nn.Module | None = None,
         loader = training_loader(training_data, engine.config, collate_fn,
                                  rank=engine.ranks.rank, world_size=engine.ranks.world_size)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def refuse_an_adapter_without_values(model: Any) -> None:
+    """A PEFT model over a base built under ``zero.Init``: PEFT builds its adapter, initialises
+    it (lora_B zero) and moves it to the base layer's device, meta, where its values are gone;
+    the model's own init would then draw them (lora_B std 0.02: step 0 is not the base). Refused,
+    naming the way that keeps them (``from_pretrained(prepare_model=...)`` keeps the values of
+    what PEFT moves to meta; see zero/materialize.py)."""
+    from infinity.engine.pretrained import is_peft_model
+    from infinity.zero.materialize import FINAL_VALUE_ATTR, VALUE_ATTR, copied_from
+
+    if not is_peft_model(model):
+        return
+    lost = [name for name, p in model.named_parameters()
+            if p.requires_grad and p.device.type == "meta" and copied_from(p) is p
+            and getattr(p, FINAL_VALUE_ATTR, None) is None and getattr(p, VALUE_ATTR, None) is None]
+    if lost:
+        raise ValueError(
+            f"the PEFT model's adapter has {len(lost)} parameter(s) on the meta device with no "
+            f"value ({', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''}): its base was built "
+            "under infinity.zero.Init, and PEFT moved the adapter it had initialised to the "
+            "base's meta device, which drops the values (LoRA would start from a random "
+            "lora_B, not the base model). Load the base with infinity.from_pretrained(dir, "
+            "config=..., prepare_model=lambda m: get_peft_model(m, lora_config)), which keeps "
+            "them, or build the base outside zero.Init")
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

@@ -395,6 +395,19 @@ def test_save_pretrained_of_a_peft_model_is_its_adapter(disk_dir, tmp_path) -> N
         assert (_logits(reloaded, x) - _logits(_plain(src), x)).abs().max().item() > 1e-4
 
 
+def test_a_peft_adapter_over_a_zero_init_base_is_refused_not_reinitialised(disk_dir) -> None:
+    """get_peft_model over a base built under zero.Init moves the adapter PEFT initialised to
+    the base's meta device (its values gone); initialize refuses it, naming the route that
+    keeps them, instead of training from a random lora_B."""
+    pytest.importorskip("peft")
+    with infinity.zero.Init(config=_config(disk_dir)):
+        base = make_model("llama", layers=2, width=64)
+    with pytest.raises(ValueError) as info:
+        infinity.initialize(model=_peft(base), config=_config(disk_dir))
+    message = str(info.value)
+    assert "lora_B" in message and "prepare_model" in message, message
+
+
 def test_an_adapter_computed_from_unloaded_weights_is_refused(disk_dir) -> None:
     """DoRA computes its magnitude from the base weight, still on the meta device inside
     prepare_model: refused before any work, naming the parameters and what to do (it would
