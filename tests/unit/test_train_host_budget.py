@@ -6,8 +6,8 @@ import pytest
 
 from infinity.config import InfinityConfig
 from infinity.planner.inputs import ModelStats, detect_hardware
-from infinity.planner.plan import minimum_host_budget
-from infinity.train.host_budget import REFUSE_BELOW_FRACTION, check_host_budget
+from infinity.planner.plan import REFUSE_BELOW_FRACTION, minimum_host_budget
+from infinity.train.host_budget import check_host_budget
 
 STATS = ModelStats.from_counts(10_000_000, 1_000_000, 10, 10_000_000)
 
