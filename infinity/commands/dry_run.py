@@ -33,11 +33,13 @@ from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, Si
 from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
 from infinity.engine.sizing import COMPUTE_DTYPES, gradient_home_dtype
-from infinity.planner.engine_sizes import GRADS_HELD
 from infinity.planner.engine_sizes import (
     ACTIVATION_STAGING_BYTES,
+    GRADS_HELD,
     EngineSizes,
+    gradient_pool_needed,
     step_slot_count,
+    stepped_sub_group,
 )
 from infinity.planner.placement import Placement
 from infinity.planner.shape import ModelShape
@@ -295,17 +297,15 @@ def _optimizer_pools(units: list[Unit], manager: SimManager, lay: Placement, es:
     shard_states = lay.stage >= 1
     holds = (lay.early_step or setup.speculative) and setup.device_is_cpu and world == 1
     grad_tier = es.grad_tier if not lay.early_step else Tier.HOST
-    needs_grad_buffer = (lay.early_step and not holds) or \
-        (not lay.early_step and es.grad_tier is Tier.NVME) or world > 1
     max_collect = max(u.flat_numel if shard_states else u.trainable_numel for u in trainable)
-    if needs_grad_buffer:
+    if gradient_pool_needed(lay.early_step, holds, es.grad_tier, world > 1):
         SimPool(manager, max_collect * 4, GRADS_HELD, "gradient")
     ranges = [u.shard_numel if shard_states and u.shards > 1 else u.trainable_numel
               for u in trainable]
     any_nvme = lay.opt_tier is Tier.NVME or grad_tier is Tier.NVME or any(
         u.param_store is not None and not u.param_store.resident for u in trainable)
     if any_nvme:
-        sub = -(-max(1, min(es.sub_group_numel, max(ranges) or 1)) // 2048) * 2048
+        sub = stepped_sub_group(es.sub_group_numel, max(ranges))
         count = step_slot_count(lay.opt_tier, lay.param_tier if lay.stage == 3 else Tier.DEVICE,
                                 grad_tier, not lay.single_copy, lay.early_step)
         SimPool(manager, sub * 4, count, "optimizer")

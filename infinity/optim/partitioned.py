@@ -57,7 +57,13 @@ from infinity.optim.records import (
 )
 from infinity.optim.speculation import Speculator
 from infinity.optim.step_stream import StepStream
-from infinity.planner.engine_sizes import GRADS_HELD, held_room_bytes, step_slot_count
+from infinity.planner.engine_sizes import (
+    GRADS_HELD,
+    gradient_pool_needed,
+    held_room_bytes,
+    step_slot_count,
+    stepped_sub_group,
+)
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
@@ -134,11 +140,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.states: list[UnitOptimState] = []
         trainable_units = [u for u in units if u.has_trainable]
         max_trainable = max((u.trainable_numel for u in trainable_units), default=0)
-        # multiples of 2048 elements keep every sub-group 4 KiB aligned in fp32 and in 16-bit
-        # a sub-group never exceeds the largest range a rank steps (its shard with several)
         max_range = max((hi - lo for lo, hi in (_state_range(u, shard_states)
                                                 for u in trainable_units)), default=0)
-        self.sub_group_numel = -(-max(1, min(sub_group_numel, max_range or 1)) // 2048) * 2048
+        self.sub_group_numel = stepped_sub_group(sub_group_numel, max_range)
         for unit in trainable_units:
             lo, hi = _state_range(unit, shard_states)
             n = max(hi - lo, 1)        # a shard past the trainable part steps nothing
@@ -159,8 +163,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.holds_grads = (early_step or doubled) and gradients_held(manager.device) and \
             not comm.active
         self.held_room = HeldRoom(held_room_bytes(max_trainable))
-        needs_grad_buffer = (early_step and not self.holds_grads) or grad_tier is Tier.NVME or \
-            comm.active
+        needs_grad_buffer = gradient_pool_needed(early_step, self.holds_grads, grad_tier,
+                                                 comm.active)
         max_collect = max((u.flat_numel if shard_states else u.trainable_numel
                            for u in trainable_units), default=0)
         self.grad_pool = BufferPool(manager, max_collect * 4, GRADS_HELD, "gradient") \

@@ -119,6 +119,22 @@ def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
     return max(1, 3 * per_group + staging)
 
 
+def stepped_sub_group(sub_group_numel: int, largest_range: int) -> int:
+    """The sub-group the optimizer steps: no larger than the largest range a rank steps (its
+    shard with several), a multiple of SUB_GROUP_ALIGN (4 KiB aligned in fp32 and 16-bit)."""
+    return -(-max(1, min(sub_group_numel, largest_range or 1)) // SUB_GROUP_ALIGN) \
+        * SUB_GROUP_ALIGN
+
+
+def gradient_pool_needed(early_step: bool, holds_grads: bool, grad_tier: Tier,
+                         ranks_active: bool) -> bool:
+    """Whether the optimizer collects gradients in its GRADS_HELD flat host buffers: an early
+    step that does not hold autograd's gradients (off a CPU device), an NVMe gradient home
+    (through float32 slots), or several ranks (each unit's reduced gradient lands there)."""
+    return (early_step and not holds_grads) or (not early_step and grad_tier == Tier.NVME) \
+        or ranks_active
+
+
 def accumulate_chunk_numel(max_trainable: int) -> int:
     """The accumulation chunk: 8 MiB, or the largest unit's gradient when smaller (a multiple
     of 4 KiB either way, so every chunk starts aligned for O_DIRECT)."""
