@@ -394,14 +394,15 @@ def hub_table(tensors: Table, hub_name: Callable[[str], str] | None,
               hub_split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]] | None]
               | None) -> tuple[Table, dict[str, tuple[int, ...]]]:
     """``tensors`` (name, dtype, shape) as transformers saves them: each renamed by
-    ``hub_name``, or split into several by ``hub_split`` (shapes from the meta device); and
+    ``hub_name``, or split into several (or none) by ``hub_split`` (shapes from the meta
+    device); and
     the split ones' shapes by their own names (for ``_Splitting``)."""
     table: Table = []
     splits: dict[str, tuple[int, ...]] = {}
     for name, dtype, shape in tensors:
         parts = hub_split(name, torch.empty(shape, dtype=dtype, device="meta")) \
             if hub_split else None
-        if parts:
+        if parts is not None:           # [] drops it
             splits[name] = tuple(shape)
             table += [(part, dtype, tuple(value.shape)) for part, value in parts]
         else:

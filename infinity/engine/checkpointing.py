@@ -137,7 +137,7 @@ class CheckpointCalls:
                                   with_frozen=not exclude_frozen_parameters)
 
     def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
-                        dtype: Any = None) -> Path:
+                        dtype: Any = None, merged: bool = False) -> Path:
         """The model's current weights (after the last step has landed) as a directory
         transformers and ``infinity.from_pretrained`` load: ``model.safetensors``, or shards
         of at most ``max_shard_size`` ("5GB", "500MiB" or bytes) with
@@ -146,7 +146,9 @@ class CheckpointCalls:
         Streamed unit by unit (any size); every rank calls it, rank 0 writes. ``dtype``:
         "fp32", "bf16", "fp16"; None: the compute dtype, or fp32 (from the fp32 masters) at
         stage 3 without ``stage3_gather_16bit_weights_on_model_save`` (see [Note: the dtype
-        of a saved model] in engine/pretrained.py). ``model.save_pretrained(dir)`` comes here."""
+        of a saved model] in engine/pretrained.py). ``model.save_pretrained(dir)`` comes here.
+        A PEFT model saves its adapter; with ``merged=True`` its base with the LoRA adapter
+        merged in, under the base's names (engine/peft_merge.py)."""
         from infinity.engine.pretrained import save_pretrained
 
-        return save_pretrained(self, save_directory, max_shard_size, dtype)
+        return save_pretrained(self, save_directory, max_shard_size, dtype, merged=merged)

@@ -305,11 +305,16 @@ def model_texts(model: nn.Module, dtype: torch.dtype) -> dict[str, str]:
 
 def save_pretrained(engine: "Engine", save_directory: str | Path,
                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: Any = None,
-                    what: str = "save_pretrained") -> Path:
+                    what: str = "save_pretrained", merged: bool = False) -> Path:
     """``engine.save_pretrained`` (see there)."""
     from infinity.engine.checkpointing import training_state
 
     engine._check_open(what)
+    if merged:
+        if not is_peft_model(engine.module):
+            raise ValueError(f"{what}(merged=True) merges a PEFT adapter into its base; this "
+                             f"model is a {type(engine.module).__name__}: leave merged unset")
+        return _save_merged(engine, Path(save_directory), max_shard_size, dtype, what)
     if is_peft_model(engine.module):
         if dtype is not None:
             raise ValueError(f"{what}(dtype={dtype!r}) on a PEFT model: its adapter is saved "
@@ -398,3 +403,32 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
     log.info("saved the PEFT adapter (%d tensors) to %s", len(state), directory)
     return directory
+
+
+def _save_merged(engine: "Engine", directory: Path, max_shard_size: int | str, dtype: Any,
+                 what: str) -> Path:
+    """A PEFT LoRA model saved as its base with the adapter merged (engine/peft_merge.py),
+    streamed as any save, under the base's names (and its Hub layout)."""
+    from infinity.engine.checkpointing import training_state
+    from infinity.engine.peft_merge import PREFIX, MergedNames
+
+    merge = MergedNames(engine.module)
+    base = engine.module.get_base_model()
+    dtype = out_dtype(dtype, default_save_dtype(engine))
+    conversions = hub_names(base)
+
+    def hub_name(name: str) -> str:
+        name = merge.rename(name)
+        return conversions.to_hub(name) if conversions else name
+
+    def hub_split(name: str, value: torch.Tensor):
+        parts = merge.split(name, value)
+        if parts is None and conversions is not None:
+            parts = conversions.split(merge.rename(name), value)
+        return parts
+
+    return write_pretrained(training_state(engine), directory, max_shard_size=max_shard_size,
+                            dtype=dtype, texts=model_texts(base, dtype),
+                            carry_from=engine.__dict__.get("pretrained_source"),
+                            tie_targets={PREFIX + t for t in tie_targets(base)}, what=what,
+                            hub_name=hub_name, hub_split=hub_split)

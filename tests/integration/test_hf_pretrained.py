@@ -386,6 +386,8 @@ def test_save_pretrained_of_a_peft_model_is_its_adapter(disk_dir, tmp_path) -> N
         again = tmp_path / "again"
         engine.module.save_pretrained(again)
         assert (again / "adapter_model.safetensors").is_file()
+        merged = tmp_path / "merged"
+        engine.save_pretrained(merged, merged=True)
         ours = _logits(engine, x)
     finally:
         engine.close()
@@ -393,6 +395,14 @@ def test_save_pretrained_of_a_peft_model_is_its_adapter(disk_dir, tmp_path) -> N
         reloaded = PeftModel.from_pretrained(_plain(src), directory).eval()
         assert (_logits(reloaded, x) - ours).abs().max().item() <= 1e-6
         assert (_logits(reloaded, x) - _logits(_plain(src), x)).abs().max().item() > 1e-4
+    # merged=True: the base with the adapter merged, under the base's names, as PEFT's
+    # merge_and_unload gives it (fp32; the merge's products rounded alike: <= 1e-6)
+    want = PeftModel.from_pretrained(_plain(src), out).merge_and_unload().state_dict()
+    got = _weights(merged)
+    assert sorted(got) == sorted(_weights(src)), sorted(set(got) ^ set(_weights(src)))
+    for name, value in got.items():
+        assert (value - want[name]).abs().max().item() <= 1e-6, name
+    assert (_logits(_plain(merged), x) - ours).abs().max().item() <= 1e-5
 
 
 def test_a_peft_adapter_over_a_zero_init_base_is_refused_not_reinitialised(disk_dir) -> None:
