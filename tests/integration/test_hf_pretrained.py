@@ -418,6 +418,21 @@ def test_a_peft_adapter_over_a_zero_init_base_is_refused_not_reinitialised(disk_
     assert "lora_B" in message and "prepare_model" in message, message
 
 
+def test_a_dora_adapter_passed_to_initialize_starts_from_the_base(disk_dir) -> None:
+    """DoRA (refused through prepare_model, whose base is not loaded yet) through
+    initialize(peft_model) over a base transformers loaded: its magnitude is the base weight's
+    norm, so step-0 logits equal the base model's, on stage 3 NVMe."""
+    pytest.importorskip("peft")
+    src = _saved(disk_dir, "llama", layers=2)
+    engine, *_ = infinity.initialize(model=_peft(_plain(src), use_dora=True),
+                                     config=_config(disk_dir))
+    x = _batches(1)[0]
+    try:
+        assert (_logits(engine, x) - _logits(_plain(src), x)).abs().max().item() <= 1e-6
+    finally:
+        engine.close()
+
+
 def test_an_adapter_computed_from_unloaded_weights_is_refused(disk_dir) -> None:
     """DoRA computes its magnitude from the base weight, still on the meta device inside
     prepare_model: refused before any work, naming the parameters and what to do (it would
