@@ -672,17 +672,20 @@ def test_infinity_export_writes_a_directory_transformers_loads(disk_dir, capsys)
 
 # -- two ranks -------------------------------------------------------------------------------
 @pytest.mark.distributed
-def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path) -> None:
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path, family) -> None:
     """from_pretrained at 2 gloo ranks (stage 3, NVMe, each rank reading only its shards),
     3 clipped steps: the mean loss over the ranks equals torch AdamW on the whole batch;
     engine.save_pretrained, model.save_pretrained (all ranks calling, rank 0 writing) and
     infinity export of the 2-rank checkpoint load with transformers to the engine's logits; model.state_dict() is the same on both ranks; a
-    bf16 engine's default (fp32) save gathers its masters: the file's values bit for bit."""
+    bf16 engine's default (fp32) save gathers its masters: the file's values bit for bit.
+    Mixtral: its experts fused at load on each rank (each keeping its shard of the fused
+    tensors), the router's auxiliary loss in each rank's loss, and saved per expert again."""
     from ranks import check_ranks, launch, read_results
     from safetensors.torch import load_file
 
     steps = 3
-    src = _saved(disk_dir, "llama")
+    src = _saved(disk_dir, "llama") if family == "llama" else _moe(disk_dir, "mixtral")
     check_ranks(launch(2, "hf_pretrained_ranks_worker.py",
                        [str(tmp_path), str(disk_dir), str(src), str(steps)], timeout=600))
     results = read_results(tmp_path, 2)
