@@ -533,6 +533,10 @@ def test_a_checkpoint_transformers_fuses_at_load_loads_as_transformers_loads_it(
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad()
+            # the engine's update and torch's agree to about an ulp, as for the dense families;
+            # the router could only pick another expert where two of its logits tie to ~1e-7;
+            # on these seeded weights and batches the closest call between the 2nd and 3rd
+            # expert is 9e-5 (Qwen2-MoE; Mixtral 5e-4, PhiMoE 1e-3), ~1000x that drift
             assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
         engine.eval()
         ours = _logits(engine, x)
