@@ -382,12 +382,7 @@ class PretrainedWeights:
         if kept is not None:
             return kept
 
-        def load(key: str) -> torch.Tensor:
-            part = parts[key]
-            value = torch.empty(part.info.shape, dtype=part.info.dtype)
-            self._run([self._jobs(part, 0, value.reshape(-1))])
-            return value
-        value = fusion.build(load).contiguous()
+        value = fusion.build(lambda key: self._read_whole(parts[key])).contiguous()
         self._fused_kept[fusion.target] = value
         while len(self._fused_kept) > FUSED_KEPT:
             self._fused_kept.pop(next(iter(self._fused_kept)))
@@ -456,10 +451,15 @@ class PretrainedWeights:
         buffers = dict(all_persistent_buffers(model))
         with torch.no_grad():
             for name, source in self._buffers.items():
-                buf = buffers[name]
-                value = torch.empty(source.info.shape, dtype=source.info.dtype)
-                self._run([self._jobs(source, 0, value.reshape(-1))])
-                buf.copy_(value)
+                buffers[name].copy_(self._read_whole(source))
+
+    def _read_whole(self, source: _Source) -> torch.Tensor:
+        """A source's whole tensor, in its own dtype (a fused one built from its parts)."""
+        if source.fused is not None:
+            return self._fused_value(source)
+        value = torch.empty(source.info.shape, dtype=source.info.dtype)
+        self._run([self._jobs(source, 0, value.reshape(-1))])
+        return value
 
     # [Note: reads ahead of conversions]
     # A unit's pieces are cut in jobs of at most CONVERT_BYTES, each read into one of RING

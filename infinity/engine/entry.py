@@ -71,14 +71,13 @@ def refuse_an_adapter_without_values(model: Any) -> None:
     the model's own init would then draw them (lora_B std 0.02: step 0 is not the base). Refused,
     naming the way that keeps them (``from_pretrained(prepare_model=...)`` keeps the values of
     what PEFT moves to meta; see zero/materialize.py)."""
-    from infinity.engine.pretrained import is_peft_model
-    from infinity.zero.materialize import FINAL_VALUE_ATTR, VALUE_ATTR, copied_from
+    from infinity.engine.model_methods import is_peft_model
+    from infinity.zero.materialize import copied_from, valueless
 
     if not is_peft_model(model):
         return
     lost = [name for name, p in model.named_parameters()
-            if p.requires_grad and p.device.type == "meta" and copied_from(p) is p
-            and getattr(p, FINAL_VALUE_ATTR, None) is None and getattr(p, VALUE_ATTR, None) is None]
+            if p.requires_grad and copied_from(p) is p and valueless(p)]
     if lost:
         raise ValueError(
             f"the PEFT model's adapter has {len(lost)} parameter(s) on the meta device with no "

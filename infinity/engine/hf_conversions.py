@@ -93,9 +93,8 @@ def hub_names(model: nn.Module) -> HubNames | None:
             target, pattern = converter.rename_source_key(name)
             if pattern is None:
                 continue
-            fresh = copy.deepcopy(converter)
-            fresh.add_tensor(target, name, pattern, lambda: value)
-            return [(to_hub(key), part) for key, part in fresh.convert(target).items()]
+            converted = _convert(converter, target, [(name, pattern, lambda: value)])
+            return [(to_hub(key), part) for key, part in converted.items()]
         return None
 
     return HubNames(to_model=to_model, to_hub=to_hub, fusions=fusions, split=split)
@@ -114,10 +113,8 @@ def _fusions(keys: Iterable[str], converters: list) -> dict[str, Fusion]:
 
     def builder(target: str, converter, parts: list[tuple[str, str]]):
         def build(load: Callable[[str], torch.Tensor]) -> torch.Tensor:
-            fresh = copy.deepcopy(converter)       # its collected tensors are this call's
-            for key, pattern in parts:
-                fresh.add_tensor(target, key, pattern, lambda key=key: load(key))
-            out = fresh.convert(target)
+            out = _convert(converter, target, [(key, pattern, lambda key=key: load(key))
+                                               for key, pattern in parts])
             if target not in out:
                 raise ValueError(f"transformers' conversion of {len(parts)} tensor(s) into "
                                  f"{target} gave {sorted(out)}: not the tensor the model has")
@@ -127,6 +124,16 @@ def _fusions(keys: Iterable[str], converters: list) -> dict[str, Fusion]:
     return {target: Fusion(target, tuple(k for k, _ in parts), builder(target, conv, parts))
             for target, (conv, parts) in grouped.items()}
 
+
+def _convert(converter, target: str,
+             sources: list[tuple[str, str, Callable[[], torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """transformers' ``converter`` run on ``sources`` ((key, the pattern it matched, its
+    values)) into ``target``, as its loader and saver run it: the tensors it makes, by name.
+    A copy of the converter collects them, so the mapping's own stays empty."""
+    fresh = copy.deepcopy(converter)
+    for key, pattern, values in sources:
+        fresh.add_tensor(target, key, pattern, values)
+    return fresh.convert(target)
 
 
 def hub_names_of_config(config_text: str) -> HubNames | None:

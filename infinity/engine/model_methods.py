@@ -59,7 +59,7 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
               "state_dict": state_dict}
     if _is_transformers_model(model):
         routed["save_pretrained"] = _routed_save_pretrained(model, engine)
-    elif _is_peft_model(model):
+    elif is_peft_model(model):
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
     for name, function in routed.items():
         setattr(model, name, _bound(model, engine, name, function))
@@ -112,7 +112,8 @@ def _routed_save_pretrained(model: nn.Module, engine: "Engine"):
     return save_pretrained
 
 
-def _is_peft_model(model: nn.Module) -> bool:
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT ``PeftModel`` (peft is imported where such a model exists)."""
     peft = sys.modules.get("peft")
     base = getattr(peft, "PeftModel", None) if peft is not None else None
     return base is not None and isinstance(model, base)

@@ -21,7 +21,6 @@ precision, never whether the weights are written.
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -37,12 +36,9 @@ from infinity.checkpoint.pretrained_write import (
     save_pretrained as write_pretrained,
 )
 from infinity.engine.hf_conversions import hub_names
+from infinity.engine.model_methods import is_peft_model
 from infinity.zero.init import Init
-from infinity.zero.materialize import (
-    FINAL_VALUE_ATTR,
-    copied_from,
-    values_kept_through_meta_moves,
-)
+from infinity.zero.materialize import copied_from, valueless, values_kept_through_meta_moves
 
 if TYPE_CHECKING:
     from infinity.engine.engine import Engine
@@ -150,8 +146,7 @@ def _prepared(model: nn.Module, prepare: Callable[[nn.Module], nn.Module],
         raise TypeError(f"prepare_model returned {type(prepared).__name__}, not the nn.Module "
                         "to train")
     lost = [name for name, p in prepared.named_parameters()
-            if p.device.type == "meta" and id(copied_from(p)) not in before
-            and getattr(copied_from(p), FINAL_VALUE_ATTR, None) is None]
+            if id(copied_from(p)) not in before and valueless(p)]
     if lost:
         # made on the meta device from the loaded layers' weights, which are not read yet: a
         # DoRA magnitude (the norm of the base weight) would come out as a random init
@@ -330,13 +325,6 @@ def save_pretrained(engine: "Engine", save_directory: str | Path,
                             tie_targets=tie_targets(engine.module), what=what,
                             hub_name=conversions.to_hub if conversions else None,
                             hub_split=conversions.split if conversions else None)
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    """A PEFT ``PeftModel`` (peft is imported where such a model exists)."""
-    peft = sys.modules.get("peft")
-    base = getattr(peft, "PeftModel", None) if peft is not None else None
-    return base is not None and isinstance(model, base)
 
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")

@@ -55,6 +55,7 @@ import transformers
 from accelerate.optimizer import AcceleratedOptimizer
 
 from infinity.base.log import get_logger
+from infinity.engine.model_methods import is_peft_model
 from infinity.integrations.hf_config import fill_from_training_args, read_ds_config
 
 log = get_logger("integrations")
@@ -361,10 +362,7 @@ class Trainer(transformers.Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _is_peft_model(self.model):
-            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
-        else:
-            self.engine.save_pretrained(output_dir)
+        self.engine.save_pretrained(output_dir)       # a PEFT model's: its adapter
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -377,7 +375,7 @@ class Trainer(transformers.Trainer):
         """The engine's checkpoint (model, Adam states, schedule, counters) in the Trainer's
         checkpoint directory; a PEFT model's frozen base is left out (it does not change)."""
         self.engine.save_checkpoint(output_dir,
-                                    exclude_frozen_parameters=_is_peft_model(self.model))
+                                    exclude_frozen_parameters=is_peft_model(self.model))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -407,11 +405,3 @@ class Trainer(transformers.Trainer):
         """Close the engine (its swap files are removed); the model is released with it."""
         if self.engine is not None:
             self.engine.close()
-
-
-def _is_peft_model(model: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)

@@ -86,6 +86,14 @@ def copied_from(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
+def valueless(param: nn.Parameter) -> bool:
+    """A meta parameter that nothing gives a value to (neither it nor what it copies kept
+    one): materialised, the model's own init would draw it."""
+    source = copied_from(param)
+    return param.device.type == "meta" and getattr(source, FINAL_VALUE_ATTR, None) is None \
+        and getattr(source, VALUE_ATTR, None) is None
+
+
 def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
                        device: torch.device, full_shapes: Mapping[int, torch.Size] | None = None,
                        provided: Callable[[str], bool] | None = None,
