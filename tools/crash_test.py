@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import IO, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
@@ -51,19 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     # stop cleanly (the loop mount is undone) on SIGTERM and on Ctrl-C, also when started with &
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    out = args.out or (Path("/var/tmp/infinity-crash")
-                       / f"crash-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _results_path(args.out, "crash")
     started = time.monotonic()
     with open(out, "w") as f, crash_harness.workspace(args.base, mount=not args.no_mount) as ws:
-        def record(rec: dict) -> None:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-
-        def say(line: str) -> None:
-            print(line, flush=True)
-            record({"say": line})
-
+        record, say = _reporters(f)
         run = crash_harness.CrashRun(ws, args.seed, say=say)
         summary = run.run(args.points, crash_harness.CI_SCHEDULE if args.ci else None, record)
         minutes = (time.monotonic() - started) / 60
@@ -81,26 +73,37 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if summary["failures"] else 0
 
 
+def _results_path(given: Path | None, kind: str) -> Path:
+    """``--out``, or a time-stamped file of ``kind`` under /var/tmp/infinity-crash."""
+    out = given or (Path("/var/tmp/infinity-crash")
+                    / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _reporters(f: IO[str]) -> tuple[Callable[[dict], None], Callable[[str], None]]:
+    """``record(rec)``: one JSON line into ``f``; ``say(line)``: printed and recorded."""
+    def record(rec: dict) -> None:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        record({"say": line})
+    return record, say
+
+
 def _exports(args: argparse.Namespace) -> int:
     import tempfile
 
     import weights_crash
 
-    out = args.out or (Path("/var/tmp/infinity-crash")
-                       / f"exports-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _results_path(args.out, "exports")
     started = time.monotonic()
     base = args.base or os.environ.get("INFINITY_TEST_DISK", "/var/tmp")
     with open(out, "w") as f, tempfile.TemporaryDirectory(prefix="infinity-exports-",
                                                           dir=base) as work:
-        def record(rec: dict) -> None:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-
-        def say(line: str) -> None:
-            print(line, flush=True)
-            record({"say": line})
-
+        record, say = _reporters(f)
         summary = weights_crash.run_kills(Path(work), args.exports, args.seed, say, record)
         say(f"\n{'kind and mode':<24} {'tried':>6} {'killed':>7} {'old':>5} {'new':>5} "
             f"{'failed':>7}")

@@ -49,3 +49,10 @@ def logged(trainer_or_history, key: str, after: int = 0) -> list[float]:
     history = getattr(getattr(trainer_or_history, "state", None), "log_history",
                       trainer_or_history)
     return [h[key] for h in history if key in h and "loss" in h and h["step"] > after]
+
+
+def close_rel(ours: list[float], theirs: list[float], rel: float) -> None:
+    """Each of ``ours`` within ``rel`` (relative) of the same entry of ``theirs``, as many."""
+    assert len(ours) == len(theirs) and ours, (ours, theirs)
+    for a, b in zip(ours, theirs):
+        assert abs(a - b) <= rel * abs(b), (ours, theirs)

@@ -32,7 +32,7 @@ import warnings
 import pytest
 import torch
 
-from hf_common import hf_args, hf_data, hf_ds, logged
+from hf_common import close_rel, hf_args, hf_data, hf_ds, logged
 from parity import make_model
 
 transformers = pytest.importorskip("transformers")
@@ -77,8 +77,8 @@ def test_a_lora_adapter_trains_offloaded_saves_and_reloads(disk_dir, tmp_path) -
         assert len(in_optimizer) == len(adapter_before) == 18
         trainable = {e.name: e.numel for u in engine.units for e in u.params if e.trainable}
         assert trainable == {n: p.numel() for n, p in adapter_before.items()}
-        _close(logged(trainer, "loss"), logged(plain, "loss"), REL)
-        _close(logged(trainer, "grad_norm"), logged(plain, "grad_norm"), REL)
+        close_rel(logged(trainer, "loss"), logged(plain, "loss"), REL)
+        close_rel(logged(trainer, "grad_norm"), logged(plain, "grad_norm"), REL)
         losses = logged(trainer, "loss")
         assert sum(losses[-4:]) < sum(losses[:4]) - 0.05, str(losses)
 
@@ -101,7 +101,3 @@ def test_a_lora_adapter_trains_offloaded_saves_and_reloads(disk_dir, tmp_path) -
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
 
 
-def _close(ours: list[float], theirs: list[float], rel: float) -> None:
-    assert len(ours) == len(theirs) and ours, (ours, theirs)
-    for a, b in zip(ours, theirs):
-        assert abs(a - b) <= rel * abs(b), (ours, theirs)

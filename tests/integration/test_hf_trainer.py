@@ -12,17 +12,12 @@ import warnings
 import pytest
 import torch
 
-from hf_common import STEPS, hf_args, hf_data, hf_ds, logged
+from hf_common import STEPS, close_rel, hf_args, hf_data, hf_ds, logged
 from parity import make_model
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 hf = pytest.importorskip("infinity.integrations.hf")
-
-def _close(ours: list[float], theirs: list[float], rel: float) -> None:
-    assert len(ours) == len(theirs) and ours, (ours, theirs)
-    for a, b in zip(ours, theirs):
-        assert abs(a - b) <= rel * abs(b), (ours, theirs)
 
 
 def test_the_trainer_trains_logs_saves_and_resumes_as_the_plain_trainer(disk_dir, tmp_path) -> None:
@@ -47,13 +42,13 @@ def test_the_trainer_trains_logs_saves_and_resumes_as_the_plain_trainer(disk_dir
         assert engine.gradient_clipping() == 1.0            # "auto" <- max_grad_norm
         # the Trainer's weight-decay groups, taken over: none on biases and norms
         assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.1, 0.0]
-        _close(logged(trainer, "loss"), logged(plain, "loss"), 1e-5)
-        _close(logged(trainer, "grad_norm"), logged(plain, "grad_norm"), 1e-5)
+        close_rel(logged(trainer, "loss"), logged(plain, "loss"), 1e-5)
+        close_rel(logged(trainer, "grad_norm"), logged(plain, "grad_norm"), 1e-5)
         assert logged(trainer, "learning_rate") == pytest.approx(logged(plain, "learning_rate"),
                                                                   rel=1e-12)
         evals_ours = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
         evals_plain = [h["eval_loss"] for h in plain.state.log_history if "eval_loss" in h]
-        _close(evals_ours, evals_plain, 1e-5)
+        close_rel(evals_ours, evals_plain, 1e-5)
 
         # save_model: a directory transformers loads, holding the engine's current weights
         trainer.save_model(tmp_path / "saved")
@@ -75,8 +70,8 @@ def test_the_trainer_trains_logs_saves_and_resumes_as_the_plain_trainer(disk_dir
     try:
         resumed.train(resume_from_checkpoint=str(checkpoint))
         assert resumed.engine.global_steps == STEPS
-        _close(logged(resumed, "loss", after=10), logged(trainer, "loss", after=10), 1e-5)
-        _close(logged(resumed, "grad_norm", after=10), logged(trainer, "grad_norm", after=10),
+        close_rel(logged(resumed, "loss", after=10), logged(trainer, "loss", after=10), 1e-5)
+        close_rel(logged(resumed, "grad_norm", after=10), logged(trainer, "grad_norm", after=10),
                1e-5)
     finally:
         resumed.close()
@@ -138,8 +133,8 @@ def test_an_engine_from_pretrained_trains_under_the_trainer(disk_dir, tmp_path) 
                          args=hf.TrainingArguments(tmp_path / "run", **args))
     try:
         trainer.train()
-        _close(logged(trainer, "loss"), logged(plain, "loss"), 1e-5)
-        _close(logged(trainer, "grad_norm"), logged(plain, "grad_norm"), 1e-5)
+        close_rel(logged(trainer, "loss"), logged(plain, "loss"), 1e-5)
+        close_rel(logged(trainer, "grad_norm"), logged(plain, "grad_norm"), 1e-5)
         assert logged(trainer, "learning_rate") == pytest.approx(logged(plain, "learning_rate"))
     finally:
         trainer.close()

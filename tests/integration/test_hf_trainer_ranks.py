@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_common import hf_args, hf_data, logged
+from hf_common import close_rel, hf_args, hf_data, logged
 from parity import make_model
 from ranks import check_ranks, launch
 
@@ -22,12 +22,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 pytestmark = pytest.mark.distributed
-
-
-def _close(ours: list[float], theirs: list[float], rel: float) -> None:
-    assert len(ours) == len(theirs) and ours, (ours, theirs)
-    for a, b in zip(ours, theirs):
-        assert abs(a - b) <= rel * abs(b), (ours, theirs)
 
 
 def test_two_ranks_train_save_resume_and_end_short_epochs_as_the_plain_trainer(
@@ -38,7 +32,7 @@ def test_two_ranks_train_save_resume_and_end_short_epochs_as_the_plain_trainer(
     epochs = json.loads((tmp_path / "epochs.json").read_text())
     assert epochs["steps"] == [6, 6]
     for key in ("loss", "grad_norm"):
-        _close(logged(epochs["ours"], key), logged(epochs["plain"], key), 1e-5)
+        close_rel(logged(epochs["ours"], key), logged(epochs["plain"], key), 1e-5)
     assert logged(epochs["ours"], "learning_rate") == pytest.approx(
         logged(epochs["plain"], "learning_rate"), rel=1e-12)
     assert epochs["weights_max_diff"] <= 1e-6
@@ -53,14 +47,14 @@ def test_two_ranks_train_save_resume_and_end_short_epochs_as_the_plain_trainer(
                                           gradient_accumulation_steps=4, max_steps=12,
                                           eval_steps=6)))
     plain.train()
-    _close(logged(ranks2, "loss"), logged(plain, "loss"), 1e-5)
-    _close(logged(ranks2, "grad_norm"), logged(plain, "grad_norm"), 1e-5)
+    close_rel(logged(ranks2, "loss"), logged(plain, "loss"), 1e-5)
+    close_rel(logged(ranks2, "grad_norm"), logged(plain, "grad_norm"), 1e-5)
     assert logged(ranks2, "learning_rate") == pytest.approx(logged(plain, "learning_rate"),
                                                             rel=1e-12)
-    _close([h["eval_loss"] for h in ranks2 if "eval_loss" in h],
+    close_rel([h["eval_loss"] for h in ranks2 if "eval_loss" in h],
            [h["eval_loss"] for h in plain.state.log_history if "eval_loss" in h], 1e-5)
-    _close(logged(resumed, "loss", after=6), logged(ranks2, "loss", after=6), 1e-5)
-    _close(logged(resumed, "grad_norm", after=6), logged(ranks2, "grad_norm", after=6), 1e-5)
+    close_rel(logged(resumed, "loss", after=6), logged(ranks2, "loss", after=6), 1e-5)
+    close_rel(logged(resumed, "grad_norm", after=6), logged(ranks2, "grad_norm", after=6), 1e-5)
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
     x = torch.stack([d["input_ids"] for d in hf_data(8, seed=1)])

@@ -51,23 +51,15 @@ def test_a_fault_at_every_operation_leaves_the_earlier_save_or_the_new_one(saves
         assert outcomes[(kind, "old", True)] and outcomes[(kind, "new", True)], outcomes
 
 
-_KILLED_EXPORT = """
-import os, signal, sys
-sys.path.insert(0, sys.argv[1])
-from weights_crash import trap
-from infinity.checkpoint.pretrained_write import export_pretrained
-with trap(6, on_fire=lambda: os.kill(os.getpid(), signal.SIGKILL)):
-    export_pretrained(sys.argv[2], sys.argv[3], max_shard_size=int(sys.argv[4]))
-"""
-
-
 def test_infinity_clean_removes_what_a_killed_export_left(saves, tmp_path: Path) -> None:
     case = next(c for c in saves.cases() if c.kind == "export" and c.new_shards == 3)
     directory = tmp_path / "out"
     case.reset(directory)
     # a real kill -9 (in process the lock's owner, this pid, would still be running)
-    killed = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, str(Path(__file__).parent),
-                             str(saves.ckpt["B"]), str(directory), str(saves.sizes[3])],
+    # (weights_crash_child.py: an export SIGKILLed at its 6th file operation)
+    child = Path(__file__).with_name("weights_crash_child.py")
+    killed = subprocess.run([sys.executable, str(child), "export", str(saves.ckpt["B"]),
+                             str(directory), str(saves.sizes[3]), str(tmp_path / "swap"), "6"],
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert any(name.endswith(".partial") for name in hidden_files(directory))
