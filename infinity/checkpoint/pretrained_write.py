@@ -346,7 +346,8 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
 
     def fill(writer: ShardedWriter | None) -> None:
         if writer is not None and (splits or hub_name):
-            writer = _Splitting(writer, splits, hub_split, hub_name)   # type: ignore[assignment]
+            writer = _HubLayoutWriter(  # type: ignore[assignment]
+                writer, splits, hub_split, hub_name)
         _stream_units(state, layouts, names, dtype, writer)
         if writer is not None:
             for name, buf in buffers:      # in their own dtype, as state_dict has them
@@ -363,7 +364,7 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     return write()
 
 
-class _Splitting:
+class _HubLayoutWriter:
     """A writer that gathers each tensor of ``shapes`` (a name -> its shape) whole from its
     pieces, then appends the tensors ``split`` makes of it (transformers' Hub layout); every
     other tensor goes straight through, under ``rename(name)`` where given."""
@@ -393,10 +394,9 @@ class _Splitting:
 def hub_table(tensors: Table, hub_name: Callable[[str], str] | None,
               hub_split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]] | None]
               | None) -> tuple[Table, dict[str, tuple[int, ...]]]:
-    """``tensors`` (name, dtype, shape) as transformers saves them: each renamed by
-    ``hub_name``, or split into several (or none) by ``hub_split`` (shapes from the meta
-    device); and
-    the split ones' shapes by their own names (for ``_Splitting``)."""
+    """``tensors`` (name, dtype, shape) as transformers saves them, each renamed by
+    ``hub_name`` or split into several (or none) by ``hub_split`` (shapes from the meta
+    device); and the split ones' shapes, by their own names (for ``_HubLayoutWriter``)."""
     table: Table = []
     splits: dict[str, tuple[int, ...]] = {}
     for name, dtype, shape in tensors:
@@ -524,8 +524,8 @@ def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.d
         def fill(writer: ShardedWriter | None) -> None:
             assert writer is not None
             if conversions is not None:
-                writer = _Splitting(writer, splits, conversions.split,  # type: ignore[assignment]
-                                    conversions.to_hub)
+                writer = _HubLayoutWriter(  # type: ignore[assignment]
+                    writer, splits, conversions.split, conversions.to_hub)
             buf = torch.empty(EXPORT_PIECE_BYTES, dtype=torch.uint8)
             for name, keep, shape in stored:
                 info = reader.info(name)

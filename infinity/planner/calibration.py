@@ -41,7 +41,7 @@ from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.placement import Placement, place
 from infinity.planner.rank_memory import engine_units, speculation_applies
 from infinity.planner.shape import ModelShape, activation_bytes, flops_per_token
-from infinity.planner.sizes import derive_sizes
+from infinity.planner.sizes import DerivedSizes, derive_sizes
 from infinity.planner.step_time import OVERLAP_FACTOR, Link, nvme_traffic, reuse_bytes
 from infinity.planner.tiers import Tier
 
@@ -145,13 +145,15 @@ class RunPrediction:
 
 
 def run_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
-              speculative: bool | None = None) -> tuple[Placement, EngineSizes, bool]:
+              speculative: bool | None = None,
+              derived: DerivedSizes | None = None) -> tuple[Placement, EngineSizes, bool]:
     """Where the states live, the engine's sizes and whether it speculates, for ``cfg`` on a
     CPU-only ``hw`` (``infinity.engine.sizing``'s calls, with the direct fetch of a CPU
     device). ``speculative`` None: as the engine decides (the deferred schedule with parameters
-    and Adam states on NVMe, when the disk has room for the second copies)."""
+    and Adam states on NVMe, when the disk has room for the second copies). ``derived``: the
+    planner's sizes for them, where the caller has them already."""
     lay = place(cfg, stats, hw)
-    derived = derive_sizes(cfg, stats, hw)
+    derived = derived or derive_sizes(cfg, stats, hw)
     direct = lay.param_tier == Tier.NVME and not hw.has_gpu   # reads land in device memory
     units = engine_units(stats)
 

@@ -132,9 +132,9 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     """Bytes per tier of params, grads, optimizer states and buffers, with warnings."""
     # the gradients' home as the engine's sizes decide it (host memory unless the budget
     # cannot hold it), not where it might go: the plan shows the bytes the engine allocates
-    lay, engine, _ = run_sizes(cfg, stats, hw)
-    lay = lay.with_gradient_home(engine.grad_tier, engine.grad_home_itemsize)
     sz = derive_sizes(cfg, stats, hw)
+    lay, engine, _ = run_sizes(cfg, stats, hw, derived=sz)
+    lay = lay.with_gradient_home(engine.grad_tier, engine.grad_home_itemsize)
     items: list[PlanItem] = []
     names = {"params": "parameters", "grads": "gradients", "optimizer_states": "optimizer states"}
     for (comp, tier), nbytes in resident_bytes(lay).items():
