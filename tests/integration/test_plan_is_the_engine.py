@@ -9,7 +9,6 @@ no engine here to compare with (tests/unit/test_planner.py covers its rule's cho
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
