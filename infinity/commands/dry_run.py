@@ -33,15 +33,9 @@ from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, Si
 from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
 from infinity.engine.sizing import COMPUTE_DTYPES, gradient_home_dtype
-from infinity.planner.engine_sizes import (
-    ACTIVATION_STAGING_BYTES,
-    GRADS_HELD,
-    EngineSizes,
-    gradient_pool_needed,
-    step_slot_count,
-    stepped_sub_group,
-)
+from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES, EngineSizes
 from infinity.planner.placement import Placement
+from infinity.planner.run_plan import PoolPlan, RunPlan, plan_run
 from infinity.planner.shape import ModelShape
 from infinity.storage.tiers import Residency, Tier
 from infinity.zero.coordinator import Coordinator
@@ -67,16 +61,31 @@ class DryRunRates:
 
 @dataclass(frozen=True, kw_only=True)
 class DryRunSetup:
-    """What the plan decided: the config with its sizes, where the states live, the engine's
-    sizes, the schedule."""
+    """What the plan decided (the run plan the engine would build from), and the units."""
 
-    config: InfinityConfig
-    placement: Placement
-    sizes: EngineSizes
-    speculative: bool
-    device_is_cpu: bool
-    """The device is the CPU (direct fetch, the device cache, held gradients)."""
+    plan: RunPlan
     unit_modules: tuple[str, ...] | None = None
+
+    @property
+    def config(self) -> InfinityConfig:
+        return self.plan.config
+
+    @property
+    def placement(self) -> Placement:
+        return self.plan.placement
+
+    @property
+    def sizes(self) -> EngineSizes:
+        return self.plan.sizes
+
+    @property
+    def speculative(self) -> bool:
+        return self.plan.speculative
+
+    @property
+    def device_is_cpu(self) -> bool:
+        """The device is the CPU (direct fetch, the device cache, held gradients)."""
+        return self.plan.device_is_cpu
 
 
 @dataclass
@@ -180,9 +189,9 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
                          read_Bps=rates.nvme_read_GBps * 1e9, write_Bps=rates.nvme_write_GBps * 1e9,
                          device_is_cpu=setup.device_is_cpu)
     comm = SimCollectives(world, clock, rates.net_GBps * 1e9)
-    direct = lay.param_tier is Tier.NVME and setup.device_is_cpu
-    fetch_pool = SimPool(manager, es.fetch_slot_bytes, es.fetch_slots, "fetch") \
-        if lay.param_tier is Tier.NVME and not direct else None
+    plan = setup.plan
+    direct = plan.direct_fetch
+    fetch_pool = _pool(manager, plan.fetch_pool)
 
     specs = partition(model, list(setup.unit_modules or cfg.infinity.unit_modules or []) or None)
     threshold = es.persistence_threshold if lay.stage == 3 else None
@@ -204,11 +213,13 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
         units, manager, early=lay.early_step, speculative=setup.speculative,
         opt_tier=lay.opt_tier, grad_tier=es.grad_tier, master_separate=not lay.single_copy,
         adam_params_per_s=rates.adam_params_per_s, comm=comm,
-        grads_held=(lay.early_step or setup.speculative) and setup.device_is_cpu and world == 1,
+        grads_held=plan.optimizer.holds_grads,
         backward_s=lambda u: 2 * flops.get(u.index, 0.0) / rates.compute_flops_per_s,
         instant=instant, grad_dtype=gradient_home_dtype(es, dtype))
     _init_masters(units, manager, fetch_pool, lay)
-    _optimizer_pools(units, manager, lay, es, setup, world)
+    # the optimizer's pools, in PartitionedOptimizer's order
+    for pool in (plan.optimizer.gradient, plan.optimizer.step):
+        _pool(manager, pool)
     if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)
         manager.host_budget.reserve(ACTIVATION_STAGING_BYTES, "activation staging")
 
@@ -288,27 +299,9 @@ def _init_masters(units: list[Unit], manager: SimManager, pool, lay: Placement) 
             unit.release(manager)
 
 
-def _optimizer_pools(units: list[Unit], manager: SimManager, lay: Placement, es: EngineSizes,
-                     setup: DryRunSetup, world: int) -> None:
-    """The gradient buffers and step-stream slots ``PartitionedOptimizer`` allocates."""
-    trainable = [u for u in units if u.has_trainable]
-    if not trainable:
-        return
-    shard_states = lay.stage >= 1
-    holds = (lay.early_step or setup.speculative) and setup.device_is_cpu and world == 1
-    grad_tier = es.grad_tier if not lay.early_step else Tier.HOST
-    max_collect = max(u.flat_numel if shard_states else u.trainable_numel for u in trainable)
-    if gradient_pool_needed(lay.early_step, holds, es.grad_tier, world > 1):
-        SimPool(manager, max_collect * 4, GRADS_HELD, "gradient")
-    ranges = [u.shard_numel if shard_states and u.shards > 1 else u.trainable_numel
-              for u in trainable]
-    any_nvme = lay.opt_tier is Tier.NVME or grad_tier is Tier.NVME or any(
-        u.param_store is not None and not u.param_store.resident for u in trainable)
-    if any_nvme:
-        sub = stepped_sub_group(es.sub_group_numel, max(ranges))
-        count = step_slot_count(lay.opt_tier, lay.param_tier if lay.stage == 3 else Tier.DEVICE,
-                                grad_tier, not lay.single_copy, lay.early_step)
-        SimPool(manager, sub * 4, count, "optimizer")
+def _pool(manager: SimManager, plan: PoolPlan | None) -> SimPool | None:
+    """The pool ``plan`` describes, its slots reserved in the simulated host budget."""
+    return SimPool(manager, plan.slot_bytes, plan.count, plan.name) if plan is not None else None
 
 
 def _compute_hooks(model: nn.Module, specs, flops: dict[int, float], clock: SimClock,
@@ -359,8 +352,7 @@ def target_setup(memory, target, workload) -> tuple[DryRunSetup, DryRunRates]:
     from infinity.planner.step_time import CPU_ADAM_PARAMS_PER_CORE, LINK_EFFICIENCY
 
     ranks = target.gpus_per_node
-    setup = DryRunSetup(config=memory.config, placement=memory.placement, sizes=memory.engine,
-                        speculative=memory.speculative, device_is_cpu=False,
+    setup = DryRunSetup(plan=memory.plan,
                         unit_modules=("Linear",) if memory.units_split else None)
     rates = DryRunRates(
         compute_flops_per_s=target.gpu.peak_tflops * 1e12 * target.mfu,
@@ -372,15 +364,13 @@ def target_setup(memory, target, workload) -> tuple[DryRunSetup, DryRunRates]:
 
 def local_setup(cfg: InfinityConfig, stats, hw) -> tuple[DryRunSetup, DryRunRates]:
     """The dry run of a config on this (CPU-only) machine, at assumed rates."""
-    from infinity.planner.calibration import CPU_COMPUTE_EFFICIENCY, run_sizes
+    from infinity.planner.calibration import CPU_COMPUTE_EFFICIENCY
     from infinity.planner.step_time import CPU_ADAM_PARAMS_PER_CORE
 
     if hw.has_gpu:
         raise ValueError("--dry-run for this machine simulates a CPU-only one; on a GPU machine "
                          "describe it with the target flags (--gpus, --gpu, ...)")
-    lay, sizes, speculative = run_sizes(cfg, stats, hw)
-    setup = DryRunSetup(config=cfg, placement=lay, sizes=sizes, speculative=speculative,
-                        device_is_cpu=True)
+    setup = DryRunSetup(plan=plan_run(cfg, hw, stats=stats))
     rates = DryRunRates(compute_flops_per_s=LOCAL_COMPUTE_FLOPS * CPU_COMPUTE_EFFICIENCY,
                         nvme_read_GBps=LOCAL_NVME_GBPS, nvme_write_GBps=LOCAL_NVME_GBPS,
                         adam_params_per_s=CPU_ADAM_PARAMS_PER_CORE * hw.cpu_cores)

@@ -18,7 +18,6 @@ from torch import nn
 from infinity.base.interrupts import deferred_interrupts
 from infinity.base.log import get_logger
 from infinity.base.malloc_tuning import set_mmap_threshold, trim
-from infinity.base.sizes import format_bytes
 from infinity.comm.group import RankInfo
 from infinity.config import InfinityConfig
 from infinity.engine.checkpointing import CheckpointCalls
@@ -43,11 +42,8 @@ from infinity.engine.passes import PassHooks, cast_floating, cast_inputs
 from infinity.engine.sizing import (
     COMPUTE_DTYPES,
     EngineSizes,
-    derive,
-    disk_has_room,
+    engine_plan,
     gradient_home_dtype,
-    resolve_sizes,
-    speculation_possible,
     warn_second_nvme_path,
 )
 from infinity.engine.step_stats import step_stats
@@ -59,9 +55,8 @@ from infinity.engine.wiring import (
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.partitioned import PartitionedOptimizer
 from infinity.optim.schedules import build_scheduler, check_user_scheduler
-from infinity.planner.placement import state_tiers
+from infinity.planner.run_plan import RunPlan
 from infinity.storage.buffer_pool import BufferPool
-from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier
 from infinity.zero.coordinator import Coordinator
@@ -105,44 +100,28 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         # every rank must build the same engine: a config or model that differs is named
         check_same_on_every_rank(self.comm, self.config, model)
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
-        derived = derive(self.config, specs, self.comm)
-        self.compute_dtype = COMPUTE_DTYPES[derived.compute_dtype]
-        self.stage = stage = self.config.zero.stage
-        self.micro_steps = 0
-        self.global_steps = 0
-        self._boundary_set: bool | None = None      # set_gradient_accumulation_boundary
-        param_tier, optimizer_tier, single_copy = state_tiers(
-            self.config, derived.compute_dtype, cpu_device=self.device.type == "cpu")
-        self.master_separate = not single_copy
-        self.param_tier, self.optimizer_tier = param_tier, optimizer_tier
-
         # the config's optimizer, or the one passed, taken over (engine/client_optimizer.py)
         groups, self.optimizer_defaults = optimizer_groups(model, model_parameters, self.config,
                                                            optimizer)
         self._client_optimizer = optimizer
-        self.early_step = derived.early_step
-        # on a CPU device, parameters are read from NVMe straight into device memory
-        self.direct_fetch = param_tier is Tier.NVME and DeviceMemoryCache.supported(self.device)
+        # every decision and size, made once (planner/run_plan.py); the parts read it
+        self.plan: RunPlan = engine_plan(self.config, specs, groups, self.device, self.comm)
+        plan = self.plan
+        self.compute_dtype = COMPUTE_DTYPES[plan.compute_dtype]
+        self.stage = stage = self.config.zero.stage
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._boundary_set: bool | None = None      # set_gradient_accumulation_boundary
+        self.param_tier, self.optimizer_tier = param_tier, optimizer_tier = \
+            plan.param_tier, plan.optimizer_tier
+        self.master_separate = plan.master_separate
+        self.early_step = plan.early_step
+        self.direct_fetch = plan.direct_fetch      # a CPU device reads NVMe into its memory
+        self.speculative = plan.speculative
+        self.sizes: EngineSizes = plan.sizes
         nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
             or self.config.zero.offload_optimizer.nvme_path
         warn_second_nvme_path(self.config, nvme_path, param_tier, optimizer_tier)
-        # several ranks never speculate (see PartitionedOptimizer)
-        self.speculative = speculation_possible(self.config, stage, param_tier, optimizer_tier,
-                                                self.early_step) and not self.comm.active
-
-        def sizes() -> EngineSizes:
-            return resolve_sizes(self.config, specs, derived, self.compute_dtype, param_tier,
-                                 optimizer_tier, self.master_separate, self.early_step,
-                                 direct_fetch=self.direct_fetch, speculative=self.speculative,
-                                 device=self.device)
-
-        self.sizes: EngineSizes = sizes()
-        if self.speculative and self.config.infinity.speculative_step == "auto" and \
-                not disk_has_room(nvme_path, self.sizes.nvme_bytes):
-            log.info("speculative step off: %s on %s has no room for second copies of the "
-                     "NVMe states", format_bytes(self.sizes.nvme_bytes), nvme_path)
-            self.speculative = False
-            self.sizes = sizes()
         # the monitors first: a section enabled without its library stops before any file
         self.report = StepReport(self.config, self.ranks.rank)
         self.manager = tier_manager(self.config, self.device, self.sizes, nvme_path,
@@ -170,10 +149,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
 
     # -- construction ----------------------------------------------------------------------
     def _build(self, model: nn.Module, specs, groups: list[dict], lr_scheduler: Any) -> None:
-        nvme_params = self.param_tier is Tier.NVME
-        self.fetch_pool = BufferPool(self.manager, self.sizes.fetch_slot_bytes,
-                                     self.sizes.fetch_slots, "fetch") \
-            if nvme_params and not self.direct_fetch else None
+        fetch = self.plan.fetch_pool
+        self.fetch_pool = BufferPool(self.manager, fetch.slot_bytes, fetch.count, fetch.name) \
+            if fetch is not None else None
         self.units, replacements = build_units(
             model, specs, groups, self.device, self.compute_dtype, self.manager,
             self.param_tier, staging=self.fetch_pool,
@@ -189,7 +167,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             adamw_mode=self.optimizer_defaults["adamw_mode"],
             defaults=self.optimizer_defaults,
             speculation=self.config.infinity.speculative_step if self.speculative else "off",
-            comm=self.comm, shard_states=self.stage >= 1, values=self._weights)
+            comm=self.comm, shard_states=self.stage >= 1, values=self._weights,
+            pools=self.plan.optimizer)
         self._weights = None     # read: its files are the caller's to close
         self.optimizer.clip_norm = self.config.gradient_clipping
         self.coordinator = Coordinator(

@@ -19,17 +19,16 @@ from infinity.base.native_info import record_in_use
 from infinity.base.sizes import format_bytes
 from infinity.comm.collectives import Collectives
 from infinity.config import InfinityConfig
-from infinity.planner.engine_sizes import EngineSizes, engine_sizes
+from infinity.planner.engine_sizes import EngineSizes
 from infinity.planner.inputs import ModelStats, detect_hardware
-from infinity.planner.placement import compute_dtype_choice
 from infinity.planner.plan import budget_need, host_budget_shortfall
-from infinity.planner.sizes import DerivedSizes, derive_sizes, host_allowed
-from infinity.storage.preflight import free_bytes
+from infinity.planner.run_plan import RunPlan, UnitParams, plan_run, speculation_blockers
+from infinity.planner.sizes import host_allowed
 from infinity.storage.tiers import Tier
 from infinity.zero.partition import UnitSpec
 
-__all__ = ["COMPUTE_DTYPES", "EngineSizes", "derive", "gradient_home_dtype", "resolve_sizes",
-           "speculation_possible", "disk_has_room", "host_budget_note", "warn_second_nvme_path"]
+__all__ = ["COMPUTE_DTYPES", "EngineSizes", "engine_plan", "gradient_home_dtype", "unit_params",
+           "param_group_of", "host_budget_note", "warn_second_nvme_path"]
 
 log = get_logger("engine")
 
@@ -43,6 +42,29 @@ def _stats(specs: list[UnitSpec]) -> ModelStats:
                       largest_param=max(numels, default=0), param_numels=tuple(numels))
 
 
+def unit_params(specs: list[UnitSpec], groups: list[dict]) -> list[UnitParams]:
+    """Each unit's parameters as the run plan takes them, in the flat order ``Unit`` lays them
+    out (trainable ones first, by param group; see ``param_group_of``), so the plan's pools are
+    the units' own sizes."""
+    group_of = param_group_of(groups)
+    out = []
+    for spec in specs:
+        pairs = [(group_of.get(p, -1) if p.requires_grad and p.numel() else -1, p.numel())
+                 for _, p in spec.params]
+        pairs.sort(key=lambda pair: (pair[0] < 0, pair[0]))     # stable, as Unit sorts
+        out.append(UnitParams(tuple((numel, group >= 0) for group, numel in pairs), ordered=True))
+    return out
+
+
+def param_group_of(groups: list[dict]) -> dict:
+    """{parameter: the index of its optimizer param group}."""
+    group_of = {}
+    for index, group in enumerate(groups):
+        for p in group["params"]:
+            group_of[p] = index
+    return group_of
+
+
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -53,11 +75,13 @@ def gradient_home_dtype(sizes: EngineSizes, compute_dtype: torch.dtype) -> torch
     return compute_dtype if sizes.grad_home_itemsize < 4 else torch.float32
 
 
-def derive(cfg: InfinityConfig, specs: list[UnitSpec],
-           comm: Collectives | None = None) -> DerivedSizes:
-    """The planner's sizes (and compute dtype, early-step choice) for these units here. The
-    compute dtype and why it was chosen are logged and recorded for ``native_info()``; with
-    several ranks, "auto" picks bf16 on CPUs only where every rank's CPU has it natively."""
+def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
+                device: torch.device, comm: Collectives | None = None) -> RunPlan:
+    """The run plan (``infinity.planner.run_plan``) for these units on this machine and
+    ``device``: the one place the engine's decisions and sizes come from. The compute dtype
+    and why it was chosen are logged and recorded for ``native_info()``; with several ranks,
+    "auto" picks bf16 on CPUs only where every rank's CPU has it natively. A host budget
+    clearly too small is refused here, before anything is allocated."""
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     hw = detect_hardware(nvme_path)
     if comm is not None and comm.active and cfg.infinity.compute_dtype == "auto":
@@ -68,11 +92,16 @@ def derive(cfg: InfinityConfig, specs: list[UnitSpec],
         if hw.cpu_bf16 and without:
             hw = dataclasses.replace(hw, cpu_bf16=False, cpu_bf16_reason=(
                 f"rank(s) {', '.join(map(str, without))} have no native bf16"))
-    _refuse_a_host_budget_too_small(cfg, _stats(specs), hw)
-    dtype, why = compute_dtype_choice(cfg, hw)
-    record_in_use("compute_dtype", f"{dtype} ({why})")
-    log.info("compute dtype %s: %s", dtype, why)
-    derived = derive_sizes(cfg, _stats(specs), hw)
+    stats = _stats(specs)
+    _refuse_a_host_budget_too_small(cfg, stats, hw)
+    plan = plan_run(cfg, hw, stats=stats, units=unit_params(specs, groups),
+                    device_is_cpu=device.type == "cpu",
+                    rank=comm.rank if comm is not None and comm.active else 0)
+    record_in_use("compute_dtype", f"{plan.compute_dtype} ({plan.compute_dtype_reason})")
+    log.info("compute dtype %s: %s", plan.compute_dtype, plan.compute_dtype_reason)
+    if cfg.infinity.speculative_step == "auto" and not plan.speculative and \
+            cfg.world_size == 1 and not speculation_blockers(cfg, plan.placement):
+        log.info("speculative step off: %s", plan.speculative_reason)
     resident = resident_bytes()
     if resident is not None:
         # [Note: the host budget and activations] in engine/activation_policy.py
@@ -80,7 +109,7 @@ def derive(cfg: InfinityConfig, specs: list[UnitSpec],
                  "outside it, the %s this process already holds (the interpreter, torch and "
                  "its libraries, the model as built) and autograd's temporaries",
                  format_bytes(host_allowed(cfg, hw)), format_bytes(resident))
-    return derived
+    return plan
 
 
 ENGINE_REFUSES_BELOW = 1 / 8
@@ -118,53 +147,6 @@ def resident_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def speculation_possible(cfg: InfinityConfig, stage: int, param_tier: Tier,
-                         optimizer_tier: Tier, early_step: bool) -> bool:
-    """Whether the speculative step applies (see [Note: speculative step] in
-    optim/speculation.py): the deferred schedule, with parameters and Adam states on NVMe,
-    where second copies cost disk space only. Raises when it is asked for ("on") elsewhere."""
-    mode = cfg.infinity.speculative_step
-    if mode == "off":
-        return False
-    blockers = []
-    if early_step:
-        blockers.append("the early step is in use (it needs no speculation)")
-    if stage != 3:
-        blockers.append(f"zero_optimization.stage is {stage} (stage 3 only)")
-    if param_tier is not Tier.NVME or optimizer_tier is not Tier.NVME:
-        blockers.append(f"parameters live on {param_tier.name} and Adam states on "
-                        f"{optimizer_tier.name} (both must be on NVMe)")
-    if blockers and mode == "on":
-        raise ValueError("infinity.speculative_step = 'on' cannot be used: " + "; ".join(blockers)
-                         + ". Set it to 'auto' or 'off'")
-    return not blockers
-
-
-def disk_has_room(nvme_path: str | None, nvme_bytes: int, margin: float = 1.05) -> bool:
-    """Whether ``nvme_path``'s filesystem has ``nvme_bytes`` (and 5% more) free."""
-    if nvme_path is None:
-        return False
-    try:
-        return free_bytes(nvme_path) >= margin * nvme_bytes
-    except OSError:
-        return True    # the swap-path preflight reports a missing or unreadable path clearly
-
-
-def resolve_sizes(cfg: InfinityConfig, specs: list[UnitSpec], derived: DerivedSizes,
-                  compute_dtype: torch.dtype, param_tier: Tier, optimizer_tier: Tier,
-                  master_separate: bool, early_step: bool,
-                  direct_fetch: bool = False, speculative: bool = False,
-                  device: torch.device | None = None) -> EngineSizes:
-    """The planner's ``engine_sizes`` for these units (their parameters' counts) in the compute
-    dtype (see ``infinity.planner.engine_sizes``) on ``device`` (a GPU's activations are not
-    in the host budget)."""
-    units = [[(p.numel(), p.requires_grad) for _, p in spec.params] for spec in specs]
-    return engine_sizes(cfg, units, derived, compute_dtype.itemsize, param_tier, optimizer_tier,
-                        master_separate, early_step, direct_fetch=direct_fetch,
-                        speculative=speculative,
-                        host_activations=device is None or device.type == "cpu")
 
 
 def host_budget_note(cfg: InfinityConfig, device: torch.device, sizes: EngineSizes) -> str:

@@ -57,13 +57,7 @@ from infinity.optim.records import (
 )
 from infinity.optim.speculation import Speculator
 from infinity.optim.step_stream import StepStream
-from infinity.planner.engine_sizes import (
-    GRADS_HELD,
-    gradient_pool_needed,
-    held_room_bytes,
-    step_slot_count,
-    stepped_sub_group,
-)
+from infinity.planner.run_plan import OptimizerPools, PoolPlan, optimizer_pools
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
@@ -90,6 +84,28 @@ def _state_range(unit: Unit, sharded: bool) -> tuple[int, int]:
     return lo, min(unit.shard_start + unit.shard_numel, n)
 
 
+def _plan_pools(units: list[Unit], manager: TierManager, *, sub_group_numel: int,
+                optimizer_tier: Tier,
+                grad_tier: Tier, early_step: bool, master_separate: bool, speculative: bool,
+                comm: Collectives, shard_states: bool) -> OptimizerPools:
+    """The pools of an optimizer built without a run plan (tests, tools), planned from its
+    units by the run plan's own rule."""
+    stores = [u.param_store for u in units if u.has_trainable and u.param_store is not None]
+    return optimizer_pools(
+        [(u.flat_numel, u.trainable_numel) for u in units], world_size=comm.world_size,
+        rank=comm.rank if comm.active else 0, shard_states=shard_states,
+        sub_group_numel=sub_group_numel, optimizer_tier=optimizer_tier,
+        param_tier=stores[0].home if stores else Tier.DEVICE,
+        streamed=[u.param_store is not None for u in units], grad_tier=grad_tier,
+        master_separate=master_separate, early_step=early_step, speculative=speculative,
+        device_is_cpu=gradients_held(manager.device))
+
+
+def _pool(manager: TierManager, plan: PoolPlan | None) -> BufferPool | None:
+    """The host pool ``plan`` describes, or None."""
+    return BufferPool(manager, plan.slot_bytes, plan.count, plan.name) if plan is not None else None
+
+
 class PartitionedOptimizer(torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
@@ -100,7 +116,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                  speculation: str = "off", defaults: dict | None = None,
                  comm: Collectives = NO_COMM, shard_states: bool = False,
                  values: UnitValues | None = None,
-                 grad_dtype: torch.dtype = torch.float32) -> None:
+                 grad_dtype: torch.dtype = torch.float32,
+                 pools: OptimizerPools | None = None) -> None:
+        """``pools``: the run plan's (``RunPlan.optimizer``); None plans them here from the
+        units, by the same rule (``planner.run_plan.optimizer_pools``)."""
         super().__init__(param_groups, defaults=dict(defaults or {}))
         if grad_dtype != torch.float32 and (grad_tier != Tier.HOST or comm.active):
             raise ValueError(f"a {grad_dtype} gradient home needs grad_tier HOST and one rank, got "
@@ -140,9 +159,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.states: list[UnitOptimState] = []
         trainable_units = [u for u in units if u.has_trainable]
         max_trainable = max((u.trainable_numel for u in trainable_units), default=0)
-        max_range = max((hi - lo for lo, hi in (_state_range(u, shard_states)
-                                                for u in trainable_units)), default=0)
-        self.sub_group_numel = stepped_sub_group(sub_group_numel, max_range)
+        if pools is None:
+            pools = _plan_pools(units, manager, sub_group_numel=sub_group_numel,
+                                optimizer_tier=optimizer_tier,
+                                grad_tier=grad_tier, early_step=early_step,
+                                master_separate=master_separate, speculative=doubled,
+                                comm=comm, shard_states=shard_states)
+        self.pools = pools
+        self.sub_group_numel = pools.sub_group_numel
         for unit in trainable_units:
             lo, hi = _state_range(unit, shard_states)
             n = max(hi - lo, 1)        # a shard past the trainable part steps nothing
@@ -160,22 +184,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 self._init_master(unit, master, (lo, hi), values)
         self._by_unit = {s.unit.index: s for s in self.states}
         # see [Note: held gradients]: a room of HELD_ROOM_UNITS (optim/held_room.py)
-        self.holds_grads = (early_step or doubled) and gradients_held(manager.device) and \
-            not comm.active
-        self.held_room = HeldRoom(held_room_bytes(max_trainable))
-        needs_grad_buffer = gradient_pool_needed(early_step, self.holds_grads, grad_tier,
-                                                 comm.active)
-        max_collect = max((u.flat_numel if shard_states else u.trainable_numel
-                           for u in trainable_units), default=0)
-        self.grad_pool = BufferPool(manager, max_collect * 4, GRADS_HELD, "gradient") \
-            if needs_grad_buffer and max_trainable else None
-        any_nvme = optimizer_tier is Tier.NVME or grad_tier is Tier.NVME or any(
-            u.param_store is not None and not u.param_store.resident for u in trainable_units)
-        param_tier = next((u.param_store.home for u in trainable_units if u.param_store is not None),
-                          Tier.DEVICE)
-        count = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate, early_step)
-        self.step_pool = BufferPool(manager, self.sub_group_numel * 4, count, "optimizer") \
-            if any_nvme and max_trainable else None
+        self.holds_grads = pools.holds_grads
+        self.held_room = HeldRoom(pools.held_room_bytes)
+        self.grad_pool = _pool(manager, pools.gradient)
+        self.step_pool = _pool(manager, pools.step)
         # the parts (see the module docstring)
         self.kernel = AdamKernel(lambda: self.param_groups, adamw_mode, threads)
         self.steps = PendingSteps(self.timers, self._add_norm)

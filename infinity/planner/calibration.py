@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from infinity.config import InfinityConfig
-from infinity.planner.engine_sizes import EngineSizes, engine_sizes
+from infinity.planner.engine_sizes import EngineSizes, gradient_buffer_bytes
 from infinity.planner.inputs import Hardware, ModelStats
-from infinity.planner.placement import Placement, place
-from infinity.planner.rank_memory import engine_units, speculation_applies
+from infinity.planner.placement import Placement
+from infinity.planner.run_plan import plan_run, units_of_stats
 from infinity.planner.shape import ModelShape, activation_bytes, flops_per_token
-from infinity.planner.sizes import DerivedSizes, derive_sizes
+from infinity.planner.sizes import DerivedSizes
 from infinity.planner.step_time import OVERLAP_FACTOR, Link, nvme_traffic, reuse_bytes
 from infinity.planner.tiers import Tier
 
@@ -148,25 +148,11 @@ def run_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
               speculative: bool | None = None,
               derived: DerivedSizes | None = None) -> tuple[Placement, EngineSizes, bool]:
     """Where the states live, the engine's sizes and whether it speculates, for ``cfg`` on a
-    CPU-only ``hw`` (``infinity.engine.sizing``'s calls, with the direct fetch of a CPU
-    device). ``speculative`` None: as the engine decides (the deferred schedule with parameters
-    and Adam states on NVMe, when the disk has room for the second copies). ``derived``: the
-    planner's sizes for them, where the caller has them already."""
-    lay = place(cfg, stats, hw)
-    derived = derived or derive_sizes(cfg, stats, hw)
-    direct = lay.param_tier == Tier.NVME and not hw.has_gpu   # reads land in device memory
-    units = engine_units(stats)
-
-    def sizes(spec: bool) -> EngineSizes:
-        return engine_sizes(cfg, units, derived, lay.c, lay.param_tier, lay.opt_tier,
-                            master_separate=not lay.single_copy, early_step=lay.early_step,
-                            direct_fetch=direct, speculative=spec,
-                            host_activations=not hw.has_gpu)
-    if speculative is None:
-        speculative = speculation_applies(cfg, lay) and cfg.world_size == 1
-        if speculative and hw.disk_free_bytes is not None:
-            speculative = hw.disk_free_bytes >= 1.05 * sizes(True).nvme_bytes
-    return lay, sizes(speculative), speculative
+    CPU-only ``hw``: the run plan's (``run_plan.plan_run``, as the engine makes it).
+    ``speculative`` None: as the engine decides. ``derived``: the planner's sizes for them,
+    where the caller has them already."""
+    plan = plan_run(cfg, hw, stats=stats, speculative=speculative, derived=derived)
+    return plan.placement, plan.sizes, plan.speculative
 
 
 def predict_run(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, hw: Hardware, *,
@@ -185,7 +171,7 @@ def predict_run(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, hw: H
     if cfg.world_size != 1:
         raise ValueError(f"predict_run models one rank; world_size is {cfg.world_size}")
     lay, es, speculative = run_sizes(cfg, stats, hw, speculative)
-    units = engine_units(stats)
+    units = [list(u.params) for u in units_of_stats(stats)]
     accum = cfg.gradient_accumulation_steps or 1
     grads_held = lay.early_step or speculative     # optim: holds_grads on a CPU device
 
@@ -224,7 +210,7 @@ def predict_run(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, hw: H
     # peak resident set
     max_trainable = max((sum(n for n, trainable in unit if trainable) for unit in units),
                         default=0)
-    allowance = 2 * max_trainable * 4     # what engine_sizes budgets for held gradients
+    allowance = gradient_buffer_bytes(max_trainable)   # what engine_sizes budgets for them
     counted = lay.early_step or es.grad_tier == Tier.NVME or speculative   # in engine_sizes
     reserved_grad_pool = es.grad_tier == Tier.NVME and not lay.early_step
     host_pools = es.host_home_bytes + es.host_buffer_bytes

@@ -1,10 +1,9 @@
 """The memory one rank of a target machine needs for a config: device, host and NVMe bytes by
 what they hold, the node's totals (its ranks together), and why it does not fit, if it does not.
 
-Every size is the engine's own: the states' homes from ``placement``, the derived sizes from
-``sizes.derive_sizes``, the engine's pools (fetch slots, step-stream slots, gradient rooms) and
-swap-file bytes from ``engine_sizes.engine_sizes`` -- the function the engine calls at start --
-fed with the model's units. Only the activations (``shape.activation_bytes``) and the runtime's
+Every size is the engine's own: the run plan (``run_plan.plan_run``, what the engine builds
+from at start) gives the states' homes, the derived sizes, the engine's pools and the swap-file
+bytes for the model's units. Only the activations (``shape.activation_bytes``) and the runtime's
 own memory are added here.
 """
 from __future__ import annotations
@@ -14,32 +13,25 @@ from dataclasses import dataclass
 
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
-from infinity.planner.engine_sizes import EngineSizes, engine_sizes
+from infinity.planner.engine_sizes import EngineSizes
 from infinity.planner.inputs import ModelStats
 from infinity.planner.placement import Placement, place, resident_bytes
+from infinity.planner.run_plan import RunPlan, plan_run
 from infinity.planner.shape import ModelShape, activation_bytes
 from infinity.planner.sizes import (
     HOST_BUDGET_FRACTION,
     DerivedSizes,
-    derive_sizes,
     device_working,
 )
 from infinity.planner.target import Target, Workload
 from infinity.planner.tiers import Tier
 
-__all__ = ["RankMemory", "rank_memory", "engine_units", "GPU_RUNTIME_HOST_BYTES", "speculation_applies"]
+__all__ = ["RankMemory", "rank_memory", "GPU_RUNTIME_HOST_BYTES"]
 
 GPU_RUNTIME_HOST_BYTES = 4 << 30
 """Host memory of one GPU rank's process besides the engine's pools: Python, torch and the CUDA
 libraries (cuBLAS, cuDNN, NCCL) mapped and touched, the CUDA context's host side (an assumption:
 2-5 GiB is the usual resident set of a CUDA PyTorch process)."""
-
-
-def speculation_applies(cfg: InfinityConfig, lay: Placement) -> bool:
-    """Whether the engine would speculate (``engine.sizing.speculation_possible``'s rule):
-    the deferred schedule at stage 3 with parameters and Adam states on NVMe, unless "off"."""
-    return (cfg.infinity.speculative_step != "off" and not lay.early_step and lay.stage == 3
-            and lay.param_tier == Tier.NVME and lay.opt_tier == Tier.NVME)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +44,8 @@ class RankMemory:
     """The config as given to ``rank_memory`` (a rung's stage and tiers, sizes "auto")."""
     stats: ModelStats
     """The model's units as planned (split into parameters when ``units_split``)."""
+    plan: RunPlan
+    """The run plan of ``config`` on the target (what the engine would build there)."""
     placement: Placement
     derived: DerivedSizes
     engine: EngineSizes
@@ -107,55 +101,27 @@ class RankMemory:
         return {Tier.DEVICE: self.device_total, Tier.HOST: self.host_total, Tier.NVME: self.nvme}
 
 
-def engine_units(stats: ModelStats) -> list[list[tuple[int, bool]]]:
-    """The units as ``engine_sizes`` takes them: one (numel, trainable) entry per unit (the
-    per-parameter 64-byte alignment inside a unit is below a plan's resolution)."""
-    frozen = stats.total_params - stats.trainable_params
-    units = []
-    for numel in stats.units():
-        take = min(frozen, numel)
-        frozen -= take
-        units.append([(numel - take, True), (take, False)] if take else [(numel, True)])
-    return units
-
-
 def rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
                 workload: Workload, *, checkpointing: bool, split_units: bool = False,
                 speculative: bool | None = None) -> RankMemory:
     """The bytes one rank of ``target`` holds under ``cfg`` (whose stage and offload devices are
     the candidate's; budgets and sizes are filled in here), and whether they fit.
 
-    ``speculative`` None: as the engine decides ("auto" takes the second copies only where the
-    node's NVMe has room for them)."""
-    args = (cfg, stats, shape, target, workload, checkpointing, split_units)
-    if speculative is not None:
-        return _rank_memory(*args, speculative)
-    plain = _rank_memory(*args, False)
-    if speculation_applies(plain.config, plain.placement):
-        doubled = _rank_memory(*args, True)
-        if doubled.node_nvme <= target.nvme_bytes:
-            return doubled
-    return plain
-
-
-def _rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
-                 workload: Workload, checkpointing: bool, split_units: bool,
-                 speculative: bool) -> RankMemory:
+    ``speculative`` None: as the engine decides (``plan_run``: "auto" takes the second copies
+    only where the NVMe has room for them)."""
     candidate = cfg
     if split_units:
         stats = stats.split_into_parameters()
     hw = target.hardware(cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path)
-    lay = place(cfg, stats, hw)
-    acts = activation_bytes(shape, workload.seq_len, workload.micro_batch, checkpointing, lay.c)
+    acts = activation_bytes(shape, workload.seq_len, workload.micro_batch, checkpointing,
+                            place(cfg, stats, hw).c)
     host_budget = int(HOST_BUDGET_FRACTION * target.host_memory_bytes) // target.gpus_per_node
     inf = dataclasses.replace(cfg.infinity, host_memory_budget=host_budget,
                               device_memory_budget=max(0, target.device_budget_bytes - acts),
                               unit_modules=["Linear"] if split_units else cfg.infinity.unit_modules)
     cfg = dataclasses.replace(cfg, infinity=inf)
-    derived = derive_sizes(cfg, stats, hw)
-    es = engine_sizes(cfg, engine_units(stats), derived, lay.c, lay.param_tier, lay.opt_tier,
-                      master_separate=not lay.single_copy, early_step=lay.early_step,
-                      speculative=speculative, host_activations=not hw.has_gpu)
+    plan = plan_run(cfg, hw, stats=stats, speculative=speculative)
+    lay, derived, es = plan.placement, plan.derived, plan.sizes
     # the engine's sub-group (what the host budget leaves for the step stream's slots)
     cfg = derived.apply(cfg)
     cfg = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, sub_group_size=es.sub_group_numel))
@@ -193,7 +159,8 @@ def _rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, targ
     if node_nvme > target.nvme_bytes:
         have = format_bytes(target.nvme_bytes) if target.nvme_bytes else "no NVMe (--nvme)"
         problems.append(f"NVMe: the node's swap files need {format_bytes(node_nvme)}, it has {have}")
-    return RankMemory(config=cfg, candidate=candidate, stats=stats, placement=lay, derived=derived, engine=es,
+    return RankMemory(config=cfg, candidate=candidate, stats=stats, plan=plan, placement=lay,
+                      derived=derived, engine=es,
                       units_split=split_units, checkpointing=checkpointing,
-                      speculative=speculative, device=device, host=host, nvme=es.nvme_bytes,
+                      speculative=plan.speculative, device=device, host=host, nvme=es.nvme_bytes,
                       node_host=node_host, node_nvme=node_nvme, problems=tuple(problems))

@@ -16,7 +16,6 @@ from infinity.planner.rank_memory import (
     GPU_RUNTIME_HOST_BYTES,
     RankMemory,
     rank_memory,
-    speculation_applies,
 )
 from infinity.planner.shape import ModelShape
 from infinity.planner.step_time import StepTime, predict_step
@@ -142,7 +141,7 @@ def _notes(d: Decision) -> list[str]:
     if m.speculative:
         notes.append("speculative step: second copies of the NVMe parameters and Adam states "
                      "(counted in the NVMe bytes)")
-    elif speculation_applies(m.config, lay):
+    elif m.plan.speculation_possible:
         notes.append("speculative step off: the node's NVMe lacks the room for its second copies")
     if m.checkpointing and d.workload.activation_checkpointing == "auto":
         plain = rank_memory(m.candidate, d.stats, d.shape, t, d.workload, checkpointing=False,

@@ -174,6 +174,11 @@ class FlatStore:
         return self.manager.swap.write(extent, buf.view(torch.uint8)[:nbytes],
                                        offset=start * self.itemsize)
 
+    @property
+    def allocated(self) -> bool:
+        """The store still holds its memory or extent (``free`` not called yet)."""
+        return self._host is not None or self._extent is not None
+
     def free(self) -> None:
         """Give the store's memory or extent back."""
         if self._host is not None:

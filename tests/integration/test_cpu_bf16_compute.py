@@ -120,6 +120,7 @@ class _Ranks:
     """A stand-in for Collectives with two ranks, the other one's CPU answer given."""
 
     active = True
+    rank = 0
 
     def __init__(self, other: bool) -> None:
         self.other = other
@@ -132,7 +133,7 @@ class _Ranks:
 def test_ranks_agree_on_bf16_only_where_every_cpu_has_it(other: bool, dtype: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from infinity.config import InfinityConfig
-    from infinity.engine.sizing import derive
+    from infinity.engine.sizing import engine_plan
     from infinity.zero.partition import partition
 
     monkeypatch.setenv(ENV, "1")
@@ -140,7 +141,7 @@ def test_ranks_agree_on_bf16_only_where_every_cpu_has_it(other: bool, dtype: str
         pytest.skip("with a GPU the CPU's bf16 is not asked")
     cfg = InfinityConfig.from_dict({"zero_optimization": {"stage": 3}})
     specs = partition(make_model("torch", layers=2))
-    assert derive(cfg, specs, _Ranks(other)).compute_dtype == dtype
+    assert engine_plan(cfg, specs, [], torch.device("cpu"), _Ranks(other)).compute_dtype == dtype
     if not other:
         assert "rank(s) 1 have no native bf16" in infinity.native_info()["in_use"]["compute_dtype"]
 

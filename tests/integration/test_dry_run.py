@@ -17,7 +17,7 @@ import torch
 import infinity
 from infinity.commands.dry_run import DryRunRates, DryRunSetup, dry_run, meta_llama
 from infinity.config import InfinityConfig
-from infinity.planner.calibration import run_sizes
+from infinity.planner.run_plan import plan_run
 from infinity.planner.inputs import detect_hardware, llama_stats
 from infinity.planner.shape import shape_from_llama_kwargs
 from infinity.zero.protocols import Wait
@@ -85,9 +85,7 @@ def real_steps(path: str, schedule: str) -> tuple[list[list[tuple[str, int]]], d
 def simulated(path: str, schedule: str):
     cfg = InfinityConfig.from_dict(ds_config(path, schedule))
     stats = llama_stats(MODEL)
-    lay, sizes, speculative = run_sizes(cfg, stats, detect_hardware(path))
-    setup = DryRunSetup(config=cfg, placement=lay, sizes=sizes, speculative=speculative,
-                        device_is_cpu=True)
+    setup = DryRunSetup(plan=plan_run(cfg, detect_hardware(path), stats=stats))
     events: list = []
     report = dry_run(meta_llama(MODEL), setup, RATES, seq_len=SEQ, micro_batch=MBS,
                      steps=STEPS, shape=shape_from_llama_kwargs(MODEL), instant=True,

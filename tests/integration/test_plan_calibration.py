@@ -28,6 +28,7 @@ import pytest
 
 from infinity.commands.dry_run import DryRunRates, DryRunSetup, dry_run, meta_llama
 from infinity.planner.calibration import MachineRates, fit_constants, predict_run, run_sizes
+from infinity.planner.run_plan import plan_run
 from infinity.planner.inputs import detect_hardware, llama_stats
 from infinity.planner.shape import shape_from_llama_kwargs
 from infinity.train import calibrate
@@ -88,8 +89,7 @@ def test_85m_main_job_prediction_fitted_on_a_smaller_one(disk_dir) -> None:
                              adam_params_per_s=adam["params_per_s"],
                              runtime_rss_bytes=measured.get("runtime_rss_bytes", 0),
                              layer_rss_bytes=layer["layer_rss_bytes"])
-        report = dry_run(meta_llama(model), DryRunSetup(
-            config=cfg, placement=lay, sizes=sizes, speculative=speculative, device_is_cpu=True),
+        report = dry_run(meta_llama(model), DryRunSetup(plan=plan_run(cfg, hw, stats=stats)),
             DryRunRates(compute_flops_per_s=rates.compute_flops_per_s,
                         nvme_read_GBps=disk["read_GBps"], nvme_write_GBps=disk["write_GBps"],
                         adam_params_per_s=adam["params_per_s"]), seq_len=SEQ, micro_batch=MBS,

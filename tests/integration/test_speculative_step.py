@@ -5,6 +5,7 @@ clipping, and nothing reads a speculated value that was not kept."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -176,7 +177,9 @@ def test_on_where_it_cannot_apply_is_a_clear_error(disk_dir) -> None:
 def test_auto_leaves_it_off_when_the_disk_lacks_room_for_second_copies(disk_dir,
                                                                        monkeypatch) -> None:
     model = make_model("llama", layers=1, width=32)
-    monkeypatch.setattr(engine_sizing, "free_bytes", lambda path: 4096)   # 4 KiB free
+    detect = engine_sizing.detect_hardware
+    monkeypatch.setattr(engine_sizing, "detect_hardware",       # 4 KiB free on the swap path
+                        lambda path: dataclasses.replace(detect(path), disk_free_bytes=4096))
     engine, *_ = infinity.initialize(model=model, config=with_adamw(_config(disk_dir, mode="auto")))
     try:
         assert not engine.speculative and engine.optimizer.speculation == "off"

@@ -88,17 +88,16 @@ def worker(spec: dict) -> None:
 def simulate(size: str, schedule: str, args: argparse.Namespace, instant: bool):
     from infinity.commands.dry_run import DryRunRates, DryRunSetup, dry_run, meta_llama
     from infinity.config import InfinityConfig
-    from infinity.planner.calibration import run_sizes
+    from infinity.planner.run_plan import plan_run
     from infinity.planner.inputs import detect_hardware, llama_stats
     from infinity.planner.shape import shape_from_llama_kwargs
 
     mk = model_kwargs(size, args.seq)
     cfg = InfinityConfig.from_dict(ds_config(args, schedule, args.scratch))
-    lay, sizes, speculative = run_sizes(cfg, llama_stats(mk), detect_hardware(args.scratch))
+    plan = plan_run(cfg, detect_hardware(args.scratch), stats=llama_stats(mk))
     events: list = []
     started = time.perf_counter()
-    report = dry_run(meta_llama(mk), DryRunSetup(config=cfg, placement=lay, sizes=sizes,
-                                                 speculative=speculative, device_is_cpu=True),
+    report = dry_run(meta_llama(mk), DryRunSetup(plan=plan),
                      DryRunRates(compute_flops_per_s=args.compute_gflops * 1e9,
                                  nvme_read_GBps=args.read_GBps, nvme_write_GBps=args.write_GBps,
                                  adam_params_per_s=args.adam_gparams * 1e9),

@@ -244,11 +244,9 @@ def analyse(records: list[dict], args: argparse.Namespace) -> dict:
         """The emulated device pool's peak, from the dry run of the same config."""
         if (size, schedule) not in pools:
             from infinity.commands.dry_run import DryRunRates, DryRunSetup, dry_run, meta_llama
-            from infinity.planner.calibration import run_sizes
+            from infinity.planner.run_plan import plan_run
 
-            lay, sizes, speculative = run_sizes(cfg, stats, hw)
-            setup = DryRunSetup(config=cfg, placement=lay, sizes=sizes, speculative=speculative,
-                                device_is_cpu=True)
+            setup = DryRunSetup(plan=plan_run(cfg, hw, stats=stats))
             report = dry_run(meta_llama(model_kwargs(size, args.seq)), setup,
                              DryRunRates(compute_flops_per_s=1e11, nvme_read_GBps=3.0,
                                          nvme_write_GBps=3.0, adam_params_per_s=1e9),

@@ -1,0 +1,339 @@
+"""The run plan: every decision the engine takes from the config and the machine, made once.
+
+Why one object: the engine, the dry run and ``infinity plan`` each used to assemble the same
+decisions from the same helpers in their own order (the compute dtype, where states live,
+whether the master is separate, the schedule, the speculative copies, the direct fetch, where
+gradients live, and every host pool's count and slot size), and each copy could drift from the
+others -- a plan could then promise bytes the engine did not allocate. ``plan_run`` makes those
+decisions once, into a frozen ``RunPlan``; the engine builds its parts from it, the dry run
+simulates it, ``infinity plan`` prints it. A second place that re-derives a tier or a pool size
+is a bug waiting to disagree.
+
+Pure: it takes the model as each unit's (numel, trainable) parameters and the machine as a
+``Hardware`` (detected, or a described target); nothing here touches memory or disks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+from infinity.config import InfinityConfig
+from infinity.planner.alignment import flat_layout, shard_numel, unit_layout_bound
+from infinity.planner.engine_sizes import (
+    ACTIVATION_STAGING_BYTES,
+    GRADS_HELD,
+    EngineSizes,
+    engine_sizes,
+    gradient_pool_needed,
+    held_room_bytes,
+    step_slot_count,
+    stepped_sub_group,
+)
+from infinity.planner.inputs import Hardware, ModelStats
+from infinity.planner.placement import Placement, compute_dtype_choice, place
+from infinity.planner.sizes import DerivedSizes, derive_sizes
+from infinity.planner.tiers import Tier
+
+__all__ = ["PoolPlan", "OptimizerPools", "UnitParams", "RunPlan", "plan_run", "optimizer_pools",
+           "speculation_blockers", "units_of_stats", "stats_of_units", "SPECULATION_DISK_MARGIN"]
+
+SPECULATION_DISK_MARGIN = 1.05
+"""The speculative step's second copies are taken ("auto") only where the swap path's
+filesystem has this many times the NVMe bytes they need free."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolPlan:
+    """A pool of equal host slots (``storage.buffer_pool.BufferPool``): how many, how large."""
+
+    name: str
+    count: int
+    slot_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.slot_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerPools:
+    """The partitioned optimizer's host pools and rooms, as it allocates them."""
+
+    sub_group_numel: int
+    """Elements the step stream steps at once (a multiple of 2048, no larger than the largest
+    range a rank steps)."""
+    gradient: PoolPlan | None
+    """GRADS_HELD flat float32 buffers, each one unit's gradient on its way to the step (see
+    ``gradient_pool_needed``); None where gradients go straight to their home."""
+    step: PoolPlan | None
+    """The step stream's float32 slots, a sub-group each; None where no state streams from
+    NVMe."""
+    held_room_bytes: int
+    """Bytes of autograd gradients the backward may hold before it waits for a step (see
+    [Note: held gradients] in optim/gradients.py)."""
+    holds_grads: bool
+    """The early (or speculative) step keeps autograd's gradients as they are: one rank on a
+    CPU device."""
+
+
+@dataclass(frozen=True)
+class UnitParams:
+    """One unit's parameters as (numel, trainable) pairs. ``ordered``: in the unit's flat order
+    (``zero.unit.Unit``: trainable ones first, by param group), so its layout is exact; else the
+    layout is bounded (``unit_layout_bound``), as for a model known only by its counts."""
+
+    params: tuple[tuple[int, bool], ...]
+    ordered: bool = False
+
+    def layout(self, itemsize: int) -> tuple[int, int]:
+        """(flat numel, trainable numel) of the unit's flat buffer in ``itemsize`` elements."""
+        if self.ordered:
+            _, numel, trainable = flat_layout(self.params, itemsize)
+            return numel, trainable
+        return unit_layout_bound(self.params, itemsize)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """What the engine will build for a config on a machine, decided once (see the module
+    docstring). Frozen: the parts read it; none of them re-derives any of it."""
+
+    config: InfinityConfig
+    """The config as given (its "auto" sizes unresolved: ``derived`` resolves them)."""
+    placement: Placement
+    """Where each state lives (its gradients' home as ``sizes`` decided it), the compute dtype,
+    single copy or separate master, the early step."""
+    derived: DerivedSizes
+    """The config's sizes resolved from the budgets."""
+    sizes: EngineSizes
+    """The engine's sizes for these units: budgets, fetch slots, sub-group, prefetch, NVMe."""
+    compute_dtype_reason: str
+    """Why the compute dtype is what it is (logged, shown by ``infinity plan``)."""
+    device_is_cpu: bool
+    """The device is the CPU (an emulated pool in host memory), not a GPU."""
+    direct_fetch: bool
+    """NVMe reads land straight in device memory (a CPU device): no fetch slots."""
+    speculative: bool
+    """The speculative step keeps second copies of the NVMe parameters and Adam states."""
+    speculative_reason: str
+    """Why ``speculative`` is what it is."""
+    speculation_possible: bool
+    """The config and placement allow the speculative step (one rank, stage 3, parameters and
+    Adam states on NVMe, the deferred schedule): ``speculative`` False then means the disk
+    lacks the room for the second copies, or it was not asked for."""
+    fetch_pool: PoolPlan | None
+    """The host slots parameters are read into from NVMe before their device copy."""
+    optimizer: OptimizerPools
+    """The optimizer's pools."""
+    activation_staging_bytes: int
+    """Host bytes of the activation swapper's staging (0 when none is taken)."""
+
+    # -- the decisions, by name ----------------------------------------------------------
+    @property
+    def compute_dtype(self) -> str:
+        return self.placement.compute_dtype
+
+    @property
+    def stage(self) -> int:
+        return self.placement.stage
+
+    @property
+    def param_tier(self) -> Tier:
+        return self.placement.param_tier
+
+    @property
+    def optimizer_tier(self) -> Tier:
+        return self.placement.opt_tier
+
+    @property
+    def master_separate(self) -> bool:
+        return not self.placement.single_copy
+
+    @property
+    def early_step(self) -> bool:
+        return self.placement.early_step
+
+    @property
+    def grad_tier(self) -> Tier:
+        return self.sizes.grad_tier
+
+    @property
+    def pools(self) -> tuple[PoolPlan, ...]:
+        """Every host pool the engine allocates, in the order it allocates them."""
+        return tuple(p for p in (self.fetch_pool, self.optimizer.gradient, self.optimizer.step)
+                     if p is not None)
+
+
+def units_of_stats(stats: ModelStats) -> list[UnitParams]:
+    """The units of a model known by its counts: one (numel, trainable) entry per unit, the
+    frozen elements taken from the first units (the per-parameter 64-byte alignment inside a
+    unit is below a plan's resolution)."""
+    frozen = stats.total_params - stats.trainable_params
+    units = []
+    for numel in stats.units():
+        take = min(frozen, numel)
+        frozen -= take
+        units.append(UnitParams(((numel - take, True), (take, False)) if take
+                                else ((numel, True),)))
+    return units
+
+
+def stats_of_units(units: Sequence[UnitParams]) -> ModelStats:
+    """The planner's counts of a model whose units are known parameter by parameter."""
+    numels = [numel for unit in units for numel, _ in unit.params]
+    sizes = [sum(numel for numel, _ in unit.params) for unit in units]
+    trainable = sum(numel for unit in units for numel, t in unit.params if t)
+    return ModelStats(total_params=sum(numels), trainable_params=trainable,
+                      largest_unit_params=max(sizes, default=0), n_units=len(sizes),
+                      largest_param=max(numels, default=0), param_numels=tuple(numels))
+
+
+def speculation_blockers(cfg: InfinityConfig, placement: Placement) -> list[str]:
+    """Why the speculative step cannot run under ``cfg`` (empty: it can; see [Note: speculative
+    step] in optim/speculation.py): the deferred schedule at stage 3, with parameters and Adam
+    states on NVMe, where second copies cost disk space only."""
+    blockers = []
+    if placement.early_step:
+        blockers.append("the early step is in use (it needs no speculation)")
+    if placement.stage != 3:
+        blockers.append(f"zero_optimization.stage is {placement.stage} (stage 3 only)")
+    if placement.param_tier is not Tier.NVME or placement.opt_tier is not Tier.NVME:
+        blockers.append(f"parameters live on {placement.param_tier.name} and Adam states on "
+                        f"{placement.opt_tier.name} (both must be on NVMe)")
+    return blockers
+
+
+def _speculation(cfg: InfinityConfig, placement: Placement) -> tuple[bool, str]:
+    """Whether the speculative step is possible at all (before the disk's room is known)."""
+    mode = cfg.infinity.speculative_step
+    if mode == "off":
+        return False, "infinity.speculative_step is \"off\""
+    blockers = speculation_blockers(cfg, placement)
+    if blockers and mode == "on":
+        raise ValueError("infinity.speculative_step = 'on' cannot be used: " + "; ".join(blockers)
+                         + ". Set it to 'auto' or 'off'")
+    if blockers:
+        return False, "; ".join(blockers)
+    if cfg.world_size > 1:
+        # a redo would need the other ranks' gradients (see PartitionedOptimizer)
+        return False, f"{cfg.world_size} ranks (one rank only)"
+    return True, f"speculative_step {mode!r}, stage 3 with parameters and Adam states on NVMe"
+
+
+def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: int,
+                    shard_states: bool, sub_group_numel: int, optimizer_tier: Tier,
+                    param_tier: Tier, streamed: Sequence[bool], grad_tier: Tier,
+                    master_separate: bool, early_step: bool, speculative: bool,
+                    device_is_cpu: bool) -> OptimizerPools:
+    """The optimizer's pools for ``units``' (flat numel, trainable numel) layouts on ``rank``
+    of ``world_size`` (``shard_states``: each rank steps its shard, stages 1-3). ``streamed``:
+    per unit, whether its parameters have a home store (stage 3 above the persistence
+    threshold), in ``param_tier``."""
+    ranks_active = world_size > 1
+    sharded = shard_states and ranks_active
+    trainable = [(numel, t, s) for (numel, t), s in zip(units, streamed) if t > 0]
+    max_trainable = max((t for _, t, _ in trainable), default=0)
+    ranges = []
+    collect = []
+    for numel, t, _ in trainable:
+        if sharded:
+            shard = shard_numel(numel, world_size)
+            lo = min(rank * shard, t)
+            ranges.append(min(rank * shard + shard, t) - lo)
+            collect.append(world_size * shard)
+        else:
+            ranges.append(t)
+            collect.append(t)
+    sub_group = stepped_sub_group(sub_group_numel, max(ranges, default=0))
+    speculates = speculative and not early_step and not ranks_active
+    holds = (early_step or speculates) and device_is_cpu and not ranks_active
+    gradient = None
+    if max_trainable and gradient_pool_needed(early_step, holds, grad_tier, ranks_active):
+        gradient = PoolPlan(name="gradient", count=GRADS_HELD, slot_bytes=max(collect) * 4)
+    params_streamed = any(s for _, _, s in trainable)
+    step = None
+    if max_trainable and (optimizer_tier is Tier.NVME or grad_tier is Tier.NVME
+                          or (params_streamed and param_tier is Tier.NVME)):
+        count = step_slot_count(optimizer_tier, param_tier if params_streamed else Tier.DEVICE,
+                                grad_tier, master_separate, early_step)
+        step = PoolPlan(name="optimizer", count=count, slot_bytes=sub_group * 4)
+    return OptimizerPools(sub_group_numel=sub_group, gradient=gradient, step=step,
+                          held_room_bytes=held_room_bytes(max_trainable), holds_grads=holds)
+
+
+def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = None,
+             units: Sequence[UnitParams] | None = None, device_is_cpu: bool | None = None,
+             rank: int = 0, speculative: bool | None = None,
+             derived: DerivedSizes | None = None) -> RunPlan:
+    """The run plan of ``cfg`` for a model on ``hw``: the model as its ``units`` (exact, from
+    the engine's partition) or its ``stats`` (counts: the units are bounded), one at least.
+
+    ``device_is_cpu`` None: the device is a GPU where ``hw`` has one. ``rank``: the rank whose
+    pools are planned (rank 0 steps the largest shard). ``speculative`` None: as the engine
+    decides (possible, and the disk has room for the second copies); True/False forces it
+    (the planner's "what if"). ``derived``: the resolved sizes, where the caller has them."""
+    if units is None and stats is None:
+        raise ValueError("plan_run needs the model's units or its stats")
+    if units is None:
+        units = units_of_stats(stats)
+    if stats is None:
+        stats = stats_of_units(units)
+    cpu = not hw.has_gpu if device_is_cpu is None else device_is_cpu
+    if cpu and hw.has_gpu:
+        # a model left on the CPU of a GPU machine: plan for the device it computes on
+        hw = dataclasses.replace(hw, gpu_name=None, gpu_total_bytes=None, gpu_free_bytes=None)
+    placement = place(cfg, stats, hw)
+    _, reason = compute_dtype_choice(cfg, hw)
+    derived = derived or derive_sizes(cfg, stats, hw)
+    itemsize = placement.c
+    direct = placement.param_tier is Tier.NVME and cpu
+    pairs = [unit.params for unit in units]
+
+    def sizes_for(spec: bool) -> EngineSizes:
+        return engine_sizes(cfg, pairs, derived, itemsize, placement.param_tier,
+                            placement.opt_tier, not placement.single_copy, placement.early_step,
+                            direct_fetch=direct, speculative=spec, host_activations=cpu)
+
+    possible, spec_reason = _speculation(cfg, placement)
+    if speculative is None:
+        speculative = possible
+        if possible and cfg.infinity.speculative_step == "auto" and hw.disk_free_bytes is not None:
+            need = sizes_for(True).nvme_bytes
+            if hw.disk_free_bytes < SPECULATION_DISK_MARGIN * need:
+                speculative = False
+                spec_reason = (f"the swap path's filesystem has {hw.disk_free_bytes:,} bytes "
+                               f"free, not {SPECULATION_DISK_MARGIN:.2f} x the {need:,} the "
+                               "second copies of the NVMe states need")
+    elif not speculative:
+        spec_reason = "not asked for"
+    else:
+        speculative = possible
+    sizes = sizes_for(speculative)
+    placement = placement.with_gradient_home(sizes.grad_tier, sizes.grad_home_itemsize)
+
+    world = cfg.world_size
+    shards = world if placement.stage >= 1 else 1
+    layouts = []
+    streamed = []
+    for unit in units:
+        numel, trainable = unit.layout(itemsize)
+        layouts.append((shards * shard_numel(numel, shards), trainable))
+        streamed.append(placement.stage == 3 and numel > sizes.persistence_threshold)
+    fetch_pool = None
+    if placement.param_tier is Tier.NVME and not direct:
+        fetch_pool = PoolPlan(name="fetch", count=sizes.fetch_slots,
+                              slot_bytes=sizes.fetch_slot_bytes)
+    pools = optimizer_pools(
+        layouts, world_size=world, rank=rank, shard_states=placement.stage >= 1,
+        sub_group_numel=sizes.sub_group_numel, optimizer_tier=placement.opt_tier,
+        param_tier=placement.param_tier, streamed=streamed, grad_tier=sizes.grad_tier,
+        master_separate=not placement.single_copy, early_step=placement.early_step,
+        speculative=speculative, device_is_cpu=cpu)
+    return RunPlan(config=cfg, placement=placement, derived=derived, sizes=sizes,
+                   compute_dtype_reason=reason, device_is_cpu=cpu, direct_fetch=direct,
+                   speculative=speculative, speculative_reason=spec_reason,
+                   speculation_possible=possible,
+                   fetch_pool=fetch_pool, optimizer=pools,
+                   activation_staging_bytes=ACTIVATION_STAGING_BYTES
+                   if sizes.activation_staging else 0)

@@ -1,0 +1,153 @@
+"""What an engine holds against what its run plan and ``infinity plan`` say, for the "plan is
+the engine" tests (one rank in test_plan_is_the_engine.py, two in plan_ranks_worker.py).
+
+States are counted from the stores the engine's tier manager creates, in the elements of the
+parameters they hold (the engine pads each parameter to 64 B and each store to 4 KiB, which the
+plan leaves out: at most 4 KiB + 64 B a tensor per store, 10% of a tiny model, nothing at 1B
+parameters). Pools are counted from the engine's own buffer pools, slot by slot.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+from infinity.planner.inputs import ModelStats, detect_hardware
+from infinity.planner.plan import plan_memory
+from infinity.planner.run_plan import optimizer_pools, plan_run
+from infinity.storage.manager import TierManager
+from infinity.storage.tiers import Tier
+
+COMPONENT_OF = {"params": "params", "master": "optimizer_states", "exp_avg": "optimizer_states",
+                "exp_avg_sq": "optimizer_states", "grad": "grads"}
+
+
+@contextmanager
+def recording_stores() -> Iterator[list]:
+    """Every store a tier manager creates meanwhile, in a list."""
+    created: list = []
+    create = TierManager.create
+
+    def recorded(self, name, *args, **kwargs):
+        store = create(self, name, *args, **kwargs)
+        created.append(store)
+        return store
+    TierManager.create = recorded
+    try:
+        yield created
+    finally:
+        TierManager.create = create
+
+
+def held_states(engine, created: list) -> dict[str, int]:
+    """"component@tier" -> bytes the engine's stores hold (see the module docstring); a unit
+    kept on the device (below stage 3, or persistent) holds its parameters without a store."""
+    units = {unit.name: unit for unit in engine.units}
+    held: dict[str, int] = defaultdict(int)
+    for store in created:
+        unit_name, kind = store.name.rsplit(".", 1)
+        if not store.allocated:
+            continue        # freed
+        unit = units[unit_name]
+        if unit.shards > 1:
+            # a rank's store holds its shard of the flat layout: its bytes, padding included
+            # (``check_ranks`` bounds the padding)
+            held[f"{COMPONENT_OF[kind]}@{store.home}"] += store.numel * store.itemsize
+            continue
+        numel = sum(e.numel for e in unit.params if kind == "params" or e.trainable)
+        held[f"{COMPONENT_OF[kind]}@{store.home}"] += numel * store.itemsize
+    for unit in engine.units:
+        if unit.param_store is None:
+            held["params@device"] += sum(e.numel for e in unit.params) * unit.dtype.itemsize
+    return dict(held)
+
+
+def planned_states(engine, stats: ModelStats, nvme: str) -> dict[str, int]:
+    """"component@tier" -> bytes ``infinity plan`` shows for the engine's config and model."""
+    plan = plan_memory(engine.config, stats, detect_hardware(nvme))
+    return {f"{item.component}@{item.tier}": item.nbytes for item in plan.items
+            if item.component in ("params", "grads", "optimizer_states") and item.nbytes}
+
+
+def held_pools(engine) -> dict[str, tuple[int, int]]:
+    """name -> (slots, bytes a slot) of the host pools the engine allocated."""
+    pools = (engine.fetch_pool, engine.optimizer.grad_pool, engine.optimizer.step_pool)
+    return {p.name: (p.count, p.slot_bytes) for p in pools if p is not None}
+
+
+def pools_of_units(engine) -> dict[str, tuple[int, int]]:
+    """The optimizer's pools as the run plan's rule sizes them from the units the engine built
+    (their real flat layouts and shards): the plan, made before any unit existed, must agree."""
+    plan = engine.plan
+    units = engine.units
+    pools = optimizer_pools(
+        [(u.flat_numel, u.trainable_numel) for u in units], world_size=engine.comm.world_size,
+        rank=engine.comm.rank if engine.comm.active else 0, shard_states=plan.stage >= 1,
+        sub_group_numel=plan.sizes.sub_group_numel, optimizer_tier=plan.optimizer_tier,
+        param_tier=plan.param_tier, streamed=[u.param_store is not None for u in units],
+        grad_tier=plan.grad_tier, master_separate=plan.master_separate,
+        early_step=plan.early_step, speculative=plan.speculative,
+        device_is_cpu=engine.device.type == "cpu")
+    return {p.name: (p.count, p.slot_bytes) for p in (pools.gradient, pools.step) if p}
+
+
+def counted_plan(engine, stats: ModelStats, nvme: str):
+    """The run plan ``infinity plan`` makes for the engine's config from the model's counts
+    only (no units built), for this rank."""
+    return plan_run(engine.config, detect_hardware(nvme), stats=stats,
+                    rank=engine.comm.rank if engine.comm.active else 0)
+
+
+def decisions(plan) -> dict:
+    """Every decision of a run plan, by name (tiers as their names)."""
+    return {"compute_dtype": plan.compute_dtype, "param_tier": str(plan.param_tier),
+            "optimizer_tier": str(plan.optimizer_tier), "master_separate": plan.master_separate,
+            "early_step": plan.early_step, "speculative": plan.speculative,
+            "direct_fetch": plan.direct_fetch, "grad_tier": str(plan.grad_tier),
+            "holds_grads": plan.optimizer.holds_grads,
+            "pools": sorted((p.name, p.count) for p in plan.pools)}
+
+
+def compare(engine, created: list, stats: ModelStats, nvme: str) -> dict:
+    """What the tests assert, as plain data (a worker writes it; the test asserts it): the
+    engine's states and pools, the plan's, and the counted plan's decisions."""
+    counted = counted_plan(engine, stats, nvme)
+    engine_pools = held_pools(engine)
+    return {
+        "held": held_states(engine, created), "planned": planned_states(engine, stats, nvme),
+        "pools": {k: list(v) for k, v in engine_pools.items()},
+        "plan_pools": {p.name: [p.count, p.slot_bytes] for p in engine.plan.pools},
+        "unit_pools": {k: list(v) for k, v in pools_of_units(engine).items()},
+        "decisions": decisions(engine.plan), "counted_decisions": decisions(counted),
+        "counted_pools": {p.name: [p.count, p.slot_bytes] for p in counted.pools},
+        "tiers": [str(engine.param_tier), str(engine.optimizer_tier), engine.master_separate],
+        # the host budget's bytes held: the host stores' (padded) and the plan's pools and
+        # staging, and nothing else (an allocation the plan does not know would show here)
+        "host_held": engine.manager.host_budget.held,
+        "host_planned": sum(s.nbytes for s in created if s.allocated and s.home == Tier.HOST)
+        + sum(p.nbytes for p in engine.plan.pools) + engine.plan.activation_staging_bytes,
+    }
+
+
+def check(result: dict, *, padding: int = 0) -> None:
+    """Assert one engine's ``compare`` result (raises AssertionError naming what differs).
+    ``padding``: bytes a rank's shards may hold beyond the plan's even share, per state (with
+    several ranks each unit's shard is padded to 2048 elements; 0 with one rank: equal)."""
+    held, planned = result["held"], result["planned"]
+    assert held.keys() == planned.keys(), (result["tiers"], held, planned)
+    for key, nbytes in planned.items():
+        assert nbytes <= held[key] <= nbytes + padding, (key, held[key], nbytes, result["tiers"])
+    assert result["pools"] == result["plan_pools"]
+    assert result["host_held"] == result["host_planned"]
+    optimizer_pools_held = {k: v for k, v in result["pools"].items() if k != "fetch"}
+    assert optimizer_pools_held == result["unit_pools"]
+    assert result["decisions"] == result["counted_decisions"]
+    # from counts the plan bounds each unit's layout (parameters padded in any order): its
+    # slots are the engine's or larger, by at most a unit's alignment padding
+    for name, (count, slot) in result["pools"].items():
+        planned_count, planned_slot = result["counted_pools"][name]
+        assert planned_count == count, name
+        assert slot <= planned_slot <= slot + (64 << 10), (name, slot, planned_slot)
+
+
+__all__ = ["recording_stores", "compare", "check", "Tier"]
