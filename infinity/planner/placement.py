@@ -3,8 +3,10 @@
 Byte math (N = world size; P = parameters, T = trainable parameters):
 
 * fp32 Adam states are 12 B per trainable parameter (master 4 + m 4 + v 4), sharded over N from
-  stage 1; fp32 gradients add 4 B (sharded from stage 2); a 16-bit compute copy of the parameters
-  adds 2 B (sharded at stage 3). Mixed precision: 18 B/param.
+  stage 1; fp32 gradients add 4 B (their home sharded from stage 1 too: each rank keeps the
+  averaged gradient of the shard it steps; autograd's whole gradient of a unit is transient
+  device memory); a 16-bit compute copy of the parameters adds 2 B (sharded at stage 3).
+  Mixed precision: 18 B/param.
 * On a CPU device with fp32 compute the fp32 master *is* the parameter and is stored once (at
   stage 3 in the deeper of the two tiers; below it in the device pool, which is host memory):
   16 B/param with gradients, not the 20 B DeepSpeed keeps (see shared/peers/DS_E2E.md). On a
@@ -112,9 +114,9 @@ def separate_master_tier(optimizer_tier: Tier, cpu_device: bool) -> Tier:
 def state_tiers(cfg: InfinityConfig, compute_dtype: str,
                 cpu_device: bool) -> tuple[Tier, Tier, bool]:
     """(parameter tier, optimizer tier, single copy) for ``cfg`` computing in
-    ``compute_dtype`` on a CPU device or a GPU: the one rule for where the states live, read by
-    the engine (for its device) and by ``place`` (for the hardware's). Single copy: fp32 on a
-    CPU device, where the master is the parameter (DESIGN.md "fp32 on CPU"), stored in the
+    ``compute_dtype`` on a CPU device or a GPU: the one rule for where the states live, read
+    by ``place`` for the run plan (planner/run_plan.py), which the engine builds from. Single
+    copy: fp32 on a CPU device, where the master is the parameter (DESIGN.md "fp32 on CPU"), stored in the
     deeper of the two tiers at stage 3."""
     z = cfg.zero
     single = cpu_device and compute_dtype == "fp32"
@@ -177,7 +179,7 @@ def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Placement:
                      param_tier=param_tier, opt_tier=opt_tier, single_copy=single,
                      early_step=choose_early_step(cfg, dtype),
                      param_elems=shard(stats.total_params, 3), opt_elems=shard(stats.trainable_params, 1),
-                     grad_elems=shard(stats.trainable_params, 2),
+                     grad_elems=shard(stats.trainable_params, 1),
                      grad_itemsize=gradient_home_itemsize(c, cfg.gradient_accumulation_steps or 1,
                                                           n))
 

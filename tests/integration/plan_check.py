@@ -51,8 +51,10 @@ def held_states(engine, created: list) -> dict[str, int]:
         unit = units[unit_name]
         if unit.shards > 1:
             # a rank's store holds its shard of the flat layout: its bytes, padding included
-            # (``check_ranks`` bounds the padding)
-            held[f"{COMPONENT_OF[kind]}@{store.home}"] += store.numel * store.itemsize
+            # (``check`` bounds the padding, a shard's alignment per store)
+            key = f"{COMPONENT_OF[kind]}@{store.home}"
+            held[key] += store.numel * store.itemsize
+            held[f"stores:{key}"] += 1
             continue
         numel = sum(e.numel for e in unit.params if kind == "params" or e.trainable)
         held[f"{COMPONENT_OF[kind]}@{store.home}"] += numel * store.itemsize
@@ -129,14 +131,24 @@ def compare(engine, created: list, stats: ModelStats, nvme: str) -> dict:
     }
 
 
-def check(result: dict, *, padding: int = 0) -> None:
+def check(result: dict, *, padding: int | None = None) -> None:
     """Assert one engine's ``compare`` result (raises AssertionError naming what differs).
-    ``padding``: bytes a rank's shards may hold beyond the plan's even share, per state (with
-    several ranks each unit's shard is padded to 2048 elements; 0 with one rank: equal)."""
-    held, planned = result["held"], result["planned"]
+    ``padding`` None (one rank): the states' bytes equal the plan's. With several ranks each
+    unit's shard is padded to 2048 elements, so a rank may hold less than the plan's even share
+    (its shard of a small unit past the trainable part is empty) or more, by at most
+    ``padding`` bytes per state; the test sums the ranks (see ``check_ranks_states``)."""
+    held, planned = _states(result["held"]), result["planned"]
     assert held.keys() == planned.keys(), (result["tiers"], held, planned)
     for key, nbytes in planned.items():
-        assert nbytes <= held[key] <= nbytes + padding, (key, held[key], nbytes, result["tiers"])
+        if padding is None:
+            assert held[key] == nbytes, (key, held[key], nbytes, result["tiers"])
+        else:
+            bound = nbytes + padding * result["held"].get(f"stores:{key}", 0)
+            assert held[key] <= bound, (key, held[key], nbytes, result["tiers"])
+
+
+def _states(held: dict) -> dict:
+    return {k: v for k, v in held.items() if not k.startswith("stores:")}
     assert result["pools"] == result["plan_pools"]
     assert result["host_held"] == result["host_planned"]
     optimizer_pools_held = {k: v for k, v in result["pools"].items() if k != "fetch"}
@@ -150,4 +162,14 @@ def check(result: dict, *, padding: int = 0) -> None:
         assert slot <= planned_slot <= slot + (64 << 10), (name, slot, planned_slot)
 
 
-__all__ = ["recording_stores", "compare", "check", "Tier"]
+def check_ranks_states(results: list[dict], padding: int) -> None:
+    """The ranks' states together are the plan's even shares together (each rank planned for
+    its 1/N), within the shards' padding (``padding`` bytes a store, all ranks together)."""
+    for key in results[0]["planned"]:
+        total = sum(r["held"][key] for r in results)
+        planned = sum(r["planned"][key] for r in results)
+        slack = padding * results[0]["held"].get(f"stores:{key}", 0)
+        assert planned - slack <= total <= planned + slack, (key, total, planned)
+
+
+__all__ = ["recording_stores", "compare", "check", "check_ranks_states", "Tier"]

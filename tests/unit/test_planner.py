@@ -89,8 +89,9 @@ def test_world_size_shards_by_stage() -> None:
     # fp32 without offload on a GPU: the engine keeps a master of its own beside the compute
     # copy (state_tiers: one copy on a CPU device only), so the optimizer shard is master, m
     # and v (12 B); the deferred schedule's gradients live in host memory, as the engine keeps
-    # them
-    for stage, expected in ((1, (4 * 8_000_000, 4 * 8_000_000, 12 * 2_000_000)),
+    # them: from stage 1 each rank keeps the gradient of the shard it steps (the optimizer's
+    # gradient stores are its shard's; test_plan_is_the_engine checks it on two ranks)
+    for stage, expected in ((1, (4 * 8_000_000, 4 * 2_000_000, 12 * 2_000_000)),
                             (2, (4 * 8_000_000, 4 * 2_000_000, 12 * 2_000_000))):
         cfg = InfinityConfig.from_dict({"zero_optimization": {"stage": stage},
                                         "infinity": {"early_step": "off"}}, world_size=4)
