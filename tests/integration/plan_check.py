@@ -131,6 +131,11 @@ def compare(engine, created: list, stats: ModelStats, nvme: str) -> dict:
     }
 
 
+def _states(held: dict) -> dict:
+    """``held`` without its store counts."""
+    return {k: v for k, v in held.items() if not k.startswith("stores:")}
+
+
 def check(result: dict, *, padding: int | None = None) -> None:
     """Assert one engine's ``compare`` result (raises AssertionError naming what differs).
     ``padding`` None (one rank): the states' bytes equal the plan's. With several ranks each
@@ -145,10 +150,6 @@ def check(result: dict, *, padding: int | None = None) -> None:
         else:
             bound = nbytes + padding * result["held"].get(f"stores:{key}", 0)
             assert held[key] <= bound, (key, held[key], nbytes, result["tiers"])
-
-
-def _states(held: dict) -> dict:
-    return {k: v for k, v in held.items() if not k.startswith("stores:")}
     assert result["pools"] == result["plan_pools"]
     assert result["host_held"] == result["host_planned"]
     optimizer_pools_held = {k: v for k, v in result["pools"].items() if k != "fetch"}
