@@ -1,0 +1,135 @@
+"""The run plan (planner/run_plan.py): the decisions and pools ``plan_run`` makes for CPU and
+GPU-described machines, the speculation rule, and the units' exact layouts against the bound
+the planner uses for a model known by its counts. (Against a built engine: the "plan is the
+engine" tests in tests/integration/test_plan_is_the_engine.py.)"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from infinity.config import InfinityConfig
+from infinity.planner.engine_sizes import GRADS_HELD, step_slot_count
+from infinity.planner.inputs import Hardware, ModelStats
+from infinity.planner.run_plan import UnitParams, plan_run, stats_of_units, units_of_stats
+from infinity.planner.tiers import Tier
+
+GiB = 1 << 30
+CPU_BOX = Hardware(cpu_cores=2, host_total_bytes=24 * GiB, host_available_bytes=16 * GiB,
+                   nvme_path="/swap", disk_free_bytes=100 * GiB)
+GPU_BOX = Hardware(cpu_cores=32, host_total_bytes=256 * GiB, host_available_bytes=200 * GiB,
+                   gpu_name="test GPU", gpu_total_bytes=80 * GiB, gpu_free_bytes=78 * GiB,
+                   nvme_path="/swap", disk_free_bytes=4096 * GiB)
+MODEL = ModelStats.from_counts(40_000_000, 4_000_000, 10, 4_000_000)
+
+
+def config(stage: int, param: str, opt: str, world_size: int = 1, **extra: object
+           ) -> InfinityConfig:
+    zero = {"stage": stage, "offload_param": {"device": param, "nvme_path": "/swap"},
+            "offload_optimizer": {"device": opt, "nvme_path": "/swap"}}
+    return InfinityConfig.from_dict({"zero_optimization": zero, **extra}, world_size=world_size)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_gpu_keeps_a_separate_master_and_fetches_through_slots(dtype: str) -> None:
+    plan = plan_run(config(3, "nvme", "nvme", infinity={"compute_dtype": dtype}), GPU_BOX,
+                    stats=MODEL)
+    assert not plan.device_is_cpu and plan.master_separate and not plan.direct_fetch
+    assert (plan.param_tier, plan.optimizer_tier) == (Tier.NVME, Tier.NVME)
+    assert plan.fetch_pool is not None and plan.fetch_pool.count == plan.sizes.fetch_slots
+    assert not plan.optimizer.holds_grads      # off a CPU device gradients are copied out
+    assert plan.optimizer.step is not None
+
+
+def test_a_cpu_device_stores_fp32_once_and_reads_nvme_into_device_memory() -> None:
+    plan = plan_run(config(3, "nvme", "cpu", infinity={"compute_dtype": "fp32"}), CPU_BOX,
+                    stats=MODEL)
+    assert plan.device_is_cpu and not plan.master_separate and plan.direct_fetch
+    assert plan.fetch_pool is None and plan.param_tier is Tier.NVME   # the deeper tier
+    # the same machine told the model computes on its GPU
+    on_gpu = plan_run(config(3, "nvme", "cpu", infinity={"compute_dtype": "fp32"}), GPU_BOX,
+                      stats=MODEL)
+    assert on_gpu.master_separate and not on_gpu.direct_fetch
+    # a model left on a GPU machine's CPU is planned for the CPU it computes on
+    assert plan_run(config(3, "nvme", "cpu", infinity={"compute_dtype": "fp32"}), GPU_BOX,
+                    stats=MODEL, device_is_cpu=True).master_separate is False
+
+
+def test_the_early_step_without_gradient_homes_or_a_gradient_pool_on_a_cpu() -> None:
+    plan = plan_run(config(3, "cpu", "cpu", infinity={"early_step": "on"}), CPU_BOX, stats=MODEL)
+    assert plan.early_step and plan.optimizer.holds_grads and plan.optimizer.gradient is None
+    gpu = plan_run(config(3, "cpu", "cpu", infinity={"early_step": "on"}), GPU_BOX, stats=MODEL)
+    assert gpu.optimizer.gradient is not None and gpu.optimizer.gradient.count == GRADS_HELD
+
+
+def test_the_step_pool_is_the_slot_rule_at_the_stepped_sub_group() -> None:
+    plan = plan_run(config(3, "nvme", "nvme", infinity={"early_step": "off",
+                                                         "speculative_step": "off"}),
+                    GPU_BOX, stats=MODEL)
+    step = plan.optimizer.step
+    assert step.count == step_slot_count(Tier.NVME, Tier.NVME, plan.grad_tier, True, False)
+    assert step.slot_bytes == plan.optimizer.sub_group_numel * 4
+    assert plan.optimizer.sub_group_numel % 2048 == 0
+    # the sized sub-group, rounded up to whole 2048-element blocks (4 KiB aligned)
+    assert plan.sizes.sub_group_numel <= plan.optimizer.sub_group_numel \
+        < plan.sizes.sub_group_numel + 2048
+
+
+def test_speculation_one_rule_for_the_engine_and_the_planner() -> None:
+    deferred = {"early_step": "off"}
+    plan = plan_run(config(3, "nvme", "nvme", infinity=deferred), CPU_BOX, stats=MODEL)
+    assert plan.speculative and plan.speculation_possible
+    # several ranks never speculate (a redo would need the others' gradients)
+    ranks = plan_run(config(3, "nvme", "nvme", world_size=2, infinity=deferred), GPU_BOX,
+                     stats=MODEL)
+    assert not ranks.speculative and not ranks.speculation_possible
+    assert "2 ranks" in ranks.speculative_reason
+    # "auto" without room for the second copies: off, saying how much is needed
+    tight = dataclasses.replace(CPU_BOX, disk_free_bytes=plan.sizes.nvme_bytes)
+    short = plan_run(config(3, "nvme", "nvme", infinity=deferred), tight, stats=MODEL)
+    assert not short.speculative and short.speculation_possible
+    assert "free" in short.speculative_reason and short.sizes.nvme_bytes < plan.sizes.nvme_bytes
+    # asked for where it cannot apply: refused, naming why and the fix
+    with pytest.raises(ValueError, match="both must be on NVMe.*'auto' or 'off'"):
+        plan_run(config(3, "cpu", "cpu", infinity={**deferred, "speculative_step": "on"}),
+                 CPU_BOX, stats=MODEL)
+    # forced by a what-if: never where the rule forbids it
+    assert not plan_run(config(3, "cpu", "cpu", infinity=deferred), CPU_BOX, stats=MODEL,
+                        speculative=True).speculative
+
+
+def test_pools_are_planned_for_the_rank_asked() -> None:
+    """Rank 0 steps the first shard of each unit; the last rank's shard of a unit whose
+    trainable part ends early is shorter, and so is its stepped sub-group."""
+    units = [UnitParams(((5000, True), (3000, False)), ordered=True)] * 3
+    cfg = config(2, "none", "nvme", world_size=2, infinity={"early_step": "off"},
+                 zero_optimization={"stage": 2, "sub_group_size": 1 << 20,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": "/swap"}})
+    first = plan_run(cfg, CPU_BOX, units=units, rank=0)
+    last = plan_run(cfg, CPU_BOX, units=units, rank=1)
+    # flat 8000 + padding -> shards of 4096; rank 0 steps 4096 of 5008 trainable, rank 1 the rest
+    assert first.optimizer.sub_group_numel == 4096
+    assert last.optimizer.sub_group_numel == 2048
+    assert first.optimizer.gradient.slot_bytes == last.optimizer.gradient.slot_bytes == 8192 * 4
+
+
+def test_exact_layouts_against_the_bound_from_counts() -> None:
+    units = [UnitParams(((1000, True), (7, True), (3, False)), ordered=True),
+             UnitParams(((64, True),), ordered=True)]
+    stats = stats_of_units(units)
+    assert (stats.total_params, stats.trainable_params, stats.n_units) == (1074, 1071, 2)
+    for unit in units:
+        numel, trainable = unit.layout(4)
+        bound = UnitParams(unit.params).layout(4)
+        assert numel <= bound[0] and trainable <= bound[1]
+    # from counts the frozen elements fill the first units (36M of 40M here: nine units)
+    assert [u.params for u in units_of_stats(MODEL)][-1] == ((4_000_000, True),)
+    assert [u.params for u in units_of_stats(MODEL)][0] == ((0, True), (4_000_000, False))
+
+
+def test_a_plan_is_frozen_and_needs_a_model() -> None:
+    plan = plan_run(config(0, "none", "none"), CPU_BOX, stats=MODEL)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.speculative = True            # type: ignore[misc]
+    with pytest.raises(ValueError, match="units or its stats"):
+        plan_run(config(0, "none", "none"), CPU_BOX)
