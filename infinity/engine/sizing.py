@@ -19,11 +19,13 @@ from infinity.base.native_info import record_in_use
 from infinity.base.sizes import format_bytes
 from infinity.comm.collectives import Collectives
 from infinity.config import InfinityConfig
+from infinity.optim.gradients import gradients_held
 from infinity.planner.engine_sizes import EngineSizes
 from infinity.planner.inputs import ModelStats, detect_hardware
 from infinity.planner.plan import budget_need, host_budget_shortfall
 from infinity.planner.run_plan import RunPlan, UnitParams, plan_run, speculation_blockers
 from infinity.planner.sizes import host_allowed
+from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.tiers import Tier
 from infinity.zero.partition import UnitSpec
 
@@ -96,6 +98,8 @@ def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
     _refuse_a_host_budget_too_small(cfg, stats, hw)
     plan = plan_run(cfg, hw, stats=stats, units=unit_params(specs, groups),
                     device_is_cpu=device.type == "cpu",
+                    direct_reads=DeviceMemoryCache.supported(device),
+                    keeps_gradients=gradients_held(device),
                     rank=comm.rank if comm is not None and comm.active else 0)
     record_in_use("compute_dtype", f"{plan.compute_dtype} ({plan.compute_dtype_reason})")
     log.info("compute dtype %s: %s", plan.compute_dtype, plan.compute_dtype_reason)

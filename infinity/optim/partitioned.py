@@ -98,7 +98,7 @@ def _plan_pools(units: list[Unit], manager: TierManager, *, sub_group_numel: int
         param_tier=stores[0].home if stores else Tier.DEVICE,
         streamed=[u.param_store is not None for u in units], grad_tier=grad_tier,
         master_separate=master_separate, early_step=early_step, speculative=speculative,
-        device_is_cpu=gradients_held(manager.device))
+        keeps_gradients=gradients_held(manager.device))
 
 
 def _pool(manager: TierManager, plan: PoolPlan | None) -> BufferPool | None:

@@ -225,11 +225,12 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
                     shard_states: bool, sub_group_numel: int, optimizer_tier: Tier,
                     param_tier: Tier, streamed: Sequence[bool], grad_tier: Tier,
                     master_separate: bool, early_step: bool, speculative: bool,
-                    device_is_cpu: bool) -> OptimizerPools:
+                    keeps_gradients: bool) -> OptimizerPools:
     """The optimizer's pools for ``units``' (flat numel, trainable numel) layouts on ``rank``
     of ``world_size`` (``shard_states``: each rank steps its shard, stages 1-3). ``streamed``:
     per unit, whether its parameters have a home store (stage 3 above the persistence
-    threshold), in ``param_tier``."""
+    threshold), in ``param_tier``. ``keeps_gradients``: the device lets the early step keep
+    autograd's gradients (a CPU device)."""
     ranks_active = world_size > 1
     sharded = shard_states and ranks_active
     trainable = [(numel, t, s) for (numel, t), s in zip(units, streamed) if t > 0]
@@ -247,7 +248,7 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
             collect.append(t)
     sub_group = stepped_sub_group(sub_group_numel, max(ranges, default=0))
     speculates = speculative and not early_step and not ranks_active
-    holds = (early_step or speculates) and device_is_cpu and not ranks_active
+    holds = (early_step or speculates) and keeps_gradients and not ranks_active
     gradient = None
     if max_trainable and gradient_pool_needed(early_step, holds, grad_tier, ranks_active):
         gradient = PoolPlan(name="gradient", count=GRADS_HELD, slot_bytes=max(collect) * 4)
@@ -264,12 +265,18 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
 
 def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = None,
              units: Sequence[UnitParams] | None = None, device_is_cpu: bool | None = None,
+             direct_reads: bool | None = None, keeps_gradients: bool | None = None,
              rank: int = 0, speculative: bool | None = None,
              derived: DerivedSizes | None = None) -> RunPlan:
     """The run plan of ``cfg`` for a model on ``hw``: the model as its ``units`` (exact, from
     the engine's partition) or its ``stats`` (counts: the units are bounded), one at least.
 
-    ``device_is_cpu`` None: the device is a GPU where ``hw`` has one. ``rank``: the rank whose
+    ``device_is_cpu`` None: the device is a GPU where ``hw`` has one. ``direct_reads``: the
+    device's memory can take NVMe reads itself (a CPU device whose memory cache gives units
+    page-aligned blocks, ``storage.device_cache.DeviceMemoryCache.supported``); None: where the
+    device is the CPU. ``keeps_gradients``: the early step may keep autograd's gradients as
+    they are instead of copying them to host buffers (``optim.gradients.gradients_held``: a CPU
+    device); None: where the device is the CPU. ``rank``: the rank whose
     pools are planned (rank 0 steps the largest shard). ``speculative`` None: as the engine
     decides (possible, and the disk has room for the second copies); True/False forces it
     (the planner's "what if"). ``derived``: the resolved sizes, where the caller has them."""
@@ -287,7 +294,7 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     _, reason = compute_dtype_choice(cfg, hw)
     derived = derived or derive_sizes(cfg, stats, hw)
     itemsize = placement.c
-    direct = placement.param_tier is Tier.NVME and cpu
+    direct = placement.param_tier is Tier.NVME and (cpu if direct_reads is None else direct_reads)
     pairs = [unit.params for unit in units]
 
     def sizes_for(spec: bool) -> EngineSizes:
@@ -329,7 +336,8 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
         sub_group_numel=sizes.sub_group_numel, optimizer_tier=placement.opt_tier,
         param_tier=placement.param_tier, streamed=streamed, grad_tier=sizes.grad_tier,
         master_separate=not placement.single_copy, early_step=placement.early_step,
-        speculative=speculative, device_is_cpu=cpu)
+        speculative=speculative,
+        keeps_gradients=cpu if keeps_gradients is None else keeps_gradients)
     return RunPlan(config=cfg, placement=placement, derived=derived, sizes=sizes,
                    compute_dtype_reason=reason, device_is_cpu=cpu, direct_fetch=direct,
                    speculative=speculative, speculative_reason=spec_reason,

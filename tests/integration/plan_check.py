@@ -89,7 +89,7 @@ def pools_of_units(engine) -> dict[str, tuple[int, int]]:
         param_tier=plan.param_tier, streamed=[u.param_store is not None for u in units],
         grad_tier=plan.grad_tier, master_separate=plan.master_separate,
         early_step=plan.early_step, speculative=plan.speculative,
-        device_is_cpu=engine.device.type == "cpu")
+        keeps_gradients=engine.device.type == "cpu")
     return {p.name: (p.count, p.slot_bytes) for p in (pools.gradient, pools.step) if p}
 
 

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.engine import sizing as engine_sizing
 from infinity.optim import partitioned
+from infinity.planner import run_plan
 from infinity.optim.records import sub_groups
 from infinity.optim.step_stream import READ_AHEAD
 from infinity.storage.manager import FlatStore, padded_numel
@@ -199,7 +201,7 @@ def test_held_and_copied_gradients_both_match_torch(disk_dir, monkeypatch, famil
                                                     held: bool) -> None:
     """The early step reads gradients as autograd made them (CPU device) or from one flat
     host buffer (forced here; the CUDA path): both equal torch AdamW."""
-    monkeypatch.setattr(partitioned, "gradients_held", lambda device: held)
+    monkeypatch.setattr(engine_sizing, "gradients_held", lambda device: held)
     model = make_model(family, layers=3, width=64)
     ds = zero_config(3, "nvme", "nvme", str(disk_dir), early_step="on")
     result = run_parity(model, ds, steps=6, close=False)
@@ -283,7 +285,7 @@ def test_held_gradients_stay_within_their_room(disk_dir, monkeypatch, family: st
     from infinity.optim.held_room import HeldRoom
 
     capacities: list[int] = []
-    monkeypatch.setattr(partitioned, "held_room_bytes",
+    monkeypatch.setattr(run_plan, "held_room_bytes",
                         lambda max_trainable: capacities.append(int(units * max_trainable * 4))
                         or capacities[-1])
     left_after_step: list[int] = []
