@@ -3,7 +3,7 @@ and a real save directory: no unit test imported the module (the engine's checkp
 reached it, seconds a mutant), so its mutation run (tools/mutation.py, issue 23) starts here --
 the checks before a save, the manifest's state (JSON values, string keys), what the files and
 the manifest hold, tags and latest, the free-space check and a disk filling up, and the
-agreement between ranks (test_load_mutants.py reads such checkpoints back)."""
+agreement between ranks (test_load.py reads such checkpoints back)."""
 from __future__ import annotations
 
 import errno
