@@ -1,5 +1,5 @@
-"""optim/_adam_native.py at unit level (issue 23 mutation run): the ctypes mirror of
-native/include/inf_adam.h. Its first run showed that a misspelt symbol or a wrong argtype passed
+"""optim/_adam_native.py at unit level: the ctypes mirror of
+native/include/inf_adam.h. Without these tests a misspelt symbol or a wrong argtype would pass
 every test: cpu_adam falls back to the torch path and the kernel tests skip when the library
 "lacks" a kernel. So: where the library is built, every function is declared as the header
 declares it (transcribed here by hand from the header), the native kernels are found and used,

@@ -1,4 +1,4 @@
-"""optim/_adam_torch.py at unit level (issue 23 mutation run): the pure-torch Adam step is the
+"""optim/_adam_torch.py at unit level: the pure-torch Adam step is the
 reference the native kernels are compared with and the fallback where the library is not built, so
 its constants and its step are checked against values computed here independently -- exact
 powers, a float64 textbook Adam -- and, bit for bit, against the native scalar kernel."""

@@ -1,4 +1,4 @@
-"""storage/buffer_pool.py's slots and pool at unit level (its mutation run, issue 23): what a slot
+"""storage/buffer_pool.py's slots and pool at unit level: what a slot
 view gives, how many slots a pool allocates and from where, handing out and taking back,
 waiting for a slot, and the error when none comes."""
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Checkpoint directories: behaviours that mutation testing (tools/mutation.py, issue 23) found
-unchecked -- that a re-save of a tag swaps the directories in one step where the filesystem can
-(the tag never goes missing), and which directories count as tags."""
+"""Checkpoint directories (checkpoint/directory.py): that a re-save of a tag swaps the directories in one step where the filesystem can
+(the tag never goes missing), which directories count as tags, and the whole module at unit
+level."""
 from __future__ import annotations
 
 import ctypes
+import errno
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -102,11 +104,7 @@ def test_a_failed_exchange_names_both_directories(tmp_path: Path) -> None:
     assert f"cannot exchange {tmp_path / 'missing'} and {tmp_path / 'b'}: No such file" in str(caught.value)
 
 
-# -- the whole module at unit level (the mutation run of directory.py uses these, not the engine) ---
-
-import errno
-import hashlib
-
+# -- the whole module at unit level, on real directories (no engine) --------------------------------
 
 def _write_tag(save_dir: Path, tag: str, files: dict[str, str], listed=None) -> Path:
     """A committed-looking tag: the files, and a manifest listing ``listed`` (default: files)."""
@@ -654,7 +652,7 @@ def test_a_tag_ending_in_a_newline_is_refused(tmp_path: Path) -> None:
     assert d.staging_dirs(tmp_path) == []
 
 
-# -- from the first run of directory.py with the tests above (its survivors that were real gaps) ----
+# -- relative paths, stagings left behind, and what each message names ---------------------------
 
 def test_exchange_works_on_relative_paths(tmp_path: Path, monkeypatch) -> None:
     """A save_dir given relative to the working directory (``save_checkpoint("ckpt", ...)``)."""

@@ -1,6 +1,5 @@
 """Weights out of infinity (checkpoint/export.py) at unit level, on real tensor files and real
-Units: no unit test imported the module (the engine's checkpoint tests reached it, seconds a
-mutant), so its mutation run (tools/mutation.py, issue 23) starts here -- a checkpoint read back
+Units: a checkpoint read back
 as one state_dict (slices of every rank, aliases, tag, checksums), and an engine's weights
 written as one safetensors file (names, dtypes, buffers, frozen ones or not, metadata, the
 checks before, the temporary name, the old file kept on a failure, and rank 0 writing while
@@ -231,7 +230,7 @@ def test_a_rank_that_fails_to_write_makes_every_rank_raise(tmp_path: Path) -> No
                                "no file was written")
 
 
-# -- the survivors of the first mutation run (BENCHMARKS.md "Mutation testing") -------------
+# -- manifests without aliases, and the edges of reading and writing --------------------
 
 def test_a_manifest_without_aliases_reads_back(tmp_path: Path) -> None:
     """A checkpoint whose manifest has no "aliases" (nothing tied) is read, not an

@@ -1,7 +1,6 @@
 """How gradients reach the optimizer (optim/gradients.py) at unit level: real units, states,
 buffer pools and tensors, a held room and collectives that record, and a flat store on a
-pretend disk (fakes.py). No test imported the module's collector (the engine's integration
-tests reached it), so its mutation run (tools/mutation.py, issue 23) starts here. Numbers are
+pretend disk (fakes.py). Numbers are
 checked against float64 sums or torch's own add, exactly where the code promises bits."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""storage/integrity.py's fingerprint table at unit level (its mutation run, issue 23): record and
+"""storage/integrity.py's fingerprint table at unit level: record and
 verify page by page on host buffers (no swap file, no I/O), the partial last page, forget, a mode
 change, the statistics (with a fake clock), the error's message and the library it calls."""
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The Adam kernel of the partitioned optimizer (optim/kernel.py) at unit level, on a real Unit:
-its only tests were the engine's (tests/integration/test_step_faults.py), seconds a mutant, so
-its mutation run (tools/mutation.py, issue 23) starts here -- the hyperparameters it reads from
+"""The Adam kernel of the partitioned optimizer (optim/kernel.py) at unit level, on a real Unit
+(the engine's tests of it: tests/integration/test_step_faults.py): the hyperparameters it reads from
 the param groups, the step runs it counts (with parameters that got no gradient), the roll-back
 of that count, and the kernel calls over a range, flat or from held parts."""
 from __future__ import annotations

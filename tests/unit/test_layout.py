@@ -1,6 +1,5 @@
 """What a checkpoint holds of an engine and in which order (checkpoint/layout.py), at unit level
-on a real Unit: no unit test imported the module (the engine's checkpoint tests reached it,
-seconds a mutant), so its mutation run (tools/mutation.py, issue 23) starts here -- the file
+on a real Unit: the file
 names, the range each rank saves, where each part's values come from (master, parameters,
 frozen ones or not), their file names and dtypes, the buffers and the aliases."""
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""A checkpoint loaded into an engine's homes (checkpoint/load.py), at unit level: no unit test
-imported the module (the engine's checkpoint tests reached it, seconds a mutant), so its
-mutation run (tools/mutation.py, issue 23) starts here. A real checkpoint is written by
+"""A checkpoint loaded into an engine's homes (checkpoint/load.py), at unit level. A real checkpoint is written by
 ``save_checkpoint`` from real Units and optimizer states (host and NVMe homes), then loaded into
 another set holding other values: every value, step count and buffer comes back; names found
 through tied parameters and saved aliases; frozen parameters left out; and each way a
@@ -514,7 +512,7 @@ def test_write_before_check_is_a_programming_error(tmp_path: Path, rigs) -> None
     load.close()
 
 
-# -- the survivors of the first mutation run (BENCHMARKS.md "Mutation testing") -------------
+# -- aliases, partial loads, other ranks, and refusals that list five ----------------------------
 
 class _Comm:
     """Rank ``rank`` of two; the other rank always succeeds, with this rank's result (it
@@ -724,7 +722,7 @@ def test_write_needs_both_the_files_and_the_match(tmp_path: Path, rigs) -> None:
 def test_a_manifest_without_params_loads_the_model_only(tmp_path: Path, rigs) -> None:
     """A manifest without "params" (edited): a module-only load reads the whole tensors of
     the files (it needs no step counts), instead of a KeyError after the buffers were already
-    written (a bug found by load.py's mutation run, Match m52/m54: write() read
+    written (write() once read
     ``manifest["params"]`` for every unit); with optimizer states it is refused up front."""
     old = rigs(1.0)
     directory = _saved(old, tmp_path)

@@ -1,4 +1,4 @@
-"""storage/manager.py at unit level (its mutation run, issue 23): FlatStore in each home (HOST,
+"""storage/manager.py at unit level: FlatStore in each home (HOST,
 DEVICE, NVME, doubled), its ranges, counters and frees, and TierManager's budgets, lazy swap
 space and I/O engine, waits and close -- on real budgets, a real swap space in a disk directory
 and real requests (a failing request is a small object whose wait raises)."""
@@ -25,8 +25,8 @@ MiB = 1 << 20
 def raises_exactly(kind, message: str):
     """pytest.raises for this exact message, kept without ``as``: an ExceptionInfo bound in a
     test's frame makes a reference cycle (traceback -> frame -> locals), and the aligned buffers
-    and swap space in it would then be freed by the cyclic GC at some later point (under
-    mutmut's stats run a finalizer that ran in the GC crashed the run) instead of at the test's
+    and swap space in it would then be freed by the cyclic GC at some later point (a finalizer
+    run by the GC at an arbitrary point has crashed a test run) instead of at the test's
     end."""
     return pytest.raises(kind, match="^" + re.escape(message) + "$")
 

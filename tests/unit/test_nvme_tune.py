@@ -1,5 +1,5 @@
-"""The nvme-tune sweep (storage/nvme_tune.py) at unit level: its mutation run (tools/mutation.py,
-issue 23) had only the CLI's integration tests, which cannot check a measured number. Here the
+"""The nvme-tune sweep (storage/nvme_tune.py) at unit level (the CLI's integration tests,
+tests/integration/test_nvme_tune_cli.py, cannot check a measured number). Here the
 grid, the labels, the recommendation, the JSON and the table are checked on made-up results; the
 test file (TuneFile) on a few KiB in a real directory, with the clock injected (the module's own
 ``time`` replaced by a fake whose ``perf_counter`` the test scripts), so every GB/s is exact; and

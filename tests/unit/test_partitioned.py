@@ -1,5 +1,4 @@
-"""The partitioned optimizer (optim/partitioned.py) at unit level, for its mutation run
-(tools/mutation.py, issue 23): its tests were the engine's. Here it runs over a few small real
+"""The partitioned optimizer (optim/partitioned.py) at unit level. Here it runs over a few small real
 Units and a real TierManager, driven as the coordinator and the engine drive it (gradients
 parameter by parameter, the unit's backward done, ``step()``, the deferred steps on the next
 fetch, ``reap``), and its updates are compared with torch.optim.AdamW on the same random data

@@ -1,6 +1,5 @@
 """The pending background steps (optim/pending_steps.py) at unit level, with real StepJobs and
-no step stream: no test imported the module (the engine's integration tests reached it), so its
-mutation run (tools/mutation.py, issue 23) starts here. A job's futures complete when the test
+no step stream. A job's futures complete when the test
 moves it through its phases; a job whose wait must block lands (or fails, or is interrupted)
 from inside that wait, in the waiting thread, so nothing depends on timing."""
 from __future__ import annotations

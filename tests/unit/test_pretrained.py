@@ -1,4 +1,4 @@
-"""checkpoint/pretrained.py at unit level (issue 23 mutation run): a Hugging Face directory found
+"""checkpoint/pretrained.py at unit level: a Hugging Face directory found
 (index, single file, one file given, and every refusal with its text), opened and checked whole
 (missing shards, tensors an index promises), matched to a model (tied names, base-model prefix
 both ways, missing / unexpected / mismatched parameters and buffers, ignore patterns, the error
@@ -456,7 +456,7 @@ def test_a_file_that_shrinks_or_fails_while_read_is_reported(tmp_path: Path,
                                    f"from {path}: Input/output error")
 
 
-# -- the first mutation run's gaps -----------------------------------------------------------
+# -- conversion hints, buffered and direct reads, the match's edges ------------------------------
 @pytest.mark.parametrize("pickle_name", ["pytorch_model.bin", "model.pt", "model.pth"])
 def test_each_pickle_suffix_gets_the_conversion_hint(tmp_path: Path, pickle_name: str) -> None:
     (tmp_path / pickle_name).write_bytes(b"")

@@ -1,4 +1,4 @@
-"""checkpoint/pretrained_write.py at unit level (issue 23 mutation run): transformers' weight
+"""checkpoint/pretrained_write.py at unit level: transformers' weight
 layout written from an engine (``save_pretrained``, on a TrainingState of real Units) and from a
 checkpoint (``export_pretrained``, on real tensor files), and the pieces under them -- sizes,
 dtypes, shard plans and names, the sharded writer's index, stale files and aborts, the model's

@@ -1,6 +1,5 @@
 """The optimizer's records (optim/records.py) at unit level, on real Units, HeldRooms and
-BufferPools: only the engine's tests reached most of it, so its mutation run
-(tools/mutation.py, issue 23) starts here -- the timers' reset, sub-groups, gradient pieces
+BufferPools: the timers' reset, sub-groups, gradient pieces
 (flat, and held parts with a parameter that got none), a complete gradient's slices and what
 it gives back, and every phase change of a step job, allowed and refused."""
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """What a checkpoint load restores besides the tensors (checkpoint/restore.py), at unit level:
-no unit test imported the module (the engine's checkpoint tests reached it, seconds a mutant),
-so its mutation run (tools/mutation.py, issue 23) starts here -- the counters read and checked,
+the counters read and checked,
 the param-group settings kept or refused, the loss scaler's and the scheduler's states taken
 or kept, and every refusal's message naming the checkpoint, the field and the value."""
 from __future__ import annotations
@@ -284,8 +283,8 @@ def test_a_scheduler_state_that_is_not_a_dict_lacks_every_key() -> None:
 
 def test_a_scheduler_state_that_is_a_number_is_refused_as_damaged() -> None:
     """An edited manifest's ``"lr_scheduler": 5``: the CheckpointError naming its type, not a
-    TypeError from looking into it (a mutation run survivor: ``isinstance(state, dict) or
-    True`` took set(state) of any state)."""
+    TypeError from looking into it (``isinstance(state, dict) or True`` would take
+    set(state) of any state)."""
     sched = _lambda_lr()
     message = _refused(_state(scheduler=sched), {"param_groups": [], "lr_scheduler": 5})
     assert message.startswith(f"checkpoint {DIR}: its LR scheduler state (int) lacks what "

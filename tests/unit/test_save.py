@@ -1,7 +1,5 @@
 """``save_checkpoint`` (checkpoint/save.py) at unit level, on real Units, real optimizer states
-and a real save directory: no unit test imported the module (the engine's checkpoint tests
-reached it, seconds a mutant), so its mutation run (tools/mutation.py, issue 23) starts here --
-the checks before a save, the manifest's state (JSON values, string keys), what the files and
+and a real save directory: the checks before a save, the manifest's state (JSON values, string keys), what the files and
 the manifest hold, tags and latest, the free-space check and a disk filling up, and the
 agreement between ranks (test_load.py reads such checkpoints back)."""
 from __future__ import annotations
@@ -343,7 +341,7 @@ def test_a_rank_that_cannot_see_the_staging_directory(tmp_path: Path) -> None:
         "directory must be on a file system every rank mounts (a shared disk across nodes)")
 
 
-# -- the survivors of the first mutation run (BENCHMARKS.md "Mutation testing") -------------
+# -- metadata, free space, other ranks' failures, the key check and the log line -----------------
 
 def test_the_files_carry_the_format_in_their_metadata(tmp_path: Path, manager) -> None:
     final = save_checkpoint(_state(manager), tmp_path)

@@ -1,6 +1,5 @@
 """The rank files of a checkpoint read as whole tensors (checkpoint/sliced.py) at unit level, on
-real tensor files: no unit test imported the module (the engine's checkpoint tests reached it,
-seconds a mutant), so its mutation run (tools/mutation.py, issue 23) starts here -- slices put
+real tensor files: slices put
 together in any file order, every way a set of slices can fail to make a tensor, names that
 only look like slices, the manifest's world size and shapes, and a checkpoint's model files
 found and checked without an engine."""

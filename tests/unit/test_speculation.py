@@ -2,9 +2,7 @@
 kernel (hyperparameters and step counts), pending steps and step jobs, with doubled flat
 stores on a pretend disk (fakes.py) and a submit that plays the step stream. The rebuilt
 gradient is checked bit for bit against the float64 formula of [Note: the gradient of a
-speculated step] and against the gradient it came from. No unit test imported the module (the
-engine's integration tests reached it), so its mutation run (tools/mutation.py, issue 23)
-starts here."""
+speculated step] and against the gradient it came from."""
 from __future__ import annotations
 
 from collections import deque

@@ -1,5 +1,4 @@
-"""The step stream (optim/step_stream.py) at unit level, where its mutation run (tools/mutation.py,
-issue 23) starts: small real units, the real Adam kernel, real host stores and a small "disk"
+"""The step stream (optim/step_stream.py) at unit level: small real units, the real Adam kernel, real host stores and a small "disk"
 store whose reads and writes happen only when they are waited for (a buffer used before its read
 was waited for, or reused before its write was waited for, shows in the values). The resulting
 states are checked against a float64 Adam (fakes.reference_adam_f64: fp32 Adam within

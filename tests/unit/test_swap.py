@@ -1,4 +1,4 @@
-"""storage/swap.py at unit level (its mutation run, issue 23): the file sizes it picks, its
+"""storage/swap.py at unit level: the file sizes it picks, its
 arguments' checks, the preflight it asks for, a larger buffer than the extent (only the extent's
 bytes move), offsets at the extent's end, the requests it keeps, and its log lines -- on a real
 swap space in a disk directory with small files."""

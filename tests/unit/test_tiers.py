@@ -1,5 +1,5 @@
-"""storage/tiers.py's checked residency transitions at unit level (its mutation run, issue 23):
-every legal move, every illegal one refused with the unit's name, and how a state compares."""
+"""storage/tiers.py's checked residency transitions at unit level: every
+legal move, every illegal one refused with the unit's name, and how a state compares."""
 from __future__ import annotations
 
 import itertools

@@ -1,7 +1,6 @@
 """Moving a unit's flat states between their homes and checkpoint files (checkpoint/unit_io.py),
 at unit level on real stores (host tensors, HOST and NVMe FlatStores of a real TierManager on a
-real disk): no unit test imported the module (the engine's checkpoint tests reached it, seconds
-a mutant), so its mutation run (tools/mutation.py, issue 23) starts here -- which pool carries
+real disk): which pool carries
 the chunks, the parts inside a window, the span rounded to a block, chunks read and written in
 order with at most two in flight and every slot given back (also on an error or an early stop),
 the gaps zeroed or kept, the shadow extent written, and device memory filled in pieces."""
@@ -392,7 +391,7 @@ def test_device_memory_is_filled_through_host_pieces(monkeypatch) -> None:
     assert calls == [("a", 0, 4), ("a", 4, 4), ("a", 8, 2), ("b", 1, 4), ("b", 5, 1)]
 
 
-# -- the survivors of the first mutation run (BENCHMARKS.md "Mutation testing") -------------
+# -- device memory, and the edges of windows, spans and chunks --------------------------
 
 class _OnDevice(torch.Tensor):
     """A host tensor that says it is on a GPU: the device paths (host copies made in pieces of

@@ -1,6 +1,5 @@
-"""The checkpoint save lock (checkpoint/writer_lock.py) at unit level, without an engine: what its
-mutation run (tools/mutation.py, issue 23) needs to tell a broken lock from a working one --
-who may take it, what a refusal says, what release removes, the races it handles."""
+"""The checkpoint save lock (checkpoint/writer_lock.py) at unit level, without an engine: what
+tells a broken lock from a working one -- who may take it, what a refusal says, what release removes, the races it handles."""
 from __future__ import annotations
 
 import errno
