@@ -16,8 +16,10 @@ import sys
 import pytest
 import torch
 
-from ranks import HERE, check_ranks, free_port, launch, read_results
+from ranks import HERE, check_ranks, free_port, launch, read_results, worker_pythonpath
 from test_zero_ranks import STEPS, _check_case
+
+pytestmark = pytest.mark.distributed
 
 WORLD = 4
 CASES = [{"name": f"s3-nvme-nvme-{schedule}", "stage": 3, "opt": "nvme", "param": "nvme",
@@ -40,8 +42,7 @@ def two_nodes(tmp_path_factory):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                         "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1",
-               PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=worker_pythonpath())
     launchers = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
          str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",

@@ -18,6 +18,8 @@ from parity import make_model
 from parity_ranks_worker import LR, WEIGHT_DECAY, global_batches
 from ranks import check_ranks, launch, read_results, reference_run
 
+pytestmark = pytest.mark.distributed
+
 STEPS = 4
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from ranks import start
 
+pytestmark = pytest.mark.distributed
+
 TIMEOUT_S = 10.0      # infinity.collective_timeout of these runs
 BAR_S = TIMEOUT_S + 30
 

@@ -3,7 +3,11 @@ rank 0's change every rank's (DeepSpeed broadcasts it), ``training_data`` gives 
 disjoint share of the samples (DistributedSampler), and the engine reports its rank."""
 from __future__ import annotations
 
+import pytest
+
 from ranks import check_ranks, launch, read_results
+
+pytestmark = pytest.mark.distributed
 
 
 def test_modifier_rank_training_data_and_rank_accessors(tmp_path):

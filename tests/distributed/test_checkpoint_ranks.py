@@ -16,6 +16,8 @@ from parity import make_model
 from parity_ranks_worker import LR, WEIGHT_DECAY, global_batches
 from ranks import check_ranks, launch, read_results, reference_run
 
+pytestmark = pytest.mark.distributed
+
 FIRST, LAST = 2, 5
 CASES = [
     {"name": "s3-nvme-nvme", "stage": 3, "opt": "nvme", "param": "nvme", "schedule": "deferred"},

@@ -16,6 +16,13 @@ import torch
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
+# the helpers the workers share with the single-process tests (parity.py, hf_common.py)
+INTEGRATION = HERE.parent / "integration"
+
+
+def worker_pythonpath() -> str:
+    """PYTHONPATH of a rank worker: this directory, then tests/integration, then the caller's."""
+    return os.pathsep.join([str(HERE), str(INTEGRATION), os.environ.get("PYTHONPATH", "")])
 
 
 def free_port() -> int:
@@ -56,8 +63,7 @@ def start(world_size: int, script: str, args: list[str], *,
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=str(threads), PYTHONPATH=str(HERE) + os.pathsep +
-                   os.environ.get("PYTHONPATH", ""))
+                   OMP_NUM_THREADS=str(threads), PYTHONPATH=worker_pythonpath())
         env.update(env_extra or {})
         procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

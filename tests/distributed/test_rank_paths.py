@@ -3,7 +3,11 @@ pair unrelated buffers in their gathers and gradient averages, silently when the
 the collectives' fingerprint check at each optimizer step says so on every rank instead."""
 from __future__ import annotations
 
+import pytest
+
 from ranks import launch
+
+pytestmark = pytest.mark.distributed
 
 
 def test_ranks_that_run_different_blocks_are_stopped_at_the_step():

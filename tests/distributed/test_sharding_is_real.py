@@ -26,6 +26,8 @@ import pytest
 from infinity.planner.alignment import SHARD_ALIGN_NUMEL
 from ranks import read_results, start
 
+pytestmark = pytest.mark.distributed
+
 SCHEDULES = ("early", "deferred")
 FP32 = 4
 PAGE = 4096

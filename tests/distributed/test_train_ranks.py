@@ -20,6 +20,8 @@ import pytest
 from infinity.cli import main
 from infinity.train.metrics import read_metrics
 
+pytestmark = pytest.mark.distributed
+
 STEPS = 3
 # stage 3 with parameters and optimizer states on NVMe, clipping (the deferred step) and
 # accumulation: 2 micro-steps at 2 ranks, 4 at 1 rank, the same global batch of 8
@@ -100,7 +102,7 @@ def test_the_seed_deepspeed_config_runs_unchanged_on_four_ranks(disk_dir: Path,
     with a dynamic loss scale, clipping, train_batch_size 32 = 4 x 2 x 4 ranks), unchanged but
     for its comments, trains on 4 ranks (the small preset model; the 85M main job is recorded in
     BENCHMARKS.md) and its losses are those of one rank with the same global batch."""
-    config = Path(__file__).parent / "configs" / "seed_ds_config.json"
+    config = Path(__file__).resolve().parents[1] / "integration" / "configs" / "seed_ds_config.json"
     four, one = tmp_path / "four.jsonl", tmp_path / "one.jsonl"
 
     def args(config: Path, metrics: Path) -> list[str]:
