@@ -38,8 +38,10 @@ HYPER = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def exactly(kind, message: str):
-    return pytest.raises(kind, match="^" + re.escape(message) + "$")
+def raises_naming(kind, *phrases: str):
+    """pytest.raises for a message that says each of ``phrases`` in this order (what is wrong,
+    the offending value, the fix), whatever the wording around them."""
+    return pytest.raises(kind, match="(?s)" + ".*".join(re.escape(p) for p in phrases))
 
 
 class _Comm:
@@ -596,16 +598,14 @@ def test_a_16_bit_gradient_home_and_its_guard(rig, disk_dir) -> None:
     r.ref_step(g)
     r.assert_matches()
     units = r.units
-    with exactly(ValueError, "a torch.bfloat16 gradient home needs grad_tier HOST and one rank, "
-                             "got nvme with 1 ranks (see [Note: the gradient home in the "
-                             "compute dtype])"):
+    with raises_naming(ValueError, "torch.bfloat16 gradient home", "grad_tier HOST and one rank",
+                       "got nvme with 1 ranks", "[Note: the gradient home in the compute dtype]"):
         PartitionedOptimizer(units, [{"params": [r.params["a"]]}], r.manager,
                              optimizer_tier=Tier.HOST, grad_tier=Tier.NVME, early_step=False,
                              sub_group_numel=2048, master_separate=False, staging_pool=None,
                              grad_dtype=torch.bfloat16)
-    with exactly(ValueError, "a torch.float16 gradient home needs grad_tier HOST and one rank, "
-                             "got host with 2 ranks (see [Note: the gradient home in the "
-                             "compute dtype])"):
+    with raises_naming(ValueError, "torch.float16 gradient home", "grad_tier HOST and one rank",
+                       "got host with 2 ranks", "[Note: the gradient home in the compute dtype]"):
         PartitionedOptimizer(units, [{"params": [r.params["a"]]}], r.manager,
                              optimizer_tier=Tier.HOST, grad_tier=Tier.HOST, early_step=False,
                              sub_group_numel=2048, master_separate=False, staging_pool=None,
@@ -703,15 +703,14 @@ def test_a_second_step_before_the_deferred_ones_ran_is_refused(rig) -> None:
     r.backward(r.grads())
     r.opt.step()
     r.backward(r.grads())
-    with exactly(RuntimeError, "the previous deferred step of 4 unit(s) (u0, u1, u2) has not "
-                               "run yet: step through Engine.step, which fetches and steps "
-                               "them first"):
+    with raises_naming(RuntimeError, "deferred step of 4 unit(s) (u0, u1, u2)", "not run yet",
+                       "step through Engine.step"):
         r.opt.step()
 
 
 def test_step_refuses_a_closure_and_routes_a_users_call_through_the_engine(rig) -> None:
     r = rig()
-    with exactly(ValueError, "PartitionedOptimizer.step does not take a closure"):
+    with raises_naming(ValueError, "PartitionedOptimizer.step", "closure"):
         r.opt.step(closure=lambda: 0.0)
     calls = []
     r.opt.on_user_step = lambda: calls.append(1)
@@ -726,26 +725,20 @@ def test_step_refuses_a_closure_and_routes_a_users_call_through_the_engine(rig) 
 
 def test_state_dict_and_load_state_dict_are_refused(rig) -> None:
     opt = rig().opt
-    tail = (": the Adam states of an infinity engine live in their tiers (host memory or the "
-            "NVMe swap space), unit by unit, and may not fit in memory as one dict. Save and "
-            "restore them with engine.save_checkpoint(dir) / engine.load_checkpoint(dir) (also "
-            "the model, scheduler and counters), as with DeepSpeed")
-    with exactly(RuntimeError, "optimizer.state_dict()" + tail):
+    why = ("Adam states", "may not fit in memory as one dict",
+           "engine.save_checkpoint(dir) / engine.load_checkpoint(dir)")
+    with raises_naming(RuntimeError, "optimizer.state_dict()", *why):
         opt.state_dict()
-    with exactly(RuntimeError, "optimizer.load_state_dict()" + tail):
+    with raises_naming(RuntimeError, "optimizer.load_state_dict()", *why):
         opt.load_state_dict({})
 
 
 def test_add_param_group_is_refused_after_construction(rig) -> None:
     opt = rig(two_groups=True).opt
     assert len(opt.param_groups) == 2        # given at construction: taken
-    with exactly(ValueError, (
-            "optimizer.add_param_group() after infinity.initialize: the engine lays out the "
-            "optimizer states of every parameter it trains at initialize, so the new group "
-            "would never be stepped. Give every group to infinity.initialize "
-            "(model_parameters=[...]); to start training more of the model later, "
-            "save_checkpoint, build a new engine with the new groups and load_checkpoint "
-            "with load_optimizer_states=False")):
+    with raises_naming(ValueError, "optimizer.add_param_group() after infinity.initialize",
+                       "never be stepped", "Give every group to infinity.initialize",
+                       "load_optimizer_states=False"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
     assert len(opt.param_groups) == 2
 
@@ -1064,7 +1057,7 @@ def test_the_master_init_buffer_is_named_in_a_host_budget_error(rig, disk_dir, v
     """An NVMe master is seeded through a host buffer counted in the host budget (from the
     units or from values): too small a budget names it."""
     from infinity.base.budget import BudgetExceededError
-    with pytest.raises(BudgetExceededError, match="^master init needs 4.00 KiB of host memory"):
+    with pytest.raises(BudgetExceededError, match=r"master init needs 4\.00 KiB of host memory"):
         rig(dtype=torch.bfloat16, master_separate=True, optimizer_tier=Tier.NVME,
             grad_tier=Tier.NVME, param_tier=Tier.NVME, disk=disk_dir, host_budget=1024,
             values=values)

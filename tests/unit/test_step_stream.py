@@ -697,8 +697,8 @@ def test_a_speculated_step_cannot_write_a_resident_param_home() -> None:
     job = rig.stream.submit(state, early=True, gradient=CompleteGradient(grad_of(values)),
                             speculative=True)
     rig.run()
-    with pytest.raises(RuntimeError, match="^u.p: a speculative step cannot write a resident "
-                                           "store in place$"):
+    with pytest.raises(RuntimeError, match="u.p: a speculative step cannot write a resident "
+                                           "store in place"):
         job.landed_future.result(timeout=0)
     assert rig.pool.available == 12
 
