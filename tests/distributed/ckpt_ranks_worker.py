@@ -1,4 +1,4 @@
-"""One rank of the checkpoint-across-ranks test (started by tests/distributed/ranks.py
+"""One rank of the checkpoint-across-ranks test (started by tests/integration/ranks.py
 ``launch``): for each case, either trains steps [0, first) and saves, or loads that checkpoint
 and trains steps [first, last); the global batch (all ranks' rows) is the same at every world
 size, so a run saved at N ranks and resumed at M must continue as one never interrupted.

@@ -1,4 +1,4 @@
-"""One rank of the two-rank pretrained test (started by tests/distributed/ranks.py ``launch``):
+"""One rank of the two-rank pretrained test (started by tests/integration/ranks.py ``launch``):
 ``infinity.from_pretrained`` at stage 3 with parameters and optimizer on NVMe, a few clipped
 steps on this rank's rows of each global batch, then ``engine.save_pretrained`` and
 ``model.save_pretrained`` (every rank calls them; rank 0 writes), and the eval logits of a

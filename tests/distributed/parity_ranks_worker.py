@@ -1,4 +1,4 @@
-"""One rank of the data-parallel parity matrix (started by tests/distributed/ranks.py ``launch``):
+"""One rank of the data-parallel parity matrix (started by tests/integration/ranks.py ``launch``):
 for each case, trains TinyLM (seed 0) on this rank's rows of each global micro-batch, then
 writes its losses, final parameters (gathered), skipped steps and communication counters.
 

@@ -1,4 +1,4 @@
-"""One rank of the fault tests (started by tests/distributed/ranks.py ``start``/``launch``):
+"""One rank of the fault tests (started by tests/integration/ranks.py ``start``/``launch``):
 trains TinyLM at stage 3 with a short ``infinity.collective_timeout``, and on the victim rank
 injects the fault at step 2, in the forward of the middle block:
 

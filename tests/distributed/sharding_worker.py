@@ -1,4 +1,4 @@
-"""One rank of the "sharding is real" test (started by tests/distributed/ranks.py ``launch``, or
+"""One rank of the "sharding is real" test (started by tests/integration/ranks.py ``launch``, or
 as a plain process for world size 1): trains an untied TinyLM at stage 3 with parameters and
 optimizer states on NVMe, and writes what this rank holds and moves to ``rank<r>.json``:
 

@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from ranks import HERE, check_ranks, free_port, launch, read_results, worker_pythonpath
+from ranks import (check_ranks, free_port, launch, read_results, script_path,
+                   worker_pythonpath)
 from test_zero_ranks import STEPS, _check_case
 
 pytestmark = pytest.mark.distributed
@@ -46,7 +47,7 @@ def two_nodes(tmp_path_factory):
     launchers = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
          str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-         str(port), str(HERE / "parity_ranks_worker.py"), str(out), str(nvme),
+         str(port), str(script_path("parity_ranks_worker.py")), str(out), str(nvme),
          json.dumps(CASES), str(STEPS)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
