@@ -21,9 +21,10 @@ dotted names (infinity.storage.extents, infinity.storage). Options:
     --recheck           run only the earlier survivors (and no-tests) of these modules, against
                         the current tests; mutants never checked stay unchecked
     --via-helpers       also map tests that reach a module only through a helper in tests/
-    --integration       keep tests/integration files for modules that unit tests import too (by
-                        default a module gets integration tests only when no unit test imports
-                        it: an engine test costs seconds to a minute for every mutant it covers)
+    --integration       keep tests/integration and tests/distributed files for modules that unit
+                        tests import too (by default a module gets those tests only when no unit
+                        test imports it: an engine test costs seconds to a minute for every
+                        mutant it covers; tools/mutmut.cfg deselects the distributed marker)
     --show-survivors    print the diff of every surviving mutant after the run
 
 What it does, and why it does it this way:
@@ -421,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [module_name(m) for m in modules]
     test_map = map_tests(names, WORK / "tests", args.via_helpers)
     for name in names:
-        unit = [t for t in test_map[name] if not t.startswith("tests/integration/")]
+        unit = [t for t in test_map[name]
+                if not t.startswith(("tests/integration/", "tests/distributed/"))]
         if unit and not args.integration:
             test_map[name] = unit
         test_map[name] = sorted(set(test_map[name]) | set(args.tests))

@@ -16,6 +16,20 @@ import torch
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
+# the rank workers of tests/distributed; this file stays beside the single-process helpers
+# (parity.py, hf_common.py) that the workers import, and that a test here may launch with it
+DISTRIBUTED = HERE.parent / "distributed"
+
+
+def script_path(script: str) -> Path:
+    """A worker script by name: next to this file, else in tests/distributed."""
+    here = HERE / script
+    return here if here.is_file() else DISTRIBUTED / script
+
+
+def worker_pythonpath() -> str:
+    """PYTHONPATH of a rank worker: tests/distributed, this directory, then the caller's."""
+    return os.pathsep.join([str(DISTRIBUTED), str(HERE), os.environ.get("PYTHONPATH", "")])
 
 
 def free_port() -> int:
@@ -27,9 +41,9 @@ def free_port() -> int:
 def launch(world_size: int, script: str, args: list[str], *, timeout: float = 600.0,
            env_extra: dict[str, str] | None = None, node_rank: int | None = None,
            nnodes: int = 1, port: int | None = None) -> list[subprocess.CompletedProcess]:
-    """Run ``script`` (a file next to this one) as ``world_size`` ranks; returns each rank's
-    completed process (stdout, stderr, returncode), by rank. Torch threads: the cores shared
-    among the local ranks."""
+    """Run ``script`` (a worker of tests/distributed, or a file next to this one) as
+    ``world_size`` ranks; returns each rank's completed process (stdout, stderr, returncode), by
+    rank. Torch threads: the cores shared among the local ranks."""
     procs = start(world_size, script, args, env_extra=env_extra, port=port)
     results = []
     for rank, proc in enumerate(procs):
@@ -56,10 +70,9 @@ def start(world_size: int, script: str, args: list[str], *,
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=str(threads), PYTHONPATH=str(HERE) + os.pathsep +
-                   os.environ.get("PYTHONPATH", ""))
+                   OMP_NUM_THREADS=str(threads), PYTHONPATH=worker_pythonpath())
         env.update(env_extra or {})
-        procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], env=env,
+        procs.append(subprocess.Popen([sys.executable, str(script_path(script)), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 

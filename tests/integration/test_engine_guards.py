@@ -45,7 +45,7 @@ def _weights(engine) -> torch.Tensor:
 def test_ranks_the_launcher_did_not_describe_are_refused_before_anything_is_built(
         disk_dir, monkeypatch) -> None:
     """WORLD_SIZE=2 without the rest of torchrun's environment: said, with what to do, before
-    anything is built (multi-rank training itself: tests/integration/test_zero_ranks.py)."""
+    anything is built (multi-rank training itself: tests/distributed/test_zero_ranks.py)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
@@ -16,31 +15,10 @@ import torch
 import infinity
 from infinity.checkpoint.pretrained import PretrainedMismatchError
 from infinity.checkpoint.tensor_file import CheckpointError
+from hf_common import SHARD, hf_load, hf_moe, hf_saved, logits_of, quiet_transformers, weights_in
 from parity import VOCAB, loss_of, make_model, zero_config
 
 pytestmark = pytest.mark.slow
-SHARD = "40KB"        # the small models below come out as 5 to 20 shards
-
-
-def _transformers():
-    import transformers
-
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
-    return transformers
-
-
-def _saved(directory: Path, family: str = "llama", dtype: torch.dtype | None = None,
-           shard: str = SHARD, **kwargs) -> Path:
-    """A small random ``family`` model saved by transformers into ``directory/src``."""
-    _transformers()
-    model = make_model(family, layers=kwargs.pop("layers", 3), width=kwargs.pop("width", 64),
-                       **kwargs)
-    if dtype is not None:
-        model = model.to(dtype)
-    src = directory / "src"
-    model.save_pretrained(src, max_shard_size=shard)
-    return src
 
 
 def _config(disk_dir: Path, stage: int = 3, tier: str = "nvme", **extra) -> dict:
@@ -51,27 +29,9 @@ def _config(disk_dir: Path, stage: int = 3, tier: str = "nvme", **extra) -> dict
     return ds
 
 
-def _plain(path: Path, **kwargs):
-    return _transformers().AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-
-
-def _weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(file))
-    return state
-
-
 def _batches(steps: int, seed: int = 3) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (2, 12), generator=gen) for _ in range(steps)]
-
-
-def _logits(model, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=x).logits
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
@@ -79,10 +39,10 @@ def test_pretrained_loads_trains_and_saves_as_transformers_would(disk_dir, famil
     """Logits equal a plain from_pretrained (0 difference in fp32); 5 steps at stage 3 with
     parameters and optimizer on NVMe match torch AdamW on the plain model (1e-5 relative);
     save_pretrained reloads, with transformers and with infinity, to the engine's logits."""
-    src = _saved(disk_dir, family)
+    src = hf_saved(disk_dir, family)
     assert (src / "model.safetensors.index.json").is_file()
-    plain = _plain(src)
-    reference = _plain(src).train()
+    plain = hf_load(src)
+    reference = hf_load(src).train()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01,
                                 foreach=False)
     engine, optimizer, _, _ = infinity.from_pretrained(src, config=_config(disk_dir))
@@ -90,7 +50,7 @@ def test_pretrained_loads_trains_and_saves_as_transformers_would(disk_dir, famil
     try:
         assert optimizer is engine.optimizer
         assert not engine.module.training              # as transformers returns it
-        assert (_logits(engine, x) - _logits(plain, x)).abs().max().item() == 0.0
+        assert (logits_of(engine, x) - logits_of(plain, x)).abs().max().item() == 0.0
         engine.train()
         for batch in _batches(5):
             loss = loss_of(engine(input_ids=batch, labels=batch))
@@ -102,7 +62,7 @@ def test_pretrained_loads_trains_and_saves_as_transformers_would(disk_dir, famil
             ref_opt.zero_grad()
             assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
         engine.eval()
-        trained = _logits(engine, x)
+        trained = logits_of(engine, x)
         out = disk_dir / "out"
         assert engine.save_pretrained(out, max_shard_size=SHARD) == out
         index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -112,13 +72,13 @@ def test_pretrained_loads_trains_and_saves_as_transformers_would(disk_dir, famil
         if family == "gpt2":       # the tied head is saved once, under the embedding's name
             assert "transformer.wte.weight" in index["weight_map"]
             assert "lm_head.weight" not in index["weight_map"]
-        assert (_logits(_plain(out), x) - trained).abs().max().item() == 0.0
-        torch.testing.assert_close(trained, _logits(reference.eval(), x), rtol=1e-4, atol=1e-5)
+        assert (logits_of(hf_load(out), x) - trained).abs().max().item() == 0.0
+        torch.testing.assert_close(trained, logits_of(reference.eval(), x), rtol=1e-4, atol=1e-5)
     finally:
         engine.close()
     again, *_ = infinity.from_pretrained(out, config=_config(disk_dir))
     try:
-        assert (_logits(again, x) - trained).abs().max().item() == 0.0
+        assert (logits_of(again, x) - trained).abs().max().item() == 0.0
     finally:
         again.close()
 
@@ -129,8 +89,8 @@ def test_model_save_pretrained_and_state_dict_are_current_after_a_clipped_step(
     """model.save_pretrained() and model.state_dict() of a held model, before and right after
     a step with clipping (whose update lands at the next fetch): the engine's current weights,
     equal to torch's after the same step, never empty or one step stale."""
-    src = _saved(disk_dir, "llama")
-    reference = _plain(src).train()
+    src = hf_saved(disk_dir, "llama")
+    reference = hf_load(src).train()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01,
                                 foreach=False)
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir, stage, tier,
@@ -138,7 +98,7 @@ def test_model_save_pretrained_and_state_dict_are_current_after_a_clipped_step(
     model = engine.module
     try:
         model.save_pretrained(disk_dir / "before")
-        before = _weights(disk_dir / "before")
+        before = weights_in(disk_dir / "before")
         expected = {n: p.detach() for n, p in reference.named_parameters()}
         assert set(before) == set(expected)
         for name, value in expected.items():
@@ -152,7 +112,7 @@ def test_model_save_pretrained_and_state_dict_are_current_after_a_clipped_step(
         assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05) > 0.05   # clipped
         ref_opt.step()
         model.save_pretrained(disk_dir / "after")
-        after = _weights(disk_dir / "after")
+        after = weights_in(disk_dir / "after")
         state = model.state_dict()
         current = engine.module_state_dict()
         for name, value in reference.named_parameters():
@@ -168,7 +128,7 @@ def test_model_save_pretrained_and_state_dict_are_current_after_a_clipped_step(
 
 
 def test_state_dict_beyond_the_host_budget_names_the_streamed_save(disk_dir) -> None:
-    src = _saved(disk_dir, "llama")
+    src = hf_saved(disk_dir, "llama")
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
     try:
         engine.manager.host_budget.limit = 1024       # a model larger than the budget
@@ -180,13 +140,13 @@ def test_state_dict_beyond_the_host_budget_names_the_streamed_save(disk_dir) -> 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_files_load_into_fp32_compute(disk_dir, dtype) -> None:
-    src = _saved(disk_dir, "qwen2", dtype=dtype)
+    src = hf_saved(disk_dir, "qwen2", dtype=dtype)
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
     x = _batches(1)[0]
     try:
         assert engine.compute_dtype == torch.float32
-        plain = _plain(src, dtype=torch.float32)
-        assert (_logits(engine, x) - _logits(plain, x)).abs().max().item() == 0.0
+        plain = hf_load(src, dtype=torch.float32)
+        assert (logits_of(engine, x) - logits_of(plain, x)).abs().max().item() == 0.0
     finally:
         engine.close()
 
@@ -195,8 +155,8 @@ def test_a_16bit_engine_keeps_the_fp32_file_in_its_masters(disk_dir) -> None:
     """bf16 compute from an fp32 file: the fp32 masters are read from the file (not from the
     bf16 copy), so an fp32 save right after the load gives the file back bit for bit; the
     default save dtype follows stage3_gather_16bit_weights_on_model_save."""
-    src = _saved(disk_dir, "llama", layers=2)
-    original = _weights(src)
+    src = hf_saved(disk_dir, "llama", layers=2)
+    original = weights_in(src)
     for gather, expect in ((False, torch.float32), (True, torch.bfloat16)):
         ds = _config(disk_dir, 3, "cpu", bf16={"enabled": True},
                      infinity={"compute_dtype": "bf16"})
@@ -207,7 +167,7 @@ def test_a_16bit_engine_keeps_the_fp32_file_in_its_masters(disk_dir) -> None:
             engine.save_pretrained(disk_dir / "out")
         finally:
             engine.close()
-        saved = _weights(disk_dir / "out")
+        saved = weights_in(disk_dir / "out")
         config = json.loads((disk_dir / "out" / "config.json").read_text())
         assert config["dtype"] == str(expect).replace("torch.", "")
         for name, value in original.items():
@@ -217,7 +177,7 @@ def test_a_16bit_engine_keeps_the_fp32_file_in_its_masters(disk_dir) -> None:
 
 
 def test_tokenizer_and_generation_files_travel_with_the_model(disk_dir) -> None:
-    src = _saved(disk_dir, "llama")
+    src = hf_saved(disk_dir, "llama")
     generation = json.loads((src / "generation_config.json").read_text())
     generation["max_new_tokens"] = 17
     (src / "generation_config.json").write_text(json.dumps(generation))
@@ -244,7 +204,7 @@ def test_tokenizer_and_generation_files_travel_with_the_model(disk_dir) -> None:
 def test_a_second_save_replaces_the_first_whole(disk_dir) -> None:
     """A sharded save over a single-file one (and back) leaves no file of the earlier save
     that transformers would read."""
-    src = _saved(disk_dir, "llama")
+    src = hf_saved(disk_dir, "llama")
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
     out = disk_dir / "out"
     try:
@@ -266,7 +226,7 @@ def test_a_base_model_checkpoint_loads_under_a_head_and_kwargs_reach_the_config(
     """A checkpoint saved from the base model (no ``model.`` prefix, no head) loads into the
     causal LM with strict=False, as transformers maps base_model_prefix; keyword arguments
     override the config, and the ones that mean something else here are refused."""
-    _transformers()
+    quiet_transformers()
     full = make_model("llama", layers=2, width=64)
     full.model.save_pretrained(disk_dir / "base")
     with pytest.raises(PretrainedMismatchError, match=r"not in it: lm_head\.weight"):
@@ -306,7 +266,7 @@ def test_prepare_model_wraps_and_freezes_outside_zero_init(disk_dir) -> None:
     """prepare_model runs after the match, outside zero.Init: a wrapper's new parameter keeps
     the value it was built with, frozen parameters stay frozen, and the checkpoint's tensors
     follow their parameters under the wrapper's names."""
-    src = _saved(disk_dir, "llama")
+    src = hf_saved(disk_dir, "llama")
 
     def prepare(model):
         assert next(model.parameters()).device.type == "meta"
@@ -320,7 +280,7 @@ def test_prepare_model_wraps_and_freezes_outside_zero_init(disk_dir) -> None:
         state = engine.module_state_dict()
         assert torch.equal(state["scale"], torch.full((64,), 0.5))
         assert not engine.module.inner.model.embed_tokens.weight.requires_grad
-        assert (_logits(engine, x) - _logits(_plain(src), x)).abs().max().item() == 0.0
+        assert (logits_of(engine, x) - logits_of(hf_load(src), x)).abs().max().item() == 0.0
     finally:
         engine.close()
 
@@ -342,14 +302,14 @@ def test_a_peft_adapter_from_prepare_model_starts_from_the_base(disk_dir, lora) 
     modules_to_save copy of the head is loaded as the head. Step-0 logits equal the base
     model's; every adapter tensor equals PEFT's on a plain model from the same seed."""
     pytest.importorskip("peft")
-    src = _saved(disk_dir, "llama", layers=2)
+    src = hf_saved(disk_dir, "llama", layers=2)
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir),
                                           prepare_model=lambda m: _peft(m, **lora))
     x = _batches(1)[0]
     try:
-        base = _plain(src)
-        assert (_logits(engine, x) - _logits(base, x)).abs().max().item() == 0.0
-        reference = _peft(_plain(src), **lora).state_dict()
+        base = hf_load(src)
+        assert (logits_of(engine, x) - logits_of(base, x)).abs().max().item() == 0.0
+        reference = _peft(hf_load(src), **lora).state_dict()
         state = engine.module_state_dict()
         added = [k for k in reference if "lora_" in k or "modules_to_save" in k]
         assert added and all(torch.equal(state[k], reference[k]) for k in added), added
@@ -366,7 +326,7 @@ def test_save_pretrained_of_a_peft_model_is_its_adapter(disk_dir, tmp_path) -> N
     pytest.importorskip("peft")
     from peft import PeftModel
 
-    src = _saved(disk_dir, "llama", layers=2)
+    src = hf_saved(disk_dir, "llama", layers=2)
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir),
                                           prepare_model=lambda m: _peft(m))
     x = _batches(1)[0]
@@ -388,21 +348,21 @@ def test_save_pretrained_of_a_peft_model_is_its_adapter(disk_dir, tmp_path) -> N
         assert (again / "adapter_model.safetensors").is_file()
         merged = tmp_path / "merged"
         engine.save_pretrained(merged, merged=True)
-        ours = _logits(engine, x)
+        ours = logits_of(engine, x)
     finally:
         engine.close()
     for directory in (out, again):
-        reloaded = PeftModel.from_pretrained(_plain(src), directory).eval()
-        assert (_logits(reloaded, x) - ours).abs().max().item() <= 1e-6
-        assert (_logits(reloaded, x) - _logits(_plain(src), x)).abs().max().item() > 1e-4
+        reloaded = PeftModel.from_pretrained(hf_load(src), directory).eval()
+        assert (logits_of(reloaded, x) - ours).abs().max().item() <= 1e-6
+        assert (logits_of(reloaded, x) - logits_of(hf_load(src), x)).abs().max().item() > 1e-4
     # merged=True: the base with the adapter merged, under the base's names, as PEFT's
     # merge_and_unload gives it (fp32; the merge's products rounded alike: <= 1e-6)
-    want = PeftModel.from_pretrained(_plain(src), out).merge_and_unload().state_dict()
-    got = _weights(merged)
-    assert sorted(got) == sorted(_weights(src)), sorted(set(got) ^ set(_weights(src)))
+    want = PeftModel.from_pretrained(hf_load(src), out).merge_and_unload().state_dict()
+    got = weights_in(merged)
+    assert sorted(got) == sorted(weights_in(src)), sorted(set(got) ^ set(weights_in(src)))
     for name, value in got.items():
         assert (value - want[name]).abs().max().item() <= 1e-6, name
-    assert (_logits(_plain(merged), x) - ours).abs().max().item() <= 1e-5
+    assert (logits_of(hf_load(merged), x) - ours).abs().max().item() <= 1e-5
 
 
 def test_a_peft_adapter_over_a_zero_init_base_is_refused_not_reinitialised(disk_dir) -> None:
@@ -423,12 +383,12 @@ def test_a_dora_adapter_passed_to_initialize_starts_from_the_base(disk_dir) -> N
     initialize(peft_model) over a base transformers loaded: its magnitude is the base weight's
     norm, so step-0 logits equal the base model's, on stage 3 NVMe."""
     pytest.importorskip("peft")
-    src = _saved(disk_dir, "llama", layers=2)
-    engine, *_ = infinity.initialize(model=_peft(_plain(src), use_dora=True),
+    src = hf_saved(disk_dir, "llama", layers=2)
+    engine, *_ = infinity.initialize(model=_peft(hf_load(src), use_dora=True),
                                      config=_config(disk_dir))
     x = _batches(1)[0]
     try:
-        assert (_logits(engine, x) - _logits(_plain(src), x)).abs().max().item() <= 1e-6
+        assert (logits_of(engine, x) - logits_of(hf_load(src), x)).abs().max().item() <= 1e-6
     finally:
         engine.close()
 
@@ -438,7 +398,7 @@ def test_an_adapter_computed_from_unloaded_weights_is_refused(disk_dir) -> None:
     prepare_model: refused before any work, naming the parameters and what to do (it would
     otherwise train from a random init)."""
     pytest.importorskip("peft")
-    src = _saved(disk_dir, "llama", layers=2)
+    src = hf_saved(disk_dir, "llama", layers=2)
     with pytest.raises(ValueError) as info:
         infinity.from_pretrained(src, config=_config(disk_dir),
                                  prepare_model=lambda m: _peft(m, use_dora=True))
@@ -450,7 +410,7 @@ def test_an_adapter_computed_from_unloaded_weights_is_refused(disk_dir) -> None:
 def _neox(directory: Path) -> Path:
     """A small random GPT-NeoX saved by transformers: the Hub layout, with embed_out, which
     transformers renames to lm_head while it loads."""
-    transformers = _transformers()
+    transformers = quiet_transformers()
     torch.manual_seed(0)
     cfg = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, intermediate_size=128,
@@ -467,39 +427,16 @@ def test_a_checkpoint_transformers_renames_at_load_loads_and_saves_back(disk_dir
     difference; before, the load was refused, and the strict=False it suggested left the head
     random), and save_pretrained writes the Hub's names back, as transformers does."""
     src = _neox(disk_dir)
-    assert "embed_out.weight" in _weights(src)
+    assert "embed_out.weight" in weights_in(src)
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
     x = _batches(1)[0]
     try:
-        assert (_logits(engine, x) - _logits(_plain(src), x)).abs().max().item() == 0.0
+        assert (logits_of(engine, x) - logits_of(hf_load(src), x)).abs().max().item() == 0.0
         engine.save_pretrained(tmp_path / "out")
     finally:
         engine.close()
-    assert sorted(_weights(tmp_path / "out")) == sorted(_weights(src))
-    assert (_logits(_plain(tmp_path / "out"), x) - _logits(_plain(src), x)).abs().max() == 0.0
-
-
-def _moe(directory: Path, family: str) -> Path:
-    """A small random MoE saved by transformers in the Hub layout (experts one by one)."""
-    transformers = _transformers()
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=64, output_router_logits=True,
-                  router_aux_loss_coef=0.02)       # the loss includes the router's
-    if family == "mixtral":
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            num_local_experts=4, num_experts_per_tok=2, **common))
-    elif family == "phimoe":        # renames too: block_sparse_moe -> mlp, gate -> router
-        model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
-            num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
-            input_jitter_noise=0.0, **common))     # no noise: two runs route alike
-    else:
-        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-            shared_expert_intermediate_size=64, **common))
-    src = directory / family
-    model.save_pretrained(src, max_shard_size="60KB")     # experts of a layer across shards
-    return src
+    assert sorted(weights_in(tmp_path / "out")) == sorted(weights_in(src))
+    assert (logits_of(hf_load(tmp_path / "out"), x) - logits_of(hf_load(src), x)).abs().max() == 0.0
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "phimoe"])
@@ -513,16 +450,16 @@ def test_a_checkpoint_transformers_fuses_at_load_loads_as_transformers_loads_it(
     AdamW on transformers' model (1e-5 relative, as the dense families); the save is the Hub
     layout again (its names equal the source's) and reloads in transformers to the engine's
     logits."""
-    src = _moe(disk_dir, family)
-    assert any(".experts.1." in k for k in _weights(src))
+    src = hf_moe(disk_dir, family)
+    assert any(".experts.1." in k for k in weights_in(src))
     assert len(list(src.glob("*.safetensors"))) > 2
-    reference = _plain(src).train()
+    reference = hf_load(src).train()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01,
                                 foreach=False)
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
     x = _batches(1)[0]
     try:
-        assert (_logits(engine, x) - _logits(_plain(src), x)).abs().max().item() == 0.0
+        assert (logits_of(engine, x) - logits_of(hf_load(src), x)).abs().max().item() == 0.0
         engine.train()
         for batch in _batches(5):
             out = engine(input_ids=batch, labels=batch)
@@ -539,26 +476,26 @@ def test_a_checkpoint_transformers_fuses_at_load_loads_as_transformers_loads_it(
             # expert is 9e-5 (Qwen2-MoE; Mixtral 5e-4, PhiMoE 1e-3), ~1000x that drift
             assert abs(out.loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
         engine.eval()
-        ours = _logits(engine, x)
+        ours = logits_of(engine, x)
         engine.save_pretrained(tmp_path / "out")
         engine.save_checkpoint(tmp_path / "ckpt")
     finally:
         engine.close()
-    assert (_logits(_plain(tmp_path / "out"), x) - ours).abs().max().item() == 0.0
-    assert sorted(_weights(tmp_path / "out")) == sorted(_weights(src))   # the Hub layout
+    assert (logits_of(hf_load(tmp_path / "out"), x) - ours).abs().max().item() == 0.0
+    assert sorted(weights_in(tmp_path / "out")) == sorted(weights_in(src))   # the Hub layout
     # and `infinity export` of its checkpoint, from the config.json the checkpoint holds
     from infinity.checkpoint.pretrained_write import export_pretrained
     from infinity.engine.hf_conversions import hub_names_of_config
     exported = export_pretrained(tmp_path / "ckpt", tmp_path / "exported",
                                  hub_names_of=hub_names_of_config)
-    assert sorted(_weights(exported)) == sorted(_weights(src))
-    assert (_logits(_plain(exported), x) - ours).abs().max().item() <= 1e-6
+    assert sorted(weights_in(exported)) == sorted(weights_in(src))
+    assert (logits_of(hf_load(exported), x) - ours).abs().max().item() <= 1e-6
 
 
 def test_a_model_that_is_not_a_causal_lm_names_the_class_to_pass(disk_dir) -> None:
     """T5 under the default AutoModelForCausalLM: the error names the classes that build it
     (its config's architecture first), not transformers' list of every causal LM."""
-    transformers = _transformers()
+    transformers = quiet_transformers()
     cfg = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1,
                                 num_heads=2)
     transformers.T5ForConditionalGeneration(cfg).save_pretrained(disk_dir / "t5")
@@ -628,7 +565,7 @@ def test_a_shape_mismatch_names_the_tensor_and_the_file(disk_dir) -> None:
 
 
 def test_a_missing_shard_is_named_with_a_tensor_it_holds(disk_dir) -> None:
-    src = _saved(disk_dir, "llama")
+    src = hf_saved(disk_dir, "llama")
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     lost = sorted(set(index.values()))[1]
     held = sorted(k for k, v in index.items() if v == lost)[0]
@@ -650,7 +587,7 @@ def test_a_directory_without_safetensors_is_refused_plainly(disk_dir) -> None:
 def test_infinity_export_writes_a_directory_transformers_loads(disk_dir, capsys) -> None:
     from infinity.cli import main
 
-    src = _saved(disk_dir, "gpt2")
+    src = hf_saved(disk_dir, "gpt2")
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
     x = _batches(1, seed=5)[0]
     try:
@@ -660,66 +597,15 @@ def test_infinity_export_writes_a_directory_transformers_loads(disk_dir, capsys)
             engine.step()
         engine.save_checkpoint(disk_dir / "ckpt")
         engine.eval()
-        trained = _logits(engine, x)
+        trained = logits_of(engine, x)
     finally:
         engine.close()
     out = disk_dir / "exported"
     assert main(["export", str(disk_dir / "ckpt"), str(out), "--max-shard-size", SHARD]) == 0
     assert "weight file(s)" in capsys.readouterr().out
     assert (out / "model.safetensors.index.json").is_file()
-    assert (_logits(_plain(out), x) - trained).abs().max().item() == 0.0
+    assert (logits_of(hf_load(out), x) - trained).abs().max().item() == 0.0
     assert main(["export", str(disk_dir / "ckpt"), str(disk_dir / "half"), "--dtype", "bf16"]) == 0
     assert json.loads((disk_dir / "half" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert all(v.dtype == torch.bfloat16 for v in _weights(disk_dir / "half").values()
+    assert all(v.dtype == torch.bfloat16 for v in weights_in(disk_dir / "half").values()
                if v.is_floating_point())
-
-
-# -- two ranks -------------------------------------------------------------------------------
-@pytest.mark.distributed
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path, family) -> None:
-    """from_pretrained at 2 gloo ranks (stage 3, NVMe, each rank reading only its shards),
-    3 clipped steps: the mean loss over the ranks equals torch AdamW on the whole batch;
-    engine.save_pretrained, model.save_pretrained (all ranks calling, rank 0 writing) and
-    infinity export of the 2-rank checkpoint load with transformers to the engine's logits; model.state_dict() is the same on both ranks; a
-    bf16 engine's default (fp32) save gathers its masters: the file's values bit for bit.
-    Mixtral: its experts fused at load on each rank (each keeping its shard of the fused
-    tensors), the router's auxiliary loss in each rank's loss, and saved per expert again."""
-    from ranks import check_ranks, launch, read_results
-    from safetensors.torch import load_file
-
-    steps = 3
-    src = _saved(disk_dir, "llama") if family == "llama" else _moe(disk_dir, "mixtral")
-    check_ranks(launch(2, "hf_pretrained_ranks_worker.py",
-                       [str(tmp_path), str(disk_dir), str(src), str(steps)], timeout=600))
-    results = read_results(tmp_path, 2)
-    reference = _plain(src).train()
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    gen = torch.Generator().manual_seed(3)
-    for step in range(steps):
-        x = torch.randint(0, VOCAB, (4, 12), generator=gen)
-        halves = [loss_of(reference(input_ids=x[r * 2:(r + 1) * 2], labels=x[r * 2:(r + 1) * 2]))
-                  for r in range(2)]
-        (sum(halves) / 2).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-        opt.step()
-        opt.zero_grad()
-        got = sum(r["losses"][step] for r in results) / 2
-        want = sum(h.item() for h in halves) / 2
-        assert abs(got - want) <= 1e-5 * abs(want), (step, got, want)
-    logits = load_file(str(tmp_path / "logits0.safetensors"))["logits"]
-    assert torch.equal(logits, load_file(str(tmp_path / "logits1.safetensors"))["logits"])
-    x = torch.arange(12).reshape(1, 12) % VOCAB
-    from infinity.cli import main
-
-    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
-    for name in ("saved", "model_saved", "exported"):
-        assert (_logits(_plain(tmp_path / name), x) - logits).abs().max().item() == 0.0, name
-    assert (tmp_path / "saved" / "model.safetensors.index.json").is_file()
-    assert results[0]["state"] == results[1]["state"]
-    original = _weights(src)
-    masters = _weights(tmp_path / "masters")
-    assert set(masters) == set(original)
-    for name, value in original.items():
-        assert masters[name].dtype == torch.float32 and torch.equal(masters[name], value), name
-    torch.testing.assert_close(logits, _logits(reference.eval(), x), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,25 @@
+"""DeepSpeed habits across 2 ranks (gloo, localhost): GatheredParameters(modifier_rank=0) makes
+rank 0's change every rank's (DeepSpeed broadcasts it), ``training_data`` gives each rank a
+disjoint share of the samples (DistributedSampler), and the engine reports its rank."""
+from __future__ import annotations
+
+import pytest
+
+from ranks import check_ranks, launch, read_results
+
+pytestmark = pytest.mark.distributed
+
+
+def test_modifier_rank_training_data_and_rank_accessors(tmp_path):
+    out, nvme = tmp_path / "out", tmp_path / "nvme"
+    out.mkdir()
+    nvme.mkdir()
+    check_ranks(launch(2, "api_ranks_worker.py", [str(out), str(nvme)], timeout=300))
+    results = read_results(out, 2)
+    for rank, r in enumerate(results):
+        assert r["values"] == [1.0], (rank, r["values"])      # rank 0 wrote 1.0, rank 1 2.0
+        assert r["ranks"] == [rank, 2, 2]
+        assert r["loss_finite"]
+        assert r["swap_dir"].startswith(f"infinity-swap-r{rank}-"), r["swap_dir"]
+    shares = [set(r["samples"]) for r in results]
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(20)), shares

@@ -1,0 +1,782 @@
+"""How gradients reach the optimizer (optim/gradients.py) at unit level: real units, states,
+buffer pools and tensors, a held room and collectives that record, and a flat store on a
+pretend disk (fakes.py). Numbers are
+checked against float64 sums or torch's own add, exactly where the code promises bits."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from fakes import MemoryStore, WaitingManager
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from infinity.optim import _adam_native as N
+from infinity.optim import gradients
+from infinity.optim.gradients import (
+    GradientCollector,
+    _add_widened,
+    _sum_of_squares,
+    gradients_held,
+)
+from infinity.optim.records import OptimTimers, UnitOptimState
+from infinity.planner.engine_sizes import accumulate_chunk_numel, held_room_bytes
+from infinity.storage.buffer_pool import BufferPool, Slot
+from infinity.storage.manager import FlatStore
+from infinity.storage.tiers import Tier
+from infinity.zero.unit import Unit
+
+F32 = torch.float32
+
+
+# -- stand-ins -------------------------------------------------------------------------------
+class _Room:
+    """A held room that records each take (bytes, and whether it would wait now) and each
+    give; every take reports ``wait_s`` seconds waited."""
+
+    def __init__(self, wait_s: float = 0.0) -> None:
+        self.taken: list[tuple[int, bool]] = []
+        self.given: list[int] = []
+        self.wait_s = wait_s
+
+    def take(self, nbytes: int, may_wait) -> float:
+        self.taken.append((nbytes, may_wait()))
+        return self.wait_s
+
+    def give(self, nbytes: int) -> None:
+        self.given.append(nbytes)
+
+
+class _TwoRanks:
+    """Rank ``rank`` of two, the other rank's flat gradient and arrival mask given: the
+    collectives compute what two ranks would (means, the OR of the masks) and record calls."""
+
+    active = True
+    world_size = 2
+
+    def __init__(self, rank: int, other: torch.Tensor, other_mask: list[bool]) -> None:
+        self.rank = rank
+        self.other = other
+        self.other_mask = torch.tensor(other_mask)
+        self.calls: list[tuple] = []
+
+    def reduce_scatter_mean(self, output, source, tag=None) -> None:
+        if output.dtype != source.dtype:     # as reduce_scatter_tensor requires
+            raise TypeError(f"reduce-scatter of {source.dtype} into {output.dtype}")
+        self.calls.append(("reduce_scatter", source.numel(), tag))
+        n = output.numel()
+        output.copy_(((source + self.other) / 2)[self.rank * n:(self.rank + 1) * n])
+
+    def all_reduce_mean(self, tensor, tag=None) -> None:
+        self.calls.append(("all_reduce", tensor.numel(), tag))
+        tensor.copy_((tensor + self.other[:tensor.numel()]) / 2)
+
+    def any_mask(self, mask):
+        self.calls.append(("any_mask", mask.tolist()))
+        return mask | self.other_mask
+
+
+def _unit(index: int = 0, shapes=((3, 5), (7,)), *, comm=None, shards: int = 1) -> Unit:
+    """Trainable parameters of ``shapes`` (group 0) and a frozen one: with the default shapes
+    p0 lies at [0, 15), p1 at [16, 23), the trainable range is 1024 elements."""
+    named = [(f"p{i}", nn.Parameter(torch.zeros(s)), 0) for i, s in enumerate(shapes)]
+    named.append(("frozen", nn.Parameter(torch.zeros(4), requires_grad=False), -1))
+    extra = {} if comm is None else {"comm": comm, "shards": shards}
+    return Unit(index, f"u{index}", nn.Module(), named, F32, torch.device("cpu"), **extra)
+
+
+def _host_store(n: int) -> FlatStore:
+    return FlatStore(WaitingManager(), "grad", n, F32, Tier.HOST)
+
+
+class _Rig:
+    """A collector over ``units`` as the optimizer makes it: ``home`` "host" (a resident
+    gradient home), "disk" (a store on the pretend disk) or None (early step); slots of the
+    gradient pool are filled with NaN, as a reused buffer holds old bytes."""
+
+    def __init__(self, units: list[Unit], *, home: str | None = "host", early_step=False,
+                 holds_grads=False, slots: int = 2, comm=None, scatter=False,
+                 max_trainable: int | None = None, room=None, shards=None) -> None:
+        self.manager = WaitingManager()
+        self.running = False
+        self.speculated: set[int] = set()
+        self.states = []
+        for i, unit in enumerate(units):
+            shard = None if shards is None else shards[i]
+            n = unit.trainable_numel if shard is None else shard[1] - shard[0]
+            store = None if home is None else (
+                _host_store(max(n, 1)) if home == "host" else MemoryStore(max(n, 1), name="grad"))
+            self.states.append(UnitOptimState(unit, None, None, None, store, shard=shard))
+        largest = max(u.flat_numel if scatter else u.trainable_numel for u in units)
+        self.pool = BufferPool(self.manager, largest * 4, slots, "gradient") if slots else None
+        if self.pool is not None:
+            for slot in self.pool._free:
+                slot.buffer.fill_(0xFF)      # float32 NaN
+        self.room = room if room is not None else _Room()
+        self.timers = OptimTimers()
+        extra = {} if comm is None else {"comm": comm}
+        if scatter:    # with NO_COMM too: scattering needs several ranks
+            extra["scatter"] = True       # else the default: an all-reduce (stage 0)
+        self.g = GradientCollector(
+            self.states, self.manager, early_step=early_step, holds_grads=holds_grads,
+            grad_pool=self.pool, held_room=self.room, timers=self.timers,
+            max_trainable=max_trainable if max_trainable is not None else largest,
+            steps_running=lambda: self.running,
+            speculates=lambda state: state.unit.index in self.speculated, **extra)
+
+    def grad(self, state: UnitOptimState, index: int, values: torch.Tensor) -> None:
+        self.g.on_grad(state.unit, state.unit.trainable_entries()[index], values)
+
+
+def _flat(unit: Unit, *grads: torch.Tensor | None) -> torch.Tensor:
+    """The unit's trainable range with ``grads`` (by trainable entry) at their places."""
+    out = torch.zeros(unit.trainable_numel, dtype=torch.float64)
+    for entry, g in zip(unit.trainable_entries(), grads):
+        if g is not None:
+            out[entry.offset:entry.offset + entry.numel] = g.double().reshape(-1)
+    return out
+
+
+# -- module functions ------------------------------------------------------------------------
+def test_held_room_is_one_largest_unit_of_float32_gradient() -> None:
+    assert held_room_bytes(1000) == 4000 and isinstance(held_room_bytes(1000), int)
+    assert held_room_bytes(0) == 0
+
+
+def test_gradients_are_held_only_on_a_cpu_device() -> None:
+    assert gradients_held(torch.device("cpu"))
+    assert not gradients_held(torch.device("cuda", 0))
+    assert not gradients_held(torch.device("meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sum_of_squares_is_the_float64_sum(dtype) -> None:
+    values = (torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    want = float((values.double() ** 2).sum())
+    assert _sum_of_squares(values) == pytest.approx(want, rel=1e-12)
+    strided = values[::3]          # not contiguous: the chunked path
+    assert _sum_of_squares(strided, chunk=64) == pytest.approx(
+        float((strided.double() ** 2).sum()), rel=1e-12)
+
+
+def test_sum_of_squares_keeps_what_float32_would_round_away() -> None:
+    """4096**2 = 2**24: in float32 each following 1 is lost; both paths sum in float64."""
+    values = torch.ones(1001)
+    values[0] = 4096.0
+    assert _sum_of_squares(values) == 16777216.0 + 1000
+    assert _sum_of_squares(values[::1].as_strided((1001,), (1,)).clone().double()) == \
+        16777216.0 + 1000
+    assert _sum_of_squares(torch.ones(0)) == 0.0
+
+
+def test_sum_of_squares_calls_the_native_kernel_once_on_the_calling_thread(monkeypatch) -> None:
+    calls = []
+    real = N.grad_sq_sum
+
+    def recording(ptr, numel, dtype, threads):
+        calls.append((ptr, numel, dtype, threads))
+        return real(ptr, numel, dtype, threads)
+    monkeypatch.setattr(N, "grad_sq_sum", recording)
+    for dtype, code in ((torch.float32, N.DTYPE_F32), (torch.bfloat16, N.DTYPE_BF16),
+                        (torch.float16, N.DTYPE_F16)):
+        values = torch.full((300,), 2.0, dtype=dtype)
+        assert _sum_of_squares(values) == 1200.0
+        assert calls[-1] == (values.data_ptr(), 300, code, 1)
+    calls.clear()
+    assert _sum_of_squares(torch.full((40,), 2.0, dtype=torch.float64)) == 160.0
+    assert _sum_of_squares(torch.full((80,), 2.0)[::2]) == 160.0
+    assert calls == []        # float64, or not contiguous: no native call
+
+
+@pytest.mark.parametrize("error", [ImportError, AttributeError, OSError])
+def test_sum_of_squares_without_the_native_library_sums_in_chunks(monkeypatch, error) -> None:
+    def missing(*args):
+        raise error("no library")
+    monkeypatch.setattr(N, "grad_sq_sum", missing)
+    monkeypatch.delattr(gradients._norm_scratch, "buffer", raising=False)
+    values = torch.arange(10, dtype=torch.float32)
+    assert _sum_of_squares(values, chunk=4) == 285.0       # chunks of 4, 4 and 2
+    first = gradients._norm_scratch.buffer
+    assert first.dtype == torch.float64 and first.numel() == 4
+    assert _sum_of_squares(values, chunk=4) == 285.0
+    assert gradients._norm_scratch.buffer is first         # kept: no allocation per call
+    assert _sum_of_squares(values, chunk=16) == 285.0      # a larger chunk gets a larger one
+    assert gradients._norm_scratch.buffer.numel() == 16
+    assert _sum_of_squares(values, chunk=4) == 285.0       # and a smaller one reuses it
+    assert gradients._norm_scratch.buffer.numel() == 16
+
+
+def test_sum_of_squares_scratch_is_per_thread(monkeypatch) -> None:
+    monkeypatch.setattr(N, "grad_sq_sum", lambda *a: (_ for _ in ()).throw(OSError("none")))
+    _sum_of_squares(torch.ones(8), chunk=8)
+    mine = gradients._norm_scratch.buffer
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(
+        (_sum_of_squares(torch.ones(8), chunk=8), gradients._norm_scratch.buffer)))
+    thread.start()
+    thread.join(60)
+    assert seen[0][0] == 8.0 and seen[0][1] is not mine
+
+
+class _AddCalls(TorchFunctionMode):
+    """Records the shape of what each ``Tensor.add_`` adds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.add_:
+            self.shapes.append(tuple(args[1].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, transpose", [((6, 3), False), ((3, 6), True), ((20,), False)])
+def test_add_widened_is_bit_for_bit_torch_add_of_the_float32_gradient(monkeypatch, dtype, shape,
+                                                                      transpose) -> None:
+    monkeypatch.setattr(gradients, "ADD_CHUNK_NUMEL", 7)
+    gen = torch.Generator().manual_seed(3)
+    grad = torch.randn(shape, generator=gen).to(dtype)
+    if transpose:
+        grad = grad.t()              # not contiguous: sliced as it is
+    target = torch.randn(grad.shape, generator=gen)
+    want = target.clone().add_(grad.to(F32))
+    _add_widened(target, grad)
+    assert torch.equal(target, want)
+
+
+def test_add_widened_slices_a_16_bit_gradient_by_rows_and_adds_others_whole(monkeypatch) -> None:
+    """A widening add goes in slices of about ADD_CHUNK_NUMEL elements (whole rows, at least
+    one); a float32 gradient, a 16-bit one into a 16-bit home, a small one or a 0-d one is
+    added at once."""
+    monkeypatch.setattr(gradients, "ADD_CHUNK_NUMEL", 7)
+    cases = [
+        (torch.zeros(7, 3), torch.ones(7, 3, dtype=torch.bfloat16), [(2, 3), (2, 3), (2, 3), (1, 3)]),
+        (torch.zeros(3, 9), torch.ones(3, 9, dtype=torch.float16), [(1, 9), (1, 9), (1, 9)]),
+        (torch.zeros(7, 3), torch.ones(7, 3), [(7, 3)]),
+        (torch.zeros(7, 3, dtype=torch.bfloat16), torch.ones(7, 3, dtype=torch.bfloat16), [(7, 3)]),
+        (torch.zeros(7), torch.ones(7, dtype=torch.bfloat16), [(7,)]),
+        (torch.zeros(8), torch.ones(8, dtype=torch.bfloat16), [(7,), (1,)]),
+        (torch.zeros(1, 9), torch.ones(1, 9, dtype=torch.bfloat16), [(1, 9)]),   # one row
+    ]
+    for target, grad, want in cases:
+        with _AddCalls() as calls:
+            _add_widened(target, grad)
+        assert calls.shapes == want, (target.dtype, grad.dtype, grad.shape)
+        assert torch.equal(target, torch.ones_like(target))
+    monkeypatch.setattr(gradients, "ADD_CHUNK_NUMEL", 0)
+    target = torch.zeros(())
+    _add_widened(target, torch.tensor(2.5, dtype=torch.bfloat16))   # 0-d: nothing to slice
+    assert target.item() == 2.5
+
+
+# -- the collector ---------------------------------------------------------------------------
+def test_collect_numel_is_the_trainable_range_or_every_shard_when_scattered() -> None:
+    comm = _TwoRanks(1, torch.zeros(4096), [False, False])
+    unit = _unit(shapes=((40, 50), (900,)), comm=comm, shards=2)
+    assert (unit.trainable_numel, unit.flat_numel) == (3072, 4096)
+    assert _Rig([unit]).g.collect_numel(unit) == 3072                  # one rank
+    assert _Rig([unit], comm=comm).g.collect_numel(unit) == 3072       # all-reduce (stage 0)
+    assert _Rig([unit], comm=comm, scatter=True).g.collect_numel(unit) == 4096
+    rig = _Rig([unit], scatter=True)      # scattering needs several ranks
+    assert not rig.g.reduces and not rig.g.scatter and rig.g.collect_numel(unit) == 3072
+
+
+def test_begin_backward_recounts_the_norm_only_at_the_boundary() -> None:
+    rig = _Rig([_unit(0), _unit(1)])
+    rig.g.sq_norm = 5.0
+    for s in rig.states:
+        s.norm_counted = True
+    rig.g.begin_backward(False)
+    assert rig.g.boundary is False and rig.g.sq_norm == 5.0
+    assert all(s.norm_counted for s in rig.states)
+    rig.g.begin_backward(True)
+    assert rig.g.boundary is True and rig.g.sq_norm == 0.0
+    assert not any(s.norm_counted for s in rig.states)
+
+
+def test_gradients_accumulate_in_a_resident_home_in_place() -> None:
+    rig = _Rig([_unit()])
+    state = rig.states[0]
+    g0, g1 = torch.randn(3, 5), torch.randn(7, dtype=torch.bfloat16)
+    rig.grad(state, 0, g0)
+    first = rig.timers.grad_s
+    assert first > 0.0
+    rig.grad(state, 1, g1)
+    rig.grad(state, 0, g0)         # a second gradient of p0 (a tied use) adds
+    assert rig.timers.grad_s > first
+    assert torch.equal(state.grad_store.tensor[:1024].double(), _flat(state.unit, 2 * g0, g1))
+    assert state.arrived == {0, 16} and state.grads_seen == 3
+    assert state.grad_buffer is None and rig.pool.available == 2    # no buffer taken
+
+
+def test_a_fresh_buffer_is_copied_into_then_added_to_and_its_gaps_zeroed() -> None:
+    rig = _Rig([_unit()], home="disk")
+    state = rig.states[0]
+    g1 = torch.randn(7)
+    rig.grad(state, 1, g1)
+    assert rig.pool.available == 1 and state.grad_slot is not None
+    assert state.grad_buffer.numel() == 1024 and state.grad_written == {16}
+    assert torch.equal(state.grad_buffer[16:23], g1)                  # copied over the NaNs
+    assert torch.isnan(state.grad_buffer[:16]).all() and torch.isnan(state.grad_buffer[23:]).all()
+    rig.grad(state, 1, g1)
+    assert torch.equal(state.grad_buffer[16:23], 2 * g1)              # the second one adds
+    rig.g.zero_unwritten(state)
+    assert torch.equal(state.grad_buffer.double(), _flat(state.unit, None, 2 * g1))
+    assert state.grad_written is None
+    state.grad_buffer[:16] = 1.0
+    rig.g.zero_unwritten(state)          # nothing fresh any more: a no-op
+    assert (state.grad_buffer[:16] == 1.0).all()
+
+
+def test_zero_unwritten_covers_every_gap_around_written_parameters() -> None:
+    rig = _Rig([_unit(shapes=((3,), (20,), (5,)))], home="disk")
+    state = rig.states[0]
+    offsets = [e.offset for e in state.unit.trainable_entries()]
+    assert offsets == [0, 16, 48]
+    g0, g2 = torch.randn(3), torch.randn(5)
+    rig.grad(state, 2, g2)
+    rig.grad(state, 0, g0)
+    rig.g.zero_unwritten(state)
+    assert torch.equal(state.grad_buffer.double(), _flat(state.unit, g0, None, g2))
+    rig2 = _Rig([_unit()], home="disk")
+    rig2.g.zero_unwritten(rig2.states[0])          # no buffer yet: nothing to do
+    assert rig2.states[0].grad_buffer is None and rig2.pool.available == 2
+
+
+def test_a_unit_without_a_free_slot_lands_the_oldest_write_first() -> None:
+    units = [_unit(0), _unit(1), _unit(2)]
+    rig = _Rig(units, home="disk")
+    a, b, c = rig.states
+    for s in (a, b):
+        rig.grad(s, 0, torch.full((3, 5), float(s.unit.index + 1)))
+        rig.g.zero_unwritten(s)
+        rig.g.finish(s)                      # written home in the background
+    assert rig.pool.available == 0 and a.grad_store.data[0] == 0.0     # not landed yet
+    rig.grad(c, 0, torch.ones(3, 5))
+    assert a.grad_store.data[0] == 1.0 and b.grad_store.data[0] == 0.0  # only the oldest
+    assert rig.pool.available == 0 and c.grad_slot is not None
+    rig.g.land_writes()
+    assert b.grad_store.data[0] == 2.0 and rig.pool.available == 1     # c holds one
+    rig.g.drop_buffer(c)
+    assert rig.pool.available == 2
+
+
+def test_without_a_slot_it_waits_for_a_running_step_else_takes_a_budgeted_buffer() -> None:
+    rig = _Rig([_unit(0), _unit(1), _unit(2)], home="disk", slots=1)
+    a, b, c = rig.states
+    rig.grad(a, 0, torch.ones(3, 5))
+    asked = []
+    spare = Slot(9, torch.zeros(4096, dtype=torch.uint8))
+
+    def acquire(timeout=None):
+        asked.append(timeout)
+        return spare
+    rig.pool.acquire = acquire
+    rig.running = True
+    rig.grad(b, 0, torch.ones(3, 5))
+    assert asked == [600.0] and b.grad_slot is spare
+    rig.running = False
+    rig.grad(c, 1, torch.ones(7))
+    assert asked == [600.0] and c.grad_slot is None
+    assert rig.manager.calls[-1] == (1024, F32, "u2 gradient")
+    assert c.grad_buffer.numel() == 1024 and c.grad_written == {16}
+
+
+def test_an_early_step_holds_autograd_gradients_as_float32_parts() -> None:
+    room = _Room(wait_s=0.25)
+    rig = _Rig([_unit()], home=None, early_step=True, holds_grads=True, room=room)
+    rig.running = True
+    state = rig.states[0]
+    g0 = torch.randn(5, 3, dtype=torch.bfloat16).t()     # 16-bit, not contiguous
+    g1 = torch.randn(7)
+    rig.grad(state, 0, g0)
+    rig.grad(state, 1, g1)
+    keep = g1.clone()
+    rig.grad(state, 1, g1)           # a second gradient of p1: a new sum
+    assert torch.equal(g1, keep)     # autograd's tensor is not added to in place
+    parts = state.grad_parts
+    assert sorted(parts) == [0, 16]
+    assert parts[0].dtype == F32 and parts[0].is_contiguous() and parts[0].shape == (15,)
+    assert torch.equal(parts[0], g0.to(F32).reshape(-1))
+    assert torch.equal(parts[16], g1 + g1)
+    # room: one take per part, the unit's first never waits, later ones while steps run
+    assert room.taken == [(60, False), (28, True)]
+    assert state.held_bytes == 88 and state.grads_seen == 3 and state.arrived == {0, 16}
+    assert rig.timers.grad_wait_s == 0.5 and rig.timers.grad_s > 0.0
+    assert state.grad_buffer is None and rig.pool.available == 2
+
+
+def test_held_parts_wait_for_a_running_step_with_a_real_room(monkeypatch) -> None:
+    """With the room full the unit's second part waits while steps run (a negative limit
+    makes the wait give up at once); its first part never waits."""
+    from infinity.optim import held_room
+    from infinity.optim.held_room import HeldRoom
+
+    monkeypatch.setattr(held_room, "WAIT_LIMIT_S", -1.0)
+    room = HeldRoom(10)
+    rig = _Rig([_unit()], home=None, early_step=True, holds_grads=True, room=room)
+    rig.running = True
+    state = rig.states[0]
+    rig.grad(state, 0, torch.ones(3, 5))       # 60 bytes over a room of 10: taken
+    assert room.held == 60
+    with pytest.raises(RuntimeError, match="the step stream is stuck"):
+        rig.grad(state, 1, torch.ones(7))
+    rig.running = False
+    rig.grad(state, 1, torch.ones(7))           # no step runs: taken over the capacity
+    assert room.held == 88 == state.held_bytes
+
+
+def test_a_deferred_unit_holds_only_a_speculated_gradient_that_starts_the_cycle() -> None:
+    rig = _Rig([_unit(0), _unit(1), _unit(2)], home="disk", holds_grads=True)
+    a, b, c = rig.states
+    rig.speculated = {0, 1}
+    b.has_grads = True                     # accumulated: added to its home through a buffer
+    for s in (a, b, c):
+        rig.grad(s, 0, torch.ones(3, 5))
+    assert a.grad_parts is not None and a.grad_buffer is None
+    assert b.grad_parts is None and b.grad_buffer is not None
+    assert c.grad_parts is None and c.grad_buffer is not None          # not speculated
+    rig.speculated = set()
+    rig.grad(a, 1, torch.ones(7))          # once holding, the unit keeps holding
+    assert sorted(a.grad_parts) == [0, 16] and a.grad_buffer is None
+    rig.speculated = {2}
+    rig.grad(c, 1, torch.ones(7))          # a buffer already taken: no holding
+    assert c.grad_parts is None and c.grad_written == {0, 16}
+
+
+def test_nothing_is_held_where_the_optimizer_does_not_hold_gradients() -> None:
+    rig = _Rig([_unit()], home=None, early_step=True, holds_grads=False)
+    state = rig.states[0]
+    rig.speculated = {0}
+    rig.grad(state, 0, torch.ones(3, 5))
+    assert state.grad_parts is None and state.grad_written == {0}
+    assert rig.room.taken == []
+
+
+def test_finish_in_a_resident_home_norms_at_the_boundary_only() -> None:
+    rig = _Rig([_unit()])
+    state = rig.states[0]
+    g0 = torch.randn(3, 5)
+    rig.g.begin_backward(False)
+    rig.grad(state, 0, g0)
+    grads = rig.g.finish(state)
+    assert grads.data_ptr() == state.grad_store.tensor.data_ptr() and grads.numel() == 1024
+    assert state.has_grads and not state.norm_counted and rig.g.sq_norm == 0.0
+    rig.g.begin_backward(True)
+    rig.grad(state, 0, g0)
+    grads = rig.g.finish(state)
+    want = float(((2 * g0.double()) ** 2).sum())
+    assert rig.g.sq_norm == pytest.approx(want, rel=1e-12) and state.norm_counted
+    rig.g.land_writes()
+    assert rig.manager.waits == []        # nothing written: the home is the memory
+
+
+def test_finish_writes_a_disk_gradient_home_in_the_background() -> None:
+    rig = _Rig([_unit()], home="disk")
+    state = rig.states[0]
+    g1 = torch.randn(7)
+    rig.grad(state, 1, g1)
+    rig.g.zero_unwritten(state)
+    slot = state.grad_slot
+    grads = rig.g.finish(state)
+    assert torch.equal(grads.double(), _flat(state.unit, None, g1))
+    assert state.grad_buffer is None and state.grad_slot is None and state.has_grads
+    assert rig.g.sq_norm == pytest.approx(float((g1.double() ** 2).sum()), rel=1e-12)
+    assert state.norm_counted
+    assert rig.pool.available == 1 and float(state.grad_store.data.abs().sum()) == 0.0
+    rig.g.land_writes()
+    assert torch.equal(state.grad_store.data.double(), _flat(state.unit, None, g1))
+    assert rig.pool.available == 2 and slot in rig.pool._free
+    rig.g.land_writes()
+    assert len(rig.manager.waits) == 1
+
+
+def test_finish_adds_what_earlier_micro_steps_left_on_disk_chunk_by_chunk() -> None:
+    unit = _unit(shapes=((1500,), (7,)))
+    assert unit.trainable_numel == 2048
+    rig = _Rig([unit], home="disk", max_trainable=1)
+    state = rig.states[0]
+    assert accumulate_chunk_numel(1) == 1024
+    earlier = torch.randn(2048)
+    state.grad_store.data.copy_(earlier)
+    state.has_grads = True
+    g0, g1 = torch.randn(1500), torch.randn(7)
+    rig.grad(state, 0, g0)
+    rig.grad(state, 1, g1)
+    rig.g.zero_unwritten(state)
+    grads = rig.g.finish(state, write_home=False)
+    assert torch.allclose(grads.double(), earlier.double() + _flat(unit, g0, g1), rtol=0,
+                          atol=1e-6)
+    assert state.grad_buffer is grads and state.grad_slot is not None     # not sent home
+    assert len(rig.manager.waits) == 2        # two chunks of 1024
+    assert [c for c in rig.manager.calls if c[2] == "gradient accumulation chunk"] == [
+        (1024, F32, "gradient accumulation chunk")]
+    rig.g.land_writes()
+    assert torch.equal(state.grad_store.data, earlier)
+
+
+def test_home_gradient_pieces_and_the_one_chunk_buffer() -> None:
+    unit = _unit(shapes=((2100,),))
+    rig = _Rig([unit], home="disk", max_trainable=1)
+    state = rig.states[0]
+    values = torch.arange(3072, dtype=F32)
+    state.grad_store.data.copy_(values)
+    pieces = [(start, part.clone()) for start, part in rig.g.home_gradient(state)]
+    assert [(s, p.numel()) for s, p in pieces] == [(0, 1024), (1024, 1024), (2048, 1024)]
+    assert torch.equal(torch.cat([p for _, p in pieces]), values)
+    assert rig.g.chunk_buffer() is rig.g.chunk_buffer()
+    assert [c[2] for c in rig.manager.calls].count("gradient accumulation chunk") == 1
+    resident = _Rig([_unit()])
+    rs = resident.states[0]
+    rs.grad_store.tensor[:1024] = 3.0
+    [(start, part)] = list(resident.g.home_gradient(rs))
+    assert start == 0 and part.numel() == 1024
+    assert part.data_ptr() == rs.grad_store.tensor.data_ptr()
+    assert "gradient accumulation chunk" not in [c[2] for c in resident.manager.calls]
+
+
+def test_a_shard_past_the_trainable_part_writes_nothing() -> None:
+    rig = _Rig([_unit()], home="disk", shards=[(1024, 1024)])
+    state = rig.states[0]
+    assert state.numel == 0
+    state.grad_buffer = torch.zeros(0)
+    assert rig.g.finish(state).numel() == 0
+    rig.g.land_writes()
+    assert rig.manager.waits == [] and state.grad_buffer is not None
+
+
+def test_drop_cycle_forgets_every_gradient_and_counts_the_units_that_had_some() -> None:
+    room = _Room()
+    rig = _Rig([_unit(0), _unit(1), _unit(2), _unit(3)], home="host", holds_grads=True, room=room)
+    a, b, c, d = rig.states
+    rig.grad(a, 0, torch.ones(3, 5))                  # in its resident home
+    rig.speculated = {1}
+    rig.grad(b, 1, torch.ones(7))                     # held
+    c.has_grads = True                                # an earlier micro-step's
+    d.grad_store.tensor.fill_(7.0)                    # untouched: left as it is
+    rig.g.sq_norm = 3.0
+    a.norm_counted = True
+    assert rig.g.drop_cycle() == 3
+    assert rig.g.sq_norm == 0.0
+    assert float(a.grad_store.tensor.abs().sum()) == 0.0
+    assert (d.grad_store.tensor == 7.0).all()
+    for s in (a, b, c):
+        assert not s.arrived and s.grads_seen == 0 and not s.has_grads and not s.norm_counted
+        assert s.grad_parts is None and s.held_bytes == 0
+    assert 28 in room.given
+    assert rig.g.drop_cycle() == 0
+
+
+def test_drop_cycle_gives_a_buffer_slot_back() -> None:
+    rig = _Rig([_unit()], home="disk")
+    state = rig.states[0]
+    rig.grad(state, 0, torch.ones(3, 5))
+    assert rig.pool.available == 1
+    assert rig.g.drop_cycle() == 1
+    assert rig.pool.available == 2 and state.grad_buffer is None and state.grad_written is None
+    assert float(state.grad_store.data.abs().sum()) == 0.0
+
+
+def test_reduce_is_a_no_op_with_one_rank() -> None:
+    rig = _Rig([_unit()], home="disk")
+    state = rig.states[0]
+    rig.grad(state, 1, torch.ones(7))
+    buffer = state.grad_buffer
+    rig.g.reduce(state)
+    assert state.grad_buffer is buffer and state.grad_written == {16}   # gaps not yet zeroed
+
+
+def test_reduce_all_reduces_the_trainable_range_at_stage_0() -> None:
+    other = torch.randn(1024)
+    comm = _TwoRanks(0, other, [False, True])
+    unit = _unit(index=4)
+    rig = _Rig([unit], home="host", comm=comm)
+    state = rig.states[0]
+    g0 = torch.randn(3, 5)
+    rig.grad(state, 0, g0)
+    assert state.grad_buffer is not None       # several ranks: never into the home
+    rig.g.reduce(state)
+    assert torch.allclose(state.grad_buffer.double(), (_flat(unit, g0) + other.double()) / 2,
+                          rtol=0, atol=1e-6)
+    assert state.arrived == {0, 16}
+    assert comm.calls == [("all_reduce", 1024, 4), ("any_mask", [True, False])]
+    stored = state.grad_store.tensor[:1024].clone()
+    grads = rig.g.finish(state)          # added to the own home
+    assert torch.equal(grads, stored + state.grad_buffer)
+
+
+def test_reduce_scatters_the_own_shard_to_the_front_of_the_buffer() -> None:
+    other = torch.randn(4096)
+    comm = _TwoRanks(1, other, [True, False])
+    unit = _unit(index=2, shapes=((40, 50), (900,)), comm=comm, shards=2)
+    rig = _Rig([unit], home="disk", comm=comm, scatter=True, shards=[(2048, 3072)])
+    state = rig.states[0]
+    g1 = torch.randn(900)
+    rig.grad(state, 1, g1)
+    assert state.grad_buffer.numel() == 4096
+    rig.g.reduce(state)
+    whole = torch.zeros(4096, dtype=torch.float64)
+    whole[2000:2900] = g1.double()
+    want = ((whole + other.double()) / 2)[2048:3072]
+    assert state.grad_buffer.numel() == 1024
+    assert torch.allclose(state.grad_buffer.double(), want, rtol=0, atol=1e-6)
+    assert state.arrived == {0, 2000}
+    assert comm.calls == [("reduce_scatter", 4096, 2), ("any_mask", [False, True])]
+    gradient = rig.g.take(state)
+    assert gradient.origin == 2048 and gradient.values.numel() == 1024
+
+
+def test_land_writes_gives_the_slot_back_when_the_write_failed() -> None:
+    rig = _Rig([_unit()], home="disk")
+    state = rig.states[0]
+    rig.grad(state, 0, torch.ones(3, 5))
+    rig.g.zero_unwritten(state)
+
+    class _Failed:
+        def wait(self, timeout=None):
+            raise OSError("disk gone")
+    state.grad_store.store_async = lambda *a, **k: _Failed()
+    rig.g.finish(state)
+    assert rig.pool.available == 1
+    with pytest.raises(OSError, match="disk gone"):
+        rig.g.land_writes()
+    assert rig.pool.available == 2
+    rig.g.land_writes()                     # gone from the list: nothing left to wait for
+    assert len(rig.manager.waits) == 1
+
+
+def test_drop_buffer_gives_back_slot_and_held_bytes() -> None:
+    room = _Room()
+    rig = _Rig([_unit(0), _unit(1)], home=None, early_step=True, holds_grads=True, room=room)
+    held, buffered = rig.states
+    rig.grad(held, 1, torch.ones(7))
+    rig.g.drop_buffer(held)
+    assert room.given == [28] and held.held_bytes == 0 and held.grad_parts is None
+    rig.g.holds_grads = False
+    rig.grad(buffered, 1, torch.ones(7))
+    assert rig.pool.available == 1
+    rig.g.drop_buffer(buffered)
+    assert rig.pool.available == 2 and buffered.grad_slot is None
+    assert buffered.grad_buffer is None and buffered.grad_written is None
+
+
+def test_take_arrived_hands_the_parameters_over_once() -> None:
+    rig = _Rig([_unit()])
+    state = rig.states[0]
+    rig.grad(state, 1, torch.ones(7))
+    arrived = rig.g.take_arrived(state)
+    assert arrived == frozenset({16}) and isinstance(arrived, frozenset)
+    assert state.arrived == set() and rig.g.take_arrived(state) == frozenset()
+
+
+def test_take_moves_held_parts_or_the_buffer_into_a_complete_gradient() -> None:
+    room = _Room()
+    rig = _Rig([_unit(0), _unit(1)], home=None, early_step=True, holds_grads=True, room=room)
+    held, buffered = rig.states
+    rig.grad(held, 0, torch.ones(3, 5))
+    parts = held.grad_parts
+    gradient = rig.g.take(held)
+    assert gradient.values is parts and gradient.held_bytes == 60 and gradient.slot is None
+    assert gradient.room is room and gradient.pool is rig.pool and gradient.origin == 0
+    assert held.grad_parts is None and held.held_bytes == 0 and held.grads_seen == 0
+    rig.g.holds_grads = False
+    rig.grad(buffered, 0, torch.ones(3, 5))
+    slot, buffer = buffered.grad_slot, buffered.grad_buffer
+    gradient = rig.g.take(buffered)
+    assert gradient.values is buffer and gradient.slot is slot and gradient.held_bytes == 0
+    assert (buffered.grad_buffer, buffered.grad_slot, buffered.grad_written) == (None, None, None)
+    assert buffered.grads_seen == 0
+    assert rig.pool.available == 1          # the gradient holds the slot now
+    gradient.give_back()
+    assert rig.pool.available == 2
+    values = torch.ones(4)
+    assert rig.g.take(buffered, values).values is values
+    assert rig.g.take(buffered).values == {}           # nothing collected
+
+
+def test_gradient_time_is_added_to_the_timers_and_bounded_by_the_wall_time() -> None:
+    """Each gradient's handling time is added to ``grad_s`` (held or copied alike): more than
+    what was there, less than that plus the wall time around the calls."""
+    for kwargs in (dict(home=None, early_step=True, holds_grads=True), dict(home="disk")):
+        rig = _Rig([_unit()], **kwargs)
+        state = rig.states[0]
+        rig.timers.grad_s = 100.0
+        t0 = time.perf_counter()
+        rig.grad(state, 0, torch.ones(3, 5))
+        rig.grad(state, 1, torch.ones(7))
+        wall = time.perf_counter() - t0
+        assert 100.0 < rig.timers.grad_s <= 100.0 + wall, kwargs
+
+
+def test_a_strided_gradient_is_held_contiguous() -> None:
+    """autograd may hand a 1-D float32 gradient with a stride (a view): the held part is a
+    contiguous copy, as the Adam kernel reads it flat."""
+    rig = _Rig([_unit()], home=None, early_step=True, holds_grads=True)
+    state = rig.states[0]
+    base = torch.randn(14)
+    rig.grad(state, 1, base[::2])
+    part = state.grad_parts[16]
+    assert part.is_contiguous() and torch.equal(part, base[::2])
+
+
+def test_the_boundary_norm_sums_every_unit() -> None:
+    rig = _Rig([_unit(0), _unit(1)], home="disk")
+    a, b = rig.states
+    g0, g1 = torch.randn(3, 5), torch.randn(7)
+    rig.grad(a, 0, g0)
+    rig.grad(b, 1, g1)
+    for s in (a, b):
+        rig.g.zero_unwritten(s)
+        rig.g.finish(s)
+    want = float((g0.double() ** 2).sum() + (g1.double() ** 2).sum())
+    assert rig.g.sq_norm == pytest.approx(want, rel=1e-12)
+
+
+def test_home_gradient_reads_a_short_last_chunk() -> None:
+    """A unit larger than the chunk (over 8 MiB in the engine; here a 2048-element chunk and a
+    3072-element unit) is read in full chunks and a short last one, never past its end."""
+    unit = _unit(shapes=((2100,),))
+    rig = _Rig([unit], home="disk", max_trainable=2048)
+    state = rig.states[0]
+    values = torch.arange(3072, dtype=F32)
+    state.grad_store.data.copy_(values)
+    pieces = [(start, part.clone()) for start, part in rig.g.home_gradient(state)]
+    assert [(s, p.numel()) for s, p in pieces] == [(0, 2048), (2048, 1024)]
+    assert torch.equal(torch.cat([p for _, p in pieces]), values)
+
+
+def test_a_slot_given_back_is_the_next_units_buffer() -> None:
+    rig = _Rig([_unit(0), _unit(1)], home="disk", slots=1)
+    a, b = rig.states
+    rig.grad(a, 0, torch.ones(3, 5))
+    slot = a.grad_slot
+    rig.g.drop_buffer(a)
+    rig.grad(b, 0, torch.ones(3, 5))
+    assert b.grad_slot is slot and rig.manager.calls == [(1024 * 4, torch.uint8, "gradient slot 0")]
+
+
+def test_the_scattered_shard_is_float32_whatever_the_default_dtype() -> None:
+    """A user's ``torch.set_default_dtype(torch.float64)`` must not make the reduce-scatter's
+    output a float64 tensor against the float32 gradient."""
+    other = torch.randn(4096)
+    comm = _TwoRanks(0, other, [True, True])
+    unit = _unit(shapes=((40, 50), (900,)), comm=comm, shards=2)
+    rig = _Rig([unit], home="disk", comm=comm, scatter=True, shards=[(0, 2048)])
+    state = rig.states[0]
+    g0 = torch.randn(40, 50)
+    rig.grad(state, 0, g0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        rig.g.reduce(state)
+    finally:
+        torch.set_default_dtype(default)
+    whole = torch.zeros(4096, dtype=torch.float64)
+    whole[:2000] = g0.double().reshape(-1)
+    assert state.grad_buffer.dtype == F32
+    assert torch.allclose(state.grad_buffer.double(), ((whole + other.double()) / 2)[:2048],
+                          rtol=0, atol=1e-6)

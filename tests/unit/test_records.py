@@ -1,0 +1,211 @@
+"""The optimizer's records (optim/records.py) at unit level, on real Units, HeldRooms and
+BufferPools: the timers' reset, sub-groups, gradient pieces
+(flat, and held parts with a parameter that got none), a complete gradient's slices and what
+it gives back, and every phase change of a step job, allowed and refused."""
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+from torch import nn
+
+from infinity.optim.held_room import HeldRoom
+from infinity.optim.records import (
+    CompleteGradient, JobPhase, OptimTimers, StepJob, SubGroup, UnitOptimState, grad_pieces,
+    sub_groups)
+from infinity.storage.buffer_pool import BufferPool
+from infinity.zero.unit import Unit
+
+
+def _unit() -> Unit:
+    """a (group 0) at [0, 10), b at [16, 22), c (group 1) at [32, 37), frozen d at [1024, ..)."""
+    named = [("a", nn.Parameter(torch.zeros(10)), 0), ("b", nn.Parameter(torch.zeros(6)), 0),
+             ("c", nn.Parameter(torch.zeros(5)), 1), ("d", nn.Parameter(torch.zeros(4)), -1)]
+    return Unit(0, "u0", nn.Module(), named, torch.float32, torch.device("cpu"))
+
+
+def _state(shard=None) -> UnitOptimState:
+    return UnitOptimState(_unit(), None, None, None, None, shard=shard)
+
+
+def test_timers_reset_zeroes_every_timer() -> None:
+    timers = OptimTimers(1.0, 2.0, 3.0, 4.0)
+    timers.reset()
+    assert (timers.optimizer_s, timers.grad_s, timers.grad_wait_s,
+            timers.background_s) == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_sub_groups_cut_the_states_range_in_chunks() -> None:
+    state = _state()                                     # [0, 1024)
+    assert [(g.start, g.end) for g in sub_groups(state, 400)] == [(0, 400), (400, 800),
+                                                                   (800, 1024)]
+    assert sub_groups(state, 1024) == [SubGroup(state, 0, 1024)]
+    shard = _state(shard=(100, 350))
+    assert [(g.start, g.end) for g in sub_groups(shard, 100)] == [(100, 200), (200, 300),
+                                                                   (300, 350)]
+    assert all(g.state is shard for g in sub_groups(shard, 100))
+    assert sub_groups(_state(shard=(5, 5)), 10) == []
+
+
+def test_grad_pieces_of_a_flat_gradient_are_one_slice_from_its_origin() -> None:
+    grad = torch.arange(50.0)
+    [(x, y, g)] = grad_pieces(_unit(), grad, 10, 12, 30)
+    assert (x, y) == (12, 30) and torch.equal(g, grad[2:20])
+
+
+def test_grad_pieces_of_held_parts_are_each_parameters_piece() -> None:
+    """Each trainable parameter's piece of [a, b) from its part (cut from the parameter's
+    start), zeros for a parameter without a part, nothing for the gaps and the frozen one."""
+    parts = {0: torch.arange(10.0), 32: torch.arange(5.0) + 100}
+    pieces = list(grad_pieces(_unit(), parts, 0, 4, 34))
+    assert [(x, y) for x, y, _ in pieces] == [(4, 10), (16, 22), (32, 34)]
+    assert torch.equal(pieces[0][2], torch.arange(4.0, 10.0))
+    assert torch.equal(pieces[1][2], torch.zeros(6)) and pieces[1][2].dtype == torch.float32
+    assert torch.equal(pieces[2][2], torch.tensor([100.0, 101.0]))
+    assert list(grad_pieces(_unit(), parts, 0, 10, 16)) == []      # only a gap
+    [(x, y, g)] = grad_pieces(_unit(), parts, 0, 9, 10)             # one element of a
+    assert (x, y) == (9, 10) and torch.equal(g, torch.tensor([9.0]))
+
+
+def test_a_complete_gradient_gives_its_elements() -> None:
+    flat = CompleteGradient(torch.arange(20.0), origin=100)
+    assert torch.equal(flat.of(105, 110), torch.arange(5.0, 10.0))
+    parts = {0: torch.ones(3)}
+    held = CompleteGradient(parts)
+    assert held.of(0, 5) is parts
+    assert CompleteGradient(torch.arange(4.0)).of(1, 3).tolist() == [1.0, 2.0]
+
+
+def test_freeing_a_held_part_gives_its_bytes_back_to_the_room() -> None:
+    """A part's fp32 bytes go back (never more than the gradient still holds)."""
+    room = HeldRoom(1000)
+    room.take(60, lambda: False)
+    gradient = CompleteGradient({0: torch.zeros(10), 16: torch.zeros(8)}, held_bytes=60,
+                                room=room)
+    gradient.free_part(0)
+    assert gradient.held_bytes == 20 and room.held == 20 and list(gradient.values) == [16]
+    gradient.free_part(16)                     # 32 bytes of part, 20 held: 20 given back
+    assert gradient.held_bytes == 0 and room.held == 0 and gradient.values == {}
+    no_room = CompleteGradient({0: torch.zeros(2)}, held_bytes=8)
+    no_room.free_part(0)
+    assert no_room.held_bytes == 0
+
+
+def test_give_back_releases_the_slot_and_the_bytes_once() -> None:
+    class _Manager:
+        def host_empty(self, numel, dtype, what):
+            return torch.zeros(numel, dtype=dtype)
+
+    pool = BufferPool(_Manager(), slot_bytes=64, count=1, name="grad")
+    slot = pool.acquire()
+    gradient = CompleteGradient(torch.zeros(16), slot=slot, pool=pool)
+    gradient.give_back()
+    assert pool.available == 1 and gradient.slot is None and gradient.values == {}
+    gradient.give_back()                       # a second call does nothing
+    assert pool.available == 1
+    assert pool.acquire() is slot              # the slot itself went back
+    room = HeldRoom(100)
+    room.take(40, lambda: False)
+    held = CompleteGradient({0: torch.zeros(10)}, held_bytes=40, room=room)
+    held.give_back()
+    assert room.held == 0 and held.held_bytes == 0 and held.values == {}
+    held.give_back()
+    assert room.held == 0
+
+
+def _job(phase: JobPhase = JobPhase.READY) -> StepJob:
+    return StepJob(_state(), deque(), left=1, early=False, phase=phase)
+
+
+def test_a_job_goes_through_its_life_and_its_futures_complete() -> None:
+    job = _job(JobPhase.EXPECTED)
+    assert not job.ready and not job.cancelled
+    job.make_ready()
+    assert job.phase is JobPhase.READY and job.ready
+    assert not job.stepped_future.done()
+    job.stepped()
+    assert job.phase is JobPhase.STEPPED and job.stepped_future.result(0) is None
+    assert not job.landed_future.done()
+    job.landed()
+    assert job.phase is JobPhase.LANDED and job.landed_future.result(0) is None
+    job.reaped()
+    assert job.phase is JobPhase.REAPED
+    job.roll_back()
+    assert job.phase is JobPhase.ROLLED_BACK
+
+
+def test_a_phase_change_from_the_wrong_phase_is_refused_naming_both() -> None:
+    job = _job(JobPhase.READY)
+    with pytest.raises(RuntimeError) as info:
+        job.landed()
+    assert str(info.value) == "step job of u0: ready -> landed (allowed from ['stepped'])"
+    assert job.phase is JobPhase.READY and not job.landed_future.done()
+    with pytest.raises(RuntimeError) as info:
+        job.make_ready()
+    assert str(info.value) == "step job of u0: ready -> ready (allowed from ['expected'])"
+    with pytest.raises(RuntimeError, match=r"ready -> reaped \(allowed from \['landed'\]\)"):
+        job.reaped()
+    with pytest.raises(RuntimeError, match=r"rolled back \(allowed from \['reaped', 'failed'\]"):
+        job.roll_back()
+    with pytest.raises(RuntimeError, match=r"expected -> stepped"):
+        _job(JobPhase.EXPECTED).stepped()
+    landed = _job(JobPhase.LANDED)
+    with pytest.raises(RuntimeError, match=r"landed -> failed \(allowed from \['expected', "
+                                           r"'ready', 'stepped', 'cancelled'\]\)"):
+        landed.fail(OSError("late"))
+    assert landed.error is None
+
+
+def test_a_failed_expected_job_stays_failed_when_made_ready() -> None:
+    job = _job(JobPhase.EXPECTED)
+    job.fail(OSError("read failed"))
+    job.make_ready()
+    assert job.phase is JobPhase.FAILED
+
+
+def test_cancel_only_an_expected_job_and_dropping_it_completes_its_futures() -> None:
+    job = _job(JobPhase.EXPECTED)
+    assert job.cancel() is True
+    assert job.phase is JobPhase.CANCELLED and job.cancelled and not job.ready
+    assert job.cancel() is False
+    job.dropped()
+    assert job.phase is JobPhase.CANCELLED
+    assert job.stepped_future.result(0) is None and job.landed_future.result(0) is None
+    ready = _job(JobPhase.READY)
+    assert ready.cancel() is False and ready.phase is JobPhase.READY
+    with pytest.raises(RuntimeError, match="ready -> cancelled"):
+        ready.dropped()
+
+
+def test_a_failure_reaches_both_futures_and_the_first_error_is_kept() -> None:
+    job = _job(JobPhase.READY)
+    first = OSError("write failed")
+    job.fail(first)
+    assert job.phase is JobPhase.FAILED and job.error is first and job.ready
+    assert job.stepped_future.exception(0) is first and job.landed_future.exception(0) is first
+    job.roll_back()
+    assert job.phase is JobPhase.ROLLED_BACK
+    # failed after its kernels ran: the stepped future keeps its result
+    stepped = _job(JobPhase.READY)
+    stepped.stepped()
+    stepped.error = ValueError("kernel")          # recorded by the stream before the phase
+    stepped.fail(OSError("then the write"))
+    assert isinstance(stepped.error, ValueError)
+    assert stepped.stepped_future.result(0) is None
+    assert stepped.landed_future.exception(0) is stepped.error
+    cancelled = _job(JobPhase.EXPECTED)
+    cancelled.cancel()
+    cancelled.fail(OSError("x"))
+    assert cancelled.phase is JobPhase.FAILED
+
+
+def test_counted_and_take_sq_norm() -> None:
+    job = _job()
+    assert not job.counted
+    job.runs = []
+    assert job.counted
+    job.sq_norm = 2.5
+    assert job.take_sq_norm() == 2.5 and job.take_sq_norm() == 0.0
+    job.phase = JobPhase.ROLLED_BACK
+    assert not job.counted
