@@ -244,11 +244,8 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
         coordinator.end_forward()
         forward_end = len(log)
         stepper.begin_backward()
-        coordinator.engine_backward = True
-        try:
+        with coordinator.tracked_backward():
             out.loss.backward()
-        finally:
-            coordinator.engine_backward = False
         stepper.end_backward()
         backward_end = len(log)
         # Engine._step: units a deferred step waits for that the forward did not use, the

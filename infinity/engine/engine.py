@@ -159,6 +159,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             doubled=self.speculative, comm=self.comm, stage=self.stage, values=self._weights)
         early = self.early_step
         grad_tier = self.sizes.grad_tier
+        owner = EnginePassOwner(self)       # the optimizer's and the coordinator's
         self.optimizer = PartitionedOptimizer(
             self.units, groups, self.manager, optimizer_tier=self.optimizer_tier,
             grad_tier=grad_tier, grad_dtype=gradient_home_dtype(self.sizes, self.compute_dtype),
@@ -168,18 +169,14 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             defaults=self.optimizer_defaults,
             speculation=self.config.infinity.speculative_step if self.speculative else "off",
             comm=self.comm, shard_states=self.stage >= 1, values=self._weights,
-            pools=self.plan.optimizer)
+            pools=self.plan.optimizer, clip_norm=self.config.gradient_clipping, owner=owner)
         self._weights = None     # read: its files are the caller's to close
-        self.optimizer.clip_norm = self.config.gradient_clipping
         self.coordinator = Coordinator(
             self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
             PrefetchLimits(self.sizes.prefetch_bucket_numel, self.sizes.max_live_numel,
                            self.sizes.max_reuse_numel),
-            stepper=self.optimizer, owner=EnginePassOwner(self))
-        self.optimizer.on_zero_grad = self.zero_grad
-        self.optimizer.on_user_step = self._step_from_optimizer
+            stepper=self.optimizer, owner=owner)
         route_module_methods(model, self)
-        self.optimizer.forward_order = self.coordinator.forward_order
         self.coordinator.install()
         self._passes = PassHooks(model, self._begin_pass, self._end_pass,
                                  self.coordinator.keep_outermost)
@@ -276,14 +273,10 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.report.add_loss(scaled)
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
-        self._void_speculation()       # a second backward in one cycle
-        self.optimizer.loss_scale = self.loss_scale
-        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary())
-        self._hyper_at_backward = self.optimizer.hyperparameters() if self.optimizer.early_step else None
-        self.coordinator.engine_backward = True
-        started = time.perf_counter()
+        started = self._begin_backward()   # voids a speculation: a second backward in a cycle
         try:
-            loss.backward(retain_graph=retain_graph)
+            with self.coordinator.tracked_backward():
+                loss.backward(retain_graph=retain_graph)
         except BaseException as exc:
             self.comm.report_failure(exc, "backward")
             # no gradients will come for the rest: drop the partial ones, and start the next
@@ -293,15 +286,30 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             finally:
                 self.coordinator.abandon_pass()
                 self._drop_rolled_back()
+                self._release_dropped_activations()
+                self.report.add_time("backward", time.perf_counter() - started)
             raise_with_external_parameter_hint(exc, "backward", self.stage)
             raise
-        finally:
-            self.coordinator.engine_backward = False
-            self._release_dropped_activations()
-            self.report.add_time("backward", time.perf_counter() - started)
+        self._end_backward(started)
+        return scaled
+
+    def _begin_backward(self) -> float:
+        """Before a backward, ``engine.backward``'s or a direct ``loss.backward()``'s (see
+        ``EnginePassOwner.begin_untracked_backward``): the optimizer starts a backward of this
+        micro-step with the loss scale its gradients carry. Returns when it started."""
+        self._void_speculation()
+        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary(), self.loss_scale)
+        self._hyper_at_backward = self.optimizer.hyperparameters() \
+            if self.optimizer.early_step else None
+        return time.perf_counter()
+
+    def _end_backward(self, started: float) -> None:
+        """After a backward that completed (either kind): its time, the activations its graph
+        dropped, the optimizer's end of backward, one more backward in this cycle."""
+        self._release_dropped_activations()
+        self.report.add_time("backward", time.perf_counter() - started)
         self.optimizer.end_backward()
         self._backwards_since_step += 1
-        return scaled
 
     def _release_dropped_activations(self) -> None:
         """The backward dropped its graph's swapped activations: free their swap extents now
@@ -404,13 +412,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.comm.check_same_sequence(f"optimizer step {self.global_steps + 1}")
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
-        self.optimizer.loss_scale = self.loss_scale
         lrs = self.get_lr()            # the rates this step uses, reported after it
-        self.optimizer.engine_stepping = True
-        try:
-            self.optimizer.step()
-        finally:
-            self.optimizer.engine_stepping = False
+        self.optimizer.run_step()
         stuck = False
         if self.loss_scaler is not None:
             stuck = self.loss_scaler.update(self.optimizer.overflow)

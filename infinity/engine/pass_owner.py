@@ -1,8 +1,9 @@
-"""The engine as the coordinator's ``PassOwner`` (zero/protocols.py): what the stage-3 hooks tell
-the engine, kept off the engine's public surface."""
+"""The engine as its parts' owner: the coordinator's ``PassOwner`` (zero/protocols.py: what the
+stage-3 hooks tell the engine) and the optimizer's ``OptimizerOwner`` (optim/protocols.py: a
+torch-style loop's ``optimizer.step()`` / ``zero_grad()``, the next forward's order), kept off
+the engine's public surface and passed to each part when it is built."""
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from infinity.engine.guards import FOREIGN_EARLY_BACKWARD, SECOND_EARLY_BACKWARD
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class EnginePassOwner:
-    """Forwards the coordinator's calls to the engine that owns the passes."""
+    """Forwards the coordinator's and the optimizer's calls to the engine that owns them."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -47,15 +48,17 @@ class EnginePassOwner:
         if problem is not None:
             optimizer.abandon_backward()
             raise RuntimeError(problem)
-        engine._void_speculation()
-        optimizer.loss_scale = engine.loss_scale
-        optimizer.begin_backward(engine.is_gradient_accumulation_boundary())
-        engine._hyper_at_backward = optimizer.hyperparameters() if optimizer.early_step else None
-        self._started = time.perf_counter()
+        self._started = engine._begin_backward()
 
     def end_untracked_backward(self) -> None:
-        engine = self._engine
-        engine.report.add_time("backward", time.perf_counter() - self._started)
-        engine._release_dropped_activations()
-        engine.optimizer.end_backward()
-        engine._backwards_since_step += 1
+        self._engine._end_backward(self._started)
+
+    # -- the optimizer's owner -------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool) -> None:
+        self._engine.zero_grad(set_to_none)
+
+    def step_from_optimizer(self) -> None:
+        self._engine._step_from_optimizer()
+
+    def forward_order(self) -> list[int]:
+        return self._engine.coordinator.forward_order()

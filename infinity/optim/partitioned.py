@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
 
 import torch
 
@@ -49,6 +48,7 @@ from infinity.optim.gradients import GradientCollector, _sum_of_squares, gradien
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
 from infinity.optim.pending_steps import PendingSteps
+from infinity.optim.protocols import OptimizerOwner
 from infinity.optim.records import (
     CompleteGradient,
     OptimTimers,
@@ -117,9 +117,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                  comm: Collectives = NO_COMM, shard_states: bool = False,
                  values: UnitValues | None = None,
                  grad_dtype: torch.dtype = torch.float32,
-                 pools: OptimizerPools | None = None) -> None:
+                 pools: OptimizerPools | None = None, clip_norm: float = 0.0,
+                 owner: OptimizerOwner | None = None) -> None:
         """``pools``: the run plan's (``RunPlan.optimizer``); None plans them here from the
-        units, by the same rule (``planner.run_plan.optimizer_pools``)."""
+        units, by the same rule (``planner.run_plan.optimizer_pools``). ``clip_norm``: the
+        global gradient norm clipped to (0: none). ``owner``: the engine (see
+        optim/protocols.py); None for an optimizer used alone."""
         super().__init__(param_groups, defaults=dict(defaults or {}))
         if grad_dtype != torch.float32 and (grad_tier != Tier.HOST or comm.active):
             raise ValueError(f"a {grad_dtype} gradient home needs grad_tier HOST and one rank, got "
@@ -142,20 +145,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         # unit index -> deferred step waiting for its unit to be fetched (see [Note: the
         # deferred step lands at the next fetch] in step_stream.py)
         self._waiting: dict[int, StepJob] = {}
-        # the unit indices in the order the next forward uses them (set by the engine)
-        self.forward_order: Callable[[], list[int]] = list
+        self.owner = owner
         self._in_backward = False
         self.early_step = early_step
         self.timers = OptimTimers()
-        self.clip_norm = 0.0
+        self.clip_norm = clip_norm
         self.last_grad_norm: float | None = None
-        self.loss_scale = 1.0        # the fp16 loss scale the gradients carry (set by the engine)
+        self.loss_scale = 1.0        # the fp16 loss scale of this cycle's gradients (begin_backward)
         self.overflow = False        # the last step was skipped: its gradients were not finite
-        self.on_zero_grad: Callable[[bool], None] | None = None   # the engine's zero_grad
-        # the engine's step without its scheduler (a torch loop's optimizer.step()), and
-        # whether the engine's own step is calling
-        self.on_user_step: Callable[[], None] | None = None
-        self.engine_stepping = False
         self.states: list[UnitOptimState] = []
         trainable_units = [u for u in units if u.has_trainable]
         max_trainable = max((u.trainable_numel for u in trainable_units), default=0)
@@ -403,10 +400,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self._expected.clear()
 
     # -- the engine's backward ------------------------------------------------------------
-    def begin_backward(self, boundary: bool) -> None:
-        """Called before each backward: ``boundary`` is True on the last micro-step; a
-        speculation still pending from an earlier backward of this cycle was voided by the
-        engine's forward."""
+    def begin_backward(self, boundary: bool, loss_scale: float = 1.0) -> None:
+        """Called before each backward: ``boundary`` is True on the last micro-step, and the
+        gradients carry ``loss_scale`` (fp16's; 1 otherwise); a speculation still pending from
+        an earlier backward of this cycle was voided by the engine's forward."""
+        self.loss_scale = loss_scale
         self.gradients.begin_backward(boundary)
         self._in_backward = True
         self.speculator.begin_backward(boundary)
@@ -446,18 +444,28 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             return self.loss_scale * (norm + 1e-6) / self.clip_norm
         return self.loss_scale
 
+    def forward_order(self) -> list[int]:
+        """Unit indices in the order the next forward fetches them (the owner's; none alone)."""
+        return self.owner.forward_order() if self.owner is not None else []
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch API
-        """Early schedule: wait until every unit's kernels have run. Deferred schedule: queue
-        the step of every unit that received gradients, to run when the unit is next fetched
-        (see [Note: the deferred step lands at the next fetch]). Called by a torch-style loop
-        (``optimizer.step()``), it goes through the engine's step (``on_user_step``), which
-        counts it and releases what the step held; the loop steps its scheduler itself."""
+        """``optimizer.step()`` of a torch-style loop: the owner's step (the engine's, which
+        counts it, releases what the step held and calls ``run_step``; the loop steps its
+        scheduler itself), or ``run_step`` for an optimizer used alone."""
         if closure is not None:
             raise ValueError("PartitionedOptimizer.step does not take a closure")
-        if self.on_user_step is not None and not self.engine_stepping:
-            self.on_user_step()
-            return None
+        if self.owner is not None:
+            self.owner.step_from_optimizer()
+        else:
+            self.run_step()
+        return None
+
+    @torch.no_grad()
+    def run_step(self) -> None:
+        """Early schedule: wait until every unit's kernels have run. Deferred schedule: queue
+        the step of every unit that received gradients, to run when the unit is next fetched
+        (see [Note: the deferred step lands at the next fetch])."""
         start, comm_before = time.perf_counter(), self.comm.counters.comm_s
         self.overflow = False
         try:
@@ -555,10 +563,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients never live on the parameters, but the ones collected since the last step
-        are discarded, as torch's zero_grad between a backward and a step does: the engine's
-        ``zero_grad`` (``on_zero_grad``) knows the schedule's rules."""
-        if self.on_zero_grad is not None:
-            self.on_zero_grad(set_to_none)
+        are discarded, as torch's zero_grad between a backward and a step does: the owner's
+        (the engine's) ``zero_grad`` knows the schedule's rules."""
+        if self.owner is not None:
+            self.owner.zero_grad(set_to_none)
 
     def holds_cycle_gradients(self) -> bool:
         """Whether a backward since the last step left gradients (or a speculated step) here."""

@@ -46,6 +46,9 @@ Which units go when room runs short, and which are kept fetched for reuse: zero/
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -78,8 +81,9 @@ class Coordinator:
         self.stepper = stepper   # the optimizer (see zero/protocols.py)
         self.owner = owner       # the engine
         # a backward the owner did not start (loss.backward() called directly) is announced
-        # at its first gradient and closed at its end; set by engine.backward around its own
-        self.engine_backward = False
+        # at its first gradient and closed at its end; the owner's own runs inside
+        # ``tracked_backward``
+        self._tracked = False
         self._untracked = False
         self.traces = {phase.value: Trace() for phase in PassPhase if phase.value is not None}
         self._handles: list = []
@@ -103,6 +107,21 @@ class Coordinator:
         self.events: list[tuple[str, int]] | None = None
 
     # -- installation ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tracked_backward(self) -> Iterator[None]:
+        """The owner's own backward (``engine.backward``) runs inside: its gradients are not
+        announced as an untracked backward's (the owner began and ends it itself)."""
+        self._tracked = True
+        try:
+            yield
+        finally:
+            self._tracked = False
+
+    @property
+    def in_tracked_backward(self) -> bool:
+        """The owner's backward is running (another engine's hooks may be reached by it)."""
+        return self._tracked
+
     def install(self) -> None:
         for module, unit_ids in self.hooked:
             self.hook_module(module, unit_ids)
@@ -271,7 +290,7 @@ class Coordinator:
         grad = entry.param.grad
         if grad is None:
             return
-        if not self.engine_backward and not self._untracked:
+        if not self._tracked and not self._untracked:
             try:
                 self.owner.begin_untracked_backward()
             except BaseException:

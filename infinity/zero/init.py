@@ -55,7 +55,7 @@ def engine_in_backward(besides: Any) -> Any | None:
     discriminator)."""
     for engine in list(_live_engines):
         coordinator = getattr(engine, "coordinator", None)
-        if engine is not besides and coordinator is not None and coordinator.engine_backward:
+        if engine is not besides and coordinator is not None and coordinator.in_tracked_backward:
             return engine
     return None
 

@@ -154,8 +154,7 @@ class Rig:
         """One backward as the coordinator runs it: units in reverse, each unit's gradients,
         then its backward done (the answers returned)."""
         opt = self.opt
-        opt.loss_scale = loss_scale
-        opt.begin_backward(boundary)
+        opt.begin_backward(boundary, loss_scale)
         done = []
         for unit in reversed(self.units):
             unit.finish_fetch(self.manager, None)    # backward runs on the fetched unit
@@ -227,6 +226,25 @@ def rig():
         r.close()
 
 
+class Owner:
+    """The engine as the optimizer's owner (optim/protocols.py), recording its calls: a
+    torch-style ``step()`` runs the step (``run``) as the engine's would."""
+
+    def __init__(self, opt, order: list[int] | None = None, run: bool = True) -> None:
+        self.opt, self.order, self.run, self.calls = opt, order or [], run, []
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self.calls.append(("zero_grad", set_to_none))
+
+    def step_from_optimizer(self) -> None:
+        self.calls.append("step")
+        if self.run:
+            self.opt.run_step()
+
+    def forward_order(self) -> list[int]:
+        return list(self.order)
+
+
 # -- updates against torch.optim.AdamW ----------------------------------------------------
 def test_deferred_steps_match_adamw_and_queue_in_forward_order(rig) -> None:
     """Three deferred steps with weight decay in two param groups: the same parameters as
@@ -234,7 +252,7 @@ def test_deferred_steps_match_adamw_and_queue_in_forward_order(rig) -> None:
     forward's order, units it does not name last) and each runs when its unit is fetched."""
     r = rig(two_groups=True)
     assert r.opt.waiting_units() == []
-    r.opt.forward_order = lambda: [2, 0]
+    r.opt.owner = Owner(r.opt, order=[2, 0])
     for k in range(3):
         g = r.grads()
         assert r.backward(g) == [True] * 4
@@ -555,7 +573,7 @@ def test_stores_and_pools_on_host(rig) -> None:
     assert not opt.holds_grads and opt.speculation == "off"
     assert (opt.clip_norm, opt.last_grad_norm, opt.loss_scale, opt.overflow) == (
         0.0, None, 1.0, False)
-    assert opt.step_failure is None and not opt.engine_stepping
+    assert opt.step_failure is None and opt.owner is None
     assert opt.kernel.adamw_mode is True and opt.kernel.threads == 1
     assert opt.defaults == HYPER
 
@@ -712,15 +730,13 @@ def test_step_refuses_a_closure_and_routes_a_users_call_through_the_engine(rig) 
     r = rig()
     with raises_naming(ValueError, "PartitionedOptimizer.step", "closure"):
         r.opt.step(closure=lambda: 0.0)
-    calls = []
-    r.opt.on_user_step = lambda: calls.append(1)
+    owner = r.opt.owner = Owner(r.opt, run=False)
     r.backward(r.grads())
     r.opt.overflow = True
     assert r.opt.step() is None
-    assert calls == [1] and r.opt.waiting_units() == [] and r.opt.overflow
-    r.opt.engine_stepping = True
-    r.opt.step()
-    assert calls == [1] and len(r.opt.waiting_units()) == 4 and not r.opt.overflow
+    assert owner.calls == ["step"] and r.opt.waiting_units() == [] and r.opt.overflow
+    r.opt.run_step()                         # the engine's step runs the step itself
+    assert owner.calls == ["step"] and len(r.opt.waiting_units()) == 4 and not r.opt.overflow
 
 
 def test_state_dict_and_load_state_dict_are_refused(rig) -> None:
@@ -746,11 +762,10 @@ def test_add_param_group_is_refused_after_construction(rig) -> None:
 def test_zero_grad_calls_the_engines(rig) -> None:
     opt = rig().opt
     opt.zero_grad()                            # no engine: nothing
-    seen = []
-    opt.on_zero_grad = seen.append
+    owner = opt.owner = Owner(opt)
     opt.zero_grad()
     opt.zero_grad(set_to_none=False)
-    assert seen == [True, False]
+    assert owner.calls == [("zero_grad", True), ("zero_grad", False)]
 
 
 def test_a_backward_that_raised_drops_the_cycles_gradients(rig, infinity_log) -> None:
