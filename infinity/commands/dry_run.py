@@ -1,16 +1,16 @@
-"""``infinity plan --dry-run``: the engine's own units and coordinator run training steps of a
-model built on the meta device, over a byte-free backend on a simulated clock.
+"""``infinity plan --dry-run``: the engine's own parts run training steps of a model built on
+the meta device, over a byte-free backend on a simulated clock.
 
-What runs for real: ``zero.partition`` (the units), ``zero.unit.Unit`` (flat layouts, shards,
-fetch, release, the device budget's reservations), ``zero.coordinator.Coordinator`` (the hooks,
-the recorded traces, prefetch within the bucket and live limits, keeping units for reuse,
-releases), the planner's sizes (``derive_sizes`` + ``engine_sizes``, as the engine calls them)
-and the engine's order of calls around a step (``Engine.forward``/``backward``/``step``). What
-is simulated (``dry_run_backend``, ``dry_run_stepper``): the bytes (meta tensors, no swap
-files), the disk, the collectives and the optimizer's step stream, on a clock whose rates are
-the target's (or this machine's, assumed). The host tier's pools are the optimizer's and the
-engine's (``PartitionedOptimizer``'s rules: fetch slots, gradient buffers, step-stream slots,
-the fp32 master's initialisation buffer), reserved in the same budget.
+The parts are built by the engine's own assembly (engine/assembly.py ``assemble``) from the
+run plan the engine would build from (planner/run_plan.py): ``zero.partition`` (the units),
+``engine.wiring.build_units`` (flat layouts, shards, persistence, homes, speculative copies),
+the plan's pools, and ``zero.coordinator.Coordinator`` (the hooks, the recorded traces,
+prefetch within the bucket and live limits, keeping units for reuse, releases), driven in the
+engine's order of calls around a step (``Engine.forward``/``backward``/``step``). The backend
+is what differs (``_DryRunBackend``; storage/protocols.py is what it implements, as the tier
+manager does): the bytes (meta tensors, no swap files), the disk, the collectives and the
+optimizer's step stream (``dry_run_stepper``: its schedule, not its kernels), on a clock whose
+rates are the target's (or this machine's, assumed).
 
 Not simulated: the step stream's sub-groups (a unit's step is one job), PCIe copies, the CPU
 shared by compute and the CPU Adam on a CPU-only machine, activation swapping (its staging is
@@ -32,15 +32,14 @@ from infinity.base.sizes import format_bytes
 from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, SimManager, SimPool
 from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
+from infinity.engine.assembly import assemble
 from infinity.engine.sizing import COMPUTE_DTYPES, gradient_home_dtype
 from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES, EngineSizes
 from infinity.planner.placement import Placement
 from infinity.planner.run_plan import PoolPlan, RunPlan, plan_run
 from infinity.planner.shape import ModelShape
 from infinity.storage.tiers import Residency, Tier
-from infinity.zero.coordinator import Coordinator
-from infinity.zero.partition import find_blocks, modules_needing, partition
-from infinity.zero.prefetch import PrefetchLimits
+from infinity.zero.partition import find_blocks, partition
 from infinity.zero.unit import Unit
 
 __all__ = ["DryRunRates", "DryRunSetup", "DryRunReport", "StepTrace", "dry_run", "meta_llama",
@@ -190,42 +189,15 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
                          device_is_cpu=setup.device_is_cpu)
     comm = SimCollectives(world, clock, rates.net_GBps * 1e9)
     plan = setup.plan
-    direct = plan.direct_fetch
-    fetch_pool = _pool(manager, plan.fetch_pool)
-
     specs = partition(model, list(setup.unit_modules or cfg.infinity.unit_modules or []) or None)
-    threshold = es.persistence_threshold if lay.stage == 3 else None
-    shards = world if lay.stage >= 1 else 1
-    units: list[Unit] = []
-    for index, spec in enumerate(specs):
-        named = [(n, p, 0 if p.requires_grad and p.numel() else -1) for n, p in spec.params]
-        unit = _MetaUnit(index, spec.name, spec.module, named, dtype, META, comm=comm,
-                         shards=shards, params_sharded=lay.stage == 3)
-        unit.direct = direct
-        persistent = threshold is None or unit.numel <= threshold
-        unit.adopt(manager, lay.param_tier, persistent, staging=fetch_pool,
-                   doubled=setup.speculative and unit.has_trainable)
-        units.append(unit)
-
-    # the optimizer's stores and pools, in PartitionedOptimizer's order
     flops: dict[int, float] = {}
-    stepper = SimStepper(
-        units, manager, early=lay.early_step, speculative=setup.speculative,
-        opt_tier=lay.opt_tier, grad_tier=es.grad_tier, master_separate=not lay.single_copy,
-        adam_params_per_s=rates.adam_params_per_s, comm=comm,
-        grads_held=plan.optimizer.holds_grads,
-        backward_s=lambda u: 2 * flops.get(u.index, 0.0) / rates.compute_flops_per_s,
-        instant=instant, grad_dtype=gradient_home_dtype(es, dtype))
-    _init_masters(units, manager, fetch_pool, lay)
-    # the optimizer's pools, in PartitionedOptimizer's order
-    for pool in (plan.optimizer.gradient, plan.optimizer.step):
-        _pool(manager, pool)
-    if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)
-        manager.host_budget.reserve(ACTIVATION_STAGING_BYTES, "activation staging")
-
-    coordinator = Coordinator(units, modules_needing(model, specs), manager, fetch_pool,
-                              PrefetchLimits(es.prefetch_bucket_numel, es.max_live_numel,
-                                             es.max_reuse_numel), stepper=stepper)
+    backend = _DryRunBackend(manager, comm, rates, flops, instant, direct=plan.direct_fetch)
+    # one param group of every trainable parameter: the dry run has no optimizer settings
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    parts = assemble(model, specs, groups, plan, backend, dtype=dtype, comm=comm,
+                     materialize=False)
+    units, fetch_pool, stepper = parts.units, parts.fetch_pool, parts.stepper
+    coordinator = parts.coordinator
     coordinator.install()
     _compute_hooks(model, specs, flops, clock, rates, seq_len * micro_batch, seq_len, shape)
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=META)
@@ -276,6 +248,50 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
               "held_gradients": stepper.held_peak},
         budgets={"host": es.host_budget, "device": es.device_budget},
         analytical_s=analytical_s, notes=notes)
+
+
+class _DryRunBackend:
+    """The dry run's backend for the engine's assembly (engine/assembly.py): the byte-free
+    tier manager, simulated pools, units on the meta device and the optimizer's schedule on
+    the clock (``SimStepper``), with the host memory the optimizer's pools and its master's
+    initialisation take reserved in the same budget, in ``PartitionedOptimizer``'s order."""
+
+    def __init__(self, manager: SimManager, comm: SimCollectives, rates: DryRunRates,
+                 flops: dict[int, float], instant: bool, direct: bool) -> None:
+        self.manager, self.comm, self.rates, self.flops = manager, comm, rates, flops
+        self.instant = instant
+        self.device = META
+        self.direct = direct      # NVMe reads into the unit's memory (the plan's direct fetch)
+
+    def pool(self, plan: PoolPlan) -> SimPool:
+        return SimPool(self.manager, plan.slot_bytes, plan.count, plan.name)
+
+    def unit_factory(self):
+        direct = self.direct
+
+        def make(*args, **kwargs) -> _MetaUnit:
+            unit = _MetaUnit(*args, **kwargs)
+            unit.direct = direct
+            return unit
+        return make
+
+    def stepper(self, units: list[Unit], groups: list[dict], plan: RunPlan,
+                fetch_pool: SimPool | None) -> SimStepper:
+        lay, es, rates, flops = plan.placement, plan.sizes, self.rates, self.flops
+        stepper = SimStepper(
+            units, self.manager, early=lay.early_step, speculative=plan.speculative,
+            opt_tier=lay.opt_tier, grad_tier=es.grad_tier, master_separate=not lay.single_copy,
+            adam_params_per_s=rates.adam_params_per_s, comm=self.comm,
+            grads_held=plan.optimizer.holds_grads,
+            backward_s=lambda u: 2 * flops.get(u.index, 0.0) / rates.compute_flops_per_s,
+            instant=self.instant,
+            grad_dtype=gradient_home_dtype(es, COMPUTE_DTYPES[lay.compute_dtype]))
+        _init_masters(units, self.manager, fetch_pool, lay)
+        for pool in (plan.optimizer.gradient, plan.optimizer.step):
+            _pool(self.manager, pool)
+        if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)
+            self.manager.host_budget.reserve(ACTIVATION_STAGING_BYTES, "activation staging")
+        return stepper
 
 
 def _init_masters(units: list[Unit], manager: SimManager, pool, lay: Placement) -> None:

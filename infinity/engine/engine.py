@@ -47,19 +47,15 @@ from infinity.engine.sizing import (
     warn_second_nvme_path,
 )
 from infinity.engine.step_stats import step_stats
-from infinity.engine.wiring import (
-    activation_swapper,
-    build_units,
-    tier_manager,
-)
+from infinity.engine.assembly import assemble
+from infinity.engine.wiring import activation_swapper, tier_manager
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.partitioned import PartitionedOptimizer
 from infinity.optim.schedules import build_scheduler, check_user_scheduler
-from infinity.planner.run_plan import RunPlan
+from infinity.planner.run_plan import PoolPlan, RunPlan
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier
-from infinity.zero.coordinator import Coordinator
 from infinity.zero.external_hint import raise_with_external_parameter_hint
 from infinity.zero.init import (
     EXTERNAL_PARAMS_ATTR,
@@ -68,8 +64,7 @@ from infinity.zero.init import (
     remember_released,
     unregister_engine,
 )
-from infinity.zero.partition import modules_needing, partition
-from infinity.zero.prefetch import PrefetchLimits
+from infinity.zero.partition import partition
 from infinity.zero.protocols import UnitValues, Wait
 from infinity.zero.unit import Unit
 
@@ -149,33 +144,15 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
 
     # -- construction ----------------------------------------------------------------------
     def _build(self, model: nn.Module, specs, groups: list[dict], lr_scheduler: Any) -> None:
-        fetch = self.plan.fetch_pool
-        self.fetch_pool = BufferPool(self.manager, fetch.slot_bytes, fetch.count, fetch.name) \
-            if fetch is not None else None
-        self.units, replacements = build_units(
-            model, specs, groups, self.device, self.compute_dtype, self.manager,
-            self.param_tier, staging=self.fetch_pool,
-            persistence_threshold=self.sizes.persistence_threshold if self.stage == 3 else None,
-            doubled=self.speculative, comm=self.comm, stage=self.stage, values=self._weights)
-        early = self.early_step
-        grad_tier = self.sizes.grad_tier
         owner = EnginePassOwner(self)       # the optimizer's and the coordinator's
-        self.optimizer = PartitionedOptimizer(
-            self.units, groups, self.manager, optimizer_tier=self.optimizer_tier,
-            grad_tier=grad_tier, grad_dtype=gradient_home_dtype(self.sizes, self.compute_dtype),
-            early_step=early, sub_group_numel=self.sizes.sub_group_numel,
-            master_separate=self.master_separate, staging_pool=self.fetch_pool,
-            adamw_mode=self.optimizer_defaults["adamw_mode"],
-            defaults=self.optimizer_defaults,
-            speculation=self.config.infinity.speculative_step if self.speculative else "off",
-            comm=self.comm, shard_states=self.stage >= 1, values=self._weights,
-            pools=self.plan.optimizer, clip_norm=self.config.gradient_clipping, owner=owner)
+        parts = assemble(model, specs, groups, self.plan,
+                         _EngineBackend(self, owner, self._weights),
+                         dtype=self.compute_dtype, comm=self.comm, owner=owner,
+                         values=self._weights)
         self._weights = None     # read: its files are the caller's to close
-        self.coordinator = Coordinator(
-            self.units, modules_needing(model, specs), self.manager, self.fetch_pool,
-            PrefetchLimits(self.sizes.prefetch_bucket_numel, self.sizes.max_live_numel,
-                           self.sizes.max_reuse_numel),
-            stepper=self.optimizer, owner=owner)
+        self.units, replacements = parts.units, parts.replacements
+        self.fetch_pool, self.optimizer = parts.fetch_pool, parts.stepper
+        self.coordinator = parts.coordinator
         route_module_methods(model, self)
         self.coordinator.install()
         self._passes = PassHooks(model, self._begin_pass, self._end_pass,
@@ -580,3 +557,34 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _EngineBackend:
+    """The engine's backend for the assembly (engine/assembly.py): the tier manager's bytes,
+    host buffer pools, real units and the partitioned optimizer."""
+
+    def __init__(self, engine: Engine, owner: EnginePassOwner, values: UnitValues | None) -> None:
+        self.engine, self.owner, self.values = engine, owner, values
+        self.manager = engine.manager
+        self.device = engine.device
+
+    def pool(self, plan: PoolPlan) -> BufferPool:
+        return BufferPool(self.manager, plan.slot_bytes, plan.count, plan.name)
+
+    def unit_factory(self) -> type[Unit]:
+        return Unit
+
+    def stepper(self, units: list[Unit], groups: list[dict], plan: RunPlan,
+                fetch_pool: BufferPool | None) -> PartitionedOptimizer:
+        engine = self.engine
+        return PartitionedOptimizer(
+            units, groups, self.manager, optimizer_tier=plan.optimizer_tier,
+            grad_tier=plan.grad_tier,
+            grad_dtype=gradient_home_dtype(plan.sizes, engine.compute_dtype),
+            early_step=plan.early_step, sub_group_numel=plan.sizes.sub_group_numel,
+            master_separate=plan.master_separate, staging_pool=fetch_pool,
+            adamw_mode=engine.optimizer_defaults["adamw_mode"],
+            defaults=engine.optimizer_defaults,
+            speculation=engine.config.infinity.speculative_step if plan.speculative else "off",
+            comm=engine.comm, shard_states=plan.stage >= 1, values=self.values,
+            pools=plan.optimizer, clip_norm=engine.config.gradient_clipping, owner=self.owner)

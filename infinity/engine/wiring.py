@@ -7,7 +7,7 @@ activation swapper is construction, read once when a run starts and not again.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -20,8 +20,8 @@ from infinity.config import InfinityConfig
 from infinity.engine.activation_policy import AutoActivationOffload
 from infinity.engine.sizing import EngineSizes, host_budget_note
 from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES
-from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
+from infinity.storage.protocols import SlotPool, StorageBackend
 from infinity.storage.tiers import Tier
 from infinity.zero.activation_swap import ActivationSwapper
 from infinity.zero.materialize import materialize_params
@@ -45,11 +45,22 @@ def tier_manager(config: InfinityConfig, device: torch.device, sizes: EngineSize
     return manager
 
 
+class UnitFactory(Protocol):
+    """How ``build_units`` makes a unit: ``Unit`` itself, or the dry run's unit on the meta
+    device (whose direct reads the plan decides, not where its absent bytes lie)."""
+
+    def __call__(self, index: int, name: str, module: nn.Module,
+                 named_params: list[tuple[str, nn.Parameter, int]], dtype: torch.dtype,
+                 device: torch.device, *, comm: Collectives, shards: int,
+                 params_sharded: bool) -> Unit: ...
+
+
 def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], device: torch.device,
-                compute_dtype: torch.dtype, manager: TierManager, param_tier: Tier, *,
-                staging: BufferPool | None, persistence_threshold: int | None,
+                compute_dtype: torch.dtype, manager: StorageBackend, param_tier: Tier, *,
+                staging: SlotPool | None, persistence_threshold: int | None,
                 doubled: bool, comm: Collectives = NO_COMM, stage: int = 3,
-                values: UnitValues | None = None,
+                values: UnitValues | None = None, make_unit: UnitFactory = Unit,
+                materialize: bool = True,
                 ) -> tuple[list[Unit], dict[nn.Parameter, nn.Parameter]]:
     """The units of ``specs``, each adopted into ``param_tier`` (persistent on the device when
     ``persistence_threshold`` is None, below stage 3, or the unit is no larger), and the
@@ -58,7 +69,8 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
     (stages 1-3) whose parameters are sharded at stage 3 (see [Note: shards] in zero/unit.py).
     ``values``: where the parameters it provides take their first values (a pretrained
     checkpoint), read into each unit as it is adopted instead of initialised, so each home is
-    written once."""
+    written once. ``make_unit``: how a unit is made (see ``UnitFactory``); ``materialize``:
+    meta parameters get memory and their init (the dry run's meta model keeps them on meta)."""
     shards = comm.world_size if stage >= 1 else 1
     group_of = {}
     for index, group in enumerate(groups):
@@ -77,8 +89,9 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
     try:
         for index, spec in enumerate(specs):
             provided = values.provides if values is not None else None
-            for name, old, new in materialize_params(model, spec.params, device, full_shapes,
-                                                     provided):
+            made = materialize_params(model, spec.params, device, full_shapes, provided) \
+                if materialize else []
+            for name, old, new in made:
                 replacements[old] = new
                 full_shapes[id(new)] = old.shape
                 group_of[new] = group_of.pop(old, -1)
@@ -86,8 +99,8 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
             # a parameter with no elements has nothing to step: kept as frozen
             named = [(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
                      for n, p in spec.params]
-            unit = Unit(index, spec.name, spec.module, named, compute_dtype, device, comm=comm,
-                        shards=shards, params_sharded=stage == 3)
+            unit = make_unit(index, spec.name, spec.module, named, compute_dtype, device,
+                             comm=comm, shards=shards, params_sharded=stage == 3)
             # A unit stays on the device when all of it is below the persistence threshold.
             persistent = persistence_threshold is None or unit.numel <= persistence_threshold
             if pending is not None and not manager.device_cache.fits(unit.nbytes):
