@@ -19,7 +19,7 @@ from typing import Any
 from infinity.base.sizes import parse_bytes
 from infinity.commands.plan_target import add_target_arguments, target_from_args
 from infinity.config import InfinityConfig
-from infinity.planner.inputs import ModelStats, detect_hardware, llama_stats
+from infinity.planner.inputs import ModelStats, detect_hardware, llama_stats, shape_stats
 from infinity.planner.plan import DEFAULT_SWAP_DIR, plan_memory, recommend_config
 from infinity.planner.shape import (
     ModelShape,
@@ -56,9 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--hf-config", metavar="CONFIG_JSON",
                        help="a Hugging Face config.json (model built on the meta device: needs transformers)")
     model.add_argument("--params", type=_param_count, metavar="N",
-                       help="a parameter count (7e9, 7B); units assumed to be --layers equal blocks plus 2")
+                       help="a parameter count (7e9, 7B), planned as a Llama of the depth and "
+                            "width published models of that size have (GPT-3, Llama, "
+                            "ZeRO-Infinity's 1T: 128 layers)")
     parser.add_argument("--layers", type=int, default=None,
-                        help="with --params: repeated blocks assumed (default 32)")
+                        help="with --params: the depth (default: from published models of the "
+                             "count); the width follows from the count")
     parser.add_argument("--config", metavar="DS_JSON", help="plan this ds_config.json instead of recommending one")
     parser.add_argument("--host-budget", help="host memory budget, e.g. 16GiB (default 80%% of MemAvailable)")
     parser.add_argument("--device-budget", help="device memory budget, e.g. 20GiB")
@@ -85,11 +88,12 @@ def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> tu
         kwargs = preset_kwargs(args.model_size, seq_len=0)
         return llama_stats(kwargs), shape_from_llama_kwargs(kwargs)
     if args.params is not None:
-        layers = 32 if args.layers is None else args.layers
-        if layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {layers}")
-        unit = -(-args.params // (layers + 2))
-        return ModelStats.from_counts(args.params, unit, layers + 2), estimated_shape(args.params, layers)
+        if args.layers is not None and args.layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {args.layers}")
+        # depth and width of published models at this count, unless --layers is given; planned
+        # parameter by parameter, so a block too large to fetch can be split as for a config
+        shape = estimated_shape(args.params, args.layers)
+        return shape_stats(shape), shape
     try:
         import torch
         import transformers

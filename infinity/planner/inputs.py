@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from infinity.base.cpu_bf16 import detect_cpu_bf16
+from infinity.planner.shape import ModelShape
 
 # Llama-style presets as transformers LlamaConfig kwargs (untied embeddings, vocab 32000).
 # 125M and 1B are the sizes of shared/peers/DS_E2E.md (134.1M and 940.6M parameters).
@@ -194,6 +195,17 @@ def llama_stats(kwargs: dict[str, Any]) -> ModelStats:
                       largest_unit_params=max(units), n_units=len(units),
                       largest_param=max(numels), param_numels=tuple(numels),
                       unit_numels=tuple(units))
+
+
+def shape_stats(shape: ModelShape) -> ModelStats:
+    """Exact stats of the Llama of ``shape`` (full multi-head attention; the number of heads
+    does not change a count), parameter by parameter. An estimated shape (``--params``) is
+    planned through it, so a block too large to fetch is split one unit per parameter
+    (``split_into_parameters`` needs every parameter's size) as it is for a config."""
+    return llama_stats(dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                            num_hidden_layers=shape.layers, num_attention_heads=1,
+                            num_key_value_heads=1, vocab_size=shape.vocab,
+                            tie_word_embeddings=shape.tied))
 
 
 @dataclass(frozen=True, kw_only=True)

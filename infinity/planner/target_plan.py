@@ -123,8 +123,11 @@ def _notes(d: Decision) -> list[str]:
         notes.append(f"nvme_path {TARGET_SWAP_DIR} stands for the target's NVMe mount (set it, or "
                      "pass --nvme-path)")
     if d.shape.estimated:
-        notes.append(f"model shape estimated from the parameter count (width {d.shape.hidden}, "
-                     f"vocabulary {d.shape.vocab}): pass --hf-config for exact activations")
+        sh = d.shape
+        notes.append(f"model shape estimated from the parameter count: {sh.layers} layers of width "
+                     f"{sh.hidden} (MLP {sh.intermediate}, vocabulary {sh.vocab}; "
+                     f"{sh.llama_params() / 1e9:,.2f}B parameters as a Llama), "
+                     f"{sh.source or 'from the count'}: pass --hf-config for the model's own shape")
     if t.gpu.dtype == "fp16":
         notes.append(f"{t.gpu.name} has no bf16: fp16 compute with dynamic loss scaling "
                      "(fp16.enabled, loss_scale 0); the early step is off (the overflow check "

@@ -18,6 +18,7 @@ from infinity.planner.inputs import (
     llama_stats,
 )
 from infinity.planner.plan import RUNTIME_OVERHEAD_BYTES, plan_memory, recommend_config
+from infinity.planner.shape import estimated_shape
 from infinity.planner.sizes import derive_sizes
 
 GiB, MiB = 2**30, 2**20
@@ -246,8 +247,12 @@ def test_cli_plan_json_with_config(tmp_path, capsys) -> None:
                      str(tmp_path), "--host-budget", "2GiB", "--json"])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["recommended"] is False and data["model"]["total_params"] == 200_000_000
-    assert data["table_bytes"]["optimizer_states"]["nvme"] == 8 * 200_000_000
+    # --params is planned as the Llama of its estimated shape (8 layers of width 1152): that
+    # shape's own count, within 1% of 2e8 (tests/unit/test_shape_from_count.py)
+    total = estimated_shape(200_000_000, 8).llama_params()
+    assert abs(total / 200_000_000 - 1) < 0.01
+    assert data["recommended"] is False and data["model"]["total_params"] == total
+    assert data["table_bytes"]["optimizer_states"]["nvme"] == 8 * total
     budgets = data["budget_bytes"]
     if torch.cuda.is_available():
         assert budgets["host"] == 2 * GiB
