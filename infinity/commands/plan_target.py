@@ -2,7 +2,7 @@
 (``--gpus 8 --gpu H100 --host-memory 2TiB --nvme 4x7TB``), and the workload's shape. With none of
 them the plan is for this machine, as before.
 
-    infinity plan --params 1T --layers 128 --gpus 8 --gpu-memory 80GiB --host-memory 2TiB --nvme 28TB
+    infinity plan --params 1T --gpus 8 --gpu-memory 80GiB --host-memory 2TiB --nvme 28TB
     infinity plan --hf-config config.json --gpus 16 --gpu V100-32G --host-memory 1.5TB --nvme 8x3.84TB --json
 """
 from __future__ import annotations
