@@ -264,7 +264,7 @@ class Coordinator:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         for uid in ids:
             self._ensure(uid, self.traces["bwd"])
-            self._status[uid].backward_fetched = True
+            self._status[uid].fetched_for_backward()
         for uid in ids + tuple(self._next_trainable(self.traces["bwd"].upcoming(), 1)):
             if self.units[uid].has_trainable and not self._status[uid].backward_done:
                 self.stepper.expect_backward(self.units[uid])
@@ -283,7 +283,7 @@ class Coordinator:
 
     def _post_backward(self, ids: tuple[int, ...]) -> None:
         for uid in ids:
-            self._status[uid].inputs_done = True
+            self._status[uid].reached_inputs()
             self._maybe_finish(self.units[uid])
 
     def _grad_ready(self, unit: Unit, entry: ParamEntry) -> None:
@@ -310,7 +310,7 @@ class Coordinator:
             return
         if not unit.has_trainable and not status.inputs_done:
             return
-        status.backward_done = True
+        status.finish_backward()
         if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):
             status.stepping = True
             status.stale = unit.shards > 1
@@ -324,7 +324,7 @@ class Coordinator:
             for unit, status in zip(self.units, self._status):
                 if not status.backward_done and unit.has_trainable and \
                         status.grads_pending < len(unit.trainable_entries()):
-                    status.backward_done = True
+                    status.finish_backward()
                     if not self.stepper.on_unit_backward_done(unit):
                         status.stepping = True
                         status.stale = unit.shards > 1
@@ -400,9 +400,7 @@ class Coordinator:
         """A backward op still to run may read the unit: a pre-backward hook of the backward
         in progress fetched it and its backward is not done (see [Note: release during
         backward])."""
-        status = self._status[uid]
-        return self._phase is PassPhase.BACKWARD and status.backward_fetched and \
-            not status.backward_done
+        return self._phase is PassPhase.BACKWARD and self._status[uid].backward_may_read
 
     def _release_or_keep(self, uid: int) -> None:
         unit = self.units[uid]

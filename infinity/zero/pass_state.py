@@ -19,6 +19,30 @@ class PassPhase(enum.Enum):
 FORWARDS = (PassPhase.TRAIN_FORWARD, PassPhase.EVAL_FORWARD)
 
 
+class UnitBackward(enum.Enum):
+    """Where a unit is in the backward in progress (each backward starts every unit PENDING).
+
+    PENDING -> FETCHED (a pre-backward hook fetched it) -> INPUTS_DONE (the gradient w.r.t. its
+    module's inputs exists) -> DONE (its gradients are complete); a unit's gradients may
+    complete before its inputs' (DONE from FETCHED), and the end of the backward finishes any
+    unit whose gradients came (DONE from PENDING). Transitions go through ``UnitStatus``'s
+    verbs and are checked: finishing a unit twice in one backward is a bug, raised."""
+
+    PENDING = "pending"
+    FETCHED = "fetched"
+    INPUTS_DONE = "inputs done"
+    DONE = "done"
+
+
+_FETCH = {UnitBackward.PENDING: UnitBackward.FETCHED}
+"""A pre-backward fetch moves only a unit the backward has not reached (fetched again, or after
+its backward, it stays where it is: see [Note: release during backward])."""
+_INPUTS = {UnitBackward.PENDING: UnitBackward.INPUTS_DONE,
+           UnitBackward.FETCHED: UnitBackward.INPUTS_DONE}
+_FINISH = {UnitBackward.PENDING: UnitBackward.DONE, UnitBackward.FETCHED: UnitBackward.DONE,
+           UnitBackward.INPUTS_DONE: UnitBackward.DONE}
+
+
 @dataclasses.dataclass
 class UnitStatus:
     """One unit as the coordinator's hooks see it."""
@@ -26,11 +50,7 @@ class UnitStatus:
     users: int = 0           # module calls in progress and pins holding it fetched
     pins: int = 0            # of ``users``: held by ``pin``, not by hooks
     grads_pending: int = 0   # trainable parameters whose gradient this backward has not brought
-    inputs_done: bool = False    # the gradient w.r.t. its module's inputs exists
-    backward_done: bool = False  # see [Note: release during backward]
-    # a pre-backward hook of this backward fetched it: until its backward is done, an op about
-    # to run may read it (see [Note: release during backward])
-    backward_fetched: bool = False
+    backward: UnitBackward = UnitBackward.PENDING
     stepping: bool = False       # a background step holds it fetched
     # its device copy holds a newer own shard than the other ranks' shards in it (a step ran, or
     # only the own shard was read): gathered before the next use (see [Note: shards])
@@ -42,6 +62,36 @@ class UnitStatus:
         """A module call, a pin or a step needs it fetched."""
         return self.users > 0 or self.stepping
 
+    @property
+    def backward_done(self) -> bool:
+        return self.backward is UnitBackward.DONE
+
+    @property
+    def inputs_done(self) -> bool:
+        """The gradient w.r.t. its module's inputs exists (its backward may still be waiting
+        for its parameters' gradients)."""
+        return self.backward is UnitBackward.INPUTS_DONE
+
+    @property
+    def backward_may_read(self) -> bool:
+        """A pre-backward hook of this backward fetched it and its backward is not done: an op
+        about to run may read it (see [Note: release during backward])."""
+        return self.backward in (UnitBackward.FETCHED, UnitBackward.INPUTS_DONE)
+
     def start_backward(self, trainable: int) -> None:
         self.grads_pending = trainable
-        self.inputs_done = self.backward_done = self.backward_fetched = False
+        self.backward = UnitBackward.PENDING
+
+    def fetched_for_backward(self) -> None:
+        self.backward = _FETCH.get(self.backward, self.backward)
+
+    def reached_inputs(self) -> None:
+        """Its module's backward produced the gradient w.r.t. its inputs."""
+        self.backward = _INPUTS.get(self.backward, self.backward)
+
+    def finish_backward(self) -> None:
+        """Its gradients are complete: once per backward."""
+        if self.backward not in _FINISH:
+            raise RuntimeError(f"a unit's backward finished twice in one backward (state "
+                               f"{self.backward.value}): the coordinator's hooks ran out of order")
+        self.backward = _FINISH[self.backward]

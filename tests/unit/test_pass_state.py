@@ -1,0 +1,43 @@
+"""A unit's place in the backward (zero/pass_state.py ``UnitBackward``): the verbs the
+coordinator's hooks call move it through PENDING -> FETCHED -> INPUTS_DONE -> DONE, a second
+finish in one backward is refused, and what the coordinator asks of it (done, inputs done, may
+an op still read it) follows the state."""
+from __future__ import annotations
+
+import pytest
+
+from infinity.zero.pass_state import UnitBackward, UnitStatus
+
+
+def test_a_unit_goes_through_its_backward_once() -> None:
+    status = UnitStatus()
+    status.start_backward(trainable=3)
+    assert (status.backward, status.grads_pending) == (UnitBackward.PENDING, 3)
+    assert not (status.backward_done or status.inputs_done or status.backward_may_read)
+    status.fetched_for_backward()
+    assert status.backward is UnitBackward.FETCHED and status.backward_may_read
+    status.fetched_for_backward()                 # a second call's pre-backward hook: no change
+    assert status.backward is UnitBackward.FETCHED
+    status.reached_inputs()
+    assert status.inputs_done and status.backward_may_read and not status.backward_done
+    status.fetched_for_backward()                 # fetched again after its inputs: stays
+    assert status.backward is UnitBackward.INPUTS_DONE
+    status.finish_backward()
+    assert status.backward_done and not status.inputs_done and not status.backward_may_read
+    status.fetched_for_backward()                 # fetched after its backward: stays done
+    status.reached_inputs()
+    assert status.backward is UnitBackward.DONE
+    with pytest.raises(RuntimeError, match="finished twice in one backward.*done"):
+        status.finish_backward()
+    status.start_backward(trainable=1)            # the next backward starts it over
+    assert status.backward is UnitBackward.PENDING and status.grads_pending == 1
+
+
+@pytest.mark.parametrize("path", [["finish"], ["fetch", "finish"], ["inputs", "finish"]])
+def test_gradients_may_complete_before_the_inputs_or_without_a_fetch(path) -> None:
+    status = UnitStatus()
+    verbs = {"fetch": status.fetched_for_backward, "inputs": status.reached_inputs,
+             "finish": status.finish_backward}
+    for verb in path:
+        verbs[verb]()
+    assert status.backward_done
