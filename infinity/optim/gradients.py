@@ -38,7 +38,9 @@ from infinity.optim.records import CompleteGradient, OptimTimers, UnitOptimState
 from infinity.planner.engine_sizes import accumulate_chunk_numel
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
-from infinity.zero.unit import ParamEntry, Unit
+from infinity.zero.protocols import SteppedUnit
+from infinity.zero.unit import ParamEntry
+
 
 def _never() -> bool:
     return False
@@ -134,7 +136,7 @@ class GradientCollector:
         self.reduces = comm.active
         self.scatter = scatter and comm.active
 
-    def collect_numel(self, unit: Unit) -> int:
+    def collect_numel(self, unit: SteppedUnit) -> int:
         """Elements of the flat buffer a unit's gradient is collected in: its trainable range,
         or every shard of its flat buffer when the gradient is reduce-scattered."""
         return unit.flat_numel if self.scatter else unit.trainable_numel
@@ -149,7 +151,7 @@ class GradientCollector:
             for state in self.states:
                 state.norm_counted = False
 
-    def on_grad(self, unit: Unit, entry: ParamEntry, grad: torch.Tensor) -> None:
+    def on_grad(self, unit: SteppedUnit, entry: ParamEntry, grad: torch.Tensor) -> None:
         start = time.perf_counter()
         state = self._by_unit[unit.index]
         state.arrived.add(entry.offset)

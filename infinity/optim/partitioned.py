@@ -61,8 +61,8 @@ from infinity.planner.run_plan import OptimizerPools, PoolPlan, optimizer_pools
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
-from infinity.zero.protocols import UnitValues, Wait
-from infinity.zero.unit import ParamEntry, Unit
+from infinity.zero.protocols import SteppedUnit, UnitValues, Wait
+from infinity.zero.unit import ParamEntry
 
 log = get_logger("optim")
 
@@ -74,7 +74,7 @@ _STATE_DICT_REFUSED = (
     "scheduler and counters), as with DeepSpeed")
 
 
-def _state_range(unit: Unit, sharded: bool) -> tuple[int, int]:
+def _state_range(unit: SteppedUnit, sharded: bool) -> tuple[int, int]:
     """[lo, hi) of the unit's trainable range this rank steps: its shard of it (see [Note:
     shards] in zero/unit.py; empty past the trainable part), or all of it."""
     n = unit.trainable_numel
@@ -84,7 +84,7 @@ def _state_range(unit: Unit, sharded: bool) -> tuple[int, int]:
     return lo, min(unit.shard_start + unit.shard_numel, n)
 
 
-def _plan_pools(units: list[Unit], manager: TierManager, *, sub_group_numel: int,
+def _plan_pools(units: list[SteppedUnit], manager: TierManager, *, sub_group_numel: int,
                 optimizer_tier: Tier,
                 grad_tier: Tier, early_step: bool, master_separate: bool, speculative: bool,
                 comm: Collectives, shard_states: bool) -> OptimizerPools:
@@ -109,7 +109,7 @@ def _pool(manager: TierManager, plan: PoolPlan | None) -> BufferPool | None:
 class PartitionedOptimizer(torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
-    def __init__(self, units: list[Unit], param_groups: list[dict], manager: TierManager, *,
+    def __init__(self, units: list[SteppedUnit], param_groups: list[dict], manager: TierManager, *,
                  optimizer_tier: Tier, grad_tier: Tier, early_step: bool, sub_group_numel: int,
                  master_separate: bool, staging_pool: BufferPool | None,
                  adamw_mode: bool = True, threads: int | None = None,
@@ -249,7 +249,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         return dict(self._stream.stats)
 
     # -- set-up ----------------------------------------------------------------------------
-    def _init_master(self, unit: Unit, master: FlatStore,
+    def _init_master(self, unit: SteppedUnit, master: FlatStore,
                      span: tuple[int, int] | None = None,
                      values: UnitValues | None = None) -> None:
         """Seed the fp32 master from the unit's current parameters (its range ``span`` of
@@ -278,7 +278,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if was_released:
             unit.release(self.manager)
 
-    def _master_from(self, unit: Unit, master: FlatStore, span: tuple[int, int],
+    def _master_from(self, unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
                      values: UnitValues) -> None:
         lo, hi = span
         if master.resident:
@@ -288,17 +288,17 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         unit.fill_range(values, lo, hi, buf[: hi - lo])
         self.manager.wait(master.store_async(buf))
 
-    def reload_master(self, unit: Unit) -> None:
+    def reload_master(self, unit: SteppedUnit) -> None:
         """The unit's parameters were changed by hand: make the fp32 master match them."""
         state = self._by_unit.get(unit.index)
         if state is not None and state.master is not None:
             self._init_master(unit, state.master)
 
     # -- the coordinator's UnitStepper (zero/protocols.py) ---------------------------------
-    def on_grad(self, unit: Unit, entry: ParamEntry, grad: torch.Tensor) -> None:
+    def on_grad(self, unit: SteppedUnit, entry: ParamEntry, grad: torch.Tensor) -> None:
         self.gradients.on_grad(unit, entry, grad)
 
-    def on_unit_backward_done(self, unit: Unit) -> bool:
+    def on_unit_backward_done(self, unit: SteppedUnit) -> bool:
         """All of ``unit``'s gradients for this backward have arrived.
 
         Returns True when the unit may be released now; False when an early step of it is
@@ -343,7 +343,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.steps.add(job)
         return job
 
-    def expect_backward(self, unit: Unit) -> None:
+    def expect_backward(self, unit: SteppedUnit) -> None:
         """``unit``'s gradients are coming (early step, or a backward that speculates): its
         Adam states may be read ahead while the stream has slots to spare (see [Note: expected
         steps])."""
@@ -356,7 +356,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             return
         self._expected[unit.index] = self._stream.expect(state)
 
-    def step_fetched(self, unit: Unit) -> bool:
+    def step_fetched(self, unit: SteppedUnit) -> bool:
         """``unit`` has just been fetched: run its waiting deferred step on the device copy and
         wait for its kernels. True when it did: the unit must stay fetched until ``reap``
         returns it (its writes go out from the device copy)."""
@@ -372,18 +372,18 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.timers.optimizer_s += time.perf_counter() - start
         return True
 
-    def wait_stepped(self, unit: Unit | None = None) -> None:
+    def wait_stepped(self, unit: SteppedUnit | None = None) -> None:
         """Wait until the kernels of ``unit``'s steps in flight (None: every unit's) have run:
         a forward after a backward that raised, or after an interrupted ``step()``, must not
         read a copy being stepped. Re-raises a step's failure."""
         self.steps.wait_stepped(unit)
 
-    def reap(self, wait: Wait = Wait.NONE) -> list[Unit]:
+    def reap(self, wait: Wait = Wait.NONE) -> list[SteppedUnit]:
         """Units whose background steps have all landed (the caller releases them); see
         [Note: the life of a step job] in optim/records.py."""
         return self.steps.reap(wait)
 
-    def drain(self) -> list[Unit]:
+    def drain(self) -> list[SteppedUnit]:
         """The run ends: expected and waiting steps are cancelled (nothing can read their
         results), the rest are seen through (failures logged), and every unit comes back."""
         self.cancel_expected()
@@ -513,7 +513,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self._waiting[state.unit.index] = self._stream.expect(
                 state, early=False, grad_scale=scale, params=self.gradients.take_arrived(state))
 
-    def waiting_units(self) -> list[Unit]:
+    def waiting_units(self) -> list[SteppedUnit]:
         """Units whose deferred step waits for them to be fetched, in the order queued."""
         return [self._by_unit[i].unit for i in self._waiting]
 
@@ -535,7 +535,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Something reads the model before ``step()``: roll the speculation back."""
         self.speculator.void()
 
-    def take_rolled_back(self) -> list[Unit]:
+    def take_rolled_back(self) -> list[SteppedUnit]:
         """The units rolled back since the last call (their device copies are stale)."""
         return self.speculator.take_rolled_back()
 

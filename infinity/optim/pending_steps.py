@@ -15,8 +15,7 @@ from typing import Callable
 
 from infinity.base.log import get_logger
 from infinity.optim.records import OptimTimers, StepJob, UnitOptimState
-from infinity.zero.protocols import Wait
-from infinity.zero.unit import Unit
+from infinity.zero.protocols import SteppedUnit, Wait
 
 log = get_logger("optim")
 
@@ -30,7 +29,7 @@ class PendingSteps:
         self._add_norm = add_norm
         # units whose steps are over, not yet handed out (reaped by a call that kept them, or
         # by a wait that was interrupted)
-        self._unclaimed: list[Unit] = []
+        self._unclaimed: list[SteppedUnit] = []
         self.failure: BaseException | None = None   # the first background step that failed
 
     def add(self, job: StepJob) -> None:
@@ -46,10 +45,10 @@ class PendingSteps:
                    for job in self.jobs)
 
     @property
-    def unclaimed(self) -> list[Unit]:
+    def unclaimed(self) -> list[SteppedUnit]:
         return self._unclaimed
 
-    def reap(self, wait: Wait = Wait.NONE, hand_out: bool = True) -> list[Unit]:
+    def reap(self, wait: Wait = Wait.NONE, hand_out: bool = True) -> list[SteppedUnit]:
         """Units whose background steps have all finished, in order (see ``Wait``), and those
         finished by earlier calls that did not hand them out; with ``hand_out`` False they stay
         for the next call (a step or roll-back that must see its jobs through, whose caller
@@ -88,7 +87,7 @@ class PendingSteps:
         self._unclaimed = finished
         return []
 
-    def wait_stepped(self, unit: Unit | None = None) -> None:
+    def wait_stepped(self, unit: SteppedUnit | None = None) -> None:
         """Wait until the kernels of ``unit``'s jobs (None: every job's) have run: its device
         copy holds the new parameters. A failed job is raised through ``reap``, which records
         it and sees the other jobs through first."""
@@ -100,7 +99,7 @@ class PendingSteps:
                     self.reap(Wait.ALL, hand_out=False)
                     raise
 
-    def drain(self) -> list[Unit]:
+    def drain(self) -> list[SteppedUnit]:
         """Wait for every job (at close): errors were raised at ``reap`` already, so here they
         are only logged, and every unit comes back for release."""
         units = []

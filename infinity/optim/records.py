@@ -51,7 +51,7 @@ import torch
 from infinity.optim.held_room import HeldRoom
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore
-from infinity.zero.unit import Unit
+from infinity.zero.protocols import SteppedUnit
 
 
 @dataclass(eq=False)
@@ -61,7 +61,7 @@ class UnitOptimState:
     zero/unit.py). Ranges, sub-groups and step runs are in the unit's flat coordinates; a
     store's element i is the unit's element lo + i."""
 
-    unit: Unit
+    unit: SteppedUnit
     exp_avg: FlatStore
     exp_avg_sq: FlatStore
     master: FlatStore | None          # None: the parameter itself is the fp32 master
@@ -140,7 +140,7 @@ def sub_groups(state: UnitOptimState, numel: int) -> list[SubGroup]:
     return [SubGroup(state, a, min(a + numel, hi)) for a in range(lo, hi, numel)]
 
 
-def grad_pieces(unit: Unit, grad: torch.Tensor | dict[int, torch.Tensor], origin: int,
+def grad_pieces(unit: SteppedUnit, grad: torch.Tensor | dict[int, torch.Tensor], origin: int,
                 a: int, b: int):
     """(x, y, gradient of elements [x, y)) covering [a, b) of the unit: one piece of a flat
     gradient indexed from ``origin``, or per parameter from held parts (a parameter without a

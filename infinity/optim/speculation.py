@@ -63,8 +63,7 @@ from infinity.optim.pending_steps import PendingSteps
 from infinity.optim.records import JobPhase, StepJob, UnitOptimState
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
-from infinity.zero.protocols import Wait
-from infinity.zero.unit import Unit
+from infinity.zero.protocols import SteppedUnit, Wait
 
 log = get_logger("optim")
 
@@ -95,7 +94,7 @@ class Speculator:
         # the last step would have kept its speculation ("auto" speculates while it is True);
         # checkpoints keep it, so a resumed run speculates where the uninterrupted one did
         self.pays = True
-        self.rolled_back: list[Unit] = []  # units whose device copies hold rolled-back values
+        self.rolled_back: list[SteppedUnit] = []  # units whose device copies hold rolled-back values
         self.stats = {"committed": 0, "rolled_back": 0, "voided": 0}
         # units whose speculated gradient is neither at home nor on its way there
         self._gradient_not_home: set[int] = set()
@@ -271,7 +270,7 @@ class Speculator:
         if self.jobs:
             self.roll_back(VOIDED)
 
-    def take_rolled_back(self) -> list[Unit]:
+    def take_rolled_back(self) -> list[SteppedUnit]:
         """The units rolled back since the last call (their device copies are stale)."""
         units, self.rolled_back = self.rolled_back, []
         return units

@@ -9,6 +9,9 @@
 - ``UnitValues``: where the first values of parameters come from when not from the model's
   init (a pretrained checkpoint, checkpoint/pretrained.py): read straight into each unit's
   flat buffer as the unit is adopted, so that homes are written once.
+- ``SteppedUnit``: a unit as the optimizer sees it (its flat layout, its shard, its parameter
+  home, fetch and release for the master's first values): the narrow view optim is written
+  against instead of ``zero.unit.Unit`` (tests/unit/test_pass_state.py checks Unit has it).
 
 ``NO_STEPPER`` and ``NO_PASS_OWNER`` do nothing (a coordinator without an optimizer: tests,
 tools).
@@ -16,12 +19,43 @@ tools).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
 
     from infinity.zero.unit import ParamEntry, Unit
+
+
+class SteppedUnit(Protocol):
+    """A unit as the optimizer steps it (see the module docstring); ``zero.unit.Unit`` is one.
+    Ranges are in the unit's flat coordinates ([Note: flat layout] in zero/unit.py)."""
+
+    index: int
+    name: str
+    dtype: torch.dtype
+    flat: torch.Tensor
+    """The device buffer (all shards)."""
+    flat_numel: int
+    trainable_numel: int
+    """The trainable range's elements [0, trainable_numel), padded to 4 KiB."""
+    shard_start: int
+    shard_numel: int
+    params: list[ParamEntry]
+    param_store: Any
+    """The parameters' home store (None: the unit lives on the device for good)."""
+    residency: Any
+
+    @property
+    def has_trainable(self) -> bool: ...
+    @property
+    def home_start(self) -> int: ...
+    @property
+    def flat_on_aligned_host(self) -> bool: ...
+    def trainable_entries(self) -> list[ParamEntry]: ...
+    def fill_range(self, values: UnitValues, lo: int, hi: int, out: torch.Tensor) -> None: ...
+    def finish_fetch(self, manager: Any, pool: Any, gather: bool = True) -> None: ...
+    def release(self, manager: Any) -> None: ...
 
 
 class Wait(enum.Enum):

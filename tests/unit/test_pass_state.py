@@ -41,3 +41,21 @@ def test_gradients_may_complete_before_the_inputs_or_without_a_fetch(path) -> No
     for verb in path:
         verbs[verb]()
     assert status.backward_done
+
+
+def test_a_unit_is_what_the_optimizer_steps() -> None:
+    """optim is written against zero.protocols.SteppedUnit, not the concrete Unit: every member
+    of the Protocol is one of Unit's (a member Unit lacks fails here, before any engine)."""
+    import torch
+    from torch import nn
+
+    from infinity.zero.protocols import SteppedUnit
+    from infinity.zero.unit import Unit
+
+    members = [n for n in (*SteppedUnit.__annotations__, *vars(SteppedUnit))
+               if not n.startswith("_")]
+    assert len(members) >= 15
+    unit = Unit(0, "u", nn.Linear(2, 2), [("weight", nn.Parameter(torch.zeros(2, 2)), 0)],
+                torch.float32, torch.device("cpu"))
+    missing = [n for n in members if not hasattr(unit, n)]
+    assert not missing, missing
