@@ -5,12 +5,12 @@ and real requests (a failing request is a small object whose wait raises)."""
 from __future__ import annotations
 
 import errno
-import re
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from messages import raises_naming
 
 from infinity.base.budget import BudgetExceededError, MemoryBudget
 from infinity.config.aio import AioConfig
@@ -21,15 +21,6 @@ from infinity.storage.tiers import Tier
 
 MiB = 1 << 20
 
-
-def raises_naming(kind, *phrases: str):
-    """pytest.raises for a message that says each of ``phrases`` in this order (what is wrong,
-    the offending value, the fix), whatever the wording around them; kept without ``as``: an
-    ExceptionInfo bound in a test's frame makes a reference cycle (traceback -> frame -> locals),
-    and the aligned buffers and swap space in it would then be freed by the cyclic GC at some
-    later point (a finalizer run by the GC at an arbitrary point has crashed a test run) instead
-    of at the test's end."""
-    return pytest.raises(kind, match="(?s)" + ".*".join(re.escape(p) for p in phrases))
 
 
 @pytest.fixture

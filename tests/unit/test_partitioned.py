@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from messages import raises_naming
 from torch import nn
 
 from infinity.base.budget import MemoryBudget
@@ -37,11 +37,6 @@ UNIT_OF = {"a": 0, "b": 0, "c": 1, "d": 2, "e": 3}
 HYPER = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 TOL = dict(rtol=1e-5, atol=1e-6)
 
-
-def raises_naming(kind, *phrases: str):
-    """pytest.raises for a message that says each of ``phrases`` in this order (what is wrong,
-    the offending value, the fix), whatever the wording around them."""
-    return pytest.raises(kind, match="(?s)" + ".*".join(re.escape(p) for p in phrases))
 
 
 class _Comm:

@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+from messages import raises_naming
 
 from infinity.config.aio import AioConfig
 from infinity.io.aio import AioEngine
@@ -28,11 +29,6 @@ def aio():
     with AioEngine(AioConfig(backend="auto", block_size=MiB, queue_depth=8)) as engine:
         yield engine
 
-
-def raises_naming(kind, *phrases: str):
-    """pytest.raises for a message that says each of ``phrases`` in this order (what is wrong,
-    the offending value, the fix), whatever the wording around them."""
-    return pytest.raises(kind, match="(?s)" + ".*".join(re.escape(p) for p in phrases))
 
 
 def test_auto_file_size() -> None:
