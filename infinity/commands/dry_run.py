@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from infinity.base.sizes import format_bytes
+from infinity.commands.dry_run_trace import busy_seconds
 from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, SimManager, SimPool
 from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
@@ -100,6 +101,8 @@ class StepTrace:
     """The coordinator's (kind, unit) of this step, forward then backward then the step."""
     phase_ends: dict[str, int]
     """Index in ``events`` where "forward" and "backward" ended."""
+    start: float = 0.0
+    """When it began on the simulated clock (seconds; it ended ``seconds`` later)."""
 
 
 @dataclass
@@ -112,6 +115,14 @@ class DryRunReport:
     budgets: dict[str, int | None]
     analytical_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    spans: list[tuple[str, float, float, str]] = field(default_factory=list)
+    """Every resource's busy intervals, (resource, start, end, what), on the simulated clock:
+    the timeline (commands/dry_run_trace.py writes it as a Chrome trace or a picture)."""
+
+    def busy_s(self, step: int = -1) -> dict[str, float]:
+        """Seconds each resource was busy within a step (the last by default)."""
+        return busy_seconds(self.spans, self.steps[step].start,
+                            self.steps[step].start + self.steps[step].seconds)
 
     def as_dict(self, first: int = 24) -> dict[str, Any]:
         names = [u["name"] for u in self.units]
@@ -125,7 +136,7 @@ class DryRunReport:
             "order": {phase: [f"{kind} {names[uid]}" for kind, uid in events[:first]]
                       for phase, events in _phases(last).items()},
             "simulated_step_s": last.seconds, "analytical_step_s": self.analytical_s,
-            "notes": self.notes}
+            "busy_s": self.busy_s(), "notes": self.notes}
 
     def render(self, first: int = 12) -> str:
         names = [u["name"] for u in self.units]
@@ -143,6 +154,8 @@ class DryRunReport:
                      f"{format_bytes(last.comm_bytes)}; I/O wait {last.io_wait_s:.2f} s")
         analytic = f"{self.analytical_s:.2f} s" if self.analytical_s is not None else "-"
         lines.append(f"  step time: simulated {last.seconds:.2f} s, analytical {analytic}")
+        lines.append("  busy in the step: " + ", ".join(
+            f"{row} {seconds:.2f} s" for row, seconds in self.busy_s().items() if seconds))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -183,7 +196,7 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
     cfg, lay, es = setup.config, setup.placement, setup.sizes
     world = cfg.world_size
     dtype = COMPUTE_DTYPES[lay.compute_dtype]
-    clock = SimClock()
+    clock = SimClock(spans=[])
     manager = SimManager(es.host_budget, es.device_budget, clock=clock,
                          read_Bps=rates.nvme_read_GBps * 1e9, write_Bps=rates.nvme_write_GBps * 1e9,
                          device_is_cpu=setup.device_is_cpu)
@@ -232,7 +245,8 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
                                 nvme_write_bytes=manager.counters.nvme_write_bytes,
                                 comm_bytes=comm.counters.sent_bytes - comm_before,
                                 events=log, phase_ends={"forward": forward_end,
-                                                        "backward": backward_end}))
+                                                        "backward": backward_end},
+                                start=start))
         if events is not None:
             events.append(list(log))
     coordinator.events = None
@@ -247,7 +261,7 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
               "device_in_use": manager.device_cache.peak_in_use, "nvme": manager.nvme_bytes,
               "held_gradients": stepper.held_peak},
         budgets={"host": es.host_budget, "device": es.device_budget},
-        analytical_s=analytical_s, notes=notes)
+        analytical_s=analytical_s, notes=notes, spans=clock.spans or [])
 
 
 class _DryRunBackend:
@@ -332,7 +346,8 @@ def _compute_hooks(model: nn.Module, specs, flops: dict[int, float], clock: SimC
         uid = owner.get(weight)
         if uid is not None:
             flops[uid] = flops.get(uid, 0.0) + amount
-        clock.now += amount / rates.compute_flops_per_s
+        clock.compute(amount / rates.compute_flops_per_s,
+                      f"forward {specs[uid].name}" if uid is not None else "forward")
 
     for module in model.modules():
         if isinstance(module, nn.Linear):
@@ -344,7 +359,8 @@ def _compute_hooks(model: nn.Module, specs, flops: dict[int, float], clock: SimC
                 def attention(module, args, output, uid=index) -> None:
                     amount = 4.0 * tokens * seq_len * shape.hidden
                     flops[uid] = flops.get(uid, 0.0) + amount
-                    clock.now += amount / rates.compute_flops_per_s
+                    clock.compute(amount / rates.compute_flops_per_s,
+                                  f"forward {specs[uid].name} attention")
                 spec.module.register_forward_hook(attention)
 
 

@@ -38,7 +38,7 @@ from infinity.storage.buffer_pool import Slot
 from infinity.storage.manager import TierCounters, padded_numel
 from infinity.storage.tiers import Tier
 
-__all__ = ["SimClock", "Lane", "SimRequest", "SimManager", "SimStore", "SimDeviceCache",
+__all__ = ["SimClock", "COMPUTE", "WAIT", "Lane", "SimRequest", "SimManager", "SimStore", "SimDeviceCache",
            "SimPool", "SimCollectives", "META"]
 
 META = torch.device("meta")
@@ -51,11 +51,31 @@ class SimClock:
     now: float = 0.0
     io_wait_s: float = 0.0
     """Time the training thread spent waiting on requests."""
+    spans: list[tuple[str, float, float, str]] | None = None
+    """When a list: every busy interval of every resource, (resource, start, end, what) --
+    the timeline ``dry_run_trace`` writes (None: not recorded)."""
 
-    def wait_until(self, t: float) -> None:
+    def record(self, resource: str, start: float, end: float, what: str) -> None:
+        """``resource`` was busy with ``what`` from ``start`` to ``end`` (seconds)."""
+        if self.spans is not None and end > start:
+            self.spans.append((resource, start, end, what))
+
+    def wait_until(self, t: float, what: str = "waits for I/O") -> None:
         if t > self.now:
+            self.record(WAIT, self.now, t, what)
             self.io_wait_s += t - self.now
             self.now = t
+
+    def compute(self, seconds: float, what: str) -> None:
+        """The training thread computes for ``seconds``."""
+        self.record(COMPUTE, self.now, self.now + seconds, what)
+        self.now += seconds
+
+
+COMPUTE = "compute"
+"""The training thread's forward and backward (the GPU's kernels, or the CPU's)."""
+WAIT = "compute waits"
+"""The training thread waiting for a transfer or a step it needs."""
 
 
 @dataclass
@@ -64,17 +84,20 @@ class Lane:
 
     clock: SimClock
     rate: float
+    name: str = ""
+    """The resource, as the timeline names its row."""
     free_at: float = 0.0
     busy_s: float = 0.0
     moved: float = 0.0
 
-    def schedule(self, amount: float, not_before: float | None = None) -> float:
+    def schedule(self, amount: float, not_before: float | None = None, what: str = "") -> float:
         """When ``amount`` submitted now (or at ``not_before``) is through."""
         start = max(self.clock.now if not_before is None else not_before, self.free_at)
         seconds = amount / self.rate if self.rate > 0 and amount else 0.0
         self.free_at = start + seconds
         self.busy_s += seconds
         self.moved += amount
+        self.clock.record(self.name, start, self.free_at, what)
         return self.free_at
 
 
@@ -102,15 +125,17 @@ class SimDisk:
     lane: Lane = field(init=False)
 
     def __post_init__(self) -> None:
-        self.lane = Lane(self.clock, 1.0)     # amounts in seconds
+        self.lane = Lane(self.clock, 1.0, "NVMe")     # amounts in seconds
 
     def read(self, nbytes: int, not_before: float | None = None) -> SimRequest:
         return SimRequest(self.clock, self.lane.schedule(
-            nbytes / self.read_Bps if self.read_Bps > 0 else 0.0, not_before))
+            nbytes / self.read_Bps if self.read_Bps > 0 else 0.0, not_before,
+            f"read {nbytes / 2**20:.1f} MiB"))
 
     def write(self, nbytes: int, not_before: float | None = None) -> SimRequest:
         return SimRequest(self.clock, self.lane.schedule(
-            nbytes / self.write_Bps if self.write_Bps > 0 else 0.0, not_before))
+            nbytes / self.write_Bps if self.write_Bps > 0 else 0.0, not_before,
+            f"write {nbytes / 2**20:.1f} MiB"))
 
 
 class SimStore:
@@ -337,17 +362,19 @@ class SimCollectives:
         self.world_size = world_size
         self.rank = 0
         self.clock = clock
-        self.lane = Lane(clock, rate_Bps)
+        self.lane = Lane(clock, rate_Bps, "collectives")
         self.counters = _Counters()
 
     @property
     def active(self) -> bool:
         return self.world_size > 1
 
-    def _move(self, nbytes: int) -> None:
+    def _move(self, nbytes: int, what: str) -> None:
         moved = int(nbytes * (self.world_size - 1) / self.world_size)
         before = self.clock.now
-        self.clock.now = max(self.clock.now, self.lane.schedule(moved))
+        end = self.lane.schedule(moved, what=f"{what} {moved / 2**20:.1f} MiB")
+        self.clock.record(WAIT, before, end, f"waits for the {what}")
+        self.clock.now = max(self.clock.now, end)
         self.counters.sent_bytes += moved
         self.counters.received_bytes += moved
         self.counters.comm_s += self.clock.now - before
@@ -355,8 +382,8 @@ class SimCollectives:
 
     def all_gather(self, output: torch.Tensor, tag: int | None = None) -> None:
         if self.active:
-            self._move(output.numel() * output.element_size())
+            self._move(output.numel() * output.element_size(), "all-gather")
 
     def reduce_scatter(self, nbytes: int) -> None:
         if self.active:
-            self._move(nbytes)
+            self._move(nbytes, "reduce-scatter")

@@ -62,7 +62,7 @@ class SimStepper:
         self.instant = instant
         self.grads_held = grads_held
         self.backward_s = backward_s
-        self.adam = Lane(self.clock, float("inf") if instant else adam_params_per_s)
+        self.adam = Lane(self.clock, float("inf") if instant else adam_params_per_s, "CPU Adam")
         self.states: dict[int, list[SimStore]] = {}
         self.grad_stores: dict[int, SimStore] = {}
         for unit in units:
@@ -102,7 +102,8 @@ class SimStepper:
         """Adam after the reads, then the writes of the parameters and the states."""
         unit = job.unit
         start = max(job.reads_end, self.clock.now)
-        job.kernel_end = self.adam.schedule(unit.trainable_numel, not_before=start)
+        job.kernel_end = self.adam.schedule(unit.trainable_numel, not_before=start,
+                                            what=f"step {unit.name}")
         if self.instant:
             job.kernel_end = self.clock.now
         end = job.kernel_end
@@ -124,7 +125,7 @@ class SimStepper:
     def on_grad(self, unit: Unit, entry, grad) -> None:
         if unit.index not in self._seen:
             self._seen.add(unit.index)
-            self.clock.now += self.backward_s(unit)   # the unit's backward computed them
+            self.clock.compute(self.backward_s(unit), f"backward {unit.name}")   # made them
         if self.grads_held:
             nbytes = grad.numel() * grad.element_size()
             self._held[unit.index] = self._held.get(unit.index, 0) + nbytes

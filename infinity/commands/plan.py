@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "built on the meta device, byte-free, on a simulated clock: the "
                              "fetch/prefetch/release order, peak bytes per tier, I/O per step, "
                              "the simulated step time (needs --hf-config or --model-size)")
+    parser.add_argument("--trace", metavar="FILE.json",
+                        help="with --dry-run: write its timeline (compute, waits, NVMe, CPU "
+                             "Adam, collectives: one row each) as a Chrome trace-event file "
+                             "(open it in https://ui.perfetto.dev or chrome://tracing)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="with --dry-run: draw the last step's timeline (needs matplotlib)")
     add_target_arguments(parser)
 
 
@@ -182,6 +188,7 @@ def _run_target(args: argparse.Namespace, target: Any, workload: Any) -> int:
         report = dry_run(_meta_model(args), setup, rates, seq_len=workload.seq_len,
                          micro_batch=workload.micro_batch, shape=shape,
                          analytical_s=plan.step.predicted_s if plan.step else None)
+        _timeline_files(args, report)
     if args.json:
         data = plan.as_dict()
         if args.dry_run:
@@ -195,6 +202,19 @@ def _run_target(args: argparse.Namespace, target: Any, workload: Any) -> int:
         elif args.dry_run:
             print("dry run: none (the plan is infeasible)")
     return 0
+
+
+def _timeline_files(args: argparse.Namespace, report: Any) -> None:
+    """--trace / --plot: the dry run's timeline, written where asked (the paths are noted)."""
+    from infinity.commands.dry_run_trace import plot_timeline, write_trace
+
+    if args.trace:
+        write_trace(report, args.trace)
+        report.notes.append(f"timeline written to {args.trace} (Chrome trace: "
+                            "https://ui.perfetto.dev)")
+    if args.plot:
+        plot_timeline(report, args.plot)
+        report.notes.append(f"last step's timeline drawn in {args.plot}")
 
 
 def _meta_model(args: argparse.Namespace) -> Any:
@@ -217,6 +237,9 @@ def _meta_model(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.trace or args.plot) and not args.dry_run:
+        raise ValueError(f"{'--trace' if args.trace else '--plot'} draws the dry run's timeline: "
+                         "add --dry-run (with --hf-config or --model-size)")
     described = target_from_args(args)
     if described is not None:
         return _run_target(args, *described)
@@ -257,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
         report.notes.append(f"this machine's rates assumed: {rates.compute_flops_per_s / 1e9:.0f} "
                             f"GFLOP/s, NVMe {rates.nvme_read_GBps:g} GB/s; sequence "
                             f"{workload.seq_len}, micro-batch {workload.micro_batch}")
+        _timeline_files(args, report)
     missing = _missing_nvme_notes(plan.config)
     unusable = _unusable_swap_paths(plan.config)
     if missing or unusable:

@@ -1,0 +1,57 @@
+"""The dry run's timeline (commands/dry_run_trace.py, ``infinity plan --dry-run --trace FILE
+--plot FILE.png``): a Chrome trace with one row per resource, and a step whose time is the
+training thread's and is bounded by what the resources did: at least the busiest resource's
+time (every resource serves one thing at a time), at most all of their times together (the
+thread waits only while some resource works for it). Small targets on a described GPU, so that
+the parameters and Adam states stream from NVMe behind compute, and two GPUs for the
+collectives."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infinity import cli
+
+# 85M (the main job's model) on a 2.3 GiB GPU: ZeRO-Infinity with NVMe (4.2 GiB of host: both
+# on NVMe; two GPUs with 8.6 GiB: the optimizer on NVMe, collectives between them)
+TARGETS = {
+    "1 GPU, both on NVMe": ["--gpus", "1", "--host-memory", "4.2GiB"],
+    "2 GPUs, optimizer on NVMe": ["--gpus", "2", "--host-memory", "8.6GiB"],
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_the_timeline_bounds_the_step_and_loads_as_a_chrome_trace(tmp_path, capsys,
+                                                                  target: str) -> None:
+    trace, picture = tmp_path / "step.json", tmp_path / "step.png"
+    assert cli.main(["plan", "--model-size", "85M", "--gpu-memory", "2.3GiB", "--nvme", "1TB",
+                     *TARGETS[target], "--dry-run", "--json", "--trace", str(trace),
+                     "--plot", str(picture)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    report = plan["dry_run"]
+    step, busy = report["simulated_step_s"], report["busy_s"]
+    resources = {row: s for row, s in busy.items() if row != "compute waits"}
+    assert busy["NVMe"] > 0 and busy["compute"] > 0
+    if "2 GPUs" in target:
+        assert busy["collectives"] > 0
+    assert max(resources.values()) <= step * (1 + 1e-9)
+    assert step <= sum(resources.values()) * (1 + 1e-9)
+    # the training thread is its compute and its waits
+    assert busy["compute"] + busy["compute waits"] == pytest.approx(step, rel=1e-9)
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
+    assert {"compute", "compute waits", "NVMe", "CPU Adam", "collectives"} <= set(rows)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and all(e["dur"] > 0 and e["tid"] in rows.values() for e in spans)
+    # NVMe reads run behind compute (prefetch): some read overlaps some forward or backward
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == rows["compute"]]
+    nvme = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == rows["NVMe"]]
+    assert any(a < d and c < b for a, b in nvme for c, d in compute)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_timeline_needs_the_dry_run(capsys) -> None:
+    assert cli.main(["plan", "--model-size", "85M", "--trace", "t.json"]) == 2
+    assert "add --dry-run" in capsys.readouterr().err
