@@ -20,6 +20,11 @@ dotted names (infinity.storage.extents, infinity.storage). Options:
     --tests FILE        (repeatable) an extra test file for every module (added to the mapped ones)
     --recheck           run only the earlier survivors (and no-tests) of these modules, against
                         the current tests; mutants never checked stay unchecked
+    --mutants GLOB      (repeatable) run only the mutants whose names match (mutmut's names, e.g.
+                        'infinity.storage.manager.xǁFlatStoreǁflip__mutmut_*' for one method,
+                        'infinity.storage.swap.x_auto_file_size__mutmut_3' for one mutant; see
+                        `mutmut results --all true` in the work directory), checked again even when
+                        cached as killed; the report counts only these
     --via-helpers       also map tests that reach a module only through a helper in tests/
     --integration       keep tests/integration and tests/distributed files for modules that unit
                         tests import too (by default a module gets those tests only when no unit
@@ -342,7 +347,11 @@ SPINNER_FRAMES = re.compile(r"[\u2800-\u28ff] [^\u2800-\u28ff\n]*(?=[\u2800-\u28
 DETECTED = ("killed", "timeout", "segfault", "caught by type check")
 
 
-def read_results(work: Path, modules: list[Path]) -> dict[str, dict[str, object]]:
+def read_results(work: Path, modules: list[Path],
+                 only: list[str] | None = None) -> dict[str, dict[str, object]]:
+    """Verdicts per module (with ``only``: of the mutants whose names match one of these globs)."""
+    import fnmatch
+
     from mutmut.stats import status_by_exit_code
 
     out: dict[str, dict[str, object]] = {}
@@ -352,6 +361,8 @@ def read_results(work: Path, modules: list[Path]) -> dict[str, dict[str, object]
         survivors: list[str] = []
         if meta.is_file():
             for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+                if only and not any(fnmatch.fnmatch(key, g) for g in only):
+                    continue
                 status = status_by_exit_code[code]
                 counts[status] += 1
                 if status in ("survived", "no tests", "suspicious"):
@@ -401,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests", action="append", default=[])
     ap.add_argument("--via-helpers", action="store_true")
     ap.add_argument("--recheck", action="store_true")
+    ap.add_argument("--mutants", action="append", default=[])
     ap.add_argument("--integration", action="store_true")
     ap.add_argument("--show-survivors", action="store_true")
     args = ap.parse_args(argv)
@@ -448,10 +460,14 @@ def main(argv: list[str] | None = None) -> int:
         if not reset:
             raise SystemExit("mutation.py: --recheck: no earlier survivor of these modules to check")
         cmd += reset
+    if args.mutants:
+        if args.recheck:
+            raise SystemExit("mutation.py: --mutants and --recheck: choose one")
+        cmd += args.mutants
     header = [
         f"mutation run: mutmut {mutmut.__version__}, source {source}",
         f"command: nice -n 10 python tools/mutation.py {' '.join(sys.argv[1:] if argv is None else argv)}",
-        f"  (runs in {WORK.relative_to(ROOT)}: {' '.join(cmd[3:9])}{' <%d survivors>' % len(reset) if args.recheck else ''}; shimmed finder {finder}; "
+        f"  (runs in {WORK.relative_to(ROOT)}: {' '.join(cmd[3:7])}{' <%d survivors>' % len(reset) if args.recheck else ''}{' <%d globs>' % len(args.mutants) if args.mutants else ''}; shimmed finder {finder}; "
         f"INFINITY_NATIVE_LIB={native})",
         "tests per module (files that import it" + (", or a tests/ helper importing it" if args.via_helpers else "") + "):",
     ]
@@ -478,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         print("mutation.py: mutmut's stats run recorded no tests; running it once more", flush=True)
 
-    results = read_results(WORK, modules)
+    results = read_results(WORK, modules, args.mutants or None)
     rows = [(n, summarize(results[n]["counts"])) for n in names]
     for pkg, members in packages.items():
         if len(members) > 1:
