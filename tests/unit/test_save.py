@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from messages import raises_naming
 from torch import nn
 
 from infinity.base.budget import MemoryBudget
@@ -231,18 +232,20 @@ def test_a_very_deep_value_is_left_to_json() -> None:
 
 
 def test_manifest_state_refuses_before_anything_is_written(tmp_path: Path, manager) -> None:
-    with pytest.raises(TypeError, match="client_state has a dict key 1.*Use string keys"):
+    with raises_naming(TypeError, "client_state has a dict key 1",
+                       "is JSON, whose keys are strings, so it would come back as '1'. "
+                       "Use string keys", ends=True):
         save_checkpoint(_state(manager), tmp_path, client_state={1: 2})
-    with pytest.raises(TypeError, match="the optimizer's param group settings must be JSON"
-                                        ".*Convert tensors"):
+    with raises_naming(TypeError, "the optimizer's param group settings must be JSON",
+                       "Convert tensors with .tolist() or .item()", ends=True):
         manifest_state(_state(manager, param_groups=[{"params": [], "x": object()}]), {})
 
     class Bad:
         def state_dict(self):
             return {"f": object()}
 
-    with pytest.raises(TypeError, match="the LR scheduler's state_dict\\(\\) must be JSON"
-                                        ".*Convert tensors"):
+    with raises_naming(TypeError, "the LR scheduler's state_dict() must be JSON",
+                       "Convert tensors with .tolist() or .item()", ends=True):
         save_checkpoint(_state(manager, lr_scheduler=Bad()), tmp_path)
     assert list(tmp_path.iterdir()) == []
 

@@ -48,7 +48,8 @@ def test_reserve_must_be_a_non_negative_int(disk_dir: Path, aio, bad) -> None:
 
 
 def test_file_size_is_parsed_and_at_least_a_page(disk_dir: Path, aio) -> None:
-    with raises_naming(ValueError, "file_size", "'abc'", "write e.g. 3GiB"):
+    # starts: the name is a literal the caller passes ("XXfile_sizeXX" would still say file_size)
+    with raises_naming(ValueError, "file_size: ", "'abc'", "write e.g. 3GiB", starts=True):
         SwapSpace(disk_dir, aio=aio, file_size="abc")
     with raises_naming(ValueError, "file_size", "at least 4096 bytes", "4095"):
         SwapSpace(disk_dir, aio=aio, file_size=4095)
@@ -153,7 +154,7 @@ def test_a_swap_file_is_never_one_that_is_already_there(disk_dir: Path, aio) -> 
     with SwapSpace(disk_dir, aio=aio, file_size="1MiB") as s:
         (s.path / "swap-0.bin").write_bytes(b"not ours")
         with raises_naming(OSError, "[Errno 17]", "preallocating", "File exists",
-                           "check the swap path"):
+                           "; check the swap path", ends=True):
             s.allocate(PAGE, tag="x")
         assert s.files == []
         assert (s.path / "swap-0.bin").read_bytes() == b"not ours"
@@ -202,7 +203,7 @@ def test_offsets_and_sizes_are_checked_by_op(disk_dir: Path, aio) -> None:
             s.write(e, buf, 2 * PAGE)
         s.free(e)
         with raises_naming(ValueError, "read of", "not allocated in this swap space",
-                           "freed already, or from another space"):
+                           "(freed already, or from another space)", ends=True):
             s.read(e, buf)
 
 
