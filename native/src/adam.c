@@ -329,3 +329,9 @@ int inf_adam_rmw_bandwidth(float *a, const float *b, float *c, float *d, int64_t
 #endif
     return run_ranges(&unused, fn, &t, 1, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE, nthreads, NULL);
 }
+
+/* ---- shared with the state formats (adam_formats.c): the same checks and constants ---- */
+
+int inf_adam_hparams_check(const struct inf_adam_hparams *hp) { return check_hparams(hp); }
+
+struct adam_consts inf_adam_consts(const struct inf_adam_hparams *hp) { return make_consts(hp); }

@@ -153,6 +153,11 @@ static inline uint16_t adam_f32_to_f16(float f) {
 /* Sum over n gradient elements of grad^2 in double, the same bits on every CPU (adam_norm.c). */
 double inf_adam_grad_sq_sum(const void *g, size_t n, int gdt);
 
+/* The checks and per-step constants of inf_adam_step, shared with the state formats
+ * (adam_formats.c) so that both give the same numbers. */
+int inf_adam_hparams_check(const struct inf_adam_hparams *hp);
+struct adam_consts inf_adam_consts(const struct inf_adam_hparams *hp);
+
 /* ---- thread pool (adam_pool.c) ---- */
 
 /* fn(arg, index) runs on up to nthreads threads, index 0 being the caller, and must take work

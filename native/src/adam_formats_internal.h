@@ -1,0 +1,91 @@
+/* Private to the Adam state formats (adam_formats*.c): the per-call context, one chunk of a
+ * range, the kernel table, and the scalar pieces every kernel shares (stochastic rounding's hash,
+ * the handling of a non-finite block). See inf_adam_formats.h for the definitions. */
+#ifndef INF_ADAM_FORMATS_INTERNAL_H
+#define INF_ADAM_FORMATS_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "adam_internal.h"
+#include "inf_adam_formats.h"
+
+/* Code of 0.0 in each map (the value a block of zeros is coded with). */
+#define ADAMF_ZERO_CODE_S 127
+#define ADAMF_ZERO_CODE_U 0
+
+/* Constants of one call. */
+struct adamf_ctx {
+    struct adam_consts c;
+    int gdt, hdt;        /* INF_ADAM_DTYPE_*: gradient, 16-bit copy (NONE with BF16_SR) */
+    int moments, master; /* INF_ADAM_MOMENTS_*, INF_ADAM_MASTER_* */
+    uint32_t k0, k1;     /* stochastic rounding key, from (seed, step) */
+    const float *map_s, *map_u; /* 256 values each */
+    const float *bnd_s, *bnd_u; /* 255 decision bounds each */
+};
+
+/* One chunk: whole blocks of one range (pointers at the chunk's element 0; absmax pointers at
+ * its first block); offset is the flat-tensor index of element 0 (the SR counter). */
+struct adamf_chunk {
+    void *p;
+    const void *g;
+    void *m, *v;
+    float *ms, *vs;
+    void *half;
+    int64_t offset;
+    size_t n;
+};
+
+typedef void (*adamf_range_fn)(const struct adamf_ctx *x, const struct adamf_chunk *r);
+
+void inf_adamf_range_scalar(const struct adamf_ctx *x, const struct adamf_chunk *r);
+#if defined(__x86_64__)
+void inf_adamf_range_avx2(const struct adamf_ctx *x, const struct adamf_chunk *r);
+void inf_adamf_range_avx512(const struct adamf_ctx *x, const struct adamf_chunk *r);
+#endif
+
+/* ---- stochastic rounding ---- */
+
+/* murmur3's 32-bit finalizer: a bijection that mixes every input bit into every output bit. */
+static inline uint32_t adamf_fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
+}
+
+/* The random 32 bits of element idx: fmix32(fmix32(lo32(idx) ^ k0) ^ (hi32(idx) + k1)).
+ * 32-bit multiplies only, so AVX2 computes it lane by lane too (no 64-bit mullo). */
+static inline uint32_t adamf_sr_hash(uint32_t k0, uint32_t k1, uint64_t idx) {
+    uint32_t h = adamf_fmix32((uint32_t)idx ^ k0);
+    return adamf_fmix32(h ^ ((uint32_t)(idx >> 32) + k1));
+}
+
+/* f rounded to bf16 stochastically with 16 random bits r (the hash's top half): rounds away
+ * from zero with probability (dropped bits) / 2^16. NaN -> 0xFFFF; inf stays inf. */
+static inline uint16_t adamf_bf16_sr(float f, uint32_t r) {
+    uint32_t u = adam_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;
+    return (uint16_t)((u + r) >> 16);
+}
+
+/* ---- INT8 blocks ---- */
+
+/* A block whose updated moment holds inf or NaN: absmax NaN, every code the zero code. */
+static inline void adamf_block_nonfinite(uint8_t *codes, size_t nb, float *absmax, int zero_code) {
+    memset(codes, zero_code, nb);
+    *absmax = adam_bits_f32(0x7fc00000u);
+}
+
+/* Nearest map entry, ties up: #{ j : bnd[j] <= x } over the 255 ascending bounds; NaN -> 0. */
+static inline uint32_t adamf_qsearch(const float *bnd, float x) {
+    uint32_t idx = 0;
+    for (uint32_t s = 128; s; s >>= 1)
+        if (x >= bnd[idx + s - 1]) idx += s;
+    return idx;
+}
+
+#endif
