@@ -174,12 +174,16 @@ TARGET void partial8(const struct adamf_ctx *x, const struct vconsts *k, void *p
 }
 
 /* adamf_qsearch of 8 lanes: 8 gathers from the bounds. */
-TARGET __m256i qsearch8(const float *bnd, __m256 xv) {
+TARGET __m256i qsearch8(const float *bnd, int pos_floor, __m256 xv) {
     __m256i idx = _mm256_setzero_si256();
     for (int s = 128; s; s >>= 1) {
         __m256i probe = _mm256_add_epi32(idx, _mm256_set1_epi32(s - 1));
         __m256 ge = _mm256_cmp_ps(xv, _mm256_i32gather_ps(bnd, probe, 4), _CMP_GE_OQ);
         idx = _mm256_add_epi32(idx, _mm256_and_si256(_mm256_castps_si256(ge), _mm256_set1_epi32(s)));
+    }
+    if (pos_floor) { /* a positive value never gets code 0 */
+        __m256 pos = _mm256_cmp_ps(xv, _mm256_setzero_ps(), _CMP_GT_OQ);
+        idx = _mm256_max_epu32(idx, _mm256_and_si256(_mm256_castps_si256(pos), _mm256_set1_epi32(1)));
     }
     return idx;
 }
@@ -192,7 +196,7 @@ TARGET __m128i pack8(__m256i c) {
 
 /* Pass 2 of a block: codes of buf[0, nb) (buf is readable up to nb rounded up to 8). */
 TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, const float *bnd,
-                           int zero_code, uint8_t *codes, float *absmax) {
+                           int zero_code, int pos_floor, uint8_t *codes, float *absmax) {
     if (bad) {
         adamf_block_nonfinite(codes, nb, absmax, zero_code);
         return;
@@ -201,11 +205,11 @@ TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, con
     size_t j = 0;
     for (; j + W <= nb; j += W)
         _mm_storel_epi64((__m128i *)(codes + j),
-                         pack8(qsearch8(bnd, _mm256_div_ps(_mm256_loadu_ps(buf + j), div))));
+                         pack8(qsearch8(bnd, pos_floor, _mm256_div_ps(_mm256_loadu_ps(buf + j), div))));
     if (j < nb) {
         _Alignas(16) uint8_t tmp[16];
         _mm_store_si128((__m128i *)tmp,
-                        pack8(qsearch8(bnd, _mm256_div_ps(_mm256_loadu_ps(buf + j), div))));
+                        pack8(qsearch8(bnd, pos_floor, _mm256_div_ps(_mm256_loadu_ps(buf + j), div))));
         memcpy(codes + j, tmp, nb - j);
     }
     *absmax = amax;
@@ -246,9 +250,9 @@ TARGET void int8_chunk(const struct adamf_ctx *x, const struct vconsts *k,
             partial8(x, k, p, g, cm, cv, half, j, nb - j, e + (int64_t)j, sm, sv, mbuf, vbuf, &a,
                      INF_ADAM_MOMENTS_INT8, master, mode);
         quantize_block(mbuf, nb, reduce_max(a.am), _mm256_movemask_ps(a.bad_m) != 0, x->bnd_s,
-                       ADAMF_ZERO_CODE_S, cm, &r->ms[blk]);
+                       ADAMF_ZERO_CODE_S, 0, cm, &r->ms[blk]);
         quantize_block(vbuf, nb, reduce_max(a.av), _mm256_movemask_ps(a.bad_v) != 0, x->bnd_u,
-                       ADAMF_ZERO_CODE_U, cv, &r->vs[blk]);
+                       ADAMF_ZERO_CODE_U, 1, cv, &r->vs[blk]);
     }
 }
 

@@ -165,19 +165,23 @@ TARGET void partial16(const struct adamf_ctx *x, const struct vconsts *k, void *
 }
 
 /* adamf_qsearch of 16 lanes: 8 gathers from the bounds. */
-TARGET __m512i qsearch16(const float *bnd, __m512 xv) {
+TARGET __m512i qsearch16(const float *bnd, int pos_floor, __m512 xv) {
     __m512i idx = _mm512_setzero_si512();
     for (int s = 128; s; s >>= 1) {
         __m512i probe = _mm512_add_epi32(idx, _mm512_set1_epi32(s - 1));
         __mmask16 ge = _mm512_cmp_ps_mask(xv, _mm512_i32gather_ps(probe, bnd, 4), _CMP_GE_OQ);
         idx = _mm512_mask_add_epi32(idx, ge, idx, _mm512_set1_epi32(s));
     }
+    if (pos_floor) { /* a positive value never gets code 0 */
+        __mmask16 pos = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_GT_OQ);
+        idx = _mm512_max_epu32(idx, _mm512_maskz_mov_epi32(pos, _mm512_set1_epi32(1)));
+    }
     return idx;
 }
 
 /* Pass 2 of a block: codes of buf[0, nb) (buf is readable up to nb rounded up to 16). */
 TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, const float *bnd,
-                           int zero_code, uint8_t *codes, float *absmax) {
+                           int zero_code, int pos_floor, uint8_t *codes, float *absmax) {
     if (bad) {
         adamf_block_nonfinite(codes, nb, absmax, zero_code);
         return;
@@ -186,11 +190,11 @@ TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, con
     size_t j = 0;
     for (; j + W <= nb; j += W)
         _mm_storeu_si128((__m128i *)(codes + j),
-                         _mm512_cvtepi32_epi8(qsearch16(bnd, _mm512_div_ps(_mm512_loadu_ps(buf + j), div))));
+                         _mm512_cvtepi32_epi8(qsearch16(bnd, pos_floor, _mm512_div_ps(_mm512_loadu_ps(buf + j), div))));
     if (j < nb) {
         _Alignas(16) uint8_t tmp[16];
         _mm_store_si128((__m128i *)tmp,
-                        _mm512_cvtepi32_epi8(qsearch16(bnd, _mm512_div_ps(_mm512_loadu_ps(buf + j), div))));
+                        _mm512_cvtepi32_epi8(qsearch16(bnd, pos_floor, _mm512_div_ps(_mm512_loadu_ps(buf + j), div))));
         memcpy(codes + j, tmp, nb - j);
     }
     *absmax = amax;
@@ -230,9 +234,9 @@ TARGET void int8_chunk(const struct adamf_ctx *x, const struct vconsts *k,
             partial16(x, k, p, g, cm, cv, half, j, nb - j, e + (int64_t)j, sm, sv, mbuf, vbuf, &a,
                       INF_ADAM_MOMENTS_INT8, master, mode);
         quantize_block(mbuf, nb, _mm512_reduce_max_ps(a.am), a.bad_m != 0, x->bnd_s,
-                       ADAMF_ZERO_CODE_S, cm, &r->ms[blk]);
+                       ADAMF_ZERO_CODE_S, 0, cm, &r->ms[blk]);
         quantize_block(vbuf, nb, _mm512_reduce_max_ps(a.av), a.bad_v != 0, x->bnd_u,
-                       ADAMF_ZERO_CODE_U, cv, &r->vs[blk]);
+                       ADAMF_ZERO_CODE_U, 1, cv, &r->vs[blk]);
     }
 }
 

@@ -80,7 +80,8 @@ static inline void adamf_block_nonfinite(uint8_t *codes, size_t nb, float *absma
     *absmax = adam_bits_f32(0x7fc00000u);
 }
 
-/* Nearest map entry, ties up: #{ j : bnd[j] <= x } over the 255 ascending bounds; NaN -> 0. */
+/* Nearest map entry, ties up: #{ j : bnd[j] <= x } over the 255 ascending bounds; NaN -> 0.
+ * (The v map's callers then lift a positive x's code 0 to 1: inf_adam_formats.h.) */
 static inline uint32_t adamf_qsearch(const float *bnd, float x) {
     uint32_t idx = 0;
     for (uint32_t s = 128; s; s >>= 1)

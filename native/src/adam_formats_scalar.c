@@ -72,13 +72,18 @@ INLINE float absmax_step(float acc, float a, int *bad) {
 }
 
 static void quantize_block(const float *buf, size_t nb, float amax, int bad, const float *bnd,
-                           int zero_code, uint8_t *codes, float *absmax) {
+                           int zero_code, int pos_floor, uint8_t *codes, float *absmax) {
     if (bad) {
         adamf_block_nonfinite(codes, nb, absmax, zero_code);
         return;
     }
     float div = amax == 0.0f ? 1.0f : amax;
-    for (size_t j = 0; j < nb; j++) codes[j] = (uint8_t)adamf_qsearch(bnd, buf[j] / div);
+    for (size_t j = 0; j < nb; j++) {
+        float xj = buf[j] / div;
+        uint32_t code = adamf_qsearch(bnd, xj);
+        if (pos_floor && code == 0 && xj > 0.0f) code = 1; /* see inf_adam_formats.h */
+        codes[j] = (uint8_t)code;
+    }
     *absmax = amax;
 }
 
@@ -106,8 +111,8 @@ INLINE void int8_loop(const struct adamf_ctx *x, const struct adamf_chunk *r, in
             am = absmax_step(am, mi, &bad_m);
             av = absmax_step(av, vi, &bad_v);
         }
-        quantize_block(mbuf, nb, am, bad_m, x->bnd_s, ADAMF_ZERO_CODE_S, cm, &r->ms[blk]);
-        quantize_block(vbuf, nb, av, bad_v, x->bnd_u, ADAMF_ZERO_CODE_U, cv, &r->vs[blk]);
+        quantize_block(mbuf, nb, am, bad_m, x->bnd_s, ADAMF_ZERO_CODE_S, 0, cm, &r->ms[blk]);
+        quantize_block(vbuf, nb, av, bad_v, x->bnd_u, ADAMF_ZERO_CODE_U, 1, cv, &r->vs[blk]);
     }
 }
 
