@@ -381,7 +381,7 @@ def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
             time.sleep(0.1)     # widens the wait; nothing depends on its length
         return kernel(self, state, *args, **kwargs)
 
-    optimizer_step = engine.optimizer.step
+    optimizer_step = engine.optimizer.run_step      # the engine's step runs the optimizer's
     sent = []
 
     def step_with_ctrl_c(*args, **kwargs):
@@ -391,7 +391,7 @@ def test_ctrl_c_during_step_raises_once_the_step_is_whole(disk_dir, monkeypatch,
         return optimizer_step(*args, **kwargs)
 
     monkeypatch.setattr(AdamKernel, "run", slow_kernel)
-    monkeypatch.setattr(engine.optimizer, "step", step_with_ctrl_c)
+    monkeypatch.setattr(engine.optimizer, "run_step", step_with_ctrl_c)
     gen = torch.Generator().manual_seed(2)
     try:
         for step in range(4):
