@@ -57,9 +57,19 @@ from infinity.base import native_library
 from infinity.optim import _adam_native as N
 
 __all__ = [
-    "QBLOCK", "MomentsFormat", "MasterFormat", "num_blocks", "state_bytes_per_param",
-    "quantization_map", "quantization_bounds", "new_moments", "quantize_blockwise",
-    "dequantize_blockwise", "kernel_supported", "step_bf16_moments", "step_int8_moments",
+    "QBLOCK",
+    "MasterFormat",
+    "MomentsFormat",
+    "dequantize_blockwise",
+    "kernel_supported",
+    "new_moments",
+    "num_blocks",
+    "quantization_bounds",
+    "quantization_map",
+    "quantize_blockwise",
+    "state_bytes_per_param",
+    "step_bf16_moments",
+    "step_int8_moments",
 ]
 
 QBLOCK = 2048
@@ -209,8 +219,8 @@ def kernel_supported(name: str) -> bool:
 
 def _check_flat(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None,
                 what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(t, torch.Tensor):  # ValueError for every argument, as cpu_adam's checks
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}; the format kernels "
                          "run on the host")
