@@ -216,7 +216,7 @@ def test_a_submission_error_names_the_file_and_extent(disk_dir: Path, aio, monke
 
         monkeypatch.setattr(s, "aio", types.SimpleNamespace(write=refuse, read=refuse))
         with raises_naming(OSError, "[Errno 22]", "write of 4096 bytes", f"offset {e.offset}",
-                           str(s.files[0]), "extent 'q'", "bad request"):
+                           str(s.files[0]), "(extent 'q'): bad request", ends=True):
             s.write(e, aligned_empty(PAGE))
 
 
