@@ -149,7 +149,7 @@ class GradientCollector:
             # are read from their home at the step)
             self.sq_norm = 0.0
             for state in self.states:
-                state.norm_counted = False
+                state.uncount_norm()
 
     def on_grad(self, unit: SteppedUnit, entry: ParamEntry, grad: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -245,7 +245,7 @@ class GradientCollector:
             state.arrived.clear()
             self.drop_buffer(state)
             state.grads_seen = 0
-            state.has_grads = state.norm_counted = False
+            state.clear_gradient()
             if touched and state.grad_store is not None and state.grad_store.resident:
                 # in place since this cycle began (no waiting step reads it: the unit was
                 # fetched, so its step ran, before any of these gradients came)
@@ -287,10 +287,10 @@ class GradientCollector:
             grads = state.grad_buffer
             if state.has_grads:      # an earlier micro-step of this cycle left one at home
                 self._add_home_gradient(state, grads)
-        state.has_grads = True
+        state.keep_gradient()
         if self.boundary:
             self.sq_norm += _sum_of_squares(grads)
-            state.norm_counted = True
+            state.count_norm()
         if write_home and not store.resident and state.numel:
             # the write goes on while backward continues; the buffer (slot) is released when it
             # has landed (``land_writes``), at the latest when the backward ends

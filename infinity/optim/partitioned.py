@@ -504,7 +504,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         position = {uid: i for i, uid in enumerate(self.forward_order())}
         stepped = [s for s in self.states if s.has_grads]
         for state in sorted(stepped, key=lambda s: position.get(s.unit.index, len(position))):
-            state.has_grads = state.norm_counted = False
+            state.clear_gradient()
             # a forward between the backward and this step expected the next backward's units
             # (speculation planned): those reads are of the states this step is about to change
             stale = self._expected.pop(state.unit.index, None)

@@ -54,6 +54,21 @@ from infinity.storage.manager import FlatStore
 from infinity.zero.protocols import SteppedUnit
 
 
+class HomeGradient(enum.Enum):
+    """A unit's gradient at home in the deferred schedule, from its first micro-step to its
+    step (the clipping norm is summed once a cycle, at the boundary micro-step):
+
+      NONE --kept--> KEPT --counted--> COUNTED      (a gradient arrived; at the boundary normed)
+      COUNTED --uncounted--> KEPT                    (a second backward at the boundary recounts)
+      any --cleared--> NONE                          (stepped, dropped, or a speculated step kept)
+
+    A unit without one is not stepped (torch skips a parameter whose gradient is None)."""
+
+    NONE = "none"
+    KEPT = "kept"
+    COUNTED = "counted"
+
+
 @dataclass(eq=False)
 class UnitOptimState:
     """The Adam states of one unit's range [lo, hi) of its trainable elements (fp32, ``numel``
@@ -81,11 +96,40 @@ class UnitOptimState:
     # are until the unit's step has run (see [Note: held gradients])
     grad_parts: dict[int, torch.Tensor] | None = None
     held_bytes: int = 0     # of grad_parts, counted in the held room
-    # deferred schedule: gradients arrived since the unit's last step (a unit without any is
-    # not stepped, as torch skips parameters whose gradient is None)
-    has_grads: bool = False
-    norm_counted: bool = False   # its gradient is in the clipping norm of this cycle
+    # deferred schedule: its gradient at home since its last step (see ``HomeGradient``)
+    home_grad: HomeGradient = HomeGradient.NONE
     shard: tuple[int, int] | None = None   # [lo, hi); None: [0, unit.trainable_numel)
+
+    @property
+    def has_grads(self) -> bool:
+        """Gradients arrived since the unit's last step."""
+        return self.home_grad is not HomeGradient.NONE
+
+    @property
+    def norm_counted(self) -> bool:
+        """Its gradient is in the clipping norm of this cycle."""
+        return self.home_grad is HomeGradient.COUNTED
+
+    def keep_gradient(self) -> None:
+        """A micro-step's gradient is at home (added to an earlier one's, if any)."""
+        if self.home_grad is HomeGradient.NONE:
+            self.home_grad = HomeGradient.KEPT
+
+    def count_norm(self) -> None:
+        """Its gradient is summed into this cycle's clipping norm."""
+        if self.home_grad is HomeGradient.NONE:
+            raise RuntimeError(f"{self.unit.name}: a gradient counted in the norm before any "
+                               "arrived (the optimizer's cycle ran out of order)")
+        self.home_grad = HomeGradient.COUNTED
+
+    def uncount_norm(self) -> None:
+        """The norm is summed again (a second backward at the boundary)."""
+        if self.home_grad is HomeGradient.COUNTED:
+            self.home_grad = HomeGradient.KEPT
+
+    def clear_gradient(self) -> None:
+        """Its gradient was stepped, dropped, or taken by a kept speculated step."""
+        self.home_grad = HomeGradient.NONE
 
     @property
     def lo(self) -> int:

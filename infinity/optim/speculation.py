@@ -134,7 +134,8 @@ class Speculator:
         at_home = False
         if state.grad_parts is not None:
             gradient = self.gradients.take(state)
-            state.has_grads = state.norm_counted = True    # the job's norm joins at step()
+            state.keep_gradient()
+            state.count_norm()                # the job's norm joins at step()
         else:
             self.gradients.zero_unwritten(state)
             grads = self.gradients.finish(state, write_home=False)
@@ -185,7 +186,7 @@ class Speculator:
             for store in (state.unit.param_store, state.exp_avg, state.exp_avg_sq, state.master):
                 if store is not None:
                     store.flip()
-            state.has_grads = state.norm_counted = False
+            state.clear_gradient()
             if state.grad_store.resident:
                 state.grad_store.tensor.zero_()   # the next cycle accumulates from zero
         self.stats["committed"] += 1

@@ -289,7 +289,8 @@ def test_begin_backward_recounts_the_norm_only_at_the_boundary() -> None:
     rig = _Rig([_unit(0), _unit(1)])
     rig.g.sq_norm = 5.0
     for s in rig.states:
-        s.norm_counted = True
+        s.keep_gradient()
+        s.count_norm()
     rig.g.begin_backward(False)
     assert rig.g.boundary is False and rig.g.sq_norm == 5.0
     assert all(s.norm_counted for s in rig.states)
@@ -434,7 +435,7 @@ def test_a_deferred_unit_holds_only_a_speculated_gradient_that_starts_the_cycle(
     rig = _Rig([_unit(0), _unit(1), _unit(2)], home="disk", holds_grads=True)
     a, b, c = rig.states
     rig.speculated = {0, 1}
-    b.has_grads = True                     # accumulated: added to its home through a buffer
+    b.keep_gradient()                      # accumulated: added to its home through a buffer
     for s in (a, b, c):
         rig.grad(s, 0, torch.ones(3, 5))
     assert a.grad_parts is not None and a.grad_buffer is None
@@ -503,7 +504,7 @@ def test_finish_adds_what_earlier_micro_steps_left_on_disk_chunk_by_chunk() -> N
     assert accumulate_chunk_numel(1) == 1024
     earlier = torch.randn(2048)
     state.grad_store.data.copy_(earlier)
-    state.has_grads = True
+    state.keep_gradient()
     g0, g1 = torch.randn(1500), torch.randn(7)
     rig.grad(state, 0, g0)
     rig.grad(state, 1, g1)
@@ -556,10 +557,11 @@ def test_drop_cycle_forgets_every_gradient_and_counts_the_units_that_had_some() 
     rig.grad(a, 0, torch.ones(3, 5))                  # in its resident home
     rig.speculated = {1}
     rig.grad(b, 1, torch.ones(7))                     # held
-    c.has_grads = True                                # an earlier micro-step's
+    c.keep_gradient()                                 # an earlier micro-step's
     d.grad_store.tensor.fill_(7.0)                    # untouched: left as it is
     rig.g.sq_norm = 3.0
-    a.norm_counted = True
+    a.keep_gradient()
+    a.count_norm()
     assert rig.g.drop_cycle() == 3
     assert rig.g.sq_norm == 0.0
     assert float(a.grad_store.tensor.abs().sum()) == 0.0

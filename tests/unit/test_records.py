@@ -209,3 +209,28 @@ def test_counted_and_take_sq_norm() -> None:
     assert job.take_sq_norm() == 2.5 and job.take_sq_norm() == 0.0
     job.phase = JobPhase.ROLLED_BACK
     assert not job.counted
+
+
+def test_a_units_home_gradient_goes_through_its_cycle() -> None:
+    """``HomeGradient``: kept at its first micro-step, counted in the norm at the boundary,
+    recounted by a second backward, cleared by its step; counting one that never came is an
+    error (the cycle ran out of order), not a silent step of nothing."""
+    from infinity.optim.records import HomeGradient
+
+    state = _state()
+    assert state.home_grad is HomeGradient.NONE and not state.has_grads
+    with pytest.raises(RuntimeError, match="counted in the norm before any arrived"):
+        state.count_norm()
+    state.keep_gradient()
+    state.keep_gradient()                      # a later micro-step adds to it
+    assert state.home_grad is HomeGradient.KEPT and state.has_grads and not state.norm_counted
+    state.count_norm()
+    assert state.norm_counted and state.has_grads
+    state.keep_gradient()                      # counted stays counted
+    assert state.home_grad is HomeGradient.COUNTED
+    state.uncount_norm()
+    assert state.home_grad is HomeGradient.KEPT
+    state.clear_gradient()
+    assert state.home_grad is HomeGradient.NONE
+    state.uncount_norm()                       # nothing to uncount: stays
+    assert state.home_grad is HomeGradient.NONE

@@ -221,7 +221,7 @@ def test_speculating_held_gradients_hands_them_to_a_shadow_step() -> None:
 def test_speculating_a_flat_buffer_norms_it_here() -> None:
     rig = _Rig(units=(SMALL, SMALL))
     a, b = rig.states
-    b.has_grads = True                      # accumulated: collected in a buffer
+    b.keep_gradient()                       # accumulated: collected in a buffer
     rig.spec.begin_backward(True)
     rig.gradients.begin_backward(True)
     g1 = torch.randn(7)
@@ -249,7 +249,7 @@ def test_the_gradient_goes_home_with_clipping_or_an_l2_group_else_not() -> None:
         assert rig.submitted[-1]["gradient_home"] is home, l2_group
     rig = _Rig(home="host")          # accumulated in its resident home: nothing to send
     b = rig.states[0]
-    b.has_grads = True
+    b.keep_gradient()
     rig.spec.begin_backward(True)
     rig.gradients.on_grad(b.unit, b.unit.trainable_entries()[0], torch.ones(3, 5))
     job = rig.spec.speculate(b, 1.0, 1.0, rig.submit)
