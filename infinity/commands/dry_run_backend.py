@@ -37,6 +37,7 @@ from infinity.base.budget import MemoryBudget
 from infinity.storage.buffer_pool import Slot
 from infinity.storage.manager import TierCounters, padded_numel
 from infinity.storage.tiers import Tier
+from infinity.storage.transfers import ImmediateCopies
 
 __all__ = ["SimClock", "COMPUTE", "WAIT", "Lane", "SimRequest", "SimManager", "SimStore", "SimDeviceCache",
            "SimPool", "SimCollectives", "META"]
@@ -288,6 +289,7 @@ class SimManager:
         self.disk = SimDisk(clock, read_Bps, write_Bps)
         self.device = META
         self.nvme_bytes = 0
+        self.copies = ImmediateCopies()     # meta tensors: a copy moves nothing
 
     def host_empty(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """Reserved in the host budget like the real one; callers give it back with

@@ -48,6 +48,8 @@ class BufferPool:
                       for i in range(count)]
         self.count = count
         self._cond = threading.Condition()
+        # told of each release, so a copy still reading the slot is caught (storage/transfers.py)
+        self._copies = getattr(manager, "copies", None)
 
     def acquire(self, timeout: float | None = None) -> Slot:
         """A free slot; waits up to ``timeout`` for one, then raises SlotExhaustedError."""
@@ -64,6 +66,8 @@ class BufferPool:
             return self._free.pop() if self._free else None
 
     def release(self, slot: Slot) -> None:
+        if self._copies is not None:
+            self._copies.on_release(slot.buffer)
         with self._cond:
             self._free.append(slot)
             self._cond.notify()

@@ -29,6 +29,7 @@ from infinity.config.aio import AioConfig
 from infinity.planner import alignment
 from infinity.storage.integrity import CheckMode
 from infinity.storage.tiers import Tier
+from infinity.storage.transfers import device_copies
 
 log = get_logger("storage")
 
@@ -224,6 +225,8 @@ class TierManager:
         from infinity.storage.device_cache import DeviceMemoryCache
 
         self.device_cache = DeviceMemoryCache(self.device_budget, self.device)
+        # host <-> device copies and their events (storage/transfers.py)
+        self.copies = device_copies(self.device)
         self._swap = None
         self._aio = None
         self.nvme_reserve_bytes = 0
@@ -314,6 +317,7 @@ class TierManager:
 
     def close(self) -> None:
         """Remove this run's swap files and stop the I/O engine."""
+        self.copies.drain()
         self.device_cache.clear()
         if self._swap is not None:
             self._swap.close()

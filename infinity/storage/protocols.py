@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 import torch
 
 from infinity.storage.tiers import Tier
+from infinity.storage.transfers import DeviceCopies
 
 if TYPE_CHECKING:
     from infinity.base.budget import MemoryBudget
@@ -78,6 +79,7 @@ class StorageBackend(Protocol):
     device_budget: MemoryBudget
     device_cache: DeviceMemory
     counters: Any
+    copies: DeviceCopies
 
     def host_empty(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor: ...
     def create(self, name: str, numel: int, dtype: torch.dtype, home: Tier,

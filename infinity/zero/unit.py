@@ -336,13 +336,14 @@ class Unit:
         self.fetch_request = None
         if not direct:
             self._allocate_device(manager)
-            with torch.no_grad():
-                if self.param_home is Tier.NVME:
-                    self.own_flat.copy_(self.fetch_slot.view(self.dtype, self.home_numel))
-                    pool.release(self.fetch_slot)
-                    self.fetch_slot = None
-                else:
-                    self.own_flat.copy_(self.param_store.tensor[: self.home_numel])
+            copies = manager.copies        # see [Note: copy events] in storage/transfers.py
+            if self.param_home is Tier.NVME:
+                slot, self.fetch_slot = self.fetch_slot, None
+                event = copies.to_device(self.own_flat, slot.view(self.dtype, self.home_numel))
+                copies.release_after(event, lambda: pool.release(slot))
+            else:
+                event = copies.to_device(self.own_flat, self.param_store.tensor[: self.home_numel])
+            copies.compute_waits(event)
         manager.counters.host_to_device_bytes += self.home_numel * self.flat.element_size()
         self._point_params()
         self.residency.to(Residency.FETCHED)

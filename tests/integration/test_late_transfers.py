@@ -1,0 +1,67 @@
+"""Copies that complete late (storage/transfers.py ``LateCopies``, issue 36): every host-to-device
+copy of a unit from its host slot runs on a helper thread after a seeded random delay, its
+destination reads NaN until then, and a slot handed back while a copy still reads it is
+NaN-filled. The fetch path through host slots (a GPU's: the device memory cache is turned off
+here, as a CUDA device has none) must still train exactly as torch AdamW does, for three model
+families, parameters on NVMe and on the host, both schedules; and it must fail when compute
+does not wait for its unit's copy, or when a slot goes back before its copy's event. On a CPU
+device the immediate copies run these tests' code path with no thread (the default)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from infinity.storage import transfers
+from infinity.storage.device_cache import DeviceMemoryCache
+from parity import make_model, run_parity, zero_config
+
+CASES = [(family, param, early) for family in ("llama", "gpt2", "torch")
+         for param in ("nvme", "cpu") for early in ("on", "off")]
+
+
+def _late(monkeypatch, seed: int) -> None:
+    """Late copies, and the slot path a device without the memory cache takes."""
+    monkeypatch.setenv(transfers.LATE_ENV, str(seed))
+    monkeypatch.setattr(DeviceMemoryCache, "supported", staticmethod(lambda device: False))
+
+
+def _run(disk_dir, family: str, param: str, early: str):
+    ds = zero_config(3, param, "nvme" if param == "nvme" else "cpu", str(disk_dir),
+                     early_step=early)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return run_parity(make_model(family, layers=2, width=32), ds, steps=4,
+                      clip=0.0 if early == "on" else 1.0, close=False)
+
+
+@pytest.mark.parametrize("family, param, early", CASES)
+def test_late_copies_train_as_torch(disk_dir, monkeypatch, family, param, early) -> None:
+    _late(monkeypatch, seed=CASES.index((family, param, early)))
+    result = _run(disk_dir, family, param, early)
+    try:
+        copies = result.engine.manager.copies
+        assert isinstance(copies, transfers.LateCopies) and copies.copies > 0
+        # parameters on NVMe come through host slots, on the host from their home store
+        assert (result.engine.fetch_pool is not None) == (param == "nvme")
+        assert copies.poisoned == 0 and copies.lost == 0
+        assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+    finally:
+        result.engine.close()
+
+
+@pytest.mark.parametrize("fault", ["compute does not wait", "slot back before its copy"])
+def test_a_missing_wait_fails(disk_dir, monkeypatch, fault: str) -> None:
+    """Planted faults: each gives NaN (the destination or the slot was poisoned), not a pass."""
+    _late(monkeypatch, seed=7)
+    if fault == "compute does not wait":
+        monkeypatch.setattr(transfers.LateCopies, "compute_waits", lambda self, event: None)
+    else:
+        monkeypatch.setattr(transfers.LateCopies, "release_after",
+                            lambda self, event, release: release())
+    result = _run(disk_dir, "llama", "nvme", "off")
+    try:
+        bad = not all(math.isfinite(x) for x in result.losses) or \
+            result.worst_relative > 1e-3
+        assert bad, (fault, result.losses, result.ref_losses)
+    finally:
+        result.engine.close()
