@@ -15,9 +15,8 @@ A copy returns a ``CopyEvent``. Two rules use it, both here:
 
 Three implementations:
 - ``ImmediateCopies`` (a CPU device): a copy is over when it returns; no thread, no cost.
-- ``CudaCopies``: a host-to-device stream and a device-to-host stream; events recorded on them;
-  the compute stream waits on a copy's event; a released source is handed back once its event
-  has fired (polled at each call, and waited for by ``drain``).
+- ``CudaCopies``: a host-to-device stream, events recorded on it; the compute stream waits on
+  a copy's event; a released source is handed back by a thread once its event has fired.
 - ``LateCopies`` (tests): each copy happens on a helper thread after a seeded random delay, and
   a buffer handed back to its pool while a copy still reads it is NaN-filled (poisoned; the
   pools tell the copies of each release, ``on_release``): a missing wait or an early reuse
@@ -106,8 +105,12 @@ class CudaCopies(DeviceCopies):
         # host -> device: a unit's parameters from its pinned host slot; overlaps the compute
         # of the units before it (the compute stream waits on each copy's event only)
         self.h2d = torch.cuda.Stream(device=device)
-        self._pending: list[tuple[torch.cuda.Event, Callable[[], None]]] = []
-        self._lock = threading.Lock()
+        # sources handed back once their copy's event fired, on a thread of their own (a pool
+        # whose slots all wait for copies must still get them back without another copy)
+        self._releases: queue.Queue = queue.Queue()
+        self._releaser = threading.Thread(target=self._release_when_done,
+                                          name="copy-releases", daemon=True)
+        self._releaser.start()
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
         # the destination may have been read by compute that is still queued: start after it
@@ -116,9 +119,8 @@ class CudaCopies(DeviceCopies):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.h2d)
-        # the compute stream's caching allocator must not reuse dst's memory before the copy
+        # the caching allocator must not give dst's memory to others before the copy is over
         dst.record_stream(self.h2d)
-        self._reap()
         return _CudaEvent(event)
 
     def compute_waits(self, event: CopyEvent) -> None:
@@ -128,25 +130,20 @@ class CudaCopies(DeviceCopies):
             event.wait()
 
     def release_after(self, event: CopyEvent, release: Callable[[], None]) -> None:
-        if not isinstance(event, _CudaEvent) or event.done():
-            release()
-            return
-        with self._lock:
-            self._pending.append((event.event, release))
+        done = threading.Event()
+        self._releases.put((event, release, done))
 
-    def _reap(self) -> None:
-        with self._lock:
-            ready = [r for e, r in self._pending if e.query()]
-            self._pending = [(e, r) for e, r in self._pending if not e.query()]
-        for release in ready:
+    def _release_when_done(self) -> None:
+        while True:
+            event, release, done = self._releases.get()
+            event.wait()
             release()
+            done.set()
 
     def drain(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for event, release in pending:
-            event.synchronize()
-            release()
+        done = threading.Event()
+        self._releases.put((DONE, lambda: None, done))
+        done.wait()
 
 
 class _CudaEvent:
