@@ -499,6 +499,11 @@ class Coordinator:
             self.unpin(unit)
 
     def _prefetch(self, trace: Trace) -> None:
+        if self.fetch_pool is not None:
+            # reads into host slots that are over go on to the device now, ahead of use
+            for unit in self.units:
+                if unit.residency == Residency.FETCHING:
+                    unit.advance_fetch(self.manager, self.fetch_pool)
         upcoming = trace.upcoming()
         if trace is self.traces["train_fwd"] and len(upcoming) < self.limits.max_units_ahead:
             # the backward pass starts right after the forward: look into its trace too (never
@@ -528,13 +533,16 @@ class Coordinator:
     def _cancel_prefetches(self, nbytes: int) -> None:
         """A unit that was not prefetched is needed now: if prefetches into device memory hold
         the room it needs, cancel them, the one needed last first (the order changed)."""
-        if self.fetch_pool is None:
-            fetching = [u.index for u in self.units if u.residency == Residency.FETCHING]
+        # prefetches that hold device memory: every one without a slot pool, and with one
+        # those already copied to the device (``Unit.advance_fetch``)
+        fetching = [u.index for u in self.units if u.residency == Residency.FETCHING
+                    and (self.fetch_pool is None or u.copy_event is not None)]
+        if fetching:
             self._room.free(nbytes, fetching, self._cancel_prefetch)
 
     def _cancel_prefetch(self, uid: int) -> None:
         self._note("cancel", uid)
-        self.units[uid].cancel_fetch(self.manager, None)
+        self.units[uid].cancel_fetch(self.manager, self.fetch_pool)
         self.fetch_stats["prefetches_cancelled"] += 1
 
     def pin(self, unit: Unit) -> None:

@@ -111,6 +111,9 @@ class Unit:
         self._released_data = torch.empty(0, dtype=dtype, device=device)
         self.fetch_request = None
         self.fetch_slot = None
+        # a prefetch whose slot was already copied to the device: the copy's event
+        # (``advance_fetch``; see [Note: copy events] in storage/transfers.py)
+        self.copy_event = None
         self.fetch_count = 0
         self.prefetch_hits = 0
 
@@ -312,6 +315,37 @@ class Unit:
                                f"{self.flat.data_ptr():#x}; fetch through a slot pool instead")
         return self.param_store.load_async(self.own_flat)
 
+    def advance_fetch(self, manager: TierManager, pool) -> bool:
+        """A prefetch read into a host slot that is over starts its copy to the device now,
+        ahead of use (where the device has room), so that the copy overlaps the compute of the
+        units before it; the slot goes back once the copy's event fired. Returns whether a copy
+        was started."""
+        if self.residency != Residency.FETCHING or self.fetch_slot is None or \
+                self.copy_event is not None or not self.fetch_request.done():
+            return False
+        if self.flat.numel() != self.flat_numel:
+            self.flat = torch.empty(self.flat_numel, dtype=self.dtype, device=self.device)
+            self.flat.untyped_storage().resize_(0)   # memory comes from the device cache
+        if not manager.device_cache.try_attach(self.flat.untyped_storage(), self.nbytes,
+                                               f"unit {self.name}"):
+            return False
+        try:
+            manager.wait(self.fetch_request)      # over: raises what the read raised
+        except BaseException:
+            self._drop_fetch(manager, pool)
+            raise
+        self.fetch_request = None
+        self.copy_event = self._copy_slot(manager, pool)
+        return True
+
+    def _copy_slot(self, manager: TierManager, pool):
+        """Copy the fetch slot to the device; the slot goes back after the copy's event."""
+        copies = manager.copies        # see [Note: copy events] in storage/transfers.py
+        slot, self.fetch_slot = self.fetch_slot, None
+        event = copies.to_device(self.own_flat, slot.view(self.dtype, self.home_numel))
+        copies.release_after(event, lambda: pool.release(slot))
+        return event
+
     def finish_fetch(self, manager: TierManager, pool, gather: bool = True) -> None:
         """Make the unit's parameters valid on the device (waits for a prefetch in flight).
         With sharded parameters the own shard is read and, with ``gather``, the others are
@@ -320,30 +354,34 @@ class Unit:
             return
         self.fetch_count += 1
         direct = pool is None and self.param_home is Tier.NVME
-        try:
-            if self.residency == Residency.FETCHING:
-                if self.fetch_request.done():
-                    self.prefetch_hits += 1
-            elif direct:
+        if self.copy_event is not None:          # read and copied ahead (advance_fetch)
+            self.prefetch_hits += 1
+            event, self.copy_event = self.copy_event, None
+        else:
+            try:
+                if self.residency == Residency.FETCHING:
+                    if self.fetch_request.done():
+                        self.prefetch_hits += 1
+                elif direct:
+                    self._allocate_device(manager)
+                    self.fetch_request = self._read_into_device()
+                elif self.param_home is Tier.NVME:
+                    self.fetch_request = self._read_into_slot(pool.acquire(timeout=60.0))
+                manager.wait(self.fetch_request)
+            except BaseException:
+                self._drop_fetch(manager, pool)     # issued or not, nothing of it stays held
+                raise
+            self.fetch_request = None
+            event = None
+            if not direct:
                 self._allocate_device(manager)
-                self.fetch_request = self._read_into_device()
-            elif self.param_home is Tier.NVME:
-                self.fetch_request = self._read_into_slot(pool.acquire(timeout=60.0))
-            manager.wait(self.fetch_request)
-        except BaseException:
-            self._drop_fetch(manager, pool)     # issued or not, nothing of it stays held
-            raise
-        self.fetch_request = None
-        if not direct:
-            self._allocate_device(manager)
-            copies = manager.copies        # see [Note: copy events] in storage/transfers.py
-            if self.param_home is Tier.NVME:
-                slot, self.fetch_slot = self.fetch_slot, None
-                event = copies.to_device(self.own_flat, slot.view(self.dtype, self.home_numel))
-                copies.release_after(event, lambda: pool.release(slot))
-            else:
-                event = copies.to_device(self.own_flat, self.param_store.tensor[: self.home_numel])
-            copies.compute_waits(event)
+                if self.param_home is Tier.NVME:
+                    event = self._copy_slot(manager, pool)
+                else:
+                    event = manager.copies.to_device(self.own_flat,
+                                                     self.param_store.tensor[: self.home_numel])
+        if event is not None:
+            manager.copies.compute_waits(event)
         manager.counters.host_to_device_bytes += self.home_numel * self.flat.element_size()
         self._point_params()
         self.residency.to(Residency.FETCHED)
@@ -352,6 +390,9 @@ class Unit:
 
     def _drop_fetch(self, manager: TierManager, pool) -> None:
         """A fetch failed or was cancelled (its read is over): give back what it held."""
+        if self.copy_event is not None:
+            self.copy_event.wait()          # the copy writes the memory given back below
+            self.copy_event = None
         self.fetch_request = None
         if self.fetch_slot is not None:
             pool.release(self.fetch_slot)

@@ -44,6 +44,8 @@ def test_late_copies_train_as_torch(disk_dir, monkeypatch, family, param, early)
         # parameters on NVMe come through host slots, on the host from their home store
         assert (result.engine.fetch_pool is not None) == (param == "nvme")
         assert copies.poisoned == 0 and copies.lost == 0
+        if param == "nvme":     # prefetched units were read and copied ahead of their use
+            assert sum(u.prefetch_hits for u in result.engine.units) > 0
         assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
     finally:
         result.engine.close()
