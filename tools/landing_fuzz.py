@@ -11,14 +11,18 @@ tests/integration/test_stage3_features.py::test_random_late_landings_train_like_
 
 Run (from the repository root):
     python tools/landing_fuzz.py --seeds 2
+    python tools/landing_fuzz.py --seeds 2 --late-copies     # and every device copy late
 Options: --families (default all: llama gpt2 torch llama_tied albert bert t5), --seeds N (seeds
-1..N per config), --p P [P ...] (default 0.05 0.3), --steps S (default 4). Prints one line per
-case and a summary; exit status 1 when any case failed.
+1..N per config), --p P [P ...] (default 0.05 0.3), --steps S (default 4), --late-copies (the
+fetch path through host slots a GPU takes, the device memory cache off, with every copy to the
+device completed late on a helper thread, seeded by the case: storage/transfers.py LateCopies).
+Prints one line per case and a summary; exit status 1 when any case failed.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -37,13 +41,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--p", type=float, nargs="+", default=[0.05, 0.3])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--late-copies", action="store_true")
     args = ap.parse_args(argv)
+    if args.late_copies:
+        from infinity.storage.device_cache import DeviceMemoryCache
+
+        DeviceMemoryCache.supported = staticmethod(lambda device: False)
     failed = cases = late = 0
     for family, tier, reuse, share, clip, p, seed in itertools.product(
             args.families, ("nvme", "cpu"), (0, None), (1.2, None), (0.0, 0.05), args.p,
             range(1, args.seeds + 1)):
         tag = f"{family} {tier} reuse={reuse} share={share} clip={clip} p={p} seed={seed}"
         cases += 1
+        if args.late_copies:
+            from infinity.storage.transfers import LATE_ENV
+
+            os.environ[LATE_ENV] = str(cases)      # each case its own delays
         with tempfile.TemporaryDirectory(prefix="landing-fuzz-") as disk:
             try:
                 worst, handed_late = late_landing.run_case(
