@@ -1,8 +1,8 @@
 """Small stand-ins shared by the unit tests (imported as ``fakes``: pytest puts tests/unit on
 sys.path): a tier manager that only records the host buffers asked of it, a wrapper that makes
 the n-th call of a function fail, a TrainingState whose callbacks log, a textbook Adam in
-float64 to check the kernels against, and a flat store on a pretend disk with the manager that
-waits for its requests."""
+float64 to check the kernels against, a flat store on a pretend disk with the manager that
+waits for its requests, and two machines the planner tests describe (``CPU_BOX``, ``GPU_BOX``)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +11,16 @@ from typing import Any, Callable
 import torch
 
 from infinity.checkpoint.training_state import TrainingState
+from infinity.planner.inputs import Hardware
+
+GiB = 2**30
+CPU_BOX = Hardware(cpu_cores=2, host_total_bytes=24 * GiB, host_available_bytes=16 * GiB,
+                   nvme_path="/swap", disk_free_bytes=100 * GiB)
+"""A CPU-only machine of this project's kind: 2 cores, 24 GiB, a swap path with 100 GiB free."""
+GPU_BOX = Hardware(cpu_cores=32, host_total_bytes=256 * GiB, host_available_bytes=200 * GiB,
+                   gpu_name="test GPU", gpu_total_bytes=80 * GiB, gpu_free_bytes=78 * GiB,
+                   nvme_path="/swap", disk_free_bytes=4096 * GiB)
+"""A GPU server: one 80 GiB GPU, 32 cores, 256 GiB, 4 TiB of NVMe."""
 
 
 class RecordingManager:

@@ -21,12 +21,9 @@ from infinity.planner.plan import RUNTIME_OVERHEAD_BYTES, plan_memory, recommend
 from infinity.planner.shape import estimated_shape
 from infinity.planner.sizes import derive_sizes
 
+from fakes import CPU_BOX, GPU_BOX
+
 GiB, MiB = 2**30, 2**20
-CPU_BOX = Hardware(cpu_cores=2, host_total_bytes=24 * GiB, host_available_bytes=16 * GiB,
-                   nvme_path="/swap", disk_free_bytes=100 * GiB)
-GPU_BOX = Hardware(cpu_cores=32, host_total_bytes=256 * GiB, host_available_bytes=200 * GiB,
-                   gpu_name="test GPU", gpu_total_bytes=80 * GiB, gpu_free_bytes=78 * GiB,
-                   nvme_path="/swap", disk_free_bytes=4096 * GiB)
 SMALL = ModelStats.from_counts(10_000_000, 1_000_000, 10, 10_000_000)
 
 

@@ -10,16 +10,12 @@ import pytest
 
 from infinity.config import InfinityConfig
 from infinity.planner.engine_sizes import GRADS_HELD, step_slot_count
-from infinity.planner.inputs import Hardware, ModelStats
+from infinity.planner.inputs import ModelStats
 from infinity.planner.run_plan import UnitParams, plan_run, stats_of_units, units_of_stats
 from infinity.planner.tiers import Tier
 
-GiB = 1 << 30
-CPU_BOX = Hardware(cpu_cores=2, host_total_bytes=24 * GiB, host_available_bytes=16 * GiB,
-                   nvme_path="/swap", disk_free_bytes=100 * GiB)
-GPU_BOX = Hardware(cpu_cores=32, host_total_bytes=256 * GiB, host_available_bytes=200 * GiB,
-                   gpu_name="test GPU", gpu_total_bytes=80 * GiB, gpu_free_bytes=78 * GiB,
-                   nvme_path="/swap", disk_free_bytes=4096 * GiB)
+from fakes import CPU_BOX, GPU_BOX
+
 MODEL = ModelStats.from_counts(40_000_000, 4_000_000, 10, 4_000_000)
 
 
