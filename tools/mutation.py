@@ -18,6 +18,8 @@ dotted names (infinity.storage.extents, infinity.storage). Options:
                         function they mutate is unchanged; every other verdict is checked again)
     --max-children N    mutmut workers (default 1)
     --tests FILE        (repeatable) an extra test file for every module (added to the mapped ones)
+    --only-tests FILE   (repeatable) these test files for every module, instead of the mapped ones
+                        (a targeted run; compare only runs made with the same files)
     --recheck           run only the earlier survivors (and no-tests) of these modules, against
                         the current tests; mutants never checked stay unchecked
     --mutants GLOB      (repeatable) run only the mutants whose names match (mutmut's names, e.g.
@@ -410,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--max-children", type=int, default=1)
     ap.add_argument("--tests", action="append", default=[])
+    ap.add_argument("--only-tests", action="append", default=[])
     ap.add_argument("--via-helpers", action="store_true")
     ap.add_argument("--recheck", action="store_true")
     ap.add_argument("--mutants", action="append", default=[])
@@ -438,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not t.startswith(("tests/integration/", "tests/distributed/"))]
         if unit and not args.integration:
             test_map[name] = unit
-        test_map[name] = sorted(set(test_map[name]) | set(args.tests))
+        test_map[name] = sorted(set(args.only_tests or test_map[name]) | set(args.tests))
     selection = sorted({t for ts in test_map.values() for t in ts})
     if not selection:
         raise SystemExit("mutation.py: no test imports any of " + ", ".join(names))
