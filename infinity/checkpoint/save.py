@@ -77,7 +77,7 @@ def _check_string_keys(value: Any, what: str, depth: int = 0) -> None:
             if not isinstance(key, str):
                 raise TypeError(f"{what} has a dict key {key!r} of type {type(key).__name__}: a "
                                 "checkpoint manifest is JSON, whose keys are strings, so it would "
-                                "come back as {!r}. Use string keys".format(str(key)))
+                                f"come back as {str(key)!r}. Use string keys")
             _check_string_keys(item, what, depth + 1)
     elif isinstance(value, (list, tuple)):
         for item in value:

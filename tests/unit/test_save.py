@@ -231,6 +231,13 @@ def test_a_very_deep_value_is_left_to_json() -> None:
         json_value(shallow, "x")
 
 
+def test_a_key_whose_repr_has_braces_is_named_not_an_index_error() -> None:
+    """The message is built once (an f-string), so braces in the key's repr are text."""
+    with pytest.raises(TypeError, match=r"dict key frozenset\(\{1\}\) of type frozenset.*"
+                                        r"come back as 'frozenset\(\{1\}\)'"):
+        json_value({frozenset({1}): 2}, "client_state")
+
+
 def test_manifest_state_refuses_before_anything_is_written(tmp_path: Path, manager) -> None:
     with raises_naming(TypeError, "client_state has a dict key 1",
                        "is JSON, whose keys are strings, so it would come back as '1'. "
