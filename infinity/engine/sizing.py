@@ -9,6 +9,7 @@ hardware, free disk space.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from infinity.storage.tiers import Tier
 from infinity.zero.partition import UnitSpec
 
 __all__ = ["COMPUTE_DTYPES", "EngineSizes", "engine_plan", "gradient_home_dtype", "unit_params",
-           "param_group_of", "host_budget_note", "warn_second_nvme_path"]
+           "param_group_of", "grouped_params", "host_budget_note", "warn_second_nvme_path"]
 
 log = get_logger("engine")
 
@@ -51,8 +52,7 @@ def unit_params(specs: list[UnitSpec], groups: list[dict]) -> list[UnitParams]:
     group_of = param_group_of(groups)
     out = []
     for spec in specs:
-        pairs = [(group_of.get(p, -1) if p.requires_grad and p.numel() else -1, p.numel())
-                 for _, p in spec.params]
+        pairs = [(group, p.numel()) for _, p, group in grouped_params(spec.params, group_of)]
         pairs.sort(key=lambda pair: (pair[0] < 0, pair[0]))     # stable, as Unit sorts
         out.append(UnitParams(tuple((numel, group >= 0) for group, numel in pairs), ordered=True))
     return out
@@ -65,6 +65,13 @@ def param_group_of(groups: list[dict]) -> dict:
         for p in group["params"]:
             group_of[p] = index
     return group_of
+
+
+def grouped_params(params: list[tuple[str, Any]], group_of: dict) -> list[tuple[str, Any, int]]:
+    """(name, parameter, param group index) as ``Unit`` takes them: -1 (frozen) for one that
+    needs no gradient, has no elements (nothing to step) or is in no group."""
+    return [(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
+            for n, p in params]
 
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -18,7 +18,12 @@ from infinity.base.sizes import format_bytes
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.config import InfinityConfig
 from infinity.engine.activation_policy import AutoActivationOffload
-from infinity.engine.sizing import EngineSizes, host_budget_note
+from infinity.engine.sizing import (
+    EngineSizes,
+    grouped_params,
+    host_budget_note,
+    param_group_of,
+)
 from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES
 from infinity.storage.manager import TierManager
 from infinity.storage.protocols import SlotPool, StorageBackend
@@ -72,10 +77,7 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
     written once. ``make_unit``: how a unit is made (see ``UnitFactory``); ``materialize``:
     meta parameters get memory and their init (the dry run's meta model keeps them on meta)."""
     shards = comm.world_size if stage >= 1 else 1
-    group_of = {}
-    for index, group in enumerate(groups):
-        for p in group["params"]:
-            group_of[p] = index
+    group_of = param_group_of(groups)
     units: list[Unit] = []
     replacements = {}
     # full shapes by id: units built before a later one's init runs are released by then
@@ -97,8 +99,7 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
                 group_of[new] = group_of.pop(old, -1)
             spec.params = [(n, replacements.get(p, p)) for n, p in spec.params]
             # a parameter with no elements has nothing to step: kept as frozen
-            named = [(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
-                     for n, p in spec.params]
+            named = grouped_params(spec.params, group_of)
             unit = make_unit(index, spec.name, spec.module, named, compute_dtype, device,
                              comm=comm, shards=shards, params_sharded=stage == 3)
             # A unit stays on the device when all of it is below the persistence threshold.
@@ -132,8 +133,7 @@ def _warm_blocks(specs: list[UnitSpec], group_of: dict, dtype: torch.dtype, shar
     cache = manager.device_cache
     if not cache.enabled or not specs:
         return None
-    sizes = [flat_nbytes([(n, p, group_of.get(p, -1) if p.requires_grad and p.numel() else -1)
-                          for n, p in spec.params], dtype, shards) for spec in specs]
+    sizes = [flat_nbytes(grouped_params(spec.params, group_of), dtype, shards) for spec in specs]
 
     def run() -> None:
         for size in sizes:
