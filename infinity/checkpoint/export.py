@@ -43,7 +43,7 @@ def save_model_weights(state: TrainingState, path: str | Path, with_frozen: bool
         raise ValueError(f"{path.name}: infinity writes safetensors only (no pickle); name the "
                          "file *.safetensors (transformers loads model.safetensors)")
     check_at_rest(state, "save_16bit_model")
-    state.flush()
+    state.run.flush()
     layouts = unit_layouts(state)
     buffers = persistent_buffers(state.module)
     saved = {id(lay): lay.entries if with_frozen else lay.trainable for lay in layouts}
@@ -68,7 +68,7 @@ def _write_weights(state: TrainingState, path: Path, layouts, saved, buffers, te
             emit = (lambda p, v: writer.append(p[0].name, v)) if writer is not None \
                 else (lambda p, v: None)
             if gathered:
-                with state.gathered(lay.unit):
+                with state.run.gathered(lay.unit):
                     if writer is not None:
                         save_entries(lay.unit.flat, parts_of(saved[id(lay)]), chunks, emit)
                 continue

@@ -253,7 +253,7 @@ def prepare_load(state: TrainingState, load_dir: str | Path, tag: str | None = N
     of the training state has changed when this returns or raises (beyond the last step's
     work finishing)."""
     check_at_rest(state, "load_checkpoint")
-    state.flush()      # the last step's work finishes first (with several ranks, together)
+    state.run.flush()      # the last step's work finishes first (with several ranks, together)
     # every rank reads and checks the checkpoint; a failure on any makes all raise
     ranks = RankAgreement(state, "nothing was loaded")
     load = ranks.all_succeed(
@@ -311,7 +311,7 @@ def _prepare(state: TrainingState, load_dir: Path, tag: str | None, load_module_
     load = CheckpointLoad(state, save, restore)
     try:
         load.check(load_module_strict, load_optimizer_states)
-        state.release_units()
+        state.run.release_units()
     except BaseException:
         load.close()
         raise

@@ -331,7 +331,7 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     directory = Path(directory)
     max_bytes = shard_bytes(max_shard_size)
     check_at_rest(state, what)
-    state.flush()
+    state.run.flush()
     dtype = dtype or state.compute_dtype
     layouts = unit_layouts(state)
     names = saved_names(state.module, layouts, tie_targets)
@@ -422,7 +422,7 @@ def _stream_units(state: TrainingState, layouts: Sequence[UnitLayout], names, dt
         # an fp32 save of a 16-bit engine reads the trainable parameters' fp32 master
         from_master = dtype == torch.float32 and lay.master is not None and bool(lay.trainable)
         if state.world_size > 1:
-            with state.gathered(lay.unit):
+            with state.run.gathered(lay.unit):
                 if from_master:
                     full = _gathered_master(state, lay, chunks)
                     save_entries(full, parts_of(lay.trainable), chunks, emit)

@@ -54,7 +54,7 @@ log = get_logger("checkpoint")
 def check_at_rest(state: TrainingState, what: str) -> None:
     """Checkpoints are taken between optimizer steps: gradients of an unfinished cycle are in
     no checkpoint, and losing them silently would be worse than saying so."""
-    state.check_open(what)
+    state.run.check_open(what)
     if state.backwards_since_step:
         raise RuntimeError(f"engine.{what}() between backward() and step(): the gradients of "
                            "this step would not be in it. Call engine.step() first")
@@ -64,7 +64,7 @@ def check_at_rest(state: TrainingState, what: str) -> None:
             f"engine.{what}() in the middle of a gradient accumulation cycle (micro-step "
             f"{state.micro_steps % gas} of {gas}): the accumulated gradients would not be in "
             "it. Call it after the step at the accumulation boundary")
-    if state.any_pinned():
+    if state.run.any_pinned():
         raise RuntimeError(f"engine.{what}() inside GatheredParameters: leave the context first "
                            "(its changes are written back on exit)")
 
@@ -225,7 +225,7 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
     state = manifest_state(training, {} if client_state is None else client_state)
     save_dir = Path(save_dir)
     started = time.perf_counter()
-    training.flush()
+    training.run.flush()
     layouts = unit_layouts(training, with_frozen=not exclude_frozen_parameters)
     buffers = persistent_buffers(training.module) if training.rank == 0 else []
     need = _file_bytes(_model_tensors(layouts, buffers)) + _file_bytes(_optim_tensors(layouts))

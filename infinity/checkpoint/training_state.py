@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -23,6 +23,29 @@ if TYPE_CHECKING:
     from infinity.storage.buffer_pool import BufferPool
     from infinity.storage.manager import TierManager
     from infinity.zero.unit import Unit
+
+
+class RunAtRest(Protocol):
+    """What a save, load or export asks of the run while it works (the engine implements it:
+    engine/checkpointing.py): whether it may, that it be at rest, and units whole on every
+    rank for an export of sharded parameters."""
+
+    def check_open(self, what: str) -> None:
+        """Raises when the engine cannot take ``engine.<what>()`` now (closed, a step failed,
+        a load failed part-way), naming ``what``."""
+
+    def any_pinned(self) -> bool:
+        """Whether a unit is held by GatheredParameters now."""
+
+    def flush(self) -> None:
+        """Finish the last optimizer step: deferred steps run, every write in flight lands."""
+
+    def release_units(self) -> None:
+        """Release every fetched unit, so that a load writes homes nobody holds a copy of."""
+
+    def gathered(self, unit: "Unit") -> ContextManager[None]:
+        """``unit`` fetched whole on every rank for the block (all ranks enter it together):
+        how an export reads parameters sharded over ranks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,18 +84,8 @@ class TrainingState:
     """The tier manager the chunked I/O of NVMe homes goes through."""
     lendable_pools: Sequence["BufferPool | None"]
     """Buffer pools idle while no step or fetch runs: their slots carry the chunks."""
-    check_open: Callable[[str], None]
-    """Raises when the engine cannot take ``engine.<what>()`` now (closed, a step failed, a
-    load failed part-way), naming ``what``."""
-    any_pinned: Callable[[], bool]
-    """Whether a unit is held by GatheredParameters now."""
-    flush: Callable[[], None]
-    """Finish the last optimizer step: deferred steps run, every write in flight lands."""
-    release_units: Callable[[], None]
-    """Release every fetched unit, so that a load writes homes nobody holds a copy of."""
-    gathered: "Callable[[Unit], ContextManager[None]] | None" = None
-    """A unit fetched whole on every rank for the block (all ranks enter it together): how an
-    export reads parameters sharded over ranks."""
+    run: RunAtRest
+    """The run itself, as a save, load or export asks of it (see ``RunAtRest``)."""
     comm: "Collectives | None" = None
     """The ranks' collectives (None: one rank): a save is written by every rank into rank 0's
     staging directory and committed by rank 0."""

@@ -26,7 +26,6 @@ log = get_logger("checkpoint")
 def training_state(engine: "Engine") -> TrainingState:
     """The engine's parts and counters as they are now, for one save or load."""
     optimizer = engine.optimizer
-    coordinator = engine.coordinator
     return TrainingState(
         module=engine.module, units=engine.units, unit_states=optimizer.states,
         param_groups=optimizer.param_groups, lr_scheduler=engine.lr_scheduler,
@@ -36,22 +35,37 @@ def training_state(engine: "Engine") -> TrainingState:
         gradient_accumulation_steps=engine.gradient_accumulation_steps(),
         speculation_pays=getattr(optimizer, "speculation_pays", None),
         backwards_since_step=engine._backwards_since_step, manager=engine.manager,
-        lendable_pools=(optimizer.step_pool, engine.fetch_pool),
-        check_open=engine._check_open, any_pinned=lambda: bool(coordinator.pinned_units()),
-        flush=engine.flush, release_units=coordinator.release_all, comm=engine.comm,
-        gathered=lambda unit: _gathered(engine, unit),
-        model_files=model_texts(engine.module, engine.compute_dtype),
+        lendable_pools=(optimizer.step_pool, engine.fetch_pool), run=_EngineAtRest(engine),
+        comm=engine.comm, model_files=model_texts(engine.module, engine.compute_dtype),
         model_source=engine.__dict__.get("pretrained_source"))
 
 
-@contextlib.contextmanager
-def _gathered(engine: "Engine", unit) -> Iterator[None]:
-    """``unit`` fetched whole (gathered over the ranks) for the block, then let go."""
-    engine.pin_unit(unit)
-    try:
-        yield
-    finally:
-        engine.unpin_unit(unit, modified=False)
+class _EngineAtRest:
+    """The engine as a checkpoint's ``RunAtRest`` (checkpoint/training_state.py)."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self._engine = engine
+
+    def check_open(self, what: str) -> None:
+        self._engine._check_open(what)
+
+    def any_pinned(self) -> bool:
+        return bool(self._engine.coordinator.pinned_units())
+
+    def flush(self) -> None:
+        self._engine.flush()
+
+    def release_units(self) -> None:
+        self._engine.coordinator.release_all()
+
+    @contextlib.contextmanager
+    def gathered(self, unit) -> Iterator[None]:
+        """``unit`` fetched whole (gathered over the ranks) for the block, then let go."""
+        self._engine.pin_unit(unit)
+        try:
+            yield
+        finally:
+            self._engine.unpin_unit(unit, modified=False)
 
 
 def apply_restore(engine: "Engine", restore: Restore) -> None:

@@ -49,24 +49,50 @@ def failing_on_call(real: Callable[..., Any], n: int,
     return wrapped, calls
 
 
+class RecordingRun:
+    """A run at rest (checkpoint's ``RunAtRest``) that appends each call it gets to ``log``:
+    ("open", what), ("flush",), ("release",), ("gathered", unit name); ``check_open`` raises
+    what ``closed(what)`` returns, when given; a unit is held by GatheredParameters when
+    ``pinned``."""
+
+    def __init__(self, log: list | None = None,
+                 closed: Callable[[str], BaseException | None] | None = None,
+                 pinned: bool = False) -> None:
+        self.log = [] if log is None else log
+        self.closed = closed
+        self.pinned = pinned
+
+    def check_open(self, what: str) -> None:
+        self.log.append(("open", what))
+        error = self.closed(what) if self.closed is not None else None
+        if error is not None:
+            raise error
+
+    def any_pinned(self) -> bool:
+        return self.pinned
+
+    def flush(self) -> None:
+        self.log.append(("flush",))
+
+    def release_units(self) -> None:
+        self.log.append(("release",))
+
+    @contextlib.contextmanager
+    def gathered(self, unit):
+        self.log.append(("gathered", unit.name))
+        yield
+
+
 def recording_training_state(model: Any, units: list, dtype: torch.dtype, comm: Any, log: list,
                              **over: Any) -> TrainingState:
     """A TrainingState of ``units`` at step 2 (4 micro-steps of 2, stage 3, no optimizer states)
-    whose callbacks (check_open, flush, gathered) append what they were called with to ``log``;
-    ``over`` gives the ``manager`` and replaces any other field."""
-    @contextlib.contextmanager
-    def gathered(unit):
-        log.append(("gathered", unit.name))
-        yield
-
+    whose run (``RecordingRun``) appends what it was called with to ``log``; ``over`` gives the
+    ``manager`` and replaces any other field."""
     fields = dict(
         module=model, units=units, unit_states=[], param_groups=[], lr_scheduler=None,
         loss_scaler=None, global_steps=2, micro_steps=4, skipped_steps=0, stage=3,
         compute_dtype=dtype, gradient_accumulation_steps=2, speculation_pays=None,
-        backwards_since_step=0, lendable_pools=[],
-        check_open=lambda what: log.append(("open", what)), any_pinned=lambda: False,
-        flush=lambda: log.append(("flush",)), release_units=lambda: None, comm=comm,
-        gathered=gathered)
+        backwards_since_step=0, lendable_pools=[], run=RecordingRun(log), comm=comm)
     fields.update(over)
     return TrainingState(**fields)
 

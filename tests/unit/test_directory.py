@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import json
 import os
 from pathlib import Path

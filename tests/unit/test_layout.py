@@ -14,6 +14,8 @@ from infinity.checkpoint.training_state import TrainingState
 from infinity.optim.records import UnitOptimState
 from infinity.zero.unit import Unit
 
+from fakes import RecordingRun
+
 
 def _unit(index: int = 0, dtype: torch.dtype = torch.float32) -> Unit:
     """a (group 0) at [0, 3000), b (group 1) at [3008, 4508), frozen d at [5120, 5620); 6144
@@ -126,8 +128,7 @@ def _training_state(units, unit_states, comm=None, dtype=torch.bfloat16) -> Trai
         module=nn.Module(), units=units, unit_states=unit_states, param_groups=[],
         lr_scheduler=None, loss_scaler=None, global_steps=0, micro_steps=0, skipped_steps=0,
         stage=3, compute_dtype=dtype, gradient_accumulation_steps=1, speculation_pays=None,
-        backwards_since_step=0, manager=None, lendable_pools=[], check_open=lambda what: None,
-        any_pinned=lambda: False, flush=lambda: None, release_units=lambda: None, comm=comm)
+        backwards_since_step=0, manager=None, lendable_pools=[], run=RecordingRun(), comm=comm)
 
 
 def test_unit_layouts_pair_each_unit_with_its_state_rank_and_world() -> None:

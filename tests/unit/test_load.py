@@ -25,6 +25,8 @@ from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
 from infinity.zero.unit import Unit
 
+from fakes import RecordingRun
+
 SHAPES = {"a": (2, 3), "b": (4,), "c": (3,), "frozen": (5,)}
 GROUPS = {"a": 0, "b": 1, "c": 1, "frozen": -1}
 
@@ -113,9 +115,7 @@ class Rig:
             lr_scheduler=scheduler, loss_scaler=None, global_steps=7, micro_steps=7, skipped_steps=1,
             stage=3, compute_dtype=dtype, gradient_accumulation_steps=1, speculation_pays=None,
             backwards_since_step=0, manager=self.manager, lendable_pools=[self.lent],
-            check_open=lambda what: self.log.append(("open", what)), any_pinned=lambda: False,
-            flush=lambda: self.log.append(("flush",)),
-            release_units=lambda: self.log.append(("release",)), comm=comm)
+            run=RecordingRun(self.log), comm=comm)
 
     def close(self) -> None:
         self.manager.close()

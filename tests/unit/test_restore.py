@@ -16,6 +16,8 @@ from infinity.checkpoint.training_state import TrainingState
 from infinity.config.precision import Fp16Config
 from infinity.optim.loss_scaler import LossScaler
 
+from fakes import RecordingRun
+
 DIR = Path("/ckpt/global_step7")
 
 
@@ -35,8 +37,7 @@ def _state(groups: list[dict] | None = None, scheduler: Any = None, scaler: Any 
         loss_scaler=scaler, global_steps=0, micro_steps=0, skipped_steps=0, stage=3,
         compute_dtype=torch.float32, gradient_accumulation_steps=gas,
         speculation_pays=speculation, backwards_since_step=0, manager=None, lendable_pools=[],
-        check_open=lambda what: None, any_pinned=lambda: False, flush=lambda: None,
-        release_units=lambda: None)
+        run=RecordingRun())
 
 
 def _read(state: TrainingState, manifest: dict, optimizer: bool = True,

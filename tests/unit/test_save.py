@@ -27,6 +27,8 @@ from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
 from infinity.zero.unit import Unit
 
+from fakes import RecordingRun
+
 
 class _Model(nn.Module):
     def __init__(self) -> None:
@@ -84,9 +86,7 @@ def _state(manager: TierManager, log: list | None = None, with_states: bool = Tr
         lr_scheduler=_Scheduler(), loss_scaler=None, global_steps=12, micro_steps=24,
         skipped_steps=1, stage=3, compute_dtype=torch.bfloat16, gradient_accumulation_steps=2,
         speculation_pays=True, backwards_since_step=0, manager=manager, lendable_pools=[],
-        check_open=lambda what: log.append(("open", what)), any_pinned=lambda: False,
-        flush=lambda: log.append(("flush",)), release_units=lambda: None,
-        model_files={"config.json": "{}"})
+        run=RecordingRun(log), model_files={"config.json": "{}"})
     fields.update(over)
     return TrainingState(**fields)
 
@@ -176,10 +176,12 @@ def test_units_without_optimizer_states_save_no_moments(tmp_path: Path, manager)
     ({"micro_steps": 25}, "engine.save_checkpoint() in the middle of a gradient accumulation "
      "cycle (micro-step 1 of 2): the accumulated gradients would not be in it. Call it after "
      "the step at the accumulation boundary"),
-    ({"any_pinned": lambda: True}, "engine.save_checkpoint() inside GatheredParameters: leave "
+    ({"pinned": True}, "engine.save_checkpoint() inside GatheredParameters: leave "
      "the context first (its changes are written back on exit)")])
 def test_a_save_not_at_rest_is_refused(tmp_path: Path, manager, change, message) -> None:
     log: list = []
+    if "pinned" in change:
+        change = {"run": RecordingRun(log, pinned=True)}
     with pytest.raises(RuntimeError) as info:
         save_checkpoint(_state(manager, log, **change), tmp_path)
     assert str(info.value) == message
@@ -187,11 +189,9 @@ def test_a_save_not_at_rest_is_refused(tmp_path: Path, manager, change, message)
 
 
 def test_check_at_rest_asks_the_engine_first(manager) -> None:
-    def closed(what):
-        raise RuntimeError(f"closed: {what}")
-
+    closed = RecordingRun(closed=lambda what: RuntimeError(f"closed: {what}"))
     with pytest.raises(RuntimeError, match="closed: export"):
-        check_at_rest(_state(manager, check_open=closed), "export")
+        check_at_rest(_state(manager, run=closed), "export")
     check_at_rest(_state(manager, micro_steps=0), "x")   # at a boundary: fine
 
 
