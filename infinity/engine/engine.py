@@ -390,7 +390,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
         lrs = self.get_lr()            # the rates this step uses, reported after it
-        self.optimizer.run_step()
+        self.optimizer.owner_step()     # torch's step hooks and schedulers see it
         stuck = False
         if self.loss_scaler is not None:
             stuck = self.loss_scaler.update(self.optimizer.overflow)

@@ -146,6 +146,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         # deferred step lands at the next fetch] in step_stream.py)
         self._waiting: dict[int, StepJob] = {}
         self.owner = owner
+        self._owner_stepping = False    # the owner's own step is running (``owner_step``)
         self._in_backward = False
         self.early_step = early_step
         self.timers = OptimTimers()
@@ -451,15 +452,25 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch API
         """``optimizer.step()`` of a torch-style loop: the owner's step (the engine's, which
-        counts it, releases what the step held and calls ``run_step``; the loop steps its
-        scheduler itself), or ``run_step`` for an optimizer used alone."""
+        counts it, releases what the step held and comes back through ``owner_step``; the loop
+        steps its scheduler itself), or ``run_step`` for an optimizer used alone."""
         if closure is not None:
             raise ValueError("PartitionedOptimizer.step does not take a closure")
-        if self.owner is not None:
+        if self.owner is not None and not self._owner_stepping:
             self.owner.step_from_optimizer()
         else:
             self.run_step()
         return None
+
+    def owner_step(self) -> None:
+        """The owner's own step (the engine's): through ``step()``, so that torch's wrapper of
+        it runs -- step pre/post hooks, and the mark an LR scheduler checks that the optimizer
+        stepped before it -- and into ``run_step`` rather than back to the owner."""
+        self._owner_stepping = True
+        try:
+            self.step()
+        finally:
+            self._owner_stepping = False
 
     @torch.no_grad()
     def run_step(self) -> None:

@@ -20,7 +20,8 @@ class OptimizerOwner(Protocol):
 
     def step_from_optimizer(self) -> None:
         """``optimizer.step()`` from a torch-style loop: the engine's step, without its
-        scheduler (the loop steps its own); it calls the optimizer's ``run_step``."""
+        scheduler (the loop steps its own); it comes back through the optimizer's
+        ``owner_step``."""
 
     def forward_order(self) -> list[int]:
         """Unit indices in the order the next forward fetches them."""

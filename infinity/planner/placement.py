@@ -168,11 +168,16 @@ def choose_early_step(cfg: InfinityConfig, dtype: str) -> bool:
             and not cfg.fp16.enabled and dtype != "fp16" and cfg.gradient_accumulation_steps == 1)
 
 
-def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Placement:
-    """Where the states of ``stats``' model live under ``cfg`` on ``hw``."""
+def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
+          cpu_device: bool | None = None) -> Placement:
+    """Where the states of ``stats``' model live under ``cfg`` on ``hw``; ``cpu_device``: the
+    model computes on the CPU (None: where ``hw`` has no GPU). The compute dtype follows the
+    machine either way (a model left on a GPU machine's CPU keeps the GPU's rules, as
+    ``bf16.enabled`` asks)."""
     z, n = cfg.zero, cfg.world_size
     dtype = choose_compute_dtype(cfg, hw)
-    param_tier, opt_tier, single = state_tiers(cfg, dtype, cpu_device=not hw.has_gpu)
+    param_tier, opt_tier, single = state_tiers(
+        cfg, dtype, cpu_device=not hw.has_gpu if cpu_device is None else cpu_device)
     shard = lambda elems, from_stage: -(-elems // n) if z.stage >= from_stage else elems  # noqa: E731
     c = 4 if dtype == "fp32" else 2
     return Placement(stage=z.stage, compute_dtype=dtype, c=c,

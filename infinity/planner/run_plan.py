@@ -14,7 +14,6 @@ Pure: it takes the model as each unit's (numel, trainable) parameters and the ma
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -287,10 +286,9 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     if stats is None:
         stats = stats_of_units(units)
     cpu = not hw.has_gpu if device_is_cpu is None else device_is_cpu
-    if cpu and hw.has_gpu:
-        # a model left on the CPU of a GPU machine: plan for the device it computes on
-        hw = dataclasses.replace(hw, gpu_name=None, gpu_total_bytes=None, gpu_free_bytes=None)
-    placement = place(cfg, stats, hw)
+    # a model left on a GPU machine's CPU: its states are placed for the CPU it computes on;
+    # the compute dtype and the derived sizes follow the machine, as before the run plan
+    placement = place(cfg, stats, hw, cpu_device=cpu)
     _, reason = compute_dtype_choice(cfg, hw)
     derived = derived or derive_sizes(cfg, stats, hw)
     itemsize = placement.c

@@ -108,6 +108,7 @@ class CudaCopies(DeviceCopies):
         # sources handed back once their copy's event fired, on a thread of their own (a pool
         # whose slots all wait for copies must still get them back without another copy)
         self._releases: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None    # the first a wait or release raised
         self._releaser = threading.Thread(target=self._release_when_done,
                                           name="copy-releases", daemon=True)
         self._releaser.start()
@@ -130,20 +131,31 @@ class CudaCopies(DeviceCopies):
             event.wait()
 
     def release_after(self, event: CopyEvent, release: Callable[[], None]) -> None:
-        done = threading.Event()
-        self._releases.put((event, release, done))
+        if self._error is not None:
+            raise RuntimeError(f"a host-to-device copy failed earlier: {self._error}") \
+                from self._error
+        self._releases.put((event, release, None))
 
     def _release_when_done(self) -> None:
         while True:
             event, release, done = self._releases.get()
-            event.wait()
-            release()
-            done.set()
+            try:
+                event.wait()
+                release()
+            except BaseException as exc:  # noqa: BLE001 - kept for the training thread
+                # a CUDA error (a device-side assert, say): the thread goes on, so that close
+                # does not hang, and the next release or drain raises it
+                if self._error is None:
+                    self._error = exc
+            if done is not None:
+                done.set()
 
     def drain(self) -> None:
         done = threading.Event()
         self._releases.put((DONE, lambda: None, done))
         done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"a host-to-device copy failed: {self._error}") from self._error
 
 
 class _CudaEvent:
@@ -203,12 +215,14 @@ class LateCopies(DeviceCopies):
                 continue
             delay, dst, src, event = job
             time.sleep(delay)
-            if _holds(dst) and _holds(src):
+            try:
+                if not (_holds(dst) and _holds(src)):
+                    raise RuntimeError("released before its copy")
                 with torch.no_grad():
                     dst.copy_(src)
-            else:
-                # its destination was released (or its source freed) before the copy ran: a
-                # missing wait; the copy is lost (whatever read the destination read NaN)
+            except RuntimeError:
+                # its destination was released (or its source freed) before or while the copy
+                # ran: a missing wait; the copy is lost (what read the destination read NaN)
                 self.lost += 1
             with self._lock:
                 self._reading.pop(id(event), None)

@@ -322,6 +322,31 @@ def test_a_torch_loop_with_optimizer_step_trains_like_torch(disk_dir, early_step
         engine.close()
 
 
+def test_the_engines_step_is_torchs_optimizer_step_to_hooks_and_schedulers(disk_dir) -> None:
+    """engine.step() runs the optimizer's step through torch's wrapper of it: step hooks fire
+    once a step, and a torch scheduler built on the optimizer (the HF Trainer's way) sees the
+    optimizer step before it (no "lr_scheduler.step() before optimizer.step()" warning)."""
+    import warnings
+
+    engine, *_ = _setup(disk_dir, "cpu", "off")
+    optimizer = engine.optimizer
+    steps = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: steps.append(1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x in _batches(2):
+                engine.backward(loss_of(engine(input_ids=x, labels=x)))
+                engine.step()
+                scheduler.step()
+        assert steps == [1, 1] and engine.global_steps == 2
+        assert not [w for w in caught if "before `optimizer.step()`" in str(w.message)], \
+            [str(w.message) for w in caught]
+    finally:
+        engine.close()
+
+
 def test_optimizer_state_dict_is_refused_with_the_checkpoint_calls(disk_dir) -> None:
     """Its states live in their tiers: torch's empty dict would load as a silent Adam reset."""
     engine, *_ = _setup(disk_dir, "cpu", "auto")

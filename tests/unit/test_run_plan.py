@@ -46,9 +46,14 @@ def test_a_cpu_device_stores_fp32_once_and_reads_nvme_into_device_memory() -> No
     on_gpu = plan_run(config(3, "nvme", "cpu", infinity={"compute_dtype": "fp32"}), GPU_BOX,
                       stats=MODEL)
     assert on_gpu.master_separate and not on_gpu.direct_fetch
-    # a model left on a GPU machine's CPU is planned for the CPU it computes on
+    # a model left on a GPU machine's CPU: its states are placed for the CPU it computes on,
+    # its compute dtype follows the machine's rules (bf16.enabled on a GPU machine: bf16)
     assert plan_run(config(3, "nvme", "cpu", infinity={"compute_dtype": "fp32"}), GPU_BOX,
                     stats=MODEL, device_is_cpu=True).master_separate is False
+    left = plan_run(config(3, "nvme", "cpu", bf16={"enabled": True}), GPU_BOX, stats=MODEL,
+                    device_is_cpu=True)
+    assert left.compute_dtype == "bf16" and left.compute_dtype_reason == "auto: GPU, bf16.enabled"
+    assert left.direct_fetch and left.device_is_cpu
 
 
 def test_the_early_step_without_gradient_homes_or_a_gradient_pool_on_a_cpu() -> None:
