@@ -44,10 +44,11 @@ import torch
 
 from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
-from infinity.optim.gradients import GradientCollector, _sum_of_squares, gradients_held
+from infinity.optim.gradients import GradientCollector, _sum_of_squares
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
 from infinity.optim.pending_steps import PendingSteps
+from infinity.optim.pools import host_pool, plan_pools
 from infinity.optim.protocols import OptimizerOwner
 from infinity.optim.records import (
     CompleteGradient,
@@ -57,7 +58,7 @@ from infinity.optim.records import (
 )
 from infinity.optim.speculation import Speculator
 from infinity.optim.step_stream import StepStream
-from infinity.planner.run_plan import OptimizerPools, PoolPlan, optimizer_pools
+from infinity.planner.run_plan import OptimizerPools
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency, Tier
@@ -82,28 +83,6 @@ def _state_range(unit: SteppedUnit, sharded: bool) -> tuple[int, int]:
         return 0, n
     lo = min(unit.shard_start, n)
     return lo, min(unit.shard_start + unit.shard_numel, n)
-
-
-def _plan_pools(units: list[SteppedUnit], manager: TierManager, *, sub_group_numel: int,
-                optimizer_tier: Tier,
-                grad_tier: Tier, early_step: bool, master_separate: bool, speculative: bool,
-                comm: Collectives, shard_states: bool) -> OptimizerPools:
-    """The pools of an optimizer built without a run plan (tests, tools), planned from its
-    units by the run plan's own rule."""
-    stores = [u.param_store for u in units if u.has_trainable and u.param_store is not None]
-    return optimizer_pools(
-        [(u.flat_numel, u.trainable_numel) for u in units], world_size=comm.world_size,
-        rank=comm.rank if comm.active else 0, shard_states=shard_states,
-        sub_group_numel=sub_group_numel, optimizer_tier=optimizer_tier,
-        param_tier=stores[0].home if stores else Tier.DEVICE,
-        streamed=[u.param_store is not None for u in units], grad_tier=grad_tier,
-        master_separate=master_separate, early_step=early_step, speculative=speculative,
-        keeps_gradients=gradients_held(manager.device))
-
-
-def _pool(manager: TierManager, plan: PoolPlan | None) -> BufferPool | None:
-    """The host pool ``plan`` describes, or None."""
-    return BufferPool(manager, plan.slot_bytes, plan.count, plan.name) if plan is not None else None
 
 
 class PartitionedOptimizer(torch.optim.Optimizer):
@@ -158,11 +137,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         trainable_units = [u for u in units if u.has_trainable]
         max_trainable = max((u.trainable_numel for u in trainable_units), default=0)
         if pools is None:
-            pools = _plan_pools(units, manager, sub_group_numel=sub_group_numel,
-                                optimizer_tier=optimizer_tier,
-                                grad_tier=grad_tier, early_step=early_step,
-                                master_separate=master_separate, speculative=doubled,
-                                comm=comm, shard_states=shard_states)
+            pools = plan_pools(units, manager, sub_group_numel=sub_group_numel,
+                               optimizer_tier=optimizer_tier, grad_tier=grad_tier,
+                               early_step=early_step, master_separate=master_separate,
+                               speculative=doubled, comm=comm, shard_states=shard_states)
         self.pools = pools
         self.sub_group_numel = pools.sub_group_numel
         for unit in trainable_units:
@@ -184,8 +162,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         # see [Note: held gradients]: a room of HELD_ROOM_UNITS (optim/held_room.py)
         self.holds_grads = pools.holds_grads
         self.held_room = HeldRoom(pools.held_room_bytes)
-        self.grad_pool = _pool(manager, pools.gradient)
-        self.step_pool = _pool(manager, pools.step)
+        self.grad_pool = host_pool(manager, pools.gradient)
+        self.step_pool = host_pool(manager, pools.step)
         # the parts (see the module docstring)
         self.kernel = AdamKernel(lambda: self.param_groups, adamw_mode, threads)
         self.steps = PendingSteps(self.timers, self._add_norm)

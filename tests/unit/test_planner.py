@@ -411,13 +411,13 @@ def test_the_planner_is_pure_and_the_one_home_of_tiers_and_sizes() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
 
-    from infinity.optim import gradients, partitioned
+    from infinity.optim import gradients, pools
     from infinity.planner import engine_sizes, run_plan
     from infinity.planner.tiers import Tier
     from infinity.storage import tiers
 
     assert tiers.Tier is Tier and Tier.HOST == "host" and Tier.from_offload_device("cpu") is Tier.HOST
-    assert partitioned.optimizer_pools is run_plan.optimizer_pools
+    assert pools.optimizer_pools is run_plan.optimizer_pools
     assert gradients.accumulate_chunk_numel is engine_sizes.accumulate_chunk_numel
 
 
