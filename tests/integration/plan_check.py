@@ -14,7 +14,8 @@ from typing import Iterator
 
 from infinity.planner.inputs import ModelStats, detect_hardware
 from infinity.planner.plan import plan_memory
-from infinity.planner.run_plan import optimizer_pools, plan_run
+from infinity.optim.pools import plan_pools
+from infinity.planner.run_plan import plan_run
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
 
@@ -81,15 +82,11 @@ def pools_of_units(engine) -> dict[str, tuple[int, int]]:
     """The optimizer's pools as the run plan's rule sizes them from the units the engine built
     (their real flat layouts and shards): the plan, made before any unit existed, must agree."""
     plan = engine.plan
-    units = engine.units
-    pools = optimizer_pools(
-        [(u.flat_numel, u.trainable_numel) for u in units], world_size=engine.comm.world_size,
-        rank=engine.comm.rank if engine.comm.active else 0, shard_states=plan.stage >= 1,
-        sub_group_numel=plan.sizes.sub_group_numel, optimizer_tier=plan.optimizer_tier,
-        param_tier=plan.param_tier, streamed=[u.param_store is not None for u in units],
-        grad_tier=plan.grad_tier, master_separate=plan.master_separate,
-        early_step=plan.early_step, speculative=plan.speculative,
-        keeps_gradients=engine.device.type == "cpu")
+    pools = plan_pools(engine.units, engine.manager, sub_group_numel=plan.sizes.sub_group_numel,
+                       optimizer_tier=plan.optimizer_tier, grad_tier=plan.grad_tier,
+                       early_step=plan.early_step, master_separate=plan.master_separate,
+                       speculative=plan.speculative, comm=engine.comm,
+                       shard_states=plan.stage >= 1)
     return {p.name: (p.count, p.slot_bytes) for p in (pools.gradient, pools.step) if p}
 
 
