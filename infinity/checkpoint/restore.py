@@ -20,8 +20,9 @@ log = get_logger("checkpoint")
 
 
 # group keys the config decides (the update rule), not the checkpoint, as in DeepSpeed, where
-# adam_w_mode is the optimizer's attribute and not a saved group setting
-CONFIG_GROUP_KEYS = ("adamw_mode",)
+# adam_w_mode is the optimizer's attribute and not a saved group setting; and the state formats:
+# the running engine's stores are built in its own, a checkpoint in another is converted on load
+CONFIG_GROUP_KEYS = ("adamw_mode", "optimizer_moments", "optimizer_master")
 
 
 def _number(value: Any, what: str, directory: Path, integer: bool = False) -> Any:

@@ -50,6 +50,15 @@ class InfinitySection:
     activation_window: int = 64 * 1024 * 1024
     """Bytes of swapped activations in memory at a time (when offloaded): the newest
     ones are held at the end of the forward, then reads run this far ahead of backward."""
+    optimizer_moments: Literal["fp32", "bf16", "int8"] = "fp32"
+    """Storage format of Adam's m and v on every tier and in checkpoints: "fp32" (4 + 4 bytes a
+    parameter), "bf16" (2 + 2, rounded to nearest even), or "int8" (1 + 1 and one fp32 scale per
+    2048-element block, bitsandbytes' blockwise dynamic maps). The step runs in fp32 either way.
+    A param group may set its own (e.g. "fp32" for embeddings); see docs/optimizer-formats.md."""
+    optimizer_master: Literal["fp32", "bf16"] = "fp32"
+    """The master weights: "fp32" (a separate fp32 copy beside 16-bit compute), or "bf16": the
+    bf16 parameter is its own master, updated with stochastic rounding (seeded, reproducible),
+    so no fp32 copy is stored at all. Needs bf16 compute."""
     collective_timeout: float = 1800.0
     """Seconds a collective waits for the other ranks before the run stops with an error naming
     the rank that is missing (a rank that raised or was killed); applies to the process group
@@ -96,6 +105,8 @@ class InfinitySection:
         check_choice(f"{p}.compute_dtype", self.compute_dtype, ("auto", "fp32", "bf16", "fp16"))
         check_choice(f"{p}.offload_activations", self.offload_activations,
                      ("auto", "none", "nvme"))
+        check_choice(f"{p}.optimizer_moments", self.optimizer_moments, ("fp32", "bf16", "int8"))
+        check_choice(f"{p}.optimizer_master", self.optimizer_master, ("fp32", "bf16"))
         check_choice(f"{p}.swap_check", self.swap_check, ("sampled", "full", "off"))
         timeout = self.collective_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \

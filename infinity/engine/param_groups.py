@@ -17,6 +17,7 @@ from infinity.base.log import get_logger
 from infinity.config import InfinityConfig
 from infinity.config.optimizer import MISSING_OPTIMIZER
 from infinity.engine.client_optimizer import client_param_groups
+from infinity.planner.state_format import MASTER_FORMATS, MOMENTS_FORMATS
 
 log = get_logger("engine")
 
@@ -64,6 +65,10 @@ def param_groups(model: nn.Module, model_parameters: Iterable | None,
     optimizer layout). ``named_groups``: the groups were named explicitly (an optimizer's),
     so trainable parameters left out of them are worth a warning."""
     defaults = optimizer_defaults(config) if defaults is None else defaults
+    # the state formats are group settings too (see [Note: a unit's state format] in
+    # planner/state_format.py): the config's are every group's default
+    defaults = {**defaults, "optimizer_moments": config.infinity.optimizer_moments,
+                "optimizer_master": config.infinity.optimizer_master}
     if model_parameters is None:
         raw: list = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     else:
@@ -133,6 +138,11 @@ def _check_hyperparameters(group: dict, index: int) -> None:
 
     for key in ("lr", "eps", "weight_decay"):
         number(key, group[key])
+    for key, choices in (("optimizer_moments", MOMENTS_FORMATS),
+                         ("optimizer_master", MASTER_FORMATS)):
+        if key in group and group[key] not in choices:
+            raise ValueError(f"param group {index}: {key} must be one of "
+                             f"{', '.join(map(repr, choices))}, got {group[key]!r}")
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
             not all(0 <= number("betas", b) < 1 for b in betas):

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from infinity.optim.cpu_adam import adam_step_flat
+from infinity.optim.formatted_step import MomentScales, step_formatted
 from infinity.optim.records import StepRun, UnitOptimState, grad_pieces
 
 
@@ -66,11 +67,16 @@ class AdamKernel:
     def run(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
             grad: torch.Tensor | dict[int, torch.Tensor], m: torch.Tensor, v: torch.Tensor,
             grad_scale: float, half_out: torch.Tensor | None, hyper: list[dict],
-            runs: list[StepRun], grad_sq_sum: bool = False) -> float:
+            runs: list[StepRun], grad_sq_sum: bool = False,
+            scales: MomentScales | None = None) -> float:
         """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``;
         ``hyper`` per param group (``hyperparameters()`` when the step was asked for), ``runs``
-        from ``step_runs``. Returns the stepped gradient's sum of squares (as given) when
-        ``grad_sq_sum``, else 0."""
+        from ``step_runs``; m and v (and a bf16 master) in the state's format, ``scales`` the
+        int8 scales of the range's blocks. Returns the stepped gradient's sum of squares (as
+        given) when ``grad_sq_sum``, else 0."""
+        if not state.fmt.is_default:
+            return step_formatted(state, start, end, param, grad, m, v, scales, grad_scale,
+                                  half_out, hyper, runs, self.threads, grad_sq_sum)
         total = 0.0
         for run in runs:
             a, b = max(run.start, start), min(run.end, end)

@@ -1,7 +1,8 @@
 """The partitioned optimizer: Adam states of every unit in their home tier, stepped by the CPU Adam.
 
-Each trainable unit owns flat fp32 stores for exp_avg and exp_avg_sq (and a separate fp32 master
-when the compute copy is not fp32-on-CPU), laid out like the unit's flat parameters (see
+Each trainable unit owns flat stores for exp_avg and exp_avg_sq in its state format (fp32, or
+bf16 / int8: optim/state_formats.py), and a separate fp32 master when the compute copy is not
+fp32-on-CPU and the master is not the bf16 parameter itself, laid out like the unit's flat parameters (see
 [Note: flat layout] in zero/unit.py). Gradients arrive parameter by parameter from the
 coordinator and accumulate in fp32, either straight into a HOST gradient store or in a
 transient host buffer that is then written to NVMe.
@@ -57,6 +58,7 @@ from infinity.optim.records import (
     UnitOptimState,
 )
 from infinity.optim.speculation import Speculator
+from infinity.optim.state_formats import build_state, group_format, log_formats
 from infinity.optim.step_stream import StepStream
 from infinity.planner.run_plan import OptimizerPools
 from infinity.storage.buffer_pool import BufferPool
@@ -143,21 +145,19 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                                speculative=doubled, comm=comm, shard_states=shard_states)
         self.pools = pools
         self.sub_group_numel = pools.sub_group_numel
+        asked = [group_format(g) for g in self.param_groups]
         for unit in trainable_units:
             lo, hi = _state_range(unit, shard_states)
-            n = max(hi - lo, 1)        # a shard past the trainable part steps nothing
-            master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier,
-                                     doubled=doubled) if master_separate else None)
-            grad_store = None if early_step else manager.create(
-                f"{unit.name}.grad", n, grad_dtype, grad_tier)
-            self.states.append(UnitOptimState(
-                unit, manager.create(f"{unit.name}.exp_avg", n, torch.float32, optimizer_tier,
-                                     doubled=doubled),
-                manager.create(f"{unit.name}.exp_avg_sq", n, torch.float32, optimizer_tier,
-                               doubled=doubled),
-                master, grad_store, shard=(lo, hi) if shard_states else None))
+            state = build_state(manager, unit, (lo, hi), asked, self.sub_group_numel,
+                                optimizer_tier=optimizer_tier, grad_tier=grad_tier,
+                                grad_dtype=grad_dtype, early_step=early_step,
+                                master_separate=master_separate, doubled=doubled,
+                                sharded=shard_states)
+            master = state.master
+            self.states.append(state)
             if master is not None:
                 self._init_master(unit, master, (lo, hi), values)
+        log_formats(self.states, asked)
         self._by_unit = {s.unit.index: s for s in self.states}
         # see [Note: held gradients]: a room of HELD_ROOM_UNITS (optim/held_room.py)
         self.holds_grads = pools.holds_grads
@@ -583,6 +583,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                     self._stream.shutdown()
         finally:
             for state in self.states:
-                for store in (state.exp_avg, state.exp_avg_sq, state.master, state.grad_store):
+                for store in (state.exp_avg, state.exp_avg_sq, state.master, state.grad_store,
+                              state.exp_avg_scales, state.exp_avg_sq_scales):
                     if store is not None:
                         store.free()

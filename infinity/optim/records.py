@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 
 from infinity.optim.held_room import HeldRoom
+from infinity.planner.state_format import FP32_STATES, QBLOCK, StateFormat
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore
 from infinity.zero.protocols import SteppedUnit
@@ -71,8 +72,8 @@ class HomeGradient(enum.Enum):
 
 @dataclass(eq=False)
 class UnitOptimState:
-    """The Adam states of one unit's range [lo, hi) of its trainable elements (fp32, ``numel``
-    elements each): the whole trainable range, or this rank's shard of it (see [Note: shards] in
+    """The Adam states of one unit's range [lo, hi) of its trainable elements (``numel``
+    elements each, in ``fmt``): the whole trainable range, or this rank's shard of it (see [Note: shards] in
     zero/unit.py). Ranges, sub-groups and step runs are in the unit's flat coordinates; a
     store's element i is the unit's element lo + i."""
 
@@ -99,6 +100,11 @@ class UnitOptimState:
     # deferred schedule: its gradient at home since its last step (see ``HomeGradient``)
     home_grad: HomeGradient = HomeGradient.NONE
     shard: tuple[int, int] | None = None   # [lo, hi); None: [0, unit.trainable_numel)
+    # how m, v and the master are stored (planner/state_format.py); int8 moments have one fp32
+    # scale per 2048-element block of the range, in host memory (``exp_avg_scales``...)
+    fmt: StateFormat = FP32_STATES
+    exp_avg_scales: FlatStore | None = None
+    exp_avg_sq_scales: FlatStore | None = None
 
     @property
     def has_grads(self) -> bool:
@@ -169,6 +175,10 @@ class StepRun(NamedTuple):
     step: int
 
 
+INT8_CHUNK = 2 * QBLOCK
+"""An int8 state's sub-groups are multiples of this many elements (see ``sub_groups``)."""
+
+
 @dataclass(frozen=True)
 class SubGroup:
     """An aligned chunk [start, end) of one unit's trainable range, stepped at once."""
@@ -179,8 +189,11 @@ class SubGroup:
 
 
 def sub_groups(state: UnitOptimState, numel: int) -> list[SubGroup]:
-    """The state's range cut in chunks of ``numel`` elements."""
+    """The state's range cut in chunks of ``numel`` elements (int8 moments: of a multiple of
+    4096, so each chunk's codes start on a block edge and a 4 KiB boundary)."""
     lo, hi = state.lo, state.hi
+    if state.fmt.moments == "int8":
+        numel = max(INT8_CHUNK, numel // INT8_CHUNK * INT8_CHUNK)
     return [SubGroup(state, a, min(a + numel, hi)) for a in range(lo, hi, numel)]
 
 

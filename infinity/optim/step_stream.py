@@ -77,6 +77,7 @@ from typing import Protocol
 
 import torch
 
+from infinity.optim.formatted_step import MomentScales
 from infinity.optim.gradients import _sum_of_squares
 from infinity.optim.records import (
     CompleteGradient,
@@ -89,6 +90,7 @@ from infinity.optim.records import (
     grad_pieces,
     sub_groups,
 )
+from infinity.planner.state_format import QBLOCK
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import TierManager, padded_numel
 
@@ -109,7 +111,8 @@ class StepKernel(Protocol):
     def run(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
             grad: torch.Tensor | dict[int, torch.Tensor], m: torch.Tensor, v: torch.Tensor,
             grad_scale: float, half_out: torch.Tensor | None, hyper: list[dict],
-            runs: list[StepRun], grad_sq_sum: bool = False) -> float:
+            runs: list[StepRun], grad_sq_sum: bool = False,
+            scales: MomentScales | None = None) -> float:
         """Adam on elements [start, end) of the unit; the gradient's squares when asked."""
 
 
@@ -339,7 +342,7 @@ class StepStream:
                 loaded.tensors[key] = store.tensor[at:at + n]
                 continue
             slot = next(free)
-            buf = slot.view(torch.float32, padded_numel(n, torch.float32))
+            buf = slot.view(store.dtype, padded_numel(n, store.dtype))
             loaded.requests.append((store.load_async(buf, at, n), slot))
             loaded.tensors[key] = buf[:n]
         self._loads.append(loaded)
@@ -424,7 +427,8 @@ class StepStream:
         # (a flat buffer was normed when complete, one going home is normed as it is written)
         norm_in_kernel = job.early and not (shadow and (flat_gradient or job.gradient_home))
         sq = self.kernel.run(state, start, end, param, grad, t["m"], t["v"], job.grad_scale,
-                             half, job.hyper, job.runs, grad_sq_sum=norm_in_kernel)
+                             half, job.hyper, job.runs, grad_sq_sum=norm_in_kernel,
+                             scales=_scales_of(state, at, n))
         job.sq_norm += sq
         if not job.early and state.grad_store.resident:
             grad.zero_()          # the next backward accumulates into the home gradient
@@ -568,6 +572,15 @@ def _store(store, tensor: torch.Tensor, start: int, count: int, writes: list,
     ``shadow``: to the store's shadow extent)."""
     if not store.resident:
         writes.append((store.store_async(tensor, start, count, shadow), None))
+
+
+def _scales_of(state: UnitOptimState, at: int, n: int) -> MomentScales | None:
+    """The int8 scales of the state's elements [at, at + n) (``at`` a block edge), as views of
+    their home in memory (the kernel rewrites them in place); None for other formats."""
+    if state.exp_avg_scales is None:
+        return None
+    blocks = slice(at // QBLOCK, (at + n + QBLOCK - 1) // QBLOCK)
+    return MomentScales(state.exp_avg_scales.tensor[blocks], state.exp_avg_sq_scales.tensor[blocks])
 
 
 def flat_rounded_by_kernel(unit, grad, runs: list[StepRun], start: int, end: int) -> bool:

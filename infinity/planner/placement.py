@@ -16,14 +16,19 @@ Byte math (N = world size; P = parameters, T = trainable parameters):
   gradients have no home at all; only one sub-group's staging buffer exists.
 * A gradient home in host memory is 2 B/param instead of 4 where it never sums anything: 16-bit
   compute, one micro-step, one rank (see [Note: the gradient home in the compute dtype]).
+* The Adam states may be stored in fewer bytes (``optimizer_moments``, ``optimizer_master``;
+  planner/state_format.py): m + v in 4 (bf16) or ~2 (int8) B instead of 8, and a bf16 master
+  is the bf16 parameter itself (single copy, no 4-byte master).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from infinity.config import InfinityConfig
 from infinity.planner.inputs import Hardware, ModelStats
+from infinity.planner.state_format import FP32_STATES, StateFormat
 from infinity.planner.tiers import Tier, deeper
 
 __all__ = ["Placement", "COMPONENTS", "place", "state_tiers", "resident_bytes",
@@ -43,13 +48,21 @@ class Placement:
     c: int                  # bytes per element of the compute dtype
     param_tier: Tier        # home of the compute copy of the parameters
     opt_tier: Tier          # home of m and v (and the master unless single_copy)
-    single_copy: bool       # fp32 compute: the master is the parameter, stored once
+    single_copy: bool       # the master is the parameter, stored once: fp32 compute on a CPU
+    #                         device, or a bf16 master (optimizer_master "bf16")
     early_step: bool
     param_elems: int        # per rank
     opt_elems: int          # per rank
     grad_elems: int         # per rank
     grad_itemsize: int = 4  # bytes per element of a gradient home in host memory
     grad_home: Tier | None = None   # the gradients' tier as the engine's sizes decided it
+    state_format: StateFormat = FP32_STATES   # the config's (see planner/state_format.py)
+
+    @property
+    def optimizer_state_bytes(self) -> float:
+        """Bytes per trainable element in the optimizer's tier: m and v in their format (int8
+        scales included), and the fp32 master unless the parameter is its own master."""
+        return self.state_format.moment_bytes_per_param() + (0 if self.single_copy else 4)
 
     @property
     def grad_bytes(self) -> int:
@@ -117,9 +130,11 @@ def state_tiers(cfg: InfinityConfig, compute_dtype: str,
     ``compute_dtype`` on a CPU device or a GPU: the one rule for where the states live, read
     by ``place`` for the run plan (planner/run_plan.py), which the engine builds from. Single
     copy: fp32 on a CPU device, where the master is the parameter (DESIGN.md "fp32 on CPU"), stored in the
-    deeper of the two tiers at stage 3."""
+    deeper of the two tiers at stage 3; so is a bf16 master (``optimizer_master`` "bf16", bf16
+    compute on a CPU device: ``check_state_format`` refuses the rest)."""
     z = cfg.zero
-    single = cpu_device and compute_dtype == "fp32"
+    single = cpu_device and (compute_dtype == "fp32" or (
+        compute_dtype == "bf16" and cfg.infinity.optimizer_master == "bf16"))
     opt_tier = Tier.from_offload_device(z.offload_optimizer.device)
     param_tier = Tier.from_offload_device(z.offload_param.device) if z.stage == 3 else Tier.DEVICE
     if single and z.stage == 3:
@@ -186,7 +201,9 @@ def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
                      param_elems=shard(stats.total_params, 3), opt_elems=shard(stats.trainable_params, 1),
                      grad_elems=shard(stats.trainable_params, 1),
                      grad_itemsize=gradient_home_itemsize(c, cfg.gradient_accumulation_steps or 1,
-                                                          n))
+                                                          n),
+                     state_format=StateFormat(cfg.infinity.optimizer_moments,
+                                              cfg.infinity.optimizer_master))
 
 
 def resident_bytes(lay: Placement) -> dict[tuple[str, Tier], int]:
@@ -196,7 +213,7 @@ def resident_bytes(lay: Placement) -> dict[tuple[str, Tier], int]:
     def add(component: str, tier: Tier | None, nbytes: int) -> None:
         if tier is not None and nbytes:
             out[(component, tier)] = out.get((component, tier), 0) + nbytes
-    add("params", lay.param_tier, (4 if lay.single_copy else lay.c) * lay.param_elems)
-    add("optimizer_states", lay.opt_tier, (8 if lay.single_copy else 12) * lay.opt_elems)
+    add("params", lay.param_tier, lay.c * lay.param_elems)
+    add("optimizer_states", lay.opt_tier, math.ceil(lay.optimizer_state_bytes * lay.opt_elems))
     add("grads", lay.grads_tier, lay.grad_bytes * lay.grad_elems)
     return out

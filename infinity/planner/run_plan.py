@@ -35,7 +35,7 @@ from infinity.planner.sizes import DerivedSizes, derive_sizes
 from infinity.planner.tiers import Tier
 
 __all__ = ["PoolPlan", "OptimizerPools", "UnitParams", "RunPlan", "plan_run", "optimizer_pools",
-           "speculation_blockers", "units_of_stats", "stats_of_units", "SPECULATION_DISK_MARGIN"]
+           "speculation_blockers", "check_state_format", "units_of_stats", "stats_of_units", "SPECULATION_DISK_MARGIN"]
 
 SPECULATION_DISK_MARGIN = 1.05
 """The speculative step's second copies are taken ("auto") only where the swap path's
@@ -200,7 +200,41 @@ def speculation_blockers(cfg: InfinityConfig, placement: Placement) -> list[str]
     if placement.param_tier is not Tier.NVME or placement.opt_tier is not Tier.NVME:
         blockers.append(f"parameters live on {placement.param_tier.name} and Adam states on "
                         f"{placement.opt_tier.name} (both must be on NVMe)")
+    if not placement.state_format.is_default:
+        blockers.append(f"the Adam states are stored as {placement.state_format.describe()} "
+                        "(the speculative step's redo reads fp32 states)")
     return blockers
+
+
+def check_state_format(cfg: InfinityConfig, placement: Placement, device_is_cpu: bool) -> None:
+    """Refuse a state format the engine cannot run on this machine, before anything is built
+    (see planner/state_format.py)."""
+    fmt = placement.state_format
+    if fmt.master == "bf16":
+        if fmt.moments == "fp32":
+            raise ValueError(
+                "infinity.optimizer_master = \"bf16\" with optimizer_moments \"fp32\": the "
+                "stochastically rounded bf16 master is updated by the fused kernels of the bf16 "
+                "and int8 moments only. Set optimizer_moments to \"bf16\" or \"int8\", or keep "
+                "optimizer_master \"fp32\"")
+        if placement.compute_dtype != "bf16":
+            raise ValueError(
+                f"infinity.optimizer_master = \"bf16\" makes the bf16 parameter its own master, "
+                f"but the compute dtype is {placement.compute_dtype}: set "
+                "infinity.compute_dtype to \"bf16\" (on a CPU that multiplies bf16 natively), or "
+                "keep optimizer_master \"fp32\"")
+        if not device_is_cpu:
+            raise ValueError(
+                "infinity.optimizer_master = \"bf16\" runs on a CPU device only for now (the "
+                "step updates the host copy of the bf16 parameters in place; on a GPU it would "
+                "step through the parameters' home, which is not built yet): keep "
+                "optimizer_master \"fp32\" on a GPU (optimizer_moments still applies)")
+    if not fmt.is_default and not device_is_cpu and placement.opt_tier is Tier.DEVICE:
+        raise ValueError(
+            f"infinity.optimizer_moments = {fmt.moments!r} / optimizer_master = {fmt.master!r} "
+            "with the optimizer on the GPU (zero_optimization.offload_optimizer.device \"none\"):"
+            " the formats are stepped by the CPU Adam, on offloaded states. Offload the "
+            "optimizer (\"cpu\" or \"nvme\"), or keep the fp32 formats")
 
 
 def _speculation(cfg: InfinityConfig, placement: Placement) -> tuple[bool, str]:
@@ -289,6 +323,7 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     # a model left on a GPU machine's CPU: its states are placed for the CPU it computes on;
     # the compute dtype and the derived sizes follow the machine, as before the run plan
     placement = place(cfg, stats, hw, cpu_device=cpu)
+    check_state_format(cfg, placement, cpu)
     _, reason = compute_dtype_choice(cfg, hw)
     derived = derived or derive_sizes(cfg, stats, hw)
     itemsize = placement.c

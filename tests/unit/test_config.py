@@ -519,7 +519,8 @@ def _integer_keys() -> list[tuple[str, dict]]:
                                  SchedulerConfig)
 
     def ints(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if "int" in str(f.type)]
+        # the type names int as a word ("int8", a format's name, is no integer)
+        return [f.name for f in dataclasses.fields(cls) if re.search(r"\bint\b", str(f.type))]
 
     keys = [(name, {name: "VALUE"}) for name in ints(InfinityConfig) if name != "world_size"]
     for cls, section in ((ZeroConfig, "zero_optimization"), (Fp16Config, "fp16"),

@@ -1,0 +1,97 @@
+"""The optimizer's side of the state formats (planner/state_format.py): which format each
+param group asks for, the dtypes of the stores, what a unit's format needs of it, and the log
+line that says where the engine kept more precision than asked."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+import torch
+
+from infinity.base.log import get_logger
+from infinity.optim.records import INT8_CHUNK, UnitOptimState
+from infinity.planner.state_format import StateFormat, int8_blocks, unit_format
+from infinity.storage.manager import TierManager
+from infinity.storage.tiers import Tier
+from infinity.zero.protocols import SteppedUnit
+
+log = get_logger("optim")
+
+__all__ = ["MOMENT_DTYPES", "group_format", "check_unit_format", "build_state", "log_formats"]
+
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+"""The stored dtype of m and v per moments format (int8: codes into the dynamic maps)."""
+
+
+def group_format(group: dict) -> StateFormat:
+    """The state format a param group asks for (its ``optimizer_moments`` and
+    ``optimizer_master``; fp32 where it names none, as for an optimizer built alone)."""
+    try:
+        return StateFormat(group.get("optimizer_moments", "fp32"),
+                           group.get("optimizer_master", "fp32"))
+    except ValueError as exc:
+        raise ValueError(f"param group with lr {group.get('lr')}: {exc}") from None
+
+
+def check_unit_format(unit: SteppedUnit, fmt: StateFormat, sub_group_numel: int) -> None:
+    """Refuse a format this unit cannot be stepped in, before any store is made."""
+    if fmt.master == "bf16":
+        if unit.dtype != torch.bfloat16 or unit.flat.device.type != "cpu":
+            raise ValueError(
+                f"{unit.name}: a bf16 master (optimizer_master \"bf16\") is the bf16 parameter "
+                f"itself, stepped in place on the host, but the unit computes in {unit.dtype} on "
+                f"{unit.flat.device}: use bf16 compute on a CPU device, or an fp32 master")
+    if fmt.moments == "int8" and sub_group_numel < INT8_CHUNK:
+        raise ValueError(
+            f"{unit.name}: int8 moments are stepped in chunks of at least {INT8_CHUNK} elements "
+            f"(two 2048-element blocks, 4 KiB of codes), but the sub-group is {sub_group_numel}: "
+            f"set zero_optimization.sub_group_size to at least {INT8_CHUNK}")
+
+
+def build_state(manager: TierManager, unit: SteppedUnit, span: tuple[int, int],
+                asked: list[StateFormat], sub_group_numel: int, *, optimizer_tier: Tier,
+                grad_tier: Tier, grad_dtype: torch.dtype, early_step: bool,
+                master_separate: bool, doubled: bool, sharded: bool) -> UnitOptimState:
+    """One unit's optimizer state over its range ``span`` of trainable elements, its stores
+    made in the unit's format (``asked``: each param group's; see [Note: a unit's state
+    format]): m and v, the int8 scales, the fp32 master where one is kept, the gradient home
+    of the deferred schedule. The master is not seeded here."""
+    lo, hi = span
+    n = max(hi - lo, 1)        # a shard past the trainable part steps nothing
+    fmt = unit_format({asked[e.group_index] for e in unit.trainable_entries()}, hi - lo)
+    check_unit_format(unit, fmt, sub_group_numel)
+    # a bf16 master is the bf16 parameter; an fp32 one is separate where the compute copy is
+    # not fp32 on the CPU
+    separate = fmt.master == "fp32" and (master_separate or unit.dtype != torch.float32)
+    master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier,
+                             doubled=doubled) if separate else None)
+    grad_store = None if early_step else manager.create(f"{unit.name}.grad", n, grad_dtype,
+                                                        grad_tier)
+    mdtype = MOMENT_DTYPES[fmt.moments]
+    state = UnitOptimState(
+        unit, manager.create(f"{unit.name}.exp_avg", n, mdtype, optimizer_tier, doubled=doubled),
+        manager.create(f"{unit.name}.exp_avg_sq", n, mdtype, optimizer_tier, doubled=doubled),
+        master, grad_store, shard=span if sharded else None, fmt=fmt)
+    if fmt.moments == "int8":
+        # zero scales: every code reads as 0 before the first step, whatever an NVMe extent
+        # held; the scales (4 bytes per 2048 elements) stay in host memory beside the codes
+        state.exp_avg_scales, state.exp_avg_sq_scales = (
+            manager.create(f"{unit.name}.{name}", int8_blocks(n), torch.float32, Tier.HOST)
+            for name in ("exp_avg.scales", "exp_avg_sq.scales"))
+    return state
+
+
+def log_formats(states: Iterable[UnitOptimState], asked: list[StateFormat]) -> None:
+    """One line of the formats in use, and one naming the units kept more precise than some of
+    their param groups asked (see [Note: a unit's state format])."""
+    states = list(states)
+    if all(f.is_default for f in asked) and all(s.fmt.is_default for s in states):
+        return
+    used = Counter(s.fmt.describe() for s in states)
+    log.info("optimizer states: %s", ", ".join(f"{n} unit(s) {d}" for d, n in used.items()))
+    kept = [s.unit.name for s in states
+            if any(asked[e.group_index] != s.fmt for e in s.unit.trainable_entries())]
+    if kept:
+        log.info("%d unit(s) keep a more precise format than some of their param groups ask "
+                 "(groups disagree within the unit, or a state under 4096 elements keeps fp32 "
+                 "moments): %s", len(kept), ", ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""))

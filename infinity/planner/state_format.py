@@ -1,0 +1,100 @@
+"""The storage format of a unit's optimizer states: Adam's moments in fp32, bf16 or blockwise
+int8, and the master in fp32 or as the bf16 parameter itself (issue 38).
+
+Why here, in the planner: the format decides bytes on every tier (host stores, NVMe extents,
+checkpoint files) and so the plan; the optimizer (optim/) reads the same object to choose its
+stores and kernel. One definition of the bytes, below both.
+
+[Note: a unit's state format]
+Formats are chosen per param group (the ``"infinity"`` section's ``optimizer_moments`` and
+``optimizer_master`` are every group's defaults, a group may set its own), but a unit's states
+are flat stores over all its trainable parameters, so one format serves the unit. A unit whose
+parameters' groups ask for different formats takes the most precise one asked (fp32 > bf16 >
+int8 for the moments, fp32 > bf16 for the master): a group never gets fewer bits than it asked
+for, and the engine logs which units were kept more precise. A unit whose state range has fewer
+than ``MIN_INT8_NUMEL`` elements keeps fp32 moments when int8 is asked (bitsandbytes keeps
+tensors under its ``min_8bit_size`` of 4096 in 32 bits: their scales would be most of their
+bytes, and they are the norms and biases whose few values matter most). A unit with fp32
+moments keeps an fp32 master: the stochastically rounded bf16 master is written by the fused
+bf16 / int8 moments kernels only (so ``optimizer_master`` "bf16" needs ``optimizer_moments``
+"bf16" or "int8").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+__all__ = ["MOMENTS_FORMATS", "MASTER_FORMATS", "QBLOCK", "MIN_INT8_NUMEL", "StateFormat",
+           "FP32_STATES", "unit_format", "int8_blocks"]
+
+MOMENTS_FORMATS = ("fp32", "bf16", "int8")
+"""Formats of m and v, most precise first."""
+MASTER_FORMATS = ("fp32", "bf16")
+"""Formats of the master, most precise first."""
+QBLOCK = 2048
+"""Elements per int8 block (one fp32 scale per block per moment; INF_ADAM_QBLOCK)."""
+MIN_INT8_NUMEL = 4096
+"""A unit state smaller than this keeps fp32 moments when int8 is asked (see the note)."""
+
+_MOMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+
+
+def int8_blocks(numel: int) -> int:
+    """Blocks (scales per moment) of an int8 state of ``numel`` elements."""
+    return (int(numel) + QBLOCK - 1) // QBLOCK
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """How one unit's optimizer states are stored (see [Note: a unit's state format])."""
+
+    moments: str = "fp32"
+    master: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.moments not in MOMENTS_FORMATS:
+            raise ValueError(f"optimizer_moments must be one of {MOMENTS_FORMATS}, got "
+                             f"{self.moments!r}")
+        if self.master not in MASTER_FORMATS:
+            raise ValueError(f"optimizer_master must be one of {MASTER_FORMATS}, got "
+                             f"{self.master!r}")
+
+    @property
+    def is_default(self) -> bool:
+        """fp32 moments and an fp32 master: today's bytes and kernel, bit for bit."""
+        return self.moments == "fp32" and self.master == "fp32"
+
+    @property
+    def moment_itemsize(self) -> int:
+        """Bytes of one stored moment element (int8: the code; its scales come on top)."""
+        return _MOMENT_BYTES[self.moments]
+
+    def moment_bytes(self, numel: int) -> int:
+        """Bytes of m and v together for a state of ``numel`` elements, scales included."""
+        scales = 2 * 4 * int8_blocks(numel) if self.moments == "int8" else 0
+        return 2 * self.moment_itemsize * int(numel) + scales
+
+    def moment_bytes_per_param(self) -> float:
+        """m + v (+ int8 scales) per element, for plans by counts."""
+        scales = 2 * 4 / QBLOCK if self.moments == "int8" else 0.0
+        return 2 * self.moment_itemsize + scales
+
+    def describe(self) -> str:
+        master = "fp32 master" if self.master == "fp32" else "bf16 master (stochastic rounding)"
+        return f"{self.moments} moments, {master}"
+
+
+FP32_STATES = StateFormat()
+
+
+def unit_format(asked: Iterable[StateFormat], state_numel: int) -> StateFormat:
+    """The format of a unit whose trainable parameters' groups ask for ``asked`` (see [Note: a
+    unit's state format]); fp32 when nothing is asked."""
+    asked = list(asked) or [FP32_STATES]
+    moments = min((f.moments for f in asked), key=MOMENTS_FORMATS.index)
+    master = min((f.master for f in asked), key=MASTER_FORMATS.index)
+    if moments == "int8" and state_numel < MIN_INT8_NUMEL:
+        moments = "fp32"
+    if moments == "fp32":
+        master = "fp32"     # the fp32 kernel keeps an fp32 master (see the note)
+    return StateFormat(moments, master)
