@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=None,
                         help=f"peak learning rate (default: the config's; the demo: {DEFAULT_LR}, "
                              f"{DEFAULT_FINETUNE_LR} with --pretrained)")
+    parser.add_argument("--optimizer-moments", choices=("fp32", "bf16", "int8"), default=None,
+                        help="storage format of Adam's m and v (default: the config's, else "
+                             "fp32); see docs/optimizer-formats.md")
+    parser.add_argument("--optimizer-master", choices=("fp32", "bf16"), default=None,
+                        help="bf16: the bf16 parameters are their own master, updated with "
+                             "stochastic rounding (needs bf16 compute and bf16/int8 moments)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
     parser.add_argument("--metrics", metavar="FILE", default=None,
                         help="write one JSON line per step here")
@@ -93,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         hf_config=args.hf_config, pretrained=args.pretrained, export=args.export,
         data=args.data, steps=args.steps, seq_len=args.seq_len,
         micro_batch=args.micro_batch, nvme_path=args.nvme_path, host_budget=args.host_budget,
-        lr=args.lr, seed=args.seed, metrics=args.metrics, plot=args.plot,
+        lr=args.lr, seed=args.seed, optimizer_moments=args.optimizer_moments,
+        optimizer_master=args.optimizer_master, metrics=args.metrics, plot=args.plot,
         progress_every=args.progress_every, save_dir=args.save_dir,
         save_interval=args.save_interval, resume=args.resume)
     run_training(opts)

@@ -81,6 +81,10 @@ class TrainOptions:
     """Host memory budget; None = the config's (the demo: 512MiB)."""
     lr: float | None = None
     """Peak learning rate; None = the config's."""
+    optimizer_moments: str | None = None
+    """infinity.optimizer_moments (fp32, bf16, int8); None = the config's."""
+    optimizer_master: str | None = None
+    """infinity.optimizer_master (fp32, bf16); None = the config's."""
     seed: int = 0
     """Seeds the model's initialisation and the batches."""
     metrics: str | None = None
@@ -146,7 +150,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         DEFAULT_FINETUNE_LR
     ds, config = build_ds_config(base, Overrides(
         micro_batch=opts.micro_batch, lr=lr, nvme_path=opts.nvme_path,
-        host_budget=opts.host_budget, steps=opts.steps), world_size=world)
+        host_budget=opts.host_budget, steps=opts.steps, optimizer_moments=opts.optimizer_moments,
+        optimizer_master=opts.optimizer_master), world_size=world)
     sampler = data_mod.BatchSampler(corpus, opts.seq_len, config.train_micro_batch_size_per_gpu,
                                     opts.seed, rank=rank, world_size=world)
     swap_parents = nvme_paths(ds) if opts.engine == "infinity" else []

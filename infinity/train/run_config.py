@@ -40,6 +40,10 @@ class Overrides:
     """offload_param/offload_optimizer nvme_path of the sections whose device is nvme."""
     host_budget: str | None = None
     """infinity.host_memory_budget."""
+    optimizer_moments: str | None = None
+    """infinity.optimizer_moments."""
+    optimizer_master: str | None = None
+    """infinity.optimizer_master."""
     steps: int = 1
     """The run's optimizer steps: fills a scheduler's missing or "auto" total_num_steps."""
 
@@ -100,6 +104,9 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides, *,
     if o.host_budget is not None:
         parse_bytes(o.host_budget, what="--host-budget")  # the flag's name in the message
         _section(ds, "infinity")["host_memory_budget"] = o.host_budget
+    for key in ("optimizer_moments", "optimizer_master"):
+        if getattr(o, key) is not None:
+            _section(ds, "infinity")[key] = getattr(o, key)
     if ds.get("optimizer") is None:
         # the library refuses a run without one; the main job says which it uses instead
         ds["optimizer"] = copy.deepcopy(demo_config()["optimizer"])
