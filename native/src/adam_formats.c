@@ -30,11 +30,43 @@
  * tree (a decimal exponent, then 2^i or 2^(i+1) linear fractions), covering 7 decades with 2-7
  * significant bits each, the finest near the block's absmax. */
 static float map_values[2][256], map_bounds[2][255];
+static uint8_t map_lut[2][ADAMF_LUT + 3];   /* see [Note: the code lookup table] */
+static int lut_ok;
 static pthread_once_t maps_once = PTHREAD_ONCE_INIT;
 
 static const double pow10_table[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
 
 static double map_value(int i, int k, int n) { return pow10_table[i] * (0.1 + 0.9 * (k + 0.5) / n); }
+
+/* The smallest and largest float of a table slot (in value order). */
+static void slot_range(int sign, uint32_t slot, float *lo, float *hi) {
+    uint32_t a, b;
+    if (slot == 0) {                       /* magnitudes below 2^-24, zero included */
+        a = 0;
+        b = ((uint32_t)ADAMF_LUT_EXP_LO << 23) - 1;
+    } else {
+        uint32_t e = ADAMF_LUT_EXP_LO + ((slot - 1) >> ADAMF_LUT_MANT_BITS);
+        uint32_t m = (slot - 1) & ((1u << ADAMF_LUT_MANT_BITS) - 1);
+        a = (e << 23) | (m << (23 - ADAMF_LUT_MANT_BITS));
+        b = a | ((1u << (23 - ADAMF_LUT_MANT_BITS)) - 1);
+    }
+    *lo = sign ? -adam_bits_f32(b) : adam_bits_f32(a);
+    *hi = sign ? -adam_bits_f32(a) : adam_bits_f32(b);
+}
+
+/* Each slot's smallest code; 0 (the SIMD kernels then search) if a slot holds two bounds. */
+static int build_luts(void) {
+    for (int m = 0; m < 2; m++)
+        for (int sign = 0; sign < 2; sign++)
+            for (uint32_t slot = 0; slot < ADAMF_LUT_PER_SIGN; slot++) {
+                float lo, hi;
+                slot_range(sign, slot, &lo, &hi);
+                uint32_t c = adamf_qsearch(map_bounds[m], lo), d = adamf_qsearch(map_bounds[m], hi);
+                if (d > c + 1) return 0;
+                map_lut[m][sign * ADAMF_LUT_PER_SIGN + slot] = (uint8_t)c;
+            }
+    return 1;
+}
 
 static void build_maps(void) {
     float *s = map_values[INF_ADAM_QMAP_SIGNED], *u = map_values[INF_ADAM_QMAP_UNSIGNED];
@@ -53,6 +85,7 @@ static void build_maps(void) {
     for (int m = 0; m < 2; m++)
         for (int j = 0; j < 255; j++)
             map_bounds[m][j] = (float)(((double)map_values[m][j] + (double)map_values[m][j + 1]) / 2);
+    lut_ok = build_luts();
 }
 
 int inf_adam_qmap(int map, float *values, float *bounds) {
@@ -164,7 +197,9 @@ int inf_adam_step_fmt(const struct inf_adam_hparams *hp, const struct inf_adam_f
         .c = inf_adam_consts(hp), .gdt = gdt, .hdt = hdt, .moments = moments, .master = master,
         .k0 = (uint32_t)key, .k1 = (uint32_t)(key >> 32),
         .map_s = map_values[INF_ADAM_QMAP_SIGNED], .map_u = map_values[INF_ADAM_QMAP_UNSIGNED],
-        .bnd_s = map_bounds[INF_ADAM_QMAP_SIGNED], .bnd_u = map_bounds[INF_ADAM_QMAP_UNSIGNED]};
+        .bnd_s = map_bounds[INF_ADAM_QMAP_SIGNED], .bnd_u = map_bounds[INF_ADAM_QMAP_UNSIGNED],
+        .lut_s = lut_ok ? map_lut[INF_ADAM_QMAP_SIGNED] : NULL,
+        .lut_u = lut_ok ? map_lut[INF_ADAM_QMAP_UNSIGNED] : NULL};
 
     int64_t total = 0;
     size_t cap = 0;

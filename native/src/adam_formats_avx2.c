@@ -188,6 +188,38 @@ TARGET __m256i qsearch8(const float *bnd, int pos_floor, __m256 xv) {
     return idx;
 }
 
+/* adamf_qsearch of 8 lanes by the table (see [Note: the code lookup table]): 2 gathers. */
+TARGET __m256i qlut8(const float *bnd, const uint8_t *lut, int pos_floor, __m256 xv) {
+    __m256i u = _mm256_castps_si256(xv);
+    __m256i e = _mm256_min_epu32(_mm256_and_si256(_mm256_srli_epi32(u, 23), _mm256_set1_epi32(0xff)),
+                                 _mm256_set1_epi32(127));
+    __m256i mant = _mm256_and_si256(_mm256_srli_epi32(u, 23 - ADAMF_LUT_MANT_BITS),
+                                    _mm256_set1_epi32((1 << ADAMF_LUT_MANT_BITS) - 1));
+    __m256i slot = _mm256_add_epi32(
+        _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(ADAMF_LUT_EXP_LO)), ADAMF_LUT_MANT_BITS),
+        _mm256_add_epi32(mant, _mm256_set1_epi32(1)));
+    __m256i regular = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(ADAMF_LUT_EXP_LO - 1));
+    slot = _mm256_and_si256(slot, regular);
+    __m256i negative = _mm256_srai_epi32(u, 31);
+    slot = _mm256_add_epi32(slot, _mm256_and_si256(negative, _mm256_set1_epi32(ADAMF_LUT_PER_SIGN)));
+    __m256i c = _mm256_and_si256(_mm256_i32gather_epi32((const int *)lut, slot, 1),
+                                 _mm256_set1_epi32(0xff));
+    __m256 b = _mm256_i32gather_ps(bnd, _mm256_min_epu32(c, _mm256_set1_epi32(254)), 4);
+    __m256i up = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(xv, b, _CMP_GE_OQ)),
+                                  _mm256_cmpgt_epi32(_mm256_set1_epi32(255), c));
+    c = _mm256_sub_epi32(c, up);                    /* up lanes are -1 */
+    c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(xv, xv, _CMP_ORD_Q)));  /* NaN -> 0 */
+    if (pos_floor) { /* a positive value never gets code 0 */
+        __m256 pos = _mm256_cmp_ps(xv, _mm256_setzero_ps(), _CMP_GT_OQ);
+        c = _mm256_max_epu32(c, _mm256_and_si256(_mm256_castps_si256(pos), _mm256_set1_epi32(1)));
+    }
+    return c;
+}
+
+TARGET __m256i codes8(const float *bnd, const uint8_t *lut, int pos_floor, __m256 xv) {
+    return lut ? qlut8(bnd, lut, pos_floor, xv) : qsearch8(bnd, pos_floor, xv);
+}
+
 /* 8 codes (0..255 in 32-bit lanes) -> 8 bytes in the low half. */
 TARGET __m128i pack8(__m256i c) {
     __m128i w = pack16(c);
@@ -196,7 +228,7 @@ TARGET __m128i pack8(__m256i c) {
 
 /* Pass 2 of a block: codes of buf[0, nb) (buf is readable up to nb rounded up to 8). */
 TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, const float *bnd,
-                           int zero_code, int pos_floor, uint8_t *codes, float *absmax) {
+                           const uint8_t *lut, int zero_code, int pos_floor, uint8_t *codes, float *absmax) {
     if (bad) {
         adamf_block_nonfinite(codes, nb, absmax, zero_code);
         return;
@@ -205,11 +237,11 @@ TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, con
     size_t j = 0;
     for (; j + W <= nb; j += W)
         _mm_storel_epi64((__m128i *)(codes + j),
-                         pack8(qsearch8(bnd, pos_floor, _mm256_div_ps(_mm256_loadu_ps(buf + j), div))));
+                         pack8(codes8(bnd, lut, pos_floor, _mm256_div_ps(_mm256_loadu_ps(buf + j), div))));
     if (j < nb) {
         _Alignas(16) uint8_t tmp[16];
         _mm_store_si128((__m128i *)tmp,
-                        pack8(qsearch8(bnd, pos_floor, _mm256_div_ps(_mm256_loadu_ps(buf + j), div))));
+                        pack8(codes8(bnd, lut, pos_floor, _mm256_div_ps(_mm256_loadu_ps(buf + j), div))));
         memcpy(codes + j, tmp, nb - j);
     }
     *absmax = amax;
@@ -249,9 +281,9 @@ TARGET void int8_chunk(const struct adamf_ctx *x, const struct vconsts *k,
         if (j < nb)
             partial8(x, k, p, g, cm, cv, half, j, nb - j, e + (int64_t)j, sm, sv, mbuf, vbuf, &a,
                      INF_ADAM_MOMENTS_INT8, master, mode);
-        quantize_block(mbuf, nb, reduce_max(a.am), _mm256_movemask_ps(a.bad_m) != 0, x->bnd_s,
+        quantize_block(mbuf, nb, reduce_max(a.am), _mm256_movemask_ps(a.bad_m) != 0, x->bnd_s, x->lut_s,
                        ADAMF_ZERO_CODE_S, 0, cm, &r->ms[blk]);
-        quantize_block(vbuf, nb, reduce_max(a.av), _mm256_movemask_ps(a.bad_v) != 0, x->bnd_u,
+        quantize_block(vbuf, nb, reduce_max(a.av), _mm256_movemask_ps(a.bad_v) != 0, x->bnd_u, x->lut_u,
                        ADAMF_ZERO_CODE_U, 1, cv, &r->vs[blk]);
     }
 }

@@ -1,7 +1,9 @@
 /* AVX-512F kernel of the Adam state formats, 16 elements per vector: the operations of
  * adam_formats_scalar.c in the same order, FMA contraction off, so the bits equal the scalar
- * reference. INT8 codes are looked up (and, through the 255 bounds, found by an 8-step branchless
- * binary search) with gathers from the 1 KiB maps, which stay in L1. A tail runs the same vector
+ * reference. INT8 codes are looked up with gathers from the 1 KiB maps, and found with two
+ * gathers (a slot of the 6 KiB code table, then the one bound it may cross: see [Note: the code
+ * lookup table] in adam_formats_internal.h), all in L1; the 8-step binary search over the
+ * bounds stays as the fallback. A tail runs the same vector
  * code on padded copies (INT8 codes padded with the zero code, so the padding adds 0 to the
  * block's absmax). Chosen at run time only on CPUs with AVX-512F. */
 #if defined(__clang__)
@@ -179,9 +181,41 @@ TARGET __m512i qsearch16(const float *bnd, int pos_floor, __m512 xv) {
     return idx;
 }
 
+/* adamf_qsearch of 16 lanes by the table (see [Note: the code lookup table]): 2 gathers. */
+TARGET __m512i qlut16(const float *bnd, const uint8_t *lut, int pos_floor, __m512 xv) {
+    __m512i u = _mm512_castps_si512(xv);
+    __m512i e = _mm512_min_epu32(_mm512_and_si512(_mm512_srli_epi32(u, 23), _mm512_set1_epi32(0xff)),
+                                 _mm512_set1_epi32(127));
+    __m512i mant = _mm512_and_si512(_mm512_srli_epi32(u, 23 - ADAMF_LUT_MANT_BITS),
+                                    _mm512_set1_epi32((1 << ADAMF_LUT_MANT_BITS) - 1));
+    __m512i slot = _mm512_add_epi32(
+        _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(ADAMF_LUT_EXP_LO)), ADAMF_LUT_MANT_BITS),
+        _mm512_add_epi32(mant, _mm512_set1_epi32(1)));
+    slot = _mm512_maskz_mov_epi32(_mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(ADAMF_LUT_EXP_LO)), slot);
+    slot = _mm512_mask_add_epi32(slot, _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512()), slot,
+                                 _mm512_set1_epi32(ADAMF_LUT_PER_SIGN));
+    __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(slot, (const void *)lut, 1),
+                                 _mm512_set1_epi32(0xff));
+    __m512 b = _mm512_i32gather_ps(_mm512_min_epu32(c, _mm512_set1_epi32(254)), bnd, 4);
+    __mmask16 up = _mm512_cmp_ps_mask(xv, b, _CMP_GE_OQ) &
+                   _mm512_cmplt_epu32_mask(c, _mm512_set1_epi32(255));
+    c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
+    c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(xv, xv, _CMP_ORD_Q), c);   /* NaN -> 0 */
+    if (pos_floor) { /* a positive value never gets code 0 */
+        __mmask16 pos = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_GT_OQ);
+        c = _mm512_max_epu32(c, _mm512_maskz_mov_epi32(pos, _mm512_set1_epi32(1)));
+    }
+    return c;
+}
+
+TARGET __m512i codes16(const float *bnd, const uint8_t *lut, int pos_floor, __m512 xv) {
+    return lut ? qlut16(bnd, lut, pos_floor, xv) : qsearch16(bnd, pos_floor, xv);
+}
+
 /* Pass 2 of a block: codes of buf[0, nb) (buf is readable up to nb rounded up to 16). */
 TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, const float *bnd,
-                           int zero_code, int pos_floor, uint8_t *codes, float *absmax) {
+                           const uint8_t *lut, int zero_code, int pos_floor, uint8_t *codes,
+                           float *absmax) {
     if (bad) {
         adamf_block_nonfinite(codes, nb, absmax, zero_code);
         return;
@@ -190,11 +224,11 @@ TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, con
     size_t j = 0;
     for (; j + W <= nb; j += W)
         _mm_storeu_si128((__m128i *)(codes + j),
-                         _mm512_cvtepi32_epi8(qsearch16(bnd, pos_floor, _mm512_div_ps(_mm512_loadu_ps(buf + j), div))));
+                         _mm512_cvtepi32_epi8(codes16(bnd, lut, pos_floor, _mm512_div_ps(_mm512_loadu_ps(buf + j), div))));
     if (j < nb) {
         _Alignas(16) uint8_t tmp[16];
         _mm_store_si128((__m128i *)tmp,
-                        _mm512_cvtepi32_epi8(qsearch16(bnd, pos_floor, _mm512_div_ps(_mm512_loadu_ps(buf + j), div))));
+                        _mm512_cvtepi32_epi8(codes16(bnd, lut, pos_floor, _mm512_div_ps(_mm512_loadu_ps(buf + j), div))));
         memcpy(codes + j, tmp, nb - j);
     }
     *absmax = amax;
@@ -234,9 +268,9 @@ TARGET void int8_chunk(const struct adamf_ctx *x, const struct vconsts *k,
             partial16(x, k, p, g, cm, cv, half, j, nb - j, e + (int64_t)j, sm, sv, mbuf, vbuf, &a,
                       INF_ADAM_MOMENTS_INT8, master, mode);
         quantize_block(mbuf, nb, _mm512_reduce_max_ps(a.am), a.bad_m != 0, x->bnd_s,
-                       ADAMF_ZERO_CODE_S, 0, cm, &r->ms[blk]);
+                       x->lut_s, ADAMF_ZERO_CODE_S, 0, cm, &r->ms[blk]);
         quantize_block(vbuf, nb, _mm512_reduce_max_ps(a.av), a.bad_v != 0, x->bnd_u,
-                       ADAMF_ZERO_CODE_U, 1, cv, &r->vs[blk]);
+                       x->lut_u, ADAMF_ZERO_CODE_U, 1, cv, &r->vs[blk]);
     }
 }
 

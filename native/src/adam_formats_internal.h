@@ -23,6 +23,7 @@ struct adamf_ctx {
     uint32_t k0, k1;     /* stochastic rounding key, from (seed, step) */
     const float *map_s, *map_u; /* 256 values each */
     const float *bnd_s, *bnd_u; /* 255 decision bounds each */
+    const uint8_t *lut_s, *lut_u; /* ADAMF_LUT slots each (+3 bytes of padding), or NULL */
 };
 
 /* One chunk: whole blocks of one range (pointers at the chunk's element 0; absmax pointers at
@@ -43,6 +44,30 @@ void inf_adamf_range_scalar(const struct adamf_ctx *x, const struct adamf_chunk 
 #if defined(__x86_64__)
 void inf_adamf_range_avx2(const struct adamf_ctx *x, const struct adamf_chunk *r);
 void inf_adamf_range_avx512(const struct adamf_ctx *x, const struct adamf_chunk *r);
+/* [Note: the code lookup table]
+ * The SIMD kernels find a code in two gathers instead of the binary search's eight: a table
+ * indexed by the top bits of the float y = x / absmax (sign, exponent, 7 mantissa bits: a slot
+ * spans 1/128 of an octave) holds the smallest code of the slot's values; as every slot holds
+ * at most one decision bound (checked when the table is built: the map's entries are >= 1.4%
+ * apart, a slot is 0.8% wide), code(y) = c + (y >= bnd[c]). Values below 2^-24 (in magnitude)
+ * share one slot per sign, which holds no bound (the smallest bound is 1.6e-7). The result is
+ * adamf_qsearch's by construction; the tests compare every SIMD kernel with the scalar one. */
+#define ADAMF_LUT_MANT_BITS 7
+#define ADAMF_LUT_EXP_LO (127 - 24)        /* biased exponent of the first regular slots */
+#define ADAMF_LUT_EXPS (127 - ADAMF_LUT_EXP_LO + 1)
+#define ADAMF_LUT_PER_SIGN (1 + (ADAMF_LUT_EXPS << ADAMF_LUT_MANT_BITS))
+#define ADAMF_LUT (2 * ADAMF_LUT_PER_SIGN)
+
+/* The table slot of y (the SIMD kernels compute the same, lane by lane). */
+static inline uint32_t adamf_lut_slot(float y) {
+    uint32_t u = adam_f32_bits(y), e = (u >> 23) & 0xffu, slot = 0;
+    if (e > 127) e = 127;
+    if (e >= ADAMF_LUT_EXP_LO)
+        slot = 1 + ((e - ADAMF_LUT_EXP_LO) << ADAMF_LUT_MANT_BITS) +
+               ((u >> (23 - ADAMF_LUT_MANT_BITS)) & ((1u << ADAMF_LUT_MANT_BITS) - 1));
+    return (u >> 31) * ADAMF_LUT_PER_SIGN + slot;
+}
+
 #endif
 
 /* ---- stochastic rounding ---- */

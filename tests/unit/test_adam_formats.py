@@ -105,6 +105,40 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ---- SIMD == scalar ----
 
+@pytest.mark.parametrize("kernel", ["scalar", "avx2", "avx512"])
+def test_every_decision_bound_is_coded_as_the_scalar_search_codes_it(kernel: str) -> None:
+    """The SIMD kernels find codes through a table of slots (see [Note: the code lookup table]
+    in native/src/adam_formats_internal.h); the scalar kernel searches the bounds. With
+    beta1 = beta2 = 0, lr = 0 and a 1.0 in each block, the stored moments are m = g and v = g^2
+    coded against absmax 1, so every bound, its float neighbours, the map's values, tiny values
+    and signed zeros are coded by each kernel, and must be coded as ``quantize_blockwise``
+    (#{bounds <= x}, a positive v never 0) codes them."""
+    if not F.kernel_supported(kernel):
+        pytest.skip(f"the {kernel} kernel is not supported by this CPU/build")
+    probes = []
+    for signed in (True, False):
+        bounds = F.quantization_bounds(signed)
+        near = [bounds, torch.nextafter(bounds, torch.tensor(2.0)),
+                torch.nextafter(bounds, torch.tensor(-2.0)), F.quantization_map(signed)]
+        probes.append(torch.cat(near))
+    tiny = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 2.0**-24, -(2.0**-24), 5.96e-8, 1.6e-7,
+                         -1.6e-7, 2.8e-7, -2.8e-7, 3.25e-7, 1.0, -1.0, 0.9999999, -0.9930])
+    values = torch.cat(probes + [tiny]).clamp(-1.0, 1.0)
+    per = F.QBLOCK - 1                # each block: one 1.0 (its absmax), then probes
+    blocks = [values[i:i + per] for i in range(0, values.numel(), per)]
+    g = torch.cat([torch.cat([torch.ones(1), b]) for b in blocks]).contiguous()
+    n = g.numel()
+    s = F.new_moments(n, "int8")
+    p = torch.zeros(n)
+    F.step_int8_moments(p, g, s["exp_avg"], s["exp_avg_sq"], s["exp_avg_absmax"],
+                        s["exp_avg_sq_absmax"], step=1, lr=0.0, beta1=0.0, beta2=0.0, eps=1e-8,
+                        weight_decay=0.0, bias_correction=False, kernel=kernel, threads=1)
+    want_m, _ = F.quantize_blockwise(g, signed=True)
+    want_v, _ = F.quantize_blockwise(g * g, signed=False)
+    assert torch.equal(s["exp_avg"], want_m), (g[s["exp_avg"] != want_m][:5],)
+    assert torch.equal(s["exp_avg_sq"], want_v), ((g * g)[s["exp_avg_sq"] != want_v][:5],)
+
+
 @pytest.mark.parametrize("kernel", ["avx2", "avx512"])
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
 def test_simd_kernel_equals_scalar(kernel: str, moments: str) -> None:
