@@ -178,7 +178,7 @@ def predict_run(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, hw: H
     # traffic: the units kept fetched at a turn are what the device pool holds beside the unit
     # being fetched and the prefetch (with a direct fetch the pool keeps all it can)
     unit_bytes = es.max_unit_bytes
-    param_bytes = (4 if lay.single_copy else lay.c) * lay.param_elems
+    param_bytes = lay.c * lay.param_elems
     room = (es.device_budget or 0) - es.prefetch_bucket_numel * lay.c - unit_bytes
     reused = reuse_bytes(es.max_reuse_numel * lay.c, room, param_bytes) \
         if lay.stage == 3 and lay.param_tier != Tier.DEVICE else 0

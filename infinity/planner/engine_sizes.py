@@ -22,9 +22,18 @@ from infinity.planner.alignment import (
 )
 from infinity.planner.placement import gradient_home_itemsize
 from infinity.planner.sizes import PREFETCH_UNITS, DerivedSizes
+from infinity.planner.state_format import (
+    FP32_STATES,
+    QBLOCK,
+    StateFormat,
+    keeps_fp32_master,
+    unit_format,
+    unit_stores,
+)
 from infinity.planner.tiers import Tier
 
 __all__ = ["EngineSizes", "engine_sizes", "step_slot_count", "accumulate_chunk_numel",
+           "optimizer_store_bytes", "INT8_SUB_GROUP",
            "ACCUMULATE_CHUNK_NUMEL", "ACTIVATION_STAGING_BYTES", "activation_staging"]
 
 ACCUMULATE_CHUNK_NUMEL = 2 << 20
@@ -42,6 +51,33 @@ a CPU device, an NVMe gradient home, several ranks)."""
 HELD_ROOM_UNITS = 1.0
 """Largest units' worth of held gradients before the backward waits for a background step
 (see optim/held_room.py)."""
+
+
+INT8_SUB_GROUP = 2 * QBLOCK
+"""The least sub-group of a run with int8 moments: the optimizer steps them in chunks of two
+blocks (``optim.records.INT8_CHUNK``) and refuses a smaller sub-group."""
+
+
+def optimizer_store_bytes(state_shares: Sequence[int], fmt: StateFormat, master_separate: bool,
+                          itemsize: int) -> tuple[int, int]:
+    """(bytes in the optimizer's tier, bytes in host memory) of the optimizer's stores for
+    units whose ranges this rank steps are ``state_shares``, each store padded to 4 KiB as the
+    tier manager pads it: m, v (and the fp32 master) in the unit's format, and the int8 scales,
+    which stay in host memory (planner/state_format.py ``unit_stores``)."""
+    tier = host = 0
+    for share in state_shares:
+        if share <= 0:
+            continue
+        unit = unit_format([fmt], share)
+        master = keeps_fp32_master(unit, master_separate=master_separate,
+                                   compute_itemsize=itemsize)
+        for store in unit_stores(unit, share, fp32_master=master):
+            nbytes = padded_numel(store.numel, store.itemsize) * store.itemsize
+            if store.in_host:
+                host += nbytes
+            else:
+                tier += nbytes
+    return tier, host
 
 
 def held_room_bytes(max_trainable: int) -> int:
@@ -82,7 +118,8 @@ class EngineSizes:
     grad_tier: Tier
     nvme_bytes: int
     host_home_bytes: int = 0
-    """Host bytes of the states whose home is the host (parameters, Adam states, gradients)."""
+    """Host bytes of the states whose home is the host (parameters, Adam states, gradients) and
+    of the int8 moments' scales (in host memory whatever the optimizer's tier)."""
     host_buffer_bytes: int = 0
     """Host bytes of the pools: fetch slots, step-stream slots, gradient rooms, staging."""
     activation_staging: bool = False
@@ -144,7 +181,8 @@ def accumulate_chunk_numel(max_trainable: int) -> int:
 def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]],
                  derived: DerivedSizes, itemsize: int, param_tier: Tier, optimizer_tier: Tier,
                  master_separate: bool, early_step: bool, direct_fetch: bool = False,
-                 speculative: bool = False, host_activations: bool = True) -> EngineSizes:
+                 speculative: bool = False, host_activations: bool = True,
+                 state_format: StateFormat = FP32_STATES) -> EngineSizes:
     """Sizes for this model, config and machine: ``units`` are each unit's (numel, trainable)
     parameters, ``itemsize`` the compute dtype's bytes per element (``speculative``: parameters
     and Adam states have second copies on NVMe; ``host_activations``: saved activations live in
@@ -154,6 +192,9 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     ``direct_fetch``: NVMe reads land straight in device memory (a CPU device, see
     ``Unit.start_fetch``), so there are no fetch slots; the host they would have taken goes to
     the emulated device pool, where prefetched units now wait (unless the user set its budget).
+
+    ``state_format``: the config's Adam state format; each unit's optimizer stores are sized in
+    its own (``optimizer_store_bytes``), the int8 scales counted in host memory.
     """
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     layouts = [unit_layout_bound(u, itemsize) for u in units]
@@ -176,11 +217,16 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
 
     # Host bytes the engine will hold before gradients get a home.
     total_trainable = sum(state_shares)
-    host = 0
+    state_bytes, scale_bytes = optimizer_store_bytes(state_shares, state_format,
+                                                     master_separate, itemsize)
+    int8 = any(unit_format([state_format], share).moments == "int8"
+               for share in state_shares if share > 0)
+    least_sub_group = INT8_SUB_GROUP if int8 else SUB_GROUP_ALIGN
+    host = scale_bytes                  # int8 scales: host memory whatever the tier
     if param_tier == Tier.HOST:
         host += sum(streamed_homes) * itemsize
     if optimizer_tier == Tier.HOST:
-        host += total_trainable * 4 * (3 if master_separate else 2)
+        host += state_bytes
     homes = host
     fetch_slots = derived.param_buffer_count
     if param_tier == Tier.NVME and direct_fetch:
@@ -261,7 +307,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     def slots_sub_group(held: int) -> int:
         """The sub-group the optimizer slots get of what ``held`` bytes leave of the budget."""
         room = int(0.95 * max(0, host_budget - held)) // (slots * 4)
-        return max(SUB_GROUP_ALIGN, min(sub_group, room // SUB_GROUP_ALIGN * SUB_GROUP_ALIGN))
+        return max(least_sub_group, min(sub_group, room // SUB_GROUP_ALIGN * SUB_GROUP_ALIGN))
     if streamed and host_budget is not None and reserve:
         # the step's room must not starve the optimizer: where it would cost the slots more
         # than half their sub-group (the 85M main job at 560-650 MiB: 2,048 elements instead
@@ -285,7 +331,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     if param_tier == Tier.NVME:
         nvme += sum(streamed_homes) * itemsize * copies
     if optimizer_tier == Tier.NVME:
-        nvme += total_trainable * 4 * (3 if master_separate else 2) * copies
+        nvme += state_bytes * copies
     if grad_tier == Tier.NVME:
         nvme += total_trainable * 4
     return EngineSizes(

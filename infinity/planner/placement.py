@@ -17,8 +17,10 @@ Byte math (N = world size; P = parameters, T = trainable parameters):
 * A gradient home in host memory is 2 B/param instead of 4 where it never sums anything: 16-bit
   compute, one micro-step, one rank (see [Note: the gradient home in the compute dtype]).
 * The Adam states may be stored in fewer bytes (``optimizer_moments``, ``optimizer_master``;
-  planner/state_format.py): m + v in 4 (bf16) or ~2 (int8) B instead of 8, and a bf16 master
-  is the bf16 parameter itself (single copy, no 4-byte master).
+  planner/state_format.py): m + v in 4 (bf16) or 2 (int8) B instead of 8, the int8 scales
+  (8 B per 2048 elements) in host memory whatever the optimizer's tier, and a bf16 master is
+  the bf16 parameter itself (single copy, no 4-byte master). Each unit takes its format by the
+  optimizer's rule (``state_bytes``): a small one asked for int8 keeps fp32 moments and master.
 """
 from __future__ import annotations
 
@@ -28,15 +30,61 @@ from dataclasses import dataclass
 
 from infinity.config import InfinityConfig
 from infinity.planner.inputs import Hardware, ModelStats
-from infinity.planner.state_format import FP32_STATES, StateFormat
+from infinity.planner.state_format import (
+    FP32_STATES,
+    QBLOCK,
+    StateFormat,
+    int8_blocks,
+    keeps_fp32_master,
+    unit_format,
+)
 from infinity.planner.tiers import Tier, deeper
 
-__all__ = ["Placement", "COMPONENTS", "place", "state_tiers", "resident_bytes",
+__all__ = ["Placement", "StateBytes", "state_bytes", "COMPONENTS", "place", "state_tiers",
+           "resident_bytes",
            "choose_compute_dtype",
            "compute_dtype_choice", "choose_early_step", "gradient_home_itemsize",
            "separate_master_tier"]
 
 COMPONENTS = ("params", "grads", "optimizer_states", "buffers")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """One rank's Adam states in their format (see planner/state_format.py), unit by unit."""
+
+    optimizer: int
+    """Bytes in the optimizer's tier: m and v in their format, and the fp32 masters kept."""
+    scales: int = 0
+    """Bytes of the int8 moments' scales, which stay in host memory whatever the tier."""
+    kept_fp32: int = 0
+    """Units asked for int8 moments that keep fp32 ones (under ``MIN_INT8_NUMEL`` elements)."""
+
+
+def state_bytes(fmt: StateFormat, units: list[tuple[int, int]], *, ranks: int, sharded: bool,
+                master_separate: bool, compute_itemsize: int) -> StateBytes:
+    """The Adam states' bytes of one rank for ``units``, each as (trainable elements, the range
+    of them this rank steps, padded as the unit's flat layout pads it): each unit takes its
+    format by the optimizer's rule (``unit_format``: int8 asked of a small range keeps fp32,
+    and with it an fp32 master: ``keeps_fp32_master``); the elements of each kind are shared
+    over ``ranks`` when ``sharded`` (stages 1-3), as the plan's element counts are, and each
+    int8 range has its scales (one fp32 per 2048 elements of m and of v)."""
+    kinds: dict[tuple[int, bool], int] = {}
+    scales = kept = 0
+    for trainable, span in units:
+        if trainable <= 0:
+            continue
+        unit = unit_format([fmt], span)
+        kept += fmt.moments == "int8" and unit.moments != "int8"
+        master = keeps_fp32_master(unit, master_separate=master_separate,
+                                   compute_itemsize=compute_itemsize)
+        key = (unit.moment_itemsize, master)
+        kinds[key] = kinds.get(key, 0) + trainable
+        if unit.moments == "int8":
+            scales += 2 * 4 * int8_blocks(span)
+    optimizer = sum((2 * itemsize + 4 * master) * (-(-elems // ranks) if sharded else elems)
+                    for (itemsize, master), elems in kinds.items())
+    return StateBytes(optimizer=optimizer, scales=scales, kept_fp32=kept)
 
 
 @dataclass(frozen=True)
@@ -57,12 +105,26 @@ class Placement:
     grad_itemsize: int = 4  # bytes per element of a gradient home in host memory
     grad_home: Tier | None = None   # the gradients' tier as the engine's sizes decided it
     state_format: StateFormat = FP32_STATES   # the config's (see planner/state_format.py)
+    unit_states: StateBytes | None = None
+    """The states' bytes unit by unit (``state_bytes``), where the run plan knew the units;
+    None: from the element counts (``states``)."""
 
     @property
     def optimizer_state_bytes(self) -> float:
-        """Bytes per trainable element in the optimizer's tier: m and v in their format (int8
+        """Bytes per trainable element of the Adam states: m and v in their format (int8
         scales included), and the fp32 master unless the parameter is its own master."""
         return self.state_format.moment_bytes_per_param() + (0 if self.single_copy else 4)
+
+    @property
+    def states(self) -> StateBytes:
+        """One rank's Adam states: unit by unit where the run plan counted them, else from
+        the element count at the format's bytes per element."""
+        if self.unit_states is not None:
+            return self.unit_states
+        fmt = self.state_format
+        per = 2 * fmt.moment_itemsize + (0 if self.single_copy else 4)
+        scales = math.ceil(8 * self.opt_elems / QBLOCK) if fmt.moments == "int8" else 0
+        return StateBytes(optimizer=per * self.opt_elems, scales=scales)
 
     @property
     def grad_bytes(self) -> int:
@@ -130,11 +192,12 @@ def state_tiers(cfg: InfinityConfig, compute_dtype: str,
     ``compute_dtype`` on a CPU device or a GPU: the one rule for where the states live, read
     by ``place`` for the run plan (planner/run_plan.py), which the engine builds from. Single
     copy: fp32 on a CPU device, where the master is the parameter (DESIGN.md "fp32 on CPU"), stored in the
-    deeper of the two tiers at stage 3; so is a bf16 master (``optimizer_master`` "bf16", bf16
-    compute on a CPU device: ``check_state_format`` refuses the rest)."""
+    deeper of the two tiers at stage 3; so is a bf16 master (``optimizer_master`` "bf16" with
+    bf16 compute; ``check_state_format`` refuses it off a CPU device, where the planner only
+    projects it)."""
     z = cfg.zero
-    single = cpu_device and (compute_dtype == "fp32" or (
-        compute_dtype == "bf16" and cfg.infinity.optimizer_master == "bf16"))
+    single = (cpu_device and compute_dtype == "fp32") or (
+        compute_dtype == "bf16" and cfg.infinity.optimizer_master == "bf16")
     opt_tier = Tier.from_offload_device(z.offload_optimizer.device)
     param_tier = Tier.from_offload_device(z.offload_param.device) if z.stage == 3 else Tier.DEVICE
     if single and z.stage == 3:
@@ -206,14 +269,18 @@ def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
                                               cfg.infinity.optimizer_master))
 
 
-def resident_bytes(lay: Placement) -> dict[tuple[str, Tier], int]:
-    """Bytes of params, grads and optimizer states at their home tiers."""
+def resident_bytes(lay: Placement, scales: bool = True) -> dict[tuple[str, Tier], int]:
+    """Bytes of params, grads and optimizer states at their home tiers (``scales``: with the
+    int8 moments' scales, optimizer states in host memory)."""
     out: dict[tuple[str, Tier], int] = {}
 
     def add(component: str, tier: Tier | None, nbytes: int) -> None:
         if tier is not None and nbytes:
             out[(component, tier)] = out.get((component, tier), 0) + nbytes
+    states = lay.states
     add("params", lay.param_tier, lay.c * lay.param_elems)
-    add("optimizer_states", lay.opt_tier, math.ceil(lay.optimizer_state_bytes * lay.opt_elems))
+    add("optimizer_states", lay.opt_tier, states.optimizer)
+    if scales:
+        add("optimizer_states", Tier.HOST, states.scales)
     add("grads", lay.grads_tier, lay.grad_bytes * lay.grad_elems)
     return out

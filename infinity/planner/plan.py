@@ -18,7 +18,13 @@ from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
 from infinity.planner.calibration import run_sizes
 from infinity.planner.inputs import Hardware, ModelStats
-from infinity.planner.placement import COMPONENTS, compute_dtype_choice, place, resident_bytes
+from infinity.planner.placement import (
+    COMPONENTS,
+    Placement,
+    compute_dtype_choice,
+    place,
+    resident_bytes,
+)
 from infinity.planner.render import render_plan
 from infinity.planner.sizes import (
     MIN_SUB_GROUP,
@@ -29,6 +35,7 @@ from infinity.planner.sizes import (
     pool_in_host_budget,
     slot_bytes_per_elem,
 )
+from infinity.planner.state_format import MIN_INT8_NUMEL
 from infinity.planner.tiers import TIERS, Tier
 
 __all__ = ["Plan", "PlanItem", "plan_memory", "recommend_config", "host_budget_fits",
@@ -137,12 +144,13 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     lay = lay.with_gradient_home(engine.grad_tier, engine.grad_home_itemsize)
     items: list[PlanItem] = []
     names = {"params": "parameters", "grads": "gradients", "optimizer_states": "optimizer states"}
-    for (comp, tier), nbytes in resident_bytes(lay).items():
+    fmt = lay.state_format
+    for (comp, tier), nbytes in resident_bytes(lay, scales=False).items():
         if comp == "params":
-            note = ("fp32, also the optimizer's master (one copy)" if lay.single_copy
-                    else f"{lay.compute_dtype} compute copy")
+            note = (f"{lay.compute_dtype}, also the optimizer's master (one copy)"
+                    if lay.single_copy else f"{lay.compute_dtype} compute copy")
         elif comp == "optimizer_states":
-            note = "Adam m, v (fp32)" if lay.single_copy else "fp32 master, Adam m, v"
+            note = state_note(lay)
         else:
             note = f"{lay.compute_dtype if lay.grad_bytes < 4 else 'fp32'}, kept until the step"
         fix = _FIXES.get((comp, tier), "")
@@ -150,6 +158,11 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
             fix = "set offload_param.device cpu"
         items.append(PlanItem(comp, tier, nbytes, note, fix))
 
+    scales = lay.states.scales
+    if scales:
+        items.append(PlanItem("optimizer_states", Tier.HOST, scales,
+                              "int8 scales of m, v (fp32, one per 2048 elements), kept in host "
+                              "memory", "set infinity.optimizer_moments bf16 (no scales)"))
     slot = slot_bytes_per_elem(lay)
     if slot:
         items.append(PlanItem("buffers", Tier.HOST, sz.buffer_count * sz.buffer_size * slot,
@@ -160,7 +173,7 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
                               "fp32 gradient staging of one unit for the early step",
                               "set offload_optimizer.device nvme"))
     if lay.param_tier == Tier.NVME:
-        pbytes = 4 if lay.single_copy else lay.c
+        pbytes = lay.c
         items.append(PlanItem("buffers", Tier.HOST, sz.param_buffer_count * sz.param_buffer_size * pbytes,
                               f"{sz.param_buffer_count} parameter swap slots of {sz.param_buffer_size:,} elements",
                               _FIX_PARAM_SLOTS))
@@ -182,16 +195,16 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     rss = host + (0 if hw.has_gpu else device) + RUNTIME_OVERHEAD_BYTES
 
     reads = writes = 0
-    for i in items:
+    for i in items:       # Adam states in their format (m, v and any fp32 master) and gradients
         if i.tier == Tier.NVME and i.component in ("optimizer_states", "grads"):
             reads += i.nbytes
             writes += i.nbytes
     if lay.param_tier == Tier.NVME:
-        pbytes = (4 if lay.single_copy else lay.c) * lay.param_elems
+        pbytes = lay.c * lay.param_elems
         reads += 2 * pbytes                  # fetched in forward and again in backward
         writes += pbytes if lay.single_copy else lay.c * lay.opt_elems  # master / updated 16-bit copy
         if lay.single_copy and lay.opt_tier != Tier.NVME:
-            reads += 4 * lay.opt_elems       # the master is read for the step, besides the fetches
+            reads += lay.c * lay.opt_elems   # the master is read for the step, besides the fetches
 
     warnings: list[str] = []
     for tier, used, budget in ((Tier.HOST, host, sz.host_budget_bytes), (Tier.DEVICE, device, sz.device_budget_bytes)):
@@ -232,8 +245,16 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     if cfg.infinity.compute_dtype == "auto" and not hw.has_gpu:
         notes.append(f"compute dtype {lay.compute_dtype}: {compute_dtype_choice(cfg, hw)[1]}; set "
                      "infinity.compute_dtype to choose")
-    if lay.single_copy:
+    if lay.single_copy and fmt.master == "bf16":
+        notes.append(f"bf16 master: the bf16 parameters are the optimizer's master (updated with "
+                     f"stochastic rounding), stored once on {lay.param_tier}")
+    elif lay.single_copy:
         notes.append(f"fp32 compute: parameters are the optimizer's master, stored once on {lay.param_tier}")
+    if not fmt.is_default:
+        kept = lay.states.kept_fp32
+        notes.append(f"Adam states stored as {fmt.describe()}"
+                     + (f"; {kept} unit(s) under {MIN_INT8_NUMEL:,} elements keep fp32 moments "
+                        "and an fp32 master" if kept else ""))
     if lay.early_step:
         notes.append("early step: each unit is stepped as its gradients arrive, gradients have no home")
     if not hw.has_gpu and cfg.infinity.device_memory_budget is None:
@@ -244,6 +265,16 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     return Plan(config=sz.apply(cfg), stats=stats, hardware=hw, sizes=sz, items=tuple(items),
                 peak_host_rss_bytes=rss, nvme_read_bytes_per_step=reads,
                 nvme_write_bytes_per_step=writes, warnings=tuple(warnings), notes=tuple(notes))
+
+
+def state_note(lay: Placement) -> str:
+    """What the optimizer states in the optimizer's tier are: "fp32 master, Adam m, v (int8,
+    blockwise)" and the like (a single copy has no separate master)."""
+    moments = f"Adam m, v ({lay.state_format.moments_note})"
+    if lay.single_copy and not lay.states.kept_fp32:
+        return moments
+    master = "fp32 master" if not lay.single_copy else "fp32 master of the units kept fp32"
+    return f"{master}, {moments}"
 
 
 def host_budget_fits(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> bool:

@@ -80,21 +80,34 @@ class RankMemory:
     def host_total(self) -> int:
         return sum(self.host.values())
 
-    def bytes_per_param(self) -> dict[str, int]:
-        """Bytes this engine stores per parameter, by state: the 16-bit parameter (or the fp32
-        master stored once), the Adam states (fp32 master, m, v), the gradient (fp32, none
-        under the early step) -- against the paper's 2 + 2 + 12 = 16."""
+    def bytes_per_param(self) -> dict[str, float]:
+        """Bytes this engine stores per parameter, by state: the 16-bit parameter (or the
+        master stored once: fp32 compute, or a bf16 master), the Adam states (the fp32 master
+        unless single, m and v in their format, int8 scales included), the gradient (fp32,
+        none under the early step) -- against the paper's 2 + 2 + 12 = 16."""
         lay = self.placement
-        return {"params": 4 if lay.single_copy else lay.c,
-                "optimizer_states": 8 if lay.single_copy else 12,
+        opt = lay.optimizer_state_bytes
+        return {"params": lay.c,
+                "optimizer_states": int(opt) if float(opt).is_integer() else round(opt, 4),
                 "grads": 0 if lay.early_step else 4}
+
+    def states_note(self) -> str:
+        """What the optimizer states per parameter are: "fp32 master, m, v", "fp32 master,
+        int8 m, v + scales", "bf16 m, v (the bf16 parameter is the master)"."""
+        lay = self.placement
+        fmt = lay.state_format
+        moments = "m, v" if fmt.is_default else f"{fmt.moments} m, v" + (
+            " + scales" if fmt.moments == "int8" else "")
+        if not lay.single_copy:
+            return f"fp32 master, {moments}"
+        return f"{moments}; the {lay.compute_dtype} parameter is the master"
 
     @property
     def model_states_bytes(self) -> int:
         """The whole model's states over all ranks (no padding, no buffers)."""
         per = self.bytes_per_param()
-        return (per["params"] * self.stats.total_params
-                + (per["optimizer_states"] + per["grads"]) * self.stats.trainable_params)
+        return int(per["params"] * self.stats.total_params
+                   + (per["optimizer_states"] + per["grads"]) * self.stats.trainable_params)
 
     def per_tier(self) -> dict[str, int]:
         """tier -> bytes of one rank (``--json``'s ``per_rank``)."""
@@ -103,12 +116,13 @@ class RankMemory:
 
 def rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
                 workload: Workload, *, checkpointing: bool, split_units: bool = False,
-                speculative: bool | None = None) -> RankMemory:
+                speculative: bool | None = None, project_gpu_master: bool = False) -> RankMemory:
     """The bytes one rank of ``target`` holds under ``cfg`` (whose stage and offload devices are
     the candidate's; budgets and sizes are filled in here), and whether they fit.
 
     ``speculative`` None: as the engine decides (``plan_run``: "auto" takes the second copies
-    only where the NVMe has room for them)."""
+    only where the NVMe has room for them). ``project_gpu_master``: a bf16 master is planned
+    though the engine refuses it on a GPU for now (``plan_run``)."""
     candidate = cfg
     if split_units:
         stats = stats.split_into_parameters()
@@ -120,7 +134,8 @@ def rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, targe
                               device_memory_budget=max(0, target.device_budget_bytes - acts),
                               unit_modules=["Linear"] if split_units else cfg.infinity.unit_modules)
     cfg = dataclasses.replace(cfg, infinity=inf)
-    plan = plan_run(cfg, hw, stats=stats, speculative=speculative)
+    plan = plan_run(cfg, hw, stats=stats, speculative=speculative,
+                    project_gpu_master=project_gpu_master)
     lay, derived, es = plan.placement, plan.derived, plan.sizes
     # the engine's sub-group (what the host budget leaves for the step stream's slots)
     cfg = derived.apply(cfg)

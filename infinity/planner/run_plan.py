@@ -14,6 +14,7 @@ Pure: it takes the model as each unit's (numel, trainable) parameters and the ma
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -30,12 +31,13 @@ from infinity.planner.engine_sizes import (
     stepped_sub_group,
 )
 from infinity.planner.inputs import Hardware, ModelStats
-from infinity.planner.placement import Placement, compute_dtype_choice, place
+from infinity.planner.placement import Placement, compute_dtype_choice, place, state_bytes
 from infinity.planner.sizes import DerivedSizes, derive_sizes
 from infinity.planner.tiers import Tier
 
 __all__ = ["PoolPlan", "OptimizerPools", "UnitParams", "RunPlan", "plan_run", "optimizer_pools",
-           "speculation_blockers", "check_state_format", "units_of_stats", "stats_of_units", "SPECULATION_DISK_MARGIN"]
+           "speculation_blockers", "check_state_format", "state_format_refusal", "units_of_stats",
+           "stats_of_units", "SPECULATION_DISK_MARGIN"]
 
 SPECULATION_DISK_MARGIN = 1.05
 """The speculative step's second copies are taken ("auto") only where the swap path's
@@ -206,35 +208,48 @@ def speculation_blockers(cfg: InfinityConfig, placement: Placement) -> list[str]
     return blockers
 
 
-def check_state_format(cfg: InfinityConfig, placement: Placement, device_is_cpu: bool) -> None:
-    """Refuse a state format the engine cannot run on this machine, before anything is built
-    (see planner/state_format.py)."""
+def state_format_refusal(cfg: InfinityConfig, placement: Placement, device_is_cpu: bool, *,
+                         project_gpu_master: bool = False) -> tuple[str, str] | None:
+    """Why the engine cannot run the placement's state format on this machine, as (a few
+    words for a table, the whole message), or None where it can (``check_state_format``)."""
     fmt = placement.state_format
     if fmt.master == "bf16":
         if fmt.moments == "fp32":
-            raise ValueError(
+            return "a bf16 master needs bf16 or int8 moments", (
                 "infinity.optimizer_master = \"bf16\" with optimizer_moments \"fp32\": the "
                 "stochastically rounded bf16 master is updated by the fused kernels of the bf16 "
                 "and int8 moments only. Set optimizer_moments to \"bf16\" or \"int8\", or keep "
                 "optimizer_master \"fp32\"")
         if placement.compute_dtype != "bf16":
-            raise ValueError(
+            return f"a bf16 master needs bf16 compute (here {placement.compute_dtype})", (
                 f"infinity.optimizer_master = \"bf16\" makes the bf16 parameter its own master, "
                 f"but the compute dtype is {placement.compute_dtype}: set "
                 "infinity.compute_dtype to \"bf16\" (on a CPU that multiplies bf16 natively), or "
                 "keep optimizer_master \"fp32\"")
-        if not device_is_cpu:
-            raise ValueError(
+        if not device_is_cpu and not project_gpu_master:
+            return "not available on GPUs yet", (
                 "infinity.optimizer_master = \"bf16\" runs on a CPU device only for now (the "
                 "step updates the host copy of the bf16 parameters in place; on a GPU it would "
                 "step through the parameters' home, which is not built yet): keep "
                 "optimizer_master \"fp32\" on a GPU (optimizer_moments still applies)")
     if not fmt.is_default and not device_is_cpu and placement.opt_tier is Tier.DEVICE:
-        raise ValueError(
+        return "the optimizer is on the GPU (formats need it offloaded)", (
             f"infinity.optimizer_moments = {fmt.moments!r} / optimizer_master = {fmt.master!r} "
             "with the optimizer on the GPU (zero_optimization.offload_optimizer.device \"none\"):"
             " the formats are stepped by the CPU Adam, on offloaded states. Offload the "
             "optimizer (\"cpu\" or \"nvme\"), or keep the fp32 formats")
+    return None
+
+
+def check_state_format(cfg: InfinityConfig, placement: Placement, device_is_cpu: bool, *,
+                       project_gpu_master: bool = False) -> None:
+    """Refuse a state format the engine cannot run on this machine, before anything is built
+    (see planner/state_format.py). ``project_gpu_master``: let a bf16 master on a GPU through
+    (the planner's projection of what it would take; the engine never passes it)."""
+    refusal = state_format_refusal(cfg, placement, device_is_cpu,
+                                   project_gpu_master=project_gpu_master)
+    if refusal is not None:
+        raise ValueError(refusal[1])
 
 
 def _speculation(cfg: InfinityConfig, placement: Placement) -> tuple[bool, str]:
@@ -300,7 +315,7 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
              units: Sequence[UnitParams] | None = None, device_is_cpu: bool | None = None,
              direct_reads: bool | None = None, keeps_gradients: bool | None = None,
              rank: int = 0, speculative: bool | None = None,
-             derived: DerivedSizes | None = None) -> RunPlan:
+             derived: DerivedSizes | None = None, project_gpu_master: bool = False) -> RunPlan:
     """The run plan of ``cfg`` for a model on ``hw``: the model as its ``units`` (exact, from
     the engine's partition) or its ``stats`` (counts: the units are bounded), one at least.
 
@@ -312,7 +327,9 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     device); None: where the device is the CPU. ``rank``: the rank whose
     pools are planned (rank 0 steps the largest shard). ``speculative`` None: as the engine
     decides (possible, and the disk has room for the second copies); True/False forces it
-    (the planner's "what if"). ``derived``: the resolved sizes, where the caller has them."""
+    (the planner's "what if"). ``derived``: the resolved sizes, where the caller has them.
+    ``project_gpu_master``: plan a bf16 master on a GPU, which the engine refuses for now (the
+    planner's projection; see ``check_state_format``)."""
     if units is None and stats is None:
         raise ValueError("plan_run needs the model's units or its stats")
     if units is None:
@@ -323,7 +340,7 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     # a model left on a GPU machine's CPU: its states are placed for the CPU it computes on;
     # the compute dtype and the derived sizes follow the machine, as before the run plan
     placement = place(cfg, stats, hw, cpu_device=cpu)
-    check_state_format(cfg, placement, cpu)
+    check_state_format(cfg, placement, cpu, project_gpu_master=project_gpu_master)
     _, reason = compute_dtype_choice(cfg, hw)
     derived = derived or derive_sizes(cfg, stats, hw)
     itemsize = placement.c
@@ -333,7 +350,8 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     def sizes_for(spec: bool) -> EngineSizes:
         return engine_sizes(cfg, pairs, derived, itemsize, placement.param_tier,
                             placement.opt_tier, not placement.single_copy, placement.early_step,
-                            direct_fetch=direct, speculative=spec, host_activations=cpu)
+                            direct_fetch=direct, speculative=spec, host_activations=cpu,
+                            state_format=placement.state_format)
 
     possible, spec_reason = _speculation(cfg, placement)
     if speculative is None:
@@ -356,10 +374,19 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     shards = world if placement.stage >= 1 else 1
     layouts = []
     streamed = []
+    spans = []           # (trainable elements, the range this rank steps) per unit
     for unit in units:
         numel, trainable = unit.layout(itemsize)
         layouts.append((shards * shard_numel(numel, shards), trainable))
         streamed.append(placement.stage == 3 and numel > sizes.persistence_threshold)
+        span = trainable
+        if shards > 1:
+            shard = shard_numel(numel, shards)
+            span = min(rank * shard + shard, trainable) - min(rank * shard, trainable)
+        spans.append((sum(n for n, t in unit.params if t), span))
+    placement = dataclasses.replace(placement, unit_states=state_bytes(
+        placement.state_format, spans, ranks=world, sharded=placement.stage >= 1,
+        master_separate=not placement.single_copy, compute_itemsize=itemsize))
     fetch_pool = None
     if placement.param_tier is Tier.NVME and not direct:
         fetch_pool = PoolPlan(name="fetch", count=sizes.fetch_slots,

@@ -22,10 +22,11 @@ bf16 / int8 moments kernels only (so ``optimizer_master`` "bf16" needs ``optimiz
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 __all__ = ["MOMENTS_FORMATS", "MASTER_FORMATS", "QBLOCK", "MIN_INT8_NUMEL", "StateFormat",
-           "FP32_STATES", "unit_format", "int8_blocks"]
+           "FP32_STATES", "unit_format", "int8_blocks", "StateStore", "keeps_fp32_master",
+           "unit_stores", "COMPARED_FORMATS"]
 
 MOMENTS_FORMATS = ("fp32", "bf16", "int8")
 """Formats of m and v, most precise first."""
@@ -83,6 +84,20 @@ class StateFormat:
         master = "fp32 master" if self.master == "fp32" else "bf16 master (stochastic rounding)"
         return f"{self.moments} moments, {master}"
 
+    @property
+    def label(self) -> str:
+        """A short name: "fp32", "bf16 moments", "int8 moments", "int8 + bf16 master"."""
+        if self.is_default:
+            return "fp32"
+        if self.master == "bf16":
+            return f"{self.moments} + bf16 master"
+        return f"{self.moments} moments"
+
+    @property
+    def moments_note(self) -> str:
+        """How m and v are stored, for a plan's line ("int8, blockwise")."""
+        return "int8, blockwise" if self.moments == "int8" else self.moments
+
 
 FP32_STATES = StateFormat()
 
@@ -98,3 +113,45 @@ def unit_format(asked: Iterable[StateFormat], state_numel: int) -> StateFormat:
     if moments == "fp32":
         master = "fp32"     # the fp32 kernel keeps an fp32 master (see the note)
     return StateFormat(moments, master)
+
+
+COMPARED_FORMATS = (FP32_STATES, StateFormat("bf16"), StateFormat("int8"),
+                    StateFormat("int8", "bf16"))
+"""The formats ``infinity plan`` compares beside its recommendation."""
+
+
+class StateStore(NamedTuple):
+    """One store of a unit's optimizer state (``optim.state_formats.build_state`` makes it)."""
+
+    name: str
+    """"exp_avg", "exp_avg_sq", "master", "exp_avg.scales" or "exp_avg_sq.scales"."""
+    numel: int
+    itemsize: int
+    in_host: bool
+    """The int8 scales stay in host memory; the rest live in the optimizer's tier."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+def keeps_fp32_master(fmt: StateFormat, *, master_separate: bool, compute_itemsize: int) -> bool:
+    """Whether a unit in ``fmt`` (its own, after ``unit_format``) keeps a separate fp32 master:
+    an fp32 master where the compute copy is not the fp32 parameter itself on a CPU device
+    (``master_separate``: the run plan's, not single copy) or not fp32 (a bf16-master run's
+    unit that kept fp32 moments keeps an fp32 master too)."""
+    return fmt.master == "fp32" and (master_separate or compute_itemsize != 4)
+
+
+def unit_stores(fmt: StateFormat, numel: int, *, fp32_master: bool) -> list[StateStore]:
+    """The optimizer's stores of a unit in ``fmt`` (its own) over a range of ``numel``
+    elements, as the optimizer makes them (unpadded: the tier manager pads each to 4 KiB)."""
+    n = max(int(numel), 1)      # a shard past the trainable part steps nothing
+    stores = [StateStore("exp_avg", n, fmt.moment_itemsize, False),
+              StateStore("exp_avg_sq", n, fmt.moment_itemsize, False)]
+    if fp32_master:
+        stores.append(StateStore("master", n, 4, False))
+    if fmt.moments == "int8":
+        stores += [StateStore("exp_avg.scales", int8_blocks(n), 4, True),
+                   StateStore("exp_avg_sq.scales", int8_blocks(n), 4, True)]
+    return stores

@@ -15,8 +15,11 @@ micro-steps of accumulation):
   of the rank's parameters). The two directions are separate lanes: the larger one counts.
 * NVMe, per node (its ranks share the drives): parameter shards on NVMe are read at each fetch
   (2 c P / N per micro-step, less the units still fetched at a turn: ``reuse_bytes``) and written
-  once updated (c P / N); Adam states on NVMe are read and written once per step (12 B per
-  element with a separate fp32 master, 8 when the fp32 parameter is the master); gradients kept
+  once updated (c P / N); Adam states on NVMe are read and written once per step in their
+  format (``Placement.states``: m + v in 8, 4 or 2 B per element as fp32, bf16 or int8, the
+  int8 scales staying in host memory, and 4 more for a separate fp32 master: 12 B with fp32
+  states beside 16-bit compute, 8 when the fp32 parameter is the master, 2 for int8 moments
+  with a bf16 master, which is the 16-bit parameter itself); gradients kept
   on NVMe are written per micro-step and read at the step (4 B each way), unless the early or
   the speculative step holds them (``nvme_traffic``).
 * Reuse: at REUSE_TURNS points of a step the units used last are the first used next (the
@@ -98,11 +101,11 @@ def nvme_traffic(lay: Placement, grad_tier: Tier, accum: int = 1, *, grads_held:
     step on a CPU device, ``optim/gradients.py``), so none go to NVMe."""
     read = write = 0.0
     if lay.param_tier == Tier.NVME:
-        pbytes = (4 if lay.single_copy else lay.c) * lay.param_elems
+        pbytes = lay.c * lay.param_elems
         read += max(0.0, 2 * pbytes * accum - REUSE_TURNS * min(reused, pbytes))
         write += pbytes
     if lay.opt_tier == Tier.NVME:
-        states = (12 if not lay.single_copy else 8) * lay.opt_elems
+        states = lay.states.optimizer
         read += states
         write += states
     if grad_tier == Tier.NVME and not lay.early_step and not grads_held:

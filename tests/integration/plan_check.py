@@ -4,7 +4,9 @@ the engine" tests (one rank in test_plan_is_the_engine.py, two in plan_ranks_wor
 States are counted from the stores the engine's tier manager creates, in the elements of the
 parameters they hold (the engine pads each parameter to 64 B and each store to 4 KiB, which the
 plan leaves out: at most 4 KiB + 64 B a tensor per store, 10% of a tiny model, nothing at 1B
-parameters). Pools are counted from the engine's own buffer pools, slot by slot.
+parameters), in the store's dtype (Adam's m and v in their format: fp32, bf16 or int8); the
+int8 moments' scales (one fp32 per 2048 elements of a unit's range, in host memory) by their
+count of blocks. Pools are counted from the engine's own buffer pools, slot by slot.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
 
 COMPONENT_OF = {"params": "params", "master": "optimizer_states", "exp_avg": "optimizer_states",
-                "exp_avg_sq": "optimizer_states", "grad": "grads"}
+                "exp_avg_sq": "optimizer_states", "grad": "grads", "scales": "optimizer_states"}
 
 
 @contextmanager
@@ -49,6 +51,9 @@ def held_states(engine, created: list) -> dict[str, int]:
         unit_name, kind = store.name.rsplit(".", 1)
         if not store.allocated:
             continue        # freed
+        if kind == "scales":            # "<unit>.exp_avg.scales": the blocks, as the plan counts
+            held[f"{COMPONENT_OF[kind]}@{store.home}"] += store.numel * store.itemsize
+            continue
         unit = units[unit_name]
         if unit.shards > 1:
             # a rank's store holds its shard of the flat layout: its bytes, padding included
@@ -68,8 +73,11 @@ def held_states(engine, created: list) -> dict[str, int]:
 def planned_states(engine, stats: ModelStats, nvme: str) -> dict[str, int]:
     """"component@tier" -> bytes ``infinity plan`` shows for the engine's config and model."""
     plan = plan_memory(engine.config, stats, detect_hardware(nvme))
-    return {f"{item.component}@{item.tier}": item.nbytes for item in plan.items
-            if item.component in ("params", "grads", "optimizer_states") and item.nbytes}
+    planned: dict[str, int] = defaultdict(int)     # the int8 scales are an item of their own
+    for item in plan.items:
+        if item.component in ("params", "grads", "optimizer_states") and item.nbytes:
+            planned[f"{item.component}@{item.tier}"] += item.nbytes
+    return dict(planned)
 
 
 def held_pools(engine) -> dict[str, tuple[int, int]]:

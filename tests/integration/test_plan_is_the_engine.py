@@ -1,11 +1,12 @@
 """The plan is the engine (issue 35): for a matrix of configs (stages 0-3, offload none / cpu /
-nvme, compute fp32 / bf16 / fp16, both schedules; two ranks in tests/distributed/
-test_plan_ranks.py) the engine is built from
+nvme, compute fp32 / bf16 / fp16, both schedules, and the Adam state formats of issue 38: bf16
+and int8 moments, a bf16 master; two ranks in tests/distributed/test_plan_ranks.py) the engine
+is built from
 one run plan (planner/run_plan.py) and holds what it says:
 
 - the states it allocates (parameters, the fp32 master with Adam's m and v, the gradients'
-  home) are, per tier and in bytes, what ``infinity plan`` shows for the same config, model
-  and machine (``plan_memory``);
+  home; m and v in their format, the int8 scales in host memory) are, per tier and in bytes,
+  what ``infinity plan`` shows for the same config, model and machine (``plan_memory``);
 - its host pools (fetch slots, gradient buffers, step-stream slots) are the plan's, and the
   plan made from the partition before any unit existed sizes them as the built units do;
 - the plan ``infinity plan`` makes from the model's counts alone takes the same decisions
@@ -43,24 +44,53 @@ def _configs() -> list[tuple[int, str, str, str, str]]:
 @pytest.mark.parametrize("stage, param, opt, dtype, early", _configs())
 def test_the_engine_holds_the_states_the_plan_shows(disk_dir, stage, param, opt,
                                                     dtype, early) -> None:
-    ds = zero_config(stage, param, opt, str(disk_dir), compute_dtype=dtype, early_step=early)
+    _check_engine(disk_dir, stage, param, opt, dtype, early)
+
+
+# (stage, param, opt, compute, early, optimizer_moments, optimizer_master, width): width 32
+# makes every unit an int8 one (4288 and 8192 elements), 16 keeps the blocks (1104) in fp32
+# moments with an fp32 master beside int8 embeddings (see [Note: a unit's state format])
+FORMATS = [
+    (3, "nvme", "nvme", "bf16", "off", "bf16", "fp32", 32),
+    (3, "cpu", "nvme", "bf16", "off", "int8", "fp32", 32),
+    (3, "nvme", "nvme", "fp32", "off", "int8", "fp32", 32),
+    (3, "cpu", "cpu", "bf16", "on", "int8", "fp32", 32),
+    (2, "none", "cpu", "fp32", "off", "int8", "fp32", 32),
+    (3, "nvme", "nvme", "bf16", "off", "int8", "bf16", 32),
+    (3, "nvme", "nvme", "bf16", "off", "int8", "bf16", 16),
+    (3, "cpu", "cpu", "bf16", "on", "bf16", "bf16", 32),
+]
+
+
+@pytest.mark.parametrize("stage, param, opt, dtype, early, moments, master, width", FORMATS)
+def test_the_engine_holds_the_formats_the_plan_shows(disk_dir, stage, param, opt, dtype, early,
+                                                     moments, master, width) -> None:
+    _check_engine(disk_dir, stage, param, opt, dtype, early, width=width,
+                  optimizer_moments=moments, optimizer_master=master)
+
+
+def _check_engine(disk_dir, stage, param, opt, dtype, early, width=32, **formats) -> None:
+    ds = zero_config(stage, param, opt, str(disk_dir), compute_dtype=dtype, early_step=early,
+                     **formats)
     ds["gradient_clipping"] = 1.0 if early == "off" else 0.0
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
     ds["train_micro_batch_size_per_gpu"] = 2
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if dtype == "fp16":
         ds["fp16"] = {"enabled": True}
-    model = make_model("torch", layers=2, width=32)
+    model = make_model("torch", layers=2, width=width)
     stats = ModelStats.from_module(model)
     with recording_stores() as created:
         engine, *_ = infinity.initialize(model=model, config=ds)
     try:
         first = compare(engine, created, stats, str(disk_dir))
         check(first)
+        if formats:      # the engine stores the formats asked (the plan's bytes say the same)
+            kinds = {s.name.rsplit(".", 1)[1]: s.dtype for s in created if s.allocated}
+            assert ("scales" in kinds) == (formats["optimizer_moments"] == "int8"), kinds
         train_random(engine, 2)
         after = compare(engine, created, stats, str(disk_dir))
         check(after)
         assert after == first        # nothing re-homed or re-sized by training
     finally:
         engine.close()
-
