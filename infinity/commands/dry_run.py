@@ -299,8 +299,9 @@ class _DryRunBackend:
             grads_held=plan.optimizer.holds_grads,
             backward_s=lambda u: 2 * flops.get(u.index, 0.0) / rates.compute_flops_per_s,
             instant=self.instant,
-            grad_dtype=gradient_home_dtype(es, COMPUTE_DTYPES[lay.compute_dtype]))
-        _init_masters(units, self.manager, fetch_pool, lay)
+            grad_dtype=gradient_home_dtype(es, COMPUTE_DTYPES[lay.compute_dtype]),
+            state_format=lay.state_format)
+        _init_masters(units, self.manager, fetch_pool, lay, stepper.masters)
         for pool in (plan.optimizer.gradient, plan.optimizer.step):
             _pool(self.manager, pool)
         if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)
@@ -308,13 +309,15 @@ class _DryRunBackend:
         return stepper
 
 
-def _init_masters(units: list[Unit], manager: SimManager, pool, lay: Placement) -> None:
-    """A separate fp32 master on NVMe is written from a host buffer of its size, the unit
-    fetched meanwhile (``PartitionedOptimizer._init_master``)."""
-    if lay.single_copy or lay.opt_tier is not Tier.NVME:
+def _init_masters(units: list[Unit], manager: SimManager, pool, lay: Placement,
+                  masters: set[int]) -> None:
+    """A separate fp32 master on NVMe (of the units in ``masters``: every trainable one unless
+    the parameter is its own master; a bf16-master run's units kept fp32) is written from a
+    host buffer of its size, the unit fetched meanwhile (``PartitionedOptimizer._init_master``)."""
+    if lay.opt_tier is not Tier.NVME:
         return
     for unit in units:
-        if not unit.has_trainable:
+        if not unit.has_trainable or unit.index not in masters:
             continue
         released = unit.residency != Residency.FETCHED
         if released:

@@ -16,7 +16,10 @@ notes in optim/step_stream.py:
   (``step_fetched``), waiting for its kernels; the writes land behind.
 
 Per unit the job is coarse (the stream's sub-groups are not modelled): its reads on the disk
-lane, its Adam on one CPU lane (the step stream's thread), its writes on the disk lane.
+lane, its Adam on one CPU lane (the step stream's thread), its writes on the disk lane. The
+states are the optimizer's stores in the unit's format (``planner.state_format.unit_stores``,
+as ``optim.state_formats.build_state`` makes them): m and v in fp32, bf16 or int8 codes, an
+fp32 master where one is kept, the int8 scales in host memory (never read or written).
 ``instant``: every job lands when it is submitted (a step that costs nothing), so the schedule
 no longer depends on timing: the order tests compare this with a real engine whose background
 steps are waited for at each reap.
@@ -29,6 +32,14 @@ from typing import Callable
 import torch
 
 from infinity.commands.dry_run_backend import Lane, SimCollectives, SimManager, SimStore
+from infinity.optim.state_formats import MOMENT_DTYPES
+from infinity.planner.state_format import (
+    FP32_STATES,
+    StateFormat,
+    keeps_fp32_master,
+    unit_format,
+    unit_stores,
+)
 from infinity.storage.tiers import Tier
 from infinity.zero.protocols import Wait
 from infinity.zero.unit import Unit
@@ -54,7 +65,8 @@ class SimStepper:
     def __init__(self, units: list[Unit], manager: SimManager, *, early: bool, speculative: bool,
                  opt_tier: Tier, grad_tier: Tier, master_separate: bool, adam_params_per_s: float,
                  comm: SimCollectives, grads_held: bool, backward_s: Callable[[Unit], float],
-                 instant: bool = False, grad_dtype: torch.dtype = torch.float32) -> None:
+                 instant: bool = False, grad_dtype: torch.dtype = torch.float32,
+                 state_format: StateFormat = FP32_STATES) -> None:
         self.manager, self.clock = manager, manager.clock
         self.early_like = early or speculative     # stepped during the backward
         self.early, self.speculative = early, speculative
@@ -64,15 +76,31 @@ class SimStepper:
         self.backward_s = backward_s
         self.adam = Lane(self.clock, float("inf") if instant else adam_params_per_s, "CPU Adam")
         self.states: dict[int, list[SimStore]] = {}
+        self.scales: dict[int, list[SimStore]] = {}   # int8 scales: host memory, not moved
+        self.masters: set[int] = set()                # units with a separate fp32 master
         self.grad_stores: dict[int, SimStore] = {}
         for unit in units:
             if not unit.has_trainable:
                 continue
-            n = max(1, unit.shard_numel if unit.shards > 1 else unit.trainable_numel)
-            names = ["exp_avg", "exp_avg_sq"] + (["master"] if master_separate else [])
+            # the range this rank steps, as the optimizer takes it (optim.partitioned)
+            t = unit.trainable_numel
+            lo = min(unit.shard_start, t) if unit.shards > 1 else 0
+            span = min(unit.shard_start + unit.shard_numel, t) - lo if unit.shards > 1 else t
+            n = max(1, span)
+            fmt = unit_format([state_format], span)
+            master = keeps_fp32_master(fmt, master_separate=master_separate,
+                                       compute_itemsize=unit.dtype.itemsize)
+            if master:
+                self.masters.add(unit.index)
+            stores = unit_stores(fmt, n, fp32_master=master)
             self.states[unit.index] = [
-                manager.create(f"{unit.name}.{name}", n, torch.float32, opt_tier,
-                               doubled=speculative) for name in names]
+                manager.create(f"{unit.name}.{st.name}", st.numel,
+                               torch.float32 if st.name == "master" else MOMENT_DTYPES[fmt.moments],
+                               opt_tier, doubled=speculative)
+                for st in stores if not st.in_host]
+            self.scales[unit.index] = [
+                manager.create(f"{unit.name}.{st.name}", st.numel, torch.float32, Tier.HOST)
+                for st in stores if st.in_host]
             if not early:
                 self.grad_stores[unit.index] = manager.create(f"{unit.name}.grad", n,
                                                               grad_dtype, grad_tier)
