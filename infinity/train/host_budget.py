@@ -50,6 +50,18 @@ def check_host_budget(config: InfinityConfig, stats: ModelStats, described: str)
                      f"config: {budget_need(least, 'pass --host-budget {}MiB or more')}")
 
 
+def state_bytes(config: InfinityConfig, stats: ModelStats) -> tuple[int, int]:
+    """(bytes of the model states on every tier, swap space the engine will take) for this
+    model and config, from the run plan: states in their formats (the Adam state formats and a
+    bf16 master change them), second copies where the speculative step takes them."""
+    from infinity.planner.placement import resident_bytes
+    from infinity.planner.run_plan import plan_run
+
+    nvme_path = config.zero.offload_param.nvme_path or config.zero.offload_optimizer.nvme_path
+    plan = plan_run(config, detect_hardware(nvme_path), stats=stats)
+    return sum(resident_bytes(plan.placement).values()), plan.sizes.nvme_bytes
+
+
 def explain(exc: BudgetExceededError, described: str) -> BudgetExceededError:
     """The engine's own "host budget" error (a share of the budget, after its pools), with the
     budget the user gave: for the rare run the planner thought would fit."""

@@ -171,8 +171,10 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         _lookup_budget(ds), opts.host_budget, opts.config)
     if opts.engine == "infinity":
         host_budget.check_host_budget(config, stats, budget_text)
+    states, swap_need = (host_budget.state_bytes(config, stats) if opts.engine == "infinity"
+                         else (STATE_BYTES_PER_PARAM * n_params, 0))
     for parent in swap_parents:
-        _check_space(parent, STATE_BYTES_PER_PARAM * n_params)
+        _check_space(parent, swap_need)
     checkpoints.check_room(n_params)
 
     accum = config.gradient_accumulation_steps
@@ -187,7 +189,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
               "" if corpus.documents == 1 else "s", opts.steps, tokens_per_step, accum,
               "" if accum == 1 else "es", config.train_micro_batch_size_per_gpu, opts.seq_len,
               f" on each of {world} ranks" if world > 1 else "")
-    _log_placement(opts.engine, config, n_params, swap_parents)
+    _log_placement(opts.engine, config, states, swap_parents)
 
     records: list[StepRecord] = []
     engine: Any = None
@@ -447,8 +449,7 @@ def _plot_path(opts: TrainOptions) -> Path | None:
     return None
 
 
-def _log_placement(kind: EngineKind, config: Any, n_params: int, swap_parents: list[str]) -> None:
-    states = STATE_BYTES_PER_PARAM * n_params
+def _log_placement(kind: EngineKind, config: Any, states: int, swap_parents: list[str]) -> None:
     if kind == "torch":
         _log.info("torch baseline: all %s of model states in memory (ZeRO/offload settings are "
                   "not used)", format_bytes(states))
