@@ -3,9 +3,13 @@
     infinity plan --model-size 7B [--config ds.json] [--host-budget 16GiB] [--nvme-path /mnt/nvme]
     infinity plan --hf-config config.json --json
     infinity plan --params 3e9 --layers 26
+    infinity plan --params 1T --gpus 8 --gpu H100 --nvme 4x7TB --optimizer-moments int8
 
 Without --config the shallowest offload that fits is chosen (``planner.recommend_config``); with
 it, that config is planned as written (its "auto" values taking defaults, as for layout only).
+``--optimizer-moments`` / ``--optimizer-master`` set the Adam state formats (the config's
+``infinity.optimizer_moments`` / ``optimizer_master``); either way the plan lists what each
+format would change beside it (``planner.formats``).
 """
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ from typing import Any
 from infinity.base.sizes import parse_bytes
 from infinity.commands.plan_target import add_target_arguments, target_from_args
 from infinity.config import InfinityConfig
+from infinity.planner.formats import local_formats, render_formats, with_format
 from infinity.planner.inputs import ModelStats, detect_hardware, llama_stats, shape_stats
 from infinity.planner.plan import DEFAULT_SWAP_DIR, plan_memory, recommend_config
+from infinity.planner.state_format import MASTER_FORMATS, MOMENTS_FORMATS, StateFormat
 from infinity.planner.shape import (
     ModelShape,
     estimated_shape,
@@ -69,6 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks sharing the model states (default 1; with target flags "
                              "--gpus x --nodes)")
+    parser.add_argument("--optimizer-moments", choices=MOMENTS_FORMATS,
+                        help="storage of Adam's m and v: fp32 (8 B/param), bf16 (4) or int8 "
+                             "(2, blockwise, scales in host memory); sets the config's "
+                             "infinity.optimizer_moments (default: the config's, fp32)")
+    parser.add_argument("--optimizer-master", choices=MASTER_FORMATS,
+                        help="the master weights: fp32 (4 B/param), or bf16 (the bf16 parameter "
+                             "is the master: needs bf16 compute on a CPU device; on GPUs "
+                             "planned as a projection); sets infinity.optimizer_master")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--dry-run", action="store_true",
                         help="also run the engine's own units and coordinator over the model "
@@ -170,16 +184,25 @@ def _unusable_swap_paths(cfg: InfinityConfig) -> tuple[str, ...]:
     return tuple(problems)
 
 
+def _with_format_flags(args: argparse.Namespace, cfg: InfinityConfig) -> InfinityConfig:
+    """``cfg`` with the Adam state formats --optimizer-moments / --optimizer-master give."""
+    moments = args.optimizer_moments or cfg.infinity.optimizer_moments
+    master = args.optimizer_master or cfg.infinity.optimizer_master
+    return with_format(cfg, StateFormat(moments, master))
+
+
 def _run_target(args: argparse.Namespace, target: Any, workload: Any) -> int:
     """Plan for the target machine the flags describe (``infinity.planner.target_plan``)."""
     if args.host_budget or args.device_budget:
         raise ValueError("--host-budget and --device-budget are this machine's budgets: for a "
                          "target give --host-memory (per node) and --gpu-memory")
     base = (InfinityConfig.load(read_config_file(args.config), world_size=target.world_size,
-                                auto_defaults=True) if args.config else None)
-    stats, shape = _stats(args, base.infinity.unit_modules if base else None)
+                                auto_defaults=True) if args.config
+            else InfinityConfig(world_size=target.world_size))
+    base = _with_format_flags(args, base)
+    stats, shape = _stats(args, base.infinity.unit_modules)
     plan = plan_target(stats, shape, target, workload, base, args.nvme_path,
-                       as_written=base is not None)
+                       as_written=bool(args.config))
     report = None
     if args.dry_run and plan.chosen is not None:
         from infinity.commands.dry_run import dry_run, target_setup
@@ -255,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         base = InfinityConfig(world_size=args.world_size)
     base = dataclasses.replace(base, infinity=dataclasses.replace(base.infinity, **budgets))
+    base = _with_format_flags(args, base)
     if args.nvme_path:
         z = base.zero
         base = dataclasses.replace(base, zero=dataclasses.replace(z, **{
@@ -288,20 +312,24 @@ def run(args: argparse.Namespace) -> int:
                                    warnings=plan.warnings + unusable)
     # no candidate fits: the deepest one is shown as the reason, never as a recommendation
     infeasible = not args.config and not plan.fits
+    formats = local_formats(cfg, stats, hw, recommend=not args.config)
     if args.json:
         extra = {"dry_run": report.as_dict()} if report is not None else {}
         print(json.dumps({"recommended": not args.config and not infeasible,
-                          "feasible": plan.fits, **plan.as_dict(), **extra}, indent=2))
+                          "feasible": plan.fits, **plan.as_dict(),
+                          "formats": [row.as_dict() for row in formats], **extra}, indent=2))
         return 0
     if infeasible:
         print("infinity plan: INFEASIBLE on this machine: no offload fits (the deepest, stage 3 "
               "with parameters and optimizer states on NVMe, is planned below with what is over)")
         print(plan.render())
+        print("\n" + "\n".join(render_formats(formats, target=False)))
         print("\nno ds_config is recommended; what to add is in the warnings above")
     else:
         source = f"config {args.config}" if args.config else "recommended config (no --config given)"
         print(f"infinity plan: {source}")
         print(plan.render())
+        print("\n" + "\n".join(render_formats(formats, target=False)))
         if not args.config:
             uses_nvme = "nvme" in (cfg.zero.offload_param.device, cfg.zero.offload_optimizer.device)
             if uses_nvme and not nvme_path:

@@ -6,6 +6,7 @@ and the units compute the same numbers from one definition.
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 from infinity.base.sizes import ALIGN_BYTES
@@ -51,6 +52,15 @@ def unit_layout_bound(params: Iterable[tuple[int, bool]], itemsize: int) -> tupl
     """An upper bound of a unit's flat numel and trainable numel for its (numel, trainable)
     parameters: each parameter rounded up to its alignment, so the order of param groups
     (which decides the real layout) cannot matter."""
+    params = tuple(params)
+    try:
+        return _layout_bound(params, itemsize)     # a plan asks the same units many times
+    except TypeError:                              # unhashable pairs (lists)
+        return _layout_bound.__wrapped__(params, itemsize)
+
+
+@functools.lru_cache(maxsize=8192)
+def _layout_bound(params: tuple[tuple[int, bool], ...], itemsize: int) -> tuple[int, int]:
     align = max(1, PARAM_ALIGN_BYTES // itemsize)
     items = sorted(((-(-numel // align) * align, trainable) for numel, trainable in params),
                    key=lambda item: not item[1])

@@ -7,7 +7,10 @@ Each rung is tried as the engine would run it (``rank_memory``): activations wit
 checkpointing first, then with it (when the workload allows "auto"); at stage 3, the model's
 default units first, then one unit per parameter (``infinity.unit_modules: ["Linear"]``) when a
 whole block is too large for the GPU. A rung is chosen only when nothing is over: the plan never
-recommends a config its own checks contradict.
+recommends a config its own checks contradict. Nor one the engine refuses: a rung where the
+config's Adam state format cannot run (``run_plan.state_format_refusal``: formats with the
+optimizer on the GPU, a bf16 master on a GPU) does not fit, for that reason; a bf16 master on
+GPUs is planned only as a projection (``project_gpu_master``), which recommends no config.
 """
 from __future__ import annotations
 
@@ -17,11 +20,15 @@ from dataclasses import dataclass
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
 from infinity.planner.inputs import ModelStats
+from infinity.planner.placement import place
 from infinity.planner.rank_memory import RankMemory, rank_memory
+from infinity.planner.run_plan import state_format_refusal
 from infinity.planner.shape import ModelShape
 from infinity.planner.target import Target, Workload
+from infinity.planner.tiers import Tier
 
-__all__ = ["Rung", "Decision", "RUNGS", "decide", "candidate_config", "TARGET_SWAP_DIR"]
+__all__ = ["Rung", "Decision", "RUNGS", "decide", "candidate_config", "TARGET_SWAP_DIR",
+           "format_refusal", "try_rung", "rung_number"]
 
 TARGET_SWAP_DIR = "/local_nvme"
 """The swap directory written into a target's ds_config when none is given (DeepSpeed's docs'
@@ -79,6 +86,9 @@ class Decision:
     """The shallowest rung that fits; None: infeasible."""
     additions: tuple[str, ...]
     """When infeasible: each way to make it fit (more nodes, host memory, NVMe, GPU memory)."""
+    project_gpu_master: bool = False
+    """A bf16 master was planned on the GPUs though the engine refuses it there for now: a
+    projection (no config is recommended)."""
 
     @property
     def feasible(self) -> bool:
@@ -107,10 +117,54 @@ def candidate_config(base: InfinityConfig, target: Target, workload: Workload, s
         gradient_accumulation_steps=workload.gradient_accumulation_steps)
 
 
-def _try_rung(base: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
-              workload: Workload, label: str, stage: int, param: str, opt: str,
-              nvme_path: str | None) -> Rung:
+def format_refusal(cfg: InfinityConfig, stats: ModelStats, target: Target,
+                   project_gpu_master: bool = False) -> tuple[str, str] | None:
+    """Why the engine would refuse ``cfg``'s Adam state format on ``target``'s GPUs, as
+    (a few words, the whole message), or None (``run_plan.state_format_refusal``)."""
+    if cfg.infinity.optimizer_moments == "fp32" and cfg.infinity.optimizer_master == "fp32":
+        return None
+    lay = place(cfg, stats, target.hardware(None), cpu_device=False)
+    return state_format_refusal(cfg, lay, False, project_gpu_master=project_gpu_master)
+
+
+def rung_number(memory: RankMemory) -> int | None:
+    """The position (1-based) in RUNGS of a memory's stage and offload devices."""
+    z = memory.candidate.zero
+    for i, (_, stage, param, opt) in enumerate(RUNGS, 1):
+        if (stage, param, opt) == (z.stage, z.offload_param.device, z.offload_optimizer.device):
+            return i
+    return None
+
+
+def try_rung(base: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
+             workload: Workload, label: str, stage: int, param: str, opt: str,
+             nvme_path: str | None, project_gpu_master: bool = False) -> Rung:
+    """One rung as the engine would run it: checkpointing off then on (as the workload allows),
+    the default units then one per parameter; the first variant that fits, else the last."""
     cfg = candidate_config(base, target, workload, stage, param, opt, nvme_path)
+    refusal = format_refusal(cfg, stats, target, project_gpu_master)
+    if refusal is not None:
+        # the engine would refuse the config at start: the rung cannot be chosen (its bytes,
+        # for the record, are those of the fp32 formats)
+        plain = dataclasses.replace(cfg, infinity=dataclasses.replace(
+            cfg.infinity, optimizer_moments="fp32", optimizer_master="fp32"))
+        memory = rank_memory(plain, stats, shape, target, workload,
+                             checkpointing=workload.activation_checkpointing == "on")
+        label_ = f"{cfg.infinity.optimizer_moments} moments, {cfg.infinity.optimizer_master} master"
+        memory = dataclasses.replace(memory, candidate=cfg, problems=(
+            f"the engine refuses the Adam state format ({label_}) here: {refusal[0]}",))
+        return Rung(label=label, memory=memory, tried=0)
+    lay = place(cfg, stats, target.hardware(None), cpu_device=False)
+    if stage == 3 and lay.param_tier is not Tier.from_offload_device(param):
+        # a single copy (a bf16 master, projected) lives in the deeper of the two tiers: this
+        # rung is a deeper one's layout, which that rung plans under its own name
+        memory = rank_memory(cfg, stats, shape, target, workload,
+                             checkpointing=workload.activation_checkpointing == "on",
+                             project_gpu_master=project_gpu_master)
+        memory = dataclasses.replace(memory, problems=(
+            f"the parameters are their own master (a bf16 master), kept with the optimizer "
+            f"states on {lay.param_tier}: a deeper rung's layout",))
+        return Rung(label=label, memory=memory, tried=0)
     checkpointing = {"off": (False,), "on": (True,), "auto": (False, True)}[workload.activation_checkpointing]
     splits = [False]
     if stage == 3 and stats.param_numels is not None and stats.largest_param < stats.largest_unit_params:
@@ -120,7 +174,7 @@ def _try_rung(base: InfinityConfig, stats: ModelStats, shape: ModelShape, target
     for split in splits:
         for ckpt in checkpointing:
             last = rank_memory(cfg, stats, shape, target, workload, checkpointing=ckpt,
-                               split_units=split)
+                               split_units=split, project_gpu_master=project_gpu_master)
             tried += 1
             if last.fits:
                 return Rung(label=label, memory=last, tried=tried)
@@ -130,10 +184,12 @@ def _try_rung(base: InfinityConfig, stats: ModelStats, shape: ModelShape, target
 
 def _path(base: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
           workload: Workload, nvme_path: str | None, stop_at_fit: bool = True,
-          ladder: tuple[tuple[str, int, str, str], ...] = RUNGS) -> list[Rung]:
+          ladder: tuple[tuple[str, int, str, str], ...] = RUNGS,
+          project_gpu_master: bool = False) -> list[Rung]:
     rungs = []
     for label, stage, param, opt in ladder:
-        rung = _try_rung(base, stats, shape, target, workload, label, stage, param, opt, nvme_path)
+        rung = try_rung(base, stats, shape, target, workload, label, stage, param, opt, nvme_path,
+                        project_gpu_master)
         rungs.append(rung)
         if rung.fits and stop_at_fit:
             break
@@ -142,8 +198,10 @@ def _path(base: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Ta
 
 def _first_fit(base: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
                workload: Workload, nvme_path: str | None,
-               ladder: tuple[tuple[str, int, str, str], ...]) -> Rung | None:
-    for rung in _path(base, stats, shape, target, workload, nvme_path, ladder=ladder):
+               ladder: tuple[tuple[str, int, str, str], ...],
+               project_gpu_master: bool = False) -> Rung | None:
+    for rung in _path(base, stats, shape, target, workload, nvme_path, ladder=ladder,
+                      project_gpu_master=project_gpu_master):
         if rung.fits:
             return rung
     return None
@@ -164,10 +222,11 @@ def _smallest(lo: int, hi: int, fits) -> int | None:
 
 def _additions(base: InfinityConfig, stats: ModelStats, shape: ModelShape, target: Target,
                workload: Workload, nvme_path: str | None,
-               ladder: tuple[tuple[str, int, str, str], ...]) -> tuple[str, ...]:
+               ladder: tuple[tuple[str, int, str, str], ...],
+               project_gpu_master: bool = False) -> tuple[str, ...]:
     """Each single change that makes some rung fit, and the rung it makes fit."""
     def fit(t: Target) -> Rung | None:
-        return _first_fit(base, stats, shape, t, workload, nvme_path, ladder)
+        return _first_fit(base, stats, shape, t, workload, nvme_path, ladder, project_gpu_master)
 
     out: list[str] = []
     for nodes in (2, 4, 8, 16, 32, 64, 128):
@@ -199,7 +258,8 @@ def _additions(base: InfinityConfig, stats: ModelStats, shape: ModelShape, targe
             nvme_need = rung.memory.node_nvme if rung else 0
             out.append(f"host memory and NVMe together: {format_bytes(need.host_memory_bytes)} "
                        f"and {format_bytes(nvme_need)} per node -> {rung.label if rung else ''}")
-    deepest = _try_rung(base, stats, shape, target, workload, *ladder[-1], nvme_path).memory
+    deepest = try_rung(base, stats, shape, target, workload, *ladder[-1], nvme_path,
+                       project_gpu_master).memory
     if any(p.startswith("GPU memory") for p in deepest.problems):
         unit = deepest.stats.largest_unit_params
         need = format_bytes(2 * deepest.placement.c * unit)
@@ -222,11 +282,13 @@ def _additions(base: InfinityConfig, stats: ModelStats, shape: ModelShape, targe
 
 def decide(stats: ModelStats, shape: ModelShape, target: Target, workload: Workload,
            base: InfinityConfig | None = None, nvme_path: str | None = None,
-           as_written: bool = False) -> Decision:
+           as_written: bool = False, project_gpu_master: bool = False) -> Decision:
     """Walk the rungs for ``stats`` on ``target``; the first that fits is chosen (``base``
-    keeps its optimizer, clipping and infinity settings; stage, offload devices, budgets and
-    sizes are the plan's). ``as_written``: the one rung of ``base``'s own stage and offload
-    devices (``infinity plan --config``)."""
+    keeps its optimizer, clipping and infinity settings, the Adam state formats among them;
+    stage, offload devices, budgets and sizes are the plan's). ``as_written``: the one rung of
+    ``base``'s own stage and offload devices (``infinity plan --config``).
+    ``project_gpu_master``: plan a bf16 master on the GPUs, which the engine refuses for now
+    (a projection: its choice is no config to run)."""
     base = base or InfinityConfig()
     ladder = RUNGS
     if as_written:
@@ -235,9 +297,11 @@ def decide(stats: ModelStats, shape: ModelShape, target: Target, workload: Workl
                    f"offload_optimizer {z.offload_optimizer.device}", z.stage, z.offload_param.device,
                    z.offload_optimizer.device),)
         nvme_path = nvme_path or z.offload_param.nvme_path or z.offload_optimizer.nvme_path
-    rungs = _path(base, stats, shape, target, workload, nvme_path, ladder=ladder)
+    rungs = _path(base, stats, shape, target, workload, nvme_path, ladder=ladder,
+                  project_gpu_master=project_gpu_master)
     chosen = rungs[-1].memory if rungs and rungs[-1].fits else None
     additions = () if chosen is not None else _additions(base, stats, shape, target, workload,
-                                                         nvme_path, ladder)
+                                                         nvme_path, ladder, project_gpu_master)
     return Decision(stats=stats, shape=shape, target=target, workload=workload,
-                    rungs=tuple(rungs), chosen=chosen, additions=additions)
+                    rungs=tuple(rungs), chosen=chosen, additions=additions,
+                    project_gpu_master=project_gpu_master)

@@ -9,6 +9,7 @@ optimizer takes.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -59,25 +60,26 @@ blocks (``optim.records.INT8_CHUNK``) and refuses a smaller sub-group."""
 
 
 def optimizer_store_bytes(state_shares: Sequence[int], fmt: StateFormat, master_separate: bool,
-                          itemsize: int) -> tuple[int, int]:
-    """(bytes in the optimizer's tier, bytes in host memory) of the optimizer's stores for
-    units whose ranges this rank steps are ``state_shares``, each store padded to 4 KiB as the
-    tier manager pads it: m, v (and the fp32 master) in the unit's format, and the int8 scales,
-    which stay in host memory (planner/state_format.py ``unit_stores``)."""
+                          itemsize: int) -> tuple[int, int, bool]:
+    """(bytes in the optimizer's tier, bytes in host memory, any unit in int8) of the
+    optimizer's stores for units whose ranges this rank steps are ``state_shares``, each store
+    padded to 4 KiB as the tier manager pads it: m, v (and the fp32 master) in the unit's
+    format, and the int8 scales, which stay in host memory (planner/state_format.py
+    ``unit_stores``)."""
     tier = host = 0
-    for share in state_shares:
-        if share <= 0:
-            continue
+    int8 = False
+    for share, units in Counter(s for s in state_shares if s > 0).items():   # few sizes
         unit = unit_format([fmt], share)
+        int8 = int8 or unit.moments == "int8"
         master = keeps_fp32_master(unit, master_separate=master_separate,
                                    compute_itemsize=itemsize)
         for store in unit_stores(unit, share, fp32_master=master):
-            nbytes = padded_numel(store.numel, store.itemsize) * store.itemsize
+            nbytes = units * padded_numel(store.numel, store.itemsize) * store.itemsize
             if store.in_host:
                 host += nbytes
             else:
                 tier += nbytes
-    return tier, host
+    return tier, host, int8
 
 
 def held_room_bytes(max_trainable: int) -> int:
@@ -217,10 +219,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
 
     # Host bytes the engine will hold before gradients get a home.
     total_trainable = sum(state_shares)
-    state_bytes, scale_bytes = optimizer_store_bytes(state_shares, state_format,
-                                                     master_separate, itemsize)
-    int8 = any(unit_format([state_format], share).moments == "int8"
-               for share in state_shares if share > 0)
+    state_bytes, scale_bytes, int8 = optimizer_store_bytes(state_shares, state_format,
+                                                           master_separate, itemsize)
     least_sub_group = INT8_SUB_GROUP if int8 else SUB_GROUP_ALIGN
     host = scale_bytes                  # int8 scales: host memory whatever the tier
     if param_tier == Tier.HOST:

@@ -7,6 +7,7 @@ import json
 from typing import TYPE_CHECKING
 
 from infinity.base.sizes import format_bytes
+from infinity.planner.formats import render_formats
 from infinity.planner.step_time import OVERLAP_FACTOR
 
 if TYPE_CHECKING:
@@ -61,15 +62,20 @@ def render_target_plan(plan: "TargetPlan") -> str:
                       "is over as said above). What would make it fit, one change at a time:"]
         lines += [f"  - {a}" for a in d.additions] or ["  - nothing tried did (more GPUs, host "
                                                       "memory, NVMe, GPU memory up to 16x)"]
+    elif plan.projection:
+        lines += ["", f"projected (a bf16 master is not available on GPUs yet): "
+                      f"{d.rungs[-1].label}"]
     else:
         lines += ["", f"recommended: {d.rungs[-1].label}"]
     per = ref.bytes_per_param()
     kept = "fp32 gradients" if per["grads"] else "no gradient home: the early step"
+    params = "16-bit params" if not ref.placement.single_copy else \
+        f"{ref.placement.compute_dtype} params, also the master"
     lines += [
         "",
-        f"model states  {sum(per.values())} B/param stored = {per['params']} (16-bit params) + "
-        f"{per['optimizer_states']} (fp32 master, m, v) + {per['grads']} ({kept}); the paper's "
-        f"16 = 2 + 2 + 12: {format_bytes(ref.model_states_bytes)} for the model",
+        f"model states  {sum(per.values()):g} B/param stored = {per['params']} ({params}) + "
+        f"{per['optimizer_states']:g} ({ref.states_note()}) + {per['grads']} ({kept}); the "
+        f"paper's 16 = 2 + 2 + 12: {format_bytes(ref.model_states_bytes)} for the model",
         f"per GPU       device {format_bytes(ref.device_total)} of {format_bytes(t.device_budget_bytes)}: "
         + ", ".join(f"{k} {format_bytes(v)}" for k, v in ref.device.items()),
         f"per rank      host {format_bytes(ref.host_total)}: "
@@ -96,6 +102,8 @@ def render_target_plan(plan: "TargetPlan") -> str:
                      f"measured overlap) = predicted {st.predicted_s:.2f} s/step; "
                      f"{st.tokens_per_s:,.0f} tokens/s; {st.tflops_per_gpu:.1f} TFLOPS per GPU "
                      f"({st.tflops_per_gpu / gpu.peak_tflops:.1%} of peak)")
+    if plan.formats:
+        lines += [""] + render_formats(plan.formats, target=True)
     lines += [f"note: {n}" for n in plan.notes]
     cfg = plan.ds_config()
     if cfg:

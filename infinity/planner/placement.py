@@ -69,19 +69,23 @@ def state_bytes(fmt: StateFormat, units: list[tuple[int, int]], *, ranks: int, s
     and with it an fp32 master: ``keeps_fp32_master``); the elements of each kind are shared
     over ``ranks`` when ``sharded`` (stages 1-3), as the plan's element counts are, and each
     int8 range has its scales (one fp32 per 2048 elements of m and of v)."""
+    by_span: dict[int, list[int]] = {}      # span -> [units, trainable elements]: few spans
+    for trainable, span in units:
+        if trainable > 0:
+            entry = by_span.setdefault(span, [0, 0])
+            entry[0] += 1
+            entry[1] += trainable
     kinds: dict[tuple[int, bool], int] = {}
     scales = kept = 0
-    for trainable, span in units:
-        if trainable <= 0:
-            continue
+    for span, (count, trainable) in by_span.items():
         unit = unit_format([fmt], span)
-        kept += fmt.moments == "int8" and unit.moments != "int8"
+        kept += count if fmt.moments == "int8" and unit.moments != "int8" else 0
         master = keeps_fp32_master(unit, master_separate=master_separate,
                                    compute_itemsize=compute_itemsize)
         key = (unit.moment_itemsize, master)
         kinds[key] = kinds.get(key, 0) + trainable
         if unit.moments == "int8":
-            scales += 2 * 4 * int8_blocks(span)
+            scales += count * 2 * 4 * int8_blocks(span)
     optimizer = sum((2 * itemsize + 4 * master) * (-(-elems // ranks) if sharded else elems)
                     for (itemsize, master), elems in kinds.items())
     return StateBytes(optimizer=optimizer, scales=scales, kept_fp32=kept)

@@ -93,14 +93,12 @@ class RankMemory:
 
     def states_note(self) -> str:
         """What the optimizer states per parameter are: "fp32 master, m, v", "fp32 master,
-        int8 m, v + scales", "bf16 m, v (the bf16 parameter is the master)"."""
+        int8 m, v + scales", "bf16 m, v" (a single copy: the parameter is the master)."""
         lay = self.placement
         fmt = lay.state_format
         moments = "m, v" if fmt.is_default else f"{fmt.moments} m, v" + (
             " + scales" if fmt.moments == "int8" else "")
-        if not lay.single_copy:
-            return f"fp32 master, {moments}"
-        return f"{moments}; the {lay.compute_dtype} parameter is the master"
+        return f"fp32 master, {moments}" if not lay.single_copy else moments
 
     @property
     def model_states_bytes(self) -> int:

@@ -15,6 +15,7 @@ Pure: it takes the model as each unit's (numel, trainable) parameters and the ma
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -170,6 +171,11 @@ def units_of_stats(stats: ModelStats) -> list[UnitParams]:
     """The units of a model known by its counts: one (numel, trainable) entry per unit, the
     frozen elements taken from the first units (the per-parameter 64-byte alignment inside a
     unit is below a plan's resolution)."""
+    return list(_units_of_stats(stats))
+
+
+@functools.lru_cache(maxsize=64)       # a target plan asks the same stats for every rung
+def _units_of_stats(stats: ModelStats) -> tuple[UnitParams, ...]:
     frozen = stats.total_params - stats.trainable_params
     units = []
     for numel in stats.units():
@@ -177,7 +183,7 @@ def units_of_stats(stats: ModelStats) -> list[UnitParams]:
         frozen -= take
         units.append(UnitParams(((numel - take, True), (take, False)) if take
                                 else ((numel, True),)))
-    return units
+    return tuple(units)
 
 
 def stats_of_units(units: Sequence[UnitParams]) -> ModelStats:

@@ -1,6 +1,7 @@
 """A plan for a target machine: the decision path (``decide``), the chosen config's memory per
-rank and node, its predicted step time (``step_time``), the notes that explain the choices, and
-the JSON of ``infinity plan --json`` with target flags (``TargetPlan.as_dict``).
+rank and node, its predicted step time (``step_time``), what each Adam state format would
+change (``formats``), the notes that explain the choices, and the JSON of ``infinity plan
+--json`` with target flags (``TargetPlan.as_dict``).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
 from infinity.planner.decide import TARGET_SWAP_DIR, Decision, decide
+from infinity.planner.formats import FormatRow, config_format, target_formats
 from infinity.planner.inputs import ModelStats
 from infinity.planner.rank_memory import (
     GPU_RUNTIME_HOST_BYTES,
@@ -39,6 +41,8 @@ class TargetPlan:
     step: StepTime | None
     """None when infeasible."""
     notes: tuple[str, ...]
+    formats: tuple[FormatRow, ...] = ()
+    """What each Adam state format would change at the plan's rung (``formats``)."""
 
     @property
     def chosen(self) -> RankMemory | None:
@@ -49,9 +53,17 @@ class TargetPlan:
         """The chosen rung's memory, or the deepest rung's when none fits."""
         return self.decision.chosen or self.decision.rungs[-1].memory
 
+    @property
+    def projection(self) -> bool:
+        """The chosen config has a bf16 master on the GPUs, which the engine refuses for now:
+        its figures are a projection, and it is no config to run."""
+        return self.decision.project_gpu_master and \
+            self.reference.placement.state_format.master == "bf16"
+
     def ds_config(self) -> dict[str, Any]:
-        """The chosen config's sections, ready to paste (empty when infeasible)."""
-        if self.chosen is None:
+        """The chosen config's sections, ready to paste (empty when infeasible or a
+        projection)."""
+        if self.chosen is None or self.projection:
             return {}
         full = self.chosen.config.to_dict()
         out = {key: full[key] for key in DS_CONFIG_KEYS if key in full}
@@ -64,9 +76,11 @@ class TargetPlan:
         """JSON-ready form (``infinity plan --json`` with target flags)."""
         d, ref = self.decision, self.reference
         t = d.target
+        fmt = ref.placement.state_format
         return {
             "feasible": d.feasible,
-            "recommended": d.rungs[-1].label if d.feasible else None,
+            "recommended": d.rungs[-1].label if d.feasible and not self.projection else None,
+            "projection": self.projection,
             "model": {"total_params": d.stats.total_params, "trainable_params": d.stats.trainable_params,
                       "n_units": d.stats.n_units, "largest_unit_params": d.stats.largest_unit_params,
                       "shape": dataclasses.asdict(d.shape)},
@@ -79,6 +93,10 @@ class TargetPlan:
                           "offload_param": r.memory.config.zero.offload_param.device,
                           "offload_optimizer": r.memory.config.zero.offload_optimizer.device}
                          for r in d.rungs],
+            "state_format": {"optimizer_moments": fmt.moments, "optimizer_master": fmt.master,
+                             "label": fmt.label, "states_per_rank": dataclasses.asdict(
+                                 ref.placement.states)},
+            "formats": [row.as_dict() for row in self.formats],
             "model_states_bytes": ref.model_states_bytes,
             "bytes_per_param": {"this_engine": ref.bytes_per_param(), "paper": PAPER_BYTES_PER_PARAM},
             "per_rank": ref.per_tier(),
@@ -133,11 +151,21 @@ def _notes(d: Decision) -> list[str]:
                      "(fp16.enabled, loss_scale 0); the early step is off (the overflow check "
                      "needs every gradient first), so gradients are kept")
     else:
-        notes.append("bf16 compute on the GPUs; fp32 master weights and Adam states")
+        notes.append("bf16 compute on the GPUs")
+    lay = (d.chosen or d.rungs[-1].memory).placement
+    fmt = lay.state_format
+    if fmt.is_default:
+        notes.append("fp32 master weights and Adam states (see the formats below for fewer "
+                     "bytes: infinity.optimizer_moments / optimizer_master)")
+    else:
+        notes.append(f"Adam states stored as {fmt.describe()}; stepped by the CPU Adam in fp32")
+    if d.project_gpu_master and fmt.master == "bf16":
+        notes.append("PROJECTION: a bf16 master (optimizer_master \"bf16\") is not available on "
+                     "GPUs yet (the engine refuses it there); the figures are what it would take, "
+                     "and no ds_config is given")
     if d.chosen is None:
         return notes
     m = d.chosen
-    lay = m.placement
     if lay.early_step:
         notes.append("early step: each unit's shard is stepped as its gradient arrives, "
                      "gradients have no home (no clipping, no fp16, no accumulation)")
@@ -148,7 +176,7 @@ def _notes(d: Decision) -> list[str]:
         notes.append("speculative step off: the node's NVMe lacks the room for its second copies")
     if m.checkpointing and d.workload.activation_checkpointing == "auto":
         plain = rank_memory(m.candidate, d.stats, d.shape, t, d.workload, checkpointing=False,
-                            split_units=m.units_split)
+                            split_units=m.units_split, project_gpu_master=d.project_gpu_master)
         notes.append(f"activation checkpointing is needed: without it the activations take "
                      f"{format_bytes(plain.device['activations'])} per GPU; enable it in the model "
                      "(transformers: model.gradient_checkpointing_enable()); the engine does not "
@@ -158,7 +186,8 @@ def _notes(d: Decision) -> list[str]:
                      "model.gradient_checkpointing_enable())")
     if m.units_split:
         whole = rank_memory(m.candidate, d.stats, d.shape, t, d.workload,
-                            checkpointing=m.checkpointing, split_units=False)
+                            checkpointing=m.checkpointing, split_units=False,
+                            project_gpu_master=d.project_gpu_master)
         over = whole.device_total - t.device_budget_bytes
         notes.append(f"a whole block ({d.stats.largest_unit_params:,} parameters) is too large to "
                      f"stream: fetched with its gradient and prefetch it needs "
@@ -172,9 +201,15 @@ def _notes(d: Decision) -> list[str]:
 
 def plan_target(stats: ModelStats, shape: ModelShape, target: Target, workload: Workload,
                 base: InfinityConfig | None = None, nvme_path: str | None = None,
-                as_written: bool = False) -> TargetPlan:
-    """The decision path, step time and notes for ``stats`` on ``target`` (``as_written``:
-    only ``base``'s own stage and offload devices)."""
-    decision = decide(stats, shape, target, workload, base, nvme_path, as_written)
+                as_written: bool = False, formats: bool = True) -> TargetPlan:
+    """The decision path, step time, notes and (``formats``) the Adam state formats' rows for
+    ``stats`` on ``target`` (``as_written``: only ``base``'s own stage and offload devices). A
+    ``base`` asking for a bf16 master is planned as a projection: the engine does not run one
+    on GPUs yet."""
+    base = base or InfinityConfig()
+    project = config_format(base).master == "bf16"
+    decision = decide(stats, shape, target, workload, base, nvme_path, as_written,
+                      project_gpu_master=project)
     step = None if decision.chosen is None else predict_step(decision.chosen, shape, target, workload)
-    return TargetPlan(decision=decision, step=step, notes=tuple(_notes(decision)))
+    rows = target_formats(decision, step, base, nvme_path, as_written) if formats else ()
+    return TargetPlan(decision=decision, step=step, notes=tuple(_notes(decision)), formats=rows)
