@@ -5,7 +5,8 @@ Two tensor files per rank. ``rank{r}_model.safetensors``: every parameter by its
 other names are listed as aliases in the manifest), trainable ones as their fp32 master,
 frozen ones in their own dtype, then the module's persistent buffers.
 ``rank{r}_optim.safetensors``: ``<name>.exp_avg`` and ``<name>.exp_avg_sq`` of every trainable
-parameter. In both, tensors come unit by unit in flat-layout order, which is the order the
+parameter, in the unit's state format (a bf16 master is the BF16 parameter of the model file:
+see [Note: moments in their format in a checkpoint] in checkpoint/moment_files.py). In both, tensors come unit by unit in flat-layout order, which is the order the
 stores are streamed in, so each file is written front to back.
 
 [Note: checkpoints by parameter and slice]

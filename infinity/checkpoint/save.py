@@ -18,8 +18,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from infinity.checkpoint.directory import (
     FORMAT,
     VERSION,
@@ -40,6 +38,7 @@ from infinity.checkpoint.layout import (
     persistent_buffers,
     unit_layouts,
 )
+from infinity.checkpoint.moment_files import moment_parts, optim_table, write_scales
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter, itemsize
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, save_entries
@@ -131,20 +130,8 @@ def _model_tensors(layouts: list[UnitLayout], buffers) -> list[tuple]:
     return tensors + [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
 
 
-def _moment_parts(lay: UnitLayout, moment: str):
-    return lay.saved_parts(lay.placed_state(getattr(lay.state, moment)), lay.trainable)
-
-
 def _optim_tensors(layouts: list[UnitLayout]) -> list[tuple]:
-    tensors = []
-    for lay in layouts:
-        if lay.state is None:
-            continue
-        for moment in MOMENTS:
-            for part in _moment_parts(lay, moment):
-                name, shape = lay.tensor_name(part, f".{moment}")
-                tensors.append((name, torch.float32, shape))
-    return tensors
+    return optim_table(layouts, {"format": FORMAT})[0]
 
 
 def _file_bytes(tensors: list[tuple]) -> int:
@@ -179,16 +166,20 @@ def _write_model(path: Path, layouts: list[UnitLayout], buffers, chunks: ChunkPo
 
 
 def _write_optim(path: Path, layouts: list[UnitLayout], chunks: ChunkPool) -> tuple:
-    writer = TensorFileWriter(path, _optim_tensors(layouts), {"format": FORMAT})
+    """Each unit's moments in its state's format, int8 scales after their codes (see [Note:
+    moments in their format in a checkpoint] in checkpoint/moment_files.py)."""
+    writer = TensorFileWriter(path, *optim_table(layouts, {"format": FORMAT}))
     try:
         for lay in layouts:
             if lay.state is None:
                 continue
             for moment in MOMENTS:
-                save_entries(getattr(lay.state, moment), _moment_parts(lay, moment), chunks,
+                parts = moment_parts(lay, moment)
+                save_entries(getattr(lay.state, moment), [p.part for p in parts], chunks,
                              lambda p, v, m=moment, lay=lay:
                              writer.append(lay.tensor_name(p, f".{m}")[0], v),
                              origin=lay.state.lo)
+                write_scales(writer.append, lay, moment, parts)
         return writer.close()
     finally:
         writer.abort()

@@ -24,10 +24,16 @@ _Slice = tuple[int, int, TensorFileReader, str]
 class SlicedReader:
     """Tensors by their whole name over several ``TensorFileReader``s. A file tensor
     ``<name>#<first>`` is elements [first, first + n) of the flattened tensor ``name``, whose
-    shape ``shapes`` gives (the manifest's); any other name is a whole tensor."""
+    shape ``shapes`` gives (the manifest's); any other name is a whole tensor.
+
+    ``mixed_dtypes``: the slices of one tensor may have different dtypes (Adam's moments: a
+    rank whose state is under 4096 elements keeps fp32 where the others saved int8 codes, see
+    [Note: moments in their format in a checkpoint] in checkpoint/moment_files.py); such a
+    tensor's ``info`` says float32 and it is read slice by slice (``slices``), not by
+    ``read_into``."""
 
     def __init__(self, readers: Sequence[TensorFileReader], shapes: dict[str, Sequence[int]],
-                 what: Path) -> None:
+                 what: Path, mixed_dtypes: bool = False) -> None:
         self.readers = list(readers)
         self._slices: dict[str, list[_Slice]] = {}
         self.tensors: dict[str, TensorInfo] = {}
@@ -43,7 +49,9 @@ class SlicedReader:
                         raise CheckpointError(f"checkpoint {what}: tensor {name} is in two "
                                               "files: the checkpoint is damaged")
                     self.tensors[name] = info
-                if dtypes.setdefault(name, info.dtype) != info.dtype:
+                if dtypes.setdefault(name, info.dtype) != info.dtype and mixed_dtypes:
+                    dtypes[name] = torch.float32
+                elif dtypes[name] != info.dtype:
                     raise CheckpointError(f"checkpoint {what}: the slices of {name} have two "
                                           f"dtypes ({dtypes[name]}, {info.dtype}): damaged")
                 self._slices.setdefault(name, []).append((start, info.numel, reader, file_name))
@@ -75,6 +83,13 @@ class SlicedReader:
         except KeyError:
             raise CheckpointError(f"the checkpoint has no tensor {name}") from None
 
+    def slices(self, name: str, start: int = 0, end: int | None = None) -> list[_Slice]:
+        """The file slices of ``name`` that hold elements of [start, end), in order (one for
+        a whole tensor): (first element, element count, reader, file tensor name)."""
+        self.info(name)
+        end = self.tensors[name].numel if end is None else end
+        return [s for s in self._slices[name] if s[0] < end and start < s[0] + s[1]]
+
     def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
         """Fill host tensor ``out`` with elements [start, start + out.numel()) of ``name``."""
         end = start + out.numel()
@@ -102,15 +117,15 @@ class SlicedReader:
         self.close()
 
 
-def open_ranks(save: PinnedSave, names: Sequence[str], shapes: dict[str, Sequence[int]]
-               ) -> SlicedReader:
+def open_ranks(save: PinnedSave, names: Sequence[str], shapes: dict[str, Sequence[int]],
+               mixed_dtypes: bool = False) -> SlicedReader:
     """The files ``names`` of a pinned checkpoint (one per saving rank) as one
     ``SlicedReader``."""
     readers: list[TensorFileReader] = []
     try:
         for name in names:
             readers.append(save.reader(name))
-        return SlicedReader(readers, shapes, save.directory)
+        return SlicedReader(readers, shapes, save.directory, mixed_dtypes)
     except BaseException:
         for reader in readers:
             reader.close()
