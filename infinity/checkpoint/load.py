@@ -29,6 +29,8 @@ from infinity.checkpoint.layout import (
     persistent_buffers,
     unit_layouts,
 )
+from infinity.checkpoint.moment_files import SavedMoments
+from infinity.checkpoint.moment_load import Conversions, load_int8, master_fill, moment_fill
 from infinity.checkpoint.pinned import PinnedSave, SavedWhileLoading, pin_save
 from infinity.checkpoint.restore import Restore, read_restore
 from infinity.checkpoint.save import RankAgreement, check_at_rest
@@ -145,11 +147,15 @@ def _check_optimizer(layouts: list[UnitLayout], match: Match, manifest: dict[str
 
 
 def _load_unit(lay: UnitLayout, match: Match, model: SlicedReader,
-               optim: SlicedReader | None, chunks: ChunkPool,
-               params_manifest: dict[str, Any]) -> None:
+               saved: SavedMoments | None, chunks: ChunkPool, params_manifest: dict[str, Any],
+               conversions: Conversions) -> None:
     loaded = [e for e in lay.entries if e in match.names]
     partial = len(loaded) < len(lay.entries)
-    values = _reader_fill(model, match.names)
+    state = lay.state
+    # the model file's values; a master saved in another format than this run's is noted
+    values = master_fill(_reader_fill(model, match.names), model, match.names,
+                         state is not None and state.fmt.master == "bf16", state is not None,
+                         conversions)
     params = lay.placed_params     # each home takes the range of the unit it holds
     load_entries(params.source, parts_of(loaded, params.covers), chunks, values,
                  both_extents=True, merge=partial, origin=params.origin)
@@ -158,16 +164,22 @@ def _load_unit(lay: UnitLayout, match: Match, model: SlicedReader,
         master = lay.placed_state(lay.master)
         load_entries(master.source, parts_of(trainable, master.covers), chunks, values,
                      merge=len(trainable) < len(lay.trainable), origin=master.origin)
-    if optim is None or lay.state is None:
+    if saved is None or state is None:
         return
+    kept = [e for e in lay.trainable if e not in match.names]
     for moment in MOMENTS:
-        placed = lay.placed_state(getattr(lay.state, moment))
+        store = getattr(state, moment)
+        if state.fmt.moments == "int8":     # block by block (checkpoint/moment_load.py)
+            load_int8(store, getattr(state, f"{moment}_scales"), state.lo, trainable, kept,
+                      saved, match.names, f".{moment}", chunks, conversions)
+            continue
+        placed = lay.placed_state(store)
         load_entries(placed.source, parts_of(trainable, placed.covers), chunks,
-                     _reader_fill(optim, match.names, f".{moment}"),
-                     merge=len(trainable) < len(lay.trainable), origin=placed.origin)
+                     moment_fill(saved, match.names, f".{moment}", store.dtype, conversions),
+                     merge=bool(kept), origin=placed.origin)
     for entry in trainable:
-        lay.state.param_steps[entry.offset] = int(params_manifest[match.names[entry]].get("steps", 0))
-    lay.state.step = max(lay.state.param_steps.values(), default=0)
+        state.param_steps[entry.offset] = int(params_manifest[match.names[entry]].get("steps", 0))
+    state.step = max(state.param_steps.values(), default=0)
 
 
 def _check_buffers(buffers: list[tuple[str, torch.Tensor]], reader: SlicedReader,
@@ -197,6 +209,7 @@ class CheckpointLoad:
         self.buffers = persistent_buffers(state.module)
         self.model: SlicedReader | None = None
         self.optim: SlicedReader | None = None
+        self.moments: SavedMoments | None = None
         self.match: Match | None = None
 
     def check(self, strict: bool, optimizer_states: bool) -> None:
@@ -209,7 +222,12 @@ class CheckpointLoad:
         self.match.check(strict, directory)
         if optimizer_states:
             moments = {f"{name}.{m}": shape for name, shape in shapes.items() for m in MOMENTS}
-            self.optim = open_ranks(self.save, [optim_file(r) for r in range(saved)], moments)
+            # a moment's slices may differ in format (see [Note: moments in their format in
+            # a checkpoint] in checkpoint/moment_files.py)
+            self.optim = open_ranks(self.save, [optim_file(r) for r in range(saved)], moments,
+                                    mixed_dtypes=True)
+            self.moments = SavedMoments(self.optim, directory)
+            self.moments.check(moments)
             _check_optimizer(self.layouts, self.match, self.manifest, self.optim, self.state,
                              directory)
         _check_buffers(self.buffers, self.model, strict, directory)
@@ -226,14 +244,18 @@ class CheckpointLoad:
         # the step counts are read only with optimizer states, whose check refused a manifest
         # without them; a module-only load needs none
         params = self.manifest.get("params", {})
+        conversions = Conversions()
         for lay in self.layouts:
-            _load_unit(lay, self.match, self.model, self.optim, chunks, params)
+            _load_unit(lay, self.match, self.model, self.moments, chunks, params, conversions)
+        said = conversions.line()
+        if said:     # states saved in another format than this run's (or in bf16 / int8)
+            log.info("loaded %s: %s", self.directory, said)
 
     def close(self) -> None:
         for reader in (self.optim, self.model):
             if reader is not None:
                 reader.close()
-        self.model = self.optim = None
+        self.model = self.optim = self.moments = None
         self.save.close()
 
     def __enter__(self) -> "CheckpointLoad":

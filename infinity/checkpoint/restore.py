@@ -23,6 +23,7 @@ log = get_logger("checkpoint")
 # adam_w_mode is the optimizer's attribute and not a saved group setting; and the state formats:
 # the running engine's stores are built in its own, a checkpoint in another is converted on load
 CONFIG_GROUP_KEYS = ("adamw_mode", "optimizer_moments", "optimizer_master")
+FORMAT_KEYS = ("optimizer_moments", "optimizer_master")
 
 
 def _number(value: Any, what: str, directory: Path, integer: bool = False) -> Any:
@@ -45,7 +46,11 @@ def _saved_groups(state: TrainingState, manifest: dict[str, Any], directory: Pat
         restored = {}
         for key, value in settings.items():
             if key in CONFIG_GROUP_KEYS or key not in group or key == "params":
-                if key in CONFIG_GROUP_KEYS and value != group.get(key):
+                if key in FORMAT_KEYS and value != group.get(key):
+                    log.info("checkpoint %s was saved with %s = %r in param group %d; the "
+                             "config's %r is kept: its states are converted on load",
+                             directory, key, value, index, group.get(key))
+                elif key in CONFIG_GROUP_KEYS and value != group.get(key):
                     log.warning("checkpoint %s was saved with %s = %r in param group %d; the "
                                 "config's %r is kept", directory, key, value, index, group.get(key))
                 continue
