@@ -25,6 +25,12 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
     manifest = save.manifest
     with save, open_ranks(save, files, param_shapes(manifest)) as reader:   # every rank's slices
         state = {name: reader.read(name) for name in reader.tensors}
+    # a bf16 master (optimizer_master "bf16") is saved as the bf16 parameter: its fp32 value
+    params = manifest.get("params", {})
+    for name, tensor in state.items():
+        if tensor.dtype == torch.bfloat16 and isinstance(params.get(name), dict) \
+                and params[name].get("trainable"):
+            state[name] = tensor.float()
     for alias, name in manifest.get("aliases", {}).items():
         state[alias] = state[name]
     return state
