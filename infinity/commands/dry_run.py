@@ -55,6 +55,7 @@ class DryRunRates:
     nvme_read_GBps: float
     nvme_write_GBps: float
     adam_params_per_s: float
+    """The CPU Adam with fp32 states (the stepper scales it for the run's state format)."""
     net_GBps: float = 0.0
     """Collectives, per rank (ring): only with several ranks."""
 

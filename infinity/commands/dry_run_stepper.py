@@ -40,6 +40,7 @@ from infinity.planner.state_format import (
     unit_format,
     unit_stores,
 )
+from infinity.planner.step_time import adam_rate_factor
 from infinity.storage.tiers import Tier
 from infinity.zero.protocols import Wait
 from infinity.zero.unit import Unit
@@ -74,7 +75,9 @@ class SimStepper:
         self.instant = instant
         self.grads_held = grads_held
         self.backward_s = backward_s
-        self.adam = Lane(self.clock, float("inf") if instant else adam_params_per_s, "CPU Adam")
+        # the rate is fp32 states' (DryRunRates): the format's kernel sets it (step_time)
+        self.adam = Lane(self.clock, float("inf") if instant else
+                         adam_params_per_s * adam_rate_factor(state_format), "CPU Adam")
         self.states: dict[int, list[SimStore]] = {}
         self.scales: dict[int, list[SimStore]] = {}   # int8 scales: host memory, not moved
         self.masters: set[int] = set()                # units with a separate fp32 master

@@ -42,7 +42,13 @@ from infinity.planner.placement import Placement
 from infinity.planner.run_plan import plan_run, units_of_stats
 from infinity.planner.shape import ModelShape, activation_bytes, flops_per_token
 from infinity.planner.sizes import DerivedSizes
-from infinity.planner.step_time import OVERLAP_FACTOR, Link, nvme_traffic, reuse_bytes
+from infinity.planner.step_time import (
+    OVERLAP_FACTOR,
+    Link,
+    adam_rate_factor,
+    nvme_traffic,
+    reuse_bytes,
+)
 from infinity.planner.tiers import Tier
 
 __all__ = ["MachineRates", "Constants", "RunPrediction", "predict_run", "run_sizes", "fit_constants",
@@ -192,9 +198,12 @@ def predict_run(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, hw: H
                        f"{rates.compute_flops_per_s / 1e9:.0f} GFLOP/s of the block's products "
                        f"({lay.compute_dtype})")]
     if lay.opt_tier != Tier.DEVICE or lay.single_copy:
+        fmt = lay.state_format        # the rate is measured with fp32 states
         links.append(Link(name="CPU Adam", amount=lay.opt_elems, unit="param",
-                          rate=rates.adam_params_per_s, per="node",
-                          note=f"measured {rates.adam_params_per_s / 1e9:.2f} G params/s"))
+                          rate=rates.adam_params_per_s * adam_rate_factor(fmt), per="node",
+                          note=f"measured {rates.adam_params_per_s / 1e9:.2f} G params/s"
+                               + ("" if fmt.is_default else
+                                  f" in fp32, x {adam_rate_factor(fmt):.2f} for {fmt.label}")))
     if read or write:
         links.append(Link(name="NVMe read", amount=read, unit="B", rate=rates.nvme_read_GBps * 1e9,
                           per="node", note=f"measured {rates.nvme_read_GBps:.2f} GB/s"))

@@ -35,7 +35,10 @@ micro-steps of accumulation):
   dtype; gradients in fp32, as the engine collects them (optim/gradients.py, [Note: gradients
   over ranks]) -- the dry run's collectives showed the 16-bit count 2x short.
 * CPU Adam, per node: the node's optimizer elements at ``CPU_ADAM_PARAMS_PER_CORE`` per core, or
-  at the host memory bandwidth for ``CPU_ADAM_BYTES_PER_PARAM`` bytes each, the slower.
+  at the host memory bandwidth for ``CPU_ADAM_BYTES_PER_PARAM`` bytes each, the slower. With
+  other Adam state formats, the per-core rate has the fp32 kernel's time per element replaced by
+  the format's (``adam_params_per_core``: int8 is ~7x slower a core) and the bytes are the
+  format's (``adam_bytes_per_param``).
 """
 from __future__ import annotations
 
@@ -44,11 +47,13 @@ from dataclasses import dataclass
 from infinity.planner.placement import Placement
 from infinity.planner.rank_memory import RankMemory
 from infinity.planner.shape import ModelShape, flops_per_token
+from infinity.planner.state_format import StateFormat
 from infinity.planner.target import Target, Workload
 from infinity.planner.tiers import Tier
 
 __all__ = ["Link", "StepTime", "predict_step", "nvme_traffic", "reuse_bytes", "slowest_lane",
-           "OVERLAP_FACTOR",
+           "OVERLAP_FACTOR", "KERNEL_ELEMENTS_PER_S", "adam_params_per_core", "adam_rate_factor",
+           "adam_bytes_per_param",
            "CPU_ADAM_PARAMS_PER_CORE", "CPU_ADAM_BYTES_PER_PARAM", "LINK_EFFICIENCY", "REUSE_TURNS"]
 
 CPU_ADAM_PARAMS_PER_CORE = 0.9e9
@@ -70,6 +75,34 @@ ring collectives): an assumption, typical of published measurements."""
 REUSE_TURNS = 2
 """Points per step where units stay fetched for their next use: forward -> backward, and the
 end of backward (the step) -> the next forward."""
+KERNEL_ELEMENTS_PER_S = {"fp32": 1.7e9, "bf16": 2.2e9, "int8": 0.25e9}
+"""Elements per second of one core of the fused Adam kernel by moments format (one thread,
+AVX-512, AMD EPYC, 16M elements: docs/optimizer-formats.md, commit 87424e8)."""
+
+
+def adam_params_per_core(fmt: StateFormat) -> float:
+    """The engine's CPU Adam per core in ``fmt``: its measured fp32 rate
+    (``CPU_ADAM_PARAMS_PER_CORE``, kernel and the rest of the step) with the fp32 kernel's
+    time per element replaced by the format's kernel's (an estimate: the engine's step in the
+    formats has not been measured end to end)."""
+    rest = 1 / CPU_ADAM_PARAMS_PER_CORE - 1 / KERNEL_ELEMENTS_PER_S["fp32"]
+    return 1 / (rest + 1 / KERNEL_ELEMENTS_PER_S[fmt.moments])
+
+
+def adam_rate_factor(fmt: StateFormat) -> float:
+    """A CPU Adam rate measured with fp32 states, times this, is the rate in ``fmt``."""
+    return adam_params_per_core(fmt) / CPU_ADAM_PARAMS_PER_CORE
+
+
+def adam_bytes_per_param(lay: Placement) -> float:
+    """Host memory traffic of one parameter's Adam step: the master read and written (fp32,
+    or the parameter itself where it is its own), m and v read and written in their format,
+    the fp32 gradient read, the updated 16-bit copy written (none for a single copy): 30 B
+    with fp32 states beside 16-bit compute (``CPU_ADAM_BYTES_PER_PARAM``), 12 for int8
+    moments with a bf16 master."""
+    fmt = lay.state_format
+    master = 2 * lay.c if lay.single_copy else 8
+    return master + 4 * fmt.moment_itemsize + 4 + (0 if lay.single_copy else lay.c)
 
 
 def slowest_lane(links: list[Link]) -> tuple[float, str]:
@@ -216,13 +249,16 @@ def predict_step(memory: RankMemory, shape: ModelShape, target: Target, workload
 
     if lay.opt_tier != Tier.DEVICE:
         node_params = ranks * opt_elems
-        by_cores = CPU_ADAM_PARAMS_PER_CORE * target.cpu_cores
-        by_memory = target.host_memory_GBps * 1e9 / CPU_ADAM_BYTES_PER_PARAM
+        per_core = adam_params_per_core(lay.state_format)
+        per_param = adam_bytes_per_param(lay)
+        by_cores = per_core * target.cpu_cores
+        by_memory = target.host_memory_GBps * 1e9 / per_param
         rate = min(by_cores, by_memory)
         limit = "cores" if by_cores <= by_memory else "memory bandwidth"
+        fmt = "" if lay.state_format.is_default else f" ({lay.state_format.label}, {per_param:g} B)"
         links.append(Link(name="CPU Adam", amount=node_params, unit="param", rate=rate, per="node",
-                          note=f"{target.cpu_cores} cores x {CPU_ADAM_PARAMS_PER_CORE / 1e9:g} G/s, "
-                               f"{target.host_memory_GBps:g} GB/s memory: {limit}-bound"))
+                          note=f"{target.cpu_cores} cores x {per_core / 1e9:.2g} G/s, "
+                               f"{target.host_memory_GBps:g} GB/s memory{fmt}: {limit}-bound"))
 
     bound, bottleneck = slowest_lane(links)
     predicted = bound * OVERLAP_FACTOR
