@@ -24,7 +24,13 @@ from infinity.optim.gradients import gradients_held
 from infinity.planner.engine_sizes import EngineSizes
 from infinity.planner.inputs import ModelStats, detect_hardware
 from infinity.planner.plan import budget_need, host_budget_shortfall
-from infinity.planner.run_plan import RunPlan, UnitParams, plan_run, speculation_blockers
+from infinity.planner.run_plan import (
+    RunPlan,
+    UnitParams,
+    plan_run,
+    speculation_blockers,
+    stats_of_units,
+)
 from infinity.planner.sizes import host_allowed
 from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.storage.tiers import Tier
@@ -34,15 +40,6 @@ __all__ = ["COMPUTE_DTYPES", "EngineSizes", "engine_plan", "gradient_home_dtype"
            "param_group_of", "grouped_params", "host_budget_note", "warn_second_nvme_path"]
 
 log = get_logger("engine")
-
-
-def _stats(specs: list[UnitSpec]) -> ModelStats:
-    numels = [p.numel() for spec in specs for _, p in spec.params]
-    units = [sum(p.numel() for _, p in spec.params) for spec in specs]
-    trainable = sum(p.numel() for spec in specs for _, p in spec.params if p.requires_grad)
-    return ModelStats(total_params=sum(numels), trainable_params=trainable,
-                      largest_unit_params=max(units, default=0), n_units=len(units),
-                      largest_param=max(numels, default=0), param_numels=tuple(numels))
 
 
 def unit_params(specs: list[UnitSpec], groups: list[dict]) -> list[UnitParams]:
@@ -101,9 +98,12 @@ def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
         if hw.cpu_bf16 and without:
             hw = dataclasses.replace(hw, cpu_bf16=False, cpu_bf16_reason=(
                 f"rank(s) {', '.join(map(str, without))} have no native bf16"))
-    stats = _stats(specs)
+    # the counts of the units as the plan takes them (a parameter in no param group has no
+    # optimizer state: it is not trainable here, whatever its requires_grad)
+    units = unit_params(specs, groups)
+    stats = stats_of_units(units)
     _refuse_a_host_budget_too_small(cfg, stats, hw)
-    plan = plan_run(cfg, hw, stats=stats, units=unit_params(specs, groups),
+    plan = plan_run(cfg, hw, stats=stats, units=units,
                     device_is_cpu=device.type == "cpu",
                     direct_reads=DeviceMemoryCache.supported(device),
                     keeps_gradients=gradients_held(device),
