@@ -257,7 +257,7 @@ def predict_step(memory: RankMemory, shape: ModelShape, target: Target, workload
         limit = "cores" if by_cores <= by_memory else "memory bandwidth"
         fmt = "" if lay.state_format.is_default else f" ({lay.state_format.label}, {per_param:g} B)"
         links.append(Link(name="CPU Adam", amount=node_params, unit="param", rate=rate, per="node",
-                          note=f"{target.cpu_cores} cores x {per_core / 1e9:.2g} G/s, "
+                          note=f"{target.cpu_cores} cores x {round(per_core / 1e9, 2):g} G/s, "
                                f"{target.host_memory_GBps:g} GB/s memory{fmt}: {limit}-bound"))
 
     bound, bottleneck = slowest_lane(links)
