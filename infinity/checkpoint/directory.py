@@ -41,7 +41,13 @@ log = get_logger("checkpoint")
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "infinity-checkpoint"
-VERSION = 1
+VERSION = 2
+"""The newest manifest version this infinity writes and reads. Version 2: the moments (and a
+bf16 master) may be stored in a state format (checkpoint/moment_files.py); a checkpoint whose
+states are all fp32 is still written as version 1, byte for byte as before, so an older
+infinity loads it, and refuses (as newer) the ones it would misread."""
+FP32_STATES_VERSION = 1
+"""The version of a checkpoint whose Adam states are all fp32 (what every version reads)."""
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*\Z")   # \Z: "$" would let "tag\n" through
 
 
@@ -386,10 +392,10 @@ def parse_manifest(raw: bytes, path: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an infinity checkpoint manifest (format "
                               f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in (FP32_STATES_VERSION, VERSION):
         newer = isinstance(manifest.get("version"), int) and manifest["version"] > VERSION
         raise CheckpointError(f"{path} has format version {manifest.get('version')}; this "
-                              f"version of infinity reads version {VERSION}"
+                              f"version of infinity reads versions {FP32_STATES_VERSION} and {VERSION}"
                               + ("; it was written by a newer infinity: upgrade infinity to load "
                                  "it" if newer else ""))
     return manifest

@@ -21,6 +21,7 @@ from typing import Any
 from infinity.checkpoint.directory import (
     FORMAT,
     VERSION,
+    FP32_STATES_VERSION,
     check_tag,
     commit,
     ensure_save_dir,
@@ -267,12 +268,18 @@ def _check_visible(staging: Path, rank: int) -> None:
                                     "every rank mounts (a shared disk across nodes)")
 
 
+def _any_state_format(layouts: list[UnitLayout]) -> bool:
+    """Whether this rank saves a state in a format (see ``directory.VERSION``)."""
+    return any(lay.state is not None and not lay.state.fmt.is_default for lay in layouts)
+
+
 def _finish(training: TrainingState, staging: Path, save_dir: Path, tag: str,
             files: list[dict[str, dict[str, Any]]], layouts: list[UnitLayout],
             state: dict[str, Any], exclude_frozen: bool) -> Path:
     """Rank 0: the manifest naming every rank's files, then the atomic commit."""
     write_manifest(staging, {
-        "format": FORMAT, "version": VERSION, "tag": tag, "world_size": training.world_size,
+        "format": FORMAT, "version": VERSION if _any_state_format(layouts) else
+        FP32_STATES_VERSION, "tag": tag, "world_size": training.world_size,
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "files": {name: info for rank_files in files for name, info in rank_files.items()},
         "params": _params_manifest(layouts),

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import infinity
 from infinity.checkpoint import CheckpointError
 from infinity.checkpoint import save as save_module
+from infinity.checkpoint.directory import VERSION
 from infinity.checkpoint.tensor_file import TensorFileReader, TensorFileWriter
 from parity import VOCAB, checkpoint_engine, loss_of, make_model, train_random, zero_config
 
@@ -307,7 +308,7 @@ def test_a_manifest_that_does_not_match_its_files_is_refused_before_loading(engi
         manifest["params"].pop("lm_head.weight")
         expected = r"no step count for 1 parameter\(s\) \(lm_head\.weight\)"
     elif damage == "newer_version":
-        manifest["version"] += 1
+        manifest["version"] = VERSION + 1
         expected = "newer infinity: upgrade infinity"
     elif damage == "counter":
         manifest["engine"]["global_steps"] = "2"

@@ -145,6 +145,11 @@ def test_the_files_hold_the_format_and_are_smaller(saved) -> None:
             assert scales.numel() == (firsts[k + ".scales"] + optim[k].numel() + BLOCK - 1) // BLOCK
     # the fp32 file has what it always had: float32 moments and only the format metadata
     assert files["fp32"]["optim"][1] == {"format": "infinity-checkpoint"}
+    # and its manifest is the version every infinity reads; a format's is the one an older
+    # infinity refuses as newer instead of reading int8 codes as values
+    versions = {name: json.loads((runs[name][0] / "manifest.json").read_text())["version"]
+                for name in FORMATS}
+    assert versions == {"fp32": 1, "bf16": 2, "int8": 2, "int8-bf16-master": 2}
     assert sizes["bf16"]["optim"] < 0.52 * sizes["fp32"]["optim"]
     assert sizes["int8"]["optim"] < 0.28 * sizes["fp32"]["optim"]
     # a bf16 master is the bf16 parameter, saved as it is: half the model file

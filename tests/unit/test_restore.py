@@ -190,7 +190,7 @@ def test_group_settings_keep_config_keys_unknown_keys_and_params(infinity_log) -
     warnings = [rec.getMessage() for rec in infinity_log.records if rec.levelname == "WARNING"]
     assert warnings == [f"checkpoint {DIR} was saved with adamw_mode = True in param group 1; "
                         "the config's False is kept"]
-    assert CONFIG_GROUP_KEYS == ("adamw_mode",)
+    assert CONFIG_GROUP_KEYS == ("adamw_mode", "optimizer_moments", "optimizer_master")
 
 
 def test_a_group_the_engine_lacks_the_key_of_is_not_warned_about(infinity_log) -> None:
