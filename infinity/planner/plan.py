@@ -35,7 +35,7 @@ from infinity.planner.sizes import (
     pool_in_host_budget,
     slot_bytes_per_elem,
 )
-from infinity.planner.state_format import MIN_INT8_NUMEL
+from infinity.planner.state_format import MIN_INT8_NUMEL, StateFormat
 from infinity.planner.tiers import TIERS, Tier
 
 __all__ = ["Plan", "PlanItem", "plan_memory", "recommend_config", "host_budget_fits",
@@ -92,6 +92,12 @@ class Plan:
         """No tier exceeds its budget and the host RSS fits in MemAvailable."""
         return not self.warnings
 
+    @property
+    def state_format(self) -> StateFormat:
+        """The Adam state format the config asks for (every param group's default)."""
+        inf = self.config.infinity
+        return StateFormat(inf.optimizer_moments, inf.optimizer_master)
+
     def table(self) -> dict[str, dict[str, int]]:
         """component -> tier -> bytes, every cell present."""
         return {comp: {tier: self.bytes(comp, tier) for tier in TIERS} for comp in COMPONENTS}
@@ -106,6 +112,9 @@ class Plan:
             "peak_host_rss_bytes": self.peak_host_rss_bytes,
             "nvme_bytes_per_step": {"read": self.nvme_read_bytes_per_step,
                                     "write": self.nvme_write_bytes_per_step},
+            "state_format": {"optimizer_moments": self.state_format.moments,
+                             "optimizer_master": self.state_format.master,
+                             "label": self.state_format.label},
             "items": [dataclasses.asdict(i) for i in self.items],
             "sizes": dataclasses.asdict(self.sizes),
             "model": {k: v for k, v in dataclasses.asdict(self.stats).items()

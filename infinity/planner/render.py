@@ -27,7 +27,8 @@ def render_plan(plan: "Plan") -> str:
         f"{format_bytes(hw.host_total_bytes)}, {gpu}{disk}",
         f"config    ZeRO stage {z.stage}, offload_param {z.offload_param.device}, offload_optimizer "
         f"{z.offload_optimizer.device}, compute {sz.compute_dtype}, early step "
-        f"{'on' if sz.early_step else 'off'}, world size {plan.config.world_size} (bytes per rank)",
+        f"{'on' if sz.early_step else 'off'}, Adam states {plan.state_format.label}, world size "
+        f"{plan.config.world_size} (bytes per rank)",
         "",
         f"{'':18}{'device':>14}{'host':>14}{'nvme':>14}",
     ]

@@ -237,7 +237,12 @@ def test_the_cli_flags_set_the_formats_and_json_carries_them(capsys) -> None:
                      "--optimizer-moments", "int8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ds_config"]["infinity"]["optimizer_moments"] == "int8"
+    assert data["state_format"]["label"] == "int8 moments"
     assert any(r["current"] and r["format"] == "int8 moments" for r in data["formats"])
+    assert cli.main(["plan", "--model-size", "85M", "--host-budget", "2GiB",
+                     "--optimizer-moments", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "Adam states bf16 moments" in text and "Adam state formats at this config" in text
 
 
 def test_the_cpu_adam_runs_at_the_formats_kernel_and_moves_its_bytes() -> None:
