@@ -52,7 +52,10 @@ def held_states(engine, created: list) -> dict[str, int]:
         if not store.allocated:
             continue        # freed
         if kind == "scales":            # "<unit>.exp_avg.scales": the blocks, as the plan counts
-            held[f"{COMPONENT_OF[kind]}@{store.home}"] += store.numel * store.itemsize
+            key = f"{COMPONENT_OF[kind]}@{store.home}"
+            held[key] += store.numel * store.itemsize
+            if units[unit_name.rsplit(".", 1)[0]].shards > 1:
+                held[f"stores:{key}"] += 1      # a rank's blocks: of its shard (``check``)
             continue
         unit = units[unit_name]
         if unit.shards > 1:
