@@ -11,7 +11,14 @@ from typing import Any
 
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
-from infinity.planner.decide import TARGET_SWAP_DIR, Decision, decide
+from infinity.planner.decide import (
+    RUNGS,
+    TARGET_SWAP_DIR,
+    Decision,
+    candidate_config,
+    decide,
+    format_refusal,
+)
 from infinity.planner.formats import FormatRow, config_format, target_formats
 from infinity.planner.inputs import ModelStats
 from infinity.planner.rank_memory import (
@@ -208,6 +215,15 @@ def plan_target(stats: ModelStats, shape: ModelShape, target: Target, workload: 
     on GPUs yet."""
     base = base or InfinityConfig()
     project = config_format(base).master == "bf16"
+    # a format no rung can run (a bf16 master with fp32 moments or without bf16 compute; the
+    # config as written with the optimizer on the GPU) is refused with its reason at once
+    z = base.zero
+    stage, param, opt = ((z.stage, z.offload_param.device, z.offload_optimizer.device)
+                         if as_written else RUNGS[-1][1:])
+    refusal = format_refusal(candidate_config(base, target, workload, stage, param, opt,
+                                              nvme_path), stats, target, project)
+    if refusal is not None:
+        raise ValueError(refusal[1])
     decision = decide(stats, shape, target, workload, base, nvme_path, as_written,
                       project_gpu_master=project)
     step = None if decision.chosen is None else predict_step(decision.chosen, shape, target, workload)

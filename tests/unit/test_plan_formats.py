@@ -267,3 +267,18 @@ def test_the_cpu_adam_runs_at_the_formats_kernel_and_moves_its_bytes() -> None:
         per[moments, master] = adam_bytes_per_param(plan_run(cfg, CPU_BOX, stats=MODEL).placement)
     assert per == {("fp32", "fp32"): CPU_ADAM_BYTES_PER_PARAM, ("int8", "fp32"): 18,
                    ("int8", "bf16"): 12}
+
+
+def test_a_target_plan_refuses_a_format_no_rung_can_run() -> None:
+    """A bf16 master with fp32 moments, or on a GPU without bf16 (a V100 computes in fp16),
+    is refused at once with the engine's message, not walked rung by rung."""
+    kwargs = LLAMA_PRESETS["7B"]
+    stats, shape = llama_stats(kwargs), shape_from_llama_kwargs(kwargs)
+    for moments, gpu, message in (("fp32", "H100", 'with optimizer_moments "fp32"'),
+                                  ("int8", "V100-32G", "but the compute dtype is fp16")):
+        base = dataclasses.replace(InfinityConfig(), infinity=dataclasses.replace(
+            InfinityConfig().infinity, optimizer_moments=moments, optimizer_master="bf16"))
+        target = Target(gpu=GPU_PRESETS[gpu], gpus_per_node=1, host_memory_bytes=256 * GiB,
+                        cpu_cores=32)
+        with pytest.raises(ValueError, match=message):
+            plan_target(stats, shape, target, Workload(), base)
