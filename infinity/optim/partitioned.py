@@ -39,6 +39,7 @@ records live in optim/records.py. It implements the coordinator's ``UnitStepper`
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import torch
@@ -401,8 +402,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.gradients.land_writes()
         finally:
             dropped = self.gradients.drop_cycle()
-            log.warning("backward raised: the gradients of %d unit(s) collected since the last "
-                        "optimizer step are dropped%s", dropped,
+            raised = sys.exc_info()[1]       # called while the backward's error is handled
+            why = "" if raised is None else f" ({type(raised).__name__}: {str(raised)[:300]})"
+            log.warning("backward raised%s: the gradients of %d unit(s) collected since the last "
+                        "optimizer step are dropped%s", why, dropped,
                         "; units already stepped in this backward keep their update"
                         if self.early_step else "")
 
