@@ -32,7 +32,7 @@ from infinity.optim.gradients import _sum_of_squares
 from infinity.optim.records import StepRun, UnitOptimState, grad_pieces
 from infinity.planner.state_format import QBLOCK
 
-__all__ = ["MomentScales", "step_formatted", "unit_seed"]
+__all__ = ["MomentScales", "scales_of", "step_formatted", "unit_seed"]
 
 
 class MomentScales:
@@ -41,6 +41,16 @@ class MomentScales:
     def __init__(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         self.exp_avg = exp_avg
         self.exp_avg_sq = exp_avg_sq
+
+
+def scales_of(state: UnitOptimState, at: int, n: int) -> MomentScales | None:
+    """The int8 scales of the state's elements [at, at + n) (``at`` a block edge), as views of
+    their home in memory (the kernel rewrites them in place); None for other formats."""
+    if state.exp_avg_scales is None:
+        return None
+    blocks = slice(at // QBLOCK, (at + n + QBLOCK - 1) // QBLOCK)
+    return MomentScales(state.exp_avg_scales.tensor[blocks],
+                        state.exp_avg_sq_scales.tensor[blocks])
 
 
 def unit_seed(unit_index: int) -> int:

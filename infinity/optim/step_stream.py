@@ -77,7 +77,7 @@ from typing import Protocol
 
 import torch
 
-from infinity.optim.formatted_step import MomentScales
+from infinity.optim.formatted_step import MomentScales, scales_of
 from infinity.optim.gradients import _sum_of_squares
 from infinity.optim.records import (
     CompleteGradient,
@@ -90,7 +90,6 @@ from infinity.optim.records import (
     grad_pieces,
     sub_groups,
 )
-from infinity.planner.state_format import QBLOCK
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import TierManager, padded_numel
 
@@ -428,7 +427,7 @@ class StepStream:
         norm_in_kernel = job.early and not (shadow and (flat_gradient or job.gradient_home))
         sq = self.kernel.run(state, start, end, param, grad, t["m"], t["v"], job.grad_scale,
                              half, job.hyper, job.runs, grad_sq_sum=norm_in_kernel,
-                             scales=_scales_of(state, at, n))
+                             scales=scales_of(state, at, n))
         job.sq_norm += sq
         if not job.early and state.grad_store.resident:
             grad.zero_()          # the next backward accumulates into the home gradient
@@ -460,13 +459,9 @@ class StepStream:
         """Free the held gradient parts no sub-group still to be stepped covers, as the step
         goes and not at its end: a Llama layer's gradient at width 2048 is ~200 MB, and with two
         units' gradients waiting for their steps (the stream behind the backward) holding each
-        whole until its last kernel made peak memory depend on how far behind it fell.
-
-        A job's sub-groups are read and stepped in ascending order (a preempted read goes back
-        to the front of its job), so what is still to be stepped is everything from the first
-        pending sub-group's start on: a part is done when it ends there or before. (Comparing
-        each part with every pending sub-group cost sub-groups^2 per unit: a 7B layer in
-        4096-element sub-groups spent minutes here.)"""
+        whole until its last kernel made peak memory depend on how far behind it fell. A job's
+        sub-groups are stepped in ascending order (a preempted read goes back to the front), so
+        a part is done when it ends where the first pending sub-group starts, or before."""
         first = next((x.group.start for x in self._loads if x.job is job), None)
         if first is None:
             first = job.groups[0].start if job.groups else None
@@ -579,15 +574,6 @@ def _store(store, tensor: torch.Tensor, start: int, count: int, writes: list,
     ``shadow``: to the store's shadow extent)."""
     if not store.resident:
         writes.append((store.store_async(tensor, start, count, shadow), None))
-
-
-def _scales_of(state: UnitOptimState, at: int, n: int) -> MomentScales | None:
-    """The int8 scales of the state's elements [at, at + n) (``at`` a block edge), as views of
-    their home in memory (the kernel rewrites them in place); None for other formats."""
-    if state.exp_avg_scales is None:
-        return None
-    blocks = slice(at // QBLOCK, (at + n + QBLOCK - 1) // QBLOCK)
-    return MomentScales(state.exp_avg_scales.tensor[blocks], state.exp_avg_sq_scales.tensor[blocks])
 
 
 def flat_rounded_by_kernel(unit, grad, runs: list[StepRun], start: int, end: int) -> bool:
