@@ -10,7 +10,12 @@ import torch
 
 from infinity.base.log import get_logger
 from infinity.optim.records import INT8_CHUNK, UnitOptimState
-from infinity.planner.state_format import StateFormat, int8_blocks, unit_format
+from infinity.planner.state_format import (
+    StateFormat,
+    keeps_fp32_master,
+    unit_format,
+    unit_stores,
+)
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
 from infinity.zero.protocols import SteppedUnit
@@ -18,6 +23,9 @@ from infinity.zero.protocols import SteppedUnit
 log = get_logger("optim")
 
 __all__ = ["MOMENT_DTYPES", "group_format", "check_unit_format", "build_state", "log_formats"]
+
+SCALES = ("exp_avg.scales", "exp_avg_sq.scales")
+"""The int8 scale stores' names (``planner.state_format.unit_stores``)."""
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 """The stored dtype of m and v per moments format (int8: codes into the dynamic maps)."""
@@ -57,28 +65,25 @@ def build_state(manager: TierManager, unit: SteppedUnit, span: tuple[int, int],
     format]): m and v, the int8 scales, the fp32 master where one is kept, the gradient home
     of the deferred schedule. The master is not seeded here."""
     lo, hi = span
-    n = max(hi - lo, 1)        # a shard past the trainable part steps nothing
     fmt = unit_format({asked[e.group_index] for e in unit.trainable_entries()}, hi - lo)
     check_unit_format(unit, fmt, sub_group_numel)
-    # a bf16 master is the bf16 parameter; an fp32 one is separate where the compute copy is
-    # not fp32 on the CPU
-    separate = fmt.master == "fp32" and (master_separate or unit.dtype != torch.float32)
-    master = (manager.create(f"{unit.name}.master", n, torch.float32, optimizer_tier,
-                             doubled=doubled) if separate else None)
-    grad_store = None if early_step else manager.create(f"{unit.name}.grad", n, grad_dtype,
-                                                        grad_tier)
-    mdtype = MOMENT_DTYPES[fmt.moments]
-    state = UnitOptimState(
-        unit, manager.create(f"{unit.name}.exp_avg", n, mdtype, optimizer_tier, doubled=doubled),
-        manager.create(f"{unit.name}.exp_avg_sq", n, mdtype, optimizer_tier, doubled=doubled),
-        master, grad_store, shard=span if sharded else None, fmt=fmt)
-    if fmt.moments == "int8":
-        # zero scales: every code reads as 0 before the first step, whatever an NVMe extent
-        # held; the scales (4 bytes per 2048 elements) stay in host memory beside the codes
-        state.exp_avg_scales, state.exp_avg_sq_scales = (
-            manager.create(f"{unit.name}.{name}", int8_blocks(n), torch.float32, Tier.HOST)
-            for name in ("exp_avg.scales", "exp_avg_sq.scales"))
-    return state
+    # the stores the plan counts (planner/state_format.py: one rule for both): m and v in the
+    # format, an fp32 master where the compute copy is not the fp32 parameter itself (a bf16
+    # master is the bf16 parameter), the int8 scales in host memory (zero-initialised,
+    # so every code reads as 0 before the first step, whatever an NVMe extent held)
+    fp32_master = keeps_fp32_master(fmt, master_separate=master_separate,
+                                    compute_itemsize=unit.dtype.itemsize)
+    made = {store.name: manager.create(
+        f"{unit.name}.{store.name}", store.numel,
+        torch.float32 if store.name in ("master", *SCALES) else MOMENT_DTYPES[fmt.moments],
+        Tier.HOST if store.in_host else optimizer_tier, doubled=doubled and not store.in_host)
+        for store in unit_stores(fmt, hi - lo, fp32_master=fp32_master)}
+    grad_store = None if early_step else manager.create(
+        f"{unit.name}.grad", max(hi - lo, 1), grad_dtype, grad_tier)
+    return UnitOptimState(unit, made["exp_avg"], made["exp_avg_sq"], made.get("master"),
+                          grad_store, shard=span if sharded else None, fmt=fmt,
+                          exp_avg_scales=made.get(SCALES[0]),
+                          exp_avg_sq_scales=made.get(SCALES[1]))
 
 
 def log_formats(states: Iterable[UnitOptimState], asked: list[StateFormat]) -> None:
