@@ -269,7 +269,9 @@ def _check_visible(staging: Path, rank: int) -> None:
 
 
 def _any_state_format(layouts: list[UnitLayout]) -> bool:
-    """Whether this rank saves a state in a format (see ``directory.VERSION``)."""
+    """Whether this rank saves a state in a format (see ``directory.VERSION``): rank 0's
+    answer is every rank's, as a unit's format is decided on the whole unit, the same on every
+    rank (optim/state_formats.py ``build_state``)."""
     return any(lay.state is not None and not lay.state.fmt.is_default for lay in layouts)
 
 

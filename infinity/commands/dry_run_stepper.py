@@ -90,7 +90,7 @@ class SimStepper:
             lo = min(unit.shard_start, t) if unit.shards > 1 else 0
             span = min(unit.shard_start + unit.shard_numel, t) - lo if unit.shards > 1 else t
             n = max(1, span)
-            fmt = unit_format([state_format], span)
+            fmt = unit_format([state_format], t)      # per unit, as build_state decides
             master = keeps_fp32_master(fmt, master_separate=master_separate,
                                        compute_itemsize=unit.dtype.itemsize)
             if master:

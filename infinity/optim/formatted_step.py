@@ -36,7 +36,7 @@ __all__ = ["MomentScales", "scales_of", "step_formatted", "unit_seed"]
 
 
 class MomentScales:
-    """The int8 scales of one sub-group: blocks [first, first + count) of the state's."""
+    """The int8 scales of one sub-group's blocks (views of the state's scale stores)."""
 
     def __init__(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         self.exp_avg = exp_avg
@@ -100,7 +100,12 @@ def step_formatted(state: UnitOptimState, start: int, end: int, param: torch.Ten
         raise ValueError(f"{state.unit.name}: int8 moments need the sub-group's block scales")
     flat_grad = _flat_gradient(state, grad, start, end)
     total = 0.0
-    origin = start - state.lo          # the sub-group's first element in the state (a block edge)
+    if start % QBLOCK:
+        # blocks start at lo + k * 2048 and ``offset`` (the stochastic rounding's counter, in
+        # unit coordinates, so ranks draw different bits) must be a block edge: lo is a shard
+        # start, a multiple of SHARD_ALIGN_NUMEL, which must stay a multiple of QBLOCK
+        raise ValueError(f"{state.unit.name}: an int8 sub-group starts at element {start}, not "
+                         f"a multiple of {QBLOCK} (the state's range starts at {state.lo})")
     for kind, a, b, run_list in _block_spans(runs, start, end):
         s = slice(a - start, b - start)
         blocks = slice((a - start) // QBLOCK, (b - start + QBLOCK - 1) // QBLOCK)
@@ -109,7 +114,7 @@ def step_formatted(state: UnitOptimState, start: int, end: int, param: torch.Ten
             F.step_int8_moments(
                 param[s], flat_grad[s], m[s], v[s], scales.exp_avg[blocks],
                 scales.exp_avg_sq[blocks], step=run.step, grad_scale=grad_scale,
-                half_out=None if half_out is None else half_out[s], offset=origin + a - start,
+                half_out=None if half_out is None else half_out[s], offset=a,
                 seed=seed, threads=threads, **hyper[run.group_index])
         else:
             _split_block(param, flat_grad, m, v, scales, start, a, b, run_list, grad_scale,

@@ -119,6 +119,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         shard_states = shard_states and comm.active
         if comm.active:
             speculation = "off"
+        if speculation != "off" and any(not group_format(g).is_default
+                                        for g in self.param_groups):
+            # a param group's own state format (the plan saw only the config's): the redo of a
+            # speculated step reads fp32 states (see [Note: speculative step])
+            log.info("speculative step off: a param group stores its Adam states in a format")
+            speculation = "off"
         doubled = speculation != "off"
         self.manager = manager
         self.staging_pool = staging_pool

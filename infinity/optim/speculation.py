@@ -115,6 +115,7 @@ class Speculator:
         """Every store the unit's step writes has a shadow extent (see the note)."""
         store = state.unit.param_store
         return (self.speculating and store is not None and store.doubled
+                and state.fmt.is_default            # the redo reads fp32 states
                 and state.exp_avg.doubled and state.exp_avg_sq.doubled
                 and (state.master is None or state.master.doubled)
                 and not any(job.state is state for job in self.jobs))

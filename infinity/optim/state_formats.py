@@ -41,8 +41,16 @@ def group_format(group: dict) -> StateFormat:
         raise ValueError(f"param group with lr {group.get('lr')}: {exc}") from None
 
 
-def check_unit_format(unit: SteppedUnit, fmt: StateFormat, sub_group_numel: int) -> None:
-    """Refuse a format this unit cannot be stepped in, before any store is made."""
+def check_unit_format(unit: SteppedUnit, fmt: StateFormat, sub_group_numel: int,
+                      optimizer_tier: Tier = Tier.HOST) -> None:
+    """Refuse a format this unit cannot be stepped in, before any store is made (the run plan
+    refuses the config's formats; these checks catch a param group's own)."""
+    if not fmt.is_default and optimizer_tier is Tier.DEVICE and unit.flat.device.type != "cpu":
+        raise ValueError(
+            f"{unit.name}: its param group asks for {fmt.describe()}, but the optimizer states "
+            f"live on {unit.flat.device} (zero_optimization.offload_optimizer.device \"none\"):"
+            " the formats are stepped by the CPU Adam, on offloaded states. Offload the "
+            "optimizer (\"cpu\" or \"nvme\"), or keep the group's formats fp32")
     if fmt.master == "bf16":
         if unit.dtype != torch.bfloat16 or unit.flat.device.type != "cpu":
             raise ValueError(
@@ -52,8 +60,11 @@ def check_unit_format(unit: SteppedUnit, fmt: StateFormat, sub_group_numel: int)
     if fmt.moments == "int8" and sub_group_numel < INT8_CHUNK:
         raise ValueError(
             f"{unit.name}: int8 moments are stepped in chunks of at least {INT8_CHUNK} elements "
-            f"(two 2048-element blocks, 4 KiB of codes), but the sub-group is {sub_group_numel}: "
-            f"set zero_optimization.sub_group_size to at least {INT8_CHUNK}")
+            f"(two 2048-element blocks, 4 KiB of codes), but the run plan sized the sub-group at "
+            f"{sub_group_numel} (zero_optimization.sub_group_size, or what the host budget "
+            f"leaves the optimizer's slots): set sub_group_size to at least {INT8_CHUNK} and give "
+            "the host budget room, or ask for int8 in infinity.optimizer_moments, which the "
+            "plan sizes for")
 
 
 def build_state(manager: TierManager, unit: SteppedUnit, span: tuple[int, int],
@@ -65,8 +76,11 @@ def build_state(manager: TierManager, unit: SteppedUnit, span: tuple[int, int],
     format]): m and v, the int8 scales, the fp32 master where one is kept, the gradient home
     of the deferred schedule. The master is not seeded here."""
     lo, hi = span
-    fmt = unit_format({asked[e.group_index] for e in unit.trainable_entries()}, hi - lo)
-    check_unit_format(unit, fmt, sub_group_numel)
+    # the unit's format, the same on every rank: decided on the unit's trainable elements, not
+    # this rank's range of them (ranks would otherwise store one unit in two formats)
+    fmt = unit_format({asked[e.group_index] for e in unit.trainable_entries()},
+                      unit.trainable_numel)
+    check_unit_format(unit, fmt, sub_group_numel, optimizer_tier)
     # the stores the plan counts (planner/state_format.py: one rule for both): m and v in the
     # format, an fp32 master where the compute copy is not the fp32 parameter itself (a bf16
     # master is the bf16 parameter), the int8 scales in host memory (zero-initialised,

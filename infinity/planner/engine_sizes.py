@@ -60,7 +60,8 @@ blocks (``optim.records.INT8_CHUNK``) and refuses a smaller sub-group."""
 
 
 def optimizer_store_bytes(state_shares: Sequence[int], fmt: StateFormat, master_separate: bool,
-                          itemsize: int) -> tuple[int, int, bool]:
+                          itemsize: int, trainable: Sequence[int] | None = None
+                          ) -> tuple[int, int, bool]:
     """(bytes in the optimizer's tier, bytes in host memory, any unit in int8) of the
     optimizer's stores for units whose ranges this rank steps are ``state_shares``, each store
     padded to 4 KiB as the tier manager pads it: m, v (and the fp32 master) in the unit's
@@ -68,8 +69,12 @@ def optimizer_store_bytes(state_shares: Sequence[int], fmt: StateFormat, master_
     ``unit_stores``)."""
     tier = host = 0
     int8 = False
-    for share, units in Counter(s for s in state_shares if s > 0).items():   # few sizes
-        unit = unit_format([fmt], share)
+    # each unit's format is decided on its trainable elements (``trainable``; by default the
+    # shares: one rank), the same on every rank
+    trainable = state_shares if trainable is None else trainable
+    pairs = Counter((s, t) for s, t in zip(state_shares, trainable) if s > 0)   # few sizes
+    for (share, whole), units in pairs.items():
+        unit = unit_format([fmt], whole)
         int8 = int8 or unit.moments == "int8"
         master = keeps_fp32_master(unit, master_separate=master_separate,
                                    compute_itemsize=itemsize)
@@ -220,7 +225,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     # Host bytes the engine will hold before gradients get a home.
     total_trainable = sum(state_shares)
     state_bytes, scale_bytes, int8 = optimizer_store_bytes(state_shares, state_format,
-                                                           master_separate, itemsize)
+                                                           master_separate, itemsize,
+                                                           trainable=trainable)
     least_sub_group = INT8_SUB_GROUP if int8 else SUB_GROUP_ALIGN
     host = scale_bytes                  # int8 scales: host memory whatever the tier
     if param_tier == Tier.HOST:

@@ -69,16 +69,17 @@ def state_bytes(fmt: StateFormat, units: list[tuple[int, int]], *, ranks: int, s
     and with it an fp32 master: ``keeps_fp32_master``); the elements of each kind are shared
     over ``ranks`` when ``sharded`` (stages 1-3), as the plan's element counts are, and each
     int8 range has its scales (one fp32 per 2048 elements of m and of v)."""
-    by_span: dict[int, list[int]] = {}      # span -> [units, trainable elements]: few spans
+    # (span, the unit's format: decided on its trainable elements, the same on every rank) ->
+    # [units, trainable elements]: few keys
+    by_span: dict[tuple[int, StateFormat], list[int]] = {}
     for trainable, span in units:
         if trainable > 0:
-            entry = by_span.setdefault(span, [0, 0])
+            entry = by_span.setdefault((span, unit_format([fmt], trainable)), [0, 0])
             entry[0] += 1
             entry[1] += trainable
     kinds: dict[tuple[int, bool], int] = {}
     scales = kept = 0
-    for span, (count, trainable) in by_span.items():
-        unit = unit_format([fmt], span)
+    for (span, unit), (count, trainable) in by_span.items():
         kept += count if fmt.moments == "int8" and unit.moments != "int8" else 0
         master = keeps_fp32_master(unit, master_separate=master_separate,
                                    compute_itemsize=compute_itemsize)

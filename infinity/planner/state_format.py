@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
+from infinity.planner.alignment import SHARD_ALIGN_NUMEL
+
 __all__ = ["MOMENTS_FORMATS", "MASTER_FORMATS", "QBLOCK", "MIN_INT8_NUMEL", "StateFormat",
            "FP32_STATES", "unit_format", "int8_blocks", "StateStore", "keeps_fp32_master",
            "unit_stores", "COMPARED_FORMATS"]
@@ -36,6 +38,12 @@ QBLOCK = 2048
 """Elements per int8 block (one fp32 scale per block per moment; INF_ADAM_QBLOCK)."""
 MIN_INT8_NUMEL = 4096
 """A unit state smaller than this keeps fp32 moments when int8 is asked (see the note)."""
+
+if SHARD_ALIGN_NUMEL % QBLOCK:
+    # a rank's range starts at a shard edge, and its int8 blocks from there: with shard edges off
+    # the block grid, ranks would cut blocks differently and checkpoints could not copy blocks
+    raise RuntimeError(f"SHARD_ALIGN_NUMEL {SHARD_ALIGN_NUMEL} is not a multiple of the int8 "
+                       f"block {QBLOCK}")
 
 _MOMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 

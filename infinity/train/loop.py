@@ -173,6 +173,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         host_budget.check_host_budget(config, stats, budget_text)
     states, swap_need = (host_budget.state_bytes(config, stats) if opts.engine == "infinity"
                          else (STATE_BYTES_PER_PARAM * n_params, 0))
+    # every rank of this node swaps to the same disk (the plan's bytes are one rank's)
+    swap_need *= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     for parent in swap_parents:
         _check_space(parent, swap_need)
     checkpoints.check_room(n_params)

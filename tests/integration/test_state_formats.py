@@ -168,3 +168,24 @@ def test_formats_are_refused_where_they_cannot_run(tmp_path) -> None:
         _engine(tmp_path, "int8", groups=lambda m: [
             {"params": list(m.parameters())[:1]},
             {"params": list(m.parameters())[1:], "optimizer_moments": "int4"}])
+
+
+def test_a_param_group_format_turns_the_speculative_step_off(tmp_path) -> None:
+    """The config asks fp32 (so the plan allows the speculative step); one param group asks
+    int8: the redo of a speculated step reads fp32 states, so the optimizer takes none."""
+    ds = zero_config(3, "nvme", "nvme", str(tmp_path), speculative_step="on")
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["gradient_clipping"] = 1.0
+    model = make_model("llama", layers=2, width=64)
+    layer = [p for n, p in model.named_parameters() if ".layers.0." in n]
+    rest = [p for n, p in model.named_parameters() if ".layers.0." not in n]
+    engine, *_ = infinity.initialize(model=model, config=ds, model_parameters=[
+        {"params": layer, "optimizer_moments": "int8"}, {"params": rest}])
+    try:
+        assert engine.plan.speculative      # what the plan saw: the config's fp32
+        assert engine.optimizer.speculation == "off"
+        assert any(s.fmt.moments == "int8" for s in engine.optimizer.states)
+        losses = train_random(engine, 3)
+        assert all(torch.isfinite(torch.tensor(losses)))
+    finally:
+        engine.close()
