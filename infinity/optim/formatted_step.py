@@ -29,7 +29,7 @@ import torch
 from infinity.optim import adam_formats as F
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.optim.gradients import _sum_of_squares
-from infinity.optim.records import StepRun, UnitOptimState, grad_pieces
+from infinity.optim.records import StepRun, UnitOptimState, grad_pieces, run_pieces
 from infinity.planner.state_format import QBLOCK
 
 __all__ = ["MomentScales", "scales_of", "step_formatted", "unit_seed"]
@@ -83,18 +83,13 @@ def step_formatted(state: UnitOptimState, start: int, end: int, param: torch.Ten
     seed = unit_seed(state.unit.index)
     if state.fmt.moments == "bf16":
         total = 0.0
-        for run in runs:
-            a, b = max(run.start, start), min(run.end, end)
-            if a >= b:
-                continue
-            for x, y, g in grad_pieces(state.unit, grad, start, a, b):
-                s = slice(x - start, y - start)
-                F.step_bf16_moments(param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
-                                    half_out=None if half_out is None else half_out[s],
-                                    offset=x, seed=seed, threads=threads,
-                                    **hyper[run.group_index])
-                if grad_sq_sum:
-                    total += _sum_of_squares(g)
+        for run, x, y, g in run_pieces(state.unit, runs, grad, start, end):
+            s = slice(x - start, y - start)
+            F.step_bf16_moments(param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
+                                half_out=None if half_out is None else half_out[s],
+                                offset=x, seed=seed, threads=threads, **hyper[run.group_index])
+            if grad_sq_sum:
+                total += _sum_of_squares(g)
         return total
     if scales is None:
         raise ValueError(f"{state.unit.name}: int8 moments need the sub-group's block scales")

@@ -10,7 +10,7 @@ import torch
 
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.optim.formatted_step import MomentScales, step_formatted
-from infinity.optim.records import StepRun, UnitOptimState, grad_pieces
+from infinity.optim.records import StepRun, UnitOptimState, run_pieces
 
 
 class AdamKernel:
@@ -78,14 +78,10 @@ class AdamKernel:
             return step_formatted(state, start, end, param, grad, m, v, scales, grad_scale,
                                   half_out, hyper, runs, self.threads, grad_sq_sum)
         total = 0.0
-        for run in runs:
-            a, b = max(run.start, start), min(run.end, end)
-            if a >= b:
-                continue
-            for x, y, g in grad_pieces(state.unit, grad, start, a, b):
-                s = slice(x - start, y - start)
-                total += adam_step_flat(
-                    param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
-                    half_out=None if half_out is None else half_out[s], threads=self.threads,
-                    grad_sq_sum=grad_sq_sum, **hyper[run.group_index]) or 0.0
+        for run, x, y, g in run_pieces(state.unit, runs, grad, start, end):
+            s = slice(x - start, y - start)
+            total += adam_step_flat(
+                param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
+                half_out=None if half_out is None else half_out[s], threads=self.threads,
+                grad_sq_sum=grad_sq_sum, **hyper[run.group_index]) or 0.0
         return total

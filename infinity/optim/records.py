@@ -197,6 +197,16 @@ def sub_groups(state: UnitOptimState, numel: int) -> list[SubGroup]:
     return [SubGroup(state, a, min(a + numel, hi)) for a in range(lo, hi, numel)]
 
 
+def run_pieces(unit: SteppedUnit, runs: list["StepRun"], grad, start: int, end: int):
+    """(run, x, y, gradient of [x, y)) for each step run's part of [start, end), a piece at a
+    time (``grad_pieces``; the gradient indexed from ``start``): what a kernel steps."""
+    for run in runs:
+        a, b = max(run.start, start), min(run.end, end)
+        if a < b:
+            for x, y, g in grad_pieces(unit, grad, start, a, b):
+                yield run, x, y, g
+
+
 def grad_pieces(unit: SteppedUnit, grad: torch.Tensor | dict[int, torch.Tensor], origin: int,
                 a: int, b: int):
     """(x, y, gradient of elements [x, y)) covering [a, b) of the unit: one piece of a flat
