@@ -563,7 +563,8 @@ def test_read_manifest_file_errors_name_the_file_and_the_cause(tmp_path: Path) -
             (b"[1]", f"{path} is not an infinity checkpoint manifest (format None)"),
             (b'{"format": "other"}', f"{path} is not an infinity checkpoint manifest (format 'other')"),
             (b'{"format": "infinity-checkpoint"}', f"{path} has format version None; this version "
-                                                   f"of infinity reads version {d.VERSION}"),
+                                                   f"of infinity reads versions "
+                                                   f"{d.FP32_STATES_VERSION} and {d.VERSION}"),
             (b'{"format": "infinity-checkpoint", "version": 0}', "has format version 0;"),
     ):
         path.write_bytes(content)
@@ -719,7 +720,8 @@ def test_a_version_mismatch_message_ends_with_the_version_read(tmp_path: Path) -
     (tmp_path / d.MANIFEST).write_text(json.dumps({"format": d.FORMAT, "version": 0}))
     with pytest.raises(d.CheckpointError) as info:
         d.read_manifest_file(tmp_path)
-    assert str(info.value).endswith(f"this version of infinity reads version {d.VERSION}")
+    assert str(info.value).endswith(
+        f"this version of infinity reads versions {d.FP32_STATES_VERSION} and {d.VERSION}")
 
 
 def test_resolve_messages_list_tags_and_entries_exactly(tmp_path: Path) -> None:

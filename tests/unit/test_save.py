@@ -15,7 +15,7 @@ from torch import nn
 
 from infinity.base.budget import MemoryBudget
 from infinity.checkpoint import save
-from infinity.checkpoint.directory import FORMAT, VERSION
+from infinity.checkpoint.directory import FORMAT, FP32_STATES_VERSION
 from infinity.checkpoint.save import (
     RankAgreement, check_at_rest, json_value, manifest_state, save_checkpoint)
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
@@ -119,8 +119,9 @@ def test_a_save_writes_the_files_and_the_manifest(tmp_path: Path, manager, infin
     assert torch.equal(optim["b.exp_avg_sq"], torch.full((4,), 5.0))
     assert torch.equal(optim["a.exp_avg"], torch.full((2, 3), 2.0))
     m = json.loads((final / "manifest.json").read_text())
-    assert (m["format"], m["version"], m["tag"], m["world_size"]) == (FORMAT, VERSION,
-                                                                      "global_step12", 1)
+    # fp32 states: the version every infinity reads (directory.FP32_STATES_VERSION)
+    assert (m["format"], m["version"], m["tag"], m["world_size"]) == (
+        FORMAT, FP32_STATES_VERSION, "global_step12", 1)
     assert sorted(m["files"]) == ["rank0_model.safetensors", "rank0_optim.safetensors"]
     for name, info in m["files"].items():
         assert info["bytes"] == (final / name).stat().st_size and len(info["sha256"]) == 64
