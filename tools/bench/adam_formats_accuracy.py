@@ -230,7 +230,8 @@ def finetune_config(args, moments: str, master: str) -> dict:
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": args.finetune_lr, "betas": [0.9, 0.95],
+        "optimizer": {"type": "AdamW", "params": {"lr": args.finetune_lr,
+                                                  "betas": [0.9, args.finetune_beta2],
                                                   "eps": 1e-8, "weight_decay": 0.01}},
         "scheduler": _cosine_schedule(args.finetune_steps),
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
@@ -308,7 +309,8 @@ def run_study_b(args, out: Path, names: list[str]) -> dict:
     return {"layers": args.layers, "width": args.width, "seq_len": args.seq_len,
             "micro_batch": args.micro_batch, "pretrain_steps": args.pretrain_steps,
             "pretrain_lr": args.pretrain_lr, "finetune_steps": args.finetune_steps,
-            "finetune_lr": args.finetune_lr, "seed": args.seed,
+            "finetune_lr": args.finetune_lr, "finetune_beta2": args.finetune_beta2,
+            "seed": args.seed,
             "finetune_config": finetune_config(args, "<moments>", "<master>"),
             "models": models}
 
@@ -415,6 +417,36 @@ def table(runs: dict, extra: str | None = None) -> list[str]:
     return lines
 
 
+def seeds_table(dirs: list[str]) -> list[str]:
+    """Study a over several seeds (one --out directory each): each run's final loss against
+    the same seed's fp32 run, and the mean over the seeds of the final losses."""
+    studies = [json.loads((Path(d) / "results.json").read_text())["a"] for d in dirs]
+    for a in studies:
+        judge(a["runs"])
+    seeds = [a["seed"] for a in studies]
+    head = ("| format (moments / master) | "
+            + " | ".join(f"seed {s}: final, vs fp32" for s in seeds)
+            + " | mean final | mean vs fp32's mean | bar | seeds within the bar |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    ref_mean = statistics.fmean(a["runs"][REFERENCE]["final"] for a in studies)
+    for name in studies[0]["runs"]:
+        runs = [a["runs"][name] for a in studies]
+        mean = statistics.fmean(r["final"] for r in runs)
+        cells = [f"{r['final']:.4f}, {100 * (r['ratio'] - 1):+.2f}%" for r in runs]
+        if name == REFERENCE:
+            bar, within = "-", "reference"
+        elif name == CONTROL:
+            bar, within = "-", "control"
+        else:
+            bar = f"±{100 * runs[0]['bar']:.0f}%"
+            within = f"{sum(r['verdict'] == 'pass' for r in runs)} of {len(runs)}"
+        label = "torch AdamW, fp32 states (control)" if name == CONTROL else \
+            f"{name} ({runs[0]['moments']} / {runs[0]['master']})"
+        lines.append(f"| {label} | " + " | ".join(cells)
+                     + f" | {mean:.4f} | {100 * (mean / ref_mean - 1):+.2f}% | {bar} | {within} |")
+    return lines
+
+
 def machine() -> dict:
     import torch
 
@@ -454,12 +486,21 @@ def main() -> int:
     p.add_argument("--pretrain-lr", type=float, default=2e-3)
     p.add_argument("--finetune-steps", type=int, default=100)
     p.add_argument("--finetune-lr", type=float, default=1e-4)
+    p.add_argument("--finetune-beta2", type=float, default=0.95,
+                   help="the fine-tune's Adam beta2 (the demo's 0.95; 0.999 shows bf16 v's "
+                        "stall, see docs/optimizer-formats.md)")
     p.add_argument("--b-name", default="b",
                    help="study b's key in results.json and its files' names (b, or b_<tag> "
                         "for another fine-tune setting of the same pretrained models)")
+    p.add_argument("--seeds-of", nargs="+", metavar="DIR", default=None,
+                   help="only print study a's table over several seeds: the --out directories "
+                        "of runs with different --seed")
     p.add_argument("--window", type=int, default=10, help="steps of the plots' moving mean")
     p.add_argument("--out", default="/var/tmp/infinity-bench/adam-formats-accuracy")
     args = p.parse_args()
+    if args.seeds_of:
+        print("\n".join(seeds_table(args.seeds_of)))
+        return 0
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -480,9 +521,11 @@ def main() -> int:
         a = results["a"]
         judge(a["runs"])                # again: a report of an earlier results.json
         write_csv(a["runs"], out / "curves_a.csv")
-        plot([(f"a: 85M byte Llama from scratch, {a['steps']} steps, bf16 compute", a["runs"])],
+        title = (f"a: 85M byte Llama from scratch, {a['steps']} steps, seed {a['seed']}, "
+                 "bf16 compute")
+        plot([(title, a["runs"])],
              out / "study_a.png", args.window)
-        md += [f"Study a: 85M byte-level Llama, {a['steps']} steps", "",
+        md += [f"Study a: 85M byte-level Llama, {a['steps']} steps, seed {a['seed']}", "",
                *table(a["runs"], "step / optimizer (median s)"), ""]
     for key in [k for k in results if k == "b" or k.startswith("b_")]:
         b = results[key]
@@ -491,11 +534,13 @@ def main() -> int:
             judge(m["runs"])
             write_csv(m["runs"], out / f"curves_{key}_{family}.csv")
             title = (f"b: {family} {m['params'] / 1e6:.1f}M fine-tune, "
-                     f"{b['finetune_steps']} steps, lr {b['finetune_lr']:g}")
+                     f"{b['finetune_steps']} steps, lr {b['finetune_lr']:g}, "
+                     f"beta2 {b.get('finetune_beta2', 0.95):g}")
             panels.append((title, m["runs"]))
             head = (f"Study {key}: {family} ({m['params'] / 1e6:.2f}M params, pretrained "
                     f"{b['pretrain_steps']} steps to {m['pretrain_final']:.4f}), fine-tune "
                     f"{b['finetune_steps']} steps")
+            head += f", lr {b['finetune_lr']:g}, beta2 {b.get('finetune_beta2', 0.95):g}"
             md += [head, "", *table(m["runs"], "step (median s)"), ""]
         plot(panels, out / f"study_{key}.png", args.window)
     (out / "results.md").write_text("\n".join(md))
