@@ -3,24 +3,38 @@
 Why one object (issue 36; FSDP2's ``FSDPCommContext`` is the model): on a GPU a copy between a
 host slot and the device must not stall compute, so it runs on a stream of its own, and
 everything that depends on it -- the compute that reads the unit, the reuse of the host slot
-it came from -- waits on that copy's event, never on the whole device. Keeping every stream and
-event here, each commented with what it overlaps, means no other module orders device work.
+it came from, the host code that reads a gradient copied out -- waits on that copy's event,
+never on the whole device. Keeping every stream and event here, each commented with what it
+overlaps, means no other module orders device work.
 
 [Note: copy events]
-A copy returns a ``CopyEvent``. Two rules use it, both here:
-- compute that reads the destination waits for the event (``compute_waits``): on a GPU the
-  compute stream waits on it (the CPU thread does not block); elsewhere the calling thread.
+A copy returns a ``CopyEvent``. Four rules use it, all here:
+- host -> device (``to_device``): compute that reads the destination waits for the event
+  (``compute_waits``): on a GPU the compute stream waits on it (the CPU thread does not
+  block); elsewhere the calling thread.
 - the source buffer goes back to its pool only after the event (``release_after``): a slot
   reused earlier could be overwritten by the next NVMe read while the copy still reads it.
+- device -> host (``to_host``: a gradient to its host buffer or home, copied or added): the
+  copy starts after the compute that wrote the source, and the source stays allocated until
+  the event; the host code that reads the destination first waits for the events of every copy
+  into it (``host_waits``: blocks the calling thread; an add is finished there, on the host,
+  after its copy landed). The owner of the destination keeps the events (optim/gradients.py:
+  per unit, waited before the unit's gradient is first read).
+- a host destination goes back to its pool (or is zeroed, or written again from the host) only
+  after ``host_waits`` of its copies: a copy still landing would write into the next user's
+  bytes.
 
 Three implementations:
 - ``ImmediateCopies`` (a CPU device): a copy is over when it returns; no thread, no cost.
-- ``CudaCopies``: a host-to-device stream, events recorded on it; the compute stream waits on
-  a copy's event; a released source is handed back by a thread once its event has fired.
-- ``LateCopies`` (tests): each copy happens on a helper thread after a seeded random delay, and
-  a buffer handed back to its pool while a copy still reads it is NaN-filled (poisoned; the
-  pools tell the copies of each release, ``on_release``): a missing wait or an early reuse
-  gives NaN or wrong values instead of passing by luck.
+- ``CudaCopies``: a host-to-device stream and a device-to-host stream, events recorded on them;
+  the compute stream waits on a host-to-device copy's event; a released source is handed back by
+  a thread once its event has fired; a host reader synchronizes on a device-to-host copy's event.
+- ``LateCopies`` (tests): each copy happens on a helper thread after a seeded random delay; the
+  destination of a copy (either way) reads NaN until then (an add lands in a staging buffer and
+  is made at the host wait), and a buffer handed back to its pool while a copy still reads or
+  writes it is NaN-filled (poisoned; the pools tell the copies of each release,
+  ``on_release``): a missing wait or an early reuse gives NaN or wrong values instead of
+  passing by luck.
   ``INFINITY_LATE_TRANSFERS=<seed>`` selects it for every engine of the process (how the parity
   tests run under it).
 """
@@ -31,12 +45,13 @@ import queue
 import random
 import threading
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 
 __all__ = ["CopyEvent", "DeviceCopies", "ImmediateCopies", "CudaCopies", "LateCopies",
-           "device_copies", "LATE_ENV"]
+           "device_copies", "LATE_ENV", "ADD_CHUNK_NUMEL"]
 
 LATE_ENV = "INFINITY_LATE_TRANSFERS"
 """Set to an integer seed: every engine's copies complete late, on a helper thread (tests)."""
@@ -70,10 +85,23 @@ class DeviceCopies:
         """Copy host ``src`` into device ``dst``; the event says when it is over."""
         raise NotImplementedError
 
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
+        """Copy device ``src`` into host ``dst`` of its shape (``add``: add it to what ``dst``
+        holds, bit for bit ``dst.add_(src)``); whatever reads, reuses or writes ``dst`` from the
+        host waits for the event first (``host_waits``; see [Note: copy events])."""
+        raise NotImplementedError
+
     def compute_waits(self, event: CopyEvent) -> None:
         """Compute that reads what ``event``'s copy wrote runs after it (see [Note: copy
         events])."""
         event.wait()
+
+    def host_waits(self, events: Iterable[CopyEvent]) -> None:
+        """The calling thread reads the host destinations of these device-to-host copies only
+        after: blocks until each is over, in order (an add is made on the host here, after its
+        copy); see [Note: copy events]."""
+        for event in events:
+            event.wait()
 
     def release_after(self, event: CopyEvent, release: Callable[[], None]) -> None:
         """Call ``release`` (give the copy's source buffer back) once ``event`` has fired."""
@@ -96,6 +124,14 @@ class ImmediateCopies(DeviceCopies):
             dst.copy_(src)
         return DONE
 
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
+        with torch.no_grad():
+            if add:
+                _add_widened(dst, src)
+            else:
+                dst.copy_(src)
+        return DONE
+
 
 class CudaCopies(DeviceCopies):
     """A GPU: copies on their own streams, ordered by events."""
@@ -105,6 +141,11 @@ class CudaCopies(DeviceCopies):
         # host -> device: a unit's parameters from its pinned host slot; overlaps the compute
         # of the units before it (the compute stream waits on each copy's event only)
         self.h2d = torch.cuda.Stream(device=device)
+        # device -> host: a unit's gradients to their host buffer (or home) as backward makes
+        # them; overlaps the backward compute of the units after it (and the host-to-device
+        # copies of the units before it, on the other copy engine); the host reads a gradient
+        # only after its copy's event (``host_waits``)
+        self.d2h = torch.cuda.Stream(device=device)
         # sources handed back once their copy's event fired, on a thread of their own (a pool
         # whose slots all wait for copies must still get them back without another copy)
         self._releases: queue.Queue = queue.Queue()
@@ -123,6 +164,24 @@ class CudaCopies(DeviceCopies):
         # the caching allocator must not give dst's memory to others before the copy is over
         dst.record_stream(self.h2d)
         return _CudaEvent(event)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
+        # the source was written by compute that may still be queued: start after it
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h), torch.no_grad():
+            if add:
+                # landed as it is (16-bit stays 16-bit over PCIe) in pinned staging memory, and
+                # added on the host at the wait: what the immediate copies add, bit for bit
+                staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                staging.copy_(src, non_blocking=True)
+            else:
+                # dst is pinned where it is a pool slot or a host home (``host_empty``)
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.d2h)
+        # the caching allocator must not give src's memory to others before the copy is over
+        src.record_stream(self.d2h)
+        return _HostAdd(_CudaEvent(event), dst, staging) if add else _CudaEvent(event)
 
     def compute_waits(self, event: CopyEvent) -> None:
         if isinstance(event, _CudaEvent):
@@ -154,6 +213,7 @@ class CudaCopies(DeviceCopies):
         done = threading.Event()
         self._releases.put((DONE, lambda: None, done))
         done.wait()
+        self.d2h.synchronize()      # a device-to-host copy nobody waited for writes no more
         if self._error is not None:
             raise RuntimeError(f"a host-to-device copy failed: {self._error}") from self._error
 
@@ -167,6 +227,28 @@ class _CudaEvent:
 
     def wait(self) -> None:
         self.event.synchronize()
+
+
+class _HostAdd:
+    """A device-to-host add: ``staging`` holds the device values once ``copied`` fired, and
+    the add into ``dst`` is made by the first wait, on the waiting thread (see [Note: copy
+    events]); until then ``dst`` holds what it held before."""
+
+    def __init__(self, copied: CopyEvent, dst: torch.Tensor, staging: torch.Tensor) -> None:
+        self.copied = copied
+        self.dst = dst
+        self.staging: torch.Tensor | None = staging
+
+    def done(self) -> bool:
+        return self.staging is None
+
+    def wait(self) -> None:
+        if self.staging is None:
+            return
+        self.copied.wait()
+        with torch.no_grad():
+            _add_widened(self.dst, self.staging)
+        self.staging = None
 
 
 class _LateEvent:
@@ -188,11 +270,15 @@ class LateCopies(DeviceCopies):
         self._rng = random.Random(seed)
         self._max_delay = max_delay_s
         self._jobs: queue.Queue = queue.Queue()
-        self._reading: dict[int, tuple[int, int]] = {}   # id(event) -> source's byte range
+        # id(event) -> the host byte range its copy still reads (to the device) or writes (to
+        # the host: ``writes``)
+        self._host_ranges: dict[int, tuple[int, int, bool]] = {}
+        self._dropped: set[int] = set()    # id(event): its host destination went back first
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="late-copies", daemon=True)
         self._thread.start()
-        self.copies = 0
+        self.copies = 0             # both ways
+        self.to_host_copies = 0     # device -> host (``to_host``), of ``copies``
         self.poisoned = 0
         self.lost = 0
 
@@ -201,11 +287,34 @@ class LateCopies(DeviceCopies):
         self.copies += 1
         # until the copy runs the destination holds NaN: compute that did not wait reads it
         dst.view(torch.uint8).fill_(0xFF)
-        start = src.data_ptr()
-        with self._lock:
-            self._reading[id(event)] = (start, start + src.numel() * src.element_size())
-        self._jobs.put((self._rng.random() * self._max_delay, dst, src, event))
+        self._issue(dst, src, event, host=src, writes=False)
         return event
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
+        event = _LateEvent()
+        self.copies += 1
+        self.to_host_copies += 1
+        if add:
+            # lands in staging; the add into dst is made at the host wait (a reader that does
+            # not wait reads dst without it)
+            staging = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+            self._issue(staging, src, event, host=None, writes=True)
+            return _HostAdd(event, dst, staging)
+        # until the copy runs the destination holds NaN: a reader that did not wait reads it
+        dst.view(torch.uint8).fill_(0xFF)
+        self._issue(dst, src, event, host=dst, writes=True)
+        return event
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, event: _LateEvent,
+               host: torch.Tensor | None, writes: bool) -> None:
+        """Queue the copy, with ``host`` (a pool's buffer it reads, or ``writes``) watched for
+        an early release."""
+        if host is not None:
+            start = host.data_ptr()
+            with self._lock:
+                self._host_ranges[id(event)] = (
+                    start, start + host.numel() * host.element_size(), writes)
+        self._jobs.put((self._rng.random() * self._max_delay, dst, src, event))
 
     def _run(self) -> None:
         while True:
@@ -216,7 +325,10 @@ class LateCopies(DeviceCopies):
             delay, dst, src, event = job
             time.sleep(delay)
             try:
-                if not (_holds(dst) and _holds(src)):
+                with self._lock:
+                    dropped = id(event) in self._dropped
+                    self._dropped.discard(id(event))
+                if dropped or not (_holds(dst) and _holds(src)):
                     raise RuntimeError("released before its copy")
                 with torch.no_grad():
                     dst.copy_(src)
@@ -225,7 +337,8 @@ class LateCopies(DeviceCopies):
                 # ran: a missing wait; the copy is lost (what read the destination read NaN)
                 self.lost += 1
             with self._lock:
-                self._reading.pop(id(event), None)
+                self._host_ranges.pop(id(event), None)
+                self._dropped.discard(id(event))     # a release while it ran
             event._over.set()
 
     def release_after(self, event: CopyEvent, release: Callable[[], None]) -> None:
@@ -236,9 +349,13 @@ class LateCopies(DeviceCopies):
         lo = buffer.data_ptr()
         hi = lo + buffer.numel() * buffer.element_size()
         with self._lock:
-            read = any(a < hi and lo < b for a, b in self._reading.values())
-        if read:
-            # handed back while a copy still reads it: the copy (and whatever it feeds) gets NaN
+            busy = [(key, writes) for key, (a, b, writes) in self._host_ranges.items()
+                    if a < hi and lo < b]
+            # a copy to the host that has not landed is lost: its bytes are the next user's
+            self._dropped.update(key for key, writes in busy if writes)
+        if busy:
+            # handed back while a copy still reads or writes it: the copy (and whatever it
+            # feeds) gets NaN, the next user finds NaN
             buffer.view(torch.uint8).fill_(0xFF)
             self.poisoned += 1
 
@@ -246,6 +363,30 @@ class LateCopies(DeviceCopies):
         done = _LateEvent()
         self._jobs.put((0.0, torch.empty(0), torch.empty(0), done))
         done.wait()
+
+
+ADD_CHUNK_NUMEL = 1 << 18   # 1 MiB of float32: a widening add's temporary stays in the heap
+
+
+def _add_widened(target: torch.Tensor, grad: torch.Tensor) -> None:
+    """``target += grad`` for a float32 ``target`` and a gradient of its shape in any float
+    dtype, bit for bit what ``target.add_(grad.to(torch.float32))`` gives (a target in the
+    gradient's own dtype, a 16-bit home, adds it as it is: no widening, no temporary).
+
+    Why in chunks: a 16-bit gradient is widened into a float32 temporary (by ``.to`` or inside
+    a mixed-dtype ``add_`` alike) the size of the parameter; above the engine's malloc mmap
+    threshold (``infinity.malloc_mmap_threshold``, 4 MiB) every such temporary is a fresh
+    mapping, page-faulted and zeroed by the kernel and unmapped again. At 85M with bf16 compute
+    that was ~55,000 page faults a step (a 2048 x 768 weight's gradient is 6 MiB in float32),
+    most of this call's time. Slices of the first dimension of about ``ADD_CHUNK_NUMEL``
+    elements keep the temporary in the heap, reused from slice to slice (a gradient that is
+    not contiguous is sliced as it is); a float32 gradient needs none and is added whole."""
+    if grad.dtype == target.dtype or grad.numel() <= ADD_CHUNK_NUMEL or grad.dim() == 0:
+        target.add_(grad)
+        return
+    rows = max(1, ADD_CHUNK_NUMEL // max(1, grad[0].numel()))
+    for start in range(0, grad.shape[0], rows):
+        target[start:start + rows].add_(grad[start:start + rows])
 
 
 def _holds(t: torch.Tensor) -> bool:
