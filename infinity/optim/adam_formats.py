@@ -20,12 +20,14 @@ counted; they are the same in every format):
     moments "bf16" + master "bf16_sr" 2        2        2        -                6
     moments "int8" + master "bf16_sr" 2        1        1        2 * 4 / 2048     4.004
 
-- "bf16" moments: m and v rounded to nearest even (NaN -> 0xFFFF). The relative error of a
-  stored (normal) value is at most 2^-8 (half a bf16 ulp, 8 significant bits). v moves by
-  (1 - beta2) = 1e-3 of the way to g^2 a step, which is below half an ulp (2^-9..2^-8 of v): a
-  step changes the stored v only when g^2 is more than ~2-4x away from it, so v does not decay
-  when gradients shrink (bf16 state's known stall; stochastic rounding of the moments would be
-  the cure, not done here).
+- "bf16" moments: m and v rounded to bf16 stochastically (unbiased; NaN -> 0xFFFF), with
+  random bits of the same hash as the bf16 master's (below): each stored (normal) value is one
+  of its two bf16 neighbours, within 2^-7 of it. Not to nearest: v moves by (1 - beta2) = 1e-3
+  of the way to g^2 a step, below half an ulp (2^-9..2^-8 of v), so rounded to nearest a stored
+  v changes only when g^2 is more than ~2-4x away from it and never decays when gradients
+  shrink (bf16 states' known stall, measured in docs/optimizer-formats.md); rounded
+  stochastically it decays at its rate on average ([Note: stochastic rounding of bf16 moments]
+  in native/src/adam_formats_internal.h).
 - "int8" moments: blocks of QBLOCK = 2048 elements with one fp32 absmax per block per moment;
   m coded with the signed dynamic map, v with the unsigned one (``quantization_map``): 7 decades
   below the block's absmax, 2 to 7 significant bits each. A value x is stored as the nearest map
@@ -326,10 +328,10 @@ def step_bf16_moments(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
 
     As ``cpu_adam.adam_step_flat`` (same hyperparameters, ``grad`` fp32/bf16/fp16 divided by
     ``grad_scale``, ``half_out`` the updated param as bf16/fp16), but ``exp_avg`` and
-    ``exp_avg_sq`` are bfloat16, read and rewritten rounded to nearest even. ``param`` float32
-    is the fp32 master; bfloat16 makes it a bf16 master rounded stochastically with ``seed``
+    ``exp_avg_sq`` are bfloat16, read and rewritten rounded stochastically with ``seed``.
+    ``param`` float32 is the fp32 master; bfloat16 makes it a bf16 master rounded the same way
     (then ``half_out`` must be None); ``offset`` (the range's index in its flat state) is the
-    rounding's element counter. ``kernel``: "auto", "scalar", "avx2", "avx512" (all give the
+    roundings' element counter. ``kernel``: "auto", "scalar", "avx2", "avx512" (all give the
     same bits). Raises ValueError naming the argument on a mismatch, OSError on a native -errno.
     """
     _step("bf16", param, grad, exp_avg, exp_avg_sq, None, None, offset, step, lr, beta1, beta2,

@@ -5,8 +5,9 @@
  * moments are READ in a stored format, dequantized to fp32, stepped in fp32 registers with the
  * very operations of inf_adam.h (same order, no FMA contraction), requantized and WRITTEN back:
  *
- *   moments BF16  m and v are bf16, rounded to nearest even (NaN -> 0xFFFF, as inf_adam.h's
- *                 16-bit copy); 2 + 2 bytes per parameter.
+ *   moments BF16  m and v are bf16, rounded stochastically as the BF16_SR master below (NaN ->
+ *                 0xFFFF; see [Note: stochastic rounding of bf16 moments] for why not to
+ *                 nearest); 2 + 2 bytes per parameter.
  *   moments INT8  blockwise 8-bit (Dettmers et al. 2021, arXiv 2110.02861): blocks of
  *                 INF_ADAM_QBLOCK elements, one fp32 absmax per block per moment; m is coded with
  *                 the signed dynamic map, v with the unsigned one (inf_adam_qmap); 1 + 1 bytes per
@@ -82,7 +83,8 @@ struct inf_adam_fmt_tensor {
 };
 
 /* Step ntensors ranges in one call, shared by nthreads threads (<= 0: the CPUs this process may
- * run on) in whole blocks. seed: of stochastic rounding (ignored with MASTER_F32).
+ * run on) in whole blocks. seed: of stochastic rounding (bf16 moments and a BF16_SR master;
+ * ignored otherwise).
  * kernel: INF_ADAM_KERNEL_{AUTO,SCALAR,AVX2,AVX512} (NEON has no format kernel yet: -ENOTSUP;
  * AUTO picks AVX-512, AVX2 or scalar).
  * Returns 0, -EINVAL (bad hyperparameters, formats, dtypes, NULL pointers, negative sizes or a

@@ -60,8 +60,8 @@ TARGET __m256i fmix32(__m256i h) {
     return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
 }
 
-/* adamf_bf16_sr of 8 lanes, elements e..e+7 (adamf_sr_hash lane by lane). */
-TARGET __m128i to_bf16_sr(const struct adamf_ctx *x, __m256 p, int64_t e) {
+/* adamf_sr_hash of 8 lanes, elements e..e+7. */
+TARGET __m256i sr_hash(const struct adamf_ctx *x, int64_t e) {
     uint64_t base = (uint64_t)e;
     __m256i lo0 = _mm256_set1_epi32((int)(uint32_t)base);
     __m256i lo = _mm256_add_epi32(lo0, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -70,8 +70,12 @@ TARGET __m128i to_bf16_sr(const struct adamf_ctx *x, __m256 p, int64_t e) {
     __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(lo0, sign), _mm256_xor_si256(lo, sign));
     __m256i hi = _mm256_sub_epi32(_mm256_set1_epi32((int)(uint32_t)(base >> 32)), carry);
     __m256i h = fmix32(_mm256_xor_si256(lo, _mm256_set1_epi32((int)x->k0)));
-    h = fmix32(_mm256_xor_si256(h, _mm256_add_epi32(hi, _mm256_set1_epi32((int)x->k1))));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_srli_epi32(h, 16)), 16);
+    return fmix32(_mm256_xor_si256(h, _mm256_add_epi32(hi, _mm256_set1_epi32((int)x->k1))));
+}
+
+/* adamf_bf16_sr of 8 lanes with random bits r16 (< 2^16). */
+TARGET __m128i to_bf16_sr(__m256 p, __m256i r16) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(p), r16), 16);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
     return pack16(_mm256_or_si256(r, _mm256_srli_epi32(nan, 16)));
 }
@@ -129,12 +133,17 @@ TARGET void vec8(const struct adamf_ctx *x, const struct vconsts *k, void *p, co
         _mm256_storeu_ps(vbuf + i, vi);
         track(mi, &a->am, &a->bad_m);
         track(vi, &a->av, &a->bad_v);
-    } else {
-        _mm_storeu_si128((__m128i *)((uint16_t *)m + i), to_bf16(mi));
-        _mm_storeu_si128((__m128i *)((uint16_t *)v + i), to_bf16(vi));
+    }
+    __m256i h = _mm256_setzero_si256();
+    if (moments == INF_ADAM_MOMENTS_BF16 || master == INF_ADAM_MASTER_BF16_SR) h = sr_hash(x, e);
+    if (moments == INF_ADAM_MOMENTS_BF16) { /* [Note: stochastic rounding of bf16 moments] */
+        __m256i rv = _mm256_srli_epi32(fmix32(_mm256_xor_si256(h, _mm256_set1_epi32((int)0x9e3779b9u))), 16);
+        _mm_storeu_si128((__m128i *)((uint16_t *)m + i),
+                         to_bf16_sr(mi, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))));
+        _mm_storeu_si128((__m128i *)((uint16_t *)v + i), to_bf16_sr(vi, rv));
     }
     if (master == INF_ADAM_MASTER_BF16_SR) {
-        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), to_bf16_sr(x, pi, e));
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), to_bf16_sr(pi, _mm256_srli_epi32(h, 16)));
         return;
     }
     _mm256_storeu_ps((float *)p + i, pi);

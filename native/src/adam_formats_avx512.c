@@ -61,8 +61,8 @@ TARGET __m512i fmix32(__m512i h) {
     return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
 }
 
-/* adamf_bf16_sr of 16 lanes, elements e..e+15 (adamf_sr_hash lane by lane). */
-TARGET __m256i to_bf16_sr(const struct adamf_ctx *x, __m512 p, int64_t e) {
+/* adamf_sr_hash of 16 lanes, elements e..e+15. */
+TARGET __m512i sr_hash(const struct adamf_ctx *x, int64_t e) {
     uint64_t base = (uint64_t)e;
     __m512i lo0 = _mm512_set1_epi32((int)(uint32_t)base);
     __m512i lo = _mm512_add_epi32(lo0, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
@@ -70,8 +70,12 @@ TARGET __m256i to_bf16_sr(const struct adamf_ctx *x, __m512 p, int64_t e) {
     __m512i hi = _mm512_set1_epi32((int)(uint32_t)(base >> 32));
     hi = _mm512_mask_add_epi32(hi, _mm512_cmplt_epu32_mask(lo, lo0), hi, _mm512_set1_epi32(1));
     __m512i h = fmix32(_mm512_xor_si512(lo, _mm512_set1_epi32((int)x->k0)));
-    h = fmix32(_mm512_xor_si512(h, _mm512_add_epi32(hi, _mm512_set1_epi32((int)x->k1))));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_srli_epi32(h, 16)), 16);
+    return fmix32(_mm512_xor_si512(h, _mm512_add_epi32(hi, _mm512_set1_epi32((int)x->k1))));
+}
+
+/* adamf_bf16_sr of 16 lanes with random bits r (< 2^16). */
+TARGET __m256i to_bf16_sr(__m512 p, __m512i r16) {
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(p), r16), 16);
     __mmask16 ordered = _mm512_cmp_ps_mask(p, p, _CMP_ORD_Q);
     r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xffff), r);
     return _mm512_cvtepi32_epi16(r);
@@ -122,12 +126,17 @@ TARGET void vec16(const struct adamf_ctx *x, const struct vconsts *k, void *p, c
         _mm512_storeu_ps(vbuf + i, vi);
         track(mi, &a->am, &a->bad_m);
         track(vi, &a->av, &a->bad_v);
-    } else {
-        _mm256_storeu_si256((__m256i *)((uint16_t *)m + i), to_bf16(mi));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)v + i), to_bf16(vi));
+    }
+    __m512i h = _mm512_setzero_si512();
+    if (moments == INF_ADAM_MOMENTS_BF16 || master == INF_ADAM_MASTER_BF16_SR) h = sr_hash(x, e);
+    if (moments == INF_ADAM_MOMENTS_BF16) { /* [Note: stochastic rounding of bf16 moments] */
+        __m512i rv = _mm512_srli_epi32(fmix32(_mm512_xor_si512(h, _mm512_set1_epi32((int)0x9e3779b9u))), 16);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)m + i),
+                            to_bf16_sr(mi, _mm512_and_si512(h, _mm512_set1_epi32(0xffff))));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)v + i), to_bf16_sr(vi, rv));
     }
     if (master == INF_ADAM_MASTER_BF16_SR) {
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), to_bf16_sr(x, pi, e));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), to_bf16_sr(pi, _mm512_srli_epi32(h, 16)));
         return;
     }
     _mm512_storeu_ps((float *)p + i, pi);

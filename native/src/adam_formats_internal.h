@@ -97,6 +97,18 @@ static inline uint16_t adamf_bf16_sr(float f, uint32_t r) {
     return (uint16_t)((u + r) >> 16);
 }
 
+/* [Note: stochastic rounding of bf16 moments]
+ * bf16 moments are rounded stochastically too, not to nearest: v = beta2 v + (1 - beta2) g^2
+ * moves by (1 - beta2) of its distance to g^2 a step, 0.1% at beta2 0.999, under half a bf16
+ * ulp (2^-9 = 0.2%) whenever g^2 is near v, so rounding to nearest leaves v where it is: a v
+ * that should decay after a large gradient never does, and the update stays small for as long
+ * (the update agreement study measured it). Rounded stochastically the stored value is the
+ * fp32 one in expectation, and v decays at its rate on average. Each element's one hash gives
+ * the three roundings independent bits: the master its top 16 (adamf_bf16_sr's callers), m
+ * the low 16, v the top 16 of one more mix of it. */
+static inline uint32_t adamf_sr_bits_m(uint32_t h) { return h & 0xffffu; }
+static inline uint32_t adamf_sr_bits_v(uint32_t h) { return adamf_fmix32(h ^ 0x9e3779b9u) >> 16; }
+
 /* ---- INT8 blocks ---- */
 
 /* A block whose updated moment holds inf or NaN: absmax NaN, every code the zero code. */

@@ -58,8 +58,10 @@ INLINE void bf16_loop(const struct adamf_ctx *x, const struct adamf_chunk *r, in
         float pi = load_param(r->p, i, master);
         float mi = adam_bf16_to_f32(m[i]), vi = adam_bf16_to_f32(v[i]);
         update(&x->c, load_grad(r->g, i, x->gdt), &pi, &mi, &vi, mode);
-        m[i] = adam_f32_to_bf16(mi);
-        v[i] = adam_f32_to_bf16(vi);
+        /* see [Note: stochastic rounding of bf16 moments] */
+        uint32_t h = adamf_sr_hash(x->k0, x->k1, (uint64_t)(r->offset + (int64_t)i));
+        m[i] = adamf_bf16_sr(mi, adamf_sr_bits_m(h));
+        v[i] = adamf_bf16_sr(vi, adamf_sr_bits_v(h));
         store_param(x, r, i, pi, master);
     }
 }
