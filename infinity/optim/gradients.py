@@ -10,8 +10,18 @@ reads them piece by piece. Copying them into one flat buffer cost the training t
 are counted in bytes against a room of one unit's gradient (``HELD_ROOM_UNITS``; the host
 budget keeps two units' worth, the room and the part that waits for it): a part that does not
 fit waits for a background step to free the parts it has stepped (see optim/held_room.py). On
-CUDA the gradients are on the device and go through ``GRADS_HELD`` flat host buffers. Both
+CUDA the gradients are on the device and go through ``GRADS_HELD`` flat host buffers (copied
+there as [Note: gradients leave the device] says; ``_hold_grad`` refuses another device). Both
 counts live in planner/engine_sizes.py, which sizes the host budget by them.
+
+[Note: gradients leave the device]
+A gradient that is not held goes to its host buffer (or its resident home) through the copies'
+owner (storage/transfers.py ``to_host``): on a GPU on the device-to-host stream, overlapped with
+the rest of backward. Each copy's event is kept in the unit's state (``grad_copies``) and
+``copies_landed`` waits for them all, the one wait before anything on the host reads the unit's
+gradient, zeroes or writes its buffer, or gives its slot back (zero_unwritten, reduce, finish,
+take for a step, home_gradient, drop_buffer and so drop_cycle); ``end_backward`` lands every
+unit's (see [Note: copy events]).
 
 [Note: gradients over ranks]
 With several data-parallel ranks a unit's gradient is collected whole in a flat buffer (never
@@ -38,6 +48,7 @@ from infinity.optim.records import CompleteGradient, OptimTimers, UnitOptimState
 from infinity.planner.engine_sizes import accumulate_chunk_numel
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
+from infinity.storage.transfers import CopyEvent
 from infinity.zero.protocols import SteppedUnit
 from infinity.zero.unit import ParamEntry
 
@@ -77,30 +88,6 @@ def _sum_of_squares(values: torch.Tensor, chunk: int = 1 << 18) -> float:
     return total
 
 
-ADD_CHUNK_NUMEL = 1 << 18   # 1 MiB of float32: a widening add's temporary stays in the heap
-
-
-def _add_widened(target: torch.Tensor, grad: torch.Tensor) -> None:
-    """``target += grad`` for a float32 ``target`` and a gradient of its shape in any float
-    dtype, bit for bit what ``target.add_(grad.to(torch.float32))`` gives (a target in the
-    gradient's own dtype, a 16-bit home, adds it as it is: no widening, no temporary).
-
-    Why in chunks: a 16-bit gradient is widened into a float32 temporary (by ``.to`` or inside
-    a mixed-dtype ``add_`` alike) the size of the parameter; above the engine's malloc mmap
-    threshold (``infinity.malloc_mmap_threshold``, 4 MiB) every such temporary is a fresh
-    mapping, page-faulted and zeroed by the kernel and unmapped again. At 85M with bf16 compute
-    that was ~55,000 page faults a step (a 2048 x 768 weight's gradient is 6 MiB in float32),
-    most of this call's time. Slices of the first dimension of about ``ADD_CHUNK_NUMEL``
-    elements keep the temporary in the heap, reused from slice to slice (a gradient that is
-    not contiguous is sliced as it is); a float32 gradient needs none and is added whole."""
-    if grad.dtype == target.dtype or grad.numel() <= ADD_CHUNK_NUMEL or grad.dim() == 0:
-        target.add_(grad)
-        return
-    rows = max(1, ADD_CHUNK_NUMEL // max(1, grad[0].numel()))
-    for start in range(0, grad.shape[0], rows):
-        target[start:start + rows].add_(grad[start:start + rows])
-
-
 _NATIVE_GRAD_DTYPES = {torch.float32: N.DTYPE_F32, torch.bfloat16: N.DTYPE_BF16,
                        torch.float16: N.DTYPE_F16}
 _norm_scratch = threading.local()   # each thread that norms (training, step stream) has its own
@@ -119,6 +106,7 @@ class GradientCollector:
         self.states = states
         self._by_unit = {s.unit.index: s for s in states}
         self.manager = manager
+        self.copies = manager.copies     # see [Note: gradients leave the device]
         self.early_step = early_step
         self.holds_grads = holds_grads
         self.grad_pool = grad_pool
@@ -162,12 +150,12 @@ class GradientCollector:
         target = self._grad_target(state)
         view = target[entry.offset:entry.offset + entry.numel].view(entry.shape)
         written = state.grad_written
-        with torch.no_grad():
-            if written is not None and entry.offset not in written:
-                view.copy_(grad)                 # first gradient into a fresh buffer
-                written.add(entry.offset)
-            else:
-                _add_widened(view, grad)   # zeroed targets, or a second gradient
+        if written is not None and entry.offset not in written:
+            event = self.copies.to_host(view, grad)     # first gradient into a fresh buffer
+            written.add(entry.offset)
+        else:
+            event = self.copies.to_host(view, grad, add=True)  # zeroed targets, or a second
+        state.grad_copies.append(event)   # see [Note: gradients leave the device]
         state.grads_seen += 1
         self.timers.grad_s += time.perf_counter() - start
 
@@ -184,6 +172,11 @@ class GradientCollector:
         """Keep ``grad`` for the unit's step instead of copying it (see [Note: held
         gradients]); a second gradient of the same parameter makes a new sum, never an
         in-place add (autograd may have handed the same tensor to another parameter)."""
+        if not gradients_held(grad.device):
+            raise RuntimeError(
+                f"{state.unit.name}: a gradient on {grad.device} would be held; only a CPU "
+                "device's gradients are held (see [Note: held gradients]), others are copied "
+                "to host buffers: the optimizer's holds_grads disagrees with its device")
         if state.grad_parts is None:
             state.grad_parts = {}
         flat = grad.detach().to(torch.float32).reshape(-1)
@@ -222,8 +215,23 @@ class GradientCollector:
             state.grad_written = set()
         return state.grad_buffer
 
+    def copies_landed(self, state: UnitOptimState) -> None:
+        """Every device-to-host copy into the unit's gradient is over: the one wait before the
+        host reads it, writes it or gives its buffer back (see [Note: gradients leave the
+        device])."""
+        if state.grad_copies:
+            events: list[CopyEvent] = state.grad_copies
+            state.grad_copies = []
+            self.copies.host_waits(events)
+
+    def land_copies(self) -> None:
+        """Every unit's device-to-host copies are over (a backward ends)."""
+        for state in self.states:
+            self.copies_landed(state)
+
     def zero_unwritten(self, state: UnitOptimState) -> None:
         """Zero what of a fresh ``grad_buffer`` no gradient was copied into (gaps, unused params)."""
+        self.copies_landed(state)
         if state.grad_written is None or state.grad_buffer is None:
             return
         covered = sorted((e.offset, e.offset + e.numel) for e in state.unit.trainable_entries()
@@ -260,7 +268,7 @@ class GradientCollector:
         if not self.reduces:
             return
         unit, buffer = state.unit, self._grad_target(state)
-        self.zero_unwritten(state)
+        self.zero_unwritten(state)     # waits for the unit's copies first
         if self.scatter:
             shard = torch.empty(unit.shard_numel, dtype=torch.float32)
             self.comm.reduce_scatter_mean(shard, buffer[:unit.flat_numel], tag=unit.index)
@@ -277,6 +285,7 @@ class GradientCollector:
         """The unit's gradient of this backward is complete: add what earlier micro-steps left
         at home, count it in the norm at the boundary, and (``write_home``) send it home.
         Returns the complete gradient (without ``write_home`` still in the state's buffer)."""
+        self.copies_landed(state)
         store = state.grad_store
         if store.resident and self.reduces:
             grads = store.tensor[: state.numel]
@@ -308,6 +317,7 @@ class GradientCollector:
         """(start, values) pieces of the gradient at the unit's home: the resident store as it
         is, or NVMe read through one budgeted chunk (a whole-unit buffer would be a second
         gradient's worth of host memory)."""
+        self.copies_landed(state)
         n, store = state.numel, state.grad_store
         if store.resident:
             yield 0, store.tensor[:n]
@@ -343,6 +353,7 @@ class GradientCollector:
 
     def drop_buffer(self, state: UnitOptimState) -> None:
         """Give back the unit's transient gradient (buffer, slot, held parts)."""
+        self.copies_landed(state)    # a copy still landing would write the next user's bytes
         if state.grad_slot is not None:
             self.grad_pool.release(state.grad_slot)
         state.grad_slot = None
@@ -363,6 +374,7 @@ class GradientCollector:
              values: torch.Tensor | None = None) -> CompleteGradient:
         """Move the unit's complete gradient (``values``, else its held parts or its buffer)
         out of its state, for a step that owns it from here on."""
+        self.copies_landed(state)
         if values is None:
             values = state.grad_parts if state.grad_parts is not None else state.grad_buffer
         gradient = CompleteGradient({} if values is None else values, state.grad_slot,

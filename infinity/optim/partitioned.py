@@ -420,6 +420,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         continues until a step."""
         self._in_backward = self.speculator.speculating = False
         self.cancel_expected()
+        self.gradients.land_copies()    # see [Note: gradients leave the device]
         self.gradients.land_writes()
 
     # -- stepping --------------------------------------------------------------------------
@@ -476,6 +477,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 (self.comm.counters.comm_s - comm_before)
 
     def _queue_deferred_steps(self) -> None:
+        # the steps read the gradients at home: every copy into them is over (a no-op after
+        # end_backward; see [Note: gradients leave the device])
+        self.gradients.land_copies()
         self.speculator.collect_norms()
         if self._waiting:
             names = [self._by_unit[i].unit.name for i in self._waiting]

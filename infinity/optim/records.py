@@ -52,6 +52,7 @@ from infinity.optim.held_room import HeldRoom
 from infinity.planner.state_format import FP32_STATES, QBLOCK, StateFormat
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore
+from infinity.storage.transfers import CopyEvent
 from infinity.zero.protocols import SteppedUnit
 
 
@@ -93,6 +94,9 @@ class UnitOptimState:
     # offsets of the parameters whose gradient was copied into a fresh ``grad_buffer`` (the
     # buffer is not zeroed up front; what no gradient covered is zeroed when the unit is done)
     grad_written: set[int] | None = None
+    # the events of the device-to-host copies into the unit's gradient not yet waited for (see
+    # [Note: gradients leave the device] in optim/gradients.py)
+    grad_copies: list[CopyEvent] = field(default_factory=list)
     # early step on a CPU device: the gradients autograd produced, by entry offset, held as they
     # are until the unit's step has run (see [Note: held gradients])
     grad_parts: dict[int, torch.Tensor] | None = None

@@ -12,6 +12,7 @@ import torch
 
 from infinity.checkpoint.training_state import TrainingState
 from infinity.planner.inputs import Hardware
+from infinity.storage.transfers import ImmediateCopies
 
 GiB = 2**30
 CPU_BOX = Hardware(cpu_cores=2, host_total_bytes=24 * GiB, host_available_bytes=16 * GiB,
@@ -25,10 +26,11 @@ GPU_BOX = Hardware(cpu_cores=32, host_total_bytes=256 * GiB, host_available_byte
 
 class RecordingManager:
     """What a buffer pool asks the tier manager for (host buffers), recorded; zero-filled CPU
-    tensors given back."""
+    tensors given back; a CPU device's copies (``copies``)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, torch.dtype, str]] = []
+        self.copies = ImmediateCopies()
 
     def host_empty(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         self.calls.append((numel, dtype, what))

@@ -11,13 +11,11 @@ import pytest
 import torch
 from fakes import MemoryStore, WaitingManager
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from infinity.optim import _adam_native as N
 from infinity.optim import gradients
 from infinity.optim.gradients import (
     GradientCollector,
-    _add_widened,
     _sum_of_squares,
     gradients_held,
 )
@@ -26,6 +24,7 @@ from infinity.planner.engine_sizes import accumulate_chunk_numel, held_room_byte
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore
 from infinity.storage.tiers import Tier
+from infinity.storage.transfers import LateCopies
 from infinity.zero.unit import Unit
 
 F32 = torch.float32
@@ -220,60 +219,6 @@ def test_sum_of_squares_scratch_is_per_thread(monkeypatch) -> None:
     assert seen[0][0] == 8.0 and seen[0][1] is not mine
 
 
-class _AddCalls(TorchFunctionMode):
-    """Records the shape of what each ``Tensor.add_`` adds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.add_:
-            self.shapes.append(tuple(args[1].shape))
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape, transpose", [((6, 3), False), ((3, 6), True), ((20,), False)])
-def test_add_widened_is_bit_for_bit_torch_add_of_the_float32_gradient(monkeypatch, dtype, shape,
-                                                                      transpose) -> None:
-    monkeypatch.setattr(gradients, "ADD_CHUNK_NUMEL", 7)
-    gen = torch.Generator().manual_seed(3)
-    grad = torch.randn(shape, generator=gen).to(dtype)
-    if transpose:
-        grad = grad.t()              # not contiguous: sliced as it is
-    target = torch.randn(grad.shape, generator=gen)
-    want = target.clone().add_(grad.to(F32))
-    _add_widened(target, grad)
-    assert torch.equal(target, want)
-
-
-def test_add_widened_slices_a_16_bit_gradient_by_rows_and_adds_others_whole(monkeypatch) -> None:
-    """A widening add goes in slices of about ADD_CHUNK_NUMEL elements (whole rows, at least
-    one); a float32 gradient, a 16-bit one into a 16-bit home, a small one or a 0-d one is
-    added at once."""
-    monkeypatch.setattr(gradients, "ADD_CHUNK_NUMEL", 7)
-    cases = [
-        (torch.zeros(7, 3), torch.ones(7, 3, dtype=torch.bfloat16), [(2, 3), (2, 3), (2, 3), (1, 3)]),
-        (torch.zeros(3, 9), torch.ones(3, 9, dtype=torch.float16), [(1, 9), (1, 9), (1, 9)]),
-        (torch.zeros(7, 3), torch.ones(7, 3), [(7, 3)]),
-        (torch.zeros(7, 3, dtype=torch.bfloat16), torch.ones(7, 3, dtype=torch.bfloat16), [(7, 3)]),
-        (torch.zeros(7), torch.ones(7, dtype=torch.bfloat16), [(7,)]),
-        (torch.zeros(8), torch.ones(8, dtype=torch.bfloat16), [(7,), (1,)]),
-        (torch.zeros(1, 9), torch.ones(1, 9, dtype=torch.bfloat16), [(1, 9)]),   # one row
-    ]
-    for target, grad, want in cases:
-        with _AddCalls() as calls:
-            _add_widened(target, grad)
-        assert calls.shapes == want, (target.dtype, grad.dtype, grad.shape)
-        assert torch.equal(target, torch.ones_like(target))
-    monkeypatch.setattr(gradients, "ADD_CHUNK_NUMEL", 0)
-    target = torch.zeros(())
-    _add_widened(target, torch.tensor(2.5, dtype=torch.bfloat16))   # 0-d: nothing to slice
-    assert target.item() == 2.5
-
-
-# -- the collector ---------------------------------------------------------------------------
 def test_collect_numel_is_the_trainable_range_or_every_shard_when_scattered() -> None:
     comm = _TwoRanks(1, torch.zeros(4096), [False, False])
     unit = _unit(shapes=((40, 50), (900,)), comm=comm, shards=2)
@@ -782,3 +727,66 @@ def test_the_scattered_shard_is_float32_whatever_the_default_dtype() -> None:
     assert state.grad_buffer.dtype == F32
     assert torch.allclose(state.grad_buffer.double(), ((whole + other.double()) / 2)[:2048],
                           rtol=0, atol=1e-6)
+
+
+def _late_rig(home: str, **kwargs) -> tuple[_Rig, LateCopies, threading.Event]:
+    """A rig whose copies to the host land late, behind a gate the test opens."""
+    rig = _Rig([_unit()], home=home, **kwargs)
+    copies, gate = LateCopies(seed=2), threading.Event()
+    copies._jobs.put(gate.wait)
+    rig.manager.copies = rig.g.copies = rig.pool._copies = copies
+    return rig, copies, gate
+
+
+@pytest.mark.parametrize("home", ["disk", "host"])
+def test_a_unit_s_gradient_is_read_only_after_its_copies_to_the_host(home: str) -> None:
+    """Copied into a fresh slot (disk home) or added into the resident home: nothing lands
+    before the gate opens, and finish reads the complete gradient, after the wait."""
+    rig, copies, gate = _late_rig(home)
+    state = rig.states[0]
+    g0, g1 = torch.randn(3, 5), torch.randn(7)
+    rig.grad(state, 0, g0)
+    rig.grad(state, 1, g1)
+    rig.grad(state, 1, g1)                   # a second gradient of one parameter: added
+    assert len(state.grad_copies) == 3 and copies.to_host_copies == 3
+    gate.set()
+    rig.g.zero_unwritten(state)
+    assert state.grad_copies == []
+    grads = rig.g.finish(state, write_home=False)
+    assert torch.equal(grads.double(), _flat(state.unit, g0, 2 * g1))
+    rig.g.drop_buffer(state)
+    assert copies.poisoned == copies.lost == 0
+
+
+def test_a_slot_goes_back_only_after_its_copies_to_the_host() -> None:
+    rig, copies, gate = _late_rig("disk")
+    state = rig.states[0]
+    rig.grad(state, 0, torch.ones(3, 5))
+    waits = copies.host_waits
+
+    def open_then_wait(events) -> None:        # the copy can land only once someone waits
+        gate.set()
+        waits(events)
+    copies.host_waits = open_then_wait
+    rig.g.drop_cycle()                        # waits for the copy, then gives the slot back
+    assert copies.poisoned == copies.lost == 0 and rig.pool.available == 2
+
+
+def test_a_gradient_read_before_its_copies_to_the_host_is_wrong(monkeypatch) -> None:
+    """The planted fault: without the wait the reader sees the NaN the copy has not replaced."""
+    rig, copies, gate = _late_rig("disk")
+    monkeypatch.setattr(GradientCollector, "copies_landed", lambda self, state: None)
+    state = rig.states[0]
+    rig.grad(state, 0, torch.ones(3, 5))
+    rig.g.zero_unwritten(state)
+    grads = rig.g.finish(state, write_home=False)
+    assert torch.isnan(grads[:15]).all()
+    gate.set()
+    copies.drain()
+
+
+def test_a_gradient_on_another_device_is_never_held() -> None:
+    rig = _Rig([_unit()], home=None, early_step=True, holds_grads=True)
+    state = rig.states[0]
+    with pytest.raises(RuntimeError, match="meta would be held"):
+        rig.grad(state, 0, torch.ones(3, 5, device="meta"))

@@ -1,0 +1,171 @@
+"""The copies' owner (storage/transfers.py) on a machine without CUDA: the immediate copies'
+device-to-host copy and add are today's bits (``_add_widened`` among them, the widening add in
+chunks), and the late copies' device-to-host copies land only on the helper thread, behind a
+gate the tests hold shut: until a reader waits (``host_waits``) a copied destination reads NaN
+and an added one lacks the add, and a pool buffer given back while a copy still writes it is
+poisoned and the copy lost. (The CUDA streams: tests/gpu/test_cuda_copies.py.)"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from fakes import RecordingManager
+from torch.overrides import TorchFunctionMode
+
+from infinity.storage import transfers
+from infinity.storage.buffer_pool import BufferPool
+from infinity.storage.transfers import (
+    ImmediateCopies,
+    LateCopies,
+    _add_widened,
+    device_copies,
+)
+
+F32 = torch.float32
+
+
+class _AddCalls(TorchFunctionMode):
+    """Records the shape of what each ``Tensor.add_`` adds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.add_:
+            self.shapes.append(tuple(args[1].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, transpose", [((6, 3), False), ((3, 6), True), ((20,), False)])
+def test_add_widened_is_bit_for_bit_torch_add_of_the_float32_gradient(monkeypatch, dtype, shape,
+                                                                      transpose) -> None:
+    monkeypatch.setattr(transfers, "ADD_CHUNK_NUMEL", 7)
+    gen = torch.Generator().manual_seed(3)
+    grad = torch.randn(shape, generator=gen).to(dtype)
+    if transpose:
+        grad = grad.t()              # not contiguous: sliced as it is
+    target = torch.randn(grad.shape, generator=gen)
+    want = target.clone().add_(grad.to(F32))
+    _add_widened(target, grad)
+    assert torch.equal(target, want)
+
+
+def test_add_widened_slices_a_16_bit_gradient_by_rows_and_adds_others_whole(monkeypatch) -> None:
+    """A widening add goes in slices of about ADD_CHUNK_NUMEL elements (whole rows, at least
+    one); a float32 gradient, a 16-bit one into a 16-bit home, a small one or a 0-d one is
+    added at once."""
+    monkeypatch.setattr(transfers, "ADD_CHUNK_NUMEL", 7)
+    cases = [
+        (torch.zeros(7, 3), torch.ones(7, 3, dtype=torch.bfloat16), [(2, 3), (2, 3), (2, 3), (1, 3)]),
+        (torch.zeros(3, 9), torch.ones(3, 9, dtype=torch.float16), [(1, 9), (1, 9), (1, 9)]),
+        (torch.zeros(7, 3), torch.ones(7, 3), [(7, 3)]),
+        (torch.zeros(7, 3, dtype=torch.bfloat16), torch.ones(7, 3, dtype=torch.bfloat16), [(7, 3)]),
+        (torch.zeros(7), torch.ones(7, dtype=torch.bfloat16), [(7,)]),
+        (torch.zeros(8), torch.ones(8, dtype=torch.bfloat16), [(7,), (1,)]),
+        (torch.zeros(1, 9), torch.ones(1, 9, dtype=torch.bfloat16), [(1, 9)]),   # one row
+    ]
+    for target, grad, want in cases:
+        with _AddCalls() as calls:
+            _add_widened(target, grad)
+        assert calls.shapes == want, (target.dtype, grad.dtype, grad.shape)
+        assert torch.equal(target, torch.ones_like(target))
+    monkeypatch.setattr(transfers, "ADD_CHUNK_NUMEL", 0)
+    target = torch.zeros(())
+    _add_widened(target, torch.tensor(2.5, dtype=torch.bfloat16))   # 0-d: nothing to slice
+    assert target.item() == 2.5
+
+
+def _grads(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return (torch.randn(6, 4, generator=gen).to(dtype), torch.randn(6, 4, generator=gen).to(dtype),
+            torch.randn(6, 4, generator=gen))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_immediate_copies_to_the_host_are_over_at_once_and_today_s_bits(dtype) -> None:
+    first, second, _ = _grads(dtype)
+    copies = ImmediateCopies()
+    dst = torch.full((6, 4), float("nan"))
+    events = [copies.to_host(dst, first), copies.to_host(dst, second, add=True)]
+    assert all(e.done() for e in events)      # nothing to wait for: no thread, no stream
+    want = torch.empty(6, 4)
+    want.copy_(first)
+    _add_widened(want, second)
+    assert torch.equal(dst, want)
+    copies.host_waits(events)
+    assert torch.equal(dst, want)
+
+
+def _gated(seed: int = 3) -> tuple[LateCopies, threading.Event]:
+    """Late copies whose helper thread is held at a gate until the test opens it."""
+    copies, gate = LateCopies(seed), threading.Event()
+    copies._jobs.put(gate.wait)          # the thread runs queued jobs in order
+    return copies, gate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_late_copies_to_the_host_land_only_for_a_reader_that_waits(dtype) -> None:
+    first, second, home = _grads(dtype)
+    copies, gate = _gated()
+    fresh, kept = torch.zeros(6, 4), home.clone()
+    events = [copies.to_host(fresh, first), copies.to_host(fresh, second, add=True),
+              copies.to_host(kept, second, add=True)]
+    assert copies.copies == copies.to_host_copies == 3
+    assert torch.isnan(fresh).all() and not any(e.done() for e in events)
+    assert torch.equal(kept, home)           # an add is made at the wait, not before
+    gate.set()
+    copies.drain()                           # every copy ran: the adds still wait for a reader
+    assert torch.equal(fresh, first.to(F32))     # copied, not yet added to
+    assert torch.equal(kept, home) and not events[2].done()
+    copies.host_waits(events)
+    want_fresh = torch.empty(6, 4)
+    want_fresh.copy_(first)
+    _add_widened(want_fresh, second)
+    want_kept = home.clone()
+    _add_widened(want_kept, second)
+    assert torch.equal(fresh, want_fresh) and torch.equal(kept, want_kept)
+    assert all(e.done() for e in events) and copies.poisoned == copies.lost == 0
+
+
+def test_a_pool_buffer_given_back_before_its_copy_to_the_host_is_poisoned_and_the_copy_lost(
+        ) -> None:
+    manager = RecordingManager()
+    copies, gate = _gated()
+    manager.copies = copies
+    pool = BufferPool(manager, 64, 1, "gradient")
+    slot = pool.acquire()
+    copies.to_host(slot.buffer.view(F32), torch.ones(16))
+    pool.release(slot)                       # no wait for the copy: the planted fault
+    again = pool.acquire()
+    assert copies.poisoned == 1 and torch.isnan(again.buffer.view(F32)).all()
+    again.buffer.view(F32).fill_(7.0)        # the next user's bytes
+    gate.set()
+    copies.drain()
+    assert copies.lost == 1 and torch.equal(again.buffer.view(F32), torch.full((16,), 7.0))
+
+
+def test_a_pool_buffer_given_back_after_the_wait_is_not_poisoned() -> None:
+    manager = RecordingManager()
+    copies, gate = _gated()
+    manager.copies = copies
+    pool = BufferPool(manager, 64, 1, "gradient")
+    slot = pool.acquire()
+    event = copies.to_host(slot.buffer.view(F32), torch.ones(16))
+    gate.set()
+    copies.host_waits([event])
+    pool.release(slot)
+    assert copies.poisoned == copies.lost == 0
+    assert torch.equal(pool.acquire().buffer.view(F32), torch.ones(16))
+
+
+def test_device_copies_picks_late_copies_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(transfers.LATE_ENV, "4")
+    assert isinstance(device_copies(torch.device("cpu")), LateCopies)
+    monkeypatch.setenv(transfers.LATE_ENV, "soon")
+    with pytest.raises(ValueError, match="'soon'"):
+        device_copies(torch.device("cpu"))
+    monkeypatch.delenv(transfers.LATE_ENV)
+    assert type(device_copies(torch.device("cpu"))) is ImmediateCopies
