@@ -14,8 +14,10 @@ Run (from the repository root):
     python tools/landing_fuzz.py --seeds 2 --late-copies     # and every device copy late
 Options: --families (default all: llama gpt2 torch llama_tied albert bert t5), --seeds N (seeds
 1..N per config), --p P [P ...] (default 0.05 0.3), --steps S (default 4), --late-copies (the
-fetch path through host slots a GPU takes, the device memory cache off, with every copy to the
-device completed late on a helper thread, seeded by the case: storage/transfers.py LateCopies).
+paths a GPU takes: the fetch through host slots, the device memory cache off, and gradients
+copied to host buffers, never held; every copy to the device and every gradient's copy to the
+host completed late on a helper thread, seeded by the case: storage/transfers.py LateCopies;
+a case also fails when a buffer was released under a copy, poisoned or lost).
 Prints one line per case and a summary; exit status 1 when any case failed.
 """
 from __future__ import annotations
@@ -44,10 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--late-copies", action="store_true")
     args = ap.parse_args(argv)
     if args.late_copies:
+        from infinity.engine import sizing as engine_sizing
         from infinity.storage.device_cache import DeviceMemoryCache
 
         DeviceMemoryCache.supported = staticmethod(lambda device: False)
-    failed = cases = late = 0
+        engine_sizing.gradients_held = lambda device: False     # copied out, as off a CPU
+    failed = cases = late = to_host = 0
     for family, tier, reuse, share, clip, p, seed in itertools.product(
             args.families, ("nvme", "cpu"), (0, None), (1.2, None), (0.0, 0.05), args.p,
             range(1, args.seeds + 1)):
@@ -57,20 +61,29 @@ def main(argv: list[str] | None = None) -> int:
             from infinity.storage.transfers import LATE_ENV
 
             os.environ[LATE_ENV] = str(cases)      # each case its own delays
+        engines: list = []
         with tempfile.TemporaryDirectory(prefix="landing-fuzz-") as disk:
             try:
                 worst, handed_late = late_landing.run_case(
-                    family, tier, disk, seed, reuse, share, clip, p, args.steps)
+                    family, tier, disk, seed, reuse, share, clip, p, args.steps, engines)
             except Exception as exc:  # noqa: BLE001 - a case's failure is the finding
                 failed += 1
                 print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
         late += handed_late
         ok = worst <= TOLERANCE
+        copies = engines[0].manager.copies
+        counts = ""
+        if args.late_copies:
+            ok = ok and copies.poisoned == 0 and copies.lost == 0
+            to_host += copies.to_host_copies
+            counts = (f", {copies.copies} late copies ({copies.to_host_copies} to the host, "
+                      f"{copies.poisoned} poisoned, {copies.lost} lost)")
         failed += not ok
         print(f"{'ok  ' if ok else 'DIFF'} {tag}: worst relative loss difference {worst:.1e}, "
-              f"{handed_late} landings handed out late", flush=True)
-    print(f"{cases} cases, {failed} failed, {late} landings handed out late in all")
+              f"{handed_late} landings handed out late{counts}", flush=True)
+    print(f"{cases} cases, {failed} failed, {late} landings handed out late in all" +
+          (f", {to_host} late copies to the host" if args.late_copies else ""))
     return 1 if failed else 0
 
 

@@ -93,9 +93,21 @@ def _run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world
             assert engine.fetch_pool is not None and not engine.direct_fetch
             assert engine.fetch_pool.slot_bytes < max(u.nbytes for u in engine.units)
         return {"losses": losses, "skipped": engine.skipped_steps, "sent": sent,
-                "early": engine.optimizer.early_step, "grad_norm": engine.get_global_grad_norm()}
+                "early": engine.optimizer.early_step, "grad_norm": engine.get_global_grad_norm(),
+                "copies": _late_counts(engine.manager.copies)}
     finally:
         engine.close()
+
+
+def _late_counts(copies) -> dict | None:
+    """The late copies' counters (INFINITY_LATE_TRANSFERS set), else None."""
+    from infinity.storage.transfers import LateCopies
+
+    if not isinstance(copies, LateCopies):
+        return None
+    copies.drain()
+    return {"copies": copies.copies, "to_host": copies.to_host_copies,
+            "poisoned": copies.poisoned, "lost": copies.lost}
 
 
 def main() -> None:

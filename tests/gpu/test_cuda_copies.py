@@ -1,7 +1,9 @@
-"""Host-to-device copies on their own stream (storage/transfers.py ``CudaCopies``; skipped
-visibly without CUDA, run by tools/gpu_check.sh where a GPU is lent): a copy from pinned host
-memory lands before compute that waits on its event reads it, the compute stream never waits
-for the whole device, and the source goes back only after the copy is over."""
+"""Copies on their own streams (storage/transfers.py ``CudaCopies``; skipped visibly without
+CUDA, run by tools/gpu_check.sh where a GPU is lent): a copy from pinned host memory lands
+before compute that waits on its event reads it, the compute stream never waits for the whole
+device, and the source goes back only after the copy is over; a gradient's copy to pinned host
+memory (or its add into it) runs on the device-to-host stream after the compute that wrote it,
+and the host reads it whole after ``host_waits``, bit for bit what the immediate copies give."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from infinity.storage.transfers import CudaCopies, device_copies
+from infinity.storage.transfers import CudaCopies, ImmediateCopies, device_copies
 
 pytestmark = pytest.mark.gpu
 
@@ -47,4 +49,32 @@ def test_compute_does_not_wait_for_the_device_while_a_copy_runs() -> None:
     assert y.sum().item() == 32.0
     assert copies.h2d != torch.cuda.current_stream(device)
     event.wait()
+    copies.drain()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_copy_to_the_host_is_read_after_host_waits_and_gives_the_immediate_bits(dtype) -> None:
+    device = torch.device("cuda")
+    copies = CudaCopies(device)
+    n = 32 << 20
+    gen = torch.Generator(device=device).manual_seed(1)
+    first = torch.randn(n, device=device, generator=gen).to(dtype)
+    second = (torch.randn(n, device=device, generator=gen) * 2).to(dtype)   # compute, queued
+    fresh = torch.empty(n, dtype=torch.float32).pin_memory()
+    home = torch.ones(n, dtype=torch.float32).pin_memory()
+    events = [copies.to_host(fresh, first), copies.to_host(fresh, second, add=True),
+              copies.to_host(home, second, add=True)]
+    del first, second            # kept alive for the copies by record_stream
+    assert copies.d2h != torch.cuda.current_stream(device)
+    copies.host_waits(events)
+    assert all(e.done() for e in events)
+    gen = torch.Generator(device=device).manual_seed(1)
+    a = torch.randn(n, device=device, generator=gen).to(dtype).cpu()
+    b = (torch.randn(n, device=device, generator=gen) * 2).to(dtype).cpu()
+    immediate = ImmediateCopies()
+    want_fresh, want_home = torch.empty(n), torch.ones(n)
+    immediate.to_host(want_fresh, a)
+    immediate.to_host(want_fresh, b, add=True)
+    immediate.to_host(want_home, b, add=True)
+    assert torch.equal(fresh, want_fresh) and torch.equal(home, want_home)
     copies.drain()

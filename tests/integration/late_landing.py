@@ -163,12 +163,13 @@ def build_family(family: str, seed: int = 0) -> torch.nn.Module:
 
 def run_case(family: str, tier: str, disk_dir: str, seed: int, reuse: int | None = None,
              device_share: float | None = None, clip: float = 0.0, p: float = 0.3,
-             steps: int = 4) -> tuple[float, int]:
+             steps: int = 4, engines: list | None = None) -> tuple[float, int]:
     """Train ``family`` at stage 3 with params and optimizer on ``tier`` under
     ``RandomLandings(seed, p)`` beside torch AdamW; ``reuse``: stage3_max_reuse_distance (None:
     the default), ``device_share``: a device budget of that share of the parameters' bytes
-    (None: unlimited), ``clip``: gradient_clipping. Returns the worst relative loss difference
-    and how many landings were handed out late."""
+    (None: unlimited), ``clip``: gradient_clipping; ``engines``: the engine is appended to it
+    (to read its counters after the run). Returns the worst relative loss difference and how
+    many landings were handed out late."""
     from parity import run_parity, zero_config
 
     model = build_family(family)
@@ -181,6 +182,10 @@ def run_case(family: str, tier: str, disk_dir: str, seed: int, reuse: int | None
     if reuse is not None:
         ds["zero_optimization"]["stage3_max_reuse_distance"] = reuse
     landings: list[RandomLandings] = []
-    result = run_parity(model, ds, steps=steps, clip=clip,
-                        prepare=lambda engine: landings.append(RandomLandings(engine, seed, p)))
+
+    def prepare(engine) -> None:
+        landings.append(RandomLandings(engine, seed, p))
+        if engines is not None:
+            engines.append(engine)
+    result = run_parity(model, ds, steps=steps, clip=clip, prepare=prepare)
     return result.worst_relative, landings[0].handed_out_late

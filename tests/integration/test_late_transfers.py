@@ -1,17 +1,22 @@
 """Copies that complete late (storage/transfers.py ``LateCopies``, issue 36): every host-to-device
-copy of a unit from its host slot runs on a helper thread after a seeded random delay, its
-destination reads NaN until then, and a slot handed back while a copy still reads it is
-NaN-filled. The fetch path through host slots (a GPU's: the device memory cache is turned off
-here, as a CUDA device has none) must still train exactly as torch AdamW does, for three model
+copy of a unit from its host slot, and every device-to-host copy of a gradient to its host
+buffer or home, runs on a helper thread after a seeded random delay; a copied destination reads
+NaN until then (a gradient added to its home lacks the add until the reader waits), and a slot
+handed back while a copy still reads or writes it is NaN-filled. The paths a GPU takes (the
+device memory cache turned off, as a CUDA device has none; gradients copied to host buffers,
+never held, as off a CPU device) must still train exactly as torch AdamW does, for three model
 families, parameters on NVMe and on the host, both schedules; and it must fail when compute
-does not wait for its unit's copy, or when a slot goes back before its copy's event. On a CPU
-device the immediate copies run these tests' code path with no thread (the default)."""
+does not wait for its unit's copy, when a slot goes back before its copy's event, or when a
+gradient is read before its device-to-host copies' events. On a CPU device the immediate copies
+run these tests' code path with no thread (the default). Two ranks under late copies:
+tests/distributed/test_late_transfers_ranks.py."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
+from infinity.engine import sizing as engine_sizing
 from infinity.storage import transfers
 from infinity.storage.device_cache import DeviceMemoryCache
 from parity import make_model, run_parity, zero_config
@@ -21,9 +26,11 @@ CASES = [(family, param, early) for family in ("llama", "gpt2", "torch")
 
 
 def _late(monkeypatch, seed: int) -> None:
-    """Late copies, and the slot path a device without the memory cache takes."""
+    """Late copies, the slot path a device without the memory cache takes, and gradients
+    copied to host buffers as off a CPU device (``gradients_held``)."""
     monkeypatch.setenv(transfers.LATE_ENV, str(seed))
     monkeypatch.setattr(DeviceMemoryCache, "supported", staticmethod(lambda device: False))
+    monkeypatch.setattr(engine_sizing, "gradients_held", lambda device: False)
 
 
 def _run(disk_dir, family: str, param: str, early: str):
@@ -41,6 +48,8 @@ def test_late_copies_train_as_torch(disk_dir, monkeypatch, family, param, early)
     try:
         copies = result.engine.manager.copies
         assert isinstance(copies, transfers.LateCopies) and copies.copies > 0
+        # every gradient left the device through a copy to the host (none held)
+        assert copies.to_host_copies > 0 and not result.engine.optimizer.holds_grads
         # parameters on NVMe come through host slots, on the host from their home store
         assert (result.engine.fetch_pool is not None) == (param == "nvme")
         assert copies.poisoned == 0 and copies.lost == 0
@@ -51,15 +60,23 @@ def test_late_copies_train_as_torch(disk_dir, monkeypatch, family, param, early)
         result.engine.close()
 
 
-@pytest.mark.parametrize("fault", ["compute does not wait", "slot back before its copy"])
+FAULTS = ["compute does not wait", "slot back before its copy",
+          "gradient read before its copy to the host"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
 def test_a_missing_wait_fails(disk_dir, monkeypatch, fault: str) -> None:
-    """Planted faults: each gives NaN (the destination or the slot was poisoned), not a pass."""
+    """Planted faults: each gives NaN (the destination or the slot was poisoned, a gradient
+    read before its copy landed) or a loss off torch's (a gradient missing its add), not a
+    pass."""
     _late(monkeypatch, seed=7)
-    if fault == "compute does not wait":
+    if fault == FAULTS[0]:
         monkeypatch.setattr(transfers.LateCopies, "compute_waits", lambda self, event: None)
-    else:
+    elif fault == FAULTS[1]:
         monkeypatch.setattr(transfers.LateCopies, "release_after",
                             lambda self, event, release: release())
+    else:
+        monkeypatch.setattr(transfers.LateCopies, "host_waits", lambda self, events: None)
     result = _run(disk_dir, "llama", "nvme", "off")
     try:
         bad = not all(math.isfinite(x) for x in result.losses) or \
