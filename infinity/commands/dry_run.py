@@ -9,10 +9,17 @@ prefetch within the bucket and live limits, keeping units for reuse, releases), 
 engine's order of calls around a step (``Engine.forward``/``backward``/``step``). The backend
 is what differs (``_DryRunBackend``; storage/protocols.py is what it implements, as the tier
 manager does): the bytes (meta tensors, no swap files), the disk, the collectives and the
-optimizer's step stream (``dry_run_stepper``: its schedule, not its kernels), on a clock whose
-rates are the target's (or this machine's, assumed).
+optimizer's step stream (``dry_run_stepper``: its schedule, not its kernels) and, on a GPU, the
+host <-> device copies (``dry_run_copies``: parameters up, gradients down, each direction on
+its lane at the link's rate, ordered by their events as the engine's), on a clock whose rates
+are the target's (or this machine's, assumed).
 
-Not simulated: the step stream's sub-groups (a unit's step is one job), PCIe copies, the CPU
+The step it predicts is the training thread's time: its compute and its waits on the other
+resources (NVMe, copies, collectives, the CPU Adam, slots), i.e. the schedule's critical path,
+not the busiest resource times an overlap factor as ``planner.step_time`` predicts.
+
+Not simulated: the step stream's sub-groups (a unit's step is one job), the updated parameters
+copied back to a GPU that holds them (the optimizer off the device, parameters on it), the CPU
 shared by compute and the CPU Adam on a CPU-only machine, activation swapping (its staging is
 counted), a gradient buffer taken outside the pool, the accumulation chunk.
 
@@ -31,6 +38,7 @@ from torch import nn
 from infinity.base.sizes import format_bytes
 from infinity.commands.dry_run_trace import busy_seconds
 from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, SimManager, SimPool
+from infinity.commands.dry_run_copies import SimCopies
 from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
 from infinity.engine.assembly import assemble
@@ -58,6 +66,9 @@ class DryRunRates:
     """The CPU Adam with fp32 states (the stepper scales it for the run's state format)."""
     net_GBps: float = 0.0
     """Collectives, per rank (ring): only with several ranks."""
+    pcie_GBps: float = 0.0
+    """Host <-> device copies, each direction, per rank (its GPU's link): needed for a GPU
+    device; on a CPU device copies are free and immediate, as the engine's are."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,9 +165,12 @@ class DryRunReport:
                      f"{format_bytes(last.nvme_write_bytes)}, collectives "
                      f"{format_bytes(last.comm_bytes)}; I/O wait {last.io_wait_s:.2f} s")
         analytic = f"{self.analytical_s:.2f} s" if self.analytical_s is not None else "-"
-        lines.append(f"  step time: simulated {last.seconds:.2f} s, analytical {analytic}")
+        busy = self.busy_s()
+        lines.append(f"  step time: simulated {last.seconds:.2f} s (the schedule's critical path: "
+                     f"compute {busy['compute']:.2f} s + waits {busy['compute waits']:.2f} s), "
+                     f"analytical {analytic}")
         lines.append("  busy in the step: " + ", ".join(
-            f"{row} {seconds:.2f} s" for row, seconds in self.busy_s().items() if seconds))
+            f"{row} {seconds:.2f} s" for row, seconds in busy.items() if seconds))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -176,6 +190,15 @@ class _MetaUnit(Unit):
     @property
     def flat_on_aligned_host(self) -> bool:
         return self.direct
+
+    # the copies a fetch issues are this unit's (the timeline's H2D row names them)
+    def advance_fetch(self, manager: SimManager, pool) -> bool:
+        with manager.copies.for_unit(self.name):
+            return super().advance_fetch(manager, pool)
+
+    def finish_fetch(self, manager: SimManager, pool, gather: bool = True) -> None:
+        with manager.copies.for_unit(self.name):
+            super().finish_fetch(manager, pool, gather)
 
 
 def meta_llama(model_kwargs: dict[str, Any]) -> nn.Module:
@@ -198,9 +221,13 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
     world = cfg.world_size
     dtype = COMPUTE_DTYPES[lay.compute_dtype]
     clock = SimClock(spans=[])
+    if not setup.device_is_cpu and rates.pcie_GBps <= 0:
+        raise ValueError(f"a dry run on a GPU device needs its host <-> device link's rate: "
+                         f"DryRunRates.pcie_GBps is {rates.pcie_GBps}")
+    copies = SimCopies(clock, 0.0 if setup.device_is_cpu else rates.pcie_GBps * 1e9)
     manager = SimManager(es.host_budget, es.device_budget, clock=clock,
                          read_Bps=rates.nvme_read_GBps * 1e9, write_Bps=rates.nvme_write_GBps * 1e9,
-                         device_is_cpu=setup.device_is_cpu)
+                         device_is_cpu=setup.device_is_cpu, copies=copies)
     comm = SimCollectives(world, clock, rates.net_GBps * 1e9)
     plan = setup.plan
     specs = partition(model, list(setup.unit_modules or cfg.infinity.unit_modules or []) or None)
@@ -391,7 +418,8 @@ def target_setup(memory, target, workload) -> tuple[DryRunSetup, DryRunRates]:
         compute_flops_per_s=target.gpu.peak_tflops * 1e12 * target.mfu,
         nvme_read_GBps=target.nvme_read_GBps / ranks, nvme_write_GBps=target.nvme_write_GBps / ranks,
         adam_params_per_s=CPU_ADAM_PARAMS_PER_CORE * target.cpu_cores / ranks,
-        net_GBps=target.collective_GBps * LINK_EFFICIENCY)
+        net_GBps=target.collective_GBps * LINK_EFFICIENCY,
+        pcie_GBps=target.gpu.pcie_GBps * LINK_EFFICIENCY)
     return setup, rates
 
 

@@ -21,15 +21,19 @@ the interface the engine calls:
 * ``SimCollectives`` for ``comm.collectives.Collectives``: rank 0 of ``world_size``, each
   all-gather a transfer on the simulated network.
 
-The clock: one ``Lane`` per resource (the disk, which reads and writes share; the network), each
-serving its transfers in order at its rate; a request is done when the clock has passed its end,
-and waiting for it moves the clock there (counted as I/O wait).
+The clock: one ``Lane`` per resource (the disk, which reads and writes share; the network; the
+host <-> device copies of ``dry_run_copies``, one lane a direction), each serving its transfers
+in order at its rate; a request is done when the clock has passed its end, and waiting for it
+moves the clock there (counted as I/O wait). What another thread of the engine does when an
+event fires (a copy's source slot handed back) is an action the clock runs at the event's time
+(``SimClock.at``).
 """
 from __future__ import annotations
 
 import contextlib
+import heapq
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -37,7 +41,7 @@ from infinity.base.budget import MemoryBudget
 from infinity.storage.buffer_pool import Slot
 from infinity.storage.manager import TierCounters, padded_numel
 from infinity.storage.tiers import Tier
-from infinity.storage.transfers import ImmediateCopies
+from infinity.storage.transfers import DeviceCopies, ImmediateCopies
 
 __all__ = ["SimClock", "COMPUTE", "WAIT", "Lane", "SimRequest", "SimManager", "SimStore", "SimDeviceCache",
            "SimPool", "SimCollectives", "META"]
@@ -55,6 +59,9 @@ class SimClock:
     spans: list[tuple[str, float, float, str]] | None = None
     """When a list: every busy interval of every resource, (resource, start, end, what) --
     the timeline ``dry_run_trace`` writes (None: not recorded)."""
+    _due: list[tuple[float, int, Callable[[], None]]] = field(default_factory=list, repr=False)
+    """Actions waiting for their time (``at``): a heap of (time, order, action)."""
+    _seq: int = 0
 
     def record(self, resource: str, start: float, end: float, what: str) -> None:
         """``resource`` was busy with ``what`` from ``start`` to ``end`` (seconds)."""
@@ -71,6 +78,25 @@ class SimClock:
         """The training thread computes for ``seconds``."""
         self.record(COMPUTE, self.now, self.now + seconds, what)
         self.now += seconds
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        """Do ``action`` once the clock has reached ``t`` (at once if it has): what another
+        thread of the engine does when an event fires, e.g. a copy's source slot handed back
+        (``dry_run_copies``). Due actions run when someone looks (``run_due``)."""
+        if t <= self.now:
+            action()
+            return
+        self._seq += 1
+        heapq.heappush(self._due, (t, self._seq, action))
+
+    def run_due(self) -> None:
+        """Run the actions whose time has come, earliest first."""
+        while self._due and self._due[0][0] <= self.now:
+            heapq.heappop(self._due)[2]()
+
+    def next_due(self) -> float | None:
+        """When the earliest action still to run is due (None: there is none)."""
+        return self._due[0][0] if self._due else None
 
 
 COMPUTE = "compute"
@@ -280,7 +306,8 @@ class SimManager:
     """The tier manager's interface over the simulated disk, without bytes."""
 
     def __init__(self, host_budget: int | None, device_budget: int | None, *, clock: SimClock,
-                 read_Bps: float, write_Bps: float, device_is_cpu: bool) -> None:
+                 read_Bps: float, write_Bps: float, device_is_cpu: bool,
+                 copies: DeviceCopies | None = None) -> None:
         self.host_budget = MemoryBudget("host", host_budget)
         self.device_budget = MemoryBudget("device", device_budget)
         self.device_cache = SimDeviceCache(self.device_budget, enabled=device_is_cpu)
@@ -289,7 +316,9 @@ class SimManager:
         self.disk = SimDisk(clock, read_Bps, write_Bps)
         self.device = META
         self.nvme_bytes = 0
-        self.copies = ImmediateCopies()     # meta tensors: a copy moves nothing
+        # host <-> device copies: on the clock (dry_run_copies.SimCopies, which the dry run
+        # passes), or immediate (meta tensors: a copy moves nothing)
+        self.copies = copies if copies is not None else ImmediateCopies()
 
     def host_empty(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """Reserved in the host budget like the real one; callers give it back with
@@ -320,16 +349,24 @@ class SimManager:
 
 class SimPool:
     """``BufferPool``'s interface: ``count`` slots of ``slot_bytes`` meta bytes, reserved in the
-    host budget (the real slots are allocated from it at start)."""
+    host budget (the real slots are allocated from it at start). A slot a copy still reads
+    comes back at the copy's end on the clock (``SimClock.at``, from ``release_after``), as the
+    engine's copies hand it back from their thread; an ``acquire`` with none free waits for
+    the first to come back, as the engine's blocks."""
 
     def __init__(self, manager: SimManager, slot_bytes: int, count: int, name: str) -> None:
         self.name, self.slot_bytes, self.count = name, slot_bytes, count
+        self.clock = manager.clock
         manager.host_budget.reserve(slot_bytes * count, f"{name} slots")
         self._free = [Slot(i, torch.empty(slot_bytes, dtype=torch.uint8, device=META))
                       for i in range(count)]
         self.low = count
 
     def acquire(self, timeout: float | None = None) -> Slot:
+        self.clock.run_due()
+        while not self._free and self.clock.next_due() is not None:
+            self.clock.wait_until(self.clock.next_due(), f"waits for a {self.name} slot")
+            self.clock.run_due()
         if not self._free:
             raise RuntimeError(f"{self.name}: all {self.count} slots are in use (the dry run "
                                "has no other thread to give one back)")
@@ -338,6 +375,7 @@ class SimPool:
         return slot
 
     def try_acquire(self) -> Slot | None:
+        self.clock.run_due()
         return self.acquire() if self._free else None
 
     def release(self, slot: Slot) -> None:
@@ -345,6 +383,7 @@ class SimPool:
 
     @property
     def available(self) -> int:
+        self.clock.run_due()
         return len(self._free)
 
 

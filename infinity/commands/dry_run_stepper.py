@@ -20,6 +20,12 @@ lane, its Adam on one CPU lane (the step stream's thread), its writes on the dis
 states are the optimizer's stores in the unit's format (``planner.state_format.unit_stores``,
 as ``optim.state_formats.build_state`` makes them): m and v in fp32, bf16 or int8 codes, an
 fp32 master where one is kept, the int8 scales in host memory (never read or written).
+Gradients leave the device (a GPU's; on a CPU device the copies are free) when a unit's
+backward and its reduce-scatter are over: the rank's range of the gradient, in its home's
+dtype, is copied to the host (``manager.copies.to_host``, the "D2H" row), and the unit's CPU
+Adam, or the gradient's write to NVMe, or the deferred step's read of it, starts after that
+copy's end ([Note: copy events] in storage/transfers.py: the host reads a gradient only after
+its copy's event). The optimizer on the device keeps them there (no copy).
 ``instant``: every job lands when it is submitted (a step that costs nothing), so the schedule
 no longer depends on timing: the order tests compare this with a real engine whose background
 steps are waited for at each reap.
@@ -31,7 +37,8 @@ from typing import Callable
 
 import torch
 
-from infinity.commands.dry_run_backend import Lane, SimCollectives, SimManager, SimStore
+from infinity.commands.dry_run_backend import META, Lane, SimCollectives, SimManager, SimStore
+from infinity.commands.dry_run_copies import SimCopies
 from infinity.optim.state_formats import MOMENT_DTYPES
 from infinity.planner.state_format import (
     FP32_STATES,
@@ -82,6 +89,14 @@ class SimStepper:
         self.scales: dict[int, list[SimStore]] = {}   # int8 scales: host memory, not moved
         self.masters: set[int] = set()                # units with a separate fp32 master
         self.grad_stores: dict[int, SimStore] = {}
+        # gradients go to the host for a CPU Adam (or a host or NVMe gradient home)
+        self.grads_leave = opt_tier is not Tier.DEVICE or grad_tier is not Tier.DEVICE
+        self.grad_dtype = grad_dtype
+        # a manager with immediate copies (not the dry run's): free, as SimCopies at rate 0
+        self.copies = manager.copies if isinstance(manager.copies, SimCopies) else \
+            SimCopies(self.clock, 0.0)
+        self.grad_numel: dict[int, int] = {}         # unit -> the range its gradient copies
+        self.grad_landed: dict[int, float] = {}      # unit -> when its copy to the host ends
         for unit in units:
             if not unit.has_trainable:
                 continue
@@ -90,6 +105,7 @@ class SimStepper:
             lo = min(unit.shard_start, t) if unit.shards > 1 else 0
             span = min(unit.shard_start + unit.shard_numel, t) - lo if unit.shards > 1 else t
             n = max(1, span)
+            self.grad_numel[unit.index] = n
             fmt = unit_format([state_format], t)      # per unit, as build_state decides
             master = keeps_fp32_master(fmt, master_separate=master_separate,
                                        compute_itemsize=unit.dtype.itemsize)
@@ -132,7 +148,8 @@ class SimStepper:
     def _run(self, job: _Job) -> None:
         """Adam after the reads, then the writes of the parameters and the states."""
         unit = job.unit
-        start = max(job.reads_end, self.clock.now)
+        # the gradient is read on the host after its copy's event (``_gradient_to_host``)
+        start = max(job.reads_end, self.clock.now, self.grad_landed.pop(unit.index, 0.0))
         job.kernel_end = self.adam.schedule(unit.trainable_numel, not_before=start,
                                             what=f"step {unit.name}")
         if self.instant:
@@ -163,8 +180,21 @@ class SimStepper:
             self.held_bytes += nbytes
             self.held_peak = max(self.held_peak, self.held_bytes)
 
+    def _gradient_to_host(self, unit: Unit) -> float:
+        """The unit's gradient (the rank's range, in its home's dtype) copied to the host
+        now; when it has landed (the clock's now when it stays on the device)."""
+        n = self.grad_numel.get(unit.index)
+        if not self.grads_leave or n is None:
+            return self.clock.now
+        grad = torch.empty(n, dtype=self.grad_dtype, device=META)
+        with self.copies.for_unit(unit.name):
+            event = self.copies.to_host(grad, grad)
+        self.grad_landed[unit.index] = event.end
+        return event.end
+
     def on_unit_backward_done(self, unit: Unit) -> bool:
         self.comm.reduce_scatter(unit.flat_numel * 4)
+        landed = self._gradient_to_host(unit)
         if self.early_like:
             reads = self.expected.pop(unit.index, None)
             job = _Job(unit, reads if reads is not None else self._read_states(unit))
@@ -173,7 +203,7 @@ class SimStepper:
             return False
         grad = self.grad_stores.get(unit.index)
         if grad is not None and not grad.resident:
-            grad.write_bytes(grad.nbytes)
+            grad.write_bytes(grad.nbytes, not_before=landed)
         self._drop_held(unit)
         return True
 

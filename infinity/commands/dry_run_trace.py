@@ -2,13 +2,20 @@
 file (``infinity plan --dry-run --trace FILE``; loads in Perfetto or chrome://tracing) or a
 picture (``--plot FILE.png``), so a user sees where the step waits.
 
-Rows, one per resource the simulated clock runs (commands/dry_run_backend.py): the training
-thread's compute (the GPU's forward and backward kernels, or the CPU's), the time it waits for
-a transfer, a step or a collective, the NVMe (reads and writes share the drives), the CPU Adam
-(the step stream) and the collectives. A step's time is the training thread's: its compute
-plus its waits; the other rows show what ran behind it. Host-to-device and device-to-host
-copies are not rows of their own yet: the engine's device path copies on the compute stream
-(issue 36 builds the side streams), so the dry run counts them in neither.
+Rows, one per resource the simulated clock runs (commands/dry_run_backend.py,
+dry_run_copies.py): the training thread's compute (the GPU's forward and backward kernels, or
+the CPU's), the time it waits for a transfer, a copy, a slot, a step or a collective, the
+host-to-device copies ("H2D": a unit's parameters going up, each labelled with its unit), the
+device-to-host copies ("D2H": a unit's gradient coming down), the NVMe (reads and writes share
+the drives), the CPU Adam (the step stream) and the collectives. The copy rows are a GPU's
+copy streams; on a CPU device copies are free and immediate (as the engine's are) and the rows
+stay empty.
+
+A step's time is the training thread's: its compute plus its waits, i.e. the schedule's
+critical path through every resource it waited on; the other rows show what ran behind it.
+So it is at least the busiest resource's time in the step (each serves one thing at a time)
+and at most all of their times together (the thread waits only while some resource works for
+it); where it is near the former, the others overlap the busiest.
 """
 from __future__ import annotations
 
@@ -17,13 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from infinity.commands.dry_run_backend import COMPUTE, WAIT
+from infinity.commands.dry_run_copies import D2H, H2D
 
 if TYPE_CHECKING:
     from infinity.commands.dry_run import DryRunReport
 
 __all__ = ["ROWS", "busy_seconds", "chrome_trace", "write_trace", "plot_timeline"]
 
-ROWS = (COMPUTE, WAIT, "NVMe", "CPU Adam", "collectives")
+ROWS = (COMPUTE, WAIT, H2D, D2H, "NVMe", "CPU Adam", "collectives")
 """The timeline's rows, top to bottom."""
 
 Span = tuple[str, float, float, str]

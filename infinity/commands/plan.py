@@ -90,8 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fetch/prefetch/release order, peak bytes per tier, I/O per step, "
                              "the simulated step time (needs --hf-config or --model-size)")
     parser.add_argument("--trace", metavar="FILE.json",
-                        help="with --dry-run: write its timeline (compute, waits, NVMe, CPU "
-                             "Adam, collectives: one row each) as a Chrome trace-event file "
+                        help="with --dry-run: write its timeline (compute, waits, "
+                             "host-to-device and device-to-host copies, NVMe, CPU Adam, "
+                             "collectives: one row each) as a Chrome trace-event file "
                              "(open it in https://ui.perfetto.dev or chrome://tracing)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="with --dry-run: draw the last step's timeline (needs matplotlib)")

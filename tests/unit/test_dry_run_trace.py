@@ -42,7 +42,9 @@ def test_the_timeline_bounds_the_step_and_loads_as_a_chrome_trace(tmp_path, caps
 
     events = json.loads(trace.read_text())["traceEvents"]
     rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
-    assert {"compute", "compute waits", "NVMe", "CPU Adam", "collectives"} <= set(rows)
+    assert {"compute", "compute waits", "H2D", "D2H", "NVMe", "CPU Adam", "collectives"} \
+        <= set(rows)
+    assert busy["H2D"] > 0 and busy["D2H"] > 0      # a GPU's copies take the link's time
     spans = [e for e in events if e["ph"] == "X"]
     assert spans and all(e["dur"] > 0 and e["tid"] in rows.values() for e in spans)
     # NVMe reads run behind compute (prefetch): some read overlaps some forward or backward
