@@ -99,6 +99,11 @@ INF_API int inf_adam_step_fmt(const struct inf_adam_hparams *hp,
  * Returns 0 or -EINVAL. */
 INF_API int inf_adam_qmap(int map, float *values, float *bounds);
 
+/* 1 when the SIMD kernels find int8 codes by the lookup table (one gather), 0 when they fall
+ * back to the binary search over the bounds (eight): only a map whose bounds are closer than a
+ * table slot would; the tests require 1 for the shipped maps, so a broken table cannot hide. */
+INF_API int inf_adam_qlut_ready(void);
+
 /* 1 when kernel can run inf_adam_step_fmt on this CPU and build, else 0. */
 INF_API int inf_adam_fmt_kernel_supported(int kernel);
 

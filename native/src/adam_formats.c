@@ -30,7 +30,7 @@
  * tree (a decimal exponent, then 2^i or 2^(i+1) linear fractions), covering 7 decades with 2-7
  * significant bits each, the finest near the block's absmax. */
 static float map_values[2][256], map_bounds[2][255];
-static uint8_t map_lut[2][ADAMF_LUT + 3];   /* see [Note: the code lookup table] */
+static uint32_t map_lut[2][ADAMF_LUT];   /* see [Note: the code lookup table] */
 static int lut_ok;
 static pthread_once_t maps_once = PTHREAD_ONCE_INIT;
 
@@ -54,7 +54,8 @@ static void slot_range(int sign, uint32_t slot, float *lo, float *hi) {
     *hi = sign ? -adam_bits_f32(a) : adam_bits_f32(b);
 }
 
-/* Each slot's smallest code; 0 (the SIMD kernels then search) if a slot holds two bounds. */
+/* Each slot's entry (see [Note: the code lookup table]); 0 (the SIMD kernels then search) if
+ * a slot holds two bounds, or the slot of the smallest magnitudes one. */
 static int build_luts(void) {
     for (int m = 0; m < 2; m++)
         for (int sign = 0; sign < 2; sign++)
@@ -62,8 +63,11 @@ static int build_luts(void) {
                 float lo, hi;
                 slot_range(sign, slot, &lo, &hi);
                 uint32_t c = adamf_qsearch(map_bounds[m], lo), d = adamf_qsearch(map_bounds[m], hi);
-                if (d > c + 1) return 0;
-                map_lut[m][sign * ADAMF_LUT_PER_SIGN + slot] = (uint8_t)c;
+                if (d > c + 1 || (d > c && slot == 0)) return 0;
+                uint32_t entry = c;
+                if (d > c) /* bnd[c] lies in the slot: its bits share the slot's top bits */
+                    entry |= ADAMF_LUT_HAS_BOUND | (adam_f32_bits(map_bounds[m][c]) & 0xffffu) << 16;
+                map_lut[m][sign * ADAMF_LUT_PER_SIGN + slot] = entry;
             }
     return 1;
 }
@@ -94,6 +98,11 @@ int inf_adam_qmap(int map, float *values, float *bounds) {
     memcpy(values, map_values[map], sizeof map_values[map]);
     if (bounds) memcpy(bounds, map_bounds[map], sizeof map_bounds[map]);
     return 0;
+}
+
+int inf_adam_qlut_ready(void) {
+    pthread_once(&maps_once, build_maps);
+    return lut_ok;
 }
 
 /* ---- kernels ---- */

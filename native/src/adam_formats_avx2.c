@@ -197,8 +197,8 @@ TARGET __m256i qsearch8(const float *bnd, int pos_floor, __m256 xv) {
     return idx;
 }
 
-/* adamf_qsearch of 8 lanes by the table (see [Note: the code lookup table]): 2 gathers. */
-TARGET __m256i qlut8(const float *bnd, const uint8_t *lut, int pos_floor, __m256 xv) {
+/* adamf_qsearch of 8 lanes by the table (see [Note: the code lookup table]): one gather. */
+TARGET __m256i qlut8(const uint32_t *lut, int pos_floor, __m256 xv) {
     __m256i u = _mm256_castps_si256(xv);
     __m256i e = _mm256_min_epu32(_mm256_and_si256(_mm256_srli_epi32(u, 23), _mm256_set1_epi32(0xff)),
                                  _mm256_set1_epi32(127));
@@ -211,12 +211,18 @@ TARGET __m256i qlut8(const float *bnd, const uint8_t *lut, int pos_floor, __m256
     slot = _mm256_and_si256(slot, regular);
     __m256i negative = _mm256_srai_epi32(u, 31);
     slot = _mm256_add_epi32(slot, _mm256_and_si256(negative, _mm256_set1_epi32(ADAMF_LUT_PER_SIGN)));
-    __m256i c = _mm256_and_si256(_mm256_i32gather_epi32((const int *)lut, slot, 1),
-                                 _mm256_set1_epi32(0xff));
-    __m256 b = _mm256_i32gather_ps(bnd, _mm256_min_epu32(c, _mm256_set1_epi32(254)), 4);
-    __m256i up = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(xv, b, _CMP_GE_OQ)),
-                                  _mm256_cmpgt_epi32(_mm256_set1_epi32(255), c));
-    c = _mm256_sub_epi32(c, up);                    /* up lanes are -1 */
+    __m256i entry = _mm256_i32gather_epi32((const int *)lut, slot, 4);
+    __m256i c = _mm256_and_si256(entry, _mm256_set1_epi32(0xff));
+    __m256i low = _mm256_and_si256(u, _mm256_set1_epi32(0xffff));
+    __m256i bound = _mm256_srli_epi32(entry, 16);
+    /* y >= bnd[c]: the low bits compared (16-bit values: a signed compare is exact), magnitudes
+     * reversed for negative values; lanes of all ones where true */
+    __m256i ge_pos = _mm256_xor_si256(_mm256_cmpgt_epi32(bound, low), _mm256_set1_epi32(-1));
+    __m256i ge_neg = _mm256_xor_si256(_mm256_cmpgt_epi32(low, bound), _mm256_set1_epi32(-1));
+    __m256i ge = _mm256_blendv_epi8(ge_pos, ge_neg, negative);
+    __m256i has = _mm256_cmpeq_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(ADAMF_LUT_HAS_BOUND)),
+                                     _mm256_set1_epi32(ADAMF_LUT_HAS_BOUND));
+    c = _mm256_sub_epi32(c, _mm256_and_si256(ge, has));   /* up lanes are -1 */
     c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(xv, xv, _CMP_ORD_Q)));  /* NaN -> 0 */
     if (pos_floor) { /* a positive value never gets code 0 */
         __m256 pos = _mm256_cmp_ps(xv, _mm256_setzero_ps(), _CMP_GT_OQ);
@@ -225,11 +231,10 @@ TARGET __m256i qlut8(const float *bnd, const uint8_t *lut, int pos_floor, __m256
     return c;
 }
 
-TARGET __m256i codes8(const float *bnd, const uint8_t *lut, int pos_floor, __m256 xv) {
-    return lut ? qlut8(bnd, lut, pos_floor, xv) : qsearch8(bnd, pos_floor, xv);
+TARGET __m256i codes8(const float *bnd, const uint32_t *lut, int pos_floor, __m256 xv) {
+    return lut ? qlut8(lut, pos_floor, xv) : qsearch8(bnd, pos_floor, xv);
 }
 
-/* 8 codes (0..255 in 32-bit lanes) -> 8 bytes in the low half. */
 TARGET __m128i pack8(__m256i c) {
     __m128i w = pack16(c);
     return _mm_packus_epi16(w, w);
@@ -237,7 +242,7 @@ TARGET __m128i pack8(__m256i c) {
 
 /* Pass 2 of a block: codes of buf[0, nb) (buf is readable up to nb rounded up to 8). */
 TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, const float *bnd,
-                           const uint8_t *lut, int zero_code, int pos_floor, uint8_t *codes, float *absmax) {
+                           const uint32_t *lut, int zero_code, int pos_floor, uint8_t *codes, float *absmax) {
     if (bad) {
         adamf_block_nonfinite(codes, nb, absmax, zero_code);
         return;

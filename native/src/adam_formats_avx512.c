@@ -190,8 +190,8 @@ TARGET __m512i qsearch16(const float *bnd, int pos_floor, __m512 xv) {
     return idx;
 }
 
-/* adamf_qsearch of 16 lanes by the table (see [Note: the code lookup table]): 2 gathers. */
-TARGET __m512i qlut16(const float *bnd, const uint8_t *lut, int pos_floor, __m512 xv) {
+/* adamf_qsearch of 16 lanes by the table (see [Note: the code lookup table]): one gather. */
+TARGET __m512i qlut16(const uint32_t *lut, int pos_floor, __m512 xv) {
     __m512i u = _mm512_castps_si512(xv);
     __m512i e = _mm512_min_epu32(_mm512_and_si512(_mm512_srli_epi32(u, 23), _mm512_set1_epi32(0xff)),
                                  _mm512_set1_epi32(127));
@@ -201,13 +201,16 @@ TARGET __m512i qlut16(const float *bnd, const uint8_t *lut, int pos_floor, __m51
         _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(ADAMF_LUT_EXP_LO)), ADAMF_LUT_MANT_BITS),
         _mm512_add_epi32(mant, _mm512_set1_epi32(1)));
     slot = _mm512_maskz_mov_epi32(_mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(ADAMF_LUT_EXP_LO)), slot);
-    slot = _mm512_mask_add_epi32(slot, _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512()), slot,
-                                 _mm512_set1_epi32(ADAMF_LUT_PER_SIGN));
-    __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(slot, (const void *)lut, 1),
-                                 _mm512_set1_epi32(0xff));
-    __m512 b = _mm512_i32gather_ps(_mm512_min_epu32(c, _mm512_set1_epi32(254)), bnd, 4);
-    __mmask16 up = _mm512_cmp_ps_mask(xv, b, _CMP_GE_OQ) &
-                   _mm512_cmplt_epu32_mask(c, _mm512_set1_epi32(255));
+    __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
+    slot = _mm512_mask_add_epi32(slot, neg, slot, _mm512_set1_epi32(ADAMF_LUT_PER_SIGN));
+    __m512i entry = _mm512_i32gather_epi32(slot, (const void *)lut, 4);
+    __m512i c = _mm512_and_si512(entry, _mm512_set1_epi32(0xff));
+    __m512i low = _mm512_and_si512(u, _mm512_set1_epi32(0xffff));
+    __m512i bound = _mm512_srli_epi32(entry, 16);
+    /* y >= bnd[c]: the low bits compared, magnitudes reversed for negative values */
+    __mmask16 ge = (_mm512_cmpge_epu32_mask(low, bound) & ~neg) |
+                   (_mm512_cmple_epu32_mask(low, bound) & neg);
+    __mmask16 up = ge & _mm512_test_epi32_mask(entry, _mm512_set1_epi32(ADAMF_LUT_HAS_BOUND));
     c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
     c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(xv, xv, _CMP_ORD_Q), c);   /* NaN -> 0 */
     if (pos_floor) { /* a positive value never gets code 0 */
@@ -217,13 +220,13 @@ TARGET __m512i qlut16(const float *bnd, const uint8_t *lut, int pos_floor, __m51
     return c;
 }
 
-TARGET __m512i codes16(const float *bnd, const uint8_t *lut, int pos_floor, __m512 xv) {
-    return lut ? qlut16(bnd, lut, pos_floor, xv) : qsearch16(bnd, pos_floor, xv);
+TARGET __m512i codes16(const float *bnd, const uint32_t *lut, int pos_floor, __m512 xv) {
+    return lut ? qlut16(lut, pos_floor, xv) : qsearch16(bnd, pos_floor, xv);
 }
 
 /* Pass 2 of a block: codes of buf[0, nb) (buf is readable up to nb rounded up to 16). */
 TARGET void quantize_block(const float *buf, size_t nb, float amax, int bad, const float *bnd,
-                           const uint8_t *lut, int zero_code, int pos_floor, uint8_t *codes,
+                           const uint32_t *lut, int zero_code, int pos_floor, uint8_t *codes,
                            float *absmax) {
     if (bad) {
         adamf_block_nonfinite(codes, nb, absmax, zero_code);

@@ -23,7 +23,7 @@ struct adamf_ctx {
     uint32_t k0, k1;     /* stochastic rounding key, from (seed, step) */
     const float *map_s, *map_u; /* 256 values each */
     const float *bnd_s, *bnd_u; /* 255 decision bounds each */
-    const uint8_t *lut_s, *lut_u; /* ADAMF_LUT slots each (+3 bytes of padding), or NULL */
+    const uint32_t *lut_s, *lut_u; /* ADAMF_LUT slots each, or NULL */
 };
 
 /* One chunk: whole blocks of one range (pointers at the chunk's element 0; absmax pointers at
@@ -45,13 +45,18 @@ void inf_adamf_range_scalar(const struct adamf_ctx *x, const struct adamf_chunk 
 void inf_adamf_range_avx2(const struct adamf_ctx *x, const struct adamf_chunk *r);
 void inf_adamf_range_avx512(const struct adamf_ctx *x, const struct adamf_chunk *r);
 /* [Note: the code lookup table]
- * The SIMD kernels find a code in two gathers instead of the binary search's eight: a table
+ * The SIMD kernels find a code in one gather instead of the binary search's eight: a table
  * indexed by the top bits of the float y = x / absmax (sign, exponent, 7 mantissa bits: a slot
- * spans 1/128 of an octave) holds the smallest code of the slot's values; as every slot holds
- * at most one decision bound (checked when the table is built: the map's entries are >= 1.4%
- * apart, a slot is 0.8% wide), code(y) = c + (y >= bnd[c]). Values below 2^-24 (in magnitude)
- * share one slot per sign, which holds no bound (the smallest bound is 1.6e-7). The result is
- * adamf_qsearch's by construction; the tests compare every SIMD kernel with the scalar one. */
+ * spans 1/128 of an octave) holds, per slot, the smallest code c of the slot's values and,
+ * when the slot holds a decision bound (at most one: checked when the table is built, the
+ * map's entries are >= 1.4% apart, a slot is 0.8% wide), that bound's low 16 bits. Then
+ * code(y) = c + (y >= bnd[c]), and inside one slot y and the bound share sign, exponent and
+ * the top 7 mantissa bits, so y >= bnd[c] is a compare of the low 16 bits (reversed for
+ * negative values): no second lookup. Entry: c | ADAMF_LUT_HAS_BOUND | bound's low 16 << 16.
+ * Values below 2^-24 (in magnitude) share one slot per sign, which must hold no bound (the
+ * smallest bound is 1.6e-7; checked too). The result is adamf_qsearch's by construction; the
+ * tests compare every SIMD kernel with the scalar one and code every bound and its neighbours. */
+#define ADAMF_LUT_HAS_BOUND 0x100u
 #define ADAMF_LUT_MANT_BITS 7
 #define ADAMF_LUT_EXP_LO (127 - 24)        /* biased exponent of the first regular slots */
 #define ADAMF_LUT_EXPS (127 - ADAMF_LUT_EXP_LO + 1)

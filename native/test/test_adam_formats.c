@@ -226,6 +226,8 @@ static void test_maps(void) {
     inf_adam_qmap(INF_ADAM_QMAP_UNSIGNED, v, NULL);
     CHECK(v[0] == 0.0f && v[1] > 3e-7f && v[1] < 4e-7f, "unsigned map: 0, then 3.25e-7");
     CHECK(inf_adam_qmap(2, v, b) == -EINVAL, "unknown map");
+    CHECK(inf_adam_qlut_ready() == 1, "the code lookup table was not built: the SIMD kernels "
+                                      "search (see [Note: the code lookup table])");
     passed++;
 }
 
