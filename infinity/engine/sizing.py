@@ -110,6 +110,12 @@ def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
                     rank=comm.rank if comm is not None and comm.active else 0)
     record_in_use("compute_dtype", f"{plan.compute_dtype} ({plan.compute_dtype_reason})")
     log.info("compute dtype %s: %s", plan.compute_dtype, plan.compute_dtype_reason)
+    # [Note: room for the optimizer] in planner/optimizer_room.py: the plan's sizes already
+    # are the ones it chose; say what it gave up, or which of the user's keys it kept
+    for line in plan.room.changes:
+        log.info("optimizer room: %s", line)
+    for line in plan.room.warnings:
+        log.warning("slow optimizer step: %s", line)
     if cfg.infinity.speculative_step == "auto" and not plan.speculative and \
             cfg.world_size == 1 and not speculation_blockers(cfg, plan.placement):
         log.info("speculative step off: %s", plan.speculative_reason)

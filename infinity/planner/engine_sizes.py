@@ -92,10 +92,14 @@ def held_room_bytes(max_trainable: int) -> int:
     return int(HELD_ROOM_UNITS * max_trainable * 4)
 
 
-def gradient_buffer_bytes(max_trainable: int) -> int:
+def gradient_buffer_bytes(max_trainable: int, largest_part: int | None = None) -> int:
     """Host bytes of the gradients on their way to the step, counted once for both ways the
     optimizer may take them: its GRADS_HELD flat buffers, or held gradients (the room and the
-    part waiting for it)."""
+    part waiting for it). ``largest_part`` given: the gradients are held with no room (see
+    [Note: room for the optimizer] in planner/optimizer_room.py): the unit being stepped and
+    the next unit's first part, its largest trainable parameter at most, in fp32."""
+    if largest_part is not None:
+        return (max_trainable + min(largest_part, max_trainable)) * 4
     return max(GRADS_HELD * max_trainable * 4, held_room_bytes(max_trainable) + max_trainable * 4)
 
 
@@ -145,6 +149,11 @@ class EngineSizes:
     """Host bytes the host budget leaves beside the engine's homes and pools (and, on a CPU-only
     machine, the emulated device pool) and the step's reserve: where activations kept in memory
     must fit (offload_activations "auto"); None without a host budget."""
+    gradient_buffer_bytes: int = 0
+    """Of ``host_buffer_bytes``, the gradients on their way to the step: the gradient pool's
+    GRADS_HELD buffers or the held gradients' room and the part waiting for it."""
+    accumulate_bytes: int = 0
+    """Of ``host_buffer_bytes``, the chunk through which accumulation adds an NVMe gradient."""
 
 
 def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
@@ -189,7 +198,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
                  derived: DerivedSizes, itemsize: int, param_tier: Tier, optimizer_tier: Tier,
                  master_separate: bool, early_step: bool, direct_fetch: bool = False,
                  speculative: bool = False, host_activations: bool = True,
-                 state_format: StateFormat = FP32_STATES) -> EngineSizes:
+                 state_format: StateFormat = FP32_STATES,
+                 held_room_off: bool = False) -> EngineSizes:
     """Sizes for this model, config and machine: ``units`` are each unit's (numel, trainable)
     parameters, ``itemsize`` the compute dtype's bytes per element (``speculative``: parameters
     and Adam states have second copies on NVMe; ``host_activations``: saved activations live in
@@ -202,6 +212,10 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
 
     ``state_format``: the config's Adam state format; each unit's optimizer stores are sized in
     its own (``optimizer_store_bytes``), the int8 scales counted in host memory.
+
+    ``held_room_off``: the early (or speculative) step holds autograd's gradients with no room
+    beside the unit being stepped (the run plan's last economy for the optimizer's sub-group,
+    see [Note: room for the optimizer] in planner/optimizer_room.py).
     """
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     layouts = [unit_layout_bound(u, itemsize) for u in units]
@@ -283,12 +297,17 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     if not early_step and grad_tier == Tier.HOST:
         host += total_trainable * grad_itemsize              # the gradients' home
         homes += total_trainable * grad_itemsize
+    gradient_buffers = accumulate = 0
     if early_step or grad_tier == Tier.NVME or speculative or cfg.world_size > 1:
         # across ranks the optimizer always collects a unit's reduced gradient in its flat
         # buffers (PartitionedOptimizer's grad_pool when comm is active)
-        host += gradient_buffer_bytes(max_trainable)
+        largest_part = max((n for u in units for n, t in u if t), default=0)
+        gradient_buffers = gradient_buffer_bytes(
+            max_trainable, largest_part if held_room_off else None)
+        host += gradient_buffers
     if grad_tier == Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
-        host += accumulate_chunk_numel(max_trainable) * 4   # adds the gradient kept at home, chunk by chunk
+        accumulate = accumulate_chunk_numel(max_trainable) * 4
+        host += accumulate                      # adds the gradient kept at home, chunk by chunk
     staging = cfg.infinity.offload_activations == "nvme"
     if not staging and host_activations and activation_staging(cfg):
         # "auto" takes the staging only where it fits beside the smallest optimizer slots: a
@@ -351,7 +370,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         grad_tier=grad_tier, nvme_bytes=nvme, host_home_bytes=homes,
         host_buffer_bytes=host - homes, activation_staging=staging, step_reserve_bytes=reserve,
         gradient_reserve_bytes=gradient_reserve, grad_home_itemsize=grad_itemsize,
-        activation_room=None if host_budget is None else max(0, host_budget - host - reserve))
+        activation_room=None if host_budget is None else max(0, host_budget - host - reserve),
+        gradient_buffer_bytes=gradient_buffers, accumulate_bytes=accumulate)
 
 
 def activation_staging(cfg: InfinityConfig) -> bool:

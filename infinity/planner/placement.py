@@ -10,7 +10,7 @@ Byte math (N = world size; P = parameters, T = trainable parameters):
 * On a CPU device with fp32 compute the fp32 master *is* the parameter and is stored once (at
   stage 3 in the deeper of the two tiers; below it in the device pool, which is host memory):
   16 B/param with gradients, not the 20 B DeepSpeed keeps (see shared/peers/DS_E2E.md). On a
-  GPU the master is separate from the compute copy in fp32 too. ``state_tiers`` is that rule,
+  GPU the master is separate from the compute copy in fp32 too. ``state_homes`` is that rule,
   the one the engine and the plan both read.
 * With the early step (the optimizer steps a unit as soon as its gradient shard arrives) the
   gradients have no home at all; only one sub-group's staging buffer exists.
@@ -40,7 +40,7 @@ from infinity.planner.state_format import (
 )
 from infinity.planner.tiers import Tier, deeper
 
-__all__ = ["Placement", "StateBytes", "state_bytes", "COMPONENTS", "place", "state_tiers",
+__all__ = ["Placement", "StateBytes", "state_bytes", "COMPONENTS", "place", "state_homes",
            "resident_bytes",
            "choose_compute_dtype",
            "compute_dtype_choice", "choose_early_step", "gradient_home_itemsize",
@@ -191,11 +191,12 @@ def separate_master_tier(optimizer_tier: Tier, cpu_device: bool) -> Tier:
     return Tier.HOST if cpu_device and optimizer_tier == Tier.DEVICE else optimizer_tier
 
 
-def state_tiers(cfg: InfinityConfig, compute_dtype: str,
+def state_homes(cfg: InfinityConfig, compute_dtype: str,
                 cpu_device: bool) -> tuple[Tier, Tier, bool]:
     """(parameter tier, optimizer tier, single copy) for ``cfg`` computing in
-    ``compute_dtype`` on a CPU device or a GPU: the one rule for where the states live, read
-    by ``place`` for the run plan (planner/run_plan.py), which the engine builds from. Single
+    ``compute_dtype`` on a CPU device or a GPU: the one rule for the states' home tiers and
+    whether the master is a copy of its own, read by ``place`` for the run plan
+    (planner/run_plan.py), which the engine builds from. Single
     copy: fp32 on a CPU device, where the master is the parameter (DESIGN.md "fp32 on CPU"), stored in the
     deeper of the two tiers at stage 3; so is a bf16 master (``optimizer_master`` "bf16" with
     bf16 compute; ``check_state_format`` refuses it off a CPU device, where the planner only
@@ -259,7 +260,7 @@ def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
     ``bf16.enabled`` asks)."""
     z, n = cfg.zero, cfg.world_size
     dtype = choose_compute_dtype(cfg, hw)
-    param_tier, opt_tier, single = state_tiers(
+    param_tier, opt_tier, single = state_homes(
         cfg, dtype, cpu_device=not hw.has_gpu if cpu_device is None else cpu_device)
     shard = lambda elems, from_stage: -(-elems // n) if z.stage >= from_stage else elems  # noqa: E731
     c = 4 if dtype == "fp32" else 2

@@ -3,9 +3,9 @@ model and machine, with warnings naming the setting to change (``plan_memory``),
 shallowest config that fits (``recommend_config``).
 
 Pure functions, importable from any layer: ``infinity plan`` prints ``plan_memory`` for a model
-that may never fit on this machine, from the sizes the engine itself starts with
-(``infinity.planner.sizes.derive_sizes``), where each state lives (``infinity.planner.placement``)
-and the byte math written there.
+that may never fit on this machine, from the run plan the engine itself is built from
+(``infinity.planner.run_plan.plan_run``: its sizes, its pools, where each state lives) and the
+byte math of ``infinity.planner.placement``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Any
 
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
-from infinity.planner.calibration import run_sizes
 from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.placement import (
     COMPONENTS,
@@ -25,20 +24,19 @@ from infinity.planner.placement import (
     place,
     resident_bytes,
 )
+from infinity.planner.optimizer_room import NO_ROOM_NEEDED, OptimizerRoom
 from infinity.planner.render import render_plan
+from infinity.planner.run_plan import RunPlan, plan_run
 from infinity.planner.sizes import (
-    MIN_SUB_GROUP,
     DerivedSizes,
-    derive_sizes,
     device_working,
     host_allowed,
     pool_in_host_budget,
-    slot_bytes_per_elem,
 )
 from infinity.planner.state_format import MIN_INT8_NUMEL, StateFormat
 from infinity.planner.tiers import TIERS, Tier
 
-__all__ = ["Plan", "PlanItem", "plan_memory", "recommend_config", "host_budget_fits",
+__all__ = ["Plan", "PlanItem", "plan_memory", "buffer_items", "recommend_config", "host_budget_fits",
            "minimum_host_budget", "host_budget_shortfall", "REFUSE_BELOW_FRACTION",
            "budget_need"]
 
@@ -61,6 +59,8 @@ class PlanItem:
     nbytes: int
     note: str
     fix: str
+    pool: str = ""
+    """The run plan's host pool these bytes are (``PoolPlan.name``), or "" for none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +81,24 @@ class Plan:
     """Things that will not fit, each with the setting to change."""
     notes: tuple[str, ...]
     """Choices and assumptions worth knowing."""
+    stepped_sub_group: int = 0
+    """Elements the optimizer steps at once, as the run plan sizes its slots (``sizes`` holds
+    the config's value, which the host budget may shrink)."""
+    room: OptimizerRoom = NO_ROOM_NEEDED
+    """What the run plan gave up for a useful sub-group (see planner/optimizer_room.py)."""
+    host_budget_bytes: int | None = None
+    """The host tier's budget as the run plan shares it out (None: ``sizes``'); on a CPU device
+    with direct reads the parameter buffers' room moves to the device pool."""
+    device_budget_bytes: int | None = None
+    """The device pool's budget as the run plan sizes it (None: ``sizes``')."""
+
+    @property
+    def budgets(self) -> tuple[int, int]:
+        """(device, host) budgets in bytes, as the run plan shares them out."""
+        return (self.sizes.device_budget_bytes if self.device_budget_bytes is None
+                else self.device_budget_bytes,
+                self.sizes.host_budget_bytes if self.host_budget_bytes is None
+                else self.host_budget_bytes)
 
     def bytes(self, component: str | None = None, tier: Tier | None = None) -> int:
         """Bytes of a component and/or at a tier (both None: everything)."""
@@ -107,7 +125,7 @@ class Plan:
         return {
             "fits": self.fits, "table_bytes": self.table(),
             "total_bytes": {tier: self.bytes(tier=tier) for tier in TIERS},
-            "budget_bytes": {Tier.DEVICE: self.sizes.device_budget_bytes, Tier.HOST: self.sizes.host_budget_bytes,
+            "budget_bytes": {Tier.DEVICE: self.budgets[0], Tier.HOST: self.budgets[1],
                              Tier.NVME: self.hardware.disk_free_bytes},
             "peak_host_rss_bytes": self.peak_host_rss_bytes,
             "nvme_bytes_per_step": {"read": self.nvme_read_bytes_per_step,
@@ -121,6 +139,8 @@ class Plan:
                       if k not in ("param_numels", "unit_numels")},
             "hardware": dataclasses.asdict(self.hardware),
             "warnings": list(self.warnings), "notes": list(self.notes),
+            "stepped_sub_group": self.stepped_sub_group,
+            "optimizer_room": dataclasses.asdict(self.room),
             "ds_config": self.config.to_dict(),
         }
 
@@ -148,9 +168,8 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     """Bytes per tier of params, grads, optimizer states and buffers, with warnings."""
     # the gradients' home as the engine's sizes decide it (host memory unless the budget
     # cannot hold it), not where it might go: the plan shows the bytes the engine allocates
-    sz = derive_sizes(cfg, stats, hw)
-    lay, engine, _ = run_sizes(cfg, stats, hw, derived=sz)
-    lay = lay.with_gradient_home(engine.grad_tier, engine.grad_home_itemsize)
+    run = plan_run(cfg, hw, stats=stats)
+    sz, lay = run.derived, run.placement
     items: list[PlanItem] = []
     names = {"params": "parameters", "grads": "gradients", "optimizer_states": "optimizer states"}
     fmt = lay.state_format
@@ -172,27 +191,23 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
         items.append(PlanItem("optimizer_states", Tier.HOST, scales,
                               "int8 scales of m, v (fp32, one per 2048 elements), kept in host "
                               "memory", "set infinity.optimizer_moments bf16 (no scales)"))
-    slot = slot_bytes_per_elem(lay)
-    if slot:
-        items.append(PlanItem("buffers", Tier.HOST, sz.buffer_count * sz.buffer_size * slot,
-                              f"{sz.buffer_count} optimizer swap slots of {sz.buffer_size:,} elements x {slot} B",
-                              _FIX_OPT_SLOTS))
-    elif lay.early_step and lay.opt_tier == Tier.HOST:
-        items.append(PlanItem("buffers", Tier.HOST, 4 * stats.largest_unit_params,
-                              "fp32 gradient staging of one unit for the early step",
-                              "set offload_optimizer.device nvme"))
-    if lay.param_tier == Tier.NVME:
-        pbytes = lay.c
-        items.append(PlanItem("buffers", Tier.HOST, sz.param_buffer_count * sz.param_buffer_size * pbytes,
-                              f"{sz.param_buffer_count} parameter swap slots of {sz.param_buffer_size:,} elements",
-                              _FIX_PARAM_SLOTS))
-        if sz.max_in_cpu:
-            items.append(PlanItem("buffers", Tier.HOST, sz.max_in_cpu * pbytes, "max_in_cpu parameter cache",
-                                  "set a smaller offload_param.max_in_cpu"))
+    items += buffer_items(run)
     persist = stats.persistent_elements(sz.persistence_threshold) if lay.stage == 3 else 0
     working = device_working(lay, stats.largest_unit_params, sz.prefetch_bucket_size, persist,
-                              sz.reduce_bucket_size)
-    if working:
+                             sz.reduce_bucket_size)
+    if run.direct_fetch and run.sizes.device_budget is not None:
+        # NVMe reads land in the device pool, which holds the parameter buffers' units (the
+        # fetched, the prefetched and the kept ones) up to its budget
+        # up to its budget, and no more than the model's parameters and a unit's gradients
+        resident = sum(i.nbytes for i in items if i.tier == Tier.DEVICE)
+        whole = lay.c * (stats.total_params + stats.largest_unit_params)
+        pool = max(working, min(run.sizes.device_budget - resident, whole))
+        items.append(PlanItem("buffers", Tier.DEVICE, pool,
+                              f"the device pool: fetched, prefetched and kept units (NVMe reads "
+                              f"land in it: {sz.param_buffer_count} parameter buffer(s) of "
+                              f"{run.sizes.max_unit_bytes:,} B, no fetch slots), {persist:,} "
+                              "persistent elements, one unit's gradients", _FIX_DEVICE_WORK))
+    elif working:
         note = (f"fetched units ({stats.largest_unit_params:,} + {sz.prefetch_bucket_size:,} prefetched "
                 f"elements), {persist:,} persistent, one unit's gradients" if lay.stage == 3
                 else "one unit's gradients and a reduce bucket")
@@ -216,7 +231,10 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
             reads += lay.c * lay.opt_elems   # the master is read for the step, besides the fetches
 
     warnings: list[str] = []
-    for tier, used, budget in ((Tier.HOST, host, sz.host_budget_bytes), (Tier.DEVICE, device, sz.device_budget_bytes)):
+    host_budget = sz.host_budget_bytes if run.sizes.host_budget is None else run.sizes.host_budget
+    device_budget = sz.device_budget_bytes if run.sizes.device_budget is None \
+        else run.sizes.device_budget
+    for tier, used, budget in ((Tier.HOST, host, host_budget), (Tier.DEVICE, device, device_budget)):
         if used <= budget:
             continue
         worst = max((i for i in items if i.tier == tier), key=lambda i: i.nbytes)
@@ -246,11 +264,10 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
         warnings.append(f"predicted peak host RSS {format_bytes(rss)} exceeds the available "
                         f"{format_bytes(hw.host_available_bytes)}: {fix}")
     notes: list[str] = []
-    if slot and cfg.zero.sub_group_size is None and sz.sub_group_size < min(MIN_SUB_GROUP, lay.opt_elems):
-        # slow, not a failure: initialize trains this (the plan said "does not fit")
-        notes.append(f"slow: the host budget {format_bytes(sz.host_budget_bytes)} allows only "
-                     f"{sz.sub_group_size:,}-element sub-groups (under {MIN_SUB_GROUP:,}): NVMe "
-                     "transfers will be small and slow; raise infinity.host_memory_budget")
+    # [Note: room for the optimizer]: what the run plan gave up for a useful sub-group, or
+    # (slow, not a failure: initialize trains this) the keys that keep it small
+    notes += [f"optimizer room: {line}" for line in run.room.changes]
+    notes += [f"slow: {line}; NVMe transfers will be small and slow" for line in run.room.warnings]
     if cfg.infinity.compute_dtype == "auto" and not hw.has_gpu:
         notes.append(f"compute dtype {lay.compute_dtype}: {compute_dtype_choice(cfg, hw)[1]}; set "
                      "infinity.compute_dtype to choose")
@@ -267,13 +284,55 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     if lay.early_step:
         notes.append("early step: each unit is stepped as its gradients arrive, gradients have no home")
     if not hw.has_gpu and cfg.infinity.device_memory_budget is None:
-        notes.append(f"device budget {format_bytes(sz.device_budget_bytes)} chosen for the working set "
+        notes.append(f"device budget {format_bytes(device_budget)} chosen for the working set "
                      "and taken from the host memory")
     if stats.param_numels is None and lay.stage == 3:
         notes.append("parameter sizes unknown: no small parameters assumed persistent on the device")
     return Plan(config=sz.apply(cfg), stats=stats, hardware=hw, sizes=sz, items=tuple(items),
+                stepped_sub_group=run.optimizer.sub_group_numel, room=run.room,
+                host_budget_bytes=host_budget, device_budget_bytes=device_budget,
                 peak_host_rss_bytes=rss, nvme_read_bytes_per_step=reads,
                 nvme_write_bytes_per_step=writes, warnings=tuple(warnings), notes=tuple(notes))
+
+
+_POOL_NOTES = {  # PoolPlan.name -> (what its slots are, the setting that makes them smaller)
+    "fetch": ("parameter fetch slots", _FIX_PARAM_SLOTS),
+    "gradient": ("gradient buffers (a unit's fp32 gradient on its way to the step)",
+                 "set offload_optimizer.device nvme with the early step, or fewer ranks"),
+    "optimizer": ("optimizer swap slots (a sub-group of a streamed state each)", _FIX_OPT_SLOTS),
+}
+
+
+def buffer_items(run: RunPlan) -> list[PlanItem]:
+    """The host "buffers" rows: the run plan's pools, count x slot bytes each, as the engine
+    allocates them (``RunPlan.pools``), then the host bytes its sizes keep beside them --
+    held gradients, the accumulation chunk, the activation staging -- so that the rows add up
+    to what the engine's host budget takes for buffers."""
+    items = []
+    for pool in run.pools:
+        what, fix = _POOL_NOTES.get(pool.name, (f"{pool.name} slots", ""))
+        note = f"{pool.count} {what} of {pool.slot_bytes:,} B"
+        if pool.name == "optimizer":
+            note += f" ({run.optimizer.sub_group_numel:,}-element sub-groups)"
+        items.append(PlanItem("buffers", Tier.HOST, pool.nbytes, note, fix, pool=pool.name))
+    sizes = run.sizes
+    if run.optimizer.holds_grads and sizes.gradient_buffer_bytes:
+        room = run.optimizer.held_room_bytes
+        items.append(PlanItem(
+            "buffers", Tier.HOST, sizes.gradient_buffer_bytes,
+            "held gradients (fp32, as autograd made them): "
+            + (f"a room of {room:,} B and the part waiting for it" if room else
+               "no room (the plan gave it up): the unit being stepped and the next unit's "
+               "first part"),
+            "raise infinity.host_memory_budget, or turn the early step off"))
+    if sizes.accumulate_bytes:
+        items.append(PlanItem("buffers", Tier.HOST, sizes.accumulate_bytes,
+                              "the chunk accumulation adds an NVMe gradient through", ""))
+    if run.activation_staging_bytes:
+        items.append(PlanItem("buffers", Tier.HOST, run.activation_staging_bytes,
+                              "the activation swapper's staging chunks",
+                              "set infinity.offload_activations \"none\""))
+    return items
 
 
 def state_note(lay: Placement) -> str:
@@ -291,7 +350,7 @@ def host_budget_fits(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> bo
     machine without a device budget, the emulated device pool paid from it (disk and RSS aside)."""
     plan = plan_memory(cfg, stats, hw)
     host, device = plan.bytes(tier=Tier.HOST), plan.bytes(tier=Tier.DEVICE)
-    if host > plan.sizes.host_budget_bytes:
+    if host > plan.budgets[1]:
         return False
     return not pool_in_host_budget(cfg, hw) or host + device <= host_allowed(cfg, hw)
 

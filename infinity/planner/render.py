@@ -35,7 +35,7 @@ def render_plan(plan: "Plan") -> str:
     for comp, row in plan.table().items():
         lines.append(f"{comp.replace('_', ' '):18}" + "".join(f"{_cell(row[t]):>14}" for t in TIERS))
     lines.append(f"{'total':18}" + "".join(f"{_cell(plan.bytes(tier=t)):>14}" for t in TIERS))
-    budgets = (sz.device_budget_bytes, sz.host_budget_bytes, hw.disk_free_bytes)
+    budgets = (*plan.budgets, hw.disk_free_bytes)
     lines.append(f"{'budget':18}" + "".join(
         f"{'-' if b is None else format_bytes(b):>14}" for b in budgets))
     lines += [
@@ -43,8 +43,8 @@ def render_plan(plan: "Plan") -> str:
         f"predicted peak host RSS {format_bytes(plan.peak_host_rss_bytes)} "
         f"(activations not included); NVMe traffic per step: read "
         f"{format_bytes(plan.nvme_read_bytes_per_step)}, write {format_bytes(plan.nvme_write_bytes_per_step)}",
-        f"sizes     sub_group_size {sz.sub_group_size:,} x {sz.buffer_count} slots; param slots "
-        f"{sz.param_buffer_count} x {sz.param_buffer_size:,}; prefetch {sz.prefetch_bucket_size:,}; "
+        f"sizes     sub_group_size {sz.sub_group_size:,} (stepped {plan.stepped_sub_group:,}); "
+        f"param buffers {sz.param_buffer_count} x {sz.param_buffer_size:,}; prefetch {sz.prefetch_bucket_size:,}; "
         f"max live {sz.max_live_parameters:,}; persistence threshold {sz.persistence_threshold:,}; "
         f"reduce bucket {sz.reduce_bucket_size:,} (elements)",
         "",

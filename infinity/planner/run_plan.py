@@ -32,6 +32,7 @@ from infinity.planner.engine_sizes import (
     stepped_sub_group,
 )
 from infinity.planner.inputs import Hardware, ModelStats
+from infinity.planner.optimizer_room import NO_ROOM_NEEDED, OptimizerRoom, make_room
 from infinity.planner.placement import Placement, compute_dtype_choice, place, state_bytes
 from infinity.planner.sizes import DerivedSizes, derive_sizes
 from infinity.planner.tiers import Tier
@@ -130,6 +131,10 @@ class RunPlan:
     """The optimizer's pools."""
     activation_staging_bytes: int
     """Host bytes of the activation swapper's staging (0 when none is taken)."""
+    room: OptimizerRoom = NO_ROOM_NEEDED
+    """What the plan gave up of the config's unset sizes for a useful optimizer sub-group, and
+    why (see [Note: room for the optimizer] in planner/optimizer_room.py); ``derived`` and
+    ``sizes`` are already the sizes it chose."""
 
     # -- the decisions, by name ----------------------------------------------------------
     @property
@@ -279,12 +284,13 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
                     shard_states: bool, sub_group_numel: int, optimizer_tier: Tier,
                     param_tier: Tier, streamed: Sequence[bool], grad_tier: Tier,
                     master_separate: bool, early_step: bool, speculative: bool,
-                    keeps_gradients: bool) -> OptimizerPools:
+                    keeps_gradients: bool, held_room_off: bool = False) -> OptimizerPools:
     """The optimizer's pools for ``units``' (flat numel, trainable numel) layouts on ``rank``
     of ``world_size`` (``shard_states``: each rank steps its shard, stages 1-3). ``streamed``:
     per unit, whether its parameters have a home store (stage 3 above the persistence
     threshold), in ``param_tier``. ``keeps_gradients``: the device lets the early step keep
-    autograd's gradients (a CPU device)."""
+    autograd's gradients (a CPU device). ``held_room_off``: held gradients get no room beside
+    the unit being stepped (see [Note: room for the optimizer] in planner/optimizer_room.py)."""
     ranks_active = world_size > 1
     sharded = shard_states and ranks_active
     trainable = [(numel, t, s) for (numel, t), s in zip(units, streamed) if t > 0]
@@ -314,7 +320,8 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
                                 grad_tier, master_separate, early_step)
         step = PoolPlan(name="optimizer", count=count, slot_bytes=sub_group * 4)
     return OptimizerPools(sub_group_numel=sub_group, gradient=gradient, step=step,
-                          held_room_bytes=held_room_bytes(max_trainable), holds_grads=holds)
+                          held_room_bytes=0 if held_room_off and holds
+                          else held_room_bytes(max_trainable), holds_grads=holds)
 
 
 def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = None,
@@ -353,11 +360,17 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     direct = placement.param_tier is Tier.NVME and (cpu if direct_reads is None else direct_reads)
     pairs = [unit.params for unit in units]
 
+    def sized(config: InfinityConfig, spec: bool, held_room_off: bool = False,
+              resolved: DerivedSizes | None = None) -> tuple[DerivedSizes, EngineSizes]:
+        resolved = resolved or derive_sizes(config, stats, hw)
+        return resolved, engine_sizes(
+            config, pairs, resolved, itemsize, placement.param_tier, placement.opt_tier,
+            not placement.single_copy, placement.early_step, direct_fetch=direct,
+            speculative=spec, host_activations=cpu, state_format=placement.state_format,
+            held_room_off=held_room_off)
+
     def sizes_for(spec: bool) -> EngineSizes:
-        return engine_sizes(cfg, pairs, derived, itemsize, placement.param_tier,
-                            placement.opt_tier, not placement.single_copy, placement.early_step,
-                            direct_fetch=direct, speculative=spec, host_activations=cpu,
-                            state_format=placement.state_format)
+        return sized(cfg, spec, resolved=derived)[1]
 
     possible, spec_reason = _speculation(cfg, placement)
     if speculative is None:
@@ -373,23 +386,37 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
         spec_reason = "not asked for"
     else:
         speculative = possible
-    sizes = sizes_for(speculative)
-    placement = placement.with_gradient_home(sizes.grad_tier, sizes.grad_home_itemsize)
 
     world = cfg.world_size
     shards = world if placement.stage >= 1 else 1
-    layouts = []
-    streamed = []
     spans = []           # (trainable elements, the range this rank steps) per unit
     for unit in units:
         numel, trainable = unit.layout(itemsize)
-        layouts.append((shards * shard_numel(numel, shards), trainable))
-        streamed.append(placement.stage == 3 and numel > sizes.persistence_threshold)
         span = trainable
         if shards > 1:
             shard = shard_numel(numel, shards)
             span = min(rank * shard + shard, trainable) - min(rank * shard, trainable)
         spans.append((sum(n for n, t in unit.params if t), span))
+    ranks_active = world > 1
+    keeps = cpu if keeps_gradients is None else keeps_gradients
+    holds = (placement.early_step or (speculative and not ranks_active)) and keeps \
+        and not ranks_active
+    # [Note: room for the optimizer] in planner/optimizer_room.py: one rule, read by the
+    # engine and infinity plan alike
+    room, derived, sizes = make_room(
+        cfg, (derived, sizes_for(speculative)), lambda c, off: sized(c, speculative, off),
+        largest_range=max((span for _, span in spans), default=0),
+        largest_unit=stats.largest_unit_params,
+        direct_fetch=direct, params_fetched=placement.stage == 3
+        and placement.param_tier is Tier.NVME, holds_grads=holds)
+    placement = placement.with_gradient_home(sizes.grad_tier, sizes.grad_home_itemsize)
+
+    layouts = []
+    streamed = []
+    for unit in units:
+        numel, trainable = unit.layout(itemsize)
+        layouts.append((shards * shard_numel(numel, shards), trainable))
+        streamed.append(placement.stage == 3 and numel > sizes.persistence_threshold)
     placement = dataclasses.replace(placement, unit_states=state_bytes(
         placement.state_format, spans, ranks=world, sharded=placement.stage >= 1,
         master_separate=not placement.single_copy, compute_itemsize=itemsize))
@@ -402,12 +429,11 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
         sub_group_numel=sizes.sub_group_numel, optimizer_tier=placement.opt_tier,
         param_tier=placement.param_tier, streamed=streamed, grad_tier=sizes.grad_tier,
         master_separate=not placement.single_copy, early_step=placement.early_step,
-        speculative=speculative,
-        keeps_gradients=cpu if keeps_gradients is None else keeps_gradients)
+        speculative=speculative, keeps_gradients=keeps, held_room_off=room.held_room_off)
     return RunPlan(config=cfg, placement=placement, derived=derived, sizes=sizes,
                    compute_dtype_reason=reason, device_is_cpu=cpu, direct_fetch=direct,
                    speculative=speculative, speculative_reason=spec_reason,
                    speculation_possible=possible,
-                   fetch_pool=fetch_pool, optimizer=pools,
+                   fetch_pool=fetch_pool, optimizer=pools, room=room,
                    activation_staging_bytes=ACTIVATION_STAGING_BYTES
                    if sizes.activation_staging else 0)

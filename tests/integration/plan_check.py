@@ -74,12 +74,17 @@ def held_states(engine, created: list) -> dict[str, int]:
 
 
 def planned_states(engine, stats: ModelStats, nvme: str) -> dict[str, int]:
-    """"component@tier" -> bytes ``infinity plan`` shows for the engine's config and model."""
+    """"component@tier" -> bytes ``infinity plan`` shows for the engine's config and model;
+    its host pools' rows as "pool:<name>" and its staging row as "staging"."""
     plan = plan_memory(engine.config, stats, detect_hardware(nvme))
     planned: dict[str, int] = defaultdict(int)     # the int8 scales are an item of their own
     for item in plan.items:
         if item.component in ("params", "grads", "optimizer_states") and item.nbytes:
             planned[f"{item.component}@{item.tier}"] += item.nbytes
+        elif item.pool:
+            planned[f"pool:{item.pool}"] += item.nbytes
+        elif item.note.startswith("the activation swapper's staging"):
+            planned["staging"] += item.nbytes
     return dict(planned)
 
 
@@ -115,7 +120,8 @@ def decisions(plan) -> dict:
             "early_step": plan.early_step, "speculative": plan.speculative,
             "direct_fetch": plan.direct_fetch, "grad_tier": str(plan.grad_tier),
             "holds_grads": plan.optimizer.holds_grads,
-            "pools": sorted((p.name, p.count) for p in plan.pools)}
+            "pools": sorted((p.name, p.count) for p in plan.pools),
+            "room": (plan.room.param_buffer_count, plan.room.held_room_off)}
 
 
 def compare(engine, created: list, stats: ModelStats, nvme: str) -> dict:
@@ -133,6 +139,7 @@ def compare(engine, created: list, stats: ModelStats, nvme: str) -> dict:
         "tiers": [str(engine.param_tier), str(engine.optimizer_tier), engine.master_separate],
         # the host budget's bytes held: the host stores' (padded) and the plan's pools and
         # staging, and nothing else (an allocation the plan does not know would show here)
+        "staging": engine.plan.activation_staging_bytes,
         "host_held": engine.manager.host_budget.held,
         "host_planned": sum(s.nbytes for s in created if s.allocated and s.home == Tier.HOST)
         + sum(p.nbytes for p in engine.plan.pools) + engine.plan.activation_staging_bytes,
@@ -140,8 +147,22 @@ def compare(engine, created: list, stats: ModelStats, nvme: str) -> dict:
 
 
 def _states(held: dict) -> dict:
-    """``held`` without its store counts."""
-    return {k: v for k, v in held.items() if not k.startswith("stores:")}
+    """``held`` without its store counts (and, of the plan's rows, its pools and staging)."""
+    return {k: v for k, v in held.items()
+            if not k.startswith(("stores:", "pool:")) and k != "staging"}
+
+
+def check_table_pools(result: dict) -> None:
+    """``infinity plan``'s buffers rows are the engine's host pools, count x slot bytes each
+    (the table is planned from the model's counts: a slot may exceed the engine's by a unit's
+    alignment padding, as ``check`` allows the counted plan), and its staging row the
+    engine's staging."""
+    table = {k[len("pool:"):]: v for k, v in result["planned"].items() if k.startswith("pool:")}
+    assert table.keys() == result["pools"].keys(), (table, result["pools"])
+    for name, (count, slot) in result["pools"].items():
+        assert count * slot <= table[name] <= count * (slot + (64 << 10)), (name, table[name],
+                                                                           count, slot)
+    assert result["planned"].get("staging", 0) == result["staging"], result["planned"]
 
 
 def check(result: dict, *, padding: int | None = None) -> None:
@@ -150,7 +171,7 @@ def check(result: dict, *, padding: int | None = None) -> None:
     unit's shard is padded to 2048 elements, so a rank may hold less than the plan's even share
     (its shard of a small unit past the trainable part is empty) or more, by at most
     ``padding`` bytes per state; the test sums the ranks (see ``check_ranks_states``)."""
-    held, planned = _states(result["held"]), result["planned"]
+    held, planned = _states(result["held"]), _states(result["planned"])
     assert held.keys() == planned.keys(), (result["tiers"], held, planned)
     for key, nbytes in planned.items():
         if padding is None:
@@ -159,6 +180,7 @@ def check(result: dict, *, padding: int | None = None) -> None:
             bound = nbytes + padding * result["held"].get(f"stores:{key}", 0)
             assert held[key] <= bound, (key, held[key], nbytes, result["tiers"])
     assert result["pools"] == result["plan_pools"]
+    check_table_pools(result)
     assert result["host_held"] == result["host_planned"]
     optimizer_pools_held = {k: v for k, v in result["pools"].items() if k != "fetch"}
     assert optimizer_pools_held == result["unit_pools"]
@@ -174,11 +196,12 @@ def check(result: dict, *, padding: int | None = None) -> None:
 def check_ranks_states(results: list[dict], padding: int) -> None:
     """The ranks' states together are the plan's even shares together (each rank planned for
     its 1/N), within the shards' padding (``padding`` bytes a store, all ranks together)."""
-    for key in results[0]["planned"]:
+    for key in _states(results[0]["planned"]):
         total = sum(r["held"][key] for r in results)
         planned = sum(r["planned"][key] for r in results)
         slack = padding * results[0]["held"].get(f"stores:{key}", 0)
         assert planned - slack <= total <= planned + slack, (key, total, planned)
 
 
-__all__ = ["recording_stores", "compare", "check", "check_ranks_states", "Tier"]
+__all__ = ["recording_stores", "compare", "check", "check_table_pools", "check_ranks_states",
+           "Tier"]

@@ -12,7 +12,10 @@ one run plan (planner/run_plan.py) and holds what it says:
 - the plan ``infinity plan`` makes from the model's counts alone takes the same decisions
   (compute dtype, tiers, single copy, schedule, speculation, direct fetch, gradient home) and
   pool counts, its slots within a unit's padding of the engine's;
-- the host budget holds exactly the host stores, the plan's pools and its staging.
+- the host budget holds exactly the host stores, the plan's pools and its staging;
+- ``infinity plan``'s host "buffers" rows are those pools, count x slot bytes each;
+- under a tight budget the engine takes the parameter buffers its plan gave up for the
+  optimizer's sub-group (planner/optimizer_room.py).
 
 Measured after ``initialize`` and again after two steps (nothing is re-homed or re-sized by
 training; see plan_check.py for how). CPU devices only: a GPU-described machine's plan has no
@@ -92,5 +95,31 @@ def _check_engine(disk_dir, stage, param, opt, dtype, early, width=32, **formats
         after = compare(engine, created, stats, str(disk_dir))
         check(after)
         assert after == first        # nothing re-homed or re-sized by training
+    finally:
+        engine.close()
+
+
+def test_the_engine_takes_the_room_its_plan_gives_the_optimizer(disk_dir) -> None:
+    """Under a tight budget the run plan gives up parameter buffers for the optimizer's
+    sub-group ([Note: room for the optimizer] in planner/optimizer_room.py): 1M-element units
+    under 28 MiB get 2,048-element sub-groups from the defaults; the engine is built from the
+    plan's one buffer, holds what ``infinity plan`` shows, and the plan made from the counts
+    alone takes the same choice (``decisions`` compares it)."""
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir), host_memory_budget="28MiB")
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["train_micro_batch_size_per_gpu"] = 2
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    model = make_model("torch", layers=4, width=512)
+    stats = ModelStats.from_module(model)
+    with recording_stores() as created:
+        engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        room = engine.plan.room
+        assert room.param_buffer_count == 1 and room.sub_group_before == 2048
+        assert engine.plan.optimizer.sub_group_numel > 50 * room.sub_group_before
+        first = compare(engine, created, stats, str(disk_dir))
+        check(first)
+        train_random(engine, 2)
+        assert compare(engine, created, stats, str(disk_dir)) == first
     finally:
         engine.close()
