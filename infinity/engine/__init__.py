@@ -9,7 +9,7 @@ model's methods routed through the engine), ``deepspeed_api`` (DeepSpeed's acces
 
 [Note: the life of a byte]
 One weight of a block, stage 3, offload_param and offload_optimizer on NVMe, one rank (a fetch is a
-copy, no gather). CPU: fp32 compute, so the master IS the parameter (planner/placement.py ``state_tiers``:
+copy, no gather). CPU: fp32 compute, so the master IS the parameter (planner/placement.py ``state_homes``:
 master_separate False) and the disk reads into device memory ("direct fetch" on any CPU device,
 engine.py: no fetch pool). GPU: a 16-bit copy in the unit's params extent, the fp32 master in an
 extent of its own, and pinned host slots (the "fetch" ``BufferPool``) between disk and device.
