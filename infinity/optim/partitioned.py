@@ -477,9 +477,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 (self.comm.counters.comm_s - comm_before)
 
     def _queue_deferred_steps(self) -> None:
-        # the steps read the gradients at home: every copy into them is over (a no-op after
-        # end_backward; see [Note: gradients leave the device])
-        self.gradients.land_copies()
+        self.gradients.land_copies()    # the steps read them: [Note: gradients leave the device]
         self.speculator.collect_norms()
         if self._waiting:
             names = [self._by_unit[i].unit.name for i in self._waiting]
