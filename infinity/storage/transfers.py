@@ -9,17 +9,21 @@ overlaps, means no other module orders device work.
 
 [Note: copy events]
 A copy returns a ``CopyEvent``. Four rules use it, all here:
-- host -> device (``to_device``): compute that reads the destination waits for the event
+- host -> device (``to_device``: a unit's parameters from their host slot or home, a saved
+  activation read back for backward): compute that reads the destination waits for the event
   (``compute_waits``): on a GPU the compute stream waits on it (the CPU thread does not
   block); elsewhere the calling thread.
-- the source buffer goes back to its pool only after the event (``release_after``): a slot
-  reused earlier could be overwritten by the next NVMe read while the copy still reads it.
-- device -> host (``to_host``: a gradient to its host buffer or home, copied or added): the
+- the source buffer goes back to its pool (or is freed) only after the event
+  (``release_after``): a slot reused earlier could be overwritten by the next NVMe read while
+  the copy still reads it; a pinned buffer freed earlier would be unmapped under the copy.
+- device -> host (``to_host``: a gradient to its host buffer or home, copied or added; a saved
+  activation into a staging chunk on its way to NVMe): the
   copy starts after the compute that wrote the source, and the source stays allocated until
   the event; the host code that reads the destination first waits for the events of every copy
   into it (``host_waits``: blocks the calling thread; an add is finished there, on the host,
   after its copy landed). The owner of the destination keeps the events (optim/gradients.py:
-  per unit, waited before the unit's gradient is first read).
+  per unit, waited before the unit's gradient is first read; zero/activation_swap.py: per
+  staging chunk, waited before the chunk is written to NVMe, see [Note: activation copies]).
 - a host destination goes back to its pool (or is zeroed, or written again from the host) only
   after ``host_waits`` of its copies: a copy still landing would write into the next user's
   bytes.
@@ -138,13 +142,15 @@ class CudaCopies(DeviceCopies):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        # host -> device: a unit's parameters from its pinned host slot; overlaps the compute
-        # of the units before it (the compute stream waits on each copy's event only)
+        # host -> device: a unit's parameters from its pinned host slot, and saved activations
+        # read back for backward; overlaps the compute of the units (or the backward of the
+        # tensors) before it (the compute stream waits on each copy's event only)
         self.h2d = torch.cuda.Stream(device=device)
         # device -> host: a unit's gradients to their host buffer (or home) as backward makes
-        # them; overlaps the backward compute of the units after it (and the host-to-device
-        # copies of the units before it, on the other copy engine); the host reads a gradient
-        # only after its copy's event (``host_waits``)
+        # them, and saved activations swapped out in forward; overlaps the compute after them
+        # (and the host-to-device copies, on the other copy engine); the host reads a gradient,
+        # or writes an activation's staging chunk to NVMe, only after its copy's event
+        # (``host_waits``)
         self.d2h = torch.cuda.Stream(device=device)
         # sources handed back once their copy's event fired, on a thread of their own (a pool
         # whose slots all wait for copies must still get them back without another copy)
