@@ -22,6 +22,17 @@ runs (forward and backward hooks, in the model's call order), a unit's gradient 
 backward (autograd's order, the same for the same graph, as torch's DDP assumes), and the
 optimizer step's scalars. Nothing that depends on timing (a prefetch that found a free slot, a
 write that landed) decides whether a collective runs.
+
+A collective issued ahead (``all_gather_async``, ``overlap_comm``) keeps the rule: it is issued
+from the training thread, at one of those points, and enters the sequence (and its fingerprint,
+as its own kind "all-gather ahead") at its issue, not at its wait; only the moment its bytes
+land is left to timing. So whether and where a gather is issued ahead is decided from what is
+the same on every rank -- the recorded order of the pass, the units' sizes, what the hooks hold
+and a device budget agreed over the ranks -- never from whether a prefetch landed or found room:
+see [Note: gathers issued ahead] in zero/gather_ahead.py. A gather issued ahead owns its output
+until its handle is waited on (the caller holds the unit: not released, its buffer not reused);
+gloo and NCCL run the calls of one group in issue order, so a gather in flight beside later
+collectives (a reduce-scatter, the next unit's gather) pairs with the same call on every rank.
 """
 from __future__ import annotations
 
@@ -34,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 from infinity.base.log import get_logger
+from infinity.comm.ahead import CudaGather, LateGathers, WorkGather, late_gathers
+from infinity.storage.transfers import DONE, CopyEvent
 
 log = get_logger("comm")
 
@@ -81,6 +94,14 @@ class Collectives:
             (lambda what, exc: watch.diagnose(what))
         self._has_tensor_ops = world_size == 1 or _backend_has_tensor_ops(group)
         self._sequence = 0    # a fingerprint of the collectives issued (see check_same_sequence)
+        # when a list: (kind, elements, tag) of every collective, in issue order (tests compare
+        # the ranks' lists; the fingerprint above is what runs compare)
+        self.sequence_log: list[tuple[str, int, int | None]] | None = None
+        # gathers issued ahead land late, for tests (comm/ahead.py); None: they land when done
+        self.late: LateGathers | None = late_gathers() if self.active else None
+        # the stream NCCL all-gathers issued ahead are issued from (created at the first one;
+        # see ``all_gather_async``)
+        self._gather_stream: Any = None
 
     @property
     def active(self) -> bool:
@@ -94,26 +115,35 @@ class Collectives:
         self.counters.comm_s += time.perf_counter() - start
         self.counters.calls += 1
 
-    def _run(self, what: str, call, *args, tag: int | None = None) -> None:
+    def _run(self, what: str, call, *args, tag: int | None = None, **kwargs) -> Any:
+        """Issue one collective (``kwargs``: ``async_op=True`` for one issued ahead, whose
+        ``Work`` is returned): it enters the sequence's fingerprint and a failure names the
+        lost rank."""
         first = args[0] if args else None
         size = first.numel() if isinstance(first, torch.Tensor) else \
             len(first) if isinstance(first, (list, tuple)) else 0
         # the fingerprint of the sequence: each call's kind, size and ``tag`` (the unit)
         code = zlib.crc32(f"{what}:{size}:{tag}".encode())
         self._sequence = (self._sequence * 1_000_003 + code) % _SEQUENCE_MOD
+        if self.sequence_log is not None:
+            self.sequence_log.append((what, size, tag))
         try:
-            call(*args)
+            return call(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - translated, with the lost rank named
-            detail = None
-            if self.on_failure is not None:
-                try:
-                    detail = self.on_failure(what, exc)
-                except Exception as why:  # noqa: BLE001 - never hide the collective's error
-                    detail = f"(naming the lost rank failed: {type(why).__name__}: {why})"
-            cause = detail if isinstance(detail, str) and detail else \
-                "another rank has likely stopped"
-            raise LostRankError(f"rank {self.rank}: the {what} failed: {cause}. The "
-                                f"collective's error: {type(exc).__name__}: {exc}") from exc
+            raise self._lost(what, exc) from exc
+
+    def _lost(self, what: str, exc: BaseException) -> LostRankError:
+        """The error a failed collective ``what`` raises: the lost rank's story, if known."""
+        detail = None
+        if self.on_failure is not None:
+            try:
+                detail = self.on_failure(what, exc)
+            except Exception as why:  # noqa: BLE001 - never hide the collective's error
+                detail = f"(naming the lost rank failed: {type(why).__name__}: {why})"
+        cause = detail if isinstance(detail, str) and detail else \
+            "another rank has likely stopped"
+        return LostRankError(f"rank {self.rank}: the {what} failed: {cause}. The "
+                             f"collective's error: {type(exc).__name__}: {exc}")
 
     def report_failure(self, error: BaseException, where: str) -> None:
         """``error`` escaped this rank's ``where`` (forward, backward, step): tell the other
@@ -159,6 +189,75 @@ class Collectives:
                     for r in range(n):
                         pieces[r].copy_(outs[r])
         self._count(output.numel() * output.element_size(), 1.0, start)
+
+    def all_gather_async(self, output: torch.Tensor, tag: int | None = None) -> CopyEvent:
+        """``all_gather`` issued now and left in flight (``overlap_comm``): returns a handle
+        (storage/transfers.py's ``CopyEvent`` protocol; comm/ahead.py) that whatever reads
+        ``output`` waits on first, compute through ``compute_waits``. ``output`` must stay
+        allocated and unread until then (the caller holds it). The call enters the sequence
+        now, like any other: see [Note: collective order]. A gather that needs several calls
+        (a shard above ``allgather_bucket_size``, a backend without ``all_gather_into_tensor``)
+        runs whole now and returns a fired handle."""
+        if not self.active:
+            return DONE
+        n = self.world_size
+        shard = output.numel() // n
+        if shard * n != output.numel():
+            raise ValueError(f"all_gather: {output.numel()} elements do not split into {n} shards")
+        chunk = max(1, self.gather_bucket_bytes // (output.element_size() * n))
+        if shard > chunk or not self._has_tensor_ops:
+            self.all_gather(output, tag=tag)
+            return DONE
+        start = time.perf_counter()
+        lo, hi = self.rank * shard, (self.rank + 1) * shard
+
+        def issue(out: torch.Tensor, own: torch.Tensor) -> Any:
+            # its own kind in the fingerprint: a rank that gathered a unit at use where another
+            # issued it ahead is a different sequence, said at the step's check
+            return self._run("all-gather ahead", _ALL_GATHER_TENSOR, out, own, self.group,
+                             tag=tag, async_op=True)
+
+        def lost(exc: BaseException) -> BaseException:
+            return self._lost("all-gather ahead", exc)
+
+        if self.late is not None:
+            handle: CopyEvent = self.late.all_gather(
+                output, (lo, hi), lambda out, own: WorkGather(issue(out, own), lost))
+        elif output.is_cuda:
+            # NCCL's stream waits on the stream current at the issue: issued from the compute
+            # stream, the gather would start only after the compute queued before it (the
+            # units this one is fetched ahead of). The collective stream waits only on what
+            # the compute stream queued so far (the own shard's copy, the last reads of the
+            # buffer's memory), so the gather overlaps the compute queued after this call.
+            if self._gather_stream is None:
+                self._gather_stream = torch.cuda.Stream(device=output.device)
+            stream = self._gather_stream
+            stream.wait_stream(torch.cuda.current_stream(output.device))
+            with torch.cuda.stream(stream):
+                work = issue(output, output[lo:hi])
+                work.wait()       # the collective stream waits for NCCL's; no thread blocks
+                event = torch.cuda.Event()
+                event.record(stream)
+            # the caching allocator must not hand the buffer's memory on before the gather
+            # wrote it (the caller's hold keeps it; this covers a release after the wait)
+            output.record_stream(stream)
+            handle = CudaGather(work, event, output.device, lost)
+        else:
+            handle = WorkGather(issue(output, output[lo:hi]), lost)
+        self._count(output.numel() * output.element_size(), 1.0, start)
+        return handle
+
+    def compute_waits(self, handle: CopyEvent) -> None:
+        """Compute that reads the output of a gather issued ahead runs after it: on a GPU the
+        compute stream waits on the gather's event (no thread blocks, the device is not
+        synchronized); elsewhere the calling thread waits. The wait's time counts as
+        collective time (what the gather was not hidden behind)."""
+        start = time.perf_counter()
+        if isinstance(handle, CudaGather):
+            torch.cuda.current_stream(handle.device).wait_event(handle.event)
+        else:
+            handle.wait()
+        self.counters.comm_s += time.perf_counter() - start
 
     def reduce_scatter_mean(self, output: torch.Tensor, source: torch.Tensor,
                             tag: int | None = None) -> None:

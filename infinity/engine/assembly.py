@@ -70,12 +70,15 @@ def prefetch_limits(plan: RunPlan) -> PrefetchLimits:
 def assemble(model: nn.Module, specs: list[UnitSpec], groups: list[dict], plan: RunPlan,
              backend: PartsBackend, *, dtype: torch.dtype, comm: Collectives = NO_COMM,
              owner: PassOwner = NO_PASS_OWNER, values: UnitValues | None = None,
-             materialize: bool = True) -> Parts:
+             materialize: bool = True, overlap_comm: bool = False) -> Parts:
     """The parts of ``model`` (partitioned into ``specs``, its trainable parameters in the
     optimizer's ``groups``) as ``plan`` says, over ``backend``, in the engine's order: the
     fetch pool, the units adopted into their home tiers (``values``: a checkpoint their
     parameters are read from), what steps them, the coordinator. ``materialize``: meta
-    parameters get memory and their init (False: the dry run's meta model stays on meta)."""
+    parameters get memory and their init (False: the dry run's meta model stays on meta).
+    ``overlap_comm``: stage-3 gathers are issued ahead of use where the coordinator can keep
+    the ranks' order (see [Note: gathers issued ahead] in zero/gather_ahead.py); the dry run's
+    collectives have no handles, so it gathers at use."""
     fetch_pool = backend.pool(plan.fetch_pool) if plan.fetch_pool is not None else None
     units, replacements = build_units(
         model, specs, groups, backend.device, dtype, backend.manager, plan.param_tier,
@@ -85,6 +88,7 @@ def assemble(model: nn.Module, specs: list[UnitSpec], groups: list[dict], plan: 
         make_unit=backend.unit_factory(), materialize=materialize)
     stepper = backend.stepper(units, groups, plan, fetch_pool)
     coordinator = Coordinator(units, modules_needing(model, specs), backend.manager, fetch_pool,
-                              prefetch_limits(plan), stepper=stepper, owner=owner)
+                              prefetch_limits(plan), stepper=stepper, owner=owner,
+                              overlap_comm=overlap_comm, comm=comm)
     return Parts(units=units, replacements=replacements, fetch_pool=fetch_pool,
                  stepper=stepper, coordinator=coordinator)

@@ -148,7 +148,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         parts = assemble(model, specs, groups, self.plan,
                          _EngineBackend(self, owner, self._weights),
                          dtype=self.compute_dtype, comm=self.comm, owner=owner,
-                         values=self._weights)
+                         values=self._weights, overlap_comm=self.config.zero.overlap_comm)
         self._weights = None     # read: its files are the caller's to close
         self.units, replacements = parts.units, parts.replacements
         self.fetch_pool, self.optimizer = parts.fetch_pool, parts.stepper

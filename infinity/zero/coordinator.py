@@ -57,7 +57,8 @@ from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import keep_at, param_versions, tensors_in
 from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus
 from infinity.zero.device_room import DeviceRoom
-from infinity.zero.prefetch import PrefetchLimits, Trace, choose_prefetch
+from infinity.zero.gather_ahead import AheadGathers
+from infinity.zero.prefetch import PrefetchLimits, Trace, start_prefetches
 from infinity.zero.protocols import NO_PASS_OWNER, NO_STEPPER, PassOwner, UnitStepper, Wait
 from infinity.zero.working_set import check_backward_working_set, check_traced_working_set
 from infinity.zero.unit import ParamEntry, Unit
@@ -72,7 +73,8 @@ class Coordinator:
 
     def __init__(self, units: list[Unit], hooked: list[tuple[nn.Module, list[int]]], manager,
                  fetch_pool, limits: PrefetchLimits, stepper: UnitStepper = NO_STEPPER,
-                 owner: PassOwner = NO_PASS_OWNER) -> None:
+                 owner: PassOwner = NO_PASS_OWNER, overlap_comm: bool = False,
+                 comm=None) -> None:
         self.units = units
         self.hooked = hooked
         self.manager = manager
@@ -94,6 +96,8 @@ class Coordinator:
         self._call_inputs: dict[int, list[frozenset[int]]] = {}
         self._outermost: dict[int, list[int]] = {}     # per module, pre-hooks kept ahead of ours
         check_backward_working_set(units, hooked, manager.device_budget)
+        # ``overlap_comm``: see [Note: gathers issued ahead] in zero/gather_ahead.py
+        self.ahead = AheadGathers.for_run(units, manager, comm, overlap_comm)
         # the units the training forward in progress used with grad enabled, in order (a use
         # under no_grad has no backward), and the order last checked (``end_forward``)
         self._grad_uses: list[int] = []
@@ -174,6 +178,7 @@ class Coordinator:
     def begin_forward(self, training: bool) -> None:
         """Called by the engine before each forward pass (starts a trace pass)."""
         training = training and torch.is_grad_enabled()
+        self.ahead.drop(self._status, self._release_or_keep)    # one a pass before left unused (it ended, or diverged)
         self._phase = PassPhase.TRAIN_FORWARD if training else PassPhase.EVAL_FORWARD
         self._grad_uses = []
         trace = self.traces[self._phase.value]
@@ -329,6 +334,7 @@ class Coordinator:
                         status.stepping = True
                         status.stale = unit.shards > 1
             self._phase = PassPhase.IDLE
+            self.ahead.drop(self._status, self._release_or_keep)
             self.reap()
             for unit, status in zip(self.units, self._status):
                 if status.users == 0 and not status.stepping:
@@ -350,6 +356,7 @@ class Coordinator:
         for status in self._status:
             status.users = status.pins
         self.reset_backward_state()
+        self.ahead.drop(self._status, self._release_or_keep)
         self.reap()
         for unit, status in zip(self.units, self._status):
             if status.users == 0:
@@ -380,6 +387,8 @@ class Coordinator:
             self._room.kept.discard(uid)
             if unit.persistent or unit.residency != Residency.FETCHED:
                 continue
+            if unit.gathered_ahead:
+                unit.drop_gather()
             self._release(unit)
             if self._status[uid].users > 0:
                 unit.finish_fetch(self.manager, self.fetch_pool)
@@ -406,6 +415,8 @@ class Coordinator:
         unit = self.units[uid]
         if unit.persistent or unit.residency != Residency.FETCHED or self._status[uid].stepping:
             return   # a unit being stepped is released when its step is over
+        if unit.gathered_ahead:
+            return   # held until its use waits on the gather (see [Note: gathers issued ahead])
         if self._backward_may_read(uid):
             return   # released when its backward is done, or at the backward's end
         if self._room.keep(uid, self._upcoming_all()):
@@ -430,6 +441,24 @@ class Coordinator:
 
     # -- fetching --------------------------------------------------------------------------
     def _ensure(self, uid: int, trace: Trace | None) -> None:
+        unit, status = self.units[uid], self._status[uid]
+        ahead = unit.gathered_ahead
+        self._make_current(uid, trace)
+        # [Note: gathers at every use]: a unit with sharded parameters is gathered each time a
+        # use begins that no module call in progress covers, unless issued ahead (waited on in
+        # ``_make_current``); and again when a step changed its own shard since
+        if status.stale or (not ahead and unit.params_sharded and status.users == 0):
+            unit.gather()
+            status.stale = False
+        if trace is not None:   # the next unit's gather, where [Note: gathers issued ahead] says
+            self.ahead.gather_next(uid, trace.upcoming(), self._status,
+                                   self._phase is PassPhase.BACKWARD,
+                                   lambda next_uid: self._make_current(next_uid, None))
+
+    def _make_current(self, uid: int, trace: Trace | None) -> None:
+        """Fetch unit ``uid`` with its own shard current (read from home or a prefetch, a
+        waiting deferred step run on it); its other shards are gathered by the caller. A
+        gather issued ahead is waited on here, before a step could write the own shard."""
         if self._any_stepping():
             self.reap()
         unit, status = self.units[uid], self._status[uid]
@@ -460,6 +489,7 @@ class Coordinator:
                 self.fetch_stats["prefetch_hits"] += int(hit)       # and already complete
         if trace is not None:
             self._prefetch(trace)
+        unit.wait_gather()     # compute (and a step below) reads the buffer after the gather
         # a deferred step waiting for this unit runs on the copy just fetched (see [Note: the
         # deferred step lands at the next fetch]); the unit is held until its writes land
         # (marked stepping first: an interrupt while its step runs must not let the unit go)
@@ -468,11 +498,6 @@ class Coordinator:
             status.stale = status.stale or unit.shards > 1
         else:
             status.stepping = was_stepping
-        # [Note: gathers at every use]: a unit with sharded parameters is gathered each time a
-        # use begins that no module call in progress covers
-        if status.stale or (unit.params_sharded and status.users == 0):
-            unit.gather()
-            status.stale = False
 
     def make_whole(self) -> None:
         """Gather the replicated units (parameters not sharded) whose copies are stale since
@@ -499,36 +524,13 @@ class Coordinator:
             self.unpin(unit)
 
     def _prefetch(self, trace: Trace) -> None:
-        if self.fetch_pool is not None:
-            # reads into host slots that are over go on to the device now, ahead of use
-            for unit in self.units:
-                if unit.residency == Residency.FETCHING:
-                    unit.advance_fetch(self.manager, self.fetch_pool)
         upcoming = trace.upcoming()
         if trace is self.traces["train_fwd"] and len(upcoming) < self.limits.max_units_ahead:
             # the backward pass starts right after the forward: look into its trace too (never
             # from backward into the next forward: the optimizer step still writes those units)
             upcoming = upcoming + self.traces["bwd"].order[: self.limits.max_units_ahead]
-        if not upcoming:
-            return
-        # kept units never block a fetch (see [Note: keeping units for reuse]): not live here
-        live = sum(u.numel for u in self.units if u.residency != Residency.RELEASED
-                   and not u.persistent and u.index not in self._room.kept)
-        chosen = choose_prefetch(
-            upcoming, lambda u: self.units[u].numel,
-            lambda u: self.units[u].residency == Residency.RELEASED, live, self.limits,
-            is_kept=self._room.kept.__contains__)
-        for uid in chosen:
-            # with a slot pool, keep one slot free for synchronous fetches and write-backs;
-            # without one, prefetches read into device memory while it has room
-            if self.fetch_pool is not None and self.fetch_pool.available <= 1:
-                break
-            if self.fetch_pool is None:   # the read goes into device memory: make room
-                self._room.evict_kept(self.units[uid].nbytes, upcoming,
-                                      nearer_than=self._room.next_use_or_never(uid, upcoming))
-            if not self.units[uid].start_fetch(self.manager, self.fetch_pool):
-                break
-            self._note("prefetch", uid)
+        start_prefetches(self.units, upcoming, self.limits, self._room, self.manager,
+                         self.fetch_pool, lambda uid: self._note("prefetch", uid))
 
     def _cancel_prefetches(self, nbytes: int) -> None:
         """A unit that was not prefetched is needed now: if prefetches into device memory hold
@@ -565,6 +567,7 @@ class Coordinator:
 
     def fetch_all(self) -> None:
         """Fetch every unit (for whole-model reads such as GatheredParameters on all params)."""
+        self.ahead.drop(self._status, self._release_or_keep)
         for unit in self.units:
             # sharded parameters are gathered whether or not the unit was still fetched (see
             # [Note: gathers at every use])
@@ -577,6 +580,7 @@ class Coordinator:
     def release_all(self) -> None:
         """Release every fetched unit and drop unused prefetches."""
         self._room.kept.clear()
+        self.ahead.drop(self._status, self._release_or_keep)
         for unit in self.units:
             if not self._status[unit.index].held:
                 unit.cancel_fetch(self.manager, self.fetch_pool)

@@ -9,7 +9,10 @@ only costs a slot, never a deadlock (a unit not prefetched is fetched synchronou
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from infinity.storage.tiers import Residency
 
 
 @dataclass
@@ -96,3 +99,34 @@ def reuse_distance(unit: int, upcoming: list[int], numel_of) -> int | None:
             return distance
         distance += numel_of(other)
     return None
+
+
+def start_prefetches(units: list, upcoming: list[int], limits: PrefetchLimits, room, manager,
+                     fetch_pool, noted: Callable[[int], None]) -> None:
+    """The stage-3 coordinator's prefetch at a use: reads into host slots that are over go on
+    to the device now, then the reads of the ``upcoming`` units ``choose_prefetch`` picks are
+    started (``room``: the coordinator's DeviceRoom, whose kept units are not live and are
+    evicted for a read into device memory; ``noted(uid)`` for each read started)."""
+    if fetch_pool is not None:
+        for unit in units:
+            if unit.residency == Residency.FETCHING:
+                unit.advance_fetch(manager, fetch_pool)
+    if not upcoming:
+        return
+    # kept units never block a fetch (see [Note: keeping units for reuse]): not live here
+    live = sum(u.numel for u in units if u.residency != Residency.RELEASED
+               and not u.persistent and u.index not in room.kept)
+    chosen = choose_prefetch(
+        upcoming, lambda u: units[u].numel, lambda u: units[u].residency == Residency.RELEASED,
+        live, limits, is_kept=room.kept.__contains__)
+    for uid in chosen:
+        # with a slot pool, keep one slot free for synchronous fetches and write-backs;
+        # without one, prefetches read into device memory while it has room
+        if fetch_pool is not None and fetch_pool.available <= 1:
+            break
+        if fetch_pool is None:   # the read goes into device memory: make room
+            room.evict_kept(units[uid].nbytes, upcoming,
+                            nearer_than=room.next_use_or_never(uid, upcoming))
+        if not units[uid].start_fetch(manager, fetch_pool):
+            break
+        noted(uid)

@@ -114,6 +114,9 @@ class Unit:
         # a prefetch whose slot was already copied to the device: the copy's event
         # (``advance_fetch``; see [Note: copy events] in storage/transfers.py)
         self.copy_event = None
+        # an all-gather issued ahead of use and not yet waited on by compute (``gather_ahead``;
+        # see [Note: gathers issued ahead] in zero/gather_ahead.py): the unit is held until then
+        self.gather_event = None
         self.fetch_count = 0
         self.prefetch_hits = 0
 
@@ -144,6 +147,37 @@ class Unit:
         collective order] in comm/collectives.py)."""
         if self.shards > 1:
             self.comm.all_gather(self.flat, tag=self.index)
+
+    def gather_ahead(self) -> None:
+        """``gather`` issued now and left in flight (``overlap_comm``): the unit must be fetched
+        with its own shard current, and stays so until ``wait_gather`` (or ``drop_gather``);
+        every rank issues it at the same point (see [Note: gathers issued ahead] in
+        zero/gather_ahead.py)."""
+        if self.gather_event is not None or self.residency != Residency.FETCHED:
+            raise RuntimeError(f"unit {self.name}: an all-gather issued ahead needs a fetched "
+                               f"unit with none in flight (residency {self.residency.value.name}, "
+                               f"one in flight: {self.gather_event is not None})")
+        if self.params_sharded:
+            self.gather_event = self.comm.all_gather_async(self.flat, tag=self.index)
+
+    @property
+    def gathered_ahead(self) -> bool:
+        """An all-gather issued ahead is in flight or not yet waited on by compute."""
+        return self.gather_event is not None
+
+    def wait_gather(self) -> None:
+        """Compute that reads the parameters runs after the gather issued ahead (on a GPU the
+        compute stream waits on its event; on a CPU the thread waits)."""
+        event, self.gather_event = self.gather_event, None
+        if event is not None:
+            self.comm.compute_waits(event)
+
+    def drop_gather(self) -> None:
+        """A gather issued ahead that no use will wait on (the pass ended first): wait for it
+        (its bytes are written into the buffer), so that the unit may be released."""
+        event, self.gather_event = self.gather_event, None
+        if event is not None:
+            event.wait()
 
     @property
     def has_trainable(self) -> bool:
@@ -421,6 +455,13 @@ class Unit:
         """Free the device copy (no write-back: the home tier holds the current values)."""
         if self.persistent or self.residency != Residency.FETCHED:
             return
+        if self.gather_event is not None:
+            # the gather still writes the buffer (or its bytes would be lost): the holder of
+            # the unit waits (``wait_gather`` / ``drop_gather``) before letting it go
+            raise RuntimeError(f"unit {self.name} released while its all-gather issued ahead "
+                               f"(unit index {self.index}, {self.nbytes} bytes) has not been "
+                               "waited on: it must stay held from the gather to its use (see "
+                               "[Note: gathers issued ahead] in zero/gather_ahead.py)")
         self._unpoint_params()
         manager.device_cache.detach(self.flat.untyped_storage())
         self.residency.to(Residency.RELEASED)

@@ -57,16 +57,23 @@ def run(schedule: str, nvme_dir: str, rank: int, world: int) -> dict:
     calls: dict[str, list[int]] = {"all_gather": [], "reduce_scatter": []}
     comm = engine.comm
     gather, reduce_scatter = comm.all_gather, comm.reduce_scatter_mean
+    gather_ahead = comm.all_gather_async
 
     def counted_gather(output, tag=None):
         calls["all_gather"].append(output.numel() * output.element_size())
         gather(output, tag=tag)
+
+    def counted_gather_ahead(output, tag=None):
+        # issued ahead of use (overlap_comm): the same bytes, counted at the issue
+        calls["all_gather"].append(output.numel() * output.element_size())
+        return gather_ahead(output, tag=tag)
 
     def counted_reduce_scatter(output, source, tag=None):
         calls["reduce_scatter"].append(source.numel() * source.element_size())
         reduce_scatter(output, source, tag=tag)
 
     comm.all_gather, comm.reduce_scatter_mean = counted_gather, counted_reduce_scatter
+    comm.all_gather_async = counted_gather_ahead
 
     def numel(store):
         return None if store is None else store.numel

@@ -1,0 +1,137 @@
+"""Which unit's all-gather is issued ahead of its use (``overlap_comm``), decided the same way
+on every rank; the stage-3 coordinator (zero/coordinator.py) does the fetching and holding.
+
+Why: with parameters sharded over ranks a unit's all-gather ran at the moment of use, on the
+training thread, after the compute of the unit before it: compute stalled for every gather. A
+gather issued at the previous unit's use runs on gloo's thread (or NCCL's stream) while that
+unit computes, and its use only waits on the handle.
+
+[Note: gathers issued ahead]
+At the use of unit k from a hook (a module's forward pre-hook or its pre-backward hook: points
+every rank reaches in the same order, see [Note: collective order] in comm/collectives.py),
+after k's own gather (at use, or waited on if it was issued ahead), the coordinator picks the
+next unit n of the recorded order of the pass (``Trace.upcoming()[0]``) and, when ``choose``
+says so, makes n's own shard current (a prefetch in flight is waited for, a read not issued is
+issued now, a waiting deferred step runs on it, exactly as at a use) and issues n's all-gather
+with ``Unit.gather_ahead``. The choice reads only what is the same on every rank:
+- the recorded order (the hooks' calls, identical on the ranks or check_same_sequence stops the
+  run), the units' sizes and kinds (sharded, persistent), and what the hooks did so far (module
+  calls in progress, units held for the backward, gathers ahead not yet used);
+- room: the units the hooks hold and n, against the device budget less what it holds outside
+  the units' buffers, the smallest over the ranks (agreed once at construction:
+  ``agreed_unit_room``), never the memory free now.
+It never reads what timing decides: whether n's prefetch was issued, found a slot or landed,
+whether a background step landed, which units are kept for reuse. Those only decide how long
+the ahead point waits for n's shard, never whether a collective is issued. So every rank issues
+the same gathers ahead at the same places in its sequence.
+
+From the ahead gather to its use the unit is held: its buffer is not released, evicted or
+reused (``Unit.release`` refuses while ``gather_event`` is set). At its use compute waits on
+the handle (``Collectives.compute_waits``: on a GPU the compute stream waits on the gather's
+event, never on the whole device), and a step that ran on its own shard since (the unit's
+``stale``) gathers it again at use, as before. A gather ahead that no use waits on (the pass
+ended, diverged from the recorded order, or raised) is dropped at the pass boundary: waited on,
+then the unit is let go as any other. Gathers are issued at use instead (today's behaviour, in
+the same order on every rank) during a pass whose order is still being recorded (the first of
+each kind, or after a divergence), for units that are in use already or persistent, for the
+first unit of each pass, and in the dry run (its collectives have no handles).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from infinity.zero.pass_state import UnitStatus
+from infinity.zero.unit import Unit
+
+
+def agreed_unit_room(units: list[Unit], manager, comm) -> int | None:
+    """Device bytes the non-persistent units' buffers may hold at once, the smallest over the
+    ranks (None: no rank's device budget has a limit): the budget less what it holds outside
+    those buffers (persistent units, device stores: all made at construction, before this).
+    Agreed so that the room rule gives the same answer on every rank (a budget derived from a
+    GPU's free memory differs between them); every rank calls it at construction."""
+    limit = manager.device_budget.limit
+    room = None
+    if limit is not None:
+        attached = sum(u.flat.untyped_storage().nbytes() for u in units if not u.persistent)
+        room = limit - (manager.device_cache.in_use_bytes() - attached)
+    rooms = comm.all_gather_objects(room) if comm.active else [room]
+    known = [x for x in rooms if x is not None]
+    return min(known) if known else None
+
+
+class AheadGathers:
+    """The rule of [Note: gathers issued ahead] for ``units``; ``room``: the device bytes for
+    non-persistent units' buffers agreed over the ranks (``agreed_unit_room``; None:
+    unlimited); ``enabled``: ``overlap_comm``."""
+
+    def __init__(self, units: list[Unit], enabled: bool, room: int | None) -> None:
+        self.units = units
+        self.enabled = enabled and any(u.params_sharded for u in units)
+        self.room = room
+        self.issued = 0      # gathers issued ahead
+        self.dropped = 0     # of those, let go unused (the pass ended first)
+
+    @classmethod
+    def for_run(cls, units: list[Unit], manager, comm, overlap_comm: bool) -> AheadGathers:
+        """The rule of a run: on with ``overlap_comm`` and sharded parameters over ranks (then
+        the room is agreed here, a collective every rank makes at construction)."""
+        on = overlap_comm and comm is not None and comm.active and \
+            any(u.params_sharded for u in units)
+        return cls(units, on, agreed_unit_room(units, manager, comm) if on else None)
+
+    def choose(self, current: int, upcoming: list[int], statuses: list[UnitStatus],
+               backward: bool) -> int | None:
+        """The unit whose gather to issue now, at ``current``'s use (None: none). ``upcoming``:
+        the recorded order after ``current``; ``backward``: a backward pass is running (its
+        fetched units are held)."""
+        if not self.enabled or not upcoming:
+            return None
+        uid = upcoming[0]
+        unit, status = self.units[uid], statuses[uid]
+        if uid == current or not unit.params_sharded or unit.persistent or \
+                unit.gathered_ahead or status.users > 0:
+            return None
+        if self.room is not None and \
+                self.held_bytes(current, statuses, backward) + unit.nbytes > self.room:
+            return None
+        return uid
+
+    def held_bytes(self, current: int, statuses: list[UnitStatus], backward: bool) -> int:
+        """Device bytes of the non-persistent units the hooks hold now (the same on every
+        rank): ``current``, those in a module call or pinned, those gathered ahead, and in a
+        backward those its pre-backward hooks fetched whose backward is not done."""
+        return sum(u.nbytes for u, s in zip(self.units, statuses) if not u.persistent and (
+            u.index == current or s.users > 0 or u.gathered_ahead
+            or (backward and s.backward_may_read)))
+
+    def gather_next(self, current: int, upcoming: list[int], statuses: list[UnitStatus],
+                    backward: bool, make_current: Callable[[int], None]) -> None:
+        """At ``current``'s use: issue the gather of the unit ``choose`` picks, after
+        ``make_current`` fetched it with its own shard current (the coordinator's fetch, as at
+        a use); the unit is held until its use waits on the gather."""
+        uid = self.choose(current, upcoming, statuses, backward)
+        if uid is None:
+            return
+        # the current unit's module call has not counted itself yet: a step of its landing
+        # while the next one is fetched (a reap) must not let it go
+        statuses[current].users += 1
+        try:
+            make_current(uid)
+        finally:
+            statuses[current].users -= 1
+        self.units[uid].gather_ahead()
+        statuses[uid].stale = False
+        self.issued += 1
+
+    def drop(self, statuses: list[UnitStatus], let_go: Callable[[int], None]) -> None:
+        """Gathers issued ahead that no use waited on (a pass ended, diverged from its recorded
+        order, or raised): wait for each, then ``let_go`` its unit (released or kept) unless
+        something holds it. Called at pass boundaries, the same on every rank; issues no
+        collective."""
+        for unit in self.units:
+            if unit.gathered_ahead:
+                unit.drop_gather()
+                self.dropped += 1
+                if not statuses[unit.index].held:
+                    let_go(unit.index)

@@ -1,0 +1,90 @@
+"""Two ranks with ``overlap_comm``: a unit's all-gather issued ahead, at the use of the unit
+before it (see [Note: gathers issued ahead] in zero/gather_ahead.py), under late collectives
+(comm/ahead.py ``LateGathers``: the gathered bytes land on a helper thread only after the
+handle's wait, NaN until then) and late copies (storage/transfers.py ``LateCopies``). Gloo, 2
+processes on localhost, one launch for every case (tests/distributed/gather_ahead_ranks_worker.py).
+
+- Stage 3, parameters on NVMe (through host fetch slots, the device memory cache off as on
+  CUDA) and on the host, early step and deferred step (clipping + accumulation): the mean loss
+  of the ranks equals plain torch AdamW's on the whole batch within the parity tests' 1e-5, the
+  gathers were issued ahead (and all landed), and the two ranks' sequences of collectives are
+  identical, entry for entry.
+- Planted faults, each must fail: compute that does not wait on the gather's handle (NaN or
+  wrong losses), a unit let go between its gather ahead and its use (refused, named).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from parity import make_model
+from parity_ranks_worker import LR, WEIGHT_DECAY, global_batches
+from ranks import check_ranks, launch, read_results, reference_run
+
+from infinity.comm.ahead import LATE_COLLECTIVES_ENV
+from infinity.storage.transfers import LATE_ENV
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+OVERLAP = {"overlap_comm": True}
+PARITY = [{"name": f"ahead-s3-{param}-{schedule}", "stage": 3, "param": param,
+           "opt": "nvme" if param == "nvme" else "cpu", "schedule": schedule,
+           "slots": param == "nvme", "zero_extra": OVERLAP}
+          for param in ("nvme", "cpu") for schedule in ("early", "deferred")]
+PLANTED = [{"name": f"planted-{plant}", "stage": 3, "param": "nvme", "opt": "nvme",
+            "schedule": "early", "zero_extra": OVERLAP, "plant": plant}
+           for plant in ("no_wait", "early_release")]
+
+
+@pytest.fixture(scope="module")
+def ranks_results(tmp_path_factory) -> list[dict]:
+    out, nvme = tmp_path_factory.mktemp("ahead2"), tmp_path_factory.mktemp("ahead2-nvme")
+    results = launch(2, "gather_ahead_ranks_worker.py",
+                     [str(out), str(nvme), json.dumps(PARITY + PLANTED), str(STEPS)],
+                     timeout=600, env_extra={LATE_ENV: "7", LATE_COLLECTIVES_ENV: "7"})
+    check_ranks(results)
+    return read_results(out, 2)
+
+
+def _reference(case: dict) -> list[float]:
+    deferred = case["schedule"] == "deferred"
+    batches = global_batches(1, STEPS, 2 if deferred else 1, 2)
+    losses, _ = reference_run(make_model("torch", seed=0, layers=3, width=32), batches, lr=LR,
+                              weight_decay=WEIGHT_DECAY, clip=0.05 if deferred else 0.0)
+    return losses
+
+
+def _mean_losses(ranks: list[dict]) -> list[float]:
+    return [sum(r["losses"][s] for r in ranks) / len(ranks) for s in range(STEPS)]
+
+
+@pytest.mark.parametrize("case", PARITY, ids=[c["name"] for c in PARITY])
+def test_gathers_issued_ahead_train_as_one_process(ranks_results, case) -> None:
+    ranks = [r[case["name"]] for r in ranks_results]
+    for r in ranks:
+        assert "error" not in r, r["error"]
+        assert r["overlap_enabled"] and r["ahead_issued"] > 0, r
+        late = r["late"]
+        assert late is not None and late["issued"] == r["ahead_issued"], (late, r["ahead_issued"])
+        assert late["landed"] == late["issued"] and late["lost"] == 0, late
+    # every rank issued the same collectives in the same order, gathers ahead included
+    assert ranks[0]["sequence"] == ranks[1]["sequence"]
+    kinds = [entry[0] for entry in ranks[0]["sequence"]]
+    assert kinds.count("all-gather ahead") == ranks[0]["ahead_issued"]
+    assert "all-gather" in kinds      # the first unit of a pass is gathered at use
+    ref = _reference(case)
+    losses = _mean_losses(ranks)
+    for s, (a, b) in enumerate(zip(losses, ref)):
+        assert abs(a - b) <= 1e-5 * abs(b), (case["name"], s, losses, ref)
+
+
+def test_planted_faults_fail(ranks_results) -> None:
+    no_wait = [r["planted-no_wait"] for r in ranks_results]
+    ref = _reference(PLANTED[0])
+    losses = _mean_losses(no_wait) if all(len(r["losses"]) == STEPS for r in no_wait) else None
+    assert losses is None or any(not math.isfinite(a) or abs(a - b) > 1e-5 * abs(b)
+                                 for a, b in zip(losses, ref)), (losses, ref)
+    for r in (r["planted-early_release"] for r in ranks_results):
+        assert "released while its all-gather issued ahead" in r.get("error", ""), r

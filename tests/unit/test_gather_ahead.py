@@ -1,0 +1,95 @@
+"""The rule that picks a unit's gather to issue ahead (zero/gather_ahead.py ``AheadGathers``)
+and the late gathers that prove its waits (comm/ahead.py ``LateGathers``), without ranks: the
+two-rank runs are tests/distributed/test_gather_ahead_ranks.py."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from infinity.comm.ahead import LateGathers, WorkGather
+from infinity.zero.gather_ahead import AheadGathers
+from infinity.zero.pass_state import UnitStatus
+
+
+def _units(n: int = 4, nbytes: int = 100) -> list:
+    return [SimpleNamespace(index=i, nbytes=nbytes, params_sharded=True, persistent=False,
+                            gathered_ahead=False) for i in range(n)]
+
+
+def test_the_next_unit_of_the_recorded_order_is_chosen() -> None:
+    units = _units()
+    rule = AheadGathers(units, enabled=True, room=None)
+    statuses = [UnitStatus() for _ in units]
+    assert rule.choose(0, [1, 2], statuses, backward=False) == 1
+    assert rule.choose(0, [], statuses, backward=False) is None          # order being learned
+    assert rule.choose(1, [1, 2], statuses, backward=False) is None      # the same unit again
+    statuses[1].users = 1
+    assert rule.choose(0, [1, 2], statuses, backward=False) is None      # in use: gathered
+    statuses[1].users = 0
+    units[1].persistent = True
+    assert rule.choose(0, [1, 2], statuses, backward=False) is None      # never gathered
+    assert AheadGathers(units, enabled=False, room=None).choose(
+        0, [2], statuses, backward=False) is None
+
+
+def test_room_counts_what_the_hooks_hold_never_what_is_free_now() -> None:
+    units = _units()
+    statuses = [UnitStatus() for _ in units]
+    # the current unit and the next one fit in 200 bytes; a third held unit does not
+    assert AheadGathers(units, enabled=True, room=200).choose(
+        0, [1], statuses, backward=False) == 1
+    statuses[3].users = 1
+    assert AheadGathers(units, enabled=True, room=200).choose(
+        0, [1], statuses, backward=False) is None
+    statuses[3].users = 0
+    statuses[2].fetched_for_backward()      # a unit the backward may still read
+    assert AheadGathers(units, enabled=True, room=200).choose(
+        0, [1], statuses, backward=False) == 1
+    assert AheadGathers(units, enabled=True, room=200).choose(
+        0, [1], statuses, backward=True) is None
+    units[2].gathered_ahead, statuses[2] = True, UnitStatus()
+    assert AheadGathers(units, enabled=True, room=200).choose(
+        0, [1], statuses, backward=False) is None
+
+
+class _Work:
+    """A collective that already ran: copies ``gathered`` into ``out`` at once."""
+
+    def __init__(self, out: torch.Tensor, gathered: torch.Tensor) -> None:
+        out.copy_(gathered)
+
+    def wait(self) -> None:
+        pass
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _late_gather(late: LateGathers, output: torch.Tensor, gathered: torch.Tensor):
+    return late.all_gather(output, (0, 4), lambda out, own: WorkGather(
+        _Work(out, gathered), lambda exc: exc))
+
+
+def test_late_gathers_land_only_after_the_wait() -> None:
+    late = LateGathers(seed=3)
+    gathered = torch.arange(8, dtype=torch.float32)
+    output = torch.zeros(8)
+    output[:4] = gathered[:4]               # the own shard
+    handle = _late_gather(late, output, gathered)
+    assert torch.equal(output[:4], gathered[:4])
+    assert torch.isnan(output[4:]).all()    # read without the wait: NaN, every time
+    assert not handle.done()
+    handle.wait()
+    assert handle.done() and torch.equal(output, gathered)
+    assert (late.issued, late.landed, late.lost) == (1, 1, 0)
+
+
+def test_a_late_gather_into_memory_given_back_is_lost() -> None:
+    late = LateGathers(seed=3)
+    gathered = torch.arange(8, dtype=torch.float32)
+    output = torch.zeros(8)
+    handle = _late_gather(late, output, gathered)
+    output.untyped_storage().resize_(0)     # released before its gather landed
+    handle.wait()
+    assert (late.landed, late.lost) == (0, 1)
