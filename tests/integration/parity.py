@@ -3,6 +3,7 @@ that trains a model with infinity and a deep copy with plain PyTorch AdamW on th
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -89,6 +90,11 @@ class ParityResult:
 
     @property
     def worst_relative(self) -> float:
+        """The largest |loss - torch's| / |torch's| over the steps; inf where a loss is not
+        finite (``max`` skips a NaN, as every comparison with it is False: a run whose loss
+        went NaN after its first step scored that step's error, and passed)."""
+        if not all(math.isfinite(a) for a in self.losses):
+            return math.inf
         return max(abs(a - b) / abs(b) for a, b in zip(self.losses, self.ref_losses))
 
 
