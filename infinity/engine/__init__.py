@@ -52,11 +52,12 @@ Backward (autograd). A hook on the module's outputs, ``_pre_backward`` -> ``_ens
   early step on CPU, autograd's tensor is held ([Note: held gradients]); GPU, copied DEVICE -> HOST
   into a "gradient" slot in fp32; deferred, summed into the grad store (HOST, or a buffer that
   ``finish`` swaps out); each copy through storage/transfers.py ``to_host`` (GPU: on the
-  device-to-host stream), its event waited before the unit's gradient is first read
-  ([Note: gradients leave the device]). The last one -> ``_maybe_finish`` -> ``on_unit_backward_done``
-  (optim/partitioned.py): early, ``_submit_ready`` makes the job READY and the unit stays FETCHED
-  ([Note: background early step]); deferred, the unit is released and ``step()`` queues the
-  job to land at the next fetch.
+  device-to-host stream), its event waited before the unit's gradient is first read (early
+  step: by the step stream, not the training thread; [Note: gradients leave the device]).
+  The last one -> ``_maybe_finish`` -> ``on_unit_backward_done`` (optim/partitioned.py):
+  early, ``_submit_ready`` makes the job READY and the unit stays FETCHED ([Note: background
+  early step]); deferred, the unit is released and ``step()`` queues the job to land at the
+  next fetch.
 Step (the "infinity-step-stream" thread; [Note: the life of a step job], [Note: one stream of
   sub-groups]). ``StepStream._read_next`` swaps in a sub-group's m, v (GPU: and master; deferred:
   and gradient) into "optimizer" slots (``FlatStore.load_async``, as above); ``_step`` waits for

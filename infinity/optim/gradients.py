@@ -18,10 +18,25 @@ counts live in planner/engine_sizes.py, which sizes the host budget by them.
 A gradient that is not held goes to its host buffer (or its resident home) through the copies'
 owner (storage/transfers.py ``to_host``): on a GPU on the device-to-host stream, overlapped with
 the rest of backward. Each copy's event is kept in the unit's state (``grad_copies``) and
-``copies_landed`` waits for them all, the one wait before anything on the host reads the unit's
-gradient, zeroes or writes its buffer, or gives its slot back (zero_unwritten, reduce, finish,
-take for a step, home_gradient, drop_buffer and so drop_cycle); ``end_backward`` lands every
-unit's (see [Note: copy events]).
+``copies_landed`` waits for them all, the one wait before the training thread reads the unit's
+gradient, writes its buffer, or gives its slot back (reduce, finish, home_gradient, drop_buffer
+and so drop_cycle); ``end_backward`` lands every unit's (see [Note: copy events]).
+``zero_unwritten`` does not wait: it zeroes only bytes no copy writes (the gaps, the
+parameters that got no gradient; every copy goes to a parameter of ``grad_written``).
+
+The early step's gradient is not read on the training thread at all: ``take`` hands the
+unit's events over with the gradient (``CompleteGradient.landing``) and returns without
+waiting, and the step stream waits for them (``CompleteGradient.landed``) before its first
+kernel reads the gradient, and again (at once) before its slot goes back (``give_back``). A
+wait at ``take`` would block the training thread at every unit until the device had run the
+backward kernels the copy is queued behind, so it could not run ahead to queue the next units'
+backward; now the CPU Adam starts on a unit when its copies have landed and the training thread
+never waits for them. Where the training thread does read the gradient, the wait stays there:
+with several ranks ``reduce`` (the collective reads it; ``take`` then finds no events), and in
+the deferred schedule, speculated or not, ``finish`` (the clipping norm and the overflow check
+are summed there, at the boundary, before any step can apply them). The early step has neither
+clipping nor an overflow check (the planner allows it only without them); the norm it reports
+is summed by the kernels on the step stream, after the wait.
 
 [Note: gradients over ranks]
 With several data-parallel ranks a unit's gradient is collected whole in a flat buffer (never
@@ -230,8 +245,9 @@ class GradientCollector:
             self.copies_landed(state)
 
     def zero_unwritten(self, state: UnitOptimState) -> None:
-        """Zero what of a fresh ``grad_buffer`` no gradient was copied into (gaps, unused params)."""
-        self.copies_landed(state)
+        """Zero what of a fresh ``grad_buffer`` no gradient was copied into (gaps, unused
+        params). No wait for the unit's copies: no copy writes these bytes (see [Note:
+        gradients leave the device]), and the early step's training thread must not block."""
         if state.grad_written is None or state.grad_buffer is None:
             return
         covered = sorted((e.offset, e.offset + e.numel) for e in state.unit.trainable_entries()
@@ -268,7 +284,8 @@ class GradientCollector:
         if not self.reduces:
             return
         unit, buffer = state.unit, self._grad_target(state)
-        self.zero_unwritten(state)     # waits for the unit's copies first
+        self.copies_landed(state)      # the collective reads it here, on the training thread
+        self.zero_unwritten(state)
         if self.scatter:
             shard = torch.empty(unit.shard_numel, dtype=torch.float32)
             self.comm.reduce_scatter_mean(shard, buffer[:unit.flat_numel], tag=unit.index)
@@ -373,13 +390,16 @@ class GradientCollector:
     def take(self, state: UnitOptimState,
              values: torch.Tensor | None = None) -> CompleteGradient:
         """Move the unit's complete gradient (``values``, else its held parts or its buffer)
-        out of its state, for a step that owns it from here on."""
-        self.copies_landed(state)
+        out of its state, for a step that owns it from here on, with the events of the copies
+        into it still landing: the step waits for them, not the caller (see [Note: gradients
+        leave the device])."""
         if values is None:
             values = state.grad_parts if state.grad_parts is not None else state.grad_buffer
         gradient = CompleteGradient({} if values is None else values, state.grad_slot,
                                     state.held_bytes, self.grad_pool, self.held_room,
-                                    origin=state.lo if isinstance(values, torch.Tensor) else 0)
+                                    origin=state.lo if isinstance(values, torch.Tensor) else 0,
+                                    copies=self.copies, landing=state.grad_copies)
+        state.grad_copies = []
         state.grad_parts = state.grad_buffer = state.grad_slot = state.grad_written = None
         state.held_bytes = 0
         state.grads_seen = 0

@@ -52,7 +52,7 @@ from infinity.optim.held_room import HeldRoom
 from infinity.planner.state_format import FP32_STATES, QBLOCK, StateFormat
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore
-from infinity.storage.transfers import CopyEvent
+from infinity.storage.transfers import CopyEvent, DeviceCopies
 from infinity.zero.protocols import SteppedUnit
 
 
@@ -234,7 +234,13 @@ class CompleteGradient:
     """A unit's complete gradient, handed over to its early step: held parts or a flat host
     buffer, and the slot (of ``pool``) or held-room bytes (of ``room``) it holds. The step owns
     it from then on (the unit's state starts collecting the next backward's gradient) and gives
-    it back after its last kernel."""
+    it back after its last kernel.
+
+    A flat buffer may still be landing: ``landing`` are the events of the device-to-host copies
+    into it (of ``copies``) that nobody has waited for, handed over with it so that the step
+    stream, not the training thread, waits for them (``landed``) before its first read, and
+    ``give_back`` before the slot goes back (see [Note: gradients leave the device] in
+    optim/gradients.py)."""
 
     values: torch.Tensor | dict[int, torch.Tensor]
     slot: Slot | None = None
@@ -242,6 +248,19 @@ class CompleteGradient:
     pool: BufferPool | None = None
     room: HeldRoom | None = None
     origin: int = 0      # the unit element a flat buffer's first element is (a shard's lo)
+    copies: DeviceCopies | None = None
+    landing: list[CopyEvent] = field(default_factory=list)
+
+    def landed(self) -> None:
+        """Block the calling thread (the step stream's) until every copy into the gradient is
+        over (an add is made here); the wait before anything reads it. Once: later calls
+        return at once."""
+        if self.landing:
+            if self.copies is None:
+                raise RuntimeError(f"a gradient with {len(self.landing)} copies landing and no "
+                                   "copies' owner to wait for them")
+            events, self.landing = self.landing, []
+            self.copies.host_waits(events)
 
     def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:
         """Elements [start, end) of the unit: the flat buffer's slice, or all held parts
@@ -259,7 +278,9 @@ class CompleteGradient:
             self.room.give(nbytes)
 
     def give_back(self) -> None:
-        """Give back what it holds (once; later calls do nothing)."""
+        """Give back what it holds (once; later calls do nothing), after its copies landed: a
+        copy still landing would write into the slot's next user's bytes."""
+        self.landed()
         if self.slot is not None:
             self.pool.release(self.slot)
             self.slot = None

@@ -4,11 +4,13 @@ sub-group, with the disk kept busy in both directions.
 [Note: background early step]
 In the early-step schedule a unit's step (swap-in of m and v, CPU Adam, swap-out of m, v and the
 parameters) is submitted here as soon as its gradients are complete, and runs while backward goes
-on with the next units. The unit stays fetched (its device copy is the fp32 master being stepped)
-until its job has landed, which ``reap`` reports (see [Note: the life of a step job] in
-optim/records.py). ``step()`` waits until every unit's kernels have run, so the next forward
-never sees a unit mid-update, and prefetch in backward only reads units that have not had their
-backward yet (never one being written).
+on with the next units. Off a CPU device "complete" means copied to the host or on the way: the
+stream, not the training thread, waits for the copies before the unit's first kernel (see [Note:
+gradients leave the device] in optim/gradients.py). The unit stays fetched (its device copy is
+the fp32 master being stepped) until its job has landed, which ``reap`` reports (see [Note: the
+life of a step job] in optim/records.py). ``step()`` waits until every unit's kernels have
+run, so the next forward never sees a unit mid-update, and prefetch in backward only reads units
+that have not had their backward yet (never one being written).
 
 [Note: the deferred step lands at the next fetch]
 The deferred schedule (clipping, loss scaling, accumulation) cannot step a unit before the whole
@@ -410,6 +412,8 @@ class StepStream:
         t = loaded.tensors
         self._count_step(job)
         param = t["p"] if "p" in t else unit.flat[start:end]
+        if job.early:
+            job.gradient.landed()   # see [Note: background early step]; at once after the first
         grad = job.gradient.of(start, end) if job.early else t["g"]
         half = None
         into_flat = False

@@ -7,9 +7,10 @@ device memory cache turned off, as a CUDA device has none; gradients copied to h
 never held, as off a CPU device) must still train exactly as torch AdamW does, for three model
 families, parameters on NVMe and on the host, both schedules; and it must fail when compute
 does not wait for its unit's copy, when a slot goes back before its copy's event, or when a
-gradient is read before its device-to-host copies' events. On a CPU device the immediate copies
-run these tests' code path with no thread (the default). Two ranks under late copies:
-tests/distributed/test_late_transfers_ranks.py."""
+gradient is read before its device-to-host copies' events (on the training thread, or in the
+early step on the step stream, which waits for them in its place). On a CPU device the
+immediate copies run these tests' code path with no thread (the default). Two ranks under late
+copies: tests/distributed/test_late_transfers_ranks.py."""
 from __future__ import annotations
 
 import math
@@ -17,6 +18,7 @@ import math
 import pytest
 
 from infinity.engine import sizing as engine_sizing
+from infinity.optim.records import CompleteGradient
 from infinity.storage import transfers
 from infinity.storage.device_cache import DeviceMemoryCache
 from parity import make_model, run_parity, zero_config
@@ -61,23 +63,30 @@ def test_late_copies_train_as_torch(disk_dir, monkeypatch, family, param, early)
 
 
 FAULTS = ["compute does not wait", "slot back before its copy",
-          "gradient read before its copy to the host"]
+          "gradient read before its copy to the host",
+          "early step reads its gradient before its copies to the host"]
 
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_missing_wait_fails(disk_dir, monkeypatch, fault: str) -> None:
     """Planted faults: each gives NaN (the destination or the slot was poisoned, a gradient
     read before its copy landed) or a loss off torch's (a gradient missing its add), not a
-    pass."""
+    pass. The last is the early step's own wait: the training thread hands a unit's copies
+    still landing to the step stream (optim/gradients.py ``take``), and a stream that does not
+    wait for them (``CompleteGradient.landed``) steps NaN."""
     _late(monkeypatch, seed=7)
+    early = "off"
     if fault == FAULTS[0]:
         monkeypatch.setattr(transfers.LateCopies, "compute_waits", lambda self, event: None)
     elif fault == FAULTS[1]:
         monkeypatch.setattr(transfers.LateCopies, "release_after",
                             lambda self, event, release: release())
-    else:
+    elif fault == FAULTS[2]:
         monkeypatch.setattr(transfers.LateCopies, "host_waits", lambda self, events: None)
-    result = _run(disk_dir, "llama", "nvme", "off")
+    else:
+        monkeypatch.setattr(CompleteGradient, "landed", lambda self: None)
+        early = "on"
+    result = _run(disk_dir, "llama", "nvme", early)
     try:
         bad = not all(math.isfinite(x) for x in result.losses) or \
             result.worst_relative > 1e-3

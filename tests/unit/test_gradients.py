@@ -749,10 +749,12 @@ def test_a_unit_s_gradient_is_read_only_after_its_copies_to_the_host(home: str) 
     rig.grad(state, 1, g1)
     rig.grad(state, 1, g1)                   # a second gradient of one parameter: added
     assert len(state.grad_copies) == 3 and copies.to_host_copies == 3
+    _training_thread_must_not_wait(copies, gate)
+    rig.g.zero_unwritten(state)      # only what no copy writes: nothing to wait for
+    assert len(state.grad_copies) == 3 and not any(e.done() for e in state.grad_copies)
     gate.set()
-    rig.g.zero_unwritten(state)
-    assert state.grad_copies == []
     grads = rig.g.finish(state, write_home=False)
+    assert state.grad_copies == []
     assert torch.equal(grads.double(), _flat(state.unit, g0, 2 * g1))
     rig.g.drop_buffer(state)
     assert copies.poisoned == copies.lost == 0
@@ -783,6 +785,66 @@ def test_a_gradient_read_before_its_copies_to_the_host_is_wrong(monkeypatch) -> 
     assert torch.isnan(grads[:15]).all()
     gate.set()
     copies.drain()
+
+
+def _training_thread_must_not_wait(copies: LateCopies, gate: threading.Event):
+    """Make a wait for a copy the gate still holds raise instead of hanging (the training
+    thread blocked); a wait once the gate is open goes through. Returns the real
+    ``host_waits``."""
+    waits = copies.host_waits
+
+    def refuse(events) -> None:
+        events = list(events)
+        if not gate.is_set() and not all(e.done() for e in events):
+            raise AssertionError(f"waited for {len(events)} copies still landing")
+        waits(events)
+    copies.host_waits = refuse
+    return waits
+
+
+def test_take_hands_the_copies_still_landing_over_with_the_gradient() -> None:
+    """The early step's take (after zero_unwritten, as the optimizer calls them) does not
+    wait: the gradient leaves with the events of its copies, which the step waits for
+    (``landed``) before reading it, and ``give_back`` before the slot goes back."""
+    rig, copies, gate = _late_rig(None, early_step=True)
+    state = rig.states[0]
+    g0, g1 = torch.randn(3, 5), torch.randn(7)
+    rig.grad(state, 0, g0)
+    rig.grad(state, 1, g1)
+    rig.grad(state, 1, g1)                   # added at the wait, on the waiting thread
+    events = list(state.grad_copies)
+    _training_thread_must_not_wait(copies, gate)
+    rig.g.zero_unwritten(state)
+    gradient = rig.g.take(state)
+    assert gradient.landing == events and gradient.copies is copies
+    assert state.grad_copies == [] and not any(e.done() for e in events)
+    values = gradient.values
+    assert torch.isnan(values[:15]).all()    # still landing: a read now would see NaN
+    assert values[15] == 0 and not values[23:].any()   # the gaps zeroed all the same
+    assert rig.pool.available == 1           # the gradient holds the slot
+    gate.set()
+    gradient.landed()
+    assert gradient.landing == [] and all(e.done() for e in events)
+    assert torch.equal(values.double(), _flat(state.unit, g0, 2 * g1))
+    gradient.give_back()
+    assert rig.pool.available == 2 and copies.poisoned == copies.lost == 0
+
+
+def test_a_gradient_given_back_waits_for_its_copies_before_the_slot() -> None:
+    """A step that never read its gradient (it failed first) still waits for the copies
+    before the slot goes back: the next unit's buffer is not written by a late copy."""
+    rig, copies, gate = _late_rig(None, early_step=True)
+    state = rig.states[0]
+    rig.grad(state, 0, torch.ones(3, 5))
+    gradient = rig.g.take(state)
+    waits = copies.host_waits
+
+    def open_then_wait(events) -> None:      # the copy can land only once someone waits
+        gate.set()
+        waits(events)
+    copies.host_waits = open_then_wait
+    gradient.give_back()
+    assert gate.is_set() and copies.poisoned == copies.lost == 0 and rig.pool.available == 2
 
 
 def test_a_gradient_on_another_device_is_never_held() -> None:

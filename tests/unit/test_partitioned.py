@@ -23,10 +23,12 @@ from infinity.base.budget import MemoryBudget
 from infinity.comm.collectives import CommCounters
 from infinity.config.aio import AioConfig
 from infinity.planner.engine_sizes import GRADS_HELD, held_room_bytes
+from infinity.optim import pools
 from infinity.optim.partitioned import PartitionedOptimizer, _state_range
 from infinity.planner.engine_sizes import step_slot_count
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Residency, Tier
+from infinity.storage.transfers import LateCopies
 from infinity.zero.protocols import Wait
 from infinity.zero.unit import Unit
 
@@ -386,6 +388,49 @@ def test_early_steps_match_adamw_and_report_the_norm(rig) -> None:
         for unit in r.units:
             unit.release(r.manager)
     r.assert_matches()
+
+
+def test_an_early_backward_does_not_wait_for_the_gradient_copies_the_step_does(
+        rig, monkeypatch) -> None:
+    """Gradients copied to host buffers (as off a CPU device) by late copies held at a gate:
+    the backward (each unit's take, and its end) returns with every copy still landing -- a
+    wait on the training thread would raise here, not hang -- and the step stream is the one
+    that waits: no kernel runs until the gate opens (one that did would read the NaN of a copy
+    not landed), then the updates are AdamW's."""
+    monkeypatch.setattr(pools, "gradients_held", lambda device: False)
+    r = rig(early=True)
+    assert not r.opt.holds_grads and r.opt.grad_pool.count == GRADS_HELD == 2
+    copies, gate = LateCopies(seed=5), threading.Event()
+    copies._jobs.put(gate.wait)
+    r.opt.gradients.copies = r.opt.grad_pool._copies = copies   # the units' fetches stay at once
+    issued, waits, training = [], copies.host_waits, threading.current_thread()
+    stream_waits = threading.Event()
+    to_host = copies.to_host
+    copies.to_host = lambda dst, src, **kw: issued.append(to_host(dst, src, **kw)) or issued[-1]
+
+    def host_waits(events) -> None:
+        events = list(events)
+        if not gate.is_set() and not all(e.done() for e in events):
+            if threading.current_thread() is training:
+                raise AssertionError(f"the training thread waited for {len(events)} copies")
+            stream_waits.set()
+        waits(events)
+    copies.host_waits = host_waits
+    g = r.grads()
+    only = {"d", "e"}             # two units: one gradient slot each, no wait for a slot
+    try:
+        assert r.backward(g, only=only) == [False, False]
+        assert len(issued) == 2 and not any(e.done() for e in issued)   # still landing
+        for job in r.opt.steps.jobs:      # (a stream that did not wait would step them)
+            job.stepped_future.add_done_callback(lambda f: stream_waits.set())
+        stream_waits.wait()       # the stream holds at the first unit's copies
+        assert not any(job.stepped_future.done() for job in r.opt.steps.jobs)
+    finally:
+        gate.set()                # (a failed check must not leave the stream at the gate)
+    r.step()
+    r.ref_step(g, only=only)
+    r.assert_matches()
+    assert copies.poisoned == copies.lost == 0 and r.opt.grad_pool.available == 2
 
 
 def test_expected_early_steps_are_made_ready_or_cancelled(rig) -> None:

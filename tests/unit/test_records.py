@@ -114,6 +114,25 @@ def test_give_back_releases_the_slot_and_the_bytes_once() -> None:
     assert room.held == 0
 
 
+def test_landed_waits_for_the_copies_once_through_their_owner() -> None:
+    class _Copies:
+        def __init__(self) -> None:
+            self.waited: list[list] = []
+
+        def host_waits(self, events) -> None:
+            self.waited.append(list(events))
+
+    copies, events = _Copies(), [object(), object()]
+    gradient = CompleteGradient(torch.zeros(4), copies=copies, landing=list(events))
+    gradient.landed()
+    gradient.landed()                          # once: nothing left to wait for
+    gradient.give_back()
+    assert copies.waited == [events] and gradient.landing == []
+    orphan = CompleteGradient(torch.zeros(4), landing=[object()])
+    with pytest.raises(RuntimeError, match="1 copies landing and no copies' owner"):
+        orphan.landed()
+
+
 def _job(phase: JobPhase = JobPhase.READY) -> StepJob:
     return StepJob(_state(), deque(), left=1, early=False, phase=phase)
 

@@ -31,6 +31,7 @@ from infinity.optim.step_stream import (
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
+from infinity.storage.transfers import LateCopies
 from infinity.zero.unit import Unit
 
 SUB = 1024                      # sub-group numel (4 KiB of fp32)
@@ -252,6 +253,37 @@ def test_resident_states_without_a_pool_equal_adam_and_the_param_home_is_copied(
     rig.run()
     check_adam(state, values, [g1, g2])
     assert state.step == 2 and state.param_steps == {0: 2, 1504: 2}
+
+
+def test_an_early_step_waits_for_its_gradient_s_copies_before_its_first_kernel() -> None:
+    """The gradient comes with copies from the device still landing (late copies held at a
+    gate that only a wait opens): the stream waits for them (logged "landed") before its first
+    kernel, once, and steps the landed values (a kernel before the wait would read NaN)."""
+    rig = Rig()
+    unit, values = rig.unit("u", [3000])
+    state = rig.state(unit, values)
+    g = grad_of(values)
+    copies, gate = LateCopies(seed=1), threading.Event()
+    copies._jobs.put(gate.wait)
+    buffer = torch.empty(unit.trainable_numel)
+    landing = [copies.to_host(buffer[:1500], g[:1500]),
+               copies.to_host(buffer[1500:], g[1500:])]
+    waits = copies.host_waits
+
+    def open_then_wait(events) -> None:
+        events = list(events)
+        rig.log.append(("landed", len(events)))
+        gate.set()
+        waits(events)
+    copies.host_waits = open_then_wait
+    assert torch.isnan(buffer).all()
+    gradient = CompleteGradient(buffer, copies=copies, landing=landing)
+    rig.stream.submit(state, early=True, gradient=gradient)
+    rig.run()
+    check_adam(state, values, [g])
+    assert [e for e in rig.log if e[0] == "landed"] == [("landed", 2)]
+    assert rig.log.index(("landed", 2)) < rig.log.index(rig.events("kernel")[0])
+    assert copies.poisoned == copies.lost == 0
 
 
 def test_no_param_store_means_no_parameter_write() -> None:
