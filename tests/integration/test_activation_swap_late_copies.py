@@ -116,7 +116,11 @@ def test_a_read_that_landed_is_copied_to_the_device_before_its_unpack(disk_dir,
         for record in list(swapper._reading):
             record.read.wait()
         second = swapper._unpack(handles[-2])            # lifts every landed read
-        assert swapper.stats.lifted_ahead == len(saved) - 1, swapper.describe()
+        # the four records not yet unpacked are on the device (the second one was lifted at
+        # the first unpack where its read was over by then, else at its own)
+        assert not swapper._reading
+        assert all(ref().lifted is not None for ref in swapper._order[:-2])
+        assert swapper.stats.lifted_ahead >= len(saved) - 2, swapper.describe()
         rest = [swapper._unpack(h) for h in reversed(handles[:-2])]
         for want, got in zip(reversed(saved), [first, second, *rest]):
             assert got.data_ptr() != want.data_ptr()
@@ -158,6 +162,9 @@ def test_a_missing_wait_in_the_swap_fails(disk_dir, monkeypatch, fault: str) -> 
             loss = _forward(w)
         got = torch.autograd.grad(loss, w)
         assert any(not torch.equal(a, e) for a, e in zip(got, expected)), fault
+    except SwapCorruptionError:
+        # a chunk written while its copy still lands in it: the page changed under the write
+        assert fault == SWAP_FAULTS[1]
     finally:
         swapper.manager.copies.drain()
         _close(swapper)
@@ -193,11 +200,11 @@ def test_activation_offload_under_late_copies_trains_as_torch(disk_dir, monkeypa
         stats = swapper.stats
         copies = engine.manager.copies
         assert isinstance(copies, transfers.LateCopies)
-        assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
+        copies.drain()
+        assert result.worst_relative <= 1e-5 and copies.poisoned == copies.lost == 0, \
+            (result.losses, result.ref_losses, copies.poisoned, copies.lost, swapper.describe())
         assert stats.written > 0 and stats.to_host_copies > 0, swapper.describe()
         assert stats.to_device_copies > 0, swapper.describe()
-        copies.drain()
-        assert copies.poisoned == 0 and copies.lost == 0
         if gpu_fetch:
             assert copies.copies > stats.to_host_copies + stats.to_device_copies
         else:          # the units are read straight into the device: the swap's copies only
