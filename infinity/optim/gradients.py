@@ -236,8 +236,11 @@ class GradientCollector:
         device])."""
         if state.grad_copies:
             events: list[CopyEvent] = state.grad_copies
-            state.grad_copies = []
+            # the events leave the state only once waited for: a wait cut short (Ctrl-C, a
+            # device error) leaves them to the next one, so drop_buffer never gives the slot
+            # back under a copy still landing (a wait that is over returns at once)
             self.copies.host_waits(events)
+            state.grad_copies = []
 
     def land_copies(self) -> None:
         """Every unit's device-to-host copies are over (a backward ends)."""

@@ -259,8 +259,10 @@ class CompleteGradient:
             if self.copies is None:
                 raise RuntimeError(f"a gradient with {len(self.landing)} copies landing and no "
                                    "copies' owner to wait for them")
-            events, self.landing = self.landing, []
-            self.copies.host_waits(events)
+            # cleared once waited for: a wait cut short leaves them to ``give_back``'s, so
+            # the slot never goes back under a copy still landing
+            self.copies.host_waits(self.landing)
+            self.landing = []
 
     def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:
         """Elements [start, end) of the unit: the flat buffer's slice, or all held parts

@@ -774,6 +774,33 @@ def test_a_slot_goes_back_only_after_its_copies_to_the_host() -> None:
     assert copies.poisoned == copies.lost == 0 and rig.pool.available == 2
 
 
+def test_a_wait_cut_short_leaves_the_copies_to_the_next_one() -> None:
+    """A wait for a unit's copies that is cut short (Ctrl-C between two events, a device
+    error) loses none of them: the backward's error path (drop_buffer) still waits for every
+    copy before the slot goes back, so no copy lands in the slot's next user's bytes."""
+    rig, copies, gate = _late_rig("disk")
+    state = rig.states[0]
+    rig.grad(state, 0, torch.ones(3, 5))
+    rig.grad(state, 1, torch.ones(7))
+    waits, calls = copies.host_waits, []
+
+    def interrupted_then_open(events) -> None:
+        calls.append(len(list(events)))
+        if len(calls) == 1:
+            raise KeyboardInterrupt           # before any copy landed (the gate is shut)
+        gate.set()                           # the copies land only once someone waits
+        waits(events)
+    copies.host_waits = interrupted_then_open
+    with pytest.raises(KeyboardInterrupt):
+        rig.g.finish(state, write_home=False)
+    rig.g.drop_buffer(state)                 # the backward raised: its gradient is dropped
+    poisoned = copies.poisoned               # the slot given back under a copy: poisoned
+    gate.set()
+    copies.drain()
+    assert calls == [2, 2] and state.grad_copies == []
+    assert poisoned == copies.poisoned == copies.lost == 0 and rig.pool.available == 2
+
+
 def test_a_gradient_read_before_its_copies_to_the_host_is_wrong(monkeypatch) -> None:
     """The planted fault: without the wait the reader sees the NaN the copy has not replaced."""
     rig, copies, gate = _late_rig("disk")

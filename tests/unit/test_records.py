@@ -133,6 +133,38 @@ def test_landed_waits_for_the_copies_once_through_their_owner() -> None:
         orphan.landed()
 
 
+def test_a_landed_wait_cut_short_is_waited_again_before_the_slot_goes_back() -> None:
+    """The step stream's wait for the gradient's copies fails (a device error): the events
+    stay, and ``give_back`` (the failed job's gradient) waits for them before the slot goes
+    back."""
+    class _Copies:
+        def __init__(self) -> None:
+            self.waited: list[list] = []
+
+        def host_waits(self, events) -> None:
+            self.waited.append(list(events))
+            if len(self.waited) == 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    class _Pool:
+        def __init__(self, copies: _Copies) -> None:
+            self.copies, self.released_after = copies, None
+
+        def release(self, slot) -> None:
+            self.released_after = len(self.copies.waited)
+
+    copies, events = _Copies(), [object(), object()]
+    pool = _Pool(copies)
+    gradient = CompleteGradient(torch.zeros(4), slot=object(), pool=pool, copies=copies,
+                                landing=list(events))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        gradient.landed()
+    assert gradient.landing == events
+    gradient.give_back()
+    assert copies.waited == [events, events] and pool.released_after == 2
+    assert gradient.landing == [] and gradient.slot is None
+
+
 def _job(phase: JobPhase = JobPhase.READY) -> StepJob:
     return StepJob(_state(), deque(), left=1, early=False, phase=phase)
 
