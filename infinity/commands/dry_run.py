@@ -192,6 +192,10 @@ class _MetaUnit(Unit):
         return self.direct
 
     # the copies a fetch issues are this unit's (the timeline's H2D row names them)
+    def start_fetch(self, manager: SimManager, pool) -> bool:
+        with manager.copies.for_unit(self.name):
+            return super().start_fetch(manager, pool)
+
     def advance_fetch(self, manager: SimManager, pool) -> bool:
         with manager.copies.for_unit(self.name):
             return super().advance_fetch(manager, pool)

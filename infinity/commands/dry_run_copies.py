@@ -10,8 +10,9 @@ which call the copies through that interface; this class keeps the same rules on
 the clock (``dry_run_backend.Lane``), one per direction, each at the link's rate:
 
 * ``to_device``: the copy is queued on the "H2D" lane when it is issued (a prefetch's copy as
-  soon as its read is over and the device has room, ``Unit.advance_fetch``; otherwise at the
-  fetch); its event fires at the copy's end on the clock;
+  soon as its read is over and the device has room, ``Unit.advance_fetch``; a host-homed
+  unit's when prefetch picks it and the device has room, ``Unit._copy_home``; otherwise at
+  the fetch); its event fires at the copy's end on the clock;
 * ``compute_waits``: the training thread's compute starts no earlier than that end (the wait
   is the "compute waits" row's, labelled with the unit);
 * ``release_after``: the source slot goes back to its pool at that end (``SimClock.at``; the
@@ -68,6 +69,8 @@ class SimCopies(DeviceCopies):
             raise ValueError(f"a host <-> device link of {link_Bps} B/s: expected >= 0 "
                              "(0: the copies are free, a CPU device)")
         self.clock = clock
+        # copies ahead of use only where they cost time (a CPU device's are immediate)
+        self.overlaps_compute = link_Bps > 0
         # host -> device: a unit's parameters; overlaps the compute of the units before it
         # (compute waits on each copy's event only) and the other direction's copies
         self.h2d = Lane(clock, link_Bps, H2D)

@@ -85,6 +85,12 @@ DONE = _Done()
 class DeviceCopies:
     """The copies' owner (see the module docstring); the base is the immediate one."""
 
+    overlaps_compute: bool = False
+    """A copy runs beside compute (a stream or a thread of its own), so one issued ahead of use
+    is hidden behind the compute before it: prefetch then copies a host-homed unit to the
+    device ahead (zero/unit.py ``_copy_home``). The immediate copies run on the calling thread,
+    where a copy ahead would hide nothing and only hold device memory sooner."""
+
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
         """Copy host ``src`` into device ``dst``; the event says when it is over."""
         raise NotImplementedError
@@ -140,11 +146,14 @@ class ImmediateCopies(DeviceCopies):
 class CudaCopies(DeviceCopies):
     """A GPU: copies on their own streams, ordered by events."""
 
+    overlaps_compute = True
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        # host -> device: a unit's parameters from its pinned host slot, and saved activations
-        # read back for backward; overlaps the compute of the units (or the backward of the
-        # tensors) before it (the compute stream waits on each copy's event only)
+        # host -> device: a unit's parameters from its pinned host slot or host home (issued
+        # ahead of use by prefetch), and saved activations read back for backward; overlaps
+        # the compute of the units (or the backward of the tensors) before it (the compute
+        # stream waits on each copy's event only)
         self.h2d = torch.cuda.Stream(device=device)
         # device -> host: a unit's gradients to their host buffer (or home) as backward makes
         # them, and saved activations swapped out in forward; overlaps the compute after them
@@ -271,6 +280,8 @@ class _LateEvent:
 class LateCopies(DeviceCopies):
     """Tests: copies complete late and out of the caller's sight (see the module docstring).
     ``max_delay_s`` bounds each copy's random delay; ``seed`` makes the delays reproducible."""
+
+    overlaps_compute = True     # a GPU's path: host-homed units are copied ahead
 
     def __init__(self, seed: int, max_delay_s: float = 0.003) -> None:
         self._rng = random.Random(seed)

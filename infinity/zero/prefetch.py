@@ -2,8 +2,11 @@
 
 The first pass of each mode (training forward, backward, eval forward) records the order in
 which units are fetched. Later passes walk that trace: when the unit at position i is needed,
-the units at i+1, i+2, ... are swapped in ahead of use, within the live-parameter and prefetch
-budgets and the free host slots. When the order changes (a dynamic model), the trace is
+the units at i+1, i+2, ... are fetched ahead of use, within the live-parameter and prefetch
+budgets and the free host slots: an NVMe home is swapped in (and copied to the device once
+its read is over, ``Unit.advance_fetch``), a host home copied to the device at once where
+copies run beside compute (a GPU: ``Unit._copy_home``), so the copy overlaps the compute of
+the units before it. When the order changes (a dynamic model), the trace is
 re-learned from the point of divergence instead of prefetch being switched off; a wrong guess
 only costs a slot, never a deadlock (a unit not prefetched is fetched synchronously).
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from infinity.storage.tiers import Residency
+from infinity.storage.tiers import Residency, Tier
 
 
 @dataclass
@@ -104,9 +107,12 @@ def reuse_distance(unit: int, upcoming: list[int], numel_of) -> int | None:
 def start_prefetches(units: list, upcoming: list[int], limits: PrefetchLimits, room, manager,
                      fetch_pool, noted: Callable[[int], None]) -> None:
     """The stage-3 coordinator's prefetch at a use: reads into host slots that are over go on
-    to the device now, then the reads of the ``upcoming`` units ``choose_prefetch`` picks are
-    started (``room``: the coordinator's DeviceRoom, whose kept units are not live and are
-    evicted for a read into device memory; ``noted(uid)`` for each read started)."""
+    to the device now, then the fetches of the ``upcoming`` units ``choose_prefetch`` picks
+    are started (``Unit.start_fetch``: an NVMe home's read, a host home's copy to the device
+    where copies overlap compute), within the same live and bucket limits (``room``: the
+    coordinator's DeviceRoom, whose kept units are not live and are evicted for a read or
+    copy into device memory; ``noted(uid)`` for each fetch started). Which units are
+    prefetched is local to the rank: no collective depends on it."""
     if fetch_pool is not None:
         for unit in units:
             if unit.residency == Residency.FETCHING:
@@ -121,10 +127,12 @@ def start_prefetches(units: list, upcoming: list[int], limits: PrefetchLimits, r
         live, limits, is_kept=room.kept.__contains__)
     for uid in chosen:
         # with a slot pool, keep one slot free for synchronous fetches and write-backs;
-        # without one, prefetches read into device memory while it has room
-        if fetch_pool is not None and fetch_pool.available <= 1:
+        # without one, prefetches read (or a host home is copied) into device memory while it
+        # has room
+        into_device = fetch_pool is None or units[uid].param_home is Tier.HOST
+        if not into_device and fetch_pool.available <= 1:
             break
-        if fetch_pool is None:   # the read goes into device memory: make room
+        if into_device:   # the read or copy goes into device memory: make room
             room.evict_kept(units[uid].nbytes, upcoming,
                             nearer_than=room.next_use_or_never(uid, upcoming))
         if not units[uid].start_fetch(manager, fetch_pool):

@@ -111,8 +111,9 @@ class Unit:
         self._released_data = torch.empty(0, dtype=dtype, device=device)
         self.fetch_request = None
         self.fetch_slot = None
-        # a prefetch whose slot was already copied to the device: the copy's event
-        # (``advance_fetch``; see [Note: copy events] in storage/transfers.py)
+        # a prefetch already copied to the device from its slot or host home: the copy's
+        # event (``advance_fetch``, ``_copy_home``; see [Note: copy events] in
+        # storage/transfers.py)
         self.copy_event = None
         # an all-gather issued ahead of use and not yet waited on by compute (``gather_ahead``;
         # see [Note: gathers issued ahead] in zero/gather_ahead.py): the unit is held until then
@@ -296,21 +297,31 @@ class Unit:
         for entry in self.params:
             entry.param.data = self._released_data
 
-    def _allocate_device(self, manager: TierManager) -> None:
+    def _shape_flat(self) -> None:
+        """The device buffer has the unit's size, with no memory (it comes from the device
+        cache)."""
         if self.flat.numel() != self.flat_numel:
             self.flat = torch.empty(self.flat_numel, dtype=self.dtype, device=self.device)
-            self.flat.untyped_storage().resize_(0)   # memory comes from the device cache
+            self.flat.untyped_storage().resize_(0)
+
+    def _allocate_device(self, manager: TierManager) -> None:
+        self._shape_flat()
         manager.device_cache.attach(self.flat.untyped_storage(), self.nbytes, f"unit {self.name}")
 
     # -- fetch / release -----------------------------------------------------------------
     def start_fetch(self, manager: TierManager, pool) -> bool:
-        """Begin the swap-in of an NVMe-homed unit (prefetch): into a host slot of ``pool``, or
-        with no pool straight into the unit's device memory (see ``reads_into_device``).
+        """Begin a fetch ahead of use (prefetch): the swap-in of an NVMe-homed unit into a host
+        slot of ``pool``, or with no pool straight into the unit's device memory (see
+        ``_read_into_device``); the copy of a host-homed unit to the device (``_copy_home``).
 
-        Returns False when no slot or device memory is free now (the fetch then happens
-        synchronously at need).
+        Returns False when no slot or device memory is free now, or the unit is not fetched
+        ahead (the fetch then happens synchronously at need).
         """
-        if self.residency != Residency.RELEASED or self.param_home is not Tier.NVME:
+        if self.residency != Residency.RELEASED:
+            return False
+        if self.param_home is Tier.HOST:
+            return self._copy_home(manager)
+        if self.param_home is not Tier.NVME:
             return False
         if pool is None:
             if not manager.device_cache.try_attach(self.flat.untyped_storage(), self.nbytes,
@@ -326,6 +337,30 @@ class Unit:
                                   else self._read_into_slot(self.fetch_slot))
         except BaseException:
             self._drop_fetch(manager, pool)     # the read was not issued: give back the room
+            raise
+        self.residency.to(Residency.FETCHING)
+        return True
+
+    def _copy_home(self, manager: TierManager) -> bool:
+        """Issue the copy of a host-homed unit from its home to the device now, ahead of use,
+        where the device has room: its home is its host slot, always filled, so the copy goes
+        at once and overlaps the compute of the units before it (the use waits on its event,
+        ``finish_fetch``). Only where copies run beside compute (``overlaps_compute``: a GPU's
+        stream); a CPU device's immediate copies still copy at the fetch, as before (a copy
+        ahead would hide nothing and hold device memory sooner). Whether it goes is local:
+        no collective depends on it (see [Note: gathers issued ahead] in zero/gather_ahead.py)."""
+        copies = manager.copies       # see [Note: copy events] in storage/transfers.py
+        if not copies.overlaps_compute or self.param_store is None:
+            return False
+        self._shape_flat()
+        if not manager.device_cache.try_attach(self.flat.untyped_storage(), self.nbytes,
+                                               f"unit {self.name}"):
+            return False
+        try:
+            self.copy_event = copies.to_device(self.own_flat,
+                                               self.param_store.tensor[: self.home_numel])
+        except BaseException:
+            manager.device_cache.detach(self.flat.untyped_storage())
             raise
         self.residency.to(Residency.FETCHING)
         return True
@@ -357,9 +392,7 @@ class Unit:
         if self.residency != Residency.FETCHING or self.fetch_slot is None or \
                 self.copy_event is not None or not self.fetch_request.done():
             return False
-        if self.flat.numel() != self.flat_numel:
-            self.flat = torch.empty(self.flat_numel, dtype=self.dtype, device=self.device)
-            self.flat.untyped_storage().resize_(0)   # memory comes from the device cache
+        self._shape_flat()
         if not manager.device_cache.try_attach(self.flat.untyped_storage(), self.nbytes,
                                                f"unit {self.name}"):
             return False
@@ -388,7 +421,7 @@ class Unit:
             return
         self.fetch_count += 1
         direct = pool is None and self.param_home is Tier.NVME
-        if self.copy_event is not None:          # read and copied ahead (advance_fetch)
+        if self.copy_event is not None:   # copied ahead (advance_fetch, _copy_home)
             self.prefetch_hits += 1
             event, self.copy_event = self.copy_event, None
         else:

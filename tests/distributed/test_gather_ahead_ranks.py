@@ -8,7 +8,8 @@ processes on localhost, one launch for every case (tests/distributed/gather_ahea
   CUDA) and on the host, early step and deferred step (clipping + accumulation): the mean loss
   of the ranks equals plain torch AdamW's on the whole batch within the parity tests' 1e-5, the
   gathers were issued ahead (and all landed), and the two ranks' sequences of collectives are
-  identical, entry for entry.
+  identical, entry for entry; the own shards were copied to the device ahead of use too (a
+  host home's copy issued as soon as prefetch picks the unit, zero/unit.py ``_copy_home``).
 - Planted faults, each must fail: compute that does not wait on the gather's handle (NaN or
   wrong losses), a unit let go between its gather ahead and its use (refused, named).
 """
@@ -66,6 +67,9 @@ def test_gathers_issued_ahead_train_as_one_process(ranks_results, case) -> None:
     for r in ranks:
         assert "error" not in r, r["error"]
         assert r["overlap_enabled"] and r["ahead_issued"] > 0, r
+        # the own shards were copied to the device ahead too (from a host home as soon as
+        # prefetch picked the unit): local, so the sequences below stay equal
+        assert r["prefetch_hits"] > 0, r
         late = r["late"]
         assert late is not None and late["issued"] == r["ahead_issued"], (late, r["ahead_issued"])
         assert late["landed"] == late["issued"] and late["lost"] == 0, late

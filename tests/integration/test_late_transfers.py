@@ -5,8 +5,9 @@ NaN until then (a gradient added to its home lacks the add until the reader wait
 handed back while a copy still reads or writes it is NaN-filled. The paths a GPU takes (the
 device memory cache turned off, as a CUDA device has none; gradients copied to host buffers,
 never held, as off a CPU device) must still train exactly as torch AdamW does, for three model
-families, parameters on NVMe and on the host, both schedules; and it must fail when compute
-does not wait for its unit's copy, when a slot goes back before its copy's event, or when a
+families, parameters on NVMe and on the host (both copied to the device ahead of use: from the
+host slot once read, from the host home as soon as prefetch picks the unit), both schedules;
+and it must fail when compute does not wait for its unit's copy (issued at use or ahead), when a slot goes back before its copy's event, or when a
 gradient is read before its device-to-host copies' events (on the training thread, or in the
 early step on the step stream, which waits for them in its place). On a CPU device the
 immediate copies run these tests' code path with no thread (the default). Two ranks under late
@@ -14,6 +15,7 @@ copies: tests/distributed/test_late_transfers_ranks.py."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 
@@ -21,6 +23,7 @@ from infinity.engine import sizing as engine_sizing
 from infinity.optim.records import CompleteGradient
 from infinity.storage import transfers
 from infinity.storage.device_cache import DeviceMemoryCache
+from infinity.zero.unit import Unit
 from parity import make_model, run_parity, zero_config
 
 CASES = [(family, param, early) for family in ("llama", "gpt2", "torch")
@@ -55,8 +58,9 @@ def test_late_copies_train_as_torch(disk_dir, monkeypatch, family, param, early)
         # parameters on NVMe come through host slots, on the host from their home store
         assert (result.engine.fetch_pool is not None) == (param == "nvme")
         assert copies.poisoned == 0 and copies.lost == 0
-        if param == "nvme":     # prefetched units were read and copied ahead of their use
-            assert sum(u.prefetch_hits for u in result.engine.units) > 0
+        # prefetched units were copied to the device ahead of their use: from their host slot
+        # once read (NVMe), from their host home at once (host memory, ``Unit._copy_home``)
+        assert sum(u.prefetch_hits for u in result.engine.units) > 0
         assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
     finally:
         result.engine.close()
@@ -92,4 +96,36 @@ def test_a_missing_wait_fails(disk_dir, monkeypatch, fault: str) -> None:
             result.worst_relative > 1e-3
         assert bad, (fault, result.losses, result.ref_losses)
     finally:
+        result.engine.close()
+
+
+def test_compute_not_waiting_for_a_host_homes_copy_ahead_fails(disk_dir, monkeypatch) -> None:
+    """Planted fault: a host-homed unit's copy issued ahead (``Unit._copy_home``) that its use
+    does not wait for. Deterministic, not by the luck of a slow thread: each such copy is held
+    on the helper thread behind a gate that only a wait for some other copy opens, so the use
+    reads the NaN its destination holds until the copy lands (the first unit of a forward is
+    copied ahead at the pass's start: the loss is NaN)."""
+    _late(monkeypatch, seed=11)
+    gate = threading.Event()
+    issue, wait = Unit._copy_home, transfers._LateEvent.wait
+
+    def not_waited(self, manager) -> bool:
+        gate.clear()
+        manager.copies._jobs.put(gate.wait)     # the copy lands after the next real wait
+        started = issue(self, manager)
+        if started:
+            self.copy_event = transfers.DONE      # the use no longer waits for the copy
+        return started
+
+    def opens(event) -> None:
+        gate.set()
+        wait(event)
+    monkeypatch.setattr(Unit, "_copy_home", not_waited)
+    monkeypatch.setattr(transfers._LateEvent, "wait", opens)
+    result = _run(disk_dir, "llama", "cpu", "off")
+    try:
+        assert not math.isfinite(result.worst_relative) or result.worst_relative > 1e-3, \
+            (result.losses, result.ref_losses)
+    finally:
+        gate.set()
         result.engine.close()
