@@ -8,11 +8,14 @@ the plan's pools, and ``zero.coordinator.Coordinator`` (the hooks, the recorded 
 prefetch within the bucket and live limits, keeping units for reuse, releases), driven in the
 engine's order of calls around a step (``Engine.forward``/``backward``/``step``). The backend
 is what differs (``_DryRunBackend``; storage/protocols.py is what it implements, as the tier
-manager does): the bytes (meta tensors, no swap files), the disk, the collectives and the
-optimizer's step stream (``dry_run_stepper``: its schedule, not its kernels) and, on a GPU, the
-host <-> device copies (``dry_run_copies``: parameters up, gradients down, each direction on
-its lane at the link's rate, ordered by their events as the engine's), on a clock whose rates
-are the target's (or this machine's, assumed).
+manager does): the bytes (meta tensors, no swap files), the disk, the collectives
+(``dry_run_collectives``: with ``overlap_comm``, passed as the engine passes it, a stage-3
+unit's all-gather is issued ahead at the use of the unit before it and compute waits on its
+handle, which fires on the clock), the optimizer's step stream (``dry_run_stepper``: its
+schedule, not its kernels) and, on a GPU, the host <-> device copies (``dry_run_copies``:
+parameters up -- a host-homed unit's as soon as prefetch picks it, an NVMe-homed one's once its
+read is over -- gradients down, each direction on its lane at the link's rate, ordered by their
+events as the engine's), on a clock whose rates are the target's (or this machine's, assumed).
 
 The step it predicts is the training thread's time: its compute and its waits on the other
 resources (NVMe, copies, collectives, the CPU Adam, slots), i.e. the schedule's critical path,
@@ -21,7 +24,9 @@ not the busiest resource times an overlap factor as ``planner.step_time`` predic
 Not simulated: the step stream's sub-groups (a unit's step is one job), the updated parameters
 copied back to a GPU that holds them (the optimizer off the device, parameters on it), the CPU
 shared by compute and the CPU Adam on a CPU-only machine, activation swapping (its staging is
-counted), a gradient buffer taken outside the pool, the accumulation chunk.
+counted), a gradient buffer taken outside the pool, the accumulation chunk, and a GPU's
+training thread running ahead of its kernels (compute holds the thread here: a wait the thread
+makes, e.g. for the next unit's read at an ahead gather, stalls the compute after it).
 
 Compute time: each ``nn.Linear`` call costs 2 x tokens x its weight's elements FLOPs, each block
 4 x tokens x sequence x width more (attention), at ``DryRunRates.compute_flops_per_s``; a unit's
@@ -37,11 +42,13 @@ from torch import nn
 
 from infinity.base.sizes import format_bytes
 from infinity.commands.dry_run_trace import busy_seconds
-from infinity.commands.dry_run_backend import META, SimClock, SimCollectives, SimManager, SimPool
+from infinity.commands.dry_run_backend import META, SimClock, SimManager, SimPool
+from infinity.commands.dry_run_collectives import SimCollectives
 from infinity.commands.dry_run_copies import SimCopies
 from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
 from infinity.engine.assembly import assemble
+from infinity.engine.ranks import collective_bucket_bytes
 from infinity.engine.sizing import COMPUTE_DTYPES, gradient_home_dtype
 from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES, EngineSizes
 from infinity.planner.placement import Placement
@@ -232,16 +239,19 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
     manager = SimManager(es.host_budget, es.device_budget, clock=clock,
                          read_Bps=rates.nvme_read_GBps * 1e9, write_Bps=rates.nvme_write_GBps * 1e9,
                          device_is_cpu=setup.device_is_cpu, copies=copies)
-    comm = SimCollectives(world, clock, rates.net_GBps * 1e9)
+    comm = SimCollectives(world, clock, rates.net_GBps * 1e9,
+                          gather_bucket_bytes=collective_bucket_bytes(cfg)[0])
     plan = setup.plan
     specs = partition(model, list(setup.unit_modules or cfg.infinity.unit_modules or []) or None)
     flops: dict[int, float] = {}
     backend = _DryRunBackend(manager, comm, rates, flops, instant, direct=plan.direct_fetch)
     # one param group of every trainable parameter: the dry run has no optimizer settings
     groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    # ``overlap_comm`` as the engine passes it: stage-3 gathers issued ahead of use
     parts = assemble(model, specs, groups, plan, backend, dtype=dtype, comm=comm,
-                     materialize=False)
+                     materialize=False, overlap_comm=cfg.zero.overlap_comm)
     units, fetch_pool, stepper = parts.units, parts.fetch_pool, parts.stepper
+    comm.unit_names = [u.name for u in units]
     coordinator = parts.coordinator
     coordinator.install()
     _compute_hooks(model, specs, flops, clock, rates, seq_len * micro_batch, seq_len, shape)

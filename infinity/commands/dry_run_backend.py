@@ -18,8 +18,8 @@ the interface the engine calls:
   not the CPU;
 * ``SimPool`` for ``storage.buffer_pool.BufferPool``: slots of meta memory, reserved in the host
   budget;
-* ``SimCollectives`` for ``comm.collectives.Collectives``: rank 0 of ``world_size``, each
-  all-gather a transfer on the simulated network.
+* the collectives (``comm.collectives.Collectives``) are ``dry_run_collectives.SimCollectives``,
+  on the network lane of this clock.
 
 The clock: one ``Lane`` per resource (the disk, which reads and writes share; the network; the
 host <-> device copies of ``dry_run_copies``, one lane a direction), each serving its transfers
@@ -44,7 +44,7 @@ from infinity.storage.tiers import Tier
 from infinity.storage.transfers import DeviceCopies, ImmediateCopies
 
 __all__ = ["SimClock", "COMPUTE", "WAIT", "Lane", "SimRequest", "SimManager", "SimStore", "SimDeviceCache",
-           "SimPool", "SimCollectives", "META"]
+           "SimPool", "META"]
 
 META = torch.device("meta")
 
@@ -385,46 +385,3 @@ class SimPool:
     def available(self) -> int:
         self.clock.run_due()
         return len(self._free)
-
-
-@dataclass
-class _Counters:
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    comm_s: float = 0.0
-    calls: int = 0
-
-
-class SimCollectives:
-    """Rank 0 of ``world_size``: collectives take the ring's (N-1)/N of their bytes over the
-    network lane; the training thread waits for each."""
-
-    def __init__(self, world_size: int, clock: SimClock, rate_Bps: float) -> None:
-        self.world_size = world_size
-        self.rank = 0
-        self.clock = clock
-        self.lane = Lane(clock, rate_Bps, "collectives")
-        self.counters = _Counters()
-
-    @property
-    def active(self) -> bool:
-        return self.world_size > 1
-
-    def _move(self, nbytes: int, what: str) -> None:
-        moved = int(nbytes * (self.world_size - 1) / self.world_size)
-        before = self.clock.now
-        end = self.lane.schedule(moved, what=f"{what} {moved / 2**20:.1f} MiB")
-        self.clock.record(WAIT, before, end, f"waits for the {what}")
-        self.clock.now = max(self.clock.now, end)
-        self.counters.sent_bytes += moved
-        self.counters.received_bytes += moved
-        self.counters.comm_s += self.clock.now - before
-        self.counters.calls += 1
-
-    def all_gather(self, output: torch.Tensor, tag: int | None = None) -> None:
-        if self.active:
-            self._move(output.numel() * output.element_size(), "all-gather")
-
-    def reduce_scatter(self, nbytes: int) -> None:
-        if self.active:
-            self._move(nbytes, "reduce-scatter")

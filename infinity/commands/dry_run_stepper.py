@@ -37,7 +37,8 @@ from typing import Callable
 
 import torch
 
-from infinity.commands.dry_run_backend import META, Lane, SimCollectives, SimManager, SimStore
+from infinity.commands.dry_run_backend import META, Lane, SimManager, SimStore
+from infinity.commands.dry_run_collectives import SimCollectives
 from infinity.commands.dry_run_copies import SimCopies
 from infinity.optim.state_formats import MOMENT_DTYPES
 from infinity.planner.state_format import (

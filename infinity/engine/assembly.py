@@ -77,8 +77,9 @@ def assemble(model: nn.Module, specs: list[UnitSpec], groups: list[dict], plan: 
     parameters are read from), what steps them, the coordinator. ``materialize``: meta
     parameters get memory and their init (False: the dry run's meta model stays on meta).
     ``overlap_comm``: stage-3 gathers are issued ahead of use where the coordinator can keep
-    the ranks' order (see [Note: gathers issued ahead] in zero/gather_ahead.py); the dry run's
-    collectives have no handles, so it gathers at use."""
+    the ranks' order (see [Note: gathers issued ahead] in zero/gather_ahead.py); the dry run
+    passes the config's as the engine does (its collectives' handles fire on the simulated
+    clock)."""
     fetch_pool = backend.pool(plan.fetch_pool) if plan.fetch_pool is not None else None
     units, replacements = build_units(
         model, specs, groups, backend.device, dtype, backend.manager, plan.param_tier,

@@ -53,12 +53,21 @@ def collective_timeout_of(config: Any) -> float | None:
     return None if value is None else InfinitySection(collective_timeout=value).collective_timeout
 
 
-def collectives(ranks: RankInfo, config: InfinityConfig) -> Collectives:
-    """The collectives of this run, bucketed per the config (DeepSpeed's sizes are elements;
-    counted here as fp32 bytes), with the lost-rank watch (comm/watchdog.py)."""
+def collective_bucket_bytes(config: InfinityConfig) -> tuple[int, int]:
+    """(all-gather, reduce-scatter) bytes one collective call moves at most, from the config
+    (DeepSpeed's sizes are elements; counted here as fp32 bytes; unset: unlimited). The
+    engine's collectives and the dry run's (commands/dry_run_collectives.py) both take them
+    from here."""
     z = config.zero
     gather = z.allgather_bucket_size or (1 << 62)
     reduce = z.reduce_bucket_size or (1 << 62)
+    return int(gather) * 4, int(reduce) * 4
+
+
+def collectives(ranks: RankInfo, config: InfinityConfig) -> Collectives:
+    """The collectives of this run, bucketed per the config (``collective_bucket_bytes``), with
+    the lost-rank watch (comm/watchdog.py)."""
+    gather, reduce = collective_bucket_bytes(config)
     return Collectives(ranks.group, ranks.world_size, ranks.rank,
-                       gather_bucket_bytes=int(gather) * 4, reduce_bucket_bytes=int(reduce) * 4,
+                       gather_bucket_bytes=gather, reduce_bucket_bytes=reduce,
                        watch=watch_ranks(ranks.group, ranks.rank, ranks.world_size))

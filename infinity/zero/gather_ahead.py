@@ -34,7 +34,8 @@ ended, diverged from the recorded order, or raised) is dropped at the pass bound
 then the unit is let go as any other. Gathers are issued at use instead (today's behaviour, in
 the same order on every rank) during a pass whose order is still being recorded (the first of
 each kind, or after a divergence), for units that are in use already or persistent, for the
-first unit of each pass, and in the dry run (its collectives have no handles).
+first unit of each pass. The dry run issues them as the engine does, on its simulated clock
+(commands/dry_run_collectives.py).
 """
 from __future__ import annotations
 

@@ -8,8 +8,10 @@ busiest resource's time and at most all of theirs together; the copies keep [Not
 events]: no compute of a unit starts before the copy that brought it ended, and no unit's CPU
 Adam before its gradient's copy to the host ended. Host-homed units (70B's) are copied ahead
 too, as soon as prefetch picks them, so their copies overlap compute where the drives keep up.
-Planted faults (compute not waiting for its copy; the Adam not waiting for its gradient) break
-that order, so these checks can fail.
+With ``overlap_comm`` (on at stage 3, passed as the engine passes it) the 1T plan's all-gathers
+are issued ahead and overlap compute, no unit's compute starting before its gather's end.
+Planted faults (compute not waiting for its copy; the Adam not waiting for its gradient;
+compute not waiting for its gather) break that order, so these checks can fail.
 
 Fast: each plan is made for the whole model (``infinity plan``'s own path: the rung, pools and
 budgets of 80 or 128 layers), and the dry run then runs the first ``DEPTH`` blocks of the same
@@ -25,7 +27,9 @@ from pathlib import Path
 import pytest
 
 from infinity import cli
+from infinity.commands import dry_run as dry_run_module
 from infinity.commands import plan as plan_command
+from infinity.commands.dry_run_collectives import SimCollectives
 from infinity.commands.dry_run_copies import SimCopies
 from infinity.commands.dry_run_stepper import SimStepper
 
@@ -117,6 +121,21 @@ def out_of_order(spans: list[Span]) -> list[str]:
     return broken
 
 
+def gathers_out_of_order(spans: list[Span]) -> list[str]:
+    """Where [Note: gathers issued ahead] is broken on the clock: a unit's compute that starts
+    before the end of the all-gather issued ahead for it."""
+    eps = 1e-9
+    compute = sorted((lo, _unit(what, "forward", "backward"))
+                     for row, lo, _, what in spans if row == "compute")
+    broken = []
+    for row, lo, hi, what in spans:
+        unit = _unit(what, "all-gather ahead") if row == "collectives" else None
+        first = next((start for start, u in compute if u == unit and start >= lo), None)
+        if first is not None and first < hi - eps:
+            broken.append(f"{unit}: compute at {first:.6f} s, its gather ends {hi:.6f} s")
+    return broken
+
+
 def inside_compute(spans: list[Span], row: str) -> float:
     """Seconds of ``row``'s busy time that lie inside compute spans."""
     compute = [(lo, hi) for r, lo, hi, _ in spans if r == "compute"]
@@ -178,3 +197,38 @@ def test_a_planted_fault_breaks_the_copies_order(tmp_path, monkeypatch, capsys, 
     fault(monkeypatch)
     _, spans = dry_run(tmp_path, monkeypatch, capsys, "70B on one H100", tuple(FAST_DRIVES))
     assert out_of_order(spans)
+
+
+def _gathers_at_use(monkeypatch) -> None:
+    """The dry run as it was before it passed ``overlap_comm``: every gather at use."""
+    assemble = dry_run_module.assemble
+    monkeypatch.setattr(dry_run_module, "assemble",
+                        lambda *args, **kwargs: assemble(*args, **{**kwargs, "overlap_comm": False}))
+
+
+def test_gathers_issued_ahead_overlap_compute_on_the_1t_plan(tmp_path, monkeypatch,
+                                                             capsys) -> None:
+    """``overlap_comm`` (on at stage 3) passed as the engine passes it: a unit's all-gather runs
+    on the collectives' row during the compute of the unit before it, and that unit's compute
+    starts only at the gather's end; gathered at use, the collectives never overlap compute."""
+    report, spans = dry_run(tmp_path, monkeypatch, capsys, "1T on 8 x H100", tuple(FAST_DRIVES))
+    step, busy = report["simulated_step_s"], report["busy_s"]
+    resources = {row: s for row, s in busy.items() if row != "compute waits"}
+    assert max(resources.values()) <= step * (1 + 1e-9)
+    assert step <= sum(resources.values()) * (1 + 1e-9)
+    assert any(row == "collectives" and what.startswith("all-gather ahead model.layers.")
+               for row, *_, what in spans)
+    assert inside_compute(spans, "collectives") >= 1e-6
+    assert gathers_out_of_order(spans) == []
+
+    _gathers_at_use(monkeypatch)
+    _, at_use = dry_run(tmp_path, monkeypatch, capsys, "1T on 8 x H100", tuple(FAST_DRIVES))
+    assert not any(what.startswith("all-gather ahead") for *_, what in at_use)
+    assert inside_compute(at_use, "collectives") < 1e-6
+
+
+def test_compute_not_waiting_for_a_gather_issued_ahead_breaks_the_order(tmp_path, monkeypatch,
+                                                                        capsys) -> None:
+    monkeypatch.setattr(SimCollectives, "compute_waits", lambda self, handle: None)
+    _, spans = dry_run(tmp_path, monkeypatch, capsys, "1T on 8 x H100", tuple(FAST_DRIVES))
+    assert gathers_out_of_order(spans)
