@@ -223,12 +223,19 @@ class CudaCopies(DeviceCopies):
                     self._error = exc
             if done is not None:
                 done.set()
+            # the names outlive the iteration: the last release (a closure over a pool slot)
+            # and its event would keep that buffer referenced while the queue is empty
+            del event, release, done
 
     def drain(self) -> None:
         done = threading.Event()
         self._releases.put((DONE, lambda: None, done))
         done.wait()
-        self.d2h.synchronize()      # a device-to-host copy nobody waited for writes no more
+        # copies nobody waited for write no more: a device-to-host copy, and a host-to-device
+        # copy from a host home (no ``release_after`` follows it, so the queue above did not
+        # wait for it) whose destination or source may be freed once the engine closes
+        self.h2d.synchronize()
+        self.d2h.synchronize()
         if self._error is not None:
             raise RuntimeError(f"a host-to-device copy failed: {self._error}") from self._error
 

@@ -356,11 +356,13 @@ class Coordinator:
         for status in self._status:
             status.users = status.pins
         self.reset_backward_state()
-        self.ahead.drop(self._status, self._release_or_keep)
-        self.reap()
-        for unit, status in zip(self.units, self._status):
-            if status.users == 0:
-                self._release_or_keep(unit.index)
+        try:
+            self.ahead.drop(self._status, self._release_or_keep)
+        finally:    # a gather that failed to land: the pass is still let go
+            self.reap()
+            for unit, status in zip(self.units, self._status):
+                if status.users == 0:
+                    self._release_or_keep(unit.index)
 
     def reap(self, wait: Wait = Wait.NONE) -> None:
         """Release (or keep) the units whose background steps are over (see ``Wait``)."""

@@ -96,6 +96,10 @@ def _run_case(case: dict, nvme_dir: str, steps: int, rank: int, world: int) -> d
             "ahead_issued": engine.coordinator.ahead.issued,
             "ahead_dropped": engine.coordinator.ahead.dropped,
             "overlap_enabled": engine.coordinator.ahead.enabled,
+            # each unit's param home and whether its parameters are sharded (which path its
+            # gathers take: ahead from a host home, at use from NVMe)
+            "homes": [u.param_home.name for u in engine.units],
+            "sharded": [bool(u.params_sharded) for u in engine.units],
             # units copied to the device ahead of use (slot or host home), used by a fetch
             "prefetch_hits": sum(u.prefetch_hits for u in engine.units),
             "late": None if late is None else {"issued": late.issued, "landed": late.landed,

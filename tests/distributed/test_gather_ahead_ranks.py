@@ -6,17 +6,22 @@ processes on localhost, one launch for every case (tests/distributed/gather_ahea
 
 - Stage 3, parameters on NVMe (through host fetch slots, the device memory cache off as on
   CUDA) and on the host, early step and deferred step (clipping + accumulation): the mean loss
-  of the ranks equals plain torch AdamW's on the whole batch within the parity tests' 1e-5, the
-  gathers were issued ahead (and all landed), and the two ranks' sequences of collectives are
-  identical, entry for entry; the own shards were copied to the device ahead of use too (a
-  host home's copy issued as soon as prefetch picks the unit, zero/unit.py ``_copy_home``).
-- Planted faults, each must fail: compute that does not wait on the gather's handle (NaN or
-  wrong losses), a unit let go between its gather ahead and its use (refused, named).
+  of the ranks equals plain torch AdamW's on the whole batch within the parity tests' 1e-5, and
+  the two ranks' sequences of collectives are identical, entry for entry; the own shards were
+  copied to the device ahead of use too (a host home's copy issued as soon as prefetch picks
+  the unit, zero/unit.py ``_copy_home``). Which path each unit's gather took, by its home:
+  host-homed units' gathers were issued ahead (and all landed); NVMe-homed units are gathered
+  at their use, never ahead (issued ahead, their read would run before the compute of the unit
+  before them: ``AheadGathers.home_keeps_up``).
+- Planted faults (host homes, where gathers are issued ahead), each must fail: compute that does
+  not wait on the gather's handle (NaN or wrong losses), a unit let go between its gather ahead
+  and its use (refused, named).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from parity import make_model
@@ -34,7 +39,7 @@ PARITY = [{"name": f"ahead-s3-{param}-{schedule}", "stage": 3, "param": param,
            "opt": "nvme" if param == "nvme" else "cpu", "schedule": schedule,
            "slots": param == "nvme", "zero_extra": OVERLAP}
           for param in ("nvme", "cpu") for schedule in ("early", "deferred")]
-PLANTED = [{"name": f"planted-{plant}", "stage": 3, "param": "nvme", "opt": "nvme",
+PLANTED = [{"name": f"planted-{plant}", "stage": 3, "param": "cpu", "opt": "cpu",
             "schedule": "early", "zero_extra": OVERLAP, "plant": plant}
            for plant in ("no_wait", "early_release")]
 
@@ -64,31 +69,57 @@ def _mean_losses(ranks: list[dict]) -> list[float]:
 @pytest.mark.parametrize("case", PARITY, ids=[c["name"] for c in PARITY])
 def test_gathers_issued_ahead_train_as_one_process(ranks_results, case) -> None:
     ranks = [r[case["name"]] for r in ranks_results]
+    home = "NVME" if case["param"] == "nvme" else "HOST"
     for r in ranks:
         assert "error" not in r, r["error"]
-        assert r["overlap_enabled"] and r["ahead_issued"] > 0, r
+        assert r["overlap_enabled"], r
+        sharded = [u for u, on in enumerate(r["sharded"]) if on]
+        assert sharded and all(r["homes"][u] == home for u in sharded), (r["homes"], sharded)
+        assert r["ahead_issued"] > 0 if home == "HOST" else r["ahead_issued"] == 0, r
         # the own shards were copied to the device ahead too (from a host home as soon as
-        # prefetch picked the unit): local, so the sequences below stay equal
+        # prefetch picked the unit, from a slot an NVMe read filled): local, so the sequences
+        # below stay equal
         assert r["prefetch_hits"] > 0, r
         late = r["late"]
         assert late is not None and late["issued"] == r["ahead_issued"], (late, r["ahead_issued"])
         assert late["landed"] == late["issued"] and late["lost"] == 0, late
     # every rank issued the same collectives in the same order, gathers ahead included
     assert ranks[0]["sequence"] == ranks[1]["sequence"]
-    kinds = [entry[0] for entry in ranks[0]["sequence"]]
-    assert kinds.count("all-gather ahead") == ranks[0]["ahead_issued"]
-    assert "all-gather" in kinds      # the first unit of a pass is gathered at use
+    sequence = ranks[0]["sequence"]
+    ahead = {tag for kind, _, tag in sequence if kind == "all-gather ahead"}
+    at_use = {tag for kind, _, tag in sequence if kind == "all-gather"}
+    assert sum(kind == "all-gather ahead" for kind, *_ in sequence) == ranks[0]["ahead_issued"]
+    assert at_use      # the first unit of a pass is gathered at use
+    if home == "HOST":    # every unit but the first of a pass is gathered ahead somewhere
+        assert len(ahead) >= len(sharded) - 1, (ahead, sharded)
+    else:                 # each at its use, every one of them
+        assert ahead == set() and at_use == set(sharded), (ahead, at_use, sharded)
     ref = _reference(case)
     losses = _mean_losses(ranks)
     for s, (a, b) in enumerate(zip(losses, ref)):
         assert abs(a - b) <= 1e-5 * abs(b), (case["name"], s, losses, ref)
 
 
+def _nan_failure(error: str) -> bool:
+    """The traceback ``error`` ends in an exception raised because values were NaN or not
+    finite (the gathered bytes read before they landed), not in any other failure."""
+    lines = error.strip().splitlines()
+    return bool(lines) and re.search(r"\bnan\b|not finite|non-finite", lines[-1], re.I) is not None
+
+
 def test_planted_faults_fail(ranks_results) -> None:
     no_wait = [r["planted-no_wait"] for r in ranks_results]
     ref = _reference(PLANTED[0])
+    for r in no_wait:      # the fault was reached: gathers were issued ahead
+        assert r["ahead_issued"] > 0, r
     losses = _mean_losses(no_wait) if all(len(r["losses"]) == STEPS for r in no_wait) else None
-    assert losses is None or any(not math.isfinite(a) or abs(a - b) > 1e-5 * abs(b)
-                                 for a, b in zip(losses, ref)), (losses, ref)
+    if losses is None:
+        # it stopped early: only a failure of the NaN or loss kind counts (any other error
+        # would pass without the fault being what broke it)
+        errors = [r.get("error", "") for r in no_wait]
+        assert any(_nan_failure(e) for e in errors), errors
+    else:
+        assert any(not math.isfinite(a) or abs(a - b) > 1e-5 * abs(b)
+                   for a, b in zip(losses, ref)), (losses, ref)
     for r in (r["planted-early_release"] for r in ranks_results):
         assert "released while its all-gather issued ahead" in r.get("error", ""), r

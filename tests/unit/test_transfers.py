@@ -169,3 +169,58 @@ def test_device_copies_picks_late_copies_from_the_environment(monkeypatch) -> No
         device_copies(torch.device("cpu"))
     monkeypatch.delenv(transfers.LATE_ENV)
     assert type(device_copies(torch.device("cpu"))) is ImmediateCopies
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+class _AtOnce:
+    """A release queue whose releaser runs at once (no thread): ``done`` is set on put."""
+
+    def put(self, item) -> None:
+        item[2].set()
+
+
+def test_cuda_drain_waits_for_host_to_device_copies_too() -> None:
+    """A copy from a host home has no ``release_after`` (its source is the home itself), so
+    the release queue does not wait for it: drain synchronizes the copy stream as well."""
+    from types import SimpleNamespace
+    copies = SimpleNamespace(_releases=_AtOnce(), h2d=_Stream(), d2h=_Stream(), _error=None)
+    transfers.CudaCopies.drain(copies)
+    assert (copies.h2d.synchronized, copies.d2h.synchronized) == (1, 1)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_releaser_keeps_no_released_buffer_while_it_waits() -> None:
+    """The release thread's loop must not hold the last release (a closure over a pool slot)
+    while it waits for the next: checked at its next ``get``, on the calling thread."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    buffer = torch.zeros(16)
+    ref = weakref.ref(buffer)
+    released = []
+    items = [(transfers.DONE, lambda b=buffer: released.append(b.numel()), None)]
+    del buffer
+    alive_at_next_get: list[bool] = []
+
+    class _Queue:
+        def get(self):
+            if items:
+                return items.pop()
+            gc.collect()
+            alive_at_next_get.append(ref() is not None)
+            raise _Stop     # ends the loop instead of blocking
+    copies = SimpleNamespace(_releases=_Queue(), _error=None)
+    with pytest.raises(_Stop):
+        transfers.CudaCopies._release_when_done(copies)
+    assert released == [16] and alive_at_next_get == [False]
