@@ -37,7 +37,7 @@ micro-steps of accumulation):
 * CPU Adam, per node: the node's optimizer elements at ``CPU_ADAM_PARAMS_PER_CORE`` per core, or
   at the host memory bandwidth for ``CPU_ADAM_BYTES_PER_PARAM`` bytes each, the slower. With
   other Adam state formats, the per-core rate has the fp32 kernel's time per element replaced by
-  the format's (``adam_params_per_core``: int8 is ~7x slower a core) and the bytes are the
+  the format's (``adam_params_per_core``: int8 is ~4x slower a core) and the bytes are the
   format's (``adam_bytes_per_param``).
 """
 from __future__ import annotations
@@ -75,9 +75,11 @@ ring collectives): an assumption, typical of published measurements."""
 REUSE_TURNS = 2
 """Points per step where units stay fetched for their next use: forward -> backward, and the
 end of backward (the step) -> the next forward."""
-KERNEL_ELEMENTS_PER_S = {"fp32": 1.7e9, "bf16": 2.2e9, "int8": 0.25e9}
-"""Elements per second of one core of the fused Adam kernel by moments format (one thread,
-AVX-512, AMD EPYC, 16M elements: docs/optimizer-formats.md, commit 87424e8)."""
+KERNEL_ELEMENTS_PER_S = {"fp32": 1.7e9, "bf16": 1.3e9, "int8": 0.41e9}
+"""Elements per second of one core of the fused Adam kernel by moments format: the fp32
+kernel's rate, and the others' at their measured ratio to it in the same process (bf16 moments,
+rounded stochastically, 0.77x; int8 0.24x: tools/bench/adam_formats_kernels.py, one thread,
+AVX-512, AMD EPYC, 16M elements, BENCHMARKS.md "Adam state format kernels", commit 7bbff16)."""
 
 
 def adam_params_per_core(fmt: StateFormat) -> float:
