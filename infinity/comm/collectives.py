@@ -165,11 +165,8 @@ class Collectives:
         if not self.active:
             return
         n = self.world_size
-        shard = output.numel() // n
-        if shard * n != output.numel():
-            raise ValueError(f"all_gather: {output.numel()} elements do not split into {n} shards")
+        shard, chunk = gather_split(output, n, self.gather_bucket_bytes)
         start = time.perf_counter()
-        chunk = max(1, self.gather_bucket_bytes // (output.element_size() * n))
         if shard <= chunk and self._has_tensor_ops:
             own = output[self.rank * shard:(self.rank + 1) * shard]
             self._run("all-gather", _ALL_GATHER_TENSOR, output, own, self.group, tag=tag)
@@ -200,11 +197,7 @@ class Collectives:
         runs whole now and returns a fired handle."""
         if not self.active:
             return DONE
-        n = self.world_size
-        shard = output.numel() // n
-        if shard * n != output.numel():
-            raise ValueError(f"all_gather: {output.numel()} elements do not split into {n} shards")
-        chunk = max(1, self.gather_bucket_bytes // (output.element_size() * n))
+        shard, chunk = gather_split(output, self.world_size, self.gather_bucket_bytes)
         if shard > chunk or not self._has_tensor_ops:
             self.all_gather(output, tag=tag)
             return DONE
@@ -375,6 +368,18 @@ class Collectives:
 
 
 _SEQUENCE_MOD = (1 << 61) - 1
+
+
+def gather_split(output: torch.Tensor, world_size: int, bucket_bytes: int) -> tuple[int, int]:
+    """(shard, chunk) of an all-gather into ``output``: the elements of each of its
+    ``world_size`` equal shards, and how many of one shard's elements one call may carry
+    (``allgather_bucket_size``: a larger shard is gathered in several calls). One rule for the
+    engine's gathers and the dry run's (commands/dry_run_collectives.py)."""
+    shard = output.numel() // world_size
+    if shard * world_size != output.numel():
+        raise ValueError(f"all_gather: {output.numel()} elements do not split into "
+                         f"{world_size} shards")
+    return shard, max(1, bucket_bytes // (output.element_size() * world_size))
 
 
 def _raise(exc: BaseException) -> None:

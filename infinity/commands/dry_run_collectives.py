@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infinity.comm.collectives import gather_split
 from infinity.commands.dry_run_backend import WAIT, Lane, SimClock
 from infinity.storage.transfers import DONE, CopyEvent
 
@@ -112,11 +113,8 @@ class SimCollectives:
         clock (the engine's ``Collectives.all_gather_async``, with its bucket rule)."""
         if not self.active:
             return DONE
-        n = self.world_size
-        shard = output.numel() // n
-        if shard * n != output.numel():
-            raise ValueError(f"all_gather: {output.numel()} elements do not split into {n} shards")
-        if shard > max(1, self.gather_bucket_bytes // (output.element_size() * n)):
+        shard, chunk = gather_split(output, self.world_size, self.gather_bucket_bytes)
+        if shard > chunk:
             self.all_gather(output, tag=tag)      # several calls in the engine: whole, now
             return DONE
         name = self.unit_names[tag] if tag is not None and 0 <= tag < len(self.unit_names) \
