@@ -343,12 +343,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self._expected[unit.index] = self._stream.expect(state)
 
     def step_fetched(self, unit: SteppedUnit) -> bool:
-        """``unit`` has just been fetched: run its waiting deferred step on the device copy and
-        wait for its kernels. True when it did: the unit must stay fetched until ``reap``
-        returns it (its writes go out from the device copy)."""
+        """``unit`` was just fetched: run its waiting deferred step on the device copy, after the
+        fetch's copy, and wait for its kernels; True when it did (held until ``reap``)."""
         job = self._waiting.pop(unit.index, None)
         if job is None:
             return False
+        unit.wait_fetched()       # the step writes the buffer the fetch's copy writes
         start = time.perf_counter()
         self._stream.make_ready(job)
         self.steps.add(job)

@@ -118,6 +118,8 @@ class Unit:
         # an all-gather issued ahead of use and not yet waited on by compute (``gather_ahead``;
         # see [Note: gathers issued ahead] in zero/gather_ahead.py): the unit is held until then
         self.gather_event = None
+        # the copy that filled the device buffer at the last fetch (``wait_fetched``)
+        self.fetch_event = None
         self.fetch_count = 0
         self.prefetch_hits = 0
 
@@ -449,11 +451,21 @@ class Unit:
                                                      self.param_store.tensor[: self.home_numel])
         if event is not None:
             manager.copies.compute_waits(event)
+            self.fetch_event = event
         manager.counters.host_to_device_bytes += self.home_numel * self.flat.element_size()
         self._point_params()
         self.residency.to(Residency.FETCHED)
         if gather and self.params_sharded:
             self.gather()
+
+    def wait_fetched(self) -> None:
+        """Block the calling thread until the copy that filled the device buffer at the last
+        fetch is over. Compute is ordered after it on its stream (``compute_waits``); a thread
+        that writes the buffer itself -- the deferred step run at the fetch, from the step
+        stream's thread, on that thread's own CUDA stream -- is not, and waits here first."""
+        event, self.fetch_event = self.fetch_event, None
+        if event is not None:
+            event.wait()
 
     def _drop_fetch(self, manager: TierManager, pool) -> None:
         """A fetch failed or was cancelled (its read is over): give back what it held."""
@@ -495,6 +507,7 @@ class Unit:
                                f"(unit index {self.index}, {self.nbytes} bytes) has not been "
                                "waited on: it must stay held from the gather to its use (see "
                                "[Note: gathers issued ahead] in zero/gather_ahead.py)")
+        self.fetch_event = None
         self._unpoint_params()
         manager.device_cache.detach(self.flat.untyped_storage())
         self.residency.to(Residency.RELEASED)

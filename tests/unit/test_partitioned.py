@@ -897,6 +897,42 @@ def test_step_fetched_without_a_waiting_step_does_nothing(rig) -> None:
     assert r.opt.reap(Wait.ALL) == [unit]
 
 
+def test_a_deferred_step_at_a_fetch_waits_for_the_fetch_s_copy_first(rig) -> None:
+    """The step run at a fetch writes the device buffer from the step stream's thread, which
+    the fetch's copy event orders nothing on (compute waits on it through its own stream): the
+    submitting thread waits for the event before the step is made ready; a fetch with no
+    waiting step waits for nothing (the training thread keeps running ahead of the device)."""
+    r = rig()
+    order: list[str] = []
+
+    class Event:
+        def done(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            order.append("copy over")
+
+    unit = r.units[0]
+    unit.finish_fetch(r.manager, None)
+    unit.fetch_event = Event()
+    assert r.opt.step_fetched(unit) is False and order == []     # no step: no wait
+    r.backward(r.grads())
+    r.opt.step()
+    unit.finish_fetch(r.manager, None)
+    unit.fetch_event = Event()
+    make_ready = r.opt._stream.make_ready
+
+    def ready(job):
+        order.append("step ready")
+        return make_ready(job)
+
+    r.opt._stream.make_ready = ready
+    assert r.opt.step_fetched(unit) is True
+    assert order == ["copy over", "step ready"], order
+    r.opt.wait_stepped(unit)
+    assert r.opt.reap(Wait.ALL) == [unit]
+
+
 def test_drain_cancels_waiting_steps_and_hands_back_stepping_units(rig) -> None:
     r = rig()
     before = r.values()
