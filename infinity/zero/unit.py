@@ -310,6 +310,13 @@ class Unit:
         self._shape_flat()
         manager.device_cache.attach(self.flat.untyped_storage(), self.nbytes, f"unit {self.name}")
 
+    def _try_allocate_device(self, manager: TierManager) -> bool:
+        """``_allocate_device`` where the device cache has room now; False (nothing held)
+        where it has not: a copy ahead of use waits for no room."""
+        self._shape_flat()
+        return manager.device_cache.try_attach(self.flat.untyped_storage(), self.nbytes,
+                                               f"unit {self.name}")
+
     # -- fetch / release -----------------------------------------------------------------
     def start_fetch(self, manager: TierManager, pool) -> bool:
         """Begin a fetch ahead of use (prefetch): the swap-in of an NVMe-homed unit into a host
@@ -354,9 +361,7 @@ class Unit:
         copies = manager.copies       # see [Note: copy events] in storage/transfers.py
         if not copies.overlaps_compute or self.param_store is None:
             return False
-        self._shape_flat()
-        if not manager.device_cache.try_attach(self.flat.untyped_storage(), self.nbytes,
-                                               f"unit {self.name}"):
+        if not self._try_allocate_device(manager):
             return False
         try:
             self.copy_event = copies.to_device(self.own_flat,
@@ -394,9 +399,7 @@ class Unit:
         if self.residency != Residency.FETCHING or self.fetch_slot is None or \
                 self.copy_event is not None or not self.fetch_request.done():
             return False
-        self._shape_flat()
-        if not manager.device_cache.try_attach(self.flat.untyped_storage(), self.nbytes,
-                                               f"unit {self.name}"):
+        if not self._try_allocate_device(manager):
             return False
         try:
             manager.wait(self.fetch_request)      # over: raises what the read raised
