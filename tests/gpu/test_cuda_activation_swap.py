@@ -22,15 +22,8 @@ from infinity.storage.transfers import CudaCopies
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from parity import VOCAB, loss_of, make_model, reference_step, zero_config
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32_matmuls():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+# fp32 matmuls without TF32 (tests/gpu/conftest.py): parity with torch at fp32 bounds
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmuls")]
 
 
 def _config(disk_dir, offload: bool) -> dict:

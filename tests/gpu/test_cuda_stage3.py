@@ -15,15 +15,8 @@ import infinity
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from parity import VOCAB, loss_of, make_model, reference_step, zero_config  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32_matmuls():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+# fp32 matmuls without TF32 (tests/gpu/conftest.py): parity with torch at fp32 bounds
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmuls")]
 
 
 def _config(disk_dir, stage: int, param: str, optimizer: str, **extra) -> dict:
