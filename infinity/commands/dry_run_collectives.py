@@ -19,11 +19,9 @@ here too, from the same bucket (``engine.ranks.collective_bucket_bytes``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from infinity.comm.collectives import gather_split
+from infinity.comm.collectives import CommCounters, gather_split
 from infinity.commands.dry_run_backend import WAIT, Lane, SimClock
 from infinity.storage.transfers import DONE, CopyEvent
 
@@ -50,13 +48,6 @@ class SimGather:
             self.clock.now = self.end
 
 
-@dataclass
-class _Counters:
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    comm_s: float = 0.0
-    calls: int = 0
-
 
 class SimCollectives:
     """Rank 0 of ``world_size``: collectives take the ring's (N-1)/N of their bytes over the
@@ -76,7 +67,7 @@ class SimCollectives:
         # the network: gathers at use and ahead, reduce-scatters, in issue order; a gather
         # ahead overlaps the compute of the unit before the one it gathers
         self.lane = Lane(clock, rate_Bps, COLLECTIVES)
-        self.counters = _Counters()
+        self.counters = CommCounters()
         self.issued_ahead = 0    # all-gathers issued ahead (``all_gather_async``)
         # the units' names by index (a gather's tag): the timeline labels gathers ahead with
         # them (set by the dry run once the units are built)
