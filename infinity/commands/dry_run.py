@@ -42,10 +42,6 @@ from torch import nn
 
 from infinity.base.sizes import format_bytes
 from infinity.commands.dry_run_trace import busy_seconds
-from infinity.commands.dry_run_backend import META, SimClock, SimManager, SimPool
-from infinity.commands.dry_run_collectives import SimCollectives
-from infinity.commands.dry_run_copies import SimCopies
-from infinity.commands.dry_run_stepper import SimStepper
 from infinity.config import InfinityConfig
 from infinity.engine.assembly import assemble
 from infinity.engine.ranks import collective_bucket_bytes
@@ -54,6 +50,11 @@ from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES, EngineSizes
 from infinity.planner.placement import Placement
 from infinity.planner.run_plan import PoolPlan, RunPlan, plan_run
 from infinity.planner.shape import ModelShape
+from infinity.simulate.clock import SimClock
+from infinity.simulate.collectives import SimCollectives
+from infinity.simulate.copies import SimCopies
+from infinity.simulate.stepper import SimStepper
+from infinity.simulate.storage import META, SimManager, SimPool
 from infinity.storage.tiers import Residency, Tier
 from infinity.zero.partition import find_blocks, partition
 from infinity.zero.unit import Unit

@@ -2,8 +2,8 @@
 file (``infinity plan --dry-run --trace FILE``; loads in Perfetto or chrome://tracing) or a
 picture (``--plot FILE.png``), so a user sees where the step waits.
 
-Rows, one per resource the simulated clock runs (commands/dry_run_backend.py,
-dry_run_copies.py): the training thread's compute (the GPU's forward and backward kernels, or
+Rows, one per resource the simulated clock runs (simulate/clock.py,
+simulate/copies.py): the training thread's compute (the GPU's forward and backward kernels, or
 the CPU's), the time it waits for a transfer, a copy, a slot, a step or a collective, the
 host-to-device copies ("H2D": a unit's parameters going up, each labelled with its unit), the
 device-to-host copies ("D2H": a unit's gradient coming down), the NVMe (reads and writes share
@@ -23,8 +23,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from infinity.commands.dry_run_backend import COMPUTE, WAIT
-from infinity.commands.dry_run_copies import D2H, H2D
+from infinity.simulate.clock import COMPUTE, WAIT
+from infinity.simulate.copies import D2H, H2D
 
 if TYPE_CHECKING:
     from infinity.commands.dry_run import DryRunReport

@@ -3,7 +3,7 @@ plans: 70B on one H100 (parameters on the CPU, Adam states on NVMe) and the 1T L
 H100 (both on NVMe), with docs/planner.md's configs and flags.
 
 The step is the training thread's time -- its compute and its waits on the other resources,
-now the host <-> device copies too (commands/dry_run_copies.py) -- so it is at least the
+now the host <-> device copies too (simulate/copies.py) -- so it is at least the
 busiest resource's time and at most all of theirs together; the copies keep [Note: copy
 events]: no compute of a unit starts before the copy that brought it ended, and no unit's CPU
 Adam before its gradient's copy to the host ended. Host-homed units (70B's) are copied ahead
@@ -32,9 +32,9 @@ import pytest
 from infinity import cli
 from infinity.commands import dry_run as dry_run_module
 from infinity.commands import plan as plan_command
-from infinity.commands.dry_run_collectives import SimCollectives
-from infinity.commands.dry_run_copies import SimCopies
-from infinity.commands.dry_run_stepper import SimStepper
+from infinity.simulate.collectives import SimCollectives
+from infinity.simulate.copies import SimCopies
+from infinity.simulate.stepper import SimStepper
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

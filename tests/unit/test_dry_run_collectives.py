@@ -1,4 +1,4 @@
-"""The dry run's collectives (commands/dry_run_collectives.py) on the simulated clock: a
+"""The dry run's collectives (simulate/collectives.py) on the simulated clock: a
 collective at use holds the training thread for its time; an all-gather issued ahead
 (``overlap_comm``) runs on the network lane while the thread computes, and compute waits on its
 handle only for what is left (the wait shows on the "compute waits" row, named); the lane serves
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinity.commands.dry_run_backend import WAIT, SimClock
-from infinity.commands.dry_run_collectives import COLLECTIVES, SimCollectives
+from infinity.simulate.clock import WAIT, SimClock
+from infinity.simulate.collectives import COLLECTIVES, SimCollectives
 
 META = torch.device("meta")
 

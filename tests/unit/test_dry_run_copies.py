@@ -1,4 +1,4 @@
-"""The dry run's host <-> device copies (commands/dry_run_copies.py) keep [Note: copy events] on
+"""The dry run's host <-> device copies (simulate/copies.py) keep [Note: copy events] on
 the simulated clock: a copy takes the link's time on its direction's lane, compute that reads
 it starts at its end (the wait shows on the "compute waits" row), its source slot goes back at
 its end and not before, and on a CPU device (rate 0) copies are free and immediate, as the
@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinity.commands.dry_run_backend import WAIT, SimClock, SimManager, SimPool
-from infinity.commands.dry_run_copies import D2H, H2D, SimCopies
+from infinity.simulate.clock import WAIT, SimClock
+from infinity.simulate.storage import SimManager, SimPool
+from infinity.simulate.copies import D2H, H2D, SimCopies
 
 META = torch.device("meta")
 MiB = 2**20

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from infinity.base.budget import MemoryBudget
-from infinity.commands.dry_run_backend import SimClock, SimManager, SimPool
+from infinity.simulate.clock import SimClock
+from infinity.simulate.storage import SimManager, SimPool
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.protocols import (

@@ -37,9 +37,6 @@ from typing import Callable
 
 import torch
 
-from infinity.commands.dry_run_backend import META, Lane, SimManager, SimStore
-from infinity.commands.dry_run_collectives import SimCollectives
-from infinity.commands.dry_run_copies import SimCopies
 from infinity.optim.state_formats import MOMENT_DTYPES
 from infinity.planner.state_format import (
     FP32_STATES,
@@ -49,7 +46,11 @@ from infinity.planner.state_format import (
     unit_stores,
 )
 from infinity.planner.step_time import adam_rate_factor
-from infinity.storage.tiers import Tier
+from infinity.simulate.clock import Lane
+from infinity.simulate.collectives import SimCollectives
+from infinity.simulate.copies import SimCopies
+from infinity.simulate.storage import META, SimManager, SimStore
+from infinity.planner.tiers import Tier
 from infinity.zero.protocols import Wait
 from infinity.zero.unit import Unit
 

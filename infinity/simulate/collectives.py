@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from infinity.comm.collectives import CommCounters, gather_split
-from infinity.commands.dry_run_backend import WAIT, Lane, SimClock
+from infinity.simulate.clock import WAIT, Lane, SimClock
 from infinity.storage.transfers import DONE, CopyEvent
 
 __all__ = ["COLLECTIVES", "SimCollectives", "SimGather"]

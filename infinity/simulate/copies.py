@@ -7,7 +7,7 @@ on a stream of its own, and a unit's gradient back to the host on another
 what. A copy takes PCIe time, overlaps the compute of other units, and only what reads its
 destination waits for it. The dry run runs the engine's own ``Unit`` and ``Coordinator``,
 which call the copies through that interface; this class keeps the same rules on two lanes of
-the clock (``dry_run_backend.Lane``), one per direction, each at the link's rate:
+the clock (``simulate.clock.Lane``), one per direction, each at the link's rate:
 
 * ``to_device``: the copy is queued on the "H2D" lane when it is issued (a prefetch's copy as
   soon as its read is over and the device has room, ``Unit.advance_fetch``; a host-homed
@@ -18,7 +18,7 @@ the clock (``dry_run_backend.Lane``), one per direction, each at the link's rate
 * ``release_after``: the source slot goes back to its pool at that end (``SimClock.at``; the
   pool runs it when it is next asked for a slot, and one asked for with none free waits for it),
   as the engine's copies hand it back from their thread;
-* ``to_host``: a gradient leaving the device, queued on the "D2H" lane (``dry_run_stepper``
+* ``to_host``: a gradient leaving the device, queued on the "D2H" lane (``simulate.stepper``
   issues it when a unit's backward -- and its reduce-scatter -- is over, and the CPU Adam of the
   unit, or the gradient's write to NVMe, starts after its end: ``host_waits`` on the step
   stream's side, which the stepper models as a start time, not as a wait of the training
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from infinity.commands.dry_run_backend import Lane, SimClock
+from infinity.simulate.clock import Lane, SimClock
 from infinity.storage.transfers import CopyEvent, DeviceCopies
 
 __all__ = ["H2D", "D2H", "SimCopies", "SimCopyEvent"]
