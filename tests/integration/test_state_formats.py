@@ -189,3 +189,49 @@ def test_a_param_group_format_turns_the_speculative_step_off(tmp_path) -> None:
         assert all(torch.isfinite(torch.tensor(losses)))
     finally:
         engine.close()
+
+
+def test_int8_held_gradients_step_in_chunks_as_in_one_range(tmp_path, monkeypatch) -> None:
+    """The early step's held gradients reach the int8 kernel a chunk of blocks at a time,
+    through a reused scratch (see [Note: the int8 step's gradient chunks]): chunks of one
+    block, with runs and shared blocks crossing their edges, give the parameters bit for bit
+    of chunks larger than any sub-group."""
+    def trained(chunk_blocks: int, where) -> tuple[list[float], dict, int]:
+        monkeypatch.setattr(formatted_step, "GRAD_CHUNK_BLOCKS", chunk_blocks)
+        chunked = []
+        real = formatted_step._gradient_chunks
+
+        def counting(state, grad, start, end):
+            for piece in real(state, grad, start, end):
+                chunked.append(not isinstance(grad, torch.Tensor))
+                yield piece
+        monkeypatch.setattr(formatted_step, "_gradient_chunks", counting)
+        where.mkdir()
+        torch.manual_seed(0)
+        model = SometimesUsedModel(width=60)    # 60-element rows: gaps between parameters
+        groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith("bias")]},
+                  {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+                   "weight_decay": 0.0}]
+        engine = _engine(where, "int8", model=model, stage=3, tiers=("nvme", "nvme"),
+                         groups=lambda m: groups)
+        try:
+            gen = torch.Generator().manual_seed(7)
+            losses = []
+            for _ in range(6):
+                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+                loss = engine(input_ids=x, labels=x)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            final = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        finally:
+            engine.close()
+        return losses, final, sum(chunked)
+
+    whole_losses, whole, whole_held = trained(1 << 20, tmp_path / "whole")
+    losses, chunked, held_chunks = trained(1, tmp_path / "chunked")
+    assert whole_held > 0, "no held gradient reached the int8 step: the test lost its subject"
+    assert held_chunks > whole_held, (held_chunks, whole_held)
+    assert losses == whole_losses
+    for name, value in whole.items():
+        assert torch.equal(chunked[name], value), name
