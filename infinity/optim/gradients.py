@@ -58,12 +58,14 @@ import torch
 
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim import _adam_native as N
+from infinity.optim import device_gradients
+from infinity.optim.device_gradients import DeviceGradientPool
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.records import CompleteGradient, OptimTimers, UnitOptimState
 from infinity.planner.engine_sizes import accumulate_chunk_numel
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
-from infinity.storage.transfers import CopyEvent
+from infinity.storage.transfers import DONE, CopyEvent
 from infinity.zero.protocols import SteppedUnit
 from infinity.zero.unit import ParamEntry
 
@@ -117,7 +119,7 @@ class GradientCollector:
                  holds_grads: bool, grad_pool: BufferPool | None, held_room: HeldRoom,
                  timers: OptimTimers, max_trainable: int, steps_running: Callable[[], bool],
                  speculates: Callable[[UnitOptimState], bool], comm: Collectives = NO_COMM,
-                 scatter: bool = False) -> None:
+                 scatter: bool = False, device_buffers: int | None = None) -> None:
         self.states = states
         self._by_unit = {s.unit.index: s for s in states}
         self.manager = manager
@@ -138,6 +140,20 @@ class GradientCollector:
         self.comm = comm
         self.reduces = comm.active
         self.scatter = scatter and comm.active
+        # see [Note: gradients reduced on the device]: on a GPU (the module's function, looked
+        # up here so that tests can force the path on a CPU device) the unit's gradient is
+        # collected and reduced in a device buffer, and only the own shard goes to the host
+        self.device_pool: DeviceGradientPool | None = None
+        if self.reduces and states and device_gradients.reduces_on_device(manager.device):
+            numel = max(self._device_numel(s.unit) for s in states)
+            self.device_pool = DeviceGradientPool(
+                manager, self.copies, numel,
+                **({} if device_buffers is None else {"count": device_buffers}))
+
+    def _device_numel(self, unit: SteppedUnit) -> int:
+        """Elements of a unit's device buffer: its collected gradient, and behind it the
+        reduce-scatter's output (the own shard) when it is scattered."""
+        return self.collect_numel(unit) + (unit.shard_numel if self.scatter else 0)
 
     def collect_numel(self, unit: SteppedUnit) -> int:
         """Elements of the flat buffer a unit's gradient is collected in: its trainable range,
@@ -162,6 +178,10 @@ class GradientCollector:
             self._hold_grad(state, entry, grad)
             self.timers.grad_s += time.perf_counter() - start
             return
+        if self.device_pool is not None:
+            self._add_on_device(state, entry, grad)
+            self.timers.grad_s += time.perf_counter() - start
+            return
         target = self._grad_target(state)
         view = target[entry.offset:entry.offset + entry.numel].view(entry.shape)
         written = state.grad_written
@@ -173,6 +193,31 @@ class GradientCollector:
         state.grad_copies.append(event)   # see [Note: gradients leave the device]
         state.grads_seen += 1
         self.timers.grad_s += time.perf_counter() - start
+
+    def _add_on_device(self, state: UnitOptimState, entry: ParamEntry,
+                       grad: torch.Tensor) -> None:
+        """Copy (a first gradient) or add (a second) ``grad`` into the unit's device buffer,
+        on the compute stream: what the host path's copies make of it, element for element
+        (see [Note: gradients reduced on the device])."""
+        buffer = self._device_target(state)
+        view = buffer.values[entry.offset:entry.offset + entry.numel].view(entry.shape)
+        with torch.no_grad():
+            if entry.offset in state.grad_written:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+                state.grad_written.add(entry.offset)
+        state.grads_seen += 1
+
+    def _device_target(self, state: UnitOptimState):
+        """The unit's device buffer, taken from the pool at its first gradient."""
+        if state.device_grad is None:
+            unit = state.unit
+            state.device_grad = self.device_pool.acquire(
+                self.collect_numel(unit), unit.shard_numel if self.scatter else 0,
+                what=f"{unit.name} gradient")
+            state.grad_written = set()
+        return state.device_grad
 
     def _holds_for(self, state: UnitOptimState) -> bool:
         """Whether the unit's gradients of this backward are held as autograd made them: for
@@ -212,22 +257,27 @@ class GradientCollector:
         if state.grad_store is not None and state.grad_store.resident and not self.reduces:
             return state.grad_store.tensor
         if state.grad_buffer is None:
-            # Usually one unit is incomplete at a time; if more are (a tied weight waits for its
-            # last use), take a budgeted buffer outside the pool instead of waiting for a slot.
-            state.grad_slot = self.grad_pool.try_acquire()
-            while state.grad_slot is None and self._writes:
-                self._land_write()   # deferred: the oldest gradient write frees its slot
-                state.grad_slot = self.grad_pool.try_acquire()
-            if state.grad_slot is None and self._steps_running():
-                # backpressure: a background step frees its gradient slot when it finishes
-                state.grad_slot = self.grad_pool.acquire(timeout=600.0)
-            numel = self.collect_numel(state.unit)
-            if state.grad_slot is not None:
-                state.grad_buffer = state.grad_slot.view(torch.float32, numel)
-            else:
-                state.grad_buffer = self.manager.host_empty(
-                    numel, torch.float32, what=f"{state.unit.name} gradient")
+            self._host_buffer(state, self.collect_numel(state.unit))
             state.grad_written = set()
+        return state.grad_buffer
+
+    def _host_buffer(self, state: UnitOptimState, numel: int) -> torch.Tensor:
+        """A host buffer of ``numel`` fp32 elements for the unit's gradient (a slot of the
+        gradient pool, or a budgeted one outside it), kept in the state."""
+        # Usually one unit is incomplete at a time; if more are (a tied weight waits for its
+        # last use), take a budgeted buffer outside the pool instead of waiting for a slot.
+        state.grad_slot = self.grad_pool.try_acquire()
+        while state.grad_slot is None and self._writes:
+            self._land_write()   # deferred: the oldest gradient write frees its slot
+            state.grad_slot = self.grad_pool.try_acquire()
+        if state.grad_slot is None and self._steps_running():
+            # backpressure: a background step frees its gradient slot when it finishes
+            state.grad_slot = self.grad_pool.acquire(timeout=600.0)
+        if state.grad_slot is not None:
+            state.grad_buffer = state.grad_slot.view(torch.float32, numel)
+        else:
+            state.grad_buffer = self.manager.host_empty(
+                numel, torch.float32, what=f"{state.unit.name} gradient")
         return state.grad_buffer
 
     def copies_landed(self, state: UnitOptimState) -> None:
@@ -250,15 +300,18 @@ class GradientCollector:
     def zero_unwritten(self, state: UnitOptimState) -> None:
         """Zero what of a fresh ``grad_buffer`` no gradient was copied into (gaps, unused
         params). No wait for the unit's copies: no copy writes these bytes (see [Note:
-        gradients leave the device]), and the early step's training thread must not block."""
-        if state.grad_written is None or state.grad_buffer is None:
+        gradients leave the device]), and the early step's training thread must not block.
+        With a device buffer (see [Note: gradients reduced on the device]) its gaps are zeroed,
+        on the device."""
+        target = state.grad_buffer if state.device_grad is None else state.device_grad.values
+        if state.grad_written is None or target is None:
             return
         covered = sorted((e.offset, e.offset + e.numel) for e in state.unit.trainable_entries()
                          if e.offset in state.grad_written)
-        cursor, total = 0, state.grad_buffer.numel()
+        cursor, total = 0, target.numel()
         for start, end in covered + [(total, total)]:
             if start > cursor:
-                state.grad_buffer[cursor:start].zero_()
+                target[cursor:start].zero_()
             cursor = max(cursor, end)
         state.grad_written = None
 
@@ -286,6 +339,10 @@ class GradientCollector:
         rank."""
         if not self.reduces:
             return
+        if self.device_pool is not None:
+            self._reduce_on_device(state)
+            self._or_arrived(state)
+            return
         unit, buffer = state.unit, self._grad_target(state)
         self.copies_landed(state)      # the collective reads it here, on the training thread
         self.zero_unwritten(state)
@@ -296,10 +353,36 @@ class GradientCollector:
         else:
             self.comm.all_reduce_mean(buffer[:unit.trainable_numel], tag=unit.index)
         state.grad_buffer = buffer[:state.numel]
-        entries = unit.trainable_entries()
+        self._or_arrived(state)
+
+    def _or_arrived(self, state: UnitOptimState) -> None:
+        """Which parameters got a gradient, OR-ed over the ranks."""
+        entries = state.unit.trainable_entries()
         mask = torch.tensor([e.offset in state.arrived for e in entries], dtype=torch.bool)
         state.arrived = {e.offset for e, got in zip(entries, self.comm.any_mask(mask).tolist())
                          if got}
+
+    def _reduce_on_device(self, state: UnitOptimState) -> None:
+        """Average the unit's device buffer over the ranks and copy only the own shard (the
+        trainable range at stage 0) to a host buffer, the copy's event kept in the state; the
+        device buffer goes back to its pool with that event (see [Note: gradients reduced on
+        the device])."""
+        unit, device = state.unit, self._device_target(state)   # one with no gradient too
+        self.zero_unwritten(state)
+        if self.scatter:
+            self.comm.reduce_scatter_mean(device.shard, device.values[:unit.flat_numel],
+                                          tag=unit.index)
+            reduced = device.shard[:state.numel]
+        else:
+            self.comm.all_reduce_mean(device.values[:unit.trainable_numel], tag=unit.index)
+            reduced = device.values[:state.numel]
+        host = self._host_buffer(state, state.numel)
+        # the training thread goes on; whoever reads the host buffer waits for the event
+        # (see [Note: gradients leave the device])
+        event = self.copies.to_host(host, reduced) if state.numel else DONE
+        state.grad_copies.append(event)
+        state.device_grad = None
+        self.device_pool.release(device, event)
 
     def finish(self, state: UnitOptimState, write_home: bool = True) -> torch.Tensor:
         """The unit's gradient of this backward is complete: add what earlier micro-steps left
@@ -358,6 +441,12 @@ class GradientCollector:
                 what="gradient accumulation chunk")
         return self._chunk
 
+    def close(self) -> None:
+        """Land the gradient writes, then free the device buffers (the optimizer closes)."""
+        self.land_writes()
+        if self.device_pool is not None:
+            self.device_pool.close()
+
     def land_writes(self) -> None:
         """Wait for every gradient write in flight and free its slot."""
         while self._writes:
@@ -374,6 +463,9 @@ class GradientCollector:
     def drop_buffer(self, state: UnitOptimState) -> None:
         """Give back the unit's transient gradient (buffer, slot, held parts)."""
         self.copies_landed(state)    # a copy still landing would write the next user's bytes
+        if state.device_grad is not None:     # a backward that failed before the reduce
+            self.device_pool.release(state.device_grad, None)
+            state.device_grad = None
         if state.grad_slot is not None:
             self.grad_pool.release(state.grad_slot)
         state.grad_slot = None

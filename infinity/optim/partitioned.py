@@ -586,7 +586,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         try:
-            self.gradients.land_writes()
+            self.gradients.close()
             if self._stream is not None:
                 try:
                     self.drain()

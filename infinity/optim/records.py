@@ -44,7 +44,7 @@ import enum
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -54,6 +54,9 @@ from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore
 from infinity.storage.transfers import CopyEvent, DeviceCopies
 from infinity.zero.protocols import SteppedUnit
+
+if TYPE_CHECKING:      # a leaf too (the pool's buffer type only, for the annotation)
+    from infinity.optim.device_gradients import DeviceGradient
 
 
 class HomeGradient(enum.Enum):
@@ -97,6 +100,9 @@ class UnitOptimState:
     # the events of the device-to-host copies into the unit's gradient not yet waited for (see
     # [Note: gradients leave the device] in optim/gradients.py)
     grad_copies: list[CopyEvent] = field(default_factory=list)
+    # several ranks on a GPU: the device buffer the unit's gradient is collected in until its
+    # reduce (see [Note: gradients reduced on the device] in optim/device_gradients.py)
+    device_grad: DeviceGradient | None = None
     # early step on a CPU device: the gradients autograd produced, by entry offset, held as they
     # are until the unit's step has run (see [Note: held gradients])
     grad_parts: dict[int, torch.Tensor] | None = None

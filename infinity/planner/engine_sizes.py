@@ -49,6 +49,10 @@ GRADS_HELD = 2
 """Flat gradient buffers of the optimizer's gradient pool (a unit's gradient each: one being
 collected, one being stepped), where gradients go through host buffers (the early step off
 a CPU device, an NVMe gradient home, several ranks)."""
+DEVICE_GRAD_BUFFERS = 2
+"""Device fp32 flat buffers a unit's gradient is collected and reduced in with several ranks on
+a GPU (one collecting, one whose shard is being copied to the host; see [Note: gradients
+reduced on the device] in optim/device_gradients.py)."""
 HELD_ROOM_UNITS = 1.0
 """Largest units' worth of held gradients before the backward waits for a background step
 (see optim/held_room.py)."""

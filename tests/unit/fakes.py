@@ -28,6 +28,8 @@ class RecordingManager:
     """What a buffer pool asks the tier manager for (host buffers), recorded; zero-filled CPU
     tensors given back; a CPU device's copies (``copies``)."""
 
+    device = torch.device("cpu")    # the device a TierManager's units compute on
+
     def __init__(self) -> None:
         self.calls: list[tuple[int, torch.dtype, str]] = []
         self.copies = ImmediateCopies()

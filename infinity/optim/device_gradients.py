@@ -1,0 +1,152 @@
+"""The device buffers a unit's gradient is collected and reduced in when there are several
+ranks and the device is a GPU: only the rank's shard then crosses PCIe.
+
+[Note: gradients reduced on the device]
+With N data-parallel ranks every rank computes the whole unit's gradient, but steps only its
+shard (stages 1-3) or needs only the mean (stage 0). Copying the whole gradient to the host
+and reducing it there moves N times the bytes the step needs over PCIe, runs the reduction
+over gloo on host memory instead of NCCL on the device's links, and cannot work at all with an
+NCCL group (NCCL takes no host tensors). So on a GPU (``reduces_on_device``) the collector
+(optim/gradients.py) adds each parameter's gradient into a device fp32 flat buffer of the
+unit's ``collect_numel`` (copied first, added on a second gradient, the gaps zeroed at the end:
+the host path's sums, element for element), and when the unit's backward is complete reduces
+that buffer on the device -- reduce-scatter into the shard region behind it at stages 1-3,
+all-reduce of the trainable range at stage 0 -- and copies only the own shard (the trainable
+range at stage 0) to the unit's host gradient buffer through the copies' owner (``to_host``,
+its event kept in ``grad_copies``: see [Note: gradients leave the device]).
+
+Buffer lifetime: a device buffer is taken at the unit's first gradient and given back at its
+reduce, with the event of its copy out. It is written again only after that event: the next
+taker makes compute wait for it (``compute_waits``: on a GPU the compute stream waits on the
+device, no thread blocks; elsewhere the taking thread). ``DEVICE_GRAD_BUFFERS`` (two) are kept,
+so unit k's copy out overlaps unit k-1's gradients arriving. A tied weight keeps its unit
+incomplete while later units finish, so a third unit may need a buffer while both kept ones are
+collecting: it gets one beyond the pool, inside the device budget, freed at its reduce (the
+caching allocator hands its memory on only after the copy out: ``to_host`` records the source
+on its stream). A free kept buffer whose copy is over is preferred, then a kept one not yet
+made, then the oldest free one (after its event): which buffer a unit gets is timing, what it
+holds is not.
+
+On a CPU device the host path stays (the gradient is already in host memory: no copy to save);
+tests force this path there (``reduces_on_device`` patched, as zero/activation_swap.py's tests
+force a GPU's copies) to run it with gloo and under late copies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infinity.base.budget import BudgetExceededError
+from infinity.base.sizes import format_bytes
+from infinity.planner.engine_sizes import DEVICE_GRAD_BUFFERS
+from infinity.storage.manager import TierManager
+from infinity.storage.transfers import CopyEvent, DeviceCopies
+
+__all__ = ["reduces_on_device", "DeviceGradient", "DeviceGradientPool"]
+
+
+def reduces_on_device(device: torch.device) -> bool:
+    """Whether with several ranks a unit's gradient is reduced on ``device`` and only the own
+    shard copied to the host (see [Note: gradients reduced on the device]): off a CPU device.
+    Tests patch it to force the path on a CPU device."""
+    return device.type != "cpu"
+
+
+@dataclass(eq=False)
+class DeviceGradient:
+    """One device buffer: ``values`` (the unit's collected gradient, fp32) and ``shard`` (the
+    reduce-scatter's output, empty at stage 0) are views of ``tensor``; ``copied_out`` is the
+    event of the copy of its reduced shard to the host, once given back."""
+
+    tensor: torch.Tensor
+    kept: bool                       # one of the pool's; else made beyond it, freed when given back
+    values: torch.Tensor | None = None
+    shard: torch.Tensor | None = None
+    copied_out: CopyEvent | None = None
+
+
+class DeviceGradientPool:
+    """The device buffers of [Note: gradients reduced on the device]: ``count`` kept buffers
+    of ``numel`` fp32 elements each (made at first use, in the device budget), and buffers
+    beyond them while more units are incomplete at once."""
+
+    def __init__(self, manager: TierManager, copies: DeviceCopies, numel: int,
+                 count: int = DEVICE_GRAD_BUFFERS) -> None:
+        if count < 1:
+            raise ValueError(f"device gradient buffers: count must be >= 1, got {count}")
+        self.manager = manager
+        self.copies = copies
+        self.numel = numel
+        self.count = count
+        self.made = 0                                # kept buffers made so far
+        self.extra = 0                               # beyond the pool, in use now
+        self._free: list[DeviceGradient] = []        # given back, oldest first
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * 4
+
+    def acquire(self, values_numel: int, shard_numel: int, what: str) -> DeviceGradient:
+        """A buffer for a unit's gradient (``values_numel`` collected, ``shard_numel`` for the
+        reduce-scatter's output), written only after its last copy out (see the note)."""
+        if values_numel + shard_numel > self.numel:
+            raise ValueError(f"{what}: a device gradient of {values_numel} + {shard_numel} "
+                             f"elements does not fit the pool's {self.numel}-element buffers")
+        buffer = next((b for b in self._free if b.copied_out is None or b.copied_out.done()),
+                      None)
+        if buffer is None and self.made < self.count:
+            buffer = self._make(kept=True, what=what)
+        if buffer is None and self._free:
+            buffer = self._free[0]
+        if buffer is None:
+            buffer = self._make(kept=False, what=what)
+        else:
+            if buffer in self._free:
+                self._free.remove(buffer)
+            if buffer.copied_out is not None:
+                # the copy of its last shard to the host reads it: write only after that
+                self.copies.compute_waits(buffer.copied_out)
+                buffer.copied_out = None
+        buffer.values = buffer.tensor[:values_numel]
+        buffer.shard = buffer.tensor[values_numel:values_numel + shard_numel]
+        return buffer
+
+    def _make(self, kept: bool, what: str) -> DeviceGradient:
+        try:
+            tensor = self.manager.device_empty(self.numel, torch.float32, self.manager.device,
+                                               what=f"{what} (device gradient buffer)")
+        except BudgetExceededError as exc:
+            raise BudgetExceededError(
+                f"{what}: its gradient needs a device buffer of {format_bytes(self.nbytes)} "
+                f"while all {self.count} kept ones (and {self.extra} more) hold units still "
+                "collecting gradients (a tied weight keeps its unit incomplete until its last "
+                "use); raise infinity.device_memory_budget by "
+                f"{format_bytes(self.nbytes)}, or tie fewer weights across units: {exc}") from exc
+        if kept:
+            self.made += 1
+        else:
+            self.extra += 1
+        return DeviceGradient(tensor, kept)
+
+    def release(self, buffer: DeviceGradient, copied_out: CopyEvent | None) -> None:
+        """``buffer`` is free once ``copied_out`` (the copy of its shard to the host; None:
+        no copy reads it) is over: a kept one waits in the pool, one beyond it is freed now
+        (its memory is handed on by the allocator only after the copy)."""
+        buffer.values = buffer.shard = None
+        if not buffer.kept:
+            self.extra -= 1
+            self.manager.device_budget.release(self.nbytes)
+            return
+        buffer.copied_out = copied_out
+        self._free.append(buffer)
+
+    def close(self) -> None:
+        """Free the kept buffers (their copies are over: the optimizer lands every copy
+        before it closes)."""
+        for buffer in self._free:
+            if buffer.copied_out is not None:
+                buffer.copied_out.wait()
+        self.manager.device_budget.release(self.made * self.nbytes)
+        self._free.clear()
+        self.made = 0
