@@ -90,10 +90,11 @@ def _gradient_chunks(state: UnitOptimState, grad, start: int, end: int):
     for a in range(start, end, chunk):
         b = min(a + chunk, end)
         pieces = sorted(grad_pieces(state.unit, grad, start, a, b), key=lambda piece: piece[0])
-        dtype = pieces[0][2].dtype if pieces else torch.float32
         scratch = getattr(_chunk_scratch, "buffer", None)
-        if scratch is None or scratch.dtype != dtype or scratch.numel() < chunk:
-            scratch = _chunk_scratch.buffer = torch.empty(chunk, dtype=dtype)
+        if scratch is None or scratch.numel() < chunk:
+            # fp32 whatever the parts' dtypes: a 16-bit part widens exactly, and parts of
+            # different dtypes (a second gradient summed in fp32) share the chunk
+            scratch = _chunk_scratch.buffer = torch.empty(chunk, dtype=torch.float32)
         flat = scratch[:b - a]
         cursor = a
         for x, y, g in pieces:
