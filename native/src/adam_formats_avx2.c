@@ -73,6 +73,12 @@ TARGET __m256i sr_hash(const struct adamf_ctx *x, int64_t e) {
     return fmix32(_mm256_xor_si256(h, _mm256_add_epi32(hi, _mm256_set1_epi32((int)x->k1))));
 }
 
+/* adamf_sr_bits_v of 8 lanes. */
+TARGET __m256i sr_bits_v(__m256i h, int master) {
+    if (master == INF_ADAM_MASTER_BF16_SR) h = fmix32(_mm256_xor_si256(h, _mm256_set1_epi32((int)0x9e3779b9u)));
+    return _mm256_srli_epi32(h, 16);
+}
+
 /* adamf_bf16_sr of 8 lanes with random bits r16 (< 2^16). */
 TARGET __m128i to_bf16_sr(__m256 p, __m256i r16) {
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(p), r16), 16);
@@ -137,10 +143,9 @@ TARGET void vec8(const struct adamf_ctx *x, const struct vconsts *k, void *p, co
     __m256i h = _mm256_setzero_si256();
     if (moments == INF_ADAM_MOMENTS_BF16 || master == INF_ADAM_MASTER_BF16_SR) h = sr_hash(x, e);
     if (moments == INF_ADAM_MOMENTS_BF16) { /* [Note: stochastic rounding of bf16 moments] */
-        __m256i rv = _mm256_srli_epi32(fmix32(_mm256_xor_si256(h, _mm256_set1_epi32((int)0x9e3779b9u))), 16);
         _mm_storeu_si128((__m128i *)((uint16_t *)m + i),
                          to_bf16_sr(mi, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))));
-        _mm_storeu_si128((__m128i *)((uint16_t *)v + i), to_bf16_sr(vi, rv));
+        _mm_storeu_si128((__m128i *)((uint16_t *)v + i), to_bf16_sr(vi, sr_bits_v(h, master)));
     }
     if (master == INF_ADAM_MASTER_BF16_SR) {
         _mm_storeu_si128((__m128i *)((uint16_t *)p + i), to_bf16_sr(pi, _mm256_srli_epi32(h, 16)));

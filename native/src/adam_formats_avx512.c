@@ -73,6 +73,12 @@ TARGET __m512i sr_hash(const struct adamf_ctx *x, int64_t e) {
     return fmix32(_mm512_xor_si512(h, _mm512_add_epi32(hi, _mm512_set1_epi32((int)x->k1))));
 }
 
+/* adamf_sr_bits_v of 16 lanes. */
+TARGET __m512i sr_bits_v(__m512i h, int master) {
+    if (master == INF_ADAM_MASTER_BF16_SR) h = fmix32(_mm512_xor_si512(h, _mm512_set1_epi32((int)0x9e3779b9u)));
+    return _mm512_srli_epi32(h, 16);
+}
+
 /* adamf_bf16_sr of 16 lanes with random bits r (< 2^16). */
 TARGET __m256i to_bf16_sr(__m512 p, __m512i r16) {
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(p), r16), 16);
@@ -130,10 +136,9 @@ TARGET void vec16(const struct adamf_ctx *x, const struct vconsts *k, void *p, c
     __m512i h = _mm512_setzero_si512();
     if (moments == INF_ADAM_MOMENTS_BF16 || master == INF_ADAM_MASTER_BF16_SR) h = sr_hash(x, e);
     if (moments == INF_ADAM_MOMENTS_BF16) { /* [Note: stochastic rounding of bf16 moments] */
-        __m512i rv = _mm512_srli_epi32(fmix32(_mm512_xor_si512(h, _mm512_set1_epi32((int)0x9e3779b9u))), 16);
         _mm256_storeu_si256((__m256i *)((uint16_t *)m + i),
                             to_bf16_sr(mi, _mm512_and_si512(h, _mm512_set1_epi32(0xffff))));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)v + i), to_bf16_sr(vi, rv));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)v + i), to_bf16_sr(vi, sr_bits_v(h, master)));
     }
     if (master == INF_ADAM_MASTER_BF16_SR) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), to_bf16_sr(pi, _mm512_srli_epi32(h, 16)));

@@ -108,11 +108,21 @@ static inline uint16_t adamf_bf16_sr(float f, uint32_t r) {
  * ulp (2^-9 = 0.2%) whenever g^2 is near v, so rounding to nearest leaves v where it is: a v
  * that should decay after a large gradient never does, and the update stays small for as long
  * (the update agreement study measured it). Rounded stochastically the stored value is the
- * fp32 one in expectation, and v decays at its rate on average. Each element's one hash gives
- * the three roundings independent bits: the master its top 16 (adamf_bf16_sr's callers), m
- * the low 16, v the top 16 of one more mix of it. */
+ * fp32 one in expectation, and v decays at its rate on average.
+ * Each element's one hash h gives each rounding its own 16 bits. m takes h's low 16.
+ * With an fp32 master (the default) v takes h's top 16: the two halves of a uniformly
+ * distributed 32-bit word are independent, and h of consecutive indices is uniform enough (two
+ * rounds of fmix32, a bijection mixing every input bit into every output bit), which the tests
+ * check: m's and v's decisions, both exactly halfway and at 1/4 and 3/4, land in each joint
+ * outcome at the product of their rates. A bf16 master takes h's top 16 bits itself
+ * (adamf_bf16_sr's callers), so there v takes the top 16 of one more mix of h, at the cost of a
+ * third fmix32 per element; the fp32-master case, the common one with bf16 moments, is spared it
+ * (the SR hash measured ~27% of the bf16-moments kernel's time). */
 static inline uint32_t adamf_sr_bits_m(uint32_t h) { return h & 0xffffu; }
-static inline uint32_t adamf_sr_bits_v(uint32_t h) { return adamf_fmix32(h ^ 0x9e3779b9u) >> 16; }
+static inline uint32_t adamf_sr_bits_v(uint32_t h, int master) {
+    if (master == INF_ADAM_MASTER_BF16_SR) return adamf_fmix32(h ^ 0x9e3779b9u) >> 16;
+    return h >> 16;
+}
 
 /* ---- INT8 blocks ---- */
 

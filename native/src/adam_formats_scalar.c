@@ -61,7 +61,7 @@ INLINE void bf16_loop(const struct adamf_ctx *x, const struct adamf_chunk *r, in
         /* see [Note: stochastic rounding of bf16 moments] */
         uint32_t h = adamf_sr_hash(x->k0, x->k1, (uint64_t)(r->offset + (int64_t)i));
         m[i] = adamf_bf16_sr(mi, adamf_sr_bits_m(h));
-        v[i] = adamf_bf16_sr(vi, adamf_sr_bits_v(h));
+        v[i] = adamf_bf16_sr(vi, adamf_sr_bits_v(h, master));
         store_param(x, r, i, pi, master);
     }
 }

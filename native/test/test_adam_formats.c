@@ -6,6 +6,7 @@
  *    2048-element block), block-aligned offsets (and offsets around 2^32 for the SR counter),
  *    with special values: NaN, +-inf, subnormals, huge gradients, zero and subnormal scales;
  *  - the fp32 master's update equals inf_adam_step's on the dequantized moments, bit for bit;
+ *  - stochastic rounding: unbiased, and m's and v's decisions independent (both masters);
  *  - results independent of the thread count; -EINVAL for a misaligned int8 offset and the like.
  * A kernel the CPU lacks is reported as SKIP (visible), not as a pass.
  * Run: build/<dir>/test_adam_formats  (or tests/unit/test_adam_formats.py compiles and runs it). */
@@ -380,26 +381,107 @@ static void test_stochastic_rounding(void) {
      * to nearest would leave at 1 forever; stochastically it lands on 1 - 2^-8 with probability
      * 0.001 / 2^-8 = 0.256, so the stored v decays at its rate on average. m = 0.5 decays to
      * 0.45, 0.4 of an ulp (2^-9) above 0.44921875: down with probability 0.6. */
-    state_alloc(&s, n, INF_ADAM_MOMENTS_BF16, INF_ADAM_MASTER_F32, INF_ADAM_DTYPE_F32,
-                INF_ADAM_DTYPE_NONE);
-    for (size_t i = 0; i < n; i++) {
-        ((float *)s.p)[i] = 1.0f, ((float *)s.g)[i] = 0.0f;
-        ((uint16_t *)s.m)[i] = bf16_rne(0.5f), ((uint16_t *)s.v)[i] = bf16_rne(1.0f);
+    for (int master = 0; master <= 1; master++) { /* v's bits differ by master: both */
+        state_alloc(&s, n, INF_ADAM_MOMENTS_BF16, master, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE);
+        for (size_t i = 0; i < n; i++) {
+            if (master == INF_ADAM_MASTER_F32) ((float *)s.p)[i] = 1.0f;
+            else ((uint16_t *)s.p)[i] = bf16_rne(1.0f);
+            ((float *)s.g)[i] = 0.0f;
+            ((uint16_t *)s.m)[i] = bf16_rne(0.5f), ((uint16_t *)s.v)[i] = bf16_rne(1.0f);
+        }
+        hp = (struct inf_adam_hparams){0.0, 0.9, 0.999, 1e-8, 0.0, 1.0, 2, 1, 1};
+        rc = step(&s, &hp, 0, 3, INF_ADAM_KERNEL_AUTO, 1);
+        size_t v_down = 0, m_down = 0, other = 0;
+        for (size_t i = 0; i < n; i++) {
+            uint16_t mi = ((uint16_t *)s.m)[i], vi = ((uint16_t *)s.v)[i];
+            v_down += vi == 0x3f7f;
+            m_down += mi == 0x3ee6;
+            other += (vi != 0x3f7f && vi != 0x3f80) || (mi != 0x3ee6 && mi != 0x3ee7);
+        }
+        double fv = (double)v_down / (double)n, fm = (double)m_down / (double)n;
+        state_free(&s);
+        CHECK(rc == 0 && other == 0, "master %d: moments rounded off their neighbours (%zu; rc %d)",
+              master, other, rc);
+        CHECK(fv > 0.24 && fv < 0.272, "master %d: v rounded down %.4f of the time, want 0.256",
+              master, fv);
+        CHECK(fm > 0.58 && fm < 0.62, "master %d: m rounded down %.4f of the time, want 0.6",
+              master, fm);
     }
-    hp = (struct inf_adam_hparams){0.0, 0.9, 0.999, 1e-8, 0.0, 1.0, 2, 1, 1};
-    rc = step(&s, &hp, 0, 3, INF_ADAM_KERNEL_AUTO, 1);
-    size_t v_down = 0, m_down = 0, other = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint16_t mi = ((uint16_t *)s.m)[i], vi = ((uint16_t *)s.v)[i];
-        v_down += vi == 0x3f7f;
-        m_down += mi == 0x3ee6;
-        other += (vi != 0x3f7f && vi != 0x3f80) || (mi != 0x3ee6 && mi != 0x3ee7);
-    }
-    double fv = (double)v_down / (double)n, fm = (double)m_down / (double)n;
-    state_free(&s);
-    CHECK(rc == 0 && other == 0, "moments rounded off their neighbours (%zu; rc %d)", other, rc);
-    CHECK(fv > 0.24 && fv < 0.272, "v rounded down %.4f of the time, want 0.256", fv);
-    CHECK(fm > 0.58 && fm < 0.62, "m rounded down %.4f of the time, want 0.6", fm);
+    passed++;
+}
+
+/* m's and v's rounding decisions are independent (see [Note: stochastic rounding of bf16
+ * moments]: with an fp32 master they are the low and the top 16 bits of one hash). With a zero
+ * gradient and beta1 = beta2 = 0.75 the moments become 3x/4 exactly, for a bf16 x chosen so
+ * that 3x/4 lies 1/4, 1/2 or 3/4 of an ulp above its lower neighbour: rounded up with that
+ * probability. Over n elements each of the four joint outcomes (m up or not, v up or not)
+ * should then be a Binomial(n, p) count, p the product of the two rates; it must lie within 5
+ * of its standard deviations sqrt(n p (1 - p)) of n p (a false alarm has probability ~6e-7 per
+ * count, ~1e-5 over the 16 distinct ones: the kernels agree bit for bit). The seed is fixed, so
+ * the outcome is too. At n = 2^17 a correlation rho of the two decisions of ~0.025 fails it
+ * (both halfway: P(both up) = (1 + rho) / 4, 5 sd of the fraction = 5 sqrt(3/16 / n) = 0.006).
+ * The scalar kernel (the definition) and the one this CPU runs (AUTO) are both counted. */
+/* sqrt(x) for x > 0 by Newton's method (the tests link without libm). */
+static double root(double x) {
+    double r = x > 1 ? x : 1;
+    for (int i = 0; i < 64; i++) r = (r + x / r) / 2;
+    return r;
+}
+
+static void test_moment_roundings_independent(void) {
+    size_t n = 1 << 17;
+    /* x (bf16) -> 3x/4's dropped bits: 0x3f81 -> 0x8000, 0x3fff -> 0x4000, 0x3fd5 -> 0xc000 */
+    static const struct { uint16_t m, v; uint32_t dm, dv; } cases[] = {
+        {0x3f81, 0x3f81, 0x8000, 0x8000}, {0x3fff, 0x3fd5, 0x4000, 0xc000}};
+    static const int kernels[] = {INF_ADAM_KERNEL_SCALAR, INF_ADAM_KERNEL_AUTO};
+    for (int ki = 0; ki < 2; ki++)
+        for (int master = 0; master <= 1; master++)
+            for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+                int kernel = kernels[ki];
+                const char *name = inf_adam_kernel_name(kernel);
+                uint32_t mb = f32_bits(0.75f * bf16_f32(cases[c].m));
+                uint32_t vb = f32_bits(0.75f * bf16_f32(cases[c].v));
+                CHECK((mb & 0xffffu) == cases[c].dm && (vb & 0xffffu) == cases[c].dv,
+                      "test setup: 3x/4 drops 0x%04x, 0x%04x, want 0x%04x, 0x%04x", mb & 0xffffu,
+                      vb & 0xffffu, cases[c].dm, cases[c].dv);
+                struct state s;
+                state_alloc(&s, n, INF_ADAM_MOMENTS_BF16, master, INF_ADAM_DTYPE_F32,
+                            INF_ADAM_DTYPE_NONE);
+                for (size_t i = 0; i < n; i++) {
+                    if (master == INF_ADAM_MASTER_F32) ((float *)s.p)[i] = 1.0f;
+                    else ((uint16_t *)s.p)[i] = bf16_rne(1.0f);
+                    ((float *)s.g)[i] = 0.0f;
+                    ((uint16_t *)s.m)[i] = cases[c].m, ((uint16_t *)s.v)[i] = cases[c].v;
+                }
+                struct inf_adam_hparams hp = {0.0, 0.75, 0.75, 1e-8, 0.0, 1.0, 2, 1, 1};
+                int rc = step(&s, &hp, 0, 11, kernel, 1);
+                size_t count[2][2] = {{0, 0}, {0, 0}}, other = 0;
+                for (size_t i = 0; i < n; i++) {
+                    uint16_t mi = ((uint16_t *)s.m)[i], vi = ((uint16_t *)s.v)[i];
+                    uint16_t m_down = (uint16_t)(mb >> 16), v_down = (uint16_t)(vb >> 16);
+                    int mu = mi == m_down + 1, vu = vi == v_down + 1;
+                    other += (!mu && mi != m_down) || (!vu && vi != v_down);
+                    count[mu][vu]++;
+                }
+                state_free(&s);
+                CHECK(rc == 0 && other == 0, "%s kernel, master %d case %zu: moments off their "
+                      "neighbours (%zu; rc %d)", name, master, c, other, rc);
+                double pm = cases[c].dm / 65536.0, pv = cases[c].dv / 65536.0;
+                for (int mu = 0; mu < 2; mu++)
+                    for (int vu = 0; vu < 2; vu++) {
+                        double p = (mu ? pm : 1 - pm) * (vu ? pv : 1 - pv);
+                        double want = (double)n * p, sd = root((double)n * p * (1 - p));
+                        CHECK(fabs((double)count[mu][vu] - want) <= 5 * sd,
+                              "%s kernel, master %d, m up w.p. %.2f, v up w.p. %.2f: (m %s, "
+                              "v %s) %zu of %zu times, want %.0f +- %.0f (5 sd): m's and v's "
+                              "roundings are correlated", name, master, pm, pv,
+                              mu ? "up" : "down", vu ? "up" : "down", count[mu][vu], n, want,
+                              5 * sd);
+                    }
+                printf("ok %s kernel, master %d, m/v up w.p. %.2f/%.2f: (down,down) %zu "
+                       "(down,up) %zu (up,down) %zu (up,up) %zu of %zu\n", name, master, pm, pv,
+                       count[0][0], count[0][1], count[1][0], count[1][1], n);
+            }
     passed++;
 }
 
@@ -439,6 +521,7 @@ int main(void) {
     test_param_equals_fp32_kernel();
     test_threads();
     test_stochastic_rounding();
+    test_moment_roundings_independent();
     test_errors();
     printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     return failed ? 1 : 0;
