@@ -97,8 +97,9 @@ class _Rig:
 
     def __init__(self, units: list[Unit], *, home: str | None = "host", early_step=False,
                  holds_grads=False, slots: int = 2, comm=None, scatter=False,
-                 max_trainable: int | None = None, room=None, shards=None) -> None:
-        self.manager = WaitingManager()
+                 max_trainable: int | None = None, room=None, shards=None, manager=None,
+                 device_buffers: int | None = None) -> None:
+        self.manager = manager if manager is not None else WaitingManager()
         self.running = False
         self.speculated: set[int] = set()
         self.states = []
@@ -118,6 +119,8 @@ class _Rig:
         extra = {} if comm is None else {"comm": comm}
         if scatter:    # with NO_COMM too: scattering needs several ranks
             extra["scatter"] = True       # else the default: an all-reduce (stage 0)
+        if device_buffers is not None:
+            extra["device_buffers"] = device_buffers
         self.g = GradientCollector(
             self.states, self.manager, early_step=early_step, holds_grads=holds_grads,
             grad_pool=self.pool, held_room=self.room, timers=self.timers,
