@@ -7,15 +7,20 @@ run plan the engine would build from (planner/run_plan.py): ``zero.partition`` (
 the plan's pools, and ``zero.coordinator.Coordinator`` (the hooks, the recorded traces,
 prefetch within the bucket and live limits, keeping units for reuse, releases), driven in the
 engine's order of calls around a step (``Engine.forward``/``backward``/``step``). The backend
-is what differs (``_DryRunBackend``; storage/protocols.py is what it implements, as the tier
-manager does): the bytes (meta tensors, no swap files), the disk, the collectives
-(``dry_run_collectives``: with ``overlap_comm``, passed as the engine passes it, a stage-3
-unit's all-gather is issued ahead at the use of the unit before it and compute waits on its
-handle, which fires on the clock), the optimizer's step stream (``dry_run_stepper``: its
-schedule, not its kernels) and, on a GPU, the host <-> device copies (``dry_run_copies``:
-parameters up -- a host-homed unit's as soon as prefetch picks it, an NVMe-homed one's once its
-read is over -- gradients down, each direction on its lane at the link's rate, ordered by their
-events as the engine's), on a clock whose rates are the target's (or this machine's, assumed).
+is what differs: ``infinity.simulate`` (``simulate.backend.SimBackend`` is what the assembly
+asks of it, as ``engine.engine._EngineBackend`` is for the engine): the bytes (meta tensors,
+no swap files: ``simulate.storage``, which implements storage/protocols.py as the tier manager
+does), the disk, the collectives (``simulate.collectives``: with ``overlap_comm``, passed as
+the engine passes it, a stage-3 unit's all-gather is issued ahead at the use of the unit
+before it and compute waits on its handle, which fires on the clock), the optimizer's step
+stream (``simulate.stepper``: its schedule, not its kernels) and, on a GPU, the host <->
+device copies (``simulate.copies``: parameters up -- a host-homed unit's as soon as prefetch
+picks it, an NVMe-homed one's once its read is over -- gradients down, each direction on its
+lane at the link's rate, ordered by their events as the engine's), on a clock
+(``simulate.clock``) whose rates are the target's (or this machine's, assumed).
+
+This module is the command's part: the plan's setups and rates, building the parts over the
+simulated backend, running the passes in the engine's order, and the report.
 
 The step it predicts is the training thread's time: its compute and its waits on the other
 resources (NVMe, copies, collectives, the CPU Adam, slots), i.e. the schedule's critical path,
@@ -28,9 +33,8 @@ counted), a gradient buffer taken outside the pool, the accumulation chunk, and 
 training thread running ahead of its kernels (compute holds the thread here: a wait the thread
 makes, e.g. for the next unit's read at an ahead gather, stalls the compute after it).
 
-Compute time: each ``nn.Linear`` call costs 2 x tokens x its weight's elements FLOPs, each block
-4 x tokens x sequence x width more (attention), at ``DryRunRates.compute_flops_per_s``; a unit's
-backward twice its forward, counted when its first gradient arrives.
+Compute time: ``simulate.compute.SimCompute`` at ``DryRunRates.compute_flops_per_s`` (each
+``nn.Linear`` call's FLOPs, each block's attention, a unit's backward twice its forward).
 """
 from __future__ import annotations
 
@@ -46,18 +50,17 @@ from infinity.config import InfinityConfig
 from infinity.engine.assembly import assemble
 from infinity.engine.ranks import collective_bucket_bytes
 from infinity.engine.sizing import COMPUTE_DTYPES, gradient_home_dtype
-from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES, EngineSizes
+from infinity.planner.engine_sizes import EngineSizes
 from infinity.planner.placement import Placement
-from infinity.planner.run_plan import PoolPlan, RunPlan, plan_run
+from infinity.planner.run_plan import RunPlan, plan_run
 from infinity.planner.shape import ModelShape
+from infinity.simulate.backend import SimBackend
 from infinity.simulate.clock import SimClock
 from infinity.simulate.collectives import SimCollectives
+from infinity.simulate.compute import SimCompute
 from infinity.simulate.copies import SimCopies
-from infinity.simulate.stepper import SimStepper
-from infinity.simulate.storage import META, SimManager, SimPool
-from infinity.storage.tiers import Residency, Tier
-from infinity.zero.partition import find_blocks, partition
-from infinity.zero.unit import Unit
+from infinity.simulate.storage import META, SimManager
+from infinity.zero.partition import partition
 
 __all__ = ["DryRunRates", "DryRunSetup", "DryRunReport", "StepTrace", "dry_run", "meta_llama",
            "COMPUTE_DTYPES"]
@@ -188,31 +191,6 @@ def _phases(step: StepTrace) -> dict[str, list[tuple[str, int]]]:
     return {"forward": step.events[:f], "backward": step.events[f:b], "step": step.events[b:]}
 
 
-class _MetaUnit(Unit):
-    """A unit on the meta device. On a CPU device the engine reads NVMe straight into the
-    unit's page-aligned memory (no slots); here that is decided by the setup, not by where a
-    meta tensor's (absent) bytes lie."""
-
-    direct = False
-
-    @property
-    def flat_on_aligned_host(self) -> bool:
-        return self.direct
-
-    # the copies a fetch issues are this unit's (the timeline's H2D row names them)
-    def start_fetch(self, manager: SimManager, pool) -> bool:
-        with manager.copies.for_unit(self.name):
-            return super().start_fetch(manager, pool)
-
-    def advance_fetch(self, manager: SimManager, pool) -> bool:
-        with manager.copies.for_unit(self.name):
-            return super().advance_fetch(manager, pool)
-
-    def finish_fetch(self, manager: SimManager, pool, gather: bool = True) -> None:
-        with manager.copies.for_unit(self.name):
-            super().finish_fetch(manager, pool, gather)
-
-
 def meta_llama(model_kwargs: dict[str, Any]) -> nn.Module:
     """A transformers ``LlamaForCausalLM`` of ``model_kwargs`` on the meta device."""
     import transformers
@@ -228,7 +206,7 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
             instant: bool = False, analytical_s: float | None = None,
             events: list[list[tuple[str, int]]] | None = None) -> DryRunReport:
     """Simulate ``steps`` training steps of ``model`` (on the meta device) under ``setup``.
-    ``instant``: steps cost nothing (see ``dry_run_stepper``)."""
+    ``instant``: steps cost nothing (see ``simulate.stepper``)."""
     cfg, lay, es = setup.config, setup.placement, setup.sizes
     world = cfg.world_size
     dtype = COMPUTE_DTYPES[lay.compute_dtype]
@@ -242,10 +220,12 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
                          device_is_cpu=setup.device_is_cpu, copies=copies)
     comm = SimCollectives(world, clock, rates.net_GBps * 1e9,
                           gather_bucket_bytes=collective_bucket_bytes(cfg)[0])
+    compute = SimCompute(clock, rates.compute_flops_per_s)
     plan = setup.plan
     specs = partition(model, list(setup.unit_modules or cfg.infinity.unit_modules or []) or None)
-    flops: dict[int, float] = {}
-    backend = _DryRunBackend(manager, comm, rates, flops, instant, direct=plan.direct_fetch)
+    backend = SimBackend(manager, comm, compute, adam_params_per_s=rates.adam_params_per_s,
+                         grad_dtype=gradient_home_dtype(es, dtype), instant=instant,
+                         direct=plan.direct_fetch)
     # one param group of every trainable parameter: the dry run has no optimizer settings
     groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     # ``overlap_comm`` as the engine passes it: stage-3 gathers issued ahead of use
@@ -255,7 +235,8 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
     comm.unit_names = [u.name for u in units]
     coordinator = parts.coordinator
     coordinator.install()
-    _compute_hooks(model, specs, flops, clock, rates, seq_len * micro_batch, seq_len, shape)
+    compute.install(model, specs, tokens=seq_len * micro_batch, seq_len=seq_len,
+                    hidden=shape.hidden if shape is not None else None)
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=META)
     mask = torch.ones(micro_batch, 1, seq_len, seq_len, dtype=torch.bool, device=META)
 
@@ -265,8 +246,7 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
         manager.counters.reset()
         comm_before = comm.counters.sent_bytes
         start, wait_before = clock.now, clock.io_wait_s
-        for uid in list(flops):
-            flops[uid] = 0.0
+        compute.begin_step()
         coordinator.begin_forward(True)
         out = model(input_ids=ids, attention_mask=mask, labels=ids)
         coordinator.end_forward()
@@ -305,109 +285,6 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
               "held_gradients": stepper.held_peak},
         budgets={"host": es.host_budget, "device": es.device_budget},
         analytical_s=analytical_s, notes=notes, spans=clock.spans or [])
-
-
-class _DryRunBackend:
-    """The dry run's backend for the engine's assembly (engine/assembly.py): the byte-free
-    tier manager, simulated pools, units on the meta device and the optimizer's schedule on
-    the clock (``SimStepper``), with the host memory the optimizer's pools and its master's
-    initialisation take reserved in the same budget, in ``PartitionedOptimizer``'s order."""
-
-    def __init__(self, manager: SimManager, comm: SimCollectives, rates: DryRunRates,
-                 flops: dict[int, float], instant: bool, direct: bool) -> None:
-        self.manager, self.comm, self.rates, self.flops = manager, comm, rates, flops
-        self.instant = instant
-        self.device = META
-        self.direct = direct      # NVMe reads into the unit's memory (the plan's direct fetch)
-
-    def pool(self, plan: PoolPlan) -> SimPool:
-        return SimPool(self.manager, plan.slot_bytes, plan.count, plan.name)
-
-    def unit_factory(self):
-        direct = self.direct
-
-        def make(*args, **kwargs) -> _MetaUnit:
-            unit = _MetaUnit(*args, **kwargs)
-            unit.direct = direct
-            return unit
-        return make
-
-    def stepper(self, units: list[Unit], groups: list[dict], plan: RunPlan,
-                fetch_pool: SimPool | None) -> SimStepper:
-        lay, es, rates, flops = plan.placement, plan.sizes, self.rates, self.flops
-        stepper = SimStepper(
-            units, self.manager, early=lay.early_step, speculative=plan.speculative,
-            opt_tier=lay.opt_tier, grad_tier=es.grad_tier, master_separate=not lay.single_copy,
-            adam_params_per_s=rates.adam_params_per_s, comm=self.comm,
-            grads_held=plan.optimizer.holds_grads,
-            backward_s=lambda u: 2 * flops.get(u.index, 0.0) / rates.compute_flops_per_s,
-            instant=self.instant,
-            grad_dtype=gradient_home_dtype(es, COMPUTE_DTYPES[lay.compute_dtype]),
-            state_format=lay.state_format)
-        _init_masters(units, self.manager, fetch_pool, lay, stepper.masters)
-        for pool in (plan.optimizer.gradient, plan.optimizer.step):
-            _pool(self.manager, pool)
-        if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)
-            self.manager.host_budget.reserve(ACTIVATION_STAGING_BYTES, "activation staging")
-        return stepper
-
-
-def _init_masters(units: list[Unit], manager: SimManager, pool, lay: Placement,
-                  masters: set[int]) -> None:
-    """A separate fp32 master on NVMe (of the units in ``masters``: every trainable one unless
-    the parameter is its own master; a bf16-master run's units kept fp32) is written from a
-    host buffer of its size, the unit fetched meanwhile (``PartitionedOptimizer._init_master``)."""
-    if lay.opt_tier is not Tier.NVME:
-        return
-    for unit in units:
-        if not unit.has_trainable or unit.index not in masters:
-            continue
-        released = unit.residency != Residency.FETCHED
-        if released:
-            unit.finish_fetch(manager, pool, gather=False)
-        n = unit.shard_numel if unit.shards > 1 else unit.trainable_numel
-        buf = manager.host_empty(-(-n // 1024) * 1024, torch.float32, what="master init")
-        manager.release_host(buf)
-        if released:
-            unit.release(manager)
-
-
-def _pool(manager: SimManager, plan: PoolPlan | None) -> SimPool | None:
-    """The pool ``plan`` describes, its slots reserved in the simulated host budget."""
-    return SimPool(manager, plan.slot_bytes, plan.count, plan.name) if plan is not None else None
-
-
-def _compute_hooks(model: nn.Module, specs, flops: dict[int, float], clock: SimClock,
-                   rates: DryRunRates, tokens: int, seq_len: int,
-                   shape: ModelShape | None) -> None:
-    """Forward hooks that advance the clock by each call's FLOPs and count them per unit."""
-    owner = {}
-    for index, spec in enumerate(specs):
-        for _, param in spec.params:
-            owner[param] = index
-
-    def linear(module: nn.Module, args, output) -> None:
-        weight = module.weight
-        amount = 2.0 * tokens * weight.shape[0] * weight.shape[1]
-        uid = owner.get(weight)
-        if uid is not None:
-            flops[uid] = flops.get(uid, 0.0) + amount
-        clock.compute(amount / rates.compute_flops_per_s,
-                      f"forward {specs[uid].name}" if uid is not None else "forward")
-
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.register_forward_hook(linear)
-    if shape is not None:
-        blocks = {id(m) for _, m in find_blocks(model)}
-        for index, spec in enumerate(specs):
-            if id(spec.module) in blocks:
-                def attention(module, args, output, uid=index) -> None:
-                    amount = 4.0 * tokens * seq_len * shape.hidden
-                    flops[uid] = flops.get(uid, 0.0) + amount
-                    clock.compute(amount / rates.compute_flops_per_s,
-                                  f"forward {specs[uid].name} attention")
-                spec.module.register_forward_hook(attention)
 
 
 

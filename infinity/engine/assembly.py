@@ -32,7 +32,7 @@ __all__ = ["PartsBackend", "Parts", "assemble", "prefetch_limits"]
 
 class PartsBackend(Protocol):
     """What the assembly asks of a backend (the engine's: engine/engine.py ``_EngineBackend``;
-    the dry run's: commands/dry_run.py ``_DryRunBackend``)."""
+    the dry run's: simulate/backend.py ``SimBackend``)."""
 
     manager: StorageBackend
     device: torch.device

@@ -56,7 +56,7 @@ def collective_timeout_of(config: Any) -> float | None:
 def collective_bucket_bytes(config: InfinityConfig) -> tuple[int, int]:
     """(all-gather, reduce-scatter) bytes one collective call moves at most, from the config
     (DeepSpeed's sizes are elements; counted here as fp32 bytes; unset: unlimited). The
-    engine's collectives and the dry run's (commands/dry_run_collectives.py) both take them
+    engine's collectives and the dry run's (simulate/collectives.py) both take them
     from here."""
     z = config.zero
     gather = z.allgather_bucket_size or (1 << 62)

@@ -3,7 +3,7 @@
 Why: the engine builds its parts over the tier manager (real bytes: host memory, swap files,
 the device memory cache); ``infinity plan --dry-run`` builds the same parts through the same
 assembly (engine/assembly.py) over a byte-free backend on a simulated clock
-(commands/dry_run_backend.py). These Protocols are what both must provide, so the dry run is
+(simulate/storage.py). These Protocols are what both must provide, so the dry run is
 the engine's own wiring over another backend rather than a copy of it; a test
 (tests/unit/test_storage_protocols.py) checks that both implement every member with the same
 parameters.

@@ -45,7 +45,7 @@ the 1T dry run with drives that keep up went from 95.9 s to 156.6 s (waits for I
 would read timing; the home is a config fact, the same on every rank. Such a unit is gathered
 at its use, after k's compute, its read overlapping that compute as before ``overlap_comm``.
 The dry run issues gathers as the engine does, on its simulated clock
-(commands/dry_run_collectives.py).
+(simulate/collectives.py).
 """
 from __future__ import annotations
 
