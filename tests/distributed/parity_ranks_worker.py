@@ -55,13 +55,21 @@ def run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world:
 
     # "slots": the path of devices without the memory cache (CUDA): NVMe reads of the own
     # shard into host fetch slots, then a copy into the device buffer and the gather
+    from infinity.optim import device_gradients
+
     supported = DeviceMemoryCache.supported
     DeviceMemoryCache.supported = staticmethod(
         (lambda device: False) if case.get("slots") else supported)
+    # "device_reduce": a GPU's gradient path on the CPU device (see [Note: gradients reduced
+    # on the device] in optim/device_gradients.py)
+    on_device = device_gradients.reduces_on_device
+    if case.get("device_reduce"):
+        device_gradients.reduces_on_device = lambda device: True
     try:
         return _run_case(case, nvme_dir, steps, out, rank, world)
     finally:
         DeviceMemoryCache.supported = supported
+        device_gradients.reduces_on_device = on_device
 
 
 def _run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world: int) -> dict:
@@ -94,7 +102,8 @@ def _run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world
             assert engine.fetch_pool.slot_bytes < max(u.nbytes for u in engine.units)
         return {"losses": losses, "skipped": engine.skipped_steps, "sent": sent,
                 "early": engine.optimizer.early_step, "grad_norm": engine.get_global_grad_norm(),
-                "copies": _late_counts(engine.manager.copies)}
+                "copies": _late_counts(engine.manager.copies),
+                "device_reduce": engine.optimizer.gradients.device_pool is not None}
     finally:
         engine.close()
 
