@@ -33,6 +33,13 @@ see [Note: gathers issued ahead] in zero/gather_ahead.py. A gather issued ahead 
 until its handle is waited on (the caller holds the unit: not released, its buffer not reused);
 gloo and NCCL run the calls of one group in issue order, so a gather in flight beside later
 collectives (a reduce-scatter, the next unit's gather) pairs with the same call on every rank.
+
+Where the engine's group has no CPU backend, host tensors' collectives run on a gloo group
+beside it (see [Note: host collectives on a device-only group] in comm/routing.py). Each group
+keeps its own order: the rule above holds per group, since which group a call goes to depends
+only on its tensor's device, the same on every rank. Making the side group is itself a
+collective, at the construction of ``Collectives``, which every rank reaches at the same point.
+The fingerprint covers the calls of both groups, in issue order.
 """
 from __future__ import annotations
 
@@ -46,6 +53,8 @@ import torch.distributed as dist
 
 from infinity.base.log import get_logger
 from infinity.comm.ahead import CudaGather, LateGathers, WorkGather, late_gathers
+from infinity.comm.routing import (backends_of, has_tensor_ops, routes_to_side, side_group,
+                                   side_group_needed, tensor_device_type)
 from infinity.storage.transfers import DONE, CopyEvent
 
 log = get_logger("comm")
@@ -70,7 +79,10 @@ class LostRankError(RuntimeError):
 
 
 class Collectives:
-    """Collectives over ``group`` (None: the default group) for a world of ``world_size``.
+    """Collectives over ``group`` (None: the default group) for a world of ``world_size``;
+    those on host tensors over a gloo group beside it when ``group`` has no CPU backend (NCCL),
+    made here on every rank (``_group_for``; [Note: host collectives on a device-only group]
+    in comm/routing.py).
 
     ``bucket_bytes``: the most bytes one all-gather or reduce-scatter call moves (DeepSpeed's
     ``allgather_bucket_size`` / ``reduce_bucket_size`` in elements, converted by the caller);
@@ -92,7 +104,14 @@ class Collectives:
         self.watch = watch
         self.on_failure = on_failure if on_failure is not None or watch is None else \
             (lambda what, exc: watch.diagnose(what))
-        self._has_tensor_ops = world_size == 1 or _backend_has_tensor_ops(group)
+        # {device type: backend} of the group, and the gloo group beside it for host tensors
+        # when it has no CPU backend (made here, on every rank: a collective; see [Note: host
+        # collectives on a device-only group] in comm/routing.py)
+        self._backends: dict[str, str] = backends_of(group) if self.active else {}
+        self.side_group: Any = side_group(group) \
+            if self.active and side_group_needed(self._backends) else None
+        # calls issued on each group ("main": ``group``, "side": ``side_group``)
+        self.calls_by_group: dict[str, int] = {"main": 0, "side": 0}
         self._sequence = 0    # a fingerprint of the collectives issued (see check_same_sequence)
         # when a list: (kind, elements, tag) of every collective, in issue order (tests compare
         # the ranks' lists; the fingerprint above is what runs compare)
@@ -115,10 +134,32 @@ class Collectives:
         self.counters.comm_s += time.perf_counter() - start
         self.counters.calls += 1
 
-    def _run(self, what: str, call, *args, tag: int | None = None, **kwargs) -> Any:
-        """Issue one collective (``kwargs``: ``async_op=True`` for one issued ahead, whose
-        ``Work`` is returned): it enters the sequence's fingerprint and a failure names the
-        lost rank."""
+    def _group_for(self, tensor: torch.Tensor | None) -> tuple[Any, str]:
+        """The group a collective on ``tensor`` runs on, and its name ("main", "side"): the
+        one routing rule of every collective here (None: a collective without a tensor of the
+        caller's, on the host). See [Note: host collectives on a device-only group] in
+        comm/routing.py."""
+        if self.side_group is not None and \
+                routes_to_side(self._backends, tensor_device_type(tensor)):
+            return self.side_group, "side"
+        return self.group, "main"
+
+    def _tensor_ops(self, tensor: torch.Tensor) -> bool:
+        """Whether the backend that runs a collective on ``tensor`` has the flat-tensor
+        all-gather and reduce-scatter."""
+        return not self.active or has_tensor_ops(self._backends, tensor.device.type)
+
+    def _issue(self, call, *args, on: torch.Tensor | None, **kwargs) -> Any:
+        """``call(*args, group=..., **kwargs)`` on the group of ``on`` (``_group_for``)."""
+        group, name = self._group_for(on)
+        self.calls_by_group[name] += 1
+        return call(*args, group=group, **kwargs)
+
+    def _run(self, what: str, call, *args, on: torch.Tensor | None, tag: int | None = None,
+             **kwargs) -> Any:
+        """Issue one collective on the group of ``on`` (its tensor; ``_group_for``)
+        (``kwargs``: ``async_op=True`` for one issued ahead, whose ``Work`` is returned): it
+        enters the sequence's fingerprint and a failure names the lost rank."""
         first = args[0] if args else None
         size = first.numel() if isinstance(first, torch.Tensor) else \
             len(first) if isinstance(first, (list, tuple)) else 0
@@ -128,7 +169,7 @@ class Collectives:
         if self.sequence_log is not None:
             self.sequence_log.append((what, size, tag))
         try:
-            return call(*args, **kwargs)
+            return self._issue(call, *args, on=on, **kwargs)
         except Exception as exc:  # noqa: BLE001 - translated, with the lost rank named
             raise self._lost(what, exc) from exc
 
@@ -167,22 +208,23 @@ class Collectives:
         n = self.world_size
         shard, chunk = gather_split(output, n, self.gather_bucket_bytes)
         start = time.perf_counter()
-        if shard <= chunk and self._has_tensor_ops:
+        tensor_ops = self._tensor_ops(output)
+        if shard <= chunk and tensor_ops:
             own = output[self.rank * shard:(self.rank + 1) * shard]
-            self._run("all-gather", _ALL_GATHER_TENSOR, output, own, self.group, tag=tag)
+            self._run("all-gather", _ALL_GATHER_TENSOR, output, own, on=output, tag=tag)
         else:
             for off in range(0, shard, chunk):
                 c = min(chunk, shard - off)
                 pieces = [output[r * shard + off:r * shard + off + c] for r in range(n)]
                 own = pieces[self.rank].clone()
-                if self._has_tensor_ops:
+                if tensor_ops:
                     tmp = torch.empty(n * c, dtype=output.dtype, device=output.device)
-                    self._run("all-gather", _ALL_GATHER_TENSOR, tmp, own, self.group, tag=tag)
+                    self._run("all-gather", _ALL_GATHER_TENSOR, tmp, own, on=output, tag=tag)
                     for r in range(n):
                         pieces[r].copy_(tmp[r * c:(r + 1) * c])
                 else:
                     outs = [torch.empty_like(own) for _ in range(n)]
-                    self._run("all-gather", dist.all_gather, outs, own, self.group, tag=tag)
+                    self._run("all-gather", dist.all_gather, outs, own, on=output, tag=tag)
                     for r in range(n):
                         pieces[r].copy_(outs[r])
         self._count(output.numel() * output.element_size(), 1.0, start)
@@ -198,7 +240,7 @@ class Collectives:
         if not self.active:
             return DONE
         shard, chunk = gather_split(output, self.world_size, self.gather_bucket_bytes)
-        if shard > chunk or not self._has_tensor_ops:
+        if shard > chunk or not self._tensor_ops(output):
             self.all_gather(output, tag=tag)
             return DONE
         start = time.perf_counter()
@@ -207,7 +249,7 @@ class Collectives:
         def issue(out: torch.Tensor, own: torch.Tensor) -> Any:
             # its own kind in the fingerprint: a rank that gathered a unit at use where another
             # issued it ahead is a different sequence, said at the step's check
-            return self._run("all-gather ahead", _ALL_GATHER_TENSOR, out, own, self.group,
+            return self._run("all-gather ahead", _ALL_GATHER_TENSOR, out, own, on=out,
                              tag=tag, async_op=True)
 
         def lost(exc: BaseException) -> BaseException:
@@ -266,22 +308,23 @@ class Collectives:
         shard = output.numel()
         start = time.perf_counter()
         chunk = max(1, self.reduce_bucket_bytes // (source.element_size() * n))
-        if not self._has_tensor_ops:
+        if not self._tensor_ops(source):
             # same numerics: a sum over ranks, then this rank's slice (moves twice the bytes)
-            self._run("all-reduce", dist.all_reduce, source, dist.ReduceOp.SUM, self.group, tag=tag)
+            self._run("all-reduce", dist.all_reduce, source, dist.ReduceOp.SUM, on=source,
+                      tag=tag)
             output.copy_(source[self.rank * shard:(self.rank + 1) * shard])
             self._count(source.numel() * source.element_size(), 2.0, start)
             output.div_(n)
             return
         if shard <= chunk:
             self._run("reduce-scatter", _REDUCE_SCATTER_TENSOR, output, source,
-                      dist.ReduceOp.SUM, self.group, tag=tag)
+                      dist.ReduceOp.SUM, on=source, tag=tag)
         else:
             for off in range(0, shard, chunk):
                 c = min(chunk, shard - off)
                 tmp = torch.cat([source[r * shard + off:r * shard + off + c] for r in range(n)])
                 self._run("reduce-scatter", _REDUCE_SCATTER_TENSOR, output[off:off + c], tmp,
-                          dist.ReduceOp.SUM, self.group, tag=tag)
+                          dist.ReduceOp.SUM, on=source, tag=tag)
         self._count(source.numel() * source.element_size(), 1.0, start)
         output.div_(n)
 
@@ -290,7 +333,7 @@ class Collectives:
         if not self.active:
             return
         start = time.perf_counter()
-        self._run("all-reduce", dist.all_reduce, tensor, dist.ReduceOp.SUM, self.group, tag=tag)
+        self._run("all-reduce", dist.all_reduce, tensor, dist.ReduceOp.SUM, on=tensor, tag=tag)
         self._count(tensor.numel() * tensor.element_size(), 2.0, start)
         tensor.div_(self.world_size)
 
@@ -302,7 +345,7 @@ class Collectives:
             return value
         t = torch.tensor([value], dtype=torch.float64)
         start = time.perf_counter()
-        self._run("all-reduce", dist.all_reduce, t, dist.ReduceOp.SUM, self.group)
+        self._run("all-reduce", dist.all_reduce, t, dist.ReduceOp.SUM, on=t)
         self._count(8, 2.0, start)
         return float(t.item())
 
@@ -312,7 +355,7 @@ class Collectives:
             return mask
         t = mask.to(torch.uint8)
         start = time.perf_counter()
-        self._run("all-reduce", dist.all_reduce, t, dist.ReduceOp.MAX, self.group)
+        self._run("all-reduce", dist.all_reduce, t, dist.ReduceOp.MAX, on=t)
         self._count(t.numel(), 2.0, start)
         return t.bool()
 
@@ -321,7 +364,9 @@ class Collectives:
         if not self.active:
             return [value]
         out: list[Any] = [None] * self.world_size
-        self._run("object all-gather", dist.all_gather_object, out, value, self.group)
+        # pickled on the host: the side group where the group has no CPU backend (NCCL
+        # would need this rank's CUDA device set to carry the bytes)
+        self._run("object all-gather", dist.all_gather_object, out, value, on=None)
         return out
 
     def broadcast(self, tensor: torch.Tensor, source_rank: int) -> None:
@@ -332,7 +377,8 @@ class Collectives:
             raise ValueError(f"broadcast from rank {source_rank}: the ranks are 0 to "
                              f"{self.world_size - 1}")
         start = time.perf_counter()
-        self._run("broadcast", dist.broadcast, tensor, source_rank, self.group)
+        # ``group_src``: the rank in the group (``src`` would be the rank in the world)
+        self._run("broadcast", dist.broadcast, tensor, on=tensor, group_src=source_rank)
         self._count(tensor.numel() * tensor.element_size(), 1.0, start)
 
     def check_same_sequence(self, where: str) -> None:
@@ -346,7 +392,7 @@ class Collectives:
         t = torch.tensor([mine, -mine], dtype=torch.int64)
         start = time.perf_counter()
         try:
-            dist.all_reduce(t, dist.ReduceOp.MAX, self.group)
+            self._issue(dist.all_reduce, t, dist.ReduceOp.MAX, on=t)
         except Exception as exc:  # noqa: BLE001 - the same story as any collective
             self._run("sequence check", _raise, exc)
         self._count(16, 2.0, start)
@@ -364,7 +410,7 @@ class Collectives:
 
     def barrier(self) -> None:
         if self.active:
-            self._run("barrier", dist.barrier, self.group)
+            self._run("barrier", dist.barrier, on=None)
 
 
 _SEQUENCE_MOD = (1 << 61) - 1
@@ -389,13 +435,6 @@ def _raise(exc: BaseException) -> None:
 # torch 2.13 renamed the flat-tensor collectives (the old names warn)
 _ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _backend_has_tensor_ops(group: Any) -> bool:
-    """Whether the group's backend has ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
-    (gloo has both since torch 2.6, NCCL always; MPI and older gloo do not)."""
-    backend = str(dist.get_backend(group)).lower()
-    return backend in ("gloo", "nccl", "cpu:gloo,cuda:nccl") or "nccl" in backend
 
 
 NO_COMM = Collectives()

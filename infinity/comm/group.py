@@ -53,12 +53,19 @@ def launched_world_size() -> int:
     return env_world_size()
 
 
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+"""The backend of a group the engine makes on CUDA: NCCL for device tensors, gloo for the host
+tensors many of the engine's collectives run on (NCCL alone has no CPU backend: see [Note: host
+collectives on a device-only group] in comm/routing.py)."""
+
+
 def default_backend(device: torch.device | None = None) -> str:
-    """NCCL where the ranks compute on CUDA devices, gloo otherwise."""
+    """Where the ranks compute on CUDA devices, NCCL for CUDA tensors and gloo for host ones
+    (``CUDA_BACKEND``, one group); gloo otherwise."""
     if device is not None and device.type == "cuda":
-        return "nccl"
+        return CUDA_BACKEND
     if device is None and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        return "nccl"
+        return CUDA_BACKEND
     return "gloo"
 
 

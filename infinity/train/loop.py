@@ -300,15 +300,13 @@ def _launch_ranks() -> tuple[int, int]:
 def _mean_over_ranks(losses: list[float], engine: Any, world: int) -> float:
     """The step's loss: the mean over every rank's micro-batches (each rank has as many), so a
     run of N ranks logs what one rank with N times the accumulation would; every rank gets the
-    same value, so a non-finite loss stops all of them alike."""
+    same value, so a non-finite loss stops all of them alike. Through the engine's collectives:
+    a host scalar, which a group without a CPU backend (NCCL) cannot reduce (see [Note: host
+    collectives on a device-only group] in comm/routing.py)."""
     mean = statistics.fmean(losses)
     if world == 1:
         return mean
-    import torch.distributed as dist
-
-    total = torch.tensor([mean], dtype=torch.float64)
-    dist.all_reduce(total, group=engine.ranks.group)
-    return float(total.item()) / world
+    return engine.comm.sum_float(mean) / world
 
 
 def _lookup_budget(ds: dict[str, Any]) -> Any:

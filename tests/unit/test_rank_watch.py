@@ -84,13 +84,13 @@ def test_a_failed_collective_raises_the_diagnosis():
 
     comm = Collectives(world_size=1, rank=0, watch=Watch())
 
-    def broken(*_):
+    def broken(*_, group):
         raise RuntimeError("Connection closed by peer")
 
     with pytest.raises(LostRankError, match=r"rank 0: the all-gather failed: rank 3 stopped "
                        r"\(seen from the all-gather\)\. The collective's error: RuntimeError: "
                        r"Connection closed by peer"):
-        comm._run("all-gather", broken)
+        comm._run("all-gather", broken, on=None)
 
 
 def test_a_diagnosis_that_fails_does_not_hide_the_collective_error():
@@ -100,4 +100,5 @@ def test_a_diagnosis_that_fails_does_not_hide_the_collective_error():
     comm = Collectives(world_size=1, on_failure=on_failure)
     with pytest.raises(LostRankError, match=r"naming the lost rank failed: OSError: store gone"
                        r".*Connection reset"):
-        comm._run("barrier", lambda: (_ for _ in ()).throw(RuntimeError("Connection reset")))
+        comm._run("barrier", lambda group: (_ for _ in ()).throw(RuntimeError("Connection reset")),
+                  on=None)

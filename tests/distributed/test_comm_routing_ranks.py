@@ -1,0 +1,78 @@
+"""Collectives on host tensors over a process group without a CPU backend (gloo processes on
+localhost; comm_routing_ranks_worker.py): the group is made with the backend "cuda:gloo", which
+has a backend for CUDA tensors only, as "nccl" has, so a collective on a CPU tensor raises on it
+for real (checked first). Every operation of ``Collectives`` on host tensors then runs on the
+gloo group beside it, made once per group ([Note: host collectives on a device-only group] in
+infinity/comm/routing.py): none reaches the engine's group, and the results equal those over a
+plain gloo group exactly (the same backend, the same inputs). A stage-3 engine on such a
+default group trains as plain torch AdamW does on the whole batch (losses within 1e-5
+relative, as tests/distributed/test_zero_ranks.py), with the side group at the config's
+collective timeout, and ``infinity train``'s loss mean over ranks goes through it.
+"""
+from __future__ import annotations
+
+import pytest
+
+from comm_routing_ranks_worker import CASE
+from parity import make_model
+from parity_ranks_worker import LR, WEIGHT_DECAY, global_batches
+from ranks import check_ranks, launch, read_results, reference_run
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("routing")
+    nvme = tmp_path_factory.mktemp("routing-nvme")
+    results = launch(WORLD, "comm_routing_ranks_worker.py", [str(out), str(nvme), str(STEPS)],
+                     timeout=600)
+    check_ranks(results)
+    return read_results(out, WORLD)
+
+
+def test_the_group_really_has_no_cpu_backend(ranks):
+    for r in ranks:
+        assert r["backends"] == {"cuda": "gloo"}
+        assert "No backend type associated with device type cpu" in r["main_takes_cpu"], r
+
+
+@pytest.mark.parametrize("size", ["", "_small"], ids=["one-call", "bucketed"])
+def test_host_collectives_go_to_the_side_group_with_the_plain_results(ranks, size):
+    for rank, r in enumerate(ranks):
+        routed, plain = dict(r[f"routed{size}"]), dict(r[f"plain{size}"])
+        calls = routed.pop("calls_by_group")
+        plain_calls = plain.pop("calls_by_group")
+        assert calls["main"] == 0 and calls["side"] > 0, (rank, calls)
+        assert plain_calls == {"main": calls["side"], "side": 0}, (rank, calls, plain_calls)
+        assert routed == plain, rank
+    assert ranks[0]["routed"]["any_mask"] == [True, True, False]
+    assert ranks[0]["routed"]["objects"] == [{"rank": 0}, {"rank": 1}]
+    assert ranks[0]["routed"]["sum_float"] == 0.25 + 1.25
+    assert all(r["routed"]["broadcast"] == [1.0] * 4 for r in ranks)
+
+
+def test_one_side_group_per_group_and_none_for_gloo(ranks):
+    for r in ranks:
+        assert r["one_side_group"] is True and r["plain_side_group"] is False
+
+
+def test_a_stage3_engine_on_a_device_only_group_trains_as_torch(ranks):
+    deferred = CASE["schedule"] == "deferred"
+    batches = global_batches(1, STEPS, 2 if deferred else 1, WORLD)
+    ref_losses, _ = reference_run(make_model("torch", seed=0, layers=3, width=32), batches,
+                                  lr=LR, weight_decay=WEIGHT_DECAY,
+                                  clip=0.05 if deferred else 0.0)
+    engines = [r["engine"] for r in ranks]
+    losses = [sum(e["losses"][s] for e in engines) / WORLD for s in range(STEPS)]
+    for s, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), (s, losses, ref_losses)
+    for e in engines:
+        # the loss mean of ``infinity train``, over the side group: the same on every rank
+        assert e["means"] == pytest.approx(losses, rel=1e-12)
+        assert e["calls_by_group"]["main"] == 0 and e["calls_by_group"]["side"] > 0, e
+        # the config's infinity.collective_timeout, set on the group, reaches the side group
+        assert e["side_timeout_s"] == e["main_timeout_s"] == 120.0, e
