@@ -17,10 +17,12 @@ counts live in planner/engine_sizes.py, which sizes the host budget by them.
 [Note: gradients leave the device]
 A gradient that is not held goes to its host buffer (or its resident home) through the copies'
 owner (storage/transfers.py ``to_host``): on a GPU on the device-to-host stream, overlapped with
-the rest of backward. Each copy's event is kept in the unit's state (``grad_copies``) and
-``copies_landed`` waits for them all, the one wait before the training thread reads the unit's
-gradient, writes its buffer, or gives its slot back (reduce, finish, home_gradient, drop_buffer
-and so drop_cycle); ``end_backward`` lands every unit's (see [Note: copy events]).
+the rest of backward; with several ranks on a GPU only the unit's reduced shard makes that
+copy, one per unit, issued by ``reduce`` (see [Note: gradients reduced on the device]). Each
+copy's event is kept in the unit's state (``grad_copies``) and ``copies_landed`` waits for
+them all, the one wait before the training thread reads the unit's gradient, writes its
+buffer, or gives its slot back (reduce, finish, home_gradient, drop_buffer and so drop_cycle);
+``end_backward`` lands every unit's (see [Note: copy events]).
 ``zero_unwritten`` does not wait: it zeroes only bytes no copy writes (the gaps, the
 parameters that got no gradient; every copy goes to a parameter of ``grad_written``).
 
@@ -32,9 +34,11 @@ wait at ``take`` would block the training thread at every unit until the device 
 backward kernels the copy is queued behind, so it could not run ahead to queue the next units'
 backward; now the CPU Adam starts on a unit when its copies have landed and the training thread
 never waits for them. Where the training thread does read the gradient, the wait stays there:
-with several ranks ``reduce`` (the collective reads it; ``take`` then finds no events), and in
-the deferred schedule, speculated or not, ``finish`` (the clipping norm and the overflow check
-are summed there, at the boundary, before any step can apply them). The early step has neither
+with several ranks on a CPU device ``reduce`` (the collective reads the host buffer; ``take``
+then finds no events; on a GPU the collective reads the device buffer, so ``reduce`` waits for
+nothing and the shard's copy event goes on to ``take`` or ``finish``), and in the deferred
+schedule, speculated or not, ``finish`` (the clipping norm and the overflow check are summed
+there, at the boundary, before any step can apply them). The early step has neither
 clipping nor an overflow check (the planner allows it only without them); the norm it reports
 is summed by the kernels on the step stream, after the wait.
 
@@ -42,11 +46,14 @@ is summed by the kernels on the step stream, after the wait.
 With several data-parallel ranks a unit's gradient is collected whole in a flat buffer (never
 held, never straight into a resident home: the home holds only the own shard), and when the
 unit's backward is done it is averaged over the ranks: reduce-scatter into the own shard at
-stages 1-3 (the shard lands at the front of the same buffer), all-reduce of the whole trainable
-range at stage 0. Which parameters got a gradient is OR-ed over ranks (a parameter is stepped if
-any rank gave it one). From there the shard is what a single rank's whole gradient was: added
-to its home, normed (the global norm sums the ranks' squares at the step), or handed to an
-early step.
+stages 1-3, all-reduce of the whole trainable range at stage 0. Where the buffer is depends on
+the device: on a GPU it is a device buffer, reduced there, and only the own shard (the
+trainable range at stage 0) is copied to the unit's host buffer (see [Note: gradients reduced
+on the device] in optim/device_gradients.py); on a CPU device it is the host buffer itself,
+every gradient copied (or added) into it and the shard landing at its front. Which parameters
+got a gradient is OR-ed over ranks (a parameter is stepped if any rank gave it one). From there
+the shard is what a single rank's whole gradient was: added to its home, normed (the global
+norm sums the ranks' squares at the step), or handed to an early step.
 """
 from __future__ import annotations
 
