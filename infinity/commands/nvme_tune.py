@@ -4,7 +4,7 @@ Sweeps backend x block size x queue depth x threads (each knob takes one value o
 one value for every knob measures a single point), shows a progress bar on stderr, prints a table
 of write and cold-read GB/s per point and the recommended ``"aio"`` JSON (``--json``: one JSON
 object with every point instead), and draws the sweep with ``--plot FILE.png`` (needs matplotlib).
-The sweep logic is ``infinity.storage.nvme_tune``; this module is only the command line.
+The sweep logic is ``infinity.train.nvme_tune``; this module is only the command line.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from infinity.base.sizes import format_bytes, parse_bytes
-from infinity.storage import nvme_tune as tune
+from infinity.train import nvme_tune as tune
 
 _BACKENDS = ("auto", "io_uring", "libaio", "threads", "mmap")
 

@@ -117,7 +117,7 @@ def measure_disk(path: str, size: int = 1 << 30, block_size: int = 1 << 20,
     one half of the file and writes of the other, submitted together (a step's traffic):
     ``mixed_s``, against the ``serial_s`` and ``parallel_s`` the two rates predict for them."""
     from infinity.io import AioConfig, AioEngine, aligned_empty, backend_available, drop_cached
-    from infinity.storage.nvme_tune import TuneFile, TunePoint
+    from infinity.train.nvme_tune import TuneFile, TunePoint
 
     if backend == "auto":
         backend = next((b for b in ("io_uring", "libaio") if backend_available(b)), "auto")

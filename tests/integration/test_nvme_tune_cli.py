@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from infinity.cli import main
-from infinity.storage import nvme_tune as tune
-from infinity.storage.nvme_tune import PointResult, TunePoint
+from infinity.train import nvme_tune as tune
+from infinity.train.nvme_tune import PointResult, TunePoint
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""The nvme-tune sweep (storage/nvme_tune.py) at unit level (the CLI's integration tests,
+"""The nvme-tune sweep (train/nvme_tune.py) at unit level (the CLI's integration tests,
 tests/integration/test_nvme_tune_cli.py, cannot check a measured number). Here the
 grid, the labels, the recommendation, the JSON and the table are checked on made-up results; the
 test file (TuneFile) on a few KiB in a real directory, with the clock injected (the module's own
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import infinity.io
-from infinity.storage import nvme_tune as tune
-from infinity.storage.nvme_tune import PointResult, TunePoint, TuneReport
+from infinity.train import nvme_tune as tune
+from infinity.train.nvme_tune import PointResult, TunePoint, TuneReport
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

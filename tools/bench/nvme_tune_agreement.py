@@ -9,7 +9,7 @@ as well as the screen.
 At each (block_size, queue_depth) point, rep by rep and alternating which goes first, it runs
 tools/bench/io.py's own measurement of our engine (its ``InfinitySide``: one request for the whole
 buffer, cold read after fsync + DONTNEED, no fsync on writes) and one nvme-tune measurement
-(``infinity.storage.nvme_tune.TuneFile.measure``, exactly what a sweep runs per point: chunked
+(``infinity.train.nvme_tune.TuneFile.measure``, exactly what a sweep runs per point: chunked
 requests from one buffer, cold read, no fsync). Each side keeps its own file for the whole run, so
 every timed write overwrites that side's previous write, as in a sweep and in io.py. Both use backend io_uring (``--backend``), thread_count 1. It reports both medians,
 their min..max over reps and the ratio nvme-tune / io.py; "agree" means each median lies within
@@ -49,7 +49,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from infinity.base.sizes import parse_bytes
-    from infinity.storage import nvme_tune as tune
+    from infinity.train import nvme_tune as tune
 
     io_bench = load_io_bench()
     nbytes = int(a.gib * GiB) // 4096 * 4096

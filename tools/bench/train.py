@@ -72,7 +72,7 @@ def swap_rates(path: str, size: int) -> dict:
     """Write and cold-read GB/s of ``path`` at the engine's default aio knobs, measured as
     ``infinity nvme-tune`` measures one point (a private file, removed afterwards)."""
     from infinity.config.aio import AioConfig
-    from infinity.storage.nvme_tune import TuneFile, TunePoint
+    from infinity.train.nvme_tune import TuneFile, TunePoint
 
     knobs = AioConfig()
     point = TunePoint(backend=knobs.backend, block_size=knobs.block_size,

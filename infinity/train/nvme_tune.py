@@ -1,8 +1,13 @@
 """The nvme-tune sweep: measure sequential write and cold read GB/s of a swap path for a grid of
 aio settings (backend x block size x queue depth x threads) and recommend an ``"aio"`` section.
 
-Why a library module (the CLI is ``infinity nvme-tune``): tools and tests run the same sweep, and
-the numbers mean the same thing everywhere:
+Why here, in the top layer beside the main job and ``calibrate`` (whose ``measure_disk`` is one
+point of this sweep): it is a measurement of this machine that the engine never runs. It drives
+the I/O engine (``infinity.io``) on a private swap directory made and reclaimed by storage's one
+copy of that rule (``storage.swap_dir``), on a path checked as the engine checks it
+(``storage.preflight``), so it sits above both layers; the I/O layer, below storage, could not
+hold it. Why a library module (the CLI, ``infinity nvme-tune``, is commands/nvme_tune.py): tools
+and tests run the same sweep, and the numbers mean the same thing everywhere:
 
 * the test file lives in a private swap directory (``swap_dir``), so it is removed on return, on
   Ctrl-C, and (by reclaim) even after a SIGKILL;
@@ -37,7 +42,7 @@ from infinity.base.sizes import format_bytes
 from infinity.storage.preflight import check_swap_path
 from infinity.storage.swap_dir import SwapDir, reclaim_stale
 
-_log = get_logger("storage.nvme_tune")
+_log = get_logger("train.nvme_tune")
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_BACKENDS = ("io_uring", "libaio")
