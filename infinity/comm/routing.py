@@ -31,7 +31,8 @@ it at the same point, the construction of the engine's ``Collectives``, which ev
 in the same order (after joining the group and before the first collective). Over the whole
 world it is a plain ``new_group``, which every rank of the world calls; over a subgroup only its
 members call it (``use_local_synchronization``, whose name torch derives from the ranks: a second
-such group over the same ranks is refused by torch by name, never paired by mistake). One side
+such group over the same ranks is refused by torch by name, never paired by mistake). Its ranks
+are numbered as the group numbers them, so the shards of a gather land where they would. One side
 group is made per engine group per process and reused by later engines. It gets the engine
 group's collective timeout (the config's ``infinity.collective_timeout``, set on the group
 before), and its failures are named by the same watch as the engine group's (the watch reads
@@ -149,11 +150,18 @@ def side_group(group: Any) -> Any:
             f"the process group's backend ({dist.get_backend_config(group)}) has no CPU "
             "backend and this torch build has no gloo to run the engine's collectives on host "
             "tensors: create the group with backend 'cpu:gloo,cuda:nccl' (or a build with gloo)")
+    # the ranks in the group's order (``sort_ranks=False``): rank r of the side group is rank
+    # r of the group, so a gather places each shard where the group would
     ranks = dist.get_process_group_ranks(pg)
     whole = len(ranks) == dist.get_world_size()
-    side = dist.new_group(ranks=None if whole else ranks, backend="gloo", timeout=timeout,
-                          use_local_synchronization=not whole,
+    side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                          use_local_synchronization=not whole, sort_ranks=False,
                           group_desc="infinity host collectives")
+    if dist.get_rank(side) != dist.get_rank(pg):
+        raise RuntimeError(f"the gloo group for host collectives numbers this process "
+                           f"{dist.get_rank(side)} where the process group numbers it "
+                           f"{dist.get_rank(pg)} (ranks {ranks}): create the group with "
+                           "backend 'cpu:gloo,cuda:nccl' instead")
     _SIDE.append((pg, side))
     log.info("the process group has no CPU backend (%s): collectives on host tensors run on a "
              "gloo group over the same %d ranks (timeout %gs)", dist.get_backend_config(pg),

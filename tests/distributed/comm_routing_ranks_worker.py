@@ -11,12 +11,16 @@ device type cpu"), without needing CUDA. Then:
    a few steps with clipping and accumulation, and the loss mean over ranks of
    ``infinity train`` (``_mean_over_ranks``).
 
-argv: out_dir nvme_dir steps
+With a fourth argument "lost": the last rank reports a failure and exits instead of its next
+host collective; the others write the error their collective (on the side group) raised.
+
+argv: out_dir nvme_dir steps [lost]
 """
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -25,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 import infinity
-from infinity.comm.collectives import Collectives
+from infinity.comm.collectives import Collectives, LostRankError
 from infinity.comm.routing import backends_of, group_timeout
+from infinity.comm.watchdog import watch_ranks
 from infinity.train.loop import _mean_over_ranks
 from parity import make_model
 from parity_ranks_worker import MICRO, case_config, global_batches
@@ -95,10 +100,29 @@ def engine_steps(nvme_dir: str, steps: int, rank: int, world: int) -> dict:
         engine.close()
 
 
+def lost(out: Path, rank: int, world: int) -> None:
+    """The last rank stops before a host collective the others enter: theirs fails on the
+    side group, naming it (the watch of [Note: lost rank] in infinity/comm/watchdog.py)."""
+    comm = Collectives(None, world, rank, watch=watch_ranks(None, rank, world))
+    comm.sum_float(1.0)
+    if rank == world - 1:
+        comm.report_failure(RuntimeError("injected failure before the norm"), "step")
+        os._exit(3)
+    try:
+        comm.sum_float(2.0)
+        text = "no error"
+    except LostRankError as exc:
+        text = str(exc)
+    (out / f"rank{rank}.txt").write_text(text + f"\ncalls: {comm.calls_by_group}")
+
+
 def main() -> None:
     out, nvme_dir, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     dist.init_process_group(backend=DEVICE_ONLY, timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if sys.argv[4:] == ["lost"]:
+        lost(out, rank, world)
+        return
     results: dict = {"backends": backends_of(None)}
     try:
         try:
@@ -115,9 +139,18 @@ def main() -> None:
         plain_small = Collectives(plain_group, world, rank, gather_bucket_bytes=8,
                                   reduce_bucket_bytes=8)
         results["plain_side_group"] = plain.side_group is not None
+        # a group that numbers the ranks in reverse: the side group must number them alike
+        order = list(reversed(range(world)))
+        reverse = dist.new_group(ranks=order, backend=DEVICE_ONLY, sort_ranks=False)
+        reverse_plain = dist.new_group(ranks=order, backend="gloo", sort_ranks=False)
+        mine = dist.get_rank(reverse)
+        results["reverse_rank"] = mine
         for name, comm in (("routed", routed), ("routed_small", routed_small), ("plain", plain),
                            ("plain_small", plain_small)):
             results[name] = operations(comm, rank, world)
+        results["routed_reverse"] = operations(Collectives(reverse, world, mine), mine, world)
+        results["plain_reverse"] = operations(Collectives(reverse_plain, world, mine), mine,
+                                              world)
         results["engine"] = engine_steps(nvme_dir, steps, rank, world)
     except Exception:  # noqa: BLE001 - written for the test, which shows it; the other rank fails too
         results["error"] = traceback.format_exc()

@@ -7,7 +7,8 @@ infinity/comm/routing.py): none reaches the engine's group, and the results equa
 plain gloo group exactly (the same backend, the same inputs). A stage-3 engine on such a
 default group trains as plain torch AdamW does on the whole batch (losses within 1e-5
 relative, as tests/distributed/test_zero_ranks.py), with the side group at the config's
-collective timeout, and ``infinity train``'s loss mean over ranks goes through it.
+collective timeout, and ``infinity train``'s loss mean over ranks goes through it. A rank that
+stops before a host collective is named by the others' error, raised on the side group.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def test_the_group_really_has_no_cpu_backend(ranks):
         assert "No backend type associated with device type cpu" in r["main_takes_cpu"], r
 
 
-@pytest.mark.parametrize("size", ["", "_small"], ids=["one-call", "bucketed"])
+@pytest.mark.parametrize("size", ["", "_small", "_reverse"],
+                         ids=["one-call", "bucketed", "ranks-reversed"])
 def test_host_collectives_go_to_the_side_group_with_the_plain_results(ranks, size):
     for rank, r in enumerate(ranks):
         routed, plain = dict(r[f"routed{size}"]), dict(r[f"plain{size}"])
@@ -53,6 +55,9 @@ def test_host_collectives_go_to_the_side_group_with_the_plain_results(ranks, siz
     assert ranks[0]["routed"]["objects"] == [{"rank": 0}, {"rank": 1}]
     assert ranks[0]["routed"]["sum_float"] == 0.25 + 1.25
     assert all(r["routed"]["broadcast"] == [1.0] * 4 for r in ranks)
+    # numbered in reverse: global rank 1 is rank 0 of the group, and its shard comes first
+    assert [r["reverse_rank"] for r in ranks] == [1, 0]
+    assert ranks[0]["routed_reverse"]["all_gather"] == ranks[0]["routed"]["all_gather"]
 
 
 def test_one_side_group_per_group_and_none_for_gloo(ranks):
@@ -76,3 +81,14 @@ def test_a_stage3_engine_on_a_device_only_group_trains_as_torch(ranks):
         assert e["calls_by_group"]["main"] == 0 and e["calls_by_group"]["side"] > 0, e
         # the config's infinity.collective_timeout, set on the group, reaches the side group
         assert e["side_timeout_s"] == e["main_timeout_s"] == 120.0, e
+
+
+def test_a_rank_lost_before_a_host_collective_is_named(tmp_path):
+    results = launch(WORLD, "comm_routing_ranks_worker.py",
+                     [str(tmp_path), str(tmp_path), "0", "lost"], timeout=300)
+    assert results[1].returncode == 3, results[1].stderr[-3000:]
+    assert results[0].returncode == 0, results[0].stderr[-3000:]
+    text = (tmp_path / "rank0.txt").read_text()
+    assert "the all-reduce failed: rank 1 (" in text, text
+    assert "injected failure before the norm (in step)" in text, text
+    assert "calls: {'main': 0, 'side': 2}" in text, text
