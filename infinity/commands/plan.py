@@ -23,6 +23,7 @@ from typing import Any
 from infinity.base.sizes import parse_bytes
 from infinity.commands.plan_target import add_target_arguments, target_from_args
 from infinity.config import InfinityConfig
+from infinity.engine.guards import unusable_swap_paths
 from infinity.planner.formats import local_formats, render_formats, with_format
 from infinity.planner.inputs import ModelStats, detect_hardware, llama_stats, shape_stats
 from infinity.planner.plan import DEFAULT_SWAP_DIR, plan_memory, recommend_config
@@ -34,7 +35,6 @@ from infinity.planner.shape import (
     shape_from_llama_kwargs,
 )
 from infinity.planner.target_plan import plan_target
-from infinity.storage.preflight import SwapPathError, check_swap_path
 from infinity.train.models import preset_kwargs, preset_names
 from infinity.train.run_config import read_config_file
 
@@ -169,22 +169,6 @@ def _missing_nvme_notes(cfg: InfinityConfig) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _unusable_swap_paths(cfg: InfinityConfig) -> tuple[str, ...]:
-    """The checks ``infinity train`` and ``initialize`` make of an existing nvme_path (a
-    directory on a disk, writable, O_DIRECT where the backend needs it): a plan on a path they
-    refuse (tmpfs, a regular file) does not fit."""
-    problems = []
-    sections = (cfg.zero.offload_param, cfg.zero.offload_optimizer)
-    for path in dict.fromkeys(s.nvme_path for s in sections if s.device == "nvme" and s.nvme_path):
-        if not Path(path).exists():
-            continue        # a note says to create it (see _missing_nvme_notes)
-        try:
-            check_swap_path(path, 0, direct_io=cfg.aio.backend != "mmap")
-        except SwapPathError as exc:
-            problems.append(str(exc))
-    return tuple(problems)
-
-
 def _with_format_flags(args: argparse.Namespace, cfg: InfinityConfig) -> InfinityConfig:
     """``cfg`` with the Adam state formats --optimizer-moments / --optimizer-master give."""
     moments = args.optimizer_moments or cfg.infinity.optimizer_moments
@@ -307,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
                             f"{workload.seq_len}, micro-batch {workload.micro_batch}")
         _timeline_files(args, report)
     missing = _missing_nvme_notes(plan.config)
-    unusable = _unusable_swap_paths(plan.config)
+    unusable = unusable_swap_paths(plan.config)
     if missing or unusable:
         plan = dataclasses.replace(plan, notes=plan.notes + missing,
                                    warnings=plan.warnings + unusable)

@@ -1,10 +1,11 @@
 """What an engine refuses because it cannot honour it, and the messages that say why and what
-to do: ranks started differently, and backwards the early step cannot take (a
-second one before step(), another engine's reaching this one's parameters). Kept out of
-``engine.py``, which holds the training logic."""
+to do: ranks started differently, backwards the early step cannot take (a second one before
+step(), another engine's reaching this one's parameters), and swap paths it cannot use (asked
+ahead by ``infinity plan``). Kept out of ``engine.py``, which holds the training logic."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from infinity.base.log import get_logger
 from infinity.comm.collectives import Collectives
 from infinity.config import InfinityConfig
+from infinity.storage.preflight import SwapPathError, check_swap_path
 
 log = get_logger("engine")
 
@@ -119,3 +121,24 @@ def warn_if_hyperparameters_moved(engine: Any) -> None:
                 "step(): under the early step each unit was stepped during the backward with "
                 "the values of then; the change applies from the next step. Change them "
                 "before the backward, or set infinity.early_step \"off\"")
+
+
+def unusable_swap_paths(config: InfinityConfig) -> tuple[str, ...]:
+    """The existing swap paths of ``config`` that the engine would refuse at ``initialize``
+    (``storage.preflight.check_swap_path``: a directory on a disk, writable, O_DIRECT where the
+    aio backend needs it), each as its refusal's message; a path that does not exist yet is
+    left to the caller (``infinity plan`` notes it: ``infinity train`` does not create it).
+
+    Why here: ``infinity plan`` reports a plan on such a path (tmpfs, a regular file) as not
+    fitting, and asks the engine's layer, which applies storage's rule, instead of keeping a
+    copy of which paths are checked and how."""
+    problems = []
+    sections = (config.zero.offload_param, config.zero.offload_optimizer)
+    for path in dict.fromkeys(s.nvme_path for s in sections if s.device == "nvme" and s.nvme_path):
+        if not Path(path).exists():
+            continue
+        try:
+            check_swap_path(path, 0, direct_io=config.aio.backend != "mmap")
+        except SwapPathError as exc:
+            problems.append(str(exc))
+    return tuple(problems)
