@@ -11,6 +11,14 @@ owner still runs (or runs on another host), is refused with exit code 2. A direc
 nothing but the temporary marker (a run killed while creating it) is recognised and removed.
 Given a parent, every directory in it is tried: one that is refused (or cannot be read, another
 user's 0700 directory) is reported and the rest are still reclaimed; the exit code is 2 at the end.
+
+Why this command imports ``infinity.storage`` (the one command that does; pyproject.toml's
+second contract keeps it so): what may be deleted is decided by the swap directory's marker --
+its name, its owner's liveness, the files it lists -- and that rule must have one copy, storage's
+``swap_dir``, which makes the directories and reclaims a killed run's at every start. A copy of
+it here could drift and let ``clean`` delete what the engine would not (a user's directory
+that looks like ours); a module in a layer between that only forwarded it would hide where the
+rule lives.
 """
 from __future__ import annotations
 
