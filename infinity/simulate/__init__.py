@@ -11,6 +11,6 @@ what the assembly asks of a backend (``engine.assembly.PartsBackend``).
 Why a package of its own, beside the engine: each class stands in for a part of a lower layer
 (storage's Protocols, comm's ``Collectives``, zero's ``UnitStepper``), so it imports the layers
 it simulates; none of it is a command, and the engine, which it must not drift from, never
-imports it (the import contract in pyproject.toml keeps both rules). Only the commands import
-it.
+imports it (the import contract in pyproject.toml keeps both rules). In the package only the
+commands import it.
 """
