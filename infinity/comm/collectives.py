@@ -394,7 +394,7 @@ class Collectives:
         try:
             self._issue(dist.all_reduce, t, dist.ReduceOp.MAX, on=t)
         except Exception as exc:  # noqa: BLE001 - the same story as any collective
-            self._run("sequence check", _raise, exc)
+            raise self._lost("sequence check", exc) from exc
         self._count(16, 2.0, start)
         self._sequence = 0
         if int(t[0]) != -int(t[1]):
@@ -426,10 +426,6 @@ def gather_split(output: torch.Tensor, world_size: int, bucket_bytes: int) -> tu
         raise ValueError(f"all_gather: {output.numel()} elements do not split into "
                          f"{world_size} shards")
     return shard, max(1, bucket_bytes // (output.element_size() * world_size))
-
-
-def _raise(exc: BaseException) -> None:
-    raise exc
 
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn)

@@ -12,7 +12,8 @@ device type cpu"), without needing CUDA. Then:
    ``infinity train`` (``_mean_over_ranks``).
 
 With a fourth argument "lost": the last rank reports a failure and exits instead of its next
-host collective; the others write the error their collective (on the side group) raised.
+host collective (the step's sequence check); the others write the error their collective (on
+the side group) raised.
 
 argv: out_dir nvme_dir steps [lost]
 """
@@ -109,7 +110,7 @@ def lost(out: Path, rank: int, world: int) -> None:
         comm.report_failure(RuntimeError("injected failure before the norm"), "step")
         os._exit(3)
     try:
-        comm.sum_float(2.0)
+        comm.check_same_sequence("the lost-rank test")
         text = "no error"
     except LostRankError as exc:
         text = str(exc)
