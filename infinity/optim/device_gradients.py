@@ -39,7 +39,7 @@ import torch
 
 from infinity.base.budget import BudgetExceededError
 from infinity.base.sizes import format_bytes
-from infinity.planner.engine_sizes import DEVICE_GRAD_BUFFERS
+from infinity.planner.sizes import DEVICE_GRAD_BUFFERS
 from infinity.storage.manager import TierManager
 from infinity.storage.transfers import CopyEvent, DeviceCopies
 

@@ -7,6 +7,7 @@ tools) plans them here from its units by the same rule, so no second formula exi
 from __future__ import annotations
 
 from infinity.comm.collectives import Collectives
+from infinity.optim.device_gradients import reduces_on_device
 from infinity.optim.gradients import gradients_held
 from infinity.planner.run_plan import OptimizerPools, PoolPlan, optimizer_pools
 from infinity.storage.buffer_pool import BufferPool
@@ -30,7 +31,8 @@ def plan_pools(units: list[SteppedUnit], manager: TierManager, *, sub_group_nume
         param_tier=stores[0].home if stores else Tier.DEVICE,
         streamed=[u.param_store is not None for u in units], grad_tier=grad_tier,
         master_separate=master_separate, early_step=early_step, speculative=speculative,
-        keeps_gradients=gradients_held(manager.device))
+        keeps_gradients=gradients_held(manager.device),
+        reduces_on_device=reduces_on_device(manager.device))
 
 
 def host_pool(manager: TierManager, plan: PoolPlan | None) -> BufferPool | None:

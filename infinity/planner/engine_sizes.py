@@ -22,7 +22,12 @@ from infinity.planner.alignment import (
     unit_layout_bound,
 )
 from infinity.planner.placement import gradient_home_itemsize
-from infinity.planner.sizes import PREFETCH_UNITS, DerivedSizes
+from infinity.planner.sizes import (
+    DEVICE_GRAD_BUFFERS,
+    PREFETCH_UNITS,
+    DerivedSizes,
+    device_gradient_bytes,
+)
 from infinity.planner.state_format import (
     FP32_STATES,
     QBLOCK,
@@ -34,7 +39,7 @@ from infinity.planner.state_format import (
 from infinity.planner.tiers import Tier
 
 __all__ = ["EngineSizes", "engine_sizes", "step_slot_count", "accumulate_chunk_numel",
-           "optimizer_store_bytes", "INT8_SUB_GROUP",
+           "optimizer_store_bytes", "INT8_SUB_GROUP", "DEVICE_GRAD_BUFFERS",
            "ACCUMULATE_CHUNK_NUMEL", "ACTIVATION_STAGING_BYTES", "activation_staging"]
 
 ACCUMULATE_CHUNK_NUMEL = 2 << 20
@@ -49,10 +54,6 @@ GRADS_HELD = 2
 """Flat gradient buffers of the optimizer's gradient pool (a unit's gradient each: one being
 collected, one being stepped), where gradients go through host buffers (the early step off
 a CPU device, an NVMe gradient home, several ranks)."""
-DEVICE_GRAD_BUFFERS = 2
-"""Device fp32 flat buffers a unit's gradient is collected and reduced in with several ranks on
-a GPU (one collecting, one whose shard is being copied to the host; see [Note: gradients
-reduced on the device] in optim/device_gradients.py)."""
 HELD_ROOM_UNITS = 1.0
 """Largest units' worth of held gradients before the backward waits for a background step
 (see optim/held_room.py)."""
@@ -158,6 +159,9 @@ class EngineSizes:
     GRADS_HELD buffers or the held gradients' room and the part waiting for it."""
     accumulate_bytes: int = 0
     """Of ``host_buffer_bytes``, the chunk through which accumulation adds an NVMe gradient."""
+    device_gradient_bytes: int = 0
+    """Device bytes of the buffers gradients are reduced in with several ranks on a GPU (see
+    [Note: gradients reduced on the device] in optim/device_gradients.py); 0 otherwise."""
 
 
 def step_slot_count(optimizer_tier: Tier, param_tier: Tier, grad_tier: Tier,
@@ -203,7 +207,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
                  master_separate: bool, early_step: bool, direct_fetch: bool = False,
                  speculative: bool = False, host_activations: bool = True,
                  state_format: StateFormat = FP32_STATES,
-                 held_room_off: bool = False) -> EngineSizes:
+                 held_room_off: bool = False, device_reduce: bool = False) -> EngineSizes:
     """Sizes for this model, config and machine: ``units`` are each unit's (numel, trainable)
     parameters, ``itemsize`` the compute dtype's bytes per element (``speculative``: parameters
     and Adam states have second copies on NVMe; ``host_activations``: saved activations live in
@@ -220,6 +224,10 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     ``held_room_off``: the early (or speculative) step holds autograd's gradients with no room
     beside the unit being stepped (the run plan's last economy for the optimizer's sub-group,
     see [Note: room for the optimizer] in planner/optimizer_room.py).
+
+    ``device_reduce``: several ranks reduce each unit's gradient in device buffers and copy
+    only the own shard to the host (a GPU: see [Note: gradients reduced on the device] in
+    optim/device_gradients.py): the host gradient buffers hold a shard, not the unit.
     """
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     layouts = [unit_layout_bound(u, itemsize) for u in units]
@@ -307,7 +315,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         # buffers (PartitionedOptimizer's grad_pool when comm is active)
         largest_part = max((n for u in units for n, t in u if t), default=0)
         gradient_buffers = gradient_buffer_bytes(
-            max_trainable, largest_part if held_room_off else None)
+            max(state_shares, default=0) if device_reduce else max_trainable,
+            largest_part if held_room_off else None)
         host += gradient_buffers
     if grad_tier == Tier.NVME and (cfg.gradient_accumulation_steps or 1) > 1:
         accumulate = accumulate_chunk_numel(max_trainable) * 4
@@ -355,6 +364,12 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
             sub_group = slots_sub_group(host + reserve)
         host += slots * padded_numel(min(sub_group, max(max(state_shares, default=0), 1)),
                                      FP32_BYTES) * 4
+    device_gradients = 0
+    if device_reduce and ranks > 1:      # stages 1-3: the unit's every shard, then its own
+        device_gradients = derived.device_grad_buffers * max(
+            (ranks * shard + shard for shard in shards), default=0) * 4
+    elif device_reduce:                  # stage 0: an all-reduce of the trainable range
+        device_gradients = derived.device_grad_buffers * max(trainable, default=0) * 4
     nvme = 0
     copies = 2 if speculative else 1
     if param_tier == Tier.NVME:
@@ -375,7 +390,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         host_buffer_bytes=host - homes, activation_staging=staging, step_reserve_bytes=reserve,
         gradient_reserve_bytes=gradient_reserve, grad_home_itemsize=grad_itemsize,
         activation_room=None if host_budget is None else max(0, host_budget - host - reserve),
-        gradient_buffer_bytes=gradient_buffers, accumulate_bytes=accumulate)
+        gradient_buffer_bytes=gradient_buffers, accumulate_bytes=accumulate,
+        device_gradient_bytes=device_gradients)
 
 
 def activation_staging(cfg: InfinityConfig) -> bool:

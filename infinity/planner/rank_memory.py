@@ -145,7 +145,10 @@ def rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, targe
     persist = stats.persistent_elements(derived.persistence_threshold) if lay.stage == 3 else 0
     working = device_working(lay, stats.largest_unit_params, derived.prefetch_bucket_size, persist,
                              derived.reduce_bucket_size)
-    device = {"states": device_states, "working": working, "activations": acts}
+    # with several ranks on a GPU each unit's gradient is reduced in device buffers (see [Note:
+    # gradients reduced on the device] in optim/device_gradients.py)
+    device = {"states": device_states, "working": working,
+              "gradients": es.device_gradient_bytes, "activations": acts}
     host = {"states": es.host_home_bytes, "buffers": es.host_buffer_bytes,
             "runtime": GPU_RUNTIME_HOST_BYTES}
     node_host = target.gpus_per_node * sum(host.values())

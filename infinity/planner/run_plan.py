@@ -34,7 +34,7 @@ from infinity.planner.engine_sizes import (
 from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.optimizer_room import NO_ROOM_NEEDED, OptimizerRoom, make_room
 from infinity.planner.placement import Placement, compute_dtype_choice, place, state_bytes
-from infinity.planner.sizes import DerivedSizes, derive_sizes
+from infinity.planner.sizes import DEVICE_GRAD_BUFFERS, DerivedSizes, derive_sizes
 from infinity.planner.tiers import Tier
 
 __all__ = ["PoolPlan", "OptimizerPools", "UnitParams", "RunPlan", "plan_run", "optimizer_pools",
@@ -78,6 +78,9 @@ class OptimizerPools:
     holds_grads: bool
     """The early (or speculative) step keeps autograd's gradients as they are: one rank on a
     CPU device."""
+    device_grad_buffers: int = DEVICE_GRAD_BUFFERS
+    """Device buffers gradients are reduced in with several ranks on a GPU (``DerivedSizes.
+    device_grad_buffers``)."""
 
 
 @dataclass(frozen=True)
@@ -284,13 +287,18 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
                     shard_states: bool, sub_group_numel: int, optimizer_tier: Tier,
                     param_tier: Tier, streamed: Sequence[bool], grad_tier: Tier,
                     master_separate: bool, early_step: bool, speculative: bool,
-                    keeps_gradients: bool, held_room_off: bool = False) -> OptimizerPools:
+                    keeps_gradients: bool, held_room_off: bool = False,
+                    reduces_on_device: bool = False,
+                    device_grad_buffers: int = DEVICE_GRAD_BUFFERS) -> OptimizerPools:
     """The optimizer's pools for ``units``' (flat numel, trainable numel) layouts on ``rank``
     of ``world_size`` (``shard_states``: each rank steps its shard, stages 1-3). ``streamed``:
     per unit, whether its parameters have a home store (stage 3 above the persistence
     threshold), in ``param_tier``. ``keeps_gradients``: the device lets the early step keep
     autograd's gradients (a CPU device). ``held_room_off``: held gradients get no room beside
-    the unit being stepped (see [Note: room for the optimizer] in planner/optimizer_room.py)."""
+    the unit being stepped (see [Note: room for the optimizer] in planner/optimizer_room.py).
+    ``reduces_on_device``: with several ranks each unit's gradient is reduced on the device and
+    only the own range reaches a host gradient buffer (a GPU; see [Note: gradients reduced on
+    the device] in optim/device_gradients.py), so a buffer holds that range, not the unit."""
     ranks_active = world_size > 1
     sharded = shard_states and ranks_active
     trainable = [(numel, t, s) for (numel, t), s in zip(units, streamed) if t > 0]
@@ -302,7 +310,7 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
             shard = shard_numel(numel, world_size)
             lo = min(rank * shard, t)
             ranges.append(min(rank * shard + shard, t) - lo)
-            collect.append(world_size * shard)
+            collect.append(ranges[-1] if reduces_on_device else world_size * shard)
         else:
             ranges.append(t)
             collect.append(t)
@@ -321,7 +329,8 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
         step = PoolPlan(name="optimizer", count=count, slot_bytes=sub_group * 4)
     return OptimizerPools(sub_group_numel=sub_group, gradient=gradient, step=step,
                           held_room_bytes=0 if held_room_off and holds
-                          else held_room_bytes(max_trainable), holds_grads=holds)
+                          else held_room_bytes(max_trainable), holds_grads=holds,
+                          device_grad_buffers=device_grad_buffers)
 
 
 def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = None,
@@ -367,7 +376,7 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
             config, pairs, resolved, itemsize, placement.param_tier, placement.opt_tier,
             not placement.single_copy, placement.early_step, direct_fetch=direct,
             speculative=spec, host_activations=cpu, state_format=placement.state_format,
-            held_room_off=held_room_off)
+            held_room_off=held_room_off, device_reduce=not cpu and cfg.world_size > 1)
 
     def sizes_for(spec: bool) -> EngineSizes:
         return sized(cfg, spec, resolved=derived)[1]
@@ -429,7 +438,9 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
         sub_group_numel=sizes.sub_group_numel, optimizer_tier=placement.opt_tier,
         param_tier=placement.param_tier, streamed=streamed, grad_tier=sizes.grad_tier,
         master_separate=not placement.single_copy, early_step=placement.early_step,
-        speculative=speculative, keeps_gradients=keeps, held_room_off=room.held_room_off)
+        speculative=speculative, keeps_gradients=keeps, held_room_off=room.held_room_off,
+        reduces_on_device=not cpu and ranks_active,
+        device_grad_buffers=derived.device_grad_buffers)
     return RunPlan(config=cfg, placement=placement, derived=derived, sizes=sizes,
                    compute_dtype_reason=reason, device_is_cpu=cpu, direct_fetch=direct,
                    speculative=speculative, speculative_reason=spec_reason,

@@ -35,6 +35,10 @@ PERSISTENCE_THRESHOLD = 100_000   # params below this many elements stay on the 
 PERSISTENT_SHARE = 0.05           # ... if they take at most this share of the device budget
 REDUCE_BUCKET_SHARE = 1 / 8       # a gradient reduce bucket takes at most this share of the device
 EMULATED_DEVICE_SHARE = 0.25      # CPU-only: the device pool's share of the host's budgeted memory
+DEVICE_GRAD_BUFFERS = 2
+"""Device fp32 flat buffers a unit's gradient is collected and reduced in with several ranks on
+a GPU (one collecting, one whose shard is being copied to the host; see [Note: gradients
+reduced on the device] in optim/device_gradients.py)."""
                                   # (prefetch shrinks first; the pool never drops below one unit)
 
 
@@ -85,6 +89,11 @@ class DerivedSizes:
     """Forward/backward dtype."""
     early_step: bool
     """Whether a unit's optimizer step runs as soon as its gradients arrive."""
+    device_grad_buffers: int = DEVICE_GRAD_BUFFERS
+    """Device buffers gradients are reduced in with several ranks on a GPU (see [Note:
+    gradients reduced on the device] in optim/device_gradients.py): DEVICE_GRAD_BUFFERS, or one
+    where the device budget has no room for two beside the resident states and a fetched unit
+    (a unit's gradient then waits, on the device, for the copy out of the one before)."""
 
     def apply(self, cfg: InfinityConfig) -> InfinityConfig:
         """``cfg`` with every "auto" replaced by these values (what a run really used)."""
@@ -135,6 +144,21 @@ def slot_bytes_per_elem(lay: Placement) -> int:
     return 4 * tensors
 
 
+def device_gradient_bytes(unit: int, world_size: int, stage: int, gpu: bool,
+                          buffers: int = DEVICE_GRAD_BUFFERS) -> int:
+    """Device bytes of the buffers gradients are reduced in for a largest unit of ``unit``
+    elements (see [Note: gradients reduced on the device] in optim/device_gradients.py): with
+    several ranks on a GPU, ``buffers`` fp32 buffers of the unit's collected gradient
+    (every shard at stages 1-3, the trainable range at stage 0) and, when scattered, its own
+    shard behind it; none with one rank or on a CPU device (the host path)."""
+    if world_size <= 1 or not gpu or unit <= 0:
+        return 0
+    if stage >= 1:
+        shard = shard_numel(unit, world_size)
+        return buffers * (world_size * shard + shard) * 4
+    return buffers * unit * 4
+
+
 def device_working(lay: Placement, unit: int, prefetch: int, persist: int, bucket: int) -> int:
     """Device bytes beyond the resident states: fetched units, persistent params, unit grads."""
     if lay.stage == 3:
@@ -179,6 +203,12 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
         fits = c * stats.persistent_elements(PERSISTENCE_THRESHOLD) <= PERSISTENT_SHARE * device_budget
         threshold = PERSISTENCE_THRESHOLD if fits else 0
     persist = stats.persistent_elements(threshold) if z.stage == 3 else 0
+    # the device gradient buffers: two where they fit beside what a fetched unit needs, else one
+    room = device_budget - resident_device - device_working(lay, unit, 0, persist, 0)
+    grad_buffers = DEVICE_GRAD_BUFFERS
+    if device_gradient_bytes(unit, cfg.world_size, z.stage, hw.has_gpu, grad_buffers) > room:
+        grad_buffers = 1
+    device_grads = device_gradient_bytes(unit, cfg.world_size, z.stage, hw.has_gpu, grad_buffers)
 
     bucket_cap = max(ALIGN_ELEMS, int(REDUCE_BUCKET_SHARE * device_budget) // c)
     reduce_bucket = z.reduce_bucket_size or min(unit_cap, bucket_cap)
@@ -191,7 +221,7 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
         prefetch = min(prefetch, stats.total_params)
     if prefetch is None:
         if z.stage == 3:
-            free = device_budget - resident_device - device_working(lay, unit, 0, persist, 0)
+            free = room - device_grads
             prefetch = max(0, min(PREFETCH_UNITS * unit, free // c))
         else:
             prefetch = 0
@@ -226,4 +256,5 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
         max_live_parameters=max_live, max_reuse_distance=reuse, persistence_threshold=threshold,
         reduce_bucket_size=reduce_bucket, allgather_bucket_size=allgather_bucket,
         host_budget_bytes=host_budget, device_budget_bytes=device_budget,
-        compute_dtype=lay.compute_dtype, early_step=lay.early_step)  # type: ignore[arg-type]
+        compute_dtype=lay.compute_dtype, early_step=lay.early_step,  # type: ignore[arg-type]
+        device_grad_buffers=grad_buffers)

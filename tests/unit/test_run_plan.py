@@ -12,6 +12,7 @@ from infinity.config import InfinityConfig
 from infinity.planner.engine_sizes import GRADS_HELD, step_slot_count
 from infinity.planner.inputs import ModelStats
 from infinity.planner.run_plan import UnitParams, plan_run, stats_of_units, units_of_stats
+from infinity.planner.sizes import DEVICE_GRAD_BUFFERS
 from infinity.planner.tiers import Tier
 
 from fakes import CPU_BOX, GPU_BOX
@@ -112,6 +113,52 @@ def test_pools_are_planned_for_the_rank_asked() -> None:
     assert first.optimizer.sub_group_numel == 4096
     assert last.optimizer.sub_group_numel == 2048
     assert first.optimizer.gradient.slot_bytes == last.optimizer.gradient.slot_bytes == 8192 * 4
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_several_ranks_on_a_gpu_reduce_in_device_buffers_and_hold_shards_on_the_host(
+        stage: int) -> None:
+    """[Note: gradients reduced on the device] (optim/device_gradients.py): with 2 ranks on a
+    GPU, DEVICE_GRAD_BUFFERS fp32 device buffers of the unit's every shard and its own shard
+    (stage 0: its trainable range) are device bytes of the plan, and the host gradient slots
+    hold the rank's range, not the unit; on a CPU device (the host path) neither changes."""
+    units = [UnitParams(((5000, True), (3000, False)), ordered=True)] * 3
+    param = "nvme" if stage == 3 else "none"
+    opt = "nvme" if stage else "none"
+    cfg = config(stage, param, opt, world_size=2, infinity={"early_step": "off"})
+    gpu = plan_run(cfg, GPU_BOX, units=units, rank=0)
+    cpu = plan_run(cfg, CPU_BOX, units=units, rank=0)
+    assert gpu.derived.device_grad_buffers == DEVICE_GRAD_BUFFERS == 2
+    assert gpu.optimizer.device_grad_buffers == 2
+    if stage:     # flat 8000 + padding -> shards of 4096; rank 0 steps 4096 of 5008
+        assert gpu.sizes.device_gradient_bytes == 2 * (2 * 4096 + 4096) * 4
+        assert gpu.optimizer.gradient.slot_bytes == 4096 * 4
+        assert cpu.optimizer.gradient.slot_bytes == 8192 * 4
+    else:         # the whole trainable range, all-reduced (5000 elements: 5120 bound)
+        assert gpu.sizes.device_gradient_bytes == 2 * 5120 * 4
+        assert gpu.optimizer.gradient.slot_bytes == cpu.optimizer.gradient.slot_bytes
+    assert cpu.sizes.device_gradient_bytes == 0
+    one = plan_run(config(stage, param, opt, infinity={"early_step": "off"}), GPU_BOX,
+                   units=units)
+    assert one.sizes.device_gradient_bytes == 0          # one rank: nothing to reduce
+
+
+def test_one_device_gradient_buffer_where_two_do_not_fit() -> None:
+    """A device budget with room for one buffer beside a fetched unit, not two: the plan takes
+    one (the next unit's gradient then waits on the device for the copy out before it), and
+    counts its bytes."""
+    stats = ModelStats.from_counts(400_000_000, 40_000_000, 10, 40_000_000)
+    base = {"compute_dtype": "bf16", "early_step": "off"}
+    # 2 ranks, stage 3: a 40M-element unit's buffer is (2 x 20M + 20M) x 4 = 240 MB
+    roomy = plan_run(config(3, "nvme", "nvme", world_size=2,
+                            infinity={**base, "device_memory_budget": 4 << 30}), GPU_BOX,
+                     stats=stats)
+    tight = plan_run(config(3, "nvme", "nvme", world_size=2,
+                            infinity={**base, "device_memory_budget": 600 << 20}), GPU_BOX,
+                     stats=stats)
+    assert roomy.derived.device_grad_buffers == 2 and tight.derived.device_grad_buffers == 1
+    assert tight.sizes.device_gradient_bytes * 2 == roomy.sizes.device_gradient_bytes
+    assert tight.optimizer.device_grad_buffers == 1
 
 
 def test_exact_layouts_against_the_bound_from_counts() -> None:
