@@ -190,7 +190,7 @@ class PretrainedWeights:
         self._tensors: dict[str, _Source] = {}
         self._params: dict[str, _Source] = {}        # every name of each matched parameter
         self._buffers: dict[str, _Source] = {}
-        self._ring: list[torch.Tensor] | None = None      # see [Note: reads ahead ...]
+        self._ring: list[torch.Tensor] | None = None      # see [Note: reads ahead of conversions]
         self._fused_kept: dict[str, torch.Tensor] = {}    # see [Note: fused tensors]
         self._reader: ThreadPoolExecutor | None = None
         self.bytes_read = 0
