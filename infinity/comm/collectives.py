@@ -420,7 +420,7 @@ def gather_split(output: torch.Tensor, world_size: int, bucket_bytes: int) -> tu
     """(shard, chunk) of an all-gather into ``output``: the elements of each of its
     ``world_size`` equal shards, and how many of one shard's elements one call may carry
     (``allgather_bucket_size``: a larger shard is gathered in several calls). One rule for the
-    engine's gathers and the dry run's (commands/dry_run_collectives.py)."""
+    engine's gathers and the dry run's (simulate/collectives.py)."""
     shard = output.numel() // world_size
     if shard * world_size != output.numel():
         raise ValueError(f"all_gather: {output.numel()} elements do not split into "
