@@ -98,6 +98,9 @@ class SimBackend:
         for pool in (plan.optimizer.gradient, plan.optimizer.step):
             if pool is not None:
                 self.pool(pool)
+        if es.device_gradient_bytes:   # several ranks on a GPU: kept from the first backward
+            self.manager.device_budget.reserve(es.device_gradient_bytes,
+                                               "device gradient buffers")
         if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)
             self.manager.host_budget.reserve(ACTIVATION_STAGING_BYTES, "activation staging")
         return stepper

@@ -25,7 +25,10 @@ backward and its reduce-scatter are over: the rank's range of the gradient, in i
 dtype, is copied to the host (``manager.copies.to_host``, the "D2H" row), and the unit's CPU
 Adam, or the gradient's write to NVMe, or the deferred step's read of it, starts after that
 copy's end ([Note: copy events] in storage/transfers.py: the host reads a gradient only after
-its copy's event). The optimizer on the device keeps them there (no copy).
+its copy's event). The optimizer on the device keeps them there (no copy). With several ranks
+the unit's gradient is reduced in a device fp32 buffer and only the rank's range of it is
+copied, in fp32 whatever the home's dtype ([Note: gradients reduced on the device] in
+optim/device_gradients.py); the buffers are device bytes the backend reserves.
 ``instant``: every job lands when it is submitted (a step that costs nothing), so the schedule
 no longer depends on timing: the order tests compare this with a real engine whose background
 steps are waited for at each reap.
@@ -188,7 +191,9 @@ class SimStepper:
         n = self.grad_numel.get(unit.index)
         if not self.grads_leave or n is None:
             return self.clock.now
-        grad = torch.empty(n, dtype=self.grad_dtype, device=META)
+        # several ranks: the reduced shard leaves the device buffer, fp32
+        dtype = torch.float32 if self.comm.active else self.grad_dtype
+        grad = torch.empty(n, dtype=dtype, device=META)
         with self.copies.for_unit(unit.name):
             event = self.copies.to_host(grad, grad)
         self.grad_landed[unit.index] = event.end
