@@ -6,8 +6,11 @@ NVMe), normed for clipping and overflow, handed to an early step, or dropped.
 In the early step on a CPU device a unit's gradients are not copied anywhere: the tensors
 autograd produced are held, by parameter, until the unit's step has run, and the Adam kernel
 reads them piece by piece. Copying them into one flat buffer cost the training thread about
-0.7 s a step at 0.49B (2 GB read and written on the cores backward computes on). Held gradients
-are counted in bytes against a room of one unit's gradient (``HELD_ROOM_UNITS``; the host
+0.7 s a step at 0.49B (2 GB read and written on the cores backward computes on). They are held
+in the dtype autograd made them (bf16 under bf16 compute; the kernels widen 16-bit gradients in
+registers, exactly): widening them to fp32 here was a fresh fp32 tensor per parameter, 1.9 GB
+of new pages to fault and zero a step at 0.49B, and twice the held bytes. Held gradients
+are counted in their own bytes against a room of one unit's gradient (``HELD_ROOM_UNITS``; the host
 budget keeps two units' worth, the room and the part that waits for it): a part that does not
 fit waits for a background step to free the parts it has stepped (see optim/held_room.py). On
 CUDA the gradients are on the device and go through ``GRADS_HELD`` flat host buffers (copied
@@ -237,8 +240,10 @@ class GradientCollector:
 
     def _hold_grad(self, state: UnitOptimState, entry: ParamEntry, grad: torch.Tensor) -> None:
         """Keep ``grad`` for the unit's step instead of copying it (see [Note: held
-        gradients]); a second gradient of the same parameter makes a new sum, never an
-        in-place add (autograd may have handed the same tensor to another parameter)."""
+        gradients]), in the dtype autograd made it: the kernels read fp32, bf16 and fp16
+        gradients and widen them in registers, exactly. A second gradient of the same
+        parameter makes a new sum in fp32, never an in-place add (autograd may have handed
+        the same tensor to another parameter)."""
         if not gradients_held(grad.device):
             raise RuntimeError(
                 f"{state.unit.name}: a gradient on {grad.device} would be held; only a CPU "
@@ -246,18 +251,24 @@ class GradientCollector:
                 "to host buffers: the optimizer's holds_grads disagrees with its device")
         if state.grad_parts is None:
             state.grad_parts = {}
-        flat = grad.detach().to(torch.float32).reshape(-1)
+        flat = grad.detach().reshape(-1)
+        if flat.dtype not in _NATIVE_GRAD_DTYPES:
+            flat = flat.to(torch.float32)
         if not flat.is_contiguous():
             flat = flat.contiguous()
         held = state.grad_parts.get(entry.offset)
-        if held is None:
+        if held is not None:
+            flat = held.float() + flat.float()
+        grown = flat.numel() * flat.element_size() - (
+            0 if held is None else held.numel() * held.element_size())
+        if grown:
             # backpressure: waits while background steps hold the room (they give it back as
             # they go); a unit's first part never waits (see [Note: room in bytes, freed as
             # the step goes])
             may_wait = self._steps_running if state.held_bytes else _never
-            self.timers.grad_wait_s += self.held_room.take(flat.numel() * 4, may_wait)
-            state.held_bytes += flat.numel() * 4
-        state.grad_parts[entry.offset] = flat if held is None else held + flat
+            self.timers.grad_wait_s += self.held_room.take(grown, may_wait)
+            state.held_bytes += grown
+        state.grad_parts[entry.offset] = flat
         state.grads_seen += 1
 
     def _grad_target(self, state: UnitOptimState) -> torch.Tensor:

@@ -280,7 +280,7 @@ class CompleteGradient:
     def free_part(self, offset: int) -> None:
         """Free one held part (its sub-groups have been stepped)."""
         part = self.values.pop(offset)
-        nbytes = min(part.numel() * 4, self.held_bytes)
+        nbytes = min(part.numel() * part.element_size(), self.held_bytes)
         self.held_bytes -= nbytes
         if self.room is not None:
             self.room.give(nbytes)

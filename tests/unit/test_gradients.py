@@ -335,7 +335,7 @@ def test_without_a_slot_it_waits_for_a_running_step_else_takes_a_budgeted_buffer
     assert c.grad_buffer.numel() == 1024 and c.grad_written == {16}
 
 
-def test_an_early_step_holds_autograd_gradients_as_float32_parts() -> None:
+def test_an_early_step_holds_autograd_gradients_in_their_dtype() -> None:
     room = _Room(wait_s=0.25)
     rig = _Rig([_unit()], home=None, early_step=True, holds_grads=True, room=room)
     rig.running = True
@@ -349,14 +349,29 @@ def test_an_early_step_holds_autograd_gradients_as_float32_parts() -> None:
     assert torch.equal(g1, keep)     # autograd's tensor is not added to in place
     parts = state.grad_parts
     assert sorted(parts) == [0, 16]
-    assert parts[0].dtype == F32 and parts[0].is_contiguous() and parts[0].shape == (15,)
-    assert torch.equal(parts[0], g0.to(F32).reshape(-1))
+    # bf16 as autograd made it (the kernels widen it exactly), made contiguous
+    assert parts[0].dtype == torch.bfloat16 and parts[0].is_contiguous()
+    assert parts[0].shape == (15,) and torch.equal(parts[0], g0.reshape(-1))
     assert torch.equal(parts[16], g1 + g1)
-    # room: one take per part, the unit's first never waits, later ones while steps run
-    assert room.taken == [(60, False), (28, True)]
-    assert state.held_bytes == 88 and state.grads_seen == 3 and state.arrived == {0, 16}
+    # room in the parts' own bytes: one take per part, the unit's first never waits, later
+    # ones while steps run; a second fp32 gradient of p1 adds no bytes
+    assert room.taken == [(30, False), (28, True)]
+    assert state.held_bytes == 58 and state.grads_seen == 3 and state.arrived == {0, 16}
     assert rig.timers.grad_wait_s == 0.5 and rig.timers.grad_s > 0.0
     assert state.grad_buffer is None and rig.pool.available == 2
+
+
+def test_a_second_16bit_gradient_is_summed_in_fp32_and_takes_the_wider_bytes() -> None:
+    room = _Room(wait_s=0.0)
+    rig = _Rig([_unit()], home=None, early_step=True, holds_grads=True, room=room)
+    state = rig.states[0]
+    g0 = torch.randn(15, dtype=torch.bfloat16)
+    rig.grad(state, 0, g0)
+    rig.grad(state, 0, g0)
+    part = state.grad_parts[0]
+    assert part.dtype == F32 and torch.equal(part, g0.float() + g0.float())
+    assert room.taken == [(30, False), (30, False)]   # 2 -> 4 bytes an element
+    assert state.held_bytes == 60
 
 
 def test_held_parts_wait_for_a_running_step_with_a_real_room(monkeypatch) -> None:

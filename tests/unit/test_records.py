@@ -90,6 +90,11 @@ def test_freeing_a_held_part_gives_its_bytes_back_to_the_room() -> None:
     no_room = CompleteGradient({0: torch.zeros(2)}, held_bytes=8)
     no_room.free_part(0)
     assert no_room.held_bytes == 0
+    # a 16-bit part held as autograd made it gives back its own bytes, 2 an element
+    half = CompleteGradient({0: torch.zeros(10, dtype=torch.bfloat16), 16: torch.zeros(4)},
+                            held_bytes=36)
+    half.free_part(0)
+    assert half.held_bytes == 16
 
 
 def test_give_back_releases_the_slot_and_the_bytes_once() -> None:
