@@ -69,7 +69,7 @@ import torch
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim import _adam_native as N
 from infinity.optim import device_gradients
-from infinity.optim.device_gradients import DeviceGradientPool
+from infinity.optim.device_gradients import DeviceGradient, DeviceGradientPool
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.records import CompleteGradient, OptimTimers, UnitOptimState
 from infinity.planner.engine_sizes import accumulate_chunk_numel
@@ -219,7 +219,7 @@ class GradientCollector:
                 state.grad_written.add(entry.offset)
         state.grads_seen += 1
 
-    def _device_target(self, state: UnitOptimState):
+    def _device_target(self, state: UnitOptimState) -> DeviceGradient:
         """The unit's device buffer, taken from the pool at its first gradient."""
         if state.device_grad is None:
             unit = state.unit
