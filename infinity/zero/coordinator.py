@@ -55,7 +55,7 @@ from torch import nn
 from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import keep_at, param_versions, tensors_in
-from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus
+from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable
 from infinity.zero.device_room import DeviceRoom
 from infinity.zero.gather_ahead import AheadGathers
 from infinity.zero.prefetch import PrefetchLimits, Trace, start_prefetches
@@ -187,7 +187,8 @@ class Coordinator:
         if training:
             # the disk has little to do in the forward: read the Adam states of the units
             # whose backward comes first (see [Note: expected steps])
-            for uid in self._next_trainable(self.traces["bwd"].order, EXPECTED_AHEAD):
+            for uid in next_trainable(self.units, self._status, self.traces["bwd"].order,
+                                      EXPECTED_AHEAD):
                 self.stepper.expect_backward(self.units[uid])
 
     def end_forward(self) -> None:
@@ -243,6 +244,8 @@ class Coordinator:
             for uid in ids:
                 if self._status[uid].users == 0:
                     self._release_or_keep(uid)
+            self._gather_after(ids[-1], self._phase if self._phase in FORWARDS
+                               else PassPhase.EVAL_FORWARD)
         if torch.is_grad_enabled():
             # an input handed back unchanged (T5's blocks return the position bias they were
             # given) gets its gradient only at its producer's backward: see [Note: outputs
@@ -270,21 +273,10 @@ class Coordinator:
         for uid in ids:
             self._ensure(uid, self.traces["bwd"])
             self._status[uid].fetched_for_backward()
-        for uid in ids + tuple(self._next_trainable(self.traces["bwd"].upcoming(), 1)):
+        for uid in ids + tuple(next_trainable(
+                self.units, self._status, self.traces["bwd"].upcoming(), 1)):
             if self.units[uid].has_trainable and not self._status[uid].backward_done:
                 self.stepper.expect_backward(self.units[uid])
-
-    def _next_trainable(self, order: list[int], count: int) -> list[int]:
-        """The first ``count`` distinct units of ``order`` with trainable parameters whose
-        backward is not done."""
-        found: list[int] = []
-        for uid in order:
-            if len(found) == count:
-                break
-            if uid not in found and self.units[uid].has_trainable and \
-                    not self._status[uid].backward_done:
-                found.append(uid)
-        return found
 
     def _post_backward(self, ids: tuple[int, ...]) -> None:
         for uid in ids:
@@ -316,12 +308,13 @@ class Coordinator:
         if not unit.has_trainable and not status.inputs_done:
             return
         status.finish_backward()
-        if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):
+        if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):   # reduces it
             status.stepping = True
             status.stale = unit.shards > 1
-            return
-        if status.users == 0:
+        elif status.users == 0:
             self._release_or_keep(uid)   # kept: the next forward (and a deferred step) use it
+        if self._phase is PassPhase.BACKWARD:   # after its reduce-scatter, on every rank
+            self._gather_after(uid, PassPhase.BACKWARD)
 
     def _end_backward(self) -> None:
         """Runs once when autograd has finished the whole backward pass."""
@@ -456,6 +449,13 @@ class Coordinator:
             self.ahead.gather_next(uid, trace.upcoming(), self._status,
                                    self._phase is PassPhase.BACKWARD,
                                    lambda next_uid: self._make_current(next_uid, None))
+
+    def _gather_after(self, uid: int, phase: PassPhase) -> None:
+        """Unit ``uid``'s kernels are queued: an NVMe-homed unit's gather, where [Note: gathers
+        issued ahead] says (its read waited for here, not before ``uid``'s compute)."""
+        self.ahead.gather_after(uid, self.traces[phase.value].upcoming(), self._status,
+                                phase is PassPhase.BACKWARD,
+                                lambda next_uid: self._make_current(next_uid, None))
 
     def _make_current(self, uid: int, trace: Trace | None) -> None:
         """Fetch unit ``uid`` with its own shard current (read from home or a prefetch, a

@@ -7,19 +7,30 @@ gather issued at the previous unit's use runs on gloo's thread (or NCCL's stream
 unit computes, and its use only waits on the handle.
 
 [Note: gathers issued ahead]
-At the use of unit k from a hook (a module's forward pre-hook or its pre-backward hook: points
-every rank reaches in the same order, see [Note: collective order] in comm/collectives.py),
-after k's own gather (at use, or waited on if it was issued ahead), the coordinator picks the
-next unit n of the recorded order of the pass (``Trace.upcoming()[0]``) and, when ``choose``
-says so, makes n's own shard current (a prefetch in flight is waited for, a read not issued is
-issued now, a waiting deferred step runs on it, exactly as at a use) and issues n's all-gather
-with ``Unit.gather_ahead``. The choice reads only what is the same on every rank:
+The coordinator issues the all-gather of the next unit n of the recorded order of the pass
+(``Trace.upcoming()[0]``), when ``choose`` says so, at one of two points every rank reaches in
+the same order (see [Note: collective order] in comm/collectives.py), by n's param home:
+- host or device home: at the use of unit k from a hook (a module's forward pre-hook or its
+  pre-backward hook), after k's own gather (at use, or waited on if it was issued ahead), so
+  that n's gather runs while k computes;
+- NVMe home: once k's kernels are queued -- in a forward, k's forward post-hook (after k was
+  released or kept); in a backward, where k's backward is done (its last gradient, or its
+  inputs' gradient: ``Coordinator._maybe_finish``), after the optimizer's
+  ``on_unit_backward_done`` issued k's reduce-scatter, so that at this point every rank issues
+  k's reduce-scatter, then n's gather. n is the next unit of the order from there (for a unit
+  whose backward is done only after the next pre-backward hook ran, the one after that).
+At that point the coordinator makes n's own shard current (a prefetch in flight is waited for,
+a read not issued is issued now, a waiting deferred step runs on it, exactly as at a use) and
+issues n's all-gather with ``Unit.gather_ahead``. The choice reads only what is the same on
+every rank:
 - the recorded order (the hooks' calls, identical on the ranks or check_same_sequence stops the
-  run), the units' sizes and kinds (sharded, persistent), and what the hooks did so far (module
-  calls in progress, units held for the backward, gathers ahead not yet used);
-- room: the units the hooks hold and n, against the device budget less what it holds outside
-  the units' buffers, the smallest over the ranks (agreed once at construction:
-  ``agreed_unit_room``), never the memory free now.
+  run), the units' sizes, kinds (sharded, persistent) and param homes (config facts), and what
+  the hooks did so far (module calls in progress, units held for the backward, gathers ahead
+  not yet used);
+- room: the units the hooks hold (k too at its use; after its kernels, only if a hook still
+  holds it) and n, against the device budget less what it holds outside the units' buffers,
+  the smallest over the ranks (agreed once at construction: ``agreed_unit_room``), never the
+  memory free now.
 It never reads what timing decides: whether n's prefetch was issued, found a slot or landed,
 whether a background step landed, which units are kept for reuse. Those only decide how long
 the ahead point waits for n's shard, never whether a collective is issued. So every rank issues
@@ -31,21 +42,30 @@ the handle (``Collectives.compute_waits``: on a GPU the compute stream waits on 
 event, never on the whole device), and a step that ran on its own shard since (the unit's
 ``stale``) gathers it again at use, as before. A gather ahead that no use waits on (the pass
 ended, diverged from the recorded order, or raised) is dropped at the pass boundary: waited on,
-then the unit is let go as any other. Gathers are issued at use instead (today's behaviour, in
-the same order on every rank) during a pass whose order is still being recorded (the first of
-each kind, or after a divergence), for units that are in use already or persistent, for the
-first unit of each pass, and for units whose param home is NVMe (``home_keeps_up``).
+then the unit is let go as any other. Gathers are issued at use instead (in the same order on
+every rank) during a pass whose order is still being recorded (the first of each kind, or after
+a divergence), for units that are in use already or persistent, for the first unit of each
+pass, for a unit that is k itself, and, at the point after k's kernels in a backward, for a
+unit a pre-backward hook of this backward fetched whose backward is not done (its ops may still
+read the buffer the gather rewrites).
 
-Why not NVMe homes: making n current at the ahead point waits for n's shard before unit k
-computes. From a host or device home that is a copy at the link's rate (issued by prefetch
-already, or now). From NVMe it is a read that may not have landed, and where the step is bound
-by the drives it serialized read(n) before compute(k) -- the very overlap prefetch exists for:
-the 1T dry run with drives that keep up went from 95.9 s to 156.6 s (waits for I/O 39.7 s ->
-105.4 s), and the engine blocked its training thread alike. Waiting only if the read landed
-would read timing; the home is a config fact, the same on every rank. Such a unit is gathered
-at its use, after k's compute, its read overlapping that compute as before ``overlap_comm``.
-The dry run issues gathers as the engine does, on its simulated clock
-(simulate/collectives.py).
+How NVMe homes are done: making n current waits for n's shard. From a host or device home that
+is a copy at the link's rate (issued by prefetch already, or now), so it may come before k
+computes. From NVMe it is a read that may not have landed, and waited for at k's use it ran
+before k's compute was queued -- where the step is bound by the drives that serialized read(n)
+before compute(k), the very overlap prefetch exists for (the 1T dry run with drives that keep
+up went from 95.9 s to 156.6 s). Waiting only if the read landed would read timing; the home is
+a config fact. So such a unit's point is after k's kernels are queued: the training thread
+waits for n's read there (on a GPU while k's kernels run), then issues n's gather, which n's
+use waits on as for host homes. On a CPU device compute is synchronous: the read is waited for
+at k's post point instead of n's pre point, with nothing but non-unit modules between, so
+nothing is slower or faster. On a GPU the gather overlaps k's compute only if the collective
+stream does not wait for k's kernels: ``Collectives.all_gather_async`` makes it wait on all the
+compute stream queued before the issue (the own shard's copy, and the last reads of memory the
+buffer may reuse), k's kernels included, so today it starts after them, as at use. The dry run
+issues gathers as the engine does, on its simulated clock (simulate/collectives.py), where
+compute is the training thread's own: at k's post point k's compute is over, and the step is
+the one with these gathers at use.
 """
 from __future__ import annotations
 
@@ -82,6 +102,7 @@ class AheadGathers:
         self.enabled = enabled and any(u.params_sharded for u in units)
         self.room = room
         self.issued = 0      # gathers issued ahead
+        self.issued_after = 0   # of those, NVMe-homed units' (issued after a unit's kernels)
         self.dropped = 0     # of those, let go unused (the pass ended first)
 
     @classmethod
@@ -93,35 +114,41 @@ class AheadGathers:
         return cls(units, on, agreed_unit_room(units, manager, comm) if on else None)
 
     def choose(self, current: int, upcoming: list[int], statuses: list[UnitStatus],
-               backward: bool) -> int | None:
-        """The unit whose gather to issue now, at ``current``'s use (None: none). ``upcoming``:
-        the recorded order after ``current``; ``backward``: a backward pass is running (its
-        fetched units are held)."""
+               backward: bool, after: bool = False) -> int | None:
+        """The unit whose gather to issue now (None: none). At ``current``'s use (``after``
+        False) a unit whose home keeps up; once ``current``'s kernels are queued (``after``:
+        its forward post-hook, or its backward done: counted in the room only if the hooks
+        still hold it) an NVMe-homed unit. ``upcoming``: the recorded order from here;
+        ``backward``: a backward pass is running (its fetched units are held)."""
         if not self.enabled or not upcoming:
             return None
         uid = upcoming[0]
         unit, status = self.units[uid], statuses[uid]
         if uid == current or not unit.params_sharded or unit.persistent or \
-                unit.gathered_ahead or status.users > 0 or not self.home_keeps_up(unit):
+                unit.gathered_ahead or status.users > 0 or self.home_keeps_up(unit) == after:
             return None
+        if after and backward and status.backward_may_read:
+            return None     # fetched by an earlier pre-backward hook, its ops may still read it
         if self.room is not None and \
-                self.held_bytes(current, statuses, backward) + unit.nbytes > self.room:
+                self.held_bytes(None if after else current, statuses, backward) + \
+                unit.nbytes > self.room:
             return None
         return uid
 
     @staticmethod
     def home_keeps_up(unit: Unit) -> bool:
-        """Whether ``unit``'s own shard may be made current at the ahead point without waiting
-        on storage: its param home is on the host or the device (a copy at the link's rate),
-        not NVMe. An NVMe-homed unit's shard comes from a read that may not have landed, and
-        making it current before the unit in use computes would put that read before the
-        compute (the step serialized on the drives: the 1T dry run with drives that keep up
-        went from 95.9 s to 156.6 s); gathered at use, its read overlaps the compute before
-        it, as prefetch intends. The home is a config fact (``offload_param``,
+        """Whether ``unit``'s own shard may be made current at the use of the unit before it,
+        before that unit's kernels are queued, without waiting on storage: its param home is
+        on the host or the device (a copy at the link's rate), not NVMe. An NVMe-homed unit's
+        shard comes from a read that may not have landed: made current there, that read would
+        run before the compute of the unit before it (the 1T dry run with drives that keep up
+        went from 95.9 s to 156.6 s), so its gather is issued ahead only once that unit's
+        kernels are queued (``after``). The home is a config fact (``offload_param``,
         ``offload_optimizer``), the same on every rank."""
         return unit.param_home is not Tier.NVME
 
-    def held_bytes(self, current: int, statuses: list[UnitStatus], backward: bool) -> int:
+    def held_bytes(self, current: int | None, statuses: list[UnitStatus],
+                   backward: bool) -> int:
         """Device bytes of the non-persistent units the hooks hold now (the same on every
         rank): ``current``, those in a module call or pinned, those gathered ahead, and in a
         backward those its pre-backward hooks fetched whose backward is not done."""
@@ -144,9 +171,25 @@ class AheadGathers:
             make_current(uid)
         finally:
             statuses[current].users -= 1
+        self._issue(uid, statuses)
+
+    def gather_after(self, done: int, upcoming: list[int], statuses: list[UnitStatus],
+                     backward: bool, make_current: Callable[[int], None]) -> None:
+        """Once ``done``'s kernels are queued (its forward post-hook, after its release; its
+        backward done, after its reduce-scatter was issued): issue the gather of the
+        NVMe-homed unit ``choose`` picks, after ``make_current`` waited for its read (on a GPU
+        ``done``'s kernels run meanwhile); held until its use waits on the gather."""
+        uid = self.choose(done, upcoming, statuses, backward, after=True)
+        if uid is not None:
+            make_current(uid)
+            self._issue(uid, statuses)
+
+    def _issue(self, uid: int, statuses: list[UnitStatus]) -> None:
         self.units[uid].gather_ahead()
         statuses[uid].stale = False
         self.issued += 1
+        if not self.home_keeps_up(self.units[uid]):
+            self.issued_after += 1
 
     def drop(self, statuses: list[UnitStatus], let_go: Callable[[int], None]) -> None:
         """Gathers issued ahead that no use waited on (a pass ended, diverged from its recorded

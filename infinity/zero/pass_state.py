@@ -95,3 +95,15 @@ class UnitStatus:
             raise RuntimeError(f"a unit's backward finished twice in one backward (state "
                                f"{self.backward.value}): the coordinator's hooks ran out of order")
         self.backward = _FINISH[self.backward]
+
+
+def next_trainable(units, statuses: list[UnitStatus], order: list[int], count: int) -> list[int]:
+    """The first ``count`` distinct units of ``order`` (indices into ``units`` and
+    ``statuses``) with trainable parameters whose backward is not done."""
+    found: list[int] = []
+    for uid in order:
+        if len(found) == count:
+            break
+        if uid not in found and units[uid].has_trainable and not statuses[uid].backward_done:
+            found.append(uid)
+    return found

@@ -94,10 +94,13 @@ def _run_case(case: dict, nvme_dir: str, steps: int, rank: int, world: int) -> d
         result.update({
             "sequence": [list(entry) for entry in log],
             "ahead_issued": engine.coordinator.ahead.issued,
+            # of those, NVMe-homed units' (issued once the unit before had its kernels queued)
+            "ahead_after": engine.coordinator.ahead.issued_after,
             "ahead_dropped": engine.coordinator.ahead.dropped,
             "overlap_enabled": engine.coordinator.ahead.enabled,
-            # each unit's param home and whether its parameters are sharded (which path its
-            # gathers take: ahead from a host home, at use from NVMe)
+            # each unit's param home and whether its parameters are sharded (which point its
+            # gathers are issued ahead at: a host home's at the use of the unit before it, an
+            # NVMe home's after that unit's kernels)
             "homes": [u.param_home.name for u in engine.units],
             "sharded": [bool(u.params_sharded) for u in engine.units],
             # units copied to the device ahead of use (slot or host home), used by a fetch

@@ -35,21 +35,51 @@ def test_the_next_unit_of_the_recorded_order_is_chosen() -> None:
         0, [2], statuses, backward=False) is None
 
 
-def test_a_unit_homed_on_nvme_is_gathered_at_its_use() -> None:
-    """Its shard comes from a read that may not have landed: made current at the ahead point,
-    that read would run before the current unit's compute instead of beside it (the 1T dry run
-    with fast drives: 95.9 s -> 156.6 s). Host and device homes keep the ahead gather."""
+def test_a_unit_homed_on_nvme_is_gathered_ahead_only_after_the_unit_before_it() -> None:
+    """Its shard comes from a read that may not have landed: made current at the use of the
+    unit before it, that read would run before that unit's compute instead of beside it (the
+    1T dry run with fast drives: 95.9 s -> 156.6 s). So it is chosen only at the point after
+    that unit's kernels are queued (``after``), and a host or device home only at the use."""
     statuses = [UnitStatus() for _ in range(4)]
-    for home, chosen in ((Tier.NVME, None), (Tier.HOST, 1), (Tier.DEVICE, 1)):
+    for home, at_use, after in ((Tier.NVME, None, 1), (Tier.HOST, 1, None),
+                                (Tier.DEVICE, 1, None)):
         rule = AheadGathers(_units(home=home), enabled=True, room=None)
-        assert rule.choose(0, [1, 2], statuses, backward=False) == chosen, home
-        assert rule.choose(0, [1, 2], statuses, backward=True) == chosen, home
+        for backward in (False, True):
+            assert rule.choose(0, [1, 2], statuses, backward=backward) == at_use, home
+            assert rule.choose(0, [1, 2], statuses, backward=backward, after=True) == after, home
     # mixed homes: decided per unit, from the unit's home only
     units = _units()
     units[1].param_home = Tier.NVME
     rule = AheadGathers(units, enabled=True, room=None)
     assert rule.choose(0, [1, 2], statuses, backward=False) is None
+    assert rule.choose(0, [1, 2], statuses, backward=False, after=True) == 1
     assert rule.choose(1, [2, 3], statuses, backward=False) == 2
+    assert rule.choose(1, [2, 3], statuses, backward=False, after=True) is None
+    # the rules of the use hold after too: not the same unit, not one in use, not persistent,
+    # not one a pre-backward hook of this backward fetched (its ops may still read it)
+    rule = AheadGathers(_units(home=Tier.NVME), enabled=True, room=None)
+    assert rule.choose(1, [1, 2], statuses, backward=False, after=True) is None
+    statuses[1].users = 1
+    assert rule.choose(0, [1, 2], statuses, backward=False, after=True) is None
+    statuses[1] = UnitStatus()
+    statuses[1].fetched_for_backward()
+    assert rule.choose(0, [1, 2], statuses, backward=False, after=True) == 1
+    assert rule.choose(0, [1, 2], statuses, backward=True, after=True) is None
+    rule.units[2].persistent = True
+    assert rule.choose(1, [2], [UnitStatus() for _ in range(4)], backward=False,
+                       after=True) is None
+
+
+def test_after_its_kernels_the_unit_before_counts_in_the_room_only_if_held() -> None:
+    """At the point after unit 0's kernels were queued its buffer is let go (forward post-hook,
+    backward done) unless a hook still holds it: room for the next unit and one held unit."""
+    units = _units(home=Tier.NVME)
+    statuses = [UnitStatus() for _ in units]
+    rule = AheadGathers(units, enabled=True, room=200)
+    statuses[3].users = 1
+    assert rule.choose(0, [1], statuses, backward=False, after=True) == 1
+    statuses[0].users = 1           # a module call of unit 0 still in progress (nested)
+    assert rule.choose(0, [1], statuses, backward=False, after=True) is None
 
 
 def test_room_counts_what_the_hooks_hold_never_what_is_free_now() -> None:
