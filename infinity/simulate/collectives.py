@@ -5,9 +5,11 @@ Why: the dry run runs the engine's own ``Unit`` and ``Coordinator``, which call 
 through this interface, so that the step it predicts pays for the network where the engine's
 does. A collective called at use (``all_gather``, ``reduce_scatter``) holds the training
 thread until its end, as the engine's does. With ``overlap_comm`` the coordinator issues a
-unit's all-gather ahead, at the use of the unit before it (see [Note: gathers issued ahead] in
-zero/gather_ahead.py): ``all_gather_async`` queues it on the lane at once and returns a handle
-that fires at its end on the clock, so the gather runs while the unit before computes; compute
+unit's all-gather ahead, at the use of the unit before it, or (NVMe homes) once that unit's
+compute is queued (see [Note: gathers issued ahead] in zero/gather_ahead.py):
+``all_gather_async`` queues it on the lane at once and returns a handle that fires at its end
+on the clock, so a gather issued at a use runs while that unit computes (one issued after it
+runs after it: compute here is the training thread's own, as on a CPU); compute
 that reads the unit waits on the handle (``compute_waits``: the training thread's clock moves
 to the gather's end, a wait labelled with it on the "compute waits" row). The lane serves the
 calls in issue order, as gloo and NCCL run the calls of one group: a reduce-scatter issued

@@ -453,7 +453,7 @@ class Coordinator:
     def _gather_after(self, uid: int, phase: PassPhase) -> None:
         """Unit ``uid``'s kernels are queued: an NVMe-homed unit's gather, where [Note: gathers
         issued ahead] says (its read waited for here, not before ``uid``'s compute)."""
-        self.ahead.gather_after(uid, self.traces[phase.value].upcoming(), self._status,
+        self.ahead.gather_after(uid, self.traces[phase.value].after(uid), self._status,
                                 phase is PassPhase.BACKWARD,
                                 lambda next_uid: self._make_current(next_uid, None))
 

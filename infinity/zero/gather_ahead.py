@@ -17,8 +17,10 @@ the same order (see [Note: collective order] in comm/collectives.py), by n's par
   released or kept); in a backward, where k's backward is done (its last gradient, or its
   inputs' gradient: ``Coordinator._maybe_finish``), after the optimizer's
   ``on_unit_backward_done`` issued k's reduce-scatter, so that at this point every rank issues
-  k's reduce-scatter, then n's gather. n is the next unit of the order from there (for a unit
-  whose backward is done only after the next pre-backward hook ran, the one after that).
+  k's reduce-scatter, then n's gather. Only while k is the last unit used (``Trace.after``):
+  a unit whose backward is done only after the next unit's pre-backward hook ran (frozen
+  parameters: its inputs' gradient comes after that hook) gets none there, or the read of the
+  unit after the next would be waited for before the next one computes.
 At that point the coordinator makes n's own shard current (a prefetch in flight is waited for,
 a read not issued is issued now, a waiting deferred step runs on it, exactly as at a use) and
 issues n's all-gather with ``Unit.gather_ahead``. The choice reads only what is the same on

@@ -50,6 +50,17 @@ class Trace:
         """Units expected next, in order (empty while learning)."""
         return self.order[self.position:] if self.complete else []
 
+    def after(self, unit: int) -> list[int]:
+        """Units expected after ``unit``, in order, if ``unit`` is the last one fetched (empty
+        while learning, or once another unit's fetch came since). The point after a unit's
+        kernels (see [Note: gathers issued ahead] in zero/gather_ahead.py) gathers the unit
+        right after it or none: a unit whose backward is done only after the next unit's
+        pre-backward hook (frozen parameters: the gradient of its inputs comes after that
+        hook) must not wait there for the read of the unit after that one, before the next
+        unit computes."""
+        last = self.order[self.position - 1] if 0 < self.position <= len(self.order) else None
+        return self.upcoming() if last == unit else []
+
 
 @dataclass
 class PrefetchLimits:

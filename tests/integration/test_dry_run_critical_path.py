@@ -12,8 +12,8 @@ With ``overlap_comm`` (on at stage 3, passed as the engine passes it) all-gather
 host-homed units (70B on 8 x H100 with parameters on the CPU) are issued ahead and overlap
 compute, no unit's compute starting before its gather's end; the 1T plan's NVMe-homed units'
 gathers are issued ahead once the unit before them has computed (issued at its use, their reads
-ran before its compute: 156.6 s instead of 95.9 s with fast drives), its step the same as with
-every gather at use.
+ran before its compute: 156.6 s instead of 95.9 s with fast drives), its step no longer than
+with every gather at use.
 Planted faults (compute not waiting for its copy; the Adam not waiting for its gradient;
 compute not waiting for its gather) break that order, so these checks can fail.
 
@@ -255,8 +255,9 @@ def test_nvme_homed_units_are_gathered_ahead_after_the_unit_before_them(
     waited for there. Issued at that unit's use instead, the read ran before its compute
     (156.6 s instead of 95.9 s with fast drives) and the gathers lay inside that compute. On the
     dry run's clock compute is the training thread's own, so at the point after it the compute
-    is over: no gather lies inside compute, compute waits for each, and the step is the one
-    with every gather at use."""
+    is over: no gather lies inside that compute, compute waits for each, and the step is no
+    longer than with every gather at use (shorter only where compute outside the units lies
+    between that point and the use)."""
     report, spans = dry_run(tmp_path, monkeypatch, capsys, "1T on 8 x H100", drives)
     assert any(row == "collectives" and what.startswith("all-gather ahead model.layers.")
                for row, *_, what in spans)
@@ -264,7 +265,7 @@ def test_nvme_homed_units_are_gathered_ahead_after_the_unit_before_them(
     assert inside_compute(spans, "collectives") < 1e-6
     _gathers_at_use(monkeypatch)
     at_use, _ = dry_run(tmp_path, monkeypatch, capsys, "1T on 8 x H100", drives)
-    assert report["simulated_step_s"] == pytest.approx(at_use["simulated_step_s"], rel=1e-9)
+    assert report["simulated_step_s"] <= at_use["simulated_step_s"] * (1 + 1e-9)
 
 
 def test_compute_not_waiting_for_a_gather_issued_ahead_breaks_the_order(tmp_path, monkeypatch,

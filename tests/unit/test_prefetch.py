@@ -24,6 +24,25 @@ def test_trace_relearns_from_the_point_of_divergence() -> None:
     assert trace.relearns == 1 and trace.order == [0, 1, 3] and trace.upcoming() == []
 
 
+def test_after_a_unit_only_while_it_is_the_last_one_fetched() -> None:
+    """The point after unit k's kernels gathers the unit right after k, never one further: a
+    unit with frozen parameters is done only after the next unit's pre-backward hook, and
+    gathering the one after that would wait for its read before the next unit computes."""
+    trace = Trace()
+    trace.start_pass()
+    for unit in (3, 2, 1, 0):
+        trace.observe(unit)
+    assert trace.after(0) == []                              # still being recorded
+    trace.start_pass()
+    trace.observe(3)
+    assert trace.after(3) == [2, 1, 0]
+    trace.observe(2)                                         # 2's hook ran before 3 was done
+    assert trace.after(3) == [] and trace.after(2) == [1, 0]
+    trace.observe(1)
+    trace.observe(0)
+    assert trace.after(0) == []                              # the pass's last unit
+
+
 def test_choose_prefetch_stays_in_order_within_the_budgets() -> None:
     limits = PrefetchLimits(bucket_numel=150, max_live_numel=400, max_units_ahead=4)
     released = {1, 2, 3}
