@@ -5,7 +5,8 @@ its sequence of collectives (``Collectives.sequence_log``), the gathers issued a
 late gathers' counters. A case's ``plant`` breaks the rule on purpose (the test expects it to
 fail): "no_wait" -- compute does not wait on the gather's handle; "early_release" -- the unit
 is let go right after its gather was issued ahead, before its use. A case that raises is
-recorded with its error, on every rank alike, and the next case runs.
+recorded with its error, on every rank alike, and the next case runs. A case's "freeze"
+freezes each block's norm (``freeze``).
 
 argv: out_dir nvme_dir cases_json steps
 """
@@ -50,6 +51,16 @@ def _plant(name: str | None):
     raise ValueError(f"unknown plant {name!r}")
 
 
+def freeze(model, case: dict):
+    """With the case's "freeze": each block's norm is frozen (a fine-tune that trains part of a
+    unit): such a unit's backward is done only at its inputs' gradient, after the next unit's
+    pre-backward hook. Returns ``model``."""
+    if case.get("freeze"):
+        for block in model.blocks:
+            block.norm.requires_grad_(False)
+    return model
+
+
 def run_case(case: dict, nvme_dir: str, steps: int, rank: int, world: int) -> dict:
     from infinity.storage.device_cache import DeviceMemoryCache
 
@@ -67,7 +78,7 @@ def run_case(case: dict, nvme_dir: str, steps: int, rank: int, world: int) -> di
 
 
 def _run_case(case: dict, nvme_dir: str, steps: int, rank: int, world: int) -> dict:
-    model = make_model("torch", seed=0, layers=3, width=32)
+    model = freeze(make_model("torch", seed=0, layers=3, width=32), case)
     config = case_config(case, nvme_dir, world)
     engine, *_ = infinity.initialize(model=model, config=config)
     MANAGER[0] = engine.manager
