@@ -35,7 +35,7 @@ from infinity.config.file import check_nesting, decode_base64_config, read_confi
 from infinity.config.infinity_section import InfinitySection
 from infinity.config.monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
 from infinity.config.optimizer import SCHEDULER_KEYS, OptimizerConfig, SchedulerConfig
-from infinity.config.precision import Bf16Config, Fp16Config
+from infinity.config.precision import Bf16Config, Fp16Config, check_communication_dtype
 from infinity.config.values import (
     AUTO,
     ConfigError,
@@ -51,7 +51,7 @@ from infinity.config.zero import OFFLOAD_KEYS, SIZE_KEYS, OffloadConfig, ZeroCon
 # (profilers, compilers), collectives of a world size of 1, or memory layouts that change
 # no result here. Anything else unknown is an error.
 IGNORED_KEYS: dict[str, tuple[str, ...]] = {
-    "": ("zero_allow_untested_optimizer", "communication_data_type", "activation_checkpointing",
+    "": ("zero_allow_untested_optimizer", "activation_checkpointing",
          "flops_profiler", "comms_logger",
          "autotuning",
          "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
@@ -153,6 +153,10 @@ class InfinityConfig:
     """bf16 compute."""
     gradient_clipping: float = 0.0
     """Clip the global gradient norm to this value; 0 = off."""
+    communication_data_type: str | None = None
+    """The dtype gradients are reduced in over the ranks on a GPU ("fp32", "bf16", "fp16"; None
+    = the gradients' own dtype, as DeepSpeed): the device buffer, the collective and the copy
+    of the shard to the host. A CPU device reduces in fp32 on the host whatever it says."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """ZeRO stage, home tiers, sizes (JSON key "zero_optimization")."""
     aio: AioConfig = field(default_factory=AioConfig)
@@ -201,6 +205,9 @@ class InfinityConfig:
         if (dtype == "bf16" and self.fp16.enabled) or (dtype == "fp16" and self.bf16.enabled):
             other = "fp16" if dtype == "bf16" else "bf16"
             raise ConfigError(f"infinity.compute_dtype = {dtype!r} contradicts {other}.enabled = true")
+        if dtype == "auto":    # as a GPU resolves it (the planner checks the resolved one too)
+            dtype = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
+        check_communication_dtype(self.communication_data_type, dtype)
         if self.infinity.early_step == "on":
             blockers = []
             if self.gradient_clipping > 0:
@@ -309,6 +316,8 @@ class InfinityConfig:
         out.update({
             "fp16": self.fp16.to_dict(), "bf16": self.bf16.to_dict(),
             "gradient_clipping": self.gradient_clipping,
+            **({} if self.communication_data_type is None else
+               {"communication_data_type": self.communication_data_type}),
             "zero_optimization": self.zero.to_dict(), "aio": self.aio.to_dict(),
             "infinity": self.infinity.to_dict(),
             "wall_clock_breakdown": self.wall_clock_breakdown,
@@ -329,7 +338,8 @@ class InfinityConfig:
 
 _TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
-             "aio", "infinity", "wall_clock_breakdown", "steps_per_print", "seed",
+             "communication_data_type", "aio", "infinity", "wall_clock_breakdown",
+             "steps_per_print", "seed",
              "dataloader_drop_last", "tensorboard", "csv_monitor", "wandb")
 _MONITORS = ("tensorboard", "csv_monitor", "wandb")
 _ALIASES: dict[str, dict[str, str]] = {

@@ -5,7 +5,42 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from infinity.config.values import check_bool, check_float, check_int, set_field
+from infinity.config.values import ConfigError, check_bool, check_float, check_int, set_field
+
+COMMUNICATION_DTYPES = ("fp32", "bf16", "fp16")
+"""DeepSpeed's ``communication_data_type`` choices (unset: the gradients' own dtype)."""
+
+
+def check_communication_dtype(value: Any, compute: str) -> str | None:
+    """``communication_data_type`` checked against the compute dtype the config declares
+    (``compute``: fp32, bf16 or fp16); None stays None (the gradients' own dtype, as
+    DeepSpeed). Gradients are reduced in it on a GPU with several ranks (see [Note: gradients
+    reduced on the device] in optim/device_gradients.py).
+
+    Refused as meaningless: "fp16" unless the compute is fp16 (only fp16's loss scale keeps a
+    gradient inside fp16's range: a bf16 or fp32 gradient above 65504 would reduce to inf and
+    one below 6e-8 to zero, with no loss scale to notice or undo it), and "bf16" under fp16
+    compute (the same two bytes as the fp16 gradient, with three fewer mantissa bits: it
+    saves nothing and only rounds). "bf16" under fp32 compute halves the reduce's bytes with
+    fp32's range and is allowed, as is "fp32" under any compute (a wider sum)."""
+    if value is None:
+        return None
+    if value not in COMMUNICATION_DTYPES:
+        raise ConfigError(
+            f"communication_data_type = {value!r}: expected one of "
+            f"{', '.join(map(repr, COMMUNICATION_DTYPES))}, or leave it unset (the gradients' "
+            "own dtype, as DeepSpeed)")
+    if value == "fp16" and compute != "fp16":
+        raise ConfigError(
+            f"communication_data_type = 'fp16' with {compute} compute: without fp16's loss "
+            "scale the gradients leave fp16's range (above 65504 they reduce to inf, below "
+            "6e-8 to zero); use \"bf16\" (fp32's range in two bytes), \"fp32\", or unset it")
+    if value == "bf16" and compute == "fp16":
+        raise ConfigError(
+            "communication_data_type = 'bf16' with fp16 compute: the fp16 gradients would be "
+            "rounded to three fewer mantissa bits in the same two bytes; unset it (fp16) or "
+            "use \"fp32\"")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)

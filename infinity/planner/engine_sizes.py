@@ -24,6 +24,7 @@ from infinity.planner.alignment import (
 from infinity.planner.placement import gradient_home_itemsize
 from infinity.planner.sizes import (
     DEVICE_GRAD_BUFFERS,
+    DTYPE_BYTES,
     PREFETCH_UNITS,
     DerivedSizes,
     device_gradient_bytes,
@@ -365,11 +366,12 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         host += slots * padded_numel(min(sub_group, max(max(state_shares, default=0), 1)),
                                      FP32_BYTES) * 4
     device_gradients = 0
+    comm_itemsize = DTYPE_BYTES[derived.device_grad_dtype]   # the communication dtype
     if device_reduce and ranks > 1:      # stages 1-3: the unit's every shard, then its own
         device_gradients = derived.device_grad_buffers * max(
-            (ranks * shard + shard for shard in shards), default=0) * 4
+            (ranks * shard + shard for shard in shards), default=0) * comm_itemsize
     elif device_reduce:                  # stage 0: an all-reduce of the trainable range
-        device_gradients = derived.device_grad_buffers * max(trainable, default=0) * 4
+        device_gradients = derived.device_grad_buffers * max(trainable, default=0) * comm_itemsize
     nvme = 0
     copies = 2 if speculative else 1
     if param_tier == Tier.NVME:

@@ -81,6 +81,9 @@ class OptimizerPools:
     device_grad_buffers: int = DEVICE_GRAD_BUFFERS
     """Device buffers gradients are reduced in with several ranks on a GPU (``DerivedSizes.
     device_grad_buffers``)."""
+    device_grad_dtype: str = "fp32"
+    """Their dtype, the collective's and the shard's copy to the host (``DerivedSizes.
+    device_grad_dtype``: ``communication_data_type``, unset the compute dtype)."""
 
 
 @dataclass(frozen=True)
@@ -289,7 +292,8 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
                     master_separate: bool, early_step: bool, speculative: bool,
                     keeps_gradients: bool, held_room_off: bool = False,
                     reduces_on_device: bool = False,
-                    device_grad_buffers: int = DEVICE_GRAD_BUFFERS) -> OptimizerPools:
+                    device_grad_buffers: int = DEVICE_GRAD_BUFFERS,
+                    device_grad_dtype: str = "fp32") -> OptimizerPools:
     """The optimizer's pools for ``units``' (flat numel, trainable numel) layouts on ``rank``
     of ``world_size`` (``shard_states``: each rank steps its shard, stages 1-3). ``streamed``:
     per unit, whether its parameters have a home store (stage 3 above the persistence
@@ -330,7 +334,8 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
     return OptimizerPools(sub_group_numel=sub_group, gradient=gradient, step=step,
                           held_room_bytes=0 if held_room_off and holds
                           else held_room_bytes(max_trainable), holds_grads=holds,
-                          device_grad_buffers=device_grad_buffers)
+                          device_grad_buffers=device_grad_buffers,
+                          device_grad_dtype=device_grad_dtype)
 
 
 def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = None,
@@ -440,7 +445,8 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
         master_separate=not placement.single_copy, early_step=placement.early_step,
         speculative=speculative, keeps_gradients=keeps, held_room_off=room.held_room_off,
         reduces_on_device=not cpu and ranks_active,
-        device_grad_buffers=derived.device_grad_buffers)
+        device_grad_buffers=derived.device_grad_buffers,
+        device_grad_dtype=derived.device_grad_dtype)
     return RunPlan(config=cfg, placement=placement, derived=derived, sizes=sizes,
                    compute_dtype_reason=reason, device_is_cpu=cpu, direct_fetch=direct,
                    speculative=speculative, speculative_reason=spec_reason,

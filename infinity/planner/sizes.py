@@ -35,8 +35,9 @@ PERSISTENCE_THRESHOLD = 100_000   # params below this many elements stay on the 
 PERSISTENT_SHARE = 0.05           # ... if they take at most this share of the device budget
 REDUCE_BUCKET_SHARE = 1 / 8       # a gradient reduce bucket takes at most this share of the device
 EMULATED_DEVICE_SHARE = 0.25      # CPU-only: the device pool's share of the host's budgeted memory
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DEVICE_GRAD_BUFFERS = 2
-"""Device fp32 flat buffers a unit's gradient is collected and reduced in with several ranks on
+"""Device flat buffers a unit's gradient is collected and reduced in with several ranks on
 a GPU (one collecting, one whose shard is being copied to the host; see [Note: gradients
 reduced on the device] in optim/device_gradients.py)."""
                                   # (prefetch shrinks first; the pool never drops below one unit)
@@ -94,6 +95,9 @@ class DerivedSizes:
     gradients reduced on the device] in optim/device_gradients.py): DEVICE_GRAD_BUFFERS, or one
     where the device budget has no room for two beside the resident states and a fetched unit
     (a unit's gradient then waits, on the device, for the copy out of the one before)."""
+    device_grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """The dtype of those buffers, their collective and the shard's copy to the host:
+    ``communication_data_type``, unset the compute dtype (the gradients' own, as DeepSpeed)."""
 
     def apply(self, cfg: InfinityConfig) -> InfinityConfig:
         """``cfg`` with every "auto" replaced by these values (what a run really used)."""
@@ -115,7 +119,8 @@ class DerivedSizes:
                                   device_memory_budget=self.device_budget_bytes,
                                   compute_dtype=self.compute_dtype,
                                   early_step="on" if self.early_step else "off")
-        return dataclasses.replace(cfg, zero=zero, infinity=inf)
+        return dataclasses.replace(cfg, zero=zero, infinity=inf,
+                                   communication_data_type=self.device_grad_dtype)
 
 
 def host_allowed(cfg: InfinityConfig, hw: Hardware) -> int:
@@ -145,18 +150,19 @@ def slot_bytes_per_elem(lay: Placement) -> int:
 
 
 def device_gradient_bytes(unit: int, world_size: int, stage: int, gpu: bool,
-                          buffers: int = DEVICE_GRAD_BUFFERS) -> int:
+                          buffers: int = DEVICE_GRAD_BUFFERS, itemsize: int = 4) -> int:
     """Device bytes of the buffers gradients are reduced in for a largest unit of ``unit``
     elements (see [Note: gradients reduced on the device] in optim/device_gradients.py): with
-    several ranks on a GPU, ``buffers`` fp32 buffers of the unit's collected gradient
+    several ranks on a GPU, ``buffers`` buffers (of ``itemsize``-byte elements, the
+    communication dtype's) of the unit's collected gradient
     (every shard at stages 1-3, the trainable range at stage 0) and, when scattered, its own
     shard behind it; none with one rank or on a CPU device (the host path)."""
     if world_size <= 1 or not gpu or unit <= 0:
         return 0
     if stage >= 1:
         shard = shard_numel(unit, world_size)
-        return buffers * (world_size * shard + shard) * 4
-    return buffers * unit * 4
+        return buffers * (world_size * shard + shard) * itemsize
+    return buffers * unit * itemsize
 
 
 def device_working(lay: Placement, unit: int, prefetch: int, persist: int, bucket: int) -> int:
@@ -203,12 +209,25 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
         fits = c * stats.persistent_elements(PERSISTENCE_THRESHOLD) <= PERSISTENT_SHARE * device_budget
         threshold = PERSISTENCE_THRESHOLD if fits else 0
     persist = stats.persistent_elements(threshold) if z.stage == 3 else 0
-    # the device gradient buffers: two where they fit beside what a fetched unit needs, else one
+    # the device gradient buffers: two where they fit beside what a fetched unit needs and (at
+    # stage 3) one unit fetched ahead of it, else one. A second buffer only hides the copy out
+    # of a unit's shard (1/N of its gradient) behind the next unit's backward; the unit
+    # fetched ahead hides its whole NVMe read, copy in and gather behind compute, so it goes
+    # first (1T on 8 x 80 GB: two bf16 buffers of a block, 32.7 GiB, left 0.87B elements of
+    # prefetch and no copy in overlapped compute; one leaves 9.6B)
     room = device_budget - resident_device - device_working(lay, unit, 0, persist, 0)
+    ahead = c * unit if z.stage == 3 else 0
+    # in the communication dtype: DeepSpeed's unset one is the gradients' own, the compute
+    # dtype (the config refused the pairs that make no sense: config/precision.py; a GPU
+    # resolves the compute dtype as the config declares it)
+    grad_dtype = cfg.communication_data_type or lay.compute_dtype
+    grad_itemsize = DTYPE_BYTES[grad_dtype]
     grad_buffers = DEVICE_GRAD_BUFFERS
-    if device_gradient_bytes(unit, cfg.world_size, z.stage, hw.has_gpu, grad_buffers) > room:
+    if device_gradient_bytes(unit, cfg.world_size, z.stage, hw.has_gpu, grad_buffers,
+                             grad_itemsize) > room - ahead:
         grad_buffers = 1
-    device_grads = device_gradient_bytes(unit, cfg.world_size, z.stage, hw.has_gpu, grad_buffers)
+    device_grads = device_gradient_bytes(unit, cfg.world_size, z.stage, hw.has_gpu, grad_buffers,
+                                         grad_itemsize)
 
     bucket_cap = max(ALIGN_ELEMS, int(REDUCE_BUCKET_SHARE * device_budget) // c)
     reduce_bucket = z.reduce_bucket_size or min(unit_cap, bucket_cap)
@@ -257,4 +276,4 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
         reduce_bucket_size=reduce_bucket, allgather_bucket_size=allgather_bucket,
         host_budget_bytes=host_budget, device_budget_bytes=device_budget,
         compute_dtype=lay.compute_dtype, early_step=lay.early_step,  # type: ignore[arg-type]
-        device_grad_buffers=grad_buffers)
+        device_grad_buffers=grad_buffers, device_grad_dtype=grad_dtype)  # type: ignore[arg-type]

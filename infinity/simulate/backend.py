@@ -55,6 +55,11 @@ class MetaUnit(Unit):
             super().finish_fetch(manager, pool, gather)
 
 
+# ``communication_data_type`` as the planner resolved it -> the dtype the device buffers, their
+# collective and the shard's copy to the host are in (optim/device_gradients.py's COMM_DTYPES)
+_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class SimBackend:
     """The byte-free tier manager, simulated pools, units on the meta device and the
     optimizer's schedule on the clock, for ``engine.assembly.assemble``.
@@ -93,7 +98,9 @@ class SimBackend:
             opt_tier=lay.opt_tier, grad_tier=es.grad_tier, master_separate=not lay.single_copy,
             adam_params_per_s=self.adam_params_per_s, comm=self.comm,
             grads_held=plan.optimizer.holds_grads, backward_s=self.compute.backward_s,
-            instant=self.instant, grad_dtype=self.grad_dtype, state_format=lay.state_format)
+            instant=self.instant, grad_dtype=self.grad_dtype, state_format=lay.state_format,
+            comm_dtype=_COMM_DTYPES[plan.derived.device_grad_dtype] if es.device_gradient_bytes
+            else torch.float32)
         _init_masters(units, self.manager, fetch_pool, lay, stepper.masters)
         for pool in (plan.optimizer.gradient, plan.optimizer.step):
             if pool is not None:

@@ -26,9 +26,11 @@ dtype, is copied to the host (``manager.copies.to_host``, the "D2H" row), and th
 Adam, or the gradient's write to NVMe, or the deferred step's read of it, starts after that
 copy's end ([Note: copy events] in storage/transfers.py: the host reads a gradient only after
 its copy's event). The optimizer on the device keeps them there (no copy). With several ranks
-the unit's gradient is reduced in a device fp32 buffer and only the rank's range of it is
-copied, in fp32 whatever the home's dtype ([Note: gradients reduced on the device] in
-optim/device_gradients.py); the buffers are device bytes the backend reserves.
+on a GPU the unit's gradient is reduced in a device buffer of the communication dtype
+(``communication_data_type``, unset the compute dtype: ``comm_dtype``) and only the rank's
+range of it is copied, in that dtype whatever the home's (widened on the host at the wait, not
+modelled: [Note: gradients reduced on the device] in optim/device_gradients.py); the buffers
+are device bytes the backend reserves. A CPU device reduces in fp32 on the host.
 ``instant``: every job lands when it is submitted (a step that costs nothing), so the schedule
 no longer depends on timing: the order tests compare this with a real engine whose background
 steps are waited for at each reap.
@@ -79,8 +81,11 @@ class SimStepper:
                  opt_tier: Tier, grad_tier: Tier, master_separate: bool, adam_params_per_s: float,
                  comm: SimCollectives, grads_held: bool, backward_s: Callable[[Unit], float],
                  instant: bool = False, grad_dtype: torch.dtype = torch.float32,
-                 state_format: StateFormat = FP32_STATES) -> None:
+                 state_format: StateFormat = FP32_STATES,
+                 comm_dtype: torch.dtype = torch.float32) -> None:
         self.manager, self.clock = manager, manager.clock
+        # several ranks: the dtype of the reduce and of the shard's copy to the host
+        self.comm_dtype = comm_dtype
         self.early_like = early or speculative     # stepped during the backward
         self.early, self.speculative = early, speculative
         self.comm = comm
@@ -191,8 +196,8 @@ class SimStepper:
         n = self.grad_numel.get(unit.index)
         if not self.grads_leave or n is None:
             return self.clock.now
-        # several ranks: the reduced shard leaves the device buffer, fp32
-        dtype = torch.float32 if self.comm.active else self.grad_dtype
+        # several ranks: the reduced shard leaves the device buffer in the communication dtype
+        dtype = self.comm_dtype if self.comm.active else self.grad_dtype
         grad = torch.empty(n, dtype=dtype, device=META)
         with self.copies.for_unit(unit.name):
             event = self.copies.to_host(grad, grad)
@@ -200,7 +205,7 @@ class SimStepper:
         return event.end
 
     def on_unit_backward_done(self, unit: Unit) -> bool:
-        self.comm.reduce_scatter(unit.flat_numel * 4)
+        self.comm.reduce_scatter(unit.flat_numel * self.comm_dtype.itemsize)
         landed = self._gradient_to_host(unit)
         if self.early_like:
             reads = self.expected.pop(unit.index, None)

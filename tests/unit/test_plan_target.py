@@ -107,19 +107,21 @@ def test_70b_on_8x80gb_shards_and_offloads_the_optimizer() -> None:
     GPU keeps 2 P / 8 = 17.2 GB plus 80 x 2048 x 2 (8 x 8192 + 4 x 28672) + 6 x 32000 x 2048 =
     59.4 GB of activations without checkpointing, and a rank's host share
     0.8 x 2 TiB / 8 = 219.9 GB holds its 12 P / 8 = 103.5 GB of Adam states. Each block's
-    gradient is reduced on the GPU ([Note: gradients reduced on the device]): two fp32 buffers
-    of its 855,654,400 elements and its shard, 2 x 9 x 106,956,800 x 4 = 7.7 GB, which do not
-    fit beside those activations (even one, 3.85 GB): checkpointing is needed."""
+    gradient is reduced on the GPU ([Note: gradients reduced on the device]) in bf16 (the
+    compute dtype: ``communication_data_type`` unset): two buffers of its 855,654,400 elements
+    and its shard, 2 x 9 x 106,956,800 x 2 = 3.85 GB, would leave no room for a block fetched
+    ahead beside those activations, one (1.93 GB) does: it fits without checkpointing (with
+    fp32 buffers, 3.85 GB even for one, it did not)."""
     p = 68_976_648_192
     plan = plan_for(LLAMA_PRESETS["70B"], node("H100", 8, 2 * TiB, 28 * TB))
     zero3 = plan.decision.rungs[3].memory
     assert not zero3.fits and zero3.device["states"] >= 14 * p // 8
     assert chosen_index(plan) == 4
     m = plan.chosen
-    assert m.checkpointing
-    assert m.device["activations"] < 80 * 2048 * 2 * (8 * 8192 + 4 * 28672) + 6 * 32000 * 2048
-    assert m.derived.device_grad_buffers == 2
-    assert m.device["gradients"] == m.engine.device_gradient_bytes == 2 * 9 * 106_956_800 * 4
+    assert not m.checkpointing
+    assert m.device["activations"] == 80 * 2048 * 2 * (8 * 8192 + 4 * 28672) + 6 * 32000 * 2048
+    assert m.derived.device_grad_buffers == 1 and m.derived.device_grad_dtype == "bf16"
+    assert m.device["gradients"] == m.engine.device_gradient_bytes == 9 * 106_956_800 * 2
     # each unit's shard is rounded up to 2048 elements (83 units)
     assert 2 * p / 8 <= m.device["states"] <= 2 * (p / 8 + 2048 * 83)
     assert 12 * p / 8 <= m.host["states"] <= 12 * (p / 8 + 2048 * 83)

@@ -144,21 +144,55 @@ def test_several_ranks_on_a_gpu_reduce_in_device_buffers_and_hold_shards_on_the_
 
 
 def test_one_device_gradient_buffer_where_two_do_not_fit() -> None:
-    """A device budget with room for one buffer beside a fetched unit, not two: the plan takes
-    one (the next unit's gradient then waits on the device for the copy out before it), and
-    counts its bytes."""
+    """A device budget with room for one buffer beside a fetched unit and one fetched ahead,
+    not two: the plan takes one (the next unit's gradient then waits on the device for the
+    copy out before it), and counts its bytes."""
     stats = ModelStats.from_counts(400_000_000, 40_000_000, 10, 40_000_000)
     base = {"compute_dtype": "bf16", "early_step": "off"}
-    # 2 ranks, stage 3: a 40M-element unit's buffer is (2 x 20M + 20M) x 4 = 240 MB
-    roomy = plan_run(config(3, "nvme", "nvme", world_size=2,
+    # 2 ranks, stage 3: a 40M-element unit's fp32 buffer is (2 x 20M + 20M) x 4 = 240 MB
+    roomy = plan_run(config(3, "nvme", "nvme", world_size=2, communication_data_type="fp32",
                             infinity={**base, "device_memory_budget": 4 << 30}), GPU_BOX,
                      stats=stats)
-    tight = plan_run(config(3, "nvme", "nvme", world_size=2,
+    tight = plan_run(config(3, "nvme", "nvme", world_size=2, communication_data_type="fp32",
                             infinity={**base, "device_memory_budget": 600 << 20}), GPU_BOX,
                      stats=stats)
     assert roomy.derived.device_grad_buffers == 2 and tight.derived.device_grad_buffers == 1
     assert tight.sizes.device_gradient_bytes * 2 == roomy.sizes.device_gradient_bytes
     assert tight.optimizer.device_grad_buffers == 1
+    assert tight.derived.device_grad_dtype == tight.optimizer.device_grad_dtype == "fp32"
+
+
+@pytest.mark.parametrize("asked, dtype, itemsize", [(None, "bf16", 2), ("bf16", "bf16", 2),
+                                                    ("fp32", "fp32", 4)])
+def test_device_gradient_buffers_are_in_the_communication_dtype(asked, dtype, itemsize) -> None:
+    """``communication_data_type`` (unset: the compute dtype, bf16 here) is the device buffers'
+    dtype: their bytes, and the optimizer's pools say it."""
+    stats = ModelStats.from_counts(400_000_000, 40_000_000, 10, 40_000_000)
+    extra = {} if asked is None else {"communication_data_type": asked}
+    plan = plan_run(config(3, "nvme", "nvme", world_size=2, **extra,
+                           infinity={"compute_dtype": "bf16", "early_step": "off",
+                                     "device_memory_budget": 4 << 30}), GPU_BOX, stats=stats)
+    assert plan.derived.device_grad_dtype == plan.optimizer.device_grad_dtype == dtype
+    assert plan.sizes.device_gradient_bytes == 2 * (2 * 20_000_768 + 20_000_768) * itemsize
+
+
+def test_a_unit_fetched_ahead_goes_before_a_second_device_gradient_buffer() -> None:
+    """Two buffers that fit beside the fetched unit but leave no room to fetch the next one
+    ahead: the plan keeps one and prefetches (planner/sizes.py ``derive_sizes``)."""
+    stats = ModelStats.from_counts(400_000_000, 40_000_000, 10, 40_000_000)
+    # bf16: the fetched unit and its gradients 160 MB, one unit ahead 80 MB, a buffer 120 MB
+    def plan(budget: int):
+        return plan_run(config(3, "nvme", "nvme", world_size=2,
+                               infinity={"compute_dtype": "bf16", "early_step": "off",
+                                         "device_memory_budget": budget}), GPU_BOX, stats=stats)
+    both, squeezed = plan(520_000_000), plan(440_000_000)
+    assert both.derived.device_grad_buffers == 2
+    assert both.derived.prefetch_bucket_size >= 40_000_000
+    two = 2 * both.sizes.device_gradient_bytes // both.derived.device_grad_buffers
+    fetched, ahead = 2 * 2 * 40_000_000, 2 * 40_000_000
+    assert fetched + two <= 440_000_000 < fetched + ahead + two     # the case described
+    assert squeezed.derived.device_grad_buffers == 1
+    assert squeezed.derived.prefetch_bucket_size >= 40_000_000
 
 
 def test_exact_layouts_against_the_bound_from_counts() -> None:
