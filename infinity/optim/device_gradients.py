@@ -7,16 +7,32 @@ shard (stages 1-3) or needs only the mean (stage 0). Copying the whole gradient 
 and reducing it there moves N times the bytes the step needs over PCIe, runs the reduction
 over gloo on host memory instead of NCCL on the device's links, and cannot work at all with an
 NCCL group (NCCL takes no host tensors). So on a GPU (``reduces_on_device``) the collector
-(optim/gradients.py) adds each parameter's gradient into a device fp32 flat buffer of the
-unit's ``collect_numel`` (copied first, added on a second gradient, the gaps zeroed at the end:
-the host path's sums, element for element), and when the unit's backward is complete reduces
-that buffer on the device -- reduce-scatter into the shard region behind it at stages 1-3,
-all-reduce of the trainable range at stage 0 -- and copies only the own shard (the trainable
-range at stage 0) to the unit's host gradient buffer through the copies' owner (``to_host``,
-its event kept in ``grad_copies``: see [Note: gradients leave the device]).
+(optim/gradients.py) adds each parameter's gradient into a device flat buffer of the unit's
+``collect_numel`` (copied first, added on a second gradient, the gaps zeroed at the end), and
+when the unit's backward is complete reduces that buffer on the device -- reduce-scatter into
+the shard region behind it at stages 1-3, all-reduce of the trainable range at stage 0 -- and
+copies only the own shard (the trainable range at stage 0) to the unit's host gradient buffer
+through the copies' owner (``to_host``, its event kept in ``grad_copies``: see [Note:
+gradients leave the device]).
+
+The buffer, the collective and the copy are in the communication dtype (DeepSpeed's
+``communication_data_type``; unset, the gradients' own dtype, as DeepSpeed and FSDP2's
+``reduce_dtype`` default): bf16 compute reduces bf16 -- half the device buffer, half the bytes
+through NCCL and over PCIe of fp32 -- with a second gradient of a parameter added in bf16 and
+the ranks' sum rounded to bf16 before the mean's division (2 ranks: ``bf16(a + b) / 2``).
+"fp32" keeps the fp32 sums of the host path, element for element (a CPU device's host path
+reduces in fp32 whatever the key says). A 16-bit shard is not widened on the GPU (that would
+send fp32 over PCIe again): it lands in the back half of the bytes of its fp32 host buffer
+(``narrow_staging``: the host staging of the communication dtype, no memory of its own) and is
+widened in place to fp32 by whoever waits for the copy (``Widened``, the event kept in
+``grad_copies``: the training thread's ``copies_landed``, or the step stream's
+``CompleteGradient.landed``), after the copy's event and never before. Until then a reader that
+skipped the wait finds the buffer's second half NaN under the late copies.
+
 
 Buffer lifetime: a device buffer is taken at the unit's first gradient and given back at its
-reduce, with the event of its copy out. It is written again only after that event: the next
+reduce, with the event of its copy out (the copy's own event, not the widening's: compute
+waits for the device's copy, never for a host thread). It is written again only after that event: the next
 taker makes compute wait for it (``compute_waits``: on a GPU the compute stream waits on the
 device, no thread blocks; elsewhere the taking thread). ``DEVICE_GRAD_BUFFERS`` (two) are kept,
 so unit k's copy out overlaps unit k-1's gradients arriving; where the device budget has no
@@ -46,7 +62,12 @@ from infinity.planner.sizes import DEVICE_GRAD_BUFFERS
 from infinity.storage.manager import TierManager
 from infinity.storage.transfers import CopyEvent, DeviceCopies
 
-__all__ = ["reduces_on_device", "DeviceGradient", "DeviceGradientPool"]
+__all__ = ["reduces_on_device", "DeviceGradient", "DeviceGradientPool", "COMM_DTYPES",
+           "narrow_staging", "widen_in_place", "Widened", "shard_to_host"]
+
+COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``communication_data_type`` (resolved by the planner) -> the device buffers' dtype."""
+WIDEN_TAIL = 4096    # elements widened through a temporary at the end (see ``widen_in_place``)
 
 
 def reduces_on_device(device: torch.device) -> bool:
@@ -58,7 +79,7 @@ def reduces_on_device(device: torch.device) -> bool:
 
 @dataclass(eq=False)
 class DeviceGradient:
-    """One device buffer: ``values`` (the unit's collected gradient, fp32) and ``shard`` (the
+    """One device buffer: ``values`` (the unit's collected gradient, in the pool's dtype) and ``shard`` (the
     reduce-scatter's output, empty at stage 0) are views of ``tensor``; ``copied_out`` is the
     event of the copy of its reduced shard to the host, once given back."""
 
@@ -71,24 +92,28 @@ class DeviceGradient:
 
 class DeviceGradientPool:
     """The device buffers of [Note: gradients reduced on the device]: ``count`` kept buffers
-    of ``numel`` fp32 elements each (made at first use, in the device budget), and buffers
-    beyond them while more units are incomplete at once."""
+    of ``numel`` elements of ``dtype`` (the communication dtype) each (made at first use, in
+    the device budget), and buffers beyond them while more units are incomplete at once."""
 
     def __init__(self, manager: TierManager, copies: DeviceCopies, numel: int,
-                 count: int = DEVICE_GRAD_BUFFERS) -> None:
+                 count: int = DEVICE_GRAD_BUFFERS, dtype: torch.dtype = torch.float32) -> None:
         if count < 1:
             raise ValueError(f"device gradient buffers: count must be >= 1, got {count}")
+        if dtype not in COMM_DTYPES.values():
+            raise ValueError(f"device gradient buffers: dtype {dtype} is none of "
+                             f"{', '.join(map(str, COMM_DTYPES.values()))}")
         self.manager = manager
         self.copies = copies
         self.numel = numel
         self.count = count
+        self.dtype = dtype
         self.made = 0                                # kept buffers made so far
         self.extra = 0                               # beyond the pool, in use now
         self._free: list[DeviceGradient] = []        # given back, oldest first
 
     @property
     def nbytes(self) -> int:
-        return self.numel * 4
+        return self.numel * self.dtype.itemsize
 
     def acquire(self, values_numel: int, shard_numel: int, what: str) -> DeviceGradient:
         """A buffer for a unit's gradient (``values_numel`` collected, ``shard_numel`` for the
@@ -117,7 +142,7 @@ class DeviceGradientPool:
 
     def _make(self, kept: bool, what: str) -> DeviceGradient:
         try:
-            tensor = self.manager.device_empty(self.numel, torch.float32, self.manager.device,
+            tensor = self.manager.device_empty(self.numel, self.dtype, self.manager.device,
                                                what=f"{what} (device gradient buffer)")
         except BudgetExceededError as exc:
             raise BudgetExceededError(
@@ -153,3 +178,67 @@ class DeviceGradientPool:
         self.manager.device_budget.release(self.made * self.nbytes)
         self._free.clear()
         self.made = 0
+
+
+def narrow_staging(wide: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The host staging a 16-bit shard of ``wide``'s (a contiguous fp32 host buffer's) length
+    lands in: the back half of ``wide``'s own bytes, viewed as ``dtype`` (see [Note: gradients
+    reduced on the device]; ``widen_in_place`` makes fp32 of it there)."""
+    n = wide.numel()
+    if wide.dtype != torch.float32 or dtype.itemsize != 2 or not wide.is_contiguous():
+        raise ValueError(f"a staging of {dtype} in a {wide.dtype} buffer: the shard lands in "
+                         "the back half of a contiguous fp32 buffer only as a 16-bit dtype")
+    return wide.view(torch.uint8)[2 * n:].view(dtype)
+
+
+def widen_in_place(wide: torch.Tensor, dtype: torch.dtype) -> None:
+    """``wide[i] = float(narrow_staging(wide, dtype)[i])`` for every i: the 16-bit values the
+    back half of ``wide``'s bytes holds, widened into the whole buffer (exact: fp32 holds every
+    bf16 and fp16 value). From the front, in chunks of at most half of what is left: chunk
+    [a, a + c) writes bytes [4a, 4a + 4c), which end at or before 2n + 2a, where the values
+    still unread begin, so no value is overwritten before it is read; the last few through a
+    temporary."""
+    n = wide.numel()
+    narrow = narrow_staging(wide, dtype)
+    start = 0
+    with torch.no_grad():
+        while n - start > WIDEN_TAIL:
+            count = (n - start) // 2
+            wide[start:start + count].copy_(narrow[start:start + count])
+            start += count
+        if start < n:
+            wide[start:].copy_(narrow[start:].clone())
+
+
+class Widened:
+    """The event of a 16-bit shard's copy into ``narrow_staging(wide)``: the first wait waits
+    for ``copied`` and then widens the shard in place, on the waiting thread (see [Note:
+    gradients reduced on the device]); until then ``wide`` holds no gradient."""
+
+    def __init__(self, copied: CopyEvent, wide: torch.Tensor, dtype: torch.dtype) -> None:
+        self.copied = copied
+        self.wide: torch.Tensor | None = wide
+        self.dtype = dtype
+
+    def done(self) -> bool:
+        return self.wide is None
+
+    def wait(self) -> None:
+        if self.wide is None:
+            return
+        self.copied.wait()
+        widen_in_place(self.wide, self.dtype)
+        self.wide = None
+
+
+def shard_to_host(copies: DeviceCopies, host: torch.Tensor,
+                  reduced: torch.Tensor) -> tuple[CopyEvent, CopyEvent]:
+    """Copy the reduced shard ``reduced`` (device, the communication dtype) to the fp32 host
+    buffer ``host``: as it is in fp32, else into ``host``'s back half, widened at the wait.
+    Returns (the event whoever reads ``host`` waits for, the copy's own event: after it the
+    device buffer may be written again)."""
+    if reduced.dtype == host.dtype:
+        copied = copies.to_host(host, reduced)
+        return copied, copied
+    copied = copies.to_host(narrow_staging(host, reduced.dtype), reduced)
+    return Widened(copied, host, reduced.dtype), copied

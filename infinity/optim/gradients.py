@@ -129,7 +129,8 @@ class GradientCollector:
                  holds_grads: bool, grad_pool: BufferPool | None, held_room: HeldRoom,
                  timers: OptimTimers, max_trainable: int, steps_running: Callable[[], bool],
                  speculates: Callable[[UnitOptimState], bool], comm: Collectives = NO_COMM,
-                 scatter: bool = False, device_buffers: int | None = None) -> None:
+                 scatter: bool = False, device_buffers: int | None = None,
+                 device_dtype: str = "fp32") -> None:
         self.states = states
         self._by_unit = {s.unit.index: s for s in states}
         self.manager = manager
@@ -157,7 +158,7 @@ class GradientCollector:
         if self.reduces and states and device_gradients.reduces_on_device(manager.device):
             numel = max(self._device_numel(s.unit) for s in states)
             self.device_pool = DeviceGradientPool(
-                manager, self.copies, numel,
+                manager, self.copies, numel, dtype=device_gradients.COMM_DTYPES[device_dtype],
                 **({} if device_buffers is None else {"count": device_buffers}))
 
     def _device_numel(self, unit: SteppedUnit) -> int:
@@ -395,12 +396,14 @@ class GradientCollector:
             self.comm.all_reduce_mean(device.values[:unit.trainable_numel], tag=unit.index)
             reduced = device.values[:state.numel]
         host = self._host_buffer(state, state.numel)
-        # the training thread goes on; whoever reads the host buffer waits for the event
-        # (see [Note: gradients leave the device])
-        event = self.copies.to_host(host, reduced) if state.numel else DONE
-        state.grad_copies.append(event)
+        # the training thread goes on; whoever reads the host buffer waits for the event (a
+        # 16-bit shard is widened there), the device buffer only for the copy (see [Note:
+        # gradients leave the device])
+        landing, copied = (device_gradients.shard_to_host(self.copies, host, reduced)
+                           if state.numel else (DONE, DONE))
+        state.grad_copies.append(landing)
         state.device_grad = None
-        self.device_pool.release(device, event)
+        self.device_pool.release(device, copied)
 
     def finish(self, state: UnitOptimState, write_home: bool = True) -> torch.Tensor:
         """The unit's gradient of this backward is complete: add what earlier micro-steps left

@@ -179,7 +179,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             grad_pool=self.grad_pool, held_room=self.held_room, timers=self.timers,
             max_trainable=max_trainable, steps_running=self.steps.running,
             speculates=lambda state: self.speculator.can_speculate(state), comm=comm,
-            scatter=shard_states, device_buffers=pools.device_grad_buffers)
+            scatter=shard_states, device_buffers=pools.device_grad_buffers, device_dtype=pools.device_grad_dtype)
         self.speculator = Speculator(speculation, manager, self.gradients, self.kernel,
                                      self.steps, self.grad_pool)
         # both schedules step through one stream (optim/step_stream.py)
