@@ -60,14 +60,17 @@ up went from 95.9 s to 156.6 s). Waiting only if the read landed would read timi
 a config fact. So such a unit's point is after k's kernels are queued: the training thread
 waits for n's read there (on a GPU while k's kernels run), then issues n's gather, which n's
 use waits on as for host homes. On a CPU device compute is synchronous: the read is waited for
-at k's post point instead of n's pre point, with nothing but non-unit modules between, so
-nothing is slower or faster. On a GPU the gather overlaps k's compute only if the collective
-stream does not wait for k's kernels: ``Collectives.all_gather_async`` makes it wait on all the
-compute stream queued before the issue (the own shard's copy, and the last reads of memory the
-buffer may reuse), k's kernels included, so today it starts after them, as at use. The dry run
-issues gathers as the engine does, on its simulated clock (simulate/collectives.py), where
-compute is the training thread's own: at k's post point k's compute is over, and the step is
-the one with these gathers at use.
+at k's point instead of at n's use, with only non-unit modules between (in a backward, the ops
+of k after its last parameter's gradient), so nothing is slower or faster. On a GPU the gather
+overlaps k's compute only if the collective stream does not wait for k's kernels:
+``Collectives.all_gather_async`` makes it wait on everything the compute stream queued before
+the issue (the own shard's copy, and the last reads of memory the buffer may reuse: k's own,
+released just before, among them), k's kernels included, so today it starts after them, as at
+use; overlapping them needs comm to wait on the copy's event only and n's buffer to take no
+memory k's kernels still read. The dry run issues gathers as the engine does, on its simulated
+clock (simulate/collectives.py), where compute is the training thread's own: at k's point k's
+compute is over, and the step is no longer than with these gathers at use (on the 1T plans,
+the same).
 """
 from __future__ import annotations
 
