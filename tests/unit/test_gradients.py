@@ -98,7 +98,7 @@ class _Rig:
     def __init__(self, units: list[Unit], *, home: str | None = "host", early_step=False,
                  holds_grads=False, slots: int = 2, comm=None, scatter=False,
                  max_trainable: int | None = None, room=None, shards=None, manager=None,
-                 device_buffers: int | None = None) -> None:
+                 device_buffers: int | None = None, device_dtype: str | None = None) -> None:
         self.manager = manager if manager is not None else WaitingManager()
         self.running = False
         self.speculated: set[int] = set()
@@ -121,6 +121,8 @@ class _Rig:
             extra["scatter"] = True       # else the default: an all-reduce (stage 0)
         if device_buffers is not None:
             extra["device_buffers"] = device_buffers
+        if device_dtype is not None:
+            extra["device_dtype"] = device_dtype
         self.g = GradientCollector(
             self.states, self.manager, early_step=early_step, holds_grads=holds_grads,
             grad_pool=self.pool, held_room=self.room, timers=self.timers,
