@@ -43,8 +43,12 @@ def case_config(case: dict, nvme_dir: str, world: int) -> dict:
           "gradient_accumulation_steps": 2 if deferred else 1,
           "gradient_clipping": 0.05 if deferred else 0.0,
           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-          "infinity": {"collective_timeout": 120, "compute_dtype": "fp32",
+          "infinity": {"collective_timeout": 120, "compute_dtype": case.get("compute", "fp32"),
                        "early_step": "off" if deferred else "on"}}
+    if case.get("compute") == "bf16":
+        ds["bf16"] = {"enabled": True}
+    if case.get("comm") is not None:        # DeepSpeed's key; unset: the gradients' dtype
+        ds["communication_data_type"] = case["comm"]
     if case.get("fp16"):
         ds["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
     return ds
@@ -103,9 +107,16 @@ def _run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world
         return {"losses": losses, "skipped": engine.skipped_steps, "sent": sent,
                 "early": engine.optimizer.early_step, "grad_norm": engine.get_global_grad_norm(),
                 "copies": _late_counts(engine.manager.copies),
-                "device_reduce": engine.optimizer.gradients.device_pool is not None}
+                "device_reduce": engine.optimizer.gradients.device_pool is not None,
+                "reduce_dtype": _reduce_dtype(engine)}
     finally:
         engine.close()
+
+
+def _reduce_dtype(engine) -> str | None:
+    """The device buffers' dtype (the communication dtype), None on the host path."""
+    pool = engine.optimizer.gradients.device_pool
+    return None if pool is None else str(pool.dtype).removeprefix("torch.")
 
 
 def _late_counts(copies) -> dict | None:
