@@ -9,7 +9,11 @@ shard that reaches the pinned host buffer is bit for bit what the host path on t
 (the same fp32 adds, and a mean of two that is exact on either device); only the shard is
 copied; and with one kept buffer the next unit's gradients, queued on the compute stream right
 behind a 256 MiB copy out, wait for that copy's event (the first unit's shard is its own, not
-the second's)."""
+the second's). With the communication dtype bf16 (bf16 gradients): the buffer is bf16, the
+shard crosses PCIe in bf16 into the back half of its pinned host buffer and is widened there at
+the wait, and equals ``float(bf16(bf16(a + b) / 2))`` bit for bit (the rule of
+tests/unit/test_device_gradients_dtype.py, computed on the CPU); the 128 MiB bf16 copy out is
+waited for by the next unit's gradients as the fp32 one is."""
 from __future__ import annotations
 
 import sys
@@ -56,7 +60,7 @@ class _TwoRanksOn:
         return mask | True
 
 
-def _cuda_collector(units, comm, *, shards, buffers: int | None = None):
+def _cuda_collector(units, comm, *, shards, buffers: int | None = None, dtype: str = "fp32"):
     manager = TierManager(host_budget=MemoryBudget("host", None),
                           device_budget=MemoryBudget("device", None),
                           device=torch.device("cuda"))
@@ -69,7 +73,7 @@ def _cuda_collector(units, comm, *, shards, buffers: int | None = None):
         states, manager, early_step=False, holds_grads=False, grad_pool=pool,
         held_room=HeldRoom(0), timers=OptimTimers(), max_trainable=largest,
         steps_running=lambda: False, speculates=lambda state: False, comm=comm, scatter=True,
-        device_buffers=buffers)
+        device_buffers=buffers, device_dtype=dtype)
     return manager, states, collector
 
 
@@ -102,7 +106,34 @@ def test_the_shard_reduced_on_the_gpu_is_the_cpu_host_path_s_bit_for_bit() -> No
     manager.copies.drain()
 
 
-def test_a_device_buffer_is_written_again_only_after_its_copy_out() -> None:
+def test_a_bf16_reduce_on_the_gpu_gives_the_rounded_sum_s_half() -> None:
+    shapes = ((40, 50), (900,))
+    gen = torch.Generator().manual_seed(3)
+    bf16 = torch.bfloat16
+    other = (torch.randn(4096, generator=gen) * 3).to(bf16)
+    g0, g1, g1b = ((torch.randn(*s, generator=gen) * 3).to(bf16)
+                   for s in ((40, 50), (900,), (900,)))
+    comm = _TwoRanksOn(1, other.cuda())
+    unit = _unit(0, shapes, comm=comm, shards=2)
+    manager, (state,), collector = _cuda_collector([unit], comm, shards=[(2048, 3072)],
+                                                   dtype="bf16")
+    for i, g in ((0, g0), (1, g1), (1, g1b)):
+        collector.on_grad(unit, unit.trainable_entries()[i], g.cuda())
+    assert state.device_grad.tensor.dtype == bf16 and state.device_grad.tensor.is_cuda
+    collector.reduce(state)
+    assert state.grad_buffer.is_pinned()       # the staging is its back half: a real async copy
+    got = collector.finish(state, write_home=False)
+    mine = torch.zeros(4096, dtype=bf16)
+    mine[0:2000] = g0.reshape(-1)
+    mine[2000:2900] = (g1.float() + g1b.float()).to(bf16)
+    want = ((mine.float() + other.float()).to(bf16).float() / 2).to(bf16).float()[2048:3072]
+    assert got.dtype == F32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    collector.close()
+    manager.copies.drain()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_device_buffer_is_written_again_only_after_its_copy_out(dtype: str) -> None:
     """One kept buffer and a 64M-element shard (256 MiB to copy out): the second unit's first
     gradient is queued on the compute stream right after the first unit's copy began; it must
     wait for that copy's event, so the first unit's host shard holds its own mean (all 1.0),
@@ -112,13 +143,15 @@ def test_a_device_buffer_is_written_again_only_after_its_copy_out() -> None:
     units = [_unit(i, ((numel - 4096,),), comm=comm, shards=2) for i in range(2)]
     flat = units[0].flat_numel
     shard = (0, flat // 2)
+    grad_dtype = torch.bfloat16 if dtype == "bf16" else F32
     manager, (a, b), collector = _cuda_collector(units, _TwoRanksOn(0, torch.zeros(
-        flat, device="cuda")), shards=[shard, shard], buffers=1)
+        flat, device="cuda", dtype=grad_dtype)), shards=[shard, shard], buffers=1, dtype=dtype)
     entry = units[0].trainable_entries()[0]
-    collector.on_grad(units[0], entry, torch.full(entry.shape, 2.0, device="cuda"))
+    collector.on_grad(units[0], entry, torch.full(entry.shape, 2.0, device="cuda",
+                                                  dtype=grad_dtype))
     collector.reduce(a)                       # copy out of a's shard queued on its stream
     collector.on_grad(units[1], units[1].trainable_entries()[0],
-                      torch.full(entry.shape, 10.0, device="cuda"))
+                      torch.full(entry.shape, 10.0, device="cuda", dtype=grad_dtype))
     collector.reduce(b)
     assert collector.device_pool.made == 1
     got_a = collector.finish(a, write_home=False)
