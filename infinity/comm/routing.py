@@ -28,10 +28,13 @@ unknown name means "cpu and cuda".
 
 Making the side group is a collective over the ranks (torch's ``new_group``): every rank makes
 it at the same point, the construction of the engine's ``Collectives``, which every rank reaches
-in the same order (after joining the group and before the first collective). Over the whole
-world it is a plain ``new_group``, which every rank of the world calls; over a subgroup only its
-members call it (``use_local_synchronization``, whose name torch derives from the ranks: a second
-such group over the same ranks is refused by torch by name, never paired by mistake). Its ranks
+in the same order (after joining the group and before the first collective). Only over the whole
+world: a plain ``new_group``, which every rank of the world calls. A device-only group over a
+subset of the ranks is refused, with the fix (make it "cpu:gloo,cuda:nccl"): its members alone
+would make the side group (``use_local_synchronization``), whose store key torch derives from
+the ranks and from how many groups each process has made so far, so members with different
+histories (a group made on some ranks only, or an earlier engine on an overlapping subgroup)
+wait on different keys and hang until the collective timeout without naming anyone. Its ranks
 are numbered as the group numbers them, so the shards of a gather land where they would. One side
 group is made per engine group per process and reused by later engines. It gets the engine
 group's collective timeout (the config's ``infinity.collective_timeout``, set on the group
@@ -153,9 +156,15 @@ def side_group(group: Any) -> Any:
     # the ranks in the group's order (``sort_ranks=False``): rank r of the side group is rank
     # r of the group, so a gather places each shard where the group would
     ranks = dist.get_process_group_ranks(pg)
-    whole = len(ranks) == dist.get_world_size()
-    side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
-                          use_local_synchronization=not whole, sort_ranks=False,
+    if len(ranks) != dist.get_world_size():
+        raise RuntimeError(
+            f"the engine's process group over ranks {ranks} (of a world of "
+            f"{dist.get_world_size()}) has no CPU backend ({dist.get_backend_config(pg)}), and "
+            "a gloo group for its host collectives can be made safely only over the whole "
+            "world (see [Note: host collectives on a device-only group] in comm/routing.py): "
+            "create this group with backend 'cpu:gloo,cuda:nccl' (dist.new_group(ranks, "
+            "backend='cpu:gloo,cuda:nccl'))")
+    side = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout, sort_ranks=False,
                           group_desc="infinity host collectives")
     if dist.get_rank(side) != dist.get_rank(pg):
         raise RuntimeError(f"the gloo group for host collectives numbers this process "

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import infinity
 from infinity.comm.collectives import Collectives, LostRankError
-from infinity.comm.routing import backends_of, group_timeout
+from infinity.comm.routing import backends_of, group_timeout, side_group
 from infinity.comm.watchdog import watch_ranks
 from infinity.train.loop import _mean_over_ranks
 from parity import make_model
@@ -146,6 +146,15 @@ def main() -> None:
         reverse_plain = dist.new_group(ranks=order, backend="gloo", sort_ranks=False)
         mine = dist.get_rank(reverse)
         results["reverse_rank"] = mine
+        # a device-only group over some of the ranks: refused with the fix, never a side group
+        # made by its members alone (see [Note: host collectives on a device-only group])
+        alone = dist.new_group(ranks=[0], backend=DEVICE_ONLY)
+        if rank == 0:
+            try:
+                side_group(alone)
+                results["subgroup_refused"] = False
+            except RuntimeError as exc:
+                results["subgroup_refused"] = str(exc)
         for name, comm in (("routed", routed), ("routed_small", routed_small), ("plain", plain),
                            ("plain_small", plain_small)):
             results[name] = operations(comm, rank, world)

@@ -65,6 +65,12 @@ def test_one_side_group_per_group_and_none_for_gloo(ranks):
         assert r["one_side_group"] is True and r["plain_side_group"] is False
 
 
+def test_a_device_only_subgroup_is_refused_with_the_fix(ranks):
+    refused = ranks[0]["subgroup_refused"]
+    assert isinstance(refused, str), "a side group was made over a subgroup's members alone"
+    assert "ranks [0]" in refused and "'cpu:gloo,cuda:nccl'" in refused
+
+
 def test_a_stage3_engine_on_a_device_only_group_trains_as_torch(ranks):
     deferred = CASE["schedule"] == "deferred"
     batches = global_batches(1, STEPS, 2 if deferred else 1, WORLD)
