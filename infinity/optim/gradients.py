@@ -50,9 +50,11 @@ With several data-parallel ranks a unit's gradient is collected whole in a flat 
 held, never straight into a resident home: the home holds only the own shard), and when the
 unit's backward is done it is averaged over the ranks: reduce-scatter into the own shard at
 stages 1-3, all-reduce of the whole trainable range at stage 0. Where the buffer is depends on
-the device: on a GPU it is a device buffer, reduced there, and only the own shard (the
-trainable range at stage 0) is copied to the unit's host buffer (see [Note: gradients reduced
-on the device] in optim/device_gradients.py); on a CPU device it is the host buffer itself,
+the device: on a GPU it is a device buffer of the communication dtype (DeepSpeed's
+``communication_data_type``, unset the gradients' own), reduced there, and only the own shard
+(the trainable range at stage 0) is copied to the unit's host buffer, a 16-bit one widened to
+fp32 there by whoever waits for its copy (see [Note: gradients reduced on the device] in
+optim/device_gradients.py); on a CPU device it is the fp32 host buffer itself,
 every gradient copied (or added) into it and the shard landing at its front. Which parameters
 got a gradient is OR-ed over ranks (a parameter is stepped if any rank gave it one). From there
 the shard is what a single rank's whole gradient was: added to its home, normed (the global
