@@ -297,7 +297,8 @@ class Collectives:
     def reduce_scatter_mean(self, output: torch.Tensor, source: torch.Tensor,
                             tag: int | None = None) -> None:
         """``output`` = this rank's shard of the mean over ranks of ``source`` (``world_size``
-        equal shards). ``source`` is clobbered on backends without ``reduce_scatter_tensor``."""
+        equal shards). ``source`` is clobbered on backends without ``reduce_scatter_tensor``,
+        and divided in place first when 16-bit (see ``_divides_first``)."""
         n = self.world_size
         if source.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter: {source.numel()} elements are not {n} shards of "
@@ -307,6 +308,9 @@ class Collectives:
             return
         shard = output.numel()
         start = time.perf_counter()
+        first = _divides_first(source)
+        if first:
+            source.div_(n)
         chunk = max(1, self.reduce_bucket_bytes // (source.element_size() * n))
         if not self._tensor_ops(source):
             # same numerics: a sum over ranks, then this rank's slice (moves twice the bytes)
@@ -314,7 +318,8 @@ class Collectives:
                       tag=tag)
             output.copy_(source[self.rank * shard:(self.rank + 1) * shard])
             self._count(source.numel() * source.element_size(), 2.0, start)
-            output.div_(n)
+            if not first:
+                output.div_(n)
             return
         if shard <= chunk:
             self._run("reduce-scatter", _REDUCE_SCATTER_TENSOR, output, source,
@@ -326,16 +331,22 @@ class Collectives:
                 self._run("reduce-scatter", _REDUCE_SCATTER_TENSOR, output[off:off + c], tmp,
                           dist.ReduceOp.SUM, on=source, tag=tag)
         self._count(source.numel() * source.element_size(), 1.0, start)
-        output.div_(n)
+        if not first:
+            output.div_(n)
 
     def all_reduce_mean(self, tensor: torch.Tensor, tag: int | None = None) -> None:
-        """``tensor`` = its mean over ranks, in place (stage 0's gradient average)."""
+        """``tensor`` = its mean over ranks, in place (stage 0's gradient average; a 16-bit
+        one divided first, see ``_divides_first``)."""
         if not self.active:
             return
         start = time.perf_counter()
+        first = _divides_first(tensor)
+        if first:
+            tensor.div_(self.world_size)
         self._run("all-reduce", dist.all_reduce, tensor, dist.ReduceOp.SUM, on=tensor, tag=tag)
         self._count(tensor.numel() * tensor.element_size(), 2.0, start)
-        tensor.div_(self.world_size)
+        if not first:
+            tensor.div_(self.world_size)
 
     # -- scalars and small vectors ----------------------------------------------------------
     def sum_float(self, value: float) -> float:
@@ -414,6 +425,16 @@ class Collectives:
 
 
 _SEQUENCE_MOD = (1 << 61) - 1
+
+
+def _divides_first(values: torch.Tensor) -> bool:
+    """Whether a mean over ranks divides each rank's values before the sum instead of the sum
+    after: for 16-bit values (gradients reduced in the communication dtype on a GPU). A sum of
+    N fp16 gradients overflows at 65504 / N of one rank's size (8 ranks: an eighth), skipping
+    steps and dropping the loss scale; each value divided first stays in range. With N a power
+    of two the result is the same bits either way (scaling by 2^-k commutes with rounding,
+    barring subnormals); fp32 keeps the sum first, as it always has."""
+    return values.is_floating_point() and values.element_size() < 4
 
 
 def gather_split(output: torch.Tensor, world_size: int, bucket_bytes: int) -> tuple[int, int]:

@@ -52,6 +52,10 @@ def test_host_collectives_go_to_the_side_group_with_the_plain_results(ranks, siz
         assert plain_calls == {"main": calls["side"], "side": 0}, (rank, calls, plain_calls)
         assert routed == plain, rank
     assert ranks[0]["routed"]["any_mask"] == [True, True, False]
+    # a 16-bit mean divides before it sums (a sum of two 40000s is past fp16's 65504)
+    for r in ranks:
+        assert r[f"routed{size}"]["fp16_reduce_scatter_mean"] == [40000.0] * 6
+        assert r[f"routed{size}"]["fp16_all_reduce_mean"] == [40000.0] * 3
     assert ranks[0]["routed"]["objects"] == [{"rank": 0}, {"rank": 1}]
     assert ranks[0]["routed"]["sum_float"] == 0.25 + 1.25
     assert all(r["routed"]["broadcast"] == [1.0] * 4 for r in ranks)
