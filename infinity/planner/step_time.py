@@ -9,8 +9,10 @@ micro-steps of accumulation):
 * GPU compute: tokens x ``shape.flops_per_token`` (with recomputation under checkpointing) at
   ``Target.mfu`` of the GPU's peak.
 * PCIe, host <-> device: a parameter shard homed off the GPU is fetched in the forward and again
-  in the backward (2 c P / N per micro-step); a gradient shard kept off the GPU goes down as
-  fp32 (4 P / N per micro-step, as DESIGN.md's step: reduce-scatter -> shard -> host, fp32);
+  in the backward (2 c P / N per micro-step); a gradient shard kept off the GPU goes down in
+  the communication dtype with several ranks (``communication_data_type``, unset the compute
+  dtype: g P / N per micro-step, g = 2 for bf16, widened on the host; reduce-scatter -> shard
+  -> host), in fp32 with one (4 P per micro-step);
   parameters homed on the GPU under an offloaded optimizer come back up updated (c per element
   of the rank's parameters). The two directions are separate lanes: the larger one counts.
 * NVMe, per node (its ranks share the drives): parameter shards on NVMe are read at each fetch
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 from infinity.planner.placement import Placement
 from infinity.planner.rank_memory import RankMemory
 from infinity.planner.shape import ModelShape, flops_per_token
+from infinity.planner.sizes import DTYPE_BYTES
 from infinity.planner.state_format import StateFormat
 from infinity.planner.target import Target, Workload
 from infinity.planner.tiers import Tier
@@ -215,10 +218,13 @@ def predict_step(memory: RankMemory, shape: ModelShape, target: Target, workload
     reused = reuse_bytes(memory.engine.max_reuse_numel * c, room, c * shard) \
         if lay.stage == 3 and lay.param_tier != Tier.DEVICE else 0
     down = up = 0.0                                               # device -> host, host -> device
+    # several ranks reduce in the communication dtype and copy the shard down in it (see
+    # [Note: gradients reduced on the device] in optim/device_gradients.py)
+    g = DTYPE_BYTES[memory.derived.device_grad_dtype] if n > 1 else 4
     if lay.stage == 3 and lay.param_tier != Tier.DEVICE:
         up += max(0.0, 2 * c * shard * accum - REUSE_TURNS * reused)
     if lay.opt_tier != Tier.DEVICE:
-        down += 4 * opt_elems * accum
+        down += g * opt_elems * accum
         if lay.param_tier == Tier.DEVICE:
             up += c * (shard if lay.stage == 3 else opt_elems)
     elif not lay.early_step:                  # the engine keeps gradients in host memory: down
@@ -239,8 +245,7 @@ def predict_step(memory: RankMemory, shape: ModelShape, target: Target, workload
                           note=f"{target.nvme_drives} drive(s), {target.nvme_write_GBps:g} GB/s"))
 
     if n > 1:
-        ring = (n - 1) / n
-        g = 4                               # fp32 gradients
+        ring = (n - 1) / n                  # g: the communication dtype's bytes
         if lay.stage == 3:
             gather, scatter = 2 * c * params * ring * accum, g * params * ring * accum
         elif lay.stage >= 1:

@@ -268,3 +268,37 @@ def test_a_config_is_planned_as_written_on_the_target(tmp_path, capsys) -> None:
     assert (data["decision"][0]["stage"], data["decision"][0]["offload_param"]) == (3, "cpu")
     assert data["feasible"] and data["bytes_per_param"]["this_engine"]["grads"] == 4
     assert data["ds_config"]["bf16"] == {"enabled": True}       # 16-bit compute on the GPUs
+
+
+
+def test_the_gradients_cross_pcie_and_the_collectives_in_the_communication_dtype() -> None:
+    """70B on 8 x H100 with bf16 compute: ``communication_data_type`` unset reduces in bf16, so
+    a rank's shard goes down PCIe in 2 B a parameter (P / 8 x 2 = 17.2 GB) and the
+    reduce-scatter moves 2 B a parameter (120.7 GB), half of "fp32" asked (34.5 and 241.4 GB);
+    the all-gathers and the parameters going up stay bf16 in both. The device buffers follow
+    the dtype: one bf16 buffer of a block (1.93 GB) without checkpointing, where "fp32" keeps
+    two (7.7 GB) and needs it."""
+    from infinity.config import InfinityConfig
+
+    p = 68_976_648_192
+    links, memory = {}, {}
+    for comm in (None, "fp32"):
+        given = {"bf16": {"enabled": True}}
+        if comm is not None:
+            given["communication_data_type"] = comm
+        plan = plan_target(llama_stats(LLAMA_PRESETS["70B"]),
+                           shape_from_llama_kwargs(LLAMA_PRESETS["70B"]),
+                           node("H100", 8, 2 * TiB, 28 * TB), Workload(),
+                           base=InfinityConfig.from_dict(given))
+        links[comm] = {link.name: link for link in plan.step.links}
+        memory[comm] = plan.chosen
+    pcie, wide_pcie = links[None]["PCIe host<->GPU"], links["fp32"]["PCIe host<->GPU"]
+    assert pcie.note == "up 17.2 GB, down 17.2 GB" and wide_pcie.note == "up 17.2 GB, down 34.5 GB"
+    coll, wide_coll = links[None]["collectives (NVLink)"], links["fp32"]["collectives (NVLink)"]
+    ring = 7 / 8
+    assert coll.amount == pytest.approx((2 * 2 + 2) * p * ring)
+    assert wide_coll.amount == pytest.approx((2 * 2 + 4) * p * ring)
+    bf16, fp32 = memory[None], memory["fp32"]
+    assert (bf16.derived.device_grad_dtype, fp32.derived.device_grad_dtype) == ("bf16", "fp32")
+    assert not bf16.checkpointing and fp32.checkpointing
+    assert fp32.device["gradients"] == 2 * 9 * 106_956_800 * 4
