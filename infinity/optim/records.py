@@ -259,7 +259,9 @@ class CompleteGradient:
 
     def landed(self) -> None:
         """Block the calling thread (the step stream's) until every copy into the gradient is
-        over (an add is made here); the wait before anything reads it. Once: later calls
+        over (an add is made here, and a 16-bit reduced shard widened to fp32: see [Note:
+        gradients reduced on the device] in optim/device_gradients.py); the wait before
+        anything reads it. Once: later calls
         return at once."""
         if self.landing:
             if self.copies is None:

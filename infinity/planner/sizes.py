@@ -119,8 +119,10 @@ class DerivedSizes:
                                   device_memory_budget=self.device_budget_bytes,
                                   compute_dtype=self.compute_dtype,
                                   early_step="on" if self.early_step else "off")
-        return dataclasses.replace(cfg, zero=zero, infinity=inf,
-                                   communication_data_type=self.device_grad_dtype)
+        # communication_data_type stays as given: unset it follows the compute dtype written
+        # here, and a CPU device (which reduces in fp32) may resolve a compute dtype the key
+        # given for a GPU would be refused beside
+        return dataclasses.replace(cfg, zero=zero, infinity=inf)
 
 
 def host_allowed(cfg: InfinityConfig, hw: Hardware) -> int:
