@@ -36,9 +36,9 @@ waits for the device's copy, never for a host thread). It is written again only 
 taker makes compute wait for it (``compute_waits``: on a GPU the compute stream waits on the
 device, no thread blocks; elsewhere the taking thread). ``DEVICE_GRAD_BUFFERS`` (two) are kept,
 so unit k's copy out overlaps unit k-1's gradients arriving; where the device budget has no
-room for two beside a fetched unit the plan keeps one (planner/sizes.py ``derive_sizes``,
-counted in its device bytes), and a unit's first gradient then waits on the device for the
-copy out before it. A tied weight keeps its unit
+room for two beside a fetched unit and (stage 3) one fetched ahead, the plan keeps one
+(planner/sizes.py ``derive_sizes``, counted in its device bytes, in the communication dtype),
+and a unit's first gradient then waits on the device for the copy out before it. A tied weight keeps its unit
 incomplete while later units finish, so a third unit may need a buffer while both kept ones are
 collecting: it gets one beyond the pool, inside the device budget, freed at its reduce (the
 caching allocator hands its memory on only after the copy out: ``to_host`` records the source
