@@ -19,7 +19,8 @@ The buffer, the collective and the copy are in the communication dtype (DeepSpee
 ``communication_data_type``; unset, the gradients' own dtype, as DeepSpeed and FSDP2's
 ``reduce_dtype`` default): bf16 compute reduces bf16 -- half the device buffer, half the bytes
 through NCCL and over PCIe of fp32 -- with a second gradient of a parameter added in bf16 and
-the ranks' sum rounded to bf16 before the mean's division (2 ranks: ``bf16(a + b) / 2``).
+the ranks' sum rounded to bf16 once (the collective halves each rank's 16-bit values before
+the sum, exactly: 2 ranks give ``bf16(a/2 + b/2)``, the same bits as ``bf16(a + b) / 2``).
 "fp32" keeps the fp32 sums of the host path, element for element (a CPU device's host path
 reduces in fp32 whatever the key says). A 16-bit shard is not widened on the GPU (that would
 send fp32 over PCIe again): it lands in the back half of the bytes of its fp32 host buffer

@@ -5,12 +5,13 @@ CPU device as in test_device_gradients.py, two ranks' collectives computed in pr
 The rule checked bit for bit, with bf16 compute and a bf16 reduce over 2 ranks: the device
 buffer holds each parameter's bf16 gradient as autograd made it (a second gradient of the same
 parameter added in bf16: ``bf16(float(g) + float(g'))``), the collective sums the two ranks'
-bf16 values rounded once to bf16 and divides by 2 in bf16 (exact: a power of two, no value near
+bf16 values with one rounding to bf16 and halves them (exact: a power of two, no value near
 bf16's smallest), and the host widens that bf16 exactly to fp32:
-``shard = float(bf16(bf16(float(a) + float(b)) / 2))``, a and b the ranks' bf16 buffers. That
-is what ``Collectives.reduce_scatter_mean`` does (SUM, then ``div_`` in the tensor's dtype),
-and what a CPU's bf16 add gives (float add, one rounding); ``_TwoRanks`` sums the same way when
-both sides are bf16. With "fp32" the shard is the host path's, bit for bit (today's).
+``shard = float(bf16(bf16(float(a) + float(b)) / 2))``, a and b the ranks' bf16 buffers.
+``Collectives.reduce_scatter_mean`` halves each rank's 16-bit values first and then sums
+(``bf16(a/2 + b/2)``), ``_TwoRanks`` sums then halves: the same bits at 2 ranks (scaling by a
+power of two commutes with rounding), and what a CPU's bf16 add gives (float add, one
+rounding). With "fp32" the shard is the host path's, bit for bit (today's).
 
 A 16-bit shard lands in the back half of its fp32 host buffer and is widened there by whoever
 waits for its copy; the device buffer is written again after the copy's own event. Late
