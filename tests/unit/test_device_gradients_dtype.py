@@ -84,26 +84,28 @@ def _counting(rig) -> list[tuple[torch.dtype, int]]:
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("scatter", [True, False])
-def test_a_bf16_reduce_of_bf16_gradients_gives_the_rounded_sum_s_half(
-        forced, scatter: bool, rank: int) -> None:
-    other = (torch.randn(4096, generator=torch.Generator().manual_seed(9)) * 3).to(BF16)
+@pytest.mark.parametrize("name, dtype", [("bf16", BF16), ("fp16", torch.float16)])
+def test_a_16_bit_reduce_of_16_bit_gradients_gives_the_rounded_sum_s_half(
+        forced, scatter: bool, rank: int, name: str, dtype: torch.dtype) -> None:
+    """bf16 (bf16 compute) and fp16 (fp16 compute, the loss-scaled gradients' own dtype)."""
+    other = (torch.randn(4096, generator=torch.Generator().manual_seed(9)) * 3).to(dtype)
     comm = _TwoRanks(rank, other, [True, True])
-    rig = _rig(_units(1, comm), comm, scatter=scatter, rank=rank, device_dtype="bf16")
+    rig = _rig(_units(1, comm), comm, scatter=scatter, rank=rank, device_dtype=name)
     pool = rig.g.device_pool
-    assert pool.dtype == BF16 and pool.nbytes == pool.numel * 2
+    assert pool.dtype == dtype and pool.nbytes == pool.numel * 2
     assert rig.manager.device_budget.held == 0
     counted = _counting(rig)
     state = rig.states[0]
-    got = _run(rig, state, _grads(rank, BF16))
-    assert rig.manager.device_budget.held == pool.nbytes       # the bf16 buffer's bytes
-    assert counted == [(BF16, state.numel)]                    # only the shard, in bf16
-    # the rule, computed apart from the engine's code: fp32 adds, each rounded once to bf16
-    g0, g1, g1b = (g.reshape(-1) for g in _grads(rank, BF16))
-    mine = torch.zeros(4096, dtype=BF16)
+    got = _run(rig, state, _grads(rank, dtype))
+    assert rig.manager.device_budget.held == pool.nbytes       # the 16-bit buffer's bytes
+    assert counted == [(dtype, state.numel)]                   # only the shard, in 16 bits
+    # the rule, computed apart from the engine's code: fp32 adds, each rounded once to 16 bits
+    g0, g1, g1b = (g.reshape(-1) for g in _grads(rank, dtype))
+    mine = torch.zeros(4096, dtype=dtype)
     mine[0:2000] = g0
-    mine[2000:2900] = (g1.float() + g1b.float()).to(BF16)
-    total = (mine.float() + other.float()).to(BF16)
-    want = (total.float() / 2).to(BF16).float()
+    mine[2000:2900] = (g1.float() + g1b.float()).to(dtype)
+    total = (mine.float() + other.float()).to(dtype)
+    want = (total.float() / 2).to(dtype).float()
     lo, hi = _shard(rank) if scatter else (0, 3072)
     assert torch.equal(got.view(torch.int32), want[lo:hi].view(torch.int32))
     assert got.dtype == F32
