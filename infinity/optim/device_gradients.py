@@ -228,8 +228,11 @@ class Widened:
         if self.wide is None:
             return
         self.copied.wait()
-        widen_in_place(self.wide, self.dtype)
-        self.wide = None
+        # forgotten before the widen: one cut short (Ctrl-C) has overwritten narrow values it
+        # cannot read again, so a later wait must not widen twice (the backward that was cut
+        # short drops this gradient; its buffer's bytes mean nothing after it)
+        wide, self.wide = self.wide, None
+        widen_in_place(wide, self.dtype)
 
 
 def shard_to_host(copies: DeviceCopies, host: torch.Tensor,

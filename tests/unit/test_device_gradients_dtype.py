@@ -206,3 +206,24 @@ def test_the_device_buffer_waits_for_the_copy_not_for_the_widen(forced) -> None:
         assert not torch.isnan(rig.g.finish(state, write_home=False)).any()
     copies.drain()
     assert copies.poisoned == copies.lost == 0
+
+
+def test_a_widen_cut_short_is_not_widened_again(monkeypatch) -> None:
+    """A widen interrupted midway (Ctrl-C, here any exception) has overwritten narrow values
+    it cannot read again: a later wait must not widen the buffer a second time from them."""
+    from infinity.storage.transfers import DONE
+
+    class CutShort(Exception):
+        pass
+
+    calls = []
+
+    def interrupted(buffer, dtype):
+        calls.append(dtype)
+        raise CutShort
+    monkeypatch.setattr(device_gradients, "widen_in_place", interrupted)
+    landing = Widened(DONE, torch.zeros(8), torch.bfloat16)
+    with pytest.raises(CutShort):
+        landing.wait()
+    landing.wait()
+    assert calls == [torch.bfloat16] and landing.done()
