@@ -12,8 +12,8 @@ NCCL group (NCCL takes no host tensors). So on a GPU (``reduces_on_device``) the
 when the unit's backward is complete reduces that buffer on the device -- reduce-scatter into
 the shard region behind it at stages 1-3, all-reduce of the trainable range at stage 0 -- and
 copies only the own shard (the trainable range at stage 0) to the unit's host gradient buffer
-through the copies' owner (``to_host``, its event kept in ``grad_copies``: see [Note:
-gradients leave the device]).
+through the copies' owner (``to_host``, its event kept in ``BackwardGradient.copies``: see
+[Note: gradients leave the device]).
 
 The buffer, the collective and the copy are in the communication dtype (DeepSpeed's
 ``communication_data_type``; unset, the gradients' own dtype, as DeepSpeed and FSDP2's
@@ -26,7 +26,7 @@ reduces in fp32 whatever the key says). A 16-bit shard is not widened on the GPU
 send fp32 over PCIe again): it lands in the back half of the bytes of its fp32 host buffer
 (``narrow_staging``: the host staging of the communication dtype, no memory of its own) and is
 widened in place to fp32 by whoever waits for the copy (``Widened``, the event kept in
-``grad_copies``: the training thread's ``copies_landed``, or the step stream's
+``BackwardGradient.copies``: the training thread's ``copies_landed``, or the step stream's
 ``CompleteGradient.landed``), after the copy's event and never before. Until then a reader that
 skipped the wait finds the buffer's second half NaN under the late copies.
 

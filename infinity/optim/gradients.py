@@ -22,12 +22,14 @@ A gradient that is not held goes to its host buffer (or its resident home) throu
 owner (storage/transfers.py ``to_host``): on a GPU on the device-to-host stream, overlapped with
 the rest of backward; with several ranks on a GPU only the unit's reduced shard makes that
 copy, one per unit, issued by ``reduce`` (see [Note: gradients reduced on the device]). Each
-copy's event is kept in the unit's state (``grad_copies``) and ``copies_landed`` waits for
-them all, the one wait before the training thread reads the unit's gradient, writes its
-buffer, or gives its slot back (reduce, finish, home_gradient, drop_buffer and so drop_cycle);
-``end_backward`` lands every unit's (see [Note: copy events]).
+copy's event is kept in the unit's gradient (``BackwardGradient.copies``) and
+``copies_landed`` waits for them all, the one wait before the training thread reads the unit's
+gradient, writes its buffer, or gives its slot back (reduce, finish, home_gradient,
+drop_buffer and so drop_cycle: ``BackwardGradient.release`` waits first as well); ``end_backward``
+lands every unit's (see [Note: copy events] and [Note: the life of a backward gradient] in
+optim/backward_gradient.py).
 ``zero_unwritten`` does not wait: it zeroes only bytes no copy writes (the gaps, the
-parameters that got no gradient; every copy goes to a parameter of ``grad_written``).
+parameters that got no gradient; every copy goes to a parameter of its ``written``).
 
 The early step's gradient is not read on the training thread at all: ``take`` hands the
 unit's events over with the gradient (``CompleteGradient.landing``) and returns without
@@ -71,13 +73,14 @@ import torch
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim import _adam_native as N
 from infinity.optim import device_gradients
+from infinity.optim.backward_gradient import GradientOwners
 from infinity.optim.device_gradients import DeviceGradient, DeviceGradientPool
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.records import CompleteGradient, OptimTimers, UnitOptimState
 from infinity.planner.engine_sizes import accumulate_chunk_numel
-from infinity.storage.buffer_pool import BufferPool
+from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import TierManager
-from infinity.storage.transfers import DONE, CopyEvent
+from infinity.storage.transfers import DONE
 from infinity.zero.protocols import SteppedUnit
 from infinity.zero.unit import ParamEntry
 
@@ -187,7 +190,7 @@ class GradientCollector:
         start = time.perf_counter()
         state = self._by_unit[unit.index]
         state.arrived.add(entry.offset)
-        if self.holds_grads and (state.grad_parts is not None or self._holds_for(state)):
+        if self.holds_grads and (state.grad.parts is not None or self._holds_for(state)):
             self._hold_grad(state, entry, grad)
             self.timers.grad_s += time.perf_counter() - start
             return
@@ -197,14 +200,11 @@ class GradientCollector:
             return
         target = self._grad_target(state)
         view = target[entry.offset:entry.offset + entry.numel].view(entry.shape)
-        written = state.grad_written
-        if written is not None and entry.offset not in written:
+        if state.grad.first_write(entry.offset):
             event = self.copies.to_host(view, grad)     # first gradient into a fresh buffer
-            written.add(entry.offset)
         else:
             event = self.copies.to_host(view, grad, add=True)  # zeroed targets, or a second
-        state.grad_copies.append(event)   # see [Note: gradients leave the device]
-        state.grads_seen += 1
+        state.grad.copied(event)   # see [Note: gradients leave the device]
         self.timers.grad_s += time.perf_counter() - start
 
     def _add_on_device(self, state: UnitOptimState, entry: ParamEntry,
@@ -215,22 +215,20 @@ class GradientCollector:
         buffer = self._device_target(state)
         view = buffer.values[entry.offset:entry.offset + entry.numel].view(entry.shape)
         with torch.no_grad():
-            if entry.offset in state.grad_written:
-                view.add_(grad)
-            else:
+            if state.grad.first_write(entry.offset):
                 view.copy_(grad)
-                state.grad_written.add(entry.offset)
-        state.grads_seen += 1
+            else:
+                view.add_(grad)
+        state.grad.copied(None)
 
     def _device_target(self, state: UnitOptimState) -> DeviceGradient:
         """The unit's device buffer, taken from the pool at its first gradient."""
-        if state.device_grad is None:
+        if state.grad.device is None:
             unit = state.unit
-            state.device_grad = self.device_pool.acquire(
+            state.grad.on_device(self.device_pool.acquire(
                 self.collect_numel(unit), unit.shard_numel if self.scatter else 0,
-                what=f"{unit.name} gradient")
-            state.grad_written = set()
-        return state.device_grad
+                what=f"{unit.name} gradient"))
+        return state.grad.device
 
     def _holds_for(self, state: UnitOptimState) -> bool:
         """Whether the unit's gradients of this backward are held as autograd made them: for
@@ -238,7 +236,7 @@ class GradientCollector:
         one is added to its home copy, through a buffer)."""
         if self.early_step:
             return True
-        return (state.grad_buffer is None and not state.has_grads
+        return (state.grad.buffer is None and not state.has_grads
                 and self._speculates(state))
 
     def _hold_grad(self, state: UnitOptimState, entry: ParamEntry, grad: torch.Tensor) -> None:
@@ -252,14 +250,13 @@ class GradientCollector:
                 f"{state.unit.name}: a gradient on {grad.device} would be held; only a CPU "
                 "device's gradients are held (see [Note: held gradients]), others are copied "
                 "to host buffers: the optimizer's holds_grads disagrees with its device")
-        if state.grad_parts is None:
-            state.grad_parts = {}
+        parts = state.grad.hold()
         flat = grad.detach().reshape(-1)
         if flat.dtype not in _NATIVE_GRAD_DTYPES:
             flat = flat.to(torch.float32)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        held = state.grad_parts.get(entry.offset)
+        held = parts.get(entry.offset)
         if held is not None:
             flat = held.float() + flat.float()
         grown = flat.numel() * flat.element_size() - (
@@ -268,50 +265,47 @@ class GradientCollector:
             # backpressure: waits while background steps hold the room (they give it back as
             # they go); a unit's first part never waits (see [Note: room in bytes, freed as
             # the step goes])
-            may_wait = self._steps_running if state.held_bytes else _never
+            may_wait = self._steps_running if state.grad.held_bytes else _never
             self.timers.grad_wait_s += self.held_room.take(grown, may_wait)
-            state.held_bytes += grown
-        state.grad_parts[entry.offset] = flat
-        state.grads_seen += 1
+        state.grad.held(entry.offset, flat, grown)
 
     def _grad_target(self, state: UnitOptimState) -> torch.Tensor:
         if state.grad_store is not None and state.grad_store.resident and not self.reduces:
+            state.grad.into_home()
             return state.grad_store.tensor
-        if state.grad_buffer is None:
-            self._host_buffer(state, self.collect_numel(state.unit))
-            state.grad_written = set()
-        return state.grad_buffer
+        if state.grad.buffer is None:
+            state.grad.collect_into(*self._host_buffer(state, self.collect_numel(state.unit)))
+        return state.grad.buffer
 
-    def _host_buffer(self, state: UnitOptimState, numel: int) -> torch.Tensor:
-        """A host buffer of ``numel`` fp32 elements for the unit's gradient (a slot of the
-        gradient pool, or a budgeted one outside it), kept in the state."""
+    def _host_buffer(self, state: UnitOptimState, numel: int) -> tuple[torch.Tensor, Slot | None]:
+        """A host buffer of ``numel`` fp32 elements for the unit's gradient and its slot (of
+        the gradient pool; None: a budgeted one outside it), for the state to keep."""
         # Usually one unit is incomplete at a time; if more are (a tied weight waits for its
         # last use), take a budgeted buffer outside the pool instead of waiting for a slot.
-        state.grad_slot = self.grad_pool.try_acquire()
-        while state.grad_slot is None and self._writes:
+        slot = self.grad_pool.try_acquire()
+        while slot is None and self._writes:
             self._land_write()   # deferred: the oldest gradient write frees its slot
-            state.grad_slot = self.grad_pool.try_acquire()
-        if state.grad_slot is None and self._steps_running():
+            slot = self.grad_pool.try_acquire()
+        if slot is None and self._steps_running():
             # backpressure: a background step frees its gradient slot when it finishes
-            state.grad_slot = self.grad_pool.acquire(timeout=600.0)
-        if state.grad_slot is not None:
-            state.grad_buffer = state.grad_slot.view(torch.float32, numel)
-        else:
-            state.grad_buffer = self.manager.host_empty(
-                numel, torch.float32, what=f"{state.unit.name} gradient")
-        return state.grad_buffer
+            slot = self.grad_pool.acquire(timeout=600.0)
+        if slot is not None:
+            return slot.view(torch.float32, numel), slot
+        return self.manager.host_empty(numel, torch.float32,
+                                       what=f"{state.unit.name} gradient"), None
+
+    def _owners(self) -> GradientOwners:
+        """Who the resources of a unit's gradient go back to (read at each call)."""
+        return GradientOwners(self.copies, self.grad_pool, self.device_pool, self.held_room)
 
     def copies_landed(self, state: UnitOptimState) -> None:
         """Every device-to-host copy into the unit's gradient is over: the one wait before the
         host reads it, writes it or gives its buffer back (see [Note: gradients leave the
         device])."""
-        if state.grad_copies:
-            events: list[CopyEvent] = state.grad_copies
-            # the events leave the state only once waited for: a wait cut short (Ctrl-C, a
-            # device error) leaves them to the next one, so drop_buffer never gives the slot
-            # back under a copy still landing (a wait that is over returns at once)
-            self.copies.host_waits(events)
-            state.grad_copies = []
+        # the events leave the state only once waited for: a wait cut short (Ctrl-C, a
+        # device error) leaves them to the next one, so drop_buffer never gives the slot
+        # back under a copy still landing (a wait that is over returns at once)
+        state.grad.land_copies(self.copies)
 
     def land_copies(self) -> None:
         """Every unit's device-to-host copies are over (a backward ends)."""
@@ -319,33 +313,33 @@ class GradientCollector:
             self.copies_landed(state)
 
     def zero_unwritten(self, state: UnitOptimState) -> None:
-        """Zero what of a fresh ``grad_buffer`` no gradient was copied into (gaps, unused
+        """Zero what of a fresh host buffer no gradient was copied into (gaps, unused
         params). No wait for the unit's copies: no copy writes these bytes (see [Note:
         gradients leave the device]), and the early step's training thread must not block.
         With a device buffer (see [Note: gradients reduced on the device]) its gaps are zeroed,
         on the device."""
-        target = state.grad_buffer if state.device_grad is None else state.device_grad.values
-        if state.grad_written is None or target is None:
+        gradient = state.grad
+        target = gradient.buffer if gradient.device is None else gradient.device.values
+        if gradient.written is None or target is None:
             return
         covered = sorted((e.offset, e.offset + e.numel) for e in state.unit.trainable_entries()
-                         if e.offset in state.grad_written)
+                         if e.offset in gradient.written)
         cursor, total = 0, target.numel()
         for start, end in covered + [(total, total)]:
             if start > cursor:
                 target[cursor:start].zero_()
             cursor = max(cursor, end)
-        state.grad_written = None
+        gradient.unwritten_zeroed()
 
     def drop_cycle(self) -> int:
         """Forget every gradient collected since the last step; returns how many units had
         some."""
         dropped = 0
         for state in self.states:
-            touched = state.grads_seen > 0 or state.has_grads
+            touched = state.grad.seen > 0 or state.has_grads
             dropped += touched
             state.arrived.clear()
-            self.drop_buffer(state)
-            state.grads_seen = 0
+            self.drop_buffer(state, forget=True)
             state.clear_gradient()
             if touched and state.grad_store is not None and state.grad_store.resident:
                 # in place since this cycle began (no waiting step reads it: the unit was
@@ -373,7 +367,7 @@ class GradientCollector:
             buffer[:state.numel].copy_(shard[:state.numel])
         else:
             self.comm.all_reduce_mean(buffer[:unit.trainable_numel], tag=unit.index)
-        state.grad_buffer = buffer[:state.numel]
+        state.grad.reduced(state.numel)
         self._or_arrived(state)
 
     def _or_arrived(self, state: UnitOptimState) -> None:
@@ -397,29 +391,28 @@ class GradientCollector:
         else:
             self.comm.all_reduce_mean(device.values[:unit.trainable_numel], tag=unit.index)
             reduced = device.values[:state.numel]
-        host = self._host_buffer(state, state.numel)
+        host, slot = self._host_buffer(state, state.numel)
+        state.grad.reduced_to(host, slot)   # the device buffer held until its copy out
         # the training thread goes on; whoever reads the host buffer waits for the event (a
         # 16-bit shard is widened there), the device buffer only for the copy (see [Note:
         # gradients leave the device])
         landing, copied = (device_gradients.shard_to_host(self.copies, host, reduced)
                            if state.numel else (DONE, DONE))
-        state.grad_copies.append(landing)
-        state.device_grad = None
-        self.device_pool.release(device, copied)
+        state.grad.copied_out(landing, copied, self.device_pool)
 
     def finish(self, state: UnitOptimState, write_home: bool = True) -> torch.Tensor:
         """The unit's gradient of this backward is complete: add what earlier micro-steps left
         at home, count it in the norm at the boundary, and (``write_home``) send it home.
         Returns the complete gradient (without ``write_home`` still in the state's buffer)."""
         self.copies_landed(state)
-        store = state.grad_store
+        store, buffer = state.grad_store, state.grad.finished()
         if store.resident and self.reduces:
             grads = store.tensor[: state.numel]
-            grads.add_(state.grad_buffer)     # the own shard, averaged over ranks
+            grads.add_(buffer)     # the own shard, averaged over ranks
         elif store.resident:
             grads = store.tensor[: state.numel]
         else:
-            grads = state.grad_buffer
+            grads = buffer
             if state.has_grads:      # an earlier micro-step of this cycle left one at home
                 self._add_home_gradient(state, grads)
         state.keep_gradient()
@@ -429,9 +422,8 @@ class GradientCollector:
         if write_home and not store.resident and state.numel:
             # the write goes on while backward continues; the buffer (slot) is released when it
             # has landed (``land_writes``), at the latest when the backward ends
-            self._writes.append((store.store_async(grads), state.grad_slot, grads))
-            state.grad_slot = None
-            state.grad_buffer = None
+            request = store.store_async(grads)
+            self._writes.append((request, state.grad.send_home(), grads))
         return grads
 
     def _add_home_gradient(self, state: UnitOptimState, grads: torch.Tensor) -> None:
@@ -483,20 +475,12 @@ class GradientCollector:
             if slot is not None:
                 self.grad_pool.release(slot)
 
-    def drop_buffer(self, state: UnitOptimState) -> None:
-        """Give back the unit's transient gradient (buffer, slot, held parts)."""
+    def drop_buffer(self, state: UnitOptimState, forget: bool = False) -> None:
+        """Give back the unit's transient gradient (buffer, slot, device buffer, held parts),
+        its copies waited for first (``BackwardGradient.release``); ``forget``: its gradients
+        of this cycle are stepped or dropped."""
         self.copies_landed(state)    # a copy still landing would write the next user's bytes
-        if state.device_grad is not None:     # a backward that failed before the reduce
-            self.device_pool.release(state.device_grad, None)
-            state.device_grad = None
-        if state.grad_slot is not None:
-            self.grad_pool.release(state.grad_slot)
-        state.grad_slot = None
-        state.grad_buffer = None
-        state.grad_written = None
-        state.grad_parts = None
-        self.held_room.give(state.held_bytes)
-        state.held_bytes = 0
+        state.grad.release(self._owners(), forget=forget)
 
     def take_arrived(self, state: UnitOptimState) -> frozenset[int]:
         """The parameters that got a gradient since the unit's last step, for the step being
@@ -511,14 +495,8 @@ class GradientCollector:
         out of its state, for a step that owns it from here on, with the events of the copies
         into it still landing: the step waits for them, not the caller (see [Note: gradients
         leave the device])."""
-        if values is None:
-            values = state.grad_parts if state.grad_parts is not None else state.grad_buffer
-        gradient = CompleteGradient({} if values is None else values, state.grad_slot,
-                                    state.held_bytes, self.grad_pool, self.held_room,
-                                    origin=state.lo if isinstance(values, torch.Tensor) else 0,
-                                    copies=self.copies, landing=state.grad_copies)
-        state.grad_copies = []
-        state.grad_parts = state.grad_buffer = state.grad_slot = state.grad_written = None
-        state.held_bytes = 0
-        state.grads_seen = 0
-        return gradient
+        values, slot, held_bytes, landing = state.grad.take(values)
+        return CompleteGradient({} if values is None else values, slot, held_bytes,
+                                self.grad_pool, self.held_room,
+                                origin=state.lo if isinstance(values, torch.Tensor) else 0,
+                                copies=self.copies, landing=landing)

@@ -311,8 +311,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         try:
             self.gradients.finish(state)
         finally:
-            self.gradients.drop_buffer(state)
-            state.grads_seen = 0
+            self.gradients.drop_buffer(state, forget=True)
             self.timers.grad_s += time.perf_counter() - start
         return True
 
@@ -570,7 +569,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def holds_cycle_gradients(self) -> bool:
         """Whether a backward since the last step left gradients (or a speculated step) here."""
-        return self.speculator.pending or any(s.grads_seen or s.has_grads for s in self.states)
+        return self.speculator.pending or any(s.grad.seen or s.has_grads for s in self.states)
 
     def discard_cycle_gradients(self) -> None:
         """zero_grad between a backward and a step: forget this cycle's gradients and roll a

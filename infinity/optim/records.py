@@ -1,7 +1,8 @@
 """The optimizer's records: one unit's Adam states, its sub-groups and step runs, a complete
 gradient handed to a step, and the step job with its life. A leaf: the parts of the
 partitioned optimizer (gradients, step stream, speculation, kernel) all import from here and
-never from each other's homes.
+never from each other's homes. A unit's transient gradient of the backward in progress is its
+own record below this one (optim/backward_gradient.py).
 
 [Note: the life of a step job]
 A step job is one unit's optimizer step on the step stream (optim/step_stream.py). Its phase is
@@ -44,19 +45,17 @@ import enum
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from infinity.optim.backward_gradient import BackwardGradient
 from infinity.optim.held_room import HeldRoom
 from infinity.planner.state_format import FP32_STATES, QBLOCK, StateFormat
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import FlatStore
 from infinity.storage.transfers import CopyEvent, DeviceCopies
 from infinity.zero.protocols import SteppedUnit
-
-if TYPE_CHECKING:      # a leaf too (the pool's buffer type only, for the annotation)
-    from infinity.optim.device_gradients import DeviceGradient
 
 
 class HomeGradient(enum.Enum):
@@ -91,22 +90,9 @@ class UnitOptimState:
     # offset), and the parameters that received a gradient since the unit's last step
     param_steps: dict[int, int] = field(default_factory=dict)
     arrived: set[int] = field(default_factory=set)
-    grad_buffer: torch.Tensor | None = None   # transient fp32 gradient during backward
-    grad_slot: Slot | None = None
-    grads_seen: int = 0
-    # offsets of the parameters whose gradient was copied into a fresh ``grad_buffer`` (the
-    # buffer is not zeroed up front; what no gradient covered is zeroed when the unit is done)
-    grad_written: set[int] | None = None
-    # the events of the device-to-host copies into the unit's gradient not yet waited for (see
-    # [Note: gradients leave the device] in optim/gradients.py)
-    grad_copies: list[CopyEvent] = field(default_factory=list)
-    # several ranks on a GPU: the device buffer the unit's gradient is collected in until its
-    # reduce (see [Note: gradients reduced on the device] in optim/device_gradients.py)
-    device_grad: DeviceGradient | None = None
-    # early step on a CPU device: the gradients autograd produced, by entry offset, held as they
-    # are until the unit's step has run (see [Note: held gradients])
-    grad_parts: dict[int, torch.Tensor] | None = None
-    held_bytes: int = 0     # of grad_parts, counted in the held room
+    # the transient gradient of the backward in progress, one object in phase NONE between
+    # backwards (see [Note: the life of a backward gradient] in optim/backward_gradient.py)
+    grad: BackwardGradient = field(default=None)  # type: ignore[assignment]  # __post_init__
     # deferred schedule: its gradient at home since its last step (see ``HomeGradient``)
     home_grad: HomeGradient = HomeGradient.NONE
     shard: tuple[int, int] | None = None   # [lo, hi); None: [0, unit.trainable_numel)
@@ -115,6 +101,10 @@ class UnitOptimState:
     fmt: StateFormat = FP32_STATES
     exp_avg_scales: FlatStore | None = None
     exp_avg_sq_scales: FlatStore | None = None
+
+    def __post_init__(self) -> None:
+        if self.grad is None:
+            self.grad = BackwardGradient(self.unit.name)
 
     @property
     def has_grads(self) -> bool:

@@ -133,7 +133,7 @@ class Speculator:
         either goes home only with clipping configured (see [Note: the gradient of a
         speculated step])."""
         at_home = False
-        if state.grad_parts is not None:
+        if state.grad.parts is not None:
             gradient = self.gradients.take(state)
             state.keep_gradient()
             state.count_norm()                # the job's norm joins at step()

@@ -97,9 +97,9 @@ def test_the_shard_reduced_on_the_gpu_is_the_cpu_host_path_s_bit_for_bit() -> No
     assert collector.device_pool is not None
     for i, g in ((0, g0), (1, g1), (1, g1b)):
         collector.on_grad(unit, unit.trainable_entries()[i], g.cuda())
-    assert dstate.grad_buffer is None and dstate.device_grad.tensor.is_cuda
+    assert dstate.grad.buffer is None and dstate.grad.device.tensor.is_cuda
     collector.reduce(dstate)
-    assert len(dstate.grad_copies) == 1 and dstate.grad_buffer.numel() == 1024
+    assert len(dstate.grad.copies) == 1 and dstate.grad.buffer.numel() == 1024
     got = collector.finish(dstate, write_home=False)
     assert got.device.type == "cpu" and torch.equal(got.view(torch.int32), want.view(torch.int32))
     collector.close()
@@ -119,9 +119,9 @@ def test_a_bf16_reduce_on_the_gpu_gives_the_rounded_sum_s_half() -> None:
                                                    dtype="bf16")
     for i, g in ((0, g0), (1, g1), (1, g1b)):
         collector.on_grad(unit, unit.trainable_entries()[i], g.cuda())
-    assert state.device_grad.tensor.dtype == bf16 and state.device_grad.tensor.is_cuda
+    assert state.grad.device.tensor.dtype == bf16 and state.grad.device.tensor.is_cuda
     collector.reduce(state)
-    assert state.grad_buffer.is_pinned()       # the staging is its back half: a real async copy
+    assert state.grad.buffer.is_pinned()       # the staging is its back half: a real async copy
     got = collector.finish(state, write_home=False)
     mine = torch.zeros(4096, dtype=bf16)
     mine[0:2000] = g0.reshape(-1)

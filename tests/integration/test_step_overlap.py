@@ -232,7 +232,7 @@ def test_reaping_a_finished_step_leaves_the_next_gradient_alone(disk_dir) -> Non
             for entry in entries:                          # the next backward's gradient
                 opt.on_grad(state.unit, entry, torch.ones(entry.shape))
             assert opt.reap() == [state.unit]
-            held = state.grad_parts if opt.holds_grads else state.grad_buffer
+            held = state.grad.parts if opt.holds_grads else state.grad.buffer
             assert held is not None, "reaping the old step dropped the new gradient"
         finally:
             engine.unpin_unit(state.unit, modified=False)

@@ -99,7 +99,7 @@ def test_the_host_path_stays_on_a_cpu_device() -> None:
     rig = _rig(_units(1, comm), comm, scatter=True, rank=0)
     assert rig.g.device_pool is None
     rig.grad(rig.states[0], 0, torch.ones(40, 50))
-    assert rig.states[0].device_grad is None and rig.states[0].grad_buffer.numel() == 4096
+    assert rig.states[0].grad.device is None and rig.states[0].grad.buffer.numel() == 4096
 
 
 @pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
@@ -129,7 +129,7 @@ def test_the_shard_reduced_on_the_device_is_the_host_path_s_bit_for_bit(
         results.append(grads_out)
         if device_path:
             # one copy of the own range: 1024 (or 2048) elements of the 4096 the host path moved
-            assert counted == [state.numel] and state.device_grad is None
+            assert counted == [state.numel] and state.grad.device is None
             assert rig.manager.device_made == ["u0 gradient (device gradient buffer)"]
             assert rig.g.device_pool.numel == (4096 + 2048 if scatter else 3072)
         else:
@@ -161,7 +161,7 @@ def test_the_shard_is_read_only_after_its_copy_s_event(forced, scatter: bool) ->
     for state in (a, b):
         _feed(rig, state, _grads(7))
         rig.g.reduce(state)           # no wait: the gate is shut and this returns
-    assert len(a.grad_copies) == 1 and not a.grad_copies[0].done()
+    assert len(a.grad.copies) == 1 and not a.grad.copies[0].done()
     waits = copies.host_waits
 
     def open_then_wait(events) -> None:
@@ -198,7 +198,7 @@ def test_a_device_buffer_is_written_again_only_after_its_copy_out(forced, scatte
     copies.compute_waits = open_then_wait
     _feed(rig, a, _grads(1))
     rig.g.reduce(a)
-    landing = a.grad_copies[0]
+    landing = a.grad.copies[0]
     assert not landing.done() and waited == []
     _feed(rig, b, _grads(2))          # the only buffer: after a's copy out
     rig.g.reduce(b)
@@ -230,7 +230,7 @@ def test_a_second_kept_buffer_is_made_rather_than_waiting(forced) -> None:
     a, b, c = rig.states
     _feed(rig, a, _grads(1))
     rig.g.reduce(a)
-    first = a.grad_copies[0]
+    first = a.grad.copies[0]
     _feed(rig, b, _grads(2))
     assert waited == [] and len(rig.manager.device_made) == 2
     rig.g.reduce(b)
@@ -272,12 +272,12 @@ def test_a_failed_backward_gives_the_device_buffer_back(forced) -> None:
     rig = _rig(_units(1, comm), comm, scatter=True, rank=0, device_buffers=1)
     state = rig.states[0]
     rig.grad(state, 0, torch.ones(40, 50))
-    buffer = state.device_grad
+    buffer = state.grad.device
     assert rig.g.drop_cycle() == 1
-    assert state.device_grad is None and state.grad_written is None
+    assert state.grad.device is None and state.grad.written is None
     rig.grad(state, 1, torch.ones(900))
-    assert state.device_grad is buffer       # the pool's one buffer, taken again
-    assert torch.equal(state.device_grad.values[2000:2900], torch.ones(900))
+    assert state.grad.device is buffer       # the pool's one buffer, taken again
+    assert torch.equal(state.grad.device.values[2000:2900], torch.ones(900))
 
 
 def test_the_pool_refuses_a_gradient_larger_than_its_buffers() -> None:

@@ -166,9 +166,9 @@ def test_the_widen_waits_for_the_copy_s_event(forced, scatter: bool) -> None:
     gate = _gate(copies)
     _feed(rig, a, _grads(7, BF16))
     rig.g.reduce(a)
-    landing = a.grad_copies[0]
+    landing = a.grad.copies[0]
     assert isinstance(landing, Widened) and not landing.done()
-    assert torch.isnan(a.grad_buffer[a.numel // 2:]).all()   # the staging, not yet landed
+    assert torch.isnan(a.grad.buffer[a.numel // 2:]).all()   # the staging, not yet landed
     _opens_on_wait(landing.copied, gate)
     got_a = rig.g.finish(a, write_home=False)        # the training thread widens a's
     gate = _gate(copies)
@@ -198,7 +198,7 @@ def test_the_device_buffer_waits_for_the_copy_not_for_the_widen(forced) -> None:
     a, b = rig.states
     _feed(rig, a, _grads(1, BF16))
     rig.g.reduce(a)
-    landing = a.grad_copies[0]
+    landing = a.grad.copies[0]
     _feed(rig, b, _grads(2, BF16))
     assert waited == [landing.copied] and landing.copied.done() and not landing.done()
     rig.g.reduce(b)

@@ -260,8 +260,8 @@ def test_gradients_accumulate_in_a_resident_home_in_place() -> None:
     rig.grad(state, 0, g0)         # a second gradient of p0 (a tied use) adds
     assert rig.timers.grad_s > first
     assert torch.equal(state.grad_store.tensor[:1024].double(), _flat(state.unit, 2 * g0, g1))
-    assert state.arrived == {0, 16} and state.grads_seen == 3
-    assert state.grad_buffer is None and rig.pool.available == 2    # no buffer taken
+    assert state.arrived == {0, 16} and state.grad.seen == 3
+    assert state.grad.buffer is None and rig.pool.available == 2    # no buffer taken
 
 
 def test_a_fresh_buffer_is_copied_into_then_added_to_and_its_gaps_zeroed() -> None:
@@ -269,18 +269,18 @@ def test_a_fresh_buffer_is_copied_into_then_added_to_and_its_gaps_zeroed() -> No
     state = rig.states[0]
     g1 = torch.randn(7)
     rig.grad(state, 1, g1)
-    assert rig.pool.available == 1 and state.grad_slot is not None
-    assert state.grad_buffer.numel() == 1024 and state.grad_written == {16}
-    assert torch.equal(state.grad_buffer[16:23], g1)                  # copied over the NaNs
-    assert torch.isnan(state.grad_buffer[:16]).all() and torch.isnan(state.grad_buffer[23:]).all()
+    assert rig.pool.available == 1 and state.grad.slot is not None
+    assert state.grad.buffer.numel() == 1024 and state.grad.written == {16}
+    assert torch.equal(state.grad.buffer[16:23], g1)                  # copied over the NaNs
+    assert torch.isnan(state.grad.buffer[:16]).all() and torch.isnan(state.grad.buffer[23:]).all()
     rig.grad(state, 1, g1)
-    assert torch.equal(state.grad_buffer[16:23], 2 * g1)              # the second one adds
+    assert torch.equal(state.grad.buffer[16:23], 2 * g1)              # the second one adds
     rig.g.zero_unwritten(state)
-    assert torch.equal(state.grad_buffer.double(), _flat(state.unit, None, 2 * g1))
-    assert state.grad_written is None
-    state.grad_buffer[:16] = 1.0
+    assert torch.equal(state.grad.buffer.double(), _flat(state.unit, None, 2 * g1))
+    assert state.grad.written is None
+    state.grad.buffer[:16] = 1.0
     rig.g.zero_unwritten(state)          # nothing fresh any more: a no-op
-    assert (state.grad_buffer[:16] == 1.0).all()
+    assert (state.grad.buffer[:16] == 1.0).all()
 
 
 def test_zero_unwritten_covers_every_gap_around_written_parameters() -> None:
@@ -292,10 +292,10 @@ def test_zero_unwritten_covers_every_gap_around_written_parameters() -> None:
     rig.grad(state, 2, g2)
     rig.grad(state, 0, g0)
     rig.g.zero_unwritten(state)
-    assert torch.equal(state.grad_buffer.double(), _flat(state.unit, g0, None, g2))
+    assert torch.equal(state.grad.buffer.double(), _flat(state.unit, g0, None, g2))
     rig2 = _Rig([_unit()], home="disk")
     rig2.g.zero_unwritten(rig2.states[0])          # no buffer yet: nothing to do
-    assert rig2.states[0].grad_buffer is None and rig2.pool.available == 2
+    assert rig2.states[0].grad.buffer is None and rig2.pool.available == 2
 
 
 def test_a_unit_without_a_free_slot_lands_the_oldest_write_first() -> None:
@@ -309,7 +309,7 @@ def test_a_unit_without_a_free_slot_lands_the_oldest_write_first() -> None:
     assert rig.pool.available == 0 and a.grad_store.data[0] == 0.0     # not landed yet
     rig.grad(c, 0, torch.ones(3, 5))
     assert a.grad_store.data[0] == 1.0 and b.grad_store.data[0] == 0.0  # only the oldest
-    assert rig.pool.available == 0 and c.grad_slot is not None
+    assert rig.pool.available == 0 and c.grad.slot is not None
     rig.g.land_writes()
     assert b.grad_store.data[0] == 2.0 and rig.pool.available == 1     # c holds one
     rig.g.drop_buffer(c)
@@ -329,12 +329,12 @@ def test_without_a_slot_it_waits_for_a_running_step_else_takes_a_budgeted_buffer
     rig.pool.acquire = acquire
     rig.running = True
     rig.grad(b, 0, torch.ones(3, 5))
-    assert asked == [600.0] and b.grad_slot is spare
+    assert asked == [600.0] and b.grad.slot is spare
     rig.running = False
     rig.grad(c, 1, torch.ones(7))
-    assert asked == [600.0] and c.grad_slot is None
+    assert asked == [600.0] and c.grad.slot is None
     assert rig.manager.calls[-1] == (1024, F32, "u2 gradient")
-    assert c.grad_buffer.numel() == 1024 and c.grad_written == {16}
+    assert c.grad.buffer.numel() == 1024 and c.grad.written == {16}
 
 
 def test_an_early_step_holds_autograd_gradients_in_their_dtype() -> None:
@@ -349,7 +349,7 @@ def test_an_early_step_holds_autograd_gradients_in_their_dtype() -> None:
     keep = g1.clone()
     rig.grad(state, 1, g1)           # a second gradient of p1: a new sum
     assert torch.equal(g1, keep)     # autograd's tensor is not added to in place
-    parts = state.grad_parts
+    parts = state.grad.parts
     assert sorted(parts) == [0, 16]
     # bf16 as autograd made it (the kernels widen it exactly), made contiguous
     assert parts[0].dtype == torch.bfloat16 and parts[0].is_contiguous()
@@ -358,9 +358,9 @@ def test_an_early_step_holds_autograd_gradients_in_their_dtype() -> None:
     # room in the parts' own bytes: one take per part, the unit's first never waits, later
     # ones while steps run; a second fp32 gradient of p1 adds no bytes
     assert room.taken == [(30, False), (28, True)]
-    assert state.held_bytes == 58 and state.grads_seen == 3 and state.arrived == {0, 16}
+    assert state.grad.held_bytes == 58 and state.grad.seen == 3 and state.arrived == {0, 16}
     assert rig.timers.grad_wait_s == 0.5 and rig.timers.grad_s > 0.0
-    assert state.grad_buffer is None and rig.pool.available == 2
+    assert state.grad.buffer is None and rig.pool.available == 2
 
 
 def test_a_second_16bit_gradient_is_summed_in_fp32_and_takes_the_wider_bytes() -> None:
@@ -370,10 +370,10 @@ def test_a_second_16bit_gradient_is_summed_in_fp32_and_takes_the_wider_bytes() -
     g0 = torch.randn(15, dtype=torch.bfloat16)
     rig.grad(state, 0, g0)
     rig.grad(state, 0, g0)
-    part = state.grad_parts[0]
+    part = state.grad.parts[0]
     assert part.dtype == F32 and torch.equal(part, g0.float() + g0.float())
     assert room.taken == [(30, False), (30, False)]   # 2 -> 4 bytes an element
-    assert state.held_bytes == 60
+    assert state.grad.held_bytes == 60
 
 
 def test_held_parts_wait_for_a_running_step_with_a_real_room(monkeypatch) -> None:
@@ -393,7 +393,7 @@ def test_held_parts_wait_for_a_running_step_with_a_real_room(monkeypatch) -> Non
         rig.grad(state, 1, torch.ones(7))
     rig.running = False
     rig.grad(state, 1, torch.ones(7))           # no step runs: taken over the capacity
-    assert room.held == 88 == state.held_bytes
+    assert room.held == 88 == state.grad.held_bytes
 
 
 def test_a_deferred_unit_holds_only_a_speculated_gradient_that_starts_the_cycle() -> None:
@@ -403,15 +403,15 @@ def test_a_deferred_unit_holds_only_a_speculated_gradient_that_starts_the_cycle(
     b.keep_gradient()                      # accumulated: added to its home through a buffer
     for s in (a, b, c):
         rig.grad(s, 0, torch.ones(3, 5))
-    assert a.grad_parts is not None and a.grad_buffer is None
-    assert b.grad_parts is None and b.grad_buffer is not None
-    assert c.grad_parts is None and c.grad_buffer is not None          # not speculated
+    assert a.grad.parts is not None and a.grad.buffer is None
+    assert b.grad.parts is None and b.grad.buffer is not None
+    assert c.grad.parts is None and c.grad.buffer is not None          # not speculated
     rig.speculated = set()
     rig.grad(a, 1, torch.ones(7))          # once holding, the unit keeps holding
-    assert sorted(a.grad_parts) == [0, 16] and a.grad_buffer is None
+    assert sorted(a.grad.parts) == [0, 16] and a.grad.buffer is None
     rig.speculated = {2}
     rig.grad(c, 1, torch.ones(7))          # a buffer already taken: no holding
-    assert c.grad_parts is None and c.grad_written == {0, 16}
+    assert c.grad.parts is None and c.grad.written == {0, 16}
 
 
 def test_nothing_is_held_where_the_optimizer_does_not_hold_gradients() -> None:
@@ -419,7 +419,7 @@ def test_nothing_is_held_where_the_optimizer_does_not_hold_gradients() -> None:
     state = rig.states[0]
     rig.speculated = {0}
     rig.grad(state, 0, torch.ones(3, 5))
-    assert state.grad_parts is None and state.grad_written == {0}
+    assert state.grad.parts is None and state.grad.written == {0}
     assert rig.room.taken == []
 
 
@@ -447,10 +447,10 @@ def test_finish_writes_a_disk_gradient_home_in_the_background() -> None:
     g1 = torch.randn(7)
     rig.grad(state, 1, g1)
     rig.g.zero_unwritten(state)
-    slot = state.grad_slot
+    slot = state.grad.slot
     grads = rig.g.finish(state)
     assert torch.equal(grads.double(), _flat(state.unit, None, g1))
-    assert state.grad_buffer is None and state.grad_slot is None and state.has_grads
+    assert state.grad.buffer is None and state.grad.slot is None and state.has_grads
     assert rig.g.sq_norm == pytest.approx(float((g1.double() ** 2).sum()), rel=1e-12)
     assert state.norm_counted
     assert rig.pool.available == 1 and float(state.grad_store.data.abs().sum()) == 0.0
@@ -477,7 +477,7 @@ def test_finish_adds_what_earlier_micro_steps_left_on_disk_chunk_by_chunk() -> N
     grads = rig.g.finish(state, write_home=False)
     assert torch.allclose(grads.double(), earlier.double() + _flat(unit, g0, g1), rtol=0,
                           atol=1e-6)
-    assert state.grad_buffer is grads and state.grad_slot is not None     # not sent home
+    assert state.grad.buffer is grads and state.grad.slot is not None     # not sent home
     assert len(rig.manager.waits) == 2        # two chunks of 1024
     assert [c for c in rig.manager.calls if c[2] == "gradient accumulation chunk"] == [
         (1024, F32, "gradient accumulation chunk")]
@@ -509,10 +509,10 @@ def test_a_shard_past_the_trainable_part_writes_nothing() -> None:
     rig = _Rig([_unit()], home="disk", shards=[(1024, 1024)])
     state = rig.states[0]
     assert state.numel == 0
-    state.grad_buffer = torch.zeros(0)
+    state.grad.collect_into(torch.zeros(0), None)
     assert rig.g.finish(state).numel() == 0
     rig.g.land_writes()
-    assert rig.manager.waits == [] and state.grad_buffer is not None
+    assert rig.manager.waits == [] and state.grad.buffer is not None
 
 
 def test_drop_cycle_forgets_every_gradient_and_counts_the_units_that_had_some() -> None:
@@ -532,8 +532,8 @@ def test_drop_cycle_forgets_every_gradient_and_counts_the_units_that_had_some() 
     assert float(a.grad_store.tensor.abs().sum()) == 0.0
     assert (d.grad_store.tensor == 7.0).all()
     for s in (a, b, c):
-        assert not s.arrived and s.grads_seen == 0 and not s.has_grads and not s.norm_counted
-        assert s.grad_parts is None and s.held_bytes == 0
+        assert not s.arrived and s.grad.seen == 0 and not s.has_grads and not s.norm_counted
+        assert s.grad.parts is None and s.grad.held_bytes == 0
     assert 28 in room.given
     assert rig.g.drop_cycle() == 0
 
@@ -544,7 +544,7 @@ def test_drop_cycle_gives_a_buffer_slot_back() -> None:
     rig.grad(state, 0, torch.ones(3, 5))
     assert rig.pool.available == 1
     assert rig.g.drop_cycle() == 1
-    assert rig.pool.available == 2 and state.grad_buffer is None and state.grad_written is None
+    assert rig.pool.available == 2 and state.grad.buffer is None and state.grad.written is None
     assert float(state.grad_store.data.abs().sum()) == 0.0
 
 
@@ -552,9 +552,9 @@ def test_reduce_is_a_no_op_with_one_rank() -> None:
     rig = _Rig([_unit()], home="disk")
     state = rig.states[0]
     rig.grad(state, 1, torch.ones(7))
-    buffer = state.grad_buffer
+    buffer = state.grad.buffer
     rig.g.reduce(state)
-    assert state.grad_buffer is buffer and state.grad_written == {16}   # gaps not yet zeroed
+    assert state.grad.buffer is buffer and state.grad.written == {16}   # gaps not yet zeroed
 
 
 def test_reduce_all_reduces_the_trainable_range_at_stage_0() -> None:
@@ -565,15 +565,15 @@ def test_reduce_all_reduces_the_trainable_range_at_stage_0() -> None:
     state = rig.states[0]
     g0 = torch.randn(3, 5)
     rig.grad(state, 0, g0)
-    assert state.grad_buffer is not None       # several ranks: never into the home
+    assert state.grad.buffer is not None       # several ranks: never into the home
     rig.g.reduce(state)
-    assert torch.allclose(state.grad_buffer.double(), (_flat(unit, g0) + other.double()) / 2,
+    assert torch.allclose(state.grad.buffer.double(), (_flat(unit, g0) + other.double()) / 2,
                           rtol=0, atol=1e-6)
     assert state.arrived == {0, 16}
     assert comm.calls == [("all_reduce", 1024, 4), ("any_mask", [True, False])]
     stored = state.grad_store.tensor[:1024].clone()
     grads = rig.g.finish(state)          # added to the own home
-    assert torch.equal(grads, stored + state.grad_buffer)
+    assert torch.equal(grads, stored + state.grad.buffer)
 
 
 def test_reduce_scatters_the_own_shard_to_the_front_of_the_buffer() -> None:
@@ -584,13 +584,13 @@ def test_reduce_scatters_the_own_shard_to_the_front_of_the_buffer() -> None:
     state = rig.states[0]
     g1 = torch.randn(900)
     rig.grad(state, 1, g1)
-    assert state.grad_buffer.numel() == 4096
+    assert state.grad.buffer.numel() == 4096
     rig.g.reduce(state)
     whole = torch.zeros(4096, dtype=torch.float64)
     whole[2000:2900] = g1.double()
     want = ((whole + other.double()) / 2)[2048:3072]
-    assert state.grad_buffer.numel() == 1024
-    assert torch.allclose(state.grad_buffer.double(), want, rtol=0, atol=1e-6)
+    assert state.grad.buffer.numel() == 1024
+    assert torch.allclose(state.grad.buffer.double(), want, rtol=0, atol=1e-6)
     assert state.arrived == {0, 2000}
     assert comm.calls == [("reduce_scatter", 4096, 2), ("any_mask", [False, True])]
     gradient = rig.g.take(state)
@@ -622,13 +622,13 @@ def test_drop_buffer_gives_back_slot_and_held_bytes() -> None:
     held, buffered = rig.states
     rig.grad(held, 1, torch.ones(7))
     rig.g.drop_buffer(held)
-    assert room.given == [28] and held.held_bytes == 0 and held.grad_parts is None
+    assert room.given == [28] and held.grad.held_bytes == 0 and held.grad.parts is None
     rig.g.holds_grads = False
     rig.grad(buffered, 1, torch.ones(7))
     assert rig.pool.available == 1
     rig.g.drop_buffer(buffered)
-    assert rig.pool.available == 2 and buffered.grad_slot is None
-    assert buffered.grad_buffer is None and buffered.grad_written is None
+    assert rig.pool.available == 2 and buffered.grad.slot is None
+    assert buffered.grad.buffer is None and buffered.grad.written is None
 
 
 def test_take_arrived_hands_the_parameters_over_once() -> None:
@@ -645,18 +645,18 @@ def test_take_moves_held_parts_or_the_buffer_into_a_complete_gradient() -> None:
     rig = _Rig([_unit(0), _unit(1)], home=None, early_step=True, holds_grads=True, room=room)
     held, buffered = rig.states
     rig.grad(held, 0, torch.ones(3, 5))
-    parts = held.grad_parts
+    parts = held.grad.parts
     gradient = rig.g.take(held)
     assert gradient.values is parts and gradient.held_bytes == 60 and gradient.slot is None
     assert gradient.room is room and gradient.pool is rig.pool and gradient.origin == 0
-    assert held.grad_parts is None and held.held_bytes == 0 and held.grads_seen == 0
+    assert held.grad.parts is None and held.grad.held_bytes == 0 and held.grad.seen == 0
     rig.g.holds_grads = False
     rig.grad(buffered, 0, torch.ones(3, 5))
-    slot, buffer = buffered.grad_slot, buffered.grad_buffer
+    slot, buffer = buffered.grad.slot, buffered.grad.buffer
     gradient = rig.g.take(buffered)
     assert gradient.values is buffer and gradient.slot is slot and gradient.held_bytes == 0
-    assert (buffered.grad_buffer, buffered.grad_slot, buffered.grad_written) == (None, None, None)
-    assert buffered.grads_seen == 0
+    assert (buffered.grad.buffer, buffered.grad.slot, buffered.grad.written) == (None, None, None)
+    assert buffered.grad.seen == 0
     assert rig.pool.available == 1          # the gradient holds the slot now
     gradient.give_back()
     assert rig.pool.available == 2
@@ -686,7 +686,7 @@ def test_a_strided_gradient_is_held_contiguous() -> None:
     state = rig.states[0]
     base = torch.randn(14)
     rig.grad(state, 1, base[::2])
-    part = state.grad_parts[16]
+    part = state.grad.parts[16]
     assert part.is_contiguous() and torch.equal(part, base[::2])
 
 
@@ -720,10 +720,10 @@ def test_a_slot_given_back_is_the_next_units_buffer() -> None:
     rig = _Rig([_unit(0), _unit(1)], home="disk", slots=1)
     a, b = rig.states
     rig.grad(a, 0, torch.ones(3, 5))
-    slot = a.grad_slot
+    slot = a.grad.slot
     rig.g.drop_buffer(a)
     rig.grad(b, 0, torch.ones(3, 5))
-    assert b.grad_slot is slot and rig.manager.calls == [(1024 * 4, torch.uint8, "gradient slot 0")]
+    assert b.grad.slot is slot and rig.manager.calls == [(1024 * 4, torch.uint8, "gradient slot 0")]
 
 
 def test_the_scattered_shard_is_float32_whatever_the_default_dtype() -> None:
@@ -744,8 +744,8 @@ def test_the_scattered_shard_is_float32_whatever_the_default_dtype() -> None:
         torch.set_default_dtype(default)
     whole = torch.zeros(4096, dtype=torch.float64)
     whole[:2000] = g0.double().reshape(-1)
-    assert state.grad_buffer.dtype == F32
-    assert torch.allclose(state.grad_buffer.double(), ((whole + other.double()) / 2)[:2048],
+    assert state.grad.buffer.dtype == F32
+    assert torch.allclose(state.grad.buffer.double(), ((whole + other.double()) / 2)[:2048],
                           rtol=0, atol=1e-6)
 
 
@@ -768,13 +768,13 @@ def test_a_unit_s_gradient_is_read_only_after_its_copies_to_the_host(home: str) 
     rig.grad(state, 0, g0)
     rig.grad(state, 1, g1)
     rig.grad(state, 1, g1)                   # a second gradient of one parameter: added
-    assert len(state.grad_copies) == 3 and copies.to_host_copies == 3
+    assert len(state.grad.copies) == 3 and copies.to_host_copies == 3
     _training_thread_must_not_wait(copies, gate)
     rig.g.zero_unwritten(state)      # only what no copy writes: nothing to wait for
-    assert len(state.grad_copies) == 3 and not any(e.done() for e in state.grad_copies)
+    assert len(state.grad.copies) == 3 and not any(e.done() for e in state.grad.copies)
     gate.set()
     grads = rig.g.finish(state, write_home=False)
-    assert state.grad_copies == []
+    assert state.grad.copies == []
     assert torch.equal(grads.double(), _flat(state.unit, g0, 2 * g1))
     rig.g.drop_buffer(state)
     assert copies.poisoned == copies.lost == 0
@@ -817,7 +817,7 @@ def test_a_wait_cut_short_leaves_the_copies_to_the_next_one() -> None:
     poisoned = copies.poisoned               # the slot given back under a copy: poisoned
     gate.set()
     copies.drain()
-    assert calls == [2, 2] and state.grad_copies == []
+    assert calls == [2, 2] and state.grad.copies == []
     assert poisoned == copies.poisoned == copies.lost == 0 and rig.pool.available == 2
 
 
@@ -859,12 +859,12 @@ def test_take_hands_the_copies_still_landing_over_with_the_gradient() -> None:
     rig.grad(state, 0, g0)
     rig.grad(state, 1, g1)
     rig.grad(state, 1, g1)                   # added at the wait, on the waiting thread
-    events = list(state.grad_copies)
+    events = list(state.grad.copies)
     _training_thread_must_not_wait(copies, gate)
     rig.g.zero_unwritten(state)
     gradient = rig.g.take(state)
     assert gradient.landing == events and gradient.copies is copies
-    assert state.grad_copies == [] and not any(e.done() for e in events)
+    assert state.grad.copies == [] and not any(e.done() for e in events)
     values = gradient.values
     assert torch.isnan(values[:15]).all()    # still landing: a read now would see NaN
     assert values[15] == 0 and not values[23:].any()   # the gaps zeroed all the same

@@ -207,13 +207,13 @@ def test_speculating_held_gradients_hands_them_to_a_shadow_step() -> None:
     rig.gradients.begin_backward(True)
     g0 = torch.randn(3, 5)
     rig.gradients.on_grad(state.unit, state.unit.trainable_entries()[0], g0)
-    parts = state.grad_parts
+    parts = state.grad.parts
     assert parts is not None
     job = rig.spec.speculate(state, 0.0, 8.0, rig.submit)
     assert rig.spec.jobs == [job]
     assert rig.submitted == [dict(speculative=True, grad_scale=8.0, gradient_home=False)]
     assert job.gradient.values is parts and job.params == frozenset({0})
-    assert state.grad_parts is None and state.arrived == set()
+    assert state.grad.parts is None and state.arrived == set()
     assert state.has_grads and state.norm_counted      # its norm joins at step()
     assert rig.gradients.sq_norm == 0.0                # normed by the stream, not here
 
@@ -226,7 +226,7 @@ def test_speculating_a_flat_buffer_norms_it_here() -> None:
     rig.gradients.begin_backward(True)
     g1 = torch.randn(7)
     rig.gradients.on_grad(b.unit, b.unit.trainable_entries()[1], g1)
-    assert b.grad_parts is None and b.grad_buffer is not None
+    assert b.grad.parts is None and b.grad.buffer is not None
     job = rig.spec.speculate(b, 0.0, 1.0, rig.submit)
     want = torch.zeros(1024)
     want[16:23] = g1
