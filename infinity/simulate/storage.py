@@ -12,10 +12,11 @@ the interface the engine calls:
   the clock to the requests' ends;
 * ``SimStore`` for ``FlatStore``: an NVMe store's reads and writes are requests on the
   simulated disk; a HOST store reserves its bytes in the host budget, as the real one does;
-* ``SimDeviceCache`` for ``storage.device_cache.DeviceMemoryCache``: the same accounting
-  (released blocks kept by size and counted in the device budget, other sizes evicted first)
-  with meta storages resized instead of memory moved; disabled as on a GPU when the device is
-  not the CPU;
+* the device memory cache is the engine's own ``storage.device_cache.DeviceMemoryCache`` (one
+  policy: released blocks kept by size and counted in the device budget, other sizes evicted
+  first) over ``NoMemory``, meta storages resized instead of memory moved
+  (storage/device_cache.py [Note: one cache policy, two memories]); disabled as on a GPU when
+  the device is not the CPU;
 * ``SimPool`` for ``storage.buffer_pool.BufferPool``: slots of meta memory, reserved in the host
   budget;
 * the collectives (``comm.collectives.Collectives``) are ``simulate.collectives.SimCollectives``,
@@ -32,11 +33,12 @@ import torch
 from infinity.base.budget import MemoryBudget
 from infinity.simulate.clock import Lane, SimClock
 from infinity.storage.buffer_pool import Slot
+from infinity.storage.device_cache import DeviceMemoryCache, NoMemory
 from infinity.storage.manager import TierCounters, padded_numel
 from infinity.storage.tiers import Tier
 from infinity.storage.transfers import DeviceCopies, ImmediateCopies
 
-__all__ = ["SimRequest", "SimManager", "SimStore", "SimDeviceCache", "SimPool", "META"]
+__all__ = ["SimRequest", "SimManager", "SimStore", "SimPool", "META"]
 
 META = torch.device("meta")
 
@@ -144,77 +146,6 @@ class SimStore:
             self._tensor = None
 
 
-class SimDeviceCache:
-    """``DeviceMemoryCache``'s accounting on meta storages (``enabled``: a CPU device, whose
-    released units' memory the real cache keeps; off: a GPU's, which the caching allocator
-    keeps outside the budget)."""
-
-    def __init__(self, budget: MemoryBudget, enabled: bool) -> None:
-        self.budget = budget
-        self.enabled = enabled
-        self._free: dict[int, int] = {}      # block size -> blocks kept
-        self.cached_bytes = 0
-        self.peak_in_use = 0
-
-    def in_use_bytes(self) -> int:
-        return self.budget.held - self.cached_bytes
-
-    def attach(self, storage: torch.UntypedStorage, nbytes: int, what: str) -> None:
-        if storage.nbytes():
-            raise RuntimeError(f"{what}: attaching memory to a storage that still holds "
-                               f"{storage.nbytes()} bytes (release it first)")
-        if not self.enabled:
-            self.budget.reserve(nbytes, what)
-        elif self._free.get(nbytes):
-            self._free[nbytes] -= 1
-            self.cached_bytes -= nbytes
-        else:
-            self._evict_for(nbytes)
-            self.budget.reserve(nbytes, what)
-        storage.resize_(nbytes)
-        self.peak_in_use = max(self.peak_in_use, self.in_use_bytes())
-
-    def warm(self, nbytes: int, what: str) -> bool:
-        return False
-
-    def fits(self, nbytes: int) -> bool:
-        return bool(self._free.get(nbytes)) or self.budget.limit is None or \
-            self.budget.held - self.cached_bytes + nbytes <= self.budget.limit
-
-    def try_attach(self, storage: torch.UntypedStorage, nbytes: int, what: str) -> bool:
-        if not self.fits(nbytes):
-            return False
-        self.attach(storage, nbytes, what)
-        return True
-
-    def detach(self, storage: torch.UntypedStorage) -> None:
-        nbytes = storage.nbytes()
-        if not nbytes:
-            return
-        storage.resize_(0)
-        if not self.enabled:
-            self.budget.release(nbytes)
-            return
-        self._free[nbytes] = self._free.get(nbytes, 0) + 1
-        self.cached_bytes += nbytes
-
-    def _evict_for(self, nbytes: int) -> None:
-        limit = self.budget.limit
-        if limit is None:
-            return
-        for size in sorted(self._free, key=lambda s: (s == nbytes, -s)):
-            while self._free[size] and self.budget.held + nbytes > limit:
-                self._free[size] -= 1
-                self.cached_bytes -= size
-                self.budget.release(size)
-
-    def clear(self) -> None:
-        for size, count in self._free.items():
-            self.cached_bytes -= size * count
-            self.budget.release(size * count)
-        self._free.clear()
-
-
 class SimManager:
     """The tier manager's interface over the simulated disk, without bytes."""
 
@@ -223,7 +154,8 @@ class SimManager:
                  copies: DeviceCopies | None = None) -> None:
         self.host_budget = MemoryBudget("host", host_budget)
         self.device_budget = MemoryBudget("device", device_budget)
-        self.device_cache = SimDeviceCache(self.device_budget, enabled=device_is_cpu)
+        self.device_cache = DeviceMemoryCache(self.device_budget, META,
+                                              memory=NoMemory(keeps=device_is_cpu))
         self.counters = TierCounters()
         self.clock = clock
         self.disk = SimDisk(clock, read_Bps, write_Bps)

@@ -14,6 +14,16 @@ object must stay the same while its memory comes and goes. ``UntypedStorage._swa
 exchanges the memory (pointer, size and deleter) of two storages in place: the unit's storage
 takes a cached block's memory and the block takes the unit's empty pointer, and the reverse on
 release. Views follow because they refer to the storage, not to the pointer.
+
+[Note: one cache policy, two memories]
+The dry run (simulate/storage.py) must hold, evict and refuse device memory exactly as the
+engine does, or its peaks would not be the engine's (DESIGN.md "One plan, one assembly"). So
+the policy -- blocks kept by exact size and counted in the budget, other sizes evicted first and
+the largest of them first, ``fits``, hits and misses, the peak in use -- is this one class, and
+only the memory operations differ, as a strategy: ``RealMemory`` (aligned blocks, memory moved
+with ``_swap_data_ptr_``) for the engine, ``NoMemory`` (meta storages resized, a block only a
+count) for the dry run; freeing a block is dropping it from its list, for both.
+tests/unit/test_device_cache_variants.py feeds both the same sequence and compares every step.
 """
 from __future__ import annotations
 
@@ -25,20 +35,83 @@ from infinity.base.budget import MemoryBudget
 from infinity.io.buffers import aligned_empty
 
 
-class DeviceMemoryCache:
-    """Blocks of released device memory by exact size, counted in ``budget`` while cached."""
+class RealMemory:
+    """The engine's memory operations: real, page-aligned blocks, moved into and out of a
+    unit's storage in place ([Note: moving memory between storages])."""
 
-    def __init__(self, budget: MemoryBudget, device: torch.device) -> None:
+    warms = True        # a block can be populated ahead, on a loader's helper thread
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def keeps_released(self) -> bool:
+        """Whether released memory is kept (``DeviceMemoryCache.supported``: a CPU device)."""
+        return DeviceMemoryCache.supported(self.device)
+
+    def new_block(self, nbytes: int) -> torch.UntypedStorage:
+        """``nbytes`` of fresh memory: page-aligned (direct I/O can use it) and populated now,
+        not at first touch."""
+        return aligned_empty(nbytes, pin=False).untyped_storage()
+
+    def give(self, storage: torch.UntypedStorage, block: torch.UntypedStorage,
+             nbytes: int) -> None:
+        """Move ``block``'s memory into the empty ``storage`` (the block keeps its pointer)."""
+        storage._swap_data_ptr_(block)
+
+    def take(self, storage: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorage:
+        """Move ``storage``'s memory into a new block, leaving ``storage`` with 0 bytes."""
+        block = torch.empty(0, dtype=torch.uint8, device=self.device).untyped_storage()
+        block._swap_data_ptr_(storage)
+        return block
+
+
+class NoMemory:
+    """The dry run's memory operations: no bytes. A block is a marker that a block of its size
+    is kept; a unit's (meta) storage is resized to the bytes it would hold. ``keeps``: whether
+    the simulated device keeps released memory (a CPU device, as ``RealMemory`` on one)."""
+
+    warms = False       # nothing to populate; the dry run's attach takes the miss path
+
+    def __init__(self, keeps: bool) -> None:
+        self.keeps = keeps
+
+    def keeps_released(self) -> bool:
+        return self.keeps
+
+    def new_block(self, nbytes: int) -> object:
+        return _BLOCK
+
+    def give(self, storage: torch.UntypedStorage, block: object, nbytes: int) -> None:
+        storage.resize_(nbytes)
+
+    def take(self, storage: torch.UntypedStorage, nbytes: int) -> object:
+        storage.resize_(0)
+        return _BLOCK
+
+
+_BLOCK = object()       # NoMemory's block: the count is the list's length
+
+
+class DeviceMemoryCache:
+    """Blocks of released device memory by exact size, counted in ``budget`` while cached.
+
+    ``memory``: the operations on memory ([Note: one cache policy, two memories]); by default
+    the real ones on ``device``."""
+
+    def __init__(self, budget: MemoryBudget, device: torch.device,
+                 memory: RealMemory | NoMemory | None = None) -> None:
         self.budget = budget
         self.device = device
-        self.enabled = self.supported(device)
-        self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self.memory = RealMemory(device) if memory is None else memory
+        self.enabled = self.memory.keeps_released()
+        self._free: dict[int, list[object]] = {}
         self._lock = threading.Lock()
         self._warmed = threading.Condition(self._lock)
         self._warming: dict[int, int] = {}     # blocks being allocated by ``warm``, by size
         self.cached_bytes = 0
         self.hits = 0
         self.misses = 0
+        self.peak_in_use = 0     # most bytes held by fetched tensors (the dry run reports it)
 
     @staticmethod
     def supported(device: torch.device) -> bool:
@@ -61,6 +134,7 @@ class DeviceMemoryCache:
             except BaseException:
                 self.budget.release(nbytes)
                 raise
+            self._note_in_use()
             return
         with self._lock:
             while not self._free.get(nbytes) and self._warming.get(nbytes):
@@ -76,19 +150,25 @@ class DeviceMemoryCache:
                 self.misses += 1
         if block is None:
             try:
-                # page-aligned (direct I/O can use it) and populated now, not at first touch
-                block = aligned_empty(nbytes, pin=False).untyped_storage()
+                block = self.memory.new_block(nbytes)
             except BaseException:
                 self.budget.release(nbytes)
                 raise
-        storage._swap_data_ptr_(block)
+        self.memory.give(storage, block, nbytes)
+        self._note_in_use()
+
+    def _note_in_use(self) -> None:
+        """Raise ``peak_in_use`` to the bytes fetched tensors hold now."""
+        with self._lock:
+            self.peak_in_use = max(self.peak_in_use, self.budget.held - self.cached_bytes)
 
     def warm(self, nbytes: int, what: str) -> bool:
         """Allocate a block of ``nbytes`` now (its pages populated) and keep it for the next
         attach of that size, which waits for it meanwhile: a loader calls it on a helper
         thread for the units it will place next, so populating memory overlaps its reads.
-        False, changing nothing, when the budget has no room without evicting."""
-        if not self.enabled:
+        False, changing nothing, when the budget has no room without evicting, or when
+        there is no memory to populate (off, or ``NoMemory``)."""
+        if not self.enabled or not self.memory.warms:
             return False
         with self._lock:
             if self.budget.limit is not None and self.budget.held + nbytes > self.budget.limit:
@@ -98,7 +178,7 @@ class DeviceMemoryCache:
             self._warming[nbytes] = self._warming.get(nbytes, 0) + 1
         block = None
         try:
-            block = aligned_empty(nbytes, pin=False).untyped_storage()
+            block = self.memory.new_block(nbytes)
         finally:
             with self._lock:
                 self._warming[nbytes] -= 1
@@ -134,8 +214,7 @@ class DeviceMemoryCache:
             storage.resize_(0)
             self.budget.release(nbytes)
             return
-        block = torch.empty(0, dtype=torch.uint8, device=self.device).untyped_storage()
-        block._swap_data_ptr_(storage)
+        block = self.memory.take(storage, nbytes)
         with self._lock:
             self._free.setdefault(nbytes, []).append(block)
             self.cached_bytes += nbytes
