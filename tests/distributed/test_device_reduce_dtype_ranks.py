@@ -27,14 +27,13 @@ lands late in its staging and is widened at the wait: losses bit for bit the imm
 nothing poisoned or lost."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
-from parity import loss_of, make_model
+from parity import bf16_recipe_losses, make_model
 from parity_ranks_worker import LR, WEIGHT_DECAY, global_batches
-from ranks import check_ranks, launch, read_results
+from ranks import check_ranks, launch, mean_losses, read_results
 
 from infinity.storage.transfers import LATE_ENV
 
@@ -52,29 +51,9 @@ CASES = [dict(base, name=f"{base['name']}-{comm or 'unset'}", compute="bf16", co
 
 def _torch_bf16_losses() -> list[float]:
     """torch on one rank, the whole global batch, the engine's bf16 recipe."""
-    model = make_model("torch", seed=0, layers=3, width=32)
-    masters = [p.detach().clone() for p in model.parameters()]
-    compute = copy.deepcopy(model).to(torch.bfloat16)
-    params = list(compute.parameters())
-    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
-    losses = []
-    for (x,) in global_batches(1, STEPS, 1, 2):
-        loss = loss_of(compute(input_ids=x, labels=x))
-        loss.backward()
-        for master, p in zip(masters, params):
-            master.grad = p.grad.float()
-            p.grad = None
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for master, p in zip(masters, params):
-                p.copy_(master)
-        losses.append(loss.item())
-    return losses
-
-
-def _mean_losses(per_rank: list[dict], name: str) -> list[float]:
-    return [sum(r[name]["losses"][s] for r in per_rank) / 2 for s in range(STEPS)]
+    batches = [x for (x,) in global_batches(1, STEPS, 1, 2)]
+    return bf16_recipe_losses(make_model("torch", seed=0, layers=3, width=32), batches, LR,
+                              WEIGHT_DECAY)
 
 
 def test_a_bf16_reduce_trains_as_torch_and_as_the_fp32_reduce(tmp_path_factory) -> None:
@@ -91,7 +70,7 @@ def test_a_bf16_reduce_trains_as_torch_and_as_the_fp32_reduce(tmp_path_factory) 
         for r in per_rank:
             assert r[bf16]["sent"][-1] < r[fp32]["sent"][-1], (bf16, r[bf16]["sent"],
                                                                 r[fp32]["sent"])
-        low, wide = _mean_losses(per_rank, bf16), _mean_losses(per_rank, fp32)
+        low, wide = mean_losses(per_rank, bf16, STEPS), mean_losses(per_rank, fp32, STEPS)
         assert low[0] == wide[0], (bf16, low, wide)
         for s in range(1, STEPS):
             assert abs(low[s] - wide[s]) <= 2 ** -7 * abs(wide[s]), (bf16, s, low, wide)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from parity import make_model
 from parity_ranks_worker import LR, WEIGHT_DECAY, global_batches
-from ranks import check_ranks, launch, read_results, reference_run
+from ranks import check_ranks, launch, mean_losses, read_results, reference_run
 
 from infinity.storage.transfers import LATE_ENV
 
@@ -50,10 +50,6 @@ def _torch_losses(case: dict) -> list[float]:
     return losses
 
 
-def _mean_losses(per_rank: list[dict], name: str) -> list[float]:
-    return [sum(r[name]["losses"][s] for r in per_rank) / 2 for s in range(STEPS)]
-
-
 def test_the_device_path_trains_bit_for_bit_as_the_host_path(tmp_path_factory) -> None:
     out, nvme = tmp_path_factory.mktemp("devred"), tmp_path_factory.mktemp("devred-nvme")
     results = launch(2, "parity_ranks_worker.py", [str(out), str(nvme), json.dumps(CASES),
@@ -72,7 +68,7 @@ def test_the_device_path_trains_bit_for_bit_as_the_host_path(tmp_path_factory) -
             b = torch.load(out / f"{device}.rank{rank}.pt")
             for pname in a:
                 assert torch.equal(a[pname], b[pname]), (base["name"], rank, pname)
-        losses, want = _mean_losses(per_rank, device), _torch_losses(base)
+        losses, want = mean_losses(per_rank, device, STEPS), _torch_losses(base)
         for s, (x, y) in enumerate(zip(losses, want)):
             assert abs(x - y) <= 1e-5 * abs(y), (device, s, losses, want)
 
@@ -94,7 +90,7 @@ def test_the_device_path_under_late_copies_trains_as_one_process(tmp_path_factor
             counts = r[name]["copies"]
             assert counts is not None and counts["to_host"] > 0, (name, counts)
             assert counts["poisoned"] == 0 and counts["lost"] == 0, (name, counts)
-        losses, want = _mean_losses(per_rank, name), _torch_losses(case)
+        losses, want = mean_losses(per_rank, name, STEPS), _torch_losses(case)
         assert all(math.isfinite(x) for x in losses), (name, losses)
         for s, (x, y) in enumerate(zip(losses, want)):
             assert abs(x - y) <= 1e-5 * abs(y), (name, s, losses, want)

@@ -77,6 +77,31 @@ def loss_of(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
+def bf16_recipe_losses(model: nn.Module, batches: list[torch.Tensor], lr: float,
+                       weight_decay: float) -> list[float]:
+    """torch running the engine's bf16 recipe: forward and backward in bf16, fp32 master
+    weights (taken before any rounding) stepped by AdamW, the bf16 parameters rounded from the
+    masters after each step; one step per batch. ``model`` is left as it was."""
+    masters = [p.detach().clone() for p in model.parameters()]
+    compute = copy.deepcopy(model).to(torch.bfloat16)
+    params = list(compute.parameters())                           # same order, ties kept
+    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, foreach=False)
+    losses = []
+    for x in batches:
+        loss = loss_of(compute(input_ids=x, labels=x))
+        loss.backward()
+        for master, p in zip(masters, params):
+            master.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for master, p in zip(masters, params):
+                p.copy_(master)
+        losses.append(loss.item())
+    return losses
+
+
 def state_bytes(model: nn.Module) -> int:
     """fp32 model states: parameter + gradient + Adam m and v = 16 bytes per parameter."""
     return 16 * sum(p.numel() for p in model.parameters())

@@ -86,6 +86,13 @@ def read_results(directory: Path, world_size: int) -> list[dict]:
     return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
+def mean_losses(per_rank: list[dict], case: str, steps: int) -> list[float]:
+    """Case ``case``'s loss at each of ``steps`` steps as one process with the whole batch logs
+    it: the mean of the ranks' losses (each rank had as many rows); a rank that logged fewer
+    steps raises."""
+    return [sum(r[case]["losses"][s] for r in per_rank) / len(per_rank) for s in range(steps)]
+
+
 def reference_run(model: nn.Module, batches: list[list[torch.Tensor]], *, lr: float,
                   weight_decay: float, clip: float, skip_steps: frozenset[int] = frozenset(),
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:

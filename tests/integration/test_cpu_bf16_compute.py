@@ -16,7 +16,7 @@ import torch
 
 import infinity
 from infinity.base.cpu_bf16 import ENV
-from parity import VOCAB, loss_of, make_model, zero_config
+from parity import VOCAB, bf16_recipe_losses, loss_of, make_model, zero_config
 
 STEPS = 10
 LR, WD = 1e-3, 0.01
@@ -27,28 +27,6 @@ def _ds(stage: int, param: str, optimizer: str, disk_dir, compute_dtype: str = "
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}
     ds["train_micro_batch_size_per_gpu"] = 2
     return ds
-
-
-def _bf16_recipe_losses(model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
-    """torch, bf16 compute with fp32 masters (the engine's recipe), one AdamW step per batch."""
-    masters = [p.detach().clone() for p in model.parameters()]    # fp32, before any rounding
-    compute = copy.deepcopy(model).to(torch.bfloat16)
-    params = list(compute.parameters())                           # same order, ties kept
-    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, foreach=False)
-    losses = []
-    for x in batches:
-        loss = loss_of(compute(input_ids=x, labels=x))
-        loss.backward()
-        for master, p in zip(masters, params):
-            master.grad = p.grad.float()
-            p.grad = None
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for master, p in zip(masters, params):
-                p.copy_(master)
-        losses.append(loss.item())
-    return losses
 
 
 def _batches(seed: int = 1) -> list[torch.Tensor]:
@@ -65,7 +43,7 @@ def test_auto_on_a_bf16_cpu_trains_like_torch_bf16(family: str, stage: int, para
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "1")
     model = make_model(family, layers=3, width=64)
-    reference = _bf16_recipe_losses(copy.deepcopy(model), _batches())
+    reference = bf16_recipe_losses(copy.deepcopy(model), _batches(), LR, WD)
     engine, *_ = infinity.initialize(model=model, config=_ds(stage, param, optimizer, disk_dir))
     try:
         assert engine.compute_dtype == torch.bfloat16 and engine.master_separate
