@@ -98,6 +98,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--malloc-mmap-threshold", default="4MiB",
                     help='the "infinity" section key; "none" leaves malloc alone')
+    ap.add_argument("--moments", default="fp32", choices=("fp32", "bf16", "int8"),
+                    help='"optimizer_moments" (Adam state formats: docs/optimizer-formats.md)')
+    ap.add_argument("--master", default="fp32", choices=("fp32", "bf16"),
+                    help='"optimizer_master" ("bf16" needs bf16 compute)')
+    ap.add_argument("--compute-dtype", default="auto", choices=("auto", "fp32", "bf16"))
     ap.add_argument("--scratch", default="/var/tmp/infinity-bench")
     ap.add_argument("--main-job", action="store_true",
                     help="the run of `infinity train` with no arguments (see the docstring)")
@@ -125,7 +130,8 @@ def main() -> None:
                                   "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
             "infinity": {"host_memory_budget": args.host_budget, "early_step": args.early_step,
                          "malloc_mmap_threshold": None if args.malloc_mmap_threshold == "none"
-                         else args.malloc_mmap_threshold},
+                         else args.malloc_mmap_threshold, "compute_dtype": args.compute_dtype,
+                         "optimizer_moments": args.moments, "optimizer_master": args.master},
         }
         with infinity.zero.Init(config=config):
             model = transformers.LlamaForCausalLM(cfg)
