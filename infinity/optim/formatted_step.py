@@ -30,7 +30,7 @@ import torch
 from infinity.optim import adam_formats as F
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.optim.gradients import _sum_of_squares
-from infinity.optim.records import StepRun, UnitOptimState, grad_pieces, run_pieces
+from infinity.optim.records import StepRun, UnitOptimState, gather_gradient, run_pieces
 from infinity.planner.state_format import QBLOCK
 
 __all__ = ["MomentScales", "scales_of", "step_formatted", "unit_seed"]
@@ -87,24 +87,14 @@ def _gradient_chunks(state: UnitOptimState, grad, start: int, end: int):
         yield start, end, grad
         return
     chunk = GRAD_CHUNK_BLOCKS * QBLOCK
+    scratch = getattr(_chunk_scratch, "buffer", None)
+    if scratch is None or scratch.numel() < chunk:
+        # fp32 whatever the parts' dtypes: a 16-bit part widens exactly, and parts of
+        # different dtypes (a second gradient summed in fp32) share the chunk
+        scratch = _chunk_scratch.buffer = torch.empty(chunk, dtype=torch.float32)
     for a in range(start, end, chunk):
         b = min(a + chunk, end)
-        pieces = sorted(grad_pieces(state.unit, grad, start, a, b), key=lambda piece: piece[0])
-        scratch = getattr(_chunk_scratch, "buffer", None)
-        if scratch is None or scratch.numel() < chunk:
-            # fp32 whatever the parts' dtypes: a 16-bit part widens exactly, and parts of
-            # different dtypes (a second gradient summed in fp32) share the chunk
-            scratch = _chunk_scratch.buffer = torch.empty(chunk, dtype=torch.float32)
-        flat = scratch[:b - a]
-        cursor = a
-        for x, y, g in pieces:
-            if x > cursor:
-                flat[cursor - a:x - a].zero_()
-            flat[x - a:y - a].copy_(g)
-            cursor = y
-        if cursor < b:
-            flat[cursor - a:].zero_()
-        yield a, b, flat
+        yield a, b, gather_gradient(state.unit, grad, start, a, b, scratch)
 
 
 def step_formatted(state: UnitOptimState, start: int, end: int, param: torch.Tensor,

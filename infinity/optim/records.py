@@ -225,6 +225,19 @@ def grad_pieces(unit: SteppedUnit, grad: torch.Tensor | dict[int, torch.Tensor],
                      else part[x - entry.offset:y - entry.offset])
 
 
+def gather_gradient(unit: SteppedUnit, grad: torch.Tensor | dict[int, torch.Tensor],
+                    origin: int, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+    """Elements [a, b) of the unit's gradient (``grad_pieces``' pieces) written into ``out``'s
+    first b - a elements as one flat range, zeros in the gaps between parameters; returns that
+    view. For a kernel or a write that needs a range whole where the gradient is held per
+    parameter (a 16-bit part widens exactly into an fp32 ``out``)."""
+    flat = out[:b - a]
+    flat.zero_()
+    for x, y, g in grad_pieces(unit, grad, origin, a, b):
+        flat[x - a:y - a].copy_(g)
+    return flat
+
+
 @dataclass(eq=False)
 class CompleteGradient:
     """A unit's complete gradient, handed over to its early step: held parts or a flat host

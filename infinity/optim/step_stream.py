@@ -89,7 +89,7 @@ from infinity.optim.records import (
     StepRun,
     SubGroup,
     UnitOptimState,
-    grad_pieces,
+    gather_gradient,
     sub_groups,
 )
 from infinity.storage.buffer_pool import BufferPool, Slot
@@ -481,9 +481,7 @@ class StepStream:
         store, n = job.state.grad_store, end - start
         values = store.tensor[start:end] if store.resident else \
             self._staging(writes, torch.float32, n)[:n]
-        values.zero_()
-        for x, y, g in grad_pieces(job.state.unit, job.gradient.values, start, start, end):
-            values[x - start:y - start].copy_(g)
+        gather_gradient(job.state.unit, job.gradient.values, start, start, end, values)
         job.sq_norm += _sum_of_squares(values)
         if not store.resident:
             writes.append((store.store_async(values, start, n), None))
