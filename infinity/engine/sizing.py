@@ -116,6 +116,10 @@ def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
         log.info("optimizer room: %s", line)
     for line in plan.room.warnings:
         log.warning("slow optimizer step: %s", line)
+    if plan.derived.device_room_warning:
+        # a gradient buffer taken at the first backward may find the prefetched units holding
+        # the device budget (see [Note: gradients reduced on the device])
+        log.warning("device memory: %s", plan.derived.device_room_warning)
     if cfg.infinity.speculative_step == "auto" and not plan.speculative and \
             cfg.world_size == 1 and not speculation_blockers(cfg, plan.placement):
         log.info("speculative step off: %s", plan.speculative_reason)

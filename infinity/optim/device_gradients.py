@@ -38,7 +38,9 @@ taker makes compute wait for it (``compute_waits``: on a GPU the compute stream 
 device, no thread blocks; elsewhere the taking thread). ``DEVICE_GRAD_BUFFERS`` (two) are kept,
 so unit k's copy out overlaps unit k-1's gradients arriving; where the device budget has no
 room for two beside a fetched unit and (stage 3) one fetched ahead, the plan keeps one
-(planner/sizes.py ``derive_sizes``, counted in its device bytes, in the communication dtype),
+(planner/sizes.py ``derive_sizes``, counted in its device bytes, in the communication dtype,
+by ``device_gradient_bytes`` from the units' padded layouts: the count ``engine_sizes``
+reserves, at least what this pool allocates),
 and a unit's first gradient then waits on the device for the copy out before it. A tied weight keeps its unit
 incomplete while later units finish, so a third unit may need a buffer while both kept ones are
 collecting: it gets one beyond the pool, inside the device budget, freed at its reduce (the

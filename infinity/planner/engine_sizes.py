@@ -365,13 +365,19 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
             sub_group = slots_sub_group(host + reserve)
         host += slots * padded_numel(min(sub_group, max(max(state_shares, default=0), 1)),
                                      FP32_BYTES) * 4
-    device_gradients = 0
-    comm_itemsize = DTYPE_BYTES[derived.device_grad_dtype]   # the communication dtype
-    if device_reduce and ranks > 1:      # stages 1-3: the unit's every shard, then its own
-        device_gradients = derived.device_grad_buffers * max(
-            (ranks * shard + shard for shard in shards), default=0) * comm_itemsize
-    elif device_reduce:                  # stage 0: an all-reduce of the trainable range
-        device_gradients = derived.device_grad_buffers * max(trainable, default=0) * comm_itemsize
+    # the buffers as the derived sizes counted them (the same function of the same layouts):
+    # a reservation above that count would be refused at the first backward of a plan the
+    # derived sizes accepted at the device budget's edge
+    device_gradients = device_gradient_bytes(
+        layouts, cfg.world_size, cfg.zero.stage, device_reduce, derived.device_grad_buffers,
+        DTYPE_BYTES[derived.device_grad_dtype])
+    if device_gradients > derived.device_grad_bytes:
+        raise ValueError(
+            f"the device gradient buffers: the engine reserves {device_gradients:,} bytes "
+            f"({derived.device_grad_buffers} {derived.device_grad_dtype} buffer(s) of these "
+            f"units' padded layouts), more than the {derived.device_grad_bytes:,} the derived "
+            "sizes counted in the device budget: derive_sizes was given other units (or another "
+            "machine) than engine_sizes; pass it the same units")
     nvme = 0
     copies = 2 if speculative else 1
     if param_tier == Tier.NVME:

@@ -242,6 +242,8 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
         total = "" if worst.nbytes == used else f" (the {tier} tier holds {format_bytes(used)} in all)"
         warnings.append(f"{what} need {format_bytes(worst.nbytes)} on {tier}{total} but the {tier} "
                         f"budget is {format_bytes(budget)}: {worst.fix}")
+    if sz.device_room_warning:     # the user's prefetch bucket beside the gradient buffers
+        warnings.append(sz.device_room_warning)
     allowed = host_allowed(cfg, hw)
     if pool_in_host_budget(cfg, hw) and host + device > allowed:
         worst = max((i for i in items if i.tier == Tier.DEVICE), key=lambda i: i.nbytes)

@@ -161,6 +161,8 @@ def rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, targe
         problems.append(f"GPU memory: needs {format_bytes(sum(device.values()))} per GPU ({parts}), "
                         f"{format_bytes(over)} more than the {format_bytes(target.device_budget_bytes)} "
                         "one GPU offers")
+    if derived.device_room_warning:     # the user's prefetch bucket beside the gradient buffers
+        problems.append(f"GPU memory: {derived.device_room_warning}")
     engine_host = es.host_home_bytes + es.host_buffer_bytes
     if engine_host > host_budget:
         problems.append(f"host memory: a rank needs {format_bytes(engine_host)} (states "

@@ -34,7 +34,7 @@ from infinity.planner.engine_sizes import (
 from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.optimizer_room import NO_ROOM_NEEDED, OptimizerRoom, make_room
 from infinity.planner.placement import Placement, compute_dtype_choice, place, state_bytes
-from infinity.planner.sizes import DEVICE_GRAD_BUFFERS, DerivedSizes, derive_sizes
+from infinity.planner.sizes import DEVICE_GRAD_BUFFERS, DerivedSizes, counted_units, derive_sizes
 from infinity.planner.tiers import Tier
 
 __all__ = ["PoolPlan", "OptimizerPools", "UnitParams", "RunPlan", "plan_run", "optimizer_pools",
@@ -179,22 +179,14 @@ class RunPlan:
 
 
 def units_of_stats(stats: ModelStats) -> list[UnitParams]:
-    """The units of a model known by its counts: one (numel, trainable) entry per unit, the
-    frozen elements taken from the first units (the per-parameter 64-byte alignment inside a
-    unit is below a plan's resolution)."""
+    """The units of a model known by its counts (planner/sizes.py ``counted_units``): one
+    (numel, trainable) entry per unit, the frozen elements taken from the first units."""
     return list(_units_of_stats(stats))
 
 
 @functools.lru_cache(maxsize=64)       # a target plan asks the same stats for every rung
 def _units_of_stats(stats: ModelStats) -> tuple[UnitParams, ...]:
-    frozen = stats.total_params - stats.trainable_params
-    units = []
-    for numel in stats.units():
-        take = min(frozen, numel)
-        frozen -= take
-        units.append(UnitParams(((numel - take, True), (take, False)) if take
-                                else ((numel, True),)))
-    return tuple(units)
+    return tuple(UnitParams(params) for params in counted_units(stats))
 
 
 def stats_of_units(units: Sequence[UnitParams]) -> ModelStats:
@@ -369,14 +361,16 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     placement = place(cfg, stats, hw, cpu_device=cpu)
     check_state_format(cfg, placement, cpu, project_gpu_master=project_gpu_master)
     _, reason = compute_dtype_choice(cfg, hw)
-    derived = derived or derive_sizes(cfg, stats, hw)
+    pairs = [unit.params for unit in units]
+    # the derived sizes count the device gradient buffers from these units' layouts, as
+    # engine_sizes reserves them
+    derived = derived or derive_sizes(cfg, stats, hw, units=pairs)
     itemsize = placement.c
     direct = placement.param_tier is Tier.NVME and (cpu if direct_reads is None else direct_reads)
-    pairs = [unit.params for unit in units]
 
     def sized(config: InfinityConfig, spec: bool, held_room_off: bool = False,
               resolved: DerivedSizes | None = None) -> tuple[DerivedSizes, EngineSizes]:
-        resolved = resolved or derive_sizes(config, stats, hw)
+        resolved = resolved or derive_sizes(config, stats, hw, units=pairs)
         return resolved, engine_sizes(
             config, pairs, resolved, itemsize, placement.param_tier, placement.opt_tier,
             not placement.single_copy, placement.early_step, direct_fetch=direct,

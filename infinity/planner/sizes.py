@@ -9,19 +9,21 @@ Assumptions are named constants below; activations and autograd temporaries are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from infinity.base.sizes import ALIGN_BYTES
+from infinity.base.sizes import ALIGN_BYTES, format_bytes
 from infinity.config import InfinityConfig
-from infinity.planner.alignment import PARAM_ALIGN_BYTES, shard_numel
+from infinity.planner.alignment import PARAM_ALIGN_BYTES, shard_numel, unit_layout_bound
 from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.placement import Placement, place, resident_bytes
 from infinity.planner.tiers import Tier
 
 __all__ = ["DerivedSizes", "derive_sizes", "host_allowed", "pool_in_host_budget",
-           "slot_bytes_per_elem", "device_working"]
+           "slot_bytes_per_elem", "device_working", "device_gradient_bytes", "counted_units"]
 
 # ---- assumptions (change them here, and the engine and `infinity plan` follow) ----------------
 HOST_BUDGET_FRACTION = 0.8        # default host budget: this share of MemAvailable at start
@@ -98,6 +100,14 @@ class DerivedSizes:
     device_grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """The dtype of those buffers, their collective and the shard's copy to the host:
     ``communication_data_type``, unset the compute dtype (the gradients' own, as DeepSpeed)."""
+    device_grad_bytes: int = 0
+    """Device bytes of those buffers as counted in the device budget (``device_gradient_bytes``
+    of the units' padded layouts): what the engine reserves for them, never less
+    (``engine_sizes`` refuses a reservation above it)."""
+    device_room_warning: str = ""
+    """Why the device budget cannot hold the user's ``stage3_prefetch_bucket_size`` beside
+    those buffers, with the numbers and what to lower (the planner's warnings say it); empty
+    where it can, or where the prefetch is "auto" (sized to what the buffers leave)."""
 
     def apply(self, cfg: InfinityConfig) -> InfinityConfig:
         """``cfg`` with every "auto" replaced by these values (what a run really used)."""
@@ -151,20 +161,48 @@ def slot_bytes_per_elem(lay: Placement) -> int:
     return 4 * tensors
 
 
-def device_gradient_bytes(unit: int, world_size: int, stage: int, gpu: bool,
-                          buffers: int = DEVICE_GRAD_BUFFERS, itemsize: int = 4) -> int:
-    """Device bytes of the buffers gradients are reduced in for a largest unit of ``unit``
-    elements (see [Note: gradients reduced on the device] in optim/device_gradients.py): with
-    several ranks on a GPU, ``buffers`` buffers (of ``itemsize``-byte elements, the
-    communication dtype's) of the unit's collected gradient
-    (every shard at stages 1-3, the trainable range at stage 0) and, when scattered, its own
-    shard behind it; none with one rank or on a CPU device (the host path)."""
-    if world_size <= 1 or not gpu or unit <= 0:
+def device_gradient_bytes(layouts: Iterable[tuple[int, int]], world_size: int, stage: int,
+                          gpu: bool, buffers: int = DEVICE_GRAD_BUFFERS, itemsize: int = 4) -> int:
+    """Device bytes of the ``buffers`` kept buffers gradients are reduced in (see [Note:
+    gradients reduced on the device] in optim/device_gradients.py), for units whose flat
+    buffers are laid out as ``layouts``: each unit's (flat numel, trainable numel) as
+    ``unit_layout_bound`` gives them in the compute dtype, every store padded to 4 KiB and every
+    parameter to PARAM_ALIGN_BYTES. The one count of these bytes: ``derive_sizes`` chooses two
+    buffers or one and leaves the prefetch room by it, ``engine_sizes`` reserves it (and the dry
+    run and ``infinity plan`` show it), so the number chosen is the number reserved.
+
+    It is what the optimizer's pool allocates (optim/gradients.py ``_device_numel``), bounded:
+    a buffer holds the largest unit's collected gradient -- every shard of its flat buffer,
+    ``world_size * shard_numel(flat numel)``, at stages 1-3; its trainable range at stage 0 --
+    and, when scattered, its own shard behind it, in ``itemsize``-byte elements (the
+    communication dtype). ``unit_layout_bound`` rounds every parameter up to its alignment and
+    puts the trainable ones first, as the runtime's ``flat_layout`` does (Unit sorts them so), so
+    each runtime flat numel and trainable numel is at most the bound, and ``shard_numel`` only
+    grows with its argument: the pool's buffers are never larger than this count. None with one
+    rank or on a CPU device (the host path)."""
+    if world_size <= 1 or not gpu:
         return 0
     if stage >= 1:
-        shard = shard_numel(unit, world_size)
-        return buffers * (world_size * shard + shard) * itemsize
-    return buffers * unit * itemsize
+        shards = (shard_numel(numel, world_size) for numel, _ in layouts)
+        per_buffer = max((world_size * shard + shard for shard in shards), default=0)
+    else:
+        per_buffer = max((trainable for _, trainable in layouts), default=0)
+    return buffers * per_buffer * itemsize
+
+
+@functools.lru_cache(maxsize=64)       # a target plan asks the same stats for every rung
+def counted_units(stats: ModelStats) -> tuple[tuple[tuple[int, bool], ...], ...]:
+    """The units of a model known by its counts, as (numel, trainable) parameters: one entry
+    per unit, the frozen elements taken from the first units (the per-parameter 64-byte
+    alignment inside a unit is below a plan's resolution). What ``derive_sizes`` and the run
+    plan size a model by when its units are not given parameter by parameter."""
+    frozen = stats.total_params - stats.trainable_params
+    units = []
+    for numel in stats.units():
+        take = min(frozen, numel)
+        frozen -= take
+        units.append(((numel - take, True), (take, False)) if take else ((numel, True),))
+    return tuple(units)
 
 
 def device_working(lay: Placement, unit: int, prefetch: int, persist: int, bucket: int) -> int:
@@ -182,8 +220,14 @@ def layout_slack(stats: ModelStats) -> int:
     return 5 * (stats.n_units * ALIGN_BYTES + n_params * PARAM_ALIGN_BYTES)
 
 
-def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> DerivedSizes:
-    """Resolve every size of ``cfg`` for this model on this machine (see the module docstring)."""
+def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
+                 units: Sequence[Sequence[tuple[int, bool]]] | None = None) -> DerivedSizes:
+    """Resolve every size of ``cfg`` for this model on this machine (see the module docstring).
+
+    ``units``: each unit's (numel, trainable) parameters, in the order the engine lays them out
+    (the device gradient buffers are counted from their padded layouts, as the engine reserves
+    them); None: the units ``stats`` describes (``counted_units``), as the run plan takes a
+    model known by its counts."""
     lay = place(cfg, stats, hw)
     z, c, unit = cfg.zero, lay.c, stats.largest_unit_params
     resident_device = sum(b for (_, tier), b in resident_bytes(lay).items() if tier == Tier.DEVICE)
@@ -211,35 +255,44 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
         fits = c * stats.persistent_elements(PERSISTENCE_THRESHOLD) <= PERSISTENT_SHARE * device_budget
         threshold = PERSISTENCE_THRESHOLD if fits else 0
     persist = stats.persistent_elements(threshold) if z.stage == 3 else 0
-    # the device gradient buffers: two where they fit beside what a fetched unit needs and (at
-    # stage 3) one unit fetched ahead of it, else one. A second buffer only hides the copy out
-    # of a unit's shard (1/N of its gradient) behind the next unit's backward; the unit
-    # fetched ahead hides its whole NVMe read, copy in and gather behind compute, so it goes
-    # first (1T on 8 x 80 GB: two bf16 buffers of a block, 32.7 GiB, left 0.87B elements of
-    # prefetch and no copy in overlapped compute; one leaves 9.6B)
-    room = device_budget - resident_device - device_working(lay, unit, 0, persist, 0)
-    ahead = c * unit if z.stage == 3 else 0
-    # in the communication dtype: DeepSpeed's unset one is the gradients' own, the compute
-    # dtype (the config refused the pairs that make no sense: config/precision.py; a GPU
-    # resolves the compute dtype as the config declares it)
-    grad_dtype = cfg.communication_data_type or lay.compute_dtype
-    grad_itemsize = DTYPE_BYTES[grad_dtype]
-    grad_buffers = DEVICE_GRAD_BUFFERS
-    if device_gradient_bytes(unit, cfg.world_size, z.stage, hw.has_gpu, grad_buffers,
-                             grad_itemsize) > room - ahead:
-        grad_buffers = 1
-    device_grads = device_gradient_bytes(unit, cfg.world_size, z.stage, hw.has_gpu, grad_buffers,
-                                         grad_itemsize)
-
-    bucket_cap = max(ALIGN_ELEMS, int(REDUCE_BUCKET_SHARE * device_budget) // c)
-    reduce_bucket = z.reduce_bucket_size or min(unit_cap, bucket_cap)
-    allgather_bucket = z.allgather_bucket_size or min(unit_cap, bucket_cap)
-
     prefetch = z.stage3_prefetch_bucket_size
     if prefetch is not None:
         # more than the model holds prefetches nothing more (DeepSpeed configs say 1e9, 1e12),
         # but would size a fetch slot per unit of it out of the host budget
         prefetch = min(prefetch, stats.total_params)
+    # the device gradient buffers: two where they fit beside what a fetched unit needs and (at
+    # stage 3) one unit fetched ahead of it, else one. A second buffer only hides the copy out
+    # of a unit's shard (1/N of its gradient) behind the next unit's backward; the unit
+    # fetched ahead hides its whole NVMe read, copy in and gather behind compute, so it goes
+    # first (1T on 8 x 80 GB: two bf16 buffers of a block, 32.7 GiB, left 0.87B elements of
+    # prefetch and no copy in overlapped compute; one leaves 9.6B). A prefetch bucket the user
+    # set is what is fetched ahead: the buffers fit beside it, or the plan says it does not
+    room = device_budget - resident_device - device_working(lay, unit, 0, persist, 0)
+    ahead = (c * unit if prefetch is None else c * prefetch) if z.stage == 3 else 0
+    # in the communication dtype: DeepSpeed's unset one is the gradients' own, the compute
+    # dtype (the config refused the pairs that make no sense: config/precision.py; a GPU
+    # resolves the compute dtype as the config declares it)
+    grad_dtype = cfg.communication_data_type or lay.compute_dtype
+    grad_itemsize = DTYPE_BYTES[grad_dtype]
+    layouts = []
+    if cfg.world_size > 1 and hw.has_gpu:    # the units' padded layouts, as the engine's
+        layouts = [unit_layout_bound(params, c)
+                   for params in (counted_units(stats) if units is None else units)]
+    grad_buffers = DEVICE_GRAD_BUFFERS
+    if device_gradient_bytes(layouts, cfg.world_size, z.stage, hw.has_gpu, grad_buffers,
+                             grad_itemsize) > room - ahead:
+        grad_buffers = 1
+    device_grads = device_gradient_bytes(layouts, cfg.world_size, z.stage, hw.has_gpu,
+                                         grad_buffers, grad_itemsize)
+    crowded = ""
+    if prefetch is not None and z.stage == 3 and device_grads > room - ahead:
+        crowded = _prefetch_crowds_gradients(prefetch, c, room, device_grads, grad_buffers,
+                                             grad_dtype)
+
+    bucket_cap = max(ALIGN_ELEMS, int(REDUCE_BUCKET_SHARE * device_budget) // c)
+    reduce_bucket = z.reduce_bucket_size or min(unit_cap, bucket_cap)
+    allgather_bucket = z.allgather_bucket_size or min(unit_cap, bucket_cap)
+
     if prefetch is None:
         if z.stage == 3:
             free = room - device_grads
@@ -278,4 +331,26 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Derive
         reduce_bucket_size=reduce_bucket, allgather_bucket_size=allgather_bucket,
         host_budget_bytes=host_budget, device_budget_bytes=device_budget,
         compute_dtype=lay.compute_dtype, early_step=lay.early_step,  # type: ignore[arg-type]
-        device_grad_buffers=grad_buffers, device_grad_dtype=grad_dtype)  # type: ignore[arg-type]
+        device_grad_buffers=grad_buffers, device_grad_dtype=grad_dtype,  # type: ignore[arg-type]
+        device_grad_bytes=device_grads, device_room_warning=crowded)
+
+
+def _prefetch_crowds_gradients(prefetch: int, itemsize: int, room: int, device_grads: int,
+                               buffers: int, grad_dtype: str) -> str:
+    """The planner's warning for a ``stage3_prefetch_bucket_size`` the user set that leaves
+    the device budget too little room for the gradient buffers (``room``: the budget's bytes
+    beside the resident states and a fetched unit; ``device_grads``: the ``buffers`` buffers'
+    bytes): the numbers, and the prefetch that would fit (or the budget's shortfall)."""
+    fits = max(0, room - device_grads) // itemsize
+    left = max(0, room - itemsize * prefetch)
+    fix = (f"lower stage3_prefetch_bucket_size to at most {fits:,} elements (or \"auto\"), or "
+           f"raise infinity.device_memory_budget by {format_bytes(device_grads - left)}"
+           if room >= device_grads else
+           f"even with no prefetch they do not fit: raise infinity.device_memory_budget by "
+           f"{format_bytes(device_grads - room)} (or set communication_data_type \"bf16\", "
+           "or offload deeper)")
+    return (f"zero_optimization.stage3_prefetch_bucket_size {prefetch:,} elements "
+            f"({format_bytes(itemsize * prefetch)}) leaves {format_bytes(left)} of the device "
+            f"budget beside the resident states and a fetched unit, but the gradients reduced "
+            f"on the device need {format_bytes(device_grads)} ({buffers} {grad_dtype} "
+            f"buffer{'s' if buffers > 1 else ''} of the largest unit's gradient): {fix}")

@@ -9,10 +9,13 @@ import dataclasses
 import pytest
 
 from infinity.config import InfinityConfig
+from infinity.planner.alignment import flat_layout, shard_numel
 from infinity.planner.engine_sizes import GRADS_HELD, step_slot_count
 from infinity.planner.inputs import ModelStats
+from infinity.planner.placement import resident_bytes
+from infinity.planner.plan import plan_memory
 from infinity.planner.run_plan import UnitParams, plan_run, stats_of_units, units_of_stats
-from infinity.planner.sizes import DEVICE_GRAD_BUFFERS
+from infinity.planner.sizes import DEVICE_GRAD_BUFFERS, derive_sizes, device_working
 from infinity.planner.tiers import Tier
 
 from fakes import CPU_BOX, GPU_BOX
@@ -215,3 +218,153 @@ def test_a_plan_is_frozen_and_needs_a_model() -> None:
         plan.speculative = True            # type: ignore[misc]
     with pytest.raises(ValueError, match="units or its stats"):
         plan_run(config(0, "none", "none"), CPU_BOX)
+
+
+def _pool_bytes(units: list[UnitParams], world: int, stage: int, itemsize: int,
+                comm_itemsize: int, buffers: int) -> int:
+    """The device gradient buffers the optimizer's pool allocates for ``units`` (the runtime's
+    own arithmetic, not the planner's): each Unit lays its parameters out with ``flat_layout``
+    in the compute dtype, and ``DeviceGradientPool`` takes ``collect_numel`` + the own shard of
+    the largest (optim/gradients.py ``_device_numel``) in the communication dtype."""
+    per = 0
+    for unit in units:
+        _, numel, trainable = flat_layout(unit.params, itemsize)
+        if stage >= 1:
+            shard = shard_numel(numel, world)
+            per = max(per, world * shard + shard)
+        else:
+            per = max(per, trainable)
+    return buffers * per * comm_itemsize
+
+
+def _padded_units(world: int) -> list[UnitParams]:
+    """Units whose elements are a whole number of shards unpadded, whose flat layout is not:
+    a parameter off the 64-byte alignment, and a frozen one after the trainable range (padded
+    to 4 KiB of fp32) -- the layout crosses into one more 2048-element shard a rank."""
+    whole = world * 2048 * 5
+    return [UnitParams(((whole - 5, True), (5, True)), ordered=True),
+            UnitParams(((3, True), (whole - 3, False)), ordered=True),
+            UnitParams(((1000, True),), ordered=True)]
+
+
+def _aligned_units(world: int) -> list[UnitParams]:
+    """Units with nothing to pad: every parameter a multiple of 4 KiB, whole shards."""
+    whole = world * 2048 * 5
+    return [UnitParams(((whole // 2, True), (whole // 2, True)), ordered=True),
+            UnitParams(((4096, True),), ordered=True)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("comm", ["fp32", "bf16"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_device_gradient_bytes_counted_are_the_bytes_reserved_and_bound_the_pool(
+        stage: int, world: int, comm: str, padded: bool) -> None:
+    """One count of the device gradient buffers (planner/sizes.py ``device_gradient_bytes``):
+    what ``derive_sizes`` counts in the device budget (and chose two or one buffers by) is what
+    ``engine_sizes`` reserves, from the units' padded layouts, and at least what the
+    optimizer's pool allocates -- equal where the layout has no padding. (The largest unit's
+    element count alone, as counted before, was below the pool where its layout is padded.)"""
+    units = _padded_units(world) if padded else _aligned_units(world)
+    param = "cpu" if stage == 3 else "none"
+    opt = "cpu" if stage else "none"
+    plan = plan_run(config(stage, param, opt, world_size=world, communication_data_type=comm,
+                           infinity={"compute_dtype": "bf16", "early_step": "off",
+                                     "device_memory_budget": 4 << 30}),
+                    GPU_BOX, units=units)
+    comm_itemsize = 4 if comm == "fp32" else 2
+    buffers = plan.derived.device_grad_buffers
+    pool = _pool_bytes(units, world, stage, 2, comm_itemsize, buffers)
+    assert plan.derived.device_grad_bytes == plan.sizes.device_gradient_bytes >= pool > 0
+    if not padded:
+        assert plan.sizes.device_gradient_bytes == pool
+    elif stage >= 1:                 # the elements alone: one 2048-element shard a rank short
+        largest = max(sum(n for n, _ in u.params) for u in units)
+        shard = shard_numel(largest, world)
+        assert buffers * (world * shard + shard) * comm_itemsize < pool
+
+
+def test_engine_sizes_refuses_a_reservation_above_what_the_plan_counted() -> None:
+    """Derived sizes made for other units (the counts' single-parameter units) than the
+    engine's (padded ones): the reservation would exceed the count; ``engine_sizes`` says so
+    with both numbers instead of leaving it to the first backward."""
+    units = _padded_units(2)
+    cfg = config(3, "cpu", "cpu", world_size=2, communication_data_type="fp32",
+                 infinity={"compute_dtype": "bf16", "early_step": "off",
+                           "device_memory_budget": 4 << 30})
+    stats = ModelStats.from_counts(2 * 20_480 + 1000, 20_480, 3)    # the same elements
+    counted = derive_sizes(cfg, stats, GPU_BOX)                        # not told the units
+    # counted: 2 x (2 x 10,240 + 10,240) x 4; reserved: shards of 12,288
+    with pytest.raises(ValueError, match=r"reserves 294,912 bytes .* more than the 245,760"):
+        plan_run(cfg, GPU_BOX, units=units, derived=counted)
+
+
+def _device_use(plan, units: list[UnitParams]) -> int:
+    """The device bytes a plan holds in backward (rank_memory's sum without activations): the
+    resident states, a fetched unit, its prefetch, a unit's gradients and the gradient
+    buffers as the engine reserves them."""
+    lay, derived = plan.placement, plan.derived
+    resident = sum(b for (_, tier), b in resident_bytes(lay).items() if tier == Tier.DEVICE)
+    largest = max(sum(n for n, _ in u.params) for u in units)
+    return resident + device_working(lay, largest, derived.prefetch_bucket_size, 0, 0) \
+        + plan.sizes.device_gradient_bytes
+
+
+def test_a_plan_at_the_device_budgets_edge_holds_its_reservation() -> None:
+    """The least device budget at which the plan keeps two gradient buffers beside a unit
+    fetched ahead is exactly what it then holds: the reservation of the padded buffers fits
+    (the buffers counted from the unpadded elements chose two at a budget 2 x 2048 x 3 x 4
+    bytes short of them, and prefetched into those bytes); a byte less keeps one."""
+    units = _padded_units(2)
+
+    def plan(budget: int):
+        return plan_run(config(3, "cpu", "cpu", world_size=2, communication_data_type="fp32",
+                               infinity={"compute_dtype": "bf16", "early_step": "off",
+                                         "device_memory_budget": budget}),
+                        GPU_BOX, units=units)
+    low, high = 0, 1 << 30            # the least budget that keeps two buffers
+    while low < high:
+        mid = (low + high) // 2
+        if plan(mid).derived.device_grad_buffers == 2:
+            high = mid
+        else:
+            low = mid + 1
+    edge = plan(low)
+    assert edge.derived.device_grad_buffers == 2 and plan(low - 1).derived.device_grad_buffers == 1
+    assert edge.derived.prefetch_bucket_size >= max(sum(n for n, _ in u.params) for u in units)
+    assert _device_use(edge, units) <= low
+    assert _device_use(plan(low - 1), units) <= low - 1
+
+
+def test_a_prefetch_bucket_the_user_set_that_leaves_no_room_for_the_gradient_buffers() -> None:
+    """``stage3_prefetch_bucket_size`` set is taken as given: where the budget holds it and a
+    fetched unit but not even one gradient buffer beside them, the plan says so, with the
+    numbers and the prefetch that would fit (which then does, with no warning)."""
+    stats = ModelStats.from_counts(400_000_000, 40_000_000, 10, 400_000_000)
+
+    def cfg(prefetch: int) -> InfinityConfig:
+        return InfinityConfig.from_dict({
+            "zero_optimization": {
+                "stage": 3, "stage3_prefetch_bucket_size": prefetch,
+                "offload_param": {"device": "nvme", "nvme_path": "/swap"},
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/swap"}},
+            "communication_data_type": "fp32",
+            "infinity": {"compute_dtype": "bf16", "early_step": "off",
+                         "device_memory_budget": 600 << 20}}, world_size=2)
+    # 629,145,600 B less a fetched 40M-element bf16 unit and its gradients (160,000,000):
+    # 469,145,600; the prefetch takes 400,000,000 of it. One fp32 buffer of the unit's two
+    # shards and its own is 3 x 20,000,768 x 4 = 240,009,216 B, so (469,145,600 -
+    # 240,009,216) / 2 = 114,568,192 elements of bf16 prefetch fit beside it
+    crowded = plan_memory(cfg(200_000_000), stats, GPU_BOX)
+    message = ("zero_optimization.stage3_prefetch_bucket_size 200,000,000 elements (381.47 MiB)"
+               " leaves 65.94 MiB of the device budget beside the resident states and a fetched "
+               "unit, but the gradients reduced on the device need 228.89 MiB (1 fp32 buffer of "
+               "the largest unit's gradient): lower stage3_prefetch_bucket_size to at most "
+               "114,568,192 elements (or \"auto\"), or raise infinity.device_memory_budget by "
+               "162.95 MiB")
+    assert message in crowded.warnings and not crowded.fits
+    assert crowded.sizes.prefetch_bucket_size == 200_000_000      # as given
+    fitting = plan_memory(cfg(114_568_192), stats, GPU_BOX)
+    assert fitting.sizes.device_room_warning == "" and fitting.sizes.device_grad_buffers == 1
+    assert not any("stage3_prefetch_bucket_size" in w for w in fitting.warnings)
+    assert plan_memory(cfg(114_568_193), stats, GPU_BOX).sizes.device_room_warning
