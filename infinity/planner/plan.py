@@ -213,6 +213,15 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
                 else "one unit's gradients and a reduce bucket")
         items.append(PlanItem("buffers", Tier.DEVICE, working, note, _FIX_DEVICE_WORK))
 
+    if run.sizes.device_gradient_bytes:
+        # several ranks on a GPU reduce each unit's gradient in device buffers (see [Note:
+        # gradients reduced on the device] in optim/device_gradients.py): the bytes the engine
+        # reserves, as derive_sizes counted them
+        items.append(PlanItem(
+            "buffers", Tier.DEVICE, run.sizes.device_gradient_bytes,
+            f"{sz.device_grad_buffers} {sz.device_grad_dtype} device buffer(s) a unit's gradient "
+            "is reduced in (the unit's shards and its own)",
+            "set communication_data_type bf16, or smaller units (infinity.unit_modules)"))
     host = sum(i.nbytes for i in items if i.tier == Tier.HOST)
     device = sum(i.nbytes for i in items if i.tier == Tier.DEVICE)
     nvme = sum(i.nbytes for i in items if i.tier == Tier.NVME)

@@ -111,6 +111,32 @@ def test_world_size_shards_by_stage() -> None:
         assert plan.bytes("grads", "device") == 0
 
 
+def test_the_device_gradient_buffers_are_a_row_of_the_device_tier() -> None:
+    """Several ranks on a GPU reduce each unit's gradient in device buffers (see [Note:
+    gradients reduced on the device] in optim/device_gradients.py): ``infinity plan`` shows
+    the bytes the engine reserves for them on the device, and a device budget they overflow
+    does not fit."""
+    stats = ModelStats.from_counts(8_000_000, 1_000_000, 8)
+
+    def cfg(**budget: object) -> InfinityConfig:
+        zero = {"stage": 3, "offload_param": {"device": "cpu"},
+                "offload_optimizer": {"device": "cpu"}}
+        return InfinityConfig.from_dict(
+            {"zero_optimization": zero, "communication_data_type": "fp32",
+             "infinity": {"early_step": "off", "compute_dtype": "bf16", **budget}},
+            world_size=4)
+    plan = plan_memory(cfg(), stats, GPU_BOX)
+    # 1M elements (4 KiB-padded in bf16: 1,001,472) in 4 shards of 251,904, and the own one
+    nbytes = 2 * (4 * 251_904 + 251_904) * 4
+    assert plan.sizes.device_grad_bytes == nbytes
+    (row,) = [i for i in plan.items if i.tier == "device" and "device buffer" in i.note]
+    assert row.nbytes == nbytes and row.note.startswith("2 fp32 device buffer(s)")
+    # a byte short of one buffer beside a fetched unit (and no prefetch): no plan fits there
+    fetched = plan.bytes(tier="device") - nbytes - 2 * plan.sizes.prefetch_bucket_size
+    tight = cfg(device_memory_budget=fetched + nbytes // 2 - 1)
+    assert not plan_memory(tight, stats, GPU_BOX).fits
+
+
 def test_optimizer_on_host_over_budget_warns_with_the_fix() -> None:
     stats = llama_stats(LLAMA_PRESETS["1B"])
     cfg = config(2, "none", "cpu", infinity={"host_memory_budget": "3GiB"}, bf16={"enabled": True})
