@@ -78,7 +78,7 @@ ring collectives): an assumption, typical of published measurements."""
 REUSE_TURNS = 2
 """Points per step where units stay fetched for their next use: forward -> backward, and the
 end of backward (the step) -> the next forward."""
-KERNEL_ELEMENTS_PER_S = {"fp32": 1.7e9, "bf16": 1.5e9, "int8": 0.41e9}
+KERNEL_ELEMENTS_PER_S = {"fp32": 1.7e9, "bf16": 1.5e9, "int8": 0.49e9}
 """Elements per second of one core of the fused Adam kernel by moments format: the fp32
 kernel's rate, and the others' at their measured ratio to it in the same process (bf16 moments,
 rounded stochastically, 0.77x; int8 0.24x: tools/bench/adam_formats_kernels.py, one thread,
@@ -87,7 +87,10 @@ bf16 is the fp32-master case, the common one: since 2f961ff its v's rounding tak
 of the element's hash instead of a second mix, measured 1.16x the kernel before it (the same
 tool, 70 rounds alternating with the previous build, load 2.8 on a shared 2-core machine: noisy,
 the unchanged kernels moved by 0.99-1.06x), so 0.77x * 1.16 = 0.89x. With a bf16 master bf16
-moments still run at ~0.75x (1.3e9); the table has one figure per moments format."""
+moments still run at ~0.75x (1.3e9); the table has one figure per moments format. int8: since
+the AVX-512 kernel dequantizes by permutes instead of gathers and codes m and v in one loop, 0.29x
+(bf16 master) to 0.33x (fp32 master) of fp32's rate in the same process, against 0.25x before
+(the same tool, 10 rounds alternating with the previous build, load 1.2): 0.29x, 0.49e9."""
 
 
 def adam_params_per_core(fmt: StateFormat) -> float:

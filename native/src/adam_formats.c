@@ -40,16 +40,9 @@ static double map_value(int i, int k, int n) { return pow10_table[i] * (0.1 + 0.
 
 /* The smallest and largest float of a table slot (in value order). */
 static void slot_range(int sign, uint32_t slot, float *lo, float *hi) {
-    uint32_t a, b;
-    if (slot == 0) {                       /* magnitudes below 2^-24, zero included */
-        a = 0;
-        b = ((uint32_t)ADAMF_LUT_EXP_LO << 23) - 1;
-    } else {
-        uint32_t e = ADAMF_LUT_EXP_LO + ((slot - 1) >> ADAMF_LUT_MANT_BITS);
-        uint32_t m = (slot - 1) & ((1u << ADAMF_LUT_MANT_BITS) - 1);
-        a = (e << 23) | (m << (23 - ADAMF_LUT_MANT_BITS));
-        b = a | ((1u << (23 - ADAMF_LUT_MANT_BITS)) - 1);
-    }
+    uint32_t a = ADAMF_LUT_LO_BITS + (slot << ADAMF_LUT_SHIFT);
+    uint32_t b = a | ((1u << ADAMF_LUT_SHIFT) - 1);
+    if (slot == 0) a = 0;                  /* magnitudes below 2^-24, zero included */
     *lo = sign ? -adam_bits_f32(b) : adam_bits_f32(a);
     *hi = sign ? -adam_bits_f32(a) : adam_bits_f32(b);
 }
@@ -64,10 +57,12 @@ static int build_luts(void) {
                 slot_range(sign, slot, &lo, &hi);
                 uint32_t c = adamf_qsearch(map_bounds[m], lo), d = adamf_qsearch(map_bounds[m], hi);
                 if (d > c + 1 || (d > c && slot == 0)) return 0;
-                uint32_t entry = c;
-                if (d > c) /* bnd[c] lies in the slot: its bits share the slot's top bits */
-                    entry |= ADAMF_LUT_HAS_BOUND | (adam_f32_bits(map_bounds[m][c]) & 0xffffu) << 16;
-                map_lut[m][sign * ADAMF_LUT_PER_SIGN + slot] = entry;
+                uint32_t cmp = ADAMF_LUT_NO_BOUND;
+                if (d > c) { /* bnd[c] lies in the slot: its bits share the slot's top bits */
+                    cmp = adam_f32_bits(map_bounds[m][c]) & ADAMF_LUT_LOW_MASK;
+                    if (sign) cmp ^= ADAMF_LUT_LOW_MASK; /* |y| <= |bound|, complemented */
+                }
+                map_lut[m][sign * ADAMF_LUT_PER_SIGN + slot] = c | cmp << 8;
             }
     return 1;
 }

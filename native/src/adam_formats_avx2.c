@@ -202,36 +202,27 @@ TARGET __m256i qsearch8(const float *bnd, int pos_floor, __m256 xv) {
     return idx;
 }
 
-/* adamf_qsearch of 8 lanes by the table (see [Note: the code lookup table]): one gather. */
+/* adamf_qsearch of 8 lanes of y in [-1, 1], never NaN, by the table (see [Note: the code
+ * lookup table]): one gather. */
 TARGET __m256i qlut8(const uint32_t *lut, int pos_floor, __m256 xv) {
     __m256i u = _mm256_castps_si256(xv);
-    __m256i e = _mm256_min_epu32(_mm256_and_si256(_mm256_srli_epi32(u, 23), _mm256_set1_epi32(0xff)),
-                                 _mm256_set1_epi32(127));
-    __m256i mant = _mm256_and_si256(_mm256_srli_epi32(u, 23 - ADAMF_LUT_MANT_BITS),
-                                    _mm256_set1_epi32((1 << ADAMF_LUT_MANT_BITS) - 1));
-    __m256i slot = _mm256_add_epi32(
-        _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(ADAMF_LUT_EXP_LO)), ADAMF_LUT_MANT_BITS),
-        _mm256_add_epi32(mant, _mm256_set1_epi32(1)));
-    __m256i regular = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(ADAMF_LUT_EXP_LO - 1));
-    slot = _mm256_and_si256(slot, regular);
+    __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    a = _mm256_min_epu32(_mm256_max_epu32(a, _mm256_set1_epi32((int)ADAMF_LUT_LO_BITS)),
+                         _mm256_set1_epi32((int)ADAMF_LUT_ONE_BITS));
+    __m256i slot = _mm256_srli_epi32(_mm256_sub_epi32(a, _mm256_set1_epi32((int)ADAMF_LUT_LO_BITS)),
+                                     ADAMF_LUT_SHIFT);
     __m256i negative = _mm256_srai_epi32(u, 31);
     slot = _mm256_add_epi32(slot, _mm256_and_si256(negative, _mm256_set1_epi32(ADAMF_LUT_PER_SIGN)));
     __m256i entry = _mm256_i32gather_epi32((const int *)lut, slot, 4);
-    __m256i c = _mm256_and_si256(entry, _mm256_set1_epi32(0xff));
-    __m256i low = _mm256_and_si256(u, _mm256_set1_epi32(0xffff));
-    __m256i bound = _mm256_srli_epi32(entry, 16);
-    /* y >= bnd[c]: the low bits compared (16-bit values: a signed compare is exact), magnitudes
-     * reversed for negative values; lanes of all ones where true */
-    __m256i ge_pos = _mm256_xor_si256(_mm256_cmpgt_epi32(bound, low), _mm256_set1_epi32(-1));
-    __m256i ge_neg = _mm256_xor_si256(_mm256_cmpgt_epi32(low, bound), _mm256_set1_epi32(-1));
-    __m256i ge = _mm256_blendv_epi8(ge_pos, ge_neg, negative);
-    __m256i has = _mm256_cmpeq_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(ADAMF_LUT_HAS_BOUND)),
-                                     _mm256_set1_epi32(ADAMF_LUT_HAS_BOUND));
-    c = _mm256_sub_epi32(c, _mm256_and_si256(ge, has));   /* up lanes are -1 */
-    c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(xv, xv, _CMP_ORD_Q)));  /* NaN -> 0 */
-    if (pos_floor) { /* a positive value never gets code 0 */
-        __m256 pos = _mm256_cmp_ps(xv, _mm256_setzero_ps(), _CMP_GT_OQ);
-        c = _mm256_max_epu32(c, _mm256_and_si256(_mm256_castps_si256(pos), _mm256_set1_epi32(1)));
+    __m256i low = _mm256_xor_si256(_mm256_and_si256(u, _mm256_set1_epi32(ADAMF_LUT_LOW_MASK)),
+                                   _mm256_and_si256(negative, _mm256_set1_epi32(ADAMF_LUT_LOW_MASK)));
+    /* low >= cmp (both under 2^17: a signed compare is exact): lanes of all ones, i.e. -1 */
+    __m256i up = _mm256_xor_si256(_mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 8), low),
+                                  _mm256_set1_epi32(-1));
+    __m256i c = _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xff)), up);
+    if (pos_floor) { /* a positive value never gets code 0 (u > 0 as an integer: y > +0) */
+        __m256i pos = _mm256_cmpgt_epi32(u, _mm256_setzero_si256());
+        c = _mm256_max_epu32(c, _mm256_and_si256(pos, _mm256_set1_epi32(1)));
     }
     return c;
 }

@@ -47,30 +47,38 @@ void inf_adamf_range_avx512(const struct adamf_ctx *x, const struct adamf_chunk 
 /* [Note: the code lookup table]
  * The SIMD kernels find a code in one gather instead of the binary search's eight: a table
  * indexed by the top bits of the float y = x / absmax (sign, exponent, 7 mantissa bits: a slot
- * spans 1/128 of an octave) holds, per slot, the smallest code c of the slot's values and,
- * when the slot holds a decision bound (at most one: checked when the table is built, the
- * map's entries are >= 1.4% apart, a slot is 0.8% wide), that bound's low 16 bits. Then
- * code(y) = c + (y >= bnd[c]), and inside one slot y and the bound share sign, exponent and
- * the top 7 mantissa bits, so y >= bnd[c] is a compare of the low 16 bits (reversed for
- * negative values): no second lookup. Entry: c | ADAMF_LUT_HAS_BOUND | bound's low 16 << 16.
- * Values below 2^-24 (in magnitude) share one slot per sign, which must hold no bound (the
- * smallest bound is 1.6e-7; checked too). The result is adamf_qsearch's by construction; the
+ * spans 1/128 of an octave) holds, per slot, the smallest code c of the slot's values and the
+ * one decision bound the slot may hold (at most one: checked when the table is built, the
+ * map's entries are >= 1.4% apart, a slot is 0.8% wide). Then code(y) = c + (y >= bnd[c]), and
+ * inside one slot y and the bound share sign, exponent and the top 7 mantissa bits, so
+ * y >= bnd[c] is a compare of the low 16 bits: no second lookup.
+ * The slot is bits 16..30 of |y| (exponent and 7 mantissa bits), |y| clamped to [2^-24, 1]
+ * first, plus a sign's offset: y = x / absmax with |x| <= absmax lies in [-1, 1], and every
+ * magnitude below 2^-24 shares the first slot, which must hold no bound (the smallest bound is
+ * 1.6e-7; checked too). y is never NaN there: a block holding inf or NaN is coded before any
+ * lookup (adamf_block_nonfinite), and absmax 0 divides by 1.
+ * Entry: c | cmp << 8, cmp a 17-bit number the lane's low 16 bits are compared with (code + 1
+ * where low >= cmp): the bound's low 16 bits for a positive slot, their complement for a
+ * negative one (|y| <= |bound| there; the lane complements its bits too), and 0x10000 (never
+ * reached) for a slot without a bound. So a lane costs a clamp, a shift, the gather, a compare
+ * and an add, the same whatever the slot. The result is adamf_qsearch's by construction; the
  * tests compare every SIMD kernel with the scalar one and code every bound and its neighbours. */
-#define ADAMF_LUT_HAS_BOUND 0x100u
-#define ADAMF_LUT_MANT_BITS 7
-#define ADAMF_LUT_EXP_LO (127 - 24)        /* biased exponent of the first regular slots */
-#define ADAMF_LUT_EXPS (127 - ADAMF_LUT_EXP_LO + 1)
-#define ADAMF_LUT_PER_SIGN (1 + (ADAMF_LUT_EXPS << ADAMF_LUT_MANT_BITS))
+#define ADAMF_LUT_MANT_BITS 7                /* the slot is |y|'s bits from 23 - 7 = 16 up */
+#define ADAMF_LUT_SHIFT (23 - ADAMF_LUT_MANT_BITS)
+#define ADAMF_LUT_EXP_LO (127 - 24)          /* biased exponent of the first slot: 2^-24 */
+#define ADAMF_LUT_LO_BITS ((uint32_t)ADAMF_LUT_EXP_LO << 23)
+#define ADAMF_LUT_ONE_BITS 0x3f800000u       /* 1.0f: |y| <= 1 */
+#define ADAMF_LUT_PER_SIGN (((ADAMF_LUT_ONE_BITS - ADAMF_LUT_LO_BITS) >> ADAMF_LUT_SHIFT) + 1)
 #define ADAMF_LUT (2 * ADAMF_LUT_PER_SIGN)
+#define ADAMF_LUT_NO_BOUND 0x10000u
+#define ADAMF_LUT_LOW_MASK 0xffffu
 
-/* The table slot of y (the SIMD kernels compute the same, lane by lane). */
+/* The table slot of y in [-1, 1] (the SIMD kernels compute the same, lane by lane). */
 static inline uint32_t adamf_lut_slot(float y) {
-    uint32_t u = adam_f32_bits(y), e = (u >> 23) & 0xffu, slot = 0;
-    if (e > 127) e = 127;
-    if (e >= ADAMF_LUT_EXP_LO)
-        slot = 1 + ((e - ADAMF_LUT_EXP_LO) << ADAMF_LUT_MANT_BITS) +
-               ((u >> (23 - ADAMF_LUT_MANT_BITS)) & ((1u << ADAMF_LUT_MANT_BITS) - 1));
-    return (u >> 31) * ADAMF_LUT_PER_SIGN + slot;
+    uint32_t u = adam_f32_bits(y), a = u & 0x7fffffffu;
+    if (a < ADAMF_LUT_LO_BITS) a = ADAMF_LUT_LO_BITS;
+    if (a > ADAMF_LUT_ONE_BITS) a = ADAMF_LUT_ONE_BITS;
+    return (u >> 31) * ADAMF_LUT_PER_SIGN + ((a - ADAMF_LUT_LO_BITS) >> ADAMF_LUT_SHIFT);
 }
 
 #endif
