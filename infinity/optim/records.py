@@ -230,10 +230,22 @@ def gather_gradient(unit: SteppedUnit, grad: torch.Tensor | dict[int, torch.Tens
     """Elements [a, b) of the unit's gradient (``grad_pieces``' pieces) written into ``out``'s
     first b - a elements as one flat range, zeros in the gaps between parameters; returns that
     view. For a kernel or a write that needs a range whole where the gradient is held per
-    parameter (a 16-bit part widens exactly into an fp32 ``out``)."""
+    parameter (a 16-bit part widens exactly into an fp32 ``out``). Only what no piece covers is
+    zeroed (zeroing the whole range first was a memset of every stepped element: 1.9 GB a step
+    for the int8 step of a 0.49B model): from each piece's end (``a`` before the first) to the
+    next piece's start, and from the last piece's end to ``b``. That covers every element
+    outside the pieces in any order of pieces: for such an element p, take the last piece (in
+    order) ending at or before p; the span after it reaches the next piece's start, beyond p, or
+    ``b``; with no such piece the span from ``a`` to the first piece's start holds p."""
     flat = out[:b - a]
-    flat.zero_()
-    for x, y, g in grad_pieces(unit, grad, origin, a, b):
+    pieces = list(grad_pieces(unit, grad, origin, a, b))
+    end = a
+    for x, y, _ in pieces:
+        if x > end:
+            flat[end - a:x - a].zero_()
+        end = y
+    flat[end - a:].zero_()
+    for x, y, g in pieces:
         flat[x - a:y - a].copy_(g)
     return flat
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.records import (
-    CompleteGradient, JobPhase, OptimTimers, StepJob, SubGroup, UnitOptimState, grad_pieces,
-    sub_groups)
+    CompleteGradient, JobPhase, OptimTimers, StepJob, SubGroup, UnitOptimState, gather_gradient,
+    grad_pieces, sub_groups)
 from infinity.storage.buffer_pool import BufferPool
 from infinity.zero.unit import Unit
 
@@ -66,6 +66,37 @@ def test_grad_pieces_of_held_parts_are_each_parameters_piece() -> None:
     assert list(grad_pieces(_unit(), parts, 0, 10, 16)) == []      # only a gap
     [(x, y, g)] = grad_pieces(_unit(), parts, 0, 9, 10)             # one element of a
     assert (x, y) == (9, 10) and torch.equal(g, torch.tensor([9.0]))
+
+
+@pytest.mark.parametrize("a, b", [(0, 37), (4, 34), (3, 10), (10, 16), (16, 22), (0, 1100)])
+def test_gathered_gradient_is_every_piece_and_zeros_between_whatever_the_buffer_held(
+        a: int, b: int) -> None:
+    """gather_gradient writes [a, b) whole: each held part's piece (a 16-bit part widened),
+    zeros for the parameter without a part, the gaps between parameters and past the last
+    trainable one, into a buffer full of NaN (a stale chunk); nothing past b - a touched."""
+    parts = {0: torch.arange(10.0).bfloat16(), 32: torch.arange(5.0) + 100}
+    out = torch.full((b - a + 3,), float("nan"))
+    flat = gather_gradient(_unit(), parts, 0, a, b, out)
+    want = torch.zeros(b - a)
+    for offset, part in parts.items():
+        x, y = max(a, offset), min(b, offset + part.numel())
+        if x < y:
+            want[x - a:y - a] = part[x - offset:y - offset].float()
+    assert flat.data_ptr() == out.data_ptr() and torch.equal(flat, want)
+    assert out[b - a:].isnan().all()
+
+
+@pytest.mark.parametrize("order", [(2, 1, 0), (1, 0, 2), (0, 2, 1), (1, 2, 0)])
+def test_gathered_gradient_of_pieces_out_of_order_zeroes_the_gaps_too(order) -> None:
+    """A unit whose parameters are not listed in offset order still gets zeros everywhere no
+    piece covers (the spans between consecutive pieces cover them in any order)."""
+    unit = _unit()
+    unit.params[:3] = [unit.params[i] for i in order]
+    parts = {0: torch.ones(10), 16: torch.full((6,), 2.0)}
+    flat = gather_gradient(unit, parts, 0, 0, 37, torch.full((37,), float("nan")))
+    want = torch.zeros(37)
+    want[:10], want[16:22] = 1.0, 2.0
+    assert torch.equal(flat, want)
 
 
 def test_a_complete_gradient_gives_its_elements() -> None:
