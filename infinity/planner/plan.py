@@ -193,7 +193,9 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
                               "memory", "set infinity.optimizer_moments bf16 (no scales)"))
     items += buffer_items(run)
     persist = stats.persistent_elements(sz.persistence_threshold) if lay.stage == 3 else 0
-    working = device_working(lay, stats.largest_unit_params, sz.prefetch_bucket_size, persist,
+    # the fetched unit and the prefetch in the bytes a fetch reserves (padded layouts), as
+    # derive_sizes counted them
+    working = device_working(lay, sz.unit_device_bytes, sz.prefetch_device_bytes, persist,
                              sz.reduce_bucket_size)
     if run.direct_fetch and run.sizes.device_budget is not None:
         # NVMe reads land in the device pool, which holds the parameter buffers' units (the

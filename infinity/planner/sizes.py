@@ -11,19 +11,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from infinity.base.sizes import ALIGN_BYTES, format_bytes
 from infinity.config import InfinityConfig
-from infinity.planner.alignment import PARAM_ALIGN_BYTES, shard_numel, unit_layout_bound
+from infinity.planner.alignment import (
+    PARAM_ALIGN_BYTES,
+    SHARD_ALIGN_NUMEL,
+    padded_numel,
+    shard_numel,
+    unit_layout_bound,
+)
 from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.placement import Placement, place, resident_bytes
 from infinity.planner.tiers import Tier
 
 __all__ = ["DerivedSizes", "derive_sizes", "host_allowed", "pool_in_host_budget",
-           "slot_bytes_per_elem", "device_working", "device_gradient_bytes", "counted_units"]
+           "slot_bytes_per_elem", "device_working", "device_gradient_bytes", "counted_units",
+           "fetched_unit_bytes", "prefetch_bytes"]
 
 # ---- assumptions (change them here, and the engine and `infinity plan` follow) ----------------
 HOST_BUDGET_FRACTION = 0.8        # default host budget: this share of MemAvailable at start
@@ -104,6 +111,13 @@ class DerivedSizes:
     """Device bytes of those buffers as counted in the device budget (``device_gradient_bytes``
     of the units' padded layouts): what the engine reserves for them, never less
     (``engine_sizes`` refuses a reservation above it)."""
+    unit_device_bytes: int = 0
+    """Device bytes of the largest unit's flat buffer as a fetch reserves it (``Unit.nbytes``:
+    its padded layout, every shard with its padding; ``fetched_unit_bytes``): what
+    ``device_working`` counts for the fetched unit and for its gradients in backward."""
+    prefetch_device_bytes: int = 0
+    """Device bytes the units a prefetch bucket of ``prefetch_bucket_size`` elements can hold
+    (``prefetch_bytes``): the prefetch ``device_working`` counts."""
     device_room_warning: str = ""
     """Why the device budget cannot hold the user's ``stage3_prefetch_bucket_size`` beside
     those buffers, with the numbers and what to lower (the planner's warnings say it); empty
@@ -193,23 +207,110 @@ def device_gradient_bytes(layouts: Iterable[tuple[int, int]], world_size: int, s
 @functools.lru_cache(maxsize=64)       # a target plan asks the same stats for every rung
 def counted_units(stats: ModelStats) -> tuple[tuple[tuple[int, bool], ...], ...]:
     """The units of a model known by its counts, as (numel, trainable) parameters: one entry
-    per unit, the frozen elements taken from the first units (the per-parameter 64-byte
-    alignment inside a unit is below a plan's resolution). What ``derive_sizes`` and the run
-    plan size a model by when its units are not given parameter by parameter."""
+    per parameter where ``stats`` lists every parameter unit by unit (``from_module``,
+    ``llama_stats``: ``param_numels`` in the order of ``unit_numels``), so each unit's padded
+    layout (``unit_layout_bound``: every parameter on PARAM_ALIGN_BYTES) is the engine's; else
+    one entry per unit. The frozen elements are taken from the first units' parameters. What
+    ``derive_sizes`` and the run plan size a model by when its units are not given."""
     frozen = stats.total_params - stats.trainable_params
     units = []
-    for numel in stats.units():
-        take = min(frozen, numel)
-        frozen -= take
-        units.append(((numel - take, True), (take, False)) if take else ((numel, True),))
+    for params in _unit_params(stats):
+        out = []
+        for numel in params:
+            take = min(frozen, numel)
+            frozen -= take
+            out += [(numel - take, True), (take, False)] if take else [(numel, True)]
+        units.append(tuple(out))
     return tuple(units)
 
 
-def device_working(lay: Placement, unit: int, prefetch: int, persist: int, bucket: int) -> int:
-    """Device bytes beyond the resident states: fetched units, persistent params, unit grads."""
+def _unit_params(stats: ModelStats) -> list[list[int]]:
+    """Each unit's parameter sizes: ``param_numels`` cut at the ``unit_numels`` where they add
+    up to them unit by unit, else one parameter a unit."""
+    sizes = stats.units()
+    numels = stats.param_numels
+    if stats.unit_numels is not None and numels is not None and sum(numels) == sum(sizes):
+        cut: list[list[int]] = []
+        it = iter(numels)
+        for size in sizes:
+            params, held = [], 0
+            while held < size:
+                numel = next(it, None)
+                if numel is None:
+                    break
+                params.append(numel)
+                held += numel
+            if held != size:
+                break
+            cut.append(params)
+        else:
+            return cut
+    return [[numel] for numel in sizes]
+
+
+def fetched_unit_bytes(layouts: Iterable[tuple[int, int]], world_size: int, stage: int,
+                       itemsize: int) -> int:
+    """Device bytes of the largest unit's flat buffer while it is fetched, for units laid out as
+    ``layouts`` (each unit's (flat numel, trainable numel) as ``unit_layout_bound`` gives them in
+    the compute dtype of ``itemsize`` bytes): what ``Unit.nbytes`` reserves in the device budget
+    at a fetch (zero/unit.py, through the device cache), ``shards * shard_numel(flat numel)``
+    elements, the shards being the world size at stages 1-3 (see [Note: shards]) and one at
+    stage 0. The one count of a fetched unit for ``device_working`` (the derived sizes' room,
+    ``infinity plan``'s device row, ``rank_memory``).
+
+    An upper bound where it cannot be exact: ``unit_layout_bound`` rounds every parameter up to
+    PARAM_ALIGN_BYTES and puts the trainable ones first, as ``flat_layout`` lays out the
+    runtime's units (whose order of param groups it does not know), so each runtime flat numel
+    is at most the bound's, and ``shard_numel`` only grows with its argument: no fetch reserves
+    more than this. Equal where the units are given parameter by parameter in the engine's
+    order (the engine's own plan). Counted from the element counts alone (as before), a
+    unit's 4 KiB and 64-byte padding was left out: units of a few hundred elements reserve
+    4 KiB each, more than twice their elements."""
+    shards = world_size if stage >= 1 else 1
+    return itemsize * max((shards * shard_numel(numel, shards) for numel, _ in layouts),
+                          default=0)
+
+
+def prefetch_bytes(prefetch: int, unit_numels: Iterable[int], world_size: int, stage: int,
+                   itemsize: int) -> int:
+    """Device bytes at most held by the units a prefetch bucket of ``prefetch`` elements lets
+    the coordinator fetch ahead (``choose_prefetch`` in zero/prefetch.py), for units of
+    ``unit_numels`` elements (their parameters' sum) in the compute dtype of ``itemsize`` bytes.
+
+    The coordinator adds units while their ``Unit.numel`` (the padded flat numel) sum to at most
+    the bucket, and each holds ``Unit.nbytes``: ``itemsize`` times its numel with one rank (or
+    at stage 0), where the sum is the bound; with several ranks its shards add at most
+    ``world_size * SHARD_ALIGN_NUMEL`` elements of padding a unit
+    (``shard_numel``), for as many units as fit the bucket -- no more than the smallest units
+    padded to 4 KiB (what a flat numel is at least) whose numels sum to the bucket. (A unit
+    larger than the bucket is still fetched ahead when nothing else is: into free room only,
+    and cancelled when a fetch needs it, so never a refusal; not counted here, as before.)"""
+    if prefetch <= 0:
+        return 0
+    nbytes = itemsize * prefetch
+    shards = world_size if stage >= 1 else 1
+    if shards <= 1:
+        return nbytes
+    fit = held = 0
+    for least in sorted(padded_numel(max(numel, 1), itemsize) for numel in unit_numels):
+        if held + least > prefetch:
+            break
+        held += least
+        fit += 1
+    return nbytes + fit * shards * SHARD_ALIGN_NUMEL * itemsize
+
+
+def device_working(lay: Placement, unit_bytes: int, prefetch_device: int, persist: int,
+                   bucket: int) -> int:
+    """Device bytes beyond the resident states: at stage 3 the fetched unit (``unit_bytes``: the
+    largest unit's flat buffer as a fetch reserves it, ``fetched_unit_bytes``), the prefetched
+    units (``prefetch_device``: ``prefetch_bytes`` of the bucket), ``persist`` persistent
+    elements and the unit's gradients in backward (autograd's, one tensor a parameter: at most
+    the unit's flat buffer, so counted as ``unit_bytes``); below stage 3, where gradients are
+    not kept on the device, a unit's gradients and a reduce bucket of ``bucket`` elements."""
     if lay.stage == 3:
-        return lay.c * (unit + prefetch + persist) + lay.c * unit  # + the unit's grads in backward
-    return 0 if lay.grads_tier == Tier.DEVICE else lay.c * (unit + bucket)
+        return unit_bytes + prefetch_device + lay.c * persist + unit_bytes
+    return 0 if lay.grads_tier == Tier.DEVICE else unit_bytes + lay.c * bucket
 
 
 def layout_slack(stats: ModelStats) -> int:
@@ -243,7 +344,9 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
         else:  # CPU-only: the emulated device gets what the working set needs, within a share
             persist_guess = stats.persistent_elements(threshold) if z.stage == 3 else 0
             prefetch_guess = PREFETCH_UNITS * unit if z.stage == 3 else 0
-            least, wanted = (resident_device + device_working(lay, unit, p, persist_guess, unit_cap)
+            # (in elements: layout_slack below adds the padding, for every unit at once)
+            least, wanted = (resident_device + device_working(lay, c * unit, c * p, persist_guess,
+                                                              unit_cap)
                              for p in (0, prefetch_guess))
             device_budget = max(least, min(wanted, int(EMULATED_DEVICE_SHARE * allowed)))
             device_budget += layout_slack(stats)
@@ -267,17 +370,30 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
     # first (1T on 8 x 80 GB: two bf16 buffers of a block, 32.7 GiB, left 0.87B elements of
     # prefetch and no copy in overlapped compute; one leaves 9.6B). A prefetch bucket the user
     # set is what is fetched ahead: the buffers fit beside it, or the plan says it does not
-    room = device_budget - resident_device - device_working(lay, unit, 0, persist, 0)
-    ahead = (c * unit if prefetch is None else c * prefetch) if z.stage == 3 else 0
+    # the units' padded layouts, as the engine lays them out: a fetch, a prefetch and the
+    # gradient buffers reserve these bytes, not the element counts'
+    params_of = counted_units(stats) if units is None else units
+    layouts = [unit_layout_bound(params, c) for params in params_of]
+    unit_numels = [sum(numel for numel, _ in params) for params in params_of]
+    fetch_layouts = layouts
+    if units is None and stats.trainable_params < stats.total_params:
+        # counts do not tell which parameters are frozen (counted_units takes them from the first
+        # units): a unit's trainable range is padded to 4 KiB of fp32 before its frozen ones
+        # ([Note: flat layout]), at most ALIGN_ELEMS - 1 more elements in any unit
+        fetch_layouts = [unit_layout_bound(tuple(params) + ((ALIGN_ELEMS - 1, False),), c)
+                         for params in params_of]
+    fetched = fetched_unit_bytes(fetch_layouts, cfg.world_size, z.stage, c)
+
+    def prefetched(elements: int) -> int:
+        return prefetch_bytes(elements, unit_numels, cfg.world_size, z.stage, c)
+
+    room = device_budget - resident_device - device_working(lay, fetched, 0, persist, 0)
+    ahead = (fetched if prefetch is None else prefetched(prefetch)) if z.stage == 3 else 0
     # in the communication dtype: DeepSpeed's unset one is the gradients' own, the compute
     # dtype (the config refused the pairs that make no sense: config/precision.py; a GPU
     # resolves the compute dtype as the config declares it)
     grad_dtype = cfg.communication_data_type or lay.compute_dtype
     grad_itemsize = DTYPE_BYTES[grad_dtype]
-    layouts = []
-    if cfg.world_size > 1 and hw.has_gpu:    # the units' padded layouts, as the engine's
-        layouts = [unit_layout_bound(params, c)
-                   for params in (counted_units(stats) if units is None else units)]
     grad_buffers = DEVICE_GRAD_BUFFERS
     if device_gradient_bytes(layouts, cfg.world_size, z.stage, hw.has_gpu, grad_buffers,
                              grad_itemsize) > room - ahead:
@@ -287,20 +403,22 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
     crowded = ""
     if prefetch is not None and z.stage == 3 and device_grads > room - ahead:
         crowded = _prefetch_crowds_gradients(prefetch, c, room, device_grads, grad_buffers,
-                                             grad_dtype)
+                                             grad_dtype, prefetched)
 
     bucket_cap = max(ALIGN_ELEMS, int(REDUCE_BUCKET_SHARE * device_budget) // c)
     reduce_bucket = z.reduce_bucket_size or min(unit_cap, bucket_cap)
     allgather_bucket = z.allgather_bucket_size or min(unit_cap, bucket_cap)
 
     if prefetch is None:
-        if z.stage == 3:
-            free = room - device_grads
-            prefetch = max(0, min(PREFETCH_UNITS * unit, free // c))
-        else:
-            prefetch = 0
+        # PREFETCH_UNITS of the largest unit as the coordinator counts the bucket (its padded
+        # flat numel: the raw count fell short of the second unit), within the bytes left
+        prefetch = _prefetch_within(PREFETCH_UNITS * max((n for n, _ in layouts), default=0),
+                                    room - device_grads, c, prefetched) if z.stage == 3 else 0
     max_live = z.stage3_max_live_parameters
-    max_live = unit + prefetch if max_live is None else max_live
+    # the live limit in the coordinator's numels too (the fetched unit's padded flat numel):
+    # from the raw count the fetched unit and a full bucket were a few elements over it
+    max_live = max((n for n, _ in layouts), default=0) + prefetch if max_live is None \
+        else max_live
     reuse = z.stage3_max_reuse_distance
     reuse = prefetch if reuse is None else reuse
 
@@ -322,7 +440,10 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
     par = z.offload_param
     shard_unit = -(-unit // cfg.world_size) if z.stage == 3 else unit
     param_buffer_size = par.buffer_size or _round_up(max(shard_unit, 1), ALIGN_ELEMS)
-    param_buffer_count = par.buffer_count or (2 + math.ceil(prefetch / unit) if unit else 3)
+    # the units the bucket holds, in the numels it counts them by (padded, as the prefetch)
+    largest_numel = max((n for n, _ in layouts), default=0)
+    param_buffer_count = par.buffer_count or (2 + math.ceil(prefetch / largest_numel)
+                                              if unit and largest_numel else 3)
     return DerivedSizes(
         sub_group_size=sub_group, buffer_count=buffer_count, buffer_size=buffer_size,
         param_buffer_count=param_buffer_count, param_buffer_size=param_buffer_size,
@@ -332,17 +453,32 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
         host_budget_bytes=host_budget, device_budget_bytes=device_budget,
         compute_dtype=lay.compute_dtype, early_step=lay.early_step,  # type: ignore[arg-type]
         device_grad_buffers=grad_buffers, device_grad_dtype=grad_dtype,  # type: ignore[arg-type]
-        device_grad_bytes=device_grads, device_room_warning=crowded)
+        device_grad_bytes=device_grads, device_room_warning=crowded,
+        unit_device_bytes=fetched, prefetch_device_bytes=prefetched(prefetch) if z.stage == 3 else 0)
+
+
+def _prefetch_within(wanted: int, free: int, itemsize: int,
+                     prefetched: Callable[[int], int]) -> int:
+    """A prefetch bucket of at most ``wanted`` elements whose ``prefetched`` bytes
+    (``prefetch_bytes``: the elements and, with several ranks, their units' shard padding) fit
+    in ``free`` bytes: ``free`` in elements, lowered by the excess bytes until they fit (the
+    elements alone with one rank)."""
+    prefetch = max(0, min(wanted, free // itemsize))
+    while prefetch and prefetched(prefetch) > free:      # each pass drops the excess at least
+        prefetch = max(0, prefetch - -(-(prefetched(prefetch) - free) // itemsize))
+    return prefetch
 
 
 def _prefetch_crowds_gradients(prefetch: int, itemsize: int, room: int, device_grads: int,
-                               buffers: int, grad_dtype: str) -> str:
+                               buffers: int, grad_dtype: str,
+                               prefetched: Callable[[int], int]) -> str:
     """The planner's warning for a ``stage3_prefetch_bucket_size`` the user set that leaves
     the device budget too little room for the gradient buffers (``room``: the budget's bytes
     beside the resident states and a fetched unit; ``device_grads``: the ``buffers`` buffers'
-    bytes): the numbers, and the prefetch that would fit (or the budget's shortfall)."""
-    fits = max(0, room - device_grads) // itemsize
-    left = max(0, room - itemsize * prefetch)
+    bytes; ``prefetched``: a bucket's bytes, ``prefetch_bytes``): the numbers, and the prefetch
+    that would fit (or the budget's shortfall)."""
+    fits = _prefetch_within(prefetch, room - device_grads, itemsize, prefetched)
+    left = max(0, room - prefetched(prefetch))
     fix = (f"lower stage3_prefetch_bucket_size to at most {fits:,} elements (or \"auto\"), or "
            f"raise infinity.device_memory_budget by {format_bytes(device_grads - left)}"
            if room >= device_grads else
@@ -350,7 +486,7 @@ def _prefetch_crowds_gradients(prefetch: int, itemsize: int, room: int, device_g
            f"{format_bytes(device_grads - room)} (or set communication_data_type \"bf16\", "
            "or offload deeper)")
     return (f"zero_optimization.stage3_prefetch_bucket_size {prefetch:,} elements "
-            f"({format_bytes(itemsize * prefetch)}) leaves {format_bytes(left)} of the device "
+            f"({format_bytes(prefetched(prefetch))}) leaves {format_bytes(left)} of the device "
             f"budget beside the resident states and a fetched unit, but the gradients reduced "
             f"on the device need {format_bytes(device_grads)} ({buffers} {grad_dtype} "
             f"buffer{'s' if buffers > 1 else ''} of the largest unit's gradient): {fix}")

@@ -41,8 +41,10 @@ def test_small_model_zero3_nvme_matches_hand_math() -> None:
     assert s.compute_dtype == "fp32" and s.early_step  # CPU-only default; no clipping, no accumulation
     # sub-group: half of 1 GiB over 4 slots x 16 B fits 8,388,608; capped by the unit rounded up to 1 Mi
     assert (s.sub_group_size, s.buffer_count, s.buffer_size) == (1 << 20, 4, 1 << 20)
-    # prefetch: 2 units, since 256 MiB - (current unit + its grads = 8 MB) leaves room
-    assert (s.prefetch_bucket_size, s.max_live_parameters) == (2_000_000, 3_000_000)
+    # prefetch: 2 units as the coordinator counts them (their flat numel, 1M padded to 4 KiB:
+    # 1,000,448), since 256 MiB - (current unit + its grads = 8 MB) leaves room; the live
+    # limit holds the fetched unit beside them
+    assert (s.prefetch_bucket_size, s.max_live_parameters) == (2_000_896, 3_001_344)
     # parameter slots: one unit's shard rounded up to 1024 elements; current + 2 prefetched + 1
     assert (s.param_buffer_size, s.param_buffer_count) == (1_000_448, 4)
     assert s.reduce_bucket_size == 1_000_448 and s.persistence_threshold == 100_000
@@ -132,7 +134,8 @@ def test_the_device_gradient_buffers_are_a_row_of_the_device_tier() -> None:
     (row,) = [i for i in plan.items if i.tier == "device" and "device buffer" in i.note]
     assert row.nbytes == nbytes and row.note.startswith("2 fp32 device buffer(s)")
     # a byte short of one buffer beside a fetched unit (and no prefetch): no plan fits there
-    fetched = plan.bytes(tier="device") - nbytes - 2 * plan.sizes.prefetch_bucket_size
+    # (the prefetch's bytes as counted: its elements and the shard padding of its units)
+    fetched = plan.bytes(tier="device") - nbytes - plan.sizes.prefetch_device_bytes
     tight = cfg(device_memory_budget=fetched + nbytes // 2 - 1)
     assert not plan_memory(tight, stats, GPU_BOX).fits
 

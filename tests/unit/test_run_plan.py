@@ -7,8 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+from torch import nn
 
 from infinity.config import InfinityConfig
+from infinity.engine.sizing import grouped_params, param_group_of, unit_params
 from infinity.planner.alignment import flat_layout, shard_numel
 from infinity.planner.engine_sizes import GRADS_HELD, step_slot_count
 from infinity.planner.inputs import ModelStats
@@ -17,6 +20,8 @@ from infinity.planner.plan import plan_memory
 from infinity.planner.run_plan import UnitParams, plan_run, stats_of_units, units_of_stats
 from infinity.planner.sizes import DEVICE_GRAD_BUFFERS, derive_sizes, device_working
 from infinity.planner.tiers import Tier
+from infinity.zero.partition import partition
+from infinity.zero.unit import flat_nbytes
 
 from fakes import CPU_BOX, GPU_BOX
 
@@ -305,8 +310,8 @@ def _device_use(plan, units: list[UnitParams]) -> int:
     buffers as the engine reserves them."""
     lay, derived = plan.placement, plan.derived
     resident = sum(b for (_, tier), b in resident_bytes(lay).items() if tier == Tier.DEVICE)
-    largest = max(sum(n for n, _ in u.params) for u in units)
-    return resident + device_working(lay, largest, derived.prefetch_bucket_size, 0, 0) \
+    return resident + device_working(lay, derived.unit_device_bytes,
+                                     derived.prefetch_device_bytes, 0, 0) \
         + plan.sizes.device_gradient_bytes
 
 
@@ -331,7 +336,9 @@ def test_a_plan_at_the_device_budgets_edge_holds_its_reservation() -> None:
             low = mid + 1
     edge = plan(low)
     assert edge.derived.device_grad_buffers == 2 and plan(low - 1).derived.device_grad_buffers == 1
-    assert edge.derived.prefetch_bucket_size >= max(sum(n for n, _ in u.params) for u in units)
+    # the prefetch takes the room counted for the unit fetched ahead: its bytes (with the shard
+    # padding of every unit the bucket may hold) are at most that unit's reservation
+    assert 0 < edge.derived.prefetch_device_bytes <= edge.derived.unit_device_bytes
     assert _device_use(edge, units) <= low
     assert _device_use(plan(low - 1), units) <= low - 1
 
@@ -351,20 +358,91 @@ def test_a_prefetch_bucket_the_user_set_that_leaves_no_room_for_the_gradient_buf
             "communication_data_type": "fp32",
             "infinity": {"compute_dtype": "bf16", "early_step": "off",
                          "device_memory_budget": 600 << 20}}, world_size=2)
-    # 629,145,600 B less a fetched 40M-element bf16 unit and its gradients (160,000,000):
-    # 469,145,600; the prefetch takes 400,000,000 of it. One fp32 buffer of the unit's two
-    # shards and its own is 3 x 20,000,768 x 4 = 240,009,216 B, so (469,145,600 -
-    # 240,009,216) / 2 = 114,568,192 elements of bf16 prefetch fit beside it
+    # a fetched 40M-element bf16 unit is padded to 40,001,536 elements, two shards of
+    # 20,000,768: 80,003,072 B, and as much for its gradients; 629,145,600 B less both:
+    # 469,139,456. The prefetch takes 400,000,000 of it and 4 x 2 x 2048 x 2 B of the shard
+    # padding of the (at most 4) units it may hold: 400,032,768. One fp32 buffer of the unit's
+    # two shards and its own is 3 x 20,000,768 x 4 = 240,009,216 B, so 229,130,240 B are left
+    # for the prefetch: 114,556,928 elements and two units' padding (16,384 B)
     crowded = plan_memory(cfg(200_000_000), stats, GPU_BOX)
-    message = ("zero_optimization.stage3_prefetch_bucket_size 200,000,000 elements (381.47 MiB)"
-               " leaves 65.94 MiB of the device budget beside the resident states and a fetched "
+    message = ("zero_optimization.stage3_prefetch_bucket_size 200,000,000 elements (381.50 MiB)"
+               " leaves 65.91 MiB of the device budget beside the resident states and a fetched "
                "unit, but the gradients reduced on the device need 228.89 MiB (1 fp32 buffer of "
                "the largest unit's gradient): lower stage3_prefetch_bucket_size to at most "
-               "114,568,192 elements (or \"auto\"), or raise infinity.device_memory_budget by "
-               "162.95 MiB")
+               "114,556,928 elements (or \"auto\"), or raise infinity.device_memory_budget by "
+               "162.99 MiB")
     assert message in crowded.warnings and not crowded.fits
     assert crowded.sizes.prefetch_bucket_size == 200_000_000      # as given
-    fitting = plan_memory(cfg(114_568_192), stats, GPU_BOX)
+    fitting = plan_memory(cfg(114_556_928), stats, GPU_BOX)
     assert fitting.sizes.device_room_warning == "" and fitting.sizes.device_grad_buffers == 1
     assert not any("stage3_prefetch_bucket_size" in w for w in fitting.warnings)
-    assert plan_memory(cfg(114_568_193), stats, GPU_BOX).sizes.device_room_warning
+    assert plan_memory(cfg(114_556_929), stats, GPU_BOX).sizes.device_room_warning
+
+
+class _SmallBlock(nn.Module):
+    """A block of several small parameters (8 x 24, 24, 24 x 8, 8, and a norm's 8 and 8):
+    432 elements, 464 on 64-byte boundaries, a 4 KiB flat buffer of 1,024 fp32 elements --
+    more than twice its elements."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 3 * width)
+        self.down = nn.Linear(3 * width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class _SmallParams(nn.Module):
+    """Three small blocks and a head (one unit each); ``frozen``: the last two blocks' first
+    layer frozen, so their frozen part starts after the trainable range padded to 4 KiB of
+    fp32 (2,048 fp32 elements in all, the others' 1,024), while the counts, which take the
+    frozen elements from the first units, see a whole frozen block and two trainable ones;
+    ``width`` 37: odd sizes, every parameter padded to 64 bytes."""
+
+    def __init__(self, width: int = 8, frozen: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_SmallBlock(width) for _ in range(3))
+        self.head = nn.Linear(width, 1)
+        if frozen:
+            for block in self.blocks[1:]:
+                block.up.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("model", ["small", "frozen", "odd"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_fetched_unit_is_counted_as_a_fetch_reserves_it(stage: int, world: int, model: str,
+                                                          dtype: str) -> None:
+    """The device bytes the planner counts for a fetched unit (``DerivedSizes.unit_device_bytes``,
+    what ``device_working`` counts for the unit and its gradients) are at least what a fetch of
+    the largest unit reserves (``Unit.nbytes`` of its padded layout and shards, through
+    zero/unit.py ``flat_nbytes``): equal from the engine's units, an upper bound from the
+    model's counts (``infinity plan``). The element count alone was below it."""
+    torch.manual_seed(0)
+    net = _SmallParams(width=37 if model == "odd" else 8, frozen=model == "frozen")
+    specs = partition(net)
+    groups = [{"params": [p for p in net.parameters() if p.requires_grad]}]
+    group_of = param_group_of(groups)
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    shards = world if stage >= 1 else 1
+    reserved = max(flat_nbytes(grouped_params(spec.params, group_of), torch_dtype, shards)
+                   for spec in specs)
+    param = "cpu" if stage == 3 else "none"
+    cfg = config(stage, param, "cpu" if stage else "none", world_size=world,
+                 infinity={"compute_dtype": dtype, "device_memory_budget": 1 << 30})
+    units = [u.params for u in unit_params(specs, groups)]
+    engine = derive_sizes(cfg, stats_of_units(unit_params(specs, groups)), GPU_BOX, units=units)
+    stats = ModelStats.from_module(net)
+    counted = derive_sizes(cfg, stats, GPU_BOX)
+    assert engine.unit_device_bytes == reserved
+    assert counted.unit_device_bytes >= reserved
+    itemsize = torch_dtype.itemsize
+    assert itemsize * stats.largest_unit_params < reserved        # the count from elements
