@@ -100,7 +100,11 @@ class SimBackend:
             grads_held=plan.optimizer.holds_grads, backward_s=self.compute.backward_s,
             instant=self.instant, grad_dtype=self.grad_dtype, state_format=lay.state_format,
             comm_dtype=_COMM_DTYPES[plan.derived.device_grad_dtype] if es.device_gradient_bytes
-            else torch.float32)
+            else torch.float32,
+            # the buffers a unit's reduce takes and its copy out gives back (several ranks on
+            # a GPU; none on the host path)
+            device_grad_buffers=plan.derived.device_grad_buffers if es.device_gradient_bytes
+            else 0)
         _init_masters(units, self.manager, fetch_pool, lay, stepper.masters)
         for pool in (plan.optimizer.gradient, plan.optimizer.step):
             if pool is not None:

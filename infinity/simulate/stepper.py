@@ -31,6 +31,16 @@ on a GPU the unit's gradient is reduced in a device buffer of the communication 
 range of it is copied, in that dtype whatever the home's (widened on the host at the wait, not
 modelled: [Note: gradients reduced on the device] in optim/device_gradients.py); the buffers
 are device bytes the backend reserves. A CPU device reduces in fp32 on the host.
+The buffers are also a schedule (``device_grad_buffers``, the plan's count, kept from the first
+backward): a unit takes one at its first gradient and gives it back at its reduce with the end
+of its shard's copy out, and a buffer is written again only after that end
+(``DeviceGradientPool.acquire``: a free buffer whose copy is over first, then one not made yet,
+then the oldest free one; a unit finding every kept one collecting, a tied weight's, gets one
+beyond them). So with one buffer a unit's reduce starts no earlier than the copy out of the
+unit before it, with two of the one two units back (a "compute waits" span on the timeline,
+labelled with that unit). The engine's compute waits at the first gradient, partway into the
+unit's backward; the dry run charges a unit's backward at once and waits before its reduce:
+the least the engine waits (the backward before the first gradient overlaps the copy in both).
 ``instant``: every job lands when it is submitted (a step that costs nothing), so the schedule
 no longer depends on timing: the order tests compare this with a real engine whose background
 steps are waited for at each reap.
@@ -82,10 +92,22 @@ class SimStepper:
                  comm: SimCollectives, grads_held: bool, backward_s: Callable[[Unit], float],
                  instant: bool = False, grad_dtype: torch.dtype = torch.float32,
                  state_format: StateFormat = FP32_STATES,
-                 comm_dtype: torch.dtype = torch.float32) -> None:
+                 comm_dtype: torch.dtype = torch.float32, device_grad_buffers: int = 0) -> None:
         self.manager, self.clock = manager, manager.clock
         # several ranks: the dtype of the reduce and of the shard's copy to the host
         self.comm_dtype = comm_dtype
+        if device_grad_buffers < 0:
+            raise ValueError(f"device_grad_buffers is {device_grad_buffers}: expected >= 0 "
+                             "(0: gradients are not reduced in device buffers)")
+        # the device gradient buffers (several ranks on a GPU; 0: none): each kept one's last
+        # copy out (when it ends, whose shard it was), None while a unit collects in it
+        self.device_grad_buffers = device_grad_buffers
+        self._buffers: list[tuple[float, str] | None] = []
+        self._buffer_of: dict[int, int] = {}   # unit -> its buffer's index (-1: beyond them)
+        # unit -> the copy out of its buffer's last shard, not over when it took it
+        self._copy_out: dict[int, tuple[float, str]] = {}
+        self.buffer_wait_s = 0.0
+        """Seconds the reduces waited for their device gradient buffer's copy out."""
         self.early_like = early or speculative     # stepped during the backward
         self.early, self.speculative = early, speculative
         self.comm = comm
@@ -180,9 +202,30 @@ class SimStepper:
         self.held_bytes -= self._held.pop(unit.index, 0)
 
     # -- the coordinator's UnitStepper -----------------------------------------------------
+    def _take_buffer(self, unit: Unit) -> None:
+        """``unit``'s first gradient takes a device gradient buffer (see the module docstring),
+        remembering the copy out its reduce must wait for, if not over now."""
+        free = [(i, b) for i, b in enumerate(self._buffers) if b is not None]
+        over = [i for i, (end, _) in free if end <= self.clock.now]
+        if over:
+            index = over[0]
+        elif len(self._buffers) < self.device_grad_buffers:
+            self._buffers.append(None)
+            index = len(self._buffers) - 1
+        elif free:
+            index, copy_out = min(free, key=lambda item: item[1][0])
+            self._copy_out[unit.index] = copy_out
+        else:       # every kept buffer collecting (a tied weight's unit): one beyond them
+            self._buffer_of[unit.index] = -1
+            return
+        self._buffers[index] = None
+        self._buffer_of[unit.index] = index
+
     def on_grad(self, unit: Unit, entry, grad) -> None:
         if unit.index not in self._seen:
             self._seen.add(unit.index)
+            if self.device_grad_buffers and self.comm.active:
+                self._take_buffer(unit)
             self.clock.compute(self.backward_s(unit), f"backward {unit.name}")   # made them
         if self.grads_held:
             nbytes = grad.numel() * grad.element_size()
@@ -205,8 +248,18 @@ class SimStepper:
         return event.end
 
     def on_unit_backward_done(self, unit: Unit) -> bool:
+        copy_out = self._copy_out.pop(unit.index, None)
+        if copy_out is not None:     # its buffer is written (reduced into) after that copy
+            end, owner = copy_out
+            before = self.clock.now
+            self.clock.wait_until(end, f"waits for the copy out of {owner}'s gradient shard "
+                                       "(its device gradient buffer)")
+            self.buffer_wait_s += self.clock.now - before
         self.comm.reduce_scatter(unit.flat_numel * self.comm_dtype.itemsize)
         landed = self._gradient_to_host(unit)
+        index = self._buffer_of.pop(unit.index, None)
+        if index is not None and index >= 0:   # given back, written again after the copy out
+            self._buffers[index] = (landed, unit.name)
         if self.early_like:
             reads = self.expected.pop(unit.index, None)
             job = _Job(unit, reads if reads is not None else self._read_states(unit))
