@@ -194,3 +194,18 @@ class WaitingManager(RecordingManager):
         for request in requests:
             if request is not None:
                 request.wait()
+
+
+def least_budget_with_two_gradient_buffers(plan: Callable[[int], Any], high: int = 1 << 30) -> int:
+    """The least device budget (bytes, by bisection up to ``high``) at which ``plan(budget)``
+    keeps two device gradient buffers: the planner's one-or-two choice is monotone in the
+    budget, so a byte under it keeps one."""
+    low = 0
+    while low < high:
+        mid = (low + high) // 2
+        if plan(mid).derived.device_grad_buffers == 2:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+

@@ -6,7 +6,7 @@ the unit before it; with two, for the one two units back."""
 from __future__ import annotations
 
 import pytest
-from fakes import GPU_BOX
+from fakes import GPU_BOX, least_budget_with_two_gradient_buffers
 
 from infinity.commands.dry_run import DryRunRates, DryRunSetup, dry_run, meta_llama
 from infinity.config import InfinityConfig
@@ -43,13 +43,7 @@ def _plan(budget: int) -> RunPlan:
 def plans() -> dict[int, RunPlan]:
     """{buffers: plan} at the least device budget that keeps two buffers and a byte under it
     (one): every other size the same."""
-    low, high = 0, 1 << 30
-    while low < high:
-        mid = (low + high) // 2
-        if _plan(mid).derived.device_grad_buffers == 2:
-            high = mid
-        else:
-            low = mid + 1
+    low = least_budget_with_two_gradient_buffers(_plan)
     two, one = _plan(low), _plan(low - 1)
     assert (one.derived.device_grad_buffers, two.derived.device_grad_buffers) == (1, 2)
     assert one.derived.prefetch_bucket_size == two.derived.prefetch_bucket_size

@@ -23,7 +23,7 @@ from infinity.planner.tiers import Tier
 from infinity.zero.partition import partition
 from infinity.zero.unit import flat_nbytes
 
-from fakes import CPU_BOX, GPU_BOX
+from fakes import CPU_BOX, GPU_BOX, least_budget_with_two_gradient_buffers
 
 MODEL = ModelStats.from_counts(40_000_000, 4_000_000, 10, 4_000_000)
 
@@ -327,13 +327,7 @@ def test_a_plan_at_the_device_budgets_edge_holds_its_reservation() -> None:
                                infinity={"compute_dtype": "bf16", "early_step": "off",
                                          "device_memory_budget": budget}),
                         GPU_BOX, units=units)
-    low, high = 0, 1 << 30            # the least budget that keeps two buffers
-    while low < high:
-        mid = (low + high) // 2
-        if plan(mid).derived.device_grad_buffers == 2:
-            high = mid
-        else:
-            low = mid + 1
+    low = least_budget_with_two_gradient_buffers(plan)
     edge = plan(low)
     assert edge.derived.device_grad_buffers == 2 and plan(low - 1).derived.device_grad_buffers == 1
     # the prefetch takes the room counted for the unit fetched ahead: its bytes (with the shard
