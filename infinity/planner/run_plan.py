@@ -15,7 +15,6 @@ Pure: it takes the model as each unit's (numel, trainable) parameters and the ma
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -179,14 +178,10 @@ class RunPlan:
 
 
 def units_of_stats(stats: ModelStats) -> list[UnitParams]:
-    """The units of a model known by its counts (planner/sizes.py ``counted_units``): one
-    (numel, trainable) entry per unit, the frozen elements taken from the first units."""
-    return list(_units_of_stats(stats))
-
-
-@functools.lru_cache(maxsize=64)       # a target plan asks the same stats for every rung
-def _units_of_stats(stats: ModelStats) -> tuple[UnitParams, ...]:
-    return tuple(UnitParams(params) for params in counted_units(stats))
+    """The units of a model known by its counts (planner/sizes.py ``counted_units``, cached
+    there): one (numel, trainable) entry per parameter where the stats list them unit by unit,
+    else one per unit; the frozen elements taken from the first units."""
+    return [UnitParams(params) for params in counted_units(stats)]
 
 
 def stats_of_units(units: Sequence[UnitParams]) -> ModelStats:

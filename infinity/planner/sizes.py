@@ -369,11 +369,14 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
     # fetched ahead hides its whole NVMe read, copy in and gather behind compute, so it goes
     # first (1T on 8 x 80 GB: two bf16 buffers of a block, 32.7 GiB, left 0.87B elements of
     # prefetch and no copy in overlapped compute; one leaves 9.6B). A prefetch bucket the user
-    # set is what is fetched ahead: the buffers fit beside it, or the plan says it does not
-    # the units' padded layouts, as the engine lays them out: a fetch, a prefetch and the
-    # gradient buffers reserve these bytes, not the element counts'
+    # set is what is fetched ahead: the buffers fit beside it, or the plan says they do not.
+    # Counted from the units' padded layouts, as the engine lays them out: a fetch, a prefetch
+    # and the gradient buffers reserve these bytes, not the element counts'
     params_of = counted_units(stats) if units is None else units
     layouts = [unit_layout_bound(params, c) for params in params_of]
+    # the largest padded flat numel: the coordinator counts the prefetch bucket and the live
+    # limit in these numels
+    largest_numel = max((n for n, _ in layouts), default=0)
     unit_numels = [sum(numel for numel, _ in params) for params in params_of]
     fetch_layouts = layouts
     if units is None and stats.trainable_params < stats.total_params:
@@ -412,13 +415,12 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
     if prefetch is None:
         # PREFETCH_UNITS of the largest unit as the coordinator counts the bucket (its padded
         # flat numel: the raw count fell short of the second unit), within the bytes left
-        prefetch = _prefetch_within(PREFETCH_UNITS * max((n for n, _ in layouts), default=0),
-                                    room - device_grads, c, prefetched) if z.stage == 3 else 0
+        prefetch = _prefetch_within(PREFETCH_UNITS * largest_numel, room - device_grads, c,
+                                    prefetched) if z.stage == 3 else 0
     max_live = z.stage3_max_live_parameters
     # the live limit in the coordinator's numels too (the fetched unit's padded flat numel):
     # from the raw count the fetched unit and a full bucket were a few elements over it
-    max_live = max((n for n, _ in layouts), default=0) + prefetch if max_live is None \
-        else max_live
+    max_live = largest_numel + prefetch if max_live is None else max_live
     reuse = z.stage3_max_reuse_distance
     reuse = prefetch if reuse is None else reuse
 
@@ -441,7 +443,6 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
     shard_unit = -(-unit // cfg.world_size) if z.stage == 3 else unit
     param_buffer_size = par.buffer_size or _round_up(max(shard_unit, 1), ALIGN_ELEMS)
     # the units the bucket holds, in the numels it counts them by (padded, as the prefetch)
-    largest_numel = max((n for n, _ in layouts), default=0)
     param_buffer_count = par.buffer_count or (2 + math.ceil(prefetch / largest_numel)
                                               if unit and largest_numel else 3)
     return DerivedSizes(

@@ -48,13 +48,17 @@ static void slot_range(int sign, uint32_t slot, float *lo, float *hi) {
 }
 
 /* Each slot's entry (see [Note: the code lookup table]); 0 (the SIMD kernels then search) if
- * a slot holds two bounds, or the slot of the smallest magnitudes one. */
+ * a slot holds two bounds, or the slot of the smallest magnitudes one, or a slot's range is not
+ * where adamf_lut_slot (the kernels' slot, lane by lane) puts it. */
 static int build_luts(void) {
     for (int m = 0; m < 2; m++)
         for (int sign = 0; sign < 2; sign++)
             for (uint32_t slot = 0; slot < ADAMF_LUT_PER_SIGN; slot++) {
                 float lo, hi;
                 slot_range(sign, slot, &lo, &hi);
+                /* the slot the kernels compute for the range's ends is this one */
+                uint32_t index = sign * ADAMF_LUT_PER_SIGN + slot;
+                if (adamf_lut_slot(lo) != index || adamf_lut_slot(hi) != index) return 0;
                 uint32_t c = adamf_qsearch(map_bounds[m], lo), d = adamf_qsearch(map_bounds[m], hi);
                 if (d > c + 1 || (d > c && slot == 0)) return 0;
                 uint32_t cmp = ADAMF_LUT_NO_BOUND;
@@ -62,7 +66,7 @@ static int build_luts(void) {
                     cmp = adam_f32_bits(map_bounds[m][c]) & ADAMF_LUT_LOW_MASK;
                     if (sign) cmp ^= ADAMF_LUT_LOW_MASK; /* |y| <= |bound|, complemented */
                 }
-                map_lut[m][sign * ADAMF_LUT_PER_SIGN + slot] = c | cmp << 8;
+                map_lut[m][index] = c | cmp << 8;
             }
     return 1;
 }
