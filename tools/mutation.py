@@ -59,7 +59,9 @@ What it does, and why it does it this way:
    survived, timed out, no tests, score = detected / (detected + survived + no tests + suspicious),
    detected = killed + timeout + segfault. The report goes to the screen and to
    .mutation/results.txt (JSON beside it, .mutation/results.json); mutmut's own output goes to
-   .mutation/mutmut.log.
+   .mutation/mutmut.log. With --work NAME they are results-NAME.txt/.json and mutmut-NAME.log, and
+   the snapshot is staged in .mutation/NAME.staging, so runs in different work directories can go
+   at the same time.
 
 Limits of mutmut 3 to keep in mind when reading a score: it mutates code inside functions and
 methods only (not module-level constants, not functions with decorators other than
@@ -282,12 +284,15 @@ def write_shim() -> str:
     for d in pth_dirs:
         for pth in d.glob("_editable*infinity*.pth"):
             names.update(re.findall(r"^import (\w+)", pth.read_text(), flags=re.M))
-    if SHIM.exists():
-        shutil.rmtree(SHIM)
-    SHIM.mkdir(parents=True)
+    # written in place, never removed first: a run in another work directory may be starting a
+    # python with this directory on its PYTHONPATH, and a moment without the shim there would let
+    # that python import the unmutated checkout (every mutant would survive)
+    SHIM.mkdir(parents=True, exist_ok=True)
+    text = '"""Shadows the editable install\'s import finder during mutation runs (tools/mutation.py)."""\n'
     for name in names:
-        (SHIM / f"{name}.py").write_text(
-            '"""Shadows the editable install\'s import finder during mutation runs (tools/mutation.py)."""\n')
+        shim = SHIM / f"{name}.py"
+        if not shim.exists() or shim.read_text() != text:
+            shim.write_text(text)
     return ", ".join(sorted(names)) or "(none: not an editable install)"
 
 
@@ -425,15 +430,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.work:
         WORK = STATE / args.work
     modules = expand_targets(args.targets)
-    source = snapshot(args.worktree, STATE / "staging", args.rev)
+    # per work directory, so runs in different work directories can go at once
+    staging = STATE / f"{WORK.name}.staging"
+    source = snapshot(args.worktree, staging, args.rev)
     for rel in args.overlay:
-        target = STATE / "staging" / rel
+        target = staging / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ROOT / rel, target)
     if args.overlay:
         source += " with working-tree " + " ".join(args.overlay)
-    sync(STATE / "staging", WORK)
-    shutil.rmtree(STATE / "staging")
+    sync(staging, WORK)
+    shutil.rmtree(staging)
     names = [module_name(m) for m in modules]
     test_map = map_tests(names, WORK / "tests", args.via_helpers)
     for name in names:
@@ -477,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     header += [f"  {n}: {' '.join(test_map[n]) or '(none)'}" for n in names]
     print("\n".join(header), flush=True)
 
-    log_path = STATE / "mutmut.log"
+    suffix = "" if args.work is None else f"-{args.work}"
+    log_path = STATE / f"mutmut{suffix}.log"
     for attempt in (1, 2):
         with open(log_path, "w") as log:
             raw = b""
@@ -514,8 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     report.append(f"mutmut exit status {rc}; its output: {log_path.relative_to(ROOT)}")
     text = "\n".join(report)
     print(text)
-    (STATE / "results.txt").write_text(text + "\n")
-    (STATE / "results.json").write_text(json.dumps(
+    (STATE / f"results{suffix}.txt").write_text(text + "\n")
+    (STATE / f"results{suffix}.json").write_text(json.dumps(
         {"source": source, "mutmut": mutmut.__version__, "tests": test_map,
          "modules": {n: {**summarize(results[n]["counts"]), "survivors": results[n]["survivors"]}
                      for n in names}}, indent=2) + "\n")
