@@ -26,6 +26,7 @@ from infinity.planner.engine_sizes import GRADS_HELD, held_room_bytes
 from infinity.optim import pools
 from infinity.optim.partitioned import PartitionedOptimizer, _state_range
 from infinity.planner.engine_sizes import step_slot_count
+from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Residency, Tier
 from infinity.storage.transfers import LateCopies
@@ -85,6 +86,18 @@ class _Values:
             out.copy_(flat[start:start + out.numel()].to(out.dtype))
 
 
+class _CountingPool(BufferPool):
+    """A staging pool counting the slots taken (a unit read from NVMe is read through one)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.taken = 0
+
+    def acquire(self, timeout: float | None = None):
+        self.taken += 1
+        return super().acquire(timeout)
+
+
 class Rig:
     """Units over a real TierManager, the optimizer, and a torch AdamW over clones."""
 
@@ -95,7 +108,8 @@ class Rig:
                  sub_group_numel: int = 4096, speculation: str = "off",
                  values: dict | None = None, grad_dtype: torch.dtype = torch.float32,
                  two_groups: bool = False, doubled: bool = False,
-                 host_budget: int | None = None, comm=None) -> None:
+                 host_budget: int | None = None, comm=None, group: dict | None = None,
+                 staging: bool = False, owner=None) -> None:
         torch.manual_seed(0)
         self.dtype = dtype
         self.init = {n: torch.randn(s) for n, s in SHAPES.items()}
@@ -124,12 +138,14 @@ class Rig:
                   for g in range(2 if two_groups else 1)]
         if two_groups:
             groups[1].update(lr=0.02, weight_decay=0.0)
+        groups[0].update(group or {})
+        self.staging = _CountingPool(self.manager, 1 << 16, 1, "staging") if staging else None
         self.opt = PartitionedOptimizer(
             self.units, groups, self.manager, optimizer_tier=optimizer_tier,
             grad_tier=grad_tier, early_step=early, sub_group_numel=sub_group_numel,
-            master_separate=master_separate, staging_pool=None, threads=1,
+            master_separate=master_separate, staging_pool=self.staging, threads=1,
             speculation=speculation, values=_Values(values) if values is not None else None,
-            grad_dtype=grad_dtype, defaults=dict(HYPER),
+            grad_dtype=grad_dtype, defaults=dict(HYPER), owner=owner,
             **({"comm": comm} if comm is not None else {}))
         ref_groups = [{"params": [self.ref[n] for n in self.names if group_of[n] == g]}
                       for g in range(2 if two_groups else 1)]
@@ -147,11 +163,16 @@ class Rig:
         return {n: (torch.randn(SHAPES[n]) * scale).to(self.dtype).float() for n in self.names}
 
     def backward(self, grads: dict[str, torch.Tensor], boundary: bool = True,
-                 only: set[str] | None = None, loss_scale: float = 1.0) -> list[bool]:
+                 only: set[str] | None = None, loss_scale: float | None = None) -> list[bool]:
         """One backward as the coordinator runs it: units in reverse, each unit's gradients,
-        then its backward done (the answers returned)."""
+        then its backward done (the answers returned). Without ``loss_scale`` the backward
+        begins as a caller without fp16 begins it, naming none (the gradients as they are)."""
         opt = self.opt
-        opt.begin_backward(boundary, loss_scale)
+        if loss_scale is None:
+            opt.begin_backward(boundary)
+            loss_scale = 1.0
+        else:
+            opt.begin_backward(boundary, loss_scale)
         done = []
         for unit in reversed(self.units):
             unit.finish_fetch(self.manager, None)    # backward runs on the fetched unit
@@ -503,6 +524,23 @@ def test_a_master_from_values_takes_them_in_fp32_when_all_are_given(rig) -> None
                                r.init["a"].to(torch.bfloat16).float().reshape(-1), rtol=0, atol=0)
 
 
+def test_a_master_of_units_at_home_on_nvme_is_read_through_the_staging_pool(rig,
+                                                                          disk_dir) -> None:
+    """Seeding (and reloading) the master of a unit whose parameters live on NVMe fetches it
+    through the staging pool the optimizer was given, one slot per fetch (the pool sized
+    for them, pinned on a GPU), and the master holds the unit's values."""
+    r = rig(dtype=torch.bfloat16, master_separate=True, param_tier=Tier.NVME, disk=disk_dir,
+            staging=True)
+    assert r.staging.taken == len(r.units) and r.staging.available == r.staging.count
+    unit = r.units[2]
+    assert unit.residency != Residency.FETCHED
+    r.opt.reload_master(unit)
+    assert r.staging.taken == len(r.units) + 1
+    (e,) = unit.params
+    master = r.state(2).master.tensor[e.offset:e.offset + e.numel]
+    torch.testing.assert_close(master, r.init["d"].to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
 def test_reload_master_takes_values_changed_by_hand(rig) -> None:
     """A fetched unit's parameters set by hand: ``reload_master`` makes the master match (and
     leaves the unit fetched); a unit with no optimizer state is left alone."""
@@ -591,6 +629,26 @@ def test_speculation_is_off_in_the_early_schedule(rig, disk_dir) -> None:
     assert r.state(0).exp_avg.doubled is False
 
 
+@pytest.mark.parametrize("asked", ["on", "off"])
+def test_a_param_group_with_its_own_state_format_turns_speculation_off(
+        rig, disk_dir, infinity_log, asked: str) -> None:
+    """A speculated step's redo reads fp32 states: a param group storing its Adam states in
+    another format turns speculation off (no doubled NVMe stores), said in the log once it
+    was asked for; with speculation off already nothing is said."""
+    with infinity_log.at_level(logging.INFO, logger="infinity"):
+        r = rig(optimizer_tier=Tier.NVME, disk=disk_dir, speculation=asked,
+                group={"optimizer_moments": "bf16"})
+    assert r.opt.speculation == "off"
+    assert r.state(0).exp_avg.doubled is False and r.state(0).exp_avg.dtype == torch.bfloat16
+    said = [rec.getMessage() for rec in infinity_log.records
+            if "speculative step off" in rec.getMessage().lower()]
+    if asked == "on":
+        assert len(said) == 1 and said[0].startswith("speculative step off")
+        assert "param group stores its Adam states in a format" in said[0]
+    else:
+        assert said == []
+
+
 # -- sizes and stores ----------------------------------------------------------------------
 def test_stores_and_pools_on_host(rig) -> None:
     """Deferred on HOST: m, v and a gradient store per trainable unit, each of the unit's
@@ -616,6 +674,55 @@ def test_stores_and_pools_on_host(rig) -> None:
     assert opt.step_failure is None and opt.owner is None
     assert opt.kernel.adamw_mode is True and opt.kernel.threads == 1
     assert opt.defaults == HYPER
+
+
+def test_a_separate_master_of_fp32_compute_is_kept_seeded_and_stepped(rig) -> None:
+    """``master_separate`` with fp32 compute (the compute copy is not the parameter itself, a
+    GPU's): each unit keeps an fp32 master of its trainable range, seeded from the parameters
+    and stepped as AdamW steps them."""
+    r = rig(master_separate=True)
+    for s in r.opt.states:
+        n = s.unit.trainable_numel
+        assert s.master is not None and (s.master.numel, s.master.dtype) == (n, torch.float32)
+        r.units[s.unit.index].finish_fetch(r.manager, None)
+        torch.testing.assert_close(s.master.tensor[:n], s.unit.flat[:n].float(), rtol=0, atol=0)
+        r.units[s.unit.index].release(r.manager)
+    g = r.grads()
+    r.backward(g)
+    r.step()
+    r.ref_step(g)
+    r.assert_matches()
+    for s in r.opt.states:
+        n = s.unit.trainable_numel
+        r.units[s.unit.index].finish_fetch(r.manager, None)
+        torch.testing.assert_close(s.master.tensor[:n], s.unit.flat[:n].float(), rtol=0, atol=0)
+        r.units[s.unit.index].release(r.manager)
+
+
+def _one_unit(manager: TierManager, numel: int) -> tuple[Unit, nn.Parameter]:
+    param = nn.Parameter(torch.randn(numel))
+    unit = Unit(0, "u0", nn.Module(), [("w", param, 0)], torch.float32, CPU)
+    unit.adopt(manager, Tier.HOST, persistent=False)
+    return unit, param
+
+
+def test_a_param_group_asking_for_int8_moments_gets_them_in_sub_groups_of_the_plan() -> None:
+    """A unit of 20,000 elements whose group asks for int8 moments stores int8 codes and their
+    scales, checked against the sub-group the optimizer sized (int8 needs whole 4096s)."""
+    manager = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
+    unit, param = _one_unit(manager, 20_000)
+    opt = PartitionedOptimizer([unit], [{"params": [param], "optimizer_moments": "int8",
+                                         **HYPER}], manager,
+                               optimizer_tier=Tier.HOST, grad_tier=Tier.HOST, early_step=False,
+                               sub_group_numel=8192, master_separate=False, staging_pool=None,
+                               threads=1, defaults=dict(HYPER))
+    try:
+        (state,) = opt.states
+        assert state.fmt.moments == "int8" and opt.sub_group_numel == 8192
+        assert state.exp_avg.dtype != torch.float32 and state.exp_avg_scales is not None
+    finally:
+        opt.close()
+        manager.close()
 
 
 def test_the_sub_group_is_rounded_to_2048_and_capped_by_the_largest_range(rig) -> None:
@@ -739,6 +846,37 @@ def test_several_ranks_shard_the_states_and_never_hold_or_speculate() -> None:
         m.close()
 
 
+def test_device_gradient_buffers_are_the_plans_count_and_dtype(monkeypatch) -> None:
+    """With several ranks on a device that reduces gradients there (forced here on the CPU),
+    the device gradient buffers are as many, and in the communication dtype, as the run
+    plan's pools say."""
+    from dataclasses import replace
+
+    from infinity.optim import device_gradients
+    monkeypatch.setattr(device_gradients, "reduces_on_device", lambda device: True)
+    comm = _Comm()
+    units = _sharded_units(comm)
+    m = TierManager(MemoryBudget("host", None), MemoryBudget("device", None))
+    try:
+        for u in units:
+            u.adopt(m, Tier.HOST, persistent=False)
+        planned = pools.plan_pools(units, m, sub_group_numel=4096, optimizer_tier=Tier.HOST,
+                                   grad_tier=Tier.HOST, early_step=False, master_separate=False,
+                                   speculative=False, comm=comm, shard_states=True)
+        count = planned.device_grad_buffers + 1       # not the default
+        opt = PartitionedOptimizer(
+            units, [{"params": [units[0].params[0].param, units[1].params[0].param]}], m,
+            optimizer_tier=Tier.HOST, grad_tier=Tier.HOST, early_step=False,
+            sub_group_numel=4096, master_separate=False, staging_pool=None, comm=comm,
+            shard_states=True,
+            pools=replace(planned, device_grad_buffers=count, device_grad_dtype="bf16"))
+        pool = opt.gradients.device_pool
+        assert pool is not None and (pool.count, pool.dtype) == (count, torch.bfloat16)
+        opt.close()
+    finally:
+        m.close()
+
+
 def test_states_are_not_sharded_with_one_rank(rig) -> None:
     comm = _Comm(world_size=1)
     units = _sharded_units(comm)
@@ -779,6 +917,41 @@ def test_step_refuses_a_closure_and_routes_a_users_call_through_the_engine(rig) 
     assert owner.calls == ["step"] and r.opt.waiting_units() == [] and r.opt.overflow
     r.opt.run_step()                         # the engine's step runs the step itself
     assert owner.calls == ["step"] and len(r.opt.waiting_units()) == 4 and not r.opt.overflow
+
+
+class _EngineOwner(Owner):
+    """An owner whose step runs the optimizer's through ``owner_step``, as Engine._step does."""
+
+    def step_from_optimizer(self) -> None:
+        self.calls.append("step")
+        self.opt.owner_step()
+
+
+def test_the_engines_step_runs_torchs_hooks_and_a_users_step_reaches_the_engine(rig) -> None:
+    """The engine's own step (``owner_step``) runs the step once, inside torch's step hooks,
+    without coming back to the engine; a user's ``step()`` after it goes to the engine again
+    (which comes back through ``owner_step``), every time."""
+    owner = _EngineOwner(None, order=[1])
+    r = rig(owner=owner)
+    owner.opt = r.opt
+    hooks: list[str] = []
+    r.opt.register_step_pre_hook(lambda opt, args, kwargs: hooks.append("pre"))
+    r.opt.register_step_post_hook(lambda opt, args, kwargs: hooks.append("post"))
+    for users in (False, True, True):
+        g = r.grads()
+        r.backward(g)
+        owner.calls.clear()
+        hooks.clear()
+        if users:
+            r.opt.step()
+        else:
+            r.opt.owner_step()
+            assert hooks == ["pre", "post"]
+        assert owner.calls == (["step"] if users else [])
+        assert r.opt.waiting_units()[0] is r.units[1]      # the owner's forward order
+        r.step(call=False)
+        r.ref_step(g)
+    r.assert_matches()
 
 
 def test_state_dict_and_load_state_dict_are_refused(rig) -> None:
@@ -842,6 +1015,27 @@ def test_a_backward_that_raised_drops_the_cycles_gradients(rig, infinity_log) ->
     r.assert_matches()
 
 
+def test_a_backward_that_raised_names_its_error_cut_to_300_characters(rig, infinity_log) -> None:
+    """Called while the backward's error is handled, the warning names the error's type and
+    the start of its message (300 characters: a long one is cut)."""
+    r = rig()
+    opt = r.opt
+    g = r.grads()
+    opt.begin_backward(True)
+    unit = r.units[1]
+    for e in unit.params:
+        opt.on_grad(unit, e, g[e.name])
+    error = RuntimeError("out of memory: " + "0123456789" * 40)
+    with infinity_log.at_level(logging.WARNING, logger="infinity"):
+        try:
+            raise error
+        except RuntimeError:
+            opt.abandon_backward()
+    (said,) = [rec.getMessage() for rec in infinity_log.records]
+    assert said.startswith(f"backward raised (RuntimeError: {str(error)[:300]}): the gradients "
+                           "of 1 unit(s)"), said
+
+
 def test_an_early_backward_that_raised_says_stepped_units_keep_their_update(
         rig, infinity_log) -> None:
     r = rig(early=True)
@@ -890,6 +1084,7 @@ def test_step_fetched_without_a_waiting_step_does_nothing(rig) -> None:
     r.backward(r.grads())
     r.opt.step()
     unit.finish_fetch(r.manager, None)
+    r.opt.timers.optimizer_s = 5.0         # added to, as the step's own seconds are
     t0, w0 = r.opt.timers.optimizer_s, time.perf_counter()
     assert r.opt.step_fetched(unit) is True and r.opt.step_fetched(unit) is False
     assert t0 < r.opt.timers.optimizer_s <= t0 + time.perf_counter() - w0
