@@ -24,10 +24,13 @@ from messages import raises_naming
 from infinity.base.budget import MemoryBudget
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
+from infinity.optim.adam_formats import dequantize_blockwise, quantization_map
 from infinity.optim.records import (
     CompleteGradient, JobPhase, OptimTimers, StepRun, UnitOptimState)
+from infinity.optim.state_formats import build_state
 from infinity.optim.step_stream import (
     READ_AHEAD, WRITES_BEHIND, StepStream, flat_rounded_by_kernel)
+from infinity.planner.state_format import QBLOCK, StateFormat
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
@@ -425,6 +428,68 @@ def test_held_gradient_parts_are_freed_as_their_sub_groups_are_stepped() -> None
     assert room.held == 0
 
 
+def test_held_gradient_parts_wait_for_the_next_sub_group_when_none_is_read_ahead() -> None:
+    """Two slots (one sub-group's reads at a time): after a sub-group is stepped no later one of
+    its job is loaded, so the parts still to be stepped are those from its next pending
+    sub-group on: only the stepped parameter's part is freed, and every later sub-group steps
+    its own gradient (a part freed too early would step with zeros)."""
+    rig = Rig(slots=2)
+    unit, values = rig.unit("u", [1024, 1024, 1024], param_home="none")
+    state = rig.state(unit, values)
+    g = grad_of(values)
+    room = HeldRoom(1 << 20)
+    room.take(3072 * 4, lambda: False)
+    parts = {e.offset: g[e.offset:e.offset + e.numel].clone() for e in unit.params}
+    assert sorted(parts) == [0, 1024, 2048]
+    held_at_kernel = []
+    rig.kernel.before_run = lambda st, start: held_at_kernel.append((start, room.held))
+    rig.stream.submit(state, early=True, gradient=CompleteGradient(parts, held_bytes=3072 * 4,
+                                                                   room=room))
+    rig.run()
+    check_adam(state, values, [g])
+    assert held_at_kernel == [(0, 12288), (1024, 8192), (2048, 4096)]
+    assert room.held == 0
+
+
+# -- int8 moments ---------------------------------------------------------------------------
+
+def test_int8_moments_on_disk_are_stepped_with_their_own_blocks_scales() -> None:
+    """int8 m and v on "NVMe" (uint8 codes read and written through slots), their scales in
+    host memory, two 4096-element sub-groups: a first step moves the parameters as fp32 Adam
+    does (it starts from zero moments, so the stored codes do not enter the update), each
+    sub-group's kernel sets the scales of its own two 2048-element blocks to the block's
+    absmax of m = (1 - beta1) g and v = (1 - beta2) g^2, and the codes stored decode to those
+    moments within the widest step of the 8-bit map (relative to the block's absmax)."""
+    rig = Rig()
+    unit, values = rig.unit("u", [8192], param_home="none")
+    n = unit.trainable_numel
+    state = build_state(rig.manager, unit, (0, n), [StateFormat("int8", "fp32")], 4096,
+                        optimizer_tier=Tier.HOST, grad_tier=Tier.HOST, grad_dtype=torch.float32,
+                        early_step=True, master_separate=False, doubled=False, sharded=False)
+    state.exp_avg = DiskStore("u.m", state.exp_avg.tensor[:n].clone(), rig.log)
+    state.exp_avg_sq = DiskStore("u.v", state.exp_avg_sq.tensor[:n].clone(), rig.log)
+    g = grad_of(values)
+    job = rig.stream.submit(state, early=True, gradient=CompleteGradient(g))
+    rig.run()
+    assert job.phase is JobPhase.LANDED and job.error is None
+    assert [e[2:4] for e in rig.events("kernel")] == [(0, 4096), (4096, 8192)]
+    p, m, v = reference_adam_f64(values, [g], lr=HYPER["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
+                                 weight_decay=0.01, adamw_mode=True, bias_correction=True,
+                                 grad_scale=1.0)
+    close(unit.flat[:n], p)
+    blocks = n // QBLOCK
+    for store, scales, moment, signed in ((state.exp_avg, state.exp_avg_scales, m, True),
+                                          (state.exp_avg_sq, state.exp_avg_sq_scales, v, False)):
+        absmax = moment.view(blocks, QBLOCK).abs().amax(dim=1)
+        close(scales.tensor[:blocks], absmax)
+        assert store.data.dtype == torch.uint8
+        decoded = dequantize_blockwise(store.data, scales.tensor[:blocks], signed).double()
+        step = float(quantization_map(signed).double().sort().values.diff().max())
+        error = (decoded - moment).abs().view(blocks, QBLOCK).amax(dim=1)
+        assert (error <= step * absmax).all()
+    assert rig.pool.available == 12
+
+
 # -- the order of reads, kernels and writes --------------------------------------------------
 
 def test_reads_run_ahead_and_writes_retire_behind_within_their_windows() -> None:
@@ -583,8 +648,11 @@ def test_a_ready_step_preempts_expected_reads_and_steps_first() -> None:
     assert rig.stream.stats["preempted"] == 2         # e's two newest reads, one for each r
     kernels = [e[1] for e in rig.events("kernel")]
     assert kernels == ["r", "r", "e", "e", "e", "e"]
-    e_reads = [e[2] for e in rig.events("read") if e[1] == "e.m"]
-    assert e_reads.count(2048) == 2 and e_reads[:3] == [0, 1024, 2048]
+    # the newest expected read is given up each time (2048, then 1024: read again in order),
+    # so the expected job's sub-groups are still stepped in ascending order
+    assert [e[2] for e in rig.events("read") if e[1] == "e.m"] == [0, 1024, 2048, 1024, 2048,
+                                                                    3072]
+    assert [e[2] for e in rig.events("kernel") if e[1] == "e"] == [0, 1024, 2048, 3072]
     assert ready.phase is expected.phase is JobPhase.LANDED
     assert rig.pool.available == 12
 
@@ -1075,6 +1143,27 @@ def test_a_read_that_finds_too_few_slots_gives_back_those_it_took() -> None:
     check_adam(state, values, [g])
     back = [rig.pool.try_acquire() for _ in range(3)]
     assert all(s is not None for s in back) and len({s.index for s in back}) == 3
+
+
+def test_a_read_with_no_slot_free_and_nothing_to_give_up_waits_on_the_pool(monkeypatch) -> None:
+    """Slots taken without blocking find none free (the pool's slots lent out and coming back:
+    ``try_acquire`` always None here), nothing is loaded and no expected read can be given up:
+    the ready read then waits on the pool (a blocking acquire) instead of failing or giving up,
+    one sub-group at a time, and the job steps to Adam's values."""
+    rig = Rig(slots=4)
+    unit, values = rig.unit("u", [3072], param_home="none")
+    state = rig.state(unit, values)
+    g = grad_of(values)
+    monkeypatch.setattr(rig.pool, "try_acquire", lambda: None)
+    job = rig.stream.submit(state, early=True, gradient=CompleteGradient(g))
+    rig.run()
+    assert job.phase is JobPhase.LANDED and job.error is None
+    check_adam(state, values, [g])
+    order = [(e[0], e[2]) for e in rig.log if e[0] in ("read", "kernel") and
+             (e[0] == "kernel" or e[1] == "u.m")]
+    assert order == [("read", 0), ("kernel", 0), ("read", 1024), ("kernel", 1024),
+                     ("read", 2048), ("kernel", 2048)]
+    assert rig.pool.available == 4 and rig.stream.stats["preempted"] == 0
 
 
 def test_each_cancelled_step_is_counted() -> None:
