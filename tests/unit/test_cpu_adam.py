@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from fakes import reference_adam_f64
+from messages import raises_naming
 
 import infinity
 from infinity.optim import _adam_native as N
@@ -258,7 +259,8 @@ def test_kernel_forcing_and_native_info(monkeypatch: pytest.MonkeyPatch) -> None
     adam_step_flat(**args, step=2, **HP)
     assert infinity.native_info()["in_use"]["adam_kernel"] == "scalar"
     monkeypatch.setenv(cpu_adam.KERNEL_ENV, "sse9")
-    with pytest.raises(ValueError, match="INFINITY_ADAM_KERNEL='sse9' is not a kernel"):
+    with raises_naming(ValueError, "INFINITY_ADAM_KERNEL='sse9' is not a kernel",
+                       "use one of scalar, avx2, avx512, neon (or unset it)", ends=True):
         adam_step_flat(**args, step=3, **HP)
     missing = [k for k in SIMD if k not in available_kernels()]
     if missing:
@@ -267,7 +269,9 @@ def test_kernel_forcing_and_native_info(monkeypatch: pytest.MonkeyPatch) -> None
             adam_step_flat(**args, step=3, **HP)
 
 
-def test_fallback_to_torch_warns_once_when_library_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fallback_to_torch_warns_once_when_library_missing(monkeypatch: pytest.MonkeyPatch,
+                                                           infinity_log) -> None:
+    """The warning (and its line in the log) says why, what runs instead and the fix."""
     def missing():
         raise infinity.base.native_library.NativeLibraryError("libinfinity_native.so is not built")
 
@@ -276,8 +280,14 @@ def test_fallback_to_torch_warns_once_when_library_missing(monkeypatch: pytest.M
     monkeypatch.delenv(cpu_adam.KERNEL_ENV, raising=False)
     p0 = torch.randn(100)
     p, g = p0.clone(), torch.randn(100)
-    with pytest.warns(RuntimeWarning, match="native library unavailable"):
+    with pytest.warns(RuntimeWarning) as caught:
         adam_step_flat(p, g, torch.zeros(100), torch.zeros(100), step=1, **HP)
+    (said,) = [str(w.message) for w in caught]
+    for phrase in ("native library unavailable (libinfinity_native.so is not built)",
+                   "using the pure-torch path (same numbers, several times slower)",
+                   "Build the package to fix this."):
+        assert phrase in said, (phrase, said)
+    assert said in [rec.getMessage() for rec in infinity_log.records]
     assert not torch.equal(p, p0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -414,7 +424,10 @@ def test_lr_scheduler_and_tensor_lr() -> None:
 def test_sparse_grads_are_rejected() -> None:
     emb = torch.nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+    with raises_naming(RuntimeError, "CPUAdam does not support sparse gradients",
+                       "(got a torch.sparse_coo grad for a parameter of shape (10, 4))",
+                       "use torch.optim.SparseAdam for embeddings with sparse=True",
+                       starts=True, ends=True):
         CPUAdam(emb.parameters()).step()
 
 
@@ -509,6 +522,16 @@ def test_beta1_zero_is_allowed_and_matches_torch() -> None:
     _close(ours, ref)
 
 
+def test_beta2_zero_is_allowed_and_matches_torch() -> None:
+    """beta2 = 0 (the second moment is the last squared gradient) is in torch's [0, 1)."""
+    ours, ref = _params(), _params()
+    opt = CPUAdam(ours, lr=1e-2, betas=(0.9, 0.0))
+    topt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.0), weight_decay=0.0, foreach=False)
+    _steps(opt, ours, 4)
+    _steps(topt, ref, 4)
+    _close(ours, ref)
+
+
 def test_an_lr_tensor_of_several_elements_is_refused_naming_lr() -> None:
     with pytest.raises(ValueError, match=r"lr must be a number or a 1-element tensor, got shape \(2,\)"):
         CPUAdam(_params(), lr=torch.tensor([1e-3, 2e-3]))
@@ -549,6 +572,28 @@ def test_an_older_state_without_decoupled_weight_decay_keeps_its_mode() -> None:
     new.load_state_dict(sd)
     assert new.param_groups[0]["adamw_mode"] is False
     assert new.param_groups[0]["decoupled_weight_decay"] is False
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_a_state_naming_no_mode_takes_the_loading_optimizers(adamw_mode: bool) -> None:
+    """A torch Adam/AdamW state saved before groups carried decoupled_weight_decay (and never
+    adamw_mode) says nothing of the mode: the loading CPUAdam keeps its own, and goes on as
+    torch's optimizer of that mode would."""
+    ours, ref = _params(), _params()
+    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    topt = cls(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    _steps(topt, ref, 2)
+    sd = copy.deepcopy(topt.state_dict())
+    for group in sd["param_groups"]:
+        del group["decoupled_weight_decay"]
+    for a, b in zip(ours, ref):
+        a.data.copy_(b.data)
+    opt = CPUAdam(ours, adamw_mode=adamw_mode)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["adamw_mode"] is adamw_mode
+    _steps(opt, ours, 2, start=2)
+    _steps(topt, ref, 2, start=2)
+    _close(ours, ref)
 
 
 def test_a_maximize_state_is_refused() -> None:
