@@ -6,14 +6,17 @@ text files and the files carried over, tied parameters' names. test_pretrained_f
 the round trip; only the engine's integration tests reached the two entry points before."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from fakes import failing_on_call, recording_training_state
+from messages import raises_naming
 from safetensors import safe_open
 from torch import nn
 
@@ -27,6 +30,7 @@ from infinity.checkpoint.pretrained_write import (
     ShardedWriter,
     config_with_dtype,
     export_pretrained,
+    hub_table,
     out_dtype,
     plan_shards,
     save_pretrained,
@@ -35,6 +39,7 @@ from infinity.checkpoint.pretrained_write import (
     shard_names,
     write_model_files,
     write_text,
+    write_weights,
 )
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter
 from infinity.checkpoint.training_state import TrainingState
@@ -280,6 +285,172 @@ def test_files_and_the_directory_are_fsynced(tmp_path: Path, monkeypatch) -> Non
     writer.append("a", torch.ones(2))
     writer.close()
     assert synced and set(synced) == {tmp_path.name}     # after the commit and the removals
+
+
+def test_a_writer_under_another_single_name_renames_its_file_into_place(tmp_path: Path) -> None:
+    """``single_name`` other than model.safetensors: the one file is renamed into place under
+    it (returned, fsynced with the directory), no index is written, and an earlier
+    model.safetensors beside it is left alone (it is no file of this save)."""
+    (tmp_path / "model.safetensors").write_text("base")
+    writer = ShardedWriter(tmp_path, [("a", F32, (2,)), ("b", F32, (3,))], 100,
+                           single_name="adapter_model.safetensors")
+    writer.append("a", torch.ones(2))
+    writer.append("b", torch.arange(3.0))
+    assert writer.close() == [tmp_path / "adapter_model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_model.safetensors",
+                                                          "model.safetensors"]
+    assert (tmp_path / "model.safetensors").read_text() == "base"
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("a"), torch.ones(2))
+        assert torch.equal(f.get_tensor("b"), torch.arange(3.0))
+
+
+def test_a_writer_closed_after_its_abort_commits_nothing(tmp_path: Path) -> None:
+    """abort() then close(): refused as unfinished, and nothing (not even the finished first
+    shard) is renamed into place."""
+    writer = ShardedWriter(tmp_path, [("a", F32, (2,)), ("b", F32, (2,))], 8)
+    writer.append("a", torch.ones(2))
+    writer.abort()
+    with raises_naming(ValueError, str(tmp_path), "not every tensor was written"):
+        writer.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_writer_removes_stale_partials_of_other_names_first(tmp_path: Path) -> None:
+    """The hidden file of an earlier save that did not finish, under a name this save does not
+    use, is removed when the writer opens (under its lock), not left behind."""
+    stale = tmp_path / ".model-00002-of-00002.safetensors.partial"
+    stale.write_bytes(b"old")
+    writer = ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
+    assert not stale.exists()
+    writer.append("a", torch.ones(2))
+    writer.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+def test_a_failure_while_the_writer_opens_releases_its_lock(tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """An error before the shard names are known is the one raised (the abort that follows
+    does not raise over it), and the save lock is released: the next writer opens."""
+    monkeypatch.setattr(pw, "remove_stale_partials",
+                        lambda d: (_ for _ in ()).throw(OSError(errno.EIO, "scan failed")))
+    with pytest.raises(OSError, match="scan failed"):
+        ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    writer = ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
+    writer.append("a", torch.ones(2))
+    writer.close()
+    assert torch.equal(_load(tmp_path)["a"], torch.ones(2))
+
+
+# -- room on the disk and unwritable directories -------------------------------------------
+def _free(monkeypatch, free: int) -> None:
+    monkeypatch.setattr(pw, "free_bytes", lambda directory: free)
+
+
+def test_a_save_needs_room_for_its_weights_and_a_header_reserve(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """The room asked for before anything is written: the weights' bytes plus a header reserve
+    of 4 KiB per file and 128 bytes per tensor. Exactly that much free is enough; a byte less
+    is refused (ENOSPC) naming the directory, both sizes and the fix, leaving nothing there."""
+    table = [("a", F32, (2,)), ("b", F32, (2,)), ("c", F32, (4,))]   # files [a, b] and [c]
+    need = 32 + 2 * 4096 + 3 * 128
+    _free(monkeypatch, need - 1)
+    with raises_naming(OSError, f"[Errno {errno.ENOSPC}] save into {tmp_path} needs "
+                       f"{pw.format_bytes(need)}",
+                       f"disk has {pw.format_bytes(need - 1)} free",
+                       "nothing was written and the earlier save there is unchanged: free "
+                       "space or choose another directory", starts=True, ends=True) as info:
+        ShardedWriter(tmp_path, table, 16)
+    assert info.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+    _free(monkeypatch, need)
+    writer = ShardedWriter(tmp_path, table, 16)
+    for name, _, shape in table:
+        writer.append(name, torch.ones(shape))
+    assert len(writer.close()) == 2
+
+
+def test_the_room_refusal_names_the_call_that_saves(tmp_path: Path, monkeypatch) -> None:
+    """write_weights, save_pretrained and an export each say who wanted the room ("save" by
+    default)."""
+    _free(monkeypatch, 0)
+    with raises_naming(OSError, f"] save into {tmp_path / 'w'} needs"):
+        write_weights(tmp_path / "w", [("a", F32, (2,))], 100, lambda writer: None)
+    with raises_naming(OSError, f"] save_pretrained into {tmp_path / 's'} needs"):
+        save_pretrained(_state(_Model()), tmp_path / "s")
+    _checkpoint(tmp_path / "ck")
+    with raises_naming(OSError, f"] export into {tmp_path / 'e'} needs"):
+        export_pretrained(tmp_path / "ck", tmp_path / "e")
+
+
+def test_a_disk_that_fills_up_during_a_save_says_so(tmp_path: Path, monkeypatch) -> None:
+    """ENOSPC or EDQUOT from the writing: the partial files are removed and the error (errno
+    kept) names the call, the directory, the bytes needed and free, and the fix; any other
+    error goes through as it was."""
+    _free(monkeypatch, 10**9)
+    table = [("a", F32, (10,)), ("b", F32, (10,))]
+
+    def filling(exc: BaseException):
+        def fill(writer) -> None:
+            writer.append("a", torch.ones(10))
+            raise exc
+        return fill
+
+    for code in (errno.ENOSPC, errno.EDQUOT):
+        with raises_naming(OSError, f"[Errno {code}] export into {tmp_path}: the disk filled up "
+                           "while writing "
+                           f"({os.strerror(code)}; {pw.format_bytes(80)} needed, "
+                           f"{pw.format_bytes(10**9)} free now that the partial files are "
+                           "removed); the earlier save there is unchanged: free space or "
+                           "choose another directory", starts=True, ends=True) as info:
+            write_weights(tmp_path, table, 40, filling(OSError(code, os.strerror(code))),
+                          what="export")
+        assert info.value.errno == code
+        assert list(tmp_path.iterdir()) == []
+    with raises_naming(OSError, "] save into", "the disk filled up"):
+        write_weights(tmp_path, table, 40, filling(OSError(errno.ENOSPC, "full")))
+    for other in (OSError(errno.EIO, "bad block"), ValueError("not a disk error")):
+        with pytest.raises(type(other)) as info:
+            write_weights(tmp_path, table, 40, filling(other))
+        assert info.value is other
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_that_cannot_be_made_is_refused_naming_it(tmp_path: Path) -> None:
+    """A parent that is a file: the errno of mkdir, the call, the directory, the reason, the
+    fix."""
+    (tmp_path / "file").write_text("x")
+    target = tmp_path / "file" / "out"
+    with raises_naming(OSError, f"[Errno {errno.ENOTDIR}] export: cannot create {target}: "
+                       f"{os.strerror(errno.ENOTDIR)}; choose a writable directory",
+                       starts=True, ends=True) as info:
+        ShardedWriter(target, [("a", F32, (2,))], 100, what="export")
+    assert info.value.errno == errno.ENOTDIR
+
+
+def test_a_directory_that_is_not_writable_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """Writing and entering are both needed (asked of os.access; the test runs as any user,
+    root included, so the answer is the proxy's: no write permission)."""
+    asked: list[int] = []
+    real_os = pw.os
+
+    class _Os:
+        def __getattr__(self, name):
+            return getattr(real_os, name)
+
+        @staticmethod
+        def access(path, mode):
+            asked.append(mode)
+            return not mode & real_os.W_OK and real_os.access(path, mode)
+
+    monkeypatch.setattr(pw, "os", _Os())
+    with raises_naming(PermissionError, f"save: {tmp_path} is not writable; choose another "
+                       "directory or fix its permissions", starts=True, ends=True):
+        ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
+    assert asked == [os.W_OK | os.X_OK]
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- text files and names ------------------------------------------------------------------
@@ -659,8 +830,9 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return path
 
 
-def _checkpoint(directory: Path, model_files=None) -> None:
-    """Two ranks: ``w`` (3 x 4) as slices w#0 and w#5, an int buffer and a bf16 frozen one."""
+def _checkpoint(directory: Path, model_files=None, **manifest_keys) -> None:
+    """Two ranks: ``w`` (3 x 4) as slices w#0 and w#5, an int buffer and a bf16 frozen one;
+    ``manifest_keys`` added to the manifest."""
     directory.mkdir(parents=True)
     flat = W.reshape(-1)
     parts = [{"w#0": flat[:5], "ids": torch.tensor([7, 8]),
@@ -674,6 +846,7 @@ def _checkpoint(directory: Path, model_files=None) -> None:
                 "params": {"w": {"shape": [3, 4]}}}
     if model_files is not None:
         manifest["model_files"] = model_files
+    manifest.update(manifest_keys)
     (directory / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -751,3 +924,148 @@ def test_a_failed_export_leaves_no_partial_file(tmp_path: Path, monkeypatch) -> 
         export_pretrained(tmp_path / "ck", out)
     # the weights were renamed into place before the texts failed; no partial file is left
     assert not [p for p in out.iterdir() if p.name.endswith(".partial")]
+
+
+def test_an_export_carries_the_tokenizer_from_where_the_model_was_loaded(
+        tmp_path: Path, infinity_info_log) -> None:
+    """The manifest's ``model_source``, still a directory: its tokenizer files are carried
+    over, which the log says; gone: a warning that the export has none and how to give them;
+    not a path (empty, not a string): nothing carried, nothing said."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer.json").write_text("tok")
+    config = {"config.json": "{}"}
+    _checkpoint(tmp_path / "ck", config, model_source=str(src))
+    export_pretrained(tmp_path / "ck", tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == "tok"
+    assert [r.getMessage() for r in infinity_info_log.records] == [
+        (f"export {tmp_path / 'ck'}: the tokenizer files from {src}, where its model was loaded "
+         "from")]
+    infinity_info_log.clear()
+    gone = tmp_path / "gone"
+    _checkpoint(tmp_path / "ck2", config, model_source=str(gone))
+    export_pretrained(tmp_path / "ck2", tmp_path / "hf2")
+    assert [(r.levelno, r.getMessage()) for r in infinity_info_log.records] == [
+        (logging.WARNING, (f"export {tmp_path / 'ck2'}: its model was loaded from {gone}, "
+                           "which is not there any more: the export has no tokenizer files; "
+                           "pass --config DIR (a directory holding them)"))]
+    assert sorted(p.name for p in (tmp_path / "hf2").iterdir()) == ["config.json",
+                                                                    "model.safetensors"]
+    for i, recorded in enumerate(("", 5)):
+        infinity_info_log.clear()
+        _checkpoint(tmp_path / f"ck{i + 3}", config, model_source=recorded)
+        export_pretrained(tmp_path / f"ck{i + 3}", tmp_path / f"hf{i + 3}")
+        assert infinity_info_log.records == [], recorded
+        assert sorted(p.name for p in (tmp_path / f"hf{i + 3}").iterdir()) == [
+            "config.json", "model.safetensors"]
+
+
+# -- transformers' Hub layout: renamed and split tensors ------------------------------------
+def _rows(name: str, value: torch.Tensor):
+    """A Hub split of the test: ``w`` and ``f`` by rows (``f`` into its two elements),
+    ``drop`` into nothing, anything else not split."""
+    if name in ("w", "f"):
+        return [(f"{name}.{i}", value[i]) for i in range(value.shape[0])]
+    return [] if name == "drop" else None
+
+
+def test_the_hub_table_renames_splits_and_drops_tensors() -> None:
+    """Each tensor split by ``hub_split`` (given its name and a meta tensor of its shape and
+    dtype) becomes its parts in place, in order; one split into nothing is dropped; the others
+    renamed by ``hub_name``; the split ones' shapes by their own names."""
+    seen = []
+
+    def split(name: str, value: torch.Tensor):
+        seen.append((name, value.device.type, value.dtype, tuple(value.shape)))
+        return _rows(name, value)
+
+    tensors = [("ids", torch.int64, (2,)), ("w", BF16, (3, 4)), ("drop", F32, (5,)),
+               ("f", F32, (2,))]
+    table, splits = hub_table(tensors, lambda n: "hub." + n, split)
+    assert table == [("hub.ids", torch.int64, (2,)), ("w.0", BF16, (4,)), ("w.1", BF16, (4,)),
+                     ("w.2", BF16, (4,)), ("f.0", F32, ()), ("f.1", F32, ())]
+    assert splits == {"w": (3, 4), "drop": (5,), "f": (2,)}
+    assert seen == [("ids", "meta", torch.int64, (2,)), ("w", "meta", BF16, (3, 4)),
+                    ("drop", "meta", F32, (5,)), ("f", "meta", F32, (2,))]
+    assert hub_table(tensors, lambda n: "hub." + n, None) == (
+        [("hub." + n, d, s) for n, d, s in tensors], {})
+    assert hub_table(tensors, None, None) == (tensors, {})
+    assert hub_table(tensors, None, split)[0][0] == ("ids", torch.int64, (2,))
+
+
+class _HubNames:
+    """The interface of engine/hf_conversions.HubNames that an export uses."""
+
+    def __init__(self) -> None:
+        self.to_hub = lambda name: {"ids": "input_ids"}.get(name, name)
+        self.split = _rows
+
+
+def test_an_export_writes_the_hub_layout_from_pieces(tmp_path: Path, monkeypatch) -> None:
+    """hub_names_of(the config as written, dtype included) gives the conversions: ``ids``
+    renamed, ``w`` (read in pieces of two elements, gathered whole) and ``f`` (in one piece)
+    split by rows, in the dtype asked; the index lists the Hub's names only."""
+    monkeypatch.setattr(pw, "EXPORT_PIECE_BYTES", 8)   # w: 2 fp32, ids: 1 int64, f: 4 bf16
+    _checkpoint(tmp_path / "ck", {"config.json": '{"model_type": "x"}'})
+    configs = []
+
+    def hub_names_of(text: str):
+        configs.append(json.loads(text))
+        return _HubNames()
+
+    out = tmp_path / "hf"
+    export_pretrained(tmp_path / "ck", out, dtype=BF16, max_shard_size=16,
+                      hub_names_of=hub_names_of)
+    assert configs == [{"model_type": "x", "dtype": "bfloat16"}]
+    back = _load(out)
+    assert sorted(back) == ["f.0", "f.1", "input_ids", "w.0", "w.1", "w.2"]
+    for i in range(3):
+        assert back[f"w.{i}"].dtype == BF16 and torch.equal(back[f"w.{i}"], W[i].to(BF16))
+    assert torch.equal(back["f.0"], torch.tensor(1.25, dtype=BF16))
+    assert torch.equal(back["f.1"], torch.tensor(-2.0, dtype=BF16))
+    assert torch.equal(back["input_ids"], torch.tensor([7, 8]))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(back)
+
+
+def test_an_export_without_a_config_has_no_hub_conversions(tmp_path: Path) -> None:
+    """No config.json to read them from: hub_names_of is not asked, the names are as stored."""
+    _checkpoint(tmp_path / "ck")
+
+    def hub_names_of(text: str):
+        raise AssertionError("asked without a config")
+
+    export_pretrained(tmp_path / "ck", tmp_path / "hf", hub_names_of=hub_names_of)
+    assert sorted(_load(tmp_path / "hf")) == ["f", "ids", "w"]
+
+
+def test_an_engine_saves_the_hub_layout(tmp_path: Path) -> None:
+    """save_pretrained with ``hub_name`` and ``hub_split``: ``a`` split by rows, the others
+    (a persistent buffer too) renamed; with only one of the two given, that one applies; a
+    rank that writes nothing takes part without writing."""
+    model = _Model()
+    state = _state(model)
+
+    def split(name: str, value: torch.Tensor):
+        return [(f"a.{i}", value[i]) for i in range(2)] if name == "a" else None
+
+    def rename(name: str) -> str:
+        return "hub." + name
+
+    save_pretrained(state, tmp_path / "both", hub_name=rename, hub_split=split)
+    back = _load(tmp_path / "both")
+    assert sorted(back) == ["a.0", "a.1", "hub.b", "hub.empty", "hub.frozen", "hub.running"]
+    assert torch.equal(back["a.0"], model.a.detach()[0])
+    assert torch.equal(back["a.1"], model.a.detach()[1])
+    assert torch.equal(back["hub.b"], model.b.detach())
+    assert torch.equal(back["hub.running"], torch.tensor([1.5, 2.5]))
+    save_pretrained(state, tmp_path / "renamed", hub_name=rename)
+    assert sorted(_load(tmp_path / "renamed")) == ["hub.a", "hub.b", "hub.empty", "hub.frozen",
+                                                   "hub.running"]
+    save_pretrained(state, tmp_path / "split", hub_split=split)
+    back = _load(tmp_path / "split")
+    assert sorted(back) == ["a.0", "a.1", "b", "empty", "frozen", "running"]
+    assert torch.equal(back["a.1"], model.a.detach()[1])
+    save_pretrained(_state(model, comm=_Comm(1)), tmp_path / "r1", hub_name=rename,
+                    hub_split=split)
+    assert not (tmp_path / "r1").exists()
