@@ -216,16 +216,17 @@ class BackwardGradient:
         self.phase = GradPhase.REDUCED
         self.check()
 
-    def copied_out(self, landing: CopyEvent, copied: CopyEvent,
+    def copied_out(self, landing: CopyEvent, copied: CopyEvent, reads: torch.Tensor,
                    device_pool: DeviceGradientPool) -> None:
-        """The shard's copy out is issued: its host event is kept, the device buffer goes
-        back to ``device_pool`` with the device copy's event."""
+        """The shard's copy out (of ``reads``, a view of the device buffer) is issued: its
+        host event is kept, the device buffer goes back to ``device_pool`` with the device
+        copy's event."""
         self._check("copied_out", GradPhase.REDUCED)
         if self.device is None:
             raise RuntimeError(f"{self.unit_name}: gradient copied out with no device buffer")
         self.copies.append(landing)
         device, self.device = self.device, None
-        device_pool.release(device, copied)
+        device_pool.release(device, copied, reads)
 
     def finished(self) -> torch.Tensor | None:
         """The host buffer ``finish`` reads (None: the gradient is in the resident home, or

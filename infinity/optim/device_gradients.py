@@ -33,15 +33,21 @@ skipped the wait finds the buffer's second half NaN under the late copies.
 
 Buffer lifetime: a device buffer is taken at the unit's first gradient and given back at its
 reduce, with the event of its copy out (the copy's own event, not the widening's: compute
-waits for the device's copy, never for a host thread). It is written again only after that event: the next
-taker makes compute wait for it (``compute_waits``: on a GPU the compute stream waits on the
-device, no thread blocks; elsewhere the taking thread). ``DEVICE_GRAD_BUFFERS`` (two) are kept,
-so unit k's copy out overlaps unit k-1's gradients arriving; where the device budget has no
+waits for the device's copy, never for a host thread) and the elements that copy reads. Those
+elements are written again only after that event (``compute_waits``: on a GPU the compute
+stream waits on the device, no thread blocks; elsewhere the taking thread). The collected
+gradient sits at the buffer's front and the reduce-scatter's output at its back, so a
+scattered unit's copy out reads the back: the next taker's gradients fill the front while it
+runs (that unit's backward overlaps the copy) and its reduce waits (``before_reduce``). At
+stage 0 the all-reduced values themselves are copied, from the front: the first gradient
+waits. A backward that fails before its reduce gives the buffer back with the wait it did
+not make still owed by the next taker. ``DEVICE_GRAD_BUFFERS`` (two) are kept, so unit k's
+copy out overlaps unit k-1's gradients arriving and reduce; where the device budget has no
 room for two beside a fetched unit and (stage 3) one fetched ahead, the plan keeps one
 (planner/sizes.py ``derive_sizes``, counted in its device bytes, in the communication dtype,
 by ``device_gradient_bytes`` from the units' padded layouts: the count ``engine_sizes``
-reserves, at least what this pool allocates),
-and a unit's first gradient then waits on the device for the copy out before it. A tied weight keeps its unit
+reserves, at least what this pool allocates), and a unit's reduce (stage 0: its first
+gradient) then waits on the device for the copy out before it. A tied weight keeps its unit
 incomplete while later units finish, so a third unit may need a buffer while both kept ones are
 collecting: it gets one beyond the pool, inside the device budget, freed at its reduce (the
 caching allocator hands its memory on only after the copy out: ``to_host`` records the source
@@ -55,7 +61,9 @@ force a GPU's copies) to run it with gloo and under late copies.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -66,7 +74,7 @@ from infinity.storage.manager import TierManager
 from infinity.storage.transfers import CopyEvent, DeviceCopies
 
 __all__ = ["reduces_on_device", "DeviceGradient", "DeviceGradientPool", "COMM_DTYPES",
-           "narrow_staging", "widen_in_place", "Widened", "shard_to_host"]
+           "buffer_numels", "pool_buffer_numel", "narrow_staging", "widen_in_place", "Widened", "shard_to_host"]
 
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``communication_data_type`` (resolved by the planner) -> the device buffers' dtype."""
@@ -80,17 +88,39 @@ def reduces_on_device(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+class _Sized(Protocol):
+    flat_numel: int
+    trainable_numel: int
+    shard_numel: int
+
+
+def buffer_numels(unit: _Sized, scatter: bool) -> tuple[int, int]:
+    """(collected, shard) elements a unit's gradient takes of a device buffer: every shard of
+    its flat buffer and, behind it, the reduce-scatter's output (the own shard) when the
+    gradient is scattered (stages 1-3); its trainable range alone when it is all-reduced
+    (stage 0). The optimizer's collector and the dry run's stepper take buffers by it."""
+    return (unit.flat_numel, unit.shard_numel) if scatter else (unit.trainable_numel, 0)
+
+
+def pool_buffer_numel(units: Iterable[_Sized], scatter: bool) -> int:
+    """Elements of each of a pool's buffers: the most any of ``units`` takes
+    (``buffer_numels``)."""
+    return max(sum(buffer_numels(unit, scatter)) for unit in units)
+
+
 @dataclass(eq=False)
 class DeviceGradient:
-    """One device buffer: ``values`` (the unit's collected gradient, in the pool's dtype) and ``shard`` (the
-    reduce-scatter's output, empty at stage 0) are views of ``tensor``; ``copied_out`` is the
-    event of the copy of its reduced shard to the host, once given back."""
+    """One device buffer: ``values`` (the unit's collected gradient, in the pool's dtype, at
+    the front) and ``shard`` (the reduce-scatter's output, at the back; empty at stage 0) are
+    views of ``tensor``; ``copied_out`` is the event of the last copy out of it to the host not
+    yet waited for, and ``copied_span`` the elements [lo, hi) of ``tensor`` that copy reads."""
 
     tensor: torch.Tensor
     kept: bool                       # one of the pool's; else made beyond it, freed when given back
     values: torch.Tensor | None = None
     shard: torch.Tensor | None = None
     copied_out: CopyEvent | None = None
+    copied_span: tuple[int, int] = (0, 0)
 
 
 class DeviceGradientPool:
@@ -135,13 +165,25 @@ class DeviceGradientPool:
         else:
             if buffer in self._free:
                 self._free.remove(buffer)
-            if buffer.copied_out is not None:
-                # the copy of its last shard to the host reads it: write only after that
-                self.copies.compute_waits(buffer.copied_out)
-                buffer.copied_out = None
+            # the copy of its last shard to the host reads ``copied_span``: the first
+            # gradients write the front (``values``) only after it where they overlap it;
+            # otherwise the reduce waits for it (``before_reduce``), the backward in between
+            # overlapping the copy
+            if buffer.copied_out is not None and buffer.copied_span[0] < values_numel:
+                self._wait_copy_out(buffer)
         buffer.values = buffer.tensor[:values_numel]
-        buffer.shard = buffer.tensor[values_numel:values_numel + shard_numel]
+        buffer.shard = buffer.tensor[self.numel - shard_numel:self.numel]
         return buffer
+
+    def before_reduce(self, buffer: DeviceGradient) -> None:
+        """The reduce is about to write ``buffer`` (the shard at its back, or the values in
+        place at stage 0): compute waits for a copy out of it still reading."""
+        if buffer.copied_out is not None:
+            self._wait_copy_out(buffer)
+
+    def _wait_copy_out(self, buffer: DeviceGradient) -> None:
+        self.copies.compute_waits(buffer.copied_out)
+        buffer.copied_out, buffer.copied_span = None, (0, 0)
 
     def _make(self, kept: bool, what: str) -> DeviceGradient:
         try:
@@ -160,16 +202,29 @@ class DeviceGradientPool:
             self.extra += 1
         return DeviceGradient(tensor, kept)
 
-    def release(self, buffer: DeviceGradient, copied_out: CopyEvent | None) -> None:
-        """``buffer`` is free once ``copied_out`` (the copy of its shard to the host; None:
-        no copy reads it) is over: a kept one waits in the pool, one beyond it is freed now
-        (its memory is handed on by the allocator only after the copy)."""
+    def release(self, buffer: DeviceGradient, copied_out: CopyEvent | None,
+                reads: torch.Tensor | None = None) -> None:
+        """``buffer`` is free once ``copied_out`` (the copy of its shard to the host, which
+        reads ``reads``, a view of the buffer) is over: a kept one waits in the pool, one
+        beyond it is freed now (its memory is handed on by the allocator only after the
+        copy). None: no new copy reads it (a backward that failed before its reduce); a copy
+        from before that the reduce did not wait for is still waited for by the next taker."""
         buffer.values = buffer.shard = None
         if not buffer.kept:
             self.extra -= 1
             self.manager.device_budget.release(self.nbytes)
             return
-        buffer.copied_out = copied_out
+        if copied_out is not None:
+            if reads is None:
+                raise ValueError("device gradient buffer given back with a copy out but not "
+                                 "the view it reads: pass reads=")
+            lo = reads.storage_offset() - buffer.tensor.storage_offset()
+            if reads.untyped_storage().data_ptr() != buffer.tensor.untyped_storage().data_ptr() \
+                    or lo < 0 or lo + reads.numel() > self.numel:
+                raise ValueError(f"device gradient buffer: the copy out reads {reads.numel()} "
+                                 f"elements at offset {lo}, not a view of the buffer's "
+                                 f"{self.numel}")
+            buffer.copied_out, buffer.copied_span = copied_out, (lo, lo + reads.numel())
         self._free.append(buffer)
 
     def close(self) -> None:

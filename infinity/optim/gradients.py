@@ -161,20 +161,15 @@ class GradientCollector:
         # collected and reduced in a device buffer, and only the own shard goes to the host
         self.device_pool: DeviceGradientPool | None = None
         if self.reduces and states and device_gradients.reduces_on_device(manager.device):
-            numel = max(self._device_numel(s.unit) for s in states)
+            numel = device_gradients.pool_buffer_numel((s.unit for s in states), self.scatter)
             self.device_pool = DeviceGradientPool(
                 manager, self.copies, numel, dtype=device_gradients.COMM_DTYPES[device_dtype],
                 **({} if device_buffers is None else {"count": device_buffers}))
 
-    def _device_numel(self, unit: SteppedUnit) -> int:
-        """Elements of a unit's device buffer: its collected gradient, and behind it the
-        reduce-scatter's output (the own shard) when it is scattered."""
-        return self.collect_numel(unit) + (unit.shard_numel if self.scatter else 0)
-
     def collect_numel(self, unit: SteppedUnit) -> int:
         """Elements of the flat buffer a unit's gradient is collected in: its trainable range,
         or every shard of its flat buffer when the gradient is reduce-scattered."""
-        return unit.flat_numel if self.scatter else unit.trainable_numel
+        return device_gradients.buffer_numels(unit, self.scatter)[0]
 
     def begin_backward(self, boundary: bool) -> None:
         """Called before each backward: ``boundary`` is True on the last micro-step."""
@@ -226,7 +221,7 @@ class GradientCollector:
         if state.grad.device is None:
             unit = state.unit
             state.grad.on_device(self.device_pool.acquire(
-                self.collect_numel(unit), unit.shard_numel if self.scatter else 0,
+                *device_gradients.buffer_numels(unit, self.scatter),
                 what=f"{unit.name} gradient"))
         return state.grad.device
 
@@ -384,6 +379,7 @@ class GradientCollector:
         the device])."""
         unit, device = state.unit, self._device_target(state)   # one with no gradient too
         self.zero_unwritten(state)
+        self.device_pool.before_reduce(device)
         if self.scatter:
             self.comm.reduce_scatter_mean(device.shard, device.values[:unit.flat_numel],
                                           tag=unit.index)
@@ -398,7 +394,7 @@ class GradientCollector:
         # gradients leave the device])
         landing, copied = (device_gradients.shard_to_host(self.copies, host, reduced)
                            if state.numel else (DONE, DONE))
-        state.grad.copied_out(landing, copied, self.device_pool)
+        state.grad.copied_out(landing, copied, reduced, self.device_pool)
 
     def finish(self, state: UnitOptimState, write_home: bool = True) -> torch.Tensor:
         """The unit's gradient of this backward is complete: add what earlier micro-steps left

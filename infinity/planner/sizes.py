@@ -185,15 +185,15 @@ def device_gradient_bytes(layouts: Iterable[tuple[int, int]], world_size: int, s
     buffers or one and leaves the prefetch room by it, ``engine_sizes`` reserves it (and the dry
     run and ``infinity plan`` show it), so the number chosen is the number reserved.
 
-    It is what the optimizer's pool allocates (optim/gradients.py ``_device_numel``), bounded:
-    a buffer holds the largest unit's collected gradient -- every shard of its flat buffer,
-    ``world_size * shard_numel(flat numel)``, at stages 1-3; its trainable range at stage 0 --
-    and, when scattered, its own shard behind it, in ``itemsize``-byte elements (the
+    It is what the optimizer's pool allocates (optim/device_gradients.py ``pool_buffer_numel``),
+    bounded: a buffer holds the largest unit's collected gradient -- every shard of its flat
+    buffer, ``world_size * shard_numel(flat numel)``, at stages 1-3; its trainable range at
+    stage 0 -- and, when scattered, its own shard behind it, in ``itemsize``-byte elements (the
     communication dtype). ``unit_layout_bound`` rounds every parameter up to its alignment and
-    puts the trainable ones first, as the runtime's ``flat_layout`` does (Unit sorts them so), so
-    each runtime flat numel and trainable numel is at most the bound, and ``shard_numel`` only
-    grows with its argument: the pool's buffers are never larger than this count. None with one
-    rank or on a CPU device (the host path)."""
+    puts the trainable ones first, as the runtime's ``flat_layout`` does (Unit sorts them so),
+    so each runtime flat numel and trainable numel is at most the bound, and ``shard_numel``
+    only grows with its argument: the pool's buffers are never larger than this count. None with
+    one rank or on a CPU device (the host path)."""
     if world_size <= 1 or not gpu:
         return 0
     if stage >= 1:

@@ -104,14 +104,11 @@ class SimBackend:
             # the buffers a unit's reduce takes and its copy out gives back (several ranks on
             # a GPU; none on the host path)
             device_grad_buffers=plan.derived.device_grad_buffers if es.device_gradient_bytes
-            else 0)
+            else 0, scatter=plan.stage >= 1)
         _init_masters(units, self.manager, fetch_pool, lay, stepper.masters)
         for pool in (plan.optimizer.gradient, plan.optimizer.step):
             if pool is not None:
                 self.pool(pool)
-        if es.device_gradient_bytes:   # several ranks on a GPU: kept from the first backward
-            self.manager.device_budget.reserve(es.device_gradient_bytes,
-                                               "device gradient buffers")
         if es.activation_staging:      # "nvme", or "auto" that may choose it (as the engine)
             self.manager.host_budget.reserve(ACTIVATION_STAGING_BYTES, "activation staging")
         return stepper

@@ -31,16 +31,20 @@ on a GPU the unit's gradient is reduced in a device buffer of the communication 
 range of it is copied, in that dtype whatever the home's (widened on the host at the wait, not
 modelled: [Note: gradients reduced on the device] in optim/device_gradients.py); the buffers
 are device bytes the backend reserves. A CPU device reduces in fp32 on the host.
-The buffers are also a schedule (``device_grad_buffers``, the plan's count, kept from the first
-backward): a unit takes one at its first gradient and gives it back at its reduce with the end
-of its shard's copy out, and a buffer is written again only after that end
-(``DeviceGradientPool.acquire``: a free buffer whose copy is over first, then one not made yet,
-then the oldest free one; a unit finding every kept one collecting, a tied weight's, gets one
-beyond them). So with one buffer a unit's reduce starts no earlier than the copy out of the
-unit before it, with two of the one two units back (a "compute waits" span on the timeline,
-labelled with that unit). The engine's compute waits at the first gradient, partway into the
-unit's backward; the dry run charges a unit's backward at once and waits before its reduce:
-the least the engine waits (the backward before the first gradient overlaps the copy in both).
+The buffers are also a schedule: the stepper takes them from the optimizer's own pool
+(``optim.device_gradients.DeviceGradientPool``, ``device_grad_buffers`` kept, the plan's
+count, made at the first backward in the device budget) over the clock's copies, so the choice
+of buffer and the waits are the engine's: a unit takes one at its first gradient and gives it
+back at its reduce with its shard's copy out, and the part of a buffer that copy reads is
+written again only after its end (a "compute waits" span labelled with the unit whose copy out
+it waits for). The copy reads the shard at the buffer's back, so a scattered unit's gradients
+fill the front while it runs and only the reduce waits: with one buffer a unit's reduce starts
+no earlier than the copy out of the unit before it, with two of the one two units back. At
+stage 0 the copy reads the front (the all-reduced values), and a unit's first gradient waits:
+the engine's at that gradient, partway into its backward, the dry run's before the whole
+backward (at most the backward before that gradient more than the engine waits). A unit
+finding every kept buffer collecting (a tied weight's) gets one beyond them, or the engine's
+error where the budget has no room.
 ``instant``: every job lands when it is submitted (a step that costs nothing), so the schedule
 no longer depends on timing: the order tests compare this with a real engine whose background
 steps are waited for at each reap.
@@ -52,6 +56,12 @@ from typing import Callable
 
 import torch
 
+from infinity.optim.device_gradients import (
+    DeviceGradient,
+    DeviceGradientPool,
+    buffer_numels,
+    pool_buffer_numel,
+)
 from infinity.optim.state_formats import MOMENT_DTYPES
 from infinity.planner.state_format import (
     FP32_STATES,
@@ -63,7 +73,7 @@ from infinity.planner.state_format import (
 from infinity.planner.step_time import adam_rate_factor
 from infinity.simulate.clock import Lane
 from infinity.simulate.collectives import SimCollectives
-from infinity.simulate.copies import SimCopies
+from infinity.simulate.copies import SimCopies, SimCopyEvent
 from infinity.simulate.storage import META, SimManager, SimStore
 from infinity.planner.tiers import Tier
 from infinity.zero.protocols import Wait
@@ -92,22 +102,29 @@ class SimStepper:
                  comm: SimCollectives, grads_held: bool, backward_s: Callable[[Unit], float],
                  instant: bool = False, grad_dtype: torch.dtype = torch.float32,
                  state_format: StateFormat = FP32_STATES,
-                 comm_dtype: torch.dtype = torch.float32, device_grad_buffers: int = 0) -> None:
+                 comm_dtype: torch.dtype = torch.float32, device_grad_buffers: int = 0,
+                 scatter: bool = False) -> None:
         self.manager, self.clock = manager, manager.clock
         # several ranks: the dtype of the reduce and of the shard's copy to the host
         self.comm_dtype = comm_dtype
         if device_grad_buffers < 0:
             raise ValueError(f"device_grad_buffers is {device_grad_buffers}: expected >= 0 "
                              "(0: gradients are not reduced in device buffers)")
-        # the device gradient buffers (several ranks on a GPU; 0: none): each kept one's last
-        # copy out (when it ends, whose shard it was), None while a unit collects in it
-        self.device_grad_buffers = device_grad_buffers
-        self._buffers: list[tuple[float, str] | None] = []
-        self._buffer_of: dict[int, int] = {}   # unit -> its buffer's index (-1: beyond them)
-        # unit -> the copy out of its buffer's last shard, not over when it took it
-        self._copy_out: dict[int, tuple[float, str]] = {}
+        # a manager with immediate copies (not the dry run's): free, as SimCopies at rate 0
+        self.copies = manager.copies if isinstance(manager.copies, SimCopies) else \
+            SimCopies(self.clock, 0.0)
+        # the device gradient buffers (several ranks on a GPU; None: the host path), the
+        # optimizer's own pool; ``scatter``: reduce-scattered (stages 1-3), else all-reduced
+        self.scatter = scatter
+        trainable = [u for u in units if u.has_trainable]
+        self.device_pool: DeviceGradientPool | None = None
+        if device_grad_buffers and comm.active and trainable:
+            self.device_pool = DeviceGradientPool(
+                manager, self.copies, pool_buffer_numel(trainable, scatter),
+                count=device_grad_buffers, dtype=comm_dtype)
+        self._device: dict[int, DeviceGradient] = {}   # unit -> the buffer it collects in
         self.buffer_wait_s = 0.0
-        """Seconds the reduces waited for their device gradient buffer's copy out."""
+        """Seconds compute waited for a device gradient buffer's copy out."""
         self.early_like = early or speculative     # stepped during the backward
         self.early, self.speculative = early, speculative
         self.comm = comm
@@ -124,9 +141,6 @@ class SimStepper:
         # gradients go to the host for a CPU Adam (or a host or NVMe gradient home)
         self.grads_leave = opt_tier is not Tier.DEVICE or grad_tier is not Tier.DEVICE
         self.grad_dtype = grad_dtype
-        # a manager with immediate copies (not the dry run's): free, as SimCopies at rate 0
-        self.copies = manager.copies if isinstance(manager.copies, SimCopies) else \
-            SimCopies(self.clock, 0.0)
         self.grad_numel: dict[int, int] = {}         # unit -> the range its gradient copies
         self.grad_landed: dict[int, float] = {}      # unit -> when its copy to the host ends
         for unit in units:
@@ -203,28 +217,17 @@ class SimStepper:
 
     # -- the coordinator's UnitStepper -----------------------------------------------------
     def _take_buffer(self, unit: Unit) -> None:
-        """``unit``'s first gradient takes a device gradient buffer (see the module docstring),
-        remembering the copy out its reduce must wait for, if not over now."""
-        free = [(i, b) for i, b in enumerate(self._buffers) if b is not None]
-        over = [i for i, (end, _) in free if end <= self.clock.now]
-        if over:
-            index = over[0]
-        elif len(self._buffers) < self.device_grad_buffers:
-            self._buffers.append(None)
-            index = len(self._buffers) - 1
-        elif free:
-            index, copy_out = min(free, key=lambda item: item[1][0])
-            self._copy_out[unit.index] = copy_out
-        else:       # every kept buffer collecting (a tied weight's unit): one beyond them
-            self._buffer_of[unit.index] = -1
-            return
-        self._buffers[index] = None
-        self._buffer_of[unit.index] = index
+        """``unit``'s first gradient takes a device gradient buffer from the pool, compute
+        waiting for the copy out of its last shard if that is not over."""
+        before = self.clock.now
+        self._device[unit.index] = self.device_pool.acquire(
+            *buffer_numels(unit, self.scatter), what=f"{unit.name} gradient")
+        self.buffer_wait_s += self.clock.now - before
 
     def on_grad(self, unit: Unit, entry, grad) -> None:
         if unit.index not in self._seen:
             self._seen.add(unit.index)
-            if self.device_grad_buffers and self.comm.active:
+            if self.device_pool is not None:
                 self._take_buffer(unit)
             self.clock.compute(self.backward_s(unit), f"backward {unit.name}")   # made them
         if self.grads_held:
@@ -248,18 +251,19 @@ class SimStepper:
         return event.end
 
     def on_unit_backward_done(self, unit: Unit) -> bool:
-        copy_out = self._copy_out.pop(unit.index, None)
-        if copy_out is not None:     # its buffer is written (reduced into) after that copy
-            end, owner = copy_out
+        device = self._device.pop(unit.index, None)
+        if device is not None:     # the reduce writes it after a copy out still reading it
             before = self.clock.now
-            self.clock.wait_until(end, f"waits for the copy out of {owner}'s gradient shard "
-                                       "(its device gradient buffer)")
+            self.device_pool.before_reduce(device)
             self.buffer_wait_s += self.clock.now - before
         self.comm.reduce_scatter(unit.flat_numel * self.comm_dtype.itemsize)
         landed = self._gradient_to_host(unit)
-        index = self._buffer_of.pop(unit.index, None)
-        if index is not None and index >= 0:   # given back, written again after the copy out
-            self._buffers[index] = (landed, unit.name)
+        if device is not None:     # given back: written again after its shard's copy out
+            n = self.grad_numel.get(unit.index, 0)
+            reads = device.shard[:n] if self.scatter else device.values[:n]
+            copied_out = SimCopyEvent(self.clock, landed, f"the copy out of {unit.name}'s "
+                                      "gradient shard (its device gradient buffer)")
+            self.device_pool.release(device, copied_out, reads)
         if self.early_like:
             reads = self.expected.pop(unit.index, None)
             job = _Job(unit, reads if reads is not None else self._read_states(unit))

@@ -171,6 +171,13 @@ class SimManager:
         self.host_budget.reserve(numel * torch.empty((), dtype=dtype).element_size(), what)
         return torch.empty(numel, dtype=dtype, device=META)
 
+    def device_empty(self, numel: int, dtype: torch.dtype, device: torch.device,
+                     what: str) -> torch.Tensor:
+        """Reserved in the device budget like the real one (caller releases); ``device`` is
+        the engine's, the tensor is on the meta device whatever it says."""
+        self.device_budget.reserve(numel * torch.empty((), dtype=dtype).element_size(), what)
+        return torch.empty(numel, dtype=dtype, device=META)
+
     def release_host(self, tensor: torch.Tensor) -> None:
         self.host_budget.release(tensor.numel() * tensor.element_size())
 

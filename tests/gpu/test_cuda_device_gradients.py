@@ -7,13 +7,13 @@ in tests/gpu/test_cuda_ranks.py (needs 2 GPUs).
 Checked: the collector takes the device path on CUDA (a real TierManager, CudaCopies); the own
 shard that reaches the pinned host buffer is bit for bit what the host path on the CPU gives
 (the same fp32 adds, and a mean of two that is exact on either device); only the shard is
-copied; and with one kept buffer the next unit's gradients, queued on the compute stream right
-behind a 256 MiB copy out, wait for that copy's event (the first unit's shard is its own, not
-the second's). With the communication dtype bf16 (bf16 gradients): the buffer is bf16, the
+copied; and with one kept buffer the next unit's reduce, queued on the compute stream right
+behind a 256 MiB copy out, waits for that copy's event (its gradients fill the buffer's front
+meanwhile; the first unit's shard is its own, not the second's). With the communication dtype bf16 (bf16 gradients): the buffer is bf16, the
 shard crosses PCIe in bf16 into the back half of its pinned host buffer and is widened there at
 the wait, and equals ``float(bf16(bf16(a + b) / 2))`` bit for bit (the rule of
 tests/unit/test_device_gradients_dtype.py, computed on the CPU); the 128 MiB bf16 copy out is
-waited for by the next unit's gradients as the fp32 one is."""
+waited for by the next unit's reduce as the fp32 one is."""
 from __future__ import annotations
 
 import sys
@@ -134,10 +134,10 @@ def test_a_bf16_reduce_on_the_gpu_gives_the_rounded_sum_s_half() -> None:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_device_buffer_is_written_again_only_after_its_copy_out(dtype: str) -> None:
-    """One kept buffer and a 64M-element shard (256 MiB to copy out): the second unit's first
-    gradient is queued on the compute stream right after the first unit's copy began; it must
-    wait for that copy's event, so the first unit's host shard holds its own mean (all 1.0),
-    not the second's (all 5.0)."""
+    """One kept buffer and a 64M-element shard (256 MiB to copy out): the second unit's
+    gradient and reduce are queued on the compute stream right after the first unit's copy
+    began; the reduce, which writes the shard the copy reads, must wait for that copy's event,
+    so the first unit's host shard holds its own mean (all 1.0), not the second's (all 5.0)."""
     numel = 128 << 20
     comm = _TwoRanksOn(0, torch.zeros(numel, device="cuda"))
     units = [_unit(i, ((numel - 4096,),), comm=comm, shards=2) for i in range(2)]

@@ -10,7 +10,7 @@ from infinity.optim.backward_gradient import BackwardGradient, GradientOwners, G
 
 
 class _Log:
-    """The order in which owners were called: ("wait", n), ("slot", s), ("device", b, e),
+    """The order in which owners were called: ("wait", n), ("slot", s), ("device", b, e, reads),
     ("room", n)."""
 
     def __init__(self) -> None:
@@ -37,8 +37,8 @@ class _DevicePool:
     def __init__(self, log: _Log) -> None:
         self.log = log
 
-    def release(self, buffer, copied) -> None:
-        self.log.calls.append(("device", buffer, copied))
+    def release(self, buffer, copied, reads=None) -> None:
+        self.log.calls.append(("device", buffer, copied, reads))
 
 
 class _Room:
@@ -200,12 +200,13 @@ def test_the_collector_s_paths_through_the_phases() -> None:
     device = _reducing()                                # several ranks on a GPU
     buffer = device.device
     assert device.phase is GradPhase.REDUCED and device.written is None
-    device.copied_out(EVENT, COPIED, owners.device_pool)
+    shard = torch.zeros(4)
+    device.copied_out(EVENT, COPIED, shard, owners.device_pool)
     assert device.device is None and device.copies == [EVENT]
-    assert log.calls[-1] == ("device", buffer, COPIED)
+    assert log.calls[-1] == ("device", buffer, COPIED, shard)
     device.check()
     with pytest.raises(RuntimeError, match="block.3: gradient copied out with no device"):
-        device.copied_out(EVENT, COPIED, owners.device_pool)
+        device.copied_out(EVENT, COPIED, shard, owners.device_pool)
 
 
 @pytest.mark.parametrize("phase, call", [
@@ -241,7 +242,7 @@ def test_release_gives_back_each_resource_once_after_the_copies(phase: GradPhase
     device, slot, held = gradient.device, gradient.slot, gradient.held_bytes
     gradient.release(owners)
     want = ([("wait", copies)] if copies else []) + \
-        ([("device", device, None)] if device is not None else []) + \
+        ([("device", device, None, None)] if device is not None else []) + \
         ([("slot", slot)] if slot is not None else []) + ([("room", held)] if held else [])
     assert log.calls == want
     assert gradient.phase is GradPhase.NONE and gradient.seen == seen
@@ -259,7 +260,7 @@ def test_release_of_a_reduce_cut_short_gives_both_buffers_back() -> None:
     gradient = _reducing()
     device = gradient.device
     gradient.release(owners)
-    assert log.calls == [("device", device, None), ("slot", SLOT)]
+    assert log.calls == [("device", device, None, None), ("slot", SLOT)]
 
 
 def test_a_wait_cut_short_keeps_the_copies_and_gives_nothing_back() -> None:

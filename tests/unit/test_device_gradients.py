@@ -180,10 +180,13 @@ def test_the_shard_is_read_only_after_its_copy_s_event(forced, scatter: bool) ->
 
 @pytest.mark.parametrize("scatter", [True, False])
 def test_a_device_buffer_is_written_again_only_after_its_copy_out(forced, scatter: bool) -> None:
-    """One kept buffer: unit b takes the buffer unit a's shard is still being copied out of,
-    so it waits for that copy's event first (the gate opens only when someone waits). Planted
-    fault (no wait before the reuse): b's gradients and its reduce overwrite the buffer under
-    a's copy, and a's host shard gets b's values."""
+    """One kept buffer: unit b takes the buffer unit a's shard is still being copied out of.
+    Scattered, the copy reads the shard at the buffer's back: b's gradients fill the front
+    without waiting (its backward overlaps the copy) and its reduce waits for the copy's
+    event; at stage 0 the copy reads the front and b's first gradient waits (the gate opens
+    only when someone waits). Planted faults (no wait before the reduce, or before the first
+    gradient at stage 0): b's reduce or gradients overwrite the buffer under a's copy, and a's
+    host shard gets b's values."""
     other = torch.randn(4096, generator=torch.Generator().manual_seed(5))
     comm = _TwoRanks(0, other, [True, True])
     rig = _rig(_units(2, comm), comm, scatter=scatter, rank=0, device_buffers=1)
@@ -200,8 +203,10 @@ def test_a_device_buffer_is_written_again_only_after_its_copy_out(forced, scatte
     rig.g.reduce(a)
     landing = a.grad.copies[0]
     assert not landing.done() and waited == []
-    _feed(rig, b, _grads(2))          # the only buffer: after a's copy out
-    rig.g.reduce(b)
+    _feed(rig, b, _grads(2))          # the only buffer
+    assert waited == ([] if scatter else [landing])
+    rig.g.reduce(b)                   # after a's copy out
+    assert waited == [landing]
     gate.set()
     got_a = rig.g.finish(a, write_home=False)
     got_b = rig.g.finish(b, write_home=False)
@@ -220,7 +225,9 @@ def test_a_device_buffer_is_written_again_only_after_its_copy_out(forced, scatte
 
 def test_a_second_kept_buffer_is_made_rather_than_waiting(forced) -> None:
     """Two kept buffers: unit b's gradients arrive while unit a's shard is copied out of the
-    other buffer (no wait, no compute blocked); unit c waits for the oldest copy out."""
+    other buffer (no wait, no compute blocked); unit c takes the oldest buffer, its gradients
+    filling the front while a's shard is copied out of the back, and its reduce waits for
+    that copy."""
     comm = _TwoRanks(0, torch.zeros(4096), [True, True])
     rig = _rig(_units(3, comm), comm, scatter=True, rank=0)
     copies, gate = _late(rig)
@@ -235,6 +242,8 @@ def test_a_second_kept_buffer_is_made_rather_than_waiting(forced) -> None:
     assert waited == [] and len(rig.manager.device_made) == 2
     rig.g.reduce(b)
     _feed(rig, c, _grads(3))
+    assert waited == [] and len(rig.manager.device_made) == 2
+    rig.g.reduce(c)
     assert waited == [first] and len(rig.manager.device_made) == 2
     gate.set()
     for state in (a, b, c):
@@ -286,3 +295,47 @@ def test_the_pool_refuses_a_gradient_larger_than_its_buffers() -> None:
         pool.acquire(80, 40, what="u9 gradient")
     with pytest.raises(ValueError, match="count must be >= 1"):
         DeviceGradientPool(_DeviceManager(), ImmediateCopies(), 100, count=0)
+
+
+class _RecordedWaits(ImmediateCopies):
+    """Immediate copies that record each event compute is made to wait for."""
+
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def compute_waits(self, event) -> None:
+        self.waited.append(event)
+
+
+class _Pending:
+    """A copy out still running (never done)."""
+
+    def done(self) -> bool:
+        return False
+
+
+def test_a_copy_out_no_reduce_waited_for_is_waited_for_by_the_next_taker() -> None:
+    """A unit takes the buffer a shard is still being copied out of (its front: no wait), and
+    its backward fails before the reduce: the buffer goes back with no copy of its own, and
+    the copy from before is still what the next taker's reduce waits for; a copy out of the
+    front (stage 0's values) makes the next first gradient wait. Planted fault (the pending
+    copy forgotten at the release): the third reduce writes under a running copy."""
+    copies = _RecordedWaits()
+    pool = DeviceGradientPool(_DeviceManager(), copies, 100, count=1)
+    first = pool.acquire(60, 20, what="u0 gradient")
+    assert first.shard.storage_offset() - first.tensor.storage_offset() == 80   # at the back
+    running = _Pending()
+    pool.release(first, running, first.shard[:15])
+    failed = pool.acquire(60, 20, what="u1 gradient")
+    assert copies.waited == []                  # the front is not what the copy reads
+    pool.release(failed, None)                  # a backward that failed before its reduce
+    third = pool.acquire(70, 20, what="u2 gradient")
+    assert copies.waited == []
+    pool.before_reduce(third)
+    assert copies.waited == [running]
+    front = _Pending()
+    pool.release(third, front, third.values[:50])
+    pool.acquire(10, 0, what="u3 gradient")     # stage 0: the copy read the front
+    assert copies.waited == [running, front]
+    with pytest.raises(ValueError, match="not a view of the buffer's 100"):
+        pool.release(third, _Pending(), torch.zeros(5))

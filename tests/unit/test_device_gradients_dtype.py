@@ -187,7 +187,7 @@ def test_the_widen_waits_for_the_copy_s_event(forced, scatter: bool) -> None:
 
 
 def test_the_device_buffer_waits_for_the_copy_not_for_the_widen(forced) -> None:
-    """One kept buffer: the next unit's gradient waits (on the device) for the copy out of the
+    """One kept buffer: the next unit's reduce waits (on the device) for the copy out of the
     shard before it, not for its widening on the host (that waits for the unit's reader)."""
     comm = _TwoRanks(0, torch.zeros(4096, dtype=BF16), [True, True])
     rig = _rig(_units(2, comm), comm, scatter=True, rank=0, device_dtype="bf16",
@@ -200,8 +200,8 @@ def test_the_device_buffer_waits_for_the_copy_not_for_the_widen(forced) -> None:
     rig.g.reduce(a)
     landing = a.grad.copies[0]
     _feed(rig, b, _grads(2, BF16))
-    assert waited == [landing.copied] and landing.copied.done() and not landing.done()
     rig.g.reduce(b)
+    assert waited == [landing.copied] and landing.copied.done() and not landing.done()
     for state in (a, b):
         assert not torch.isnan(rig.g.finish(state, write_home=False)).any()
     copies.drain()

@@ -230,7 +230,7 @@ def _pool_bytes(units: list[UnitParams], world: int, stage: int, itemsize: int,
     """The device gradient buffers the optimizer's pool allocates for ``units`` (the runtime's
     own arithmetic, not the planner's): each Unit lays its parameters out with ``flat_layout``
     in the compute dtype, and ``DeviceGradientPool`` takes ``collect_numel`` + the own shard of
-    the largest (optim/gradients.py ``_device_numel``) in the communication dtype."""
+    the largest (optim/device_gradients.py ``pool_buffer_numel``) in the communication dtype."""
     per = 0
     for unit in units:
         _, numel, trainable = flat_layout(unit.params, itemsize)
