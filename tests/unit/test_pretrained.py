@@ -7,13 +7,18 @@ with real safetensors files. test_pretrained_files.py covers the read-ahead; the
 integration tests reached the rest."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import socket
+import stat
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from messages import raises_naming
 from safetensors.torch import save_file
 from torch import nn
 
@@ -25,6 +30,7 @@ from infinity.checkpoint.pretrained import (
     weight_map,
 )
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter
+from infinity.engine.hf_conversions import Fusion
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -119,6 +125,49 @@ def test_an_index_naming_a_path_is_refused(tmp_path: Path) -> None:
                                f"file name in {tmp_path}")
 
 
+def test_what_is_no_regular_file_is_named_by_kind(tmp_path: Path, monkeypatch) -> None:
+    """not_a_file: a FIFO, a directory, a socket, a character device and a block device by
+    their kind; a symbolic link by where it leads (a missing target, a loop, a path that cannot
+    be read, or the kind of what it ends at); a regular file, a link to one, or nothing, None."""
+    monkeypatch.chdir(tmp_path)         # a socket's path must be short: bound by a relative name
+    os.mkfifo("fifo")
+    os.mkdir("dir")
+    (tmp_path / "regular").write_bytes(b"x")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind("sock")
+        assert pt.not_a_file(tmp_path / "sock") == "a socket"
+    assert pt.not_a_file(tmp_path / "fifo") == "a FIFO (named pipe)"
+    assert pt.not_a_file(tmp_path / "dir") == "a directory"
+    assert pt.not_a_file(Path(os.devnull)) == "a character device"
+    assert pt.not_a_file(tmp_path / "regular") is None
+    assert pt.not_a_file(tmp_path / "nothing") is None
+    links = {"dangling": "nothing", "loop1": "loop2", "loop2": "loop1", "under": "regular/x",
+             "to_fifo": "fifo", "to_link": "to_fifo", "to_regular": "regular"}
+    for name, target in links.items():
+        os.symlink(target, name)
+    assert pt.not_a_file(tmp_path / "dangling") == ("a symbolic link to nothing, which does "
+                                                    "not exist")
+    assert pt.not_a_file(tmp_path / "loop1") == "a symbolic link that loops (to loop2)"
+    assert pt.not_a_file(tmp_path / "under") == (
+        f"a symbolic link to regular/x, which cannot be read ({os.strerror(errno.ENOTDIR)})")
+    assert pt.not_a_file(tmp_path / "to_fifo") == "a symbolic link to a FIFO (named pipe)"
+    assert pt.not_a_file(tmp_path / "to_link") == "a symbolic link to a FIFO (named pipe)"
+    assert pt.not_a_file(tmp_path / "to_regular") is None
+    # a block device cannot be made without privileges: its mode, as lstat gives it
+    block = os.stat_result((stat.S_IFBLK | 0o600, 0, 0, 1, 0, 0, 0, 0, 0, 0))
+    monkeypatch.setattr(pt.os, "lstat", lambda path: block)
+    assert pt.not_a_file(tmp_path / "disk") == "a block device"
+
+
+def test_a_weights_file_that_is_no_regular_file_is_refused_naming_its_kind(
+        tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / pt.SINGLE_NAME)
+    with raises_naming(CheckpointError, f"{tmp_path / pt.SINGLE_NAME} is a FIFO (named pipe), "
+                       "not a file: infinity reads the weights from regular files. Replace it "
+                       "with the file itself (copy the model directory again)", ends=True):
+        weight_map(tmp_path)
+
+
 # -- opening -------------------------------------------------------------------------------
 def test_missing_shards_are_listed_sorted_with_what_they_hold(tmp_path: Path) -> None:
     index = {"x": "b.safetensors", "w": "b.safetensors", "v": "a.safetensors",
@@ -175,6 +224,39 @@ def test_files_are_opened_with_o_direct_unless_told_or_refused(tmp_path: Path,
     monkeypatch.setattr(pt.os, "open", refusing)
     with PretrainedWeights(d) as w:
         assert w._direct_fds == {} and w._tensors["x"].direct_fd is None
+
+
+def test_the_commit_point_is_the_file_a_reader_sees(tmp_path: Path) -> None:
+    """A directory's model.safetensors, else its index; a file given, that file itself: as
+    (name, device, inode, size, mtime), which a save over it changes; None when neither is a
+    regular file."""
+    def point(path: Path) -> tuple:
+        st = path.stat()
+        return path.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    one = _save(tmp_path / "one" / "weights.safetensors", {"p": torch.zeros(1)})
+    assert pt.commit_point(one) == point(one)
+    sharded = _sharded(tmp_path / "s", {"a.safetensors": {"x": torch.zeros(2)}})
+    assert pt.commit_point(sharded) == point(sharded / pt.INDEX_NAME)
+    single = _save(sharded / pt.SINGLE_NAME, {"x": torch.zeros(2)})
+    assert pt.commit_point(sharded) == point(single)
+    assert pt.commit_point(tmp_path / "one") is None
+    assert pt.commit_point(tmp_path / "nothing") is None
+
+
+def test_a_directory_saved_over_at_every_open_is_refused(tmp_path: Path, monkeypatch,
+                                                         infinity_log) -> None:
+    """Another process commits a save while each of the OPEN_ATTEMPTS opens runs: each retry is
+    logged, then the load gives up saying why and what to do."""
+    d = _sharded(tmp_path / "m", {"a.safetensors": {"x": torch.zeros(2)}})
+    saves = iter(range(1000))
+    monkeypatch.setattr(pt, "commit_point", lambda source: next(saves))
+    with infinity_log.at_level(logging.INFO, logger="infinity"), raises_naming(
+            CheckpointError, f"{d} was saved over {pt.OPEN_ATTEMPTS} times", "another process "
+            "keeps saving into it; load it when that save is done, or from a copy", ends=True):
+        PretrainedWeights(d)
+    assert [r.getMessage() for r in infinity_log.records] == (
+        [f"{d} was saved over while it was being opened; opening it again"] * pt.OPEN_ATTEMPTS)
 
 
 # -- the match -----------------------------------------------------------------------------
@@ -342,6 +424,143 @@ def test_an_integer_tensor_for_a_floating_parameter_is_refused(tmp_path: Path) -
         w.match(model)
     assert str(info.value) == (f"w in {tmp_path / 'model.safetensors'} is torch.int64, but the "
                                "model's w is a floating point parameter")
+
+
+# -- transformers' load-time renamings and fusions -----------------------------------------
+def _moe_build(get) -> torch.Tensor:
+    """transformers' fusion of two experts' w1 / w3 into one ``gate_up`` (experts, 2 x 2, 3)."""
+    return torch.stack([torch.cat([get(f"e{i}.w1"), get(f"e{i}.w3")]) for i in range(2)])
+
+
+_MOE_PARTS = ("e0.w1", "e0.w3", "e1.w1", "e1.w3")
+
+
+def _moe_checkpoint(directory: Path, dtype: torch.dtype = F32) -> dict[str, torch.Tensor]:
+    """Keys as the Hub saves them (under ``blk.``), the first part alone in b.safetensors (so
+    the fused tensor's file is told apart from its second part's); the values by renamed key."""
+    values = {k: (torch.arange(6) + 10 * i).reshape(2, 3).to(dtype)
+              for i, k in enumerate(_MOE_PARTS)}
+    values["norm"] = torch.tensor([1.0, 2.0, 3.0])
+    _sharded(directory, {"b.safetensors": {"blk.e0.w1": values["e0.w1"]},
+                         "a.safetensors": {f"blk.{k}": v for k, v in values.items()
+                                           if k != "e0.w1"}})
+    return values
+
+
+def _unprefixed(key: str) -> str:
+    return key.removeprefix("blk.")
+
+
+class _Moe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.zeros(2, 4, 3))
+        self.norm = nn.Parameter(torch.zeros(3))
+
+
+def test_renamed_keys_match_the_model_and_two_of_one_name_are_refused(tmp_path: Path) -> None:
+    """Keys are matched under the model's names for them, the files keep theirs; two keys
+    renamed to one name mean the directory mixes two layouts."""
+    t = {"blk.w": torch.ones(2), "blk.b": torch.zeros(2)}
+    _save(tmp_path / "model.safetensors", t)
+    model = nn.Module()
+    model.w, model.b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    with PretrainedWeights(tmp_path) as w:
+        assert w.match(model, renamed=_unprefixed) == MatchReport()
+        assert sorted(w.names) == ["b", "w"] and w.file_of("w") == tmp_path / "model.safetensors"
+        out = torch.empty(2)
+        w.fill([("w", 0, out)])
+        assert torch.equal(out, torch.ones(2))
+    _save(tmp_path / "two" / "model.safetensors", {"a.gamma": torch.ones(2),
+                                                   "a.weight": torch.ones(2)})
+    with PretrainedWeights(tmp_path / "two") as w, raises_naming(
+            PretrainedMismatchError, "two tensors of the checkpoint are the model's a.weight",
+            "in model.safetensors", "the directory mixes two layouts; save it again"):
+        w.match(model, renamed=lambda k: k.replace("gamma", "weight"))
+
+
+def test_a_fused_tensor_is_matched_and_filled_from_its_parts(tmp_path: Path) -> None:
+    """The fusions are asked with the renamed keys; the fused tensor replaces its parts, in the
+    first part's file, with the shape and dtype built on the meta device (nothing allocated);
+    its pieces are transformers' fused values, cast, and built once for several pieces."""
+    values = _moe_checkpoint(tmp_path)
+    fused = _moe_build(values.__getitem__)
+    asked: list[list[str]] = []
+    devices: list[str] = []
+
+    def build(get) -> torch.Tensor:
+        def part(key: str) -> torch.Tensor:
+            value = get(key)
+            devices.append(value.device.type)
+            return value
+        return _moe_build(part)
+
+    def fusions(keys):
+        asked.append(sorted(keys))
+        return {"gate_up": Fusion("gate_up", _MOE_PARTS, build)}
+
+    with PretrainedWeights(tmp_path) as w:
+        assert w.match(_Moe(), renamed=_unprefixed, fusions=fusions) == MatchReport()
+        assert asked == [sorted([*_MOE_PARTS, "norm"])]
+        assert devices == ["meta"] * 4
+        assert sorted(w.names) == ["gate_up", "norm"]
+        assert w.file_of("gate_up") == tmp_path / "b.safetensors"
+        first, second, norm = torch.empty(10, dtype=BF16), torch.empty(9), torch.empty(3)
+        w.fill([("gate_up", 5, first), ("norm", 0, norm)])
+        assert torch.equal(first, fused.reshape(-1)[5:15].to(BF16))
+        assert torch.equal(norm, values["norm"])
+        once = w.bytes_read
+        assert once == (4 * 6 + 3) * 4            # each part read whole, once
+        w.fill([("gate_up", 15, second)])
+        assert torch.equal(second, fused.reshape(-1)[15:])
+        assert w.bytes_read == once               # kept for the unit's next piece
+
+
+def test_a_fused_tensor_of_integer_parts_for_a_floating_parameter_is_refused(
+        tmp_path: Path) -> None:
+    _moe_checkpoint(tmp_path, dtype=torch.int64)
+    fusions = {"gate_up": Fusion("gate_up", _MOE_PARTS, _moe_build)}
+    with PretrainedWeights(tmp_path) as w, raises_naming(
+            PretrainedMismatchError, "gate_up in", "is torch.int64, but the model's gate_up is "
+            "a floating point parameter"):
+        w.match(_Moe(), renamed=_unprefixed, fusions=lambda keys: fusions)
+
+
+def test_the_last_two_fused_tensors_are_kept(tmp_path: Path) -> None:
+    """FUSED_KEPT = 2: a unit's next piece of either of the last two fused tensors built is
+    served without reading their parts again; a third evicts the first built."""
+    parts = {f"{t}.{p}": torch.full((4,), float(i)) for i, (t, p) in
+             enumerate((t, p) for t in "abc" for p in ("lo", "hi"))}
+    _save(tmp_path / "model.safetensors", parts)
+    model = nn.Module()
+    fusions = {}
+    for t in "abc":
+        model.register_parameter(t, nn.Parameter(torch.zeros(2, 4)))
+        fusions[t] = Fusion(t, (f"{t}.lo", f"{t}.hi"),
+                            lambda get, t=t: torch.stack([get(f"{t}.lo"), get(f"{t}.hi")]))
+    read = []
+    with PretrainedWeights(tmp_path) as w:
+        w.match(model, fusions=lambda keys: fusions)
+        for t in "abacba":
+            before = w.bytes_read
+            out = torch.empty(8)
+            w.fill([(t, 0, out)])
+            assert torch.equal(out, torch.cat([parts[f"{t}.lo"], parts[f"{t}.hi"]]))
+            read.append(w.bytes_read - before)
+    assert read == [32, 32, 0, 32, 0, 32]
+
+
+def test_a_fused_buffer_is_loaded_from_its_parts(tmp_path: Path) -> None:
+    lo, hi = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    _save(tmp_path / "model.safetensors", {"table.lo": lo, "table.hi": hi})
+    model = nn.Module()
+    model.register_buffer("table", torch.zeros(2, 2))
+    fusion = Fusion("table", ("table.lo", "table.hi"),
+                    lambda get: torch.stack([get("table.lo"), get("table.hi")]))
+    with PretrainedWeights(tmp_path) as w:
+        assert w.match(model, fusions=lambda keys: {"table": fusion}) == MatchReport()
+        w.load_buffers(model)
+    assert torch.equal(model.table, torch.stack([lo, hi]))
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -701,3 +920,88 @@ def test_a_direct_read_whose_last_piece_is_one_byte_is_whole(tmp_path: Path,
         w.fill([("u", 0, out)])
     assert sizes[-1] == 1
     assert torch.equal(out, torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8))
+
+
+def test_the_reads_run_on_one_named_helper_thread_that_close_ends(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """The first read waits until the second is submitted: one reader runs them in turn (a
+    second worker would take the second at once), on a thread named pretrained-read that
+    close() joins."""
+    monkeypatch.setattr(pt, "CONVERT_BYTES", 64)
+    d, t = _odd_file(tmp_path)
+    threads: list[threading.Thread] = []
+    second_submitted = threading.Event()
+
+    class _Recording(pt.ThreadPoolExecutor):
+        submitted = 0
+
+        def submit(self, fn, *args):
+            self.submitted += 1
+            n = self.submitted
+
+            def read():
+                threads.append(threading.current_thread())
+                if n == 1:
+                    assert second_submitted.wait(30)      # set at once by the caller
+                return fn(*args)
+            future = super().submit(read)
+            if n == 2:
+                second_submitted.set()
+            return future
+
+    monkeypatch.setattr(pt, "ThreadPoolExecutor", _Recording)
+    w = PretrainedWeights(d)
+    w._params = dict(w._tensors)
+    out = torch.empty(64)                             # 4 pieces of 16
+    w.fill([("f", 0, out)])
+    assert torch.equal(out, t["f"][:64])
+    assert len(threads) == 4 and len(set(threads)) == 1
+    assert threads[0].name.startswith("pretrained-read")
+    w.close()
+    assert not threads[0].is_alive()
+
+
+def test_direct_reads_ask_for_the_aligned_blocks_around_a_piece_only(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    d, t = _misaligned(tmp_path)
+    real = os.preadv
+    asked = []
+
+    def recording(fd, buffers, offset):
+        asked.append((offset, len(buffers[0])))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(pt.os, "preadv", recording)
+    with PretrainedWeights(d) as w:
+        w._params = dict(w._tensors)
+        out = torch.empty(10)
+        w.fill([("f", 2000, out)])
+        start = w._tensors["f"].reader.data_start + w._tensors["f"].info.begin + 2000 * 4
+    assert torch.equal(out, t["f"][2000:2010])
+    a0 = start - start % 4096
+    assert a0 > 0 and asked == [(a0, -(-(start + 40) // 4096) * 4096 - a0)]
+
+
+def test_an_element_larger_than_a_read_buffer_is_read_one_at_a_time(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """CONVERT_BYTES below an element's size: each piece is one element, not none."""
+    monkeypatch.setattr(pt, "CONVERT_BYTES", 2)
+    d, t = _odd_file(tmp_path)
+    with PretrainedWeights(d) as w:
+        w._params = dict(w._tensors)
+        assert [(j[1], j[2]) for j in w._jobs(w._tensors["f"], 4, torch.empty(3))] == [
+            (4, 1), (5, 1), (6, 1)]
+        out = torch.empty(3, dtype=BF16)
+        w.fill([("f", 4, out)])
+    assert torch.equal(out, t["f"][4:7].to(BF16))
+
+
+def test_a_contiguous_target_of_any_shape_is_filled_in_element_order(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    monkeypatch.setattr(pt, "CONVERT_BYTES", 64)
+    d, t = _odd_file(tmp_path)
+    with PretrainedWeights(d) as w:
+        w._params = dict(w._tensors)
+        out = torch.empty(4, 10)
+        w.fill([("f", 3, out)])
+    assert torch.equal(out, t["f"][3:43].reshape(4, 10))
