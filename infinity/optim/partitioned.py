@@ -134,9 +134,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         # deferred step lands at the next fetch] in step_stream.py)
         self._waiting: dict[int, StepJob] = {}
         self.owner = owner
-        # a step() or the owner's own step is running (``owner_step``): torch's wrapper of
-        # step() has run the step hooks, and the step itself runs once, inside it
-        self._stepping = False
+        self._owner_stepping = False    # the owner's own step is running (``owner_step``)
         self._in_backward = False
         self.early_step = early_step
         self.timers = OptimTimers()
@@ -445,12 +443,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         steps its scheduler itself), or ``run_step`` for an optimizer used alone."""
         if closure is not None:
             raise ValueError("PartitionedOptimizer.step does not take a closure")
-        if self.owner is not None and not self._stepping:
-            self._stepping = True        # the owner comes back through ``owner_step``
+        if self.owner is not None and not self._owner_stepping:
+            self._owner_stepping = True    # the owner comes back through ``owner_step``
             try:
                 self.owner.step_from_optimizer()
             finally:
-                self._stepping = False
+                self._owner_stepping = False
         else:
             self.run_step()
         return None
@@ -461,14 +459,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         stepped before it -- and into ``run_step`` rather than back to the owner. Inside a
         user's ``step()`` (which came to the owner) the wrapper has run already: ``run_step``
         straight away, so the hooks run once a step, as torch's optimizers run them."""
-        if self._stepping:
+        if self._owner_stepping:
             self.run_step()
             return
-        self._stepping = True
+        self._owner_stepping = True
         try:
             self.step()
         finally:
-            self._stepping = False
+            self._owner_stepping = False
 
     @torch.no_grad()
     def run_step(self) -> None:
