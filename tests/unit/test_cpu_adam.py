@@ -161,6 +161,30 @@ def test_threads_do_not_change_results() -> None:
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+def test_the_threads_asked_for_are_the_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``threads`` (CPUAdam's and adam_step_tensors') is the thread count the native call gets:
+    a caller sharing the CPU with other work limits the step to it."""
+    monkeypatch.delenv(cpu_adam.KERNEL_ENV, raising=False)
+    got: list[int] = []
+    real = N.step
+
+    def step(*args):
+        got.append(args[-1])         # the native call's last argument: its thread count
+        return real(*args)
+
+    monkeypatch.setattr(N, "step", step)
+    asked = cpu_adam._default_threads() + 1          # not what it would run on unasked
+    ps = _model_params()
+    opt = CPUAdam(ps, threads=asked)
+    _run(opt, ps, 2)
+    assert got == [asked, asked]
+    got.clear()
+    ts = [torch.randn(5) for _ in range(4)]
+    adam_step_tensors([ts[0]], [ts[1]], [ts[2].zero_()], [ts[3].zero_()], step=1,
+                      threads=asked + 1, **HP)
+    assert got == [asked + 1]
+
+
 def test_grad_sq_sum_is_the_same_on_every_kernel_and_thread_count() -> None:
     """The sum of the gradient's squares returned with the step: float64-exact products,
     one summation order (the same bits for every kernel, thread count and call), within
