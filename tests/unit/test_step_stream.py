@@ -657,6 +657,33 @@ def test_a_ready_step_preempts_expected_reads_and_steps_first() -> None:
     assert rig.pool.available == 12
 
 
+def test_a_ready_step_takes_the_slots_of_expected_reads_inside_the_window() -> None:
+    """Four slots, all held by an expected job's two sub-groups read ahead (the read-ahead
+    window not full): a ready job's read gives up the newest of them for its slots (one
+    preemption frees the two it needs), is stepped first, and the expected job, ready later,
+    reads the given-up sub-group again; both equal Adam's and every slot comes back."""
+    rig = Rig(slots=4)
+    ue, ve = rig.unit("e", [2048], param_home="none", seed=1)
+    ur, vr = rig.unit("r", [1024], param_home="none", seed=2)
+    se, sr = rig.state(ue, ve), rig.state(ur, vr)
+    ge, gr = grad_of(ve, 3), grad_of(vr, 4)
+    expected = rig.stream.expect(se)
+    rig.stream._pull_incoming()
+    rig.stream._advance()
+    assert [e[2] for e in rig.events("read") if e[1] == "e.m"] == [0, 1024]   # < READ_AHEAD + 1
+    assert rig.pool.available == 0
+    rig.stream.submit(sr, early=True, gradient=CompleteGradient(gr))
+    rig.kernel.before_run = lambda st, start: (
+        rig.stream.make_ready(expected, CompleteGradient(ge)) if st is sr else None)
+    rig.run()
+    check_adam(se, ve, [ge])
+    check_adam(sr, vr, [gr])
+    assert rig.stream.stats["preempted"] == 1
+    assert [e[1:3] for e in rig.events("kernel")] == [("r", 0), ("e", 0), ("e", 1024)]
+    assert [e[2] for e in rig.events("read") if e[1] == "e.m"] == [0, 1024, 1024]
+    assert rig.pool.available == 4
+
+
 def test_shutting_down_cancels_expected_steps_and_finishes_ready_ones() -> None:
     """Shutdown: what is queued and ready is stepped and lands; an expected job that never got
     its gradients is cancelled; the thread ends."""
