@@ -926,11 +926,12 @@ def test_the_reads_run_on_one_named_helper_thread_that_close_ends(tmp_path: Path
                                                                   monkeypatch) -> None:
     """The first read waits until the second is submitted: one reader runs them in turn (a
     second worker would take the second at once), on a thread named pretrained-read that
-    close() joins."""
+    close() shuts down and waits for."""
     monkeypatch.setattr(pt, "CONVERT_BYTES", 64)
     d, t = _odd_file(tmp_path)
     threads: list[threading.Thread] = []
     second_submitted = threading.Event()
+    shutdowns: list[bool] = []
 
     class _Recording(pt.ThreadPoolExecutor):
         submitted = 0
@@ -949,6 +950,10 @@ def test_the_reads_run_on_one_named_helper_thread_that_close_ends(tmp_path: Path
                 second_submitted.set()
             return future
 
+        def shutdown(self, wait=True, **kwargs):
+            shutdowns.append(wait)
+            super().shutdown(wait, **kwargs)
+
     monkeypatch.setattr(pt, "ThreadPoolExecutor", _Recording)
     w = PretrainedWeights(d)
     w._params = dict(w._tensors)
@@ -958,7 +963,7 @@ def test_the_reads_run_on_one_named_helper_thread_that_close_ends(tmp_path: Path
     assert len(threads) == 4 and len(set(threads)) == 1
     assert threads[0].name.startswith("pretrained-read")
     w.close()
-    assert not threads[0].is_alive()
+    assert shutdowns == [True] and not threads[0].is_alive()       # joined, not left to exit
 
 
 def test_direct_reads_ask_for_the_aligned_blocks_around_a_piece_only(tmp_path: Path,
