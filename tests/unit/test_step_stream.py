@@ -490,6 +490,34 @@ def test_int8_moments_on_disk_are_stepped_with_their_own_blocks_scales() -> None
     assert rig.pool.available == 12
 
 
+def test_a_bf16_master_is_the_bf16_parameter_stepped_in_place() -> None:
+    """bf16 moments and a bf16 master (the parameter itself, no fp32 master store), three
+    sub-groups: one step moves the device copy as fp32 Adam does within bf16 rounding (the
+    kernel rounds stochastically: under one bf16 step, 2^-7 relative), m and v are stored in
+    bf16 within the same bound, and the parameters written home are the device copy's."""
+    rig = Rig()
+    unit, _ = rig.unit("u", [3000], dtype=torch.bfloat16)
+    n = unit.trainable_numel
+    values = unit.flat[:n].float()
+    state = build_state(rig.manager, unit, (0, n), [StateFormat("bf16", "bf16")], SUB,
+                        optimizer_tier=Tier.HOST, grad_tier=Tier.HOST, grad_dtype=torch.float32,
+                        early_step=True, master_separate=False, doubled=False, sharded=False)
+    assert state.master is None
+    g = grad_of(values)
+    job = rig.stream.submit(state, early=True, gradient=CompleteGradient(g))
+    rig.run()
+    assert job.phase is JobPhase.LANDED and job.error is None
+    p, m, v = reference_adam_f64(values, [g], lr=HYPER["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
+                                 weight_decay=0.01, adamw_mode=True, bias_correction=True,
+                                 grad_scale=1.0)
+    s = slice(0, 3000)
+    for actual, expected in ((unit.flat[s], p[s]), (state.exp_avg.tensor[s], m[s]),
+                             (state.exp_avg_sq.tensor[s], v[s])):
+        assert actual.dtype == torch.bfloat16
+        torch.testing.assert_close(actual.double(), expected, rtol=2 ** -7, atol=1e-12)
+    assert torch.equal(unit.param_store.data[:n], unit.flat[:n])
+
+
 # -- the order of reads, kernels and writes --------------------------------------------------
 
 def test_reads_run_ahead_and_writes_retire_behind_within_their_windows() -> None:
