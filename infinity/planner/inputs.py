@@ -53,7 +53,7 @@ class ModelStats:
     largest_param: int
     """Elements of the largest single parameter."""
     param_numels: tuple[int, ...] | None = None
-    """Every parameter's element count (for persistence thresholds); None = unknown."""
+    """Every parameter's element count (the units' padded layouts); None = unknown."""
     unit_numels: tuple[int, ...] | None = None
     """Every unit's element count, in order; None = unknown (``units()`` assumes equal units)."""
 
@@ -87,17 +87,11 @@ class ModelStats:
         return dataclasses.replace(self, largest_unit_params=self.largest_param,
                                    n_units=len(self.param_numels), unit_numels=self.param_numels)
 
-    def persistent_elements(self, threshold: int) -> int:
-        """Elements in parameters smaller than ``threshold`` (0 when the sizes are unknown)."""
-        if self.param_numels is None:
-            return 0
-        return sum(n for n in self.param_numels if n < threshold)
-
     @classmethod
     def from_counts(cls, total_params: int, largest_unit_params: int, n_units: int,
                     trainable_params: int | None = None, *,
                     largest_param: int | None = None) -> "ModelStats":
-        """Stats from counts alone (small parameters unknown: none assumed persistent)."""
+        """Stats from counts alone (unit sizes unknown: ``units`` makes them the largest)."""
         return cls(total_params=int(total_params),
                    trainable_params=int(total_params if trainable_params is None else trainable_params),
                    largest_unit_params=int(largest_unit_params), n_units=int(n_units),

@@ -192,7 +192,7 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
                               "int8 scales of m, v (fp32, one per 2048 elements), kept in host "
                               "memory", "set infinity.optimizer_moments bf16 (no scales)"))
     items += buffer_items(run)
-    persist = stats.persistent_elements(sz.persistence_threshold) if lay.stage == 3 else 0
+    persist = sz.persistent_device_bytes
     # the fetched unit and the prefetch in the bytes a fetch reserves (padded layouts), as
     # derive_sizes counted them
     working = device_working(lay, sz.unit_device_bytes, sz.prefetch_device_bytes, persist,
@@ -207,11 +207,11 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
         items.append(PlanItem("buffers", Tier.DEVICE, pool,
                               f"the device pool: fetched, prefetched and kept units (NVMe reads "
                               f"land in it: {sz.param_buffer_count} parameter buffer(s) of "
-                              f"{run.sizes.max_unit_bytes:,} B, no fetch slots), {persist:,} "
-                              "persistent elements, one unit's gradients", _FIX_DEVICE_WORK))
+                              f"{run.sizes.max_unit_bytes:,} B, no fetch slots), {persist:,} B of "
+                              "persistent units, one unit's gradients", _FIX_DEVICE_WORK))
     elif working:
         note = (f"fetched units ({stats.largest_unit_params:,} + {sz.prefetch_bucket_size:,} prefetched "
-                f"elements), {persist:,} persistent, one unit's gradients" if lay.stage == 3
+                f"elements), {persist:,} B of persistent units, one unit's gradients" if lay.stage == 3
                 else "one unit's gradients and a reduce bucket")
         items.append(PlanItem("buffers", Tier.DEVICE, working, note, _FIX_DEVICE_WORK))
 
@@ -299,8 +299,9 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     if not hw.has_gpu and cfg.infinity.device_memory_budget is None:
         notes.append(f"device budget {format_bytes(device_budget)} chosen for the working set "
                      "and taken from the host memory")
-    if stats.param_numels is None and lay.stage == 3:
-        notes.append("parameter sizes unknown: no small parameters assumed persistent on the device")
+    if stats.unit_numels is None and lay.stage == 3:
+        notes.append("unit sizes unknown: units of the largest size assumed, so no small unit "
+                     "is counted as persistent on the device")
     return Plan(config=sz.apply(cfg), stats=stats, hardware=hw, sizes=sz, items=tuple(items),
                 stepped_sub_group=run.optimizer.sub_group_numel, room=run.room,
                 host_budget_bytes=host_budget, device_budget_bytes=device_budget,

@@ -142,9 +142,8 @@ def rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, targe
     resident = resident_bytes(lay)
     device_states = sum(b for (comp, tier), b in resident.items()
                         if tier == Tier.DEVICE and comp != "grads")
-    persist = stats.persistent_elements(derived.persistence_threshold) if lay.stage == 3 else 0
     working = device_working(lay, derived.unit_device_bytes, derived.prefetch_device_bytes,
-                             persist, derived.reduce_bucket_size)
+                             derived.persistent_device_bytes, derived.reduce_bucket_size)
     # with several ranks on a GPU each unit's gradient is reduced in device buffers (see [Note:
     # gradients reduced on the device] in optim/device_gradients.py)
     device = {"states": device_states, "working": working,

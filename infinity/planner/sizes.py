@@ -86,7 +86,8 @@ class DerivedSizes:
     max_reuse_distance: int
     """Keep a released parameter reused within this many elements."""
     persistence_threshold: int
-    """Parameters below this many elements stay on the device."""
+    """A unit of at most this many elements (its padded layout) stays on the device at stage
+    3 (``engine.wiring``: the whole unit, as the unit is what is fetched)."""
     reduce_bucket_size: int
     """Gradient elements reduced at once."""
     allgather_bucket_size: int
@@ -118,6 +119,10 @@ class DerivedSizes:
     prefetch_device_bytes: int = 0
     """Device bytes the units a prefetch bucket of ``prefetch_bucket_size`` elements can hold
     (``prefetch_bytes``): the prefetch ``device_working`` counts."""
+    persistent_device_bytes: int = 0
+    """Device bytes of the units kept on the device at stage 3 (``persistent_unit_bytes``: a
+    unit whose padded layout is at most ``persistence_threshold`` elements, its whole flat
+    buffer): what ``device_working`` counts for them."""
     device_room_warning: str = ""
     """Why the device budget cannot hold the user's ``stage3_prefetch_bucket_size`` beside
     those buffers, with the numbers and what to lower (the planner's warnings say it); empty
@@ -300,16 +305,29 @@ def prefetch_bytes(prefetch: int, unit_numels: Iterable[int], world_size: int, s
     return nbytes + fit * shards * SHARD_ALIGN_NUMEL * itemsize
 
 
+def persistent_unit_bytes(layouts: Iterable[tuple[int, int]], threshold: int, world_size: int,
+                          stage: int, itemsize: int) -> int:
+    """Device bytes of the units that stay on the device at stage 3: as ``engine.wiring``
+    decides it, a unit whose layout's numel is at most ``threshold`` (the whole unit: the unit
+    is what a fetch moves, so a small parameter inside a large unit is fetched with it), each
+    holding its whole flat buffer, every shard with its padding (``Unit.nbytes``). ``layouts``:
+    each unit's (flat numel, trainable numel), ``unit_layout_bound``'s. None below stage 3."""
+    if stage != 3:
+        return 0
+    return sum(world_size * shard_numel(numel, world_size) * itemsize
+               for numel, _ in layouts if numel <= threshold)
+
+
 def device_working(lay: Placement, unit_bytes: int, prefetch_device: int, persist: int,
                    bucket: int) -> int:
     """Device bytes beyond the resident states: at stage 3 the fetched unit (``unit_bytes``: the
     largest unit's flat buffer as a fetch reserves it, ``fetched_unit_bytes``), the prefetched
-    units (``prefetch_device``: ``prefetch_bytes`` of the bucket), ``persist`` persistent
-    elements and the unit's gradients in backward (autograd's, one tensor a parameter: at most
+    units (``prefetch_device``: ``prefetch_bytes`` of the bucket), the persistent units
+    (``persist`` bytes, ``persistent_unit_bytes``) and the unit's gradients in backward (autograd's, one tensor a parameter: at most
     the unit's flat buffer, so counted as ``unit_bytes``); below stage 3, where gradients are
     not kept on the device, a unit's gradients and a reduce bucket of ``bucket`` elements."""
     if lay.stage == 3:
-        return unit_bytes + prefetch_device + lay.c * persist + unit_bytes
+        return unit_bytes + prefetch_device + persist + unit_bytes
     return 0 if lay.grads_tier == Tier.DEVICE else unit_bytes + lay.c * bucket
 
 
@@ -336,13 +354,20 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
 
     threshold = (z.stage3_param_persistence_threshold if z.stage3_param_persistence_threshold
                  is not None else PERSISTENCE_THRESHOLD)
+    # Counted from the units' padded layouts, as the engine lays them out: a fetch, a prefetch,
+    # the persistent units and the gradient buffers reserve these bytes, not the element counts'
+    params_of = counted_units(stats) if units is None else units
+    layouts = [unit_layout_bound(params, c) for params in params_of]
+
+    def persistent(below: int) -> int:
+        return persistent_unit_bytes(layouts, below, cfg.world_size, z.stage, c)
     allowed = host_allowed(cfg, hw)
     device_budget = cfg.infinity.device_memory_budget
     if device_budget is None:
         if hw.has_gpu:
             device_budget = hw.gpu_free_bytes or 0
         else:  # CPU-only: the emulated device gets what the working set needs, within a share
-            persist_guess = stats.persistent_elements(threshold) if z.stage == 3 else 0
+            persist_guess = persistent(threshold)
             prefetch_guess = PREFETCH_UNITS * unit if z.stage == 3 else 0
             # (in elements: layout_slack below adds the padding, for every unit at once)
             least, wanted = (resident_device + device_working(lay, c * unit, c * p, persist_guess,
@@ -355,9 +380,9 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
         host_budget = max(0, allowed - device_budget)  # the emulated device is host RAM too
 
     if z.stage3_param_persistence_threshold is None:
-        fits = c * stats.persistent_elements(PERSISTENCE_THRESHOLD) <= PERSISTENT_SHARE * device_budget
+        fits = persistent(PERSISTENCE_THRESHOLD) <= PERSISTENT_SHARE * device_budget
         threshold = PERSISTENCE_THRESHOLD if fits else 0
-    persist = stats.persistent_elements(threshold) if z.stage == 3 else 0
+    persist = persistent(threshold)
     prefetch = z.stage3_prefetch_bucket_size
     if prefetch is not None:
         # more than the model holds prefetches nothing more (DeepSpeed configs say 1e9, 1e12),
@@ -370,10 +395,6 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
     # first (1T on 8 x 80 GB: two bf16 buffers of a block, 32.7 GiB, left 0.87B elements of
     # prefetch and no copy in overlapped compute; one leaves 9.6B). A prefetch bucket the user
     # set is what is fetched ahead: the buffers fit beside it, or the plan says they do not.
-    # Counted from the units' padded layouts, as the engine lays them out: a fetch, a prefetch
-    # and the gradient buffers reserve these bytes, not the element counts'
-    params_of = counted_units(stats) if units is None else units
-    layouts = [unit_layout_bound(params, c) for params in params_of]
     # the largest padded flat numel: the coordinator counts the prefetch bucket and the live
     # limit in these numels
     largest_numel = max((n for n, _ in layouts), default=0)
@@ -455,6 +476,7 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
         compute_dtype=lay.compute_dtype, early_step=lay.early_step,  # type: ignore[arg-type]
         device_grad_buffers=grad_buffers, device_grad_dtype=grad_dtype,  # type: ignore[arg-type]
         device_grad_bytes=device_grads, device_room_warning=crowded,
+        persistent_device_bytes=persist,
         unit_device_bytes=fetched, prefetch_device_bytes=prefetched(prefetch) if z.stage == 3 else 0)
 
 

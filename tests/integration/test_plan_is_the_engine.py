@@ -27,7 +27,7 @@ import pytest
 import infinity
 from infinity.planner.inputs import ModelStats
 from parity import make_model, train_random, zero_config
-from plan_check import check, compare, recording_stores
+from plan_check import check, compare, counted_plan, recording_stores
 
 
 def _configs() -> list[tuple[int, str, str, str, str]]:
@@ -121,5 +121,31 @@ def test_the_engine_takes_the_room_its_plan_gives_the_optimizer(disk_dir) -> Non
         check(first)
         train_random(engine, 2)
         assert compare(engine, created, stats, str(disk_dir)) == first
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("threshold", [0, 3_000, 10**9])
+def test_the_plan_counts_the_units_the_engine_keeps_on_the_device(disk_dir, threshold) -> None:
+    """At stage 3 the engine keeps a unit on the device when all of it is at most the
+    persistence threshold (engine/wiring.py: the unit is what a fetch moves); the plan counts
+    those units' whole flat buffers (``persistent_device_bytes``), from the units it is given
+    and from the model's counts alone. Width 16: blocks of 1,104 elements (2,048 laid out:
+    the threshold compares the padded layout, as the engine), embeddings of 4,096; thresholds
+    keeping none, the blocks, every unit."""
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["train_micro_batch_size_per_gpu"] = 2
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    model = make_model("torch", layers=2, width=16)
+    stats = ModelStats.from_module(model)
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        kept = [u for u in engine.units if u.persistent]
+        assert 0 < len(kept) < len(engine.units) if threshold == 3_000 else True
+        assert (len(kept) == len(engine.units)) == (threshold == 10**9)
+        held = sum(u.nbytes for u in kept)
+        assert engine.plan.derived.persistent_device_bytes == held
+        assert counted_plan(engine, stats, str(disk_dir)).derived.persistent_device_bytes == held
     finally:
         engine.close()

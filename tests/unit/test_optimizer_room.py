@@ -71,14 +71,18 @@ def test_a_key_the_user_set_is_kept_and_warned_about() -> None:
 @pytest.mark.parametrize("budget", ["16GiB", "64GiB"])
 def test_a_roomy_budget_plans_what_the_defaults_gave(budget: str) -> None:
     """Nothing given up where memory is plentiful: the derived sizes are the config's own, and
-    the pools the numbers the plan gave before the rule existed (commit fcd03b8)."""
+    the pools the numbers the plan gave before the rule existed (commit fcd03b8), but for the
+    persistent bytes: the layer norms inside the blocks no longer count as kept on the device
+    (the engine keeps whole units only, and no unit of this model is under the threshold), so
+    the emulated device takes 512 KiB less of the host and the 16 GiB sub-group is 4,096
+    elements larger."""
     cfg = config(budget)
     plan = plan_run(cfg, CPU_BOX, stats=LLAMA_7B)
     assert plan.room == NO_ROOM_NEEDED
     assert plan.derived == derive_sizes(cfg, LLAMA_7B, CPU_BOX)
-    before = {"16GiB": 121_559_040, "64GiB": 202_383_360}[budget]
+    before = {"16GiB": 121_563_136, "64GiB": 202_383_360}[budget]
     assert plan.optimizer.sub_group_numel == before
-    assert plan.sizes.device_budget == 3_239_476_160            # four buffers moved in
+    assert plan.sizes.device_budget == 3_238_951_872            # four buffers moved in
     assert plan.sizes.prefetch_bucket_numel == 404_766_720      # two units ahead
     assert plan.optimizer.held_room_bytes == 809_533_440
     assert [(p.name, p.count, p.slot_bytes) for p in plan.pools] == [
