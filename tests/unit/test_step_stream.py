@@ -1203,17 +1203,27 @@ def test_a_read_that_finds_too_few_slots_gives_back_those_it_took() -> None:
 def test_a_read_with_no_slot_free_and_nothing_to_give_up_waits_on_the_pool(monkeypatch) -> None:
     """Slots taken without blocking find none free (the pool's slots lent out and coming back:
     ``try_acquire`` always None here), nothing is loaded and no expected read can be given up:
-    the ready read then waits on the pool (a blocking acquire) instead of failing or giving up,
-    one sub-group at a time, and the job steps to Adam's values."""
+    the ready read, and the parameters' staging slot, then wait on the pool (a blocking acquire,
+    bounded: a pool that never gives a slot back fails the job instead of hanging the stream)
+    rather than failing or giving up, one sub-group at a time, and the job steps to Adam's
+    values."""
     rig = Rig(slots=4)
-    unit, values = rig.unit("u", [3072], param_home="none")
+    unit, values = rig.unit("u", [3072], aligned=False)
     state = rig.state(unit, values)
     g = grad_of(values)
     monkeypatch.setattr(rig.pool, "try_acquire", lambda: None)
+    timeouts: list = []
+    acquire = rig.pool.acquire
+
+    def blocking(timeout=None):
+        timeouts.append(timeout)
+        return acquire(timeout=timeout)
+    monkeypatch.setattr(rig.pool, "acquire", blocking)
     job = rig.stream.submit(state, early=True, gradient=CompleteGradient(g))
     rig.run()
     assert job.phase is JobPhase.LANDED and job.error is None
     check_adam(state, values, [g])
+    assert len(timeouts) == 3 * 3 and all(t is not None for t in timeouts)  # m, v, staging
     order = [(e[0], e[2]) for e in rig.log if e[0] in ("read", "kernel") and
              (e[0] == "kernel" or e[1] == "u.m")]
     assert order == [("read", 0), ("kernel", 0), ("read", 1024), ("kernel", 1024),
