@@ -28,6 +28,9 @@ from infinity.planner.sizes import (
     PREFETCH_UNITS,
     DerivedSizes,
     device_gradient_bytes,
+    fetched_unit_bytes,
+    prefetch_bytes,
+    prefetch_within,
 )
 from infinity.planner.state_format import (
     FP32_STATES,
@@ -282,11 +285,16 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     if direct_fetch and device_budget is not None and cfg.zero.stage == 3:
         # the planner sized an automatic prefetch bucket before the fetch slots' memory moved
         # into the emulated pool; with that room, prefetch its PREFETCH_UNITS largest units
-        # (the prefetch counts what is already in flight: see choose_prefetch)
+        # (the prefetch counts what is already in flight: see choose_prefetch), beside a
+        # fetched unit and its gradients in the bytes a fetch reserves (every shard, padded:
+        # ``fetched_unit_bytes``; a prefetched unit's shards too: ``prefetch_bytes``)
         largest = max(unit_numels, default=0)
         if cfg.zero.stage3_prefetch_bucket_size is None:
-            prefetch = max(prefetch, min(PREFETCH_UNITS * largest,
-                                         (device_budget - 2 * max_unit_bytes) // itemsize))
+            fetched = fetched_unit_bytes(layouts, cfg.world_size, cfg.zero.stage, itemsize)
+            prefetch = max(prefetch, prefetch_within(
+                PREFETCH_UNITS * largest, device_budget - 2 * fetched, itemsize,
+                lambda n: prefetch_bytes(n, [sum(p for p, _ in u) for u in units],
+                                         cfg.world_size, cfg.zero.stage, itemsize)))
         if cfg.zero.stage3_max_live_parameters is None:
             max_live = max(max_live, largest + prefetch)
     max_trainable = max(trainable, default=0)

@@ -436,7 +436,7 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
     if prefetch is None:
         # PREFETCH_UNITS of the largest unit as the coordinator counts the bucket (its padded
         # flat numel: the raw count fell short of the second unit), within the bytes left
-        prefetch = _prefetch_within(PREFETCH_UNITS * largest_numel, room - device_grads, c,
+        prefetch = prefetch_within(PREFETCH_UNITS * largest_numel, room - device_grads, c,
                                     prefetched) if z.stage == 3 else 0
     max_live = z.stage3_max_live_parameters
     # the live limit in the coordinator's numels too (the fetched unit's padded flat numel):
@@ -480,7 +480,7 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
         unit_device_bytes=fetched, prefetch_device_bytes=prefetched(prefetch) if z.stage == 3 else 0)
 
 
-def _prefetch_within(wanted: int, free: int, itemsize: int,
+def prefetch_within(wanted: int, free: int, itemsize: int,
                      prefetched: Callable[[int], int]) -> int:
     """A prefetch bucket of at most ``wanted`` elements whose ``prefetched`` bytes
     (``prefetch_bytes``: the elements and, with several ranks, their units' shard padding) fit
@@ -500,7 +500,7 @@ def _prefetch_crowds_gradients(prefetch: int, itemsize: int, room: int, device_g
     beside the resident states and a fetched unit; ``device_grads``: the ``buffers`` buffers'
     bytes; ``prefetched``: a bucket's bytes, ``prefetch_bytes``): the numbers, and the prefetch
     that would fit (or the budget's shortfall)."""
-    fits = _prefetch_within(prefetch, room - device_grads, itemsize, prefetched)
+    fits = prefetch_within(prefetch, room - device_grads, itemsize, prefetched)
     left = max(0, room - prefetched(prefetch))
     fix = (f"lower stage3_prefetch_bucket_size to at most {fits:,} elements (or \"auto\"), or "
            f"raise infinity.device_memory_budget by {format_bytes(device_grads - left)}"

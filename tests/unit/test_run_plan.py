@@ -18,7 +18,7 @@ from infinity.planner.inputs import ModelStats
 from infinity.planner.placement import resident_bytes
 from infinity.planner.plan import plan_memory
 from infinity.planner.run_plan import UnitParams, plan_run, stats_of_units, units_of_stats
-from infinity.planner.sizes import DEVICE_GRAD_BUFFERS, derive_sizes, device_working
+from infinity.planner.sizes import DEVICE_GRAD_BUFFERS, derive_sizes, device_working, prefetch_bytes
 from infinity.planner.tiers import Tier
 from infinity.zero.partition import partition
 from infinity.zero.unit import flat_nbytes
@@ -440,3 +440,25 @@ def test_a_fetched_unit_is_counted_as_a_fetch_reserves_it(stage: int, world: int
     assert counted.unit_device_bytes >= reserved
     itemsize = torch_dtype.itemsize
     assert itemsize * stats.largest_unit_params < reserved        # the count from elements
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_direct_fetch_prefetch_fits_the_device_budget_in_the_bytes_a_fetch_reserves(
+        world: int) -> None:
+    """NVMe reads into a CPU device's memory (direct fetch): the run plan widens the automatic
+    prefetch to the room the fetch slots left; the prefetched units' bytes, with their shards'
+    padding (``prefetch_bytes``), and a fetched unit with its gradients (``unit_device_bytes``
+    twice) fit the device budget. Units of 1,000,003 elements are no whole number of shards:
+    counted in elements, 2 ranks went 41,000 B over a budget of 3.5 units and 4 ranks 90,152."""
+    unit = 1_000_003
+    stats = ModelStats.from_counts(10 * unit, unit, 10, unit)
+    for budget in (int(3.5 * 4 * unit), 8 * 4 * unit):
+        cfg = config(3, "nvme", "cpu", world_size=world,
+                     infinity={"compute_dtype": "fp32", "device_memory_budget": budget})
+        plan = plan_run(cfg, CPU_BOX, stats=stats)
+        assert plan.direct_fetch
+        prefetch = plan.sizes.prefetch_bucket_numel
+        held = prefetch_bytes(prefetch, [unit] * 10, world, 3, 4) \
+            + 2 * plan.derived.unit_device_bytes
+        assert held <= plan.sizes.device_budget, (budget, prefetch, held)
+        assert prefetch >= unit      # a unit ahead at least: the budget holds 3.5 of them
