@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import ast
 import configparser
+import fnmatch
 import io
 import json
 import os
@@ -241,8 +242,11 @@ def write_config(work: Path, modules: list[Path], tests: list[str]) -> None:
         parser.write(f)
 
 
-def prepare_mutants_dir(work: Path, modules: list[Path], fresh: bool) -> list[str]:
-    """Keep verdicts that cannot have changed, recheck the rest.
+def prepare_mutants_dir(work: Path, modules: list[Path], fresh: bool,
+                        only: list[str] | None = None) -> list[str]:
+    """Keep verdicts that cannot have changed, recheck the rest (``only``: globs of mutant
+    names, --mutants; the rest of the verdicts stay as they are, so a later --recheck still
+    finds the survivors that run did not select).
 
     - mutmut's test->function stats are always collected again (they are recorded only for modules
       that carried trampolines in the stats run, and new test files change them).
@@ -267,9 +271,12 @@ def prepare_mutants_dir(work: Path, modules: list[Path], fresh: bool) -> list[st
             from mutmut.stats import status_by_exit_code
 
             data = json.loads(meta.read_text())
-            reset += [k for k, v in data["exit_code_by_key"].items()
-                      if v is not None and status_by_exit_code[v] not in DETECTED]
-            data["exit_code_by_key"] = {k: (v if status_by_exit_code[v] in DETECTED else None)
+
+            def rechecked(key: str, code) -> bool:
+                return code is not None and status_by_exit_code[code] not in DETECTED and \
+                    (not only or any(fnmatch.fnmatchcase(key, g) for g in only))
+            reset += [k for k, v in data["exit_code_by_key"].items() if rechecked(k, v)]
+            data["exit_code_by_key"] = {k: (None if rechecked(k, v) else v)
                                         for k, v in data["exit_code_by_key"].items()}
             meta.write_text(json.dumps(data, indent=4))
     return reset
@@ -457,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         packages[name.rsplit(".", 1)[0] if name.count(".") > 1 else name].append(name)
 
     write_config(WORK, modules, selection)
-    reset = prepare_mutants_dir(WORK, modules, args.fresh)
+    reset = prepare_mutants_dir(WORK, modules, args.fresh, args.mutants or None)
     finder = write_shim()
     native = native_library()
     env = run_env(WORK, native)
