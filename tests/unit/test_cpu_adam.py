@@ -537,20 +537,13 @@ def test_a_zero_lr_is_allowed_and_moves_nothing() -> None:
     _close(ps, before, atol=0.0)
 
 
-def test_beta1_zero_is_allowed_and_matches_torch() -> None:
+@pytest.mark.parametrize("betas", [(0.0, 0.999), (0.9, 0.0)], ids=["beta1", "beta2"])
+def test_a_zero_beta_is_allowed_and_matches_torch(betas: tuple[float, float]) -> None:
+    """beta1 = 0 (no momentum) and beta2 = 0 (the second moment is the last squared gradient)
+    are in torch's [0, 1)."""
     ours, ref = _params(), _params()
-    opt = CPUAdam(ours, lr=1e-2, betas=(0.0, 0.999))
-    topt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.0, 0.999), weight_decay=0.0, foreach=False)
-    _steps(opt, ours, 4)
-    _steps(topt, ref, 4)
-    _close(ours, ref)
-
-
-def test_beta2_zero_is_allowed_and_matches_torch() -> None:
-    """beta2 = 0 (the second moment is the last squared gradient) is in torch's [0, 1)."""
-    ours, ref = _params(), _params()
-    opt = CPUAdam(ours, lr=1e-2, betas=(0.9, 0.0))
-    topt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.0), weight_decay=0.0, foreach=False)
+    opt = CPUAdam(ours, lr=1e-2, betas=betas)
+    topt = torch.optim.AdamW(ref, lr=1e-2, betas=betas, weight_decay=0.0, foreach=False)
     _steps(opt, ours, 4)
     _steps(topt, ref, 4)
     _close(ours, ref)

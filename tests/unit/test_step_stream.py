@@ -407,25 +407,33 @@ def test_make_ready_overrides_only_what_it_is_given() -> None:
     assert torch.equal(ub.flat[1008:2008], vb[1008:2008])
 
 
+def _held_at_each_kernel(rig: Rig, sizes: list[int], **unit_kwargs) -> list[tuple[int, int]]:
+    """Step one unit of ``sizes`` from held gradient parts (an early step) and return (the
+    sub-group's start, the room's held bytes) at each kernel; checks the values against Adam
+    and that every part is given back at the end."""
+    unit, values = rig.unit("u", sizes, **unit_kwargs)
+    state = rig.state(unit, values)
+    g = grad_of(values)
+    room = HeldRoom(1 << 20)
+    nbytes = sum(sizes) * 4
+    room.take(nbytes, lambda: False)
+    parts = {e.offset: g[e.offset:e.offset + e.numel].clone() for e in unit.params}
+    held_at_kernel: list[tuple[int, int]] = []
+    rig.kernel.before_run = lambda st, start: held_at_kernel.append((start, room.held))
+    rig.stream.submit(state, early=True, gradient=CompleteGradient(parts, held_bytes=nbytes,
+                                                                   room=room))
+    rig.run()
+    check_adam(state, values, [g])
+    assert room.held == 0
+    return held_at_kernel
+
+
 def test_held_gradient_parts_are_freed_as_their_sub_groups_are_stepped() -> None:
     """Held parts: a part no sub-group still to step covers goes back to the room before the
     job ends (the first parameter's part after its sub-groups, before the second's kernels);
     all are back at the end."""
-    rig = Rig()
-    unit, values = rig.unit("u", [2048, 2048])
-    state = rig.state(unit, values)
-    g = grad_of(values)
-    room = HeldRoom(1 << 20)
-    room.take(4096 * 4, lambda: False)
-    parts = {e.offset: g[e.offset:e.offset + e.numel].clone() for e in unit.params}
-    held_at_kernel = []
-    rig.kernel.before_run = lambda st, start: held_at_kernel.append((start, room.held))
-    rig.stream.submit(state, early=True, gradient=CompleteGradient(parts, held_bytes=4096 * 4,
-                                                                   room=room))
-    rig.run()
-    check_adam(state, values, [g])
-    assert held_at_kernel == [(0, 16384), (1024, 16384), (2048, 8192), (3072, 8192)]
-    assert room.held == 0
+    assert _held_at_each_kernel(Rig(), [2048, 2048]) == \
+        [(0, 16384), (1024, 16384), (2048, 8192), (3072, 8192)]
 
 
 def test_held_gradient_parts_wait_for_the_next_sub_group_when_none_is_read_ahead() -> None:
@@ -433,22 +441,8 @@ def test_held_gradient_parts_wait_for_the_next_sub_group_when_none_is_read_ahead
     its job is loaded, so the parts still to be stepped are those from its next pending
     sub-group on: only the stepped parameter's part is freed, and every later sub-group steps
     its own gradient (a part freed too early would step with zeros)."""
-    rig = Rig(slots=2)
-    unit, values = rig.unit("u", [1024, 1024, 1024], param_home="none")
-    state = rig.state(unit, values)
-    g = grad_of(values)
-    room = HeldRoom(1 << 20)
-    room.take(3072 * 4, lambda: False)
-    parts = {e.offset: g[e.offset:e.offset + e.numel].clone() for e in unit.params}
-    assert sorted(parts) == [0, 1024, 2048]
-    held_at_kernel = []
-    rig.kernel.before_run = lambda st, start: held_at_kernel.append((start, room.held))
-    rig.stream.submit(state, early=True, gradient=CompleteGradient(parts, held_bytes=3072 * 4,
-                                                                   room=room))
-    rig.run()
-    check_adam(state, values, [g])
-    assert held_at_kernel == [(0, 12288), (1024, 8192), (2048, 4096)]
-    assert room.held == 0
+    assert _held_at_each_kernel(Rig(slots=2), [1024, 1024, 1024], param_home="none") == \
+        [(0, 12288), (1024, 8192), (2048, 4096)]
 
 
 # -- int8 moments ---------------------------------------------------------------------------
