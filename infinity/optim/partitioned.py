@@ -49,6 +49,7 @@ from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim.gradients import GradientCollector, _sum_of_squares
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
+from infinity.optim.master_seed import seed_master
 from infinity.optim.pending_steps import PendingSteps
 from infinity.optim.pools import host_pool, plan_pools
 from infinity.optim.protocols import OptimizerOwner
@@ -64,7 +65,7 @@ from infinity.optim.step_stream import StepStream
 from infinity.planner.run_plan import OptimizerPools
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import FlatStore, TierManager
-from infinity.storage.tiers import Residency, Tier
+from infinity.storage.tiers import Tier
 from infinity.zero.protocols import SteppedUnit, UnitValues, Wait
 from infinity.zero.unit import ParamEntry
 
@@ -238,41 +239,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def _init_master(self, unit: SteppedUnit, master: FlatStore,
                      span: tuple[int, int] | None = None,
                      values: UnitValues | None = None) -> None:
-        """Seed the fp32 master from the unit's current parameters (its range ``span`` of
-        them, by default the state's), or from ``values`` when it provides every parameter of
-        the range (a pretrained checkpoint: read again in fp32, not from the unit's home,
-        so a 16-bit compute copy loses nothing of an fp32 file)."""
-        if span is not None and values is not None and all(
-                values.provides(e.name) for e in unit.params
-                if e.offset < span[1] and e.offset + e.numel > span[0]):
-            self._master_from(unit, master, span, values)
-            return
-        was_released = unit.residency != Residency.FETCHED
-        if was_released:   # the own shard is all the range needs
-            unit.finish_fetch(self.manager, self.staging_pool, gather=False)
+        """Seed the fp32 master of the unit's range ``span`` (by default the state's): see
+        optim/master_seed.py."""
         if span is None:
             state = self._by_unit[unit.index]
             span = state.lo, state.hi
-        lo, hi = span
-        values = unit.flat[lo:hi].float()
-        if master.resident:
-            master.tensor[: hi - lo].copy_(values)
-        else:
-            buf = self.manager.host_empty(master.padded, torch.float32, what="master init")
-            buf[: hi - lo].copy_(values)
-            self.manager.wait(master.store_async(buf))
-        if was_released:
-            unit.release(self.manager)
-
-    def _master_from(self, unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
-                     values: UnitValues) -> None:
-        lo, hi = span
-        if master.resident:
-            unit.fill_range(values, lo, hi, master.tensor[: hi - lo])
-            return
-        buf = self.manager.host_empty(master.padded, torch.float32, what="master init")
-        unit.fill_range(values, lo, hi, buf[: hi - lo])
-        self.manager.wait(master.store_async(buf))
+        seed_master(unit, master, span, self.manager, self.staging_pool, values)
 
     def reload_master(self, unit: SteppedUnit) -> None:
         """The unit's parameters were changed by hand: make the fp32 master match them."""
