@@ -31,7 +31,7 @@ import json
 
 import pytest
 import torch
-from parity import bf16_recipe_losses, make_model
+from parity import half_recipe_losses, make_model
 from parity_ranks_worker import LR, WEIGHT_DECAY, global_batches
 from ranks import check_ranks, launch, mean_losses, read_results
 
@@ -52,7 +52,7 @@ CASES = [dict(base, name=f"{base['name']}-{comm or 'unset'}", compute="bf16", co
 def _torch_bf16_losses() -> list[float]:
     """torch on one rank, the whole global batch, the engine's bf16 recipe."""
     batches = [x for (x,) in global_batches(1, STEPS, 1, 2)]
-    return bf16_recipe_losses(make_model("torch", seed=0, layers=3, width=32), batches, LR,
+    return half_recipe_losses(make_model("torch", seed=0, layers=3, width=32), batches, LR,
                               WEIGHT_DECAY)
 
 

@@ -77,21 +77,24 @@ def loss_of(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def bf16_recipe_losses(model: nn.Module, batches: list[torch.Tensor], lr: float,
-                       weight_decay: float) -> list[float]:
-    """torch running the engine's bf16 recipe: forward and backward in bf16, fp32 master
-    weights (taken before any rounding) stepped by AdamW, the bf16 parameters rounded from the
-    masters after each step; one step per batch. ``model`` is left as it was."""
+def half_recipe_losses(model: nn.Module, batches: list[torch.Tensor], lr: float,
+                       weight_decay: float, dtype: torch.dtype = torch.bfloat16,
+                       loss_scale: float = 1.0) -> list[float]:
+    """torch running the engine's 16-bit recipe: forward and backward in ``dtype`` (bf16 or
+    fp16), fp32 master weights (taken before any rounding) stepped by AdamW on the gradients
+    unscaled in fp32 (fp16's static ``loss_scale``: the loss is multiplied before the backward),
+    the 16-bit parameters rounded from the masters after each step; one step per batch.
+    ``model`` is left as it was; the batches may be on the model's device."""
     masters = [p.detach().clone() for p in model.parameters()]
-    compute = copy.deepcopy(model).to(torch.bfloat16)
+    compute = copy.deepcopy(model).to(dtype)
     params = list(compute.parameters())                           # same order, ties kept
     opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, foreach=False)
     losses = []
     for x in batches:
         loss = loss_of(compute(input_ids=x, labels=x))
-        loss.backward()
+        (loss * loss_scale).backward()
         for master, p in zip(masters, params):
-            master.grad = p.grad.float()
+            master.grad = p.grad.float() / loss_scale
             p.grad = None
         opt.step()
         opt.zero_grad()

@@ -16,7 +16,7 @@ import torch
 
 import infinity
 from infinity.base.cpu_bf16 import ENV
-from parity import VOCAB, bf16_recipe_losses, loss_of, make_model, zero_config
+from parity import VOCAB, half_recipe_losses, loss_of, make_model, zero_config
 
 STEPS = 10
 LR, WD = 1e-3, 0.01
@@ -43,7 +43,7 @@ def test_auto_on_a_bf16_cpu_trains_like_torch_bf16(family: str, stage: int, para
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "1")
     model = make_model(family, layers=3, width=64)
-    reference = bf16_recipe_losses(copy.deepcopy(model), _batches(), LR, WD)
+    reference = half_recipe_losses(copy.deepcopy(model), _batches(), LR, WD)
     engine, *_ = infinity.initialize(model=model, config=_ds(stage, param, optimizer, disk_dir))
     try:
         assert engine.compute_dtype == torch.bfloat16 and engine.master_separate

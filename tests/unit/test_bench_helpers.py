@@ -12,6 +12,7 @@ BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench"
 sys.path.insert(0, str(BENCH))
 
 import _common as C  # noqa: E402
+import gpu_profile  # noqa: E402
 import out_of_core  # noqa: E402
 
 
@@ -155,3 +156,79 @@ def test_thread_cpu_counts_a_busy_thread_by_its_name():
     user, system = per_step["bench-spinner"]
     assert user + system >= 0.25, per_step
     assert "MainThread" not in per_step or sum(per_step["MainThread"]) < 0.25, per_step
+
+
+def _trace(*events: tuple[str, str, float, float]) -> dict:
+    """A torch.profiler Chrome trace of (category, name, start µs, duration µs) events; kernels
+    on stream 7, copies on stream 20 + their start."""
+    return {"traceEvents": [{"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                             "args": {"stream": 7 if cat == "kernel" else 20 + ts}}
+                            for cat, name, ts, dur in events]
+            + [{"ph": "M", "name": "process_name", "args": {"name": "GPU 0"}}]}
+
+
+def test_copy_time_hidden_behind_compute_is_the_part_a_kernel_covers():
+    """gpu_check.sh's "h2d hidden" figure (issue 36's bar: >= 80%): of each copy direction's
+    busy time, the part during which a compute kernel runs. Overlapping kernels count once, an
+    NCCL kernel is not compute, a copy beside another copy but no kernel is not hidden."""
+    trace = _trace(
+        ("kernel", "ampere_bf16_gemm", 0, 10), ("kernel", "elementwise", 5, 10),   # 0..15
+        ("kernel", "ncclDevKernel_AllGather", 30, 40),                            # not compute
+        ("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 10, 10),   # 10..20: 5 of 10 hidden
+        ("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 12, 4),    # inside the one above
+        ("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 40, 10),   # 40..50: beside NCCL only
+        ("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 2, 4),     # wholly hidden
+        ("cpu_op", "aten::mm", 0, 100))                             # host side: not the device
+    got = gpu_profile.overlap_figures(trace)
+    assert got["compute_us"] == 15 and got["nccl_us"] == 40
+    assert got["h2d_us"] == 20 and got["h2d_hidden_share"] == pytest.approx(5 / 20)
+    assert got["d2h_us"] == 4 and got["d2h_hidden_share"] == 1.0
+    assert got["window_us"] == 70
+    assert got["events"] == {"compute": 2, "nccl": 1, "h2d": 3, "d2h": 1}
+    assert got["streams"] == {"compute": [7], "nccl": [7], "h2d": [30, 32, 60], "d2h": [22]}
+    # a trace without copies (a CPU device) has no share, not a share of 0 or 1
+    none = gpu_profile.overlap_figures(_trace(("kernel", "gemm", 0, 5)))
+    assert none["h2d_hidden_share"] is None and none["d2h_hidden_share"] is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_covered_equals_a_fine_grid_count(seed):
+    """``covered`` against counting unit cells of a grid, on random integer intervals."""
+    import random
+
+    rng = random.Random(seed)
+
+    def spans():
+        return [(s, s + rng.randint(0, 9)) for s in (rng.randint(0, 60) for _ in range(8))]
+
+    a, b = spans(), spans()
+    cells = lambda xs: {t for s, e in xs for t in range(s, e)}  # noqa: E731
+    assert gpu_profile.covered(a, b) == len(cells(a) & cells(b))
+    assert gpu_profile.length(a) == len(cells(a))
+
+
+def test_model_flops_count_the_multiplying_parameters_and_attention():
+    h, layers, _, _, vocab = shape = C.size_shape("0.49B")
+    per_token = 6 * (C.llama_params(shape) - vocab * h) + 12 * layers * h * 128
+    assert gpu_profile.model_flops_per_step(shape, 128, 2) == per_token * 256
+
+
+def test_the_gpu_profile_asks_the_dry_run_for_the_machine_it_measured(tmp_path):
+    """gpu_check.sh sets the measured GPU step beside this prediction (issue 36's bar: within
+    30%): the plan must be the dry run of the setup's own config for one GPU of the measured
+    rates, not the datasheet's or this CPU's."""
+    rates = {"matmul_tflops": 700.0, "h2d_GBps": 40.0, "host_total_bytes": 128 * C.GiB,
+             "cpu_cores": 16, "gpu_name": "NVIDIA H200", "gpu_total_bytes": 140 * C.GiB,
+             "nvme_read_GBps": 3.0, "nvme_write_GBps": 2.0, "disk_free_bytes": 60 * C.GiB}
+    setup = dict(gpu_profile.SETUPS["bench"])
+    res = {**setup, "ds_config": gpu_profile._config(setup, str(tmp_path), "bf16")}
+    got = gpu_profile.predict(res, rates, "tiny", str(tmp_path))
+    assert "error" not in got, got
+    for flag in ("--gpus 1 ", "--gpu H200 ", "--gpu-tflops 700.0 ", "--pcie-GBps 40.00 ",
+                 "--nvme-read-GBps 3.00", "--seq-len 128 ", "--micro-batch 1 "):
+        assert flag in got["command"] + " ", (flag, got["command"])
+    # the simulated step is at least the busiest resource's time; NVMe-bound at these rates
+    assert got["simulated_step_s"] >= max(got["busy_s"].values()) - 1e-9 > 0
+    assert got["busy_s"]["NVMe"] > 10 * got["busy_s"]["compute"]
+    # no GPU measured: no prediction, said so
+    assert "error" in gpu_profile.predict(res, {"cpu_cores": 2}, "tiny", str(tmp_path))

@@ -1,0 +1,410 @@
+#!/usr/bin/env python3
+"""The out-of-core bench model on a GPU under torch.profiler, beside the dry run's prediction
+for the same machine: what issue 36 asks of the first GPU lent (tools/gpu_check.sh runs it).
+
+Run (from the repository root, on a machine with a CUDA device):
+    python3 tools/bench/gpu_profile.py --out /tmp/gpu_profile                  # 0.49B, two setups
+    python3 tools/bench/gpu_profile.py --size tiny --warmup 1 --steps 1     # smoke (CPU too)
+Writes ``profile.json`` (every figure), ``trace.json.gz`` (the profiled step of the first setup:
+open it in https://ui.perfetto.dev) under --out, and a table on the screen.
+
+Setups (each a fresh engine; ``--setups`` picks):
+  overlap   parameters and optimizer offloaded to host memory, micro-batch 4 x seq 1024: a unit's
+            host-to-device copy has its neighbours' compute to hide behind, so this is where the
+            share of copy time hidden behind compute is the engine's, not the model's;
+  bench     tools/bench/out_of_core.py's config (parameters and optimizer on NVMe, host budget
+            3 GiB, micro-batch 1 x seq 128): the step the CPU benches measure.
+Per setup: ``--warmup`` steps, ``--steps`` timed steps (wall clock, the device synchronized at
+each step's end; no profiler), then one step under torch.profiler. From the profiled step's
+trace: the union of compute kernels, and the host-to-device (and device-to-host) copies' time
+and the part of it that runs while a compute kernel runs ("hidden"). MFU: model FLOPs a step
+(6 x the parameters that multiply x tokens, plus attention's 12 x layers x hidden x seq x
+tokens) over the median step, against the GPU preset's datasheet peak and against the bf16
+matmul rate measured in this run.
+
+The dry run's prediction: ``infinity plan --hf-config --config --dry-run --json`` for this
+machine as a target (one GPU of the preset its name matches, with the matmul rate, the pinned
+host-to-device rate and the swap directory's read and write rates measured in this run, the
+host's memory and cores), so the comparison is of the engine's schedule, not of datasheets.
+On a CPU-only machine the tool still runs (no kernels or copies in the trace: those shares are
+None) and the dry run plans this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+Interval = tuple[float, float]
+
+SETUPS: dict[str, dict[str, Any]] = {
+    "overlap": {"offload": "cpu", "seq": 1024, "mbs": 4, "host_budget": None},
+    "bench": {"offload": "nvme", "seq": 128, "mbs": 1, "host_budget": "3GiB"},
+}
+
+
+# =========================================================================== trace analysis
+KINDS = ("compute", "nccl", "h2d", "d2h")
+
+
+def _device_events(trace: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any]]]:
+    """(kind, event) of each device event of a torch.profiler Chrome trace: ``compute``
+    (kernels other than NCCL's: a collective's kernel is communication), ``nccl``, ``h2d`` and
+    ``d2h`` (memcpy events, by the direction in their name)."""
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X" or "dur" not in event:
+            continue
+        cat, name = event.get("cat", ""), event.get("name", "")
+        if cat == "kernel":
+            yield ("nccl" if name.lower().startswith("nccl") else "compute"), event
+        elif cat == "gpu_memcpy" and "HtoD" in name:
+            yield "h2d", event
+        elif cat == "gpu_memcpy" and "DtoH" in name:
+            yield "d2h", event
+
+
+def trace_intervals(trace: dict[str, Any]) -> dict[str, list[Interval]]:
+    """The device's busy intervals (microseconds), by kind (``_device_events``)."""
+    kinds: dict[str, list[Interval]] = {kind: [] for kind in KINDS}
+    for kind, event in _device_events(trace):
+        kinds[kind].append((float(event["ts"]), float(event["ts"]) + float(event["dur"])))
+    return kinds
+
+
+def trace_streams(trace: dict[str, Any]) -> dict[str, list[int]]:
+    """The CUDA streams each kind ran on: copies on the compute stream cannot overlap it."""
+    streams: dict[str, set[int]] = {kind: set() for kind in KINDS}
+    for kind, event in _device_events(trace):
+        stream = event.get("args", {}).get("stream")
+        if stream is not None:
+            streams[kind].add(int(stream))
+    return {kind: sorted(ids) for kind, ids in streams.items()}
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering exactly what ``intervals`` cover."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    return sum(e - s for s, e in union(intervals))
+
+
+def covered(intervals: Iterable[Interval], cover: Iterable[Interval]) -> float:
+    """Length of the part of ``intervals`` (their union) that ``cover`` also covers."""
+    a, b = union(intervals), union(cover)
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def overlap_figures(trace: dict[str, Any]) -> dict[str, Any]:
+    """What a profiled step says of the overlap: each kind's busy time (µs, their union), the
+    window from the first to the last device event, and for each copy direction the share of
+    its time during which a compute kernel ran (None where there were no such copies)."""
+    kinds = trace_intervals(trace)
+    every = [span for spans in kinds.values() for span in spans]
+    window = (max(e for _, e in every) - min(s for s, _ in every)) if every else 0.0
+    out: dict[str, Any] = {"window_us": window,
+                           **{f"{kind}_us": length(spans) for kind, spans in kinds.items()},
+                           "events": {kind: len(spans) for kind, spans in kinds.items()},
+                           "streams": trace_streams(trace)}
+    for kind in ("h2d", "d2h"):
+        busy = out[f"{kind}_us"]
+        out[f"{kind}_hidden_share"] = (covered(kinds[kind], kinds["compute"]) / busy
+                                       if busy > 0 else None)
+    return out
+
+
+def model_flops_per_step(shape: Sequence[int], seq: int, mbs: int) -> float:
+    """Training FLOPs a step of the Llama ``shape``: 6 x the parameters that multiply (all but
+    the input embedding) x tokens, plus attention's scores and values (12 x layers x hidden x
+    seq per token): the usual count (PaLM's appendix B), forward + backward, no recomputation."""
+    h, layers, _, _, vocab = shape
+    tokens = seq * mbs
+    multiplying = C.llama_params(shape) - vocab * h
+    return 6.0 * multiplying * tokens + 12.0 * layers * h * seq * tokens
+
+
+# =========================================================================== measurement
+def _config(setup: dict[str, Any], nvme: str, compute_dtype: str) -> dict[str, Any]:
+    offload = setup["offload"]
+    where = {"device": offload, **({"nvme_path": nvme} if offload == "nvme" else {})}
+    infinity: dict[str, Any] = {"early_step": "on", "compute_dtype": compute_dtype}
+    if setup["host_budget"]:
+        infinity["host_memory_budget"] = setup["host_budget"]
+    return {"train_micro_batch_size_per_gpu": setup["mbs"], "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "offload_param": where,
+                                  "offload_optimizer": dict(where)},
+            "infinity": infinity}
+
+
+def measure_rates(device, scratch: str, disk: bool) -> dict[str, Any]:
+    """The dry run's inputs for this machine, measured now: the bf16 matmul rate and the pinned
+    host-to-device rate of the GPU, the swap directory's cold read and write rates."""
+    import torch
+
+    rates: dict[str, Any] = {"cpu_cores": len(os.sched_getaffinity(0)),
+                             "host_total_bytes": os.sysconf("SC_PAGE_SIZE")
+                             * os.sysconf("SC_PHYS_PAGES")}
+    if device.type == "cuda":
+        n = 8192
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        start, reps = time.perf_counter(), 10
+        for _ in range(reps):
+            a @ b
+        torch.cuda.synchronize()
+        rates["matmul_tflops"] = 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
+        host = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+        dev = torch.empty_like(host, device=device)
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        start, reps = time.perf_counter(), 5
+        for _ in range(reps):
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        rates["h2d_GBps"] = host.numel() * reps / (time.perf_counter() - start) / 1e9
+        rates["gpu_name"] = torch.cuda.get_device_name(device)
+        rates["gpu_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        del a, b, host, dev
+    if disk:
+        from infinity.train.calibrate import measure_disk
+
+        got = measure_disk(scratch, size=512 << 20, repeats=1)
+        rates["nvme_read_GBps"], rates["nvme_write_GBps"] = got["read_GBps"], got["write_GBps"]
+        st = os.statvfs(scratch)
+        rates["disk_free_bytes"] = st.f_bavail * st.f_frsize
+    return rates
+
+
+def run_setup(name: str, args: argparse.Namespace, device, out: Path,
+              write_trace: bool) -> dict[str, Any]:
+    """One setup: the engine's timed steps, one profiled step, the trace's figures."""
+    import torch
+    import transformers
+
+    import infinity
+
+    setup = dict(SETUPS[name])
+    if args.seq:
+        setup["seq"] = args.seq
+    shape = C.size_shape(args.size)
+    cfg = C.llama_config(shape, setup["seq"])
+    data = [ids.to(device) for ids in C.token_batches(1234, args.warmup + args.steps + 1,
+                                                      cfg.vocab_size, setup["seq"], setup["mbs"])]
+    nvme = tempfile.mkdtemp(prefix="gpu-profile-", dir=args.scratch)
+    compute_dtype = "bf16" if device.type == "cuda" else "fp32"
+    dsc = _config(setup, nvme, compute_dtype)
+    res: dict[str, Any] = {"setup": name, **setup, "size": args.size, "ds_config": dsc,
+                           "compute_dtype": compute_dtype}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    with infinity.zero.Init(config=dsc):
+        model = transformers.LlamaForCausalLM(cfg)
+    engine, *_ = infinity.initialize(model=model, config=dsc)
+    try:
+        res["engine_device"] = str(engine.device)
+
+        def step(ids) -> float:
+            out_ = engine(input_ids=ids, labels=ids)
+            engine.backward(out_.loss)
+            engine.step()
+            return float(out_.loss)
+
+        steps, losses = [], []
+        for i, ids in enumerate(data[:-1]):
+            sync()
+            start = time.perf_counter()
+            losses.append(step(ids))
+            sync()
+            steps.append(time.perf_counter() - start)
+            print(f"[{name}] step {i} {steps[-1]:.3f} s loss {losses[-1]:.4f}", flush=True)
+        res["step_s"], res["losses"] = steps, losses
+        res["median_step_s"] = statistics.median(steps[args.warmup:])
+        res["warmup"], res["timed_steps"] = args.warmup, len(steps) - args.warmup
+        res["step_stats"] = engine.step_stats()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with tempfile.TemporaryDirectory() as tmp:
+            with torch.profiler.profile(activities=activities) as prof:
+                step(data[-1])
+                sync()
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            trace = json.loads(raw.read_text())
+            if write_trace:
+                with gzip.open(out / "trace.json.gz", "wt") as f:
+                    json.dump(trace, f)
+        res["profiled"] = overlap_figures(trace)
+    finally:
+        engine.close()
+        os.rmdir(nvme)    # ours (mkdtemp above); close removed the engine's swap files
+    res["model_flops_per_step"] = model_flops_per_step(shape, setup["seq"], setup["mbs"])
+    res["model_tflops"] = res["model_flops_per_step"] / res["median_step_s"] / 1e12
+    return res
+
+
+def plan_command(res: dict[str, Any], rates: dict[str, Any], hf_config: Path, ds_config: Path,
+                 scratch: str) -> list[str]:
+    """``infinity plan`` for the setup's config on this machine described as a target: one GPU
+    of the preset its name matches (else its memory), the rates measured in this run."""
+    name = rates.get("gpu_name", "")
+    preset = next((p for p in ("H200", "H100", "A100-80G", "A100-40G", "4090")
+                   if p.split("-")[0] in name), None)
+    cmd = ["plan", "--hf-config", str(hf_config), "--config", str(ds_config), "--dry-run",
+           "--json", "--nvme-path", scratch,
+           "--seq-len", str(res["seq"]), "--micro-batch", str(res["mbs"]),
+           "--gpus", "1", "--gpu-tflops", f"{rates['matmul_tflops']:.1f}",
+           "--pcie-GBps", f"{rates['h2d_GBps']:.2f}",
+           "--host-memory", str(rates["host_total_bytes"]),
+           "--cpu-cores", str(rates["cpu_cores"])]
+    cmd += ["--gpu", preset] if preset else ["--gpu-memory", str(rates["gpu_total_bytes"])]
+    if "nvme_read_GBps" in rates:
+        cmd += ["--nvme", str(rates["disk_free_bytes"]),
+                "--nvme-read-GBps", f"{rates['nvme_read_GBps']:.2f}",
+                "--nvme-write-GBps", f"{rates['nvme_write_GBps']:.2f}"]
+    return cmd
+
+
+def predict(res: dict[str, Any], rates: dict[str, Any], size: str,
+            scratch: str) -> dict[str, Any]:
+    """The dry run's step for the setup's config on this machine (``plan_command``); none on a
+    CPU-only machine (tools/bench/plan_calibration.py checks the dry run there)."""
+    from infinity import cli
+
+    if "matmul_tflops" not in rates:
+        return {"error": "no GPU: the CPU's prediction is plan_calibration.py's"}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = Path(tmp) / "config.json"
+        C.llama_config(C.size_shape(size), res["seq"]).to_json_file(str(hf))
+        ds = Path(tmp) / "ds.json"
+        ds.write_text(json.dumps(res["ds_config"]))
+        cmd = plan_command(res, rates, hf, ds, scratch)
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                rc = cli.main(cmd)
+        except (Exception, SystemExit) as exc:      # noqa: BLE001 - reported, not raised
+            return {"error": f"{type(exc).__name__}: {exc}", "command": cmd}
+    if rc != 0:
+        return {"error": f"infinity plan exited {rc}", "command": cmd}
+    text = printed.getvalue()
+    data = json.loads(text[text.index("{"):])
+    dry = data.get("dry_run") or {}
+    return {"simulated_step_s": dry.get("simulated_step_s"),
+            "analytical_step_s": dry.get("analytical_step_s"), "busy_s": dry.get("busy_s"),
+            "command": "infinity " + " ".join(cmd)}
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(results: dict[str, Any]) -> str:
+    """The table gpu_check.sh's summary greps: one line per figure and setup."""
+    lines = []
+    rates = results["rates"]
+    peak = results.get("peak_tflops")
+    for name, res in results["setups"].items():
+        prof = res["profiled"]
+        dry = res.get("dry_run", {})
+        mfu_peak = res["model_tflops"] / peak if peak else None
+        mfu_measured = (res["model_tflops"] / rates["matmul_tflops"]
+                        if rates.get("matmul_tflops") else None)
+        error = f" {dry['error']}" if "error" in dry else ""
+        lines += [
+            f"step [{name}] median {res['median_step_s']:.3f} s of {res['timed_steps']} steps "
+            f"after {res['warmup']} warm-up on {res['engine_device']}, {res['size']} mbs "
+            f"{res['mbs']} seq {res['seq']} offload {res['offload']}",
+            f"mfu [{name}] {_fmt(mfu_peak)} of the datasheet peak ({peak} TFLOPS), "
+            f"{_fmt(mfu_measured)} of the measured matmul rate "
+            f"({_fmt(rates.get('matmul_tflops'), '.0f')} TFLOPS); {res['model_tflops']:.2f} "
+            "model TFLOPS",
+            f"h2d [{name}] hidden behind compute {_fmt(prof['h2d_hidden_share'])} of "
+            f"{prof['h2d_us'] / 1e3:.2f} ms copies (profiled step: compute "
+            f"{prof['compute_us'] / 1e3:.2f} ms busy of a {prof['window_us'] / 1e3:.2f} ms window)",
+            f"d2h [{name}] hidden behind compute {_fmt(prof['d2h_hidden_share'])} of "
+            f"{prof['d2h_us'] / 1e3:.2f} ms copies",
+            f"dry run [{name}] predicted {_fmt(dry.get('simulated_step_s'))} s (analytical "
+            f"{_fmt(dry.get('analytical_step_s'))} s){error}",
+        ]
+        if dry.get("simulated_step_s"):
+            lines.append(f"ratio [{name}] measured / predicted "
+                         f"{res['median_step_s'] / dry['simulated_step_s']:.2f} (bar: within 30%)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="0.49B", help="a tools/bench size (0.49B, tiny, HxLxAxIxV)")
+    ap.add_argument("--setups", default="overlap,bench", help=f"comma list of {sorted(SETUPS)}")
+    ap.add_argument("--seq", type=int, default=None, help="override every setup's seq")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--scratch", default="/var/tmp", help="swap directory's parent")
+    ap.add_argument("--out", default="/tmp/gpu_profile")
+    args = ap.parse_args()
+    names = [s for s in args.setups.split(",") if s]
+    unknown = sorted(set(names) - set(SETUPS))
+    if unknown:
+        raise SystemExit(f"--setups: unknown {unknown}; choose from {sorted(SETUPS)}")
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    disk = any(SETUPS[n]["offload"] == "nvme" for n in names)
+    results: dict[str, Any] = {"machine": C.machine_info(), "git": C.git_state(),
+                               "argv": sys.argv, "rates": measure_rates(device, args.scratch, disk),
+                               "setups": {}}
+    name = results["rates"].get("gpu_name", "")
+    from infinity.planner.target import GPU_PRESETS
+
+    results["peak_tflops"] = next((p.peak_tflops for key, p in GPU_PRESETS.items()
+                                   if key.split("-")[0] in name), None) if name else None
+    path = out / "profile.json"
+    for i, setup in enumerate(names):
+        res = run_setup(setup, args, device, out, write_trace=i == 0)
+        res["dry_run"] = predict(res, results["rates"], args.size, args.scratch)
+        results["setups"][setup] = res
+        path.write_text(json.dumps(results, indent=1, default=str))   # kept as each ends
+    print(report(results))
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
