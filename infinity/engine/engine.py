@@ -30,6 +30,7 @@ from infinity.engine.guards import (
 )
 from infinity.engine.model_methods import (
     model_device,
+    place_buffers,
     route_module_methods,
     unroute_module_methods,
 )
@@ -92,6 +93,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.module = model
         check_not_released(model)
         self.device = model_device(model)
+        place_buffers(model, self.device)    # an Init-built model's buffers are on the CPU
         # every rank must build the same engine: a config or model that differs is named
         check_same_on_every_rank(self.comm, self.config, model)
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)

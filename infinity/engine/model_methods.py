@@ -30,6 +30,25 @@ def model_device(model: nn.Module) -> torch.device:
         else torch.device("cpu")
 
 
+def place_buffers(model: nn.Module, device: torch.device) -> int:
+    """Move the model's buffers (persistent or not) to the engine's ``device``; returns how many
+    moved. A model built under ``zero.Init`` or by ``infinity.from_pretrained`` has meta
+    parameters, which the units place, but real buffers on the CPU (a position-id table, a
+    rotary frequency table, a causal mask): on a GPU the first forward would mix devices and
+    fail, where DeepSpeed's ``zero.Init`` put them on the device. A buffer two modules share
+    stays one tensor; meta buffers stay (a model built wholly on the meta device has no value
+    to move)."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None or buf.device == device or buf.device.type == "meta":
+                continue
+            if id(buf) not in moved:
+                moved[id(buf)] = buf.to(device)
+            module._buffers[name] = moved[id(buf)]
+    return len(moved)
+
+
 def route_module_methods(model: nn.Module, engine: "Engine") -> None:
     """``model.zero_grad()`` (what a torch loop, or Hugging Face's Trainer, calls) discards the
     engine's pending gradients too, as it would discard the .grad torch keeps;
