@@ -137,8 +137,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                     "and Adam states, which doubles their room: infinity.speculative_step "
                     "\"auto\" turns it off when the disk lacks the room, \"off\" always)") from exc
             raise
-        log.info("engine ready: stage %d, compute %s, params on %s, optimizer on %s, %d units, "
-                 "%s schedule; holding %s", stage, str(self.compute_dtype).replace("torch.", ""),
+        log.info("engine ready on %s: stage %d, compute %s, params on %s, optimizer on %s, %d "
+                 "units, %s schedule; holding %s", self.device, stage,
+                 str(self.compute_dtype).replace("torch.", ""),
                  param_tier.name, optimizer_tier.name, len(self.units),
                  "early-step" if self.optimizer.early_step else
                  f"deferred-step (speculative {self.optimizer.speculation})",

@@ -55,6 +55,7 @@ class TorchBaselineEngine:
     def __init__(self, model: nn.Module, config: InfinityConfig) -> None:
         self.module = model
         self.config = config
+        self.device = next(model.parameters()).device    # where the batches go (train/loop.py)
         opt = config.optimizer
         if opt is None:
             raise ValueError(MISSING_OPTIMIZER.format(call="the run"))

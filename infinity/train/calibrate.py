@@ -247,6 +247,7 @@ def engine_steps(model_kwargs: dict[str, Any], ds_config: dict[str, Any], *, seq
                 res["tier_bytes_after_init"] = manager.tier_bytes()
                 step_s, stats, phases, probes = [], [], [], []
                 for ids in batches:
+                    ids = ids.to(engine.device)     # a no-op on a CPU device
                     if probe:
                         probes.append(measure_compute(**probe)["flops_per_s"])
                     sampler_phase = {}

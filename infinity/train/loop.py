@@ -226,7 +226,9 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
             lr = engine.get_lr()[0]
             losses = []
             for _ in range(accum):
-                batch = sampler.next_batch()
+                # the engine's device: on a GPU the model computes there, the sampler's batches
+                # are on the CPU (a no-op on a CPU device)
+                batch = sampler.next_batch().to(engine.device)
                 with timers.phase("forward"):
                     output = engine(input_ids=batch, labels=batch)
                 loss = output.loss if hasattr(output, "loss") else output[0]

@@ -160,6 +160,7 @@ def _ours(spec: dict, res: dict) -> None:
         sampler, rss = spec["sampler"], []
         threads0 = {}
         for ids in data:
+            ids = ids.to(engine.device)     # a GPU engine computes there; a no-op on a CPU
             if len(steps) == spec["warmup"]:
                 threads0 = C.thread_cpu()
             sampler.take_peak()
