@@ -437,11 +437,14 @@ class StepStream:
             grad.zero_()          # the next backward accumulates into the home gradient
         _store(state.exp_avg, t["m"], at, n, writes, shadow)
         _store(state.exp_avg_sq, t["v"], at, n, writes, shadow)
+        written = None     # host values equal to the device copy's, where it is on a GPU
         if state.master is not None:
             _store(state.master, param, at, n, writes, shadow)
             if not into_flat:
                 unit.flat[start:end].copy_(half if half is not None else param)
-        self._write_params(unit, start, n, writes, shadow)
+                if unit.flat.device.type != "cpu":
+                    written = half if half is not None else param
+        self._write_params(unit, start, n, writes, shadow, written)
         if shadow and job.gradient_home:
             # kept at home for a redo: a flat buffer is written as it is (given back at
             # ``_finish``), held gradients are normed and copied
@@ -486,13 +489,20 @@ class StepStream:
         if not store.resident:
             writes.append((store.store_async(values, start, n), None))
 
-    def _write_params(self, unit, start: int, n: int, writes: list, shadow: bool = False) -> None:
-        """The unit's updated device copy goes to its home (``shadow``: its shadow extent)."""
+    def _write_params(self, unit, start: int, n: int, writes: list, shadow: bool = False,
+                      written: torch.Tensor | None = None) -> None:
+        """The unit's updated device copy goes to its home (``shadow``: its shadow extent).
+        ``written``: the host values the device copy was just written from. On a GPU the home
+        is written from them, not read back: a read of the device copy is a copy over PCIe on
+        the step thread's stream, the compute stream, that waits for every kernel queued
+        before it."""
         store = unit.param_store
         if store is None:
             return
         at = start - unit.home_start    # the home holds the own shard (see [Note: shards])
-        if not store.resident and unit.flat_on_aligned_host:
+        if written is not None:
+            self._write_values(store, written, at, n, writes, shadow)
+        elif not store.resident and unit.flat_on_aligned_host:
             # the device buffer is host memory, page-aligned, and stays fetched until the
             # unit's job has landed: write it as it is (no staging copy)
             writes.append((store.store_async(unit.flat[start:], at, n, shadow), None))

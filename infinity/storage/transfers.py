@@ -174,7 +174,7 @@ class CudaCopies(DeviceCopies):
         self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d), torch.no_grad():
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)   # a host wait sleeps, not spins
             event.record(self.h2d)
         # the caching allocator must not give dst's memory to others before the copy is over
         dst.record_stream(self.h2d)
@@ -192,7 +192,7 @@ class CudaCopies(DeviceCopies):
             else:
                 # dst is pinned where it is a pool slot or a host home (``host_empty``)
                 dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)   # a host wait sleeps, not spins
             event.record(self.d2h)
         # the caching allocator must not give src's memory to others before the copy is over
         src.record_stream(self.d2h)

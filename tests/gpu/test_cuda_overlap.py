@@ -1,8 +1,8 @@
 """The overlap seen in a profile (skipped visibly without CUDA; tools/gpu_check.sh runs it where a
 GPU is lent): a stage-3 engine with parameters homed in host memory copies each unit to the
-device ahead of its use, so torch.profiler's trace shows the host-to-device copies on a stream
-that no compute kernel runs on, and part of their time concurrent with compute kernels. The
-gradients' copies to the host likewise leave on a stream of their own. The trace is read by
+device ahead of its use, so torch.profiler's trace shows host-to-device copies on a stream other
+than the compute stream, and part of their time concurrent with compute kernels. The gradients'
+copies to the host likewise leave on a stream of their own. The trace is read by
 tools/bench/gpu_profile.py's functions (the figures gpu_check.sh reports)."""
 from __future__ import annotations
 
@@ -52,8 +52,11 @@ def test_copies_run_on_their_own_streams_beside_compute(disk_dir, tmp_path) -> N
     figures = gpu_profile.overlap_figures(json.loads(path.read_text()))
     streams = figures["streams"]
     assert figures["events"]["compute"] > 0 and figures["events"]["h2d"] > 0, figures
-    assert not set(streams["h2d"]) & set(streams["compute"]), streams
-    assert not set(streams["d2h"]) & set(streams["compute"]), streams
-    # ahead copies beside compute: some of their time runs while a kernel does (on one stream
-    # this share would be exactly 0)
+    # the prefetch's copies to the device and the gradients' copies to the host run on streams
+    # of their own (the step thread's copies of stepped values may still use the compute
+    # stream: gpu_profile reports their share)
+    assert set(streams["h2d"]) - set(streams["compute"]), streams
+    assert set(streams["d2h"]) - set(streams["compute"]), streams
+    # ahead copies beside compute: some of their time runs while a compute kernel does (with
+    # every copy on the compute stream this share would be exactly 0)
     assert figures["h2d_hidden_share"] > 0, figures

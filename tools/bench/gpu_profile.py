@@ -57,30 +57,49 @@ SETUPS: dict[str, dict[str, Any]] = {
 
 
 # =========================================================================== trace analysis
-KINDS = ("compute", "nccl", "h2d", "d2h")
+KINDS = ("compute", "side", "nccl", "h2d", "d2h")
 
 
-def _device_events(trace: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any]]]:
-    """(kind, event) of each device event of a torch.profiler Chrome trace: ``compute``
-    (kernels other than NCCL's: a collective's kernel is communication), ``nccl``, ``h2d`` and
-    ``d2h`` (memcpy events, by the direction in their name)."""
+def _stream(event: dict[str, Any]) -> int | None:
+    stream = event.get("args", {}).get("stream")
+    return None if stream is None else int(stream)
+
+
+def _device_events(trace: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(kind, event) of each device event of a torch.profiler Chrome trace: ``compute`` (the
+    kernels on the compute stream: the stream with the most non-NCCL kernel time), ``side``
+    (other kernels off it: a dtype conversion inside a copy runs on the copy's stream),
+    ``nccl`` (a collective's kernels), ``h2d`` and ``d2h`` (memcpy events, by the direction in
+    their name)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    kernel_us: dict[int | None, float] = {}
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X" or "dur" not in event:
             continue
         cat, name = event.get("cat", ""), event.get("name", "")
-        if cat == "kernel":
-            yield ("nccl" if name.lower().startswith("nccl") else "compute"), event
+        if cat == "kernel" and name.lower().startswith("nccl"):
+            found.append(("nccl", event))
+        elif cat == "kernel":
+            found.append(("compute", event))
+            kernel_us[_stream(event)] = kernel_us.get(_stream(event), 0.0) + float(event["dur"])
         elif cat == "gpu_memcpy" and "HtoD" in name:
-            yield "h2d", event
+            found.append(("h2d", event))
         elif cat == "gpu_memcpy" and "DtoH" in name:
-            yield "d2h", event
+            found.append(("d2h", event))
+    main = max(kernel_us, key=kernel_us.__getitem__) if kernel_us else None
+    return [("side" if kind == "compute" and _stream(event) != main else kind, event)
+            for kind, event in found]
+
+
+def _span(event: dict[str, Any]) -> Interval:
+    return float(event["ts"]), float(event["ts"]) + float(event["dur"])
 
 
 def trace_intervals(trace: dict[str, Any]) -> dict[str, list[Interval]]:
     """The device's busy intervals (microseconds), by kind (``_device_events``)."""
     kinds: dict[str, list[Interval]] = {kind: [] for kind in KINDS}
     for kind, event in _device_events(trace):
-        kinds[kind].append((float(event["ts"]), float(event["ts"]) + float(event["dur"])))
+        kinds[kind].append(_span(event))
     return kinds
 
 
@@ -88,9 +107,8 @@ def trace_streams(trace: dict[str, Any]) -> dict[str, list[int]]:
     """The CUDA streams each kind ran on: copies on the compute stream cannot overlap it."""
     streams: dict[str, set[int]] = {kind: set() for kind in KINDS}
     for kind, event in _device_events(trace):
-        stream = event.get("args", {}).get("stream")
-        if stream is not None:
-            streams[kind].add(int(stream))
+        if _stream(event) is not None:
+            streams[kind].add(_stream(event))
     return {kind: sorted(ids) for kind, ids in streams.items()}
 
 
@@ -127,19 +145,26 @@ def covered(intervals: Iterable[Interval], cover: Iterable[Interval]) -> float:
 
 def overlap_figures(trace: dict[str, Any]) -> dict[str, Any]:
     """What a profiled step says of the overlap: each kind's busy time (µs, their union), the
-    window from the first to the last device event, and for each copy direction the share of
-    its time during which a compute kernel ran (None where there were no such copies)."""
+    window from the first to the last device event, the streams, and for each copy direction
+    the share of its time during which a compute-stream kernel ran ("hidden") and the share
+    issued on the compute stream itself (which can never be hidden); None where there were no
+    such copies."""
+    events = _device_events(trace)
     kinds = trace_intervals(trace)
+    streams = trace_streams(trace)
     every = [span for spans in kinds.values() for span in spans]
     window = (max(e for _, e in every) - min(s for s, _ in every)) if every else 0.0
     out: dict[str, Any] = {"window_us": window,
                            **{f"{kind}_us": length(spans) for kind, spans in kinds.items()},
                            "events": {kind: len(spans) for kind, spans in kinds.items()},
-                           "streams": trace_streams(trace)}
+                           "streams": streams}
+    main = streams["compute"][0] if streams["compute"] else None
     for kind in ("h2d", "d2h"):
         busy = out[f"{kind}_us"]
+        on_main = [_span(e) for k, e in events if k == kind and _stream(e) == main]
         out[f"{kind}_hidden_share"] = (covered(kinds[kind], kinds["compute"]) / busy
                                        if busy > 0 else None)
+        out[f"{kind}_on_compute_stream_share"] = length(on_main) / busy if busy > 0 else None
     return out
 
 
@@ -354,10 +379,12 @@ def report(results: dict[str, Any]) -> str:
             f"({_fmt(rates.get('matmul_tflops'), '.0f')} TFLOPS); {res['model_tflops']:.2f} "
             "model TFLOPS",
             f"h2d [{name}] hidden behind compute {_fmt(prof['h2d_hidden_share'])} of "
-            f"{prof['h2d_us'] / 1e3:.2f} ms copies (profiled step: compute "
-            f"{prof['compute_us'] / 1e3:.2f} ms busy of a {prof['window_us'] / 1e3:.2f} ms window)",
+            f"{prof['h2d_us'] / 1e3:.2f} ms copies, {_fmt(prof['h2d_on_compute_stream_share'])} "
+            f"on the compute stream (profiled step: compute {prof['compute_us'] / 1e3:.2f} ms "
+            f"busy of a {prof['window_us'] / 1e3:.2f} ms window)",
             f"d2h [{name}] hidden behind compute {_fmt(prof['d2h_hidden_share'])} of "
-            f"{prof['d2h_us'] / 1e3:.2f} ms copies",
+            f"{prof['d2h_us'] / 1e3:.2f} ms copies, {_fmt(prof['d2h_on_compute_stream_share'])} "
+            "on the compute stream",
             f"dry run [{name}] predicted {_fmt(dry.get('simulated_step_s'))} s (analytical "
             f"{_fmt(dry.get('analytical_step_s'))} s){error}",
         ]
@@ -401,7 +428,7 @@ def main() -> int:
         res["dry_run"] = predict(res, results["rates"], args.size, args.scratch)
         results["setups"][setup] = res
         path.write_text(json.dumps(results, indent=1, default=str))   # kept as each ends
-    print(report(results))
+        print(report({**results, "setups": {setup: res}}), flush=True)  # a later one may not end
     print(f"results: {path}")
     return 0
 
