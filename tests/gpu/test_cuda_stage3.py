@@ -20,7 +20,7 @@ import infinity
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from parity import (VOCAB, half_recipe_losses, loss_of, make_model, reference_step,  # noqa: E402
-                    zero_config)
+                    train_steps, zero_config)
 
 # fp32 matmuls without TF32 (tests/gpu/conftest.py): parity with torch at fp32 bounds
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmuls")]
@@ -81,24 +81,17 @@ def test_16_bit_training_on_cuda_follows_torch_16_bit(disk_dir, dtype, tiers) ->
     model = make_model("llama", layers=2, width=64).cuda()
     scale = 1024.0 if dtype == "fp16" else 1.0
     batches = _batches(8)
-    reference = half_recipe_losses(copy.deepcopy(model), batches, 1e-3, 0.01,
-                                   dtype=getattr(torch, {"bf16": "bfloat16",
-                                                         "fp16": "float16"}[dtype]),
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    reference = half_recipe_losses(copy.deepcopy(model), batches, 1e-3, 0.01, dtype=torch_dtype,
                                    loss_scale=scale)
     config = _config(disk_dir, *tiers)
     config["infinity"]["compute_dtype"] = "auto"
     config[dtype] = {"enabled": True, **({"loss_scale": scale} if dtype == "fp16" else {})}
     engine, *_ = infinity.initialize(model=model, config=config)
     try:
-        assert engine.compute_dtype == getattr(torch, {"bf16": "bfloat16",
-                                                       "fp16": "float16"}[dtype])
-        losses = []
-        for x in batches:
-            loss = loss_of(engine(input_ids=x, labels=x))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        assert getattr(engine, "skipped_steps", 0) == 0
+        assert engine.compute_dtype == torch_dtype
+        losses = train_steps(engine, batches)
+        assert engine.skipped_steps == 0
     finally:
         engine.close()
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
