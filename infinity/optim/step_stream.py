@@ -33,7 +33,7 @@ last writes of the previous unit go out. A unit's job lands when the writes of i
 sub-group have landed. Slots are taken without blocking while reads are issued (a full pool
 retires writes first, or stops reading ahead), so the stream cannot deadlock on its own slots.
 Where the unit's flat buffer is page-aligned host memory (a CPU device, either schedule) the
-parameters are written home straight from it; elsewhere (a GPU) through a slot.
+parameters are written home straight from it; on a GPU from the host values it is made from.
 
 [Note: expected steps]
 Without help the stream would read a unit's m and v only once its gradients are complete, and
@@ -57,17 +57,15 @@ first retires the writes of that unit. ``Engine.flush`` waits for them (Gathered
 which may write a unit home, does so first).
 
 [Note: the kernel rounds into the device copy]
-With a separate fp32 master and 16-bit compute, a sub-group's step used to round the master to
-16 bits into a temporary (``param.to``), let the kernel overwrite the stepped elements with the
-rounded new values, and copy the temporary into the unit's device copy: three passes over the
-sub-group beside the kernel's own, and a fresh allocation each time (at 85M with bf16 compute,
-~0.15 s of the step stream's CPU a step, on cores shared with the forward). Where the step's runs
-cover the whole sub-group and the gradient is one flat tensor (the kernel then writes every
-element's rounded value), and the device copy is CPU memory, the kernel writes straight into the
-device copy instead: the values are the same bits (every element is the kernel's rounding either
-way), with no temporary and no copy. A sub-group with a parameter that is not stepped (no
-gradient this cycle), or held per-parameter gradients (which skip the gaps between parameters),
-keeps the temporary, whose untouched elements are the master's own rounding.
+With a separate fp32 master and 16-bit compute, a sub-group's step rounds the master into a
+temporary (``param.to``), the kernel overwrites the stepped elements with the rounded new values,
+and the temporary is copied into the unit's device copy: three passes beside the kernel's own and
+an allocation (at 85M in bf16, ~0.15 s of the step stream's CPU a step). Where the step's runs
+cover the whole sub-group and the gradient is one flat tensor (the kernel writes every element's
+rounding), and the device copy is CPU memory, the kernel writes straight into it instead: the
+same bits, no temporary, no copy. A sub-group with a parameter not stepped this cycle, or held
+per-parameter gradients (which skip the gaps between parameters), keeps the temporary, whose
+untouched elements are the master's own rounding.
 """
 from __future__ import annotations
 
@@ -437,13 +435,12 @@ class StepStream:
             grad.zero_()          # the next backward accumulates into the home gradient
         _store(state.exp_avg, t["m"], at, n, writes, shadow)
         _store(state.exp_avg_sq, t["v"], at, n, writes, shadow)
-        written = None     # host values equal to the device copy's, where it is on a GPU
+        written = None     # the host values the device copy is written from
         if state.master is not None:
             _store(state.master, param, at, n, writes, shadow)
             if not into_flat:
-                unit.flat[start:end].copy_(half if half is not None else param)
-                if unit.flat.device.type != "cpu":
-                    written = half if half is not None else param
+                written = half if half is not None else param
+                unit.flat[start:end].copy_(written)
         self._write_params(unit, start, n, writes, shadow, written)
         if shadow and job.gradient_home:
             # kept at home for a redo: a flat buffer is written as it is (given back at
@@ -491,16 +488,14 @@ class StepStream:
 
     def _write_params(self, unit, start: int, n: int, writes: list, shadow: bool = False,
                       written: torch.Tensor | None = None) -> None:
-        """The unit's updated device copy goes to its home (``shadow``: its shadow extent).
-        ``written``: the host values the device copy was just written from. On a GPU the home
-        is written from them, not read back: a read of the device copy is a copy over PCIe on
-        the step thread's stream, the compute stream, that waits for every kernel queued
-        before it."""
+        """The unit's updated device copy goes to its home (``shadow``: its shadow extent). On
+        a GPU from ``written``, the host values it was made from: reading it back would be a
+        copy on the compute stream, after every kernel queued there."""
         store = unit.param_store
         if store is None:
             return
         at = start - unit.home_start    # the home holds the own shard (see [Note: shards])
-        if written is not None:
+        if written is not None and unit.flat.device.type != "cpu":
             self._write_values(store, written, at, n, writes, shadow)
         elif not store.resident and unit.flat_on_aligned_host:
             # the device buffer is host memory, page-aligned, and stays fetched until the
