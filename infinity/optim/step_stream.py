@@ -488,14 +488,14 @@ class StepStream:
 
     def _write_params(self, unit, start: int, n: int, writes: list, shadow: bool = False,
                       written: torch.Tensor | None = None) -> None:
-        """The unit's updated device copy goes to its home (``shadow``: its shadow extent). On
-        a GPU from ``written``, the host values it was made from: reading it back would be a
-        copy on the compute stream, after every kernel queued there."""
+        """The unit's updated device copy goes to its home (``shadow``: its shadow extent), from
+        ``written``, the host values it was made from, unless the disk writes it directly: on
+        a GPU a read of it is a copy on the compute stream, after every kernel queued there."""
         store = unit.param_store
         if store is None:
             return
         at = start - unit.home_start    # the home holds the own shard (see [Note: shards])
-        if written is not None and unit.flat.device.type != "cpu":
+        if written is not None and (store.resident or not unit.flat_on_aligned_host):
             self._write_values(store, written, at, n, writes, shadow)
         elif not store.resident and unit.flat_on_aligned_host:
             # the device buffer is host memory, page-aligned, and stays fetched until the
