@@ -31,7 +31,7 @@ def test_copies_run_on_their_own_streams_beside_compute(disk_dir, tmp_path) -> N
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
     engine, *_ = infinity.initialize(model=model, config=ds)
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, VOCAB, (8, 512), generator=gen).cuda() for _ in range(3)]
+    batches = [torch.randint(0, VOCAB, (32, 128), generator=gen).cuda() for _ in range(3)]
 
     def step(x: torch.Tensor) -> None:
         engine.backward(engine(input_ids=x, labels=x).loss)
