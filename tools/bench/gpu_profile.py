@@ -412,6 +412,7 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    os.makedirs(args.scratch, exist_ok=True)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     disk = any(SETUPS[n]["offload"] == "nvme" for n in names)
     results: dict[str, Any] = {"machine": C.machine_info(), "git": C.git_state(),
