@@ -1232,3 +1232,63 @@ def test_each_cancelled_step_is_counted() -> None:
         rig.stream.cancel(job)
     rig.run()
     assert rig.stream.stats["cancelled"] == 2 and all(j.cancelled for j in jobs)
+
+
+def _home_writer(store) -> tuple[SimpleNamespace, list]:
+    """A stand-in step stream for ``_write_params``: its own ``_write_values``, and slots that
+    are plain tensors; the writes it issues are recorded."""
+    issued: list = []
+    ns = SimpleNamespace(_staging=lambda writes, dtype, n: torch.empty(n, dtype=dtype))
+    ns._write_values = lambda *a, **k: StepStream._write_values(ns, *a, **k)
+    store.store_async = lambda values, at, n, shadow=False: \
+        issued.append((values[:n].clone(), values.data_ptr(), at, n, shadow)) or "request"
+    return ns, issued
+
+
+def _unit(store, flat: torch.Tensor, aligned: bool) -> SimpleNamespace:
+    return SimpleNamespace(param_store=store, home_start=2, flat=flat,
+                           flat_on_aligned_host=aligned)
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_home_is_written_from_the_values_the_device_copy_was_made_from(resident) -> None:
+    """Where the disk does not write the device copy directly (a GPU's copy, a host home), the
+    home takes the stepped host values the copy was made from: reading a GPU's copy back would
+    be a copy on the compute stream. A device copy on "meta" cannot be read at all, so a write
+    that read it fails here."""
+    written = torch.arange(4, dtype=torch.bfloat16) + 1
+    store = SimpleNamespace(resident=resident, dtype=torch.bfloat16, name="params",
+                            tensor=torch.zeros(10, dtype=torch.bfloat16) if resident else None)
+    ns, issued = _home_writer(store)
+    unit = _unit(store, torch.zeros(12, dtype=torch.bfloat16, device="meta"), aligned=False)
+    writes: list = []
+    StepStream._write_params(ns, unit, 5, 4, writes, False, written)
+    if resident:                       # at start - home_start: the home holds the own shard
+        assert store.tensor[3:7].tolist() == written.tolist() and store.tensor.sum() == 10
+        assert writes == [] and issued == []
+    else:
+        assert [(v.tolist(), at, n, shadow) for v, _, at, n, shadow in issued] == \
+            [(written.tolist(), 3, 4, False)]
+        assert writes == [("request", None)]
+    if resident:                       # a resident home is never a speculation's shadow
+        with pytest.raises(RuntimeError, match="cannot write a resident store in place"):
+            StepStream._write_params(ns, unit, 5, 4, [], True, written)
+    else:
+        StepStream._write_params(ns, unit, 5, 4, [], True, written)
+        assert issued[-1][-1] is True
+
+
+def test_a_device_copy_the_disk_writes_directly_is_written_as_it_is() -> None:
+    """Page-aligned host memory (a CPU device) goes to an NVMe home straight from the device
+    copy, written values or not: no staging copy."""
+    flat = torch.arange(12, dtype=torch.bfloat16)
+    store = SimpleNamespace(resident=False, dtype=torch.bfloat16, name="params", tensor=None)
+    ns, issued = _home_writer(store)
+    writes: list = []
+    StepStream._write_params(ns, _unit(store, flat, aligned=True), 5, 4, writes, False,
+                             torch.zeros(4, dtype=torch.bfloat16))
+    assert [(ptr, at, n) for _, ptr, at, n, _ in issued] == [(flat[5:].data_ptr(), 3, 4)]
+    assert issued[0][0].tolist() == flat[5:9].tolist()
+    # without written values, a copy the disk cannot write directly goes through a slot
+    StepStream._write_params(ns, _unit(store, flat, aligned=False), 5, 4, writes, False)
+    assert issued[-1][0].tolist() == flat[5:9].tolist() and issued[-1][1] != flat[5:].data_ptr()
