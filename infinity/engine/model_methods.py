@@ -35,9 +35,9 @@ def place_buffers(model: nn.Module, device: torch.device) -> int:
     moved. A model built under ``zero.Init`` or by ``infinity.from_pretrained`` has meta
     parameters, which the units place, but real buffers on the CPU (a position-id table, a
     rotary frequency table, a causal mask): on a GPU the first forward would mix devices and
-    fail, where DeepSpeed's ``zero.Init`` put them on the device. A buffer two modules share
-    stays one tensor; meta buffers stay (a model built wholly on the meta device has no value
-    to move)."""
+    fail. Each buffer is replaced by its moved copy, as ``model.to(device)`` replaces them; a
+    buffer two modules share stays one tensor; meta buffers stay (a model built wholly on the
+    meta device has no value to move)."""
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, buf in module._buffers.items():

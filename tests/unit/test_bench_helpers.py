@@ -232,8 +232,9 @@ def test_the_gpu_profile_asks_the_dry_run_for_the_machine_it_measured(tmp_path):
     res = {**setup, "ds_config": gpu_profile._config(setup, str(tmp_path), "bf16")}
     got = gpu_profile.predict(res, rates, "tiny", str(tmp_path))
     assert "error" not in got, got
-    for flag in ("--gpus 1 ", "--gpu H200 ", "--gpu-tflops 700.0 ", "--pcie-GBps 40.00 ",
-                 "--nvme-read-GBps 3.00", "--seq-len 128 ", "--micro-batch 1 "):
+    for flag in ("--gpus 1 ", "--gpu H200 ", f"--gpu-memory {140 * C.GiB} ",
+                 "--gpu-tflops 700.0 ", "--pcie-GBps 40.00 ", "--nvme-read-GBps 3.00",
+                 "--seq-len 128 ", "--micro-batch 1 "):
         assert flag in got["command"] + " ", (flag, got["command"])
     # the simulated step is at least the busiest resource's time; NVMe-bound at these rates
     assert got["simulated_step_s"] >= max(got["busy_s"].values()) - 1e-9 > 0

@@ -37,6 +37,7 @@ import gzip
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -296,7 +297,8 @@ def run_setup(name: str, args: argparse.Namespace, device, out: Path,
         res["profiled"] = overlap_figures(trace)
     finally:
         engine.close()
-        os.rmdir(nvme)    # ours (mkdtemp above); close removed the engine's swap files
+        # ours (mkdtemp above); close removed the engine's swap files, unless it failed first
+        shutil.rmtree(nvme, ignore_errors=True)
     res["model_flops_per_step"] = model_flops_per_step(shape, setup["seq"], setup["mbs"])
     res["model_tflops"] = res["model_flops_per_step"] / res["median_step_s"] / 1e12
     return res
@@ -316,7 +318,8 @@ def plan_command(res: dict[str, Any], rates: dict[str, Any], hf_config: Path, ds
            "--pcie-GBps", f"{rates['h2d_GBps']:.2f}",
            "--host-memory", str(rates["host_total_bytes"]),
            "--cpu-cores", str(rates["cpu_cores"])]
-    cmd += ["--gpu", preset] if preset else ["--gpu-memory", str(rates["gpu_total_bytes"])]
+    # the preset's peak and links, the card's own memory (an A100 40GB matches "A100-80G")
+    cmd += (["--gpu", preset] if preset else []) + ["--gpu-memory", str(rates["gpu_total_bytes"])]
     if "nvme_read_GBps" in rates:
         cmd += ["--nvme", str(rates["disk_free_bytes"]),
                 "--nvme-read-GBps", f"{rates['nvme_read_GBps']:.2f}",
@@ -404,6 +407,9 @@ def main() -> int:
     ap.add_argument("--scratch", default="/var/tmp", help="swap directory's parent")
     ap.add_argument("--out", default="/tmp/gpu_profile")
     args = ap.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit(f"--steps {args.steps} / --warmup {args.warmup}: at least one timed "
+                         "step and no negative warm-up")
     names = [s for s in args.setups.split(",") if s]
     unknown = sorted(set(names) - set(SETUPS))
     if unknown:
