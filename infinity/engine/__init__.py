@@ -68,9 +68,9 @@ Step (the "infinity-step-stream" thread; [Note: the life of a step job], [Note: 
   the kernel writing the 16-bit copy (``half_out``), then copied into ``unit.flat``. Swap-out:
   ``_store`` -> ``FlatStore.store_async`` of m, v (GPU: master) from their slots;
   ``_write_params``: CPU straight from the page-aligned ``unit.flat``, GPU from the host values
-  the device copy was made from (``_write_values``); ``SwapSpace.write`` records fingerprints (shadow extents: [Note:
-  speculative step] in optim/speculation.py). ``_retire`` waits and frees the slots; the job has
-  LANDED. Training thread: ``Engine.step`` -> ``PartitionedOptimizer.step`` waits for every early
+  the device copy was made from (``_write_values``); ``SwapSpace.write`` records fingerprints
+  (shadow extents: [Note: speculative step] in optim/speculation.py). ``_retire`` waits and
+  frees the slots; the job has LANDED. Training thread: ``Engine.step`` -> ``PartitionedOptimizer.step`` waits for every early
   job's kernels (or queues the deferred jobs); ``Coordinator.reap`` -> optim/pending_steps.py
   ``PendingSteps.reap`` hands the landed units back to be released, their last writes landing
   behind the next forward ([Note: writes behind the step]).

@@ -495,14 +495,13 @@ class StepStream:
         if store is None:
             return
         at = start - unit.home_start    # the home holds the own shard (see [Note: shards])
-        if written is not None and (store.resident or not unit.flat_on_aligned_host):
-            self._write_values(store, written, at, n, writes, shadow)
-        elif not store.resident and unit.flat_on_aligned_host:
+        if not store.resident and unit.flat_on_aligned_host:
             # the device buffer is host memory, page-aligned, and stays fetched until the
             # unit's job has landed: write it as it is (no staging copy)
             writes.append((store.store_async(unit.flat[start:], at, n, shadow), None))
         else:
-            self._write_values(store, unit.flat[start:start + n], at, n, writes, shadow)
+            values = written if written is not None else unit.flat[start:start + n]
+            self._write_values(store, values, at, n, writes, shadow)
 
     def _write_values(self, store, values: torch.Tensor, start: int, n: int,
                       writes: list, shadow: bool = False) -> None:

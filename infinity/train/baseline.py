@@ -30,6 +30,7 @@ from torch import nn
 from infinity.base.log import get_logger
 from infinity.config import InfinityConfig
 from infinity.config.optimizer import MISSING_OPTIMIZER
+from infinity.engine.model_methods import model_device
 from infinity.optim.schedules import build_scheduler
 
 _log = get_logger("train.baseline")
@@ -55,7 +56,7 @@ class TorchBaselineEngine:
     def __init__(self, model: nn.Module, config: InfinityConfig) -> None:
         self.module = model
         self.config = config
-        self.device = next(model.parameters()).device    # where the batches go (train/loop.py)
+        self.device = model_device(model)    # where the batches go (train/loop.py)
         opt = config.optimizer
         if opt is None:
             raise ValueError(MISSING_OPTIMIZER.format(call="the run"))

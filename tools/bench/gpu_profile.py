@@ -304,13 +304,19 @@ def run_setup(name: str, args: argparse.Namespace, device, out: Path,
     return res
 
 
+def gpu_preset(name: str) -> str | None:
+    """``infinity plan``'s GPU preset a device name matches ("NVIDIA H200" -> "H200"; an A100
+    matches the first A100 preset: the card's own memory is passed beside it), else None."""
+    from infinity.planner.target import GPU_PRESETS
+
+    return next((key for key in GPU_PRESETS if name and key.split("-")[0] in name), None)
+
+
 def plan_command(res: dict[str, Any], rates: dict[str, Any], hf_config: Path, ds_config: Path,
                  scratch: str) -> list[str]:
     """``infinity plan`` for the setup's config on this machine described as a target: one GPU
     of the preset its name matches (else its memory), the rates measured in this run."""
-    name = rates.get("gpu_name", "")
-    preset = next((p for p in ("H200", "H100", "A100-80G", "A100-40G", "4090")
-                   if p.split("-")[0] in name), None)
+    preset = gpu_preset(rates.get("gpu_name", ""))
     cmd = ["plan", "--hf-config", str(hf_config), "--config", str(ds_config), "--dry-run",
            "--json", "--nvme-path", scratch,
            "--seq-len", str(res["seq"]), "--micro-batch", str(res["mbs"]),
@@ -424,11 +430,10 @@ def main() -> int:
     results: dict[str, Any] = {"machine": C.machine_info(), "git": C.git_state(),
                                "argv": sys.argv, "rates": measure_rates(device, args.scratch, disk),
                                "setups": {}}
-    name = results["rates"].get("gpu_name", "")
     from infinity.planner.target import GPU_PRESETS
 
-    results["peak_tflops"] = next((p.peak_tflops for key, p in GPU_PRESETS.items()
-                                   if key.split("-")[0] in name), None) if name else None
+    preset = gpu_preset(results["rates"].get("gpu_name", ""))
+    results["peak_tflops"] = GPU_PRESETS[preset].peak_tflops if preset else None
     path = out / "profile.json"
     for i, setup in enumerate(names):
         res = run_setup(setup, args, device, out, write_trace=i == 0)
