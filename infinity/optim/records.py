@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 
 from infinity.optim.backward_gradient import BackwardGradient
+from infinity.optim.device_copy import DeviceCopyWrites
 from infinity.optim.held_room import HeldRoom
 from infinity.planner.state_format import FP32_STATES, QBLOCK, StateFormat
 from infinity.storage.buffer_pool import BufferPool, Slot
@@ -356,6 +357,9 @@ class StepJob:
     # a speculated step writes its gradient home (for a redo), or a roll-back rebuilds it
     gradient_home: bool = False
     error: BaseException | None = None    # the first error of its kernels or writes
+    # its device-copy writes still in flight, landed before ``stepped`` (see [Note: the
+    # device copy written behind the step] in optim/device_copy.py)
+    device_writes: DeviceCopyWrites = field(default_factory=DeviceCopyWrites)
     stepped_future: Future = field(default_factory=Future)
     landed_future: Future = field(default_factory=Future)
 

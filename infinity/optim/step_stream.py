@@ -55,17 +55,6 @@ the disk has little else to do. Units keep their device copies (from which param
 written) until their writes have landed; a later read of the same states (the unit's next step)
 first retires the writes of that unit. ``Engine.flush`` waits for them (GatheredParameters,
 which may write a unit home, does so first).
-
-[Note: the kernel rounds into the device copy]
-With a separate fp32 master and 16-bit compute, a sub-group's step rounds the master into a
-temporary (``param.to``), the kernel overwrites the stepped elements with the rounded new values,
-and the temporary is copied into the unit's device copy: three passes beside the kernel's own and
-an allocation (at 85M in bf16, ~0.15 s of the step stream's CPU a step). Where the step's runs
-cover the whole sub-group and the gradient is one flat tensor (the kernel writes every element's
-rounding), and the device copy is CPU memory, the kernel writes straight into it instead: the
-same bits, no temporary, no copy. A sub-group with a parameter not stepped this cycle, or held
-per-parameter gradients (which skip the gaps between parameters), keeps the temporary, whose
-untouched elements are the master's own rounding.
 """
 from __future__ import annotations
 
@@ -77,6 +66,7 @@ from typing import Protocol
 
 import torch
 
+from infinity.optim.device_copy import flat_rounded_by_kernel, host_temporary
 from infinity.optim.formatted_step import MomentScales, scales_of
 from infinity.optim.gradients import _sum_of_squares
 from infinity.optim.records import (
@@ -416,11 +406,14 @@ class StepStream:
         half = None
         into_flat = False
         if state.master is not None and unit.dtype != torch.float32:
-            if flat_rounded_by_kernel(unit, grad, job.runs, start, end):
-                # see [Note: the kernel rounds into the device copy]
+            if not self.manager.copies.overlaps_compute and \
+                    flat_rounded_by_kernel(unit, grad, job.runs, start, end):
+                # see [Note: the kernel rounds into the device copy]; copies that overlap
+                # compute stand for a GPU's even on a CPU device (the late copies of the tests)
                 half, into_flat = unit.flat[start:end], True
             else:
-                half = param.to(unit.dtype)     # parameters the runs skip keep their values
+                # parameters the runs skip keep their values
+                half = host_temporary(param, unit.dtype, pinned=unit.flat.device.type == "cuda")
         shadow = job.speculative
         flat_gradient = isinstance(grad, torch.Tensor)
         # the kernel norms the gradient where nothing else does: an early step's (the global
@@ -436,12 +429,14 @@ class StepStream:
         _store(state.exp_avg, t["m"], at, n, writes, shadow)
         _store(state.exp_avg_sq, t["v"], at, n, writes, shadow)
         written = None     # the host values the device copy is written from
+        flat_current = True     # the device copy holds them (see [Note: the device copy ...])
         if state.master is not None:
             _store(state.master, param, at, n, writes, shadow)
             if not into_flat:
                 written = half if half is not None else param
-                unit.flat[start:end].copy_(written)
-        self._write_params(unit, start, n, writes, shadow, written)
+                flat_current = job.device_writes.write(self.manager.copies, unit.flat[start:end],
+                                                       written, temporary=half is not None)
+        self._write_params(unit, start, n, writes, shadow, written, flat_current)
         if shadow and job.gradient_home:
             # kept at home for a redo: a flat buffer is written as it is (given back at
             # ``_finish``), held gradients are normed and copied
@@ -454,9 +449,11 @@ class StepStream:
         if job.gradient is not None and not flat_gradient:
             self._free_stepped_parts(job)
         if not job.groups and all(x.job is not job for x in self._loads):
-            # its last kernel ran: the gradient is given back, the device copy current
+            # its last kernel ran: the gradient is given back, the device copy current once its
+            # copies landed
             if job.gradient is not None and not (shadow and flat_gradient and job.gradient_home):
                 job.gradient.give_back()
+            job.device_writes.land()
             job.stepped()
 
     def _free_stepped_parts(self, job: StepJob) -> None:
@@ -487,15 +484,16 @@ class StepStream:
             writes.append((store.store_async(values, start, n), None))
 
     def _write_params(self, unit, start: int, n: int, writes: list, shadow: bool = False,
-                      written: torch.Tensor | None = None) -> None:
+                      written: torch.Tensor | None = None, flat_current: bool = True) -> None:
         """The unit's updated device copy goes to its home (``shadow``: its shadow extent), from
-        ``written``, the host values it was made from, unless the disk writes it directly: on
-        a GPU a read of it is a copy on the compute stream, after every kernel queued there."""
+        ``written``, the host values it was made from, unless the disk writes it directly
+        (``flat_current``: it already holds them): on a GPU a read of it is a copy on the
+        compute stream, after every kernel queued there."""
         store = unit.param_store
         if store is None:
             return
         at = start - unit.home_start    # the home holds the own shard (see [Note: shards])
-        if not store.resident and unit.flat_on_aligned_host:
+        if not store.resident and unit.flat_on_aligned_host and flat_current:
             # the device buffer is host memory, page-aligned, and stays fetched until the
             # unit's job has landed: write it as it is (no staging copy)
             writes.append((store.store_async(unit.flat[start:], at, n, shadow), None))
@@ -557,6 +555,7 @@ class StepStream:
             job.fail(job.error)
         else:
             if job.phase is JobPhase.READY:
+                job.device_writes.land()
                 job.stepped()
             job.landed()
 
@@ -580,20 +579,3 @@ def _store(store, tensor: torch.Tensor, start: int, count: int, writes: list,
     ``shadow``: to the store's shadow extent)."""
     if not store.resident:
         writes.append((store.store_async(tensor, start, count, shadow), None))
-
-
-def flat_rounded_by_kernel(unit, grad, runs: list[StepRun], start: int, end: int) -> bool:
-    """Whether the kernel may round the updated master straight into the unit's device copy
-    over [start, end) (see [Note: the kernel rounds into the device copy])."""
-    if not isinstance(grad, torch.Tensor) or unit.flat.device.type != "cpu":
-        return False
-    at = start
-    for run in runs:          # sorted by start (AdamKernel.step_runs)
-        if run.end <= at:
-            continue
-        if run.start > at:
-            return False      # a parameter that is not stepped: its value comes from the master
-        at = run.end
-        if at >= end:
-            return True
-    return at >= end

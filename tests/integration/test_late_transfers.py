@@ -18,13 +18,15 @@ import math
 import threading
 
 import pytest
+import torch
 
+import infinity
 from infinity.engine import sizing as engine_sizing
 from infinity.optim.records import CompleteGradient
 from infinity.storage import transfers
 from infinity.storage.device_cache import DeviceMemoryCache
 from infinity.zero.unit import Unit
-from parity import make_model, run_parity, zero_config
+from parity import VOCAB, loss_of, make_model, run_parity, zero_config
 
 CASES = [(family, param, early) for family in ("llama", "gpt2", "torch")
          for param in ("nvme", "cpu") for early in ("on", "off")]
@@ -129,3 +131,41 @@ def test_compute_not_waiting_for_a_host_homes_copy_ahead_fails(disk_dir, monkeyp
     finally:
         gate.set()
         result.engine.close()
+
+
+@pytest.mark.parametrize("param", ["nvme", "cpu"])
+def test_16_bit_device_copies_written_late_train_as_written_at_once(disk_dir, monkeypatch,
+                                                                   param: str) -> None:
+    """bf16 compute with an fp32 master: under late copies the step stream writes each stepped
+    unit's device copy by a copy that lands later (optim/device_copy.py), as on a GPU, where
+    the immediate copies let the kernel round into it. Both must give the same bits: the same
+    rounding of the same master, seen by the next forward only once landed."""
+    def losses(seed: int | None) -> list[float]:
+        if seed is not None:
+            _late(monkeypatch, seed)
+        torch.manual_seed(0)
+        ds = zero_config(3, param, "cpu", str(disk_dir), compute_dtype="bf16", early_step="on")
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+        engine, *_ = infinity.initialize(model=make_model("llama", layers=2, width=32),
+                                         config=ds)
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        try:
+            for _ in range(4):
+                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+                loss = loss_of(engine(input_ids=x, labels=x))
+                engine.backward(loss)
+                engine.step()
+                out.append(loss.item())
+            if seed is not None:
+                copies = engine.manager.copies
+                assert isinstance(copies, transfers.LateCopies)
+                assert copies.poisoned == 0 and copies.lost == 0
+        finally:
+            engine.close()
+        return out
+
+    at_once = losses(None)
+    late = losses(5)
+    assert all(math.isfinite(x) for x in late) and late == at_once, (late, at_once)

@@ -25,16 +25,16 @@ from infinity.base.budget import MemoryBudget
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
 from infinity.optim.adam_formats import dequantize_blockwise, quantization_map
+from infinity.optim.device_copy import DeviceCopyWrites, flat_rounded_by_kernel
 from infinity.optim.records import (
     CompleteGradient, JobPhase, OptimTimers, StepRun, UnitOptimState)
 from infinity.optim.state_formats import build_state
-from infinity.optim.step_stream import (
-    READ_AHEAD, WRITES_BEHIND, StepStream, flat_rounded_by_kernel)
+from infinity.optim.step_stream import READ_AHEAD, WRITES_BEHIND, StepStream
 from infinity.planner.state_format import QBLOCK, StateFormat
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
 from infinity.storage.tiers import Tier
-from infinity.storage.transfers import LateCopies
+from infinity.storage.transfers import LateCopies, _LateEvent
 from infinity.zero.unit import Unit
 
 SUB = 1024                      # sub-group numel (4 KiB of fp32)
@@ -315,6 +315,54 @@ def test_a_separate_master_rounds_into_the_16_bit_device_copy(held) -> None:
     rig.stream.submit(state, early=True, gradient=CompleteGradient(grad))
     rig.run()
     check_adam(state, values, [g])
+
+
+@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("held", [False, True])
+def test_a_device_copy_written_by_a_late_copy_is_current_when_its_unit_is_stepped(
+        held, planted, monkeypatch) -> None:
+    """Copies that overlap compute (a GPU's; here the late copies, whose destination reads NaN
+    until the copy lands): the stepped parameters go to the device copy by a copy, and the job
+    is stepped only once it has landed, so the training thread, which reads a device copy only
+    after ``stepped``, needs no wait of its own. The param home is written from the temporary,
+    never from the device copy. No copy lands before something waits for one (a gate), so the
+    planted fault, no wait before ``stepped``, is seen every time: NaN at ``stepped``."""
+    rig = Rig()
+    copies = rig.manager.copies = LateCopies(seed=3)
+    gate = threading.Event()
+    copies._jobs.put(gate.wait)
+    wait = _LateEvent.wait
+
+    def opens(event) -> None:
+        gate.set()
+        wait(event)
+    monkeypatch.setattr(_LateEvent, "wait", opens)
+    if planted:
+        monkeypatch.setattr(DeviceCopyWrites, "land", lambda self: None)
+    unit, values = rig.unit("u", [1000, 2000], dtype=torch.bfloat16)
+    state = rig.state(unit, values, master=True)
+    n = unit.trainable_numel
+    g = grad_of(values)
+    grad = {e.offset: g[e.offset:e.offset + e.numel].clone() for e in unit.params} if held \
+        else g
+    job = rig.stream.submit(state, early=True, gradient=CompleteGradient(grad))
+    at_stepped: list = []
+    job.stepped_future.add_done_callback(lambda f: at_stepped.append(unit.flat[:n].clone()))
+    try:
+        rig.run()
+    finally:
+        gate.set()
+        copies.drain()
+    assert copies.copies >= 1 and not job.error
+    if planted:
+        assert at_stepped[0].isnan().any()
+        return
+    assert torch.equal(at_stepped[0], state.master.data[:n].to(torch.bfloat16))
+    check_adam(state, values, [g])
+    # a real disk reads its source when the write is issued, here only at its wait
+    lo = unit.flat.data_ptr()
+    hi = lo + unit.flat.numel() * unit.flat.element_size()
+    assert unit.param_store.sources and not any(lo <= p < hi for p in unit.param_store.sources)
 
 
 def test_a_parameter_without_gradient_keeps_its_master_value_in_the_device_copy() -> None:

@@ -1,0 +1,108 @@
+"""The stepped parameters into a unit's device copy, from the step stream's thread.
+
+[Note: the kernel rounds into the device copy]
+With a separate fp32 master and 16-bit compute, a sub-group's step rounds the master into a
+temporary (``param.to``), the kernel overwrites the stepped elements with the rounded new values,
+and the temporary is copied into the unit's device copy: three passes beside the kernel's own and
+an allocation (at 85M in bf16, ~0.15 s of the step stream's CPU a step). Where the step's runs
+cover the whole sub-group and the gradient is one flat tensor (the kernel writes every element's
+rounding), and the device copy is CPU memory, the kernel writes straight into it instead: the
+same bits, no temporary, no copy. A sub-group with a parameter not stepped this cycle, or held
+per-parameter gradients (which skip the gaps between parameters), keeps the temporary, whose
+untouched elements are the master's own rounding.
+
+[Note: the device copy written behind the step]
+Where copies overlap compute (a GPU's streams; the late copies of the tests), the temporary goes
+to the device copy through the copies' owner (storage/transfers.py): from pinned memory, on the
+host-to-device stream, and the step stream waits for the copy's event before it says the unit is
+stepped (``DeviceCopyWrites.land`` before ``StepJob.stepped``). The training thread reads a
+unit's device copy only after ``stepped`` (``wait_stepped``: the next forward, ``step()``, a
+fetch handing a deferred job over), so that wait orders every later reader, on any stream,
+without the compute stream waiting on anything.
+
+Before, the step thread called ``copy_`` from its pageable temporary: on a GPU that is a copy on
+the thread's current stream, the default stream, which is the compute stream. The first profile
+on an H200 (BENCHMARKS.md, 2026-12-04) saw each unit's 101 MB take 15 ms at 6.8 GB/s there,
+146 ms of a 0.47 s step: compute queued behind it, and the step thread blocked in it between
+two units' kernels. From pinned memory the same copy runs at the link's rate (about 55 GB/s,
+~2 ms), beside the next sub-group's kernel.
+
+While such a copy is in flight the device copy does not hold the new values, so the home is
+written from the temporary (``flat_current`` False in ``StepStream._write_params``), never
+from the device copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from infinity.storage.transfers import CopyEvent, DeviceCopies
+
+if TYPE_CHECKING:   # records holds a DeviceCopyWrites per step job
+    from infinity.optim.records import StepRun
+
+__all__ = ["DeviceCopyWrites", "flat_rounded_by_kernel", "host_temporary"]
+
+
+def flat_rounded_by_kernel(unit, grad, runs: list[StepRun], start: int, end: int) -> bool:
+    """Whether the kernel may round the updated master straight into the unit's device copy
+    over [start, end) (see [Note: the kernel rounds into the device copy])."""
+    if not isinstance(grad, torch.Tensor) or unit.flat.device.type != "cpu":
+        return False
+    at = start
+    for run in runs:          # sorted by start (AdamKernel.step_runs)
+        if run.end <= at:
+            continue
+        if run.start > at:
+            return False      # a parameter that is not stepped: its value comes from the master
+        at = run.end
+        if at >= end:
+            return True
+    return at >= end
+
+
+def host_temporary(values: torch.Tensor, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """``values`` in ``dtype`` (rounded) in a fresh host tensor: the temporary the kernel then
+    overwrites where it steps; ``pinned``: in page-locked memory, so that a GPU copies it on the
+    host-to-device stream at the link's rate (see [Note: the device copy written behind the
+    step])."""
+    if not pinned:
+        return values.to(dtype, copy=True)
+    out = torch.empty(values.shape, dtype=dtype, pin_memory=True)
+    out.copy_(values)
+    return out
+
+
+@dataclass
+class DeviceCopyWrites:
+    """The device-copy writes of one step job still in flight: each copy's event and the
+    temporary it reads (kept referenced until the event, whatever the allocator does)."""
+
+    pending: list[tuple[CopyEvent, torch.Tensor]] = field(default_factory=list)
+
+    def write(self, copies: DeviceCopies, flat: torch.Tensor, values: torch.Tensor,
+              temporary: bool) -> bool:
+        """Put host ``values`` into ``flat`` (a slice of the device copy); ``temporary``: they
+        are the job's own (``host_temporary``), else a buffer that may go back to its pool
+        before a late copy reads it, so a copy is made first. True when ``flat`` holds them on
+        return (copies that do not overlap compute), False when they land later (see [Note:
+        the device copy written behind the step])."""
+        if not copies.overlaps_compute:
+            with torch.no_grad():
+                flat.copy_(values)
+            return True
+        on_gpu = flat.device.type == "cuda"
+        if not temporary or (on_gpu and not values.is_pinned()):
+            values = host_temporary(values, values.dtype, pinned=on_gpu)
+        self.pending.append((copies.to_device(flat, values), values))
+        return False
+
+    def land(self) -> None:
+        """Block the calling thread (the step stream) until every write of the job is in the
+        device copy; the next reader then needs no wait of its own."""
+        while self.pending:
+            event, _ = self.pending[0]
+            event.wait()
+            self.pending.pop(0)
