@@ -21,6 +21,7 @@
 #   share of host-to-device copy time hidden behind compute, beside the dry run's prediction
 #   for this machine (rates measured in the same run).
 # Files: env.txt, install.txt, gpu_tests.txt, profile.txt, profile.json, trace.json.gz,
+# trace-accumulate.json.gz (the accumulating setup's profiled step),
 # summary.txt.
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_check}"
@@ -67,7 +68,7 @@ left=$(( 470 - $(elapsed) ))
 if [ "$left" -gt 60 ]; then
     # shellcheck disable=SC2086 # GPU_CHECK_PROFILE_ARGS: extra flags, e.g. a smoke run's
     timeout "$left" python3 tools/bench/gpu_profile.py --out "$OUT" ${GPU_CHECK_PROFILE_ARGS:-} \
-        2>&1 | tail -40 \
+        2>&1 | tail -60 \
         > "$OUT/profile.txt"
 else
     echo "skipped: $left s left of the pass" > "$OUT/profile.txt"
@@ -78,6 +79,6 @@ fi
     grep -v "^\[infinity" "$OUT/env.txt"
     tail -1 "$OUT/install.txt"
     grep -E "passed|failed|error|skipped in" "$OUT/gpu_tests.txt" | tail -3
-    grep -E "^(step|mfu|h2d|d2h|dry run|ratio)" "$OUT/profile.txt"
+    grep -E "^(rates|step|mfu|h2d|d2h|dry run|ratio)" "$OUT/profile.txt"
 } > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"

@@ -299,9 +299,9 @@ measures them)."""
 
 def target_setup(memory, target, workload) -> tuple[DryRunSetup, DryRunRates]:
     """The dry run of a target plan's chosen config (``planner.rank_memory.RankMemory``): one
-    rank, its GPU at the plan's MFU, its share of the node's NVMe and CPU Adam, the ring's
-    bandwidth for the collectives."""
-    from infinity.planner.step_time import CPU_ADAM_PARAMS_PER_CORE, LINK_EFFICIENCY
+    rank, its GPU at the plan's MFU, its share of the node's NVMe and CPU Adam (cores or memory
+    bandwidth, as the analytical step counts it), the ring's bandwidth for the collectives."""
+    from infinity.planner.step_time import LINK_EFFICIENCY, adam_rate_factor, cpu_adam_rate
 
     ranks = target.gpus_per_node
     setup = DryRunSetup(plan=memory.plan,
@@ -309,7 +309,9 @@ def target_setup(memory, target, workload) -> tuple[DryRunSetup, DryRunRates]:
     rates = DryRunRates(
         compute_flops_per_s=target.gpu.peak_tflops * 1e12 * target.mfu,
         nvme_read_GBps=target.nvme_read_GBps / ranks, nvme_write_GBps=target.nvme_write_GBps / ranks,
-        adam_params_per_s=CPU_ADAM_PARAMS_PER_CORE * target.cpu_cores / ranks,
+        # DryRunRates holds fp32 states' rate: the stepper applies the format's factor
+        adam_params_per_s=cpu_adam_rate(memory.placement, target)[0]
+        / adam_rate_factor(memory.placement.state_format) / ranks,
         net_GBps=target.collective_GBps * LINK_EFFICIENCY,
         pcie_GBps=target.gpu.pcie_GBps * LINK_EFFICIENCY)
     return setup, rates

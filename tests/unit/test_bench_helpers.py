@@ -227,17 +227,22 @@ def test_the_gpu_profile_asks_the_dry_run_for_the_machine_it_measured(tmp_path):
     rates, not the datasheet's or this CPU's."""
     rates = {"matmul_tflops": 700.0, "h2d_GBps": 40.0, "host_total_bytes": 128 * C.GiB,
              "cpu_cores": 16, "gpu_name": "NVIDIA H200", "gpu_total_bytes": 140 * C.GiB,
-             "nvme_read_GBps": 3.0, "nvme_write_GBps": 2.0, "disk_free_bytes": 60 * C.GiB}
+             "nvme_read_GBps": 3.0, "nvme_write_GBps": 2.0, "disk_free_bytes": 60 * C.GiB,
+             "host_memory_GBps": 50.0}
     setup = dict(gpu_profile.SETUPS["bench"])
     res = {**setup, "ds_config": gpu_profile._config(setup, str(tmp_path), "bf16")}
     got = gpu_profile.predict(res, rates, "tiny", str(tmp_path))
     assert "error" not in got, got
     for flag in ("--gpus 1 ", "--gpu H200 ", f"--gpu-memory {140 * C.GiB} ",
                  "--gpu-tflops 700.0 ", "--pcie-GBps 40.00 ", "--nvme-read-GBps 3.00",
-                 "--seq-len 128 ", "--micro-batch 1 "):
+                 "--seq-len 128 ", "--micro-batch 1 ", "--host-memory-GBps 50.0 "):
         assert flag in got["command"] + " ", (flag, got["command"])
     # the simulated step is at least the busiest resource's time; NVMe-bound at these rates
     assert got["simulated_step_s"] >= max(got["busy_s"].values()) - 1e-9 > 0
     assert got["busy_s"]["NVMe"] > 10 * got["busy_s"]["compute"]
+    # the measured memory bandwidth reaches the dry run's CPU Adam (memory-bound at 0.5 GB/s:
+    # 30 B a parameter against 16 cores' 14.4 G parameters/s), not only the analytical step
+    slow = gpu_profile.predict(res, {**rates, "host_memory_GBps": 0.5}, "tiny", str(tmp_path))
+    assert slow["busy_s"]["CPU Adam"] > 10 * got["busy_s"]["CPU Adam"] > 0
     # no GPU measured: no prediction, said so
     assert "error" in gpu_profile.predict(res, {"cpu_cores": 2}, "tiny", str(tmp_path))

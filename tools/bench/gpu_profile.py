@@ -3,15 +3,20 @@
 for the same machine: what issue 36 asks of the first GPU lent (tools/gpu_check.sh runs it).
 
 Run (from the repository root, on a machine with a CUDA device):
-    python3 tools/bench/gpu_profile.py --out /tmp/gpu_profile                  # 0.49B, two setups
+    python3 tools/bench/gpu_profile.py --out /tmp/gpu_profile                # 0.49B, three setups
     python3 tools/bench/gpu_profile.py --size tiny --warmup 1 --steps 1     # smoke (CPU too)
 Writes ``profile.json`` (every figure), ``trace.json.gz`` (the profiled step of the first setup:
-open it in https://ui.perfetto.dev) under --out, and a table on the screen.
+open it in https://ui.perfetto.dev; ``trace-accumulate.json.gz`` for that setup) under --out, and
+a table on the screen.
 
 Setups (each a fresh engine; ``--setups`` picks):
-  overlap   parameters and optimizer offloaded to host memory, micro-batch 4 x seq 1024: a unit's
-            host-to-device copy has its neighbours' compute to hide behind, so this is where the
-            share of copy time hidden behind compute is the engine's, not the model's;
+  overlap   parameters and optimizer offloaded to host memory, micro-batch 4 x seq 1024, the
+            early step: a unit's host-to-device copy has its neighbours' compute to hide behind,
+            but the CPU Adam of the whole model (~0.3 s on the first H200 machine) is the step,
+            and compute waits for it, with nothing left to hide a copy behind;
+  accumulate  the same, 8 micro-batches a step (the deferred step): the compute of 8 forwards
+            and backwards outweighs the CPU Adam, so this is where the share of copy time
+            hidden behind compute is the engine's prefetch, not the optimizer's wait;
   bench     tools/bench/out_of_core.py's config (parameters and optimizer on NVMe, host budget
             3 GiB, micro-batch 1 x seq 128): the step the CPU benches measure.
 Per setup: ``--warmup`` steps, ``--steps`` timed steps (wall clock, the device synchronized at
@@ -52,9 +57,13 @@ REPO = Path(__file__).resolve().parents[2]
 Interval = tuple[float, float]
 
 SETUPS: dict[str, dict[str, Any]] = {
-    "overlap": {"offload": "cpu", "seq": 1024, "mbs": 4, "host_budget": None},
-    "bench": {"offload": "nvme", "seq": 128, "mbs": 1, "host_budget": "3GiB"},
+    "overlap": {"offload": "cpu", "seq": 1024, "mbs": 4, "accumulate": 1, "host_budget": None},
+    "accumulate": {"offload": "cpu", "seq": 1024, "mbs": 4, "accumulate": 8,
+                   "host_budget": None},
+    "bench": {"offload": "nvme", "seq": 128, "mbs": 1, "accumulate": 1, "host_budget": "3GiB"},
 }
+TRACED = ("accumulate",)
+"""Setups whose profiled step is written as ``trace-<setup>.json.gz`` beside the first's."""
 
 
 # =========================================================================== trace analysis
@@ -183,10 +192,13 @@ def model_flops_per_step(shape: Sequence[int], seq: int, mbs: int) -> float:
 def _config(setup: dict[str, Any], nvme: str, compute_dtype: str) -> dict[str, Any]:
     offload = setup["offload"]
     where = {"device": offload, **({"nvme_path": nvme} if offload == "nvme" else {})}
-    infinity: dict[str, Any] = {"early_step": "on", "compute_dtype": compute_dtype}
+    # the early step cannot keep gradients over micro-batches: accumulation takes the deferred
+    infinity: dict[str, Any] = {"early_step": "on" if setup["accumulate"] == 1 else "off",
+                                "compute_dtype": compute_dtype}
     if setup["host_budget"]:
         infinity["host_memory_budget"] = setup["host_budget"]
-    return {"train_micro_batch_size_per_gpu": setup["mbs"], "gradient_accumulation_steps": 1,
+    return {"train_micro_batch_size_per_gpu": setup["mbs"],
+            "gradient_accumulation_steps": setup["accumulate"],
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 3, "offload_param": where,
                                   "offload_optimizer": dict(where)},
@@ -195,12 +207,15 @@ def _config(setup: dict[str, Any], nvme: str, compute_dtype: str) -> dict[str, A
 
 def measure_rates(device, scratch: str, disk: bool) -> dict[str, Any]:
     """The dry run's inputs for this machine, measured now: the bf16 matmul rate and the pinned
-    host-to-device rate of the GPU, the swap directory's cold read and write rates."""
+    host-to-device rate of the GPU, the host memory bandwidth, the swap directory's cold read
+    and write rates; beside them the engine's CPU Adam kernel alone (reported, not an input:
+    the dry run derives it from the cores and the memory bandwidth)."""
     import torch
 
     rates: dict[str, Any] = {"cpu_cores": len(os.sched_getaffinity(0)),
                              "host_total_bytes": os.sysconf("SC_PAGE_SIZE")
-                             * os.sysconf("SC_PHYS_PAGES")}
+                             * os.sysconf("SC_PHYS_PAGES"),
+                             **host_rates()}
     if device.type == "cuda":
         n = 8192
         a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -235,6 +250,33 @@ def measure_rates(device, scratch: str, disk: bool) -> dict[str, Any]:
     return rates
 
 
+def host_rates(numel: int = 64 << 20) -> dict[str, float]:
+    """The host memory bandwidth (a float32 copy of ``numel`` elements, bytes read plus
+    written, the best of three) and the CPU Adam kernel's parameters per second with an fp32
+    master and a bf16 copy written (``adam_step_flat``, the engine's threads), best of three."""
+    import torch
+
+    from infinity.optim.cpu_adam import adam_step_flat
+
+    src, dst = torch.rand(numel), torch.empty(numel)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    out = {"host_memory_GBps": 2 * 4 * numel / best / 1e9}
+    param, grad, m, v = src, dst, torch.zeros(numel), torch.zeros(numel)
+    half = torch.empty(numel, dtype=torch.bfloat16)
+    best = float("inf")
+    for step in range(1, 4):
+        start = time.perf_counter()
+        adam_step_flat(param, grad, m, v, step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.01, half_out=half)
+        best = min(best, time.perf_counter() - start)
+    out["adam_params_per_s"] = numel / best
+    return out
+
+
 def run_setup(name: str, args: argparse.Namespace, device, out: Path,
               write_trace: bool) -> dict[str, Any]:
     """One setup: the engine's timed steps, one profiled step, the trace's figures."""
@@ -248,8 +290,10 @@ def run_setup(name: str, args: argparse.Namespace, device, out: Path,
         setup["seq"] = args.seq
     shape = C.size_shape(args.size)
     cfg = C.llama_config(shape, setup["seq"])
-    data = [ids.to(device) for ids in C.token_batches(1234, args.warmup + args.steps + 1,
-                                                      cfg.vocab_size, setup["seq"], setup["mbs"])]
+    every = C.token_batches(1234, (args.warmup + args.steps + 1) * setup["accumulate"],
+                            cfg.vocab_size, setup["seq"], setup["mbs"])
+    k = setup["accumulate"]      # a step's micro-batches
+    data = [[ids.to(device) for ids in every[i:i + k]] for i in range(0, len(every), k)]
     nvme = tempfile.mkdtemp(prefix="gpu-profile-", dir=args.scratch)
     compute_dtype = "bf16" if device.type == "cuda" else "fp32"
     dsc = _config(setup, nvme, compute_dtype)
@@ -263,11 +307,16 @@ def run_setup(name: str, args: argparse.Namespace, device, out: Path,
     try:
         res["engine_device"] = str(engine.device)
 
-        def step(ids) -> float:
-            out_ = engine(input_ids=ids, labels=ids)
-            engine.backward(out_.loss)
-            engine.step()
-            return float(out_.loss)
+        def step(micro_batches) -> float:
+            """One optimizer step: each micro-batch's forward, backward and ``engine.step()``
+            (the engine steps at the accumulation boundary); the mean loss."""
+            total = 0.0
+            for ids in micro_batches:
+                out_ = engine(input_ids=ids, labels=ids)
+                engine.backward(out_.loss)
+                engine.step()
+                total += float(out_.loss.detach())
+            return total / len(micro_batches)
 
         steps, losses = [], []
         for i, ids in enumerate(data[:-1]):
@@ -291,15 +340,17 @@ def run_setup(name: str, args: argparse.Namespace, device, out: Path,
             raw = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(raw))
             trace = json.loads(raw.read_text())
-            if write_trace:
-                with gzip.open(out / "trace.json.gz", "wt") as f:
+            if write_trace or name in TRACED:
+                traced = "trace.json.gz" if write_trace else f"trace-{name}.json.gz"
+                with gzip.open(out / traced, "wt") as f:
                     json.dump(trace, f)
         res["profiled"] = overlap_figures(trace)
     finally:
         engine.close()
         # ours (mkdtemp above); close removed the engine's swap files, unless it failed first
         shutil.rmtree(nvme, ignore_errors=True)
-    res["model_flops_per_step"] = model_flops_per_step(shape, setup["seq"], setup["mbs"])
+    res["model_flops_per_step"] = model_flops_per_step(shape, setup["seq"], setup["mbs"]) * \
+        setup["accumulate"]
     res["model_tflops"] = res["model_flops_per_step"] / res["median_step_s"] / 1e12
     return res
 
@@ -323,7 +374,8 @@ def plan_command(res: dict[str, Any], rates: dict[str, Any], hf_config: Path, ds
            "--gpus", "1", "--gpu-tflops", f"{rates['matmul_tflops']:.1f}",
            "--pcie-GBps", f"{rates['h2d_GBps']:.2f}",
            "--host-memory", str(rates["host_total_bytes"]),
-           "--cpu-cores", str(rates["cpu_cores"])]
+           "--cpu-cores", str(rates["cpu_cores"]),
+           "--host-memory-GBps", f"{rates['host_memory_GBps']:.1f}"]
     # the preset's peak and links, the card's own memory (an A100 40GB matches "A100-80G")
     cmd += (["--gpu", preset] if preset else []) + ["--gpu-memory", str(rates["gpu_total_bytes"])]
     if "nvme_read_GBps" in rates:
@@ -369,8 +421,11 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 def report(results: dict[str, Any]) -> str:
     """The table gpu_check.sh's summary greps: one line per figure and setup."""
-    lines = []
     rates = results["rates"]
+    lines = [f"rates host memory {_fmt(rates.get('host_memory_GBps'), '.1f')} GB/s, CPU Adam "
+             f"kernel {_fmt(rates.get('adam_params_per_s', 0) / 1e9, '.2f')} G params/s on "
+             f"{rates['cpu_cores']} cores, h2d {_fmt(rates.get('h2d_GBps'), '.1f')} GB/s, "
+             f"matmul {_fmt(rates.get('matmul_tflops'), '.0f')} TFLOPS"]
     peak = results.get("peak_tflops")
     for name, res in results["setups"].items():
         prof = res["profiled"]
@@ -382,7 +437,8 @@ def report(results: dict[str, Any]) -> str:
         lines += [
             f"step [{name}] median {res['median_step_s']:.3f} s of {res['timed_steps']} steps "
             f"after {res['warmup']} warm-up on {res['engine_device']}, {res['size']} mbs "
-            f"{res['mbs']} seq {res['seq']} offload {res['offload']}",
+            f"{res['mbs']} x {res['accumulate']} seq {res['seq']} offload {res['offload']}; "
+            f"optimizer {_fmt(res['step_stats'].get('optimizer_s'))} s a step",
             f"mfu [{name}] {_fmt(mfu_peak)} of the datasheet peak ({peak} TFLOPS), "
             f"{_fmt(mfu_measured)} of the measured matmul rate "
             f"({_fmt(rates.get('matmul_tflops'), '.0f')} TFLOPS); {res['model_tflops']:.2f} "
@@ -395,7 +451,8 @@ def report(results: dict[str, Any]) -> str:
             f"{prof['d2h_us'] / 1e3:.2f} ms copies, {_fmt(prof['d2h_on_compute_stream_share'])} "
             "on the compute stream",
             f"dry run [{name}] predicted {_fmt(dry.get('simulated_step_s'))} s (analytical "
-            f"{_fmt(dry.get('analytical_step_s'))} s){error}",
+            f"{_fmt(dry.get('analytical_step_s'))} s; CPU Adam busy "
+            f"{_fmt(dry.get('busy_s', {}).get('CPU Adam'))} s){error}",
         ]
         if dry.get("simulated_step_s"):
             lines.append(f"ratio [{name}] measured / predicted "
@@ -406,7 +463,7 @@ def report(results: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="0.49B", help="a tools/bench size (0.49B, tiny, HxLxAxIxV)")
-    ap.add_argument("--setups", default="overlap,bench", help=f"comma list of {sorted(SETUPS)}")
+    ap.add_argument("--setups", default="overlap,accumulate,bench", help=f"comma list of {sorted(SETUPS)}")
     ap.add_argument("--seq", type=int, default=None, help="override every setup's seq")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
