@@ -199,6 +199,30 @@ def test_copy_time_hidden_behind_compute_is_the_part_a_kernel_covers():
     assert none["h2d_hidden_share"] is None and none["d2h_on_compute_stream_share"] is None
 
 
+def test_a_copy_stalls_compute_only_where_the_next_kernel_waited_for_it():
+    """The "stalling" share: copy time the compute stream sat idle for, its next kernel
+    starting within ``WAIT_SLACK_US`` of the copy's end. A copy beside idle compute whose next
+    kernel comes much later (compute waiting on the host) stalls nothing; one ending while a
+    kernel runs stalls nothing; one the next kernel starts right after stalls from the last
+    kernel's end (or its own start, if later) to its end."""
+    slack = gpu_profile.WAIT_SLACK_US
+    compute = [(0.0, 10.0), (10.0, 20.0), (100.0, 110.0), (300.0, 310.0), (400.0, 410.0)]
+    copies = [(5.0, 15.0),                    # ends inside a kernel
+              (30.0, 100.0 - slack / 2),      # the kernel at 100 waited: 30..(100 - slack/2)
+              (120.0, 200.0),                 # the next kernel comes 100 us later: not waited
+              (380.0, 400.0)]                 # waited, from its own start: 20
+    got = gpu_profile.stalled(copies, compute)
+    assert got == [(30.0, 100.0 - slack / 2), (380.0, 400.0)]
+    # the same copy started before the last kernel ended: the stall starts at that end
+    assert gpu_profile.stalled([(305.0, 400.0)], compute) == [(310.0, 400.0)]
+    assert gpu_profile.stalled(copies, []) == []
+    figures = gpu_profile.overlap_figures(_trace(
+        ("kernel", "gemm", 0, 10, 7), ("kernel", "gemm", 50, 10, 7),
+        ("gpu_memcpy", H2D, 20, 30, 20),     # 20..50, the kernel at 50 waited: 30 stalled
+        ("gpu_memcpy", H2D, 70, 30, 20)))    # 70..100, nothing after it
+    assert figures["h2d_stalling_share"] == pytest.approx(30 / 60)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_covered_equals_a_fine_grid_count(seed):
     """``covered`` against counting unit cells of a grid, on random integer intervals."""

@@ -37,6 +37,7 @@ None) and the dry run plans this machine.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gzip
 import io
@@ -139,6 +140,34 @@ def length(intervals: Iterable[Interval]) -> float:
     return sum(e - s for s, e in union(intervals))
 
 
+WAIT_SLACK_US = 30.0
+"""A compute kernel that starts this soon after a copy ends, the compute stream idle until
+then, waited for that copy: a stream wait starts it within microseconds of the copy's end,
+while a kernel the host happens to launch then is rare (the first H200 profile's forward
+launched one every ~100 µs or more)."""
+
+
+def stalled(copies: Iterable[Interval], compute: Iterable[Interval],
+            slack: float = WAIT_SLACK_US) -> list[Interval]:
+    """The parts of ``copies`` that the compute stream sat idle waiting for: for a copy after
+    whose end the next compute kernel starts within ``slack``, with no compute kernel running
+    at that end, the span from the later of the copy's start and the last compute kernel's end
+    before it to the copy's end. A copy the compute stream did not wait for stalls nothing,
+    however little compute ran beside it (compute waiting on the host or on the CPU Adam)."""
+    busy = union(compute)
+    starts = sorted(start for start, _ in busy)
+    out: list[Interval] = []
+    for start, end in copies:
+        i = bisect.bisect_left(starts, end)
+        if i == len(starts) or starts[i] - end > slack:
+            continue
+        last = busy[i - 1][1] if i > 0 else float("-inf")   # busy[i - 1] starts before end
+        if last >= end:
+            continue          # a kernel ran when the copy ended: compute was not waiting
+        out.append((max(start, last), end))
+    return out
+
+
 def covered(intervals: Iterable[Interval], cover: Iterable[Interval]) -> float:
     """Length of the part of ``intervals`` (their union) that ``cover`` also covers."""
     a, b = union(intervals), union(cover)
@@ -156,9 +185,11 @@ def covered(intervals: Iterable[Interval], cover: Iterable[Interval]) -> float:
 def overlap_figures(trace: dict[str, Any]) -> dict[str, Any]:
     """What a profiled step says of the overlap: each kind's busy time (µs, their union), the
     window from the first to the last device event, the streams, and for each copy direction
-    the share of its time during which a compute-stream kernel ran ("hidden") and the share
-    issued on the compute stream itself (which can never be hidden); None where there were no
-    such copies."""
+    the share of its time during which a compute-stream kernel ran ("hidden"), the share
+    issued on the compute stream itself (which can never be hidden), and the share the compute
+    stream sat waiting for (``stalled``: what a copy costs the step; a copy beside idle compute
+    is not hidden, yet costs nothing when compute waits on something else); None where there
+    were no such copies."""
     events = _device_events(trace)
     kinds = trace_intervals(trace)
     streams = trace_streams(trace)
@@ -175,6 +206,8 @@ def overlap_figures(trace: dict[str, Any]) -> dict[str, Any]:
         out[f"{kind}_hidden_share"] = (covered(kinds[kind], kinds["compute"]) / busy
                                        if busy > 0 else None)
         out[f"{kind}_on_compute_stream_share"] = length(on_main) / busy if busy > 0 else None
+        out[f"{kind}_stalling_share"] = (length(stalled(kinds[kind], kinds["compute"])) / busy
+                                         if busy > 0 else None)
     return out
 
 
@@ -445,7 +478,8 @@ def report(results: dict[str, Any]) -> str:
             "model TFLOPS",
             f"h2d [{name}] hidden behind compute {_fmt(prof['h2d_hidden_share'])} of "
             f"{prof['h2d_us'] / 1e3:.2f} ms copies, {_fmt(prof['h2d_on_compute_stream_share'])} "
-            f"on the compute stream (profiled step: compute {prof['compute_us'] / 1e3:.2f} ms "
+            f"on the compute stream, {_fmt(prof.get('h2d_stalling_share'))} stalling it "
+            f"(profiled step: compute {prof['compute_us'] / 1e3:.2f} ms "
             f"busy of a {prof['window_us'] / 1e3:.2f} ms window)",
             f"d2h [{name}] hidden behind compute {_fmt(prof['d2h_hidden_share'])} of "
             f"{prof['d2h_us'] / 1e3:.2f} ms copies, {_fmt(prof['d2h_on_compute_stream_share'])} "
