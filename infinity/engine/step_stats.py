@@ -28,4 +28,6 @@ def step_stats(step_s: float, manager: TierManager, timers: OptimTimers,
         "io_read_bytes": c.nvme_read_bytes, "io_write_bytes": c.nvme_write_bytes,
         "prefetch_hit_ratio": prefetch_hit_ratio,
         "optimizer_background_s": timers.background_s, "grad_wait_s": timers.grad_wait_s,
+        "optimizer_kernel_s": timers.kernel_s,
+        "device_write_wait_s": timers.device_write_wait_s,
     }

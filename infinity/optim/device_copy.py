@@ -33,6 +33,7 @@ from the device copy.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,10 +100,12 @@ class DeviceCopyWrites:
         self.pending.append((copies.to_device(flat, values), values))
         return False
 
-    def land(self) -> None:
+    def land(self) -> float:
         """Block the calling thread (the step stream) until every write of the job is in the
-        device copy; the next reader then needs no wait of its own."""
+        device copy; the next reader then needs no wait of its own. The seconds it waited."""
+        start = time.perf_counter()
         while self.pending:
             event, _ = self.pending[0]
             event.wait()
             self.pending.pop(0)
+        return time.perf_counter() - start

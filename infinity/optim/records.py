@@ -161,9 +161,15 @@ class OptimTimers:
     grad_s: float = 0.0
     grad_wait_s: float = 0.0    # of grad_s: backward waiting for room for held gradients
     background_s: float = 0.0
+    # of background_s: the Adam kernels, and the wait for device-copy writes to land (see
+    # [Note: the device copy written behind the step] in optim/device_copy.py): what a profile
+    # of the training thread cannot see of the step stream
+    kernel_s: float = 0.0
+    device_write_wait_s: float = 0.0
 
     def reset(self) -> None:
         self.optimizer_s = self.grad_s = self.grad_wait_s = self.background_s = 0.0
+        self.kernel_s = self.device_write_wait_s = 0.0
 
 
 class StepRun(NamedTuple):

@@ -420,9 +420,11 @@ class StepStream:
         # norm for get_global_grad_norm) and a speculated step's held gradient that stays here
         # (a flat buffer was normed when complete, one going home is normed as it is written)
         norm_in_kernel = job.early and not (shadow and (flat_gradient or job.gradient_home))
+        kernel_start = time.perf_counter()
         sq = self.kernel.run(state, start, end, param, grad, t["m"], t["v"], job.grad_scale,
                              half, job.hyper, job.runs, grad_sq_sum=norm_in_kernel,
                              scales=scales_of(state, at, n))
+        self.timers.kernel_s += time.perf_counter() - kernel_start
         job.sq_norm += sq
         if not job.early and state.grad_store.resident:
             grad.zero_()          # the next backward accumulates into the home gradient
@@ -453,7 +455,7 @@ class StepStream:
             # copies landed
             if job.gradient is not None and not (shadow and flat_gradient and job.gradient_home):
                 job.gradient.give_back()
-            job.device_writes.land()
+            self.timers.device_write_wait_s += job.device_writes.land()
             job.stepped()
 
     def _free_stepped_parts(self, job: StepJob) -> None:
@@ -555,7 +557,7 @@ class StepStream:
             job.fail(job.error)
         else:
             if job.phase is JobPhase.READY:
-                job.device_writes.land()
+                self.timers.device_write_wait_s += job.device_writes.land()
                 job.stepped()
             job.landed()
 

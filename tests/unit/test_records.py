@@ -30,10 +30,10 @@ def _state(shard=None) -> UnitOptimState:
 
 
 def test_timers_reset_zeroes_every_timer() -> None:
-    timers = OptimTimers(1.0, 2.0, 3.0, 4.0)
+    timers = OptimTimers(1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
     timers.reset()
-    assert (timers.optimizer_s, timers.grad_s, timers.grad_wait_s,
-            timers.background_s) == (0.0, 0.0, 0.0, 0.0)
+    assert (timers.optimizer_s, timers.grad_s, timers.grad_wait_s, timers.background_s,
+            timers.kernel_s, timers.device_write_wait_s) == (0.0,) * 6
 
 
 def test_sub_groups_cut_the_states_range_in_chunks() -> None:

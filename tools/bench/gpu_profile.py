@@ -471,7 +471,10 @@ def report(results: dict[str, Any]) -> str:
             f"step [{name}] median {res['median_step_s']:.3f} s of {res['timed_steps']} steps "
             f"after {res['warmup']} warm-up on {res['engine_device']}, {res['size']} mbs "
             f"{res['mbs']} x {res['accumulate']} seq {res['seq']} offload {res['offload']}; "
-            f"optimizer {_fmt(res['step_stats'].get('optimizer_s'))} s a step",
+            f"optimizer {_fmt(res['step_stats'].get('optimizer_s'))} s a step (step stream: "
+            f"busy {_fmt(res['step_stats'].get('optimizer_background_s'))} s, kernels "
+            f"{_fmt(res['step_stats'].get('optimizer_kernel_s'))} s, device-copy writes waited "
+            f"{_fmt(res['step_stats'].get('device_write_wait_s'))} s)",
             f"mfu [{name}] {_fmt(mfu_peak)} of the datasheet peak ({peak} TFLOPS), "
             f"{_fmt(mfu_measured)} of the measured matmul rate "
             f"({_fmt(rates.get('matmul_tflops'), '.0f')} TFLOPS); {res['model_tflops']:.2f} "
