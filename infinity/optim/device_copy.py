@@ -18,7 +18,7 @@ host-to-device stream, and the step stream waits for the copy's event before it 
 stepped (``DeviceCopyWrites.land`` before ``StepJob.stepped``). The training thread reads a
 unit's device copy only after ``stepped`` (``wait_stepped``: the next forward, ``step()``, a
 fetch handing a deferred job over), so that wait orders every later reader, on any stream,
-without the compute stream waiting on anything.
+without a wait on the compute stream.
 
 Before, the step thread called ``copy_`` from its pageable temporary: on a GPU that is a copy on
 the thread's current stream, the default stream, which is the compute stream. The first profile
@@ -29,7 +29,20 @@ two units' kernels. From pinned memory the same copy runs at the link's rate (ab
 
 While such a copy is in flight the device copy does not hold the new values, so the home is
 written from the temporary (``flat_current`` False in ``StepStream._write_params``), never
-from the device copy.
+from the device copy. A job that fails waits for its copies all the same before it is handed
+back (its unit may be released, its device memory reused).
+
+Costs, to be measured on the next GPU pass (``device_write_wait_s`` in the step stats):
+- Memory. A job keeps one copy in flight while the next sub-group is stepped (``IN_FLIGHT``),
+  so two sub-groups' 16-bit temporaries are alive at once. They are pinned, from torch's
+  pinned-memory cache, which rounds a size up to a power of two and keeps freed blocks for
+  reuse. Like autograd's temporaries they are outside the host budget.
+- Waiting. ``CudaCopies.to_device`` starts a copy after everything the compute stream had
+  queued, so ``land`` waits for that queue too. In the deferred schedule a forward that hands
+  a unit's job over then waits, through ``stepped``, for the kernels queued before it: the
+  host cannot run more than a unit ahead of the device there. The step thread's copy does not
+  need that order (the unit's last readers ran before its gradient landed), but leaving it
+  out is unchecked by any CPU test, so it stays until a GPU measures the cost.
 """
 from __future__ import annotations
 
@@ -44,7 +57,13 @@ from infinity.storage.transfers import CopyEvent, DeviceCopies
 if TYPE_CHECKING:   # records holds a DeviceCopyWrites per step job
     from infinity.optim.records import StepRun
 
-__all__ = ["DeviceCopyWrites", "flat_rounded_by_kernel", "host_temporary"]
+__all__ = ["DeviceCopyWrites", "flat_rounded_by_kernel", "host_temporary", "IN_FLIGHT"]
+
+IN_FLIGHT = 1
+"""Device-copy writes a job keeps in flight while its next sub-group is stepped: one copy beside
+one kernel. So at most two sub-groups' 16-bit temporaries are alive, against one before (a
+pageable one, freed after its synchronous copy); see [Note: the device copy written behind the
+step]."""
 
 
 def flat_rounded_by_kernel(unit, grad, runs: list[StepRun], start: int, end: int) -> bool:
@@ -100,12 +119,17 @@ class DeviceCopyWrites:
         self.pending.append((copies.to_device(flat, values), values))
         return False
 
-    def land(self) -> float:
-        """Block the calling thread (the step stream) until every write of the job is in the
-        device copy; the next reader then needs no wait of its own. The seconds it waited."""
+    def settle(self, keep: int = IN_FLIGHT) -> float:
+        """Wait (the calling thread) until at most ``keep`` writes are in flight, the oldest
+        first; the seconds it waited."""
         start = time.perf_counter()
-        while self.pending:
+        while len(self.pending) > keep:
             event, _ = self.pending[0]
             event.wait()
             self.pending.pop(0)
         return time.perf_counter() - start
+
+    def land(self) -> float:
+        """Block the calling thread (the step stream) until every write of the job is in the
+        device copy; the next reader then needs no wait of its own. The seconds it waited."""
+        return self.settle(0)

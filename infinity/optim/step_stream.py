@@ -399,6 +399,8 @@ class StepStream:
         at = start - state.lo           # in the state's stores
         t = loaded.tensors
         self._count_step(job)
+        # at most one device-copy write of this job beside this sub-group's kernel
+        self.timers.device_write_wait_s += job.device_writes.settle()
         param = t["p"] if "p" in t else unit.flat[start:end]
         if job.early:
             job.gradient.landed()   # see [Note: background early step]; at once after the first
@@ -431,7 +433,7 @@ class StepStream:
         _store(state.exp_avg, t["m"], at, n, writes, shadow)
         _store(state.exp_avg_sq, t["v"], at, n, writes, shadow)
         written = None     # the host values the device copy is written from
-        flat_current = True     # the device copy holds them (see [Note: the device copy ...])
+        flat_current = True     # the device copy holds them (optim/device_copy.py)
         if state.master is not None:
             _store(state.master, param, at, n, writes, shadow)
             if not into_flat:
@@ -554,6 +556,10 @@ class StepStream:
         if job.gradient is not None:     # a failed job's gradient, given back all the same
             job.gradient.give_back()
         if job.error is not None:
+            try:    # no copy still writes the device copy once the unit is handed back
+                job.device_writes.land()
+            except BaseException:  # noqa: BLE001 - the job fails with its first error
+                pass
             job.fail(job.error)
         else:
             if job.phase is JobPhase.READY:

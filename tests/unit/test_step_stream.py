@@ -25,7 +25,7 @@ from infinity.base.budget import MemoryBudget
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
 from infinity.optim.adam_formats import dequantize_blockwise, quantization_map
-from infinity.optim.device_copy import DeviceCopyWrites, flat_rounded_by_kernel
+from infinity.optim.device_copy import IN_FLIGHT, DeviceCopyWrites, flat_rounded_by_kernel
 from infinity.optim.records import (
     CompleteGradient, JobPhase, OptimTimers, StepRun, UnitOptimState)
 from infinity.optim.state_formats import build_state
@@ -328,15 +328,7 @@ def test_a_device_copy_written_by_a_late_copy_is_current_when_its_unit_is_steppe
     never from the device copy. No copy lands before something waits for one (a gate), so the
     planted fault, no wait before ``stepped``, is seen every time: NaN at ``stepped``."""
     rig = Rig()
-    copies = rig.manager.copies = LateCopies(seed=3)
-    gate = threading.Event()
-    copies._jobs.put(gate.wait)
-    wait = _LateEvent.wait
-
-    def opens(event) -> None:
-        gate.set()
-        wait(event)
-    monkeypatch.setattr(_LateEvent, "wait", opens)
+    copies = _gated_late_copies(rig, monkeypatch)
     if planted:
         monkeypatch.setattr(DeviceCopyWrites, "land", lambda self: 0.0)
     unit, values = rig.unit("u", [1000, 2000], dtype=torch.bfloat16)
@@ -351,7 +343,6 @@ def test_a_device_copy_written_by_a_late_copy_is_current_when_its_unit_is_steppe
     try:
         rig.run()
     finally:
-        gate.set()
         copies.drain()
     assert copies.copies >= 1 and not job.error
     if planted:
@@ -365,6 +356,52 @@ def test_a_device_copy_written_by_a_late_copy_is_current_when_its_unit_is_steppe
     lo = unit.flat.data_ptr()
     hi = lo + unit.flat.numel() * unit.flat.element_size()
     assert unit.param_store.sources and not any(lo <= p < hi for p in unit.param_store.sources)
+
+
+def _gated_late_copies(rig: Rig, monkeypatch) -> LateCopies:
+    """Late copies for ``rig`` that land none before something waits for one (a gate the
+    first wait opens): a missing wait is seen every time, not by the luck of a slow thread."""
+    copies = rig.manager.copies = LateCopies(seed=3)
+    gate = threading.Event()
+    copies._jobs.put(gate.wait)
+    wait = _LateEvent.wait
+
+    def opens(event) -> None:
+        gate.set()
+        wait(event)
+    monkeypatch.setattr(_LateEvent, "wait", opens)
+    return copies
+
+
+def test_device_copy_writes_in_flight_are_bounded_and_a_failed_job_lands_them(
+        monkeypatch) -> None:
+    """A unit of several sub-groups under late copies: at each kernel at most ``IN_FLIGHT``
+    writes of its job are in flight (two sub-groups' temporaries alive, not the unit's); and a
+    job whose kernel fails waits for the writes it issued before it is failed and its unit
+    handed back: no copy then still writes the device copy (it would race the next user of
+    that memory)."""
+    rig = Rig()
+    copies = _gated_late_copies(rig, monkeypatch)
+    unit, values = rig.unit("u", [SUB * 3, SUB * 2], dtype=torch.bfloat16)
+    state = rig.state(unit, values, master=True)
+    in_flight: list[int] = []
+    job = None
+
+    def before_run(st, start) -> None:
+        in_flight.append(len(job.device_writes.pending))
+        if start >= 4 * SUB:
+            raise RuntimeError("planted kernel failure")
+    rig.kernel.before_run = before_run
+    job = rig.stream.submit(state, early=True, gradient=CompleteGradient(grad_of(values)))
+    at_fail: list = []
+    job.landed_future.add_done_callback(lambda f: at_fail.append(
+        (len(job.device_writes.pending), unit.flat[:4 * SUB].isnan().any().item())))
+    try:
+        rig.run()
+    finally:
+        copies.drain()
+    assert in_flight == [0] + [IN_FLIGHT] * 4 and copies.copies == 4
+    assert isinstance(job.error, RuntimeError) and at_fail == [(0, False)]
 
 
 def test_a_parameter_without_gradient_keeps_its_master_value_in_the_device_copy() -> None:
