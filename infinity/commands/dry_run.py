@@ -204,9 +204,15 @@ def meta_llama(model_kwargs: dict[str, Any]) -> nn.Module:
 def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len: int,
             micro_batch: int, steps: int = 2, shape: ModelShape | None = None,
             instant: bool = False, analytical_s: float | None = None,
-            events: list[list[tuple[str, int]]] | None = None) -> DryRunReport:
-    """Simulate ``steps`` training steps of ``model`` (on the meta device) under ``setup``.
-    ``instant``: steps cost nothing (see ``simulate.stepper``)."""
+            events: list[list[tuple[str, int]]] | None = None,
+            accumulate: int = 1) -> DryRunReport:
+    """Simulate ``steps`` training steps of ``model`` (on the meta device) under ``setup``,
+    each of ``accumulate`` micro-batches (forward and backward) before the optimizer's step,
+    as the engine runs them: the step's time is all of them. ``instant``: steps cost nothing
+    (see ``simulate.stepper``). A step's events and phase ends are its last micro-batch's
+    forward and backward after those of the others."""
+    if accumulate < 1:
+        raise ValueError(f"dry_run(accumulate={accumulate}): micro-batches a step must be >= 1")
     cfg, lay, es = setup.config, setup.placement, setup.sizes
     world = cfg.world_size
     dtype = COMPUTE_DTYPES[lay.compute_dtype]
@@ -246,16 +252,17 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
         manager.counters.reset()
         comm_before = comm.counters.sent_bytes
         start, wait_before = clock.now, clock.io_wait_s
-        compute.begin_step()
-        coordinator.begin_forward(True)
-        out = model(input_ids=ids, attention_mask=mask, labels=ids)
-        coordinator.end_forward()
-        forward_end = len(log)
-        stepper.begin_backward()
-        with coordinator.tracked_backward():
-            out.loss.backward()
-        stepper.end_backward()
-        backward_end = len(log)
+        for _ in range(accumulate):
+            compute.begin_step()     # a backward costs twice its own micro-batch's forward
+            coordinator.begin_forward(True)
+            out = model(input_ids=ids, attention_mask=mask, labels=ids)
+            coordinator.end_forward()
+            forward_end = len(log)
+            stepper.begin_backward()
+            with coordinator.tracked_backward():
+                out.loss.backward()
+            stepper.end_backward()
+            backward_end = len(log)
         # Engine._step: units a deferred step waits for that the forward did not use, the
         # optimizer's step, then the reaping
         coordinator.step_waiting_units(stepper.waiting_units())

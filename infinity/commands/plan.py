@@ -195,7 +195,8 @@ def _run_target(args: argparse.Namespace, target: Any, workload: Any) -> int:
         setup, rates = target_setup(plan.chosen, target, workload)
         report = dry_run(_meta_model(args), setup, rates, seq_len=workload.seq_len,
                          micro_batch=workload.micro_batch, shape=shape,
-                         analytical_s=plan.step.predicted_s if plan.step else None)
+                         analytical_s=plan.step.predicted_s if plan.step else None,
+                         accumulate=workload.gradient_accumulation_steps)
         _timeline_files(args, report)
     if args.json:
         data = plan.as_dict()

@@ -33,7 +33,7 @@ class SimCompute:
         """Forward FLOPs of this step, by unit index (``begin_step`` zeroes them)."""
 
     def begin_step(self) -> None:
-        """A new step: its units' forward FLOPs start from zero."""
+        """A new step or micro-batch: its units' forward FLOPs start from zero."""
         for uid in self.flops:
             self.flops[uid] = 0.0
 

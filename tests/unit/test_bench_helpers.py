@@ -199,6 +199,27 @@ def test_copy_time_hidden_behind_compute_is_the_part_a_kernel_covers():
     assert none["h2d_hidden_share"] is None and none["d2h_on_compute_stream_share"] is None
 
 
+def test_the_dry_run_of_an_accumulating_setup_runs_every_micro_batch(tmp_path):
+    """The "accumulate" setup's prediction: the dry run runs each of a step's micro-batches
+    (forward and backward) before its one optimizer step: compute is k times one
+    micro-batch's, the parameters are copied to the device for every micro-batch (more than
+    k - 1 times a step of one: which units stay fetched between micro-batches and over the
+    step differs), and the CPU Adam runs once."""
+    rates = {"matmul_tflops": 700.0, "h2d_GBps": 40.0, "host_total_bytes": 128 * C.GiB,
+             "cpu_cores": 16, "gpu_name": "NVIDIA H200", "gpu_total_bytes": 140 * C.GiB,
+             "host_memory_GBps": 50.0}
+    busy = {}
+    for k in (1, 4):
+        setup = {**gpu_profile.SETUPS["accumulate"], "accumulate": k}
+        res = {**setup, "ds_config": gpu_profile._config(setup, str(tmp_path), "bf16")}
+        got = gpu_profile.predict(res, rates, "tiny", str(tmp_path))
+        assert "error" not in got and f"--grad-accum {k} " in got["command"] + " ", got
+        busy[k] = got["busy_s"]
+    assert busy[4]["compute"] == pytest.approx(4 * busy[1]["compute"], rel=1e-9)
+    assert busy[4]["H2D"] > 3 * busy[1]["H2D"] > 0
+    assert busy[4]["CPU Adam"] == pytest.approx(busy[1]["CPU Adam"], rel=1e-9)
+
+
 def test_a_copy_stalls_compute_only_where_the_next_kernel_waited_for_it():
     """The "stalling" share: copy time the compute stream sat idle for, its next kernel
     starting within ``WAIT_SLACK_US`` of the copy's end. A copy beside idle compute whose next

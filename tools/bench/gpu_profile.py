@@ -404,6 +404,7 @@ def plan_command(res: dict[str, Any], rates: dict[str, Any], hf_config: Path, ds
     cmd = ["plan", "--hf-config", str(hf_config), "--config", str(ds_config), "--dry-run",
            "--json", "--nvme-path", scratch,
            "--seq-len", str(res["seq"]), "--micro-batch", str(res["mbs"]),
+           "--grad-accum", str(res.get("accumulate", 1)),
            "--gpus", "1", "--gpu-tflops", f"{rates['matmul_tflops']:.1f}",
            "--pcie-GBps", f"{rates['h2d_GBps']:.2f}",
            "--host-memory", str(rates["host_total_bytes"]),
