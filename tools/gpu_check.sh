@@ -19,7 +19,8 @@
 #   an Init-built model's buffers, `infinity train` (README's main job).
 # - tools/bench/gpu_profile.py: the 0.49B model with torch.profiler: measured step, MFU, the
 #   share of host-to-device copy time hidden behind compute, beside the dry run's prediction
-#   for this machine (rates measured in the same run).
+#   for this machine (rates measured in the same run), and PyTorch FSDP2 with CPU offload on
+#   the same model and batch (tools/bench/fsdp2_offload.py) beside it.
 # Files: env.txt, install.txt, gpu_tests.txt, profile.txt, profile.json, trace.json.gz,
 # trace-accumulate.json.gz (the accumulating setup's profiled step),
 # summary.txt.
@@ -79,6 +80,6 @@ fi
     grep -v "^\[infinity" "$OUT/env.txt"
     tail -1 "$OUT/install.txt"
     grep -E "passed|failed|error|skipped in" "$OUT/gpu_tests.txt" | tail -3
-    grep -E "^(rates|step|mfu|h2d|d2h|dry run|ratio)" "$OUT/profile.txt"
+    grep -E "^(rates|step|mfu|h2d|d2h|dry run|ratio|fsdp2)" "$OUT/profile.txt"
 } > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"

@@ -291,3 +291,18 @@ def test_the_gpu_profile_asks_the_dry_run_for_the_machine_it_measured(tmp_path):
     assert slow["busy_s"]["CPU Adam"] > 10 * got["busy_s"]["CPU Adam"] > 0
     # no GPU measured: no prediction, said so
     assert "error" in gpu_profile.predict(res, {"cpu_cores": 2}, "tiny", str(tmp_path))
+
+
+def test_the_fsdp2_line_gives_the_ratio_or_the_error():
+    """gpu_check.sh's summary line for the FSDP2 reference: the engine's "overlap" step over
+    FSDP2's (lower is faster), or why there is none, never a ratio of nothing."""
+    ours = {"median_step_s": 0.3}
+    ref = {"median_step_s": 0.6, "timed_steps": 3, "device": "cuda:0", "offload": "cpu",
+           "peak_device_bytes": 3 * C.GiB}
+    line = gpu_profile.fsdp2_line(ref, ours)
+    assert line.startswith("fsdp2 [overlap] median 0.600 s") and "infinity / fsdp2 0.50" in line
+    assert "peak device 3.00 GiB" in line
+    cpu = gpu_profile.fsdp2_line({**ref, "peak_device_bytes": None}, ours)
+    assert "peak device - GiB" in cpu
+    failed = gpu_profile.fsdp2_line({"error": "exited 1: no NCCL"}, ours)
+    assert failed == "fsdp2 [overlap] failed: exited 1: no NCCL"

@@ -30,6 +30,10 @@ and the part of it that runs while a compute kernel runs ("hidden"). MFU: model 
 tokens) over the median step, against the GPU preset's datasheet peak and against the bf16
 matmul rate measured in this run.
 
+The reference: after the setups, PyTorch FSDP2 with CPU offload trains the "overlap" setup's
+model and batch (tools/bench/fsdp2_offload.py, its own process; ``--no-fsdp2`` skips it), once,
+not interleaved with the engine's run; the summary gives the ratio of the two steps.
+
 The dry run's prediction: ``infinity plan --hf-config --config --dry-run --json`` for this
 machine as a target (one GPU of the preset its name matches, with the matmul rate, the pinned
 host-to-device rate and the swap directory's read and write rates measured in this run, the
@@ -452,6 +456,38 @@ def predict(res: dict[str, Any], rates: dict[str, Any], size: str,
             "command": "infinity " + " ".join(cmd)}
 
 
+def fsdp2_reference(args: argparse.Namespace, ours: dict[str, Any]) -> dict[str, Any]:
+    """FSDP2 with CPU offload on the "overlap" setup's model and batch
+    (tools/bench/fsdp2_offload.py, in its own process: it sets up torch.distributed), after the
+    engine's run, not interleaved with it (a lent GPU's minutes are few); its figures, or the
+    error."""
+    import subprocess
+
+    cmd = [sys.executable, str(Path(__file__).with_name("fsdp2_offload.py")), "--json",
+           "--size", args.size, "--mbs", str(ours["mbs"]), "--seq", str(ours["seq"]),
+           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.fsdp2_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.fsdp2_timeout} s", "command": cmd}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"error": f"exited {done.returncode}: {done.stderr.strip()[-600:]}",
+                "command": cmd}
+    return json.loads(lines[-1])
+
+
+def fsdp2_line(ref: dict[str, Any], ours: dict[str, Any]) -> str:
+    """The summary's line for the FSDP2 reference beside the engine's "overlap" step."""
+    if "error" in ref:
+        return f"fsdp2 [overlap] failed: {ref['error']}"
+    return (f"fsdp2 [overlap] median {ref['median_step_s']:.3f} s of {ref['timed_steps']} steps "
+            f"on {ref['device']}, offload {ref['offload']}, peak device "
+            f"{_fmt(ref['peak_device_bytes'] and ref['peak_device_bytes'] / C.GiB, '.2f')} GiB; "
+            f"infinity / fsdp2 {ours['median_step_s'] / ref['median_step_s']:.2f} "
+            "(one run each, not interleaved)")
+
+
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -510,6 +546,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--scratch", default="/var/tmp", help="swap directory's parent")
     ap.add_argument("--out", default="/tmp/gpu_profile")
+    ap.add_argument("--no-fsdp2", dest="fsdp2", action="store_false",
+                    help="skip FSDP2 with CPU offload on the overlap setup's model "
+                         "(tools/bench/fsdp2_offload.py), run after the setups")
+    ap.add_argument("--fsdp2-timeout", type=float, default=150.0, metavar="S")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit(f"--steps {args.steps} / --warmup {args.warmup}: at least one timed "
@@ -539,6 +579,11 @@ def main() -> int:
         results["setups"][setup] = res
         path.write_text(json.dumps(results, indent=1, default=str))   # kept as each ends
         print(report({**results, "setups": {setup: res}}), flush=True)  # a later one may not end
+    if args.fsdp2 and "overlap" in results["setups"]:
+        ours = results["setups"]["overlap"]
+        results["fsdp2"] = fsdp2_reference(args, ours)
+        path.write_text(json.dumps(results, indent=1, default=str))
+        print(fsdp2_line(results["fsdp2"], ours), flush=True)
     print(f"results: {path}")
     return 0
 
