@@ -57,7 +57,8 @@ from infinity.storage.transfers import CopyEvent, DeviceCopies
 if TYPE_CHECKING:   # records holds a DeviceCopyWrites per step job
     from infinity.optim.records import StepRun
 
-__all__ = ["DeviceCopyWrites", "flat_rounded_by_kernel", "host_temporary", "IN_FLIGHT"]
+__all__ = ["DeviceCopyWrites", "flat_rounded_by_kernel", "host_temporary",
+           "kernel_writes_every_element", "IN_FLIGHT"]
 
 IN_FLIGHT = 1
 """Device-copy writes a job keeps in flight while its next sub-group is stepped: one copy beside
@@ -69,7 +70,14 @@ step]."""
 def flat_rounded_by_kernel(unit, grad, runs: list[StepRun], start: int, end: int) -> bool:
     """Whether the kernel may round the updated master straight into the unit's device copy
     over [start, end) (see [Note: the kernel rounds into the device copy])."""
-    if not isinstance(grad, torch.Tensor) or unit.flat.device.type != "cpu":
+    return unit.flat.device.type == "cpu" and kernel_writes_every_element(grad, runs, start, end)
+
+
+def kernel_writes_every_element(grad, runs: list[StepRun], start: int, end: int) -> bool:
+    """Whether the kernel's 16-bit output over [start, end) is all its own: the gradient is one
+    flat tensor (held per-parameter parts skip the gaps between parameters) and the runs cover
+    the range (a parameter not stepped keeps its value)."""
+    if not isinstance(grad, torch.Tensor):
         return False
     at = start
     for run in runs:          # sorted by start (AdamKernel.step_runs)
@@ -83,11 +91,15 @@ def flat_rounded_by_kernel(unit, grad, runs: list[StepRun], start: int, end: int
     return at >= end
 
 
-def host_temporary(values: torch.Tensor, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+def host_temporary(values: torch.Tensor, dtype: torch.dtype, pinned: bool,
+                   fill: bool = True) -> torch.Tensor:
     """``values`` in ``dtype`` (rounded) in a fresh host tensor: the temporary the kernel then
     overwrites where it steps; ``pinned``: in page-locked memory, so that a GPU copies it on the
     host-to-device stream at the link's rate (see [Note: the device copy written behind the
-    step])."""
+    step]); not ``fill``: left uninitialized, for a kernel that writes every element
+    (``kernel_writes_every_element``: a pass over 6 bytes a parameter saved)."""
+    if not fill:
+        return torch.empty(values.shape, dtype=dtype, pin_memory=pinned)
     if not pinned:
         return values.to(dtype, copy=True)
     out = torch.empty(values.shape, dtype=dtype, pin_memory=True)

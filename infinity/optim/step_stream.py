@@ -66,7 +66,8 @@ from typing import Protocol
 
 import torch
 
-from infinity.optim.device_copy import flat_rounded_by_kernel, host_temporary
+from infinity.optim.device_copy import (
+    flat_rounded_by_kernel, host_temporary, kernel_writes_every_element)
 from infinity.optim.formatted_step import MomentScales, scales_of
 from infinity.optim.gradients import _sum_of_squares
 from infinity.optim.records import (
@@ -414,8 +415,10 @@ class StepStream:
                 # compute stand for a GPU's even on a CPU device (the late copies of the tests)
                 half, into_flat = unit.flat[start:end], True
             else:
-                # parameters the runs skip keep their values
-                half = host_temporary(param, unit.dtype, pinned=unit.flat.device.type == "cuda")
+                # parameters the runs skip keep their values: filled only where there are any
+                every = kernel_writes_every_element(grad, job.runs, start, end)
+                half = host_temporary(param, unit.dtype, pinned=unit.flat.device.type == "cuda",
+                                      fill=not every)
         shadow = job.speculative
         flat_gradient = isinstance(grad, torch.Tensor)
         # the kernel norms the gradient where nothing else does: an early step's (the global

@@ -1,7 +1,8 @@
 """When the step stream lets the CPU Adam round a sub-group's new master straight into the unit's
-device copy (see [Note: the kernel rounds into the device copy] in optim/step_stream.py): only
+device copy (see [Note: the kernel rounds into the device copy] in optim/device_copy.py): only
 where every element of the sub-group is written by the kernel, so the device copy ends with the
-same bits as through the temporary."""
+same bits as through the temporary. Where the copy is not CPU memory (or copies overlap compute)
+the same condition leaves the temporary unfilled: the kernel writes all of it."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,7 +10,8 @@ from types import SimpleNamespace
 import torch
 
 from infinity.optim.records import StepRun
-from infinity.optim.step_stream import flat_rounded_by_kernel
+from infinity.optim.device_copy import (
+    flat_rounded_by_kernel, host_temporary, kernel_writes_every_element)
 
 UNIT = SimpleNamespace(flat=torch.zeros(100, dtype=torch.bfloat16))
 GRAD = torch.zeros(100)
@@ -36,3 +38,21 @@ def test_held_gradients_or_a_device_copy_off_the_cpu_keep_the_temporary() -> Non
     assert not flat_rounded_by_kernel(UNIT, {0: GRAD}, runs, 0, 100)   # gaps between parts
     meta = SimpleNamespace(flat=torch.zeros(100, dtype=torch.bfloat16, device="meta"))
     assert not flat_rounded_by_kernel(meta, GRAD, runs, 0, 100)
+
+
+def test_a_device_copy_off_the_cpu_takes_an_unfilled_temporary_only_where_the_kernel_writes_all(
+) -> None:
+    """The temporary's fill (the master's rounding, for what the kernel skips) is left out only
+    where the kernel writes every element: one flat gradient and runs covering the range."""
+    runs = [StepRun(0, 0, 100, 1)]
+    assert kernel_writes_every_element(GRAD, runs, 0, 100)
+    assert not kernel_writes_every_element({0: GRAD}, runs, 0, 100)
+    assert not kernel_writes_every_element(GRAD, [StepRun(0, 0, 90, 1)], 0, 100)
+    master = torch.linspace(-1, 1, 100)
+    filled = host_temporary(master, torch.bfloat16, pinned=False)
+    assert filled.dtype == torch.bfloat16 and torch.equal(filled, master.to(torch.bfloat16))
+    assert filled.data_ptr() != master.data_ptr()
+    same_dtype = host_temporary(master, torch.float32, pinned=False)
+    assert torch.equal(same_dtype, master) and same_dtype.data_ptr() != master.data_ptr()
+    bare = host_temporary(master, torch.bfloat16, pinned=False, fill=False)
+    assert bare.shape == master.shape and bare.dtype == torch.bfloat16
