@@ -465,7 +465,7 @@ def fsdp2_reference(args: argparse.Namespace, ours: dict[str, Any]) -> dict[str,
 
     cmd = [sys.executable, str(Path(__file__).with_name("fsdp2_offload.py")), "--json",
            "--size", args.size, "--mbs", str(ours["mbs"]), "--seq", str(ours["seq"]),
-           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           "--warmup", str(max(1, args.warmup)), "--steps", str(args.steps)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.fsdp2_timeout)
     except subprocess.TimeoutExpired:
@@ -482,7 +482,8 @@ def fsdp2_line(ref: dict[str, Any], ours: dict[str, Any]) -> str:
     if "error" in ref:
         return f"fsdp2 [overlap] failed: {ref['error']}"
     return (f"fsdp2 [overlap] median {ref['median_step_s']:.3f} s of {ref['timed_steps']} steps "
-            f"on {ref['device']}, offload {ref['offload']}, peak device "
+            f"on {ref['device']}, offload {ref['offload']} (parameters on the host: "
+            f"{ref.get('params_on_cpu')}), {ref.get('adam', '-')}, peak device "
             f"{_fmt(ref['peak_device_bytes'] and ref['peak_device_bytes'] / C.GiB, '.2f')} GiB; "
             f"infinity / fsdp2 {ours['median_step_s'] / ref['median_step_s']:.2f} "
             "(one run each, not interleaved)")
