@@ -80,6 +80,6 @@ fi
     grep -v "^\[infinity" "$OUT/env.txt"
     tail -1 "$OUT/install.txt"
     grep -E "passed|failed|error|skipped in" "$OUT/gpu_tests.txt" | tail -3
-    grep -E "^(rates|step|mfu|h2d|d2h|dry run|ratio|fsdp2)" "$OUT/profile.txt"
+    grep -E "^(rates|step|mfu|h2d|d2h|dry run|ratio|fsdp2)" "$OUT/profile.txt" | awk '!seen[$0]++'
 } > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
