@@ -69,7 +69,7 @@ left=$(( 470 - $(elapsed) ))
 if [ "$left" -gt 60 ]; then
     # shellcheck disable=SC2086 # GPU_CHECK_PROFILE_ARGS: extra flags, e.g. a smoke run's
     timeout "$left" python3 tools/bench/gpu_profile.py --out "$OUT" ${GPU_CHECK_PROFILE_ARGS:-} \
-        2>&1 | tail -60 \
+        2>&1 | tail -120 \
         > "$OUT/profile.txt"
 else
     echo "skipped: $left s left of the pass" > "$OUT/profile.txt"
