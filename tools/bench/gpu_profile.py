@@ -349,14 +349,15 @@ def run_setup(name: str, args: argparse.Namespace, device, out: Path,
 
         def step(micro_batches) -> float:
             """One optimizer step: each micro-batch's forward, backward and ``engine.step()``
-            (the engine steps at the accumulation boundary); the mean loss."""
-            total = 0.0
+            (the engine steps at the accumulation boundary); the mean loss, read once at the
+            end (a read per micro-batch would make the host wait for the device each time)."""
+            losses_ = []
             for ids in micro_batches:
                 out_ = engine(input_ids=ids, labels=ids)
                 engine.backward(out_.loss)
                 engine.step()
-                total += float(out_.loss.detach())
-            return total / len(micro_batches)
+                losses_.append(out_.loss.detach())
+            return float(sum(losses_)) / len(losses_)
 
         steps, losses = [], []
         for i, ids in enumerate(data[:-1]):
