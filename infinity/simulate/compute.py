@@ -22,7 +22,8 @@ __all__ = ["SimCompute"]
 
 
 class SimCompute:
-    """The forward FLOPs of each unit in this step, charged to ``clock`` at ``flops_per_s``."""
+    """The forward FLOPs of each unit in this micro-batch, charged to ``clock`` at
+    ``flops_per_s``."""
 
     def __init__(self, clock: SimClock, flops_per_s: float) -> None:
         if flops_per_s <= 0:
@@ -30,7 +31,7 @@ class SimCompute:
                              f"{flops_per_s}")
         self.clock, self.flops_per_s = clock, flops_per_s
         self.flops: dict[int, float] = {}
-        """Forward FLOPs of this step, by unit index (``begin_step`` zeroes them)."""
+        """Forward FLOPs of this micro-batch, by unit index (``begin_step`` zeroes them)."""
 
     def begin_step(self) -> None:
         """A new step or micro-batch: its units' forward FLOPs start from zero."""
@@ -38,7 +39,7 @@ class SimCompute:
             self.flops[uid] = 0.0
 
     def backward_s(self, unit: Unit) -> float:
-        """Seconds ``unit``'s backward takes: twice its forward in this step."""
+        """Seconds ``unit``'s backward takes: twice its forward in this micro-batch."""
         return 2 * self.flops.get(unit.index, 0.0) / self.flops_per_s
 
     def install(self, model: nn.Module, specs: list[UnitSpec], *, tokens: int, seq_len: int,
