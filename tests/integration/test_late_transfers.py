@@ -32,12 +32,17 @@ CASES = [(family, param, early) for family in ("llama", "gpt2", "torch")
          for param in ("nvme", "cpu") for early in ("on", "off")]
 
 
-def _late(monkeypatch, seed: int) -> None:
-    """Late copies, the slot path a device without the memory cache takes, and gradients
-    copied to host buffers as off a CPU device (``gradients_held``)."""
-    monkeypatch.setenv(transfers.LATE_ENV, str(seed))
+def _gpu_paths(monkeypatch) -> None:
+    """The slot path a device without the memory cache takes, and gradients copied to host
+    buffers as off a CPU device (``gradients_held``)."""
     monkeypatch.setattr(DeviceMemoryCache, "supported", staticmethod(lambda device: False))
     monkeypatch.setattr(engine_sizing, "gradients_held", lambda device: False)
+
+
+def _late(monkeypatch, seed: int) -> None:
+    """Late copies on the GPU's paths (``_gpu_paths``)."""
+    monkeypatch.setenv(transfers.LATE_ENV, str(seed))
+    _gpu_paths(monkeypatch)
 
 
 def _run(disk_dir, family: str, param: str, early: str):
@@ -138,10 +143,13 @@ def test_16_bit_device_copies_written_late_train_as_written_at_once(disk_dir, mo
                                                                    param: str) -> None:
     """bf16 compute with an fp32 master: under late copies the step stream writes each stepped
     unit's device copy by a copy that lands later (optim/device_copy.py), as on a GPU, where
-    the immediate copies let the kernel round into it. Both must give the same bits: the same
-    rounding of the same master, seen by the next forward only once landed."""
+    the immediate copies let the kernel round into it. Both runs take the GPU's other paths,
+    so only the copies differ; they must give the same bits: the same rounding of the same
+    master, seen by the next forward only once landed."""
     def losses(seed: int | None) -> list[float]:
-        if seed is not None:
+        if seed is None:
+            _gpu_paths(monkeypatch)
+        else:
             _late(monkeypatch, seed)
         torch.manual_seed(0)
         ds = zero_config(3, param, "cpu", str(disk_dir), compute_dtype="bf16", early_step="on")
