@@ -117,17 +117,16 @@ class DeviceCopyWrites:
     def write(self, copies: DeviceCopies, flat: torch.Tensor, values: torch.Tensor,
               temporary: bool) -> bool:
         """Put host ``values`` into ``flat`` (a slice of the device copy); ``temporary``: they
-        are the job's own (``host_temporary``), else a buffer that may go back to its pool
-        before a late copy reads it, so a copy is made first. True when ``flat`` holds them on
+        are the job's own (``host_temporary``, pinned where ``flat`` is on a GPU), else a buffer
+        that may go back to its pool before a late copy reads it, so a copy is made first. True when ``flat`` holds them on
         return (copies that do not overlap compute), False when they land later (see [Note:
         the device copy written behind the step])."""
         if not copies.overlaps_compute:
             with torch.no_grad():
                 flat.copy_(values)
             return True
-        on_gpu = flat.device.type == "cuda"
-        if not temporary or (on_gpu and not values.is_pinned()):
-            values = host_temporary(values, values.dtype, pinned=on_gpu)
+        if not temporary:
+            values = host_temporary(values, values.dtype, pinned=flat.device.type == "cuda")
         self.pending.append((copies.to_device(flat, values), values))
         return False
 

@@ -460,8 +460,7 @@ class StepStream:
             # copies landed
             if job.gradient is not None and not (shadow and flat_gradient and job.gradient_home):
                 job.gradient.give_back()
-            self.timers.device_write_wait_s += job.device_writes.land()
-            job.stepped()
+            self._stepped(job)
 
     def _free_stepped_parts(self, job: StepJob) -> None:
         """Free the held gradient parts no sub-group still to be stepped covers, as the step
@@ -566,9 +565,14 @@ class StepStream:
             job.fail(job.error)
         else:
             if job.phase is JobPhase.READY:
-                self.timers.device_write_wait_s += job.device_writes.land()
-                job.stepped()
+                self._stepped(job)
             job.landed()
+
+    def _stepped(self, job: StepJob) -> None:
+        """The job's kernels have run: once its device-copy writes have landed, the device
+        copy is current (see [Note: the device copy written behind the step])."""
+        self.timers.device_write_wait_s += job.device_writes.land()
+        job.stepped()
 
     def _fail_all(self, exc: BaseException) -> None:
         """An error mid-stream: wait out what is in flight, fail every unit in hand (expected
