@@ -292,11 +292,12 @@ def measure_rates(device, scratch: str, disk: bool) -> dict[str, Any]:
 
 def host_rates(numel: int = 64 << 20) -> dict[str, float]:
     """The host memory bandwidth (a float32 copy of ``numel`` elements, bytes read plus
-    written, the best of three) and the CPU Adam kernel's parameters per second with an fp32
-    master and a bf16 copy written (``adam_step_flat``, the engine's threads), best of three."""
+    written, the best of three) and the CPU Adam kernel's parameters per second over ``numel``
+    (``infinity.train.calibrate.measure_adam``, the engine's threads, fp32 states: the rate the
+    planner's per-core figure stands for)."""
     import torch
 
-    from infinity.optim.cpu_adam import adam_step_flat
+    from infinity.train.calibrate import measure_adam
 
     src, dst = torch.rand(numel), torch.empty(numel)
     best = float("inf")
@@ -304,17 +305,9 @@ def host_rates(numel: int = 64 << 20) -> dict[str, float]:
         start = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
-    out = {"host_memory_GBps": 2 * 4 * numel / best / 1e9}
-    param, grad, m, v = src, dst, torch.zeros(numel), torch.zeros(numel)
-    half = torch.empty(numel, dtype=torch.bfloat16)
-    best = float("inf")
-    for step in range(1, 4):
-        start = time.perf_counter()
-        adam_step_flat(param, grad, m, v, step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                       weight_decay=0.01, half_out=half)
-        best = min(best, time.perf_counter() - start)
-    out["adam_params_per_s"] = numel / best
-    return out
+    del src, dst
+    return {"host_memory_GBps": 2 * 4 * numel / best / 1e9,
+            "adam_params_per_s": measure_adam(numel, sub_group=numel)["params_per_s"]}
 
 
 def run_setup(name: str, args: argparse.Namespace, device, out: Path,
