@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from infinity.base.sizes import format_bytes
-from infinity.commands.dry_run_trace import busy_seconds
+from infinity.commands.dry_run_trace import busy_seconds, hidden_share
 from infinity.config import InfinityConfig
 from infinity.engine.assembly import assemble
 from infinity.engine.ranks import collective_bucket_bytes
@@ -58,7 +58,7 @@ from infinity.simulate.backend import SimBackend
 from infinity.simulate.clock import SimClock
 from infinity.simulate.collectives import SimCollectives
 from infinity.simulate.compute import SimCompute
-from infinity.simulate.copies import SimCopies
+from infinity.simulate.copies import D2H, H2D, SimCopies
 from infinity.simulate.storage import META, SimManager
 from infinity.zero.partition import partition
 
@@ -147,6 +147,13 @@ class DryRunReport:
         return busy_seconds(self.spans, self.steps[step].start,
                             self.steps[step].start + self.steps[step].seconds)
 
+    def hidden_shares(self, step: int = -1) -> dict[str, float | None]:
+        """Each copy row's share of busy time within a step (the last by default) hidden behind
+        compute (None: no copies; a CPU device's are free and immediate)."""
+        start = self.steps[step].start
+        end = start + self.steps[step].seconds
+        return {row: hidden_share(self.spans, row, start, end) for row in (H2D, D2H)}
+
     def as_dict(self, first: int = 24) -> dict[str, Any]:
         names = [u["name"] for u in self.units]
         last = self.steps[-1]
@@ -159,7 +166,8 @@ class DryRunReport:
             "order": {phase: [f"{kind} {names[uid]}" for kind, uid in events[:first]]
                       for phase, events in _phases(last).items()},
             "simulated_step_s": last.seconds, "analytical_step_s": self.analytical_s,
-            "busy_s": self.busy_s(), "notes": self.notes}
+            "busy_s": self.busy_s(), "hidden_behind_compute": self.hidden_shares(),
+            "notes": self.notes}
 
     def render(self, first: int = 12) -> str:
         names = [u["name"] for u in self.units]
@@ -182,6 +190,10 @@ class DryRunReport:
                      f"analytical {analytic}")
         lines.append("  busy in the step: " + ", ".join(
             f"{row} {seconds:.2f} s" for row, seconds in busy.items() if seconds))
+        hidden = {row: share for row, share in self.hidden_shares().items() if share is not None}
+        if hidden:
+            lines.append("  copies hidden behind compute: " + ", ".join(
+                f"{row} {share:.0%}" for row, share in hidden.items()))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -29,7 +29,7 @@ from infinity.simulate.copies import D2H, H2D
 if TYPE_CHECKING:
     from infinity.commands.dry_run import DryRunReport
 
-__all__ = ["ROWS", "busy_seconds", "chrome_trace", "write_trace", "plot_timeline"]
+__all__ = ["ROWS", "busy_seconds", "hidden_share", "chrome_trace", "write_trace", "plot_timeline"]
 
 ROWS = (COMPUTE, WAIT, H2D, D2H, "NVMe", "CPU Adam", "collectives")
 """The timeline's rows, top to bottom."""
@@ -45,6 +45,41 @@ def busy_seconds(spans: Sequence[Span], start: float, end: float) -> dict[str, f
         if hi > lo:
             busy[resource] = busy.get(resource, 0.0) + hi - lo
     return busy
+
+
+def _merged(spans: Sequence[Span], row: str, start: float,
+            end: float) -> list[tuple[float, float]]:
+    """``row``'s busy intervals between ``start`` and ``end``, clipped, sorted and merged."""
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted((max(lo, start), min(hi, end)) for r, lo, hi, _ in spans if r == row):
+        if hi <= lo:
+            continue
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def hidden_share(spans: Sequence[Span], row: str, start: float, end: float,
+                 behind: str = COMPUTE) -> float | None:
+    """The share of ``row``'s busy time between ``start`` and ``end`` during which ``behind``
+    was busy too (None: ``row`` was idle): for a copy row, the part of the copies hidden
+    behind compute. It is the figure a GPU profile measures from its kernels and copies
+    (tools/bench/gpu_profile.py, "hidden"), predicted: the two are compared there."""
+    copies, cover = _merged(spans, row, start, end), _merged(spans, behind, start, end)
+    busy = sum(hi - lo for lo, hi in copies)
+    if busy <= 0:
+        return None
+    both, j = 0.0, 0
+    for lo, hi in copies:
+        while j < len(cover) and cover[j][1] <= lo:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < hi:
+            both += min(hi, cover[k][1]) - max(lo, cover[k][0])
+            k += 1
+    return both / busy
 
 
 def chrome_trace(report: DryRunReport) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from infinity import cli
+from infinity.commands.dry_run_trace import hidden_share
 
 # 85M (the main job's model) on a 2.3 GiB GPU: ZeRO-Infinity with NVMe (4.2 GiB of host: both
 # on NVMe; two GPUs with 8.6 GiB: the optimizer on NVMe, collectives between them)
@@ -52,8 +53,30 @@ def test_the_timeline_bounds_the_step_and_loads_as_a_chrome_trace(tmp_path, caps
     nvme = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == rows["NVMe"]]
     assert any(a < d and c < b for a, b in nvme for c, d in compute)
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the copies' share hidden behind compute, as the report gives it, from the trace's own
+    # spans of the last step (at 1 µs a step: a point-by-point count of the overlap)
+    start = max(e["ts"] for e in events if e["ph"] == "i")
+    last = [(e["tid"], max(e["ts"], start), e["ts"] + e["dur"]) for e in spans
+            if e["ts"] + e["dur"] > start]
+    busy_at = {row: {t for tid, lo, hi in last if tid == rows[row]
+                     for t in range(int(lo), int(hi))} for row in ("compute", "H2D", "D2H")}
+    for row in ("H2D", "D2H"):
+        counted = len(busy_at[row] & busy_at["compute"]) / len(busy_at[row])
+        assert report["hidden_behind_compute"][row] == pytest.approx(counted, abs=0.02)
 
 
 def test_a_timeline_needs_the_dry_run(capsys) -> None:
     assert cli.main(["plan", "--model-size", "85M", "--trace", "t.json"]) == 2
     assert "add --dry-run" in capsys.readouterr().err
+
+
+def test_the_hidden_share_counts_copy_time_under_compute_once() -> None:
+    spans = [("compute", 0.0, 4.0, "f"), ("compute", 3.0, 6.0, "g"),   # overlapping kernels
+             ("H2D", 1.0, 2.0, "a"), ("H2D", 1.5, 2.5, "b"),           # overlapping copies
+             ("H2D", 5.0, 8.0, "c"), ("D2H", 9.0, 10.0, "d")]
+    # H2D busy [1, 2.5] and [5, 8]: 4.5 s, of which [1, 2.5] and [5, 6] under compute
+    assert hidden_share(spans, "H2D", 0.0, 10.0) == pytest.approx(2.5 / 4.5)
+    assert hidden_share(spans, "D2H", 0.0, 10.0) == 0.0
+    # clipped to the window: [5, 6] of [5, 7]
+    assert hidden_share(spans, "H2D", 4.5, 7.0) == pytest.approx(0.5)
+    assert hidden_share(spans, "H2D", 8.5, 9.0) is None       # no copies: no share
