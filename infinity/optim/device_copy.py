@@ -37,12 +37,17 @@ Costs, to be measured on the next GPU pass (``device_write_wait_s`` in the step 
   so two sub-groups' 16-bit temporaries are alive at once. They are pinned, from torch's
   pinned-memory cache, which rounds a size up to a power of two and keeps freed blocks for
   reuse. Like autograd's temporaries they are outside the host budget.
-- Waiting. ``CudaCopies.to_device`` starts a copy after everything the compute stream had
-  queued, so ``land`` waits for that queue too. In the deferred schedule a forward that hands
-  a unit's job over then waits, through ``stepped``, for the kernels queued before it: the
-  host cannot run more than a unit ahead of the device there. The step thread's copy does not
-  need that order (the unit's last readers ran before its gradient landed), but leaving it
-  out is unchecked by any CPU test, so it stays until a GPU measures the cost.
+- Waiting. A copy into the device copy does not wait for the compute queued when it is
+  issued (``to_device(after_compute=False)``), so ``land`` waits for the copies alone. Every
+  reader of the device copy is over by then: the unit's forward and backward kernels were
+  queued before its gradient's copy to the host (which starts after them), and the job's
+  kernels run only once that copy has landed (an early step's first kernel waits for it; a
+  deferred step is queued after every gradient landed). A unit freshly fetched has no reader
+  yet, and its fetch's copy, which did wait for the compute queued before it (its memory's
+  previous users), runs before this one on the same stream. Before, with the wait, a forward
+  that handed a unit's job over waited through ``stepped`` for the kernels queued before it,
+  and a deferred step started ahead of its unit's use (zero/steps_ahead.py) could not land
+  before the compute of the unit in use ended: the GPU idled through each copy.
 """
 from __future__ import annotations
 
@@ -127,7 +132,8 @@ class DeviceCopyWrites:
             return True
         if not temporary:
             values = host_temporary(values, values.dtype, pinned=flat.device.type == "cuda")
-        self.pending.append((copies.to_device(flat, values), values))
+        # every reader of the device copy ran before the job's gradient landed (the Note)
+        self.pending.append((copies.to_device(flat, values, after_compute=False), values))
         return False
 
     def settle(self, keep: int = IN_FLIGHT) -> float:

@@ -329,11 +329,29 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.timers.optimizer_s += time.perf_counter() - start
         return True
 
+    def step_ahead(self, unit: SteppedUnit) -> bool:
+        """Start ``unit``'s waiting deferred step before its use, its device copy's fetch
+        issued on copies that overlap compute (see [Note: the deferred step runs ahead of the
+        forward] in zero/steps_ahead.py): only with a separate master, which the kernel reads
+        instead of the device copy. True when it started (held until ``reap``)."""
+        job = self._waiting.get(unit.index)
+        if job is None or job.state.master is None:
+            return False
+        del self._waiting[unit.index]
+        self._stream.make_ready(job)
+        self.steps.add(job)
+        return True
+
     def wait_stepped(self, unit: SteppedUnit | None = None) -> None:
         """Wait until the kernels of ``unit``'s steps in flight (None: every unit's) have run:
         a forward after a backward that raised, or after an interrupted ``step()``, must not
-        read a copy being stepped. Re-raises a step's failure."""
-        self.steps.wait_stepped(unit)
+        read a copy being stepped; a use waits for a step started ahead. Re-raises a step's
+        failure."""
+        start = time.perf_counter()
+        try:
+            self.steps.wait_stepped(unit)
+        finally:
+            self.timers.optimizer_s += time.perf_counter() - start
 
     def reap(self, wait: Wait = Wait.NONE) -> list[SteppedUnit]:
         """Units whose background steps have all landed (the caller releases them); see

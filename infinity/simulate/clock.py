@@ -84,13 +84,43 @@ class Lane:
     free_at: float = 0.0
     busy_s: float = 0.0
     moved: float = 0.0
+    _reserved: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    """Spans ``reserve`` placed ahead of ``free_at``, sorted: transfers go around them."""
 
     def schedule(self, amount: float, not_before: float | None = None, what: str = "") -> float:
-        """When ``amount`` submitted now (or at ``not_before``) is through."""
-        start = max(self.clock.now if not_before is None else not_before, self.free_at)
-        seconds = amount / self.rate if self.rate > 0 and amount else 0.0
+        """When ``amount`` submitted now (or at ``not_before``) is through: after everything
+        scheduled before it, in the first gap left by reserved spans."""
+        seconds = self._seconds(amount)
+        start = self._gap(max(self.clock.now if not_before is None else not_before,
+                              self.free_at), seconds)
         self.free_at = start + seconds
+        self._reserved = [span for span in self._reserved if span[1] > self.free_at]
+        return self._take(start, seconds, amount, what)
+
+    def reserve(self, amount: float, at: float, what: str = "") -> float:
+        """When ``amount`` submitted at the future time ``at`` by another thread is through:
+        after what was scheduled until now, without delaying what the clock's thread schedules
+        before ``at`` where it fits before it (a stream serves transfers in the order they are
+        issued, and this one is issued later). Its end."""
+        seconds = self._seconds(amount)
+        start = self._gap(max(at, self.free_at), seconds)
+        self._reserved.append((start, start + seconds))
+        self._reserved.sort()
+        return self._take(start, seconds, amount, what)
+
+    def _seconds(self, amount: float) -> float:
+        return amount / self.rate if self.rate > 0 and amount else 0.0
+
+    def _gap(self, start: float, seconds: float) -> float:
+        """The first start at or after ``start`` where ``seconds`` fit between reserved spans."""
+        for lo, hi in self._reserved:
+            if start + seconds <= lo:
+                break
+            start = max(start, hi)
+        return start
+
+    def _take(self, start: float, seconds: float, amount: float, what: str) -> float:
         self.busy_s += seconds
         self.moved += amount
-        self.clock.record(self.name, start, self.free_at, what)
-        return self.free_at
+        self.clock.record(self.name, start, start + seconds, what)
+        return start + seconds

@@ -94,7 +94,9 @@ class SimCopies(DeviceCopies):
         return SimCopyEvent(self.clock, end, f"the {kind}" + (f" of {self._unit}"
                                                                if self._unit else ""))
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                  after_compute: bool = True) -> CopyEvent:
+        # the training thread's compute is over when it issues (the clock runs it in line)
         return self._copy(self.h2d, src, "copy")
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:

@@ -13,7 +13,11 @@ notes in optim/step_stream.py:
 * deferred step: gradients go home (written to NVMe when their tier is NVMe) and the unit is
   released; ``step()`` queues every unit's step in the next forward's order with its states
   read ahead, and the forward's fetch of a unit runs it on the fetched copy
-  (``step_fetched``), waiting for its kernels; the writes land behind.
+  (``step_fetched``), waiting for its kernels; the writes land behind. On a GPU a unit's step
+  starts as soon as its copy to the device is issued (``step_ahead``; [Note: the deferred step
+  runs ahead of the forward] in zero/steps_ahead.py);
+* on a GPU a stepped unit's 16-bit values cross to its device copy on the "H2D" lane after
+  its Adam, and the unit counts as stepped when they have.
 
 Per unit the job is coarse (the stream's sub-groups are not modelled): its reads on the disk
 lane, its Adam on one CPU lane (the step stream's thread), its writes on the disk lane. The
@@ -200,6 +204,15 @@ class SimStepper:
                                             what=f"step {unit.name}")
         if self.instant:
             job.kernel_end = self.clock.now
+        elif self.copies.overlaps_compute and unit.index in self.masters:
+            # the 16-bit result goes to the device copy on the host-to-device copies, and the
+            # unit is stepped once they landed ([Note: the device copy written behind the step]
+            # in optim/device_copy.py); the job is coarse: its copies are issued after its
+            # kernels, from the step stream's thread (not ahead of the copies the training
+            # thread issues before then)
+            nbytes = self.grad_numel[unit.index] * unit.dtype.itemsize
+            job.kernel_end = self.copies.h2d.reserve(
+                nbytes, at=job.kernel_end, what=f"stepped {unit.name} {nbytes / 2**20:.1f} MiB")
         end = job.kernel_end
         store = unit.param_store
         if store is not None and not store.resident:
@@ -290,6 +303,14 @@ class SimStepper:
                 self.clock.wait_until(job.kernel_end)
                 return True
         return False
+
+    def step_ahead(self, unit: Unit) -> bool:
+        at = next((i for i, waiting in enumerate(self.waiting) if waiting is unit), None)
+        if at is None or unit.index not in self.masters:
+            return False
+        del self.waiting[at]
+        self._run(self.jobs[unit.index])
+        return True
 
     def wait_stepped(self, unit: Unit | None = None) -> None:
         for job in list(self.jobs.values()):

@@ -10,9 +10,14 @@ overlaps, means no other module orders device work.
 [Note: copy events]
 A copy returns a ``CopyEvent``. Four rules use it, all here:
 - host -> device (``to_device``: a unit's parameters from their host slot or home, a saved
-  activation read back for backward): compute that reads the destination waits for the event
-  (``compute_waits``): on a GPU the compute stream waits on it (the CPU thread does not
-  block); elsewhere the calling thread.
+  activation read back for backward, a stepped unit's new values): compute that reads the
+  destination waits for the event (``compute_waits``): on a GPU the compute stream waits on it
+  (the CPU thread does not block); elsewhere the calling thread. The copy itself starts after
+  the compute queued so far (it may still read the destination's memory), unless the caller
+  knows every reader is over (``after_compute=False``: the step stream's writes of a unit's
+  device copy, whose readers all ran before its gradient landed; see [Note: the device copy
+  written behind the step] in optim/device_copy.py). Host-to-device copies run in the order
+  issued (one stream), so a copy issued after another into the same memory lands after it.
 - the source buffer goes back to its pool (or is freed) only after the event
   (``release_after``): a slot reused earlier could be overwritten by the next NVMe read while
   the copy still reads it; a pinned buffer freed earlier would be unmapped under the copy.
@@ -91,8 +96,12 @@ class DeviceCopies:
     device ahead (zero/unit.py ``_copy_home``). The immediate copies run on the calling thread,
     where a copy ahead would hide nothing and only hold device memory sooner."""
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
-        """Copy host ``src`` into device ``dst``; the event says when it is over."""
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                  after_compute: bool = True) -> CopyEvent:
+        """Copy host ``src`` into device ``dst``; the event says when it is over.
+        ``after_compute``: the copy starts after the compute queued so far, which may still
+        read ``dst``'s memory; False only where every reader of ``dst`` is known to be over
+        (see [Note: copy events])."""
         raise NotImplementedError
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
@@ -129,7 +138,8 @@ class DeviceCopies:
 class ImmediateCopies(DeviceCopies):
     """A CPU device: a copy is over when ``to_device`` returns."""
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                  after_compute: bool = True) -> CopyEvent:
         with torch.no_grad():
             dst.copy_(src)
         return DONE
@@ -169,9 +179,12 @@ class CudaCopies(DeviceCopies):
                                           name="copy-releases", daemon=True)
         self._releaser.start()
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
-        # the destination may have been read by compute that is still queued: start after it
-        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                  after_compute: bool = True) -> CopyEvent:
+        if after_compute:
+            # the destination may have been read by compute that is still queued: start
+            # after it (the copies issued before on this stream are ordered anyway)
+            self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d), torch.no_grad():
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event(blocking=True)   # a host wait sleeps, not spins
@@ -306,7 +319,9 @@ class LateCopies(DeviceCopies):
         self.poisoned = 0
         self.lost = 0
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                  after_compute: bool = True) -> CopyEvent:
+        # compute on a CPU device runs on the calling thread: it is over either way
         event = _LateEvent()
         self.copies += 1
         # until the copy runs the destination holds NaN: compute that did not wait reads it

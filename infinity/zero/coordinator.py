@@ -60,6 +60,7 @@ from infinity.zero.device_room import DeviceRoom
 from infinity.zero.gather_ahead import AheadGathers
 from infinity.zero.prefetch import PrefetchLimits, Trace, start_prefetches
 from infinity.zero.protocols import NO_PASS_OWNER, NO_STEPPER, PassOwner, UnitStepper, Wait
+from infinity.zero.steps_ahead import start_steps_ahead
 from infinity.zero.working_set import check_backward_working_set, check_traced_working_set
 from infinity.zero.unit import ParamEntry, Unit
 
@@ -103,7 +104,7 @@ class Coordinator:
         self._grad_uses: list[int] = []
         self._checked_order: list[int] = []
         self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0,
-                            "kept_for_reuse": 0, "prefetches_cancelled": 0}
+                            "kept_for_reuse": 0, "prefetches_cancelled": 0, "steps_ahead": 0}
         # when a list: (kind, unit index) of every "prefetch" (a read issued ahead of use),
         # "fetch" (a use that found the unit not fetched), "keep" (kept for reuse), "cancel"
         # (a prefetch dropped) and "release", in order: the schedule ``infinity plan
@@ -470,7 +471,8 @@ class Coordinator:
         needs_memory = unit.flat.untyped_storage().nbytes() == 0   # not fetched or read into
         if needs_memory:
             self._room.evict_kept(unit.nbytes)
-            self._cancel_prefetches(unit.nbytes)
+            self._room.cancel_prefetches(unit.nbytes, self.fetch_pool is not None,
+                                         self._status, self._cancel_prefetch)
         budget, cache = self.manager.device_budget, self.manager.device_cache
         while needs_memory and self._any_stepping() and \
                 budget.limit is not None and cache.in_use_bytes() + unit.nbytes > budget.limit:
@@ -500,6 +502,10 @@ class Coordinator:
             status.stale = status.stale or unit.shards > 1
         else:
             status.stepping = was_stepping
+        # on a GPU the next units' steps start now, beside this one's compute (see [Note: the
+        # deferred step runs ahead of the forward] in zero/steps_ahead.py)
+        self.fetch_stats["steps_ahead"] += start_steps_ahead(self.stepper, self._status,
+                                                             self.manager.copies)
 
     def make_whole(self) -> None:
         """Gather the replicated units (parameters not sharded) whose copies are stale since
@@ -533,16 +539,6 @@ class Coordinator:
             upcoming = upcoming + self.traces["bwd"].order[: self.limits.max_units_ahead]
         start_prefetches(self.units, upcoming, self.limits, self._room, self.manager,
                          self.fetch_pool, lambda uid: self._note("prefetch", uid))
-
-    def _cancel_prefetches(self, nbytes: int) -> None:
-        """A unit that was not prefetched is needed now: if prefetches into device memory hold
-        the room it needs, cancel them, the one needed last first (the order changed)."""
-        # prefetches that hold device memory: every one without a slot pool, and with one
-        # those already copied to the device (``Unit.advance_fetch``)
-        fetching = [u.index for u in self.units if u.residency == Residency.FETCHING
-                    and (self.fetch_pool is None or u.copy_event is not None)]
-        if fetching:
-            self._room.free(nbytes, fetching, self._cancel_prefetch)
 
     def _cancel_prefetch(self, uid: int) -> None:
         self._note("cancel", uid)

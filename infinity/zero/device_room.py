@@ -14,8 +14,10 @@ needed after the unit it reads (kept units do not count as live parameters for p
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
+from infinity.storage.tiers import Residency
+from infinity.zero.pass_state import UnitStatus
 from infinity.zero.prefetch import PrefetchLimits, reuse_distance
 from infinity.zero.unit import Unit
 
@@ -87,3 +89,17 @@ class DeviceRoom:
             if nearer_than is not None and self.next_use_or_never(uid, upcoming) <= nearer_than:
                 return
             drop(uid)
+
+    def cancel_prefetches(self, nbytes: int, slot_pool: bool, statuses: Sequence[UnitStatus],
+                          cancel: Callable[[int], None]) -> None:
+        """A unit that was not prefetched is needed now: if prefetches into device memory hold
+        the room it needs, ``cancel`` them, the one needed last first (the order changed).
+        Those holding device memory: every one without a slot pool (``slot_pool`` False), and
+        with one those already copied to the device (``Unit.advance_fetch``); never one a step
+        started ahead writes (see [Note: the deferred step runs ahead of the forward] in
+        zero/steps_ahead.py)."""
+        fetching = [u.index for u in self.units if u.residency == Residency.FETCHING
+                    and (not slot_pool or u.copy_event is not None)
+                    and not statuses[u.index].stepping]
+        if fetching:
+            self.free(nbytes, fetching, cancel)

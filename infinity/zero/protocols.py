@@ -85,6 +85,16 @@ class UnitStepper(Protocol):
         """``unit`` was just fetched: run a step that waited for it on the device copy. True
         when one ran: the unit is held until ``reap`` returns it."""
 
+    def step_ahead(self, unit: Unit) -> bool:
+        """``unit``'s device copy is fetched or its copy to the device is issued, on copies that
+        overlap compute: start a step that waits for it now, without waiting for its kernels
+        (see [Note: the deferred step runs ahead of the forward] in zero/coordinator.py). True
+        when one started: the unit is held until ``reap`` returns it, and its use waits
+        (``wait_stepped``)."""
+
+    def waiting_units(self) -> list[Unit]:
+        """Units whose deferred step waits for them to be fetched, in the order queued."""
+
     def wait_stepped(self, unit: Unit | None = None) -> None:
         """Wait until the kernels of ``unit``'s steps in flight (None: every unit's) have run:
         its device copy is current. Re-raises a step's failure."""
@@ -145,6 +155,12 @@ class _NoStepper:
 
     def step_fetched(self, unit) -> bool:
         return False
+
+    def step_ahead(self, unit) -> bool:
+        return False
+
+    def waiting_units(self) -> list:
+        return []
 
     def wait_stepped(self, unit=None) -> None:
         pass

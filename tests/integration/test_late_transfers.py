@@ -177,3 +177,49 @@ def test_16_bit_device_copies_written_late_train_as_written_at_once(disk_dir, mo
     at_once = losses(None)
     late = losses(5)
     assert all(math.isfinite(x) for x in late) and late == at_once, (late, at_once)
+
+
+@pytest.mark.parametrize("param", ["nvme", "cpu"])
+def test_deferred_steps_run_ahead_of_the_forward_as_at_its_fetch(disk_dir, monkeypatch,
+                                                                 param: str) -> None:
+    """The deferred schedule (2 micro-batches a step) in bf16 with an fp32 master: under late
+    copies each unit's step starts as soon as its fetch has issued its copy to the device, before
+    its use (zero/steps_ahead.py), and its device copy is written behind that copy; with the
+    immediate copies every step runs at its unit's fetch, the kernel rounding into the fetched
+    buffer. Both take the GPU's other paths, so only that differs; they must give the same
+    bits."""
+    def losses(seed: int | None) -> tuple[list[float], int]:
+        if seed is None:
+            _gpu_paths(monkeypatch)
+        else:
+            _late(monkeypatch, seed)
+        torch.manual_seed(0)
+        ds = zero_config(3, param, "cpu", str(disk_dir), compute_dtype="bf16", early_step="off")
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+        ds["gradient_accumulation_steps"] = 2
+        engine, *_ = infinity.initialize(model=make_model("llama", layers=3, width=32),
+                                         config=ds)
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        try:
+            for _ in range(8):      # 4 steps
+                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+                loss = loss_of(engine(input_ids=x, labels=x))
+                engine.backward(loss)
+                engine.step()
+                out.append(loss.item())
+            if seed is not None:
+                copies = engine.manager.copies
+                assert isinstance(copies, transfers.LateCopies)
+                assert copies.poisoned == 0 and copies.lost == 0
+        finally:
+            engine.close()
+        return out, engine.coordinator.fetch_stats["steps_ahead"]
+
+    at_fetch, ahead_at_once = losses(None)
+    late, ahead = losses(7)
+    assert ahead_at_once == 0           # immediate copies: every step at its unit's fetch
+    # each of the 3 forwards after a step: at least its 3 blocks (prefetched, copied ahead)
+    assert ahead >= 3 * 3
+    assert all(math.isfinite(x) for x in late) and late == at_fetch, (late, at_fetch)

@@ -80,3 +80,21 @@ def test_on_a_cpu_device_copies_are_free_and_immediate() -> None:
 def test_a_negative_link_rate_is_refused_with_its_value() -> None:
     with pytest.raises(ValueError, match="-1.0 B/s"):
         SimCopies(SimClock(), -1.0)
+
+
+def test_a_copy_another_thread_issues_later_does_not_delay_the_ones_issued_before_it() -> None:
+    """A stepped unit's device copy is written by the step stream once its kernels have run
+    (``Lane.reserve`` at that future time): a copy the training thread issues before then
+    runs first where it fits before it, else after it; later copies keep their order."""
+    from infinity.simulate.clock import Lane
+
+    clock = SimClock(spans=[])
+    lane = Lane(clock, 1.0, H2D)               # amounts in seconds
+    assert lane.reserve(2.0, at=5.0) == 7.0      # issued at 5 s, by the step stream
+    assert lane.schedule(3.0) == 3.0             # issued now: fits before it
+    assert lane.schedule(3.0) == 10.0            # 3 s from 3 s would overlap [5, 7]: after
+    assert lane.schedule(1.0) == 11.0            # in order behind the one before
+    assert lane.reserve(1.0, at=0.0) == 12.0     # never ahead of what was issued before it
+    assert lane.busy_s == pytest.approx(10.0)
+    busy = sorted((lo, hi) for row, lo, hi, _ in clock.spans if row == H2D)
+    assert all(a_hi <= b_lo for (_, a_hi), (b_lo, _) in zip(busy, busy[1:]))   # one at a time
