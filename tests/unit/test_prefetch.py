@@ -143,9 +143,24 @@ def test_a_needed_unit_cancels_the_prefetches_holding_its_room_needed_last_first
     coordinator, units, gone = _coordinator_over_fake_units(
         [Residency.FETCHED, Residency.FETCHING, Residency.FETCHING, Residency.RELEASED],
         next_forward=[3, 1, 2])
-    coordinator._cancel_prefetches(100)                    # room for 3
+    coordinator._room.cancel_prefetches(100, False, coordinator._status,
+                                        coordinator._cancel_prefetch)     # room for 3
     assert gone == [2] and units[1].residency is Residency.FETCHING
     assert coordinator.fetch_stats["prefetches_cancelled"] == 1
+
+
+def test_a_prefetch_whose_step_runs_ahead_is_never_cancelled() -> None:
+    """A step started ahead writes the prefetched unit's device memory (zero/steps_ahead.py):
+    the room comes from the other prefetch even though it is needed sooner."""
+    from infinity.storage.tiers import Residency
+
+    coordinator, units, gone = _coordinator_over_fake_units(
+        [Residency.FETCHED, Residency.FETCHING, Residency.FETCHING, Residency.RELEASED],
+        next_forward=[3, 1, 2])
+    coordinator._status[2].stepping = True
+    coordinator._room.cancel_prefetches(100, False, coordinator._status,
+                                        coordinator._cancel_prefetch)
+    assert gone == [1] and units[2].residency is Residency.FETCHING
 
 
 AHEAD_CASES = [1, 2, 3, 5]
