@@ -220,6 +220,28 @@ def test_the_dry_run_of_an_accumulating_setup_runs_every_micro_batch(tmp_path):
     assert busy[4]["CPU Adam"] == pytest.approx(busy[1]["CPU Adam"], rel=1e-9)
 
 
+def test_predict_gives_the_dry_runs_step_and_shares_for_described_rates(tmp_path, capsys):
+    """``--predict``: no GPU and no run, the dry run's figures for each setup on a machine
+    described by a JSON object or a profile.json's rates; rates lacking a key are refused,
+    naming it."""
+    rates = {"matmul_tflops": 700.0, "h2d_GBps": 40.0, "host_total_bytes": 128 * C.GiB,
+             "cpu_cores": 16, "gpu_name": "NVIDIA H200", "gpu_total_bytes": 140 * C.GiB,
+             "host_memory_GBps": 50.0}
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"rates": rates}))
+    args = ["--setups", "overlap", "--size", "tiny", "--scratch", str(tmp_path)]
+    for source in (json.dumps(rates), str(profile)):
+        assert gpu_profile.main(["--predict", source, *args]) == 0
+        line = capsys.readouterr().out.strip()
+        assert line.startswith("dry run [overlap] tiny mbs 4 x 1 seq 1024: predicted "), line
+        step = float(line.split("predicted ")[1].split(" s")[0])
+        h2d = float(line.split("h2d ")[1].split(",")[0])
+        assert step > 0 and 0.0 <= h2d <= 1.0, line
+    del rates["h2d_GBps"]
+    with pytest.raises(SystemExit, match="h2d_GBps"):
+        gpu_profile.main(["--predict", json.dumps(rates), *args])
+
+
 def test_a_copy_stalls_compute_only_where_the_next_kernel_waited_for_it():
     """The "stalling" share: copy time the compute stream sat idle for, its next kernel
     starting within ``WAIT_SLACK_US`` of the copy's end. A copy beside idle compute whose next

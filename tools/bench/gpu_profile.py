@@ -5,6 +5,9 @@ for the same machine: what issue 36 asks of the first GPU lent (tools/gpu_check.
 Run (from the repository root, on a machine with a CUDA device):
     python3 tools/bench/gpu_profile.py --out /tmp/gpu_profile                # 0.49B, three setups
     python3 tools/bench/gpu_profile.py --size tiny --warmup 1 --steps 1     # smoke (CPU too)
+    python3 tools/bench/gpu_profile.py --predict /tmp/gpu_profile/profile.json   # no GPU needed
+(``--predict``: only the dry run's predictions, for the rates of an earlier run or a JSON object
+of them; what BENCHMARKS.md records for the next GPU pass.)
 Writes ``profile.json`` (every figure), ``trace.json.gz`` (the profiled step of the first setup:
 open it in https://ui.perfetto.dev; ``trace-accumulate.json.gz`` for that setup) under --out, and
 a table on the screen.
@@ -454,6 +457,46 @@ def predict(res: dict[str, Any], rates: dict[str, Any], size: str,
             "command": "infinity " + " ".join(cmd)}
 
 
+PREDICT_KEYS = ("gpu_name", "matmul_tflops", "h2d_GBps", "host_total_bytes", "cpu_cores",
+                "host_memory_GBps", "gpu_total_bytes")
+"""The rates ``predict`` needs (``measure_rates`` measures them); the "bench" setup also needs
+``nvme_read_GBps``, ``nvme_write_GBps`` and ``disk_free_bytes``."""
+
+
+def read_rates(source: str) -> dict[str, Any]:
+    """The machine ``--predict`` describes: a JSON object, or a run's profile.json (its
+    "rates"); an error that names the keys missing."""
+    text = source if source.lstrip().startswith("{") else Path(source).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--predict {source!r}: neither a file nor a JSON object ({exc})")
+    rates = data.get("rates", data) if isinstance(data, dict) else None
+    missing = [k for k in PREDICT_KEYS if not isinstance(rates, dict) or k not in rates]
+    if missing:
+        raise SystemExit(f"--predict: the rates lack {missing} (a profile.json's \"rates\", or "
+                         f"an object with {list(PREDICT_KEYS)})")
+    return rates
+
+
+def predictions(rates: dict[str, Any], names: Sequence[str], args: argparse.Namespace) -> str:
+    """The dry run's step and copy shares hidden behind compute for each setup, on ``rates``."""
+    lines = []
+    for name in names:
+        setup = SETUPS[name]
+        seq = args.seq or setup["seq"]
+        res = {**setup, "seq": seq, "ds_config": _config(setup, args.scratch, "bf16")}
+        dry = predict(res, rates, args.size, args.scratch)
+        hidden = dry.get("hidden_behind_compute") or {}
+        lines.append(f"dry run [{name}] {args.size} mbs {setup['mbs']} x {setup['accumulate']} "
+                     f"seq {seq}: predicted {_fmt(dry.get('simulated_step_s'))} s (analytical "
+                     f"{_fmt(dry.get('analytical_step_s'))} s; CPU Adam busy "
+                     f"{_fmt(dry.get('busy_s', {}).get('CPU Adam'))} s), copies hidden behind "
+                     f"compute: h2d {_fmt(hidden.get('H2D'))}, d2h {_fmt(hidden.get('D2H'))}"
+                     + (f" {dry['error']}" if "error" in dry else ""))
+    return "\n".join(lines)
+
+
 def fsdp2_reference(args: argparse.Namespace, ours: dict[str, Any]) -> dict[str, Any]:
     """FSDP2 with CPU offload on the "overlap" setup's model and batch
     (tools/bench/fsdp2_offload.py, in its own process: it sets up torch.distributed), after the
@@ -538,7 +581,7 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="0.49B", help="a tools/bench size (0.49B, tiny, HxLxAxIxV)")
     ap.add_argument("--setups", default="overlap,accumulate,bench", help=f"comma list of {sorted(SETUPS)}")
@@ -551,7 +594,11 @@ def main() -> int:
                     help="skip FSDP2 with CPU offload on the overlap setup's model "
                          "(tools/bench/fsdp2_offload.py), run after the setups")
     ap.add_argument("--fsdp2-timeout", type=float, default=150.0, metavar="S")
-    args = ap.parse_args()
+    ap.add_argument("--predict", metavar="RATES", default=None,
+                    help="run nothing: the dry run's prediction for each setup on a machine "
+                         "described by RATES, a JSON object of measure_rates' keys or the path "
+                         "of a run's profile.json (its rates); needs no GPU")
+    args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit(f"--steps {args.steps} / --warmup {args.warmup}: at least one timed "
                          "step and no negative warm-up")
@@ -559,6 +606,9 @@ def main() -> int:
     unknown = sorted(set(names) - set(SETUPS))
     if unknown:
         raise SystemExit(f"--setups: unknown {unknown}; choose from {sorted(SETUPS)}")
+    if args.predict is not None:
+        print(predictions(read_rates(args.predict), names, args))
+        return 0
     import torch
 
     out = Path(args.out)
