@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from infinity.simulate.clock import COMPUTE, WAIT
 from infinity.simulate.copies import D2H, H2D
@@ -29,7 +29,8 @@ from infinity.simulate.copies import D2H, H2D
 if TYPE_CHECKING:
     from infinity.commands.dry_run import DryRunReport
 
-__all__ = ["ROWS", "busy_seconds", "hidden_share", "chrome_trace", "write_trace", "plot_timeline"]
+__all__ = ["ROWS", "busy_seconds", "union", "covered", "hidden_share", "chrome_trace",
+           "write_trace", "plot_timeline"]
 
 ROWS = (COMPUTE, WAIT, H2D, D2H, "NVMe", "CPU Adam", "collectives")
 """The timeline's rows, top to bottom."""
@@ -47,18 +48,33 @@ def busy_seconds(spans: Sequence[Span], start: float, end: float) -> dict[str, f
     return busy
 
 
-def _merged(spans: Sequence[Span], row: str, start: float,
-            end: float) -> list[tuple[float, float]]:
-    """``row``'s busy intervals between ``start`` and ``end``, clipped, sorted and merged."""
-    out: list[tuple[float, float]] = []
-    for lo, hi in sorted((max(lo, start), min(hi, end)) for r, lo, hi, _ in spans if r == row):
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering exactly what ``intervals`` cover (empty ones
+    dropped)."""
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
         if hi <= lo:
             continue
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
         else:
-            out.append((lo, hi))
-    return out
+            merged.append((lo, hi))
+    return merged
+
+
+def covered(intervals: Iterable[tuple[float, float]],
+            cover: Iterable[tuple[float, float]]) -> float:
+    """Length of the part of ``intervals`` (their union) that ``cover`` also covers."""
+    a, b = union(intervals), union(cover)
+    total, j = 0.0, 0
+    for lo, hi in a:
+        while j < len(b) and b[j][1] <= lo:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < hi:
+            total += min(hi, b[k][1]) - max(lo, b[k][0])
+            k += 1
+    return total
 
 
 def hidden_share(spans: Sequence[Span], row: str, start: float, end: float,
@@ -66,20 +82,15 @@ def hidden_share(spans: Sequence[Span], row: str, start: float, end: float,
     """The share of ``row``'s busy time between ``start`` and ``end`` during which ``behind``
     was busy too (None: ``row`` was idle): for a copy row, the part of the copies hidden
     behind compute. It is the figure a GPU profile measures from its kernels and copies
-    (tools/bench/gpu_profile.py, "hidden"), predicted: the two are compared there."""
-    copies, cover = _merged(spans, row, start, end), _merged(spans, behind, start, end)
-    busy = sum(hi - lo for lo, hi in copies)
+    (tools/bench/gpu_profile.py, "hidden", with ``covered`` too), predicted: the two are
+    compared there."""
+    def clipped(name: str) -> list[tuple[float, float]]:
+        return [(max(lo, start), min(hi, end)) for r, lo, hi, _ in spans if r == name]
+
+    busy = sum(hi - lo for lo, hi in union(clipped(row)))
     if busy <= 0:
         return None
-    both, j = 0.0, 0
-    for lo, hi in copies:
-        while j < len(cover) and cover[j][1] <= lo:
-            j += 1
-        k = j
-        while k < len(cover) and cover[k][0] < hi:
-            both += min(hi, cover[k][1]) - max(lo, cover[k][0])
-            k += 1
-    return both / busy
+    return covered(clipped(row), clipped(behind)) / busy
 
 
 def chrome_trace(report: DryRunReport) -> dict[str, Any]:

@@ -138,6 +138,39 @@ def test_compute_not_waiting_for_a_host_homes_copy_ahead_fails(disk_dir, monkeyp
         result.engine.close()
 
 
+def _bf16_losses(disk_dir, monkeypatch, param: str, seed: int | None, early: str,
+                 accumulation: int = 1, layers: int = 2, calls: int = 4) -> tuple[list[float], int]:
+    """A Llama at stage 3 in bf16 with an fp32 master (AdamW lr 1e-2, optimizer on the host),
+    ``calls`` micro-batches on the GPU's other paths, under late copies seeded ``seed`` (None:
+    immediate): its losses, and the steps its coordinator started ahead of their unit's use."""
+    if seed is None:
+        _gpu_paths(monkeypatch)
+    else:
+        _late(monkeypatch, seed)
+    torch.manual_seed(0)
+    ds = zero_config(3, param, "cpu", str(disk_dir), compute_dtype="bf16", early_step=early)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+    ds["gradient_accumulation_steps"] = accumulation
+    engine, *_ = infinity.initialize(model=make_model("llama", layers=layers, width=32), config=ds)
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    try:
+        for _ in range(calls):
+            x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        if seed is not None:
+            copies = engine.manager.copies
+            assert isinstance(copies, transfers.LateCopies)
+            assert copies.poisoned == 0 and copies.lost == 0
+    finally:
+        engine.close()
+    return out, engine.coordinator.fetch_stats["steps_ahead"]
+
+
 @pytest.mark.parametrize("param", ["nvme", "cpu"])
 def test_16_bit_device_copies_written_late_train_as_written_at_once(disk_dir, monkeypatch,
                                                                    param: str) -> None:
@@ -146,36 +179,8 @@ def test_16_bit_device_copies_written_late_train_as_written_at_once(disk_dir, mo
     the immediate copies let the kernel round into it. Both runs take the GPU's other paths,
     so only the copies differ; they must give the same bits: the same rounding of the same
     master, seen by the next forward only once landed."""
-    def losses(seed: int | None) -> list[float]:
-        if seed is None:
-            _gpu_paths(monkeypatch)
-        else:
-            _late(monkeypatch, seed)
-        torch.manual_seed(0)
-        ds = zero_config(3, param, "cpu", str(disk_dir), compute_dtype="bf16", early_step="on")
-        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
-        engine, *_ = infinity.initialize(model=make_model("llama", layers=2, width=32),
-                                         config=ds)
-        gen = torch.Generator().manual_seed(1)
-        out = []
-        try:
-            for _ in range(4):
-                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
-                loss = loss_of(engine(input_ids=x, labels=x))
-                engine.backward(loss)
-                engine.step()
-                out.append(loss.item())
-            if seed is not None:
-                copies = engine.manager.copies
-                assert isinstance(copies, transfers.LateCopies)
-                assert copies.poisoned == 0 and copies.lost == 0
-        finally:
-            engine.close()
-        return out
-
-    at_once = losses(None)
-    late = losses(5)
+    at_once, _ = _bf16_losses(disk_dir, monkeypatch, param, None, early="on")
+    late, _ = _bf16_losses(disk_dir, monkeypatch, param, 5, early="on")
     assert all(math.isfinite(x) for x in late) and late == at_once, (late, at_once)
 
 
@@ -188,37 +193,9 @@ def test_deferred_steps_run_ahead_of_the_forward_as_at_its_fetch(disk_dir, monke
     immediate copies every step runs at its unit's fetch, the kernel rounding into the fetched
     buffer. Both take the GPU's other paths, so only that differs; they must give the same
     bits."""
-    def losses(seed: int | None) -> tuple[list[float], int]:
-        if seed is None:
-            _gpu_paths(monkeypatch)
-        else:
-            _late(monkeypatch, seed)
-        torch.manual_seed(0)
-        ds = zero_config(3, param, "cpu", str(disk_dir), compute_dtype="bf16", early_step="off")
-        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
-        ds["gradient_accumulation_steps"] = 2
-        engine, *_ = infinity.initialize(model=make_model("llama", layers=3, width=32),
-                                         config=ds)
-        gen = torch.Generator().manual_seed(1)
-        out = []
-        try:
-            for _ in range(8):      # 4 steps
-                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
-                loss = loss_of(engine(input_ids=x, labels=x))
-                engine.backward(loss)
-                engine.step()
-                out.append(loss.item())
-            if seed is not None:
-                copies = engine.manager.copies
-                assert isinstance(copies, transfers.LateCopies)
-                assert copies.poisoned == 0 and copies.lost == 0
-        finally:
-            engine.close()
-        return out, engine.coordinator.fetch_stats["steps_ahead"]
-
-    at_fetch, ahead_at_once = losses(None)
-    late, ahead = losses(7)
+    run = dict(early="off", accumulation=2, layers=3, calls=8)     # 4 steps
+    at_fetch, ahead_at_once = _bf16_losses(disk_dir, monkeypatch, param, None, **run)
+    late, ahead = _bf16_losses(disk_dir, monkeypatch, param, 7, **run)
     assert ahead_at_once == 0           # immediate copies: every step at its unit's fetch
     # each of the 3 forwards after a step: at least its 3 blocks (prefetched, copied ahead)
     assert ahead >= 3 * 3

@@ -68,6 +68,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+
+# the interval arithmetic the dry run's own share (``hidden_share``) uses, so the measured and
+# the predicted figures are counted alike
+from infinity.commands.dry_run_trace import covered, union  # noqa: E402
 Interval = tuple[float, float]
 
 SETUPS: dict[str, dict[str, Any]] = {
@@ -136,19 +140,6 @@ def trace_streams(trace: dict[str, Any]) -> dict[str, list[int]]:
     return {kind: sorted(ids) for kind, ids in streams.items()}
 
 
-def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint intervals covering exactly what ``intervals`` cover."""
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if end <= start:
-            continue
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
-
-
 def length(intervals: Iterable[Interval]) -> float:
     return sum(e - s for s, e in union(intervals))
 
@@ -179,20 +170,6 @@ def stalled(copies: Iterable[Interval], compute: Iterable[Interval],
             continue          # a kernel ran when the copy ended: compute was not waiting
         out.append((max(start, last), end))
     return out
-
-
-def covered(intervals: Iterable[Interval], cover: Iterable[Interval]) -> float:
-    """Length of the part of ``intervals`` (their union) that ``cover`` also covers."""
-    a, b = union(intervals), union(cover)
-    total, j = 0.0, 0
-    for start, end in a:
-        while j < len(b) and b[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            total += min(end, b[k][1]) - max(start, b[k][0])
-            k += 1
-    return total
 
 
 def overlap_figures(trace: dict[str, Any]) -> dict[str, Any]:
