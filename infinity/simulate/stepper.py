@@ -200,7 +200,8 @@ class SimStepper:
         unit = job.unit
         # the gradient is read on the host after its copy's event (``_gradient_to_host``)
         start = max(job.reads_end, self.clock.now, self.grad_landed.pop(unit.index, 0.0))
-        job.kernel_end = self.adam.schedule(unit.trainable_numel, not_before=start,
+        # the rank's range (its shard with several ranks), at the rank's share of the node's rate
+        job.kernel_end = self.adam.schedule(self.grad_numel[unit.index], not_before=start,
                                             what=f"step {unit.name}")
         if self.instant:
             job.kernel_end = self.clock.now

@@ -40,6 +40,9 @@ def test_the_timeline_bounds_the_step_and_loads_as_a_chrome_trace(tmp_path, caps
     assert step <= sum(resources.values()) * (1 + 1e-9)
     # the training thread is its compute and its waits
     assert busy["compute"] + busy["compute waits"] == pytest.approx(step, rel=1e-9)
+    # each rank steps its own shard at its share of the node's CPU Adam: the analytical
+    # step's figure (the whole model at the node's rate), whatever the number of ranks
+    assert busy["CPU Adam"] == pytest.approx(plan["links"]["CPU Adam"], rel=0.01)
 
     events = json.loads(trace.read_text())["traceEvents"]
     rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
