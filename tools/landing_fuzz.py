@@ -12,6 +12,7 @@ tests/integration/test_stage3_features.py::test_random_late_landings_train_like_
 Run (from the repository root):
     python tools/landing_fuzz.py --seeds 2
     python tools/landing_fuzz.py --seeds 2 --late-copies     # and every device copy late
+    python tools/landing_fuzz.py --seeds 1 --deferred-bf16 --steps 3   # late copies = immediate
 Options: --families (default all: llama gpt2 torch llama_tied albert bert t5), --seeds N (seeds
 1..N per config), --p P [P ...] (default 0.05 0.3), --steps S (default 4), --late-copies (the
 paths a GPU takes: the fetch through host slots, the device memory cache off, and gradients
@@ -44,13 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p", type=float, nargs="+", default=[0.05, 0.3])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--late-copies", action="store_true")
+    ap.add_argument("--deferred-bf16", action="store_true",
+                    help="bf16 with an fp32 master, the deferred schedule: late copies against "
+                         "the immediate ones, bit for bit (steps started ahead of their use)")
     args = ap.parse_args(argv)
-    if args.late_copies:
+    if args.late_copies or args.deferred_bf16:
         from infinity.engine import sizing as engine_sizing
         from infinity.storage.device_cache import DeviceMemoryCache
 
         DeviceMemoryCache.supported = staticmethod(lambda device: False)
         engine_sizing.gradients_held = lambda device: False     # copied out, as off a CPU
+    if args.deferred_bf16:
+        return deferred_bf16(args)
     failed = cases = late = to_host = 0
     for family, tier, reuse, share, clip, p, seed in itertools.product(
             args.families, ("nvme", "cpu"), (0, None), (1.2, None), (0.0, 0.05), args.p,
@@ -84,6 +90,38 @@ def main(argv: list[str] | None = None) -> int:
               f"{handed_late} landings handed out late{counts}", flush=True)
     print(f"{cases} cases, {failed} failed, {late} landings handed out late in all" +
           (f", {to_host} late copies to the host" if args.late_copies else ""))
+    return 1 if failed else 0
+
+
+def deferred_bf16(args: argparse.Namespace) -> int:
+    """``--deferred-bf16``: each case trained with the immediate copies and with late ones
+    (seeded by the case); the losses must be equal, bit for bit, and no buffer poisoned or lost.
+    Under late copies a unit's deferred step starts once its copy to the device is issued
+    (zero/steps_ahead.py), with the immediate ones at its use: the same bits either way."""
+    failed = cases = ahead = 0
+    for family, tier, reuse, share, clip, seed in itertools.product(
+            args.families, ("nvme", "cpu"), (0, None), (1.2, None), (0.0, 1.0),
+            range(1, args.seeds + 1)):
+        tag = f"{family} {tier} reuse={reuse} share={share} clip={clip} seed={seed}"
+        cases += 1
+        try:
+            with tempfile.TemporaryDirectory(prefix="landing-fuzz-") as disk:
+                at_use, _, _, _ = late_landing.run_deferred_bf16(
+                    family, tier, disk, None, reuse, share, clip, args.steps)
+            with tempfile.TemporaryDirectory(prefix="landing-fuzz-") as disk:
+                late, started, poisoned, lost = late_landing.run_deferred_bf16(
+                    family, tier, disk, 1000 * seed + cases, reuse, share, clip, args.steps)
+        except Exception as exc:  # noqa: BLE001 - a case's failure is the finding
+            failed += 1
+            print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        ok = late == at_use and poisoned == 0 and lost == 0
+        failed += not ok
+        ahead += started
+        print(f"{'ok  ' if ok else 'DIFF'} {tag}: {started} steps ahead, {poisoned} poisoned, "
+              f"{lost} lost" + ("" if late == at_use else f"; losses {late} vs {at_use}"),
+              flush=True)
+    print(f"{cases} cases, {failed} failed, {ahead} steps started ahead in all")
     return 1 if failed else 0
 
 

@@ -189,3 +189,39 @@ def run_case(family: str, tier: str, disk_dir: str, seed: int, reuse: int | None
             engines.append(engine)
     result = run_parity(model, ds, steps=steps, clip=clip, prepare=prepare)
     return result.worst_relative, landings[0].handed_out_late
+
+
+def run_deferred_bf16(family: str, tier: str, disk_dir: str, late_seed: int | None,
+                      reuse: int | None = None, device_share: float | None = None,
+                      clip: float = 0.0, steps: int = 3) -> tuple[list[float], int, int, int]:
+    """Train ``family`` at stage 3 with params and optimizer on ``tier`` in bf16 with an fp32
+    master, the deferred schedule, 2 micro-batches a step (``reuse``, ``device_share``,
+    ``clip`` as in ``run_case``), with late copies seeded ``late_seed`` (None: the immediate
+    ones); the GPU's other paths must be set by the caller. Returns the losses, the steps
+    started ahead of their unit's use (zero/steps_ahead.py), and the late copies' poisoned and
+    lost buffers (0 with immediate copies)."""
+    import os
+
+    from infinity.storage import transfers
+    from parity import run_parity, zero_config
+
+    if late_seed is None:
+        os.environ.pop(transfers.LATE_ENV, None)
+    else:
+        os.environ[transfers.LATE_ENV] = str(late_seed)
+    model = build_family(family)
+    extra: dict = {"compute_dtype": "bf16", "early_step": "off"}
+    if device_share is not None:
+        extra["device_memory_budget"] = int(sum(p.numel() * 4 for p in model.parameters())
+                                            * device_share)
+    ds = zero_config(3, tier, tier, disk_dir, **extra)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if reuse is not None:
+        ds["zero_optimization"]["stage3_max_reuse_distance"] = reuse
+    try:
+        result = run_parity(model, ds, steps=steps, accumulation=2, clip=clip, lr=1e-2)
+    finally:
+        os.environ.pop(transfers.LATE_ENV, None)
+    copies = result.engine.manager.copies
+    return (result.losses, result.engine.coordinator.fetch_stats["steps_ahead"],
+            getattr(copies, "poisoned", 0), getattr(copies, "lost", 0))
