@@ -470,14 +470,14 @@ class Coordinator:
         self._room.kept.discard(uid)   # in use again
         needs_memory = unit.flat.untyped_storage().nbytes() == 0   # not fetched or read into
         if needs_memory:
-            self._room.evict_kept(unit.nbytes)
-            self._room.cancel_prefetches(unit.nbytes, self.fetch_pool is not None,
-                                         self._status, self._cancel_prefetch)
+            self._make_room(unit.nbytes)
         budget, cache = self.manager.device_budget, self.manager.device_cache
         while needs_memory and self._any_stepping() and \
                 budget.limit is not None and cache.in_use_bytes() + unit.nbytes > budget.limit:
             # backpressure: units held by background steps free the device when they finish
+            # (a prefetch whose step ran ahead may then be cancelled, a unit kept evicted)
             self.reap(Wait.ONE)
+            self._make_room(unit.nbytes)
         if trace is not None:
             trace.observe(uid)
         if unit.residency != Residency.FETCHED:
@@ -506,6 +506,12 @@ class Coordinator:
         # deferred step runs ahead of the forward] in zero/steps_ahead.py)
         self.fetch_stats["steps_ahead"] += start_steps_ahead(self.stepper, self._status,
                                                              self.manager.copies)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Kept units, then prefetches into device memory, let go until ``nbytes`` fit."""
+        self._room.evict_kept(nbytes)
+        self._room.cancel_prefetches(nbytes, self.fetch_pool is not None, self._status,
+                                     self._cancel_prefetch)
 
     def make_whole(self) -> None:
         """Gather the replicated units (parameters not sharded) whose copies are stale since

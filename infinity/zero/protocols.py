@@ -88,7 +88,7 @@ class UnitStepper(Protocol):
     def step_ahead(self, unit: Unit) -> bool:
         """``unit``'s device copy is fetched or its copy to the device is issued, on copies that
         overlap compute: start a step that waits for it now, without waiting for its kernels
-        (see [Note: the deferred step runs ahead of the forward] in zero/coordinator.py). True
+        (see [Note: the deferred step runs ahead of the forward] in zero/steps_ahead.py). True
         when one started: the unit is held until ``reap`` returns it, and its use waits
         (``wait_stepped``)."""
 

@@ -20,7 +20,8 @@ reuse), the step's writes land after the fetched values, and its step may start 
 use the coordinator starts the waiting steps of every such unit, the one prefetched for the next
 use among them, and that unit's use waits for its kernels as any stepping unit's does. The
 unit is held from then on (``UnitStatus.stepping``), so neither a release nor a cancelled
-prefetch gives its device memory back while the step writes it.
+prefetch gives its device memory back while the step writes it. A fetch that needs the room of
+such a prefetch waits for its step to land (the coordinator's backpressure), then cancels it.
 
 Not ahead, as before:
 - a CPU device (its copies are immediate: the kernel rounds into the fetched buffer, and compute
@@ -33,6 +34,7 @@ Not ahead, as before:
 """
 from __future__ import annotations
 
+from infinity.base.interrupts import deferred_interrupts
 from infinity.storage.tiers import Residency
 from infinity.zero.pass_state import UnitStatus
 from infinity.zero.protocols import UnitStepper
@@ -59,9 +61,12 @@ def start_steps_ahead(stepper: UnitStepper, statuses: list[UnitStatus], copies) 
         if status.stepping or unit.persistent or unit.shards > 1 or \
                 not device_copy_issued(unit):
             continue
-        status.stepping = True          # held before its job can run (see the Note)
-        if stepper.step_ahead(unit):
-            started += 1
-        else:
-            status.stepping = False
+        # held before its job can run (see the Note); a Ctrl-C waits until the unit's status
+        # and the optimizer's jobs agree (held with a job, or neither)
+        with deferred_interrupts("starting a step ahead"):
+            status.stepping = True
+            if stepper.step_ahead(unit):
+                started += 1
+            else:
+                status.stepping = False
     return started

@@ -200,3 +200,66 @@ def test_deferred_steps_run_ahead_of_the_forward_as_at_its_fetch(disk_dir, monke
     # each of the 3 forwards after a step: at least its 3 blocks (prefetched, copied ahead)
     assert ahead >= 3 * 3
     assert all(math.isfinite(x) for x in late) and late == at_fetch, (late, at_fetch)
+
+
+class _SkippingModel(torch.nn.Module):
+    """Embedding, 4 residual MLP blocks, a head; ``skip`` leaves block 0 out (the forward's
+    order changes: a prefetch issued for it is no longer what the next use needs)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.ReLU(),
+                                torch.nn.Linear(4 * width, width)) for _ in range(4))
+        self.head = torch.nn.Linear(width, VOCAB)
+        self.skip = False
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            if not (self.skip and i == 0):
+                h = h + block(h)
+        logits = self.head(h)[:, :-1].reshape(-1, VOCAB)
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+
+
+def test_a_fetch_takes_the_room_of_a_prefetch_whose_step_ran_ahead(disk_dir, monkeypatch) -> None:
+    """A device budget of 1.6 blocks, the forward's order changing at steps 3 and 4: the unit
+    needed now finds its room held by a prefetch whose deferred step started ahead. The fetch
+    waits for that step to land, then cancels the prefetch (before, it raised
+    BudgetExceededError); the losses are those of the immediate copies."""
+    def losses(seed: int | None) -> tuple[list[float], dict]:
+        if seed is None:
+            _gpu_paths(monkeypatch)
+        else:
+            _late(monkeypatch, seed)
+        torch.manual_seed(0)
+        model = _SkippingModel()
+        block = sum(p.numel() for p in model.blocks[0].parameters())
+        ds = zero_config(3, "cpu", "cpu", str(disk_dir), compute_dtype="bf16", early_step="off",
+                         device_memory_budget=int(block * 2 * 1.6))
+        ds["zero_optimization"].update(stage3_param_persistence_threshold=0,
+                                       stage3_max_reuse_distance=0,
+                                       stage3_prefetch_bucket_size=block)
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+        ds["gradient_clipping"] = 1.0
+        engine, *_ = infinity.initialize(model=model, config=ds)
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        try:
+            for step in range(6):
+                model.skip = step in (3, 4)
+                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+                loss = engine(input_ids=x, labels=x)
+                engine.backward(loss)
+                engine.step()
+                out.append(loss.item())
+        finally:
+            engine.close()
+        return out, dict(engine.coordinator.fetch_stats)
+
+    at_use, _ = losses(None)
+    late, stats = losses(3)
+    assert stats["steps_ahead"] > 0 and stats["prefetches_cancelled"] > 0, stats
+    assert all(math.isfinite(x) for x in late) and late == at_use, (late, at_use)
