@@ -69,6 +69,10 @@ def test_training_on_cuda_equals_torch(disk_dir, family, tiers, clip, schedule) 
             engine.step()
             ref_loss = reference_step(reference, ref_opt, x, clip)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        if schedule == "deferred" and tiers[1] == "cpu":
+            # host-homed units are copied to the device at their prefetch, so their deferred
+            # steps start before their use (zero/steps_ahead.py): that path ran on the GPU
+            assert engine.coordinator.fetch_stats["steps_ahead"] > 0, engine.coordinator.fetch_stats
     finally:
         engine.close()
 
