@@ -5,6 +5,7 @@ no launcher: torch.distributed (NCCL on GPUs, gloo on CPUs) is both.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -89,10 +90,25 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0,
                            "sets them, or call torch.distributed.init_process_group yourself")
     backend = backend or default_backend(device)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    atexit.register(_destroy_at_exit)
     info = current_ranks()
     log.info("joined the process group: rank %d of %d (%s, collective timeout %gs)",
              info.rank, info.world_size, backend, timeout_s)
     return info
+
+
+def _destroy_at_exit() -> None:
+    """The group ``init_distributed`` made is destroyed at a normal exit, while the interpreter
+    is whole. Left to the interpreter's teardown, gloo's worker threads could still hold work
+    whose tensors need the GIL, and the process then aborted ("terminate called without an
+    active exception", SIGABRT) after training had finished: once in this project's suite,
+    a distributed test's rank 1, and torch's own issue (pytorch#190489). A group the user
+    destroyed already is left alone."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - at exit there is no caller to raise to
+            log.warning("destroying the process group at exit failed: %s", exc)
 
 
 def current_ranks(group: Any = None) -> RankInfo:

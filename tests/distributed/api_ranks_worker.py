@@ -1,11 +1,13 @@
 """One rank of test_ranks_api.py: DeepSpeed API habits across ranks. GatheredParameters with
 modifier_rank=0 (rank 0's change reaches every rank, whatever the others wrote), the
-training_data loader (each rank its share), and engine rank accessors.
+training_data loader (each rank its share), engine rank accessors, and the process group
+``init_distributed`` made destroyed at exit.
 
 argv: out_dir nvme_dir
 """
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 from pathlib import Path
@@ -16,10 +18,19 @@ import infinity
 from parity import make_model
 
 
+def _record_group_at_exit(out: Path, holder: dict) -> None:
+    """Whether the process group still exists once infinity's own exit handler has run (this
+    one was registered before it, and atexit runs the last registered first)."""
+    (out / f"exit{holder['rank']}.json").write_text(
+        json.dumps({"initialized": torch.distributed.is_initialized()}))
+
+
 def main() -> None:
     out, nvme = Path(sys.argv[1]), sys.argv[2]
+    holder: dict = {}
+    atexit.register(_record_group_at_exit, out, holder)
     info = infinity.init_distributed()
-    rank = info.rank
+    rank = holder["rank"] = info.rank
     ds = {"train_micro_batch_size_per_gpu": 2,
           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                                 "offload_optimizer": {"device": "cpu"}},

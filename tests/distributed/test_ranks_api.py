@@ -1,7 +1,10 @@
 """DeepSpeed habits across 2 ranks (gloo, localhost): GatheredParameters(modifier_rank=0) makes
 rank 0's change every rank's (DeepSpeed broadcasts it), ``training_data`` gives each rank a
-disjoint share of the samples (DistributedSampler), and the engine reports its rank."""
+disjoint share of the samples (DistributedSampler), the engine reports its rank, and the group
+``infinity.init_distributed`` made is destroyed at exit."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -23,3 +26,7 @@ def test_modifier_rank_training_data_and_rank_accessors(tmp_path):
         assert r["swap_dir"].startswith(f"infinity-swap-r{rank}-"), r["swap_dir"]
     shares = [set(r["samples"]) for r in results]
     assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(20)), shares
+    # the group init_distributed made is destroyed at a normal exit (a gloo group left to the
+    # interpreter's teardown can abort the process: comm/group.py ``_destroy_at_exit``)
+    for rank in range(2):
+        assert json.loads((out / f"exit{rank}.json").read_text()) == {"initialized": False}
