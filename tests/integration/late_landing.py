@@ -161,6 +161,23 @@ def build_family(family: str, seed: int = 0) -> torch.nn.Module:
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
 
 
+def stage3_config(model: torch.nn.Module, tier: str, disk_dir: str, reuse: int | None,
+                  device_share: float | None, **infinity_section) -> dict:
+    """Stage 3 with params and optimizer on ``tier``, every parameter in a unit (no persistence
+    threshold); ``reuse``: stage3_max_reuse_distance (None: the default), ``device_share``: a
+    device budget of that share of ``model``'s fp32 bytes (None: unlimited)."""
+    from parity import zero_config
+
+    if device_share is not None:
+        infinity_section["device_memory_budget"] = int(
+            sum(p.numel() * 4 for p in model.parameters()) * device_share)
+    ds = zero_config(3, tier, tier, disk_dir, **infinity_section)
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if reuse is not None:
+        ds["zero_optimization"]["stage3_max_reuse_distance"] = reuse
+    return ds
+
+
 def run_case(family: str, tier: str, disk_dir: str, seed: int, reuse: int | None = None,
              device_share: float | None = None, clip: float = 0.0, p: float = 0.3,
              steps: int = 4, engines: list | None = None) -> tuple[float, int]:
@@ -170,17 +187,10 @@ def run_case(family: str, tier: str, disk_dir: str, seed: int, reuse: int | None
     (None: unlimited), ``clip``: gradient_clipping; ``engines``: the engine is appended to it
     (to read its counters after the run). Returns the worst relative loss difference and how
     many landings were handed out late."""
-    from parity import run_parity, zero_config
+    from parity import run_parity
 
     model = build_family(family)
-    extra = {}
-    if device_share is not None:
-        extra["device_memory_budget"] = int(sum(p.numel() * 4 for p in model.parameters())
-                                            * device_share)
-    ds = zero_config(3, tier, tier, disk_dir, **extra)
-    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    if reuse is not None:
-        ds["zero_optimization"]["stage3_max_reuse_distance"] = reuse
+    ds = stage3_config(model, tier, disk_dir, reuse, device_share)
     landings: list[RandomLandings] = []
 
     def prepare(engine) -> None:
@@ -203,21 +213,15 @@ def run_deferred_bf16(family: str, tier: str, disk_dir: str, late_seed: int | No
     import os
 
     from infinity.storage import transfers
-    from parity import run_parity, zero_config
+    from parity import run_parity
 
     if late_seed is None:
         os.environ.pop(transfers.LATE_ENV, None)
     else:
         os.environ[transfers.LATE_ENV] = str(late_seed)
     model = build_family(family)
-    extra: dict = {"compute_dtype": "bf16", "early_step": "off"}
-    if device_share is not None:
-        extra["device_memory_budget"] = int(sum(p.numel() * 4 for p in model.parameters())
-                                            * device_share)
-    ds = zero_config(3, tier, tier, disk_dir, **extra)
-    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    if reuse is not None:
-        ds["zero_optimization"]["stage3_max_reuse_distance"] = reuse
+    ds = stage3_config(model, tier, disk_dir, reuse, device_share, compute_dtype="bf16",
+                       early_step="off")
     try:
         result = run_parity(model, ds, steps=steps, accumulation=2, clip=clip, lr=1e-2)
     finally:
