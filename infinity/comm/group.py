@@ -90,7 +90,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0,
                            "sets them, or call torch.distributed.init_process_group yourself")
     backend = backend or default_backend(device)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    atexit.register(_destroy_at_exit)
+    if backend == "gloo":
+        atexit.register(_destroy_at_exit)
     info = current_ranks()
     log.info("joined the process group: rank %d of %d (%s, collective timeout %gs)",
              info.rank, info.world_size, backend, timeout_s)
@@ -98,12 +99,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0,
 
 
 def _destroy_at_exit() -> None:
-    """The group ``init_distributed`` made is destroyed at a normal exit, while the interpreter
-    is whole. Left to the interpreter's teardown, gloo's worker threads could still hold work
-    whose tensors need the GIL, and the process then aborted ("terminate called without an
-    active exception", SIGABRT) after training had finished: once in this project's suite,
-    a distributed test's rank 1, and torch's own issue (pytorch#190489). A group the user
-    destroyed already is left alone."""
+    """The gloo group ``init_distributed`` made is destroyed at a normal exit, while the
+    interpreter is whole. Left to the interpreter's teardown, gloo's worker threads could still
+    hold work whose tensors need the GIL, and the process then aborted ("terminate called
+    without an active exception", SIGABRT) after training had finished: once in this project's
+    suite, a distributed test's rank 1, and torch's own issue (pytorch#190489). A group the user
+    destroyed already is left alone. Gloo's teardown is local; a group with NCCL is not
+    destroyed here: torch's ``destroy_process_group`` flushes NCCL's pending collectives, which
+    after a failure (a rank gone) would hang the exit instead (pytorch#141510)."""
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
