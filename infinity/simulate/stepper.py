@@ -295,23 +295,25 @@ class SimStepper:
                 and unit.index not in self.jobs:
             self.expected[unit.index] = self._read_states(unit)
 
+    def _run_waiting(self, unit: Unit) -> _Job | None:
+        """Run ``unit``'s waiting deferred step now; None when none waits."""
+        at = next((i for i, waiting in enumerate(self.waiting) if waiting is unit), None)
+        if at is None:
+            return None
+        del self.waiting[at]
+        job = self.jobs[unit.index]
+        self._run(job)
+        return job
+
     def step_fetched(self, unit: Unit) -> bool:
-        for i, waiting in enumerate(self.waiting):
-            if waiting is unit:
-                del self.waiting[i]
-                job = self.jobs[unit.index]
-                self._run(job)
-                self.clock.wait_until(job.kernel_end)
-                return True
-        return False
+        job = self._run_waiting(unit)
+        if job is None:
+            return False
+        self.clock.wait_until(job.kernel_end)
+        return True
 
     def step_ahead(self, unit: Unit) -> bool:
-        at = next((i for i, waiting in enumerate(self.waiting) if waiting is unit), None)
-        if at is None or unit.index not in self.masters:
-            return False
-        del self.waiting[at]
-        self._run(self.jobs[unit.index])
-        return True
+        return unit.index in self.masters and self._run_waiting(unit) is not None
 
     def wait_stepped(self, unit: Unit | None = None) -> None:
         for job in list(self.jobs.values()):
