@@ -197,8 +197,12 @@ def test_deferred_steps_run_ahead_of_the_forward_as_at_its_fetch(disk_dir, monke
     at_fetch, ahead_at_once = _bf16_losses(disk_dir, monkeypatch, param, None, **run)
     late, ahead = _bf16_losses(disk_dir, monkeypatch, param, 7, **run)
     assert ahead_at_once == 0           # immediate copies: every step at its unit's fetch
-    # each of the 3 forwards after a step: at least its 3 blocks (prefetched, copied ahead)
-    assert ahead >= 3 * 3
+    if param == "cpu":
+        # each of the 3 forwards after a step: at least its 3 blocks, whose host homes are
+        # copied at their prefetch whatever the timing; an NVMe-homed block goes ahead only if
+        # its read has landed before the next use (the disk's timing), so there only the bits
+        # are held
+        assert ahead >= 3 * 3
     assert all(math.isfinite(x) for x in late) and late == at_fetch, (late, at_fetch)
 
 
