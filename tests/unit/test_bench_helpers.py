@@ -240,6 +240,8 @@ def test_predict_gives_the_dry_runs_step_and_shares_for_described_rates(tmp_path
     del rates["h2d_GBps"]
     with pytest.raises(SystemExit, match="h2d_GBps"):
         gpu_profile.main(["--predict", json.dumps(rates), *args])
+    with pytest.raises(SystemExit, match="readable profile.json"):
+        gpu_profile.main(["--predict", str(tmp_path / "missing.json"), *args])
 
 
 def test_a_copy_stalls_compute_only_where_the_next_kernel_waited_for_it():

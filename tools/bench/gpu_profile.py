@@ -443,11 +443,12 @@ PREDICT_KEYS = ("gpu_name", "matmul_tflops", "h2d_GBps", "host_total_bytes", "cp
 def read_rates(source: str) -> dict[str, Any]:
     """The machine ``--predict`` describes: a JSON object, or a run's profile.json (its
     "rates"); an error that names the keys missing."""
-    text = source if source.lstrip().startswith("{") else Path(source).read_text()
     try:
+        text = source if source.lstrip().startswith("{") else Path(source).read_text()
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"--predict {source!r}: neither a file nor a JSON object ({exc})")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--predict {source!r}: expected a JSON object of rates or a readable "
+                         f"profile.json ({type(exc).__name__}: {exc})")
     rates = data.get("rates", data) if isinstance(data, dict) else None
     missing = [k for k in PREDICT_KEYS if not isinstance(rates, dict) or k not in rates]
     if missing:
