@@ -12,6 +12,7 @@ BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench"
 sys.path.insert(0, str(BENCH))
 
 import _common as C  # noqa: E402
+import gpu_predict  # noqa: E402
 import gpu_profile  # noqa: E402
 import out_of_core  # noqa: E402
 
@@ -212,7 +213,7 @@ def test_the_dry_run_of_an_accumulating_setup_runs_every_micro_batch(tmp_path):
     for k in (1, 4):
         setup = {**gpu_profile.SETUPS["accumulate"], "accumulate": k}
         res = {**setup, "ds_config": gpu_profile._config(setup, str(tmp_path), "bf16")}
-        got = gpu_profile.predict(res, rates, "tiny", str(tmp_path))
+        got = gpu_predict.predict(res, rates, "tiny", str(tmp_path))
         assert "error" not in got and f"--grad-accum {k} " in got["command"] + " ", got
         busy[k] = got["busy_s"]
     assert busy[4]["compute"] == pytest.approx(4 * busy[1]["compute"], rel=1e-9)
@@ -300,7 +301,7 @@ def test_the_gpu_profile_asks_the_dry_run_for_the_machine_it_measured(tmp_path):
              "host_memory_GBps": 50.0}
     setup = dict(gpu_profile.SETUPS["bench"])
     res = {**setup, "ds_config": gpu_profile._config(setup, str(tmp_path), "bf16")}
-    got = gpu_profile.predict(res, rates, "tiny", str(tmp_path))
+    got = gpu_predict.predict(res, rates, "tiny", str(tmp_path))
     assert "error" not in got, got
     for flag in ("--gpus 1 ", "--gpu H200 ", f"--gpu-memory {140 * C.GiB} ",
                  "--gpu-tflops 700.0 ", "--pcie-GBps 40.00 ", "--nvme-read-GBps 3.00",
@@ -311,10 +312,10 @@ def test_the_gpu_profile_asks_the_dry_run_for_the_machine_it_measured(tmp_path):
     assert got["busy_s"]["NVMe"] > 10 * got["busy_s"]["compute"]
     # the measured memory bandwidth reaches the dry run's CPU Adam (memory-bound at 0.5 GB/s:
     # 30 B a parameter against 16 cores' 14.4 G parameters/s), not only the analytical step
-    slow = gpu_profile.predict(res, {**rates, "host_memory_GBps": 0.5}, "tiny", str(tmp_path))
+    slow = gpu_predict.predict(res, {**rates, "host_memory_GBps": 0.5}, "tiny", str(tmp_path))
     assert slow["busy_s"]["CPU Adam"] > 10 * got["busy_s"]["CPU Adam"] > 0
     # no GPU measured: no prediction, said so
-    assert "error" in gpu_profile.predict(res, {"cpu_cores": 2}, "tiny", str(tmp_path))
+    assert "error" in gpu_predict.predict(res, {"cpu_cores": 2}, "tiny", str(tmp_path))
 
 
 def test_the_fsdp2_line_gives_the_ratio_or_the_error():
