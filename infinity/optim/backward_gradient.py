@@ -245,6 +245,14 @@ class BackwardGradient:
             copies.host_waits(self.copies)
             self.copies = []
 
+    def hand_over_copies(self) -> list[CopyEvent]:
+        """INTO_HOME (or NONE: none came): the events of the copies into the resident home move
+        out unwaited, for the collector to wait before the home is read (``finish``; see
+        [Note: gradients leave the device] in optim/gradients.py)."""
+        self._check("hand_over_copies", GradPhase.NONE, GradPhase.INTO_HOME)
+        events, self.copies = self.copies, []
+        return events
+
     def send_home(self) -> Slot | None:
         """COLLECTING or REDUCED -> SENT: the buffer left with its NVMe write, which gives
         back the slot returned when it lands."""

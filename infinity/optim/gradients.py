@@ -42,8 +42,17 @@ never waits for them. Where the training thread does read the gradient, the wait
 with several ranks on a CPU device ``reduce`` (the collective reads the host buffer; ``take``
 then finds no events; on a GPU the collective reads the device buffer, so ``reduce`` waits for
 nothing and the shard's copy event goes on to ``take`` or ``finish``), and in the deferred
-schedule, speculated or not, ``finish`` (the clipping norm and the overflow check are summed
-there, at the boundary, before any step can apply them). The early step has neither
+schedule, speculated or not, ``finish`` where it reads the gradient: to add it to a shard or
+to what its NVMe home holds, to write it home, and to sum the clipping norm and the overflow
+check at the boundary before any step can apply them. One rank's gradient in a resident home
+(host memory, the deferred schedule) is not read there: its copies (on a GPU, adds made by the
+copies' adder thread as they land; see [Note: host adds off the training thread] in
+storage/transfers.py) go into the home itself, ``finish`` keeps their events in the collector
+without waiting (``home_copies_landed`` waits for them where a home is read: ``home_gradient``,
+``drop_cycle``, ``land_copies`` at the end of the backward), and its norm is summed at the
+step, from the home, like that of a unit whose last gradient came before the last micro-step.
+Waiting there made every unit's backward hook synchronize with the GPU and add on the training
+thread while no kernel was queued. The early step has neither
 clipping nor an overflow check (the planner allows it only without them); the norm it reports
 is summed by the kernels on the step stream, after the wait.
 
@@ -80,7 +89,7 @@ from infinity.optim.records import CompleteGradient, OptimTimers, UnitOptimState
 from infinity.planner.engine_sizes import accumulate_chunk_numel
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import TierManager
-from infinity.storage.transfers import DONE
+from infinity.storage.transfers import DONE, CopyEvent
 from infinity.zero.protocols import SteppedUnit
 from infinity.zero.unit import ParamEntry
 
@@ -151,6 +160,9 @@ class GradientCollector:
         self.sq_norm = 0.0       # sum of squares of this cycle's gradients (clipping, overflow)
         self.boundary = True     # the backward in progress is the cycle's last micro-step
         self._writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
+        # copies into resident homes this backward, waited where a home is read (see [Note:
+        # gradients leave the device])
+        self._home_copies: list[CopyEvent] = []
         self._chunk: torch.Tensor | None = None
         # see [Note: gradients over ranks]: reduce-scatter (``scatter``) or all-reduce
         self.comm = comm
@@ -304,8 +316,16 @@ class GradientCollector:
 
     def land_copies(self) -> None:
         """Every unit's device-to-host copies are over (a backward ends)."""
+        self.home_copies_landed()
         for state in self.states:
             self.copies_landed(state)
+
+    def home_copies_landed(self) -> None:
+        """The copies (and adds) into resident homes that ``finish`` did not wait for are over:
+        the wait before the host reads, zeroes or steps from a resident home."""
+        # kept until waited, like a unit's own (a wait cut short leaves them to the next)
+        self.copies.host_waits(self._home_copies)
+        self._home_copies = []
 
     def zero_unwritten(self, state: UnitOptimState) -> None:
         """Zero what of a fresh host buffer no gradient was copied into (gaps, unused
@@ -330,6 +350,7 @@ class GradientCollector:
         """Forget every gradient collected since the last step; returns how many units had
         some."""
         dropped = 0
+        self.home_copies_landed()     # a copy landing after the zeroing below would add back
         for state in self.states:
             touched = state.grad.seen > 0 or state.has_grads
             dropped += touched
@@ -400,8 +421,15 @@ class GradientCollector:
         """The unit's gradient of this backward is complete: add what earlier micro-steps left
         at home, count it in the norm at the boundary, and (``write_home``) send it home.
         Returns the complete gradient (without ``write_home`` still in the state's buffer)."""
+        store = state.grad_store
+        if write_home and store.resident and not self.reduces:
+            # the copies went straight into the resident home and nothing reads it before the
+            # step: no wait here, and the norm is summed at the step, from the home
+            self._home_copies.extend(state.grad.hand_over_copies())
+            state.keep_gradient()
+            return store.tensor[: state.numel]
         self.copies_landed(state)
-        store, buffer = state.grad_store, state.grad.finished()
+        buffer = state.grad.finished()
         if store.resident and self.reduces:
             grads = store.tensor[: state.numel]
             grads.add_(buffer)     # the own shard, averaged over ranks
@@ -434,6 +462,7 @@ class GradientCollector:
         self.copies_landed(state)
         n, store = state.numel, state.grad_store
         if store.resident:
+            self.home_copies_landed()
             yield 0, store.tensor[:n]
             return
         buffer = self.chunk_buffer()
@@ -454,6 +483,7 @@ class GradientCollector:
 
     def close(self) -> None:
         """Land the gradient writes, then free the device buffers (the optimizer closes)."""
+        self.home_copies_landed()
         self.land_writes()
         if self.device_pool is not None:
             self.device_pool.close()

@@ -37,7 +37,8 @@ Three implementations:
 - ``ImmediateCopies`` (a CPU device): a copy is over when it returns; no thread, no cost.
 - ``CudaCopies``: a host-to-device stream and a device-to-host stream, events recorded on them;
   the compute stream waits on a host-to-device copy's event; a released source is handed back by
-  a thread once its event has fired; a host reader synchronizes on a device-to-host copy's event.
+  a thread once its event has fired; a host reader synchronizes on a device-to-host copy's event,
+  and an add is made by a thread of its own as its copy lands (see below).
 - ``LateCopies`` (tests): each copy happens on a helper thread after a seeded random delay; the
   destination of a copy (either way) reads NaN until then (an add lands in a staging buffer and
   is made at the host wait), and a buffer handed back to its pool while a copy still reads or
@@ -46,6 +47,17 @@ Three implementations:
   passing by luck.
   ``INFINITY_LATE_TRANSFERS=<seed>`` selects it for every engine of the process (how the parity
   tests run under it).
+
+[Note: host adds off the training thread]
+A gradient accumulated over micro-batches is added on the host, into its fp32 home. On the
+first H200 the add was made at the host wait, and the training thread waited at each unit's
+end of backward: every unit's backward hook synchronized with the GPU, then widened and added
+the unit's bf16 gradient while no kernel was launched (1.48 s of a 2.4 s step, the GPU idle).
+So on a GPU the adds are made by the copies' adder thread, in the order issued (so the bits are
+those of the adds made one by one), each as soon as its copy has landed; the training thread
+goes on queueing backward kernels, and whoever reads the destination waits for the add as for
+any copy (``host_waits``). The collector waits for them only where it reads the home (see
+[Note: gradients leave the device] in optim/gradients.py).
 """
 from __future__ import annotations
 
@@ -178,6 +190,12 @@ class CudaCopies(DeviceCopies):
         self._releaser = threading.Thread(target=self._release_when_done,
                                           name="copy-releases", daemon=True)
         self._releaser.start()
+        # device-to-host adds made on the host as their copies land, in the order issued, on
+        # a thread of their own (see [Note: host adds off the training thread])
+        self._adds: queue.Queue = queue.Queue()
+        self._adder = threading.Thread(target=self._add_when_landed, name="copy-adds",
+                                       daemon=True)
+        self._adder.start()
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
                   after_compute: bool = True) -> CopyEvent:
@@ -209,7 +227,11 @@ class CudaCopies(DeviceCopies):
             event.record(self.d2h)
         # the caching allocator must not give src's memory to others before the copy is over
         src.record_stream(self.d2h)
-        return _HostAdd(_CudaEvent(event), dst, staging) if add else _CudaEvent(event)
+        if not add:
+            return _CudaEvent(event)
+        queued = _QueuedAdd(_HostAdd(_CudaEvent(event), dst, staging))
+        self._adds.put(queued)
+        return queued
 
     def compute_waits(self, event: CopyEvent) -> None:
         if isinstance(event, _CudaEvent):
@@ -240,10 +262,21 @@ class CudaCopies(DeviceCopies):
             # and its event would keep that buffer referenced while the queue is empty
             del event, release, done
 
+    def _add_when_landed(self) -> None:
+        while True:
+            queued = self._adds.get()
+            if queued is None:
+                return
+            queued.run()
+            del queued     # the last add would keep its staging and destination referenced
+
     def drain(self) -> None:
         done = threading.Event()
         self._releases.put((DONE, lambda: None, done))
         done.wait()
+        last = _QueuedAdd(None)
+        self._adds.put(last)
+        last.wait()
         # copies nobody waited for write no more: a device-to-host copy, and a host-to-device
         # copy from a host home (no ``release_after`` follows it, so the queue above did not
         # wait for it) whose destination or source may be freed once the engine closes
@@ -284,6 +317,36 @@ class _HostAdd:
         with torch.no_grad():
             _add_widened(self.dst, self.staging)
         self.staging = None
+
+
+class _QueuedAdd:
+    """A device-to-host add that the copies' adder thread makes as soon as its copy lands
+    (``run``); a wait blocks until it has, and raises what the add raised. ``add`` None: a
+    marker that says every add queued before it is made."""
+
+    def __init__(self, add: _HostAdd | None) -> None:
+        self._add = add
+        self._made = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            if self._add is not None:
+                self._add.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised to whoever waits for it
+            self._error = exc
+        finally:
+            self._add = None
+            self._made.set()
+
+    def done(self) -> bool:
+        return self._made.is_set() and self._error is None
+
+    def wait(self) -> None:
+        self._made.wait()
+        if self._error is not None:
+            raise RuntimeError(f"a device-to-host gradient add failed: {self._error}") \
+                from self._error
 
 
 class _LateEvent:

@@ -423,22 +423,61 @@ def test_nothing_is_held_where_the_optimizer_does_not_hold_gradients() -> None:
     assert rig.room.taken == []
 
 
-def test_finish_in_a_resident_home_norms_at_the_boundary_only() -> None:
+def test_finish_in_a_resident_home_leaves_the_norm_to_the_step() -> None:
+    """One rank's gradient added into its resident home is not read by ``finish``, at the
+    boundary either: the unit is kept uncounted, and the step sums its norm from the home
+    (what ``home_gradient`` gives: both micro-steps' sum)."""
     rig = _Rig([_unit()])
     state = rig.states[0]
     g0 = torch.randn(3, 5)
-    rig.g.begin_backward(False)
-    rig.grad(state, 0, g0)
-    grads = rig.g.finish(state)
-    assert grads.data_ptr() == state.grad_store.tensor.data_ptr() and grads.numel() == 1024
-    assert state.has_grads and not state.norm_counted and rig.g.sq_norm == 0.0
-    rig.g.begin_backward(True)
-    rig.grad(state, 0, g0)
-    grads = rig.g.finish(state)
-    want = float(((2 * g0.double()) ** 2).sum())
-    assert rig.g.sq_norm == pytest.approx(want, rel=1e-12) and state.norm_counted
+    for boundary in (False, True):
+        rig.g.begin_backward(boundary)
+        rig.grad(state, 0, g0)
+        grads = rig.g.finish(state)
+        assert grads.data_ptr() == state.grad_store.tensor.data_ptr() and grads.numel() == 1024
+        assert state.has_grads and not state.norm_counted and rig.g.sq_norm == 0.0
+    (start, home), = rig.g.home_gradient(state)
+    assert start == 0 and torch.equal(home[:15], (2 * g0).reshape(-1))
     rig.g.land_writes()
     assert rig.manager.waits == []        # nothing written: the home is the memory
+
+
+def test_finish_in_a_resident_home_does_not_wait_for_its_copies() -> None:
+    """The adds into a resident home are still landing when ``finish`` returns (it must not
+    wait: on a GPU the training thread would stop queueing the backward); whoever reads the
+    home waits for them first, and reads both micro-steps' sum."""
+    rig, copies, gate = _late_rig("host")
+    state = rig.states[0]
+    g0 = torch.randn(3, 5)
+    waits = _training_thread_must_not_wait(copies, gate)
+    rig.g.begin_backward(False)
+    rig.grad(state, 0, g0)
+    rig.g.finish(state)
+    rig.g.drop_buffer(state, forget=True)
+    rig.g.begin_backward(True)
+    rig.grad(state, 0, g0)
+    rig.g.finish(state)
+    rig.g.drop_buffer(state, forget=True)
+    assert len(rig.g._home_copies) == 2 and not any(e.done() for e in rig.g._home_copies)
+    copies.host_waits = waits
+    gate.set()
+    (start, home), = rig.g.home_gradient(state)
+    assert rig.g._home_copies == [] and torch.equal(home[:15], (2 * g0).reshape(-1))
+    assert copies.poisoned == copies.lost == 0
+
+
+def test_a_resident_home_read_before_its_adds_misses_them(monkeypatch) -> None:
+    """The planted fault: without the wait for the home's copies the home reads without the
+    adds still landing (zero here), not the gradient."""
+    rig, copies, gate = _late_rig("host")
+    monkeypatch.setattr(GradientCollector, "home_copies_landed", lambda self: None)
+    state = rig.states[0]
+    rig.grad(state, 0, torch.ones(3, 5))
+    rig.g.finish(state)
+    (_, home), = rig.g.home_gradient(state)
+    assert torch.equal(home[:15], torch.zeros(15))
+    gate.set()
+    copies.drain()
 
 
 def test_finish_writes_a_disk_gradient_home_in_the_background() -> None:
