@@ -72,7 +72,7 @@ from typing import Protocol
 import torch
 
 __all__ = ["CopyEvent", "DeviceCopies", "ImmediateCopies", "CudaCopies", "LateCopies",
-           "device_copies", "LATE_ENV", "ADD_CHUNK_NUMEL"]
+           "HostAdder", "device_copies", "LATE_ENV", "ADD_CHUNK_NUMEL"]
 
 LATE_ENV = "INFINITY_LATE_TRANSFERS"
 """Set to an integer seed: every engine's copies complete late, on a helper thread (tests)."""
@@ -192,10 +192,7 @@ class CudaCopies(DeviceCopies):
         self._releaser.start()
         # device-to-host adds made on the host as their copies land, in the order issued, on
         # a thread of their own (see [Note: host adds off the training thread])
-        self._adds: queue.Queue = queue.Queue()
-        self._adder = threading.Thread(target=self._add_when_landed, name="copy-adds",
-                                       daemon=True)
-        self._adder.start()
+        self._adder = HostAdder()
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
                   after_compute: bool = True) -> CopyEvent:
@@ -229,9 +226,7 @@ class CudaCopies(DeviceCopies):
         src.record_stream(self.d2h)
         if not add:
             return _CudaEvent(event)
-        queued = _QueuedAdd(_HostAdd(_CudaEvent(event), dst, staging))
-        self._adds.put(queued)
-        return queued
+        return self._adder.add(_HostAdd(_CudaEvent(event), dst, staging))
 
     def compute_waits(self, event: CopyEvent) -> None:
         if isinstance(event, _CudaEvent):
@@ -262,21 +257,11 @@ class CudaCopies(DeviceCopies):
             # and its event would keep that buffer referenced while the queue is empty
             del event, release, done
 
-    def _add_when_landed(self) -> None:
-        while True:
-            queued = self._adds.get()
-            if queued is None:
-                return
-            queued.run()
-            del queued     # the last add would keep its staging and destination referenced
-
     def drain(self) -> None:
         done = threading.Event()
         self._releases.put((DONE, lambda: None, done))
         done.wait()
-        last = _QueuedAdd(None)
-        self._adds.put(last)
-        last.wait()
+        self._adder.drain()
         # copies nobody waited for write no more: a device-to-host copy, and a host-to-device
         # copy from a host home (no ``release_after`` follows it, so the queue above did not
         # wait for it) whose destination or source may be freed once the engine closes
@@ -317,6 +302,34 @@ class _HostAdd:
         with torch.no_grad():
             _add_widened(self.dst, self.staging)
         self.staging = None
+
+
+class HostAdder:
+    """Makes device-to-host adds on a thread of its own, each as soon as its copy has landed,
+    in the order given (see [Note: host adds off the training thread])."""
+
+    def __init__(self) -> None:
+        self._adds: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="copy-adds", daemon=True)
+        self._thread.start()
+
+    def add(self, host_add: _HostAdd) -> CopyEvent:
+        """Queue ``host_add``; the event returned fires once it is made."""
+        queued = _QueuedAdd(host_add)
+        self._adds.put(queued)
+        return queued
+
+    def drain(self) -> None:
+        """Every add queued so far is made (an add's error stays with its own event)."""
+        last = _QueuedAdd(None)
+        self._adds.put(last)
+        last.wait()
+
+    def _run(self) -> None:
+        while True:
+            queued = self._adds.get()
+            queued.run()
+            del queued     # the last add would keep its staging and destination referenced
 
 
 class _QueuedAdd:

@@ -190,7 +190,8 @@ def test_cuda_drain_waits_for_host_to_device_copies_too() -> None:
     """A copy from a host home has no ``release_after`` (its source is the home itself), so
     the release queue does not wait for it: drain synchronizes the copy stream as well."""
     from types import SimpleNamespace
-    copies = SimpleNamespace(_releases=_AtOnce(), h2d=_Stream(), d2h=_Stream(), _error=None)
+    copies = SimpleNamespace(_releases=_AtOnce(), h2d=_Stream(), d2h=_Stream(), _error=None,
+                             _adder=transfers.HostAdder())
     transfers.CudaCopies.drain(copies)
     assert (copies.h2d.synchronized, copies.d2h.synchronized) == (1, 1)
 
@@ -224,3 +225,52 @@ def test_the_releaser_keeps_no_released_buffer_while_it_waits() -> None:
     with pytest.raises(_Stop):
         transfers.CudaCopies._release_when_done(copies)
     assert released == [16] and alive_at_next_get == [False]
+
+
+class _GatedEvent:
+    """A copy's event that fires when the test opens its gate."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def done(self) -> bool:
+        return self.gate.is_set()
+
+    def wait(self) -> None:
+        self.gate.wait()
+
+
+def test_the_host_adder_adds_each_as_its_copy_lands_in_the_order_given() -> None:
+    """On a GPU the adds into a gradient's host home are made by the adder thread, not at the
+    reader's wait (see [Note: host adds off the training thread]): an add is made once its copy
+    has landed, with nobody waiting, and in the order given, so the fp32 sum has the bits of
+    the adds made one by one; an add whose copy has not landed holds back those after it."""
+    adder = transfers.HostAdder()
+    dst = torch.zeros(4096)
+    parts = [torch.randn(4096).to(torch.bfloat16) for _ in range(3)]
+    events = [_GatedEvent() for _ in parts]
+    added = [adder.add(transfers._HostAdd(e, dst, p)) for e, p in zip(events, parts)]
+    events[1].gate.set()
+    events[2].gate.set()
+    assert not any(a.done() for a in added)            # the first copy has not landed
+    assert torch.equal(dst, torch.zeros(4096))
+    events[0].gate.set()
+    added[2].wait()
+    assert all(a.done() for a in added)
+    want = torch.zeros(4096)
+    for p in parts:
+        want.add_(p.float())
+    assert torch.equal(dst, want)
+    adder.drain()
+
+
+def test_an_add_that_fails_raises_at_its_wait_and_the_adder_goes_on() -> None:
+    adder = transfers.HostAdder()
+    broken = adder.add(transfers._HostAdd(transfers.DONE, torch.zeros(4), torch.zeros(5)))
+    dst = torch.zeros(4)
+    fine = adder.add(transfers._HostAdd(transfers.DONE, dst, torch.ones(4)))
+    with pytest.raises(RuntimeError, match="gradient add failed"):
+        broken.wait()
+    fine.wait()
+    assert not broken.done() and fine.done() and torch.equal(dst, torch.ones(4))
+    adder.drain()
