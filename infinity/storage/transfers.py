@@ -71,6 +71,8 @@ from typing import Protocol
 
 import torch
 
+from infinity.storage import _add_native
+
 __all__ = ["CopyEvent", "DeviceCopies", "ImmediateCopies", "CudaCopies", "LateCopies",
            "HostAdder", "device_copies", "LATE_ENV", "ADD_CHUNK_NUMEL"]
 
@@ -488,20 +490,34 @@ def _add_widened(target: torch.Tensor, grad: torch.Tensor) -> None:
     dtype, bit for bit what ``target.add_(grad.to(torch.float32))`` gives (a target in the
     gradient's own dtype, a 16-bit home, adds it as it is: no widening, no temporary).
 
-    Why in chunks: a 16-bit gradient is widened into a float32 temporary (by ``.to`` or inside
-    a mixed-dtype ``add_`` alike) the size of the parameter; above the engine's malloc mmap
-    threshold (``infinity.malloc_mmap_threshold``, 4 MiB) every such temporary is a fresh
-    mapping, page-faulted and zeroed by the kernel and unmapped again. At 85M with bf16 compute
-    that was ~55,000 page faults a step (a 2048 x 768 weight's gradient is 6 MiB in float32),
-    most of this call's time. Slices of the first dimension of about ``ADD_CHUNK_NUMEL``
-    elements keep the temporary in the heap, reused from slice to slice (a gradient that is
-    not contiguous is sliced as it is); a float32 gradient needs none and is added whole."""
+    Contiguous float32 / bf16 / fp16 gradients go through the native add (storage/
+    _add_native.py): one pass, widened in registers, shared by torch's threads. Others (a
+    strided view, a float64 gradient) through torch, in chunks: a 16-bit gradient is widened
+    into a float32 temporary (by ``.to`` or inside a mixed-dtype ``add_`` alike) the size of
+    the parameter; above the engine's malloc mmap threshold (``infinity.malloc_mmap_threshold``,
+    4 MiB) every such temporary is a fresh mapping, page-faulted and zeroed by the kernel and
+    unmapped again (at 85M with bf16 compute ~55,000 page faults a step). Slices of the first
+    dimension of about ``ADD_CHUNK_NUMEL`` elements keep the temporary in the heap, reused
+    from slice to slice; a float32 gradient needs none and is added whole."""
+    if target.dtype == torch.float32 and grad.dtype in _add_native.NATIVE_DTYPES \
+            and target.is_contiguous() and grad.is_contiguous() \
+            and target.device.type == grad.device.type == "cpu" and grad.numel() > 0 \
+            and not _overlap(target, grad):
+        _add_native.accumulate(target, grad)
+        return
     if grad.dtype == target.dtype or grad.numel() <= ADD_CHUNK_NUMEL or grad.dim() == 0:
         target.add_(grad)
         return
     rows = max(1, ADD_CHUNK_NUMEL // max(1, grad[0].numel()))
     for start in range(0, grad.shape[0], rows):
         target[start:start + rows].add_(grad[start:start + rows])
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share bytes (an in-place add of a tensor into itself is
+    torch's to make)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _holds(t: torch.Tensor) -> bool:

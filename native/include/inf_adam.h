@@ -96,6 +96,14 @@ INF_API int inf_adam_step_norm(const struct inf_adam_hparams *hp,
 INF_API int inf_grad_sq_sum(const void *grad, int64_t numel, int grad_dtype, int nthreads,
                             double *out);
 
+/* dst[i] += (float)src[i] for numel elements: a gradient of src_dtype (F32, BF16 or F16)
+ * accumulated into its fp32 host home in one pass, widened in registers (exactly) and added
+ * in fp32, so each element has the bits of torch's dst.add_(src.float()). Shared by nthreads
+ * threads (<= 0: the CPUs this process may run on); dst and src must not overlap. Returns 0 or
+ * -EINVAL. */
+INF_API int inf_grad_accumulate(float *dst, const void *src, int64_t numel, int src_dtype,
+                                int nthreads);
+
 /* 1 when kernel (an INF_ADAM_KERNEL_*) can run on this CPU with this build, else 0. */
 INF_API int inf_adam_kernel_supported(int kernel);
 

@@ -13,7 +13,7 @@ import torch
 from fakes import RecordingManager
 from torch.overrides import TorchFunctionMode
 
-from infinity.storage import transfers
+from infinity.storage import _add_native, transfers
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.transfers import (
     ImmediateCopies,
@@ -53,19 +53,22 @@ def test_add_widened_is_bit_for_bit_torch_add_of_the_float32_gradient(monkeypatc
     assert torch.equal(target, want)
 
 
-def test_add_widened_slices_a_16_bit_gradient_by_rows_and_adds_others_whole(monkeypatch) -> None:
-    """A widening add goes in slices of about ADD_CHUNK_NUMEL elements (whole rows, at least
-    one); a float32 gradient, a 16-bit one into a 16-bit home, a small one or a 0-d one is
-    added at once."""
+def test_add_widened_slices_a_strided_16_bit_gradient_by_rows_and_adds_others_whole(
+        monkeypatch) -> None:
+    """The add torch makes (a gradient the native add does not read: strided, or into a 16-bit
+    home) goes in slices of about ADD_CHUNK_NUMEL elements (whole rows, at least one) where it
+    widens; a 16-bit one into a 16-bit home, a small one or a 0-d one is added at once. A
+    contiguous float32 target with a contiguous gradient goes to the native add: no torch
+    add_ at all."""
     monkeypatch.setattr(transfers, "ADD_CHUNK_NUMEL", 7)
     cases = [
-        (torch.zeros(7, 3), torch.ones(7, 3, dtype=torch.bfloat16), [(2, 3), (2, 3), (2, 3), (1, 3)]),
-        (torch.zeros(3, 9), torch.ones(3, 9, dtype=torch.float16), [(1, 9), (1, 9), (1, 9)]),
-        (torch.zeros(7, 3), torch.ones(7, 3), [(7, 3)]),
+        (torch.zeros(7, 3), torch.ones(3, 7, dtype=torch.bfloat16).t(), [(2, 3), (2, 3), (2, 3), (1, 3)]),
+        (torch.zeros(3, 9), torch.ones(9, 3, dtype=torch.float16).t(), [(1, 9), (1, 9), (1, 9)]),
+        (torch.zeros(7, 3), torch.ones(7, 3), []),
+        (torch.zeros(7, 3), torch.ones(7, 3, dtype=torch.bfloat16), []),
         (torch.zeros(7, 3, dtype=torch.bfloat16), torch.ones(7, 3, dtype=torch.bfloat16), [(7, 3)]),
-        (torch.zeros(7), torch.ones(7, dtype=torch.bfloat16), [(7,)]),
-        (torch.zeros(8), torch.ones(8, dtype=torch.bfloat16), [(7,), (1,)]),
-        (torch.zeros(1, 9), torch.ones(1, 9, dtype=torch.bfloat16), [(1, 9)]),   # one row
+        (torch.zeros(7), torch.ones(7, 2, dtype=torch.bfloat16)[:, 0], [(7,)]),
+        (torch.zeros(8), torch.ones(8, 2, dtype=torch.bfloat16)[:, 0], [(7,), (1,)]),
     ]
     for target, grad, want in cases:
         with _AddCalls() as calls:
@@ -76,6 +79,31 @@ def test_add_widened_slices_a_16_bit_gradient_by_rows_and_adds_others_whole(monk
     target = torch.zeros(())
     _add_widened(target, torch.tensor(2.5, dtype=torch.bfloat16))   # 0-d: nothing to slice
     assert target.item() == 2.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel, offset", [(1, 0), (7, 1), (8, 0), (4099, 3), (300_001, 5)])
+def test_the_native_add_is_bit_for_bit_torch_add_of_the_float32_gradient(dtype, numel,
+                                                                        offset) -> None:
+    """Every element (unaligned starts, tails shorter than a vector, several threads' chunks;
+    16-bit subnormals, infinities, signed zeros) has the bits of ``target.add_(grad.float())``:
+    the widening is exact and the add is one float32 add either way."""
+    gen = torch.Generator().manual_seed(numel)
+    grad = (torch.randn(numel + offset, generator=gen) * 4).to(dtype)[offset:]
+    specials = torch.tensor([float("inf"), -float("inf"), -0.0, 6e-8, -3e-5, 1e-40],
+                            dtype=torch.float32).to(dtype)
+    grad[: min(numel, specials.numel())] = specials[: min(numel, specials.numel())]
+    target = torch.randn(numel + 2, generator=gen)[1:-1]
+    want = target.clone().add_(grad.to(F32))
+    _add_native.accumulate(target, grad)
+    assert torch.equal(target, want)
+
+
+def test_the_native_add_refuses_what_it_does_not_read() -> None:
+    with pytest.raises(ValueError, match="contiguous float32 CPU target"):
+        _add_native.accumulate(torch.zeros(4), torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16 of its size"):
+        _add_native.accumulate(torch.zeros(4), torch.zeros(5))
 
 
 def _grads(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
