@@ -80,6 +80,9 @@ class DryRunRates:
     pcie_GBps: float = 0.0
     """Host <-> device copies, each direction, per rank (its GPU's link): needed for a GPU
     device; on a CPU device copies are free and immediate, as the engine's are."""
+    host_memory_GBps: float = 0.0
+    """The host's memory bandwidth, per rank: the rate of the gradient adds into resident
+    host homes (0: they cost nothing)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,7 +246,7 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
     specs = partition(model, list(setup.unit_modules or cfg.infinity.unit_modules or []) or None)
     backend = SimBackend(manager, comm, compute, adam_params_per_s=rates.adam_params_per_s,
                          grad_dtype=gradient_home_dtype(es, dtype), instant=instant,
-                         direct=plan.direct_fetch)
+                         direct=plan.direct_fetch, host_add_Bps=rates.host_memory_GBps * 1e9)
     # one param group of every trainable parameter: the dry run has no optimizer settings
     groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     # ``overlap_comm`` as the engine passes it: stage-3 gathers issued ahead of use
@@ -332,7 +335,8 @@ def target_setup(memory, target, workload) -> tuple[DryRunSetup, DryRunRates]:
         adam_params_per_s=cpu_adam_rate(memory.placement, target)[0]
         / adam_rate_factor(memory.placement.state_format) / ranks,
         net_GBps=target.collective_GBps * LINK_EFFICIENCY,
-        pcie_GBps=target.gpu.pcie_GBps * LINK_EFFICIENCY)
+        pcie_GBps=target.gpu.pcie_GBps * LINK_EFFICIENCY,
+        host_memory_GBps=target.host_memory_GBps / ranks)
     return setup, rates
 
 

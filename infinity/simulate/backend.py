@@ -71,8 +71,9 @@ class SimBackend:
 
     def __init__(self, manager: SimManager, comm: SimCollectives, compute: SimCompute, *,
                  adam_params_per_s: float, grad_dtype: torch.dtype, instant: bool,
-                 direct: bool) -> None:
+                 direct: bool, host_add_Bps: float = 0.0) -> None:
         self.manager, self.comm, self.compute = manager, comm, compute
+        self.host_add_Bps = host_add_Bps
         self.adam_params_per_s, self.grad_dtype = adam_params_per_s, grad_dtype
         self.instant = instant
         self.device = META
@@ -104,7 +105,7 @@ class SimBackend:
             # the buffers a unit's reduce takes and its copy out gives back (several ranks on
             # a GPU; none on the host path)
             device_grad_buffers=plan.derived.device_grad_buffers if es.device_gradient_bytes
-            else 0, scatter=plan.stage >= 1)
+            else 0, scatter=plan.stage >= 1, host_add_Bps=self.host_add_Bps)
         _init_masters(units, self.manager, fetch_pool, lay, stepper.masters)
         for pool in (plan.optimizer.gradient, plan.optimizer.step):
             if pool is not None:

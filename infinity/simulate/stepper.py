@@ -17,7 +17,11 @@ notes in optim/step_stream.py:
   starts as soon as its copy to the device is issued (``step_ahead``; [Note: the deferred step
   runs ahead of the forward] in zero/steps_ahead.py);
 * on a GPU a stepped unit's 16-bit values cross to its device copy on the "H2D" lane after
-  its Adam, and the unit counts as stepped when they have.
+  its Adam, and the unit counts as stepped when they have;
+* deferred step, one rank, a resident gradient home: each micro-batch's gradient is added into
+  the home after its copy, on the "host adds" lane at the host's memory bandwidth (the adder
+  thread's on a GPU, the end of the backward waiting for the last; on a CPU device the
+  training thread's, at the copy).
 
 Per unit the job is coarse (the stream's sub-groups are not modelled): its reads on the disk
 lane, its Adam on one CPU lane (the step stream's thread), its writes on the disk lane. The
@@ -107,7 +111,7 @@ class SimStepper:
                  instant: bool = False, grad_dtype: torch.dtype = torch.float32,
                  state_format: StateFormat = FP32_STATES,
                  comm_dtype: torch.dtype = torch.float32, device_grad_buffers: int = 0,
-                 scatter: bool = False) -> None:
+                 scatter: bool = False, host_add_Bps: float = 0.0) -> None:
         self.manager, self.clock = manager, manager.clock
         # several ranks: the dtype of the reduce and of the shard's copy to the host
         self.comm_dtype = comm_dtype
@@ -138,6 +142,12 @@ class SimStepper:
         # the rate is fp32 states' (DryRunRates): the format's kernel sets it (step_time)
         self.adam = Lane(self.clock, float("inf") if instant else
                          adam_params_per_s * adam_rate_factor(state_format), "CPU Adam")
+        # a gradient added into its resident host home (deferred, one rank): on a GPU by the
+        # copies' adder thread as its copy lands, on a CPU device at the copy, on the training
+        # thread; ``host_add_Bps`` the bytes it moves a second (0: free)
+        self.host_adds = Lane(self.clock, float("inf") if instant else host_add_Bps,
+                              "host adds")
+        self._adds_end = 0.0
         self.states: dict[int, list[SimStore]] = {}
         self.scales: dict[int, list[SimStore]] = {}   # int8 scales: host memory, not moved
         self.masters: set[int] = set()                # units with a separate fp32 master
@@ -287,8 +297,22 @@ class SimStepper:
         grad = self.grad_stores.get(unit.index)
         if grad is not None and not grad.resident:
             grad.write_bytes(grad.nbytes, not_before=landed)
+        elif grad is not None and self.grads_leave and not self.comm.active:
+            self._add_into_home(unit, landed)
         self._drop_held(unit)
         return True
+
+    def _add_into_home(self, unit: Unit, landed: float) -> None:
+        """The unit's gradient added into its resident home after its copy: read in the
+        compute dtype, the fp32 home read and written ([Note: host adds off the training
+        thread] in storage/transfers.py). The backward's end waits for the last one."""
+        n = self.grad_numel[unit.index]
+        end = self.host_adds.schedule(n * (unit.dtype.itemsize + 8), not_before=landed,
+                                      what=f"add {unit.name}'s gradient")
+        if self.copies.overlaps_compute:
+            self._adds_end = max(self._adds_end, end)
+        else:
+            self.clock.wait_until(end, "adds a gradient into its home")
 
     def expect_backward(self, unit: Unit) -> None:
         if self.early_like and unit.index in self.states and unit.index not in self.expected \
@@ -342,6 +366,8 @@ class SimStepper:
 
     def end_backward(self) -> None:
         self.expected.clear()     # units that got no gradients are not stepped
+        # the gradients the step reads are complete
+        self.clock.wait_until(self._adds_end, "waits for the gradients' copies and adds")
 
     def step(self, forward_order: list[int], units: list[Unit]) -> None:
         """Early: every unit's kernels have run. Deferred: queue the steps in the next

@@ -1,0 +1,72 @@
+"""The dry run's gradient adds into resident host homes (simulate/stepper.py; [Note: host adds
+off the training thread] in storage/transfers.py): one rank on a GPU, the deferred schedule,
+gradients accumulated in host memory. Each unit's add runs on the "host adds" lane after its
+copy to the host, beside the backward, and the backward's end waits for the last copy and add;
+on a CPU device the training thread makes it at the copy."""
+from __future__ import annotations
+
+import pytest
+from fakes import GPU_BOX
+
+from infinity.commands.dry_run import DryRunRates, DryRunSetup, dry_run, meta_llama
+from infinity.config import InfinityConfig
+from infinity.planner.inputs import llama_stats
+from infinity.planner.run_plan import plan_run
+from infinity.simulate.clock import WAIT
+from infinity.simulate.copies import D2H
+
+pytest.importorskip("transformers")
+
+MODEL = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "intermediate_size": 160, "vocab_size": 384,
+         "max_position_embeddings": 64, "tie_word_embeddings": False, "use_cache": False,
+         "attention_dropout": 0.0}
+ADDS = "host adds"
+
+
+def _run(host_memory_GBps: float, early_step: str = "off", accumulate: int = 2):
+    cfg = InfinityConfig.from_dict({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulate,
+        "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                              "offload_optimizer": {"device": "cpu"}},
+        "infinity": {"compute_dtype": "bf16", "early_step": early_step}}, world_size=1)
+    plan = plan_run(cfg, GPU_BOX, stats=llama_stats(MODEL), device_is_cpu=False)
+    rates = DryRunRates(compute_flops_per_s=1e10, nvme_read_GBps=3.0, nvme_write_GBps=2.0,
+                        adam_params_per_s=1e9, pcie_GBps=10.0, host_memory_GBps=host_memory_GBps)
+    return dry_run(meta_llama(MODEL), DryRunSetup(plan=plan), rates, seq_len=16, micro_batch=2,
+                   steps=2, accumulate=accumulate)
+
+
+def _unit_of(what: str) -> str:
+    return what.split()[1] if what.startswith("gradient ") else what.split()[1].split("'")[0]
+
+
+def test_each_add_follows_its_copy_and_the_backward_end_waits_for_the_last() -> None:
+    report = _run(host_memory_GBps=0.01)     # slow enough that the adds outlast the backward
+    copies = [(start, end, _unit_of(what)) for lane, start, end, what in report.spans
+              if lane == D2H and what.startswith("gradient ")]
+    adds = [(start, end, _unit_of(what)) for lane, start, end, what in report.spans
+            if lane == ADDS]
+    assert len(adds) == len(copies) == 6 * 2 * 2      # 6 units, 2 micro-batches, 2 steps
+    for (c_start, c_end, c_unit), (a_start, a_end, a_unit) in zip(copies, adds):
+        assert a_unit == c_unit and a_start >= c_end and a_end > a_start
+    waits = [(start, end) for lane, start, end, what in report.spans
+             if lane == WAIT and "copies and adds" in what]
+    assert len(waits) == 4                           # one a backward
+    for _, end in waits:
+        assert any(abs(end - a_end) < 1e-12 for _, a_end, _ in adds)
+
+
+def test_slow_adds_lengthen_the_step_by_at_most_their_own_time() -> None:
+    free, slow = _run(0.0), _run(0.01)
+    added = sum(end - start for lane, start, end, _ in slow.spans if lane == ADDS)
+    assert sum(end - start for lane, start, end, _ in free.spans if lane == ADDS) == 0.0
+    longer = sum(s.seconds for s in slow.steps) - sum(s.seconds for s in free.steps)
+    assert 0 < longer <= added + 1e-12
+
+
+def test_the_early_step_adds_nothing_on_the_host() -> None:
+    """An early step hands each unit's gradient to its Adam: nothing is accumulated at home."""
+    report = _run(0.01, early_step="on", accumulate=1)
+    assert not [s for s in report.spans if s[0] == ADDS]
