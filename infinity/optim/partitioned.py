@@ -409,7 +409,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         continues until a step."""
         self._in_backward = self.speculator.speculating = False
         self.cancel_expected()
-        self.gradients.land_copies()    # see [Note: gradients leave the device]
+        # see [Note: gradients leave the device]: the adds into resident homes go on
+        self.gradients.land_copies(homes=False)
         self.gradients.land_writes()
 
     # -- stepping --------------------------------------------------------------------------

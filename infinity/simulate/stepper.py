@@ -20,8 +20,8 @@ notes in optim/step_stream.py:
   its Adam, and the unit counts as stepped when they have;
 * deferred step, one rank, a resident gradient home: each micro-batch's gradient is added into
   the home after its copy, on the "host adds" lane at the host's memory bandwidth (the adder
-  thread's on a GPU, the end of the backward waiting for the last; on a CPU device the
-  training thread's, at the copy).
+  thread's on a GPU, going on behind the next micro-batch, the step waiting for the last; on
+  a CPU device the training thread's, at the copy).
 
 Per unit the job is coarse (the stream's sub-groups are not modelled): its reads on the disk
 lane, its Adam on one CPU lane (the step stream's thread), its writes on the disk lane. The
@@ -305,7 +305,7 @@ class SimStepper:
     def _add_into_home(self, unit: Unit, landed: float) -> None:
         """The unit's gradient added into its resident home after its copy: read in the
         compute dtype, the fp32 home read and written ([Note: host adds off the training
-        thread] in storage/transfers.py). The backward's end waits for the last one."""
+        thread] in storage/transfers.py). The step waits for the last one."""
         n = self.grad_numel[unit.index]
         end = self.host_adds.schedule(n * (unit.dtype.itemsize + 8), not_before=landed,
                                       what=f"add {unit.name}'s gradient")
@@ -366,8 +366,6 @@ class SimStepper:
 
     def end_backward(self) -> None:
         self.expected.clear()     # units that got no gradients are not stepped
-        # the gradients the step reads are complete
-        self.clock.wait_until(self._adds_end, "waits for the gradients' copies and adds")
 
     def step(self, forward_order: list[int], units: list[Unit]) -> None:
         """Early: every unit's kernels have run. Deferred: queue the steps in the next
@@ -375,6 +373,8 @@ class SimStepper:
         if self.early_like:
             self.wait_stepped()
             return
+        # the gradients the step reads are complete (the adds went on behind the forwards)
+        self.clock.wait_until(self._adds_end, "waits for the gradients' copies and adds")
         position = {uid: i for i, uid in enumerate(forward_order)}
         for unit in sorted((u for u in units if u.index in self.states),
                            key=lambda u: position.get(u.index, len(position))):

@@ -206,6 +206,20 @@ def test_deferred_steps_run_ahead_of_the_forward_as_at_its_fetch(disk_dir, monke
     assert all(math.isfinite(x) for x in late) and late == at_fetch, (late, at_fetch)
 
 
+def test_a_step_that_does_not_wait_for_the_adds_into_host_homes_fails(disk_dir,
+                                                                      monkeypatch) -> None:
+    """Planted fault: the adds of each micro-batch's gradient into its resident host home go
+    on past the backward (optim/gradients.py ``finish``, ``land_copies(homes=False)``); a step
+    that reads the homes without waiting for them (``home_copies_landed``) steps without those
+    adds (under late copies they are made at the wait): the losses leave the right run's."""
+    from infinity.optim.gradients import GradientCollector
+    run = dict(early="off", accumulation=2, layers=2, calls=6)
+    right, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 3, **run)
+    monkeypatch.setattr(GradientCollector, "home_copies_landed", lambda self: None)
+    wrong, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 3, **run)
+    assert wrong[:2] == right[:2] and wrong[2:] != right[2:], (wrong, right)
+
+
 class _SkippingModel(torch.nn.Module):
     """Embedding, 4 residual MLP blocks, a head; ``skip`` leaves block 0 out (the forward's
     order changes: a prefetch issued for it is no longer what the next use needs)."""

@@ -1,8 +1,8 @@
 """The dry run's gradient adds into resident host homes (simulate/stepper.py; [Note: host adds
 off the training thread] in storage/transfers.py): one rank on a GPU, the deferred schedule,
 gradients accumulated in host memory. Each unit's add runs on the "host adds" lane after its
-copy to the host, beside the backward, and the backward's end waits for the last copy and add;
-on a CPU device the training thread makes it at the copy."""
+copy to the host, beside the backward and the next micro-batch, and the step waits for the
+last copy and add; on a CPU device the training thread makes it at the copy."""
 from __future__ import annotations
 
 import pytest
@@ -42,7 +42,7 @@ def _unit_of(what: str) -> str:
     return what.split()[1] if what.startswith("gradient ") else what.split()[1].split("'")[0]
 
 
-def test_each_add_follows_its_copy_and_the_backward_end_waits_for_the_last() -> None:
+def test_each_add_follows_its_copy_and_the_step_waits_for_the_last() -> None:
     report = _run(host_memory_GBps=0.01)     # slow enough that the adds outlast the backward
     copies = [(start, end, _unit_of(what)) for lane, start, end, what in report.spans
               if lane == D2H and what.startswith("gradient ")]
@@ -53,7 +53,7 @@ def test_each_add_follows_its_copy_and_the_backward_end_waits_for_the_last() -> 
         assert a_unit == c_unit and a_start >= c_end and a_end > a_start
     waits = [(start, end) for lane, start, end, what in report.spans
              if lane == WAIT and "copies and adds" in what]
-    assert len(waits) == 4                           # one a backward
+    assert len(waits) == 2                           # one a step, none at a backward's end
     for _, end in waits:
         assert any(abs(end - a_end) < 1e-12 for _, a_end, _ in adds)
 

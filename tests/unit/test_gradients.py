@@ -459,6 +459,8 @@ def test_finish_in_a_resident_home_does_not_wait_for_its_copies() -> None:
     rig.g.finish(state)
     rig.g.drop_buffer(state, forget=True)
     assert len(rig.g._home_copies) == 2 and not any(e.done() for e in rig.g._home_copies)
+    rig.g.land_copies(homes=False)         # a backward's end: the home's adds go on
+    assert len(rig.g._home_copies) == 2
     copies.host_waits = waits
     gate.set()
     (start, home), = rig.g.home_gradient(state)
