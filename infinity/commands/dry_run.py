@@ -267,13 +267,13 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
         manager.counters.reset()
         comm_before = comm.counters.sent_bytes
         start, wait_before = clock.now, clock.io_wait_s
-        for _ in range(accumulate):
+        for micro in range(accumulate):
             compute.begin_step()     # a backward costs twice its own micro-batch's forward
             coordinator.begin_forward(True)
             out = model(input_ids=ids, attention_mask=mask, labels=ids)
             coordinator.end_forward()
             forward_end = len(log)
-            stepper.begin_backward()
+            stepper.begin_backward(boundary=micro == accumulate - 1)
             with coordinator.tracked_backward():
                 out.loss.backward()
             stepper.end_backward()

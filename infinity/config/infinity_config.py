@@ -214,9 +214,8 @@ class InfinityConfig:
                 blockers.append(f"gradient_clipping = {self.gradient_clipping} (needs the global norm first)")
             if self.fp16.enabled:
                 blockers.append("fp16.enabled = true (needs the overflow check first)")
-            if self.gradient_accumulation_steps > 1:
-                blockers.append(f"gradient_accumulation_steps = {self.gradient_accumulation_steps} "
-                                "(gradients must be kept)")
+            # with gradient_accumulation_steps > 1 "on" steps each unit in the last
+            # micro-batch's backward (see optim/boundary_steps.py)
             if blockers:
                 raise ConfigError("infinity.early_step = 'on' cannot be used with "
                                   + "; ".join(blockers) + ": set early_step 'auto' or 'off'")

@@ -23,9 +23,12 @@ from infinity.config import InfinityConfig
 from infinity.engine.checkpointing import CheckpointCalls
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.guards import (
+    BACKWARD_AFTER_BOUNDARY_STEPS,
     SECOND_EARLY_BACKWARD,
+    ZERO_GRAD_AFTER_BOUNDARY_STEPS,
     check_open,
     check_same_on_every_rank,
+    schedule_label,
     warn_if_hyperparameters_moved,
 )
 from infinity.engine.model_methods import (
@@ -141,8 +144,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                  "units, %s schedule; holding %s", self.device, stage,
                  str(self.compute_dtype).replace("torch.", ""),
                  param_tier.name, optimizer_tier.name, len(self.units),
-                 "early-step" if self.optimizer.early_step else
-                 f"deferred-step (speculative {self.optimizer.speculation})",
+                 schedule_label(self.optimizer),
                  self.manager.describe())
 
     # -- construction ----------------------------------------------------------------------
@@ -247,6 +249,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                              + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
         if self.optimizer.early_step and self._backwards_since_step:
             raise RuntimeError(SECOND_EARLY_BACKWARD.format(call="engine.backward()"))
+        if self.optimizer.boundary.pending:
+            raise RuntimeError(BACKWARD_AFTER_BOUNDARY_STEPS.format(call="engine.backward()"))
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss.detach()
@@ -280,7 +284,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self._void_speculation()
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary(), self.loss_scale)
         self._hyper_at_backward = self.optimizer.hyperparameters() \
-            if self.optimizer.early_step else None
+            if self.optimizer.early_step or self.optimizer.boundary.now else None
         return time.perf_counter()
 
     def _end_backward(self, started: float) -> None:
@@ -303,6 +307,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         comes here too). Under the early step each unit was already stepped during its backward:
         that cannot be undone, so it is refused."""
         self._check_open("zero_grad")
+        if self.optimizer.boundary.pending:
+            raise RuntimeError(ZERO_GRAD_AFTER_BOUNDARY_STEPS)
         if self.optimizer.early_step:
             if self._backwards_since_step:
                 raise RuntimeError(
@@ -590,4 +596,5 @@ class _EngineBackend:
             defaults=engine.optimizer_defaults,
             speculation=engine.config.infinity.speculative_step if plan.speculative else "off",
             comm=engine.comm, shard_states=plan.stage >= 1, values=self.values,
-            pools=plan.optimizer, clip_norm=engine.config.gradient_clipping, owner=self.owner)
+            pools=plan.optimizer, clip_norm=engine.config.gradient_clipping, owner=self.owner,
+            boundary_steps=plan.boundary_steps)

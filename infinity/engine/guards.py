@@ -85,6 +85,30 @@ SECOND_EARLY_BACKWARD = (
     "gradient_accumulation_steps to add micro-batches up, or set infinity.early_step \"off\"")
 
 
+BACKWARD_AFTER_BOUNDARY_STEPS = (
+    "{call} after the last micro-batch's backward and before engine.step(): with gradient "
+    "accumulation and infinity.early_step \"auto\" or \"on\", that backward stepped each "
+    "unit (see optim/boundary_steps.py), so another would step them again instead of adding "
+    "its gradients up. Call engine.step() after gradient_accumulation_steps backwards, or set "
+    "infinity.early_step \"off\"")
+
+
+ZERO_GRAD_AFTER_BOUNDARY_STEPS = (
+    "zero_grad() between the last micro-batch's backward and step(): that backward already "
+    "stepped its units (infinity.early_step with gradient accumulation), so their gradients "
+    "cannot be discarded. Call zero_grad() before the backward (or after step()), or set "
+    "infinity.early_step \"off\" to keep gradients until step()")
+
+
+def schedule_label(optimizer: Any) -> str:
+    """The optimizer's step schedule, as the engine's ready line names it."""
+    if optimizer.early_step:
+        return "early-step"
+    if optimizer.boundary.enabled:
+        return "deferred-step (the last micro-batch steps early)"
+    return f"deferred-step (speculative {optimizer.speculation})"
+
+
 def check_open(engine: Any, what: str) -> None:
     """Raise when ``engine`` cannot take ``engine.<what>()`` now: it was closed, a load failed
     part-way (until a load completes), or an optimizer step failed (its states may be

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from infinity.engine.guards import FOREIGN_EARLY_BACKWARD, SECOND_EARLY_BACKWARD
+from infinity.engine.guards import (
+    BACKWARD_AFTER_BOUNDARY_STEPS,
+    FOREIGN_EARLY_BACKWARD,
+    SECOND_EARLY_BACKWARD,
+)
 from infinity.zero.init import engine_in_backward
 
 if TYPE_CHECKING:
@@ -42,6 +46,8 @@ class EnginePassOwner:
                        f"{engine.loss_scale:g}x too small. Call engine.backward(loss) instead")
         elif optimizer.early_step and engine._backwards_since_step:
             problem = SECOND_EARLY_BACKWARD.format(call="loss.backward()")
+        elif optimizer.boundary.pending:
+            problem = BACKWARD_AFTER_BOUNDARY_STEPS.format(call="loss.backward()")
         elif optimizer.early_step and (other := engine_in_backward(engine)) is not None:
             problem = FOREIGN_EARLY_BACKWARD.format(
                 other=type(other.module).__name__, this=type(engine.module).__name__)

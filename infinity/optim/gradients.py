@@ -168,7 +168,7 @@ class GradientCollector:
         self._writes: list[tuple] = []   # deferred: (request, slot, buffer) in flight
         # copies into resident homes this backward, waited where a home is read (see [Note:
         # gradients leave the device])
-        self._home_copies: list[CopyEvent] = []
+        self._home_copies: dict[int, list[CopyEvent]] = {}     # by unit index, in order
         self._chunk: torch.Tensor | None = None
         # see [Note: gradients over ranks]: reduce-scatter (``scatter``) or all-reduce
         self.comm = comm
@@ -333,8 +333,22 @@ class GradientCollector:
         """The copies (and adds) into resident homes that ``finish`` did not wait for are over:
         the wait before the host reads, zeroes or steps from a resident home."""
         # kept until waited, like a unit's own (a wait cut short leaves them to the next)
-        self.copies.host_waits(self._home_copies)
-        self._home_copies = []
+        for index in list(self._home_copies):
+            self.copies.host_waits(self._home_copies[index])
+            del self._home_copies[index]
+
+    def take_home(self, state: UnitOptimState) -> CompleteGradient:
+        """The unit's complete gradient in its resident home, for a step that starts now (see
+        [Note: the last micro-batch steps early] in optim/boundary_steps.py): the copies into
+        the home still landing go with it (the step stream waits for them), and the home is
+        zeroed when the step gives it back."""
+        store = state.grad_store
+        if store is None or not store.resident:
+            raise RuntimeError(f"{state.unit.name}: a step from the gradient home needs a resident "
+                               "home (host memory)")
+        return CompleteGradient(store.tensor[: state.numel], origin=state.lo, copies=self.copies,
+                                landing=self._home_copies.pop(state.unit.index, []),
+                                zero_at_give_back=True)
 
     def zero_unwritten(self, state: UnitOptimState) -> None:
         """Zero what of a fresh host buffer no gradient was copied into (gaps, unused
@@ -434,7 +448,8 @@ class GradientCollector:
         if write_home and store.resident and not self.reduces:
             # the copies went straight into the resident home and nothing reads it before the
             # step: no wait here, and the norm is summed at the step, from the home
-            self._home_copies.extend(state.grad.hand_over_copies())
+            self._home_copies.setdefault(state.unit.index, []).extend(
+                state.grad.hand_over_copies())
             state.keep_gradient()
             return store.tensor[: state.numel]
         self.copies_landed(state)

@@ -46,6 +46,7 @@ import torch
 
 from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
+from infinity.optim.boundary_steps import BoundarySteps
 from infinity.optim.gradients import GradientCollector, _sum_of_squares
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
@@ -62,6 +63,7 @@ from infinity.optim.records import (
 from infinity.optim.speculation import Speculator
 from infinity.optim.state_formats import build_state, group_format, log_formats
 from infinity.optim.step_stream import StepStream
+from infinity.optim.torch_api import RefusesTorchStateDict
 from infinity.planner.run_plan import OptimizerPools
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import FlatStore, TierManager
@@ -70,13 +72,6 @@ from infinity.zero.protocols import SteppedUnit, UnitValues, Wait
 from infinity.zero.unit import ParamEntry
 
 log = get_logger("optim")
-
-
-_STATE_DICT_REFUSED = (
-    "{call}: the Adam states of an infinity engine live in their tiers (host memory or the "
-    "NVMe swap space), unit by unit, and may not fit in memory as one dict. Save and restore "
-    "them with engine.save_checkpoint(dir) / engine.load_checkpoint(dir) (also the model, "
-    "scheduler and counters), as with DeepSpeed")
 
 
 def _state_range(unit: SteppedUnit, sharded: bool) -> tuple[int, int]:
@@ -89,7 +84,7 @@ def _state_range(unit: SteppedUnit, sharded: bool) -> tuple[int, int]:
     return lo, min(unit.shard_start + unit.shard_numel, n)
 
 
-class PartitionedOptimizer(torch.optim.Optimizer):
+class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
     def __init__(self, units: list[SteppedUnit], param_groups: list[dict], manager: TierManager, *,
@@ -101,11 +96,13 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                  values: UnitValues | None = None,
                  grad_dtype: torch.dtype = torch.float32,
                  pools: OptimizerPools | None = None, clip_norm: float = 0.0,
-                 owner: OptimizerOwner | None = None) -> None:
+                 owner: OptimizerOwner | None = None, boundary_steps: bool = False) -> None:
         """``pools``: the run plan's (``RunPlan.optimizer``); None plans them here from the
         units, by the same rule (``planner.run_plan.optimizer_pools``). ``clip_norm``: the
         global gradient norm clipped to (0: none). ``owner``: the engine (see
-        optim/protocols.py); None for an optimizer used alone."""
+        optim/protocols.py); None for an optimizer used alone. ``boundary_steps``: the
+        deferred schedule steps each unit in the last micro-batch's backward (see [Note: the
+        last micro-batch steps early] in optim/boundary_steps.py)."""
         super().__init__(param_groups, defaults=dict(defaults or {}))
         if grad_dtype != torch.float32 and (grad_tier != Tier.HOST or comm.active):
             raise ValueError(f"a {grad_dtype} gradient home needs grad_tier HOST and one rank, got "
@@ -183,6 +180,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             scatter=shard_states, device_buffers=pools.device_grad_buffers, device_dtype=pools.device_grad_dtype)
         self.speculator = Speculator(speculation, manager, self.gradients, self.kernel,
                                      self.steps, self.grad_pool)
+        self.boundary = BoundarySteps(boundary_steps and not early_step and speculation == "off"
+                                      and clip_norm == 0)
         # both schedules step through one stream (optim/step_stream.py)
         self._stream = StepStream(self.kernel, manager, self.step_pool, self.sub_group_numel,
                                   self.timers)
@@ -285,6 +284,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         finally:
             self.gradients.drop_buffer(state, forget=True)
             self.timers.grad_s += time.perf_counter() - start
+        if self.boundary.takes(state):     # see [Note: the last micro-batch steps early]
+            self.boundary.started(self._submit_ready(state, self.gradients.take_home(state),
+                                                     self.gradients.take_arrived(state)))
+            state.clear_gradient()
+            return False
         return True
 
     def _submit_ready(self, state: UnitOptimState, gradient: CompleteGradient,
@@ -305,8 +309,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         Adam states may be read ahead while the stream has slots to spare (see [Note: expected
         steps])."""
         state = self._by_unit.get(unit.index)
-        steps_now = self.speculator.speculating if self._in_backward else \
-            self.speculator.plans()
+        steps_now = (self.speculator.speculating or (state is not None and
+                                                     self.boundary.takes(state))) \
+            if self._in_backward else self.speculator.plans()
         # (not while a deferred step of the unit waits: its reads would overtake that step)
         if not (self.early_step or steps_now) or state is None or unit.index in self._expected or \
                 unit.index in self._waiting or self.steps.holds(state, stepping_only=True):
@@ -381,6 +386,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         an earlier backward of this cycle was voided by the engine's forward."""
         self.loss_scale = loss_scale
         self.gradients.begin_backward(boundary)
+        self.boundary.begin_backward(boundary)
         self._in_backward = True
         self.speculator.begin_backward(boundary)
 
@@ -390,6 +396,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         sees none of them. Early steps that already ran keep their update: they cannot be
         undone; speculated ones are rolled back (``take_rolled_back``)."""
         self._in_backward = self.speculator.speculating = False
+        self.boundary.end_backward()
         self.cancel_expected()
         try:
             if self.speculator.pending:
@@ -402,12 +409,13 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             log.warning("backward raised%s: the gradients of %d unit(s) collected since the last "
                         "optimizer step are dropped%s", why, dropped,
                         "; units already stepped in this backward keep their update"
-                        if self.early_step else "")
+                        if self.early_step or self.boundary.pending else "")
 
     def end_backward(self) -> None:
         """Called by the engine after each backward: gradient writes land, and accumulation
         continues until a step."""
         self._in_backward = self.speculator.speculating = False
+        self.boundary.end_backward()
         self.cancel_expected()
         # see [Note: gradients leave the device]: the adds into resident homes go on
         self.gradients.land_copies(homes=False)
@@ -478,6 +486,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def _queue_deferred_steps(self) -> None:
         self.gradients.land_copies()    # the steps read them: [Note: gradients leave the device]
         self.speculator.collect_norms()
+        stepped_early = self.boundary.collect(self.steps)
         if self._waiting:
             names = [self._by_unit[i].unit.name for i in self._waiting]
             raise RuntimeError(
@@ -489,7 +498,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 self.gradients.sq_norm += sum(
                     _sum_of_squares(v) for _, v in self.gradients.home_gradient(state))
         self.gradients.sq_norm = self._global_sq_norm(self.gradients.sq_norm)
-        if not math.isfinite(self.gradients.sq_norm):
+        if not math.isfinite(self.gradients.sq_norm) and stepped_early:
+            log.warning("the gradient norm is not finite (%s) after the last micro-batch's "
+                        "backward stepped its units: the step is taken, not skipped (see "
+                        "[Note: the last micro-batch steps early])", self.gradients.sq_norm)
+        elif not math.isfinite(self.gradients.sq_norm):
             # inf or NaN in a gradient (see optim/loss_scaler.py): the step is skipped
             self.overflow = True
             self.last_grad_norm = math.inf
@@ -537,28 +550,6 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def take_rolled_back(self) -> list[SteppedUnit]:
         """The units rolled back since the last call (their device copies are stale)."""
         return self.speculator.take_rolled_back()
-
-    # -- state dict ------------------------------------------------------------------------
-    def state_dict(self):  # noqa: D401 - torch API
-        """Refused: the Adam states live in their tiers (NVMe, host), possibly larger than
-        memory; torch's empty dict would restore as a silent reset of Adam."""
-        raise RuntimeError(_STATE_DICT_REFUSED.format(call="optimizer.state_dict()"))
-
-    def load_state_dict(self, state_dict) -> None:
-        raise RuntimeError(_STATE_DICT_REFUSED.format(call="optimizer.load_state_dict()"))
-
-    def add_param_group(self, param_group: dict) -> None:
-        """Only while the optimizer is built: each parameter's states, sub-groups and unit are
-        laid out at ``initialize``, so a group added later would never be stepped."""
-        if getattr(self, "_groups_fixed", False):
-            raise ValueError(
-                "optimizer.add_param_group() after infinity.initialize: the engine lays out the "
-                "optimizer states of every parameter it trains at initialize, so the new group "
-                "would never be stepped. Give every group to infinity.initialize "
-                "(model_parameters=[...]); to start training more of the model later, "
-                "save_checkpoint, build a new engine with the new groups and load_checkpoint "
-                "with load_optimizer_states=False")
-        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients never live on the parameters, but the ones collected since the last step

@@ -278,6 +278,10 @@ class CompleteGradient:
     origin: int = 0      # the unit element a flat buffer's first element is (a shard's lo)
     copies: DeviceCopies | None = None
     landing: list[CopyEvent] = field(default_factory=list)
+    # a resident gradient home stepped from in the last micro-batch's backward (see [Note:
+    # the last micro-batch steps early] in optim/boundary_steps.py): zeroed when given back,
+    # so that the next cycle accumulates from zero
+    zero_at_give_back: bool = False
 
     def landed(self) -> None:
         """Block the calling thread (the step stream's) until every copy into the gradient is
@@ -313,6 +317,8 @@ class CompleteGradient:
         """Give back what it holds (once; later calls do nothing), after its copies landed: a
         copy still landing would write into the slot's next user's bytes."""
         self.landed()
+        if self.zero_at_give_back and isinstance(self.values, torch.Tensor):
+            self.values.zero_()
         if self.slot is not None:
             self.pool.release(self.slot)
             self.slot = None

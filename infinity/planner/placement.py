@@ -43,8 +43,8 @@ from infinity.planner.tiers import Tier, deeper
 __all__ = ["Placement", "StateBytes", "state_bytes", "COMPONENTS", "place", "state_homes",
            "resident_bytes",
            "choose_compute_dtype",
-           "compute_dtype_choice", "choose_early_step", "gradient_home_itemsize",
-           "separate_master_tier"]
+           "compute_dtype_choice", "choose_early_step", "choose_boundary_steps",
+           "gradient_home_itemsize", "separate_master_tier"]
 
 COMPONENTS = ("params", "grads", "optimizer_states", "buffers")
 
@@ -113,6 +113,9 @@ class Placement:
     unit_states: StateBytes | None = None
     """The states' bytes unit by unit (``state_bytes``), where the run plan knew the units;
     None: from the element counts (``states``)."""
+    boundary_steps: bool = False
+    """The deferred schedule steps each unit in the last micro-batch's backward
+    (``choose_boundary_steps``)."""
 
     @property
     def optimizer_state_bytes(self) -> float:
@@ -243,13 +246,28 @@ def compute_dtype_choice(cfg: InfinityConfig, hw: Hardware) -> tuple[str, str]:
 
 
 def choose_early_step(cfg: InfinityConfig, dtype: str) -> bool:
-    """Whether a unit's optimizer step runs as soon as its gradients arrive."""
+    """Whether a unit's optimizer step runs as soon as its gradients arrive (one micro-batch a
+    step; with several, "auto" and "on" mean ``choose_boundary_steps``)."""
+    if (cfg.gradient_accumulation_steps or 1) > 1:
+        return False
     if cfg.infinity.early_step != "auto":
         return cfg.infinity.early_step == "on"
     # "auto": only for the partitioned (offloaded) optimizer, and only when nothing needs all
     # gradients before the step: no clipping (global norm), no fp16 (overflow check), no accumulation.
     return (cfg.zero.offload_optimizer.device != "none" and cfg.gradient_clipping == 0
             and not cfg.fp16.enabled and dtype != "fp16" and cfg.gradient_accumulation_steps == 1)
+
+
+def choose_boundary_steps(cfg: InfinityConfig, dtype: str) -> bool:
+    """Whether, under gradient accumulation, the last micro-batch's backward steps each unit as
+    its gradient completes (see [Note: the last micro-batch steps early] in
+    optim/boundary_steps.py): what ``early_step`` "auto" or "on" asks for where gradients must
+    be kept, under the early step's own conditions (no clipping, no fp16 overflow check, an
+    offloaded optimizer)."""
+    if cfg.infinity.early_step == "off" or (cfg.gradient_accumulation_steps or 1) <= 1:
+        return False
+    return (cfg.zero.offload_optimizer.device != "none" and cfg.gradient_clipping == 0
+            and not cfg.fp16.enabled and dtype != "fp16")
 
 
 def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
@@ -272,7 +290,8 @@ def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
                      grad_itemsize=gradient_home_itemsize(c, cfg.gradient_accumulation_steps or 1,
                                                           n),
                      state_format=StateFormat(cfg.infinity.optimizer_moments,
-                                              cfg.infinity.optimizer_master))
+                                              cfg.infinity.optimizer_master),
+                     boundary_steps=choose_boundary_steps(cfg, dtype))
 
 
 def resident_bytes(lay: Placement, scales: bool = True) -> dict[tuple[str, Tier], int]:

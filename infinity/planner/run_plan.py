@@ -167,6 +167,12 @@ class RunPlan:
         return self.placement.early_step
 
     @property
+    def boundary_steps(self) -> bool:
+        """The last micro-batch's backward steps each unit (optim/boundary_steps.py); not with
+        the speculative step, which steps that backward's units its own way."""
+        return self.placement.boundary_steps and not self.speculative
+
+    @property
     def grad_tier(self) -> Tier:
         return self.sizes.grad_tier
 

@@ -105,7 +105,8 @@ class SimBackend:
             # the buffers a unit's reduce takes and its copy out gives back (several ranks on
             # a GPU; none on the host path)
             device_grad_buffers=plan.derived.device_grad_buffers if es.device_gradient_bytes
-            else 0, scatter=plan.stage >= 1, host_add_Bps=self.host_add_Bps)
+            else 0, scatter=plan.stage >= 1, host_add_Bps=self.host_add_Bps,
+            boundary_steps=plan.boundary_steps)
         _init_masters(units, self.manager, fetch_pool, lay, stepper.masters)
         for pool in (plan.optimizer.gradient, plan.optimizer.step):
             if pool is not None:

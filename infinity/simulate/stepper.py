@@ -18,6 +18,10 @@ notes in optim/step_stream.py:
   runs ahead of the forward] in zero/steps_ahead.py);
 * on a GPU a stepped unit's 16-bit values cross to its device copy on the "H2D" lane after
   its Adam, and the unit counts as stepped when they have;
+* deferred step with ``boundary_steps``: the last micro-batch's backward steps each unit with
+  a resident gradient home as an early step does, after its gradient's add; ``step()`` waits
+  for their kernels and queues the others ([Note: the last micro-batch steps early] in
+  optim/boundary_steps.py);
 * deferred step, one rank, a resident gradient home: each micro-batch's gradient is added into
   the home after its copy, on the "host adds" lane at the host's memory bandwidth (the adder
   thread's on a GPU, going on behind the next micro-batch, the step waiting for the last; on
@@ -111,7 +115,8 @@ class SimStepper:
                  instant: bool = False, grad_dtype: torch.dtype = torch.float32,
                  state_format: StateFormat = FP32_STATES,
                  comm_dtype: torch.dtype = torch.float32, device_grad_buffers: int = 0,
-                 scatter: bool = False, host_add_Bps: float = 0.0) -> None:
+                 scatter: bool = False, host_add_Bps: float = 0.0,
+                 boundary_steps: bool = False) -> None:
         self.manager, self.clock = manager, manager.clock
         # several ranks: the dtype of the reduce and of the shard's copy to the host
         self.comm_dtype = comm_dtype
@@ -135,6 +140,11 @@ class SimStepper:
         """Seconds compute waited for a device gradient buffer's copy out."""
         self.early_like = early or speculative     # stepped during the backward
         self.early, self.speculative = early, speculative
+        # deferred, the last micro-batch's backward steps the units with a resident gradient
+        # home ([Note: the last micro-batch steps early] in optim/boundary_steps.py)
+        self.boundary_steps = boundary_steps and not self.early_like
+        self._boundary = False
+        self._stepped_at_boundary: set[int] = set()
         self.comm = comm
         self.instant = instant
         self.grads_held = grads_held
@@ -298,11 +308,24 @@ class SimStepper:
         if grad is not None and not grad.resident:
             grad.write_bytes(grad.nbytes, not_before=landed)
         elif grad is not None and self.grads_leave and not self.comm.active:
-            self._add_into_home(unit, landed)
+            landed = self._add_into_home(unit, landed)
         self._drop_held(unit)
+        if self._takes(unit):        # stepped now, as an early step, from its home
+            self.grad_landed[unit.index] = landed
+            reads = self.expected.pop(unit.index, None)
+            job = _Job(unit, reads if reads is not None else self._read_states(unit))
+            self._run(job)
+            self.jobs[unit.index] = job
+            self._stepped_at_boundary.add(unit.index)
+            return False
         return True
 
-    def _add_into_home(self, unit: Unit, landed: float) -> None:
+    def _takes(self, unit: Unit) -> bool:
+        """The backward in progress steps ``unit`` once its gradient is complete."""
+        grad = self.grad_stores.get(unit.index)
+        return self._boundary and grad is not None and grad.resident
+
+    def _add_into_home(self, unit: Unit, landed: float) -> float:
         """The unit's gradient added into its resident home after its copy: read in the
         compute dtype, the fp32 home read and written ([Note: host adds off the training
         thread] in storage/transfers.py). The step waits for the last one."""
@@ -313,10 +336,11 @@ class SimStepper:
             self._adds_end = max(self._adds_end, end)
         else:
             self.clock.wait_until(end, "adds a gradient into its home")
+        return end
 
     def expect_backward(self, unit: Unit) -> None:
-        if self.early_like and unit.index in self.states and unit.index not in self.expected \
-                and unit.index not in self.jobs:
+        if (self.early_like or self._takes(unit)) and unit.index in self.states \
+                and unit.index not in self.expected and unit.index not in self.jobs:
             self.expected[unit.index] = self._read_states(unit)
 
     def _run_waiting(self, unit: Unit) -> _Job | None:
@@ -361,11 +385,14 @@ class SimStepper:
         return self.reap(Wait.ALL)
 
     # -- the engine's calls ---------------------------------------------------------------
-    def begin_backward(self) -> None:
+    def begin_backward(self, boundary: bool = True) -> None:
+        """``boundary``: the cycle's last micro-batch."""
         self._seen.clear()
+        self._boundary = self.boundary_steps and boundary
 
     def end_backward(self) -> None:
         self.expected.clear()     # units that got no gradients are not stepped
+        self._boundary = False
 
     def step(self, forward_order: list[int], units: list[Unit]) -> None:
         """Early: every unit's kernels have run. Deferred: queue the steps in the next
@@ -375,8 +402,12 @@ class SimStepper:
             return
         # the gradients the step reads are complete (the adds went on behind the forwards)
         self.clock.wait_until(self._adds_end, "waits for the gradients' copies and adds")
+        if self._stepped_at_boundary:       # their kernels, as the early step's
+            self.wait_stepped()
+        stepped, self._stepped_at_boundary = self._stepped_at_boundary, set()
         position = {uid: i for i, uid in enumerate(forward_order)}
-        for unit in sorted((u for u in units if u.index in self.states),
+        for unit in sorted((u for u in units if u.index in self.states
+                            and u.index not in stepped),
                            key=lambda u: position.get(u.index, len(position))):
             self.jobs[unit.index] = _Job(unit, self._read_states(unit))
             self.waiting.append(unit)

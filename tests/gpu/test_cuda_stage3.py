@@ -84,6 +84,47 @@ def test_training_on_cuda_equals_torch(disk_dir, family, tiers, clip, schedule) 
         engine.close()
 
 
+@pytest.mark.parametrize("param", ["cpu", "none"])
+def test_the_last_micro_batch_steps_early_on_cuda_as_torch(disk_dir, monkeypatch, param) -> None:
+    """Two micro-batches a step, early_step "auto", no clipping: the last micro-batch's backward
+    steps each unit from its host gradient home, the home's adds made by the copies' adder
+    thread (optim/boundary_steps.py, storage/transfers.py); the losses and the parameters
+    equal torch AdamW over the accumulated gradient."""
+    from infinity.optim.boundary_steps import BoundarySteps
+    started, count = BoundarySteps.started, {"jobs": 0}
+
+    def counting(self, job) -> None:
+        count["jobs"] += 1
+        started(self, job)
+    monkeypatch.setattr(BoundarySteps, "started", counting)
+    model = make_model("llama", layers=2, width=64).cuda()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    config = _config(disk_dir, 3, param, "cpu", gradient_accumulation_steps=2)
+    engine, *_ = infinity.initialize(model=model, config=config)
+    try:
+        assert engine.optimizer.boundary.enabled
+        batches = _batches(8)
+        for step in range(4):
+            for x in batches[2 * step:2 * step + 2]:
+                loss = loss_of(engine(input_ids=x, labels=x))
+                engine.backward(loss)
+                engine.step()
+                ref_loss = loss_of(reference(input_ids=x, labels=x))
+                (ref_loss / 2).backward()
+                torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert count["jobs"] == 4 * len(engine.optimizer.states)
+        engine.flush()
+        for name, ref in reference.named_parameters():
+            mine = dict(model.named_parameters())[name]
+            with infinity.zero.GatheredParameters([mine]):
+                torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("tiers", TIERS[:3])
 def test_16_bit_training_on_cuda_follows_torch_16_bit(disk_dir, dtype, tiers) -> None:

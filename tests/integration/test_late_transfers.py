@@ -220,6 +220,37 @@ def test_a_step_that_does_not_wait_for_the_adds_into_host_homes_fails(disk_dir,
     assert wrong[:2] == right[:2] and wrong[2:] != right[2:], (wrong, right)
 
 
+def test_the_last_micro_batch_steps_under_late_copies_as_under_immediate_ones(
+        disk_dir, monkeypatch) -> None:
+    """early_step "auto" with 2 micro-batches a step: the last backward steps each unit from
+    its host gradient home (optim/boundary_steps.py), the step stream waiting for the copies
+    into the home still landing (under late copies the adds are made at that wait). Same bits
+    as with the immediate copies; a step that does not wait for them (the planted fault)
+    misses the last micro-batch's adds."""
+    from infinity.optim.boundary_steps import BoundarySteps
+    from infinity.optim.gradients import GradientCollector
+    started, take_home = BoundarySteps.started, GradientCollector.take_home
+    count = {"jobs": 0}
+
+    def counting(self, job) -> None:
+        count["jobs"] += 1
+        started(self, job)
+    monkeypatch.setattr(BoundarySteps, "started", counting)
+    run = dict(early="auto", accumulation=2, layers=2, calls=6)
+    at_once, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", None, **run)
+    late, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 7, **run)
+    assert count["jobs"] == 2 * 3 * 5      # two runs, 3 steps, every unit (5 with layers=2)
+    assert all(math.isfinite(x) for x in late) and late == at_once, (late, at_once)
+
+    def not_waiting(self, state):
+        gradient = take_home(self, state)
+        gradient.landing = []
+        return gradient
+    monkeypatch.setattr(GradientCollector, "take_home", not_waiting)
+    wrong, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 7, **run)
+    assert wrong[:2] == late[:2] and wrong[2:] != late[2:], (wrong, late)
+
+
 class _SkippingModel(torch.nn.Module):
     """Embedding, 4 residual MLP blocks, a head; ``skip`` leaves block 0 out (the forward's
     order changes: a prefetch issued for it is no longer what the next use needs)."""

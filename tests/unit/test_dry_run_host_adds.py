@@ -70,3 +70,26 @@ def test_the_early_step_adds_nothing_on_the_host() -> None:
     """An early step hands each unit's gradient to its Adam: nothing is accumulated at home."""
     report = _run(0.01, early_step="on", accumulate=1)
     assert not [s for s in report.spans if s[0] == ADDS]
+
+
+def test_the_last_micro_batch_steps_each_unit_after_its_add() -> None:
+    """early_step "auto" with accumulation: the last micro-batch's backward steps each unit once
+    its gradient's add is through ([Note: the last micro-batch steps early] in
+    optim/boundary_steps.py), instead of the deferred steps at the next forward; the step
+    predicted no longer than the deferred schedule's (here the Adam is slow against compute,
+    so it is shorter: the Adam runs beside the backward)."""
+    report = _run(host_memory_GBps=1.0, early_step="auto")
+    adds = {}
+    for lane, start, end, what in report.spans:
+        if lane == ADDS:
+            adds.setdefault(what.split()[1].split("'")[0], []).append(end)
+    steps = [(start, what.split()[1]) for lane, start, _, what in report.spans
+             if lane == "CPU Adam" and what.startswith("step ")]
+    assert len(steps) == 6 * 2                      # every unit, each of the 2 steps
+    for trace in report.steps:      # each step's units stepped within it, not in the next
+        assert sum(trace.start <= start < trace.start + trace.seconds
+                   for start, _ in steps) == 6
+    for start, unit in steps:
+        assert any(end <= start for end in adds[unit])
+    deferred = _run(host_memory_GBps=1.0, early_step="off")
+    assert sum(s.seconds for s in report.steps) < sum(s.seconds for s in deferred.steps)

@@ -458,13 +458,14 @@ def test_finish_in_a_resident_home_does_not_wait_for_its_copies() -> None:
     rig.grad(state, 0, g0)
     rig.g.finish(state)
     rig.g.drop_buffer(state, forget=True)
-    assert len(rig.g._home_copies) == 2 and not any(e.done() for e in rig.g._home_copies)
+    landing = rig.g._home_copies[state.unit.index]
+    assert len(landing) == 2 and not any(e.done() for e in landing)
     rig.g.land_copies(homes=False)         # a backward's end: the home's adds go on
-    assert len(rig.g._home_copies) == 2
+    assert len(rig.g._home_copies[state.unit.index]) == 2
     copies.host_waits = waits
     gate.set()
     (start, home), = rig.g.home_gradient(state)
-    assert rig.g._home_copies == [] and torch.equal(home[:15], (2 * g0).reshape(-1))
+    assert rig.g._home_copies == {} and torch.equal(home[:15], (2 * g0).reshape(-1))
     assert copies.poisoned == copies.lost == 0
 
 

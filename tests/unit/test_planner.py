@@ -514,3 +514,21 @@ def test_optimizer_none_with_a_separate_master_is_counted_where_the_engine_puts_
     cfg = config(0, "none", "none", infinity={"compute_dtype": "bf16"})
     plan = plan_memory(cfg, SMALL, hw)
     assert plan.bytes("optimizer_states", tier) == 12 * SMALL.total_params
+
+
+@pytest.mark.parametrize("extra, early, boundary", [
+    ({}, True, False),                                               # one micro-batch: early
+    ({"gradient_accumulation_steps": 4}, False, True),              # the last one steps early
+    ({"gradient_accumulation_steps": 4, "infinity": {"early_step": "on"}}, False, True),
+    ({"gradient_accumulation_steps": 4, "infinity": {"early_step": "off"}}, False, False),
+    ({"gradient_accumulation_steps": 4, "gradient_clipping": 1.0}, False, False),   # the norm
+    ({"gradient_accumulation_steps": 4, "fp16": {"enabled": True}}, False, False),  # overflow
+])
+def test_the_schedule_steps_early_where_no_step_needs_every_gradient_first(extra, early,
+                                                                          boundary) -> None:
+    """The early step with one micro-batch a step; with several, the last one's backward steps
+    the units (optim/boundary_steps.py), both only without clipping or an fp16 overflow check,
+    and never with early_step "off"."""
+    from infinity.planner.placement import place
+    lay = place(config(3, "cpu", "cpu", **extra), SMALL, GPU_BOX)
+    assert (lay.early_step, lay.boundary_steps) == (early, boundary)

@@ -1,0 +1,86 @@
+"""The last micro-batch of an accumulating step steps each unit as its backward completes.
+
+[Note: the last micro-batch steps early]
+With gradient accumulation the early step cannot run (a unit's gradient is complete only after
+the last micro-batch), so the deferred schedule keeps gradients at home and steps every unit
+after the backward: on a GPU its steps run ahead of the next forward (zero/steps_ahead.py),
+but a step's CPU Adam (0.18 s for the 0.49B model on the H200's 16 cores) outlasted that
+forward's compute (~70 ms), so the first forward of each step waited for the Adam unit by unit
+and the copies issued then ran beside an idle GPU (docs/gpu.md, "The third H200 pass").
+
+The gradient of a unit is complete, though, as soon as the last micro-batch's backward of that
+unit is done: the home holds the earlier micro-batches' sum and this backward's copies add the
+rest. Where no step needs the global gradient norm first -- no clipping and no fp16 overflow
+check, the early step's own conditions (planner/placement.py ``choose_boundary_steps``) -- that
+unit is stepped then, beside the rest of the backward, like an early step, with the home as its
+gradient:
+- the unit stays held until its step has landed (``on_unit_backward_done`` returns False), as
+  in the early step; its Adam states are read ahead while the backward reaches it
+  (``expect_backward``);
+- the job's gradient is the resident home (``GradientCollector.take_home``), with the copies
+  (on a GPU, the host adds) into it still landing: the step stream waits for them before its
+  first read, and zeroes the home when it gives the gradient back, so the next cycle
+  accumulates from zero;
+- the kernels sum its squares (the norm ``get_global_grad_norm`` reports); ``step()`` waits for
+  these jobs' kernels and collects their norms, and queues the deferred steps of the units it
+  did not take (an NVMe home, or a unit whose last gradient came before the last micro-batch).
+Only resident homes (host memory): an NVMe home would be written by the backward and read back
+by the step. Not with speculation (which steps early under clipping and keeps or redoes the
+step: it needs clipping, which the rule excludes). What the early step trades, this trades too: a step taken in the backward cannot be undone, so
+``zero_grad()`` or another backward between it and ``step()`` is refused (engine/guards.py),
+a change of the learning rate between the backward and ``step()`` applies from the next step
+(with a warning), and a non-finite gradient is stepped, not skipped (the deferred schedule's
+overflow check needs every gradient before any step).
+"""
+from __future__ import annotations
+
+from infinity.optim.pending_steps import PendingSteps
+from infinity.optim.records import StepJob, UnitOptimState
+
+__all__ = ["BoundarySteps"]
+
+
+class BoundarySteps:
+    """Whether the backward in progress steps its units as they complete, and the jobs it
+    started this cycle (see the module's Note)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._boundary = False          # the backward in progress is the cycle's last
+        self.jobs: list[StepJob] = []
+
+    def begin_backward(self, boundary: bool) -> None:
+        self._boundary = self.enabled and boundary
+
+    def end_backward(self) -> None:
+        self._boundary = False
+
+    @property
+    def now(self) -> bool:
+        """The backward in progress steps its units as their gradients complete."""
+        return self._boundary
+
+    @property
+    def pending(self) -> bool:
+        """Units were stepped in this cycle's backward and ``step()`` has not collected them."""
+        return bool(self.jobs)
+
+    def takes(self, state: UnitOptimState) -> bool:
+        """Whether ``state``'s unit is stepped now that its backward is done: in the last
+        micro-batch, from a resident home."""
+        store = state.grad_store
+        return self._boundary and store is not None and store.resident
+
+    def started(self, job: StepJob) -> None:
+        self.jobs.append(job)
+
+    def collect(self, steps: PendingSteps) -> bool:
+        """At ``step()``: wait for the kernels of the units stepped in the backward and add
+        their norms to the step's; whether there were any."""
+        if not self.jobs:
+            return False
+        steps.wait_stepped()
+        for job in self.jobs:
+            steps.collect_norm(job)
+        self.jobs = []
+        return True
