@@ -18,7 +18,7 @@ Setups (each a fresh engine; ``--setups`` picks):
             but the CPU Adam of the whole model (~0.3 s on the first H200 machine) is the step,
             and compute waits for it, with nothing left to hide a copy behind;
   accumulate  host memory, micro-batch 32 x seq 1024, 4 micro-batches a step (the deferred
-            step). In "overlap" a unit's copy (101 MB, ~1.8 ms at 55 GB/s) outlasts its
+            step, the last micro-batch stepping each unit in its backward). In "overlap" a unit's copy (101 MB, ~1.8 ms at 55 GB/s) outlasts its
             forward (~0.5 ms for 4k tokens), so no prefetch could hide it; at 32k tokens the
             forward of a unit takes longer than the copy of the next, and 4 micro-batches'
             compute outweighs the CPU Adam: here the share of copy time hidden behind compute
@@ -214,8 +214,9 @@ def model_flops_per_step(shape: Sequence[int], seq: int, mbs: int) -> float:
 def _config(setup: dict[str, Any], nvme: str, compute_dtype: str) -> dict[str, Any]:
     offload = setup["offload"]
     where = {"device": offload, **({"nvme_path": nvme} if offload == "nvme" else {})}
-    # the early step cannot keep gradients over micro-batches: accumulation takes the deferred
-    infinity: dict[str, Any] = {"early_step": "on" if setup["accumulate"] == 1 else "off",
+    # "on": the early step; with accumulation the last micro-batch's backward steps each unit
+    # (optim/boundary_steps.py)
+    infinity: dict[str, Any] = {"early_step": "on",
                                 "compute_dtype": compute_dtype}
     if setup["host_budget"]:
         infinity["host_memory_budget"] = setup["host_budget"]
