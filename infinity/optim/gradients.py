@@ -107,20 +107,20 @@ def gradients_held(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _sum_of_squares(values: torch.Tensor, chunk: int = 1 << 18) -> float:
+def _sum_of_squares(values: torch.Tensor, chunk: int = 1 << 18, threads: int = 1) -> float:
     """sum(values**2) in float64 (a float32 norm of 64M elements is ~1% off): one read pass
     of the native kernel (inf_grad_sq_sum, summed as the Adam kernel sums the early step's
-    gradients: the same bits whatever the thread count), shared by torch's threads. The caller
-    waits for it (the deferred step's norm, before any step can start): on one thread the
-    0.49B model's 2 GB took 0.24 s of an H200's 1.3 s step, the GPU idle. Without the native library, a chunk at a time through a
+    gradients: the same bits whatever the thread count) on ``threads`` threads: one beside
+    compute (the step stream's), torch's where the training thread waits for it (the deferred
+    step's norm, before any step can start: on one thread the 0.49B model's 2 GB took 0.24 s
+    of an H200's 1.3 s step, the GPU idle). Without the native library, a chunk at a time through a
     float64 buffer kept per thread (no full-size float64 temporary, and no fresh allocation
     per chunk: with activations offloaded the malloc mmap threshold is 256 KiB, and a new
     2 MiB chunk each time cost ~1M page faults per speculated backward at 0.49B)."""
     native_dtype = _NATIVE_GRAD_DTYPES.get(values.dtype)
     if native_dtype is not None and values.device.type == "cpu" and values.is_contiguous():
         try:
-            return N.grad_sq_sum(values.data_ptr(), values.numel(), native_dtype,
-                                 torch.get_num_threads())
+            return N.grad_sq_sum(values.data_ptr(), values.numel(), native_dtype, threads)
         except (ImportError, AttributeError, OSError):
             pass   # the library is missing: cpu_adam already warned once
     scratch = getattr(_norm_scratch, "buffer", None)
@@ -467,7 +467,7 @@ class GradientCollector:
                 self._add_home_gradient(state, grads)
         state.keep_gradient()
         if self.boundary:
-            self.sq_norm += _sum_of_squares(grads)
+            self.sq_norm += _sum_of_squares(grads, threads=torch.get_num_threads())
             state.count_norm()
         if write_home and not store.resident and state.numel:
             # the write goes on while backward continues; the buffer (slot) is released when it

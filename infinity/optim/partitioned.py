@@ -496,7 +496,8 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
             if state.has_grads and not state.norm_counted:
                 # its last gradient of the cycle came before the last micro-step: at home
                 self.gradients.sq_norm += sum(
-                    _sum_of_squares(v) for _, v in self.gradients.home_gradient(state))
+                    _sum_of_squares(v, threads=torch.get_num_threads())
+                    for _, v in self.gradients.home_gradient(state))
         self.gradients.sq_norm = self._global_sq_norm(self.gradients.sq_norm)
         if not math.isfinite(self.gradients.sq_norm) and stepped_early:
             log.warning("the gradient norm is not finite (%s) after the last micro-batch's "

@@ -941,3 +941,27 @@ def test_a_gradient_on_another_device_is_never_held() -> None:
     state = rig.states[0]
     with pytest.raises(RuntimeError, match="meta would be held"):
         rig.grad(state, 0, torch.ones(3, 5, device="meta"))
+
+
+def test_the_norm_the_training_thread_waits_for_is_summed_on_torch_s_threads(
+        monkeypatch) -> None:
+    """The deferred step's norm (``finish`` at the boundary, and the step's sum over the
+    homes) is waited for by the training thread before any step: it takes torch's threads
+    (the same bits: inf_grad_sq_sum sums chunks in order whatever the count)."""
+    calls = []
+    real = N.grad_sq_sum
+
+    def recording(ptr, numel, dtype, threads):
+        calls.append(threads)
+        return real(ptr, numel, dtype, threads)
+    monkeypatch.setattr(N, "grad_sq_sum", recording)
+    rig = _Rig([_unit()], home="disk")
+    state = rig.states[0]
+    rig.g.begin_backward(True)
+    rig.grad(state, 0, torch.randn(3, 5))
+    rig.g.zero_unwritten(state)
+    rig.g.finish(state)
+    rig.g.land_writes()
+    assert calls == [torch.get_num_threads()]
+    values = torch.randn(300_000)
+    assert _sum_of_squares(values, threads=2) == _sum_of_squares(values)
