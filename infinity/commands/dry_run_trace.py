@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from infinity.simulate.clock import COMPUTE, WAIT
 from infinity.simulate.copies import D2H, H2D
+from infinity.simulate.stepper import HOST_ADDS
 
 if TYPE_CHECKING:
     from infinity.commands.dry_run import DryRunReport
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["ROWS", "busy_seconds", "union", "covered", "hidden_share", "chrome_trace",
            "write_trace", "plot_timeline"]
 
-ROWS = (COMPUTE, WAIT, H2D, D2H, "NVMe", "CPU Adam", "collectives")
+ROWS = (COMPUTE, WAIT, H2D, D2H, "NVMe", "CPU Adam", HOST_ADDS, "collectives")
 """The timeline's rows, top to bottom."""
 
 Span = tuple[str, float, float, str]

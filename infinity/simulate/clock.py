@@ -86,14 +86,26 @@ class Lane:
     moved: float = 0.0
     _reserved: list[tuple[float, float]] = field(default_factory=list, repr=False)
     """Spans ``reserve`` placed ahead of ``free_at``, sorted: transfers go around them."""
+    shares: "Lane | None" = field(default=None, repr=False)
+    """Another row of the same resource (``share``): work on either starts after what was
+    scheduled on both."""
+
+    def share(self, other: "Lane") -> None:
+        """This lane and ``other`` are one resource shown as two rows: the CPU Adam and the
+        gradient adds both take every core and the host's memory bandwidth, and the native
+        pool runs one job at a time."""
+        self.shares, other.shares = other, self
 
     def schedule(self, amount: float, not_before: float | None = None, what: str = "") -> float:
         """When ``amount`` submitted now (or at ``not_before``) is through: after everything
-        scheduled before it, in the first gap left by reserved spans."""
+        scheduled before it (on a shared lane too), in the first gap left by reserved spans."""
         seconds = self._seconds(amount)
-        start = self._gap(max(self.clock.now if not_before is None else not_before,
-                              self.free_at), seconds)
+        free = self.free_at if self.shares is None else max(self.free_at, self.shares.free_at)
+        start = self._gap(max(self.clock.now if not_before is None else not_before, free),
+                          seconds)
         self.free_at = start + seconds
+        if self.shares is not None:
+            self.shares.free_at = max(self.shares.free_at, self.free_at)
         self._reserved = [span for span in self._reserved if span[1] > self.free_at]
         return self._take(start, seconds, amount, what)
 

@@ -91,7 +91,10 @@ from infinity.planner.tiers import Tier
 from infinity.zero.protocols import Wait
 from infinity.zero.unit import Unit
 
-__all__ = ["SimStepper"]
+__all__ = ["SimStepper", "HOST_ADDS"]
+
+HOST_ADDS = "host adds"
+"""The timeline row of the gradient adds into resident host homes."""
 
 
 @dataclass
@@ -156,8 +159,10 @@ class SimStepper:
         # copies' adder thread as its copy lands, on a CPU device at the copy, on the training
         # thread; ``host_add_Bps`` the bytes it moves a second (0: free)
         self.host_adds = Lane(self.clock, float("inf") if instant else host_add_Bps,
-                              "host adds")
+                              HOST_ADDS)
         self._adds_end = 0.0
+        if host_add_Bps > 0 and not instant:
+            self.host_adds.share(self.adam)     # the same cores and memory bandwidth
         self.states: dict[int, list[SimStore]] = {}
         self.scales: dict[int, list[SimStore]] = {}   # int8 scales: host memory, not moved
         self.masters: set[int] = set()                # units with a separate fp32 master

@@ -98,3 +98,19 @@ def test_a_copy_another_thread_issues_later_does_not_delay_the_ones_issued_befor
     assert lane.busy_s == pytest.approx(10.0)
     busy = sorted((lo, hi) for row, lo, hi, _ in clock.spans if row == H2D)
     assert all(a_hi <= b_lo for (_, a_hi), (b_lo, _) in zip(busy, busy[1:]))   # one at a time
+
+
+def test_two_shared_lanes_take_turns_and_keep_their_own_busy_time() -> None:
+    """The CPU Adam and the gradient adds are one resource shown as two rows (``Lane.share``):
+    work on either starts after what was scheduled on both; each row keeps its own busy
+    seconds. Unshared lanes run side by side."""
+    from infinity.simulate.clock import Lane
+    clock = SimClock(spans=[])
+    adam, adds = Lane(clock, 1.0, "CPU Adam"), Lane(clock, 2.0, "host adds")
+    adds.share(adam)
+    assert adam.schedule(1.0) == 1.0                    # 0 -> 1 s
+    assert adds.schedule(2.0) == 2.0                    # after the Adam: 1 -> 2 s
+    assert adam.schedule(1.0, not_before=0.5) == 3.0    # after the add: 2 -> 3 s
+    assert (adam.busy_s, adds.busy_s) == (2.0, 1.0)
+    alone_a, alone_b = Lane(clock, 1.0, "a"), Lane(clock, 1.0, "b")
+    assert alone_a.schedule(1.0) == alone_b.schedule(1.0) == 1.0
