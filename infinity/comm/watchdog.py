@@ -106,7 +106,12 @@ class RankWatch:
         self.close()
 
     def close(self) -> None:
+        """Stop the heartbeat, and wait (briefly) for a beat in flight: at exit the process
+        group's store is torn down next, and a daemon thread still inside a store call then
+        could abort the interpreter's exit ("terminate called without an active exception")."""
         self._closed.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
 
     # -- the others -------------------------------------------------------------------------
     def _failures(self, others: list[int]) -> dict[int, str]:

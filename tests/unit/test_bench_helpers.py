@@ -204,8 +204,8 @@ def test_the_dry_run_of_an_accumulating_setup_runs_every_micro_batch(tmp_path):
     """The "accumulate" setup's prediction: the dry run runs each of a step's micro-batches
     (forward and backward) before its one optimizer step: compute is k times one
     micro-batch's, the parameters are copied to the device for every micro-batch (more than
-    k - 1 times a step of one: which units stay fetched between micro-batches and over the
-    step differs), and the CPU Adam runs once."""
+    twice a step of one: which units stay fetched between micro-batches, and which stay held by
+    the steps of the last backward, differs), and the CPU Adam runs once."""
     rates = {"matmul_tflops": 700.0, "h2d_GBps": 40.0, "host_total_bytes": 128 * C.GiB,
              "cpu_cores": 16, "gpu_name": "NVIDIA H200", "gpu_total_bytes": 140 * C.GiB,
              "host_memory_GBps": 50.0}
@@ -217,7 +217,7 @@ def test_the_dry_run_of_an_accumulating_setup_runs_every_micro_batch(tmp_path):
         assert "error" not in got and f"--grad-accum {k} " in got["command"] + " ", got
         busy[k] = got["busy_s"]
     assert busy[4]["compute"] == pytest.approx(4 * busy[1]["compute"], rel=1e-9)
-    assert busy[4]["H2D"] > 3 * busy[1]["H2D"] > 0
+    assert busy[4]["H2D"] > 2 * busy[1]["H2D"] > 0
     assert busy[4]["CPU Adam"] == pytest.approx(busy[1]["CPU Adam"], rel=1e-9)
 
 
