@@ -93,6 +93,15 @@ BACKWARD_AFTER_BOUNDARY_STEPS = (
     "infinity.early_step \"off\"")
 
 
+FOREIGN_BOUNDARY_BACKWARD = (
+    "the backward of another engine (over {other}) reached this engine's parameters ({this}) "
+    "where this engine's next backward is the last micro-batch of its accumulation, whose "
+    "backward steps each unit (infinity.early_step with gradient accumulation): it would take "
+    "an optimizer step now that its own step() never asked for; nothing was stepped and the "
+    "gradients collected so far are kept. Set infinity.early_step \"off\" for this engine, or "
+    "keep its parameters out of that loss (detach the input, or requires_grad_(False) on them "
+    "around the other step)")
+
 ZERO_GRAD_AFTER_BOUNDARY_STEPS = (
     "zero_grad() between the last micro-batch's backward and step(): that backward already "
     "stepped its units (infinity.early_step with gradient accumulation), so their gradients "

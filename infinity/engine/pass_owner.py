@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from infinity.engine.guards import (
     BACKWARD_AFTER_BOUNDARY_STEPS,
+    FOREIGN_BOUNDARY_BACKWARD,
     FOREIGN_EARLY_BACKWARD,
     SECOND_EARLY_BACKWARD,
 )
@@ -46,14 +47,20 @@ class EnginePassOwner:
                        f"{engine.loss_scale:g}x too small. Call engine.backward(loss) instead")
         elif optimizer.early_step and engine._backwards_since_step:
             problem = SECOND_EARLY_BACKWARD.format(call="loss.backward()")
-        elif optimizer.boundary.pending:
-            problem = BACKWARD_AFTER_BOUNDARY_STEPS.format(call="loss.backward()")
         elif optimizer.early_step and (other := engine_in_backward(engine)) is not None:
             problem = FOREIGN_EARLY_BACKWARD.format(
                 other=type(other.module).__name__, this=type(engine.module).__name__)
         if problem is not None:
             optimizer.abandon_backward()
             raise RuntimeError(problem)
+        # the last micro-batch's backward steps the units (optim/boundary_steps.py): refused
+        # before any of this backward's gradients is taken, the cycle's are kept for step()
+        if optimizer.boundary.pending:
+            raise RuntimeError(BACKWARD_AFTER_BOUNDARY_STEPS.format(call="loss.backward()"))
+        if optimizer.boundary.enabled and engine.is_gradient_accumulation_boundary() and \
+                (other := engine_in_backward(engine)) is not None:
+            raise RuntimeError(FOREIGN_BOUNDARY_BACKWARD.format(
+                other=type(other.module).__name__, this=type(engine.module).__name__))
         self._started = engine._begin_backward()
 
     def end_untracked_backward(self) -> None:

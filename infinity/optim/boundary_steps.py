@@ -25,8 +25,12 @@ gradient:
   these jobs' kernels and collects their norms, and queues the deferred steps of the units it
   did not take (an NVMe home, or a unit whose last gradient came before the last micro-batch).
 Only resident homes (host memory): an NVMe home would be written by the backward and read back
-by the step. Not with speculation (which steps early under clipping and keeps or redoes the
-step: it needs clipping, which the rule excludes). What the early step trades, this trades too: a step taken in the backward cannot be undone, so
+by the step, so with the optimizer's states (and so the gradients) on NVMe the units wait for
+``step()`` as before, or the speculative step, chosen there where the swap space has room,
+steps them in that backward into second copies (``RunPlan.boundary_steps`` is off with it).
+A gradient that arrives for a unit after its step started (a module applied twice whose first
+backward is recomputed later, as reentrant checkpointing of a shared block does) would be
+missing from it: it is refused with what to do (``LATE_GRADIENT``). What the early step trades, this trades too: a step taken in the backward cannot be undone, so
 ``zero_grad()`` or another backward between it and ``step()`` is refused (engine/guards.py),
 a change of the learning rate between the backward and ``step()`` applies from the next step
 (with a warning), and a non-finite gradient is stepped, not skipped (the deferred schedule's
@@ -37,7 +41,14 @@ from __future__ import annotations
 from infinity.optim.pending_steps import PendingSteps
 from infinity.optim.records import StepJob, UnitOptimState
 
-__all__ = ["BoundarySteps"]
+__all__ = ["BoundarySteps", "LATE_GRADIENT"]
+
+LATE_GRADIENT = (
+    "{unit}: a gradient arrived after the unit's backward was complete and its step had "
+    "started (a module applied twice, its first application's backward recomputed later, as "
+    "reentrant activation checkpointing does with a shared block): the step read the gradient "
+    "without it. Set infinity.early_step \"off\" (every step then waits for the whole "
+    "backward), or use non-reentrant checkpointing (use_reentrant=False)")
 
 
 class BoundarySteps:
@@ -48,6 +59,7 @@ class BoundarySteps:
         self.enabled = enabled
         self._boundary = False          # the backward in progress is the cycle's last
         self.jobs: list[StepJob] = []
+        self._taken: set[int] = set()   # the units of ``jobs``
 
     def begin_backward(self, boundary: bool) -> None:
         self._boundary = self.enabled and boundary
@@ -73,6 +85,12 @@ class BoundarySteps:
 
     def started(self, job: StepJob) -> None:
         self.jobs.append(job)
+        self._taken.add(job.state.unit.index)
+
+    def took(self, unit_index: int) -> bool:
+        """Whether this cycle's last backward has started ``unit_index``'s step (a gradient
+        arriving for it now would be missing from that step)."""
+        return unit_index in self._taken
 
     def collect(self, steps: PendingSteps) -> bool:
         """At ``step()``: wait for the kernels of the units stepped in the backward and add
@@ -82,5 +100,5 @@ class BoundarySteps:
         steps.wait_stepped()
         for job in self.jobs:
             steps.collect_norm(job)
-        self.jobs = []
+        self.jobs, self._taken = [], set()
         return True

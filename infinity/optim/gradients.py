@@ -440,10 +440,12 @@ class GradientCollector:
                            if state.numel else (DONE, DONE))
         state.grad.copied_out(landing, copied, reduced, self.device_pool)
 
-    def finish(self, state: UnitOptimState, write_home: bool = True) -> torch.Tensor:
+    def finish(self, state: UnitOptimState, write_home: bool = True,
+               norm: bool = True) -> torch.Tensor:
         """The unit's gradient of this backward is complete: add what earlier micro-steps left
-        at home, count it in the norm at the boundary, and (``write_home``) send it home.
-        Returns the complete gradient (without ``write_home`` still in the state's buffer)."""
+        at home, count it in the norm at the boundary (unless ``norm`` is False: a step that
+        starts now sums it in its kernels), and (``write_home``) send it home. Returns the
+        complete gradient (without ``write_home`` still in the state's buffer)."""
         store = state.grad_store
         if write_home and store.resident and not self.reduces:
             # the copies went straight into the resident home and nothing reads it before the
@@ -466,7 +468,7 @@ class GradientCollector:
             if state.has_grads:      # an earlier micro-step of this cycle left one at home
                 self._add_home_gradient(state, grads)
         state.keep_gradient()
-        if self.boundary:
+        if self.boundary and norm:
             self.sq_norm += _sum_of_squares(grads, threads=torch.get_num_threads())
             state.count_norm()
         if write_home and not store.resident and state.numel:

@@ -46,7 +46,7 @@ import torch
 
 from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
-from infinity.optim.boundary_steps import BoundarySteps
+from infinity.optim.boundary_steps import LATE_GRADIENT, BoundarySteps
 from infinity.optim.gradients import GradientCollector, _sum_of_squares
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
@@ -253,6 +253,8 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
 
     # -- the coordinator's UnitStepper (zero/protocols.py) ---------------------------------
     def on_grad(self, unit: SteppedUnit, entry: ParamEntry, grad: torch.Tensor) -> None:
+        if self.boundary.took(unit.index):
+            raise RuntimeError(LATE_GRADIENT.format(unit=unit.name))
         self.gradients.on_grad(unit, entry, grad)
 
     def on_unit_backward_done(self, unit: SteppedUnit) -> bool:
@@ -279,12 +281,13 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
                                self.gradients.take_arrived(state))
             self.timers.grad_s += time.perf_counter() - start
             return False
+        steps_now = self.boundary.takes(state)   # see [Note: the last micro-batch steps early]
         try:
-            self.gradients.finish(state)
+            self.gradients.finish(state, norm=not steps_now)    # its kernels sum its norm
         finally:
             self.gradients.drop_buffer(state, forget=True)
             self.timers.grad_s += time.perf_counter() - start
-        if self.boundary.takes(state):     # see [Note: the last micro-batch steps early]
+        if steps_now:
             self.boundary.started(self._submit_ready(state, self.gradients.take_home(state),
                                                      self.gradients.take_arrived(state)))
             state.clear_gradient()
@@ -399,6 +402,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         self.boundary.end_backward()
         self.cancel_expected()
         try:
+            self.boundary.collect(self.steps)   # stepped before the failure: they keep it
             if self.speculator.pending:
                 self.speculator.roll_back("the backward raised", rebuild_gradients=False)
             self.gradients.land_writes()

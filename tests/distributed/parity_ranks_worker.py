@@ -38,13 +38,15 @@ def case_config(case: dict, nvme_dir: str, world: int) -> dict:
         if case["param"] == "nvme":
             z["offload_param"]["nvme_path"] = nvme_dir
     z.update(case.get("zero_extra", {}))
-    deferred = case["schedule"] == "deferred"
+    # "boundary": 2 micro-batches, no clipping, early_step "auto": the last micro-batch's
+    # backward steps the units (optim/boundary_steps.py)
+    deferred, boundary = case["schedule"] == "deferred", case["schedule"] == "boundary"
     ds = {"zero_optimization": z, "train_micro_batch_size_per_gpu": MICRO,
-          "gradient_accumulation_steps": 2 if deferred else 1,
+          "gradient_accumulation_steps": 2 if deferred or boundary else 1,
           "gradient_clipping": 0.05 if deferred else 0.0,
           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
           "infinity": {"collective_timeout": 120, "compute_dtype": case.get("compute", "fp32"),
-                       "early_step": "off" if deferred else "on"}}
+                       "early_step": "off" if deferred else "auto" if boundary else "on"}}
     if case.get("compute") == "bf16":
         ds["bf16"] = {"enabled": True}
     if case.get("comm") is not None:        # DeepSpeed's key; unset: the gradients' dtype

@@ -35,6 +35,9 @@ def _matrix() -> list[dict]:
     for schedule in ("early", "deferred"):     # host fetch slots holding the own shard
         cases.append({"name": f"s3-nvme-nvme-slots-{schedule}", "stage": 3, "opt": "nvme",
                       "param": "nvme", "schedule": schedule, "slots": True})
+    for stage, opt, param in ((1, "cpu", None), (3, "cpu", "cpu")):   # the last one steps early
+        cases.append({"name": f"s{stage}-{opt}-{param or 'replicated'}-boundary", "stage": stage,
+                      "opt": opt, "param": param or "none", "schedule": "boundary"})
     for stage, opt, param in ((0, "none", "none"), (2, "cpu", "none"), (3, "nvme", "nvme")):
         cases.append({"name": f"s{stage}-{opt}-{param}-fp16-overflow", "stage": stage,
                       "opt": opt, "param": param, "schedule": "deferred", "fp16": True})
@@ -44,18 +47,27 @@ def _matrix() -> list[dict]:
 MATRIX = _matrix()
 
 
-def _reference(case: dict, world: int):
+def _reference(case: dict, world: int, norms: list[float] | None = None):
     deferred = case["schedule"] == "deferred"
-    batches = global_batches(case.get("seed", 1), STEPS, 2 if deferred else 1, world)
+    accumulation = 2 if case["schedule"] in ("deferred", "boundary") else 1
+    batches = global_batches(case.get("seed", 1), STEPS, accumulation, world)
     return reference_run(make_model("torch", seed=0, layers=3, width=32), batches, lr=LR,
                          weight_decay=WEIGHT_DECAY, clip=0.05 if deferred else 0.0,
-                         skip_steps=frozenset({2}) if case.get("fp16") else frozenset())
+                         skip_steps=frozenset({2}) if case.get("fp16") else frozenset(),
+                         norms=norms)
 
 
 def _check_case(case: dict, results: list[dict], out, world: int) -> None:
-    ref_losses, ref_params = _reference(case, world)
+    ref_norms: list[float] = []
+    ref_losses, ref_params = _reference(case, world, ref_norms)
     name = case["name"]
     per_rank = [r[name] for r in results]
+    if case["schedule"] == "boundary":
+        # the last micro-batch's kernels norm each unit's shard once: the global norm is
+        # torch's (it was sqrt(world) too big when the norm was counted twice)
+        for r in per_rank:
+            assert r["grad_norm"] == pytest.approx(ref_norms[-1], rel=1e-5), (name, r["grad_norm"],
+                                                                              ref_norms[-1])
     losses = [sum(r["losses"][s] for r in per_rank) / world for s in range(STEPS)]
     for s, (a, b) in enumerate(zip(losses, ref_losses)):
         assert abs(a - b) <= 1e-5 * abs(b), (name, s, losses, ref_losses)

@@ -95,11 +95,13 @@ def mean_losses(per_rank: list[dict], case: str, steps: int) -> list[float]:
 
 def reference_run(model: nn.Module, batches: list[list[torch.Tensor]], *, lr: float,
                   weight_decay: float, clip: float, skip_steps: frozenset[int] = frozenset(),
+                  norms: list[float] | None = None,
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain torch AdamW on the whole batch: ``batches[step][micro]`` is the global micro-batch
     (all ranks' rows); each step averages its micro-batches' gradients (as accumulation does),
     clips to ``clip`` (0: off) and steps, except on ``skip_steps`` (an overflow every rank
-    skips). Returns the losses per step (mean over micro-batches) and the final parameters."""
+    skips). Returns the losses per step (mean over micro-batches) and the final parameters;
+    ``norms`` (a list) gets each step's global gradient norm."""
     reference = copy.deepcopy(model)
     opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=weight_decay,
                             foreach=False)
@@ -110,6 +112,10 @@ def reference_run(model: nn.Module, batches: list[list[torch.Tensor]], *, lr: fl
             loss = reference(input_ids=x, labels=x)
             (loss / len(micros)).backward()
             total += loss.item()
+        if norms is not None:
+            norms.append(float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad.double()) for p in reference.parameters()
+                 if p.grad is not None]))))
         if clip:
             torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         if step not in skip_steps:

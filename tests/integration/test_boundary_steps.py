@@ -137,3 +137,132 @@ def test_early_step_off_keeps_every_step_until_step(disk_dir, monkeypatch) -> No
         assert count["jobs"] == 0
     finally:
         engine.close()
+
+
+def test_a_refused_direct_backward_keeps_the_gradients_for_step(disk_dir) -> None:
+    """``loss.backward()`` after the last micro-batch's backward is refused before any of its
+    gradients is taken; the unit that backward did not reach (the first micro-batch's head)
+    still has its gradient at home, and ``step()`` steps it: the run equals torch's."""
+    model, reference, ref_opt, engine = _heads_engine(disk_dir)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        for micro in range(2):
+            x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+            engine.backward(engine(input_ids=x, labels=x))
+            (reference(input_ids=x, labels=x) / 2).backward()
+            if micro == 1:
+                with pytest.raises(RuntimeError, match="step them again"):
+                    engine(input_ids=x, labels=x).backward()
+            engine.step()
+        ref_opt.step()
+        engine.flush()
+        for name, param in reference.named_parameters():
+            mine = dict(model.named_parameters())[name]
+            with infinity.zero.GatheredParameters([mine]):
+                torch.testing.assert_close(mine, param, rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
+
+
+def test_another_engines_backward_into_the_last_micro_batch_is_refused(disk_dir) -> None:
+    """A GAN's generator loss goes through the discriminator where the discriminator's next
+    backward is its last micro-batch: that backward would step the discriminator, so it is
+    refused, nothing stepped and nothing dropped; the discriminator's zero_grad still works."""
+    from test_engine_guards import Net
+
+    def cfg(accumulation: int) -> dict:
+        return {"train_micro_batch_size_per_gpu": 8,
+                "gradient_accumulation_steps": accumulation,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+                "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                      "offload_optimizer": {"device": "cpu"}},
+                "infinity": {"compute_dtype": "fp32"}}
+    torch.manual_seed(0)
+    gen, *_ = infinity.initialize(model=Net(4, 8), config=cfg(1))
+    disc, *_ = infinity.initialize(model=Net(8, 1), config=cfg(2))
+    try:
+        data = torch.Generator().manual_seed(1)
+        z, real = torch.randn(8, 4, generator=data), torch.randn(8, 8, generator=data)
+        disc.backward(disc(real).mean() - disc(gen(z).detach()).mean())   # 1 of 2
+        disc.step()
+        params = list(disc.module.parameters())
+        with infinity.zero.GatheredParameters(params):
+            before = [p.detach().clone() for p in params]
+        with pytest.raises(RuntimeError, match="another engine.*nothing was stepped"):
+            gen.backward(disc(gen(z)).mean())
+        with infinity.zero.GatheredParameters(params):
+            assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert not disc.optimizer.boundary.pending
+        disc.zero_grad()
+    finally:
+        gen.close()
+        disc.close()
+
+
+class _SharedBlock(torch.nn.Module):
+    """One block applied twice, each under reentrant checkpointing (ALBERT's sharing)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.block = torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, width))
+        self.other = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def _apply_block(self, h):
+        return h + torch.tanh(self.block(h))
+
+    def forward(self, input_ids, labels):
+        from torch.utils.checkpoint import checkpoint
+        h = self.embed(input_ids)
+        h = self.other(checkpoint(self._apply_block, h, use_reentrant=True))
+        h = checkpoint(self._apply_block, h, use_reentrant=True)
+        logits = self.head(h).reshape(-1, VOCAB)
+        return torch.nn.functional.cross_entropy(logits, labels.reshape(-1))
+
+
+def test_a_gradient_after_the_units_step_started_is_refused_not_lost(disk_dir) -> None:
+    """Reentrant checkpointing of a block applied twice: the block's hooks fire at the first
+    inner backward, so the unit looks complete and its step starts; the second use's gradient
+    would be missing from it. That gradient is refused, naming the unit and what to do."""
+    torch.manual_seed(0)
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["gradient_accumulation_steps"] = 2
+    engine, *_ = infinity.initialize(model=_SharedBlock(), config=ds)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        with pytest.raises(RuntimeError, match="block: a gradient arrived after .*use_reentrant"):
+            for _ in range(2):
+                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+                engine.backward(engine(input_ids=x, labels=x))
+                engine.step()
+    finally:
+        engine.close()
+
+
+def test_training_goes_on_after_the_last_backward_raised(disk_dir) -> None:
+    """The last micro-batch's backward raises after some units were stepped: they keep their
+    update (as under the early step), the cycle's other gradients are dropped, and the loop
+    goes on with the next batch without a step() in between."""
+    _, _, _, engine = _heads_engine(disk_dir)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+        engine.backward(engine(input_ids=x, labels=x))
+        engine.step()
+        loss = engine(input_ids=x, labels=x)
+
+        def fail(grad):
+            raise ValueError("injected backward failure")
+        engine.module.embed.weight.register_hook(fail)
+        with pytest.raises(ValueError, match="injected"):
+            engine.backward(loss)
+        assert not engine.optimizer.boundary.pending
+        engine.module.embed.weight._backward_hooks.clear()
+        for _ in range(2):
+            engine.backward(engine(input_ids=x, labels=x))
+            engine.step()
+    finally:
+        engine.close()
