@@ -55,7 +55,8 @@ last micro-step. Waiting there made every unit's backward hook synchronize with 
 on the training thread while no kernel was queued. The end of a backward does not wait for
 them either (``land_copies(homes=False)``): the next forward reads no home, and the adds of
 the next backward into a home are made after these, in the order issued; on the H200 that wait
-was ~10 ms of idle GPU between each micro-batch's backward and the next forward. The early step has neither
+was ~10 ms of idle GPU between each micro-batch's backward and the next forward. Their number
+is bounded (``HOME_COPIES_IN_FLIGHT`` units): each holds its staging until its add is made. The early step has neither
 clipping nor an overflow check (the planner allows it only without them); the norm it reports
 is summed by the kernels on the step stream, after the wait.
 
@@ -95,6 +96,15 @@ from infinity.storage.manager import TierManager
 from infinity.storage.transfers import DONE, CopyEvent
 from infinity.zero.protocols import SteppedUnit
 from infinity.zero.unit import ParamEntry
+
+
+HOME_COPIES_IN_FLIGHT = 2
+"""Units whose copies (adds) into their resident gradient homes may be in flight at once (see
+[Note: gradients leave the device]). On a GPU each add holds its gradient's pinned staging
+until the adder has made it (storage/transfers.py), memory the host budget does not count: a
+whole backward's gradients if nothing waited. A third unit's ``finish`` waits for the oldest's,
+two units back in the backward, whose copy and add are over unless the host is behind; the
+GPU still has the two units' kernels queued meanwhile."""
 
 
 def _never() -> bool:
@@ -329,6 +339,14 @@ class GradientCollector:
         for state in self.states:
             self.copies_landed(state)
 
+    def _bound_home_copies(self) -> None:
+        """At most ``HOME_COPIES_IN_FLIGHT`` units with copies into their homes not waited for:
+        a further one waits for the oldest's."""
+        while len(self._home_copies) > HOME_COPIES_IN_FLIGHT:
+            oldest = next(iter(self._home_copies))
+            self.copies.host_waits(self._home_copies[oldest])
+            del self._home_copies[oldest]
+
     def home_copies_landed(self) -> None:
         """The copies (and adds) into resident homes that ``finish`` did not wait for are over:
         the wait before the host reads, zeroes or steps from a resident home."""
@@ -452,6 +470,7 @@ class GradientCollector:
             # step: no wait here, and the norm is summed at the step, from the home
             self._home_copies.setdefault(state.unit.index, []).extend(
                 state.grad.hand_over_copies())
+            self._bound_home_copies()
             state.keep_gradient()
             return store.tensor[: state.numel]
         self.copies_landed(state)

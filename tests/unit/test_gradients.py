@@ -965,3 +965,34 @@ def test_the_norm_the_training_thread_waits_for_is_summed_on_torch_s_threads(
     assert calls == [torch.get_num_threads()]
     values = torch.randn(300_000)
     assert _sum_of_squares(values, threads=2) == _sum_of_squares(values)
+
+
+def test_at_most_two_units_copies_into_their_homes_are_in_flight() -> None:
+    """Each add into a resident home holds its gradient's staging until it is made: a third
+    unit's finish waits for the oldest unit's copies (the first), not for its own or the
+    second's; the home of the first then holds its add."""
+    from infinity.optim.gradients import HOME_COPIES_IN_FLIGHT
+    rig = _Rig([_unit(0), _unit(1), _unit(2)])
+    copies, gate = LateCopies(seed=2), threading.Event()
+    copies._jobs.put(gate.wait)
+    rig.manager.copies = rig.g.copies = rig.pool._copies = copies
+    waits, waited = copies.host_waits, []
+
+    def open_then_wait(events) -> None:
+        events = list(events)
+        waited.append(len(events))
+        gate.set()
+        waits(events)
+    copies.host_waits = open_then_wait
+    g0 = torch.randn(3, 5)
+    for state in rig.states[:HOME_COPIES_IN_FLIGHT]:
+        rig.grad(state, 0, g0)
+        rig.g.finish(state)
+    assert waited == [] and list(rig.g._home_copies) == [0, 1]
+    third = rig.states[2]
+    rig.grad(third, 0, g0)
+    rig.g.finish(third)
+    assert waited == [1] and list(rig.g._home_copies) == [1, 2]
+    assert torch.equal(rig.states[0].grad_store.tensor[:15], g0.reshape(-1))
+    rig.g.home_copies_landed()
+    copies.drain()
