@@ -13,6 +13,8 @@ Run (from the repository root):
     python tools/landing_fuzz.py --seeds 2
     python tools/landing_fuzz.py --seeds 2 --late-copies     # and every device copy late
     python tools/landing_fuzz.py --seeds 1 --deferred-bf16 --steps 3   # late copies = immediate
+    python tools/landing_fuzz.py --seeds 1 --deferred-bf16 --boundary   # the last micro-batch
+                                                                        # steps early
 Options: --families (default all: llama gpt2 torch llama_tied albert bert t5), --seeds N (seeds
 1..N per config), --p P [P ...] (default 0.05 0.3), --steps S (default 4), --late-copies (the
 paths a GPU takes: the fetch through host slots, the device memory cache off, and gradients
@@ -48,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deferred-bf16", action="store_true",
                     help="bf16 with an fp32 master, the deferred schedule: late copies against "
                          "the immediate ones, bit for bit (steps started ahead of their use)")
+    ap.add_argument("--boundary", action="store_true",
+                    help="with --deferred-bf16: early_step auto and no clipping, so the last "
+                         "micro-batch's backward steps the units (optim/boundary_steps.py)")
     args = ap.parse_args(argv)
     if args.late_copies or args.deferred_bf16:
         from infinity.engine import sizing as engine_sizing
@@ -99,18 +104,21 @@ def deferred_bf16(args: argparse.Namespace) -> int:
     Under late copies a unit's deferred step starts once its copy to the device is issued
     (zero/steps_ahead.py), with the immediate ones at its use: the same bits either way."""
     failed = cases = ahead = 0
+    early = "auto" if args.boundary else "off"
+    clips = (0.0,) if args.boundary else (0.0, 1.0)    # clipping turns the boundary steps off
     for family, tier, reuse, share, clip, seed in itertools.product(
-            args.families, ("nvme", "cpu"), (0, None), (1.2, None), (0.0, 1.0),
+            args.families, ("nvme", "cpu"), (0, None), (1.2, None), clips,
             range(1, args.seeds + 1)):
         tag = f"{family} {tier} reuse={reuse} share={share} clip={clip} seed={seed}"
         cases += 1
         try:
             with tempfile.TemporaryDirectory(prefix="landing-fuzz-") as disk:
                 at_use, _, _, _ = late_landing.run_deferred_bf16(
-                    family, tier, disk, None, reuse, share, clip, args.steps)
+                    family, tier, disk, None, reuse, share, clip, args.steps, early)
             with tempfile.TemporaryDirectory(prefix="landing-fuzz-") as disk:
                 late, started, poisoned, lost = late_landing.run_deferred_bf16(
-                    family, tier, disk, 1000 * seed + cases, reuse, share, clip, args.steps)
+                    family, tier, disk, 1000 * seed + cases, reuse, share, clip, args.steps,
+                    early)
         except Exception as exc:  # noqa: BLE001 - a case's failure is the finding
             failed += 1
             print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

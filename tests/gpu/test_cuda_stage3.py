@@ -19,8 +19,9 @@ import torch
 import infinity
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from parity import (VOCAB, half_recipe_losses, loss_of, make_model, reference_step,  # noqa: E402
-                    train_steps, zero_config)
+from parity import (VOCAB, accumulating_micro_steps, assert_same_parameters,  # noqa: E402
+                    half_recipe_losses, loss_of, make_model, reference_step, train_steps,
+                    zero_config)
 
 # fp32 matmuls without TF32 (tests/gpu/conftest.py): parity with torch at fp32 bounds
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32_matmuls")]
@@ -106,21 +107,12 @@ def test_the_last_micro_batch_steps_early_on_cuda_as_torch(disk_dir, monkeypatch
         assert engine.optimizer.boundary.enabled
         batches = _batches(8)
         for step in range(4):
-            for x in batches[2 * step:2 * step + 2]:
-                loss = loss_of(engine(input_ids=x, labels=x))
-                engine.backward(loss)
-                engine.step()
-                ref_loss = loss_of(reference(input_ids=x, labels=x))
-                (ref_loss / 2).backward()
-                torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            accumulating_micro_steps(engine, reference, batches[2 * step:2 * step + 2])
             ref_opt.step()
             ref_opt.zero_grad()
         assert count["jobs"] == 4 * len(engine.optimizer.states)
         engine.flush()
-        for name, ref in reference.named_parameters():
-            mine = dict(model.named_parameters())[name]
-            with infinity.zero.GatheredParameters([mine]):
-                torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+        assert_same_parameters(model, reference)
     finally:
         engine.close()
 

@@ -203,11 +203,14 @@ def run_case(family: str, tier: str, disk_dir: str, seed: int, reuse: int | None
 
 def run_deferred_bf16(family: str, tier: str, disk_dir: str, late_seed: int | None,
                       reuse: int | None = None, device_share: float | None = None,
-                      clip: float = 0.0, steps: int = 3) -> tuple[list[float], int, int, int]:
+                      clip: float = 0.0, steps: int = 3,
+                      early_step: str = "off") -> tuple[list[float], int, int, int]:
     """Train ``family`` at stage 3 with params and optimizer on ``tier`` in bf16 with an fp32
     master, the deferred schedule, 2 micro-batches a step (``reuse``, ``device_share``,
     ``clip`` as in ``run_case``), with late copies seeded ``late_seed`` (None: the immediate
-    ones); the GPU's other paths must be set by the caller. Returns the losses, the steps
+    ones); ``early_step`` "auto": the last micro-batch steps the units whose gradients are in
+    host memory (optim/boundary_steps.py). The GPU's other paths must be set by the caller.
+    Returns the losses, the steps
     started ahead of their unit's use (zero/steps_ahead.py), and the late copies' poisoned and
     lost buffers (0 with immediate copies)."""
     import os
@@ -221,7 +224,7 @@ def run_deferred_bf16(family: str, tier: str, disk_dir: str, late_seed: int | No
         os.environ[transfers.LATE_ENV] = str(late_seed)
     model = build_family(family)
     ds = stage3_config(model, tier, disk_dir, reuse, device_share, compute_dtype="bf16",
-                       early_step="off")
+                       early_step=early_step)
     try:
         result = run_parity(model, ds, steps=steps, accumulation=2, clip=clip, lr=1e-2)
     finally:

@@ -274,6 +274,31 @@ def train_steps(engine, batches) -> list[float]:
     return losses
 
 
+def accumulating_micro_steps(engine, reference: nn.Module, batches: list[torch.Tensor]) -> None:
+    """One step's micro-batches in lock step: each through the engine (backward and
+    ``engine.step()``, which counts micro-steps) and through ``reference``, its loss divided by
+    their number as ``engine.backward`` divides it; the losses equal within 1e-5. The caller
+    steps the reference's optimizer."""
+    for x in batches:
+        loss = loss_of(engine(input_ids=x, labels=x))
+        engine.backward(loss)
+        engine.step()
+        ref_loss = loss_of(reference(input_ids=x, labels=x))
+        (ref_loss / len(batches)).backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def assert_same_parameters(model: nn.Module, reference: nn.Module, rtol: float = 1e-5,
+                           atol: float = 1e-5) -> None:
+    """Every parameter of ``model`` (an engine's, gathered) equals ``reference``'s."""
+    import infinity
+
+    mine = dict(model.named_parameters())
+    for name, param in reference.named_parameters():
+        with infinity.zero.GatheredParameters([mine[name]]):
+            torch.testing.assert_close(mine[name], param, rtol=rtol, atol=atol)
+
+
 def reference_step(reference: nn.Module, ref_opt, x: torch.Tensor, clip: float) -> torch.Tensor:
     """One torch step of the un-offloaded copy on batch ``x`` (labels = inputs), with global-norm
     clipping when ``clip``; its loss."""

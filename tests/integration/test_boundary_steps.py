@@ -14,7 +14,8 @@ import torch
 
 import infinity
 from infinity.optim.boundary_steps import BoundarySteps
-from parity import VOCAB, make_model, run_parity, zero_config
+from parity import (VOCAB, accumulating_micro_steps, assert_same_parameters, make_model,
+                    run_parity, zero_config)
 from test_step_overlap import AlternatingHeadModel
 
 
@@ -72,21 +73,12 @@ def test_a_unit_the_last_micro_batch_does_not_use_is_stepped_at_step(disk_dir,
     try:
         gen = torch.Generator().manual_seed(5)
         for _ in range(3):
-            for _ in range(2):
-                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
-                loss = engine(input_ids=x, labels=x)
-                engine.backward(loss)
-                engine.step()
-                ref_loss = reference(input_ids=x, labels=x)
-                (ref_loss / 2).backward()
-                torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            accumulating_micro_steps(engine, reference, [
+                torch.randint(0, VOCAB, (2, 8), generator=gen) for _ in range(2)])
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
         engine.flush()
-        for name, param in reference.named_parameters():
-            mine = dict(model.named_parameters())[name]
-            with infinity.zero.GatheredParameters([mine]):
-                torch.testing.assert_close(mine, param, rtol=1e-5, atol=1e-5)
+        assert_same_parameters(model, reference)
         units = len(engine.optimizer.states)
         assert count["jobs"] == 3 * (units - 1)      # all but the first micro-batch's head
     finally:
@@ -156,10 +148,7 @@ def test_a_refused_direct_backward_keeps_the_gradients_for_step(disk_dir) -> Non
             engine.step()
         ref_opt.step()
         engine.flush()
-        for name, param in reference.named_parameters():
-            mine = dict(model.named_parameters())[name]
-            with infinity.zero.GatheredParameters([mine]):
-                torch.testing.assert_close(mine, param, rtol=1e-5, atol=1e-6)
+        assert_same_parameters(model, reference, atol=1e-6)
     finally:
         engine.close()
 

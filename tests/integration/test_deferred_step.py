@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import infinity
-from parity import VOCAB, loss_of, make_model, zero_config
+from parity import (VOCAB, accumulating_micro_steps, assert_same_parameters, loss_of,
+                    make_model, zero_config)
 from test_step_overlap import AlternatingHeadModel
 
 LR, MIN_LR, WARMUP = 1e-3, 1e-4, 4
@@ -166,23 +167,14 @@ def test_accumulation_over_micro_steps_that_use_different_units(disk_dir, grad_h
     try:
         gen = torch.Generator().manual_seed(5)
         for _ in range(4):
-            for _ in range(2):
-                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
-                loss = engine(input_ids=x, labels=x)
-                engine.backward(loss)
-                engine.step()
-                ref_loss = reference(input_ids=x, labels=x)
-                (ref_loss / 2).backward()
-                torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            accumulating_micro_steps(engine, reference, [
+                torch.randint(0, VOCAB, (2, 8), generator=gen) for _ in range(2)])
             norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             assert norm > 1.0, "the test needs clipping to act"
             assert engine.optimizer.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
         engine.flush()
-        for name, param in reference.named_parameters():
-            mine = dict(model.named_parameters())[name]
-            with infinity.zero.GatheredParameters([mine]):
-                torch.testing.assert_close(mine, param, rtol=1e-5, atol=1e-5)
+        assert_same_parameters(model, reference)
     finally:
         engine.close()
