@@ -30,7 +30,7 @@ by the step, so with the optimizer's states (and so the gradients) on NVMe the u
 steps them in that backward into second copies (``RunPlan.boundary_steps`` is off with it).
 A gradient that arrives for a unit after its step started (a module applied twice whose first
 backward is recomputed later, as reentrant checkpointing of a shared block does) would be
-missing from it: it is refused with what to do (``LATE_GRADIENT``). What the early step trades, this trades too: a step taken in the backward cannot be undone, so
+missing from it: it is refused with what to do (``LATE_GRADIENT``), here and in the early step. What the early step trades, this trades too: a step taken in the backward cannot be undone, so
 ``zero_grad()`` or another backward between it and ``step()`` is refused (engine/guards.py),
 a change of the learning rate between the backward and ``step()`` applies from the next step
 (with a warning), and a non-finite gradient is stepped, not skipped (the deferred schedule's

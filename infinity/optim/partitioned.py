@@ -134,6 +134,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         self.owner = owner
         self._owner_stepping = False    # the owner's own step is running (``owner_step``)
         self._in_backward = False
+        self._stepped_in_backward: set[int] = set()   # early steps started by this backward
         self.early_step = early_step
         self.timers = OptimTimers()
         self.clip_norm = clip_norm
@@ -253,7 +254,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
 
     # -- the coordinator's UnitStepper (zero/protocols.py) ---------------------------------
     def on_grad(self, unit: SteppedUnit, entry: ParamEntry, grad: torch.Tensor) -> None:
-        if self.boundary.took(unit.index):
+        if unit.index in self._stepped_in_backward or self.boundary.took(unit.index):
             raise RuntimeError(LATE_GRADIENT.format(unit=unit.name))
         self.gradients.on_grad(unit, entry, grad)
 
@@ -277,6 +278,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         self.gradients.reduce(state)    # over the ranks (see [Note: gradients over ranks])
         start += self.comm.counters.comm_s - comm_before   # counted in comm_s, not here
         if self.early_step:
+            self._stepped_in_backward.add(unit.index)
             self._submit_ready(state, self.gradients.take(state),
                                self.gradients.take_arrived(state))
             self.timers.grad_s += time.perf_counter() - start
@@ -390,6 +392,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         self.loss_scale = loss_scale
         self.gradients.begin_backward(boundary)
         self.boundary.begin_backward(boundary)
+        self._stepped_in_backward.clear()
         self._in_backward = True
         self.speculator.begin_backward(boundary)
 

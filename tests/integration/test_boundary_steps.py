@@ -210,20 +210,24 @@ class _SharedBlock(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits, labels.reshape(-1))
 
 
-def test_a_gradient_after_the_units_step_started_is_refused_not_lost(disk_dir) -> None:
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_gradient_after_the_units_step_started_is_refused_not_lost(disk_dir,
+                                                                     accumulation) -> None:
     """Reentrant checkpointing of a block applied twice: the block's hooks fire at the first
-    inner backward, so the unit looks complete and its step starts; the second use's gradient
-    would be missing from it. That gradient is refused, naming the unit and what to do."""
+    inner backward, so the unit looks complete and its step starts (the early step, or the last
+    micro-batch's); the second use's gradient would be missing from it. That gradient is
+    refused, naming the unit and what to do."""
     torch.manual_seed(0)
     ds = zero_config(3, "cpu", "cpu", str(disk_dir))
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-    ds["gradient_accumulation_steps"] = 2
+    ds["gradient_accumulation_steps"] = accumulation
     engine, *_ = infinity.initialize(model=_SharedBlock(), config=ds)
     try:
+        assert engine.optimizer.early_step == (accumulation == 1)
         gen = torch.Generator().manual_seed(1)
         with pytest.raises(RuntimeError, match="block: a gradient arrived after .*use_reentrant"):
-            for _ in range(2):
+            for _ in range(accumulation):
                 x = torch.randint(0, VOCAB, (2, 8), generator=gen)
                 engine.backward(engine(input_ids=x, labels=x))
                 engine.step()
