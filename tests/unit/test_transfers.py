@@ -255,34 +255,36 @@ def test_the_releaser_keeps_no_released_buffer_while_it_waits() -> None:
     assert released == [16] and alive_at_next_get == [False]
 
 
-class _GatedEvent:
-    """A copy's event that fires when the test opens its gate."""
+class _WatchedEvent(transfers._LateEvent):
+    """A late copy's event (fires when the test sets it) that also says when someone started
+    waiting for it."""
 
     def __init__(self) -> None:
-        self.gate = threading.Event()
-
-    def done(self) -> bool:
-        return self.gate.is_set()
+        super().__init__()
+        self.entered = threading.Event()
 
     def wait(self) -> None:
-        self.gate.wait()
+        self.entered.set()
+        super().wait()
 
 
 def test_the_host_adder_adds_each_as_its_copy_lands_in_the_order_given() -> None:
     """On a GPU the adds into a gradient's host home are made by the adder thread, not at the
     reader's wait (see [Note: host adds off the training thread]): an add is made once its copy
     has landed, with nobody waiting, and in the order given, so the fp32 sum has the bits of
-    the adds made one by one; an add whose copy has not landed holds back those after it."""
+    the adds made one by one; an add whose copy has not landed holds back those after it. (The
+    adder is seen blocked on the first copy before anything is checked: no race with it.)"""
     adder = transfers.HostAdder()
     dst = torch.zeros(4096)
     parts = [torch.randn(4096).to(torch.bfloat16) for _ in range(3)]
-    events = [_GatedEvent() for _ in parts]
+    events = [_WatchedEvent() for _ in parts]
     added = [adder.add(transfers._HostAdd(e, dst, p)) for e, p in zip(events, parts)]
-    events[1].gate.set()
-    events[2].gate.set()
+    events[1]._over.set()
+    events[2]._over.set()
+    assert events[0].entered.wait(timeout=60), "the adder never waited for the first copy"
     assert not any(a.done() for a in added)            # the first copy has not landed
     assert torch.equal(dst, torch.zeros(4096))
-    events[0].gate.set()
+    events[0]._over.set()
     added[2].wait()
     assert all(a.done() for a in added)
     want = torch.zeros(4096)
