@@ -30,7 +30,8 @@ by the step, so with the optimizer's states (and so the gradients) on NVMe the u
 steps them in that backward into second copies (``RunPlan.boundary_steps`` is off with it).
 A gradient that arrives for a unit after its step started (a module applied twice whose first
 backward is recomputed later, as reentrant checkpointing of a shared block does) would be
-missing from it: it is refused with what to do (``LATE_GRADIENT``), here and in the early step. What the early step trades, this trades too: a step taken in the backward cannot be undone, so
+missing from it: it is refused with what to do (``LATE_GRADIENT``), here and in the early step.
+What the early step trades, this trades too: a step taken in the backward cannot be undone, so
 ``zero_grad()`` or another backward between it and ``step()`` is refused (engine/guards.py),
 a change of the learning rate between the backward and ``step()`` applies from the next step
 (with a warning), and a non-finite gradient is stepped, not skipped (the deferred schedule's
@@ -59,7 +60,6 @@ class BoundarySteps:
         self.enabled = enabled
         self._boundary = False          # the backward in progress is the cycle's last
         self.jobs: list[StepJob] = []
-        self._taken: set[int] = set()   # the units of ``jobs``
 
     def begin_backward(self, boundary: bool) -> None:
         self._boundary = self.enabled and boundary
@@ -85,12 +85,6 @@ class BoundarySteps:
 
     def started(self, job: StepJob) -> None:
         self.jobs.append(job)
-        self._taken.add(job.state.unit.index)
-
-    def took(self, unit_index: int) -> bool:
-        """Whether this cycle's last backward has started ``unit_index``'s step (a gradient
-        arriving for it now would be missing from that step)."""
-        return unit_index in self._taken
 
     def collect(self, steps: PendingSteps) -> bool:
         """At ``step()``: wait for the kernels of the units stepped in the backward and add
@@ -100,5 +94,5 @@ class BoundarySteps:
         steps.wait_stepped()
         for job in self.jobs:
             steps.collect_norm(job)
-        self.jobs, self._taken = [], set()
+        self.jobs = []
         return True

@@ -56,8 +56,8 @@ on the training thread while no kernel was queued. The end of a backward does no
 them either (``land_copies(homes=False)``): the next forward reads no home, and the adds of
 the next backward into a home are made after these, in the order issued; on the H200 that wait
 was ~10 ms of idle GPU between each micro-batch's backward and the next forward. Their number
-is bounded (``HOME_COPIES_IN_FLIGHT`` units): each holds its staging until its add is made. The early step has neither
-clipping nor an overflow check (the planner allows it only without them); the norm it reports
+is bounded (``HOME_COPIES_IN_FLIGHT`` units): each holds its staging until its add is made.
+The early step has neither clipping nor an overflow check (the planner allows it only without them); the norm it reports
 is summed by the kernels on the step stream, after the wait.
 
 [Note: gradients over ranks]
@@ -339,21 +339,16 @@ class GradientCollector:
         for state in self.states:
             self.copies_landed(state)
 
-    def _bound_home_copies(self) -> None:
-        """At most ``HOME_COPIES_IN_FLIGHT`` units with copies into their homes not waited for:
-        a further one waits for the oldest's."""
-        while len(self._home_copies) > HOME_COPIES_IN_FLIGHT:
+    def home_copies_landed(self, keep: int = 0) -> None:
+        """The copies (and adds) into resident homes that ``finish`` did not wait for are over,
+        the oldest units' first, all but the last ``keep`` units' (0: the wait before the host
+        reads, zeroes or steps from a resident home; ``HOME_COPIES_IN_FLIGHT``: the bound on
+        those in flight)."""
+        while len(self._home_copies) > keep:
+            # kept until waited, like a unit's own (a wait cut short leaves them to the next)
             oldest = next(iter(self._home_copies))
             self.copies.host_waits(self._home_copies[oldest])
             del self._home_copies[oldest]
-
-    def home_copies_landed(self) -> None:
-        """The copies (and adds) into resident homes that ``finish`` did not wait for are over:
-        the wait before the host reads, zeroes or steps from a resident home."""
-        # kept until waited, like a unit's own (a wait cut short leaves them to the next)
-        for index in list(self._home_copies):
-            self.copies.host_waits(self._home_copies[index])
-            del self._home_copies[index]
 
     def take_home(self, state: UnitOptimState) -> CompleteGradient:
         """The unit's complete gradient in its resident home, for a step that starts now (see
@@ -470,7 +465,7 @@ class GradientCollector:
             # step: no wait here, and the norm is summed at the step, from the home
             self._home_copies.setdefault(state.unit.index, []).extend(
                 state.grad.hand_over_copies())
-            self._bound_home_copies()
+            self.home_copies_landed(keep=HOME_COPIES_IN_FLIGHT)
             state.keep_gradient()
             return store.tensor[: state.numel]
         self.copies_landed(state)

@@ -134,7 +134,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         self.owner = owner
         self._owner_stepping = False    # the owner's own step is running (``owner_step``)
         self._in_backward = False
-        self._stepped_in_backward: set[int] = set()   # early steps started by this backward
+        self._stepped_in_backward: set[int] = set()   # its steps started: ``LATE_GRADIENT``
         self.early_step = early_step
         self.timers = OptimTimers()
         self.clip_norm = clip_norm
@@ -254,7 +254,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
 
     # -- the coordinator's UnitStepper (zero/protocols.py) ---------------------------------
     def on_grad(self, unit: SteppedUnit, entry: ParamEntry, grad: torch.Tensor) -> None:
-        if unit.index in self._stepped_in_backward or self.boundary.took(unit.index):
+        if unit.index in self._stepped_in_backward:
             raise RuntimeError(LATE_GRADIENT.format(unit=unit.name))
         self.gradients.on_grad(unit, entry, grad)
 
@@ -290,6 +290,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
             self.gradients.drop_buffer(state, forget=True)
             self.timers.grad_s += time.perf_counter() - start
         if steps_now:
+            self._stepped_in_backward.add(unit.index)
             self.boundary.started(self._submit_ready(state, self.gradients.take_home(state),
                                                      self.gradients.take_arrived(state)))
             state.clear_gradient()

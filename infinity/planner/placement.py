@@ -252,10 +252,14 @@ def choose_early_step(cfg: InfinityConfig, dtype: str) -> bool:
         return False
     if cfg.infinity.early_step != "auto":
         return cfg.infinity.early_step == "on"
-    # "auto": only for the partitioned (offloaded) optimizer, and only when nothing needs all
-    # gradients before the step: no clipping (global norm), no fp16 (overflow check), no accumulation.
+    return _steps_need_no_whole_gradient(cfg, dtype)
+
+
+def _steps_need_no_whole_gradient(cfg: InfinityConfig, dtype: str) -> bool:
+    """A unit may be stepped before the whole model's gradient exists: the partitioned
+    (offloaded) optimizer, no clipping (global norm), no fp16 (overflow check)."""
     return (cfg.zero.offload_optimizer.device != "none" and cfg.gradient_clipping == 0
-            and not cfg.fp16.enabled and dtype != "fp16" and cfg.gradient_accumulation_steps == 1)
+            and not cfg.fp16.enabled and dtype != "fp16")
 
 
 def choose_boundary_steps(cfg: InfinityConfig, dtype: str) -> bool:
@@ -266,8 +270,7 @@ def choose_boundary_steps(cfg: InfinityConfig, dtype: str) -> bool:
     offloaded optimizer)."""
     if cfg.infinity.early_step == "off" or (cfg.gradient_accumulation_steps or 1) <= 1:
         return False
-    return (cfg.zero.offload_optimizer.device != "none" and cfg.gradient_clipping == 0
-            and not cfg.fp16.enabled and dtype != "fp16")
+    return _steps_need_no_whole_gradient(cfg, dtype)
 
 
 def place(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,

@@ -499,10 +499,7 @@ def _add_widened(target: torch.Tensor, grad: torch.Tensor) -> None:
     unmapped again (at 85M with bf16 compute ~55,000 page faults a step). Slices of the first
     dimension of about ``ADD_CHUNK_NUMEL`` elements keep the temporary in the heap, reused
     from slice to slice; a float32 gradient needs none and is added whole."""
-    if target.dtype == torch.float32 and grad.dtype in _add_native.NATIVE_DTYPES \
-            and target.is_contiguous() and grad.is_contiguous() \
-            and target.device.type == grad.device.type == "cpu" and grad.numel() > 0 \
-            and not _overlap(target, grad):
+    if grad.numel() > 0 and _add_native.reads(target, grad) and not _overlap(target, grad):
         _add_native.accumulate(target, grad)
         return
     if grad.dtype == target.dtype or grad.numel() <= ADD_CHUNK_NUMEL or grad.dim() == 0:

@@ -215,7 +215,7 @@ def test_a_step_that_does_not_wait_for_the_adds_into_host_homes_fails(disk_dir,
     from infinity.optim.gradients import GradientCollector
     run = dict(early="off", accumulation=2, layers=2, calls=6)
     right, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 3, **run)
-    monkeypatch.setattr(GradientCollector, "home_copies_landed", lambda self: None)
+    monkeypatch.setattr(GradientCollector, "home_copies_landed", lambda self, keep=0: None)
     wrong, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 3, **run)
     assert wrong[:2] == right[:2] and wrong[2:] != right[2:], (wrong, right)
 

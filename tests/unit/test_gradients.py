@@ -473,7 +473,7 @@ def test_a_resident_home_read_before_its_adds_misses_them(monkeypatch) -> None:
     """The planted fault: without the wait for the home's copies the home reads without the
     adds still landing (zero here), not the gradient."""
     rig, copies, gate = _late_rig("host")
-    monkeypatch.setattr(GradientCollector, "home_copies_landed", lambda self: None)
+    monkeypatch.setattr(GradientCollector, "home_copies_landed", lambda self, keep=0: None)
     state = rig.states[0]
     rig.grad(state, 0, torch.ones(3, 5))
     rig.g.finish(state)
