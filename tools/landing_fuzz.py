@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def deferred_bf16(args: argparse.Namespace) -> int:
     """``--deferred-bf16``: each case trained with the immediate copies and with late ones
-    (seeded by the case); the losses must be equal, bit for bit, and no buffer poisoned or lost.
+    (seeded by the case); the losses must be equal, bit for bit, no buffer poisoned or lost, and
+    no step's write of a device copy landed before the copy that filled it.
     Under late copies a unit's deferred step starts once its copy to the device is issued
     (zero/steps_ahead.py), with the immediate ones at its use: the same bits either way."""
     failed = cases = ahead = 0
@@ -113,21 +114,22 @@ def deferred_bf16(args: argparse.Namespace) -> int:
         cases += 1
         try:
             with tempfile.TemporaryDirectory(prefix="landing-fuzz-") as disk:
-                at_use, _, _, _ = late_landing.run_deferred_bf16(
+                at_use, *_ = late_landing.run_deferred_bf16(
                     family, tier, disk, None, reuse, share, clip, args.steps, early)
             with tempfile.TemporaryDirectory(prefix="landing-fuzz-") as disk:
-                late, started, poisoned, lost = late_landing.run_deferred_bf16(
+                late, started, poisoned, lost, overtaking = late_landing.run_deferred_bf16(
                     family, tier, disk, 1000 * seed + cases, reuse, share, clip, args.steps,
                     early)
         except Exception as exc:  # noqa: BLE001 - a case's failure is the finding
             failed += 1
             print(f"FAIL {tag}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
-        ok = late == at_use and poisoned == 0 and lost == 0
+        ok = late == at_use and poisoned == 0 and lost == 0 and overtaking == 0
         failed += not ok
         ahead += started
         print(f"{'ok  ' if ok else 'DIFF'} {tag}: {started} steps ahead, {poisoned} poisoned, "
-              f"{lost} lost" + ("" if late == at_use else f"; losses {late} vs {at_use}"),
+              f"{lost} lost, {overtaking} writes before their fill"
+              + ("" if late == at_use else f"; losses {late} vs {at_use}"),
               flush=True)
     print(f"{cases} cases, {failed} failed, {ahead} steps started ahead in all")
     return 1 if failed else 0

@@ -38,13 +38,15 @@ Costs, to be measured on the next GPU pass (``device_write_wait_s`` in the step 
   pinned-memory cache, which rounds a size up to a power of two and keeps freed blocks for
   reuse. Like autograd's temporaries they are outside the host budget.
 - Waiting. A copy into the device copy does not wait for the compute queued when it is
-  issued (``to_device(after_compute=False)``), so ``land`` waits for the copies alone. Every
-  reader of the device copy is over by then: the unit's forward and backward kernels were
-  queued before its gradient's copy to the host (which starts after them), and the job's
-  kernels run only once that copy has landed (an early step's first kernel waits for it; a
-  deferred step is queued after every gradient landed). A unit freshly fetched has no reader
-  yet, and its fetch's copy, which did wait for the compute queued before it (its memory's
-  previous users), runs before this one on the same stream. Before, with the wait, a forward
+  issued, nor queue behind the fetches that do (``write_device``, a stream of its own: [Note:
+  the step's writes do not queue behind fetches] in storage/transfers.py), so ``land`` waits
+  for the copies alone. Every reader of the device copy is over by then: the unit's forward
+  and backward kernels were queued before its gradient's copy to the host (which starts after
+  them), and the job's kernels run only once that copy has landed (an early step's first
+  kernel waits for it; a deferred step is queued after every gradient landed). A unit freshly
+  fetched has no reader yet, and its fetch's copy, which did wait for the compute queued
+  before it (its memory's previous users), may still be in flight (a step started ahead of
+  the use): the write is ordered after it (``after``: the unit's ``fill_event``). Before, with the wait, a forward
   that handed a unit's job over waited through ``stepped`` for the kernels queued before it,
   and a deferred step started ahead of its unit's use (zero/steps_ahead.py) could not land
   before the compute of the unit in use ended: the GPU idled through each copy.
@@ -120,20 +122,22 @@ class DeviceCopyWrites:
     pending: list[tuple[CopyEvent, torch.Tensor]] = field(default_factory=list)
 
     def write(self, copies: DeviceCopies, flat: torch.Tensor, values: torch.Tensor,
-              temporary: bool) -> bool:
-        """Put host ``values`` into ``flat`` (a slice of the device copy); ``temporary``: they
+              temporary: bool, filled: CopyEvent | None = None) -> bool:
+        """Put host ``values`` into ``flat`` (a slice of the device copy), after ``filled``
+        (the copy that filled the device copy, ``SteppedUnit.fill_event``); ``temporary``: they
         are the job's own (``host_temporary``, pinned where ``flat`` is on a GPU), else a buffer
-        that may go back to its pool before a late copy reads it, so a copy is made first. True when ``flat`` holds them on
-        return (copies that do not overlap compute), False when they land later (see [Note:
-        the device copy written behind the step])."""
+        that may go back to its pool before a late copy reads it, so a copy is made first.
+        True when ``flat`` holds them on return (copies that do not overlap compute), False
+        when they land later (see [Note: the device copy written behind the step])."""
         if not copies.overlaps_compute:
             with torch.no_grad():
                 flat.copy_(values)
             return True
         if not temporary:
             values = host_temporary(values, values.dtype, pinned=flat.device.type == "cuda")
-        # every reader of the device copy ran before the job's gradient landed (the Note)
-        self.pending.append((copies.to_device(flat, values, after_compute=False), values))
+        # every reader of the device copy ran before the job's gradient landed (the Note); the
+        # copy that filled it may not have landed (a step started ahead of its unit's use)
+        self.pending.append((copies.write_device(flat, values, after=filled), values))
         return False
 
     def settle(self, keep: int = IN_FLIGHT) -> float:

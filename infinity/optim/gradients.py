@@ -47,7 +47,7 @@ to what its NVMe home holds, to write it home, and to sum the clipping norm and 
 check at the boundary before any step can apply them. One rank's gradient in a resident home
 (host memory, the deferred schedule) is not read there: its copies (on a GPU, adds made by the
 copies' adder thread as they land; see [Note: host adds off the training thread] in
-storage/transfers.py) go into the home itself, ``finish`` keeps their events in the collector
+storage/host_adds.py) go into the home itself, ``finish`` keeps their events in the collector
 without waiting (``home_copies_landed`` waits for them where a home is read: ``home_gradient``,
 ``drop_cycle``, a ``finish`` that reads the home, ``land_copies`` at the step), and its norm
 is summed at the step, from the home, like that of a unit whose last gradient came before the

@@ -442,7 +442,8 @@ class StepStream:
             if not into_flat:
                 written = half if half is not None else param
                 flat_current = job.device_writes.write(self.manager.copies, unit.flat[start:end],
-                                                       written, temporary=half is not None)
+                                                       written, temporary=half is not None,
+                                                       filled=unit.fill_event)
         self._write_params(unit, start, n, writes, shadow, written, flat_current)
         if shadow and job.gradient_home:
             # kept at home for a redo: a flat buffer is written as it is (given back at

@@ -94,10 +94,20 @@ class SimCopies(DeviceCopies):
         return SimCopyEvent(self.clock, end, f"the {kind}" + (f" of {self._unit}"
                                                                if self._unit else ""))
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
-                  after_compute: bool = True) -> CopyEvent:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
         # the training thread's compute is over when it issues (the clock runs it in line)
         return self._copy(self.h2d, src, "copy")
+
+    def write_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                     after: CopyEvent | None = None) -> CopyEvent:
+        # the dry run's stepper schedules its writes itself (simulate/stepper.py); one issued
+        # here shares the link's lane, after ``after``
+        nbytes = src.numel() * src.element_size()
+        end = self.h2d.schedule(nbytes, not_before=None if after is None else
+                                max(self.clock.now, _end(after, self.clock)),
+                                what=f"write {self._unit} {nbytes / 2**20:.1f} MiB")
+        return SimCopyEvent(self.clock, end, "the write" + (f" of {self._unit}"
+                                                            if self._unit else ""))
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
         # an add crosses the link in the source's dtype and is made on the host at the wait:

@@ -10,14 +10,17 @@ overlaps, means no other module orders device work.
 [Note: copy events]
 A copy returns a ``CopyEvent``. Four rules use it, all here:
 - host -> device (``to_device``: a unit's parameters from their host slot or home, a saved
-  activation read back for backward, a stepped unit's new values): compute that reads the
-  destination waits for the event (``compute_waits``): on a GPU the compute stream waits on it
-  (the CPU thread does not block); elsewhere the calling thread. The copy itself starts after
-  the compute queued so far (it may still read the destination's memory), unless the caller
-  knows every reader is over (``after_compute=False``: the step stream's writes of a unit's
+  activation read back for backward): compute that reads the destination waits for the event
+  (``compute_waits``): on a GPU the compute stream waits on it (the CPU thread does not
+  block); elsewhere the calling thread. The copy itself starts after the compute queued so far
+  (it may still read the destination's memory). These copies run in the order issued (one
+  stream), so a copy issued after another into the same memory lands after it.
+- host -> device, a step's results (``write_device``: a stepped unit's new values into its
   device copy, whose readers all ran before its gradient landed; see [Note: the device copy
-  written behind the step] in optim/device_copy.py). Host-to-device copies run in the order
-  issued (one stream), so a copy issued after another into the same memory lands after it.
+  written behind the step] in optim/device_copy.py): on a stream of their own, ordered after
+  nothing but ``after``, the copy that filled that memory when it may still be in flight (a
+  step started ahead of its unit's use writes behind the unit's prefetch). See [Note: the
+  step's writes do not queue behind fetches].
 - the source buffer goes back to its pool (or is freed) only after the event
   (``release_after``): a slot reused earlier could be overwritten by the next NVMe read while
   the copy still reads it; a pinned buffer freed earlier would be unmapped under the copy.
@@ -38,26 +41,32 @@ Three implementations:
 - ``CudaCopies``: a host-to-device stream and a device-to-host stream, events recorded on them;
   the compute stream waits on a host-to-device copy's event; a released source is handed back by
   a thread once its event has fired; a host reader synchronizes on a device-to-host copy's event,
-  and an add is made by a thread of its own as its copy lands (see below).
+  and an add is made by a thread of its own as its copy lands (storage/host_adds.py).
 - ``LateCopies`` (tests): each copy happens on a helper thread after a seeded random delay; the
   destination of a copy (either way) reads NaN until then (an add lands in a staging buffer and
   is made at the host wait), and a buffer handed back to its pool while a copy still reads or
   writes it is NaN-filled (poisoned; the pools tell the copies of each release,
   ``on_release``): a missing wait or an early reuse gives NaN or wrong values instead of
-  passing by luck.
+  passing by luck; a step's write not ordered after a copy into the same memory that has not
+  landed lands before it (``write_device``), so the copy leaves stale values.
   ``INFINITY_LATE_TRANSFERS=<seed>`` selects it for every engine of the process (how the parity
   tests run under it).
 
-[Note: host adds off the training thread]
-A gradient accumulated over micro-batches is added on the host, into its fp32 home. On the
-first H200 the add was made at the host wait, and the training thread waited at each unit's
-end of backward: every unit's backward hook synchronized with the GPU, then widened and added
-the unit's bf16 gradient while no kernel was launched (1.48 s of a 2.4 s step, the GPU idle).
-So on a GPU the adds are made by the copies' adder thread, in the order issued (so the bits are
-those of the adds made one by one), each as soon as its copy has landed; the training thread
-goes on queueing backward kernels, and whoever reads the destination waits for the add as for
-any copy (``host_waits``). The collector waits for them only where it reads the home (see
-[Note: gradients leave the device] in optim/gradients.py).
+[Note: the step's writes do not queue behind fetches]
+A fetch's copy waits for the compute queued when it is issued (its memory's previous users may
+still read it), and prefetch issues it as far ahead as the training thread runs: in a backward
+on a GPU the training thread queues kernels ~130 ms ahead of the device (the 0.49B model, 32 x
+1024 tokens, the fourth H200 pass), so the copy stream holds copies that each wait for compute
+that far ahead. The step's writes of a unit's device copy went on that same stream, behind
+them: the first write of the last micro-batch's backward, issued 78 ms before the end of that
+backward's compute, landed after it, and the step stream waited 65 ms for it
+(``DeviceCopyWrites.settle``) instead of stepping the next units, which then ran after the
+backward, beside an idle GPU. A write waits for no compute (every reader of the device copy is
+over when it is issued), so it has a stream of its own (``CudaCopies.writes``), ordered only
+after the copy that filled the same memory where that may still be in flight (``after``: the
+unit's ``fill_event``; a step started ahead writes behind its unit's prefetch). Both streams
+share the link; the dry run already scheduled these writes in the link's gaps
+(simulate/stepper.py), not behind the fetches.
 """
 from __future__ import annotations
 
@@ -71,10 +80,10 @@ from typing import Protocol
 
 import torch
 
-from infinity.storage import _add_native
+from infinity.storage.host_adds import HostAdd, HostAdder, add_widened
 
 __all__ = ["CopyEvent", "DeviceCopies", "ImmediateCopies", "CudaCopies", "LateCopies",
-           "HostAdder", "device_copies", "LATE_ENV", "ADD_CHUNK_NUMEL"]
+           "device_copies", "LATE_ENV"]
 
 LATE_ENV = "INFINITY_LATE_TRANSFERS"
 """Set to an integer seed: every engine's copies complete late, on a helper thread (tests)."""
@@ -110,12 +119,18 @@ class DeviceCopies:
     device ahead (zero/unit.py ``_copy_home``). The immediate copies run on the calling thread,
     where a copy ahead would hide nothing and only hold device memory sooner."""
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
-                  after_compute: bool = True) -> CopyEvent:
-        """Copy host ``src`` into device ``dst``; the event says when it is over.
-        ``after_compute``: the copy starts after the compute queued so far, which may still
-        read ``dst``'s memory; False only where every reader of ``dst`` is known to be over
-        (see [Note: copy events])."""
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
+        """Copy host ``src`` into device ``dst``, after the compute queued so far (which may
+        still read ``dst``'s memory); the event says when it is over (see [Note: copy
+        events])."""
+        raise NotImplementedError
+
+    def write_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                     after: CopyEvent | None = None) -> CopyEvent:
+        """Write host ``src`` into device ``dst``, every reader of which is over (a step's
+        results into a unit's device copy): ordered after ``after`` (the copy that filled
+        ``dst``'s memory, where it may still be in flight) and nothing else; the event says
+        when it is over (see [Note: the step's writes do not queue behind fetches])."""
         raise NotImplementedError
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
@@ -152,16 +167,19 @@ class DeviceCopies:
 class ImmediateCopies(DeviceCopies):
     """A CPU device: a copy is over when ``to_device`` returns."""
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
-                  after_compute: bool = True) -> CopyEvent:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
         with torch.no_grad():
             dst.copy_(src)
         return DONE
 
+    def write_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                     after: CopyEvent | None = None) -> CopyEvent:
+        return self.to_device(dst, src)      # ``after`` is over: every copy here is
+
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
         with torch.no_grad():
             if add:
-                _add_widened(dst, src)
+                add_widened(dst, src)
             else:
                 dst.copy_(src)
         return DONE
@@ -185,6 +203,11 @@ class CudaCopies(DeviceCopies):
         # or writes an activation's staging chunk to NVMe, only after its copy's event
         # (``host_waits``)
         self.d2h = torch.cuda.Stream(device=device)
+        # host -> device, the step's results: a stepped unit's new values into its device copy,
+        # on a stream of their own, not behind the fetches on ``h2d`` (each of which waits for
+        # the compute queued when it was issued); ordered after the copy that filled the same
+        # memory only (see [Note: the step's writes do not queue behind fetches])
+        self.writes = torch.cuda.Stream(device=device)
         # sources handed back once their copy's event fired, on a thread of their own (a pool
         # whose slots all wait for copies must still get them back without another copy)
         self._releases: queue.Queue = queue.Queue()
@@ -193,21 +216,31 @@ class CudaCopies(DeviceCopies):
                                           name="copy-releases", daemon=True)
         self._releaser.start()
         # device-to-host adds made on the host as their copies land, in the order issued, on
-        # a thread of their own (see [Note: host adds off the training thread])
+        # a thread of their own (storage/host_adds.py)
         self._adder = HostAdder()
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
-                  after_compute: bool = True) -> CopyEvent:
-        if after_compute:
-            # the destination may have been read by compute that is still queued: start
-            # after it (the copies issued before on this stream are ordered anyway)
-            self.h2d.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.h2d), torch.no_grad():
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
+        # the destination may have been read by compute that is still queued: start after it
+        # (the copies issued before on this stream are ordered anyway)
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+        return self._copy_up(self.h2d, dst, src)
+
+    def write_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                     after: CopyEvent | None = None) -> CopyEvent:
+        if isinstance(after, _CudaEvent):
+            self.writes.wait_event(after.event)
+        elif after is not None:
+            after.wait()
+        return self._copy_up(self.writes, dst, src)
+
+    def _copy_up(self, stream: torch.cuda.Stream, dst: torch.Tensor,
+                 src: torch.Tensor) -> CopyEvent:
+        with torch.cuda.stream(stream), torch.no_grad():
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event(blocking=True)   # a host wait sleeps, not spins
-            event.record(self.h2d)
+            event.record(stream)
         # the caching allocator must not give dst's memory to others before the copy is over
-        dst.record_stream(self.h2d)
+        dst.record_stream(stream)
         return _CudaEvent(event)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
@@ -228,7 +261,7 @@ class CudaCopies(DeviceCopies):
         src.record_stream(self.d2h)
         if not add:
             return _CudaEvent(event)
-        return self._adder.add(_HostAdd(_CudaEvent(event), dst, staging))
+        return self._adder.add(HostAdd(_CudaEvent(event), dst, staging))
 
     def compute_waits(self, event: CopyEvent) -> None:
         if isinstance(event, _CudaEvent):
@@ -268,6 +301,7 @@ class CudaCopies(DeviceCopies):
         # copy from a host home (no ``release_after`` follows it, so the queue above did not
         # wait for it) whose destination or source may be freed once the engine closes
         self.h2d.synchronize()
+        self.writes.synchronize()
         self.d2h.synchronize()
         if self._error is not None:
             raise RuntimeError(f"a host-to-device copy failed: {self._error}") from self._error
@@ -282,86 +316,6 @@ class _CudaEvent:
 
     def wait(self) -> None:
         self.event.synchronize()
-
-
-class _HostAdd:
-    """A device-to-host add: ``staging`` holds the device values once ``copied`` fired, and
-    the add into ``dst`` is made by the first wait, on the waiting thread (see [Note: copy
-    events]); until then ``dst`` holds what it held before."""
-
-    def __init__(self, copied: CopyEvent, dst: torch.Tensor, staging: torch.Tensor) -> None:
-        self.copied = copied
-        self.dst = dst
-        self.staging: torch.Tensor | None = staging
-
-    def done(self) -> bool:
-        return self.staging is None
-
-    def wait(self) -> None:
-        if self.staging is None:
-            return
-        self.copied.wait()
-        with torch.no_grad():
-            _add_widened(self.dst, self.staging)
-        self.staging = None
-
-
-class HostAdder:
-    """Makes device-to-host adds on a thread of its own, each as soon as its copy has landed,
-    in the order given (see [Note: host adds off the training thread])."""
-
-    def __init__(self) -> None:
-        self._adds: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="copy-adds", daemon=True)
-        self._thread.start()
-
-    def add(self, host_add: _HostAdd) -> CopyEvent:
-        """Queue ``host_add``; the event returned fires once it is made."""
-        queued = _QueuedAdd(host_add)
-        self._adds.put(queued)
-        return queued
-
-    def drain(self) -> None:
-        """Every add queued so far is made (an add's error stays with its own event)."""
-        last = _QueuedAdd(None)
-        self._adds.put(last)
-        last.wait()
-
-    def _run(self) -> None:
-        while True:
-            queued = self._adds.get()
-            queued.run()
-            del queued     # the last add would keep its staging and destination referenced
-
-
-class _QueuedAdd:
-    """A device-to-host add that the copies' adder thread makes as soon as its copy lands
-    (``run``); a wait blocks until it has, and raises what the add raised. ``add`` None: a
-    marker that says every add queued before it is made."""
-
-    def __init__(self, add: _HostAdd | None) -> None:
-        self._add = add
-        self._made = threading.Event()
-        self._error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            if self._add is not None:
-                self._add.wait()
-        except BaseException as exc:  # noqa: BLE001 - raised to whoever waits for it
-            self._error = exc
-        finally:
-            self._add = None
-            self._made.set()
-
-    def done(self) -> bool:
-        return self._made.is_set() and self._error is None
-
-    def wait(self) -> None:
-        self._made.wait()
-        if self._error is not None:
-            raise RuntimeError(f"a device-to-host gradient add failed: {self._error}") \
-                from self._error
 
 
 class _LateEvent:
@@ -389,6 +343,9 @@ class LateCopies(DeviceCopies):
         # the host: ``writes``)
         self._host_ranges: dict[int, tuple[int, int, bool]] = {}
         self._dropped: set[int] = set()    # id(event): its host destination went back first
+        # id(event) -> the device byte range a host-to-device copy not yet run writes: a write
+        # not ordered after it lands first (``write_device``)
+        self._device_ranges: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="late-copies", daemon=True)
         self._thread.start()
@@ -396,16 +353,42 @@ class LateCopies(DeviceCopies):
         self.to_host_copies = 0     # device -> host (``to_host``), of ``copies``
         self.poisoned = 0
         self.lost = 0
+        self.overtaking = 0         # writes that landed before a copy into their memory
+        self.behind_fill = 0        # writes ordered after a copy into their memory in flight
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
-                  after_compute: bool = True) -> CopyEvent:
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
         # compute on a CPU device runs on the calling thread: it is over either way
         event = _LateEvent()
         self.copies += 1
         # until the copy runs the destination holds NaN: compute that did not wait reads it
         dst.view(torch.uint8).fill_(0xFF)
+        lo = dst.data_ptr()
+        with self._lock:
+            self._device_ranges[id(event)] = (lo, lo + dst.numel() * dst.element_size())
         self._issue(dst, src, event, host=src, writes=False)
         return event
+
+    def write_device(self, dst: torch.Tensor, src: torch.Tensor, *,
+                     after: CopyEvent | None = None) -> CopyEvent:
+        # A GPU's writes have a stream of their own: ordered after ``after`` and nothing else.
+        # Here the worst order: a write not ordered after a copy into the same memory that has
+        # not run yet lands before it, at once (the copy then overwrites it with the values it
+        # carries), so a missing ``after`` gives stale values, not a lucky pass; one ordered
+        # after it queues behind it (one thread: in the order issued).
+        lo = dst.data_ptr()
+        hi = lo + dst.numel() * dst.element_size()
+        with self._lock:
+            pending = [key for key, (a, b) in self._device_ranges.items() if a < hi and lo < b]
+        if after is not None and not after.done() and id(after) in pending:
+            self.behind_fill += 1
+            return self.to_device(dst, src)
+        if pending:
+            self.overtaking += 1
+            self.copies += 1
+            with torch.no_grad():
+                dst.copy_(src)
+            return DONE
+        return self.to_device(dst, src)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
         event = _LateEvent()
@@ -416,7 +399,7 @@ class LateCopies(DeviceCopies):
             # not wait reads dst without it)
             staging = torch.empty(src.shape, dtype=src.dtype, device="cpu")
             self._issue(staging, src, event, host=None, writes=True)
-            return _HostAdd(event, dst, staging)
+            return HostAdd(event, dst, staging)
         # until the copy runs the destination holds NaN: a reader that did not wait reads it
         dst.view(torch.uint8).fill_(0xFF)
         self._issue(dst, src, event, host=dst, writes=True)
@@ -455,6 +438,7 @@ class LateCopies(DeviceCopies):
                 self.lost += 1
             with self._lock:
                 self._host_ranges.pop(id(event), None)
+                self._device_ranges.pop(id(event), None)
                 self._dropped.discard(id(event))     # a release while it ran
             event._over.set()
 
@@ -480,41 +464,6 @@ class LateCopies(DeviceCopies):
         done = _LateEvent()
         self._jobs.put((0.0, torch.empty(0), torch.empty(0), done))
         done.wait()
-
-
-ADD_CHUNK_NUMEL = 1 << 18   # 1 MiB of float32: a widening add's temporary stays in the heap
-
-
-def _add_widened(target: torch.Tensor, grad: torch.Tensor) -> None:
-    """``target += grad`` for a float32 ``target`` and a gradient of its shape in any float
-    dtype, bit for bit what ``target.add_(grad.to(torch.float32))`` gives (a target in the
-    gradient's own dtype, a 16-bit home, adds it as it is: no widening, no temporary).
-
-    Contiguous float32 / bf16 / fp16 gradients go through the native add (storage/
-    _add_native.py): one pass, widened in registers, shared by torch's threads. Others (a
-    strided view, a float64 gradient) through torch, in chunks: a 16-bit gradient is widened
-    into a float32 temporary (by ``.to`` or inside a mixed-dtype ``add_`` alike) the size of
-    the parameter; above the engine's malloc mmap threshold (``infinity.malloc_mmap_threshold``,
-    4 MiB) every such temporary is a fresh mapping, page-faulted and zeroed by the kernel and
-    unmapped again (at 85M with bf16 compute ~55,000 page faults a step). Slices of the first
-    dimension of about ``ADD_CHUNK_NUMEL`` elements keep the temporary in the heap, reused
-    from slice to slice; a float32 gradient needs none and is added whole."""
-    if grad.numel() > 0 and _add_native.reads(target, grad) and not _overlap(target, grad):
-        _add_native.accumulate(target, grad)
-        return
-    if grad.dtype == target.dtype or grad.numel() <= ADD_CHUNK_NUMEL or grad.dim() == 0:
-        target.add_(grad)
-        return
-    rows = max(1, ADD_CHUNK_NUMEL // max(1, grad[0].numel()))
-    for start in range(0, grad.shape[0], rows):
-        target[start:start + rows].add_(grad[start:start + rows])
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share bytes (an in-place add of a tensor into itself is
-    torch's to make)."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _holds(t: torch.Tensor) -> bool:

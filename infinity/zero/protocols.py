@@ -45,6 +45,9 @@ class SteppedUnit(Protocol):
     param_store: Any
     """The parameters' home store (None: the unit lives on the device for good)."""
     residency: Any
+    fill_event: Any
+    """The copy that filled the device buffer at its fetch (a ``CopyEvent``; None: none), for a
+    step's write into it to follow (it may still be in flight while a step started ahead runs)."""
 
     @property
     def has_trainable(self) -> bool: ...

@@ -120,6 +120,11 @@ class Unit:
         self.gather_event = None
         # the copy that filled the device buffer at the last fetch (``wait_fetched``)
         self.fetch_event = None
+        # the same copy, kept until the buffer is let go: a step's write into the buffer is
+        # ordered after it (see [Note: the step's writes do not queue behind fetches] in
+        # storage/transfers.py); set once at the copy's issue, so the step stream's thread
+        # reads it while the training thread moves ``copy_event`` to ``fetch_event``
+        self.fill_event = None
         self.fetch_count = 0
         self.prefetch_hits = 0
 
@@ -364,8 +369,8 @@ class Unit:
         if not self._try_allocate_device(manager):
             return False
         try:
-            self.copy_event = copies.to_device(self.own_flat,
-                                               self.param_store.tensor[: self.home_numel])
+            self.copy_event = self.fill_event = copies.to_device(
+                self.own_flat, self.param_store.tensor[: self.home_numel])
         except BaseException:
             manager.device_cache.detach(self.flat.untyped_storage())
             raise
@@ -414,7 +419,8 @@ class Unit:
         """Copy the fetch slot to the device; the slot goes back after the copy's event."""
         copies = manager.copies        # see [Note: copy events] in storage/transfers.py
         slot, self.fetch_slot = self.fetch_slot, None
-        event = copies.to_device(self.own_flat, slot.view(self.dtype, self.home_numel))
+        event = self.fill_event = copies.to_device(self.own_flat,
+                                                   slot.view(self.dtype, self.home_numel))
         copies.release_after(event, lambda: pool.release(slot))
         return event
 
@@ -450,8 +456,8 @@ class Unit:
                 if self.param_home is Tier.NVME:
                     event = self._copy_slot(manager, pool)
                 else:
-                    event = manager.copies.to_device(self.own_flat,
-                                                     self.param_store.tensor[: self.home_numel])
+                    event = self.fill_event = manager.copies.to_device(
+                        self.own_flat, self.param_store.tensor[: self.home_numel])
         if event is not None:
             manager.copies.compute_waits(event)
             self.fetch_event = event
@@ -479,6 +485,7 @@ class Unit:
         if self.fetch_slot is not None:
             pool.release(self.fetch_slot)
             self.fetch_slot = None
+        self.fill_event = None
         manager.device_cache.detach(self.flat.untyped_storage())
         if self.residency == Residency.FETCHING:
             self.residency.to(Residency.RELEASED)
@@ -510,7 +517,7 @@ class Unit:
                                f"(unit index {self.index}, {self.nbytes} bytes) has not been "
                                "waited on: it must stay held from the gather to its use (see "
                                "[Note: gathers issued ahead] in zero/gather_ahead.py)")
-        self.fetch_event = None
+        self.fetch_event = self.fill_event = None
         self._unpoint_params()
         manager.device_cache.detach(self.flat.untyped_storage())
         self.residency.to(Residency.RELEASED)

@@ -204,15 +204,16 @@ def run_case(family: str, tier: str, disk_dir: str, seed: int, reuse: int | None
 def run_deferred_bf16(family: str, tier: str, disk_dir: str, late_seed: int | None,
                       reuse: int | None = None, device_share: float | None = None,
                       clip: float = 0.0, steps: int = 3,
-                      early_step: str = "off") -> tuple[list[float], int, int, int]:
+                      early_step: str = "off") -> tuple[list[float], int, int, int, int]:
     """Train ``family`` at stage 3 with params and optimizer on ``tier`` in bf16 with an fp32
     master, the deferred schedule, 2 micro-batches a step (``reuse``, ``device_share``,
     ``clip`` as in ``run_case``), with late copies seeded ``late_seed`` (None: the immediate
     ones); ``early_step`` "auto": the last micro-batch steps the units whose gradients are in
     host memory (optim/boundary_steps.py). The GPU's other paths must be set by the caller.
     Returns the losses, the steps
-    started ahead of their unit's use (zero/steps_ahead.py), and the late copies' poisoned and
-    lost buffers (0 with immediate copies)."""
+    started ahead of their unit's use (zero/steps_ahead.py), the late copies' poisoned and
+    lost buffers, and the steps' device-copy writes that overtook the copy filling their
+    memory (storage/transfers.py ``write_device``; all 0 with immediate copies)."""
     import os
 
     from infinity.storage import transfers
@@ -231,4 +232,5 @@ def run_deferred_bf16(family: str, tier: str, disk_dir: str, late_seed: int | No
         os.environ.pop(transfers.LATE_ENV, None)
     copies = result.engine.manager.copies
     return (result.losses, result.engine.coordinator.fetch_stats["steps_ahead"],
-            getattr(copies, "poisoned", 0), getattr(copies, "lost", 0))
+            getattr(copies, "poisoned", 0), getattr(copies, "lost", 0),
+            getattr(copies, "overtaking", 0))

@@ -64,7 +64,7 @@ def test_late_copies_train_as_torch(disk_dir, monkeypatch, family, param, early)
         assert copies.to_host_copies > 0 and not result.engine.optimizer.holds_grads
         # parameters on NVMe come through host slots, on the host from their home store
         assert (result.engine.fetch_pool is not None) == (param == "nvme")
-        assert copies.poisoned == 0 and copies.lost == 0
+        assert copies.poisoned == 0 and copies.lost == 0 and copies.overtaking == 0
         # prefetched units were copied to the device ahead of their use: from their host slot
         # once read (NVMe), from their host home at once (host memory, ``Unit._copy_home``)
         assert sum(u.prefetch_hits for u in result.engine.units) > 0
@@ -165,7 +165,7 @@ def _bf16_losses(disk_dir, monkeypatch, param: str, seed: int | None, early: str
         if seed is not None:
             copies = engine.manager.copies
             assert isinstance(copies, transfers.LateCopies)
-            assert copies.poisoned == 0 and copies.lost == 0
+            assert copies.poisoned == 0 and copies.lost == 0 and copies.overtaking == 0
     finally:
         engine.close()
     return out, engine.coordinator.fetch_stats["steps_ahead"]
@@ -204,6 +204,46 @@ def test_deferred_steps_run_ahead_of_the_forward_as_at_its_fetch(disk_dir, monke
         # are held
         assert ahead >= 3 * 3
     assert all(math.isfinite(x) for x in late) and late == at_fetch, (late, at_fetch)
+
+
+def test_every_step_write_is_ordered_after_the_copy_that_filled_its_unit(disk_dir,
+                                                                        monkeypatch) -> None:
+    """A step's write of a unit's device copy has a stream of its own, ordered only after the
+    copy that filled that memory (storage/transfers.py ``write_device``, the unit's
+    ``fill_event``): a step started ahead of its unit's use may write while that copy is in
+    flight. Every write, with steps ahead and without, names the last copy issued into its
+    memory; one naming nothing (or another copy) fails here, whether or not the copy had landed
+    by chance."""
+    to_device, write_device = transfers.LateCopies.to_device, transfers.LateCopies.write_device
+    fills: list[tuple[int, int, object]] = []       # (start, end, event), in issue order
+    checked = {"writes": 0, "unordered": 0}
+    writing = threading.local()     # a write's own copy (the late copies queue it as one)
+
+    def recording_fill(self, dst, src):
+        event = to_device(self, dst, src)
+        if not getattr(writing, "now", False):
+            lo = dst.data_ptr()
+            fills.append((lo, lo + dst.numel() * dst.element_size(), event))
+        return event
+
+    def checking_write(self, dst, src, *, after=None):
+        lo = dst.data_ptr()
+        hi = lo + dst.numel() * dst.element_size()
+        last = [event for a, b, event in fills if a <= lo and hi <= b]
+        checked["writes"] += 1
+        checked["unordered"] += not last or after is not last[-1]
+        writing.now = True
+        try:
+            return write_device(self, dst, src, after=after)
+        finally:
+            writing.now = False
+    monkeypatch.setattr(transfers.LateCopies, "to_device", recording_fill)
+    monkeypatch.setattr(transfers.LateCopies, "write_device", checking_write)
+    for early, accumulation in (("off", 2), ("on", 1)):
+        _, ahead = _bf16_losses(disk_dir, monkeypatch, "cpu", 7, early=early,
+                                accumulation=accumulation, layers=2, calls=4)
+        assert ahead > 0 or early == "on"
+    assert checked["writes"] > 0 and checked["unordered"] == 0, checked
 
 
 def test_a_step_that_does_not_wait_for_the_adds_into_host_homes_fails(disk_dir,

@@ -1,5 +1,5 @@
 """The copies' owner (storage/transfers.py) on a machine without CUDA: the immediate copies'
-device-to-host copy and add are today's bits (``_add_widened`` among them, the widening add in
+device-to-host copy and add are today's bits (storage/host_adds.py ``add_widened`` among them, the widening add in
 chunks), and the late copies' device-to-host copies land only on the helper thread, behind a
 gate the tests hold shut: until a reader waits (``host_waits``) a copied destination reads NaN
 and an added one lacks the add, and a pool buffer given back while a copy still writes it is
@@ -15,10 +15,11 @@ from torch.overrides import TorchFunctionMode
 
 from infinity.storage import _add_native, transfers
 from infinity.storage.buffer_pool import BufferPool
+from infinity.storage import host_adds
+from infinity.storage.host_adds import add_widened
 from infinity.storage.transfers import (
     ImmediateCopies,
     LateCopies,
-    _add_widened,
     device_copies,
 )
 
@@ -40,27 +41,27 @@ class _AddCalls(TorchFunctionMode):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape, transpose", [((6, 3), False), ((3, 6), True), ((20,), False)])
-def test_add_widened_is_bit_for_bit_torch_add_of_the_float32_gradient(monkeypatch, dtype, shape,
+def testadd_widened_is_bit_for_bit_torch_add_of_the_float32_gradient(monkeypatch, dtype, shape,
                                                                       transpose) -> None:
-    monkeypatch.setattr(transfers, "ADD_CHUNK_NUMEL", 7)
+    monkeypatch.setattr(host_adds, "ADD_CHUNK_NUMEL", 7)
     gen = torch.Generator().manual_seed(3)
     grad = torch.randn(shape, generator=gen).to(dtype)
     if transpose:
         grad = grad.t()              # not contiguous: sliced as it is
     target = torch.randn(grad.shape, generator=gen)
     want = target.clone().add_(grad.to(F32))
-    _add_widened(target, grad)
+    add_widened(target, grad)
     assert torch.equal(target, want)
 
 
-def test_add_widened_slices_a_strided_16_bit_gradient_by_rows_and_adds_others_whole(
+def testadd_widened_slices_a_strided_16_bit_gradient_by_rows_and_adds_others_whole(
         monkeypatch) -> None:
     """The add torch makes (a gradient the native add does not read: strided, or into a 16-bit
     home) goes in slices of about ADD_CHUNK_NUMEL elements (whole rows, at least one) where it
     widens; a 16-bit one into a 16-bit home, a small one or a 0-d one is added at once. A
     contiguous float32 target with a contiguous gradient goes to the native add: no torch
     add_ at all."""
-    monkeypatch.setattr(transfers, "ADD_CHUNK_NUMEL", 7)
+    monkeypatch.setattr(host_adds, "ADD_CHUNK_NUMEL", 7)
     cases = [
         (torch.zeros(7, 3), torch.ones(3, 7, dtype=torch.bfloat16).t(), [(2, 3), (2, 3), (2, 3), (1, 3)]),
         (torch.zeros(3, 9), torch.ones(9, 3, dtype=torch.float16).t(), [(1, 9), (1, 9), (1, 9)]),
@@ -72,12 +73,12 @@ def test_add_widened_slices_a_strided_16_bit_gradient_by_rows_and_adds_others_wh
     ]
     for target, grad, want in cases:
         with _AddCalls() as calls:
-            _add_widened(target, grad)
+            add_widened(target, grad)
         assert calls.shapes == want, (target.dtype, grad.dtype, grad.shape)
         assert torch.equal(target, torch.ones_like(target))
-    monkeypatch.setattr(transfers, "ADD_CHUNK_NUMEL", 0)
+    monkeypatch.setattr(host_adds, "ADD_CHUNK_NUMEL", 0)
     target = torch.zeros(())
-    _add_widened(target, torch.tensor(2.5, dtype=torch.bfloat16))   # 0-d: nothing to slice
+    add_widened(target, torch.tensor(2.5, dtype=torch.bfloat16))   # 0-d: nothing to slice
     assert target.item() == 2.5
 
 
@@ -121,7 +122,7 @@ def test_immediate_copies_to_the_host_are_over_at_once_and_today_s_bits(dtype) -
     assert all(e.done() for e in events)      # nothing to wait for: no thread, no stream
     want = torch.empty(6, 4)
     want.copy_(first)
-    _add_widened(want, second)
+    add_widened(want, second)
     assert torch.equal(dst, want)
     copies.host_waits(events)
     assert torch.equal(dst, want)
@@ -151,9 +152,9 @@ def test_late_copies_to_the_host_land_only_for_a_reader_that_waits(dtype) -> Non
     copies.host_waits(events)
     want_fresh = torch.empty(6, 4)
     want_fresh.copy_(first)
-    _add_widened(want_fresh, second)
+    add_widened(want_fresh, second)
     want_kept = home.clone()
-    _add_widened(want_kept, second)
+    add_widened(want_kept, second)
     assert torch.equal(fresh, want_fresh) and torch.equal(kept, want_kept)
     assert all(e.done() for e in events) and copies.poisoned == copies.lost == 0
 
@@ -189,6 +190,47 @@ def test_a_pool_buffer_given_back_after_the_wait_is_not_poisoned() -> None:
     assert torch.equal(pool.acquire().buffer.view(F32), torch.ones(16))
 
 
+def test_a_step_s_write_ordered_after_the_copy_that_filled_its_memory_lands_after_it() -> None:
+    """A step's write of a unit's device copy (``write_device``) issued while the unit's fetch
+    copy is still in flight (a step started ahead of the use) lands after that copy when it is
+    ordered after it, and reads NaN until then for a reader that does not wait."""
+    copies, gate = _gated()
+    flat, fetched, stepped = torch.zeros(8), torch.full((8,), 1.0), torch.full((8,), 2.0)
+    fill = copies.to_device(flat, fetched)
+    write = copies.write_device(flat, stepped, after=fill)
+    assert torch.isnan(flat).all() and not write.done()
+    gate.set()
+    write.wait()
+    assert torch.equal(flat, stepped) and copies.overtaking == 0
+
+
+def test_a_step_s_write_not_ordered_after_a_copy_in_flight_into_its_memory_is_overwritten(
+        ) -> None:
+    """The planted fault: the write not ordered after the fetch copy still in flight lands
+    first (the worst order two streams allow), and the copy leaves the fetched values; a write
+    into other memory, or after that copy landed, is not affected."""
+    copies, gate = _gated()
+    flat, other = torch.zeros(8), torch.zeros(8)
+    fetched, stepped = torch.full((8,), 1.0), torch.full((8,), 2.0)
+    copies.to_device(flat, fetched)
+    copies.write_device(flat, stepped)                 # no ``after``
+    elsewhere = copies.write_device(other, stepped)    # nothing in flight into its memory
+    gate.set()
+    copies.drain()
+    elsewhere.wait()
+    assert torch.equal(flat, fetched) and copies.overtaking == 1
+    assert torch.equal(other, stepped)
+    late = copies.write_device(flat, stepped)          # the copy landed: nothing to overtake
+    late.wait()
+    assert torch.equal(flat, stepped) and copies.overtaking == 1
+
+
+def test_immediate_copies_write_at_once() -> None:
+    flat = torch.zeros(4)
+    event = ImmediateCopies().write_device(flat, torch.ones(4), after=transfers.DONE)
+    assert event.done() and torch.equal(flat, torch.ones(4))
+
+
 def test_device_copies_picks_late_copies_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(transfers.LATE_ENV, "4")
     assert isinstance(device_copies(torch.device("cpu")), LateCopies)
@@ -216,12 +258,14 @@ class _AtOnce:
 
 def test_cuda_drain_waits_for_host_to_device_copies_too() -> None:
     """A copy from a host home has no ``release_after`` (its source is the home itself), so
-    the release queue does not wait for it: drain synchronizes the copy stream as well."""
+    the release queue does not wait for it, nor for a step's write: drain synchronizes every
+    copy stream as well."""
     from types import SimpleNamespace
-    copies = SimpleNamespace(_releases=_AtOnce(), h2d=_Stream(), d2h=_Stream(), _error=None,
-                             _adder=transfers.HostAdder())
+    copies = SimpleNamespace(_releases=_AtOnce(), h2d=_Stream(), d2h=_Stream(), writes=_Stream(),
+                             _error=None, _adder=host_adds.HostAdder())
     transfers.CudaCopies.drain(copies)
-    assert (copies.h2d.synchronized, copies.d2h.synchronized) == (1, 1)
+    assert (copies.h2d.synchronized, copies.writes.synchronized,
+            copies.d2h.synchronized) == (1, 1, 1)
 
 
 class _Stop(Exception):
@@ -274,11 +318,11 @@ def test_the_host_adder_adds_each_as_its_copy_lands_in_the_order_given() -> None
     has landed, with nobody waiting, and in the order given, so the fp32 sum has the bits of
     the adds made one by one; an add whose copy has not landed holds back those after it. (The
     adder is seen blocked on the first copy before anything is checked: no race with it.)"""
-    adder = transfers.HostAdder()
+    adder = host_adds.HostAdder()
     dst = torch.zeros(4096)
     parts = [torch.randn(4096).to(torch.bfloat16) for _ in range(3)]
     events = [_WatchedEvent() for _ in parts]
-    added = [adder.add(transfers._HostAdd(e, dst, p)) for e, p in zip(events, parts)]
+    added = [adder.add(host_adds.HostAdd(e, dst, p)) for e, p in zip(events, parts)]
     events[1]._over.set()
     events[2]._over.set()
     assert events[0].entered.wait(timeout=60), "the adder never waited for the first copy"
@@ -295,10 +339,10 @@ def test_the_host_adder_adds_each_as_its_copy_lands_in_the_order_given() -> None
 
 
 def test_an_add_that_fails_raises_at_its_wait_and_the_adder_goes_on() -> None:
-    adder = transfers.HostAdder()
-    broken = adder.add(transfers._HostAdd(transfers.DONE, torch.zeros(4), torch.zeros(5)))
+    adder = host_adds.HostAdder()
+    broken = adder.add(host_adds.HostAdd(transfers.DONE, torch.zeros(4), torch.zeros(5)))
     dst = torch.zeros(4)
-    fine = adder.add(transfers._HostAdd(transfers.DONE, dst, torch.ones(4)))
+    fine = adder.add(host_adds.HostAdd(transfers.DONE, dst, torch.ones(4)))
     with pytest.raises(RuntimeError, match="gradient add failed"):
         broken.wait()
     fine.wait()
