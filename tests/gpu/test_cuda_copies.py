@@ -3,7 +3,8 @@ CUDA, run by tools/gpu_check.sh where a GPU is lent): a copy from pinned host me
 before compute that waits on its event reads it, the compute stream never waits for the whole
 device, and the source goes back only after the copy is over; a gradient's copy to pinned host
 memory (or its add into it) runs on the device-to-host stream after the compute that wrote it,
-and the host reads it whole after ``host_waits``, bit for bit what the immediate copies give."""
+and the host reads it whole after ``host_waits``, bit for bit what the immediate copies give; a
+step's write does not queue behind a fetch that waits for compute."""
 from __future__ import annotations
 
 import threading
@@ -49,6 +50,27 @@ def test_compute_does_not_wait_for_the_device_while_a_copy_runs() -> None:
     assert y.sum().item() == 32.0
     assert copies.h2d != torch.cuda.current_stream(device)
     event.wait()
+    copies.drain()
+
+
+def test_a_step_s_write_does_not_queue_behind_a_fetch_waiting_for_compute() -> None:
+    """A step's write (``write_device``) runs on its own stream: issued after a fetch that waits
+    for a long kernel queued before it, it lands before that kernel ends; ordered after the
+    fetch into its own memory (``after``), it lands after that fetch's values."""
+    device = torch.device("cuda")
+    copies = CudaCopies(device)
+    assert copies.writes not in (copies.h2d, copies.d2h, torch.cuda.current_stream(device))
+    torch.cuda._sleep(2_000_000_000)                # a kernel that spins ~1 s on the compute stream
+    fetched = torch.empty(1 << 20, device=device)
+    fetch = copies.to_device(fetched, torch.ones(1 << 20).pin_memory())   # after that compute
+    other = torch.empty(1 << 20, device=device)
+    write = copies.write_device(other, torch.full((1 << 20,), 2.0).pin_memory())
+    write.wait()
+    assert not fetch.done(), "the write waited for the fetch behind the compute"
+    assert other.eq(2.0).all().item()
+    after = copies.write_device(fetched, torch.full((1 << 20,), 3.0).pin_memory(), after=fetch)
+    after.wait()
+    assert fetch.done() and fetched.eq(3.0).all().item()
     copies.drain()
 
 
