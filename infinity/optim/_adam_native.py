@@ -55,6 +55,9 @@ def _signatures() -> dict:
         "inf_adam_step_norm": (c_int, [ctypes.POINTER(HParams), ctypes.POINTER(TensorRange),
                                        c_int, c_int, c_int, c_int, c_int,
                                        ctypes.POINTER(ctypes.c_double)]),
+        "inf_adam_step_zero": (c_int, [ctypes.POINTER(HParams), ctypes.POINTER(TensorRange),
+                                       c_int, c_int, c_int, c_int, c_int,
+                                       ctypes.POINTER(ctypes.c_double)]),
         "inf_grad_sq_sum": (c_int, [vp, i64, c_int, c_int, ctypes.POINTER(ctypes.c_double)]),
         "inf_adam_kernel_supported": (c_int, [c_int]),
         "inf_adam_kernel_best": (c_int, []),
@@ -95,6 +98,18 @@ def step_norm(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: in
     ret = lib().inf_adam_step_norm(ctypes.byref(hp), ranges, len(ranges), grad_dtype, half_dtype,
                                    kernel, threads, ctypes.byref(total))
     native_library.check(ret, f"inf_adam_step_norm({len(ranges)} ranges, kernel "
+                       f"{KERNEL_NAMES.get(kernel)}, grad dtype {grad_dtype}, {threads} threads)")
+    return total.value
+
+
+def step_zero(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: int, kernel: int,
+              threads: int, norm: bool) -> float:
+    """``step`` that also zeroes each range's gradient as it goes (in cache, chunk by chunk);
+    with ``norm`` the sum of the gradients' squares (summed before the zeroing), else 0."""
+    total = ctypes.c_double(0.0)
+    ret = lib().inf_adam_step_zero(ctypes.byref(hp), ranges, len(ranges), grad_dtype, half_dtype,
+                                   kernel, threads, ctypes.byref(total) if norm else None)
+    native_library.check(ret, f"inf_adam_step_zero({len(ranges)} ranges, kernel "
                        f"{KERNEL_NAMES.get(kernel)}, grad dtype {grad_dtype}, {threads} threads)")
     return total.value
 

@@ -167,7 +167,8 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                    eps: float, weight_decay: float, adamw_mode: bool = True,
                    bias_correction: bool = True, grad_scale: float = 1.0,
                    half_out: torch.Tensor | None = None, threads: int | None = None,
-                   impl: str = "native", grad_sq_sum: bool = False) -> float | None:
+                   impl: str = "native", grad_sq_sum: bool = False,
+                   zero_grad: bool = False) -> float | None:
     """One Adam/AdamW step of a flat range, in place.
 
     All tensors are 1-D contiguous CPU tensors of equal numel: param, exp_avg, exp_avg_sq fp32;
@@ -175,15 +176,17 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     receives the updated param rounded as ``param.to(half_out.dtype)`` would. ``step`` is the
     step being taken, from 1. ``threads``: default the CPUs this process may use. ``impl``: see
     the module docstring. ``grad_sq_sum``: also return sum(grad**2) in float64, of the gradient
-    as given (summed in the same pass, while each chunk is in cache). Raises ValueError naming
-    the argument on any mismatch.
+    as given (summed in the same pass, while each chunk is in cache). ``zero_grad``: leave
+    ``grad`` at zero, each chunk zeroed right after its update while it is in cache (a gradient
+    accumulated in place, which the next backward adds into again: no pass of its own over it).
+    Raises ValueError naming the argument on any mismatch.
     """
     _check_group(_FLAT_NAMES, (param, grad, exp_avg, exp_avg_sq, half_out), flat=True)
     return _step_many([(param, grad, exp_avg, exp_avg_sq, half_out)], step=int(step),
                       lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
                       weight_decay=float(weight_decay), adamw_mode=bool(adamw_mode),
                       bias_correction=bool(bias_correction), grad_scale=float(grad_scale),
-                      threads=threads, impl=impl, grad_sq_sum=grad_sq_sum)
+                      threads=threads, impl=impl, grad_sq_sum=grad_sq_sum, zero_grad=zero_grad)
 
 
 def adam_step_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -218,9 +221,10 @@ def adam_step_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
 def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, adamw_mode: bool, bias_correction: bool,
                grad_scale: float, threads: int | None, impl: str,
-               grad_sq_sum: bool = False) -> float | None:
+               grad_sq_sum: bool = False, zero_grad: bool = False) -> float | None:
     """Rows of (param, grad, exp_avg, exp_avg_sq, half_out or None), already checked; with
-    ``grad_sq_sum``, returns the sum of the gradients' squares."""
+    ``grad_sq_sum``, returns the sum of the gradients' squares; with ``zero_grad`` the grads are
+    left at zero."""
     _check_hparams(step, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_scale)
     if threads is None:
         threads = _default_threads()
@@ -250,6 +254,8 @@ def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: 
                 total += float(torch.dot(wide, wide))
             step_torch(p.view(-1), g.view(-1), m.view(-1), v.view(-1),
                        None if h is None else h.view(-1), c)
+            if zero_grad:
+                g.zero_()
         return total if grad_sq_sum else None
     hp = N.HParams(lr, beta1, beta2, eps, weight_decay, grad_scale, step, int(adamw_mode),
                    int(bias_correction))
@@ -261,9 +267,12 @@ def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: 
         r.half_out = None if h is None else h.data_ptr()
         r.numel = p.numel()
     hdt = hdts.pop()
+    gdt, hdt = _GRAD_DTYPES[gdts.pop()], N.DTYPE_NONE if hdt is None else _HALF_DTYPES[hdt]
+    if zero_grad:
+        total = N.step_zero(hp, ranges, gdt, hdt, kernel, int(threads), grad_sq_sum)
+        return total if grad_sq_sum else None
     run = N.step_norm if grad_sq_sum else N.step
-    return run(hp, ranges, _GRAD_DTYPES[gdts.pop()],
-               N.DTYPE_NONE if hdt is None else _HALF_DTYPES[hdt], kernel, int(threads))
+    return run(hp, ranges, gdt, hdt, kernel, int(threads))
 
 
 def _scalar(x: float | torch.Tensor, what: str) -> float:

@@ -1,7 +1,21 @@
 """The Adam kernel over a unit's flat ranges: the hyperparameters of each param group, the step
 runs of a job (see [Note: parameters without a gradient] in optim/partitioned.py) and the CPU
 Adam call on a sub-group. The step stream sees it through its ``StepKernel`` Protocol
-(optim/step_stream.py); the optimizer and the speculation own the same object."""
+(optim/step_stream.py); the optimizer and the speculation own the same object.
+
+[Note: the step gives the home back at zero]
+A gradient accumulated in its resident host home (the deferred schedule, and the last
+micro-batch stepping early from it: optim/boundary_steps.py) must be at zero before the next
+cycle's first add. Zeroed after the step, that was a pass of its own over 4 bytes a parameter,
+by then out of cache: a read for ownership and a write-back. On the fourth H200 pass each
+layer's (50M elements) took ~6 ms of the step stream, beside ~13.5 ms of Adam, in the tail
+where the GPU waited for the last units' steps (docs/gpu.md). The native kernel zeroes each
+64K-element chunk of the gradient right after its update instead (``inf_adam_step_zero``),
+while the chunk is in cache: a store to lines just read. The rest of the range (the gaps
+between parameters, a parameter not stepped this cycle) is zeroed beside it; a step that fails
+midway leaves its ranges not stepped to the gradient's ``give_back``
+(``CompleteGradient.zeroed``). The bits of the step are the same with and without it (tested
+per kernel)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -68,20 +82,36 @@ class AdamKernel:
             grad: torch.Tensor | dict[int, torch.Tensor], m: torch.Tensor, v: torch.Tensor,
             grad_scale: float, half_out: torch.Tensor | None, hyper: list[dict],
             runs: list[StepRun], grad_sq_sum: bool = False,
-            scales: MomentScales | None = None) -> float:
+            scales: MomentScales | None = None, zero_grad: bool = False) -> float:
         """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``;
         ``hyper`` per param group (``hyperparameters()`` when the step was asked for), ``runs``
         from ``step_runs``; m and v (and a bf16 master) in the state's format, ``scales`` the
         int8 scales of the range's blocks. Returns the stepped gradient's sum of squares (as
-        given) when ``grad_sq_sum``, else 0."""
+        given) when ``grad_sq_sum``, else 0. ``zero_grad``: ``grad`` (one flat tensor, a
+        gradient home the next backward accumulates into again) is left at zero over [start,
+        end): the native kernel zeroes what it steps chunk by chunk, in cache, and the rest (the
+        gaps between parameters, a parameter not stepped) is zeroed here; no pass of its own
+        over the whole range (see [Note: the step gives the home back at zero])."""
+        if zero_grad and not isinstance(grad, torch.Tensor):
+            raise TypeError(f"{state.unit.name}: zero_grad needs one flat gradient tensor, got "
+                            f"held parts {sorted(grad)[:4]}")
         if not state.fmt.is_default:
-            return step_formatted(state, start, end, param, grad, m, v, scales, grad_scale,
-                                  half_out, hyper, runs, self.threads, grad_sq_sum)
+            total = step_formatted(state, start, end, param, grad, m, v, scales, grad_scale,
+                                   half_out, hyper, runs, self.threads, grad_sq_sum)
+            if zero_grad:
+                grad.zero_()
+            return total
         total = 0.0
+        zeroed = start          # [start, zeroed) is at zero (zero_grad)
         for run, x, y, g in run_pieces(state.unit, runs, grad, start, end):
             s = slice(x - start, y - start)
+            if zero_grad and x > zeroed:
+                grad[zeroed - start:x - start].zero_()
             total += adam_step_flat(
                 param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
                 half_out=None if half_out is None else half_out[s], threads=self.threads,
-                grad_sq_sum=grad_sq_sum, **hyper[run.group_index]) or 0.0
+                grad_sq_sum=grad_sq_sum, zero_grad=zero_grad, **hyper[run.group_index]) or 0.0
+            zeroed = max(zeroed, y)
+        if zero_grad and zeroed < end:
+            grad[zeroed - start:end - start].zero_()
         return total

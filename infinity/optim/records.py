@@ -279,9 +279,11 @@ class CompleteGradient:
     copies: DeviceCopies | None = None
     landing: list[CopyEvent] = field(default_factory=list)
     # a resident gradient home stepped from in the last micro-batch's backward (see [Note:
-    # the last micro-batch steps early] in optim/boundary_steps.py): zeroed when given back,
-    # so that the next cycle accumulates from zero
+    # the last micro-batch steps early] in optim/boundary_steps.py): at zero when given back,
+    # so that the next cycle accumulates from zero; ``zeroed`` are the unit ranges the kernels
+    # left at zero as they stepped (``zeroed_by_step``), the rest is zeroed by ``give_back``
     zero_at_give_back: bool = False
+    zeroed: list[tuple[int, int]] = field(default_factory=list)
 
     def landed(self) -> None:
         """Block the calling thread (the step stream's) until every copy into the gradient is
@@ -305,6 +307,22 @@ class CompleteGradient:
             return self.values
         return self.values[start - self.origin:end - self.origin]
 
+    def zeroed_by_step(self, start: int, end: int) -> None:
+        """The step's kernel left elements [start, end) of the unit at zero: ``give_back``
+        does not zero them again."""
+        self.zeroed.append((start, end))
+
+    def free_parts_before(self, first: int | None) -> None:
+        """Free the held parts that end at unit element ``first`` or before (None: all), the
+        step's sub-groups still to come starting there: as the step goes and not at its end. A
+        Llama layer's gradient at width 2048 is ~200 MB, and with two units' gradients waiting
+        for their steps (the stream behind the backward) holding each whole until its last
+        kernel made peak memory depend on how far behind it fell."""
+        done = [offset for offset, part in self.values.items()
+                if first is None or offset + part.numel() <= first]
+        for offset in done:
+            self.free_part(offset)
+
     def free_part(self, offset: int) -> None:
         """Free one held part (its sub-groups have been stepped)."""
         part = self.values.pop(offset)
@@ -318,7 +336,12 @@ class CompleteGradient:
         copy still landing would write into the slot's next user's bytes."""
         self.landed()
         if self.zero_at_give_back and isinstance(self.values, torch.Tensor):
-            self.values.zero_()
+            at = self.origin       # what no kernel zeroed (all of it after a step that failed)
+            for start, end in sorted(self.zeroed) + [(self.origin + self.values.numel(),) * 2]:
+                if start > at:
+                    self.values[at - self.origin:start - self.origin].zero_()
+                at = max(at, end)
+            self.zeroed = []
         if self.slot is not None:
             self.pool.release(self.slot)
             self.slot = None

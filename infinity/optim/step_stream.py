@@ -425,14 +425,18 @@ class StepStream:
         # norm for get_global_grad_norm) and a speculated step's held gradient that stays here
         # (a flat buffer was normed when complete, one going home is normed as it is written)
         norm_in_kernel = job.early and not (shadow and (flat_gradient or job.gradient_home))
+        # a home the next backward adds into: left at zero ([Note: the step gives the home
+        # back at zero] in optim/kernel.py)
+        home_given_back = job.gradient.zero_at_give_back if job.early else \
+            state.grad_store.resident
         kernel_start = time.perf_counter()
         sq = self.kernel.run(state, start, end, param, grad, t["m"], t["v"], job.grad_scale,
                              half, job.hyper, job.runs, grad_sq_sum=norm_in_kernel,
-                             scales=scales_of(state, at, n))
+                             scales=scales_of(state, at, n), zero_grad=home_given_back)
         self.timers.kernel_s += time.perf_counter() - kernel_start
         job.sq_norm += sq
-        if not job.early and state.grad_store.resident:
-            grad.zero_()          # the next backward accumulates into the home gradient
+        if home_given_back and job.early:
+            job.gradient.zeroed_by_step(start, end)
         _store(state.exp_avg, t["m"], at, n, writes, shadow)
         _store(state.exp_avg_sq, t["v"], at, n, writes, shadow)
         written = None     # the host values the device copy is written from
@@ -464,20 +468,12 @@ class StepStream:
             self._stepped(job)
 
     def _free_stepped_parts(self, job: StepJob) -> None:
-        """Free the held gradient parts no sub-group still to be stepped covers, as the step
-        goes and not at its end: a Llama layer's gradient at width 2048 is ~200 MB, and with two
-        units' gradients waiting for their steps (the stream behind the backward) holding each
-        whole until its last kernel made peak memory depend on how far behind it fell. A job's
-        sub-groups are stepped in ascending order (a preempted read goes back to the front), so
-        a part is done when it ends where the first pending sub-group starts, or before."""
+        """Free the held gradient parts no sub-group still to be stepped covers. A job's
+        sub-groups are stepped in ascending order (a preempted read goes back to the front)."""
         first = next((x.group.start for x in self._loads if x.job is job), None)
         if first is None:
             first = job.groups[0].start if job.groups else None
-        parts = job.gradient.values
-        done = [offset for offset, part in parts.items()
-                if first is None or offset + part.numel() <= first]
-        for offset in done:
-            job.gradient.free_part(offset)
+        job.gradient.free_parts_before(first)
 
     def _write_held_gradient(self, job: StepJob, start: int, end: int, writes: list) -> None:
         """Norm a speculated step's held gradient over [start, end) and write it to the unit's

@@ -88,6 +88,15 @@ INF_API int inf_adam_step_norm(const struct inf_adam_hparams *hp,
                                const struct inf_adam_tensor *tensors, int ntensors, int grad_dtype,
                                int half_dtype, int kernel, int nthreads, double *grad_sq_sum);
 
+/* inf_adam_step that also zeroes every gradient element it steps, each chunk right after its
+ * update while the chunk is still in cache (the grad pointers are written, though declared
+ * const for the other calls): the step of a gradient accumulated in place, which the next
+ * backward accumulates into again from zero, without a pass of its own over it. With grad_sq_sum
+ * not NULL, stores there what inf_adam_step_norm stores (summed before the zeroing). */
+INF_API int inf_adam_step_zero(const struct inf_adam_hparams *hp,
+                               const struct inf_adam_tensor *tensors, int ntensors, int grad_dtype,
+                               int half_dtype, int kernel, int nthreads, double *grad_sq_sum);
+
 /* The sum of grad^2 over numel elements of grad (of grad_dtype) alone, summed as
  * inf_adam_step_norm sums it (the same bits for a buffer at the same address, whatever the
  * kernel and thread count): the norm of a gradient that is not stepped yet (clipping needs the

@@ -33,6 +33,7 @@ struct job {
     size_t nchunks;
     int gdt, hdt;
     double *chunk_sq; /* per chunk: its gradient's sum of squares (inf_adam_step_norm), or NULL */
+    int zero_grad;    /* zero each chunk's gradient after its update (inf_adam_step_zero) */
     atomic_size_t next;
 };
 
@@ -55,6 +56,9 @@ static void run_chunks(void *arg, int index) {
         if (j->fn)
             j->fn(j->c, t->param + b, grad, t->exp_avg + b, t->exp_avg_sq + b, half,
                   (size_t)(ch->end - b), j->gdt, j->hdt);
+        /* while the chunk's gradient is still in cache: a store to lines just read, instead of
+         * a pass of its own over the whole gradient later (read for ownership, then written) */
+        if (j->zero_grad) memset((void *)grad, 0, (size_t)(ch->end - b) * gsz);
     }
 }
 
@@ -93,7 +97,7 @@ static size_t fill_chunks(const struct inf_adam_tensor *ts, int nt, struct chunk
  * the gradients' squares there (chunk sums added in chunk order: independent of the threads). */
 static int run_ranges(const struct adam_consts *c, adam_range_fn fn,
                       const struct inf_adam_tensor *ts, int nt, int gdt, int hdt, int nthreads,
-                      double *sq_sum) {
+                      double *sq_sum, int zero_grad) {
     int64_t total = 0;
     for (int i = 0; i < nt; i++) total += ts[i].numel;
     if (sq_sum) *sq_sum = 0.0;
@@ -107,7 +111,7 @@ static int run_ranges(const struct adam_consts *c, adam_range_fn fn,
         return -ENOMEM;
     }
     struct job j = {.c = c, .fn = fn, .chunks = chunks, .gdt = gdt, .hdt = hdt,
-                    .chunk_sq = chunk_sq};
+                    .chunk_sq = chunk_sq, .zero_grad = zero_grad};
     j.nchunks = fill_chunks(ts, nt, chunks);
     atomic_init(&j.next, 0);
     if (nthreads <= 0) nthreads = inf_adam_cpus_allowed();
@@ -242,7 +246,7 @@ static struct adam_consts make_consts(const struct inf_adam_hparams *hp) {
 
 static int adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                      int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads,
-                     double *grad_sq_sum) {
+                     double *grad_sq_sum, int zero_grad) {
     int rc = check_hparams(hp);
     if (rc == 0) rc = check_tensors(tensors, ntensors, grad_dtype, half_dtype);
     if (rc) return rc;
@@ -251,12 +255,20 @@ static int adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_te
     adam_range_fn fn = kernel_fn(kernel);
     if (!fn) return -ENOTSUP;
     struct adam_consts c = make_consts(hp);
-    return run_ranges(&c, fn, tensors, ntensors, grad_dtype, half_dtype, nthreads, grad_sq_sum);
+    return run_ranges(&c, fn, tensors, ntensors, grad_dtype, half_dtype, nthreads, grad_sq_sum,
+                      zero_grad);
 }
 
 int inf_adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                   int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads) {
-    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, NULL);
+    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, NULL, 0);
+}
+
+int inf_adam_step_zero(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
+                       int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads,
+                       double *grad_sq_sum) {
+    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, grad_sq_sum,
+                     1);
 }
 
 int inf_adam_step_norm(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
@@ -264,7 +276,7 @@ int inf_adam_step_norm(const struct inf_adam_hparams *hp, const struct inf_adam_
                        double *grad_sq_sum) {
     if (!grad_sq_sum) return -EINVAL;
     double sum = 0.0;
-    int rc = adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, &sum);
+    int rc = adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, &sum, 0);
     if (rc == 0) *grad_sq_sum = sum;
     return rc;
 }
@@ -280,7 +292,7 @@ int inf_grad_sq_sum(const void *grad, int64_t numel, int grad_dtype, int nthread
     /* param only places the chunk boundaries (at its 64-byte lines): the gradient's own */
     struct inf_adam_tensor t = {(float *)grad, grad, NULL, NULL, NULL, numel};
     struct adam_consts unused = {0};
-    return run_ranges(&unused, NULL, &t, 1, grad_dtype, INF_ADAM_DTYPE_NONE, nthreads, out);
+    return run_ranges(&unused, NULL, &t, 1, grad_dtype, INF_ADAM_DTYPE_NONE, nthreads, out, 0);
 }
 
 /* ---- a gradient accumulated into its fp32 home ---- */
@@ -333,7 +345,7 @@ int inf_grad_accumulate(float *dst, const void *src, int64_t numel, int src_dtyp
     struct inf_adam_tensor t = {dst, src, NULL, NULL, NULL, numel};
     struct adam_consts unused = {0};
     return run_ranges(&unused, accumulate_range, &t, 1, src_dtype, INF_ADAM_DTYPE_NONE,
-                      nthreads, NULL);
+                      nthreads, NULL, 0);
 }
 
 /* ---- bandwidth reference ---- */
@@ -380,7 +392,8 @@ int inf_adam_rmw_bandwidth(float *a, const float *b, float *c, float *d, int64_t
 #if defined(__x86_64__)
     if (inf_adam_kernel_supported(INF_ADAM_KERNEL_AVX2)) fn = rmw_range_avx2;
 #endif
-    return run_ranges(&unused, fn, &t, 1, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE, nthreads, NULL);
+    return run_ranges(&unused, fn, &t, 1, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE, nthreads, NULL,
+                      0);
 }
 
 /* ---- shared with the state formats (adam_formats.c): the same checks and constants ---- */

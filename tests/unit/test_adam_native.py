@@ -33,6 +33,10 @@ HEADER = {
                                           ctypes.POINTER(N.TensorRange), ctypes.c_int,
                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                           ctypes.POINTER(ctypes.c_double)]),
+    "inf_adam_step_zero": (ctypes.c_int, [ctypes.POINTER(N.HParams),
+                                          ctypes.POINTER(N.TensorRange), ctypes.c_int,
+                                          ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                          ctypes.POINTER(ctypes.c_double)]),
     "inf_grad_sq_sum": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                        ctypes.c_int, ctypes.POINTER(ctypes.c_double)]),
     "inf_adam_kernel_supported": (ctypes.c_int, [ctypes.c_int]),
@@ -90,6 +94,14 @@ def test_a_step_and_a_step_with_the_norm_move_the_parameters() -> None:
     assert bool((p < 0).all())
     assert N.grad_sq_sum(g.data_ptr(), 5, N.DTYPE_F32, 1) == 55.0
     assert N.grad_sq_sum(g.data_ptr(), 3, N.DTYPE_F32, 2) == 14.0
+    hp, ranges, (p, g, m, v) = _one_range()
+    assert N.step_zero(hp, ranges, N.DTYPE_F32, N.DTYPE_NONE, N.KERNELS["scalar"], 1,
+                       norm=True) == 55.0
+    assert bool((p < 0).all()) and not bool(g.any())
+    hp, ranges, (p, g, m, v) = _one_range()
+    assert N.step_zero(hp, ranges, N.DTYPE_F32, N.DTYPE_NONE, N.KERNELS["scalar"], 1,
+                       norm=False) == 0.0
+    assert bool((p < 0).all()) and not bool(g.any())
 
 
 def test_native_errors_name_the_call_and_its_arguments() -> None:

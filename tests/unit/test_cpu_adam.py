@@ -213,6 +213,35 @@ def test_grad_sq_sum_is_the_same_on_every_kernel_and_thread_count() -> None:
     assert torch_sum == 20.0
 
 
+@pytest.mark.parametrize("impl", ["scalar", *SIMD, "torch"])
+def test_a_step_that_zeroes_its_gradient_is_the_same_step(impl: str) -> None:
+    """``zero_grad`` (``inf_adam_step_zero``: each chunk's gradient zeroed right after its
+    update, for a gradient home the next backward adds into again): the parameters, moments,
+    16-bit copy and norm are the step's without it, bit for bit, and the gradient is left at
+    zero, every element (sizes across the 64K-element chunks, a tail, an unaligned start,
+    several threads)."""
+    if impl != "torch":
+        require_kernel(impl)
+    torch.manual_seed(7)
+    for n, offset in ((1, 0), (65_537, 0), (200_003, 1)):
+        for gdt in (torch.float32, torch.bfloat16, torch.float16):
+            g0 = torch.randn(n + offset).to(gdt)[offset:]
+            runs = []
+            for zero in (False, True):
+                torch.manual_seed(8)
+                p, m, v = torch.randn(n), torch.rand(n), torch.rand(n)
+                h, g = torch.empty(n, dtype=torch.bfloat16), g0.clone()
+                sq = adam_step_flat(p, g, m, v, step=3, impl=impl, threads=3, half_out=h,
+                                    grad_sq_sum=True, zero_grad=zero, **HP)
+                runs.append((p, m, v, h, g, sq))
+            (p, m, v, h, g, sq), (pz, mz, vz, hz, gz, sqz) = runs
+            for a, b, what in ((p, pz, "param"), (m, mz, "exp_avg"), (v, vz, "exp_avg_sq"),
+                               (h, hz, "half_out")):
+                assert_same_bits(a, b, f"{impl} n={n} {gdt} {what}")
+            assert sq == sqz and torch.equal(g, g0), (impl, n, gdt)
+            assert bool((bits(gz) == 0).all()), (impl, n, gdt)     # +0.0, every element
+
+
 def test_many_tensors_in_one_call_equal_flat_calls() -> None:
     torch.manual_seed(6)
     sizes = [1, 7, 100_000, 3, 65_537, 250_000]

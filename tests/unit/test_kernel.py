@@ -159,6 +159,34 @@ def test_run_steps_each_run_inside_the_range_with_its_group_and_step() -> None:
     assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
 
 
+def test_run_that_zeroes_the_gradient_leaves_the_whole_range_at_zero_and_steps_the_same() -> None:
+    """``zero_grad`` (a gradient home the next backward adds into; [Note: the step gives the
+    home back at zero]): the same step, and every element of the range at zero afterwards,
+    the runs' (zeroed by the kernel as it goes) and the rest: the gap between parameters, a
+    parameter not stepped, the range's ends outside every run."""
+    kernel, state = _kernel(), _state()
+    hyper = kernel.hyperparameters()
+    runs = [StepRun(0, 0, 10, 3), StepRun(1, 32, 37, 2)]     # b (16..22) not stepped
+    start, end = 8, 40
+    param, grad, m, v = _tensors(end - start, 5)
+    want = [t.clone() for t in (param, m, v)]
+    want_sq = kernel.run(state, start, end, want[0], grad, want[1], want[2], 2.0, None, hyper,
+                         runs, grad_sq_sum=True)
+    got, home = [t.clone() for t in (param, m, v)], grad.clone()
+    sq = kernel.run(state, start, end, got[0], home, got[1], got[2], 2.0, None, hyper, runs,
+                    grad_sq_sum=True, zero_grad=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and sq == want_sq
+    assert not bool(home.any()), home
+    held = {0: torch.ones(10)}
+    try:
+        kernel.run(state, 0, 10, param[:10], held, m[:10], v[:10], 1.0, None, hyper,
+                   [StepRun(0, 0, 10, 1)], zero_grad=True)
+    except TypeError as exc:
+        assert "one flat gradient tensor" in str(exc)
+    else:
+        raise AssertionError("held parts cannot be zeroed in place: refused")
+
+
 def test_run_skips_runs_before_the_range_and_steps_those_after() -> None:
     """A sub-group [30, 40) past the first run's end (and one ending exactly at its start):
     those runs are skipped and the runs inside are still stepped."""
@@ -190,8 +218,10 @@ def test_run_passes_the_kernel_its_threads_and_settings(monkeypatch) -> None:
     param, grad, m, v = _tensors(40, 3)
     kernel.run(_state(), 0, 40, param, grad, m, v, 2.0, None, hyper,
                [StepRun(0, 0, 10, 4), StepRun(1, 32, 37, 1)])
-    assert calls == [dict(step=4, grad_scale=2.0, threads=3, grad_sq_sum=False, **hyper[0]),
-                     dict(step=1, grad_scale=2.0, threads=3, grad_sq_sum=False, **hyper[1])]
+    assert calls == [dict(step=4, grad_scale=2.0, threads=3, grad_sq_sum=False, zero_grad=False,
+                          **hyper[0]),
+                     dict(step=1, grad_scale=2.0, threads=3, grad_sq_sum=False, zero_grad=False,
+                          **hyper[1])]
 
 
 def test_run_from_held_parts_steps_each_parameter_from_its_own_part() -> None:

@@ -150,6 +150,35 @@ def test_give_back_releases_the_slot_and_the_bytes_once() -> None:
     assert room.held == 0
 
 
+def test_a_home_given_back_is_at_zero_where_no_kernel_zeroed_it() -> None:
+    """A gradient home stepped from (``zero_at_give_back``): ``give_back`` zeroes what the
+    kernels did not leave at zero (``zeroed_by_step``: the sub-groups stepped), not the rest
+    again; after a step that failed midway, the sub-groups it never reached too."""
+    home = torch.arange(1.0, 21.0)            # unit elements 100..119
+    gradient = CompleteGradient(home, origin=100, zero_at_give_back=True)
+    home[4:10] = 0.0                           # the kernel zeroed [104, 110) and [112, 116)
+    home[12:16] = 0.0
+    gradient.zeroed_by_step(112, 116)
+    gradient.zeroed_by_step(104, 110)
+    writes = []
+
+    class _Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.zero_:
+                writes.append((args[0].data_ptr() - home.data_ptr()) // 4)
+            return func(*args, **(kwargs or {}))
+    with _Watch():
+        gradient.give_back()
+    assert not bool(home.any())
+    assert writes == [0, 10, 16]               # [100, 104), [110, 112), [116, 120) only
+    untouched = torch.ones(8)
+    CompleteGradient(untouched, zero_at_give_back=True).give_back()   # nothing stepped
+    assert not bool(untouched.any())
+    kept = torch.ones(8)
+    CompleteGradient(kept).give_back()         # not a home: left as it is
+    assert bool((kept == 1).all())
+
+
 def test_landed_waits_for_the_copies_once_through_their_owner() -> None:
     class _Copies:
         def __init__(self) -> None:
