@@ -102,8 +102,9 @@ class StepKernel(Protocol):
             grad: torch.Tensor | dict[int, torch.Tensor], m: torch.Tensor, v: torch.Tensor,
             grad_scale: float, half_out: torch.Tensor | None, hyper: list[dict],
             runs: list[StepRun], grad_sq_sum: bool = False,
-            scales: MomentScales | None = None) -> float:
-        """Adam on elements [start, end) of the unit; the gradient's squares when asked."""
+            scales: MomentScales | None = None, zero_grad: bool = False) -> float:
+        """Adam on elements [start, end) of the unit; the gradient's squares when asked; the
+        gradient left at zero with ``zero_grad``."""
 
 
 @dataclass(eq=False)

@@ -37,7 +37,8 @@ micro-steps of accumulation):
   dtype; gradients in fp32, as the engine collects them (optim/gradients.py, [Note: gradients
   over ranks]) -- the dry run's collectives showed the 16-bit count 2x short.
 * CPU Adam, per node: the node's optimizer elements at ``CPU_ADAM_PARAMS_PER_CORE`` per core, or
-  at the host memory bandwidth for ``CPU_ADAM_BYTES_PER_PARAM`` bytes each, the slower. With
+  at the host memory bandwidth for ``CPU_ADAM_BYTES_PER_PARAM`` bytes each (and a host
+  gradient home's bytes, written back at zero: ``adam_bytes_per_param``), the slower. With
   other Adam state formats, the per-core rate has the fp32 kernel's time per element replaced by
   the format's (``adam_params_per_core``: int8 is ~4x slower a core) and the bytes are the
   format's (``adam_bytes_per_param``).
@@ -113,10 +114,13 @@ def adam_bytes_per_param(lay: Placement) -> float:
     or the parameter itself where it is its own), m and v read and written in their format,
     the fp32 gradient read, the updated 16-bit copy written (none for a single copy): 30 B
     with fp32 states beside 16-bit compute (``CPU_ADAM_BYTES_PER_PARAM``), 12 for int8
-    moments with a bf16 master."""
+    moments with a bf16 master. A gradient home in host memory (the deferred schedule) is
+    read in its own dtype and written back at zero by the kernel for the next cycle's adds
+    ([Note: the step gives the home back at zero] in optim/kernel.py)."""
     fmt = lay.state_format
     master = 2 * lay.c if lay.single_copy else 8
-    return master + 4 * fmt.moment_itemsize + 4 + (0 if lay.single_copy else lay.c)
+    grad = 2 * lay.grad_bytes if lay.grads_tier == Tier.HOST else 4
+    return master + 4 * fmt.moment_itemsize + grad + (0 if lay.single_copy else lay.c)
 
 
 def cpu_adam_rate(lay: Placement, target: Target) -> tuple[float, str]:

@@ -377,9 +377,9 @@ class LateCopies(DeviceCopies):
         # after it queues behind it (one thread: in the order issued).
         lo = dst.data_ptr()
         hi = lo + dst.numel() * dst.element_size()
-        with self._lock:
+        with self._lock:      # one look: a copy landing meanwhile changes nothing decided
             pending = [key for key, (a, b) in self._device_ranges.items() if a < hi and lo < b]
-        if after is not None and not after.done() and id(after) in pending:
+        if after is not None and id(after) in pending:
             self.behind_fill += 1
             return self.to_device(dst, src)
         if pending:

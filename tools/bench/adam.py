@@ -23,6 +23,9 @@ Contenders (B/param = bytes moved per parameter per step):
   ds_fp32         28  DeepSpeedCPUAdam(adamw_mode=True) fp32
   ds_bf16         22  DeepSpeedCPUAdam with bf16 params+grads, fp32 states
   ds_fp32_copy    34  DeepSpeedCPUAdam fp32, then a torch copy_ of each param into a bf16 buffer
+  home_zeroed_by_step  32  ours on a flat fp32 gradient home, the kernel leaving it at zero as it
+                      goes (zero_grad; the home refilled untimed before each step) (flat only)
+  home_zeroed_after    36  the same step, then the home zeroed by a pass of its own (flat only)
 Hyperparameters: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01 (AdamW).
 """
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch  # noqa: E402
 
 from infinity.base.native_info import native_info  # noqa: E402
 from infinity.optim import _adam_native  # noqa: E402
-from infinity.optim.cpu_adam import CPUAdam, adam_step_tensors  # noqa: E402
+from infinity.optim.cpu_adam import CPUAdam, adam_step_flat, adam_step_tensors  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -142,11 +145,35 @@ def build_ds_fp32_copy(sizes, grads, threads):
     return step, 34, (ps, opt, copies)
 
 
+def _build_home(zero_in_kernel: bool):
+    """A gradient home stepped and left at zero for the next cycle's adds: by the kernel as it
+    goes (``zero_grad``, [Note: the step gives the home back at zero] in optim/kernel.py), or
+    by a pass of its own after the step (what the engine did before)."""
+    def build(sizes, grads, threads):
+        n = sum(sizes)
+        p, m, v, home = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.empty(n)
+        fill = torch.cat(grads)
+        count = [0]
+
+        def step():
+            count[0] += 1
+            adam_step_flat(p, home, m, v, step=count[0], lr=LR, beta1=BETAS[0],
+                           beta2=BETAS[1], eps=EPS, weight_decay=WD, threads=threads,
+                           zero_grad=zero_in_kernel)
+            if not zero_in_kernel:
+                home.zero_()
+        # the home holds a gradient before every step (refilled untimed: ``prepare``)
+        return step, 32 if zero_in_kernel else 36, (p, m, v, home), lambda: home.copy_(fill)
+    return build
+
+
 CONTENDERS: dict[str, Builder] = {
     "rmw_bandwidth": build_rmw, "ours": build_ours, "ours_bf16copy": build_ours_bf16,
     "torch_fused": build_torch_fused, "ds_fp32": build_ds_fp32, "ds_bf16": build_ds_bf16,
-    "ds_fp32_copy": build_ds_fp32_copy,
+    "ds_fp32_copy": build_ds_fp32_copy, "home_zeroed_by_step": _build_home(True),
+    "home_zeroed_after": _build_home(False),
 }
+FLAT_ONLY = ("rmw_bandwidth", "home_zeroed_by_step", "home_zeroed_after")
 DS = ("ds_fp32", "ds_bf16", "ds_fp32_copy")
 
 
@@ -172,7 +199,7 @@ def run_layout(layout: str, n: int, names: list[str], rounds: int, warmup: int,
     grads = [torch.randn(s, generator=g) * 1e-2 for s in sizes]
     built = {}
     for name in names:
-        if name == "rmw_bandwidth" and layout != "flat":
+        if name in FLAT_ONLY and layout != "flat":
             continue
         built[name] = CONTENDERS[name](sizes, grads, threads)
     times: dict[str, list[float]] = {k: [] for k in built}
@@ -181,6 +208,8 @@ def run_layout(layout: str, n: int, names: list[str], rounds: int, warmup: int,
         rot = order[r % len(order):] + order[:r % len(order)]
         for name in rot:
             step = built[name][0]
+            if len(built[name]) > 3:
+                built[name][3]()          # untimed preparation (a home's gradient refilled)
             t0 = time.perf_counter()
             step()
             dt = time.perf_counter() - t0
@@ -225,6 +254,7 @@ def ratios(times: dict[str, list[float]], layout: str) -> dict:
     r["bf16copy_vs_ours_fp32"] = _ratio(times, "ours_bf16copy", "ours")
     r["bf16copy_vs_ds_bf16"] = _ratio(times, "ours_bf16copy", "ds_bf16")
     r["bf16copy_vs_ds_fp32_copy"] = _ratio(times, "ours_bf16copy", "ds_fp32_copy")
+    r["home_zeroed_by_step_vs_after"] = _ratio(times, "home_zeroed_by_step", "home_zeroed_after")
     return {k: v for k, v in r.items() if v is not None}
 
 
