@@ -191,13 +191,21 @@ def test_copy_time_hidden_behind_compute_is_the_part_a_kernel_covers():
     assert got["h2d_on_compute_stream_share"] == pytest.approx(5 / 25)
     assert got["d2h_us"] == 4 and got["d2h_hidden_share"] == 1.0
     assert got["d2h_on_compute_stream_share"] == 0.0
-    assert got["window_us"] == 70
+    assert got["window_us"] == 70 and got["compute_gap_us"] == 70 - 15   # NCCL ends last
     assert got["events"] == {"compute": 2, "side": 1, "nccl": 1, "h2d": 4, "d2h": 1}
     assert got["streams"] == {"compute": [7], "side": [21], "nccl": [9], "h2d": [7, 20],
                               "d2h": [21]}
     # a trace without copies (a CPU device) has no share, not a share of 0 or 1
     none = gpu_profile.overlap_figures(_trace(("kernel", "gemm", 0, 5, 7)))
     assert none["h2d_hidden_share"] is None and none["d2h_on_compute_stream_share"] is None
+    assert none["compute_gap_us"] == 0
+    assert gpu_profile.overlap_figures(_trace(("gpu_memcpy", H2D, 0, 5, 20)))["compute_gap_us"] \
+        is None
+    # between two kernels, not only at an end: the longest such span
+    gap = gpu_profile.overlap_figures(_trace(("kernel", "a", 0, 5, 7), ("kernel", "b", 30, 5, 7),
+                                             ("kernel", "c", 40, 5, 7),
+                                             ("gpu_memcpy", H2D, 44, 10, 20)))
+    assert gap["compute_gap_us"] == 25
 
 
 def test_the_dry_run_of_an_accumulating_setup_runs_every_micro_batch(tmp_path):

@@ -171,6 +171,18 @@ def stalled(copies: Iterable[Interval], compute: Iterable[Interval],
     return out
 
 
+def longest_gap(compute: Iterable[Interval], every: Iterable[Interval]) -> float | None:
+    """The longest span of the window (``every`` event's) in which no compute kernel ran (None:
+    no compute): where the device waited on the host. The fourth H200 pass's "accumulate" step:
+    163 ms of 1046 at its end, the step stream behind the last backward."""
+    busy, every = union(compute), list(every)
+    if not busy:
+        return None
+    edges = [min(s for s, _ in every)] + [x for span in busy for x in span] + \
+        [max(e for _, e in every)]
+    return max(edges[i + 1] - edges[i] for i in range(0, len(edges) - 1, 2))
+
+
 def overlap_figures(trace: dict[str, Any]) -> dict[str, Any]:
     """What a profiled step says of the overlap: each kind's busy time (µs, their union), the
     window from the first to the last device event, the streams, and for each copy direction
@@ -178,13 +190,14 @@ def overlap_figures(trace: dict[str, Any]) -> dict[str, Any]:
     issued on the compute stream itself (which can never be hidden), and the share the compute
     stream sat waiting for (``stalled``: what a copy costs the step; a copy beside idle compute
     is not hidden, yet costs nothing when compute waits on something else); None where there
-    were no such copies."""
+    were no such copies; and the longest span without compute (``longest_gap``)."""
     events = _device_events(trace)
     kinds = trace_intervals(trace)
     streams = trace_streams(trace)
     every = [span for spans in kinds.values() for span in spans]
     window = (max(e for _, e in every) - min(s for s, _ in every)) if every else 0.0
     out: dict[str, Any] = {"window_us": window,
+                           "compute_gap_us": longest_gap(kinds["compute"], every),
                            **{f"{kind}_us": length(spans) for kind, spans in kinds.items()},
                            "events": {kind: len(spans) for kind, spans in kinds.items()},
                            "streams": streams}
@@ -459,7 +472,9 @@ def report(results: dict[str, Any]) -> str:
             f"{prof['h2d_us'] / 1e3:.2f} ms copies, {_fmt(prof['h2d_on_compute_stream_share'])} "
             f"on the compute stream, {_fmt(prof.get('h2d_stalling_share'))} stalling it "
             f"(profiled step: compute {prof['compute_us'] / 1e3:.2f} ms "
-            f"busy of a {prof['window_us'] / 1e3:.2f} ms window; the dry run predicts "
+            f"busy of a {prof['window_us'] / 1e3:.2f} ms window, the longest without "
+            f"compute {_fmt((prof.get('compute_gap_us') or 0) / 1e3, '.2f')} ms; the dry run "
+            "predicts "
             f"{_fmt(predicted.get('H2D'))} hidden)",
             f"d2h [{name}] hidden behind compute {_fmt(prof['d2h_hidden_share'])} of "
             f"{prof['d2h_us'] / 1e3:.2f} ms copies, {_fmt(prof['d2h_on_compute_stream_share'])} "
