@@ -52,6 +52,7 @@ from infinity.optim import _adam_native  # noqa: E402
 from infinity.optim.cpu_adam import CPUAdam, adam_step_flat, adam_step_tensors  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+FLAT_HP = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
 
 
 def layout_sizes(layout: str, n: int, count: int = 100, seed: int = 0) -> list[int]:
@@ -103,9 +104,8 @@ def build_ours_bf16(sizes, grads, threads):
 
     def step():
         count[0] += 1
-        adam_step_tensors(ps, grads, ms, vs, step=count[0], lr=LR, beta1=BETAS[0],
-                          beta2=BETAS[1], eps=EPS, weight_decay=WD, half_outs=hs,
-                          threads=threads)
+        adam_step_tensors(ps, grads, ms, vs, step=count[0], half_outs=hs, threads=threads,
+                          **FLAT_HP)
     return step, 30, (ps, ms, vs, hs)
 
 
@@ -157,9 +157,8 @@ def _build_home(zero_in_kernel: bool):
 
         def step():
             count[0] += 1
-            adam_step_flat(p, home, m, v, step=count[0], lr=LR, beta1=BETAS[0],
-                           beta2=BETAS[1], eps=EPS, weight_decay=WD, threads=threads,
-                           zero_grad=zero_in_kernel)
+            adam_step_flat(p, home, m, v, step=count[0], threads=threads,
+                           zero_grad=zero_in_kernel, **FLAT_HP)
             if not zero_in_kernel:
                 home.zero_()
         # the home holds a gradient before every step (refilled untimed: ``prepare``)
