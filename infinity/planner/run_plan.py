@@ -169,8 +169,11 @@ class RunPlan:
     @property
     def boundary_steps(self) -> bool:
         """The last micro-batch's backward steps each unit (optim/boundary_steps.py); not with
-        the speculative step, which steps that backward's units its own way."""
-        return self.placement.boundary_steps and not self.speculative
+        the speculative step, which steps that backward's units its own way, nor where the
+        gradients' home is on NVMe (the host budget cannot hold it): the backward would write
+        a home the step reads back, so every unit waits for ``step()``."""
+        return self.placement.boundary_steps and not self.speculative and \
+            self.grad_tier == Tier.HOST
 
     @property
     def grad_tier(self) -> Tier:

@@ -516,6 +516,22 @@ def test_optimizer_none_with_a_separate_master_is_counted_where_the_engine_puts_
     assert plan.bytes("optimizer_states", tier) == 12 * SMALL.total_params
 
 
+@pytest.mark.parametrize("budget, tier, boundary", [("96MiB", "host", True),
+                                                  ("64MiB", "nvme", False)])
+def test_the_last_micro_batch_steps_early_only_from_gradient_homes_in_host_memory(
+        budget: str, tier: str, boundary: bool) -> None:
+    """Where the host budget cannot hold the gradients' home it is on NVMe, and the run plan
+    says the last micro-batch does not step its units (the backward would write a home the step
+    reads back): what the engine's ready line and the dry run then show, as the optimizer does
+    (optim/boundary_steps.py ``takes``), though the placement alone would allow it."""
+    from infinity.planner.run_plan import plan_run
+    cfg = config(3, "nvme", "nvme", gradient_accumulation_steps=4,
+                 infinity={"host_memory_budget": budget, "speculative_step": "off"})
+    plan = plan_run(cfg, CPU_BOX, stats=SMALL)
+    assert plan.placement.boundary_steps and not plan.speculative
+    assert (plan.grad_tier.value, plan.boundary_steps) == (tier, boundary)
+
+
 @pytest.mark.parametrize("extra, early, boundary", [
     ({}, True, False),                                               # one micro-batch: early
     ({"gradient_accumulation_steps": 4}, False, True),              # the last one steps early
