@@ -440,6 +440,10 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _ms(us: float | None) -> float | None:
+    return None if us is None else us / 1e3
+
+
 def report(results: dict[str, Any]) -> str:
     """The table gpu_check.sh's summary greps: one line per figure and setup."""
     rates = results["rates"]
@@ -473,7 +477,7 @@ def report(results: dict[str, Any]) -> str:
             f"on the compute stream, {_fmt(prof.get('h2d_stalling_share'))} stalling it "
             f"(profiled step: compute {prof['compute_us'] / 1e3:.2f} ms "
             f"busy of a {prof['window_us'] / 1e3:.2f} ms window, the longest without "
-            f"compute {_fmt((prof.get('compute_gap_us') or 0) / 1e3, '.2f')} ms; the dry run "
+            f"compute {_fmt(_ms(prof.get('compute_gap_us')), '.2f')} ms; the dry run "
             "predicts "
             f"{_fmt(predicted.get('H2D'))} hidden)",
             f"d2h [{name}] hidden behind compute {_fmt(prof['d2h_hidden_share'])} of "
