@@ -47,6 +47,19 @@ class TensorRange(ctypes.Structure):
     ]
 
 
+class Addend(ctypes.Structure):
+    """Mirror of ``struct inf_adam_addend``: values (numel elements of dtype) that add to
+    elements [begin, begin + numel) of range ``range`` of the call."""
+
+    _fields_ = [
+        ("range", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("begin", ctypes.c_int64),
+        ("numel", ctypes.c_int64),
+        ("values", ctypes.c_void_p),
+    ]
+
+
 def _signatures() -> dict:
     c_int, vp, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64
     return {
@@ -57,6 +70,9 @@ def _signatures() -> dict:
                                        ctypes.POINTER(ctypes.c_double)]),
         "inf_adam_step_zero": (c_int, [ctypes.POINTER(HParams), ctypes.POINTER(TensorRange),
                                        c_int, c_int, c_int, c_int, c_int,
+                                       ctypes.POINTER(ctypes.c_double)]),
+        "inf_adam_step_fold": (c_int, [ctypes.POINTER(HParams), ctypes.POINTER(TensorRange),
+                                       c_int, ctypes.POINTER(Addend), c_int, c_int, c_int, c_int,
                                        ctypes.POINTER(ctypes.c_double)]),
         "inf_grad_sq_sum": (c_int, [vp, i64, c_int, c_int, ctypes.POINTER(ctypes.c_double)]),
         "inf_adam_kernel_supported": (c_int, [c_int]),
@@ -111,6 +127,19 @@ def step_zero(hp: HParams, ranges: ctypes.Array, grad_dtype: int, half_dtype: in
                                    kernel, threads, ctypes.byref(total) if norm else None)
     native_library.check(ret, f"inf_adam_step_zero({len(ranges)} ranges, kernel "
                        f"{KERNEL_NAMES.get(kernel)}, grad dtype {grad_dtype}, {threads} threads)")
+    return total.value
+
+
+def step_fold(hp: HParams, ranges: ctypes.Array, addends: ctypes.Array, half_dtype: int,
+              kernel: int, threads: int, norm: bool) -> float:
+    """``step_zero`` of fp32 gradients, each completed first by ``addends`` (an array of
+    Addend), chunk by chunk; with ``norm`` the completed gradients' sum of squares, else 0."""
+    total = ctypes.c_double(0.0)
+    ret = lib().inf_adam_step_fold(ctypes.byref(hp), ranges, len(ranges), addends, len(addends),
+                                   half_dtype, kernel, threads,
+                                   ctypes.byref(total) if norm else None)
+    native_library.check(ret, f"inf_adam_step_fold({len(ranges)} ranges, {len(addends)} "
+                       f"addends, kernel {KERNEL_NAMES.get(kernel)}, {threads} threads)")
     return total.value
 
 

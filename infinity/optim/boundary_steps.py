@@ -36,6 +36,24 @@ What the early step trades, this trades too: a step taken in the backward cannot
 a change of the learning rate between the backward and ``step()`` applies from the next step
 (with a warning), and a non-finite gradient is stepped, not skipped (the deferred schedule's
 overflow check needs every gradient before any step).
+
+[Note: the last adds fold into the step]
+On a GPU each micro-batch's gradient lands in pinned staging and is added into the home by the
+copies' adder thread (storage/host_adds.py): 10 bytes a parameter (the home read and written,
+the 16-bit gradient read). In the last micro-batch those adds ran beside the step stream's Adam
+of the units already complete, both on the host's memory bandwidth: per layer of the 0.49B
+model ~0.5 GB of adds beside ~1.9 GB of Adam and zeroing, against ~17 ms of the layer's
+backward on the H200 machine, so the steps fell behind the backward and the GPU waited for them
+at the step's end. So in that backward a unit this class takes has its adds left to its step
+(``GradientCollector._folding_now``: ``to_host(deferred=True)``, no thread makes them): the
+step claims them from the gradient's landing events (``CompleteGradient.landed``, in issue
+order; an event it cannot claim is waited where it stands, the claimed adds made first) and the
+kernel adds each 64K-element chunk of them into the home chunk while it is in cache, right
+before stepping it (``inf_adam_step_fold``): 2 bytes a parameter instead of 10, the bits those
+of the adds made first. At most ``FOLDING_UNITS`` units hold such adds (their staging) at once;
+beyond, the adder makes them as before. On a CPU device the adds are made at the copy and
+there is nothing to fold; the late copies of the tests make every add at its wait, so there the
+step folds all of a unit's adds not yet made.
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from infinity.base.log import get_logger
 from infinity.base.native_info import record_in_use
 from infinity.optim import _adam_native as N
 from infinity.optim._adam_torch import adam_constants, step_torch
+from infinity.storage.host_adds import add_widened
 
 __all__ = ["CPUAdam", "adam_step_flat", "adam_step_tensors", "available_kernels"]
 
@@ -168,7 +169,8 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                    bias_correction: bool = True, grad_scale: float = 1.0,
                    half_out: torch.Tensor | None = None, threads: int | None = None,
                    impl: str = "native", grad_sq_sum: bool = False,
-                   zero_grad: bool = False) -> float | None:
+                   zero_grad: bool = False,
+                   addends: Sequence[tuple[int, torch.Tensor]] = ()) -> float | None:
     """One Adam/AdamW step of a flat range, in place.
 
     All tensors are 1-D contiguous CPU tensors of equal numel: param, exp_avg, exp_avg_sq fp32;
@@ -179,14 +181,38 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     as given (summed in the same pass, while each chunk is in cache). ``zero_grad``: leave
     ``grad`` at zero, each chunk zeroed right after its update while it is in cache (a gradient
     accumulated in place, which the next backward adds into again: no pass of its own over it).
-    Raises ValueError naming the argument on any mismatch.
+    ``addends``: parts of the gradient still apart from it, (offset in the range, 1-D values of
+    any float dtype), added into ``grad`` (fp32) in the order given before the step, each chunk
+    while in cache (the adds' bits, then the step's; the norm is of the completed gradient);
+    only with ``zero_grad``. Raises ValueError naming the argument on any mismatch.
     """
     _check_group(_FLAT_NAMES, (param, grad, exp_avg, exp_avg_sq, half_out), flat=True)
+    if addends:
+        _check_addends(grad, addends, zero_grad)
     return _step_many([(param, grad, exp_avg, exp_avg_sq, half_out)], step=int(step),
                       lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
                       weight_decay=float(weight_decay), adamw_mode=bool(adamw_mode),
                       bias_correction=bool(bias_correction), grad_scale=float(grad_scale),
-                      threads=threads, impl=impl, grad_sq_sum=grad_sq_sum, zero_grad=zero_grad)
+                      threads=threads, impl=impl, grad_sq_sum=grad_sq_sum, zero_grad=zero_grad,
+                      addends=tuple(addends))
+
+
+def _check_addends(grad: torch.Tensor, addends: Sequence[tuple[int, torch.Tensor]],
+                   zero_grad: bool) -> None:
+    if not zero_grad:
+        raise ValueError("addends are folded into a gradient the step leaves at zero: pass "
+                         "zero_grad=True with them")
+    if grad.dtype != torch.float32:
+        raise ValueError(f"addends need a float32 grad to add into, got {grad.dtype}")
+    for i, (offset, values) in enumerate(addends):
+        if values.dtype not in _GRAD_DTYPES or values.device.type != "cpu" or \
+                values.dim() != 1 or not values.is_contiguous():
+            raise ValueError(f"addends[{i}]: expected a contiguous 1-D CPU tensor of float32, "
+                             f"bfloat16 or float16, got {values.dtype} {tuple(values.shape)} on "
+                             f"{values.device}")
+        if offset < 0 or offset + values.numel() > grad.numel():
+            raise ValueError(f"addends[{i}]: elements [{offset}, {offset + values.numel()}) lie "
+                             f"outside the range's {grad.numel()}")
 
 
 def adam_step_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -221,7 +247,8 @@ def adam_step_tensors(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
 def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, adamw_mode: bool, bias_correction: bool,
                grad_scale: float, threads: int | None, impl: str,
-               grad_sq_sum: bool = False, zero_grad: bool = False) -> float | None:
+               grad_sq_sum: bool = False, zero_grad: bool = False,
+               addends: tuple[tuple[int, torch.Tensor], ...] = ()) -> float | None:
     """Rows of (param, grad, exp_avg, exp_avg_sq, half_out or None), already checked; with
     ``grad_sq_sum``, returns the sum of the gradients' squares; with ``zero_grad`` the grads are
     left at zero."""
@@ -249,6 +276,8 @@ def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: 
                            bias_correction=bias_correction, grad_scale=grad_scale)
         total = 0.0
         for p, g, m, v, h in rows:
+            for offset, values in addends:      # one row where there are any (flat)
+                add_widened(g[offset:offset + values.numel()], values)
             if grad_sq_sum:
                 wide = g.reshape(-1).double()
                 total += float(torch.dot(wide, wide))
@@ -268,6 +297,12 @@ def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: 
         r.numel = p.numel()
     hdt = hdts.pop()
     gdt, hdt = _GRAD_DTYPES[gdts.pop()], N.DTYPE_NONE if hdt is None else _HALF_DTYPES[hdt]
+    if addends:
+        folded = (N.Addend * len(addends))(*[
+            N.Addend(0, _GRAD_DTYPES[values.dtype], offset, values.numel(), values.data_ptr())
+            for offset, values in addends])
+        total = N.step_fold(hp, ranges, folded, hdt, kernel, int(threads), grad_sq_sum)
+        return total if grad_sq_sum else None
     if zero_grad:
         total = N.step_zero(hp, ranges, gdt, hdt, kernel, int(threads), grad_sq_sum)
         return total if grad_sq_sum else None

@@ -98,6 +98,15 @@ from infinity.zero.protocols import SteppedUnit
 from infinity.zero.unit import ParamEntry
 
 
+FOLDING_UNITS = 4
+"""Units whose last adds into their resident homes may wait to be folded into their steps at
+once (see [Note: the last adds fold into the step] in optim/boundary_steps.py): each holds its
+last micro-batch's gradient in pinned staging until its step's kernel has read it, memory the
+host budget does not count; a unit beyond them has its adds made by the adder thread, as in the
+earlier micro-batches. Four 101 MB layers of the 0.49B model's: the step stream was up to ~8
+units behind the last backward on the fourth H200 pass, before its writes had a stream of their
+own."""
+
 HOME_COPIES_IN_FLIGHT = 2
 """Units whose copies (adds) into their resident gradient homes may be in flight at once (see
 [Note: gradients leave the device]). On a GPU each add holds its gradient's pinned staging
@@ -160,7 +169,8 @@ class GradientCollector:
                  timers: OptimTimers, max_trainable: int, steps_running: Callable[[], bool],
                  speculates: Callable[[UnitOptimState], bool], comm: Collectives = NO_COMM,
                  scatter: bool = False, device_buffers: int | None = None,
-                 device_dtype: str = "fp32") -> None:
+                 device_dtype: str = "fp32",
+                 folds: Callable[[UnitOptimState], bool] = lambda state: False) -> None:
         self.states = states
         self._by_unit = {s.unit.index: s for s in states}
         self.manager = manager
@@ -179,6 +189,11 @@ class GradientCollector:
         # copies into resident homes this backward, waited where a home is read (see [Note:
         # gradients leave the device])
         self._home_copies: dict[int, list[CopyEvent]] = {}     # by unit index, in order
+        # whether a unit's adds into its home in this backward fold into its step, and the
+        # units whose folded adds are not made yet (see [Note: the last adds fold into the
+        # step] in optim/boundary_steps.py)
+        self._folds = folds
+        self._folding: set[int] = set()
         self._chunk: torch.Tensor | None = None
         # see [Note: gradients over ranks]: reduce-scatter (``scatter``) or all-reduce
         self.comm = comm
@@ -225,10 +240,20 @@ class GradientCollector:
         view = target[entry.offset:entry.offset + entry.numel].view(entry.shape)
         if state.grad.first_write(entry.offset):
             event = self.copies.to_host(view, grad)     # first gradient into a fresh buffer
-        else:
-            event = self.copies.to_host(view, grad, add=True)  # zeroed targets, or a second
+        else:   # zeroed targets, or a second
+            event = self.copies.to_host(view, grad, add=True, deferred=self._folding_now(state))
         state.grad.copied(event)   # see [Note: gradients leave the device]
         self.timers.grad_s += time.perf_counter() - start
+
+    def _folding_now(self, state: UnitOptimState) -> bool:
+        """Whether an add into ``state``'s home is left for its step to fold into its kernel
+        (and the unit counted among those holding such adds, up to ``FOLDING_UNITS``)."""
+        index = state.unit.index
+        if index not in self._folding and (len(self._folding) >= FOLDING_UNITS or
+                                           not self._folds(state)):
+            return False
+        self._folding.add(index)
+        return True
 
     def _add_on_device(self, state: UnitOptimState, entry: ParamEntry,
                        grad: torch.Tensor) -> None:
@@ -349,6 +374,7 @@ class GradientCollector:
             oldest = next(iter(self._home_copies))
             self.copies.host_waits(self._home_copies[oldest])
             del self._home_copies[oldest]
+            self._folding.discard(oldest)      # its adds are made (by that wait)
 
     def take_home(self, state: UnitOptimState) -> CompleteGradient:
         """The unit's complete gradient in its resident home, for a step that starts now (see
@@ -359,9 +385,11 @@ class GradientCollector:
         if store is None or not store.resident:
             raise RuntimeError(f"{state.unit.name}: a step from the gradient home needs a resident "
                                "home (host memory)")
+        index = state.unit.index
         return CompleteGradient(store.tensor[: state.numel], origin=state.lo, copies=self.copies,
-                                landing=self._home_copies.pop(state.unit.index, []),
-                                zero_at_give_back=True)
+                                landing=self._home_copies.pop(index, []),
+                                zero_at_give_back=True,
+                                on_give_back=lambda: self._folding.discard(index))
 
     def zero_unwritten(self, state: UnitOptimState) -> None:
         """Zero what of a fresh host buffer no gradient was copied into (gaps, unused

@@ -25,6 +25,7 @@ import torch
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.optim.formatted_step import MomentScales, step_formatted
 from infinity.optim.records import StepRun, UnitOptimState, run_pieces
+from infinity.storage.host_adds import add_widened
 
 
 class AdamKernel:
@@ -82,7 +83,8 @@ class AdamKernel:
             grad: torch.Tensor | dict[int, torch.Tensor], m: torch.Tensor, v: torch.Tensor,
             grad_scale: float, half_out: torch.Tensor | None, hyper: list[dict],
             runs: list[StepRun], grad_sq_sum: bool = False,
-            scales: MomentScales | None = None, zero_grad: bool = False) -> float:
+            scales: MomentScales | None = None, zero_grad: bool = False,
+            addends: list[tuple[int, torch.Tensor]] | None = None) -> float:
         """Run Adam on elements [start, end) of the unit; tensors are indexed from ``start``;
         ``hyper`` per param group (``hyperparameters()`` when the step was asked for), ``runs``
         from ``step_runs``; m and v (and a bf16 master) in the state's format, ``scales`` the
@@ -91,11 +93,21 @@ class AdamKernel:
         gradient home the next backward accumulates into again) is left at zero over [start,
         end): the native kernel zeroes what it steps chunk by chunk, in cache, and the rest (the
         gaps between parameters, a parameter not stepped) is zeroed here; no pass of its own
-        over the whole range (see [Note: the step gives the home back at zero])."""
+        over the whole range (see [Note: the step gives the home back at zero]).
+        ``addends``: parts of the gradient still apart from it, (unit element, values), in the
+        order they add (the last micro-batch's, copied off the device: [Note: the last adds
+        fold into the step] in optim/boundary_steps.py); folded into the kernel chunk by chunk,
+        the bits of the adds made first; only with ``zero_grad``."""
         if zero_grad and not isinstance(grad, torch.Tensor):
             raise TypeError(f"{state.unit.name}: zero_grad needs one flat gradient tensor, got "
                             f"held parts {sorted(grad)[:4]}")
+        addends = [(at, v) for at, v in addends or () if at < end and at + v.numel() > start]
+        if addends and not zero_grad:
+            raise ValueError(f"{state.unit.name}: addends fold into a gradient the step leaves "
+                             "at zero (zero_grad)")
         if not state.fmt.is_default:
+            for at, values in addends:     # made first, then the formats' step
+                _add_part(grad, start, end, at, values)
             total = step_formatted(state, start, end, param, grad, m, v, scales, grad_scale,
                                    half_out, hyper, runs, self.threads, grad_sq_sum)
             if zero_grad:
@@ -105,13 +117,31 @@ class AdamKernel:
         zeroed = start          # [start, zeroed) is at zero (zero_grad)
         for run, x, y, g in run_pieces(state.unit, runs, grad, start, end):
             s = slice(x - start, y - start)
-            if zero_grad and x > zeroed:
+            if zero_grad and x > zeroed:     # no run steps it: an addend there is dropped too
                 grad[zeroed - start:x - start].zero_()
             total += adam_step_flat(
                 param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
                 half_out=None if half_out is None else half_out[s], threads=self.threads,
-                grad_sq_sum=grad_sq_sum, zero_grad=zero_grad, **hyper[run.group_index]) or 0.0
+                grad_sq_sum=grad_sq_sum, zero_grad=zero_grad,
+                addends=_clipped(addends, x, y), **hyper[run.group_index]) or 0.0
             zeroed = max(zeroed, y)
         if zero_grad and zeroed < end:
             grad[zeroed - start:end - start].zero_()
         return total
+
+
+def _clipped(addends: list[tuple[int, torch.Tensor]], x: int,
+             y: int) -> list[tuple[int, torch.Tensor]]:
+    """The parts of ``addends`` (unit element, values) inside [x, y), from x."""
+    out = []
+    for at, values in addends:
+        lo, hi = max(x, at), min(y, at + values.numel())
+        if lo < hi:
+            out.append((lo - x, values[lo - at:hi - at]))
+    return out
+
+
+def _add_part(grad: torch.Tensor, start: int, end: int, at: int, values: torch.Tensor) -> None:
+    """Add the part of an addend inside [start, end) into ``grad`` (indexed from start)."""
+    for offset, part in _clipped([(at, values)], start, end):
+        add_widened(grad[offset:offset + part.numel()], part)

@@ -178,7 +178,8 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
             grad_pool=self.grad_pool, held_room=self.held_room, timers=self.timers,
             max_trainable=max_trainable, steps_running=self.steps.running,
             speculates=lambda state: self.speculator.can_speculate(state), comm=comm,
-            scatter=shard_states, device_buffers=pools.device_grad_buffers, device_dtype=pools.device_grad_dtype)
+            scatter=shard_states, device_buffers=pools.device_grad_buffers, device_dtype=pools.device_grad_dtype,
+            folds=lambda state: self.boundary.takes(state))
         self.speculator = Speculator(speculation, manager, self.gradients, self.kernel,
                                      self.steps, self.grad_pool)
         self.boundary = BoundarySteps(boundary_steps and not early_step and speculation == "off"

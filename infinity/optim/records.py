@@ -45,7 +45,7 @@ import enum
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -54,6 +54,7 @@ from infinity.optim.device_copy import DeviceCopyWrites
 from infinity.optim.held_room import HeldRoom
 from infinity.planner.state_format import FP32_STATES, QBLOCK, StateFormat
 from infinity.storage.buffer_pool import BufferPool, Slot
+from infinity.storage.host_adds import HostAdd, add_widened
 from infinity.storage.manager import FlatStore
 from infinity.storage.transfers import CopyEvent, DeviceCopies
 from infinity.zero.protocols import SteppedUnit
@@ -284,6 +285,11 @@ class CompleteGradient:
     # left at zero as they stepped (``zeroed_by_step``), the rest is zeroed by ``give_back``
     zero_at_give_back: bool = False
     zeroed: list[tuple[int, int]] = field(default_factory=list)
+    # such a home's adds still to make, claimed from ``landing`` by ``landed`` to fold into the
+    # step's kernel: (unit element, staged values), in the order they add (see [Note: the last
+    # adds fold into the step] in optim/boundary_steps.py)
+    addends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    on_give_back: Callable[[], None] | None = None
 
     def landed(self) -> None:
         """Block the calling thread (the step stream's) until every copy into the gradient is
@@ -295,10 +301,40 @@ class CompleteGradient:
             if self.copies is None:
                 raise RuntimeError(f"a gradient with {len(self.landing)} copies landing and no "
                                    "copies' owner to wait for them")
+            if self.zero_at_give_back:
+                self._claim_adds()
             # cleared once waited for: a wait cut short leaves them to ``give_back``'s, so
             # the slot never goes back under a copy still landing
             self.copies.host_waits(self.landing)
             self.landing = []
+
+    def _claim_adds(self) -> None:
+        """Take the adds into the home that no thread makes on its own (``HostAdd.claim``) as
+        ``addends``, in order; an event that cannot be claimed (a copy, an add the adder
+        thread makes) is waited for where it stands, the adds claimed before it made first,
+        so every element gets its adds in the order issued."""
+        home = self.values
+        lo, hi = home.data_ptr(), home.data_ptr() + home.numel() * home.element_size()
+        while self.landing:
+            event = self.landing[0]
+            dst = getattr(event, "dst", None)
+            if isinstance(event, HostAdd) and dst.dtype == home.dtype and \
+                    dst.is_contiguous() and lo <= dst.data_ptr() and \
+                    dst.data_ptr() + dst.numel() * dst.element_size() <= hi:
+                staged = event.claim()
+                if staged is not None:
+                    at = (dst.data_ptr() - lo) // home.element_size() + self.origin
+                    self.addends.append((at, staged))
+            else:
+                self._make_claimed()
+                self.copies.host_waits([event])
+            self.landing.pop(0)
+
+    def _make_claimed(self) -> None:
+        """Make the claimed adds into the home now, in order."""
+        for at, staged in self.addends:
+            add_widened(self.of(at, at + staged.numel()), staged)
+        self.addends = []
 
     def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:
         """Elements [start, end) of the unit: the flat buffer's slice, or all held parts
@@ -335,6 +371,10 @@ class CompleteGradient:
         """Give back what it holds (once; later calls do nothing), after its copies landed: a
         copy still landing would write into the slot's next user's bytes."""
         self.landed()
+        self.addends = []      # a step that failed before its kernel: its gradient is dropped
+        if self.on_give_back is not None:
+            self.on_give_back()
+            self.on_give_back = None
         if self.zero_at_give_back and isinstance(self.values, torch.Tensor):
             at = self.origin       # what no kernel zeroed (all of it after a step that failed)
             for start, end in sorted(self.zeroed) + [(self.origin + self.values.numel(),) * 2]:

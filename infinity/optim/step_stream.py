@@ -433,7 +433,8 @@ class StepStream:
         kernel_start = time.perf_counter()
         sq = self.kernel.run(state, start, end, param, grad, t["m"], t["v"], job.grad_scale,
                              half, job.hyper, job.runs, grad_sq_sum=norm_in_kernel,
-                             scales=scales_of(state, at, n), zero_grad=home_given_back)
+                             scales=scales_of(state, at, n), zero_grad=home_given_back,
+                             addends=job.gradient.addends if job.early else None)
         self.timers.kernel_s += time.perf_counter() - kernel_start
         job.sq_norm += sq
         if home_given_back and job.early:

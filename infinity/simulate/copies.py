@@ -109,7 +109,8 @@ class SimCopies(DeviceCopies):
         return SimCopyEvent(self.clock, end, "the write" + (f" of {self._unit}"
                                                             if self._unit else ""))
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False,
+                deferred: bool = False) -> CopyEvent:
         # an add crosses the link in the source's dtype and is made on the host at the wait:
         # the bytes that cross are the source's either way
         return self._copy(self.d2h, src, "gradient")

@@ -25,7 +25,8 @@ notes in optim/step_stream.py:
 * deferred step, one rank, a resident gradient home: each micro-batch's gradient is added into
   the home after its copy, on the "host adds" lane at the host's memory bandwidth (the adder
   thread's on a GPU, going on behind the next micro-batch, the step waiting for the last; on
-  a CPU device the training thread's, at the copy).
+  a CPU device the training thread's, at the copy); on a GPU the last micro-batch's adds of a
+  unit stepped in that backward are folded into its step, only the staged gradient read.
 
 Per unit the job is coarse (the stream's sub-groups are not modelled): its reads on the disk
 lane, its Adam on one CPU lane (the step stream's thread), its writes on the disk lane. The
@@ -313,7 +314,7 @@ class SimStepper:
         if grad is not None and not grad.resident:
             grad.write_bytes(grad.nbytes, not_before=landed)
         elif grad is not None and self.grads_leave and not self.comm.active:
-            landed = self._add_into_home(unit, landed)
+            landed = self._add_into_home(unit, landed, folded=self._takes(unit))
         self._drop_held(unit)
         if self._takes(unit):        # stepped now, as an early step, from its home
             self.grad_landed[unit.index] = landed
@@ -330,12 +331,17 @@ class SimStepper:
         grad = self.grad_stores.get(unit.index)
         return self._boundary and grad is not None and grad.resident
 
-    def _add_into_home(self, unit: Unit, landed: float) -> float:
+    def _add_into_home(self, unit: Unit, landed: float, folded: bool = False) -> float:
         """The unit's gradient added into its resident home after its copy: read in the
         compute dtype, the fp32 home read and written ([Note: host adds off the training
-        thread] in storage/transfers.py). The step waits for the last one."""
+        thread] in storage/host_adds.py). The step waits for the last one. ``folded``: the
+        step the unit is taken by folds it into its kernel ([Note: the last adds fold into
+        the step] in optim/boundary_steps.py) on a GPU: only the staged gradient is read, on
+        the same resource (the lanes are shared); the bound on units folding at once is not
+        modelled."""
         n = self.grad_numel[unit.index]
-        end = self.host_adds.schedule(n * (unit.dtype.itemsize + 8), not_before=landed,
+        per = unit.dtype.itemsize + (0 if folded and self.copies.overlaps_compute else 8)
+        end = self.host_adds.schedule(n * per, not_before=landed,
                                       what=f"add {unit.name}'s gradient")
         if self.copies.overlaps_compute:
             self._adds_end = max(self._adds_end, end)

@@ -51,6 +51,18 @@ class HostAdd:
             add_widened(self.dst, self.staging)
         self.staging = None
 
+    def claim(self) -> torch.Tensor | None:
+        """For whoever makes the add itself (a step folding it into its kernel: [Note: the
+        last adds fold into the step] in optim/boundary_steps.py): wait for the copy and hand
+        over the staged values (flat); the add counts as made from here on. None when it was
+        made already. Only for an add no thread makes on its own (not queued on a
+        ``HostAdder``), owned by one thread."""
+        if self.staging is None:
+            return None
+        self.copied.wait()
+        staged, self.staging = self.staging.reshape(-1), None
+        return staged
+
 
 class HostAdder:
     """Makes device-to-host adds on a thread of its own, each as soon as its copy has landed,

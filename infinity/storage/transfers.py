@@ -133,10 +133,15 @@ class DeviceCopies:
         when it is over (see [Note: the step's writes do not queue behind fetches])."""
         raise NotImplementedError
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False,
+                deferred: bool = False) -> CopyEvent:
         """Copy device ``src`` into host ``dst`` of its shape (``add``: add it to what ``dst``
         holds, bit for bit ``dst.add_(src)``); whatever reads, reuses or writes ``dst`` from the
-        host waits for the event first (``host_waits``; see [Note: copy events])."""
+        host waits for the event first (``host_waits``; see [Note: copy events]).
+        ``deferred``: an add no thread makes on its own: the first wait makes it, or a step
+        claims it to fold into its kernel (``HostAdd.claim``; [Note: the last adds fold into the
+        step] in optim/boundary_steps.py); the immediate copies make it at once, the late ones
+        make every add at its wait."""
         raise NotImplementedError
 
     def compute_waits(self, event: CopyEvent) -> None:
@@ -176,7 +181,8 @@ class ImmediateCopies(DeviceCopies):
                      after: CopyEvent | None = None) -> CopyEvent:
         return self.to_device(dst, src)      # ``after`` is over: every copy here is
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False,
+                deferred: bool = False) -> CopyEvent:
         with torch.no_grad():
             if add:
                 add_widened(dst, src)
@@ -243,7 +249,8 @@ class CudaCopies(DeviceCopies):
         dst.record_stream(stream)
         return _CudaEvent(event)
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False,
+                deferred: bool = False) -> CopyEvent:
         # the source was written by compute that may still be queued: start after it
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h), torch.no_grad():
@@ -261,7 +268,8 @@ class CudaCopies(DeviceCopies):
         src.record_stream(self.d2h)
         if not add:
             return _CudaEvent(event)
-        return self._adder.add(HostAdd(_CudaEvent(event), dst, staging))
+        made = HostAdd(_CudaEvent(event), dst, staging)
+        return made if deferred else self._adder.add(made)
 
     def compute_waits(self, event: CopyEvent) -> None:
         if isinstance(event, _CudaEvent):
@@ -390,7 +398,8 @@ class LateCopies(DeviceCopies):
             return DONE
         return self.to_device(dst, src)
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False) -> CopyEvent:
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, add: bool = False,
+                deferred: bool = False) -> CopyEvent:
         event = _LateEvent()
         self.copies += 1
         self.to_host_copies += 1

@@ -97,6 +97,28 @@ INF_API int inf_adam_step_zero(const struct inf_adam_hparams *hp,
                                const struct inf_adam_tensor *tensors, int ntensors, int grad_dtype,
                                int half_dtype, int kernel, int nthreads, double *grad_sq_sum);
 
+/* A gradient part still apart from the fp32 gradient it belongs to (the last micro-batch's,
+ * copied off the device into staging): values[i] (of dtype: F32, BF16 or F16) adds to element
+ * begin + i of range `range` of the call, for i < numel. */
+struct inf_adam_addend {
+    int32_t range;
+    int32_t dtype;
+    int64_t begin;
+    int64_t numel;
+    const void *values;
+};
+
+/* inf_adam_step_zero of fp32 gradients, each chunk's gradient first completed by adding the
+ * addends that overlap it, in the order given (each add inf_grad_accumulate's bits, so the step
+ * is that of the adds made first, then the step), while the chunk is in cache: the last
+ * micro-batch's gradient folded into the step instead of added by a pass of its own. The norm
+ * (grad_sq_sum not NULL) is of the completed gradient. Returns 0, -EINVAL (also: an addend
+ * outside its range, a bad range index or dtype), -ENOMEM or -ENOTSUP. */
+INF_API int inf_adam_step_fold(const struct inf_adam_hparams *hp,
+                               const struct inf_adam_tensor *tensors, int ntensors,
+                               const struct inf_adam_addend *addends, int naddends,
+                               int half_dtype, int kernel, int nthreads, double *grad_sq_sum);
+
 /* The sum of grad^2 over numel elements of grad (of grad_dtype) alone, summed as
  * inf_adam_step_norm sums it (the same bits for a buffer at the same address, whatever the
  * kernel and thread count): the norm of a gradient that is not stepped yet (clipping needs the

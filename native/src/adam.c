@@ -34,8 +34,31 @@ struct job {
     int gdt, hdt;
     double *chunk_sq; /* per chunk: its gradient's sum of squares (inf_adam_step_norm), or NULL */
     int zero_grad;    /* zero each chunk's gradient after its update (inf_adam_step_zero) */
+    const struct inf_adam_tensor *ranges;       /* the call's first range (addends name theirs) */
+    const struct inf_adam_addend *addends;      /* added into a chunk first (inf_adam_step_fold) */
+    int naddends;
     atomic_size_t next;
 };
+
+static void accumulate_range(const struct adam_consts *c, float *restrict dst, const void *src,
+                             float *m, float *v, void *half, size_t n, int gdt, int hdt);
+
+/* The addends of the chunk's range that overlap it, added into its fp32 gradient in the order
+ * given (each add inf_grad_accumulate's bits), so the update reads the whole gradient. */
+static void fold_addends(const struct job *j, const struct chunk *ch) {
+    int range = (int)(ch->t - j->ranges);
+    float *grad = (float *)ch->t->grad;
+    for (int k = 0; k < j->naddends; k++) {
+        const struct inf_adam_addend *a = &j->addends[k];
+        if (a->range != range) continue;
+        int64_t lo = a->begin > ch->begin ? a->begin : ch->begin;
+        int64_t hi = a->begin + a->numel < ch->end ? a->begin + a->numel : ch->end;
+        if (lo >= hi) continue;
+        size_t asz = a->dtype == INF_ADAM_DTYPE_F32 ? 4 : 2;
+        accumulate_range(NULL, grad + lo, (const unsigned char *)a->values + (size_t)(lo - a->begin) * asz,
+                         NULL, NULL, NULL, (size_t)(hi - lo), a->dtype, INF_ADAM_DTYPE_NONE);
+    }
+}
 
 static size_t dtype_size(int dt) { return dt == INF_ADAM_DTYPE_F32 ? 4 : 2; }
 
@@ -51,6 +74,7 @@ static void run_chunks(void *arg, int index) {
         int64_t b = ch->begin;
         void *half = t->half_out ? (void *)((uint16_t *)t->half_out + b) : NULL;
         const void *grad = (const unsigned char *)t->grad + (size_t)b * gsz;
+        if (j->naddends) fold_addends(j, ch);
         /* summed first: the chunk's gradient (256 KiB) is then in cache for the update */
         if (j->chunk_sq) j->chunk_sq[k] = inf_adam_grad_sq_sum(grad, (size_t)(ch->end - b), j->gdt);
         if (j->fn)
@@ -97,7 +121,8 @@ static size_t fill_chunks(const struct inf_adam_tensor *ts, int nt, struct chunk
  * the gradients' squares there (chunk sums added in chunk order: independent of the threads). */
 static int run_ranges(const struct adam_consts *c, adam_range_fn fn,
                       const struct inf_adam_tensor *ts, int nt, int gdt, int hdt, int nthreads,
-                      double *sq_sum, int zero_grad) {
+                      double *sq_sum, int zero_grad, const struct inf_adam_addend *addends,
+                      int naddends) {
     int64_t total = 0;
     for (int i = 0; i < nt; i++) total += ts[i].numel;
     if (sq_sum) *sq_sum = 0.0;
@@ -111,7 +136,8 @@ static int run_ranges(const struct adam_consts *c, adam_range_fn fn,
         return -ENOMEM;
     }
     struct job j = {.c = c, .fn = fn, .chunks = chunks, .gdt = gdt, .hdt = hdt,
-                    .chunk_sq = chunk_sq, .zero_grad = zero_grad};
+                    .chunk_sq = chunk_sq, .zero_grad = zero_grad, .ranges = ts,
+                    .addends = addends, .naddends = naddends};
     j.nchunks = fill_chunks(ts, nt, chunks);
     atomic_init(&j.next, 0);
     if (nthreads <= 0) nthreads = inf_adam_cpus_allowed();
@@ -246,7 +272,8 @@ static struct adam_consts make_consts(const struct inf_adam_hparams *hp) {
 
 static int adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                      int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads,
-                     double *grad_sq_sum, int zero_grad) {
+                     double *grad_sq_sum, int zero_grad, const struct inf_adam_addend *addends,
+                     int naddends) {
     int rc = check_hparams(hp);
     if (rc == 0) rc = check_tensors(tensors, ntensors, grad_dtype, half_dtype);
     if (rc) return rc;
@@ -256,19 +283,38 @@ static int adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_te
     if (!fn) return -ENOTSUP;
     struct adam_consts c = make_consts(hp);
     return run_ranges(&c, fn, tensors, ntensors, grad_dtype, half_dtype, nthreads, grad_sq_sum,
-                      zero_grad);
+                      zero_grad, addends, naddends);
 }
 
 int inf_adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                   int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads) {
-    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, NULL, 0);
+    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, NULL, 0,
+                     NULL, 0);
 }
 
 int inf_adam_step_zero(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                        int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads,
                        double *grad_sq_sum) {
     return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, grad_sq_sum,
-                     1);
+                     1, NULL, 0);
+}
+
+int inf_adam_step_fold(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
+                       int ntensors, const struct inf_adam_addend *addends, int naddends,
+                       int half_dtype, int kernel, int nthreads, double *grad_sq_sum) {
+    if (naddends < 0 || (naddends > 0 && !addends)) return -EINVAL;
+    for (int k = 0; k < naddends; k++) {
+        const struct inf_adam_addend *a = &addends[k];
+        if (a->range < 0 || a->range >= ntensors) return -EINVAL;
+        if (a->dtype != INF_ADAM_DTYPE_F32 && a->dtype != INF_ADAM_DTYPE_BF16 &&
+            a->dtype != INF_ADAM_DTYPE_F16)
+            return -EINVAL;
+        if (a->begin < 0 || a->numel < 0 || a->begin + a->numel > tensors[a->range].numel)
+            return -EINVAL;
+        if (a->numel > 0 && !a->values) return -EINVAL;
+    }
+    return adam_step(hp, tensors, ntensors, INF_ADAM_DTYPE_F32, half_dtype, kernel, nthreads,
+                     grad_sq_sum, 1, addends, naddends);
 }
 
 int inf_adam_step_norm(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
@@ -276,7 +322,8 @@ int inf_adam_step_norm(const struct inf_adam_hparams *hp, const struct inf_adam_
                        double *grad_sq_sum) {
     if (!grad_sq_sum) return -EINVAL;
     double sum = 0.0;
-    int rc = adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, &sum, 0);
+    int rc = adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, &sum, 0,
+                       NULL, 0);
     if (rc == 0) *grad_sq_sum = sum;
     return rc;
 }
@@ -292,7 +339,8 @@ int inf_grad_sq_sum(const void *grad, int64_t numel, int grad_dtype, int nthread
     /* param only places the chunk boundaries (at its 64-byte lines): the gradient's own */
     struct inf_adam_tensor t = {(float *)grad, grad, NULL, NULL, NULL, numel};
     struct adam_consts unused = {0};
-    return run_ranges(&unused, NULL, &t, 1, grad_dtype, INF_ADAM_DTYPE_NONE, nthreads, out, 0);
+    return run_ranges(&unused, NULL, &t, 1, grad_dtype, INF_ADAM_DTYPE_NONE, nthreads, out, 0,
+                      NULL, 0);
 }
 
 /* ---- a gradient accumulated into its fp32 home ---- */
@@ -345,7 +393,7 @@ int inf_grad_accumulate(float *dst, const void *src, int64_t numel, int src_dtyp
     struct inf_adam_tensor t = {dst, src, NULL, NULL, NULL, numel};
     struct adam_consts unused = {0};
     return run_ranges(&unused, accumulate_range, &t, 1, src_dtype, INF_ADAM_DTYPE_NONE,
-                      nthreads, NULL, 0);
+                      nthreads, NULL, 0, NULL, 0);
 }
 
 /* ---- bandwidth reference ---- */
@@ -393,7 +441,7 @@ int inf_adam_rmw_bandwidth(float *a, const float *b, float *c, float *d, int64_t
     if (inf_adam_kernel_supported(INF_ADAM_KERNEL_AVX2)) fn = rmw_range_avx2;
 #endif
     return run_ranges(&unused, fn, &t, 1, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE, nthreads, NULL,
-                      0);
+                      0, NULL, 0);
 }
 
 /* ---- shared with the state formats (adam_formats.c): the same checks and constants ---- */

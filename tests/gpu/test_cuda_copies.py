@@ -74,6 +74,29 @@ def test_a_step_s_write_does_not_queue_behind_a_fetch_waiting_for_compute() -> N
     copies.drain()
 
 
+def test_a_deferred_add_is_made_by_no_thread_until_claimed_or_waited() -> None:
+    """``to_host(add=True, deferred=True)``: the copy lands in staging and no thread adds it
+    (the adder thread makes the others): a step claims the staged values to fold into its
+    kernel, or the first wait makes the add, with the immediate copies' bits."""
+    from infinity.storage.host_adds import HostAdd
+    device = torch.device("cuda")
+    copies = CudaCopies(device)
+    src = torch.randn(1 << 20, device=device, dtype=torch.bfloat16)
+    home = torch.ones(1 << 20).pin_memory()
+    claimed = copies.to_host(home, src, add=True, deferred=True)
+    assert isinstance(claimed, HostAdd)
+    copies.drain()                                   # the adder has nothing of it
+    assert home.eq(1.0).all().item() and not claimed.done()
+    staged = claimed.claim()
+    assert torch.equal(staged, src.cpu()) and claimed.done() and home.eq(1.0).all().item()
+    waited = copies.to_host(home, src, add=True, deferred=True)
+    copies.host_waits([waited])
+    want = torch.ones(1 << 20)
+    ImmediateCopies().to_host(want, src.cpu(), add=True)
+    assert torch.equal(home, want)
+    copies.drain()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_copy_to_the_host_is_read_after_host_waits_and_gives_the_immediate_bits(dtype) -> None:
     device = torch.device("cuda")

@@ -269,17 +269,27 @@ def test_the_last_micro_batch_steps_under_late_copies_as_under_immediate_ones(
     misses the last micro-batch's adds."""
     from infinity.optim.boundary_steps import BoundarySteps
     from infinity.optim.gradients import GradientCollector
-    started, take_home = BoundarySteps.started, GradientCollector.take_home
-    count = {"jobs": 0}
+    from infinity.storage.host_adds import HostAdd
+    started, take_home, claim = BoundarySteps.started, GradientCollector.take_home, HostAdd.claim
+    count = {"jobs": 0, "folded": 0}
 
     def counting(self, job) -> None:
         count["jobs"] += 1
         started(self, job)
+
+    def claiming(self):
+        staged = claim(self)
+        count["folded"] += staged is not None
+        return staged
     monkeypatch.setattr(BoundarySteps, "started", counting)
+    monkeypatch.setattr(HostAdd, "claim", claiming)
     run = dict(early="auto", accumulation=2, layers=2, calls=6)
     at_once, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", None, **run)
     late, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 7, **run)
     assert count["jobs"] == 2 * 3 * 5      # two runs, 3 steps, every unit (5 with layers=2)
+    # the late copies' adds (made at their wait) are folded into the steps' kernels ([Note:
+    # the last adds fold into the step]): the same bits as the adds made first
+    assert count["folded"] > 0
     assert all(math.isfinite(x) for x in late) and late == at_once, (late, at_once)
 
     def not_waiting(self, state):
@@ -289,6 +299,21 @@ def test_the_last_micro_batch_steps_under_late_copies_as_under_immediate_ones(
     monkeypatch.setattr(GradientCollector, "take_home", not_waiting)
     wrong, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 7, **run)
     assert wrong[:2] == late[:2] and wrong[2:] != late[2:], (wrong, late)
+
+
+def test_a_step_that_drops_its_folded_adds_fails(disk_dir, monkeypatch) -> None:
+    """Planted fault: the last micro-batch's adds claimed by the step ([Note: the last adds
+    fold into the step] in optim/boundary_steps.py) but not given to its kernel: the losses
+    leave those of the adds made."""
+    from infinity.optim.kernel import AdamKernel
+    run = dict(early="auto", accumulation=2, layers=2, calls=6)
+    right, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 7, **run)
+    kernel_run = AdamKernel.run
+    monkeypatch.setattr(AdamKernel, "run",
+                        lambda self, *args, addends=None, **kwargs: kernel_run(self, *args,
+                                                                               **kwargs))
+    wrong, _ = _bf16_losses(disk_dir, monkeypatch, "cpu", 7, **run)
+    assert wrong[:2] == right[:2] and wrong[2:] != right[2:], (wrong, right)
 
 
 class _SkippingModel(torch.nn.Module):

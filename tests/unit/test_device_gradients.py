@@ -120,8 +120,8 @@ def test_the_shard_reduced_on_the_device_is_the_host_path_s_bit_for_bit(
         state = rig.states[0]
         counted = []
         to_host = rig.g.copies.to_host
-        rig.g.copies.to_host = lambda dst, src, add=False: (
-            counted.append(src.numel()), to_host(dst, src, add=add))[1]
+        rig.g.copies.to_host = lambda dst, src, **kwargs: (
+            counted.append(src.numel()), to_host(dst, src, **kwargs))[1]
         _feed(rig, state, grads)
         rig.g.zero_unwritten(state)
         rig.g.reduce(state)

@@ -77,8 +77,8 @@ def _counting(rig) -> list[tuple[torch.dtype, int]]:
     """(dtype, elements) of each copy to the host."""
     counted = []
     to_host = rig.g.copies.to_host
-    rig.g.copies.to_host = lambda dst, src, add=False: (
-        counted.append((src.dtype, src.numel())), to_host(dst, src, add=add))[1]
+    rig.g.copies.to_host = lambda dst, src, **kwargs: (
+        counted.append((src.dtype, src.numel())), to_host(dst, src, **kwargs))[1]
     return counted
 
 

@@ -442,6 +442,44 @@ def test_finish_in_a_resident_home_leaves_the_norm_to_the_step() -> None:
     assert rig.manager.waits == []        # nothing written: the home is the memory
 
 
+def test_at_most_folding_units_leave_their_adds_to_their_steps(monkeypatch) -> None:
+    """[Note: the last adds fold into the step]: in the last micro-batch a unit the boundary
+    steps take has its adds into its home left for its step (``to_host(deferred=True)``), but
+    at most ``FOLDING_UNITS`` units hold such adds (their staging) at once: the next units'
+    adds are made as before, until a unit's adds are made (waited for) or its step gives its
+    gradient back; a unit the steps do not take never defers."""
+    from infinity.optim import gradients as gradients_module
+    monkeypatch.setattr(gradients_module, "FOLDING_UNITS", 2)
+    units = [_unit(i) for i in range(4)]
+    rig = _Rig(units, home="host")
+    taken = {0, 1, 2}
+    rig.g._folds = lambda state: state.unit.index in taken
+    deferred: list[bool] = []
+    to_host = rig.g.copies.to_host
+
+    def recording(dst, src, **kwargs):
+        deferred.append(kwargs.get("deferred", False))
+        return to_host(dst, src, **kwargs)
+    monkeypatch.setattr(rig.g.copies, "to_host", recording)
+    g = torch.ones(3, 5)
+    rig.g.begin_backward(True)
+    for state in rig.states:           # a first gradient copies (not an add): then one add each
+        rig.grad(state, 0, g)
+    for state in rig.states:
+        rig.grad(state, 0, g)
+    assert deferred[4:] == [True, True, False, False]
+    assert rig.g._folding == {0, 1}
+    for state in rig.states:                            # each unit's backward is done
+        rig.g.finish(state, norm=False)
+        rig.g.drop_buffer(state, forget=True)
+    gradient = rig.g.take_home(rig.states[0])          # unit 0's step took its adds ...
+    gradient.give_back()                                # ... and gave its gradient back
+    rig.g.home_copies_landed()                          # units 1-3: their adds made here
+    assert rig.g._folding == set()
+    rig.grad(rig.states[2], 0, g)
+    assert deferred[-1] is True                         # room again
+
+
 def test_finish_in_a_resident_home_does_not_wait_for_its_copies() -> None:
     """The adds into a resident home are still landing when ``finish`` returns (it must not
     wait: on a GPU the training thread would stop queueing the backward); whoever reads the

@@ -219,9 +219,9 @@ def test_run_passes_the_kernel_its_threads_and_settings(monkeypatch) -> None:
     kernel.run(_state(), 0, 40, param, grad, m, v, 2.0, None, hyper,
                [StepRun(0, 0, 10, 4), StepRun(1, 32, 37, 1)])
     assert calls == [dict(step=4, grad_scale=2.0, threads=3, grad_sq_sum=False, zero_grad=False,
-                          **hyper[0]),
+                          addends=[], **hyper[0]),
                      dict(step=1, grad_scale=2.0, threads=3, grad_sq_sum=False, zero_grad=False,
-                          **hyper[1])]
+                          addends=[], **hyper[1])]
 
 
 def test_run_from_held_parts_steps_each_parameter_from_its_own_part() -> None:
