@@ -37,6 +37,11 @@ HEADER = {
                                           ctypes.POINTER(N.TensorRange), ctypes.c_int,
                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                           ctypes.POINTER(ctypes.c_double)]),
+    "inf_adam_step_fold": (ctypes.c_int, [ctypes.POINTER(N.HParams),
+                                          ctypes.POINTER(N.TensorRange), ctypes.c_int,
+                                          ctypes.POINTER(N.Addend), ctypes.c_int, ctypes.c_int,
+                                          ctypes.c_int, ctypes.c_int,
+                                          ctypes.POINTER(ctypes.c_double)]),
     "inf_grad_sq_sum": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                        ctypes.c_int, ctypes.POINTER(ctypes.c_double)]),
     "inf_adam_kernel_supported": (ctypes.c_int, [ctypes.c_int]),
@@ -101,6 +106,27 @@ def test_a_step_and_a_step_with_the_norm_move_the_parameters() -> None:
     hp, ranges, (p, g, m, v) = _one_range()
     assert N.step_zero(hp, ranges, N.DTYPE_F32, N.DTYPE_NONE, N.KERNELS["scalar"], 1,
                        norm=False) == 0.0
+    assert bool((p < 0).all()) and not bool(g.any())
+
+
+def test_a_folded_addend_outside_its_range_is_refused_and_nothing_is_stepped() -> None:
+    """``inf_adam_step_fold`` checks every addend before stepping: a range index, dtype or
+    span outside the call is -EINVAL, the parameters untouched; one inside adds first."""
+    _require_library()
+    for bad in (dict(range=1), dict(dtype=7), dict(begin=3), dict(numel=-1)):
+        hp, ranges, (p, g, m, v) = _one_range()
+        extra = torch.ones(3)
+        fields = dict(range=0, dtype=N.DTYPE_F32, begin=0, numel=3, values=extra.data_ptr())
+        fields.update(bad)
+        addends = (N.Addend * 1)(N.Addend(**fields))
+        with pytest.raises(OSError, match="inf_adam_step_fold"):
+            N.step_fold(hp, ranges, addends, N.DTYPE_NONE, N.KERNELS["scalar"], 1, norm=True)
+        assert not bool(p.any()) and g.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0], bad
+    hp, ranges, (p, g, m, v) = _one_range()
+    extra = torch.ones(3)
+    addends = (N.Addend * 1)(N.Addend(0, N.DTYPE_F32, 2, 3, extra.data_ptr()))
+    assert N.step_fold(hp, ranges, addends, N.DTYPE_NONE, N.KERNELS["scalar"], 1,
+                       norm=True) == 1 + 4 + 16 + 25 + 36     # 1, 2, 3+1, 4+1, 5+1
     assert bool((p < 0).all()) and not bool(g.any())
 
 

@@ -242,6 +242,59 @@ def test_a_step_that_zeroes_its_gradient_is_the_same_step(impl: str) -> None:
             assert bool((bits(gz) == 0).all()), (impl, n, gdt)     # +0.0, every element
 
 
+@pytest.mark.parametrize("impl", ["scalar", *SIMD, "torch"])
+def test_a_step_with_folded_addends_is_the_step_of_the_adds_made_first(impl: str) -> None:
+    """``addends`` (``inf_adam_step_fold``: the last micro-batch's gradient parts added into
+    the home chunk by chunk, in cache): the bits of the adds made first (storage/host_adds.py
+    ``add_widened``, in the order given, two overlapping) and then the zeroing step; the norm is
+    of the completed gradient; the staged parts are left as they were."""
+    from infinity.storage.host_adds import add_widened
+    if impl != "torch":
+        require_kernel(impl)
+    n = 200_003
+    for adt in (torch.float32, torch.bfloat16, torch.float16):
+        torch.manual_seed(9)
+        home = torch.randn(n)
+        addends = [(5, torch.randn(70_000).to(adt)), (65_000, torch.randn(135_003).to(adt)),
+                   (7, torch.randn(9).to(adt))]
+        kept = [a.clone() for _, a in addends]
+        runs = []
+        for fold in (False, True):
+            torch.manual_seed(10)
+            p, m, v = torch.randn(n), torch.rand(n), torch.rand(n)
+            h, g = torch.empty(n, dtype=torch.bfloat16), home.clone()
+            if not fold:
+                for at, values in addends:
+                    add_widened(g[at:at + values.numel()], values)
+            sq = adam_step_flat(p, g, m, v, step=2, impl=impl, threads=3, half_out=h,
+                                grad_sq_sum=True, zero_grad=True,
+                                addends=addends if fold else (), **HP)
+            runs.append((p, m, v, h, g, sq))
+        (p, m, v, h, g, sq), (pf, mf, vf, hf, gf, sqf) = runs
+        for a, b, what in ((p, pf, "param"), (m, mf, "exp_avg"), (v, vf, "exp_avg_sq"),
+                           (h, hf, "half_out")):
+            assert_same_bits(a, b, f"{impl} {adt} {what}")
+        assert sq == sqf and not bool(gf.any()), (impl, adt)
+        assert all(torch.equal(a, b) for (_, a), b in zip(addends, kept))
+
+
+def test_folded_addends_are_refused_where_they_cannot_be_right() -> None:
+    """Addends need the home left at zero (they are folded, not kept), an fp32 gradient, and
+    parts inside the range; each refusal names what is wrong before anything is stepped."""
+    p, m, v, g = torch.zeros(8), torch.zeros(8), torch.zeros(8), torch.zeros(8)
+    part = [(0, torch.ones(4))]
+    with pytest.raises(ValueError, match="zero_grad=True"):
+        adam_step_flat(p, g, m, v, step=1, addends=part, **HP)
+    with pytest.raises(ValueError, match="float32 grad"):
+        adam_step_flat(p, g.bfloat16(), m, v, step=1, addends=part, zero_grad=True, **HP)
+    with pytest.raises(ValueError, match=r"addends\[0\]: elements \[6, 10\)"):
+        adam_step_flat(p, g, m, v, step=1, addends=[(6, torch.ones(4))], zero_grad=True, **HP)
+    with pytest.raises(ValueError, match=r"addends\[0\]: expected a contiguous 1-D"):
+        adam_step_flat(p, g, m, v, step=1, addends=[(0, torch.ones(2, 2))], zero_grad=True,
+                       **HP)
+    assert not bool(p.any()) and not bool(m.any())
+
+
 def test_many_tensors_in_one_call_equal_flat_calls() -> None:
     torch.manual_seed(6)
     sizes = [1, 7, 100_000, 3, 65_537, 250_000]
