@@ -29,7 +29,7 @@ import torch
 
 from infinity.optim import adam_formats as F
 from infinity.optim.cpu_adam import adam_step_flat
-from infinity.optim.gradients import _sum_of_squares
+from infinity.optim.grad_norm import sum_of_squares
 from infinity.optim.records import StepRun, UnitOptimState, gather_gradient, run_pieces
 from infinity.planner.state_format import QBLOCK
 
@@ -113,7 +113,7 @@ def step_formatted(state: UnitOptimState, start: int, end: int, param: torch.Ten
                                 half_out=None if half_out is None else half_out[s],
                                 offset=x, seed=seed, threads=threads, **hyper[run.group_index])
             if grad_sq_sum:
-                total += _sum_of_squares(g)
+                total += sum_of_squares(g)
         return total
     if scales is None:
         raise ValueError(f"{state.unit.name}: int8 moments need the sub-group's block scales")
@@ -143,7 +143,7 @@ def step_formatted(state: UnitOptimState, start: int, end: int, param: torch.Ten
                 for run in run_list:
                     x, y = max(run.start, a), min(run.end, b)
                     if x < y:
-                        total += _sum_of_squares(g[x - a:y - a])
+                        total += sum_of_squares(g[x - a:y - a])
     return total
 
 

@@ -77,17 +77,16 @@ norm sums the ranks' squares at the step), or handed to an early step.
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
 import torch
 
 from infinity.comm.collectives import NO_COMM, Collectives
-from infinity.optim import _adam_native as N
 from infinity.optim import device_gradients
 from infinity.optim.backward_gradient import GradientOwners
 from infinity.optim.device_gradients import DeviceGradient, DeviceGradientPool
+from infinity.optim.grad_norm import NATIVE_GRAD_DTYPES, sum_of_squares
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.records import CompleteGradient, OptimTimers, UnitOptimState
 from infinity.planner.engine_sizes import accumulate_chunk_numel
@@ -126,39 +125,6 @@ def gradients_held(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _sum_of_squares(values: torch.Tensor, chunk: int = 1 << 18, threads: int = 1) -> float:
-    """sum(values**2) in float64 (a float32 norm of 64M elements is ~1% off): one read pass
-    of the native kernel (inf_grad_sq_sum, summed as the Adam kernel sums the early step's
-    gradients: the same bits whatever the thread count) on ``threads`` threads: one beside
-    compute (the step stream's), torch's where the training thread waits for it (the deferred
-    step's norm, before any step can start: on one thread the 0.49B model's 2 GB took 0.24 s
-    of an H200's 1.3 s step, the GPU idle). Without the native library, a chunk at a time through a
-    float64 buffer kept per thread (no full-size float64 temporary, and no fresh allocation
-    per chunk: with activations offloaded the malloc mmap threshold is 256 KiB, and a new
-    2 MiB chunk each time cost ~1M page faults per speculated backward at 0.49B)."""
-    native_dtype = _NATIVE_GRAD_DTYPES.get(values.dtype)
-    if native_dtype is not None and values.device.type == "cpu" and values.is_contiguous():
-        try:
-            return N.grad_sq_sum(values.data_ptr(), values.numel(), native_dtype, threads)
-        except (ImportError, AttributeError, OSError):
-            pass   # the library is missing: cpu_adam already warned once
-    scratch = getattr(_norm_scratch, "buffer", None)
-    if scratch is None or scratch.numel() < chunk:
-        scratch = _norm_scratch.buffer = torch.empty(chunk, dtype=torch.float64)
-    total = 0.0
-    for start in range(0, values.numel(), chunk):
-        part = values[start:start + chunk]
-        wide = scratch[:part.numel()]
-        wide.copy_(part)
-        total += float(torch.dot(wide, wide))
-    return total
-
-
-_NATIVE_GRAD_DTYPES = {torch.float32: N.DTYPE_F32, torch.bfloat16: N.DTYPE_BF16,
-                       torch.float16: N.DTYPE_F16}
-_norm_scratch = threading.local()   # each thread that norms (training, step stream) has its own
-
-
 class GradientCollector:
     """The gradients of every unit's state, from the coordinator's hooks to a step: owned by the
     optimizer; ``steps_running`` says whether a background step may still give room or slots
@@ -194,6 +160,7 @@ class GradientCollector:
         # step] in optim/boundary_steps.py)
         self._folds = folds
         self._folding: set[int] = set()
+        self._not_folding: set[int] = set()     # this backward's units whose adds do not fold
         self._chunk: torch.Tensor | None = None
         # see [Note: gradients over ranks]: reduce-scatter (``scatter``) or all-reduce
         self.comm = comm
@@ -217,6 +184,10 @@ class GradientCollector:
     def begin_backward(self, boundary: bool) -> None:
         """Called before each backward: ``boundary`` is True on the last micro-step."""
         self.boundary = boundary
+        # the adds a previous backward left to its steps are made (stepped, or waited for by
+        # step() or by drop_cycle): none of that backward's units holds staging any more
+        self._folding.clear()
+        self._not_folding.clear()
         if boundary:
             # a second backward before the step recounts everything (units it does not touch
             # are read from their home at the step)
@@ -247,10 +218,17 @@ class GradientCollector:
 
     def _folding_now(self, state: UnitOptimState) -> bool:
         """Whether an add into ``state``'s home is left for its step to fold into its kernel
-        (and the unit counted among those holding such adds, up to ``FOLDING_UNITS``)."""
+        (and the unit counted among those holding such adds, up to ``FOLDING_UNITS``). Only in
+        the backward whose steps take the unit; decided at the unit's first add there and
+        kept (a unit whose adds went to the adder thread never defers a later one over the
+        same elements: the adder could make it first)."""
+        if not self._folds(state):
+            return False
         index = state.unit.index
-        if index not in self._folding and (len(self._folding) >= FOLDING_UNITS or
-                                           not self._folds(state)):
+        if index in self._folding:
+            return True
+        if index in self._not_folding or len(self._folding) >= FOLDING_UNITS:
+            self._not_folding.add(index)
             return False
         self._folding.add(index)
         return True
@@ -300,7 +278,7 @@ class GradientCollector:
                 "to host buffers: the optimizer's holds_grads disagrees with its device")
         parts = state.grad.hold()
         flat = grad.detach().reshape(-1)
-        if flat.dtype not in _NATIVE_GRAD_DTYPES:
+        if flat.dtype not in NATIVE_GRAD_DTYPES:
             flat = flat.to(torch.float32)
         if not flat.is_contiguous():
             flat = flat.contiguous()
@@ -511,7 +489,7 @@ class GradientCollector:
                 self._add_home_gradient(state, grads)
         state.keep_gradient()
         if self.boundary and norm:
-            self.sq_norm += _sum_of_squares(grads, threads=torch.get_num_threads())
+            self.sq_norm += sum_of_squares(grads, threads=torch.get_num_threads())
             state.count_norm()
         if write_home and not store.resident and state.numel:
             # the write goes on while backward continues; the buffer (slot) is released when it

@@ -47,7 +47,8 @@ import torch
 from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim.boundary_steps import LATE_GRADIENT, BoundarySteps
-from infinity.optim.gradients import GradientCollector, _sum_of_squares
+from infinity.optim.grad_norm import sum_of_squares
+from infinity.optim.gradients import GradientCollector
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
 from infinity.optim.master_seed import seed_master
@@ -59,6 +60,7 @@ from infinity.optim.records import (
     OptimTimers,
     StepJob,
     UnitOptimState,
+    stepped_range,
 )
 from infinity.optim.speculation import Speculator
 from infinity.optim.state_formats import build_state, group_format, log_formats
@@ -72,16 +74,6 @@ from infinity.zero.protocols import SteppedUnit, UnitValues, Wait
 from infinity.zero.unit import ParamEntry
 
 log = get_logger("optim")
-
-
-def _state_range(unit: SteppedUnit, sharded: bool) -> tuple[int, int]:
-    """[lo, hi) of the unit's trainable range this rank steps: its shard of it (see [Note:
-    shards] in zero/unit.py; empty past the trainable part), or all of it."""
-    n = unit.trainable_numel
-    if not sharded:
-        return 0, n
-    lo = min(unit.shard_start, n)
-    return lo, min(unit.shard_start + unit.shard_numel, n)
 
 
 class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
@@ -153,7 +145,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         self.sub_group_numel = pools.sub_group_numel
         asked = [group_format(g) for g in self.param_groups]
         for unit in trainable_units:
-            lo, hi = _state_range(unit, shard_states)
+            lo, hi = stepped_range(unit, shard_states)
             state = build_state(manager, unit, (lo, hi), asked, self.sub_group_numel,
                                 optimizer_tier=optimizer_tier, grad_tier=grad_tier,
                                 grad_dtype=grad_dtype, early_step=early_step,
@@ -505,7 +497,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
             if state.has_grads and not state.norm_counted:
                 # its last gradient of the cycle came before the last micro-step: at home
                 self.gradients.sq_norm += sum(
-                    _sum_of_squares(v, threads=torch.get_num_threads())
+                    sum_of_squares(v, threads=torch.get_num_threads())
                     for _, v in self.gradients.home_gradient(state))
         self.gradients.sq_norm = self._global_sq_norm(self.gradients.sq_norm)
         if not math.isfinite(self.gradients.sq_norm) and stepped_early:

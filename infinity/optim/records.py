@@ -205,6 +205,16 @@ def sub_groups(state: UnitOptimState, numel: int) -> list[SubGroup]:
     return [SubGroup(state, a, min(a + numel, hi)) for a in range(lo, hi, numel)]
 
 
+def stepped_range(unit: SteppedUnit, sharded: bool) -> tuple[int, int]:
+    """[lo, hi) of the unit's trainable range this rank steps: its shard of it (see [Note:
+    shards] in zero/unit.py; empty past the trainable part), or all of it."""
+    n = unit.trainable_numel
+    if not sharded:
+        return 0, n
+    lo = min(unit.shard_start, n)
+    return lo, min(unit.shard_start + unit.shard_numel, n)
+
+
 def run_pieces(unit: SteppedUnit, runs: list["StepRun"], grad, start: int, end: int):
     """(run, x, y, gradient of [x, y)) for each step run's part of [start, end), a piece at a
     time (``grad_pieces``; the gradient indexed from ``start``): what a kernel steps."""
@@ -310,20 +320,28 @@ class CompleteGradient:
 
     def _claim_adds(self) -> None:
         """Take the adds into the home that no thread makes on its own (``HostAdd.claim``) as
-        ``addends``, in order; an event that cannot be claimed (a copy, an add the adder
-        thread makes) is waited for where it stands, the adds claimed before it made first,
-        so every element gets its adds in the order issued."""
+        ``addends``, in order. Another such add that cannot be claimed (a part outside the
+        home, a dtype the kernel does not read) is made where it stands, the adds claimed
+        before it made first. An add the adder thread makes (or a copy) is made whenever its
+        copy lands, so it must come before every claimed one (the collector never defers a
+        unit's add after giving one to the adder: ``GradientCollector._folding_now``): after
+        one, the order could not be kept, and the step is refused rather than wrong."""
         home = self.values
         lo, hi = home.data_ptr(), home.data_ptr() + home.numel() * home.element_size()
         while self.landing:
             event = self.landing[0]
-            dst = getattr(event, "dst", None)
-            if isinstance(event, HostAdd) and dst.dtype == home.dtype and \
-                    dst.is_contiguous() and lo <= dst.data_ptr() and \
-                    dst.data_ptr() + dst.numel() * dst.element_size() <= hi:
+            if not isinstance(event, HostAdd):
+                if self.addends:
+                    raise RuntimeError(
+                        f"a gradient home (unit elements from {self.origin}) has an add made "
+                        f"by the adder thread after {len(self.addends)} adds left to its step: "
+                        "their order cannot be kept (the collector defers a unit's adds only "
+                        "before any goes to the adder)")
+                self.copies.host_waits([event])
+            elif _claimable(event, home.dtype, lo, hi):
                 staged = event.claim()
                 if staged is not None:
-                    at = (dst.data_ptr() - lo) // home.element_size() + self.origin
+                    at = (event.dst.data_ptr() - lo) // home.element_size() + self.origin
                     self.addends.append((at, staged))
             else:
                 self._make_claimed()
@@ -389,6 +407,18 @@ class CompleteGradient:
             self.room.give(self.held_bytes)
         self.held_bytes = 0
         self.values = {}
+
+
+_FOLDED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what the kernel adds
+
+
+def _claimable(add: HostAdd, dtype: torch.dtype, lo: int, hi: int) -> bool:
+    """Whether ``add`` goes into the home [lo, hi) (bytes) of ``dtype`` as one contiguous
+    part, from staging the kernel reads (an add already made is claimable: nothing to take)."""
+    dst, staging = add.dst, add.staging
+    return dst.dtype == dtype and dst.is_contiguous() and lo <= dst.data_ptr() and \
+        dst.data_ptr() + dst.numel() * dst.element_size() <= hi and \
+        (staging is None or staging.dtype in _FOLDED_DTYPES)
 
 
 class JobPhase(enum.Enum):

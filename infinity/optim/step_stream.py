@@ -69,7 +69,7 @@ import torch
 from infinity.optim.device_copy import (
     flat_rounded_by_kernel, host_temporary, kernel_writes_every_element)
 from infinity.optim.formatted_step import MomentScales, scales_of
-from infinity.optim.gradients import _sum_of_squares
+from infinity.optim.grad_norm import sum_of_squares
 from infinity.optim.records import (
     CompleteGradient,
     JobPhase,
@@ -484,7 +484,7 @@ class StepStream:
         values = store.tensor[start:end] if store.resident else \
             self._staging(writes, torch.float32, n)[:n]
         gather_gradient(job.state.unit, job.gradient.values, start, start, end, values)
-        job.sq_norm += _sum_of_squares(values)
+        job.sq_norm += sum_of_squares(values)
         if not store.resident:
             writes.append((store.store_async(values, start, n), None))
 

@@ -302,7 +302,8 @@ int inf_adam_step_zero(const struct inf_adam_hparams *hp, const struct inf_adam_
 int inf_adam_step_fold(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                        int ntensors, const struct inf_adam_addend *addends, int naddends,
                        int half_dtype, int kernel, int nthreads, double *grad_sq_sum) {
-    if (naddends < 0 || (naddends > 0 && !addends)) return -EINVAL;
+    if (naddends < 0 || (naddends > 0 && !addends) || ntensors < 0 || (ntensors > 0 && !tensors))
+        return -EINVAL;
     for (int k = 0; k < naddends; k++) {
         const struct inf_adam_addend *a = &addends[k];
         if (a->range < 0 || a->range >= ntensors) return -EINVAL;

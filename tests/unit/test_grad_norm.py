@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from infinity.optim import _adam_native as N
-from infinity.optim.partitioned import _sum_of_squares
+from infinity.optim.grad_norm import sum_of_squares
 
 
 def test_sum_of_squares_is_float64_accurate_across_chunk_edges() -> None:
@@ -13,12 +13,12 @@ def test_sum_of_squares_is_float64_accurate_across_chunk_edges() -> None:
     values = torch.randn(3 * 1000 + 17) * 1e3 + 5.0    # a large mean: float32 sums drift
     expected = float((values.double() ** 2).sum())
     for chunk in (1000, 1 << 18):
-        got = _sum_of_squares(values, chunk=chunk)
+        got = sum_of_squares(values, chunk=chunk)
         assert abs(got - expected) <= 1e-12 * expected, (chunk, got, expected)
     strided = values[::3]          # not contiguous: the float64-buffer fallback
     want = float((strided.double() ** 2).sum())
-    assert abs(_sum_of_squares(strided, chunk=100) - want) <= 1e-12 * want
-    assert _sum_of_squares(torch.empty(0)) == 0.0
+    assert abs(sum_of_squares(strided, chunk=100) - want) <= 1e-12 * want
+    assert sum_of_squares(torch.empty(0)) == 0.0
 
 
 def test_native_sum_of_squares_is_deterministic_for_every_dtype_and_thread_count() -> None:
@@ -32,4 +32,4 @@ def test_native_sum_of_squares_is_deterministic_for_every_dtype_and_thread_count
                 for threads in (1, 2, 7)}
         assert len(sums) == 1, (dtype, sums)
         assert abs(sums.pop() - want) <= 1e-12 * want, dtype
-        assert _sum_of_squares(values) == N.grad_sq_sum(values.data_ptr(), values.numel(), code, 1)
+        assert sum_of_squares(values) == N.grad_sq_sum(values.data_ptr(), values.numel(), code, 1)

@@ -14,11 +14,9 @@ from torch import nn
 
 from infinity.optim import _adam_native as N
 from infinity.optim import gradients
-from infinity.optim.gradients import (
-    GradientCollector,
-    _sum_of_squares,
-    gradients_held,
-)
+from infinity.optim import grad_norm
+from infinity.optim.grad_norm import sum_of_squares
+from infinity.optim.gradients import GradientCollector, gradients_held
 from infinity.optim.records import OptimTimers, UnitOptimState
 from infinity.planner.engine_sizes import accumulate_chunk_numel, held_room_bytes
 from infinity.storage.buffer_pool import BufferPool, Slot
@@ -159,9 +157,9 @@ def test_gradients_are_held_only_on_a_cpu_device() -> None:
 def test_sum_of_squares_is_the_float64_sum(dtype) -> None:
     values = (torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     want = float((values.double() ** 2).sum())
-    assert _sum_of_squares(values) == pytest.approx(want, rel=1e-12)
+    assert sum_of_squares(values) == pytest.approx(want, rel=1e-12)
     strided = values[::3]          # not contiguous: the chunked path
-    assert _sum_of_squares(strided, chunk=64) == pytest.approx(
+    assert sum_of_squares(strided, chunk=64) == pytest.approx(
         float((strided.double() ** 2).sum()), rel=1e-12)
 
 
@@ -169,10 +167,10 @@ def test_sum_of_squares_keeps_what_float32_would_round_away() -> None:
     """4096**2 = 2**24: in float32 each following 1 is lost; both paths sum in float64."""
     values = torch.ones(1001)
     values[0] = 4096.0
-    assert _sum_of_squares(values) == 16777216.0 + 1000
-    assert _sum_of_squares(values[::1].as_strided((1001,), (1,)).clone().double()) == \
+    assert sum_of_squares(values) == 16777216.0 + 1000
+    assert sum_of_squares(values[::1].as_strided((1001,), (1,)).clone().double()) == \
         16777216.0 + 1000
-    assert _sum_of_squares(torch.ones(0)) == 0.0
+    assert sum_of_squares(torch.ones(0)) == 0.0
 
 
 def test_sum_of_squares_calls_the_native_kernel_once_on_the_calling_thread(monkeypatch) -> None:
@@ -186,11 +184,11 @@ def test_sum_of_squares_calls_the_native_kernel_once_on_the_calling_thread(monke
     for dtype, code in ((torch.float32, N.DTYPE_F32), (torch.bfloat16, N.DTYPE_BF16),
                         (torch.float16, N.DTYPE_F16)):
         values = torch.full((300,), 2.0, dtype=dtype)
-        assert _sum_of_squares(values) == 1200.0
+        assert sum_of_squares(values) == 1200.0
         assert calls[-1] == (values.data_ptr(), 300, code, 1)
     calls.clear()
-    assert _sum_of_squares(torch.full((40,), 2.0, dtype=torch.float64)) == 160.0
-    assert _sum_of_squares(torch.full((80,), 2.0)[::2]) == 160.0
+    assert sum_of_squares(torch.full((40,), 2.0, dtype=torch.float64)) == 160.0
+    assert sum_of_squares(torch.full((80,), 2.0)[::2]) == 160.0
     assert calls == []        # float64, or not contiguous: no native call
 
 
@@ -199,26 +197,26 @@ def test_sum_of_squares_without_the_native_library_sums_in_chunks(monkeypatch, e
     def missing(*args):
         raise error("no library")
     monkeypatch.setattr(N, "grad_sq_sum", missing)
-    monkeypatch.delattr(gradients._norm_scratch, "buffer", raising=False)
+    monkeypatch.delattr(grad_norm._norm_scratch, "buffer", raising=False)
     values = torch.arange(10, dtype=torch.float32)
-    assert _sum_of_squares(values, chunk=4) == 285.0       # chunks of 4, 4 and 2
-    first = gradients._norm_scratch.buffer
+    assert sum_of_squares(values, chunk=4) == 285.0       # chunks of 4, 4 and 2
+    first = grad_norm._norm_scratch.buffer
     assert first.dtype == torch.float64 and first.numel() == 4
-    assert _sum_of_squares(values, chunk=4) == 285.0
-    assert gradients._norm_scratch.buffer is first         # kept: no allocation per call
-    assert _sum_of_squares(values, chunk=16) == 285.0      # a larger chunk gets a larger one
-    assert gradients._norm_scratch.buffer.numel() == 16
-    assert _sum_of_squares(values, chunk=4) == 285.0       # and a smaller one reuses it
-    assert gradients._norm_scratch.buffer.numel() == 16
+    assert sum_of_squares(values, chunk=4) == 285.0
+    assert grad_norm._norm_scratch.buffer is first         # kept: no allocation per call
+    assert sum_of_squares(values, chunk=16) == 285.0      # a larger chunk gets a larger one
+    assert grad_norm._norm_scratch.buffer.numel() == 16
+    assert sum_of_squares(values, chunk=4) == 285.0       # and a smaller one reuses it
+    assert grad_norm._norm_scratch.buffer.numel() == 16
 
 
 def test_sum_of_squares_scratch_is_per_thread(monkeypatch) -> None:
     monkeypatch.setattr(N, "grad_sq_sum", lambda *a: (_ for _ in ()).throw(OSError("none")))
-    _sum_of_squares(torch.ones(8), chunk=8)
-    mine = gradients._norm_scratch.buffer
+    sum_of_squares(torch.ones(8), chunk=8)
+    mine = grad_norm._norm_scratch.buffer
     seen = []
     thread = threading.Thread(target=lambda: seen.append(
-        (_sum_of_squares(torch.ones(8), chunk=8), gradients._norm_scratch.buffer)))
+        (sum_of_squares(torch.ones(8), chunk=8), grad_norm._norm_scratch.buffer)))
     thread.start()
     thread.join(60)
     assert seen[0][0] == 8.0 and seen[0][1] is not mine
@@ -446,8 +444,10 @@ def test_at_most_folding_units_leave_their_adds_to_their_steps(monkeypatch) -> N
     """[Note: the last adds fold into the step]: in the last micro-batch a unit the boundary
     steps take has its adds into its home left for its step (``to_host(deferred=True)``), but
     at most ``FOLDING_UNITS`` units hold such adds (their staging) at once: the next units'
-    adds are made as before, until a unit's adds are made (waited for) or its step gives its
-    gradient back; a unit the steps do not take never defers."""
+    adds are made as before, for the rest of that backward (never an adder's add after a
+    deferred one over the same elements); room comes back as a unit's adds are made (waited
+    for) or its step gives its gradient back; a unit the steps do not take never defers, even
+    one that did in an earlier backward."""
     from infinity.optim import gradients as gradients_module
     monkeypatch.setattr(gradients_module, "FOLDING_UNITS", 2)
     units = [_unit(i) for i in range(4)]
@@ -477,7 +477,13 @@ def test_at_most_folding_units_leave_their_adds_to_their_steps(monkeypatch) -> N
     rig.g.home_copies_landed()                          # units 1-3: their adds made here
     assert rig.g._folding == set()
     rig.grad(rig.states[2], 0, g)
+    assert deferred[-1] is False      # decided at its first add of this backward: the adder's
+    rig.g.begin_backward(True)                          # the next cycle's last backward
+    rig.grad(rig.states[2], 0, g)
     assert deferred[-1] is True                         # room again
+    rig.g._folds = lambda state: False                  # a backward whose steps take none
+    rig.grad(rig.states[2], 0, g)
+    assert deferred[-1] is False
 
 
 def test_finish_in_a_resident_home_does_not_wait_for_its_copies() -> None:
@@ -1002,7 +1008,7 @@ def test_the_norm_the_training_thread_waits_for_is_summed_on_torch_s_threads(
     rig.g.land_writes()
     assert calls == [torch.get_num_threads()]
     values = torch.randn(300_000)
-    assert _sum_of_squares(values, threads=2) == _sum_of_squares(values)
+    assert sum_of_squares(values, threads=2) == sum_of_squares(values)
 
 
 def test_at_most_two_units_copies_into_their_homes_are_in_flight() -> None:

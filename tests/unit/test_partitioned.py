@@ -24,7 +24,8 @@ from infinity.comm.collectives import CommCounters
 from infinity.config.aio import AioConfig
 from infinity.planner.engine_sizes import GRADS_HELD, held_room_bytes
 from infinity.optim import pools
-from infinity.optim.partitioned import PartitionedOptimizer, _state_range
+from infinity.optim.partitioned import PartitionedOptimizer
+from infinity.optim.records import stepped_range
 from infinity.planner.engine_sizes import step_slot_count
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.manager import TierManager
@@ -793,14 +794,14 @@ def test_state_range_is_the_shard_of_the_trainable_part() -> None:
     comm = _Comm()
     u0, u1 = _sharded_units(comm)
     assert (u0.trainable_numel, u0.shard_numel) == (3072, 2048)
-    assert _state_range(u0, False) == (0, 3072)
-    assert _state_range(u0, True) == (0, 2048)
+    assert stepped_range(u0, False) == (0, 3072)
+    assert stepped_range(u0, True) == (0, 2048)
     comm.rank = 1
     v0, v1 = _sharded_units(comm)
-    assert _state_range(v0, True) == (2048, 3072)
+    assert stepped_range(v0, True) == (2048, 3072)
     assert v1.shard_start > v1.trainable_numel
-    assert _state_range(v1, True) == (1024, 1024)
-    assert _state_range(v1, False) == (0, 1024)
+    assert stepped_range(v1, True) == (1024, 1024)
+    assert stepped_range(v1, False) == (0, 1024)
 
 
 def test_several_ranks_shard_the_states_and_never_hold_or_speculate() -> None:

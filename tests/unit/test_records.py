@@ -182,13 +182,15 @@ def test_a_home_given_back_is_at_zero_where_no_kernel_zeroed_it() -> None:
 def test_a_home_s_adds_no_thread_makes_are_claimed_for_the_step_in_order() -> None:
     """[Note: the last adds fold into the step]: ``landed`` of a home stepped from claims the
     adds no thread makes on its own (``HostAdd``) as ``addends`` (unit elements, staged values)
-    instead of making them; an event it cannot claim (an add the adder thread makes) is waited
-    where it stands, the adds claimed before it made first, so each element gets its adds in
-    the order issued; an add already made is not claimed again; given back, nothing is kept."""
+    instead of making them. An add made by the adder thread (made whenever its copy lands)
+    before them is waited for where it stands; one that cannot be claimed (outside the home) is
+    made there, the adds claimed before it made first; an add already made is not claimed
+    again; given back, nothing is kept. An adder's add after claimed ones is refused: their
+    order could not be kept."""
     from infinity.storage.host_adds import HostAdd
     from infinity.storage.transfers import DONE
 
-    home = torch.zeros(10)
+    home, elsewhere = torch.zeros(10), torch.zeros(2)
     order: list[str] = []
 
     class _Queued:             # an add the adder thread makes: not claimable, waited for
@@ -196,7 +198,7 @@ def test_a_home_s_adds_no_thread_makes_are_claimed_for_the_step_in_order() -> No
             return False
 
         def wait(self) -> None:
-            order.append(f"queued sees {home[2].item()}")
+            order.append("queued")
             home[2:4] += 10.0
 
     class _Copies:
@@ -207,16 +209,25 @@ def test_a_home_s_adds_no_thread_makes_are_claimed_for_the_step_in_order() -> No
     first = HostAdd(DONE, home[2:4], torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
     made = HostAdd(DONE, home[0:1], torch.tensor([5.0]))
     made.wait()                                 # made already (home[0] = 5)
+    outside = HostAdd(DONE, elsewhere, torch.tensor([7.0, 7.0]))
     last = HostAdd(DONE, home[6:9], torch.tensor([3.0, 4.0, 5.0]))
     gradient = CompleteGradient(home, origin=100, copies=_Copies(),
-                                landing=[first, made, _Queued(), last], zero_at_give_back=True)
+                                landing=[_Queued(), first, made, outside, last],
+                                zero_at_give_back=True)
     gradient.landed()
-    assert order == ["queued sees 1.0"]          # ``first`` made before the queued add
+    assert order == ["queued"] and elsewhere.tolist() == [7.0, 7.0]
+    # ``first`` was made before ``outside`` (claimed adds before an unclaimable one)
     assert home.tolist() == [5.0, 0.0, 11.0, 12.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert [(at, v.tolist()) for at, v in gradient.addends] == [(106, [3.0, 4.0, 5.0])]
     assert gradient.landing == [] and last.done() and last.claim() is None
     gradient.give_back()
     assert gradient.addends == [] and not bool(home.any())
+    # an adder's add after a claimed one: refused, not made out of order
+    other = torch.zeros(4)
+    late = CompleteGradient(other, copies=_Copies(), zero_at_give_back=True,
+                            landing=[HostAdd(DONE, other[0:2], torch.ones(2)), _Queued()])
+    with pytest.raises(RuntimeError, match="order cannot be kept"):
+        late.landed()
     # not a home stepped from: every add is made at the wait, as before
     plain = torch.zeros(2)
     CompleteGradient(torch.zeros(4), copies=_Copies(),

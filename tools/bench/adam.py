@@ -26,6 +26,9 @@ Contenders (B/param = bytes moved per parameter per step):
   home_zeroed_by_step  32  ours on a flat fp32 gradient home, the kernel leaving it at zero as it
                       goes (zero_grad; the home refilled untimed before each step) (flat only)
   home_zeroed_after    36  the same step, then the home zeroed by a pass of its own (flat only)
+  home_last_add_folded 34  a bf16 gradient folded into the zeroing step of the home (flat only)
+  home_last_add_first  42  the same gradient added into the home first (the adder's pass), then
+                      the zeroing step (flat only)
 Hyperparameters: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01 (AdamW).
 """
 from __future__ import annotations
@@ -50,6 +53,7 @@ import torch  # noqa: E402
 from infinity.base.native_info import native_info  # noqa: E402
 from infinity.optim import _adam_native  # noqa: E402
 from infinity.optim.cpu_adam import CPUAdam, adam_step_flat, adam_step_tensors  # noqa: E402
+from infinity.storage.host_adds import add_widened  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 FLAT_HP = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
@@ -166,13 +170,36 @@ def _build_home(zero_in_kernel: bool):
     return build
 
 
+def _build_fold(folded: bool):
+    """The last micro-batch's bf16 gradient completing a home as the step reads it: folded into
+    the kernel chunk by chunk (``addends``, [Note: the last adds fold into the step] in
+    optim/boundary_steps.py), or added first by a pass of its own (the adder thread's add),
+    then the zeroing step."""
+    def build(sizes, grads, threads):
+        n = sum(sizes)
+        p, m, v, home = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.empty(n)
+        fill, staged = torch.cat(grads), torch.cat(grads).to(torch.bfloat16)
+        count = [0]
+
+        def step():
+            count[0] += 1
+            if not folded:
+                add_widened(home, staged)
+            adam_step_flat(p, home, m, v, step=count[0], threads=threads, zero_grad=True,
+                           addends=[(0, staged)] if folded else (), **FLAT_HP)
+        return step, 34 if folded else 42, (p, m, v, home, staged), lambda: home.copy_(fill)
+    return build
+
+
 CONTENDERS: dict[str, Builder] = {
     "rmw_bandwidth": build_rmw, "ours": build_ours, "ours_bf16copy": build_ours_bf16,
     "torch_fused": build_torch_fused, "ds_fp32": build_ds_fp32, "ds_bf16": build_ds_bf16,
     "ds_fp32_copy": build_ds_fp32_copy, "home_zeroed_by_step": _build_home(True),
-    "home_zeroed_after": _build_home(False),
+    "home_zeroed_after": _build_home(False), "home_last_add_folded": _build_fold(True),
+    "home_last_add_first": _build_fold(False),
 }
-FLAT_ONLY = ("rmw_bandwidth", "home_zeroed_by_step", "home_zeroed_after")
+FLAT_ONLY = ("rmw_bandwidth", "home_zeroed_by_step", "home_zeroed_after", "home_last_add_folded",
+             "home_last_add_first")
 DS = ("ds_fp32", "ds_bf16", "ds_fp32_copy")
 
 
@@ -254,6 +281,8 @@ def ratios(times: dict[str, list[float]], layout: str) -> dict:
     r["bf16copy_vs_ds_bf16"] = _ratio(times, "ours_bf16copy", "ds_bf16")
     r["bf16copy_vs_ds_fp32_copy"] = _ratio(times, "ours_bf16copy", "ds_fp32_copy")
     r["home_zeroed_by_step_vs_after"] = _ratio(times, "home_zeroed_by_step", "home_zeroed_after")
+    r["home_last_add_folded_vs_first"] = _ratio(times, "home_last_add_folded",
+                                                "home_last_add_first")
     return {k: v for k, v in r.items() if v is not None}
 
 
