@@ -109,7 +109,7 @@ own."""
 HOME_COPIES_IN_FLIGHT = 2
 """Units whose copies (adds) into their resident gradient homes may be in flight at once (see
 [Note: gradients leave the device]). On a GPU each add holds its gradient's pinned staging
-until the adder has made it (storage/transfers.py), memory the host budget does not count: a
+until the adder has made it (storage/host_adds.py), memory the host budget does not count: a
 whole backward's gradients if nothing waited. A third unit's ``finish`` waits for the oldest's,
 two units back in the backward, whose copy and add are over unless the host is behind; the
 GPU still has the two units' kernels queued meanwhile."""

@@ -24,8 +24,8 @@ import torch
 
 from infinity.optim.cpu_adam import adam_step_flat
 from infinity.optim.formatted_step import MomentScales, step_formatted
-from infinity.optim.records import StepRun, UnitOptimState, run_pieces
-from infinity.storage.host_adds import add_widened
+from infinity.optim.records import (StepRun, UnitOptimState, add_addends, clipped_addends,
+                                    run_pieces)
 
 
 class AdamKernel:
@@ -106,8 +106,8 @@ class AdamKernel:
             raise ValueError(f"{state.unit.name}: addends fold into a gradient the step leaves "
                              "at zero (zero_grad)")
         if not state.fmt.is_default:
-            for at, values in addends:     # made first, then the formats' step
-                _add_part(grad, start, end, at, values)
+            if addends:               # made first, then the formats' step
+                add_addends(grad, start, addends)
             total = step_formatted(state, start, end, param, grad, m, v, scales, grad_scale,
                                    half_out, hyper, runs, self.threads, grad_sq_sum)
             if zero_grad:
@@ -123,25 +123,9 @@ class AdamKernel:
                 param[s], g, m[s], v[s], step=run.step, grad_scale=grad_scale,
                 half_out=None if half_out is None else half_out[s], threads=self.threads,
                 grad_sq_sum=grad_sq_sum, zero_grad=zero_grad,
-                addends=_clipped(addends, x, y), **hyper[run.group_index]) or 0.0
+                addends=clipped_addends(addends, x, y), **hyper[run.group_index]) or 0.0
             zeroed = max(zeroed, y)
         if zero_grad and zeroed < end:
             grad[zeroed - start:end - start].zero_()
         return total
 
-
-def _clipped(addends: list[tuple[int, torch.Tensor]], x: int,
-             y: int) -> list[tuple[int, torch.Tensor]]:
-    """The parts of ``addends`` (unit element, values) inside [x, y), from x."""
-    out = []
-    for at, values in addends:
-        lo, hi = max(x, at), min(y, at + values.numel())
-        if lo < hi:
-            out.append((lo - x, values[lo - at:hi - at]))
-    return out
-
-
-def _add_part(grad: torch.Tensor, start: int, end: int, at: int, values: torch.Tensor) -> None:
-    """Add the part of an addend inside [start, end) into ``grad`` (indexed from start)."""
-    for offset, part in _clipped([(at, values)], start, end):
-        add_widened(grad[offset:offset + part.numel()], part)

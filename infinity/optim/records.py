@@ -215,6 +215,26 @@ def stepped_range(unit: SteppedUnit, sharded: bool) -> tuple[int, int]:
     return lo, min(unit.shard_start + unit.shard_numel, n)
 
 
+def clipped_addends(addends: list[tuple[int, torch.Tensor]], x: int,
+                    y: int) -> list[tuple[int, torch.Tensor]]:
+    """The parts of ``addends`` (unit element, values) inside [x, y), as (offset from x,
+    values)."""
+    out = []
+    for at, values in addends:
+        lo, hi = max(x, at), min(y, at + values.numel())
+        if lo < hi:
+            out.append((lo - x, values[lo - at:hi - at]))
+    return out
+
+
+def add_addends(target: torch.Tensor, origin: int,
+                addends: list[tuple[int, torch.Tensor]]) -> None:
+    """Make the adds of ``addends`` (unit element, values) into ``target``, unit elements
+    [origin, origin + numel), in order; parts outside it are not its."""
+    for offset, part in clipped_addends(addends, origin, origin + target.numel()):
+        add_widened(target[offset:offset + part.numel()], part)
+
+
 def run_pieces(unit: SteppedUnit, runs: list["StepRun"], grad, start: int, end: int):
     """(run, x, y, gradient of [x, y)) for each step run's part of [start, end), a piece at a
     time (``grad_pieces``; the gradient indexed from ``start``): what a kernel steps."""
@@ -350,8 +370,7 @@ class CompleteGradient:
 
     def _make_claimed(self) -> None:
         """Make the claimed adds into the home now, in order."""
-        for at, staged in self.addends:
-            add_widened(self.of(at, at + staged.numel()), staged)
+        add_addends(self.values, self.origin, self.addends)
         self.addends = []
 
     def of(self, start: int, end: int) -> torch.Tensor | dict[int, torch.Tensor]:

@@ -102,9 +102,10 @@ class StepKernel(Protocol):
             grad: torch.Tensor | dict[int, torch.Tensor], m: torch.Tensor, v: torch.Tensor,
             grad_scale: float, half_out: torch.Tensor | None, hyper: list[dict],
             runs: list[StepRun], grad_sq_sum: bool = False,
-            scales: MomentScales | None = None, zero_grad: bool = False) -> float:
+            scales: MomentScales | None = None, zero_grad: bool = False,
+            addends: list[tuple[int, torch.Tensor]] | None = None) -> float:
         """Adam on elements [start, end) of the unit; the gradient's squares when asked; the
-        gradient left at zero with ``zero_grad``."""
+        gradient left at zero with ``zero_grad``, completed first by ``addends``."""
 
 
 @dataclass(eq=False)
