@@ -6,7 +6,7 @@ the last micro-batch), so the deferred schedule keeps gradients at home and step
 after the backward: on a GPU its steps run ahead of the next forward (zero/steps_ahead.py),
 but a step's CPU Adam (0.18 s for the 0.49B model on the H200's 16 cores) outlasted that
 forward's compute (~70 ms), so the first forward of each step waited for the Adam unit by unit
-and the copies issued then ran beside an idle GPU (docs/gpu.md, "The third H200 pass").
+and the copies issued then ran beside an idle GPU (docs/benchmark-history.md, "The third H200 pass").
 
 The gradient of a unit is complete, though, as soon as the last micro-batch's backward of that
 unit is done: the home holds the earlier micro-batches' sum and this backward's copies add the

@@ -4,7 +4,7 @@ compute is negligible, so what is left is the engine's hooks (fetch, release, gr
 the step's bookkeeping) on the host.
 
 Why: on the first H200 the 0.49B forward was launch-bound (each kernel started within ~20 µs of
-its launch; ~3 ms of host time a layer, docs/gpu.md "The first H200"). Whether that host time is
+its launch; ~3 ms of host time a layer, docs/benchmark-history.md "The first H200 pass"). Whether that host time is
 the engine's or the model's own Python decides where to cut. This runs on any machine (a CPU
 device: the hooks' Python and the copies' bookkeeping, not CUDA's launch costs).
 
