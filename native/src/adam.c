@@ -26,6 +26,18 @@ struct chunk {
     int64_t begin, end;
 };
 
+/* What a pass does on each chunk besides its range function: fold staged adds into the
+ * gradient first (inf_adam_step_fold), sum the gradient's squares (the norm), zero the gradient
+ * after the update (inf_adam_step_zero, fold). Each while the chunk is in cache. A plain pass
+ * (a step, an accumulate, the bandwidth reference) leaves them all out: PLAIN_PASS. */
+struct pass_extras {
+    double *sq_sum;                          /* the call's sum of squares, or NULL */
+    int zero_grad;
+    const struct inf_adam_addend *addends;   /* their range: an index into the call's tensors */
+    int naddends;
+};
+static const struct pass_extras PLAIN_PASS = {0};
+
 struct job {
     const struct adam_consts *c;
     adam_range_fn fn;
@@ -121,8 +133,8 @@ static size_t fill_chunks(const struct inf_adam_tensor *ts, int nt, struct chunk
  * the gradients' squares there (chunk sums added in chunk order: independent of the threads). */
 static int run_ranges(const struct adam_consts *c, adam_range_fn fn,
                       const struct inf_adam_tensor *ts, int nt, int gdt, int hdt, int nthreads,
-                      double *sq_sum, int zero_grad, const struct inf_adam_addend *addends,
-                      int naddends) {
+                      const struct pass_extras *x) {
+    double *sq_sum = x->sq_sum;
     int64_t total = 0;
     for (int i = 0; i < nt; i++) total += ts[i].numel;
     if (sq_sum) *sq_sum = 0.0;
@@ -136,8 +148,8 @@ static int run_ranges(const struct adam_consts *c, adam_range_fn fn,
         return -ENOMEM;
     }
     struct job j = {.c = c, .fn = fn, .chunks = chunks, .gdt = gdt, .hdt = hdt,
-                    .chunk_sq = chunk_sq, .zero_grad = zero_grad, .ranges = ts,
-                    .addends = addends, .naddends = naddends};
+                    .chunk_sq = chunk_sq, .zero_grad = x->zero_grad, .ranges = ts,
+                    .addends = x->addends, .naddends = x->naddends};
     j.nchunks = fill_chunks(ts, nt, chunks);
     atomic_init(&j.next, 0);
     if (nthreads <= 0) nthreads = inf_adam_cpus_allowed();
@@ -272,8 +284,7 @@ static struct adam_consts make_consts(const struct inf_adam_hparams *hp) {
 
 static int adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                      int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads,
-                     double *grad_sq_sum, int zero_grad, const struct inf_adam_addend *addends,
-                     int naddends) {
+                     const struct pass_extras *x) {
     int rc = check_hparams(hp);
     if (rc == 0) rc = check_tensors(tensors, ntensors, grad_dtype, half_dtype);
     if (rc) return rc;
@@ -282,21 +293,19 @@ static int adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_te
     adam_range_fn fn = kernel_fn(kernel);
     if (!fn) return -ENOTSUP;
     struct adam_consts c = make_consts(hp);
-    return run_ranges(&c, fn, tensors, ntensors, grad_dtype, half_dtype, nthreads, grad_sq_sum,
-                      zero_grad, addends, naddends);
+    return run_ranges(&c, fn, tensors, ntensors, grad_dtype, half_dtype, nthreads, x);
 }
 
 int inf_adam_step(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                   int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads) {
-    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, NULL, 0,
-                     NULL, 0);
+    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, &PLAIN_PASS);
 }
 
 int inf_adam_step_zero(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
                        int ntensors, int grad_dtype, int half_dtype, int kernel, int nthreads,
                        double *grad_sq_sum) {
-    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, grad_sq_sum,
-                     1, NULL, 0);
+    struct pass_extras x = {.sq_sum = grad_sq_sum, .zero_grad = 1};
+    return adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, &x);
 }
 
 int inf_adam_step_fold(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
@@ -314,8 +323,9 @@ int inf_adam_step_fold(const struct inf_adam_hparams *hp, const struct inf_adam_
             return -EINVAL;
         if (a->numel > 0 && !a->values) return -EINVAL;
     }
-    return adam_step(hp, tensors, ntensors, INF_ADAM_DTYPE_F32, half_dtype, kernel, nthreads,
-                     grad_sq_sum, 1, addends, naddends);
+    struct pass_extras x = {.sq_sum = grad_sq_sum, .zero_grad = 1, .addends = addends,
+                            .naddends = naddends};
+    return adam_step(hp, tensors, ntensors, INF_ADAM_DTYPE_F32, half_dtype, kernel, nthreads, &x);
 }
 
 int inf_adam_step_norm(const struct inf_adam_hparams *hp, const struct inf_adam_tensor *tensors,
@@ -323,8 +333,8 @@ int inf_adam_step_norm(const struct inf_adam_hparams *hp, const struct inf_adam_
                        double *grad_sq_sum) {
     if (!grad_sq_sum) return -EINVAL;
     double sum = 0.0;
-    int rc = adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads, &sum, 0,
-                       NULL, 0);
+    int rc = adam_step(hp, tensors, ntensors, grad_dtype, half_dtype, kernel, nthreads,
+                       &(struct pass_extras){.sq_sum = &sum});
     if (rc == 0) *grad_sq_sum = sum;
     return rc;
 }
@@ -340,8 +350,8 @@ int inf_grad_sq_sum(const void *grad, int64_t numel, int grad_dtype, int nthread
     /* param only places the chunk boundaries (at its 64-byte lines): the gradient's own */
     struct inf_adam_tensor t = {(float *)grad, grad, NULL, NULL, NULL, numel};
     struct adam_consts unused = {0};
-    return run_ranges(&unused, NULL, &t, 1, grad_dtype, INF_ADAM_DTYPE_NONE, nthreads, out, 0,
-                      NULL, 0);
+    return run_ranges(&unused, NULL, &t, 1, grad_dtype, INF_ADAM_DTYPE_NONE, nthreads,
+                      &(struct pass_extras){.sq_sum = out});
 }
 
 /* ---- a gradient accumulated into its fp32 home ---- */
@@ -394,7 +404,7 @@ int inf_grad_accumulate(float *dst, const void *src, int64_t numel, int src_dtyp
     struct inf_adam_tensor t = {dst, src, NULL, NULL, NULL, numel};
     struct adam_consts unused = {0};
     return run_ranges(&unused, accumulate_range, &t, 1, src_dtype, INF_ADAM_DTYPE_NONE,
-                      nthreads, NULL, 0, NULL, 0);
+                      nthreads, &PLAIN_PASS);
 }
 
 /* ---- bandwidth reference ---- */
@@ -441,8 +451,8 @@ int inf_adam_rmw_bandwidth(float *a, const float *b, float *c, float *d, int64_t
 #if defined(__x86_64__)
     if (inf_adam_kernel_supported(INF_ADAM_KERNEL_AVX2)) fn = rmw_range_avx2;
 #endif
-    return run_ranges(&unused, fn, &t, 1, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE, nthreads, NULL,
-                      0, NULL, 0);
+    return run_ranges(&unused, fn, &t, 1, INF_ADAM_DTYPE_F32, INF_ADAM_DTYPE_NONE, nthreads,
+                      &PLAIN_PASS);
 }
 
 /* ---- shared with the state formats (adam_formats.c): the same checks and constants ---- */
