@@ -75,6 +75,7 @@ from infinity.optim.device_gradients import (
     buffer_numels,
     pool_buffer_numel,
 )
+from infinity.optim.gradients import FOLDING_UNITS
 from infinity.optim.state_formats import MOMENT_DTYPES
 from infinity.planner.state_format import (
     FP32_STATES,
@@ -103,6 +104,7 @@ class _Job:
     unit: Unit
     reads_end: float
     kernel_end: float = -1.0
+    adam_end: float = -1.0      # the kernel's own end (kernel_end: its device-copy write's)
     landed: float = -1.0
 
     @property
@@ -162,6 +164,8 @@ class SimStepper:
         self.host_adds = Lane(self.clock, float("inf") if instant else host_add_Bps,
                               HOST_ADDS)
         self._adds_end = 0.0
+        # this backward's units whose last adds wait for their steps: when each step ends
+        self._folding_until: dict[int, float] = {}
         if host_add_Bps > 0 and not instant:
             self.host_adds.share(self.adam)     # the same cores and memory bandwidth
         self.states: dict[int, list[SimStore]] = {}
@@ -227,10 +231,11 @@ class SimStepper:
         # the gradient is read on the host after its copy's event (``_gradient_to_host``)
         start = max(job.reads_end, self.clock.now, self.grad_landed.pop(unit.index, 0.0))
         # the rank's range (its shard with several ranks), at the rank's share of the node's rate
-        job.kernel_end = self.adam.schedule(self.grad_numel[unit.index], not_before=start,
-                                            what=f"step {unit.name}")
+        job.adam_end = self.adam.schedule(self.grad_numel[unit.index], not_before=start,
+                                          what=f"step {unit.name}")
+        job.kernel_end = job.adam_end
         if self.instant:
-            job.kernel_end = self.clock.now
+            job.kernel_end = job.adam_end = self.clock.now
         elif self.copies.overlaps_compute and unit.index in self.masters:
             # the 16-bit result goes to the device copy on the host-to-device copies, and the
             # unit is stepped once they landed ([Note: the device copy written behind the step]
@@ -314,13 +319,18 @@ class SimStepper:
         if grad is not None and not grad.resident:
             grad.write_bytes(grad.nbytes, not_before=landed)
         elif grad is not None and self.grads_leave and not self.comm.active:
-            landed = self._add_into_home(unit, landed, folded=self._takes(unit))
+            folded = self._folds(unit)
+            landed = self._add_into_home(unit, landed, folded=folded)
+            if folded:
+                self._folding_until[unit.index] = float("inf")   # until its step ends
         self._drop_held(unit)
         if self._takes(unit):        # stepped now, as an early step, from its home
             self.grad_landed[unit.index] = landed
             reads = self.expected.pop(unit.index, None)
             job = _Job(unit, reads if reads is not None else self._read_states(unit))
             self._run(job)
+            if unit.index in self._folding_until:
+                self._folding_until[unit.index] = job.adam_end
             self.jobs[unit.index] = job
             self._stepped_at_boundary.add(unit.index)
             return False
@@ -331,18 +341,28 @@ class SimStepper:
         grad = self.grad_stores.get(unit.index)
         return self._boundary and grad is not None and grad.resident
 
+    def _folds(self, unit: Unit) -> bool:
+        """The unit's last adds are left to its step (``GradientCollector._folding_now``): on a
+        GPU, in the backward whose steps take it, while fewer than ``FOLDING_UNITS`` units of
+        that backward hold adds their steps have not yet read. The engine decides at the unit's
+        first add; here at its backward's end, the add's issue."""
+        if not (self._takes(unit) and self.copies.overlaps_compute):
+            return False
+        holding = sum(1 for end in self._folding_until.values() if end > self.clock.now)
+        return holding < FOLDING_UNITS
+
     def _add_into_home(self, unit: Unit, landed: float, folded: bool = False) -> float:
         """The unit's gradient added into its resident home after its copy: read in the
         compute dtype, the fp32 home read and written ([Note: host adds off the training
         thread] in storage/host_adds.py). The step waits for the last one. ``folded``: the
         step the unit is taken by folds it into its kernel ([Note: the last adds fold into
         the step] in optim/boundary_steps.py) on a GPU: only the staged gradient is read, on
-        the same resource (the lanes are shared); the bound on units folding at once is not
-        modelled."""
+        the same resource (the lanes are shared)."""
         n = self.grad_numel[unit.index]
         per = unit.dtype.itemsize + (0 if folded and self.copies.overlaps_compute else 8)
+        into = " in its step" if folded and self.copies.overlaps_compute else ""
         end = self.host_adds.schedule(n * per, not_before=landed,
-                                      what=f"add {unit.name}'s gradient")
+                                      what=f"add {unit.name}'s gradient{into}")
         if self.copies.overlaps_compute:
             self._adds_end = max(self._adds_end, end)
         else:
@@ -400,6 +420,7 @@ class SimStepper:
         """``boundary``: the cycle's last micro-batch."""
         self._seen.clear()
         self._boundary = self.boundary_steps and boundary
+        self._folding_until.clear()
 
     def end_backward(self) -> None:
         self.expected.clear()     # units that got no gradients are not stepped

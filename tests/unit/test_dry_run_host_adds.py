@@ -10,6 +10,7 @@ from fakes import GPU_BOX
 
 from infinity.commands.dry_run import DryRunRates, DryRunSetup, dry_run, meta_llama
 from infinity.config import InfinityConfig
+from infinity.optim.gradients import FOLDING_UNITS
 from infinity.planner.inputs import llama_stats
 from infinity.planner.run_plan import plan_run
 from infinity.simulate.clock import WAIT
@@ -93,3 +94,30 @@ def test_the_last_micro_batch_steps_each_unit_after_its_add() -> None:
         assert any(end <= start for end in adds[unit])
     deferred = _run(host_memory_GBps=1.0, early_step="off")
     assert sum(s.seconds for s in report.steps) < sum(s.seconds for s in deferred.steps)
+
+
+def test_at_most_folding_units_units_hold_adds_for_their_steps() -> None:
+    """The last micro-batch's adds wait for their steps' kernels ([Note: the last adds fold into
+    the step] in optim/boundary_steps.py) in at most ``FOLDING_UNITS`` units at once: with an
+    Adam so slow that no step ends within the backward, the first units' adds fold and the rest
+    are made on the adds lane in full; with a fast Adam every unit's folds."""
+    def folded(adam_params_per_s: float) -> list[bool]:
+        cfg = InfinityConfig.from_dict({
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                  "offload_optimizer": {"device": "cpu"}},
+            "infinity": {"compute_dtype": "bf16", "early_step": "auto"}}, world_size=1)
+        plan = plan_run(cfg, GPU_BOX, stats=llama_stats(MODEL), device_is_cpu=False)
+        rates = DryRunRates(compute_flops_per_s=1e10, nvme_read_GBps=3.0, nvme_write_GBps=2.0,
+                            adam_params_per_s=adam_params_per_s, pcie_GBps=10.0,
+                            host_memory_GBps=100.0)
+        report = dry_run(meta_llama(MODEL), DryRunSetup(plan=plan), rates, seq_len=16,
+                         micro_batch=2, steps=1, accumulate=2)
+        adds = [what for lane, _, _, what in report.spans if lane == ADDS]
+        assert len(adds) == 6 * 2                     # 6 units, 2 micro-batches
+        assert not any(what.endswith("in its step") for what in adds[:6])
+        return [what.endswith("in its step") for what in adds[6:]]
+
+    assert folded(1e3) == [True] * FOLDING_UNITS + [False] * (6 - FOLDING_UNITS)
+    assert folded(1e12) == [True] * 6
