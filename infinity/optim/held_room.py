@@ -15,9 +15,9 @@ room back); otherwise it is taken anyway (a unit larger than the room, or gradie
 tied weight's last use), so the backward never waits on itself. A unit's first part is taken
 without waiting: with a room of one unit, the next unit's first gradient always arrives while
 the step ahead holds the whole room, so every unit waited for that step's first kernels even
-where the stream keeps up; taken freely, the step was 3-6% faster at 0.49B and 1.04B
-(the out-of-core bench, interleaved rounds). So the room holds at most its capacity and one part (the host
-budget keeps two units' worth).
+where the stream keeps up; taken freely, the step was 3-6% faster at 0.49B and 1.04B (the
+out-of-core bench, interleaved rounds). So the room holds at most its capacity and one part
+(the host budget keeps two units' worth).
 """
 from __future__ import annotations
 
