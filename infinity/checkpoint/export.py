@@ -10,7 +10,7 @@ import torch
 from infinity.checkpoint.layout import persistent_buffers, unit_layouts
 from infinity.checkpoint.save import RankAgreement, check_at_rest
 from infinity.checkpoint.sliced import model_files_of, open_ranks, param_shapes
-from infinity.checkpoint.pretrained_write import ShardedWriter, write_weights
+from infinity.checkpoint.sharded_writer import ShardedWriter, write_weights
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, parts_of, save_entries
 
@@ -55,17 +55,20 @@ def save_model_weights(state: TrainingState, path: str | Path, with_frozen: bool
     saved = {id(lay): lay.entries if with_frozen else lay.trainable for lay in layouts}
     tensors = [(e.name, lay.unit.dtype, tuple(e.shape)) for lay in layouts for e in saved[id(lay)]]
     tensors += [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers]
-    writes = state.rank == 0
     # with several ranks each unit is gathered by all and rank 0 writes the file (DeepSpeed's
     # stage3_gather_16bit_weights_on_model_save)
-    return RankAgreement(state, "no file was written").all_succeed(
-        lambda: _write_weights(state, path, layouts, saved, buffers, tensors, writes),
-        "write the weights") if state.world_size > 1 else \
-        _write_weights(state, path, layouts, saved, buffers, tensors, writes)
+    agreement = RankAgreement(state, "no file was written") if state.world_size > 1 else None
+
+    def write() -> Path:
+        return _write_weights(state, path, layouts, saved, buffers, tensors, agreement)
+
+    return agreement.all_succeed(write, "write the weights") if agreement is not None \
+        else write()
 
 
 def _write_weights(state: TrainingState, path: Path, layouts, saved, buffers, tensors,
-                   writes: bool) -> Path:
+                   agreement: RankAgreement | None) -> Path:
+    writes = state.rank == 0
     gathered = state.world_size > 1
     chunks = ChunkPool(state.manager, state.lendable_pools)
 
@@ -89,5 +92,5 @@ def _write_weights(state: TrainingState, path: Path, layouts, saved, buffers, te
     # one file, whatever its size; named model.safetensors it is the directory's weights
     # (an earlier sharded save there is replaced as a whole, see checkpoint/weights_dir.py)
     write_weights(path.parent, tensors, max_bytes=1 << 62, fill=fill, what="save_16bit_model",
-                  writes=writes, single_name=path.name)
+                  writes=writes, single_name=path.name, agreement=agreement)
     return path

@@ -72,12 +72,12 @@ def test_infinity_clean_removes_what_a_killed_export_left(saves, tmp_path: Path)
 
 def test_a_full_disk_names_the_directory_and_keeps_the_earlier_save(saves, tmp_path: Path,
                                                                    monkeypatch) -> None:
-    from infinity.checkpoint import pretrained_write
+    from infinity.checkpoint import sharded_writer
 
     case = next(c for c in saves.cases() if c.kind == "save_pretrained" and c.old_shards == 3)
     directory = tmp_path / "out"
     case.reset(directory)
-    monkeypatch.setattr(pretrained_write, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(sharded_writer, "free_bytes", lambda path: 1000)
     with pytest.raises(OSError) as info:
         saves.save("save_pretrained", "B", directory, 1)
     message = str(info.value)
@@ -88,8 +88,8 @@ def test_a_full_disk_names_the_directory_and_keeps_the_earlier_save(saves, tmp_p
 
 def test_infinity_export_into_a_full_disk_is_one_line_and_exit_2(saves, tmp_path: Path) -> None:
     # sitecustomize-free: the CLI run with a free-space probe that says the disk is full
-    script = ("import sys; from infinity.checkpoint import pretrained_write as pw; "
-              "pw.free_bytes = lambda path: 10; from infinity.cli import main; "
+    script = ("import sys; from infinity.checkpoint import sharded_writer as sw; "
+              "sw.free_bytes = lambda path: 10; from infinity.cli import main; "
               "sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", script, "export", str(saves.ckpt["B"]),
                           str(tmp_path / "out")], capture_output=True, text=True, timeout=300)

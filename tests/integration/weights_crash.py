@@ -149,8 +149,8 @@ class Case:
 
 def shard_sizes(reference: Path) -> dict[int, int]:
     """max_shard_size values giving 1, 2 and 3 shards for the tensors of ``reference`` (a
-    one-file save), by transformers' rule (pretrained_write.plan_shards)."""
-    from infinity.checkpoint.pretrained_write import plan_shards
+    one-file save), by transformers' rule (sharded_writer.plan_shards)."""
+    from infinity.checkpoint.sharded_writer import plan_shards
 
     tensors = load_file(reference / "model.safetensors")
     table = [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]

@@ -14,11 +14,13 @@ from torch import nn
 from infinity.checkpoint import pretrained
 from infinity.checkpoint.pretrained import PretrainedWeights, weight_map
 from infinity.checkpoint.pretrained_write import (
-    ShardedWriter,
     config_with_dtype,
     out_dtype,
-    plan_shards,
     shard_bytes,
+)
+from infinity.checkpoint.sharded_writer import (
+    ShardedWriter,
+    plan_shards,
 )
 from infinity.checkpoint.tensor_file import CheckpointError
 

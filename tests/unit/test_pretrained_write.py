@@ -22,20 +22,23 @@ from torch import nn
 
 from infinity.base.budget import MemoryBudget
 from infinity.checkpoint import pretrained_write as pw
+from infinity.checkpoint import sharded_writer as sw
 from infinity.checkpoint.directory import FORMAT, MANIFEST, VERSION
 from infinity.checkpoint.layout import UnitLayout
 from infinity.checkpoint import weights_dir
 from infinity.checkpoint.pretrained_write import (
-    CARRIED_FILES,
-    ShardedWriter,
     config_with_dtype,
     export_pretrained,
     hub_table,
     out_dtype,
-    plan_shards,
     save_pretrained,
     saved_names,
     shard_bytes,
+)
+from infinity.checkpoint.sharded_writer import (
+    CARRIED_FILES,
+    ShardedWriter,
+    plan_shards,
     shard_names,
     write_model_files,
     write_text,
@@ -332,7 +335,7 @@ def test_a_failure_while_the_writer_opens_releases_its_lock(tmp_path: Path,
                                                             monkeypatch) -> None:
     """An error before the shard names are known is the one raised (the abort that follows
     does not raise over it), and the save lock is released: the next writer opens."""
-    monkeypatch.setattr(pw, "remove_stale_partials",
+    monkeypatch.setattr(sw, "remove_stale_partials",
                         lambda d: (_ for _ in ()).throw(OSError(errno.EIO, "scan failed")))
     with pytest.raises(OSError, match="scan failed"):
         ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
@@ -346,7 +349,7 @@ def test_a_failure_while_the_writer_opens_releases_its_lock(tmp_path: Path,
 
 # -- room on the disk and unwritable directories -------------------------------------------
 def _free(monkeypatch, free: int) -> None:
-    monkeypatch.setattr(pw, "free_bytes", lambda directory: free)
+    monkeypatch.setattr(sw, "free_bytes", lambda directory: free)
 
 
 def test_a_save_needs_room_for_its_weights_and_a_header_reserve(tmp_path: Path,
@@ -358,8 +361,8 @@ def test_a_save_needs_room_for_its_weights_and_a_header_reserve(tmp_path: Path,
     need = 32 + 2 * 4096 + 3 * 128
     _free(monkeypatch, need - 1)
     with raises_naming(OSError, f"[Errno {errno.ENOSPC}] save into {tmp_path} needs "
-                       f"{pw.format_bytes(need)}",
-                       f"disk has {pw.format_bytes(need - 1)} free",
+                       f"{sw.format_bytes(need)}",
+                       f"disk has {sw.format_bytes(need - 1)} free",
                        "nothing was written and the earlier save there is unchanged: free "
                        "space or choose another directory", starts=True, ends=True) as info:
         ShardedWriter(tmp_path, table, 16)
@@ -401,8 +404,8 @@ def test_a_disk_that_fills_up_during_a_save_says_so(tmp_path: Path, monkeypatch)
     for code in (errno.ENOSPC, errno.EDQUOT):
         with raises_naming(OSError, f"[Errno {code}] export into {tmp_path}: the disk filled up "
                            "while writing "
-                           f"({os.strerror(code)}; {pw.format_bytes(80)} needed, "
-                           f"{pw.format_bytes(10**9)} free now that the partial files are "
+                           f"({os.strerror(code)}; {sw.format_bytes(80)} needed, "
+                           f"{sw.format_bytes(10**9)} free now that the partial files are "
                            "removed); the earlier save there is unchanged: free space or "
                            "choose another directory", starts=True, ends=True) as info:
             write_weights(tmp_path, table, 40, filling(OSError(code, os.strerror(code))),
@@ -434,7 +437,7 @@ def test_a_directory_that_is_not_writable_is_refused(tmp_path: Path, monkeypatch
     """Writing and entering are both needed (asked of os.access; the test runs as any user,
     root included, so the answer is the proxy's: no write permission)."""
     asked: list[int] = []
-    real_os = pw.os
+    real_os = sw.os
 
     class _Os:
         def __getattr__(self, name):
@@ -445,7 +448,7 @@ def test_a_directory_that_is_not_writable_is_refused(tmp_path: Path, monkeypatch
             asked.append(mode)
             return not mode & real_os.W_OK and real_os.access(path, mode)
 
-    monkeypatch.setattr(pw, "os", _Os())
+    monkeypatch.setattr(sw, "os", _Os())
     with raises_naming(PermissionError, f"save: {tmp_path} is not writable; choose another "
                        "directory or fix its permissions", starts=True, ends=True):
         ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
@@ -917,7 +920,7 @@ def test_an_export_without_a_config_warns_and_checks_checksums(tmp_path: Path,
 
 def test_a_failed_export_leaves_no_partial_file(tmp_path: Path, monkeypatch) -> None:
     _checkpoint(tmp_path / "ck")
-    monkeypatch.setattr(pw, "write_model_files",
+    monkeypatch.setattr(sw, "write_model_files",
                         lambda *a: (_ for _ in ()).throw(OSError(5, "EIO")))
     out = tmp_path / "hf"
     with pytest.raises(OSError, match="EIO"):

@@ -62,7 +62,8 @@ def generate(directory: Path, size: str, dtype_name: str, shard_size: str, seed:
     import torch
     import transformers
 
-    from infinity.checkpoint.pretrained_write import DTYPES, ShardedWriter, shard_bytes
+    from infinity.checkpoint.pretrained_write import DTYPES, shard_bytes
+    from infinity.checkpoint.sharded_writer import ShardedWriter
 
     dtype = DTYPES[dtype_name]
     cfg = C.llama_config(C.size_shape(size), 2048)
