@@ -9,22 +9,36 @@ import torch
 
 from infinity.checkpoint.layout import persistent_buffers, unit_layouts
 from infinity.checkpoint.save import RankAgreement, check_at_rest
-from infinity.checkpoint.sliced import model_files_of, open_ranks, param_shapes
+from infinity.checkpoint.sliced import (
+    model_files_of,
+    open_ranks,
+    param_shapes,
+    refuse_without_frozen,
+)
 from infinity.checkpoint.sharded_writer import ShardedWriter, write_weights
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, parts_of, save_entries
 
 
 def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
-                            verify_checksums: bool = True) -> dict[str, torch.Tensor]:
+                            verify_checksums: bool = True,
+                            trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter (trainable ones in fp32) and persistent buffer of the checkpoint by its
     ``state_dict`` name, tied parameters under each of their names (sharing one tensor).
     ``checkpoint_dir`` is a save directory (then ``tag`` or ``latest`` picks the checkpoint)
-    or one checkpoint's directory."""
+    or one checkpoint's directory. A checkpoint saved with ``exclude_frozen_parameters`` holds
+    only the trainable parameters: it is refused unless ``trainable_only`` says that is what
+    you want (a partial ``state_dict``, to load over the model those parameters were trained
+    on with ``strict=False``)."""
     save, files = model_files_of(Path(checkpoint_dir), tag, verify_checksums)
     manifest = save.manifest
-    with save, open_ranks(save, files, param_shapes(manifest)) as reader:   # every rank's slices
-        state = {name: reader.read(name) for name in reader.tensors}
+    with save:
+        if not trainable_only:
+            refuse_without_frozen(save.directory, manifest, "consolidated_state_dict",
+                                  "pass trainable_only=True for those alone (a partial "
+                                  "state_dict, to load with strict=False over the base model)")
+        with open_ranks(save, files, param_shapes(manifest)) as reader:   # every rank's slices
+            state = {name: reader.read(name) for name in reader.tensors}
     # a bf16 master (optimizer_master "bf16") is saved as the bf16 parameter: its fp32 value
     params = manifest.get("params", {})
     for name, tensor in state.items():

@@ -30,7 +30,12 @@ from infinity.base.log import get_logger
 from infinity.checkpoint.layout import UnitLayout, persistent_buffers, unit_layouts
 from infinity.checkpoint.save import RankAgreement, check_at_rest
 from infinity.checkpoint.sharded_writer import ShardedWriter, Table, numel, write_weights
-from infinity.checkpoint.sliced import model_files_of, open_ranks, param_shapes
+from infinity.checkpoint.sliced import (
+    model_files_of,
+    open_ranks,
+    param_shapes,
+    refuse_without_frozen,
+)
 from infinity.checkpoint.tensor_file import CheckpointError, itemsize
 from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, parts_of, read_chunks, save_entries
@@ -278,6 +283,9 @@ def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.d
                    carry_from: Path | None, hub_names_of: Callable[[str], Any] | None = None
                    ) -> Path:
     source, manifest = save.directory, save.manifest
+    refuse_without_frozen(source, manifest, "export", "export from the engine that holds the "
+                          "whole model (engine.save_pretrained), or for an adapter (LoRA) save "
+                          "the adapter alone (save_pretrained on the PEFT model)")
     shapes = param_shapes(manifest)
     model_texts = dict(texts or {})
     saved_texts = manifest.get("model_files") or {}

@@ -166,3 +166,15 @@ def model_files_of(root: Path, tag: str | None, verify_checksums: bool,
     save = pin_save(locate, files_of, verify_checksums)
     assert save is not None
     return save, files_of(save)
+
+
+def refuse_without_frozen(directory: Path, manifest: dict, what: str, instead: str) -> None:
+    """Refuse to make a whole model's weights of a checkpoint saved without its frozen
+    parameters (``exclude_frozen_parameters``): a loader would initialize the missing ones at
+    random (transformers only lists them as missing)."""
+    if manifest.get("frozen_excluded"):
+        raise CheckpointError(
+            f"{what}: {directory} was saved with exclude_frozen_parameters=True, so it holds "
+            "only the trainable parameters, not a whole model; weights made of it would leave "
+            "the frozen ones to random initialization. Save a checkpoint without "
+            f"exclude_frozen_parameters, or {instead}")

@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 
 import infinity
 from infinity.checkpoint import consolidated_state_dict
+from infinity.checkpoint.pretrained_write import export_pretrained
+from infinity.checkpoint.tensor_file import CheckpointError
 from parity import (VOCAB, backward_both, engine_and_reference, make_model,
                     train_steps, zero_config)
 
@@ -339,6 +341,16 @@ def test_exclude_frozen_parameters_leaves_them_out_and_keeps_them_at_load(disk_d
     lora = load_file(str(disk_dir / "lora" / "t" / "rank0_model.safetensors"))
     frozen = {n for n in full if n.startswith("transformer.h.0.")}
     assert frozen and set(full) - set(lora) == frozen
+    # not a whole model: weights made of it alone are refused (a loader would leave the frozen
+    # ones random), unless asked for the trainable ones
+    for make in (lambda: consolidated_state_dict(disk_dir / "lora"),
+                 lambda: export_pretrained(disk_dir / "lora", disk_dir / "exported")):
+        with pytest.raises(CheckpointError, match="exclude_frozen_parameters=True"):
+            make()
+    assert not (disk_dir / "exported").exists()
+    trained = consolidated_state_dict(disk_dir / "lora", trainable_only=True)
+    assert frozen.isdisjoint(trained) and set(lora) <= set(trained)
+    assert set(consolidated_state_dict(disk_dir / "full")) >= frozen
     b_model = model(0)        # same frozen base (seed 0): loading the rest gives the full state
     b, *_ = infinity.initialize(model=b_model, config=ds)
     try:
