@@ -315,6 +315,7 @@ def save_pretrained(engine: "Engine", save_directory: str | Path,
             raise ValueError(f"{what}(dtype={dtype!r}) on a PEFT model: its adapter is saved "
                              "in the dtype of its parameters, as PeftModel.save_pretrained "
                              "does; leave dtype unset")
+        from infinity.engine.peft_save import save_adapter
         return save_adapter(engine, Path(save_directory))
     dtype = out_dtype(dtype, default_save_dtype(engine))
     conversions = hub_names(engine.module)   # saved under the Hub's names, as transformers does
@@ -325,72 +326,6 @@ def save_pretrained(engine: "Engine", save_directory: str | Path,
                             tie_targets=tie_targets(engine.module), what=what,
                             hub_name=conversions.to_hub if conversions else None,
                             hub_split=conversions.split if conversions else None)
-
-
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-ADAPTER_STAGING_PREFIX = ".infinity-adapter-"
-
-
-def save_adapter(engine: "Engine", directory: Path) -> Path:
-    """A PEFT model's save is its adapter, as ``PeftModel.save_pretrained`` writes it
-    (``adapter_config.json``, ``adapter_model.safetensors`` under PEFT's names, which
-    ``PeftModel.from_pretrained`` loads over the base), never the wrapper's whole state under
-    its internal names (transformers loaded that as a model with its weights missing, and
-    said nothing). The trainable parameters are gathered a unit at a time (the frozen base is
-    not read); PEFT writes into a hidden directory beside them and each file is renamed into
-    place, under the directory's save lock (a README of the user's is kept; PEFT's model card
-    is added only where there is none). Every rank calls it; rank 0 writes."""
-    import os
-    import shutil
-    import tempfile
-
-    from infinity.checkpoint.weights_dir import fsync_dir
-    from infinity.checkpoint.writer_lock import SaveLock
-    from infinity.zero.init import GatheredParameters
-
-    model = engine.module
-    names = {id(p): name for name, p in model.named_parameters()}
-    state: dict[str, torch.Tensor] = {}
-    for unit in engine.units:          # one unit fetched at a time
-        trainable = [e.param for e in unit.params if e.param.requires_grad and id(e.param) in names]
-        if not trainable:
-            continue
-        with GatheredParameters(trainable):
-            for param in trainable:
-                state[names[id(param)]] = param.detach().to("cpu", copy=True)
-    if not state:
-        raise ValueError("save_pretrained on a PEFT model with no trainable parameters: there "
-                         "is no adapter to save")
-    writes = engine.ranks.rank == 0
-    if not writes:
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    with SaveLock.acquire(directory):
-        for stale in directory.glob(ADAPTER_STAGING_PREFIX + "*"):
-            shutil.rmtree(stale, ignore_errors=True)     # a killed save's
-        staging = Path(tempfile.mkdtemp(prefix=ADAPTER_STAGING_PREFIX, dir=directory))
-        try:
-            type(model).save_pretrained(model, str(staging), state_dict=state,
-                                        safe_serialization=True, is_main_process=True)
-            written = {p.name: p for p in staging.rglob("*") if p.is_file()}
-            missing = [name for name in ADAPTER_FILES if name not in written]
-            if missing:
-                raise RuntimeError(f"PeftModel.save_pretrained wrote no {', '.join(missing)} "
-                                   f"(it wrote {sorted(written)}): this PEFT version saves "
-                                   "otherwise; save with model.save_pretrained")
-            carried = list(ADAPTER_FILES)
-            if "README.md" in written and not (directory / "README.md").exists():
-                carried.append("README.md")
-            for name in carried:
-                with open(written[name], "rb") as f:
-                    os.fsync(f.fileno())
-            for name in carried:             # the weights first: the config names them
-                os.replace(written[name], directory / name)
-            fsync_dir(directory)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    log.info("saved the PEFT adapter (%d tensors) to %s", len(state), directory)
-    return directory
 
 
 def _save_merged(engine: "Engine", directory: Path, max_shard_size: int | str, dtype: Any,

@@ -101,3 +101,57 @@ def test_a_lora_adapter_trains_offloaded_saves_and_reloads(disk_dir, tmp_path) -
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
 
 
+
+
+def test_a_model_with_two_adapters_saves_each_where_peft_puts_it(disk_dir, tmp_path) -> None:
+    """The trained "default" adapter at the top and an added one in its own directory, as
+    ``PeftModel.save_pretrained`` lays them out, each with its own config and weights (the
+    added one is frozen: saved all the same). Before, the files were taken by name from every
+    directory PEFT wrote, and the added adapter's config and weights replaced the trained
+    one's. A killed save's staging directory is removed where it holds only adapter files;
+    one holding anything else is left alone."""
+    from safetensors.torch import load_file
+
+    import infinity
+
+    warnings.filterwarnings("ignore")
+    model = _lora()
+    model.add_adapter("second", peft.LoraConfig(r=2, target_modules=["up_proj"],
+                                                task_type="CAUSAL_LM"))
+    model.set_adapter("default")
+    out = tmp_path / "adapters"
+    (out / ".infinity-adapter-killed" / "second").mkdir(parents=True)
+    (out / ".infinity-adapter-killed" / "second" / "adapter_config.json").write_text("{}")
+    (out / ".infinity-adapter-mine").mkdir()
+    (out / ".infinity-adapter-mine" / "notes.txt").write_text("the user's\n")
+    ds = {**hf_ds(disk_dir), "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+          "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        engine.save_pretrained(out)
+        trained = engine.module_state_dict()
+    finally:
+        engine.close()
+    reference = copy.deepcopy(_lora())
+    reference.add_adapter("second", peft.LoraConfig(r=2, target_modules=["up_proj"],
+                                                    task_type="CAUSAL_LM"))
+    reference.load_state_dict(trained)
+    reference.save_pretrained(tmp_path / "peft")
+    for relative in ("adapter_model.safetensors", "second/adapter_model.safetensors"):
+        ours, theirs = load_file(str(out / relative)), load_file(str(tmp_path / "peft" / relative))
+        # PEFT also copies a targeted lm_head's frozen base weight, which a save over the base
+        # does not need; the adapter's own tensors are the same
+        assert set(ours) == {name for name in theirs if "lora_" in name} and ours
+        for name in ours:
+            assert torch.equal(ours[name], theirs[name]), (relative, name)
+    assert any("lora_A" in n and "up_proj" not in n for n in load_file(str(out / ADAPTER)))
+    assert all("up_proj" in n for n in load_file(str(out / "second" / ADAPTER)))
+    assert not (out / ".infinity-adapter-killed").exists()
+    assert (out / ".infinity-adapter-mine" / "notes.txt").read_text() == "the user's\n"
+
+
+ADAPTER = "adapter_model.safetensors"

@@ -1,0 +1,138 @@
+"""``engine.save_pretrained(dir)`` on a PEFT model: its adapters, as ``PeftModel.save_pretrained``
+writes them (``adapter_config.json`` and ``adapter_model.safetensors`` under PEFT's names, the
+adapter named "default" at the top, each other adapter in a directory of its name), which
+``PeftModel.from_pretrained`` / ``load_adapter`` load over the base. Never the wrapper's whole
+state under its internal names (transformers loaded that as a model with its weights missing,
+and said nothing).
+
+The adapters' parameters are gathered a unit at a time (the frozen base is not read): the
+trainable ones and every adapter's own (an added adapter that is not trained is frozen, and
+PEFT saves it all the same, from the state it is given). PEFT writes into a hidden staging
+directory beside them, and each of its files is renamed to the same place under the directory,
+under the directory's save lock (a README of the user's is kept; PEFT's model card is added
+only where there is none)."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from infinity.base.log import get_logger
+
+if TYPE_CHECKING:
+    from infinity.engine.engine import Engine
+
+log = get_logger("engine")
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+STAGING_PREFIX = ".infinity-adapter-"
+CARD = "README.md"
+
+
+def adapter_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The parameters an adapter save reads: the trainable ones, and those of each adapter in
+    ``model.peft_config`` (PEFT names them ``...lora_A.<adapter>.weight``,
+    ``prompt_encoder.<adapter>...``)."""
+    adapters = list(getattr(model, "peft_config", {}) or {})
+    names = set()
+    for name, param in model.named_parameters():
+        dotted = f".{name}."
+        if param.requires_grad or any(f".{a}." in dotted for a in adapters):
+            names.add(name)
+    return names
+
+
+def save_adapter(engine: "Engine", directory: Path) -> Path:
+    """Every rank calls it; rank 0 writes (see the module's docstring)."""
+    from infinity.checkpoint.weights_dir import fsync_dir
+    from infinity.checkpoint.writer_lock import SaveLock
+    from infinity.zero.init import GatheredParameters
+
+    model = engine.module
+    wanted = adapter_parameter_names(model)
+    names = {id(p): name for name, p in model.named_parameters() if name in wanted}
+    state: dict[str, torch.Tensor] = {}
+    for unit in engine.units:          # one unit fetched at a time
+        params = [e.param for e in unit.params if id(e.param) in names]
+        if not params:
+            continue
+        with GatheredParameters(params):
+            for param in params:
+                state[names[id(param)]] = param.detach().to("cpu", copy=True)
+    if not any(model.get_parameter(n).requires_grad for n in state):
+        raise ValueError("save_pretrained on a PEFT model with no trainable parameters: there "
+                         "is no adapter to save")
+    if engine.ranks.rank != 0:
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    with SaveLock.acquire(directory):
+        _remove_stale_staging(directory)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory))
+        try:
+            type(model).save_pretrained(model, str(staging), state_dict=state,
+                                        safe_serialization=True, is_main_process=True)
+            moves = _files_to_carry(staging, directory)
+            for source, _ in moves:
+                with open(source, "rb") as f:
+                    os.fsync(f.fileno())
+            # the weights first: a config names them
+            for source, target in sorted(moves, key=lambda m: m[0].name != ADAPTER_FILES[0]):
+                target.parent.mkdir(exist_ok=True)
+                os.replace(source, target)
+            for parent in {target.parent for _, target in moves}:
+                fsync_dir(parent)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    log.info("saved the PEFT adapters %s (%d tensors) to %s",
+             sorted(getattr(model, "peft_config", {}) or {}), len(state), directory)
+    return directory
+
+
+def _files_to_carry(staging: Path, directory: Path) -> list[tuple[Path, Path]]:
+    """(PEFT's file, where it goes) for each adapter PEFT wrote: the top level's, and each
+    adapter directory's (``staging/<adapter>/``); its model card only where the directory has
+    none."""
+    moves: list[tuple[Path, Path]] = []
+    for folder in [staging, *sorted(p for p in staging.iterdir() if p.is_dir())]:
+        relative = folder.relative_to(staging)
+        have = [name for name in ADAPTER_FILES if (folder / name).is_file()]
+        if not have:
+            continue
+        if len(have) < len(ADAPTER_FILES):
+            raise RuntimeError(f"PeftModel.save_pretrained wrote {have} in {relative or '.'} "
+                               f"without {sorted(set(ADAPTER_FILES) - set(have))}: this PEFT "
+                               "version saves otherwise; save with model.save_pretrained")
+        moves += [(folder / name, directory / relative / name) for name in ADAPTER_FILES]
+        if (folder / CARD).is_file() and not (directory / relative / CARD).exists():
+            moves.append((folder / CARD, directory / relative / CARD))
+    if not moves:
+        written = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+        raise RuntimeError(f"PeftModel.save_pretrained wrote no {', '.join(ADAPTER_FILES)} (it "
+                           f"wrote {written}): this PEFT version saves otherwise; save with "
+                           "model.save_pretrained")
+    return moves
+
+
+def _remove_stale_staging(directory: Path) -> None:
+    """A killed save's staging directories, removed only where they hold nothing but what PEFT
+    writes (the adapter files and a model card, at the top or in an adapter's directory); any
+    other file there is not this engine's, and the directory is left as it is, with a warning."""
+    for stale in directory.glob(STAGING_PREFIX + "*"):
+        if stale.is_symlink() or not stale.is_dir():
+            continue
+        ours = {*ADAPTER_FILES, CARD}
+        entries = list(stale.rglob("*"))
+        foreign = [p for p in entries if p.is_symlink()
+                   or (p.is_file() and p.name not in ours)
+                   or (p.is_dir() and p.parent != stale)]
+        if foreign:
+            log.warning("left %s as it is: it holds %s, which an adapter save does not write",
+                        stale, foreign[0])
+            continue
+        for path in sorted(entries, key=lambda p: len(p.parts), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        stale.rmdir()
