@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -306,16 +307,22 @@ def commit(staging: Path, save_dir: Path, tag: str) -> Path:
 
 
 def write_latest(save_dir: Path, tag: str) -> None:
-    """Point ``latest`` at ``tag``, atomically."""
-    pending = save_dir / f".{LATEST}.partial"
+    """Point ``latest`` at ``tag``, atomically: written to a file of a fresh name, created by
+    this call (never through a link or over a file there before), then renamed over
+    ``latest``. A kill between the two leaves that small file (``.latest.*.pending``)."""
+    pending: Path | None = None
     try:
-        with open(pending, "w") as f:
+        fd, name = tempfile.mkstemp(prefix=f".{LATEST}.", suffix=".pending", dir=save_dir)
+        pending = Path(name)
+        with os.fdopen(fd, "w") as f:
             f.write(tag + "\n")
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(pending, 0o644)
         os.replace(pending, save_dir / LATEST)
     except BaseException as exc:
-        pending.unlink(missing_ok=True)     # ours: the old ``latest`` is left as it was
+        if pending is not None:     # ours: the old ``latest`` is left as it was
+            pending.unlink(missing_ok=True)
         if isinstance(exc, OSError):
             previous = read_latest_quietly(save_dir)
             raise OSError(exc.errno, f"checkpoint {tag} is saved whole in {save_dir / tag}, but "

@@ -53,7 +53,8 @@ def test_a_full_disk_at_latest_names_the_save_dir(disk_dir, monkeypatch):
         fsync = os.fsync
 
         def full_at_latest(fd: int) -> None:     # as ext4 reports a delayed allocation
-            if os.readlink(f"/proc/self/fd/{fd}").endswith(".latest.partial"):
+            name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+            if name.startswith(".latest.") and name.endswith(".pending"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             fsync(fd)
 

@@ -230,7 +230,9 @@ def test_commit_syncs_every_staged_file_the_staging_dir_and_the_save_dir(tmp_pat
 def test_write_latest_syncs_the_pointer_and_the_directory(tmp_path: Path, monkeypatch) -> None:
     synced = _fsync_paths(monkeypatch)
     d.write_latest(tmp_path, "t")
-    assert synced == [str(tmp_path / ".latest.partial"), str(tmp_path)]
+    assert len(synced) == 2 and synced[1] == str(tmp_path)
+    pending = Path(synced[0])       # a file of its own, renamed over latest
+    assert pending.parent == tmp_path and pending.name.startswith(".latest.")
     assert (tmp_path / d.LATEST).read_text() == "t\n"
     assert sorted(os.listdir(tmp_path)) == [d.LATEST]
 
@@ -748,3 +750,21 @@ def test_write_latest_that_cannot_create_its_file_reports_that(tmp_path: Path) -
         d.write_latest(gone, "t")
     assert info.value.errno == errno.ENOENT
     assert f"checkpoint t is saved whole in {gone / 't'}, but {gone / d.LATEST} could not" in str(info.value)
+
+
+def test_write_latest_never_writes_through_a_link_or_over_a_file(tmp_path: Path) -> None:
+    """A link or a file at the names an earlier version wrote ``latest`` through is left as it
+    is, and so is what it points at: the pointer is written to a file this call creates."""
+    precious = tmp_path / "elsewhere.txt"
+    precious.write_text("the user's\n")
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    (save_dir / ".latest.partial").symlink_to(precious)
+    (save_dir / ".latest.pending").write_text("a file of the user's\n")
+    d.write_latest(save_dir, "t")
+    assert precious.read_text() == "the user's\n"
+    assert (save_dir / ".latest.partial").is_symlink()
+    assert (save_dir / ".latest.pending").read_text() == "a file of the user's\n"
+    assert not (save_dir / d.LATEST).is_symlink()
+    assert (save_dir / d.LATEST).read_text() == "t\n"
+    assert sorted(os.listdir(save_dir)) == [".latest.partial", ".latest.pending", d.LATEST]
