@@ -331,12 +331,16 @@ def device_working(lay: Placement, unit_bytes: int, prefetch_device: int, persis
     return 0 if lay.grads_tier == Tier.DEVICE else unit_bytes + lay.c * bucket
 
 
-def layout_slack(stats: ModelStats) -> int:
-    """Bytes the flat layout adds to the element counts on the device: each unit's stores are
-    padded to 4 KiB and each parameter starts on PARAM_ALIGN_BYTES (64), in up to 5 fp32-sized
-    states (parameters, gradients, m, v, master). Small next to a real model; most of a tiny one."""
+def layout_slack(stats: ModelStats, world_size: int = 1) -> int:
+    """Bytes the flat layout adds to the element counts on the device: each parameter starts
+    on PARAM_ALIGN_BYTES (64), and each unit's stores are padded to 4 KiB with one rank, and
+    to a whole shard of SHARD_ALIGN_NUMEL elements per rank with several (a unit's flat buffer
+    covers ``world_size`` equal shards: at stage 1 or 2 the device holds it whole), in up to 5
+    fp32-sized states (parameters, gradients, m, v, master). Small next to a real model; most
+    of a tiny one (whose units at 3 ranks did not fit a budget counted with 4 KiB a unit)."""
     n_params = len(stats.param_numels) if stats.param_numels else 16 * stats.n_units
-    return 5 * (stats.n_units * ALIGN_BYTES + n_params * PARAM_ALIGN_BYTES)
+    per_unit = ALIGN_BYTES if world_size == 1 else world_size * SHARD_ALIGN_NUMEL * DTYPE_BYTES["fp32"]
+    return 5 * (stats.n_units * per_unit + n_params * PARAM_ALIGN_BYTES)
 
 
 def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
@@ -374,7 +378,7 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
                                                               unit_cap)
                              for p in (0, prefetch_guess))
             device_budget = max(least, min(wanted, int(EMULATED_DEVICE_SHARE * allowed)))
-            device_budget += layout_slack(stats)
+            device_budget += layout_slack(stats, cfg.world_size)
     host_budget = allowed
     if pool_in_host_budget(cfg, hw):
         host_budget = max(0, allowed - device_budget)  # the emulated device is host RAM too

@@ -79,7 +79,7 @@ def run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world:
 
 
 def _run_case(case: dict, nvme_dir: str, steps: int, out: Path, rank: int, world: int) -> dict:
-    model = make_model("torch", seed=0, layers=3, width=32)
+    model = make_model("torch", seed=0, layers=3, width=case.get("width", 32))
     overflow = ArmedBackwardHook(factor=float("inf"))
     model.blocks[0].register_full_backward_pre_hook(overflow)
     engine, *_ = infinity.initialize(model=model, config=case_config(case, nvme_dir, world))
