@@ -62,7 +62,9 @@ class MemoryBudget:
                 raise BudgetExceededError(
                     f"{what} needs {format_bytes(nbytes)} of {self.name} memory but only "
                     f"{format_bytes(self.limit - self._held)} of the {format_bytes(self.limit)} "
-                    f"{self.name} budget is free; " + _HINTS.get(self.name, _HINTS["host"])
+                    f"{self.name} budget is free (short by at least "
+                    f"{format_bytes(self._held + nbytes - self.limit)}); "
+                    + _HINTS.get(self.name, _HINTS["host"])
                     + (f" ({self.note})" if self.note else ""))
             self._held += nbytes
             self._peak = max(self._peak, self._held)
