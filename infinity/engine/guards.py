@@ -89,8 +89,11 @@ BACKWARD_AFTER_BOUNDARY_STEPS = (
     "{call} after the last micro-batch's backward and before engine.step(): with gradient "
     "accumulation and infinity.early_step \"auto\" or \"on\", that backward stepped each "
     "unit (see optim/boundary_steps.py), so another would step them again instead of adding "
-    "its gradients up. Call engine.step() after gradient_accumulation_steps backwards, or set "
-    "infinity.early_step \"off\"")
+    "its gradients up. Call engine.step() after every backward, as with DeepSpeed: step() "
+    "counts the micro-batches and updates the weights at each gradient_accumulation_steps-th "
+    "(two backwards a step() make each micro-batch two, and an update come every "
+    "2 x gradient_accumulation_steps backwards). Only where one micro-batch really has "
+    "several backwards (several losses of one batch) set infinity.early_step \"off\"")
 
 
 FOREIGN_BOUNDARY_BACKWARD = (
