@@ -55,7 +55,7 @@ IGNORED_KEYS: dict[str, tuple[str, ...]] = {
          "flops_profiler", "comms_logger",
          "autotuning",
          "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
-         "zero_force_ds_cpu_optimizer", "checkpoint", "data_types", "elasticity", "compile",
+         "zero_force_ds_cpu_optimizer", "checkpoint", "data_types", "compile",
          "disable_allgather", "gradient_allreduce_op",
          "seq_parallel_communication_data_type", "log_level", "disable_python_gc",
          "use_data_before_expert_parallelism", "timers"),
@@ -101,7 +101,12 @@ OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
     "": {"amp": (_section_off, '{"enabled": false}', "use fp16 or bf16"),
          "comet": (_section_off, '{"enabled": false}', "use tensorboard, csv_monitor or wandb"),
          "torch_autocast": (_section_off, '{"enabled": false}', "use bf16 or fp16"),
-         "sparse_gradients": (_is_off, "false", "")},
+         "sparse_gradients": (_is_off, "false", ""),
+         # DeepSpeed's elasticity picks the batch sizes: ignored, the run would take another
+         "elasticity": (lambda v: v is None or (isinstance(v, Mapping) and v.get("enabled") in
+                                               (None, False)), '{"enabled": false}',
+                        "set train_batch_size, train_micro_batch_size_per_gpu and "
+                        "gradient_accumulation_steps to the sizes wanted")},
     "fp16": {"fp16_master_weights_and_grads": (_is_off, "false", "master weights stay fp32")},
     "bf16": {"bf16_master_weights_and_grads": (_is_off, "false", "master weights stay fp32"),
              "bf16_optimizer_states": (_is_off, "false", "Adam moments stay fp32")},

@@ -230,7 +230,9 @@ def test_deepspeed_features_infinity_lacks_are_refused_when_on(path, value, expe
 
 @pytest.mark.parametrize("section, value", [("amp", {"enabled": True}),
                                             ("torch_autocast", {"enabled": True, "dtype": "bf16"}),
-                                            ("sparse_gradients", True)])
+                                            ("sparse_gradients", True),
+                                            ("elasticity", {"enabled": True,
+                                                            "max_train_batch_size": 64})])
 def test_top_level_features_infinity_lacks_are_refused_when_on(section, value) -> None:
     data = copy.deepcopy(COPIED_ZERO3)
     data[section] = value
