@@ -42,9 +42,12 @@ def group_format(group: dict) -> StateFormat:
 
 
 def check_unit_format(unit: SteppedUnit, fmt: StateFormat, sub_group_numel: int,
-                      optimizer_tier: Tier = Tier.HOST) -> None:
+                      optimizer_tier: Tier = Tier.HOST, span_numel: int | None = None) -> None:
     """Refuse a format this unit cannot be stepped in, before any store is made (the run plan
-    refuses the config's formats; these checks catch a param group's own)."""
+    refuses the config's formats; these checks catch a param group's own). ``span_numel``:
+    the elements of the unit this rank steps (a range no larger than one int8 chunk is one
+    sub-group whatever the chunk: with several ranks the plan clamps the sub-group to the
+    largest range, 2048 elements for a small unit's shard at three ranks)."""
     if not fmt.is_default and optimizer_tier is Tier.DEVICE and unit.flat.device.type != "cpu":
         raise ValueError(
             f"{unit.name}: its param group asks for {fmt.describe()}, but the optimizer states "
@@ -57,7 +60,8 @@ def check_unit_format(unit: SteppedUnit, fmt: StateFormat, sub_group_numel: int,
                 f"{unit.name}: a bf16 master (optimizer_master \"bf16\") is the bf16 parameter "
                 f"itself, stepped in place on the host, but the unit computes in {unit.dtype} on "
                 f"{unit.flat.device}: use bf16 compute on a CPU device, or an fp32 master")
-    if fmt.moments == "int8" and sub_group_numel < INT8_CHUNK:
+    least = INT8_CHUNK if span_numel is None else min(INT8_CHUNK, span_numel)
+    if fmt.moments == "int8" and sub_group_numel < least:
         raise ValueError(
             f"{unit.name}: int8 moments are stepped in chunks of at least {INT8_CHUNK} elements "
             f"(two 2048-element blocks, 4 KiB of codes), but the run plan sized the sub-group at "
@@ -80,7 +84,7 @@ def build_state(manager: TierManager, unit: SteppedUnit, span: tuple[int, int],
     # this rank's range of them (ranks would otherwise store one unit in two formats)
     fmt = unit_format({asked[e.group_index] for e in unit.trainable_entries()},
                       unit.trainable_numel)
-    check_unit_format(unit, fmt, sub_group_numel, optimizer_tier)
+    check_unit_format(unit, fmt, sub_group_numel, optimizer_tier, span_numel=hi - lo)
     # the stores the plan counts (planner/state_format.py: one rule for both): m and v in the
     # format, an fp32 master where the compute copy is not the fp32 parameter itself (a bf16
     # master is the bf16 parameter), the int8 scales in host memory (zero-initialised,

@@ -5,6 +5,7 @@ store one unit in two formats (int8 codes and a bf16 master on one, fp32 moments
 master on the other): model files of two dtypes for one parameter, which no load accepts."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,3 +58,27 @@ def test_the_plan_counts_the_unit_s_format_on_each_rank() -> None:
                       compute_itemsize=2)
     assert got.kept_fp32 == 0 and got.scales > 0
     assert got.optimizer == 2 * 1 * 3000         # int8 m and v, no master
+
+
+def test_a_rank_range_no_larger_than_its_sub_group_is_stepped_in_int8() -> None:
+    """At three ranks the plan clamps the sub-group to the largest range a rank steps (2048
+    elements for a 6000-element unit's shards): each range is then one sub-group, whatever
+    int8's 4096-element chunk, and is accepted (it was refused on the rank whose ranges were
+    all small, the others then losing it in their next collective). A sub-group smaller than
+    a range it must cut is still refused."""
+    manager = TierManager(MemoryBudget("host", None), MemoryBudget("device", None),
+                          aio_config=AioConfig(backend="auto", block_size=1 << 20, queue_depth=4))
+    unit = _unit(6000, manager)
+    try:
+        for span in ((0, 2048), (2048, 4096), (4096, 6000)):
+            state = build_state(manager, unit, span, [INT8_BF16], 2048,
+                                optimizer_tier=Tier.HOST, grad_tier=Tier.HOST,
+                                grad_dtype=torch.float32, early_step=True,
+                                master_separate=False, doubled=False, sharded=True)
+            assert state.fmt == INT8_BF16
+        with pytest.raises(ValueError, match="chunks of at least 4096"):
+            build_state(manager, unit, (0, 6000), [INT8_BF16], 2048, optimizer_tier=Tier.HOST,
+                        grad_tier=Tier.HOST, grad_dtype=torch.float32, early_step=True,
+                        master_separate=False, doubled=False, sharded=False)
+    finally:
+        manager.close()
