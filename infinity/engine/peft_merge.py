@@ -9,7 +9,8 @@ so they are kept (small) and its base weight, gathered whole (one matrix), is wr
 wrapper's names become the base's: ``base_model.model.`` and ``.base_layer`` removed, a
 ``modules_to_save`` copy written in place of the layer it copied, the original dropped.
 Refused: DoRA (its magnitude rescales the merged weight), several adapters active at once,
-adapters other than LoRA.
+adapters other than LoRA, and a LoRA layer over a tied weight (a tied head: merged, the input
+embeddings would change with it, which training did not).
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ class MergedNames:
             raise ValueError(f"save_pretrained(merged=True) merges one adapter; this PEFT model "
                              f"has {len(active)} active ({active}): set_adapter(name) first")
         adapter = active[0]
+        names_of: dict[int, list[str]] = {}
+        for pname, param in model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(param), []).append(pname)
         self.merges: dict[str, _LoraMerge] = {}
         for name, module in model.named_modules():
             if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
@@ -49,6 +53,16 @@ class MergedNames:
                 raise ValueError(f"save_pretrained(merged=True) of a DoRA adapter ({name}): its "
                                  "magnitude rescales the merged weight, which is not built "
                                  "here; save the adapter (merged=False) and merge with PEFT")
+            base = getattr(getattr(module, "base_layer", None), "weight", None)
+            tied = [n for n in names_of.get(id(base), []) if n != f"{name}.base_layer.weight"]
+            if tied:
+                raise ValueError(
+                    f"save_pretrained(merged=True): the LoRA layer {name} adapts a weight tied "
+                    f"to {tied[0]} (tie_word_embeddings): merged into the one saved tensor, the "
+                    "adapter would change that other use too (the input embeddings), which "
+                    "training did not, and a weight saved once under the other name would lose "
+                    "it. Save the adapter (merged=False) and load it over the base with PEFT, "
+                    "or train the head untied")
             self.merges[f"{name}.base_layer.weight"] = _LoraMerge(
                 f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight",
                 float(module.scaling[adapter]), bool(getattr(module, "fan_in_fan_out", False)))

@@ -365,6 +365,31 @@ def test_save_pretrained_of_a_peft_model_is_its_adapter(disk_dir, tmp_path) -> N
     assert (logits_of(hf_load(merged), x) - ours).abs().max().item() <= 1e-5
 
 
+def test_a_merged_save_of_a_lora_over_a_tied_head_is_refused(disk_dir, tmp_path) -> None:
+    """LoRA on GPT-2's lm_head, tied to its input embedding: a merged save cannot be what
+    training computed (one saved tensor serves both uses; merged, the input embedding would
+    change too), and before it was written without the adapter, silently. Refused before
+    anything is written; the adapter's own save still works."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    src = hf_saved(disk_dir, "gpt2", layers=2)
+    engine, *_ = infinity.from_pretrained(
+        src, config=_config(disk_dir),
+        prepare_model=lambda m: get_peft_model(m, LoraConfig(r=4, target_modules=["lm_head"])))
+    try:
+        batch = _batches(1)[0]
+        engine.backward(engine(input_ids=batch, labels=batch).loss)
+        engine.step()
+        with pytest.raises(ValueError, match="lm_head adapts a weight tied to .*wte.weight"):
+            engine.save_pretrained(tmp_path / "merged", merged=True)
+        assert not (tmp_path / "merged").exists()
+        engine.save_pretrained(tmp_path / "adapter")
+        assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    finally:
+        engine.close()
+
+
 def test_a_peft_adapter_over_a_zero_init_base_is_refused_not_reinitialised(disk_dir) -> None:
     """get_peft_model over a base built under zero.Init moves the adapter PEFT initialised to
     the base's meta device (its values gone); initialize refuses it, naming the route that
