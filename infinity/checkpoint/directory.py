@@ -30,7 +30,6 @@ import os
 import re
 import secrets
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -308,17 +307,19 @@ def commit(staging: Path, save_dir: Path, tag: str) -> Path:
 
 def write_latest(save_dir: Path, tag: str) -> None:
     """Point ``latest`` at ``tag``, atomically: written to a file of a fresh name, created by
-    this call (never through a link or over a file there before), then renamed over
-    ``latest``. A kill between the two leaves that small file (``.latest.*.pending``)."""
+    this call (never through a link or over a file there before; the umask's permissions),
+    then renamed over ``latest``. A kill between the two leaves that small file
+    (``.latest.<hex>.pending``)."""
     pending: Path | None = None
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{LATEST}.", suffix=".pending", dir=save_dir)
-        pending = Path(name)
+        path = save_dir / f".{LATEST}.{secrets.token_hex(4)}.pending"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o666)
+        pending = path
         with os.fdopen(fd, "w") as f:
             f.write(tag + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(pending, 0o644)
         os.replace(pending, save_dir / LATEST)
     except BaseException as exc:
         if pending is not None:     # ours: the old ``latest`` is left as it was

@@ -29,7 +29,8 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
     or one checkpoint's directory. A checkpoint saved with ``exclude_frozen_parameters`` holds
     only the trainable parameters: it is refused unless ``trainable_only`` says that is what
     you want (a partial ``state_dict``, to load over the model those parameters were trained
-    on with ``strict=False``)."""
+    on with ``strict=False``; a tied name of a parameter left out is left out too). On a
+    checkpoint that holds every parameter, ``trainable_only`` changes nothing."""
     save, files = model_files_of(Path(checkpoint_dir), tag, verify_checksums)
     manifest = save.manifest
     with save:
@@ -46,6 +47,8 @@ def consolidated_state_dict(checkpoint_dir: str | Path, tag: str | None = None,
                 and params[name].get("trainable"):
             state[name] = tensor.float()
     for alias, name in manifest.get("aliases", {}).items():
+        if name not in state and manifest.get("frozen_excluded"):
+            continue            # a frozen parameter the save left out (trainable_only)
         state[alias] = state[name]
     return state
 

@@ -130,10 +130,11 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
         raise CheckpointError(f"{what}: two tensors would be saved as {sorted(dup)[0]}")
     writes = state.rank == 0
 
-    def fill(writer: ShardedWriter | None) -> None:
-        if writer is not None and (splits or hub_name):
-            writer = _HubLayoutWriter(  # type: ignore[assignment]
-                writer, splits, hub_split, hub_name)
+    def hub_layout(writer: ShardedWriter) -> Any:
+        return _HubLayoutWriter(writer, splits, hub_split, hub_name) \
+            if splits or hub_name else writer
+
+    def fill(writer: Any) -> None:
         _stream_units(state, layouts, names, dtype, writer)
         if writer is not None:
             for name, buf in buffers:      # in their own dtype, as state_dict has them
@@ -143,8 +144,8 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     agreement = RankAgreement(state, "no file was written") if state.world_size > 1 else None
 
     def write() -> Path:
-        write_weights(directory, tensors, max_bytes, fill, texts=texts, carry_from=carry_from,
-                      what=what, writes=writes, agreement=agreement)
+        write_weights(directory, tensors, max_bytes, fill, layout=hub_layout, texts=texts,
+                      carry_from=carry_from, what=what, writes=writes, agreement=agreement)
         return directory
 
     if agreement is not None:

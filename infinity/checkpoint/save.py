@@ -286,7 +286,9 @@ def _finish(training: TrainingState, staging: Path, save_dir: Path, tag: str,
         "files": {name: info for rank_files in files for name, info in rank_files.items()},
         "params": _params_manifest(layouts),
         "aliases": aliases(training.module, training.units),
-        "frozen_excluded": exclude_frozen,
+        # only where a parameter was left out: a whole model's checkpoint stays exportable
+        "frozen_excluded": exclude_frozen and any(not entry.trainable for unit in training.units
+                                                  for entry in unit.params),
         "buffers": [name for name, _ in persistent_buffers(training.module)], **state})
     return commit(staging, save_dir, tag)
 

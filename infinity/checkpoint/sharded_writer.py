@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -162,12 +162,14 @@ def write_weights(directory: Path, tensors: Table, max_bytes: int,
                   texts: Mapping[str, str] | None = None, carry_from: Path | None = None,
                   what: str = "save", writes: bool = True,
                   single_name: str = SINGLE_NAME,
-                  agreement: RankAgreement | None = None) -> list[Path]:
+                  agreement: RankAgreement | None = None,
+                  layout: Callable[[ShardedWriter], Any] | None = None) -> list[Path]:
     """One save into ``directory``: a ``ShardedWriter`` (where ``writes``: rank 0 of
     several) that ``fill`` appends every tensor to, then closed with ``texts`` and the files
     of ``carry_from``; on any failure the hidden files are removed and the earlier save stays
     whole (a full disk says so). ``fill(None)`` is called where this rank writes nothing (it
-    takes part in the gathers). The weight files in place ([] without ``writes``).
+    takes part in the gathers). ``layout``: what ``fill`` appends to, made of the writer (a
+    renaming or splitting layer). The weight files in place ([] without ``writes``).
 
     [Note: one rank writes while every rank gathers]
     With several ranks (``agreement``) every rank's ``fill`` gathers each unit and rank 0
@@ -177,7 +179,8 @@ def write_weights(directory: Path, tensors: Table, max_bytes: int,
     writer is opened where every rank agrees on it (``decided_by_first``) before any gather,
     and a write that fails during ``fill`` aborts the save and is kept, rank 0 going on with
     the gathers (``_FirstWriteFailure``), to be raised once they are over, where the caller's
-    agreement tells every rank."""
+    agreement tells every rank. The catcher is outermost (over ``layout``'s layer too), so a
+    failure while a tensor is renamed or split is kept the same way."""
     opened: list[ShardedWriter] = []
 
     def open_writer() -> None:
@@ -191,12 +194,13 @@ def write_weights(directory: Path, tensors: Table, max_bytes: int,
     writer = opened[0] if opened else None
     need = writer.total if writer is not None else 0
     try:
+        target = layout(writer) if writer is not None and layout is not None else writer
         if writer is not None and agreement is not None and agreement.comm is not None:
-            sink = _FirstWriteFailure(writer)
+            sink = _FirstWriteFailure(writer, target)
             fill(sink)              # type: ignore[arg-type]
             sink.raise_failure()
         else:
-            fill(writer)
+            fill(target)
         return writer.close(texts, carry_from) if writer is not None else []
     except BaseException as exc:
         if writer is not None:
@@ -211,15 +215,15 @@ class _FirstWriteFailure:
     gathers]): the first append that fails aborts the save and is kept, the tensors after it
     are dropped, and ``raise_failure`` raises it after ``fill``."""
 
-    def __init__(self, writer: ShardedWriter) -> None:
-        self.writer = writer
+    def __init__(self, writer: ShardedWriter, target: Any) -> None:
+        self.writer, self.target = writer, target    # target: the writer, or a layer over it
         self.failure: Exception | None = None
 
     def append(self, name: str, values: torch.Tensor) -> None:
         if self.failure is not None:
             return
         try:
-            self.writer.append(name, values)
+            self.target.append(name, values)
         except Exception as exc:  # noqa: BLE001 - raised after the gathers (raise_failure)
             self.failure = exc
             self.writer.abort()

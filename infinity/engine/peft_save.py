@@ -35,15 +35,17 @@ CARD = "README.md"
 
 def adapter_parameter_names(model: torch.nn.Module) -> set[str]:
     """The parameters an adapter save reads: the trainable ones, and those of each adapter in
-    ``model.peft_config`` (PEFT names them ``...lora_A.<adapter>.weight``,
-    ``prompt_encoder.<adapter>...``)."""
-    adapters = list(getattr(model, "peft_config", {}) or {})
-    names = set()
-    for name, param in model.named_parameters():
-        dotted = f".{name}."
-        if param.requires_grad or any(f".{a}." in dotted for a in adapters):
-            names.add(name)
-    return names
+    ``model.peft_config``: PEFT keeps an adapter's modules and parameters in dicts keyed by its
+    name (``lora_A[<adapter>]``, ``ia3_l[<adapter>]``, ``modules_to_save[<adapter>]``,
+    ``prompt_encoder[<adapter>]``), so those entries' parameters (a name alone would also match
+    a base module of the adapter's name: "model")."""
+    adapters = set(getattr(model, "peft_config", {}) or {})
+    prefixes = [f"{name}.{key}." if name else f"{key}."
+                for name, module in model.named_modules()
+                if isinstance(module, (torch.nn.ModuleDict, torch.nn.ParameterDict))
+                for key in module.keys() if key in adapters]
+    return {name for name, param in model.named_parameters()
+            if param.requires_grad or any(f"{name}.".startswith(p) for p in prefixes)}
 
 
 def save_adapter(engine: "Engine", directory: Path) -> Path:
@@ -83,8 +85,8 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
             for source, target in sorted(moves, key=lambda m: m[0].name != ADAPTER_FILES[0]):
                 target.parent.mkdir(exist_ok=True)
                 os.replace(source, target)
-            for parent in {target.parent for _, target in moves}:
-                fsync_dir(parent)
+            for parent in {target.parent for _, target in moves} | {directory}:
+                fsync_dir(parent)       # the directory too: it holds the adapters' new ones
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     log.info("saved the PEFT adapters %s (%d tensors) to %s",

@@ -45,9 +45,10 @@ def check_unit_format(unit: SteppedUnit, fmt: StateFormat, sub_group_numel: int,
                       optimizer_tier: Tier = Tier.HOST, span_numel: int | None = None) -> None:
     """Refuse a format this unit cannot be stepped in, before any store is made (the run plan
     refuses the config's formats; these checks catch a param group's own). ``span_numel``:
-    the elements of the unit this rank steps (a range no larger than one int8 chunk is one
-    sub-group whatever the chunk: with several ranks the plan clamps the sub-group to the
-    largest range, 2048 elements for a small unit's shard at three ranks)."""
+    the largest range of the unit a rank steps, the same on every rank, so that all refuse or
+    none (a range no larger than one int8 chunk is one sub-group whatever the chunk: with
+    several ranks the plan clamps the sub-group to the largest range, 2048 elements for a
+    small unit's shard at three ranks)."""
     if not fmt.is_default and optimizer_tier is Tier.DEVICE and unit.flat.device.type != "cpu":
         raise ValueError(
             f"{unit.name}: its param group asks for {fmt.describe()}, but the optimizer states "
@@ -84,7 +85,9 @@ def build_state(manager: TierManager, unit: SteppedUnit, span: tuple[int, int],
     # this rank's range of them (ranks would otherwise store one unit in two formats)
     fmt = unit_format({asked[e.group_index] for e in unit.trainable_entries()},
                       unit.trainable_numel)
-    check_unit_format(unit, fmt, sub_group_numel, optimizer_tier, span_numel=hi - lo)
+    # the first rank's range, the largest (the same figure on every rank)
+    largest = min(unit.shard_numel, unit.trainable_numel) if sharded else unit.trainable_numel
+    check_unit_format(unit, fmt, sub_group_numel, optimizer_tier, span_numel=largest)
     # the stores the plan counts (planner/state_format.py: one rule for both): m and v in the
     # format, an fp32 master where the compute copy is not the fp32 parameter itself (a bf16
     # master is the bf16 parameter), the int8 scales in host memory (zero-initialised,

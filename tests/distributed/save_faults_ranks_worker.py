@@ -85,6 +85,7 @@ def main() -> None:
     after_failures = {"good": digest(good), "single": digest(single)}
     train()
     results["after"] = attempt(engine.save_pretrained, out / "after")
+    results["again"] = attempt(engine.save_pretrained, good)    # its lock was released
     engine.close()
     print(json.dumps({"rank": rank, "results": results, "unchanged": before == after_failures,
                       "user_file": blocked.read_text() if rank == 0 else None}), flush=True)

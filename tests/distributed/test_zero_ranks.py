@@ -85,14 +85,19 @@ def _check_case(case: dict, results: list[dict], out, world: int) -> None:
             assert err <= 1e-3 * moved + 1e-7, (name, rank, pname, err, moved)
 
 
+def _run_ranks(tmp_path_factory, world: int, cases: list[dict]):
+    """Every case run by one process group of ``world`` ranks: (each rank's results, out)."""
+    out = tmp_path_factory.mktemp(f"ranks{world}")
+    nvme = tmp_path_factory.mktemp(f"nvme{world}")
+    results = launch(world, "parity_ranks_worker.py", [str(out), str(nvme), json.dumps(cases),
+                                                       str(STEPS)], timeout=900)
+    check_ranks(results)
+    return read_results(out, world), out
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks2")
-    nvme = tmp_path_factory.mktemp("nvme2")
-    results = launch(2, "parity_ranks_worker.py", [str(out), str(nvme), json.dumps(MATRIX),
-                                                   str(STEPS)], timeout=900)
-    check_ranks(results)
-    return read_results(out, 2), out
+    return _run_ranks(tmp_path_factory, 2, MATRIX)
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=[c["name"] for c in MATRIX])
@@ -120,12 +125,7 @@ def three_ranks(tmp_path_factory):
     flat covers three shards of whole 4 KiB blocks, most of it padding), with the device
     budget the planner picks (none set: at stages 1 and 2 it did not count that padding, and
     initialize failed on every rank)."""
-    out = tmp_path_factory.mktemp("ranks3")
-    nvme = tmp_path_factory.mktemp("nvme3")
-    results = launch(3, "parity_ranks_worker.py", [str(out), str(nvme), json.dumps(THREE_RANKS),
-                                                   str(STEPS)], timeout=900)
-    check_ranks(results)
-    return read_results(out, 3), out
+    return _run_ranks(tmp_path_factory, 3, THREE_RANKS)
 
 
 @pytest.mark.parametrize("case", THREE_RANKS, ids=[c["name"] for c in THREE_RANKS])

@@ -361,6 +361,31 @@ def test_exclude_frozen_parameters_leaves_them_out_and_keeps_them_at_load(disk_d
     _assert_same_states(disk_dir / "full" / "t", disk_dir / "again" / "t")
 
 
+def test_trainable_only_reads_a_checkpoint_whose_frozen_weight_is_tied(disk_dir) -> None:
+    """The LoRA case: GPT-2's frozen wte, tied to lm_head, left out by
+    exclude_frozen_parameters: trainable_only leaves both names out (it raised a KeyError on
+    the alias). A model with nothing frozen saved with the flag is whole: it exports."""
+    model = make_model("gpt2", seed=0, layers=2)
+    model.transformer.wte.weight.requires_grad_(False)
+    engine, *_ = infinity.initialize(model=model, config=_config(disk_dir, 3, "cpu", "cpu"))
+    try:
+        train_steps(engine, _batches(1))
+        engine.save_checkpoint(disk_dir / "tied", exclude_frozen_parameters=True)
+    finally:
+        engine.close()
+    trained = consolidated_state_dict(disk_dir / "tied", trainable_only=True)
+    assert "transformer.wte.weight" not in trained and "lm_head.weight" not in trained
+    assert "transformer.h.0.attn.c_attn.weight" in trained
+    whole, *_ = infinity.initialize(model=make_model("torch", layers=2),
+                                    config=_config(disk_dir, 3, "cpu", "cpu"))
+    try:
+        whole.save_checkpoint(disk_dir / "whole", exclude_frozen_parameters=True)
+    finally:
+        whole.close()
+    assert set(consolidated_state_dict(disk_dir / "whole")) == \
+        set(consolidated_state_dict(disk_dir / "whole", trainable_only=True))
+
+
 class WithEmptyParameter(torch.nn.Module):
     """A root-level trainable parameter with no elements (a placeholder some models keep)."""
 

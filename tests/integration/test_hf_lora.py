@@ -155,3 +155,19 @@ def test_a_model_with_two_adapters_saves_each_where_peft_puts_it(disk_dir, tmp_p
 
 
 ADAPTER = "adapter_model.safetensors"
+
+
+def test_an_adapter_save_reads_the_adapters_parameters_only() -> None:
+    """What an adapter save gathers: each adapter's own entries (PEFT keys them by its name),
+    the trainable ones, never a base parameter whose path shares the adapter's name (an
+    adapter named "model", as the base's ``model.layers...``)."""
+    from infinity.engine.peft_save import adapter_parameter_names
+
+    warnings.filterwarnings("ignore")
+    base = make_model("llama", layers=2, width=32, seed=0)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]),
+                                adapter_name="model")
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["up_proj"]))
+    names = adapter_parameter_names(model)
+    lora = {n for n, _ in model.named_parameters() if "lora_" in n}
+    assert names == lora and any(".other." in n for n in names)

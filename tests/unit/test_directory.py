@@ -768,3 +768,12 @@ def test_write_latest_never_writes_through_a_link_or_over_a_file(tmp_path: Path)
     assert not (save_dir / d.LATEST).is_symlink()
     assert (save_dir / d.LATEST).read_text() == "t\n"
     assert sorted(os.listdir(save_dir)) == [".latest.partial", ".latest.pending", d.LATEST]
+
+
+def test_latest_takes_the_umask_s_permissions(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        d.write_latest(tmp_path, "t")
+    finally:
+        os.umask(old)
+    assert (tmp_path / d.LATEST).stat().st_mode & 0o777 == 0o640

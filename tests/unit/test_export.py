@@ -217,8 +217,8 @@ def test_with_two_ranks_rank0_writes_what_every_rank_gathers(tmp_path: Path) -> 
 
 
 def test_a_rank_that_fails_to_write_makes_every_rank_raise(tmp_path: Path) -> None:
-    """Over ranks the write is agreed: rank 1 told that rank 0 failed raises a CheckpointError
-    saying no file was written."""
+    """Over ranks the write is agreed: rank 1 told that rank 0 failed (here when it opened the
+    file, the first agreement) raises a CheckpointError saying no file was written."""
 
     class _Failed(_Comm):
         def all_gather_objects(self, value):
@@ -226,8 +226,7 @@ def test_a_rank_that_fails_to_write_makes_every_rank_raise(tmp_path: Path) -> No
 
     with pytest.raises(CheckpointError) as info:
         save_model_weights(_state(_Model(), comm=_Failed(1)), tmp_path / "m.safetensors")
-    assert str(info.value) == ("rank 0 could not write the weights (OSError: disk full); "
-                               "no file was written")
+    assert str(info.value) == "rank 0 failed (OSError: disk full); no file was written"
 
 
 # -- manifests without aliases, and the edges of reading and writing --------------------

@@ -21,9 +21,10 @@ from infinity.zero.unit import Unit
 INT8_BF16 = StateFormat("int8", "bf16")
 
 
-def _unit(numel: int, manager: TierManager) -> Unit:
+def _unit(numel: int, manager: TierManager, shards: int = 1) -> Unit:
     param = nn.Parameter(torch.randn(numel).to(torch.bfloat16))
-    unit = Unit(0, "u0", nn.Module(), [("w", param, 0)], torch.bfloat16, torch.device("cpu"))
+    unit = Unit(0, "u0", nn.Module(), [("w", param, 0)], torch.bfloat16, torch.device("cpu"),
+                shards=shards)
     unit.adopt(manager, Tier.HOST, persistent=False)
     return unit
 
@@ -65,20 +66,25 @@ def test_a_rank_range_no_larger_than_its_sub_group_is_stepped_in_int8() -> None:
     elements for a 6000-element unit's shards): each range is then one sub-group, whatever
     int8's 4096-element chunk, and is accepted (it was refused on the rank whose ranges were
     all small, the others then losing it in their next collective). A sub-group smaller than
-    a range it must cut is still refused."""
+    the largest range is refused on every rank, the one whose own range fits it too (the
+    ranks decide alike: an 8500-element unit's ranges are 4096, 4096 and 308)."""
     manager = TierManager(MemoryBudget("host", None), MemoryBudget("device", None),
                           aio_config=AioConfig(backend="auto", block_size=1 << 20, queue_depth=4))
-    unit = _unit(6000, manager)
+
+    def state(unit: Unit, span: tuple[int, int], sharded: bool = True):
+        return build_state(manager, unit, span, [INT8_BF16], 2048, optimizer_tier=Tier.HOST,
+                           grad_tier=Tier.HOST, grad_dtype=torch.float32, early_step=True,
+                           master_separate=False, doubled=False, sharded=sharded)
     try:
+        small = _unit(6000, manager, shards=3)
+        assert small.shard_numel == 2048
         for span in ((0, 2048), (2048, 4096), (4096, 6000)):
-            state = build_state(manager, unit, span, [INT8_BF16], 2048,
-                                optimizer_tier=Tier.HOST, grad_tier=Tier.HOST,
-                                grad_dtype=torch.float32, early_step=True,
-                                master_separate=False, doubled=False, sharded=True)
-            assert state.fmt == INT8_BF16
+            assert state(small, span).fmt == INT8_BF16
+        large = _unit(8500, manager, shards=3)
+        for span in ((0, 4096), (4096, 8192), (8192, 8500)):
+            with pytest.raises(ValueError, match="chunks of at least 4096"):
+                state(large, span)
         with pytest.raises(ValueError, match="chunks of at least 4096"):
-            build_state(manager, unit, (0, 6000), [INT8_BF16], 2048, optimizer_tier=Tier.HOST,
-                        grad_tier=Tier.HOST, grad_dtype=torch.float32, early_step=True,
-                        master_separate=False, doubled=False, sharded=False)
+            state(_unit(6000, manager), (0, 6000), sharded=False)
     finally:
         manager.close()
