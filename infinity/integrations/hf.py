@@ -214,6 +214,9 @@ class Trainer(transformers.Trainer):
                 "DeepSpeed), with Trainer and TrainingArguments imported from "
                 "infinity.integrations.hf")
         self.engine = None
+        # where the engine's schedule came from: "args" (built here from the TrainingArguments),
+        # "config" (the ds_config's), "user" (the Trainer's or the engine's own)
+        self._schedule_origin = "user"
 
     # -- building the engine -----------------------------------------------------------------
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
@@ -247,14 +250,26 @@ class Trainer(transformers.Trainer):
         if "scheduler" not in ds:
             kwargs["lr_scheduler"] = user_schedule if user_schedule is not None else \
                 self._schedule_factory(max_steps)
+            self._schedule_origin = "user" if user_schedule is not None else "args"
         elif user_schedule is not None:
             raise ValueError("the ds_config has a \"scheduler\" section and the Trainer was "
                              "given a scheduler: remove one")
+        else:
+            self._schedule_origin = "config"
         engine, *_ = infinity.initialize(model=self.model, config=ds, **kwargs)
         self.engine = engine
         self.optimizer = _EngineOptimizer(engine)
-        self.lr_scheduler = _EngineSchedule(engine)
+        self._set_schedule()
         return self.optimizer
+
+    def _set_schedule(self) -> None:
+        """The Trainer's view of the engine's schedule. A schedule made for this run (from the
+        TrainingArguments or the ds_config's "auto" steps) is marked as the Trainer's own, so
+        that a second ``train()`` drops it, as transformers' Trainer drops the one it made, and
+        ``create_scheduler`` makes the next run's (before, the engine kept the spent one: a
+        second train() ran at the end of its decay, lr 0, the logs looking normal)."""
+        self.lr_scheduler = _EngineSchedule(self.engine)
+        self._created_lr_scheduler = self._schedule_origin in ("args", "config")
 
     def _check_device(self, device: torch.device) -> None:
         """The engine trains on its model's device; the Trainer sends the batches to
@@ -290,9 +305,10 @@ class Trainer(transformers.Trainer):
                 raise ValueError("Trainer(engine=...) got a scheduler: give it to the engine "
                                  "(lr_scheduler=lambda opt: ...) instead")
             engine.lr_scheduler = self._schedule_factory(max_steps)(engine.optimizer)
+            self._schedule_origin = "args"
         self.engine = engine
         self.optimizer = _EngineOptimizer(engine)
-        self.lr_scheduler = _EngineSchedule(engine)
+        self._set_schedule()
         return self.optimizer
 
     def _decay_groups(self) -> list[dict]:
@@ -316,9 +332,23 @@ class Trainer(transformers.Trainer):
         return build
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """The engine holds the schedule (built with it in ``create_optimizer``)."""
+        """The engine holds the schedule (built with it in ``create_optimizer``); a later
+        ``train()`` that dropped the one made for the last run gets a new one for its steps
+        (see ``_set_schedule``)."""
         if self.engine is None:
             self.create_optimizer()
+        elif self.lr_scheduler is None:
+            if self._schedule_origin == "config":
+                raise ValueError(
+                    "trainer.train() again with the ds_config's \"scheduler\": that schedule "
+                    f"was made for the last run's steps and is spent (the engine is at step "
+                    f"{self.engine.global_steps}), and infinity does not rebuild a ds_config "
+                    "schedule. Build a new Trainer (resume_from_checkpoint= continues the run), "
+                    "or leave the scheduler to the TrainingArguments (lr_scheduler_type), which "
+                    "a second train() starts again as transformers' Trainer does")
+            self.engine.lr_scheduler = self._schedule_factory(num_training_steps)(
+                self.engine.optimizer)
+            self._set_schedule()
         return self.lr_scheduler
 
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:

@@ -97,6 +97,10 @@ def test_a_config_optimizer_and_schedule_take_the_trainers_values(disk_dir, tmp_
         assert trainer.engine.config.scheduler.total_num_steps == 4
         assert trainer.engine.config.scheduler.warmup_max_lr == 1e-2
         assert all(h["grad_norm"] > 0 for h in trainer.state.log_history if "grad_norm" in h)
+        # a second train(): that schedule is spent, and a ds_config's is not rebuilt: refused
+        trainer.args.max_steps = 6
+        with pytest.raises(ValueError, match="ds_config's \"scheduler\".*spent"):
+            trainer.train()
     finally:
         trainer.close()
     wrong = hf_ds(disk_dir, gradient_accumulation_steps=4,
@@ -108,6 +112,33 @@ def test_a_config_optimizer_and_schedule_take_the_trainers_values(disk_dir, tmp_
                                          r"- optimizer\.params\.lr = 0\.0001 but .*"
                                          r"learning_rate = 0\.01"):
         trainer.train()
+
+
+def test_a_second_train_starts_the_schedule_again_as_the_plain_trainer(disk_dir,
+                                                                      tmp_path) -> None:
+    """trainer.train() again, to train some more: transformers' Trainer makes a new schedule
+    for the new steps (the optimizer's state kept); so does infinity's. Before, the engine kept
+    the spent schedule: the second run trained at lr 0, its logs looking normal."""
+    warnings.filterwarnings("ignore")
+    model, data = make_model("llama", layers=1, width=32), hf_data(16)
+    plain = transformers.Trainer(model=copy.deepcopy(model), train_dataset=data,
+                                 args=transformers.TrainingArguments(
+                                     tmp_path / "plain", **hf_args(max_steps=4,
+                                                                   eval_strategy="no")))
+    ours = hf.Trainer(model=copy.deepcopy(model), train_dataset=data,
+                      args=hf.TrainingArguments(tmp_path / "run", deepspeed=hf_ds(disk_dir),
+                                                **hf_args(max_steps=4, eval_strategy="no")))
+    try:
+        for trainer in (plain, ours):
+            trainer.train()
+            trainer.args.max_steps = 6
+            trainer.train()
+        lrs = logged(ours, "learning_rate")
+        assert lrs == pytest.approx(logged(plain, "learning_rate"), rel=1e-12)
+        assert max(lrs[-3:]) > 0
+        close_rel(logged(ours, "loss"), logged(plain, "loss"), 1e-5)
+    finally:
+        ours.close()
 
 
 def test_an_engine_from_pretrained_trains_under_the_trainer(disk_dir, tmp_path) -> None:
