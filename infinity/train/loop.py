@@ -19,6 +19,7 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -161,6 +162,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     writer = MetricsWriter(opts.metrics, append=opts.resume) if opts.metrics and first else None
     plot_path = _plot_path(opts) if first else None
     _refuse_outputs_over_inputs(opts, plot_path)
+    if opts.export and first:
+        _check_export_dir(Path(opts.export))
     checkpoints = RunCheckpoints.from_options(opts.save_dir, opts.save_interval, opts.resume,
                                               opts.engine)
     model_config = models.pretrained_config(opts.pretrained, opts.seq_len, tokenizer) \
@@ -426,6 +429,29 @@ def _refuse_outputs_over_inputs(opts: TrainOptions, plot_path: Path | None) -> N
                 kind = "directory" if given.is_dir() else "file"
                 raise ValueError(f"{out_flag} {out} is the {in_flag} {kind}: writing it would "
                                  f"overwrite your input; choose another {out_flag} path")
+
+
+def _check_export_dir(path: Path) -> None:
+    """Raise now, not after the run, when ``--export`` cannot be written: a file there, or a
+    directory (its nearest existing one) this process cannot write in (tried for real, a probe
+    file made and removed at once: permission bits say nothing for root, a read-only mount or
+    /proc). Without --save-dir the trained model exists only in the export."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--export {path} is a file: the export is a directory (config.json and "
+                         "the weights, as from_pretrained loads); choose a directory path")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--export {path}: {existing} is a file, so the directory cannot be "
+                         "made; choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".infinity-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise PermissionError(f"--export {path}: cannot write in {existing} "
+                              f"({exc.strerror or exc}); choose a writable path") from None
 
 
 def _plot_path(opts: TrainOptions) -> Path | None:

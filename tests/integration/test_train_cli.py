@@ -160,6 +160,30 @@ def test_unwritable_metrics_or_plot_path_fails_before_training(
     assert not (tmp_path / "ok.jsonl").exists()    # the good file is not created early either
 
 
+def test_an_export_path_that_cannot_be_written_fails_before_training(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, disk_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was tried only after the run: a file there, or a directory it could not write in,
+    lost the trained model (without --save-dir nothing else keeps it)."""
+    from infinity.train import loop
+
+    def no_training(*args: object) -> None:
+        raise AssertionError("the engine was built before the bad path was reported")
+
+    monkeypatch.setattr(loop, "_make_engine", no_training)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine\n")
+    cases = [(a_file, "is a file"), (a_file / "sub", "is a file")]
+    cases += [(where / "out", "cannot write") for where in _unwritable_dirs(tmp_path)]
+    for target, said in cases:
+        code, err = _run_cli(capsys, "--model-size", "tiny", "--steps", "1", "--nvme-path",
+                             str(disk_dir), "--export", str(target))
+        line = _one_error_line(err)
+        assert code == 2 and f"--export {target}" in line and said in line, err
+        assert "Traceback" not in err and list(disk_dir.iterdir()) == []
+    assert a_file.read_text() == "mine\n"
+
+
 def test_host_budget_too_small_states_the_given_value_and_the_minimum(
         capsys: pytest.CaptureFixture[str], tmp_path: Path, disk_dir: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
