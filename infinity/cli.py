@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(modules[args.command].run(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError, PermissionError,
+    except (UsageError, ValueError, FileNotFoundError, PermissionError, FileExistsError,
+            IsADirectoryError, NotADirectoryError,   # a path given that is the wrong kind
             BudgetExceededError) as exc:    # a budget too small for the run: its message says so
         get_logger("cli").debug("usage error", exc_info=True)
         print(f"infinity {args.command}: error: {exc}", file=sys.stderr)

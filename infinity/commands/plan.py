@@ -50,7 +50,19 @@ def _param_count(text: str) -> int:
     count = int(float(match.group(1)) * _SUFFIX[match.group(2).lower()])
     if count < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is {count} parameters: a model has at least one")
+    if count > MAX_PARAMS:
+        # the shape's depth grows with the count (and a plan lists every unit): 1e30 ran for
+        # minutes without an answer
+        raise argparse.ArgumentTypeError(f"{text!r} is {count:.3g} parameters, over the "
+                                         f"{MAX_PARAMS:.0e} this planner plans for")
     return count
+
+
+MAX_PARAMS = 10**15
+"""The largest ``--params``: a quadrillion, 1000x the 1T ZeRO-Infinity planned on one node."""
+SHAPE_TOLERANCE = 0.10
+"""How far the count of the shape planned for ``--params`` may be from it: the widths step by
+128 (and the depth may be given), so a toy count or a very deep narrow one cannot be met."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +126,18 @@ def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> tu
         # depth and width of published models at this count, unless --layers is given; planned
         # parameter by parameter, so a block too large to fetch can be split as for a config
         shape = estimated_shape(args.params, args.layers)
-        return shape_stats(shape), shape
+        stats = shape_stats(shape)
+        if abs(stats.total_params - args.params) > SHAPE_TOLERANCE * args.params:
+            depth = f"{shape.layers} layer{'s' if shape.layers > 1 else ''}" + \
+                (" (--layers)" if args.layers else "")
+            raise ValueError(
+                f"--params {args.params:,}: the Llama shape planned for it ({depth}, hidden "
+                f"{shape.hidden}, intermediate {shape.intermediate}, vocabulary {shape.vocab}) "
+                f"has {stats.total_params:,} parameters, more than {SHAPE_TOLERANCE:.0%} off "
+                "(the widths step by 128): "
+                + ("give fewer --layers, or none (the depth of published models of the count)"
+                   if args.layers else "give a larger count, or the model itself (--hf-config)"))
+        return stats, shape
     try:
         import torch
         import transformers
@@ -249,6 +272,14 @@ def run(args: argparse.Namespace) -> int:
     if (args.trace or args.plot) and not args.dry_run:
         raise ValueError(f"{'--trace' if args.trace else '--plot'} draws the dry run's timeline: "
                          "add --dry-run (with --hf-config or --model-size)")
+    if args.dry_run and args.params is not None:
+        _meta_model(args)           # refused before any planning: --dry-run needs the modules
+    from infinity.train.metrics import check_writable
+
+    for flag, path, example in (("--trace", args.trace, "step.json"),
+                                ("--plot", args.plot, "step.png")):
+        if path:                    # before the dry run, not after it
+            check_writable(Path(path), flag, example=example)
     described = target_from_args(args)
     if described is not None:
         return _run_target(args, *described)

@@ -83,3 +83,19 @@ def test_the_hidden_share_counts_copy_time_under_compute_once() -> None:
     # clipped to the window: [5, 6] of [5, 7]
     assert hidden_share(spans, "H2D", 4.5, 7.0) == pytest.approx(0.5)
     assert hidden_share(spans, "H2D", 8.5, 9.0) is None       # no copies: no share
+
+
+def test_a_trace_or_plot_path_that_cannot_be_written_is_refused_first(tmp_path, capsys,
+                                                                      monkeypatch) -> None:
+    """A directory, or a file in a directory that does not exist: refused in one line before
+    the dry run (an IsADirectoryError after it escaped as a traceback)."""
+    from infinity.commands import plan
+
+    def no_dry_run(*args, **kwargs):
+        raise AssertionError("planned before the path was checked")
+
+    monkeypatch.setattr(plan, "target_from_args", no_dry_run)
+    for flag, path, said in (("--trace", tmp_path, "is a directory"),
+                             ("--plot", tmp_path / "none" / "x.png", "does not exist")):
+        assert cli.main(["plan", "--model-size", "tiny", "--dry-run", flag, str(path)]) == 2
+        assert said in capsys.readouterr().err

@@ -109,3 +109,22 @@ def test_a_block_too_large_to_fetch_is_split_for_an_estimated_shape() -> None:
     assert plan.chosen is not None, [r.why() for r in plan.decision.rungs]
     assert plan.chosen.units_split and plan.step is not None and plan.step.predicted_s > 0
     assert any("its own unit" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--params", "1e6", "--layers", "1000"], "90,868,096 parameters, more than 10% off"),
+    (["--params", "1000"], "give a larger count"),
+    (["--params", "1e30"], "over the 1e+15 this planner plans for"),
+    (["--params", "1e6", "--dry-run"], "--dry-run runs the model's own modules"),
+])
+def test_a_count_the_planner_cannot_shape_is_refused_not_replaced(capsys, argv, said) -> None:
+    """A count whose shape would be another size (a deep narrow block at 1000 layers planned
+    90.9M for 1M, silently), or past any machine (1e30 ran for minutes without an answer), is
+    refused in one line, before any planning."""
+    if "1e30" in argv:          # argparse's own refusal of the value
+        with pytest.raises(SystemExit) as info:
+            cli.main(["plan", *argv])
+        assert info.value.code == 2
+    else:
+        assert cli.main(["plan", *argv]) == 2
+    assert said in capsys.readouterr().err
