@@ -64,7 +64,7 @@ class RunCheckpoints:
                              "choose a larger disk or free some space")
 
     def resume_into(self, engine: Any, sampler: BatchSampler, identity: dict[str, Any],
-                    last_step: int) -> int:
+                    last_step: int, data_path: str = "") -> int:
         """Load the latest checkpoint (with --resume) and move the sampler on; returns the
         optimizer steps already taken (0 when starting fresh)."""
         if not self.resume:
@@ -84,6 +84,10 @@ class RunCheckpoints:
                              f"stood (client_state {client!r}): it was not saved by infinity "
                              "train; use another --save-dir")
         saved = {k: client.get(k) for k in identity}
+        if saved.get("data_sha256") is None and "data" in client and "data_sha256" in identity:
+            # saved before the data was kept by its digest: by its path then, as it was
+            saved["data_sha256"] = identity["data_sha256"] if client["data"] == data_path \
+                else client["data"]
         if saved != identity:
             differing = {k: (saved[k], identity[k]) for k in identity if saved[k] != identity[k]}
             raise ValueError(f"--resume: checkpoint {path} was taken from another run "

@@ -8,6 +8,7 @@ generator so that two runs with the same seed see the same batches.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,9 @@ class Corpus:
     """Documents read (1 for plain text)."""
     tokenizer: str | None = None
     """The tokenizer's directory when the text was tokenized (``--pretrained``); None: bytes."""
+    digest: str = ""
+    """sha256 of the file's bytes: what a resumed run checks its data by (a path names the
+    same file in many ways, and another file under the same name)."""
 
 
 def default_corpus_path() -> Path:
@@ -94,7 +98,8 @@ def load_corpus(path: str | Path | None = None, tokenizer: Any = None) -> Corpus
     if content == 0:
         raise ValueError(f"data file {source} is empty (no text in {len(raw)} bytes); pass --data "
                          "with a file that holds some text")
-    return Corpus(tokens=tokens, source=str(source), documents=documents)
+    return Corpus(tokens=tokens, source=str(source), documents=documents,
+                  digest=hashlib.sha256(raw).hexdigest())
 
 
 def _tokenized(source: Path, raw: bytes, tokenizer: Any) -> Corpus:
@@ -115,7 +120,8 @@ def _tokenized(source: Path, raw: bytes, tokenizer: Any) -> Corpus:
                          "with a file that holds some text")
     return Corpus(tokens=torch.tensor(ids, dtype=torch.int64), source=str(source),
                   documents=len(texts),
-                  tokenizer=str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__))
+                  tokenizer=str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
+                  digest=hashlib.sha256(raw).hexdigest())
 
 
 def _bytes_to_tokens(data: bytes) -> torch.Tensor:

@@ -219,9 +219,11 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
                   f"; swap directory {', '.join(swap_dirs)}" if swap_dirs else "")
 
         # 3. Steps (a resumed run continues where its checkpoint stopped).
-        identity = {"seed": opts.seed, "data": corpus.source, "seq_len": opts.seq_len,
+        # the data by its bytes, not its path (the same file named two ways was refused, and
+        # another file under the same name resumed silently)
+        identity = {"seed": opts.seed, "data_sha256": corpus.digest, "seq_len": opts.seq_len,
                     "micro_batch": sampler.micro_batch}
-        done = checkpoints.resume_into(engine, sampler, identity, opts.steps)
+        done = checkpoints.resume_into(engine, sampler, identity, opts.steps, corpus.source)
         # infinity's engine logs wall_clock_breakdown itself (engine/monitor.py)
         timers = _PhaseTimers(config.wall_clock_breakdown and opts.engine == "torch",
                               config.steps_per_print)

@@ -299,6 +299,25 @@ def test_a_resumed_run_continues_the_interrupted_one(disk_dir: Path, tmp_path: P
     assert list(disk_dir.iterdir()) == []
 
 
+def test_a_resume_knows_its_data_by_its_bytes_not_its_path(disk_dir: Path, tmp_path: Path) -> None:
+    """The same file named another way (a link) resumes; other bytes under the same name are
+    refused. It was the other way round: the path's text was compared."""
+    common = ("--model-size", "tiny", "--seq-len", "32", "--nvme-path", str(disk_dir),
+              "--host-budget", "256MiB", "--save-dir", str(tmp_path / "run"))
+    data = tmp_path / "data.txt"
+    data.write_text("In the beginning was the text, and the text was long enough. " * 200)
+    link = tmp_path / "link.txt"
+    link.symlink_to(data)
+    proc = _infinity("train", *common, "--steps", "2", "--data", str(data))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _infinity("train", *common, "--steps", "3", "--data", str(link), "--resume")
+    assert proc.returncode == 0 and "resumed from" in proc.stderr, proc.stderr[-3000:]
+    data.write_text("Other words entirely, in another order, for another run of it. " * 200)
+    proc = _infinity("train", *common, "--steps", "4", "--data", str(data), "--resume")
+    assert proc.returncode == 2 and "taken from another run" in proc.stderr, proc.stderr[-2000:]
+    assert "data_sha256" in proc.stderr
+
+
 def test_outputs_that_would_overwrite_inputs_or_cannot_be_written_fail_first(tmp_path: Path) -> None:
     """--metrics naming the --data file (it was truncated after the first step), and a --plot
     format matplotlib does not write (it failed after the whole run): one line, exit 2, the
