@@ -26,6 +26,7 @@ from infinity.engine.guards import (
     BACKWARD_AFTER_BOUNDARY_STEPS,
     SECOND_EARLY_BACKWARD,
     ZERO_GRAD_AFTER_BOUNDARY_STEPS,
+    ZERO_GRAD_UNDER_EARLY_STEP,
     check_open,
     check_same_on_every_rank,
     schedule_label,
@@ -258,23 +259,27 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         if self.loss_scaler is not None:
             loss = loss * self.loss_scaler.scale
         started = self._begin_backward()   # voids a speculation: a second backward in a cycle
-        try:
-            with self.coordinator.tracked_backward():
-                loss.backward(retain_graph=retain_graph)
-        except BaseException as exc:
-            self.comm.report_failure(exc, "backward")
-            # no gradients will come for the rest: drop the partial ones, and start the next
-            # backward clean (its end-of-backward callback never ran)
+        # a backward that steps its units is whole or not run: a Ctrl-C waits until it is
+        # recorded whole (then raised: a backward before its step(), which a save refuses)
+        steps = self.optimizer.early_step or self.optimizer.boundary.now
+        with deferred_interrupts("the backward, which steps each unit") if steps \
+                else contextlib.nullcontext():
             try:
-                self.optimizer.abandon_backward()
-            finally:
-                self.coordinator.abandon_pass()
-                self._drop_rolled_back()
-                self._release_dropped_activations()
-                self.report.add_time("backward", time.perf_counter() - started)
-            raise_with_external_parameter_hint(exc, "backward", self.stage)
-            raise
-        self._end_backward(started)
+                with self.coordinator.tracked_backward():
+                    loss.backward(retain_graph=retain_graph)
+            except BaseException as exc:
+                self.comm.report_failure(exc, "backward")
+                # the rest's gradients never come: drop the partial ones, start the next clean
+                try:
+                    self.optimizer.abandon_backward()
+                finally:
+                    self.coordinator.abandon_pass()
+                    self._drop_rolled_back()
+                    self._release_dropped_activations()
+                    self.report.add_time("backward", time.perf_counter() - started)
+                raise_with_external_parameter_hint(exc, "backward", self.stage)
+                raise
+            self._end_backward(started)
         return scaled
 
     def _begin_backward(self) -> float:
@@ -302,20 +307,15 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             self.activation_swapper.release_forgotten()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard the gradients of the backwards since the last optimizer step, as torch's
-        ``optimizer.zero_grad()`` between a backward and a step does (``optimizer.zero_grad()``
-        comes here too). Under the early step each unit was already stepped during its backward:
-        that cannot be undone, so it is refused."""
+        """Discard the gradients of the backwards since the last step, as torch's zero_grad()
+        between a backward and a step does (``optimizer.zero_grad()`` comes here too); refused
+        under the early step, whose backward already stepped each unit (it cannot be undone)."""
         self._check_open("zero_grad")
         if self.optimizer.boundary.pending:
             raise RuntimeError(ZERO_GRAD_AFTER_BOUNDARY_STEPS)
         if self.optimizer.early_step:
             if self._backwards_since_step:
-                raise RuntimeError(
-                    "zero_grad() between backward() and step() under the early step: each unit "
-                    "was already stepped during the backward, so its gradients cannot be "
-                    "discarded. Call zero_grad() before the backward (or after step()), or set "
-                    "infinity.early_step \"off\" to keep gradients until step()")
+                raise RuntimeError(ZERO_GRAD_UNDER_EARLY_STEP)
             return
         if self.optimizer.holds_cycle_gradients():
             self.optimizer.discard_cycle_gradients()

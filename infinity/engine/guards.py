@@ -85,6 +85,13 @@ SECOND_EARLY_BACKWARD = (
     "gradient_accumulation_steps to add micro-batches up, or set infinity.early_step \"off\"")
 
 
+ZERO_GRAD_UNDER_EARLY_STEP = (
+    "zero_grad() between backward() and step() under the early step: each unit was already "
+    "stepped during the backward, so its gradients cannot be discarded. Call zero_grad() before "
+    "the backward (or after step()), or set infinity.early_step \"off\" to keep gradients until "
+    "step()")
+
+
 BACKWARD_AFTER_BOUNDARY_STEPS = (
     "{call} after the last micro-batch's backward and before engine.step(): with gradient "
     "accumulation and infinity.early_step \"auto\" or \"on\", that backward stepped each "

@@ -150,3 +150,48 @@ def test_a_deferred_engine_keeps_another_engines_gradients_as_torch_does(disk_di
     finally:
         gen.close()
         disc.close()
+
+
+def test_a_ctrl_c_in_a_backward_that_steps_units_waits_for_its_end(disk_dir) -> None:
+    """Ctrl-C (a real SIGINT) inside a backward under the early step, which steps each unit as
+    it completes: the backward finishes and is recorded, then KeyboardInterrupt is raised, so
+    the state is a backward before its step(): a save refuses it, step() completes it, and
+    training goes on equal to a run never interrupted. Before, the interrupt stopped the
+    backward halfway (the later units stepped, the earlier not) and a save took that state as
+    the step before."""
+    import os
+    import signal
+
+    batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def train(interrupt_at: int | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = Net(16, 4)
+        armed = {"on": False}
+
+        def ctrl_c(module, grad_output):
+            if armed["on"]:
+                armed["on"] = False
+                os.kill(os.getpid(), signal.SIGINT)    # delivered to this, the main thread
+        model.blocks[1].register_full_backward_pre_hook(ctrl_c)
+        engine, *_ = infinity.initialize(model=model, config=_config(disk_dir / f"{interrupt_at}",
+                                                                     "on"))
+        try:
+            for i, x in enumerate(batches):
+                armed["on"] = i == interrupt_at
+                loss = engine(x).pow(2).mean()
+                if i != interrupt_at:
+                    engine.backward(loss)
+                else:
+                    with pytest.raises(KeyboardInterrupt):
+                        engine.backward(loss)
+                    with pytest.raises(RuntimeError, match="between backward\\(\\) and step"):
+                        engine.save_checkpoint(disk_dir / "ckpt")
+                engine.step()
+            return _weights(engine)
+        finally:
+            engine.close()
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler here")
+    assert torch.equal(train(1), train(None))
