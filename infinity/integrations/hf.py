@@ -421,10 +421,22 @@ class Trainer(transformers.Trainer):
         if self.engine is not None:
             self.engine.load_checkpoint(resume_from_checkpoint, load_module_only=True)
             return
+        if not os.path.isdir(resume_from_checkpoint):
+            raise FileNotFoundError(f"resume_from_checkpoint={resume_from_checkpoint!r} does "
+                                    "not exist (or is not a directory)")
         if not os.path.isfile(os.path.join(resume_from_checkpoint, "latest")):
+            weights_only = any(os.path.isfile(os.path.join(resume_from_checkpoint, name))
+                               for name in ("model.safetensors", "model.safetensors.index.json",
+                                            "adapter_model.safetensors"))
             raise FileNotFoundError(
                 f"resume_from_checkpoint={resume_from_checkpoint!r} holds no infinity "
-                "checkpoint ('latest'): resume from a checkpoint this Trainer saved")
+                "checkpoint ('latest')" + (
+                    ": it holds the model's weights but no engine state (saved with "
+                    "save_only_model=True, or by transformers' own Trainer), so the run cannot "
+                    "go on from it as it stood. Resume from a checkpoint infinity's Trainer "
+                    "saved without save_only_model, or start a new run from these weights "
+                    "(infinity.from_pretrained, or the model loaded from them)"
+                    if weights_only else ": resume from a checkpoint this Trainer saved"))
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint

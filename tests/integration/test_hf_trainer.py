@@ -235,3 +235,20 @@ def test_transformers_own_training_arguments_become_infinitys(disk_dir, tmp_path
 
         with pytest.raises(importlib.metadata.PackageNotFoundError, match="deepspeed"):
             transformers.TrainingArguments(tmp_path / "ds", deepspeed=hf_ds(disk_dir))
+
+
+def test_a_checkpoint_of_weights_alone_is_refused_for_a_resume_saying_why(disk_dir,
+                                                                          tmp_path) -> None:
+    """A Trainer checkpoint saved with save_only_model=True (or by transformers' own Trainer)
+    holds no engine state: a resume from it says so (it said to resume from a checkpoint this
+    Trainer saved, which it was); a path that does not exist is named as such."""
+    trainer = hf.Trainer(model=make_model("llama", layers=1, width=32), train_dataset=hf_data(4),
+                         args=hf.TrainingArguments(tmp_path / "run", deepspeed=hf_ds(disk_dir),
+                                                   **hf_args(max_steps=1, eval_strategy="no")))
+    weights = tmp_path / "checkpoint-3"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="weights but no engine state.*save_only_model"):
+        trainer._load_from_checkpoint(str(weights))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        trainer._load_from_checkpoint(str(tmp_path / "nowhere"))
