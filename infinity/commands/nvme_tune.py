@@ -154,6 +154,14 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise ValueError("--plot needs matplotlib, which is not installed: pip install "
                              "matplotlib (or infinity-offload[plot]), or drop --plot") from None
+        from infinity.train.metrics import check_writable, plot_formats
+
+        # before the sweep, not after it: a directory, a missing one, a format matplotlib
+        # lacks (a sweep of minutes lost its picture)
+        check_writable(args.plot, "--plot", example="sweep.png")
+        if args.plot.suffix.lower().lstrip(".") not in plot_formats():
+            raise ValueError(f"--plot {args.plot}: matplotlib cannot write that file type; end "
+                             "the name in .png (or .pdf, .svg)")
     # SIGTERM unwinds like Ctrl-C, so the private directory is removed either way. The signal
     # is also remembered: a KeyboardInterrupt raised while Python runs a finalizer (an I/O
     # buffer freed by the garbage collector) is printed and dropped, so the sweep checks the

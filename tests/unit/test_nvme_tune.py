@@ -586,3 +586,22 @@ def test_a_real_small_sweep_measures_every_point_and_leaves_nothing(disk_dir: Pa
     assert len(phases) == 3 * 8 and phases[-1] == (8, 8, "mmap 8K qd2", "done")
     assert report.best in report.results
     assert list(disk_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, said", [("", "is a directory"),
+                                        ("none/sweep.png", "does not exist"),
+                                        ("sweep.xyz", "cannot write that file type")])
+def test_a_plot_path_that_cannot_be_written_is_refused_before_the_sweep(
+        tmp_path: Path, capsys, monkeypatch, name: str, said: str) -> None:
+    """It was tried after the sweep (minutes), and a directory given came out as DIR.png."""
+    pytest.importorskip("matplotlib")
+    from infinity import cli
+    from infinity.train import nvme_tune
+
+    def no_sweep(*args, **kwargs):
+        raise AssertionError("the sweep ran before the --plot path was checked")
+
+    monkeypatch.setattr(nvme_tune, "sweep", no_sweep)
+    target = tmp_path / name if name else tmp_path
+    assert cli.main(["nvme-tune", "--path", str(tmp_path), "--plot", str(target)]) == 2
+    assert said in capsys.readouterr().err
