@@ -1,6 +1,7 @@
 """The plan as a text table for people (``infinity plan``; ``Plan.render``)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infinity.base.sizes import format_bytes
@@ -19,7 +20,7 @@ def render_plan(plan: "Plan") -> str:
            f"{format_bytes(hw.gpu_total_bytes or 0)}") if hw.has_gpu else \
         "no GPU (the device is a pool in host RAM)"
     disk = "" if hw.disk_free_bytes is None else \
-        f", {format_bytes(hw.disk_free_bytes)} free at {hw.nvme_path}"
+        f", {format_bytes(hw.disk_free_bytes)} free at {_existing(hw.nvme_path)}"
     lines = [
         f"model     {_count(s.total_params)} params ({_count(s.trainable_params)} trainable), "
         f"{s.n_units} units, largest unit {_count(s.largest_unit_params)}",
@@ -65,3 +66,14 @@ def _count(n: int) -> str:
         if n >= div:
             return f"{n / div:.1f}{suffix}"
     return str(n)
+
+
+def _existing(path: str | None) -> str:
+    """``path``, or where its free space was measured when it does not exist yet (its nearest
+    existing directory: an unmounted /mnt/nvme is measured on the disk under it)."""
+    if path is None or Path(path).exists():
+        return str(path)
+    nearest = Path(path).absolute()
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    return f"{nearest} ({path} does not exist yet)"
