@@ -157,6 +157,16 @@ def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
     return meta
 
 
+# DeepSpeed's custom-init pattern (GatheredParameters(..., modifier_rank=0) inside zero.Init):
+# there the gathered parameter is real; here it is a meta tensor until initialize, so the write
+# would go nowhere and the model's init (or the value it was built with) would train instead.
+GATHER_BEFORE_INITIALIZE = (
+    "GatheredParameters(..., modifier_rank=...) on {count} parameter(s) built under "
+    "infinity.zero.Init and not yet given to an engine: they are meta tensors (no values) until "
+    "initialize materialises them, so a value written here would be lost, silently. Give the "
+    "value when building the module (nn.Parameter(torch.full(shape, 7.0))), or in its "
+    "reset_parameters(), or write it under GatheredParameters after infinity.initialize")
+
 # A value given to a parameter that Init already made meta: a load (transformers' from_pretrained
 # assigns each checkpoint tensor so, as does load_state_dict(assign=True)). Init keeps no values,
 # so the weights would be lost and replaced by a random init at materialisation, silently.
@@ -221,6 +231,10 @@ class GatheredParameters(contextlib.ContextDecorator):
             for unit in engine.units:
                 if any(e.param is p for e in unit.params for p in self.params):
                     self._units.append((engine, unit))
+        owned = {id(e.param) for _, unit in self._units for e in unit.params}
+        unbuilt = [p for p in self.params if p.device.type == "meta" and id(p) not in owned]
+        if unbuilt and self.modifier_rank is not None:
+            raise RuntimeError(GATHER_BEFORE_INITIALIZE.format(count=len(unbuilt)))
         pinned = []
         try:
             for engine, unit in self._units:

@@ -18,7 +18,9 @@ in a plain build, where the other module's init ran on the parameter the tie rep
 
 What zero.Init cannot keep: initialisation a module's ``__init__`` does by hand on parameters
 already registered (``nn.init.zeros_(self.head.weight)`` in the parent's constructor) happens
-while they are meta, so it is lost; the model's own init methods run instead.
+while they are meta, so it is lost; the model's own init methods run instead. Where a module has
+none, and a parameter it kept the value of was written after registration (its meta stand-in's
+version counter moved), that is refused (``_reset``): the kept value is the one before the write.
 
 A library that wraps a model already on the meta device (``from_pretrained``'s
 ``prepare_model``, a PEFT ``get_peft_model``) builds its own parameters with real values and
@@ -134,6 +136,9 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
         if built is not None:
             valued.add(id(new))
     by_old = {id(old): new for _, old, new in replaced}
+    # written in place after they were made meta (an init in the module's own __init__ after
+    # registering it, a GatheredParameters write): the value kept is from before that write
+    written = {id(new) for _, old, new in replaced if old._version > 0}
     # each new parameter is initialised by one module: its creator, else its first holder
     initialiser: dict[int, nn.Module] = {}
     owners: list[nn.Module] = []
@@ -162,7 +167,9 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
                         if p is not None and initialiser.get(id(p)) is module} - skipped
                 if mine:
                     with _foreign_params_on_meta([module], mine, shapes):
-                        _reset(module, all_built=mine <= valued)
+                        _reset(module, all_built=mine <= valued,
+                               written=[n for n, p in module._parameters.items()
+                                        if p is not None and id(p) in mine & written])
     return replaced
 
 
@@ -234,13 +241,24 @@ class _foreign_params_on_meta:
         self.saved.clear()
 
 
-def _reset(module: nn.Module, all_built: bool = False) -> None:
+def _reset(module: nn.Module, all_built: bool = False, written: list[str] = ()) -> None:
     # torch's own modules: reset_parameters, or _reset_parameters (nn.MultiheadAttention); their
     # kept values are torch.empty's, which the reset replaces
     for name in ("reset_parameters", "_reset_parameters"):
         if callable(getattr(module, name, None)):
             getattr(module, name)()
             return
+    if all_built and written:
+        # the value kept is the one given at registration (torch.empty's, say), not the one
+        # written after it (nn.init.ones_(self.weight) in the module's __init__): refused
+        raise ValueError(
+            f"parameters {written} of {type(module).__name__} were written in place after "
+            "they were registered under infinity.zero.Init (an init in the module's own "
+            "__init__, or a GatheredParameters write before initialize): Init builds them on "
+            "the meta device, so that write was lost, and the value they were registered with "
+            "(torch.empty's memory, say) would train. Give the value when creating the "
+            "parameter (nn.Parameter(torch.ones(n))), or add a reset_parameters() that "
+            "initialises the module, or build the model outside zero.Init")
     if all_built:
         return      # no init method, but every parameter kept the value it was built with (a
         # LoRA wrapper's factors): nothing to initialise

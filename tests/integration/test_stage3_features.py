@@ -288,6 +288,36 @@ def test_zero_init_initialises_torch_attention_modules(disk_dir) -> None:
         engine.close()
 
 
+class _HandInitNorm(nn.Module):
+    """Initialised by hand in its own __init__, after registering the parameter, with no init
+    method (a common RMSNorm)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width))
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_zero_init_refuses_values_written_after_registration_that_it_cannot_keep(
+        disk_dir) -> None:
+    """Under zero.Init a parameter is meta from its registration: a write after it (an init in
+    the module's own __init__; DeepSpeed's GatheredParameters(modifier_rank=0) before
+    initialize) went nowhere, and torch.empty's memory trained (values ~1e30), or the model's
+    init, silently. Both are refused, saying what to do; a value given at creation is kept."""
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    with infinity.zero.Init(config=ds):
+        model = nn.Sequential(nn.Linear(8, 8), _HandInitNorm(8))
+        with pytest.raises(RuntimeError, match="meta tensors .* lost, silently"):
+            with infinity.zero.GatheredParameters([model[0].bias], modifier_rank=0):
+                pass
+    with pytest.raises(ValueError, match=r"\['weight'\] of _HandInitNorm were written in place"):
+        infinity.initialize(model=model, config=ds)
+
+
 class LoRALinear(nn.Linear):
     """A factor set by value in __init__, which no init method covers (as PEFT does)."""
 
