@@ -25,6 +25,7 @@ from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.guards import (
     BACKWARD_AFTER_BOUNDARY_STEPS,
     SECOND_EARLY_BACKWARD,
+    SPECULATIVE_SWAP_ROOM,
     ZERO_GRAD_AFTER_BOUNDARY_STEPS,
     ZERO_GRAD_UNDER_EARLY_STEP,
     check_open,
@@ -66,6 +67,7 @@ from infinity.zero.init import (
     EXTERNAL_PARAMS_ATTR,
     check_not_released,
     register_engine,
+    released_on_failure,
     remember_released,
     unregister_engine,
 )
@@ -132,14 +134,12 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                              "configured: set zero_optimization.offload_param.nvme_path or "
                              "offload_optimizer.nvme_path")
         try:
-            self._build(model, specs, groups, lr_scheduler)
+            with released_on_failure(model):     # a retry on the emptied model is refused
+                self._build(model, specs, groups, lr_scheduler)
         except BaseException as exc:
             self.manager.close()
             if isinstance(exc, SwapPathError) and self.speculative and "free space" in str(exc):
-                raise SwapPathError(
-                    f"{exc} (the speculative step keeps second copies of the NVMe parameters "
-                    "and Adam states, which doubles their room: infinity.speculative_step "
-                    "\"auto\" turns it off when the disk lacks the room, \"off\" always)") from exc
+                raise SwapPathError(SPECULATIVE_SWAP_ROOM.format(exc=exc)) from exc
             raise
         log.info("engine ready on %s: stage %d, compute %s, params on %s, optimizer on %s, %d "
                  "units, %s schedule; holding %s", self.device, stage,

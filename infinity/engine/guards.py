@@ -85,6 +85,12 @@ SECOND_EARLY_BACKWARD = (
     "gradient_accumulation_steps to add micro-batches up, or set infinity.early_step \"off\"")
 
 
+SPECULATIVE_SWAP_ROOM = (
+    "{exc} (the speculative step keeps second copies of the NVMe parameters and Adam states, "
+    "which doubles their room: infinity.speculative_step \"auto\" turns it off when the disk "
+    "lacks the room, \"off\" always)")
+
+
 ZERO_GRAD_UNDER_EARLY_STEP = (
     "zero_grad() between backward() and step() under the early step: each unit was already "
     "stepped during the backward, so its gradients cannot be discarded. Call zero_grad() before "

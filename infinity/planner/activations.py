@@ -210,10 +210,13 @@ class OffloadChoice:
 
     @property
     def overshoot_bytes(self) -> int:
-        """Bytes the activations kept in memory exceed the room by (0 when they fit)."""
-        if self.decision == "nvme" or self.predicted_bytes is None:
+        """Bytes what the step keeps in memory exceeds the room by (0 when it fits): the
+        activations kept there, and the step's gradients and logits, which stay in memory when
+        the activations are offloaded too."""
+        if self.predicted_bytes is None:
             return 0
-        return max(0, self.predicted_bytes + self.working_bytes - self.room_bytes)
+        kept = 0 if self.decision == "nvme" else self.predicted_bytes
+        return max(0, kept + self.working_bytes - self.room_bytes)
 
     def as_dict(self) -> dict[str, Any]:
         return {"decision": self.decision, "predicted_bytes": self.predicted_bytes,
@@ -249,13 +252,19 @@ def choose_activation_offload(predicted: int | None, room: int, has_swap: bool,
                              working_bytes=working,
                              reason=f"{_mib(predicted)} predicted fit in {beside}: kept in memory")
     if not has_swap:
+        over = predicted + working - room
         return OffloadChoice(decision="none", predicted_bytes=predicted, room_bytes=room,
                              working_bytes=working, reason=(
             f"{_mib(predicted)} predicted, {_mib(predicted - left)} more than {beside}, but "
             f"they cannot be offloaded ({no_swap}): they stay in memory and peak memory "
-            "exceeds infinity.host_memory_budget by about that much (raise the budget, or give "
-            "the swap space room)"))
+            f"exceeds infinity.host_memory_budget by about {_mib(over)} with the step's "
+            "gradients and logits (raise the budget, or give the swap space room)"))
+    over = working - room
     return OffloadChoice(decision="nvme", predicted_bytes=predicted, room_bytes=room,
                          working_bytes=working,
                          reason=f"{_mib(predicted)} predicted exceed {beside}: offloaded to the "
-                                "swap space")
+                                "swap space" + ("" if over <= 0 else
+                                f"; the step's gradients and logits alone exceed the room by "
+                                f"{_mib(over)}, so peak memory exceeds "
+                                "infinity.host_memory_budget by about that much (raise the "
+                                "budget, or take a smaller batch)"))

@@ -68,6 +68,23 @@ def remember_released(units: Iterable[Any]) -> None:
                 entry.param, lambda _, key=id(entry.param): _released_params.pop(key, None))
 
 
+@contextlib.contextmanager
+def released_on_failure(model: nn.Module):
+    """An initialize that fails part-way has moved parameters' values into tiers it then
+    closes, leaving them empty: those are remembered as released, so that initialize on the
+    same model again is refused (``check_not_released``) instead of training emptied weights
+    (a retry with a larger budget was accepted, and its weights were not the model's)."""
+    sizes = {id(p): p.numel() for p in model.parameters()}
+    try:
+        yield
+    except BaseException:
+        for p in model.parameters():
+            if sizes.get(id(p), 0) > 0 and p.numel() == 0:
+                _released_params[id(p)] = weakref.ref(
+                    p, lambda _, key=id(p): _released_params.pop(key, None))
+        raise
+
+
 def check_not_released(model: nn.Module) -> None:
     """Refuse a model that a live engine holds, or whose parameters a closed engine left
     empty, before anything is built."""
@@ -95,10 +112,11 @@ def check_not_released(model: nn.Module) -> None:
     empty = [name for name, p in model.named_parameters() if released(p)]
     if empty:
         raise ValueError(
-            f"{len(empty)} parameter(s) of this model (e.g. {empty[0]!r}) are empty: a closed "
-            "engine released them, and their values lived in its swap space, which close() "
-            "removed. Read what you need under infinity.zero.GatheredParameters before close() "
-            "(e.g. a state_dict), or build the model again")
+            f"{len(empty)} parameter(s) of this model (e.g. {empty[0]!r}) are empty: an engine "
+            "released them (closed, or its initialize failed part-way), and their values lived "
+            "in its swap space, which was removed. Build the model again (and read what you "
+            "need under infinity.zero.GatheredParameters before an engine's close(), e.g. a "
+            "state_dict)")
 
 
 class Init(contextlib.ContextDecorator):

@@ -56,8 +56,30 @@ def test_released_parameters_hold_no_storage(disk_dir) -> None:
             assert p.untyped_storage().nbytes() == 0 and p.numel() == 0, name
     finally:
         engine.close()
-    with pytest.raises(ValueError, match="a closed engine released them"):
+    with pytest.raises(ValueError, match="an engine released them \\(closed"):
         infinity.initialize(model=model, config=zero_config(3, "cpu", "cpu", str(disk_dir)))
+
+
+def test_a_model_an_initialize_emptied_as_it_failed_is_refused_again(disk_dir,
+                                                                     monkeypatch) -> None:
+    """initialize failing part-way (here after the units were built: a budget just under the
+    planner's estimate fails there too) leaves the parameters it moved into its tiers empty,
+    their values gone with its swap space: initialize on that model again is refused, saying
+    so. It was accepted, and trained weights that were not the model's."""
+    from infinity.engine import engine as engine_module
+
+    model = make_model("llama", layers=2, width=64)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("injected: initialize fails after building the units")
+
+    monkeypatch.setattr(engine_module, "route_module_methods", fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        _engine(model, disk_dir)
+    assert any(p.numel() == 0 for p in model.parameters())
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="initialize failed part-way"):
+        _engine(model, disk_dir)
 
 
 def test_units_needed_again_soon_stay_fetched(disk_dir) -> None:

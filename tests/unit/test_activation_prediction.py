@@ -192,6 +192,13 @@ def test_auto_offloads_what_does_not_fit_and_only_that() -> None:
                                       no_swap="no swap directory")
     assert stuck.decision == "none" and stuck.overshoot_bytes == 10 * mib, stuck
     assert "10.00 MiB more" in stuck.reason and "no swap directory" in stuck.reason, stuck.reason
+    assert "about 10.00 MiB with the step's gradients" in stuck.reason, stuck.reason
+    # offloaded, but the step's gradients and logits alone exceed the room: the overshoot is
+    # theirs, named in a warning (it was 0: an info line, the budget overshot silently)
+    crowded = choose_activation_offload(100 * mib, room=20 * mib, has_swap=True,
+                                        working=30 * mib)
+    assert crowded.decision == "nvme" and crowded.overshoot_bytes == 10 * mib, crowded
+    assert "alone exceed the room by 10.00 MiB" in crowded.reason, crowded.reason
     unknown = choose_activation_offload(None, room=0, has_swap=True)
     assert unknown.decision == "none" and "cannot be predicted" in unknown.reason
 
