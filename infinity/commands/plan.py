@@ -25,7 +25,13 @@ from infinity.commands.plan_target import add_target_arguments, target_from_args
 from infinity.config import InfinityConfig
 from infinity.engine.guards import unusable_swap_paths
 from infinity.planner.formats import local_formats, render_formats, with_format
-from infinity.planner.inputs import ModelStats, detect_hardware, llama_stats, shape_stats
+from infinity.planner.inputs import (
+    ModelStats,
+    detect_hardware,
+    llama_stats,
+    nearest_existing,
+    shape_stats,
+)
 from infinity.planner.plan import DEFAULT_SWAP_DIR, plan_memory, recommend_config
 from infinity.planner.state_format import MASTER_FORMATS, MOMENTS_FORMATS, StateFormat
 from infinity.planner.shape import (
@@ -180,14 +186,10 @@ def _missing_nvme_notes(cfg: InfinityConfig) -> tuple[str, ...]:
     notes = []
     sections = (cfg.zero.offload_param, cfg.zero.offload_optimizer)
     for path in dict.fromkeys(s.nvme_path for s in sections if s.device == "nvme" and s.nvme_path):
-        target = Path(path).absolute()
-        if target.exists():
+        if Path(path).exists():
             continue
-        nearest = target
-        while not nearest.exists() and nearest != nearest.parent:
-            nearest = nearest.parent
         notes.append(f"nvme_path {path} does not exist yet: the free space shown is that of "
-                     f"{nearest}; create it (mkdir -p {path}) before training, infinity train "
+                     f"{nearest_existing(path)}; create it (mkdir -p {path}) before training, infinity train "
                      "does not")
     return tuple(notes)
 

@@ -236,6 +236,15 @@ class Hardware:
         return self.gpu_total_bytes is not None
 
 
+def nearest_existing(path: str | os.PathLike[str]) -> Path:
+    """``path`` (absolute), or its nearest ancestor that exists: where a path not made yet will
+    be (its free space, whether it can be written)."""
+    nearest = Path(path).absolute()
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    return nearest
+
+
 def detect_hardware(nvme_path: str | os.PathLike[str] | None = None) -> Hardware:
     """Cores, host memory (/proc/meminfo), the GPU's memory (torch.cuda), free disk at nvme_path,
     and on CPU-only machines whether the CPU multiplies bf16 natively (probed once a process)."""
@@ -265,10 +274,8 @@ def detect_hardware(nvme_path: str | os.PathLike[str] | None = None) -> Hardware
         cpu_bf16, cpu_bf16_reason = answer.native, answer.reason
     disk_free = None
     if nvme_path is not None:
-        probe = Path(nvme_path).absolute()
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent  # the swap dir may not exist yet: ask its filesystem
-        st = os.statvfs(probe)
+        # the swap dir may not exist yet: ask its filesystem
+        st = os.statvfs(nearest_existing(nvme_path))
         disk_free = st.f_bavail * st.f_frsize
     return Hardware(cpu_cores=cores, host_total_bytes=total, host_available_bytes=available,
                     gpu_name=gpu_name, gpu_total_bytes=gpu_total, gpu_free_bytes=gpu_free,

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infinity.base.sizes import format_bytes
+from infinity.planner.inputs import nearest_existing
 from infinity.planner.tiers import TIERS
 
 if TYPE_CHECKING:
@@ -73,7 +74,4 @@ def _existing(path: str | None) -> str:
     existing directory: an unmounted /mnt/nvme is measured on the disk under it)."""
     if path is None or Path(path).exists():
         return str(path)
-    nearest = Path(path).absolute()
-    while not nearest.exists() and nearest != nearest.parent:
-        nearest = nearest.parent
-    return f"{nearest} ({path} does not exist yet)"
+    return f"{nearest_existing(path)} ({path} does not exist yet)"

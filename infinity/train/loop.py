@@ -19,7 +19,6 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from infinity.base.budget import BudgetExceededError
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.comm.group import env_world_size
+from infinity.planner.inputs import nearest_existing
 from infinity.train import data as data_mod
 from infinity.train import host_budget, models
 from infinity.train.baseline import TorchBaselineEngine
@@ -39,7 +39,7 @@ from infinity.train.checkpoints import RunCheckpoints
 from infinity.train.defaults import DEFAULT_FINETUNE_LR, DEFAULT_SEQ_LEN, DEFAULT_STEPS
 from infinity.train.metrics import (MetricsWriter, StepRecord, Summary, check_writable,
                                     plot_available, plot_formats, render_summary, summarize,
-                                    write_plot)
+                                    write_plot, write_probe)
 from infinity.train.progress import ProgressBar
 from infinity.train.run_config import (Overrides, build_ds_config, demo_config, nvme_paths,
                                        read_config_file)
@@ -441,16 +441,12 @@ def _check_export_dir(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise ValueError(f"--export {path} is a file: the export is a directory (config.json and "
                          "the weights, as from_pretrained loads); choose a directory path")
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(path)
     if not existing.is_dir():
         raise ValueError(f"--export {path}: {existing} is a file, so the directory cannot be "
                          "made; choose another path")
     try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".infinity-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        write_probe(existing)
     except OSError as exc:
         raise PermissionError(f"--export {path}: cannot write in {existing} "
                               f"({exc.strerror or exc}); choose a writable path") from None

@@ -160,6 +160,15 @@ def _record_at_or_after(line: str, step: int) -> bool:
         record["step"] >= step
 
 
+def write_probe(directory: Path) -> None:
+    """Create a file in ``directory`` and remove it at once; raises OSError where this process
+    cannot write there (permission bits say nothing for root, nor for a read-only mount or
+    /proc)."""
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".infinity-probe-")
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_writable(path: Path, flag: str, example: str = "metrics.jsonl") -> None:
     """Raise now, not after the run, when ``path`` cannot be written (the run's results would be lost).
 
@@ -179,9 +188,7 @@ def check_writable(path: Path, flag: str, example: str = "metrics.jsonl") -> Non
         if path.exists():
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
         else:
-            fd, probe = tempfile.mkstemp(dir=parent, prefix=".infinity-probe-")
-            os.close(fd)
-            os.unlink(probe)
+            write_probe(parent)
     except OSError as exc:
         where = path if path.exists() else parent
         raise PermissionError(f"{flag} {path}: cannot write {where} ({exc.strerror or exc}); "
