@@ -62,10 +62,14 @@ def engine_in_backward(besides: Any) -> Any | None:
 
 def remember_released(units: Iterable[Any]) -> None:
     """A closing engine leaves these units' parameters empty (see zero/unit.py)."""
-    for unit in units:
-        for entry in unit.params:
-            _released_params[id(entry.param)] = weakref.ref(
-                entry.param, lambda _, key=id(entry.param): _released_params.pop(key, None))
+    _remember(entry.param for unit in units for entry in unit.params)
+
+
+def _remember(params: Iterable[nn.Parameter]) -> None:
+    """Note ``params`` as left empty by an engine, while they live (``check_not_released``)."""
+    for param in params:
+        _released_params[id(param)] = weakref.ref(
+            param, lambda _, key=id(param): _released_params.pop(key, None))
 
 
 @contextlib.contextmanager
@@ -78,10 +82,7 @@ def released_on_failure(model: nn.Module):
     try:
         yield
     except BaseException:
-        for p in model.parameters():
-            if sizes.get(id(p), 0) > 0 and p.numel() == 0:
-                _released_params[id(p)] = weakref.ref(
-                    p, lambda _, key=id(p): _released_params.pop(key, None))
+        _remember(p for p in model.parameters() if sizes.get(id(p), 0) > 0 and p.numel() == 0)
         raise
 
 
