@@ -89,6 +89,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0,
                            "ranks with torchrun (torchrun --nproc_per_node N train.py), which "
                            "sets them, or call torch.distributed.init_process_group yourself")
     backend = backend or default_backend(device)
+    _import_group_defaults()
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     if backend == "gloo":
         atexit.register(_destroy_at_exit)
@@ -96,6 +97,22 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0,
     log.info("joined the process group: rank %d of %d (%s, collective timeout %gs)",
              info.rank, info.world_size, backend, timeout_s)
     return info
+
+
+def _import_group_defaults() -> None:
+    """Import ``torch.distributed.nn.functional`` before the group exists.
+
+    [Note: a group kept alive by a default argument]
+    That module's functions take ``group=group.WORLD`` as a default, evaluated when it is
+    imported; torch imports it lazily, from the first ``torch.optim`` optimizer made (its
+    ``add_param_group`` imports torch._dynamo, which imports FSDP and the sharded tensor that
+    import it). Imported after the group was made, those defaults hold the group for the life
+    of the process: ``destroy_process_group`` then leaves its gloo backend and worker threads
+    running into the interpreter's teardown, where destroying them can abort a rank that had
+    finished ("terminate called without an active exception", SIGABRT: a rank 1 of this
+    project's distributed tests, three times). Imported first, the defaults are None (the
+    default group, looked up at each call)."""
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def _destroy_at_exit() -> None:

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -106,12 +107,13 @@ class RankWatch:
         self.close()
 
     def close(self) -> None:
-        """Stop the heartbeat, and wait (briefly) for a beat in flight: at exit the process
-        group's store is torn down next, and a daemon thread still inside a store call then
-        could abort the interpreter's exit ("terminate called without an active exception")."""
+        """Stop the heartbeat, and wait for a beat in flight (at most its store timeout): at
+        exit the process group's store is torn down next, and a daemon thread still inside a
+        store call then could abort the interpreter's exit ("terminate called without an
+        active exception")."""
         self._closed.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=STORE_TIMEOUT_S + 1.0)
 
     # -- the others -------------------------------------------------------------------------
     def _failures(self, others: list[int]) -> dict[int, str]:
@@ -165,7 +167,10 @@ class RankWatch:
 
 
 _WATCH: RankWatch | None = None
-_WATCH_KEY: Any = None
+# the group the watch is for, weakly: a strong reference kept the group's gloo backend (its
+# worker threads) alive past ``destroy_process_group`` into the interpreter's teardown, where
+# destroying it could abort the exit ("terminate called without an active exception")
+_WATCH_KEY: weakref.ref | None = None
 _LOCK = threading.Lock()
 
 
@@ -178,7 +183,7 @@ def watch_ranks(group: Any, rank: int, world_size: int) -> RankWatch | None:
     with _LOCK:
         try:
             pg = group if group is not None else dist.distributed_c10d._get_default_group()
-            if _WATCH is not None and _WATCH_KEY is pg:
+            if _WATCH is not None and _WATCH_KEY is not None and _WATCH_KEY() is pg:
                 return _WATCH
             store = dist.distributed_c10d._get_process_group_store(pg)
             watch = RankWatch(store, rank, world_size, store_host=_store_host())
@@ -190,7 +195,7 @@ def watch_ranks(group: Any, rank: int, world_size: int) -> RankWatch | None:
             _WATCH.close()
         else:
             _install_hooks()
-        _WATCH, _WATCH_KEY = watch, pg
+        _WATCH, _WATCH_KEY = watch, weakref.ref(pg)
         return watch
 
 

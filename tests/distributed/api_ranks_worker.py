@@ -8,6 +8,7 @@ argv: out_dir nvme_dir
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import sys
 from pathlib import Path
@@ -18,11 +19,23 @@ import infinity
 from parity import make_model
 
 
+def _gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo started (Linux names them: a process
+    group's transport loop and its backend's workers), sorted."""
+    names = (path.read_text().strip() for path in Path("/proc/self/task").glob("*/comm"))
+    return sorted(name for name in names if "gloo" in name)
+
+
 def _record_group_at_exit(out: Path, holder: dict) -> None:
     """Whether the process group still exists once infinity's own exit handler has run (this
-    one was registered before it, and atexit runs the last registered first)."""
-    (out / f"exit{holder['rank']}.json").write_text(
-        json.dumps({"initialized": torch.distributed.is_initialized()}))
+    one was registered before it, and atexit runs the last registered first), and which of
+    gloo's threads still run then: a group destroyed while something still referenced it kept
+    its backend and threads alive into the interpreter's teardown (see [Note: a group kept
+    alive by a default argument] in comm/group.py)."""
+    gc.collect()
+    (out / f"exit{holder['rank']}.json").write_text(json.dumps(
+        {"initialized": torch.distributed.is_initialized(),
+         "gloo_threads_before": holder["gloo_threads"], "gloo_threads": _gloo_threads()}))
 
 
 def main() -> None:
@@ -54,6 +67,7 @@ def main() -> None:
                   "loss_finite": bool(torch.isfinite(loss))}
     finally:
         engine.close()
+    holder["gloo_threads"] = _gloo_threads()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -70,7 +70,9 @@ def start(world_size: int, script: str, args: list[str], *,
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=str(threads), PYTHONPATH=worker_pythonpath())
+                   OMP_NUM_THREADS=str(threads), PYTHONPATH=worker_pythonpath(),
+                   # a rank that aborts (SIGABRT, SIGSEGV) prints every thread's Python stack
+                   PYTHONFAULTHANDLER="1")
         env.update(env_extra or {})
         procs.append(subprocess.Popen([sys.executable, str(script_path(script)), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
