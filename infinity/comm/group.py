@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -112,7 +113,7 @@ def _import_group_defaults() -> None:
     finished ("terminate called without an active exception", SIGABRT: a rank 1 of this
     project's distributed tests, three times). Imported first, the defaults are None (the
     default group, looked up at each call)."""
-    import torch.distributed.nn.functional  # noqa: F401
+    importlib.import_module("torch.distributed.nn.functional")
 
 
 def _destroy_at_exit() -> None:
