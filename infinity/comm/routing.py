@@ -45,6 +45,7 @@ their calls in issue order, separately: see [Note: collective order] in comm/col
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -131,8 +132,11 @@ def group_timeout(group: Any) -> datetime.timedelta:
     return dist.distributed_c10d._get_default_timeout(dist.Backend("gloo"))
 
 
-# the side group of each engine group, with the engine group (the key is the group itself)
-_SIDE: list[tuple[Any, Any]] = []
+# the side group of each engine group, with the engine group, both weakly (torch's registry holds
+# them until ``destroy_process_group``; a strong reference here would keep their backends and
+# threads alive into the interpreter's teardown: see [Note: a group kept alive by a default
+# argument] in comm/group.py)
+_SIDE: list[tuple[weakref.ref, weakref.ref]] = []
 
 
 def side_group(group: Any) -> Any:
@@ -143,8 +147,8 @@ def side_group(group: Any) -> Any:
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     timeout = group_timeout(pg)
     live = dist.distributed_c10d._world.pg_map
-    _SIDE[:] = [(g, s) for g, s in _SIDE if g in live and s in live]
-    for g, s in _SIDE:
+    _SIDE[:] = [(g, s) for g, s in _SIDE if g() in live and s() in live]
+    for g, s in ((g(), s()) for g, s in _SIDE):
         if g is pg:
             dist.distributed_c10d._set_pg_timeout(timeout, s)   # the engine group's, now
             return s
@@ -171,7 +175,7 @@ def side_group(group: Any) -> Any:
                            f"{dist.get_rank(side)} where the process group numbers it "
                            f"{dist.get_rank(pg)} (ranks {ranks}): create the group with "
                            "backend 'cpu:gloo,cuda:nccl' instead")
-    _SIDE.append((pg, side))
+    _SIDE.append((weakref.ref(pg), weakref.ref(side)))
     log.info("the process group has no CPU backend (%s): collectives on host tensors run on a "
              "gloo group over the same %d ranks (timeout %gs)", dist.get_backend_config(pg),
              len(ranks), timeout.total_seconds())
