@@ -189,10 +189,15 @@ class AutoActivationOffload:
         self.active = self.choice.decision == "nvme"
 
     # -- what the engine calls on a swapper ------------------------------------------------
-    def hooks(self) -> contextlib.AbstractContextManager:
+    def swaps_this_forward(self) -> bool:
+        """This forward offloads (``decide`` chose "nvme" before it began)."""
+        return self.active and self.swapper is not None
+
+    def hooks(self, observe: Callable[[torch.Tensor], None] | None = None
+              ) -> contextlib.AbstractContextManager:
         """The swapper's hooks when this forward offloads, else nothing."""
-        if self.active and self.swapper is not None:
-            return self.swapper.hooks()
+        if self.swaps_this_forward():
+            return self.swapper.hooks(observe)
         return contextlib.nullcontext()
 
     def release_forgotten(self) -> None:

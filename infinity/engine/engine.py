@@ -1,9 +1,8 @@
 """The engine: what users touch. Wires config, tiers, units, coordinator and optimizer.
 
 ``engine, optimizer, _, scheduler = infinity.initialize(model=..., config=ds_config)`` then
-``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()`` -- the DeepSpeed habit, so
-a DeepSpeed script ports by changing the import. This module only wires; each concern lives in
-its own module (see DESIGN.md "Layers").
+``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``: a DeepSpeed script ports
+by changing the import. This module only wires; each concern has its own (DESIGN.md "Layers").
 """
 from __future__ import annotations
 
@@ -62,6 +61,7 @@ from infinity.planner.run_plan import PoolPlan, RunPlan
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier
+from infinity.zero.detached_reads import saved_tensor_hooks
 from infinity.zero.external_hint import raise_with_external_parameter_hint
 from infinity.zero.init import (
     EXTERNAL_PARAMS_ATTR,
@@ -143,9 +143,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             raise
         log.info("engine ready on %s: stage %d, compute %s, params on %s, optimizer on %s, %d "
                  "units, %s schedule; holding %s", self.device, stage,
-                 str(self.compute_dtype).replace("torch.", ""),
-                 param_tier.name, optimizer_tier.name, len(self.units),
-                 schedule_label(self.optimizer),
+                 str(self.compute_dtype).replace("torch.", ""), param_tier.name,
+                 optimizer_tier.name, len(self.units), schedule_label(self.optimizer),
                  self.manager.describe())
 
     # -- construction ----------------------------------------------------------------------
@@ -220,8 +219,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.coordinator.begin_forward(self.module.training)
         training = self.module.training and torch.is_grad_enabled()
         hooks = contextlib.ExitStack()
-        if self.activation_swapper is not None and training:
-            hooks.enter_context(self.activation_swapper.hooks())
+        if training:   # the swapper's, or those noting detached reads (zero/detached_reads.py)
+            hooks.enter_context(saved_tensor_hooks(self.coordinator.detached_reads,
+                                                   self.activation_swapper))
         self._pass_started = time.perf_counter()
         return training, hooks
 

@@ -181,11 +181,18 @@ class ActivationSwapper:
         self._raised: set = set()      # failed writes already raised (not raised twice)
         self.stats = ActivationStats()
         self.closed = False
+        self._observe: Callable[[torch.Tensor], None] | None = None
 
     # -- the hooks -------------------------------------------------------------------------
+    def swaps_this_forward(self) -> bool:
+        """Every training forward's activations go (``AutoActivationOffload`` chooses)."""
+        return True
+
     @contextlib.contextmanager
-    def hooks(self) -> Iterator[None]:
-        """Swap the tensors autograd saves inside the block (a training forward)."""
+    def hooks(self, observe: Callable[[torch.Tensor], None] | None = None) -> Iterator[None]:
+        """Swap the tensors autograd saves inside the block (a training forward); ``observe``
+        sees each first (zero/detached_reads.py)."""
+        self._observe = observe
         with self._lock:
             self._drain_forgotten()
             if self._live == 0:
@@ -202,6 +209,8 @@ class ActivationSwapper:
                 self._ahead_low = len(self._order)   # the next backward reads from the top
 
     def _pack(self, tensor: torch.Tensor):
+        if self._observe is not None:
+            self._observe(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes < self.min_bytes or tensor.layout is not torch.strided or \
                 self._is_parameter_storage(tensor):

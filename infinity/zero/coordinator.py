@@ -11,10 +11,11 @@ without trainable parameters is done. An end-of-backward callback finishes whate
 
 [Note: release during backward]
 A unit is released in backward only when no backward op can still need it: all its trainable
-parameters have accumulated gradients (an op that used a parameter feeds its AccumulateGrad),
-and, if it has frozen parameters, the gradient w.r.t. its module's inputs exists. If a later op
-needs it anyway (a unit used twice), the pre-backward hook fetches it again. During backward,
-forward post-hooks (activation checkpointing recomputation) do not release.
+parameters have accumulated gradients (an op that saved a parameter feeds its AccumulateGrad;
+one that saved it detached does not, so then the backward's end: zero/detached_reads.py), and,
+with frozen parameters, the gradient w.r.t. its module's inputs exists. If a later op needs it
+anyway (a unit used twice), the pre-backward hook fetches it again. During backward, forward
+post-hooks (activation checkpointing recomputation) do not release.
 
 The same holds for every other way a unit is let go in backward: once a pre-backward hook has
 fetched a unit, nothing releases it before its backward is done. A unit whose deferred step ran
@@ -56,6 +57,7 @@ from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import keep_at, param_versions, tensors_in
 from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable
+from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.device_room import DeviceRoom
 from infinity.zero.gather_ahead import AheadGathers
 from infinity.zero.prefetch import PrefetchLimits, Trace, start_prefetches
@@ -105,20 +107,20 @@ class Coordinator:
         self._checked_order: list[int] = []
         self.fetch_stats = {"fetches": 0, "prefetch_hits": 0, "prefetched": 0, "nvme_fetches": 0,
                             "kept_for_reuse": 0, "prefetches_cancelled": 0, "steps_ahead": 0}
-        # when a list: (kind, unit index) of every "prefetch" (a read issued ahead of use),
-        # "fetch" (a use that found the unit not fetched), "keep" (kept for reuse), "cancel"
-        # (a prefetch dropped) and "release", in order: the schedule ``infinity plan
-        # --dry-run`` reports, which its tests compare with a real step's
+        # when a list: (kind, unit index) of "prefetch" (a read issued ahead), "fetch" (a use
+        # found it not fetched), "keep", "cancel" (a prefetch dropped), "release", in order
         self.events: list[tuple[str, int]] | None = None
+        self.detached_reads = DetachedReads(units, self._status)   # what the forward's hooks note
 
     # -- installation ----------------------------------------------------------------------
     @contextlib.contextmanager
     def tracked_backward(self) -> Iterator[None]:
-        """The owner's own backward (``engine.backward``) runs inside: its gradients are not
-        announced as an untracked backward's (the owner began and ends it itself)."""
+        """``engine.backward`` runs inside (its gradients are not an untracked backward's); a
+        forward it recomputes (reentrant checkpointing) has its detached reads noted."""
         self._tracked = True
         try:
-            yield
+            with self.detached_reads.hooks():
+                yield
         finally:
             self._tracked = False
 
@@ -302,7 +304,7 @@ class Coordinator:
 
     def _maybe_finish(self, unit: Unit) -> None:
         uid, status = unit.index, self._status[unit.index]
-        if status.backward_done or status.grads_pending > 0:
+        if status.backward_done or status.grads_pending > 0 or status.read_detached:
             return
         if unit.has_frozen and not status.inputs_done:
             return
@@ -573,8 +575,7 @@ class Coordinator:
         """Fetch every unit (for whole-model reads such as GatheredParameters on all params)."""
         self.ahead.drop(self._status, self._release_or_keep)
         for unit in self.units:
-            # sharded parameters are gathered whether or not the unit was still fetched (see
-            # [Note: gathers at every use])
+            # sharded ones gathered, fetched or not (see [Note: gathers at every use])
             unit.finish_fetch(self.manager, self.fetch_pool, gather=False)
             if unit.params_sharded:
                 unit.gather()

@@ -56,6 +56,9 @@ class UnitStatus:
     # only the own shard was read): gathered before the next use (see [Note: shards])
     stale: bool = False
     versions: int | None = None  # its parameters' version counters at a forward's first use
+    # the training forward saved a tensor reading its trainable values without their gradient:
+    # its backward is done only at the backward's end (see zero/detached_reads.py)
+    read_detached: bool = False
 
     @property
     def held(self) -> bool:
@@ -81,6 +84,7 @@ class UnitStatus:
     def start_backward(self, trainable: int) -> None:
         self.grads_pending = trainable
         self.backward = UnitBackward.PENDING
+        self.read_detached = False
 
     def fetched_for_backward(self) -> None:
         self.backward = _FETCH.get(self.backward, self.backward)

@@ -218,7 +218,7 @@ class _StubSwapper:
     def __init__(self) -> None:
         self.entered = 0
 
-    def hooks(self):
+    def hooks(self, observe=None):
         import contextlib
 
         self.entered += 1

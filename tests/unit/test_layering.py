@@ -60,6 +60,9 @@ FOREIGN_PRIVATES = {
               "reports a parameter's move",
     "_getframe": "sys._getframe: whether a load (from_pretrained, load_state_dict) is on the "
                  "stack when a parameter is replaced (inspect.stack() is far slower)",
+    "_cdata": "torch.UntypedStorage._cdata: a storage's identity, the same while it is resized "
+              "(a unit's flat buffer released and fetched again), where data_ptr() changes; "
+              "torch has no public identity for a storage",
     "_init_weights": "transformers' PreTrainedModel._init_weights: the per-module initializer "
                      "its post_init() applies, run on each materialized unit (no public name)",
 }

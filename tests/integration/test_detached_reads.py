@@ -1,0 +1,84 @@
+"""A parameter read ``.detach()``ed in the forward (saved for backward without its gradient) is
+not let go before that read ran (see [Note: parameters read without a gradient] in
+zero/detached_reads.py): trained as plain torch with the step early, with micro-batches (the
+unit released between its gradients and the read), with activations offloaded, and with the
+blocks recomputed in the backward (reentrant checkpointing). Each run has a process of its own:
+before the fix, some died of a segmentation fault."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from infinity.zero.detached_reads import DetachedReads
+from infinity.zero.pass_state import UnitStatus
+from ranks import script_path, worker_pythonpath
+
+CASES = {
+    "stage3-cpu-early-step": {"stage": 3, "tier": "cpu", "accumulation": 1},
+    "stage3-cpu-micro-batches": {"stage": 3, "tier": "cpu", "accumulation": 2},
+    "stage3-nvme-micro-batches": {"stage": 3, "tier": "nvme", "accumulation": 2},
+    "stage3-nvme-activations-offloaded": {"stage": 3, "tier": "nvme", "accumulation": 2,
+                                          "infinity": {"offload_activations": "nvme",
+                                                       "activation_min_bytes": 1}},
+    "stage3-cpu-checkpointed": {"stage": 3, "tier": "cpu", "accumulation": 2,
+                                "checkpointed": True},
+    "stage2-cpu-early-step": {"stage": 2, "tier": "cpu", "accumulation": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_detached_read_of_a_weight_trains_as_torch(name, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(script_path("detached_reads_worker.py")), json.dumps(CASES[name]),
+         str(tmp_path)], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": worker_pythonpath()})
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stderr[-3000:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # fp32 compute on both sides, the same order of operations: the runs agree to rounding
+    # (~1e-7 here on every CPU's Adam kernel); a read of stepped weights at lr 0.02 was off by
+    # ~6e-3, a read of a released buffer crashed
+    for step, (mine, ref) in enumerate(zip(out["losses"], out["reference"])):
+        assert abs(mine - ref) <= 1e-5 * abs(ref), (step, out)
+
+
+def _unit(index: int, trainable: int, frozen: int):
+    """What DetachedReads reads of a unit: a flat buffer, its trainable range first."""
+    flat = torch.zeros(trainable + frozen)
+    return SimpleNamespace(index=index, name=f"u{index}", flat=flat, has_trainable=trainable > 0,
+                           trainable_numel=trainable)
+
+
+def test_only_a_gradless_read_of_the_trainable_range_holds_its_unit():
+    units = [_unit(0, 8, 8), _unit(1, 0, 8)]
+    statuses = [UnitStatus() for _ in units]
+    reads = DetachedReads(units, statuses)
+    reads.begin()
+    trainable, frozen = units[0].flat[:8], units[0].flat[8:]
+    reads.note(frozen.view(2, 4))                  # a frozen parameter's values
+    reads.note(units[1].flat)                      # a unit without trainable parameters
+    reads.note(torch.zeros(8))                     # another storage
+    reads.note(trainable.clone().requires_grad_()) # a copy: another storage
+    assert [s.read_detached for s in statuses] == [False, False]
+    reads.note(units[0].flat[6:12])                # straddles into the trainable range
+    assert [s.read_detached for s in statuses] == [True, False]
+    statuses[0].start_backward(1)                  # the next backward starts clean
+    assert not statuses[0].read_detached
+
+
+def test_a_saved_tensor_modified_in_place_still_raises():
+    """The hooks keep autograd's check that a saved tensor was not modified before its read."""
+    reads = DetachedReads([_unit(0, 8, 0)], [UnitStatus()])
+    reads.begin()
+    x = torch.randn(4, requires_grad=True)
+    with reads.hooks():
+        y = x.exp()                  # saves its result
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
