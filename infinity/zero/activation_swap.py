@@ -12,10 +12,11 @@ through ``torch.autograd.graph.saved_tensors_hooks``: no model change, no recomp
 ``pack`` keeps in memory what would not pay or must not move: tensors under ``min_bytes``, and
 any tensor whose storage is a parameter's (a unit's flat buffer: released after the forward and
 fetched again for the backward by the coordinator, so saving it again would double the I/O and
-could read a released buffer). Everything else is copied into a page-aligned staging chunk and
-written to an extent of the swap space; autograd keeps only the small ``_Swapped`` handle. A
-tensor saved several times in one forward (the input of q, k and v projections) is written once:
-handles are shared while the same tensor object, unmodified (same ``_version``), is saved again.
+could read a released buffer), kept as zero/kept_saved.py keeps them. Everything else is
+copied into a page-aligned staging chunk and written to an extent of the swap space; autograd
+keeps only the small ``_Swapped`` handle. A tensor saved several times in one forward (the input
+of q, k and v projections) is written once: handles are shared while the same tensor object,
+unmodified (same ``_version``), is saved again.
 
 [Note: the held tail]
 The last tensors a forward saves are the first its backward needs, so writing them only to read
@@ -74,6 +75,7 @@ from infinity.planner.engine_sizes import STAGING_CHUNK_BYTES, STAGING_CHUNKS
 from infinity.storage.extents import round_up
 from infinity.storage.manager import TierManager
 from infinity.storage.transfers import CopyEvent
+from infinity.zero.kept_saved import KeptSaved, keep_saved, kept_value
 
 
 def needs_device_copies(device: torch.device) -> bool:
@@ -216,7 +218,7 @@ class ActivationSwapper:
                 self._is_parameter_storage(tensor):
             self.stats.kept += 1
             self.stats.kept_bytes += nbytes
-            return tensor
+            return keep_saved(tensor)       # detached, its in-place change checked
         with self._lock:
             if self.closed:
                 raise RuntimeError("the activation swapper is closed (engine.close() was called); "
@@ -235,8 +237,8 @@ class ActivationSwapper:
             return handle
 
     def _unpack(self, packed):
-        if not isinstance(packed, _Swapped):
-            return packed
+        if isinstance(packed, KeptSaved):
+            return kept_value(packed)
         record = packed.record
         held = lifted = arrival = buffer = request = None
         with self._lock:

@@ -15,9 +15,8 @@ range of a unit's flat buffer (a frozen parameter's range is not the unit's grad
 see [Note: flat layout] in zero/unit.py); such a unit's backward is done only at the backward's
 end (``UnitStatus.read_detached``), the unit held fetched until then.
 
-Saved-tensor hooks replace autograd's own keeping of the tensor, and with it autograd's check
-that a saved tensor was not modified in place before its backward read it: the pack keeps the
-tensor's version and the unpack checks it, raising as autograd would. With activations
+Saved-tensor hooks replace autograd's own keeping of the tensor: these keep it as
+zero/kept_saved.py does (detached, its in-place modification checked). With activations
 offloaded the swapper's hooks are the forward's, and they call ``note`` for every tensor
 (zero/activation_swap.py). A model's own saved-tensor hooks (non-reentrant activation
 checkpointing) take over inside their region: a detached read there is not seen.
@@ -30,6 +29,7 @@ from typing import Callable, ContextManager, Protocol
 import torch
 
 from infinity.base.log import get_logger
+from infinity.zero.kept_saved import KeptSaved, keep_saved, kept_value
 from infinity.zero.pass_state import UnitStatus
 from infinity.zero.unit import Unit
 
@@ -81,26 +81,15 @@ class DetachedReads:
                      "without their gradient (a .detach()ed use): its backward is done, and "
                      "it is stepped and released, only at the backward's end", unit.name)
 
-    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _pack(self, tensor: torch.Tensor) -> KeptSaved:
         self.note(tensor)
-        return tensor, tensor._version
-
-    @staticmethod
-    def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
-        tensor, version = packed
-        if tensor._version != version:
-            raise RuntimeError(
-                f"one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a tensor of shape {tuple(tensor.shape)} saved for backward "
-                f"is at version {tensor._version}; expected version {version} instead. Clone "
-                "it before modifying it in place, or modify a copy")
-        return tensor
+        return keep_saved(tensor)
 
     def hooks(self) -> ContextManager:
         """The forward's saved-tensor hooks when no swapper's are."""
         if not self._trainable:
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, kept_value)
 
 
 def saved_tensor_hooks(reads: DetachedReads,

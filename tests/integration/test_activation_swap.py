@@ -7,6 +7,7 @@ autograd gets back are the bytes it saved, read from the swap file.
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -117,6 +118,34 @@ def test_retain_graph_reads_again_and_out_of_order_reads_are_correct(disk_dir,
         # dropped handles are freed at the swapper's next call (the engine's: after backward)
         swapper.release_forgotten()
         assert swapper._live == 0 and manager.swap.bytes_allocated == 0
+    finally:
+        swapper.close()
+        manager.close()
+
+
+def test_a_kept_tensor_is_checked_and_freed_with_its_graph(disk_dir) -> None:
+    """A tensor the swapper keeps in memory (under ``min_bytes``) is kept as autograd keeps its
+    own (zero/kept_saved.py): modified in place after its save, the backward raises; its graph
+    dropped without a backward, it is freed (kept as it was, it pointed back at its own
+    ``grad_fn``: a cycle the collector cannot see into)."""
+    manager = _manager(disk_dir)
+    swapper = ActivationSwapper(manager, min_bytes=1 << 20, window_bytes=1 << 20,
+                                is_parameter_storage=lambda t: False)
+    try:
+        x = torch.randn(64, requires_grad=True)
+        with swapper.hooks():
+            y = torch.tanh(x * 2)      # tanh saves its result, y: kept (64 floats)
+        assert swapper.stats.kept > 0 and swapper.stats.swapped == 0
+        with torch.no_grad():
+            y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+        with swapper.hooks():
+            y = torch.tanh(x * 2)
+            loss = (y * 3).sum()
+        alive = weakref.ref(y)
+        del y, loss
+        assert alive() is None
     finally:
         swapper.close()
         manager.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import weakref
 import sys
 from types import SimpleNamespace
 
@@ -82,3 +83,17 @@ def test_a_saved_tensor_modified_in_place_still_raises():
         y.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_a_graph_dropped_without_a_backward_is_freed():
+    """The hooks keep saved tensors detached: an output kept as it is points back at its own
+    ``grad_fn``, a cycle through autograd's C++ that the collector cannot free."""
+    reads = DetachedReads([_unit(0, 8, 0)], [UnitStatus()])
+    reads.begin()
+    x = torch.randn(4, requires_grad=True)
+    with reads.hooks():
+        y = x.exp()                  # saves its result
+        loss = (y * 2).sum()
+    alive = weakref.ref(y)
+    del y, loss
+    assert alive() is None
