@@ -40,6 +40,12 @@ class InfinitySection:
     "auto": "nvme" for a batch whose saved bytes (predicted by the planner from the model's and
     the batch's shapes) exceed what the host budget leaves beside the engine's pools, else
     "none" (without a swap directory: "none", with a warning naming the overshoot)."""
+    detached_reads: Literal["hold", "off"] = "hold"
+    """"hold": a unit whose parameter a training forward saved for backward without its gradient
+    (``x * w.detach()``) is stepped and released only at the backward's end, after that read
+    (see [Note: parameters read without a gradient] in zero/detached_reads.py); "off": no such
+    watch, and no saved-tensor hooks of the engine's (torch.func.grad/vjp inside a forward
+    refuse to run under any): a ``.detach()``ed read of a parameter must then be ``.clone()``d."""
     activation_min_bytes: int = 256 * 1024
     """Saved tensors smaller than this stay in memory (when activations are offloaded)."""
     swap_check: Literal["sampled", "full", "off"] = "sampled"
@@ -105,6 +111,7 @@ class InfinitySection:
         check_choice(f"{p}.compute_dtype", self.compute_dtype, ("auto", "fp32", "bf16", "fp16"))
         check_choice(f"{p}.offload_activations", self.offload_activations,
                      ("auto", "none", "nvme"))
+        check_choice(f"{p}.detached_reads", self.detached_reads, ("hold", "off"))
         check_choice(f"{p}.optimizer_moments", self.optimizer_moments, ("fp32", "bf16", "int8"))
         check_choice(f"{p}.optimizer_master", self.optimizer_master, ("fp32", "bf16"))
         check_choice(f"{p}.swap_check", self.swap_check, ("sampled", "full", "off"))

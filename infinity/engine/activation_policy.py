@@ -189,6 +189,10 @@ class AutoActivationOffload:
         self.active = self.choice.decision == "nvme"
 
     # -- what the engine calls on a swapper ------------------------------------------------
+    @property
+    def pack_hook(self) -> Callable[[torch.Tensor], Any] | None:
+        return self.swapper.pack_hook if self.swapper is not None else None
+
     def swaps_this_forward(self) -> bool:
         """This forward offloads (``decide`` chose "nvme" before it began)."""
         return self.active and self.swapper is not None

@@ -150,14 +150,14 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
     # -- construction ----------------------------------------------------------------------
     def _build(self, model: nn.Module, specs, groups: list[dict], lr_scheduler: Any) -> None:
         owner = EnginePassOwner(self)       # the optimizer's and the coordinator's
-        parts = assemble(model, specs, groups, self.plan,
-                         _EngineBackend(self, owner, self._weights),
+        parts = assemble(model, specs, groups, self.plan, _EngineBackend(self, owner, self._weights),
                          dtype=self.compute_dtype, comm=self.comm, owner=owner,
                          values=self._weights, overlap_comm=self.config.zero.overlap_comm)
         self._weights = None     # read: its files are the caller's to close
         self.units, replacements = parts.units, parts.replacements
         self.fetch_pool, self.optimizer = parts.fetch_pool, parts.stepper
         self.coordinator = parts.coordinator
+        self.coordinator.detached_reads.enabled = self.config.infinity.detached_reads == "hold"
         route_module_methods(model, self)
         self.coordinator.install()
         self._passes = PassHooks(model, self._begin_pass, self._end_pass,

@@ -186,6 +186,11 @@ class ActivationSwapper:
         self._observe: Callable[[torch.Tensor], None] | None = None
 
     # -- the hooks -------------------------------------------------------------------------
+    @property
+    def pack_hook(self) -> Callable[[torch.Tensor], object]:
+        """The pack hook ``hooks`` installs (zero/detached_reads.py tells its own from others)."""
+        return self._pack
+
     def swaps_this_forward(self) -> bool:
         """Every training forward's activations go (``AutoActivationOffload`` chooses)."""
         return True
@@ -206,6 +211,7 @@ class ActivationSwapper:
             with self._lock:
                 self._write_landed()     # the copies to the host that landed meanwhile
         finally:
+            self._observe = None
             with self._lock:
                 self._shared.clear()   # a later forward's saves are new tensors
                 self._ahead_low = len(self._order)   # the next backward reads from the top

@@ -10,12 +10,12 @@ without trainable parameters is done. An end-of-backward callback finishes whate
 (unused parameters, units whose inputs needed no gradient) and releases everything.
 
 [Note: release during backward]
-A unit is released in backward only when no backward op can still need it: all its trainable
-parameters have accumulated gradients (an op that saved a parameter feeds its AccumulateGrad;
-one that saved it detached does not, so then the backward's end: zero/detached_reads.py), and,
-with frozen parameters, the gradient w.r.t. its module's inputs exists. If a later op needs it
-anyway (a unit used twice), the pre-backward hook fetches it again. During backward, forward
-post-hooks (activation checkpointing recomputation) do not release.
+A unit is released in backward only when no backward op can still need it: its trainable
+parameters have their gradients (an op that saved one feeds its AccumulateGrad; one that saved it
+detached does not: then the backward's end, zero/detached_reads.py) and, with frozen parameters
+or saves the hooks did not see, the gradient w.r.t. its module's inputs exists. If a later op
+needs it anyway (a unit used twice), the pre-backward hook fetches it again. During backward,
+forward post-hooks (activation checkpointing recomputation) do not release.
 
 The same holds for every other way a unit is let go in backward: once a pre-backward hook has
 fetched a unit, nothing releases it before its backward is done. A unit whose deferred step ran
@@ -207,8 +207,7 @@ class Coordinator:
         return torch._C._current_graph_task_id() != -1
 
     def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> frozenset[int]:
-        """Fetch the units; returns the ids of the call's input tensors when grad is enabled
-        (see [Note: outputs passed through]), else an empty set."""
+        """Fetch the units; the ids of the call's inputs under grad ([Note: outputs passed through])."""
         recompute = self._in_graph_task()
         if not recompute:
             self.owner.before_read()
@@ -225,6 +224,7 @@ class Coordinator:
         inputs = list(tensors_in((args, kwargs)))
         if not recompute:
             self._grad_uses.extend(ids)
+            self.detached_reads.note_call(ids)    # its saves hidden from the hooks: held longer
             for t in inputs:
                 if t.requires_grad:
                     t.register_hook(lambda grad, ids=ids: self._post_backward(ids))
@@ -306,7 +306,7 @@ class Coordinator:
         uid, status = unit.index, self._status[unit.index]
         if status.backward_done or status.grads_pending > 0 or status.read_detached:
             return
-        if unit.has_frozen and not status.inputs_done:
+        if (unit.has_frozen or status.saves_unseen) and not status.inputs_done:
             return
         if not unit.has_trainable and not status.inputs_done:
             return

@@ -18,13 +18,17 @@ end (``UnitStatus.read_detached``), the unit held fetched until then.
 Saved-tensor hooks replace autograd's own keeping of the tensor: these keep it as
 zero/kept_saved.py does (detached, its in-place modification checked). With activations
 offloaded the swapper's hooks are the forward's, and they call ``note`` for every tensor
-(zero/activation_swap.py). A model's own saved-tensor hooks (non-reentrant activation
-checkpointing) take over inside their region: a detached read there is not seen.
+(zero/activation_swap.py). Inside a region under hooks of its own (non-reentrant activation
+checkpointing, transformers' default) the saves are not seen: a unit used there is done only
+once its module's input gradient exists too (``note_call``), which a read in that module feeds.
+A reentrant checkpoint recomputes in the backward, under the backward's hooks
+(``Coordinator.tracked_backward``): a backward the engine did not start (``loss.backward()``)
+has none, and a detached read in such a recompute is not seen.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 
@@ -40,6 +44,9 @@ class SavedTensorSwapper(Protocol):
     """The activation swapper as the forward's hooks see it (engine/activation_policy.py's
     ``AutoActivationOffload`` or zero/activation_swap.py's ``ActivationSwapper``)."""
 
+    @property
+    def pack_hook(self) -> Callable[[torch.Tensor], Any]: ...
+
     def swaps_this_forward(self) -> bool: ...
 
     def hooks(self, observe: Callable[[torch.Tensor], None] | None = None) -> ContextManager: ...
@@ -54,11 +61,15 @@ class DetachedReads:
         self._statuses = statuses
         self._trainable: dict[int, tuple[Unit, int]] = {}   # storage -> (unit, trainable bytes)
         self._named: set[int] = set()      # units already named in the log
+        self._engine_pack: Callable[[torch.Tensor], Any] = self._pack   # the forward's hooks'
+        self.enabled = True     # infinity.detached_reads "hold"; "off": no hooks, nothing held
 
-    def begin(self) -> None:
+    def begin(self, pack: Callable[[torch.Tensor], Any] | None = None) -> None:
         """Before a training forward: the flat buffers to watch (a unit's buffer is the same
-        storage fetched or released, but a load may give it a new one)."""
-        self._trainable = {
+        storage fetched or released, but a load may give it a new one), and the pack hook the
+        forward runs under (``pack``: the swapper's; else these hooks')."""
+        self._engine_pack = pack if pack is not None else self._pack
+        self._trainable = {} if not self.enabled else {
             unit.flat.untyped_storage()._cdata: (unit, unit.trainable_numel
                                                  * unit.flat.element_size())
             for unit in self._units if unit.has_trainable}
@@ -81,6 +92,18 @@ class DetachedReads:
                      "without their gradient (a .detach()ed use): its backward is done, and "
                      "it is stepped and released, only at the backward's end", unit.name)
 
+    def note_call(self, ids: tuple[int, ...]) -> None:
+        """A module call of the training forward uses the units ``ids``. Under saved-tensor
+        hooks that are not the engine's (non-reentrant checkpointing's, on top inside their
+        region) its saves never reach ``note``: a detached read there would go unseen, so its
+        units are done only once the gradient w.r.t. the call's inputs exists as well (the read
+        feeds it, as the nodes of one layer feed the layer's input; a unit with frozen
+        parameters waits so already: [Note: release during backward] in zero/coordinator.py)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if self._trainable and (top is None or top[0] != self._engine_pack):
+            for uid in ids:
+                self._statuses[uid].saves_unseen = True
+
     def _pack(self, tensor: torch.Tensor) -> KeptSaved:
         self.note(tensor)
         return keep_saved(tensor)
@@ -92,11 +115,39 @@ class DetachedReads:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, kept_value)
 
 
+TORCH_FUNC_UNDER_HOOKS = (
+    "infinity: a torch.func transform (grad, vjp, jacrev, hessian) in the forward refuses to run under "
+    "saved-tensor hooks, and the engine's training forward runs under its own: {which}. Set "
+    "{keys} in the config (then a parameter the forward uses .detach()ed must be .clone()d: "
+    "see infinity.detached_reads), or compute that part under torch.autograd.grad")
+
+
+@contextlib.contextmanager
+def _torch_func_explained(hooks: ContextManager, swapping: bool) -> Iterator[None]:
+    """``hooks``, with a note on torch.func's refusal of them (a message naming no cause the
+    user set) that names the settings that remove them (a note: an error raised here, in the
+    pass's end hook, is dropped by torch for the forward's own)."""
+    try:
+        with hooks:
+            yield
+    except RuntimeError as exc:
+        if "torch.func" not in str(exc) or "saved tensor hooks" not in str(exc):
+            raise
+        which = ("the activation swapper's (infinity.offload_activations), which also note the "
+                 "parameters read .detach()ed" if swapping else
+                 "those noting the parameters it reads .detach()ed (infinity.detached_reads)")
+        keys = ('"infinity": {"detached_reads": "off", "offload_activations": "none"}'
+                if swapping else '"infinity": {"detached_reads": "off"}')
+        exc.add_note(TORCH_FUNC_UNDER_HOOKS.format(which=which, keys=keys))
+        raise
+
+
 def saved_tensor_hooks(reads: DetachedReads,
                        swapper: SavedTensorSwapper | None) -> ContextManager:
     """The saved-tensor hooks of a training forward: the swapper's when it swaps this forward's
     activations (noting detached reads as it packs), else those of ``reads`` alone."""
-    reads.begin()
     if swapper is not None and swapper.swaps_this_forward():
-        return swapper.hooks(observe=reads.note)
-    return reads.hooks()
+        reads.begin(swapper.pack_hook)
+        return _torch_func_explained(swapper.hooks(observe=reads.note), swapping=True)
+    reads.begin()
+    return _torch_func_explained(reads.hooks(), swapping=False)

@@ -36,8 +36,9 @@ def raise_with_external_parameter_hint(exc: BaseException, where: str, stage: in
     errors of the kinds such a read causes (an IndexError in transformers' code, say), add
     the hint as a note and let the caller re-raise the error as it is."""
     if stage != 3 or not isinstance(exc, (RuntimeError, IndexError, ValueError)) or \
-            _raised_by_infinity(exc):
-        return
+            _raised_by_infinity(exc) or \
+            any(note.startswith("infinity:") for note in getattr(exc, "__notes__", ())):
+        return      # infinity's own error, or one it explained already
     if isinstance(exc, RuntimeError) and _mentions_empty_tensor(str(exc)):
         raise RuntimeError(f"the {where} failed ({str(exc).splitlines()[0][:200]}), probably "
                            f"on a parameter whose unit was not fetched: "

@@ -59,6 +59,9 @@ class UnitStatus:
     # the training forward saved a tensor reading its trainable values without their gradient:
     # its backward is done only at the backward's end (see zero/detached_reads.py)
     read_detached: bool = False
+    # the training forward ran it under saved-tensor hooks not the engine's (non-reentrant
+    # checkpointing), which hide its saves: done only once its inputs' gradient exists too
+    saves_unseen: bool = False
 
     @property
     def held(self) -> bool:
@@ -84,7 +87,7 @@ class UnitStatus:
     def start_backward(self, trainable: int) -> None:
         self.grads_pending = trainable
         self.backward = UnitBackward.PENDING
-        self.read_detached = False
+        self.read_detached = self.saves_unseen = False
 
     def fetched_for_backward(self) -> None:
         self.backward = _FETCH.get(self.backward, self.backward)

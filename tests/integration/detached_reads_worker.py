@@ -31,21 +31,25 @@ class DetachedReadBlock(nn.Module):
 
 
 class CheckpointedLM(TinyLM):
-    """Each block under reentrant activation checkpointing (recomputed in the backward through
-    its module call, as transformers does it)."""
+    """Each block under activation checkpointing, recomputed in the backward through its module
+    call as transformers does it: reentrant, or not (transformers' default)."""
+
+    reentrant = True
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         h = self.embed(input_ids)
         for block in self.blocks:
-            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
         logits = self.head(h)
         return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                            labels[:, 1:].reshape(-1))
 
 
-def model(checkpointed: bool) -> nn.Module:
+def model(checkpointed: str | None) -> nn.Module:
+    """``checkpointed``: None, "reentrant" or "non-reentrant"."""
     torch.manual_seed(0)
     lm = (CheckpointedLM if checkpointed else TinyLM)(width=32, depth=3)
+    lm.reentrant = checkpointed == "reentrant"
     lm.blocks = nn.ModuleList(DetachedReadBlock(32) for _ in range(3))
     return lm
 
@@ -57,7 +61,7 @@ def main() -> None:
     # every unit of its own, released after each use: the product's read finds it released
     ds["zero_optimization"].update(stage3_param_persistence_threshold=0,
                                    stage3_max_reuse_distance=0)
-    result = run_parity(model(case.get("checkpointed", False)), ds, steps=4, accumulation=case["accumulation"], lr=0.02)
+    result = run_parity(model(case.get("checkpointed")), ds, steps=4, accumulation=case["accumulation"], lr=0.02)
     print(json.dumps({"losses": result.losses, "reference": result.ref_losses}))
 
 

@@ -2,7 +2,7 @@
 not let go before that read ran (see [Note: parameters read without a gradient] in
 zero/detached_reads.py): trained as plain torch with the step early, with micro-batches (the
 unit released between its gradients and the read), with activations offloaded, and with the
-blocks recomputed in the backward (reentrant checkpointing). Each run has a process of its own:
+blocks recomputed in the backward (checkpointing, reentrant or not). Each run has a process of its own:
 before the fix, some died of a segmentation fault."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 
 from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.pass_state import UnitStatus
+from parity import TinyLM, run_parity, zero_config
 from ranks import script_path, worker_pythonpath
 
 CASES = {
@@ -28,7 +29,12 @@ CASES = {
                                           "infinity": {"offload_activations": "nvme",
                                                        "activation_min_bytes": 1}},
     "stage3-cpu-checkpointed": {"stage": 3, "tier": "cpu", "accumulation": 2,
-                                "checkpointed": True},
+                                "checkpointed": "reentrant"},
+    # inside the region the checkpoint's hooks hide the saves: the unit waits for its inputs
+    "stage3-cpu-non-reentrant": {"stage": 3, "tier": "cpu", "accumulation": 2,
+                                 "checkpointed": "non-reentrant"},
+    "stage3-nvme-non-reentrant-early": {"stage": 3, "tier": "nvme", "accumulation": 1,
+                                        "checkpointed": "non-reentrant"},
     "stage2-cpu-early-step": {"stage": 2, "tier": "cpu", "accumulation": 1},
 }
 
@@ -97,3 +103,36 @@ def test_a_graph_dropped_without_a_backward_is_freed():
     alive = weakref.ref(y)
     del y, loss
     assert alive() is None
+
+
+class _FuncBlock(torch.nn.Module):
+    """A block whose forward takes a gradient with torch.func (which refuses saved-tensor
+    hooks)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        slope = torch.func.grad(lambda z: (z.tanh() ** 2).sum())(x.detach())
+        return x + torch.tanh(self.up(x)) * (1 + slope)
+
+
+def _func_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    lm = TinyLM(width=32, depth=2)
+    lm.blocks = torch.nn.ModuleList(_FuncBlock(32) for _ in range(2))
+    return lm
+
+
+def test_torch_func_in_the_forward_names_the_switch_and_trains_with_it_off(tmp_path):
+    """Under the engine's hooks torch.func refuses with a message naming no cause the user set:
+    the error carries a note naming ``detached_reads: "off"``; with it, training is torch's."""
+    with pytest.raises(RuntimeError, match="torch.func") as refused:
+        run_parity(_func_model(), zero_config(3, "cpu", "cpu", str(tmp_path)), steps=1)
+    notes = " ".join(getattr(refused.value, "__notes__", []))
+    assert '"detached_reads": "off"' in notes and "EXTERNAL" not in notes.upper(), notes
+    result = run_parity(_func_model(), zero_config(3, "cpu", "cpu", str(tmp_path),
+                                                   detached_reads="off"), steps=3)
+    for mine, ref in zip(result.losses, result.ref_losses):
+        assert abs(mine - ref) <= 1e-5 * abs(ref), (result.losses, result.ref_losses)

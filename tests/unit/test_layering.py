@@ -60,6 +60,10 @@ FOREIGN_PRIVATES = {
               "reports a parameter's move",
     "_getframe": "sys._getframe: whether a load (from_pretrained, load_state_dict) is on the "
                  "stack when a parameter is replaced (inspect.stack() is far slower)",
+    "_autograd": "torch._C._autograd: see _top_saved_tensors_default_hooks",
+    "_top_saved_tensors_default_hooks": "which saved-tensor hooks are on top now: whether a "
+                                        "module call's saves reach the engine's hooks (no "
+                                        "public API says which hooks are active)",
     "_cdata": "torch.UntypedStorage._cdata: a storage's identity, the same while it is resized "
               "(a unit's flat buffer released and fetched again), where data_ptr() changes; "
               "torch has no public identity for a storage",
