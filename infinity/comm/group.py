@@ -9,6 +9,9 @@ import atexit
 import datetime
 import importlib
 import os
+import sys
+import types
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from infinity.base.log import get_logger
+from infinity.comm.routing import backends_of
 
 log = get_logger("comm")
 
@@ -92,8 +96,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0,
     backend = backend or default_backend(device)
     _import_group_defaults()
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    if backend == "gloo":
-        atexit.register(_destroy_at_exit)
+    _destroy_gloo_group_at_exit()
     info = current_ranks()
     log.info("joined the process group: rank %d of %d (%s, collective timeout %gs)",
              info.rank, info.world_size, backend, timeout_s)
@@ -112,12 +115,33 @@ def _import_group_defaults() -> None:
     running into the interpreter's teardown, where destroying them can abort a rank that had
     finished ("terminate called without an active exception", SIGABRT: a rank 1 of this
     project's distributed tests, three times). Imported first, the defaults are None (the
-    default group, looked up at each call)."""
+    default group, looked up at each call). A group made before (by the user, or transformers)
+    may be held so by that module or by others of the same habit (torch.distributed.optim,
+    FSDP's sharded grad scaler): the at-exit destroy then sets those defaults to None
+    (``_drop_default_arguments``)."""
     importlib.import_module("torch.distributed.nn.functional")
 
 
+_DESTROY_REGISTERED = False
+
+
+def _destroy_gloo_group_at_exit() -> None:
+    """Register ``_destroy_at_exit`` once, when the default group runs on gloo alone."""
+    global _DESTROY_REGISTERED
+    if _DESTROY_REGISTERED or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        gloo_only = set(backends_of(None).values()) == {"gloo"}
+    except Exception:  # noqa: BLE001 - a group torch cannot describe: leave it to its owner
+        return
+    if gloo_only:
+        atexit.register(_destroy_at_exit)
+        _DESTROY_REGISTERED = True
+
+
 def _destroy_at_exit() -> None:
-    """The gloo group ``init_distributed`` made is destroyed at a normal exit, while the
+    """The default group, when gloo alone runs it (``init_distributed`` made it, or the user,
+    or transformers, and an engine joined it), is destroyed at a normal exit, while the
     interpreter is whole. Left to the interpreter's teardown, gloo's worker threads could still
     hold work whose tensors need the GIL, and the process then aborted ("terminate called
     without an active exception", SIGABRT) after training had finished: once in this project's
@@ -126,10 +150,44 @@ def _destroy_at_exit() -> None:
     destroyed here: torch's ``destroy_process_group`` flushes NCCL's pending collectives, which
     after a failure (a rank gone) would hang the exit instead (pytorch#141510)."""
     if dist.is_available() and dist.is_initialized():
+        world = dist.group.WORLD
         try:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - at exit there is no caller to raise to
             log.warning("destroying the process group at exit failed: %s", exc)
+        try:
+            _drop_default_arguments(world)
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.warning("letting go of the destroyed process group at exit failed: %s", exc)
+
+
+def _drop_default_arguments(group: Any) -> None:
+    """At exit, the default arguments of torch.distributed's functions that hold ``group`` (a
+    module imported after the group was made: see [Note: a group kept alive by a default
+    argument]) are set to None, so the destroyed group, its backend and gloo's threads go now,
+    not in the interpreter's teardown. Torch's functions read None as the default group."""
+    with warnings.catch_warnings():      # a deprecated name's warning, read by the walk
+        warnings.simplefilter("ignore")
+        functions = [fn for name, module in list(sys.modules.items())
+                     if isinstance(module, types.ModuleType)
+                     and name.startswith("torch.distributed")
+                     for value in list(vars(module).values())
+                     for fn in _functions_in(value, name)]
+    for fn in functions:
+        if fn.__defaults__ and any(d is group for d in fn.__defaults__):
+            fn.__defaults__ = tuple(None if d is group else d for d in fn.__defaults__)
+        if fn.__kwdefaults__ and any(d is group for d in fn.__kwdefaults__.values()):
+            fn.__kwdefaults__ = {k: None if d is group else d
+                                 for k, d in fn.__kwdefaults__.items()}
+
+
+def _functions_in(value: Any, module_name: str) -> list[types.FunctionType]:
+    """``value`` if a function, else the functions of a class the module defines."""
+    if isinstance(value, types.FunctionType):
+        return [value]
+    if isinstance(value, type) and getattr(value, "__module__", None) == module_name:
+        return [v for v in vars(value).values() if isinstance(v, types.FunctionType)]
+    return []
 
 
 def current_ranks(group: Any = None) -> RankInfo:
@@ -157,6 +215,8 @@ def join_ranks(process_group: Any = None, timeout_s: float | None = None,
     info = current_ranks(process_group)
     if timeout_s is not None and info.world_size > 1:
         set_collective_timeout(info.group, timeout_s)
+    if info.world_size > 1:
+        _destroy_gloo_group_at_exit()     # one the user (or transformers) made, too
     return info
 
 
