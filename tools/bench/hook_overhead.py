@@ -13,7 +13,8 @@ Run (from the repository root):
 Per round, interleaved, each timed as the median of ``--calls`` calls after ``--warmup``: a no-grad
 forward and a training step (forward, backward, AdamW step), engine and plain torch. Reports the
 difference per unit (the engine's units: each decoder layer, the embedding, the head) and the
-ratio, median over rounds.
+ratio, median over rounds. A third engine with ``infinity.detached_reads`` "off" (no saved-tensor
+hooks: zero/detached_reads.py) is timed beside them: the hooks' share of the step.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def main() -> int:
                                    max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(cfg)
     plain = copy.deepcopy(model)
+    unwatched = copy.deepcopy(model)
     ds = {"train_micro_batch_size_per_gpu": 1,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
@@ -68,13 +70,18 @@ def main() -> int:
                                 "stage3_param_persistence_threshold": 0},
           "infinity": {"compute_dtype": "fp32"}}
     engine, *_ = infinity.initialize(model=model, config=ds)
+    off = copy.deepcopy(ds)
+    off["infinity"]["detached_reads"] = "off"
+    engine_off, *_ = infinity.initialize(model=unwatched, config=off)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     ids = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
 
-    def engine_step() -> None:
-        out = engine(input_ids=ids, labels=ids)
-        engine.backward(out.loss)
-        engine.step()
+    def step_of(eng: Any) -> Callable[[], None]:
+        def step() -> None:
+            out = eng(input_ids=ids, labels=ids)
+            eng.backward(out.loss)
+            eng.step()
+        return step
 
     def plain_step() -> None:
         out = plain(input_ids=ids, labels=ids)
@@ -95,13 +102,15 @@ def main() -> int:
             got = {}
             for name, fn in (("forward engine", no_grad(lambda: engine(input_ids=ids))),
                              ("forward plain", no_grad(lambda: plain(input_ids=ids))),
-                             ("step engine", engine_step), ("step plain", plain_step)):
+                             ("step engine", step_of(engine)), ("step plain", plain_step),
+                             ("step engine unwatched", step_of(engine_off))):
                 got[name] = _median_s(fn, args.calls, args.warmup)
             rounds.append(got)
             print(f"round {r}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in got.items()),
                   flush=True)
     finally:
         engine.close()
+        engine_off.close()
     res: dict[str, Any] = {"units": units, "layers": args.layers, "rounds": rounds,
                            "machine": C.machine_info(), "git": C.git_state()}
     for what in ("forward", "step"):
@@ -112,6 +121,10 @@ def main() -> int:
         print(f"{what}: the engine adds {res[f'{what}_ms_per_unit']:.3f} ms a unit "
               f"({units} units), engine / plain {res[f'{what}_ratio']:.2f}, median of "
               f"{len(rounds)} rounds")
+    res["detached_reads_ratio"] = statistics.median(
+        x["step engine"] / x["step engine unwatched"] for x in rounds)
+    print(f"step: with the saved-tensor hooks / without (detached_reads \"off\") "
+          f"{res['detached_reads_ratio']:.3f}, median of {len(rounds)} rounds")
     if args.json:
         C.append_jsonl(Path(args.json), res)
     return 0
