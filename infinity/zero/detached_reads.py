@@ -116,8 +116,9 @@ class DetachedReads:
 
 
 TORCH_FUNC_UNDER_HOOKS = (
-    "infinity: a torch.func transform (grad, vjp, jacrev, hessian) in the forward refuses to run under "
-    "saved-tensor hooks, and the engine's training forward runs under its own: {which}. Set "
+    "infinity: a torch.func transform (grad, vjp, jacrev, hessian) in the forward refuses to "
+    "run under saved-tensor hooks, and the engine's training forward runs under its own: "
+    "{which}. Set "
     "{keys} in the config (then a parameter the forward uses .detach()ed must be .clone()d: "
     "see infinity.detached_reads), or compute that part under torch.autograd.grad")
 
