@@ -12,6 +12,7 @@ import os
 import sys
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +97,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0,
     backend = backend or default_backend(device)
     _import_group_defaults()
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    _destroy_gloo_group_at_exit()
+    atexit.register(_destroy_at_exit, weakref.ref(dist.group.WORLD))
     info = current_ranks()
     log.info("joined the process group: rank %d of %d (%s, collective timeout %gs)",
              info.rank, info.world_size, backend, timeout_s)
@@ -122,43 +123,40 @@ def _import_group_defaults() -> None:
     importlib.import_module("torch.distributed.nn.functional")
 
 
-_DESTROY_REGISTERED = False
+_LET_GO: set[int] = set()   # groups the user made whose defaults are let go of at exit
 
 
-def _destroy_gloo_group_at_exit() -> None:
-    """Register ``_destroy_at_exit`` once, when the default group runs on gloo alone."""
-    global _DESTROY_REGISTERED
-    if _DESTROY_REGISTERED or not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        gloo_only = set(backends_of(None).values()) == {"gloo"}
-    except Exception:  # noqa: BLE001 - a group torch cannot describe: leave it to its owner
-        return
-    if gloo_only:
-        atexit.register(_destroy_at_exit)
-        _DESTROY_REGISTERED = True
+def _let_go_at_exit(group: weakref.ref) -> None:
+    """At exit, torch.distributed's default arguments holding a group the user (or
+    transformers) made are let go of (``_drop_default_arguments``), so that the group goes once
+    its maker destroys it, before the interpreter's teardown. The group itself is theirs: not
+    destroyed here (a handler of theirs that runs after this one may still use it)."""
+    live = group()
+    if live is not None:
+        try:
+            _drop_default_arguments(live)
+        except Exception as exc:  # noqa: BLE001 - at exit there is no caller to raise to
+            log.warning("letting go of the process group at exit failed: %s", exc)
 
 
-def _destroy_at_exit() -> None:
-    """The default group, when gloo alone runs it (``init_distributed`` made it, or the user,
-    or transformers, and an engine joined it), is destroyed at a normal exit, while the
-    interpreter is whole. Left to the interpreter's teardown, gloo's worker threads could still
-    hold work whose tensors need the GIL, and the process then aborted ("terminate called
-    without an active exception", SIGABRT) after training had finished: once in this project's
-    suite, a distributed test's rank 1, and torch's own issue (pytorch#190489). A group the user
-    destroyed already is left alone. Gloo's teardown is local; a group with NCCL is not
+def _destroy_at_exit(made: weakref.ref) -> None:
+    """The group ``init_distributed`` made (``made``), still the default one and run by gloo
+    alone, is destroyed at a normal exit, while the interpreter is whole. Left to the
+    interpreter's teardown, gloo's worker threads could still hold work whose tensors need the
+    GIL, and the process then aborted ("terminate called without an active exception", SIGABRT)
+    after training had finished: three times in this project's suite, a distributed test's
+    rank 1, and torch's own issue (pytorch#190489). A group the user destroyed already, or made
+    (``_let_go_at_exit``), is left alone. Gloo's teardown is local; a group with NCCL is not
     destroyed here: torch's ``destroy_process_group`` flushes NCCL's pending collectives, which
     after a failure (a rank gone) would hang the exit instead (pytorch#141510)."""
-    if dist.is_available() and dist.is_initialized():
-        world = dist.group.WORLD
-        try:
+    try:
+        gloo_only = dist.is_available() and dist.is_initialized() and \
+            dist.group.WORLD is made() and set(backends_of(None).values()) == {"gloo"}
+        if gloo_only:
             dist.destroy_process_group()
-        except Exception as exc:  # noqa: BLE001 - at exit there is no caller to raise to
-            log.warning("destroying the process group at exit failed: %s", exc)
-        try:
-            _drop_default_arguments(world)
-        except Exception as exc:  # noqa: BLE001 - as above
-            log.warning("letting go of the destroyed process group at exit failed: %s", exc)
+    except Exception as exc:  # noqa: BLE001 - at exit there is no caller to raise to
+        log.warning("destroying the process group at exit failed: %s", exc)
+    _let_go_at_exit(made)
 
 
 def _drop_default_arguments(group: Any) -> None:
@@ -215,8 +213,10 @@ def join_ranks(process_group: Any = None, timeout_s: float | None = None,
     info = current_ranks(process_group)
     if timeout_s is not None and info.world_size > 1:
         set_collective_timeout(info.group, timeout_s)
-    if info.world_size > 1:
-        _destroy_gloo_group_at_exit()     # one the user (or transformers) made, too
+    if info.world_size > 1 and dist.group.WORLD is not None and \
+            id(dist.group.WORLD) not in _LET_GO:      # a group the user (or transformers) made
+        _LET_GO.add(id(dist.group.WORLD))
+        atexit.register(_let_go_at_exit, weakref.ref(dist.group.WORLD))
     return info
 
 

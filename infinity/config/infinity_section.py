@@ -44,8 +44,9 @@ class InfinitySection:
     """"hold": a unit whose parameter a training forward saved for backward without its gradient
     (``x * w.detach()``) is stepped and released only at the backward's end, after that read
     (see [Note: parameters read without a gradient] in zero/detached_reads.py); "off": no such
-    watch, and no saved-tensor hooks of the engine's (torch.func.grad/vjp inside a forward
-    refuse to run under any): a ``.detach()``ed read of a parameter must then be ``.clone()``d."""
+    watch, and no saved-tensor hooks of the engine's but the activation swapper's when it
+    offloads (torch.func.grad/vjp inside a forward refuse to run under any): a ``.detach()``ed
+    read of a parameter must then be ``.clone()``d."""
     activation_min_bytes: int = 256 * 1024
     """Saved tensors smaller than this stay in memory (when activations are offloaded)."""
     swap_check: Literal["sampled", "full", "off"] = "sampled"

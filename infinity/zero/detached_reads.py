@@ -19,8 +19,9 @@ Saved-tensor hooks replace autograd's own keeping of the tensor: these keep it a
 zero/kept_saved.py does (detached, its in-place modification checked). With activations
 offloaded the swapper's hooks are the forward's, and they call ``note`` for every tensor
 (zero/activation_swap.py). Inside a region under hooks of its own (non-reentrant activation
-checkpointing, transformers' default) the saves are not seen: a unit used there is done only
-once its module's input gradient exists too (``note_call``), which a read in that module feeds.
+checkpointing, transformers' default), or a forward the caller runs under its own hooks (left
+on top), the saves are not seen: a unit used there is done only once its module's input
+gradient exists too (``note_call``), which a read in that module feeds.
 A reentrant checkpoint recomputes in the backward, under the backward's hooks
 (``Coordinator.tracked_backward``): a backward the engine did not start (``loss.backward()``)
 has none, and a detached read in such a recompute is not seen.
@@ -88,9 +89,11 @@ class DetachedReads:
         self._statuses[unit.index].read_detached = True
         if unit.index not in self._named:
             self._named.add(unit.index)
-            log.info("unit %s: a tensor saved for backward reads its trainable parameters "
-                     "without their gradient (a .detach()ed use): its backward is done, and "
-                     "it is stepped and released, only at the backward's end", unit.name)
+            log.warning("unit %s: a tensor saved for backward reads its trainable parameters "
+                        "without their gradient (a .detach()ed use): its backward is done, and "
+                        "it is stepped and released, only at the backward's end (it stays in "
+                        "device memory through the backward; .detach().clone() would not)",
+                        unit.name)
 
     def note_call(self, ids: tuple[int, ...]) -> None:
         """A module call of the training forward uses the units ``ids``. Under saved-tensor
@@ -151,4 +154,8 @@ def saved_tensor_hooks(reads: DetachedReads,
         reads.begin(swapper.pack_hook)
         return _torch_func_explained(swapper.hooks(observe=reads.note), swapping=True)
     reads.begin()
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # the caller's own hooks (torch's save_on_cpu, say) keep the saves: the engine's inside
+        # them would take over, so none; ``note_call`` then counts every save as unseen
+        return contextlib.nullcontext()
     return _torch_func_explained(reads.hooks(), swapping=False)

@@ -56,11 +56,13 @@ class UnitStatus:
     # only the own shard was read): gathered before the next use (see [Note: shards])
     stale: bool = False
     versions: int | None = None  # its parameters' version counters at a forward's first use
-    # the training forward saved a tensor reading its trainable values without their gradient:
+    # a training forward saved a tensor reading its trainable values without their gradient:
     # its backward is done only at the backward's end (see zero/detached_reads.py)
     read_detached: bool = False
-    # the training forward ran it under saved-tensor hooks not the engine's (non-reentrant
-    # checkpointing), which hide its saves: done only once its inputs' gradient exists too
+    # a training forward ran it under saved-tensor hooks not the engine's (non-reentrant
+    # checkpointing), which hide its saves: done only once its inputs' gradient exists too.
+    # Both stay set for the run: a backward's end must not clear what a forward whose backward
+    # is still to come set (two forwards, then their backwards), and a model reads alike each step
     saves_unseen: bool = False
 
     @property
@@ -87,7 +89,6 @@ class UnitStatus:
     def start_backward(self, trainable: int) -> None:
         self.grads_pending = trainable
         self.backward = UnitBackward.PENDING
-        self.read_detached = self.saves_unseen = False
 
     def fetched_for_backward(self) -> None:
         self.backward = _FETCH.get(self.backward, self.backward)

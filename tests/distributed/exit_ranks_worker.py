@@ -1,8 +1,9 @@
 """One rank of test_exit_ranks.py: a group the script made itself (``init_process_group``, as
-transformers does), an engine trained on it and closed, and a torch module imported after the
-group that holds it in a default argument (torch.distributed.optim); at exit, after infinity's
-handler, the rank records which of gloo's threads still run (none may: see [Note: a group kept
-alive by a default argument] in comm/group.py).
+transformers does), an engine trained on it and closed, a torch module imported after the group
+that holds it in a default argument (torch.distributed.optim), and the script's own
+``destroy_process_group`` at its end; at exit, after infinity's handler, the rank records which
+of gloo's threads still run (none may: see [Note: a group kept alive by a default argument] in
+comm/group.py).
 
 argv: out_dir
 """
@@ -54,6 +55,7 @@ def main() -> None:
     engine.step()
     engine.close()
     held.extend(gloo_threads())
+    dist.destroy_process_group()       # the script's group: the script destroys it
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ def epochs(out: Path, nvme: str) -> None:
                  "weights_max_diff": diff}))
     finally:
         trainer.close()
+    # the group transformers made is the script's to destroy (infinity destroys only its own)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A rank that finished exits with its gloo group gone, its threads with it, where the script
-made the group itself and a torch module imported after it holds it in a default argument
-(left to the interpreter's teardown, such a group could abort the finished rank: "terminate
-called without an active exception"; see [Note: a group kept alive by a default argument])."""
+made the group and destroyed it, and a torch module imported after it held it in a default
+argument (left to the interpreter's teardown, such a group could abort the finished rank:
+"terminate called without an active exception"; see [Note: a group kept alive by a default
+argument])."""
 from __future__ import annotations
 
 import json

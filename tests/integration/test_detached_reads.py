@@ -6,6 +6,7 @@ blocks recomputed in the backward (checkpointing, reentrant or not). Each run ha
 before the fix, some died of a segmentation fault."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -36,6 +37,8 @@ CASES = {
     "stage3-nvme-non-reentrant-early": {"stage": 3, "tier": "nvme", "accumulation": 1,
                                         "checkpointed": "non-reentrant"},
     "stage2-cpu-early-step": {"stage": 2, "tier": "cpu", "accumulation": 1},
+    "stage3-cpu-two-forwards-then-backwards": {"stage": 3, "tier": "cpu", "accumulation": 2,
+                                               "interleaved": True},
 }
 
 
@@ -74,8 +77,8 @@ def test_only_a_gradless_read_of_the_trainable_range_holds_its_unit():
     assert [s.read_detached for s in statuses] == [False, False]
     reads.note(units[0].flat[6:12])                # straddles into the trainable range
     assert [s.read_detached for s in statuses] == [True, False]
-    statuses[0].start_backward(1)                  # the next backward starts clean
-    assert not statuses[0].read_detached
+    statuses[0].start_backward(1)     # stays set: a forward whose backward is to come set it
+    assert statuses[0].read_detached
 
 
 def test_a_saved_tensor_modified_in_place_still_raises():
@@ -136,3 +139,42 @@ def test_torch_func_in_the_forward_names_the_switch_and_trains_with_it_off(tmp_p
                                                    detached_reads="off"), steps=3)
     for mine, ref in zip(result.losses, result.ref_losses):
         assert abs(mine - ref) <= 1e-5 * abs(ref), (result.losses, result.ref_losses)
+
+
+def test_the_callers_own_saved_tensor_hooks_keep_the_saves(tmp_path):
+    """A forward the caller runs under hooks of its own (torch's save_on_cpu, say) keeps them on
+    top: the engine's would take the saves over (none reached the caller's), so it adds none,
+    and counts the saves as unseen (units wait for their inputs' gradient); training is torch's."""
+    import infinity
+    from parity import make_model, pin_fp32
+
+    seen = []
+
+    def pack(tensor):
+        seen.append(1)
+        return tensor.detach()
+
+    ds = pin_fp32(zero_config(3, "cpu", "cpu", str(tmp_path)))
+    ds.update(optimizer={"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+              train_micro_batch_size_per_gpu=2)
+    model = make_model("torch", seed=0, layers=2, width=32)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.02, weight_decay=0.01,
+                                foreach=False)
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randint(0, 256, (2, 16), generator=gen)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = engine(input_ids=x, labels=x)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference(input_ids=x, labels=x)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    finally:
+        engine.close()
+    assert seen, "the caller's pack hook saw none of the forward's saves"
