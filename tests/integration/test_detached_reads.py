@@ -6,7 +6,6 @@ blocks recomputed in the backward (checkpointing, reentrant or not). Each run ha
 before the fix, some died of a segmentation fault."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -145,8 +144,7 @@ def test_the_callers_own_saved_tensor_hooks_keep_the_saves(tmp_path):
     """A forward the caller runs under hooks of its own (torch's save_on_cpu, say) keeps them on
     top: the engine's would take the saves over (none reached the caller's), so it adds none,
     and counts the saves as unseen (units wait for their inputs' gradient); training is torch's."""
-    import infinity
-    from parity import make_model, pin_fp32
+    from parity import engine_and_reference, make_model, reference_step
 
     seen = []
 
@@ -154,14 +152,10 @@ def test_the_callers_own_saved_tensor_hooks_keep_the_saves(tmp_path):
         seen.append(1)
         return tensor.detach()
 
-    ds = pin_fp32(zero_config(3, "cpu", "cpu", str(tmp_path)))
-    ds.update(optimizer={"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
-              train_micro_batch_size_per_gpu=2)
-    model = make_model("torch", seed=0, layers=2, width=32)
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.02, weight_decay=0.01,
-                                foreach=False)
-    engine, *_ = infinity.initialize(model=model, config=ds)
+    ds = zero_config(3, "cpu", "cpu", str(tmp_path))
+    ds["train_micro_batch_size_per_gpu"] = 2
+    engine, reference, ref_opt = engine_and_reference(
+        make_model("torch", seed=0, layers=2, width=32), ds, lr=0.02)
     try:
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -170,10 +164,7 @@ def test_the_callers_own_saved_tensor_hooks_keep_the_saves(tmp_path):
                 loss = engine(input_ids=x, labels=x)
             engine.backward(loss)
             engine.step()
-            ref_loss = reference(input_ids=x, labels=x)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            ref_loss = reference_step(reference, ref_opt, x, clip=0.0)
             assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
     finally:
         engine.close()
