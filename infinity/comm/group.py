@@ -118,7 +118,7 @@ def _import_group_defaults() -> None:
     project's distributed tests, three times). Imported first, the defaults are None (the
     default group, looked up at each call). A group made before (by the user, or transformers)
     may be held so by that module or by others of the same habit (torch.distributed.optim,
-    FSDP's sharded grad scaler): the at-exit destroy then sets those defaults to None
+    FSDP's sharded grad scaler): the at-exit handlers then set those defaults to None
     (``_drop_default_arguments``)."""
     importlib.import_module("torch.distributed.nn.functional")
 
