@@ -123,7 +123,8 @@ def _import_group_defaults() -> None:
     importlib.import_module("torch.distributed.nn.functional")
 
 
-_LET_GO: set[int] = set()   # groups the user made whose defaults are let go of at exit
+# groups whose defaults are let go of at exit, held weakly (an id could be a later group's)
+_LET_GO: weakref.WeakSet = weakref.WeakSet()
 
 
 def _let_go_at_exit(group: weakref.ref) -> None:
@@ -213,10 +214,10 @@ def join_ranks(process_group: Any = None, timeout_s: float | None = None,
     info = current_ranks(process_group)
     if timeout_s is not None and info.world_size > 1:
         set_collective_timeout(info.group, timeout_s)
-    if info.world_size > 1 and dist.group.WORLD is not None and \
-            id(dist.group.WORLD) not in _LET_GO:      # a group the user (or transformers) made
-        _LET_GO.add(id(dist.group.WORLD))
-        atexit.register(_let_go_at_exit, weakref.ref(dist.group.WORLD))
+    world = dist.group.WORLD
+    if info.world_size > 1 and world is not None and world not in _LET_GO:
+        _LET_GO.add(world)      # a group the user (or transformers) made
+        atexit.register(_let_go_at_exit, weakref.ref(world))
     return info
 
 
