@@ -66,8 +66,9 @@ class DetachedReads:
         self.enabled = True     # infinity.detached_reads "hold"; "off": no hooks, nothing held
 
     def begin(self, pack: Callable[[torch.Tensor], Any] | None = None) -> None:
-        """Before a training forward: the flat buffers to watch (a unit's buffer is the same
-        storage fetched or released, but a load may give it a new one), and the pack hook the
+        """Before a training forward: the flat buffers to watch (a buffer keeps its storage
+        fetched or released; looked up at each forward, one handle a unit, so that a buffer
+        first shaped since, ``Unit._shape_flat``, is watched too), and the pack hook the
         forward runs under (``pack``: the swapper's; else these hooks')."""
         self._engine_pack = pack if pack is not None else self._pack
         self._trainable = {} if not self.enabled else {
