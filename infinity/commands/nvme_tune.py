@@ -149,19 +149,10 @@ def run(args: argparse.Namespace) -> int:
                        _split(args.queue_depth, "queue-depth", _positive_int),
                        _split(args.threads, "threads", _positive_int))
     if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError("--plot needs matplotlib, which is not installed: pip install "
-                             "matplotlib (or infinity-offload[plot]), or drop --plot") from None
-        from infinity.train.metrics import check_writable, plot_formats
+        from infinity.train.metrics import check_plot_path
 
-        # before the sweep, not after it: a directory, a missing one, a format matplotlib
-        # lacks (a sweep of minutes lost its picture)
-        check_writable(args.plot, "--plot", example="sweep.png")
-        if args.plot.suffix.lower().lstrip(".") not in plot_formats():
-            raise ValueError(f"--plot {args.plot}: matplotlib cannot write that file type; end "
-                             "the name in .png (or .pdf, .svg)")
+        # before the sweep, not after it: a sweep of minutes lost its picture
+        check_plot_path(args.plot, example="sweep.png")
     # SIGTERM unwinds like Ctrl-C, so the private directory is removed either way. The signal
     # is also remembered: a KeyboardInterrupt raised while Python runs a finalizer (an I/O
     # buffer freed by the garbage collector) is printed and dropped, so the sweep checks the

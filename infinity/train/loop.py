@@ -37,8 +37,8 @@ from infinity.train import host_budget, models
 from infinity.train.baseline import TorchBaselineEngine
 from infinity.train.checkpoints import RunCheckpoints
 from infinity.train.defaults import DEFAULT_FINETUNE_LR, DEFAULT_SEQ_LEN, DEFAULT_STEPS
-from infinity.train.metrics import (MetricsWriter, StepRecord, Summary, check_writable,
-                                    plot_available, plot_formats, render_summary, summarize,
+from infinity.train.metrics import (MetricsWriter, StepRecord, Summary, check_plot_path,
+                                    check_writable, plot_available, render_summary, summarize,
                                     write_plot, write_probe)
 from infinity.train.progress import ProgressBar
 from infinity.train.run_config import (Overrides, build_ds_config, demo_config, nvme_paths,
@@ -456,18 +456,7 @@ def _plot_path(opts: TrainOptions) -> Path | None:
     if opts.plot in ("off", "none"):
         return None
     if opts.plot:
-        if not plot_available():
-            raise ValueError(f"--plot {opts.plot} needs matplotlib, which is not installed; "
-                             "pip install matplotlib (or infinity-offload[plot]) or drop --plot")
-        path = Path(opts.plot)
-        formats = plot_formats()
-        if path.suffix.lower().lstrip(".") not in formats:
-            kind = f"{path.suffix} file" if path.suffix else "file without an extension"
-            raise ValueError(f"--plot {opts.plot}: matplotlib cannot write a {kind}; end the name "
-                             f"in one of {', '.join('.' + f for f in sorted(formats))} "
-                             "(e.g. run.png)")
-        check_writable(path, "--plot", example="plot.png")
-        return path
+        return check_plot_path(Path(opts.plot), example="run.png")
     if opts.metrics and plot_available():
         path = Path(opts.metrics).with_suffix(".png")
         check_writable(path, "--plot (default: next to --metrics)", example="plot.png")

@@ -304,6 +304,22 @@ def plot_formats() -> set[str]:
     return set(Figure().canvas.get_supported_filetypes())
 
 
+def check_plot_path(path: Path, flag: str = "--plot", example: str = "plot.png") -> Path:
+    """Raise now, before a run or a sweep of minutes, when the picture asked for at ``path``
+    could not be drawn at its end: matplotlib missing, a file type it does not write, a path
+    that cannot be written (see ``check_writable``). Returns ``path``."""
+    if not plot_available():
+        raise ValueError(f"{flag} {path} needs matplotlib, which is not installed; pip install "
+                         f"matplotlib (or infinity-offload[plot]) or drop {flag}")
+    check_writable(path, flag, example=example)
+    formats = plot_formats()
+    if path.suffix.lower().lstrip(".") not in formats:
+        kind = f"{path.suffix} file" if path.suffix else "file without an extension"
+        raise ValueError(f"{flag} {path}: matplotlib cannot write a {kind}; end the name in one "
+                         f"of {', '.join('.' + f for f in sorted(formats))} (e.g. {example})")
+    return path
+
+
 def write_plot(records: Iterable[StepRecord], path: str | Path) -> Path:
     """A PNG of the loss (left) and of the step-time split (right); needs matplotlib."""
     import matplotlib

@@ -590,7 +590,7 @@ def test_a_real_small_sweep_measures_every_point_and_leaves_nothing(disk_dir: Pa
 
 @pytest.mark.parametrize("name, said", [("", "is a directory"),
                                         ("none/sweep.png", "does not exist"),
-                                        ("sweep.xyz", "cannot write that file type")])
+                                        ("sweep.xyz", "cannot write a .xyz file")])
 def test_a_plot_path_that_cannot_be_written_is_refused_before_the_sweep(
         tmp_path: Path, capsys, monkeypatch, name: str, said: str) -> None:
     """It was tried after the sweep (minutes), and a directory given came out as DIR.png."""

@@ -79,8 +79,10 @@ def test_plot_off_writes_no_plot(tmp_path: Path, monkeypatch) -> None:
 
 def test_explicit_plot_without_matplotlib_is_a_usage_error(tmp_path: Path, monkeypatch) -> None:
     import infinity.train.loop as loop
+    import infinity.train.metrics as metrics
 
-    monkeypatch.setattr(loop, "plot_available", lambda: False)
+    for module in (loop, metrics):
+        monkeypatch.setattr(module, "plot_available", lambda: False)
     with pytest.raises(ValueError, match="needs matplotlib"):
         run_training(TrainOptions(engine="torch", model_size="tiny", steps=1, seq_len=16,
                                   plot=str(tmp_path / "p.png")), stream=io.StringIO(),
