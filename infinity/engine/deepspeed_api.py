@@ -20,6 +20,17 @@ class DeepSpeedEngineAccessors:
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.config.train_micro_batch_size_per_gpu
 
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
+        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
+                self.gradient_accumulation_steps())
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
     def zero_optimization_stage(self) -> int:
         return self.config.zero.stage
 

@@ -150,13 +150,14 @@ def test_the_deepspeed_engine_accessors(disk_dir) -> None:
     """What scripts, Hugging Face's Trainer and accelerate ask DeepSpeed's engine."""
     model = make_model("gpt2", layers=2, width=32)
     config = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-              "fp16": {"enabled": True, "initial_scale_power": 4},
+              "steps_per_print": 7, "fp16": {"enabled": True, "initial_scale_power": 4},
               "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                     "offload_optimizer": {"device": "cpu"}}}
     engine, *_ = infinity.initialize(model=model, config=with_adamw(config))
     try:
         assert engine.gradient_accumulation_steps() == 2
         assert engine.train_batch_size() == 8 and engine.train_micro_batch_size_per_gpu() == 4
+        assert engine.get_batch_info() == (8, 4, 2) and engine.steps_per_print() == 7
         assert engine.zero_optimization_stage() == 3 and engine.gradient_clipping() == 1.0
         assert engine.fp16_enabled() and not engine.bfloat16_enabled()
         assert engine.get_global_grad_norm() is None
