@@ -108,7 +108,10 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
                                         list[tuple[str, torch.Tensor]] | None] | None = None
                     ) -> Path:
     """The engine's current weights (every unit, after the last step lands) and persistent
-    buffers into ``directory`` in ``dtype`` (None: the compute dtype), with ``texts``
+    buffers into ``directory`` in ``dtype``: floating-point buffers too, as ``model.to(dtype)``
+    and then transformers' ``save_pretrained`` would write them, and as ``infinity export
+    --dtype`` writes them (None: parameters in the compute dtype, buffers as the model holds
+    them, as ``state_dict`` has them), with ``texts``
     (config.json ...) and the files ``carry_from`` has; a tied parameter under a name not in
     ``tie_targets`` (``saved_names``); each name as ``hub_name`` gives it (transformers'
     renamings reversed: GPT-NeoX's ``lm_head`` saved as ``embed_out``), or as the tensors
@@ -118,10 +121,11 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     max_bytes = shard_bytes(max_shard_size)
     check_at_rest(state, what)
     state.run.flush()
+    buffers = [(name, buf.detach().to(dtype) if dtype is not None and buf.is_floating_point()
+                else buf.detach()) for name, buf in persistent_buffers(state.module)]
     dtype = dtype or state.compute_dtype
     layouts = unit_layouts(state)
     names = saved_names(state.module, layouts, tie_targets)
-    buffers = persistent_buffers(state.module)
     tensors, splits = hub_table(
         [(names[e], dtype, tuple(e.shape)) for lay in layouts for e in lay.entries]
         + [(name, buf.dtype, tuple(buf.shape)) for name, buf in buffers], hub_name, hub_split)
@@ -137,9 +141,9 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     def fill(writer: Any) -> None:
         _stream_units(state, layouts, names, dtype, writer)
         if writer is not None:
-            for name, buf in buffers:      # in their own dtype, as state_dict has them
+            for name, buf in buffers:
                 if buf.numel():
-                    writer.append(name, buf.detach())
+                    writer.append(name, buf)
 
     agreement = RankAgreement(state, "no file was written") if state.world_size > 1 else None
 

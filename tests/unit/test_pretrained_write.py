@@ -632,6 +632,9 @@ def test_an_fp32_save_takes_trainable_parameters_from_the_master(tmp_path: Path)
     assert len(set(index["weight_map"].values())) > 1
     save_pretrained(state, tmp_path / "bf16", dtype=BF16)
     assert torch.equal(_load(tmp_path / "bf16")["a"], model.a.detach().to(BF16))
+    # a floating-point buffer in the save's dtype too, as infinity export writes it
+    assert back["running"].dtype == F32
+    assert torch.equal(_load(tmp_path / "bf16")["running"], model.running.to(BF16))
 
 
 def test_two_tensors_under_one_name_are_refused(tmp_path: Path) -> None:
