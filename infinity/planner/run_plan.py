@@ -305,16 +305,23 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
     max_trainable = max((t for _, t, _ in trainable), default=0)
     ranges = []
     collect = []
+    first_ranges = []       # rank 0's, the largest: the same on every rank
     for numel, t, _ in trainable:
         if sharded:
             shard = shard_numel(numel, world_size)
             lo = min(rank * shard, t)
             ranges.append(min(rank * shard + shard, t) - lo)
             collect.append(ranges[-1] if reduces_on_device else world_size * shard)
+            first_ranges.append(min(shard, t))
         else:
             ranges.append(t)
             collect.append(t)
-    sub_group = stepped_sub_group(sub_group_numel, max(ranges, default=0))
+            first_ranges.append(t)
+    # one sub-group on every rank: a unit's state format is checked against it on each (int8
+    # needs a whole chunk where the range has one), and a rank whose last shards are short
+    # (3 ranks, a small unit) must answer as the others do, or it alone refuses and the rest
+    # wait at their first collective
+    sub_group = stepped_sub_group(sub_group_numel, max(first_ranges, default=0))
     speculates = speculative and not early_step and not ranks_active
     holds = (early_step or speculates) and keeps_gradients and not ranks_active
     gradient = None

@@ -479,6 +479,27 @@ def test_step_slot_count(opt, param, grad, separate, early, slots) -> None:
     assert step_slot_count(Tier(opt), Tier(param), Tier(grad), separate, early) == slots
 
 
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_every_rank_plans_the_same_sub_group(world: int) -> None:
+    """Each rank checks a unit's state format against the sub-group (int8 moments need a
+    4096-element chunk), so it must be one figure on every rank. At 3 ranks an 8192-element
+    unit's shards are 4096, 4096 and nothing: the last rank, sized by its own ranges (160
+    elements of the small units), planned 2048, refused int8 alone, and the others waited at
+    their first collective until they timed out."""
+    from infinity.planner.alignment import shard_numel
+    from infinity.planner.run_plan import optimizer_pools
+    from infinity.planner.tiers import Tier
+
+    units = [(8192, 8192), (4256, 4256), (4256, 4256)]
+    planned = {optimizer_pools(units, world_size=world, rank=rank, shard_states=True,
+                               sub_group_numel=10 ** 9, optimizer_tier=Tier.HOST,
+                               param_tier=Tier.HOST, streamed=[False] * 3, grad_tier=Tier.HOST,
+                               master_separate=True, early_step=False, speculative=False,
+                               keeps_gradients=True).sub_group_numel for rank in range(world)}
+    largest_shard = max(min(shard_numel(n, world), t) for n, t in units)
+    assert planned == {largest_shard}, (world, planned)
+
+
 def test_accumulate_chunk_is_8_mib_or_the_aligned_largest_gradient() -> None:
     from infinity.planner.engine_sizes import (
         ACCUMULATE_CHUNK_NUMEL,
