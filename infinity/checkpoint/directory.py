@@ -44,10 +44,20 @@ FORMAT = "infinity-checkpoint"
 VERSION = 2
 """The newest manifest version this infinity writes and reads. Version 2: the moments (and a
 bf16 master) may be stored in a state format (checkpoint/moment_files.py); a checkpoint whose
-states are all fp32 is still written as version 1, byte for byte as before, so an older
-infinity loads it, and refuses (as newer) the ones it would misread."""
+states are all fp32 is still written as version 1, in its layout, so an older infinity loads
+it, and refuses (as newer) the ones it would misread."""
 FP32_STATES_VERSION = 1
 """The version of a checkpoint whose Adam states are all fp32 (what every version reads)."""
+SAVE_ID = "save_id"
+"""[Note: which save a file belongs to]
+Every save draws a random id; its manifest and the ``__metadata__`` of each of its tensor files
+carry it (under this key), and a load refuses a file whose id is not its manifest's, checksums
+verified or not. A file of another save of the same model has the same size and tensors, so
+without the id only its sha256 told it apart, and ``verify_checksums=False`` (a resume of a
+large checkpoint that skips hashing it) loaded it: the weights of one save with the moments of
+another. Such a file gets there when a user or a sync tool copies rank files between
+checkpoint directories; the engine's own saves never mix (checkpoint/pinned.py). A manifest
+without an id (an older infinity's save) is loaded as before."""
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*\Z")   # \Z: "$" would let "tag\n" through
 
 

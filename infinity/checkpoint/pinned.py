@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from infinity.base.log import get_logger
-from infinity.checkpoint.directory import MANIFEST, parse_manifest
+from infinity.checkpoint.directory import MANIFEST, SAVE_ID, parse_manifest
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, sha256_of_fd
 
 log = get_logger("checkpoint")
@@ -137,6 +137,7 @@ class PinnedSave:
                 raise CheckpointError(f"checkpoint file {self.directory / name} has {size} bytes, "
                                       f"its manifest says {files[name]['bytes']}: the file is "
                                       "truncated or was changed; load another tag")
+        self._check_save_id(needed)
         if not checksums:
             return
         for name in needed[rank::world]:   # one after the other: side by side was slower (measured)
@@ -144,6 +145,25 @@ class PinnedSave:
                 raise CheckpointError(f"checkpoint file {self.directory / name} does not match "
                                       "its sha256 in the manifest: the file is damaged; load "
                                       "another tag")
+
+    def _check_save_id(self, needed: list[str]) -> None:
+        """Each of ``needed`` carries the manifest's save id (see [Note: which save a file
+        belongs to] in checkpoint/directory.py); a manifest without one (an older save) is
+        not checked."""
+        expected = self.manifest.get(SAVE_ID)
+        if expected is None:
+            return
+        for name in needed:
+            with self.reader(name) as reader:
+                found = reader.metadata.get(SAVE_ID)
+            if found != expected:
+                said = f"save {found}" if found else \
+                    "no save id (an older save, or not one of infinity's)"
+                raise CheckpointError(
+                    f"checkpoint file {self.directory / name} belongs to {said}, not to this "
+                    f"checkpoint's save {expected} (its manifest.json): it was copied in from "
+                    "another checkpoint, and loading it would mix two saves. Put back this "
+                    "save's own file, or load another tag")
 
     def reader(self, name: str) -> TensorFileReader:
         """The tensor file ``name`` of this save (a descriptor of its own, the file's table

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import math
+import secrets
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +23,7 @@ from infinity.checkpoint.directory import (
     FORMAT,
     VERSION,
     FP32_STATES_VERSION,
+    SAVE_ID,
     check_tag,
     commit,
     ensure_save_dir,
@@ -151,8 +153,10 @@ def _params_manifest(layouts: list[UnitLayout]) -> dict[str, dict]:
     return params
 
 
-def _write_model(path: Path, layouts: list[UnitLayout], buffers, chunks: ChunkPool) -> tuple:
-    writer = TensorFileWriter(path, _model_tensors(layouts, buffers), {"format": FORMAT})
+def _write_model(path: Path, layouts: list[UnitLayout], buffers, chunks: ChunkPool,
+                 save_id: str) -> tuple:
+    writer = TensorFileWriter(path, _model_tensors(layouts, buffers),
+                              {"format": FORMAT, SAVE_ID: save_id})
     try:
         for lay in layouts:
             for placed, parts in lay.model_sources():
@@ -166,10 +170,11 @@ def _write_model(path: Path, layouts: list[UnitLayout], buffers, chunks: ChunkPo
         writer.abort()
 
 
-def _write_optim(path: Path, layouts: list[UnitLayout], chunks: ChunkPool) -> tuple:
+def _write_optim(path: Path, layouts: list[UnitLayout], chunks: ChunkPool,
+                 save_id: str) -> tuple:
     """Each unit's moments in its state's format, int8 scales after their codes (see [Note:
     moments in their format in a checkpoint] in checkpoint/moment_files.py)."""
-    writer = TensorFileWriter(path, *optim_table(layouts, {"format": FORMAT}))
+    writer = TensorFileWriter(path, *optim_table(layouts, {"format": FORMAT, SAVE_ID: save_id}))
     try:
         for lay in layouts:
             if lay.state is None:
@@ -187,8 +192,9 @@ def _write_optim(path: Path, layouts: list[UnitLayout], chunks: ChunkPool) -> tu
 
 
 def _write_files(state: TrainingState, staging: Path, tag: str, layouts: list[UnitLayout], buffers,
-                 need: int) -> dict[str, dict[str, Any]]:
-    """This rank's tensor files in ``staging``; their sizes and sha256 for the manifest."""
+                 need: int, save_id: str) -> dict[str, dict[str, Any]]:
+    """This rank's tensor files in ``staging``, marked as the save's (see [Note: which save a
+    file belongs to] in checkpoint/directory.py); their sizes and sha256 for the manifest."""
     free = free_bytes(staging)
     if free < need:
         raise OSError(errno.ENOSPC, f"checkpoint {tag} needs {format_bytes(need)} in "
@@ -197,8 +203,9 @@ def _write_files(state: TrainingState, staging: Path, tag: str, layouts: list[Un
     chunks = ChunkPool(state.manager, state.lendable_pools)
     files = {}
     rank = state.rank
-    for name, write in ((model_file(rank), lambda p: _write_model(p, layouts, buffers, chunks)),
-                        (optim_file(rank), lambda p: _write_optim(p, layouts, chunks))):
+    for name, write in ((model_file(rank),
+                         lambda p: _write_model(p, layouts, buffers, chunks, save_id)),
+                        (optim_file(rank), lambda p: _write_optim(p, layouts, chunks, save_id))):
         nbytes, digest = write(staging / name)
         files[name] = {"bytes": nbytes, "sha256": digest}
     return files
@@ -226,16 +233,18 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
         ensure_save_dir(save_dir)
     with contextlib.ExitStack() as held:
         # rank 0 takes the lock and names the staging directory; the others write into it
-        staging = ranks.decided_by_first(lambda: _begin(save_dir, tag, held))
+        # rank 0 takes the lock, names the staging directory and draws the save's id; the
+        # others write into it
+        staging, save_id = ranks.decided_by_first(lambda: _begin(save_dir, tag, held))
         try:
             ranks.all_succeed(lambda: _check_visible(staging, training.rank),
                               "see rank 0's staging directory")
             files = ranks.all_succeed(
-                lambda: _write_files(training, staging, tag, layouts, buffers, need),
+                lambda: _write_files(training, staging, tag, layouts, buffers, need, save_id),
                 "write its checkpoint files", share=True)
             final = ranks.decided_by_first(lambda: _finish(
                 training, staging, save_dir, tag, files, layouts, state,
-                exclude_frozen_parameters))
+                exclude_frozen_parameters, save_id))
         except BaseException as exc:
             if training.rank == 0 and staging.exists():
                 remove_checkpoint_files(staging, ours_only=False)
@@ -254,11 +263,11 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
     return final
 
 
-def _begin(save_dir: Path, tag: str, held: contextlib.ExitStack) -> Path:
-    """Rank 0: take the save lock (one writer per directory, checkpoint/writer_lock.py) and
-    make the staging directory."""
+def _begin(save_dir: Path, tag: str, held: contextlib.ExitStack) -> tuple[Path, str]:
+    """Rank 0: take the save lock (one writer per directory, checkpoint/writer_lock.py), make
+    the staging directory, and draw the save's id."""
     held.enter_context(SaveLock.acquire(save_dir))
-    return prepare_staging(save_dir, tag)
+    return prepare_staging(save_dir, tag), secrets.token_hex(16)
 
 
 def _check_visible(staging: Path, rank: int) -> None:
@@ -277,11 +286,11 @@ def _any_state_format(layouts: list[UnitLayout]) -> bool:
 
 def _finish(training: TrainingState, staging: Path, save_dir: Path, tag: str,
             files: list[dict[str, dict[str, Any]]], layouts: list[UnitLayout],
-            state: dict[str, Any], exclude_frozen: bool) -> Path:
+            state: dict[str, Any], exclude_frozen: bool, save_id: str) -> Path:
     """Rank 0: the manifest naming every rank's files, then the atomic commit."""
     write_manifest(staging, {
         "format": FORMAT, "version": VERSION if _any_state_format(layouts) else
-        FP32_STATES_VERSION, "tag": tag, "world_size": training.world_size,
+        FP32_STATES_VERSION, "tag": tag, SAVE_ID: save_id, "world_size": training.world_size,
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "files": {name: info for rank_files in files for name, info in rank_files.items()},
         "params": _params_manifest(layouts),

@@ -38,6 +38,8 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
+from checkpoint_bytes import content_sha256
+
 RANK_FILES = ("rank0_model.safetensors", "rank0_optim.safetensors")
 
 
@@ -165,8 +167,14 @@ def install(traps: Traps) -> None:
 
 
 def sha256_files(directory: Path) -> dict[str, str]:
+    """The sha256 of each rank file, as its manifest has it."""
     return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest()
             for name in RANK_FILES}
+
+
+def content_files(directory: Path) -> dict[str, str]:
+    """The sha256 of each rank file but its save's id: equal for two saves of one state."""
+    return {name: content_sha256(directory / name) for name in RANK_FILES}
 
 
 def fast_optimizer_init() -> None:
@@ -252,7 +260,7 @@ def life(spec: dict, log: EventLog, traps: Traps) -> int:
     if tag is not None and spec.get("probe"):
         traps.begin("probe")
         probe = engine.save_checkpoint(spec["probe_dir"], tag="probe", save_latest=False)
-        log("probe", tag=tag, files=sha256_files(probe))
+        log("probe", tag=tag, files=content_files(probe))
         traps.begin("idle")
     saves = 0
     while saves < spec["saves"] and engine.global_steps < spec["cap"]:
@@ -265,7 +273,7 @@ def life(spec: dict, log: EventLog, traps: Traps) -> int:
             path = engine.save_checkpoint(save_dir, tag=tag, client_state={"life": spec["life"]})
             traps.begin("idle")
             manifest = json.loads((path / "manifest.json").read_text())
-            log("commit", tag=tag, files=sha256_files(path),
+            log("commit", tag=tag, files=content_files(path), raw=sha256_files(path),
                 manifest_files={k: v["sha256"] for k, v in manifest["files"].items()},
                 free=free_bytes(spec["save_dir"]))
             saves += 1
@@ -312,7 +320,8 @@ def reference(spec: dict, log: EventLog, traps: Traps) -> int:
         traps.begin("save")
         path = engine.save_checkpoint(save_dir, tag=tag)
         traps.begin("idle")
-        log("commit", tag=tag, files=sha256_files(path), seconds=time.monotonic() - started,
+        log("commit", tag=tag, files=content_files(path), raw=sha256_files(path),
+            seconds=time.monotonic() - started,
             free=free_bytes(spec["save_dir"]),
             bytes=sum(v["bytes"] for v in json.loads((path / "manifest.json").read_text())
                       ["files"].values()),

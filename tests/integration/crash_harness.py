@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from checkpoint_bytes import content_sha256
+
 CHILD = Path(__file__).with_name("crash_child.py")
 RANK_FILES = ("rank0_model.safetensors", "rank0_optim.safetensors")
 SWAP_PREFIX = "infinity-swap-"
@@ -489,7 +491,7 @@ class CrashRun:
         for e in evs:
             if e["ev"] in ("commit", "probe") and e["files"] != self.digests.get(e["tag"]):
                 fails.append(f"{e['ev']} of {e['tag']} differs from the uninterrupted run")
-            if e["ev"] == "commit" and e["manifest_files"] != e["files"]:
+            if e["ev"] == "commit" and e["manifest_files"] != e["raw"]:
                 fails.append(f"commit of {e['tag']}: files differ from their manifest's sha256")
         fails += self._check_directory(evs)
         # outside the engine's directories nothing changed; a load changes nothing at all
@@ -560,7 +562,7 @@ class CrashRun:
             if last is not None and latest == last["tag"]:
                 try:
                     now = {n: sha256(self.ws.save_dir / latest / n) for n in RANK_FILES}
-                    if now != last["files"]:
+                    if now != last["raw"]:      # that save's own files (its save id too)
                         fails.append(f"latest {latest} is not the checkpoint reported committed")
                 except OSError as exc:
                     fails.append(f"latest {latest}: {exc}")
@@ -575,7 +577,7 @@ class CrashRun:
             for name, entry in manifest["files"].items():
                 if sha256(d / name) != entry["sha256"]:
                     return [f"{what} {tag}: {name} does not match its manifest"]
-            if {n: sha256(d / n) for n in RANK_FILES} != self.digests.get(tag):
+            if {n: content_sha256(d / n) for n in RANK_FILES} != self.digests.get(tag):
                 return [f"{what} {tag} differs from the uninterrupted run"]
         except (OSError, ValueError, KeyError) as exc:
             return [f"{what} {tag} is lost or damaged: {exc}"]

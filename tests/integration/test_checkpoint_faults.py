@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -330,6 +331,30 @@ def test_a_manifest_that_does_not_match_its_files_is_refused_before_loading(engi
         engine.load_checkpoint(ckpt, verify_checksums=False)
     _assert_unchanged(engine, disk_dir, probe.name)
     assert (engine.global_steps, engine.optimizer.param_groups[0]["betas"]) == (steps, betas)
+
+
+@pytest.mark.parametrize("kind", ["model", "optim"])
+def test_a_file_copied_in_from_another_save_is_refused_without_checksums(engine, disk_dir,
+                                                                         kind):
+    """A rank file of the save one step earlier (the same size and tensors) put in place of
+    the later save's: the weights of one save with the moments of the other. With
+    ``verify_checksums=False`` only the save's id tells them apart (see [Note: which save a
+    file belongs to]); refused before anything is loaded."""
+    ckpt = disk_dir / "ckpt"
+    earlier = engine.save_checkpoint(ckpt, tag="earlier")
+    _train(engine, 1)
+    later = engine.save_checkpoint(ckpt, tag="later")
+    name = f"rank0_{kind}.safetensors"
+    assert (earlier / name).stat().st_size == (later / name).stat().st_size
+    shutil.copyfile(earlier / name, later / name)
+    _train(engine, 1)
+    probe = engine.save_checkpoint(disk_dir / "probe", tag="before", save_latest=False)
+    steps = engine.global_steps
+    with pytest.raises(CheckpointError, match=f"{name} belongs to save [0-9a-f]{{32}}, not to "
+                                              "this checkpoint's save"):
+        engine.load_checkpoint(ckpt, tag="later", verify_checksums=False)
+    _assert_unchanged(engine, disk_dir, probe.name)
+    assert engine.global_steps == steps
 
 
 def _two_group_engine(disk_dir, model, decay_first: bool, **ds_extra):

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 import infinity
 from infinity.checkpoint import CheckpointError, consolidated_state_dict
 from infinity.optim.adam_formats import quantization_map
+from checkpoint_bytes import content_bytes
 from parity import VOCAB, make_model, train_random, train_steps, zero_config
 
 FORMATS = {   # name: (optimizer_moments, optimizer_master)
@@ -89,7 +90,8 @@ def saved():
 
 
 def _file_bytes(directory: Path) -> dict[str, bytes]:
-    return {f: (directory / f).read_bytes()
+    """Each tensor file's bytes but its save's id (checkpoint_bytes.py)."""
+    return {f: content_bytes(directory / f)
             for f in ("rank0_model.safetensors", "rank0_optim.safetensors")}
 
 
@@ -143,8 +145,10 @@ def test_the_files_hold_the_format_and_are_smaller(saved) -> None:
             scales = optim[k + ".scales"]
             assert scales.dtype == torch.float32
             assert scales.numel() == (firsts[k + ".scales"] + optim[k].numel() + BLOCK - 1) // BLOCK
-    # the fp32 file has what it always had: float32 moments and only the format metadata
-    assert files["fp32"]["optim"][1] == {"format": "infinity-checkpoint"}
+    # the fp32 file has what it always had: float32 moments and the format metadata (with its
+    # save's id, which version 1 readers ignore)
+    assert files["fp32"]["optim"][1].keys() == {"format", "save_id"}
+    assert files["fp32"]["optim"][1]["format"] == "infinity-checkpoint"
     # and its manifest is the version every infinity reads; a format's is the one an older
     # infinity refuses as newer instead of reading int8 codes as values
     versions = {name: json.loads((runs[name][0] / "manifest.json").read_text())["version"]

@@ -822,6 +822,7 @@ def _split_into_two_ranks(directory: Path) -> None:
     for kind in ("model", "optim"):
         reader = TensorFileReader(directory / f"rank0_{kind}.safetensors")
         whole = {n: reader.read(n) for n in reader.tensors}
+        metadata = reader.metadata      # the save's id, which a load checks
         reader.close()
         ranks: list[dict] = [{}, {}]
         for name, t in whole.items():
@@ -835,7 +836,7 @@ def _split_into_two_ranks(directory: Path) -> None:
             path = directory / f"rank{r}_{kind}.safetensors"
             path.unlink(missing_ok=True)
             writer = TensorFileWriter(path, [(n, t.dtype, tuple(t.shape))
-                                             for n, t in tensors.items()])
+                                             for n, t in tensors.items()], metadata)
             for n, t in tensors.items():
                 writer.append(n, t.reshape(-1))
             writer.close()
@@ -870,7 +871,7 @@ def test_rank_one_saves_its_shard_from_its_own_places(tmp_path: Path, rigs) -> N
     class _Rank0Said(_Comm):
         def __init__(self) -> None:
             super().__init__(1)
-            self.said = [(staging, None), (None, None), (None, None),
+            self.said = [((staging, "id"), None), (None, None), (None, None),
                          (tmp_path / "step7", None), (None, None)]
 
         def all_gather_objects(self, value):

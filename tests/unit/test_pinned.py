@@ -149,3 +149,40 @@ def test_close_closes_every_descriptor(tmp_path: Path) -> None:
     assert set(os.listdir("/proc/self/fd")) == before
     with pytest.raises(CheckpointError, match="has no manifest.json"):
         PinnedSave(tmp_path)
+
+
+def test_a_file_of_another_save_is_refused_with_or_without_checksums(tmp_path: Path) -> None:
+    """[Note: which save a file belongs to]: the same tensors, the same size, another save's
+    id (or none) in its header: refused naming both ids, checksums verified or not; a manifest
+    without an id (an older save) is not checked."""
+    def save(directory: Path, value: float, save_id: str | None) -> dict:
+        directory.mkdir()
+        # without an id, another key of the same length: the file keeps the same size
+        meta = {d.SAVE_ID: save_id} if save_id else {"no_save": "c" * 32}
+        writer = TensorFileWriter(directory / NAME, [("w", torch.float32, (4,))],
+                                  {"format": d.FORMAT, **meta})
+        writer.append("w", torch.full((4,), value))
+        nbytes, digest = writer.close()
+        manifest = {"format": d.FORMAT, "version": d.VERSION,
+                    "files": {NAME: {"bytes": nbytes, "sha256": digest}}}
+        if save_id:
+            manifest[d.SAVE_ID] = save_id
+        (directory / d.MANIFEST).write_text(json.dumps(manifest))
+        return manifest
+
+    ours, theirs = "a" * 32, "b" * 32
+    save(tmp_path / "one", 1.0, ours)
+    save(tmp_path / "two", 2.0, theirs)
+    with PinnedSave(tmp_path / "one") as pin:
+        pin.verify([NAME], checksums=True)
+    os.replace(tmp_path / "two" / NAME, tmp_path / "one" / NAME)
+    for checksums in (False, True):
+        with PinnedSave(tmp_path / "one") as pin, pytest.raises(CheckpointError) as info:
+            pin.verify([NAME], checksums)
+        assert f"belongs to save {theirs}, not to this checkpoint's save {ours}" in str(info.value)
+    save(tmp_path / "old", 3.0, None)        # an older save: no id anywhere, loads as before
+    with PinnedSave(tmp_path / "old") as pin:
+        pin.verify([NAME], checksums=False)
+    os.replace(tmp_path / "old" / NAME, tmp_path / "one" / NAME)
+    with PinnedSave(tmp_path / "one") as pin, pytest.raises(CheckpointError, match="no save id"):
+        pin.verify([NAME], checksums=False)

@@ -356,14 +356,19 @@ def test_a_rank_that_cannot_see_the_staging_directory(tmp_path: Path) -> None:
 
 # -- metadata, free space, other ranks' failures, the key check and the log line -----------------
 
-def test_the_files_carry_the_format_in_their_metadata(tmp_path: Path, manager) -> None:
-    final = save_checkpoint(_state(manager), tmp_path)
-    for name in ("rank0_model.safetensors", "rank0_optim.safetensors"):
-        reader = TensorFileReader(final / name)
-        try:
-            assert dict(reader.metadata) == {"format": FORMAT}
-        finally:
-            reader.close()
+def test_the_files_carry_the_format_and_the_save_id_in_their_metadata(tmp_path: Path,
+                                                                     manager) -> None:
+    """The save id: random, one per save, the manifest's (see [Note: which save a file
+    belongs to])."""
+    ids = []
+    for tag in ("one", "two"):
+        final = save_checkpoint(_state(manager), tmp_path, tag=tag)
+        save_id = json.loads((final / "manifest.json").read_text())["save_id"]
+        for name in ("rank0_model.safetensors", "rank0_optim.safetensors"):
+            with TensorFileReader(final / name) as reader:
+                assert dict(reader.metadata) == {"format": FORMAT, "save_id": save_id}
+        ids.append(save_id)
+    assert ids[0] != ids[1] and all(len(i) == 32 for i in ids)
 
 
 def test_a_fresh_engine_saves_zero_steps(tmp_path: Path, manager) -> None:
@@ -509,7 +514,7 @@ def test_rank_one_checks_the_staging_directory_and_never_removes_it(tmp_path: Pa
                                                                    monkeypatch) -> None:
     """Rank 1 that cannot see rank 0's staging directory says so naming itself; rank 1 whose
     write fails leaves the staging directory (rank 0's to remove) as it is."""
-    comm = _rank(1, [(tmp_path / "gone", None), (None, None)], tmp_path)
+    comm = _rank(1, [((tmp_path / "gone", "id"), None), (None, None)], tmp_path)
     with pytest.raises(OSError) as info:
         save_checkpoint(_state(manager, comm=comm), tmp_path, tag="t")
     assert info.value.strerror.startswith(f"rank 1 cannot see {tmp_path / 'gone'}, the staging")
@@ -521,7 +526,7 @@ def test_rank_one_checks_the_staging_directory_and_never_removes_it(tmp_path: Pa
         raise OSError(errno.EIO, "I/O error")
 
     monkeypatch.setattr(save, "_write_optim", full)
-    comm = _rank(1, [(staging, None), (None, None), (None, None)], tmp_path)
+    comm = _rank(1, [((staging, "id"), None), (None, None), (None, None)], tmp_path)
     with pytest.raises(OSError, match="I/O error"):
         save_checkpoint(_state(manager, comm=comm), tmp_path, tag="t")
     assert (staging / "rank0_model.safetensors").read_bytes() == b"rank 0's"
