@@ -25,7 +25,10 @@ from typing import Any, Callable
 
 import torch
 
+from infinity.base.log import get_logger
 from infinity.config import SchedulerConfig
+
+log = get_logger("optim")
 
 Betas = tuple[float, float]
 
@@ -249,8 +252,13 @@ class _OneCycle:
 
 
 def build_scheduler(config, optimizer: torch.optim.Optimizer, user: Any):
-    """The scheduler: the user's (an instance or a factory taking the optimizer) or the config's."""
+    """The scheduler: the user's (an instance or a factory taking the optimizer) or the config's.
+    Given both, the user's is used, as DeepSpeed does, and the config's is named as unused."""
     if user is not None:
+        if config.scheduler is not None:
+            log.warning("the ds_config's scheduler (%s) is not used: initialize was given "
+                        "lr_scheduler, which is (as DeepSpeed does); remove one of them",
+                        config.scheduler.type)
         return user(optimizer) if _is_factory(user) else user
     if config.scheduler is None:
         return None

@@ -410,10 +410,22 @@ def test_a_factory_is_called_with_the_engines_optimizer() -> None:
     assert sched.optimizer is opt
 
 
-def test_a_scheduler_instance_is_used_as_it_is() -> None:
+def test_a_scheduler_instance_is_used_as_it_is(infinity_log) -> None:
     opt = _opt(1.0)
     instance = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     assert build_scheduler(InfinityConfig.from_dict({}), opt, instance) is instance
+    assert "scheduler" not in infinity_log.text
+
+
+def test_a_users_scheduler_beside_the_configs_is_used_and_the_configs_named(infinity_log) -> None:
+    """As DeepSpeed: the scheduler passed to initialize wins; the config's is not silently
+    dropped (a user who set warmup there would train without it)."""
+    opt = _opt(1.0)
+    instance = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    cfg = InfinityConfig.from_dict({"scheduler": {"type": "WarmupLR",
+                                                  "params": {"warmup_num_steps": 10}}})
+    assert build_scheduler(cfg, opt, instance) is instance
+    assert "the ds_config's scheduler (WarmupLR) is not used" in infinity_log.text
 
 
 def test_check_user_scheduler_refuses_an_instance_bound_to_another_optimizer() -> None:
