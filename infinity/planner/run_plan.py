@@ -409,22 +409,26 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     world = cfg.world_size
     shards = world if placement.stage >= 1 else 1
     spans = []           # (trainable elements, the range this rank steps) per unit
+    largest_range = 0    # rank 0's largest range: a figure every rank plans alike
     for unit in units:
         numel, trainable = unit.layout(itemsize)
-        span = trainable
+        span = first = trainable
         if shards > 1:
             shard = shard_numel(numel, shards)
             span = min(rank * shard + shard, trainable) - min(rank * shard, trainable)
+            first = min(shard, trainable)
         spans.append((sum(n for n, t in unit.params if t), span))
+        largest_range = max(largest_range, first)
     ranks_active = world > 1
     keeps = cpu if keeps_gradients is None else keeps_gradients
     holds = (placement.early_step or (speculative and not ranks_active)) and keeps \
         and not ranks_active
     # [Note: room for the optimizer] in planner/optimizer_room.py: one rule, read by the
-    # engine and infinity plan alike
+    # engine and infinity plan alike, and by every rank alike (from rank 0's ranges: the last
+    # rank's short shards made it alone keep buffers the others gave up, and run out of room)
     room, derived, sizes = make_room(
         cfg, (derived, sizes_for(speculative)), lambda c, off: sized(c, speculative, off),
-        largest_range=max((span for _, span in spans), default=0),
+        largest_range=largest_range,
         largest_unit=stats.largest_unit_params,
         direct_fetch=direct, params_fetched=placement.stage == 3
         and placement.param_tier is Tier.NVME, holds_grads=holds)

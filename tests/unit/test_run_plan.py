@@ -462,3 +462,46 @@ def test_a_direct_fetch_prefetch_fits_the_device_budget_in_the_bytes_a_fetch_res
             + 2 * plan.derived.unit_device_bytes
         assert held <= plan.sizes.device_budget, (budget, prefetch, held)
         assert prefetch >= unit      # a unit ahead at least: the budget holds 3.5 of them
+
+
+class _Uneven(nn.Module):
+    """An embedding (64 x 300), a 300 -> 63 layer and a head: at 4 ranks the last rank's
+    shards of the small units are short or empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 300)
+        self.layer = nn.Linear(300, 63)
+        self.head = nn.Linear(63, 64)
+
+
+@pytest.mark.parametrize("budget", ["1320KiB", "1560KiB", "2220KiB"])
+@pytest.mark.parametrize("world", [3, 4])
+def test_every_rank_plans_the_same_run(world: int, budget: str) -> None:
+    """Each rank plans from its own shard ranges and must take every decision alike: sizes,
+    buffers, the gradient home, the step schedule. The room rule took the largest range of its
+    own rank (the last rank's short shards): at 4 ranks and 1320 KiB that rank alone kept 4
+    parameter buffers (the others 1) and ran out of host memory at initialize, and the others
+    died waiting at their first collective."""
+    torch.manual_seed(0)
+    net = _Uneven()
+    specs = partition(net)
+    groups = [{"params": list(net.parameters())}]
+    units = unit_params(specs, groups)
+    cfg = InfinityConfig.from_dict({
+        "zero_optimization": {"stage": 3,
+                              "offload_param": {"device": "nvme", "nvme_path": "/swap"},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": "/swap"}},
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "infinity": {"compute_dtype": "fp32", "host_memory_budget": budget}},
+        world_size=world)
+
+    def decided(rank: int) -> tuple:
+        plan = plan_run(cfg, CPU_BOX, stats=stats_of_units(units), units=units,
+                        device_is_cpu=True, direct_reads=True, keeps_gradients=True, rank=rank)
+        return (plan.optimizer.sub_group_numel, plan.sizes.sub_group_numel,
+                plan.derived.param_buffer_count, plan.grad_tier, plan.boundary_steps,
+                plan.sizes.persistence_threshold, plan.sizes.fetch_slots, plan.room)
+
+    plans = [decided(rank) for rank in range(world)]
+    assert all(p == plans[0] for p in plans), plans
