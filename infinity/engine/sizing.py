@@ -8,7 +8,6 @@ hardware, free disk space.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from infinity.comm.collectives import Collectives
 from infinity.config import InfinityConfig
 from infinity.optim.gradients import gradients_held
 from infinity.planner.engine_sizes import EngineSizes
-from infinity.planner.inputs import ModelStats, detect_hardware
+from infinity.planner.inputs import ModelStats, agreed_hardware, detect_hardware
 from infinity.planner.plan import budget_need, host_budget_shortfall
 from infinity.planner.run_plan import (
     RunPlan,
@@ -90,14 +89,19 @@ def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
     clearly too small is refused here, before anything is allocated."""
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     hw = detect_hardware(nvme_path)
-    if comm is not None and comm.active and cfg.infinity.compute_dtype == "auto":
-        # ranks must agree on one dtype (the flat shards and collectives are in it), and each
-        # probed its own CPU: a collective on every rank, as the config is the same everywhere
-        everyone = comm.all_gather_objects(hw.cpu_bf16)
-        without = [rank for rank, native in enumerate(everyone) if not native]
-        if hw.cpu_bf16 and without:
-            hw = dataclasses.replace(hw, cpu_bf16=False, cpu_bf16_reason=(
-                f"rank(s) {', '.join(map(str, without))} have no native bf16"))
+    if comm is not None and comm.active:
+        # every rank plans the same run, for the most constrained machine ([Note: one machine
+        # for every rank's plan] in planner/inputs.py): one dtype (the flat shards and
+        # collectives are in it), one persistence threshold (the order of collectives)
+        own = hw
+        hw = agreed_hardware(comm.all_gather_objects(hw), comm.rank)
+        if own.host_available_bytes > 1.1 * hw.host_available_bytes or \
+                (own.gpu_free_bytes or 0) > 1.1 * (hw.gpu_free_bytes or 0):
+            log.info("planned for the most constrained rank: %s of host memory available "
+                     "(this rank has %s)%s", format_bytes(hw.host_available_bytes),
+                     format_bytes(own.host_available_bytes),
+                     f", {format_bytes(hw.gpu_free_bytes)} free on the GPU (this rank has "
+                     f"{format_bytes(own.gpu_free_bytes)})" if hw.gpu_free_bytes else "")
     # the counts of the units as the plan takes them (a parameter in no param group has no
     # optimizer state: it is not trainable here, whatever its requires_grad)
     units = unit_params(specs, groups)

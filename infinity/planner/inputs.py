@@ -8,7 +8,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from infinity.base.cpu_bf16 import detect_cpu_bf16
 from infinity.planner.shape import ModelShape
@@ -234,6 +234,38 @@ class Hardware:
     def has_gpu(self) -> bool:
         """True when a CUDA device computes; else the device is an emulated pool in host RAM."""
         return self.gpu_total_bytes is not None
+
+
+def agreed_hardware(everyone: Sequence[Hardware], rank: int) -> Hardware:
+    """[Note: one machine for every rank's plan]
+    Each rank detects its own machine, and the plan's decisions follow it: without a host
+    budget the device pool, the persistence threshold (which units are gathered ahead, so the
+    order of collectives), the gradient home and the step schedule come from MemAvailable or
+    the GPU's free memory. Ranks on machines with different free memory (another job on one
+    node) would plan different runs and wait on each other's collectives, so every rank plans
+    for the most constrained machine: the least of each size over ranks (the most ranks per
+    node), bf16 "auto" only where every rank's CPU has it. ``everyone``: each rank's own
+    detection, by rank; the result keeps this rank's GPU name and swap path."""
+    own = everyone[rank]
+
+    def least(values: list[int | None]) -> int | None:
+        known = [v for v in values if v is not None]
+        return min(known) if known else None
+
+    without = [r for r, hw in enumerate(everyone) if not hw.cpu_bf16]
+    reason = own.cpu_bf16_reason
+    if own.cpu_bf16 and without:
+        reason = f"rank(s) {', '.join(map(str, without))} have no native bf16"
+    return dataclasses.replace(
+        own, cpu_cores=min(hw.cpu_cores for hw in everyone),
+        host_total_bytes=min(hw.host_total_bytes for hw in everyone),
+        host_available_bytes=min(hw.host_available_bytes for hw in everyone),
+        gpu_total_bytes=least([hw.gpu_total_bytes for hw in everyone])
+        if own.has_gpu else None,
+        gpu_free_bytes=least([hw.gpu_free_bytes for hw in everyone]) if own.has_gpu else None,
+        disk_free_bytes=least([hw.disk_free_bytes for hw in everyone]),
+        ranks_per_node=max(hw.ranks_per_node for hw in everyone),
+        cpu_bf16=not without, cpu_bf16_reason=reason)
 
 
 def nearest_existing(path: str | os.PathLike[str]) -> Path:

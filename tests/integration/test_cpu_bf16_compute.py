@@ -104,7 +104,9 @@ class _Ranks:
         self.other = other
 
     def all_gather_objects(self, value):
-        return [value, self.other]
+        import dataclasses
+
+        return [value, dataclasses.replace(value, cpu_bf16=self.other)]
 
 
 @pytest.mark.parametrize("other, dtype", [(True, "bf16"), (False, "fp32")])

@@ -569,3 +569,28 @@ def test_the_schedule_steps_early_where_no_step_needs_every_gradient_first(extra
     from infinity.planner.placement import place
     lay = place(config(3, "cpu", "cpu", **extra), SMALL, GPU_BOX)
     assert (lay.early_step, lay.boundary_steps) == (early, boundary)
+
+
+def test_every_rank_plans_for_the_most_constrained_machine() -> None:
+    """[Note: one machine for every rank's plan]: the least of each size, the most ranks per
+    node, bf16 only where every CPU has it (the reason naming the ranks without); each rank
+    keeps its own swap path and GPU name, and a CPU-only rank stays CPU-only."""
+    import dataclasses
+
+    from infinity.planner.inputs import agreed_hardware
+
+    roomy = dataclasses.replace(GPU_BOX, host_available_bytes=900 * GiB, gpu_free_bytes=70 * GiB,
+                                disk_free_bytes=None, cpu_bf16=True, nvme_path="/a")
+    busy = dataclasses.replace(GPU_BOX, host_available_bytes=300 * GiB, gpu_free_bytes=50 * GiB,
+                               disk_free_bytes=2 * GiB, cpu_bf16=False, ranks_per_node=8,
+                               nvme_path="/b")
+    for rank, own in enumerate((roomy, busy)):
+        got = agreed_hardware([roomy, busy], rank)
+        assert (got.host_available_bytes, got.gpu_free_bytes, got.disk_free_bytes) == \
+            (300 * GiB, 50 * GiB, 2 * GiB)
+        assert got.ranks_per_node == 8 and not got.cpu_bf16 and got.nvme_path == own.nvme_path
+    assert agreed_hardware([roomy, busy], 0).cpu_bf16_reason == "rank(s) 1 have no native bf16"
+    cpu = dataclasses.replace(CPU_BOX, cpu_bf16=True)
+    both = agreed_hardware([cpu, dataclasses.replace(cpu, host_available_bytes=GiB)], 0)
+    assert both.cpu_bf16 and both.host_available_bytes == GiB and not both.has_gpu
+    assert agreed_hardware([cpu, cpu], 1) == cpu
