@@ -54,6 +54,7 @@ import torch
 import transformers
 from accelerate.optimizer import AcceleratedOptimizer
 
+from infinity.base.interrupts import deferred_interrupts
 from infinity.base.log import get_logger
 from infinity.engine.model_methods import is_peft_model
 from infinity.integrations.hf_config import fill_from_training_args, read_ds_config
@@ -370,12 +371,16 @@ class Trainer(transformers.Trainer):
         boundary = self.accelerator.sync_gradients
         engine.set_gradient_accumulation_boundary(boundary)
         lrs = engine.get_lr() if boundary else None
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        engine.record_loss(loss)       # its backward was loss.backward(): the monitors' loss
-        engine.step()
-        engine.set_gradient_accumulation_boundary(None)
-        if lrs is not None:
-            self.lr_scheduler.step_lrs = lrs
+        # the Trainer's backward is a plain loss.backward(), which may step units (the early
+        # step; the cycle's last backward): a Ctrl-C waits for the micro-batch's step, as in
+        # engine.backward() and engine.step() (see infinity/base/interrupts.py)
+        with deferred_interrupts("the micro-batch's backward and step"):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            engine.record_loss(loss)   # its backward was loss.backward(): the monitors' loss
+            engine.step()
+            engine.set_gradient_accumulation_boundary(None)
+            if lrs is not None:
+                self.lr_scheduler.step_lrs = lrs
         return loss
 
     def _clip_grad_norm(self, model: Any) -> float | None:

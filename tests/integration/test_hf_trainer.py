@@ -252,3 +252,43 @@ def test_a_checkpoint_of_weights_alone_is_refused_for_a_resume_saying_why(disk_d
         trainer._load_from_checkpoint(str(weights))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         trainer._load_from_checkpoint(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("early_step", ["on", "off"])
+def test_a_ctrl_c_in_the_trainers_backward_stops_after_its_step(disk_dir, tmp_path,
+                                                                early_step: str) -> None:
+    """Ctrl-C (a real SIGINT) inside the backward the Trainer runs itself (``loss.backward()``,
+    not ``engine.backward``), in a micro-batch whose backward steps units (each under the
+    early step; the cycle's last under the deferred one): the micro-batch's backward and step
+    finish, then KeyboardInterrupt stops the Trainer, and the engine is at rest after whole
+    steps (a checkpoint saves it). Before, the interrupt stopped the backward halfway, some
+    units stepped and some not."""
+    import os
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler here")
+    warnings.filterwarnings("ignore")
+    model = make_model("llama", layers=2, width=32)
+    backwards = {"count": 0}
+
+    def ctrl_c(module, grad_output):
+        backwards["count"] += 1
+        if backwards["count"] == 4:         # the 4th micro-batch: the 2nd step's last
+            os.kill(os.getpid(), signal.SIGINT)
+    model.model.layers[1].register_full_backward_pre_hook(ctrl_c)
+    ds = hf_ds(disk_dir, infinity={"early_step": early_step})
+    if early_step == "on":
+        ds["gradient_clipping"] = 0.0
+    trainer = hf.Trainer(model=model, train_dataset=hf_data(),
+                         args=hf.TrainingArguments(tmp_path / "run", deepspeed=ds,
+                                                   **hf_args(eval_strategy="no",
+                                                             max_grad_norm=0.0)))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        engine = trainer.engine
+        assert backwards["count"] == 4 and engine.global_steps == 2
+        engine.save_checkpoint(tmp_path / "ckpt")       # at rest: whole steps
+    finally:
+        trainer.close()
