@@ -5,8 +5,8 @@
 A trainable parameter's moments are ``<name>.exp_avg`` and ``<name>.exp_avg_sq`` in the
 rank's optim file (a slice ``<name>.exp_avg#<first>`` with several ranks: see [Note:
 checkpoints by parameter and slice] in checkpoint/layout.py), in the dtype of the unit's
-state (planner/state_format.py): F32 for fp32 moments (these files are byte for byte what
-they were before the formats), BF16 for bf16 moments, U8 for int8 ones: the codes into the
+state (planner/state_format.py): F32 for fp32 moments (these files hold the tensors they
+held before the formats, which a version 1 reader reads), BF16 for bf16 moments, U8 for int8 ones: the codes into the
 signed map (exp_avg) or the unsigned one (exp_avg_sq) of ``adam_formats.quantization_map``.
 
 An int8 part (a parameter, or the slice of it a rank saves) comes with ``<file tensor>.scales``

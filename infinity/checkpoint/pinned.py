@@ -157,12 +157,11 @@ class PinnedSave:
             with self.reader(name) as reader:
                 found = reader.metadata.get(SAVE_ID)
             if found != expected:
-                said = f"save {found}" if found else \
-                    "no save id (an older save, or not one of infinity's)"
+                said = f"carries save {found}'s id" if found else "carries no save id"
                 raise CheckpointError(
-                    f"checkpoint file {self.directory / name} belongs to {said}, not to this "
-                    f"checkpoint's save {expected} (its manifest.json): it was copied in from "
-                    "another checkpoint, and loading it would mix two saves. Put back this "
+                    f"checkpoint file {self.directory / name} {said}, not this checkpoint's "
+                    f"({expected}, in its manifest.json): it was copied in from another save "
+                    "(loading it would mix two saves), or its header is damaged. Put back this "
                     "save's own file, or load another tag")
 
     def reader(self, name: str) -> TensorFileReader:

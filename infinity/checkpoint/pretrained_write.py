@@ -110,8 +110,9 @@ def save_pretrained(state: TrainingState, directory: str | Path, *,
     """The engine's current weights (every unit, after the last step lands) and persistent
     buffers into ``directory`` in ``dtype``: floating-point buffers too, as ``model.to(dtype)``
     and then transformers' ``save_pretrained`` would write them, and as ``infinity export
-    --dtype`` writes them (None: parameters in the compute dtype, buffers as the model holds
-    them, as ``state_dict`` has them), with ``texts``
+    --dtype`` writes them (``engine.save_pretrained`` always passes one: by default the compute
+    dtype, so a bf16 engine's buffers are saved in bf16; None, for callers of this function:
+    parameters in the compute dtype, buffers as the model holds them), with ``texts``
     (config.json ...) and the files ``carry_from`` has; a tied parameter under a name not in
     ``tie_targets`` (``saved_names``); each name as ``hub_name`` gives it (transformers'
     renamings reversed: GPT-NeoX's ``lm_head`` saved as ``embed_out``), or as the tensors

@@ -232,7 +232,6 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
     if training.rank == 0:
         ensure_save_dir(save_dir)
     with contextlib.ExitStack() as held:
-        # rank 0 takes the lock and names the staging directory; the others write into it
         # rank 0 takes the lock, names the staging directory and draws the save's id; the
         # others write into it
         staging, save_id = ranks.decided_by_first(lambda: _begin(save_dir, tag, held))

@@ -21,7 +21,8 @@ class DeepSpeedEngineAccessors:
         return self.config.train_micro_batch_size_per_gpu
 
     def get_batch_info(self) -> tuple[int, int, int]:
-        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps), the
+        numbers DeepSpeed's docstring promises (its code returns the bound methods)."""
         return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
                 self.gradient_accumulation_steps())
 

@@ -83,10 +83,12 @@ def gradient_home_dtype(sizes: EngineSizes, compute_dtype: torch.dtype) -> torch
 def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
                 device: torch.device, comm: Collectives | None = None) -> RunPlan:
     """The run plan (``infinity.planner.run_plan``) for these units on this machine and
-    ``device``: the one place the engine's decisions and sizes come from. The compute dtype
-    and why it was chosen are logged and recorded for ``native_info()``; with several ranks,
-    "auto" picks bf16 on CPUs only where every rank's CPU has it natively. A host budget
-    clearly too small is refused here, before anything is allocated."""
+    ``device``: the one place the engine's decisions and sizes come from. With several ranks,
+    for the most constrained rank's machine, the same on every rank ([Note: one machine for
+    every rank's plan] in planner/inputs.py; "auto" picks bf16 on CPUs only where every
+    rank's CPU has it natively). The compute dtype and why it was chosen are logged and
+    recorded for ``native_info()``. A host budget clearly too small is refused here, before
+    anything is allocated."""
     nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
     hw = detect_hardware(nvme_path)
     if comm is not None and comm.active:
@@ -95,11 +97,13 @@ def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
         # collectives are in it), one persistence threshold (the order of collectives)
         own = hw
         hw = agreed_hardware(comm.all_gather_objects(hw), comm.rank)
-        if own.host_available_bytes > 1.1 * hw.host_available_bytes or \
+        share = own.host_available_bytes / max(1, own.ranks_per_node)
+        if share > 1.1 * hw.host_available_bytes / max(1, hw.ranks_per_node) or \
                 (own.gpu_free_bytes or 0) > 1.1 * (hw.gpu_free_bytes or 0):
-            log.info("planned for the most constrained rank: %s of host memory available "
-                     "(this rank has %s)%s", format_bytes(hw.host_available_bytes),
-                     format_bytes(own.host_available_bytes),
+            log.info("planned for the most constrained rank: %s of host memory available to "
+                     "%d rank(s) (this rank's node: %s to %d)%s",
+                     format_bytes(hw.host_available_bytes), hw.ranks_per_node,
+                     format_bytes(own.host_available_bytes), own.ranks_per_node,
                      f", {format_bytes(hw.gpu_free_bytes)} free on the GPU (this rank has "
                      f"{format_bytes(own.gpu_free_bytes)})" if hw.gpu_free_bytes else "")
     # the counts of the units as the plan takes them (a parameter in no param group has no

@@ -253,11 +253,13 @@ class _OneCycle:
 
 def build_scheduler(config, optimizer: torch.optim.Optimizer, user: Any):
     """The scheduler: the user's (an instance or a factory taking the optimizer) or the config's.
-    Given both, the user's is used, as DeepSpeed does, and the config's is named as unused."""
+    Given both, the user's is used, as current DeepSpeed does (older releases took the
+    config's), and the config's is named as unused."""
     if user is not None:
         if config.scheduler is not None:
             log.warning("the ds_config's scheduler (%s) is not used: initialize was given "
-                        "lr_scheduler, which is (as DeepSpeed does); remove one of them",
+                        "lr_scheduler, which is used instead (as current DeepSpeed does); "
+                        "remove one of them",
                         config.scheduler.type)
         return user(optimizer) if _is_factory(user) else user
     if config.scheduler is None:

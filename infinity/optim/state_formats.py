@@ -85,7 +85,8 @@ def build_state(manager: TierManager, unit: SteppedUnit, span: tuple[int, int],
     # this rank's range of them (ranks would otherwise store one unit in two formats)
     fmt = unit_format({asked[e.group_index] for e in unit.trainable_entries()},
                       unit.trainable_numel)
-    # the first rank's range, the largest (the same figure on every rank)
+    # the first rank's range, the largest (the same figure on every rank; the plan sizes the
+    # sub-group from it: planner/alignment.py first_rank_range)
     largest = min(unit.shard_numel, unit.trainable_numel) if sharded else unit.trainable_numel
     check_unit_format(unit, fmt, sub_group_numel, optimizer_tier, span_numel=largest)
     # the stores the plan counts (planner/state_format.py: one rule for both): m and v in the

@@ -79,3 +79,11 @@ def shard_numel(numel: int, world_size: int) -> int:
         return numel
     per_rank = -(-numel // world_size)
     return -(-per_rank // SHARD_ALIGN_NUMEL) * SHARD_ALIGN_NUMEL
+
+
+def first_rank_range(numel: int, trainable: int, world_size: int) -> int:
+    """The trainable elements rank 0 steps of a unit (flat ``numel``, its first ``trainable``
+    trainable) with its states sharded over ``world_size`` ranks: the largest range any rank
+    steps of it, a figure every rank computes alike (a rank's own range is not: the last
+    rank's shards are short). What sizes that must be one on every rank are sized from."""
+    return min(shard_numel(numel, world_size), trainable)

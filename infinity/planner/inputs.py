@@ -243,10 +243,13 @@ def agreed_hardware(everyone: Sequence[Hardware], rank: int) -> Hardware:
     order of collectives), the gradient home and the step schedule come from MemAvailable or
     the GPU's free memory. Ranks on machines with different free memory (another job on one
     node) would plan different runs and wait on each other's collectives, so every rank plans
-    for the most constrained machine: the least of each size over ranks (the most ranks per
-    node), bf16 "auto" only where every rank's CPU has it. ``everyone``: each rank's own
-    detection, by rank; the result keeps this rank's GPU name and swap path."""
+    for the most constrained machine: the host memory of the rank with the least of it per
+    rank of its node (its MemAvailable and its ranks per node, a pair: the planner divides the
+    one by the other), the least of each other size over ranks, bf16 "auto" only where every
+    rank's CPU has it. ``everyone``: each rank's own detection, by rank; the result keeps this
+    rank's GPU name and swap path."""
     own = everyone[rank]
+    tightest = min(everyone, key=lambda hw: hw.host_available_bytes / max(1, hw.ranks_per_node))
 
     def least(values: list[int | None]) -> int | None:
         known = [v for v in values if v is not None]
@@ -258,13 +261,13 @@ def agreed_hardware(everyone: Sequence[Hardware], rank: int) -> Hardware:
         reason = f"rank(s) {', '.join(map(str, without))} have no native bf16"
     return dataclasses.replace(
         own, cpu_cores=min(hw.cpu_cores for hw in everyone),
-        host_total_bytes=min(hw.host_total_bytes for hw in everyone),
-        host_available_bytes=min(hw.host_available_bytes for hw in everyone),
+        host_total_bytes=tightest.host_total_bytes,
+        host_available_bytes=tightest.host_available_bytes,
+        ranks_per_node=tightest.ranks_per_node,
         gpu_total_bytes=least([hw.gpu_total_bytes for hw in everyone])
         if own.has_gpu else None,
         gpu_free_bytes=least([hw.gpu_free_bytes for hw in everyone]) if own.has_gpu else None,
         disk_free_bytes=least([hw.disk_free_bytes for hw in everyone]),
-        ranks_per_node=max(hw.ranks_per_node for hw in everyone),
         cpu_bf16=not without, cpu_bf16_reason=reason)
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from infinity.config import InfinityConfig
-from infinity.planner.alignment import flat_layout, shard_numel, unit_layout_bound
+from infinity.planner.alignment import (first_rank_range, flat_layout, shard_numel,
+                                         unit_layout_bound)
 from infinity.planner.engine_sizes import (
     ACTIVATION_STAGING_BYTES,
     GRADS_HELD,
@@ -312,11 +313,10 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
             lo = min(rank * shard, t)
             ranges.append(min(rank * shard + shard, t) - lo)
             collect.append(ranges[-1] if reduces_on_device else world_size * shard)
-            first_ranges.append(min(shard, t))
         else:
             ranges.append(t)
             collect.append(t)
-            first_ranges.append(t)
+        first_ranges.append(first_rank_range(numel, t, world_size if sharded else 1))
     # one sub-group on every rank: a unit's state format is checked against it on each (int8
     # needs a whole chunk where the range has one), and a rank whose last shards are short
     # (3 ranks, a small unit) must answer as the others do, or it alone refuses and the rest
@@ -412,13 +412,12 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
     largest_range = 0    # rank 0's largest range: a figure every rank plans alike
     for unit in units:
         numel, trainable = unit.layout(itemsize)
-        span = first = trainable
+        span = trainable
         if shards > 1:
             shard = shard_numel(numel, shards)
             span = min(rank * shard + shard, trainable) - min(rank * shard, trainable)
-            first = min(shard, trainable)
         spans.append((sum(n for n, t in unit.params if t), span))
-        largest_range = max(largest_range, first)
+        largest_range = max(largest_range, first_rank_range(numel, trainable, shards))
     ranks_active = world > 1
     keeps = cpu if keeps_gradients is None else keeps_gradients
     holds = (placement.early_step or (speculative and not ranks_active)) and keeps \

@@ -350,8 +350,8 @@ def test_a_file_copied_in_from_another_save_is_refused_without_checksums(engine,
     _train(engine, 1)
     probe = engine.save_checkpoint(disk_dir / "probe", tag="before", save_latest=False)
     steps = engine.global_steps
-    with pytest.raises(CheckpointError, match=f"{name} belongs to save [0-9a-f]{{32}}, not to "
-                                              "this checkpoint's save"):
+    with pytest.raises(CheckpointError, match=f"{name} carries save [0-9a-f]{{32}}'s id, not "
+                                              "this checkpoint's"):
         engine.load_checkpoint(ckpt, tag="later", verify_checksums=False)
     _assert_unchanged(engine, disk_dir, probe.name)
     assert engine.global_steps == steps

@@ -158,6 +158,7 @@ def test_the_deepspeed_engine_accessors(disk_dir) -> None:
         assert engine.gradient_accumulation_steps() == 2
         assert engine.train_batch_size() == 8 and engine.train_micro_batch_size_per_gpu() == 4
         assert engine.get_batch_info() == (8, 4, 2) and engine.steps_per_print() == 7
+        assert engine.wall_clock_breakdown() is False
         assert engine.zero_optimization_stage() == 3 and engine.gradient_clipping() == 1.0
         assert engine.fp16_enabled() and not engine.bfloat16_enabled()
         assert engine.get_global_grad_norm() is None

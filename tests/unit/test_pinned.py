@@ -179,10 +179,10 @@ def test_a_file_of_another_save_is_refused_with_or_without_checksums(tmp_path: P
     for checksums in (False, True):
         with PinnedSave(tmp_path / "one") as pin, pytest.raises(CheckpointError) as info:
             pin.verify([NAME], checksums)
-        assert f"belongs to save {theirs}, not to this checkpoint's save {ours}" in str(info.value)
+        assert f"carries save {theirs}'s id, not this checkpoint's ({ours}" in str(info.value)
     save(tmp_path / "old", 3.0, None)        # an older save: no id anywhere, loads as before
     with PinnedSave(tmp_path / "old") as pin:
         pin.verify([NAME], checksums=False)
     os.replace(tmp_path / "old" / NAME, tmp_path / "one" / NAME)
-    with PinnedSave(tmp_path / "one") as pin, pytest.raises(CheckpointError, match="no save id"):
+    with PinnedSave(tmp_path / "one") as pin, pytest.raises(CheckpointError, match="carries no save id"):
         pin.verify([NAME], checksums=False)

@@ -572,9 +572,10 @@ def test_the_schedule_steps_early_where_no_step_needs_every_gradient_first(extra
 
 
 def test_every_rank_plans_for_the_most_constrained_machine() -> None:
-    """[Note: one machine for every rank's plan]: the least of each size, the most ranks per
-    node, bf16 only where every CPU has it (the reason naming the ranks without); each rank
-    keeps its own swap path and GPU name, and a CPU-only rank stays CPU-only."""
+    """[Note: one machine for every rank's plan]: the host memory of the rank with the least
+    per rank of its node (its MemAvailable and ranks per node together), the least of each
+    other size, bf16 only where every CPU has it (the reason naming the ranks without); each
+    rank keeps its own swap path and GPU name, and a CPU-only rank stays CPU-only."""
     import dataclasses
 
     from infinity.planner.inputs import agreed_hardware
@@ -590,6 +591,12 @@ def test_every_rank_plans_for_the_most_constrained_machine() -> None:
             (300 * GiB, 50 * GiB, 2 * GiB)
         assert got.ranks_per_node == 8 and not got.cpu_bf16 and got.nvme_path == own.nvme_path
     assert agreed_hardware([roomy, busy], 0).cpu_bf16_reason == "rank(s) 1 have no native bf16"
+    # a big node of 8 ranks (1.5 TiB: 192 GiB a rank) beside a small one of 2 (200 GiB: 100 GiB
+    # a rank): the small node's pair, not its memory over the big node's count of ranks
+    big = dataclasses.replace(roomy, host_available_bytes=1536 * GiB, ranks_per_node=8)
+    small = dataclasses.replace(roomy, host_available_bytes=200 * GiB, ranks_per_node=2)
+    got = agreed_hardware([big, small], 0)
+    assert (got.host_available_bytes, got.ranks_per_node) == (200 * GiB, 2)
     cpu = dataclasses.replace(CPU_BOX, cpu_bf16=True)
     both = agreed_hardware([cpu, dataclasses.replace(cpu, host_available_bytes=GiB)], 0)
     assert both.cpu_bf16 and both.host_available_bytes == GiB and not both.has_gpu
