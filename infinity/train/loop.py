@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import IO, Any, Literal
 import torch
 
 from infinity.base.budget import BudgetExceededError
+from infinity.base.interrupts import StopSignals
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.comm.group import env_world_size
@@ -201,7 +200,9 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     bar = ProgressBar(opts.steps, stream=stream, every=opts.progress_every) if first else None
     swap_dirs: list[str] = []
     init_s = 0.0
-    previous_sigterm = _exit_on_sigterm()
+    # SIGTERM unwinds like Ctrl-C; a signal dropped inside a finalizer is raised again after
+    # the micro-batch ([Note: a signal raised inside a finalizer] in base/interrupts.py)
+    stop = StopSignals().install()
     try:
         # 2. Model and engine.
         init_start = time.perf_counter()
@@ -242,6 +243,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
                 with timers.phase("step"):
                     engine.step()
                 losses.append(float(loss.detach()))
+                stop.check()
             mean_loss = _mean_over_ranks(losses, engine, world)
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"loss is {mean_loss} at step {step}; lower --lr "
@@ -257,7 +259,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         if opts.export:
             _export(engine, opts.export)
     finally:
-        _restore_sigterm(previous_sigterm)
+        stop.restore()
         if bar is not None:
             bar.close()
         if writer is not None:
@@ -319,27 +321,6 @@ def _mean_over_ranks(losses: list[float], engine: Any, world: int) -> float:
 def _lookup_budget(ds: dict[str, Any]) -> Any:
     section = ds.get("infinity")
     return section.get("host_memory_budget") if isinstance(section, dict) else None
-
-
-def _exit_on_sigterm() -> Any:
-    """SIGTERM (``kill``, a scheduler's stop) exits through the ``finally`` that closes the engine.
-
-    Python's default SIGTERM action ends the process without unwinding, which would leave the
-    swap directory behind; raising SystemExit unwinds like Ctrl-C does. Only the main thread can
-    set handlers, so elsewhere nothing changes.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    return signal.signal(signal.SIGTERM, handler)
-
-
-def _restore_sigterm(previous: Any) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _make_engine(kind: EngineKind, model_config: Any, ds: dict[str, Any], config: Any,
