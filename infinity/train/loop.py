@@ -412,6 +412,12 @@ def _refuse_outputs_over_inputs(opts: TrainOptions, plot_path: Path | None) -> N
                 kind = "directory" if given.is_dir() else "file"
                 raise ValueError(f"{out_flag} {out} is the {in_flag} {kind}: writing it would "
                                  f"overwrite your input; choose another {out_flag} path")
+    # two outputs in one file: the picture written last over the metrics (not made yet, so
+    # compared by path)
+    if plot_path is not None and opts.metrics and \
+            plot_path.absolute() == Path(opts.metrics).absolute():
+        raise ValueError(f"--plot {plot_path} is the --metrics file: the picture would replace "
+                         "the metrics; choose another --plot path")
 
 
 def _check_export_dir(path: Path) -> None:
@@ -440,6 +446,8 @@ def _plot_path(opts: TrainOptions) -> Path | None:
         return check_plot_path(Path(opts.plot), example="run.png")
     if opts.metrics and plot_available():
         path = Path(opts.metrics).with_suffix(".png")
+        if path == Path(opts.metrics):      # --metrics run.png: the picture beside it instead
+            path = path.with_name(path.name + ".png")
         check_writable(path, "--plot (default: next to --metrics)", example="plot.png")
         return path
     return None

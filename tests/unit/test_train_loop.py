@@ -68,6 +68,22 @@ def test_plot_next_to_metrics_when_matplotlib_is_there(tmp_path: Path) -> None:
     assert result.plot == str(tmp_path / "m.png") and Path(result.plot).stat().st_size > 0
 
 
+def test_the_plot_never_replaces_the_metrics(tmp_path: Path) -> None:
+    """--metrics run.png: the default picture goes beside it (it replaced the metrics, every
+    JSON line lost); --plot naming the --metrics file is refused before the run."""
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "run.png"
+    result = run_training(TrainOptions(engine="torch", model_size="tiny", steps=2, seq_len=16,
+                                       metrics=str(metrics)), stream=io.StringIO(), out=io.StringIO())
+    assert result.plot == str(tmp_path / "run.png.png")
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    with pytest.raises(ValueError, match="--plot .* is the --metrics file"):
+        run_training(TrainOptions(engine="torch", model_size="tiny", steps=1, seq_len=16,
+                                  metrics=str(tmp_path / "b.png"), plot=str(tmp_path / "b.png")),
+                     stream=io.StringIO(), out=io.StringIO())
+    assert not (tmp_path / "b.png").exists()
+
+
 def test_plot_off_writes_no_plot(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     metrics = tmp_path / "m.jsonl"
