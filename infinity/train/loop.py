@@ -27,6 +27,7 @@ import torch
 
 from infinity.base.budget import BudgetExceededError
 from infinity.base.interrupts import StopSignals
+from infinity.checkpoint.weights_dir import CARRIED_FILES, MODEL_TEXTS, replace_with
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.comm.group import env_world_size
@@ -257,7 +258,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
             timers.log(step)
             checkpoints.after_step(engine, step, opts.steps, sampler, identity)
         if opts.export:
-            _export(engine, opts.export)
+            _export(engine, opts.export, opts.pretrained)
     finally:
         stop.restore()
         if bar is not None:
@@ -354,13 +355,17 @@ def _make_engine(kind: EngineKind, model_config: Any, ds: dict[str, Any], config
     return engine
 
 
-def _export(engine: Any, directory: str) -> None:
+def _export(engine: Any, directory: str, pretrained: str | None) -> None:
     """``--export``: the trained model as a directory ``from_pretrained`` loads (config.json,
     the pretrained directory's tokenizer and generation config when it had them)."""
-    if isinstance(engine, TorchBaselineEngine):
-        engine.save_pretrained(directory)
-    else:
-        engine.save_pretrained(directory)      # every rank takes part; rank 0 writes
+    engine.save_pretrained(directory)      # infinity's: every rank takes part; rank 0 writes
+    if isinstance(engine, TorchBaselineEngine) and pretrained:
+        # transformers' save_pretrained writes the model's files, not the tokenizer's, which
+        # infinity's engine carries from the directory it loaded (the same list)
+        for name in CARRIED_FILES:
+            source = Path(pretrained) / name
+            if name not in MODEL_TEXTS and source.is_file():    # those save_pretrained wrote
+                replace_with(Path(directory) / name, source.read_bytes())
     _log.info("exported the trained model to %s", directory)
 
 

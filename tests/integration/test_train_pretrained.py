@@ -92,6 +92,10 @@ def test_a_pretrained_model_with_its_tokenizer_is_fine_tuned_and_exported(disk_d
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
     again = transformers.AutoTokenizer.from_pretrained(exported)
     assert again(TEXT[:60])["input_ids"] == tokenizer(TEXT[:60])["input_ids"]
+    # the torch baseline's export carries the same tokenizer files (it had none)
+    carried = sorted(f.name for f in pretrained.iterdir() if "token" in f.name)
+    assert carried and all((torch_dir / "export" / name).read_bytes() ==
+                           (pretrained / name).read_bytes() for name in carried), carried
     original = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
     assert not torch.equal(original.lm_head.weight, model.lm_head.weight)   # it trained
 
