@@ -7,6 +7,7 @@ instead of silently training on a different sequence of batches.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +30,13 @@ class RunCheckpoints:
     save_dir: Path | None
     interval: int | None
     resume: bool
+    schedule: Any = None
+    """The run's LR schedule section (``infinity train`` sizes it by --steps): saved with each
+    checkpoint, and a resume under another one is told that it does not continue the run."""
 
     @classmethod
     def from_options(cls, save_dir: str | None, interval: int | None, resume: bool,
-                     engine_kind: str) -> "RunCheckpoints":
+                     engine_kind: str, schedule: Any = None) -> "RunCheckpoints":
         """Checked before anything is built: a bad flag fails in a moment."""
         if (interval is not None or resume) and save_dir is None:
             raise ValueError("--save-interval and --resume need --save-dir (where checkpoints "
@@ -48,7 +52,7 @@ class RunCheckpoints:
             if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
                 raise ValueError(f"--save-dir {path}: {existing} is not a writable directory; "
                                  "choose another path")
-        return cls(path, interval, resume)
+        return cls(path, interval, resume, schedule)
 
     def check_room(self, n_params: int) -> None:
         """A checkpoint holds 12 bytes a parameter (fp32 weight and two Adam moments): a disk
@@ -96,6 +100,13 @@ class RunCheckpoints:
         if engine.global_steps >= last_step:
             raise ValueError(f"--resume: checkpoint {path} is at step {engine.global_steps} and "
                              f"--steps is {last_step}: nothing is left to train; raise --steps")
+        if "schedule" in client and client["schedule"] != self.schedule:
+            _log.warning(
+                "--resume: checkpoint %s was saved by a run whose learning-rate schedule was %s; "
+                "this run's is %s (infinity train sizes it by --steps): the steps from %d on "
+                "follow the new one, so they are not the interrupted run's. Resume with that "
+                "run's --steps to continue it exactly", path, json.dumps(client["schedule"]),
+                json.dumps(self.schedule), engine.global_steps + 1)
         sampler.skip(drawn)
         _log.info("resumed from %s at step %d", path, engine.global_steps)
         return engine.global_steps
@@ -107,4 +118,5 @@ class RunCheckpoints:
             return
         if step == last_step or (self.interval is not None and step % self.interval == 0):
             engine.save_checkpoint(self.save_dir,
-                                   client_state={**identity, "batches_drawn": sampler.drawn})
+                                   client_state={**identity, "batches_drawn": sampler.drawn,
+                                                 "schedule": self.schedule})

@@ -165,7 +165,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     if opts.export and first:
         _check_export_dir(Path(opts.export))
     checkpoints = RunCheckpoints.from_options(opts.save_dir, opts.save_interval, opts.resume,
-                                              opts.engine)
+                                              opts.engine, schedule=ds.get("scheduler"))
     model_config = models.pretrained_config(opts.pretrained, opts.seq_len, tokenizer) \
         if opts.pretrained else models.model_config(opts.model_size, opts.hf_config, opts.seq_len)
     stats = models.model_stats(model_config, config.infinity.unit_modules)

@@ -41,3 +41,36 @@ def test_resume_without_latest_but_with_tags_is_refused(tmp_path) -> None:
         run.resume_into(_NoLatestEngine(), sampler=None, identity={}, last_step=10)
     empty = RunCheckpoints.from_options(str(tmp_path / "empty"), None, True, "infinity")
     assert empty.resume_into(_NoLatestEngine(), sampler=None, identity={}, last_step=10) == 0
+
+
+class _SavedEngine:
+    """An engine whose checkpoint, at step 12, was saved by a run of ``schedule``."""
+
+    global_steps = 12
+
+    def __init__(self, schedule) -> None:
+        self.client = {"seed": 0, "batches_drawn": 12, "schedule": schedule}
+
+    def load_checkpoint(self, path):
+        return path / "global_step12", self.client
+
+
+class _Sampler:
+    def skip(self, drawn: int) -> None:
+        self.skipped = drawn
+
+
+def test_a_resume_under_another_lr_schedule_says_it_is_not_the_interrupted_run(
+        tmp_path, infinity_log) -> None:
+    """--steps sizes the schedule: a run of 12 steps resumed with --steps 24 follows a 24-step
+    decay from step 13 on (its losses are neither run's), and says so; the same schedule is
+    silent."""
+    twelve = {"type": "WarmupDecayLR", "params": {"total_num_steps": 12}}
+    longer = {"type": "WarmupDecayLR", "params": {"total_num_steps": 24}}
+    run = RunCheckpoints.from_options(str(tmp_path), None, True, "infinity", schedule=longer)
+    assert run.resume_into(_SavedEngine(twelve), _Sampler(), {"seed": 0}, last_step=24) == 12
+    assert "the steps from 13 on follow the new one" in infinity_log.text
+    assert '"total_num_steps": 12' in infinity_log.text
+    infinity_log.clear()
+    assert run.resume_into(_SavedEngine(longer), _Sampler(), {"seed": 0}, last_step=24) == 12
+    assert "schedule" not in infinity_log.text
