@@ -147,6 +147,8 @@ def _looks_like_jsonl(path: Path, raw: bytes) -> bool:
 
 def _jsonl_texts(path: Path, raw: bytes) -> list[str]:
     texts = []
+    if raw.startswith(b"\xef\xbb\xbf"):      # a byte-order mark (editors on Windows): not text
+        raw = raw[3:]
     try:
         decoded = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -170,6 +172,13 @@ def _jsonl_texts(path: Path, raw: bytes) -> list[str]:
             raise ValueError(f"{path} line {number}: expected an object with a string \"text\" "
                              f"field, got {line[:80]!r}")
         if text:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{path} line {number}: the \"text\" holds {text[exc.start]!r} "
+                                 f"at character {exc.start}, half of a UTF-16 pair (a lone "
+                                 "surrogate, escaped as \\ud8xx in the JSON), which is no "
+                                 "character: fix or drop that line") from None
             texts.append(text)
     return texts
 

@@ -130,6 +130,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         raise ValueError(f"--steps must be at least 1, got {opts.steps}")
     if opts.progress_every is not None and opts.progress_every < 1:
         raise ValueError(f"--progress-every must be at least 1, got {opts.progress_every}")
+    if not 0 <= opts.seed < 2**63:        # what torch's generators take, whatever the sign
+        raise ValueError(f"--seed must be from 0 to 2**63 - 1, got {opts.seed}")
     rank, world = _launch_ranks()
     if opts.engine == "torch" and world > 1:
         raise ValueError(f"--engine torch is the single-process baseline and this run has "

@@ -209,9 +209,9 @@ class Summary:
     wall_s: float
     """Sum of step times."""
     loss_first: float
-    """Mean loss of the first min(10, steps) steps."""
+    """Mean loss of the first ``loss_window`` steps."""
     loss_last: float
-    """Mean loss of the last min(10, steps) steps."""
+    """Mean loss of the last ``loss_window`` steps."""
     median_step_s: float
     median_phases: dict[str, float]
     tokens_per_s: float
@@ -227,16 +227,27 @@ class Summary:
     """Bytes received in collectives over the run (this rank's)."""
 
     @property
+    def loss_window(self) -> int:
+        """Steps in each loss mean: 10, or half the run when shorter (never overlapping: the
+        windows of a 6-step run were all six, and compared the run with itself)."""
+        return loss_window(self.steps)
+
+    @property
     def loss_ratio(self) -> float:
         """``loss_last / loss_first``: below 1 when the loss fell."""
         return self.loss_last / self.loss_first if self.loss_first else math.nan
+
+
+def loss_window(steps: int) -> int:
+    """See ``Summary.loss_window``."""
+    return max(1, min(10, steps // 2))
 
 
 def summarize(records: Sequence[StepRecord]) -> Summary:
     """Summary of ``records`` (at least one)."""
     if not records:
         raise ValueError("no steps were recorded; nothing to summarize")
-    window = min(10, len(records))
+    window = loss_window(len(records))
     timed = list(records[1:]) or list(records)
     wall = sum(r.step_s for r in records)
     read = sum(r.io_read_bytes for r in records)
@@ -262,8 +273,8 @@ def render_summary(summary: Summary, title: str = "infinity train summary") -> s
     ph = s.median_phases
     rows = [
         ("steps", f"{s.steps} ({s.tokens:,} tokens)"),
-        ("loss", f"{s.loss_first:.4f} (mean of first {min(10, s.steps)}) -> {s.loss_last:.4f} "
-                 f"(mean of last {min(10, s.steps)}), ratio {s.loss_ratio:.3f}"),
+        ("loss", f"{s.loss_first:.4f} (mean of first {s.loss_window}) -> {s.loss_last:.4f} "
+                 f"(mean of last {s.loss_window}), ratio {s.loss_ratio:.3f}"),
         ("step time (median)", f"{s.median_step_s:.3f} s: compute {ph['compute_s']:.3f}, I/O wait "
                                f"{ph['io_wait_s']:.3f}, optimizer {ph['optimizer_s']:.3f}, "
                                f"comm {ph['comm_s']:.3f}"),

@@ -65,6 +65,18 @@ def test_bad_json_line_names_the_line(tmp_path: Path) -> None:
         data.load_corpus(path)
 
 
+def test_a_byte_order_mark_is_skipped_and_a_lone_surrogate_names_its_line(
+        tmp_path: Path) -> None:
+    """A BOM before the first JSON line (it was refused as bad JSON); a "\\ud800" escape, which
+    decodes to no character (it was a bare UnicodeEncodeError naming no file)."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "hi"}).encode() + b"\n")
+    assert data.load_corpus(path).tokens.tolist() == [ord("h"), ord("i"), data.EOS_ID]
+    path.write_text('{"text": "fine"}\n{"text": "bad \\ud800 here"}\n')
+    with pytest.raises(ValueError, match=r"line 2: the \"text\" holds .* lone surrogate"):
+        data.load_corpus(path)
+
+
 def test_json_line_without_text_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text('{"body": "no text field"}\n')

@@ -106,6 +106,13 @@ def test_explicit_plot_without_matplotlib_is_a_usage_error(tmp_path: Path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63, 99999999999999999999])
+def test_a_seed_torch_cannot_take_is_refused_naming_the_flag(seed: int) -> None:
+    with pytest.raises(ValueError, match=f"--seed must be from 0 to 2\\*\\*63 - 1, got {seed}"):
+        run_training(TrainOptions(engine="torch", model_size="tiny", steps=1, seq_len=16,
+                                  seed=seed), stream=io.StringIO(), out=io.StringIO())
+
+
 def test_steps_must_be_positive() -> None:
     with pytest.raises(ValueError, match="--steps must be at least 1"):
         run_training(TrainOptions(engine="torch", steps=0))

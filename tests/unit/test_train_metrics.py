@@ -89,6 +89,11 @@ def test_summary_compares_the_first_and_last_ten_steps() -> None:
     assert "ratio 0.216" in text and "compute 1.000" in text and "I/O wait 0.500" in text
     with pytest.raises(ValueError, match="no steps"):
         summarize([])
+    # a short run: halves that do not overlap (6 steps: 3 and 3), one step alone
+    short = summarize(records[:6])
+    assert (short.loss_first, short.loss_last) == (pytest.approx(29.0), pytest.approx(26.0))
+    assert "(mean of first 3)" in render_summary(short)
+    assert summarize(records[:1]).loss_ratio == 1.0
 
 
 def test_progress_redraws_in_place_on_a_tty() -> None:
