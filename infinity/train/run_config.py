@@ -119,7 +119,17 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides, *,
     auto = {"optimizer.params.lr": lr if isinstance(lr, (int, float)) else DEFAULT_LR,
             "train_micro_batch_size_per_gpu": o.micro_batch or 1,
             "gradient_accumulation_steps": 1}
-    config = InfinityConfig.from_dict(ds, world_size=world_size, auto_values=auto)
+    try:
+        config = InfinityConfig.from_dict(ds, world_size=world_size, auto_values=auto)
+    except ConfigError as exc:
+        if "is \"auto\" but no value was given" not in str(exc):
+            raise
+        # the library's advice (auto_values=) is for scripts: a CLI user edits the config
+        key = str(exc).split(" is \"auto\"")[0]
+        raise ConfigError(f"{key} is \"auto\" in the config (a Hugging Face Trainer config?): "
+                          "infinity train fills \"auto\" only for the learning rate, the batch "
+                          "sizes and accumulation, and the schedule's length, from its flags; "
+                          f"write a value for {key}") from None
     return ds, config
 
 

@@ -104,6 +104,12 @@ def test_hf_style_auto_values_take_the_flags() -> None:
     _, config = build_ds_config(ds, Overrides(micro_batch=2, lr=1e-3, steps=40))
     assert config.train_micro_batch_size_per_gpu == 2 and config.optimizer.lr == 1e-3
     assert config.scheduler.total_num_steps == 40
+    # another "auto" (a Trainer's config): the CLI says to write it, not to pass auto_values=
+    ds["optimizer"]["params"]["weight_decay"] = "auto"
+    with pytest.raises(ConfigError, match=r"optimizer.params.weight_decay is \"auto\" in the "
+                                          r"config .* write a value for") as info:
+        build_ds_config(ds, Overrides(micro_batch=2, lr=1e-3, steps=40))
+    assert "auto_values" not in str(info.value)
 
 
 @pytest.mark.parametrize("overrides, match", [
