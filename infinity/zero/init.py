@@ -168,6 +168,9 @@ def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
         raise RuntimeError(LOAD_UNDER_INIT.format(name=f"{type(module).__name__}.{name}"))
     meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                         requires_grad=param.requires_grad)
+    if not module.__dict__.get(_COPY_GUARD_ATTR):
+        module.__dict__[_COPY_GUARD_ATTR] = True
+        module.register_load_state_dict_pre_hook(_refuse_a_copy_into_meta)
     # the module that created it initialises it at materialisation, not one it is tied into
     # later; a small one keeps the value it was built with (see infinity/zero/materialize.py)
     setattr(meta, CREATOR_ATTR, weakref.ref(module))
@@ -198,6 +201,35 @@ LOAD_UNDER_INIT = (
     "device and reads each unit's weights straight into its tier (memory holds about two "
     "units); or build the model outside zero.Init (from_pretrained then needs host memory for "
     "the model once; initialize moves it to its tiers)")
+
+# A load that copies values into the parameters (load_state_dict without assign=True, PEFT's
+# set_peft_model_state_dict) while they are Init's meta tensors: a copy into a meta tensor
+# writes nothing (torch only warns), and torch reports every key matched, so the model would
+# train from a random init, silently. Refused by a load_state_dict pre-hook on each module
+# Init gave a meta parameter (_refuse_a_copy_into_meta).
+COPY_UNDER_INIT = (
+    "load_state_dict would copy values (into {name}, and maybe more) into parameters built "
+    "under infinity.zero.Init, which are meta tensors until initialize (no storage: a copy into them "
+    "writes nothing, and torch reports every key matched), so the model would train from a "
+    "random init. Load a transformers directory with infinity.from_pretrained(dir, "
+    "config=ds_config); or pass assign=True after the Init block (the loaded tensors become the "
+    "parameters; initialize then moves them to their tiers); or load after initialize (the "
+    "engine's parameters are real then), or build the model outside zero.Init")
+_COPY_GUARD_ATTR = "_infinity_copy_guard"
+
+
+def _refuse_a_copy_into_meta(module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+                             local_metadata: Mapping[str, Any], *args: Any) -> None:
+    """A load_state_dict pre-hook: see COPY_UNDER_INIT. ``assign=True`` replaces the
+    parameters instead (refused inside the Init block by ``_to_meta``, a load like
+    from_pretrained's; after it, the loaded tensors are the values)."""
+    if local_metadata.get("assign_to_params_buffers"):
+        return
+    meta = [prefix + name for name, p in module._parameters.items()
+            if p is not None and p.device.type == "meta" and prefix + name in state_dict]
+    if meta:
+        raise RuntimeError(COPY_UNDER_INIT.format(name=meta[0]))
+
 
 # functions on the stack when a parameter is given a value by a load rather than by a module's
 # construction (which may replace a parameter too: a subclass's __init__ redefining weight)

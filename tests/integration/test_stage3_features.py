@@ -605,7 +605,9 @@ def test_from_pretrained_under_zero_init_is_refused_and_shards_load_after_initia
         disk_dir, tmp_path) -> None:
     """from_pretrained inside zero.Init lost every checkpoint weight to a random init, silently
     (Init keeps no values); refused now, naming what works: build from the config under
-    Init, initialize, then load the checkpoint's shards one at a time (strict=False)."""
+    Init, initialize, then load the checkpoint's shards one at a time (strict=False). A
+    load_state_dict before initialize copied into meta tensors (nothing) and reported every
+    key matched: refused too."""
     import transformers
     from safetensors.torch import load_file
 
@@ -626,8 +628,14 @@ def test_from_pretrained_under_zero_init_is_refused_and_shards_load_after_initia
                                            r"is a load.*infinity\.from_pretrained\(dir"):
         with infinity.zero.Init(config=ds):
             transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    # a copying load before initialize writes nothing into Init's meta parameters (torch
+    # reports every key matched): refused, inside the block and after it
     with infinity.zero.Init(config=ds):
         model = transformers.LlamaForCausalLM(cfg)
+        with pytest.raises(RuntimeError, match="copy values .* built under infinity.zero.Init"):
+            model.load_state_dict(saved.state_dict())
+    with pytest.raises(RuntimeError, match=r"copy values .*assign=True after the Init block"):
+        model.load_state_dict(load_file(str(shards[0])), strict=False)
     engine, *_ = infinity.initialize(model=model, config=ds)
     try:
         for shard in shards:
