@@ -146,6 +146,39 @@ class _Source:
     fused: Any = None                  # (Fusion, its parts' sources): see [Note: fused tensors]
 
 
+TIE_COMPARE_BYTES = 32 << 20
+"""The piece of each tensor read at a time when a tied parameter's copies are compared."""
+
+
+def _refuse_two_values_for_a_tie(names: list[str], first_key: str, first: _Source,
+                                 other_key: str, other: _Source) -> None:
+    """The model ties ``names`` into one parameter (``tie_word_embeddings``) and the checkpoint
+    holds two of them: the same values (a save that wrote both) load as one; different ones
+    are refused. transformers unties them then (its load keeps both), so serving the tie from
+    the first would change the model's outputs, silently (a head 30 logits away). Compared a
+    piece at a time (a large vocabulary's embedding is gigabytes)."""
+    same = first.fused is None and other.fused is None and \
+        first.info.shape == other.info.shape and first.info.dtype == other.info.dtype
+    n = first.info.numel
+    step = max(1, TIE_COMPARE_BYTES // max(1, first.info.dtype.itemsize))
+    start = 0
+    while same and start < n:
+        count = min(step, n - start)
+        a = torch.empty(count, dtype=first.info.dtype)
+        b = torch.empty(count, dtype=other.info.dtype)
+        first.reader.read_into(first.info.name, a, start)
+        other.reader.read_into(other.info.name, b, start)
+        same = torch.equal(a, b)
+        start += count
+    if not same:
+        raise PretrainedMismatchError(
+            f"the model ties {' and '.join(names)} into one parameter, but the checkpoint holds "
+            f"{first_key} ({first.reader.path.name}) and {other_key} "
+            f"({other.reader.path.name}) with different values (transformers keeps both then, "
+            "untied): pass tie_word_embeddings=False to infinity.from_pretrained (a config "
+            "override, as with transformers' from_pretrained), or set it in config.json")
+
+
 @dataclass
 class MatchReport:
     """How the checkpoint's tensors matched the model (what ``strict=False`` lets pass)."""
@@ -319,6 +352,9 @@ class PretrainedWeights:
                 raise PretrainedMismatchError(
                     f"{present[0]} in {source.reader.path} is {source.info.dtype}, but the "
                     f"model's {names[0]} is a floating point parameter")
+            for other in present[1:]:
+                _refuse_two_values_for_a_tie(names, present[0], source, other,
+                                             self._tensors[other])
             for n in names:
                 self._params[n] = source
         persistent = all_persistent_buffers(model)

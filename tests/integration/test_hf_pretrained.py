@@ -634,3 +634,34 @@ def test_infinity_export_writes_a_directory_transformers_loads(disk_dir, capsys)
     assert json.loads((disk_dir / "half" / "config.json").read_text())["dtype"] == "bfloat16"
     assert all(v.dtype == torch.bfloat16 for v in weights_in(disk_dir / "half").values()
                if v.is_floating_point())
+
+
+def test_a_tied_head_stored_with_other_values_is_refused_and_loads_untied(disk_dir) -> None:
+    """GPT-2 ties its head to the embedding; a checkpoint holding both with different values
+    (a fine-tune saved untied) loaded the embedding for both, silently: logits 30 away from
+    transformers', which unties them then. Refused, naming the override that loads it as
+    transformers does; the same values stored twice load as one."""
+    from safetensors.torch import load_file, save_file
+
+    src = hf_saved(disk_dir, "gpt2", shard="1GB")
+    weights = load_file(src / "model.safetensors")
+    weights["lm_head.weight"] = weights["transformer.wte.weight"].clone()   # the same: fine
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    x = torch.randint(1, VOCAB, (2, 8))
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    try:
+        assert torch.equal(logits_of(engine.eval(), x), logits_of(hf_load(src), x))
+    finally:
+        engine.close()
+    weights["lm_head.weight"] = torch.randn_like(weights["lm_head.weight"])
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PretrainedMismatchError, match="ties transformer.wte.weight and "
+                                                      "lm_head.weight .* different values"):
+        infinity.from_pretrained(src, config=_config(disk_dir))
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir), tie_word_embeddings=False)
+    try:
+        theirs = hf_load(src)
+        assert torch.equal(theirs.lm_head.weight, weights["lm_head.weight"])   # untied there
+        assert torch.equal(logits_of(engine.eval(), x), logits_of(theirs, x))
+    finally:
+        engine.close()
