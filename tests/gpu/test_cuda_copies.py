@@ -60,15 +60,19 @@ def test_a_step_s_write_does_not_queue_behind_a_fetch_waiting_for_compute() -> N
     device = torch.device("cuda")
     copies = CudaCopies(device)
     assert copies.writes not in (copies.h2d, copies.d2h, torch.cuda.current_stream(device))
-    torch.cuda._sleep(2_000_000_000)                # a kernel that spins ~1 s on the compute stream
+    # every allocation before the kernel: a device or pinned allocation issued between two
+    # streams' work is an implicit synchronization in CUDA, which would hold the write back
     fetched = torch.empty(1 << 20, device=device)
-    fetch = copies.to_device(fetched, torch.ones(1 << 20).pin_memory())   # after that compute
     other = torch.empty(1 << 20, device=device)
-    write = copies.write_device(other, torch.full((1 << 20,), 2.0).pin_memory())
+    ones, twos, threes = (torch.full((1 << 20,), v).pin_memory() for v in (1.0, 2.0, 3.0))
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(2_000_000_000)                # a kernel that spins ~1 s on the compute stream
+    fetch = copies.to_device(fetched, ones)         # after that compute
+    write = copies.write_device(other, twos)
     write.wait()
     assert not fetch.done(), "the write waited for the fetch behind the compute"
     assert other.eq(2.0).all().item()
-    after = copies.write_device(fetched, torch.full((1 << 20,), 3.0).pin_memory(), after=fetch)
+    after = copies.write_device(fetched, threes, after=fetch)
     after.wait()
     assert fetch.done() and fetched.eq(3.0).all().item()
     copies.drain()

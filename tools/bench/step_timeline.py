@@ -51,7 +51,7 @@ def _wrap(owner, name: str, label: str) -> None:
 
 def instrument() -> None:
     """Wrap the calls whose time matters; nested wrapped calls are reported separately."""
-    from infinity.optim import gradients, kernel, partitioned
+    from infinity.optim import gradients, kernel, partitioned, step_stream
     from infinity.storage import buffer_pool, manager
     from infinity.zero import coordinator, unit
 
@@ -62,7 +62,8 @@ def instrument() -> None:
     _wrap(kernel.AdamKernel, "run", "adam kernel")
     _wrap(gradients.GradientCollector, "on_grad", "grad add")
     _wrap(partitioned.PartitionedOptimizer, "on_unit_backward_done", "unit grads done")
-    _wrap(partitioned, "_sum_of_squares", "grad norm")
+    _wrap(partitioned, "sum_of_squares", "grad norm")
+    _wrap(step_stream, "sum_of_squares", "grad norm")
     _wrap(partitioned.PartitionedOptimizer, "reap", "reap")
     _wrap(coordinator.Coordinator, "_prefetch", "prefetch issue")
     _wrap(partitioned.PartitionedOptimizer, "step_fetched", "deferred step at fetch")
