@@ -1010,3 +1010,32 @@ def test_a_contiguous_target_of_any_shape_is_filled_in_element_order(tmp_path: P
         out = torch.empty(4, 10)
         w.fill([("f", 3, out)])
     assert torch.equal(out, t["f"][3:43].reshape(4, 10))
+
+
+def test_modules_transformers_keeps_in_fp32_are_named_when_a_16_bit_engine_rounds_them(
+        infinity_log) -> None:
+    """``_keep_in_fp32_modules_strict`` (a MoE router's gate) in bf16 and fp16,
+    ``_keep_in_fp32_modules`` in fp16 only; fp32 compute says nothing."""
+    import torch
+    from torch import nn
+
+    from infinity.engine.pretrained import _warn_fp32_modules_rounded
+
+    class Router(nn.Module):
+        _keep_in_fp32_modules_strict = ["gate.weight"]
+        _keep_in_fp32_modules = ["norm"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(4, 2, bias=False)
+            self.gates = nn.Linear(4, 2, bias=False)     # not "gate": kept out
+            self.norm = nn.LayerNorm(4)
+
+    _warn_fp32_modules_rounded(Router(), torch.float32)
+    assert "fp32 when transformers" not in infinity_log.text
+    _warn_fp32_modules_rounded(Router(), torch.bfloat16)
+    assert "keeps ['gate.weight'] in fp32 when transformers loads it in bf16" in infinity_log.text
+    assert "1 parameter(s) (e.g. gate.weight)" in infinity_log.text
+    infinity_log.clear()
+    _warn_fp32_modules_rounded(Router(), torch.float16)
+    assert "3 parameter(s)" in infinity_log.text      # gate.weight, norm.weight, norm.bias
