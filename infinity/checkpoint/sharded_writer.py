@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from infinity.base.sizes import format_bytes
-from infinity.checkpoint.pretrained import SINGLE_NAME
+from infinity.checkpoint.pretrained_files import SINGLE_NAME
 from infinity.checkpoint.save import RankAgreement
 from infinity.checkpoint.tensor_file import TensorFileWriter, itemsize
 from infinity.checkpoint.weights_dir import (

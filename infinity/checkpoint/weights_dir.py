@@ -7,7 +7,7 @@ old index already named every new file, so a kill between two renames left a dir
 loaded without a word with tensors from two saves.
 
 [Note: committing a weights directory]
-* What a reader loads is transformers' rule, which ``pretrained.weight_map`` follows too:
+* What a reader loads is transformers' rule, which ``pretrained_files.weight_map`` follows too:
   ``model.safetensors`` when it is there, else the shards ``model.safetensors.index.json``
   names. So a save has one commit point, a single rename or unlink; everything it does before
   is unread, everything after is cleaning up files no reader opens.
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from infinity.base.log import get_logger
-from infinity.checkpoint.pretrained import INDEX_NAME, SINGLE_NAME
+from infinity.checkpoint.pretrained_files import INDEX_NAME, SINGLE_NAME
 
 log = get_logger("checkpoint")
 

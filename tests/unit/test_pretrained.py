@@ -23,12 +23,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from infinity.checkpoint import pretrained as pt
+from infinity.checkpoint import pretrained_files as pfiles
 from infinity.checkpoint.pretrained import (
     MatchReport,
     PretrainedMismatchError,
     PretrainedWeights,
-    weight_map,
 )
+from infinity.checkpoint.pretrained_files import weight_map
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter
 from infinity.engine.hf_conversions import Fusion
 
@@ -45,7 +46,7 @@ def _sharded(directory: Path, files: dict[str, dict[str, torch.Tensor]]) -> Path
     for name, tensors in files.items():
         _save(directory / name, tensors)
     index = {k: name for name, tensors in files.items() for k in tensors}
-    (directory / pt.INDEX_NAME).write_text(json.dumps({"weight_map": index}))
+    (directory / pfiles.INDEX_NAME).write_text(json.dumps({"weight_map": index}))
     return directory
 
 
@@ -55,7 +56,7 @@ def test_a_directory_an_index_and_a_single_file_are_found(tmp_path: Path) -> Non
                                   "b.safetensors": {"y": torch.zeros(1), "z": torch.ones(1)}})
     expect = (d, {"x": "a.safetensors", "y": "b.safetensors", "z": "b.safetensors"})
     assert weight_map(d) == expect
-    assert weight_map(d / pt.INDEX_NAME) == expect
+    assert weight_map(d / pfiles.INDEX_NAME) == expect
     one = _save(tmp_path / "one" / "model.safetensors", {"p": torch.zeros(1), "q": torch.ones(2)})
     assert weight_map(one.parent) == (one.parent, {"p": "model.safetensors",
                                                    "q": "model.safetensors"})
@@ -81,20 +82,20 @@ def test_what_is_not_a_pretrained_directory_is_refused_with_its_text(tmp_path: P
     (empty / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError) as info:
         weight_map(empty)
-    assert str(info.value) == f"{empty} has no model.safetensors and no {pt.INDEX_NAME}."
+    assert str(info.value) == f"{empty} has no model.safetensors and no {pfiles.INDEX_NAME}."
     for n in ("f.safetensors", "e.safetensors", "d.safetensors", "c.safetensors",
               "b.safetensors", "a.safetensors"):
         (empty / n).write_bytes(b"")
     with pytest.raises(CheckpointError) as info:
         weight_map(empty)
-    assert str(info.value) == (f"{empty} has no model.safetensors and no {pt.INDEX_NAME}. It "
+    assert str(info.value) == (f"{empty} has no model.safetensors and no {pfiles.INDEX_NAME}. It "
                                "holds a.safetensors, b.safetensors, c.safetensors, "
                                "d.safetensors, e.safetensors: pass one of them as the path.")
     (empty / "model.pt").write_bytes(b"")
     with pytest.raises(CheckpointError) as info:
         weight_map(empty)
     assert str(info.value) == (
-        f"{empty} has no model.safetensors and no {pt.INDEX_NAME}. It holds pickle files "
+        f"{empty} has no model.safetensors and no {pfiles.INDEX_NAME}. It holds pickle files "
         "(pytorch_model.bin): infinity reads safetensors only; convert them once with "
         "transformers (from_pretrained, then save_pretrained)")
 
@@ -103,7 +104,7 @@ def test_what_is_not_a_pretrained_directory_is_refused_with_its_text(tmp_path: P
                                   b'{"weight_map": {"x": 3}}', b'{"weight_map": {"x": "a"},'
                                                                b' "other": 1, "y": 2}'])
 def test_a_damaged_index_is_refused_naming_it(tmp_path: Path, body: bytes) -> None:
-    index = tmp_path / pt.INDEX_NAME
+    index = tmp_path / pfiles.INDEX_NAME
     index.write_bytes(body)
     if body.startswith(b'{"weight_map": {"x": "a"}'):
         assert weight_map(tmp_path) == (tmp_path, {"x": "a"})
@@ -117,11 +118,11 @@ def test_a_damaged_index_is_refused_naming_it(tmp_path: Path, body: bytes) -> No
 
 
 def test_an_index_naming_a_path_is_refused(tmp_path: Path) -> None:
-    (tmp_path / pt.INDEX_NAME).write_text(json.dumps({"weight_map": {"x": "a.safetensors",
+    (tmp_path / pfiles.INDEX_NAME).write_text(json.dumps({"weight_map": {"x": "a.safetensors",
                                                                      "y": "sub/b.safetensors"}}))
     with pytest.raises(CheckpointError) as info:
         weight_map(tmp_path)
-    assert str(info.value) == (f"{tmp_path / pt.INDEX_NAME}: file 'sub/b.safetensors' is not a "
+    assert str(info.value) == (f"{tmp_path / pfiles.INDEX_NAME}: file 'sub/b.safetensors' is not a "
                                f"file name in {tmp_path}")
 
 
@@ -135,34 +136,34 @@ def test_what_is_no_regular_file_is_named_by_kind(tmp_path: Path, monkeypatch) -
     (tmp_path / "regular").write_bytes(b"x")
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind("sock")
-        assert pt.not_a_file(tmp_path / "sock") == "a socket"
-    assert pt.not_a_file(tmp_path / "fifo") == "a FIFO (named pipe)"
-    assert pt.not_a_file(tmp_path / "dir") == "a directory"
-    assert pt.not_a_file(Path(os.devnull)) == "a character device"
-    assert pt.not_a_file(tmp_path / "regular") is None
-    assert pt.not_a_file(tmp_path / "nothing") is None
+        assert pfiles.not_a_file(tmp_path / "sock") == "a socket"
+    assert pfiles.not_a_file(tmp_path / "fifo") == "a FIFO (named pipe)"
+    assert pfiles.not_a_file(tmp_path / "dir") == "a directory"
+    assert pfiles.not_a_file(Path(os.devnull)) == "a character device"
+    assert pfiles.not_a_file(tmp_path / "regular") is None
+    assert pfiles.not_a_file(tmp_path / "nothing") is None
     links = {"dangling": "nothing", "loop1": "loop2", "loop2": "loop1", "under": "regular/x",
              "to_fifo": "fifo", "to_link": "to_fifo", "to_regular": "regular"}
     for name, target in links.items():
         os.symlink(target, name)
-    assert pt.not_a_file(tmp_path / "dangling") == ("a symbolic link to nothing, which does "
+    assert pfiles.not_a_file(tmp_path / "dangling") == ("a symbolic link to nothing, which does "
                                                     "not exist")
-    assert pt.not_a_file(tmp_path / "loop1") == "a symbolic link that loops (to loop2)"
-    assert pt.not_a_file(tmp_path / "under") == (
+    assert pfiles.not_a_file(tmp_path / "loop1") == "a symbolic link that loops (to loop2)"
+    assert pfiles.not_a_file(tmp_path / "under") == (
         f"a symbolic link to regular/x, which cannot be read ({os.strerror(errno.ENOTDIR)})")
-    assert pt.not_a_file(tmp_path / "to_fifo") == "a symbolic link to a FIFO (named pipe)"
-    assert pt.not_a_file(tmp_path / "to_link") == "a symbolic link to a FIFO (named pipe)"
-    assert pt.not_a_file(tmp_path / "to_regular") is None
+    assert pfiles.not_a_file(tmp_path / "to_fifo") == "a symbolic link to a FIFO (named pipe)"
+    assert pfiles.not_a_file(tmp_path / "to_link") == "a symbolic link to a FIFO (named pipe)"
+    assert pfiles.not_a_file(tmp_path / "to_regular") is None
     # a block device cannot be made without privileges: its mode, as lstat gives it
     block = os.stat_result((stat.S_IFBLK | 0o600, 0, 0, 1, 0, 0, 0, 0, 0, 0))
-    monkeypatch.setattr(pt.os, "lstat", lambda path: block)
-    assert pt.not_a_file(tmp_path / "disk") == "a block device"
+    monkeypatch.setattr(pfiles.os, "lstat", lambda path: block)
+    assert pfiles.not_a_file(tmp_path / "disk") == "a block device"
 
 
 def test_a_weights_file_that_is_no_regular_file_is_refused_naming_its_kind(
         tmp_path: Path) -> None:
-    os.mkfifo(tmp_path / pt.SINGLE_NAME)
-    with raises_naming(CheckpointError, f"{tmp_path / pt.SINGLE_NAME} is a FIFO (named pipe), "
+    os.mkfifo(tmp_path / pfiles.SINGLE_NAME)
+    with raises_naming(CheckpointError, f"{tmp_path / pfiles.SINGLE_NAME} is a FIFO (named pipe), "
                        "not a file: infinity reads the weights from regular files. Replace it "
                        "with the file itself (copy the model directory again)", ends=True):
         weight_map(tmp_path)
@@ -173,11 +174,11 @@ def test_missing_shards_are_listed_sorted_with_what_they_hold(tmp_path: Path) ->
     index = {"x": "b.safetensors", "w": "b.safetensors", "v": "a.safetensors",
              "u": "c.safetensors"}
     _save(tmp_path / "c.safetensors", {"u": torch.zeros(1)})
-    (tmp_path / pt.INDEX_NAME).write_text(json.dumps({"weight_map": index}))
+    (tmp_path / pfiles.INDEX_NAME).write_text(json.dumps({"weight_map": index}))
     with pytest.raises(CheckpointError) as info:
         PretrainedWeights(tmp_path)
     assert str(info.value) == (
-        f"{tmp_path}: the shard file(s) that {pt.INDEX_NAME} names are missing: a.safetensors "
+        f"{tmp_path}: the shard file(s) that {pfiles.INDEX_NAME} names are missing: a.safetensors "
         "(holds 1 tensors, e.g. v); b.safetensors (holds 2 tensors, e.g. w). Copy the whole "
         "directory again (an interrupted download?)")
 
@@ -185,12 +186,12 @@ def test_missing_shards_are_listed_sorted_with_what_they_hold(tmp_path: Path) ->
 def test_a_shard_lacking_tensors_is_refused_listing_them(tmp_path: Path) -> None:
     _save(tmp_path / "a.safetensors", {"x": torch.zeros(1)})
     names = [f"t{i:02d}" for i in range(25)]
-    (tmp_path / pt.INDEX_NAME).write_text(json.dumps(
+    (tmp_path / pfiles.INDEX_NAME).write_text(json.dumps(
         {"weight_map": {"x": "a.safetensors", **{n: "a.safetensors" for n in names}}}))
     with pytest.raises(CheckpointError) as info:
         PretrainedWeights(tmp_path)
     assert str(info.value) == (
-        f"{tmp_path / 'a.safetensors'} lacks 25 tensor(s) that {pt.INDEX_NAME} says it holds: "
+        f"{tmp_path / 'a.safetensors'} lacks 25 tensor(s) that {pfiles.INDEX_NAME} says it holds: "
         f"{', '.join(names[:20])}. The directory is damaged or its shards come from different "
         "saves")
 
@@ -235,13 +236,13 @@ def test_the_commit_point_is_the_file_a_reader_sees(tmp_path: Path) -> None:
         return path.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
     one = _save(tmp_path / "one" / "weights.safetensors", {"p": torch.zeros(1)})
-    assert pt.commit_point(one) == point(one)
+    assert pfiles.commit_point(one) == point(one)
     sharded = _sharded(tmp_path / "s", {"a.safetensors": {"x": torch.zeros(2)}})
-    assert pt.commit_point(sharded) == point(sharded / pt.INDEX_NAME)
-    single = _save(sharded / pt.SINGLE_NAME, {"x": torch.zeros(2)})
-    assert pt.commit_point(sharded) == point(single)
-    assert pt.commit_point(tmp_path / "one") is None
-    assert pt.commit_point(tmp_path / "nothing") is None
+    assert pfiles.commit_point(sharded) == point(sharded / pfiles.INDEX_NAME)
+    single = _save(sharded / pfiles.SINGLE_NAME, {"x": torch.zeros(2)})
+    assert pfiles.commit_point(sharded) == point(single)
+    assert pfiles.commit_point(tmp_path / "one") is None
+    assert pfiles.commit_point(tmp_path / "nothing") is None
 
 
 def test_a_directory_saved_over_at_every_open_is_refused(tmp_path: Path, monkeypatch,
@@ -252,11 +253,11 @@ def test_a_directory_saved_over_at_every_open_is_refused(tmp_path: Path, monkeyp
     saves = iter(range(1000))
     monkeypatch.setattr(pt, "commit_point", lambda source: next(saves))
     with infinity_log.at_level(logging.INFO, logger="infinity"), raises_naming(
-            CheckpointError, f"{d} was saved over {pt.OPEN_ATTEMPTS} times", "another process "
+            CheckpointError, f"{d} was saved over {pfiles.OPEN_ATTEMPTS} times", "another process "
             "keeps saving into it; load it when that save is done, or from a copy", ends=True):
         PretrainedWeights(d)
     assert [r.getMessage() for r in infinity_log.records] == (
-        [f"{d} was saved over while it was being opened; opening it again"] * pt.OPEN_ATTEMPTS)
+        [f"{d} was saved over while it was being opened; opening it again"] * pfiles.OPEN_ATTEMPTS)
 
 
 # -- the match -----------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from infinity.checkpoint import pretrained
-from infinity.checkpoint.pretrained import PretrainedWeights, weight_map
+from infinity.checkpoint.pretrained import PretrainedWeights
+from infinity.checkpoint.pretrained_files import weight_map
 from infinity.checkpoint.pretrained_write import (
     config_with_dtype,
     out_dtype,
