@@ -122,6 +122,7 @@ class PretrainedWeights:
         self.direct_io = direct_io
         self._direct_fds: dict[str, int] = {}
         self._readers: dict[str, TensorFileReader] = {}
+        self._indexed: set[str] = set()
         self._tensors: dict[str, _Source] = {}
         self._params: dict[str, _Source] = {}        # every name of each matched parameter
         self._buffers: dict[str, _Source] = {}
@@ -161,6 +162,7 @@ class PretrainedWeights:
                               "it when that save is done, or from a copy")
 
     def _open(self, mapping: dict[str, str]) -> None:
+        self._indexed = set(mapping)      # the names as the files give them (before renames)
         by_file: dict[str, list[str]] = {}
         for name, file in mapping.items():
             by_file.setdefault(file, []).append(name)
@@ -332,8 +334,14 @@ class PretrainedWeights:
             problems.append(f"{len(report.mismatched)} shape(s) differ: "
                             + "; ".join(report.mismatched[:LISTED]))
         if strict and report.missing:
+            # tensors a shard holds that the index does not list: the likely reason
+            unindexed = sorted(f"{n} ({file})" for file, reader in self._readers.items()
+                               for n in reader.tensors if n not in self._indexed)
             problems.append(f"{len(report.missing)} parameter(s) of the model are not in it: "
-                            + ", ".join(report.missing[:LISTED]))
+                            + ", ".join(report.missing[:LISTED])
+                            + (f" (the shard files hold {len(unindexed)} tensor(s) that "
+                               f"{INDEX_NAME} does not list, e.g. {unindexed[0]}: an index that "
+                               "names only part of the weights)" if unindexed else ""))
         if strict and report.unexpected:
             problems.append(f"{len(report.unexpected)} tensor(s) of it are not in the model: "
                             + ", ".join(f"{k} ({self.file_of(k).name})"

@@ -278,6 +278,23 @@ def _net_tensors(prefix: str = "") -> dict[str, torch.Tensor]:
             f"{prefix}scale": torch.tensor([5.0, 6.0, 7.0])}
 
 
+def test_a_parameter_a_shard_holds_but_the_index_omits_is_named_as_such(tmp_path: Path) -> None:
+    """The index lists the tensors it maps; one a shard holds that it leaves out is missing for
+    the load, and the error says where it is and why it is not read."""
+    t = _net_tensors()
+    d = _sharded(tmp_path / "s", {"a.safetensors": {k: v for k, v in t.items() if k != "proj.bias"},
+                                  "b.safetensors": {"proj.bias": t["proj.bias"]}})
+    index = json.loads((d / pfiles.INDEX_NAME).read_text())
+    del index["weight_map"]["proj.bias"]
+    (d / pfiles.INDEX_NAME).write_text(json.dumps(index))
+    _save(d / "a.safetensors", t)                      # the shard holds proj.bias after all
+    with PretrainedWeights(d) as w, pytest.raises(PretrainedMismatchError) as info:
+        w.match(_Net())
+    assert ("1 parameter(s) of the model are not in it: proj.bias (the shard files hold 1 "
+            f"tensor(s) that {pfiles.INDEX_NAME} does not list, e.g. proj.bias (a.safetensors): "
+            "an index that names only part of the weights)") in str(info.value)
+
+
 class _Wrapped(nn.Module):
     def __init__(self) -> None:
         super().__init__()
