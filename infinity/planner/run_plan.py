@@ -304,17 +304,14 @@ def optimizer_pools(units: Sequence[tuple[int, int]], *, world_size: int, rank: 
     sharded = shard_states and ranks_active
     trainable = [(numel, t, s) for (numel, t), s in zip(units, streamed) if t > 0]
     max_trainable = max((t for _, t, _ in trainable), default=0)
-    ranges = []
     collect = []
     first_ranges = []       # rank 0's, the largest: the same on every rank
     for numel, t, _ in trainable:
         if sharded:
             shard = shard_numel(numel, world_size)
-            lo = min(rank * shard, t)
-            ranges.append(min(rank * shard + shard, t) - lo)
-            collect.append(ranges[-1] if reduces_on_device else world_size * shard)
+            own = min(rank * shard + shard, t) - min(rank * shard, t)
+            collect.append(own if reduces_on_device else world_size * shard)
         else:
-            ranges.append(t)
             collect.append(t)
         first_ranges.append(first_rank_range(numel, t, world_size if sharded else 1))
     # one sub-group on every rank: a unit's state format is checked against it on each (int8
