@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -279,9 +279,17 @@ def write_model_files(directory: Path, texts: Mapping[str, str],
     ``texts`` does not, each replaced atomically."""
     for name, text in texts.items():
         write_text(directory / name, text)
+    carry_files(directory, carry_from, written=texts)
+
+
+def carry_files(directory: Path, carry_from: Path | None, written: Iterable[str] = ()) -> None:
+    """The files of ``CARRIED_FILES`` (tokenizer, generation config) that ``carry_from`` (the
+    directory the model was loaded from) has, into ``directory``, each replaced atomically;
+    those named in ``written`` (the save wrote its own) are left as they are."""
     if carry_from is None or Path(carry_from).resolve() == directory.resolve():
         return
+    kept = set(written)
     for name in CARRIED_FILES:
         src = Path(carry_from) / name
-        if name not in texts and src.is_file():
+        if name not in kept and src.is_file():
             replace_with(directory / name, src.read_bytes())

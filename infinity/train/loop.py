@@ -27,7 +27,8 @@ import torch
 
 from infinity.base.budget import BudgetExceededError
 from infinity.base.interrupts import StopSignals
-from infinity.checkpoint.weights_dir import CARRIED_FILES, MODEL_TEXTS, replace_with
+from infinity.checkpoint.sharded_writer import carry_files
+from infinity.checkpoint.weights_dir import MODEL_TEXTS
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.comm.group import env_world_size
@@ -362,12 +363,9 @@ def _export(engine: Any, directory: str, pretrained: str | None) -> None:
     the pretrained directory's tokenizer and generation config when it had them)."""
     engine.save_pretrained(directory)      # infinity's: every rank takes part; rank 0 writes
     if isinstance(engine, TorchBaselineEngine) and pretrained:
-        # transformers' save_pretrained writes the model's files, not the tokenizer's, which
-        # infinity's engine carries from the directory it loaded (the same list)
-        for name in CARRIED_FILES:
-            source = Path(pretrained) / name
-            if name not in MODEL_TEXTS and source.is_file():    # those save_pretrained wrote
-                replace_with(Path(directory) / name, source.read_bytes())
+        # transformers' save_pretrained writes the model's files (MODEL_TEXTS), not the
+        # tokenizer's, which infinity's engine carries from the directory it loaded
+        carry_files(Path(directory), Path(pretrained), written=MODEL_TEXTS)
     _log.info("exported the trained model to %s", directory)
 
 
