@@ -83,11 +83,12 @@ def _refuse_two_values_for_a_tie(names: list[str], first_key: str, first: _Sourc
         first.info.shape == other.info.shape and first.info.dtype == other.info.dtype
     n = first.info.numel
     step = max(1, TIE_COMPARE_BYTES // max(1, first.info.dtype.itemsize))
+    pieces = [torch.empty(min(step, n), dtype=first.info.dtype) for _ in range(2)] if same \
+        else []
     start = 0
     while same and start < n:
         count = min(step, n - start)
-        a = torch.empty(count, dtype=first.info.dtype)
-        b = torch.empty(count, dtype=other.info.dtype)
+        a, b = (piece[:count] for piece in pieces)
         first.reader.read_into(first.info.name, a, start)
         other.reader.read_into(other.info.name, b, start)
         same = torch.equal(a, b)
