@@ -47,6 +47,14 @@ class InfinitySection:
     watch, and no saved-tensor hooks of the engine's but the activation swapper's when it
     offloads (torch.func.grad/vjp inside a forward refuse to run under any): a ``.detach()``ed
     read of a parameter must then be ``.clone()``d."""
+    activation_reserve: int | None = None
+    """Bytes of the host budget kept for what a training step holds in memory beside the
+    engine's pools: the saved activations kept there, autograd's gradient of a unit, the
+    logits. The optimizer's slots are sized from what the budget leaves after it. None (or
+    "auto"): nothing kept, the slots take it all and activations kept in memory go over the
+    budget ("auto" offload sends them to the swap space where its staging fits);
+    ``infinity train`` then sets it from its model and batch (see [Note: keeping activations
+    within the host budget] in planner/activations.py)."""
     activation_min_bytes: int = 256 * 1024
     """Saved tensors smaller than this stay in memory (when activations are offloaded)."""
     swap_check: Literal["sampled", "full", "off"] = "sampled"
@@ -122,6 +130,8 @@ class InfinitySection:
             raise ConfigError(f"{p}.collective_timeout = {timeout!r}: expected seconds, a number "
                               "above 0 (e.g. 600)")
         set_field(self, "collective_timeout", float(timeout))
+        set_field(self, "activation_reserve",
+                  check_size(f"{p}.activation_reserve", self.activation_reserve))
         for name, lo in (("activation_min_bytes", 1), ("activation_window", 0)):
             value = check_size(f"{p}.{name}", getattr(self, name), lo=lo)
             if value is None:

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
 from infinity.planner.alignment import (
     ALIGN_BYTES,
@@ -304,6 +305,10 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     grad_itemsize = gradient_home_itemsize(itemsize, cfg.gradient_accumulation_steps or 1,
                                            cfg.world_size)
     asked_staging = ACTIVATION_STAGING_BYTES if cfg.infinity.offload_activations == "nvme" else 0
+    # [Note: keeping activations within the host budget] in planner/activations.py: what the
+    # config keeps for the step's activations in memory comes off the budget before the slots
+    kept = (cfg.infinity.activation_reserve or 0) \
+        if host_budget is not None and host_activations else 0
     if not early_step and host_budget is not None and nvme_path:
         # gradients stay on the host when they fit beside the smallest optimizer slots (and
         # the activation staging "nvme" always takes: left out, the 85M job in fp32 under
@@ -311,7 +316,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         # on NVMe)
         least_slots = step_slot_count(optimizer_tier, param_tier, Tier.HOST, master_separate,
                                       early_step) * SUB_GROUP_ALIGN * 4 if streamed else 0
-        if host + total_trainable * grad_itemsize + least_slots + asked_staging > host_budget:
+        if host + total_trainable * grad_itemsize + least_slots + asked_staging + kept > \
+                host_budget:
             grad_tier = Tier.NVME
     if grad_tier == Tier.NVME or early_step:
         grad_itemsize = 4          # an NVMe home goes through float32 slots; no home at all
@@ -336,7 +342,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         # budget that worked without it keeps working (its activations then stay in memory)
         least = step_slot_count(optimizer_tier, param_tier, grad_tier, master_separate,
                                 early_step) * SUB_GROUP_ALIGN * 4 if streamed else 0
-        staging = host_budget is None or host + ACTIVATION_STAGING_BYTES + least <= host_budget
+        staging = host_budget is None or \
+            host + kept + ACTIVATION_STAGING_BYTES + least <= host_budget
     auto_staging = staging and cfg.infinity.offload_activations != "nvme"
     if staging:
         host += ACTIVATION_STAGING_BYTES
@@ -362,7 +369,8 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         # keeps activations in memory (it warns of the overshoot), "nvme" keeps its staging
         # without the reserve, as before the reserve existed
         without = host - (ACTIVATION_STAGING_BYTES if auto_staging else 0)
-        if slots_sub_group(host + reserve) < MIN_SLOT_SHARE * slots_sub_group(without):
+        if slots_sub_group(host + reserve + kept) < \
+                MIN_SLOT_SHARE * slots_sub_group(without + kept):
             reserve = gradient_reserve = 0
             if auto_staging:
                 staging, host = False, without
@@ -370,9 +378,17 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
         # The optimizer slots get what the other pools leave of the host budget (the planner
         # sized the sub-group for its own count of slots, which the deferred schedule exceeds).
         if host_budget is not None:
-            sub_group = slots_sub_group(host + reserve)
+            sub_group = slots_sub_group(host + reserve + kept)
         host += slots * padded_numel(min(sub_group, max(max(state_shares, default=0), 1)),
                                      FP32_BYTES) * 4
+    if kept and host + reserve + kept > host_budget:
+        least = " (the optimizer's sub-groups at their least)" if streamed else ""
+        raise ValueError(
+            f"infinity.activation_reserve = {format_bytes(kept)} does not fit: the engine's "
+            f"pools need {format_bytes(host + reserve)}{least} of the "
+            f"{format_bytes(host_budget)} the host budget leaves them, which leaves "
+            f"{format_bytes(max(0, host_budget - host - reserve))} for the step; "
+            "lower the reserve, or raise infinity.host_memory_budget")
     # the buffers as the derived sizes counted them (the same function of the same layouts):
     # a reservation above that count would be refused at the first backward of a plan the
     # derived sizes accepted at the device budget's edge

@@ -9,12 +9,14 @@ the value as the user wrote it, where it came from, and that minimum.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from infinity.base.budget import BudgetExceededError
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
+from infinity.planner.activations import activation_shape_from_hf_config, reserve_to_keep
 from infinity.planner.inputs import ModelStats, detect_hardware
 from infinity.planner.plan import budget_need, host_budget_shortfall
 
@@ -67,3 +69,44 @@ def explain(exc: BudgetExceededError, described: str) -> BudgetExceededError:
     budget the user gave: for the rare run the planner thought would fit."""
     return BudgetExceededError(f"{exc} (that share is what is left of {described} after the "
                                "engine's other pools: raise the budget)")
+
+
+def keep_activations(config: InfinityConfig, ds: dict[str, Any], stats: ModelStats,
+                     model_config: Any, seq_len: int) -> InfinityConfig:
+    """``config`` with ``infinity.activation_reserve`` set (in ``ds`` too, which the engine
+    reads) to what this run's step keeps in memory, where keeping its activations within the
+    host budget beats offloading them ([Note: keeping activations within the host budget] in
+    planner/activations.py); unchanged where the config sets the reserve or
+    ``offload_activations`` itself, has no host budget, the model's activations cannot be
+    predicted, the activations live in a GPU's memory, or the reserve does not fit."""
+    from infinity.planner.placement import choose_compute_dtype
+    from infinity.planner.run_plan import plan_run
+    from infinity.planner.sizes import DTYPE_BYTES
+
+    section = config.infinity
+    shape = activation_shape_from_hf_config(model_config)
+    if section.activation_reserve is not None or section.offload_activations != "auto" or \
+            section.host_memory_budget is None or shape is None:
+        return config
+    nvme_path = config.zero.offload_param.nvme_path or config.zero.offload_optimizer.nvme_path
+    hw = detect_hardware(nvme_path)
+    if hw.has_gpu:
+        return config
+    itemsize = DTYPE_BYTES[choose_compute_dtype(config, hw)]
+    can_offload = plan_run(config, hw, stats=stats).sizes.activation_staging
+    reserve = reserve_to_keep(shape, config.train_micro_batch_size_per_gpu, seq_len, itemsize,
+                              stats.largest_unit_params, section.activation_window, can_offload)
+    if reserve is None:
+        return config
+    kept = dataclasses.replace(config, infinity=dataclasses.replace(
+        section, activation_reserve=reserve))
+    try:
+        plan_run(kept, hw, stats=stats)
+    except ValueError as exc:
+        _log.info("the step's activations are not kept within the host budget: %s", exc)
+        return config
+    ds.setdefault("infinity", {})["activation_reserve"] = reserve
+    _log.info("infinity.activation_reserve %s: this batch's activations (%d x %d) and the "
+              "step's working bytes, kept in memory within the host budget",
+              format_bytes(reserve), config.train_micro_batch_size_per_gpu, seq_len)
+    return kept

@@ -177,6 +177,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         _lookup_budget(ds), opts.host_budget, opts.config)
     if opts.engine == "infinity":
         host_budget.check_host_budget(config, stats, budget_text)
+        config = host_budget.keep_activations(config, ds, stats, model_config, opts.seq_len)
     states, swap_need = (host_budget.state_bytes(config, stats) if opts.engine == "infinity"
                          else (STATE_BYTES_PER_PARAM * n_params, 0))
     # every rank of this node swaps to the same disk (the plan's bytes are one rank's)

@@ -418,3 +418,24 @@ def test_dynamic_padding_warns_once_per_larger_overshoot(infinity_info_log) -> N
     warned = [r.message.split(":")[0] for r in decided if r.levelno == logging.WARNING]
     assert warned == ["offload_activations auto, batch 2 x 32",
                       "offload_activations auto, batch 2 x 80"], warned
+
+
+def test_activations_are_kept_where_offloading_would_hold_more() -> None:
+    """[Note: keeping activations within the host budget]: a batch whose saved activations take
+    no more than the swapper's staging and two windows is kept (the reserve: the activations and
+    the step's working bytes); a larger one is left to "auto" offload (None), unless the
+    budget cannot offload at all."""
+    from infinity.planner.activations import reserve_to_keep
+    from infinity.planner.engine_sizes import ACTIVATION_STAGING_BYTES
+
+    shape = activation_shape_from_hf_config(_model("llama", "sdpa")[1])
+    window = 64 << 20
+    small, large = (1, 64), (8, 4096)
+    saved_small = saved_activation_bytes(shape, *small, 2, with_loss=True)
+    saved_large = saved_activation_bytes(shape, *large, 2, with_loss=True)
+    assert saved_small <= ACTIVATION_STAGING_BYTES + 2 * window < saved_large
+    assert reserve_to_keep(shape, *small, 2, 1000, window, True) == \
+        saved_small + step_working_bytes(shape, *small, 2, 1000)
+    assert reserve_to_keep(shape, *large, 2, 1000, window, True) is None
+    assert reserve_to_keep(shape, *large, 2, 1000, window, False) == \
+        saved_large + step_working_bytes(shape, *large, 2, 1000)

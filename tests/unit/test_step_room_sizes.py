@@ -83,3 +83,61 @@ def test_a_gpu_takes_no_activation_staging_under_auto(disk_dir) -> None:
     assert not got["auto"].activation_staging and got["auto"].step_reserve_bytes == 0, got["auto"]
     assert got["auto"].activation_room == got["none"].activation_room, got
     assert got["auto"].sub_group_numel == got["none"].sub_group_numel, got
+
+
+def _demo(disk_dir, dtype: str, **infinity: object):
+    ds = demo_config()
+    ds["infinity"].update(compute_dtype=dtype, **infinity)
+    return build_ds_config(ds, Overrides(nvme_path=str(disk_dir)))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_main_job_keeps_its_activations_within_its_budget(disk_dir, dtype) -> None:
+    """[Note: keeping activations within the host budget]: ``infinity train`` with no arguments
+    (85M, 2 x 128, 512 MiB) reserves what its step keeps in memory, so the room its budget
+    leaves holds the batch's activations and the step's gradients and logits ("auto" keeps them
+    without an overshoot warning); without the reserve the slots take that room. The
+    optimizer keeps a sub-group of at least 1 Mi elements (the size under which the planner
+    calls sub-groups slow)."""
+    from infinity.planner.activations import (activation_shape_from_hf_config,
+                                              saved_activation_bytes, step_working_bytes)
+    from infinity.train import host_budget, models
+
+    ds, cfg = _demo(disk_dir, dtype)
+    model_config = models.model_config(None, None, 128)
+    stats = models.model_stats(model_config)
+    kept = host_budget.keep_activations(cfg, ds, stats, model_config, 128)
+    assert kept.infinity.activation_reserve == ds["infinity"]["activation_reserve"] > 0
+    shape = activation_shape_from_hf_config(model_config)
+    itemsize = {"fp32": 4, "bf16": 2}[dtype]
+    need = saved_activation_bytes(shape, 2, 128, itemsize, with_loss=True) + \
+        step_working_bytes(shape, 2, 128, itemsize, stats.largest_unit_params)
+    hw = detect_hardware(str(disk_dir))
+    with_reserve = run_sizes(kept, stats, hw)[1]
+    without = run_sizes(cfg, stats, hw)[1]
+    assert with_reserve.activation_room >= need > without.activation_room, (
+        need, with_reserve.activation_room, without.activation_room)
+    assert with_reserve.sub_group_numel >= 1 << 20, with_reserve
+
+
+def test_a_reserve_the_budget_cannot_hold_is_refused_naming_the_key(disk_dir) -> None:
+    from infinity.planner.inputs import llama_stats as stats_of
+
+    _, cfg = _demo(disk_dir, "fp32", activation_reserve="400MiB")
+    with pytest.raises(ValueError, match=r"infinity\.activation_reserve = 400\.00 MiB does not "
+                                         r"fit.*lower the reserve, or raise"):
+        run_sizes(cfg, stats_of(preset_kwargs("85M", 128)), detect_hardware(str(disk_dir)))
+
+
+@pytest.mark.parametrize("infinity", [{"activation_reserve": 0},
+                                      {"offload_activations": "none"},
+                                      {"offload_activations": "nvme"}])
+def test_infinity_train_leaves_a_reserve_or_a_mode_the_config_sets(disk_dir, infinity) -> None:
+    from infinity.train import host_budget, models
+
+    ds, cfg = _demo(disk_dir, "fp32", **infinity)
+    model_config = models.model_config(None, None, 128)
+    kept = host_budget.keep_activations(cfg, ds, models.model_stats(model_config),
+                                        model_config, 128)
+    assert kept is cfg and ds["infinity"].get("activation_reserve") == \
+        infinity.get("activation_reserve")

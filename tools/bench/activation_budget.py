@@ -5,12 +5,15 @@ infinity.offload_activations "auto" against "none", same run, fresh process each
 Run (from the repository root):
     nice python3 tools/bench/activation_budget.py                    # Qwen2 0.66B, 2 x 256, auto and none
     nice python3 tools/bench/activation_budget.py --model llama-3b --mbs 1 --seq 128 --modes auto
+    python3 tools/bench/activation_budget.py --model demo-85m --mbs 2 --seq 128 \
+        --host-budget 512MiB --modes keep,auto --rounds 2 --steps 8     # infinity train's reserve
     python3 tools/bench/activation_budget.py --model tiny --steps 2  # smoke
 Writes JSON lines to --out (default /var/tmp/infinity-bench/activation_budget-<time>.jsonl) and a
 Markdown table beside it (.md), as well as the screen.
 
 Every run: a "baseline" worker (RSS after ``import torch, infinity``: what the budget cannot
-cover), then per round one "ours" worker per --modes entry, the order alternating between rounds:
+cover), then per round one "ours" worker per --modes entry ("keep": "auto" with the
+``infinity.activation_reserve`` that ``infinity train`` sets for the model and batch), the order alternating between rounds:
 the model built in infinity.zero.Init, ZeRO-3 with parameters and optimizer on NVMe, the host
 budget, gradient clipping 1.0, compute dtype "auto", --steps steps (the first included) of
 engine(input_ids, labels) + backward + step on random tokens. Reported: VmHWM (the kernel's
@@ -38,6 +41,7 @@ MODELS = {
     "qwen2-0.66b": ("qwen2", 1536, 12, 12, 2, 8960, 32000),
     "llama-3b": ("llama", 3072, 28, 24, 8, 8192, 32000),
     "tiny": ("qwen2", 256, 2, 4, 2, 704, 1000),
+    "demo-85m": None,      # infinity train's default model (infinity.train.models)
 }
 
 
@@ -45,6 +49,9 @@ def model_config(name: str):
     """The transformers config of ``name`` (untied embeddings, no cache, sdpa)."""
     import transformers
 
+    if MODELS[name] is None:
+        from infinity.train import models
+        return models.model_config("85M", None, 4096)
     family, h, layers, heads, kv, inter, vocab = MODELS[name]
     cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[family]
     cfg = cls(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
@@ -62,7 +69,8 @@ def ds_config(nvme: str, args: argparse.Namespace, mode: str) -> dict:
         "zero_optimization": {"stage": 3,
                               "offload_param": {"device": "nvme", "nvme_path": nvme},
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
-        "infinity": {"host_memory_budget": args.host_budget, "offload_activations": mode},
+        "infinity": {"host_memory_budget": args.host_budget,
+                     "offload_activations": "auto" if mode == "keep" else mode},
     }
 
 
@@ -95,6 +103,14 @@ def _ours(spec: dict, res: dict) -> None:
     cfg = model_config(spec["model"])
     nvme = tempfile.mkdtemp(prefix="activation-budget-", dir=spec["scratch"])
     dsc = json.loads(json.dumps(spec["ds_config"]).replace("@NVME@", nvme))
+    if spec["mode"] == "keep":
+        # "auto" with the reserve ``infinity train`` sets for this model and batch
+        from infinity.config import InfinityConfig
+        from infinity.train import host_budget, models
+
+        config = InfinityConfig.from_dict(dsc)
+        host_budget.keep_activations(config, dsc, models.model_stats(
+            cfg, config.infinity.unit_modules), cfg, spec["seq"])
     res["ds_config"] = dsc
     torch.manual_seed(spec["seed"])
     with infinity.zero.Init(config=dsc):
