@@ -194,6 +194,10 @@ def _lookup(ds: dict[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def _fill_nvme_paths(ds: dict[str, Any], flag: str | None) -> None:
+    if flag is not None and not flag.strip():
+        raise ConfigError(f"--nvme-path {flag!r}: expected a directory path (the swap files' "
+                          f"parent), e.g. --nvme-path /local_nvme; leave it out for "
+                          f"{DEFAULT_NVME_PATH}")
     zero = ds.get("zero_optimization")
     if not isinstance(zero, dict):
         if flag is not None:

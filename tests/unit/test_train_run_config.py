@@ -148,3 +148,11 @@ def test_lr_flag_also_sets_a_warmup_peak() -> None:
                                                        "warmup_num_steps": 5}}}
     _, config = build_ds_config(ds, Overrides(lr=5e-4))
     assert config.optimizer.lr == 5e-4 and config.scheduler.warmup_max_lr == 5e-4
+
+
+@pytest.mark.parametrize("flag", ["", "  "])
+def test_an_empty_nvme_path_flag_is_named_as_the_flag(flag: str) -> None:
+    """It was refused as "zero_optimization.offload_optimizer.nvme_path = ''", a key the user
+    never wrote."""
+    with pytest.raises(ValueError, match=r"--nvme-path '\s*': expected a directory path"):
+        build_ds_config(demo_config(), Overrides(nvme_path=flag))
