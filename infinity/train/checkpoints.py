@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infinity.checkpoint.directory import available_tags
+from infinity.checkpoint.directory import LATEST, available_tags
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.storage.preflight import free_bytes
@@ -73,15 +73,16 @@ class RunCheckpoints:
         optimizer steps already taken (0 when starting fresh)."""
         if not self.resume:
             return 0
-        path, client = engine.load_checkpoint(self.save_dir)
-        if path is None:
-            tags = available_tags(self.save_dir)
-            if tags:
-                raise ValueError(f"--resume: {self.save_dir} has checkpoints ({', '.join(tags)}) "
-                                 "but no 'latest' file naming one: write the tag to resume from "
-                                 f"into {self.save_dir / 'latest'}, or use another --save-dir")
+        tags = available_tags(self.save_dir)
+        if not tags and not (self.save_dir / LATEST).exists():
+            # a first run with --resume (the engine's load would warn, naming its API's tag=)
             _log.info("--resume: no checkpoint in %s yet; starting from step 1", self.save_dir)
             return 0
+        path, client = engine.load_checkpoint(self.save_dir)
+        if path is None:
+            raise ValueError(f"--resume: {self.save_dir} has checkpoints ({', '.join(tags)}) "
+                             "but no 'latest' file naming one: write the tag to resume from "
+                             f"into {self.save_dir / LATEST}, or use another --save-dir")
         drawn = client.get("batches_drawn") if isinstance(client, dict) else None
         if not isinstance(drawn, int) or isinstance(drawn, bool) or drawn < 0:
             raise ValueError(f"--resume: checkpoint {path} does not say where the batch sampler "

@@ -43,6 +43,18 @@ def test_resume_without_latest_but_with_tags_is_refused(tmp_path) -> None:
     assert empty.resume_into(_NoLatestEngine(), sampler=None, identity={}, last_step=10) == 0
 
 
+class _UnloadableEngine:
+    def load_checkpoint(self, path):
+        raise AssertionError("the engine's load was called for a directory without checkpoints")
+
+
+def test_a_first_run_with_resume_starts_without_asking_the_engine(tmp_path) -> None:
+    """The engine's load of a directory without checkpoints warned "no .../latest: no
+    checkpoint loaded (pass tag= to load a given one)", its API's advice, at every first run."""
+    run = RunCheckpoints.from_options(str(tmp_path / "new"), None, True, "infinity")
+    assert run.resume_into(_UnloadableEngine(), sampler=None, identity={}, last_step=10) == 0
+
+
 class _SavedEngine:
     """An engine whose checkpoint, at step 12, was saved by a run of ``schedule``."""
 
