@@ -79,6 +79,7 @@ def test_a_resume_under_another_lr_schedule_says_it_is_not_the_interrupted_run(
     silent."""
     twelve = {"type": "WarmupDecayLR", "params": {"total_num_steps": 12}}
     longer = {"type": "WarmupDecayLR", "params": {"total_num_steps": 24}}
+    (tmp_path / "latest").write_text("global_step12")      # what _SavedEngine loads
     run = RunCheckpoints.from_options(str(tmp_path), None, True, "infinity", schedule=longer)
     assert run.resume_into(_SavedEngine(twelve), _Sampler(), {"seed": 0}, last_step=24) == 12
     assert "the steps from 13 on follow the new one" in infinity_log.text
