@@ -50,7 +50,9 @@ CARRIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.j
                  "added_tokens.json", "chat_template.jinja", "chat_template.json",
                  "preprocessor_config.json", "spiece.model", "vocab.txt")
 MODEL_TEXTS = ("config.json", "generation_config.json")
-_WEIGHT_FILE = re.compile(r"model(-[0-9a-f]{8})?(-\d{5}-of-\d{5})?\.safetensors")
+# the token only with a shard suffix (``shard_names`` writes no other): ``model-20240101``
+# and ``model-deadbeef.safetensors`` are a user's files, which a save must leave alone
+_WEIGHT_FILE = re.compile(r"model(?:(?:-[0-9a-f]{8})?-\d{5}-of-\d{5})?\.safetensors")
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.partial")
 
 

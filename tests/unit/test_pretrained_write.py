@@ -254,13 +254,17 @@ def test_a_stale_partial_file_is_replaced(tmp_path: Path) -> None:
 
 def test_a_single_file_save_removes_an_earlier_index_and_its_shards(tmp_path: Path) -> None:
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                 "model.safetensors.index.json", "model-1-of-2.safetensors", "notes.txt"):
+                 "model.safetensors.index.json", "model-1-of-2.safetensors", "notes.txt",
+                 "model-deadbeef.safetensors", "model-20240101.safetensors"):
         (tmp_path / name).write_text("old")
     writer = ShardedWriter(tmp_path, [("a", F32, (2,))], 100)
     writer.append("a", torch.ones(2))
     writer.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-1-of-2.safetensors",
-                                                          "model.safetensors", "notes.txt"]
+    # a user's files of names a save never writes stay (a token alone, without a shard
+    # suffix, was taken for an earlier save's shard and removed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model-1-of-2.safetensors", "model-20240101.safetensors", "model-deadbeef.safetensors",
+        "model.safetensors", "notes.txt"]
 
 
 def test_files_and_the_directory_are_fsynced(tmp_path: Path, monkeypatch) -> None:
