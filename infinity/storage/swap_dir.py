@@ -42,8 +42,10 @@ _MARKER_TMP = MARKER_TMP_NAME
 _DIR_NAME = re.compile(rf"^{re.escape(DIR_PREFIX)}r(\d+)-p(\d+)-[0-9a-f]{{6}}\Z")
 ORPHAN_GRACE_S = 60.0
 """A temporary marker that cannot be read is left alone this long (its writer may still run)."""
-# Names we create in a private dir: plain, no slash, no leading dot, short.
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")   # \Z: "$" also matches before a final "\n"
+# The only names we create in a private dir: the swap space's files (storage/swap.py) and
+# nvme-tune's test file. A marker is a file on disk anyone can write, so it is believed only
+# for names of these kinds: one listing "thesis.tex" in a directory named like ours removed it.
+_FILE_NAME = re.compile(r"^(?:swap|tune)-\d{1,9}\.bin\Z")   # \Z: "$" also matches before a final "\n"
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 _log = get_logger("storage.swap_dir")
@@ -248,7 +250,7 @@ def _remove_listed(path: Path, names: list[str]) -> Removal:
         return result
     try:
         for name in [*names, MARKER_NAME, _MARKER_TMP]:
-            if not _FILE_NAME.match(name):
+            if not _FILE_NAME.match(name) and name not in (MARKER_NAME, _MARKER_TMP):
                 _log.warning("swap dir %s: marker lists %r, which is not a name infinity creates; "
                              "not deleting it", path, name)
                 continue
@@ -351,8 +353,8 @@ class SwapDir:
         does not exist (which reclaim skips), never an unlisted file of ours.
         """
         if not _FILE_NAME.match(name) or name in (MARKER_NAME, _MARKER_TMP):
-            raise ValueError(f"swap file name {name!r} must be a plain name of letters, digits, "
-                             "'_', '.', '-' (not starting with '.')")
+            raise ValueError(f"swap file name {name!r} is not a name the engine creates "
+                             "(swap-<n>.bin, tune-<n>.bin): reclaim would not remove it")
         if self._removed:
             raise SwapDirError(f"swap directory {self.path} was already removed")
         if name in self._marker.files:

@@ -57,7 +57,7 @@ def test_create_makes_private_dir_with_marker(disk_dir: Path) -> None:
         p = d.register_file("swap-0.bin")
         p.write_bytes(b"x" * 10)
         assert sd.read_marker(d.path).files == ["swap-0.bin"]
-        with pytest.raises(ValueError, match="plain name"):
+        with pytest.raises(ValueError, match="not a name the engine creates"):
             d.register_file("../escape")
         assert d.owner.liveness()[0] is Liveness.ALIVE
     finally:
@@ -465,7 +465,7 @@ def test_marker_file_mode_is_0600(tmp_path):
     old = os.umask(0)
     try:
         d = SwapDir.create(tmp_path)
-        d.register_file("a.bin")
+        d.register_file("swap-0.bin")
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.lstat(d.path / MARKER_NAME).st_mode) == 0o600
@@ -479,24 +479,24 @@ def test_marker_write_refuses_a_planted_symlink(tmp_path):
     victim.write_text("untouched")
     os.symlink(victim, d.path / TMP_MARKER)
     with pytest.raises(OSError):
-        d.register_file("a.bin")
+        d.register_file("swap-0.bin")
     assert victim.read_text() == "untouched"
 
 
 def test_second_remove_reports_the_dir_removed_and_registering_after_fails(tmp_path):
     d = SwapDir.create(tmp_path)
-    d.register_file("a.bin").write_bytes(b"1234")
+    d.register_file("swap-0.bin").write_bytes(b"1234")
     first = d.remove()
     assert first.dir_removed and first.files_removed == 1
     second = d.remove()
     assert second.path == d.path and second.dir_removed and second.files_removed == 0
     with pytest.raises(SwapDirError):
-        d.register_file("b.bin")
+        d.register_file("swap-1.bin")
 
 
 def test_marker_json_round_trip_and_missing_created():
     owner = sd.Owner(pid=12, boot_id="b", start_time=34, rank=3, hostname="h")
-    m = sd.Marker(owner=owner, files=["a.bin", "b.bin"], created=1234.5)
+    m = sd.Marker(owner=owner, files=["swap-0.bin", "swap-1.bin"], created=1234.5)
     assert sd.Marker.from_json(m.to_json(), None) == m
     import json
     data = json.loads(m.to_json())
@@ -509,14 +509,14 @@ def test_dry_run_reports_the_listed_files_blocks(tmp_path):
     owner = sd.Owner(pid=pid, boot_id=sd.boot_id(), start_time=1, rank=0, hostname=sd.socket.gethostname())
     path = tmp_path / f"{sd.DIR_PREFIX}r0-p{pid}-abcdef"
     path.mkdir()
-    (path / MARKER_NAME).write_text(sd.Marker(owner=owner, files=["a.bin", "b.bin"]).to_json())
-    for name, size in (("a.bin", 8192), ("b.bin", 12288)):
+    (path / MARKER_NAME).write_text(sd.Marker(owner=owner, files=["swap-0.bin", "swap-1.bin"]).to_json())
+    for name, size in (("swap-0.bin", 8192), ("swap-1.bin", 12288)):
         with open(path / name, "wb") as f:
             os.posix_fallocate(f.fileno(), 0, size)
-    expected = sum(os.lstat(path / n).st_blocks * 512 for n in ("a.bin", "b.bin"))
+    expected = sum(os.lstat(path / n).st_blocks * 512 for n in ("swap-0.bin", "swap-1.bin"))
     result = sd.reclaim(path, dry_run=True)
     assert result.path == path and result.bytes_freed == expected and result.files_removed == 2
-    assert (path / "a.bin").exists()
+    assert (path / "swap-0.bin").exists()
 
 
 def test_lock_state_cannot_be_told_through_a_symlink_or_of_a_file(tmp_path):
@@ -533,12 +533,12 @@ def test_lock_state_cannot_be_told_through_a_symlink_or_of_a_file(tmp_path):
 def test_remove_listed_refuses_a_symlinked_directory(tmp_path):
     real = tmp_path / "real"
     real.mkdir()
-    (real / "a.bin").write_text("keep")
+    (real / "swap-0.bin").write_text("keep")
     link = tmp_path / "link"
     os.symlink(real, link)
     with pytest.raises(OSError):
-        sd._remove_listed(link, ["a.bin"])
-    assert (real / "a.bin").read_text() == "keep"
+        sd._remove_listed(link, ["swap-0.bin"])
+    assert (real / "swap-0.bin").read_text() == "keep"
 
 
 # -- boot ids, markers, orphans and reclaim: what each names; listed files removed one by one ---
@@ -590,7 +590,7 @@ def test_start_time_is_stable_across_a_parenthesised_name_and_memory_growth():
 
 
 def test_dry_run_and_real_run_agree_on_reason_and_bytes(tmp_path):
-    path, pid = _dead_owner_dir(tmp_path, files={"a.bin": 1 << 20, "b.bin": 8192})
+    path, pid = _dead_owner_dir(tmp_path, files={"swap-0.bin": 1 << 20, "swap-1.bin": 8192})
     dry = sd.reclaim(path, dry_run=True)
     assert f"pid {pid} is gone" in dry.reason
     real = sd.reclaim(path)
@@ -644,12 +644,12 @@ def test_no_free_name_left_names_the_parent(tmp_path, monkeypatch):
 
 def test_register_errors_name_the_file_and_the_directory(tmp_path):
     d = SwapDir.create(tmp_path)
-    d.register_file("a.bin")
-    with pytest.raises(ValueError, match=f"'a.bin' is already registered in {d.path}"):
-        d.register_file("a.bin")
+    d.register_file("swap-0.bin")
+    with pytest.raises(ValueError, match=f"'swap-0.bin' is already registered in {d.path}"):
+        d.register_file("swap-0.bin")
     d.remove()
     with pytest.raises(SwapDirError, match=f"{d.path} was already removed"):
-        d.register_file("b.bin")
+        d.register_file("swap-1.bin")
 
 
 def test_reclaim_stale_goes_on_past_live_and_foreign_dirs_and_logs_what_it_freed(tmp_path,
@@ -657,7 +657,7 @@ def test_reclaim_stale_goes_on_past_live_and_foreign_dirs_and_logs_what_it_freed
     live = SwapDir.create(tmp_path)                                # infinity-swap-r0-p<pid>-...
     foreign = tmp_path / f"{sd.DIR_PREFIX}m-foreign"                # no marker
     foreign.mkdir()
-    stale, pid = _dead_owner_dir(tmp_path, name=f"{sd.DIR_PREFIX}z-stale", files={"s.bin": 4096})
+    stale, pid = _dead_owner_dir(tmp_path, name=f"{sd.DIR_PREFIX}z-stale", files={"swap-0.bin": 4096})
     assert sorted(sd.find_swap_dirs(tmp_path)) == sorted([live.path, foreign, stale])
     assert sd.find_swap_dirs(tmp_path)[-1] == stale
     with infinity_log.at_level("DEBUG", logger="infinity"):
@@ -695,14 +695,29 @@ def test_unlisted_names_are_refused_with_a_warning_naming_them(tmp_path, infinit
     assert f"swap dir {path}: marker lists '../victim'" in infinity_log.text
 
 
+def test_a_marker_is_believed_only_for_names_the_engine_creates(tmp_path, infinity_log):
+    """A marker in a directory named like ours, with a dead owner, listing a user's file: the
+    file stays (it was unlinked: any plain name was taken for one of ours)."""
+    path, _ = _dead_owner_dir(tmp_path)
+    owner = sd.read_marker(path).owner
+    (path / "thesis.tex").write_text("mine")
+    (path / "swap-0.bin").write_bytes(b"ours")
+    (path / MARKER_NAME).write_text(sd.Marker(owner=owner,
+                                              files=["thesis.tex", "swap-0.bin"]).to_json())
+    sd.reclaim(path)
+    assert (path / "thesis.tex").read_text() == "mine"
+    assert not (path / "swap-0.bin").exists()
+    assert f"swap dir {path}: marker lists 'thesis.tex'" in infinity_log.text
+
+
 def test_a_listed_symlink_is_removed_counting_its_own_blocks_not_its_targets(tmp_path):
     target = tmp_path / "big-outside"
     with open(target, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, 1 << 20)
-    path, _ = _dead_owner_dir(tmp_path, files={"a.bin": 4096})
+    path, _ = _dead_owner_dir(tmp_path, files={"swap-0.bin": 4096})
     owner = sd.read_marker(path).owner
-    (path / MARKER_NAME).write_text(sd.Marker(owner=owner, files=["link.bin", "a.bin"]).to_json())
-    os.symlink(target, path / "link.bin")
+    (path / MARKER_NAME).write_text(sd.Marker(owner=owner, files=["swap-1.bin", "swap-0.bin"]).to_json())
+    os.symlink(target, path / "swap-1.bin")
     result = sd.reclaim(path)
     assert result.dir_removed and result.files_removed == 2
     assert result.bytes_freed < 1 << 20
@@ -710,9 +725,9 @@ def test_a_listed_symlink_is_removed_counting_its_own_blocks_not_its_targets(tmp
 
 
 def test_a_listed_directory_is_left_and_the_files_after_it_removed(tmp_path):
-    path, _ = _dead_owner_dir(tmp_path, files={"b.bin": 4096})
+    path, _ = _dead_owner_dir(tmp_path, files={"swap-1.bin": 4096})
     owner = sd.read_marker(path).owner
-    (path / MARKER_NAME).write_text(sd.Marker(owner=owner, files=["sub", "b.bin"]).to_json())
+    (path / MARKER_NAME).write_text(sd.Marker(owner=owner, files=["sub", "swap-1.bin"]).to_json())
     (path / "sub").mkdir()
     result = sd.reclaim(path)
     assert not result.dir_removed and result.leftovers == ["sub"] and result.files_removed == 1
@@ -720,7 +735,7 @@ def test_a_listed_directory_is_left_and_the_files_after_it_removed(tmp_path):
 
 
 def test_a_directory_removed_meanwhile_by_another_cleaner_counts_as_removed(tmp_path, monkeypatch):
-    path, _ = _dead_owner_dir(tmp_path, files={"a.bin": 4096})
+    path, _ = _dead_owner_dir(tmp_path, files={"swap-0.bin": 4096})
     real_rmdir = os.rmdir
 
     def raced(p, *args, **kwargs):   # the other cleaner's rmdir won
@@ -734,7 +749,7 @@ def test_a_directory_removed_meanwhile_by_another_cleaner_counts_as_removed(tmp_
 
 def test_a_directory_that_stays_and_cannot_be_listed_is_reported_unreadable(tmp_path, monkeypatch,
                                                                             infinity_log):
-    path, _ = _dead_owner_dir(tmp_path, files={"a.bin": 4096})
+    path, _ = _dead_owner_dir(tmp_path, files={"swap-0.bin": 4096})
     (path / "users-file").write_text("x")
     real_listdir, real_rmdir = os.listdir, os.rmdir
     tried_rmdir = []
@@ -760,7 +775,7 @@ def test_a_directory_that_stays_and_cannot_be_listed_is_reported_unreadable(tmp_
 def test_names_ending_in_a_newline_are_not_ours(tmp_path):
     """The name patterns ended in "$", which also matches before a final newline."""
     d = SwapDir.create(tmp_path)
-    with pytest.raises(ValueError, match="plain name"):
+    with pytest.raises(ValueError, match="not a name the engine creates"):
         d.register_file("a.bin\n")
     d.remove()
     path = tmp_path / f"{sd.DIR_PREFIX}r0-p{dead_pid()}-abcdef\n"
