@@ -75,9 +75,11 @@ WRITTEN_FILE = re.compile(r"manifest\.json|rank\d+_(model|optim)\.safetensors")
 """The names a save writes into a checkpoint directory, and so the only names ever removed from
 one; a file kind added later is added here, nowhere else."""
 
-_STAGING = re.compile(r"^\.(?P<tag>.+)\.partial(?:\.[0-9a-f]{8})?\Z")
-"""A staging directory: ``.<tag>.partial.<writer's token>`` (``.<tag>.partial`` before the token
-was added: such a directory is cleaned up the same way)."""
+_STAGING = re.compile(r"^\.(?P<tag>.+)\.partial\.[0-9a-f]{8}\Z")
+"""A staging directory: ``.<tag>.partial.<writer's token>``. The token is what tells one from a
+user's directory: a hidden ``.dataset.partial`` (the name before the token was added, and a
+name other tools use) is not ours, and neither a save nor ``infinity clean`` touches it (it was
+taken for one: the files of a save's names in it removed, the others moved into ``dataset``)."""
 
 
 def is_written_name(name: str) -> bool:
@@ -175,6 +177,11 @@ def ensure_save_dir(save_dir: Path) -> None:
                               "another save_dir or fix its permissions")
 
 
+def staging_target(staging: Path) -> Path:
+    """The tag directory a staging directory (``staging_dirs``) was to become."""
+    return staging.parent / _STAGING.match(staging.name).group("tag")
+
+
 def clean_stale_staging(save_dir: Path, keep: list[Path] = ()) -> list[Path]:
     """Remove the staging directories a save that did not finish left in ``save_dir`` (all
     but ``keep``); returns those removed. Only the names a save writes are deleted; files of
@@ -185,9 +192,8 @@ def clean_stale_staging(save_dir: Path, keep: list[Path] = ()) -> list[Path]:
     for staging in staging_dirs(save_dir):
         if staging in keep:
             continue
-        tag = _STAGING.match(staging.name).group("tag")
-        final = save_dir / tag
-        if _TAG.match(tag) and final.is_dir() and not final.is_symlink():
+        final = staging_target(staging)
+        if _TAG.match(final.name) and final.is_dir() and not final.is_symlink():
             _carry_user_files(staging, final, keep_ours=False)
         remove_checkpoint_files(staging, ours_only=False)
         if not staging.exists():

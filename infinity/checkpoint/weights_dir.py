@@ -78,6 +78,21 @@ def is_partial(name: str) -> bool:
     return match is not None and is_written_name(match.group("name"))
 
 
+def holds_weights(directory: Path) -> bool:
+    """Whether ``directory`` is a weights directory: it holds weight files, an index, or the
+    hidden file of a weight file (a first save that did not finish). What ``infinity clean``
+    asks before it removes hidden files of other written names there (``.config.json.partial``,
+    ``.tokenizer.json.partial``), which in any other directory (an nvme_path, /var/tmp) may be
+    another program's."""
+    try:
+        names = [e.name for e in os.scandir(directory)]
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return any(is_weight_file(name) or name == INDEX_NAME or (
+        _PARTIAL.fullmatch(name) is not None and
+        is_weight_file(_PARTIAL.fullmatch(name).group("name"))) for name in names)
+
+
 def stale_partials(directory: Path) -> list[Path]:
     """The hidden files of saves that did not finish in ``directory`` (plain files only)."""
     try:

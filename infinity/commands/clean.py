@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 from infinity.commands import UsageError
-from infinity.checkpoint.directory import clean_stale_staging, staging_dirs
-from infinity.checkpoint.weights_dir import remove_stale_partials, stale_partials
+from infinity.checkpoint.directory import clean_stale_staging, staging_dirs, staging_target
+from infinity.checkpoint.weights_dir import holds_weights, remove_stale_partials, stale_partials
 from infinity.checkpoint.writer_lock import SaveDirBusyError, SaveLock
 from infinity.base.sizes import format_bytes
 from infinity.storage.swap_dir import (DIR_PREFIX, MARKER_NAME, MARKER_TMP_NAME, NotOursError,
@@ -62,14 +62,15 @@ def _clean_unfinished_saves(save_dir: Path, staging: list[Path], partials: list[
     if dry_run:
         for path in staging:
             print(f"{path}: would remove the files a checkpoint save left there (a save that "
-                  "did not finish)")
+                  f"did not finish); files of other names in it would go back into "
+                  f"{staging_target(path)} where that is a directory, else stay")
         for path in partials:
             print(f"{path}: would remove it, left by a save that did not finish")
         return 0
     try:
         with SaveLock.acquire(save_dir):
             removed = clean_stale_staging(save_dir)
-            removed_partials = remove_stale_partials(save_dir)
+            removed_partials = remove_stale_partials(save_dir) if partials else []
     except SaveDirBusyError as exc:
         print(f"infinity clean: refused: {exc}", file=sys.stderr)
         return 1
@@ -98,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot list {path} to find its swap directories: "
                          f"{exc.strerror or exc} (errno {exc.errno}); run clean as a user who "
                          "may read it, or name one swap directory in it") from exc
-    staging, partials = staging_dirs(path), stale_partials(path)
+    staging = staging_dirs(path)
+    partials = stale_partials(path) if holds_weights(path) else []
     if not candidates and not staging and not partials:
         raise NotOursError(f"{path} has no {MARKER_NAME} marker and holds no infinity swap "
                            "directories, no checkpoint staging directories and no hidden files "

@@ -230,7 +230,7 @@ def test_a_save_stopped_between_renames_is_recovered(engine, disk_dir, monkeypat
 
 
 def test_a_users_file_in_a_left_staging_directory_goes_into_the_tag(engine, disk_dir):
-    staging = disk_dir / "ckpt" / ".t.partial"
+    staging = disk_dir / "ckpt" / ".t.partial.0a1b2c3d"
     staging.mkdir(parents=True)
     (staging / "rank0_model.safetensors").write_bytes(b"half a file")
     (staging / "notes.txt").write_text("mine")
@@ -285,7 +285,7 @@ def test_a_users_safetensors_in_a_left_staging_directory_survives(engine, disk_d
     that directory, removes only the names a save writes, and takes the user's file along."""
     ckpt = disk_dir / "ckpt"
     engine.save_checkpoint(ckpt, tag="best")
-    staging = ckpt / ".best.partial"
+    staging = ckpt / ".best.partial.0a1b2c3d"
     staging.mkdir()
     (staging / "adapter.safetensors").write_bytes(b"not ours")
     (staging / "rank0_model.safetensors").write_bytes(b"a half-written file of ours")

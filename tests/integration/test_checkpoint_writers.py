@@ -176,17 +176,22 @@ def test_a_dead_writers_staging_directories_are_removed_by_the_next_save(engine,
     killed.mkdir()
     (killed / "rank0_model.safetensors").write_bytes(b"half a file")
     (killed / "notes.txt").write_text("the user's")
-    legacy = ckpt / ".gone.partial"                 # an older version's name, tag never made
-    legacy.mkdir()
-    (legacy / "rank0_optim.safetensors").write_bytes(b"half")
+    gone = ckpt / ".gone.partial.76543210"          # a tag never made
+    gone.mkdir()
+    (gone / "rank0_optim.safetensors").write_bytes(b"half")
+    users = ckpt / ".dataset.partial"               # no token: not a save's; left alone
+    users.mkdir()
+    (users / "manifest.json").write_text("{}")
     kept = ckpt / ".other.partial.89abcdef"         # a file we do not write: kept, warned
     kept.mkdir()
     (kept / "mine.txt").write_text("x")
     engine.save_checkpoint(ckpt, tag="new")
-    assert not killed.exists() and not legacy.exists()
+    assert not killed.exists() and not gone.exists()
+    assert sorted(p.name for p in users.iterdir()) == ["manifest.json"]
     assert (ckpt / "old" / "notes.txt").read_text() == "the user's"
     assert sorted(p.name for p in kept.iterdir()) == ["mine.txt"]
-    assert sorted(p.name for p in ckpt.iterdir()) == [".other.partial.89abcdef", "latest",
+    assert sorted(p.name for p in ckpt.iterdir()) == [".dataset.partial",
+                                                     ".other.partial.89abcdef", "latest",
                                                      "new", "old"]
 
 

@@ -190,7 +190,9 @@ def test_clean_of_a_checkpoint_directory_removes_unfinished_saves_staging(
     (staging / "notes.txt").write_text("the user's")
     (ckpt / "mine.txt").write_text("keep")
     assert main(["clean", str(ckpt), "--dry-run"]) == 0
-    assert "would remove" in capsys.readouterr().out and staging.exists()
+    said = capsys.readouterr().out
+    assert "would remove" in said and staging.exists()
+    assert f"files of other names in it would go back into {ckpt / 't'}" in said
     with SaveLock.acquire(ckpt):        # a save running now (another fd: another writer)
         assert main(["clean", str(ckpt)]) == 2
         assert "being saved into by another process" in capsys.readouterr().err
@@ -199,3 +201,26 @@ def test_clean_of_a_checkpoint_directory_removes_unfinished_saves_staging(
     assert "removed, left by a checkpoint save" in capsys.readouterr().out
     assert sorted(p.name for p in ckpt.iterdir()) == ["mine.txt", "t"]
     assert (ckpt / "t" / "notes.txt").read_text() == "the user's"
+
+
+def test_clean_of_a_parent_leaves_hidden_partial_names_that_are_not_a_saves(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A user's ``.dataset.partial`` directory (no writer's token) and a ``.tokenizer.json.partial``
+    in a directory that holds no weights are not what a save left: untouched (clean removed the
+    files of a save's names from the one, moved the rest into ``dataset``, and deleted the other)."""
+    users = tmp_path / ".dataset.partial"
+    users.mkdir()
+    for name in ("manifest.json", "rank0_model.safetensors", "notes.txt"):
+        (users / name).write_text(name)
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / ".tokenizer.json.partial").write_text("theirs")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert main(["clean", str(tmp_path)]) == 2
+    assert "nothing was touched" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    # the same hidden file beside a weights save is that save's: removed
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    assert main(["clean", str(tmp_path)]) == 0
+    assert not (tmp_path / ".tokenizer.json.partial").exists()
+    assert sorted(p.name for p in users.iterdir()) == ["manifest.json", "notes.txt",
+                                                       "rank0_model.safetensors"]
