@@ -143,7 +143,18 @@ def _prepared(model: nn.Module, prepare: Callable[[nn.Module], nn.Module],
     # what it builds (an adapter) keeps the values it gave them when moved to the meta device
     # of the layers it wraps; a copy of a loaded layer (modules_to_save) is loaded as it
     with values_kept_through_meta_moves():
-        prepared = prepare(model)
+        try:
+            prepared = prepare(model)
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            # an adapter computed from the base weights (PiSSA's and OLoRA's SVD, LoftQ, EVA)
+            # meets meta tensors here, and torch's error says nothing of why
+            raise ValueError(
+                f"prepare_model raised {type(exc).__name__}: {exc}. It runs before the "
+                "checkpoint's weights are read (they stream into the prepared model), so the "
+                "model's parameters are on the meta device: if it initialises an adapter "
+                "from the base weights (PiSSA, OLoRA, LoftQ, EVA, DoRA), that cannot be done "
+                "here. Use one that does not read them (LoRA's default init), or load the base "
+                "with transformers, prepare it, and pass it to infinity.initialize") from exc
     if not isinstance(prepared, nn.Module):
         raise TypeError(f"prepare_model returned {type(prepared).__name__}, not the nn.Module "
                         "to train")

@@ -214,6 +214,15 @@ class Trainer(transformers.Trainer):
                 "trains without DeepSpeed. Launch with torchrun (or accelerate without "
                 "DeepSpeed), with Trainer and TrainingArguments imported from "
                 "infinity.integrations.hf")
+        if self.args.load_best_model_at_end and self.args.save_only_model:
+            # transformers refuses this pair under DeepSpeed and FSDP too
+            raise ValueError(
+                "TrainingArguments(load_best_model_at_end=True, save_only_model=True): the "
+                "checkpoints would hold the model's weights but no engine state, which this "
+                "Trainer loads the best model from (the last step's weights would stay, "
+                "silently). Drop save_only_model (checkpoints then hold the engine's state), "
+                "or keep it and load the best checkpoint's weights yourself after training "
+                "(infinity.from_pretrained(trainer.state.best_model_checkpoint))")
         self.engine = None
         # where the engine's schedule came from: "args" (built here from the TrainingArguments),
         # "config" (the ds_config's), "user" (the Trainer's or the engine's own)
@@ -446,7 +455,11 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         log.info("loading the best model from %s (score %s)", best, self.state.best_metric)
-        self.engine.load_checkpoint(best, load_module_only=True)
+        path, _ = self.engine.load_checkpoint(best, load_module_only=True)
+        if path is None:
+            raise FileNotFoundError(f"load_best_model_at_end: the best checkpoint {best!r} holds "
+                                    "no infinity checkpoint ('latest'), so the best model "
+                                    "cannot be loaded; the model keeps the last step's weights")
 
     def close(self) -> None:
         """Close the engine (its swap files are removed); the model is released with it."""

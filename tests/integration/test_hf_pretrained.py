@@ -480,6 +480,18 @@ def test_an_adapter_computed_from_unloaded_weights_is_refused(disk_dir) -> None:
     assert "infinity.initialize" in message, message
 
 
+def test_an_adapter_initialised_by_an_svd_of_unloaded_weights_is_named(disk_dir) -> None:
+    """PiSSA's SVD of the base weight on the meta device failed inside PEFT with torch's
+    "incompatible tensor type" and no word of why; the error now says what prepare_model
+    runs on and the two routes that work."""
+    pytest.importorskip("peft")
+    src = hf_saved(disk_dir, "llama", layers=2)
+    with pytest.raises(ValueError, match=r"prepare_model raised .*meta device.*PiSSA.*"
+                                         r"infinity\.initialize"):
+        infinity.from_pretrained(src, config=_config(disk_dir),
+                                 prepare_model=lambda m: _peft(m, init_lora_weights="pissa"))
+
+
 def _neox(directory: Path) -> Path:
     """A small random GPT-NeoX saved by transformers: the Hub layout, with embed_out, which
     transformers renames to lm_head while it loads."""

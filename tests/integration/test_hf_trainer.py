@@ -254,6 +254,21 @@ def test_a_checkpoint_of_weights_alone_is_refused_for_a_resume_saying_why(disk_d
         trainer._load_from_checkpoint(str(tmp_path / "nowhere"))
 
 
+def test_the_best_model_from_checkpoints_of_weights_alone_is_refused_before_training(
+        disk_dir, tmp_path) -> None:
+    """load_best_model_at_end with save_only_model: the checkpoints hold no engine state, and
+    the best one was not loaded (its load found no 'latest' and the engine kept the last step's
+    weights, 0.026 from the best's, with a warning only). Refused when the Trainer is made, as
+    transformers refuses the pair under DeepSpeed."""
+    args = hf.TrainingArguments(tmp_path / "run", deepspeed=hf_ds(disk_dir), **hf_args(
+        max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        save_only_model=True, load_best_model_at_end=True))
+    with pytest.raises(ValueError, match="load_best_model_at_end=True, save_only_model=True.*"
+                                         "Drop save_only_model"):
+        hf.Trainer(model=make_model("llama", layers=1, width=32), train_dataset=hf_data(4),
+                   eval_dataset=hf_data(2), args=args)
+
+
 @pytest.mark.parametrize("early_step", ["on", "off"])
 def test_a_ctrl_c_in_the_trainers_backward_stops_after_its_step(disk_dir, tmp_path,
                                                                 early_step: str) -> None:
