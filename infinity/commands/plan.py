@@ -150,8 +150,10 @@ def _stats(args: argparse.Namespace, unit_modules: tuple[str, ...] | None) -> tu
     except ImportError as exc:
         raise ValueError(f"--hf-config needs transformers ({exc}); use --params or --model-size") from None
     hf_config = _hf_config(args.hf_config, transformers)
+    from infinity.train.models import causal_lm_from_config
+
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        model = causal_lm_from_config(hf_config)
     stats = ModelStats.from_module(model, unit_modules)
     layers = max(1, stats.n_units - 2)
     return stats, shape_from_hf_config(hf_config) or estimated_shape(stats.total_params, layers)
@@ -265,9 +267,11 @@ def _meta_model(args: argparse.Namespace) -> Any:
         from infinity.train.models import preset_config
 
         config = preset_config(args.model_size, seq_len=0)
+    from infinity.train.models import causal_lm_from_config
+
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return causal_lm_from_config(config)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -276,16 +280,22 @@ def run(args: argparse.Namespace) -> int:
                          "add --dry-run (with --hf-config or --model-size)")
     if args.dry_run and args.params is not None:
         _meta_model(args)           # refused before any planning: --dry-run needs the modules
-    from infinity.train.metrics import check_writable
+    from infinity.train.metrics import check_plot_path, check_writable
 
-    for flag, path, example in (("--trace", args.trace, "step.json"),
-                                ("--plot", args.plot, "step.png")):
-        if path:                    # before the dry run, not after it
-            check_writable(Path(path), flag, example=example)
+    # before the dry run, not after it (a picture matplotlib cannot write was refused after
+    # the trace was written)
+    if args.trace:
+        check_writable(Path(args.trace), "--trace", example="step.json")
+    if args.plot:
+        check_plot_path(Path(args.plot), example="step.png")
     described = target_from_args(args)
     if described is not None:
         return _run_target(args, *described)
     args.world_size = 1 if args.world_size is None else args.world_size
+    if args.dry_run and args.world_size != 1:
+        raise ValueError(f"--dry-run on this machine runs one rank, and --world-size is "
+                         f"{args.world_size}: drop --world-size for the dry run, or describe "
+                         "the machines (--gpus N, --nodes M ...) to dry-run several ranks")
     budgets = {}
     if args.host_budget:
         budgets["host_memory_budget"] = parse_bytes(args.host_budget, "--host-budget")

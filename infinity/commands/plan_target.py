@@ -84,6 +84,20 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
                         "when they do not fit otherwise)")
 
 
+MIN_MACHINE_BYTES = 1 << 20
+"""A size of a machine's memory or disk below this is a missing unit (``--gpu-memory 80``
+read as 80 bytes planned an impossible GPU and gave no useful advice)."""
+
+
+def _machine_bytes(text: str, flag: str, example: str) -> int:
+    """``text`` as bytes for ``flag``; refused when it is too small to be a machine's."""
+    value = parse_bytes(text, flag)
+    if value < MIN_MACHINE_BYTES:
+        raise ValueError(f"{flag} {text}: {value:,} bytes is no machine's {flag[2:]}; give the "
+                         f"unit, e.g. {flag} {example}")
+    return value
+
+
 def _nvme(text: str | None) -> tuple[int, int]:
     """(bytes, drives) of --nvme."""
     if text is None:
@@ -93,8 +107,10 @@ def _nvme(text: str | None) -> tuple[int, int]:
         drives = int(match.group(1))
         if drives < 1:
             raise ValueError(f"--nvme {text}: at least one drive")
-        return drives * parse_bytes(match.group(2), "--nvme"), drives
-    return parse_bytes(text, "--nvme"), 1
+        return drives * _machine_bytes(match.group(2), "--nvme", "28TB"), drives
+    if text.strip() == "0":
+        return 0, 1                 # no NVMe, said outright
+    return _machine_bytes(text, "--nvme", "28TB"), 1
 
 
 def _tuned(path: str) -> tuple[float, float]:
@@ -131,9 +147,7 @@ def target_from_args(args: argparse.Namespace) -> tuple[Target, Workload] | None
                        f"TFLOPS, PCIe {gpu.pcie_GBps:g} GB/s; --gpu or --gpu-tflops/--pcie-GBps)")
     changes: dict[str, object] = {}
     if args.gpu_memory is not None:
-        changes["memory_bytes"] = parse_bytes(args.gpu_memory, "--gpu-memory")
-        if changes["memory_bytes"] <= 0:
-            raise ValueError("--gpu-memory must be > 0")
+        changes["memory_bytes"] = _machine_bytes(args.gpu_memory, "--gpu-memory", "80GiB")
     for flag, field in (("gpu_tflops", "peak_tflops"), ("pcie_GBps", "pcie_GBps"),
                         ("nvlink_GBps", "nvlink_GBps")):
         if getattr(args, flag) is not None:
@@ -152,7 +166,7 @@ def target_from_args(args: argparse.Namespace) -> tuple[Target, Workload] | None
         assumed.append(f"host memory {DEFAULT_HOST_MEMORY_PER_GPU_MEMORY}x the node's GPU memory "
                        "(--host-memory)")
     else:
-        host = parse_bytes(args.host_memory, "--host-memory")
+        host = _machine_bytes(args.host_memory, "--host-memory", "2TiB")
     cores = args.cpu_cores
     if cores is None:
         cores = DEFAULT_CORES_PER_GPU * gpus

@@ -380,6 +380,12 @@ class _Parser:
         where = path or "the top level"
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected a JSON object, got {data!r}")
+        if not path and ("model_type" in data or "architectures" in data):
+            raise ConfigError(
+                f"this is a transformers model config (model_type "
+                f"{data.get('model_type')!r}), not a ds_config: it describes the model, not "
+                "its training. Pass it where a model config is asked for (--hf-config of "
+                "infinity plan and infinity train), and a DeepSpeed-format ds_config here")
         aliases = _ALIASES.get(path, {})
         ignored = IGNORED_KEYS.get(path, ())
         off_only = OFF_ONLY_KEYS.get(path, {})

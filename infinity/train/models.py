@@ -178,23 +178,38 @@ def model_config(model_size: str | None, hf_config_path: str | Path | None, seq_
     return preset_config(model_size or DEFAULT_PRESET, seq_len)
 
 
-def count_parameters(config: Any) -> int:
-    """Parameters of the model ``config`` describes, counted on the meta device (no memory)."""
+def causal_lm_from_config(config: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` (in the caller's device or init context),
+    with a config that has no causal-LM class named as such: transformers' error lists its ~400
+    config classes and says nothing of what to do."""
     from transformers import AutoModelForCausalLM
 
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        raise ValueError(
+            f"the model config (model_type {getattr(config, 'model_type', None)!r}) has no "
+            "causal language model class in transformers (AutoModelForCausalLM): infinity "
+            "train and infinity plan build decoder-only models from a config. Train an "
+            "encoder-decoder (T5, BART) or encoder (BERT) model through infinity.initialize "
+            "with its own class, and plan it with --params") from None
+
+
+def count_parameters(config: Any) -> int:
+    """Parameters of the model ``config`` describes, counted on the meta device (no memory)."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = causal_lm_from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
 def model_stats(config: Any, unit_modules: tuple[str, ...] | None = None) -> Any:
     """The planner's ``ModelStats`` (counts, units) of the model ``config`` describes, on meta."""
-    from transformers import AutoModelForCausalLM
-
     from infinity.planner.inputs import ModelStats
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = causal_lm_from_config(config)
     return ModelStats.from_module(model, unit_modules)
 
 
@@ -204,10 +219,8 @@ def build_model(config: Any, init_context: ContextManager[Any] | None = None) ->
     ``init_context`` is ``infinity.zero.Init(config=...)`` for the engine (parameters stay meta
     until the engine places each unit in its home tier), or nothing for the torch baseline.
     """
-    from transformers import AutoModelForCausalLM
-
     with init_context if init_context is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(config)
+        model = causal_lm_from_config(config)
     return model
 
 

@@ -200,6 +200,36 @@ def test_target_flags_errors(capsys) -> None:
     assert "needs its GPU" in capsys.readouterr().err
     assert cli.main(["plan", "--model-size", "7B", "--gpu", "H100", "--host-budget", "8GiB"]) == 2
     assert "--host-memory" in capsys.readouterr().err
+    # a size without its unit is bytes: refused, not planned as an 80-byte GPU (whose only
+    # advice was that splitting a weight is not built)
+    for flag, example in (("--gpu-memory", "80GiB"), ("--host-memory", "2TiB"),
+                          ("--nvme", "28TB")):
+        extra = [] if flag == "--gpu-memory" else ["--gpu", "H100"]
+        assert cli.main(["plan", "--params", "7B", "--gpus", "1", *extra, flag, "80"]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} 80: 80 bytes is no machine's" in err and f"e.g. {flag} {example}" in err
+    # --dry-run on this machine is one rank
+    assert cli.main(["plan", "--model-size", "tiny", "--world-size", "2", "--dry-run"]) == 2
+    assert "--dry-run on this machine runs one rank" in capsys.readouterr().err
+
+
+def test_model_configs_in_the_wrong_place_are_named(tmp_path, capsys) -> None:
+    """A transformers config.json given as --config (it suggested 'data_types' for
+    'model_type'), and a config with no causal-LM class (transformers listed ~400 classes)."""
+    import json
+
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                 "hidden_size": 64}))
+    assert cli.main(["plan", "--model-size", "tiny", "--config", str(llama)]) == 2
+    assert "this is a transformers model config (model_type 'llama'), not a ds_config" in \
+        capsys.readouterr().err
+    t5 = tmp_path / "t5.json"
+    t5.write_text(json.dumps({"model_type": "t5", "d_model": 64, "d_ff": 128, "d_kv": 16,
+                              "num_layers": 1, "num_heads": 4, "vocab_size": 100}))
+    assert cli.main(["plan", "--hf-config", str(t5)]) == 2
+    err = capsys.readouterr().err
+    assert "model_type 't5') has no causal language model class" in err and len(err) < 600
 
 
 def test_target_flags_build_the_target(tmp_path, capsys) -> None:
