@@ -23,6 +23,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 SUPPORTED = "torch.optim.Adam, torch.optim.AdamW (or a callable returning one, given the parameters)"
+GROUP_KEYS_CARRIED = ("name", "optimizer_moments", "optimizer_master")
+"""Keys of a passed optimizer's param group the engine takes as they are (they were dropped:
+an embedding group's "optimizer_moments": "fp32" was stored in the config's int8)."""
 
 
 def client_param_groups(optimizer: Any, model_parameters: Iterable | None,
@@ -75,8 +78,11 @@ def _group(group: dict, index: int, decoupled_default: bool) -> dict:
            "weight_decay": _number(group.get("weight_decay", 0.0), "weight_decay", where),
            "adamw_mode": bool(group.get("decoupled_weight_decay", decoupled_default)),
            "bias_correction": True}
-    if "name" in group:
-        out["name"] = group["name"]
+    # torch keeps a group's other keys as they are; the engine's own per-group keys (the name,
+    # the Adam state formats: docs/optimizer-formats.md) apply as they do in model_parameters
+    for key in GROUP_KEYS_CARRIED:
+        if key in group:
+            out[key] = group[key]
     return out
 
 
@@ -125,8 +131,21 @@ def rebind_scheduler(scheduler: Any, passed: Any, engine_optimizer: torch.optim.
     # same way (then the rates are set from the user's scheduler)
     torch.optim.lr_scheduler.LambdaLR(engine_optimizer, lambda _: 1.0)
     for ours, theirs in zip(engine_optimizer.param_groups, passed.param_groups):
-        if "initial_lr" in theirs:
-            ours["initial_lr"] = theirs["initial_lr"]
+        # what the scheduler keeps in the groups it drives: initial_lr, and OneCycleLR's
+        # max_lr, min_lr, base_momentum, max_momentum (without them its first step raised
+        # KeyError 'max_lr')
+        for key in set(theirs) - set(passed.defaults) - {"params", *GROUP_KEYS_CARRIED}:
+            ours[key] = theirs[key]
         ours["lr"] = float(theirs["lr"])
-    scheduler.optimizer = engine_optimizer
+    _drive(scheduler, passed, engine_optimizer)
     return scheduler
+
+
+def _drive(scheduler: Any, passed: Any, engine_optimizer: torch.optim.Optimizer) -> None:
+    """``scheduler`` and the schedulers inside it (SequentialLR's, ChainedScheduler's, built
+    on the same optimizer) set the engine's rates: only the outer one was moved, and a
+    SequentialLR's children went on setting the passed optimizer's, the engine's rate fixed."""
+    if getattr(scheduler, "optimizer", None) is passed:
+        scheduler.optimizer = engine_optimizer
+    for child in getattr(scheduler, "_schedulers", None) or ():
+        _drive(child, passed, engine_optimizer)

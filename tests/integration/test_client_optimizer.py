@@ -115,6 +115,67 @@ def test_a_scheduler_on_the_passed_optimizer_and_a_factory_drive_the_engine(disk
         engine.close()
 
 
+@pytest.mark.parametrize("kind", ["SequentialLR", "OneCycleLR"])
+def test_a_composite_or_stateful_schedule_on_the_passed_optimizer_drives_the_engine(
+        disk_dir, kind: str) -> None:
+    """A SequentialLR's children kept setting the passed optimizer's rate (the engine trained
+    at the warm-up's first rate throughout, silently); OneCycleLR's first step raised KeyError
+    'max_lr' (its keys in the passed groups were not carried). Both now follow torch's same
+    schedule on torch's AdamW, step by step."""
+    S = torch.optim.lr_scheduler
+
+    def schedule(opt):
+        if kind == "SequentialLR":
+            return S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.1, total_iters=2),
+                                        S.CosineAnnealingLR(opt, T_max=4)], milestones=[2])
+        return S.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS + 1)
+
+    model = make_model("torch", layers=2)
+    reference = copy.deepcopy(model)
+    passed = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    ref_schedule = schedule(ref_opt)
+    engine, _, _, _ = infinity.initialize(model=model, optimizer=passed,
+                                          lr_scheduler=schedule(passed),
+                                          config=zero_config(3, "cpu", "cpu", str(disk_dir)))
+    try:
+        rates, ref_rates = [], []
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(STEPS):
+            rates.append(engine.get_lr()[0])
+            ref_rates.append(ref_opt.param_groups[0]["lr"])
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+            ref = loss_of(reference(input_ids=x, labels=x))
+            ref.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_schedule.step()
+        assert rates == pytest.approx(ref_rates, rel=1e-12) and len(set(rates)) == STEPS
+        _final_weights_equal(engine, reference)
+    finally:
+        engine.close()
+
+
+def test_a_passed_optimizers_group_keeps_its_own_state_format(disk_dir) -> None:
+    """docs/optimizer-formats.md's per-group "optimizer_moments" in an optimizer's groups (the
+    Hugging Face path): it was dropped, the group stored in the config's int8."""
+    model = make_model("torch", layers=2, width=64)
+    groups = [{"params": [p for n, p in model.named_parameters() if not n.startswith("embed")]},
+              {"params": [model.embed.weight], "optimizer_moments": "fp32"}]
+    ds = zero_config(2, "cpu", "cpu", str(disk_dir))
+    ds.setdefault("infinity", {})["optimizer_moments"] = "int8"
+    engine, optimizer, _, _ = infinity.initialize(
+        model=model, config=ds, optimizer=torch.optim.AdamW(groups, lr=1e-3))
+    try:
+        assert [g["optimizer_moments"] for g in optimizer.param_groups] == ["int8", "fp32"]
+        stored = {s.unit.name: s.fmt.moments for s in engine.optimizer.states}
+        assert stored["embed"] == "fp32" and set(stored.values()) == {"int8", "fp32"}, stored
+    finally:
+        engine.close()
+
+
 def test_what_cannot_be_taken_over_is_refused_with_what_to_do() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     with pytest.raises(TypeError, match=r"torch\.optim\.sgd\.SGD.*Adam/AdamW only.*"
