@@ -27,7 +27,7 @@ from infinity.engine.guards import (
     SPECULATIVE_SWAP_ROOM,
     ZERO_GRAD_AFTER_BOUNDARY_STEPS,
     ZERO_GRAD_UNDER_EARLY_STEP,
-    check_open,
+    check_open, check_pass_start,
     check_same_on_every_rank,
     schedule_label,
     warn_if_hyperparameters_moved,
@@ -209,7 +209,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
 
     def _begin_pass(self) -> tuple[bool, contextlib.ExitStack]:
         """Before a forward: returns whether it trains, and the activation swapper's hooks."""
-        self._check_open("forward")
+        check_pass_start(self)      # open, and nothing frozen at initialize unfrozen since
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self.manager.counters.reset()

@@ -134,6 +134,26 @@ def schedule_label(optimizer: Any) -> str:
     return f"deferred-step (speculative {optimizer.speculation})"
 
 
+def check_pass_start(engine: Any) -> None:
+    """Before a forward: the engine is open (``check_open``), and, for a training forward, no
+    parameter frozen when it was built requires a gradient now. Which parameters train is
+    fixed at ``initialize`` (their optimizer states, their place in the units' trainable
+    ranges): one unfrozen later was silently never updated (torch would train it)."""
+    check_open(engine, "forward")
+    if not (engine.module.training and torch.is_grad_enabled()):
+        return
+    unfrozen = [e.name for unit in engine.units for e in unit.params
+                if e.frozen_at_build and e.param.requires_grad]
+    if unfrozen:
+        raise RuntimeError(
+            f"{len(unfrozen)} parameter(s) frozen when the engine was built now require a "
+            f"gradient ({', '.join(unfrozen[:3])}{' ...' if len(unfrozen) > 3 else ''}): the "
+            "engine trains the parameters that required a gradient at initialize, and would "
+            "leave these as they are. Unfreeze them before infinity.initialize (for a staged "
+            "fine-tune: save_checkpoint, then build a new engine with them unfrozen and "
+            "load_checkpoint(..., load_optimizer_states=False)), or freeze them again")
+
+
 def check_open(engine: Any, what: str) -> None:
     """Raise when ``engine`` cannot take ``engine.<what>()`` now: it was closed, a load failed
     part-way (until a load completes), or an optimizer step failed (its states may be

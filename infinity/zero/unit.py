@@ -63,6 +63,9 @@ class ParamEntry:
     offset: int
     numel: int
     group_index: int  # optimizer param group; -1 when frozen
+    frozen_at_build: bool = False
+    """``requires_grad`` was False when the unit was made: no optimizer state was made for it,
+    so a later ``requires_grad_(True)`` cannot train it (``engine.guards.check_pass_start``)."""
 
     @property
     def trainable(self) -> bool:
@@ -93,7 +96,8 @@ class Unit:
         offsets, self.numel, self.trainable_numel = flat_layout(
             [(param.numel(), group >= 0) for _, param, group in order], dtype.itemsize)
         self.params: list[ParamEntry] = [
-            ParamEntry(name_, param, param.shape, offset, param.numel(), group)
+            ParamEntry(name_, param, param.shape, offset, param.numel(), group,
+                       frozen_at_build=not param.requires_grad)
             for (name_, param, group), offset in zip(order, offsets)]
         # see [Note: shards]: ``shards`` is the world size when states are sharded (stage >= 1)
         self.comm = comm

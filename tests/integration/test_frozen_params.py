@@ -73,3 +73,35 @@ def test_frozen_parameters_never_move(disk_dir, monkeypatch, param, optimizer, e
                 assert torch.equal(trained[name], before), f"frozen {name} moved"
     finally:
         engine.close()
+
+
+def test_a_parameter_frozen_at_initialize_and_unfrozen_later_is_refused(disk_dir) -> None:
+    """The engine trains what required a gradient at initialize: a parameter unfrozen later
+    was never updated (0 movement where torch moved it 0.05), silently. The next training
+    forward refuses, naming it; frozen again, training goes on; an eval forward is not
+    refused. (Freezing a trainable one later is fine: it gets no gradient, as in torch.)"""
+    import infinity
+
+    torch.manual_seed(0)
+    model = LoRAModel()
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    try:
+        engine.backward(engine(x, labels=x))
+        engine.step()
+        model.blocks[0].base.weight.requires_grad_(True)
+        with pytest.raises(RuntimeError, match=r"1 parameter\(s\) frozen when the engine was "
+                                               r"built now require a gradient "
+                                               r"\(blocks\.0\.base\.weight\)"):
+            engine(x, labels=x)
+        engine.eval()
+        with torch.no_grad():
+            engine(x, labels=x)
+        engine.train()
+        model.blocks[0].base.weight.requires_grad_(False)
+        engine.backward(engine(x, labels=x))
+        engine.step()
+    finally:
+        engine.close()
