@@ -109,7 +109,11 @@ OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
                         "gradient_accumulation_steps to the sizes wanted")},
     "fp16": {"fp16_master_weights_and_grads": (_is_off, "false", "master weights stay fp32")},
     "bf16": {"bf16_master_weights_and_grads": (_is_off, "false", "master weights stay fp32"),
-             "bf16_optimizer_states": (_is_off, "false", "Adam moments stay fp32")},
+             "bf16_optimizer_states": (_is_off, "false",
+                                       'for bf16 Adam moments set infinity.optimizer_moments '
+                                       '"bf16"')},
+    # a config written for torch's Adam lists it off; infinity's CPU Adam has none
+    "optimizer.params": {"amsgrad": (_is_off, "false", "infinity's CPU Adam has no AMSGrad")},
     "zero_optimization": {
         "zero_quantized_weights": (_is_off, "false", ""),
         "zero_quantized_nontrainable_weights": (_is_off, "false", ""),

@@ -207,6 +207,16 @@ COPIED_ZERO3 = {
 }
 
 
+def test_amsgrad_off_is_accepted_and_on_is_refused_naming_it() -> None:
+    """A config written for torch's Adam lists amsgrad false: it was an unknown key."""
+    def config(amsgrad: bool) -> InfinityConfig:
+        return InfinityConfig.from_dict({"optimizer": {"type": "AdamW", "params": {
+            "lr": 1e-3, "amsgrad": amsgrad}}})
+    assert config(False).optimizer.lr == 1e-3
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.amsgrad = true.*no AMSGrad"):
+        config(True)
+
+
 def test_a_copied_deepspeed_zero3_config_is_accepted() -> None:
     cfg = InfinityConfig.from_dict(COPIED_ZERO3)
     assert cfg.zero.stage == 3 and cfg.bf16.enabled
