@@ -36,6 +36,7 @@ from infinity.planner.plan import DEFAULT_SWAP_DIR, plan_memory, recommend_confi
 from infinity.planner.state_format import MASTER_FORMATS, MOMENTS_FORMATS, StateFormat
 from infinity.planner.shape import (
     ModelShape,
+    config_int,
     estimated_shape,
     shape_from_hf_config,
     shape_from_llama_kwargs,
@@ -320,13 +321,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = base if args.config else recommend_config(stats, hw, base, nvme_path)
     plan = plan_memory(cfg, stats, hw)
     report = None
-    if args.dry_run:
+    if args.dry_run and plan.fits:      # an infeasible plan has no engine to run
         from infinity.commands.dry_run import dry_run, local_analytical_s, local_setup
         from infinity.planner.target import Workload
 
         setup, rates = local_setup(cfg, stats, hw)   # as the engine would size it
+        model = _meta_model(args)
         workload = Workload()
-        report = dry_run(_meta_model(args), setup, rates, seq_len=workload.seq_len,
+        # the default sequence, or the model's longest (GPT-2, BERT: 512), which it can run
+        longest = config_int(getattr(model, "config", None), "max_position_embeddings",
+                             "n_positions")
+        if longest is not None and longest < workload.seq_len:
+            workload = dataclasses.replace(workload, seq_len=longest)
+        report = dry_run(model, setup, rates, seq_len=workload.seq_len,
                          micro_batch=workload.micro_batch, shape=shape,
                          analytical_s=local_analytical_s(cfg, stats, shape, hw, rates,
                                                          workload))
@@ -368,4 +375,6 @@ def run(args: argparse.Namespace) -> int:
     if report is not None:
         print()
         print(report.render())
+    elif args.dry_run:
+        print("\ndry run: none (the plan is infeasible)")
     return 0

@@ -197,3 +197,29 @@ def test_this_machines_plan_dry_runs_and_params_alone_cannot(disk_dir, capsys) -
     assert any("assumed" in note for note in dry["notes"])
     assert cli.main(["plan", "--params", "7B", "--gpus", "1", "--gpu", "H100", "--dry-run"]) != 0
     assert "--hf-config or --model-size" in capsys.readouterr().err
+
+
+def test_an_infeasible_plan_is_shown_without_a_dry_run(disk_dir, capsys) -> None:
+    """The dry run of a plan that does not fit replaced the plan with an engine error whose
+    advice ("offload deeper") the config already followed; the plan is shown, the dry run
+    said to be none."""
+    from infinity import cli
+
+    assert cli.main(["plan", "--model-size", "85M", "--host-budget", "40MiB", "--nvme-path",
+                     str(disk_dir), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "INFEASIBLE" in out and "dry run: none (the plan is infeasible)" in out
+
+
+def test_the_dry_run_takes_the_models_longest_sequence_when_shorter(tmp_path, capsys) -> None:
+    """GPT-2-style positions (n_positions 64): the dry run ran 2048 tokens (BERT's table
+    crashed with a traceback; GPT-2's was simulated silently at a length it cannot run)."""
+    from infinity import cli
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2,
+                                  "n_head": 4, "n_positions": 64, "vocab_size": 256}))
+    assert cli.main(["plan", "--hf-config", str(config), "--host-budget", "400MiB",
+                     "--nvme-path", str(tmp_path), "--dry-run", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["dry_run"]["notes"]
+    assert any("sequence 64, micro-batch 1" in note for note in notes), notes
