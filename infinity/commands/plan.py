@@ -371,7 +371,8 @@ def run(args: argparse.Namespace) -> int:
             if uses_nvme and not nvme_path:
                 print(f"note: swap files planned in {DEFAULT_SWAP_DIR}; pass --nvme-path for a faster disk")
             print("\nds_config (copy into your ds_config.json):")
-            print(json.dumps({k: plan.config.to_dict()[k] for k in ("zero_optimization", "infinity")}, indent=2))
+            print(json.dumps({k: plan.ds_config[k] for k in ("zero_optimization", "infinity")},
+                             indent=2))
     if report is not None:
         print()
         print(report.render())

@@ -91,6 +91,19 @@ class Plan:
     with direct reads the parameter buffers' room moves to the device pool."""
     device_budget_bytes: int | None = None
     """The device pool's budget as the run plan sizes it (None: ``sizes``')."""
+    planned: InfinityConfig | None = None
+    """The config the plan was made from, as given (None: ``config``): its derived sizes left
+    to derive, so a run of it is this plan again. The ds_config to hand out: ``config``, every
+    size written in, plans otherwise where the run plan shared the budget after deriving
+    (a tight host budget: the parameter buffers' room moved into the device pool, and the
+    sub-group grew from what the buffers gave up), since sizes a config pins are the user's,
+    never re-shared (the 85M model under 80 MiB: 139,264-element sub-groups in the plan shown,
+    432,128 in the run of its ds_config)."""
+
+    @property
+    def ds_config(self) -> dict:
+        """The ds_config to recommend (``planned``, or ``config``)."""
+        return (self.planned or self.config).to_dict()
 
     @property
     def budgets(self) -> tuple[int, int]:
@@ -141,7 +154,7 @@ class Plan:
             "warnings": list(self.warnings), "notes": list(self.notes),
             "stepped_sub_group": self.stepped_sub_group,
             "optimizer_room": dataclasses.asdict(self.room),
-            "ds_config": self.config.to_dict(),
+            "ds_config": self.ds_config,
         }
 
     def render(self) -> str:
@@ -302,7 +315,8 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
     if stats.unit_numels is None and lay.stage == 3:
         notes.append("unit sizes unknown: units of the largest size assumed, so no small unit "
                      "is counted as persistent on the device")
-    return Plan(config=sz.apply(cfg), stats=stats, hardware=hw, sizes=sz, items=tuple(items),
+    return Plan(config=sz.apply(cfg), planned=cfg, stats=stats, hardware=hw, sizes=sz,
+                items=tuple(items),
                 stepped_sub_group=run.optimizer.sub_group_numel, room=run.room,
                 host_budget_bytes=host_budget, device_budget_bytes=device_budget,
                 peak_host_rss_bytes=rss, nvme_read_bytes_per_step=reads,

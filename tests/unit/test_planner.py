@@ -601,3 +601,23 @@ def test_every_rank_plans_for_the_most_constrained_machine() -> None:
     both = agreed_hardware([cpu, dataclasses.replace(cpu, host_available_bytes=GiB)], 0)
     assert both.cpu_bf16 and both.host_available_bytes == GiB and not both.has_gpu
     assert agreed_hardware([cpu, cpu], 1) == cpu
+
+
+@pytest.mark.parametrize("budget", ["80MiB", "120MiB", "300MiB", None])
+def test_the_recommended_ds_config_plans_what_the_recommendation_shows(budget) -> None:
+    """The ds_config ``infinity plan`` hands out is planned as the plan it was shown with (the
+    engine reads it): it pinned every derived size, and sizes a config pins are never
+    re-shared, so under a tight budget its run split the budget otherwise (85M under 80 MiB:
+    139,264-element sub-groups shown, 432,128 run, the device pool 14 MB smaller)."""
+    from infinity.planner.inputs import llama_stats
+    from infinity.train.models import preset_kwargs
+
+    stats = llama_stats(preset_kwargs("85M", 128))
+    given = InfinityConfig.from_dict(
+        {"infinity": {"host_memory_budget": budget}} if budget else {})
+    shown = plan_memory(recommend_config(stats, CPU_BOX, given, "/swap"), stats, CPU_BOX)
+    again = plan_memory(InfinityConfig.load(shown.ds_config), stats, CPU_BOX)
+    assert again.budgets == shown.budgets
+    assert again.stepped_sub_group == shown.stepped_sub_group
+    assert again.table() == shown.table()
+    assert again.ds_config == shown.ds_config
