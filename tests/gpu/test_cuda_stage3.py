@@ -208,3 +208,30 @@ def test_a_model_built_under_init_computes_with_its_buffers_on_the_gpu(disk_dir)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_an_optimizer_left_on_the_gpu_trains_as_torch_or_is_refused_at_initialize(
+        disk_dir, stage) -> None:
+    """offload_optimizer "none" on a GPU: the planner plans the Adam states in device memory
+    and no CPU Adam (planner/step_time.py), the dry run a CPU Adam lane (simulate/stepper.py),
+    and the native Adam takes CPU tensors only (optim/cpu_adam.py): never run on a GPU. It must
+    either train as torch AdamW does or be refused before any work, never fail at a step."""
+    model = make_model("llama", layers=2, width=64).cuda()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    try:
+        engine, *_ = infinity.initialize(model=model,
+                                         config=_config(disk_dir, stage, "none", "none"))
+    except ValueError as exc:
+        assert "offload_optimizer" in str(exc), exc      # refused, naming what to change
+        return
+    try:
+        for x in _batches(3):
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+            torch.testing.assert_close(loss, reference_step(reference, ref_opt, x, 0.0),
+                                       rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
