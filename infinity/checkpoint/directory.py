@@ -273,8 +273,20 @@ def _carry_user_files(old: Path, new: Path, keep_ours: bool = True) -> None:
             os.rename(entry, new / entry.name)
 
 
+class SavedError(OSError):
+    """A save whose checkpoint is in place, whole (committed), failed afterwards (tidying the
+    replaced save away, a directory fsync, pointing ``latest`` at it): said as such, never as a
+    save that changed nothing, and never turned into "the previous checkpoint is unchanged"."""
+
+
+def _after_commit(exc: OSError, final: Path, what: str) -> SavedError:
+    return SavedError(exc.errno, f"checkpoint {final.name} is saved whole in {final} (committed), "
+                                 f"but {what} failed afterwards ({exc.strerror or exc})")
+
+
 def commit(staging: Path, save_dir: Path, tag: str) -> Path:
-    """Make the staged checkpoint the tag's (see the module docstring); returns its path."""
+    """Make the staged checkpoint the tag's (see the module docstring); returns its path. A
+    failure after the commit point raises ``SavedError``."""
     dir_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for name in checkpoint_files(staging, ours_only=False):
@@ -294,6 +306,7 @@ def commit(staging: Path, save_dir: Path, tag: str) -> Path:
         raise CheckpointError(
             f"{final} exists and is not a checkpoint (no {MANIFEST}); it is left alone: "
             "choose another tag or move it away")
+    old: Path | None = None
     if not final.exists():
         os.rename(staging, final)
     else:
@@ -312,12 +325,16 @@ def commit(staging: Path, save_dir: Path, tag: str) -> Path:
             os.rename(final, aside)
             os.rename(staging, final)
             old = aside
+    try:        # committed: the tag is the new save whatever fails now
         _fsync_dir(save_dir)
-        remove_checkpoint_files(old)
-    _fsync_dir(save_dir)
-    if aside.exists():      # left by a save of this tag that stopped between its renames
-        _carry_user_files(aside, final)
-        remove_checkpoint_files(aside)
+        if old is not None:
+            remove_checkpoint_files(old)
+            _fsync_dir(save_dir)
+        if aside.exists():      # left by a save of this tag that stopped between its renames
+            _carry_user_files(aside, final)
+            remove_checkpoint_files(aside)
+    except OSError as exc:
+        raise _after_commit(exc, final, "tidying the save it replaced away") from exc
     return final
 
 
@@ -342,13 +359,17 @@ def write_latest(save_dir: Path, tag: str) -> None:
             pending.unlink(missing_ok=True)
         if isinstance(exc, OSError):
             previous = read_latest_quietly(save_dir)
-            raise OSError(exc.errno, f"checkpoint {tag} is saved whole in {save_dir / tag}, but "
+            raise SavedError(exc.errno, f"checkpoint {tag} is saved whole in {save_dir / tag}, but "
                                      f"{save_dir / LATEST} could not be pointed at it "
                                      f"({exc.strerror or exc}); latest still names "
                                      f"{previous or 'no checkpoint'}. Load it with tag="
                                      f"{tag!r}, or fix the cause and save again") from exc
         raise
-    _fsync_dir(save_dir)
+    try:
+        _fsync_dir(save_dir)
+    except OSError as exc:      # latest names the tag now; this fsync makes that durable
+        raise _after_commit(exc, save_dir / tag, f"making {LATEST} (which names it now) "
+                                                 "durable") from exc
 
 
 def read_latest_quietly(load_dir: Path) -> str | None:

@@ -24,6 +24,7 @@ from infinity.checkpoint.directory import (
     VERSION,
     FP32_STATES_VERSION,
     SAVE_ID,
+    SavedError,
     check_tag,
     commit,
     ensure_save_dir,
@@ -247,6 +248,9 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
         except BaseException as exc:
             if training.rank == 0 and staging.exists():
                 remove_checkpoint_files(staging, ours_only=False)
+            if isinstance(exc, SavedError) or (isinstance(exc, CheckpointError) and
+                                               AFTER_COMMIT in str(exc)):
+                raise       # the new save is in place: not "unchanged"
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and "checkpoint" not in str(exc):
                 raise OSError(errno.ENOSPC, f"checkpoint {tag}: the disk of {save_dir} filled up "
                                             f"while it was written ({format_bytes(need)} needed, "
@@ -301,6 +305,10 @@ def _finish(training: TrainingState, staging: Path, save_dir: Path, tag: str,
     return commit(staging, save_dir, tag)
 
 
+AFTER_COMMIT = "the checkpoint was committed before it: it is in place, whole"
+"""What the other ranks say of rank 0's failure after the commit (``SavedError``)."""
+
+
 class RankAgreement:
     """[Note: a save over ranks]
     Every rank writes its own tensor files into one staging directory, which rank 0 makes
@@ -330,7 +338,9 @@ class RankAgreement:
         if error is not None:
             raise error
         if outcome[1] is not None:
-            raise CheckpointError(f"rank 0 failed ({outcome[1]}); {self.nothing_done}")
+            committed = outcome[1].startswith(f"{SavedError.__name__}:")
+            raise CheckpointError(f"rank 0 failed ({outcome[1]}); "
+                                  f"{AFTER_COMMIT if committed else self.nothing_done}")
         return outcome[0]
 
     def all_succeed(self, action, what: str, share: bool = False):

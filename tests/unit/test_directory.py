@@ -523,6 +523,31 @@ def test_write_latest_failure_names_the_saved_tag_and_what_latest_still_names(
     monkeypatch.setattr(d.os, "replace", real_replace)
 
 
+@pytest.mark.parametrize("replacing", [False, True])
+def test_a_failure_after_the_commit_says_the_save_is_in_place(tmp_path: Path, monkeypatch,
+                                                               replacing: bool) -> None:
+    """A directory fsync failing after the rename (a full or failing disk) was reported as a
+    bare OSError, or rewritten into "the previous checkpoint and latest are unchanged" while
+    the tag already held the new save."""
+    if replacing:
+        old = tmp_path / "t"
+        old.mkdir()
+        (old / d.MANIFEST).write_text("{}")
+    staging = d.prepare_staging(tmp_path, "t")
+    (staging / d.MANIFEST).write_text('{"new": 1}')
+
+    def failing(path) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(d, "_fsync_dir", failing)
+    with pytest.raises(d.SavedError, match=r"checkpoint t is saved whole in .*/t \(committed\)"):
+        d.commit(staging, tmp_path, "t")
+    assert (tmp_path / "t" / d.MANIFEST).read_text() == '{"new": 1}'
+    with pytest.raises(d.SavedError, match=r"making latest \(which names it now\) durable"):
+        d.write_latest(tmp_path, "t")
+    assert d.read_latest(tmp_path) == "t"
+
+
 def test_read_latest_and_its_errors(tmp_path: Path) -> None:
     assert d.read_latest(tmp_path) is None and d.read_latest(tmp_path / "missing") is None
     (tmp_path / d.LATEST).write_text("  t1\n")

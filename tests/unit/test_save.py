@@ -327,6 +327,12 @@ def test_rank_agreement_first_decides(manager) -> None:
     with pytest.raises(CheckpointError) as info:
         r1.decided_by_first(lambda: None)
     assert str(info.value) == "rank 0 failed (OSError: full); no save"
+    # a failure after the commit: the others do not say nothing was saved
+    r1 = RankAgreement(_state(manager, comm=_Comm(1, [(None, "SavedError: latest")])), "no save")
+    with pytest.raises(CheckpointError) as info:
+        r1.decided_by_first(lambda: None)
+    assert str(info.value).endswith("the checkpoint was committed before it: it is in place, "
+                                    "whole")
 
 
 def test_rank_agreement_all_succeed(manager) -> None:
