@@ -65,9 +65,10 @@ __all__ = ["BoundarySteps", "LATE_GRADIENT"]
 LATE_GRADIENT = (
     "{unit}: a gradient arrived after the unit's backward was complete and its step had "
     "started (a module applied twice, its first application's backward recomputed later, as "
-    "reentrant activation checkpointing does with a shared block): the step read the gradient "
-    "without it. Set infinity.early_step \"off\" (every step then waits for the whole "
-    "backward), or use non-reentrant checkpointing (use_reentrant=False)")
+    "reentrant activation checkpointing does with a shared block, or a model run twice into "
+    "one loss): the step read the gradient without it. Use non-reentrant checkpointing "
+    "(use_reentrant=False), or set infinity.early_step \"off\" and "
+    "infinity.speculative_step \"off\" (every step then waits for the whole backward)")
 
 
 class BoundarySteps:

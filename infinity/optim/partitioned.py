@@ -260,6 +260,9 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         start = time.perf_counter()
         state = self._by_unit[unit.index]
         if self.speculator.can_speculate(state):
+            # a speculated step read the gradient as it stands too: a late part would be
+            # missing from it, kept or redone (weights 0.06-0.08 off torch, silently)
+            self._stepped_in_backward.add(unit.index)
             try:
                 self.speculator.speculate(state, self.clip_norm, self.loss_scale,
                                           self._submit_ready)
