@@ -123,6 +123,46 @@ def test_retain_graph_reads_again_and_out_of_order_reads_are_correct(disk_dir,
         manager.close()
 
 
+@pytest.mark.parametrize("read_ahead", [0, 4096])
+def test_a_graph_kept_across_forwards_does_not_grow_the_pack_order(disk_dir,
+                                                                   read_ahead: int) -> None:
+    """An output with its graph kept until the next forward (an auxiliary metric in a loop
+    variable): the live count never fell to 0 and the pack order kept every saved tensor of
+    every forward (+28 entries a step in the hunt's model). Only the live ones stay, in
+    order; gradients stay exact."""
+    manager = _manager(disk_dir)
+    swapper = ActivationSwapper(manager, min_bytes=1, window_bytes=read_ahead,
+                                is_parameter_storage=lambda t: False)
+    try:
+        torch.manual_seed(0)
+        w = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
+        kept = None
+        lengths = []
+        for step in range(6):
+            x = torch.randn(4, 32)
+
+            def forward():
+                h = x
+                for weight in w:
+                    h = torch.tanh(h @ weight)
+                return (h * h).sum(), torch.sigmoid(h).mean()
+            expected = torch.autograd.grad(forward()[0], w)
+            with swapper.hooks():
+                loss, aux = forward()
+            got = torch.autograd.grad(loss, w)
+            for e, a in zip(expected, got):
+                torch.testing.assert_close(a, e, rtol=0, atol=0)
+            kept = aux              # the previous one goes: its graph with it
+            del loss
+            swapper.release_forgotten()
+            lengths.append(len(swapper._order))
+        assert swapper._live > 0 and kept is not None
+        assert lengths[-1] == lengths[1], lengths      # bounded, not growing by a forward's
+    finally:
+        swapper.close()
+        manager.close()
+
+
 def test_a_kept_tensor_is_checked_and_freed_with_its_graph(disk_dir) -> None:
     """A tensor the swapper keeps in memory (under ``min_bytes``) is kept as autograd keeps its
     own (zero/kept_saved.py): modified in place after its save, the backward raises; its graph
