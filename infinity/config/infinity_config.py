@@ -77,6 +77,27 @@ IGNORED_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+ACTIVATION_OFFLOAD_KEYS = ("partition_activations", "cpu_checkpointing")
+"""DeepSpeed's activation_checkpointing keys that move activations off the GPU: ignored here,
+where the model's checkpointing is its own (``gradient_checkpointing_enable()``) and the saved
+activations go to NVMe by ``infinity.offload_activations``."""
+
+
+def _warn_activation_checkpointing(section: Any) -> None:
+    """A ds_config asking DeepSpeed to partition or offload checkpointed activations: said to
+    do nothing here, naming what does (it was ignored with an INFO line among other keys)."""
+    if not isinstance(section, Mapping):
+        return
+    asked = [k for k in ACTIVATION_OFFLOAD_KEYS if section.get(k)]
+    if asked:
+        log.warning("activation_checkpointing.%s is a DeepSpeed setting infinity does not use: "
+                    "nothing moves activations because of it. Checkpoint blocks with the "
+                    "model's own gradient_checkpointing_enable() (or torch.utils.checkpoint), and "
+                    "send saved activations to the swap space with infinity.offload_activations "
+                    "\"nvme\" (\"auto\" does when they exceed the host budget)",
+                    " and .".join(asked))
+
+
 MAX_BATCH_SIZE = 2**31 - 1
 """Batch sizes above this (samples per step) are refused as a typo (1e30), not a plan."""
 
@@ -460,6 +481,7 @@ class _Parser:
         if "zero_optimization" in top:
             kwargs["zero"] = self.zero(top["zero_optimization"])
         config = InfinityConfig(**kwargs)
+        _warn_activation_checkpointing(data.get("activation_checkpointing"))
         if self.ignored:
             log.info("ignoring DeepSpeed keys that infinity does not use: %s", ", ".join(self.ignored))
         return config

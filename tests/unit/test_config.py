@@ -207,6 +207,17 @@ COPIED_ZERO3 = {
 }
 
 
+def test_deepspeeds_activation_offload_asked_is_said_to_do_nothing(infinity_log) -> None:
+    """cpu_checkpointing true was ignored among other keys in one INFO line: no offload, and
+    no word of what does it here."""
+    InfinityConfig.from_dict({"activation_checkpointing": {"cpu_checkpointing": False}})
+    assert "infinity does not use: nothing moves" not in infinity_log.text
+    InfinityConfig.from_dict({"activation_checkpointing": {"cpu_checkpointing": True}})
+    assert "activation_checkpointing.cpu_checkpointing is a DeepSpeed setting infinity does " \
+           "not use" in infinity_log.text
+    assert "infinity.offload_activations" in infinity_log.text
+
+
 def test_amsgrad_off_is_accepted_and_on_is_refused_naming_it() -> None:
     """A config written for torch's Adam lists amsgrad false: it was an unknown key."""
     def config(amsgrad: bool) -> InfinityConfig:
