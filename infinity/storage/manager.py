@@ -263,6 +263,12 @@ class TierManager:
     @property
     def swap(self):
         if self._swap is None:
+            if getattr(self, "_closed", False):
+                # a graph recorded before the engine's close() reaching its hooks: a new swap
+                # directory made now would hold none of the run's states
+                raise RuntimeError("the swap space was closed with the engine (engine.close()): "
+                                   "its states and swap files are gone; a backward of a graph "
+                                   "recorded before the close cannot run, build a new engine")
             if self.nvme_path is None:
                 raise ValueError("a state was placed on NVMe but no nvme_path is configured; set "
                                  "zero_optimization.offload_*.nvme_path")
@@ -317,6 +323,7 @@ class TierManager:
 
     def close(self) -> None:
         """Remove this run's swap files and stop the I/O engine."""
+        self._closed = True
         self.copies.drain()
         self.device_cache.clear()
         if self._swap is not None:

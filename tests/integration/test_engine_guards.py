@@ -195,3 +195,17 @@ def test_a_ctrl_c_in_a_backward_that_steps_units_waits_for_its_end(disk_dir) -> 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default handler here")
     assert torch.equal(train(1), train(None))
+
+
+def test_a_backward_of_a_graph_recorded_before_close_is_refused_plainly(disk_dir) -> None:
+    """The backward's hooks fetched a unit after close(): a new swap directory was made under
+    the user's nvme_path, and the error was an unallocated extent's read. Now the closed swap
+    space says so, and nothing new is made on the disk."""
+    torch.manual_seed(0)
+    engine, *_ = infinity.initialize(model=Net(8, 4), config=_config(disk_dir))
+    loss = engine(torch.randn(8, 8)).pow(2).mean()
+    engine.close()
+    before = sorted(p.name for p in disk_dir.iterdir())
+    with pytest.raises(RuntimeError, match="swap space was closed with the engine"):
+        loss.backward()
+    assert sorted(p.name for p in disk_dir.iterdir()) == before
