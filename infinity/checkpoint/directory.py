@@ -61,13 +61,23 @@ without an id (an older infinity's save) is loaded as before."""
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]*\Z")   # \Z: "$" would let "tag\n" through
 
 
+MAX_TAG_BYTES = 200
+"""A tag's longest: its staging name (``.<tag>.partial.<8 hex>``) and aside name must fit the
+file systems' 255-byte names (a 300-character tag failed with a bare "File name too long")."""
+
+
 def check_tag(tag: str) -> str:
-    """A tag names a directory: letters, digits and ``_.+=-``, not starting with a dot."""
+    """A tag names a directory: letters, digits and ``_.+=-``, not starting with a dot, at most
+    MAX_TAG_BYTES long."""
     tag = str(tag)
     if not _TAG.match(tag) or tag == LATEST:
         raise ValueError(f"checkpoint tag {tag!r} cannot name a directory: use letters, digits "
                          f"and _.+=- (not starting with '.', and not {LATEST!r}), e.g. "
                          "\"global_step100\"")
+    if len(tag) > MAX_TAG_BYTES:
+        raise ValueError(f"checkpoint tag of {len(tag)} characters ({tag[:24]}...): at most "
+                         f"{MAX_TAG_BYTES}, so that the save's hidden names fit the file "
+                         "system's 255-byte names; choose a shorter tag")
     return tag
 
 
@@ -457,7 +467,7 @@ def checkpoint_directory(path: Path, tag: str | None) -> Path | None:
 def resolve(load_dir: Path, tag: str | None) -> Path | None:
     """The checkpoint directory to load: ``tag``'s, or the one ``latest`` names (None when
     there is no ``latest``). Raises when the named checkpoint is not there."""
-    if tag is None:
+    if tag is None or tag == LATEST:        # tag="latest": the tag latest names, not a tag
         tag = read_latest(load_dir)
         if tag is None:
             return None

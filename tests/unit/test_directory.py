@@ -124,6 +124,16 @@ def test_check_tag_accepts_directory_names_and_refuses_the_rest() -> None:
             d.check_tag(tag)
         assert f"checkpoint tag {tag!r} cannot name a directory" in str(info.value)
         assert "'latest'" in str(info.value) and "global_step100" in str(info.value)
+    assert d.check_tag("t" * d.MAX_TAG_BYTES) == "t" * d.MAX_TAG_BYTES
+    with pytest.raises(ValueError, match="checkpoint tag of 300 characters .*at most 200"):
+        d.check_tag("t" * 300)       # a bare "File name too long" from the staging name
+
+
+def test_load_tag_latest_is_the_tag_latest_names(tmp_path: Path) -> None:
+    (tmp_path / "step3").mkdir()
+    (tmp_path / "step3" / d.MANIFEST).write_text("{}")
+    d.write_latest(tmp_path, "step3")
+    assert d.resolve(tmp_path, "latest") == d.resolve(tmp_path, None) == tmp_path / "step3"
 
 
 def test_written_names_are_exactly_the_manifest_and_rank_shards() -> None:
