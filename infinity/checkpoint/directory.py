@@ -203,6 +203,15 @@ def clean_stale_staging(save_dir: Path, keep: list[Path] = ()) -> list[Path]:
         if staging in keep:
             continue
         final = staging_target(staging)
+        aside = replaced_dir(save_dir, final.name)
+        if _TAG.match(final.name) and not os.path.lexists(final) and \
+                not aside.is_symlink() and (aside / MANIFEST).is_file():
+            # a save of this tag stopped between its two renames (no exchange on this file
+            # system): its previous save goes back in place, so the user's files carried into
+            # the staging can go back to it too (they stayed hidden until the tag was saved
+            # again)
+            os.rename(aside, final)
+            log.info("%s put back from %s, left by a save that did not finish", final, aside)
         if _TAG.match(final.name) and final.is_dir() and not final.is_symlink():
             _carry_user_files(staging, final, keep_ours=False)
         remove_checkpoint_files(staging, ours_only=False)

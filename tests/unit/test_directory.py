@@ -349,6 +349,23 @@ def test_clean_stale_staging_returns_what_it_removed_and_gives_user_files_back(
     assert d.clean_stale_staging(tmp_path) == [kept]
 
 
+def test_a_save_stopped_between_its_renames_gets_its_previous_save_and_user_files_back(
+        tmp_path: Path) -> None:
+    """No exchange on the file system: the tag renamed aside, the kill before the staging took
+    its place; the user's file carried into the staging stayed hidden until that tag was saved
+    again. The next save's clean (any tag) puts the previous save back and the file in it."""
+    aside = _write_tag(tmp_path, "t", {"rank0_model.safetensors": "previous"})
+    aside.rename(d.replaced_dir(tmp_path, "t"))
+    stale = tmp_path / ".t.partial.0123abcd"
+    stale.mkdir()
+    (stale / "rank0_model.safetensors").write_text("new, not committed")
+    (stale / "notes.txt").write_text("the user's")
+    assert d.clean_stale_staging(tmp_path) == [stale]
+    assert (tmp_path / "t" / "rank0_model.safetensors").read_text() == "previous"
+    assert (tmp_path / "t" / "notes.txt").read_text() == "the user's"
+    assert not d.replaced_dir(tmp_path, "t").exists()
+
+
 def test_clean_stale_staging_never_carries_into_a_symlinked_tag(tmp_path: Path) -> None:
     elsewhere = _write_tag(tmp_path, "elsewhere", {})
     os.symlink(elsewhere, tmp_path / "t")
