@@ -235,7 +235,13 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
     with contextlib.ExitStack() as held:
         # rank 0 takes the lock, names the staging directory and draws the save's id; the
         # others write into it
-        staging, save_id = ranks.decided_by_first(lambda: _begin(save_dir, tag, held))
+        made: list[Path] = []
+        try:
+            staging, save_id = ranks.decided_by_first(lambda: _begin(save_dir, tag, held, made))
+        except BaseException:
+            for path in made:       # made, then the ranks' exchange failed (a rank gone)
+                remove_checkpoint_files(path, ours_only=False)
+            raise
         try:
             ranks.all_succeed(lambda: _check_visible(staging, training.rank),
                               "see rank 0's staging directory")
@@ -266,11 +272,14 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
     return final
 
 
-def _begin(save_dir: Path, tag: str, held: contextlib.ExitStack) -> tuple[Path, str]:
+def _begin(save_dir: Path, tag: str, held: contextlib.ExitStack,
+           made: list[Path]) -> tuple[Path, str]:
     """Rank 0: take the save lock (one writer per directory, checkpoint/writer_lock.py), make
-    the staging directory, and draw the save's id."""
+    the staging directory (noted in ``made``), and draw the save's id."""
     held.enter_context(SaveLock.acquire(save_dir))
-    return prepare_staging(save_dir, tag), secrets.token_hex(16)
+    staging = prepare_staging(save_dir, tag)
+    made.append(staging)
+    return staging, secrets.token_hex(16)
 
 
 def _check_visible(staging: Path, rank: int) -> None:

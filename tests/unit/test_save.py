@@ -536,3 +536,18 @@ def test_rank_one_checks_the_staging_directory_and_never_removes_it(tmp_path: Pa
     with pytest.raises(OSError, match="I/O error"):
         save_checkpoint(_state(manager, comm=comm), tmp_path, tag="t")
     assert (staging / "rank0_model.safetensors").read_bytes() == b"rank 0's"
+
+
+def test_a_rank_lost_right_after_the_staging_was_made_leaves_no_staging(tmp_path: Path,
+                                                                         manager) -> None:
+    """Rank 0 made the staging directory, then the exchange that tells the others its name
+    failed (a rank gone): the empty staging stayed until the next save."""
+    comm = _rank(0, [], tmp_path)
+
+    def gone(value):
+        raise RuntimeError("rank 1 has stopped")
+
+    comm.all_gather_objects = gone
+    with pytest.raises(RuntimeError, match="rank 1 has stopped"):
+        save_checkpoint(_state(manager, comm=comm), tmp_path, tag="t")
+    assert [p.name for p in tmp_path.iterdir() if ".partial" in p.name] == []
