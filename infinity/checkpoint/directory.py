@@ -298,9 +298,9 @@ class SavedError(OSError):
     save that changed nothing, and never turned into "the previous checkpoint is unchanged"."""
 
 
-def _after_commit(exc: OSError, final: Path, what: str) -> SavedError:
+def _after_commit(exc: OSError, final: Path, what: str, then: str = "") -> SavedError:
     return SavedError(exc.errno, f"checkpoint {final.name} is saved whole in {final} (committed), "
-                                 f"but {what} failed afterwards ({exc.strerror or exc})")
+                                 f"but {what} failed afterwards ({exc.strerror or exc}){then}")
 
 
 def commit(staging: Path, save_dir: Path, tag: str) -> Path:
@@ -353,7 +353,9 @@ def commit(staging: Path, save_dir: Path, tag: str) -> Path:
             _carry_user_files(aside, final)
             remove_checkpoint_files(aside)
     except OSError as exc:
-        raise _after_commit(exc, final, "tidying the save it replaced away") from exc
+        raise _after_commit(exc, final, "tidying the save it replaced away",
+                            f"; {LATEST} was not pointed at it: load it with tag={tag!r}, "
+                            "or save again") from exc
     return final
 
 

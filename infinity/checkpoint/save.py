@@ -253,7 +253,11 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
                 exclude_frozen_parameters, save_id))
         except BaseException as exc:
             if training.rank == 0 and staging.exists():
-                remove_checkpoint_files(staging, ours_only=False)
+                try:
+                    remove_checkpoint_files(staging, ours_only=False)
+                except OSError as cleanup:      # the first failure is the one to report
+                    log.warning("could not remove %s after the save failed: %s", staging,
+                                cleanup)
             if isinstance(exc, SavedError) or (isinstance(exc, CheckpointError) and
                                                AFTER_COMMIT in str(exc)):
                 raise       # the new save is in place: not "unchanged"

@@ -171,7 +171,15 @@ class SaveLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        if exc[0] is None:
+            self.release()
+            return
+        try:
+            self.release()
+        except OSError as failed:   # the save's own failure is the one to report
+            log.warning("could not remove the save lock's file %s after the save failed: %s "
+                        "(the lock itself is dropped; the next writer takes the file over)",
+                        LOCK_NAME, failed)
 
 
 def _is_the_path(fd: int, dir_fd: int) -> bool:

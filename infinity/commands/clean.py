@@ -63,7 +63,8 @@ def _clean_unfinished_saves(save_dir: Path, staging: list[Path], partials: list[
         for path in staging:
             print(f"{path}: would remove the files a checkpoint save left there (a save that "
                   f"did not finish); files of other names in it would go back into "
-                  f"{staging_target(path)} where that is a directory, else stay")
+                  f"{staging_target(path)} where that is a directory (put back first from its "
+                  f"hidden .replaced copy when a save stopped between its renames), else stay")
         for path in partials:
             print(f"{path}: would remove it, left by a save that did not finish")
         return 0

@@ -50,8 +50,8 @@ class InfinitySection:
     activation_reserve: int | None = None
     """Bytes of the host budget kept for what a training step holds in memory beside the
     engine's pools: the saved activations kept there, autograd's gradient of a unit, the
-    logits. The optimizer's slots are sized from what the budget leaves after it. None (or
-    "auto"): nothing kept, the slots take it all and activations kept in memory go over the
+    logits. The optimizer's slots are sized from what the budget leaves after it. None:
+    nothing kept, the slots take it all and activations kept in memory go over the
     budget ("auto" offload sends them to the swap space where its staging fits);
     ``infinity train`` then sets it from its model and batch (see [Note: keeping activations
     within the host budget] in planner/activations.py)."""

@@ -8,8 +8,9 @@ factors come first in its unit (trainable parameters lead a unit's layout), so t
 (transposed for ``fan_in_fan_out`` layers, GPT-2's Conv1D, and for embeddings, whose factors
 are ``lora_embedding_A/B``); with ``lora_bias`` the base bias gets ``scaling * b``, as PEFT
 merges it. The wrapper's names become the base's: ``base_model.model.`` and ``.base_layer``
-removed, the active adapter's ``modules_to_save`` copy written in place of the layer it copied,
-the original and every other adapter's factors and copies dropped.
+removed, the active adapter's ``modules_to_save`` copy written in place of the layer it copied
+(the original where only another adapter copied it), every other adapter's factors and copies
+dropped.
 Refused: DoRA (its magnitude rescales the merged weight), several adapters active at once,
 LoRA layers other than linear and embedding ones (convolutions, attention, quantized layers),
 ``lora_bias`` over a layer without a bias, adapters other than LoRA, and a LoRA layer over a
@@ -109,6 +110,14 @@ class MergedNames:
                              f"active adapter {adapter!r} (only LoRA adapters are merged here)")
         self.factors = {m.a for m in self.merges.values()} | \
             {m.b for m in self.merges.values() if m.b is not None}
+        # modules_to_save wrappers: where the active adapter has its own copy, that copy is
+        # the layer; elsewhere (only another adapter copied it) the original is what the
+        # forward uses, and is written as the layer
+        from peft.utils import ModulesToSaveWrapper
+
+        self.own_copy = {name for name, module in model.named_modules()
+                         if isinstance(module, ModulesToSaveWrapper)
+                         and adapter in module.modules_to_save}
         self._kept: dict[str, torch.Tensor] = {}
 
     def rename(self, name: str) -> str:
@@ -118,7 +127,7 @@ class MergedNames:
         if name.startswith(PREFIX):
             name = name[len(PREFIX):]
         name = name.replace(".base_layer.", ".").replace(f".modules_to_save.{self.adapter}.",
-                                                         ".")
+                                                         ".").replace(".original_module.", ".")
         left = [part for part in name.split(".") if part in WRAPPER_PARTS]
         if left:
             raise ValueError(f"save_pretrained(merged=True): {wrapped} is a part of the PEFT "
@@ -131,13 +140,14 @@ class MergedNames:
         """The original of a modules_to_save copy, and every tensor of another adapter."""
         parts = name.split(".")
         if "original_module" in parts:
-            return True
+            # the original of a copy the active adapter trains; kept where it has none
+            return ".".join(parts[:parts.index("original_module")]) in self.own_copy
         return any(part in ADAPTER_DICTS and i + 1 < len(parts) and parts[i + 1] != self.adapter
                    for i, part in enumerate(parts))
 
     def split(self, name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
         """[] for a tensor the merged save drops (a LoRA factor, kept for its layer's merge;
-        the original of a modules_to_save copy; another adapter's), [(base name, merged
+        the original of the active adapter's modules_to_save copy; another adapter's), [(base name, merged
         tensor)] for a LoRA layer's base weight or bias, None for every other (written as it
         is, renamed)."""
         if self._dropped(name):

@@ -596,3 +596,38 @@ def test_a_checkpoint_with_the_older_scheduler_state_still_loads(disk_dir):
         assert second.lr_scheduler.last_batch_iteration == position
     finally:
         second.close()
+
+
+def test_a_failure_tidying_the_replaced_save_is_reported_as_a_committed_save(engine, disk_dir,
+                                                                             monkeypatch):
+    """Replacing a tag: the exchange commits, then removing the old save's files fails (an
+    unlink error). The error said nothing of the commit: the cleanup of what the staging path
+    held (the old save, after the exchange) failed again and replaced it, and the lock file's
+    removal after it. Now the save says it is in place and latest was not moved; it loads."""
+    from infinity.checkpoint import directory as directory_module
+    from infinity.checkpoint.directory import SavedError
+
+    engine.save_checkpoint(disk_dir / "ckpt", tag="t")
+    _train(engine, 1)
+    real_exchange, real_unlink = directory_module._exchange, directory_module.os.unlink
+    after = {"exchanged": False}
+
+    def exchange(a, b):
+        after["exchanged"] = real_exchange(a, b)
+        return after["exchanged"]
+
+    def unlink(name, *args, dir_fd=None, **kwargs):
+        if after["exchanged"] and dir_fd is not None:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_unlink(name, *args, dir_fd=dir_fd, **kwargs)
+
+    monkeypatch.setattr(directory_module, "_exchange", exchange)
+    monkeypatch.setattr(directory_module.os, "unlink", unlink)
+    with pytest.raises(SavedError, match=r"checkpoint t is saved whole .*\(committed\).*latest "
+                                         r"was not pointed at it"):
+        engine.save_checkpoint(disk_dir / "ckpt", tag="t")
+    monkeypatch.undo()
+    if not after["exchanged"]:
+        pytest.skip("no atomic exchange of directories on this file system")
+    assert json.loads((disk_dir / "ckpt" / "t" / "manifest.json").read_text())[
+        "engine"]["global_steps"] == engine.global_steps      # the new save is the tag's

@@ -393,7 +393,9 @@ def test_a_merged_save_of_a_lora_over_a_tied_head_is_refused(disk_dir, tmp_path)
 def _lora_variant(model, case: str):
     """``model`` under a LoRA adapter of ``case`` (seeded): "embedding" (LoRA on the input
     embedding, whose factors are lora_embedding_A/B), "lora_bias" (a trained bias on lora_B),
-    "second_adapter" (two adapters, each with its own copy of the head; the second active)."""
+    "second_adapter" (two adapters, each with its own copy of the head; the second active),
+    "copy_of_another" (the active adapter has no copy of the head; the other has one: the
+    original head is the layer)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(7)
@@ -401,6 +403,12 @@ def _lora_variant(model, case: str):
         return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]))
     if case == "lora_bias":
         return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True))
+    if case == "copy_of_another":     # only the inactive adapter copies the head
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+        model.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj"],
+                                               modules_to_save=["lm_head"]))
+        model.set_adapter("default")
+        return model
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"],
                                              modules_to_save=["lm_head"]))
     model.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj"],
@@ -409,7 +417,8 @@ def _lora_variant(model, case: str):
     return model
 
 
-@pytest.mark.parametrize("case", ["embedding", "lora_bias", "second_adapter"])
+@pytest.mark.parametrize("case", ["embedding", "lora_bias", "second_adapter",
+                                  "copy_of_another"])
 def test_a_merged_save_is_the_trained_model_for_every_lora_layer_kind(disk_dir, tmp_path,
                                                                       case) -> None:
     """A merged save holds the base's tensors, no more, no fewer, and gives the engine's logits

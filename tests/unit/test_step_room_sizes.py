@@ -92,7 +92,8 @@ def _demo(disk_dir, dtype: str, **infinity: object):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_the_main_job_keeps_its_activations_within_its_budget(disk_dir, dtype) -> None:
+def test_the_main_job_keeps_its_activations_within_its_budget(disk_dir, dtype,
+                                                               monkeypatch) -> None:
     """[Note: keeping activations within the host budget]: ``infinity train`` with no arguments
     (85M, 2 x 128, 512 MiB) reserves what its step keeps in memory, so the room its budget
     leaves holds the batch's activations and the step's gradients and logits ("auto" keeps them
@@ -103,6 +104,12 @@ def test_the_main_job_keeps_its_activations_within_its_budget(disk_dir, dtype) -
                                               saved_activation_bytes, step_working_bytes)
     from infinity.train import host_budget, models
 
+    import dataclasses
+
+    # this machine without its GPU, where there is one (a GPU keeps activations on the device)
+    hw = dataclasses.replace(detect_hardware(str(disk_dir)), gpu_name=None,
+                             gpu_total_bytes=None, gpu_free_bytes=None)
+    monkeypatch.setattr(host_budget, "detect_hardware", lambda path: hw)
     ds, cfg = _demo(disk_dir, dtype)
     model_config = models.model_config(None, None, 128)
     stats = models.model_stats(model_config)
@@ -112,7 +119,6 @@ def test_the_main_job_keeps_its_activations_within_its_budget(disk_dir, dtype) -
     itemsize = {"fp32": 4, "bf16": 2}[dtype]
     need = saved_activation_bytes(shape, 2, 128, itemsize, with_loss=True) + \
         step_working_bytes(shape, 2, 128, itemsize, stats.largest_unit_params)
-    hw = detect_hardware(str(disk_dir))
     with_reserve = run_sizes(kept, stats, hw)[1]
     without = run_sizes(cfg, stats, hw)[1]
     assert with_reserve.activation_room >= need > without.activation_room, (
