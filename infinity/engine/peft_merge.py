@@ -15,10 +15,13 @@ Refused: DoRA (its magnitude rescales the merged weight), several adapters activ
 LoRA layers other than linear and embedding ones (convolutions, attention, quantized layers),
 ``lora_bias`` over a layer without a bias, adapters other than LoRA, and a LoRA layer over a
 tied weight (a tied head: merged, the input embeddings would change with it, which training
-did not). [Note: nothing of the wrapper is written as it is]: a tensor whose name still holds a
-part of PEFT's wrapper after the renaming (a kind of adapter this module does not know) is
-refused, never written beside the base's tensors, where transformers would load the directory
-with the unmerged base and only an "unexpected keys" note.
+did not).
+
+[Note: nothing of the wrapper is written as it is]
+A tensor whose name still holds a part of PEFT's wrapper after the renaming (a kind of adapter
+this module does not know) is refused, never written beside the base's tensors, where
+transformers would load the directory with the unmerged base and only an "unexpected keys"
+note.
 """
 from __future__ import annotations
 
