@@ -88,12 +88,17 @@ def _manager(disk_dir) -> TierManager:
                        device_budget=MemoryBudget("device", 1 << 30), nvme_path=str(disk_dir))
 
 
+def _swapper(disk_dir, read_ahead: int) -> tuple[TierManager, ActivationSwapper]:
+    """A tier manager and a swapper over it that swaps every saved tensor (min_bytes 1)."""
+    manager = _manager(disk_dir)
+    return manager, ActivationSwapper(manager, min_bytes=1, window_bytes=read_ahead,
+                                      is_parameter_storage=lambda t: False)
+
+
 @pytest.mark.parametrize("read_ahead", [0, 4096])
 def test_retain_graph_reads_again_and_out_of_order_reads_are_correct(disk_dir,
                                                                      read_ahead: int) -> None:
-    manager = _manager(disk_dir)
-    swapper = ActivationSwapper(manager, min_bytes=1, window_bytes=read_ahead,
-                                is_parameter_storage=lambda t: False)
+    manager, swapper = _swapper(disk_dir, read_ahead)
     try:
         torch.manual_seed(0)
         w = [torch.randn(64, 64, requires_grad=True) for _ in range(4)]
@@ -130,9 +135,7 @@ def test_a_graph_kept_across_forwards_does_not_grow_the_pack_order(disk_dir,
     variable): the live count never fell to 0 and the pack order kept every saved tensor of
     every forward (+28 entries a step in the hunt's model). Only the live ones stay, in
     order; gradients stay exact."""
-    manager = _manager(disk_dir)
-    swapper = ActivationSwapper(manager, min_bytes=1, window_bytes=read_ahead,
-                                is_parameter_storage=lambda t: False)
+    manager, swapper = _swapper(disk_dir, read_ahead)
     try:
         torch.manual_seed(0)
         w = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]

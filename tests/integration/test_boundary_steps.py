@@ -229,14 +229,20 @@ def test_a_gradient_after_the_units_step_started_is_refused_not_lost(disk_dir,
     engine, *_ = infinity.initialize(model=_SharedBlock(), config=ds)
     try:
         assert engine.optimizer.early_step == (accumulation == 1)
-        gen = torch.Generator().manual_seed(1)
-        with pytest.raises(RuntimeError, match="block: a gradient arrived after .*use_reentrant"):
-            for _ in range(accumulation):
-                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
-                engine.backward(engine(input_ids=x, labels=x))
-                engine.step()
+        _train_into_the_refusal(engine, accumulation, "block: a gradient arrived after "
+                                                      ".*use_reentrant")
     finally:
         engine.close()
+
+
+def _train_into_the_refusal(engine, accumulation: int, refusal: str) -> None:
+    """One optimizer step of ``accumulation`` micro-batches, which must raise ``refusal``."""
+    gen = torch.Generator().manual_seed(1)
+    with pytest.raises(RuntimeError, match=refusal):
+        for _ in range(accumulation):
+            x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+            engine.backward(engine(input_ids=x, labels=x))
+            engine.step()
 
 
 @pytest.mark.parametrize("clip, accumulation", [(0.5, 1), (0.0, 2)])
@@ -255,13 +261,8 @@ def test_a_late_gradient_is_refused_under_the_speculative_step_too(disk_dir, cli
     engine, *_ = infinity.initialize(model=_SharedBlock(), config=ds)
     try:
         assert engine.speculative
-        gen = torch.Generator().manual_seed(1)
-        with pytest.raises(RuntimeError, match=r"block: a gradient arrived after .*"
-                                               r"use_reentrant=False.*speculative_step"):
-            for _ in range(accumulation):
-                x = torch.randint(0, VOCAB, (2, 8), generator=gen)
-                engine.backward(engine(input_ids=x, labels=x))
-                engine.step()
+        _train_into_the_refusal(engine, accumulation, r"block: a gradient arrived after .*"
+                                                      r"use_reentrant=False.*speculative_step")
     finally:
         engine.close()
 

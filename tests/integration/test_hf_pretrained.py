@@ -285,6 +285,15 @@ def test_prepare_model_wraps_and_freezes_outside_zero_init(disk_dir) -> None:
         engine.close()
 
 
+def _train_three_steps(engine) -> None:
+    """Three training steps on seeded batches, the engine left in eval mode."""
+    engine.train()
+    for batch in _batches(3, seed=5):
+        engine.backward(engine(input_ids=batch, labels=batch).loss)
+        engine.step()
+    engine.eval()
+
+
 def _peft(model, **lora):
     """``model`` wrapped by PEFT, its adapter drawn from seed 7."""
     from peft import LoraConfig, get_peft_model
@@ -331,11 +340,7 @@ def test_save_pretrained_of_a_peft_model_is_its_adapter(disk_dir, tmp_path) -> N
                                           prepare_model=lambda m: _peft(m))
     x = _batches(1)[0]
     try:
-        engine.train()
-        for batch in _batches(3, seed=5):
-            engine.backward(engine(input_ids=batch, labels=batch).loss)
-            engine.step()
-        engine.eval()
+        _train_three_steps(engine)
         out = tmp_path / "adapter"
         out.mkdir()
         (out / "README.md").write_text("mine\n")
@@ -433,11 +438,7 @@ def test_a_merged_save_is_the_trained_model_for_every_lora_layer_kind(disk_dir, 
                                          "type": "AdamW", "params": {"lr": 1e-2}}))
     x = _batches(1)[0]
     try:
-        engine.train()
-        for batch in _batches(3, seed=5):
-            engine.backward(engine(input_ids=batch, labels=batch).loss)
-            engine.step()
-        engine.eval()
+        _train_three_steps(engine)
         ours = logits_of(engine, x)
         engine.save_pretrained(tmp_path / "merged", merged=True)
     finally:
