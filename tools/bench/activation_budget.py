@@ -198,7 +198,7 @@ def report(args: argparse.Namespace, machine: dict, baseline: dict, rounds: list
                          C.gib(res.get("rss_before_engine_bytes")),
                          C.gib(sum(held.values())) if held else None, where,
                          C.median(res.get("step_s", [])[1:]),
-                         " ".join(f"{x:.4f}" for x in res.get("losses", []))])
+                         " ".join(f"{x:.6f}" for x in res.get("losses", []))])
     lines = [f"activation_budget: {args.model}, micro-batch {args.mbs} x {args.seq} tokens, "
              f"host budget {args.host_budget}, {args.steps} steps (the first included), "
              f"CPU {machine['cpu_lscpu']} ({machine['cpus']} cores), load before "
