@@ -91,6 +91,9 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
     try:
         for index, spec in enumerate(specs):
             provided = values.provides if values is not None else None
+            # values each rank made on its own (not zero.Init's, drawn alike on every rank)
+            own_values = values is None and comm.active and any(
+                p.device.type != "meta" and p.numel() for _, p in spec.params)
             made = materialize_params(model, spec.params, device, full_shapes, provided) \
                 if materialize else []
             for name, old, new in made:
@@ -109,7 +112,7 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
                 previous()
             finish = unit.adopt(manager, param_tier, persistent, staging=staging,
                                 doubled=doubled and unit.has_trainable, values=values,
-                                write_behind=values is not None)
+                                write_behind=values is not None, from_rank0=own_values)
             units.append(unit)
             previous, pending = pending, finish
             if previous is not None:

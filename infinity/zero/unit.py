@@ -205,7 +205,7 @@ class Unit:
     # -- building ------------------------------------------------------------------------
     def adopt(self, manager: TierManager, param_home: Tier, persistent: bool, staging=None,
               doubled: bool = False, values: UnitValues | None = None,
-              write_behind: bool = False) -> Callable[[], None] | None:
+              write_behind: bool = False, from_rank0: bool = False) -> Callable[[], None] | None:
         """Take the parameters' current values into the flat buffer and point them at it.
 
         With a HOST/NVME param home the values go to the home tier and the unit ends RELEASED
@@ -215,7 +215,10 @@ class Unit:
         ``write_behind``: an NVMe home written straight from page-aligned host memory is left
         in flight, and a callable is returned that waits for the write and releases the unit
         (the caller fills the next unit meanwhile; until it is called this unit stays FETCHED
-        and holds its device memory); None when nothing was left in flight.
+        and holds its device memory); None when nothing was left in flight. ``from_rank0``:
+        the parameters' values are each rank's own (a model built outside ``zero.Init``): the
+        unit takes rank 0's, as DDP and DeepSpeed make the ranks start from one model (each
+        rank kept its own: stage 0 trained a model per rank, stages 1-3 mixed the ranks').
         """
         # sharded at stage 3, a DEVICE home holds the own shard (see [Note: shards])
         self.persistent = persistent or (param_home is Tier.DEVICE and not self.params_sharded)
@@ -228,6 +231,8 @@ class Unit:
                 for entry in self.params:
                     self.flat[entry.offset:entry.offset + entry.numel].copy_(
                         entry.param.detach().reshape(-1))
+                if from_rank0 and self.comm is not None:
+                    self.comm.broadcast(self.flat, 0)
             else:
                 lo, hi = (0, self.flat_numel) if self.persistent else \
                     (self.home_start, self.home_start + self.home_numel)

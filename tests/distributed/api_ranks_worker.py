@@ -1,7 +1,8 @@
 """One rank of test_ranks_api.py: DeepSpeed API habits across ranks. GatheredParameters with
 modifier_rank=0 (rank 0's change reaches every rank, whatever the others wrote), the
-training_data loader (each rank its share), engine rank accessors, and the process group
-``init_distributed`` made destroyed at exit.
+training_data loader (each rank its share), engine rank accessors, the values a model built
+outside zero.Init starts from, and the process group ``init_distributed`` made destroyed at
+exit.
 
 argv: out_dir nvme_dir
 """
@@ -67,6 +68,21 @@ def main() -> None:
                   "loss_finite": bool(torch.isfinite(loss))}
     finally:
         engine.close()
+    # a model built outside zero.Init with each rank's own values (a rank-seeded init, or only
+    # rank 0 loading weights): every rank starts from rank 0's, at stage 0 and at stage 3
+    result["started_from"] = {}
+    for stage in (0, 3):
+        model = make_model("torch", seed=rank, layers=2, width=32)
+        zero = {"stage": stage} if stage == 0 else ds["zero_optimization"]
+        engine, *_ = infinity.initialize(model=model, config={
+            **ds, "zero_optimization": zero,
+            "infinity": {**ds["infinity"], "compute_dtype": "fp32"}})   # the values as built
+        try:
+            result["started_from"][stage] = {
+                name: value.float().sum().item()
+                for name, value in engine.module_state_dict().items()}
+        finally:
+            engine.close()
     holder["gloo_threads"] = _gloo_threads()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 

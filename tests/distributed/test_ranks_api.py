@@ -24,6 +24,15 @@ def test_modifier_rank_training_data_and_rank_accessors(tmp_path):
         assert r["ranks"] == [rank, 2, 2]
         assert r["loss_finite"]
         assert r["swap_dir"].startswith(f"infinity-swap-r{rank}-"), r["swap_dir"]
+    # ranks that built the model with their own values start from rank 0's (stage 0 trained
+    # a model per rank, stages 1-3 a mix of the ranks')
+    from parity import make_model
+
+    want = {name: value.float().sum().item()
+            for name, value in make_model("torch", seed=0, layers=2, width=32).state_dict().items()}
+    for rank, r in enumerate(results):
+        for stage in ("0", "3"):
+            assert r["started_from"][stage] == pytest.approx(want, rel=1e-6), (rank, stage)
     shares = [set(r["samples"]) for r in results]
     assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(20)), shares
     # the group init_distributed made is destroyed at a normal exit, its gloo threads with it
