@@ -22,6 +22,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from infinity.base.log import get_logger
+
+log = get_logger("engine")
+
 SUPPORTED = "torch.optim.Adam, torch.optim.AdamW (or a callable returning one, given the parameters)"
 GROUP_KEYS_CARRIED = ("name", "optimizer_moments", "optimizer_master")
 """Keys of a passed optimizer's param group the engine takes as they are (they were dropped:
@@ -48,6 +52,13 @@ def client_param_groups(optimizer: Any, model_parameters: Iterable | None,
             f"{type(optimizer).__name__}: the engine steps Adam/AdamW only (its CPU Adam over "
             f"the offloaded states); supported: {SUPPORTED}. Or leave optimizer=None and give "
             "the config an \"optimizer\" section ({\"type\": \"AdamW\", \"params\": {...}})")
+    if type(optimizer).step not in (torch.optim.Adam.step, torch.optim.AdamW.step):
+        # a subclass's own update (a custom Adam variant) is not what the engine runs
+        log.warning("initialize(optimizer=...): %s.%s overrides step(), which the engine never "
+                    "calls: its parameters are stepped by infinity's CPU Adam/AdamW with the "
+                    "groups' settings. Pass torch.optim.Adam/AdamW if that is what it does, "
+                    "or train without the engine's offload", type(optimizer).__module__,
+                    type(optimizer).__name__)
     if optimizer.state:
         raise ValueError(
             f"initialize(optimizer=...): the {type(optimizer).__name__} passed has already been "

@@ -201,3 +201,20 @@ def test_what_cannot_be_taken_over_is_refused_with_what_to_do() -> None:
     with pytest.raises(ValueError, match="both model_parameters .* and an optimizer"):
         infinity.initialize(model=model, model_parameters=list(model[0].parameters()),
                             optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_a_subclass_with_its_own_step_is_taken_over_with_a_warning(disk_dir, infinity_log) -> None:
+    """A torch Adam subclass overriding step() (a custom variant) was taken over as plain Adam
+    without a word; now a warning names it (plain AdamW says nothing)."""
+    class Mine(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    for cls, warned in ((torch.optim.AdamW, False), (Mine, True)):
+        infinity_log.clear()
+        model = make_model("torch", layers=1)
+        engine, *_ = infinity.initialize(model=model, optimizer=cls(model.parameters(), lr=1e-3),
+                                         config=zero_config(2, "cpu", "cpu", str(disk_dir)))
+        engine.close()
+        assert ("Mine overrides step(), which the engine never calls" in infinity_log.text) \
+            is warned, infinity_log.text
