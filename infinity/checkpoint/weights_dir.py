@@ -72,10 +72,16 @@ def partial_path(directory: Path, name: str) -> Path:
     return directory / f".{name}.partial"
 
 
+def _hidden(name: str) -> str | None:
+    """The file name ``name`` is the hidden ``.NAME.partial`` of, else None."""
+    match = _PARTIAL.fullmatch(name)
+    return None if match is None else match.group("name")
+
+
 def is_partial(name: str) -> bool:
     """Whether ``name`` is the hidden name of a file a save writes (one a killed save left)."""
-    match = _PARTIAL.fullmatch(name)
-    return match is not None and is_written_name(match.group("name"))
+    hidden = _hidden(name)
+    return hidden is not None and is_written_name(hidden)
 
 
 def holds_weights(directory: Path) -> bool:
@@ -88,9 +94,8 @@ def holds_weights(directory: Path) -> bool:
         names = [e.name for e in os.scandir(directory)]
     except (FileNotFoundError, NotADirectoryError):
         return False
-    return any(is_weight_file(name) or name == INDEX_NAME or (
-        _PARTIAL.fullmatch(name) is not None and
-        is_weight_file(_PARTIAL.fullmatch(name).group("name"))) for name in names)
+    return any(is_weight_file(name) or name == INDEX_NAME or
+               is_weight_file(_hidden(name) or "") for name in names)
 
 
 def stale_partials(directory: Path) -> list[Path]:
