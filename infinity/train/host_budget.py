@@ -17,7 +17,7 @@ from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.config import InfinityConfig
 from infinity.planner.activations import activation_shape_from_hf_config, reserve_to_keep
-from infinity.planner.inputs import ModelStats, detect_hardware
+from infinity.planner.inputs import Hardware, ModelStats, detect_hardware
 from infinity.planner.plan import budget_need, host_budget_shortfall
 
 _log = get_logger("train")
@@ -38,8 +38,7 @@ def describe_budget(given: Any, flag: str | None, config_file: str | None) -> st
 def check_host_budget(config: InfinityConfig, stats: ModelStats, described: str) -> None:
     """Raise ValueError when the host budget is clearly too small for this run (under half the
     planner's least budget); warn when it is under that least budget but could still work."""
-    nvme_path = config.zero.offload_param.nvme_path or config.zero.offload_optimizer.nvme_path
-    shortfall = host_budget_shortfall(config, stats, detect_hardware(nvme_path))
+    shortfall = host_budget_shortfall(config, stats, _machine(config))
     if shortfall is None:
         return
     refuse, least = shortfall
@@ -59,8 +58,7 @@ def state_bytes(config: InfinityConfig, stats: ModelStats) -> tuple[int, int]:
     from infinity.planner.placement import resident_bytes
     from infinity.planner.run_plan import plan_run
 
-    nvme_path = config.zero.offload_param.nvme_path or config.zero.offload_optimizer.nvme_path
-    plan = plan_run(config, detect_hardware(nvme_path), stats=stats)
+    plan = plan_run(config, _machine(config), stats=stats)
     return sum(resident_bytes(plan.placement).values()), plan.sizes.nvme_bytes
 
 
@@ -79,23 +77,20 @@ def keep_activations(config: InfinityConfig, ds: dict[str, Any], stats: ModelSta
     planner/activations.py); unchanged where the config sets the reserve or
     ``offload_activations`` itself, has no host budget, the model's activations cannot be
     predicted, the activations live in a GPU's memory, or the reserve does not fit."""
-    from infinity.planner.placement import choose_compute_dtype
     from infinity.planner.run_plan import plan_run
-    from infinity.planner.sizes import DTYPE_BYTES
 
     section = config.infinity
     shape = activation_shape_from_hf_config(model_config)
     if section.activation_reserve is not None or section.offload_activations != "auto" or \
             section.host_memory_budget is None or shape is None:
         return config
-    nvme_path = config.zero.offload_param.nvme_path or config.zero.offload_optimizer.nvme_path
-    hw = detect_hardware(nvme_path)
+    hw = _machine(config)
     if hw.has_gpu:
         return config
-    itemsize = DTYPE_BYTES[choose_compute_dtype(config, hw)]
-    can_offload = plan_run(config, hw, stats=stats).sizes.activation_staging
-    reserve = reserve_to_keep(shape, config.train_micro_batch_size_per_gpu, seq_len, itemsize,
-                              stats.largest_unit_params, section.activation_window, can_offload)
+    plain = plan_run(config, hw, stats=stats)
+    reserve = reserve_to_keep(shape, config.train_micro_batch_size_per_gpu, seq_len,
+                              plain.placement.c, stats.largest_unit_params,
+                              section.activation_window, plain.sizes.activation_staging)
     if reserve is None:
         return config
     kept = dataclasses.replace(config, infinity=dataclasses.replace(
@@ -110,3 +105,9 @@ def keep_activations(config: InfinityConfig, ds: dict[str, Any], stats: ModelSta
               "step's working bytes, kept in memory within the host budget",
               format_bytes(reserve), config.train_micro_batch_size_per_gpu, seq_len)
     return kept
+
+
+def _machine(config: InfinityConfig) -> Hardware:
+    """This machine as the planner sees it, its disk the config's swap path's."""
+    return detect_hardware(config.zero.offload_param.nvme_path or
+                           config.zero.offload_optimizer.nvme_path)
