@@ -99,9 +99,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.module = model
         check_not_released(model)
         self.device = model_device(model)
-        place_buffers(model, self.device)    # an Init-built model's buffers are on the CPU
         # every rank must build the same engine: a config or model that differs is named
         check_same_on_every_rank(self.comm, self.config, model)
+        place_buffers(model, self.device, self.comm)   # Init-built: on the CPU; rank 0's values
         specs = partition(model, list(self.config.infinity.unit_modules or []) or None)
         # the config's optimizer, or the one passed, taken over (engine/client_optimizer.py)
         groups, self.optimizer_defaults = optimizer_groups(model, model_parameters, self.config,

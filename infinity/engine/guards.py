@@ -31,7 +31,8 @@ def check_same_on_every_rank(comm: Collectives, config: InfinityConfig,
                              model: torch.nn.Module) -> None:
     """Ranks started with different configs or model structures would shard different layouts
     and pair unrelated collectives (garbage, or a hang): every rank compares its config and
-    its parameters' names, shapes and dtypes with rank 0's before anything is built, and each
+    its parameters' and buffers' names, shapes and dtypes with rank 0's before anything is
+    built (the buffers then take rank 0's values in one broadcast), and each
     raises naming the first difference. Swap paths may differ (each node its local NVMe)."""
     if not comm.active:
         return
@@ -42,7 +43,9 @@ def check_same_on_every_rank(comm: Collectives, config: InfinityConfig,
             part.pop("nvme_path", None)
     mine = {"config": json.dumps(settings, sort_keys=True, default=str),
             "model": [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
-                      for name, p in model.named_parameters()]}
+                      for name, p in model.named_parameters()],
+            "buffers": [(name, tuple(b.shape), str(b.dtype) + (" on meta" if b.is_meta else ""))
+                        for name, b in model.named_buffers()]}
     everyone = comm.all_gather_objects(mine)
     for rank, theirs in enumerate(everyone):
         if theirs == everyone[0]:
@@ -61,7 +64,13 @@ def _first_difference(a: dict, b: dict) -> str:
     for p0, p1 in zip(a["model"], b["model"]):
         if p0 != p1:
             return f"model parameter {_describe(p0)} on rank 0, {_describe(p1)} there"
-    return f"the model has {len(a['model'])} parameters on rank 0 and {len(b['model'])} there"
+    if len(a["model"]) != len(b["model"]):
+        return f"the model has {len(a['model'])} parameters on rank 0 and {len(b['model'])} there"
+    for b0, b1 in zip(a["buffers"], b["buffers"]):
+        if b0 != b1:
+            return (f"model buffer {b0[0]} of shape {b0[1]}, {b0[2]} on rank 0, "
+                    f"{b1[0]} of shape {b1[1]}, {b1[2]} there")
+    return f"the model has {len(a['buffers'])} buffers on rank 0 and {len(b['buffers'])} there"
 
 
 def _describe(param: tuple) -> str:

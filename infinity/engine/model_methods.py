@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
+from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.engine.module_state import full_state_dict, load_module_state_dict
 
 if TYPE_CHECKING:
@@ -30,14 +31,14 @@ def model_device(model: nn.Module) -> torch.device:
         else torch.device("cpu")
 
 
-def place_buffers(model: nn.Module, device: torch.device) -> int:
-    """Move the model's buffers (persistent or not) to the engine's ``device``; returns how many
-    moved. A model built under ``zero.Init`` or by ``infinity.from_pretrained`` has meta
-    parameters, which the units place, but real buffers on the CPU (a position-id table, a
-    rotary frequency table, a causal mask): on a GPU the first forward would mix devices and
-    fail. Each buffer is replaced by its moved copy, as ``model.to(device)`` replaces them; a
-    buffer two modules share stays one tensor; meta buffers stay (a model built wholly on the
-    meta device has no value to move)."""
+def place_buffers(model: nn.Module, device: torch.device, comm: Collectives = NO_COMM) -> int:
+    """Move the model's buffers (persistent or not) to the engine's ``device``, holding rank 0's
+    values (``comm``); returns how many moved. A model built under ``zero.Init`` or by
+    ``infinity.from_pretrained`` has meta parameters, which the units place, but real buffers
+    on the CPU (a position-id table, a rotary frequency table, a causal mask): on a GPU the
+    first forward would mix devices and fail. Each buffer is replaced by its moved copy, as
+    ``model.to(device)`` replaces them; a buffer two modules share stays one tensor; meta
+    buffers stay (a model built wholly on the meta device has no value to move)."""
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, buf in module._buffers.items():
@@ -46,7 +47,32 @@ def place_buffers(model: nn.Module, device: torch.device) -> int:
             if id(buf) not in moved:
                 moved[id(buf)] = buf.to(device)
             module._buffers[name] = moved[id(buf)]
+    _buffers_from_rank0(model, comm)
     return len(moved)
+
+
+def _buffers_from_rank0(model: nn.Module, comm: Collectives) -> None:
+    """Every rank's buffers take rank 0's values, as DDP makes them agree when it wraps a
+    model: a buffer each rank drew on its own (a rank-seeded init, statistics only rank 0
+    loaded) would otherwise stay different, and each rank would compute with its own. The
+    parameters are made to agree as their units are placed (``Unit.adopt``, from_rank0).
+    One broadcast of all the buffers' bytes (the ranks' buffers have the same names, shapes
+    and dtypes: ``check_same_on_every_rank`` compared them first)."""
+    if not comm.active:
+        return
+    real = [buf for _, buf in model.named_buffers()
+            if buf.device.type != "meta" and buf.numel()]
+    if not real:
+        return
+    with torch.no_grad():
+        packed = torch.cat([buf.reshape(-1).view(torch.uint8) for buf in real])
+        comm.broadcast(packed, 0)
+        offset = 0
+        for buf in real:
+            nbytes = buf.numel() * buf.element_size()
+            # a copy: a byte slice viewed as a wider dtype needs an aligned start
+            buf.copy_(packed[offset:offset + nbytes].clone().view(buf.dtype).reshape(buf.shape))
+            offset += nbytes
 
 
 def route_module_methods(model: nn.Module, engine: "Engine") -> None:

@@ -70,9 +70,12 @@ def main() -> None:
         engine.close()
     # a model built outside zero.Init with each rank's own values (a rank-seeded init, or only
     # rank 0 loading weights): every rank starts from rank 0's, at stage 0 and at stage 3
-    result["started_from"] = {}
+    result["started_from"], result["buffers_from"] = {}, {}
     for stage in (0, 3):
         model = make_model("torch", seed=rank, layers=2, width=32)
+        # buffers of each rank's own too: an integer one and a non-persistent float one
+        model.blocks[0].register_buffer("counts", torch.arange(5) + 10 * rank)
+        model.register_buffer("table", torch.full((2, 3), 0.5 + rank), persistent=False)
         zero = {"stage": stage} if stage == 0 else ds["zero_optimization"]
         engine, *_ = infinity.initialize(model=model, config={
             **ds, "zero_optimization": zero,
@@ -80,7 +83,9 @@ def main() -> None:
         try:
             result["started_from"][stage] = {
                 name: value.float().sum().item()
-                for name, value in engine.module_state_dict().items()}
+                for name, value in engine.module_state_dict().items() if "counts" not in name}
+            result["buffers_from"][stage] = [model.blocks[0].counts.tolist(),
+                                             model.table.tolist()]
         finally:
             engine.close()
     holder["gloo_threads"] = _gloo_threads()

@@ -70,8 +70,11 @@ def differ(out: Path, nvme_dir: str, timeout_s: float, rank: int, victim: int) -
     refusals = {}
     odd = rank == victim
     for case, width, lr in (("config", 32, 2e-3 if odd else 1e-3),
-                            ("model", 48 if odd else 32, 1e-3), ("alike", 32, 1e-3)):
+                            ("model", 48 if odd else 32, 1e-3), ("buffer", 32, 1e-3),
+                            ("alike", 32, 1e-3)):
         model = make_model("torch", seed=0, layers=2, width=width)
+        if case == "buffer":      # the buffers' broadcast would pair different sizes
+            model.register_buffer("stats", torch.zeros(3 if odd else 2))
         try:
             engine, *_ = infinity.initialize(model=model, config=config(nvme_dir, timeout_s, lr))
         except RuntimeError as exc:

@@ -110,3 +110,5 @@ def test_ranks_started_with_different_configs_or_models_are_refused(tmp_path):
         assert "rank 1 was started differently from rank 0" in refusals["model"], refusals
         assert "model parameter embed.weight of shape (256, 32), torch.float32 on rank 0, " \
             "embed.weight of shape (256, 48), torch.float32 there" in refusals["model"], refusals
+        assert "model buffer stats of shape (2,), torch.float32 on rank 0, stats of shape (3,), " \
+            "torch.float32 there" in refusals["buffer"], refusals

@@ -25,7 +25,7 @@ def test_modifier_rank_training_data_and_rank_accessors(tmp_path):
         assert r["loss_finite"]
         assert r["swap_dir"].startswith(f"infinity-swap-r{rank}-"), r["swap_dir"]
     # ranks that built the model with their own values start from rank 0's (stage 0 trained
-    # a model per rank, stages 1-3 a mix of the ranks')
+    # a model per rank, stages 1-3 a mix of the ranks'), buffers included
     from parity import make_model
 
     want = {name: value.float().sum().item()
@@ -33,6 +33,8 @@ def test_modifier_rank_training_data_and_rank_accessors(tmp_path):
     for rank, r in enumerate(results):
         for stage in ("0", "3"):
             assert r["started_from"][stage] == pytest.approx(want, rel=1e-6), (rank, stage)
+            # and their buffers from rank 0's, as DDP makes them agree
+            assert r["buffers_from"][stage] == [[0, 1, 2, 3, 4], [[0.5] * 3] * 2], (rank, stage)
     shares = [set(r["samples"]) for r in results]
     assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(20)), shares
     # the group init_distributed made is destroyed at a normal exit, its gloo threads with it
