@@ -43,10 +43,11 @@ The fingerprint covers the calls of both groups, in issue order.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ from infinity.base.log import get_logger
 from infinity.comm.ahead import CudaGather, LateGathers, WorkGather, late_gathers
 from infinity.comm.routing import (backends_of, has_tensor_ops, routes_to_side, side_group,
                                    side_group_needed, tensor_device_type)
+from infinity.comm.watchdog import CallNotMadeError
 from infinity.storage.transfers import DONE, CopyEvent
 
 log = get_logger("comm")
@@ -92,7 +94,7 @@ class Collectives:
 
     def __init__(self, group: Any = None, world_size: int = 1, rank: int = 0, *,
                  gather_bucket_bytes: int = 1 << 62, reduce_bucket_bytes: int = 1 << 62,
-                 on_failure: Any = None, watch: Any = None) -> None:
+                 on_failure: Any = None, watch: Any = None, timeout_s: float = 1800.0) -> None:
         self.group = group
         self.world_size = world_size
         self.rank = rank
@@ -102,6 +104,11 @@ class Collectives:
         # called with (what, error) when a collective fails; returns the lost rank's story
         # (a RankWatch's diagnosis by default: see [Note: lost rank] in comm/watchdog.py)
         self.watch = watch
+        self.timeout_s = timeout_s      # the group's collective timeout, for waits of its own
+        # the call every rank makes that this rank is in: its name before the agreement, ""
+        # after, None outside one (see ``every_rank``)
+        self._every_rank: str | None = None
+        self._not_made: CallNotMadeError | None = None    # its agreement failed
         self.on_failure = on_failure if on_failure is not None or watch is None else \
             (lambda what, exc: watch.diagnose(what))
         # {device type: backend} of the group, and the gloo group beside it for host tensors
@@ -149,8 +156,34 @@ class Collectives:
         all-gather and reduce-scatter."""
         return not self.active or has_tensor_ops(self._backends, tensor.device.type)
 
+    @contextlib.contextmanager
+    def every_rank(self, call: str) -> Iterator[None]:
+        """Within: ``call`` (a save, a load, a full state dict: what gathers the whole model),
+        which every rank must make; its first collective, if it issues one, waits until every
+        rank made it, and raises naming it when a rank went on without it (see [Note: calls
+        every rank makes] in comm/watchdog.py). A call inside another is the outer one's."""
+        if not self.active or self.watch is None or self._every_rank is not None:
+            yield
+            return
+        self._every_rank = call
+        try:
+            yield
+        finally:
+            self._every_rank = self._not_made = None
+
     def _issue(self, call, *args, on: torch.Tensor | None, **kwargs) -> Any:
         """``call(*args, group=..., **kwargs)`` on the group of ``on`` (``_group_for``)."""
+        if self.watch is not None:
+            if self._not_made is not None:     # nor any later collective of that call (a
+                raise self._not_made           # save's exchange of its ranks' outcomes)
+            if self._every_rank:
+                what, self._every_rank = self._every_rank, ""   # agreed once per call
+                try:
+                    self.watch.agree(what, self.timeout_s)
+                except CallNotMadeError as exc:
+                    self._not_made = exc
+                    raise
+            self.watch.count_issue()
         group, name = self._group_for(on)
         self.calls_by_group[name] += 1
         return call(*args, group=group, **kwargs)
@@ -170,6 +203,8 @@ class Collectives:
             self.sequence_log.append((what, size, tag))
         try:
             return self._issue(call, *args, on=on, **kwargs)
+        except CallNotMadeError:
+            raise                 # this rank's own story, not a lost rank's
         except Exception as exc:  # noqa: BLE001 - translated, with the lost rank named
             raise self._lost(what, exc) from exc
 
@@ -404,6 +439,8 @@ class Collectives:
         start = time.perf_counter()
         try:
             self._issue(dist.all_reduce, t, dist.ReduceOp.MAX, on=t)
+        except CallNotMadeError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the same story as any collective
             raise self._lost("sequence check", exc) from exc
         self._count(16, 2.0, start)

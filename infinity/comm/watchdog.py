@@ -23,6 +23,20 @@ that no longer answers means its host is gone: rank 0 when the ranks rendezvouse
 diagnosis each have their own store connection (``Store.clone``), made up front with a short
 timeout, so a dead host fails them at once and the training thread's never waits on the beat.
 A LostRankError is not reported as a failure: its cause is another rank's.
+
+[Note: calls every rank makes]
+A save, a load or a full state dict at stage 3 gathers every unit: every rank must make the call,
+as under DeepSpeed. The Hugging Face habit ``if rank == 0: model.save_pretrained(...)`` made rank
+0's first gather pair with rank 1's next training collective: gloo aborted both processes
+("Received data size doesn't match expected size"), or both waited out the collective timeout.
+So before the first collective of such a call (``Collectives.every_rank``) a rank writes
+``call/<n>/<r>`` (its n-th such call's name) and waits for every other rank's. Two things end
+the wait early, neither depending on timing: another rank's n-th call has another name; or
+another rank has issued more collectives than this one (``issued/<r>``, which the heartbeat
+publishes): it went past this point without the call and waits in a collective this rank will
+never issue. The error names the call and says every rank must make it; the other ranks' blocked
+collective then fails naming this rank's error (the diagnosis above). A rank that reported a
+failure or exited ends the wait too; otherwise it lasts the collective timeout.
 """
 from __future__ import annotations
 
@@ -49,6 +63,11 @@ STORE_TIMEOUT_S = 5.0
 MAX_TEXT = 2000
 
 
+class CallNotMadeError(RuntimeError):
+    """A call every rank must make (a save, a load, a full state dict) that another rank made
+    differently or went on without (see [Note: calls every rank makes])."""
+
+
 class RankWatch:
     """This rank's heartbeat and failure reports in ``store``, and the diagnosis of a failed
     collective from the other ranks' (see [Note: lost rank])."""
@@ -63,6 +82,10 @@ class RankWatch:
         self._beat_store = store.clone()
         self._beat_store.set_timeout(timeout)
         self._reported = False
+        # collectives this rank issued (``count_issue``; the heartbeat publishes the count) and
+        # calls every rank makes so far (see [Note: calls every rank makes])
+        self.issued = 0
+        self._calls = 0
         self._closed = threading.Event()
         self._store.set(f"{PREFIX}who/{rank}", f"{socket.gethostname()}, pid {os.getpid()}")
         self._beat_store.add(f"{PREFIX}beat/{rank}", 1)
@@ -73,11 +96,64 @@ class RankWatch:
     # -- this rank ------------------------------------------------------------------------
     def _beat(self) -> None:
         key = f"{PREFIX}beat/{self.rank}"
+        published = 0
         while not self._closed.wait(self.beat_s):
             try:
                 self._beat_store.add(key, 1)
+                issued = self.issued
+                if issued != published:
+                    self._beat_store.set(f"{PREFIX}issued/{self.rank}", str(issued))
+                    published = issued
             except Exception:  # noqa: BLE001 - the store's host is gone: nothing to tell
                 return
+
+    def count_issue(self) -> None:
+        """This rank is issuing one more collective (on the watched group)."""
+        self.issued += 1
+
+    def agree(self, call: str, timeout_s: float) -> None:
+        """Wait until every other rank makes ``call`` too, before its first collective; raise
+        when one cannot (see [Note: calls every rank makes])."""
+        n, self._calls = self._calls, self._calls + 1
+        mine = self.issued
+        self._store.set(f"{PREFIX}call/{n}/{self.rank}", call)
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + timeout_s
+        beats: dict[int, int] = {}           # each rank's last heartbeat count seen, and when
+        since: dict[int, float] = {}
+        every = (f"{call} must be called on every rank, at the same point (each rank holds "
+                 "a share of the model, and every rank takes part in reading or writing it)")
+        while pending:
+            for r in list(pending):
+                key = f"{PREFIX}call/{n}/{r}"
+                if self._store.check([key]):
+                    theirs = self._store.get(key).decode(errors="replace")
+                    if theirs != call:
+                        raise CallNotMadeError(f"rank {self.rank} called {call} where rank {r} "
+                                           f"called {theirs}: {every}")
+                    pending.remove(r)
+                    continue
+                issued = f"{PREFIX}issued/{r}"
+                if self._store.check([issued]) and int(self._store.get(issued)) > mine:
+                    raise CallNotMadeError(f"rank {self.rank} called {call} but rank {r}{self._who(r)} "
+                                       f"went on without it (to its next collective): {every}")
+                beat = self._store.add(f"{PREFIX}beat/{r}", 0)
+                if beat != beats.get(r):
+                    beats[r], since[r] = beat, time.monotonic()
+                stopped = any(self._store.check([f"{PREFIX}{kind}/{r}"])
+                              for kind in ("failed", "exited"))
+                if stopped or time.monotonic() - since[r] > 5 * self.beat_s:
+                    story = self.diagnose(f"wait for {call}")     # a silent beat: confirmed
+                    if stopped or not story.startswith("every other rank is alive"):
+                        from infinity.comm.collectives import LostRankError
+                        raise LostRankError(f"rank {self.rank}: {call} waited for rank {r}: "
+                                            f"{story}")
+                    since[r] = time.monotonic()
+            if pending and time.monotonic() > deadline:
+                raise CallNotMadeError(f"rank {self.rank} called {call} and waited "
+                                   f"{timeout_s:g}s for rank(s) {pending} to call it: {every}")
+            if pending:
+                time.sleep(0.05)
 
     def report(self, error: BaseException, where: str) -> None:
         """Tell the other ranks that ``error`` escaped this rank's ``where`` (the first report

@@ -67,7 +67,7 @@ class InfinitySection:
     ones are held at the end of the forward, then reads run this far ahead of backward."""
     optimizer_moments: Literal["fp32", "bf16", "int8"] = "fp32"
     """Storage format of Adam's m and v on every tier and in checkpoints: "fp32" (4 + 4 bytes a
-    parameter), "bf16" (2 + 2, rounded to nearest even), or "int8" (1 + 1 and one fp32 scale per
+    parameter), "bf16" (2 + 2, rounded stochastically), or "int8" (1 + 1 and one fp32 scale per
     2048-element block, bitsandbytes' blockwise dynamic maps). The step runs in fp32 either way.
     A param group may set its own (e.g. "fp32" for embeddings); see docs/optimizer-formats.md."""
     optimizer_master: Literal["fp32", "bf16"] = "fp32"

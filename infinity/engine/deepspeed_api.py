@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+from infinity.engine.guards import every_rank_call
+
 
 class DeepSpeedEngineAccessors:
     """Mixed into ``Engine``; reads ``self.config``, ``self.optimizer``, ``self.module``."""
@@ -93,6 +95,7 @@ class DeepSpeedEngineAccessors:
                              "device you want before initialize")
         return self
 
+    @every_rank_call("engine.module_state_dict()")
     def module_state_dict(self, destination: dict | None = None, prefix: str = "",
                           keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict[str, Any]:

@@ -22,21 +22,14 @@ from infinity.config import InfinityConfig
 from infinity.engine.checkpointing import CheckpointCalls
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.guards import (
-    BACKWARD_AFTER_BOUNDARY_STEPS,
-    SECOND_EARLY_BACKWARD,
-    SPECULATIVE_SWAP_ROOM,
-    ZERO_GRAD_AFTER_BOUNDARY_STEPS,
-    ZERO_GRAD_UNDER_EARLY_STEP,
-    check_open, check_pass_start,
+    BACKWARD_AFTER_BOUNDARY_STEPS, SECOND_EARLY_BACKWARD, SPECULATIVE_SWAP_ROOM,
+    ZERO_GRAD_AFTER_BOUNDARY_STEPS, ZERO_GRAD_UNDER_EARLY_STEP,
+    check_cycle_discardable, check_edit_before_step, check_open, check_pass_start,
     check_same_on_every_rank,
-    schedule_label,
-    warn_if_hyperparameters_moved,
+    schedule_label, warn_if_hyperparameters_moved,
 )
 from infinity.engine.model_methods import (
-    model_device,
-    place_buffers,
-    route_module_methods,
-    unroute_module_methods,
+    model_device, place_buffers, route_module_methods, unroute_module_methods,
 )
 from infinity.engine.client_optimizer import rebind_scheduler
 from infinity.engine.param_groups import optimizer_groups
@@ -307,17 +300,18 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             self.activation_swapper.release_forgotten()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard the gradients of the backwards since the last step, as torch's zero_grad()
-        between a backward and a step does (``optimizer.zero_grad()`` comes here too); refused
-        under the early step, whose backward already stepped each unit (it cannot be undone)."""
+        """Discard the gradients of the backwards since the last step (none right after one),
+        as torch's zero_grad() does (``optimizer.zero_grad()`` comes here too); see [Note: what
+        zero_grad discards] in engine/guards.py for what it keeps and refuses."""
         self._check_open("zero_grad")
         if self.optimizer.boundary.pending:
             raise RuntimeError(ZERO_GRAD_AFTER_BOUNDARY_STEPS)
-        if self.optimizer.early_step:
-            if self._backwards_since_step:
+        if self.optimizer.early_step or not self._backwards_since_step:
+            if self.optimizer.early_step and self._backwards_since_step:
                 raise RuntimeError(ZERO_GRAD_UNDER_EARLY_STEP)
             return
         if self.optimizer.holds_cycle_gradients():
+            check_cycle_discardable(self.micro_steps, self.gradient_accumulation_steps())
             self.optimizer.discard_cycle_gradients()
             self._drop_rolled_back()
 
@@ -413,6 +407,10 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             self.coordinator.step_waiting_units(
                 [u for u in self.optimizer.waiting_units() if u.persistent])
             self.coordinator.reap()
+        if not self.optimizer.overflow:     # the weights changed in place: a graph recorded
+            # before refuses another backward, as torch's (its writes are not torch ops)
+            torch.autograd.graph.increment_version(
+                [e.param for u in self.units for e in u.trainable_entries()])
         if step_scheduler and self.lr_scheduler is not None and not self.optimizer.overflow:
             self.lr_scheduler.step(**(lr_kwargs or {}))   # a skipped step does not move it
         self.global_steps += 1
@@ -486,11 +484,12 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         if unit is not None:
             self.coordinator.hook_module(module, [unit.index])
 
-    def pin_unit(self, unit: Unit) -> None:
+    def pin_unit(self, unit: Unit, modifying: bool = False) -> None:
         """Fetch ``unit`` and keep it fetched until ``unpin_unit`` (GatheredParameters): a step
         waiting for it runs on the fetch, and no write of the last step is left in flight (a
-        change written home must not race it)."""
+        change written home must not race it). ``modifying``: the caller changes its values."""
         self._check_open("GatheredParameters")
+        check_edit_before_step(self.optimizer.early_step, self._backwards_since_step, modifying)
         self._void_speculation()
         self._settle()
         self.coordinator.pin(unit)
@@ -507,6 +506,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                     self.comm.broadcast(unit.flat, 0 if source_rank is None else source_rank)
                 self.optimizer.reload_master(unit)
                 unit.write_home(self.manager, self.fetch_pool)
+                torch.autograd.graph.increment_version([e.param for e in unit.params])  # as torch
         finally:
             self.coordinator.unpin(unit)
 

@@ -4,6 +4,7 @@ step(), another engine's reaching this one's parameters), and swap paths it cann
 ahead by ``infinity plan``). Kept out of ``engine.py``, which holds the training logic."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,8 @@ def _walk(x: Any, y: Any, path: str):
 SECOND_EARLY_BACKWARD = (
     "{call} was called twice without engine.step() in between: the early step "
     "(infinity.early_step) steps each unit during its backward, so a second backward would step "
-    "it again instead of adding its gradients up. Call engine.step() after each backward, set "
+    "it again instead of adding its gradients up. Call engine.step() after each backward (for "
+    "several losses of one forward, backward their sum: engine.backward(l1 + l2)), set "
     "gradient_accumulation_steps to add micro-batches up, or set infinity.early_step \"off\"")
 
 
@@ -132,6 +134,44 @@ ZERO_GRAD_AFTER_BOUNDARY_STEPS = (
     "stepped its units (infinity.early_step with gradient accumulation), so their gradients "
     "cannot be discarded. Call zero_grad() before the backward (or after step()), or set "
     "infinity.early_step \"off\" to keep gradients until step()")
+
+
+def check_edit_before_step(early_step: bool, backwards_since_step: int, modifying: bool) -> None:
+    """Raise when the weights are about to be changed (``GatheredParameters`` with a
+    ``modifier_rank``, ``model.load_state_dict``) between a backward and step() under the
+    early step: that backward already stepped each unit, so the change would land on the
+    updated weights and the update would never apply to the changed ones (torch applies the
+    step to the weights as they are at step())."""
+    if modifying and early_step and backwards_since_step:
+        raise RuntimeError(
+            "changing the weights between a backward and step() under the early step "
+            "(infinity.early_step): that backward already updated each unit, so the change "
+            "would replace the update instead of being updated by it. Change them after "
+            "step() or before the backward, or set infinity.early_step \"off\" to keep "
+            "gradients until step()")
+
+
+def check_cycle_discardable(micro_steps: int, accumulation: int) -> None:
+    """Raise when zero_grad() would discard more than the backwards since the last step.
+
+    [Note: what zero_grad discards]
+    Under gradient accumulation each micro-batch's gradients are added into one sum per unit
+    (on the host, or NVMe) as its backward runs; step() at the end of a micro-batch that does
+    not end the cycle only counts it. So zero_grad() right after a step() has nothing of its
+    own to discard and keeps the cycle (a torch loop's ``step(); zero_grad()`` after every
+    micro-batch, under DeepSpeed's gradient_accumulation_steps, accumulates as DeepSpeed's ZeRO
+    does: it discarded the earlier micro-batches, training each step on the last alone). After
+    a backward, the sum holds that backward's gradients and the earlier micro-batches' alike:
+    with earlier ones in the cycle they cannot be told apart, and it refuses rather than
+    dropping them too; at the first micro-batch of a cycle it discards, as torch does."""
+    if micro_steps % accumulation:
+        raise RuntimeError(
+            f"zero_grad() after a backward, in micro-batch {micro_steps % accumulation + 1} of "
+            f"{accumulation} (gradient_accumulation_steps): the engine adds each micro-batch's "
+            "gradients into one sum, so those of this backward cannot be discarded without the "
+            "earlier micro-batches'. Call zero_grad() only right after step() or before the "
+            "backward (the engine starts each cycle clean), or accumulate yourself with "
+            "gradient_accumulation_steps 1 and one step() per cycle")
 
 
 def schedule_label(optimizer: Any) -> str:
@@ -220,3 +260,28 @@ def unusable_swap_paths(config: InfinityConfig) -> tuple[str, ...]:
         except SwapPathError as exc:
             problems.append(str(exc))
     return tuple(problems)
+
+
+def every_rank_call(label: str, reads: bool = True):
+    """Decorate an engine method that gathers the whole model (a save, a load, a full state
+    dict): every rank must call it, and its first collective waits until each has (raising,
+    naming ``label``, when a rank went on without it: see [Note: calls every rank makes] in
+    comm/watchdog.py). ``reads``: it reads the current weights, so the last step lands first
+    (``Engine.flush``), outside the agreement: its collectives are the ones the other ranks
+    issue when their next forward lands it, and a read that needs no more (a state dict at
+    stages 1-2, where each rank holds every parameter) stays one rank's call."""
+    def decorate(method):
+        @functools.wraps(method)
+        def wrapped(self, *args: Any, **kwargs: Any) -> Any:
+            return call_on_every_rank(self, label, reads, method, self, *args, **kwargs)
+        return wrapped
+    return decorate
+
+
+def call_on_every_rank(engine: Any, label: str, reads: bool, function, *args: Any,
+                       **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, a call every rank makes (see ``every_rank_call``)."""
+    if reads and engine.comm.active:
+        engine.flush()
+    with engine.comm.every_rank(label):
+        return function(*args, **kwargs)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from infinity.comm.collectives import NO_COMM, Collectives
+from infinity.engine.guards import call_on_every_rank
 from infinity.engine.module_state import full_state_dict, load_module_state_dict
 
 if TYPE_CHECKING:
@@ -115,7 +116,11 @@ def _bound(model: nn.Module, engine: "Engine", name: str, function):
     rebinds methods to the copy) does not share: the copy gets its class's own method."""
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is engine.module:
-            return function(*args, **kwargs)
+            if name == "zero_grad":
+                return function(*args, **kwargs)
+            # a save or a load: every rank calls it
+            return call_on_every_rank(engine, f"model.{name}()", name != "load_state_dict",
+                                      function, *args, **kwargs)
         return getattr(type(self), name)(self, *args, **kwargs)
 
     method.__name__ = name

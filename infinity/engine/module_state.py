@@ -64,7 +64,7 @@ def load_module_state_dict(engine: "Engine", state_dict: Mapping[str, Any], stri
             entries = [e for e in unit.params if e.param in value_of]
             if not entries:
                 continue
-            engine.pin_unit(unit)
+            engine.pin_unit(unit, modifying=True)
             try:
                 for entry in entries:
                     entry.param.data.copy_(value_of[entry.param].reshape(entry.shape))

@@ -70,4 +70,5 @@ def collectives(ranks: RankInfo, config: InfinityConfig) -> Collectives:
     gather, reduce = collective_bucket_bytes(config)
     return Collectives(ranks.group, ranks.world_size, ranks.rank,
                        gather_bucket_bytes=gather, reduce_bucket_bytes=reduce,
-                       watch=watch_ranks(ranks.group, ranks.rank, ranks.world_size))
+                       watch=watch_ranks(ranks.group, ranks.rank, ranks.world_size),
+                       timeout_s=config.infinity.collective_timeout or 1800.0)

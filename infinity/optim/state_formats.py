@@ -66,10 +66,11 @@ def check_unit_format(unit: SteppedUnit, fmt: StateFormat, sub_group_numel: int,
         raise ValueError(
             f"{unit.name}: int8 moments are stepped in chunks of at least {INT8_CHUNK} elements "
             f"(two 2048-element blocks, 4 KiB of codes), but the run plan sized the sub-group at "
-            f"{sub_group_numel} (zero_optimization.sub_group_size, or what the host budget "
-            f"leaves the optimizer's slots): set sub_group_size to at least {INT8_CHUNK} and give "
-            "the host budget room, or ask for int8 in infinity.optimizer_moments, which the "
-            "plan sizes for")
+            f"{sub_group_numel} (zero_optimization.sub_group_size rounded up to a multiple of "
+            f"2048, or what the host budget leaves the optimizer's slots): set sub_group_size to "
+            f"at least {INT8_CHUNK} and give the host budget room (where only a param group asks "
+            "for int8, asking for it in infinity.optimizer_moments too makes the plan size the "
+            "sub-group for it)")
 
 
 def build_state(manager: TierManager, unit: SteppedUnit, span: tuple[int, int],

@@ -289,7 +289,7 @@ class GatheredParameters(contextlib.ContextDecorator):
         pinned = []
         try:
             for engine, unit in self._units:
-                engine.pin_unit(unit)
+                engine.pin_unit(unit, modifying=self.modifier_rank is not None)
                 pinned.append((engine, unit))
         except BudgetExceededError as exc:
             for engine, unit in pinned:

@@ -37,5 +37,7 @@ def kept_value(kept: KeptSaved) -> torch.Tensor:
             f"one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: a tensor of shape {tuple(tensor.shape)} saved for backward is "
             f"at version {tensor._version}; expected version {version} instead. Clone it before "
-            "modifying it in place, or modify a copy")
+            "modifying it in place, or modify a copy (an optimizer step since the forward "
+            "changes the weights in place too: backward every loss of a forward before step(), "
+            "e.g. their sum)")
     return tensor

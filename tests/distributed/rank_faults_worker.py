@@ -5,6 +5,9 @@ injects the fault at step 2, in the forward of the middle block:
 - ``kill``: SIGKILL itself (after writing the time to ``killed_at``);
 - ``raise``: raise a RuntimeError out of the forward (the script ends with it);
 - ``raise-and-hang``: raise it, catch it, and sit idle (alive, never joining a collective);
+- ``alone``: the victim calls ``engine.save_checkpoint`` at step 2 while the others go on (the
+  habit ``if rank == 0: save``): refused on the victim naming the call, before anything is
+  written, and the others' next collective fails naming the victim's error;
 - ``differ``: no training; initialize twice with a config (lr) and then a model (width) that
   differ on the victim, writing each refusal's message to ``rank<r>.json``, then once alike.
 
@@ -53,6 +56,8 @@ def train(mode: str, out: Path, nvme_dir: str, timeout_s: float, rank: int, vict
     gen = torch.Generator().manual_seed(1 + rank)
     for step in range(STEPS):
         x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen)
+        if mode == "alone" and rank == victim and step == 2:
+            engine.save_checkpoint(out / "ckpt")
         try:
             loss = engine(input_ids=x, labels=x)
         except RuntimeError:

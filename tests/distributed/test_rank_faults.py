@@ -22,11 +22,11 @@ TIMEOUT_S = 10.0      # infinity.collective_timeout of these runs
 BAR_S = TIMEOUT_S + 30
 
 
-def _run(tmp_path, mode: str, victim: int = 1, world: int = 2):
+def _run(tmp_path, mode: str, victim: int = 1, world: int = 2, timeout_s: float = TIMEOUT_S):
     out, nvme = tmp_path / "out", tmp_path / "nvme"
     out.mkdir()
     nvme.mkdir()
-    procs = start(world, "rank_faults_worker.py", [mode, str(out), str(nvme), str(TIMEOUT_S),
+    procs = start(world, "rank_faults_worker.py", [mode, str(out), str(nvme), str(timeout_s),
                                                    str(victim)])
     return procs, out
 
@@ -94,6 +94,23 @@ def test_a_rank_that_raised_and_hangs_is_named_after_the_timeout(tmp_path):
     assert rc0 != 0, err0[-3000:]
     assert TIMEOUT_S - 1 <= ended0 - raised_at < BAR_S, (ended0 - raised_at, err0[-3000:])
     assert "rank 1 (" in err0 and "failed: RuntimeError: injected failure" in err0, err0[-3000:]
+
+
+def test_a_save_called_on_rank_0_only_is_refused_naming_it_on_every_rank(tmp_path):
+    """``if rank == 0: engine.save_checkpoint(...)``: rank 0's first gather would pair with rank
+    1's next training collective (gloo aborts both, or they wait out the timeout). Rank 0
+    refuses as soon as rank 1 has gone past the call (not after the timeout, which is long
+    here), before writing anything; rank 1's collective then fails naming rank 0's error."""
+    procs, out = _run(tmp_path, "alone", victim=0, timeout_s=600.0)
+    rc0, err0, _ = _finish(procs[0], 300)
+    rc1, err1, _ = _finish(procs[1], 120)
+    want = ("rank 0 called engine.save_checkpoint() but rank 1 (", "went on without it",
+            "engine.save_checkpoint() must be called on every rank")
+    assert rc0 != 0 and all(w in err0 for w in want), err0[-3000:]
+    assert "CallNotMadeError" in err0 and "[killed" not in err0, err0[-3000:]
+    assert rc1 != 0 and "rank 0 (" in err1 and all(w in err1 for w in want), err1[-3000:]
+    saved = out / "ckpt"
+    assert not saved.exists() or not any(saved.iterdir()), list(saved.iterdir())
 
 
 def test_ranks_started_with_different_configs_or_models_are_refused(tmp_path):

@@ -13,7 +13,8 @@ import infinity
 from parity import VOCAB, loss_of, make_model, reference_step, with_adamw, zero_config
 
 
-def _setup(disk_dir, tier: str, early_step: str, clip: float = 0.0, **fp16):
+def _setup(disk_dir, tier: str, early_step: str, clip: float = 0.0, accumulation: int = 1,
+           **fp16):
     torch.manual_seed(0)
     model = make_model("llama", layers=2, width=64)
     reference = copy.deepcopy(model)
@@ -21,6 +22,7 @@ def _setup(disk_dir, tier: str, early_step: str, clip: float = 0.0, **fp16):
     ds = zero_config(3, tier, tier, str(disk_dir), early_step=early_step)
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
     ds["gradient_clipping"] = clip
+    ds["gradient_accumulation_steps"] = accumulation
     if fp16:
         ds["fp16"] = {"enabled": True, **fp16}
     engine, *_ = infinity.initialize(model=model, config=ds)
@@ -61,6 +63,39 @@ def test_zero_grad_between_backward_and_step_discards(disk_dir, tier, clip, how)
             ref_opt.step()
             ref_opt.zero_grad()
         _assert_same_weights(engine, reference)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("tier,early_step", [("cpu", "off"), ("nvme", "auto")])
+@pytest.mark.parametrize("how", ["engine", "optimizer", "module"])
+def test_zero_grad_after_each_micro_step_keeps_the_cycle(disk_dir, tier, early_step, how):
+    """``backward(); step(); zero_grad()`` every micro-batch under gradient_accumulation_steps
+    2 accumulates both micro-batches, as DeepSpeed's ZeRO does (it kept the last alone); a
+    zero_grad() after a second micro-batch's backward, which cannot drop it without the
+    first's, is refused (see [Note: what zero_grad discards] in engine/guards.py)."""
+    engine, model, reference, ref_opt = _setup(disk_dir, tier, early_step, accumulation=2)
+    zero_grad = {"engine": engine.zero_grad, "optimizer": engine.optimizer.zero_grad,
+                 "module": model.zero_grad}[how]
+    try:
+        for a, b in zip(*[iter(_batches(6))] * 2):
+            for x in (a, b):
+                engine.backward(loss_of(engine(input_ids=x, labels=x)))
+                engine.step()
+                zero_grad()
+                (loss_of(reference(input_ids=x, labels=x)) / 2).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        _assert_same_weights(engine, reference)
+        assert engine.global_steps == 3
+        a, b = _batches(2)
+        engine.backward(loss_of(engine(input_ids=a, labels=a)))
+        engine.step()
+        if early_step == "off":     # the early step refuses any zero_grad after a backward
+            engine.backward(loss_of(engine(input_ids=b, labels=b)))
+            with pytest.raises(RuntimeError, match="micro-batch 2 of 2.*cannot be discarded "
+                                                   "without the earlier micro-batches'"):
+                zero_grad()
     finally:
         engine.close()
 
@@ -503,3 +538,65 @@ def test_a_copy_of_the_model_made_after_initialize_runs_on_its_own(disk_dir) -> 
     finally:
         engine.close()
     torch.testing.assert_close(loss_of(copy_of_model(input_ids=x, labels=x)), expected)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("early_step", ["auto", "off"])
+def test_a_step_between_two_backwards_of_one_forward_is_refused_as_torch(disk_dir, stage,
+                                                                         early_step):
+    """``backward(l1, retain_graph=True); step(); backward(l2)``: the step changed weights the
+    graph saved, which torch refuses ("modified by an inplace operation"); the engine's writes
+    are not torch ops, so the second backward ran on the updated weights (a.weight 5e-3 off
+    the gradient the graph recorded). Backing the sum of the losses works."""
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    ds = zero_config(stage, "cpu", "cpu", str(disk_dir), early_step=early_step)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = _batches(1)[0]
+    try:
+        logits = engine(input_ids=x).logits
+        first, second = logits[..., :8].square().mean(), logits[..., 8:].square().mean()
+        engine.backward(first, retain_graph=True)
+        engine.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation.*optimizer "
+                                               "step since the forward"):
+            engine.backward(second)
+        logits = engine(input_ids=x).logits
+        engine.backward(logits[..., :8].square().mean() + logits[..., 8:].square().mean())
+        engine.step()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("how", ["gathered", "load_state_dict"])
+def test_changing_weights_between_backward_and_step_under_the_early_step_is_refused(
+        disk_dir, how) -> None:
+    """Under the early step the backward already updated each unit: a change made before
+    step() would replace the update instead of being updated by it (torch steps the changed
+    weights); refused before anything is changed. After step() it is a plain change."""
+    engine, model, *_ = _setup(disk_dir, "cpu", "on")
+    x = _batches(1)[0]
+    weight = model.model.embed_tokens.weight
+
+    def change() -> None:
+        if how == "gathered":
+            with infinity.zero.GatheredParameters([weight], modifier_rank=0):
+                weight.data.mul_(0.5)
+        else:
+            model.load_state_dict(state, strict=False)
+
+    try:
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        with pytest.raises(RuntimeError, match="already updated each unit"):
+            change()
+        engine.step()
+        before = model.state_dict()["model.embed_tokens.weight"].clone()
+        change()
+        after = model.state_dict()["model.embed_tokens.weight"]
+        want = before * 0.5 if how == "gathered" else state["model.embed_tokens.weight"]
+        torch.testing.assert_close(after, want)
+    finally:
+        engine.close()
