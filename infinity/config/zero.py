@@ -171,6 +171,18 @@ class ZeroConfig:
                               f"needs ZeRO stage 1, 2 or 3 but {p}.stage = 0: set \"stage\" (3 for "
                               "the most memory savings)")
 
+    @property
+    def swap_path(self) -> str | None:
+        """The directory the swap space goes under: the ``nvme_path`` of a section offloaded to
+        "nvme" (the parameters', then the optimizer's), else either's (activations offloaded to
+        NVMe with both sections on the CPU). A path left on a "cpu" section is not used while
+        the other section offloads to "nvme" (DeepSpeed ignores it there; it took the swap
+        space away from the NVMe the user chose, or failed on a path that does not exist)."""
+        for section in (self.offload_param, self.offload_optimizer):
+            if section.device == "nvme" and section.nvme_path:
+                return section.nvme_path
+        return self.offload_param.nvme_path or self.offload_optimizer.nvme_path
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):

@@ -105,8 +105,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         plan = self.plan
         self.compute_dtype = COMPUTE_DTYPES[plan.compute_dtype]
         self.stage = stage = self.config.zero.stage
-        self.micro_steps = 0
-        self.global_steps = 0
+        self.micro_steps = self.global_steps = 0
         self._boundary_set: bool | None = None      # set_gradient_accumulation_boundary
         self.param_tier, self.optimizer_tier = param_tier, optimizer_tier = \
             plan.param_tier, plan.optimizer_tier
@@ -115,8 +114,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.direct_fetch = plan.direct_fetch      # a CPU device reads NVMe into its memory
         self.speculative = plan.speculative
         self.sizes: EngineSizes = plan.sizes
-        nvme_path = (self.config.zero.offload_param.nvme_path if param_tier is Tier.NVME else None) \
-            or self.config.zero.offload_optimizer.nvme_path
+        nvme_path = self.config.zero.swap_path    # a "cpu" section's path is not used
         warn_second_nvme_path(self.config, nvme_path, param_tier, optimizer_tier)
         # the monitors first: a section enabled without its library stops before any file
         self.report = StepReport(self.config, self.ranks.rank)
@@ -176,8 +174,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self._last_stats: dict[str, float] = {}
         # fp16: the loss scale and the skipping of steps whose gradients overflow
         self.loss_scaler = LossScaler(self.config.fp16) if self.config.fp16.enabled else None
-        self.skipped_steps = 0
-        self._backwards_since_step = 0
+        self.skipped_steps = self._backwards_since_step = 0
         self._warned_hyper_moved = False
 
     # -- training API ----------------------------------------------------------------------
@@ -262,7 +259,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                     loss.backward(retain_graph=retain_graph)
             except BaseException as exc:
                 self.comm.report_failure(exc, "backward")
-                # the rest's gradients never come: drop the partial ones, start the next clean
+                # the rest's gradients never come: drop the cycle's, start the next clean (its
+                # micro-batches counted from the cycle's first: the failed batch is skipped)
+                self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
                 try:
                     self.optimizer.abandon_backward()
                 finally:

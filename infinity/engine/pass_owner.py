@@ -66,6 +66,19 @@ class EnginePassOwner:
     def end_untracked_backward(self) -> None:
         self._engine._end_backward(self._started)
 
+    def abandon_failed_backward(self) -> None:
+        """What ``engine.backward`` does when its backward raises (it cannot see this one's
+        error): the cycle's gradients dropped, its micro-batches counted from its first (the
+        failed batch is skipped), the pass let go."""
+        engine = self._engine
+        engine.micro_steps -= engine.micro_steps % engine.gradient_accumulation_steps()
+        try:
+            engine.optimizer.abandon_backward()
+        finally:
+            engine.coordinator.abandon_pass()
+            engine._drop_rolled_back()
+            engine._release_dropped_activations()
+
     # -- the optimizer's owner -------------------------------------------------------------
     def zero_grad(self, set_to_none: bool) -> None:
         self._engine.zero_grad(set_to_none)

@@ -89,7 +89,7 @@ def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
     rank's CPU has it natively). The compute dtype and why it was chosen are logged and
     recorded for ``native_info()``. A host budget clearly too small is refused here, before
     anything is allocated."""
-    nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
+    nvme_path = cfg.zero.swap_path
     hw = detect_hardware(nvme_path)
     if comm is not None and comm.active:
         # every rank plans the same run, for the most constrained machine ([Note: one machine

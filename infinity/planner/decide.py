@@ -296,7 +296,7 @@ def decide(stats: ModelStats, shape: ModelShape, target: Target, workload: Workl
         ladder = ((f"the config as written: stage {z.stage}, offload_param {z.offload_param.device}, "
                    f"offload_optimizer {z.offload_optimizer.device}", z.stage, z.offload_param.device,
                    z.offload_optimizer.device),)
-        nvme_path = nvme_path or z.offload_param.nvme_path or z.offload_optimizer.nvme_path
+        nvme_path = nvme_path or z.swap_path
     rungs = _path(base, stats, shape, target, workload, nvme_path, ladder=ladder,
                   project_gpu_master=project_gpu_master)
     chosen = rungs[-1].memory if rungs and rungs[-1].fits else None

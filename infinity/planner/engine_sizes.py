@@ -234,7 +234,7 @@ def engine_sizes(cfg: InfinityConfig, units: Sequence[Sequence[tuple[int, bool]]
     only the own shard to the host (a GPU: see [Note: gradients reduced on the device] in
     optim/device_gradients.py): the host gradient buffers hold a shard, not the unit.
     """
-    nvme_path = cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path
+    nvme_path = cfg.zero.swap_path
     layouts = [unit_layout_bound(u, itemsize) for u in units]
     unit_numels = [numel for numel, _ in layouts]
     # per rank (see [Note: shards] in zero/unit.py): each rank's homes hold a shard of every
@@ -430,5 +430,5 @@ def activation_staging(cfg: InfinityConfig) -> bool:
     """Whether the activation swapper's staging is budgeted: "nvme", or "auto" with a swap
     directory to offload to (it may choose to at the first training forward)."""
     mode = cfg.infinity.offload_activations
-    has_swap = bool(cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path)
+    has_swap = bool(cfg.zero.swap_path)
     return mode == "nvme" or (mode == "auto" and has_swap)

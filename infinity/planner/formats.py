@@ -98,7 +98,7 @@ def target_formats(decision: "Decision", step: "StepTime | None", base: Infinity
     z = ref.candidate.zero
     number = rung_number(ref)
     label = d.rungs[-1].label
-    path = nvme_path or z.offload_param.nvme_path or z.offload_optimizer.nvme_path
+    path = nvme_path or z.swap_path
     rows = []
     for fmt in _compared(current):
         projected = fmt.master == "bf16"        # the devices are GPUs

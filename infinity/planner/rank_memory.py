@@ -124,7 +124,7 @@ def rank_memory(cfg: InfinityConfig, stats: ModelStats, shape: ModelShape, targe
     candidate = cfg
     if split_units:
         stats = stats.split_into_parameters()
-    hw = target.hardware(cfg.zero.offload_param.nvme_path or cfg.zero.offload_optimizer.nvme_path)
+    hw = target.hardware(cfg.zero.swap_path)
     acts = activation_bytes(shape, workload.seq_len, workload.micro_batch, checkpointing,
                             place(cfg, stats, hw).c)
     host_budget = int(HOST_BUDGET_FRACTION * target.host_memory_bytes) // target.gpus_per_node

@@ -65,6 +65,7 @@ class _Resources:
 
     def __init__(self, swap_dir: SwapDir) -> None:
         self.swap_dir = swap_dir
+        self.owner_pid = os.getpid()
         self.files: list[IOFile] = []
         self.pending: list[IORequest] = []  # requests submitted and not yet seen finished
         self.lock = threading.Lock()
@@ -83,6 +84,10 @@ class _Resources:
             self._release()
 
     def _release(self) -> None:
+        if os.getpid() != self.owner_pid:
+            # a forked child's exit (its finalizers run at its interpreter exit): the space, its
+            # files and requests are the parent's, which still trains on them
+            return
         # Wait for this space's I/O in flight: closing a file under a running request could let a
         # reused descriptor number receive its bytes. Errors were (or will be) seen by the owner.
         with self.lock:

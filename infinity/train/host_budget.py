@@ -109,5 +109,4 @@ def keep_activations(config: InfinityConfig, ds: dict[str, Any], stats: ModelSta
 
 def _machine(config: InfinityConfig) -> Hardware:
     """This machine as the planner sees it, its disk the config's swap path's."""
-    return detect_hardware(config.zero.offload_param.nvme_path or
-                           config.zero.offload_optimizer.nvme_path)
+    return detect_hardware(config.zero.swap_path)

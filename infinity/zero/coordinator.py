@@ -180,6 +180,8 @@ class Coordinator:
     # -- forward ---------------------------------------------------------------------------
     def begin_forward(self, training: bool) -> None:
         """Called by the engine before each forward pass (starts a trace pass)."""
+        if self._phase is PassPhase.BACKWARD and not self._in_graph_task():
+            self.owner.abandon_failed_backward()   # a loss.backward() that raised: no end came
         training = training and torch.is_grad_enabled()
         self.ahead.drop(self._status, self._release_or_keep)    # one a pass before left unused (it ended, or diverged)
         self._phase = PassPhase.TRAIN_FORWARD if training else PassPhase.EVAL_FORWARD

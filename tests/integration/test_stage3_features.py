@@ -898,6 +898,20 @@ def test_a_second_nvme_path_is_named_in_a_warning(disk_dir, infinity_log) -> Non
                for r in infinity_log.records), [r.getMessage() for r in infinity_log.records]
 
 
+def test_a_cpu_sections_nvme_path_is_not_used(disk_dir) -> None:
+    """offload_param on "cpu" with an nvme_path (DeepSpeed templates carry one; DeepSpeed
+    ignores it) and the optimizer on "nvme": the swap space goes under the optimizer's path
+    (it went under the parameters' unused one, or failed where that did not exist)."""
+    ds = zero_config(3, "cpu", "nvme", str(disk_dir))
+    ds["zero_optimization"]["offload_param"]["nvme_path"] = str(disk_dir / "missing")
+    engine, *_ = infinity.initialize(model=make_model("llama", layers=1, width=32),
+                                     config=with_adamw(ds))
+    try:
+        assert engine.manager.swap.path.parent == disk_dir, engine.manager.swap.path
+    finally:
+        engine.close()
+
+
 def test_gathered_changes_made_by_rebinding_data_are_kept(disk_dir) -> None:
     """Under GatheredParameters(modifier_rank=0) ``p.data = new`` (not in place) reaches the
     homes like an in-place change; a new shape is a clear error and leaves nothing pinned."""

@@ -3,11 +3,13 @@ the early schedule, where the deferred step runs (the next forward's fetch, or e
 in the other -- and engine.close() still removes the swap files."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 import torch
 
+import infinity
 from infinity.storage.manager import FlatStore
 from parity import VOCAB, loss_of, nvme_engine, reference_step
 
@@ -159,6 +161,56 @@ def test_training_goes_on_after_a_backward_that_raises(disk_dir, schedule) -> No
             assert torch.isfinite(loss)
         if schedule == "off":   # the failed backward's speculated units were rolled back
             assert engine.optimizer.speculation_stats["rolled_back"] == 1
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("how", ["engine", "direct"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_backward_failed_mid_cycle_skips_its_batch_under_accumulation(disk_dir, how, tier):
+    """gradient_accumulation_steps 2: the second micro-batch's backward of batch 2 raises and
+    the loop skips the batch (as docs/training-loop.md says training sees). The cycle's
+    gradients are dropped and its micro-batches counted from its first again: the counter was
+    left mid-cycle, so each later step took one micro-batch of two batches (0.03 off torch);
+    a ``loss.backward()`` that raised dropped nothing at all (the engine cannot catch its
+    error: the next forward finds its end never came)."""
+    from parity import ArmedBackwardHook, engine_and_reference, make_model, zero_config
+
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    failing = ArmedBackwardHook(error="injected backward failure")
+    model.model.layers[0].register_full_backward_pre_hook(failing)
+    ds = zero_config(3, tier, tier, str(disk_dir), early_step="off")
+    ds.update(gradient_accumulation_steps=2, gradient_clipping=5.0)
+    engine, reference, ref_opt = engine_and_reference(model, ds)
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for batch in range(5):
+            halves = [torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(2)]
+            skipped = False
+            for micro, x in enumerate(halves):
+                loss = loss_of(engine(input_ids=x, labels=x))
+                failing.armed = batch == 2 and micro == 1
+                with pytest.raises(RuntimeError, match="injected") if failing.armed \
+                        else contextlib.nullcontext():
+                    if how == "engine":
+                        engine.backward(loss)
+                    else:
+                        (loss / 2).backward()
+                    engine.step()
+                skipped = skipped or (batch == 2 and micro == 1)
+            if skipped:
+                continue
+            for x in halves:
+                (loss_of(reference(input_ids=x, labels=x)) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 5.0)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        assert engine.global_steps == 4
+        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+            for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                           msg=name)
     finally:
         engine.close()
 

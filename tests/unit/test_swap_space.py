@@ -229,6 +229,25 @@ def test_unclosed_space_is_removed_by_gc_and_at_exit(disk_dir: Path, aio) -> Non
     assert os.listdir(disk_dir) == []
 
 
+def test_a_forked_child_exiting_leaves_the_parents_space(disk_dir: Path) -> None:
+    """A process that forks (a data-loading helper, a subprocess started by fork) and whose
+    child exits normally: the child's exit ran the space's finalizer, which removed the
+    parent's swap directory under its running engine. Only the owner's exit removes it."""
+    script = _STUB_AIO + textwrap.dedent(f"""
+        import os, sys
+
+        space = SwapSpace({str(disk_dir)!r}, aio=Engine(), reserve_bytes=1 << 20)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)                 # the child's interpreter exit runs the finalizers
+        os.waitpid(pid, 0)
+        print(sorted(os.listdir(space.path)), flush=True)
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert "swap-0.bin" in out.stdout, out.stdout + out.stderr
+    assert os.listdir(disk_dir) == []      # the owner's own exit removed it
+
+
 def test_a_close_interrupted_part_way_is_finished_at_exit(disk_dir: Path) -> None:
     """A second Ctrl-C while close() unlinks the swap files: the directory (gigabytes in a real
     run) used to stay for good, since the removal marked itself done before it started and the
