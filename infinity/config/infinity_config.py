@@ -123,6 +123,15 @@ OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
          "comet": (_section_off, '{"enabled": false}', "use tensorboard, csv_monitor or wandb"),
          "torch_autocast": (_section_off, '{"enabled": false}', "use bf16 or fp16"),
          "sparse_gradients": (_is_off, "false", ""),
+         "progressive_layer_drop": (_section_off, '{"enabled": false}', ""),
+         "curriculum_learning": (_section_off, '{"enabled": false}', ""),
+         "data_efficiency": (_section_off, '{"enabled": false}', ""),
+         "eigenvalue": (_section_off, '{"enabled": false}', ""),
+         "compression_training": (_section_off, "{}", ""),
+         "graph_harvesting": (_is_off, "false", ""),
+         # DeepSpeed's default (since 0.19.4): step() counts the micro-batches, as here always
+         "managed_gradient_accumulation": (lambda v: v is None or v is True, "true",
+                                           "engine.step() counts micro-batches here always"),
          # DeepSpeed's elasticity picks the batch sizes: ignored, the run would take another
          "elasticity": (lambda v: v is None or (isinstance(v, Mapping) and v.get("enabled") in
                                                (None, False)), '{"enabled": false}',
@@ -134,7 +143,13 @@ OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
                                        'for bf16 Adam moments set infinity.optimizer_moments '
                                        '"bf16"')},
     # a config written for torch's Adam lists it off; infinity's CPU Adam has none
-    "optimizer.params": {"amsgrad": (_is_off, "false", "infinity's CPU Adam has no AMSGrad")},
+    "optimizer.params": {"amsgrad": (_is_off, "false", "infinity's CPU Adam has no AMSGrad"),
+                         # DeepSpeedCPUAdam's and FusedAdam's own switches, at their defaults
+                         "fp32_optimizer_states": (lambda v: v is None or v is True, "true",
+                                                   'for 16-bit Adam moments set '
+                                                   'infinity.optimizer_moments "bf16"'),
+                         "set_grad_none": (lambda v: v is None or isinstance(v, bool), "true",
+                                           "")},
     "zero_optimization": {
         "zero_quantized_weights": (_is_off, "false", ""),
         "zero_quantized_nontrainable_weights": (_is_off, "false", ""),

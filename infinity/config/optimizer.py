@@ -61,8 +61,10 @@ class OptimizerConfig:
         check_bool(f"{p}.adam_w_mode", self.adam_w_mode)
         check_bool(f"{p}.bias_correction", self.bias_correction)
         if self.type == "AdamW" and not self.adam_w_mode:
-            raise ConfigError(f"optimizer.type 'AdamW' with {p}.adam_w_mode false is contradictory: "
-                              "use type 'Adam' for L2-style weight decay")
+            raise ConfigError(f"optimizer.type 'AdamW' with {p}.adam_w_mode false is contradictory "
+                              "(DeepSpeed runs type 'AdamW' with decoupled weight decay whatever "
+                              "adam_w_mode says): remove adam_w_mode to run what DeepSpeed ran, "
+                              "or use type 'Adam' with adam_w_mode false for L2-style decay")
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type, "params": {

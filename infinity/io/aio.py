@@ -227,7 +227,15 @@ class AioEngine:
                 raise OSError(code, f"aio backend {cfg.backend!r} is not available here (the kernel "
                                     "refuses it, e.g. io_uring_disabled or a seccomp filter); use "
                                     "backend=\"auto\" or \"threads\"")
-            raise OSError(code, f"starting the aio engine ({cfg}) failed: {os.strerror(code)}")
+            hint = ""
+            if code in (errno.EAGAIN, errno.ENOMEM):
+                # io_setup/io_uring_setup: the kernel's limit on in-flight requests
+                hint = (f"; the kernel refused {cfg.queue_depth} x {cfg.thread_count} in-flight "
+                        "requests (queue_depth x thread_count; libaio counts them against "
+                        "/proc/sys/fs/aio-max-nr, shared by every process): lower queue_depth "
+                        "or thread_count, or raise fs.aio-max-nr")
+            raise OSError(code, f"starting the aio engine ({cfg}) failed: "
+                                f"{os.strerror(code)}{hint}")
         self._handle: int | None = handle.value
         self._pid = os.getpid()  # lanes are threads: a forked child has none of them
         self.backend: str = _lib.BACKEND_NAMES[L.inf_aio_backend(self._handle)]

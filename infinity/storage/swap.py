@@ -302,6 +302,13 @@ class SwapSpace:
 
     def _grow(self, padded: int, tag: str) -> None:
         """Add a file that holds ``padded`` bytes (caller holds the lock)."""
+        if not self._dir.path.is_dir():
+            raise FileNotFoundError(
+                errno.ENOENT, f"the swap directory {self._dir.path} was removed from outside "
+                "the engine (by hand, or by a cleanup of its parent) while this run used it: "
+                f"the states it held are lost, and extent {tag!r} has nowhere to go. close() "
+                "this engine and resume from the last checkpoint; keep other cleanups out of "
+                "the nvme_path while a run is alive", str(self._dir.path))
         size = max(self._file_size, padded)
         if self._auto:  # grow with the space: few files however large it gets
             size = max(size, min(AUTO_MAX_FILE, round_up(self._alloc.capacity // 4, MiB)))

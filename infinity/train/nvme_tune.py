@@ -194,7 +194,9 @@ class TuneFile:
                 os.close(fd)
             self.buf = aligned_empty(min(self.size, MAX_BUFFER))
             self._check = _Check(self.buf)
-            with AioEngine(AioConfig(backend="auto")) as layout:  # untimed layout write
+            # untimed layout write; "mmap" where no point uses O_DIRECT (a file system without
+            # it: the sweep the preflight's advice leads to)
+            with AioEngine(AioConfig(backend="auto" if direct_io else "mmap")) as layout:
                 _write_pass(layout, self.file_path, self.buf, self.size, fsync=True)
         except BaseException:
             self.close()

@@ -229,6 +229,29 @@ def test_amsgrad_off_is_accepted_and_on_is_refused_naming_it() -> None:
         config(True)
 
 
+@pytest.mark.parametrize("section, key, off, on", [
+    ("", "progressive_layer_drop", {"enabled": False}, {"enabled": True}),
+    ("", "curriculum_learning", {"enabled": False}, {"enabled": True}),
+    ("", "data_efficiency", {"enabled": False}, {"enabled": True}),
+    ("", "eigenvalue", {"enabled": False}, {"enabled": True}),
+    ("", "compression_training", {}, {"weight_quantization": {"shared_parameters": {}}}),
+    ("", "graph_harvesting", False, True),
+    ("", "managed_gradient_accumulation", True, False),
+    ("optimizer.params", "fp32_optimizer_states", True, False),
+])
+def test_deepspeed_features_left_at_their_off_value_are_accepted(section, key, off, on) -> None:
+    """DeepSpeed keys a copied config carries at their defaults (docs/configuration.md: features
+    infinity lacks are accepted while switched off) were unknown keys; switched on, refused
+    naming the key."""
+    def config(value) -> dict:
+        if section:
+            return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, key: value}}}
+        return {key: value}
+    InfinityConfig.from_dict(config(off))
+    with pytest.raises(ConfigError, match=f"{key} = .*does not have this DeepSpeed feature"):
+        InfinityConfig.from_dict(config(on))
+
+
 def test_a_copied_deepspeed_zero3_config_is_accepted() -> None:
     cfg = InfinityConfig.from_dict(COPIED_ZERO3)
     assert cfg.zero.stage == 3 and cfg.bf16.enabled

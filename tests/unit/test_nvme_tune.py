@@ -605,3 +605,25 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_the_sweep(
     target = tmp_path / name if name else tmp_path
     assert cli.main(["nvme-tune", "--path", str(tmp_path), "--plot", str(target)]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_an_mmap_sweep_runs_where_the_file_system_has_no_o_direct(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """The preflight's advice on a file system without O_DIRECT is the "mmap" backend: a sweep
+    of mmap points wrote its untimed layout with O_DIRECT anyway and failed with the same
+    advice. Simulated: every O_DIRECT open under the directory fails as the kernel's does."""
+    import errno
+
+    real_open = os.open
+
+    def no_direct(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & os.O_DIRECT and str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    point = TunePoint(backend="mmap", block_size=1 << 20, queue_depth=8, thread_count=1)
+    report = tune.sweep(tmp_path, [point], size=8 << 20)
+    assert [r.backend_used for r in report.results] == ["mmap"]
+    assert report.results[0].write_samples and report.results[0].read_samples
+    assert os.listdir(tmp_path) == []

@@ -229,6 +229,21 @@ def test_unclosed_space_is_removed_by_gc_and_at_exit(disk_dir: Path, aio) -> Non
     assert os.listdir(disk_dir) == []
 
 
+def test_a_swap_directory_removed_from_outside_says_so_at_the_next_growth(
+        disk_dir: Path, aio) -> None:
+    """Its next file found no directory: a bare FileNotFoundError from a free-space check."""
+    import shutil
+
+    space = SwapSpace(disk_dir, aio=aio, reserve_bytes=MiB, file_size=MiB)
+    try:
+        shutil.rmtree(space.path)
+        with pytest.raises(FileNotFoundError, match="was removed from outside the engine.*"
+                                                    "extent 'grown' has nowhere to go"):
+            space.allocate(2 * MiB, tag="grown")
+    finally:
+        space.close()
+
+
 def test_a_forked_child_exiting_leaves_the_parents_space(disk_dir: Path) -> None:
     """A process that forks (a data-loading helper, a subprocess started by fork) and whose
     child exits normally: the child's exit ran the space's finalizer, which removed the
