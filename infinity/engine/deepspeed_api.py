@@ -127,11 +127,46 @@ class DeepSpeedEngineAccessors:
         synchronise (accumulate with gradient_accumulation_steps)."""
         yield
 
+    def get_data_parallel_world_size(self) -> int:
+        return self.ranks.world_size
+
+    def optimizer_name(self) -> str | None:
+        """The config's optimizer type ("Adam", "AdamW"), or the class name of the optimizer
+        passed to ``initialize``."""
+        if self.config.optimizer is not None:
+            return self.config.optimizer.type
+        return type(self._client_optimizer).__name__ if self._client_optimizer is not None \
+            else None
+
+    def scheduler_name(self) -> str | None:
+        """The config's scheduler type, or None (DeepSpeed's)."""
+        return self.config.scheduler.type if self.config.scheduler is not None else None
+
+    def dynamic_loss_scale(self) -> bool:
+        """Whether fp16 loss scaling is dynamic (``fp16.loss_scale`` 0)."""
+        return self.config.fp16.enabled and not self.config.fp16.loss_scale
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for ``close()``."""
+        self.close()
+
+    def save_fp16_model(self, save_dir: Any, save_filename: str = "model.safetensors",
+                        exclude_frozen_parameters: bool = False) -> Any:
+        """DeepSpeed's older name for ``save_16bit_model``."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+
     def __getattr__(self, name: str) -> Any:
         """Attributes the engine does not have come from the model, as with DeepSpeed's engine
-        (``engine.generate(...)``, ``engine.config`` is the engine's own)."""
+        (``engine.generate(...)``, ``engine.config`` is the engine's own); one neither has
+        names the engine (the model's error named the model, as if the script had a typo)."""
         module = self.__dict__.get("module")
         if module is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(module, name)
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"the infinity engine has no attribute {name!r}, nor has its model "
+                f"({type(module).__name__}); DeepSpeed engine methods it lacks (such as "
+                "set_train_batch_size) are not supported") from None
 

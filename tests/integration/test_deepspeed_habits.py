@@ -173,8 +173,17 @@ def test_the_deepspeed_engine_accessors(disk_dir) -> None:
         with torch.no_grad():       # attribute access falls through to the model
             assert engine.generate(x[:1, :3], max_new_tokens=2, do_sample=False).shape == (1, 5)
         assert engine.config is not model.config        # the engine's own config stays its own
-        with pytest.raises(AttributeError, match="no_such_thing"):
-            engine.no_such_thing
+        # one neither the engine nor the model has names the engine (it named the model's class)
+        with pytest.raises(AttributeError, match="infinity engine has no attribute "
+                                                 "'set_train_batch_size', nor has its model"):
+            engine.set_train_batch_size(16)
+        assert engine.get_data_parallel_world_size() == 1 and engine.optimizer_name() == "AdamW"
+        assert engine.scheduler_name() is None and engine.dynamic_loss_scale()
+        engine.save_fp16_model(disk_dir, "weights.safetensors")
+        assert (disk_dir / "weights.safetensors").is_file()
+        engine.destroy()
+        with pytest.raises(RuntimeError, match="after engine.close"):
+            engine(input_ids=x)
     finally:
         engine.close()
 
