@@ -40,6 +40,16 @@ def place_buffers(model: nn.Module, device: torch.device, comm: Collectives = NO
     first forward would mix devices and fail. Each buffer is replaced by its moved copy, as
     ``model.to(device)`` replaces them; a buffer two modules share stays one tensor; meta
     buffers stay (a model built wholly on the meta device has no value to move)."""
+    on_meta = [name for name, buf in model.named_buffers() if buf.is_meta]
+    if on_meta and device.type != "meta":
+        raise ValueError(
+            f"model buffer(s) {', '.join(on_meta[:3])}{' ...' if len(on_meta) > 3 else ''} "
+            "are on the meta device, with no values: the engine gives meta parameters memory "
+            "and their init, but a buffer has none to take (one made from a parameter under "
+            "zero.Init, which holds no values there, or a model built on the meta device). "
+            "Register such a buffer after initialize (reading the parameter under "
+            "infinity.zero.GatheredParameters), compute it in forward, or build the buffers "
+            "outside the meta device")
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, buf in module._buffers.items():

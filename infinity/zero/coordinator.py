@@ -255,7 +255,7 @@ class Coordinator:
             # an input handed back unchanged (T5's blocks return the position bias they were
             # given) gets its gradient only at its producer's backward: see [Note: outputs
             # passed through]
-            for t in tensors_in(output):
+            for t in tensors_in(output, objects=True):
                 if t.requires_grad and id(t) not in passed_through:
                     t.register_hook(lambda grad, ids=ids: self._pre_backward(ids))
         return None

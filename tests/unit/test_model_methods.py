@@ -2,6 +2,7 @@
 under ``zero.Init`` keeps its buffers, and on which device the engine then computes."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -41,3 +42,13 @@ def test_buffers_already_on_the_device_are_the_same_tensors() -> None:
     before = dict(model.named_buffers())
     assert place_buffers(model, model_device(model)) == 0
     assert all(before[name] is buf for name, buf in model.named_buffers())
+
+
+def test_a_buffer_left_on_the_meta_device_is_refused_naming_it() -> None:
+    """A buffer made from a parameter under zero.Init (an L2-SP reference copy) stayed on the
+    meta device and failed the first forward with a device mismatch pointing elsewhere."""
+    model = _WithBuffers()
+    model.register_buffer("reference", torch.empty(3, device="meta"))
+    with pytest.raises(ValueError, match="model buffer.*reference are on the meta device"):
+        place_buffers(model, torch.device("cpu"))
+    assert place_buffers(model, torch.device("meta")) == 3     # placing on meta keeps them
