@@ -119,6 +119,37 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
     for name, function in routed.items():
         setattr(model, name, _bound(model, engine, name, function))
+    # a part's own state_dict() (``model.lm_head.state_dict()``): current values too, where it
+    # gave released parameters as empty tensors (and a unit still fetched its values before a
+    # pending step), saved as such without a word
+    held = {id(e.param) for unit in engine.units for e in unit.params}
+    model.__dict__[_PART_HOOKS] = [
+        module.register_state_dict_post_hook(_current_values(engine, held))
+        for module in model.modules() if module is not model and
+        any(p is not None and id(p) in held for p in module._parameters.values())]
+
+
+_PART_HOOKS = "_infinity_part_state_dict_hooks"
+
+
+def _current_values(engine: "Engine", held: set[int]):
+    """A state-dict post-hook giving a part of the model its parameters' current full values
+    (read under ``GatheredParameters``, as the whole model's state dict reads them; every rank
+    calls it where units are sharded)."""
+    def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        from infinity.zero.init import GatheredParameters
+
+        own = [(prefix + name, p) for name, p in module._parameters.items()
+               if p is not None and id(p) in held and prefix + name in state_dict
+               and state_dict[prefix + name] is not p]        # keep_vars: the parameter itself
+        if not own:
+            return
+        engine._check_open("state_dict")
+        with engine.comm.every_rank(f"{type(module).__name__}.state_dict()"), \
+                GatheredParameters([p for _, p in own]):
+            for key, p in own:
+                state_dict[key] = p.detach().clone()
+    return hook
 
 
 def _bound(model: nn.Module, engine: "Engine", name: str, function):
@@ -200,3 +231,5 @@ def unroute_module_methods(model: nn.Module) -> None:
     """The module's own methods again (``close()``)."""
     for name in ROUTED:
         model.__dict__.pop(name, None)
+    for handle in model.__dict__.pop(_PART_HOOKS, []):
+        handle.remove()

@@ -16,7 +16,10 @@ EXTERNAL_PARAMETER_HINT = (
     "infinity.zero.register_external_parameter(module, parameter). If a parent calls a "
     "submodule of a block directly, not through the block (self.blocks[0].mlp(h); Reformer's "
     "reversible layers), make that submodule's class a unit of its own with "
-    "\"infinity\": {\"unit_modules\": [\"ClassName\", ...]}")
+    "\"infinity\": {\"unit_modules\": [\"ClassName\", ...]}. A loss term computed outside "
+    "every forward (a weight penalty in the training loop) reads released parameters too: "
+    "compute it in a module's forward, or run the forward, that term and the backward inside "
+    "infinity.zero.GatheredParameters([those parameters])")
 
 
 DTYPE_HINT = (

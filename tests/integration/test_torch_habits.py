@@ -600,3 +600,27 @@ def test_changing_weights_between_backward_and_step_under_the_early_step_is_refu
         torch.testing.assert_close(after, want)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("tier,early_step", [("cpu", "on"), ("nvme", "off")])
+def test_a_parts_state_dict_holds_its_current_values(disk_dir, tier, early_step) -> None:
+    """``model.model.layers[0].state_dict()`` at stage 3: the released parameters came back as
+    empty tensors (a saved head was an empty file), a fetched one as it was before a pending
+    step. Now the current values, as the whole model's state dict; close() removes the hooks."""
+    engine, model, reference, ref_opt = _setup(disk_dir, tier, early_step)
+    try:
+        for x in _batches(3):
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+            loss_of(reference(input_ids=x, labels=x)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for part, ref_part in ((model.model.layers[0], reference.model.layers[0]),
+                               (model.lm_head, reference.lm_head)):
+            got, want = part.state_dict(), ref_part.state_dict()
+            assert got.keys() == want.keys()
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+    finally:
+        engine.close()
+    assert not any(m._state_dict_hooks for m in model.modules()), "hooks left after close()"
