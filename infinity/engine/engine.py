@@ -259,15 +259,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                     loss.backward(retain_graph=retain_graph)
             except BaseException as exc:
                 self.comm.report_failure(exc, "backward")
-                # the rest's gradients never come: drop the cycle's, start the next clean (its
-                # micro-batches counted from the cycle's first: the failed batch is skipped)
-                self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
-                try:
-                    self.optimizer.abandon_backward()
+                try:    # the rest's gradients never come: the cycle is dropped (pass_owner.py)
+                    self.coordinator.owner.abandon_failed_backward()
                 finally:
-                    self.coordinator.abandon_pass()
-                    self._drop_rolled_back()
-                    self._release_dropped_activations()
                     self.report.add_time("backward", time.perf_counter() - started)
                 raise_with_external_parameter_hint(exc, "backward", self.stage)
                 raise

@@ -67,9 +67,10 @@ class EnginePassOwner:
         self._engine._end_backward(self._started)
 
     def abandon_failed_backward(self) -> None:
-        """What ``engine.backward`` does when its backward raises (it cannot see this one's
-        error): the cycle's gradients dropped, its micro-batches counted from its first (the
-        failed batch is skipped), the pass let go."""
+        """A backward raised (``engine.backward``'s, or a ``loss.backward()`` whose end never
+        came, found at the next forward): the rest of its gradients never come, so the cycle's
+        are dropped, its micro-batches counted from its first again (the failed batch is
+        skipped, as docs/training-loop.md says) and the pass let go, so the next starts clean."""
         engine = self._engine
         engine.micro_steps -= engine.micro_steps % engine.gradient_accumulation_steps()
         try:
