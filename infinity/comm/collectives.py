@@ -203,8 +203,8 @@ class Collectives:
             self.sequence_log.append((what, size, tag))
         try:
             return self._issue(call, *args, on=on, **kwargs)
-        except CallNotMadeError:
-            raise                 # this rank's own story, not a lost rank's
+        except (CallNotMadeError, LostRankError):
+            raise                 # told already (the agreement of a call every rank makes)
         except Exception as exc:  # noqa: BLE001 - translated, with the lost rank named
             raise self._lost(what, exc) from exc
 
@@ -439,7 +439,7 @@ class Collectives:
         start = time.perf_counter()
         try:
             self._issue(dist.all_reduce, t, dist.ReduceOp.MAX, on=t)
-        except CallNotMadeError:
+        except (CallNotMadeError, LostRankError):
             raise
         except Exception as exc:  # noqa: BLE001 - the same story as any collective
             raise self._lost("sequence check", exc) from exc

@@ -35,8 +35,9 @@ the wait early, neither depending on timing: another rank's n-th call has anothe
 another rank has issued more collectives than this one (``issued/<r>``, which the heartbeat
 publishes): it went past this point without the call and waits in a collective this rank will
 never issue. The error names the call and says every rank must make it; the other ranks' blocked
-collective then fails naming this rank's error (the diagnosis above). A rank that reported a
-failure or exited ends the wait too; otherwise it lasts the collective timeout.
+collective then fails naming this rank's error (the diagnosis above). A rank whose script ended,
+or whose heartbeat stopped (killed, or exited on an error), ends the wait too, named as above;
+otherwise it lasts the collective timeout.
 """
 from __future__ import annotations
 
@@ -140,8 +141,9 @@ class RankWatch:
                 beat = self._store.add(f"{PREFIX}beat/{r}", 0)
                 if beat != beats.get(r):
                     beats[r], since[r] = beat, time.monotonic()
-                stopped = any(self._store.check([f"{PREFIX}{kind}/{r}"])
-                              for kind in ("failed", "exited"))
+                # a rank whose script ended; one that raised stops its heartbeat as it exits
+                # (its failure alone is no proof: a rank that caught its error may still call)
+                stopped = self._store.check([f"{PREFIX}exited/{r}"])
                 if stopped or time.monotonic() - since[r] > 5 * self.beat_s:
                     story = self.diagnose(f"wait for {call}")     # a silent beat: confirmed
                     if stopped or not story.startswith("every other rank is alive"):
