@@ -125,6 +125,7 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
         log.info("loaded %s from %s (%s read by this rank)", type(model).__name__,
                  weights.directory, format_bytes(weights.bytes_read))
         _warn_fp32_modules_rounded(model, engine.compute_dtype)
+        _buffers_as_transformers_loads(model, engine.compute_dtype)
     finally:
         weights.close()
     engine.pretrained_source = weights.directory
@@ -309,6 +310,26 @@ def model_texts(model: nn.Module, dtype: torch.dtype) -> dict[str, str]:
     if generation is not None and callable(can_generate) and can_generate():
         texts["generation_config.json"] = generation.to_json_string(use_diff=True)
     return texts
+
+
+def _buffers_as_transformers_loads(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """transformers' 16-bit load holds the checkpoint's floating buffers (BART's
+    ``final_logits_bias``, a BatchNorm's statistics) in that dtype and keeps those its modules
+    compute at build in fp32 (a rotary ``inv_freq``, not persistent): the same here. The model
+    is built in fp32, so BART's logits and loss came out fp32 under a bf16 engine (twice the
+    memory of the largest activation, and not the 16-bit recipe transformers and DeepSpeed
+    run). A buffer two modules share stays one tensor."""
+    if compute_dtype not in (torch.bfloat16, torch.float16):
+        return
+    cast: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None or not buf.is_floating_point() or buf.dtype == compute_dtype or \
+                    buf.is_meta or name in module._non_persistent_buffers_set:
+                continue
+            if id(buf) not in cast:
+                cast[id(buf)] = buf.to(compute_dtype)
+            module._buffers[name] = cast[id(buf)]
 
 
 def _warn_fp32_modules_rounded(model: nn.Module, compute_dtype: torch.dtype) -> None:

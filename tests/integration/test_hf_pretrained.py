@@ -601,6 +601,37 @@ def test_a_model_that_is_not_a_causal_lm_names_the_class_to_pass(disk_dir) -> No
     assert "AutoModelForSeq2SeqLM" in message and "GPT2Config" not in message, message
 
 
+def test_a_16_bit_engine_holds_the_checkpoints_buffers_as_transformers_does(disk_dir) -> None:
+    """BART's ``final_logits_bias`` (a persistent buffer) stayed fp32 under a bf16 engine, so
+    its logits and loss were fp32 where transformers' bf16 load gives bf16; computed buffers
+    (a rotary inv_freq) stay fp32, as transformers keeps them."""
+    transformers = quiet_transformers()
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1,
+                                  decoder_layers=1, encoder_attention_heads=2,
+                                  decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=32)
+    model = transformers.BartForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.final_logits_bias.normal_()
+    model.save_pretrained(disk_dir / "bart")
+    reference = transformers.BartForConditionalGeneration.from_pretrained(
+        disk_dir / "bart", dtype=torch.bfloat16)
+    engine, *_ = infinity.from_pretrained(
+        disk_dir / "bart", config=_config(disk_dir, infinity={"compute_dtype": "bf16"}),
+        model_class=transformers.BartForConditionalGeneration)
+    try:
+        assert engine.module.final_logits_bias.dtype == torch.bfloat16
+        x = torch.randint(3, VOCAB, (1, 6))
+        engine.eval()
+        with torch.no_grad():
+            ours = engine(input_ids=x, decoder_input_ids=x).logits
+            theirs = reference(input_ids=x, decoder_input_ids=x).logits
+        assert ours.dtype == theirs.dtype == torch.bfloat16
+        torch.testing.assert_close(ours, theirs)
+    finally:
+        engine.close()
+
+
 # -- errors in the checkpoint ------------------------------------------------------------
 def _single_file(disk_dir: Path, change) -> Path:
     """A llama checkpoint as one file, its state dict changed by ``change(sd)``."""
