@@ -135,7 +135,10 @@ class RankWatch:
                     pending.remove(r)
                     continue
                 issued = f"{PREFIX}issued/{r}"
-                if self._store.check([issued]) and int(self._store.get(issued)) > mine:
+                # its key is read again: it may have made the call (and gone past it, its
+                # collectives counted) between the reads; it writes its key before any
+                if self._store.check([issued]) and int(self._store.get(issued)) > mine and \
+                        not self._store.check([key]):
                     raise CallNotMadeError(f"rank {self.rank} called {call} but rank {r}{self._who(r)} "
                                        f"went on without it (to its next collective): {every}")
                 beat = self._store.add(f"{PREFIX}beat/{r}", 0)
@@ -145,11 +148,11 @@ class RankWatch:
                 # (its failure alone is no proof: a rank that caught its error may still call)
                 stopped = self._store.check([f"{PREFIX}exited/{r}"])
                 if stopped or time.monotonic() - since[r] > 5 * self.beat_s:
-                    story = self.diagnose(f"wait for {call}")     # a silent beat: confirmed
+                    story = self.diagnose(f"agreement on {call}")   # a silent beat: confirmed
                     if stopped or not story.startswith("every other rank is alive"):
                         from infinity.comm.collectives import LostRankError
                         raise LostRankError(f"rank {self.rank}: {call} waited for rank {r}: "
-                                            f"{story}")
+                                            f"{story} ({every})")
                     since[r] = time.monotonic()
             if pending and time.monotonic() > deadline:
                 raise CallNotMadeError(f"rank {self.rank} called {call} and waited "

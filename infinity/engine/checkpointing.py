@@ -121,7 +121,7 @@ class CheckpointCalls:
     """The engine's checkpoint and export calls (DeepSpeed's names and arguments): each hands
     ``training_state(self)`` to infinity.checkpoint, or applies what a load returns."""
 
-    @every_rank_call("engine.save_checkpoint()")
+    @every_rank_call("save_checkpoint()")
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
                         client_state: Any = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> Path:
@@ -132,7 +132,7 @@ class CheckpointCalls:
         return save_checkpoint(training_state(self), save_dir, tag, client_state, save_latest,
                                exclude_frozen_parameters)
 
-    @every_rank_call("engine.load_checkpoint()", reads=False)
+    @every_rank_call("load_checkpoint()")
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -145,7 +145,7 @@ class CheckpointCalls:
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, verify_checksums)
 
-    @every_rank_call("engine.save_16bit_model()")
+    @every_rank_call("save_16bit_model()")
     def save_16bit_model(self, save_dir: str | Path, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> Path:
         """The model's weights in their compute dtype as ``save_dir/save_filename``
@@ -154,7 +154,7 @@ class CheckpointCalls:
         return save_model_weights(training_state(self), Path(save_dir) / save_filename,
                                   with_frozen=not exclude_frozen_parameters)
 
-    @every_rank_call("engine.save_pretrained()")
+    @every_rank_call("save_pretrained()")
     def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
                         dtype: Any = None, merged: bool = False) -> Path:
         """The model's current weights (after the last step has landed) as a directory

@@ -95,7 +95,7 @@ class DeepSpeedEngineAccessors:
                              "device you want before initialize")
         return self
 
-    @every_rank_call("engine.module_state_dict()")
+    @every_rank_call("state_dict()")
     def module_state_dict(self, destination: dict | None = None, prefix: str = "",
                           keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict[str, Any]:

@@ -262,26 +262,23 @@ def unusable_swap_paths(config: InfinityConfig) -> tuple[str, ...]:
     return tuple(problems)
 
 
-def every_rank_call(label: str, reads: bool = True):
+def every_rank_call(label: str):
     """Decorate an engine method that gathers the whole model (a save, a load, a full state
     dict): every rank must call it, and its first collective waits until each has (raising,
     naming ``label``, when a rank went on without it: see [Note: calls every rank makes] in
-    comm/watchdog.py). ``reads``: it reads the current weights, so the last step lands first
-    (``Engine.flush``), outside the agreement: its collectives are the ones the other ranks
-    issue when their next forward lands it, and a read that needs no more (a state dict at
-    stages 1-2, where each rank holds every parameter) stays one rank's call."""
+    comm/watchdog.py). A call that issues no collective (a state dict at stages 1-2 with no
+    step pending, where each rank holds every parameter) stays one rank's."""
     def decorate(method):
         @functools.wraps(method)
         def wrapped(self, *args: Any, **kwargs: Any) -> Any:
-            return call_on_every_rank(self, label, reads, method, self, *args, **kwargs)
+            return call_on_every_rank(self, label, method, self, *args, **kwargs)
         return wrapped
     return decorate
 
 
-def call_on_every_rank(engine: Any, label: str, reads: bool, function, *args: Any,
-                       **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)``, a call every rank makes (see ``every_rank_call``)."""
-    if reads and engine.comm.active:
-        engine.flush()
+def call_on_every_rank(engine: Any, label: str, function, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, a call every rank makes (see ``every_rank_call``).
+    ``label`` names what it does, the same whichever name the call came by (the model's or
+    the engine's): ranks that called it by two names made the same call."""
     with engine.comm.every_rank(label):
         return function(*args, **kwargs)

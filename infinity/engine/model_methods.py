@@ -71,12 +71,15 @@ def _buffers_from_rank0(model: nn.Module, comm: Collectives) -> None:
     and dtypes: ``check_same_on_every_rank`` compared them first)."""
     if not comm.active:
         return
+    # an expanded buffer (a stride 0: ``torch.ones(1).expand(8)``) has one element under many
+    # indices and cannot be written whole: left as it is (a constant, in practice)
     real = [buf for _, buf in model.named_buffers()
-            if buf.device.type != "meta" and buf.numel()]
+            if buf.device.type != "meta" and buf.numel()
+            and not any(step == 0 and size > 1 for step, size in zip(buf.stride(), buf.shape))]
     if not real:
         return
     with torch.no_grad():
-        packed = torch.cat([buf.reshape(-1).view(torch.uint8) for buf in real])
+        packed = torch.cat([buf.contiguous().view(-1).view(torch.uint8) for buf in real])
         comm.broadcast(packed, 0)
         offset = 0
         for buf in real:
@@ -157,11 +160,10 @@ def _bound(model: nn.Module, engine: "Engine", name: str, function):
     rebinds methods to the copy) does not share: the copy gets its class's own method."""
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self is engine.module:
-            if name == "zero_grad":
+            if name in ("zero_grad", "save_pretrained"):    # the engine's save agrees itself
                 return function(*args, **kwargs)
-            # a save or a load: every rank calls it
-            return call_on_every_rank(engine, f"model.{name}()", name != "load_state_dict",
-                                      function, *args, **kwargs)
+            # a state dict or a load: every rank calls it (the engine's name for the same call)
+            return call_on_every_rank(engine, f"{name}()", function, *args, **kwargs)
         return getattr(type(self), name)(self, *args, **kwargs)
 
     method.__name__ = name

@@ -61,11 +61,14 @@ def main() -> None:
         loss = engine(input_ids=x, labels=x)       # a forward gathers the unit again
         with infinity.zero.GatheredParameters([weight]):
             seen = weight.detach().clone()
+        # one call by two names (the model's and DeepSpeed's): the same call on every rank
+        by_two_names = model.state_dict() if rank == 0 else engine.module_state_dict()
         samples = sorted(int(s) for (batch,) in loader for s in batch)
         result = {"values": sorted(set(seen.reshape(-1).tolist())), "samples": samples,
                   "swap_dir": engine.manager.swap.path.name,
                   "ranks": [engine.global_rank, engine.world_size, engine.dp_world_size],
-                  "loss_finite": bool(torch.isfinite(loss))}
+                  "loss_finite": bool(torch.isfinite(loss)),
+                  "by_two_names": {k: v.float().sum().item() for k, v in by_two_names.items()}}
     finally:
         engine.close()
     # a model built outside zero.Init with each rank's own values (a rank-seeded init, or only

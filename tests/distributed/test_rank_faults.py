@@ -104,8 +104,8 @@ def test_a_save_called_on_rank_0_only_is_refused_naming_it_on_every_rank(tmp_pat
     procs, out = _run(tmp_path, "alone", victim=0, timeout_s=600.0)
     rc0, err0, _ = _finish(procs[0], 300)
     rc1, err1, _ = _finish(procs[1], 120)
-    want = ("rank 0 called engine.save_checkpoint() but rank 1 (", "went on without it",
-            "engine.save_checkpoint() must be called on every rank")
+    want = ("rank 0 called save_checkpoint() but rank 1 (", "went on without it",
+            "save_checkpoint() must be called on every rank")
     assert rc0 != 0 and all(w in err0 for w in want), err0[-3000:]
     assert "CallNotMadeError" in err0 and "[killed" not in err0, err0[-3000:]
     assert rc1 != 0 and "rank 0 (" in err1 and all(w in err1 for w in want), err1[-3000:]

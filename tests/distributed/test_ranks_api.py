@@ -23,6 +23,7 @@ def test_modifier_rank_training_data_and_rank_accessors(tmp_path):
         assert r["values"] == [1.0], (rank, r["values"])      # rank 0 wrote 1.0, rank 1 2.0
         assert r["ranks"] == [rank, 2, 2]
         assert r["loss_finite"]
+        assert r["by_two_names"] == results[0]["by_two_names"], rank
         assert r["swap_dir"].startswith(f"infinity-swap-r{rank}-"), r["swap_dir"]
     # ranks that built the model with their own values start from rank 0's (stage 0 trained
     # a model per rank, stages 1-3 a mix of the ranks'), buffers included
