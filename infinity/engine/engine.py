@@ -427,7 +427,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         step_s = now - (self._step_started or now)
         self._step_started = None
         self._last_stats = step_stats(step_s, self.manager, self.optimizer.timers,
-                                      self.coordinator.prefetch_hit_ratio, self.comm.counters)
+                                      self.coordinator.fetch_stats, self.comm.counters)
 
     def _keep_forward_change(self, unit: Unit) -> None:
         """A module's forward changed ``unit``'s parameters in place (``nn.Embedding`` with

@@ -5,15 +5,21 @@ builds them from the tier manager's counters and the optimizer's timers.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from infinity.comm.collectives import CommCounters
 from infinity.optim.records import OptimTimers
 from infinity.storage.manager import TierManager
 
 
 def step_stats(step_s: float, manager: TierManager, timers: OptimTimers,
-               prefetch_hit_ratio: float, comm: CommCounters | None = None) -> dict[str, float]:
+               fetch_stats: Mapping[str, int], comm: CommCounters | None = None
+               ) -> dict[str, float]:
     """The stats of a step that took ``step_s`` seconds (counters are cumulative where the
-    manager's are)."""
+    manager's and the coordinator's ``fetch_stats`` are: the prefetch hit ratio is the share
+    of NVMe fetches a prefetch had issued, since the engine started)."""
+    nvme_fetches = fetch_stats["nvme_fetches"]
+    prefetch_hit_ratio = fetch_stats["prefetch_hits"] / nvme_fetches if nvme_fetches else 1.0
     c = manager.counters
     tiers = manager.tier_bytes()
     optimizer_s = timers.optimizer_s + timers.grad_s

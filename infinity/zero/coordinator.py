@@ -595,8 +595,3 @@ class Coordinator:
 
     def _any_stepping(self) -> bool:
         return any(status.stepping for status in self._status)
-
-    @property
-    def prefetch_hit_ratio(self) -> float:
-        n = self.fetch_stats["nvme_fetches"]
-        return self.fetch_stats["prefetch_hits"] / n if n else 1.0
