@@ -206,6 +206,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             self.optimizer.timers.reset()
             self.comm.counters.reset()
         self._void_speculation()
+        self.coordinator.owner.settle_failed_backward()    # a loss.backward() that raised
         self.coordinator.begin_forward(self.module.training)
         training = self.module.training and torch.is_grad_enabled()
         hooks = contextlib.ExitStack()
@@ -297,6 +298,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         as torch's zero_grad() does (``optimizer.zero_grad()`` comes here too); see [Note: what
         zero_grad discards] in engine/guards.py for what it keeps and refuses."""
         self._check_open("zero_grad")
+        self.coordinator.owner.settle_failed_backward()
         if self.optimizer.boundary.pending:
             raise RuntimeError(ZERO_GRAD_AFTER_BOUNDARY_STEPS)
         if self.optimizer.early_step or not self._backwards_since_step:
@@ -373,6 +375,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
 
     def _step(self, lr_kwargs: dict[str, Any] | None, step_scheduler: bool) -> None:
         self._check_open("step")
+        self.coordinator.owner.settle_failed_backward()
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._backwards_since_step = 0

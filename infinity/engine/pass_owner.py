@@ -66,6 +66,18 @@ class EnginePassOwner:
     def end_untracked_backward(self) -> None:
         self._engine._end_backward(self._started)
 
+    def settle_failed_backward(self) -> None:
+        """Before a forward, a step or a zero_grad: a ``loss.backward()`` that raised (its end
+        never came; the engine cannot catch its error) is dropped as ``engine.backward``'s
+        where it delivered gradients; one that delivered none (a failed ``torch.autograd.grad``
+        for a saliency map, say) only lets its pass go, the cycle's gradients kept."""
+        engine = self._engine
+        delivered = engine.coordinator.unfinished_backward()
+        if delivered:
+            self.abandon_failed_backward()
+        elif delivered is not None:
+            engine.coordinator.abandon_pass()
+
     def abandon_failed_backward(self) -> None:
         """A backward raised (``engine.backward``'s, or a ``loss.backward()`` whose end never
         came, found at the next forward): the rest of its gradients never come, so the cycle's

@@ -321,15 +321,37 @@ def _buffers_as_transformers_loads(model: nn.Module, compute_dtype: torch.dtype)
     run). A buffer two modules share stays one tensor."""
     if compute_dtype not in (torch.bfloat16, torch.float16):
         return
+    kept = _fp32_pattern(model, compute_dtype)    # a MoE router's correction bias stays fp32
     cast: dict[int, torch.Tensor] = {}
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         for name, buf in module._buffers.items():
             if buf is None or not buf.is_floating_point() or buf.dtype == compute_dtype or \
-                    buf.is_meta or name in module._non_persistent_buffers_set:
+                    buf.is_meta or name in module._non_persistent_buffers_set or \
+                    (kept is not None and kept.search(f"{module_name}.{name}")):
                 continue
             if id(buf) not in cast:
                 cast[id(buf)] = buf.to(compute_dtype)
             module._buffers[name] = cast[id(buf)]
+
+
+def _fp32_modules(model: nn.Module, compute_dtype: torch.dtype) -> list[str]:
+    """The modules transformers keeps in fp32 when it loads ``model`` in ``compute_dtype``
+    (``_keep_in_fp32_modules_strict`` in bf16 and fp16, ``_keep_in_fp32_modules`` in fp16
+    too)."""
+    if compute_dtype not in (torch.bfloat16, torch.float16):
+        return []
+    kept = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if compute_dtype == torch.float16:
+        kept += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return sorted(set(kept))
+
+
+def _fp32_pattern(model: nn.Module, compute_dtype: torch.dtype) -> re.Pattern | None:
+    """``_fp32_modules`` as a pattern over parameter and buffer names; None for none."""
+    kept = _fp32_modules(model, compute_dtype)
+    if not kept:
+        return None
+    return re.compile(r"(^|\.)(" + "|".join(re.escape(k) for k in kept) + r")(\.|$)")
 
 
 def _warn_fp32_modules_rounded(model: nn.Module, compute_dtype: torch.dtype) -> None:
@@ -339,14 +361,9 @@ def _warn_fp32_modules_rounded(model: nn.Module, compute_dtype: torch.dtype) -> 
     compute dtype, so those are rounded: outputs a little further from transformers' than 16-bit
     rounding alone (0.03 in a GLM4-MoE's logits where bf16 alone moves them 0.004). Said, not
     refused: a 16-bit run is a choice; fp32 compute gives transformers' numbers."""
-    if compute_dtype not in (torch.bfloat16, torch.float16):
+    pattern = _fp32_pattern(model, compute_dtype)
+    if pattern is None:
         return
-    kept = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-    if compute_dtype == torch.float16:
-        kept += list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    if not kept:
-        return
-    pattern = re.compile(r"(^|\.)(" + "|".join(re.escape(k) for k in kept) + r")(\.|$)")
     rounded = [n for n, _ in model.named_parameters() if pattern.search(n)]
     name = "bf16" if compute_dtype == torch.bfloat16 else "fp16"
     if rounded:
@@ -354,7 +371,8 @@ def _warn_fp32_modules_rounded(model: nn.Module, compute_dtype: torch.dtype) -> 
                     "every parameter in %s, so %d parameter(s) (e.g. %s) are rounded and its "
                     "outputs differ from transformers' a little more than %s alone makes them "
                     "(compute_dtype \"fp32\" gives transformers' numbers)", type(model).__name__,
-                    sorted(set(kept)), name, name, len(rounded), rounded[0], name)
+                    _fp32_modules(model, compute_dtype), name, name, len(rounded), rounded[0],
+                    name)
 
 
 def save_pretrained(engine: "Engine", save_directory: str | Path,

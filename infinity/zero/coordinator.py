@@ -55,7 +55,7 @@ from torch import nn
 
 from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
-from infinity.zero.module_calls import keep_at, param_versions, tensors_in
+from infinity.zero.module_calls import in_graph_task, keep_at, param_versions, tensors_in
 from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable
 from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.device_room import DeviceRoom
@@ -173,6 +173,12 @@ class Coordinator:
             handle.remove()
         self._handles.clear()
 
+    def unfinished_backward(self) -> bool | None:
+        """None, or whether a backward that raised (its end never came) delivered gradients."""
+        if self._phase is not PassPhase.BACKWARD or in_graph_task():
+            return None
+        return self._untracked
+
     def reset_backward_state(self) -> None:
         for unit, status in zip(self.units, self._status):
             status.start_backward(len(unit.trainable_entries()))
@@ -180,8 +186,6 @@ class Coordinator:
     # -- forward ---------------------------------------------------------------------------
     def begin_forward(self, training: bool) -> None:
         """Called by the engine before each forward pass (starts a trace pass)."""
-        if self._phase is PassPhase.BACKWARD and not self._in_graph_task():
-            self.owner.abandon_failed_backward()   # a loss.backward() that raised: no end came
         training = training and torch.is_grad_enabled()
         self.ahead.drop(self._status, self._release_or_keep)    # one a pass before left unused (it ended, or diverged)
         self._phase = PassPhase.TRAIN_FORWARD if training else PassPhase.EVAL_FORWARD
@@ -205,12 +209,9 @@ class Coordinator:
             self._checked_order = list(order)
             check_traced_working_set(self.units, order, self.manager.device_budget)
 
-    def _in_graph_task(self) -> bool:
-        return torch._C._current_graph_task_id() != -1
-
     def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> frozenset[int]:
         """Fetch the units; the ids of the call's inputs under grad ([Note: outputs passed through])."""
-        recompute = self._in_graph_task()
+        recompute = in_graph_task()
         if not recompute:
             self.owner.before_read()
         phase = self._phase if self._phase in FORWARDS else PassPhase.EVAL_FORWARD
@@ -233,7 +234,7 @@ class Coordinator:
         return frozenset(id(t) for t in inputs)
 
     def _forward_post(self, ids: tuple[int, ...], output, passed_through: frozenset[int]):
-        recompute = self._in_graph_task()
+        recompute = in_graph_task()
         for uid in ids:
             status = self._status[uid]
             if status.users == 1 and not recompute:     # its last use (still held)

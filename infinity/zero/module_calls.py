@@ -14,24 +14,38 @@ from torch.utils._pytree import tree_flatten
 from infinity.zero.unit import Unit
 
 
-def tensors_in(value: Any, depth: int = 0, objects: bool = False) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any, depth: int = 0, objects: bool = False,
+               seen: set[int] | None = None) -> Iterator[torch.Tensor]:
     """The tensors in a module's inputs or output: torch's pytree (tuples, lists, dicts,
     namedtuples, transformers' ModelOutput), and inside dataclasses, which pytree does not
     open: a unit's output tensors found nowhere get no pre-backward hook, so the unit would not
     be fetched for its backward. ``objects`` (an output): the attributes of a plain object
     too (a library's own output class: its tensors were missed, and the backward failed on a
-    released unit); never a module's, whose parameters are not outputs."""
+    released unit); never a module's, whose parameters are not outputs. Each object once
+    (``seen``: objects that refer to each other were walked once per path)."""
+    seen = set() if seen is None else seen
     for leaf in tree_flatten(value)[0]:
         if isinstance(leaf, torch.Tensor):
             yield leaf
         elif depth >= 8 or isinstance(leaf, (type, torch.nn.Module)):
             continue
+        elif id(leaf) in seen:
+            continue
         elif dataclasses.is_dataclass(leaf):
+            seen.add(id(leaf))
             yield from tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)],
-                                  depth + 1, objects)
+                                  depth + 1, objects, seen)
         elif objects and isinstance(getattr(leaf, "__dict__", None), dict):
-            yield from (t for t in tensors_in(list(vars(leaf).values()), depth + 1, objects)
+            seen.add(id(leaf))
+            yield from (t for t in tensors_in(list(vars(leaf).values()), depth + 1, objects,
+                                              seen)
                         if not isinstance(t, torch.nn.Parameter))   # a weight it refers to
+
+
+def in_graph_task() -> bool:
+    """Whether autograd's engine is running a backward on this thread: a forward called now is
+    a recompute (reentrant activation checkpointing), not the user's."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def param_versions(unit: Unit) -> int:

@@ -131,10 +131,6 @@ class PassOwner(Protocol):
     def end_untracked_backward(self) -> None:
         """That backward is over."""
 
-    def abandon_failed_backward(self) -> None:
-        """A backward the owner did not run (``loss.backward()``) raised: its end never came,
-        and the next forward begins. Drop what it left, as a failed ``engine.backward``."""
-
 
 class UnitValues(Protocol):
     """The first values of some parameters, by their ``state_dict`` name (any of a tied
@@ -190,9 +186,6 @@ class _NoPassOwner:
         pass
 
     def end_untracked_backward(self) -> None:
-        pass
-
-    def abandon_failed_backward(self) -> None:
         pass
 
 

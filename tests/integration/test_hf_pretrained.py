@@ -601,11 +601,17 @@ def test_a_model_that_is_not_a_causal_lm_names_the_class_to_pass(disk_dir) -> No
     assert "AutoModelForSeq2SeqLM" in message and "GPT2Config" not in message, message
 
 
-def test_a_16_bit_engine_holds_the_checkpoints_buffers_as_transformers_does(disk_dir) -> None:
+@pytest.mark.parametrize("kept_fp32", [False, True], ids=["cast", "kept-fp32"])
+def test_a_16_bit_engine_holds_the_checkpoints_buffers_as_transformers_does(
+        disk_dir, monkeypatch, kept_fp32) -> None:
     """BART's ``final_logits_bias`` (a persistent buffer) stayed fp32 under a bf16 engine, so
     its logits and loss were fp32 where transformers' bf16 load gives bf16; computed buffers
-    (a rotary inv_freq) stay fp32, as transformers keeps them."""
+    (a rotary inv_freq) stay fp32, as transformers keeps them, and so does a buffer the model
+    lists in ``_keep_in_fp32_modules_strict`` (a MoE router's correction bias)."""
     transformers = quiet_transformers()
+    if kept_fp32:
+        monkeypatch.setattr(transformers.BartForConditionalGeneration,
+                            "_keep_in_fp32_modules_strict", ["final_logits_bias"], raising=False)
     cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1,
                                   decoder_layers=1, encoder_attention_heads=2,
                                   decoder_attention_heads=2, encoder_ffn_dim=32,
@@ -620,13 +626,14 @@ def test_a_16_bit_engine_holds_the_checkpoints_buffers_as_transformers_does(disk
         disk_dir / "bart", config=_config(disk_dir, infinity={"compute_dtype": "bf16"}),
         model_class=transformers.BartForConditionalGeneration)
     try:
-        assert engine.module.final_logits_bias.dtype == torch.bfloat16
+        want = torch.float32 if kept_fp32 else torch.bfloat16
+        assert engine.module.final_logits_bias.dtype == reference.final_logits_bias.dtype == want
         x = torch.randint(3, VOCAB, (1, 6))
         engine.eval()
         with torch.no_grad():
             ours = engine(input_ids=x, decoder_input_ids=x).logits
             theirs = reference(input_ids=x, decoder_input_ids=x).logits
-        assert ours.dtype == theirs.dtype == torch.bfloat16
+        assert ours.dtype == theirs.dtype == want
         torch.testing.assert_close(ours, theirs)
     finally:
         engine.close()

@@ -215,6 +215,105 @@ def test_a_backward_failed_mid_cycle_skips_its_batch_under_accumulation(disk_dir
         engine.close()
 
 
+@pytest.mark.parametrize("after", ["zero_grad", "step"])
+def test_a_failed_loss_backward_is_dropped_before_zero_grad_or_step(disk_dir, after) -> None:
+    """A torch loop recovers from a failed ``loss.backward()`` with ``zero_grad()`` (refused
+    under the early step as if that backward had stepped the units) or goes on to ``step()``
+    (which stepped the partial gradients: 0.01 on the last layer); the engine cannot catch that
+    error, so zero_grad and step first drop what it left, as a failed ``engine.backward``."""
+    from parity import ArmedBackwardHook, engine_and_reference, make_model, zero_config
+
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    failing = ArmedBackwardHook(error="injected backward failure")
+    model.model.layers[0].register_full_backward_pre_hook(failing)
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir), early_step="off")
+    engine, reference, ref_opt = engine_and_reference(model, ds)
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for batch in range(4):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            failing.armed = batch == 1
+            try:
+                loss_of(engine(input_ids=x, labels=x)).backward()
+            except RuntimeError:
+                getattr(engine.optimizer, after)()       # the loop's recovery
+                continue
+            engine.optimizer.step()
+            engine.optimizer.zero_grad()
+            loss_of(reference(input_ids=x, labels=x)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+            for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                           msg=name)
+    finally:
+        engine.close()
+
+
+def test_zero_grad_after_a_failed_last_micro_batch_backward_is_not_refused(disk_dir) -> None:
+    """Under the early step with accumulation the last micro-batch's backward steps units as
+    it goes: the recovery ``zero_grad()`` after that backward raised (``loss.backward()``) was
+    refused as if it had completed ("call zero_grad() before the backward")."""
+    from parity import ArmedBackwardHook, make_model, zero_config, with_adamw
+
+    model = make_model("llama", layers=2, width=64)
+    failing = ArmedBackwardHook(error="injected backward failure")
+    model.model.layers[0].register_full_backward_pre_hook(failing)
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["gradient_accumulation_steps"] = 2
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(ds))
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for micro in range(6):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            failing.armed = micro == 1
+            try:
+                (loss_of(engine(input_ids=x, labels=x)) / 2).backward()
+            except RuntimeError:
+                engine.optimizer.zero_grad()            # the loop's recovery: not refused
+                continue
+            engine.optimizer.step()
+        assert engine.global_steps == 2 and engine.micro_steps == 4
+    finally:
+        engine.close()
+
+
+def test_a_failed_gradient_of_the_inputs_keeps_the_cycle(disk_dir) -> None:
+    """A saliency map (``torch.autograd.grad`` of the inputs, no parameter gradient) that raises
+    between two micro-batches of a cycle: it delivered no gradient, so the next forward lets
+    its pass go and keeps micro-batch 1's gradients (they were dropped, the count restarted)."""
+    from parity import engine_and_reference, make_model, zero_config
+
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir), early_step="off")
+    ds["gradient_accumulation_steps"] = 2
+    engine, reference, ref_opt = engine_and_reference(model, ds)
+    gen = torch.Generator().manual_seed(2)
+    first, second = (torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(2))
+    try:
+        engine.backward(loss_of(engine(input_ids=first, labels=first)))
+        engine.step()
+        embeds = engine.module.model.embed_tokens(first).detach().requires_grad_()
+        embeds.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("saliency")))
+        with pytest.raises(RuntimeError, match="saliency"):
+            torch.autograd.grad(loss_of(engine(inputs_embeds=embeds, labels=first)), embeds)
+        engine.backward(loss_of(engine(input_ids=second, labels=second)))
+        engine.step()
+        assert engine.global_steps == 1
+        for x in (first, second):
+            (loss_of(reference(input_ids=x, labels=x)) / 2).backward()
+        ref_opt.step()
+        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+            for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
+                                           msg=name)
+    finally:
+        engine.close()
+
+
 def test_a_closed_engine_says_so(disk_dir) -> None:
     """close() twice is harmless; a forward, backward or step afterwards is a clear error (not
     a new swap space and an unallocated-extent error)."""
