@@ -165,6 +165,24 @@ def test_training_goes_on_after_a_backward_that_raises(disk_dir, schedule) -> No
         engine.close()
 
 
+def _failing_llama():
+    """A small Llama (seed 0) whose first layer's backward raises when ``failing.armed``."""
+    from parity import ArmedBackwardHook, make_model
+
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    failing = ArmedBackwardHook(error="injected backward failure")
+    model.model.layers[0].register_full_backward_pre_hook(failing)
+    return model, failing
+
+
+def _assert_weights_as(engine, reference) -> None:
+    """The engine's current weights are the reference's (fp32 rounding through Adam)."""
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("how", ["engine", "direct"])
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_a_backward_failed_mid_cycle_skips_its_batch_under_accumulation(disk_dir, how, tier):
@@ -174,12 +192,9 @@ def test_a_backward_failed_mid_cycle_skips_its_batch_under_accumulation(disk_dir
     left mid-cycle, so each later step took one micro-batch of two batches (0.03 off torch);
     a ``loss.backward()`` that raised dropped nothing at all (the engine cannot catch its
     error: the next forward finds its end never came)."""
-    from parity import ArmedBackwardHook, engine_and_reference, make_model, zero_config
+    from parity import engine_and_reference, zero_config
 
-    torch.manual_seed(0)
-    model = make_model("llama", layers=2, width=64)
-    failing = ArmedBackwardHook(error="injected backward failure")
-    model.model.layers[0].register_full_backward_pre_hook(failing)
+    model, failing = _failing_llama()
     ds = zero_config(3, tier, tier, str(disk_dir), early_step="off")
     ds.update(gradient_accumulation_steps=2, gradient_clipping=5.0)
     engine, reference, ref_opt = engine_and_reference(model, ds)
@@ -207,75 +222,46 @@ def test_a_backward_failed_mid_cycle_skips_its_batch_under_accumulation(disk_dir
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
         assert engine.global_steps == 4
-        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
-            for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
-                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
-                                           msg=name)
+        _assert_weights_as(engine, reference)
     finally:
         engine.close()
 
 
-@pytest.mark.parametrize("after", ["zero_grad", "step"])
-def test_a_failed_loss_backward_is_dropped_before_zero_grad_or_step(disk_dir, after) -> None:
-    """A torch loop recovers from a failed ``loss.backward()`` with ``zero_grad()`` (refused
-    under the early step as if that backward had stepped the units) or goes on to ``step()``
-    (which stepped the partial gradients: 0.01 on the last layer); the engine cannot catch that
+@pytest.mark.parametrize("after,early_step", [("zero_grad", "off"), ("step", "off"),
+                                              ("zero_grad", "auto")])
+def test_a_failed_loss_backward_is_dropped_before_zero_grad_or_step(disk_dir, after,
+                                                                     early_step) -> None:
+    """A torch loop recovers from a failed ``loss.backward()`` with ``zero_grad()`` or goes on
+    to ``step()``: the step stepped the partial gradients (0.01 on the last layer), and under
+    the early step with accumulation (the last micro-batch's backward steps units as it goes)
+    the zero_grad was refused as if that backward had completed. The engine cannot catch that
     error, so zero_grad and step first drop what it left, as a failed ``engine.backward``."""
-    from parity import ArmedBackwardHook, engine_and_reference, make_model, zero_config
+    from parity import engine_and_reference, zero_config
 
-    torch.manual_seed(0)
-    model = make_model("llama", layers=2, width=64)
-    failing = ArmedBackwardHook(error="injected backward failure")
-    model.model.layers[0].register_full_backward_pre_hook(failing)
-    ds = zero_config(3, "cpu", "cpu", str(disk_dir), early_step="off")
+    model, failing = _failing_llama()
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir), early_step=early_step)
+    ds["gradient_accumulation_steps"] = accumulation = 2 if early_step == "auto" else 1
     engine, reference, ref_opt = engine_and_reference(model, ds)
-    gen = torch.Generator().manual_seed(2)
-    try:
-        for batch in range(4):
-            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
-            failing.armed = batch == 1
-            try:
-                loss_of(engine(input_ids=x, labels=x)).backward()
-            except RuntimeError:
-                getattr(engine.optimizer, after)()       # the loop's recovery
-                continue
-            engine.optimizer.step()
-            engine.optimizer.zero_grad()
-            loss_of(reference(input_ids=x, labels=x)).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
-            for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
-                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
-                                           msg=name)
-    finally:
-        engine.close()
-
-
-def test_zero_grad_after_a_failed_last_micro_batch_backward_is_not_refused(disk_dir) -> None:
-    """Under the early step with accumulation the last micro-batch's backward steps units as
-    it goes: the recovery ``zero_grad()`` after that backward raised (``loss.backward()``) was
-    refused as if it had completed ("call zero_grad() before the backward")."""
-    from parity import ArmedBackwardHook, make_model, zero_config, with_adamw
-
-    model = make_model("llama", layers=2, width=64)
-    failing = ArmedBackwardHook(error="injected backward failure")
-    model.model.layers[0].register_full_backward_pre_hook(failing)
-    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
-    ds["gradient_accumulation_steps"] = 2
-    engine, *_ = infinity.initialize(model=model, config=with_adamw(ds))
     gen = torch.Generator().manual_seed(2)
     try:
         for micro in range(6):
             x = torch.randint(0, VOCAB, (2, 16), generator=gen)
             failing.armed = micro == 1
             try:
-                (loss_of(engine(input_ids=x, labels=x)) / 2).backward()
+                (loss_of(engine(input_ids=x, labels=x)) / accumulation).backward()
             except RuntimeError:
-                engine.optimizer.zero_grad()            # the loop's recovery: not refused
+                getattr(engine.optimizer, after)()       # the loop's recovery: not refused
                 continue
             engine.optimizer.step()
-        assert engine.global_steps == 2 and engine.micro_steps == 4
+            if accumulation == 1:
+                engine.optimizer.zero_grad()
+                loss_of(reference(input_ids=x, labels=x)).backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+        if accumulation == 1:
+            _assert_weights_as(engine, reference)
+        else:       # the failed micro-batch 2 of the first cycle: its cycle counted again
+            assert engine.global_steps == 2 and engine.micro_steps == 4
     finally:
         engine.close()
 
@@ -306,10 +292,7 @@ def test_a_failed_gradient_of_the_inputs_keeps_the_cycle(disk_dir) -> None:
         for x in (first, second):
             (loss_of(reference(input_ids=x, labels=x)) / 2).backward()
         ref_opt.step()
-        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
-            for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
-                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6,
-                                           msg=name)
+        _assert_weights_as(engine, reference)
     finally:
         engine.close()
 
