@@ -38,8 +38,9 @@ def place_buffers(model: nn.Module, device: torch.device, comm: Collectives = NO
     ``infinity.from_pretrained`` has meta parameters, which the units place, but real buffers
     on the CPU (a position-id table, a rotary frequency table, a causal mask): on a GPU the
     first forward would mix devices and fail. Each buffer is replaced by its moved copy, as
-    ``model.to(device)`` replaces them; a buffer two modules share stays one tensor; meta
-    buffers stay (a model built wholly on the meta device has no value to move)."""
+    ``model.to(device)`` replaces them; a buffer two modules share stays one tensor. A meta
+    buffer is refused, naming it (nothing would give it values: the first forward failed on
+    a device mismatch), except where ``device`` is meta itself."""
     on_meta = [name for name, buf in model.named_buffers() if buf.is_meta]
     if on_meta and device.type != "meta":
         raise ValueError(
