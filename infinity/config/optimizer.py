@@ -134,8 +134,8 @@ class SchedulerConfig:
     """OneCycle: beta1 at the start and end of the cycle."""
     decay_mom_rate: float = 0.0
     """OneCycle: after the cycle, beta1 = cycle_max_mom * (1 + decay_mom_rate * steps / decay_step_size)."""
-    lr_range_test_min_lr: float = 1e-3
-    """LRRangeTest: the starting LR."""
+    lr_range_test_min_lr: float | tuple[float, ...] = 1e-3
+    """LRRangeTest: the starting LR (or one per param group, as DeepSpeed takes it)."""
     lr_range_test_step_size: int = 2000
     """LRRangeTest: steps per interval of increase."""
     lr_range_test_step_rate: float = 1.0
@@ -151,8 +151,8 @@ class SchedulerConfig:
         if self.type == "OneCycle":
             self._check_one_cycle(p)
         if self.type == "LRRangeTest":
-            set_field(self, "lr_range_test_min_lr",
-                 check_float(f"{p}.lr_range_test_min_lr", self.lr_range_test_min_lr, 0.0))
+            set_field(self, "lr_range_test_min_lr", check_float_per_group(
+                f"{p}.lr_range_test_min_lr", self.lr_range_test_min_lr, 0.0))
             set_field(self, "lr_range_test_step_size",
                  check_int(f"{p}.lr_range_test_step_size", self.lr_range_test_step_size, 1))
             set_field(self, "lr_range_test_step_rate",

@@ -105,7 +105,7 @@ def _schedule(cfg: SchedulerConfig, group_lrs: list[float]
     if kind == "WarmupCosineLR":
         return _warmup_cosine_lr(cfg, group_lrs), no_betas
     if kind == "LRRangeTest":
-        return _range_test_lr(cfg), no_betas
+        return _range_test_lr(cfg, len(group_lrs)), no_betas
     if kind == "OneCycle":
         cycle = _OneCycle(cfg)
         return (lambda it, group: cycle.lr(it)), (lambda it, group: cycle.betas(it))
@@ -176,16 +176,18 @@ def _warmup_cosine_lr(cfg: SchedulerConfig, group_lrs: list[float]) -> Callable[
     return lambda it, group: group_lrs[group] * ratio(it)
 
 
-def _range_test_lr(cfg: SchedulerConfig) -> Callable[[int, int], float]:
+def _range_test_lr(cfg: SchedulerConfig, groups: int) -> Callable[[int, int], float]:
     """LRRangeTest: ``min_lr * (1 + rate * (it + 1) / step_size)``, floored to whole intervals
-    with ``lr_range_test_staircase``."""
+    with ``lr_range_test_staircase``; ``min_lr`` one for all groups or one per group."""
+    lows = _per_group(cfg.lr_range_test_min_lr, groups, "lr_range_test_min_lr")
+
     def lr(it: int, group: int) -> float:
         if it < 0:
-            return cfg.lr_range_test_min_lr
+            return lows[group]
         intervals = (it + 1) / cfg.lr_range_test_step_size
         if cfg.lr_range_test_staircase:
             intervals = math.floor(intervals)
-        return cfg.lr_range_test_min_lr * (1 + cfg.lr_range_test_step_rate * intervals)
+        return lows[group] * (1 + cfg.lr_range_test_step_rate * intervals)
 
     return lr
 

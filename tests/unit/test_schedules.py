@@ -222,6 +222,24 @@ def test_warm_up_bounds_may_be_given_per_param_group() -> None:
         build_scheduler(cfg, three, None)
 
 
+def test_the_range_tests_start_may_be_given_per_param_group() -> None:
+    """DeepSpeed's LRRangeTest takes lr_range_test_min_lr as a list of one per group (refused
+    here as "expected a finite number")."""
+    section = {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": [0.01, 0.1],
+                                                 "lr_range_test_step_size": 2,
+                                                 "lr_range_test_step_rate": 3.0}}
+    cfg = InfinityConfig.from_dict({"optimizer": {"type": "AdamW", "params": {"lr": 1.0}},
+                                    "scheduler": section})
+    opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(2)])
+    sched = build_scheduler(cfg, opt, None)
+    seen = []
+    for _ in range(3):
+        seen.append([g["lr"] for g in opt.param_groups])
+        sched.step()
+    assert [lr for step in seen for lr in step] == pytest.approx(
+        [0.01, 0.1, 0.025, 0.25, 0.04, 0.4])
+
+
 # -- helpers of the sections below: a schedule stepped to a given iteration ----------------------
 
 def _opt(*lrs: float) -> torch.optim.Optimizer:
