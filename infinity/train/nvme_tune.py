@@ -360,7 +360,7 @@ def describe(report: TuneReport) -> str:
     best = report.best
     for r in report.results:
         p = r.point
-        mark = "  <- best" if r is best else ""
+        mark = "  <- recommended" if r is best else ""   # within 5% of the fastest
         lines.append(f"{r.backend_used or p.backend:<9} {_short(p.block_size):>6} {p.queue_depth:>4} "
                      f"{p.thread_count:>4} {r.write_GBps:>11.3f} {r.read_GBps:>10.3f} "
                      f"{r.swap_GBps:>10.3f}{mark}")

@@ -197,7 +197,7 @@ def test_the_table_lists_every_point_marks_the_best_and_names_the_skips() -> Non
         "backend    block   qd  thr  write GB/s  read GB/s  swap GB/s",
         "------------------------------------------------------------",
         "io_uring      1M   32    1       2.000      2.000      1.000",
-        "libaio      256K    8    1       1.500      3.000      1.000  <- best",
+        "libaio      256K    8    1       1.500      3.000      1.000  <- recommended",
         "threads       4M    4    2       0.123      0.500      0.099",
         "skipped: mmap 1M qd4: backend mmap is not available here",
         "",
