@@ -43,7 +43,7 @@ def test_small_grid_table_and_paste_ready_section(disk_dir: Path, capsys) -> Non
                  "threads,mmap", "--block-size", "256K,1M", "--queue-depth", "4", "--repeats",
                  "2", "--fsync"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" qd") >= 1 and "including one fdatasync" in out and "<- best" in out
+    assert out.count(" qd") >= 1 and "including one fdatasync" in out and "<- recommended" in out
     rows = [line for line in out.splitlines() if line.startswith(("threads ", "mmap "))]
     assert len(rows) == 4
     section = json.loads(out[out.index("{"):])
