@@ -301,10 +301,10 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.coordinator.owner.settle_failed_backward()
         if self.optimizer.boundary.pending:
             raise RuntimeError(ZERO_GRAD_AFTER_BOUNDARY_STEPS)
-        if self.optimizer.early_step or not self._backwards_since_step:
-            if self.optimizer.early_step and self._backwards_since_step:
-                raise RuntimeError(ZERO_GRAD_UNDER_EARLY_STEP)
-            return
+        if not self._backwards_since_step:
+            return                      # nothing since the last step: the cycle is kept
+        if self.optimizer.early_step:
+            raise RuntimeError(ZERO_GRAD_UNDER_EARLY_STEP)
         if self.optimizer.holds_cycle_gradients():
             check_cycle_discardable(self.micro_steps, self.gradient_accumulation_steps())
             self.optimizer.discard_cycle_gradients()

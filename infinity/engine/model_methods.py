@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -51,16 +51,27 @@ def place_buffers(model: nn.Module, device: torch.device, comm: Collectives = NO
             "Register such a buffer after initialize (reading the parameter under "
             "infinity.zero.GatheredParameters), compute it in forward, or build the buffers "
             "outside the meta device")
-    moved: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is None or buf.device == device or buf.device.type == "meta":
-                continue
-            if id(buf) not in moved:
-                moved[id(buf)] = buf.to(device)
-            module._buffers[name] = moved[id(buf)]
+    moved = replace_buffers(model, lambda _, buf: buf.to(device)
+                            if buf.device != device and buf.device.type != "meta" else None)
     _buffers_from_rank0(model, comm)
-    return len(moved)
+    return moved
+
+
+def replace_buffers(model: nn.Module,
+                    change: Callable[[str, torch.Tensor], torch.Tensor | None]) -> int:
+    """Replace each buffer ``change(qualified name, buffer)`` gives a new tensor for (None:
+    kept), as ``model.to`` replaces them: a buffer two modules share stays one tensor.
+    Returns how many tensors were replaced."""
+    new: dict[int, torch.Tensor | None] = {}
+    for module_name, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            if id(buf) not in new:
+                new[id(buf)] = change(f"{module_name}.{name}" if module_name else name, buf)
+            if new[id(buf)] is not None:
+                module._buffers[name] = new[id(buf)]
+    return sum(v is not None for v in new.values())
 
 
 def _buffers_from_rank0(model: nn.Module, comm: Collectives) -> None:

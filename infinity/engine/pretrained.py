@@ -37,7 +37,7 @@ from infinity.checkpoint.pretrained_write import (
     save_pretrained as write_pretrained,
 )
 from infinity.engine.hf_conversions import hub_names
-from infinity.engine.model_methods import is_peft_model
+from infinity.engine.model_methods import is_peft_model, replace_buffers
 from infinity.zero.init import Init
 from infinity.zero.materialize import copied_from, valueless, values_kept_through_meta_moves
 
@@ -322,16 +322,16 @@ def _buffers_as_transformers_loads(model: nn.Module, compute_dtype: torch.dtype)
     if compute_dtype not in (torch.bfloat16, torch.float16):
         return
     kept = _fp32_pattern(model, compute_dtype)    # a MoE router's correction bias stays fp32
-    cast: dict[int, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        for name, buf in module._buffers.items():
-            if buf is None or not buf.is_floating_point() or buf.dtype == compute_dtype or \
-                    buf.is_meta or name in module._non_persistent_buffers_set or \
-                    (kept is not None and kept.search(f"{module_name}.{name}")):
-                continue
-            if id(buf) not in cast:
-                cast[id(buf)] = buf.to(compute_dtype)
-            module._buffers[name] = cast[id(buf)]
+    computed = {f"{m}.{n}" if m else n for m, module in model.named_modules()
+                for n in module._non_persistent_buffers_set}
+
+    def cast(name: str, buf: torch.Tensor) -> torch.Tensor | None:
+        if not buf.is_floating_point() or buf.dtype == compute_dtype or buf.is_meta or \
+                name in computed or (kept is not None and kept.search(name)):
+            return None
+        return buf.to(compute_dtype)
+
+    replace_buffers(model, cast)
 
 
 def _fp32_modules(model: nn.Module, compute_dtype: torch.dtype) -> list[str]:
