@@ -11,6 +11,7 @@ owner still runs (or runs on another host), is refused with exit code 2. A direc
 nothing but the temporary marker (a run killed while creating it) is recognised and removed.
 Given a parent, every directory in it is tried: one that is refused (or cannot be read, another
 user's 0700 directory) is reported and the rest are still reclaimed; the exit code is 2 at the end.
+A parent holding nothing of ours is nothing to do: it says so and exits 0.
 
 Why this command imports ``infinity.storage`` (the one command that does; pyproject.toml's
 second contract keeps it so): what may be deleted is decided by the swap directory's marker --
@@ -102,10 +103,16 @@ def run(args: argparse.Namespace) -> int:
                          "may read it, or name one swap directory in it") from exc
     staging = staging_dirs(path)
     partials = stale_partials(path) if holds_weights(path) else []
+    if not candidates and not staging and not partials and path.name.startswith(DIR_PREFIX):
+        raise NotOursError(f"{path} is named like an infinity swap directory but has no "
+                           f"{MARKER_NAME} marker: not ours, nothing was touched")
     if not candidates and not staging and not partials:
-        raise NotOursError(f"{path} has no {MARKER_NAME} marker and holds no infinity swap "
-                           "directories, no checkpoint staging directories and no hidden files "
-                           "of an unfinished weights save; nothing was touched")
+        # nothing left is what clean is for (a run that closed removed its own): exit 0, so a
+        # cleanup script's `infinity clean "$NVME" || fail` passes after a clean run
+        print(f"{path}: nothing to clean: it holds no infinity swap directories, no checkpoint "
+              "staging directories and no hidden files of an unfinished weights save; nothing "
+              "was touched")
+        return 0
     refused = (_clean_unfinished_saves(path, staging, partials, args.dry_run)
                if staging or partials else 0)
     for candidate in candidates:
