@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
             for name, section in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param))
             if section.device == "nvme"}))
     stats, shape = _stats(args, base.infinity.unit_modules)
-    nvme_path = args.nvme_path or base.zero.offload_optimizer.nvme_path or base.zero.offload_param.nvme_path
+    nvme_path = args.nvme_path or base.zero.swap_path     # the path the engine's swap space takes
     hw = detect_hardware(nvme_path or (None if args.config else DEFAULT_SWAP_DIR))
     cfg = base if args.config else recommend_config(stats, hw, base, nvme_path)
     plan = plan_memory(cfg, stats, hw)

@@ -445,8 +445,7 @@ def recommend_config(stats: ModelStats, hw: Hardware, base: InfinityConfig | Non
     nvme_path (argument, base config or ``hw``), NVMe candidates use DEFAULT_SWAP_DIR.
     """
     base = base or InfinityConfig()
-    path = (nvme_path or base.zero.offload_optimizer.nvme_path or base.zero.offload_param.nvme_path
-            or hw.nvme_path or DEFAULT_SWAP_DIR)
+    path = nvme_path or base.zero.swap_path or hw.nvme_path or DEFAULT_SWAP_DIR
     candidates = [(0, "none", "none")]
     if hw.has_gpu:
         candidates.append((2, "none", "cpu"))

@@ -358,6 +358,22 @@ def test_cli_plan_bad_hf_config_is_one_line_and_never_asks_the_hub(tmp_path, cap
         assert expected in err, (arg, err)
 
 
+def test_cli_plan_measures_the_path_the_swap_space_takes(tmp_path, capsys) -> None:
+    """A path left on a "cpu" section is not where the engine swaps (``ZeroConfig.swap_path``):
+    the plan measures the "nvme" section's path, as the engine uses it."""
+    swap, unused = tmp_path / "swap", tmp_path / "unused"
+    swap.mkdir()
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(swap)},
+        "offload_optimizer": {"device": "cpu", "nvme_path": str(unused)}}}))
+    assert cli.main(["plan", "--params", "2e8", "--config", str(ds), "--host-budget", "2GiB",
+                     "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"]["nvme_path"] == str(swap)
+    assert not [n for n in data["notes"] if str(unused) in n]
+
+
 def test_cli_plan_nvme_path_that_does_not_exist_yet(tmp_path, capsys) -> None:
     """Plan only sizes: a missing swap path is measured on its nearest existing parent, created
     by nobody, and named in a note (a run would fail on it)."""
