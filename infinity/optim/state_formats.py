@@ -9,9 +9,10 @@ from typing import Iterable
 import torch
 
 from infinity.base.log import get_logger
-from infinity.optim.records import INT8_CHUNK, UnitOptimState
+from infinity.optim.records import UnitOptimState
 from infinity.planner.state_format import (
     StateFormat,
+    int8_sub_group_refusal,
     keeps_fp32_master,
     unit_format,
     unit_stores,
@@ -61,16 +62,9 @@ def check_unit_format(unit: SteppedUnit, fmt: StateFormat, sub_group_numel: int,
                 f"{unit.name}: a bf16 master (optimizer_master \"bf16\") is the bf16 parameter "
                 f"itself, stepped in place on the host, but the unit computes in {unit.dtype} on "
                 f"{unit.flat.device}: use bf16 compute on a CPU device, or an fp32 master")
-    least = INT8_CHUNK if span_numel is None else min(INT8_CHUNK, span_numel)
-    if fmt.moments == "int8" and sub_group_numel < least:
-        raise ValueError(
-            f"{unit.name}: int8 moments are stepped in chunks of at least {INT8_CHUNK} elements "
-            f"(two 2048-element blocks, 4 KiB of codes), but the run plan sized the sub-group at "
-            f"{sub_group_numel} (zero_optimization.sub_group_size rounded up to a multiple of "
-            f"2048, or what the host budget leaves the optimizer's slots): set sub_group_size to "
-            f"at least {INT8_CHUNK} and give the host budget room (where only a param group asks "
-            "for int8, asking for it in infinity.optimizer_moments too makes the plan size the "
-            "sub-group for it)")
+    refusal = int8_sub_group_refusal(sub_group_numel, span_numel)
+    if fmt.moments == "int8" and refusal is not None:
+        raise ValueError(f"{unit.name}: {refusal}")
 
 
 def build_state(manager: TierManager, unit: SteppedUnit, span: tuple[int, int],

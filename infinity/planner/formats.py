@@ -25,7 +25,7 @@ from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.placement import place
 from infinity.planner.plan import plan_memory, recommend_config
 from infinity.planner.run_plan import state_format_refusal
-from infinity.planner.state_format import COMPARED_FORMATS, StateFormat
+from infinity.planner.state_format import COMPARED_FORMATS, Int8SubGroupError, StateFormat
 from infinity.planner.step_time import predict_step
 from infinity.planner.tiers import TIERS, Tier
 
@@ -112,9 +112,13 @@ def target_formats(decision: "Decision", step: "StepTime | None", base: Infinity
             memory = ref
             its_step = step or predict_step(ref, d.shape, d.target, d.workload)
         else:
-            memory = try_rung(cfg, d.stats, d.shape, d.target, d.workload, label, z.stage,
-                              z.offload_param.device, z.offload_optimizer.device, path,
-                              projected).memory
+            try:
+                memory = try_rung(cfg, d.stats, d.shape, d.target, d.workload, label, z.stage,
+                                  z.offload_param.device, z.offload_optimizer.device, path,
+                                  projected).memory
+            except Int8SubGroupError:
+                rows.append(FormatRow(format=fmt, current=False, refused=Int8SubGroupError.short))
+                continue
             its_step = predict_step(memory, d.shape, d.target, d.workload)
         links = {link.name: link.amount for link in its_step.links}
         shallower = None
@@ -148,7 +152,13 @@ def local_formats(cfg: InfinityConfig, stats: ModelStats, hw: Hardware,
         if refusal is not None:
             rows.append(FormatRow(format=fmt, current=fmt == current, refused=refusal[0]))
             continue
-        plan = plan_memory(candidate, stats, hw)
+        try:
+            plan = plan_memory(candidate, stats, hw)
+        except Int8SubGroupError:
+            if fmt == current:
+                raise       # the config's own format: the plan's error, as the engine's
+            rows.append(FormatRow(format=fmt, current=False, refused=Int8SubGroupError.short))
+            continue
         shallower = None
         if recommend:
             chosen = recommend_config(stats, hw, candidate)

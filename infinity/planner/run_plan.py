@@ -35,6 +35,7 @@ from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.optimizer_room import NO_ROOM_NEEDED, OptimizerRoom, make_room
 from infinity.planner.placement import Placement, compute_dtype_choice, place, state_bytes
 from infinity.planner.sizes import DEVICE_GRAD_BUFFERS, DerivedSizes, counted_units, derive_sizes
+from infinity.planner.state_format import Int8SubGroupError, int8_sub_group_refusal
 from infinity.planner.tiers import Tier
 
 __all__ = ["PoolPlan", "OptimizerPools", "UnitParams", "RunPlan", "plan_run", "optimizer_pools",
@@ -452,6 +453,9 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
         reduces_on_device=not cpu and ranks_active,
         device_grad_buffers=derived.device_grad_buffers,
         device_grad_dtype=derived.device_grad_dtype)
+    refusal = int8_sub_group_refusal(pools.sub_group_numel, largest_range)
+    if placement.state_format.moments == "int8" and refusal is not None:
+        raise Int8SubGroupError(refusal)     # as the engine would at its first unit, before any work
     return RunPlan(config=cfg, placement=placement, derived=derived, sizes=sizes,
                    compute_dtype_reason=reason, device_is_cpu=cpu, direct_fetch=direct,
                    speculative=speculative, speculative_reason=spec_reason,

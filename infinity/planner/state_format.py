@@ -27,6 +27,7 @@ from typing import Iterable, NamedTuple
 from infinity.planner.alignment import SHARD_ALIGN_NUMEL
 
 __all__ = ["MOMENTS_FORMATS", "MASTER_FORMATS", "QBLOCK", "MIN_INT8_NUMEL", "StateFormat",
+           "int8_sub_group_refusal", "Int8SubGroupError",
            "FP32_STATES", "unit_format", "int8_blocks", "StateStore", "keeps_fp32_master",
            "unit_stores", "COMPARED_FORMATS"]
 
@@ -121,6 +122,33 @@ def unit_format(asked: Iterable[StateFormat], state_numel: int) -> StateFormat:
     if moments == "fp32":
         master = "fp32"     # the fp32 kernel keeps an fp32 master (see the note)
     return StateFormat(moments, master)
+
+
+class Int8SubGroupError(ValueError):
+    """A sub-group too small for int8 moments (``int8_sub_group_refusal``): raised by the run
+    plan, so that a table comparing formats shows that format refused instead of failing."""
+
+    short = "the sub-group is under one int8 chunk (4096 elements)"
+
+
+def int8_sub_group_refusal(sub_group_numel: int, largest_range: int | None = None) -> str | None:
+    """Why int8 moments cannot be stepped in sub-groups of ``sub_group_numel`` elements, or
+    None where they can: the kernel steps them in chunks of two blocks, so a sub-group must
+    hold one, except where the largest range a rank steps (``largest_range``, the same on every
+    rank) is smaller: that range is one sub-group whatever its size. One message for the
+    engine's check of each unit and the run plan's of the config (they disagreed: the plan said
+    "fits" for a sub_group_size the engine refused)."""
+    chunk = 2 * QBLOCK
+    least = chunk if largest_range is None else min(chunk, largest_range)
+    if sub_group_numel >= least:
+        return None
+    return (f"int8 moments are stepped in chunks of at least {chunk} elements (two "
+            f"{QBLOCK}-element blocks, 4 KiB of codes), but the run plan sized the sub-group at "
+            f"{sub_group_numel} (zero_optimization.sub_group_size rounded up to a multiple of "
+            f"2048, or what the host budget leaves the optimizer's slots): set sub_group_size to "
+            f"at least {chunk} and give the host budget room (where only a param group asks "
+            "for int8, asking for it in infinity.optimizer_moments too makes the plan size the "
+            "sub-group for it)")
 
 
 COMPARED_FORMATS = (FP32_STATES, StateFormat("bf16"), StateFormat("int8"),

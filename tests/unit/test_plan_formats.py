@@ -106,6 +106,24 @@ def test_an_int8_run_never_gets_a_sub_group_under_two_blocks() -> None:
     assert int8.sizes.sub_group_numel == INT8_SUB_GROUP == 4096
 
 
+def test_a_config_sub_group_under_one_int8_chunk_is_refused_by_the_plan_as_by_the_engine() -> None:
+    """``sub_group_size`` 1000 (stepped as 2048) with int8 moments: the engine refuses it at its
+    first unit, so the plan does too, with the engine's message (it said "fits"); a table
+    comparing formats under that size shows int8 refused and plans the others."""
+    def at(sub_group_size: int, moments: str) -> InfinityConfig:
+        cfg = config(3, "cpu", "cpu", optimizer_moments=moments, compute_dtype="fp32")
+        return dataclasses.replace(cfg, zero=dataclasses.replace(
+            cfg.zero, sub_group_size=sub_group_size))
+    int8 = at(1000, "int8")
+    with pytest.raises(ValueError, match="chunks of at least 4096 elements.*sub-group at 2048"):
+        plan_run(int8, CPU_BOX, stats=MODEL)
+    rows = {r.format.label: r for r in local_formats(at(1000, "fp32"), MODEL, CPU_BOX,
+                                                         recommend=False)}
+    assert rows["int8 moments"].refused == "the sub-group is under one int8 chunk (4096 elements)"
+    assert rows["fp32"].refused is None and rows["bf16 moments"].fits
+    assert plan_run(at(4096, "int8"), CPU_BOX, stats=MODEL).sizes.sub_group_numel == 4096
+
+
 # ---- the refusals ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cfg, hw, short, message", [
