@@ -62,6 +62,10 @@ log = get_logger("comm")
 PREFIX = "infinity/"
 STORE_TIMEOUT_S = 5.0
 MAX_TEXT = 2000
+AGREE_HINT_S = 60.0
+"""How long a call every rank makes waits for a live rank that neither calls it nor issues a
+collective before it says what that usually is (a rank waiting in ``dist.barrier()``), long
+before the collective timeout ends the wait."""
 
 
 class CallNotMadeError(RuntimeError):
@@ -112,10 +116,15 @@ class RankWatch:
         """This rank is issuing one more collective (on the watched group)."""
         self.issued += 1
 
-    def agree(self, call: str, timeout_s: float) -> None:
+    def agree(self, call: str, timeout_s: float, hint_after_s: float = AGREE_HINT_S) -> None:
         """Wait until every other rank makes ``call`` too, before its first collective; raise
-        when one cannot (see [Note: calls every rank makes])."""
+        when one cannot (see [Note: calls every rank makes]). A wait past ``hint_after_s``
+        says once which ranks it waits for and what that usually means: a rank waiting in
+        something the engine does not count (``dist.barrier()``, accelerate's
+        ``wait_for_everyone()``) neither calls nor moves on, so only the timeout ends it."""
         n, self._calls = self._calls, self._calls + 1
+        started = time.monotonic()
+        hinted = False
         mine = self.issued
         self._store.set(f"{PREFIX}call/{n}/{self.rank}", call)
         pending = [r for r in range(self.world_size) if r != self.rank]
@@ -154,6 +163,14 @@ class RankWatch:
                         raise LostRankError(f"rank {self.rank}: {call} waited for rank {r}: "
                                             f"{story} ({every})")
                     since[r] = time.monotonic()
+            if pending and not hinted and time.monotonic() - started > hint_after_s:
+                hinted = True
+                log.warning("rank %d has waited %.0f s in %s for rank(s) %s, alive but not "
+                            "calling it yet: a rank still working toward it will, one that "
+                            "waits in dist.barrier() (accelerate's wait_for_everyone()) never "
+                            "will. %s; this wait ends after infinity.collective_timeout (%g s)",
+                            self.rank, time.monotonic() - started, call, pending, every,
+                            timeout_s)
             if pending and time.monotonic() > deadline:
                 raise CallNotMadeError(f"rank {self.rank} called {call} and waited "
                                    f"{timeout_s:g}s for rank(s) {pending} to call it: {every}")

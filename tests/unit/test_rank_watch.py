@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from infinity.comm.collectives import Collectives, LostRankError
-from infinity.comm.watchdog import RankWatch
+from infinity.comm.watchdog import CallNotMadeError, RankWatch
 
 BEAT = 0.2
 
@@ -105,3 +105,14 @@ def test_a_diagnosis_that_fails_does_not_hide_the_collective_error():
                        r".*Connection reset"):
         comm._run("barrier", lambda group: (_ for _ in ()).throw(RuntimeError("Connection reset")),
                   on=None)
+
+
+def test_a_call_waiting_on_live_ranks_says_why_before_its_timeout(watches, infinity_log):
+    """Ranks 1 and 2 beat but neither make the call nor issue a collective (waiting in a
+    ``dist.barrier()``): rank 0 says so once after ``hint_after_s``, then gives up at its
+    timeout naming them."""
+    with pytest.raises(CallNotMadeError, match=r"waited 1\.5s for rank\(s\) \[1, 2\]"):
+        watches[0].agree("save_checkpoint()", timeout_s=1.5, hint_after_s=0.3)
+    hints = [r.getMessage() for r in infinity_log.records if "alive but not calling" in r.getMessage()]
+    assert len(hints) == 1 and "in save_checkpoint() for rank(s) [1, 2]" in hints[0]
+    assert "dist.barrier()" in hints[0] and "must be called on every rank" in hints[0]
