@@ -142,9 +142,34 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         module.register_state_dict_post_hook(_current_values(engine, held))
         for module in model.modules() if module is not model and
         any(p is not None and id(p) in held for p in module._parameters.values())]
+    # and a part's load_state_dict (``model.classifier.load_state_dict(head)``) writes its
+    # units' homes as the whole model's does: torch's copy into the parameters reached a
+    # released one's empty tensor (a size mismatch), or, where the parameter was whole, the
+    # compute-dtype copy only, which the next step overwrote from the fp32 master (in bf16 the
+    # loaded head was gone after one step, "All keys matched" said)
+    for name, module in model.named_modules(remove_duplicate=True):
+        if module is not model and any(id(p) in held for p in module.parameters()):
+            module.load_state_dict = _bound_part_load(module, name, engine)
+            model.__dict__.setdefault(_PART_LOADS, []).append(module)
 
 
 _PART_HOOKS = "_infinity_part_state_dict_hooks"
+_PART_LOADS = "_infinity_part_loads"
+
+
+def _bound_part_load(part: nn.Module, name: str, engine: "Engine"):
+    """``part.load_state_dict`` routed to the engine's load of that part (every rank calls
+    it, as the whole model's); a copy of the part (``copy.deepcopy``) gets torch's own."""
+    def load_state_dict(self: nn.Module, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        if self is not part:
+            return type(self).load_state_dict(self, state_dict, strict=strict, assign=assign)
+        engine._check_open("load_state_dict")
+        return call_on_every_rank(engine, f"{name}.load_state_dict()", load_module_state_dict,
+                                  engine, state_dict, strict=strict, assign=assign, module=part)
+
+    load_state_dict.__name__ = "load_state_dict"
+    return types.MethodType(load_state_dict, part)
 
 
 def _current_values(engine: "Engine", held: set[int]):
@@ -247,3 +272,5 @@ def unroute_module_methods(model: nn.Module) -> None:
         model.__dict__.pop(name, None)
     for handle in model.__dict__.pop(_PART_HOOKS, []):
         handle.remove()
+    for part in model.__dict__.pop(_PART_LOADS, []):
+        part.__dict__.pop("load_state_dict", None)

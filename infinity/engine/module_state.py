@@ -22,14 +22,16 @@ if TYPE_CHECKING:
 
 
 def load_module_state_dict(engine: "Engine", state_dict: Mapping[str, Any], strict: bool = True,
-                           assign: bool = False) -> _IncompatibleKeys:
-    """Load ``state_dict`` into ``engine.module`` with torch's key rules (tied and shared names
-    count under each name); raises before writing anything on a shape mismatch, and with
-    ``strict`` on missing or unexpected keys."""
+                           assign: bool = False, module: torch.nn.Module | None = None
+                           ) -> _IncompatibleKeys:
+    """Load ``state_dict`` into ``module`` (``engine.module`` or a part of it, whose keys are
+    its own names) with torch's key rules (tied and shared names count under each name);
+    raises before writing anything on a shape mismatch, and with ``strict`` on missing or
+    unexpected keys."""
     if assign:
         raise ValueError("load_state_dict(assign=True) would replace parameters the engine "
                          "manages: load with assign=False (values are copied into its tiers)")
-    model = engine.module
+    model = engine.module if module is None else module
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(all_persistent_buffers(model))
     expected = set(params) | set(buffers)
