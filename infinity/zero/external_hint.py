@@ -1,5 +1,6 @@
 """The hint stage-3 forward and backward errors get when a module may have read a parameter of
-another module (released: 0 elements) without ``register_external_parameter``. Torch's and
+another module (released: 0 elements) without ``register_external_parameter``, and the note a
+dtype mismatch gets at any stage (the engine cast every parameter to the compute dtype). Torch's and
 transformers' own messages ("got [0]", an IndexError) never name the cause; the engine turns the
 empty-tensor ones into an error that does and adds a note to the others (not to infinity's
 own errors)."""
@@ -34,24 +35,27 @@ _DTYPE_MISMATCH = re.compile(r"same dtype|dtype .* but got|expected .*(dtype|sca
 
 
 def raise_with_external_parameter_hint(exc: BaseException, where: str, stage: int) -> None:
-    """A forward or backward failed at stage 3: when torch's message is about a 0-element
-    tensor, raise a RuntimeError that says how to declare an external parameter; for other
-    errors of the kinds such a read causes (an IndexError in transformers' code, say), add
-    the hint as a note and let the caller re-raise the error as it is."""
-    if stage != 3 or not isinstance(exc, (RuntimeError, IndexError, ValueError)) or \
+    """A forward or backward failed. Two float dtypes met (a cast to a submodule's own dtype,
+    inputs of another dtype): at any stage, add the compute-dtype note, since the engine cast
+    every parameter. At stage 3, when torch's message is about a 0-element tensor, raise a
+    RuntimeError that says how to declare an external parameter; for other errors of the kinds
+    such a read causes (an IndexError in transformers' code, say), add the hint as a note and
+    let the caller re-raise the error as it is."""
+    if not isinstance(exc, (RuntimeError, IndexError, ValueError)) or \
             _raised_by_infinity(exc) or \
             any(note.startswith("infinity:") for note in getattr(exc, "__notes__", ())):
         return      # infinity's own error, or one it explained already
-    if isinstance(exc, RuntimeError) and _mentions_empty_tensor(str(exc)):
+    if stage == 3 and isinstance(exc, RuntimeError) and _mentions_empty_tensor(str(exc)):
         raise RuntimeError(f"the {where} failed ({str(exc).splitlines()[0][:200]}), probably "
                            f"on a parameter whose unit was not fetched: "
                            f"{EXTERNAL_PARAMETER_HINT}") from exc
-    if hasattr(exc, "add_note"):
-        if _DTYPE_MISMATCH.search(str(exc)):
-            exc.add_note(DTYPE_HINT)
-        else:
-            exc.add_note(f"infinity: if this {where} read a parameter of a module other than "
-                         f"the one running, {EXTERNAL_PARAMETER_HINT}")
+    if not hasattr(exc, "add_note"):
+        return
+    if _DTYPE_MISMATCH.search(str(exc)):
+        exc.add_note(DTYPE_HINT)
+    elif stage == 3:
+        exc.add_note(f"infinity: if this {where} read a parameter of a module other than "
+                     f"the one running, {EXTERNAL_PARAMETER_HINT}")
 
 
 def _raised_by_infinity(exc: BaseException) -> bool:

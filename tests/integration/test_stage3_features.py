@@ -243,8 +243,12 @@ class CastingModel(nn.Module):
         return self.b(self.a(x).to(torch.bfloat16)).float().pow(2).mean()
 
 
-def test_a_dtype_mismatch_carries_the_compute_dtype_note_not_the_external_one(disk_dir) -> None:
-    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_dtype_mismatch_carries_the_compute_dtype_note_not_the_external_one(disk_dir,
+                                                                              stage) -> None:
+    """At every stage: the engine cast the bf16 submodule at stage 2 too (the note was stage
+    3's alone)."""
+    ds = zero_config(stage, "cpu", "cpu", str(disk_dir))
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
     engine, *_ = infinity.initialize(model=CastingModel(), config=ds)
     try:
