@@ -235,10 +235,10 @@ def checkpoint_files(directory: Path, ours_only: bool = True) -> set[str]:
     manifest lists, and the manifest (without ``ours_only``, of a staging directory: the
     written names that are there)."""
     if ours_only:
-        try:
-            listed = read_manifest_file(directory).get("files", {})
-        except CheckpointError:
-            listed = {}
+        manifest = our_manifest(directory)
+        if manifest is None:
+            return set()        # a user's manifest.json (or none): nothing here is ours
+        listed = manifest.get("files", {})
         names = {MANIFEST}
         for name in listed if isinstance(listed, dict) else ():
             if isinstance(name, str) and is_written_name(name):
@@ -321,9 +321,11 @@ def commit(staging: Path, save_dir: Path, tag: str) -> Path:
     aside = replaced_dir(save_dir, tag)
     for path in (final, staging, aside):
         _refuse_link(path)
-    if final.exists() and not (final / MANIFEST).is_file():
+    if final.exists() and our_manifest(final) is None:
+        what = (f"its {MANIFEST} is not an infinity checkpoint's" if (final / MANIFEST).exists()
+                else f"no {MANIFEST}")
         raise CheckpointError(
-            f"{final} exists and is not a checkpoint (no {MANIFEST}); it is left alone: "
+            f"{final} exists and is not a checkpoint ({what}); it is left alone: "
             "choose another tag or move it away")
     old: Path | None = None
     if not final.exists():
@@ -433,6 +435,18 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def our_manifest(directory: Path) -> dict[str, Any] | None:
+    """The manifest of ``directory`` where a save of infinity's wrote it (its format ours, of
+    any version: a save replaces an older checkpoint too), else None: a user's own
+    ``manifest.json`` in a directory named like a tag is theirs, never replaced or removed
+    (the manifest is written whole by a rename, so one that does not parse is not ours)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_bytes().decode())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
 
 
 def read_manifest_file(directory: Path) -> dict[str, Any]:

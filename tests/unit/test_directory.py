@@ -29,7 +29,8 @@ def _can_exchange(base: Path) -> bool:
 
 def _staged(save_dir: Path, tag: str, step: int) -> Path:
     staging = d.prepare_staging(save_dir, tag)
-    (staging / d.MANIFEST).write_text(json.dumps({"step": step}))
+    (staging / d.MANIFEST).write_text(json.dumps({"format": d.FORMAT, "version": d.VERSION,
+                                                  "step": step}))
     return staging
 
 
@@ -52,7 +53,7 @@ def test_a_resave_swaps_the_tag_in_one_step_where_the_filesystem_can(tmp_path: P
     staging = _staged(tmp_path, "t", 2)
     final = d.commit(staging, tmp_path, "t")
     assert final == tmp_path / "t"
-    assert json.loads((final / d.MANIFEST).read_text()) == {"step": 2}
+    assert json.loads((final / d.MANIFEST).read_text())["step"] == 2
     assert (final / "notes.txt").read_text() == "the user's"
     assert ("t", d.replaced_dir(tmp_path, "t").name) not in renames
     assert not d.replaced_dir(tmp_path, "t").exists()
@@ -391,8 +392,8 @@ def test_checkpoint_files_are_the_listed_written_names(tmp_path: Path, infinity_
     (tag / d.MANIFEST).write_text(json.dumps({"format": d.FORMAT, "version": d.VERSION,
                                               "files": {"1": {}, "rank0_optim.safetensors": {}}}))
     assert d.checkpoint_files(tag) == {d.MANIFEST, "rank0_optim.safetensors"}
-    (tag / d.MANIFEST).write_text("not json")
-    assert d.checkpoint_files(tag) == {d.MANIFEST}
+    (tag / d.MANIFEST).write_text("not json")      # written whole by a rename: not ours
+    assert d.checkpoint_files(tag) == set()
     (tag / d.MANIFEST).write_text(json.dumps({"format": d.FORMAT, "version": d.VERSION}))
     assert d.checkpoint_files(tag) == {d.MANIFEST}
 
@@ -521,6 +522,25 @@ def test_commit_refuses_a_tag_directory_that_is_not_a_checkpoint(tmp_path: Path)
     assert os.listdir(tmp_path / "t") == ["mine.txt"]
 
 
+@pytest.mark.parametrize("theirs", ['{"dataset": "mine"}', "not json", '["a list"]'])
+def test_commit_leaves_a_tag_directory_whose_manifest_is_a_users(tmp_path: Path,
+                                                                 theirs: str) -> None:
+    """A ``manifest.json`` of the user's own in a directory named like the tag: the save
+    replaced it with infinity's (and removed theirs with the old checkpoint's files). Refused,
+    the directory as it was; nothing of it counts as a save's files."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / d.MANIFEST).write_text(theirs)
+    (tmp_path / "t" / "notes.txt").write_text("keep")
+    assert d.checkpoint_files(tmp_path / "t") == set()
+    staging = d.prepare_staging(tmp_path, "t")
+    (staging / d.MANIFEST).write_text(_manifest([]))
+    with pytest.raises(d.CheckpointError, match=f"its {d.MANIFEST} is not an infinity "
+                                                "checkpoint's.*left alone"):
+        d.commit(staging, tmp_path, "t")
+    assert sorted(os.listdir(tmp_path / "t")) == [d.MANIFEST, "notes.txt"]
+    assert (tmp_path / "t" / d.MANIFEST).read_text() == theirs
+
+
 def test_write_latest_failure_names_the_saved_tag_and_what_latest_still_names(
         tmp_path: Path, monkeypatch) -> None:
     d.write_latest(tmp_path, "old")
@@ -559,7 +579,7 @@ def test_a_failure_after_the_commit_says_the_save_is_in_place(tmp_path: Path, mo
     if replacing:
         old = tmp_path / "t"
         old.mkdir()
-        (old / d.MANIFEST).write_text("{}")
+        (old / d.MANIFEST).write_text(_manifest([]))
     staging = d.prepare_staging(tmp_path, "t")
     (staging / d.MANIFEST).write_text('{"new": 1}')
 
