@@ -6,9 +6,10 @@ instance attributes that shadow the class's, so removing them restores the model
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -134,6 +135,11 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
     for name, function in routed.items():
         setattr(model, name, _bound(model, engine, name, function))
+    tuner = getattr(model, "base_model", None) if is_peft_model(model) else None
+    if tuner is not None and engine.stage == 3:
+        for name in MERGES:
+            if callable(getattr(type(tuner), name, None)):
+                setattr(tuner, name, _refused_merge(name))
     # a part's own state_dict() (``model.lm_head.state_dict()``): current values too, where it
     # gave released parameters as empty tensors (and a unit still fetched its values before a
     # pending step), saved as such without a word
@@ -155,6 +161,40 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
 
 _PART_HOOKS = "_infinity_part_state_dict_hooks"
 _PART_LOADS = "_infinity_part_loads"
+MERGES = ("merge_and_unload", "merge_adapter")
+"""PEFT's merges into the base weights, refused at stage 3 (``_refused_merge``)."""
+
+
+def _refused_merge(name: str):
+    """PEFT's ``name`` on a stage-3 model: it adds B @ A into ``weight.data``, released (0
+    elements) outside its unit's forward, so the merge changed nothing and a merged model
+    saved after it was the base without the adapter, without a word."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{name}() on a PEFT model an infinity engine holds at ZeRO stage 3: the base "
+            "weights are released outside their unit's forward (0 elements), so the merge "
+            "would change nothing and the adapter would be lost. Save the merged model "
+            "streamed with engine.save_pretrained(dir, merged=True), or save the adapter "
+            "(model.save_pretrained(dir)) and merge it without the engine: "
+            "PeftModel.from_pretrained(base, dir).merge_and_unload()")
+    refuse.__name__ = name
+    return refuse
+
+
+@contextlib.contextmanager
+def parts_as_torch_gives_them(engine: "Engine") -> Iterator[None]:
+    """Within: a part's ``state_dict()`` as torch gives it (released parameters empty), not
+    gathered. PEFT's adapter save reads a ``modules_to_save`` part's state dict for its keys
+    alone, on rank 0 alone (the values come from the state it is given): gathering there was
+    a collective the other ranks never joined (gloo's abort at two ranks)."""
+    engine.__dict__[_AS_TORCH] = True
+    try:
+        yield
+    finally:
+        engine.__dict__.pop(_AS_TORCH, None)
+
+
+_AS_TORCH = "_infinity_parts_as_torch"
 
 
 def _bound_part_load(part: nn.Module, name: str, engine: "Engine"):
@@ -179,6 +219,8 @@ def _current_values(engine: "Engine", held: set[int]):
     def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         from infinity.zero.init import GatheredParameters
 
+        if engine.__dict__.get(_AS_TORCH):
+            return
         own = [(prefix + name, p) for name, p in module._parameters.items()
                if p is not None and id(p) in held and prefix + name in state_dict
                and state_dict[prefix + name] is not p]        # keep_vars: the parameter itself
@@ -274,3 +316,6 @@ def unroute_module_methods(model: nn.Module) -> None:
         handle.remove()
     for part in model.__dict__.pop(_PART_LOADS, []):
         part.__dict__.pop("load_state_dict", None)
+    tuner = model.__dict__.get("_modules", {}).get("base_model")
+    for name in MERGES if tuner is not None else ():
+        tuner.__dict__.pop(name, None)

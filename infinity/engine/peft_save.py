@@ -52,6 +52,7 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
     """Every rank calls it; rank 0 writes (see the module's docstring)."""
     from infinity.checkpoint.weights_dir import fsync_dir
     from infinity.checkpoint.writer_lock import SaveLock
+    from infinity.engine.model_methods import parts_as_torch_gives_them
     from infinity.zero.init import GatheredParameters
 
     model = engine.module
@@ -75,8 +76,9 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
         _remove_stale_staging(directory)
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory))
         try:
-            type(model).save_pretrained(model, str(staging), state_dict=state,
-                                        safe_serialization=True, is_main_process=True)
+            with parts_as_torch_gives_them(engine):     # rank 0 alone: nothing gathered
+                type(model).save_pretrained(model, str(staging), state_dict=state,
+                                            safe_serialization=True, is_main_process=True)
             moves = _files_to_carry(staging, directory)
             for source, _ in moves:
                 with open(source, "rb") as f:
