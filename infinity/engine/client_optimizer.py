@@ -8,12 +8,16 @@ the engine's offloaded optimizer instead, with every setting checked here, at ``
 what infinity's CPU Adam cannot do (amsgrad, maximize) is refused rather than silently dropped.
 
 [Note: the optimizer taken over]
-The object passed stays the user's and is never changed or stepped by the engine: its
-``state`` stays empty. Its ``step()`` would find no gradient (the engine never leaves them on
-``param.grad``) and change nothing, so the optimizer to call is the engine's, which
-``initialize`` returns second. A scheduler built on the passed optimizer (DeepSpeed's
-``initialize(optimizer=opt, lr_scheduler=LambdaLR(opt, ...))``) is moved onto the engine's, so
-stepping it sets the rate the engine uses (``rebind_scheduler``).
+The object passed is never stepped by the engine: its ``state`` stays empty. Its ``step()``
+would find no gradient (the engine never leaves them on ``param.grad``) and change nothing, so
+the optimizer to call is the engine's, which ``initialize`` returns second; a torch loop still
+calling ``opt.step()`` on the object it passed trained nothing without a word, so that step()
+now raises saying which to call (``take_over``). Its ``param_groups`` become the engine's
+groups (as DeepSpeed's ZeRO optimizer shares its client optimizer's): a scheduler built on it
+after ``initialize``, or an lr written into its groups, sets the rate the engine uses (they
+changed dicts the engine never read: the schedule ran on paper, the engine at the first lr).
+A scheduler built on it before (DeepSpeed's ``initialize(optimizer=opt,
+lr_scheduler=LambdaLR(opt, ...))``) is moved onto the engine's (``rebind_scheduler``).
 """
 from __future__ import annotations
 
@@ -123,6 +127,26 @@ def _check_same_parameters(groups: list[dict], model_parameters: Iterable) -> No
             f"optimizer whose param groups hold {len(taken)} others or more: the optimizer's "
             "groups are what the engine trains. Pass one of them (optimizer=... alone is "
             "enough)")
+
+
+def take_over(passed: Any, engine_optimizer: torch.optim.Optimizer) -> None:
+    """The torch optimizer passed to ``initialize`` after the engine took it over (see [Note:
+    the optimizer taken over]): its groups are the engine's, and its step() raises."""
+    if not isinstance(passed, torch.optim.Optimizer):
+        return      # None, or a factory the engine called itself
+    passed.param_groups = engine_optimizer.param_groups
+
+    def refuse(*_: Any) -> None:
+        raise RuntimeError(
+            f"step() of the {type(passed).__name__} passed to infinity.initialize: the engine "
+            "took it over and steps the offloaded states itself, so this step would change "
+            "nothing. Call the optimizer initialize returned (engine, optimizer, _, _ = "
+            "infinity.initialize(...)), or engine.step(); its param_groups are the engine's, so "
+            "a scheduler built on either sets the same rates")
+    passed.register_step_pre_hook(refuse)
+    # torch's schedulers warn "lr_scheduler.step() before optimizer.step()" unless their
+    # optimizer's step() ran: this one's never does, the engine's takes its place
+    passed._opt_called = True
 
 
 def rebind_scheduler(scheduler: Any, passed: Any, engine_optimizer: torch.optim.Optimizer) -> Any:

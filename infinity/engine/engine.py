@@ -31,7 +31,7 @@ from infinity.engine.guards import (
 from infinity.engine.model_methods import (
     model_device, place_buffers, route_module_methods, unroute_module_methods,
 )
-from infinity.engine.client_optimizer import rebind_scheduler
+from infinity.engine.client_optimizer import rebind_scheduler, take_over
 from infinity.engine.param_groups import optimizer_groups
 from infinity.engine.monitor import StepReport
 from infinity.engine.pass_owner import EnginePassOwner
@@ -169,6 +169,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             keep_outermost=self.coordinator.keep_outermost)
         register_engine(self)
         lr_scheduler = rebind_scheduler(lr_scheduler, self._client_optimizer, self.optimizer)
+        take_over(self._client_optimizer, self.optimizer)
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
         self._step_started = None
         self._last_stats: dict[str, float] = {}

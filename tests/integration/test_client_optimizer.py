@@ -71,11 +71,13 @@ def test_a_torch_adam_with_decay_groups_is_taken_over(disk_dir, kind: str) -> No
         ours, theirs = _train_both(engine, reference, ref_opt)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
         _final_weights_equal(engine, reference)
-        # [Note: the optimizer taken over]: the object passed holds no state, and stepping it
-        # changes nothing (no gradient is ever left on the parameters)
+        # [Note: the optimizer taken over]: the object passed holds no state, and stepping it,
+        # which would change nothing (no gradient is ever left on the parameters), is refused
         assert not passed.state
         before = engine.module_state_dict()
-        passed.step()
+        with pytest.raises(RuntimeError, match="the engine took it over.*Call the optimizer "
+                                               "initialize returned"):
+            passed.step()
         after = engine.module_state_dict()
         assert all(torch.equal(before[n], after[n]) for n in before)
     finally:
@@ -111,6 +113,40 @@ def test_a_scheduler_on_the_passed_optimizer_and_a_factory_drive_the_engine(disk
     try:
         assert [g["lr"] for g in optimizer.param_groups] == [5e-3]
         assert optimizer.param_groups[0]["adamw_mode"] is False
+    finally:
+        engine.close()
+
+
+def test_a_scheduler_built_on_the_passed_optimizer_after_initialize_drives_the_engine(
+        disk_dir) -> None:
+    """A torch scheduler made on the object passed after ``initialize`` (and an lr written
+    into its groups) changed dicts the engine never read: the schedule decayed on paper while
+    the engine kept the first lr (weights 3% off torch). Its groups are the engine's now."""
+    model = make_model("torch", layers=2)
+    reference = copy.deepcopy(model)
+    decay = lambda step: 0.5 ** step   # noqa: E731
+    passed = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    engine, *_ = infinity.initialize(model=model, optimizer=passed,
+                                     config=zero_config(3, "cpu", "cpu", str(disk_dir)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(passed, decay)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, decay)
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for _ in range(STEPS):
+            x = torch.randint(0, VOCAB, (2, 16), generator=gen)
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+            schedule.step()
+            loss_of(reference(input_ids=x, labels=x)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_schedule.step()
+        assert ref_schedule.get_last_lr() == pytest.approx([1e-2 * 0.5 ** STEPS])
+        assert engine.get_lr() == pytest.approx(ref_schedule.get_last_lr())
+        _final_weights_equal(engine, reference)
+        passed.param_groups[0]["lr"] = 1e-4            # the torch habit, on the object passed
+        assert engine.get_lr() == [1e-4]
     finally:
         engine.close()
 
