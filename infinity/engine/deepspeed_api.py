@@ -53,7 +53,8 @@ class DeepSpeedEngineAccessors:
         return self.optimizer.last_grad_norm
 
     def was_step_applied(self) -> bool:
-        """False when the last optimizer step was skipped (fp16 gradients not finite)."""
+        """False when the last optimizer step was skipped: its gradients were not finite
+        (fp16's, or any under the deferred schedule; the early step has already stepped)."""
         return not self.optimizer.overflow
 
     def get_mom(self) -> list[tuple[float, float]]:

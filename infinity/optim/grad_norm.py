@@ -3,13 +3,37 @@ overflow check, ``get_global_grad_norm``), summed as the Adam kernel sums the ea
 gradients, whichever thread asks (the training thread's, the step stream's)."""
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
 
+from infinity.base.log import get_logger
 from infinity.optim import _adam_native as N
 
-__all__ = ["sum_of_squares", "NATIVE_GRAD_DTYPES"]
+__all__ = ["sum_of_squares", "NATIVE_GRAD_DTYPES", "say_not_finite"]
+
+log = get_logger("optim")
+
+
+def say_not_finite(sq_norm: float, *, stepped: str | None, scaled: bool) -> None:
+    """Say what a step whose gradients hold inf or NaN did, where nothing else does: the
+    deferred schedule skips it (the norm comes before any step: nothing changes, the lr
+    schedule holds; torch would write the NaN into the weights), the early step has already
+    stepped the units as their gradients came (``stepped`` says where), as torch's step
+    would. fp16's skip is the loss scaler's to say (``scaled``); an fp32 or bf16 skip was
+    said by nothing but the skipped count of the periodic log line."""
+    norm = math.sqrt(sq_norm) if sq_norm >= 0 or math.isnan(sq_norm) else sq_norm
+    if stepped is not None:
+        log.warning("the gradient norm is not finite (%s) after %s stepped its units: the step "
+                    "is taken, not skipped, as torch's would be (the weights may now hold inf "
+                    "or NaN); with infinity.early_step \"off\" such a step is skipped. Lower the "
+                    "learning rate or check the data", norm, stepped)
+    elif not scaled:
+        log.warning("step skipped: the gradient norm is not finite (%s); nothing was changed "
+                    "and the lr schedule holds (the deferred schedule checks the norm before "
+                    "stepping; torch would write the NaN into the weights). If it repeats, "
+                    "lower the learning rate or check the data", norm)
 
 
 def sum_of_squares(values: torch.Tensor, chunk: int = 1 << 18, threads: int = 1) -> float:

@@ -47,7 +47,7 @@ import torch
 from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim.boundary_steps import LATE_GRADIENT, BoundarySteps
-from infinity.optim.grad_norm import sum_of_squares
+from infinity.optim.grad_norm import say_not_finite, sum_of_squares
 from infinity.optim.gradients import GradientCollector
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
@@ -503,14 +503,13 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
                     sum_of_squares(v, threads=torch.get_num_threads())
                     for _, v in self.gradients.home_gradient(state))
         self.gradients.sq_norm = self._global_sq_norm(self.gradients.sq_norm)
-        if not math.isfinite(self.gradients.sq_norm) and stepped_early:
-            log.warning("the gradient norm is not finite (%s) after the last micro-batch's "
-                        "backward stepped its units: the step is taken, not skipped (see "
-                        "[Note: the last micro-batch steps early])", self.gradients.sq_norm)
-        elif not math.isfinite(self.gradients.sq_norm):
+        if not math.isfinite(self.gradients.sq_norm):   # [Note: the last micro-batch steps early]
+            say_not_finite(self.gradients.sq_norm, scaled=self.loss_scale != 1.0, stepped=(
+                "the last micro-batch's backward" if stepped_early else None))
+        if not math.isfinite(self.gradients.sq_norm) and not stepped_early:
             # inf or NaN in a gradient (see optim/loss_scaler.py): the step is skipped
             self.overflow = True
-            self.last_grad_norm = math.inf
+            self.last_grad_norm = math.sqrt(self.gradients.sq_norm) / self.loss_scale  # nan: nan
             try:
                 self.speculator.resolve(keep=False, overflow=True)
             finally:
@@ -545,6 +544,8 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         # step of this schedule needs, but get_global_grad_norm() reports
         self.last_grad_norm = math.sqrt(self._global_sq_norm(self.gradients.sq_norm)) / \
             self.loss_scale
+        if not math.isfinite(self.last_grad_norm):
+            say_not_finite(self.gradients.sq_norm, stepped="the backward", scaled=False)
         self.steps.reap(hand_out=False)
 
     # -- speculation (see [Note: speculative step] in optim/speculation.py) -----------------
