@@ -427,15 +427,19 @@ class Collectives:
         self._run("broadcast", dist.broadcast, tensor, on=tensor, group_src=source_rank)
         self._count(tensor.numel() * tensor.element_size(), 1.0, start)
 
-    def check_same_sequence(self, where: str) -> None:
+    def check_same_sequence(self, where: str, settings: str = "") -> None:
         """Raise on every rank when the ranks issued different collectives since the last check
         (a model whose path depends on the rank's data: one rank ran a unit another skipped,
-        so gathers and reductions paired unrelated buffers). Called once per optimizer step:
-        a mismatch is said at the step it happened in, instead of training on mixed values."""
+        so gathers and reductions paired unrelated buffers), or step with different
+        ``settings`` (the step's lr and betas: an lr set, or a scheduler stepped, on one rank
+        only stepped each rank's shard at its own rate, without a word). Called once per
+        optimizer step, in the same collective: a mismatch is said at the step it happened
+        in, instead of training on mixed values."""
         if not self.active:
             return
         mine = self._sequence
-        t = torch.tensor([mine, -mine], dtype=torch.int64)
+        said = zlib.crc32(settings.encode())
+        t = torch.tensor([mine, -mine, said, -said], dtype=torch.int64)
         start = time.perf_counter()
         try:
             self._issue(dist.all_reduce, t, dist.ReduceOp.MAX, on=t)
@@ -455,6 +459,13 @@ class Collectives:
                 "modules each step, as torch's DDP requires (route data-dependent paths through "
                 "every module, e.g. multiply a skipped branch by zero); resume from the last "
                 "checkpoint")
+        if int(t[2]) != -int(t[3]):
+            raise RuntimeError(
+                f"rank {self.rank}: the ranks step with different settings at {where} (this "
+                f"rank's: {settings}): an lr or betas set on some ranks only (by hand, by a "
+                "scheduler stepped or built differently per rank, or in the optimizer each rank "
+                "passed to initialize), so each rank would step its share of the model at its "
+                "own rate. Set them alike on every rank")
 
     def barrier(self) -> None:
         if self.active:

@@ -176,6 +176,12 @@ class RankWatch:
                                    f"{timeout_s:g}s for rank(s) {pending} to call it: {every}")
             if pending:
                 time.sleep(0.05)
+        if n:
+            # every other rank wrote call n after it was done agreeing on call n - 1, so no rank
+            # reads this rank's key of that one any more: dropped, or a call every step (step()
+            # is one) would grow the store by a key per rank per step
+            with contextlib.suppress(Exception):
+                self._store.delete_key(f"{PREFIX}call/{n - 1}/{self.rank}")
 
     def report(self, error: BaseException, where: str) -> None:
         """Tell the other ranks that ``error`` escaped this rank's ``where`` (the first report
@@ -261,7 +267,26 @@ class RankWatch:
             return "; ".join(parts)
         return (f"every other rank is alive (their heartbeats advance) and none reported an "
                 f"error, but the {what} did not complete: a rank hangs, or the ranks issue "
-                "different collectives")
+                "different collectives" + self._counts_apart(others))
+
+    def _counts_apart(self, others: list[int]) -> str:
+        """Where the ranks' counts of issued collectives (the heartbeat publishes them) differ,
+        each rank's count and who issued fewest (the rank that ran out of data or skipped a
+        call, often); empty where they agree or cannot be read."""
+        counts = {self.rank: self.issued}
+        with contextlib.suppress(Exception):
+            for r in others:
+                key = f"{PREFIX}issued/{r}"
+                if self._store.check([key]):
+                    counts[r] = int(self._store.get(key))
+        if len(set(counts.values())) < 2:
+            return ""
+        fewest = min(counts.values())
+        fewer = sorted(r for r, c in counts.items() if c == fewest)
+        said = ", ".join(f"rank {r} {counts[r]}" for r in sorted(counts))
+        return (f". Collectives issued so far: {said}: the ranks' paths parted (rank(s) "
+                f"{fewer} issued fewest: a rank that ran out of data, skipped a step() or a "
+                "call the others made, or waits in something of its own)")
 
 
 _WATCH: RankWatch | None = None

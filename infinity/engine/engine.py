@@ -386,10 +386,12 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.micro_steps += -self.micro_steps % self.gradient_accumulation_steps()
         started = time.perf_counter()
         warn_if_hyperparameters_moved(self)
-        self.comm.check_same_sequence(f"optimizer step {self.global_steps + 1}")
+        lrs = self.get_lr()            # the rates this step uses, reported after it
+        with self.comm.every_rank("step()"):    # a rank gone on without it: named at once
+            self.comm.check_same_sequence(f"optimizer step {self.global_steps + 1}",
+                                          settings=f"lr {lrs}, betas {self.get_mom()}")
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
-        lrs = self.get_lr()            # the rates this step uses, reported after it
         self.optimizer.owner_step()     # torch's step hooks and schedulers see it
         stuck = False
         if self.loss_scaler is not None:

@@ -288,12 +288,22 @@ class GatheredParameters(contextlib.ContextDecorator):
             raise RuntimeError(GATHER_BEFORE_INITIALIZE.format(count=len(unbuilt)))
         pinned = []
         try:
-            for engine, unit in self._units:
-                engine.pin_unit(unit, modifying=self.modifier_rank is not None)
-                pinned.append((engine, unit))
-        except BudgetExceededError as exc:
+            # every rank gathers (each unit's shards are the ranks'): a gather on one rank
+            # alone paired with another rank's training all-gather and read that unit's values
+            # under these names, without a word. Agreed first, as a save is ([Note: calls every
+            # rank makes] in comm/watchdog.py): a rank gone on without it is named
+            with contextlib.ExitStack() as agreed:
+                for engine in dict.fromkeys(engine for engine, _ in self._units):
+                    agreed.enter_context(engine.comm.every_rank("GatheredParameters()"))
+                for engine, unit in self._units:
+                    engine.pin_unit(unit, modifying=self.modifier_rank is not None)
+                    pinned.append((engine, unit))
+        except BaseException as exc:
             for engine, unit in pinned:
                 engine.unpin_unit(unit, modified=False)
+            if not isinstance(exc, BudgetExceededError):
+                self._units.clear()
+                raise
             need = sum(unit.nbytes for _, unit in self._units)
             count = len(self._units)
             self._units.clear()

@@ -8,6 +8,11 @@ injects the fault at step 2, in the forward of the middle block:
 - ``alone``: the victim calls ``engine.save_checkpoint`` at step 2 while the others go on (the
   habit ``if rank == 0: save``): refused on the victim naming the call, before anything is
   written, and the others' next collective fails naming the victim's error;
+- ``skip-step``: the victim skips ``engine.step()`` at step 2 (a rank whose loop went
+  another way): the step's agreement refuses on the others naming it, not a gloo abort;
+- ``lone-gather``: the victim reads a weight under ``GatheredParameters`` at step 2 alone (it
+  paired with the others' training gather and read another unit's values): refused likewise;
+- ``lr-apart``: the victim sets its lr by hand at step 2: the step refuses on every rank;
 - ``differ``: no training; initialize twice with a config (lr) and then a model (width) that
   differ on the victim, writing each refusal's message to ``rank<r>.json``, then once alike.
 
@@ -44,7 +49,7 @@ def train(mode: str, out: Path, nvme_dir: str, timeout_s: float, rank: int, vict
     step = 0
 
     def fault(module, inputs):
-        if rank != victim or step != 2:
+        if rank != victim or step != 2 or mode not in ("kill", "raise", "raise-and-hang"):
             return
         if mode == "kill":
             (out / "killed_at").write_text(repr(time.time()))
@@ -56,8 +61,14 @@ def train(mode: str, out: Path, nvme_dir: str, timeout_s: float, rank: int, vict
     gen = torch.Generator().manual_seed(1 + rank)
     for step in range(STEPS):
         x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen)
-        if mode == "alone" and rank == victim and step == 2:
+        odd = rank == victim and step == 2
+        if mode == "alone" and odd:
             engine.save_checkpoint(out / "ckpt")
+        if mode == "lone-gather" and odd:
+            with infinity.zero.GatheredParameters([model.blocks[1].up.weight]):
+                print("norm", model.blocks[1].up.weight.norm().item(), flush=True)
+        if mode == "lr-apart" and odd:
+            engine.optimizer.param_groups[0]["lr"] = 2e-3
         try:
             loss = engine(input_ids=x, labels=x)
         except RuntimeError:
@@ -66,7 +77,8 @@ def train(mode: str, out: Path, nvme_dir: str, timeout_s: float, rank: int, vict
             (out / "raised_at").write_text(repr(time.time()))
             time.sleep(600)    # alive, never in a collective: the test kills it
         engine.backward(loss)
-        engine.step()
+        if not (mode == "skip-step" and odd):
+            engine.step()
         print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
     engine.close()
 

@@ -113,6 +113,29 @@ def test_a_save_called_on_rank_0_only_is_refused_naming_it_on_every_rank(tmp_pat
     assert not saved.exists() or not any(saved.iterdir()), list(saved.iterdir())
 
 
+@pytest.mark.parametrize("mode, call", [("skip-step", "step()"),
+                                        ("lone-gather", "GatheredParameters()"),
+                                        ("lr-apart", None)])
+def test_a_rank_that_parts_from_the_others_is_refused_naming_it(tmp_path, mode, call):
+    """Rank 1 skips step() once, or reads a weight under GatheredParameters alone: its next
+    collective paired with another kind on rank 0 (gloo aborted the process, or rank 1 read
+    another unit's values under the weight's name without a word). Now the call is agreed
+    first, as a save is: refused as soon as one rank went past it (not after the timeout,
+    long here), the other's collective naming that error. An lr set on one rank only stepped
+    each rank's shard at its own rate: the step refuses on both ranks."""
+    procs, out = _run(tmp_path, mode, victim=1, timeout_s=600.0)
+    results = [_finish(proc, 180) for proc in procs]
+    for rank, (rc, err, _) in enumerate(results):
+        assert rc != 0 and "[killed" not in err and "Received data size" not in err, \
+            (rank, err[-3000:])
+        if call is None:
+            assert "the ranks step with different settings at optimizer step 3" in err, \
+                (rank, err[-3000:])
+            continue
+        assert f"went on without it (to its next collective): {call} must be called on " \
+            "every rank" in err, (rank, err[-3000:])
+
+
 def test_ranks_started_with_different_configs_or_models_are_refused(tmp_path):
     procs, out = _run(tmp_path, "differ")
     for rank, proc in enumerate(procs):

@@ -116,3 +116,18 @@ def test_a_call_waiting_on_live_ranks_says_why_before_its_timeout(watches, infin
     hints = [r.getMessage() for r in infinity_log.records if "alive but not calling" in r.getMessage()]
     assert len(hints) == 1 and "in save_checkpoint() for rank(s) [1, 2]" in hints[0]
     assert "dist.barrier()" in hints[0] and "must be called on every rank" in hints[0]
+
+
+def test_a_timeout_between_live_ranks_names_their_counts_of_collectives(watches):
+    """Every rank alive, none failed, but their counts of issued collectives differ (one ran
+    out of data): the diagnosis names the counts and who issued fewest (it named nobody)."""
+    w = watches
+    w[0].issued, w[1].issued, w[2].issued = 63, 57, 63
+    for watch in w[1:]:
+        watch._beat_store.set(f"infinity/issued/{watch.rank}", str(watch.issued))
+    text = w[0].diagnose("all-gather")
+    assert "every other rank is alive" in text, text
+    assert "rank 0 63, rank 1 57, rank 2 63" in text and "rank(s) [1] issued fewest" in text, text
+    w[1].issued = 63
+    w[1]._beat_store.set("infinity/issued/1", "63")
+    assert "issued so far" not in w[0].diagnose("all-gather")
