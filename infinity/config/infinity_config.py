@@ -253,6 +253,10 @@ class InfinityConfig:
         if dtype == "auto":    # as a GPU resolves it (the planner checks the resolved one too)
             dtype = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
         check_communication_dtype(self.communication_data_type, dtype)
+        if self.infinity.offload_activations == "nvme" and self.zero.swap_path is None:
+            raise ConfigError("infinity.offload_activations is \"nvme\" but no swap directory is "
+                              "configured: set zero_optimization.offload_param.nvme_path or "
+                              "offload_optimizer.nvme_path")
         if self.infinity.early_step == "on":
             blockers = []
             if self.gradient_clipping > 0:

@@ -149,18 +149,27 @@ def take_over(passed: Any, engine_optimizer: torch.optim.Optimizer) -> None:
     passed._opt_called = True
 
 
+def check_scheduler_groups(scheduler: Any, passed: Any, engine_groups: int) -> None:
+    """Refuse a scheduler built on the optimizer passed whose groups the engine cannot drive
+    one for one (empty groups are dropped): before anything is built, since at stage 3 a
+    failure after the model's weights moved into the engine leaves the model without them."""
+    if scheduler is None or passed is None or getattr(scheduler, "optimizer", None) is not passed:
+        return
+    if len(passed.param_groups) != engine_groups:
+        raise ValueError(
+            f"lr_scheduler is built on the optimizer passed to initialize, whose "
+            f"{len(passed.param_groups)} param groups became {engine_groups} "
+            "in the engine (empty groups are dropped): pass a factory instead, "
+            "lr_scheduler=lambda opt: ..., which the engine calls with its own optimizer")
+
+
 def rebind_scheduler(scheduler: Any, passed: Any, engine_optimizer: torch.optim.Optimizer) -> Any:
     """A torch LR scheduler built on the optimizer passed to ``initialize`` now drives the
     engine's optimizer instead (see [Note: the optimizer taken over]); anything else is returned
     unchanged."""
     if scheduler is None or passed is None or getattr(scheduler, "optimizer", None) is not passed:
         return scheduler
-    if len(passed.param_groups) != len(engine_optimizer.param_groups):
-        raise ValueError(
-            f"lr_scheduler is built on the optimizer passed to initialize, whose "
-            f"{len(passed.param_groups)} param groups became {len(engine_optimizer.param_groups)} "
-            "in the engine (empty groups are dropped): pass a factory instead, "
-            "lr_scheduler=lambda opt: ..., which the engine calls with its own optimizer")
+    check_scheduler_groups(scheduler, passed, len(engine_optimizer.param_groups))
     # torch's schedulers wrap their optimizer's step() at construction, to warn when they are
     # stepped before it: a scheduler of no effect made on the engine's optimizer wraps it the
     # same way (then the rates are set from the user's scheduler)

@@ -109,6 +109,7 @@ class DeepSpeedEngineAccessors:
         from infinity.zero.init import GatheredParameters
         from infinity.zero.persistent_buffers import all_persistent_buffers
 
+        self._check_open("module_state_dict")      # closed: released parameters read as empty
         state = {} if destination is None else destination
         for unit in self.units:
             with GatheredParameters([e.param for e in unit.params]):

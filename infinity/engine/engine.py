@@ -31,7 +31,8 @@ from infinity.engine.guards import (
 from infinity.engine.model_methods import (
     model_device, place_buffers, route_module_methods, unroute_module_methods,
 )
-from infinity.engine.client_optimizer import rebind_scheduler, take_over
+from infinity.engine.client_optimizer import (check_scheduler_groups, rebind_scheduler,
+                                              take_over)
 from infinity.engine.param_groups import optimizer_groups
 from infinity.engine.monitor import StepReport
 from infinity.engine.pass_owner import EnginePassOwner
@@ -59,6 +60,7 @@ from infinity.zero.external_hint import raise_with_external_parameter_hint
 from infinity.zero.init import (
     EXTERNAL_PARAMS_ATTR,
     check_not_released,
+    guard_released,
     register_engine,
     released_on_failure,
     remember_released,
@@ -100,6 +102,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         groups, self.optimizer_defaults = optimizer_groups(model, model_parameters, self.config,
                                                            optimizer)
         self._client_optimizer = optimizer
+        check_scheduler_groups(lr_scheduler, optimizer, len(groups))   # before any weight moves
         # every decision and size, made once (planner/run_plan.py); the parts read it
         self.plan: RunPlan = engine_plan(self.config, specs, groups, self.device, self.comm)
         plan = self.plan
@@ -120,15 +123,11 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.report = StepReport(self.config, self.ranks.rank)
         self.manager = tier_manager(self.config, self.device, self.sizes, nvme_path,
                                     rank=self.ranks.rank)
-        if self.config.infinity.offload_activations == "nvme" and nvme_path is None:
-            raise ValueError("infinity.offload_activations is \"nvme\" but no swap directory is "
-                             "configured: set zero_optimization.offload_param.nvme_path or "
-                             "offload_optimizer.nvme_path")
         try:
             with released_on_failure(model):     # a retry on the emptied model is refused
                 self._build(model, specs, groups, lr_scheduler)
         except BaseException as exc:
-            self.manager.close()
+            self.close()    # hooks, routed methods, the step stream (a model left hooked to it)
             if isinstance(exc, SwapPathError) and self.speculative and "free space" in str(exc):
                 raise SwapPathError(SPECULATIVE_SWAP_ROOM.format(exc=exc)) from exc
             raise
@@ -551,6 +550,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                 self.coordinator.release_all()
                 self.coordinator.remove()
                 remember_released(u for u in self.units if not u.persistent)
+                guard_released(self.module)
         finally:
             try:
                 if getattr(self, "activation_swapper", None) is not None:

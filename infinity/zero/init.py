@@ -65,6 +65,24 @@ def remember_released(units: Iterable[Any]) -> None:
     _remember(entry.param for unit in units for entry in unit.params)
 
 
+def guard_released(model: nn.Module) -> None:
+    """After an engine over ``model`` closed with parameters released: its forward and its
+    state_dict() say the values are gone (a forward failed with "'weight' must be 2-D", a
+    state dict gave empty tensors that saved without a word). The hooks stay on the model,
+    which cannot be used again; they say nothing while no parameter is released."""
+    def refuse(*_: Any) -> None:
+        empty = [name for name, p in model.named_parameters() if _released(p)]
+        if empty:
+            raise RuntimeError(
+                f"this model's parameters were released by an engine that closed ({len(empty)} "
+                f"of them, e.g. {empty[0]!r}, hold 0 elements): their values lived in its "
+                "tiers, which are gone. Read what you need before engine.close() "
+                "(model.state_dict(), save_pretrained), or build the model again")
+    if any(_released(p) for p in model.parameters()):
+        model.register_forward_pre_hook(refuse)
+        model.register_state_dict_pre_hook(refuse)
+
+
 def _remember(params: Iterable[nn.Parameter]) -> None:
     """Note ``params`` as left empty by an engine, while they live (``check_not_released``)."""
     for param in params:
@@ -86,13 +104,15 @@ def released_on_failure(model: nn.Module):
         raise
 
 
+def _released(p: nn.Parameter) -> bool:
+    """Whether ``p`` is a parameter an engine left empty when it closed (its values gone)."""
+    ref = _released_params.get(id(p))
+    return ref is not None and ref() is p and p.numel() == 0
+
+
 def check_not_released(model: nn.Module) -> None:
     """Refuse a model that a live engine holds, or whose parameters a closed engine left
     empty, before anything is built."""
-    def released(p: nn.Parameter) -> bool:
-        ref = _released_params.get(id(p))
-        return ref is not None and ref() is p and p.numel() == 0
-
     mine = {id(p): name for name, p in model.named_parameters()}
     for engine in list(_live_engines):      # a closing engine unregisters itself first
         if getattr(engine, "module", None) is model:
@@ -110,7 +130,7 @@ def check_not_released(model: nn.Module) -> None:
                 "one parameter would each overwrite the other's update (and at stage 3 each "
                 "releases it after use). Train both parts under one engine (one nn.Module "
                 "holding them), or give each model its own copy of the shared module")
-    empty = [name for name, p in model.named_parameters() if released(p)]
+    empty = [name for name, p in model.named_parameters() if _released(p)]
     if empty:
         raise ValueError(
             f"{len(empty)} parameter(s) of this model (e.g. {empty[0]!r}) are empty: an engine "
@@ -283,6 +303,12 @@ class GatheredParameters(contextlib.ContextDecorator):
                 if any(e.param is p for e in unit.params for p in self.params):
                     self._units.append((engine, unit))
         owned = {id(e.param) for _, unit in self._units for e in unit.params}
+        if any(_released(p) for p in self.params if id(p) not in owned):
+            raise ValueError(
+                "GatheredParameters on parameters an engine released when it closed (or when its "
+                "initialize failed part-way): their values lived in its tiers, which are gone, "
+                "so these hold 0 elements (a state dict read now would be empty tensors). Read "
+                "what you need before engine.close(), or build the model again")
         unbuilt = [p for p in self.params if p.device.type == "meta" and id(p) not in owned]
         if unbuilt and self.modifier_rank is not None:
             raise RuntimeError(GATHER_BEFORE_INITIALIZE.format(count=len(unbuilt)))

@@ -87,6 +87,55 @@ def test_a_scheduler_bound_to_another_optimizer_is_refused(disk_dir) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_initialize_that_fails_late_leaves_the_model_free(disk_dir, stage) -> None:
+    """A scheduler factory that raises fails initialize after the model was hooked: the model
+    stayed hooked to an engine nobody could close (a step-stream thread running, a retry told
+    to "close() the first engine", a forward failing on a missing attribute). Now the failure
+    closes what was built: at stage 2 the model trains again as it was; at stage 3 a retry
+    says its weights are gone (released into the failed engine's tiers), as documented."""
+    import threading
+
+    model = Net(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    config = _config(disk_dir)
+    config["zero_optimization"]["stage"] = stage
+    if stage == 2:
+        del config["zero_optimization"]["offload_param"]
+
+    def failing(opt):
+        raise RuntimeError("the user's scheduler factory failed")
+
+    with pytest.raises(RuntimeError, match="scheduler factory failed"):
+        infinity.initialize(model=model, config=config, lr_scheduler=failing)
+    assert not any(e.module is model for e in _live_engines)
+    assert not [t for t in threading.enumerate() if t.name == "infinity-step-stream"]
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    if stage == 3:
+        with pytest.raises(ValueError, match="are empty: an engine released them"):
+            infinity.initialize(model=model, config=config)
+        return
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    engine, *_ = infinity.initialize(model=model, config=config)
+    engine.close()
+
+
+def test_a_scheduler_on_groups_the_engine_drops_is_refused_before_the_weights_move(
+        disk_dir) -> None:
+    """The scheduler's groups cannot be driven one for one (an empty group is dropped): a pure
+    argument check, refused before anything is built (at stage 3 the refusal came after the
+    weights moved into the engine, leaving the model without them)."""
+    model = Net(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": []}], lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    config = _config(disk_dir)
+    del config["optimizer"]
+    with pytest.raises(ValueError, match="2 param groups became 1 in the engine"):
+        infinity.initialize(model=model, optimizer=opt, lr_scheduler=schedule, config=config)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 def test_another_engines_backward_never_early_steps_this_one(disk_dir) -> None:
     """The generator's backward goes through the discriminator's engine: under the early step
     the discriminator would step then; it refuses instead, before stepping anything, and the

@@ -306,10 +306,19 @@ def test_a_closed_engine_says_so(disk_dir) -> None:
     engine.close()
     engine.close()
     for call in (lambda: engine(input_ids=x, labels=x), lambda: engine.backward(loss),
-                 engine.step):
+                 engine.step, engine.module_state_dict):
         with pytest.raises(RuntimeError, match=r"after engine.close\(\)"):
             call()
     assert [d for d in os.listdir(disk_dir) if d.startswith("infinity-swap")] == []
+    # the model's own calls on its released parameters say their values are gone (a forward
+    # failed with "'weight' must be 2-D", a state dict and a gather gave empty tensors)
+    model = engine.module
+    for call in (lambda: model(input_ids=x, labels=x), model.state_dict):
+        with pytest.raises(RuntimeError, match="released by an engine that closed"):
+            call()
+    with pytest.raises(ValueError, match="GatheredParameters on parameters an engine released"):
+        with infinity.zero.GatheredParameters(list(model.parameters())):
+            pass
 
 
 @pytest.mark.parametrize("schedule", ["on", "off"])
