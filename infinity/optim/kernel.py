@@ -1,7 +1,7 @@
 """The Adam kernel over a unit's flat ranges: the hyperparameters of each param group, the step
 runs of a job (see [Note: parameters without a gradient] in optim/partitioned.py) and the CPU
 Adam call on a sub-group. The step stream sees it through its ``StepKernel`` Protocol
-(optim/step_stream.py); the optimizer and the speculation own the same object.
+(optim/step_kernel.py); the optimizer and the speculation own the same object.
 
 [Note: the step gives the home back at zero]
 A gradient accumulated in its resident host home (the deferred schedule, and the last

@@ -60,9 +60,9 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -81,6 +81,7 @@ from infinity.optim.records import (
     gather_gradient,
     sub_groups,
 )
+from infinity.optim.step_kernel import StepKernel
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.manager import TierManager, padded_numel
 
@@ -89,23 +90,21 @@ WRITES_BEHIND = 2    # sub-groups whose writes may still be in flight
 IDLE_WAIT_S = 0.05   # the stream re-checks its jobs at least this often when it has nothing to do
 
 
-class StepKernel(Protocol):
-    """What the stream asks of the optimizer's kernel (optim/kernel.py)."""
-
-    def hyperparameters(self) -> list[dict]:
-        """Each param group's hyperparameters now (fixed into a job when its step is asked)."""
-
-    def step_runs(self, state: UnitOptimState, stepped: frozenset[int] | None) -> list[StepRun]:
-        """Advance the unit's step count for ``stepped`` and return the runs to step."""
-
-    def run(self, state: UnitOptimState, start: int, end: int, param: torch.Tensor,
-            grad: torch.Tensor | dict[int, torch.Tensor], m: torch.Tensor, v: torch.Tensor,
-            grad_scale: float, half_out: torch.Tensor | None, hyper: list[dict],
-            runs: list[StepRun], grad_sq_sum: bool = False,
-            scales: MomentScales | None = None, zero_grad: bool = False,
-            addends: list[tuple[int, torch.Tensor]] | None = None) -> float:
-        """Adam on elements [start, end) of the unit; the gradient's squares when asked; the
-        gradient left at zero with ``zero_grad``, completed first by ``addends``."""
+def _run_while_held(ref: "weakref.ref[StepStream]", wake: threading.Condition) -> None:
+    """The stream's thread: each pass takes the stream from a weak reference and it waits idle
+    without it, so a stream (an engine) dropped without ``shutdown()`` is collected and its
+    thread ends (a thread holding the stream kept every engine dropped without close() alive
+    until exit, with its swap directory and buffers)."""
+    while True:
+        stream = ref()
+        moved = None if stream is None else stream._pass()
+        if moved is None:
+            return
+        with wake:
+            idle = not moved and not stream._incoming and not stream._has_news()
+            del stream
+            if idle:
+                wake.wait(IDLE_WAIT_S)
 
 
 @dataclass(eq=False)
@@ -135,7 +134,8 @@ class StepStream:
         # expected jobs queued, their sub-groups read before the gradients were complete,
         # reads given up for a ready job, jobs cancelled (no gradients came)
         self.stats = {"expected": 0, "read_early": 0, "preempted": 0, "cancelled": 0}
-        self._thread = threading.Thread(target=self._run, name="infinity-step-stream", daemon=True)
+        self._thread = threading.Thread(target=_run_while_held, name="infinity-step-stream",
+                                        args=(weakref.ref(self), self._wake), daemon=True)
         self._thread.start()
 
     # -- the training thread's side ---------------------------------------------------------
@@ -210,24 +210,22 @@ class StepStream:
             self._wake.notify()
         self._thread.join()
 
-    # -- the loop -------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                self._pull_incoming()
-                if self._stopping and not self._jobs and not self._loads and not self._writes:
-                    return
-            start = time.perf_counter()
-            try:
-                moved = self._advance()
-            except BaseException as exc:  # noqa: BLE001 - reported through the units' futures
-                self._fail_all(exc)
-                moved = True
-            self.timers.background_s += time.perf_counter() - start
-            if not moved:
-                with self._wake:
-                    if not self._incoming and not self._has_news():
-                        self._wake.wait(IDLE_WAIT_S)
+    # -- the loop (``_run_while_held``) ---------------------------------------------------
+    def _pass(self) -> bool | None:
+        """One pass of the thread's loop: whether it moved anything, None once shut down and
+        drained."""
+        with self._wake:
+            self._pull_incoming()
+            if self._stopping and not self._jobs and not self._loads and not self._writes:
+                return None
+        start = time.perf_counter()
+        try:
+            moved = self._advance()
+        except BaseException as exc:  # noqa: BLE001 - reported through the units' futures
+            self._fail_all(exc)
+            moved = True
+        self.timers.background_s += time.perf_counter() - start
+        return moved
 
     def _pull_incoming(self) -> None:
         while self._incoming:

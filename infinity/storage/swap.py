@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import functools
 import os
 import threading
 import weakref
@@ -231,8 +232,10 @@ class SwapSpace:
             if op == "write":
                 check.record(extent.file_index, at, tensor, nbytes)
             else:
-                req.check_on_wait(
-                    lambda: self._verify(check, extent, tag, f.path, at, tensor, nbytes))
+                # not through self: the request waits in the finalizer's list, and a lambda of
+                # self there kept the space (and its directory) alive until exit
+                req.check_on_wait(functools.partial(
+                    SwapSpace._verify, check, extent, tag, f.path, at, tensor, nbytes))
         with self._res.lock:
             pending = self._res.pending
             pending.append(req)

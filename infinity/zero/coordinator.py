@@ -55,7 +55,8 @@ from torch import nn
 
 from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
-from infinity.zero.module_calls import in_graph_task, keep_at, param_versions, tensors_in
+from infinity.zero.module_calls import (in_graph_task, keep_at, param_versions, tensors_in,
+                                        weak_grad_hook)
 from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable
 from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.device_room import DeviceRoom
@@ -132,10 +133,11 @@ class Coordinator:
     def install(self) -> None:
         for module, unit_ids in self.hooked:
             self.hook_module(module, unit_ids)
-        for unit in self.units:
-            for entry in unit.trainable_entries():
-                self._handles.append(entry.param.register_post_accumulate_grad_hook(
-                    lambda param, unit=unit, entry=entry: self._grad_ready(unit, entry)))
+        for u, unit in enumerate(self.units):
+            for k, entry in enumerate(unit.params):
+                if entry.trainable:
+                    self._handles.append(entry.param.register_post_accumulate_grad_hook(
+                        weak_grad_hook(self, u, k)))      # held in C++: never self, nor unit
         self.reset_backward_state()
 
     def hook_module(self, module: nn.Module, unit_ids: list[int]) -> None:

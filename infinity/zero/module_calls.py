@@ -5,8 +5,9 @@ post-hook last)."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -60,3 +61,19 @@ def keep_at(hooks: OrderedDict[int, Any], hook_id: int, last: bool) -> None:
     if hook_id in hooks and next(reversed(hooks) if last else iter(hooks)) != hook_id:
         hooks.move_to_end(hook_id, last=last)
 
+
+
+def weak_grad_hook(owner: Any, unit_index: int, entry_index: int) -> Callable[[Any], None]:
+    """A post-accumulate-grad hook calling ``owner._grad_ready(unit, entry)`` of its units
+    ``[unit_index].params[entry_index]``, holding the owner weakly and no unit. Torch keeps
+    such hooks in C++, where the garbage collector never looks: a hook holding the coordinator
+    (or a unit, whose module's hooks lead to the engine) kept every engine dropped without
+    close() alive until exit, with its swap directory, buffers and thread."""
+    ref = weakref.ref(owner)
+
+    def hook(_param: Any) -> None:
+        coordinator = ref()
+        if coordinator is not None:
+            unit = coordinator.units[unit_index]
+            coordinator._grad_ready(unit, unit.params[entry_index])
+    return hook

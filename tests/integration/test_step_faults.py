@@ -11,7 +11,7 @@ import torch
 
 import infinity
 from infinity.storage.manager import FlatStore
-from parity import VOCAB, loss_of, nvme_engine, reference_step
+from parity import VOCAB, loss_of, make_model, nvme_engine, reference_step, zero_config
 
 
 @pytest.mark.parametrize("schedule", ["on", "off"])
@@ -319,6 +319,43 @@ def test_a_closed_engine_says_so(disk_dir) -> None:
     with pytest.raises(ValueError, match="GatheredParameters on parameters an engine released"):
         with infinity.zero.GatheredParameters(list(model.parameters())):
             pass
+
+
+@pytest.mark.parametrize("schedule", ["on", "off", "clipped"])
+def test_an_engine_dropped_without_close_is_collected(disk_dir, schedule) -> None:
+    """A notebook re-running a cell drops its engine without close(): three references kept
+    every such engine alive until exit, with its swap directory, buffers and step thread (the
+    parameters' gradient hooks, held in C++ where the collector never looks; the step thread;
+    a read's integrity check in the swap space's finalizer). Now it is collected and its
+    finalizers remove the directory; its thread ends. The bound is generous: a pass of the
+    step thread in progress holds the stream until it ends, on a loaded machine a while."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    if schedule == "clipped":       # the deferred schedule's reads ahead, checked when waited
+        ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+        ds.update(gradient_clipping=1.0, optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+        engine, *_ = infinity.initialize(model=make_model("llama", layers=2, width=64), config=ds)
+    else:
+        engine = nvme_engine(disk_dir, schedule, layers=2)
+    x = torch.randint(0, VOCAB, (1, 8))
+    for _ in range(2):
+        engine.backward(loss_of(engine(input_ids=x, labels=x)))
+        engine.step()
+    dropped = weakref.ref(engine)
+    del engine
+    deadline = time.monotonic() + 60
+    while dropped() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert dropped() is None, "the engine was not collected"
+    assert [d for d in os.listdir(disk_dir) if d.startswith("infinity-swap")] == []
+    for thread in threading.enumerate():
+        if thread.name == "infinity-step-stream":
+            thread.join(timeout=60)
+            assert not thread.is_alive(), "the dropped engine's step thread still runs"
 
 
 @pytest.mark.parametrize("schedule", ["on", "off"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +30,7 @@ from infinity.optim.device_copy import IN_FLIGHT, DeviceCopyWrites, flat_rounded
 from infinity.optim.records import (
     CompleteGradient, JobPhase, OptimTimers, StepRun, UnitOptimState)
 from infinity.optim.state_formats import build_state
+from infinity.optim import step_stream
 from infinity.optim.step_stream import READ_AHEAD, WRITES_BEHIND, StepStream
 from infinity.planner.state_format import QBLOCK, StateFormat
 from infinity.storage.buffer_pool import BufferPool
@@ -121,7 +123,7 @@ class Rig:
             self.stream.shutdown()
 
     def run(self) -> None:
-        self.stream._run()
+        step_stream._run_while_held(weakref.ref(self.stream), self.stream._wake)
 
     def unit(self, name: str, sizes: list[int], dtype=torch.float32, aligned=True,
              param_home: str = "disk", seed: int = 0) -> tuple[Unit, torch.Tensor]:
