@@ -95,7 +95,25 @@ class TrainingArguments(transformers.TrainingArguments):
 
     @property
     def place_model_on_device(self) -> bool:
+        """False: the engine places the model. transformers' Trainer reads this in its
+        ``__init__``, so it is where a Trainer that is not infinity's (transformers.Trainer, or
+        a subclass of it for a custom loss) is caught: it would ignore the ds_config and train
+        without infinity, without a word."""
+        if self.infinity_config is not None and not self.__dict__.get(_CLAIMED):
+            raise ValueError(
+                "infinity's TrainingArguments (with a ds_config in deepspeed= or "
+                "infinity_config=) were given to a Trainer that is not infinity's "
+                "(transformers.Trainer or a subclass of it): it would ignore the ds_config and "
+                "train without infinity. Use infinity.integrations.hf.Trainer (subclass it for "
+                "a custom compute_loss), or transformers' own TrainingArguments for a plain run")
         return False
+
+
+METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+"""transformers' schedule types stepped with an evaluation metric, not per optimizer step."""
+
+_CLAIMED = "_infinity_trainer_claimed"
+"""Set on TrainingArguments by infinity's Trainer before transformers' ``__init__`` reads them."""
 
 
 def as_infinity_args(args: Any) -> Any:
@@ -187,6 +205,9 @@ class Trainer(transformers.Trainer):
             args = (args[0], as_infinity_args(args[1]), *args[2:])
         elif "args" in kwargs:
             kwargs["args"] = as_infinity_args(kwargs["args"])
+        given = args[1] if len(args) > 1 else kwargs.get("args")
+        if isinstance(given, TrainingArguments):
+            object.__setattr__(given, _CLAIMED, True)       # see place_model_on_device
         super().__init__(*args, **kwargs)
         from_args = getattr(self.args, "infinity_config", None)
         if config is not None and from_args is not None:
@@ -257,6 +278,20 @@ class Trainer(transformers.Trainer):
             kwargs["model_parameters"] = self._decay_groups()
         else:
             kwargs["optimizer"] = super().create_optimizer(model)
+            if not isinstance(kwargs["optimizer"], torch.optim.Adam):    # AdamW is one too
+                raise ValueError(
+                    f"TrainingArguments(optim={getattr(self.args.optim, 'value', self.args.optim)!r}) builds a "
+                    f"{type(kwargs['optimizer']).__name__}: the engine steps Adam/AdamW only "
+                    "(its CPU Adam over the offloaded states). Use optim=\"adamw_torch\" "
+                    "(the default) or \"adamw_torch_fused\", or give the ds_config an "
+                    "\"optimizer\" section")
+        kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+        if "scheduler" not in ds and user_schedule is None and kind in METRIC_SCHEDULES:
+            raise ValueError(
+                f"TrainingArguments(lr_scheduler_type={kind!r}) moves the rate from the "
+                "evaluation's metric, which the engine's schedule never sees (it steps its "
+                "schedule with each optimizer step): use a step schedule (\"linear\", "
+                "\"cosine\", ...) or a ds_config \"scheduler\" section")
         if "scheduler" not in ds:
             kwargs["lr_scheduler"] = user_schedule if user_schedule is not None else \
                 self._schedule_factory(max_steps)

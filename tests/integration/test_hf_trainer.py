@@ -307,3 +307,35 @@ def test_a_ctrl_c_in_the_trainers_backward_stops_after_its_step(disk_dir, tmp_pa
         engine.save_checkpoint(tmp_path / "ckpt")       # at rest: whole steps
     finally:
         trainer.close()
+
+
+def test_what_the_engine_cannot_honour_from_the_trainer_is_refused_before_it_trains(
+        disk_dir, tmp_path) -> None:
+    """Each was silent or cryptic: infinity's arguments given to transformers' own Trainer (a
+    subclass for a custom loss) trained without infinity, the ds_config ignored; optim="sgd"
+    named an initialize(optimizer=...) call the user never made; a metric-driven schedule
+    failed at the first step missing its metric (and would never have seen one). Now each is
+    refused naming the argument, before any weight moves (stage 3 here)."""
+    warnings.filterwarnings("ignore")
+
+    def args(**extra):
+        return hf.TrainingArguments(tmp_path / "run", deepspeed=hf_ds(disk_dir),
+                                    **hf_args(max_steps=1, **extra))
+
+    class CustomLoss(transformers.Trainer):
+        pass
+
+    with pytest.raises(ValueError, match="given to a Trainer that is not infinity's"):
+        CustomLoss(model=make_model("llama", layers=1, width=32), args=args())
+    for extra, said in (({"optim": "sgd"}, r"TrainingArguments\(optim='sgd'\) builds a SGD"),
+                        ({"lr_scheduler_type": "reduce_lr_on_plateau"},
+                         "'reduce_lr_on_plateau'\\) moves the rate from the evaluation's metric")):
+        model = make_model("llama", layers=1, width=32)
+        trainer = hf.Trainer(model=model, args=args(**extra), train_dataset=hf_data(8),
+                             eval_dataset=hf_data(4, seed=1))
+        try:
+            with pytest.raises(ValueError, match=said):
+                trainer.train()
+        finally:
+            trainer.close()
+        assert all(p.numel() > 0 for p in model.parameters()), "the weights moved first"
