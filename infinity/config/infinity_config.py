@@ -55,7 +55,7 @@ IGNORED_KEYS: dict[str, tuple[str, ...]] = {
          "flops_profiler", "comms_logger",
          "autotuning",
          "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
-         "zero_force_ds_cpu_optimizer", "checkpoint", "data_types", "compile",
+         "zero_force_ds_cpu_optimizer", "data_types", "compile",
          "disable_allgather", "gradient_allreduce_op",
          "seq_parallel_communication_data_type", "log_level", "disable_python_gc",
          "use_data_before_expert_parallelism", "timers"),
@@ -129,6 +129,14 @@ OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
          "eigenvalue": (_section_off, '{"enabled": false}', ""),
          "compression_training": (_section_off, "{}", ""),
          "graph_harvesting": (_is_off, "false", ""),
+         # its other keys (tag_validation, load_universal, writers) change nothing here; node-
+         # local storage would fail at the first save, hours in: every rank writes its part
+         # into one directory that rank 0 commits
+         "checkpoint": (lambda v: v is None or (isinstance(v, Mapping) and not
+                                                v.get("use_node_local_storage")),
+                        '{"use_node_local_storage": false}',
+                        "checkpoints are written by every rank into one directory on a file "
+                        "system every rank mounts"),
          # DeepSpeed's default (since 0.19.4): step() counts the micro-batches, as here always
          "managed_gradient_accumulation": (lambda v: v is None or v is True, "true",
                                            "engine.step() counts micro-batches here always"),

@@ -6,10 +6,12 @@ the arguments DeepSpeed scripts pass them (``args`` carrying ``--deepspeed_confi
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from infinity.config import InfinityConfig
@@ -56,6 +58,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
                          "infinity trains the whole model on each rank with ZeRO")
     refuse_an_adapter_without_values(model)
     source = _config_source(args, config, config_params)
+    check_training_data(training_data, process_group=process_group)
     engine = Engine(model, model_parameters, source, lr_scheduler=lr_scheduler,
                     process_group=process_group, auto_values=auto_values, optimizer=optimizer)
     loader = None
@@ -100,6 +103,29 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return next(iter(given.values()), None)
 
 
+def check_training_data(dataset: Any, world_size: int | None = None,
+                        process_group: Any = None) -> None:
+    """Refuse ``training_data`` the engine cannot load, before the engine is built (at stage 3
+    a refusal after it leaves the model without its weights). ``world_size`` None: the
+    group's, or the launcher's (``WORLD_SIZE``) before the group exists."""
+    if dataset is None:
+        return
+    if not isinstance(dataset, torch.utils.data.Dataset):
+        raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(dataset).__name__}")
+    if world_size is None:
+        world_size = (dist.get_world_size(process_group) if dist.is_available()
+                      and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
+    if world_size > 1 and isinstance(dataset, torch.utils.data.IterableDataset):
+        # torch's DistributedSampler (DeepSpeed's) cannot split a stream: every rank would
+        # train on the same samples, the global batch N copies of one, without a word
+        raise ValueError(
+            f"training_data is an IterableDataset ({type(dataset).__name__}) at {world_size} "
+            "ranks: it cannot be split into each rank's share, so every rank would train on "
+            "the same samples. Yield each rank its own (e.g. every world_size-th sample from "
+            "torch.distributed.get_rank(), each rank as many) and build the DataLoader "
+            "yourself, or pass a map-style Dataset")
+
+
 def training_loader(dataset: torch.utils.data.Dataset, config: InfinityConfig,
                     collate_fn: Callable | None = None, rank: int = 0,
                     world_size: int = 1) -> torch.utils.data.DataLoader:
@@ -108,10 +134,9 @@ def training_loader(dataset: torch.utils.data.Dataset, config: InfinityConfig,
     rank's share of the samples, as DeepSpeed's DistributedSampler gives (call
     ``loader.sampler.set_epoch(epoch)`` each epoch for a new order; its seed is 0 on every
     rank, as DeepSpeed's, so the shares never overlap)."""
-    if not isinstance(dataset, torch.utils.data.Dataset):
-        raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(dataset).__name__}")
+    check_training_data(dataset, world_size)
     iterable = isinstance(dataset, torch.utils.data.IterableDataset)
-    if world_size > 1 and not iterable:
+    if world_size > 1:
         sampler = torch.utils.data.DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0,
             drop_last=config.dataloader_drop_last)

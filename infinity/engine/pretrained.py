@@ -98,11 +98,12 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
     under the new names.
     """
     from infinity.engine.engine import Engine
-    from infinity.engine.entry import _config_source, training_loader
+    from infinity.engine.entry import _config_source, check_training_data, training_loader
 
     source = Path(pretrained_model_name_or_path)
     directory = source if source.is_dir() else source.parent
     config_source = _config_source(args, config, None)
+    check_training_data(training_data, process_group=process_group)
     weights = PretrainedWeights(source)          # the files are checked before anything else
     try:
         hf_config, model_kwargs = _hf_config(directory, hf_kwargs)
