@@ -237,6 +237,17 @@ def plan_memory(cfg: InfinityConfig, stats: ModelStats, hw: Hardware) -> Plan:
             f"{sz.device_grad_buffers} {sz.device_grad_dtype} device buffer(s) a unit's gradient "
             "is reduced in (the unit's shards and its own)",
             "set communication_data_type bf16, or smaller units (infinity.unit_modules)"))
+    if run.speculative:
+        # [Note: speculative step] in optim/speculation.py: the engine keeps second copies of
+        # the NVMe parameters and Adam states (its reserve counts them); the plan showed half
+        # the disk the run takes, and checked the free space against that half
+        once = sum(i.nbytes for i in items if i.tier == Tier.NVME)
+        if run.sizes.nvme_bytes > once:
+            items.append(PlanItem(
+                "speculative_copies", Tier.NVME, run.sizes.nvme_bytes - once,
+                f"second copies for the speculative step ({run.speculative_reason})",
+                "set infinity.speculative_step \"off\" (the step then waits for the "
+                "gradient norm instead of being redone)"))
     host = sum(i.nbytes for i in items if i.tier == Tier.HOST)
     device = sum(i.nbytes for i in items if i.tier == Tier.DEVICE)
     nvme = sum(i.nbytes for i in items if i.tier == Tier.NVME)

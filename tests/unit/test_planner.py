@@ -1,6 +1,7 @@
 """The planner against hand math, its warnings, model stats, hardware detection and `infinity plan`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -20,6 +21,7 @@ from infinity.planner.inputs import (
 from infinity.planner.plan import RUNTIME_OVERHEAD_BYTES, plan_memory, recommend_config
 from infinity.planner.shape import estimated_shape
 from infinity.planner.sizes import derive_sizes
+from infinity.planner.tiers import Tier
 
 from fakes import CPU_BOX, GPU_BOX
 
@@ -356,6 +358,23 @@ def test_cli_plan_bad_hf_config_is_one_line_and_never_asks_the_hub(tmp_path, cap
         err = capsys.readouterr().err
         assert err.startswith("infinity plan: error: --hf-config ") and err.count("\n") == 1, err
         assert expected in err, (arg, err)
+
+
+def test_a_speculative_plan_counts_the_second_copies_on_nvme() -> None:
+    """Clipping makes the step deferred and, with parameters and Adam states on NVMe,
+    speculative: the engine keeps second copies of them (its reserve counts them), which the
+    plan left out (it showed, and checked the free space against, half the disk)."""
+    cfg = config(3, "nvme", "nvme", gradient_clipping=1.0,
+                 infinity={"host_memory_budget": "1GiB", "compute_dtype": "fp32"})
+    plan = plan_memory(cfg, SMALL, CPU_BOX)
+    once = sum(i.nbytes for i in plan.items if i.tier == Tier.NVME
+               and i.component in ("params", "optimizer_states"))
+    copies = [i for i in plan.items if i.component == "speculative_copies"]
+    # the engine's reserve counts the units padded (4 KiB-aligned): within 0.2% of the raw count
+    assert len(copies) == 1 and abs(copies[0].nbytes - once) <= 2e-3 * once, (copies, once)
+    plain = plan_memory(dataclasses.replace(cfg, infinity=dataclasses.replace(
+        cfg.infinity, speculative_step="off")), SMALL, CPU_BOX)
+    assert not [i for i in plain.items if i.component == "speculative_copies"]
 
 
 def test_cli_plan_measures_the_path_the_swap_space_takes(tmp_path, capsys) -> None:
