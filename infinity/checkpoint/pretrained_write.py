@@ -284,6 +284,38 @@ def _recorded_source(checkpoint: Path, recorded: Any) -> Path | None:
     return None
 
 
+SHAPE_KEYS = ("model_type", "architectures", "num_hidden_layers", "hidden_size",
+              "intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "num_local_experts", "num_experts", "n_routed_experts",
+              "moe_intermediate_size", "n_layer", "n_embd", "n_head", "n_inner", "d_model",
+              "num_layers", "num_decoder_layers", "d_ff", "encoder_layers", "decoder_layers")
+"""config.json keys that decide a transformers model's parameters (their names and shapes)."""
+
+
+def check_config_matches(saved: Any, given: Any, checkpoint: Path) -> None:
+    """Refuse a ``--config`` whose model is not the checkpoint's own (its config.json, kept in
+    the manifest): transformers would build that model over the exported weights, its extra
+    layers random ("newly initialized"), without a word from the export. Other keys (the
+    tokenizer's, generation settings) may differ: that is what --config is for."""
+    if not isinstance(saved, str) or not isinstance(given, str):
+        return
+    try:
+        ours, theirs = json.loads(saved), json.loads(given)
+    except json.JSONDecodeError:
+        return          # the given one is read (and refused) where the export parses it
+    if not isinstance(ours, dict) or not isinstance(theirs, dict):
+        return
+    differ = [f"{key} {ours.get(key)!r} in the checkpoint, {theirs.get(key)!r} given"
+              for key in SHAPE_KEYS if key in ours and key in theirs   # a key left out: no
+              and ours.get(key) != theirs.get(key)]                   # word either way
+    if differ:
+        raise ValueError(
+            f"export {checkpoint}: --config describes another model than the checkpoint's own "
+            f"config.json ({'; '.join(differ)}): transformers would build that model over "
+            "these weights, what does not match left random. Leave --config out (the "
+            "checkpoint's config is exported), or give the config of the model trained")
+
+
 def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.dtype | None,
                    max_shard_size: int | str, texts: Mapping[str, str] | None,
                    carry_from: Path | None, hub_names_of: Callable[[str], Any] | None = None
@@ -295,6 +327,7 @@ def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.d
     shapes = param_shapes(manifest)
     model_texts = dict(texts or {})
     saved_texts = manifest.get("model_files") or {}
+    check_config_matches(saved_texts.get("config.json"), model_texts.get("config.json"), source)
     for name, text in saved_texts.items():
         if isinstance(name, str) and isinstance(text, str) and Path(name).name == name:
             model_texts.setdefault(name, text)

@@ -1079,3 +1079,21 @@ def test_an_engine_saves_the_hub_layout(tmp_path: Path) -> None:
     save_pretrained(_state(model, comm=_Comm(1)), tmp_path / "r1", hub_name=rename,
                     hub_split=split)
     assert not (tmp_path / "r1").exists()
+
+
+def test_an_export_config_of_another_model_is_refused() -> None:
+    """``infinity export --config`` of a 3-layer model over a 2-layer checkpoint: the export
+    wrote it, and transformers built 3 layers over 2 layers' weights, the third random. Keys
+    that decide the parameters must agree where both configs give them; others may differ."""
+    import json
+
+    from infinity.checkpoint.pretrained_write import check_config_matches
+
+    saved = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+             "num_hidden_layers": 2, "hidden_size": 64, "bos_token_id": 1}
+    given = {**saved, "num_hidden_layers": 3}
+    with pytest.raises(ValueError, match="num_hidden_layers 2 in the checkpoint, 3 given"):
+        check_config_matches(json.dumps(saved), json.dumps(given), Path("ck"))
+    alike = {k: v for k, v in saved.items() if k != "architectures"}    # a config's own save
+    check_config_matches(json.dumps(saved), json.dumps({**alike, "bos_token_id": 5}), Path("ck"))
+    check_config_matches(None, json.dumps(given), Path("ck"))     # nothing saved to compare
