@@ -12,8 +12,11 @@ tokenizer and generation config files. The result loads with ``transformers``'
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
+from infinity.base.sizes import format_bytes
+from infinity.checkpoint.directory import our_manifest
 from infinity.checkpoint.pretrained_write import (
     DEFAULT_MAX_SHARD_SIZE,
     export_pretrained,
@@ -22,6 +25,10 @@ from infinity.checkpoint.pretrained_write import (
 )
 from infinity.commands import UsageError
 from infinity.engine.hf_conversions import hub_names_of_config
+
+
+_WRITTEN = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+"""The weight files an export writes (transformers' names), counted in its summary line."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +59,12 @@ def run(args: argparse.Namespace) -> int:
         max_shard = shard_bytes(args.max_shard_size)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"--max-shard-size: {exc}") from None
+    inside = args.out.resolve()
+    if our_manifest(args.out) is not None or any(
+            inside.is_relative_to(p.resolve()) for p in (args.checkpoint,) if p.is_dir()):
+        raise UsageError(f"{args.out} is a checkpoint or inside one ({args.checkpoint}): the "
+                         "export would write model files among the checkpoint's; choose an "
+                         "output directory of its own")
     texts, carry = {}, None
     if args.config is not None:
         config_file = args.config / "config.json" if args.config.is_dir() else args.config
@@ -64,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
                             max_shard_size=max_shard, texts=texts, carry_from=carry,
                             verify_checksums=not args.no_verify,
                             hub_names_of=hub_names_of_config)
-    files = sorted(p.name for p in out.iterdir() if p.name.endswith(".safetensors"))
+    files = sorted(p.name for p in out.iterdir() if _WRITTEN.fullmatch(p.name))  # not a user's
     size = sum((out / f).stat().st_size for f in files)
-    print(f"{out}: {len(files)} weight file(s), {size / 1e9:.3f} GB"
+    print(f"{out}: {len(files)} weight file(s), {format_bytes(size)}"
           + ("" if (out / "config.json").is_file() else
              " (no config.json: pass --config to load it with from_pretrained)"))
     return 0

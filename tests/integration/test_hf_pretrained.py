@@ -734,8 +734,18 @@ def test_infinity_export_writes_a_directory_transformers_loads(disk_dir, capsys)
     finally:
         engine.close()
     out = disk_dir / "exported"
+    out.mkdir()
+    (out / "adapter.safetensors").write_bytes(b"the user's")     # not counted as written
     assert main(["export", str(disk_dir / "ckpt"), str(out), "--max-shard-size", SHARD]) == 0
-    assert "weight file(s)" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    written = len(set(index["weight_map"].values()))
+    assert f": {written} weight file(s), " in capsys.readouterr().out
+    # into the checkpoint (a tag's directory or the save directory): refused, nothing written
+    tag = next(p for p in (disk_dir / "ckpt").iterdir() if p.is_dir())
+    for into in (tag, disk_dir / "ckpt"):
+        assert main(["export", str(disk_dir / "ckpt"), str(into)]) == 2
+        assert "is a checkpoint or inside one" in capsys.readouterr().err
+        assert not (into / "model.safetensors").exists()
     assert (out / "model.safetensors.index.json").is_file()
     assert (logits_of(hf_load(out), x) - trained).abs().max().item() == 0.0
     assert main(["export", str(disk_dir / "ckpt"), str(disk_dir / "half"), "--dtype", "bf16"]) == 0
