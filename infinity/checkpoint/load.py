@@ -87,6 +87,11 @@ class Match:
                     self.names[entry] = found
         used = set(self.names.values())
         self.unexpected = [n for n in manifest.get("params", {}) if n not in used]
+        # a saved name the model has as another name of a tied parameter: two tensors saved,
+        # one in the model (an untied head loaded into a tied model)
+        self.tied = {n: names[0] for p, names in other_names.items() if len(names) > 1
+                     for n in names[1:] if n in self.unexpected}
+        self.frozen_excluded = bool(manifest.get("frozen_excluded"))
 
     def check(self, strict: bool, directory: Path) -> None:
         if self.mismatched:
@@ -96,10 +101,21 @@ class Match:
         problems = []
         if self.missing:
             problems.append(f"{len(self.missing)} of the model's parameters are not in it "
-                            f"({', '.join(self.missing[:5])})")
-        if self.unexpected:
-            problems.append(f"{len(self.unexpected)} of its parameters are not in the model "
-                            f"({', '.join(self.unexpected[:5])})")
+                            f"({', '.join(self.missing[:5])})" + (
+                                ": it was saved with exclude_frozen_parameters=True, and these "
+                                "were frozen then (load them from the model's own weights)"
+                                if self.frozen_excluded else ""))
+        if self.tied:
+            problems.append(
+                f"{len(self.tied)} of its parameters are saved apart but tied to another in "
+                "this model (" + ", ".join(f"{n}, tied to {m}" for n, m in
+                                          list(self.tied.items())[:3])
+                + "): the model was saved untied; build it untied (tie_word_embeddings=False). "
+                "Loading what matches would keep the other's value and drop the saved one")
+        untied = [n for n in self.unexpected if n not in self.tied]
+        if untied:
+            problems.append(f"{len(untied)} of its parameters are not in the model "
+                            f"({', '.join(untied[:5])})")
         if problems and strict:
             raise CheckpointError(f"checkpoint {directory} does not match the model: "
                                   + "; ".join(problems)

@@ -213,6 +213,34 @@ def test_frozen_parameters_and_buffers_are_saved_and_tied_names_exported(disk_di
     _assert_same_states(directory, disk_dir / "again" / "frozen")
 
 
+def test_a_refused_load_says_why_a_name_is_missing_or_extra(disk_dir) -> None:
+    """An untied head saved, loaded into a tied model: "lm_head.weight is not in the model"
+    (it is, as the embedding's other name). A parameter frozen at a save that left frozen ones
+    out, trainable now: "not in it" without the reason. Both now say why."""
+    ds = _config(disk_dir, 2, "cpu", "cpu")
+    model = make_model("llama", layers=1)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        train_steps(engine, _batches(1))
+        engine.save_checkpoint(disk_dir / "ckpt", tag="t", exclude_frozen_parameters=True)
+    finally:
+        engine.close()
+    tied = make_model("llama", layers=1)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    engine, *_ = infinity.initialize(model=tied, config=ds)
+    try:
+        with pytest.raises(CheckpointError) as refused:
+            engine.load_checkpoint(disk_dir / "ckpt", tag="t")
+        said = str(refused.value)
+        assert "lm_head.weight, tied to model.embed_tokens.weight" in said, said
+        assert "build it untied (tie_word_embeddings=False)" in said, said
+        assert "saved with exclude_frozen_parameters=True, and these were frozen then" in said
+        assert "not in the model" not in said, said
+    finally:
+        engine.close()
+
+
 def test_load_module_only_keeps_the_optimizer_and_counters(disk_dir) -> None:
     ds = _config(disk_dir, 3, "cpu", "cpu")
     a, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
