@@ -102,8 +102,8 @@ class Match:
         if self.missing:
             problems.append(f"{len(self.missing)} of the model's parameters are not in it "
                             f"({', '.join(self.missing[:5])})" + (
-                                ": it was saved with exclude_frozen_parameters=True, and these "
-                                "were frozen then (load them from the model's own weights)"
+                                ": it was saved with exclude_frozen_parameters=True, which "
+                                "leaves out the parameters frozen at the save"
                                 if self.frozen_excluded else ""))
         if self.tied:
             problems.append(

@@ -235,7 +235,8 @@ def test_a_refused_load_says_why_a_name_is_missing_or_extra(disk_dir) -> None:
         said = str(refused.value)
         assert "lm_head.weight, tied to model.embed_tokens.weight" in said, said
         assert "build it untied (tie_word_embeddings=False)" in said, said
-        assert "saved with exclude_frozen_parameters=True, and these were frozen then" in said
+        assert "saved with exclude_frozen_parameters=True, which leaves out the parameters " \
+            "frozen at the save" in said, said
         assert "not in the model" not in said, said
     finally:
         engine.close()

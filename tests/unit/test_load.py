@@ -337,8 +337,9 @@ def test_a_trainable_parameter_missing_from_a_frozen_less_save_is_still_missing(
     _saved(rigs(1.0, drop=("c",)), tmp_path, exclude_frozen_parameters=True)
     message = _refused(rigs(5.0), tmp_path)
     assert message == (f"checkpoint {tmp_path / 'step7'} does not match the model: 1 of the "
-                       "model's parameters are not in it (c). Pass load_module_strict=False to "
-                       "load what matches")
+                       "model's parameters are not in it (c): it was saved with "
+                       "exclude_frozen_parameters=True, which leaves out the parameters frozen "
+                       "at the save. Pass load_module_strict=False to load what matches")
 
 
 def test_missing_frozen_parameters_are_missing_in_a_whole_save(tmp_path: Path, rigs) -> None:
