@@ -125,8 +125,11 @@ class DeepSpeedEngineAccessors:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accepted for scripts written for data parallelism: with one rank there is nothing to
-        synchronise (accumulate with gradient_accumulation_steps)."""
+        """Accepted for scripts written for DDP, and a no-op at any world size: every backward
+        reduces its gradients over the ranks as they come (ZeRO shards them; DeepSpeed refuses
+        no_sync at stages 2-3). A DDP loop accumulating under it still trains as torch would
+        where backwards may add up before step() (the deferred schedule); accumulate with
+        gradient_accumulation_steps instead, which skips nothing."""
         yield
 
     def get_data_parallel_world_size(self) -> int:

@@ -88,6 +88,16 @@ class DetachedReads:
         if tensor.storage_offset() * tensor.element_size() >= trainable_bytes:
             return   # starts in the frozen range (strides are never negative): not read here
         self._statuses[unit.index].read_detached = True
+        at = tensor.storage_offset()
+        entry = next((e for e in unit.params if e.offset <= at < e.offset + e.numel), None)
+        if entry is not None and not entry.param.requires_grad:
+            # frozen since initialize (requires_grad_(False) mid-training): its gradient never
+            # comes either, so the same hold applies, but nothing was detached
+            if unit.index not in self._named:
+                self._named.add(unit.index)
+                log.info("unit %s: %s was frozen after initialize: the unit is finished (stepped "
+                         "and released) only at the backward's end", unit.name, entry.name)
+            return
         if unit.index not in self._named:
             self._named.add(unit.index)
             log.warning("unit %s: a tensor saved for backward reads its trainable parameters "

@@ -57,10 +57,14 @@ def test_a_detached_read_of_a_weight_trains_as_torch(name, tmp_path):
 
 
 def _unit(index: int, trainable: int, frozen: int):
-    """What DetachedReads reads of a unit: a flat buffer, its trainable range first."""
+    """What DetachedReads reads of a unit: a flat buffer, its trainable range first (one
+    parameter each)."""
     flat = torch.zeros(trainable + frozen)
+    params = [SimpleNamespace(name=f"w{i}", offset=start, numel=n,
+                              param=torch.nn.Parameter(torch.zeros(n), requires_grad=i == 0))
+              for i, (start, n) in enumerate(((0, trainable), (trainable, frozen))) if n]
     return SimpleNamespace(index=index, name=f"u{index}", flat=flat, has_trainable=trainable > 0,
-                           trainable_numel=trainable)
+                           trainable_numel=trainable, params=params)
 
 
 def test_only_a_gradless_read_of_the_trainable_range_holds_its_unit():
@@ -78,6 +82,22 @@ def test_only_a_gradless_read_of_the_trainable_range_holds_its_unit():
     assert [s.read_detached for s in statuses] == [True, False]
     statuses[0].start_backward(1)     # stays set: a forward whose backward is to come set it
     assert statuses[0].read_detached
+
+
+def test_a_parameter_frozen_after_initialize_holds_its_unit_without_a_detach_warning(
+        infinity_log):
+    """``requires_grad_(False)`` on a weight the unit trained at initialize: its saved values
+    read the trainable range without a gradient, so the unit is held to the backward's end
+    (its gradient never comes), but the warning said "a .detach()ed use" nobody made."""
+    units = [_unit(0, 8, 0)]
+    units[0].params[0].param.requires_grad_(False)
+    statuses = [UnitStatus()]
+    reads = DetachedReads(units, statuses)
+    reads.begin()
+    reads.note(units[0].flat[:8])
+    assert statuses[0].read_detached
+    said = [r.getMessage() for r in infinity_log.records]
+    assert not [m for m in said if ".detach()ed use" in m], said
 
 
 def test_a_saved_tensor_modified_in_place_still_raises():
