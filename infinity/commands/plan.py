@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +175,13 @@ def _hf_config(arg: str, transformers: Any) -> Any:
     path = Path(arg).expanduser()
     if path.exists() or arg.endswith(".json") or not _HUB_ID.match(arg):
         return read_hf_config(path)[0]
+    try:
+        return transformers.AutoConfig.from_pretrained(arg, local_files_only=True)  # the cache
+    except (OSError, ValueError):
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("0", "", "false", "no"):
+        print(f"infinity plan: looking {arg} up on the Hugging Face hub (offline, transformers "
+              "retries for a while; HF_HUB_OFFLINE=1 fails at once)", file=sys.stderr)
     try:
         return transformers.AutoConfig.from_pretrained(arg)
     except (OSError, ValueError) as exc:
