@@ -25,8 +25,8 @@ from infinity.engine.guards import (
     BACKWARD_AFTER_BOUNDARY_STEPS, SECOND_EARLY_BACKWARD, SPECULATIVE_SWAP_ROOM,
     ZERO_GRAD_AFTER_BOUNDARY_STEPS, ZERO_GRAD_UNDER_EARLY_STEP,
     check_cycle_discardable, check_edit_before_step, check_open, check_pass_start,
-    check_same_on_every_rank,
-    schedule_label, warn_if_hyperparameters_moved,
+    check_same_on_every_rank, schedule_label, step_settings, warn_if_hyperparameters_moved,
+    warn_training_in_eval_mode,
 )
 from infinity.engine.model_methods import (
     model_device, place_buffers, route_module_methods, unroute_module_methods,
@@ -274,6 +274,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         ``EnginePassOwner.begin_untracked_backward``): the optimizer starts a backward of this
         micro-step with the loss scale its gradients carry. Returns when it started."""
         self._void_speculation()
+        warn_training_in_eval_mode(self)
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary(), self.loss_scale)
         self._hyper_at_backward = self.optimizer.hyperparameters() \
             if self.optimizer.early_step or self.optimizer.boundary.now else None
@@ -388,7 +389,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         lrs = self.get_lr()            # the rates this step uses, reported after it
         with self.comm.every_rank("step()"):    # a rank gone on without it: named at once
             self.comm.check_same_sequence(f"optimizer step {self.global_steps + 1}",
-                                          settings=f"lr {lrs}, betas {self.get_mom()}")
+                                          settings=step_settings(lrs, self.get_mom()))
         # units a deferred step still waits for (the forward did not use them) run first
         self.coordinator.step_waiting_units(self.optimizer.waiting_units())
         self.optimizer.owner_step()     # torch's step hooks and schedulers see it

@@ -57,6 +57,33 @@ def check_same_on_every_rank(comm: Collectives, config: InfinityConfig,
                            "one config on every rank)")
 
 
+def warn_training_in_eval_mode(engine: Any) -> None:
+    """Say once that a backward follows a forward run in eval mode with gradients on (a
+    ``from_pretrained`` model left in eval mode, or eval chosen to turn dropout off): the
+    engine takes such a forward for an evaluation, so its activations are not offloaded, a
+    weight read through ``.detach()`` is not watched (the early step may change it before a
+    backward node reads it) and parameters unfrozen since initialize are not refused. Torch
+    trains the same in either mode; call ``engine.train()`` for training forwards (dropout off:
+    set its probability to 0)."""
+    if engine.__dict__.get("_eval_with_grad") and not engine.__dict__.get("_warned_eval"):
+        engine.__dict__["_warned_eval"] = True
+        log.warning("a backward of a forward run in eval mode (model.eval(), or a model from "
+                    "from_pretrained left in it): the engine takes eval-mode forwards for "
+                    "evaluation, so their activations are not offloaded, weights read through "
+                    ".detach() are not watched and parameters unfrozen since initialize are "
+                    "not checked. Call engine.train() before training forwards (for no "
+                    "dropout, set its probability to 0)")
+
+
+def step_settings(lrs: list[float], betas: list[tuple]) -> str:
+    """The step's lr and betas as the ranks compare them (``check_same_sequence``): to 9
+    significant digits, so that a last-bit difference between ranks computing one schedule
+    (another libm, another vector path) is not a refusal, while an lr set on one rank is."""
+    def digits(values) -> str:
+        return ",".join(f"{float(v):.9g}" for v in values)
+    return f"lr {digits(lrs)}, betas {';'.join(digits(b) for b in betas)}"
+
+
 def _first_difference(a: dict, b: dict) -> str:
     if a["config"] != b["config"]:
         left, right = json.loads(a["config"]), json.loads(b["config"])
@@ -184,12 +211,15 @@ def schedule_label(optimizer: Any) -> str:
 
 
 def check_pass_start(engine: Any) -> None:
-    """Before a forward: the engine is open (``check_open``), and, for a training forward, no
+    """Before a forward: the engine is open (``check_open``), and, for a forward under grad, no
     parameter frozen when it was built requires a gradient now. Which parameters train is
     fixed at ``initialize`` (their optimizer states, their place in the units' trainable
     ranges): one unfrozen later was silently never updated (torch would train it)."""
     check_open(engine, "forward")
-    if not (engine.module.training and torch.is_grad_enabled()):
+    # a forward in eval mode with gradients on may be trained too: checked alike, and its
+    # backward says what eval mode leaves out (warn_training_in_eval_mode)
+    engine.__dict__["_eval_with_grad"] = torch.is_grad_enabled() and not engine.module.training
+    if not torch.is_grad_enabled():
         return
     unfrozen = [e.name for unit in engine.units for e in unit.params
                 if e.frozen_at_build and e.param.requires_grad]

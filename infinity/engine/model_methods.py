@@ -139,7 +139,7 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
     if tuner is not None and engine.stage == 3:
         for name in MERGES:
             if callable(getattr(type(tuner), name, None)):
-                setattr(tuner, name, _refused_merge(name))
+                setattr(tuner, name, _refused_merge(name, tuner))
     # a part's own state_dict() (``model.lm_head.state_dict()``): current values too, where it
     # gave released parameters as empty tensors (and a unit still fetched its values before a
     # pending step), saved as such without a word
@@ -165,18 +165,23 @@ MERGES = ("merge_and_unload", "merge_adapter")
 """PEFT's merges into the base weights, refused at stage 3 (``_refused_merge``)."""
 
 
-def _refused_merge(name: str):
+def _refused_merge(name: str, tuner: nn.Module):
     """PEFT's ``name`` on a stage-3 model: it adds B @ A into ``weight.data``, released (0
     elements) outside its unit's forward, so the merge changed nothing and a merged model
-    saved after it was the base without the adapter, without a word."""
+    saved after it was the base without the adapter, without a word. Under
+    ``GatheredParameters`` of every parameter (the ZeRO-3 export habit) the weights are whole
+    and PEFT's own merge is right: it runs."""
     def refuse(*args: Any, **kwargs: Any) -> Any:
+        if all(p.numel() > 0 for p in tuner.parameters()):
+            return getattr(type(tuner), name)(tuner, *args, **kwargs)
         raise RuntimeError(
             f"{name}() on a PEFT model an infinity engine holds at ZeRO stage 3: the base "
             "weights are released outside their unit's forward (0 elements), so the merge "
             "would change nothing and the adapter would be lost. Save the merged model "
-            "streamed with engine.save_pretrained(dir, merged=True), or save the adapter "
-            "(model.save_pretrained(dir)) and merge it without the engine: "
-            "PeftModel.from_pretrained(base, dir).merge_and_unload()")
+            "streamed with engine.save_pretrained(dir, merged=True), merge under "
+            "infinity.zero.GatheredParameters(list(model.parameters())) (the whole model in "
+            "memory), or save the adapter (model.save_pretrained(dir)) and merge it without "
+            "the engine: PeftModel.from_pretrained(base, dir).merge_and_unload()")
     refuse.__name__ = name
     return refuse
 

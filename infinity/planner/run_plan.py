@@ -35,7 +35,8 @@ from infinity.planner.inputs import Hardware, ModelStats
 from infinity.planner.optimizer_room import NO_ROOM_NEEDED, OptimizerRoom, make_room
 from infinity.planner.placement import Placement, compute_dtype_choice, place, state_bytes
 from infinity.planner.sizes import DEVICE_GRAD_BUFFERS, DerivedSizes, counted_units, derive_sizes
-from infinity.planner.state_format import Int8SubGroupError, int8_sub_group_refusal
+from infinity.planner.state_format import (MIN_INT8_NUMEL, Int8SubGroupError,
+                                            int8_sub_group_refusal)
 from infinity.planner.tiers import Tier
 
 __all__ = ["PoolPlan", "OptimizerPools", "UnitParams", "RunPlan", "plan_run", "optimizer_pools",
@@ -453,8 +454,12 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
         reduces_on_device=not cpu and ranks_active,
         device_grad_buffers=derived.device_grad_buffers,
         device_grad_dtype=derived.device_grad_dtype)
+    # as the engine refuses it: only where some unit is stepped in int8 (a unit under
+    # MIN_INT8_NUMEL trainable elements keeps fp32 moments whatever was asked)
+    int8_units = placement.state_format.moments == "int8" and any(
+        t >= MIN_INT8_NUMEL for t, _ in spans)
     refusal = int8_sub_group_refusal(pools.sub_group_numel, largest_range)
-    if placement.state_format.moments == "int8" and refusal is not None:
+    if int8_units and refusal is not None:
         raise Int8SubGroupError(refusal)     # as the engine would at its first unit, before any work
     return RunPlan(config=cfg, placement=placement, derived=derived, sizes=sizes,
                    compute_dtype_reason=reason, device_is_cpu=cpu, direct_fetch=direct,

@@ -66,21 +66,29 @@ def remember_released(units: Iterable[Any]) -> None:
 
 
 def guard_released(model: nn.Module) -> None:
-    """After an engine over ``model`` closed with parameters released: its forward and its
-    state_dict() say the values are gone (a forward failed with "'weight' must be 2-D", a
-    state dict gave empty tensors that saved without a word). The hooks stay on the model,
-    which cannot be used again; they say nothing while no parameter is released."""
-    def refuse(*_: Any) -> None:
-        empty = [name for name, p in model.named_parameters() if _released(p)]
-        if empty:
-            raise RuntimeError(
-                f"this model's parameters were released by an engine that closed ({len(empty)} "
-                f"of them, e.g. {empty[0]!r}, hold 0 elements): their values lived in its "
-                "tiers, which are gone. Read what you need before engine.close() "
-                "(model.state_dict(), save_pretrained), or build the model again")
-    if any(_released(p) for p in model.parameters()):
-        model.register_forward_pre_hook(refuse)
-        model.register_state_dict_pre_hook(refuse)
+    """After an engine over ``model`` closed (or its initialize failed part-way) with
+    parameters released: the forward and ``state_dict()`` of the model and of each part
+    holding one say the values are gone (a forward failed with "'weight' must be 2-D", a state
+    dict gave empty tensors that saved without a word, ``model.transformer.state_dict()``
+    too). The hooks stay on the modules, which cannot be used again; they say nothing while
+    none of their parameters is released."""
+    def refusal(module: nn.Module):
+        def refuse(*_: Any) -> None:
+            empty = [name for name, p in module.named_parameters() if _released(p)]
+            if empty:
+                raise RuntimeError(
+                    f"this model's parameters were released by an engine that closed, or whose "
+                    f"initialize failed part-way ({len(empty)} of them, e.g. {empty[0]!r}, "
+                    "hold 0 elements): their values lived in its tiers, which are gone. Read "
+                    "what you need before engine.close() (model.state_dict(), "
+                    "save_pretrained), or build the model again")
+        return refuse
+    for module in model.modules():
+        if module is model or any(p is not None and _released(p)
+                                  for p in module._parameters.values()):
+            if any(_released(p) for p in module.parameters()):
+                module.register_forward_pre_hook(refusal(module))
+                module.register_state_dict_pre_hook(refusal(module))
 
 
 def _remember(params: Iterable[nn.Parameter]) -> None:

@@ -313,7 +313,8 @@ def test_a_closed_engine_says_so(disk_dir) -> None:
     # the model's own calls on its released parameters say their values are gone (a forward
     # failed with "'weight' must be 2-D", a state dict and a gather gave empty tensors)
     model = engine.module
-    for call in (lambda: model(input_ids=x, labels=x), model.state_dict):
+    for call in (lambda: model(input_ids=x, labels=x), model.state_dict,
+                 model.lm_head.state_dict):       # a part's too (it saved empty tensors)
         with pytest.raises(RuntimeError, match="released by an engine that closed"):
             call()
     with pytest.raises(ValueError, match="GatheredParameters on parameters an engine released"):
@@ -330,7 +331,6 @@ def test_an_engine_dropped_without_close_is_collected(disk_dir, schedule) -> Non
     finalizers remove the directory; its thread ends. The bound is generous: a pass of the
     step thread in progress holds the stream until it ends, on a loaded machine a while."""
     import gc
-    import threading
     import time
     import weakref
 
@@ -345,6 +345,7 @@ def test_an_engine_dropped_without_close_is_collected(disk_dir, schedule) -> Non
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
         engine.step()
     dropped = weakref.ref(engine)
+    thread = engine.optimizer._stream._thread       # this engine's, not an earlier test's
     del engine
     deadline = time.monotonic() + 60
     while dropped() is not None and time.monotonic() < deadline:
@@ -352,10 +353,8 @@ def test_an_engine_dropped_without_close_is_collected(disk_dir, schedule) -> Non
         time.sleep(0.05)
     assert dropped() is None, "the engine was not collected"
     assert [d for d in os.listdir(disk_dir) if d.startswith("infinity-swap")] == []
-    for thread in threading.enumerate():
-        if thread.name == "infinity-step-stream":
-            thread.join(timeout=60)
-            assert not thread.is_alive(), "the dropped engine's step thread still runs"
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the dropped engine's step thread still runs"
 
 
 @pytest.mark.parametrize("schedule", ["on", "off"])

@@ -657,3 +657,22 @@ def test_a_parts_state_dict_holds_its_current_values(disk_dir, tier, early_step)
     finally:
         engine.close()
     assert not any(m._state_dict_hooks for m in model.modules()), "hooks left after close()"
+
+
+def test_training_in_eval_mode_says_what_eval_mode_leaves_out(disk_dir, infinity_log) -> None:
+    """A backward of a forward run in eval mode (from_pretrained leaves a model in it; eval
+    turns dropout off): the engine takes it for an evaluation (no activation offload, no watch
+    of weights read through .detach()), which gave another training than torch's without a
+    word. Said once; a training forward's backward says nothing."""
+    engine, model, *_ = _setup(disk_dir, "cpu", "on")
+    x = _batches(1)[0]
+    try:
+        for mode in ("train", "eval", "eval"):
+            getattr(engine, mode)()
+            engine.backward(loss_of(engine(input_ids=x, labels=x)))
+            engine.step()
+            said = [r.getMessage() for r in infinity_log.records
+                    if "a backward of a forward run in eval mode" in r.getMessage()]
+            assert len(said) == (0 if mode == "train" else 1), said
+    finally:
+        engine.close()

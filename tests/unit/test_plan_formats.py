@@ -122,6 +122,10 @@ def test_a_config_sub_group_under_one_int8_chunk_is_refused_by_the_plan_as_by_th
     assert rows["int8 moments"].refused == "the sub-group is under one int8 chunk (4096 elements)"
     assert rows["fp32"].refused is None and rows["bf16 moments"].fits
     assert plan_run(at(4096, "int8"), CPU_BOX, stats=MODEL).sizes.sub_group_numel == 4096
+    # units all under MIN_INT8_NUMEL keep fp32 moments: nothing is stepped in int8, nothing
+    # refused (the engine trains it)
+    tiny = ModelStats.from_counts(30_000, 3_000, 10)
+    assert plan_run(at(1000, "int8"), CPU_BOX, stats=tiny).optimizer.sub_group_numel <= 4096
 
 
 # ---- the refusals ------------------------------------------------------------------------------
