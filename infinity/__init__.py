@@ -32,6 +32,13 @@ __all__ = ["native_info", "__version__", *_LAZY]
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
+    if module is None and name == "checkpointing":     # deepspeed.checkpointing's habit
+        raise AttributeError(
+            "module 'infinity' has no attribute 'checkpointing': activation checkpointing is "
+            "torch's (torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False), or a "
+            "Hugging Face model's gradient_checkpointing_enable()), and what DeepSpeed's "
+            "partition_activations / cpu_checkpointing save is infinity.offload_activations "
+            "(docs/memory.md); infinity.checkpoint saves and loads training checkpoints")
     if module is None:
         raise AttributeError(f"module 'infinity' has no attribute {name!r}")
     loaded = importlib.import_module(module)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import infinity
 
 
@@ -25,3 +27,13 @@ def test_import_alone_does_not_load_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.stdout.strip() == "False", result.stderr[-2000:]
+
+
+def test_deepspeed_checkpointing_is_pointed_at_what_does_it_here() -> None:
+    """``infinity.checkpointing`` (deepspeed.checkpointing's habit) was a bare AttributeError,
+    while ``infinity.checkpoint`` (the training checkpoints) sat one letter away."""
+    with pytest.raises(AttributeError, match="torch.utils.checkpoint.checkpoint.*"
+                                             "infinity.offload_activations"):
+        infinity.checkpointing
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'$"):
+        infinity.nothing_here
