@@ -137,7 +137,7 @@ class Coordinator:
             for k, entry in enumerate(unit.params):
                 if entry.trainable:
                     self._handles.append(entry.param.register_post_accumulate_grad_hook(
-                        weak_grad_hook(self, u, k)))      # held in C++: never self, nor unit
+                        weak_grad_hook(self._grad_ready, u, k)))   # held in C++: weakly
         self.reset_backward_state()
 
     def hook_module(self, module: nn.Module, unit_ids: list[int]) -> None:

@@ -63,17 +63,18 @@ def keep_at(hooks: OrderedDict[int, Any], hook_id: int, last: bool) -> None:
 
 
 
-def weak_grad_hook(owner: Any, unit_index: int, entry_index: int) -> Callable[[Any], None]:
-    """A post-accumulate-grad hook calling ``owner._grad_ready(unit, entry)`` of its units
-    ``[unit_index].params[entry_index]``, holding the owner weakly and no unit. Torch keeps
-    such hooks in C++, where the garbage collector never looks: a hook holding the coordinator
-    (or a unit, whose module's hooks lead to the engine) kept every engine dropped without
-    close() alive until exit, with its swap directory, buffers and thread."""
-    ref = weakref.ref(owner)
+def weak_grad_hook(ready: Callable[[Any, Any], None], unit_index: int,
+                   entry_index: int) -> Callable[[Any], None]:
+    """A post-accumulate-grad hook calling ``ready(unit, entry)`` (a coordinator's bound
+    method, held weakly) of its ``units[unit_index].params[entry_index]``, holding no unit. Torch
+    keeps such hooks in C++, where the garbage collector never looks: a hook holding the
+    coordinator (or a unit, whose module's hooks lead to the engine) kept every engine dropped
+    without close() alive until exit, with its swap directory, buffers and thread."""
+    weak = weakref.WeakMethod(ready)
 
     def hook(_param: Any) -> None:
-        coordinator = ref()
-        if coordinator is not None:
-            unit = coordinator.units[unit_index]
-            coordinator._grad_ready(unit, unit.params[entry_index])
+        method = weak()
+        if method is not None:
+            unit = method.__self__.units[unit_index]
+            method(unit, unit.params[entry_index])
     return hook
