@@ -55,8 +55,8 @@ from torch import nn
 
 from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
-from infinity.zero.module_calls import (in_graph_task, keep_at, param_versions, tensors_in,
-                                        weak_grad_hook)
+from infinity.zero.module_calls import (in_graph_task, keep_at, only_for, param_versions,
+                                        tensors_in, weak_grad_hook)
 from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable
 from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.device_room import DeviceRoom
@@ -144,7 +144,6 @@ class Coordinator:
         """Fetch ``unit_ids`` before ``module`` runs and release them after (its own unit, a
         tied parameter's, or one registered as external)."""
         ids = tuple(unit_ids)
-
         # The user's own hooks on the module see its parameters fetched: the fetch runs before
         # every other pre-hook (an old-style weight_norm pre-hook computes weight from g and v)
         # and the release after every other forward hook, also those registered after ours.
@@ -160,8 +159,9 @@ class Coordinator:
             calls = self._call_inputs.get(id(m))
             return self._forward_post(ids, output, calls.pop() if calls else frozenset())
 
-        first = module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-        post = module.register_forward_hook(after)
+        first = module.register_forward_pre_hook(only_for(module, pre), with_kwargs=True,
+                                                 prepend=True)      # not a deepcopy's calls
+        post = module.register_forward_hook(only_for(module, after))
         self._handles += [first, post]
 
     def keep_outermost(self, module: nn.Module, pre_hook_id: int) -> None:

@@ -78,3 +78,15 @@ def weak_grad_hook(ready: Callable[[Any, Any], None], unit_index: int,
             unit = method.__self__.units[unit_index]
             method(unit, unit.params[entry_index])
     return hook
+
+
+def only_for(module: Any, hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run for ``module`` alone, held weakly: ``copy.deepcopy(model)`` copies each
+    module's hook dicts, and a copy's calls (an EMA or a teacher copied under
+    GatheredParameters) fetched and released the engine's units, reading the swap twice, and
+    failed once the engine closed ("the swap space was closed with the engine")."""
+    owner = weakref.ref(module)
+
+    def guarded(m: Any, *args: Any) -> Any:
+        return hook(m, *args) if m is owner() else None
+    return guarded

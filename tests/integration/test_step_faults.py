@@ -614,3 +614,21 @@ def test_a_swap_file_cut_from_outside_says_so(disk_dir) -> None:
         assert "allow_short" not in str(info.value)
     finally:
         engine.close()
+
+
+def test_a_gathered_copy_of_the_model_is_its_own_after_close(disk_dir) -> None:
+    """An EMA or teacher copied under GatheredParameters: deepcopy carried the engine's fetch
+    hooks, so the copy's forward fetched and released the engine's units (the swap read twice)
+    and failed once the engine closed ("the swap space was closed with the engine"). The
+    copy's calls are now its own, as in torch."""
+    import copy
+
+    engine = nvme_engine(disk_dir, "on", layers=2)
+    x = torch.randint(0, VOCAB, (1, 8))
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        twin = copy.deepcopy(engine.module)
+    before = twin(input_ids=x).logits.detach().clone()
+    engine.backward(loss_of(engine(input_ids=x, labels=x)))
+    engine.step()
+    engine.close()
+    torch.testing.assert_close(twin(input_ids=x).logits, before, rtol=0, atol=0)
