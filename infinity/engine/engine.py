@@ -31,8 +31,7 @@ from infinity.engine.guards import (
 from infinity.engine.model_methods import (
     model_device, place_buffers, route_module_methods, unroute_module_methods,
 )
-from infinity.engine.client_optimizer import (check_scheduler_groups, rebind_scheduler,
-                                              take_over)
+from infinity.engine.client_optimizer import check_scheduler_groups, rebind_scheduler, take_over
 from infinity.engine.param_groups import optimizer_groups
 from infinity.engine.monitor import StepReport
 from infinity.engine.pass_owner import EnginePassOwner
@@ -127,7 +126,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             with released_on_failure(model):     # a retry on the emptied model is refused
                 self._build(model, specs, groups, lr_scheduler)
         except BaseException as exc:
-            self.close()    # hooks, routed methods, the step stream (a model left hooked to it)
+            with contextlib.suppress(Exception):    # the build's own error is the one raised
+                self.close()    # hooks, routed methods, the step stream (a model left hooked)
             if isinstance(exc, SwapPathError) and self.speculative and "free space" in str(exc):
                 raise SwapPathError(SPECULATIVE_SWAP_ROOM.format(exc=exc)) from exc
             raise
