@@ -132,8 +132,14 @@ class RankWatch:
         beats: dict[int, int] = {}           # each rank's last heartbeat count seen, and when
         since: dict[int, float] = {}
         every = (f"{call} must be called on every rank, at the same point (each rank holds "
-                 "a share of the model, and every rank takes part in reading or writing it)")
+                 "a share of the model, and every rank takes part in reading or writing it)"
+                 + ("; an optimizer step comes at the accumulation boundary, which every rank "
+                    "must reach at the same micro-step (set_gradient_accumulation_boundary or "
+                    "the count of micro-steps differ?)" if call == "step()" else ""))
         polls = 0
+        with contextlib.suppress(Exception):   # ranks usually arrive together: back at once
+            self._store.wait([f"{PREFIX}call/{n}/{r}" for r in pending],
+                             datetime.timedelta(milliseconds=50))
         while pending:
             for r in list(pending):
                 key = f"{PREFIX}call/{n}/{r}"

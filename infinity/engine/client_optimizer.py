@@ -12,7 +12,8 @@ The object passed is never stepped by the engine: its ``state`` stays empty. Its
 would find no gradient (the engine never leaves them on ``param.grad``) and change nothing, so
 the optimizer to call is the engine's, which ``initialize`` returns second; a torch loop still
 calling ``opt.step()`` on the object it passed trained nothing without a word, so that step()
-now raises saying which to call (``take_over``). Its ``param_groups`` become the engine's
+now raises saying which to call, and its ``zero_grad``, ``state_dict``, ``load_state_dict`` and
+``add_param_group`` are the engine's optimizer's (``take_over``). Its ``param_groups`` become the engine's
 groups (as DeepSpeed's ZeRO optimizer shares its client optimizer's): a scheduler built on it
 after ``initialize``, or an lr written into its groups, sets the rate the engine uses (they
 changed dicts the engine never read: the schedule ran on paper, the engine at the first lr).
@@ -144,6 +145,11 @@ def take_over(passed: Any, engine_optimizer: torch.optim.Optimizer) -> None:
             "infinity.initialize(...)), or engine.step(); its param_groups are the engine's, so "
             "a scheduler built on either sets the same rates")
     passed.register_step_pre_hook(refuse)
+    # its other calls are the engine's too: torch's own acted on an object the engine never
+    # reads (zero_grad() kept the engine's gradients, state_dict() gave no state, a
+    # load_state_dict() broke the shared groups, add_param_group() added a group never stepped)
+    for name in ("zero_grad", "state_dict", "load_state_dict", "add_param_group"):
+        setattr(passed, name, getattr(engine_optimizer, name))
     # torch's schedulers warn "lr_scheduler.step() before optimizer.step()" unless their
     # optimizer's step() ran: this one's never does, the engine's takes its place
     passed._opt_called = True

@@ -65,7 +65,8 @@ def warn_training_in_eval_mode(engine: Any) -> None:
     backward node reads it) and parameters unfrozen since initialize are not refused. Torch
     trains the same in either mode; call ``engine.train()`` for training forwards (dropout off:
     set its probability to 0)."""
-    if engine.__dict__.get("_eval_with_grad") and not engine.__dict__.get("_warned_eval"):
+    forwards = engine.__dict__.pop("_grad_forwards", set())     # since the last backward
+    if forwards == {"eval"} and not engine.__dict__.get("_warned_eval"):
         engine.__dict__["_warned_eval"] = True
         log.warning("a backward of a forward run in eval mode (model.eval(), or a model from "
                     "from_pretrained left in it): the engine takes eval-mode forwards for "
@@ -218,9 +219,10 @@ def check_pass_start(engine: Any) -> None:
     check_open(engine, "forward")
     # a forward in eval mode with gradients on may be trained too: checked alike, and its
     # backward says what eval mode leaves out (warn_training_in_eval_mode)
-    engine.__dict__["_eval_with_grad"] = torch.is_grad_enabled() and not engine.module.training
     if not torch.is_grad_enabled():
         return
+    engine.__dict__.setdefault("_grad_forwards", set()).add(
+        "train" if engine.module.training else "eval")
     unfrozen = [e.name for unit in engine.units for e in unit.params
                 if e.frozen_at_build and e.param.requires_grad]
     if unfrozen:

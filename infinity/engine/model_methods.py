@@ -169,18 +169,21 @@ def _refused_merge(name: str, tuner: nn.Module):
     """PEFT's ``name`` on a stage-3 model: it adds B @ A into ``weight.data``, released (0
     elements) outside its unit's forward, so the merge changed nothing and a merged model
     saved after it was the base without the adapter, without a word. Under
-    ``GatheredParameters`` of every parameter (the ZeRO-3 export habit) the weights are whole
-    and PEFT's own merge is right: it runs."""
+    ``GatheredParameters`` of every parameter with a ``modifier_rank`` the weights are whole and
+    the merge is written back at its exit: PEFT's own merge runs (without one the merge was
+    dropped at the exit, the same loss)."""
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        if all(p.numel() > 0 for p in tuner.parameters()):
+        from infinity.zero.init import being_modified
+
+        if being_modified(tuner.parameters()):      # whole, and written back at the exit
             return getattr(type(tuner), name)(tuner, *args, **kwargs)
         raise RuntimeError(
             f"{name}() on a PEFT model an infinity engine holds at ZeRO stage 3: the base "
             "weights are released outside their unit's forward (0 elements), so the merge "
             "would change nothing and the adapter would be lost. Save the merged model "
             "streamed with engine.save_pretrained(dir, merged=True), merge under "
-            "infinity.zero.GatheredParameters(list(model.parameters())) (the whole model in "
-            "memory), or save the adapter (model.save_pretrained(dir)) and merge it without "
+            "infinity.zero.GatheredParameters(list(model.parameters()), modifier_rank=0) (the "
+            "whole model in memory, the merge written back), or save the adapter (model.save_pretrained(dir)) and merge it without "
             "the engine: PeftModel.from_pretrained(base, dir).merge_and_unload()")
     refuse.__name__ = name
     return refuse

@@ -9,9 +9,10 @@ that swapping the Trainer's import changes nothing else: the batch sizes, accumu
 ``gradient_clipping`` are also filled when absent (the plain Trainer clips at ``max_grad_norm``
 1.0 by default; HF+DeepSpeed silently did not), and sizes (bucket sizes, persistence threshold)
 are left to infinity's budgets rather than derived from ``hidden_size``. And
-``infinity.compute_dtype`` left "auto" (or absent) takes the Trainer's precision, bf16 with
-``bf16=True`` and fp32 without (fp16 stays "auto": its loss scaling decides): "auto" alone
-picks bf16 on a CPU with native bf16 whatever ``bf16.enabled`` says.
+``infinity.compute_dtype`` left "auto" (or absent) takes the Trainer's training precision:
+bf16 with ``bf16=True`` (or ``bf16.enabled``), fp32 without, "auto" where the config's fp16 is
+enabled (its rule): "auto" alone picks bf16 on a CPU with native bf16 whatever
+``bf16.enabled`` says.
 """
 from __future__ import annotations
 
@@ -67,12 +68,16 @@ def fill_from_training_args(ds: Mapping[str, Any], args: Any, *, world_size: int
     filler.match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
     filler.match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
     section = out.setdefault("infinity", {})
-    if isinstance(section, dict) and section.get("compute_dtype", AUTO) == AUTO \
-            and not (args.fp16 or args.fp16_full_eval):
-        # the Trainer's precision, as transformers' own computes: "auto" alone picks bf16 on a
-        # CPU that multiplies it natively whatever bf16.enabled says, and TrainingArguments'
-        # bf16=False (its default) then trained in bf16 beside a plain Trainer in fp32
-        section["compute_dtype"] = "bf16" if (args.bf16 or args.bf16_full_eval) else "fp32"
+    if isinstance(section, dict) and section.get("compute_dtype", AUTO) == AUTO:
+        # the Trainer's training precision, as transformers' own computes (the *_full_eval
+        # flags are evaluation's): "auto" alone picks bf16 on a CPU that multiplies it natively
+        # whatever bf16.enabled says, and TrainingArguments' bf16=False (its default) then
+        # trained in bf16 beside a plain Trainer in fp32
+        def enabled(key: str) -> bool:
+            part = out.get(key)
+            return isinstance(part, dict) and part.get("enabled") is True
+        if not enabled("fp16"):        # fp16's loss scaling keeps "auto" (the engine's rule)
+            section["compute_dtype"] = "bf16" if args.bf16 or enabled("bf16") else "fp32"
     if filler.mismatches:
         raise ValueError(
             "the ds_config and the TrainingArguments disagree (write \"auto\" in the config to "

@@ -17,6 +17,7 @@ signature; call it before or after ``infinity.initialize``.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import weakref
@@ -37,6 +38,16 @@ _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
 # parameters left empty by a closed engine (their values lived in its swap space), by id (a
 # WeakSet would compare tensors with ==)
 _released_params: dict[int, "weakref.ref[nn.Parameter]"] = {}
+# parameters inside a GatheredParameters with a modifier_rank now (their changes are written
+# back at its exit), by id, counted for nesting
+_modifying: "collections.Counter[int]" = collections.Counter()
+
+
+def being_modified(params: Iterable[nn.Parameter]) -> bool:
+    """Whether every one of ``params`` is inside a ``GatheredParameters(...,
+    modifier_rank=...)`` now: a change made to them is kept (without a modifier_rank it is
+    dropped at the exit, as DeepSpeed's)."""
+    return all(_modifying[id(p)] for p in params)
 
 
 def register_engine(engine: Any) -> None:
@@ -332,6 +343,8 @@ class GatheredParameters(contextlib.ContextDecorator):
                 for engine, unit in self._units:
                     engine.pin_unit(unit, modifying=self.modifier_rank is not None)
                     pinned.append((engine, unit))
+            if self.modifier_rank is not None:
+                _modifying.update(id(p) for p in self.params)
         except BaseException as exc:
             for engine, unit in pinned:
                 engine.unpin_unit(unit, modified=False)
@@ -350,12 +363,21 @@ class GatheredParameters(contextlib.ContextDecorator):
 
     def __exit__(self, *exc: Any) -> None:
         units, self._units = self._units, []
+        if self.enabled and self.modifier_rank is not None:
+            _modifying.subtract(id(p) for p in self.params)
+            for key in [k for k, n in _modifying.items() if n <= 0]:
+                del _modifying[key]
         errors = []
-        for engine, unit in units:      # every unit is unpinned; the first error is raised
-            try:
-                engine.unpin_unit(unit, modified=self.modifier_rank is not None and exc[0] is None,
-                                  source_rank=self.modifier_rank)
-            except Exception as error:  # noqa: BLE001 - re-raised below
-                errors.append(error)
+        with contextlib.ExitStack() as agreed:
+            if self.modifier_rank is not None:   # its write-back is a broadcast: every rank's
+                for engine in dict.fromkeys(engine for engine, _ in units):
+                    agreed.enter_context(engine.comm.every_rank(
+                        "GatheredParameters(modifier_rank=...)"))
+            for engine, unit in units:      # every unit is unpinned; the first error is raised
+                try:
+                    engine.unpin_unit(unit, source_rank=self.modifier_rank,
+                                      modified=self.modifier_rank is not None and exc[0] is None)
+                except Exception as error:  # noqa: BLE001 - re-raised below
+                    errors.append(error)
         if errors:
             raise errors[0]

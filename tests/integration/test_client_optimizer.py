@@ -147,6 +147,12 @@ def test_a_scheduler_built_on_the_passed_optimizer_after_initialize_drives_the_e
         _final_weights_equal(engine, reference)
         passed.param_groups[0]["lr"] = 1e-4            # the torch habit, on the object passed
         assert engine.get_lr() == [1e-4]
+        # its other calls are the engine's optimizer's: torch's own acted on an object the
+        # engine never reads (state_dict() gave no state; zero_grad() kept the gradients)
+        for call in ("zero_grad", "state_dict", "load_state_dict", "add_param_group"):
+            assert getattr(passed, call) == getattr(engine.optimizer, call), call
+        with pytest.raises(RuntimeError):
+            passed.state_dict()
     finally:
         engine.close()
 

@@ -26,12 +26,14 @@ order at lr 1e-2: an update 1.0001x too large moves the grad norms by 1e-4 (10x 
 by 1e-3 (losses 9e-5), a wrong weight decay by 1.5e-2, one adapter tensor not stepped by 0.6."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
 import pytest
 import torch
 
+import infinity
 from hf_common import close_rel, hf_args, hf_data, hf_ds, logged
 from parity import make_model
 
@@ -171,3 +173,33 @@ def test_an_adapter_save_reads_the_adapters_parameters_only() -> None:
     names = adapter_parameter_names(model)
     lora = {n for n, _ in model.named_parameters() if "lora_" in n}
     assert names == lora and any(".other." in n for n in names)
+
+
+def test_a_merge_at_stage_3_runs_only_where_it_is_written_back(disk_dir) -> None:
+    """PEFT's merge_and_unload() adds B @ A into the base weights: released at stage 3 (the
+    merge changed nothing) or gathered without a modifier_rank (dropped at the exit), the
+    adapter was lost without a word; refused there. Under GatheredParameters(...,
+    modifier_rank=0) it runs and stays: the merged model's outputs are the adapter model's."""
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(make_model("llama", layers=1, width=32), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ds = hf_ds(disk_dir)
+    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+              gradient_clipping=0.0, optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = hf_data(1)[0]["input_ids"][None]
+    try:
+        with torch.no_grad():
+            want = engine(input_ids=x).logits.clone()
+        for gathered in (None, infinity.zero.GatheredParameters(list(model.parameters()))):
+            with contextlib.nullcontext() if gathered is None else gathered:
+                with pytest.raises(RuntimeError, match="merge_and_unload\\(\\) on a PEFT model"):
+                    model.merge_and_unload()
+        with infinity.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            merged = model.merge_and_unload()
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()

@@ -22,6 +22,8 @@ def _args(**precision) -> SimpleNamespace:
     ({"infinity": {"compute_dtype": "bf16"}}, {"bf16": True}, "bf16"),
     ({"infinity": {"compute_dtype": "fp32"}}, {"bf16": True}, "fp32"),   # written: kept
     ({"fp16": {"enabled": "auto"}}, {"fp16": True}, None),              # "auto": fp16's own
+    ({}, {"fp16": True}, "fp32"),          # no fp16 section: DeepSpeed trains fp32 (not bf16)
+    ({}, {"bf16_full_eval": True}, "fp32"),                  # evaluation's flag, not training's
 ])
 def test_an_auto_compute_dtype_takes_the_trainers_precision(given, precision, want) -> None:
     """``TrainingArguments(bf16=False)`` beside "auto" trained in bf16 on a CPU with native bf16
