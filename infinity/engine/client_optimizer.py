@@ -13,10 +13,11 @@ would find no gradient (the engine never leaves them on ``param.grad``) and chan
 the optimizer to call is the engine's, which ``initialize`` returns second; a torch loop still
 calling ``opt.step()`` on the object it passed trained nothing without a word, so that step()
 now raises saying which to call, and its ``zero_grad``, ``state_dict``, ``load_state_dict`` and
-``add_param_group`` are the engine's optimizer's (``take_over``). Its ``param_groups`` become the engine's
-groups (as DeepSpeed's ZeRO optimizer shares its client optimizer's): a scheduler built on it
-after ``initialize``, or an lr written into its groups, sets the rate the engine uses (they
-changed dicts the engine never read: the schedule ran on paper, the engine at the first lr).
+``add_param_group`` are the engine's optimizer's (``take_over``). Its ``param_groups`` become
+the engine's groups (as DeepSpeed's ZeRO optimizer shares its client optimizer's): a scheduler
+built on it after ``initialize``, or an lr written into its groups, sets the rate the engine
+uses (they changed dicts the engine never read: the schedule ran on paper, the engine at the
+first lr).
 A scheduler built on it before (DeepSpeed's ``initialize(optimizer=opt,
 lr_scheduler=LambdaLR(opt, ...))``) is moved onto the engine's (``rebind_scheduler``).
 """

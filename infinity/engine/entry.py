@@ -111,7 +111,8 @@ def check_training_data(dataset: Any, world_size: int | None = None,
     if dataset is None:
         return
     if not isinstance(dataset, torch.utils.data.Dataset):
-        raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(dataset).__name__}")
+        raise TypeError("training_data must be a torch.utils.data.Dataset, got "
+                        f"{type(dataset).__name__}")
     if world_size is None:
         world_size = (dist.get_world_size(process_group) if dist.is_available()
                       and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))

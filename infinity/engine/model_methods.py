@@ -183,8 +183,9 @@ def _refused_merge(name: str, tuner: nn.Module):
             "would change nothing and the adapter would be lost. Save the merged model "
             "streamed with engine.save_pretrained(dir, merged=True), merge under "
             "infinity.zero.GatheredParameters(list(model.parameters()), modifier_rank=0) (the "
-            "whole model in memory, the merge written back), or save the adapter (model.save_pretrained(dir)) and merge it without "
-            "the engine: PeftModel.from_pretrained(base, dir).merge_and_unload()")
+            "whole model in memory, the merge written back), or save the adapter "
+            "(model.save_pretrained(dir)) and merge it without the engine: "
+            "PeftModel.from_pretrained(base, dir).merge_and_unload()")
     refuse.__name__ = name
     return refuse
 

@@ -279,8 +279,9 @@ class Trainer(transformers.Trainer):
         else:
             kwargs["optimizer"] = super().create_optimizer(model)
             if not isinstance(kwargs["optimizer"], torch.optim.Adam):    # AdamW is one too
+                optim = getattr(self.args.optim, "value", self.args.optim)
                 raise ValueError(
-                    f"TrainingArguments(optim={getattr(self.args.optim, 'value', self.args.optim)!r}) builds a "
+                    f"TrainingArguments(optim={optim!r}) builds a "
                     f"{type(kwargs['optimizer']).__name__}: the engine steps Adam/AdamW only "
                     "(its CPU Adam over the offloaded states). Use optim=\"adamw_torch\" "
                     "(the default) or \"adamw_torch_fused\", or give the ds_config an "

@@ -460,7 +460,7 @@ def plan_run(cfg: InfinityConfig, hw: Hardware, *, stats: ModelStats | None = No
         t >= MIN_INT8_NUMEL for t, _ in spans)
     refusal = int8_sub_group_refusal(pools.sub_group_numel, largest_range)
     if int8_units and refusal is not None:
-        raise Int8SubGroupError(refusal)     # as the engine would at its first unit, before any work
+        raise Int8SubGroupError(refusal)     # as the engine would at its first unit
     return RunPlan(config=cfg, placement=placement, derived=derived, sizes=sizes,
                    compute_dtype_reason=reason, device_is_cpu=cpu, direct_fetch=direct,
                    speculative=speculative, speculative_reason=spec_reason,
