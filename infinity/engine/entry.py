@@ -6,7 +6,6 @@ the arguments DeepSpeed scripts pass them (``args`` carrying ``--deepspeed_confi
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from infinity.comm.group import launched_world_size
 from infinity.config import InfinityConfig
 from infinity.engine import Engine
 
@@ -114,8 +114,8 @@ def check_training_data(dataset: Any, world_size: int | None = None,
         raise TypeError("training_data must be a torch.utils.data.Dataset, got "
                         f"{type(dataset).__name__}")
     if world_size is None:
-        world_size = (dist.get_world_size(process_group) if dist.is_available()
-                      and dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
+        world_size = (dist.get_world_size(process_group) if process_group is not None
+                      else launched_world_size())
     if world_size > 1 and isinstance(dataset, torch.utils.data.IterableDataset):
         # torch's DistributedSampler (DeepSpeed's) cannot split a stream: every rank would
         # train on the same samples, the global batch N copies of one, without a word

@@ -133,8 +133,9 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         routed["save_pretrained"] = _routed_save_pretrained(model, engine)
     elif is_peft_model(model):
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
-    for name, function in routed.items():
-        setattr(model, name, _bound(model, engine, name, function))
+    for name, function in routed.items():     # the engine's save agrees itself
+        label = None if name in ("zero_grad", "save_pretrained") else f"{name}()"
+        setattr(model, name, _bound(model, engine, name, function, label))
     tuner = getattr(model, "base_model", None) if is_peft_model(model) else None
     if tuner is not None and engine.stage == 3:
         for name in MERGES:
@@ -155,7 +156,9 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
     # loaded head was gone after one step, "All keys matched" said)
     for name, module in model.named_modules(remove_duplicate=True):
         if module is not model and any(id(p) in held for p in module.parameters()):
-            module.load_state_dict = _bound_part_load(module, name, engine)
+            module.load_state_dict = _bound(module, engine, "load_state_dict",
+                                            _part_load(engine, module),
+                                            f"{name}.load_state_dict()")
             model.__dict__.setdefault(_PART_LOADS, []).append(module)
 
 
@@ -206,19 +209,14 @@ def parts_as_torch_gives_them(engine: "Engine") -> Iterator[None]:
 _AS_TORCH = "_infinity_parts_as_torch"
 
 
-def _bound_part_load(part: nn.Module, name: str, engine: "Engine"):
-    """``part.load_state_dict`` routed to the engine's load of that part (every rank calls
-    it, as the whole model's); a copy of the part (``copy.deepcopy``) gets torch's own."""
-    def load_state_dict(self: nn.Module, state_dict: Mapping[str, Any], strict: bool = True,
+def _part_load(engine: "Engine", part: nn.Module):
+    """``part.load_state_dict``: the engine's load of that part, its own names."""
+    def load_state_dict(state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
-        if self is not part:
-            return type(self).load_state_dict(self, state_dict, strict=strict, assign=assign)
         engine._check_open("load_state_dict")
-        return call_on_every_rank(engine, f"{name}.load_state_dict()", load_module_state_dict,
-                                  engine, state_dict, strict=strict, assign=assign, module=part)
-
-    load_state_dict.__name__ = "load_state_dict"
-    return types.MethodType(load_state_dict, part)
+        return load_module_state_dict(engine, state_dict, strict=strict, assign=assign,
+                                      module=part)
+    return load_state_dict
 
 
 def _current_values(engine: "Engine", held: set[int]):
@@ -243,19 +241,20 @@ def _current_values(engine: "Engine", held: set[int]):
     return hook
 
 
-def _bound(model: nn.Module, engine: "Engine", name: str, function):
-    """``function`` as a method of ``model`` that a copy of the model (``copy.deepcopy``, which
-    rebinds methods to the copy) does not share: the copy gets its class's own method."""
+def _bound(module: nn.Module, engine: "Engine", name: str, function, label: str | None):
+    """``function`` as ``module``'s method ``name``, which a copy of it (``copy.deepcopy``,
+    which rebinds methods to the copy) does not share: the copy gets its class's own. With a
+    ``label`` it is a call every rank makes (a state dict or a load: one label whichever name
+    the call came by, the model's or the engine's)."""
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self is engine.module:
-            if name in ("zero_grad", "save_pretrained"):    # the engine's save agrees itself
-                return function(*args, **kwargs)
-            # a state dict or a load: every rank calls it (the engine's name for the same call)
-            return call_on_every_rank(engine, f"{name}()", function, *args, **kwargs)
-        return getattr(type(self), name)(self, *args, **kwargs)
+        if self is not module:
+            return getattr(type(self), name)(self, *args, **kwargs)
+        if label is None:
+            return function(*args, **kwargs)
+        return call_on_every_rank(engine, label, function, *args, **kwargs)
 
     method.__name__ = name
-    return types.MethodType(method, model)
+    return types.MethodType(method, module)
 
 
 def _is_transformers_model(model: nn.Module) -> bool:

@@ -23,7 +23,7 @@ def say_not_finite(sq_norm: float, *, stepped: str | None, scaled: bool) -> None
     stepped the units as their gradients came (``stepped`` says where), as torch's step
     would. fp16's skip is the loss scaler's to say (``scaled``); an fp32 or bf16 skip was
     said by nothing but the skipped count of the periodic log line."""
-    norm = math.sqrt(sq_norm) if sq_norm >= 0 or math.isnan(sq_norm) else sq_norm
+    norm = math.sqrt(sq_norm)       # inf or nan: a sum of squares is never negative
     if stepped is not None:
         log.warning("the gradient norm is not finite (%s) after %s stepped its units: the step "
                     "is taken, not skipped, as torch's would be (the weights may now hold inf "

@@ -52,7 +52,7 @@ import torch
 from infinity.optim.backward_gradient import BackwardGradient
 from infinity.optim.device_copy import DeviceCopyWrites
 from infinity.optim.held_room import HeldRoom
-from infinity.planner.state_format import FP32_STATES, QBLOCK, StateFormat
+from infinity.planner.state_format import FP32_STATES, INT8_CHUNK, StateFormat
 from infinity.storage.buffer_pool import BufferPool, Slot
 from infinity.storage.host_adds import HostAdd, add_widened
 from infinity.storage.manager import FlatStore
@@ -181,10 +181,6 @@ class StepRun(NamedTuple):
     start: int
     end: int
     step: int
-
-
-INT8_CHUNK = 2 * QBLOCK
-"""An int8 state's sub-groups are multiples of this many elements (see ``sub_groups``)."""
 
 
 @dataclass(frozen=True)

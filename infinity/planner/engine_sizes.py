@@ -35,7 +35,7 @@ from infinity.planner.sizes import (
 )
 from infinity.planner.state_format import (
     FP32_STATES,
-    QBLOCK,
+    INT8_CHUNK,
     StateFormat,
     keeps_fp32_master,
     unit_format,
@@ -64,9 +64,9 @@ HELD_ROOM_UNITS = 1.0
 (see optim/held_room.py)."""
 
 
-INT8_SUB_GROUP = 2 * QBLOCK
+INT8_SUB_GROUP = INT8_CHUNK
 """The least sub-group of a run with int8 moments: the optimizer steps them in chunks of two
-blocks (``optim.records.INT8_CHUNK``) and refuses a smaller sub-group."""
+blocks (``planner.state_format.INT8_CHUNK``) and refuses a smaller sub-group."""
 
 
 def optimizer_store_bytes(state_shares: Sequence[int], fmt: StateFormat, master_separate: bool,

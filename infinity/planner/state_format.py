@@ -26,7 +26,8 @@ from typing import Iterable, NamedTuple
 
 from infinity.planner.alignment import SHARD_ALIGN_NUMEL
 
-__all__ = ["MOMENTS_FORMATS", "MASTER_FORMATS", "QBLOCK", "MIN_INT8_NUMEL", "StateFormat",
+__all__ = ["MOMENTS_FORMATS", "MASTER_FORMATS", "QBLOCK", "INT8_CHUNK", "MIN_INT8_NUMEL",
+           "StateFormat",
            "int8_sub_group_refusal", "Int8SubGroupError",
            "FP32_STATES", "unit_format", "int8_blocks", "StateStore", "keeps_fp32_master",
            "unit_stores", "COMPARED_FORMATS"]
@@ -37,6 +38,9 @@ MASTER_FORMATS = ("fp32", "bf16")
 """Formats of the master, most precise first."""
 QBLOCK = 2048
 """Elements per int8 block (one fp32 scale per block per moment; INF_ADAM_QBLOCK)."""
+INT8_CHUNK = 2 * QBLOCK
+"""The fewest elements int8 moments are stepped in: two blocks (4 KiB of codes); an int8
+state's sub-groups are multiples of it (``optim.records.sub_groups``)."""
 MIN_INT8_NUMEL = 4096
 """A unit state smaller than this keeps fp32 moments when int8 is asked (see the note)."""
 
@@ -138,7 +142,7 @@ def int8_sub_group_refusal(sub_group_numel: int, largest_range: int | None = Non
     rank) is smaller: that range is one sub-group whatever its size. One message for the
     engine's check of each unit and the run plan's of the config (they disagreed: the plan said
     "fits" for a sub_group_size the engine refused)."""
-    chunk = 2 * QBLOCK
+    chunk = INT8_CHUNK
     least = chunk if largest_range is None else min(chunk, largest_range)
     if sub_group_numel >= least:
         return None

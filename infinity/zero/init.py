@@ -94,12 +94,11 @@ def guard_released(model: nn.Module) -> None:
                     "what you need before engine.close() (model.state_dict(), "
                     "save_pretrained), or build the model again")
         return refuse
-    for module in model.modules():
-        if module is model or any(p is not None and _released(p)
-                                  for p in module._parameters.values()):
-            if any(_released(p) for p in module.parameters()):
-                module.register_forward_pre_hook(refusal(module))
-                module.register_state_dict_pre_hook(refusal(module))
+    for module in model.modules():      # the model for any, a part for one of its own
+        mine = module.parameters() if module is model else module._parameters.values()
+        if any(p is not None and _released(p) for p in mine):
+            module.register_forward_pre_hook(refusal(module))
+            module.register_state_dict_pre_hook(refusal(module))
 
 
 def _remember(params: Iterable[nn.Parameter]) -> None:
@@ -304,6 +303,15 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
         engine.hook_external_parameter(module, parameter)
 
 
+def _agreed(units: list[tuple[Any, Any]], call: str) -> contextlib.ExitStack:
+    """``call`` agreed by every rank of each engine holding ``units`` before its first
+    collective ([Note: calls every rank makes] in comm/watchdog.py)."""
+    stack = contextlib.ExitStack()
+    for engine in dict.fromkeys(engine for engine, _ in units):
+        stack.enter_context(engine.comm.every_rank(call))
+    return stack
+
+
 class GatheredParameters(contextlib.ContextDecorator):
     """Fetch the units of ``params`` for the block; write changes back when modifier_rank is set."""
 
@@ -337,9 +345,7 @@ class GatheredParameters(contextlib.ContextDecorator):
             # alone paired with another rank's training all-gather and read that unit's values
             # under these names, without a word. Agreed first, as a save is ([Note: calls every
             # rank makes] in comm/watchdog.py): a rank gone on without it is named
-            with contextlib.ExitStack() as agreed:
-                for engine in dict.fromkeys(engine for engine, _ in self._units):
-                    agreed.enter_context(engine.comm.every_rank("GatheredParameters()"))
+            with _agreed(self._units, "GatheredParameters()"):
                 for engine, unit in self._units:
                     engine.pin_unit(unit, modifying=self.modifier_rank is not None)
                     pinned.append((engine, unit))
@@ -368,11 +374,9 @@ class GatheredParameters(contextlib.ContextDecorator):
             for key in [k for k, n in _modifying.items() if n <= 0]:
                 del _modifying[key]
         errors = []
-        with contextlib.ExitStack() as agreed:
-            if self.modifier_rank is not None:   # its write-back is a broadcast: every rank's
-                for engine in dict.fromkeys(engine for engine, _ in units):
-                    agreed.enter_context(engine.comm.every_rank(
-                        "GatheredParameters(modifier_rank=...)"))
+        # a write-back is a broadcast: every rank's too
+        with _agreed(units if self.modifier_rank is not None else [],
+                     "GatheredParameters(modifier_rank=...)"):
             for engine, unit in units:      # every unit is unpinned; the first error is raised
                 try:
                     engine.unpin_unit(unit, source_rank=self.modifier_rank,
