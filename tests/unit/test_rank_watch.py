@@ -107,27 +107,44 @@ def test_a_diagnosis_that_fails_does_not_hide_the_collective_error():
                   on=None)
 
 
-def test_a_call_waiting_on_live_ranks_says_why_before_its_timeout(watches, infinity_log):
+def test_a_call_waiting_on_live_ranks_says_why_before_its_timeout(infinity_log):
     """Ranks 1 and 2 beat but neither make the call nor issue a collective (waiting in a
     ``dist.barrier()``): rank 0 says so once after ``hint_after_s``, then gives up at its
-    timeout naming them."""
-    with pytest.raises(CallNotMadeError, match=r"waited 1\.5s for rank\(s\) \[1, 2\]"):
-        watches[0].agree("save_checkpoint()", timeout_s=1.5, hint_after_s=0.3)
+    timeout naming them. A 1 s heartbeat: a beat silent for 5 s (a starved thread on a loaded
+    machine) is past the 2 s timeout, so the answer is the timeout's whatever the load."""
+    server = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    watches = [RankWatch(server, r, 3, beat_s=1.0, store_host="rank 0 (which hosts it)")
+               for r in range(3)]
+    try:
+        with pytest.raises(CallNotMadeError, match=r"waited 2s for rank\(s\) \[1, 2\]"):
+            watches[0].agree("save_checkpoint()", timeout_s=2.0, hint_after_s=0.3)
+    finally:
+        for w in watches:
+            w.close()
     hints = [r.getMessage() for r in infinity_log.records if "alive but not calling" in r.getMessage()]
     assert len(hints) == 1 and "in save_checkpoint() for rank(s) [1, 2]" in hints[0]
     assert "dist.barrier()" in hints[0] and "must be called on every rank" in hints[0]
 
 
-def test_a_timeout_between_live_ranks_names_their_counts_of_collectives(watches):
+def test_a_timeout_between_live_ranks_names_their_counts_of_collectives():
     """Every rank alive, none failed, but their counts of issued collectives differ (one ran
-    out of data): the diagnosis names the counts and who issued fewest (it named nobody)."""
-    w = watches
-    w[0].issued, w[1].issued, w[2].issued = 63, 57, 63
-    for watch in w[1:]:
-        watch._beat_store.set(f"infinity/issued/{watch.rank}", str(watch.issued))
-    text = w[0].diagnose("all-gather")
-    assert "every other rank is alive" in text, text
-    assert "rank 0 63, rank 1 57, rank 2 63" in text and "rank(s) [1] issued fewest" in text, text
-    w[1].issued = 63
-    w[1]._beat_store.set("infinity/issued/1", "63")
-    assert "issued so far" not in w[0].diagnose("all-gather")
+    out of data): the diagnosis names the counts and who issued fewest (it named nobody). A
+    1 s heartbeat, watched 3 s: a beat starved for 2 s still reads as alive."""
+    server = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    w = [RankWatch(server, r, 3, beat_s=1.0, store_host="rank 0 (which hosts it)")
+         for r in range(3)]
+    try:
+        w[0].issued, w[1].issued, w[2].issued = 63, 57, 63
+        for watch in w[1:]:
+            watch._beat_store.set(f"infinity/issued/{watch.rank}", str(watch.issued))
+        text = w[0].diagnose("all-gather")
+        assert "every other rank is alive" in text, text
+        assert "rank 0 63, rank 1 57, rank 2 63" in text and "rank(s) [1] issued fewest" in text, text
+        w[1].issued = 63
+        w[1]._beat_store.set("infinity/issued/1", "63")
+        assert "issued so far" not in w[0].diagnose("all-gather")
+    finally:
+        for watch in w:
+            watch.close()
