@@ -269,7 +269,7 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
         start, wait_before = clock.now, clock.io_wait_s
         for micro in range(accumulate):
             compute.begin_step()     # a backward costs twice its own micro-batch's forward
-            coordinator.begin_forward(True)
+            coordinator.begin_forward()
             out = model(input_ids=ids, attention_mask=mask, labels=ids)
             coordinator.end_forward()
             forward_end = len(log)

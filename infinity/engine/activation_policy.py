@@ -173,7 +173,7 @@ class AutoActivationOffload:
         return choice
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled():     # [Note: a forward under grad trains]
             return
         shape = batch_of(args, kwargs)
         if shape is None:

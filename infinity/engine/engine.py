@@ -26,7 +26,6 @@ from infinity.engine.guards import (
     ZERO_GRAD_AFTER_BOUNDARY_STEPS, ZERO_GRAD_UNDER_EARLY_STEP,
     check_cycle_discardable, check_edit_before_step, check_open, check_pass_start,
     check_same_on_every_rank, schedule_label, step_settings, warn_if_hyperparameters_moved,
-    warn_training_in_eval_mode,
 )
 from infinity.engine.model_methods import (
     model_device, place_buffers, route_module_methods, unroute_module_methods,
@@ -207,8 +206,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             self.comm.counters.reset()
         self._void_speculation()
         self.coordinator.owner.settle_failed_backward()    # a loss.backward() that raised
-        self.coordinator.begin_forward(self.module.training)
-        training = self.module.training and torch.is_grad_enabled()
+        self.coordinator.begin_forward()
+        training = torch.is_grad_enabled()   # [Note: a forward under grad trains] (guards.py)
         hooks = contextlib.ExitStack()
         if training:   # the swapper's, or those noting detached reads (zero/detached_reads.py)
             hooks.enter_context(saved_tensor_hooks(self.coordinator.detached_reads,
@@ -274,7 +273,6 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         ``EnginePassOwner.begin_untracked_backward``): the optimizer starts a backward of this
         micro-step with the loss scale its gradients carry. Returns when it started."""
         self._void_speculation()
-        warn_training_in_eval_mode(self)
         self.optimizer.begin_backward(self.is_gradient_accumulation_boundary(), self.loss_scale)
         self._hyper_at_backward = self.optimizer.hyperparameters() \
             if self.optimizer.early_step or self.optimizer.boundary.now else None

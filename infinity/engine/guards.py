@@ -57,23 +57,16 @@ def check_same_on_every_rank(comm: Collectives, config: InfinityConfig,
                            "one config on every rank)")
 
 
-def warn_training_in_eval_mode(engine: Any) -> None:
-    """Say once that a backward follows a forward run in eval mode with gradients on (a
-    ``from_pretrained`` model left in eval mode, or eval chosen to turn dropout off): the
-    engine takes such a forward for an evaluation, so its activations are not offloaded, a
-    weight read through ``.detach()`` is not watched (the early step may change it before a
-    backward node reads it) and parameters unfrozen since initialize are not refused. Torch
-    trains the same in either mode; call ``engine.train()`` for training forwards (dropout off:
-    set its probability to 0)."""
-    forwards = engine.__dict__.pop("_grad_forwards", set())     # since the last backward
-    if forwards == {"eval"} and not engine.__dict__.get("_warned_eval"):
-        engine.__dict__["_warned_eval"] = True
-        log.warning("a backward of a forward run in eval mode (model.eval(), or a model from "
-                    "from_pretrained left in it): the engine takes eval-mode forwards for "
-                    "evaluation, so their activations are not offloaded, weights read through "
-                    ".detach() are not watched and parameters unfrozen since initialize are "
-                    "not checked. Call engine.train() before training forwards (for no "
-                    "dropout, set its probability to 0)")
+# [Note: a forward under grad trains]
+# Whether a forward trains is read from grad mode alone, never from ``module.training``, as
+# torch's autograd does: a model trained in eval mode (a ``from_pretrained`` model left in it,
+# or eval chosen to turn dropout off) gets what any training forward gets -- its activations
+# offloaded, weights read through ``.detach()`` watched against the early step, unfrozen
+# parameters refused. Taking it for an evaluation trained differently from torch without a word
+# (the early step changed a detached-read weight before its backward node read it: 1% off in
+# four steps). An evaluation that forgot ``torch.no_grad()`` is then a training forward whose
+# graph is dropped: it costs what it costs torch (its saved tensors), plus the Adam states read
+# ahead for a backward that does not come, never a wrong value.
 
 
 def step_settings(lrs: list[float], betas: list[tuple]) -> str:
@@ -217,12 +210,8 @@ def check_pass_start(engine: Any) -> None:
     fixed at ``initialize`` (their optimizer states, their place in the units' trainable
     ranges): one unfrozen later was silently never updated (torch would train it)."""
     check_open(engine, "forward")
-    # a forward in eval mode with gradients on may be trained too: checked alike, and its
-    # backward says what eval mode leaves out (warn_training_in_eval_mode)
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():   # [Note: a forward under grad trains], eval mode too
         return
-    engine.__dict__.setdefault("_grad_forwards", set()).add(
-        "train" if engine.module.training else "eval")
     unfrozen = [e.name for unit in engine.units for e in unit.params
                 if e.frozen_at_build and e.param.requires_grad]
     if unfrozen:

@@ -186,10 +186,10 @@ class Coordinator:
             status.start_backward(len(unit.trainable_entries()))
 
     # -- forward ---------------------------------------------------------------------------
-    def begin_forward(self, training: bool) -> None:
+    def begin_forward(self) -> None:
         """Called by the engine before each forward pass (starts a trace pass)."""
-        training = training and torch.is_grad_enabled()
         self.ahead.drop(self._status, self._release_or_keep)    # one a pass before left unused (it ended, or diverged)
+        training = torch.is_grad_enabled()   # in eval mode too: [Note: a forward under grad trains]
         self._phase = PassPhase.TRAIN_FORWARD if training else PassPhase.EVAL_FORWARD
         self._grad_uses = []
         trace = self.traces[self._phase.value]

@@ -243,8 +243,8 @@ def test_auto_policy_decides_before_each_training_forward_by_its_batch() -> None
         with policy.hooks():
             pass
         assert swapper.entered == 1
-        model.eval()
-        model(input_ids=small)                                     # no training: no decision
+        with torch.no_grad():
+            model(input_ids=small)                                 # no training: no decision
         assert policy.choice.decision == "nvme"
     finally:
         policy._handle.remove()
