@@ -55,10 +55,22 @@ _PRUNE_AT = 512  # prune the list of requests in flight when it gets this long
 
 
 def auto_file_size(reserve_bytes: int) -> int:
-    """File size for ``file_size="auto"``: the reserve in about 4 files of 64 MiB..16 GiB."""
+    """File size for ``file_size="auto"``: the reserve in as few files of at most 16 GiB as
+    hold it, all of one size (at least 64 MiB). Few because an extent never spans two files:
+    each file's tail shorter than the next extent is lost, and the reserve split in four short
+    files of a few large extents left up to a quarter of it unused, the difference added as one
+    more file (the disk 25-28% over the plan)."""
     if reserve_bytes <= 0:
         return AUTO_DEFAULT_FILE
-    return min(AUTO_MAX_FILE, max(AUTO_MIN_FILE, round_up(-(-reserve_bytes // 4), MiB)))
+    files = -(-reserve_bytes // AUTO_MAX_FILE)
+    return min(AUTO_MAX_FILE, max(AUTO_MIN_FILE, round_up(-(-reserve_bytes // files), MiB)))
+
+
+def auto_growth_size(capacity: int, padded: int) -> int:
+    """A file added under ``file_size="auto"`` once the space is full: a quarter of what the
+    space holds (64 MiB..16 GiB), so the number of files stays small however far it grows, and
+    never less than the extent it is added for."""
+    return max(padded, min(AUTO_MAX_FILE, max(AUTO_MIN_FILE, round_up(capacity // 4, MiB))))
 
 
 class _Resources:
@@ -110,8 +122,8 @@ class SwapSpace:
 
     ``aio`` is the engine that moves the bytes (its backend decides whether O_DIRECT is checked).
     ``reserve_bytes`` are checked against free space and preallocated now; ``file_size`` is the
-    size of each swap file ("auto": the reserve in ~4 files, 256 MiB without a reserve, and files
-    added later grow with the space so their number stays small).
+    size of each swap file ("auto": the reserve in as few files as hold it, 256 MiB without a
+    reserve, and files added later grow with the space so their number stays small).
     """
 
     def __init__(self, nvme_path: str | os.PathLike[str], *, rank: int = 0, aio: AioEngine,
@@ -312,13 +324,15 @@ class SwapSpace:
                 f"the states it held are lost, and extent {tag!r} has nowhere to go. close() "
                 "this engine and resume from the last checkpoint; keep other cleanups out of "
                 "the nvme_path while a run is alive", str(self._dir.path))
-        size = max(self._file_size, padded)
-        if self._auto:  # grow with the space: few files however large it gets
-            size = max(size, min(AUTO_MAX_FILE, round_up(self._alloc.capacity // 4, MiB)))
+        if self._auto:
+            capacity = self._alloc.capacity     # none yet: no reserve was given
+            size = auto_growth_size(capacity, padded) if capacity else max(self._file_size, padded)
             try:
                 check_free_space(self._dir.path, size)
             except ValueError:
                 size = padded   # short of room: the smallest file that does the job
+        else:
+            size = max(self._file_size, padded)
         check_free_space(self._dir.path, size,
                          what=f"swap file {len(self._res.files)} (for extent {tag!r})")
         self._add_file(size)

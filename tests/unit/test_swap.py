@@ -32,13 +32,14 @@ def aio():
 
 
 def test_auto_file_size() -> None:
-    """No reserve: 256 MiB files; else a quarter of the reserve rounded up to a MiB, within
-    64 MiB..16 GiB."""
+    """No reserve: 256 MiB files; else the reserve in as few files of at most 16 GiB as hold
+    it, one size rounded up to a MiB, at least 64 MiB."""
     assert auto_file_size(0) == 256 * MiB
     assert auto_file_size(1) == 64 * MiB
-    assert auto_file_size(400 * MiB + 4) == 101 * MiB
+    assert auto_file_size(400 * MiB + 4) == 401 * MiB       # one file: no tail lost
     assert type(auto_file_size(400 * MiB + 4)) is int    # a float size fails posix_fallocate
     assert auto_file_size(1 << 40) == 16 << 30
+    assert auto_file_size((16 << 30) + 1) == (8 << 30) + MiB    # two files of one size
 
 
 @pytest.mark.parametrize("bad", [True, "1", -1, 1.5])
@@ -117,9 +118,10 @@ def test_repr_open_and_closed(disk_dir: Path, aio) -> None:
 
 
 def test_auto_growth_takes_a_quarter_of_the_space(disk_dir: Path, aio, monkeypatch) -> None:
-    """An auto-sized space grows by max(file size, the extent, a quarter of its capacity rounded
-    up to a MiB): with 5 MiB held, a 1 MiB extent gets a 2 MiB file."""
+    """An auto-sized space grows by max(the extent, a quarter of its capacity rounded up to a
+    MiB, the least file size): with 5 MiB held, a 1 MiB extent gets a 2 MiB file."""
     monkeypatch.setattr(swap_mod, "AUTO_DEFAULT_FILE", MiB)
+    monkeypatch.setattr(swap_mod, "AUTO_MIN_FILE", MiB)
     with SwapSpace(disk_dir, aio=aio) as s:
         s.allocate(5 * MiB, tag="big")
         s.allocate(MiB, tag="next")
