@@ -49,21 +49,22 @@ _log = get_logger("storage.swap")
 
 MiB = 1 << 20
 AUTO_MIN_FILE = 64 * MiB
-AUTO_MAX_FILE = 16 << 30
+AUTO_MAX_FILE = 16 << 30          # a file added as the space grows
+AUTO_MAX_RESERVE_FILE = 1 << 40   # a file of the reserve (ext4 holds files of up to 16 TiB)
 AUTO_DEFAULT_FILE = 256 * MiB
 _PRUNE_AT = 512  # prune the list of requests in flight when it gets this long
 
 
 def auto_file_size(reserve_bytes: int) -> int:
-    """File size for ``file_size="auto"``: the reserve in as few files of at most 16 GiB as
+    """File size for ``file_size="auto"``: the reserve in as few files of at most 1 TiB as
     hold it, all of one size (at least 64 MiB). Few because an extent never spans two files:
-    each file's tail shorter than the next extent is lost, and the reserve split in four short
-    files of a few large extents left up to a quarter of it unused, the difference added as one
-    more file (the disk 25-28% over the plan)."""
+    each file's tail shorter than the next extent is lost, and the reserve split in four files
+    of a few large extents each left up to a quarter of it unused, the difference added as one
+    more file (the disk 26-58% over the plan)."""
     if reserve_bytes <= 0:
         return AUTO_DEFAULT_FILE
-    files = -(-reserve_bytes // AUTO_MAX_FILE)
-    return min(AUTO_MAX_FILE, max(AUTO_MIN_FILE, round_up(-(-reserve_bytes // files), MiB)))
+    files = -(-reserve_bytes // AUTO_MAX_RESERVE_FILE)
+    return min(AUTO_MAX_RESERVE_FILE, max(AUTO_MIN_FILE, round_up(-(-reserve_bytes // files), MiB)))
 
 
 def auto_growth_size(capacity: int, padded: int) -> int:

@@ -32,14 +32,14 @@ def aio():
 
 
 def test_auto_file_size() -> None:
-    """No reserve: 256 MiB files; else the reserve in as few files of at most 16 GiB as hold
+    """No reserve: 256 MiB files; else the reserve in as few files of at most 1 TiB as hold
     it, one size rounded up to a MiB, at least 64 MiB."""
     assert auto_file_size(0) == 256 * MiB
     assert auto_file_size(1) == 64 * MiB
     assert auto_file_size(400 * MiB + 4) == 401 * MiB       # one file: no tail lost
     assert type(auto_file_size(400 * MiB + 4)) is int    # a float size fails posix_fallocate
-    assert auto_file_size(1 << 40) == 16 << 30
-    assert auto_file_size((16 << 30) + 1) == (8 << 30) + MiB    # two files of one size
+    assert auto_file_size(1 << 40) == 1 << 40
+    assert auto_file_size((1 << 40) + 1) == (1 << 39) + MiB    # two files of one size
 
 
 @pytest.mark.parametrize("bad", [True, "1", -1, 1.5])
