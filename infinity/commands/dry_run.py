@@ -311,9 +311,12 @@ def dry_run(model: nn.Module, setup: DryRunSetup, rates: DryRunRates, *, seq_len
 
 
 # ---- the plan's setups (``infinity plan --dry-run``) ------------------------------------------
-LOCAL_COMPUTE_FLOPS = 1e11
-"""This machine's dry run: FLOP/s assumed for the CPU's forward and backward (an order of
-magnitude; ``tools/bench/plan_calibration.py`` measures the real rates)."""
+LOCAL_PROBE_HIDDEN = 1024
+LOCAL_PROBE_TOKENS = 512
+"""This machine's dry run measures its compute rate on one block's matrix products at most
+this wide and this many tokens (``infinity.train.calibrate.measure_compute``): a fraction of a
+second whatever the model, at the rate of matrices large enough to run at a CPU's speed. A fixed
+rate was 2.3-5.8x off here, and bf16 runs ~6x fp32 on a CPU with AMX."""
 LOCAL_NVME_GBPS = 2.0
 """This machine's dry run: the swap path's read and write GB/s assumed (``infinity nvme-tune``
 measures them)."""
@@ -340,8 +343,23 @@ def target_setup(memory, target, workload) -> tuple[DryRunSetup, DryRunRates]:
     return setup, rates
 
 
-def local_setup(cfg: InfinityConfig, stats, hw) -> tuple[DryRunSetup, DryRunRates]:
-    """The dry run of a config on this (CPU-only) machine, at assumed rates."""
+def local_compute_rate(shape, compute_dtype: str, tokens: int) -> float:
+    """This CPU's FLOP/s for a block's matrix products in ``compute_dtype`` (measured now, on
+    at most a ``LOCAL_PROBE_HIDDEN``-wide block at ``LOCAL_PROBE_TOKENS`` tokens)."""
+    from infinity.train.calibrate import measure_compute
+
+    hidden = min(shape.hidden, LOCAL_PROBE_HIDDEN) if shape is not None else LOCAL_PROBE_HIDDEN
+    ratio = shape.intermediate / shape.hidden if shape is not None else 4
+    probe = measure_compute(hidden=hidden, intermediate=max(1, round(hidden * ratio)),
+                            tokens=max(1, min(tokens, LOCAL_PROBE_TOKENS)),
+                            dtype=compute_dtype, min_s=0.2)
+    return probe["flops_per_s"]
+
+
+def local_setup(cfg: InfinityConfig, stats, hw, shape=None,
+                tokens: int = LOCAL_PROBE_TOKENS) -> tuple[DryRunSetup, DryRunRates]:
+    """The dry run of a config on this (CPU-only) machine: its compute rate measured
+    (``local_compute_rate``), the disk's and CPU Adam's assumed."""
     from infinity.planner.calibration import CPU_COMPUTE_EFFICIENCY
     from infinity.planner.step_time import CPU_ADAM_PARAMS_PER_CORE
 
@@ -349,7 +367,8 @@ def local_setup(cfg: InfinityConfig, stats, hw) -> tuple[DryRunSetup, DryRunRate
         raise ValueError("--dry-run for this machine simulates a CPU-only one; on a GPU machine "
                          "describe it with the target flags (--gpus, --gpu, ...)")
     setup = DryRunSetup(plan=plan_run(cfg, hw, stats=stats))
-    rates = DryRunRates(compute_flops_per_s=LOCAL_COMPUTE_FLOPS * CPU_COMPUTE_EFFICIENCY,
+    measured = local_compute_rate(shape, setup.plan.compute_dtype, tokens)
+    rates = DryRunRates(compute_flops_per_s=measured * CPU_COMPUTE_EFFICIENCY,
                         nvme_read_GBps=LOCAL_NVME_GBPS, nvme_write_GBps=LOCAL_NVME_GBPS,
                         adam_params_per_s=CPU_ADAM_PARAMS_PER_CORE * hw.cpu_cores)
     return setup, rates

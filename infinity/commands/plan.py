@@ -334,7 +334,6 @@ def run(args: argparse.Namespace) -> int:
         from infinity.commands.dry_run import dry_run, local_analytical_s, local_setup
         from infinity.planner.target import Workload
 
-        setup, rates = local_setup(cfg, stats, hw)   # as the engine would size it
         model = _meta_model(args)
         workload = Workload()
         # the default sequence, or the model's longest (GPT-2, BERT: 512), which it can run
@@ -342,13 +341,17 @@ def run(args: argparse.Namespace) -> int:
                              "n_positions")
         if longest is not None and longest < workload.seq_len:
             workload = dataclasses.replace(workload, seq_len=longest)
+        setup, rates = local_setup(cfg, stats, hw, shape,   # as the engine would size it
+                                   workload.seq_len * workload.micro_batch)
         report = dry_run(model, setup, rates, seq_len=workload.seq_len,
                          micro_batch=workload.micro_batch, shape=shape,
                          analytical_s=local_analytical_s(cfg, stats, shape, hw, rates,
                                                          workload))
-        report.notes.append(f"this machine's rates assumed: {rates.compute_flops_per_s / 1e9:.0f} "
-                            f"GFLOP/s, NVMe {rates.nvme_read_GBps:g} GB/s; sequence "
-                            f"{workload.seq_len}, micro-batch {workload.micro_batch}")
+        report.notes.append(f"this machine's rates: {rates.compute_flops_per_s / 1e9:.0f} GFLOP/s "
+                            f"in {setup.plan.compute_dtype} (measured now), NVMe "
+                            f"{rates.nvme_read_GBps:g} GB/s and CPU Adam assumed (infinity "
+                            f"nvme-tune measures the disk); sequence {workload.seq_len}, "
+                            f"micro-batch {workload.micro_batch}")
         _timeline_files(args, report)
     missing = _missing_nvme_notes(plan.config)
     unusable = unusable_swap_paths(plan.config)

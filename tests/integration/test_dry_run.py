@@ -184,8 +184,9 @@ def test_1t_dry_run_on_a_node_of_8x80gb_in_a_minute_and_a_gib(tmp_path) -> None:
 
 
 def test_this_machines_plan_dry_runs_and_params_alone_cannot(disk_dir, capsys) -> None:
-    """Without target flags the recommended config of this machine is dry-run (at assumed
-    rates, said in a note); a model given only as a parameter count has no modules to run."""
+    """Without target flags the recommended config of this machine is dry-run (its compute
+    rate measured, the disk's assumed, said in a note); a model given only as a parameter count
+    has no modules to run."""
     from infinity import cli
 
     assert cli.main(["plan", "--model-size", "85M", "--host-budget", "400MiB", "--nvme-path",
@@ -194,9 +195,34 @@ def test_this_machines_plan_dry_runs_and_params_alone_cannot(disk_dir, capsys) -
     dry = data["dry_run"]
     assert dry["peak_bytes"]["host"] > 0 and dry["order"]["forward"]
     assert dry["simulated_step_s"] > 0 and dry["analytical_step_s"] > 0
-    assert any("assumed" in note for note in dry["notes"])
+    assert any("(measured now)" in note and "assumed" in note for note in dry["notes"])
     assert cli.main(["plan", "--params", "7B", "--gpus", "1", "--gpu", "H100", "--dry-run"]) != 0
     assert "--hf-config or --model-size" in capsys.readouterr().err
+
+
+def test_this_machines_dry_run_computes_at_the_measured_rate(disk_dir, capsys,
+                                                             monkeypatch) -> None:
+    """The local dry run's compute runs at the rate measured on this CPU in the plan's compute
+    dtype (a fixed 1e11 FLOP/s was 2.3-5.8x off here): twice the measured rate, half the
+    compute time, in both the simulated and the analytical step."""
+    from infinity import cli
+    from infinity.train import calibrate
+
+    asked = []
+
+    def dry(rate: float) -> dict:
+        def measured(**probe) -> dict:
+            asked.append(probe)
+            return {"flops_per_s": rate}
+
+        monkeypatch.setattr(calibrate, "measure_compute", measured)
+        assert cli.main(["plan", "--model-size", "85M", "--host-budget", "400MiB",
+                         "--nvme-path", str(disk_dir), "--dry-run", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["dry_run"]
+
+    slow, fast = dry(2e10), dry(4e10)
+    assert slow["busy_s"]["compute"] == pytest.approx(2 * fast["busy_s"]["compute"], rel=1e-6)
+    assert asked[0]["dtype"] in ("fp32", "bf16") and asked[0]["hidden"] <= 1024, asked
 
 
 def test_an_infeasible_plan_is_shown_without_a_dry_run(disk_dir, capsys) -> None:
