@@ -47,6 +47,9 @@ from infinity.planner.target_plan import plan_target
 from infinity.train.models import preset_kwargs, preset_names
 from infinity.train.run_config import read_config_file
 
+INFEASIBLE_EXIT = 1
+"""``infinity plan``'s exit status when nothing fits (the plan and what to add printed all the
+same), so that ``infinity plan ... && infinity train ...`` stops there; 2 is bad input."""
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "gpt2", "org/name"
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
@@ -247,7 +250,7 @@ def _run_target(args: argparse.Namespace, target: Any, workload: Any) -> int:
             print(report.render())
         elif args.dry_run:
             print("dry run: none (the plan is infeasible)")
-    return 0
+    return 0 if plan.decision.feasible else INFEASIBLE_EXIT
 
 
 def _timeline_files(args: argparse.Namespace, report: Any) -> None:
@@ -366,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"recommended": not args.config and not infeasible,
                           "feasible": plan.fits, **plan.as_dict(),
                           "formats": [row.as_dict() for row in formats], **extra}, indent=2))
-        return 0
+        return 0 if plan.fits else INFEASIBLE_EXIT
     if infeasible:
         print("infinity plan: INFEASIBLE on this machine: no offload fits (the deepest, stage 3 "
               "with parameters and optimizer states on NVMe, is planned below with what is over)")
@@ -390,4 +393,4 @@ def run(args: argparse.Namespace) -> int:
         print(report.render())
     elif args.dry_run:
         print("\ndry run: none (the plan is infeasible)")
-    return 0
+    return 0 if plan.fits else INFEASIBLE_EXIT

@@ -228,11 +228,11 @@ def test_this_machines_dry_run_computes_at_the_measured_rate(disk_dir, capsys,
 def test_an_infeasible_plan_is_shown_without_a_dry_run(disk_dir, capsys) -> None:
     """The dry run of a plan that does not fit replaced the plan with an engine error whose
     advice ("offload deeper") the config already followed; the plan is shown, the dry run
-    said to be none."""
+    said to be none; the exit status is 1 (it was 0: a script went on to train)."""
     from infinity import cli
 
     assert cli.main(["plan", "--model-size", "85M", "--host-budget", "40MiB", "--nvme-path",
-                     str(disk_dir), "--dry-run"]) == 0
+                     str(disk_dir), "--dry-run"]) == 1
     out = capsys.readouterr().out
     assert "INFEASIBLE" in out and "dry run: none (the plan is infeasible)" in out
 

@@ -254,10 +254,11 @@ def test_target_flags_build_the_target(tmp_path, capsys) -> None:
 
 def test_no_target_flags_plans_this_machine_and_never_recommends_an_infeasible_config(capsys) -> None:
     """70B on this machine said "offload deeper (stage 3, nvme)" of a stage-3 NVMe config."""
-    assert cli.main(["plan", "--model-size", "70B", "--host-budget", "4GiB", "--nvme-path",
-                     "/no/such/dir"]) == 0
+    status = cli.main(["plan", "--model-size", "70B", "--host-budget", "4GiB", "--nvme-path",
+                       "/no/such/dir"])
     out = capsys.readouterr().out
     assert "offload deeper" not in out
+    assert status == (1 if "INFEASIBLE" in out else 0), (status, out[:300])
     if "INFEASIBLE" in out:
         assert "copy into your ds_config.json" not in out
 

@@ -386,9 +386,10 @@ def test_cli_plan_measures_the_path_the_swap_space_takes(tmp_path, capsys) -> No
     ds.write_text(json.dumps({"zero_optimization": {
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(swap)},
         "offload_optimizer": {"device": "cpu", "nvme_path": str(unused)}}}))
-    assert cli.main(["plan", "--params", "2e8", "--config", str(ds), "--host-budget", "2GiB",
-                     "--json"]) == 0
+    status = cli.main(["plan", "--params", "2e8", "--config", str(ds), "--host-budget", "2GiB",
+                       "--json"])
     data = json.loads(capsys.readouterr().out)
+    assert status == (0 if data["fits"] else 1), status     # 1: nothing fits (this disk)
     assert data["hardware"]["nvme_path"] == str(swap)
     assert not [n for n in data["notes"] if str(unused) in n]
 
@@ -414,7 +415,7 @@ def test_cli_plan_on_a_swap_path_train_refuses_does_not_fit(tmp_path, capsys) ->
     not_a_dir.write_bytes(b"")
     code = cli.main(["plan", "--params", "2e9", "--host-budget", "2GiB", "--nvme-path",
                      str(not_a_dir), "--json"])
-    assert code == 0
+    assert code == 1        # nothing fits: a script's `infinity plan ... && infinity train` stops
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is False
     assert any("is not a directory" in w for w in data["warnings"]), data["warnings"]
@@ -426,8 +427,9 @@ def test_cli_plan_default_swap_path_is_the_one_train_uses(capsys) -> None:
     from infinity.train.defaults import DEFAULT_NVME_PATH
 
     assert DEFAULT_SWAP_DIR == DEFAULT_NVME_PATH
-    assert cli.main(["plan", "--model-size", "70B", "--host-budget", "4GiB", "--json"]) == 0
+    status = cli.main(["plan", "--model-size", "70B", "--host-budget", "4GiB", "--json"])
     data = json.loads(capsys.readouterr().out)
+    assert status == (0 if data["fits"] else 1), status     # fits where the disk holds it
     assert data["ds_config"]["zero_optimization"]["offload_param"]["nvme_path"] == DEFAULT_SWAP_DIR
     assert data["hardware"]["nvme_path"] == DEFAULT_SWAP_DIR
     assert any("does not exist yet" in n for n in data["notes"]) == (not os.path.isdir(DEFAULT_SWAP_DIR))
