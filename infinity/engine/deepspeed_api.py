@@ -7,11 +7,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+import torch
+
 from infinity.engine.guards import every_rank_call
 
 
 class DeepSpeedEngineAccessors:
-    """Mixed into ``Engine``; reads ``self.config``, ``self.optimizer``, ``self.module``."""
+    """Mixed into ``Engine``; reads ``self.config``, ``self.optimizer``, ``self.module``,
+    ``self.compute_dtype``."""
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -41,7 +44,9 @@ class DeepSpeedEngineAccessors:
         return self.config.fp16.enabled
 
     def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
+        """Whether the engine computes in bf16 (as the config asks, or as "auto" chose for a CPU
+        that multiplies it natively: callers read it to cast their inputs)."""
+        return self.compute_dtype == torch.bfloat16
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping

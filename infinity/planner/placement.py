@@ -226,7 +226,7 @@ def compute_dtype_choice(cfg: InfinityConfig, hw: Hardware) -> tuple[str, str]:
     wins. "auto": on a GPU, bf16/fp16 as ``bf16.enabled``/``fp16.enabled`` say (else fp32); on a
     CPU-only machine bf16 where the CPU multiplies bf16 natively (``hw.cpu_bf16``; ~3x faster than
     fp32 there, ~45x slower elsewhere: see [Note: bf16 on CPUs] in infinity/base/cpu_bf16.py)
-    unless fp16 loss scaling is asked for, else fp32."""
+    unless fp16 loss scaling is asked for or ``bf16.enabled`` is false, else fp32."""
     asked = cfg.infinity.compute_dtype
     if asked != "auto":
         return asked, f"infinity.compute_dtype is {asked!r} in the config"
@@ -237,6 +237,8 @@ def compute_dtype_choice(cfg: InfinityConfig, hw: Hardware) -> tuple[str, str]:
         if cfg.fp16.enabled:
             return "fp32", ("auto: CPU-only; fp16.enabled asks for fp16, which CPUs multiply far "
                             "slower than fp32, and bf16 would contradict it")
+        if cfg.bf16.enabled is False:
+            return "fp32", "auto: CPU-only, and the config's bf16.enabled is false"
         return "bf16", f"auto: CPU-only, and the CPU multiplies bf16 natively{why}"
     if cfg.bf16.enabled:
         return "bf16", "auto: GPU, bf16.enabled"

@@ -188,6 +188,32 @@ def test_the_deepspeed_engine_accessors(disk_dir) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("bf16", [False, None], ids=["false", "unsaid"])
+def test_bf16_enabled_false_is_fp32_on_a_cpu_too(monkeypatch, bf16) -> None:
+    """A DeepSpeed config's ``"bf16": {"enabled": false}`` is fp32 training; on a CPU that
+    multiplies bf16 natively (forced here: INFINITY_CPU_BF16=1) "auto" took bf16 all the same
+    (0.3 relative off torch in ten steps) while bfloat16_enabled() said False. Unsaid, "auto"
+    picks bf16 there, and bfloat16_enabled() says what the engine computes in."""
+    from infinity.base.cpu_bf16 import ENV
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU bf16.enabled decides alone (tests/unit/test_cpu_bf16.py)")
+    monkeypatch.setenv(ENV, "1")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
+    if bf16 is not None:
+        config["bf16"] = {"enabled": bf16}
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(config))
+    try:
+        out = engine(torch.randn(4, 16))
+        want = torch.float32 if bf16 is False else torch.bfloat16
+        assert out.dtype == want and engine.compute_dtype == want
+        assert engine.bfloat16_enabled() is (want == torch.bfloat16)
+    finally:
+        engine.close()
+
+
 def test_zero_init_takes_deepspeeds_arguments_and_refuses_misspelled_ones() -> None:
     config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
     with infinity.zero.Init(remote_device="cpu", pin_memory=True, dtype=torch.float32,

@@ -127,6 +127,9 @@ def test_native_info_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     (BF16_CPU, {}, "bf16"),
     (BF16_CPU, {"bf16": {"enabled": True}}, "bf16"),
     (BF16_CPU, {"fp16": {"enabled": True}}, "fp32"),     # fp16 on a CPU: far slower than fp32
+    # a DeepSpeed config's explicit false is fp32, as DeepSpeed trains it (it was bf16)
+    (BF16_CPU, {"bf16": {"enabled": False}}, "fp32"),
+    (GPU_BOX, {"bf16": {"enabled": False}}, "fp32"),
     (GPU_BOX, {}, "fp32"),                                # GPUs follow bf16/fp16.enabled, as before
     (GPU_BOX, {"bf16": {"enabled": True}}, "bf16"),
     (GPU_BOX, {"fp16": {"enabled": True}}, "fp16"),
