@@ -56,7 +56,7 @@ IGNORED_KEYS: dict[str, tuple[str, ...]] = {
          "autotuning",
          "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
          "zero_force_ds_cpu_optimizer", "data_types", "compile",
-         "disable_allgather", "gradient_allreduce_op",
+         "disable_allgather",
          "seq_parallel_communication_data_type", "log_level", "disable_python_gc",
          "use_data_before_expert_parallelism", "timers"),
     "zero_optimization": ("allgather_partitions", "ignore_unused_parameters",
@@ -137,6 +137,11 @@ OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
                         '{"use_node_local_storage": false}',
                         "checkpoints are written by every rank into one directory on a file "
                         "system every rank mounts"),
+         # ranks' gradients are averaged here; DeepSpeed's "sum" adds them (stages 0-2)
+         "gradient_allreduce_op": (lambda v: v is None or (isinstance(v, str) and
+                                                           v.lower() == "mean"), '"mean"',
+                                   "gradients are averaged over ranks here; for a sum, multiply "
+                                   "the loss by the world size"),
          # DeepSpeed's default (since 0.19.4): step() counts the micro-batches, as here always
          "managed_gradient_accumulation": (lambda v: v is None or v is True, "true",
                                            "engine.step() counts micro-batches here always"),
