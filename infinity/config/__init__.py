@@ -10,11 +10,11 @@ from infinity.config.infinity_config import IGNORED_KEYS, OFF_ONLY_KEYS, Infinit
 from infinity.config.infinity_section import InfinitySection
 from infinity.config.optimizer import SCHEDULER_KEYS, OptimizerConfig, SchedulerConfig
 from infinity.config.precision import Bf16Config, Fp16Config
-from infinity.config.values import ConfigError
+from infinity.config.values import AutoValueMissing, ConfigError
 from infinity.config.zero import OffloadConfig, ZeroConfig
 
 __all__ = [
-    "ConfigError", "InfinityConfig", "OptimizerConfig", "SchedulerConfig", "Fp16Config",
+    "AutoValueMissing", "ConfigError", "InfinityConfig", "OptimizerConfig", "SchedulerConfig", "Fp16Config",
     "Bf16Config", "OffloadConfig", "ZeroConfig", "AioConfig", "InfinitySection",
     "IGNORED_KEYS", "OFF_ONLY_KEYS", "SCHEDULER_KEYS",
 ]

@@ -38,6 +38,7 @@ from infinity.config.optimizer import SCHEDULER_KEYS, OptimizerConfig, Scheduler
 from infinity.config.precision import Bf16Config, Fp16Config, check_communication_dtype
 from infinity.config.values import (
     AUTO,
+    AutoValueMissing,
     ConfigError,
     check_bool,
     check_float,
@@ -431,6 +432,8 @@ class _Parser:
         self.auto_values = auto_values
         self.auto_defaults = auto_defaults
         self.ignored: list[str] = []
+        self.missing: list[str] = []        # "auto" keys with no value
+        self.filled: set[str] = set()      # the auto_values taken
 
     def keys(self, data: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
         """``data`` with aliases renamed and ignored keys dropped; unknown keys raise."""
@@ -481,19 +484,36 @@ class _Parser:
             if isinstance(value, str) and value == AUTO and full not in _AUTO_IS_A_CHOICE:
                 if full in self.auto_values:
                     value = self.auto_values[full]
+                    self.filled.add(full)
                 elif key in sizes:
                     value = None
                 elif self.auto_defaults:
                     continue  # the dataclass default (batch sizes: derived by the batch rule)
                 else:
-                    raise ConfigError(
-                        f"{full} is \"auto\" but no value was given for it: pass "
-                        f"auto_values={{{full!r}: ...}} (as the Hugging Face integration does) "
-                        "or write the value in the config")
+                    self.missing.append(full)   # all of them named at the end (config())
+                    continue
             out[key] = value
         return out
 
     def config(self, data: Any, world_size: int) -> InfinityConfig:
+        """The config of ``data``; every "auto" left without a value named in one error (a
+        section's own check failing on a default that stood in for one is not the error)."""
+        try:
+            config = self._config(data, world_size)
+        except (ValueError, TypeError):
+            if self.missing:
+                raise AutoValueMissing(self.missing) from None
+            raise
+        if self.missing:
+            raise AutoValueMissing(self.missing)
+        unused = sorted(set(self.auto_values) - self.filled)
+        if unused:    # a misspelt path, or a value the config writes itself: never taken
+            log.warning("auto_values %s replaced nothing: the config has no \"auto\" at %s "
+                        "(a misspelt key path, or a value the config writes itself, which is "
+                        "the one used)", unused, "that path" if len(unused) == 1 else "those paths")
+        return config
+
+    def _config(self, data: Any, world_size: int) -> InfinityConfig:
         top = self.keys(data, "", _TOP_KEYS)
         kwargs: dict[str, Any] = {"world_size": world_size}
         scalars = {k: v for k, v in top.items() if k not in

@@ -21,6 +21,20 @@ class ConfigError(ValueError):
     """A key or value of the configuration that infinity cannot use; the message names its path."""
 
 
+class AutoValueMissing(ConfigError):
+    """``"auto"`` values with nothing to replace them: every such key path at once (``keys``),
+    so a Hugging Face config is mended in one round, not one round per key."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = list(keys)
+        shown = ", ".join(f"{k!r}: ..." for k in self.keys)
+        super().__init__(
+            f"{', '.join(self.keys)} {'is' if len(self.keys) == 1 else 'are'} \"auto\" but no "
+            f"value was given for {'it' if len(self.keys) == 1 else 'them'}: pass "
+            f"auto_values={{{shown}}} (as the Hugging Face integration does) or write the "
+            "values in the config")
+
+
 # ----------------------------------------------------------------------------------------------
 # Value checks shared by every section. Each raises ConfigError naming the key path and value.
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infinity.config import ConfigError, InfinityConfig
+from infinity.config import AutoValueMissing, ConfigError, InfinityConfig
 from infinity.config import file as config_file
 from infinity.base.log import get_logger
 from infinity.base.sizes import parse_bytes
@@ -115,22 +115,41 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides, *,
                      "(set --lr, or the section, to choose)", json.dumps(ds["optimizer"]))
     _fill_nvme_paths(ds, o.nvme_path)
     _fill_schedule_length(ds, o.steps)
-    lr = _lookup(ds, ("optimizer", "params", "lr"))
-    auto = {"optimizer.params.lr": lr if isinstance(lr, (int, float)) else DEFAULT_LR,
-            "train_micro_batch_size_per_gpu": o.micro_batch or 1,
-            "gradient_accumulation_steps": 1}
+    auto = _auto_values(ds, o, world_size)
     try:
-        config = InfinityConfig.from_dict(ds, world_size=world_size, auto_values=auto)
-    except ConfigError as exc:
-        if "is \"auto\" but no value was given" not in str(exc):
-            raise
+        config = InfinityConfig.from_dict(ds, world_size=world_size,
+                                          auto_values={k: v for k, v in auto.items()
+                                                       if _is_auto(ds, k)})
+    except AutoValueMissing as exc:
         # the library's advice (auto_values=) is for scripts: a CLI user edits the config
-        key = str(exc).split(" is \"auto\"")[0]
-        raise ConfigError(f"{key} is \"auto\" in the config (a Hugging Face Trainer config?): "
-                          "infinity train fills \"auto\" only for the learning rate, the batch "
-                          "sizes and accumulation, and the schedule's length, from its flags; "
-                          f"write a value for {key}") from None
+        keys = ", ".join(exc.keys)
+        raise ConfigError(f"{keys} {'is' if len(exc.keys) == 1 else 'are'} \"auto\" in the "
+                          "config (a Hugging Face Trainer config?): infinity train fills "
+                          "\"auto\" only for the learning rate and the schedule's peak (--lr), "
+                          "the batch sizes and accumulation (--micro-batch) and the schedule's "
+                          f"length (--steps); write a value for {keys}") from None
     return ds, config
+
+
+def _auto_values(ds: dict, o: Any, world_size: int) -> dict[str, Any]:
+    """What ``infinity train`` puts where its config says "auto", as the Hugging Face
+    integration fills a Trainer's: the lr from --lr (the schedule's peak too, its floor 0), the
+    micro-batch from --micro-batch, one micro-batch a step unless the config says otherwise."""
+    lr = _lookup(ds, ("optimizer", "params", "lr"))
+    lr = lr if isinstance(lr, (int, float)) and not isinstance(lr, bool) else o.lr or DEFAULT_LR
+    micro = _lookup(ds, ("train_micro_batch_size_per_gpu",))
+    micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else o.micro_batch or 1
+    accumulate = _lookup(ds, ("gradient_accumulation_steps",))
+    accumulate = accumulate if isinstance(accumulate, int) and not isinstance(accumulate, bool) \
+        else 1
+    return {"optimizer.params.lr": lr, "scheduler.params.warmup_max_lr": lr,
+            "scheduler.params.warmup_min_lr": 0.0,
+            "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulate,
+            "train_batch_size": micro * accumulate * world_size}
+
+
+def _is_auto(ds: dict, path: str) -> bool:
+    return _lookup(ds, tuple(path.split("."))) == "auto"
 
 
 # schedules whose learning rate comes from their own keys, not the optimizer's lr

@@ -171,9 +171,10 @@ class Init(contextlib.ContextDecorator):
                             f"not need) DeepSpeed's {sorted(_DEEPSPEED_INIT_ARGS)}: tiers and "
                             "dtypes come from the config")
         source = config if config is not None else config_dict_or_path
-        # read for the ranks the run has (its batch sizes add up only at that world size)
-        self.config = InfinityConfig.load(source, world_size=launched_world_size()) \
-            if source is not None else None
+        # read for the ranks the run has (its batch sizes add up only at that world size), for
+        # its stage alone: a Hugging Face config's "auto" values are the initialize's to fill
+        self.config = InfinityConfig.load(source, world_size=launched_world_size(),
+                                          auto_defaults=True) if source is not None else None
         self.enabled = enabled and (self.config is None or self.config.zero.stage == 3)
         # one hook per entry: the same Init may be entered again inside itself (nested
         # ``with``, or a decorated builder that recurses), and each exit removes its own

@@ -222,6 +222,11 @@ def test_zero_init_takes_deepspeeds_arguments_and_refuses_misspelled_ones() -> N
     assert layer.weight.device.type == "meta"
     with pytest.raises(TypeError, match=r"unknown arguments \['remot_device'\]"):
         infinity.zero.Init(config_dict_or_path=config, remot_device="cpu")
+    # a Hugging Face config's "auto" values are initialize's to fill: Init reads the stage
+    # (it refused them, advising an auto_values= it does not take)
+    with infinity.zero.Init(config_dict_or_path={**HF_ZERO3, "zero_optimization": {"stage": 3}}):
+        layer = nn.Linear(4, 4)
+    assert layer.weight.device.type == "meta"
 
 
 def test_backward_and_step_take_deepspeeds_arguments() -> None:

@@ -110,6 +110,16 @@ def test_hf_style_auto_values_take_the_flags() -> None:
                                           r"config .* write a value for") as info:
         build_ds_config(ds, Overrides(micro_batch=2, lr=1e-3, steps=40))
     assert "auto_values" not in str(info.value)
+    # every "auto" the flags fill: the batch's total, the schedule's peak from --lr (it was
+    # "fills the batch sizes" and then "write a value for train_batch_size")
+    ds["optimizer"]["params"]["weight_decay"] = 0.0
+    ds["train_batch_size"] = "auto"
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                      "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": 5}}
+    _, config = build_ds_config(ds, Overrides(micro_batch=2, lr=3e-4), world_size=2)
+    assert config.train_batch_size == 4 and config.gradient_accumulation_steps == 1
+    assert config.scheduler.warmup_max_lr == 3e-4 and config.scheduler.warmup_min_lr == 0.0
 
 
 @pytest.mark.parametrize("overrides, match", [
