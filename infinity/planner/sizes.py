@@ -429,7 +429,9 @@ def derive_sizes(cfg: InfinityConfig, stats: ModelStats, hw: Hardware, *,
     device_grads = device_gradient_bytes(layouts, cfg.world_size, z.stage, hw.has_gpu,
                                          grad_buffers, grad_itemsize)
     crowded = ""
-    if prefetch is not None and z.stage == 3 and device_grads > room - ahead:
+    # (no gradient buffers on the device -- a CPU's -- nothing to crowd: a DeepSpeed-sized
+    # bucket there warned of "0 B" needed, to be mended by raising the budget "by 0 B")
+    if prefetch is not None and z.stage == 3 and 0 < device_grads and device_grads > room - ahead:
         crowded = _prefetch_crowds_gradients(prefetch, c, room, device_grads, grad_buffers,
                                              grad_dtype, prefetched)
 

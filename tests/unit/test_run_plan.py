@@ -371,6 +371,12 @@ def test_a_prefetch_bucket_the_user_set_that_leaves_no_room_for_the_gradient_buf
     assert fitting.sizes.device_room_warning == "" and fitting.sizes.device_grad_buffers == 1
     assert not any("stage3_prefetch_bucket_size" in w for w in fitting.warnings)
     assert plan_memory(cfg(114_556_929), stats, GPU_BOX).sizes.device_room_warning
+    # a CPU device reduces no gradients on it: a DeepSpeed-sized bucket crowds nothing (it
+    # warned that "0 B" were needed, mended by raising the budget "by 0 B")
+    on_cpu = plan_memory(cfg(500_000_000), stats, CPU_BOX)
+    assert on_cpu.sizes.device_grad_bytes == 0
+    assert on_cpu.sizes.device_room_warning == ""
+    assert not any("gradients reduced on the device" in w for w in on_cpu.warnings), on_cpu.warnings
 
 
 class _SmallBlock(nn.Module):
