@@ -10,7 +10,8 @@ Rules kept here:
 
 * Unknown or misspelled keys are errors naming the key path and the closest valid key. An
   explicit list of DeepSpeed keys that infinity ignores on purpose is accepted with one log line,
-  and so are DeepSpeed features infinity lacks while they are switched off (on, they are errors).
+  and so are DeepSpeed features infinity lacks while they are switched off (on, they are errors):
+  the tables are config/deepspeed_keys.py's.
 * ``"auto"`` (as written by the Hugging Face integration) for a *size* (sub-groups, buffers,
   buckets) means "derive it from the memory budgets" (``None`` here; ``infinity.planner.sizes`` fills
   it in), never DeepSpeed's literal defaults (a 1e9-element sub-group is 12 GB of host buffers).
@@ -25,12 +26,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from infinity.config.aio import AioConfig
+from infinity.config.deepspeed_keys import (
+    IGNORED_KEYS,
+    KEY_HINTS,
+    OFF_ONLY_KEYS,
+    schedule_of_key,
+    scheduler_hint,
+)
 from infinity.config.file import check_nesting, decode_base64_config, read_config_file
 from infinity.config.infinity_section import InfinitySection
 from infinity.config.monitor import CsvMonitorConfig, TensorBoardConfig, WandbConfig
@@ -43,40 +50,11 @@ from infinity.config.values import (
     check_bool,
     check_float,
     check_int,
+    is_whole,
     log,
     set_field,
 )
 from infinity.config.zero import OFFLOAD_KEYS, SIZE_KEYS, OffloadConfig, ZeroConfig
-
-# DeepSpeed keys we accept and ignore on purpose: they configure tools infinity does not have
-# (profilers, compilers), collectives of a world size of 1, or memory layouts that change
-# no result here. Anything else unknown is an error.
-IGNORED_KEYS: dict[str, tuple[str, ...]] = {
-    "": ("zero_allow_untested_optimizer", "activation_checkpointing",
-         "flops_profiler", "comms_logger",
-         "autotuning",
-         "memory_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
-         "zero_force_ds_cpu_optimizer", "data_types", "compile",
-         "disable_allgather",
-         "seq_parallel_communication_data_type", "log_level", "disable_python_gc",
-         "use_data_before_expert_parallelism", "timers"),
-    "zero_optimization": ("allgather_partitions", "ignore_unused_parameters",
-                          "load_from_fp32_weights", "elastic_checkpoint",
-                          "use_multi_rank_bucket_allreduce", "model_persistence_threshold",
-                          "stage3_model_persistence_threshold", "module_granularity_threshold",
-                          "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
-                          "stage3_use_all_reduce_for_fetch_params", "allgather_sequential",
-                          "stage3_allgather_sequential", "memory_efficient_linear",
-                          "pipeline_loading_checkpoint", "override_module_apply",
-                          "log_trace_cache_warnings", "enable_sanity_checks", "compute_grad_norm",
-                          "parameter_alignment", "cpu_offload_use_pin_memory", "leaf_module",
-                          "save_muon_momentum_buffer_in_memory"),
-    # bf16 steps here accumulate gradients in fp32 and step as they come; DeepSpeed's stage 3
-    # does not check bf16 gradients for overflow either
-    "bf16": ("immediate_grad_update", "check_grad_overflow"),
-    "optimizer.params": ("torch_adam", "fused"),
-}
-
 
 ACTIVATION_OFFLOAD_KEYS = ("partition_activations", "cpu_checkpointing")
 """DeepSpeed's activation_checkpointing keys that move activations off the GPU: ignored here,
@@ -101,85 +79,6 @@ def _warn_activation_checkpointing(section: Any) -> None:
 
 MAX_BATCH_SIZE = 2**31 - 1
 """Batch sizes above this (samples per step) are refused as a typo (1e30), not a plan."""
-
-
-def _is_whole(value: Any) -> bool:
-    """An integer of any integral type, never a bool (``true == 1`` in Python)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_off(value: Any) -> bool:
-    return value is False or value is None
-
-
-def _section_off(value: Any) -> bool:
-    return value is None or value == {} or (isinstance(value, Mapping) and value.get("enabled") is False)
-
-
-# DeepSpeed features infinity does not have. A copied config often lists them switched off, so
-# that is accepted (logged with the ignored keys); switched on, ignoring them would train something
-# else than the config asks for, so it is an error. key -> (is it off?, the off value, what to do)
-OFF_ONLY_KEYS: dict[str, dict[str, tuple[Any, str, str]]] = {
-    "": {"amp": (_section_off, '{"enabled": false}', "use fp16 or bf16"),
-         "comet": (_section_off, '{"enabled": false}', "use tensorboard, csv_monitor or wandb"),
-         "torch_autocast": (_section_off, '{"enabled": false}', "use bf16 or fp16"),
-         "sparse_gradients": (_is_off, "false", ""),
-         "progressive_layer_drop": (_section_off, '{"enabled": false}', ""),
-         "curriculum_learning": (_section_off, '{"enabled": false}', ""),
-         "data_efficiency": (_section_off, '{"enabled": false}', ""),
-         "eigenvalue": (_section_off, '{"enabled": false}', ""),
-         "compression_training": (_section_off, "{}", ""),
-         "graph_harvesting": (_is_off, "false", ""),
-         # its other keys (tag_validation, load_universal, writers) change nothing here; node-
-         # local storage would fail at the first save, hours in: every rank writes its part
-         # into one directory that rank 0 commits
-         "checkpoint": (lambda v: v is None or (isinstance(v, Mapping) and not
-                                                v.get("use_node_local_storage")),
-                        '{"use_node_local_storage": false}',
-                        "checkpoints are written by every rank into one directory on a file "
-                        "system every rank mounts"),
-         # ranks' gradients are averaged here; DeepSpeed's "sum" adds them (stages 0-2)
-         "gradient_allreduce_op": (lambda v: v is None or (isinstance(v, str) and
-                                                           v.lower() == "mean"), '"mean"',
-                                   "gradients are averaged over ranks here; for a sum, multiply "
-                                   "the loss by the world size"),
-         # DeepSpeed's default (since 0.19.4): step() counts the micro-batches, as here always
-         "managed_gradient_accumulation": (lambda v: v is None or v is True, "true",
-                                           "engine.step() counts micro-batches here always"),
-         # DeepSpeed's elasticity picks the batch sizes: ignored, the run would take another
-         "elasticity": (lambda v: v is None or (isinstance(v, Mapping) and v.get("enabled") in
-                                               (None, False)), '{"enabled": false}',
-                        "set train_batch_size, train_micro_batch_size_per_gpu and "
-                        "gradient_accumulation_steps to the sizes wanted")},
-    "fp16": {"fp16_master_weights_and_grads": (_is_off, "false", "master weights stay fp32")},
-    "bf16": {"bf16_master_weights_and_grads": (_is_off, "false", "master weights stay fp32"),
-             "bf16_optimizer_states": (_is_off, "false",
-                                       'for bf16 Adam moments set infinity.optimizer_moments '
-                                       '"bf16"')},
-    # a config written for torch's Adam lists it off; infinity's CPU Adam has none
-    "optimizer.params": {"amsgrad": (_is_off, "false", "infinity's CPU Adam has no AMSGrad"),
-                         # DeepSpeedCPUAdam's and FusedAdam's own switches, at their defaults
-                         "fp32_optimizer_states": (lambda v: v is None or v is True, "true",
-                                                   'for 16-bit Adam moments set '
-                                                   'infinity.optimizer_moments "bf16"'),
-                         "set_grad_none": (lambda v: v is None or isinstance(v, bool), "true",
-                                           "")},
-    "zero_optimization": {
-        "zero_quantized_weights": (_is_off, "false", ""),
-        "zero_quantized_nontrainable_weights": (_is_off, "false", ""),
-        "zero_quantized_gradients": (_is_off, "false", ""),
-        "zero_hpz_partition_size": (lambda v: _is_whole(v) and v in (0, 1), "1", ""),
-        "mics_shard_size": (lambda v: _is_whole(v) and v <= 0, "-1", ""),
-        "mics_hierarchical_params_gather": (_is_off, "false", ""),
-        "legacy_stage1": (_is_off, "false", ""),
-        "cpu_offload": (_is_off, "false",
-                        'DeepSpeed\'s old spelling: use "offload_optimizer": {"device": "cpu"}'),
-        "cpu_offload_param": (_is_off, "false",
-                              'DeepSpeed\'s old spelling: use "offload_param": {"device": "cpu"}'),
-        "zenflow": (_section_off, "null", ""),
-        "zeropp_loco_param": (_is_off, "null", ""),
-    },
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +165,8 @@ class InfinityConfig:
             raise ConfigError(f"infinity.compute_dtype = {dtype!r} contradicts {other}.enabled = true")
         if dtype == "auto":    # as a GPU resolves it (the planner checks the resolved one too)
             dtype = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
-        check_communication_dtype(self.communication_data_type, dtype)
+        set_field(self, "communication_data_type",
+                  check_communication_dtype(self.communication_data_type, dtype))
         if self.infinity.offload_activations == "nvme" and self.zero.swap_path is None:
             raise ConfigError("infinity.offload_activations is \"nvme\" but no swap directory is "
                               "configured: set zero_optimization.offload_param.nvme_path or "
@@ -435,9 +335,15 @@ class _Parser:
         self.missing: list[str] = []        # "auto" keys with no value
         self.filled: set[str] = set()      # the auto_values taken
 
-    def keys(self, data: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
-        """``data`` with aliases renamed and ignored keys dropped; unknown keys raise."""
+    def keys(self, data: Any, path: str, allowed: tuple[str, ...],
+             hint: Callable[[str], str] | None = None) -> dict[str, Any]:
+        """``data`` with aliases renamed and ignored keys dropped; unknown keys raise (``hint``:
+        what an unknown key means here, where a close name would mislead)."""
         where = path or "the top level"
+        if path == "zero_optimization" and isinstance(data, bool):
+            raise ConfigError(f"zero_optimization = {json.dumps(data)}: DeepSpeed's old "
+                              "boolean form; write the section, e.g. {\"stage\": 1}"
+                              if data else "zero_optimization = false: write {\"stage\": 0}")
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected a JSON object, got {data!r}")
         if not path and ("model_type" in data or "architectures" in data):
@@ -468,11 +374,12 @@ class _Parser:
                         + (f" ({advice})" if advice else ""))
                 self.ignored.append(full)
             else:
+                known = KEY_HINTS.get(full) or (hint(str(key)) if hint is not None else "")
                 valid = sorted(set(allowed) | set(aliases) | set(ignored) | set(off_only))
                 close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
-                hint = (f"did you mean {(f'{path}.' if path else '') + close[0]!r}?" if close
-                        else f"valid keys here: {', '.join(allowed)}")
-                raise ConfigError(f"unknown key {full!r} in the config: {hint}")
+                advice = known or (f"did you mean {(f'{path}.' if path else '') + close[0]!r}?"
+                                   if close else f"valid keys here: {', '.join(allowed)}")
+                raise ConfigError(f"unknown key {full!r} in the config: {advice}")
         return out
 
     def resolve(self, values: dict[str, Any], path: str,
@@ -540,6 +447,9 @@ class _Parser:
 
     def optimizer(self, data: Any) -> OptimizerConfig:
         section = self.keys(data, "optimizer", ("type", "params"))
+        if "type" not in section:     # DeepSpeed builds no optimizer from such a section
+            raise ConfigError("optimizer: the section has no \"type\": write \"AdamW\" or "
+                              "\"Adam\" (infinity's CPU Adam runs either)")
         kwargs = self.resolve({k: v for k, v in section.items() if k != "params"}, "optimizer")
         params = self.keys(section.get("params", {}), "optimizer.params",
                            ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"))
@@ -551,8 +461,9 @@ class _Parser:
         kind = section.get("type")
         if kind not in SCHEDULER_KEYS:
             raise ConfigError(f"scheduler.type = {kind!r}: expected one of "
-                              f"{', '.join(map(repr, SCHEDULER_KEYS))}")
-        params = self.keys(section.get("params", {}), "scheduler.params", SCHEDULER_KEYS[kind])
+                              f"{', '.join(map(repr, SCHEDULER_KEYS))}{scheduler_hint(kind)}")
+        params = self.keys(section.get("params", {}), "scheduler.params", SCHEDULER_KEYS[kind],
+                           hint=lambda key: schedule_of_key(key, kind))
         return SchedulerConfig(type=kind, **self.resolve(params, "scheduler.params"))
 
     def zero(self, data: Any) -> ZeroConfig:

@@ -1,6 +1,7 @@
 """The ``"optimizer"`` and ``"scheduler"`` sections (DeepSpeed's keys and defaults)."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,8 +49,11 @@ class OptimizerConfig:
         p = "optimizer.params"
         names = {"adam": "Adam", "adamw": "AdamW"}
         if not isinstance(self.type, str) or self.type.lower() not in names:
+            close = difflib.get_close_matches(str(self.type).lower(), list(names), n=1,
+                                              cutoff=0.75)
             raise ConfigError(f"optimizer.type = {self.type!r}: infinity supports only 'Adam' and "
-                              "'AdamW' (its CPU Adam)")
+                              "'AdamW' (its CPU Adam)"
+                              + (f": did you mean {names[close[0]]!r}?" if close else ""))
         set_field(self, "type", names[self.type.lower()])
         set_field(self, "lr", check_float(f"{p}.lr", self.lr, 0.0))
         betas = self.betas

@@ -25,6 +25,8 @@ def check_communication_dtype(value: Any, compute: str) -> str | None:
     fp32's range and is allowed, as is "fp32" under any compute (a wider sum)."""
     if value is None:
         return None
+    if isinstance(value, str):
+        value = value.lower()      # "BF16" as DeepSpeed reads it
     if value not in COMMUNICATION_DTYPES:
         raise ConfigError(
             f"communication_data_type = {value!r}: expected one of "

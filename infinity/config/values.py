@@ -38,6 +38,11 @@ class AutoValueMissing(ConfigError):
 # ----------------------------------------------------------------------------------------------
 # Value checks shared by every section. Each raises ConfigError naming the key path and value.
 
+def is_whole(value: Any) -> bool:
+    """An integer of any integral type, never a bool (``true == 1`` in Python)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_bool(path: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{path} = {value!r}: expected true or false")

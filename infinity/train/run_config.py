@@ -91,6 +91,12 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides, *,
             raise ValueError(f"--micro-batch must be at least 1, got {o.micro_batch}")
         _keep_accumulation(ds, world_size)
         ds["train_micro_batch_size_per_gpu"] = o.micro_batch
+    if ds.get("optimizer") is None:
+        # the library refuses a run without one; the main job says which it uses instead
+        ds["optimizer"] = copy.deepcopy(demo_config()["optimizer"])
+        ds["optimizer"]["params"]["lr"] = o.lr or DEFAULT_LR
+        _log.warning("the config has no \"optimizer\" section: infinity train uses its own, %s "
+                     "(set --lr, or the section, to choose)", json.dumps(ds["optimizer"]))
     if o.lr is not None:
         if not o.lr > 0:
             raise ValueError(f"--lr must be positive, got {o.lr}")
@@ -107,12 +113,6 @@ def build_ds_config(base: dict[str, Any], overrides: Overrides, *,
     for key in ("optimizer_moments", "optimizer_master"):
         if getattr(o, key) is not None:
             _section(ds, "infinity")[key] = getattr(o, key)
-    if ds.get("optimizer") is None:
-        # the library refuses a run without one; the main job says which it uses instead
-        ds["optimizer"] = copy.deepcopy(demo_config()["optimizer"])
-        ds["optimizer"]["params"]["lr"] = o.lr or DEFAULT_LR
-        _log.warning("the config has no \"optimizer\" section: infinity train uses its own, %s "
-                     "(set --lr, or the section, to choose)", json.dumps(ds["optimizer"]))
     _fill_nvme_paths(ds, o.nvme_path)
     _fill_schedule_length(ds, o.steps)
     auto = _auto_values(ds, o, world_size)

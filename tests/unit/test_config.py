@@ -671,3 +671,31 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, object]]:
         path = f"{prefix}.{key}" if prefix else key
         out += _flatten(value, path) if isinstance(value, dict) else [(path, value)]
     return out
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}},
+     r"max_grad_norm.*top-level \"gradient_clipping\""),       # was: did you mean set_grad_none
+    ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 100}}},
+     r"total_num_steps is a key of WarmupDecayLR, WarmupCosineLR, not of WarmupLR"),
+    ({"scheduler": {"type": "CosineAnnealingLR", "params": {"T_max": 100}}},
+     r"lr_scheduler=lambda opt: torch\.optim\.lr_scheduler\.CosineAnnealingLR\(opt"),
+    ({"scheduler": {"type": "WarmupCosineLr"}}, r"did you mean 'WarmupCosineLR'\?"),
+    ({"optimizer": {"type": "AdamWW"}}, r"did you mean 'AdamW'\?"),
+    ({"optimizer": {"params": {"lr": 0.1}}}, r"optimizer: the section has no \"type\""),
+    ({"sparse_attention": {"mode": "fixed"}}, r"sparse attention kernels are not part"),
+    ({"zero_optimization": True}, r"DeepSpeed's old boolean form"),
+])
+def test_what_a_deepspeed_user_writes_wrong_is_named_for_what_it_is(config, match) -> None:
+    """Unknown keys and types a DeepSpeed user writes: the closest valid name misled
+    (max_grad_norm -> set_grad_none, a WarmupDecayLR key on WarmupLR -> warmup_num_steps), a
+    torch scheduler (DeepSpeed builds those) or a misspelt type got a bare list, and an
+    optimizer section without a type silently became AdamW."""
+    with pytest.raises(ConfigError, match=match):
+        InfinityConfig.from_dict(config)
+
+
+def test_communication_data_type_is_read_in_any_case() -> None:
+    """DeepSpeed lower-cases it ("BF16" was refused here)."""
+    assert InfinityConfig.from_dict({"communication_data_type": "BF16"}).communication_data_type \
+        == "bf16"
