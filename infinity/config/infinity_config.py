@@ -77,6 +77,26 @@ def _warn_activation_checkpointing(section: Any) -> None:
                     " and .".join(asked))
 
 
+def _check_data_types(section: Any) -> None:
+    """DeepSpeed's ``data_types.grad_accum_dtype``: gradients accumulate in fp32 here whatever
+    it says; a 16-bit one asked for is said to be fp32 (more precise than asked, and another
+    training than DeepSpeed's), a value DeepSpeed would refuse is refused."""
+    if section is None:
+        return
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"data_types: expected a JSON object, got {section!r}")
+    asked = section.get("grad_accum_dtype")
+    if asked is None:
+        return
+    if asked not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"data_types.grad_accum_dtype = {asked!r}: expected \"fp32\", "
+                          "\"bf16\" or \"fp16\" (gradients accumulate in fp32 here)")
+    if asked != "fp32":
+        log.warning("data_types.grad_accum_dtype = %r: gradients accumulate in fp32 here (more "
+                    "precise than asked; DeepSpeed would round each micro-batch's sum to %s)",
+                    asked, asked)
+
+
 MAX_BATCH_SIZE = 2**31 - 1
 """Batch sizes above this (samples per step) are refused as a typo (1e30), not a plan."""
 
@@ -441,6 +461,7 @@ class _Parser:
             kwargs["zero"] = self.zero(top["zero_optimization"])
         config = InfinityConfig(**kwargs)
         _warn_activation_checkpointing(data.get("activation_checkpointing"))
+        _check_data_types(data.get("data_types"))
         if self.ignored:
             log.info("ignoring DeepSpeed keys that infinity does not use: %s", ", ".join(self.ignored))
         return config

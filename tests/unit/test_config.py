@@ -699,3 +699,13 @@ def test_communication_data_type_is_read_in_any_case() -> None:
     """DeepSpeed lower-cases it ("BF16" was refused here)."""
     assert InfinityConfig.from_dict({"communication_data_type": "BF16"}).communication_data_type \
         == "bf16"
+
+
+def test_a_16_bit_gradient_accumulation_asked_for_is_said_to_be_fp32(infinity_log) -> None:
+    """data_types.grad_accum_dtype was ignored whatever it said ("int7" too)."""
+    InfinityConfig.from_dict({"data_types": {"grad_accum_dtype": "fp32"}})
+    assert not [r for r in infinity_log.records if r.levelname == "WARNING"]
+    InfinityConfig.from_dict({"data_types": {"grad_accum_dtype": "bf16"}})
+    assert any("gradients accumulate in fp32 here" in r.getMessage() for r in infinity_log.records)
+    with pytest.raises(ConfigError, match=r"data_types\.grad_accum_dtype = 'int7'"):
+        InfinityConfig.from_dict({"data_types": {"grad_accum_dtype": "int7"}})
