@@ -57,7 +57,8 @@ from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import (in_graph_task, keep_at, only_for, param_versions,
                                         tensors_in, weak_grad_hook)
-from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable
+from infinity.zero.input_gradients import LATE_AFTER_INPUTS, on_output_gradient, watch_inputs
+from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable, upcoming_units
 from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.device_room import DeviceRoom
 from infinity.zero.gather_ahead import AheadGathers
@@ -102,6 +103,7 @@ class Coordinator:
         check_backward_working_set(units, hooked, manager.device_budget)
         # ``overlap_comm``: see [Note: gathers issued ahead] in zero/gather_ahead.py
         self.ahead = AheadGathers.for_run(units, manager, comm, overlap_comm)
+        self._ranks = comm.world_size if comm is not None else 1
         # the units the training forward in progress used with grad enabled, in order (a use
         # under no_grad has no backward), and the order last checked (``end_forward``)
         self._grad_uses: list[int] = []
@@ -230,9 +232,9 @@ class Coordinator:
         if not recompute:
             self._grad_uses.extend(ids)
             self.detached_reads.note_call(ids)    # its saves hidden from the hooks: held longer
-            for t in inputs:
-                if t.requires_grad:
-                    t.register_hook(lambda grad, ids=ids: self._post_backward(ids))
+            watched = watch_inputs(inputs, lambda: self._post_backward(ids))
+            for uid in ids:
+                self._status[uid].note_call(watched)
         return frozenset(id(t) for t in inputs)
 
     def _forward_post(self, ids: tuple[int, ...], output, passed_through: frozenset[int]):
@@ -260,7 +262,7 @@ class Coordinator:
             # passed through]
             for t in tensors_in(output, objects=True):
                 if t.requires_grad and id(t) not in passed_through:
-                    t.register_hook(lambda grad, ids=ids: self._pre_backward(ids))
+                    on_output_gradient(t, lambda ids=ids: self._pre_backward(ids))
         return None
 
     # -- backward --------------------------------------------------------------------------
@@ -303,14 +305,20 @@ class Coordinator:
                 raise
             self._untracked = True
         entry.param.grad = None
+        if self._status[unit.index].forced:   # reduced over the ranks without it
+            raise RuntimeError(LATE_AFTER_INPUTS.format(param=entry.name, unit=unit.name))
         self.stepper.on_grad(unit, entry, grad)
         self._status[unit.index].grads_pending -= 1
         self._maybe_finish(unit)
 
     def _maybe_finish(self, unit: Unit) -> None:
         uid, status = unit.index, self._status[unit.index]
-        if status.backward_done or status.grads_pending > 0 or status.read_detached:
+        if status.backward_done or status.read_detached:
             return
+        if status.grads_pending > 0:   # several ranks: [Note: a call's inputs mark its backward]
+            if not (self._ranks > 1 and status.calls_done):
+                return
+            status.forced = True
         if (unit.has_frozen or status.saves_unseen) and not status.inputs_done:
             return
         if not unit.has_trainable and not status.inputs_done:
@@ -398,15 +406,7 @@ class Coordinator:
 
     # -- releasing and keeping (see [Note: keeping units for reuse] in zero/device_room.py) -
     def _upcoming_all(self) -> list[int]:
-        """The recorded order from now on: rest of this pass, then the pass that follows."""
-        fwd, bwd = self.traces["train_fwd"], self.traces["bwd"]
-        if self._phase is PassPhase.BACKWARD:
-            return bwd.upcoming() + fwd.order
-        if self._phase is PassPhase.TRAIN_FORWARD:
-            return fwd.upcoming() + bwd.order
-        if self._phase is PassPhase.EVAL_FORWARD:
-            return self.traces["eval_fwd"].upcoming()
-        return list(fwd.order)   # after a backward: the next training forward
+        return upcoming_units(self._phase, self.traces)
 
     def _backward_may_read(self, uid: int) -> bool:
         """A backward op still to run may read the unit: a pre-backward hook of the backward

@@ -64,6 +64,14 @@ class UnitStatus:
     # Both stay set for the run: a backward's end must not clear what a forward whose backward
     # is still to come set (two forwards, then their backwards), and a model reads alike each step
     saves_unseen: bool = False
+    # the training forwards' calls since the last backward whose inputs carry a gradient
+    # (``watched``: their backward is marked, see zero/input_gradients.py) or carry none, and
+    # the watched ones whose inputs have their gradient; ``forced``: finished with gradients
+    # this rank did not get (several ranks: at the mark, where every rank finishes it)
+    calls_watched: int = 0
+    calls_blind: int = 0
+    calls_reached: int = 0
+    forced: bool = False
 
     @property
     def held(self) -> bool:
@@ -89,12 +97,29 @@ class UnitStatus:
     def start_backward(self, trainable: int) -> None:
         self.grads_pending = trainable
         self.backward = UnitBackward.PENDING
+        self.calls_watched = self.calls_blind = self.calls_reached = 0
+        self.forced = False
+
+    def note_call(self, watched: bool) -> None:
+        """A training forward's call of its module (``watched``: an input carries a gradient)."""
+        if watched:
+            self.calls_watched += 1
+        else:
+            self.calls_blind += 1
+
+    @property
+    def calls_done(self) -> bool:
+        """Every call since the last backward has the gradient of its inputs: the point where
+        its backward is over on every rank, whatever gradients each got ([Note: a call's
+        inputs mark its backward])."""
+        return self.calls_blind == 0 and 0 < self.calls_watched <= self.calls_reached
 
     def fetched_for_backward(self) -> None:
         self.backward = _FETCH.get(self.backward, self.backward)
 
     def reached_inputs(self) -> None:
-        """Its module's backward produced the gradient w.r.t. its inputs."""
+        """A call of its module has the gradient w.r.t. its inputs."""
+        self.calls_reached += 1
         self.backward = _INPUTS.get(self.backward, self.backward)
 
     def finish_backward(self) -> None:
@@ -115,3 +140,16 @@ def next_trainable(units, statuses: list[UnitStatus], order: list[int], count: i
         if uid not in found and units[uid].has_trainable and not statuses[uid].backward_done:
             found.append(uid)
     return found
+
+
+def upcoming_units(phase: PassPhase, traces: dict) -> list[int]:
+    """The recorded order from now on (``traces`` by phase value): the rest of this pass, then
+    the pass that follows."""
+    fwd, bwd = traces["train_fwd"], traces["bwd"]
+    if phase is PassPhase.BACKWARD:
+        return bwd.upcoming() + fwd.order
+    if phase is PassPhase.TRAIN_FORWARD:
+        return fwd.upcoming() + bwd.order
+    if phase is PassPhase.EVAL_FORWARD:
+        return traces["eval_fwd"].upcoming()
+    return list(fwd.order)   # after a backward: the next training forward
