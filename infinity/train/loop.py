@@ -229,6 +229,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         # another file under the same name resumed silently)
         identity = {"seed": opts.seed, "data_sha256": corpus.digest, "seq_len": opts.seq_len,
                     "micro_batch": sampler.micro_batch}
+        if world > 1:
+            _check_same_run(identity, engine.comm.all_gather_objects(identity))
         done = checkpoints.resume_into(engine, sampler, identity, opts.steps, corpus.source)
         # infinity's engine logs wall_clock_breakdown itself (engine/monitor.py)
         timers = _PhaseTimers(config.wall_clock_breakdown and opts.engine == "torch",
@@ -309,6 +311,19 @@ def _launch_ranks() -> tuple[int, int]:
         raise ValueError(f"RANK={raw!r} in the environment is not a rank of WORLD_SIZE={world}; "
                          "launch with torchrun (which sets both) or unset them")
     return int(raw), world
+
+
+def _check_same_run(mine: dict[str, Any], everyone: list[dict[str, Any]]) -> None:
+    """Every rank reads the same data (by its bytes: a node's own copy that differs), seed and
+    sizes: a rank that did not trained on other samples than the run says, without a word (the
+    log and the checkpoint hold rank 0's alone)."""
+    for rank, theirs in enumerate(everyone):
+        differing = {k: (everyone[0][k], theirs[k]) for k in mine if theirs[k] != everyone[0][k]}
+        if differing:
+            raise ValueError(
+                f"rank {rank} was started with another run than rank 0 (rank 0's, rank "
+                f"{rank}'s: {differing}): every rank must read the same data (a copy on each "
+                "node that differs?), --seed, --seq-len and micro-batch")
 
 
 def _mean_over_ranks(losses: list[float], engine: Any, world: int) -> float:

@@ -126,3 +126,15 @@ def test_the_seed_deepspeed_config_runs_unchanged_on_four_ranks(disk_dir: Path,
     rows4, rows1 = read_metrics(four), read_metrics(one)
     assert len(rows4) == 2 and [r["tokens"] for r in rows4] == [32 * 16] * 2
     assert [r["loss"] for r in rows4] == pytest.approx([r["loss"] for r in rows1], rel=1e-5)
+
+
+def test_ranks_started_with_other_data_or_seed_are_refused(disk_dir: Path) -> None:
+    """A rank given another --seed (or its node's own copy of the data that differs) trained on
+    other samples without a word, the log and the checkpoint holding rank 0's alone."""
+    from ranks import launch
+
+    results = launch(2, "train_seed_ranks_worker.py", [str(disk_dir)], timeout=180)
+    for rank, r in enumerate(results):
+        assert r.returncode != 0, (rank, r.stdout[-1000:])
+        assert "rank 1 was started with another run than rank 0" in r.stderr, r.stderr[-2000:]
+        assert "'seed': (0, 1)" in r.stderr, r.stderr[-2000:]
