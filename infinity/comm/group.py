@@ -200,6 +200,21 @@ def current_ranks(group: Any = None) -> RankInfo:
     return RankInfo(dist.get_rank(group), dist.get_world_size(group), local, group)
 
 
+def use_local_gpu() -> None:
+    """Under a launcher (``LOCAL_RANK`` set) on a machine with GPUs, make the rank's own GPU
+    the current CUDA device, as DeepSpeed's engine does: an engine whose model has no device
+    yet (built under ``zero.Init``, ``from_pretrained``, ``infinity train``) computes on the
+    current device, which is GPU 0 in every process until someone sets it, so the ranks of a
+    node all took GPU 0 (NCCL: "Duplicate GPU detected")."""
+    if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
+        return
+    local = int(os.environ["LOCAL_RANK"] or 0)
+    index = local % torch.cuda.device_count()
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+        log.info("LOCAL_RANK %d: computing on cuda:%d", local, index)
+
+
 def join_ranks(process_group: Any = None, timeout_s: float | None = None,
                device: torch.device | None = None) -> RankInfo:
     """The engine's ranks: ``process_group`` when given, else the default group, created from

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from infinity.comm.collectives import NO_COMM, Collectives
+from infinity.comm.group import use_local_gpu
 from infinity.engine.guards import call_on_every_rank
 from infinity.engine.module_state import full_state_dict, load_module_state_dict
 
@@ -29,8 +30,10 @@ def model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         if p.device.type != "meta":
             return p.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    use_local_gpu()        # the rank's own GPU under a launcher, as DeepSpeed's engine
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def place_buffers(model: nn.Module, device: torch.device, comm: Collectives = NO_COMM) -> int:
