@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import hashlib
 import json
 import os
 import re
@@ -429,8 +430,27 @@ def available_tags(load_dir: Path) -> list[str]:
                   if not p.name.startswith(".") and (p / MANIFEST).is_file())
 
 
+MANIFEST_SUM = "manifest_sha256"
+"""The manifest's own checksum (``manifest_sum``): the tensor files are checked against the
+sums it holds, and nothing checked the manifest itself -- a changed byte loaded silently in one
+case of seven (a renamed key reset the step counters to 0, an lr or weight decay changed)."""
+
+
+def manifest_sum(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's fields but its own checksum, in one canonical JSON (keys
+    sorted): the same after a parse, whatever the file's layout."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_SUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=True).encode()).hexdigest()
+
+
+def resummed(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with its checksum of its fields as they are now (for tools, and tests, that
+    write a manifest of their own making)."""
+    return {**manifest, MANIFEST_SUM: manifest_sum(manifest)}
+
+
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    text = json.dumps(manifest, indent=1, allow_nan=True)
+    text = json.dumps(resummed(manifest), indent=1, allow_nan=True)
     with open(directory / MANIFEST, "x") as f:
         f.write(text)
         f.flush()
@@ -478,6 +498,11 @@ def parse_manifest(raw: bytes, path: Path) -> dict[str, Any]:
                               f"version of infinity reads versions {FP32_STATES_VERSION} and {VERSION}"
                               + ("; it was written by a newer infinity: upgrade infinity to load "
                                  "it" if newer else ""))
+    stored = manifest.get(MANIFEST_SUM)     # absent: a save of an infinity before it
+    if stored is not None and stored != manifest_sum(manifest):
+        raise CheckpointError(f"{path} was changed after its save (its checksum does not match "
+                              "its fields): the checkpoint is damaged; load another tag, or "
+                              "restore the file from a copy")
     return manifest
 
 

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import infinity
+from infinity.checkpoint.directory import resummed
 from infinity.checkpoint import CheckpointError
 from infinity.checkpoint import save as save_module
 from infinity.checkpoint.directory import VERSION
@@ -323,7 +324,7 @@ def test_a_manifest_that_does_not_match_its_files_is_refused_before_loading(engi
     else:
         manifest["loss_scaler"] = [1.0]
         expected = "loss_scaler is not a dict"
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_text(json.dumps(resummed(manifest)))
     _train(engine, 1)
     probe = engine.save_checkpoint(disk_dir / "probe", tag="before", save_latest=False)
     steps, betas = engine.global_steps, engine.optimizer.param_groups[0]["betas"]
@@ -588,7 +589,7 @@ def test_a_checkpoint_with_the_older_scheduler_state_still_loads(disk_dir):
     manifest["lr_scheduler"] = {"last_epoch": position + 1, "base_lrs": [1e-3], "_step_count": 4,
                                 "verbose": False, "_get_lr_called_within_step": False,
                                 "_last_lr": expected, "lr_lambdas": [None]}
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_text(json.dumps(resummed(manifest)))
     second, *_ = infinity.initialize(model=make_model("llama", layers=2), config=ds)
     try:
         second.load_checkpoint(disk_dir / "ckpt")
@@ -631,3 +632,20 @@ def test_a_failure_tidying_the_replaced_save_is_reported_as_a_committed_save(eng
         pytest.skip("no atomic exchange of directories on this file system")
     assert json.loads((disk_dir / "ckpt" / "t" / "manifest.json").read_text())[
         "engine"]["global_steps"] == engine.global_steps      # the new save is the tag's
+
+
+@pytest.mark.parametrize("edit", ["lr", "counter key", "steps"])
+def test_a_manifest_changed_after_its_save_is_refused(engine, disk_dir, edit) -> None:
+    """The tensor files are checked against the manifest's sums, and nothing checked the
+    manifest: a changed byte loaded silently in one case of seven (the "engine" key renamed
+    reset the step counters to 0, an lr or a step count changed). Its own checksum now."""
+    tag = engine.save_checkpoint(disk_dir / "ckpt")
+    path = tag / "manifest.json"
+    text = path.read_text()
+    changed = {"lr": lambda t: t.replace('"lr": 0.001', '"lr": 0.003', 1),
+               "counter key": lambda t: t.replace('"engine"', '"engind"', 1),
+               "steps": lambda t: t.replace('"global_steps": 2', '"global_steps": 3', 1)}[edit](text)
+    assert changed != text, edit
+    path.write_text(changed)
+    with pytest.raises(CheckpointError, match="was changed after its save"):
+        engine.load_checkpoint(disk_dir / "ckpt")

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import infinity
+from infinity.checkpoint.directory import resummed
 from infinity.checkpoint import CheckpointError, consolidated_state_dict
 from infinity.optim.adam_formats import quantization_map
 from checkpoint_bytes import content_bytes
@@ -259,7 +260,7 @@ def _damage(path: Path, edit) -> None:
     data = target.read_bytes()
     manifest["files"][target.name] = {"bytes": len(data),
                                       "sha256": hashlib.sha256(data).hexdigest()}
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_text(json.dumps(resummed(manifest)))
 
 
 NAME = "model.layers.0.mlp.up_proj.weight.exp_avg"

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from infinity.checkpoint.directory import resummed
 from infinity.base.budget import MemoryBudget
 from infinity.checkpoint.pinned import PinnedSave
 from infinity.checkpoint.load import CheckpointLoad, prepare_load
@@ -198,7 +199,7 @@ def _edit(directory: Path, change) -> None:
     path = directory / "manifest.json"
     manifest = json.loads(path.read_text())
     change(manifest)
-    path.write_text(json.dumps(manifest))
+    path.write_text(json.dumps(resummed(manifest)))
 
 
 def _refused(rig: Rig, directory: Path, **kwargs) -> str:
@@ -845,7 +846,7 @@ def _split_into_two_ranks(directory: Path) -> None:
             files[path.name] = {"bytes": len(data),
                                 "sha256": hashlib.sha256(data).hexdigest()}
     manifest.update(world_size=2, files=files)
-    (directory / "manifest.json").write_text(json.dumps(manifest))
+    (directory / "manifest.json").write_text(json.dumps(resummed(manifest)))
 
 
 def test_a_checkpoint_of_two_ranks_loads_its_slices_by_the_manifests_shapes(tmp_path: Path,
