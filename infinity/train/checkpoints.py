@@ -98,9 +98,15 @@ class RunCheckpoints:
             raise ValueError(f"--resume: checkpoint {path} was taken from another run "
                              f"(saved, now: {differing}); use the same data, seed, --seq-len "
                              "and micro-batch, or another --save-dir")
-        if engine.global_steps >= last_step:
+        if engine.global_steps > last_step:
             raise ValueError(f"--resume: checkpoint {path} is at step {engine.global_steps} and "
-                             f"--steps is {last_step}: nothing is left to train; raise --steps")
+                             f"--steps is {last_step}: it went further; raise --steps")
+        if engine.global_steps == last_step:
+            # a run killed after its last save (in its export): the same command line, requeued,
+            # does what was left (it exited 2, and the export never came)
+            _log.info("--resume: checkpoint %s is at step %d, the last: nothing is left to "
+                      "train; finishing the run", path, last_step)
+            return last_step
         if "schedule" in client and client["schedule"] != self.schedule:
             _log.warning(
                 "--resume: checkpoint %s was saved by a run whose learning-rate schedule was %s; "

@@ -108,7 +108,8 @@ class TrainResult:
     """What a run did."""
 
     records: list[StepRecord]
-    summary: Summary
+    summary: Summary | None
+    """None when no step was left to take (a finished run resumed)."""
     n_params: int
     swap_dirs: list[str] = field(default_factory=list)
     """The engine's swap directories seen during the run (all removed at the end)."""
@@ -280,9 +281,9 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
         elif swap_dirs:
             _log.info("removed swap directory %s", ", ".join(swap_dirs))
 
-    summary = summarize(records)
+    summary = summarize(records) if records else None
     wall_s = time.perf_counter() - started
-    if first:
+    if first and summary is not None:
         ranks_text = f", {world} ranks" if world > 1 else ""
         tuned = f"fine-tune of {opts.pretrained}, " if opts.pretrained else ""
         out.write(render_summary(summary, f"infinity train ({opts.engine} engine, {tuned}"
@@ -291,7 +292,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
                   + "\n")
         out.flush()
     written_plot = None
-    if plot_path is not None:
+    if plot_path is not None and records:
         written_plot = str(write_plot(records, plot_path))
     return TrainResult(records=records, summary=summary, n_params=n_params, swap_dirs=swap_dirs,
                        plot=written_plot, init_s=init_s, wall_s=wall_s)

@@ -296,6 +296,15 @@ def test_a_resumed_run_continues_the_interrupted_one(disk_dir: Path, tmp_path: P
     proc = _infinity("train", *common, "--steps", "6", "--seed", "5",
                      "--save-dir", str(tmp_path / "run"), "--resume")
     assert proc.returncode == 2 and "taken from another run" in proc.stderr, proc.stderr[-2000:]
+    # the same command line requeued after the run's last save (killed in its export): it
+    # finishes the run, export included (it exited 2, "nothing is left to train")
+    proc = _infinity("train", *common, "--steps", "6", "--save-dir", str(tmp_path / "run"),
+                     "--resume", "--export", str(tmp_path / "out"))
+    assert proc.returncode == 0 and "nothing is left to train" in proc.stderr, proc.stderr[-2000:]
+    assert (tmp_path / "out" / "config.json").is_file()
+    proc = _infinity("train", *common, "--steps", "5", "--save-dir", str(tmp_path / "run"),
+                     "--resume")
+    assert proc.returncode == 2 and "it went further" in proc.stderr, proc.stderr[-2000:]
     assert list(disk_dir.iterdir()) == []
 
 
