@@ -261,19 +261,32 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
             if isinstance(exc, SavedError) or (isinstance(exc, CheckpointError) and
                                                AFTER_COMMIT in str(exc)):
                 raise       # the new save is in place: not "unchanged"
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and "checkpoint" not in str(exc):
-                raise OSError(errno.ENOSPC, f"checkpoint {tag}: the disk of {save_dir} filled up "
-                                            f"while it was written ({format_bytes(need)} needed, "
-                                            f"{format_bytes(free_bytes(save_dir))} free now that "
-                                            "its partial files are removed); the previous "
-                                            "checkpoint and latest are unchanged: free space or "
-                                            "choose another save_dir") from exc
+            if isinstance(exc, OSError) and "checkpoint" not in str(exc) and \
+                    str(save_dir) not in str(exc):    # a bare errno: ours name the directory
+                raise _save_error(exc, tag, save_dir, need) from exc
             raise
         if save_latest:
             ranks.decided_by_first(lambda: write_latest(save_dir, tag))
     log.info("saved checkpoint %s (%s) in %.1f s", final, format_bytes(need),
              time.perf_counter() - started)
     return final
+
+
+def _save_error(exc: OSError, tag: str, save_dir: Path, need: int) -> OSError:
+    """A save's OS error as the user needs it: which checkpoint, where, that nothing earlier
+    changed, and for a full disk or quota the sizes (a bare "[Errno 27] File too large" or
+    "[Errno 122] Disk quota exceeded" said none of it)."""
+    unchanged = "the previous checkpoint and latest are unchanged"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OSError(exc.errno, f"checkpoint {tag}: the disk of {save_dir} filled up (or its "
+                                  f"quota) while it was written ({format_bytes(need)} needed, "
+                                  f"{format_bytes(free_bytes(save_dir))} free now that its "
+                                  f"partial files are removed); {unchanged}: free space or "
+                                  "choose another save_dir")
+    hint = ("; a file size limit (ulimit -f) or the filesystem's largest file"
+            if exc.errno == errno.EFBIG else "")
+    return OSError(exc.errno, f"checkpoint {tag} in {save_dir}: "
+                              f"{exc.strerror or exc}{hint}; {unchanged}")
 
 
 def _begin(save_dir: Path, tag: str, held: contextlib.ExitStack,
