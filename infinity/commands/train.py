@@ -9,6 +9,7 @@ The work is in ``infinity.train.loop``; this module only parses arguments.
 from __future__ import annotations
 
 import argparse
+import os
 
 from infinity.train.defaults import (DEFAULT_FINETUNE_LR, DEFAULT_HOST_BUDGET, DEFAULT_LR,
                                      DEFAULT_MICRO_BATCH, DEFAULT_NVME_PATH, DEFAULT_PRESET,
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", default=None,
                         help="DeepSpeed-format ds_config.json (default: stage 3, params and "
                              "optimizer on NVMe)")
+    # the deepspeed launcher and torch.distributed.launch append --local_rank=N
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--data", metavar="FILE", default=None,
                         help="plain text, or JSON lines with a \"text\" field (default: the "
                              "shipped public-domain corpus)")
@@ -93,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from infinity.train.loop import TrainOptions, run_training  # torch: only when training
+
+    if args.local_rank is not None:     # the deepspeed launcher's (torchrun sets the variable)
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 
     opts = TrainOptions(
         engine=args.engine, config=args.config, model_size=args.model_size,

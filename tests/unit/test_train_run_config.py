@@ -166,3 +166,19 @@ def test_an_empty_nvme_path_flag_is_named_as_the_flag(flag: str) -> None:
     never wrote."""
     with pytest.raises(ValueError, match=r"--nvme-path '\s*': expected a directory path"):
         build_ds_config(demo_config(), Overrides(nvme_path=flag))
+
+
+@pytest.mark.parametrize("flag", ["--local_rank=1", "--local-rank=1"])
+def test_the_local_rank_flag_launchers_append_is_taken(monkeypatch, flag) -> None:
+    """The deepspeed launcher and torch.distributed.launch append --local_rank=N: it was
+    "unrecognized arguments"; it sets LOCAL_RANK where the launcher did not."""
+    import os
+
+    from infinity.cli import main
+    from infinity.train import loop
+
+    seen = []
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(loop, "run_training", lambda opts: seen.append(os.environ["LOCAL_RANK"]))
+    assert main(["train", "--model-size", "tiny", flag]) == 0
+    assert seen == ["1"]
