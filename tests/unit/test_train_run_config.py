@@ -178,7 +178,8 @@ def test_the_local_rank_flag_launchers_append_is_taken(monkeypatch, flag) -> Non
     from infinity.train import loop
 
     seen = []
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")    # so that undoing restores what was there
+    monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.setattr(loop, "run_training", lambda opts: seen.append(os.environ["LOCAL_RANK"]))
     assert main(["train", "--model-size", "tiny", flag]) == 0
     assert seen == ["1"]
