@@ -311,13 +311,23 @@ def prepare_load(state: TrainingState, load_dir: str | Path, tag: str | None = N
 def _same_save_on_every_rank(ranks: RankAgreement, load: CheckpointLoad | None) -> None:
     """Each rank pinned the save it found; a save of the tag between two ranks' pins would
     have them load two saves (see [Note: a load pinned to one save])."""
-    pinned = ranks.all_succeed(lambda: None if load is None else load.save.manifest_sha256,
-                               "compare the save it opened", share=True)
-    if len(set(pinned)) > 1:
-        where = load.directory if load is not None else "the checkpoint"
-        raise SavedWhileLoading(
-            f"the ranks opened different saves of {where} (a save of that tag happened while "
-            "they were opening it): nothing was loaded; load again")
+    pinned = ranks.all_succeed(
+        lambda: None if load is None else (str(load.directory.resolve()),
+                                           load.save.manifest_sha256),
+        "compare the save it opened", share=True)
+    if len(set(pinned)) <= 1:
+        return
+    if len({p[0] if p else None for p in pinned}) > 1:
+        # another directory or tag (a node-local copy that is older, or none): loading again
+        # cannot mend it (the message said a save happened meanwhile)
+        raise CheckpointError(
+            "the ranks found different checkpoints (" + "; ".join(
+                f"rank {rank}: {p[0] if p else 'none (no latest)'}"
+                for rank, p in enumerate(pinned)) + "): nothing was loaded. Every rank must "
+            "load one checkpoint, from a directory every rank mounts (or identical copies)")
+    raise SavedWhileLoading(
+        f"the ranks opened different saves of {load.directory} (a save of that tag happened "
+        "while they were opening it): nothing was loaded; load again")
 
 
 def _prepare(state: TrainingState, load_dir: Path, tag: str | None, load_module_strict: bool,

@@ -230,6 +230,8 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
     buffers = persistent_buffers(training.module) if training.rank == 0 else []
     need = _file_bytes(_model_tensors(layouts, buffers)) + _file_bytes(_optim_tensors(layouts))
     ranks = RankAgreement(training)
+    if training.world_size > 1:
+        _same_target_on_every_rank(ranks, save_dir, tag)
     if training.rank == 0:
         ensure_save_dir(save_dir)
     with contextlib.ExitStack() as held:
@@ -270,6 +272,20 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, tag: str | No
     log.info("saved checkpoint %s (%s) in %.1f s", final, format_bytes(need),
              time.perf_counter() - started)
     return final
+
+
+def _same_target_on_every_rank(ranks: RankAgreement, save_dir: Path, tag: str) -> None:
+    """Every rank names one directory and tag: rank 0 chooses where the save goes, and a rank
+    told another place (its node's own directory, a tag of its own) wrote its part there
+    without a word, and was told the save was where it asked."""
+    targets = ranks.all_succeed(lambda: (str(save_dir.resolve()), tag), "name the save",
+                                share=True)
+    if len(set(targets)) > 1:
+        raise CheckpointError(
+            "the ranks name different checkpoints (" + "; ".join(
+                f"rank {rank}: {where}/{name}" for rank, (where, name) in enumerate(targets))
+            + "): nothing was saved. Every rank saves into one directory every rank mounts, "
+            "with one tag (rank 0 commits it)")
 
 
 def _save_error(exc: OSError, tag: str, save_dir: Path, need: int) -> OSError:

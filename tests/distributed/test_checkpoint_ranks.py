@@ -116,3 +116,21 @@ def test_a_missing_rank_file_is_named(saved, tmp_path):
     (copy / tag / "rank1_model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="rank1_model.safetensors is missing"):
         consolidated_state_dict(copy)
+
+
+def test_ranks_that_name_different_checkpoints_are_refused(tmp_path):
+    """A rank told its node's own directory: its part of a save went into rank 0's without a
+    word (and it was told the save was where it asked); a load where one rank found another
+    checkpoint (or none) said "a save happened meanwhile, load again", which never mends it."""
+    results = launch(2, "ckpt_targets_ranks_worker.py", [str(tmp_path)], timeout=180)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, (rank, r.stderr[-3000:])
+        lines = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+        assert lines["save"].startswith("CheckpointError: the ranks name different "
+                                        "checkpoints"), lines
+        assert f"rank 1: {tmp_path / 'node1'}/global_step1" in lines["save"], lines
+        assert lines["save shared"] == "ok", lines
+        assert lines["load"].startswith("CheckpointError: the ranks found different "
+                                        "checkpoints"), lines
+        assert "rank 1: none (no latest)" in lines["load"], lines
+    assert not (tmp_path / "node0").exists() and not (tmp_path / "node1").exists()

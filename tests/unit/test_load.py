@@ -873,7 +873,8 @@ def test_rank_one_saves_its_shard_from_its_own_places(tmp_path: Path, rigs) -> N
     class _Rank0Said(_Comm):
         def __init__(self) -> None:
             super().__init__(1)
-            self.said = [((staging, "id"), None), (None, None), (None, None),
+            self.said = [((str(tmp_path.resolve()), "step7"), None),    # the save's target
+                         ((staging, "id"), None), (None, None), (None, None),
                          (tmp_path / "step7", None), (None, None)]
 
         def all_gather_objects(self, value):

@@ -492,9 +492,11 @@ def test_the_save_log_line_says_size_and_seconds(tmp_path: Path, manager,
     assert found is not None and float(found.group(2)) < 600
 
 
-def _rank(rank: int, answers: list, staging: Path) -> _Recording:
+def _rank(rank: int, answers: list, save_dir: Path, tag: str = "t") -> _Recording:
+    """Rank ``rank`` of 2, the other's ``answers`` played in order, after its agreement on
+    where the save goes (``save_dir``, ``tag``)."""
     comm = _Recording(rank, 2, [])
-    said = list(answers)
+    said = [((str(save_dir.resolve()), tag), None), *answers]
 
     def gather(value):
         comm.sent.append(value)
