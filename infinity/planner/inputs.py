@@ -4,6 +4,7 @@ anywhere; ``infinity.planner.plan`` uses them.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from infinity.base.cpu_bf16 import detect_cpu_bf16
+from infinity.base.machine import machine_id
 from infinity.planner.shape import ModelShape
 
 # Llama-style presets as transformers LlamaConfig kwargs (untied embeddings, vocab 32000).
@@ -223,7 +225,10 @@ class Hardware:
     disk_free_bytes: int | None = None
     """Free bytes on the filesystem of nvme_path."""
     ranks_per_node: int = 1
-    """Ranks sharing this machine's memory (torchrun's LOCAL_WORLD_SIZE)."""
+    """Ranks sharing this machine's memory (the launcher's LOCAL_WORLD_SIZE; with several
+    ranks, at least those that found the same ``machine``: see ``agreed_hardware``)."""
+    machine: str = ""
+    """The machine this was detected on (``base.machine.machine_id``); "" for a described one."""
     cpu_bf16: bool = False
     """The CPU multiplies bf16 natively (flags and a timed probe: ``infinity.base.cpu_bf16``);
     decides what compute_dtype "auto" means where there is no GPU."""
@@ -234,6 +239,16 @@ class Hardware:
     def has_gpu(self) -> bool:
         """True when a CUDA device computes; else the device is an emulated pool in host RAM."""
         return self.gpu_total_bytes is not None
+
+
+def ranks_counted_per_machine(everyone: Sequence[Hardware]) -> list[Hardware]:
+    """Each rank's detection with its ranks per node at least the ranks that detected the same
+    machine: a launcher that does not set LOCAL_WORLD_SIZE (DeepSpeed's sets LOCAL_SIZE; srun,
+    mpirun, variables set by hand) left each rank of a node 80% of its memory, the node
+    overcommitted as many times as it has ranks."""
+    counts = collections.Counter(hw.machine for hw in everyone if hw.machine)
+    return [dataclasses.replace(hw, ranks_per_node=max(hw.ranks_per_node, counts[hw.machine]))
+            if hw.machine else hw for hw in everyone]
 
 
 def agreed_hardware(everyone: Sequence[Hardware], rank: int) -> Hardware:
@@ -248,6 +263,7 @@ def agreed_hardware(everyone: Sequence[Hardware], rank: int) -> Hardware:
     one by the other), the least of each other size over ranks, bf16 "auto" only where every
     rank's CPU has it. ``everyone``: each rank's own detection, by rank; the result keeps this
     rank's GPU name and swap path."""
+    everyone = ranks_counted_per_machine(everyone)
     own = everyone[rank]
     tightest = min(everyone, key=lambda hw: hw.host_available_bytes / max(1, hw.ranks_per_node))
 
@@ -315,11 +331,17 @@ def detect_hardware(nvme_path: str | os.PathLike[str] | None = None) -> Hardware
     return Hardware(cpu_cores=cores, host_total_bytes=total, host_available_bytes=available,
                     gpu_name=gpu_name, gpu_total_bytes=gpu_total, gpu_free_bytes=gpu_free,
                     nvme_path=None if nvme_path is None else str(nvme_path),
-                    disk_free_bytes=disk_free, ranks_per_node=_local_world_size(),
+                    disk_free_bytes=disk_free, ranks_per_node=local_world_size(),
+                    machine=machine_id(),
                     cpu_bf16=cpu_bf16, cpu_bf16_reason=cpu_bf16_reason)
 
 
-def _local_world_size() -> int:
-    """Ranks on this machine as the launcher says (``LOCAL_WORLD_SIZE``; 1 when unset)."""
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+def local_world_size() -> int:
+    """Ranks on this machine as the launcher says (``LOCAL_WORLD_SIZE``, else DeepSpeed's
+    launcher's ``LOCAL_SIZE``, Open MPI's or Slurm's; 1 when none is set)."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                 "SLURM_NTASKS_PER_NODE"):
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw)
+    return 1

@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infinity.base import machine
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 
@@ -46,7 +47,7 @@ ORPHAN_GRACE_S = 60.0
 # nvme-tune's test file. A marker is a file on disk anyone can write, so it is believed only
 # for names of these kinds: one listing "thesis.tex" in a directory named like ours removed it.
 _FILE_NAME = re.compile(r"^(?:swap|tune)-\d{1,9}\.bin\Z")   # \Z: "$" also matches before a final "\n"
-_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+_BOOT_ID_PATH = machine.BOOT_ID_PATH
 
 _log = get_logger("storage.swap_dir")
 
@@ -73,10 +74,7 @@ class Liveness(enum.Enum):
 
 def boot_id() -> str:
     """This boot's id (changes at every reboot), or "" when the kernel does not expose it."""
-    try:
-        return Path(_BOOT_ID_PATH).read_text().strip()
-    except OSError:
-        return ""
+    return machine.boot_id(_BOOT_ID_PATH)
 
 
 def process_start_time(pid: int) -> int | None:

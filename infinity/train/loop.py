@@ -32,7 +32,7 @@ from infinity.checkpoint.weights_dir import MODEL_TEXTS
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.comm.group import env_world_size
-from infinity.planner.inputs import nearest_existing
+from infinity.planner.inputs import local_world_size, nearest_existing
 from infinity.train import data as data_mod
 from infinity.train import host_budget, models
 from infinity.train.baseline import TorchBaselineEngine
@@ -182,7 +182,7 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     states, swap_need = (host_budget.state_bytes(config, stats) if opts.engine == "infinity"
                          else (STATE_BYTES_PER_PARAM * n_params, 0))
     # every rank of this node swaps to the same disk (the plan's bytes are one rank's)
-    swap_need *= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    swap_need *= local_world_size()     # as the launcher says ("" crashed)
     for parent in swap_parents:
         _check_space(parent, swap_need)
     checkpoints.check_room(n_params)

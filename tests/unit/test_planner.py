@@ -658,3 +658,28 @@ def test_the_recommended_ds_config_plans_what_the_recommendation_shows(budget) -
     assert again.stepped_sub_group == shown.stepped_sub_group
     assert again.table() == shown.table()
     assert again.ds_config == shown.ds_config
+
+
+def test_ranks_on_one_machine_count_as_its_ranks_whatever_the_launcher_says(monkeypatch) -> None:
+    """Without LOCAL_WORLD_SIZE (DeepSpeed's launcher sets LOCAL_SIZE; srun, mpirun, variables
+    set by hand) each rank took 80% of its node's memory: two ranks of one 24 GiB machine had
+    17.4 GiB each. The ranks that detected one machine are its ranks; LOCAL_SIZE is read too."""
+    import dataclasses
+
+    from infinity.planner.inputs import agreed_hardware, local_world_size
+
+    here = dataclasses.replace(CPU_BOX, host_available_bytes=20 * GiB, machine="a/1")
+    there = dataclasses.replace(here, machine="b/2")
+    got = agreed_hardware([here, here, there], 2)
+    assert (got.host_available_bytes, got.ranks_per_node) == (20 * GiB, 2)
+    # a launcher's larger count stands; a described machine ("") is taken as described
+    assert agreed_hardware([dataclasses.replace(here, ranks_per_node=4), here], 0).ranks_per_node \
+        == 4
+    assert agreed_hardware([CPU_BOX, CPU_BOX], 0).ranks_per_node == CPU_BOX.ranks_per_node
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                 "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")
+    assert local_world_size() == 1          # "" crashed infinity train's swap check
+    monkeypatch.setenv("LOCAL_SIZE", "3")
+    assert local_world_size() == 3
