@@ -193,6 +193,17 @@ def staging_target(staging: Path) -> Path:
     return staging.parent / _STAGING.match(staging.name).group("tag")
 
 
+_PENDING_LATEST = re.compile(rf"\.{LATEST}\.[0-9a-f]{{8}}\.pending")
+"""The name ``write_latest`` gives its new ``latest`` before the rename."""
+
+
+def pending_latest(save_dir: Path) -> list[Path]:
+    """The new ``latest`` files saves killed before their rename left (``write_latest``):
+    ours by their name, plain files."""
+    return sorted(p for p in save_dir.glob(f".{LATEST}.*.pending")
+                  if _PENDING_LATEST.fullmatch(p.name) and p.is_file() and not p.is_symlink())
+
+
 def clean_stale_staging(save_dir: Path, keep: list[Path] = ()) -> list[Path]:
     """Remove the staging directories a save that did not finish left in ``save_dir`` (all
     but ``keep``); returns those removed. Only the names a save writes are deleted; files of
@@ -200,6 +211,11 @@ def clean_stale_staging(save_dir: Path, keep: list[Path] = ()) -> list[Path]:
     tag's directory, and a directory still holding anything else is kept, with a warning.
     The caller holds the save lock, so no live writer is staging there."""
     removed = []
+    for pending in pending_latest(save_dir):
+        # the caller's lock says no save is writing one now
+        pending.unlink()
+        removed.append(pending)
+        log.info("removed %s, left by a save that did not finish", pending)
     for staging in staging_dirs(save_dir):
         if staging in keep:
             continue

@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 
 from infinity.commands import UsageError
-from infinity.checkpoint.directory import clean_stale_staging, staging_dirs, staging_target
+from infinity.checkpoint.directory import (clean_stale_staging, pending_latest, staging_dirs,
+                                          staging_target)
 from infinity.checkpoint.weights_dir import holds_weights, remove_stale_partials, stale_partials
 from infinity.checkpoint.writer_lock import SaveDirBusyError, SaveLock
 from infinity.base.sizes import format_bytes
@@ -62,6 +63,9 @@ def _clean_unfinished_saves(save_dir: Path, staging: list[Path], partials: list[
     live save's. Returns 1 when refused or when some could not be removed, else 0."""
     if dry_run:
         for path in staging:
+            if path.is_file():      # a new ``latest`` never renamed into place
+                print(f"{path}: would remove it, left by a checkpoint save that did not finish")
+                continue
             print(f"{path}: would remove the files a checkpoint save left there (a save that "
                   f"did not finish); files of other names in it would go back into "
                   f"{staging_target(path)} where that is a directory (put back first from its "
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot list {path} to find its swap directories: "
                          f"{exc.strerror or exc} (errno {exc.errno}); run clean as a user who "
                          "may read it, or name one swap directory in it") from exc
-    staging = staging_dirs(path)
+    staging = staging_dirs(path) + pending_latest(path)
     partials = stale_partials(path) if holds_weights(path) else []
     if not candidates and not staging and not partials and path.name.startswith(DIR_PREFIX):
         raise NotOursError(f"{path} is named like an infinity swap directory but has no "

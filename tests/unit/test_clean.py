@@ -203,6 +203,23 @@ def test_clean_of_a_checkpoint_directory_removes_unfinished_saves_staging(
     assert (ckpt / "t" / "notes.txt").read_text() == "the user's"
 
 
+def test_clean_removes_the_latest_a_killed_save_never_renamed(disk_dir: Path, capsys) -> None:
+    """A save killed between writing its new ``latest`` and the rename left
+    ``.latest.<8 hex>.pending``: the next saves kept it, and clean said "nothing to clean".
+    Names that only look like it are the user's."""
+    ckpt = disk_dir / "ckpt"
+    (ckpt / "t").mkdir(parents=True)
+    (ckpt / "latest").write_text("t")
+    pending = ckpt / ".latest.00bc4625.pending"
+    pending.write_text("t2")
+    (ckpt / ".latest.mine.pending").write_text("the user's")
+    assert main(["clean", str(ckpt), "--dry-run"]) == 0
+    assert f"{pending}: would remove it" in capsys.readouterr().out and pending.exists()
+    assert main(["clean", str(ckpt)]) == 0
+    assert f"{pending}: removed" in capsys.readouterr().out
+    assert sorted(p.name for p in ckpt.iterdir()) == [".latest.mine.pending", "latest", "t"]
+
+
 def test_clean_of_a_parent_leaves_hidden_partial_names_that_are_not_a_saves(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A user's ``.dataset.partial`` directory (no writer's token) and a ``.tokenizer.json.partial``
