@@ -170,7 +170,24 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
                         _reset(module, all_built=mine <= valued,
                                written=[n for n, p in module._parameters.items()
                                         if p is not None and id(p) in mine & written])
+            _reset_torch_composites(model, new_ids, shapes)
     return replaced
+
+
+def _reset_torch_composites(model: nn.Module, new_ids: set[int],
+                            shapes: Mapping[int, torch.Size]) -> None:
+    """torch's modules whose ``_reset_parameters`` initialises their children's parameters too
+    (nn.MultiheadAttention zeroes ``out_proj.bias``, nn.Transformer draws every matrix
+    xavier-uniform), called again, children first, as their constructors ran them: under Init
+    those writes went to meta tensors and each child's own reset won (a random out_proj bias,
+    kaiming matrices, silently). Only the new parameters below them are written."""
+    for module in _post_order(model):
+        below = {id(p) for p in module.parameters()} & new_ids
+        own = {id(p) for p in module.parameters(recurse=False)}
+        reset = getattr(type(module), "_reset_parameters", None)
+        if below - own and callable(reset) and type(module).__module__.startswith("torch.nn"):
+            with _foreign_params_on_meta([module], below, shapes):
+                module._reset_parameters()
 
 
 def _refuse_parametrized(model: nn.Module, meta_ids: set[int]) -> None:

@@ -310,6 +310,38 @@ def test_zero_init_initialises_torch_attention_modules(disk_dir) -> None:
             weight = layer.self_attn.in_proj_weight
             assert torch.count_nonzero(bias) == 0      # _reset_parameters zeroes it
             assert 0.05 < float(weight.std()) < 0.3    # xavier_uniform over (96, 32)
+            # and its child's bias too (out_proj's own reset, kaiming, won: std ~0.1)
+            assert torch.count_nonzero(layer.self_attn.out_proj.bias) == 0
+    finally:
+        engine.close()
+
+
+def test_zero_init_initialises_an_nn_transformer_as_torch(disk_dir) -> None:
+    """nn.Transformer's _reset_parameters draws every matrix xavier-uniform over its children's
+    parameters (it owns none): under zero.Init it never ran and each Linear kept its kaiming
+    draw (linear1: std 0.072 against torch's 0.102)."""
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+
+    def build() -> nn.Module:
+        return nn.Transformer(d_model=64, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
+                              dim_feedforward=256, batch_first=True)
+
+    torch.manual_seed(0)
+    plain = build()
+    with infinity.zero.Init(config=ds):
+        model = build()
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        with infinity.zero.GatheredParameters(list(model.parameters())):
+            for name, p in model.named_parameters():
+                want = dict(plain.named_parameters())[name]
+                if p.dim() > 1:     # xavier-uniform's bound: sqrt(6 / (fan_in + fan_out))
+                    bound = (6 / sum(p.shape[:2])) ** 0.5
+                    assert float(p.abs().max()) <= bound and \
+                        float(p.std()) == pytest.approx(float(want.std()), rel=0.15), name
+                elif name.endswith("out_proj.bias") or name.endswith("in_proj_bias"):
+                    assert torch.count_nonzero(p) == 0, name
     finally:
         engine.close()
 
