@@ -22,7 +22,8 @@ from infinity.engine.module_state import full_state_dict, load_module_state_dict
 if TYPE_CHECKING:
     from infinity.engine import Engine
 
-ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained")
+ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained", "to", "half", "bfloat16",
+          "float", "double")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -131,7 +132,10 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         return full_state_dict(engine, destination, prefix, keep_vars)
 
     routed = {"zero_grad": zero_grad, "load_state_dict": load_state_dict,
-              "state_dict": state_dict}
+              "state_dict": state_dict, "to": _routed_to(model, engine)}
+    for name, dtype in (("half", torch.float16), ("bfloat16", torch.bfloat16),
+                        ("float", torch.float32), ("double", torch.float64)):
+        routed[name] = _routed_cast(model, engine, name, dtype)
     if _is_transformers_model(model):
         routed["save_pretrained"] = _routed_save_pretrained(model, engine)
     elif is_peft_model(model):
@@ -163,6 +167,42 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
                                             _part_load(engine, module),
                                             f"{name}.load_state_dict()")
             model.__dict__.setdefault(_PART_LOADS, []).append(module)
+
+
+def _refuse_cast(engine: "Engine", call: str, dtype: torch.dtype) -> None:
+    """A cast of the held model to another dtype than the engine computes in: its units' copies
+    and masters stay in theirs, so the next forward failed ("mat1 and mat2 must have the same
+    dtype") or, at stage 2, first ran a step in the new dtype. The dtype is the config's."""
+    if dtype == engine.compute_dtype or not dtype.is_floating_point:
+        return
+    have = str(engine.compute_dtype).replace("torch.", "")
+    raise RuntimeError(
+        f"{call} after infinity.initialize: the engine computes in {have}, chosen at initialize "
+        "from the config, and holds the parameters in its own stores (the model's tensors are "
+        "its copies), which a cast cannot reach. Set the dtype in the config "
+        "(infinity.compute_dtype, or the bf16 / fp16 sections) and build the engine again, or "
+        f"cast the inputs instead (the model takes {have} inputs; Hugging Face's "
+        "fp16_full_eval / bf16_full_eval cast the model: leave them off)")
+
+
+def _routed_cast(model: nn.Module, engine: "Engine", name: str, dtype: torch.dtype):
+    def cast() -> nn.Module:
+        _refuse_cast(engine, f"model.{name}()", dtype)
+        return model
+    return cast
+
+
+def _routed_to(model: nn.Module, engine: "Engine"):
+    """``model.to(...)``: a device move as torch's (the engine's own checks meet it later); a
+    dtype refused unless it is the compute dtype (``_refuse_cast``)."""
+    module_to = model.to
+
+    def to(*args: Any, **kwargs: Any) -> nn.Module:
+        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
+        if dtype is not None:
+            _refuse_cast(engine, f"model.to({dtype})", dtype)
+        return module_to(*args, **kwargs)
+    return to
 
 
 _PART_HOOKS = "_infinity_part_state_dict_hooks"
