@@ -209,6 +209,20 @@ def _missing_nvme_notes(cfg: InfinityConfig) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def _config_file(args: argparse.Namespace) -> dict:
+    """``--config``'s dict with ``--nvme-path`` in its NVMe sections before it is read (read
+    first, a config with ``offload_activations: "nvme"`` and no path of its own was refused at
+    the config, though the flag gave one, as infinity train's does)."""
+    raw = read_config_file(args.config)
+    zero = raw.get("zero_optimization")
+    if args.nvme_path and isinstance(zero, dict):
+        for name in ("offload_optimizer", "offload_param"):
+            section = zero.get(name)
+            if isinstance(section, dict) and section.get("device") == "nvme":
+                section["nvme_path"] = args.nvme_path
+    return raw
+
+
 def _with_format_flags(args: argparse.Namespace, cfg: InfinityConfig) -> InfinityConfig:
     """``cfg`` with the Adam state formats --optimizer-moments / --optimizer-master give."""
     moments = args.optimizer_moments or cfg.infinity.optimizer_moments
@@ -221,7 +235,7 @@ def _run_target(args: argparse.Namespace, target: Any, workload: Any) -> int:
     if args.host_budget or args.device_budget:
         raise ValueError("--host-budget and --device-budget are this machine's budgets: for a "
                          "target give --host-memory (per node) and --gpu-memory")
-    base = (InfinityConfig.load(read_config_file(args.config), world_size=target.world_size,
+    base = (InfinityConfig.load(_config_file(args), world_size=target.world_size,
                                 auto_defaults=True) if args.config
             else InfinityConfig(world_size=target.world_size))
     base = _with_format_flags(args, base)
@@ -315,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device_budget:
         budgets["device_memory_budget"] = parse_bytes(args.device_budget, "--device-budget")
     if args.config:
-        base = InfinityConfig.load(read_config_file(args.config), world_size=args.world_size,
+        base = InfinityConfig.load(_config_file(args), world_size=args.world_size,
                                    auto_defaults=True)
     else:
         base = InfinityConfig(world_size=args.world_size)

@@ -683,3 +683,17 @@ def test_ranks_on_one_machine_count_as_its_ranks_whatever_the_launcher_says(monk
     assert local_world_size() == 1          # "" crashed infinity train's swap check
     monkeypatch.setenv("LOCAL_SIZE", "3")
     assert local_world_size() == 3
+
+
+def test_cli_plan_nvme_path_flag_serves_a_config_that_offloads_activations(tmp_path,
+                                                                            capsys) -> None:
+    """A config with offload_activations "nvme" and no path of its own was refused at the
+    config though --nvme-path gave one (the flag was applied after the config was read)."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}},
+        "infinity": {"offload_activations": "nvme"}}))
+    status = cli.main(["plan", "--model-size", "tiny", "--config", str(ds), "--nvme-path",
+                       str(tmp_path), "--host-budget", "2GiB", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert status == 0 and data["hardware"]["nvme_path"] == str(tmp_path), (status, data)
