@@ -462,6 +462,13 @@ class _Parser:
         config = InfinityConfig(**kwargs)
         _warn_activation_checkpointing(data.get("activation_checkpointing"))
         _check_data_types(data.get("data_types"))
+        zero = data.get("zero_optimization")
+        if isinstance(zero, Mapping) and zero.get("leaf_module"):
+            log.warning("zero_optimization.leaf_module is DeepSpeed's way to fetch a module (a "
+                        "mixture-of-experts block) whole at stage 3; infinity fetches each unit "
+                        "whole (decoder layers by default; infinity.unit_modules names the "
+                        "classes), and experts hit on one rank only train as they are: the key "
+                        "changes nothing here")
         if self.ignored:
             log.info("ignoring DeepSpeed keys that infinity does not use: %s", ", ".join(self.ignored))
         return config

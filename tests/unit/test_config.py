@@ -709,3 +709,11 @@ def test_a_16_bit_gradient_accumulation_asked_for_is_said_to_be_fp32(infinity_lo
     assert any("gradients accumulate in fp32 here" in r.getMessage() for r in infinity_log.records)
     with pytest.raises(ConfigError, match=r"data_types\.grad_accum_dtype = 'int7'"):
         InfinityConfig.from_dict({"data_types": {"grad_accum_dtype": "int7"}})
+
+
+def test_deepspeeds_leaf_module_is_said_to_change_nothing(infinity_log) -> None:
+    """DeepSpeed's ZeRO-3 fix for MoE blocks was dropped with an INFO line among the ignored."""
+    InfinityConfig.from_dict({"zero_optimization": {
+        "stage": 3, "leaf_module": {"classes": ["MixtralSparseMoeBlock"]}}})
+    assert any("leaf_module is DeepSpeed's way" in r.getMessage() and r.levelname == "WARNING"
+               for r in infinity_log.records)
