@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from infinity.checkpoint.directory import LATEST, available_tags
+from infinity.checkpoint.writer_lock import SaveDirBusyError, SaveLock
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
 from infinity.storage.preflight import free_bytes
@@ -66,6 +67,18 @@ class RunCheckpoints:
             raise ValueError(f"--save-dir {self.save_dir}: a checkpoint of this model needs about "
                              f"{format_bytes(need)}, and {existing} has {format_bytes(free)} free; "
                              "choose a larger disk or free some space")
+
+    def check_lock(self) -> None:
+        """Rank 0, before training: the save lock is free, or its owner dead (a writer killed
+        on another host left one no flock here can judge, and the first save refused it, a
+        --save-interval of training later)."""
+        if self.save_dir is None or not self.save_dir.is_dir():
+            return
+        try:
+            with SaveLock.acquire(self.save_dir):
+                pass
+        except SaveDirBusyError as exc:
+            raise ValueError(f"--save-dir {self.save_dir}: {exc}") from None
 
     def resume_into(self, engine: Any, sampler: BatchSampler, identity: dict[str, Any],
                     last_step: int, data_path: str = "") -> int:

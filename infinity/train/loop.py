@@ -186,6 +186,8 @@ def run_training(opts: TrainOptions, *, stream: IO[str] | None = None,
     for parent in swap_parents:
         _check_space(parent, swap_need)
     checkpoints.check_room(n_params)
+    if rank == 0:       # the one writer of a save (checkpoint/writer_lock.py)
+        checkpoints.check_lock()
 
     accum = config.gradient_accumulation_steps
     tokens_per_step = sampler.tokens_per_batch * accum * world   # all ranks' together

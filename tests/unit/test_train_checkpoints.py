@@ -87,3 +87,20 @@ def test_a_resume_under_another_lr_schedule_says_it_is_not_the_interrupted_run(
     infinity_log.clear()
     assert run.resume_into(_SavedEngine(longer), _Sampler(), {"seed": 0}, last_step=24) == 12
     assert "schedule" not in infinity_log.text
+
+
+def test_a_save_lock_another_host_holds_is_refused_before_training(tmp_path) -> None:
+    """A writer killed on another host leaves a lock no flock here can judge: the first save
+    refused it, a --save-interval of training later; refused before the run trains now."""
+    import json as _json
+
+    (tmp_path / ".infinity-save.lock").write_text(_json.dumps({
+        "format": "infinity-save-lock/1", "owner": {
+            "pid": 4242, "boot_id": "0b8c3a3e-1111-2222-3333-444455556666", "start_time": 123,
+            "rank": 0, "hostname": "gpu-node-17"}}))
+    run = RunCheckpoints.from_options(str(tmp_path), None, True, "infinity")
+    with pytest.raises(ValueError, match=r"--save-dir .*pid 4242 on host 'gpu-node-17'"):
+        run.check_lock()
+    (tmp_path / ".infinity-save.lock").unlink()
+    run.check_lock()
+    assert not (tmp_path / ".infinity-save.lock").exists()
