@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,33 @@ def adapter_parameter_names(model: torch.nn.Module) -> set[str]:
             if param.requires_grad or any(f"{name}.".startswith(p) for p in prefixes)}
 
 
+def embeddings_peft_saves(model: torch.nn.Module) -> set[str]:
+    """The embedding weights PEFT's save adds to an adapter (``save_embedding_layers="auto"``:
+    an embedding among the target modules, or a vocabulary resized since the base model): PEFT
+    picks them from the state it is given, and the adapter save gave it the adapters' alone, so
+    a resized vocabulary's new rows were silently left out (the adapter loaded over the base
+    then met embeddings without them). Asked of PEFT's own selection, over stand-ins of every
+    parameter; frozen, so never among ``adapter_parameter_names``."""
+    try:
+        from peft.utils import get_peft_model_state_dict
+    except ImportError:
+        return set()
+    names = {name for name, _ in model.named_parameters()}
+    probe = {name: torch.empty(0, device="meta") for name in names}
+    picked: set[str] = set()
+    with warnings.catch_warnings():     # PEFT says why when it saves them for real
+        warnings.simplefilter("ignore")
+        for adapter in getattr(model, "peft_config", {}) or {}:
+            picked |= set(get_peft_model_state_dict(model, state_dict=probe, adapter_name=adapter,
+                                                    save_embedding_layers="auto"))
+    embeddings = {name for name in picked & names
+                  if not model.get_parameter(name).requires_grad}
+    if embeddings:
+        log.info("the adapter save includes the embedding weights PEFT saves with it: %s",
+                 sorted(embeddings))
+    return embeddings
+
+
 def save_adapter(engine: "Engine", directory: Path) -> Path:
     """Every rank calls it; rank 0 writes (see the module's docstring)."""
     from infinity.checkpoint.weights_dir import fsync_dir
@@ -56,7 +84,7 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
     from infinity.zero.init import GatheredParameters
 
     model = engine.module
-    wanted = adapter_parameter_names(model)
+    wanted = adapter_parameter_names(model) | embeddings_peft_saves(model)
     names = {id(p): name for name, p in model.named_parameters() if name in wanted}
     state: dict[str, torch.Tensor] = {}
     for unit in engine.units:          # one unit fetched at a time

@@ -145,9 +145,9 @@ def test_a_model_with_two_adapters_saves_each_where_peft_puts_it(disk_dir, tmp_p
     reference.save_pretrained(tmp_path / "peft")
     for relative in ("adapter_model.safetensors", "second/adapter_model.safetensors"):
         ours, theirs = load_file(str(out / relative)), load_file(str(tmp_path / "peft" / relative))
-        # PEFT also copies a targeted lm_head's frozen base weight, which a save over the base
-        # does not need; the adapter's own tensors are the same
-        assert set(ours) == {name for name in theirs if "lora_" in name} and ours
+        # PEFT also copies a targeted lm_head's frozen base weight (save_embedding_layers
+        # "auto"): so does the engine's save now, tensor for tensor
+        assert set(ours) == set(theirs) and ours
         for name in ours:
             assert torch.equal(ours[name], theirs[name]), (relative, name)
     assert any("lora_A" in n and "up_proj" not in n for n in load_file(str(out / ADAPTER)))
@@ -201,5 +201,41 @@ def test_a_merge_at_stage_3_runs_only_where_it_is_written_back(disk_dir) -> None
             merged = model.merge_and_unload()
         with torch.no_grad():
             torch.testing.assert_close(merged(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()
+
+
+def test_an_adapter_save_keeps_a_resized_vocabulary(disk_dir, tmp_path) -> None:
+    """A vocabulary resized for new tokens (a chat template's) before LoRA: PEFT's save adds the
+    embedding weights (save_embedding_layers "auto"), picked from the state it is given, and
+    the engine gave it the adapters' alone: the new rows were silently left out, and the
+    adapter loaded over the base met embeddings without them. The saved ones are the model's."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    base = make_model("llama", layers=2, width=32)
+    base.save_pretrained(tmp_path / "base")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    model.resize_token_embeddings(model.config.vocab_size + 8)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                "offload_optimizer": {"device": "cpu"}},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "infinity": {"compute_dtype": "fp32"}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        x = torch.randint(0, model.config.vocab_size, (2, 8))
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.save_pretrained(tmp_path / "adapter")
+        saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+        current = engine.module_state_dict()
+        for name in ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"):
+            assert name in saved, sorted(saved)
+            assert torch.equal(saved[name], current[name]), name
     finally:
         engine.close()
