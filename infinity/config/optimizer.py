@@ -21,7 +21,9 @@ MISSING_OPTIMIZER = (
     "the config has no \"optimizer\" section and no optimizer was passed, so there is nothing "
     "to say how to train: add one to the config, e.g. \"optimizer\": {{\"type\": \"AdamW\", "
     "\"params\": {{\"lr\": 1e-4, \"weight_decay\": 0.01}}}}, or pass {call} a "
-    "torch.optim.AdamW(model.parameters(), lr=...) whose settings the engine takes over")
+    "torch.optim.AdamW(model.parameters(), lr=...) whose settings the engine takes over (an "
+    "engine for forwards alone -- a frozen teacher, an evaluation -- needs none: freeze every "
+    "parameter first, model.requires_grad_(False))")
 """The error of a run without an optimizer (``{call}`` names where to pass one)."""
 
 

@@ -43,8 +43,21 @@ def optimizer_groups(model: nn.Module, model_parameters: Iterable | None,
                  sorted({g["weight_decay"] for g in raw}))
         return param_groups(model, raw, config, defaults=defaults, named_groups=True), defaults
     if config.optimizer is None:
+        if model_parameters is None and not any(p.requires_grad for p in model.parameters()):
+            # DeepSpeed's ZeRO-Inference habit (a frozen teacher, a model to evaluate): no
+            # optimizer, nothing to train; its settings are no one's, and no state is made
+            log.info("no optimizer and no parameter that requires a gradient: an engine for "
+                     "forwards alone (step() has nothing to update)")
+            return param_groups(model, None, config, defaults=INFERENCE_DEFAULTS), \
+                dict(INFERENCE_DEFAULTS)
         raise ValueError(MISSING_OPTIMIZER.format(call="initialize(optimizer=...)"))
     return param_groups(model, model_parameters, config), optimizer_defaults(config)
+
+
+INFERENCE_DEFAULTS = {"lr": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                      "bias_correction": True, "adamw_mode": True}
+"""The optimizer settings of an engine with nothing to train (no optimizer, every parameter
+frozen): its empty group's, which no step uses."""
 
 
 def optimizer_defaults(config: InfinityConfig) -> dict[str, Any]:

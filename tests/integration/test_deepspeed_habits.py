@@ -332,3 +332,27 @@ def test_rank_accessors_to_and_module_state_dict(disk_dir, tier, early_step, fam
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         engine.close()
+
+
+def test_a_frozen_model_needs_no_optimizer_as_zero_inference(disk_dir) -> None:
+    """DeepSpeed's ZeRO-Inference habit (a frozen teacher beside a student, a model to
+    evaluate): a config with no optimizer for a model whose parameters are all frozen. It was
+    refused for want of an optimizer; it runs forwards, offloaded, as the plain model does."""
+    torch.manual_seed(0)
+    teacher = make_model("llama", layers=2, width=32)
+    teacher.requires_grad_(False)
+    plain = copy.deepcopy(teacher)
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+                                                              "nvme_path": str(disk_dir)}},
+          "infinity": {"compute_dtype": "fp32"}}
+    engine, optimizer, *_ = infinity.initialize(model=teacher, config=ds)
+    try:
+        x = torch.randint(0, VOCAB, (2, 8))
+        with torch.no_grad():
+            torch.testing.assert_close(engine(input_ids=x).logits, plain(input_ids=x).logits,
+                                       rtol=1e-6, atol=1e-6)
+    finally:
+        engine.close()
+    trainable = make_model("llama", layers=2, width=32)
+    with pytest.raises(ValueError, match=r"freeze every parameter first"):
+        infinity.initialize(model=trainable, config=ds)
