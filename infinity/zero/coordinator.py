@@ -57,7 +57,7 @@ from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import (in_graph_task, keep_at, only_for, param_versions,
                                         tensors_in, weak_grad_hook)
-from infinity.zero.input_gradients import LATE_AFTER_INPUTS, on_output_gradient, watch_inputs
+from infinity.zero.input_gradients import LATE_AFTER_INPUTS, InputMarks
 from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable, upcoming_units
 from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.device_room import DeviceRoom
@@ -96,6 +96,7 @@ class Coordinator:
         self._handles: list = []
         self._status = [UnitStatus() for _ in units]   # by unit index
         self._phase = PassPhase.IDLE
+        self._upcoming_all = lambda: upcoming_units(self._phase, self.traces)   # the rest of the run
         self._room = DeviceRoom(units, manager, limits, self._upcoming_all, self._drop_kept)
         # per hooked module, a stack (one entry per call in progress) of its inputs' tensor ids
         self._call_inputs: dict[int, list[frozenset[int]]] = {}
@@ -104,6 +105,7 @@ class Coordinator:
         # ``overlap_comm``: see [Note: gathers issued ahead] in zero/gather_ahead.py
         self.ahead = AheadGathers.for_run(units, manager, comm, overlap_comm)
         self._ranks = comm.world_size if comm is not None else 1
+        self._marks = InputMarks()     # [Note: a call's inputs mark its backward]
         # the units the training forward in progress used with grad enabled, in order (a use
         # under no_grad has no backward), and the order last checked (``end_forward``)
         self._grad_uses: list[int] = []
@@ -232,7 +234,7 @@ class Coordinator:
         if not recompute:
             self._grad_uses.extend(ids)
             self.detached_reads.note_call(ids)    # its saves hidden from the hooks: held longer
-            watched = watch_inputs(inputs, lambda: self._post_backward(ids))
+            watched = self._marks.watch_inputs(inputs, lambda: self._post_backward(ids))
             for uid in ids:
                 self._status[uid].note_call(watched)
         return frozenset(id(t) for t in inputs)
@@ -262,7 +264,7 @@ class Coordinator:
             # passed through]
             for t in tensors_in(output, objects=True):
                 if t.requires_grad and id(t) not in passed_through:
-                    on_output_gradient(t, lambda ids=ids: self._pre_backward(ids))
+                    self._marks.on_output_gradient(t, lambda ids=ids: self._pre_backward(ids))
         return None
 
     # -- backward --------------------------------------------------------------------------
@@ -405,9 +407,6 @@ class Coordinator:
                 unit.finish_fetch(self.manager, self.fetch_pool)
 
     # -- releasing and keeping (see [Note: keeping units for reuse] in zero/device_room.py) -
-    def _upcoming_all(self) -> list[int]:
-        return upcoming_units(self._phase, self.traces)
-
     def _backward_may_read(self, uid: int) -> bool:
         """A backward op still to run may read the unit: a pre-backward hook of the backward
         in progress fetched it and its backward is not done (see [Note: release during

@@ -729,3 +729,21 @@ def test_a_cast_of_the_held_model_is_refused_naming_the_config(disk_dir, cast) -
     finally:
         engine.close()
     assert "half" not in model.__dict__ and "to" not in model.__dict__     # close() undid it
+
+
+def test_a_models_outputs_pickle_as_torchs(disk_dir) -> None:
+    """torch.save of an output still in the graph (the loss, the logits) works as torch's: the
+    engine's backward bookkeeping for a unit's outputs is kept beside them, not on them (kept
+    on the tensor, its closure made the save fail)."""
+    import io
+
+    engine, *_ = _setup(disk_dir, "cpu", "off")
+    try:
+        x = _batches(1)[0]
+        out = engine(input_ids=x, labels=x)
+        for tensor in (out.logits, loss_of(out)):
+            torch.save(tensor, io.BytesIO())
+        engine.backward(loss_of(out))
+        engine.step()
+    finally:
+        engine.close()
