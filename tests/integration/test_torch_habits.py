@@ -740,8 +740,8 @@ def test_a_models_outputs_pickle_as_torchs(disk_dir) -> None:
     engine, *_ = _setup(disk_dir, "cpu", "off")
     try:
         x = _batches(1)[0]
-        out = engine(input_ids=x, labels=x)
-        for tensor in (out.logits, loss_of(out)):
+        out = engine(input_ids=x, labels=x, output_hidden_states=True)
+        for tensor in (out.logits, loss_of(out), *out.hidden_states):   # layers' own outputs
             torch.save(tensor, io.BytesIO())
         engine.backward(loss_of(out))
         engine.step()
