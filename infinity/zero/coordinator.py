@@ -48,7 +48,7 @@ Which units go when room runs short, and which are kept fetched for reuse: zero/
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import (in_graph_task, keep_at, only_for, param_versions,
                                         tensors_in, weak_grad_hook)
-from infinity.zero.input_gradients import LATE_AFTER_INPUTS, InputMarks
+from infinity.zero.input_gradients import LATE_AFTER_INPUTS, marked_inputs
 from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable, upcoming_units
 from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.device_room import DeviceRoom
@@ -105,7 +105,6 @@ class Coordinator:
         # ``overlap_comm``: see [Note: gathers issued ahead] in zero/gather_ahead.py
         self.ahead = AheadGathers.for_run(units, manager, comm, overlap_comm)
         self._ranks = comm.world_size if comm is not None else 1
-        self._marks = InputMarks()     # [Note: a call's inputs mark its backward]
         # the units the training forward in progress used with grad enabled, in order (a use
         # under no_grad has no backward), and the order last checked (``end_forward``)
         self._grad_uses: list[int] = []
@@ -153,8 +152,9 @@ class Coordinator:
         # and the release after every other forward hook, also those registered after ours.
         def pre(m: nn.Module, args, kwargs):
             keep_at(m._forward_hooks, post.id, last=True)
-            self._call_inputs.setdefault(id(m), []).append(self._forward_pre(ids, args, kwargs))
-            return None   # the arguments as they are
+            passed, args, kwargs = self._forward_pre(ids, args, kwargs)
+            self._call_inputs.setdefault(id(m), []).append(passed)
+            return args, kwargs   # those under grad as views ([Note: a call's inputs mark ...])
 
         def after(m: nn.Module, args, output):
             keep_at(m._forward_pre_hooks, first.id, last=False)
@@ -215,8 +215,9 @@ class Coordinator:
             self._checked_order = list(order)
             check_traced_working_set(self.units, order, self.manager.device_budget)
 
-    def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> frozenset[int]:
-        """Fetch the units; the ids of the call's inputs under grad ([Note: outputs passed through])."""
+    def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> tuple[frozenset[int], Any, Any]:
+        """Fetch the units; the ids of the call's inputs under grad ([Note: outputs passed
+        through]) and the arguments to call it with (``marked_inputs``)."""
         recompute = in_graph_task()
         if not recompute:
             self.owner.before_read()
@@ -229,15 +230,16 @@ class Coordinator:
                 status.versions = param_versions(self.units[uid])
             status.users += 1
         if not torch.is_grad_enabled():
-            return frozenset()
-        inputs = list(tensors_in((args, kwargs)))
+            return frozenset(), args, kwargs
+        args, kwargs, call = marked_inputs(
+            args, kwargs, list(tensors_in((args, kwargs))),
+            None if recompute else lambda call: self._post_backward(ids, call))
         if not recompute:
             self._grad_uses.extend(ids)
             self.detached_reads.note_call(ids)    # its saves hidden from the hooks: held longer
-            watched = self._marks.watch_inputs(inputs, lambda: self._post_backward(ids))
             for uid in ids:
-                self._status[uid].note_call(watched)
-        return frozenset(id(t) for t in inputs)
+                self._status[uid].note_call(call)
+        return frozenset(id(t) for t in tensors_in((args, kwargs))), args, kwargs
 
     def _forward_post(self, ids: tuple[int, ...], output, passed_through: frozenset[int]):
         recompute = in_graph_task()
@@ -264,7 +266,7 @@ class Coordinator:
             # passed through]
             for t in tensors_in(output, objects=True):
                 if t.requires_grad and id(t) not in passed_through:
-                    self._marks.on_output_gradient(t, lambda ids=ids: self._pre_backward(ids))
+                    t.register_hook(lambda grad, ids=ids: self._pre_backward(ids))
         return None
 
     # -- backward --------------------------------------------------------------------------
@@ -290,9 +292,9 @@ class Coordinator:
             if self.units[uid].has_trainable and not self._status[uid].backward_done:
                 self.stepper.expect_backward(self.units[uid])
 
-    def _post_backward(self, ids: tuple[int, ...]) -> None:
+    def _post_backward(self, ids: tuple[int, ...], call: Any) -> None:
         for uid in ids:
-            self._status[uid].reached_inputs()
+            self._status[uid].reached_inputs(call)
             self._maybe_finish(self.units[uid])
 
     def _grad_ready(self, unit: Unit, entry: ParamEntry) -> None:
@@ -315,15 +317,7 @@ class Coordinator:
 
     def _maybe_finish(self, unit: Unit) -> None:
         uid, status = unit.index, self._status[unit.index]
-        if status.backward_done or status.read_detached:
-            return
-        if status.grads_pending > 0:   # several ranks: [Note: a call's inputs mark its backward]
-            if not (self._ranks > 1 and status.calls_done):
-                return
-            status.forced = True
-        if (unit.has_frozen or status.saves_unseen) and not status.inputs_done:
-            return
-        if not unit.has_trainable and not status.inputs_done:
+        if not status.may_finish(unit.has_trainable, unit.has_frozen, self._ranks):
             return
         status.finish_backward()
         if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):   # reduces it
@@ -337,9 +331,10 @@ class Coordinator:
     def _end_backward(self) -> None:
         """Runs once when autograd has finished the whole backward pass."""
         try:
-            for unit, status in zip(self.units, self._status):
-                if not status.backward_done and unit.has_trainable and \
-                        status.grads_pending < len(unit.trainable_entries()):
+            for unit, status in zip(self.units, self._status):   # with several ranks, each
+                if not status.backward_done and unit.has_trainable and (   # unit called too
+                        status.grads_pending < len(unit.trainable_entries()) or self._ranks > 1
+                        and (status.calls_reached or status.calls_blind)):
                     status.finish_backward()
                     if not self.stepper.on_unit_backward_done(unit):
                         status.stepping = True

@@ -12,92 +12,78 @@ collective timeout. The gradient w.r.t. a call's inputs exists at the same point
 that ran the call, whatever its experts did (see [Note: a call's inputs mark its backward]).
 
 [Note: a call's inputs mark its backward]
-Autograd runs a unit's own backward nodes before the node that produced its inputs (they are
-ready first and were created later, so they are first in its queue), so once each input of a
-call has its gradient, every parameter gradient that call will produce has come. The hook on an
-input that is another unit's output is the same tensor's hook as that unit's pre-backward (its
-gather); the consumer's mark must run first, or a rank finishing the consumer there would issue
-its reduce-scatter after the gather that a rank which finished it earlier issued after. So an
-output has the list of the calls it feeds, run by its one hook ahead of
-the producer's pre-backward, and only inputs nobody produced get a hook of their own
-(``InputMarks``).
+Each tensor argument of a unit's call that requires a gradient is handed to the module as an
+identity view made for this call alone (``x.view_as(x)``), and the hook is on the view. Its
+backward node was made before any of the call's own, so autograd runs it after them (a node
+made later runs first among those ready), and its gradient is this call's contribution alone:
+the mark comes once the call's backward is over, the same point on every rank. A hook on the
+argument itself fired too early or too late: a leaf's gradient (``inputs_embeds`` that requires
+grad, ``enable_input_require_grads``) is accumulated ahead of every other node, before a
+parameter-only op of the call (a weight-norm parametrization) gave its gradient; a tensor many
+calls read (``encoder_hidden_states``, T5's position bias) has its gradient only after the last
+of them. The view's hook runs before its producer's pre-backward hook (the gather of the unit
+before), as that one waits for the view's backward node. Arguments inside containers keep a
+hook on the tensor itself (no view can be handed in their place).
 """
 from __future__ import annotations
 
-import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 LATE_AFTER_INPUTS = (
-    "{param} of unit {unit} got its gradient after the gradient of the unit's inputs, when its "
-    "backward had been reduced over the ranks without it (its gradient's path bypasses the "
-    "module's inputs: a value computed from it in an earlier module, or kept from another "
-    "pass). Make the module that computes with it a unit of its own (infinity.unit_modules), "
-    "or compute with it inside the module that owns it")
+    "{param} of unit {unit} got its gradient after its call's inputs had theirs, when its "
+    "backward had been reduced over the ranks without it (its gradient came by a path that "
+    "bypasses the call: a value computed from it outside the module, or kept from another "
+    "pass). Compute with the parameter inside the module that owns it, or make the module that "
+    "does a unit of its own (infinity.unit_modules)")
 """A parameter's gradient after its unit was finished at the inputs' mark with several ranks
 ([Note: a call's inputs mark its backward]): refused, never added to a reduced buffer."""
 
-class _CallInputs:
-    """One module call's inputs under grad: ``on_done`` once each has its gradient."""
 
-    __slots__ = ("remaining", "on_done")
+class CallInputs:
+    """One module call's inputs under grad: ``on_done(self)`` once each has its gradient. Held
+    by the hooks on them alone (the unit's status holds it weakly): a forward whose graph is
+    dropped (an evaluation that forgot ``no_grad``) takes its calls along, and no backward
+    waits for their marks."""
 
-    def __init__(self, count: int, on_done: Callable[[], None]) -> None:
+    __slots__ = ("remaining", "on_done", "__weakref__")
+
+    def __init__(self, count: int, on_done: Callable[["CallInputs"], None]) -> None:
         self.remaining = count
         self.on_done = on_done
 
-    def reached(self) -> None:
+    def reached(self, grad: torch.Tensor) -> None:
         self.remaining -= 1
         if self.remaining == 0:
-            self.on_done()
+            self.on_done(self)
 
 
-class InputMarks:
-    """Which unit calls each hooked unit's output is an input of (``watch_inputs``), so that the
-    output's one hook marks them ahead of its producer's pre-backward. Kept here by the tensor's
-    id beside a weak reference (a tensor's own attributes would be pickled with it: a
-    ``torch.save`` of a model's output failed on the hook's closure), dropped with the tensor."""
+def marked_inputs(args: tuple, kwargs: dict, nested: list[torch.Tensor],
+                  on_done: Callable[[CallInputs], None] | None
+                  ) -> tuple[tuple, dict, CallInputs | None]:
+    """The call's arguments with each tensor that requires a gradient replaced by an identity
+    view, and ``on_done`` called once every such argument's view (and each tensor of
+    ``nested``, inside containers, that requires one) has its gradient; returns the new
+    arguments and the call watched (None: no input carries a gradient). ``on_done`` None (a
+    recomputation): the views alone, the same graph as the first forward, no mark."""
+    top = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    inner = [t for t in nested if t.requires_grad and not any(t is a for a in top)]
+    wanting = sum(1 for a in top if a.requires_grad) + len(inner)
+    if not wanting:
+        return args, kwargs, None
+    call = CallInputs(wanting, on_done) if on_done is not None else None
 
-    def __init__(self) -> None:
-        self._consumers: dict[int, tuple[weakref.ref, list[_CallInputs]]] = {}
+    def marked(value: Any) -> Any:
+        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            return value
+        view = value.view_as(value)
+        if call is not None:
+            view.register_hook(call.reached)
+        return view
 
-    def _of(self, t: torch.Tensor) -> list[_CallInputs] | None:
-        entry = self._consumers.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else None
-
-    def _forget(self, key: int, ref: weakref.ref) -> None:
-        entry = self._consumers.get(key)
-        if entry is not None and entry[0] is ref:
-            del self._consumers[key]
-
-    def watch_inputs(self, inputs: list[torch.Tensor], on_done: Callable[[], None]) -> bool:
-        """Call ``on_done`` when every input of this call that requires a gradient has it
-        (once, at the last); returns whether any does (a call without one has no such point)."""
-        wanting = [t for t in inputs if t.requires_grad]
-        if not wanting:
-            return False
-        call = _CallInputs(len(wanting), on_done)
-        for t in wanting:
-            consumers = self._of(t)
-            if consumers is not None:
-                consumers.append(call)      # run by the producer's hook, ahead of its pre-backward
-            else:
-                t.register_hook(lambda grad, call=call: call.reached())
-        return True
-
-    def on_output_gradient(self, t: torch.Tensor, pre_backward: Callable[[], None]) -> None:
-        """Hook a unit's output ``t``: when its gradient exists, first mark the calls it is an
-        input of (``watch_inputs``), then run ``pre_backward`` (the producer's gather)."""
-        consumers: list[_CallInputs] | None = None
-        if self._of(t) is None:     # the first hook on it runs first: it marks them
-            consumers = []
-            key = id(t)
-            self._consumers[key] = (weakref.ref(t, lambda ref: self._forget(key, ref)), consumers)
-
-        def hook(grad: torch.Tensor) -> None:
-            for call in consumers or ():
-                call.reached()
-            pre_backward()
-
-        t.register_hook(hook)
+    new_args = tuple(marked(a) for a in args)
+    new_kwargs = {k: marked(v) for k, v in kwargs.items()}
+    for t in inner if call is not None else ():
+        t.register_hook(call.reached)
+    return new_args, new_kwargs, call

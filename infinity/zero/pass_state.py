@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
+from typing import Any
 
 
 class PassPhase(enum.Enum):
@@ -64,13 +66,14 @@ class UnitStatus:
     # Both stay set for the run: a backward's end must not clear what a forward whose backward
     # is still to come set (two forwards, then their backwards), and a model reads alike each step
     saves_unseen: bool = False
-    # the training forwards' calls since the last backward whose inputs carry a gradient
-    # (``watched``: their backward is marked, see zero/input_gradients.py) or carry none, and
-    # the watched ones whose inputs have their gradient; ``forced``: finished with gradients
-    # this rank did not get (several ranks: at the mark, where every rank finishes it)
-    calls_watched: int = 0
-    calls_blind: int = 0
+    # the training forwards' calls whose inputs carry a gradient (their backward is marked:
+    # zero/input_gradients.py) and have not had it, held weakly (a dropped graph takes its
+    # calls along); since the last backward, those marked and the calls whose inputs carry
+    # none; ``forced``: finished with gradients this rank did not get (several ranks: at the
+    # mark, where every rank finishes it)
+    open_calls: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
     calls_reached: int = 0
+    calls_blind: int = 0
     forced: bool = False
 
     @property
@@ -97,28 +100,47 @@ class UnitStatus:
     def start_backward(self, trainable: int) -> None:
         self.grads_pending = trainable
         self.backward = UnitBackward.PENDING
-        self.calls_watched = self.calls_blind = self.calls_reached = 0
+        self.calls_blind = self.calls_reached = 0     # open calls: a later backward's
         self.forced = False
 
-    def note_call(self, watched: bool) -> None:
-        """A training forward's call of its module (``watched``: an input carries a gradient)."""
-        if watched:
-            self.calls_watched += 1
-        else:
+    def note_call(self, call: Any) -> None:
+        """A training forward's call of its module: the inputs' ``CallInputs``, or None where
+        none carries a gradient."""
+        if call is None:
             self.calls_blind += 1
+        else:
+            self.open_calls.add(call)
 
     @property
     def calls_done(self) -> bool:
-        """Every call since the last backward has the gradient of its inputs: the point where
-        its backward is over on every rank, whatever gradients each got ([Note: a call's
-        inputs mark its backward])."""
-        return self.calls_blind == 0 and 0 < self.calls_watched <= self.calls_reached
+        """Every call whose graph lives has the gradient of its inputs, one of them in this
+        backward, and none had inputs without one: the point where its backward is over on
+        every rank, whatever gradients each got ([Note: a call's inputs mark its backward])."""
+        return self.calls_blind == 0 and self.calls_reached > 0 and not self.open_calls
+
+    def may_finish(self, trainable: bool, frozen: bool, ranks: int) -> bool:
+        """Its backward may be finished now (its gradients reduced, its step begun): once its
+        gradients are in, or with several ranks where every rank finishes it ([Note: a call's
+        inputs mark its backward]: a call whose inputs carry no gradient has no mark, so the
+        backward's end) -- then ``forced`` says this rank lacked some; and once its inputs have
+        their gradient where saves of its weights may be read still (frozen parameters, saves
+        the hooks did not see) or it has nothing to train."""
+        if self.backward_done or self.read_detached:
+            return False
+        if ranks > 1 and (self.open_calls or self.calls_reached or self.calls_blind):
+            if self.calls_blind or not self.calls_done:
+                return False
+            self.forced = self.grads_pending > 0
+        elif self.grads_pending > 0:
+            return False
+        return self.inputs_done or (trainable and not frozen and not self.saves_unseen)
 
     def fetched_for_backward(self) -> None:
         self.backward = _FETCH.get(self.backward, self.backward)
 
-    def reached_inputs(self) -> None:
+    def reached_inputs(self, call: Any = None) -> None:
         """A call of its module has the gradient w.r.t. its inputs."""
+        self.open_calls.discard(call)
         self.calls_reached += 1
         self.backward = _INPUTS.get(self.backward, self.backward)
 

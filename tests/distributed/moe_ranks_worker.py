@@ -1,8 +1,17 @@
-"""One rank of test_moe_ranks.py: a mixture-of-experts model whose router sends each rank's
-tokens to other experts (rank 0's to expert 0, rank 1's to expert 1), so an expert's
-parameters get a gradient on one rank only, trained 3 steps beside torch's AdamW on one
-un-offloaded copy fed both ranks' batches (the mean of their losses, as the ranks average
-their gradients). argv: stage, tier (cpu|nvme), early_step (on|off), swap dir."""
+"""One rank of test_moe_ranks.py: mixture-of-experts models whose router sends each rank's
+tokens to other experts, so an expert's parameters get a gradient on one rank only (rank 0's
+tokens all pick expert 0, rank 1's both experts), trained 3 steps beside torch's AdamW on one
+un-offloaded copy fed both ranks' batches (the mean of their losses, as the ranks average their
+gradients). argv: model, stage, tier (cpu|nvme), early_step (on|off), swap dir.
+
+The models (``MODELS``), each a place where the point a unit's backward ends was read wrongly:
+- "routed": the blocks in a chain;
+- "shared": every block also reads one context tensor, whose gradient exists only after the
+  last block's backward (an encoder-decoder's encoder_hidden_states, T5's position bias);
+- "leaf": the input is a leaf that requires grad (inputs_embeds.requires_grad_(),
+  enable_input_require_grads) and each block first computes from a parameter alone (a
+  weight-norm parametrization), so the leaf's hook came before that parameter's gradient;
+- "towers": two towers read the raw batch (no gradient on their inputs)."""
 from __future__ import annotations
 
 import copy
@@ -20,14 +29,16 @@ class MoEBlock(nn.Module):
     """A shared projection, then each token to the expert its first feature's sign picks (an
     expert no token picks is not run, as transformers' MoE layers skip it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scaled: bool = False) -> None:
         super().__init__()
         self.shared = nn.Linear(WIDTH, WIDTH)
         self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS))
+        self.log_gain = nn.Parameter(torch.zeros(WIDTH)) if scaled else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.shared(x))
-        route = (x[..., 0] > 0).long()
+    def forward(self, x: torch.Tensor, route: torch.Tensor,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        gain = self.log_gain.exp() if self.log_gain is not None else 1.0   # from a parameter alone
+        h = torch.tanh(self.shared(x if context is None else x + context)) * gain
         out = torch.zeros_like(h)
         for index, expert in enumerate(self.experts):
             hit = route == index
@@ -37,29 +48,41 @@ class MoEBlock(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(MoEBlock() for _ in range(3))
+        self.kind = kind
+        self.context = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(MoEBlock(scaled=kind == "leaf") for _ in range(3))
+        self.other = nn.ModuleList(MoEBlock() for _ in range(2)) if kind == "towers" else None
         self.head = nn.Linear(WIDTH, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = (x[..., 0] > 0).long()
+        context = self.context(x) if self.kind == "shared" else None
+        h = x.detach().requires_grad_() if self.kind == "leaf" else x
         for block in self.blocks:
-            x = block(x)
-        return self.head(x).pow(2).mean()
+            h = block(h, route, context)
+        if self.other is not None:
+            g = x.flip(-1)
+            for block in self.other:
+                g = block(g, route)
+            h = h * g
+        return self.head(h).pow(2).mean()
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
-    """Rank 0's tokens all pick expert 0, rank 1's expert 1 (the first feature's sign)."""
+    """Rank 0's tokens all pick expert 0; rank 1's both (the first feature's sign)."""
     x = torch.randn(4, 3, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
-    x[..., 0] = x[..., 0].abs() * (1 if rank == 1 else -1)
+    if rank == 0:
+        x[..., 0] = -x[..., 0].abs()
     return x
 
 
 def main() -> None:
-    stage, tier, early, swap = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    kind, stage, tier, early, swap = sys.argv[1], int(sys.argv[2]), *sys.argv[3:6]
     info = infinity.init_distributed()
     torch.manual_seed(0)
-    model = Net()
+    model = Net(kind)
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     offload = {"device": tier, **({"nvme_path": swap} if tier == "nvme" else {})}
