@@ -337,11 +337,12 @@ def detect_hardware(nvme_path: str | os.PathLike[str] | None = None) -> Hardware
 
 
 def local_world_size() -> int:
-    """Ranks on this machine as the launcher says (``LOCAL_WORLD_SIZE``, else DeepSpeed's
-    launcher's ``LOCAL_SIZE``, Open MPI's or Slurm's; 1 when none is set)."""
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                 "SLURM_NTASKS_PER_NODE"):
+    """Ranks on this machine as the launcher says (torchrun's ``LOCAL_WORLD_SIZE``, else the
+    deepspeed launcher's ``LOCAL_SIZE``), never more than ``WORLD_SIZE``; 1 when none is set.
+    Not Slurm's or MPI's task counts, which a single process inside an allocation inherits;
+    with several ranks ``ranks_counted_per_machine`` counts those on one machine anyway."""
+    def number(name: str) -> int:
         raw = os.environ.get(name, "").strip()
-        if raw.isdigit() and int(raw) > 0:
-            return int(raw)
-    return 1
+        return int(raw) if raw.isdigit() and int(raw) > 0 else 0
+    world = number("WORLD_SIZE") or 1
+    return min(world, number("LOCAL_WORLD_SIZE") or number("LOCAL_SIZE") or 1)

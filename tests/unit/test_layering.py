@@ -43,6 +43,9 @@ FOREIGN_PRIVATES = {
     "_forward_pre_hooks": "nn.Module's forward pre-hook dict: the fetch hook is kept ahead of "
                           "pre-hooks registered after it (as above)",
     "_C": "torch._C: the autograd engine's state below (no public module exposes it)",
+    "_reset_parameters": "nn.MultiheadAttention's and nn.Transformer's initialisation (they "
+                         "have no public reset_parameters): run again under zero.Init after "
+                         "their children's, as their constructors ran it",
     "_execution_engine": "torch.autograd.Variable._execution_engine.queue_callback: the end of "
                          "a backward pass is run once the whole graph finished (FSDP and "
                          "DeepSpeed do the same; there is no public API)",

@@ -676,12 +676,15 @@ def test_ranks_on_one_machine_count_as_its_ranks_whatever_the_launcher_says(monk
     assert agreed_hardware([dataclasses.replace(here, ranks_per_node=4), here], 0).ranks_per_node \
         == 4
     assert agreed_hardware([CPU_BOX, CPU_BOX], 0).ranks_per_node == CPU_BOX.ranks_per_node
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                 "SLURM_NTASKS_PER_NODE"):
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "")
     assert local_world_size() == 1          # "" crashed infinity train's swap check
     monkeypatch.setenv("LOCAL_SIZE", "3")
+    assert local_world_size() == 1          # one process (no WORLD_SIZE): its own machine
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert local_world_size() == 3          # the deepspeed launcher's count
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8")    # an allocation's, not the processes'
     assert local_world_size() == 3
 
 
