@@ -77,6 +77,12 @@ def _warn_activation_checkpointing(section: Any) -> None:
                     " and .".join(asked))
 
 
+_DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+                "bfloat16": "bf16", "torch.bfloat16": "bf16",
+                "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
+"""The other spellings of a dtype DeepSpeed's DtypeEnum reads."""
+
+
 def _check_data_types(section: Any) -> None:
     """DeepSpeed's ``data_types.grad_accum_dtype``: gradients accumulate in fp32 here whatever
     it says; a 16-bit one asked for is said to be fp32 (more precise than asked, and another
@@ -88,6 +94,7 @@ def _check_data_types(section: Any) -> None:
     asked = section.get("grad_accum_dtype")
     if asked is None:
         return
+    asked = _DTYPE_NAMES.get(asked, asked) if isinstance(asked, str) else asked
     if asked not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"data_types.grad_accum_dtype = {asked!r}: expected \"fp32\", "
                           "\"bf16\" or \"fp16\" (gradients accumulate in fp32 here)")
@@ -447,7 +454,13 @@ class _Parser:
                    ("optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "aio", "infinity",
                     *_MONITORS)}
         kwargs.update(self.resolve(scalars, "", sizes=frozenset()))
-        if "optimizer" in top:
+        if isinstance(top.get("optimizer"), Mapping) and "type" not in top["optimizer"]:
+            # DeepSpeed names no optimizer from such a section (the one passed to initialize,
+            # or none); it became AdamW here, of settings nobody chose
+            log.warning("the config's \"optimizer\" section has no \"type\": it names no "
+                        "optimizer and is not used (write \"type\": \"AdamW\" or \"Adam\" "
+                        "to train with its params)")
+        elif "optimizer" in top:
             kwargs["optimizer"] = self.optimizer(top["optimizer"])
         if top.get("scheduler") is not None:
             kwargs["scheduler"] = self.scheduler(top["scheduler"])
@@ -475,9 +488,6 @@ class _Parser:
 
     def optimizer(self, data: Any) -> OptimizerConfig:
         section = self.keys(data, "optimizer", ("type", "params"))
-        if "type" not in section:     # DeepSpeed builds no optimizer from such a section
-            raise ConfigError("optimizer: the section has no \"type\": write \"AdamW\" or "
-                              "\"Adam\" (infinity's CPU Adam runs either)")
         kwargs = self.resolve({k: v for k, v in section.items() if k != "params"}, "optimizer")
         params = self.keys(section.get("params", {}), "optimizer.params",
                            ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"))

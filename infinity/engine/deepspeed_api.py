@@ -41,7 +41,9 @@ class DeepSpeedEngineAccessors:
         return self.config.zero.stage
 
     def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
+        """Whether the engine computes in fp16 (an fp16 section on a CPU-only machine computes
+        in fp32: callers read it to cast their inputs, as ``bfloat16_enabled``)."""
+        return self.compute_dtype == torch.float16
 
     def bfloat16_enabled(self) -> bool:
         """Whether the engine computes in bf16 (as the config asks, or as "auto" chose for a CPU

@@ -11,8 +11,7 @@ that swapping the Trainer's import changes nothing else: the batch sizes, accumu
 are left to infinity's budgets rather than derived from ``hidden_size``. And
 ``infinity.compute_dtype`` left "auto" (or absent) takes the Trainer's training precision:
 bf16 with ``bf16=True`` (or ``bf16.enabled``), fp32 without, "auto" where the config's fp16 is
-enabled (its rule): "auto" alone picks bf16 on a CPU with native bf16 whatever
-``bf16.enabled`` says.
+enabled (its rule): "auto" alone, with no bf16 section, picks bf16 on a CPU with native bf16.
 """
 from __future__ import annotations
 
@@ -70,9 +69,9 @@ def fill_from_training_args(ds: Mapping[str, Any], args: Any, *, world_size: int
     section = out.setdefault("infinity", {})
     if isinstance(section, dict) and section.get("compute_dtype", AUTO) == AUTO:
         # the Trainer's training precision, as transformers' own computes (the *_full_eval
-        # flags are evaluation's): "auto" alone picks bf16 on a CPU that multiplies it natively
-        # whatever bf16.enabled says, and TrainingArguments' bf16=False (its default) then
-        # trained in bf16 beside a plain Trainer in fp32
+        # flags are evaluation's): "auto" alone, with no bf16 section, picks bf16 on a CPU that
+        # multiplies it natively, and TrainingArguments' bf16=False (its default) then trained
+        # in bf16 beside a plain Trainer in fp32
         def enabled(key: str) -> bool:
             part = out.get(key)
             return isinstance(part, dict) and part.get("enabled") is True

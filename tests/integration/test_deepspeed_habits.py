@@ -160,7 +160,10 @@ def test_the_deepspeed_engine_accessors(disk_dir) -> None:
         assert engine.get_batch_info() == (8, 4, 2) and engine.steps_per_print() == 7
         assert engine.wall_clock_breakdown() is False
         assert engine.zero_optimization_stage() == 3 and engine.gradient_clipping() == 1.0
-        assert engine.fp16_enabled() and not engine.bfloat16_enabled()
+        # what the engine computes in (fp32 here on a CPU: an fp16 section keeps loss scaling),
+        # which scripts read to cast their inputs
+        assert engine.fp16_enabled() == (engine.compute_dtype == torch.float16)
+        assert not engine.bfloat16_enabled() and engine.loss_scale > 1
         assert engine.get_global_grad_norm() is None
         x = torch.randint(1, 60, (4, 8))
         with engine.no_sync():

@@ -682,15 +682,13 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, object]]:
      r"lr_scheduler=lambda opt: torch\.optim\.lr_scheduler\.CosineAnnealingLR\(opt"),
     ({"scheduler": {"type": "WarmupCosineLr"}}, r"did you mean 'WarmupCosineLR'\?"),
     ({"optimizer": {"type": "AdamWW"}}, r"did you mean 'AdamW'\?"),
-    ({"optimizer": {"params": {"lr": 0.1}}}, r"optimizer: the section has no \"type\""),
     ({"sparse_attention": {"mode": "fixed"}}, r"sparse attention kernels are not part"),
     ({"zero_optimization": True}, r"DeepSpeed's old boolean form"),
 ])
 def test_what_a_deepspeed_user_writes_wrong_is_named_for_what_it_is(config, match) -> None:
     """Unknown keys and types a DeepSpeed user writes: the closest valid name misled
     (max_grad_norm -> set_grad_none, a WarmupDecayLR key on WarmupLR -> warmup_num_steps), a
-    torch scheduler (DeepSpeed builds those) or a misspelt type got a bare list, and an
-    optimizer section without a type silently became AdamW."""
+    torch scheduler (DeepSpeed builds those) or a misspelt type got a bare list."""
     with pytest.raises(ConfigError, match=match):
         InfinityConfig.from_dict(config)
 
@@ -709,6 +707,18 @@ def test_a_16_bit_gradient_accumulation_asked_for_is_said_to_be_fp32(infinity_lo
     assert any("gradients accumulate in fp32 here" in r.getMessage() for r in infinity_log.records)
     with pytest.raises(ConfigError, match=r"data_types\.grad_accum_dtype = 'int7'"):
         InfinityConfig.from_dict({"data_types": {"grad_accum_dtype": "int7"}})
+    for name in ("float32", "torch.float32", "float"):     # DeepSpeed's other spellings
+        InfinityConfig.from_dict({"data_types": {"grad_accum_dtype": name}})
+
+
+def test_an_optimizer_section_without_a_type_names_no_optimizer(infinity_log) -> None:
+    """DeepSpeed names no optimizer from it (the one passed to initialize, or none): it became
+    AdamW here, of settings nobody chose; a refusal then told a user who passed an optimizer
+    to write a type."""
+    config = InfinityConfig.from_dict({"optimizer": {"params": {"lr": 0.1}}})
+    assert config.optimizer is None
+    assert any("has no \"type\": it names no optimizer" in r.getMessage()
+               for r in infinity_log.records)
 
 
 def test_deepspeeds_leaf_module_is_said_to_change_nothing(infinity_log) -> None:
