@@ -157,7 +157,17 @@ class SwapSpace:
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)
         try:
             while self._alloc.capacity < reserve_bytes:
-                self._add_file(min(self._file_size, round_up(reserve_bytes - self._alloc.capacity)))
+                size = min(self._file_size, round_up(reserve_bytes - self._alloc.capacity))
+                try:
+                    self._add_file(size)
+                except OSError as exc:
+                    # a file larger than the process or filesystem allows (ulimit -f; ext4 of
+                    # 1 KiB blocks holds 16 GiB): the reserve in smaller files then
+                    if not (self._auto and exc.errno == errno.EFBIG and size > AUTO_MIN_FILE):
+                        raise
+                    self._file_size = max(AUTO_MIN_FILE, round_up(size // 2, MiB))
+                    _log.info("swap file of %s too large here (%s): files of %s", format_bytes(size),
+                              os.strerror(errno.EFBIG), format_bytes(self._file_size))
         except BaseException:
             self.close()
             raise
@@ -356,7 +366,11 @@ class SwapSpace:
                 except FileNotFoundError:
                     pass
             hint = ("the disk is full; free space or choose a larger nvme_path"
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "check the swap path")
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
+                    "a file size limit (ulimit -f) or the filesystem's largest file: raise the "
+                    "limit, or choose a filesystem that holds larger files"
+                    if exc.errno == errno.EFBIG else
+                    "check the swap path")
             raise OSError(exc.errno, f"preallocating {size} bytes ({format_bytes(size)}) for swap "
                                      f"file {path} failed: {os.strerror(exc.errno or 0)}; {hint}") from exc
         self._res.files.append(self.aio.open(path, "rw"))

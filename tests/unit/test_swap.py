@@ -148,6 +148,30 @@ def test_a_failed_preallocation_says_why(disk_dir: Path, aio, monkeypatch, code,
         assert not path.exists()
 
 
+def test_a_reserve_beyond_the_largest_file_allowed_is_made_of_smaller_files(
+        disk_dir: Path, aio, monkeypatch) -> None:
+    """One file holds the reserve ("auto"); where a file that large is refused (EFBIG: ulimit -f,
+    ext4 of 1 KiB blocks) the reserve is made of smaller ones, as the four files of 16 GiB at
+    most it was made of before; a limit below the least file size says what to do."""
+    real = os.posix_fallocate
+    limit = [3 * swap_mod.AUTO_MIN_FILE]
+
+    def limited(fd, off, size):
+        if off + size > limit[0]:
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+        return real(fd, off, size)
+
+    monkeypatch.setattr(swap_mod.os, "posix_fallocate", limited)
+    reserve = 5 * swap_mod.AUTO_MIN_FILE
+    with SwapSpace(disk_dir, aio=aio, reserve_bytes=reserve) as s:
+        sizes = [f.stat().st_size for f in s.files]
+        assert sum(sizes) == reserve and max(sizes) <= limit[0], sizes
+    limit[0] = swap_mod.AUTO_MIN_FILE // 2
+    with pytest.raises(OSError, match=r"a file size limit \(ulimit -f\) or the filesystem's "
+                                      r"largest file"):
+        SwapSpace(disk_dir, aio=aio, reserve_bytes=reserve)
+
+
 def test_a_swap_file_is_never_one_that_is_already_there(disk_dir: Path, aio) -> None:
     """The swap file is created with O_EXCL: a file already at its name (planted in the space's
     private directory) is refused, not adopted and overwritten -- and not deleted either: the
