@@ -11,7 +11,9 @@ The models (``MODELS``), each a place where the point a unit's backward ends was
 - "leaf": the input is a leaf that requires grad (inputs_embeds.requires_grad_(),
   enable_input_require_grads) and each block first computes from a parameter alone (a
   weight-norm parametrization), so the leaf's hook came before that parameter's gradient;
-- "towers": two towers read the raw batch (no gradient on their inputs)."""
+- "towers": two towers read the raw batch (no gradient on their inputs);
+- "latents": a learned parameter of the root handed to every block as its context (Perceiver's
+  latents, a Q-Former's queries): a leaf input too."""
 from __future__ import annotations
 
 import copy
@@ -55,10 +57,11 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(MoEBlock(scaled=kind == "leaf") for _ in range(3))
         self.other = nn.ModuleList(MoEBlock() for _ in range(2)) if kind == "towers" else None
         self.head = nn.Linear(WIDTH, 1)
+        self.latents = nn.Parameter(torch.randn(3, WIDTH) * 0.1) if kind == "latents" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         route = (x[..., 0] > 0).long()
-        context = self.context(x) if self.kind == "shared" else None
+        context = self.context(x) if self.kind == "shared" else self.latents
         h = x.detach().requires_grad_() if self.kind == "leaf" else x
         for block in self.blocks:
             h = block(h, route, context)
