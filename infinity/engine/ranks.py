@@ -25,8 +25,16 @@ def join(config: Any, process_group: Any, device: torch.device,
     launcher's environment when it is not yet; the config's collective timeout applies to it
     however it was made), the config read for their world size, and their collectives."""
     ranks = join_ranks(process_group, collective_timeout_of(config), device)
-    loaded = InfinityConfig.load(config or {}, world_size=ranks.world_size,
-                                 auto_values=auto_values)
+    try:
+        loaded = InfinityConfig.load(config or {}, world_size=ranks.world_size,
+                                     auto_values=auto_values)
+    except Exception as exc:
+        # a config this rank alone refuses: the others, waiting at their first collective,
+        # are told why (they said "its heartbeat stopped", the error unnamed)
+        watch = watch_ranks(ranks.group, ranks.rank, ranks.world_size)
+        if watch is not None:
+            watch.report(exc, "initialize")
+        raise
     if loaded.world_size != ranks.world_size:
         raise ValueError(f"the config was read for world size {loaded.world_size} but this run "
                          f"has {ranks.world_size} ranks: pass the config as a dict or path, and "

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ranks import start
+from ranks import launch, start
 
 pytestmark = pytest.mark.distributed
 
@@ -152,3 +152,13 @@ def test_ranks_started_with_different_configs_or_models_are_refused(tmp_path):
             "embed.weight of shape (256, 48), torch.float32 there" in refusals["model"], refusals
         assert "model buffer stats of shape (2,), torch.float32 on rank 0, stats of shape (3,), " \
             "torch.float32 there" in refusals["buffer"], refusals
+
+
+def test_a_config_one_rank_refuses_is_named_on_the_others():
+    """Rank 1 alone refusing its config at initialize: rank 0 said "its heartbeat stopped
+    (killed, or it exited without reporting an error)", the error unnamed."""
+    results = launch(2, "config_rank_worker.py", [], timeout=120)
+    said = {r.stdout.split(" ", 1)[0]: r.stdout for r in results if r.stdout}
+    assert said["1"].startswith("1 ConfigError: zero_optimization.offload_param.device"), said
+    assert "rank 1" in said["0"] and "needs ZeRO stage 3" in said["0"] and \
+        "(in initialize)" in said["0"], said
