@@ -105,6 +105,7 @@ class Collectives:
         # (a RankWatch's diagnosis by default: see [Note: lost rank] in comm/watchdog.py)
         self.watch = watch
         self.timeout_s = timeout_s      # the group's collective timeout, for waits of its own
+        self.unit_names: list[str] = []   # by a collective's tag, for a lost rank's story
         # the call every rank makes that this rank is in: its name before the agreement, ""
         # after, None outside one (see ``every_rank``)
         self._every_rank: str | None = None
@@ -171,8 +172,9 @@ class Collectives:
         finally:
             self._every_rank = self._not_made = None
 
-    def _issue(self, call, *args, on: torch.Tensor | None, **kwargs) -> Any:
-        """``call(*args, group=..., **kwargs)`` on the group of ``on`` (``_group_for``)."""
+    def _issue(self, call, *args, on: torch.Tensor | None, what: str = "", **kwargs) -> Any:
+        """``call(*args, group=..., **kwargs)`` on the group of ``on`` (``_group_for``);
+        ``what`` it is, for the watch (a timeout's story names each rank's)."""
         if self.watch is not None:
             if self._not_made is not None:     # nor any later collective of that call (a
                 raise self._not_made           # save's exchange of its ranks' outcomes)
@@ -183,7 +185,7 @@ class Collectives:
                 except CallNotMadeError as exc:
                     self._not_made = exc
                     raise
-            self.watch.count_issue()
+            self.watch.count_issue(what)
         group, name = self._group_for(on)
         self.calls_by_group[name] += 1
         return call(*args, group=group, **kwargs)
@@ -201,8 +203,11 @@ class Collectives:
         self._sequence = (self._sequence * 1_000_003 + code) % _SEQUENCE_MOD
         if self.sequence_log is not None:
             self.sequence_log.append((what, size, tag))
+        unit = (self.unit_names[tag] if 0 <= tag < len(self.unit_names) else str(tag)) \
+            if tag is not None else ""
         try:
-            return self._issue(call, *args, on=on, **kwargs)
+            return self._issue(call, *args, on=on,
+                               what=f"{what} of unit {unit}" if unit else what, **kwargs)
         except (CallNotMadeError, LostRankError):
             raise                 # told already (the agreement of a call every rank makes)
         except Exception as exc:  # noqa: BLE001 - translated, with the lost rank named
@@ -442,7 +447,7 @@ class Collectives:
         t = torch.tensor([mine, -mine, said, -said], dtype=torch.int64)
         start = time.perf_counter()
         try:
-            self._issue(dist.all_reduce, t, dist.ReduceOp.MAX, on=t)
+            self._issue(dist.all_reduce, t, dist.ReduceOp.MAX, on=t, what="sequence check")
         except (CallNotMadeError, LostRankError):
             raise
         except Exception as exc:  # noqa: BLE001 - the same story as any collective

@@ -90,6 +90,7 @@ class RankWatch:
         # collectives this rank issued (``count_issue``; the heartbeat publishes the count) and
         # calls every rank makes so far (see [Note: calls every rank makes])
         self.issued = 0
+        self.last_issued = ""     # what the last one was ("all-gather of unit 3"), published too
         self._calls = 0
         self._closed = threading.Event()
         self._store.set(f"{PREFIX}who/{rank}", f"{socket.gethostname()}, pid {os.getpid()}")
@@ -107,13 +108,15 @@ class RankWatch:
                 self._beat_store.add(key, 1)
                 issued = self.issued
                 if issued != published:
-                    self._beat_store.set(f"{PREFIX}issued/{self.rank}", str(issued))
+                    self._beat_store.set(f"{PREFIX}issued/{self.rank}",
+                                         f"{issued} {self.last_issued}")
                     published = issued
             except Exception:  # noqa: BLE001 - the store's host is gone: nothing to tell
                 return
 
-    def count_issue(self) -> None:
-        """This rank is issuing one more collective (on the watched group)."""
+    def count_issue(self, what: str = "") -> None:
+        """This rank is issuing one more collective (on the watched group), ``what``."""
+        self.last_issued = what
         self.issued += 1
 
     def agree(self, call: str, timeout_s: float, hint_after_s: float = AGREE_HINT_S) -> None:
@@ -153,7 +156,7 @@ class RankWatch:
                 issued = f"{PREFIX}issued/{r}"
                 # its key is read again: it may have made the call (and gone past it, its
                 # collectives counted) between the reads; it writes its key before any
-                if self._store.check([issued]) and int(self._store.get(issued)) > mine and \
+                if self._store.check([issued]) and self._issued_of(issued) > mine and \
                         not self._store.check([key]):
                     raise CallNotMadeError(f"rank {self.rank} called {call} but rank {r}{self._who(r)} "
                                        f"went on without it (to its next collective): {every}")
@@ -280,18 +283,32 @@ class RankWatch:
                 f"error, but the {what} did not complete: a rank hangs, or the ranks issue "
                 "different collectives" + self._counts_apart(others))
 
+    def _issued_of(self, key: str) -> int:
+        """A rank's count of issued collectives, as its heartbeat published it."""
+        return int(self._store.get(key).decode().partition(" ")[0])
+
+    def _last_of(self, key: str) -> str:
+        """What that rank's last issued collective was ("" where unknown)."""
+        return self._store.get(key).decode().partition(" ")[2]
+
     def _counts_apart(self, others: list[int]) -> str:
         """Where the ranks' counts of issued collectives (the heartbeat publishes them) differ,
         each rank's count and who issued fewest (the rank that ran out of data or skipped a
         call, often); empty where they agree or cannot be read."""
-        counts = {self.rank: self.issued}
+        counts, lasts = {self.rank: self.issued}, {self.rank: self.last_issued}
         with contextlib.suppress(Exception):
             for r in others:
                 key = f"{PREFIX}issued/{r}"
                 if self._store.check([key]):
-                    counts[r] = int(self._store.get(key))
+                    counts[r], lasts[r] = self._issued_of(key), self._last_of(key)
         if len(set(counts.values())) < 2:
-            return ""
+            if len(counts) < 2 or len(set(lasts.values())) < 2 or not all(lasts.values()):
+                return ""
+            said = "; ".join(f"rank {r}'s is the {lasts[r]}" for r in sorted(lasts))
+            return (f". Each rank's collective number {self.issued} differs: {said}: the "
+                    "ranks' paths parted before it (a forward more on one rank -- evaluation "
+                    "batches that differ in number between ranks --, or a call one rank alone "
+                    "made)")
         fewest = min(counts.values())
         fewer = sorted(r for r, c in counts.items() if c == fewest)
         said = ", ".join(f"rank {r} {counts[r]}" for r in sorted(counts))

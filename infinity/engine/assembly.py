@@ -87,6 +87,8 @@ def assemble(model: nn.Module, specs: list[UnitSpec], groups: list[dict], plan: 
         persistence_threshold=plan.sizes.persistence_threshold if plan.stage == 3 else None,
         doubled=plan.speculative, comm=comm, stage=plan.stage, values=values,
         make_unit=backend.unit_factory(), materialize=materialize)
+    if comm.active:     # a timeout's story names the units of each rank's last collective
+        comm.unit_names = [u.name for u in units]
     stepper = backend.stepper(units, groups, plan, fetch_pool)
     coordinator = Coordinator(units, modules_needing(model, specs), backend.manager, fetch_pool,
                               prefetch_limits(plan), stepper=stepper, owner=owner,

@@ -82,7 +82,7 @@ def test_a_failed_collective_raises_the_diagnosis():
         def diagnose(self, what):
             return f"rank 3 stopped (seen from the {what})"
 
-        def count_issue(self):      # what RankWatch counts for the calls every rank makes
+        def count_issue(self, what=""):   # what RankWatch counts for the calls every rank makes
             pass
 
     comm = Collectives(world_size=1, rank=0, watch=Watch())
@@ -145,6 +145,30 @@ def test_a_timeout_between_live_ranks_names_their_counts_of_collectives():
         w[1].issued = 63
         w[1]._beat_store.set("infinity/issued/1", "63")
         assert "issued so far" not in w[0].diagnose("all-gather")
+    finally:
+        for watch in w:
+            watch.close()
+
+
+def test_a_timeout_at_equal_counts_names_each_ranks_collective():
+    """The same count of collectives but not the same ones (an evaluation forward more on one
+    rank at stage 3: its gathers paired with the other's backward): each rank's last one is
+    named (it said only "a rank hangs, or the ranks issue different collectives")."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    w = [RankWatch(server, r, 2, beat_s=1.0) for r in range(2)]
+    try:
+        for watch, what in zip(w, ("all-gather of unit layers.1", "reduce-scatter of unit layers.3")):
+            for _ in range(21):
+                watch.count_issue(what)
+            watch._beat_store.set(f"infinity/issued/{watch.rank}", f"21 {what}")
+        text = w[0].diagnose("all-gather")
+        assert "rank 0's is the all-gather of unit layers.1; rank 1's is the reduce-scatter of " \
+               "unit layers.3" in text and "a forward more on one rank" in text, text
+        w[1].count_issue("all-gather of unit layers.1")
+        w[1]._beat_store.set("infinity/issued/1", "21 all-gather of unit layers.1")
+        w[1].issued = 21
+        assert "differs" not in w[0].diagnose("all-gather")
     finally:
         for watch in w:
             watch.close()
