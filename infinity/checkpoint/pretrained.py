@@ -381,6 +381,12 @@ class PretrainedWeights:
     def provides(self, name: str) -> bool:
         return name in self._params
 
+    def numel_of(self, name: str) -> int | None:
+        """The elements the checkpoint holds for parameter ``name`` (None: assembled from
+        several tensors, [Note: fused tensors])."""
+        source = self._params[name]
+        return None if source.fused is not None else source.info.numel
+
     def fill(self, pieces: Sequence[tuple[str, int, torch.Tensor]]) -> None:
         """See [Note: reads ahead of conversions] and [Note: fused tensors]."""
         plain = []
@@ -421,6 +427,10 @@ class PretrainedWeights:
     def _jobs(self, source: _Source, start: int, out: torch.Tensor) -> list[tuple]:
         n = out.numel()
         info = source.info
+        if start + n > info.numel:      # never the bytes of the tensor after it in the file
+            raise CheckpointError(f"{info.name}: elements [{start}, {start + n}) asked of a "
+                                  f"tensor of {info.numel} ({list(info.shape)}): the parameter "
+                                  "is larger than the checkpoint's tensor")
         item = info.dtype.itemsize
         if source.direct_fd is not None:
             mode = "direct"

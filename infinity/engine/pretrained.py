@@ -160,6 +160,21 @@ def _prepared(model: nn.Module, prepare: Callable[[nn.Module], nn.Module],
     if not isinstance(prepared, nn.Module):
         raise TypeError(f"prepare_model returned {type(prepared).__name__}, not the nn.Module "
                         "to train")
+    resized = []
+    for p in prepared.parameters():
+        name = before.get(id(copied_from(p)))
+        held = weights.numel_of(name) if name is not None and weights.provides(name) else None
+        if held is not None and held != p.numel():
+            resized.append(f"{name} ({held:,} elements in the checkpoint, {list(p.shape)} now)")
+    if resized:
+        # its values stream from the checkpoint's tensor, which has no rows for the new shape:
+        # they were read from the bytes after it in the file (the next tensor's), silently
+        raise ValueError(
+            f"prepare_model changed the shape of {len(resized)} loaded parameter(s): "
+            f"{'; '.join(resized[:3])}{' ...' if len(resized) > 3 else ''} (a "
+            "resize_token_embeddings?). Their values stream from the checkpoint, which has none "
+            "for the new shape: load the model with transformers, resize it there, and pass it "
+            "to infinity.initialize")
     lost = [name for name, p in prepared.named_parameters()
             if id(copied_from(p)) not in before and valueless(p)]
     if lost:

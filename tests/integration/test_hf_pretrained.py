@@ -303,6 +303,21 @@ def _peft(model, **lora):
                                             **lora))
 
 
+def test_prepare_model_that_resizes_a_loaded_parameter_is_refused(disk_dir) -> None:
+    """resize_token_embeddings in prepare_model keeps the Parameter and gives it a new shape:
+    its values were streamed from the checkpoint's tensor, and the rows past it were the bytes
+    of the next tensor in the file (a norm's ones, then other weights), silently."""
+    src = hf_saved(disk_dir, "llama")
+
+    def prepare(model):
+        model.resize_token_embeddings(model.config.vocab_size + 12, mean_resizing=False)
+        return model
+
+    with pytest.raises(ValueError, match=r"prepare_model changed the shape of .*embed_tokens"
+                                         r".*resize it there"):
+        infinity.from_pretrained(src, config=_config(disk_dir), prepare_model=prepare)
+
+
 @pytest.mark.parametrize("lora", [{}, {"modules_to_save": ["lm_head"]}], ids=["lora", "head"])
 def test_a_peft_adapter_from_prepare_model_starts_from_the_base(disk_dir, lora) -> None:
     """PEFT builds the adapter with its values (lora_B zero), then moves it to the meta device
