@@ -112,7 +112,8 @@ def from_pretrained(pretrained_model_name_or_path: str | Path, config: Any = Non
         conversions = hub_names(model)     # transformers' load-time renamings and fusions
         weights.match(model, strict=strict, ignore_mismatched_sizes=ignore_mismatched_sizes,
                       prefix=getattr(model, "base_model_prefix", "") or "",
-                      ignore_unexpected=_patterns(model, "_keys_to_ignore_on_load_unexpected"),
+                      ignore_unexpected=_patterns(model, "_keys_to_ignore_on_load_unexpected")
+                      + _old_buffer_keys(model),
                       ignore_missing=_patterns(model, "_keys_to_ignore_on_load_missing"),
                       renamed=conversions.to_model if conversions else None,
                       fusions=conversions.fusions if conversions else None)
@@ -277,6 +278,18 @@ def _not_causal_lm(hf_config: Any) -> str:
             + (" or ".join(hints) if hints else "the model's class as model_class=")
             + " (the directory's config.json names its architecture"
             + (f": {', '.join(named)}" if named else "") + ")")
+
+
+def _old_buffer_keys(model: nn.Module) -> list[str]:
+    """The keys of buffers older checkpoints saved and transformers ignores wherever the model
+    has such buffers (its ``_adjust_missing_and_unexpected_keys``): each layer's rotary
+    ``inv_freq`` (Llama conversions before transformers 4.31), ``position_ids``. They were
+    refused as not in the model, with strict=False, which hides real mismatches, as the only
+    way through."""
+    names = [name for name, _ in model.named_buffers()]
+    return ([r"rotary_emb\.inv_freq"] if any(n.endswith("rotary_emb.inv_freq") for n in names)
+            else []) + ([r"(^|\.)position_ids$"] if any(n.endswith("position_ids")
+                                                         for n in names) else [])
 
 
 def _patterns(model: nn.Module, attribute: str) -> list[str]:

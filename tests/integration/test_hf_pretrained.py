@@ -303,6 +303,26 @@ def _peft(model, **lora):
                                             **lora))
 
 
+def test_an_older_checkpoints_per_layer_rotary_buffers_are_ignored_as_transformers(disk_dir):
+    """Llama conversions written before transformers 4.31 hold each layer's rotary inv_freq:
+    transformers ignores them, the load here refused them as not in the model (strict=False,
+    which hides real mismatches, was the only way through)."""
+    from safetensors.torch import load_file, save_file
+
+    src = hf_saved(disk_dir, "llama", shard="1GB")
+    path = src / "model.safetensors"
+    state = load_file(str(path))
+    for i in range(3):
+        state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(state, str(path), metadata={"format": "pt"})
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    try:
+        got = engine.module_state_dict()
+        assert all(torch.equal(got[k], v) for k, v in state.items() if k in got)
+    finally:
+        engine.close()
+
+
 def test_prepare_model_that_resizes_a_loaded_parameter_is_refused(disk_dir) -> None:
     """resize_token_embeddings in prepare_model keeps the Parameter and gives it a new shape:
     its values were streamed from the checkpoint's tensor, and the rows past it were the bytes
