@@ -789,6 +789,26 @@ def test_infinity_export_writes_a_directory_transformers_loads(disk_dir, capsys)
                if v.is_floating_point())
 
 
+def test_an_export_as_stored_says_the_dtype_it_wrote(disk_dir) -> None:
+    """`infinity export --dtype stored` of a bf16 run writes its fp32 masters: config.json said
+    bfloat16 (the run's compute dtype), so transformers' default load threw the precision the
+    user exported for away."""
+    from infinity.cli import main
+
+    src = hf_saved(disk_dir, "llama", shard="1GB")
+    ds = _config(disk_dir)
+    ds["infinity"]["compute_dtype"] = "bf16"
+    engine, *_ = infinity.from_pretrained(src, config=ds)
+    try:
+        engine.save_checkpoint(disk_dir / "ckpt")
+    finally:
+        engine.close()
+    assert main(["export", str(disk_dir / "ckpt"), str(disk_dir / "out"), "--dtype", "stored"]) == 0
+    written = {v.dtype for v in weights_in(disk_dir / "out").values() if v.is_floating_point()}
+    assert written == {torch.float32}, written
+    assert json.loads((disk_dir / "out" / "config.json").read_text())["dtype"] == "float32"
+
+
 def test_a_tied_head_stored_with_other_values_is_refused_and_loads_untied(disk_dir) -> None:
     """GPT-2 ties its head to the embedding; a checkpoint holding both with different values
     (a fine-tune saved untied) loaded the embedding for both, silently: logits 30 away from
