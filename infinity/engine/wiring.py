@@ -91,11 +91,16 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
     try:
         for index, spec in enumerate(specs):
             provided = values.provides if values is not None else None
-            # values each rank made on its own (not zero.Init's, drawn alike on every rank)
+            # values each rank made on its own (a model built outside zero.Init)
             own_values = values is None and comm.active and any(
                 p.device.type != "meta" and p.numel() for _, p in spec.params)
             made = materialize_params(model, spec.params, device, full_shapes, provided) \
                 if materialize else []
+            # drawn here, by each rank's own generator (zero.Init's, a new head beside a
+            # checkpoint's): a unit whole on every rank (stages 0-2) takes rank 0's, as with
+            # the user's own values; at stage 3 each rank's shard is one model's part already
+            drawn = comm.active and stage < 3 and any(
+                provided is None or not provided(name) for name, _, _ in made)
             for name, old, new in made:
                 replacements[old] = new
                 full_shapes[id(new)] = old.shape
@@ -112,7 +117,8 @@ def build_units(model: nn.Module, specs: list[UnitSpec], groups: list[dict], dev
                 previous()
             finish = unit.adopt(manager, param_tier, persistent, staging=staging,
                                 doubled=doubled and unit.has_trainable, values=values,
-                                write_behind=values is not None, from_rank0=own_values)
+                                write_behind=values is not None,
+                                from_rank0=own_values or drawn)
             units.append(unit)
             previous, pending = pending, finish
             if previous is not None:

@@ -216,9 +216,10 @@ class Unit:
         in flight, and a callable is returned that waits for the write and releases the unit
         (the caller fills the next unit meanwhile; until it is called this unit stays FETCHED
         and holds its device memory); None when nothing was left in flight. ``from_rank0``:
-        the parameters' values are each rank's own (a model built outside ``zero.Init``): the
-        unit takes rank 0's, as DDP and DeepSpeed make the ranks start from one model (each
-        rank kept its own: stage 0 trained a model per rank, stages 1-3 mixed the ranks').
+        the parameters' values are each rank's own (a model built outside ``zero.Init``, or
+        values drawn by each rank's generator beside loaded ones): the unit takes rank 0's, as
+        DDP and DeepSpeed make the ranks start from one model (each rank kept its own: stage 0
+        trained a model per rank, stages 1-3 mixed the ranks').
         """
         # sharded at stage 3, a DEVICE home holds the own shard (see [Note: shards])
         self.persistent = persistent or (param_home is Tier.DEVICE and not self.params_sharded)
@@ -237,6 +238,8 @@ class Unit:
                 lo, hi = (0, self.flat_numel) if self.persistent else \
                     (self.home_start, self.home_start + self.home_numel)
                 self.fill_range(values, lo, hi, self.flat[lo:hi])
+                if from_rank0 and self.comm is not None and not self.params_sharded:
+                    self.comm.broadcast(self.flat, 0)     # the values drawn beside the loaded
         self.residency.to(Residency.FETCHED)
         self._point_params()
         if not self.persistent:

@@ -132,3 +132,14 @@ def three_ranks(tmp_path_factory):
 def test_three_ranks_train_as_one_process_with_the_whole_batch(three_ranks, case):
     results, out = three_ranks
     _check_case(case, results, out, 3)
+
+
+@pytest.mark.parametrize("mode,stage", [("init-torch", 1), ("head", 0), ("head", 2)])
+def test_values_drawn_by_each_ranks_generator_start_as_rank_0s(tmp_path, mode, stage):
+    """With a seed per rank, a new head beside a checkpoint's weights (from_pretrained with
+    strict=False) started from each rank's own draw at stages 0-2 (stage 0 trained a model per
+    rank; docs/ranks.md said rank 0's); zero.Init's values are drawn alike (kept so)."""
+    results = launch(2, "seeds_ranks_worker.py", [mode, str(stage), str(tmp_path)], timeout=180)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0 and r.stdout.strip().endswith("same"), (rank, r.stdout[-300:],
+                                                                        r.stderr[-2000:])
