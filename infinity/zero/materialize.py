@@ -211,13 +211,25 @@ def _init_like_transformers(model: nn.Module, init_weights, new_ids: set[int],
     subtree holds one, children before parents (a parent may re-initialise its children: GPT-2's
     scaled ``c_proj``, T5's attention and feed-forward weights). Every other parameter those
     calls could reach -- another unit's, already offloaded (no storage), or still meta -- is
-    stood in for by a meta tensor meanwhile, so the calls cannot write to it."""
+    stood in for by a meta tensor meanwhile, so the calls cannot write to it. A tied parameter
+    is initialised by its first holder alone (the input embedding, before the head tied to it):
+    transformers initialises and then ties, so the embedding's init holds (its padding row
+    zero), where the head's, run last here, won."""
     holders = [m for m in model.modules()
                if any(id(p) in new_ids for p in m.parameters())]
     order = [m for m in _post_order(model) if any(m is h for h in holders)]
+    first: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                first.setdefault(id(p), module)
     with _foreign_params_on_meta(order, new_ids, shapes):
         for module in order:
-            init_weights(module)
+            tied = {id(p) for p in module._parameters.values()
+                    if p is not None and first.get(id(p)) is not module}
+            with _foreign_params_on_meta([module], new_ids - tied, shapes) if tied & new_ids \
+                    else contextlib.nullcontext():
+                init_weights(module)
 
 
 def _post_order(module: nn.Module):

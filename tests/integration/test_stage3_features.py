@@ -1411,3 +1411,25 @@ def test_multihead_attention_stays_one_unit_and_trains_like_torch(disk_dir, tier
         assert result.worst_relative <= 1e-5, (result.losses, result.ref_losses)
     finally:
         result.engine.close()
+
+
+def test_zero_init_initialises_a_tied_embedding_as_transformers(disk_dir) -> None:
+    """A tied embedding with a padding index: transformers initialises and then ties, so the
+    embedding's init holds (its padding row zero); under zero.Init the head's init ran last and
+    won (the padding row random, |x| up to ~0.04)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                   pad_token_id=0, tie_word_embeddings=True)
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    torch.manual_seed(0)
+    with infinity.zero.Init(config=ds):
+        model = transformers.LlamaForCausalLM(cfg)
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        weight = engine.module_state_dict()["model.embed_tokens.weight"]
+        assert torch.count_nonzero(weight[0]) == 0, weight[0]
+        assert 0.01 < float(weight[1:].std()) < 0.03      # the embedding's normal(0, 0.02)
+    finally:
+        engine.close()
