@@ -154,7 +154,7 @@ class Coordinator:
             keep_at(m._forward_hooks, post.id, last=True)
             passed, args, kwargs = self._forward_pre(ids, args, kwargs)
             self._call_inputs.setdefault(id(m), []).append(passed)
-            return args, kwargs   # those under grad as views ([Note: a call's inputs mark ...])
+            return args, kwargs   # see [Note: a call's inputs mark its backward]
 
         def after(m: nn.Module, args, output):
             keep_at(m._forward_pre_hooks, first.id, last=False)

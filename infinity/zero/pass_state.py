@@ -140,7 +140,8 @@ class UnitStatus:
 
     def reached_inputs(self, call: Any = None) -> None:
         """A call of its module has the gradient w.r.t. its inputs."""
-        self.open_calls.discard(call)
+        if call is not None:
+            self.open_calls.discard(call)
         self.calls_reached += 1
         self.backward = _INPUTS.get(self.backward, self.backward)
 

@@ -59,3 +59,35 @@ def test_a_unit_is_what_the_optimizer_steps() -> None:
                 torch.float32, torch.device("cpu"))
     missing = [n for n in members if not hasattr(unit, n)]
     assert not missing, missing
+
+
+def test_with_several_ranks_a_unit_finishes_where_every_rank_does() -> None:
+    """[Note: a call's inputs mark its backward]: with several ranks a unit whose calls are
+    watched finishes once they have the gradient of their inputs, whatever gradients this rank
+    got (``forced`` where it lacked some), never at its last gradient (a rank with every
+    expert's gradient finished before the others, and the ranks' collectives parted); one with
+    a call whose inputs carry none waits for the backward's end; one rank: its gradients."""
+    from infinity.zero.input_gradients import CallInputs
+
+    status = UnitStatus()
+    status.start_backward(trainable=2)
+    call = CallInputs(1, lambda c: None)
+    status.note_call(call)
+    status.grads_pending = 0                      # every gradient in, the mark not reached
+    assert not status.may_finish(True, False, ranks=2)
+    assert status.may_finish(True, False, ranks=1)
+    status.grads_pending = 1
+    status.reached_inputs(call)                   # the mark, one gradient missing here
+    assert status.may_finish(True, False, ranks=2) and status.forced
+    blind = UnitStatus()
+    blind.start_backward(trainable=1)
+    blind.note_call(None)
+    blind.grads_pending = 0
+    assert not blind.may_finish(True, False, ranks=2)
+    dropped = UnitStatus()
+    dropped.start_backward(trainable=1)
+    dropped.note_call(CallInputs(1, lambda c: None))   # its graph gone: the call with it
+    live = CallInputs(1, lambda c: None)
+    dropped.note_call(live)
+    dropped.reached_inputs(live)
+    assert not dropped.open_calls and dropped.calls_done
