@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.comm.group import use_local_gpu
 from infinity.engine.guards import call_on_every_rank
@@ -21,6 +22,8 @@ from infinity.engine.module_state import full_state_dict, load_module_state_dict
 
 if TYPE_CHECKING:
     from infinity.engine import Engine
+
+log = get_logger("engine")
 
 ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained", "to", "half", "bfloat16",
           "float", "double")
@@ -328,6 +331,10 @@ def _routed_save_pretrained(model: nn.Module, engine: "Engine"):
         if state_dict is not None:
             return own(model, save_directory, is_main_process=is_main_process,
                        state_dict=state_dict, max_shard_size=max_shard_size, **kwargs)
+        if kwargs:      # never dropped without a word
+            log.warning("model.save_pretrained: %s not honoured by the engine's save, which "
+                        "writes the current weights as model.safetensors (or its shards) under "
+                        "the model's own names", ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
         # every rank takes part (units are gathered over the ranks); rank 0 writes
         engine.save_pretrained(save_directory, max_shard_size=max_shard_size)
         return None

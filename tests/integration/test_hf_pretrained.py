@@ -838,3 +838,17 @@ def test_a_tied_head_stored_with_other_values_is_refused_and_loads_untied(disk_d
         assert torch.equal(logits_of(engine.eval(), x), logits_of(theirs, x))
     finally:
         engine.close()
+
+
+def test_model_save_pretrained_says_which_options_it_does_not_honour(disk_dir, infinity_log):
+    """Options the engine's save does not take (transformers 5's save_original_format, say)
+    were dropped without a word."""
+    src = hf_saved(disk_dir, "llama", shard="1GB")
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    try:
+        engine.module.save_pretrained(disk_dir / "out", save_original_format=False)
+    finally:
+        engine.close()
+    assert any("save_original_format=False not honoured" in r.getMessage()
+               for r in infinity_log.records)
+    assert (disk_dir / "out" / "model.safetensors").is_file()
