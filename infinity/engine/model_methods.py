@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 log = get_logger("engine")
 
 ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained", "to", "half", "bfloat16",
-          "float", "double")
+          "float", "double", "resize_token_embeddings")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -141,6 +141,7 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         routed[name] = _routed_cast(model, engine, name, dtype)
     if _is_transformers_model(model):
         routed["save_pretrained"] = _routed_save_pretrained(model, engine)
+        routed["resize_token_embeddings"] = _refused_resize
     elif is_peft_model(model):
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
     for name, function in routed.items():     # the engine's save agrees itself
@@ -170,6 +171,17 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
                                             _part_load(engine, module),
                                             f"{name}.load_state_dict()")
             model.__dict__.setdefault(_PART_LOADS, []).append(module)
+
+
+def _refused_resize(*args: Any, **kwargs: Any) -> None:
+    """transformers' ``resize_token_embeddings`` on a model the engine holds: the embedding's
+    shape is its units' layout, fixed at initialize (at stage 3 transformers failed on the
+    released weight, "not enough values to unpack"; at stage 2 the next forward did)."""
+    raise RuntimeError(
+        "resize_token_embeddings after infinity.initialize: the engine holds the embedding in "
+        "its own stores, laid out at initialize, so a new shape cannot reach them. Resize "
+        "before: load the model with transformers, resize_token_embeddings, then "
+        "infinity.initialize (infinity.from_pretrained streams the checkpoint's shapes only)")
 
 
 def _refuse_cast(engine: "Engine", call: str, dtype: torch.dtype) -> None:

@@ -336,6 +336,15 @@ def test_prepare_model_that_resizes_a_loaded_parameter_is_refused(disk_dir) -> N
     with pytest.raises(ValueError, match=r"prepare_model changed the shape of .*embed_tokens"
                                          r".*resize it there"):
         infinity.from_pretrained(src, config=_config(disk_dir), prepare_model=prepare)
+    # and after loading: refused saying when to resize (transformers failed on the released
+    # weight at stage 3, "not enough values to unpack")
+    engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
+    try:
+        with pytest.raises(RuntimeError, match=r"resize_token_embeddings after "
+                                               r"infinity\.initialize.*Resize before"):
+            engine.module.resize_token_embeddings(140)
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("lora", [{}, {"modules_to_save": ["lm_head"]}], ids=["lora", "head"])
