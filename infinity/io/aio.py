@@ -180,7 +180,7 @@ class IORequest:
             errno.ENOSPC: "the filesystem is full; free space or use another swap path",
             errno.EBADF: "the file descriptor does not allow this operation (closed, or opened "
                          "with the wrong mode)",
-            errno.EFBIG: "the offset is beyond the largest file this filesystem allows",
+            errno.EFBIG: "the offset is beyond the largest file allowed (the filesystem's, or a limit: ulimit -f)",
             errno.EIO: "the device reported an I/O error; check dmesg",
         }.get(code, "")
         return (f"{self._describe()} failed at file offset {err_offset} "
