@@ -67,7 +67,10 @@ def marked_inputs(args: tuple, kwargs: dict, nested: list[torch.Tensor],
     ``nested``, inside containers, that requires one) has its gradient; returns the new
     arguments and the call watched (None: no input carries a gradient). ``on_done`` None (a
     recomputation): the views alone, the same graph as the first forward, no mark."""
-    top = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    # a dense tensor argument gets a view; a sparse or nested one (no view_as), or one inside
+    # a container, is hooked itself
+    top = [a for a in (*args, *kwargs.values())
+           if isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.is_nested]
     inner = [t for t in nested if t.requires_grad and not any(t is a for a in top)]
     wanting = sum(1 for a in top if a.requires_grad) + len(inner)
     if not wanting:
@@ -75,7 +78,8 @@ def marked_inputs(args: tuple, kwargs: dict, nested: list[torch.Tensor],
     call = CallInputs(wanting, on_done) if on_done is not None else None
 
     def marked(value: Any) -> Any:
-        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+        if not (isinstance(value, torch.Tensor) and value.requires_grad and
+                any(value is a for a in top)):
             return value
         view = value.view_as(value)
         if call is not None:
