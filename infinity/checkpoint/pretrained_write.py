@@ -349,9 +349,10 @@ def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.d
             table.append((name, keep, tuple(info.shape)))
         stored = table
         floats = {keep for _, keep, _ in table if keep.is_floating_point}
-        if dtype is None and floats and "config.json" in model_texts:
-            # as stored: the config names the widest written (it kept the run's compute dtype,
-            # bf16 over fp32 masters, and transformers' default load threw their precision away)
+        if dtype is None and floats and "config.json" in model_texts and \
+                "config.json" not in (texts or {}):     # a config given is written as given
+            # as stored: the checkpoint's config names the widest written (it kept the run's
+            # compute dtype, bf16 over fp32 masters: transformers' default load lost them)
             model_texts["config.json"] = config_with_dtype(
                 model_texts["config.json"], max(floats, key=itemsize))
         if conversions is not None:     # the Hub's names and per-expert tensors
