@@ -457,13 +457,13 @@ class Collectives:
         if int(t[0]) != -int(t[1]):
             raise RuntimeError(
                 f"rank {self.rank}: the ranks issued different collectives before {where} (their "
-                "fingerprints differ): the model took a different path on some rank (a module "
-                "run or skipped depending on the data, a unit whose parameters got gradients on "
-                "one rank only), so its gathers and gradient averages paired unrelated buffers "
-                "and this step's values are not to be trusted. Every rank must run the same "
-                "modules each step, as torch's DDP requires (route data-dependent paths through "
-                "every module, e.g. multiply a skipped branch by zero); resume from the last "
-                "checkpoint")
+                "fingerprints differ): the model took a different path on some rank (a unit "
+                "run or skipped depending on the data, a forward or a call more on one rank), "
+                "so its gathers and gradient averages paired unrelated buffers and this step's "
+                "values are not to be trusted. Every rank must call the same units each step "
+                "(inside a unit, parameters may get gradients on some ranks only: experts; "
+                "route a data-dependent unit through every rank, e.g. multiply a skipped "
+                "branch by zero); resume from the last checkpoint")
         if int(t[2]) != -int(t[3]):
             raise RuntimeError(
                 f"rank {self.rank}: the ranks step with different settings at {where} (this "
