@@ -48,6 +48,7 @@ from infinity.checkpoint.training_state import TrainingState
 from infinity.checkpoint.unit_io import ChunkPool, save_entries
 from infinity.checkpoint.writer_lock import SaveLock
 from infinity.base.log import get_logger
+from infinity.io.aio import FILE_TOO_LARGE
 from infinity.storage.preflight import free_bytes
 from infinity.base.sizes import format_bytes
 
@@ -299,8 +300,7 @@ def _save_error(exc: OSError, tag: str, save_dir: Path, need: int) -> OSError:
                                   f"{format_bytes(free_bytes(save_dir))} free now that its "
                                   f"partial files are removed); {unchanged}: free space or "
                                   "choose another save_dir")
-    hint = ("; a file size limit (ulimit -f) or the filesystem's largest file"
-            if exc.errno == errno.EFBIG else "")
+    hint = f"; {FILE_TOO_LARGE}" if exc.errno == errno.EFBIG else ""
     return OSError(exc.errno, f"checkpoint {tag} in {save_dir}: "
                               f"{exc.strerror or exc}{hint}; {unchanged}")
 

@@ -367,10 +367,6 @@ class _Parser:
         """``data`` with aliases renamed and ignored keys dropped; unknown keys raise (``hint``:
         what an unknown key means here, where a close name would mislead)."""
         where = path or "the top level"
-        if path == "zero_optimization" and isinstance(data, bool):
-            raise ConfigError(f"zero_optimization = {json.dumps(data)}: DeepSpeed's old "
-                              "boolean form; write the section, e.g. {\"stage\": 1}"
-                              if data else "zero_optimization = false: write {\"stage\": 0}")
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected a JSON object, got {data!r}")
         if not path and ("model_type" in data or "architectures" in data):
@@ -506,6 +502,10 @@ class _Parser:
 
     def zero(self, data: Any) -> ZeroConfig:
         path = "zero_optimization"
+        if isinstance(data, bool):      # DeepSpeed's old form
+            raise ConfigError(f"zero_optimization = {json.dumps(data)}: DeepSpeed's old "
+                              "boolean form; write the section, e.g. {\"stage\": 1}"
+                              if data else "zero_optimization = false: write {\"stage\": 0}")
         section = self.keys(data, path, _ZERO_SCALARS + ("offload_optimizer", "offload_param"))
         kwargs = self.resolve({k: v for k, v in section.items()
                                if k not in ("offload_optimizer", "offload_param")}, path)

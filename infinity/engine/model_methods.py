@@ -144,8 +144,8 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         routed["resize_token_embeddings"] = _refused_resize
     elif is_peft_model(model):
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
-    for name, function in routed.items():     # the engine's save agrees itself
-        label = None if name in ("zero_grad", "save_pretrained") else f"{name}()"
+    for name, function in routed.items():     # a state dict or a load: a call every rank makes
+        label = f"{name}()" if name in ("state_dict", "load_state_dict") else None
         setattr(model, name, _bound(model, engine, name, function, label))
     tuner = getattr(model, "base_model", None) if is_peft_model(model) else None
     if tuner is not None and engine.stage == 3:

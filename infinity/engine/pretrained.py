@@ -287,9 +287,13 @@ def _old_buffer_keys(model: nn.Module) -> list[str]:
     refused as not in the model, with strict=False, which hides real mismatches, as the only
     way through."""
     names = [name for name, _ in model.named_buffers()]
-    return ([r"rotary_emb\.inv_freq"] if any(n.endswith("rotary_emb.inv_freq") for n in names)
-            else []) + ([r"(^|\.)position_ids$"] if any(n.endswith("position_ids")
-                                                         for n in names) else [])
+    return [pattern for suffix, pattern in OLD_BUFFER_KEYS.items()
+            if any(n.endswith(suffix) for n in names)]
+
+
+OLD_BUFFER_KEYS = {"rotary_emb.inv_freq": r"rotary_emb\.inv_freq",
+                   "position_ids": r"(^|\.)position_ids$"}
+"""A buffer's name ending -> the pattern of its keys ignored (``_old_buffer_keys``)."""
 
 
 def _patterns(model: nn.Module, attribute: str) -> list[str]:

@@ -37,6 +37,9 @@ from infinity.base.log import get_logger
 from infinity.base.native_info import record_in_use
 
 _log = get_logger("io.aio")
+FILE_TOO_LARGE = "a file size limit (ulimit -f) or the filesystem's largest file"
+"""What an EFBIG means, wherever a file of the engine's meets it (a swap file, a checkpoint)."""
+
 _SECTOR = 512
 _WAIT_SLICE_S = 0.25  # native waits are cut into slices so Ctrl-C is handled between them
 _SWEEP_MIN = 1024
@@ -180,7 +183,7 @@ class IORequest:
             errno.ENOSPC: "the filesystem is full; free space or use another swap path",
             errno.EBADF: "the file descriptor does not allow this operation (closed, or opened "
                          "with the wrong mode)",
-            errno.EFBIG: "the offset is beyond the largest file allowed (the filesystem's, or a limit: ulimit -f)",
+            errno.EFBIG: f"the offset is beyond {FILE_TOO_LARGE}",
             errno.EIO: "the device reported an I/O error; check dmesg",
         }.get(code, "")
         return (f"{self._describe()} failed at file offset {err_offset} "

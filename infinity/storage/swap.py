@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes, parse_bytes
+from infinity.io.aio import FILE_TOO_LARGE
 from infinity.storage.extents import ALIGNMENT, Extent, ExtentAllocator, round_up
 from infinity.storage.integrity import CheckMode, PageFingerprints, SwapCorruptionError
 from infinity.storage.preflight import PreflightReport, check_free_space, check_swap_path
@@ -367,8 +368,8 @@ class SwapSpace:
                     pass
             hint = ("the disk is full; free space or choose a larger nvme_path"
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
-                    "a file size limit (ulimit -f) or the filesystem's largest file: raise the "
-                    "limit, or choose a filesystem that holds larger files"
+                    f"{FILE_TOO_LARGE}: raise the limit, or choose a filesystem that holds "
+                    "larger files"
                     if exc.errno == errno.EFBIG else
                     "check the swap path")
             raise OSError(exc.errno, f"preallocating {size} bytes ({format_bytes(size)}) for swap "

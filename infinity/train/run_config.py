@@ -19,6 +19,7 @@ from typing import Any
 
 from infinity.config import AutoValueMissing, ConfigError, InfinityConfig
 from infinity.config import file as config_file
+from infinity.config.values import is_whole
 from infinity.base.log import get_logger
 from infinity.base.sizes import parse_bytes
 from infinity.train.defaults import (DEFAULT_HOST_BUDGET, DEFAULT_LR, DEFAULT_MICRO_BATCH,
@@ -138,10 +139,9 @@ def _auto_values(ds: dict, o: Any, world_size: int) -> dict[str, Any]:
     lr = _lookup(ds, ("optimizer", "params", "lr"))
     lr = lr if isinstance(lr, (int, float)) and not isinstance(lr, bool) else o.lr or DEFAULT_LR
     micro = _lookup(ds, ("train_micro_batch_size_per_gpu",))
-    micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else o.micro_batch or 1
+    micro = micro if is_whole(micro) else o.micro_batch or 1
     accumulate = _lookup(ds, ("gradient_accumulation_steps",))
-    accumulate = accumulate if isinstance(accumulate, int) and not isinstance(accumulate, bool) \
-        else 1
+    accumulate = accumulate if is_whole(accumulate) else 1
     return {"optimizer.params.lr": lr, "scheduler.params.warmup_max_lr": lr,
             "scheduler.params.warmup_min_lr": 0.0,
             "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulate,

@@ -160,7 +160,7 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
     shapes = full_shapes or {}
     with torch.no_grad():
         if callable(init_weights):
-            _init_like_transformers(model, init_weights, new_ids, shapes)
+            _init_like_transformers(model, init_weights, new_ids, shapes, initialiser)
         else:
             for module in owners:
                 mine = {id(p) for p in module._parameters.values()
@@ -182,10 +182,11 @@ def _reset_torch_composites(model: nn.Module, new_ids: set[int],
     those writes went to meta tensors and each child's own reset won (a random out_proj bias,
     kaiming matrices, silently). Only the new parameters below them are written."""
     for module in _post_order(model):
+        if not (callable(getattr(type(module), "_reset_parameters", None)) and
+                type(module).__module__.startswith("torch.nn")):
+            continue    # the sets below only for the few modules that qualify
         below = {id(p) for p in module.parameters()} & new_ids
-        own = {id(p) for p in module.parameters(recurse=False)}
-        reset = getattr(type(module), "_reset_parameters", None)
-        if below - own and callable(reset) and type(module).__module__.startswith("torch.nn"):
+        if below - {id(p) for p in module.parameters(recurse=False)}:
             with _foreign_params_on_meta([module], below, shapes):
                 module._reset_parameters()
 
@@ -206,27 +207,23 @@ def _refuse_parametrized(model: nn.Module, meta_ids: set[int]) -> None:
 
 
 def _init_like_transformers(model: nn.Module, init_weights, new_ids: set[int],
-                            shapes: Mapping[int, torch.Size]) -> None:
+                            shapes: Mapping[int, torch.Size],
+                            initialiser: Mapping[int, nn.Module]) -> None:
     """What ``model.apply(model._init_weights)`` does to the new parameters: every module whose
     subtree holds one, children before parents (a parent may re-initialise its children: GPT-2's
     scaled ``c_proj``, T5's attention and feed-forward weights). Every other parameter those
     calls could reach -- another unit's, already offloaded (no storage), or still meta -- is
     stood in for by a meta tensor meanwhile, so the calls cannot write to it. A tied parameter
-    is initialised by its first holder alone (the input embedding, before the head tied to it):
-    transformers initialises and then ties, so the embedding's init holds (its padding row
-    zero), where the head's, run last here, won."""
+    is initialised by its ``initialiser`` alone (its creator, else its first holder: the input
+    embedding, not the head tied to it): transformers initialises and then ties, so the
+    embedding's init holds (its padding row zero), where the head's, run last here, won."""
     holders = [m for m in model.modules()
                if any(id(p) in new_ids for p in m.parameters())]
     order = [m for m in _post_order(model) if any(m is h for h in holders)]
-    first: dict[int, nn.Module] = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None:
-                first.setdefault(id(p), module)
     with _foreign_params_on_meta(order, new_ids, shapes):
         for module in order:
             tied = {id(p) for p in module._parameters.values()
-                    if p is not None and first.get(id(p)) is not module}
+                    if p is not None and initialiser.get(id(p), module) is not module}
             with _foreign_params_on_meta([module], new_ids - tied, shapes) if tied & new_ids \
                     else contextlib.nullcontext():
                 init_weights(module)
