@@ -352,6 +352,24 @@ _ZERO_SCALARS = tuple(f.name for f in dataclasses.fields(ZeroConfig)
 
 
 
+def _other_home(key: str, path: str, value: Any) -> str:
+    """Where ``key`` belongs when it is a key of one other section (``compute_dtype`` written
+    at the top level belongs in "infinity"): the closest name here misled ("did you mean
+    'communication_data_type'?")."""
+    sections = {"infinity": InfinitySection, "aio": AioConfig, "fp16": Fp16Config,
+                "bf16": Bf16Config}
+    homes = [name for name, cls in sections.items()
+             if name != path and key in {f.name for f in dataclasses.fields(cls)}]
+    if path != "zero_optimization" and key in _ZERO_SCALARS + ("offload_optimizer",
+                                                               "offload_param"):
+        homes.append("zero_optimization")
+    if len(homes) != 1:
+        return ""
+    return (f"{key!r} is a key of the {homes[0]!r} section, not of "
+            f"{repr(path) if path else 'the top level'}: write "
+            f"{{\"{homes[0]}\": {{\"{key}\": {json.dumps(value, default=str)}}}}}")
+
+
 class _Parser:
     """Walks the JSON: checks keys (unknown, aliases, ignored), resolves "auto", builds sections."""
 
@@ -397,7 +415,8 @@ class _Parser:
                         + (f" ({advice})" if advice else ""))
                 self.ignored.append(full)
             else:
-                known = KEY_HINTS.get(full) or (hint(str(key)) if hint is not None else "")
+                known = (KEY_HINTS.get(full) or (hint(str(key)) if hint is not None else "")
+                         or _other_home(str(key), path, value))
                 valid = sorted(set(allowed) | set(aliases) | set(ignored) | set(off_only))
                 close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
                 advice = known or (f"did you mean {(f'{path}.' if path else '') + close[0]!r}?"

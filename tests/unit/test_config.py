@@ -684,6 +684,11 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, object]]:
     ({"optimizer": {"type": "AdamWW"}}, r"did you mean 'AdamW'\?"),
     ({"sparse_attention": {"mode": "fixed"}}, r"sparse attention kernels are not part"),
     ({"zero_optimization": True}, r"DeepSpeed's old boolean form"),
+    # a key of another section: the closest name here misled (communication_data_type)
+    ({"compute_dtype": "fp32"}, r'key of the \'infinity\' section.*\{"infinity": \{"compute_dtype"'),
+    ({"zero_optimization": {"stage": 3, "early_step": "auto"}},
+     r"'early_step' is a key of the 'infinity' section, not of 'zero_optimization'"),
+    ({"stage": 3}, r'\{"zero_optimization": \{"stage": 3\}\}'),
 ])
 def test_what_a_deepspeed_user_writes_wrong_is_named_for_what_it_is(config, match) -> None:
     """Unknown keys and types a DeepSpeed user writes: the closest valid name misled
