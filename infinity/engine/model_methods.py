@@ -7,6 +7,7 @@ instance attributes that shadow the class's, so removing them restores the model
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import types
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
@@ -171,6 +172,49 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
                                             _part_load(engine, module),
                                             f"{name}.load_state_dict()")
             model.__dict__.setdefault(_PART_LOADS, []).append(module)
+    for name, module in model.named_modules(remove_duplicate=True):
+        if module is model or any(id(p) in held for p in module.parameters()):
+            module.__dict__.update(_routed_copies(module, f"model.{name}" if name else "model",
+                                                  engine.stage))
+
+
+COPIES = ("__deepcopy__", "__reduce_ex__")
+"""A held module's copies (``copy.deepcopy``, ``torch.save(model)``): ``_routed_copies``."""
+
+
+def _routed_copies(model: nn.Module, name: str, stage: int) -> dict[str, Callable[..., Any]]:
+    """``copy.deepcopy`` and pickling (``torch.save(model)``) of a module the engine holds.
+    Pickling failed on "Can't pickle local object" (its hooks and routed methods are this
+    engine's closures); a deep copy at stage 3 had empty weights (released) and its forward
+    failed on "mat2 must be a matrix". Both are refused naming the way to a copy with values
+    (an EMA model, a frozen teacher); a deep copy at stages 0-2, whose weights are whole,
+    is torch's (the copy runs on its own: the engine's hooks pass over modules not its own)."""
+    what = f"{name} after infinity.initialize: the engine holds its parameters in its own stores"
+
+    def refuse(kind: str, why: str) -> TypeError:
+        return TypeError(
+            f"{kind} of {what}{why}. For a copy with values (an EMA model, a teacher) build "
+            "the model again and load `model.state_dict()` into it (every rank calls "
+            "state_dict(): it gathers the current values); to save, use "
+            "torch.save(model.state_dict()), model.save_pretrained or "
+            "engine.save_checkpoint; or copy the model before infinity.initialize")
+
+    def reduce_ex(protocol: int) -> Any:
+        raise refuse("pickling (torch.save(model))",
+                     " and its hooks are this engine's, which do not pickle")
+
+    def deepcopy(memo: dict) -> nn.Module:
+        if stage == 3:
+            raise refuse("copy.deepcopy", " (at ZeRO stage 3 the module's tensors are empty "
+                         "between uses), so a copy would have no weights")
+        routed = [(m, n, m.__dict__.pop(n)) for m in model.modules() for n in COPIES
+                  if n in m.__dict__]
+        try:
+            return copy.deepcopy(model, memo)        # torch's copy, without these two
+        finally:
+            for m, n, f in routed:
+                m.__dict__[n] = f
+    return {"__reduce_ex__": reduce_ex, "__deepcopy__": deepcopy}
 
 
 def _refused_resize(*args: Any, **kwargs: Any) -> None:
@@ -386,6 +430,9 @@ def unroute_module_methods(model: nn.Module) -> None:
         handle.remove()
     for part in model.__dict__.pop(_PART_LOADS, []):
         part.__dict__.pop("load_state_dict", None)
+    for module in model.modules():
+        for name in COPIES:
+            module.__dict__.pop(name, None)
     tuner = model.__dict__.get("_modules", {}).get("base_model")
     for name in MERGES if tuner is not None else ():
         tuner.__dict__.pop(name, None)

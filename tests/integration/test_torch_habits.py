@@ -541,6 +541,37 @@ def test_a_copy_of_the_model_made_after_initialize_runs_on_its_own(disk_dir) -> 
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_a_copy_or_pickle_that_would_be_wrong_is_refused_naming_the_way(disk_dir, stage) -> None:
+    """torch.save(model) failed on "Can't pickle local object" (the engine's closures); a deep
+    copy at stage 3 had empty weights and failed in its forward on "mat2 must be a matrix".
+    Both are refused, saying how to get a copy with values; a stage-2 deep copy, whose weights
+    are whole, stays torch's (test above), and close() gives the model its own methods back."""
+    import io
+
+    torch.manual_seed(0)
+    model = make_model("llama", layers=2, width=64)
+    tier = "cpu" if stage == 3 else "none"
+    ds = zero_config(stage, tier, "cpu", str(disk_dir))
+    engine, *_ = infinity.initialize(model=model, config=with_adamw(ds))
+    try:
+        with pytest.raises(TypeError, match=r"pickling \(torch\.save\(model\)\) of model after "
+                                            r"infinity\.initialize.*model\.state_dict\(\)"):
+            torch.save(model, io.BytesIO())
+        with pytest.raises(TypeError, match=r"pickling .* of model\.model\.layers\.0 after"):
+            torch.save(model.model.layers[0], io.BytesIO())
+        if stage == 3:
+            with pytest.raises(TypeError, match=r"copy\.deepcopy of model after .* no weights"):
+                copy.deepcopy(model)
+        else:
+            assert isinstance(copy.deepcopy(model), type(model))
+        torch.save(model.state_dict(), io.BytesIO())
+    finally:
+        engine.close()
+    assert not any(name in m.__dict__ for m in model.modules()
+                   for name in ("__deepcopy__", "__reduce_ex__"))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("early_step", ["auto", "off"])
 def test_a_step_between_two_backwards_of_one_forward_is_refused_as_torch(disk_dir, stage,
                                                                          early_step):
