@@ -172,30 +172,34 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
                                             _part_load(engine, module),
                                             f"{name}.load_state_dict()")
             model.__dict__.setdefault(_PART_LOADS, []).append(module)
+    sizes = {id(e.param): e.numel for unit in engine.units for e in unit.params}
     for name, module in model.named_modules(remove_duplicate=True):
         if module is model or any(id(p) in held for p in module.parameters()):
             module.__dict__.update(_routed_copies(module, f"model.{name}" if name else "model",
-                                                  engine.stage))
+                                                  sizes))
 
 
 COPIES = ("__deepcopy__", "__reduce_ex__")
 """A held module's copies (``copy.deepcopy``, ``torch.save(model)``): ``_routed_copies``."""
 
 
-def _routed_copies(model: nn.Module, name: str, stage: int) -> dict[str, Callable[..., Any]]:
-    """``copy.deepcopy`` and pickling (``torch.save(model)``) of a module the engine holds.
-    Pickling failed on "Can't pickle local object" (its hooks and routed methods are this
-    engine's closures); a deep copy at stage 3 had empty weights (released) and its forward
-    failed on "mat2 must be a matrix". Both are refused naming the way to a copy with values
-    (an EMA model, a frozen teacher); a deep copy at stages 0-2, whose weights are whole,
-    is torch's (the copy runs on its own: the engine's hooks pass over modules not its own)."""
+def _routed_copies(model: nn.Module, name: str, sizes: dict[int, int]
+                   ) -> dict[str, Callable[..., Any]]:
+    """``copy.deepcopy`` and pickling (``torch.save(model)``) of a module the engine holds
+    (``sizes``: each held parameter's element count, by id). Pickling failed on "Can't pickle
+    local object" (its hooks and routed methods are this engine's closures); a deep copy of
+    released parameters (stage 3) had empty weights and its forward failed on "mat2 must be a
+    matrix". Both are refused naming the way to a copy with values (an EMA model, a frozen
+    teacher); a deep copy of whole weights (stages 0-2, or under ``GatheredParameters``) is
+    torch's (the copy runs on its own: the engine's hooks pass over modules not its own)."""
     what = f"{name} after infinity.initialize: the engine holds its parameters in its own stores"
 
     def refuse(kind: str, why: str) -> TypeError:
         return TypeError(
             f"{kind} of {what}{why}. For a copy with values (an EMA model, a teacher) build "
             "the model again and load `model.state_dict()` into it (every rank calls "
-            "state_dict(): it gathers the current values); to save, use "
+            "state_dict(): it gathers the current values), or deep-copy it inside "
+            "`with infinity.zero.GatheredParameters(model.parameters()):`; to save, use "
             "torch.save(model.state_dict()), model.save_pretrained or "
             "engine.save_checkpoint; or copy the model before infinity.initialize")
 
@@ -204,9 +208,12 @@ def _routed_copies(model: nn.Module, name: str, stage: int) -> dict[str, Callabl
                      " and its hooks are this engine's, which do not pickle")
 
     def deepcopy(memo: dict) -> nn.Module:
-        if stage == 3:
-            raise refuse("copy.deepcopy", " (at ZeRO stage 3 the module's tensors are empty "
-                         "between uses), so a copy would have no weights")
+        released = [n for n, p in model.named_parameters()
+                    if id(p) in sizes and p.numel() != sizes[id(p)]]
+        if released:
+            raise refuse("copy.deepcopy", f" and {released[0]} is released (ZeRO stage 3 "
+                         "empties the module's tensors between uses), so a copy would have "
+                         "no weights")
         routed = [(m, n, m.__dict__.pop(n)) for m in model.modules() for n in COPIES
                   if n in m.__dict__]
         try:

@@ -230,11 +230,22 @@ class Coordinator:
                 status.versions = param_versions(self.units[uid])
             status.users += 1
         if not torch.is_grad_enabled():
+            if self._phase is PassPhase.TRAIN_FORWARD and not recompute and any(
+                    t.requires_grad for t in tensors_in((args, kwargs))):
+                for uid in ids:             # a reentrant checkpoint's: its recompute is marked
+                    self._status[uid].calls_to_recompute += 1
             return frozenset(), args, kwargs
+        # a recompute's call is watched where its first forward ran without grad (reentrant
+        # checkpointing: that graph is the one the backward runs); else the first forward's was
+        watch = not recompute or all(self._status[uid].calls_to_recompute for uid in ids)
         args, kwargs, call = marked_inputs(
             args, kwargs, list(tensors_in((args, kwargs))),
-            None if recompute else lambda call: self._post_backward(ids, call))
-        if not recompute:
+            (lambda call: self._post_backward(ids, call)) if watch else None)
+        if recompute and watch:
+            for uid in ids:
+                self._status[uid].calls_to_recompute -= 1
+                self._status[uid].note_call(call)
+        elif not recompute:
             self._grad_uses.extend(ids)
             self.detached_reads.note_call(ids)    # its saves hidden from the hooks: held longer
             for uid in ids:

@@ -75,6 +75,10 @@ class UnitStatus:
     calls_reached: int = 0
     calls_blind: int = 0
     forced: bool = False
+    # training-forward calls run without grad whose inputs carry one: a reentrant checkpoint's
+    # first forward, whose recomputation in the backward is watched instead (until then no
+    # mark; [Note: a call's inputs mark its backward])
+    calls_to_recompute: int = 0
 
     @property
     def held(self) -> bool:
@@ -101,6 +105,7 @@ class UnitStatus:
         self.grads_pending = trainable
         self.backward = UnitBackward.PENDING
         self.calls_blind = self.calls_reached = 0     # open calls: a later backward's
+        self.calls_to_recompute = 0
         self.forced = False
 
     def note_call(self, call: Any) -> None:

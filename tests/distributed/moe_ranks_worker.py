@@ -13,13 +13,17 @@ The models (``MODELS``), each a place where the point a unit's backward ends was
   weight-norm parametrization), so the leaf's hook came before that parameter's gradient;
 - "towers": two towers read the raw batch (no gradient on their inputs);
 - "latents": a learned parameter of the root handed to every block as its context (Perceiver's
-  latents, a Q-Former's queries): a leaf input too."""
+  latents, a Q-Former's queries): a leaf input too;
+- "reentrant": the chain under reentrant activation checkpointing, whose first forward runs
+  without grad (its calls unwatched) and whose recomputation's graph is the one the backward
+  runs."""
 from __future__ import annotations
 
 import copy
 import sys
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import infinity
@@ -62,9 +66,14 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         route = (x[..., 0] > 0).long()
         context = self.context(x) if self.kind == "shared" else self.latents
-        h = x.detach().requires_grad_() if self.kind == "leaf" else x
+        # reentrant checkpointing gives no gradient to a call whose inputs have none
+        h = x.detach().requires_grad_() if self.kind in ("leaf", "reentrant") else x
         for block in self.blocks:
-            h = block(h, route, context)
+            if self.kind == "reentrant":
+                h = torch.utils.checkpoint.checkpoint(block, h, route, context,
+                                                      use_reentrant=True)
+            else:
+                h = block(h, route, context)
         if self.other is not None:
             g = x.flip(-1)
             for block in self.other:

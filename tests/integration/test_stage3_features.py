@@ -44,8 +44,7 @@ def test_released_parameters_hold_no_storage(disk_dir) -> None:
         assert set(model.state_dict()) >= set(shapes)
         # whatever reads released parameters outside a forward sees empty tensors (reading a
         # full-shaped tensor without storage crashed the process)
-        copied = copy.deepcopy(model)
-        assert all(copied.get_parameter(n).numel() == 0 for n, _ in big)
+        # (a deep copy of them is refused, saying to gather first: test_torch_habits.py)
         assert big[0][1].detach().numpy().size == 0
         with infinity.zero.GatheredParameters([p for _, p in big]):
             for name, p in big:

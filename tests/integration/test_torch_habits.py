@@ -544,8 +544,9 @@ def test_a_copy_of_the_model_made_after_initialize_runs_on_its_own(disk_dir) -> 
 def test_a_copy_or_pickle_that_would_be_wrong_is_refused_naming_the_way(disk_dir, stage) -> None:
     """torch.save(model) failed on "Can't pickle local object" (the engine's closures); a deep
     copy at stage 3 had empty weights and failed in its forward on "mat2 must be a matrix".
-    Both are refused, saying how to get a copy with values; a stage-2 deep copy, whose weights
-    are whole, stays torch's (test above), and close() gives the model its own methods back."""
+    Both are refused, saying how to get a copy with values; a deep copy of whole weights (stage
+    2, or gathered at stage 3) stays torch's and computes as the engine, and close() gives the
+    model its own methods back."""
     import io
 
     torch.manual_seed(0)
@@ -560,10 +561,17 @@ def test_a_copy_or_pickle_that_would_be_wrong_is_refused_naming_the_way(disk_dir
         with pytest.raises(TypeError, match=r"pickling .* of model\.model\.layers\.0 after"):
             torch.save(model.model.layers[0], io.BytesIO())
         if stage == 3:
-            with pytest.raises(TypeError, match=r"copy\.deepcopy of model after .* no weights"):
+            with pytest.raises(TypeError, match=r"copy\.deepcopy of model after .* is released"
+                                                r".*no weights.*GatheredParameters"):
                 copy.deepcopy(model)
+            with infinity.zero.GatheredParameters(list(model.parameters())):
+                copied = copy.deepcopy(model)     # whole weights: torch's copy (DeepSpeed's idiom)
         else:
-            assert isinstance(copy.deepcopy(model), type(model))
+            copied = copy.deepcopy(model)
+        x = _batches(1)[0]
+        with torch.no_grad():
+            torch.testing.assert_close(loss_of(copied(input_ids=x, labels=x)),
+                                       loss_of(engine(input_ids=x, labels=x)), rtol=1e-6, atol=0)
         torch.save(model.state_dict(), io.BytesIO())
     finally:
         engine.close()
