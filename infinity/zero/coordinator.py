@@ -58,7 +58,8 @@ from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import (in_graph_task, keep_at, only_for, param_versions,
                                         tensors_in, weak_grad_hook)
 from infinity.zero.input_gradients import LATE_AFTER_INPUTS, marked_inputs
-from infinity.zero.pass_state import FORWARDS, PassPhase, UnitStatus, next_trainable, upcoming_units
+from infinity.zero.pass_state import (FORWARDS, PassPhase, UnitStatus, defer_to_recompute,
+                                      next_trainable, take_recompute, upcoming_units)
 from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.device_room import DeviceRoom
 from infinity.zero.gather_ahead import AheadGathers
@@ -229,27 +230,20 @@ class Coordinator:
             if status.users == 0 and not recompute:
                 status.versions = param_versions(self.units[uid])
             status.users += 1
+        statuses = [self._status[uid] for uid in ids]
         if not torch.is_grad_enabled():
-            if self._phase is PassPhase.TRAIN_FORWARD and not recompute and any(
-                    t.requires_grad for t in tensors_in((args, kwargs))):
-                for uid in ids:             # a reentrant checkpoint's: its recompute is marked
-                    self._status[uid].calls_to_recompute += 1
+            if self._phase is PassPhase.TRAIN_FORWARD and not recompute:
+                defer_to_recompute(statuses, tensors_in((args, kwargs)))
             return frozenset(), args, kwargs
-        # a recompute's call is watched where its first forward ran without grad (reentrant
-        # checkpointing: that graph is the one the backward runs); else the first forward's was
-        watch = not recompute or all(self._status[uid].calls_to_recompute for uid in ids)
+        watch = not recompute or take_recompute(statuses)
         args, kwargs, call = marked_inputs(
             args, kwargs, list(tensors_in((args, kwargs))),
             (lambda call: self._post_backward(ids, call)) if watch else None)
-        if recompute and watch:
-            for uid in ids:
-                self._status[uid].calls_to_recompute -= 1
-                self._status[uid].note_call(call)
-        elif not recompute:
+        for status in statuses if watch else ():
+            status.note_call(call)
+        if not recompute:
             self._grad_uses.extend(ids)
             self.detached_reads.note_call(ids)    # its saves hidden from the hooks: held longer
-            for uid in ids:
-                self._status[uid].note_call(call)
         return frozenset(id(t) for t in tensors_in((args, kwargs))), args, kwargs
 
     def _forward_post(self, ids: tuple[int, ...], output, passed_through: frozenset[int]):

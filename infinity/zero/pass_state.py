@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import weakref
-from typing import Any
+from typing import Any, Iterable
+
+import torch
 
 
 class PassPhase(enum.Enum):
@@ -156,6 +158,25 @@ class UnitStatus:
             raise RuntimeError(f"a unit's backward finished twice in one backward (state "
                                f"{self.backward.value}): the coordinator's hooks ran out of order")
         self.backward = _FINISH[self.backward]
+
+
+def defer_to_recompute(statuses: list[UnitStatus], inputs: Iterable[torch.Tensor]) -> None:
+    """A training forward's call run without grad whose inputs carry one (a reentrant
+    checkpoint's first forward): no mark now; its recomputation in the backward, whose graph is
+    the one the backward runs, is watched instead (``take_recompute``)."""
+    if any(t.requires_grad for t in inputs):
+        for status in statuses:
+            status.calls_to_recompute += 1
+
+
+def take_recompute(statuses: list[UnitStatus]) -> bool:
+    """Whether a recomputation's call is watched: its first forward's was not (above). A
+    non-reentrant checkpoint's recomputation is not: its first forward's call was watched."""
+    if not all(status.calls_to_recompute for status in statuses):
+        return False
+    for status in statuses:
+        status.calls_to_recompute -= 1
+    return True
 
 
 def next_trainable(units, statuses: list[UnitStatus], order: list[int], count: int) -> list[int]:
