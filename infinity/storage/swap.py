@@ -156,19 +156,11 @@ class SwapSpace:
         self._dir = SwapDir.create(self.nvme_path, rank)
         self._res = _Resources(self._dir)
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)
+        self._largest_allowed: int | None = None   # learned from EFBIG (auto sizes)
         try:
             while self._alloc.capacity < reserve_bytes:
-                size = min(self._file_size, round_up(reserve_bytes - self._alloc.capacity))
-                try:
-                    self._add_file(size)
-                except OSError as exc:
-                    # a file larger than the process or filesystem allows (ulimit -f; ext4 of
-                    # 1 KiB blocks holds 16 GiB): the reserve in smaller files then
-                    if not (self._auto and exc.errno == errno.EFBIG and size > AUTO_MIN_FILE):
-                        raise
-                    self._file_size = max(AUTO_MIN_FILE, round_up(size // 2, MiB))
-                    _log.info("swap file of %s too large here (%s): files of %s", format_bytes(size),
-                              os.strerror(errno.EFBIG), format_bytes(self._file_size))
+                self._add_fitting_file(
+                    min(self._file_size, round_up(reserve_bytes - self._alloc.capacity)), 0)
         except BaseException:
             self.close()
             raise
@@ -339,6 +331,8 @@ class SwapSpace:
         if self._auto:
             capacity = self._alloc.capacity     # none yet: no reserve was given
             size = auto_growth_size(capacity, padded) if capacity else max(self._file_size, padded)
+            if self._largest_allowed is not None:
+                size = max(padded, min(size, self._largest_allowed))
             try:
                 check_free_space(self._dir.path, size)
             except ValueError:
@@ -347,7 +341,27 @@ class SwapSpace:
             size = max(self._file_size, padded)
         check_free_space(self._dir.path, size,
                          what=f"swap file {len(self._res.files)} (for extent {tag!r})")
-        self._add_file(size)
+        self._add_fitting_file(size, padded)
+
+    def _add_fitting_file(self, size: int, least: int) -> None:
+        """Add a file of ``size`` bytes; under auto sizes, one larger than the process or the
+        filesystem allows (EFBIG: ulimit -f; ext4 of 1 KiB blocks holds 16 GiB) is tried again
+        at half the size, down to ``least`` (the extent it is for) or 64 MiB, and the size that
+        worked bounds every later file (growth asked for a quarter of the space again and
+        failed mid-run)."""
+        while True:
+            try:
+                self._add_file(size)
+                return
+            except OSError as exc:
+                smallest = max(least, AUTO_MIN_FILE)
+                if not (self._auto and exc.errno == errno.EFBIG and size > smallest):
+                    raise
+                self._largest_allowed = max(smallest, round_up(size // 2, MiB))
+                self._file_size = min(self._file_size, self._largest_allowed)
+                _log.info("swap file of %s too large here (%s): files of %s", format_bytes(size),
+                          os.strerror(errno.EFBIG), format_bytes(self._largest_allowed))
+                size = self._largest_allowed
 
     def _add_file(self, size: int) -> None:
         # Named by a counter of registrations, so a name that failed once is never reused.

@@ -166,6 +166,11 @@ def test_a_reserve_beyond_the_largest_file_allowed_is_made_of_smaller_files(
     with SwapSpace(disk_dir, aio=aio, reserve_bytes=reserve) as s:
         sizes = [f.stat().st_size for f in s.files]
         assert sum(sizes) == reserve and max(sizes) <= limit[0], sizes
+        # growth past the reserve keeps to the size that worked (it asked for a quarter of the
+        # space again, and failed mid-run on the same limit)
+        for i in range(15):      # to a space whose quarter is past the limit
+            s.allocate(swap_mod.AUTO_MIN_FILE, tag=f"more{i}")
+        assert max(f.stat().st_size for f in s.files) <= limit[0]
     limit[0] = swap_mod.AUTO_MIN_FILE // 2
     with pytest.raises(OSError, match=r"a file size limit \(ulimit -f\) or the filesystem's "
                                       r"largest file"):
