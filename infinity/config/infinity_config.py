@@ -365,6 +365,9 @@ def _other_home(key: str, path: str, value: Any) -> str:
         homes.append("zero_optimization")
     if len(homes) != 1:
         return ""
+    if path == "bf16" and homes == ["fp16"]:    # an fp16 template's key: no loss scale here
+        return (f"{key!r} is fp16's loss scaling, which bf16 does not need (its range is "
+                "fp32's): remove it")
     return (f"{key!r} is a key of the {homes[0]!r} section, not of "
             f"{repr(path) if path else 'the top level'}: write "
             f"{{\"{homes[0]}\": {{\"{key}\": {json.dumps(value, default=str)}}}}}")

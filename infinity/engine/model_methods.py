@@ -142,7 +142,7 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         routed[name] = _routed_cast(model, engine, name, dtype)
     if _is_transformers_model(model):
         routed["save_pretrained"] = _routed_save_pretrained(model, engine)
-        routed["resize_token_embeddings"] = _refused_resize
+        routed["resize_token_embeddings"] = _routed_resize(model)
     elif is_peft_model(model):
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
     for name, function in routed.items():     # a state dict or a load: a call every rank makes
@@ -204,6 +204,8 @@ def _routed_copies(model: nn.Module, name: str, sizes: dict[int, int]
             "engine.save_checkpoint; or copy the model before infinity.initialize")
 
     def reduce_ex(protocol: int) -> Any:
+        if sys._getframe(1).f_code is copy.copy.__code__:   # a shallow copy shares the
+            return object.__reduce_ex__(model, protocol)      # weights: torch's
         raise refuse("pickling (torch.save(model))",
                      " and its hooks are this engine's, which do not pickle")
 
@@ -224,15 +226,29 @@ def _routed_copies(model: nn.Module, name: str, sizes: dict[int, int]
     return {"__reduce_ex__": reduce_ex, "__deepcopy__": deepcopy}
 
 
-def _refused_resize(*args: Any, **kwargs: Any) -> None:
+def _routed_resize(model: nn.Module):
     """transformers' ``resize_token_embeddings`` on a model the engine holds: the embedding's
-    shape is its units' layout, fixed at initialize (at stage 3 transformers failed on the
-    released weight, "not enough values to unpack"; at stage 2 the next forward did)."""
-    raise RuntimeError(
-        "resize_token_embeddings after infinity.initialize: the engine holds the embedding in "
-        "its own stores, laid out at initialize, so a new shape cannot reach them. Resize "
-        "before: load the model with transformers, resize_token_embeddings, then "
-        "infinity.initialize (infinity.from_pretrained streams the checkpoint's shapes only)")
+    shape is its units' layout, fixed at initialize, so a new size is refused (at stage 3
+    transformers failed on the released weight, "not enough values to unpack"; at stage 2 the
+    next forward did). The getter form (no size) and the current size change nothing: they
+    return the input embeddings, as transformers' does."""
+    def resize_token_embeddings(new_num_tokens: int | None = None,
+                                pad_to_multiple_of: int | None = None, *args: Any,
+                                **kwargs: Any) -> nn.Module:
+        embeddings = model.get_input_embeddings()
+        have = getattr(embeddings, "num_embeddings", None)
+        want = have if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of and want is not None:
+            want = -(-want // pad_to_multiple_of) * pad_to_multiple_of
+        if want == have:
+            return embeddings
+        raise RuntimeError(
+            f"resize_token_embeddings({want}) after infinity.initialize (the embedding has "
+            f"{have} rows): the engine holds the embedding in its own stores, laid out at "
+            "initialize, so a new shape cannot reach them. Resize before: load the model with "
+            "transformers, resize_token_embeddings, then infinity.initialize "
+            "(infinity.from_pretrained streams the checkpoint's shapes only)")
+    return resize_token_embeddings
 
 
 def _refuse_cast(engine: "Engine", call: str, dtype: torch.dtype) -> None:
@@ -394,10 +410,14 @@ def _routed_save_pretrained(model: nn.Module, engine: "Engine"):
         if state_dict is not None:
             return own(model, save_directory, is_main_process=is_main_process,
                        state_dict=state_dict, max_shard_size=max_shard_size, **kwargs)
+        if kwargs.get("save_original_format") is True:    # what the engine's save does
+            del kwargs["save_original_format"]
         if kwargs:      # never dropped without a word
             log.warning("model.save_pretrained: %s not honoured by the engine's save, which "
                         "writes the current weights as model.safetensors (or its shards) under "
-                        "the model's own names", ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+                        "the checkpoint's own (Hub) names, as transformers' default "
+                        "save_original_format=True", ", ".join(f"{k}={v!r}"
+                                                              for k, v in kwargs.items()))
         # every rank takes part (units are gathered over the ranks); rank 0 writes
         engine.save_pretrained(save_directory, max_shard_size=max_shard_size)
         return None

@@ -340,9 +340,13 @@ def test_prepare_model_that_resizes_a_loaded_parameter_is_refused(disk_dir) -> N
     # weight at stage 3, "not enough values to unpack")
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
     try:
-        with pytest.raises(RuntimeError, match=r"resize_token_embeddings after "
+        with pytest.raises(RuntimeError, match=r"resize_token_embeddings\(140\) after "
                                                r"infinity\.initialize.*Resize before"):
             engine.module.resize_token_embeddings(140)
+        # a call that changes nothing (the getter form, the current size) is transformers'
+        embeddings = engine.module.get_input_embeddings()
+        assert engine.module.resize_token_embeddings() is embeddings
+        assert engine.module.resize_token_embeddings(embeddings.num_embeddings) is embeddings
     finally:
         engine.close()
 
@@ -855,6 +859,8 @@ def test_model_save_pretrained_says_which_options_it_does_not_honour(disk_dir, i
     src = hf_saved(disk_dir, "llama", shard="1GB")
     engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir))
     try:
+        engine.module.save_pretrained(disk_dir / "out", save_original_format=True)
+        assert not any("not honoured" in r.getMessage() for r in infinity_log.records)  # its own
         engine.module.save_pretrained(disk_dir / "out", save_original_format=False)
     finally:
         engine.close()

@@ -573,6 +573,8 @@ def test_a_copy_or_pickle_that_would_be_wrong_is_refused_naming_the_way(disk_dir
             torch.testing.assert_close(loss_of(copied(input_ids=x, labels=x)),
                                        loss_of(engine(input_ids=x, labels=x)), rtol=1e-6, atol=0)
         torch.save(model.state_dict(), io.BytesIO())
+        shallow = copy.copy(model)          # torch's: it shares the weights
+        assert shallow is not model and shallow.model is model.model
     finally:
         engine.close()
     assert not any(name in m.__dict__ for m in model.modules()

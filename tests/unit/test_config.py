@@ -689,6 +689,8 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, object]]:
     ({"zero_optimization": {"stage": 3, "early_step": "auto"}},
      r"'early_step' is a key of the 'infinity' section, not of 'zero_optimization'"),
     ({"stage": 3}, r'\{"zero_optimization": \{"stage": 3\}\}'),
+    ({"bf16": {"enabled": True, "loss_scale": 0}},       # an fp16 template's: not "write fp16"
+     r"'loss_scale' is fp16's loss scaling, which bf16 does not need.*remove it"),
 ])
 def test_what_a_deepspeed_user_writes_wrong_is_named_for_what_it_is(config, match) -> None:
     """Unknown keys and types a DeepSpeed user writes: the closest valid name misled
