@@ -22,8 +22,10 @@ grad, ``enable_input_require_grads``) is accumulated ahead of every other node, 
 parameter-only op of the call (a weight-norm parametrization) gave its gradient; a tensor many
 calls read (``encoder_hidden_states``, T5's position bias) has its gradient only after the last
 of them. The view's hook runs before its producer's pre-backward hook (the gather of the unit
-before), as that one waits for the view's backward node. Arguments inside containers keep a
-hook on the tensor itself (no view can be handed in their place).
+before), as that one waits for the view's backward node. A sparse or nested argument (no
+``view_as``) gets an identity autograd Function's output instead: a node of its own all the
+same (hooked on itself, a sparse leaf's mark came ahead of the call's gradients). Arguments
+inside containers keep a hook on the tensor itself (no view can be handed in their place).
 """
 from __future__ import annotations
 
@@ -39,6 +41,19 @@ LATE_AFTER_INPUTS = (
     "does a unit of its own (infinity.unit_modules)")
 """A parameter's gradient after its unit was finished at the inputs' mark with several ranks
 ([Note: a call's inputs mark its backward]): refused, never added to a reduced buffer."""
+
+
+class _Alias(torch.autograd.Function):
+    """An identity with a node of its own, for a tensor without ``view_as`` (sparse, nested):
+    the same mark a view gives a dense one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 class CallInputs:
@@ -67,10 +82,9 @@ def marked_inputs(args: tuple, kwargs: dict, nested: list[torch.Tensor],
     ``nested``, inside containers, that requires one) has its gradient; returns the new
     arguments and the call watched (None: no input carries a gradient). ``on_done`` None (a
     recomputation): the views alone, the same graph as the first forward, no mark."""
-    # a dense tensor argument gets a view; a sparse or nested one (no view_as), or one inside
-    # a container, is hooked itself
-    top = [a for a in (*args, *kwargs.values())
-           if isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.is_nested]
+    # a tensor argument gets a node of its own (a view; an alias for a sparse or nested one,
+    # which have no view_as); one inside a container is hooked itself
+    top = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     inner = [t for t in nested if t.requires_grad and not any(t is a for a in top)]
     wanting = sum(1 for a in top if a.requires_grad) + len(inner)
     if not wanting:
@@ -81,7 +95,8 @@ def marked_inputs(args: tuple, kwargs: dict, nested: list[torch.Tensor],
         if not (isinstance(value, torch.Tensor) and value.requires_grad and
                 any(value is a for a in top)):
             return value
-        view = value.view_as(value)
+        dense = value.layout == torch.strided and not value.is_nested
+        view = value.view_as(value) if dense else _Alias.apply(value)
         if call is not None:
             view.register_hook(call.reached)
         return view
