@@ -34,8 +34,13 @@ log = get_logger("engine")
 
 SUPPORTED = "torch.optim.Adam, torch.optim.AdamW (or a callable returning one, given the parameters)"
 GROUP_KEYS_CARRIED = ("name", "optimizer_moments", "optimizer_master")
-"""Keys of a passed optimizer's param group the engine takes as they are (they were dropped:
-an embedding group's "optimizer_moments": "fp32" was stored in the config's int8)."""
+"""The engine's own keys in a passed optimizer's param group, taken as they are (they were
+dropped: an embedding group's "optimizer_moments": "fp32" was stored in the config's int8)."""
+TORCH_ADAM_KEYS = frozenset({"params", "lr", "betas", "eps", "weight_decay", "amsgrad",
+                             "maximize", "foreach", "capturable", "differentiable", "fused",
+                             "decoupled_weight_decay"})
+"""torch Adam/AdamW's own group keys: read into the engine's (``_group``) or of no meaning to
+its CPU Adam; any other key of a group is the group's own, kept."""
 
 
 def client_param_groups(optimizer: Any, model_parameters: Iterable | None,
@@ -95,11 +100,13 @@ def _group(group: dict, index: int, decoupled_default: bool) -> dict:
            "weight_decay": _number(group.get("weight_decay", 0.0), "weight_decay", where),
            "adamw_mode": bool(group.get("decoupled_weight_decay", decoupled_default)),
            "bias_correction": True}
-    # torch keeps a group's other keys as they are; the engine's own per-group keys (the name,
-    # the Adam state formats: docs/optimizer-formats.md) apply as they do in model_parameters
-    for key in GROUP_KEYS_CARRIED:
-        if key in group:
-            out[key] = group[key]
+    # torch keeps a group's other keys as they are (layer-wise lr decay's "lr_scale", which its
+    # schedule reads back: dropped, every layer trained at the full rate); the engine's own
+    # per-group keys (the name, the Adam state formats: docs/optimizer-formats.md) apply as
+    # they do in model_parameters
+    for key, value in group.items():
+        if key not in TORCH_ADAM_KEYS and key not in out:
+            out[key] = value
     return out
 
 

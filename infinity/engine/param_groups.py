@@ -7,6 +7,7 @@ every group (torch's layout).
 """
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any, Iterable, Mapping
 
@@ -110,10 +111,7 @@ def param_groups(model: nn.Module, model_parameters: Iterable | None,
                     "parameters only. Register it on the model (e.g. as an attribute of a "
                     "module, so it appears in model.parameters()) or leave it out")
             seen[p] = i
-        unknown = set(group) - {"params", *defaults, "name"}
-        if unknown:
-            raise ValueError(f"param group {i} has unknown keys {sorted(unknown)}; "
-                             f"allowed: params, {', '.join(defaults)}")
+        _check_own_keys(group, i, defaults)
         merged = {**defaults, **{k: v for k, v in group.items() if k != "params"}}
         _check_hyperparameters(merged, i)
         groups.append({**merged, "params": params})
@@ -122,6 +120,34 @@ def param_groups(model: nn.Module, model_parameters: Iterable | None,
         log.warning("%d trainable parameters are in no param group and will not be updated "
                     "(e.g. %s)", len(left_out), left_out[:3])
     return groups
+
+
+OTHER_OPTIMIZERS_KEYS = frozenset({"momentum", "nesterov", "dampening", "rho", "lr_decay",
+                                   "initial_accumulator_value", "momentum_decay", "centered",
+                                   "amsgrad", "maximize", "trust_coefficient"})
+"""Group keys of other optimizers (SGD, RMSprop, Adagrad, NAdam, LARS): the engine's Adam has
+no such setting, so a group giving one is refused rather than trained without it."""
+
+
+def _check_own_keys(group: Mapping, index: int, defaults: Mapping) -> None:
+    """A group's keys besides the engine's settings are its own and kept as they are, as torch
+    and DeepSpeed keep them: layer-wise lr decay writes ``lr_scale`` or ``layer_id`` there and
+    its schedule reads them back (refused, they could not be given). Refused: another
+    optimizer's setting, and a close misspelling of a setting (``weight_decy``), which would
+    train without what it meant."""
+    known = ("params", *defaults, "name")
+    for key in group:
+        if key in known:
+            continue
+        if key in OTHER_OPTIMIZERS_KEYS and (key not in ("amsgrad", "maximize") or group[key]):
+            raise ValueError(f"param group {index} sets {key}={group[key]!r}, a setting of "
+                             "another optimizer: the engine steps Adam/AdamW, which has none. "
+                             "Remove it")
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"param group {index} has the key {key!r}: did you mean "
+                             f"{close[0]!r}? (a group's own keys are kept as they are, unused "
+                             "by the engine)")
 
 
 def _group_params(group: Any, index: int) -> list:

@@ -218,6 +218,43 @@ def test_a_passed_optimizers_group_keeps_its_own_state_format(disk_dir) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("path", ["optimizer", "model_parameters"])
+def test_a_groups_own_keys_are_kept_for_the_schedule_that_reads_them(disk_dir, path) -> None:
+    """Layer-wise lr decay (timm, BEiT, MAE) writes "lr_scale" into each group and its schedule
+    sets ``g["lr"] = lr * g["lr_scale"]``: the engine's groups lost the key (an optimizer
+    passed) or refused it (model_parameters), so every layer trained at the full rate."""
+    model = make_model("llama", layers=2, width=32)
+    reference = copy.deepcopy(model)
+
+    def groups(m):
+        return [{"params": [p for n, p in m.named_parameters() if "layers.0" in n],
+                 "lr_scale": 0.25, "layer_id": 1},
+                {"params": [p for n, p in m.named_parameters() if "layers.0" not in n],
+                 "lr_scale": 1.0, "layer_id": 2}]
+
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    if path == "optimizer":
+        engine, optimizer, _, _ = infinity.initialize(
+            model=model, config=ds, optimizer=torch.optim.AdamW(groups(model), lr=1e-2))
+    else:
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+        engine, optimizer, _, _ = infinity.initialize(model=model, config=ds,
+                                                      model_parameters=groups(model))
+    ref_opt = torch.optim.AdamW(groups(reference), lr=1e-2, foreach=False)
+    try:
+        assert [(g["lr_scale"], g["layer_id"]) for g in optimizer.param_groups] == [(0.25, 1),
+                                                                                    (1.0, 2)]
+        for opt in (optimizer, ref_opt):        # MAE's util/lr_sched.py
+            for g in opt.param_groups:
+                g["lr"] = 1e-2 * g["lr_scale"] if "lr_scale" in g else 1e-2
+        assert engine.get_lr() == [2.5e-3, 1e-2]
+        ours, theirs = _train_both(engine, reference, ref_opt)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+        _final_weights_equal(engine, reference)
+    finally:
+        engine.close()
+
+
 def test_what_cannot_be_taken_over_is_refused_with_what_to_do() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     with pytest.raises(TypeError, match=r"torch\.optim\.sgd\.SGD.*Adam/AdamW only.*"
