@@ -48,7 +48,8 @@ from infinity.engine.assembly import assemble
 from infinity.engine.wiring import activation_swapper, tier_manager
 from infinity.optim.loss_scaler import LossScaler
 from infinity.optim.partitioned import PartitionedOptimizer
-from infinity.optim.schedules import build_scheduler, check_user_scheduler
+from infinity.optim.schedules import (build_scheduler, check_scheduler_builds,
+                                      check_user_scheduler)
 from infinity.planner.run_plan import PoolPlan, RunPlan
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.preflight import SwapPathError
@@ -101,6 +102,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                                                            optimizer)
         self._client_optimizer = optimizer
         check_scheduler_groups(lr_scheduler, optimizer, len(groups))   # before any weight moves
+        check_scheduler_builds(self.config, groups, self.optimizer_defaults, lr_scheduler)
         # every decision and size, made once (planner/run_plan.py); the parts read it
         self.plan: RunPlan = engine_plan(self.config, specs, groups, self.device, self.comm)
         plan = self.plan

@@ -269,6 +269,26 @@ def build_scheduler(config, optimizer: torch.optim.Optimizer, user: Any):
     return DeepSpeedSchedule(optimizer, config.scheduler)
 
 
+def check_scheduler_builds(config, groups: list[dict], defaults: dict[str, Any],
+                           user: Any) -> None:
+    """Build the scheduler once on a stand-in optimizer of the run's groups (no parameter
+    moved yet), so what only building it finds -- a per-group list of another length, a
+    WarmupDecayLR without total_num_steps, a factory's LambdaLR with a lambda per group of
+    another count -- is raised before the model's weights are in the engine's stores (at
+    stage 3 they were gone, the model to be built again)."""
+    if not groups or (user is None and config.scheduler is None) or \
+            (user is not None and not _is_factory(user)):
+        return
+    settings = {k: defaults[k] for k in ("lr", "betas", "eps", "weight_decay") if k in defaults}
+    stand_in = torch.optim.AdamW(
+        [{**{k: v for k, v in g.items() if k != "params"},
+          "params": [torch.zeros(0, requires_grad=True)]} for g in groups], **settings)
+    if user is not None:
+        user(stand_in)
+    else:
+        DeepSpeedSchedule(stand_in, config.scheduler)
+
+
 def _is_factory(user: Any) -> bool:
     return callable(user) and not hasattr(user, "step")
 

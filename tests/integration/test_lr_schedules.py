@@ -31,3 +31,38 @@ def test_schedule_trains_like_torch(disk_dir, schedule, early_step, clip) -> Non
         assert result.engine.lr_scheduler.last_batch_iteration == 7
     finally:
         result.engine.close()
+
+
+@pytest.mark.parametrize("how", ["config", "factory"])
+def test_a_schedule_that_cannot_be_built_is_refused_before_the_weights_move(disk_dir, how):
+    """A WarmupDecayLR without total_num_steps, a factory's LambdaLR with a lambda per group of
+    another count: raised by building the scheduler, after the parameters had moved into the
+    engine's stores -- at stage 3 the model was left with empty weights, a retry refused
+    ("build the model again"). Now raised first; the corrected call trains."""
+    import torch
+
+    import infinity
+
+    model = make_model("llama", layers=2, width=32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    if how == "config":
+        warmup = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2}}
+        bad = ({**ds, "scheduler": warmup}, None)
+        good = ({**ds, "scheduler": {**warmup, "params": {**warmup["params"],
+                                                          "total_num_steps": 10}}}, None)
+    else:
+        bad = (ds, lambda o: torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 1.0] * 2))
+        good = (ds, lambda o: torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 1.0]))
+    with pytest.raises(ValueError, match="total_num_steps" if how == "config" else
+                       "Expected 1 lr_lambdas, but got 2"):
+        infinity.initialize(model=model, config=bad[0], lr_scheduler=bad[1])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    engine, *_ = infinity.initialize(model=model, config=good[0], lr_scheduler=good[1])
+    try:
+        assert engine.lr_scheduler is not None
+        torch.testing.assert_close(engine.module_state_dict()["lm_head.weight"],
+                                   before["lm_head.weight"])
+    finally:
+        engine.close()
