@@ -75,6 +75,11 @@ if _missing:
 __all__ = ["Trainer", "TrainingArguments", "as_infinity_args"]
 
 
+def _floats(value: Any) -> tuple[float, ...]:
+    """A setting (a number, or betas) as floats, to compare the engine's with the Trainer's."""
+    return tuple(float(v) for v in (value if isinstance(value, (tuple, list)) else (value,)))
+
+
 @dataclasses.dataclass
 class TrainingArguments(transformers.TrainingArguments):
     """transformers' TrainingArguments, whose ``deepspeed`` (a ds_config path or dict) is
@@ -343,9 +348,23 @@ class Trainer(transformers.Trainer):
                           f"Trainer's max_grad_norm is {clip}")
         if engine.world_size != world:
             differ.append(f"the engine has {engine.world_size} ranks, the Trainer {world}")
+        # the optimizer's settings, as transformers' DeepSpeed integration matches them
+        # (learning_rate and weight_decay were ignored without a word)
+        own = engine.optimizer_defaults
+        for key, theirs, name in (
+                ("lr", self.args.learning_rate, "learning_rate"),
+                ("weight_decay", self.args.weight_decay, "weight_decay"),
+                ("eps", self.args.adam_epsilon, "adam_epsilon"),
+                ("betas", (self.args.adam_beta1, self.args.adam_beta2), "adam_beta1/2")):
+            mine = own.get(key)
+            if mine is not None and _floats(mine) != _floats(theirs):
+                differ.append(f"the optimizer's {key} = {mine} but the Trainer's {name} is "
+                              f"{theirs}")
         if differ:
             raise ValueError("the engine's config and the TrainingArguments disagree:\n- "
-                             + "\n- ".join(differ))
+                             + "\n- ".join(differ) + "\nthe engine trains with its own: set "
+                             "the TrainingArguments to its values (or build the engine with "
+                             "the Trainer's)")
         if engine.lr_scheduler is None:
             if self.lr_scheduler is not None:
                 raise ValueError("Trainer(engine=...) got a scheduler: give it to the engine "

@@ -178,6 +178,14 @@ def test_an_engine_from_pretrained_trains_under_the_trainer(disk_dir, tmp_path) 
         with pytest.raises(ValueError, match=r"gradient_clipping = 1\.0 but the Trainer's "
                                              r"max_grad_norm is 0\.5"):
             trainer.train()
+        # the optimizer's settings too (learning_rate and weight_decay were ignored)
+        trainer = hf.Trainer(model=engine.module, engine=engine, train_dataset=data,
+                             args=hf.TrainingArguments(tmp_path / "bad2", **{**args,
+                                                       "learning_rate": 5e-5}))
+        with pytest.raises(ValueError, match=r"(?s)the optimizer's lr = 0\.001 but the Trainer's "
+                                             r"learning_rate is 5e-05.*weight_decay = 0\.01 "
+                                             r"but the Trainer's weight_decay is 0\.0"):
+            trainer.train()
     finally:
         engine.close()
 
