@@ -60,6 +60,11 @@ class TorchBaselineEngine:
         opt = config.optimizer
         if opt is None:
             raise ValueError(MISSING_OPTIMIZER.format(call="the run"))
+        if not opt.bias_correction:
+            # torch's Adam always corrects: the comparison run would differ from step 2
+            raise ValueError("optimizer.params.bias_correction = false: torch's Adam/AdamW "
+                             "always correct the bias, so the --engine torch run cannot be "
+                             "the same run; remove the key (or set it true) to compare")
         params = [p for p in model.parameters() if p.requires_grad]
         self.compute_dtype = baseline_compute_dtype(config)
         self._cast_inputs = config.infinity.compute_dtype == "auto" and \

@@ -131,3 +131,13 @@ def test_auto_follows_the_engines_compute_dtype(native: str, monkeypatch: pytest
         assert p.dtype == torch.float32 and torch.equal(p.detach(), master), name
     assert all(p.dtype == want for p in model.parameters())
     engine.close()
+
+
+def test_a_setting_torch_cannot_reproduce_is_refused() -> None:
+    """bias_correction false: torch's Adam always corrects, and the "same run in plain
+    PyTorch" differed from its second step without a word."""
+    ds = copy.deepcopy(DS)
+    ds["optimizer"]["params"]["bias_correction"] = False
+    _, config = build_ds_config(ds, Overrides())
+    with pytest.raises(ValueError, match="bias_correction = false: torch's Adam/AdamW always"):
+        TorchBaselineEngine(_model(), config)
