@@ -177,6 +177,10 @@ def _check_hyperparameters(group: dict, index: int) -> None:
 
     for key in ("lr", "eps", "weight_decay"):
         number(key, group[key])
+    for key in ("adamw_mode", "bias_correction"):      # "false" is truthy: AdamW silently
+        if key in group and not isinstance(group[key], bool):
+            raise ValueError(f"param group {index}: {key} must be true or false, got "
+                             f"{group[key]!r}")
     for key, choices in (("optimizer_moments", MOMENTS_FORMATS),
                          ("optimizer_master", MASTER_FORMATS)):
         if key in group and group[key] not in choices:

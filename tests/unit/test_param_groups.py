@@ -29,6 +29,8 @@ def _model() -> torch.nn.Module:
      r"param group 1 holds a parameter of shape \(\) that is not in the model"),
     (lambda m: [{"params": list(m.parameters()), "momentum": 0.9}], "a setting of another optimizer"),
     (lambda m: [{"params": list(m.parameters()), "weight_decy": 0.1}], "did you mean .weight_decay."),
+    (lambda m: [{"params": list(m.parameters()), "adamw_mode": "false"}],
+     r"group 0: adamw_mode must be true or false, got 'false'"),
     (lambda m: [{"params": [m[0].weight]}, {"params": [m[0].weight]}],
      r"listed in param groups 0 and 1"),
     (lambda m: [{"params": [m[0].weight, m[0].weight]}], r"listed twice in param group 0"),
