@@ -279,6 +279,26 @@ def _remove_listed(path: Path, names: list[str]) -> Removal:
     return result
 
 
+_HELD_LOCKS: set[int] = set()
+"""The directory locks this process holds (``SwapDir._hold_lock``)."""
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker, any helper forked without exec), close the copies
+    of the parent's directory locks: an flock lasts while any descriptor of its open file does,
+    so a child that outlived its killed parent kept the dead run's directory "alive" -- never
+    reclaimed, and refused by ``infinity clean``. The parent's own descriptor keeps its lock."""
+    for fd in list(_HELD_LOCKS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class SwapDir:
     """A private swap directory created by this process; lists its files in the marker."""
 
@@ -287,6 +307,7 @@ class SwapDir:
         self._marker = marker
         self._removed = False
         self._lock_fd: int | None = None
+        self._lock_pid = 0        # the process that holds it (a fork's copy is closed)
 
     def _hold_lock(self) -> None:
         """Hold a shared flock on the directory for as long as this object lives: a pid in the
@@ -298,11 +319,14 @@ class SwapDir:
         except OSError:
             os.close(fd)
             raise
-        self._lock_fd = fd
+        self._lock_fd, self._lock_pid = fd, os.getpid()
+        _HELD_LOCKS.add(fd)
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            _HELD_LOCKS.discard(self._lock_fd)
+            if self._lock_pid == os.getpid():     # a forked child's copy was closed at fork
+                os.close(self._lock_fd)
             self._lock_fd = None
 
     @classmethod

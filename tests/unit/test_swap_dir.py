@@ -417,6 +417,34 @@ def test_lock_held_while_alive_and_released_by_remove_even_if_dir_stays(tmp_path
     assert sd._lock_state(d.path) is False
 
 
+def test_a_forked_child_does_not_keep_the_lock_of_its_parent(tmp_path):
+    """A child forked without exec (a DataLoader worker) that outlived its killed parent kept
+    the parent's lock through its copy of the descriptor: the dead run's directory stayed
+    "alive", never reclaimed and refused by infinity clean. The child closes its copy at fork;
+    the parent's lock holds until the parent lets it go."""
+    d = SwapDir.create(tmp_path)
+    read, write = os.pipe()
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                       # the child: say it runs, wait until told to exit
+        os.close(write)
+        os.write(ready_write, b"r")
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    os.close(ready_write)
+    assert os.read(ready_read, 1) == b"r"
+    os.close(ready_read)
+    try:
+        assert sd._lock_state(d.path) is True      # the parent's
+        d._release_lock()                          # as the parent's death would
+        assert sd._lock_state(d.path) is False     # the child holds none
+    finally:
+        os.close(write)
+        os.waitpid(pid, 0)
+    d.remove()
+
+
 def test_hold_lock_on_exclusively_locked_dir_raises_oserror(tmp_path):
     d = SwapDir.create(tmp_path)
     d._release_lock()
