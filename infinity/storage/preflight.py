@@ -65,10 +65,16 @@ def probe_direct_io(path: str | os.PathLike[str]) -> None:
     """Write and read back one page with O_DIRECT in ``path``; raises OSError when that fails.
 
     The probe file has a fresh random name, is created with O_EXCL (so it can only be ours) and is
-    removed again.
+    removed again -- also where O_DIRECT is refused: created with O_DIRECT, the file was made and
+    the open then failed (EINVAL), and every start on such a filesystem left one behind.
     """
     probe = Path(path) / f".infinity-probe-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_DIRECT)
+    except BaseException:
+        os.unlink(probe)
+        raise
     try:
         buf = mmap.mmap(-1, _PROBE_BYTES)  # anonymous mmap: page-aligned, as O_DIRECT needs
         try:

@@ -69,13 +69,16 @@ def test_no_direct_io_suggests_mmap(disk_dir: Path, monkeypatch: pytest.MonkeyPa
     real_open = os.open
 
     def open_without_direct(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
+        if flags & os.O_DIRECT:     # as such a kernel does: the file is made, the open fails
+            if flags & os.O_CREAT:
+                os.close(real_open(path, flags & ~os.O_DIRECT, *args, **kwargs))
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(preflight.os, "open", open_without_direct)
     with pytest.raises(SwapPathError) as info:
         check_swap_path(disk_dir)
+    assert os.listdir(disk_dir) == []       # no probe file left in the user's directory
     message = str(info.value)
     assert "O_DIRECT does not work" in message and '"mmap"' in message
     assert f"filesystem {mount_of(disk_dir)[0]}" in message
@@ -231,9 +234,9 @@ def test_free_space_exactly_enough_passes_one_byte_more_fails(tmp_path, monkeypa
 
 
 def test_the_probe_file_is_new_private_direct_and_removed(disk_dir: Path, monkeypatch) -> None:
-    """The probe opens a fresh ``.infinity-probe-<pid>-<8 hex>`` with O_RDWR|O_CREAT|O_EXCL|
-    O_DIRECT, mode 0600, writes one page starting "infinity-probe" (zeros after), and unlinks
-    that same file."""
+    """The probe makes a fresh ``.infinity-probe-<pid>-<8 hex>`` with O_RDWR|O_CREAT|O_EXCL,
+    mode 0600, opens it with O_DIRECT, writes one page starting "infinity-probe" (zeros after),
+    and unlinks that same file."""
     opened, seen = [], {}
     real_open, real_unlink = os.open, os.unlink
 
@@ -250,10 +253,11 @@ def test_the_probe_file_is_new_private_direct_and_removed(disk_dir: Path, monkey
     monkeypatch.setattr(preflight.os, "open", spy_open)
     monkeypatch.setattr(preflight.os, "unlink", spy_unlink)
     preflight.probe_direct_io(disk_dir)
-    (path, flags, mode), = opened
+    (path, flags, mode), (again, direct, _) = opened      # made, then opened with O_DIRECT
     assert re.fullmatch(rf"{re.escape(str(disk_dir))}/\.infinity-probe-{os.getpid()}-[0-9a-f]{{8}}",
                         path)
-    assert flags == os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT and mode == 0o600
+    assert flags == os.O_RDWR | os.O_CREAT | os.O_EXCL and mode == 0o600
+    assert again == path and direct == os.O_RDWR | os.O_DIRECT
     assert seen["path"] == path and seen["mode"] == 0o600
     assert seen["data"] == b"infinity-probe".ljust(4096, b"\0")
     assert os.listdir(disk_dir) == []
