@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"infinity {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
-        # a full disk (or quota) is the user's to fix, not a bug: the saves' own messages name
-        # the directory, the bytes and what is left of the earlier save
+        # a full disk (or quota), a file larger than allowed (ulimit -f) are the user's to fix,
+        # not a bug: the saves' and files' own messages name the place and the bytes
         get_logger("cli").debug("disk full", exc_info=True)
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"infinity {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)

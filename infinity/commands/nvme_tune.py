@@ -70,11 +70,19 @@ def _backend(name: str) -> str:
     return name
 
 
-def _block(text: str) -> int:
-    # fio's convention for block sizes: a bare K/M/G is binary (1M = 1MiB); "1MB" stays decimal.
+def _fio_bytes(text: str, what: str) -> int:
+    """fio's convention: a bare K/M/G is binary (1M = 1MiB); "1MB" stays decimal."""
     if text[-1:].lower() in ("k", "m", "g") and text[:-1].isdigit():
         text += "iB"
-    n = parse_bytes(text, "block size")
+    return parse_bytes(text, what)
+
+
+def _size(text: str) -> int:
+    return _fio_bytes(text, "--size")
+
+
+def _block(text: str) -> int:
+    n = _fio_bytes(text, "block size")
     if n <= 0 or n % 4096:
         raise ValueError(f"{n} bytes is not a positive multiple of 4096")
     return n
@@ -132,8 +140,27 @@ def _plot(report: tune.TuneReport, path: Path) -> None:
     plt.close(fig)
 
 
+def _check_points(points: list[tune.TunePoint]) -> None:
+    """Every point of the grid as the aio section takes it, before the sweep (a value out of
+    range stopped the sweep when it reached that point, the earlier ones thrown away), named
+    by its flag."""
+    from infinity.io import AioConfig
+
+    flags = {"aio.queue_depth": "--queue-depth", "aio.thread_count": "--threads",
+             "aio.block_size": "--block-size", "aio.backend": "--backend"}
+    for point in points:
+        try:
+            AioConfig(backend=point.backend, block_size=point.block_size,
+                      queue_depth=point.queue_depth, thread_count=point.thread_count)
+        except ValueError as exc:
+            text = str(exc)
+            flag = next((f for key, f in flags.items() if text.startswith(key)), None)
+            raise ValueError(f"{flag}: {text}" if flag else text) from None
+
+
 def run(args: argparse.Namespace) -> int:
-    size = parse_bytes(args.size, "--size")
+    # --size reads a bare K/M/G as --block-size does (fio's binary: 4M is 4MiB)
+    size = _size(args.size)
     if size < 4096:
         raise ValueError(f"--size {args.size!r}: give at least 4KiB (e.g. 1GiB)")
     if args.repeats < 1:
@@ -148,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     points = tune.grid(_split(args.backend, "backend", _backend), blocks,
                        _split(args.queue_depth, "queue-depth", _positive_int),
                        _split(args.threads, "threads", _positive_int))
+    _check_points(points)
     if args.plot is not None:
         from infinity.train.metrics import check_plot_path
 

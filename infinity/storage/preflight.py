@@ -48,16 +48,20 @@ def free_bytes(path: str | os.PathLike[str]) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_free_space(path: str | os.PathLike[str], need_bytes: int, what: str = "swap files") -> int:
-    """Raise SwapPathError unless ``need_bytes`` fit on ``path``'s filesystem; returns free bytes."""
+NVME_REMEDY = "point nvme_path at a larger disk, or offload less to NVMe"
+
+
+def check_free_space(path: str | os.PathLike[str], need_bytes: int, what: str = "swap files",
+                     remedy: str = NVME_REMEDY) -> int:
+    """Raise SwapPathError unless ``need_bytes`` fit on ``path``'s filesystem (``remedy``: what
+    to do, for the one asking); returns free bytes."""
     free = free_bytes(path)
     if need_bytes > free:
         fs_type, mount = mount_of(path)
         raise SwapPathError(
             f"not enough free space for {what} in {path}: need {format_bytes(need_bytes)} "
             f"({need_bytes} bytes) but only {format_bytes(free)} ({free} bytes) are free on "
-            f"{mount or 'its filesystem'} ({fs_type}); free some space, point nvme_path at a larger "
-            "disk, or offload less to NVMe")
+            f"{mount or 'its filesystem'} ({fs_type}); free some space, {remedy}")
     return free
 
 

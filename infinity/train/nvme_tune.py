@@ -29,17 +29,20 @@ best it prefers fewer threads and then a smaller queue depth (less memory pinned
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import statistics
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 from infinity.base.log import get_logger
 from infinity.base.sizes import format_bytes
-from infinity.storage.preflight import check_swap_path
+from infinity.io.aio import FILE_TOO_LARGE
+from infinity.storage.preflight import check_free_space, check_swap_path
 from infinity.storage.swap_dir import SwapDir, reclaim_stale
 
 _log = get_logger("train.nvme_tune")
@@ -181,8 +184,11 @@ class TuneFile:
         self.size = -(-size // 4096) * 4096
         if self.size <= 0:
             raise ValueError(f"nvme-tune: size must be positive, got {size}")
-        self.preflight = check_swap_path(path, self.size, direct_io=direct_io)
-        reclaim_stale(path)
+        report = check_swap_path(path, 0, direct_io=direct_io)
+        reclaim_stale(path)     # before the space check: a killed run's files count as free
+        free = check_free_space(path, self.size, "the nvme-tune test file",
+                                remedy="give a smaller --size, or a --path on a larger disk")
+        self.preflight = dataclasses.replace(report, free_bytes=free)
         self._dir = SwapDir.create(path)
         self.buf = None
         try:
@@ -190,6 +196,12 @@ class TuneFile:
             fd = os.open(self.file_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 os.posix_fallocate(fd, 0, self.size)
+            except OSError as exc:        # named as the engine's swap files name it
+                hint = {errno.EFBIG: FILE_TOO_LARGE, errno.ENOSPC: "the disk is full",
+                        errno.EDQUOT: "the disk quota is full"}.get(exc.errno)
+                raise OSError(exc.errno, f"preallocating {format_bytes(self.size)} for the "
+                              f"nvme-tune test file {self.file_path} failed: {exc.strerror}"
+                              + (f" ({hint}); give a smaller --size" if hint else "")) from None
             finally:
                 os.close(fd)
             self.buf = aligned_empty(min(self.size, MAX_BUFFER))

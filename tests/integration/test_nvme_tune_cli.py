@@ -174,3 +174,37 @@ def test_a_size_below_the_block_size_is_refused(disk_dir: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert "smaller than block size(s) 256.00 KiB, 1.00 MiB, 4.00 MiB" in err, err
     assert list(disk_dir.iterdir()) == []
+
+
+def test_a_grid_value_out_of_range_is_refused_before_the_sweep(disk_dir: Path, capsys) -> None:
+    """--queue-depth 8,5000: the sweep measured the first points, then stopped on 5000 naming
+    the config key, the points measured thrown away."""
+    assert main(["nvme-tune", "--path", str(disk_dir), "--size", "4MiB", "--block-size", "1M",
+                 "--backend", "threads", "--queue-depth", "8,5000"]) == 2
+    err = capsys.readouterr().err
+    assert "--queue-depth: aio.queue_depth = 5000 is out of range" in err, err
+    assert "1/" not in err and list(disk_dir.iterdir()) == []     # nothing measured or made
+
+
+def test_a_size_reads_k_m_g_as_the_block_size_does(disk_dir: Path, capsys) -> None:
+    """--size 4M --block-size 4M: "4M" was 4 MB for the size and 4 MiB for the block (fio's),
+    so the file was refused as smaller than one block."""
+    assert main(["nvme-tune", "--path", str(disk_dir), "--size", "4M", "--block-size", "4M",
+                 "--backend", "threads", "--repeats", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["size"] == 4 << 20
+
+
+def test_a_file_larger_than_allowed_names_the_file_and_the_flag(disk_dir: Path, capsys,
+                                                                 monkeypatch) -> None:
+    """ulimit -f below --size: a raw traceback of posix_fallocate's EFBIG."""
+    import errno
+
+    def too_large(fd, off, size):
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    monkeypatch.setattr(tune.os, "posix_fallocate", too_large)
+    assert main(["nvme-tune", "--path", str(disk_dir), "--size", "4MiB", "--block-size", "1M",
+                 "--backend", "threads"]) == 2
+    err = capsys.readouterr().err
+    assert "for the nvme-tune test file" in err and "ulimit -f" in err and "smaller --size" in err
+    assert list(disk_dir.iterdir()) == []

@@ -267,7 +267,7 @@ def test_the_buffer_is_at_most_max_buffer_and_the_file_is_written_in_chunks_of_i
     assert list(disk_dir.iterdir()) == []
 
 
-def test_the_preflight_is_run_on_the_rounded_size_with_the_direct_io_asked(disk_dir: Path,
+def test_the_preflight_asks_the_direct_io_and_the_space_is_counted_after_the_reclaim(disk_dir: Path,
                                                                           monkeypatch) -> None:
     calls = []
     real = tune.check_swap_path
@@ -280,9 +280,15 @@ def test_the_preflight_is_run_on_the_rounded_size_with_the_direct_io_asked(disk_
         assert tf.preflight.direct_io is False
     with tune.TuneFile(disk_dir, 4096):
         pass
-    assert calls == [((disk_dir, 4096), {"direct_io": False}), ((disk_dir, 4096), {"direct_io": True})]
-    # a killed run's leftovers are reclaimed before the new private dir is made
+    assert calls == [((disk_dir, 0), {"direct_io": False}), ((disk_dir, 0), {"direct_io": True})]
+    # a killed run's leftovers are reclaimed before the new private dir is made, and before the
+    # free space is counted (they count as free, as the engine counts them)
     assert reclaimed == [(disk_dir, []), (disk_dir, [])]
+    monkeypatch.setattr(tune, "check_free_space",
+                        lambda *a, **kw: reclaimed.append("space") or 1 << 40)
+    with tune.TuneFile(disk_dir, 4096):
+        pass
+    assert reclaimed[-2:] == [(disk_dir, []), "space"]
 
 
 @pytest.mark.parametrize("size", [0, -1, -4096])
