@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = get_logger("engine")
 
 ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained", "to", "half", "bfloat16",
-          "float", "double", "resize_token_embeddings")
+          "float", "double", "resize_token_embeddings", "generate")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -142,6 +142,9 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         routed[name] = _routed_cast(model, engine, name, dtype)
     if _is_transformers_model(model):
         routed["save_pretrained"] = _routed_save_pretrained(model, engine)
+        if engine.stage == 3 and engine.world_size > 1 and callable(getattr(model, "generate",
+                                                                               None)):
+            routed["generate"] = _routed_generate(model)
         routed["resize_token_embeddings"] = _routed_resize(model)
     elif is_peft_model(model):
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
@@ -224,6 +227,21 @@ def _routed_copies(model: nn.Module, name: str, sizes: dict[int, int]
             for m, n, f in routed:
                 m.__dict__[n] = f
     return {"__reduce_ex__": reduce_ex, "__deepcopy__": deepcopy}
+
+
+def _routed_generate(model: nn.Module):
+    """transformers' ``generate`` on a model held at stage 3 by several ranks: ``synced_gpus``
+    on unless the caller says otherwise, as transformers sets it under DeepSpeed ZeRO-3 (it
+    cannot tell infinity's stage 3). Without it a rank whose generation ended first (its eos,
+    a shorter max_new_tokens) went on to its next pass while the others were still decoding:
+    their gathers paired with its collectives, a hang to the collective timeout or a gloo
+    abort. With it every rank runs a forward per step until all are done."""
+    generate = model.generate
+
+    def routed(*args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
+        return generate(*args, synced_gpus=True if synced_gpus is None else synced_gpus,
+                        **kwargs)
+    return routed
 
 
 def _routed_resize(model: nn.Module):

@@ -416,6 +416,20 @@ class Trainer(transformers.Trainer):
             self._set_schedule()
         return self.lr_scheduler
 
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: Any = None, **gen_kwargs: Any) -> Any:
+        """``Seq2SeqTrainer``'s generation (``class S(Trainer, Seq2SeqTrainer)``) with
+        ``synced_gpus`` on at stage 3 over several ranks: it passes False itself where it sees
+        no DeepSpeed ZeRO-3 (a rank done first went on alone: a gloo abort). Its
+        ``_gen_kwargs`` are merged in, which it drops when any keyword is given."""
+        engine = self.engine
+        if getattr(self.args, "predict_with_generate", False) and engine is not None and \
+                engine.world_size > 1 and engine.zero_optimization_stage() == 3:
+            gen_kwargs = {**getattr(self, "_gen_kwargs", {}), **gen_kwargs}
+            gen_kwargs.setdefault("synced_gpus", True)
+        return super().prediction_step(model, inputs, prediction_loss_only,
+                                       ignore_keys=ignore_keys, **gen_kwargs)
+
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
         if self.engine is not None:
             return self.engine

@@ -49,6 +49,11 @@ def main() -> None:
         engine.eval()
         with torch.no_grad():
             logits = engine(input_ids=torch.arange(12).reshape(1, 12) % VOCAB).logits
+            # each rank its own prompt and length: rank 0 is done first (synced_gpus on by
+            # default at stage 3, as transformers sets it under DeepSpeed ZeRO-3)
+            generated = engine.module.generate(
+                torch.arange(rank, rank + 5).reshape(1, 5), max_new_tokens=3 + 5 * rank,
+                do_sample=False)
         state = engine.module.state_dict()
     finally:
         engine.close()
@@ -62,7 +67,8 @@ def main() -> None:
         engine.close()
     save_file({"logits": logits.contiguous()}, str(out / f"logits{rank}.safetensors"))
     digest = {name: float(value.double().sum()) for name, value in state.items()}
-    (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "state": digest}))
+    (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "state": digest,
+                                                      "generated": generated.tolist()}))
 
 
 if __name__ == "__main__":

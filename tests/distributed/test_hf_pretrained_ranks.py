@@ -20,7 +20,9 @@ def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path, family) ->
     3 clipped steps: the mean loss over the ranks equals torch AdamW on the whole batch;
     engine.save_pretrained, model.save_pretrained (all ranks calling, rank 0 writing) and
     infinity export of the 2-rank checkpoint load with transformers to the engine's logits;
-    model.state_dict() is the same on both ranks; a bf16 engine's default (fp32) save gathers
+    model.state_dict() is the same on both ranks; generate() with a length of its own on each
+    rank gives transformers' tokens (a rank done first went on alone: a hang or a gloo abort,
+    without synced_gpus); a bf16 engine's default (fp32) save gathers
     its masters: the file's values bit for bit.
     Mixtral: its experts fused at load on each rank (each keeping its shard of the fused
     tensors), the router's auxiliary loss in each rank's loss, and saved per expert again."""
@@ -54,6 +56,11 @@ def test_two_ranks_load_train_and_save_pretrained(disk_dir, tmp_path, family) ->
     for name in ("saved", "model_saved", "exported"):
         assert (logits_of(hf_load(tmp_path / name), x) - logits).abs().max().item() == 0.0, name
     assert (tmp_path / "saved" / "model.safetensors.index.json").is_file()
+    saved = hf_load(tmp_path / "saved")
+    for rank, result in enumerate(results):     # generations of different lengths per rank
+        want = saved.generate(torch.arange(rank, rank + 5).reshape(1, 5),
+                              max_new_tokens=3 + 5 * rank, do_sample=False)
+        assert result["generated"] == want.tolist(), (rank, result["generated"], want)
     assert results[0]["state"] == results[1]["state"]
     original = weights_in(src)
     masters = weights_in(tmp_path / "masters")
