@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -199,6 +200,18 @@ class SchedulerConfig:
         check_bool(f"{p}.cycle_momentum", self.cycle_momentum)
         for name in ("cycle_min_mom", "cycle_max_mom"):
             set_field(self, name, check_float(f"{p}.{name}", getattr(self, name), 0.0, 1.0, hi_open=True))
+        if self.cycle_momentum and self.decay_mom_rate > 0 and self.decay_step_size > 0:
+            # DeepSpeed's formula has no bound: beta1 passes 1, and the step that would take
+            # it is refused (the engine's check) -- said now, with the step it comes at
+            cycle = self.cycle_first_step_size + (self.cycle_second_step_size
+                                                  if self.cycle_second_step_size is not None
+                                                  else self.cycle_first_step_size)
+            past = cycle + math.ceil((1.0 / self.cycle_max_mom - 1.0) / self.decay_mom_rate
+                                     * self.decay_step_size)
+            log.warning("%s.decay_mom_rate = %g: after the cycle beta1 = cycle_max_mom * (1 + "
+                        "decay_mom_rate * intervals) reaches 1 at about step %d, where the run "
+                        "stops (Adam needs beta1 < 1); lower decay_mom_rate or set it to 0 "
+                        "for a longer run", p, self.decay_mom_rate, past)
         if self.cycle_second_stair_count and self.cycle_second_step_size == 0:
             raise ConfigError(f"{p}.cycle_second_stair_count = {self.cycle_second_stair_count} "
                               f"needs a falling half: {p}.cycle_second_step_size is 0")

@@ -251,9 +251,9 @@ def warn_if_hyperparameters_moved(engine: Any) -> None:
     """Under the early step the units were stepped during the backward, with the lr and betas
     of then: a change made between backward() and step() applies from the next step only
     (said once per engine)."""
+    now = engine.optimizer.hyperparameters()     # checked: refused before any unit steps
     before, engine._hyper_at_backward = getattr(engine, "_hyper_at_backward", None), None
-    if before is None or engine._warned_hyper_moved or \
-            before == engine.optimizer.hyperparameters():
+    if before is None or engine._warned_hyper_moved or before == now:
         return
     engine._warned_hyper_moved = True
     log.warning("the optimizer's param groups (lr, betas, ...) changed between backward() and "

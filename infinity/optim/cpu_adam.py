@@ -98,6 +98,12 @@ def _default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def check_hyperparameters(hyper: dict) -> None:
+    """One param group's values (``AdamKernel.hyper``) as the kernel checks them at a step."""
+    _check_hparams(1, float(hyper["lr"]), hyper["beta1"], hyper["beta2"], hyper["eps"],
+                   hyper["weight_decay"], hyper["bias_correction"], 1.0)
+
+
 def _check_hparams(step: int, lr: float, beta1: float, beta2: float, eps: float,
                    weight_decay: float, bias_correction: bool, grad_scale: float) -> None:
     if not (math.isfinite(lr) and lr >= 0.0):

@@ -47,6 +47,7 @@ import torch
 from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim.boundary_steps import LATE_GRADIENT, BoundarySteps
+from infinity.optim.cpu_adam import check_hyperparameters
 from infinity.optim.grad_norm import say_not_finite, sum_of_squares
 from infinity.optim.gradients import GradientCollector
 from infinity.optim.held_room import HeldRoom
@@ -221,8 +222,21 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         return self.steps.failure
 
     def hyperparameters(self) -> list[dict]:
-        """Each param group's Adam hyperparameters now (see ``AdamKernel``)."""
-        return self.kernel.hyperparameters()
+        """Each param group's Adam hyperparameters now (see ``AdamKernel``), checked: a value
+        the kernel refuses (beta1 >= 1 from OneCycle's momentum decay, a NaN lr a schedule or
+        the user's code wrote into the groups) is refused here, before any unit steps with it
+        -- refused by the kernel in the middle of a step, some units stepped and the engine
+        unusable after it, not even able to save."""
+        hyper = self.kernel.hyperparameters()
+        for index, h in enumerate(hyper):
+            try:
+                check_hyperparameters(h)
+            except ValueError as exc:
+                raise ValueError(f"param group {index}: {exc}, for the next optimizer step "
+                                 "(set by the schedule, or written into "
+                                 "optimizer.param_groups); nothing was stepped with it: "
+                                 "correct it and call again") from None
+        return hyper
 
     def stream_stats(self) -> dict[str, int]:
         """Counters of the step stream's expected steps (see [Note: expected steps])."""
@@ -386,6 +400,8 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         """Called before each backward: ``boundary`` is True on the last micro-step, and the
         gradients carry ``loss_scale`` (fp16's; 1 otherwise); a speculation still pending from
         an earlier backward of this cycle was voided by the engine's forward."""
+        if boundary or self.early_step:       # the values this backward may step with
+            self.hyperparameters()
         self.loss_scale = loss_scale
         self.gradients.begin_backward(boundary)
         self.boundary.begin_backward(boundary)

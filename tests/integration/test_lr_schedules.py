@@ -66,3 +66,43 @@ def test_a_schedule_that_cannot_be_built_is_refused_before_the_weights_move(disk
                                    before["lm_head.weight"])
     finally:
         engine.close()
+
+
+def test_a_value_adam_refuses_is_refused_before_any_unit_steps(disk_dir, infinity_log) -> None:
+    """OneCycle's momentum decay has no bound (DeepSpeed's formula): beta1 passed 1 and the
+    Adam kernel refused it in the middle of a step, some units stepped, the engine unusable
+    after it (not even a save). Warned at the config with the step it comes at; refused before
+    the step, naming the group; corrected, the run goes on and saves."""
+    import torch
+
+    import infinity
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    ds = zero_config(2, "none", "cpu", str(disk_dir))
+    ds.update(train_micro_batch_size_per_gpu=4,
+              optimizer={"type": "AdamW", "params": {"lr": 1e-3}},
+              scheduler={"type": "OneCycle", "params": {
+                  "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2,
+                  "decay_step_size": 1, "decay_mom_rate": 0.1}})
+    engine, optimizer, _, _ = infinity.initialize(model=model, config=ds)
+    assert any("decay_mom_rate = 0.1" in r.getMessage() and "reaches 1 at about step 6"
+               in r.getMessage() for r in infinity_log.records)
+    try:
+        for _ in range(6):
+            engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+            engine.step()
+        assert engine.get_mom()[0][0] > 1.0
+        before = engine.module_state_dict()
+        with pytest.raises(ValueError, match=r"param group 0: beta1 must be in \[0, 1\), got "
+                                             r"1\.08.*nothing was stepped"):
+            engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+            engine.step()
+        assert all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+        for group in optimizer.param_groups:
+            group["betas"] = (0.9, 0.999)
+        engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+        engine.step()
+        engine.save_checkpoint(disk_dir / "ckpt")
+    finally:
+        engine.close()
