@@ -75,6 +75,13 @@ class Fp16Config:
         set_field(self, "min_loss_scale", check_float("fp16.min_loss_scale", self.min_loss_scale, 0.0, lo_open=True))
         check_bool("fp16.consecutive_hysteresis", self.consecutive_hysteresis)
         check_bool("fp16.auto_cast", self.auto_cast)
+        if self.loss_scale == 0 and self.min_loss_scale > 2.0 ** self.initial_scale_power:
+            # the first overflow "came down" to the floor above it and stopped the run
+            raise ConfigError(
+                f"fp16.min_loss_scale = {self.min_loss_scale:g} is above the starting scale "
+                f"2**fp16.initial_scale_power = {2.0 ** self.initial_scale_power:g}: the "
+                "dynamic scale never goes below its minimum. Raise initial_scale_power or "
+                "lower min_loss_scale")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -173,8 +173,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
         self._step_started = None
         self._last_stats: dict[str, float] = {}
-        # fp16: the loss scale and the skipping of steps whose gradients overflow
-        self.loss_scaler = LossScaler(self.config.fp16) if self.config.fp16.enabled else None
+        fp16 = self.config.fp16     # the loss scale, the skipping of steps that overflow
+        self.loss_scaler = self.optimizer.scaler = LossScaler(fp16) if fp16.enabled else None
         self.skipped_steps = self._backwards_since_step = 0
         self._warned_hyper_moved = False
 

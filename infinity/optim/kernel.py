@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from infinity.optim.cpu_adam import adam_step_flat
+from infinity.optim.cpu_adam import adam_step_flat, check_hyperparameters
 from infinity.optim.formatted_step import MomentScales, step_formatted
 from infinity.optim.records import (StepRun, UnitOptimState, add_addends, clipped_addends,
                                     run_pieces)
@@ -49,6 +49,23 @@ class AdamKernel:
         """Each param group's Adam hyperparameters now, for a step that runs later (a deferred
         step runs after the scheduler has moved the learning rate on)."""
         return [self.hyper(i) for i in range(len(self._param_groups()))]
+
+    def checked_hyperparameters(self) -> list[dict]:
+        """``hyperparameters()``, each group's values checked as the kernel checks them at a
+        step: a value it refuses (beta1 >= 1 from OneCycle's momentum decay, a NaN lr a
+        schedule or the user's code wrote into the groups) is refused before any unit steps
+        with it -- refused by the kernel in the middle of a step, some units were stepped and
+        the engine was unusable after it, not even able to save."""
+        hyper = self.hyperparameters()
+        for index, h in enumerate(hyper):
+            try:
+                check_hyperparameters(h)
+            except ValueError as exc:
+                raise ValueError(f"param group {index}: {exc}, for the next optimizer step "
+                                 "(set by the schedule, or written into "
+                                 "optimizer.param_groups); nothing was stepped with it: "
+                                 "correct it and call again") from None
+        return hyper
 
     def step_runs(self, state: UnitOptimState, stepped: frozenset[int] | None) -> list[StepRun]:
         """Count one step for the parameters in ``stepped`` (entry offsets; None: all) and

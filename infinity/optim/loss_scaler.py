@@ -65,10 +65,34 @@ class LossScaler:
                 "steps": self._steps, "last_overflow": self._last_overflow}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """A checkpoint's scaler state; a static ``fp16.loss_scale`` stays the config's (it
+        took the checkpoint's dynamic scale and held it fixed: neither what the config said nor
+        what the checkpoint held)."""
         try:
-            self.scale = float(state["scale"])
+            scale = float(state["scale"])
+            if self.dynamic:
+                self.scale = scale
+            elif scale != self.scale:
+                log.info("fp16.loss_scale %g (static, the config's) is kept; the checkpoint's "
+                         "scale %g is not used", self.scale, scale)
             self._hysteresis_left = int(state["hysteresis_left"])
             self._steps = int(state["steps"])
             self._last_overflow = int(state["last_overflow"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"loss scaler state {state!r} is incomplete or malformed ({exc})") from None
+
+
+class ReportsLossScale:
+    """DeepSpeed's ``optimizer.loss_scale`` and ``optimizer.cur_scale`` (Megatron-style logging
+    reads them): the fp16 loss scale now, 1 without fp16. ``scaler`` is the engine's
+    ``LossScaler``, set once the engine has made it."""
+
+    scaler: LossScaler | None = None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scale

@@ -47,11 +47,11 @@ import torch
 from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.optim.boundary_steps import LATE_GRADIENT, BoundarySteps
-from infinity.optim.cpu_adam import check_hyperparameters
 from infinity.optim.grad_norm import say_not_finite, sum_of_squares
 from infinity.optim.gradients import GradientCollector
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
+from infinity.optim.loss_scaler import ReportsLossScale
 from infinity.optim.master_seed import seed_master
 from infinity.optim.pending_steps import PendingSteps
 from infinity.optim.pools import host_pool, plan_pools
@@ -77,7 +77,7 @@ from infinity.zero.unit import ParamEntry
 log = get_logger("optim")
 
 
-class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
+class PartitionedOptimizer(RefusesTorchStateDict, ReportsLossScale, torch.optim.Optimizer):
     """Adam/AdamW over offloaded, flat, per-unit states (a torch Optimizer for LR schedulers)."""
 
     def __init__(self, units: list[SteppedUnit], param_groups: list[dict], manager: TierManager, *,
@@ -132,7 +132,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         self.timers = OptimTimers()
         self.clip_norm = clip_norm
         self.last_grad_norm: float | None = None
-        self.loss_scale = 1.0        # the fp16 loss scale of this cycle's gradients (begin_backward)
+        self.grad_scale = 1.0        # the fp16 loss scale of this cycle's gradients (begin_backward)
         self.overflow = False        # the last step was skipped: its gradients were not finite
         self.states: list[UnitOptimState] = []
         trainable_units = [u for u in units if u.has_trainable]
@@ -222,21 +222,8 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         return self.steps.failure
 
     def hyperparameters(self) -> list[dict]:
-        """Each param group's Adam hyperparameters now (see ``AdamKernel``), checked: a value
-        the kernel refuses (beta1 >= 1 from OneCycle's momentum decay, a NaN lr a schedule or
-        the user's code wrote into the groups) is refused here, before any unit steps with it
-        -- refused by the kernel in the middle of a step, some units stepped and the engine
-        unusable after it, not even able to save."""
-        hyper = self.kernel.hyperparameters()
-        for index, h in enumerate(hyper):
-            try:
-                check_hyperparameters(h)
-            except ValueError as exc:
-                raise ValueError(f"param group {index}: {exc}, for the next optimizer step "
-                                 "(set by the schedule, or written into "
-                                 "optimizer.param_groups); nothing was stepped with it: "
-                                 "correct it and call again") from None
-        return hyper
+        """Each param group's Adam hyperparameters now, checked (``AdamKernel``)."""
+        return self.kernel.checked_hyperparameters()
 
     def stream_stats(self) -> dict[str, int]:
         """Counters of the step stream's expected steps (see [Note: expected steps])."""
@@ -278,7 +265,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
             # missing from it, kept or redone (weights 0.06-0.08 off torch, silently)
             self._stepped_in_backward.add(unit.index)
             try:
-                self.speculator.speculate(state, self.clip_norm, self.loss_scale,
+                self.speculator.speculate(state, self.clip_norm, self.grad_scale,
                                           self._submit_ready)
             finally:
                 self.timers.grad_s += time.perf_counter() - start
@@ -402,7 +389,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         an earlier backward of this cycle was voided by the engine's forward."""
         if boundary or self.early_step:       # the values this backward may step with
             self.hyperparameters()
-        self.loss_scale = loss_scale
+        self.grad_scale = loss_scale
         self.gradients.begin_backward(boundary)
         self.boundary.begin_backward(boundary)
         self._stepped_in_backward.clear()
@@ -445,11 +432,11 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
     def grad_scale_for_clipping(self) -> float:
         """Divisor applied to gradients in the kernel: the loss scale, times the global-norm
         clipping factor when clipping acts (the norm is that of the unscaled gradients)."""
-        norm = math.sqrt(self.gradients.sq_norm) / self.loss_scale
+        norm = math.sqrt(self.gradients.sq_norm) / self.grad_scale
         self.last_grad_norm = norm
         if self.clip_norm > 0 and norm > self.clip_norm:
-            return self.loss_scale * (norm + 1e-6) / self.clip_norm
-        return self.loss_scale
+            return self.grad_scale * (norm + 1e-6) / self.clip_norm
+        return self.grad_scale
 
     def forward_order(self) -> list[int]:
         """Unit indices in the order the next forward fetches them (the owner's; none alone)."""
@@ -520,19 +507,19 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
                     for _, v in self.gradients.home_gradient(state))
         self.gradients.sq_norm = self._global_sq_norm(self.gradients.sq_norm)
         if not math.isfinite(self.gradients.sq_norm):   # [Note: the last micro-batch steps early]
-            say_not_finite(self.gradients.sq_norm, scaled=self.loss_scale != 1.0, stepped=(
+            say_not_finite(self.gradients.sq_norm, scaled=self.grad_scale != 1.0, stepped=(
                 "the last micro-batch's backward" if stepped_early else None))
         if not math.isfinite(self.gradients.sq_norm) and not stepped_early:
             # inf or NaN in a gradient (see optim/loss_scaler.py): the step is skipped
             self.overflow = True
-            self.last_grad_norm = math.sqrt(self.gradients.sq_norm) / self.loss_scale  # nan: nan
+            self.last_grad_norm = math.sqrt(self.gradients.sq_norm) / self.grad_scale  # nan: nan
             try:
                 self.speculator.resolve(keep=False, overflow=True)
             finally:
                 self.gradients.drop_cycle()
             return
         scale = self.grad_scale_for_clipping()
-        self.speculator.resolve(keep=scale == self.loss_scale)   # no clipping acted
+        self.speculator.resolve(keep=scale == self.grad_scale)   # no clipping acted
         position = {uid: i for i, uid in enumerate(self.forward_order())}
         stepped = [s for s in self.states if s.has_grads]
         for state in sorted(stepped, key=lambda s: position.get(s.unit.index, len(position))):
@@ -559,7 +546,7 @@ class PartitionedOptimizer(RefusesTorchStateDict, torch.optim.Optimizer):
         # the kernels summed each unit's gradient squares as they stepped it: the norm no
         # step of this schedule needs, but get_global_grad_norm() reports
         self.last_grad_norm = math.sqrt(self._global_sq_norm(self.gradients.sq_norm)) / \
-            self.loss_scale
+            self.grad_scale
         if not math.isfinite(self.last_grad_norm):
             say_not_finite(self.gradients.sq_norm, stepped="the backward", scaled=False)
         self.steps.reap(hand_out=False)

@@ -59,6 +59,8 @@ def test_an_overflowing_step_is_skipped_and_the_scale_comes_down(disk_dir) -> No
             engine.step()
             if step == 2:
                 assert engine.skipped_steps == 1 and engine.loss_scale == 128.0
+                # DeepSpeed's optimizer.loss_scale / cur_scale: the scale now (it was stale)
+                assert engine.optimizer.loss_scale == engine.optimizer.cur_scale == 128.0
                 assert engine.get_lr()[0] == lr_before, "a skipped step moved the schedule"
                 continue
             ref_loss = loss_of(reference(input_ids=x, labels=x))

@@ -207,3 +207,27 @@ def test_an_incomplete_or_malformed_state_is_refused_naming_it(state) -> None:
     scaler = _scaler(initial_scale_power=4)
     with pytest.raises(ValueError, match="loss scaler state .* is incomplete or malformed"):
         scaler.load_state_dict(state)
+
+
+def test_a_static_scale_is_kept_over_a_checkpoints_dynamic_one() -> None:
+    """Resuming with fp16.loss_scale 128 took the checkpoint's dynamic 65536 and held it fixed:
+    neither what the config said nor what the checkpoint held."""
+    dynamic = LossScaler(Fp16Config(enabled=True))
+    dynamic.update(False)
+    static = LossScaler(Fp16Config(enabled=True, loss_scale=128))
+    static.load_state_dict(dynamic.state_dict())
+    assert static.scale == 128.0 and not static.dynamic
+    again = LossScaler(Fp16Config(enabled=True, initial_scale_power=4))
+    again.load_state_dict(dynamic.state_dict())     # a dynamic scale resumes the checkpoint's
+    assert again.scale == dynamic.scale == 65536.0
+
+
+def test_a_minimum_above_the_starting_scale_is_refused() -> None:
+    """min_loss_scale 16 over a start of 4: the first overflow "came down" to 16 and the run
+    stopped, saying it overflowed at the minimum."""
+    from infinity.config.values import ConfigError
+
+    with pytest.raises(ConfigError, match=r"fp16\.min_loss_scale = 16 is above the starting "
+                                          r"scale 2\*\*fp16\.initial_scale_power = 4"):
+        Fp16Config(enabled=True, initial_scale_power=2, min_loss_scale=16)
+    Fp16Config(enabled=True, loss_scale=4, min_loss_scale=16)    # static: no minimum applies

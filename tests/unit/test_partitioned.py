@@ -322,7 +322,7 @@ def test_grad_scale_for_clipping(rig) -> None:
     """The kernel's divisor: the loss scale, times (norm + 1e-6) / clip when the unscaled norm
     exceeds the clip (not when it equals it); the norm is recorded."""
     opt = rig().opt
-    opt.loss_scale = 2.0
+    opt.grad_scale = 2.0
     opt.gradients.sq_norm = 100.0                # scaled norm 10: unscaled 5
     assert opt.grad_scale_for_clipping() == 2.0 and opt.last_grad_norm == 5.0
     opt.clip_norm = 5.0
