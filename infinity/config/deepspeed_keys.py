@@ -36,8 +36,9 @@ IGNORED_KEYS: dict[str, tuple[str, ...]] = {
                           "log_trace_cache_warnings", "enable_sanity_checks", "compute_grad_norm",
                           "parameter_alignment", "cpu_offload_use_pin_memory", "leaf_module",
                           "save_muon_momentum_buffer_in_memory"),
-    # bf16 steps here accumulate gradients in fp32 and step as they come; DeepSpeed's stage 3
-    # does not check bf16 gradients for overflow either
+    # bf16 steps here accumulate gradients in fp32 and step as they come; DeepSpeed checks
+    # bf16 gradients for overflow at stages 1-2 only (check_grad_overflow), not at stage 3; a
+    # non-finite gradient here is said by the step (optim/grad_norm.py), not skipped
     "bf16": ("immediate_grad_update", "check_grad_overflow"),
     "optimizer.params": ("torch_adam", "fused"),
 }

@@ -14,9 +14,9 @@ same learning rates at the same steps:
 - A schedule built with ``last_batch_iteration`` other than -1 leaves the optimizer's lr (and
   betas) as they are for the first step.
 
-One habit is not kept: WarmupLR without ``warmup_max_lr`` climbs to each param group's own
-lr; DeepSpeed 0.19 takes the first group's lr as every group's maximum (reported upstream as
-a bug), which would give a no-decay group of another lr the wrong rate.
+WarmupLR without ``warmup_max_lr`` climbs to each param group's own lr, as DeepSpeed does
+since 0.19.4 (0.19.0-0.19.3 took the first group's lr as every group's maximum, which gave a
+no-decay group of another lr the wrong rate).
 """
 from __future__ import annotations
 
@@ -125,8 +125,8 @@ def _warmup_lr(cfg: SchedulerConfig, group_lrs: list[float]) -> Callable[[int, i
     warmup = max(2, cfg.warmup_num_steps)
     groups = len(group_lrs)
     lows = _per_group(cfg.warmup_min_lr, groups, "warmup_min_lr")
-    # without warmup_max_lr WarmupLR climbs to each group's lr (DeepSpeed: the first group's,
-    # see the module docstring), WarmupDecayLR to 0.001 as DeepSpeed's
+    # without warmup_max_lr WarmupLR climbs to each group's lr (see the module docstring),
+    # WarmupDecayLR to 0.001 as DeepSpeed's
     highs = _per_group(cfg.warmup_max_lr, groups, "warmup_max_lr") \
         if cfg.warmup_max_lr is not None else \
         (group_lrs if cfg.type == "WarmupLR" else [0.001] * groups)
