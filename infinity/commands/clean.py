@@ -24,6 +24,7 @@ rule lives.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -88,9 +89,11 @@ def _clean_unfinished_saves(save_dir: Path, staging: list[Path], partials: list[
 
 
 def run(args: argparse.Namespace) -> int:
-    path: Path = args.path
+    # "." or "dir/." has no name of its own: the directory it names, its link kept (a private
+    # directory given as "." was taken for a parent holding none: "nothing to clean")
+    path = Path(os.path.abspath(args.path))
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
+        raise FileNotFoundError(f"{args.path} does not exist")
     private = path.name.startswith(DIR_PREFIX) and (
         (path / MARKER_NAME).exists() or (path / MARKER_TMP_NAME).exists() or path.is_symlink())
     if private or not path.is_dir():

@@ -41,6 +41,16 @@ def test_clean_removes_a_dead_runs_directory(disk_dir: Path, capsys: pytest.Capt
     assert not path.exists()
 
 
+def test_clean_of_a_dead_runs_directory_given_as_dot(disk_dir: Path, capsys, monkeypatch) -> None:
+    """`cd infinity-swap-...; infinity clean .`: "." has no name, and the directory was taken
+    for a parent holding no swap directory ("nothing to clean", exit 0, its files kept)."""
+    path = _stale_dir(disk_dir)
+    monkeypatch.chdir(path)
+    assert main(["clean", "."]) == 0
+    assert "freed 1.00 MiB in 1 swap files" in capsys.readouterr().out
+    assert not (disk_dir / path.name).exists()
+
+
 def test_clean_of_the_parent_reclaims_every_dead_dir(disk_dir: Path, capsys) -> None:
     a, b = _stale_dir(disk_dir, "infinity-swap-r0-p1-aaaaaa"), _stale_dir(disk_dir, "infinity-swap-r1-p2-bbbbbb")
     assert main(["clean", str(disk_dir)]) == 0
