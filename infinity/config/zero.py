@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -60,7 +61,9 @@ class OffloadConfig:
         if self.nvme_path is not None:
             if not isinstance(self.nvme_path, (str, Path)) or not str(self.nvme_path):
                 raise ConfigError(f"{p}.nvme_path = {self.nvme_path!r}: expected a directory path")
-            set_field(self, "nvme_path", str(self.nvme_path))
+            # "~/nvme" is the user's home (it was taken as a directory named "~", and the error
+            # suggested `mkdir -p` of that literal path)
+            set_field(self, "nvme_path", os.path.expanduser(str(self.nvme_path)))
         if self.device == "nvme" and self.nvme_path is None:
             raise ConfigError(f"{p}.device is \"nvme\" but {p}.nvme_path is not set: set it to a "
                               "directory on a fast local disk (swap files are created there)")

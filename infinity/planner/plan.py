@@ -172,7 +172,7 @@ _FIXES = {  # (component, tier) -> the setting that moves it deeper
     ("params", Tier.DEVICE): "set ZeRO stage 3 with offload_param.device cpu",
 }
 _FIX_OPT_SLOTS = "set a smaller zero_optimization.sub_group_size or offload_optimizer.buffer_count (or \"auto\")"
-_FIX_PARAM_SLOTS = "set a smaller offload_param.buffer_count or buffer_size (or \"auto\")"
+_FIX_PARAM_SLOTS = "set a smaller offload_param.buffer_count (or \"auto\")"
 _FIX_DEVICE_WORK = ("set a smaller stage3_prefetch_bucket_size / reduce_bucket_size, or a device budget "
                     "that holds at least two units")
 

@@ -734,3 +734,12 @@ def test_deepspeeds_leaf_module_is_said_to_change_nothing(infinity_log) -> None:
         "stage": 3, "leaf_module": {"classes": ["MixtralSparseMoeBlock"]}}})
     assert any("leaf_module is DeepSpeed's way" in r.getMessage() and r.levelname == "WARNING"
                for r in infinity_log.records)
+
+
+def test_an_nvme_path_under_home_is_the_users_home(monkeypatch) -> None:
+    """"~/nvme" was a directory named "~" under the working directory (and the error for a
+    missing one suggested `mkdir -p` of that literal path)."""
+    monkeypatch.setenv("HOME", "/home/someone")
+    z = InfinityConfig.from_dict({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "~/nvme"}}}).zero
+    assert z.offload_param.nvme_path == "/home/someone/nvme"
