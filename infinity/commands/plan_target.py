@@ -113,12 +113,16 @@ def _nvme(text: str | None) -> tuple[int, int]:
     return _machine_bytes(text, "--nvme", "28TB"), 1
 
 
-def _tuned(path: str) -> tuple[float, float]:
-    """(read, write) GB/s of an ``infinity nvme-tune --json`` result's recommended point."""
+def _tuned(path: str) -> tuple[float, float, dict | None]:
+    """(read, write) GB/s of an ``infinity nvme-tune --json`` result's recommended point, and
+    the ``"aio"`` section it was measured with (the plan's ds_config carries it: the rates
+    are those settings')."""
     try:
         data = json.loads(Path(path).read_text())
         best = data["recommendation"]
-        return float(best["read_GBps"]), float(best["write_GBps"])
+        aio = best.get("aio")
+        return float(best["read_GBps"]), float(best["write_GBps"]), \
+            dict(aio) if isinstance(aio, dict) else None
     except OSError as exc:
         raise ValueError(f"--nvme-tune {path}: {exc.strerror or exc}") from None
     except (ValueError, KeyError, TypeError) as exc:
@@ -175,8 +179,9 @@ def target_from_args(args: argparse.Namespace) -> tuple[Target, Workload] | None
         raise ValueError(f"--cpu-cores {cores} must be >= 1")
     nvme_bytes, drives = _nvme(args.nvme)
     read, write = args.nvme_read_GBps, args.nvme_write_GBps
+    aio = None
     if args.nvme_tune is not None:
-        tuned_read, tuned_write = _tuned(args.nvme_tune)
+        tuned_read, tuned_write, aio = _tuned(args.nvme_tune)
         read = read if read is not None else tuned_read * drives
         write = write if write is not None else tuned_write * drives
     if nvme_bytes and (read is None or write is None):
@@ -192,7 +197,7 @@ def target_from_args(args: argparse.Namespace) -> tuple[Target, Workload] | None
                        "(--host-memory-GBps)")
     if args.mfu is None:
         assumed.append("40% of the GPU's peak in forward/backward (--mfu)")
-    target = Target(gpu=gpu, gpus_per_node=gpus, nodes=nodes, host_memory_bytes=host,
+    target = Target(gpu=gpu, gpus_per_node=gpus, nodes=nodes, host_memory_bytes=host, aio=aio,
                     cpu_cores=cores, nvme_bytes=nvme_bytes, nvme_drives=drives,
                     nvme_read_GBps=read, nvme_write_GBps=write,
                     net_GBps=DEFAULT_NET_GBPS if args.net_GBps is None else args.net_GBps,

@@ -146,6 +146,9 @@ class Target:
     """Host memory bandwidth of one node."""
     mfu: float = 0.4
     """Share of the GPU's peak the forward and backward reach (the paper's 512-GPU run: 40%)."""
+    aio: dict | None = None
+    """The ``"aio"`` section ``infinity nvme-tune`` measured its NVMe rates with, for the plan's
+    ds_config (None: not tuned)."""
     assumed: tuple[str, ...] = field(default=())
     """Names of the fields the user did not give (assumptions, shown in the plan)."""
 

@@ -77,6 +77,10 @@ class TargetPlan:
         for dtype in ("fp16", "bf16"):
             if not full[dtype]["enabled"]:
                 out.pop(dtype, None)
+        zero = self.chosen.config.zero
+        if self.decision.target.aio and "nvme" in (zero.offload_param.device,
+                                                   zero.offload_optimizer.device):
+            out["aio"] = dict(self.decision.target.aio)   # the settings its rates were measured at
         return out
 
     def as_dict(self) -> dict[str, Any]:

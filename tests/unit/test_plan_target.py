@@ -333,3 +333,20 @@ def test_the_gradients_cross_pcie_and_the_collectives_in_the_communication_dtype
     assert (bf16.derived.device_grad_dtype, fp32.derived.device_grad_dtype) == ("bf16", "fp32")
     assert not bf16.checkpointing and fp32.checkpointing
     assert fp32.device["gradients"] == 2 * 9 * 106_956_800 * 4
+
+
+def test_a_tuned_nvme_plan_carries_the_aio_section_its_rates_were_measured_with(tmp_path,
+                                                                                capsys) -> None:
+    """--nvme-tune's rates were used and its settings dropped: the ds_config printed ran with
+    the default aio section, not the one those rates belong to."""
+    aio = {"backend": "io_uring", "block_size": 4194304, "queue_depth": 16,
+           "intra_op_parallelism": 2, "single_submit": False, "overlap_events": True}
+    tune = tmp_path / "tune.json"
+    tune.write_text(json.dumps({"recommendation": {"read_GBps": 3.0, "write_GBps": 2.0,
+                                                   "aio": aio}}))
+    assert cli.main(["plan", "--params", "70e9", "--gpu", "4090", "--nvme", "4TB",
+                     "--host-memory", "64GiB", "--nvme-tune", str(tune), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    zero = data["ds_config"]["zero_optimization"]
+    assert "nvme" in (zero["offload_param"]["device"], zero["offload_optimizer"]["device"])
+    assert data["ds_config"]["aio"] == aio
