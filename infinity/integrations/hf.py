@@ -433,6 +433,17 @@ class Trainer(transformers.Trainer):
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
         if self.engine is not None:
             return self.engine
+        if not training and any(p.is_meta for p in model.parameters()):
+            # evaluate()/predict() before train(): the engine is built when training starts,
+            # and a model built under zero.Init has no values outside it (accelerate's
+            # model.to(device) failed on "Cannot copy out of meta tensor")
+            raise ValueError(
+                "evaluate()/predict() before train() on a model built under "
+                "infinity.zero.Init: its weights live in the engine, which infinity's Trainer "
+                "builds when training starts. Evaluate at the start of training "
+                "(TrainingArguments(eval_on_start=True)), or build the engine first "
+                "(infinity.initialize or infinity.from_pretrained) and pass "
+                "Trainer(model=engine.module, engine=engine, ...)")
         return super()._wrap_model(model, training, dataloader)
 
     # -- training ----------------------------------------------------------------------------

@@ -347,3 +347,21 @@ def test_what_the_engine_cannot_honour_from_the_trainer_is_refused_before_it_tra
         finally:
             trainer.close()
         assert all(p.numel() > 0 for p in model.parameters()), "the weights moved first"
+
+
+def test_evaluate_before_train_of_a_zero_init_model_says_how(disk_dir, tmp_path) -> None:
+    """The engine is built when training starts; before it, a model built under zero.Init
+    has no values, and accelerate's model.to(device) failed on "Cannot copy out of meta
+    tensor". Refused, naming eval_on_start and Trainer(engine=...)."""
+    import infinity
+
+    warnings.filterwarnings("ignore")
+    ds = hf_ds(disk_dir)
+    with infinity.zero.Init(config_dict_or_path=ds):
+        model = make_model("llama", layers=2, width=32)
+    trainer = hf.Trainer(model=model, train_dataset=hf_data(8), eval_dataset=hf_data(4),
+                         args=hf.TrainingArguments(tmp_path / "run", deepspeed=ds,
+                                                   **hf_args(max_steps=2)))
+    with pytest.raises(ValueError, match=r"evaluate\(\)/predict\(\) before train\(\) on a model "
+                                         r"built under infinity\.zero\.Init.*eval_on_start"):
+        trainer.evaluate()
