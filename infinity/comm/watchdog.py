@@ -158,8 +158,13 @@ class RankWatch:
                 # collectives counted) between the reads; it writes its key before any
                 if self._store.check([issued]) and self._issued_of(issued) > mine and \
                         not self._store.check([key]):
-                    raise CallNotMadeError(f"rank {self.rank} called {call} but rank {r}{self._who(r)} "
-                                       f"went on without it (to its next collective): {every}")
+                    # more collectives than this rank: it went past the call, or ran a pass
+                    # this rank did not (an evaluation batch more) and is still to make it
+                    raise CallNotMadeError(
+                        f"rank {self.rank} called {call} but rank {r}{self._who(r)} has issued "
+                        f"more collectives than this rank: it went on without the call, or "
+                        f"ran a forward this rank did not (an evaluation batch more) before "
+                        f"it: {every}")
                 beat = self._store.add(f"{PREFIX}beat/{r}", 0)
                 if beat != beats.get(r):
                     beats[r], since[r] = beat, time.monotonic()
