@@ -58,8 +58,9 @@ from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import (in_graph_task, keep_at, only_for, param_versions,
                                         tensors_in, weak_grad_hook)
 from infinity.zero.input_gradients import LATE_AFTER_INPUTS, marked_inputs
-from infinity.zero.pass_state import (FORWARDS, PassPhase, UnitStatus, defer_to_recompute,
-                                      next_trainable, take_recompute, upcoming_units)
+from infinity.zero.pass_state import (DOUBLE_BACKWARD, FORWARDS, PassPhase, UnitStatus,
+                                      defer_to_recompute, drop_unused_inputs, next_trainable,
+                                      take_recompute, upcoming_units)
 from infinity.zero.detached_reads import DetachedReads
 from infinity.zero.device_room import DeviceRoom
 from infinity.zero.gather_ahead import AheadGathers
@@ -100,7 +101,7 @@ class Coordinator:
         self._upcoming_all = lambda: upcoming_units(self._phase, self.traces)   # the rest of the run
         self._room = DeviceRoom(units, manager, limits, self._upcoming_all, self._drop_kept)
         # per hooked module, a stack (one entry per call in progress) of its inputs' tensor ids
-        self._call_inputs: dict[int, list[frozenset[int]]] = {}
+        self._call_inputs: dict[int, list[tuple]] = {}
         self._outermost: dict[int, list[int]] = {}     # per module, pre-hooks kept ahead of ours
         check_backward_working_set(units, hooked, manager.device_budget)
         # ``overlap_comm``: see [Note: gathers issued ahead] in zero/gather_ahead.py
@@ -162,7 +163,7 @@ class Coordinator:
             for outer in self._outermost.get(id(m), ()):
                 keep_at(m._forward_pre_hooks, outer, last=False)
             calls = self._call_inputs.get(id(m))
-            return self._forward_post(ids, output, calls.pop() if calls else frozenset())
+            return self._forward_post(ids, output, calls.pop() if calls else (frozenset(), None))
 
         first = module.register_forward_pre_hook(only_for(module, pre), with_kwargs=True,
                                                  prepend=True)      # not a deepcopy's calls
@@ -216,9 +217,9 @@ class Coordinator:
             self._checked_order = list(order)
             check_traced_working_set(self.units, order, self.manager.device_budget)
 
-    def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> tuple[frozenset[int], Any, Any]:
+    def _forward_pre(self, ids: tuple[int, ...], args, kwargs) -> tuple[tuple, Any, Any]:
         """Fetch the units; the ids of the call's inputs under grad ([Note: outputs passed
-        through]) and the arguments to call it with (``marked_inputs``)."""
+        through]) and its ``CallInputs``, and the arguments to call it with (``marked_inputs``)."""
         recompute = in_graph_task()
         if not recompute:
             self.owner.before_read()
@@ -234,7 +235,7 @@ class Coordinator:
         if not torch.is_grad_enabled():
             if self._phase is PassPhase.TRAIN_FORWARD and not recompute:
                 defer_to_recompute(statuses, tensors_in((args, kwargs)))
-            return frozenset(), args, kwargs
+            return (frozenset(), None), args, kwargs
         watch = not recompute or take_recompute(statuses)
         args, kwargs, call = marked_inputs(
             args, kwargs, list(tensors_in((args, kwargs))),
@@ -244,10 +245,12 @@ class Coordinator:
         if not recompute:
             self._grad_uses.extend(ids)
             self.detached_reads.note_call(ids)    # its saves hidden from the hooks: held longer
-        return frozenset(id(t) for t in tensors_in((args, kwargs))), args, kwargs
+        return (frozenset(id(t) for t in tensors_in((args, kwargs))), call), args, kwargs
 
-    def _forward_post(self, ids: tuple[int, ...], output, passed_through: frozenset[int]):
-        recompute = in_graph_task()
+    def _forward_post(self, ids: tuple[int, ...], output, record: tuple):
+        recompute, (passed_through, call) = in_graph_task(), record
+        if call is not None and self._ranks > 1:     # an input the data let it skip
+            drop_unused_inputs(call, output, [self._status[uid] for uid in ids])
         for uid in ids:
             status = self._status[uid]
             if status.users == 1 and not recompute:     # its last use (still held)
@@ -279,12 +282,7 @@ class Coordinator:
         if torch.is_grad_enabled() and any(not self.units[uid].persistent for uid in ids):
             # grad mode is on inside a backward only with create_graph=True: the graph it builds
             # would need the units' parameters again after their release
-            raise RuntimeError(
-                "a backward with create_graph=True (a double backward: a gradient penalty, a "
-                "Hessian-vector product) reached parameters that ZeRO stage 3 releases after use, "
-                "so its second backward would find them empty. Train such a loss with "
-                "zero_optimization.stage 1 or 2 (offload_optimizer still works), as with "
-                "DeepSpeed")
+            raise RuntimeError(DOUBLE_BACKWARD)
         if self._phase is not PassPhase.BACKWARD:
             self._phase = PassPhase.BACKWARD
             self.traces["bwd"].start_pass()
@@ -324,26 +322,26 @@ class Coordinator:
         uid, status = unit.index, self._status[unit.index]
         if not status.may_finish(unit.has_trainable, unit.has_frozen, self._ranks):
             return
-        status.finish_backward()
-        if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):   # reduces it
-            status.stepping = True
-            status.stale = unit.shards > 1
-        elif status.users == 0:
+        if not self._finish(unit, status) and status.users == 0:
             self._release_or_keep(uid)   # kept: the next forward (and a deferred step) use it
         if self._phase is PassPhase.BACKWARD:   # after its reduce-scatter, on every rank
             self._gather_after(uid, PassPhase.BACKWARD)
 
+    def _finish(self, unit: Unit, status: UnitStatus) -> bool:
+        """Finish the unit's backward (its gradients reduced, its step begun); True: a step holds it."""
+        status.finish_backward()
+        if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):   # reduces it
+            status.stepping = True
+            status.stale = unit.shards > 1
+        return status.stepping
+
     def _end_backward(self) -> None:
         """Runs once when autograd has finished the whole backward pass."""
         try:
-            for unit, status in zip(self.units, self._status):   # with several ranks, each
-                if not status.backward_done and unit.has_trainable and (   # unit called too
-                        status.grads_pending < len(unit.trainable_entries()) or self._ranks > 1
-                        and (status.calls_reached or status.calls_blind)):
-                    status.finish_backward()
-                    if not self.stepper.on_unit_backward_done(unit):
-                        status.stepping = True
-                        status.stale = unit.shards > 1
+            for unit, status in zip(self.units, self._status):
+                if unit.has_trainable and status.unfinished_at_end(
+                        len(unit.trainable_entries()), self._ranks):
+                    self._finish(unit, status)
             self._phase = PassPhase.IDLE
             self.ahead.drop(self._status, self._release_or_keep)
             self.reap()

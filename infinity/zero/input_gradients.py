@@ -26,12 +26,21 @@ before), as that one waits for the view's backward node. A sparse or nested argu
 ``view_as``) gets an identity autograd Function's output instead: a node of its own all the
 same (hooked on itself, a sparse leaf's mark came ahead of the call's gradients). Arguments
 inside containers keep a hook on the tensor itself (no view can be handed in their place).
+With several ranks, a view the call's output does not depend on (an argument the data let the
+module skip on this rank) is dropped after the call, found by walking the call's own nodes
+from its output: its gradient never comes, and waiting for it finished the unit at the
+backward's end on this rank and at the mark on a rank that read it. A call left with no view
+(it read none of its inputs under grad on this rank, and some other rank may have) counts as
+one without a mark: that case still parts the ranks, as a unit whose backward runs on some
+ranks only does.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
+
+from infinity.zero.module_calls import tensors_in
 
 LATE_AFTER_INPUTS = (
     "{param} of unit {unit} got its gradient after its call's inputs had theirs, when its "
@@ -60,18 +69,55 @@ class CallInputs:
     """One module call's inputs under grad: ``on_done(self)`` once each has its gradient. Held
     by the hooks on them alone (the unit's status holds it weakly): a forward whose graph is
     dropped (an evaluation that forgot ``no_grad``) takes its calls along, and no backward
-    waits for their marks."""
+    waits for their marks. ``views``: each view's autograd node's sequence number and its
+    index, ints only (a node held here would hold its hook, which holds this: a cycle through
+    C++ no collector sees)."""
 
-    __slots__ = ("remaining", "on_done", "__weakref__")
+    __slots__ = ("pending", "on_done", "views", "__weakref__")
 
     def __init__(self, count: int, on_done: Callable[["CallInputs"], None]) -> None:
-        self.remaining = count
+        self.pending = set(range(count))
         self.on_done = on_done
+        self.views: list[tuple[int, int]] = []
 
-    def reached(self, grad: torch.Tensor) -> None:
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.on_done(self)
+    def hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        return lambda grad: self.reached(index)
+
+    def reached(self, index: int) -> None:
+        if index in self.pending:
+            self.pending.discard(index)
+            if not self.pending:
+                self.on_done(self)
+
+    def drop_unused(self, output: Any) -> bool:
+        """Forget the views the call's output does not depend on (an argument the data let
+        the module skip: ``h + aux`` on some batches): their gradient never comes, and with
+        several ranks one rank waited for it to the backward's end while another, which used
+        it, finished the unit at the mark -- the ranks' collectives parted. Returns whether no
+        input is left to mark the call (its backward then ends at the backward's end)."""
+        if not self.views:
+            return False
+        targets = dict(self.views)
+        floor = min(targets)
+        found: set[int] = set()
+        stack = [t.grad_fn for t in tensors_in(output, objects=True) if t.grad_fn is not None]
+        if not stack:               # no output found to read it from: nothing is dropped
+            return False
+        seen: dict[int, Any] = {}          # the nodes visited, kept alive while their ids count
+        while stack and len(found) < len(targets):
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen[id(node)] = node
+            seq = node._sequence_nr()
+            if seq in targets:
+                found.add(targets[seq])
+            elif seq > floor:             # made during the call: go on; before it: stop
+                stack.extend(fn for fn, _ in node.next_functions)
+        for seq, index in self.views:
+            if index not in found:
+                self.pending.discard(index)
+        return not self.pending
 
 
 def marked_inputs(args: tuple, kwargs: dict, nested: list[torch.Tensor],
@@ -90,6 +136,7 @@ def marked_inputs(args: tuple, kwargs: dict, nested: list[torch.Tensor],
     if not wanting:
         return args, kwargs, None
     call = CallInputs(wanting, on_done) if on_done is not None else None
+    count = iter(range(wanting))
 
     def marked(value: Any) -> Any:
         if not (isinstance(value, torch.Tensor) and value.requires_grad and
@@ -98,11 +145,14 @@ def marked_inputs(args: tuple, kwargs: dict, nested: list[torch.Tensor],
         dense = value.layout == torch.strided and not value.is_nested
         view = value.view_as(value) if dense else _Alias.apply(value)
         if call is not None:
-            view.register_hook(call.reached)
+            index = next(count)
+            view.register_hook(call.hook(index))
+            call.views.append((view.grad_fn._sequence_nr(), index))
         return view
 
     new_args = tuple(marked(a) for a in args)
     new_kwargs = {k: marked(v) for k, v in kwargs.items()}
     for t in inner if call is not None else ():
-        t.register_hook(call.reached)
+        t.register_hook(call.hook(next(count)))
     return new_args, new_kwargs, call
+

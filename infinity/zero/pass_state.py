@@ -118,6 +118,18 @@ class UnitStatus:
         else:
             self.open_calls.add(call)
 
+    def went_blind(self, call: Any) -> None:
+        """A call whose output reads none of its inputs under grad (``drop_unused``): it
+        counts as one whose inputs carry no gradient."""
+        self.open_calls.discard(call)
+        self.calls_blind += 1
+
+    def unfinished_at_end(self, trainable: int, ranks: int) -> bool:
+        """At the backward's end, not finished though it took part: some gradient came, or
+        with several ranks its calls were watched (each rank finishes it then, alike)."""
+        return not self.backward_done and (self.grads_pending < trainable or ranks > 1 and
+                                           bool(self.calls_reached or self.calls_blind))
+
     @property
     def calls_done(self) -> bool:
         """Every call whose graph lives has the gradient of its inputs, one of them in this
@@ -160,6 +172,14 @@ class UnitStatus:
         self.backward = _FINISH[self.backward]
 
 
+DOUBLE_BACKWARD = (
+    "a backward with create_graph=True (a double backward: a gradient penalty, a "
+    "Hessian-vector product) reached parameters that ZeRO stage 3 releases after use, so its "
+    "second backward would find them empty. Train such a loss with zero_optimization.stage 1 "
+    "or 2 (offload_optimizer still works), as with DeepSpeed")
+"""A backward with grad mode on (create_graph) reaching a released unit's hooks: refused."""
+
+
 def defer_to_recompute(statuses: list[UnitStatus], inputs: Iterable[torch.Tensor]) -> None:
     """A training forward's call run without grad whose inputs carry one (a reentrant
     checkpoint's first forward): no mark now; its recomputation in the backward, whose graph is
@@ -167,6 +187,14 @@ def defer_to_recompute(statuses: list[UnitStatus], inputs: Iterable[torch.Tensor
     if any(t.requires_grad for t in inputs):
         for status in statuses:
             status.calls_to_recompute += 1
+
+
+def drop_unused_inputs(call: Any, output: Any, statuses: list[UnitStatus]) -> None:
+    """With several ranks: a call's inputs its output does not read are not waited for
+    (``CallInputs.drop_unused``); a call left with none counts as one without a mark."""
+    if call.drop_unused(output):
+        for status in statuses:
+            status.went_blind(call)
 
 
 def take_recompute(statuses: list[UnitStatus]) -> bool:

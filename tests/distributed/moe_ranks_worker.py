@@ -14,6 +14,9 @@ The models (``MODELS``), each a place where the point a unit's backward ends was
 - "towers": two towers read the raw batch (no gradient on their inputs);
 - "latents": a learned parameter of the root handed to every block as its context (Perceiver's
   latents, a Q-Former's queries): a leaf input too;
+- "skipped": a leaf input and the latents, read by a block only where the rank's tokens pick
+  expert 1 (none of rank 0's do): an argument one rank's call leaves unused, whose gradient
+  never comes there;
 - "reentrant": the chain under reentrant activation checkpointing, whose first forward runs
   without grad (its calls unwatched) and whose recomputation's graph is the one the backward
   runs."""
@@ -35,8 +38,9 @@ class MoEBlock(nn.Module):
     """A shared projection, then each token to the expert its first feature's sign picks (an
     expert no token picks is not run, as transformers' MoE layers skip it)."""
 
-    def __init__(self, scaled: bool = False) -> None:
+    def __init__(self, scaled: bool = False, conditional: bool = False) -> None:
         super().__init__()
+        self.conditional = conditional
         self.shared = nn.Linear(WIDTH, WIDTH)
         self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS))
         self.log_gain = nn.Parameter(torch.zeros(WIDTH)) if scaled else None
@@ -44,6 +48,8 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, route: torch.Tensor,
                 context: torch.Tensor | None = None) -> torch.Tensor:
         gain = self.log_gain.exp() if self.log_gain is not None else 1.0   # from a parameter alone
+        if self.conditional and not bool(route.any()):   # the data skips the context here
+            context = None
         h = torch.tanh(self.shared(x if context is None else x + context)) * gain
         out = torch.zeros_like(h)
         for index, expert in enumerate(self.experts):
@@ -58,16 +64,18 @@ class Net(nn.Module):
         super().__init__()
         self.kind = kind
         self.context = nn.Linear(WIDTH, WIDTH)
-        self.blocks = nn.ModuleList(MoEBlock(scaled=kind == "leaf") for _ in range(3))
+        self.blocks = nn.ModuleList(MoEBlock(scaled=kind == "leaf", conditional=kind == "skipped")
+                                    for _ in range(3))
         self.other = nn.ModuleList(MoEBlock() for _ in range(2)) if kind == "towers" else None
         self.head = nn.Linear(WIDTH, 1)
-        self.latents = nn.Parameter(torch.randn(3, WIDTH) * 0.1) if kind == "latents" else None
+        self.latents = nn.Parameter(torch.randn(3, WIDTH) * 0.1) \
+            if kind in ("latents", "skipped") else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         route = (x[..., 0] > 0).long()
         context = self.context(x) if self.kind == "shared" else self.latents
         # reentrant checkpointing gives no gradient to a call whose inputs have none
-        h = x.detach().requires_grad_() if self.kind in ("leaf", "reentrant") else x
+        h = x.detach().requires_grad_() if self.kind in ("leaf", "reentrant", "skipped") else x
         for block in self.blocks:
             if self.kind == "reentrant":
                 h = torch.utils.checkpoint.checkpoint(block, h, route, context,

@@ -19,11 +19,12 @@ pytestmark = pytest.mark.distributed
     ("routed", 3, "cpu", "on"), ("routed", 3, "nvme", "off"), ("routed", 2, "cpu", "on"),
     ("routed", 1, "cpu", "off"), ("shared", 3, "cpu", "on"), ("shared", 2, "cpu", "off"),
     ("leaf", 3, "cpu", "on"), ("towers", 3, "cpu", "off"), ("latents", 2, "cpu", "on"),
-    ("reentrant", 3, "cpu", "off")])
+    ("reentrant", 3, "cpu", "off"), ("skipped", 3, "cpu", "on")])
 def test_experts_hit_on_one_rank_train_as_torch(tmp_path, model, stage, tier, early) -> None:
     """moe_ranks_worker.py's models (a chain; blocks reading a shared context; a leaf input
     with a parameter-only op first; two towers over the raw batch; a learned parameter handed
-    to every block; the chain under reentrant checkpointing)."""
+    to every block; the same read on one rank only; the chain under reentrant
+    checkpointing)."""
     results = launch(2, "moe_ranks_worker.py", [model, str(stage), tier, early, str(tmp_path)],
                      timeout=180)
     for rank, r in enumerate(results):

@@ -51,6 +51,9 @@ FOREIGN_PRIVATES = {
                          "DeepSpeed do the same; there is no public API)",
     "_current_graph_task_id": "torch._C._current_graph_task_id(): whether this thread runs an "
                               "autograd backward now (-1 outside); no public API says so",
+    "_sequence_nr": "torch.autograd.graph.Node._sequence_nr(): the order autograd made a node "
+                    "in, which tells a call's own nodes from those made before it (walking "
+                    "a call's graph for the inputs it read); no public API gives it",
     "_parameters": "nn.Module's parameter dict: a parameter is replaced in place without "
                    "__setattr__ (tied weights stay tied; FSDP2 does the same), and a "
                    "registration is looked up before it is replaced",
