@@ -312,8 +312,9 @@ class RankWatch:
             said = "; ".join(f"rank {r}'s is the {lasts[r]}" for r in sorted(lasts))
             return (f". Each rank's collective number {self.issued} differs: {said}: the "
                     "ranks' paths parted before it (a forward more on one rank -- evaluation "
-                    "batches that differ in number between ranks --, or a call one rank alone "
-                    "made)")
+                    "batches that differ in number between ranks --, a call one rank alone "
+                    "made, or at stage 3 a backward through a unit on some ranks only: a "
+                    "module whose output some ranks' losses do not read, the data deciding)")
         fewest = min(counts.values())
         fewer = sorted(r for r, c in counts.items() if c == fewest)
         said = ", ".join(f"rank {r} {counts[r]}" for r in sorted(counts))
