@@ -56,7 +56,7 @@ from torch import nn
 from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
 from infinity.zero.module_calls import (in_graph_task, keep_at, only_for, param_versions,
-                                        tensors_in, weak_grad_hook)
+                                        tensors_in, unaliased, weak_grad_hook)
 from infinity.zero.input_gradients import LATE_AFTER_INPUTS, marked_inputs
 from infinity.zero.pass_state import (DOUBLE_BACKWARD, FORWARDS, PassPhase, UnitStatus,
                                       defer_to_recompute, drop_unused_inputs, next_trainable,
@@ -249,6 +249,8 @@ class Coordinator:
 
     def _forward_post(self, ids: tuple[int, ...], output, record: tuple):
         recompute, (passed_through, call) = in_graph_task(), record
+        replaced = None if recompute else unaliased(output, [self.units[u] for u in ids])
+        output = output if replaced is None else replaced
         if call is not None and self._ranks > 1:     # an input the data let it skip
             drop_unused_inputs(call, output, [self._status[uid] for uid in ids])
         for uid in ids:
@@ -275,7 +277,7 @@ class Coordinator:
             for t in tensors_in(output, objects=True):
                 if t.requires_grad and id(t) not in passed_through:
                     t.register_hook(lambda grad, ids=ids: self._pre_backward(ids))
-        return None
+        return replaced
 
     # -- backward --------------------------------------------------------------------------
     def _pre_backward(self, ids: tuple[int, ...]) -> None:

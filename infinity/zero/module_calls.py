@@ -10,7 +10,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from infinity.zero.unit import Unit
 
@@ -41,6 +41,28 @@ def tensors_in(value: Any, depth: int = 0, objects: bool = False,
             yield from (t for t in tensors_in(list(vars(leaf).values()), depth + 1, objects,
                                               seen)
                         if not isinstance(t, torch.nn.Parameter))   # a weight it refers to
+
+
+def unaliased(output: Any, units: list[Unit]) -> Any:
+    """``output`` with each tensor that is a view of a unit's flat buffer cloned (None where
+    none is). A module that returns its own parameter or a view of it (transformers'
+    ``PerceiverEmbeddings``: ``self.latents.expand(...)``) handed on memory the unit's release
+    then took: the next op read a storage of 0 bytes (a segmentation fault, or a size
+    mismatch). The clone keeps the autograd path to the parameter."""
+    storages = {u.flat.untyped_storage().data_ptr() for u in units
+                if not u.persistent and u.flat.untyped_storage().nbytes()}
+    if not storages or not any(t.untyped_storage().data_ptr() in storages
+                               for t in tensors_in(output, objects=True)):
+        return None
+    replaced = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
+                        t.untyped_storage().data_ptr() in storages else t, output)
+    if any(t.untyped_storage().data_ptr() in storages
+           for t in tensors_in(replaced, objects=True)):
+        raise RuntimeError(
+            f"a module of unit {units[0].name} returned a view of its own parameter inside "
+            f"an object ({type(output).__name__}) the engine cannot rebuild, and the unit's "
+            "memory is released after the call: return a copy (`.clone()`)")
+    return replaced
 
 
 def in_graph_task() -> bool:

@@ -1432,3 +1432,67 @@ def test_zero_init_initialises_a_tied_embedding_as_transformers(disk_dir) -> Non
         assert 0.01 < float(weight[1:].std()) < 0.03      # the embedding's normal(0, 0.02)
     finally:
         engine.close()
+
+
+class _Latents(nn.Module):
+    """transformers' PerceiverEmbeddings: its output is a view of its own parameter."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.latents = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, batch: int) -> torch.Tensor:
+        if self.how == "expand":
+            return self.latents.expand(batch, -1, -1)
+        if self.how == "slice":
+            return self.latents[:4]
+        return self.latents
+
+
+class _LatentNet(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lat = _Latents(how)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lat(x.shape[0])
+        h = (h if h.dim() == 3 else h.expand(x.shape[0], *h.shape)).sum(1, keepdim=True) + x
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("how", ["expand", "slice", "itself"])
+def test_a_unit_that_returns_a_view_of_its_own_parameter_trains_as_torch(disk_dir, how) -> None:
+    """The unit's release took the memory its output still viewed: the next op read a storage
+    of 0 bytes (a segmentation fault; "size of tensor a (16) must match the size of tensor b
+    (0)" for the parameter itself). Such an output is cloned before the release."""
+    torch.manual_seed(0)
+    model = _LatentNet(how)
+    reference = copy.deepcopy(model)
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01,
+                                foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            x = torch.randn(2, 1, 16, generator=gen)
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            want = reference(x)
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=0)
+        state = engine.module_state_dict()
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(state[name], p.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
