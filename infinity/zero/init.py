@@ -31,7 +31,7 @@ from torch.nn.modules import module as module_mod
 from infinity.base.budget import BudgetExceededError
 from infinity.comm.group import launched_world_size
 from infinity.config import InfinityConfig
-from infinity.zero.materialize import CREATOR_ATTR, KEEP_VALUE_NUMEL, VALUE_ATTR
+from infinity.zero.materialize import CREATOR_ATTR, KEEP_VALUE_NUMEL, VALUE_ATTR, watch_reset
 from infinity.base.sizes import format_bytes
 
 _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -210,6 +210,8 @@ def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
     if not module.__dict__.get(_COPY_GUARD_ATTR):
         module.__dict__[_COPY_GUARD_ATTR] = True
         module.register_load_state_dict_pre_hook(_refuse_a_copy_into_meta)
+        if type(module).__module__.startswith("torch.nn"):
+            watch_reset(module)
     # the module that created it initialises it at materialisation, not one it is tied into
     # later; a small one keeps the value it was built with (see infinity/zero/materialize.py)
     setattr(meta, CREATOR_ATTR, weakref.ref(module))

@@ -46,6 +46,23 @@ VALUE_ATTR = "_infinity_built_value"     # on a meta parameter: the value it was
 KEEP_VALUE_NUMEL = 1 << 20
 FINAL_VALUE_ATTR = "_infinity_final_value"   # on a meta parameter: its value, initialised
 COPY_OF_ATTR = "_infinity_copy_of"           # on a meta parameter: the one it was copied from
+RESET_RAN_ATTR = "_infinity_reset_ran"       # on a module: its reset_parameters ran under Init
+
+
+def watch_reset(module: nn.Module) -> None:
+    """Note (``RESET_RAN_ATTR``) whether a torch module's ``reset_parameters`` runs while it is
+    built under Init: ``nn.Embedding(_weight=...)`` (``from_pretrained``) never runs it, its
+    parameter keeping the values given, which the materialising reset replaced with
+    ``normal_``, silently. Installed when its first parameter is registered, before its
+    ``__init__`` calls the reset."""
+    method = getattr(type(module), "reset_parameters", None)
+    if not callable(method) or "reset_parameters" in module.__dict__:
+        return
+
+    def reset_parameters(*args, **kwargs):
+        module.__dict__[RESET_RAN_ATTR] = True
+        return method(module, *args, **kwargs)
+    module.__dict__["reset_parameters"] = reset_parameters
 
 
 @contextlib.contextmanager
@@ -171,6 +188,9 @@ def materialize_params(model: nn.Module, params: list[tuple[str, nn.Parameter]],
                                written=[n for n, p in module._parameters.items()
                                         if p is not None and id(p) in mine & written])
             _reset_torch_composites(model, new_ids, shapes)
+    for module in owners:        # the reset watch (watch_reset), where no _reset took it off
+        module.__dict__.pop("reset_parameters", None)
+        module.__dict__.pop(RESET_RAN_ATTR, None)
     return replaced
 
 
@@ -196,7 +216,17 @@ def _refuse_parametrized(model: nn.Module, meta_ids: set[int]) -> None:
     weight it is given at build time, which is meta under zero.Init: they would come out as
     zeros (a transformers init writes the computed weight, a temporary), and the forward as
     NaN, silently (Wav2Vec2's positional convolution)."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
     for name, module in model.named_modules():
+        for hook in module._forward_pre_hooks.values():    # the old-style weight_norm's g, v
+            if isinstance(hook, WeightNorm) and any(
+                    id(module._parameters.get(hook.name + end)) in meta_ids for end in ("_g", "_v")):
+                raise ValueError(
+                    f"{name} has torch.nn.utils.weight_norm applied under infinity.zero.Init: "
+                    "its g and v are computed from the weight at build time, a meta tensor "
+                    "there, so they would be zeros and the forward NaN. Build this model "
+                    "outside zero.Init (initialize then moves it to its tiers)")
         if type(module).__name__ == "ParametrizationList" and \
                 any(id(p) in meta_ids for p in module.parameters(recurse=False)):
             raise ValueError(
@@ -269,7 +299,17 @@ class _foreign_params_on_meta:
 
 def _reset(module: nn.Module, all_built: bool = False, written: list[str] = ()) -> None:
     # torch's own modules: reset_parameters, or _reset_parameters (nn.MultiheadAttention); their
-    # kept values are torch.empty's, which the reset replaces
+    # kept values are torch.empty's, which the reset replaces -- where their __init__ ran it
+    watched = module.__dict__.pop("reset_parameters", None) is not None
+    if watched and not module.__dict__.pop(RESET_RAN_ATTR, False):
+        if all_built:
+            return      # built from values (Embedding.from_pretrained): they are kept
+        raise ValueError(
+            f"{type(module).__name__} was built from values (nn.Embedding.from_pretrained, "
+            f"_weight=...) under infinity.zero.Init, and its parameters are larger than the "
+            f"{KEEP_VALUE_NUMEL:,} elements whose built values Init keeps: they would be "
+            "re-initialised, silently. Build it outside zero.Init, or load its values after "
+            "infinity.initialize (model.load_state_dict)")
     for name in ("reset_parameters", "_reset_parameters"):
         if callable(getattr(module, name, None)):
             getattr(module, name)()

@@ -811,6 +811,32 @@ def test_zero_init_refuses_a_parametrized_module(disk_dir) -> None:
         infinity.initialize(model=model, config=ds)
 
 
+def test_zero_init_refuses_old_style_weight_norm_and_keeps_an_embeddings_values(disk_dir):
+    """torch.nn.utils.weight_norm (the old style, a forward pre-hook) computed g and v from the
+    meta weight: zeros, every loss NaN, silently. nn.Embedding.from_pretrained never runs its
+    reset_parameters, and its table was re-drawn with normal_ at materialisation."""
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    with infinity.zero.Init(config=ds):
+        normed = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(16, 16)), nn.Linear(16, 1))
+    with pytest.raises(ValueError, match=r"0 has torch\.nn\.utils\.weight_norm applied under "
+                                         r"infinity\.zero\.Init.*Build this model outside"):
+        infinity.initialize(model=normed, config=ds)
+    vectors = torch.rand(100, 32)
+    with infinity.zero.Init(config=ds):
+        model = nn.Sequential(nn.Embedding.from_pretrained(vectors, freeze=False),
+                              nn.Embedding(50, 32), nn.Linear(32, 1))
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        state = model.state_dict()
+        assert torch.equal(state["0.weight"], vectors)
+        drawn = state["1.weight"]           # reset_parameters ran: normal_'s (not torch.empty's)
+        assert 0.8 < drawn.std().item() < 1.2 and abs(drawn.mean().item()) < 0.1
+        assert not any("reset_parameters" in m.__dict__ for m in model.modules())
+    finally:
+        engine.close()
+
+
 def _init_family(family: str):
     import transformers as T
 
