@@ -316,6 +316,10 @@ def check_config_matches(saved: Any, given: Any, checkpoint: Path) -> None:
             "checkpoint's config is exported), or give the config of the model trained")
 
 
+PEFT_PREFIX = "base_model.model."
+"""How every parameter name of a PEFT ``PeftModel`` begins."""
+
+
 def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.dtype | None,
                    max_shard_size: int | str, texts: Mapping[str, str] | None,
                    carry_from: Path | None, hub_names_of: Callable[[str], Any] | None = None
@@ -325,6 +329,15 @@ def _export_pinned(save, files: list[str], directory: str | Path, dtype: torch.d
                           "whole model (engine.save_pretrained), or for an adapter (LoRA) save "
                           "the adapter alone (save_pretrained on the PEFT model)")
     shapes = param_shapes(manifest)
+    wrapped = [name for name in shapes if name.startswith(PEFT_PREFIX)]
+    if wrapped:
+        # a PEFT model's names (base_model.model....base_layer, lora_A.default): transformers
+        # would load none of them, every weight of the model left random
+        raise ValueError(
+            f"export {source}: the checkpoint is of a PEFT model ({wrapped[0]}, ...), whose "
+            "names no transformers model loads (every weight would be left random). Save the "
+            "adapter with save_pretrained on the engine that trains it, or the merged model "
+            "with engine.save_pretrained(dir, merged=True) after load_checkpoint")
     model_texts = dict(texts or {})
     saved_texts = manifest.get("model_files") or {}
     check_config_matches(saved_texts.get("config.json"), model_texts.get("config.json"), source)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = get_logger("engine")
 
 ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained", "to", "half", "bfloat16",
-          "float", "double", "resize_token_embeddings", "generate")
+          "float", "double", "resize_token_embeddings", "generate", "load_adapter", "add_adapter")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -148,6 +148,8 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         routed["resize_token_embeddings"] = _routed_resize(model)
     elif is_peft_model(model):
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
+        for name in ("load_adapter", "add_adapter"):
+            routed[name] = _refused_new_adapter(name)
     for name, function in routed.items():     # a state dict or a load: a call every rank makes
         label = f"{name}()" if name in ("state_dict", "load_state_dict") else None
         setattr(model, name, _bound(model, engine, name, function, label))
@@ -309,6 +311,20 @@ _PART_HOOKS = "_infinity_part_state_dict_hooks"
 _PART_LOADS = "_infinity_part_loads"
 MERGES = ("merge_and_unload", "merge_adapter")
 """PEFT's merges into the base weights, refused at stage 3 (``_refused_merge``)."""
+
+
+def _refused_new_adapter(name: str):
+    """PEFT's ``load_adapter`` / ``add_adapter`` on a model the engine holds: the adapter's new
+    parameters are in no unit, so the engine neither loads nor trains them (``load_adapter``
+    returned normally, its values never loaded: the adapter evaluated at its fresh init)."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{name}() after infinity.initialize: the engine laid out its units and states "
+            "at initialize, so a new adapter's parameters are in none of them and would be "
+            "neither loaded nor trained. Add or load every adapter before initialize "
+            "(PeftModel.from_pretrained, load_adapter, add_adapter on the model you pass), "
+            "then set_adapter as you need")
+    return refuse
 
 
 def _refused_merge(name: str, tuner: nn.Module):

@@ -205,6 +205,27 @@ def test_a_merge_at_stage_3_runs_only_where_it_is_written_back(disk_dir) -> None
         engine.close()
 
 
+def test_an_adapter_added_or_loaded_after_initialize_is_refused(disk_dir, tmp_path) -> None:
+    """load_adapter(dir, name) after initialize returned normally and loaded nothing (its
+    parameters are in no unit): the adapter evaluated at its fresh init, 0.6 off PEFT's."""
+    warnings.filterwarnings("ignore")
+    _lora(seed=3).save_pretrained(tmp_path / "other")
+    ds = hf_ds(disk_dir)
+    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+              gradient_clipping=0.0, optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    model = _lora()
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        with pytest.raises(RuntimeError, match=r"load_adapter\(\) after infinity\.initialize.*"
+                                               r"before initialize"):
+            model.load_adapter(str(tmp_path / "other"), "other")
+        with pytest.raises(RuntimeError, match=r"add_adapter\(\) after infinity\.initialize"):
+            model.add_adapter("more", peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    finally:
+        engine.close()
+    assert "load_adapter" not in model.__dict__      # close() gives PEFT's back
+
+
 def test_an_adapter_save_keeps_a_resized_vocabulary(disk_dir, tmp_path) -> None:
     """A vocabulary resized for new tokens (a chat template's) before LoRA: PEFT's save adds the
     embedding weights (save_embedding_layers "auto"), picked from the state it is given, and
@@ -239,3 +260,22 @@ def test_an_adapter_save_keeps_a_resized_vocabulary(disk_dir, tmp_path) -> None:
             assert torch.equal(saved[name], current[name]), name
     finally:
         engine.close()
+
+
+def test_exporting_a_peft_models_checkpoint_is_refused(disk_dir, tmp_path, capsys) -> None:
+    """infinity export wrote PEFT's names (base_model.model....base_layer) under a config.json
+    that transformers loaded with every weight missing, left random."""
+    from infinity.cli import main
+
+    warnings.filterwarnings("ignore")
+    ds = hf_ds(disk_dir)
+    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+              gradient_clipping=0.0, optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    engine, *_ = infinity.initialize(model=_lora(), config=ds)
+    try:
+        engine.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
+    assert "the checkpoint is of a PEFT model" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
