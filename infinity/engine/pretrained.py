@@ -21,6 +21,7 @@ precision, never whether the weights are written.
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
@@ -451,17 +452,54 @@ def _save_merged(engine: "Engine", directory: Path, max_shard_size: int | str, d
     conversions = hub_names(base)
 
     def hub_name(name: str) -> str:
-        name = merge.rename(name)
+        return hub_name_of(merge.rename(name))
+
+    def hub_name_of(name: str) -> str:
         return conversions.to_hub(name) if conversions else name
 
+    texts, ties = model_texts(base, dtype), tie_targets(base)
+    broken = _ties_a_copy_breaks(base, merge.own_copy, PREFIX)
+    # the original of a copied tie source (the embedding the head is tied to): the head's
+    # weight, written under the head's name (dropped with the original, the head was missing)
+    tied = getattr(base, "all_tied_weights_keys", None) or {}
+    heads = {PREFIX + _original(tied[t]): t for t in broken if isinstance(tied.get(t), str)}
+
     def hub_split(name: str, value: torch.Tensor):
+        if name in heads:
+            return [(hub_name_of(heads[name]), value)]
         parts = merge.split(name, value)
         if parts is None and conversions is not None:
             parts = conversions.split(merge.rename(name), value)
         return parts
 
+    if broken and "config.json" in texts:
+        # a modules_to_save copy of a tied weight (the embedding) trained apart from its tie:
+        # both are written, untied, as PEFT's merge_and_unload saves them (tied, transformers
+        # made the head the trained embedding copy: logits 0.67 off)
+        config = json.loads(texts["config.json"])
+        config["tie_word_embeddings"] = False
+        texts["config.json"] = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        ties = ties - broken
     return write_pretrained(training_state(engine), directory, max_shard_size=max_shard_size,
-                            dtype=dtype, texts=model_texts(base, dtype),
+                            dtype=dtype, texts=texts,
                             carry_from=engine.__dict__.get("pretrained_source"),
-                            tie_targets={PREFIX + t for t in tie_targets(base)}, what=what,
+                            tie_targets={PREFIX + t for t in ties}, what=what,
                             hub_name=hub_name, hub_split=hub_split)
+
+
+def _original(name: str) -> str:
+    """A wrapped layer's parameter name inside a PEFT modules_to_save wrapper's original."""
+    module, _, leaf = name.rpartition(".")
+    return f"{module}.original_module.{leaf}"
+
+
+def _ties_a_copy_breaks(base: nn.Module, own_copy: set[str], prefix: str) -> set[str]:
+    """The tie targets (``lm_head.weight``) whose tie a PEFT modules_to_save copy of either
+    side broke (the copy trained, the other side not)."""
+    tied = getattr(base, "all_tied_weights_keys", None)
+    if not isinstance(tied, Mapping):
+        return set()
+    copied = {name[len(prefix):] for name in own_copy if name.startswith(prefix)}
+    return {target for target, source in tied.items()
+            if isinstance(target, str) and isinstance(source, str) and
+            {target.rsplit(".", 1)[0], source.rsplit(".", 1)[0]} & copied}

@@ -279,3 +279,36 @@ def test_exporting_a_peft_models_checkpoint_is_refused(disk_dir, tmp_path, capsy
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
     assert "the checkpoint is of a PEFT model" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_merged_save_of_a_copied_tied_embedding_unties_it_as_peft(disk_dir, tmp_path) -> None:
+    """modules_to_save=["embed_tokens"] on a tied model trains the embedding's copy apart from
+    the head: the merged save kept tie_word_embeddings true and left the head out, and
+    transformers made the head the trained copy (logits 0.67 off). Written untied, as PEFT's
+    merge_and_unload saves it: transformers' load gives the engine's logits."""
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                      modules_to_save=["embed_tokens"]))
+    ds = hf_ds(disk_dir)
+    ds.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
+              gradient_clipping=0.0, optimizer={"type": "AdamW", "params": {"lr": 1e-2}})
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    try:
+        for _ in range(3):
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        engine.eval()
+        with torch.no_grad():
+            want = engine(input_ids=x).logits
+        engine.save_pretrained(tmp_path / "merged", merged=True)
+    finally:
+        engine.close()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert loaded.config.tie_word_embeddings is False
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
