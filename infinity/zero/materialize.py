@@ -70,8 +70,10 @@ def values_kept_through_meta_moves() -> Iterator[None]:
     """Within the block, a parameter a module moves from real memory to the meta device
     (``Module.to("meta")``, any ``_apply``) keeps its value on the meta parameter that replaces
     it, and a meta parameter deep-copied records what it was copied from (see the module
-    docstring). Patches ``nn.Module._apply`` and ``nn.Parameter.__deepcopy__`` process-wide
-    for the block: a model preparation, one thread."""
+    docstring), and a state dict loaded into a meta parameter (an adapter PEFT loads) keeps
+    what it gave. Patches ``nn.Module._apply``, ``_load_from_state_dict`` and
+    ``nn.Parameter.__deepcopy__`` process-wide for the block: a model preparation, one
+    thread."""
     apply, deepcopy = nn.Module._apply, nn.Parameter.__deepcopy__
 
     def keeping_apply(module: nn.Module, fn, *args, **kwargs):
@@ -91,11 +93,28 @@ def values_kept_through_meta_moves() -> Iterator[None]:
             setattr(copy, COPY_OF_ATTR, param)
         return copy
 
+    load = nn.Module._load_from_state_dict
+
+    def keeping_load(module: nn.Module, state_dict, prefix, local_metadata, *rest):
+        # a load into a meta parameter (PeftModel.from_pretrained's adapter, load_adapter)
+        # copies nothing: the values it was given are kept as the parameter's (they were
+        # lost, and the adapter trained from a fresh init)
+        if not local_metadata.get("assign_to_params_buffers", False):
+            for key, p in module._parameters.items():
+                value = state_dict.get(prefix + key)
+                if p is not None and p.device.type == "meta" and \
+                        isinstance(value, torch.Tensor) and not value.is_meta and \
+                        tuple(value.shape) == tuple(p.shape):
+                    setattr(p, FINAL_VALUE_ATTR, value.detach().to(p.dtype).clone())
+        return load(module, state_dict, prefix, local_metadata, *rest)
+
     nn.Module._apply, nn.Parameter.__deepcopy__ = keeping_apply, noting_deepcopy
+    nn.Module._load_from_state_dict = keeping_load
     try:
         yield
     finally:
         nn.Module._apply, nn.Parameter.__deepcopy__ = apply, deepcopy
+        nn.Module._load_from_state_dict = load
 
 
 def copied_from(param: nn.Parameter) -> nn.Parameter:

@@ -867,3 +867,30 @@ def test_model_save_pretrained_says_which_options_it_does_not_honour(disk_dir, i
     assert any("save_original_format=False not honoured" in r.getMessage()
                for r in infinity_log.records)
     assert (disk_dir / "out" / "model.safetensors").is_file()
+
+
+def test_a_saved_adapter_loaded_in_prepare_model_keeps_its_values(disk_dir) -> None:
+    """PeftModel.from_pretrained(model, adapter_dir) in prepare_model: PEFT's load copied the
+    saved adapter into meta parameters (a no-op) and the engine trained a fresh LoRA init,
+    silently. The saved values are the engine's, as when the loaded PeftModel is passed to
+    initialize."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    src = hf_saved(disk_dir, "llama", layers=2)
+    trained = _peft(hf_load(src))
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_" in name:
+                p.normal_()           # a trained adapter: lora_B away from its zero init
+    trained.save_pretrained(disk_dir / "adapter")
+    saved = load_file(str(disk_dir / "adapter" / "adapter_model.safetensors"))
+    engine, *_ = infinity.from_pretrained(
+        src, config=_config(disk_dir), prepare_model=lambda m: PeftModel.from_pretrained(
+            m, str(disk_dir / "adapter"), is_trainable=True))
+    try:
+        state = engine.module_state_dict()
+        for key, value in saved.items():
+            assert torch.equal(state[key.replace(".weight", ".default.weight")], value), key
+    finally:
+        engine.close()
