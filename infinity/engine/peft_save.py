@@ -45,7 +45,9 @@ def adapter_parameter_names(model: torch.nn.Module) -> set[str]:
                 for name, module in model.named_modules()
                 if isinstance(module, (torch.nn.ModuleDict, torch.nn.ParameterDict))
                 for key in module.keys() if key in adapters]
-    return {name for name, param in model.named_parameters()
+    # every name of a tied parameter (ensure_weight_tying's alias of a modules_to_save copy):
+    # PEFT's save looks each up (KeyError 'modules_to_save.default.weight')
+    return {name for name, param in model.named_parameters(remove_duplicate=False)
             if param.requires_grad or any(f"{name}.".startswith(p) for p in prefixes)}
 
 
@@ -60,7 +62,7 @@ def embeddings_peft_saves(model: torch.nn.Module) -> set[str]:
         from peft.utils import get_peft_model_state_dict
     except ImportError:
         return set()
-    names = {name for name, _ in model.named_parameters()}
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     probe = {name: torch.empty(0, device="meta") for name in names}
     picked: set[str] = set()
     with warnings.catch_warnings():     # PEFT says why when it saves them for real
@@ -85,7 +87,10 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
 
     model = engine.module
     wanted = adapter_parameter_names(model) | embeddings_peft_saves(model)
-    names = {id(p): name for name, p in model.named_parameters() if name in wanted}
+    names: dict[int, list[str]] = {}        # a tied parameter under each of its names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in wanted:
+            names.setdefault(id(p), []).append(name)
     state: dict[str, torch.Tensor] = {}
     for unit in engine.units:          # one unit fetched at a time
         params = [e.param for e in unit.params if id(e.param) in names]
@@ -93,7 +98,15 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
             continue
         with GatheredParameters(params):
             for param in params:
-                state[names[id(param)]] = param.detach().to("cpu", copy=True)
+                value = param.detach().to("cpu", copy=True)
+                for name in names[id(param)]:
+                    state[name] = value
+    # a prompt-learning adapter's saved tensor is its prompt encoder's output, which PEFT's
+    # save computes by a forward: at stage 3 that forward gathers, so every rank runs it here
+    # (on rank 0 alone it waited for the others: a hang or a gloo abort)
+    prompts = {adapter: model.get_prompt_embedding_to_save(adapter)
+               for adapter, config in (getattr(model, "peft_config", {}) or {}).items()
+               if getattr(config, "is_prompt_learning", False) and not config.inference_mode}
     if not any(model.get_parameter(n).requires_grad for n in state):
         raise ValueError("save_pretrained on a PEFT model with no trainable parameters: there "
                          "is no adapter to save")
@@ -104,9 +117,14 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
         _remove_stale_staging(directory)
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory))
         try:
-            with parts_as_torch_gives_them(engine):     # rank 0 alone: nothing gathered
-                type(model).save_pretrained(model, str(staging), state_dict=state,
-                                            safe_serialization=True, is_main_process=True)
+            if prompts:
+                model.get_prompt_embedding_to_save = prompts.__getitem__
+            try:
+                with parts_as_torch_gives_them(engine):     # rank 0 alone: nothing gathered
+                    type(model).save_pretrained(model, str(staging), state_dict=state,
+                                                safe_serialization=True, is_main_process=True)
+            finally:
+                model.__dict__.pop("get_prompt_embedding_to_save", None)
             moves = _files_to_carry(staging, directory)
             for source, _ in moves:
                 with open(source, "rb") as f:

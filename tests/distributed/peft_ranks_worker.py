@@ -51,7 +51,22 @@ def main() -> None:
                 if "modules_to_save" in k}
     finally:
         engine.close()
-    (out / f"rank{rank}.json").write_text(json.dumps({"merge": merge, "head": head}))
+    # a prompt-tuning adapter: PEFT's save computes its tensor by the prompt encoder's forward,
+    # which gathers at stage 3 (on rank 0 alone: a hang or a gloo abort)
+    prompt = peft.get_peft_model(make_model("llama", layers=2, width=32, seed=0),
+                                 peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                         num_virtual_tokens=5))
+    engine, *_ = infinity.initialize(model=prompt, config=ds)
+    try:
+        x = torch.randint(0, VOCAB, (rows, 12), generator=torch.Generator().manual_seed(rank))
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        engine.save_pretrained(out / "prompt")
+        embedding = float(prompt.get_prompt_embedding_to_save("default").double().sum())
+    finally:
+        engine.close()
+    (out / f"rank{rank}.json").write_text(json.dumps({"merge": merge, "head": head,
+                                                      "prompt": embedding}))
 
 
 if __name__ == "__main__":

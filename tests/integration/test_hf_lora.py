@@ -312,3 +312,40 @@ def test_a_merged_save_of_a_copied_tied_embedding_unties_it_as_peft(disk_dir, tm
     assert loaded.config.tie_word_embeddings is False
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_save_with_ensure_weight_tying_saves_as_peft(disk_dir, tmp_path) -> None:
+    """ensure_weight_tying ties the head's modules_to_save copy to the embedding's: PEFT's save
+    looks the copy up under the head's name too, which the state given to it lacked
+    (KeyError 'modules_to_save.default.weight')."""
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+
+    def tied_base():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+
+    def tied_lora():
+        return peft.get_peft_model(tied_base(), peft.LoraConfig(
+            r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens"],
+            ensure_weight_tying=True))
+
+    ds = hf_ds(disk_dir)
+    ds.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
+              gradient_clipping=0.0, optimizer={"type": "AdamW", "params": {"lr": 1e-2}})
+    engine, *_ = infinity.initialize(model=tied_lora(), config=ds)
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    try:
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        engine.eval()
+        with torch.no_grad():
+            want = engine(input_ids=x).logits
+        engine.save_pretrained(tmp_path / "adapter")
+    finally:
+        engine.close()
+    loaded = peft.PeftModel.from_pretrained(tied_base(), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
