@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 log = get_logger("engine")
 
 ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained", "to", "half", "bfloat16",
-          "float", "double", "resize_token_embeddings", "generate", "load_adapter", "add_adapter")
+          "float", "double", "resize_token_embeddings", "generate", "load_adapter", "add_adapter",
+          "num_parameters", "get_nb_trainable_parameters")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -140,7 +141,9 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
     for name, dtype in (("half", torch.float16), ("bfloat16", torch.bfloat16),
                         ("float", torch.float32), ("double", torch.float64)):
         routed[name] = _routed_cast(model, engine, name, dtype)
+    sizes = {id(e.param): e.numel for unit in engine.units for e in unit.params}
     if _is_transformers_model(model):
+        routed["num_parameters"] = _counted_parameters(model, sizes)
         routed["save_pretrained"] = _routed_save_pretrained(model, engine)
         if engine.stage == 3 and engine.world_size > 1 and callable(getattr(model, "generate",
                                                                                None)):
@@ -150,6 +153,10 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         routed["save_pretrained"] = _routed_adapter_save(model, engine)
         for name in ("load_adapter", "add_adapter"):
             routed[name] = _refused_new_adapter(name)
+        routed["get_nb_trainable_parameters"] = _counted_trainable(model, sizes)
+        base = model.get_base_model()
+        if _is_transformers_model(base):
+            base.__dict__["num_parameters"] = _counted_parameters(base, sizes)
     for name, function in routed.items():     # a state dict or a load: a call every rank makes
         label = f"{name}()" if name in ("state_dict", "load_state_dict") else None
         setattr(model, name, _bound(model, engine, name, function, label))
@@ -177,7 +184,6 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
                                             _part_load(engine, module),
                                             f"{name}.load_state_dict()")
             model.__dict__.setdefault(_PART_LOADS, []).append(module)
-    sizes = {id(e.param): e.numel for unit in engine.units for e in unit.params}
     for name, module in model.named_modules(remove_duplicate=True):
         if module is model or any(id(p) in held for p in module.parameters()):
             module.__dict__.update(_routed_copies(module, f"model.{name}" if name else "model",
@@ -311,6 +317,27 @@ _PART_HOOKS = "_infinity_part_state_dict_hooks"
 _PART_LOADS = "_infinity_part_loads"
 MERGES = ("merge_and_unload", "merge_adapter")
 """PEFT's merges into the base weights, refused at stage 3 (``_refused_merge``)."""
+
+
+def _counted_parameters(model: nn.Module, sizes: dict[int, int]):
+    """transformers' ``num_parameters`` counting the engine's sizes (``sizes``, by id): a
+    released parameter has 0 elements, and the count was 0 (transformers and PEFT look for
+    DeepSpeed's ``ds_numel``, which the engine does not set)."""
+    def num_parameters(only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        skip = {id(m.weight) for m in model.modules()
+                if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
+        return sum(sizes.get(id(p), p.numel()) for p in model.parameters()
+                   if id(p) not in skip and (p.requires_grad or not only_trainable))
+    return num_parameters
+
+
+def _counted_trainable(model: nn.Module, sizes: dict[int, int]):
+    """PEFT's ``get_nb_trainable_parameters`` (``print_trainable_parameters`` reads it) counting
+    the engine's sizes: (0, 0) at stage 3, and a ZeroDivisionError printing them."""
+    def get_nb_trainable_parameters() -> tuple[int, int]:
+        counts = [(sizes.get(id(p), p.numel()), p.requires_grad) for p in model.parameters()]
+        return sum(n for n, trains in counts if trains), sum(n for n, _ in counts)
+    return get_nb_trainable_parameters
 
 
 def _refused_new_adapter(name: str):
@@ -497,3 +524,5 @@ def unroute_module_methods(model: nn.Module) -> None:
     tuner = model.__dict__.get("_modules", {}).get("base_model")
     for name in MERGES if tuner is not None else ():
         tuner.__dict__.pop(name, None)
+    if is_peft_model(model):
+        model.get_base_model().__dict__.pop("num_parameters", None)

@@ -349,3 +349,25 @@ def test_an_adapter_save_with_ensure_weight_tying_saves_as_peft(disk_dir, tmp_pa
     loaded = peft.PeftModel.from_pretrained(tied_base(), str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_parameter_counts_of_a_held_model_are_the_models(disk_dir) -> None:
+    """At stage 3 released parameters have 0 elements: PEFT's get_nb_trainable_parameters gave
+    (0, 0) and print_trainable_parameters divided by zero; transformers' num_parameters gave 0."""
+    warnings.filterwarnings("ignore")
+    model = _lora()
+    inner = model.get_base_model()
+    before = (model.get_nb_trainable_parameters(), inner.num_parameters(),
+              inner.num_parameters(exclude_embeddings=True), inner.num_parameters(True))
+    ds = hf_ds(disk_dir)
+    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+              gradient_clipping=0.0, optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        assert (model.get_nb_trainable_parameters(), inner.num_parameters(),
+                inner.num_parameters(exclude_embeddings=True), inner.num_parameters(True)) == before
+        model.print_trainable_parameters()
+    finally:
+        engine.close()
+    assert "num_parameters" not in inner.__dict__
