@@ -108,13 +108,27 @@ def values_kept_through_meta_moves() -> Iterator[None]:
                     setattr(p, FINAL_VALUE_ATTR, value.detach().to(p.dtype).clone())
         return load(module, state_dict, prefix, local_metadata, *rest)
 
+    set_item = nn.ParameterDict.__setitem__
+
+    def keeping_set_item(params: nn.ParameterDict, key: str, value) -> None:
+        # PEFT moves a ParameterDict's entries one by one (IA3's ia3_l, LoHa's factors:
+        # ``adapter_layer[name] = item.to(device)``), not by _apply
+        before = params[key] if key in params else None
+        set_item(params, key, value)
+        after = params[key]
+        if isinstance(before, torch.Tensor) and not before.is_meta and after.is_meta and \
+                before.shape == after.shape:
+            setattr(after, FINAL_VALUE_ATTR, before.detach())
+
     nn.Module._apply, nn.Parameter.__deepcopy__ = keeping_apply, noting_deepcopy
     nn.Module._load_from_state_dict = keeping_load
+    nn.ParameterDict.__setitem__ = keeping_set_item
     try:
         yield
     finally:
         nn.Module._apply, nn.Parameter.__deepcopy__ = apply, deepcopy
         nn.Module._load_from_state_dict = load
+        nn.ParameterDict.__setitem__ = set_item
 
 
 def copied_from(param: nn.Parameter) -> nn.Parameter:

@@ -894,3 +894,27 @@ def test_a_saved_adapter_loaded_in_prepare_model_keeps_its_values(disk_dir) -> N
             assert torch.equal(state[key.replace(".weight", ".default.weight")], value), key
     finally:
         engine.close()
+
+
+def test_adapters_peft_moves_entry_by_entry_keep_peft_s_init(disk_dir) -> None:
+    """IA3's vectors and LoRA's embedding factors live in ParameterDicts, which PEFT moves to
+    the base layer's (meta) device entry by entry: their init was taken for one computed from
+    the base weights and prepare_model was refused. IA3 starts at ones, an embedding LoRA's A
+    at zeros, as PEFT makes them."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    src = hf_saved(disk_dir, "llama", layers=2)
+    for config, check in (
+            (IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                       feedforward_modules=["down_proj"]),
+             lambda k, v: "ia3_l" not in k or torch.equal(v, torch.ones_like(v))),
+            (LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]),
+             lambda k, v: "lora_embedding_A" not in k or not v.any())):
+        engine, *_ = infinity.from_pretrained(src, config=_config(disk_dir),
+                                              prepare_model=lambda m: get_peft_model(m, config))
+        try:
+            state = engine.module_state_dict()
+            assert any("ia3_l" in k or "lora_embedding_A" in k for k in state)
+            assert all(check(k, v) for k, v in state.items()), type(config).__name__
+        finally:
+            engine.close()
