@@ -15,8 +15,9 @@ class BudgetExceededError(MemoryError):
 
 
 _HINTS = {
-    "host": "raise infinity.host_memory_budget or offload deeper (offload_optimizer / "
-            "offload_param device \"nvme\")",
+    "host": "raise infinity.host_memory_budget (`infinity plan` names the least this model and "
+            "config need), or offload deeper where a state is not on NVMe yet "
+            "(offload_optimizer / offload_param device \"nvme\")",
     "device": "raise infinity.device_memory_budget, or hold fewer units at once (a smaller "
               "stage3_prefetch_bucket_size / stage3_max_live_parameters; one backward per "
               "forward: two forwards summed into one backward hold both graphs' units; "
@@ -62,8 +63,9 @@ class MemoryBudget:
                 raise BudgetExceededError(
                     f"{what} needs {format_bytes(nbytes)} of {self.name} memory but only "
                     f"{format_bytes(self.limit - self._held)} of the {format_bytes(self.limit)} "
-                    f"{self.name} budget is free (short by at least "
-                    f"{format_bytes(self._held + nbytes - self.limit)}); "
+                    f"{self.name} budget is free (short by "
+                    f"{format_bytes(self._held + nbytes - self.limit)} here; pools are sized "
+                    "from the budget, so the least that works is not this plus the budget); "
                     + _HINTS.get(self.name, _HINTS["host"])
                     + (f" ({self.note})" if self.note else ""))
             self._held += nbytes

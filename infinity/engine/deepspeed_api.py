@@ -116,7 +116,10 @@ class DeepSpeedEngineAccessors:
         from infinity.zero.init import GatheredParameters
         from infinity.zero.persistent_buffers import all_persistent_buffers
 
+        from infinity.engine.module_state import check_whole_model_fits
+
         self._check_open("module_state_dict")      # closed: released parameters read as empty
+        check_whole_model_fits(self, "model.state_dict() / engine.module_state_dict()")
         state = {} if destination is None else destination
         for unit in self.units:
             with GatheredParameters([e.param for e in unit.params]):

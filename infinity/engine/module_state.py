@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
+from infinity.base.sizes import format_bytes
 from infinity.zero.persistent_buffers import all_persistent_buffers
 
 if TYPE_CHECKING:
@@ -87,14 +88,24 @@ def full_state_dict(engine: "Engine", destination: Any = None, prefix: str = "",
     unit still fetched may lag a deferred step), when the model fits in the host budget; else
     an error naming the streamed save. With several ranks every rank calls it (each unit is
     gathered)."""
+    return engine.module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+
+def check_whole_model_fits(engine: "Engine", call: str) -> None:
+    """A whole-model state dict (``call``) that would hold more than the engine's host budget
+    is refused, naming the streamed saves (``engine.module_state_dict()`` gathered past it
+    without a word; only ``model.state_dict()`` was checked)."""
     nbytes = sum(u.numel for u in engine.units) * engine.compute_dtype.itemsize
     limit = engine.manager.host_budget.limit
-    if limit is not None and nbytes > limit:
-        raise RuntimeError(
-            f"model.state_dict() on a model an infinity engine holds would gather its "
-            f"{nbytes / 2**30:.2f} GiB of parameters into host memory, more than the host "
-            f"budget ({limit / 2**30:.2f} GiB). Save the weights streamed, a unit at a time: "
-            "engine.save_pretrained(dir) (a transformers directory) or "
-            "engine.save_checkpoint(dir); read single parameters under "
-            "infinity.zero.GatheredParameters")
-    return engine.module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+    if limit is None or nbytes <= limit:
+        return
+    configured = engine.config.infinity.host_memory_budget
+    share = "" if configured is None or configured == limit else (
+        f" of infinity.host_memory_budget {format_bytes(configured)}: the rest is the "
+        "emulated device pool's, on a CPU-only machine")
+    raise RuntimeError(
+        f"{call} on a model an infinity engine holds would gather its {format_bytes(nbytes)} "
+        f"of parameters into host memory, more than the engine's host budget "
+        f"({format_bytes(limit)}{share}). Save the weights streamed, a unit at a time: "
+        "engine.save_pretrained(dir) (a transformers directory) or engine.save_checkpoint(dir); "
+        "read single parameters under infinity.zero.GatheredParameters")

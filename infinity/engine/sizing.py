@@ -163,7 +163,8 @@ def _refuse_a_host_budget_too_small(cfg: InfinityConfig, stats: ModelStats, hw) 
             f"the host budget {given} (infinity.host_memory_budget) is too small for this model "
             f"and config: {budget_need(least, 'set infinity.host_memory_budget to {}MiB or more')}")
     log.warning("the host budget %s is under the planner's estimate for this model and config "
-                "(%s); trying anyway", given, format_bytes(least))
+                "(%s); trying anyway (where a pool does not fit, set "
+                "infinity.host_memory_budget to that estimate)", given, format_bytes(least))
 
 
 def resident_bytes() -> int | None:

@@ -330,3 +330,25 @@ def test_the_least_device_budget_the_plan_accepts_trains(disk_dir) -> None:
         assert engine.manager.device_budget.peak <= low
     finally:
         engine.close()
+
+
+def test_a_whole_model_state_dict_past_the_budget_is_refused_either_way(disk_dir) -> None:
+    """model.state_dict() refused a model larger than the engine's host budget, while
+    engine.module_state_dict(), the same gather, went past it without a word (548 MiB over a
+    1 GiB budget). Both refuse now, naming the engine's share of the configured budget."""
+    import infinity
+    from parity import make_model, zero_config
+
+    model = make_model("llama", layers=4, width=256)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["infinity"]["host_memory_budget"] = "6MiB"
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        for call in (model.state_dict, engine.module_state_dict):
+            with pytest.raises(RuntimeError, match=r"would gather its 9\.52 MiB of parameters .* "
+                                                   r"of infinity\.host_memory_budget 6\.00 MiB.*"
+                                                   r"engine\.save_pretrained"):
+                call()
+    finally:
+        engine.close()
