@@ -25,7 +25,8 @@ from infinity.engine.guards import (
     BACKWARD_AFTER_BOUNDARY_STEPS, SECOND_EARLY_BACKWARD, SPECULATIVE_SWAP_ROOM,
     ZERO_GRAD_AFTER_BOUNDARY_STEPS, ZERO_GRAD_UNDER_EARLY_STEP,
     check_cycle_discardable, check_edit_before_step, check_open, check_pass_start,
-    check_same_on_every_rank, schedule_label, step_settings, warn_if_hyperparameters_moved,
+    check_same_on_every_rank, pass_hooks, schedule_label, step_settings,
+    warn_if_hyperparameters_moved,
 )
 from infinity.engine.model_methods import (
     model_device, place_buffers, route_module_methods, unroute_module_methods,
@@ -54,7 +55,6 @@ from infinity.planner.run_plan import PoolPlan, RunPlan
 from infinity.storage.buffer_pool import BufferPool
 from infinity.storage.preflight import SwapPathError
 from infinity.storage.tiers import Tier
-from infinity.zero.detached_reads import saved_tensor_hooks
 from infinity.zero.external_hint import raise_with_external_parameter_hint
 from infinity.zero.init import (
     EXTERNAL_PARAMS_ATTR,
@@ -210,10 +210,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.coordinator.owner.settle_failed_backward()    # a loss.backward() that raised
         self.coordinator.begin_forward()
         training = torch.is_grad_enabled()   # [Note: a forward under grad trains] (guards.py)
-        hooks = contextlib.ExitStack()
-        if training:   # the swapper's, or those noting detached reads (zero/detached_reads.py)
-            hooks.enter_context(saved_tensor_hooks(self.coordinator.detached_reads,
-                                                   self.activation_swapper))
+        hooks = pass_hooks(self, training)
         self._pass_started = time.perf_counter()
         return training, hooks
 

@@ -4,6 +4,7 @@ step(), another engine's reaching this one's parameters), and swap paths it cann
 ahead by ``infinity plan``). Kept out of ``engine.py``, which holds the training logic."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from pathlib import Path
@@ -202,6 +203,26 @@ def schedule_label(optimizer: Any) -> str:
     if optimizer.boundary.enabled:
         return "deferred-step (the last micro-batch steps early)"
     return f"deferred-step (speculative {optimizer.speculation})"
+
+
+def pass_hooks(engine: Any, training: bool) -> contextlib.ExitStack:
+    """What a forward runs under: in training, the saved-tensor hooks (the activation swapper's,
+    or those noting detached reads); at stage 3 with several ranks, the agreement that every
+    rank runs this forward (each forward gathers: a forward one rank ran alone -- validation
+    on rank 0 only, an evaluation batch more, a rank that caught its forward's error and went
+    on -- paired its gathers with another rank's collectives, and gloo aborted the process on
+    their sizes, "Received data size doesn't match expected size"). Agreed once, at the
+    forward's first collective ([Note: calls every rank makes] in comm/watchdog.py)."""
+    from infinity.zero.detached_reads import saved_tensor_hooks
+
+    hooks = contextlib.ExitStack()
+    if engine.stage == 3:
+        hooks.enter_context(engine.comm.every_rank(
+            "a training forward" if training else "an evaluation forward (no_grad)"))
+    if training:
+        hooks.enter_context(saved_tensor_hooks(engine.coordinator.detached_reads,
+                                               engine.activation_swapper))
+    return hooks
 
 
 def check_pass_start(engine: Any) -> None:

@@ -12,6 +12,9 @@ injects the fault at step 2, in the forward of the middle block:
   another way): the step's agreement refuses on the others naming it, not a gloo abort;
 - ``lone-gather``: the victim reads a weight under ``GatheredParameters`` at step 2 alone (it
   paired with the others' training gather and read another unit's values): refused likewise;
+- ``lone-eval``: the victim runs an evaluation forward at step 2 alone (validation on rank 0
+  only): its gathers paired with the others' training ones, a gloo abort on their sizes;
+  refused on every rank naming both forwards;
 - ``lr-apart``: the victim sets its lr by hand at step 2: the step refuses on every rank;
 - ``differ``: no training; initialize twice with a config (lr) and then a model (width) that
   differ on the victim, writing each refusal's message to ``rank<r>.json``, then once alike.
@@ -67,6 +70,9 @@ def train(mode: str, out: Path, nvme_dir: str, timeout_s: float, rank: int, vict
         if mode == "lone-gather" and odd:
             with infinity.zero.GatheredParameters([model.blocks[1].up.weight]):
                 print("norm", model.blocks[1].up.weight.norm().item(), flush=True)
+        if mode == "lone-eval" and odd:      # validation on one rank only
+            with torch.no_grad():
+                engine(input_ids=x, labels=x)
         if mode == "lr-apart" and odd:
             engine.optimizer.param_groups[0]["lr"] = 2e-3
         try:
