@@ -119,7 +119,8 @@ class DeepSpeedEngineAccessors:
         from infinity.engine.module_state import check_whole_model_fits
 
         self._check_open("module_state_dict")      # closed: released parameters read as empty
-        check_whole_model_fits(self, "model.state_dict() / engine.module_state_dict()")
+        check_whole_model_fits(self, "model.state_dict() / engine.module_state_dict()",
+                               frozen_too=not exclude_frozen_parameters)
         state = {} if destination is None else destination
         for unit in self.units:
             with GatheredParameters([e.param for e in unit.params]):

@@ -154,6 +154,8 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         for name in ("load_adapter", "add_adapter"):
             routed[name] = _refused_new_adapter(name)
         routed["get_nb_trainable_parameters"] = _counted_trainable(model, sizes)
+        if engine.stage == 3 and engine.world_size > 1:
+            routed["generate"] = _routed_generate(model)
         base = model.get_base_model()
         if _is_transformers_model(base):
             base.__dict__["num_parameters"] = _counted_parameters(base, sizes)

@@ -91,11 +91,12 @@ def full_state_dict(engine: "Engine", destination: Any = None, prefix: str = "",
     return engine.module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
 
-def check_whole_model_fits(engine: "Engine", call: str) -> None:
+def check_whole_model_fits(engine: "Engine", call: str, frozen_too: bool = True) -> None:
     """A whole-model state dict (``call``) that would hold more than the engine's host budget
     is refused, naming the streamed saves (``engine.module_state_dict()`` gathered past it
     without a word; only ``model.state_dict()`` was checked)."""
-    nbytes = sum(u.numel for u in engine.units) * engine.compute_dtype.itemsize
+    nbytes = sum(e.numel for u in engine.units for e in u.params
+                 if frozen_too or e.param.requires_grad) * engine.compute_dtype.itemsize
     limit = engine.manager.host_budget.limit
     if limit is None or nbytes <= limit:
         return

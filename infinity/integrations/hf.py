@@ -424,6 +424,7 @@ class Trainer(transformers.Trainer):
         ``_gen_kwargs`` are merged in, which it drops when any keyword is given."""
         engine = self.engine
         if getattr(self.args, "predict_with_generate", False) and engine is not None and \
+                isinstance(self, transformers.Seq2SeqTrainer) and \
                 engine.world_size > 1 and engine.zero_optimization_stage() == 3:
             gen_kwargs = {**getattr(self, "_gen_kwargs", {}), **gen_kwargs}
             gen_kwargs.setdefault("synced_gpus", True)

@@ -310,6 +310,7 @@ class Coordinator:
             try:
                 self.owner.begin_untracked_backward()
             except BaseException:
+                entry.param.grad = None       # the refused backward's: never added to the next
                 self.abandon_pass()
                 raise
             self._untracked = True

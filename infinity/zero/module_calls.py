@@ -51,18 +51,28 @@ def unaliased(output: Any, units: list[Unit]) -> Any:
     mismatch). The clone keeps the autograd path to the parameter."""
     storages = {u.flat.untyped_storage().data_ptr() for u in units
                 if not u.persistent and u.flat.untyped_storage().nbytes()}
-    if not storages or not any(t.untyped_storage().data_ptr() in storages
+    if not storages or not any(_storage_of(t) in storages
                                for t in tensors_in(output, objects=True)):
         return None
     replaced = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
-                        t.untyped_storage().data_ptr() in storages else t, output)
-    if any(t.untyped_storage().data_ptr() in storages
-           for t in tensors_in(replaced, objects=True)):
+                        _storage_of(t) in storages else t, output)
+    if any(_storage_of(t) in storages for t in tensors_in(replaced, objects=True)):
         raise RuntimeError(
             f"a module of unit {units[0].name} returned a view of its own parameter inside "
             f"an object ({type(output).__name__}) the engine cannot rebuild, and the unit's "
             "memory is released after the call: return a copy (`.clone()`)")
     return replaced
+
+
+def _storage_of(t: torch.Tensor) -> int | None:
+    """A dense tensor's storage address; None for one that has none to view a flat buffer
+    (sparse, nested, a wrapper subclass: asking raised)."""
+    if t.layout is not torch.strided or t.is_nested:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def in_graph_task() -> bool:

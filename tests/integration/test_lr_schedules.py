@@ -99,6 +99,12 @@ def test_a_value_adam_refuses_is_refused_before_any_unit_steps(disk_dir, infinit
             engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
             engine.step()
         assert all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+        # a direct loss.backward() is refused at its first gradient, which torch had written
+        # already: it was left on the parameter and added into the next backward's
+        loss = engine(torch.randn(4, 8)).pow(2).mean()
+        with pytest.raises(ValueError, match=r"beta1 must be in \[0, 1\)"):
+            loss.backward()
+        assert all(p.grad is None for p in model.parameters())
         for group in optimizer.param_groups:
             group["betas"] = (0.9, 0.999)
         engine.backward(engine(torch.randn(4, 8)).pow(2).mean())

@@ -1522,3 +1522,45 @@ def test_a_unit_that_returns_a_view_of_its_own_parameter_trains_as_torch(disk_di
             torch.testing.assert_close(state[name], p.detach(), rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
+
+
+def test_a_unit_that_returns_a_sparse_tensor_trains(disk_dir) -> None:
+    """The check for outputs viewing a unit's memory asked a sparse output for its storage
+    (NotImplementedError: "Cannot access storage of SparseTensorImpl"); it trains as torch."""
+    class ToSparse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x)).to_sparse()
+
+    class SparseMm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 16) * 0.1)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(h, self.w)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ToSparse(), SparseMm(), nn.Linear(16, 1))
+    reference = copy.deepcopy(model)
+    ds = zero_config(3, "cpu", "cpu", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    try:
+        for _ in range(2):
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+            reference(x).pow(2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        state = engine.module_state_dict()
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(state[name], p.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
