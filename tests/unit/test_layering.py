@@ -51,6 +51,11 @@ FOREIGN_PRIVATES = {
                          "DeepSpeed do the same; there is no public API)",
     "_current_graph_task_id": "torch._C._current_graph_task_id(): whether this thread runs an "
                               "autograd backward now (-1 outside); no public API says so",
+    "_load_from_state_dict": "nn.Module._load_from_state_dict: each module's part of a state "
+                             "dict load; patched while a model is prepared (from_pretrained's "
+                             "prepare_model) so a load into meta parameters (PEFT's saved "
+                             "adapter) keeps its values; no public hook sees the tensors a "
+                             "module's load copies into its own parameters",
     "_sequence_nr": "torch.autograd.graph.Node._sequence_nr(): the order autograd made a node "
                     "in, which tells a call's own nodes from those made before it (walking "
                     "a call's graph for the inputs it read); no public API gives it",
