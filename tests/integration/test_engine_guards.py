@@ -103,11 +103,19 @@ def test_an_initialize_that_fails_late_leaves_the_model_free(disk_dir, stage) ->
     if stage == 2:
         del config["zero_optimization"]["offload_param"]
 
+    calls = []
+
     def failing(opt):
-        raise RuntimeError("the user's scheduler factory failed")
+        # the first call builds it on a stand-in before anything moves (what fails there is
+        # refused early: test_lr_schedules.py); this one fails at the real build, late
+        calls.append(opt)
+        if len(calls) > 1:
+            raise RuntimeError("the user's scheduler factory failed")
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
 
     with pytest.raises(RuntimeError, match="scheduler factory failed"):
         infinity.initialize(model=model, config=config, lr_scheduler=failing)
+    assert len(calls) == 2
     assert not any(e.module is model for e in _live_engines)
     assert not [t for t in threading.enumerate() if t.name == "infinity-step-stream"]
     if stage == 3:      # its values are gone: what is left on it says so
