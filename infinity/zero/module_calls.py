@@ -49,8 +49,8 @@ def unaliased(output: Any, units: list[Unit]) -> Any:
     ``PerceiverEmbeddings``: ``self.latents.expand(...)``) handed on memory the unit's release
     then took: the next op read a storage of 0 bytes (a segmentation fault, or a size
     mismatch). The clone keeps the autograd path to the parameter."""
-    storages = {u.flat.untyped_storage().data_ptr() for u in units
-                if not u.persistent and u.flat.untyped_storage().nbytes()}
+    storages = {_storage_of(u.flat) for u in units
+                if not u.persistent and u.flat.untyped_storage().nbytes()} - {None}
     if not storages or not any(_storage_of(t) in storages
                                for t in tensors_in(output, objects=True)):
         return None
@@ -66,11 +66,11 @@ def unaliased(output: Any, units: list[Unit]) -> Any:
 
 def _storage_of(t: torch.Tensor) -> int | None:
     """A dense tensor's storage address; None for one that has none to view a flat buffer
-    (sparse, nested, a wrapper subclass: asking raised)."""
-    if t.layout is not torch.strided or t.is_nested:
+    (sparse, nested, a wrapper subclass: asking raised; meta: every one is 0)."""
+    if t.layout is not torch.strided or t.is_nested or t.is_meta:   # (the dry run's: no bytes)
         return None
     try:
-        return t.untyped_storage().data_ptr()
+        return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError):
         return None
 
