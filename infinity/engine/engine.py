@@ -122,7 +122,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         # the monitors first: a section enabled without its library stops before any file
         self.report = StepReport(self.config, self.ranks.rank)
         self.manager = tier_manager(self.config, self.device, self.sizes, nvme_path,
-                                    rank=self.ranks.rank)
+                                    self.ranks.rank, self.plan.least_host_budget)
         try:
             with released_on_failure(model):     # a retry on the emptied model is refused
                 self._build(model, specs, groups, lr_scheduler)

@@ -8,6 +8,8 @@ hardware, free disk space.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 from pathlib import Path
 
@@ -110,12 +112,13 @@ def engine_plan(cfg: InfinityConfig, specs: list[UnitSpec], groups: list[dict],
     # optimizer state: it is not trainable here, whatever its requires_grad)
     units = unit_params(specs, groups)
     stats = stats_of_units(units)
-    _refuse_a_host_budget_too_small(cfg, stats, hw)
+    least = _refuse_a_host_budget_too_small(cfg, stats, hw)
     plan = plan_run(cfg, hw, stats=stats, units=units,
                     device_is_cpu=device.type == "cpu",
                     direct_reads=DeviceMemoryCache.supported(device),
                     keeps_gradients=gradients_held(device),
                     rank=comm.rank if comm is not None and comm.active else 0)
+    plan = dataclasses.replace(plan, least_host_budget=least)
     record_in_use("compute_dtype", f"{plan.compute_dtype} ({plan.compute_dtype_reason})")
     log.info("compute dtype %s: %s", plan.compute_dtype, plan.compute_dtype_reason)
     # [Note: room for the optimizer] in planner/optimizer_room.py: the plan's sizes already
@@ -148,14 +151,14 @@ under 8 MiB and not under 6 MiB, where it plans 20 MiB), and a budget that runs 
 refused."""
 
 
-def _refuse_a_host_budget_too_small(cfg: InfinityConfig, stats: ModelStats, hw) -> None:
+def _refuse_a_host_budget_too_small(cfg: InfinityConfig, stats: ModelStats, hw) -> int | None:
     """A host budget clearly too small for this model is refused before anything is allocated,
     naming the least budget the planner finds (the engine's own error, from the first pool
     that did not fit, named that pool's share: "optimizer slot 0 needs 8 KiB ... 0 B free",
     for a model that needs ~8 MiB); one under the planner's estimate but near it is tried."""
     shortfall = host_budget_shortfall(cfg, stats, hw, refuse_below=ENGINE_REFUSES_BELOW)
     if shortfall is None:
-        return
+        return None
     refuse, least = shortfall
     given = format_bytes(cfg.infinity.host_memory_budget)
     if refuse:
@@ -165,6 +168,7 @@ def _refuse_a_host_budget_too_small(cfg: InfinityConfig, stats: ModelStats, hw) 
     log.warning("the host budget %s is under the planner's estimate for this model and config "
                 "(%s); trying anyway (where a pool does not fit, set "
                 "infinity.host_memory_budget to that estimate)", given, format_bytes(least))
+    return least
 
 
 def resident_bytes() -> int | None:
@@ -179,18 +183,23 @@ def resident_bytes() -> int | None:
     return None
 
 
-def host_budget_note(cfg: InfinityConfig, device: torch.device, sizes: EngineSizes) -> str:
-    """Where the host budget went when the engine's share is less than the configured one
-    (told when it is exceeded): on a CPU-only machine the emulated device pool is host memory
-    too."""
+def host_budget_note(cfg: InfinityConfig, device: torch.device, sizes: EngineSizes,
+                     least: int | None = None) -> str:
+    """What to tell when the host budget is exceeded: the least budget the planner found, where
+    the one given is under it (the error named a pool's share, never that number), and where
+    the budget went when the engine's share is less than the configured one (on a CPU-only
+    machine the emulated device pool is host memory too)."""
+    said = "" if least is None else "this model and config: " + budget_need(
+        least, "set infinity.host_memory_budget to {}MiB or more")
     configured = cfg.infinity.host_memory_budget
     if configured is None or cfg.infinity.device_memory_budget is not None or \
             device.type != "cpu" or sizes.host_budget is None or sizes.host_budget >= configured:
-        return ""
-    return (f"on this CPU-only machine the emulated device pool took "
+        return said
+    pool = (f"on this CPU-only machine the emulated device pool took "
             f"{format_bytes(configured - sizes.host_budget)} of infinity.host_memory_budget "
             f"{format_bytes(configured)}: raise host_memory_budget, or set "
             "infinity.device_memory_budget to size the pool yourself")
+    return f"{said}; {pool}" if said else pool
 
 
 def warn_second_nvme_path(config: InfinityConfig, used: str | None, param_tier: Tier,

@@ -38,11 +38,12 @@ log = get_logger("engine")
 
 
 def tier_manager(config: InfinityConfig, device: torch.device, sizes: EngineSizes,
-                 nvme_path: str | None, rank: int = 0) -> TierManager:
+                 nvme_path: str | None, rank: int = 0,
+                 least_host_budget: int | None = None) -> TierManager:
     """The tier manager with the budgets ``sizes`` gives, its swap space reserved up front."""
     manager = TierManager(
         host_budget=MemoryBudget("host", sizes.host_budget,
-                                 host_budget_note(config, device, sizes)),
+                                 host_budget_note(config, device, sizes, least_host_budget)),
         device_budget=MemoryBudget("device", sizes.device_budget),
         nvme_path=nvme_path, aio_config=config.aio, device=device,
         swap_check=config.infinity.swap_check, rank=rank)

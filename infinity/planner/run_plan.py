@@ -139,6 +139,9 @@ class RunPlan:
     """The optimizer's pools."""
     activation_staging_bytes: int
     """Host bytes of the activation swapper's staging (0 when none is taken)."""
+    least_host_budget: int | None = None
+    """The planner's least host budget for this model and config, where the one given is under
+    it and the engine tries anyway (told if a pool then does not fit); None otherwise."""
     room: OptimizerRoom = NO_ROOM_NEEDED
     """What the plan gave up of the config's unset sizes for a useful optimizer sub-group, and
     why (see [Note: room for the optimizer] in planner/optimizer_room.py); ``derived`` and

@@ -357,3 +357,23 @@ def test_a_whole_model_state_dict_past_the_budget_is_refused_either_way(disk_dir
         assert kept and all("norm" in name for name in kept)
     finally:
         engine.close()
+
+
+def test_a_budget_tried_under_the_estimate_names_the_least_where_a_pool_does_not_fit(
+        disk_dir) -> None:
+    """A budget under the planner's least, but above the refusal line, is tried; where a pool
+    then did not fit, the error named that pool's share of a share ("1.41 MiB of the 1.41 MiB
+    host budget") and never the least budget the planner had just computed."""
+    import infinity
+    from infinity.base.budget import BudgetExceededError
+    from parity import make_model, zero_config
+
+    model = make_model("llama", layers=2, width=256)
+    ds = zero_config(3, "nvme", "nvme", str(disk_dir))
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    ds["infinity"]["host_memory_budget"] = "5MiB"
+    with pytest.raises(BudgetExceededError, match=r"this model and config: it needs at least "
+                                                  r"[\d.]+ MiB .*set infinity\.host_memory_budget "
+                                                  r"to \d+MiB or more") as info:
+        infinity.initialize(model=model, config=ds)
+    assert "short by at least" not in str(info.value)
