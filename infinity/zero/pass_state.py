@@ -199,8 +199,11 @@ def drop_unused_inputs(call: Any, output: Any, statuses: list[UnitStatus]) -> No
 
 def take_recompute(statuses: list[UnitStatus]) -> bool:
     """Whether a recomputation's call is watched: its first forward's was not (above). A
-    non-reentrant checkpoint's recomputation is not: its first forward's call was watched."""
-    if not all(status.calls_to_recompute for status in statuses):
+    non-reentrant checkpoint's recomputation is not: its first forward's call was watched, and
+    is open still (a unit also called under no_grad in that forward, a frozen teacher's block,
+    counted a call to recompute that never comes: watching the recomputed graph, which no
+    backward runs, held the unit open)."""
+    if not all(status.calls_to_recompute and not status.open_calls for status in statuses):
         return False
     for status in statuses:
         status.calls_to_recompute -= 1
