@@ -333,10 +333,10 @@ class Coordinator:
     def _finish(self, unit: Unit, status: UnitStatus) -> bool:
         """Finish the unit's backward (its gradients reduced, its step begun); True: a step holds it."""
         status.finish_backward()
-        if unit.has_trainable and not self.stepper.on_unit_backward_done(unit):   # reduces it
-            status.stepping = True
-            status.stale = unit.shards > 1
-        return status.stepping
+        if not unit.has_trainable or self.stepper.on_unit_backward_done(unit):   # reduces it
+            return False
+        status.stepping, status.stale = True, unit.shards > 1
+        return True
 
     def _end_backward(self) -> None:
         """Runs once when autograd has finished the whole backward pass."""
