@@ -170,7 +170,7 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
     # a part's own state_dict() (``model.lm_head.state_dict()``): current values too, where it
     # gave released parameters as empty tensors (and a unit still fetched its values before a
     # pending step), saved as such without a word
-    held = {id(e.param) for unit in engine.units for e in unit.params}
+    held = set(sizes)           # the parameters the engine holds, by id
     model.__dict__[_PART_HOOKS] = [
         module.register_state_dict_post_hook(_current_values(engine, held))
         for module in model.modules() if module is not model and
