@@ -12,8 +12,8 @@ from torch import nn
 import infinity
 from infinity.storage.tiers import Residency
 from late_landing import StepLandsLate, run_case
-from parity import (VOCAB, engine_and_reference, loss_of, make_model, run_parity, state_bytes,
-                    with_adamw, zero_config)
+from parity import (VOCAB, assert_same_parameters, engine_and_reference, loss_of, make_model,
+                    run_parity, state_bytes, with_adamw, zero_config)
 
 
 def _engine(model, disk_dir, param="nvme", optimizer="nvme", reuse_distance=None, **extra):
@@ -1517,9 +1517,7 @@ def test_a_unit_that_returns_a_view_of_its_own_parameter_trains_as_torch(disk_di
             ref_opt.step()
             ref_opt.zero_grad()
             torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=0)
-        state = engine.module_state_dict()
-        for name, p in reference.named_parameters():
-            torch.testing.assert_close(state[name], p.detach(), rtol=1e-5, atol=1e-6)
+        assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
 
@@ -1559,8 +1557,6 @@ def test_a_unit_that_returns_a_sparse_tensor_trains(disk_dir) -> None:
             reference(x).pow(2).mean().backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        state = engine.module_state_dict()
-        for name, p in reference.named_parameters():
-            torch.testing.assert_close(state[name], p.detach(), rtol=1e-5, atol=1e-6)
+        assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
