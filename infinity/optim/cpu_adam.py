@@ -15,6 +15,17 @@ Three layers:
 a kernel name ("scalar", "avx2", "avx512", "neon") to force one, or "torch": the pure-torch path
 (``_adam_torch``) with the same numbers, bit for bit. "native" falls back to "torch", with one
 warning, only when the native library cannot be loaded.
+
+[Note: Adam on the device]
+With ``offload_optimizer.device: "none"`` on a GPU the master weights, moments and gradients
+stay in device memory and the same step runs there (the first H100 pass refused it at the first
+step: the checks took CPU tensors only, and nothing else is needed). The native kernel reads
+host memory, so tensors on another device take the pure-torch path of ``_adam_torch``: the
+kernel's operations one torch op at a time, each a device kernel queued on the calling
+thread's current stream, where the gradient was written (no copy, no host sync but the
+``grad_sq_sum`` read). Its numbers are the native kernel's up to the device's own rounding of
+sqrt and division. ``impl`` names a host kernel and is not consulted there; ``in_use`` says
+"torch on cuda".
 """
 from __future__ import annotations
 
@@ -135,8 +146,9 @@ def _check_group(names: Sequence[str], tensors: Sequence[torch.Tensor | None], f
             continue
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+        if t.device != param.device:
+            raise ValueError(f"{name} is on {t.device} but {names[0]} on {param.device}: all "
+                             "must be on one device")
         if t.is_sparse or t.layout != torch.strided:
             raise ValueError(f"{name} must be a dense strided tensor, got layout {t.layout}")
         if flat and t.dim() != 1:
@@ -179,7 +191,8 @@ def adam_step_flat(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                    addends: Sequence[tuple[int, torch.Tensor]] = ()) -> float | None:
     """One Adam/AdamW step of a flat range, in place.
 
-    All tensors are 1-D contiguous CPU tensors of equal numel: param, exp_avg, exp_avg_sq fp32;
+    All tensors are 1-D contiguous tensors of equal numel on one device (the host, or a
+    GPU: [Note: Adam on the device]): param, exp_avg, exp_avg_sq fp32;
     grad fp32, bf16 or fp16 (divided by ``grad_scale``); ``half_out`` (optional) bf16 or fp16
     receives the updated param rounded as ``param.to(half_out.dtype)`` would. ``step`` is the
     step being taken, from 1. ``threads``: default the CPUs this process may use. ``impl``: see
@@ -211,11 +224,11 @@ def _check_addends(grad: torch.Tensor, addends: Sequence[tuple[int, torch.Tensor
     if grad.dtype != torch.float32:
         raise ValueError(f"addends need a float32 grad to add into, got {grad.dtype}")
     for i, (offset, values) in enumerate(addends):
-        if values.dtype not in _GRAD_DTYPES or values.device.type != "cpu" or \
+        if values.dtype not in _GRAD_DTYPES or values.device != grad.device or \
                 values.dim() != 1 or not values.is_contiguous():
-            raise ValueError(f"addends[{i}]: expected a contiguous 1-D CPU tensor of float32, "
-                             f"bfloat16 or float16, got {values.dtype} {tuple(values.shape)} on "
-                             f"{values.device}")
+            raise ValueError(f"addends[{i}]: expected a contiguous 1-D tensor of float32, "
+                             f"bfloat16 or float16 on the grad's {grad.device}, got "
+                             f"{values.dtype} {tuple(values.shape)} on {values.device}")
         if offset < 0 or offset + values.numel() > grad.numel():
             raise ValueError(f"addends[{i}]: elements [{offset}, {offset + values.numel()}) lie "
                              f"outside the range's {grad.numel()}")
@@ -272,7 +285,15 @@ def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: 
     if len(hdts) > 1:
         raise ValueError(f"all half_outs of one call must share a dtype (or all be None), got "
                          f"{sorted(map(str, hdts))}")
-    name, kernel = _resolve(impl)
+    devices = {r[0].device for r in rows}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors of one call must be on one device, got "
+                         f"{sorted(map(str, devices))}")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type == "cpu":
+        name, kernel = _resolve(impl)
+    else:           # see [Note: Adam on the device]
+        name, kernel = f"torch on {device.type}", -1
     record_in_use("adam_kernel", name)
     if not rows:
         return 0.0 if grad_sq_sum else None
