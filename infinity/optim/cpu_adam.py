@@ -25,7 +25,10 @@ kernel's operations one torch op at a time, each a device kernel queued on the c
 thread's current stream, where the gradient was written (no copy, no host sync but the
 ``grad_sq_sum`` read). Its numbers are the native kernel's up to the device's own rounding of
 sqrt and division. ``impl`` names a host kernel and is not consulted there; ``in_use`` says
-"torch on cuda".
+"torch on cuda". The gradient may be on the host (the engine's gradient home is host memory
+or NVMe, never the device, today): it is carried to the device for the step, 4 bytes a
+parameter more over PCIe a step, and left at zero on the host with ``zero_grad``; a device
+gradient home would save that copy and the one that brought it there.
 """
 from __future__ import annotations
 
@@ -146,7 +149,7 @@ def _check_group(names: Sequence[str], tensors: Sequence[torch.Tensor | None], f
             continue
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != param.device:
+        if t.device != param.device and not (t is tensors[1] and t.device.type == "cpu"):
             raise ValueError(f"{name} is on {t.device} but {names[0]} on {param.device}: all "
                              "must be on one device")
         if t.is_sparse or t.layout != torch.strided:
@@ -308,7 +311,7 @@ def _step_many(rows: list[tuple], *, step: int, lr: float, beta1: float, beta2: 
             if grad_sq_sum:
                 wide = g.reshape(-1).double()
                 total += float(torch.dot(wide, wide))
-            step_torch(p.view(-1), g.view(-1), m.view(-1), v.view(-1),
+            step_torch(p.view(-1), g.view(-1).to(p.device), m.view(-1), v.view(-1),
                        None if h is None else h.view(-1), c)
             if zero_grad:
                 g.zero_()
