@@ -118,7 +118,7 @@ def test_the_last_micro_batch_steps_early_on_cuda_as_torch(disk_dir, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("tiers", TIERS[:3])
+@pytest.mark.parametrize("tiers", TIERS[:3] + [(2, "none", "none")])
 def test_16_bit_training_on_cuda_follows_torch_16_bit(disk_dir, dtype, tiers) -> None:
     """"auto" on a GPU computes in the dtype the ds_config enables (DeepSpeed's bf16 / fp16
     sections); the engine's losses follow torch's own 16-bit recipe on the same GPU."""
@@ -142,11 +142,13 @@ def test_16_bit_training_on_cuda_follows_torch_16_bit(disk_dir, dtype, tiers) ->
     assert worst <= 1e-3, (losses, reference)
 
 
-def test_a_cuda_checkpoint_resumes_on_the_cpu_and_back(disk_dir) -> None:
-    """Saved by a CUDA engine, loaded by a CPU one and by a CUDA one: the same next losses."""
+@pytest.mark.parametrize("saved", [(3, "nvme", "nvme"), (2, "none", "none")])
+def test_a_cuda_checkpoint_resumes_on_the_cpu_and_back(disk_dir, saved) -> None:
+    """Saved by a CUDA engine (its optimizer states on NVMe, or in device memory), loaded by a
+    CPU one and by CUDA ones (states on the host, in device memory): the same next losses."""
     batches = _batches(6)
     a, *_ = infinity.initialize(model=make_model("llama", layers=2).cuda(),
-                                config=_config(disk_dir, 3, "nvme", "nvme"))
+                                config=_config(disk_dir, *saved))
     try:
         for x in batches[:3]:
             a.backward(loss_of(a(input_ids=x, labels=x)))
@@ -160,9 +162,10 @@ def test_a_cuda_checkpoint_resumes_on_the_cpu_and_back(disk_dir) -> None:
             expected.append(loss.item())
     finally:
         a.close()
-    for device in ("cpu", "cuda"):
+    for device, tiers in (("cpu", (3, "cpu", "cpu")), ("cuda", (3, "cpu", "cpu")),
+                          ("cuda", (2, "none", "none"))):
         b, *_ = infinity.initialize(model=make_model("llama", seed=4, layers=2).to(device),
-                                    config=_config(disk_dir, 3, "cpu", "cpu"))
+                                    config=_config(disk_dir, *tiers))
         try:
             b.load_checkpoint(disk_dir / "ckpt")
             got = []
