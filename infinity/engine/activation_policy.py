@@ -37,6 +37,7 @@ from infinity.planner.activations import (
     OffloadChoice,
     activation_shape_from_hf_config,
     choose_activation_offload,
+    forced_offload,
     saved_activation_bytes,
     step_working_bytes,
 )
@@ -91,8 +92,15 @@ class AutoActivationOffload:
                  offloaded_mmap_threshold: int | None = None,
                  kept_mmap_threshold: int | None = None,
                  no_swap: str = "no nvme_path is set",
-                 keep_outermost: Callable[[nn.Module, int], None] | None = None) -> None:
+                 keep_outermost: Callable[[nn.Module, int], None] | None = None,
+                 always: bool = False) -> None:
         self.no_swap = no_swap
+        self.always = always
+        """``offload_activations: "nvme"``: every training forward offloads (``swapper`` must
+        be given); the decision per batch shape only names what stays in memory beside."""
+        if always and swapper is None:
+            raise ValueError("offload_activations \"nvme\" needs an activation swapper")
+        self.mode = "nvme" if always else "auto"
         self.swapper = swapper
         self.largest_unit_numel = largest_unit_numel
         self.room = room
@@ -102,7 +110,7 @@ class AutoActivationOffload:
             getattr(model, "config", None))
         self.choice: OffloadChoice | None = None
         """The choice for the last training forward (None before the first)."""
-        self.active = False
+        self.active = always
         self._threshold = offloaded_mmap_threshold
         self._kept_threshold = kept_mmap_threshold
         self._decided: dict[tuple[int, int, bool], OffloadChoice] = {}
@@ -140,7 +148,9 @@ class AutoActivationOffload:
         key = (batch, seq, checkpointed)
         choice = self._decided.get(key)
         if choice is None:
-            if self.on_device:
+            if self.on_device and self.always:
+                choice = forced_offload(None, self.room, 0)
+            elif self.on_device:
                 choice = OffloadChoice(decision="none",
                                        predicted_bytes=self.predict(batch, seq, checkpointed),
                                        room_bytes=self.room, reason=(
@@ -149,12 +159,13 @@ class AutoActivationOffload:
             else:
                 working = step_working_bytes(self.shape, batch, seq, self.itemsize,
                                              self.largest_unit_numel, checkpointed)
-                choice = choose_activation_offload(self.predict(batch, seq, checkpointed),
+                choice = forced_offload(self.predict(batch, seq, checkpointed), self.room,
+                                        working) if self.always else choose_activation_offload(self.predict(batch, seq, checkpointed),
                                                    self.room,
                                                    self.swapper is not None, working,
                                                    self.no_swap)
             self._decided[key] = choice
-            text = f"offload_activations auto, batch {batch} x {seq}" \
+            text = f"offload_activations {self.mode}, batch {batch} x {seq}" \
                 f"{' (blocks checkpointed)' if checkpointed else ''}: {choice.reason}"
             # dynamic padding gives every batch a new length: a warning only for an overshoot
             # larger than any warned before (by a quarter), the rest at info
@@ -176,6 +187,10 @@ class AutoActivationOffload:
         if not torch.is_grad_enabled():     # [Note: a forward under grad trains]
             return
         shape = batch_of(args, kwargs)
+        if shape is None and self.always:
+            self.choice = forced_offload(None, self.room, 0)
+            self.active = True
+            return
         if shape is None:
             self.choice = choose_activation_offload(
                 None, self.room, self.swapper is not None,
@@ -216,7 +231,7 @@ class AutoActivationOffload:
     def describe(self) -> str:
         what = self.choice.reason if self.choice is not None else "no training forward yet"
         swapped = f"; {self.swapper.describe()}" if self.swapper is not None else ""
-        return f"auto: {what}{swapped}"
+        return f"{self.mode}: {what}{swapped}"
 
     def as_dict(self) -> dict[str, Any]:
         return {} if self.choice is None else self.choice.as_dict()

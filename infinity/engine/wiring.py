@@ -163,9 +163,10 @@ def activation_swapper(config: InfinityConfig, manager: TierManager, units: list
                        model: nn.Module, *, sizes: EngineSizes | None = None,
                        compute_dtype: torch.dtype | None = None, has_swap: bool = True,
                        keep_outermost: Callable[[nn.Module, int], None] | None = None,
-                       ) -> ActivationSwapper | AutoActivationOffload | None:
+                       ) -> AutoActivationOffload | None:
     """The swapper of saved activations for ``infinity.offload_activations``: "nvme" swaps
-    every training forward's, "auto" those of a batch that does not fit in what the host budget
+    every training forward's (naming what the step keeps in memory beside them past the host
+    budget), "auto" those of a batch that does not fit in what the host budget
     leaves (``sizes.activation_room``; see engine/activation_policy.py), "none" gives None."""
     section = config.infinity
     mode = section.offload_activations
@@ -183,7 +184,6 @@ def activation_swapper(config: InfinityConfig, manager: TierManager, units: list
     if mode == "nvme":
         log.info("saved activations of >= %s go to NVMe (%s of them in memory at a time)",
                  format_bytes(section.activation_min_bytes), format_bytes(section.activation_window))
-        return swapper
     dtype = compute_dtype if compute_dtype is not None else \
         (units[0].dtype if units else torch.float32)
     room = sizes.activation_room if sizes is not None else None
@@ -200,4 +200,5 @@ def activation_swapper(config: InfinityConfig, manager: TierManager, units: list
                 ".nvme_path" if not has_swap else
                 f"the host budget leaves no room beside the engine's pools for the swapper's "
                 f"{format_bytes(ACTIVATION_STAGING_BYTES)} of staging and the step's activation "
-                f"windows, or only by halving the optimizer's sub-groups (slower steps)")
+                f"windows, or only by halving the optimizer's sub-groups (slower steps)",
+        always=mode == "nvme")

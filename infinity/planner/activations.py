@@ -272,6 +272,24 @@ def choose_activation_offload(predicted: int | None, room: int, has_swap: bool,
                                 "budget, or take a smaller batch)"))
 
 
+def forced_offload(predicted: int | None, room: int, working: int) -> OffloadChoice:
+    """``offload_activations: "nvme"``: every training forward's saved activations go to the
+    swap space, whatever fits; the step's ``working`` bytes (``step_working_bytes``: the
+    logits' fp32 copies and gradients, a unit's gradient) stay in memory all the same, and what
+    they take past the ``room`` the host budget leaves is named (a 124M Llama, vocabulary
+    32000, 1 x 1024 tokens: ~400 MiB of logits work past a 512 MiB budget, unwarned before)."""
+    room, working = max(0, room), max(0, working)
+    over = working - room
+    reason = 'offloaded to the swap space (offload_activations "nvme")' + (
+        "" if over <= 0 or predicted is None else
+        f"; the step's gradients and logits ({_mib(working)}) stay in memory and exceed the "
+        f"{_mib(room)} the host budget leaves beside the engine's pools by {_mib(over)}, so "
+        "peak memory exceeds infinity.host_memory_budget by about that much (raise the "
+        "budget, or take a smaller batch or shorter sequences)")
+    return OffloadChoice(decision="nvme", predicted_bytes=predicted, room_bytes=room,
+                         working_bytes=working, reason=reason)
+
+
 def reserve_to_keep(shape: ActivationShape, batch: int, seq: int, itemsize: int,
                     largest_unit_numel: int, window: int, can_offload: bool,
                     checkpointed: bool = False) -> int | None:

@@ -18,7 +18,8 @@ BATCH = (8, 64)
 """~7 MiB of saved activations for the small Qwen2 below in fp32 (the planner's count)."""
 
 
-def _train(disk_dir, budget: str, mode: str = "auto", steps: int = 2, nvme: bool = True):
+def _train(disk_dir, budget: str, mode: str = "auto", steps: int = 2, nvme: bool = True,
+           batch: tuple[int, int] = BATCH):
     model = make_model("qwen2", layers=3, width=64)
     # a small min_bytes and window, so that the tensors of this tiny model are really written
     section = {"offload_activations": mode, "host_memory_budget": budget,
@@ -30,7 +31,7 @@ def _train(disk_dir, budget: str, mode: str = "auto", steps: int = 2, nvme: bool
     losses = []
     try:
         for _ in range(steps):
-            x = torch.randint(0, VOCAB, BATCH, generator=gen)
+            x = torch.randint(0, VOCAB, batch, generator=gen)
             out = engine(input_ids=x, labels=x)
             engine.backward(out.loss)
             engine.step()
@@ -75,6 +76,32 @@ def test_auto_without_a_swap_directory_warns_and_trains(disk_dir, caplog) -> Non
               "offload_activations auto" in r.getMessage()]
     assert warned and "no swap directory" in warned[0].getMessage(), \
         [r.getMessage() for r in caplog.records]
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+
+
+def test_nvme_names_the_logits_work_past_the_budget(disk_dir, caplog) -> None:
+    """"nvme" sends every forward's activations away, but the loss's logits, their fp32 copies
+    and gradients (16 bytes a vocabulary entry a token here) stay in memory whatever the mode:
+    "auto" counted them and "nvme" said nothing. 8 x 256 tokens of a 256-word vocabulary: 8
+    MiB of them, past the ~4.5 MiB a 40 MiB budget leaves; 8 x 16 tokens: 0.5 MiB, within."""
+    logger = get_logger()       # the package logger does not propagate to caplog's root
+    logger.addHandler(caplog.handler)
+    try:
+        losses, policy, sizes = _train(disk_dir, "40MiB", mode="nvme", batch=(8, 256))
+        over = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and
+                "offload_activations nvme" in r.getMessage()]
+        caplog.clear()
+        _, small_policy, _ = _train(disk_dir, "40MiB", mode="nvme", batch=(8, 16))
+        quiet = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and
+                 "offload_activations nvme" in r.getMessage()]
+    finally:
+        logger.removeHandler(caplog.handler)
+    choice = policy.choice
+    assert choice.decision == "nvme" and choice.working_bytes > sizes.activation_room, choice
+    assert choice.overshoot_bytes == choice.working_bytes - sizes.activation_room, choice
+    assert policy.stats.written > 0 and small_policy.stats.written > 0, policy.describe()
+    assert len(over) == 1 and "exceed the" in over[0] and "host_memory_budget" in over[0], over
+    assert small_policy.choice.overshoot_bytes == 0 and not quiet, (small_policy.choice, quiet)
     assert all(torch.isfinite(torch.tensor(losses))), losses
 
 

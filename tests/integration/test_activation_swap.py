@@ -48,7 +48,7 @@ def test_swapped_activations_match_torch(family: str, stage: int, early_step: st
             assert stats.shared > 0, engine.activation_swapper.describe()
         # every handle was dropped after its backward: only the model states hold extents
         swap = engine.manager.swap
-        assert engine.activation_swapper._live == 0
+        assert engine.activation_swapper.swapper._live == 0
         assert swap.bytes_allocated == engine.sizes.nvme_bytes, \
             (swap.bytes_allocated, engine.sizes.nvme_bytes)
     finally:
@@ -73,7 +73,7 @@ def test_large_min_bytes_keeps_everything_in_memory_and_eval_swaps_nothing(disk_
         engine.step()
         stats = engine.activation_swapper.stats
         assert stats.swapped == 0 and stats.kept > 0
-        engine.activation_swapper.min_bytes = 1
+        engine.activation_swapper.swapper.min_bytes = 1
         engine.eval()
         with torch.no_grad():
             engine(input_ids=x, labels=x)
@@ -374,7 +374,7 @@ def test_a_forward_dropped_without_backward_frees_its_activations(disk_dir) -> N
     model = make_model("llama", layers=2, width=32)
     engine, *_ = infinity.initialize(model=model, config=with_adamw(_config(disk_dir,
                                                                  activation_window="64MiB")))
-    swapper = engine.activation_swapper
+    swapper = engine.activation_swapper.swapper
     x = torch.randint(0, VOCAB, (2, 16))
     try:
         for _ in range(5):

@@ -196,7 +196,7 @@ def test_activation_offload_under_late_copies_trains_as_torch(disk_dir, monkeypa
     result = _train(disk_dir, family, early_step)
     engine = result.engine
     try:
-        swapper = engine.activation_swapper
+        swapper = engine.activation_swapper.swapper
         stats = swapper.stats
         copies = engine.manager.copies
         assert isinstance(copies, transfers.LateCopies)
