@@ -232,11 +232,45 @@ def _routed_copies(model: nn.Module, name: str, sizes: dict[int, int]
         routed = [(m, n, m.__dict__.pop(n)) for m in model.modules() for n in COPIES
                   if n in m.__dict__]
         try:
-            return copy.deepcopy(model, memo)        # torch's copy, without these two
+            twin = copy.deepcopy(model, memo)        # torch's copy, without these two
         finally:
             for m, n, f in routed:
                 m.__dict__[n] = f
+        return _without_engine_parts(twin)
     return {"__reduce_ex__": reduce_ex, "__deepcopy__": deepcopy}
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+               "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+_HOOK_SIDE_TABLES = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                     "_forward_hooks_always_called")
+
+
+def _ours(function: Any) -> bool:
+    """A hook or method this package defined (the engine's closures, routed methods)."""
+    function = getattr(function, "__func__", function)
+    module = getattr(function, "__module__", None) or ""
+    return module == "infinity" or module.startswith("infinity.")
+
+
+def _without_engine_parts(twin: nn.Module) -> nn.Module:
+    """A deep copy of a held model (made with whole weights: ``GatheredParameters``, or stages
+    0-2) without the engine's hooks and routed methods. The copy is the user's own model (an
+    EMA, a teacher): it carried the engine's closures, so it did not pickle ("Can't pickle
+    local object") and kept the engine and its stores alive after ``close()``; its calls were
+    already its own (the hooks pass over modules not the engine's). Hooks the user registered
+    stay, as torch copies them."""
+    for module in twin.modules():
+        for table in _HOOK_DICTS:
+            hooks = module.__dict__.get(table)
+            for key in [k for k, f in (hooks or {}).items() if _ours(f)]:
+                del hooks[key]
+                for side in _HOOK_SIDE_TABLES:
+                    module.__dict__.get(side, {}).pop(key, None)
+        for name in [n for n, f in vars(module).items() if callable(f) and _ours(f)]:
+            del module.__dict__[name]
+    return twin
 
 
 def _routed_generate(model: nn.Module):

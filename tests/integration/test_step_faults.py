@@ -632,3 +632,45 @@ def test_a_gathered_copy_of_the_model_is_its_own_after_close(disk_dir) -> None:
     engine.step()
     engine.close()
     torch.testing.assert_close(twin(input_ids=x).logits, before, rtol=0, atol=0)
+
+
+def test_a_gathered_copy_carries_none_of_the_engine_and_keeps_the_user_s_hooks(disk_dir) -> None:
+    """The copy carried the engine's hooks and routed methods: ``torch.save(copy)`` failed on
+    "Can't pickle local object" and the closed engine (its stores, its swap files' handles)
+    stayed alive as long as the copy did. A hook the user registered is copied, as torch does."""
+    import copy
+    import gc
+    import io
+    import weakref
+
+    engine = nvme_engine(disk_dir, "on", layers=2)
+    calls = _CountCall.calls
+    calls.clear()
+    engine.module.model.layers[0].register_forward_hook(_CountCall())
+    x = torch.randint(0, VOCAB, (1, 8))
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        twin = copy.deepcopy(engine.module)
+    buffer = io.BytesIO()
+    torch.save(twin, buffer)                 # refused for the held model itself
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    expected = twin(input_ids=x).logits
+    assert len(calls) == 1, calls            # the user's hook, copied with the model
+    torch.testing.assert_close(loaded(input_ids=x).logits, expected, rtol=0, atol=0)
+    assert len(calls) == 2, calls
+    alive = weakref.ref(engine)
+    engine.close()
+    del engine
+    gc.collect()
+    assert alive() is None, [type(r).__name__ for r in gc.get_referrers(alive())][:8]
+    torch.testing.assert_close(twin(input_ids=x).logits, expected, rtol=0, atol=0)
+
+
+class _CountCall:
+    """A forward hook the user registers (a picklable object, as a saved model's hooks must be;
+    its calls counted on the class, which a copy of the hook shares)."""
+
+    calls: list[str] = []
+
+    def __call__(self, module, args, output) -> None:
+        self.calls.append(type(module).__name__)
