@@ -9,12 +9,13 @@ from typing import Any, Iterator
 
 import torch
 
-from infinity.engine.guards import every_rank_call
+from infinity.engine.guards import (BOUNDARY_UNSET_AFTER_LAST_BACKWARD,
+                                    NOT_A_BOUNDARY_UNDER_EARLY_STEP, every_rank_call)
 
 
 class DeepSpeedEngineAccessors:
     """Mixed into ``Engine``; reads ``self.config``, ``self.optimizer``, ``self.module``,
-    ``self.compute_dtype``."""
+    ``self.compute_dtype``, and the engine's counts of micro-steps and backwards."""
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -58,6 +59,38 @@ class DeepSpeedEngineAccessors:
         before the first step). Under the early step no step needs it: the Adam kernel sums
         each unit's gradient squares as it steps the unit."""
         return self.optimizer.last_grad_norm
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the micro-step in progress ends the accumulation cycle (its ``step()``
+        steps the optimizer): the value ``set_gradient_accumulation_boundary`` set, else every
+        ``gradient_accumulation_steps``-th micro-step."""
+        if self._boundary_set is not None:
+            return self._boundary_set
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's call: the next backwards end the cycle (True) or not (False) whatever
+        the count says, until set again; ``None`` goes back to counting. Why: a data loader
+        whose epoch is not a multiple of the accumulation ends it with a shorter cycle (as
+        Hugging Face's Trainer and accelerate do, which call this before each micro-batch).
+        Set it before the micro-batch's forward: its backward reduces and norms the gradients
+        only when it knows it is the last. DeepSpeed's other style, backwards with False and
+        one ``step()`` after the last, set True before its forward, works too. A cycle that
+        ends early counts as a whole one (``micro_steps`` moves on to the next multiple of the
+        accumulation), so checkpoints, which are taken at boundaries, and the counting after
+        ``None`` start a fresh cycle. False under the early step is refused: every backward
+        steps the weights there ([Note: a boundary under the early step] in guards.py)."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary({is_boundary!r}): pass True, "
+                            "False or None (count gradient_accumulation_steps again)")
+        if is_boundary is False and self.optimizer.early_step:
+            raise RuntimeError(NOT_A_BOUNDARY_UNDER_EARLY_STEP)
+        previous = self._boundary_set
+        self._boundary_set = is_boundary
+        if self._backwards_since_step and self._backward_was_boundary and \
+                not self.is_gradient_accumulation_boundary():
+            self._boundary_set = previous
+            raise RuntimeError(BOUNDARY_UNSET_AFTER_LAST_BACKWARD.format(value=is_boundary))
 
     def was_step_applied(self) -> bool:
         """False when the last optimizer step was skipped: its gradients were not finite

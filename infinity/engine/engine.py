@@ -22,7 +22,8 @@ from infinity.config import InfinityConfig
 from infinity.engine.checkpointing import CheckpointCalls
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.guards import (
-    BACKWARD_AFTER_BOUNDARY_STEPS, SECOND_EARLY_BACKWARD, SPECULATIVE_SWAP_ROOM,
+    BACKWARD_AFTER_BOUNDARY_STEPS, BOUNDARY_SET_AFTER_LAST_BACKWARD, SECOND_EARLY_BACKWARD,
+    SPECULATIVE_SWAP_ROOM,
     ZERO_GRAD_AFTER_BOUNDARY_STEPS, ZERO_GRAD_UNDER_EARLY_STEP,
     check_cycle_discardable, check_edit_before_step, check_open, check_pass_start,
     check_same_on_every_rank, pass_hooks, schedule_label, step_settings,
@@ -110,6 +111,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.stage = stage = self.config.zero.stage
         self.micro_steps = self.global_steps = 0
         self._boundary_set: bool | None = None      # set_gradient_accumulation_boundary
+        self._backward_was_boundary = False         # the last backward ran as the cycle's last
         self.param_tier, self.optimizer_tier = param_tier, optimizer_tier = \
             plan.param_tier, plan.optimizer_tier
         self.master_separate = plan.master_separate
@@ -272,7 +274,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         ``EnginePassOwner.begin_untracked_backward``): the optimizer starts a backward of this
         micro-step with the loss scale its gradients carry. Returns when it started."""
         self._void_speculation()
-        self.optimizer.begin_backward(self.is_gradient_accumulation_boundary(), self.loss_scale)
+        self._backward_was_boundary = self.is_gradient_accumulation_boundary()
+        self.optimizer.begin_backward(self._backward_was_boundary, self.loss_scale)
         self._hyper_at_backward = self.optimizer.hyperparameters() \
             if self.optimizer.early_step or self.optimizer.boundary.now else None
         return time.perf_counter()
@@ -316,36 +319,6 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         records its own."""
         self.report.add_loss(loss)
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the micro-step in progress ends the accumulation cycle (its ``step()``
-        steps the optimizer): the value ``set_gradient_accumulation_boundary`` set, else every
-        ``gradient_accumulation_steps``-th micro-step."""
-        if self._boundary_set is not None:
-            return self._boundary_set
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """DeepSpeed's call: the next micro-steps end the cycle (True) or not (False) whatever
-        the count says, until set again; ``None`` goes back to counting. Why: a data loader
-        whose epoch is not a multiple of the accumulation ends it with a shorter cycle (as
-        Hugging Face's Trainer and accelerate do, which call this before each micro-batch).
-        Set it before the micro-batch's forward: its backward reduces and norms the gradients
-        only when it knows it is the last. A cycle that ends early counts as a whole one
-        (``micro_steps`` moves on to the next multiple of the accumulation), so checkpoints,
-        which are taken at boundaries, and the counting after ``None`` start a fresh cycle."""
-        if is_boundary is not None and not isinstance(is_boundary, bool):
-            raise TypeError(f"set_gradient_accumulation_boundary({is_boundary!r}): pass True, "
-                            "False or None (count gradient_accumulation_steps again)")
-        before, previous = self.is_gradient_accumulation_boundary(), self._boundary_set
-        self._boundary_set = is_boundary
-        if self._backwards_since_step and self.is_gradient_accumulation_boundary() != before:
-            self._boundary_set = previous
-            raise RuntimeError(
-                f"set_gradient_accumulation_boundary({is_boundary}) between backward() and "
-                f"step(): that backward ran as {'the last' if before else 'not the last'} "
-                "micro-step of its cycle (its gradients were reduced for it), so the step "
-                "cannot change that now. Set it before the micro-batch's forward")
-
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at the accumulation boundary step the optimizer and scheduler
         (``lr_kwargs`` go to the scheduler's step, as DeepSpeed passes them). A Ctrl-C meanwhile
@@ -375,6 +348,8 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self._check_open("step")
         self.coordinator.owner.settle_failed_backward()
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._backwards_since_step and not self._backward_was_boundary:
+            raise RuntimeError(BOUNDARY_SET_AFTER_LAST_BACKWARD)
         self.micro_steps += 1
         self._backwards_since_step = 0
         if not boundary:
@@ -382,8 +357,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         # a cycle ended early (set_gradient_accumulation_boundary) counts as a whole one
         self.micro_steps += -self.micro_steps % self.gradient_accumulation_steps()
         started = time.perf_counter()
-        warn_if_hyperparameters_moved(self)
-        lrs = self.get_lr()            # the rates this step uses, reported after it
+        lrs = [h["lr"] for h in warn_if_hyperparameters_moved(self)]   # the rates it uses
         with self.comm.every_rank("step()"):    # a rank gone on without it: named at once
             self.comm.check_same_sequence(f"optimizer step {self.global_steps + 1}",
                                           settings=step_settings(lrs, self.get_mom()))

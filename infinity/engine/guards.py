@@ -151,6 +151,35 @@ FOREIGN_BOUNDARY_BACKWARD = (
     "keep its parameters out of that loss (detach the input, or requires_grad_(False) on them "
     "around the other step)")
 
+# [Note: a boundary under the early step]
+# With one micro-batch a step (gradient_accumulation_steps 1) and the early step (the default
+# where the optimizer is offloaded, nothing clips and nothing checks fp16 overflow), each
+# unit's Adam runs in the backward, as its gradients arrive: there is no gradient kept to add
+# the next micro-batch's into. ``set_gradient_accumulation_boundary(False)`` there trained
+# every micro-batch as a step of its own while ``global_steps`` and the scheduler counted one
+# (0.04 off torch's weights after a three-batch cycle, no word): refused. Under accumulation
+# the early step is the last micro-batch's alone (optim/boundary_steps.py) and any boundary
+# the caller sets is followed.
+NOT_A_BOUNDARY_UNDER_EARLY_STEP = (
+    "set_gradient_accumulation_boundary(False) under the early step: with "
+    "gradient_accumulation_steps 1 every backward steps each unit as its gradients arrive, so "
+    "this micro-batch's gradients cannot wait for a later step. Set "
+    "gradient_accumulation_steps to the cycle's length (set_gradient_accumulation_boundary "
+    "still ends a cycle early), or infinity.early_step \"off\" to keep gradients until the "
+    "boundary")
+
+BOUNDARY_UNSET_AFTER_LAST_BACKWARD = (
+    "set_gradient_accumulation_boundary({value}) between backward() and step(): that backward "
+    "ran as the last micro-step of its cycle (its gradients were reduced, normed, and under "
+    "the early step already stepped for it), so it cannot stop being the last now. Set it "
+    "before the micro-batch's forward")
+
+BOUNDARY_SET_AFTER_LAST_BACKWARD = (
+    "step() at the end of an accumulation cycle whose last backward ran as not the last "
+    "(set_gradient_accumulation_boundary(True) came after it): its gradients were not "
+    "reduced and normed for a step, so none is taken; nothing was stepped. Set the boundary "
+    "before the last micro-batch's forward (DeepSpeed's rule too), then backward and step()")
+
 ZERO_GRAD_AFTER_BOUNDARY_STEPS = (
     "zero_grad() between the last micro-batch's backward and step(): that backward already "
     "stepped its units (infinity.early_step with gradient accumulation), so their gradients "
@@ -268,19 +297,21 @@ def check_open(engine: Any, what: str) -> None:
             "load_checkpoint the last checkpoint") from failure
 
 
-def warn_if_hyperparameters_moved(engine: Any) -> None:
+def warn_if_hyperparameters_moved(engine: Any) -> list[dict]:
     """Under the early step the units were stepped during the backward, with the lr and betas
     of then: a change made between backward() and step() applies from the next step only
-    (said once per engine)."""
+    (said once per engine). Returns each group's values this step uses (the backward's, where
+    it stepped: the monitors logged the changed lr for a step that never used it)."""
     now = engine.optimizer.hyperparameters()     # checked: refused before any unit steps
     before, engine._hyper_at_backward = getattr(engine, "_hyper_at_backward", None), None
     if before is None or engine._warned_hyper_moved or before == now:
-        return
+        return now if before is None else before
     engine._warned_hyper_moved = True
     log.warning("the optimizer's param groups (lr, betas, ...) changed between backward() and "
                 "step(): under the early step each unit was stepped during the backward with "
                 "the values of then; the change applies from the next step. Change them "
                 "before the backward, or set infinity.early_step \"off\"")
+    return before
 
 
 def unusable_swap_paths(config: InfinityConfig) -> tuple[str, ...]:

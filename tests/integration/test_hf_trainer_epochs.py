@@ -18,7 +18,7 @@ from torch import nn
 
 import infinity
 from hf_common import EPOCHS_ARGS, close_rel, hf_args, hf_data, hf_ds, logged
-from parity import make_model
+from parity import assert_same_parameters, make_model
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -106,12 +106,66 @@ def test_a_cycle_ended_early_is_the_step_torch_takes_over_its_micro_batches(disk
                     (ours - theirs).abs().max()
 
         engine(batches[0]).square().mean().backward()      # not a boundary: counted 1 of 3
-        with pytest.raises(RuntimeError, match=r"set_gradient_accumulation_boundary\(True\) "
-                                               r"between backward\(\) and step\(\): that "
-                                               r"backward ran as not the last"):
-            engine.set_gradient_accumulation_boundary(True)
-        assert not engine.is_gradient_accumulation_boundary()
-        engine.set_gradient_accumulation_boundary(False)    # the same answer: accepted
+        engine.set_gradient_accumulation_boundary(True)     # for a next backward: accepted
+        with pytest.raises(RuntimeError, match=r"step\(\) at the end of an accumulation cycle "
+                                               r"whose last backward ran as not the last"):
+            engine.step()                                   # but that backward was not the last
+        assert engine.global_steps == 2 and engine.micro_steps == 6
+        engine.set_gradient_accumulation_boundary(False)    # as it ran: the step counts it
         engine.step()
+        assert engine.micro_steps == 7
+        engine.set_gradient_accumulation_boundary(True)
+        engine(batches[1]).square().mean().backward()       # the last: stepped at step()
+        with pytest.raises(RuntimeError, match=r"set_gradient_accumulation_boundary\(False\) "
+                                               r"between backward\(\) and step\(\): that "
+                                               r"backward ran as the last"):
+            engine.set_gradient_accumulation_boundary(False)
+        engine.step()
+        assert engine.global_steps == 3
+    finally:
+        engine.close()
+
+
+def test_deepspeed_s_step_once_style_is_torch_s_step_over_the_cycle(disk_dir) -> None:
+    """DeepSpeed documents a second style: each micro-batch's backward with the boundary set
+    (False, ..., True before the last one's forward) and one ``step()`` after them all. It
+    was refused at the True ("set it before the forward", where it was). The weights are
+    torch AdamW's over the summed gradients; a False under the early step, where each
+    backward steps the weights, is refused (every micro-batch trained as a step of its own)."""
+    path = str(disk_dir)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": 3,
+                                    "offload_param": {"device": "cpu"},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": path}},
+              "infinity": {"compute_dtype": "fp32"}}
+    torch.manual_seed(0)
+    reference = _Net()
+    batches = [torch.randn(4, 4) for _ in range(6)]
+    engine, *_ = infinity.initialize(model=copy.deepcopy(reference), config=config)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    try:
+        for cycle in (batches[:3], batches[3:]):
+            for i, x in enumerate(cycle):
+                engine.set_gradient_accumulation_boundary(i == len(cycle) - 1)
+                engine.backward(engine(x).square().mean())
+                reference(x).square().mean().div(3).backward()
+            engine.step()
+            plain.step()
+            plain.zero_grad()
+        assert engine.global_steps == 2
+        assert_same_parameters(engine.module, reference, rtol=1e-5, atol=1e-7)
+    finally:
+        engine.close()
+
+    config["gradient_accumulation_steps"] = 1       # the early step: each backward steps
+    config["train_micro_batch_size_per_gpu"] = 4
+    engine, *_ = infinity.initialize(model=_Net(), config=config)
+    try:
+        assert engine.optimizer.early_step
+        with pytest.raises(RuntimeError, match=r"set_gradient_accumulation_boundary\(False\) "
+                                               r"under the early step"):
+            engine.set_gradient_accumulation_boundary(False)
+        engine.set_gradient_accumulation_boundary(True)     # what it is: accepted
     finally:
         engine.close()

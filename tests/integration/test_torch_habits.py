@@ -176,18 +176,28 @@ def test_autograd_grad_is_not_a_backward(disk_dir) -> None:
 
 def test_an_lr_change_between_an_early_backward_and_its_step_is_warned(disk_dir, infinity_log) -> None:
     """Under the early step the units were stepped during the backward: an lr set between
-    backward() and step() applies from the next step, and a warning says so (once)."""
+    backward() and step() applies from the next step, and a warning says so (once); the
+    monitors get the lr the step used (they got the new one, which it never used)."""
     engine, *_ = _setup(disk_dir, "cpu", "on")
     x = _batches(1)[0]
+    reported = []
+    after_step = engine.report.after_step
+
+    def record(**kwargs) -> None:
+        reported.append(kwargs["lr"])
+        after_step(**kwargs)
+    engine.report.after_step = record
     try:
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
         engine.step()
         assert "changed between backward() and step()" not in infinity_log.text
+        used = engine.get_lr()
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
         for group in engine.optimizer.param_groups:
             group["lr"] = 5e-4
         engine.step()
         assert infinity_log.text.count("changed between backward() and step()") == 1
+        assert reported == [used, used] and used != [5e-4] * len(used), reported
     finally:
         engine.close()
 
