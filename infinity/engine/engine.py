@@ -465,16 +465,20 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.coordinator.pin(unit)
         self._settle()
 
-    def unpin_unit(self, unit: Unit, modified: bool, source_rank: int | None = None) -> None:
+    def unpin_unit(self, unit: Unit, modified: bool, source_rank: int | None = None,
+                   exact: dict | None = None) -> None:
         """Undo ``pin_unit``; with ``modified`` write the values back to every copy first (the
         unit is unpinned even when that fails). With several ranks the values are rank
-        ``source_rank``'s (DeepSpeed's ``modifier_rank``), sent to every rank first."""
+        ``source_rank``'s (DeepSpeed's ``modifier_rank``), sent to every rank first.
+        ``exact``: entry -> the full-precision values written into it (a state dict's), which
+        a separate fp32 master takes as they are ([Note: a change by hand reaches the
+        master] in optim/master_seed.py)."""
         try:
             if modified:
                 unit.take_rebound_values()
                 if self.comm.active:
                     self.comm.broadcast(unit.flat, 0 if source_rank is None else source_rank)
-                self.optimizer.reload_master(unit)
+                self.optimizer.reload_master(unit, exact)
                 unit.write_home(self.manager, self.fetch_pool)
                 torch.autograd.graph.increment_version([e.param for e in unit.params])  # as torch
         finally:

@@ -74,7 +74,8 @@ def load_module_state_dict(engine: "Engine", state_dict: Mapping[str, Any], stri
             except BaseException:
                 engine.unpin_unit(unit, modified=False)
                 raise
-            engine.unpin_unit(unit, modified=True)
+            engine.unpin_unit(unit, modified=True,
+                              exact={e: value_of[e.param].detach() for e in entries})
         for name, buf in buffers.items():
             if name in state_dict:
                 buf.copy_(state_dict[name])

@@ -10,6 +10,8 @@ released.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from infinity.storage.buffer_pool import BufferPool
@@ -17,7 +19,7 @@ from infinity.storage.manager import FlatStore, TierManager
 from infinity.storage.tiers import Residency
 from infinity.zero.protocols import SteppedUnit, UnitValues
 
-__all__ = ["seed_master"]
+__all__ = ["merge_master", "seed_master"]
 
 
 def seed_master(unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
@@ -38,6 +40,50 @@ def seed_master(unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
     _store(master, manager, lambda out: out.copy_(current), hi - lo)
     if was_released:
         unit.release(manager)
+
+
+def merge_master(unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
+                 manager: TierManager, exact: dict[Any, torch.Tensor] | None = None) -> None:
+    """[Note: a change by hand reaches the master]
+    The unit's fetched compute copy was changed by hand (``GatheredParameters`` with a
+    ``modifier_rank``, ``model.load_state_dict``, a forward renormalising rows in place): the
+    master of ``span`` takes the elements that changed. Seeded again from the whole copy, a
+    16-bit one, every element of the unit lost what its master held below the compute
+    dtype's precision (a read-only ``GatheredParameters(..., modifier_rank=0)`` moved a
+    layer's bf16-trained weights by 2e-4 after three steps, each left bf16-exact). An element
+    changed where its compute value is no longer the master rounded to the compute dtype (the
+    step writes the copy as that rounding); the rest keep their master. ``exact``: the fp32
+    values loaded into some entries (a state dict), which their master takes as they are,
+    not as the compute copy rounded them (keys: the unit's entries, ``offset`` and ``numel``)."""
+    lo, hi = span
+    if unit.residency != Residency.FETCHED:
+        raise RuntimeError(f"{unit.name}: its master takes a change by hand from the fetched "
+                           f"compute copy, but the unit is {unit.residency.name.lower()}")
+    current = unit.flat[lo:hi]
+    if master.resident:
+        _merge(master.tensor[:hi - lo], current, unit, lo, exact)
+        return
+    buf = manager.host_empty(master.padded, torch.float32, what="master merge")
+    manager.wait(master.load_async(buf))
+    _merge(buf[:hi - lo], current, unit, lo, exact)
+    manager.wait(master.store_async(buf))
+
+
+def _merge(master: torch.Tensor, current: torch.Tensor, unit: SteppedUnit, lo: int,
+           exact: dict[Any, torch.Tensor] | None) -> None:
+    """Elements of ``current`` (the compute copy from unit element ``lo``) that changed go to
+    ``master`` (fp32, the same range); then the ``exact`` values of the entries given."""
+    current = current.to(master.device)
+    if current.dtype == torch.float32:
+        master.copy_(current)
+    else:
+        changed = current != master.to(current.dtype)      # NaN != NaN: taken
+        master[changed] = current[changed].float()
+    hi = lo + master.numel()
+    for entry, values in (exact or {}).items():
+        a, b = max(lo, entry.offset), min(hi, entry.offset + entry.numel)
+        if a < b:
+            master[a - lo:b - lo].copy_(values.reshape(-1)[a - entry.offset:b - entry.offset])
 
 
 def _store(master: FlatStore, manager: TierManager, fill, numel: int) -> None:

@@ -52,7 +52,7 @@ from infinity.optim.gradients import GradientCollector
 from infinity.optim.held_room import HeldRoom
 from infinity.optim.kernel import AdamKernel
 from infinity.optim.loss_scaler import ReportsLossScale
-from infinity.optim.master_seed import seed_master
+from infinity.optim.master_seed import merge_master, seed_master
 from infinity.optim.pending_steps import PendingSteps
 from infinity.optim.pools import host_pool, plan_pools
 from infinity.optim.protocols import OptimizerOwner
@@ -240,11 +240,11 @@ class PartitionedOptimizer(RefusesTorchStateDict, ReportsLossScale, torch.optim.
             span = state.lo, state.hi
         seed_master(unit, master, span, self.manager, self.staging_pool, values)
 
-    def reload_master(self, unit: SteppedUnit) -> None:
-        """The unit's parameters were changed by hand: make the fp32 master match them."""
-        state = self._by_unit.get(unit.index)
-        if state is not None and state.master is not None:
-            self._init_master(unit, state.master)
+    def reload_master(self, unit: SteppedUnit, exact: dict | None = None) -> None:
+        """The unit's parameters were changed by hand: the fp32 master takes the changes
+        (``merge_master``; ``exact``: entry -> the fp32 values it was loaded with)."""
+        if (state := self._by_unit.get(unit.index)) is not None and state.master is not None:
+            merge_master(unit, state.master, (state.lo, state.hi), self.manager, exact)
 
     # -- the coordinator's UnitStepper (zero/protocols.py) ---------------------------------
     def on_grad(self, unit: SteppedUnit, entry: ParamEntry, grad: torch.Tensor) -> None:
