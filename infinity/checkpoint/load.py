@@ -32,7 +32,7 @@ from infinity.checkpoint.layout import (
 from infinity.checkpoint.moment_files import SavedMoments
 from infinity.checkpoint.moment_load import Conversions, load_int8, master_fill, moment_fill
 from infinity.checkpoint.pinned import PinnedSave, SavedWhileLoading, pin_save
-from infinity.checkpoint.restore import Restore, read_restore
+from infinity.checkpoint.restore import Restore, decoded, read_restore
 from infinity.checkpoint.save import RankAgreement, check_at_rest
 from infinity.checkpoint.sliced import SlicedReader, open_ranks, param_shapes, saved_ranks
 from infinity.checkpoint.tensor_file import CheckpointError
@@ -220,7 +220,8 @@ class CheckpointLoad:
         self.manifest = save.manifest
         self.restore = restore
         """The counters and settings to apply once written (None: load_module_only)."""
-        self.client_state: Any = save.manifest.get("client_state")
+        self.client_state: Any = decoded(save.manifest.get("client_state"), "client_state",
+                                         save.directory)
         self.layouts = unit_layouts(state)
         self.buffers = persistent_buffers(state.module)
         self.model: SlicedReader | None = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infinity.checkpoint.json_state import decode
 from infinity.checkpoint.tensor_file import CheckpointError
 from infinity.checkpoint.training_state import TrainingState
 from infinity.base.log import get_logger
@@ -93,6 +94,16 @@ def _check_scheduler_state(training: TrainingState, state: Any, directory: Path)
             "this engine's schedule")
 
 
+def decoded(value: Any, what: str, directory: Path) -> Any:
+    """A manifest's ``what`` (the scheduler's state, ``client_state``) as the Python value
+    saved (checkpoint/json_state.py), or a CheckpointError where its tags are damaged."""
+    try:
+        return decode(value)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {directory}: its manifest.json's {what}: {exc}. "
+                              "Load another checkpoint") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Restore:
     """What a load restores besides the tensors, read and checked before anything loads; the
@@ -138,7 +149,8 @@ def read_restore(state: TrainingState, manifest: dict[str, Any], optimizer_state
         raise CheckpointError(f"checkpoint {directory}: its manifest.json's loss_scaler is "
                               "not a dict: the manifest was edited or damaged")
     speculation_pays = counters.get("speculation_pays") if optimizer_states else None
-    scheduler = manifest.get("lr_scheduler") if scheduler_states else None
+    scheduler = decoded(manifest.get("lr_scheduler"), "lr_scheduler", directory) \
+        if scheduler_states else None
     _check_scheduler_state(state, scheduler, directory)
     return Restore(
         global_steps=global_steps, skipped_steps=skipped_steps, micro_steps=global_steps * gas,

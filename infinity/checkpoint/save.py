@@ -33,6 +33,7 @@ from infinity.checkpoint.directory import (
     write_latest,
     write_manifest,
 )
+from infinity.checkpoint.json_state import encode
 from infinity.checkpoint.layout import (
     MOMENTS,
     UnitLayout,
@@ -114,10 +115,11 @@ def manifest_state(state: TrainingState, client_state: Any) -> dict[str, Any]:
                    # uninterrupted run's path (a rolled-back step's gradient is rebuilt)
                    "speculation_pays": state.speculation_pays},
         "param_groups": json_value(groups, "the optimizer's param group settings"),
+        # Python values with their types (checkpoint/json_state.py): decoded on load
         "lr_scheduler": None if scheduler is None else
-        json_value(scheduler.state_dict(), "the LR scheduler's state_dict()"),
+        encode(scheduler.state_dict(), "the LR scheduler's state_dict()"),
         "loss_scaler": None if state.loss_scaler is None else state.loss_scaler.state_dict(),
-        "client_state": json_value(client_state, "client_state"),
+        "client_state": encode(client_state, "client_state"),
         # config.json and the like of a transformers model: `infinity export` writes them
         "model_files": dict(state.model_files or {}),
         # where the model was loaded from: `infinity export` copies its tokenizer files

@@ -127,7 +127,8 @@ class CheckpointCalls:
                         exclude_frozen_parameters: bool = False) -> Path:
         """Save the whole training state under ``save_dir/tag`` (default ``global_step<N>``),
         streamed unit by unit, and point ``save_dir/latest`` at it (see infinity/checkpoint).
-        ``client_state``: anything JSON-serializable, given back by ``load_checkpoint``;
+        ``client_state``: JSON's values, tuples and dicts of any simple keys (checkpoint/
+        json_state.py), given back by ``load_checkpoint`` with their types;
         ``exclude_frozen_parameters``: parameters that do not train are left out."""
         return save_checkpoint(training_state(self), save_dir, tag, client_state, save_latest,
                                exclude_frozen_parameters)

@@ -452,3 +452,50 @@ def test_a_parameter_without_elements_trains_and_checkpoints(disk_dir, tiers) ->
     finally:
         engine.close()
     assert consolidated_state_dict(directory)["placeholder"].shape == (0,)
+
+
+def test_a_multistep_schedule_and_a_tuple_client_state_resume_as_saved(disk_dir) -> None:
+    """torch's MultiStepLR keeps its milestones as a Counter of int keys: the first save
+    failed ("Use string keys"), hours into a run. ``random.getstate()`` in client_state came
+    back a list, which ``random.setstate`` refuses at resume. Both come back as saved, and
+    the resumed run's rates and losses are the uninterrupted run's."""
+    import random
+
+    def build(model):
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+                  "infinity": {"compute_dtype": "fp32"}}
+        return infinity.initialize(
+            model=model, config=config,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, [2, 4], 0.5))[0]
+
+    batches = [torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(i))
+               for i in range(6)]
+
+    def train(engine, xs):
+        losses = []
+        for x in xs:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append((loss.item(), engine.get_lr()[0]))
+        return losses
+
+    rng = random.Random(11).getstate()
+    engine = build(make_model("llama", layers=2))
+    try:
+        train(engine, batches[:3])
+        engine.save_checkpoint(disk_dir / "ckpt", client_state={"rng": rng})
+        expected = train(engine, batches[3:])
+    finally:
+        engine.close()
+    engine = build(make_model("llama", seed=9, layers=2))
+    try:
+        _, client = engine.load_checkpoint(disk_dir / "ckpt")
+        random.Random().setstate(client["rng"])             # a tuple again
+        assert client["rng"] == rng
+        milestones = engine.lr_scheduler.milestones
+        assert type(milestones).__name__ == "Counter" and milestones == {2: 1, 4: 1}
+        assert train(engine, batches[3:]) == expected
+    finally:
+        engine.close()
