@@ -15,6 +15,7 @@ from infinity.checkpoint import (
     save_checkpoint,
     save_model_weights,
 )
+from infinity.checkpoint.json_state import encode
 from infinity.engine.guards import every_rank_call
 from infinity.engine.pretrained import model_texts
 
@@ -22,6 +23,20 @@ if TYPE_CHECKING:
     from infinity.engine.engine import Engine
 
 log = get_logger("checkpoint")
+
+
+def warn_if_unsaveable(scheduler: Any) -> None:
+    """A scheduler whose state no checkpoint can hold (a set, a tensor, an object in its
+    ``state_dict()``) is said at initialize: ``save_checkpoint`` refuses it, and found at the
+    first save that was hours into a run. A warning, not an error: a run that never saves
+    trains as it would."""
+    if scheduler is None:
+        return
+    try:
+        encode(scheduler.state_dict(), "the LR scheduler's state_dict()")
+    except TypeError as exc:
+        log.warning("engine.save_checkpoint will refuse this run's LR scheduler, said now "
+                    "rather than at the first save: %s", exc)
 
 
 def training_state(engine: "Engine") -> TrainingState:

@@ -19,7 +19,7 @@ from infinity.base.log import get_logger
 from infinity.base.malloc_tuning import set_mmap_threshold, trim
 from infinity.comm.group import RankInfo
 from infinity.config import InfinityConfig
-from infinity.engine.checkpointing import CheckpointCalls
+from infinity.engine.checkpointing import CheckpointCalls, warn_if_unsaveable
 from infinity.engine.deepspeed_api import DeepSpeedEngineAccessors
 from infinity.engine.guards import (
     BACKWARD_AFTER_BOUNDARY_STEPS, BOUNDARY_SET_AFTER_LAST_BACKWARD, SECOND_EARLY_BACKWARD,
@@ -173,6 +173,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         lr_scheduler = rebind_scheduler(lr_scheduler, self._client_optimizer, self.optimizer)
         take_over(self._client_optimizer, self.optimizer)
         self.lr_scheduler = build_scheduler(self.config, self.optimizer, lr_scheduler)
+        warn_if_unsaveable(self.lr_scheduler)
         self._step_started = None
         self._last_stats: dict[str, float] = {}
         fp16 = self.config.fp16     # the loss scale, the skipping of steps that overflow

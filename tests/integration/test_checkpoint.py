@@ -499,3 +499,20 @@ def test_a_multistep_schedule_and_a_tuple_client_state_resume_as_saved(disk_dir)
         assert train(engine, batches[3:]) == expected
     finally:
         engine.close()
+
+
+def test_a_scheduler_no_checkpoint_can_hold_is_said_at_initialize(infinity_log) -> None:
+    """Its state found unsaveable at the first save was hours into a run: warned at once."""
+
+    class SetInState(torch.optim.lr_scheduler.LambdaLR):
+        def state_dict(self):
+            return {**super().state_dict(), "seen": {1, 2}}
+
+    engine = infinity.initialize(
+        model=make_model("llama", layers=1),
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}},
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        lr_scheduler=lambda opt: SetInState(opt, lambda step: 1.0))[0]
+    engine.close()
+    assert "engine.save_checkpoint will refuse this run's LR scheduler" in infinity_log.text
+    assert "Object of type set" in infinity_log.text
