@@ -390,7 +390,7 @@ def write_latest(save_dir: Path, tag: str) -> None:
                      0o666)
         pending = path
         with os.fdopen(fd, "w") as f:
-            f.write(tag + "\n")
+            f.write(tag)       # no newline: DeepSpeed's, which scripts read as it is
             f.flush()
             os.fsync(f.fileno())
         os.replace(pending, save_dir / LATEST)
@@ -530,12 +530,28 @@ def checkpoint_directory(path: Path, tag: str | None) -> Path | None:
     return resolve(path, tag)
 
 
+_DEEPSPEED_FILE = re.compile(r"(mp_rank_\d+_model_states|(bf16_)?zero_pp_rank_\d+_mp_rank_\d+"
+                             r"_(optim|model)_states)\.pt")
+"""The files of a DeepSpeed checkpoint's tag directory (its engine's ``save_checkpoint``)."""
+
+DEEPSPEED_CHECKPOINT = (
+    "{directory} is a DeepSpeed checkpoint (mp_rank_*_model_states.pt, zero_pp_rank_*): "
+    "infinity's load_checkpoint reads its own format (manifest.json and safetensors, no "
+    "pickle), so it cannot resume DeepSpeed's optimizer states. To go on from its weights: "
+    "run the zero_to_fp32.py script DeepSpeed saved beside it (see its --help) and load the result with "
+    "model.load_state_dict(...) or from_pretrained before or after infinity.initialize; the "
+    "Adam moments start again from zero")
+
+
 def resolve(load_dir: Path, tag: str | None) -> Path | None:
     """The checkpoint directory to load: ``tag``'s, or the one ``latest`` names (None when
     there is no ``latest``). Raises when the named checkpoint is not there."""
     if tag is None or tag == LATEST:        # tag="latest": the tag latest names, not a tag
         tag = read_latest(load_dir)
         if tag is None:
+            if load_dir.is_dir() and any(_DEEPSPEED_FILE.fullmatch(p.name)
+                                         for p in load_dir.iterdir()):
+                raise CheckpointError(DEEPSPEED_CHECKPOINT.format(directory=load_dir))
             return None
     directory = load_dir / check_tag(tag)
     aside = replaced_dir(load_dir, tag)
@@ -548,6 +564,8 @@ def resolve(load_dir: Path, tag: str | None) -> Path | None:
         tags = available_tags(load_dir)
         if directory.is_dir():
             present = sorted(p.name for p in directory.iterdir())
+            if any(_DEEPSPEED_FILE.fullmatch(name) for name in present):
+                raise CheckpointError(DEEPSPEED_CHECKPOINT.format(directory=directory))
             raise CheckpointError(
                 f"{directory} has no {MANIFEST}, so it cannot be loaded as checkpoint {tag!r}: "
                 "the manifest says what the checkpoint holds and the checksums of its files, and "

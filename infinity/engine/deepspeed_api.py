@@ -167,6 +167,36 @@ class DeepSpeedEngineAccessors:
             state[prefix + name] = buf if keep_vars else buf.detach()
         return state
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, Any]:
+        """What accelerate's ``get_state_dict`` and DeepSpeed's own 16-bit save call at stage
+        3: the whole model in the compute dtype, on every rank (each must call it);
+        ``module_state_dict``'s values."""
+        return self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def zero_optimization(self) -> bool:
+        return self.config.zero.stage > 0
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.config.zero.stage >= 3
+
+    def zero_offload_optimizer(self) -> bool:
+        return self.config.zero.offload_optimizer.device != "none"
+
+    def zero_offload_param(self) -> bool:
+        return self.config.zero.stage >= 3 and self.config.zero.offload_param.device != "none"
+
+    def zero_cpu_offload(self) -> bool:
+        return self.config.zero.offload_optimizer.device == "cpu"
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's call to free the parameters stage 3 keeps gathered between uses: this
+        engine keeps none (a unit is released after its use, or kept by the planner as
+        persistent within the budget it sized), so there is nothing to free."""
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accepted for scripts written for DDP, and a no-op at any world size: every backward

@@ -651,3 +651,21 @@ def test_a_manifest_changed_after_its_save_is_refused(engine, disk_dir, edit) ->
     path.write_text(changed)
     with pytest.raises(CheckpointError, match="was changed after its save"):
         engine.load_checkpoint(disk_dir / "ckpt")
+
+
+@pytest.mark.parametrize("named", ["save_dir", "tag_dir"])
+def test_a_deepspeed_checkpoint_is_named_as_one_with_the_way_to_its_weights(
+        engine, disk_dir, named) -> None:
+    """A DeepSpeed save directory was told its manifest "was deleted or never written ...
+    restore the manifest"; the directory of one of its tags gave (None, None)."""
+    save_dir = disk_dir / "ds_ckpt"
+    tag_dir = save_dir / "global_step10"
+    tag_dir.mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (tag_dir / name).write_bytes(b"not read")
+    (save_dir / "latest").write_text("global_step10")
+    target = save_dir if named == "save_dir" else tag_dir
+    with pytest.raises(CheckpointError, match=r"is a DeepSpeed checkpoint .*zero_to_fp32\.py"):
+        engine.load_checkpoint(target)
+    assert sorted(p.name for p in tag_dir.iterdir()) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]

@@ -160,6 +160,14 @@ def test_the_deepspeed_engine_accessors(disk_dir) -> None:
         assert engine.get_batch_info() == (8, 4, 2) and engine.steps_per_print() == 7
         assert engine.wall_clock_breakdown() is False
         assert engine.zero_optimization_stage() == 3 and engine.gradient_clipping() == 1.0
+        # the ZeRO flags accelerate and DeepSpeed's own saves read
+        assert engine.zero_optimization() and engine.zero_optimization_partition_weights()
+        assert engine.zero_offload_optimizer() and engine.zero_cpu_offload()
+        assert engine.zero_offload_param()
+        assert engine.zero_gather_16bit_weights_on_model_save() is False
+        assert engine.empty_partition_cache() is None
+        consolidated = engine._zero3_consolidated_16bit_state_dict()
+        assert set(consolidated) == set(model.state_dict())
         # what the engine computes in (fp32 here on a CPU: an fp16 section keeps loss scaling),
         # which scripts read to cast their inputs
         assert engine.fp16_enabled() == (engine.compute_dtype == torch.float16)
