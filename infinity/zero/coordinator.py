@@ -55,8 +55,8 @@ from torch import nn
 
 from infinity.base.log import get_logger
 from infinity.storage.tiers import Residency
-from infinity.zero.module_calls import (in_graph_task, keep_at, only_for, param_versions,
-                                        tensors_in, unaliased, weak_grad_hook)
+from infinity.zero.module_calls import (hook_for_backward, in_graph_task, keep_at, only_for,
+                                        param_versions, tensors_in, unaliased, weak_grad_hook)
 from infinity.zero.input_gradients import LATE_AFTER_INPUTS, marked_inputs
 from infinity.zero.pass_state import (DOUBLE_BACKWARD, FORWARDS, PassPhase, UnitStatus,
                                       defer_to_recompute, drop_unused_inputs, next_trainable,
@@ -245,7 +245,9 @@ class Coordinator:
         if not recompute:
             self._grad_uses.extend(ids)
             self.detached_reads.note_call(ids)    # its saves hidden from the hooks: held longer
-        return (frozenset(id(t) for t in tensors_in((args, kwargs))), call), args, kwargs
+        # an input's id, and its base's (an output viewing the caller's tensor is passed on)
+        return (frozenset(id(x) for t in tensors_in((args, kwargs)) for x in (t, t._base)
+                          if x is not None), call), args, kwargs
 
     def _forward_post(self, ids: tuple[int, ...], output, record: tuple):
         recompute, (passed_through, call) = in_graph_task(), record
@@ -270,13 +272,8 @@ class Coordinator:
                     self._release_or_keep(uid)
             self._gather_after(ids[-1], self._phase if self._phase in FORWARDS
                                else PassPhase.EVAL_FORWARD)
-        if torch.is_grad_enabled():
-            # an input handed back unchanged (T5's blocks return the position bias they were
-            # given) gets its gradient only at its producer's backward: see [Note: outputs
-            # passed through]
-            for t in tensors_in(output, objects=True):
-                if t.requires_grad and id(t) not in passed_through:
-                    t.register_hook(lambda grad, ids=ids: self._pre_backward(ids))
+        if torch.is_grad_enabled():     # see [Note: outputs passed through]
+            hook_for_backward(output, passed_through, lambda grad: self._pre_backward(ids))
         return replaced
 
     # -- backward --------------------------------------------------------------------------

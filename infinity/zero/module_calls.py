@@ -64,6 +64,31 @@ def unaliased(output: Any, units: list[Unit]) -> Any:
     return replaced
 
 
+def hook_for_backward(output: Any, passed_through: frozenset[int],
+                      hook: Callable[[torch.Tensor], None]) -> None:
+    """[Note: a view's hook and in-place ops]
+    A unit's pre-backward hook goes on each tensor of its output that needs a gradient and is
+    not an input handed back (``passed_through``: [Note: outputs passed through] in
+    zero/coordinator.py). Where such a tensor is a view (``nn.Linear`` on 3-D input returns
+    one of its 2-D result; a block ending in ``.view``, ``.transpose``), an in-place op on it
+    before the backward (``logits[..., 0] = -1e4``, ``h.mul_(0.9)``) replaces the view's
+    autograd node: autograd runs CopySlices on its base instead, and the hook on the view
+    never fires. The unit was then not fetched for its backward, which failed on released
+    (empty) parameters, blamed on an external parameter. So the base gets the hook too
+    (its node stays where CopySlices hands the gradient on); without an in-place op both fire,
+    and the second finds the unit already fetched."""
+    hooked: set[int] = set()
+    for t in tensors_in(output, objects=True):
+        if not t.requires_grad or id(t) in passed_through:
+            continue
+        t.register_hook(hook)
+        base = t._base
+        if base is not None and base.requires_grad and id(base) not in passed_through \
+                and id(base) not in hooked:
+            hooked.add(id(base))
+            base.register_hook(hook)
+
+
 def _storage_of(t: torch.Tensor) -> int | None:
     """A dense tensor's storage address; None for one that has none to view a flat buffer
     (sparse, nested, a wrapper subclass: asking raised; meta: every one is 0)."""

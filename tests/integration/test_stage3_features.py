@@ -1560,3 +1560,53 @@ def test_a_unit_that_returns_a_sparse_tensor_trains(disk_dir) -> None:
         assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
+
+
+class _ViewOutputs(nn.Module):
+    """Units whose outputs are views: a block ending in ``.view`` and an ``nn.Linear`` head on
+    3-D input (a view of its 2-D matmul); the caller writes into both in place."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, x: torch.Tensor, edit: bool) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h.reshape(-1, h.shape[-1])).view(h.shape)
+            if edit:
+                h.mul_(0.9)
+            h = torch.tanh(h)
+        logits = self.head(h)
+        if edit:
+            logits[..., 0] = -1e4          # a banned token
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x.reshape(-1))
+
+
+@pytest.mark.parametrize("param, early_step", [("cpu", "auto"), ("nvme", "off")])
+@pytest.mark.parametrize("first_edit", [0, 1])
+def test_an_in_place_op_on_a_unit_s_view_output_trains_as_torch(
+        disk_dir, param, early_step, first_edit) -> None:
+    """[Note: a view's hook and in-place ops] in zero/module_calls.py: the backward failed on
+    released parameters ("probably on a parameter whose unit was not fetched") from the first
+    step that edits a view output in place (at step 1 after a clean step 0, from step 2)."""
+    torch.manual_seed(0)
+    ds = zero_config(3, param, param, str(disk_dir), early_step=early_step)
+    engine, reference, ref_opt = engine_and_reference(_ViewOutputs(), ds)
+    gen = torch.Generator().manual_seed(2)
+    try:
+        for step in range(4):
+            x = torch.randint(0, VOCAB, (2, 8), generator=gen)
+            loss = engine(x, edit=step >= first_edit)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference(x, edit=step >= first_edit)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert_same_parameters(engine.module, reference)
+    finally:
+        engine.close()
