@@ -56,6 +56,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from infinity.base.interrupts import deferred_interrupts
 from infinity.base.log import get_logger
+from infinity.integrations.hf_resume import check_resumable, last_whole_checkpoint
 from infinity.engine.model_methods import is_peft_model
 from infinity.integrations.hf_config import fill_from_training_args, read_ds_config
 
@@ -221,6 +222,10 @@ class Trainer(transformers.Trainer):
         self.infinity_config = config if config is not None else from_args
         self._held = engine
         if engine is not None:
+            if self.model_init is not None:
+                raise ValueError("Trainer got engine= and model_init=: the engine trains the "
+                                 "model it holds, and model_init would make another each "
+                                 "train(); pass one of them")
             if self.infinity_config is not None:
                 raise ValueError("Trainer got engine= and a ds_config: the engine has its "
                                  "config already, pass one of them")
@@ -240,6 +245,10 @@ class Trainer(transformers.Trainer):
                 "trains without DeepSpeed. Launch with torchrun (or accelerate without "
                 "DeepSpeed), with Trainer and TrainingArguments imported from "
                 "infinity.integrations.hf")
+        if self.args.torch_compile:
+            log.warning("TrainingArguments(torch_compile=True) is not applied: infinity's engine "
+                        "runs the model uncompiled (it fetches and releases each unit's "
+                        "parameters around its forward); training goes on uncompiled")
         if self.args.load_best_model_at_end and self.args.save_only_model:
             # transformers refuses this pair under DeepSpeed and FSDP too
             raise ValueError(
@@ -259,7 +268,12 @@ class Trainer(transformers.Trainer):
         """The engine, built once, with the Trainer's optimizer taken over (or the config's,
         with the Trainer's weight-decay groups) and its schedule."""
         if self.engine is not None:
-            return self.optimizer
+            if self.engine.module is self.model:
+                return self.optimizer
+            # train() again with model_init (hyperparameter_search, a fresh model each run):
+            # the last run's engine holds the last model; the new one gets its own
+            self.engine.close()
+            self.engine, self._schedule_origin = None, "user"
         import infinity
 
         max_steps = self.state.max_steps or self.args.max_steps
@@ -432,7 +446,7 @@ class Trainer(transformers.Trainer):
                                        ignore_keys=ignore_keys, **gen_kwargs)
 
     def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
-        if self.engine is not None:
+        if self.engine is not None and self.engine.module is self.model:
             return self.engine
         if not training and any(p.is_meta for p in model.parameters()):
             # evaluate()/predict() before train(): the engine is built when training starts,
@@ -510,28 +524,24 @@ class Trainer(transformers.Trainer):
             raise FileNotFoundError(f"resume_from_checkpoint={checkpoint!r}: no infinity "
                                     "checkpoint there (no 'latest' file)")
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        """transformers' ``train``; ``resume_from_checkpoint=True`` takes the newest checkpoint
+        whose save finished (transformers takes the newest directory, and a run killed while
+        saving one left it without the engine's state: the resume failed, blaming
+        save_only_model)."""
+        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+            resume_from_checkpoint = last_whole_checkpoint(self.args.output_dir,
+                                                           self.args.save_only_model)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Called before the engine exists on resume: the engine's checkpoint is loaded once
         it is built (``_load_optimizer_and_scheduler``); here it is only checked for."""
         if self.engine is not None:
             self.engine.load_checkpoint(resume_from_checkpoint, load_module_only=True)
             return
-        if not os.path.isdir(resume_from_checkpoint):
-            raise FileNotFoundError(f"resume_from_checkpoint={resume_from_checkpoint!r} does "
-                                    "not exist (or is not a directory)")
-        if not os.path.isfile(os.path.join(resume_from_checkpoint, "latest")):
-            weights_only = any(os.path.isfile(os.path.join(resume_from_checkpoint, name))
-                               for name in ("model.safetensors", "model.safetensors.index.json",
-                                            "adapter_model.safetensors"))
-            raise FileNotFoundError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r} holds no infinity "
-                "checkpoint ('latest')" + (
-                    ": it holds the model's weights but no engine state (saved with "
-                    "save_only_model=True, or by transformers' own Trainer), so the run cannot "
-                    "go on from it as it stood. Resume from a checkpoint infinity's Trainer "
-                    "saved without save_only_model, or start a new run from these weights "
-                    "(infinity.from_pretrained, or the model loaded from them)"
-                    if weights_only else ": resume from a checkpoint this Trainer saved"))
+        check_resumable(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint

@@ -256,6 +256,7 @@ def test_a_checkpoint_of_weights_alone_is_refused_for_a_resume_saying_why(disk_d
     weights = tmp_path / "checkpoint-3"
     weights.mkdir()
     (weights / "model.safetensors").write_bytes(b"")
+    (weights / "trainer_state.json").write_text("{}")     # its save finished: written last
     with pytest.raises(FileNotFoundError, match="weights but no engine state.*save_only_model"):
         trainer._load_from_checkpoint(str(weights))
     with pytest.raises(FileNotFoundError, match="does not exist"):

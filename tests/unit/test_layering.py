@@ -56,6 +56,9 @@ FOREIGN_PRIVATES = {
                              "prepare_model) so a load into meta parameters (PEFT's saved "
                              "adapter) keeps its values; no public hook sees the tensors a "
                              "module's load copies into its own parameters",
+    "_base": "torch.Tensor._base: the tensor a view views; an in-place op on a unit's view "
+             "output replaces the view's autograd node, so its pre-backward hook goes on the "
+             "base too (and an input's base counts as passed through); no public API gives it",
     "_sequence_nr": "torch.autograd.graph.Node._sequence_nr(): the order autograd made a node "
                     "in, which tells a call's own nodes from those made before it (walking "
                     "a call's graph for the inputs it read); no public API gives it",
