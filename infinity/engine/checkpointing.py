@@ -128,7 +128,11 @@ def load_checkpoint(engine: "Engine", load_dir: str | Path, tag: str | None,
             engine._load_failure = exc
             raise
         engine._load_failure = None
-    log.info("loaded checkpoint %s (global step %d)", load.directory, engine.global_steps)
+    if load.restore is None:     # load_module_only: the engine's counters are its own
+        log.info("loaded the weights of checkpoint %s (the engine stays at global step %d)",
+                 load.directory, engine.global_steps)
+    else:
+        log.info("loaded checkpoint %s (global step %d)", load.directory, engine.global_steps)
     return str(load.directory), load.client_state
 
 
