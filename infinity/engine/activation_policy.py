@@ -148,7 +148,11 @@ class AutoActivationOffload:
         key = (batch, seq, checkpointed)
         choice = self._decided.get(key)
         if choice is None:
-            if self.on_device and self.always:
+            if batch == 0 or seq == 0:        # torch's own error follows, if any
+                choice = OffloadChoice(decision="nvme" if self.always else "none",
+                                       predicted_bytes=0, room_bytes=self.room,
+                                       reason=f"an empty batch ({batch} x {seq}): nothing saved")
+            elif self.on_device and self.always:
                 choice = forced_offload(None, self.room, 0)
             elif self.on_device:
                 choice = OffloadChoice(decision="none",

@@ -289,6 +289,9 @@ def test_auto_policy_reads_a_dict_batch_passed_whole() -> None:
         policy._handle.remove()
     assert policy.choice.predicted_bytes is None and policy.choice.decision == "none"
     assert "no input_ids, inputs_embeds or tensor" in policy.choice.reason, policy.choice.reason
+    # an empty batch: nothing saved (the planner's count refused a 0, before torch's own error)
+    assert policy.decide(0, 16).reason == "an empty batch (0 x 16): nothing saved"
+    assert policy.decide(2, 0).predicted_bytes == 0
 
 
 def test_auto_policy_reads_checkpointing_without_a_deprecation_warning() -> None:
