@@ -79,11 +79,13 @@ def hook_for_backward(output: Any, passed_through: frozenset[int],
     and the second finds the unit already fetched."""
     hooked: set[int] = set()
     for t in tensors_in(output, objects=True):
-        if not t.requires_grad or id(t) in passed_through:
+        # a leaf (another module's parameter handed out) has no node of this call behind it,
+        # and a hook on it would stay there, one more each forward
+        if not t.requires_grad or t.grad_fn is None or id(t) in passed_through:
             continue
         t.register_hook(hook)
         base = t._base
-        if base is not None and base.requires_grad and id(base) not in passed_through \
+        if base is not None and base.grad_fn is not None and id(base) not in passed_through \
                 and id(base) not in hooked:
             hooked.add(id(base))
             base.register_hook(hook)
