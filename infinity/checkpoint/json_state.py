@@ -14,7 +14,9 @@ objects, ``{"__infinity__": kind, "items": [...]}``, which ``decode`` turns back
   two dict subclasses whatever their keys, and for a dict with a key ``"__infinity__"`` itself.
 
 A dict with string keys is a JSON object as before, so manifests written before this module
-read the same. Other dict subclasses (``defaultdict``, whose factory JSON cannot hold) and
+read the same. Other dict subclasses (``defaultdict``, whose factory JSON cannot hold) come
+back as plain dicts and namedtuples as plain tuples, with a warning at the save (DeepSpeed
+pickles client_state, so both are habits; refused, a first save hours into a run failed);
 values JSON cannot hold (sets, tensors, objects) are refused by name before anything is
 written."""
 from __future__ import annotations
@@ -23,7 +25,11 @@ import json
 from collections import Counter, OrderedDict
 from typing import Any
 
+from infinity.base.log import get_logger
+
 __all__ = ["decode", "encode"]
+
+log = get_logger("checkpoint")
 
 TAG = "__infinity__"
 _MAPPINGS: dict[type, str] = {dict: "dict", Counter: "Counter", OrderedDict: "OrderedDict"}
@@ -68,24 +74,36 @@ def _hashable(key: Any) -> Any:
     return key
 
 
+_warned: set[tuple[str, str]] = set()
+
+
+def _plain(what: str, where: str, value: Any, kind: str) -> None:
+    """Said once per kind of value: it comes back as a plain ``kind`` (a defaultdict without
+    its factory, a namedtuple without its names; pickled by DeepSpeed, which kept them)."""
+    key = (what, type(value).__name__)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s: %s is a %s, which a checkpoint gives back as a plain %s (the manifest "
+                    "is JSON, no pickle): rebuild it after load_checkpoint", what, where,
+                    type(value).__name__, kind)
+
+
 def _encode(value: Any, what: str, where: str, depth: int = 0) -> Any:
     if depth > 100:
         return value          # json.dumps reports a circular or too deep value itself
     if isinstance(value, tuple) and type(value) is tuple:
         return {TAG: "tuple", "items": [_encode(v, what, f"{where}[{i}]", depth + 1)
                                         for i, v in enumerate(value)]}
-    if isinstance(value, tuple):
-        raise TypeError(f"{what}: {where} is a {type(value).__name__}, which a checkpoint "
-                        "manifest would give back as a plain tuple: convert it with tuple() "
-                        "(or ._asdict()) and rebuild it after load_checkpoint")
+    if isinstance(value, tuple):          # a namedtuple: its items, as a tuple
+        _plain(what, where, value, "tuple")
+        return _encode(tuple(value), what, where, depth)
     if isinstance(value, list):
         return [_encode(v, what, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
     if isinstance(value, dict):
         kind = _MAPPINGS.get(type(value))
-        if kind is None:
-            raise TypeError(f"{what}: {where} is a {type(value).__name__}, which a checkpoint "
-                            "manifest cannot give back as it was (JSON holds dict, Counter and "
-                            f"OrderedDict): convert it with dict({where.rsplit('.', 1)[-1]})")
+        if kind is None:                  # a defaultdict, ...: its items, as a dict
+            _plain(what, where, value, "dict")
+            kind = "dict"
         for key in value:
             if not isinstance(key, _KEYS):
                 raise TypeError(f"{what}: {where} has a key {key!r} of type "

@@ -32,9 +32,14 @@ def warn_if_unsaveable(scheduler: Any) -> None:
     trains as it would."""
     if scheduler is None:
         return
+    if not callable(getattr(scheduler, "state_dict", None)):
+        log.warning("engine.save_checkpoint will refuse this run's LR scheduler, said now "
+                    "rather than at the first save: a %s has no state_dict()",
+                    type(scheduler).__name__)
+        return
     try:
         encode(scheduler.state_dict(), "the LR scheduler's state_dict()")
-    except TypeError as exc:
+    except Exception as exc:  # noqa: BLE001 - said, not raised: a run that never saves goes on
         log.warning("engine.save_checkpoint will refuse this run's LR scheduler, said now "
                     "rather than at the first save: %s", exc)
 

@@ -531,8 +531,7 @@ class Trainer(transformers.Trainer):
         saving one left it without the engine's state: the resume failed, blaming
         save_only_model)."""
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            resume_from_checkpoint = last_whole_checkpoint(self.args.output_dir,
-                                                           self.args.save_only_model)
+            resume_from_checkpoint = last_whole_checkpoint(self.args.output_dir)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

@@ -31,23 +31,18 @@ def save_interrupted(checkpoint: str) -> bool:
         not os.path.isfile(os.path.join(checkpoint, "trainer_state.json"))
 
 
-def _whole(checkpoint: str, save_only_model: bool) -> bool:
-    """Its save finished, with the engine's checkpoint (``latest``) unless the run saved the
-    model only."""
-    return not save_interrupted(checkpoint) and (
-        save_only_model or os.path.isfile(os.path.join(checkpoint, "latest")))
-
-
-def last_whole_checkpoint(output_dir: str, save_only_model: bool) -> str:
+def last_whole_checkpoint(output_dir: str) -> str:
     """The newest ``checkpoint-N`` of ``output_dir`` whose save finished, warning about newer
-    ones that did not; ValueError where there is none (transformers' words)."""
+    ones that did not; ValueError where there is none (transformers' words). One that finished
+    without the engine's state (saved with save_only_model) is taken as transformers takes it,
+    and ``check_resumable`` says why it cannot be resumed: an older one would drop steps."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     found = sorted((int(m.group(1)), name) for name in names
                    if (m := _CHECKPOINT.fullmatch(name))
                    and os.path.isdir(os.path.join(output_dir, name)))
     unfinished = []
     for _, name in reversed(found):
-        if _whole(os.path.join(output_dir, name), save_only_model):
+        if not save_interrupted(os.path.join(output_dir, name)):
             if unfinished:
                 log.warning("resume_from_checkpoint=True: %s did not finish saving (the run "
                             "stopped while saving): resuming from %s", ", ".join(unfinished),

@@ -54,7 +54,8 @@ def merge_master(unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
     changed where its compute value is no longer the master rounded to the compute dtype (the
     step writes the copy as that rounding); the rest keep their master. ``exact``: the fp32
     values loaded into some entries (a state dict), which their master takes as they are,
-    not as the compute copy rounded them (keys: the unit's entries, ``offset`` and ``numel``)."""
+    not as the compute copy rounded them, where the copy holds them (at several ranks it is
+    the source rank's, and another rank's own dict is not what was loaded) (keys: the unit's entries, ``offset`` and ``numel``)."""
     lo, hi = span
     if unit.residency != Residency.FETCHED:
         raise RuntimeError(f"{unit.name}: its master takes a change by hand from the fetched "
@@ -83,7 +84,13 @@ def _merge(master: torch.Tensor, current: torch.Tensor, unit: SteppedUnit, lo: i
     for entry, values in (exact or {}).items():
         a, b = max(lo, entry.offset), min(hi, entry.offset + entry.numel)
         if a < b:
-            master[a - lo:b - lo].copy_(values.reshape(-1)[a - entry.offset:b - entry.offset])
+            # only where the compute copy holds them rounded: at several ranks the copy is the
+            # source rank's (broadcast), and this rank's own dict may hold other values
+            src = values.reshape(-1)[a - entry.offset:b - entry.offset].to(master.device,
+                                                                            torch.float32)
+            here = current[a - lo:b - lo]
+            master[a - lo:b - lo] = torch.where(src.to(here.dtype) == here, src,
+                                                master[a - lo:b - lo])
 
 
 def _store(master: FlatStore, manager: TierManager, fill, numel: int) -> None:

@@ -516,3 +516,17 @@ def test_a_scheduler_no_checkpoint_can_hold_is_said_at_initialize(infinity_log) 
     engine.close()
     assert "engine.save_checkpoint will refuse this run's LR scheduler" in infinity_log.text
     assert "Object of type set" in infinity_log.text
+
+    class StepOnly:                     # DeepSpeed trains with one: no state_dict() at all
+        def __init__(self, optimizer) -> None:
+            self.optimizer = optimizer
+
+        def step(self) -> None:
+            pass
+
+    engine = infinity.initialize(
+        model=make_model("llama", layers=1),
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}},
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), lr_scheduler=StepOnly)[0]
+    engine.close()
+    assert "a StepOnly has no state_dict()" in infinity_log.text

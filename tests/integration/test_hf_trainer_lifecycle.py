@@ -104,3 +104,22 @@ def test_torch_compile_is_said_not_to_apply(disk_dir, tmp_path, infinity_log) ->
                                                              torch_compile=True)))
     trainer.close()
     assert "torch_compile=True) is not applied" in infinity_log.text
+
+
+def test_the_newest_finished_checkpoint_is_taken_even_without_engine_state(tmp_path) -> None:
+    """A finished save of weights alone (save_only_model) is the newest: it is taken, as
+    transformers takes it, and refused saying why (not skipped for an older one, which would
+    drop steps, named as a save that did not finish)."""
+    from infinity.integrations.hf_resume import check_resumable, last_whole_checkpoint
+
+    for step, files in ((3, ("trainer_state.json", "latest")),
+                        (5, ("trainer_state.json", "model.safetensors")),
+                        (7, ("model.safetensors",))):          # killed: no trainer_state.json
+        directory = tmp_path / f"checkpoint-{step}"
+        directory.mkdir()
+        for name in files:
+            (directory / name).write_text("{}")
+    chosen = last_whole_checkpoint(str(tmp_path))
+    assert chosen == str(tmp_path / "checkpoint-5")
+    with pytest.raises(FileNotFoundError, match="weights but no engine state"):
+        check_resumable(chosen)
