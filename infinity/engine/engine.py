@@ -476,7 +476,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         master] in optim/master_seed.py)."""
         try:
             if modified:
-                unit.take_rebound_values()
+                exact = {**unit.take_rebound_values(), **(exact or {})}
                 if self.comm.active:
                     self.comm.broadcast(unit.flat, 0 if source_rank is None else source_rank)
                 self.optimizer.reload_master(unit, exact)

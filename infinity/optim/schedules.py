@@ -290,7 +290,10 @@ def check_scheduler_builds(config, groups: list[dict], defaults: dict[str, Any],
 
 
 def _is_factory(user: Any) -> bool:
-    return callable(user) and not hasattr(user, "step")
+    """A callable that builds the scheduler from the optimizer (a class is one: it has a
+    ``step`` but is not a scheduler; taken for one, its unbound ``step()`` failed at the first
+    optimizer step), not a scheduler object."""
+    return isinstance(user, type) or (callable(user) and not hasattr(user, "step"))
 
 
 def check_user_scheduler(user: Any) -> None:

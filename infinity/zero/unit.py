@@ -292,10 +292,14 @@ class Unit:
         base, size = self.flat.data_ptr(), self.flat.element_size()
         return any(e.numel and e.param.data_ptr() != base + e.offset * size for e in self.params)
 
-    def take_rebound_values(self) -> None:
+    def take_rebound_values(self) -> dict[ParamEntry, torch.Tensor]:
         """A fetched unit's parameters were changed by rebinding ``param.data`` (not in place,
         e.g. ``p.data = torch.zeros_like(p)``): copy the new values into the flat buffer and
-        point the parameters back at it. A new shape cannot be taken (the layout is fixed)."""
+        point the parameters back at it. A new shape cannot be taken (the layout is fixed).
+        Returns the rebound values finer than the flat buffer's dtype (an fp32 tensor given
+        to a bf16 unit), which a separate fp32 master takes as they are ([Note: a change by
+        hand reaches the master] in optim/master_seed.py)."""
+        finer: dict[ParamEntry, torch.Tensor] = {}
         for entry in self.params:
             data = entry.param.data
             view = self.flat[entry.offset:entry.offset + entry.numel]
@@ -309,7 +313,10 @@ class Unit:
                     "resize_token_embeddings) before infinity.initialize")
             with torch.no_grad():
                 view.copy_(data.reshape(-1))
+            if data.is_floating_point() and data.dtype.itemsize > view.dtype.itemsize:
+                finer[entry] = data.detach().reshape(-1).float().clone()
         self._point_params()
+        return finer
 
     def _unpoint_params(self) -> None:
         """Released: every parameter has 0 elements (see the module docstring)."""

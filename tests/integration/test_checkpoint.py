@@ -524,9 +524,17 @@ def test_a_scheduler_no_checkpoint_can_hold_is_said_at_initialize(infinity_log) 
         def step(self) -> None:
             pass
 
+    # a class is a factory (called with the optimizer), not a scheduler: taken for one, its
+    # unbound step() failed at the first optimizer step
     engine = infinity.initialize(
         model=make_model("llama", layers=1),
         config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}},
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), lr_scheduler=StepOnly)[0]
-    engine.close()
+    try:
+        assert isinstance(engine.lr_scheduler, StepOnly)
+        x = torch.randint(0, VOCAB, (2, 8))
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    finally:
+        engine.close()
     assert "a StepOnly has no state_dict()" in infinity_log.text

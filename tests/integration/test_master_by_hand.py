@@ -77,3 +77,22 @@ def test_a_state_dict_of_fp32_values_is_the_master_as_loaded(disk_dir) -> None:
     for key in trained:
         assert torch.equal(masters[key], loaded[key]), \
             (key, (masters[key] - loaded[key]).abs().max())
+
+
+def test_fp32_values_rebound_under_gathered_parameters_are_the_master(disk_dir) -> None:
+    """``p.data = fp32_tensor`` under ``GatheredParameters(..., modifier_rank=0)`` (an EMA
+    written back, a re-init): the master took them only as the bf16 copy rounded them, and an
+    edit under half a bf16 step (x 1.001 here) not at all."""
+    engine, model = _engine(disk_dir, 3, "cpu", "cpu")
+    try:
+        name = "model.layers.1.mlp.up_proj.weight"
+        before = _masters(engine, disk_dir, "before")
+        target = before[name] * 1.001
+        weight = dict(model.named_parameters())[name]
+        with infinity.zero.GatheredParameters([weight], modifier_rank=0):
+            weight.data = target.clone()
+        after = _masters(engine, disk_dir, "after")
+    finally:
+        engine.close()
+    assert torch.equal(after[name], target)
+    assert all(torch.equal(after[k], before[k]) for k in before if k != name)
