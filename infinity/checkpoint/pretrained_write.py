@@ -245,8 +245,29 @@ def _gathered_master(state: TrainingState, lay: UnitLayout, chunks: ChunkPool) -
     if hi > lo:
         for a, values in read_chunks(placed.source, 0, hi - lo, chunks):
             full[lo + a:lo + a + values.numel()].copy_(values[:hi - lo - a])
-    state.comm.all_gather(full, tag=unit.index)
+    if state.world_size > 1:
+        state.comm.all_gather(full, tag=unit.index)
     return full
+
+
+def trainable_masters(state: TrainingState, params: Collection[int], what: str
+                      ) -> dict[int, torch.Tensor]:
+    """The fp32 masters of the trainable parameters among ``params`` (by id) whose units keep
+    one (16-bit compute), whole, after the last step lands: for a save that must write them
+    as the optimizer holds them (a PEFT adapter: PEFT keeps adapters in fp32 on a 16-bit base
+    and saves them so). Every rank calls it (the masters are gathered)."""
+    check_at_rest(state, what)
+    state.run.flush()
+    chunks = ChunkPool(state.manager, state.lendable_pools)
+    found: dict[int, torch.Tensor] = {}
+    for lay in unit_layouts(state):
+        wanted = [e for e in lay.trainable if id(e.param) in params]
+        if lay.master is None or not wanted:
+            continue
+        full = _gathered_master(state, lay, chunks)
+        for e in wanted:
+            found[id(e.param)] = full[e.offset:e.offset + e.numel].reshape(e.shape).clone()
+    return found
 
 
 # -- from a checkpoint (no engine) --------------------------------------------------------

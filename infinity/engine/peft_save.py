@@ -80,7 +80,9 @@ def embeddings_peft_saves(model: torch.nn.Module) -> set[str]:
 
 def save_adapter(engine: "Engine", directory: Path) -> Path:
     """Every rank calls it; rank 0 writes (see the module's docstring)."""
+    from infinity.checkpoint.pretrained_write import trainable_masters
     from infinity.checkpoint.weights_dir import fsync_dir
+    from infinity.engine.checkpointing import training_state
     from infinity.checkpoint.writer_lock import SaveLock
     from infinity.engine.model_methods import parts_as_torch_gives_them
     from infinity.zero.init import GatheredParameters
@@ -91,6 +93,9 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
     for name, p in model.named_parameters(remove_duplicate=False):
         if name in wanted:
             names.setdefault(id(p), []).append(name)
+    # the trainable ones from their fp32 masters under 16-bit compute, as PEFT keeps and saves
+    # adapters in fp32 on a bf16 base (the compute copies wrote them rounded, 1e-3 off)
+    masters = trainable_masters(training_state(engine), set(names), "save_pretrained")
     state: dict[str, torch.Tensor] = {}
     for unit in engine.units:          # one unit fetched at a time
         params = [e.param for e in unit.params if id(e.param) in names]
@@ -98,7 +103,8 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
             continue
         with GatheredParameters(params):
             for param in params:
-                value = param.detach().to("cpu", copy=True)
+                value = masters.get(id(param))
+                value = param.detach().to("cpu", copy=True) if value is None else value
                 for name in names[id(param)]:
                     state[name] = value
     # a prompt-learning adapter's saved tensor is its prompt encoder's output, which PEFT's

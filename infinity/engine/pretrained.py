@@ -424,8 +424,9 @@ def save_pretrained(engine: "Engine", save_directory: str | Path,
     if is_peft_model(engine.module):
         if dtype is not None:
             raise ValueError(f"{what}(dtype={dtype!r}) on a PEFT model: its adapter is saved "
-                             "in the dtype of its parameters, as PeftModel.save_pretrained "
-                             "does; leave dtype unset")
+                             "as PeftModel.save_pretrained saves it (trained weights in fp32, "
+                             "from their masters under 16-bit compute; others in their dtype); "
+                             "leave dtype unset")
         from infinity.engine.peft_save import save_adapter
         return save_adapter(engine, Path(save_directory))
     dtype = out_dtype(dtype, default_save_dtype(engine))

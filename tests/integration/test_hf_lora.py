@@ -371,3 +371,35 @@ def test_parameter_counts_of_a_held_model_are_the_models(disk_dir) -> None:
     finally:
         engine.close()
     assert "num_parameters" not in inner.__dict__
+
+
+def test_a_bf16_engine_saves_the_adapter_from_its_fp32_masters(disk_dir, tmp_path) -> None:
+    """PEFT keeps adapters in fp32 on a 16-bit base and saves them so; the engine saved its
+    bf16 compute copies (1e-3 off the masters it trains). The file holds the masters exactly."""
+    from safetensors.torch import load_file
+
+    from infinity.checkpoint import consolidated_state_dict
+
+    model = _lora()
+    ds = {"train_micro_batch_size_per_gpu": 2,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                "offload_optimizer": {"device": "cpu"}},
+          "infinity": {"compute_dtype": "bf16"}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        x = torch.stack([d["input_ids"] for d in hf_data(2)])
+        for _ in range(3):
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        engine.save_pretrained(tmp_path / "adapter")
+        engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    finally:
+        engine.close()
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    masters = consolidated_state_dict(tmp_path / "ckpt", tag="t")
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A"
+    ours = saved[f"{name}.weight"]
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, masters[f"{name}.default.weight"])
+    assert not torch.equal(ours, ours.bfloat16().float())     # finer than the compute copy
