@@ -190,6 +190,8 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         if module is model or any(id(p) in held for p in module.parameters()):
             module.__dict__.update(_routed_copies(module, f"model.{name}" if name else "model",
                                                   sizes))
+        if module is not model and any(id(p) in held for p in module.parameters()):
+            module.__dict__.update(_part_casts(module, engine, f"model.{name}"))
 
 
 COPIES = ("__deepcopy__", "__reduce_ex__")
@@ -347,6 +349,33 @@ def _routed_to(model: nn.Module, engine: "Engine"):
             _refuse_cast(engine, f"model.to({dtype})", dtype)
         return module_to(*args, **kwargs)
     return to
+
+
+CASTS = {"half": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32,
+         "double": torch.float64}
+
+
+def _part_casts(part: nn.Module, engine: "Engine", path: str) -> dict[str, Callable[..., Any]]:
+    """A held part's casts (``model.lm_head.float()``, ``.to(dtype)``: keeping a head or the
+    norms in fp32 is a habit), refused as the whole model's are (``_refuse_cast``): accepted,
+    the part's parameters became tensors of their own, cut from the engine's stores, and the
+    next forward failed on "mat1 and mat2 must have the same dtype"; a released unit's was a
+    no-op. ``model.apply(lambda m: m.float())`` meets the first held part's and changes no
+    parameter."""
+    def cast_to(name: str, dtype: torch.dtype) -> Callable[[], nn.Module]:
+        def cast() -> nn.Module:
+            _refuse_cast(engine, f"{path}.{name}()", dtype)
+            return part
+        return cast
+
+    module_to = part.to
+
+    def to(*args: Any, **kwargs: Any) -> nn.Module:
+        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
+        if dtype is not None:
+            _refuse_cast(engine, f"{path}.to({dtype})", dtype)
+        return module_to(*args, **kwargs)
+    return {**{name: cast_to(name, dtype) for name, dtype in CASTS.items()}, "to": to}
 
 
 _PART_HOOKS = "_infinity_part_state_dict_hooks"
@@ -555,7 +584,7 @@ def unroute_module_methods(model: nn.Module) -> None:
     for part in model.__dict__.pop(_PART_LOADS, []):
         part.__dict__.pop("load_state_dict", None)
     for module in model.modules():
-        for name in COPIES:
+        for name in COPIES + ((*CASTS, "to") if module is not model else ()):
             module.__dict__.pop(name, None)
     tuner = model.__dict__.get("_modules", {}).get("base_model")
     for name in MERGES if tuner is not None else ():

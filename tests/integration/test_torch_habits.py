@@ -761,25 +761,32 @@ def test_training_in_eval_mode_is_training(disk_dir, stage, tier) -> None:
         engine.close()
 
 
-@pytest.mark.parametrize("cast", ["half", "bfloat16", "to_dtype"])
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "to_dtype", "part", "part_to", "apply"])
 def test_a_cast_of_the_held_model_is_refused_naming_the_config(disk_dir, cast) -> None:
     """model.half() after initialize left the units' copies and masters in fp32: the next forward
     failed ("mat1 and mat2 must have the same dtype"), at stage 2 after a first step in fp16.
-    Refused; a cast to the compute dtype and a device move are torch's."""
+    Refused; a cast to the compute dtype and a device move are torch's. A part's cast (a head
+    kept in another dtype) cut its parameters from the engine's stores, and the same failure
+    followed: refused too, and ``model.apply`` of one meets the first held part's."""
     engine, model, *_ = _setup(disk_dir, "cpu", "off")
     try:
         call = {"half": model.half, "bfloat16": model.bfloat16,
-                "to_dtype": lambda: model.to(torch.float16)}[cast]
+                "to_dtype": lambda: model.to(torch.float16),
+                "part": model.lm_head.half, "part_to": lambda: model.lm_head.to(torch.bfloat16),
+                "apply": lambda: model.apply(lambda m: m.half())}[cast]
         with pytest.raises(RuntimeError, match=r"after infinity\.initialize: the engine computes "
                                                r"in float32.*infinity\.compute_dtype"):
             call()
         assert model.float() is model and model.to("cpu") is model
+        assert model.lm_head.float() is model.lm_head
+        assert all(p.dtype == torch.float32 for p in model.parameters())
         x = _batches(1)[0]
         engine.backward(loss_of(engine(input_ids=x, labels=x)))
         engine.step()
     finally:
         engine.close()
     assert "half" not in model.__dict__ and "to" not in model.__dict__     # close() undid it
+    assert "half" not in model.lm_head.__dict__ and "to" not in model.lm_head.__dict__
 
 
 def test_a_models_outputs_pickle_as_torchs(disk_dir) -> None:
