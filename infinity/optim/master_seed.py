@@ -43,7 +43,8 @@ def seed_master(unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
 
 
 def merge_master(unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
-                 manager: TierManager, exact: dict[Any, torch.Tensor] | None = None) -> None:
+                 manager: TierManager, staging_pool: BufferPool | None,
+                 exact: dict[Any, torch.Tensor] | None = None) -> None:
     """[Note: a change by hand reaches the master]
     The unit's fetched compute copy was changed by hand (``GatheredParameters`` with a
     ``modifier_rank``, ``model.load_state_dict``, a forward renormalising rows in place): the
@@ -57,17 +58,21 @@ def merge_master(unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
     not as the compute copy rounded them, where the copy holds them (at several ranks it is
     the source rank's, and another rank's own dict is not what was loaded) (keys: the unit's entries, ``offset`` and ``numel``)."""
     lo, hi = span
-    if unit.residency != Residency.FETCHED:
-        raise RuntimeError(f"{unit.name}: its master takes a change by hand from the fetched "
-                           f"compute copy, but the unit is {unit.residency.name.lower()}")
-    current = unit.flat[lo:hi]
-    if master.resident:
-        _merge(master.tensor[:hi - lo], current, unit, lo, exact)
-        return
-    buf = manager.host_empty(master.padded, torch.float32, what="master merge")
-    manager.wait(master.load_async(buf))
-    _merge(buf[:hi - lo], current, unit, lo, exact)
-    manager.wait(master.store_async(buf))
+    was_released = unit.residency != Residency.FETCHED
+    if was_released:   # its own shard, through ``staging_pool``, as ``seed_master`` reads it
+        unit.finish_fetch(manager, staging_pool, gather=False)
+    try:
+        current = unit.flat[lo:hi]
+        if master.resident:
+            _merge(master.tensor[:hi - lo], current, unit, lo, exact)
+            return
+        buf = manager.host_empty(master.padded, torch.float32, what="master merge")
+        manager.wait(master.load_async(buf))
+        _merge(buf[:hi - lo], current, unit, lo, exact)
+        manager.wait(master.store_async(buf))
+    finally:
+        if was_released:
+            unit.release(manager)
 
 
 def _merge(master: torch.Tensor, current: torch.Tensor, unit: SteppedUnit, lo: int,

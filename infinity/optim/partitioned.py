@@ -244,7 +244,8 @@ class PartitionedOptimizer(RefusesTorchStateDict, ReportsLossScale, torch.optim.
         """The unit's parameters were changed by hand: the fp32 master takes the changes
         (``merge_master``; ``exact``: entry -> the fp32 values it was loaded with)."""
         if (state := self._by_unit.get(unit.index)) is not None and state.master is not None:
-            merge_master(unit, state.master, (state.lo, state.hi), self.manager, exact)
+            merge_master(unit, state.master, (state.lo, state.hi), self.manager,
+                         self.staging_pool, exact)
 
     # -- the coordinator's UnitStepper (zero/protocols.py) ---------------------------------
     def on_grad(self, unit: SteppedUnit, entry: ParamEntry, grad: torch.Tensor) -> None:

@@ -87,7 +87,7 @@ def test_counters_are_read_and_micro_steps_follow_the_loading_engines_accumulati
     assert (r.global_steps, r.skipped_steps, r.micro_steps) == (5, 2, 20)
     assert r.saved_gradient_accumulation_steps == 3
     assert r.loss_scaler is scaler_state
-    assert r.lr_scheduler is saved_sched
+    assert r.lr_scheduler == saved_sched     # decoded: an equal value
     assert r.speculation_pays is False and r.lr_from_scheduler is False
     assert r.param_groups == [{"lr": 0.5, "betas": (0.9, 0.999), "eps": 1e-8,
                                "weight_decay": 0.0, "bias_correction": True, "step": 3,
@@ -313,4 +313,4 @@ def test_a_state_with_every_key_of_a_plain_scheduler_is_taken() -> None:
     sched = _lambda_lr()
     saved = dict(sched.state_dict(), extra=1)
     assert _read(_state(scheduler=sched), {"param_groups": [], "lr_scheduler": saved}
-                 ).lr_scheduler is saved
+                 ).lr_scheduler == saved
