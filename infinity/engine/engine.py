@@ -29,6 +29,7 @@ from infinity.engine.guards import (
     check_same_on_every_rank, pass_hooks, schedule_label, step_settings,
     warn_if_hyperparameters_moved,
 )
+from infinity.engine.module_state import exact_from_source
 from infinity.engine.model_methods import (
     model_device, place_buffers, route_module_methods, unroute_module_methods,
 )
@@ -110,6 +111,7 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         self.compute_dtype = COMPUTE_DTYPES[plan.compute_dtype]
         self.stage = stage = self.config.zero.stage
         self.micro_steps = self.global_steps = 0
+        self.forward_running = False
         self._boundary_set: bool | None = None      # set_gradient_accumulation_boundary
         self._backward_was_boundary = False         # the last backward ran as the cycle's last
         self.param_tier, self.optimizer_tier = param_tier, optimizer_tier = \
@@ -215,11 +217,13 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
         training = torch.is_grad_enabled()   # [Note: a forward under grad trains] (guards.py)
         hooks = pass_hooks(self, training)
         self._pass_started = time.perf_counter()
+        self.forward_running = True       # a part's cast in it is the model's own (model_methods)
         return training, hooks
 
     def _end_pass(self, state: tuple[bool, contextlib.ExitStack],
                   error: BaseException | None) -> None:
         training, hooks = state
+        self.forward_running = False
         if error is not None:
             self.comm.report_failure(error, "forward")    # the other ranks name this one
             try:
@@ -478,7 +482,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
             if modified:
                 exact = {**unit.take_rebound_values(), **(exact or {})}
                 if self.comm.active:
-                    self.comm.broadcast(unit.flat, 0 if source_rank is None else source_rank)
+                    source = 0 if source_rank is None else source_rank
+                    self.comm.broadcast(unit.flat, source)
+                    exact = exact_from_source(self.comm, unit, exact, source)
                 self.optimizer.reload_master(unit, exact)
                 unit.write_home(self.manager, self.fetch_pool)
                 torch.autograd.graph.increment_version([e.param for e in unit.params])  # as torch

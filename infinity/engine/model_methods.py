@@ -19,6 +19,7 @@ from infinity.base.log import get_logger
 from infinity.comm.collectives import NO_COMM, Collectives
 from infinity.comm.group import use_local_gpu
 from infinity.engine.guards import call_on_every_rank
+from infinity.engine.model_casts import CAST_METHODS, casts_of
 from infinity.engine.module_state import full_state_dict, load_module_state_dict
 
 if TYPE_CHECKING:
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
 
 log = get_logger("engine")
 
-ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained", "to", "half", "bfloat16",
-          "float", "double", "resize_token_embeddings", "generate", "load_adapter", "add_adapter",
+ROUTED = ("zero_grad", "load_state_dict", "state_dict", "save_pretrained", *CAST_METHODS,
+          "resize_token_embeddings", "generate", "load_adapter", "add_adapter",
           "num_parameters", "get_nb_trainable_parameters")
 
 
@@ -137,10 +138,7 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
         return full_state_dict(engine, destination, prefix, keep_vars)
 
     routed = {"zero_grad": zero_grad, "load_state_dict": load_state_dict,
-              "state_dict": state_dict, "to": _routed_to(model, engine)}
-    for name, dtype in (("half", torch.float16), ("bfloat16", torch.bfloat16),
-                        ("float", torch.float32), ("double", torch.float64)):
-        routed[name] = _routed_cast(model, engine, name, dtype)
+              "state_dict": state_dict, **casts_of(model, engine, "model")}
     sizes = {id(e.param): e.numel for unit in engine.units for e in unit.params}
     if _is_transformers_model(model):
         routed["num_parameters"] = _counted_parameters(model, sizes)
@@ -191,7 +189,7 @@ def route_module_methods(model: nn.Module, engine: "Engine") -> None:
             module.__dict__.update(_routed_copies(module, f"model.{name}" if name else "model",
                                                   sizes))
         if module is not model and any(id(p) in held for p in module.parameters()):
-            module.__dict__.update(_part_casts(module, engine, f"model.{name}"))
+            module.__dict__.update(casts_of(module, engine, f"model.{name}"))
 
 
 COPIES = ("__deepcopy__", "__reduce_ex__")
@@ -313,69 +311,6 @@ def _routed_resize(model: nn.Module):
             "transformers, resize_token_embeddings, then infinity.initialize "
             "(infinity.from_pretrained streams the checkpoint's shapes only)")
     return resize_token_embeddings
-
-
-def _refuse_cast(engine: "Engine", call: str, dtype: torch.dtype) -> None:
-    """A cast of the held model to another dtype than the engine computes in: its units' copies
-    and masters stay in theirs, so the next forward failed ("mat1 and mat2 must have the same
-    dtype") or, at stage 2, first ran a step in the new dtype. The dtype is the config's."""
-    if dtype == engine.compute_dtype or not dtype.is_floating_point:
-        return
-    have = str(engine.compute_dtype).replace("torch.", "")
-    raise RuntimeError(
-        f"{call} after infinity.initialize: the engine computes in {have}, chosen at initialize "
-        "from the config, and holds the parameters in its own stores (the model's tensors are "
-        "its copies), which a cast cannot reach. Set the dtype in the config "
-        "(infinity.compute_dtype, or the bf16 / fp16 sections) and build the engine again, or "
-        f"cast the inputs instead (the model takes {have} inputs; Hugging Face's "
-        "fp16_full_eval / bf16_full_eval cast the model: leave them off)")
-
-
-def _routed_cast(model: nn.Module, engine: "Engine", name: str, dtype: torch.dtype):
-    def cast() -> nn.Module:
-        _refuse_cast(engine, f"model.{name}()", dtype)
-        return model
-    return cast
-
-
-def _routed_to(model: nn.Module, engine: "Engine"):
-    """``model.to(...)``: a device move as torch's (the engine's own checks meet it later); a
-    dtype refused unless it is the compute dtype (``_refuse_cast``)."""
-    module_to = model.to
-
-    def to(*args: Any, **kwargs: Any) -> nn.Module:
-        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
-        if dtype is not None:
-            _refuse_cast(engine, f"model.to({dtype})", dtype)
-        return module_to(*args, **kwargs)
-    return to
-
-
-CASTS = {"half": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32,
-         "double": torch.float64}
-
-
-def _part_casts(part: nn.Module, engine: "Engine", path: str) -> dict[str, Callable[..., Any]]:
-    """A held part's casts (``model.lm_head.float()``, ``.to(dtype)``: keeping a head or the
-    norms in fp32 is a habit), refused as the whole model's are (``_refuse_cast``): accepted,
-    the part's parameters became tensors of their own, cut from the engine's stores, and the
-    next forward failed on "mat1 and mat2 must have the same dtype"; a released unit's was a
-    no-op. ``model.apply(lambda m: m.float())`` meets the first held part's and changes no
-    parameter."""
-    def cast_to(name: str, dtype: torch.dtype) -> Callable[[], nn.Module]:
-        def cast() -> nn.Module:
-            _refuse_cast(engine, f"{path}.{name}()", dtype)
-            return part
-        return cast
-
-    module_to = part.to
-
-    def to(*args: Any, **kwargs: Any) -> nn.Module:
-        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
-        if dtype is not None:
-            _refuse_cast(engine, f"{path}.to({dtype})", dtype)
-        return module_to(*args, **kwargs)
-    return {**{name: cast_to(name, dtype) for name, dtype in CASTS.items()}, "to": to}
 
 
 _PART_HOOKS = "_infinity_part_state_dict_hooks"
@@ -584,7 +519,7 @@ def unroute_module_methods(model: nn.Module) -> None:
     for part in model.__dict__.pop(_PART_LOADS, []):
         part.__dict__.pop("load_state_dict", None)
     for module in model.modules():
-        for name in COPIES + ((*CASTS, "to") if module is not model else ()):
+        for name in COPIES + (CAST_METHODS if module is not model else ()):
             module.__dict__.pop(name, None)
     tuner = model.__dict__.get("_modules", {}).get("base_model")
     for name in MERGES if tuner is not None else ():

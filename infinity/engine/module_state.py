@@ -82,6 +82,26 @@ def load_module_state_dict(engine: "Engine", state_dict: Mapping[str, Any], stri
     return _IncompatibleKeys(missing, unexpected)
 
 
+def exact_from_source(comm: Any, unit: Any, exact: dict | None, source_rank: int
+                      ) -> dict | None:
+    """The full-precision values a change by hand gave (a state dict's, fp32 rebound into a
+    16-bit unit: ``exact``) as the source rank gave them, on every rank (several ranks: each
+    rank's master shard takes them, and a rank's own differed, or it had none: its shard took
+    the compute copy's bf16 rounding, or its own dict's values). One fp32 broadcast of the
+    unit's length where the source has any, NaN where it gave none (the merge skips NaN)."""
+    device = unit.flat.device                # where the collective runs (NCCL: the GPU)
+    flag = torch.tensor([1.0 if exact else 0.0], device=device)
+    comm.broadcast(flag, source_rank)
+    if not flag.item():
+        return None
+    full = torch.full((unit.flat_numel,), float("nan"), device=device)
+    for entry, values in (exact or {}).items():
+        full[entry.offset:entry.offset + entry.numel] = values.reshape(-1).to(device,
+                                                                             torch.float32)
+    comm.broadcast(full, source_rank)
+    return {e: full[e.offset:e.offset + e.numel] for e in unit.params}
+
+
 def full_state_dict(engine: "Engine", destination: Any = None, prefix: str = "",
                     keep_vars: bool = False) -> dict[str, Any]:
     """``model.state_dict()`` on a model an engine holds: every parameter's current full value

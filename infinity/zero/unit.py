@@ -311,10 +311,16 @@ class Unit:
                     f"{tuple(data.shape)} (it has {tuple(entry.shape)}): stage 3 keeps each "
                     "parameter's shape for the engine's life; resize the model (e.g. "
                     "resize_token_embeddings) before infinity.initialize")
+            finer_values = data.is_floating_point() and data.dtype.itemsize > view.dtype.itemsize
+            before = view.float() if finer_values else None
             with torch.no_grad():
                 view.copy_(data.reshape(-1))
-            if data.is_floating_point() and data.dtype.itemsize > view.dtype.itemsize:
-                finer[entry] = data.detach().reshape(-1).float().clone()
+            if before is not None:
+                # NaN where the values are the copy's own (``w.data = w.data.float()``, the
+                # rows an edit left): the master keeps what it holds below the copy's precision
+                values = data.detach().reshape(-1).float().clone()
+                values[values == before] = float("nan")
+                finer[entry] = values
         self._point_params()
         return finer
 

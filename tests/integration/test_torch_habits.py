@@ -789,6 +789,38 @@ def test_a_cast_of_the_held_model_is_refused_naming_the_config(disk_dir, cast) -
     assert "half" not in model.lm_head.__dict__ and "to" not in model.lm_head.__dict__
 
 
+def test_a_cast_the_models_own_forward_makes_is_torchs(disk_dir) -> None:
+    """SwitchTransformers' router casts its classifier to fp32 inside its forward
+    (``self.classifier.to(self.dtype)``): the part casts refused outside a forward refused it
+    too, and a model that trained under bf16 failed at its first forward."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, num_experts=2, encoder_sparse_step=1, decoder_sparse_step=1,
+        expert_capacity=64)
+    model = transformers.SwitchTransformersForConditionalGeneration(cfg)
+    ds = {"train_micro_batch_size_per_gpu": 2,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                "offload_optimizer": {"device": "cpu"}},
+          "infinity": {"compute_dtype": "bf16"}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        x = torch.randint(0, 64, (2, 8))
+        for _ in range(2):
+            out = engine(input_ids=x, decoder_input_ids=x, labels=x)
+            engine.backward(out.loss)
+            engine.step()
+            assert torch.isfinite(out.loss)
+        router = model.encoder.block[1].layer[1].mlp.router.classifier
+        with pytest.raises(RuntimeError, match=r"classifier\.float\(\) after infinity"):
+            router.float()                  # outside a forward: the user's, refused
+    finally:
+        engine.close()
+
+
 def test_a_models_outputs_pickle_as_torchs(disk_dir) -> None:
     """torch.save of an output still in the graph (the loss, the logits) works as torch's: the
     engine's backward bookkeeping for a unit's outputs is kept beside them, not on them (kept
