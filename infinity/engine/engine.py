@@ -540,6 +540,9 @@ class Engine(DeepSpeedEngineAccessors, CheckpointCalls):
                     self.activation_swapper.close()
                 if getattr(self, "optimizer", None) is not None:
                     self.optimizer.close()
+                for unit in getattr(self, "units", None) or ():    # the parameters' homes: an
+                    if unit.param_store is not None:    # engine kept in a variable held them
+                        unit.param_store.free()
             finally:
                 self.manager.close()
 

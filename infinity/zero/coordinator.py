@@ -223,8 +223,9 @@ class Coordinator:
         recompute = in_graph_task()
         if not recompute:
             self.owner.before_read()
-        phase = self._phase if self._phase in FORWARDS else PassPhase.EVAL_FORWARD
-        trace = None if recompute else self.traces[phase.value]
+        # a part called outside a pass of the model (a chunked loss: model.lm_head(h)) is in
+        # no trace: an order recorded into one no pass starts grew by its calls for good
+        trace = None if recompute or self._phase not in FORWARDS else self.traces[self._phase.value]
         for uid in ids:
             self._ensure(uid, trace)
             status = self._status[uid]
@@ -243,7 +244,7 @@ class Coordinator:
         for status in statuses if watch else ():
             status.note_call(call)
         if not recompute:
-            self._grad_uses.extend(ids)
+            self._grad_uses.extend(ids if trace is not None else ())
             self.detached_reads.note_call(ids)    # its saves hidden from the hooks: held longer
         # an input's id, and its base's (an output viewing the caller's tensor is passed on)
         return (frozenset(id(x) for t in tensors_in((args, kwargs)) for x in (t, t._base)

@@ -300,8 +300,10 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
         raise TypeError(f"register_external_parameter expects an nn.Parameter, got "
                         f"{type(parameter).__name__}")
     external = module.__dict__.setdefault(EXTERNAL_PARAMS_ATTR, [])
-    if not any(p is parameter for p in external):
-        external.append(parameter)
+    if any(p is parameter for p in external):
+        return          # hooked already (by initialize, or an earlier call: one more a call,
+        #                 from a forward that declares it, grew by a pair of hooks a step)
+    external.append(parameter)
     for engine in list(_live_engines):
         engine.hook_external_parameter(module, parameter)
 

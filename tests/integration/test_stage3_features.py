@@ -207,11 +207,23 @@ def test_a_parameter_used_outside_its_module_needs_registering(disk_dir) -> None
     engine, *_ = infinity.initialize(model=after, config=ds)
     try:
         infinity.zero.register_external_parameter(after, after.embed.weight)
+        hooks = (len(after._forward_pre_hooks), len(after._forward_hooks))
+        # again (a forward that declares it each call): hooked once; each call added a pair
+        infinity.zero.register_external_parameter(after, after.embed.weight)
+        assert (len(after._forward_pre_hooks), len(after._forward_hooks)) == hooks
         x = torch.randint(0, VOCAB, (2, 8))
         loss = engine(input_ids=x, labels=x)
         torch.testing.assert_close(loss, reference(input_ids=x, labels=x), rtol=1e-5, atol=1e-6)
         engine.backward(loss)
         engine.step()
+        # a part called outside a pass of the model (a chunked loss): its order was recorded
+        # into a trace no pass starts, one more entry a call, for good
+        traced = {name: len(trace.order) for name, trace in engine.coordinator.traces.items()}
+        for _ in range(3):
+            with torch.no_grad():
+                after.blocks[0](torch.zeros(2, 32))
+        assert {name: len(trace.order) for name, trace in
+                engine.coordinator.traces.items()} == traced
     finally:
         engine.close()
 
