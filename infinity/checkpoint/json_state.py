@@ -27,7 +27,7 @@ from typing import Any
 
 from infinity.base.log import get_logger
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "encode", "through_json"]
 
 log = get_logger("checkpoint")
 
@@ -40,13 +40,18 @@ _KEYS = (str, int, float, bool, type(None), tuple)
 def encode(value: Any, what: str) -> Any:
     """``value`` as the manifest holds it (a JSON value), or a TypeError naming ``what`` and
     the part of it JSON cannot hold; ``decode(encode(v))`` equals ``v`` with its types."""
-    encoded = _encode(value, what, what)
+    return through_json(_encode(value, what, what), f"{what} must hold numbers, strings, "
+                        "booleans, None, lists, tuples and dicts (Counter, OrderedDict)")
+
+
+def through_json(value: Any, must: str) -> Any:
+    """``value`` written as JSON and read back (what a manifest gives), or a TypeError saying
+    ``must`` (what the value must hold) and what JSON refused."""
     try:
-        return json.loads(json.dumps(encoded, allow_nan=True))
+        return json.loads(json.dumps(value, allow_nan=True))
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"{what} must hold numbers, strings, booleans, None, lists, tuples and "
-                        f"dicts (Counter, OrderedDict) to go in a checkpoint manifest: {exc}. "
-                        "Convert tensors with .tolist() or .item()") from None
+        raise TypeError(f"{must} to go in a checkpoint manifest: {exc}. Convert tensors with "
+                        ".tolist() or .item()") from None
 
 
 def decode(value: Any) -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import math
 import secrets
 import time
@@ -33,7 +32,7 @@ from infinity.checkpoint.directory import (
     write_latest,
     write_manifest,
 )
-from infinity.checkpoint.json_state import encode
+from infinity.checkpoint.json_state import encode, through_json
 from infinity.checkpoint.layout import (
     MOMENTS,
     UnitLayout,
@@ -94,12 +93,8 @@ def json_value(value: Any, what: str) -> Any:
     naming ``what``. A dict key that is not a string is refused: JSON would turn ``{1: x}``
     into ``{"1": x}`` and the load would hand back another dict than the one saved."""
     _check_string_keys(value, what)
-    try:
-        return json.loads(json.dumps(value, allow_nan=True))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{what} must be JSON-serializable (numbers, strings, booleans, lists "
-                        f"and dicts with string keys) to go in a checkpoint manifest: {exc}. "
-                        "Convert tensors with .tolist() or .item()") from None
+    return through_json(value, f"{what} must be JSON-serializable (numbers, strings, booleans, "
+                        "lists and dicts with string keys)")
 
 
 def manifest_state(state: TrainingState, client_state: Any) -> dict[str, Any]:

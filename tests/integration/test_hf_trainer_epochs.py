@@ -70,17 +70,21 @@ class _Net(nn.Module):
         return self.out(x)
 
 
+def _cycle_config(disk_dir, offload_param: dict) -> dict:
+    """Accumulation 3 of 4-sample micro-batches, stage 3, the optimizer on NVMe, fp32."""
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "offload_param": offload_param,
+                                  "offload_optimizer": {"device": "nvme",
+                                                        "nvme_path": str(disk_dir)}},
+            "infinity": {"compute_dtype": "fp32"}}
+
+
 def test_a_cycle_ended_early_is_the_step_torch_takes_over_its_micro_batches(disk_dir) -> None:
     """Accumulation 3; cycles of 2 (ended by set_gradient_accumulation_boundary(True)), then 3
     (counted again after None): the weights of torch's AdamW over the summed gradients of each
     cycle; micro_steps counts the short cycle as a whole one."""
-    path = str(disk_dir)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": 3,
-                                    "offload_param": {"device": "nvme", "nvme_path": path},
-                                    "offload_optimizer": {"device": "nvme", "nvme_path": path}},
-              "infinity": {"compute_dtype": "fp32"}}
+    config = _cycle_config(disk_dir, {"device": "nvme", "nvme_path": str(disk_dir)})
     torch.manual_seed(0)
     reference = _Net()
     batches = [torch.randn(4, 4) for _ in range(5)]
@@ -132,13 +136,7 @@ def test_deepspeed_s_step_once_style_is_torch_s_step_over_the_cycle(disk_dir) ->
     was refused at the True ("set it before the forward", where it was). The weights are
     torch AdamW's over the summed gradients; a False under the early step, where each
     backward steps the weights, is refused (every micro-batch trained as a step of its own)."""
-    path = str(disk_dir)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": 3,
-                                    "offload_param": {"device": "cpu"},
-                                    "offload_optimizer": {"device": "nvme", "nvme_path": path}},
-              "infinity": {"compute_dtype": "fp32"}}
+    config = _cycle_config(disk_dir, {"device": "cpu"})
     torch.manual_seed(0)
     reference = _Net()
     batches = [torch.randn(4, 4) for _ in range(6)]
