@@ -283,10 +283,18 @@ def check_scheduler_builds(config, groups: list[dict], defaults: dict[str, Any],
     stand_in = torch.optim.AdamW(
         [{**{k: v for k, v in g.items() if k != "params"},
           "params": [torch.zeros(0, requires_grad=True)]} for g in groups], **settings)
-    if user is not None:
-        user(stand_in)
-    else:
+    if user is None:
         DeepSpeedSchedule(stand_in, config.scheduler)
+        return
+    try:
+        user(stand_in)
+    except TypeError as exc:
+        if not isinstance(user, type):
+            raise
+        raise TypeError(f"lr_scheduler={user.__name__}: a class is called with the optimizer "
+                        f"alone, and {user.__name__}(optimizer) failed ({exc}). Pass its other "
+                        f"arguments with functools.partial({user.__name__}, ...), or a "
+                        "function of the optimizer") from None
 
 
 def _is_factory(user: Any) -> bool:

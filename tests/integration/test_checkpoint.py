@@ -538,3 +538,11 @@ def test_a_scheduler_no_checkpoint_can_hold_is_said_at_initialize(infinity_log) 
     finally:
         engine.close()
     assert "a StepOnly has no state_dict()" in infinity_log.text
+    # a class that needs more than the optimizer: said before anything moves
+    with pytest.raises(TypeError, match=r"lr_scheduler=StepLR: a class is called with the "
+                                        r"optimizer alone.*functools\.partial\(StepLR"):
+        infinity.initialize(
+            model=make_model("llama", layers=1),
+            config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}},
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+            lr_scheduler=torch.optim.lr_scheduler.StepLR)
