@@ -113,6 +113,16 @@ def save_adapter(engine: "Engine", directory: Path) -> Path:
     prompts = {adapter: model.get_prompt_embedding_to_save(adapter)
                for adapter, config in (getattr(model, "peft_config", {}) or {}).items()
                if getattr(config, "is_prompt_learning", False) and not config.inference_mode}
+    for adapter, prompt in prompts.items():
+        # prompt tuning's saved tensor is its embedding's weight row by row (PEFT's forward of
+        # the prompt tokens, 0..n-1): its fp32 master where there is one, as for the others
+        encoders = getattr(model, "prompt_encoder", None)
+        encoder = encoders[adapter] if encoders is not None and adapter in encoders else None
+        embedding = getattr(encoder, "embedding", None)
+        master = masters.get(id(getattr(embedding, "weight", None)))
+        if master is not None and master.shape == prompt.shape and \
+                str(getattr(model.peft_config[adapter], "peft_type", "")).endswith("PROMPT_TUNING"):
+            prompts[adapter] = master
     if not any(model.get_parameter(n).requires_grad for n in state):
         raise ValueError("save_pretrained on a PEFT model with no trainable parameters: there "
                          "is no adapter to save")

@@ -403,3 +403,34 @@ def test_a_bf16_engine_saves_the_adapter_from_its_fp32_masters(disk_dir, tmp_pat
     assert ours.dtype == torch.float32
     assert torch.equal(ours, masters[f"{name}.default.weight"])
     assert not torch.equal(ours, ours.bfloat16().float())     # finer than the compute copy
+
+
+def test_a_bf16_prompt_tuning_adapter_is_saved_from_its_fp32_master(disk_dir, tmp_path) -> None:
+    """Prompt tuning's saved tensor is its prompt encoder's output (the embedding's rows), which
+    PEFT's save computes by a forward: over the bf16 compute copy it was 7.5e-3 off the master."""
+    from safetensors.torch import load_file
+
+    from infinity.checkpoint import consolidated_state_dict
+
+    model = peft.get_peft_model(make_model("llama", layers=2, width=32),
+                                peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                        num_virtual_tokens=4))
+    ds = {"train_micro_batch_size_per_gpu": 2,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                "offload_optimizer": {"device": "cpu"}},
+          "infinity": {"compute_dtype": "bf16"}}
+    engine, *_ = infinity.initialize(model=model, config=ds)
+    try:
+        x = torch.stack([d["input_ids"] for d in hf_data(2)])
+        for _ in range(3):
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        engine.save_pretrained(tmp_path / "adapter")
+        engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    finally:
+        engine.close()
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")["prompt_embeddings"]
+    master = consolidated_state_dict(tmp_path / "ckpt",
+                                     tag="t")["prompt_encoder.default.embedding.weight"]
+    assert saved.dtype == torch.float32 and torch.equal(saved, master)
