@@ -53,10 +53,11 @@ def merge_master(unit: SteppedUnit, master: FlatStore, span: tuple[int, int],
     dtype's precision (a read-only ``GatheredParameters(..., modifier_rank=0)`` moved a
     layer's bf16-trained weights by 2e-4 after three steps, each left bf16-exact). An element
     changed where its compute value is no longer the master rounded to the compute dtype (the
-    step writes the copy as that rounding); the rest keep their master. ``exact``: the fp32
-    values loaded into some entries (a state dict), which their master takes as they are,
-    not as the compute copy rounded them, where the copy holds them (at several ranks it is
-    the source rank's, and another rank's own dict is not what was loaded) (keys: the unit's entries, ``offset`` and ``numel``)."""
+    step writes the copy as that rounding); the rest keep their master. ``exact`` (keys: the
+    unit's entries, ``offset`` and ``numel``): full-precision values given to some entries (a
+    state dict's; fp32 rebound into a 16-bit unit; at several ranks the source rank's,
+    broadcast), which their master takes as they are, not as the copy rounded them, where the
+    copy holds them rounded (NaN: none given there)."""
     lo, hi = span
     was_released = unit.residency != Residency.FETCHED
     if was_released:   # its own shard, through ``staging_pool``, as ``seed_master`` reads it
