@@ -6,6 +6,8 @@ the arguments DeepSpeed scripts pass them (``args`` carrying ``--deepspeed_confi
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -59,6 +61,7 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     refuse_an_adapter_without_values(model)
     source = _config_source(args, config, config_params)
     check_training_data(training_data, process_group=process_group)
+    check_loader_batch_named(source, training_data)
     engine = Engine(model, model_parameters, source, lr_scheduler=lr_scheduler,
                     process_group=process_group, auto_values=auto_values, optimizer=optimizer)
     loader = None
@@ -101,6 +104,26 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
         raise ValueError(f"infinity.initialize got the config {len(given)} times "
                          f"({', '.join(given)}): pass exactly one")
     return next(iter(given.values()), None)
+
+
+def check_loader_batch_named(source: Any, dataset: Any) -> None:
+    """``training_data`` with a config (a dict or a JSON file) that names no batch size: the
+    loader gave batches of one sample without a word, where DeepSpeed refuses the config
+    (the engine alone takes 1 for its planning, and goes on)."""
+    if dataset is None:
+        return
+    raw = source
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            raw = json.loads(Path(source).read_text())
+        except (OSError, ValueError):
+            return                     # reading the config says what is wrong with it
+    if isinstance(raw, Mapping) and all(raw.get(key) is None for key in
+                                        ("train_batch_size", "train_micro_batch_size_per_gpu")):
+        raise ValueError("initialize(training_data=...) with a config that names no batch size: "
+                         "the loader would give batches of one sample. Set "
+                         "train_micro_batch_size_per_gpu (or train_batch_size), as DeepSpeed "
+                         "requires")
 
 
 def check_training_data(dataset: Any, world_size: int | None = None,

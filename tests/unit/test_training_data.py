@@ -25,3 +25,18 @@ def test_a_stream_at_several_ranks_is_refused_before_anything_is_built(monkeypat
     check_training_data(Stream())
     with pytest.raises(TypeError, match="must be a torch.utils.data.Dataset, got list"):
         check_training_data([1, 2, 3])
+
+
+def test_a_loader_from_a_config_naming_no_batch_size_is_refused(tmp_path) -> None:
+    """The loader gave batches of one sample without a word (DeepSpeed refuses the config)."""
+    from infinity.engine.entry import check_loader_batch_named
+
+    data = torch.utils.data.TensorDataset(torch.zeros(6, 2))
+    file = tmp_path / "ds.json"
+    file.write_text('{"zero_optimization": {"stage": 0}}')
+    for source in ({"zero_optimization": {"stage": 0}}, str(file), file):
+        with pytest.raises(ValueError, match="names no batch size.*train_micro_batch_size_per_gpu"):
+            check_loader_batch_named(source, data)
+    check_loader_batch_named({"train_batch_size": 4}, data)
+    check_loader_batch_named({"train_micro_batch_size_per_gpu": 2}, data)
+    check_loader_batch_named({}, None)                     # no loader: the engine's 1 is fine
