@@ -373,14 +373,13 @@ def test_parameter_counts_of_a_held_model_are_the_models(disk_dir) -> None:
     assert "num_parameters" not in inner.__dict__
 
 
-def test_a_bf16_engine_saves_the_adapter_from_its_fp32_masters(disk_dir, tmp_path) -> None:
-    """PEFT keeps adapters in fp32 on a 16-bit base and saves them so; the engine saved its
-    bf16 compute copies (1e-3 off the masters it trains). The file holds the masters exactly."""
+def _bf16_adapter_and_masters(model, tmp_path) -> tuple[dict, dict]:
+    """``model`` (a PEFT model) trained 3 steps in bf16 at stage 3: its saved adapter file's
+    tensors, and the fp32 masters of a checkpoint taken beside it."""
     from safetensors.torch import load_file
 
     from infinity.checkpoint import consolidated_state_dict
 
-    model = _lora()
     ds = {"train_micro_batch_size_per_gpu": 2,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
@@ -396,8 +395,14 @@ def test_a_bf16_engine_saves_the_adapter_from_its_fp32_masters(disk_dir, tmp_pat
         engine.save_checkpoint(tmp_path / "ckpt", tag="t")
     finally:
         engine.close()
-    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    masters = consolidated_state_dict(tmp_path / "ckpt", tag="t")
+    return (load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+            consolidated_state_dict(tmp_path / "ckpt", tag="t"))
+
+
+def test_a_bf16_engine_saves_the_adapter_from_its_fp32_masters(disk_dir, tmp_path) -> None:
+    """PEFT keeps adapters in fp32 on a 16-bit base and saves them so; the engine saved its
+    bf16 compute copies (1e-3 off the masters it trains). The file holds the masters exactly."""
+    saved, masters = _bf16_adapter_and_masters(_lora(), tmp_path)
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A"
     ours = saved[f"{name}.weight"]
     assert ours.dtype == torch.float32
@@ -408,29 +413,10 @@ def test_a_bf16_engine_saves_the_adapter_from_its_fp32_masters(disk_dir, tmp_pat
 def test_a_bf16_prompt_tuning_adapter_is_saved_from_its_fp32_master(disk_dir, tmp_path) -> None:
     """Prompt tuning's saved tensor is its prompt encoder's output (the embedding's rows), which
     PEFT's save computes by a forward: over the bf16 compute copy it was 7.5e-3 off the master."""
-    from safetensors.torch import load_file
-
-    from infinity.checkpoint import consolidated_state_dict
-
     model = peft.get_peft_model(make_model("llama", layers=2, width=32),
                                 peft.PromptTuningConfig(task_type="CAUSAL_LM",
                                                         num_virtual_tokens=4))
-    ds = {"train_micro_batch_size_per_gpu": 2,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                "offload_optimizer": {"device": "cpu"}},
-          "infinity": {"compute_dtype": "bf16"}}
-    engine, *_ = infinity.initialize(model=model, config=ds)
-    try:
-        x = torch.stack([d["input_ids"] for d in hf_data(2)])
-        for _ in range(3):
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            engine.step()
-        engine.save_pretrained(tmp_path / "adapter")
-        engine.save_checkpoint(tmp_path / "ckpt", tag="t")
-    finally:
-        engine.close()
-    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")["prompt_embeddings"]
-    master = consolidated_state_dict(tmp_path / "ckpt",
-                                     tag="t")["prompt_encoder.default.embedding.weight"]
-    assert saved.dtype == torch.float32 and torch.equal(saved, master)
+    saved, masters = _bf16_adapter_and_masters(model, tmp_path)
+    prompt = saved["prompt_embeddings"]
+    master = masters["prompt_encoder.default.embedding.weight"]
+    assert prompt.dtype == torch.float32 and torch.equal(prompt, master)
